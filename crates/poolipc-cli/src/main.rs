@@ -1,0 +1,2 @@
+//! The `poolipc` command.
+fn main() {}

@@ -1,0 +1,213 @@
+//! The `Driver` trait: the slice of the CUDA driver API poolipc uses, nothing more.
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+use crate::error::Result;
+use crate::types::{
+    Access, DeviceInfo, DevicePtr, DriverKind, EventHandle, ExportData, Granularity,
+    IpcEventHandle, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
+};
+
+/// The CUDA driver calls poolipc makes, one method per call (or per tight group of calls).
+///
+/// Two implementations: [`CudaDriver`](crate::CudaDriver) on libcuda and
+/// [`SimDriver`](crate::sim::SimDriver), a simulation that runs across real processes on
+/// machines without a GPU. With the `mock` feature, `MockDriver` serves unit tests that need
+/// exact call expectations.
+///
+/// Every method names the driver call it makes in its docs; errors name it too. Methods that
+/// need a CUDA context use the one [`use_device`](Driver::use_device) made current on the
+/// calling thread.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
+pub trait Driver: Send + Sync {
+    /// Which implementation this is.
+    fn kind(&self) -> DriverKind;
+
+    // --- identity ----------------------------------------------------------------------
+
+    /// `cuDriverGetVersion`: e.g. 13000 for a CUDA 13.0 driver.
+    fn driver_version(&self) -> Result<i32>;
+    /// `cuDeviceGetCount`.
+    fn device_count(&self) -> Result<u32>;
+    /// `cuDeviceGet`, `cuDeviceGetUuid`, `cuDeviceGetName`, `cuDeviceTotalMem`,
+    /// `cuDeviceGetAttribute`.
+    fn device_info(&self, ordinal: u32) -> Result<DeviceInfo>;
+    /// `cuDeviceCanAccessPeer`.
+    fn device_can_access_peer(&self, ordinal: u32, peer: u32) -> Result<bool>;
+    /// `cuDevicePrimaryCtxRetain` (once per device) and `cuCtxSetCurrent` on this thread.
+    fn use_device(&self, ordinal: u32) -> Result<()>;
+    /// `cuMemGetInfo` for the current device: (free, total) bytes.
+    fn mem_get_info(&self) -> Result<(u64, u64)>;
+
+    // --- pools -------------------------------------------------------------------------
+
+    /// `cuMemPoolCreate` of a pinned device pool. Needs no current context.
+    fn mem_pool_create(&self, ordinal: u32, sharing: PoolSharing) -> Result<PoolHandle>;
+    /// `cuMemPoolDestroy`.
+    fn mem_pool_destroy(&self, pool: PoolHandle) -> Result<()>;
+    /// `cuMemPoolSetAttribute`.
+    fn mem_pool_set_attribute(&self, pool: PoolHandle, attr: PoolAttribute) -> Result<()>;
+    /// `cuMemPoolGetAttribute`.
+    fn mem_pool_get_attribute(&self, pool: PoolHandle, counter: PoolCounter) -> Result<u64>;
+    /// `cuMemPoolTrimTo`.
+    fn mem_pool_trim_to(&self, pool: PoolHandle, keep_bytes: u64) -> Result<()>;
+    /// `cuDeviceGetMemPool`: the pool stream-ordered allocations on that device come from.
+    fn device_get_mem_pool(&self, ordinal: u32) -> Result<PoolHandle>;
+    /// `cuDeviceGetDefaultMemPool`.
+    fn device_get_default_mem_pool(&self, ordinal: u32) -> Result<PoolHandle>;
+    /// `cuDeviceSetMemPool`.
+    fn device_set_mem_pool(&self, ordinal: u32, pool: PoolHandle) -> Result<()>;
+    /// `cuMemPoolExportToShareableHandle` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+    fn mem_pool_export_fd(&self, pool: PoolHandle) -> Result<OwnedFd>;
+    /// `cuMemPoolImportFromShareableHandle` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+    /// The driver duplicates what it needs; the caller keeps `fd`.
+    fn mem_pool_import_fd(&self, fd: BorrowedFd<'_>) -> Result<PoolHandle>;
+    /// `cuMemPoolSetAccess` for one device.
+    fn mem_pool_set_access(&self, pool: PoolHandle, ordinal: u32, access: Access) -> Result<()>;
+    /// `cuMemPoolGetAccess` for one device.
+    fn mem_pool_get_access(&self, pool: PoolHandle, ordinal: u32) -> Result<Access>;
+
+    // --- pointers ----------------------------------------------------------------------
+
+    /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)`.
+    fn pointer_get_mempool(&self, ptr: DevicePtr) -> Result<PoolHandle>;
+    /// `cuMemGetAddressRange`: the allocation `ptr` lies in, as (base, size).
+    fn pointer_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)>;
+    /// `cuMemAllocAsync`: from the device's current pool.
+    fn mem_alloc_async(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr>;
+    /// `cuMemAllocFromPoolAsync`.
+    fn mem_alloc_from_pool_async(
+        &self,
+        bytes: u64,
+        pool: PoolHandle,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr>;
+    /// `cuMemFreeAsync` of an allocation this process made.
+    fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
+    /// `cuMemPoolExportPointer`.
+    fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportData>;
+    /// `cuMemPoolImportPointer`. On real hardware an allocation spanning more than 128
+    /// 32 MiB chunks kills the calling process; see `ImportLimit` in `poolipc-pool`.
+    fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportData) -> Result<DevicePtr>;
+    /// `cuMemFreeAsync` of an imported pointer (the import, not the allocation).
+    fn mem_pool_free_import(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
+
+    // --- events and streams ------------------------------------------------------------
+
+    /// `cuEventCreate`; `interprocess` adds `CU_EVENT_INTERPROCESS` (timing is always off).
+    fn event_create(&self, interprocess: bool) -> Result<EventHandle>;
+    /// `cuEventDestroy`.
+    fn event_destroy(&self, event: EventHandle) -> Result<()>;
+    /// `cuIpcGetEventHandle`.
+    fn ipc_get_event_handle(&self, event: EventHandle) -> Result<IpcEventHandle>;
+    /// `cuIpcOpenEventHandle`.
+    fn ipc_open_event_handle(&self, handle: &IpcEventHandle) -> Result<EventHandle>;
+    /// `cuEventRecord`.
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()>;
+    /// `cuEventQuery`: `true` when complete, `false` on `CUDA_ERROR_NOT_READY`.
+    fn event_query(&self, event: EventHandle) -> Result<bool>;
+    /// `cuEventSynchronize`.
+    fn event_synchronize(&self, event: EventHandle) -> Result<()>;
+    /// `cuStreamWaitEvent`.
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()>;
+    /// `cuStreamCreate` with `CU_STREAM_NON_BLOCKING`.
+    fn stream_create(&self) -> Result<StreamHandle>;
+    /// `cuStreamDestroy`.
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()>;
+    /// `cuStreamSynchronize`.
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()>;
+
+    // --- memset and copies -------------------------------------------------------------
+
+    /// `cuMemsetD8Async`.
+    fn memset_d8_async(
+        &self,
+        ptr: DevicePtr,
+        value: u8,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()>;
+    /// `cuMemsetD32Async`: `words` 32-bit words.
+    fn memset_d32_async(
+        &self,
+        ptr: DevicePtr,
+        value: u32,
+        words: u64,
+        stream: StreamHandle,
+    ) -> Result<()>;
+    /// `cuMemcpyDtoH` (synchronous).
+    fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()>;
+    /// `cuMemcpyHtoD` (synchronous).
+    fn memcpy_htod(&self, dst: DevicePtr, src: &[u8]) -> Result<()>;
+    /// `cuMemcpyDtoDAsync`.
+    fn memcpy_dtod_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()>;
+    /// `cuMemcpyDtoHAsync` into host memory the caller keeps alive until the stream passes.
+    ///
+    /// # Safety
+    /// `dst` must be valid for `bytes` writes until the copy completed on `stream`, and
+    /// nothing else may access it meanwhile.
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()>;
+    /// `cuMemcpyHtoDAsync` from host memory the caller keeps alive until the stream passes.
+    ///
+    /// # Safety
+    /// `src` must be valid for `bytes` reads until the copy completed on `stream`, and
+    /// nothing may write it meanwhile.
+    unsafe fn memcpy_htod_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()>;
+
+    // --- pinned host memory ------------------------------------------------------------
+
+    /// `cuMemHostRegister` (portable, device-mapped).
+    ///
+    /// # Safety
+    /// `ptr` must point to `bytes` of mapped host memory that stays mapped until
+    /// [`host_unregister`](Driver::host_unregister).
+    unsafe fn host_register(&self, ptr: *mut u8, bytes: usize) -> Result<()>;
+    /// `cuMemHostUnregister`.
+    ///
+    /// # Safety
+    /// `ptr` must have been registered with [`host_register`](Driver::host_register) and no
+    /// copy may still be using it.
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
+
+    // --- virtual memory management (the arena) -----------------------------------------
+
+    /// `cuMemGetAllocationGranularity` for pinned device memory shareable by POSIX FD.
+    fn vmm_granularity(&self, ordinal: u32, which: Granularity) -> Result<u64>;
+    /// `cuMemCreate` of pinned device memory shareable by POSIX FD.
+    fn vmm_create(&self, ordinal: u32, bytes: u64) -> Result<VmmHandle>;
+    /// `cuMemExportToShareableHandle` (POSIX FD).
+    fn vmm_export_fd(&self, handle: VmmHandle) -> Result<OwnedFd>;
+    /// `cuMemImportFromShareableHandle` (POSIX FD). The caller keeps `fd`.
+    fn vmm_import_fd(&self, fd: BorrowedFd<'_>) -> Result<VmmHandle>;
+    /// `cuMemAddressReserve`.
+    fn vmm_reserve(&self, bytes: u64, alignment: u64) -> Result<DevicePtr>;
+    /// `cuMemMap` of a whole handle at `ptr`.
+    fn vmm_map(&self, ptr: DevicePtr, bytes: u64, handle: VmmHandle) -> Result<()>;
+    /// `cuMemSetAccess` for one device.
+    fn vmm_set_access(&self, ptr: DevicePtr, bytes: u64, ordinal: u32, access: Access)
+    -> Result<()>;
+    /// `cuMemUnmap`.
+    fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<()>;
+    /// `cuMemAddressFree`.
+    fn vmm_address_free(&self, ptr: DevicePtr, bytes: u64) -> Result<()>;
+    /// `cuMemRelease`.
+    fn vmm_release(&self, handle: VmmHandle) -> Result<()>;
+}

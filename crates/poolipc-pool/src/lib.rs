@@ -1,0 +1,1 @@
+//! The shareable CUDA memory pool.

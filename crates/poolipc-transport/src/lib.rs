@@ -1,0 +1,1 @@
+//! poolipc's wire protocol over Unix sockets.

@@ -1,0 +1,1 @@
+//! Test harness shared by the multi-process and hardware tests.
