@@ -202,8 +202,13 @@ pub trait Driver: Send + Sync {
     /// `cuMemMap` of a whole handle at `ptr`.
     fn vmm_map(&self, ptr: DevicePtr, bytes: u64, handle: VmmHandle) -> Result<()>;
     /// `cuMemSetAccess` for one device.
-    fn vmm_set_access(&self, ptr: DevicePtr, bytes: u64, ordinal: u32, access: Access)
-    -> Result<()>;
+    fn vmm_set_access(
+        &self,
+        ptr: DevicePtr,
+        bytes: u64,
+        ordinal: u32,
+        access: Access,
+    ) -> Result<()>;
     /// `cuMemUnmap`.
     fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<()>;
     /// `cuMemAddressFree`.

@@ -193,8 +193,14 @@ mod tests {
 
     #[test]
     fn call_error_names_the_call_and_the_code() {
-        let e = DriverError::Call { call: "cuMemPoolExportPointer", code: CuCode::INVALID_VALUE };
-        assert_eq!(e.to_string(), "cuMemPoolExportPointer failed: CUDA_ERROR_INVALID_VALUE (1)");
+        let e = DriverError::Call {
+            call: "cuMemPoolExportPointer",
+            code: CuCode::INVALID_VALUE,
+        };
+        assert_eq!(
+            e.to_string(),
+            "cuMemPoolExportPointer failed: CUDA_ERROR_INVALID_VALUE (1)"
+        );
         assert_eq!(e.code(), Some(CuCode::INVALID_VALUE));
         assert!(e.is_call("cuMemPoolExportPointer", CuCode::INVALID_VALUE));
         assert!(!e.is_call("cuMemPoolImportPointer", CuCode::INVALID_VALUE));
@@ -209,8 +215,15 @@ mod tests {
     #[test]
     fn platform_errors_say_what_to_do() {
         assert!(DriverError::Wsl2.to_string().contains("WSL2"));
-        let old = DriverError::DriverTooOld { found: 11020, required: 12000 };
+        let old = DriverError::DriverTooOld {
+            found: 11020,
+            required: 12000,
+        };
         assert!(old.to_string().contains("11020") && old.to_string().contains("12000"));
-        assert!(DriverError::NoDevice.to_string().contains("CUDA_VISIBLE_DEVICES"));
+        assert!(
+            DriverError::NoDevice
+                .to_string()
+                .contains("CUDA_VISIBLE_DEVICES")
+        );
     }
 }
