@@ -61,7 +61,7 @@ pub trait Driver: Send + Sync {
     fn mem_pool_export_fd(&self, pool: PoolHandle) -> Result<OwnedFd>;
     /// `cuMemPoolImportFromShareableHandle` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
     /// The driver duplicates what it needs; the caller keeps `fd`.
-    fn mem_pool_import_fd(&self, fd: BorrowedFd<'_>) -> Result<PoolHandle>;
+    fn mem_pool_import_fd<'a>(&self, fd: BorrowedFd<'a>) -> Result<PoolHandle>;
     /// `cuMemPoolSetAccess` for one device.
     fn mem_pool_set_access(&self, pool: PoolHandle, ordinal: u32, access: Access) -> Result<()>;
     /// `cuMemPoolGetAccess` for one device.
@@ -196,7 +196,7 @@ pub trait Driver: Send + Sync {
     /// `cuMemExportToShareableHandle` (POSIX FD).
     fn vmm_export_fd(&self, handle: VmmHandle) -> Result<OwnedFd>;
     /// `cuMemImportFromShareableHandle` (POSIX FD). The caller keeps `fd`.
-    fn vmm_import_fd(&self, fd: BorrowedFd<'_>) -> Result<VmmHandle>;
+    fn vmm_import_fd<'a>(&self, fd: BorrowedFd<'a>) -> Result<VmmHandle>;
     /// `cuMemAddressReserve`.
     fn vmm_reserve(&self, bytes: u64, alignment: u64) -> Result<DevicePtr>;
     /// `cuMemMap` of a whole handle at `ptr`.

@@ -198,7 +198,7 @@ pub enum Granularity {
 }
 
 /// Which driver implements the trait: tools print it, tests branch on nothing else.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DriverKind {
     /// libcuda on real hardware.
     Cuda,

@@ -1,0 +1,509 @@
+//! `SharedPool`: the shareable pool made the device's current pool (parent side), and
+//! `AttachedPool`, the same pool imported by a worker.
+
+use std::collections::HashSet;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+
+use poolipc_driver::{
+    Access, DevicePtr, Driver, DriverError, DriverKind, ExportData, PoolAttribute, PoolCounter,
+    PoolHandle, PoolSharing, StreamHandle,
+};
+
+use crate::stats::PoolStats;
+
+/// Errors of installing, attaching or using the shared pool.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PoolError {
+    /// Something else already made another pool current on this device: installing ours
+    /// would silently take allocations away from it.
+    #[error(
+        "device {device}'s current memory pool is not its default pool: something else swapped it \
+         already, so poolipc will not replace it"
+    )]
+    CurrentPoolNotDefault {
+        /// The device ordinal.
+        device: u32,
+    },
+    /// poolipc's pool is already installed on this device in this process.
+    #[error("poolipc's shared pool is already installed on device {device} in this process")]
+    AlreadyInstalled {
+        /// The device ordinal.
+        device: u32,
+    },
+    /// The device cannot share a pool by POSIX file descriptor.
+    #[error("device {device} does not support {what}, which the shared pool needs")]
+    Unsupported {
+        /// The device ordinal.
+        device: u32,
+        /// What is missing.
+        what: &'static str,
+    },
+    /// A pointer offered for export does not come from this pool.
+    #[error("{ptr:?} was not allocated from poolipc's pool {pool:?} (it came from {found:?})")]
+    ForeignPointer {
+        /// The pointer.
+        ptr: DevicePtr,
+        /// Our pool.
+        pool: PoolHandle,
+        /// The pool it belongs to.
+        found: PoolHandle,
+    },
+    /// Uninstalling while memory is still allocated from the pool.
+    #[error("the shared pool still has {used} bytes in use; free them before uninstalling")]
+    InUse {
+        /// Bytes in use.
+        used: u64,
+    },
+    /// A driver call failed.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+}
+
+/// Pools this process installed, by (driver kind, device, pool), so that a second install
+/// says "already installed" rather than "something else swapped the pool".
+static INSTALLED: Mutex<Option<HashSet<InstallKey>>> = Mutex::new(None);
+
+type InstallKey = (DriverKind, u32, PoolHandle);
+
+fn installed() -> std::sync::MutexGuard<'static, Option<HashSet<InstallKey>>> {
+    INSTALLED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The attributes torch gives its own pool (FACTS.md): without the release threshold every
+/// handoff re-maps its memory (2.5 ms/GiB) and torch loses its cache.
+pub const TORCH_POOL_ATTRIBUTES: [PoolAttribute; 4] = [
+    PoolAttribute::ReleaseThreshold(u64::MAX),
+    PoolAttribute::ReuseFollowEventDependencies(true),
+    PoolAttribute::ReuseAllowOpportunistic(true),
+    PoolAttribute::ReuseAllowInternalDependencies(true),
+];
+
+/// The parent's shareable pool, installed as the device's current pool.
+///
+/// Once installed, every stream-ordered allocation on the device (torch's `cudaMallocAsync`
+/// backend included) comes from it, and its pointers can be exported. The pool lives as long
+/// as the process: dropping a `SharedPool` leaves it installed, because memory handed out
+/// from it may still be in use by code that never heard of poolipc. [`uninstall`] undoes the
+/// swap when nothing is allocated.
+///
+/// [`uninstall`]: SharedPool::uninstall
+#[derive(Debug)]
+pub struct SharedPool<D: Driver> {
+    driver: Arc<D>,
+    device: u32,
+    pool: PoolHandle,
+    fd: OwnedFd,
+}
+
+impl<D: Driver> SharedPool<D> {
+    /// Create the POSIX-FD pool, give it torch's attributes, make it `device`'s current pool
+    /// and export its FD once (which is what unlocks pointer export).
+    pub fn install(driver: Arc<D>, device: u32) -> Result<SharedPool<D>, PoolError> {
+        let info = driver.device_info(device)?;
+        if !info.memory_pools {
+            return Err(PoolError::Unsupported {
+                device,
+                what: "stream-ordered memory pools",
+            });
+        }
+        if !info.pool_posix_fd {
+            return Err(PoolError::Unsupported {
+                device,
+                what: "pool export by POSIX FD",
+            });
+        }
+        let current = driver.device_get_mem_pool(device)?;
+        let default = driver.device_get_default_mem_pool(device)?;
+        if current != default {
+            let ours = installed()
+                .as_ref()
+                .is_some_and(|s| s.contains(&(driver.kind(), device, current)));
+            return Err(if ours {
+                PoolError::AlreadyInstalled { device }
+            } else {
+                PoolError::CurrentPoolNotDefault { device }
+            });
+        }
+        let pool = driver.mem_pool_create(device, PoolSharing::PosixFd)?;
+        let fd = match Self::configure(&*driver, device, pool) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // Put the device back as we found it; report the first error.
+                let _ = driver.device_set_mem_pool(device, default);
+                let _ = driver.mem_pool_destroy(pool);
+                return Err(e);
+            }
+        };
+        installed()
+            .get_or_insert_with(HashSet::new)
+            .insert((driver.kind(), device, pool));
+        tracing::info!(
+            device,
+            uuid = %info.uuid,
+            ?pool,
+            "poolipc: installed a shareable memory pool as device {device}'s current pool; \
+             torch.cuda.memory_allocated() and memory_reserved() now read 0, \
+             poolipc's pool statistics (PoolStats, poolipc.memory_stats()) hold the true figures"
+        );
+        Ok(SharedPool {
+            driver,
+            device,
+            pool,
+            fd,
+        })
+    }
+
+    fn configure(driver: &D, device: u32, pool: PoolHandle) -> Result<OwnedFd, PoolError> {
+        for attr in TORCH_POOL_ATTRIBUTES {
+            driver.mem_pool_set_attribute(pool, attr)?;
+        }
+        driver.device_set_mem_pool(device, pool)?;
+        // Export the FD once: cuMemPoolExportPointer fails with INVALID_VALUE until then.
+        Ok(driver.mem_pool_export_fd(pool)?)
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &Arc<D> {
+        &self.driver
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// The pool handle.
+    pub fn handle(&self) -> PoolHandle {
+        self.pool
+    }
+
+    /// The pool's FD, to send to workers (SCM_RIGHTS duplicates it in transit).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// A stream-ordered allocation from this pool.
+    pub fn alloc(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr, PoolError> {
+        Ok(self
+            .driver
+            .mem_alloc_from_pool_async(bytes, self.pool, stream)?)
+    }
+
+    /// Free an allocation of this pool, stream-ordered.
+    pub fn free(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), PoolError> {
+        Ok(self.driver.mem_free_async(ptr, stream)?)
+    }
+
+    /// Whether `ptr` was allocated from this pool.
+    pub fn owns(&self, ptr: DevicePtr) -> Result<bool, PoolError> {
+        Ok(self.driver.pointer_get_mempool(ptr)? == self.pool)
+    }
+
+    /// Export `ptr` for import by a worker, refusing pointers of other pools.
+    pub fn export(&self, ptr: DevicePtr) -> Result<ExportData, PoolError> {
+        let found = self.driver.pointer_get_mempool(ptr)?;
+        if found != self.pool {
+            return Err(PoolError::ForeignPointer {
+                ptr,
+                pool: self.pool,
+                found,
+            });
+        }
+        Ok(self.driver.mem_pool_export_pointer(ptr)?)
+    }
+
+    /// Used and reserved bytes of this pool, current and high.
+    pub fn stats(&self) -> Result<PoolStats, PoolError> {
+        Ok(PoolStats::read(&*self.driver, self.pool)?)
+    }
+
+    /// Put the default pool back and destroy ours. Refused while bytes are in use.
+    pub fn uninstall(self) -> Result<(), PoolError> {
+        let used = self
+            .driver
+            .mem_pool_get_attribute(self.pool, PoolCounter::UsedCurrent)?;
+        if used > 0 {
+            return Err(PoolError::InUse { used });
+        }
+        let default = self.driver.device_get_default_mem_pool(self.device)?;
+        self.driver.device_set_mem_pool(self.device, default)?;
+        self.driver.mem_pool_destroy(self.pool)?;
+        if let Some(s) = installed().as_mut() {
+            s.remove(&(self.driver.kind(), self.device, self.pool));
+        }
+        tracing::info!(device = self.device, "poolipc: uninstalled the shared pool");
+        Ok(())
+    }
+}
+
+/// The parent's pool as a worker sees it: imported from the FD, with read-write access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttachedPool {
+    /// The imported pool's handle in this process.
+    pub pool: PoolHandle,
+    /// The device the worker uses it from.
+    pub device: u32,
+    /// The access the import had before we set it.
+    pub initial_access: Access,
+}
+
+impl AttachedPool {
+    /// Import the parent's pool FD and make sure `device` may read and write it.
+    pub fn attach<D: Driver + ?Sized>(
+        driver: &D,
+        fd: BorrowedFd<'_>,
+        device: u32,
+    ) -> Result<AttachedPool, PoolError> {
+        let pool = driver.mem_pool_import_fd(fd)?;
+        let initial_access = driver.mem_pool_get_access(pool, device)?;
+        if initial_access != Access::ReadWrite {
+            driver.mem_pool_set_access(pool, device, Access::ReadWrite)?;
+        }
+        tracing::debug!(?pool, device, ?initial_access, "attached the parent's pool");
+        Ok(AttachedPool {
+            pool,
+            device,
+            initial_access,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mockall::Sequence;
+    use poolipc_driver::{CuCode, DeviceInfo, DeviceUuid, DriverKind, MockDriver};
+    use std::os::fd::OwnedFd;
+
+    const DEFAULT: PoolHandle = PoolHandle(0xd0);
+    const OURS: PoolHandle = PoolHandle(0xa1);
+
+    fn info(pool_fd: bool) -> DeviceInfo {
+        DeviceInfo {
+            ordinal: 0,
+            uuid: DeviceUuid([7; 16]),
+            name: "mock".into(),
+            total_memory: 1 << 30,
+            memory_pools: true,
+            pool_posix_fd: pool_fd,
+            vmm: true,
+            vmm_posix_fd: true,
+        }
+    }
+
+    fn some_fd() -> OwnedFd {
+        OwnedFd::from(std::fs::File::open("/dev/null").unwrap())
+    }
+
+    /// A driver that expects the install sequence in order, then whatever `then` adds.
+    fn installing(seq: &mut Sequence) -> MockDriver {
+        let mut d = MockDriver::new();
+        d.expect_kind().return_const(DriverKind::Mock);
+        d.expect_device_info().returning(|_| Ok(info(true)));
+        d.expect_device_get_mem_pool()
+            .times(1)
+            .in_sequence(seq)
+            .returning(|_| Ok(DEFAULT));
+        d.expect_device_get_default_mem_pool()
+            .times(1)
+            .in_sequence(seq)
+            .returning(|_| Ok(DEFAULT));
+        d.expect_mem_pool_create()
+            .withf(|dev, s| *dev == 0 && *s == PoolSharing::PosixFd)
+            .times(1)
+            .in_sequence(seq)
+            .returning(|_, _| Ok(OURS));
+        for attr in TORCH_POOL_ATTRIBUTES {
+            d.expect_mem_pool_set_attribute()
+                .withf(move |p, a| *p == OURS && *a == attr)
+                .times(1)
+                .in_sequence(seq)
+                .returning(|_, _| Ok(()));
+        }
+        d.expect_device_set_mem_pool()
+            .withf(|dev, p| *dev == 0 && *p == OURS)
+            .times(1)
+            .in_sequence(seq)
+            .returning(|_, _| Ok(()));
+        d.expect_mem_pool_export_fd()
+            .withf(|p| *p == OURS)
+            .times(1)
+            .in_sequence(seq)
+            .returning(|_| Ok(some_fd()));
+        d
+    }
+
+    #[test]
+    fn install_sets_torchs_attributes_before_making_the_pool_current_then_exports_the_fd() {
+        let mut seq = Sequence::new();
+        let d = Arc::new(installing(&mut seq));
+        let pool = SharedPool::install(d, 0).unwrap();
+        assert_eq!(pool.handle(), OURS);
+    }
+
+    #[test]
+    fn the_fd_is_exported_before_any_pointer_export() {
+        let mut seq = Sequence::new();
+        let mut d = installing(&mut seq);
+        d.expect_pointer_get_mempool()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_| Ok(OURS));
+        d.expect_mem_pool_export_pointer()
+            .times(1)
+            .in_sequence(&mut seq)
+            .returning(|_| Ok(ExportData([1; 64])));
+        let pool = SharedPool::install(Arc::new(d), 0).unwrap();
+        assert_eq!(pool.export(DevicePtr(0x1000)).unwrap(), ExportData([1; 64]));
+    }
+
+    #[test]
+    fn a_pointer_of_another_pool_is_not_exported() {
+        let mut seq = Sequence::new();
+        let mut d = installing(&mut seq);
+        d.expect_pointer_get_mempool().returning(|_| Ok(DEFAULT));
+        d.expect_mem_pool_export_pointer().never();
+        let pool = SharedPool::install(Arc::new(d), 0).unwrap();
+        let e = pool.export(DevicePtr(0x1000)).unwrap_err();
+        assert!(matches!(e, PoolError::ForeignPointer { .. }), "{e}");
+    }
+
+    #[test]
+    fn install_refuses_when_the_current_pool_was_already_swapped() {
+        let mut d = MockDriver::new();
+        d.expect_kind().return_const(DriverKind::Mock);
+        d.expect_device_info().returning(|_| Ok(info(true)));
+        d.expect_device_get_mem_pool()
+            .returning(|_| Ok(PoolHandle(0xbeef)));
+        d.expect_device_get_default_mem_pool()
+            .returning(|_| Ok(DEFAULT));
+        d.expect_mem_pool_create().never();
+        let e = SharedPool::install(Arc::new(d), 0).unwrap_err();
+        assert!(
+            matches!(e, PoolError::CurrentPoolNotDefault { device: 0 }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("not its default pool"));
+    }
+
+    #[test]
+    fn install_twice_on_one_device_is_refused() {
+        let mut seq = Sequence::new();
+        let mut d = installing(&mut seq);
+        // The second look at the device finds our pool current.
+        d.expect_device_get_mem_pool().returning(|_| Ok(OURS));
+        d.expect_device_get_default_mem_pool()
+            .returning(|_| Ok(DEFAULT));
+        let d = Arc::new(d);
+        let _pool = SharedPool::install(Arc::clone(&d), 0).unwrap();
+        let e = SharedPool::install(d, 0).unwrap_err();
+        assert!(
+            matches!(e, PoolError::AlreadyInstalled { device: 0 }),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_device_without_posix_fd_pools_is_refused() {
+        let mut d = MockDriver::new();
+        d.expect_device_info().returning(|_| Ok(info(false)));
+        d.expect_mem_pool_create().never();
+        let e = SharedPool::install(Arc::new(d), 0).unwrap_err();
+        assert!(matches!(e, PoolError::Unsupported { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_failed_export_puts_the_default_pool_back() {
+        let mut d = MockDriver::new();
+        d.expect_kind().return_const(DriverKind::Mock);
+        d.expect_device_info().returning(|_| Ok(info(true)));
+        d.expect_device_get_mem_pool().returning(|_| Ok(DEFAULT));
+        d.expect_device_get_default_mem_pool()
+            .returning(|_| Ok(DEFAULT));
+        d.expect_mem_pool_create().returning(|_, _| Ok(OURS));
+        d.expect_mem_pool_set_attribute().returning(|_, _| Ok(()));
+        d.expect_device_set_mem_pool()
+            .withf(|_, p| *p == OURS)
+            .times(1)
+            .returning(|_, _| Ok(()));
+        d.expect_mem_pool_export_fd().returning(|_| {
+            Err(DriverError::Call {
+                call: "cuMemPoolExportToShareableHandle",
+                code: CuCode::NOT_SUPPORTED,
+            })
+        });
+        d.expect_device_set_mem_pool()
+            .withf(|_, p| *p == DEFAULT)
+            .times(1)
+            .returning(|_, _| Ok(()));
+        d.expect_mem_pool_destroy()
+            .withf(|p| *p == OURS)
+            .times(1)
+            .returning(|_| Ok(()));
+        let e = SharedPool::install(Arc::new(d), 0).unwrap_err();
+        assert!(
+            e.to_string().contains("cuMemPoolExportToShareableHandle"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn attach_grants_read_write_when_the_import_lacks_it() {
+        let mut d = MockDriver::new();
+        d.expect_mem_pool_import_fd()
+            .returning(|_| Ok(PoolHandle(0x55)));
+        d.expect_mem_pool_get_access()
+            .returning(|_, _| Ok(Access::None));
+        d.expect_mem_pool_set_access()
+            .withf(|p, dev, a| *p == PoolHandle(0x55) && *dev == 0 && *a == Access::ReadWrite)
+            .times(1)
+            .returning(|_, _, _| Ok(()));
+        let fd = some_fd();
+        let a = AttachedPool::attach(&d, fd.as_fd(), 0).unwrap();
+        assert_eq!(a.initial_access, Access::None);
+    }
+
+    #[test]
+    fn attach_leaves_read_write_access_alone() {
+        let mut d = MockDriver::new();
+        d.expect_mem_pool_import_fd()
+            .returning(|_| Ok(PoolHandle(0x55)));
+        d.expect_mem_pool_get_access()
+            .returning(|_, _| Ok(Access::ReadWrite));
+        d.expect_mem_pool_set_access().never();
+        let fd = some_fd();
+        AttachedPool::attach(&d, fd.as_fd(), 0).unwrap();
+    }
+
+    #[test]
+    fn stats_come_from_our_pool() {
+        let mut seq = Sequence::new();
+        let mut d = installing(&mut seq);
+        d.expect_mem_pool_get_attribute()
+            .withf(|p, _| *p == OURS)
+            .returning(|_, c| {
+                Ok(match c {
+                    PoolCounter::UsedCurrent => 1,
+                    PoolCounter::UsedHigh => 2,
+                    PoolCounter::ReservedCurrent => 3,
+                    PoolCounter::ReservedHigh => 4,
+                    _ => 0,
+                })
+            });
+        let pool = SharedPool::install(Arc::new(d), 0).unwrap();
+        let s = pool.stats().unwrap();
+        assert_eq!(
+            (
+                s.used_current,
+                s.used_high,
+                s.reserved_current,
+                s.reserved_high
+            ),
+            (1, 2, 3, 4)
+        );
+    }
+}

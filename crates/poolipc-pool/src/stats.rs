@@ -1,0 +1,45 @@
+//! `PoolStats`: the figures torch's statistics stop showing once its pool is swapped.
+
+use poolipc_driver::{Driver, DriverError, PoolCounter, PoolHandle};
+
+/// Used and reserved bytes of a pool, current and high-water.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes handed out and not yet freed.
+    pub used_current: u64,
+    /// The most bytes ever in use at once.
+    pub used_high: u64,
+    /// Bytes of device memory the pool holds (used, plus freed-but-kept).
+    pub reserved_current: u64,
+    /// The most bytes ever reserved at once.
+    pub reserved_high: u64,
+}
+
+impl PoolStats {
+    /// Read the four counters of `pool`.
+    pub fn read<D: Driver + ?Sized>(
+        driver: &D,
+        pool: PoolHandle,
+    ) -> Result<PoolStats, DriverError> {
+        Ok(PoolStats {
+            used_current: driver.mem_pool_get_attribute(pool, PoolCounter::UsedCurrent)?,
+            used_high: driver.mem_pool_get_attribute(pool, PoolCounter::UsedHigh)?,
+            reserved_current: driver.mem_pool_get_attribute(pool, PoolCounter::ReservedCurrent)?,
+            reserved_high: driver.mem_pool_get_attribute(pool, PoolCounter::ReservedHigh)?,
+        })
+    }
+}
+
+impl std::fmt::Display for PoolStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const MIB: f64 = (1u64 << 20) as f64;
+        write!(
+            f,
+            "used {:.1} MiB (high {:.1} MiB), reserved {:.1} MiB (high {:.1} MiB)",
+            self.used_current as f64 / MIB,
+            self.used_high as f64 / MIB,
+            self.reserved_current as f64 / MIB,
+            self.reserved_high as f64 / MIB
+        )
+    }
+}
