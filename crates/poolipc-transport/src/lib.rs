@@ -1,1 +1,57 @@
 //! poolipc's wire protocol over Unix sockets.
+//!
+//! - [`Message`] and its parts: one message per step of the ownership contract.
+//! - [`codec`]: the hand-written little-endian frame format, with a hard size cap
+//!   ([`FrameLimits`]); decoding never panics and allocates only in proportion to the frame.
+//! - [`Connection`]: frames and file descriptors over one Unix stream socket (`SCM_RIGHTS`,
+//!   `MSG_CMSG_CLOEXEC`, `MSG_NOSIGNAL`), every wait bounded by a deadline.
+//! - [`spawn_worker`] / [`connection_from_env`]: a worker started by the parent inherits one
+//!   end of a `socketpair`, named by [`FD_ENV`].
+//! - [`PrivateListener`] / [`connect_private`]: for workers started by someone else, a socket in
+//!   a private 0700 directory, with `SO_PEERCRED` checked on both sides. Never an abstract
+//!   socket: see [`listener`](crate::PrivateListener) for why.
+//! - [`parent_handshake`] / [`worker_handshake`]: protocol version, device UUID, driver
+//!   version, capabilities, and the pool FD, once.
+//!
+//! # Who sends what
+//!
+//! | message | direction | FDs |
+//! |---|---|---|
+//! | `Hello` | parent → worker, first frame | exactly 1: the pool |
+//! | `HelloAck` / `Refuse` | worker → parent (or parent → worker, refusing the ack) | 0 |
+//! | `Lend` | parent → worker | 0 |
+//! | `ResultRequest` | worker → parent | 0 |
+//! | `AllocationGrant` | parent → worker | 0 |
+//! | `Done` | worker → parent | 0 |
+//! | `Ack`, `Error`, `Heartbeat`, `Bye` | either | 0 |
+//! | `Cancel` | parent → worker | 0 |
+//!
+//! A frame that arrives with other FDs than its kind carries is an error, and every FD that
+//! came with it is closed before the error is returned.
+//!
+//! Unsafe code lives in `scm` (the `recvmsg` control-message walk) and in taking or handing
+//! on inherited descriptors; each block says why it holds.
+#![warn(missing_docs)]
+
+pub mod codec;
+mod connection;
+mod error;
+mod handshake;
+mod listener;
+mod message;
+mod scm;
+mod spawn;
+
+pub use codec::{DecodeError, EncodeError, FrameLimits, MAX_FRAME_LEN, PROTOCOL_VERSION};
+pub use connection::{Connection, Direction, TransportError};
+pub use error::SetupError;
+pub use handshake::{HandshakeConfig, HandshakeError, Peer, parent_handshake, worker_handshake};
+pub use listener::{
+    PeerCred, PrivateListener, check_peer_uid, connect_private, ensure_private_dir,
+};
+pub use message::{
+    Ack, AllocationGrant, Capabilities, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob,
+    ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS,
+    MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, Rung, TensorMeta,
+};
+pub use spawn::{FD_ENV, connection_from_env, parse_fd_var, spawn_worker};

@@ -1,0 +1,776 @@
+//! The binary codec: frames of little-endian fields, written and read by hand.
+//!
+//! # Frame layout
+//!
+//! ```text
+//! offset size field
+//!      0    4 payload length, u32 LE (header excluded)
+//!      4    1 protocol version (PROTOCOL_VERSION)
+//!      5    1 tag (MessageKind)
+//!      6    2 reserved, must be 0
+//!      8    n payload
+//! ```
+//!
+//! Payload fields, in order, per message (all integers little-endian; `text` is a u16 length
+//! followed by that many UTF-8 bytes, at most [`MAX_TEXT_LEN`]; `list<T>` is a u32 count
+//! (at most [`MAX_BATCH`]) followed by the items; `dims` is a u8 count, at most [`MAX_DIMS`]):
+//!
+//! - `Hello`, `HelloAck`: device uuid `[16]`, driver version i32, capabilities u64,
+//!   devices `u16 count × (uuid [16], ordinal u32)`.
+//! - `Refuse`, `Error`: code u16, message text.
+//! - `Lend`: job u64, `list<tensor>`; tensor: handle u64, rung u8, export `[64]`,
+//!   ready event `[64]`, dtype u8, ndim u8, shape `u64 × ndim`, strides `i64 × ndim`,
+//!   byte offset u64, byte length u64.
+//! - `ResultRequest`: job u64, `list<spec>`; spec: dtype u8, ndim u8, shape `u64 × ndim`,
+//!   byte length u64.
+//! - `AllocationGrant`: job u64, `list<grant>`; grant: kind u8 (1 granted, 2 refused);
+//!   granted: handle u64, rung u8, export `[64]`, ready event `[64]`; refused: code u16, text.
+//! - `Done`: job u64, done event `[64]`, `list<u64 handle>`.
+//! - `Ack`: job u64, `list<u64 handle>`.
+//! - `Cancel`: job u64. `Heartbeat`: seq u64. `Bye`: nothing.
+//!
+//! A payload must be consumed exactly: trailing bytes are an error.
+//!
+//! # Decoding is total
+//!
+//! Every input gives `Ok` or a [`DecodeError`], never a panic. Counts are checked against the
+//! bytes that remain *before* anything is allocated, so a frame of `n` bytes never makes the
+//! decoder allocate more than a small multiple of `n`, and `n` is capped by [`FrameLimits`].
+
+use crate::message::{
+    Ack, AllocationGrant, Capabilities, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob,
+    ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS,
+    MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, Rung, TensorMeta,
+};
+
+/// The protocol version this crate speaks. Bumped on any change of the wire format; the golden
+/// frames in `fixtures/frames/` pin the current one.
+pub const PROTOCOL_VERSION: u8 = 1;
+
+/// Bytes of a frame header.
+pub const HEADER_LEN: usize = 8;
+
+/// The hard cap on a frame (header and payload): 1 MiB. [`FrameLimits`] may lower it, never
+/// raise it.
+pub const MAX_FRAME_LEN: usize = 1 << 20;
+
+/// The smallest cap [`FrameLimits`] accepts: a handshake with a few devices must fit.
+pub const MIN_FRAME_LEN: usize = 4096;
+
+/// How large a frame may be, on this side. Both directions use the same limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameLimits {
+    max_frame_len: usize,
+}
+
+impl Default for FrameLimits {
+    fn default() -> Self {
+        Self {
+            max_frame_len: MAX_FRAME_LEN,
+        }
+    }
+}
+
+impl FrameLimits {
+    /// A cap of `max_frame_len` bytes, clamped into [`MIN_FRAME_LEN`]..=[`MAX_FRAME_LEN`].
+    pub fn new(max_frame_len: usize) -> Self {
+        Self {
+            max_frame_len: max_frame_len.clamp(MIN_FRAME_LEN, MAX_FRAME_LEN),
+        }
+    }
+
+    /// The cap, header included.
+    pub fn max_frame_len(self) -> usize {
+        self.max_frame_len
+    }
+
+    /// The largest payload allowed.
+    pub fn max_payload_len(self) -> usize {
+        self.max_frame_len - HEADER_LEN
+    }
+}
+
+/// Why bytes are not a valid frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The input ended inside the frame.
+    #[error("truncated frame: {needed} bytes needed, {available} available")]
+    Truncated {
+        /// Bytes the frame says it has (or the field needs).
+        needed: usize,
+        /// Bytes there were.
+        available: usize,
+    },
+    /// The length field exceeds the cap.
+    #[error("frame of {len} bytes exceeds the cap of {max} bytes")]
+    TooLarge {
+        /// Header and payload, as the length field says.
+        len: usize,
+        /// The cap in force.
+        max: usize,
+    },
+    /// The peer speaks another protocol version.
+    #[error("unknown protocol version {found} (this side speaks {supported})")]
+    UnknownVersion {
+        /// The version in the frame.
+        found: u8,
+        /// [`PROTOCOL_VERSION`].
+        supported: u8,
+    },
+    /// The tag names no message this version knows.
+    #[error("unknown message tag {0}")]
+    UnknownTag(u8),
+    /// The reserved header bytes are not zero.
+    #[error("reserved header bits set: {0:#06x}")]
+    ReservedBits(u16),
+    /// The payload has bytes after its last field.
+    #[error("{kind} payload has {count} trailing bytes")]
+    TrailingBytes {
+        /// The message.
+        kind: MessageKind,
+        /// How many.
+        count: usize,
+    },
+    /// A field of the payload runs past its end.
+    #[error("{kind} payload truncated in field `{field}`")]
+    PayloadTruncated {
+        /// The message.
+        kind: MessageKind,
+        /// The field.
+        field: &'static str,
+    },
+    /// A count cannot be right: its items would not fit in the bytes that remain, or it is
+    /// over the field's limit.
+    #[error("{kind} field `{field}` claims {count} items, at most {max} possible")]
+    BadCount {
+        /// The message.
+        kind: MessageKind,
+        /// The field.
+        field: &'static str,
+        /// The count on the wire.
+        count: usize,
+        /// The most that can be right here.
+        max: usize,
+    },
+    /// An enum field has a value this version does not know.
+    #[error("{kind} field `{field}` has unknown value {value}")]
+    UnknownValue {
+        /// The message.
+        kind: MessageKind,
+        /// The field.
+        field: &'static str,
+        /// The value.
+        value: u8,
+    },
+    /// A text field is not UTF-8.
+    #[error("{kind} field `{field}` is not valid UTF-8")]
+    InvalidUtf8 {
+        /// The message.
+        kind: MessageKind,
+        /// The field.
+        field: &'static str,
+    },
+}
+
+/// Why a message cannot be encoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// The encoded frame would exceed the cap.
+    #[error("{kind} frame of {len} bytes exceeds the cap of {max} bytes")]
+    TooLarge {
+        /// The message.
+        kind: MessageKind,
+        /// Its encoded length.
+        len: usize,
+        /// The cap.
+        max: usize,
+    },
+    /// A field exceeds its own limit (dims, text, devices).
+    #[error("{kind} field `{field}` has {len} items, at most {max} allowed")]
+    FieldTooLong {
+        /// The message.
+        kind: MessageKind,
+        /// The field.
+        field: &'static str,
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A tensor's shape and strides differ in length.
+    #[error("{kind}: shape has {shape} dims but strides has {strides}")]
+    StridesMismatch {
+        /// The message.
+        kind: MessageKind,
+        /// Dims in the shape.
+        shape: usize,
+        /// Dims in the strides.
+        strides: usize,
+    },
+}
+
+/// A parsed frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Bytes of payload that follow.
+    pub payload_len: usize,
+    /// The raw tag (checked when the payload is decoded).
+    pub tag: u8,
+}
+
+impl FrameHeader {
+    /// Parses and checks a header: version, reserved bits, length under the cap.
+    pub fn parse(bytes: &[u8; HEADER_LEN], limits: FrameLimits) -> Result<Self, DecodeError> {
+        let [l0, l1, l2, l3, version, tag, r0, r1] = *bytes;
+        if version != PROTOCOL_VERSION {
+            return Err(DecodeError::UnknownVersion {
+                found: version,
+                supported: PROTOCOL_VERSION,
+            });
+        }
+        let reserved = u16::from_le_bytes([r0, r1]);
+        if reserved != 0 {
+            return Err(DecodeError::ReservedBits(reserved));
+        }
+        // u32 always fits usize on the 64-bit Linux targets this crate builds for.
+        let payload_len = u32::from_le_bytes([l0, l1, l2, l3]) as usize;
+        let len = payload_len.saturating_add(HEADER_LEN);
+        if len > limits.max_frame_len() {
+            return Err(DecodeError::TooLarge {
+                len,
+                max: limits.max_frame_len(),
+            });
+        }
+        Ok(Self { payload_len, tag })
+    }
+}
+
+/// Encodes `msg` as one frame appended to `out`. On error `out` is left as it was.
+pub fn encode_into(
+    msg: &Message,
+    limits: FrameLimits,
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    let start = out.len();
+    let result = encode_inner(msg, limits, out, start);
+    if result.is_err() {
+        out.truncate(start);
+    }
+    result
+}
+
+/// Encodes `msg` as one frame.
+pub fn encode(msg: &Message, limits: FrameLimits) -> Result<Vec<u8>, EncodeError> {
+    let mut out = Vec::with_capacity(128);
+    encode_into(msg, limits, &mut out)?;
+    Ok(out)
+}
+
+fn encode_inner(
+    msg: &Message,
+    limits: FrameLimits,
+    out: &mut Vec<u8>,
+    start: usize,
+) -> Result<(), EncodeError> {
+    let kind = msg.kind();
+    out.extend_from_slice(&[0, 0, 0, 0, PROTOCOL_VERSION, kind as u8, 0, 0]);
+    let mut w = Writer {
+        out,
+        kind,
+        limit: start + limits.max_frame_len(),
+    };
+    w.payload(msg)?;
+    let len = w.out.len() - start;
+    if len > limits.max_frame_len() {
+        return Err(EncodeError::TooLarge {
+            kind,
+            len,
+            max: limits.max_frame_len(),
+        });
+    }
+    let payload_len = u32::try_from(len - HEADER_LEN).map_err(|_| EncodeError::TooLarge {
+        kind,
+        len,
+        max: limits.max_frame_len(),
+    })?;
+    out[start..start + 4].copy_from_slice(&payload_len.to_le_bytes());
+    Ok(())
+}
+
+struct Writer<'a> {
+    out: &'a mut Vec<u8>,
+    kind: MessageKind,
+    /// Stop writing once past this length: the frame is over the cap anyway.
+    limit: usize,
+}
+
+impl Writer<'_> {
+    fn check(&self) -> Result<(), EncodeError> {
+        if self.out.len() > self.limit {
+            return Err(EncodeError::TooLarge {
+                kind: self.kind,
+                len: self.out.len(),
+                max: self.limit,
+            });
+        }
+        Ok(())
+    }
+    fn u8(&mut self, v: u8) {
+        self.out.push(v);
+    }
+    fn u16(&mut self, v: u16) {
+        self.out.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.out.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.out.extend_from_slice(&v.to_le_bytes());
+    }
+    fn i32(&mut self, v: i32) {
+        self.out.extend_from_slice(&v.to_le_bytes());
+    }
+    fn i64(&mut self, v: i64) {
+        self.out.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, v: &[u8]) {
+        self.out.extend_from_slice(v);
+    }
+    fn too_long(&self, field: &'static str, len: usize, max: usize) -> EncodeError {
+        EncodeError::FieldTooLong {
+            kind: self.kind,
+            field,
+            len,
+            max,
+        }
+    }
+    fn text(&mut self, field: &'static str, s: &str) -> Result<(), EncodeError> {
+        if s.len() > MAX_TEXT_LEN {
+            return Err(self.too_long(field, s.len(), MAX_TEXT_LEN));
+        }
+        // MAX_TEXT_LEN < u16::MAX.
+        self.u16(s.len() as u16);
+        self.bytes(s.as_bytes());
+        Ok(())
+    }
+    fn count(&mut self, field: &'static str, n: usize) -> Result<(), EncodeError> {
+        if n > MAX_BATCH {
+            return Err(self.too_long(field, n, MAX_BATCH));
+        }
+        // MAX_BATCH < u32::MAX.
+        self.u32(n as u32);
+        Ok(())
+    }
+    fn ndim(&mut self, n: usize) -> Result<(), EncodeError> {
+        if n > MAX_DIMS {
+            return Err(self.too_long("shape", n, MAX_DIMS));
+        }
+        self.u8(n as u8);
+        Ok(())
+    }
+    fn identity(&mut self, id: &Identity) -> Result<(), EncodeError> {
+        self.bytes(&id.device.0);
+        self.i32(id.driver_version);
+        self.u64(id.capabilities.0);
+        if id.devices.len() > MAX_DEVICES {
+            return Err(self.too_long("devices", id.devices.len(), MAX_DEVICES));
+        }
+        self.u16(id.devices.len() as u16);
+        for d in &id.devices {
+            self.bytes(&d.uuid.0);
+            self.u32(d.ordinal);
+        }
+        Ok(())
+    }
+    fn handles(&mut self, handles: &[HandleId]) -> Result<(), EncodeError> {
+        self.count("handles", handles.len())?;
+        for h in handles {
+            self.u64(h.0);
+            self.check()?;
+        }
+        Ok(())
+    }
+
+    fn payload(&mut self, msg: &Message) -> Result<(), EncodeError> {
+        match msg {
+            Message::Hello(id) | Message::HelloAck(id) => self.identity(id)?,
+            Message::Refuse { code, message } | Message::Error { code, message } => {
+                self.u16(code.0);
+                self.text("message", message)?;
+            }
+            Message::Lend(lend) => {
+                self.u64(lend.job.0);
+                self.count("tensors", lend.tensors.len())?;
+                for t in &lend.tensors {
+                    self.u64(t.handle.0);
+                    self.u8(t.rung as u8);
+                    self.bytes(&t.export.0);
+                    self.bytes(&t.ready_event.0);
+                    let m = &t.meta;
+                    if m.shape.len() != m.strides.len() {
+                        return Err(EncodeError::StridesMismatch {
+                            kind: self.kind,
+                            shape: m.shape.len(),
+                            strides: m.strides.len(),
+                        });
+                    }
+                    self.u8(m.dtype as u8);
+                    self.ndim(m.shape.len())?;
+                    for d in &m.shape {
+                        self.u64(*d);
+                    }
+                    for s in &m.strides {
+                        self.i64(*s);
+                    }
+                    self.u64(m.byte_offset);
+                    self.u64(m.byte_len);
+                    self.check()?;
+                }
+            }
+            Message::ResultRequest(req) => {
+                self.u64(req.job.0);
+                self.count("results", req.results.len())?;
+                for r in &req.results {
+                    self.u8(r.dtype as u8);
+                    self.ndim(r.shape.len())?;
+                    for d in &r.shape {
+                        self.u64(*d);
+                    }
+                    self.u64(r.byte_len);
+                    self.check()?;
+                }
+            }
+            Message::AllocationGrant(grant) => {
+                self.u64(grant.job.0);
+                self.count("results", grant.results.len())?;
+                for g in &grant.results {
+                    match g {
+                        ResultGrant::Granted {
+                            handle,
+                            rung,
+                            export,
+                            ready_event,
+                        } => {
+                            self.u8(GRANT_GRANTED);
+                            self.u64(handle.0);
+                            self.u8(*rung as u8);
+                            self.bytes(&export.0);
+                            self.bytes(&ready_event.0);
+                        }
+                        ResultGrant::Refused { code, message } => {
+                            self.u8(GRANT_REFUSED);
+                            self.u16(code.0);
+                            self.text("message", message)?;
+                        }
+                    }
+                    self.check()?;
+                }
+            }
+            Message::Done(done) => {
+                self.u64(done.job.0);
+                self.bytes(&done.done_event.0);
+                self.handles(&done.handles)?;
+            }
+            Message::Ack(ack) => {
+                self.u64(ack.job.0);
+                self.handles(&ack.handles)?;
+            }
+            Message::Cancel { job } => self.u64(job.0),
+            Message::Heartbeat { seq } => self.u64(*seq),
+            Message::Bye => {}
+        }
+        Ok(())
+    }
+}
+
+const GRANT_GRANTED: u8 = 1;
+const GRANT_REFUSED: u8 = 2;
+
+/// Decodes exactly one frame that fills `bytes`.
+pub fn decode(bytes: &[u8], limits: FrameLimits) -> Result<Message, DecodeError> {
+    let Some((header, payload)) = bytes.split_first_chunk::<HEADER_LEN>() else {
+        return Err(DecodeError::Truncated {
+            needed: HEADER_LEN,
+            available: bytes.len(),
+        });
+    };
+    let header = FrameHeader::parse(header, limits)?;
+    let needed = HEADER_LEN + header.payload_len;
+    if bytes.len() < needed {
+        return Err(DecodeError::Truncated {
+            needed,
+            available: bytes.len(),
+        });
+    }
+    if bytes.len() > needed {
+        let kind = MessageKind::from_tag(header.tag).ok_or(DecodeError::UnknownTag(header.tag))?;
+        return Err(DecodeError::TrailingBytes {
+            kind,
+            count: bytes.len() - needed,
+        });
+    }
+    decode_payload(header.tag, payload)
+}
+
+/// Decodes a payload whose header said `tag`.
+pub fn decode_payload(tag: u8, payload: &[u8]) -> Result<Message, DecodeError> {
+    let kind = MessageKind::from_tag(tag).ok_or(DecodeError::UnknownTag(tag))?;
+    let mut r = Reader { buf: payload, kind };
+    let msg = r.message()?;
+    if !r.buf.is_empty() {
+        return Err(DecodeError::TrailingBytes {
+            kind,
+            count: r.buf.len(),
+        });
+    }
+    Ok(msg)
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    kind: MessageKind,
+}
+
+/// Wire bytes of the smallest item of each list, for the count check.
+const MIN_TENSOR_WIRE: usize = 8 + 1 + 64 + 64 + 1 + 1 + 8 + 8;
+const MIN_SPEC_WIRE: usize = 1 + 1 + 8;
+const MIN_GRANT_WIRE: usize = 1 + 2 + 2;
+const DEVICE_WIRE: usize = 16 + 4;
+
+impl Reader<'_> {
+    fn take<const N: usize>(&mut self, field: &'static str) -> Result<[u8; N], DecodeError> {
+        let Some((head, rest)) = self.buf.split_first_chunk::<N>() else {
+            return Err(DecodeError::PayloadTruncated {
+                kind: self.kind,
+                field,
+            });
+        };
+        self.buf = rest;
+        Ok(*head)
+    }
+    fn u8(&mut self, field: &'static str) -> Result<u8, DecodeError> {
+        Ok(self.take::<1>(field)?[0])
+    }
+    fn u16(&mut self, field: &'static str) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.take(field)?))
+    }
+    fn u32(&mut self, field: &'static str) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.take(field)?))
+    }
+    fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.take(field)?))
+    }
+    fn i32(&mut self, field: &'static str) -> Result<i32, DecodeError> {
+        Ok(i32::from_le_bytes(self.take(field)?))
+    }
+    fn i64(&mut self, field: &'static str) -> Result<i64, DecodeError> {
+        Ok(i64::from_le_bytes(self.take(field)?))
+    }
+
+    /// Checks a count against its own limit and against the bytes left, before allocating.
+    fn check_count(
+        &self,
+        field: &'static str,
+        count: usize,
+        item_wire: usize,
+        limit: usize,
+    ) -> Result<usize, DecodeError> {
+        let fit = self.buf.len() / item_wire.max(1);
+        let max = fit.min(limit);
+        if count > max {
+            return Err(DecodeError::BadCount {
+                kind: self.kind,
+                field,
+                count,
+                max,
+            });
+        }
+        Ok(count)
+    }
+    fn list_count(&mut self, field: &'static str, item_wire: usize) -> Result<usize, DecodeError> {
+        let n = self.u32(field)? as usize;
+        self.check_count(field, n, item_wire, MAX_BATCH)
+    }
+    fn ndim(&mut self, field: &'static str, item_wire: usize) -> Result<usize, DecodeError> {
+        let n = usize::from(self.u8(field)?);
+        self.check_count(field, n, item_wire, MAX_DIMS)
+    }
+    fn text(&mut self, field: &'static str) -> Result<String, DecodeError> {
+        let n = usize::from(self.u16(field)?);
+        let n = self.check_count(field, n, 1, MAX_TEXT_LEN)?;
+        let (bytes, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(_) => Err(DecodeError::InvalidUtf8 {
+                kind: self.kind,
+                field,
+            }),
+        }
+    }
+    fn dtype(&mut self) -> Result<DType, DecodeError> {
+        let v = self.u8("dtype")?;
+        DType::from_wire(v).ok_or(DecodeError::UnknownValue {
+            kind: self.kind,
+            field: "dtype",
+            value: v,
+        })
+    }
+    fn rung(&mut self) -> Result<Rung, DecodeError> {
+        let v = self.u8("rung")?;
+        Rung::from_wire(v).ok_or(DecodeError::UnknownValue {
+            kind: self.kind,
+            field: "rung",
+            value: v,
+        })
+    }
+    fn shape(&mut self) -> Result<Vec<u64>, DecodeError> {
+        let n = self.ndim("shape", 8)?;
+        let mut shape = Vec::with_capacity(n);
+        for _ in 0..n {
+            shape.push(self.u64("shape")?);
+        }
+        Ok(shape)
+    }
+    fn identity(&mut self) -> Result<Identity, DecodeError> {
+        let device = DeviceUuid(self.take("device")?);
+        let driver_version = self.i32("driver_version")?;
+        let capabilities = Capabilities(self.u64("capabilities")?);
+        let n = usize::from(self.u16("devices")?);
+        let n = self.check_count("devices", n, DEVICE_WIRE, MAX_DEVICES)?;
+        let mut devices = Vec::with_capacity(n);
+        for _ in 0..n {
+            devices.push(DeviceEntry {
+                uuid: DeviceUuid(self.take("devices.uuid")?),
+                ordinal: self.u32("devices.ordinal")?,
+            });
+        }
+        Ok(Identity {
+            device,
+            driver_version,
+            capabilities,
+            devices,
+        })
+    }
+    fn handles(&mut self) -> Result<Vec<HandleId>, DecodeError> {
+        let n = self.list_count("handles", 8)?;
+        let mut handles = Vec::with_capacity(n);
+        for _ in 0..n {
+            handles.push(HandleId(self.u64("handles")?));
+        }
+        Ok(handles)
+    }
+    fn tensor(&mut self) -> Result<LentTensor, DecodeError> {
+        let handle = HandleId(self.u64("handle")?);
+        let rung = self.rung()?;
+        let export = ExportBlob(self.take("export")?);
+        let ready_event = EventBlob(self.take("ready_event")?);
+        let dtype = self.dtype()?;
+        // Each dim is a shape entry and a stride entry.
+        let n = self.ndim("shape", 16)?;
+        let mut shape = Vec::with_capacity(n);
+        for _ in 0..n {
+            shape.push(self.u64("shape")?);
+        }
+        let mut strides = Vec::with_capacity(n);
+        for _ in 0..n {
+            strides.push(self.i64("strides")?);
+        }
+        Ok(LentTensor {
+            handle,
+            rung,
+            export,
+            ready_event,
+            meta: TensorMeta {
+                dtype,
+                shape,
+                strides,
+                byte_offset: self.u64("byte_offset")?,
+                byte_len: self.u64("byte_len")?,
+            },
+        })
+    }
+    fn grant(&mut self) -> Result<ResultGrant, DecodeError> {
+        match self.u8("grant")? {
+            GRANT_GRANTED => Ok(ResultGrant::Granted {
+                handle: HandleId(self.u64("handle")?),
+                rung: self.rung()?,
+                export: ExportBlob(self.take("export")?),
+                ready_event: EventBlob(self.take("ready_event")?),
+            }),
+            GRANT_REFUSED => Ok(ResultGrant::Refused {
+                code: ErrorCode(self.u16("code")?),
+                message: self.text("message")?,
+            }),
+            value => Err(DecodeError::UnknownValue {
+                kind: self.kind,
+                field: "grant",
+                value,
+            }),
+        }
+    }
+
+    fn message(&mut self) -> Result<Message, DecodeError> {
+        Ok(match self.kind {
+            MessageKind::Hello => Message::Hello(self.identity()?),
+            MessageKind::HelloAck => Message::HelloAck(self.identity()?),
+            MessageKind::Refuse => Message::Refuse {
+                code: ErrorCode(self.u16("code")?),
+                message: self.text("message")?,
+            },
+            MessageKind::Error => Message::Error {
+                code: ErrorCode(self.u16("code")?),
+                message: self.text("message")?,
+            },
+            MessageKind::Lend => {
+                let job = JobId(self.u64("job")?);
+                let n = self.list_count("tensors", MIN_TENSOR_WIRE)?;
+                let mut tensors = Vec::with_capacity(n);
+                for _ in 0..n {
+                    tensors.push(self.tensor()?);
+                }
+                Message::Lend(Lend { job, tensors })
+            }
+            MessageKind::ResultRequest => {
+                let job = JobId(self.u64("job")?);
+                let n = self.list_count("results", MIN_SPEC_WIRE)?;
+                let mut results = Vec::with_capacity(n);
+                for _ in 0..n {
+                    results.push(ResultSpec {
+                        dtype: self.dtype()?,
+                        shape: self.shape()?,
+                        byte_len: self.u64("byte_len")?,
+                    });
+                }
+                Message::ResultRequest(ResultRequest { job, results })
+            }
+            MessageKind::AllocationGrant => {
+                let job = JobId(self.u64("job")?);
+                let n = self.list_count("results", MIN_GRANT_WIRE)?;
+                let mut results = Vec::with_capacity(n);
+                for _ in 0..n {
+                    results.push(self.grant()?);
+                }
+                Message::AllocationGrant(AllocationGrant { job, results })
+            }
+            MessageKind::Done => Message::Done(Done {
+                job: JobId(self.u64("job")?),
+                done_event: EventBlob(self.take("done_event")?),
+                handles: self.handles()?,
+            }),
+            MessageKind::Ack => Message::Ack(Ack {
+                job: JobId(self.u64("job")?),
+                handles: self.handles()?,
+            }),
+            MessageKind::Cancel => Message::Cancel {
+                job: JobId(self.u64("job")?),
+            },
+            MessageKind::Heartbeat => Message::Heartbeat {
+                seq: self.u64("seq")?,
+            },
+            MessageKind::Bye => Message::Bye,
+        })
+    }
+}

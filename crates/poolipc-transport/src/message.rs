@@ -1,0 +1,541 @@
+//! The messages of the wire protocol: one per step of the ownership contract.
+//!
+//! These are plain data. How they look on the wire is [`crate::codec`]'s job; which of them
+//! carry file descriptors is [`Message::expected_fds`].
+
+use std::fmt;
+
+/// The most dimensions a tensor may have on the wire.
+pub const MAX_DIMS: usize = 32;
+
+/// The longest human-readable text (error and refusal messages) on the wire, in bytes.
+pub const MAX_TEXT_LEN: usize = 1024;
+
+/// The most items in one list of a message (tensors of a `Lend`, results, grants, handles).
+///
+/// Besides the frame cap, this bounds what a decoder allocates: the in-memory form of an item
+/// can be larger than its wire form (a refused grant is 5 bytes on the wire, ~150 in memory).
+pub const MAX_BATCH: usize = 8192;
+
+/// The most devices an [`Identity`] may list.
+pub const MAX_DEVICES: usize = 64;
+
+macro_rules! blob {
+    ($(#[$doc:meta])* $name:ident, $len:expr) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, PartialEq, Eq, Hash)]
+        pub struct $name(pub [u8; $len]);
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!(stringify!($name), "("))?;
+                for b in &self.0[..8] {
+                    write!(f, "{b:02x}")?;
+                }
+                write!(f, "..)")
+            }
+        }
+    };
+}
+
+blob!(
+    /// A pointer export (`CUmemPoolPtrExportData`): 64 opaque bytes.
+    ExportBlob,
+    64
+);
+blob!(
+    /// An interprocess event handle (`CUipcEventHandle`): 64 opaque bytes.
+    EventBlob,
+    64
+);
+
+/// A GPU's stable identity (`cuDeviceGetUuid`). Ordinals differ between processes when
+/// `CUDA_VISIBLE_DEVICES` does; UUIDs do not, so the handshake compares these.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceUuid(pub [u8; 16]);
+
+impl fmt::Debug for DeviceUuid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceUuid({self})")
+    }
+}
+
+impl fmt::Display for DeviceUuid {
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi prints it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "GPU-")?;
+        for (i, b) in self.0.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                write!(f, "-")?;
+            }
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Identifies one job (a batch of tensors lent and the results asked for).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(pub u64);
+
+/// Identifies one handed-over allocation within a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HandleId(pub u64);
+
+/// Capability bits a side announces in the handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Capabilities(pub u64);
+
+impl Capabilities {
+    /// No capability.
+    pub const NONE: Self = Self(0);
+    /// Pool pointer export/import (rung 1 of the ladder).
+    pub const POOL_POINTER: Self = Self(1 << 0);
+    /// Interprocess events for READY/DONE gating.
+    pub const IPC_EVENTS: Self = Self(1 << 1);
+    /// The VMM arena (results without a size limit).
+    pub const VMM_ARENA: Self = Self(1 << 2);
+    /// Host staging through pinned shared memory.
+    pub const HOST_STAGING: Self = Self(1 << 3);
+
+    /// Whether every bit of `other` is set in `self`.
+    pub fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The bits of `self` that `other` lacks.
+    pub fn missing_from(self, other: Self) -> Self {
+        Self(self.0 & !other.0)
+    }
+
+    /// Both sides' bits.
+    pub fn intersection(self, other: Self) -> Self {
+        Self(self.0 & other.0)
+    }
+}
+
+impl std::ops::BitOr for Capabilities {
+    type Output = Self;
+    fn bitor(self, rhs: Self) -> Self {
+        Self(self.0 | rhs.0)
+    }
+}
+
+/// Element type of a tensor. The numbers are the wire values and never change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[repr(u8)]
+#[allow(missing_docs)] // the names say it
+pub enum DType {
+    Bool = 1,
+    U8 = 2,
+    I8 = 3,
+    I16 = 4,
+    U16 = 5,
+    I32 = 6,
+    U32 = 7,
+    I64 = 8,
+    U64 = 9,
+    F16 = 10,
+    BF16 = 11,
+    F32 = 12,
+    F64 = 13,
+    F8E4M3FN = 14,
+    F8E5M2 = 15,
+    C64 = 16,
+    C128 = 17,
+}
+
+impl DType {
+    /// Every dtype, in wire order.
+    pub const ALL: [DType; 17] = [
+        DType::Bool,
+        DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::U16,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+        DType::F8E4M3FN,
+        DType::F8E5M2,
+        DType::C64,
+        DType::C128,
+    ];
+
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::Bool | DType::U8 | DType::I8 | DType::F8E4M3FN | DType::F8E5M2 => 1,
+            DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::U32 | DType::F32 => 4,
+            DType::I64 | DType::U64 | DType::F64 | DType::C64 => 8,
+            DType::C128 => 16,
+        }
+    }
+
+    /// The dtype with this wire value.
+    pub fn from_wire(v: u8) -> Option<Self> {
+        Self::ALL.iter().copied().find(|d| *d as u8 == v)
+    }
+}
+
+/// Which rung of the ladder a tensor travels on. The numbers are wire values; unknown values
+/// are a decode error, so a newer peer cannot slip a rung past an older one.
+///
+/// Room is left for rungs that carry file descriptors (host staging through a memfd, the VMM
+/// arena): when one is added, [`Message::expected_fds`] says how many FDs its frames carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[repr(u8)]
+pub enum Rung {
+    /// The allocation lives in the shared pool; the export blob names it.
+    PoolPointer = 1,
+}
+
+impl Rung {
+    /// Every rung, in wire order.
+    pub const ALL: [Rung; 1] = [Rung::PoolPointer];
+
+    /// The rung with this wire value.
+    pub fn from_wire(v: u8) -> Option<Self> {
+        Self::ALL.iter().copied().find(|r| *r as u8 == v)
+    }
+}
+
+/// A tensor's layout over an allocation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorMeta {
+    /// Element type.
+    pub dtype: DType,
+    /// Size of each dimension (at most [`MAX_DIMS`]).
+    pub shape: Vec<u64>,
+    /// Stride of each dimension, in elements (may be negative or zero); as many as `shape`.
+    pub strides: Vec<i64>,
+    /// Offset of element 0 from the start of the allocation, in bytes.
+    pub byte_offset: u64,
+    /// Bytes of the allocation the tensor may touch.
+    pub byte_len: u64,
+}
+
+/// One tensor of a [`Lend`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LentTensor {
+    /// The parent's name for this allocation on this connection.
+    pub handle: HandleId,
+    /// The rung it travels on.
+    pub rung: Rung,
+    /// The pointer export.
+    pub export: ExportBlob,
+    /// The READY event the worker waits on before touching the memory.
+    pub ready_event: EventBlob,
+    /// The layout.
+    pub meta: TensorMeta,
+}
+
+/// Parent → worker: tensors lent for a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lend {
+    /// The job.
+    pub job: JobId,
+    /// The tensors, in argument order.
+    pub tensors: Vec<LentTensor>,
+}
+
+/// The shape of one result, announced before the parent allocates it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResultSpec {
+    /// Element type.
+    pub dtype: DType,
+    /// Size of each dimension (at most [`MAX_DIMS`]); results are contiguous.
+    pub shape: Vec<u64>,
+    /// Bytes the result needs.
+    pub byte_len: u64,
+}
+
+/// Worker → parent: the results a job will produce, shape first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResultRequest {
+    /// The job.
+    pub job: JobId,
+    /// One entry per result.
+    pub results: Vec<ResultSpec>,
+}
+
+/// The parent's answer for one requested result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResultGrant {
+    /// Allocated: the worker imports `export` after waiting on `ready_event`, and writes.
+    Granted {
+        /// The parent's name for the allocation.
+        handle: HandleId,
+        /// The rung it travels on.
+        rung: Rung,
+        /// The pointer export.
+        export: ExportBlob,
+        /// The READY event.
+        ready_event: EventBlob,
+    },
+    /// Not allocated.
+    Refused {
+        /// Why, as a code the worker can act on.
+        code: ErrorCode,
+        /// Why, for a person.
+        message: String,
+    },
+}
+
+/// Parent → worker: the answer to a [`ResultRequest`], one entry per requested result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllocationGrant {
+    /// The job.
+    pub job: JobId,
+    /// In the order of the request.
+    pub results: Vec<ResultGrant>,
+}
+
+/// Worker → parent: the worker recorded DONE after its last access to these allocations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Done {
+    /// The job.
+    pub job: JobId,
+    /// The DONE event the parent's consumer streams wait on.
+    pub done_event: EventBlob,
+    /// The allocations it covers.
+    pub handles: Vec<HandleId>,
+}
+
+/// Acknowledges handles: from the worker, "unimported, you may release"; from the parent,
+/// "released".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ack {
+    /// The job.
+    pub job: JobId,
+    /// The allocations it covers.
+    pub handles: Vec<HandleId>,
+}
+
+/// One device a side can see, for multi-GPU setups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceEntry {
+    /// Stable identity.
+    pub uuid: DeviceUuid,
+    /// Ordinal in the sending process (differs across `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: u32,
+}
+
+/// What a side says about itself in the handshake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// The device the shared pool lives on.
+    pub device: DeviceUuid,
+    /// `cuDriverGetVersion`.
+    pub driver_version: i32,
+    /// What this side supports.
+    pub capabilities: Capabilities,
+    /// All devices this side sees (at most [`MAX_DEVICES`]).
+    pub devices: Vec<DeviceEntry>,
+}
+
+/// A numeric reason on the wire. Unknown codes decode fine (a newer peer may send one); the
+/// names below are the ones this version knows.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ErrorCode(pub u16);
+
+impl ErrorCode {
+    /// Something else; read the message.
+    pub const OTHER: Self = Self(0);
+    /// The protocol versions differ.
+    pub const VERSION_MISMATCH: Self = Self(1);
+    /// The sides are not on the same device.
+    pub const DEVICE_MISMATCH: Self = Self(2);
+    /// The driver versions differ.
+    pub const DRIVER_MISMATCH: Self = Self(3);
+    /// The peer lacks a required capability.
+    pub const MISSING_CAPABILITY: Self = Self(4);
+    /// A message arrived that the protocol does not allow at this point.
+    pub const UNEXPECTED_MESSAGE: Self = Self(5);
+    /// A frame could not be decoded.
+    pub const MALFORMED_FRAME: Self = Self(6);
+    /// Not enough memory for the allocation.
+    pub const OUT_OF_MEMORY: Self = Self(7);
+    /// The allocation exceeds the import limit.
+    pub const OVER_IMPORT_LIMIT: Self = Self(8);
+    /// The job was cancelled.
+    pub const CANCELLED: Self = Self(9);
+    /// An internal failure of the sender.
+    pub const INTERNAL: Self = Self(10);
+
+    /// The known name, if any.
+    pub fn name(self) -> Option<&'static str> {
+        Some(match self {
+            Self::OTHER => "other",
+            Self::VERSION_MISMATCH => "version mismatch",
+            Self::DEVICE_MISMATCH => "device mismatch",
+            Self::DRIVER_MISMATCH => "driver version mismatch",
+            Self::MISSING_CAPABILITY => "missing capability",
+            Self::UNEXPECTED_MESSAGE => "unexpected message",
+            Self::MALFORMED_FRAME => "malformed frame",
+            Self::OUT_OF_MEMORY => "out of memory",
+            Self::OVER_IMPORT_LIMIT => "over import limit",
+            Self::CANCELLED => "cancelled",
+            Self::INTERNAL => "internal",
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Debug for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => write!(f, "ErrorCode({} {n:?})", self.0),
+            None => write!(f, "ErrorCode({})", self.0),
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => write!(f, "{n}"),
+            None => write!(f, "code {}", self.0),
+        }
+    }
+}
+
+/// A message of the protocol. See the crate documentation for who sends which.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Message {
+    /// Parent → worker, first frame, with exactly one FD: the shared pool's.
+    Hello(Identity),
+    /// Worker → parent: the handshake is accepted; the worker's side of the story.
+    HelloAck(Identity),
+    /// Either side, during the handshake: refused, and why. The sender closes after it.
+    Refuse {
+        /// What the sender found wrong.
+        code: ErrorCode,
+        /// For a person.
+        message: String,
+    },
+    /// Parent → worker: tensors lent for a job.
+    Lend(Lend),
+    /// Worker → parent: the results' shapes, before the parent allocates them.
+    ResultRequest(ResultRequest),
+    /// Parent → worker: allocations for the requested results.
+    AllocationGrant(AllocationGrant),
+    /// Worker → parent: DONE was recorded after the last access.
+    Done(Done),
+    /// Either side: handles acknowledged (see [`Ack`]).
+    Ack(Ack),
+    /// Either side: something failed.
+    Error {
+        /// What failed, as a code.
+        code: ErrorCode,
+        /// For a person.
+        message: String,
+    },
+    /// Parent → worker: stop working on a job.
+    Cancel {
+        /// The job.
+        job: JobId,
+    },
+    /// Either side: still alive.
+    Heartbeat {
+        /// Echoed by the answer, so round trips can be matched.
+        seq: u64,
+    },
+    /// Either side: closing on purpose.
+    Bye,
+}
+
+/// The kind of a [`Message`], with its wire tag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[repr(u8)]
+#[allow(missing_docs)] // one per Message variant, same names
+pub enum MessageKind {
+    Hello = 1,
+    HelloAck = 2,
+    Refuse = 3,
+    Lend = 4,
+    ResultRequest = 5,
+    AllocationGrant = 6,
+    Done = 7,
+    Ack = 8,
+    Error = 9,
+    Cancel = 10,
+    Heartbeat = 11,
+    Bye = 12,
+}
+
+impl MessageKind {
+    /// Every kind, in tag order.
+    pub const ALL: [MessageKind; 12] = [
+        MessageKind::Hello,
+        MessageKind::HelloAck,
+        MessageKind::Refuse,
+        MessageKind::Lend,
+        MessageKind::ResultRequest,
+        MessageKind::AllocationGrant,
+        MessageKind::Done,
+        MessageKind::Ack,
+        MessageKind::Error,
+        MessageKind::Cancel,
+        MessageKind::Heartbeat,
+        MessageKind::Bye,
+    ];
+
+    /// The kind with this wire tag.
+    pub fn from_tag(tag: u8) -> Option<Self> {
+        Self::ALL.iter().copied().find(|k| *k as u8 == tag)
+    }
+
+    /// How many file descriptors a frame of this kind carries: the only count accepted.
+    ///
+    /// `Hello` carries the pool FD; nothing else carries any yet. Rungs that need FDs (a memfd
+    /// for host staging, VMM arena chunks) will add kinds here, never relax the check.
+    pub fn expected_fds(self) -> usize {
+        match self {
+            MessageKind::Hello => 1,
+            _ => 0,
+        }
+    }
+}
+
+impl fmt::Display for MessageKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+impl Message {
+    /// The kind (and wire tag) of this message.
+    pub fn kind(&self) -> MessageKind {
+        match self {
+            Message::Hello(_) => MessageKind::Hello,
+            Message::HelloAck(_) => MessageKind::HelloAck,
+            Message::Refuse { .. } => MessageKind::Refuse,
+            Message::Lend(_) => MessageKind::Lend,
+            Message::ResultRequest(_) => MessageKind::ResultRequest,
+            Message::AllocationGrant(_) => MessageKind::AllocationGrant,
+            Message::Done(_) => MessageKind::Done,
+            Message::Ack(_) => MessageKind::Ack,
+            Message::Error { .. } => MessageKind::Error,
+            Message::Cancel { .. } => MessageKind::Cancel,
+            Message::Heartbeat { .. } => MessageKind::Heartbeat,
+            Message::Bye => MessageKind::Bye,
+        }
+    }
+
+    /// How many file descriptors travel with this message (see [`MessageKind::expected_fds`]).
+    pub fn expected_fds(&self) -> usize {
+        self.kind().expected_fds()
+    }
+}

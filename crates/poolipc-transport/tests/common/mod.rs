@@ -1,0 +1,154 @@
+//! Shared by the integration tests: one sample of every message, with fixed values.
+#![allow(dead_code)] // each test file uses part of this
+
+use poolipc_transport::{
+    Ack, AllocationGrant, Capabilities, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob,
+    ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, Message, ResultGrant, ResultRequest,
+    ResultSpec, Rung, TensorMeta,
+};
+
+/// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
+pub(crate) fn blob64(start: u8) -> [u8; 64] {
+    std::array::from_fn(|i| start.wrapping_add(i as u8))
+}
+
+pub(crate) fn uuid(seed: u8) -> DeviceUuid {
+    DeviceUuid(std::array::from_fn(|i| {
+        seed.wrapping_mul(16).wrapping_add(i as u8)
+    }))
+}
+
+pub(crate) fn identity() -> Identity {
+    Identity {
+        device: uuid(1),
+        driver_version: 13000,
+        capabilities: Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS,
+        devices: vec![
+            DeviceEntry {
+                uuid: uuid(1),
+                ordinal: 0,
+            },
+            DeviceEntry {
+                uuid: uuid(2),
+                ordinal: 1,
+            },
+        ],
+    }
+}
+
+/// One named sample per message kind: the golden frames are these, encoded.
+pub(crate) fn samples() -> Vec<(&'static str, Message)> {
+    vec![
+        ("hello", Message::Hello(identity())),
+        (
+            "hello_ack",
+            Message::HelloAck(Identity {
+                devices: vec![DeviceEntry {
+                    uuid: uuid(1),
+                    ordinal: 3,
+                }],
+                ..identity()
+            }),
+        ),
+        (
+            "refuse",
+            Message::Refuse {
+                code: ErrorCode::DEVICE_MISMATCH,
+                message: "device mismatch: GPU-a vs GPU-b".into(),
+            },
+        ),
+        (
+            "lend",
+            Message::Lend(Lend {
+                job: JobId(7),
+                tensors: vec![
+                    LentTensor {
+                        handle: HandleId(1),
+                        rung: Rung::PoolPointer,
+                        export: ExportBlob(blob64(0x10)),
+                        ready_event: EventBlob(blob64(0x80)),
+                        meta: TensorMeta {
+                            dtype: DType::BF16,
+                            shape: vec![2, 3, 4],
+                            strides: vec![12, 4, 1],
+                            byte_offset: 0,
+                            byte_len: 48,
+                        },
+                    },
+                    LentTensor {
+                        handle: HandleId(2),
+                        rung: Rung::PoolPointer,
+                        export: ExportBlob(blob64(0x20)),
+                        ready_event: EventBlob(blob64(0x90)),
+                        meta: TensorMeta {
+                            dtype: DType::F32,
+                            shape: vec![5],
+                            strides: vec![-1],
+                            byte_offset: 16,
+                            byte_len: 20,
+                        },
+                    },
+                ],
+            }),
+        ),
+        (
+            "result_request",
+            Message::ResultRequest(ResultRequest {
+                job: JobId(7),
+                results: vec![ResultSpec {
+                    dtype: DType::F16,
+                    shape: vec![1, 4, 64, 64],
+                    byte_len: 32768,
+                }],
+            }),
+        ),
+        (
+            "allocation_grant",
+            Message::AllocationGrant(AllocationGrant {
+                job: JobId(7),
+                results: vec![
+                    ResultGrant::Granted {
+                        handle: HandleId(3),
+                        rung: Rung::PoolPointer,
+                        export: ExportBlob(blob64(0x30)),
+                        ready_event: EventBlob(blob64(0xa0)),
+                    },
+                    ResultGrant::Refused {
+                        code: ErrorCode::OVER_IMPORT_LIMIT,
+                        message: "over the import limit".into(),
+                    },
+                ],
+            }),
+        ),
+        (
+            "done",
+            Message::Done(Done {
+                job: JobId(7),
+                done_event: EventBlob(blob64(0xc0)),
+                handles: vec![HandleId(1), HandleId(2), HandleId(3)],
+            }),
+        ),
+        (
+            "ack",
+            Message::Ack(Ack {
+                job: JobId(7),
+                handles: vec![HandleId(1), HandleId(2), HandleId(3)],
+            }),
+        ),
+        (
+            "error",
+            Message::Error {
+                code: ErrorCode::INTERNAL,
+                message: "worker failed: ünïcode ok".into(),
+            },
+        ),
+        ("cancel", Message::Cancel { job: JobId(7) }),
+        (
+            "heartbeat",
+            Message::Heartbeat {
+                seq: 0x0102_0304_0506_0708,
+            },
+        ),
+        ("bye", Message::Bye),
+    ]
+}
