@@ -55,3 +55,8 @@ pub use message::{
     MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, Rung, TensorMeta,
 };
 pub use spawn::{FD_ENV, connection_from_env, parse_fd_var, spawn_worker};
+
+#[cfg(test)]
+mod connection_tests;
+#[cfg(test)]
+mod setup_tests;

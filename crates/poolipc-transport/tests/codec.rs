@@ -1,0 +1,318 @@
+//! The codec on its own: round trips, and malformed bytes giving typed errors.
+
+mod common;
+
+use poolipc_transport::codec::{HEADER_LEN, decode, encode};
+use poolipc_transport::{
+    Ack, AllocationGrant, Capabilities, DType, DecodeError, DeviceEntry, DeviceUuid, Done,
+    EncodeError, ErrorCode, EventBlob, ExportBlob, FrameLimits, HandleId, Identity, JobId, Lend,
+    LentTensor, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message, MessageKind, PROTOCOL_VERSION,
+    ResultGrant, ResultRequest, ResultSpec, Rung, TensorMeta,
+};
+use proptest::prelude::*;
+use rstest::rstest;
+
+// ---- strategies -------------------------------------------------------------------------
+
+fn blob() -> impl Strategy<Value = [u8; 64]> {
+    prop::array::uniform32(any::<u8>()).prop_flat_map(|a| {
+        prop::array::uniform32(any::<u8>()).prop_map(move |b| {
+            let mut out = [0u8; 64];
+            out[..32].copy_from_slice(&a);
+            out[32..].copy_from_slice(&b);
+            out
+        })
+    })
+}
+
+fn text() -> impl Strategy<Value = String> {
+    // Up to MAX_TEXT_LEN bytes, multi-byte characters included.
+    "\\PC{0,200}".prop_filter("fits", |s| s.len() <= MAX_TEXT_LEN)
+}
+
+fn dtype() -> impl Strategy<Value = DType> {
+    prop::sample::select(DType::ALL.to_vec())
+}
+
+fn rung() -> impl Strategy<Value = Rung> {
+    prop::sample::select(Rung::ALL.to_vec())
+}
+
+fn identity() -> impl Strategy<Value = Identity> {
+    (
+        any::<[u8; 16]>(),
+        any::<i32>(),
+        any::<u64>(),
+        prop::collection::vec((any::<[u8; 16]>(), any::<u32>()), 0..8),
+    )
+        .prop_map(|(d, v, c, devs)| Identity {
+            device: DeviceUuid(d),
+            driver_version: v,
+            capabilities: Capabilities(c),
+            devices: devs
+                .into_iter()
+                .map(|(u, o)| DeviceEntry {
+                    uuid: DeviceUuid(u),
+                    ordinal: o,
+                })
+                .collect(),
+        })
+}
+
+fn tensor() -> impl Strategy<Value = LentTensor> {
+    (
+        any::<u64>(),
+        rung(),
+        blob(),
+        blob(),
+        dtype(),
+        prop::collection::vec((any::<u64>(), any::<i64>()), 0..=MAX_DIMS),
+        any::<u64>(),
+        any::<u64>(),
+    )
+        .prop_map(|(h, rung, e, r, dtype, dims, off, len)| LentTensor {
+            handle: HandleId(h),
+            rung,
+            export: ExportBlob(e),
+            ready_event: EventBlob(r),
+            meta: TensorMeta {
+                dtype,
+                shape: dims.iter().map(|d| d.0).collect(),
+                strides: dims.iter().map(|d| d.1).collect(),
+                byte_offset: off,
+                byte_len: len,
+            },
+        })
+}
+
+fn grant() -> impl Strategy<Value = ResultGrant> {
+    prop_oneof![
+        (any::<u64>(), rung(), blob(), blob()).prop_map(|(h, rung, e, r)| ResultGrant::Granted {
+            handle: HandleId(h),
+            rung,
+            export: ExportBlob(e),
+            ready_event: EventBlob(r),
+        }),
+        (any::<u16>(), text()).prop_map(|(c, m)| ResultGrant::Refused {
+            code: ErrorCode(c),
+            message: m,
+        }),
+    ]
+}
+
+fn handles() -> impl Strategy<Value = Vec<HandleId>> {
+    prop::collection::vec(any::<u64>().prop_map(HandleId), 0..50)
+}
+
+fn message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        identity().prop_map(Message::Hello),
+        identity().prop_map(Message::HelloAck),
+        (any::<u16>(), text()).prop_map(|(c, m)| Message::Refuse {
+            code: ErrorCode(c),
+            message: m
+        }),
+        (any::<u64>(), prop::collection::vec(tensor(), 0..20)).prop_map(|(j, tensors)| {
+            Message::Lend(Lend {
+                job: JobId(j),
+                tensors,
+            })
+        }),
+        (
+            any::<u64>(),
+            prop::collection::vec(
+                (
+                    dtype(),
+                    prop::collection::vec(any::<u64>(), 0..=MAX_DIMS),
+                    any::<u64>()
+                ),
+                0..20
+            )
+        )
+            .prop_map(|(j, rs)| Message::ResultRequest(ResultRequest {
+                job: JobId(j),
+                results: rs
+                    .into_iter()
+                    .map(|(dtype, shape, byte_len)| ResultSpec {
+                        dtype,
+                        shape,
+                        byte_len
+                    })
+                    .collect(),
+            })),
+        (any::<u64>(), prop::collection::vec(grant(), 0..20)).prop_map(|(j, results)| {
+            Message::AllocationGrant(AllocationGrant {
+                job: JobId(j),
+                results,
+            })
+        }),
+        (any::<u64>(), blob(), handles()).prop_map(|(j, e, handles)| Message::Done(Done {
+            job: JobId(j),
+            done_event: EventBlob(e),
+            handles,
+        })),
+        (any::<u64>(), handles()).prop_map(|(j, handles)| Message::Ack(Ack {
+            job: JobId(j),
+            handles
+        })),
+        (any::<u16>(), text()).prop_map(|(c, m)| Message::Error {
+            code: ErrorCode(c),
+            message: m
+        }),
+        any::<u64>().prop_map(|j| Message::Cancel { job: JobId(j) }),
+        any::<u64>().prop_map(|seq| Message::Heartbeat { seq }),
+        Just(Message::Bye),
+    ]
+}
+
+// ---- properties -------------------------------------------------------------------------
+
+proptest! {
+    #[test]
+    fn every_message_decodes_to_itself_after_encoding(msg in message()) {
+        let bytes = encode(&msg, FrameLimits::default()).expect("fits the cap");
+        prop_assert!(bytes.len() <= MAX_FRAME_LEN);
+        prop_assert_eq!(decode(&bytes, FrameLimits::default()), Ok(msg));
+    }
+
+    #[test]
+    fn every_strict_prefix_of_a_frame_is_an_error(msg in message(), cut in any::<prop::sample::Index>()) {
+        let bytes = encode(&msg, FrameLimits::default()).expect("fits the cap");
+        let cut = cut.index(bytes.len());
+        prop_assert!(decode(&bytes[..cut], FrameLimits::default()).is_err());
+    }
+
+    #[test]
+    fn arbitrary_bytes_decode_to_ok_or_an_error_without_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        let _ = decode(&bytes, FrameLimits::default());
+    }
+
+    #[test]
+    fn arbitrary_payloads_behind_a_valid_header_never_panic(
+        tag in 0u8..16,
+        payload in prop::collection::vec(any::<u8>(), 0..512),
+    ) {
+        let mut frame = header(payload.len() as u32, PROTOCOL_VERSION, tag, 0);
+        frame.extend_from_slice(&payload);
+        let _ = decode(&frame, FrameLimits::default());
+    }
+}
+
+// ---- malformed input, one typed error each ------------------------------------------------
+
+fn header(len: u32, version: u8, tag: u8, reserved: u16) -> Vec<u8> {
+    let mut h = len.to_le_bytes().to_vec();
+    h.push(version);
+    h.push(tag);
+    h.extend_from_slice(&reserved.to_le_bytes());
+    h
+}
+
+fn frame(tag: MessageKind, payload: &[u8]) -> Vec<u8> {
+    let mut f = header(payload.len() as u32, PROTOCOL_VERSION, tag as u8, 0);
+    f.extend_from_slice(payload);
+    f
+}
+
+fn heartbeat() -> Vec<u8> {
+    encode(&Message::Heartbeat { seq: 1 }, FrameLimits::default()).expect("encodes")
+}
+
+#[rstest]
+#[case::empty_input(vec![], |e: &DecodeError| matches!(e, DecodeError::Truncated { needed: HEADER_LEN, available: 0 }))]
+#[case::half_header(heartbeat()[..5].to_vec(), |e: &DecodeError| matches!(e, DecodeError::Truncated { needed: HEADER_LEN, .. }))]
+#[case::truncated_payload(heartbeat()[..12].to_vec(), |e: &DecodeError| matches!(e, DecodeError::Truncated { needed: 16, available: 12 }))]
+#[case::length_over_the_cap(header((MAX_FRAME_LEN) as u32, PROTOCOL_VERSION, 11, 0), |e: &DecodeError| matches!(e, DecodeError::TooLarge { .. }))]
+#[case::length_u32_max(header(u32::MAX, PROTOCOL_VERSION, 11, 0), |e: &DecodeError| matches!(e, DecodeError::TooLarge { .. }))]
+#[case::unknown_version(header(0, 99, 12, 0), |e: &DecodeError| matches!(e, DecodeError::UnknownVersion { found: 99, supported: PROTOCOL_VERSION }))]
+#[case::version_zero(header(0, 0, 12, 0), |e: &DecodeError| matches!(e, DecodeError::UnknownVersion { found: 0, .. }))]
+#[case::unknown_tag(header(0, PROTOCOL_VERSION, 200, 0), |e: &DecodeError| matches!(e, DecodeError::UnknownTag(200)))]
+#[case::tag_zero(header(0, PROTOCOL_VERSION, 0, 0), |e: &DecodeError| matches!(e, DecodeError::UnknownTag(0)))]
+#[case::reserved_bits_set(header(0, PROTOCOL_VERSION, 12, 1), |e: &DecodeError| matches!(e, DecodeError::ReservedBits(1)))]
+#[case::trailing_payload_bytes(frame(MessageKind::Bye, &[0]), |e: &DecodeError| matches!(e, DecodeError::TrailingBytes { kind: MessageKind::Bye, count: 1 }))]
+#[case::bytes_after_the_frame({ let mut f = heartbeat(); f.push(0); f }, |e: &DecodeError| matches!(e, DecodeError::TrailingBytes { count: 1, .. }))]
+#[case::payload_field_cut(frame(MessageKind::Heartbeat, &[1, 2, 3]), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { field: "seq", .. }))]
+#[case::count_larger_than_the_frame(frame(MessageKind::Ack, &[7, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]), |e: &DecodeError| matches!(e, DecodeError::BadCount { field: "handles", count: 0xffff_ffff, max: 0, .. }))]
+#[case::too_many_dims(frame(MessageKind::ResultRequest, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[DType::F32 as u8, 33]); p.extend_from_slice(&[0; 33 * 8 + 8]); p }), |e: &DecodeError| matches!(e, DecodeError::BadCount { field: "shape", count: 33, max: MAX_DIMS, .. }))]
+#[case::text_over_its_limit(frame(MessageKind::Error, &{ let mut p = vec![0, 0]; p.extend_from_slice(&2000u16.to_le_bytes()); p.extend_from_slice(&[b'a'; 2000]); p }), |e: &DecodeError| matches!(e, DecodeError::BadCount { field: "message", count: 2000, .. }))]
+#[case::text_not_utf8(frame(MessageKind::Error, &[0, 0, 2, 0, 0xc3, 0x28]), |e: &DecodeError| matches!(e, DecodeError::InvalidUtf8 { field: "message", .. }))]
+#[case::unknown_dtype(frame(MessageKind::ResultRequest, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0xee, 0]); p.extend_from_slice(&[0; 8]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "dtype", value: 0xee, .. }))]
+#[case::unknown_rung(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 8]); p.push(9); p.extend_from_slice(&[0; 128]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "rung", value: 9, .. }))]
+#[case::unknown_grant_kind(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(7); p.extend_from_slice(&[0; 16]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "grant", value: 7, .. }))]
+fn malformed_bytes_give_a_typed_decode_error(
+    #[case] bytes: Vec<u8>,
+    #[case] expected: fn(&DecodeError) -> bool,
+) {
+    match decode(&bytes, FrameLimits::default()) {
+        Err(e) => assert!(expected(&e), "unexpected error: {e:?}"),
+        Ok(m) => panic!("decoded {m:?}"),
+    }
+}
+
+#[test]
+fn a_lowered_cap_rejects_frames_the_default_accepts() {
+    let limits = FrameLimits::new(4096);
+    let big = Message::Ack(Ack {
+        job: JobId(1),
+        handles: (0..1000).map(HandleId).collect(),
+    });
+    let bytes = encode(&big, FrameLimits::default()).expect("fits the default cap");
+    assert!(matches!(
+        decode(&bytes, limits),
+        Err(DecodeError::TooLarge { max: 4096, .. })
+    ));
+    assert!(matches!(
+        encode(&big, limits),
+        Err(EncodeError::TooLarge { max: 4096, .. })
+    ));
+}
+
+#[test]
+fn a_cap_cannot_be_raised_above_the_hard_cap() {
+    assert_eq!(FrameLimits::new(usize::MAX).max_frame_len(), MAX_FRAME_LEN);
+}
+
+#[test]
+fn a_batch_of_a_thousand_tensors_fits_one_frame() {
+    let Message::Lend(lend) = &common::samples()[3].1 else {
+        panic!("sample 3 is a Lend")
+    };
+    let t = lend.tensors[0].clone();
+    let msg = Message::Lend(Lend {
+        job: JobId(1),
+        tensors: vec![t; 1000],
+    });
+    let bytes = encode(&msg, FrameLimits::default()).expect("1000 tensors fit");
+    assert_eq!(decode(&bytes, FrameLimits::default()), Ok(msg));
+}
+
+#[test]
+fn encoding_refuses_shape_and_strides_of_different_lengths() {
+    let mut msg = common::samples()[3].1.clone();
+    if let Message::Lend(l) = &mut msg {
+        l.tensors[0].meta.strides.pop();
+    }
+    assert!(matches!(
+        encode(&msg, FrameLimits::default()),
+        Err(EncodeError::StridesMismatch {
+            shape: 3,
+            strides: 2,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn encoding_refuses_text_over_its_limit() {
+    let msg = Message::Error {
+        code: ErrorCode::OTHER,
+        message: "x".repeat(MAX_TEXT_LEN + 1),
+    };
+    assert!(matches!(
+        encode(&msg, FrameLimits::default()),
+        Err(EncodeError::FieldTooLong {
+            field: "message",
+            ..
+        })
+    ));
+}
