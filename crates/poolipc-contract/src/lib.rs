@@ -1,2 +1,50 @@
 //! The poolipc ownership contract as a sans-IO state machine.
+//!
+//! ```text
+//! EXPORT -> READY-event -> IMPORT -> WRITE -> DONE-event -> UNIMPORT -> ACK -> RELEASE
+//! ```
+//!
+//! Two machines, one per side, in the manner of `quinn-proto`: no IO, no clock, no unsafe.
+//! Inputs go in ([`Parent::lend`], [`Parent::handle`], [`Worker::handle`], [`Worker::finish`],
+//! ...), with the time passed in as a [`Timestamp`]; the work to do comes out of
+//! [`Parent::poll_action`] and [`Worker::poll_action`], in the order it must be done.
+//!
+//! - [`Parent`] lends inputs (refusing allocations above the [`PointerLimit`], the rung
+//!   decision's input), answers shape-first result requests through the facade's allocator,
+//!   releases a handoff only after the worker's ACK and a wait on its DONE event, enforces
+//!   deadlines by killing the worker, and releases a dead worker's handoffs once it is reaped.
+//! - [`Worker`] imports each allocation once and refcounts it, waits on READY before the
+//!   memory is usable, and on [`Worker::finish`] records DONE, unimports, then ACKs.
+//! - [`typestate`] gives the facade handles whose methods consume `self`, so the order is
+//!   checked by the compiler where it can be.
+//! - [`Invariant`] names DESIGN.md's eight invariants; [`audit::Auditor`] checks them on what
+//!   the machines do; [`sim::World`] is the simulated world the property tests and the fuzz
+//!   target drive.
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod audit;
+mod error;
+mod invariant;
+mod limit;
+mod message;
+mod mutation;
+mod parent;
+pub mod sim;
+mod types;
+pub mod typestate;
+mod worker;
+
+#[cfg(test)]
+mod tests;
+
+pub use error::ContractError;
+pub use invariant::{Invariant, Violation};
+pub use limit::{CHUNK_BYTES, MAX_CHUNKS, PointerLimit};
+pub use message::{Offer, Refusal, ToParent, ToWorker};
+pub use parent::{FailReason, Parent, ParentAction, ParentConfig, ParentEvent};
+pub use types::{
+    AllocId, DType, HandoffId, JobId, Outcome, Purpose, RequestId, ResultSpec, Span, Timestamp,
+    WorkerId,
+};
+pub use worker::{Worker, WorkerAction, WorkerEvent};

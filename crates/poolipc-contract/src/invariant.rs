@@ -1,0 +1,81 @@
+//! The eight invariants of the ownership contract (DESIGN.md, "The ownership contract"),
+//! named so that code, tests and reports speak of the same thing.
+
+use std::fmt;
+
+/// One invariant of the ownership contract. The number is DESIGN.md's.
+///
+/// [`crate::audit::Auditor`] checks each of them on what the two state machines *do* (their
+/// actions and the messages delivered), not on what they believe.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum Invariant {
+    /// 1. The parent owns every allocation. A worker never allocates memory the parent keeps:
+    /// every export, offer and release names an allocation the parent made.
+    ParentOwnsAllocations = 1,
+    /// 2. The worker touches memory only after it waited (on its stream) for the parent's READY
+    /// event, and the parent recorded READY before it offered.
+    ReadyBeforeAccess = 2,
+    /// 3. The worker records DONE after its last access, frees its import (UNIMPORT), then ACKs.
+    DoneThenUnimportThenAck = 3,
+    /// 4. The parent releases only after the ACK, and makes its consumer streams wait on DONE
+    /// first: the gate is GPU completion, never CPU receipt. Each handoff is released once.
+    ReleaseAfterAckAndDone = 4,
+    /// 5. An import is freed before the exporter frees the allocation, in every path, faults
+    /// included; nothing freed is imported.
+    UnimportBeforeFree = 5,
+    /// 6. One import per exported allocation per worker, refcounted: never a second driver
+    /// import of the same allocation in one worker, never an unimport while a handoff uses it.
+    OneImportPerAllocation = 6,
+    /// 7. No allocation above the import limit is ever offered for pointer import.
+    ImportLimit = 7,
+    /// 8. A worker that dies mid-handoff fails its jobs only: once it is reaped the parent
+    /// releases everything it had lent it, touches no other worker's handoffs, and keeps
+    /// serving the others.
+    DeathFailsOnlyItsJobs = 8,
+}
+
+impl Invariant {
+    /// All eight, in DESIGN.md's order.
+    pub const ALL: [Invariant; 8] = [
+        Invariant::ParentOwnsAllocations,
+        Invariant::ReadyBeforeAccess,
+        Invariant::DoneThenUnimportThenAck,
+        Invariant::ReleaseAfterAckAndDone,
+        Invariant::UnimportBeforeFree,
+        Invariant::OneImportPerAllocation,
+        Invariant::ImportLimit,
+        Invariant::DeathFailsOnlyItsJobs,
+    ];
+
+    /// DESIGN.md's number for it.
+    #[must_use]
+    pub fn number(self) -> u8 {
+        self as u8
+    }
+}
+
+impl fmt::Display for Invariant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invariant {} ({:?})", self.number(), self)
+    }
+}
+
+/// A broken invariant, with what was seen.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{invariant} violated: {detail}")]
+pub struct Violation {
+    /// The invariant.
+    pub invariant: Invariant,
+    /// What happened.
+    pub detail: String,
+}
+
+impl Violation {
+    pub(crate) fn new(invariant: Invariant, detail: impl Into<String>) -> Violation {
+        Violation {
+            invariant,
+            detail: detail.into(),
+        }
+    }
+}

@@ -1,0 +1,30 @@
+//! Deliberate bugs, one per invariant, that exist to prove the property test can fail.
+//!
+//! Only `cfg(test)` builds can switch one on (the machines' `mutation` field exists only
+//! there); in every other build [`Mutation`] is never constructed and each check of it is a
+//! constant `false`.
+
+/// A mutated transition. Each breaks the invariant named in its doc.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(test), allow(dead_code))] // constructed by the mutation tests only
+pub(crate) enum Mutation {
+    /// Invariant 1: the parent answers a result request by offering memory it never
+    /// allocated, instead of asking the facade to allocate.
+    GrantBeforeAllocation,
+    /// Invariant 2: the worker hands the memory to its user without waiting on READY.
+    UseBeforeReady,
+    /// Invariant 3: the worker ACKs before it unimports.
+    AckBeforeUnimport,
+    /// Invariant 4: the parent releases on the ACK without making its streams wait on DONE.
+    ReleaseWithoutWaitingDone,
+    /// Invariant 5: the parent releases a hung-up worker's handoffs before it is reaped,
+    /// while the (still running) process may hold the imports.
+    ReleaseAtHangUp,
+    /// Invariant 6: the worker imports every offer, even of an allocation it holds already.
+    ImportEveryOffer,
+    /// Invariant 7: the parent offers allocations above the import limit.
+    IgnoreImportLimit,
+    /// Invariant 8: on reaping, the parent forgets the dead worker's handoffs instead of
+    /// releasing them.
+    ForgetDeadWorkersLoans,
+}
