@@ -1,2 +1,266 @@
-//! cargo xtask.
-fn main() {}
+//! `cargo xtask`: the project's chores, runnable by a newcomer.
+//!
+//! - `cargo xtask ci`: what CI runs (fmt, clippy, tests, doc tests, rustdoc, cargo-deny, fuzz
+//!   build).
+//! - `cargo xtask gpu-bundle`: release builds of the hardware tests and the `poolipc` binary,
+//!   with a `run.sh`, into `target/gpu-bundle/` (see `../shared/GPU.md`).
+//! - `cargo xtask gpu-test`: the bundle, then its `run.sh`, on this machine's GPU.
+//! - `cargo xtask fuzz [seconds]`: each fuzz target for a bounded time.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = root()?;
+    std::env::set_current_dir(&root)?;
+    match args.first().map(String::as_str) {
+        Some("ci") => ci(),
+        Some("gpu-bundle") => gpu_bundle(&root).map(|_| ()),
+        Some("gpu-test") => {
+            let bundle = gpu_bundle(&root)?;
+            run(Command::new(bundle.join("run.sh")))
+        }
+        Some("fuzz") => {
+            let secs: u64 = args
+                .get(1)
+                .map_or(Ok(60), |s| s.parse())
+                .context("seconds")?;
+            fuzz_run(secs)
+        }
+        _ => {
+            eprintln!("usage: cargo xtask <ci | gpu-bundle | gpu-test | fuzz [seconds]>");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn root() -> Result<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    Ok(dir
+        .parent()
+        .context("xtask has no parent directory")?
+        .to_path_buf())
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn run(mut cmd: Command) -> Result<()> {
+    eprintln!("$ {cmd:?}");
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn has_subcommand(name: &str) -> bool {
+    cargo()
+        .args([name, "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn ci() -> Result<()> {
+    let mut c = cargo();
+    c.args(["fmt", "--all", "--check"]);
+    run(c)?;
+    let mut c = cargo();
+    c.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--all-features",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run(c)?;
+    if has_subcommand("nextest") {
+        let mut c = cargo();
+        c.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
+        run(c)?;
+    } else {
+        eprintln!(
+            "cargo-nextest not found: running cargo test (install it: cargo install cargo-nextest)"
+        );
+        let mut c = cargo();
+        c.args(["test", "--workspace", "--lib", "--bins", "--tests"]);
+        run(c)?;
+    }
+    let mut c = cargo();
+    c.args(["test", "--workspace", "--doc"]);
+    run(c)?;
+    let mut c = cargo();
+    c.args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run(c)?;
+    if has_subcommand("deny") {
+        let mut c = cargo();
+        c.args(["deny", "--log-level", "error", "check"]);
+        run(c)?;
+    } else {
+        bail!(
+            "cargo-deny is not installed: `cargo install --locked cargo-deny` (.ci/run does this)"
+        );
+    }
+    fuzz_build()?;
+    eprintln!("xtask ci: all green");
+    Ok(())
+}
+
+/// The fuzz targets, built with cargo-fuzz on the stable toolchain (RUSTC_BOOTSTRAP lets it
+/// pass the `-Z` flags it needs; no sanitizer, which stable does not ship).
+fn fuzz_command(sub: &str) -> Command {
+    let mut c = cargo();
+    c.args(["fuzz", sub, "--sanitizer", "none"])
+        .env("RUSTC_BOOTSTRAP", "1");
+    c
+}
+
+fn fuzz_build() -> Result<()> {
+    if !has_subcommand("fuzz") {
+        bail!(
+            "cargo-fuzz is not installed: `cargo install --locked cargo-fuzz` (.ci/run does this)"
+        );
+    }
+    run(fuzz_command("build"))
+}
+
+fn fuzz_run(secs: u64) -> Result<()> {
+    fuzz_build()?;
+    for target in ["frame_decode", "contract_ops"] {
+        let mut c = fuzz_command("run");
+        c.args([target, "--", &format!("-max_total_time={secs}")]);
+        run(c)?;
+    }
+    Ok(())
+}
+
+/// Test executables cargo reports for `cargo test --no-run --message-format=json`.
+fn test_executables(json: &str) -> Vec<PathBuf> {
+    json.lines()
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\"") && l.contains("\"test\":true"))
+        .filter_map(|l| {
+            let start = l.find("\"executable\":\"")? + "\"executable\":\"".len();
+            let end = start + l[start..].find('"')?;
+            Some(PathBuf::from(&l[start..end]))
+        })
+        .collect()
+}
+
+fn copy(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to)
+        .with_context(|| format!("copy {} -> {}", from.display(), to.display()))?;
+    Ok(())
+}
+
+fn gpu_bundle(root: &Path) -> Result<PathBuf> {
+    let bundle = root.join("target/gpu-bundle");
+    if bundle.exists() {
+        std::fs::remove_dir_all(&bundle)?;
+    }
+    std::fs::create_dir_all(bundle.join("tests"))?;
+    let mut c = cargo();
+    c.args([
+        "build",
+        "--release",
+        "-p",
+        "poolipc-cli",
+        "-p",
+        "poolipc-tests",
+        "--bins",
+    ]);
+    run(c)?;
+    let release = root.join("target/release");
+    copy(&release.join("poolipc"), &bundle.join("poolipc"))?;
+    copy(
+        &release.join("poolipc-test-child"),
+        &bundle.join("tests/poolipc-test-child"),
+    )?;
+    let out = cargo()
+        .args([
+            "test",
+            "--release",
+            "--no-run",
+            "--message-format=json",
+            "-p",
+            "poolipc-tests",
+            "-p",
+            "poolipc-driver",
+            "-p",
+            "poolipc-pool",
+        ])
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "building the test binaries failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let exes = test_executables(&String::from_utf8_lossy(&out.stdout));
+    if exes.is_empty() {
+        bail!("cargo reported no test executables");
+    }
+    for exe in &exes {
+        let name = exe
+            .file_name()
+            .context("test executable has no name")?
+            .to_string_lossy();
+        // `foundation-0123abcd` -> `foundation`
+        let short = name.rsplit_once('-').map_or(name.as_ref(), |(a, _)| a);
+        copy(exe, &bundle.join("tests").join(short))?;
+    }
+    let script = bundle.join("run.sh");
+    std::fs::write(&script, RUN_SH)?;
+    let mut perms = std::fs::metadata(&script)?.permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(&script, perms)?;
+    eprintln!(
+        "gpu bundle: {} ({} test binaries)",
+        bundle.display(),
+        exes.len()
+    );
+    Ok(bundle)
+}
+
+/// Runs every test of every binary in its own process (the shared pool is per process, as it
+/// is for nextest), then `poolipc doctor --probe-limit`; logs under $OUT, a table last.
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# Generated by `cargo xtask gpu-bundle`. Runs the hardware tests and the doctor; logs in $OUT.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$here/out}
+mkdir -p "$out"
+export POOLIPC_TEST_CHILD="$here/tests/poolipc-test-child"
+export RUST_BACKTRACE=1
+summary="$out/summary.txt"
+: > "$summary"
+log="$out/tests.log"
+: > "$log"
+pass=0; fail=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1 || echo "nvidia-smi: not available" >> "$summary"
+for bin in "$here"/tests/*; do
+  name=$(basename "$bin")
+  [ "$name" = poolipc-test-child ] && continue
+  for t in $("$bin" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
+    start=$(date +%s.%N)
+    if "$bin" --exact "$t" --nocapture --test-threads=1 >"$out/one.log" 2>&1; then r=ok; pass=$((pass+1)); else r=FAILED; fail=$((fail+1)); fi
+    secs=$(echo "$(date +%s.%N) - $start" | bc)
+    note=$(grep -hoE 'RAN on CudaDriver|NOT RUN on hardware[^(]*|ratio [0-9]+×' "$out/one.log" | head -2 | tr '\n' ' ')
+    { echo "=== $name::$t: $r (${secs}s)"; cat "$out/one.log"; } >> "$log"
+    printf '%-7s %-90s %6.2fs %s\n' "$r" "$name::$t" "$secs" "$note" >> "$summary"
+  done
+done
+rm -f "$out/one.log"
+echo "--- poolipc doctor --probe-limit" >> "$summary"
+"$here/poolipc" doctor --probe-limit > "$out/doctor.log" 2>&1; echo "doctor exit: $?" >> "$summary"
+cat "$out/doctor.log" >> "$summary"
+echo "--- tests: $pass passed, $fail failed" >> "$summary"
+cat "$summary"
+[ "$fail" -eq 0 ]
+"#;
