@@ -1,16 +1,18 @@
-//! The handshake: the first two frames of every connection.
+//! The handshake: the first three frames of every connection.
 //!
 //! ```text
 //! parent                                   worker
 //!   Hello(identity) + pool FD   ─────────▶   checks version, device, driver, capabilities
 //!                               ◀─────────   HelloAck(identity)  or  Refuse(code, reason)
 //!   checks the same the other way
-//!   (on mismatch: Refuse(code, reason) ──▶)
+//!   HelloAck(identity)          ─────────▶   (or Refuse(code, reason))
 //! ```
 //!
 //! A side that finds a mismatch sends `Refuse` with the reason before it returns its error, so
 //! both sides end with a typed error that names the problem: the refusing side the specific
-//! mismatch, the refused side [`HandshakeError::Refused`] with the peer's code and reason.
+//! mismatch, the refused side [`HandshakeError::Refused`] with the peer's code and reason. The
+//! third frame exists so that the worker, too, learns of a refusal by the parent before it
+//! believes the connection is up.
 //!
 //! The protocol version travels in every frame header. A frame of another version fails to
 //! decode ([`crate::DecodeError::UnknownVersion`]), which the handshake turns into a refusal
@@ -175,7 +177,8 @@ fn refuse(conn: &mut Connection, err: HandshakeError, deadline: Instant) -> Hand
 }
 
 /// Parent side: sends `Hello` with the pool FD, waits for the worker's answer by `deadline`,
-/// and checks it. Returns what was learnt about the worker.
+/// checks it, and confirms with `HelloAck` (or refuses). Returns what was learnt about the
+/// worker.
 pub fn parent_handshake(
     conn: &mut Connection,
     local: &HandshakeConfig,
@@ -193,7 +196,9 @@ pub fn parent_handshake(
     };
     match answer {
         Message::HelloAck(theirs) => {
-            check_peer(local, &theirs).map_err(|e| refuse(conn, e, deadline))
+            let peer = check_peer(local, &theirs).map_err(|e| refuse(conn, e, deadline))?;
+            conn.send(&Message::HelloAck(local.identity.clone()), &[], deadline)?;
+            Ok(peer)
         }
         Message::Refuse { code, message } => Err(HandshakeError::Refused { code, message }),
         other => Err(refuse(
@@ -207,8 +212,9 @@ pub fn parent_handshake(
     }
 }
 
-/// Worker side: waits for the parent's `Hello` by `deadline`, checks it, and answers
-/// `HelloAck` (or `Refuse`). Returns what was learnt about the parent and the pool FD.
+/// Worker side: waits for the parent's `Hello` by `deadline`, checks it, answers `HelloAck`
+/// (or `Refuse`), and waits for the parent's confirming `HelloAck`. Returns what was learnt
+/// about the parent and the pool FD.
 pub fn worker_handshake(
     conn: &mut Connection,
     local: &HandshakeConfig,
@@ -242,6 +248,23 @@ pub fn worker_handshake(
         }));
     };
     conn.send(&Message::HelloAck(local.identity.clone()), &[], deadline)?;
+    match conn.recv(deadline) {
+        Ok((Message::HelloAck(_), _)) => {}
+        Ok((Message::Refuse { code, message }, _)) => {
+            return Err(HandshakeError::Refused { code, message });
+        }
+        Ok((other, _)) => {
+            return Err(refuse(
+                conn,
+                HandshakeError::UnexpectedMessage {
+                    expected: "HelloAck or Refuse",
+                    got: other.kind(),
+                },
+                deadline,
+            ));
+        }
+        Err(e) => return Err(refuse(conn, recv_error(e), deadline)),
+    }
     tracing::debug!(parent_device = %theirs.device, version = PROTOCOL_VERSION, "handshake done");
     Ok((peer, pool_fd))
 }

@@ -18,7 +18,7 @@
 //! | message | direction | FDs |
 //! |---|---|---|
 //! | `Hello` | parent → worker, first frame | exactly 1: the pool |
-//! | `HelloAck` / `Refuse` | worker → parent (or parent → worker, refusing the ack) | 0 |
+//! | `HelloAck` / `Refuse` | worker → parent, then parent → worker (confirming or refusing) | 0 |
 //! | `Lend` | parent → worker | 0 |
 //! | `ResultRequest` | worker → parent | 0 |
 //! | `AllocationGrant` | parent → worker | 0 |

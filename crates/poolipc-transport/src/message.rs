@@ -415,7 +415,8 @@ impl fmt::Display for ErrorCode {
 pub enum Message {
     /// Parent → worker, first frame, with exactly one FD: the shared pool's.
     Hello(Identity),
-    /// Worker → parent: the handshake is accepted; the worker's side of the story.
+    /// Worker → parent, then parent → worker: the handshake is accepted; the sender's side of
+    /// the story.
     HelloAck(Identity),
     /// Either side, during the handshake: refused, and why. The sender closes after it.
     Refuse {

@@ -266,8 +266,10 @@ fn a_worker_missing_a_required_capability_is_refused_by_the_parent() {
         matches!(p, Err(HandshakeError::MissingCapabilities { missing }) if missing == Capabilities::IPC_EVENTS),
         "{p:?}"
     );
-    // The worker had already answered; it learns of the refusal on its next read.
-    assert!(w.is_ok());
+    assert!(
+        matches!(&w, Err(HandshakeError::Refused { code, .. }) if *code == ErrorCode::MISSING_CAPABILITY),
+        "{w:?}"
+    );
 }
 
 #[test]

@@ -326,10 +326,8 @@ fn a_worker_killed_with_sigkill_is_seen_as_gone_at_once() {
     let start = Instant::now();
     let err = conn.recv(secs(30)).expect_err("dead peer");
     let took = start.elapsed();
-    assert!(
-        matches!(err, TransportError::PeerClosed { mid_frame: false }),
-        "{err:?}"
-    );
+    // EOF, or ECONNRESET when the worker died with our last frame unread: both say "gone".
+    assert!(err.is_peer_gone(), "{err:?}");
     assert!(took < Duration::from_secs(2), "noticed after {took:?}");
     let err = conn
         .send(&Message::Heartbeat { seq: 1 }, &[], secs(1))
