@@ -156,6 +156,17 @@ pub enum DriverError {
         /// What was wrong with it.
         reason: String,
     },
+    /// A pointer import over the 128-chunk limit, refused by the simulation with its crash
+    /// emulation switched off (`SimConfig::import_crash`). Real libcuda kills the process.
+    #[error(
+        "cuMemPoolImportPointer: the allocation spans {chunks} chunks of 32 MiB, over the limit of {limit}"
+    )]
+    ImportOverLimit {
+        /// The 32 MiB chunks the allocation touches.
+        chunks: u64,
+        /// The most that import survives.
+        limit: u64,
+    },
     /// An operating system call the driver layer made failed.
     #[error("{call} failed: {source}")]
     Os {

@@ -14,6 +14,7 @@ mod api;
 mod cuda;
 mod error;
 pub mod platform;
+pub mod sim;
 mod types;
 
 pub use api::Driver;

@@ -1,0 +1,1888 @@
+//! `SimDriver`: the CUDA driver simulated faithfully across real processes, for machines
+//! without a GPU. Chosen explicitly with [`SimDriver::new`]; nothing falls back to it.
+//!
+//! # The simulated machine
+//!
+//! [`SimDriver::new`] creates a machine: a shared memfd holding the allocation table, the
+//! streams' and events' clocks and the violation log, behind a lock that survives a process
+//! killed while holding it. Another process attaches to the same machine with
+//! [`SimDriver::from_env`], after the parent passed [`SimDriver::child_env`] to
+//! `std::process::Command::env`. Each `SimDriver` value is one simulated process;
+//! [`SimDriver::peer`] gives a second one inside the same OS process, for quick unit tests.
+//!
+//! Every memory pool is a sparse memfd whose first page names the machine and the pool; its
+//! shareable handle ([`Driver::mem_pool_export_fd`]) is that memfd, a real FD that travels by
+//! SCM_RIGHTS. A pointer import maps it, so two processes share real bytes. Pointer export
+//! data is 64 bytes naming the machine, the pool, the allocation and its generation.
+//!
+//! Device addresses are not host addresses: each process sees its own pools at
+//! `0x1_0000_0000_0000 + slot * 128 GiB`, imported pools at `0x2_...`, VMM reservations at
+//! `0x3_...`, so an exporter's pointer used by an importer is caught as an unmapped access.
+//!
+//! # What it enforces
+//!
+//! As errors, with the call and code the real driver gives: pointer export before the pool's
+//! FD export (`cuMemPoolExportPointer`, `INVALID_VALUE`), import of a stale or foreign blob
+//! (`cuMemPoolImportPointer`, `INVALID_VALUE`), freeing what is not an allocation or a live
+//! import (`cuMemFreeAsync`, `INVALID_VALUE`), touching unmapped memory (`ILLEGAL_ADDRESS`).
+//!
+//! As [`Violation`]s, readable machine-wide with [`SimDriver::violations`]: the exporter
+//! freeing while an import is live (imports of dead processes are dropped first, as the real
+//! driver drops them at exit), memory touched before the other process's last write was
+//! ordered before it (a vector-clock happens-before model: writes stamp the stream's clock,
+//! `cuEventRecord` captures it, `cuStreamWaitEvent` and host synchronization merge it), use of
+//! an import after its free or after its alias's free, use of an import whose allocation was
+//! recycled (generations), access without `cuMemSetAccess`.
+//!
+//! A pointer import spanning more than 128 chunks of 32 MiB kills the importing process with
+//! SIGSEGV, as libcuda does, unless [`SimConfig::import_crash`] is off: then it fails with
+//! [`DriverError::ImportOverLimit`](crate::DriverError::ImportOverLimit).
+//!
+//! Streams are synchronous: work runs when it is issued, events complete when recorded.
+
+mod machine;
+mod shm;
+mod state;
+mod violation;
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use machine::Machine;
+use shm::{Mapping, my_pid, punch_hole, sparse_memfd};
+use state::{
+    BLOCK_CACHED, BLOCK_LIVE, CHUNK, Clock, GRANULE, IMPORT_CHUNK_LIMIT, MAX_STREAMS, MemoryWork,
+    POOL_DYING, POOL_LIVE, State, chunks_spanned, merge,
+};
+pub use violation::{Violation, ViolationKind};
+
+use crate::api::Driver;
+use crate::error::{CuCode, DriverError, Result};
+use crate::types::{
+    Access, DeviceInfo, DevicePtr, DeviceUuid, DriverKind, EventHandle, ExportData, Granularity,
+    IpcEventHandle, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
+};
+
+/// The environment variable [`SimDriver::child_env`] sets and [`SimDriver::from_env`] reads.
+pub const MACHINE_ENV: &str = "POOLIPC_SIM_MACHINE";
+
+const OWN_BASE: u64 = 1 << 48;
+const IMPORT_BASE: u64 = 2 << 48;
+const VMM_BASE: u64 = 3 << 48;
+/// Address space per pool: the most memory a simulated device may have.
+const POOL_SPAN: u64 = 128 << 30;
+/// The pool memfd's first page is its header; memory starts after it.
+const POOL_HEADER: u64 = 4096;
+/// Freed memory is filled with this byte (up to [`POISON_LIMIT`] bytes of each block).
+pub const POISON: u8 = 0xDB;
+/// Bytes of a freed block that are poisoned; beyond, poisoning would page in gigabytes.
+const POISON_LIMIT: u64 = 64 << 20;
+const MIB: u64 = 1 << 20;
+
+/// How the simulated machine looks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SimConfig {
+    /// Simulated devices, each with its own UUID (1 to 8).
+    pub devices: u32,
+    /// Device memory per device, in bytes (at most 128 GiB; the memfds are sparse, so only
+    /// what is written costs host memory).
+    pub memory_per_device: u64,
+    /// Emulate libcuda's crash: a pointer import over 128 chunks of 32 MiB kills the
+    /// importing process with SIGSEGV. Off: the import fails with
+    /// [`DriverError::ImportOverLimit`](crate::DriverError::ImportOverLimit) instead.
+    pub import_crash: bool,
+}
+
+impl Default for SimConfig {
+    /// One device of 16 GiB, import crash emulated.
+    fn default() -> Self {
+        SimConfig {
+            devices: 1,
+            memory_per_device: 16 << 30,
+            import_crash: true,
+        }
+    }
+}
+
+/// One simulated process on a simulated machine. See the [module docs](self).
+pub struct SimDriver {
+    machine: Arc<Machine>,
+    agent: u64,
+    pid: u32,
+    local: Mutex<Local>,
+}
+
+impl std::fmt::Debug for SimDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimDriver")
+            .field("machine", &format_args!("{:#x}", self.machine.id))
+            .field("agent", &self.agent)
+            .field("pid", &self.pid)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+struct LocalPool {
+    fd: OwnedFd,
+    map: Mapping,
+    generation: u64,
+    device: u32,
+    imported: bool,
+    destroyed: bool,
+    /// Access by device, for imported pools (own pools: their device has read-write).
+    access: Vec<Access>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LocalImport {
+    record: usize,
+    pool: usize,
+    block: usize,
+    generation: u64,
+    bytes: u64,
+}
+
+#[derive(Debug)]
+struct LocalEvent {
+    slot: usize,
+    generation: u64,
+    owner: bool,
+}
+
+#[derive(Debug)]
+struct VmmAlloc {
+    fd: OwnedFd,
+    bytes: u64,
+    /// Created here (counts against device memory) rather than imported.
+    created_on: Option<u32>,
+}
+
+#[derive(Debug)]
+struct VmmMap {
+    map: Mapping,
+    bytes: u64,
+    access: Access,
+}
+
+#[derive(Debug)]
+struct Local {
+    device: Option<u32>,
+    pools: HashMap<usize, LocalPool>,
+    current_pool: HashMap<u32, usize>,
+    default_pool: HashMap<u32, usize>,
+    /// Live imports by the address they were imported at.
+    imports: BTreeMap<u64, LocalImport>,
+    streams: HashMap<u64, usize>,
+    null_stream: Option<usize>,
+    events: HashMap<u64, LocalEvent>,
+    next_handle: u64,
+    /// What the host thread has synchronized with: merged into every stream it issues to.
+    host_clock: Box<Clock>,
+    vmm: HashMap<u64, VmmAlloc>,
+    reservations: BTreeMap<u64, u64>,
+    maps: BTreeMap<u64, VmmMap>,
+    next_va: u64,
+    host_registered: BTreeMap<usize, usize>,
+}
+
+fn fail(call: &'static str, code: CuCode) -> DriverError {
+    DriverError::Call { call, code }
+}
+
+fn pool_handle(slot: usize, generation: u64) -> PoolHandle {
+    PoolHandle((generation << 8) | slot as u64)
+}
+
+/// Where a device address points in this process.
+enum Place {
+    Pool(usize, u64),
+    Vmm(u64, u64),
+}
+
+impl SimDriver {
+    /// A new simulated machine, and this process as the first on it.
+    pub fn new(config: SimConfig) -> Result<SimDriver> {
+        if config.devices == 0 || config.devices as usize > state::MAX_DEVICES {
+            return Err(DriverError::InvalidArgument {
+                call: "SimDriver::new",
+                reason: format!(
+                    "{} devices: 1 to {} are simulated",
+                    config.devices,
+                    state::MAX_DEVICES
+                ),
+            });
+        }
+        if config.memory_per_device < GRANULE || config.memory_per_device > POOL_SPAN {
+            return Err(DriverError::InvalidArgument {
+                call: "SimDriver::new",
+                reason: format!(
+                    "{} bytes per device: 2 MiB to 128 GiB are simulated",
+                    config.memory_per_device
+                ),
+            });
+        }
+        let machine = Machine::create(
+            config.devices,
+            config.memory_per_device,
+            config.import_crash,
+        )?;
+        Ok(SimDriver::on(Arc::new(machine)))
+    }
+
+    /// Attaches this process to the machine named by [`MACHINE_ENV`], which a parent set with
+    /// [`child_env`](SimDriver::child_env). The parent must still be alive.
+    pub fn from_env() -> Result<SimDriver> {
+        let value = std::env::var(MACHINE_ENV).map_err(|_| DriverError::InvalidArgument {
+            call: "SimDriver::from_env",
+            reason: format!("{MACHINE_ENV} is not set: no simulated machine to attach to"),
+        })?;
+        SimDriver::attach(&value)
+    }
+
+    /// Attaches to the machine a [`child_env`](SimDriver::child_env) value names.
+    pub fn attach(value: &str) -> Result<SimDriver> {
+        let bad = || DriverError::InvalidArgument {
+            call: "SimDriver::from_env",
+            reason: format!("{MACHINE_ENV}={value:?} is not `pid:fd:machine`"),
+        };
+        let mut it = value.split(':');
+        let pid: u32 = it.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+        let fd: i32 = it.next().and_then(|s| s.parse().ok()).ok_or_else(bad)?;
+        let id = it
+            .next()
+            .and_then(|s| u64::from_str_radix(s, 16).ok())
+            .ok_or_else(bad)?;
+        Ok(SimDriver::on(Arc::new(Machine::attach(pid, fd, id)?)))
+    }
+
+    /// The environment variable that lets a child process attach to this machine with
+    /// [`from_env`](SimDriver::from_env): pass it to `std::process::Command::env`.
+    ///
+    /// The child opens the machine through `/proc/<this pid>/fd/<fd>`, so this process must
+    /// outlive the attach (not the child).
+    #[must_use]
+    pub fn child_env(&self) -> (&'static str, String) {
+        let (pid, fd) = self.machine.locator();
+        (MACHINE_ENV, format!("{pid}:{fd}:{:x}", self.machine.id))
+    }
+
+    /// Another simulated process on the same machine, inside this OS process: imports,
+    /// pools, streams and events are its own, as if it were a separate process. For unit
+    /// tests; real processes use [`child_env`](SimDriver::child_env).
+    #[must_use]
+    pub fn peer(&self) -> SimDriver {
+        SimDriver::on(Arc::clone(&self.machine))
+    }
+
+    /// The simulated machine's identity (also in device UUIDs).
+    #[must_use]
+    pub fn machine_id(&self) -> u64 {
+        self.machine.id
+    }
+
+    /// Every violation any process recorded on this machine so far, oldest first (the first
+    /// 1024; [`violation_count`](SimDriver::violation_count) counts all).
+    #[must_use]
+    pub fn violations(&self) -> Vec<Violation> {
+        self.machine.with(|st| {
+            let n = (st.violation_count as usize).min(st.violations.len());
+            st.violations[..n]
+                .iter()
+                .filter_map(|v| {
+                    Some(Violation {
+                        kind: ViolationKind::from_u32(v.kind)?,
+                        call: violation::call_name(v.call),
+                        pid: v.pid,
+                        other_pid: (v.other_pid != 0).then_some(v.other_pid),
+                        generation: (v.generation != 0).then_some(v.generation),
+                        detail: (v.a, v.b),
+                    })
+                })
+                .collect()
+        })
+    }
+
+    /// How many violations were recorded on this machine.
+    #[must_use]
+    pub fn violation_count(&self) -> u64 {
+        self.machine.with(|st| st.violation_count)
+    }
+
+    fn on(machine: Arc<Machine>) -> SimDriver {
+        let agent = machine.with(State::next_id);
+        SimDriver {
+            machine,
+            agent,
+            pid: my_pid(),
+            local: Mutex::new(Local {
+                device: None,
+                pools: HashMap::new(),
+                current_pool: HashMap::new(),
+                default_pool: HashMap::new(),
+                imports: BTreeMap::new(),
+                streams: HashMap::new(),
+                null_stream: None,
+                events: HashMap::new(),
+                next_handle: 0x10,
+                host_clock: Box::new([0; MAX_STREAMS]),
+                vmm: HashMap::new(),
+                reservations: BTreeMap::new(),
+                maps: BTreeMap::new(),
+                next_va: VMM_BASE,
+                host_registered: BTreeMap::new(),
+            }),
+        }
+    }
+
+    fn local(&self) -> MutexGuard<'_, Local> {
+        // A panic while holding it leaves plain bookkeeping behind: keep going.
+        self.local
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn device_check(&self, call: &'static str, ordinal: u32) -> Result<()> {
+        if ordinal < self.machine.devices {
+            Ok(())
+        } else {
+            Err(fail(call, CuCode::INVALID_DEVICE))
+        }
+    }
+
+    fn context(l: &Local, call: &'static str) -> Result<u32> {
+        l.device.ok_or(fail(call, CuCode::INVALID_CONTEXT))
+    }
+
+    fn uuid(&self, ordinal: u32) -> DeviceUuid {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&self.machine.id.to_le_bytes());
+        b[8..12].copy_from_slice(&0x5349_4d00_u32.to_le_bytes());
+        b[12..].copy_from_slice(&ordinal.to_le_bytes());
+        DeviceUuid(b)
+    }
+
+    /// Creates a pool in the machine and maps it here.
+    fn create_pool(&self, l: &mut Local, ordinal: u32, shareable: bool) -> Result<usize> {
+        let capacity = self.machine.memory;
+        let fd = sparse_memfd("poolipc-sim-pool", POOL_HEADER + capacity)?;
+        let made = self.machine.with(|st| {
+            st.pool_create(ordinal, shareable, capacity, self.agent, self.pid)
+                .or_else(|| {
+                    reap(st);
+                    st.pool_create(ordinal, shareable, capacity, self.agent, self.pid)
+                })
+                .map(|slot| (slot, st.pools[slot].generation))
+        });
+        let (slot, generation) = made.ok_or(fail("cuMemPoolCreate", CuCode::OUT_OF_MEMORY))?;
+        let mut header = [0u8; 32];
+        for (i, v) in [state::MAGIC, self.machine.id, slot as u64, generation]
+            .iter()
+            .enumerate()
+        {
+            header[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        nix::sys::uio::pwrite(&fd, &header, 0).map_err(|e| shm::os("pwrite", e))?;
+        let map = Mapping::new(&fd, POOL_HEADER, capacity)?;
+        l.pools.insert(
+            slot,
+            LocalPool {
+                fd,
+                map,
+                generation,
+                device: ordinal,
+                imported: false,
+                destroyed: false,
+                access: Vec::new(),
+            },
+        );
+        Ok(slot)
+    }
+
+    fn default_pool(&self, l: &mut Local, ordinal: u32) -> Result<usize> {
+        if let Some(&p) = l.default_pool.get(&ordinal) {
+            return Ok(p);
+        }
+        let p = self.create_pool(l, ordinal, false)?;
+        l.default_pool.insert(ordinal, p);
+        Ok(p)
+    }
+
+    /// The slot of a pool handle valid in this process.
+    fn pool_slot(l: &Local, call: &'static str, pool: PoolHandle) -> Result<usize> {
+        let slot = (pool.0 & 0xff) as usize;
+        match l.pools.get(&slot) {
+            Some(p) if p.generation == pool.0 >> 8 && !p.destroyed => Ok(slot),
+            _ => Err(fail(call, CuCode::INVALID_VALUE)),
+        }
+    }
+
+    fn own_pool_slot(l: &Local, call: &'static str, pool: PoolHandle) -> Result<usize> {
+        let slot = Self::pool_slot(l, call, pool)?;
+        if l.pools[&slot].imported {
+            return Err(fail(call, CuCode::INVALID_VALUE));
+        }
+        Ok(slot)
+    }
+
+    /// The machine stream slot for a stream handle; the host's knowledge flows into it first
+    /// (work issued after a host synchronize is ordered after what it waited for).
+    fn stream_slot(
+        &self,
+        l: &mut Local,
+        st: &mut State,
+        call: &'static str,
+        s: StreamHandle,
+    ) -> Result<usize> {
+        let slot = if s == StreamHandle::NULL {
+            match l.null_stream {
+                Some(x) if st.streams[x].live == 1 && st.streams[x].agent == self.agent => x,
+                _ => {
+                    let x = st
+                        .stream_create(self.agent, self.pid)
+                        .or_else(|| {
+                            reap(st);
+                            st.stream_create(self.agent, self.pid)
+                        })
+                        .ok_or(fail(call, CuCode::OUT_OF_MEMORY))?;
+                    l.null_stream = Some(x);
+                    x
+                }
+            }
+        } else {
+            *l.streams
+                .get(&s.0)
+                .ok_or(fail(call, CuCode::INVALID_HANDLE))?
+        };
+        merge(&mut st.streams[slot].clock, &l.host_clock);
+        Ok(slot)
+    }
+
+    fn event<'l>(
+        l: &'l Local,
+        st: &State,
+        call: &'static str,
+        e: EventHandle,
+    ) -> Result<&'l LocalEvent> {
+        match l.events.get(&e.0) {
+            Some(ev)
+                if st.events[ev.slot].live == 1
+                    && st.events[ev.slot].generation == ev.generation =>
+            {
+                Ok(ev)
+            }
+            _ => Err(fail(call, CuCode::INVALID_HANDLE)),
+        }
+    }
+
+    /// Applies poisoning and releases that a state change left to do.
+    fn apply(l: &Local, pool: usize, work: &MemoryWork) {
+        let Some(p) = l.pools.get(&pool) else { return };
+        for &(off, len) in &work.poison {
+            let n = len.min(POISON_LIMIT);
+            if let (Ok(o), Ok(n)) = (usize::try_from(off), usize::try_from(n)) {
+                p.map.fill(o, POISON, n);
+            }
+        }
+        for &(off, len) in &work.release {
+            punch_hole(&p.fd, POOL_HEADER + off, len);
+        }
+    }
+
+    /// Pools of this process give back what exceeds their release threshold, as the real
+    /// driver does at a synchronize.
+    fn release_at_sync(&self, l: &Local, st: &mut State) {
+        for (&slot, p) in &l.pools {
+            if p.imported || st.pools[slot].state == state::POOL_FREE {
+                continue;
+            }
+            let mut work = MemoryWork::default();
+            let keep = st.pools[slot].release_threshold;
+            st.release_cached(slot, keep, &mut work);
+            Self::apply(l, slot, &work);
+        }
+    }
+
+    /// Resolves `[ptr, ptr + len)` for an access by stream `stream`, checking every rule;
+    /// stamps a write. Violations are recorded; an unmapped range is also an error.
+    #[allow(clippy::too_many_arguments)] // one call site per kind of access; a struct would only rename them
+    fn touch(
+        &self,
+        l: &Local,
+        st: &mut State,
+        call: &'static str,
+        ptr: DevicePtr,
+        len: u64,
+        stream: usize,
+        write: bool,
+    ) -> Result<Place> {
+        let p = ptr.0;
+        let unmapped = |st: &mut State| {
+            st.violation(ViolationKind::UnmappedAccess, call, self.pid)
+                .values(p, len)
+                .log();
+            fail(call, CuCode::ILLEGAL_ADDRESS)
+        };
+        let within = |start: u64, size: u64| p >= start && p.saturating_add(len) <= start + size;
+        // Own pools.
+        if (OWN_BASE..IMPORT_BASE).contains(&p) {
+            let slot = ((p - OWN_BASE) / POOL_SPAN) as usize;
+            let off = (p - OWN_BASE) % POOL_SPAN;
+            let Some(lp) = l.pools.get(&slot).filter(|lp| !lp.imported) else {
+                return Err(unmapped(st));
+            };
+            let _ = lp;
+            let Some(b) = st.block_containing(slot, off) else {
+                return Err(unmapped(st));
+            };
+            let (state, start, size, generation_) = {
+                let r = &st.blocks[b];
+                (r.state, r.offset, r.size, r.generation)
+            };
+            if !within(OWN_BASE + slot as u64 * POOL_SPAN + start, size) {
+                return Err(unmapped(st));
+            }
+            match state {
+                BLOCK_LIVE => {}
+                // Freed but still reserved: the GPU would not fault, but it is use after free.
+                BLOCK_CACHED => {
+                    st.violation(ViolationKind::UnmappedAccess, call, self.pid)
+                        .block(b, generation_)
+                        .values(p, len)
+                        .log();
+                    return Ok(Place::Pool(slot, off));
+                }
+                _ => return Err(unmapped(st)),
+            }
+            self.order(st, call, b, stream, write);
+            return Ok(Place::Pool(slot, off));
+        }
+        // Imports.
+        if (IMPORT_BASE..VMM_BASE).contains(&p) {
+            let Some((&base, imp)) = l.imports.range(..=p).next_back() else {
+                return Err(unmapped(st));
+            };
+            if !within(base, imp.bytes.next_multiple_of(GRANULE)) {
+                return Err(unmapped(st));
+            }
+            let imp = *imp;
+            let dev = l.device.unwrap_or(0) as usize;
+            let access = l
+                .pools
+                .get(&imp.pool)
+                .and_then(|lp| lp.access.get(dev).copied());
+            let allowed = match access {
+                Some(Access::ReadWrite) => true,
+                Some(Access::Read) => !write,
+                _ => false,
+            };
+            if !allowed {
+                st.violation(ViolationKind::NoAccess, call, self.pid)
+                    .block(imp.block, imp.generation)
+                    .values(p, len)
+                    .log();
+                return Err(fail(call, CuCode::ILLEGAL_ADDRESS));
+            }
+            let off = p - (IMPORT_BASE + imp.pool as u64 * POOL_SPAN);
+            let b = &st.blocks[imp.block];
+            if b.state != BLOCK_LIVE || b.generation != imp.generation {
+                let now = if b.state == BLOCK_LIVE {
+                    b.generation
+                } else {
+                    0
+                };
+                st.violation(ViolationKind::StaleGeneration, call, self.pid)
+                    .block(imp.block, imp.generation)
+                    .values(imp.generation, now)
+                    .log();
+                return Ok(Place::Pool(imp.pool, off));
+            }
+            self.order(st, call, imp.block, stream, write);
+            return Ok(Place::Pool(imp.pool, off));
+        }
+        // VMM mappings.
+        if let Some((&base, m)) = l.maps.range(..=p).next_back()
+            && within(base, m.bytes)
+        {
+            let allowed = match m.access {
+                Access::ReadWrite => true,
+                Access::Read => !write,
+                Access::None => false,
+            };
+            if !allowed {
+                st.violation(ViolationKind::NoAccess, call, self.pid)
+                    .values(p, len)
+                    .log();
+                return Err(fail(call, CuCode::ILLEGAL_ADDRESS));
+            }
+            return Ok(Place::Vmm(base, p - base));
+        }
+        Err(unmapped(st))
+    }
+
+    /// The happens-before check of an access to live block `b`, and the stamp of a write.
+    fn order(&self, st: &mut State, call: &'static str, b: usize, stream: usize, write: bool) {
+        let (w_agent, w_stream, w_seq, w_pid, generation_) = {
+            let r = &st.blocks[b];
+            (
+                r.write_agent,
+                r.write_stream as usize,
+                r.write_seq,
+                r.write_pid,
+                r.generation,
+            )
+        };
+        let known = st.streams[stream].clock[w_stream];
+        if w_agent != 0 && w_agent != self.agent && known < w_seq {
+            st.violation(ViolationKind::UnorderedAccess, call, self.pid)
+                .block(b, generation_)
+                .other_pid(w_pid)
+                .values(w_seq, known)
+                .log();
+        }
+        if write {
+            self.stamp(st, b, stream);
+        }
+    }
+
+    fn stamp(&self, st: &mut State, b: usize, stream: usize) {
+        let seq = st.tick(stream);
+        let r = &mut st.blocks[b];
+        r.write_agent = self.agent;
+        r.write_pid = self.pid;
+        r.write_stream = stream as u32;
+        r.write_seq = seq;
+    }
+
+    fn mapping<'l>(l: &'l Local, place: &Place) -> Option<(&'l Mapping, usize)> {
+        match *place {
+            Place::Pool(slot, off) => Some((&l.pools.get(&slot)?.map, usize::try_from(off).ok()?)),
+            Place::Vmm(base, off) => Some((&l.maps.get(&base)?.map, usize::try_from(off).ok()?)),
+        }
+    }
+
+    fn free(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        const CALL: &str = "cuMemFreeAsync";
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, CALL, stream)?;
+            if let Some(imp) = l.imports.remove(&ptr.0) {
+                // Both aliases of a doubled import share this one record: both are gone.
+                st.imports[imp.record].live = 0;
+                return Ok(());
+            }
+            if !(OWN_BASE..IMPORT_BASE).contains(&ptr.0) {
+                return Err(fail(CALL, CuCode::INVALID_VALUE));
+            }
+            let slot = ((ptr.0 - OWN_BASE) / POOL_SPAN) as usize;
+            let off = (ptr.0 - OWN_BASE) % POOL_SPAN;
+            if l.pools.get(&slot).is_none_or(|p| p.imported) {
+                return Err(fail(CALL, CuCode::INVALID_VALUE));
+            }
+            let b = st
+                .live_block_at(slot, off)
+                .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+            let generation_ = st.blocks[b].generation;
+            for pid in st.live_importers(b, generation_, Machine::alive) {
+                st.violation(ViolationKind::FreedWhileImported, CALL, self.pid)
+                    .block(b, generation_)
+                    .other_pid(pid)
+                    .log();
+            }
+            // The free is stream-ordered: it counts as the stream's last use.
+            let _ = st.tick(s);
+            let mut work = MemoryWork::default();
+            st.free(b, &mut work);
+            Self::apply(l, slot, &work);
+            Ok(())
+        })
+    }
+
+    fn memset(
+        &self,
+        call: &'static str,
+        ptr: DevicePtr,
+        pattern: &[u8],
+        count: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let bytes = count
+            .checked_mul(pattern.len() as u64)
+            .ok_or(fail(call, CuCode::INVALID_VALUE))?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, call, stream)?;
+            let place = self.touch(l, st, call, ptr, bytes, s, true)?;
+            let (map, off) = Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
+            let n = usize::try_from(bytes).map_err(|_| fail(call, CuCode::INVALID_VALUE))?;
+            if pattern.iter().all(|b| *b == pattern[0]) {
+                map.fill(off, pattern[0], n);
+            } else {
+                let chunk: Vec<u8> = pattern
+                    .iter()
+                    .copied()
+                    .cycle()
+                    .take(pattern.len() * 4096)
+                    .collect();
+                let mut done = 0;
+                while done < n {
+                    let k = chunk.len().min(n - done);
+                    map.write(off + done, &chunk[..k]);
+                    done += k;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Device to host on `stream`; `sync`: the legacy stream, host waits.
+    fn copy_out(
+        &self,
+        call: &'static str,
+        dst: &mut [u8],
+        src: DevicePtr,
+        stream: StreamHandle,
+        sync: bool,
+    ) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, call, stream)?;
+            let place = self.touch(l, st, call, src, dst.len() as u64, s, false)?;
+            let (map, off) = Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
+            map.read(off, dst);
+            if sync {
+                merge(&mut l.host_clock, &st.streams[s].clock);
+            }
+            Ok(())
+        })
+    }
+
+    fn copy_in(
+        &self,
+        call: &'static str,
+        dst: DevicePtr,
+        src: &[u8],
+        stream: StreamHandle,
+        sync: bool,
+    ) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, call, stream)?;
+            let place = self.touch(l, st, call, dst, src.len() as u64, s, true)?;
+            let (map, off) = Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
+            map.write(off, src);
+            if sync {
+                merge(&mut l.host_clock, &st.streams[s].clock);
+            }
+            Ok(())
+        })
+    }
+
+    fn host_len(call: &'static str, bytes: u64) -> Result<usize> {
+        usize::try_from(bytes).map_err(|_| DriverError::InvalidArgument {
+            call,
+            reason: format!("{bytes} bytes do not fit usize"),
+        })
+    }
+}
+
+/// Drops what dead processes held (their imports above all) to free table slots.
+fn reap(st: &mut State) {
+    let mut work = Vec::new();
+    st.drop_process(|_, pid| pid != 0 && !Machine::alive(pid), &mut work);
+}
+
+impl Drop for SimDriver {
+    /// This simulated process exits: the machine drops its imports, pools, streams and its
+    /// side of events, as the real driver does when a process exits.
+    fn drop(&mut self) {
+        let agent = self.agent;
+        let mut work = Vec::new();
+        self.machine
+            .with(|st| st.drop_process(|a, _| a == agent, &mut work));
+        let l = self.local();
+        for (pool, w) in &work {
+            Self::apply(&l, *pool, w);
+        }
+    }
+}
+
+fn export_blob(fields: [u64; 8]) -> [u8; 64] {
+    let mut b = [0u8; 64];
+    for (i, v) in fields.iter().enumerate() {
+        b[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+    }
+    b
+}
+
+fn blob_fields(b: &[u8; 64]) -> [u64; 8] {
+    let mut f = [0u64; 8];
+    for (i, v) in f.iter_mut().enumerate() {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&b[i * 8..i * 8 + 8]);
+        *v = u64::from_le_bytes(w);
+    }
+    f
+}
+
+const BLOB_POINTER: u64 = 1;
+const BLOB_EVENT: u64 = 2;
+
+impl Driver for SimDriver {
+    fn kind(&self) -> DriverKind {
+        DriverKind::Sim
+    }
+
+    fn driver_version(&self) -> Result<i32> {
+        Ok(13000)
+    }
+
+    fn device_count(&self) -> Result<u32> {
+        Ok(self.machine.devices)
+    }
+
+    fn device_info(&self, ordinal: u32) -> Result<DeviceInfo> {
+        self.device_check("cuDeviceGet", ordinal)?;
+        Ok(DeviceInfo {
+            ordinal,
+            uuid: self.uuid(ordinal),
+            name: format!("poolipc simulated device {ordinal}"),
+            total_memory: self.machine.memory,
+            memory_pools: true,
+            pool_posix_fd: true,
+            vmm: true,
+            vmm_posix_fd: true,
+        })
+    }
+
+    fn device_can_access_peer(&self, ordinal: u32, peer: u32) -> Result<bool> {
+        self.device_check("cuDeviceGet", ordinal)?;
+        self.device_check("cuDeviceGet", peer)?;
+        Ok(ordinal != peer)
+    }
+
+    fn use_device(&self, ordinal: u32) -> Result<()> {
+        self.device_check("cuDeviceGet", ordinal)?;
+        self.local().device = Some(ordinal);
+        Ok(())
+    }
+
+    fn mem_get_info(&self) -> Result<(u64, u64)> {
+        let dev = Self::context(&self.local(), "cuMemGetInfo_v2")?;
+        Ok(self.machine.with(|st| {
+            let d = &st.devices[dev as usize];
+            (d.total.saturating_sub(d.reserved), d.total)
+        }))
+    }
+
+    fn mem_pool_create(&self, ordinal: u32, sharing: PoolSharing) -> Result<PoolHandle> {
+        self.device_check("cuMemPoolCreate", ordinal)?;
+        let mut l = self.local();
+        let slot = self.create_pool(&mut l, ordinal, sharing == PoolSharing::PosixFd)?;
+        Ok(pool_handle(slot, l.pools[&slot].generation))
+    }
+
+    fn mem_pool_destroy(&self, pool: PoolHandle) -> Result<()> {
+        const CALL: &str = "cuMemPoolDestroy";
+        let mut l = self.local();
+        let slot = Self::pool_slot(&l, CALL, pool)?;
+        if l.pools[&slot].imported {
+            l.pools.remove(&slot);
+            return Ok(());
+        }
+        let device = l.pools[&slot].device;
+        if l.default_pool.get(&device) == Some(&slot) {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        if l.current_pool.get(&device) == Some(&slot) {
+            // Destroying the current pool makes the default pool current again.
+            l.current_pool.remove(&device);
+        }
+        if let Some(p) = l.pools.get_mut(&slot) {
+            p.destroyed = true;
+        }
+        let l = &*l;
+        self.machine.with(|st| {
+            let mut work = MemoryWork::default();
+            if st.pools[slot].used == 0 {
+                st.pool_drop(slot, &mut work);
+            } else {
+                // Freed with its last allocation, as the real driver defers it.
+                st.pools[slot].state = POOL_DYING;
+            }
+            Self::apply(l, slot, &work);
+        });
+        Ok(())
+    }
+
+    fn mem_pool_set_attribute(&self, pool: PoolHandle, attr: PoolAttribute) -> Result<()> {
+        let l = self.local();
+        let slot = Self::pool_slot(&l, "cuMemPoolSetAttribute", pool)?;
+        self.machine.with(|st| {
+            let p = &mut st.pools[slot];
+            match attr {
+                PoolAttribute::ReleaseThreshold(v) => p.release_threshold = v,
+                PoolAttribute::ReuseFollowEventDependencies(b) => p.reuse_follow = u32::from(b),
+                PoolAttribute::ReuseAllowOpportunistic(b) => p.reuse_opportunistic = u32::from(b),
+                PoolAttribute::ReuseAllowInternalDependencies(b) => p.reuse_internal = u32::from(b),
+            }
+        });
+        Ok(())
+    }
+
+    fn mem_pool_get_attribute(&self, pool: PoolHandle, counter: PoolCounter) -> Result<u64> {
+        let l = self.local();
+        let slot = Self::pool_slot(&l, "cuMemPoolGetAttribute", pool)?;
+        Ok(self.machine.with(|st| {
+            let p = &st.pools[slot];
+            match counter {
+                PoolCounter::ReleaseThreshold => p.release_threshold,
+                PoolCounter::ReservedCurrent => p.reserved,
+                PoolCounter::ReservedHigh => p.reserved_high,
+                PoolCounter::UsedCurrent => p.used,
+                PoolCounter::UsedHigh => p.used_high,
+                PoolCounter::ReuseFollowEventDependencies => u64::from(p.reuse_follow),
+                PoolCounter::ReuseAllowOpportunistic => u64::from(p.reuse_opportunistic),
+                PoolCounter::ReuseAllowInternalDependencies => u64::from(p.reuse_internal),
+            }
+        }))
+    }
+
+    fn mem_pool_trim_to(&self, pool: PoolHandle, keep_bytes: u64) -> Result<()> {
+        let l = self.local();
+        let slot = Self::own_pool_slot(&l, "cuMemPoolTrimTo", pool)?;
+        self.machine.with(|st| {
+            let mut work = MemoryWork::default();
+            st.release_cached(slot, keep_bytes, &mut work);
+            Self::apply(&l, slot, &work);
+        });
+        Ok(())
+    }
+
+    fn device_get_mem_pool(&self, ordinal: u32) -> Result<PoolHandle> {
+        self.device_check("cuDeviceGetMemPool", ordinal)?;
+        let mut l = self.local();
+        let slot = match l.current_pool.get(&ordinal) {
+            Some(&s) => s,
+            None => self.default_pool(&mut l, ordinal)?,
+        };
+        Ok(pool_handle(slot, l.pools[&slot].generation))
+    }
+
+    fn device_get_default_mem_pool(&self, ordinal: u32) -> Result<PoolHandle> {
+        self.device_check("cuDeviceGetDefaultMemPool", ordinal)?;
+        let mut l = self.local();
+        let slot = self.default_pool(&mut l, ordinal)?;
+        Ok(pool_handle(slot, l.pools[&slot].generation))
+    }
+
+    fn device_set_mem_pool(&self, ordinal: u32, pool: PoolHandle) -> Result<()> {
+        const CALL: &str = "cuDeviceSetMemPool";
+        self.device_check(CALL, ordinal)?;
+        let mut l = self.local();
+        let slot = Self::own_pool_slot(&l, CALL, pool)?;
+        if l.pools[&slot].device != ordinal {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        l.current_pool.insert(ordinal, slot);
+        Ok(())
+    }
+
+    fn mem_pool_export_fd(&self, pool: PoolHandle) -> Result<OwnedFd> {
+        const CALL: &str = "cuMemPoolExportToShareableHandle";
+        let l = self.local();
+        let slot = Self::own_pool_slot(&l, CALL, pool)?;
+        let shareable = self.machine.with(|st| {
+            let p = &mut st.pools[slot];
+            if p.shareable == 1 {
+                p.exported = 1;
+            }
+            p.shareable == 1
+        });
+        if !shareable {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        l.pools[&slot]
+            .fd
+            .try_clone()
+            .map_err(|source| DriverError::Os {
+                call: "dup",
+                source,
+            })
+    }
+
+    fn mem_pool_import_fd(&self, fd: BorrowedFd<'_>) -> Result<PoolHandle> {
+        const CALL: &str = "cuMemPoolImportFromShareableHandle";
+        let mut header = [0u8; 32];
+        match nix::sys::uio::pread(fd, &mut header, 0) {
+            Ok(32) => {}
+            _ => return Err(fail(CALL, CuCode::INVALID_VALUE)),
+        }
+        let mut f = [0u64; 4];
+        for (i, v) in f.iter_mut().enumerate() {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&header[i * 8..i * 8 + 8]);
+            *v = u64::from_le_bytes(w);
+        }
+        let [magic, machine, slot, generation] = f;
+        if magic != state::MAGIC || machine != self.machine.id || slot >= state::MAX_POOLS as u64 {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let slot = slot as usize;
+        let found = self.machine.with(|st| {
+            let p = &st.pools[slot];
+            (p.state == POOL_LIVE && p.generation == generation && p.shareable == 1)
+                .then_some((p.device, p.owner_agent))
+        });
+        let (device, owner) = found.ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+        if owner == self.agent {
+            // Importing one's own pool: not something poolipc does; refuse.
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let mut l = self.local();
+        if let Some(p) = l
+            .pools
+            .get(&slot)
+            .filter(|p| p.imported && p.generation == generation && !p.destroyed)
+        {
+            return Ok(pool_handle(slot, p.generation));
+        }
+        let own = fd.try_clone_to_owned().map_err(|source| DriverError::Os {
+            call: "dup",
+            source,
+        })?;
+        let map = Mapping::new(&own, POOL_HEADER, self.machine.memory)?;
+        let mut access = vec![Access::None; self.machine.devices as usize];
+        // The imported pool starts with read-write access from its own device, as the
+        // exporter's pool does; other devices need cuMemPoolSetAccess.
+        access[device as usize] = Access::ReadWrite;
+        l.pools.insert(
+            slot,
+            LocalPool {
+                fd: own,
+                map,
+                generation,
+                device,
+                imported: true,
+                destroyed: false,
+                access,
+            },
+        );
+        Ok(pool_handle(slot, generation))
+    }
+
+    fn mem_pool_set_access(&self, pool: PoolHandle, ordinal: u32, access: Access) -> Result<()> {
+        const CALL: &str = "cuMemPoolSetAccess";
+        self.device_check(CALL, ordinal)?;
+        let mut l = self.local();
+        let slot = Self::pool_slot(&l, CALL, pool)?;
+        let Some(p) = l.pools.get_mut(&slot) else {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        };
+        if p.device == ordinal && access != Access::ReadWrite && !p.imported {
+            // The pool's own device always has read-write access.
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        if p.access.len() < self.machine.devices as usize {
+            p.access.resize(self.machine.devices as usize, Access::None);
+            let d = p.device as usize;
+            p.access[d] = Access::ReadWrite;
+        }
+        p.access[ordinal as usize] = access;
+        Ok(())
+    }
+
+    fn mem_pool_get_access(&self, pool: PoolHandle, ordinal: u32) -> Result<Access> {
+        const CALL: &str = "cuMemPoolGetAccess";
+        self.device_check(CALL, ordinal)?;
+        let l = self.local();
+        let slot = Self::pool_slot(&l, CALL, pool)?;
+        let p = &l.pools[&slot];
+        Ok(match p.access.get(ordinal as usize) {
+            Some(a) => *a,
+            None if p.device == ordinal => Access::ReadWrite,
+            None => Access::None,
+        })
+    }
+
+    fn pointer_get_mempool(&self, ptr: DevicePtr) -> Result<PoolHandle> {
+        const CALL: &str = "cuPointerGetAttribute";
+        let l = self.local();
+        let p = ptr.0;
+        if (OWN_BASE..IMPORT_BASE).contains(&p) {
+            let slot = ((p - OWN_BASE) / POOL_SPAN) as usize;
+            let off = (p - OWN_BASE) % POOL_SPAN;
+            let lp = l.pools.get(&slot).filter(|lp| !lp.imported);
+            let live = self.machine.with(|st| {
+                st.block_containing(slot, off)
+                    .is_some_and(|b| st.blocks[b].state == BLOCK_LIVE)
+            });
+            if let (Some(lp), true) = (lp, live) {
+                return Ok(pool_handle(slot, lp.generation));
+            }
+        } else if let Some((&base, imp)) = l.imports.range(..=p).next_back()
+            && p < base + imp.bytes.max(1)
+        {
+            return Ok(pool_handle(imp.pool, l.pools[&imp.pool].generation));
+        }
+        Err(fail(CALL, CuCode::INVALID_VALUE))
+    }
+
+    fn pointer_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
+        const CALL: &str = "cuMemGetAddressRange_v2";
+        let l = self.local();
+        let p = ptr.0;
+        if (OWN_BASE..IMPORT_BASE).contains(&p) {
+            let slot = ((p - OWN_BASE) / POOL_SPAN) as usize;
+            let off = (p - OWN_BASE) % POOL_SPAN;
+            if l.pools.get(&slot).is_some_and(|lp| !lp.imported) {
+                let found = self.machine.with(|st| {
+                    st.block_containing(slot, off)
+                        .filter(|&b| {
+                            st.blocks[b].state == BLOCK_LIVE
+                                && off < st.blocks[b].offset + st.blocks[b].bytes
+                        })
+                        .map(|b| (st.blocks[b].offset, st.blocks[b].bytes))
+                });
+                if let Some((start, bytes)) = found {
+                    return Ok((DevicePtr(OWN_BASE + slot as u64 * POOL_SPAN + start), bytes));
+                }
+            }
+        } else if (IMPORT_BASE..VMM_BASE).contains(&p) {
+            if let Some((&base, imp)) = l.imports.range(..=p).next_back()
+                && p < base + imp.bytes
+            {
+                return Ok((DevicePtr(base), imp.bytes));
+            }
+        } else if let Some((&base, m)) = l.maps.range(..=p).next_back()
+            && p < base + m.bytes
+        {
+            return Ok((DevicePtr(base), m.bytes));
+        }
+        Err(fail(CALL, CuCode::NOT_FOUND))
+    }
+
+    fn mem_alloc_async(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        let pool = {
+            let l = self.local();
+            Self::context(&l, "cuMemAllocAsync")?
+        };
+        let pool = self.device_get_mem_pool(pool)?;
+        self.alloc("cuMemAllocAsync", bytes, pool, stream)
+    }
+
+    fn mem_alloc_from_pool_async(
+        &self,
+        bytes: u64,
+        pool: PoolHandle,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr> {
+        self.alloc("cuMemAllocFromPoolAsync", bytes, pool, stream)
+    }
+
+    fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        self.free(ptr, stream)
+    }
+
+    fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportData> {
+        const CALL: &str = "cuMemPoolExportPointer";
+        let l = self.local();
+        let p = ptr.0;
+        if !(OWN_BASE..IMPORT_BASE).contains(&p) {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let slot = ((p - OWN_BASE) / POOL_SPAN) as usize;
+        let off = (p - OWN_BASE) % POOL_SPAN;
+        if l.pools.get(&slot).is_none_or(|lp| lp.imported) {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        self.machine.with(|st| {
+            if st.pools[slot].exported != 1 {
+                // Measured on the H200: export before the pool's FD export fails so.
+                return Err(fail(CALL, CuCode::INVALID_VALUE));
+            }
+            let b = st
+                .live_block_at(slot, off)
+                .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+            let r = &st.blocks[b];
+            Ok(ExportData(export_blob([
+                state::MAGIC,
+                self.machine.id,
+                BLOB_POINTER,
+                slot as u64 | (st.pools[slot].generation << 8),
+                b as u64,
+                r.generation,
+                r.offset,
+                r.bytes,
+            ])))
+        })
+    }
+
+    fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportData) -> Result<DevicePtr> {
+        const CALL: &str = "cuMemPoolImportPointer";
+        let [
+            magic,
+            machine,
+            kind,
+            pool_id,
+            block,
+            generation,
+            offset,
+            bytes,
+        ] = blob_fields(&data.0);
+        let mut l = self.local();
+        let slot = Self::pool_slot(&l, CALL, pool)?;
+        if magic != state::MAGIC
+            || machine != self.machine.id
+            || kind != BLOB_POINTER
+            || !l.pools[&slot].imported
+            || pool_id != (slot as u64 | (l.pools[&slot].generation << 8))
+            || block >= state::MAX_BLOCKS as u64
+        {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let block = block as usize;
+        let ptr = IMPORT_BASE + slot as u64 * POOL_SPAN + offset;
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let b = &st.blocks[block];
+            if b.state != BLOCK_LIVE || b.generation != generation || b.pool as usize != slot || b.offset != offset {
+                // A stale blob: the allocation was freed (and perhaps handed out again).
+                return Err(fail(CALL, CuCode::INVALID_VALUE));
+            }
+            let chunks = chunks_spanned(offset, bytes);
+            if chunks > IMPORT_CHUNK_LIMIT {
+                st.violation(ViolationKind::ImportOverLimit, CALL, self.pid)
+                    .block(block, generation)
+                    .values(chunks, IMPORT_CHUNK_LIMIT)
+                    .log();
+                if self.machine.import_crash {
+                    tracing::error!(chunks, "sim: pointer import over the 128-chunk limit; dying by SIGSEGV as libcuda does");
+                    shm::die_by_sigsegv();
+                }
+                return Err(DriverError::ImportOverLimit {
+                    chunks,
+                    limit: IMPORT_CHUNK_LIMIT,
+                });
+            }
+            if let Some(imp) = l.imports.get(&ptr)
+                && imp.generation == generation && st.imports[imp.record].live == 1 {
+                    // The driver's aliasing: the same address again, one mapping for both.
+                    return Ok(DevicePtr(ptr));
+                }
+            let find = |st: &State| st.imports.iter().position(|i| i.live == 0);
+            let record = match find(st) {
+                Some(r) => r,
+                None => {
+                    reap(st);
+                    find(st).ok_or(fail(CALL, CuCode::OUT_OF_MEMORY))?
+                }
+            };
+            let r = &mut st.imports[record];
+            r.live = 1;
+            r.pid = self.pid;
+            r.agent = self.agent;
+            r.block = block as u64;
+            r.generation = generation;
+            l.imports.insert(
+                ptr,
+                LocalImport {
+                    record,
+                    pool: slot,
+                    block,
+                    generation,
+                    bytes,
+                },
+            );
+            Ok(DevicePtr(ptr))
+        })
+    }
+
+    fn mem_pool_free_import(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        self.free(ptr, stream)
+    }
+
+    fn event_create(&self, interprocess: bool) -> Result<EventHandle> {
+        const CALL: &str = "cuEventCreate";
+        let mut l = self.local();
+        Self::context(&l, CALL)?;
+        let (slot, generation) = self
+            .machine
+            .with(|st| {
+                st.event_create(interprocess, self.agent, self.pid)
+                    .or_else(|| {
+                        reap(st);
+                        st.event_create(interprocess, self.agent, self.pid)
+                    })
+            })
+            .ok_or(fail(CALL, CuCode::OUT_OF_MEMORY))?;
+        l.next_handle += 1;
+        let h = l.next_handle;
+        l.events.insert(
+            h,
+            LocalEvent {
+                slot,
+                generation,
+                owner: true,
+            },
+        );
+        Ok(EventHandle(h))
+    }
+
+    fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        const CALL: &str = "cuEventDestroy_v2";
+        let mut l = self.local();
+        let ev = l
+            .events
+            .remove(&event.0)
+            .ok_or(fail(CALL, CuCode::INVALID_HANDLE))?;
+        self.machine.with(|st| {
+            let e = &mut st.events[ev.slot];
+            if e.live != 1 || e.generation != ev.generation {
+                return;
+            }
+            if ev.owner {
+                e.owner_alive = 0;
+            } else {
+                e.opens = e.opens.saturating_sub(1);
+            }
+            if e.owner_alive == 0 && e.opens == 0 {
+                e.live = 0;
+            }
+        });
+        Ok(())
+    }
+
+    fn ipc_get_event_handle(&self, event: EventHandle) -> Result<IpcEventHandle> {
+        const CALL: &str = "cuIpcGetEventHandle";
+        let l = self.local();
+        self.machine.with(|st| {
+            let ev = Self::event(&l, st, CALL, event)?;
+            if st.events[ev.slot].interprocess != 1 {
+                return Err(fail(CALL, CuCode::INVALID_VALUE));
+            }
+            Ok(IpcEventHandle(export_blob([
+                state::MAGIC,
+                self.machine.id,
+                BLOB_EVENT,
+                ev.slot as u64,
+                ev.generation,
+                0,
+                0,
+                0,
+            ])))
+        })
+    }
+
+    fn ipc_open_event_handle(&self, handle: &IpcEventHandle) -> Result<EventHandle> {
+        const CALL: &str = "cuIpcOpenEventHandle";
+        let [magic, machine, kind, slot, generation, ..] = blob_fields(&handle.0);
+        if magic != state::MAGIC
+            || machine != self.machine.id
+            || kind != BLOB_EVENT
+            || slot >= state::MAX_EVENTS as u64
+        {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let mut l = self.local();
+        Self::context(&l, CALL)?;
+        let slot = slot as usize;
+        self.machine.with(|st| {
+            let e = &mut st.events[slot];
+            if e.live != 1 || e.generation != generation || e.interprocess != 1 {
+                return Err(fail(CALL, CuCode::INVALID_VALUE));
+            }
+            e.opens += 1;
+            Ok(())
+        })?;
+        l.next_handle += 1;
+        let h = l.next_handle;
+        l.events.insert(
+            h,
+            LocalEvent {
+                slot,
+                generation,
+                owner: false,
+            },
+        );
+        Ok(EventHandle(h))
+    }
+
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        const CALL: &str = "cuEventRecord";
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let slot = Self::event(l, st, CALL, event)?.slot;
+            let s = self.stream_slot(l, st, CALL, stream)?;
+            let _ = st.tick(s);
+            let clock = st.streams[s].clock;
+            let e = &mut st.events[slot];
+            e.clock = clock;
+            e.records += 1;
+            Ok(())
+        })
+    }
+
+    fn event_query(&self, event: EventHandle) -> Result<bool> {
+        let l = self.local();
+        self.machine
+            .with(|st| Self::event(&l, st, "cuEventQuery", event).map(|_| true))
+    }
+
+    fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        const CALL: &str = "cuEventSynchronize";
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let slot = Self::event(l, st, CALL, event)?.slot;
+            let clock = st.events[slot].clock;
+            merge(&mut l.host_clock, &clock);
+            self.release_at_sync(l, st);
+            Ok(())
+        })
+    }
+
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        const CALL: &str = "cuStreamWaitEvent";
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let slot = Self::event(l, st, CALL, event)?.slot;
+            let s = self.stream_slot(l, st, CALL, stream)?;
+            let clock = st.events[slot].clock;
+            merge(&mut st.streams[s].clock, &clock);
+            Ok(())
+        })
+    }
+
+    fn stream_create(&self) -> Result<StreamHandle> {
+        const CALL: &str = "cuStreamCreate";
+        let mut l = self.local();
+        Self::context(&l, CALL)?;
+        let slot = self
+            .machine
+            .with(|st| {
+                st.stream_create(self.agent, self.pid).or_else(|| {
+                    reap(st);
+                    st.stream_create(self.agent, self.pid)
+                })
+            })
+            .ok_or(fail(CALL, CuCode::OUT_OF_MEMORY))?;
+        l.next_handle += 1;
+        let h = l.next_handle;
+        l.streams.insert(h, slot);
+        Ok(StreamHandle(h))
+    }
+
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        const CALL: &str = "cuStreamDestroy_v2";
+        let slot = self
+            .local()
+            .streams
+            .remove(&stream.0)
+            .ok_or(fail(CALL, CuCode::INVALID_HANDLE))?;
+        self.machine.with(|st| st.streams[slot].live = 0);
+        Ok(())
+    }
+
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        const CALL: &str = "cuStreamSynchronize";
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, CALL, stream)?;
+            let clock = st.streams[s].clock;
+            merge(&mut l.host_clock, &clock);
+            self.release_at_sync(l, st);
+            Ok(())
+        })
+    }
+
+    fn memset_d8_async(
+        &self,
+        ptr: DevicePtr,
+        value: u8,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.memset("cuMemsetD8Async", ptr, &[value], bytes, stream)
+    }
+
+    fn memset_d32_async(
+        &self,
+        ptr: DevicePtr,
+        value: u32,
+        words: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        if !ptr.0.is_multiple_of(4) {
+            return Err(fail("cuMemsetD32Async", CuCode::INVALID_VALUE));
+        }
+        self.memset("cuMemsetD32Async", ptr, &value.to_le_bytes(), words, stream)
+    }
+
+    fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.copy_out("cuMemcpyDtoH", dst, src, StreamHandle::NULL, true)
+    }
+
+    fn memcpy_htod(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.copy_in("cuMemcpyHtoD", dst, src, StreamHandle::NULL, true)
+    }
+
+    fn memcpy_dtod_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const CALL: &str = "cuMemcpyDtoDAsync";
+        if bytes == 0 {
+            return Ok(());
+        }
+        let n = Self::host_len(CALL, bytes)?;
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, CALL, stream)?;
+            let from = self.touch(l, st, CALL, src, bytes, s, false)?;
+            let to = self.touch(l, st, CALL, dst, bytes, s, true)?;
+            let (fm, fo) = Self::mapping(l, &from).ok_or(fail(CALL, CuCode::ILLEGAL_ADDRESS))?;
+            let (tm, to) = Self::mapping(l, &to).ok_or(fail(CALL, CuCode::ILLEGAL_ADDRESS))?;
+            // Through a bounce buffer: the two ranges may be two mappings of the same bytes.
+            let mut buf = vec![0u8; n.min(8 << 20)];
+            let mut done = 0;
+            while done < n {
+                let k = buf.len().min(n - done);
+                fm.read(fo + done, &mut buf[..k]);
+                tm.write(to + done, &buf[..k]);
+                done += k;
+            }
+            Ok(())
+        })
+    }
+
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const CALL: &str = "cuMemcpyDtoHAsync";
+        let n = Self::host_len(CALL, bytes)?;
+        if dst.is_null() {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        // SAFETY: the caller promises `dst` is valid for `bytes` writes and untouched by
+        // anything else until the copy completed, which in the simulation is now.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst, n) };
+        self.copy_out(CALL, dst, src, stream, false)
+    }
+
+    unsafe fn memcpy_htod_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const CALL: &str = "cuMemcpyHtoDAsync";
+        let n = Self::host_len(CALL, bytes)?;
+        if src.is_null() {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        // SAFETY: the caller promises `src` is valid for `bytes` reads and not written until
+        // the copy completed, which in the simulation is now.
+        let src = unsafe { std::slice::from_raw_parts(src, n) };
+        self.copy_in(CALL, dst, src, stream, false)
+    }
+
+    unsafe fn host_register(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
+        const CALL: &str = "cuMemHostRegister_v2";
+        if ptr.is_null() || bytes == 0 {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let start = ptr as usize;
+        let end = start
+            .checked_add(bytes)
+            .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+        let mut l = self.local();
+        let overlaps = l
+            .host_registered
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&s, &n)| s + n > start);
+        if overlaps {
+            return Err(fail(CALL, CuCode::HOST_MEMORY_ALREADY_REGISTERED));
+        }
+        l.host_registered.insert(start, bytes);
+        Ok(())
+    }
+
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        self.local()
+            .host_registered
+            .remove(&(ptr as usize))
+            .map(drop)
+            .ok_or(fail(
+                "cuMemHostUnregister",
+                CuCode::HOST_MEMORY_NOT_REGISTERED,
+            ))
+    }
+
+    fn vmm_granularity(&self, ordinal: u32, _which: Granularity) -> Result<u64> {
+        self.device_check("cuMemGetAllocationGranularity", ordinal)?;
+        Ok(GRANULE)
+    }
+
+    fn vmm_create(&self, ordinal: u32, bytes: u64) -> Result<VmmHandle> {
+        const CALL: &str = "cuMemCreate";
+        self.device_check(CALL, ordinal)?;
+        if bytes == 0 || !bytes.is_multiple_of(GRANULE) {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        self.machine.with(|st| {
+            let d = &mut st.devices[ordinal as usize];
+            if d.reserved.saturating_add(bytes) > d.total {
+                return Err(fail(CALL, CuCode::OUT_OF_MEMORY));
+            }
+            d.reserved += bytes;
+            Ok(())
+        })?;
+        let fd = match sparse_memfd("poolipc-sim-vmm", bytes) {
+            Ok(fd) => fd,
+            Err(e) => {
+                self.machine
+                    .with(|st| st.devices[ordinal as usize].reserved -= bytes);
+                return Err(e);
+            }
+        };
+        let mut l = self.local();
+        l.next_handle += 1;
+        let h = l.next_handle;
+        l.vmm.insert(
+            h,
+            VmmAlloc {
+                fd,
+                bytes,
+                created_on: Some(ordinal),
+            },
+        );
+        Ok(VmmHandle(h))
+    }
+
+    fn vmm_export_fd(&self, handle: VmmHandle) -> Result<OwnedFd> {
+        const CALL: &str = "cuMemExportToShareableHandle";
+        let l = self.local();
+        let v = l
+            .vmm
+            .get(&handle.0)
+            .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+        v.fd.try_clone().map_err(|source| DriverError::Os {
+            call: "dup",
+            source,
+        })
+    }
+
+    fn vmm_import_fd(&self, fd: BorrowedFd<'_>) -> Result<VmmHandle> {
+        const CALL: &str = "cuMemImportFromShareableHandle";
+        let st = nix::sys::stat::fstat(fd).map_err(|_| fail(CALL, CuCode::INVALID_VALUE))?;
+        let bytes = u64::try_from(st.st_size).map_err(|_| fail(CALL, CuCode::INVALID_VALUE))?;
+        if bytes == 0 || bytes % GRANULE != 0 {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let own = fd.try_clone_to_owned().map_err(|source| DriverError::Os {
+            call: "dup",
+            source,
+        })?;
+        let mut l = self.local();
+        l.next_handle += 1;
+        let h = l.next_handle;
+        l.vmm.insert(
+            h,
+            VmmAlloc {
+                fd: own,
+                bytes,
+                created_on: None,
+            },
+        );
+        Ok(VmmHandle(h))
+    }
+
+    fn vmm_reserve(&self, bytes: u64, alignment: u64) -> Result<DevicePtr> {
+        const CALL: &str = "cuMemAddressReserve";
+        if bytes == 0
+            || !bytes.is_multiple_of(GRANULE)
+            || (alignment != 0 && !alignment.is_power_of_two())
+        {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let mut l = self.local();
+        let start = l.next_va.next_multiple_of(alignment.max(GRANULE));
+        l.next_va = start + bytes;
+        l.reservations.insert(start, bytes);
+        Ok(DevicePtr(start))
+    }
+
+    fn vmm_map(&self, ptr: DevicePtr, bytes: u64, handle: VmmHandle) -> Result<()> {
+        const CALL: &str = "cuMemMap";
+        let mut l = self.local();
+        let v = l
+            .vmm
+            .get(&handle.0)
+            .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+        if bytes != v.bytes {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let end = ptr
+            .0
+            .checked_add(bytes)
+            .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+        let reserved = l
+            .reservations
+            .range(..=ptr.0)
+            .next_back()
+            .is_some_and(|(&s, &n)| end <= s + n);
+        if !reserved {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        if l.maps
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.bytes > ptr.0)
+        {
+            return Err(fail(CALL, CuCode::ALREADY_MAPPED));
+        }
+        let map = Mapping::new(&v.fd, 0, bytes)?;
+        l.maps.insert(
+            ptr.0,
+            VmmMap {
+                map,
+                bytes,
+                access: Access::None,
+            },
+        );
+        Ok(())
+    }
+
+    fn vmm_set_access(
+        &self,
+        ptr: DevicePtr,
+        bytes: u64,
+        ordinal: u32,
+        access: Access,
+    ) -> Result<()> {
+        const CALL: &str = "cuMemSetAccess";
+        self.device_check(CALL, ordinal)?;
+        let mut l = self.local();
+        let end = ptr.0.saturating_add(bytes);
+        let mut covered = ptr.0;
+        for (&s, m) in l.maps.range_mut(ptr.0..end) {
+            if s != covered {
+                break;
+            }
+            m.access = access;
+            covered = s + m.bytes;
+        }
+        if covered < end || bytes == 0 {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        Ok(())
+    }
+
+    fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
+        const CALL: &str = "cuMemUnmap";
+        let mut l = self.local();
+        let end = ptr.0.saturating_add(bytes);
+        let starts: Vec<u64> = l.maps.range(ptr.0..end).map(|(&s, _)| s).collect();
+        if starts.first() != Some(&ptr.0) {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        for s in starts {
+            l.maps.remove(&s);
+        }
+        Ok(())
+    }
+
+    fn vmm_address_free(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
+        const CALL: &str = "cuMemAddressFree";
+        let mut l = self.local();
+        if l.reservations.get(&ptr.0) != Some(&bytes) {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        if l.maps.range(ptr.0..ptr.0 + bytes).next().is_some() {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        l.reservations.remove(&ptr.0);
+        Ok(())
+    }
+
+    fn vmm_release(&self, handle: VmmHandle) -> Result<()> {
+        let v = self
+            .local()
+            .vmm
+            .remove(&handle.0)
+            .ok_or(fail("cuMemRelease", CuCode::INVALID_VALUE))?;
+        if let Some(dev) = v.created_on {
+            // Memory goes back when the handle is released; mappings keep their bytes alive
+            // in this simulation (the real driver defers the release until they are unmapped).
+            self.machine.with(|st| {
+                let d = &mut st.devices[dev as usize];
+                d.reserved = d.reserved.saturating_sub(v.bytes);
+            });
+        }
+        Ok(())
+    }
+}
+
+impl SimDriver {
+    fn alloc(
+        &self,
+        call: &'static str,
+        bytes: u64,
+        pool: PoolHandle,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr> {
+        if bytes == 0 {
+            return Err(fail(call, CuCode::INVALID_VALUE));
+        }
+        let mut l = self.local();
+        let slot = Self::own_pool_slot(&l, call, pool)?;
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, call, stream)?;
+            let mut work = MemoryWork::default();
+            let r = st.alloc(slot, bytes, &mut work);
+            Self::apply(l, slot, &work);
+            let b = r.map_err(|code| fail(call, code))?;
+            // The allocation is stream-ordered: it is the stream's write, which another
+            // process must be ordered after before it touches the memory.
+            self.stamp(st, b, s);
+            Ok(DevicePtr(
+                OWN_BASE + slot as u64 * POOL_SPAN + st.blocks[b].offset,
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
+
+// Keep the chunk size and MiB in the public docs honest.
+const _: () = assert!(CHUNK == 32 * MIB);

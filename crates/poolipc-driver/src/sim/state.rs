@@ -1,0 +1,629 @@
+//! The simulated machine's shared state: fixed tables of plain integers in one shared mapping,
+//! read and written only under the machine lock. All-zero bytes are the empty machine.
+//!
+//! Nothing here does IO: the driver (`super`) maps the state, takes the lock, and calls these
+//! functions, which return what the caller must still do to memory (poison, punch holes).
+
+use super::violation::ViolationKind;
+use crate::error::CuCode;
+
+pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
+/// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
+pub(super) const LAYOUT: u64 = 1;
+
+pub(super) const MAX_DEVICES: usize = 8;
+pub(super) const MAX_POOLS: usize = 128;
+pub(super) const MAX_BLOCKS: usize = 8192;
+pub(super) const MAX_IMPORTS: usize = 4096;
+pub(super) const MAX_STREAMS: usize = 256;
+pub(super) const MAX_EVENTS: usize = 1024;
+pub(super) const MAX_VIOLATIONS: usize = 1024;
+
+/// Pool allocations are rounded up to this (the real pool's granularity for pinned memory).
+pub(super) const GRANULE: u64 = 2 << 20;
+/// The physical chunk a pool allocation is made of; pointer import handles at most 128.
+pub(super) const CHUNK: u64 = 32 << 20;
+/// libcuda's on-stack array of chunk handles (FACTS.md, "The import crash").
+pub(super) const IMPORT_CHUNK_LIMIT: u64 = 128;
+
+/// The 32 MiB chunks that `[start, start + len)` touches.
+#[must_use]
+pub(super) fn chunks_spanned(start: u64, len: u64) -> u64 {
+    if len == 0 {
+        return 0;
+    }
+    let end = start.saturating_add(len - 1);
+    end / CHUNK - start / CHUNK + 1
+}
+
+pub(super) type Clock = [u64; MAX_STREAMS];
+
+pub(super) fn merge(into: &mut Clock, from: &Clock) {
+    for (a, b) in into.iter_mut().zip(from) {
+        *a = (*a).max(*b);
+    }
+}
+
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct DeviceRec {
+    pub(super) total: u64,
+    /// Bytes reserved by every pool and VMM allocation on the device, all processes.
+    pub(super) reserved: u64,
+}
+
+pub(super) const POOL_FREE: u32 = 0;
+pub(super) const POOL_LIVE: u32 = 1;
+/// Destroyed while allocations were live: goes away with the last of them.
+pub(super) const POOL_DYING: u32 = 2;
+
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct PoolRec {
+    pub(super) state: u32,
+    pub(super) device: u32,
+    pub(super) shareable: u32,
+    pub(super) exported: u32,
+    pub(super) owner_pid: u32,
+    pub(super) reuse_follow: u32,
+    pub(super) reuse_opportunistic: u32,
+    pub(super) reuse_internal: u32,
+    pub(super) owner_agent: u64,
+    pub(super) generation: u64,
+    pub(super) capacity: u64,
+    pub(super) top: u64,
+    pub(super) release_threshold: u64,
+    pub(super) reserved: u64,
+    pub(super) reserved_high: u64,
+    pub(super) used: u64,
+    pub(super) used_high: u64,
+}
+
+pub(super) const BLOCK_EMPTY: u32 = 0;
+pub(super) const BLOCK_LIVE: u32 = 1;
+/// Freed, still reserved by the pool (poisoned).
+pub(super) const BLOCK_CACHED: u32 = 2;
+/// Address range of the pool whose memory went back to the device.
+pub(super) const BLOCK_HOLE: u32 = 3;
+
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct BlockRec {
+    pub(super) state: u32,
+    pub(super) pool: u32,
+    /// Stream slot of the last write (alloc, memset, copy in).
+    pub(super) write_stream: u32,
+    pub(super) write_pid: u32,
+    pub(super) offset: u64,
+    pub(super) size: u64,
+    /// What the caller asked for (the allocation's size as the driver reports it).
+    pub(super) bytes: u64,
+    /// Machine-unique, new at every allocation: recycled memory has a new one.
+    pub(super) generation: u64,
+    pub(super) write_seq: u64,
+    pub(super) write_agent: u64,
+}
+
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct ImportRec {
+    pub(super) live: u32,
+    pub(super) pid: u32,
+    pub(super) block: u64,
+    pub(super) generation: u64,
+    pub(super) agent: u64,
+}
+
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct StreamRec {
+    pub(super) live: u32,
+    pub(super) pid: u32,
+    pub(super) agent: u64,
+    /// What this stream's work is ordered after; `clock[own slot]` counts its own operations
+    /// and survives slot reuse, so old knowledge never covers new work.
+    pub(super) clock: Clock,
+}
+
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct EventRec {
+    pub(super) live: u32,
+    pub(super) interprocess: u32,
+    pub(super) owner_pid: u32,
+    /// Opens by other processes still holding it.
+    pub(super) opens: u32,
+    pub(super) owner_alive: u32,
+    pub(super) _pad: u32,
+    pub(super) owner_agent: u64,
+    pub(super) generation: u64,
+    pub(super) records: u64,
+    /// The recording stream's clock at the last record.
+    pub(super) clock: Clock,
+}
+
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct ViolationRec {
+    pub(super) kind: u32,
+    pub(super) call: u32,
+    pub(super) pid: u32,
+    pub(super) other_pid: u32,
+    pub(super) block: u64,
+    pub(super) generation: u64,
+    pub(super) a: u64,
+    pub(super) b: u64,
+}
+
+/// The whole machine. Lives in shared memory only (it is megabytes: never on a stack).
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct State {
+    pub(super) magic: u64,
+    pub(super) layout: u64,
+    pub(super) size: u64,
+    pub(super) machine_id: u64,
+    pub(super) device_count: u32,
+    pub(super) import_crash: u32,
+    pub(super) next_id: u64,
+    pub(super) violation_count: u64,
+    pub(super) devices: [DeviceRec; MAX_DEVICES],
+    pub(super) pools: [PoolRec; MAX_POOLS],
+    pub(super) blocks: [BlockRec; MAX_BLOCKS],
+    pub(super) imports: [ImportRec; MAX_IMPORTS],
+    pub(super) streams: [StreamRec; MAX_STREAMS],
+    pub(super) events: [EventRec; MAX_EVENTS],
+    pub(super) violations: [ViolationRec; MAX_VIOLATIONS],
+}
+
+/// Work left to the caller after a state change: byte ranges of a pool's memfd.
+#[derive(Debug, Default)]
+#[must_use]
+pub(super) struct MemoryWork {
+    /// Fill with the poison pattern (freed, still reserved).
+    pub(super) poison: Vec<(u64, u64)>,
+    /// Give back to the kernel (released by the pool).
+    pub(super) release: Vec<(u64, u64)>,
+}
+
+impl State {
+    pub(super) fn next_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    pub(super) fn record(&mut self, v: ViolationRec) {
+        let i = self.violation_count as usize;
+        tracing::warn!(kind = ?ViolationKind::from_u32(v.kind), pid = v.pid, "sim: contract violation recorded");
+        if i < MAX_VIOLATIONS {
+            self.violations[i] = v;
+        }
+        self.violation_count += 1;
+    }
+
+    pub(super) fn violation(
+        &mut self,
+        kind: ViolationKind,
+        call: &'static str,
+        pid: u32,
+    ) -> ViolationBuilder<'_> {
+        ViolationBuilder {
+            state: self,
+            rec: ViolationRec {
+                kind: kind as u32,
+                call: super::violation::call_code(call),
+                pid,
+                other_pid: 0,
+                block: u64::MAX,
+                generation: 0,
+                a: 0,
+                b: 0,
+            },
+        }
+    }
+
+    // --- pools ---------------------------------------------------------------------------
+
+    pub(super) fn pool_create(
+        &mut self,
+        device: u32,
+        shareable: bool,
+        capacity: u64,
+        agent: u64,
+        pid: u32,
+    ) -> Option<usize> {
+        let slot = self.pools.iter().position(|p| p.state == POOL_FREE)?;
+        let generation = self.next_id();
+        self.pools[slot] = PoolRec {
+            state: POOL_LIVE,
+            device,
+            shareable: u32::from(shareable),
+            exported: 0,
+            owner_pid: pid,
+            reuse_follow: 1,
+            reuse_opportunistic: 1,
+            reuse_internal: 1,
+            owner_agent: agent,
+            generation,
+            capacity,
+            top: 0,
+            release_threshold: 0,
+            reserved: 0,
+            reserved_high: 0,
+            used: 0,
+            used_high: 0,
+        };
+        Some(slot)
+    }
+
+    fn free_block_slot(&self) -> Option<usize> {
+        self.blocks.iter().position(|b| b.state == BLOCK_EMPTY)
+    }
+
+    /// A block of at least `size` in `pool`, in state `state`, best fit.
+    fn best_fit(&self, pool: usize, state: u32, size: u64) -> Option<usize> {
+        self.blocks
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.state == state && b.pool as usize == pool && b.size >= size)
+            .min_by_key(|(_, b)| (b.size, b.offset))
+            .map(|(i, _)| i)
+    }
+
+    /// Splits `size` off the front of block `i`; the rest stays in the block's state.
+    fn split(&mut self, i: usize, size: u64) -> Result<(), CuCode> {
+        let b = &self.blocks[i];
+        if b.size == size {
+            return Ok(());
+        }
+        let rest = self.free_block_slot().ok_or(CuCode::OUT_OF_MEMORY)?;
+        let (state, pool, offset, total) = (b.state, b.pool, b.offset, b.size);
+        self.blocks[rest] = BlockRec {
+            state,
+            pool,
+            offset: offset + size,
+            size: total - size,
+            ..empty_block()
+        };
+        self.blocks[i].size = size;
+        Ok(())
+    }
+
+    fn reserve(&mut self, pool: usize, size: u64) -> Result<(), CuCode> {
+        let dev = self.pools[pool].device as usize;
+        let d = &mut self.devices[dev];
+        if d.reserved.saturating_add(size) > d.total {
+            return Err(CuCode::OUT_OF_MEMORY);
+        }
+        d.reserved += size;
+        let p = &mut self.pools[pool];
+        p.reserved += size;
+        p.reserved_high = p.reserved_high.max(p.reserved);
+        Ok(())
+    }
+
+    /// `cuMemAllocFromPoolAsync`: the block index of a new live allocation.
+    pub(super) fn alloc(
+        &mut self,
+        pool: usize,
+        bytes: u64,
+        work: &mut MemoryWork,
+    ) -> Result<usize, CuCode> {
+        let size = bytes
+            .max(1)
+            .checked_next_multiple_of(GRANULE)
+            .ok_or(CuCode::OUT_OF_MEMORY)?;
+        let i = if let Some(i) = self.best_fit(pool, BLOCK_CACHED, size) {
+            self.split(i, size)?;
+            i
+        } else {
+            if self.reserve(pool, size).is_err() {
+                // Out of device memory: give back what this pool holds unused, then retry,
+                // as the real pool does before it fails.
+                self.release_cached(pool, 0, work);
+                self.reserve(pool, size)?;
+            }
+            let found = if let Some(i) = self.best_fit(pool, BLOCK_HOLE, size) {
+                self.split(i, size).map(|()| i)
+            } else {
+                let p = &self.pools[pool];
+                if p.top.saturating_add(size) > p.capacity {
+                    Err(CuCode::OUT_OF_MEMORY)
+                } else {
+                    let offset = p.top;
+                    self.free_block_slot()
+                        .ok_or(CuCode::OUT_OF_MEMORY)
+                        .inspect(|&i| {
+                            self.blocks[i] = BlockRec {
+                                state: BLOCK_HOLE,
+                                pool: pool as u32,
+                                offset,
+                                size,
+                                ..empty_block()
+                            };
+                            self.pools[pool].top += size;
+                        })
+                }
+            };
+            match found {
+                Ok(i) => i,
+                Err(e) => {
+                    self.unreserve(pool, size);
+                    return Err(e);
+                }
+            }
+        };
+        let generation = self.next_id();
+        let b = &mut self.blocks[i];
+        b.state = BLOCK_LIVE;
+        b.bytes = bytes;
+        b.generation = generation;
+        b.write_seq = 0;
+        b.write_agent = 0;
+        b.write_pid = 0;
+        b.write_stream = 0;
+        let p = &mut self.pools[pool];
+        p.used += size;
+        p.used_high = p.used_high.max(p.used);
+        Ok(i)
+    }
+
+    fn unreserve(&mut self, pool: usize, size: u64) {
+        let dev = self.pools[pool].device as usize;
+        self.devices[dev].reserved = self.devices[dev].reserved.saturating_sub(size);
+        self.pools[pool].reserved = self.pools[pool].reserved.saturating_sub(size);
+    }
+
+    /// The live block of `pool` at exactly `offset`.
+    pub(super) fn live_block_at(&self, pool: usize, offset: u64) -> Option<usize> {
+        self.blocks
+            .iter()
+            .position(|b| b.state == BLOCK_LIVE && b.pool as usize == pool && b.offset == offset)
+    }
+
+    /// The block of `pool` whose range holds `offset`, whatever its state.
+    pub(super) fn block_containing(&self, pool: usize, offset: u64) -> Option<usize> {
+        self.blocks.iter().position(|b| {
+            b.state != BLOCK_EMPTY
+                && b.pool as usize == pool
+                && b.offset <= offset
+                && offset < b.offset + b.size
+        })
+    }
+
+    /// Frees live block `i`: it stays reserved, poisoned.
+    pub(super) fn free(&mut self, i: usize, work: &mut MemoryWork) {
+        let pool = self.blocks[i].pool as usize;
+        let b = &mut self.blocks[i];
+        b.state = BLOCK_CACHED;
+        let (offset, size) = (b.offset, b.size);
+        self.pools[pool].used = self.pools[pool].used.saturating_sub(size);
+        work.poison.push((offset, size));
+        self.coalesce(i);
+        if self.pools[pool].state == POOL_DYING && self.pools[pool].used == 0 {
+            self.pool_drop(pool, work);
+        }
+    }
+
+    /// Merges block `i` with free neighbours in the same state.
+    fn coalesce(&mut self, i: usize) {
+        let (pool, state) = (self.blocks[i].pool, self.blocks[i].state);
+        loop {
+            let (off, end) = (
+                self.blocks[i].offset,
+                self.blocks[i].offset + self.blocks[i].size,
+            );
+            let next = self
+                .blocks
+                .iter()
+                .position(|b| b.state == state && b.pool == pool && b.offset == end);
+            let prev = self
+                .blocks
+                .iter()
+                .position(|b| b.state == state && b.pool == pool && b.offset + b.size == off);
+            if let Some(n) = next {
+                self.blocks[i].size += self.blocks[n].size;
+                self.blocks[n] = empty_block();
+            } else if let Some(p) = prev {
+                self.blocks[p].size += self.blocks[i].size;
+                self.blocks[i] = empty_block();
+                return self.coalesce(p);
+            } else {
+                return;
+            }
+        }
+    }
+
+    /// Releases cached memory of `pool` until at most `keep` bytes stay reserved.
+    pub(super) fn release_cached(&mut self, pool: usize, keep: u64, work: &mut MemoryWork) {
+        while self.pools[pool].reserved > keep {
+            // Highest addresses first, as a pool shrinks from its top.
+            let Some(i) = self
+                .blocks
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.state == BLOCK_CACHED && b.pool as usize == pool)
+                .max_by_key(|(_, b)| b.offset)
+                .map(|(i, _)| i)
+            else {
+                return;
+            };
+            let (offset, size) = (self.blocks[i].offset, self.blocks[i].size);
+            self.blocks[i].state = BLOCK_HOLE;
+            self.unreserve(pool, size);
+            work.release.push((offset, size));
+            self.coalesce(i);
+        }
+    }
+
+    /// Forgets pool `slot` and its blocks; its reserved memory goes back to the device.
+    pub(super) fn pool_drop(&mut self, pool: usize, work: &mut MemoryWork) {
+        let reserved = self.pools[pool].reserved;
+        self.unreserve(pool, reserved);
+        for b in self
+            .blocks
+            .iter_mut()
+            .filter(|b| b.pool as usize == pool && b.state != BLOCK_EMPTY)
+        {
+            work.release.push((b.offset, b.size));
+            *b = empty_block();
+        }
+        self.pools[pool].state = POOL_FREE;
+    }
+
+    /// Live imports of block `i` at `generation`, after dropping those of dead processes.
+    pub(super) fn live_importers(
+        &mut self,
+        i: usize,
+        generation: u64,
+        alive: impl Fn(u32) -> bool,
+    ) -> Vec<u32> {
+        let mut pids = Vec::new();
+        for imp in self.imports.iter_mut() {
+            if imp.live == 1 && imp.block == i as u64 && imp.generation == generation {
+                if alive(imp.pid) {
+                    pids.push(imp.pid);
+                } else {
+                    // The real driver dropped the dead process's imports at its exit.
+                    imp.live = 0;
+                }
+            }
+        }
+        pids
+    }
+
+    // --- streams and events --------------------------------------------------------------
+
+    pub(super) fn stream_create(&mut self, agent: u64, pid: u32) -> Option<usize> {
+        let slot = self.streams.iter().position(|s| s.live == 0)?;
+        let s = &mut self.streams[slot];
+        let own = s.clock[slot];
+        s.clock = [0; MAX_STREAMS];
+        s.clock[slot] = own;
+        s.live = 1;
+        s.pid = pid;
+        s.agent = agent;
+        Some(slot)
+    }
+
+    /// Advances stream `s` by one operation and returns its sequence number.
+    pub(super) fn tick(&mut self, s: usize) -> u64 {
+        self.streams[s].clock[s] += 1;
+        self.streams[s].clock[s]
+    }
+
+    pub(super) fn event_create(
+        &mut self,
+        interprocess: bool,
+        agent: u64,
+        pid: u32,
+    ) -> Option<(usize, u64)> {
+        let slot = self.events.iter().position(|e| e.live == 0)?;
+        let generation = self.next_id();
+        let e = &mut self.events[slot];
+        e.live = 1;
+        e.interprocess = u32::from(interprocess);
+        e.owner_pid = pid;
+        e.opens = 0;
+        e.owner_alive = 1;
+        e.owner_agent = agent;
+        e.generation = generation;
+        e.records = 0;
+        e.clock = [0; MAX_STREAMS];
+        Some((slot, generation))
+    }
+
+    // --- processes -----------------------------------------------------------------------
+
+    /// Everything an exiting (or dead) simulated process held, as the real driver drops it
+    /// when the process exits: imports, pools, streams, its side of events.
+    pub(super) fn drop_process(
+        &mut self,
+        gone: impl Fn(u64, u32) -> bool,
+        work: &mut Vec<(usize, MemoryWork)>,
+    ) {
+        for imp in self.imports.iter_mut().filter(|i| i.live == 1) {
+            if gone(imp.agent, imp.pid) {
+                imp.live = 0;
+            }
+        }
+        for p in 0..MAX_POOLS {
+            let rec = &self.pools[p];
+            if rec.state != POOL_FREE && gone(rec.owner_agent, rec.owner_pid) {
+                let mut w = MemoryWork::default();
+                self.pool_drop(p, &mut w);
+                work.push((p, w));
+            }
+        }
+        for s in self.streams.iter_mut().filter(|s| s.live == 1) {
+            if gone(s.agent, s.pid) {
+                s.live = 0;
+            }
+        }
+        for e in self.events.iter_mut().filter(|e| e.live == 1) {
+            if e.owner_alive == 1 && gone(e.owner_agent, e.owner_pid) {
+                e.owner_alive = 0;
+                if e.opens == 0 {
+                    e.live = 0;
+                }
+            }
+        }
+    }
+}
+
+pub(super) struct ViolationBuilder<'a> {
+    state: &'a mut State,
+    rec: ViolationRec,
+}
+
+impl ViolationBuilder<'_> {
+    pub(super) fn block(mut self, block: usize, generation: u64) -> Self {
+        self.rec.block = block as u64;
+        self.rec.generation = generation;
+        self
+    }
+    pub(super) fn other_pid(mut self, pid: u32) -> Self {
+        self.rec.other_pid = pid;
+        self
+    }
+    pub(super) fn values(mut self, a: u64, b: u64) -> Self {
+        self.rec.a = a;
+        self.rec.b = b;
+        self
+    }
+    pub(super) fn log(self) {
+        self.state.record(self.rec);
+    }
+}
+
+fn empty_block() -> BlockRec {
+    BlockRec {
+        state: BLOCK_EMPTY,
+        pool: 0,
+        write_stream: 0,
+        write_pid: 0,
+        offset: 0,
+        size: 0,
+        bytes: 0,
+        generation: 0,
+        write_seq: 0,
+        write_agent: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunks_spanned;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn chunks_are_counted_from_32_mib_boundaries() {
+        assert_eq!(chunks_spanned(0, 1), 1);
+        assert_eq!(chunks_spanned(0, 4096 * MIB), 128);
+        assert_eq!(chunks_spanned(2 * MIB, 4096 * MIB), 129);
+        assert_eq!(chunks_spanned(16 * MIB, 5248 * MIB), 165);
+        assert_eq!(chunks_spanned(31 * MIB, 2 * MIB), 2);
+        assert_eq!(chunks_spanned(5, 0), 0);
+    }
+}

@@ -1,0 +1,613 @@
+//! The simulation's rules, each triggered and each respected, with two simulated processes
+//! inside one OS process ([`SimDriver::peer`]). Real processes: `tests/sim_processes.rs`.
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use super::*;
+use std::os::fd::AsFd;
+
+const MIB: u64 = 1 << 20;
+const S: StreamHandle = StreamHandle::NULL;
+
+fn sim() -> SimDriver {
+    let d = SimDriver::new(SimConfig::default()).unwrap();
+    d.use_device(0).unwrap();
+    d
+}
+
+fn sim_with(config: SimConfig) -> SimDriver {
+    let d = SimDriver::new(config).unwrap();
+    d.use_device(0).unwrap();
+    d
+}
+
+/// A shareable pool made current, exported: the parent's setup.
+fn shared_pool(d: &SimDriver) -> (PoolHandle, OwnedFd) {
+    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    d.device_set_mem_pool(0, pool).unwrap();
+    let fd = d.mem_pool_export_fd(pool).unwrap();
+    (pool, fd)
+}
+
+fn worker(parent: &SimDriver, fd: &OwnedFd) -> (SimDriver, PoolHandle) {
+    let w = parent.peer();
+    w.use_device(0).unwrap();
+    let pool = w.mem_pool_import_fd(fd.as_fd()).unwrap();
+    (w, pool)
+}
+
+fn kinds(d: &SimDriver) -> Vec<ViolationKind> {
+    d.violations().iter().map(|v| v.kind).collect()
+}
+
+/// Parent allocates, writes, records READY; worker imports, waits READY: the contract's
+/// happy start. Returns (worker, parent ptr, worker ptr, worker stream).
+fn handoff(
+    p: &SimDriver,
+    fd: &OwnedFd,
+    bytes: u64,
+) -> (SimDriver, DevicePtr, DevicePtr, StreamHandle) {
+    let ptr = p.mem_alloc_async(bytes, S).unwrap();
+    p.memset_d8_async(ptr, 0xAB, bytes, S).unwrap();
+    let ready = p.event_create(true).unwrap();
+    p.event_record(ready, S).unwrap();
+    let blob = p.mem_pool_export_pointer(ptr).unwrap();
+    let (w, wpool) = worker(p, fd);
+    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    let ws = w.stream_create().unwrap();
+    let r = w
+        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
+        .unwrap();
+    w.stream_wait_event(ws, r).unwrap();
+    (w, ptr, imported, ws)
+}
+
+// --- export order --------------------------------------------------------------------------
+
+#[test]
+fn pointer_export_before_the_pool_fd_export_is_invalid_value() {
+    let d = sim();
+    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let ptr = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
+    let e = d.mem_pool_export_pointer(ptr).unwrap_err();
+    assert!(
+        e.is_call("cuMemPoolExportPointer", CuCode::INVALID_VALUE),
+        "{e}"
+    );
+}
+
+#[test]
+fn pointer_export_after_the_pool_fd_export_gives_a_blob() {
+    let d = sim();
+    let (pool, _fd) = shared_pool(&d);
+    let ptr = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
+    let a = d.mem_pool_export_pointer(ptr).unwrap();
+    assert_eq!(a, d.mem_pool_export_pointer(ptr).unwrap());
+}
+
+#[test]
+fn a_pool_without_posix_fd_sharing_cannot_be_exported() {
+    let d = sim();
+    let pool = d.mem_pool_create(0, PoolSharing::None).unwrap();
+    let e = d.mem_pool_export_fd(pool).unwrap_err();
+    assert!(e.is_call("cuMemPoolExportToShareableHandle", CuCode::INVALID_VALUE));
+    let default = d.device_get_default_mem_pool(0).unwrap();
+    assert!(d.mem_pool_export_fd(default).is_err());
+}
+
+// --- the ownership contract ----------------------------------------------------------------
+
+#[test]
+fn a_worker_sees_the_parents_bytes_and_the_parent_sees_the_workers_write() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, imported, ws) = handoff(&p, &fd, 4 * MIB);
+    w.stream_synchronize(ws).unwrap();
+    let mut buf = vec![0u8; 4096];
+    w.memcpy_dtoh(&mut buf, imported.offset(MIB)).unwrap();
+    assert!(buf.iter().all(|b| *b == 0xAB));
+    w.memset_d32_async(imported, 0x0102_0304, 16, ws).unwrap();
+    let done = w.event_create(true).unwrap();
+    w.event_record(done, ws).unwrap();
+    w.mem_pool_free_import(imported, ws).unwrap();
+    let d = p
+        .ipc_open_event_handle(&w.ipc_get_event_handle(done).unwrap())
+        .unwrap();
+    p.event_synchronize(d).unwrap();
+    p.memcpy_dtoh(&mut buf[..8], ptr).unwrap();
+    assert_eq!(&buf[..8], &[4, 3, 2, 1, 4, 3, 2, 1]);
+    p.mem_free_async(ptr, S).unwrap();
+    assert_eq!(p.violations(), vec![]);
+}
+
+#[test]
+fn the_exporter_freeing_while_an_import_is_live_is_recorded() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, _imported, _ws) = handoff(&p, &fd, MIB);
+    p.mem_free_async(ptr, S).unwrap();
+    let v = p.violations();
+    assert_eq!(kinds(&p), vec![ViolationKind::FreedWhileImported]);
+    assert_eq!(v[0].call, "cuMemFreeAsync");
+    drop(w);
+}
+
+#[test]
+fn the_exporter_freeing_after_the_import_was_freed_is_clean() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, imported, ws) = handoff(&p, &fd, MIB);
+    w.mem_pool_free_import(imported, ws).unwrap();
+    p.mem_free_async(ptr, S).unwrap();
+    assert_eq!(kinds(&p), vec![]);
+}
+
+#[test]
+fn an_exiting_importer_drops_its_imports() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, _imported, _ws) = handoff(&p, &fd, MIB);
+    drop(w); // the simulated process exits without freeing its import
+    p.mem_free_async(ptr, S).unwrap();
+    assert_eq!(kinds(&p), vec![]);
+}
+
+#[test]
+fn an_importer_touching_memory_before_waiting_for_ready_is_recorded() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let ptr = p.mem_alloc_async(MIB, S).unwrap();
+    p.memset_d8_async(ptr, 1, MIB, S).unwrap();
+    let blob = p.mem_pool_export_pointer(ptr).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    let ws = w.stream_create().unwrap();
+    w.memset_d8_async(imported, 2, 16, ws).unwrap();
+    let v = p.violations();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+    assert_eq!(v[0].call, "cuMemsetD8Async");
+}
+
+#[test]
+fn an_importer_waiting_on_an_event_recorded_before_the_last_write_is_recorded() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let ptr = p.mem_alloc_async(MIB, S).unwrap();
+    let ready = p.event_create(true).unwrap();
+    p.event_record(ready, S).unwrap();
+    p.memset_d8_async(ptr, 1, MIB, S).unwrap(); // after READY: not covered
+    let blob = p.mem_pool_export_pointer(ptr).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    let r = w
+        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
+        .unwrap();
+    let ws = w.stream_create().unwrap();
+    w.stream_wait_event(ws, r).unwrap();
+    w.memset_d8_async(imported, 2, 16, ws).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+}
+
+#[test]
+fn a_ready_event_on_another_stream_than_the_write_does_not_cover_it() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let ptr = p.mem_alloc_async(MIB, S).unwrap();
+    let s2 = p.stream_create().unwrap();
+    p.memset_d8_async(ptr, 1, MIB, s2).unwrap();
+    let ready = p.event_create(true).unwrap();
+    p.event_record(ready, S).unwrap(); // S never waited for s2
+    let blob = p.mem_pool_export_pointer(ptr).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    let r = w
+        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
+        .unwrap();
+    let ws = w.stream_create().unwrap();
+    w.stream_wait_event(ws, r).unwrap();
+    w.memset_d8_async(imported, 2, 16, ws).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+}
+
+#[test]
+fn a_host_copy_after_only_a_stream_wait_is_not_ordered() {
+    // cuMemcpyDtoH runs on the legacy stream, which never waited for READY.
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, _ptr, imported, _ws) = handoff(&p, &fd, MIB);
+    let mut buf = [0u8; 16];
+    w.memcpy_dtoh(&mut buf, imported).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+}
+
+#[test]
+fn the_parent_reading_before_done_is_recorded() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, imported, ws) = handoff(&p, &fd, MIB);
+    w.memset_d8_async(imported, 7, 16, ws).unwrap();
+    let mut buf = [0u8; 16];
+    p.memcpy_dtoh(&mut buf, ptr).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+    assert_eq!(p.violations()[0].call, "cuMemcpyDtoH");
+}
+
+// --- the import limit ----------------------------------------------------------------------
+
+#[test]
+fn an_import_over_128_chunks_is_a_typed_error_when_the_crash_is_off() {
+    let p = sim_with(SimConfig {
+        import_crash: false,
+        ..SimConfig::default()
+    });
+    let (_pool, fd) = shared_pool(&p);
+    let small = p.mem_alloc_async(2 * MIB, S).unwrap(); // the big one starts at +2 MiB
+    let big = p.mem_alloc_async(4096 * MIB, S).unwrap();
+    let blob = p.mem_pool_export_pointer(big).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    let e = w.mem_pool_import_pointer(wpool, &blob).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            DriverError::ImportOverLimit {
+                chunks: 129,
+                limit: 128
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(kinds(&p), vec![ViolationKind::ImportOverLimit]);
+    let _ = small;
+}
+
+#[test]
+fn an_import_of_exactly_128_chunks_works() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let big = p.mem_alloc_async(4096 * MIB, S).unwrap();
+    let blob = p.mem_pool_export_pointer(big).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    assert_eq!(kinds(&p), vec![]);
+}
+
+// --- aliasing ------------------------------------------------------------------------------
+
+#[test]
+fn importing_the_same_pointer_twice_aliases_and_the_first_free_unmaps_both() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, _ptr, a, ws) = handoff(&p, &fd, MIB);
+    let blob = p.mem_pool_export_pointer(_ptr).unwrap();
+    let wpool = w.pointer_get_mempool(a).unwrap();
+    let b = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    assert_eq!(a, b);
+    w.mem_pool_free_import(a, ws).unwrap();
+    let e = w.memset_d8_async(b, 0, 16, ws).unwrap_err();
+    assert!(e.is_call("cuMemsetD8Async", CuCode::ILLEGAL_ADDRESS), "{e}");
+    assert_eq!(kinds(&p), vec![ViolationKind::UnmappedAccess]);
+    let e = w.mem_pool_free_import(b, ws).unwrap_err();
+    assert!(e.is_call("cuMemFreeAsync", CuCode::INVALID_VALUE), "{e}");
+}
+
+#[test]
+fn a_single_import_used_then_freed_is_clean() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, _ptr, a, ws) = handoff(&p, &fd, MIB);
+    w.memset_d8_async(a, 0, 16, ws).unwrap();
+    w.mem_pool_free_import(a, ws).unwrap();
+    assert_eq!(kinds(&p), vec![]);
+}
+
+// --- poison and generations ----------------------------------------------------------------
+
+#[test]
+fn freed_memory_is_poisoned() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, a, ws) = handoff(&p, &fd, MIB);
+    w.stream_synchronize(ws).unwrap();
+    let mut before = [0u8; 8];
+    w.memcpy_dtoh(&mut before, a).unwrap();
+    assert_eq!(before, [0xAB; 8]);
+    w.mem_pool_free_import(a, ws).unwrap();
+    p.mem_free_async(ptr, S).unwrap();
+    // Same address again from the pool: what a reader of recycled memory would see.
+    let again = p.mem_alloc_async(MIB, S).unwrap();
+    assert_eq!(again, ptr);
+    let mut after = [0u8; 8];
+    p.memcpy_dtoh(&mut after, again).unwrap();
+    assert_eq!(after, [POISON; 8]);
+}
+
+#[test]
+fn a_stale_blob_does_not_import() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let ptr = p.mem_alloc_async(MIB, S).unwrap();
+    let stale = p.mem_pool_export_pointer(ptr).unwrap();
+    p.mem_free_async(ptr, S).unwrap();
+    let again = p.mem_alloc_async(MIB, S).unwrap();
+    assert_eq!(again, ptr);
+    let fresh = p.mem_pool_export_pointer(again).unwrap();
+    assert_ne!(stale, fresh);
+    let (w, wpool) = worker(&p, &fd);
+    let e = w.mem_pool_import_pointer(wpool, &stale).unwrap_err();
+    assert!(
+        e.is_call("cuMemPoolImportPointer", CuCode::INVALID_VALUE),
+        "{e}"
+    );
+    w.mem_pool_import_pointer(wpool, &fresh).unwrap();
+}
+
+#[test]
+fn an_import_used_after_its_memory_was_recycled_is_caught() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, a, ws) = handoff(&p, &fd, MIB);
+    p.mem_free_async(ptr, S).unwrap(); // violation 1: freed while imported
+    let _again = p.mem_alloc_async(MIB, S).unwrap();
+    w.memset_d8_async(a, 0, 16, ws).unwrap(); // violation 2: stale generation
+    assert_eq!(
+        kinds(&p),
+        vec![
+            ViolationKind::FreedWhileImported,
+            ViolationKind::StaleGeneration
+        ]
+    );
+}
+
+// --- statistics, threshold, current pool, attributes ---------------------------------------
+
+fn counter(d: &SimDriver, pool: PoolHandle, c: PoolCounter) -> u64 {
+    d.mem_pool_get_attribute(pool, c).unwrap()
+}
+
+#[test]
+fn used_and_reserved_follow_allocations_and_their_high_marks_stay() {
+    let d = sim();
+    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let a = d.mem_alloc_from_pool_async(3 * MIB, pool, S).unwrap(); // rounds to 4 MiB
+    let b = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::UsedCurrent), 6 * MIB);
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 6 * MIB);
+    d.mem_free_async(a, S).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::UsedCurrent), 2 * MIB);
+    assert_eq!(counter(&d, pool, PoolCounter::UsedHigh), 6 * MIB);
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 6 * MIB);
+    d.mem_free_async(b, S).unwrap();
+    let (free, total) = d.mem_get_info().unwrap();
+    assert_eq!(total - free, 6 * MIB);
+}
+
+#[test]
+fn with_threshold_zero_freed_memory_is_released_at_a_synchronize() {
+    let d = sim();
+    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let a = d.mem_alloc_from_pool_async(8 * MIB, pool, S).unwrap();
+    d.mem_free_async(a, S).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 8 * MIB);
+    d.stream_synchronize(S).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 0);
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedHigh), 8 * MIB);
+}
+
+#[test]
+fn with_threshold_max_freed_memory_stays_reserved_until_trimmed() {
+    let d = sim();
+    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    d.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
+        .unwrap();
+    let a = d.mem_alloc_from_pool_async(8 * MIB, pool, S).unwrap();
+    d.mem_free_async(a, S).unwrap();
+    d.stream_synchronize(S).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 8 * MIB);
+    d.mem_pool_trim_to(pool, 0).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 0);
+}
+
+#[test]
+fn attributes_read_back_and_reuse_flags_start_enabled() {
+    let d = sim();
+    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::ReleaseThreshold), 0);
+    assert_eq!(
+        counter(&d, pool, PoolCounter::ReuseFollowEventDependencies),
+        1
+    );
+    d.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
+        .unwrap();
+    d.mem_pool_set_attribute(pool, PoolAttribute::ReuseAllowOpportunistic(false))
+        .unwrap();
+    d.mem_pool_set_attribute(pool, PoolAttribute::ReuseAllowInternalDependencies(false))
+        .unwrap();
+    d.mem_pool_set_attribute(pool, PoolAttribute::ReuseFollowEventDependencies(false))
+        .unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::ReleaseThreshold), u64::MAX);
+    assert_eq!(counter(&d, pool, PoolCounter::ReuseAllowOpportunistic), 0);
+    assert_eq!(
+        counter(&d, pool, PoolCounter::ReuseAllowInternalDependencies),
+        0
+    );
+    assert_eq!(
+        counter(&d, pool, PoolCounter::ReuseFollowEventDependencies),
+        0
+    );
+}
+
+#[test]
+fn the_current_pool_is_the_default_until_set_and_allocations_come_from_it() {
+    let d = sim();
+    let default = d.device_get_default_mem_pool(0).unwrap();
+    assert_eq!(d.device_get_mem_pool(0).unwrap(), default);
+    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    d.device_set_mem_pool(0, pool).unwrap();
+    assert_eq!(d.device_get_mem_pool(0).unwrap(), pool);
+    let ptr = d.mem_alloc_async(MIB, S).unwrap();
+    assert_eq!(d.pointer_get_mempool(ptr).unwrap(), pool);
+    assert_eq!(d.pointer_get_range(ptr.offset(100)).unwrap(), (ptr, MIB));
+    d.mem_free_async(ptr, S).unwrap();
+    d.mem_pool_destroy(pool).unwrap();
+    assert_eq!(d.device_get_mem_pool(0).unwrap(), default);
+}
+
+#[test]
+fn allocations_need_a_current_device() {
+    let d = SimDriver::new(SimConfig::default()).unwrap();
+    let e = d.mem_alloc_async(MIB, S).unwrap_err();
+    assert!(e.is_call("cuMemAllocAsync", CuCode::INVALID_CONTEXT), "{e}");
+}
+
+#[test]
+fn a_pointer_outside_any_allocation_has_no_pool_and_no_range() {
+    let d = sim();
+    let e = d.pointer_get_mempool(DevicePtr(0x1234)).unwrap_err();
+    assert!(e.is_call("cuPointerGetAttribute", CuCode::INVALID_VALUE));
+    let e = d.pointer_get_range(DevicePtr(0x1234)).unwrap_err();
+    assert!(e.is_call("cuMemGetAddressRange_v2", CuCode::NOT_FOUND));
+}
+
+// --- devices and access --------------------------------------------------------------------
+
+#[test]
+fn simulated_devices_have_distinct_uuids_and_machines_too() {
+    let d = sim_with(SimConfig {
+        devices: 3,
+        ..SimConfig::default()
+    });
+    let uuids: std::collections::HashSet<_> =
+        (0..3).map(|i| d.device_info(i).unwrap().uuid).collect();
+    assert_eq!(uuids.len(), 3);
+    assert!(!uuids.contains(&sim().device_info(0).unwrap().uuid));
+    assert!(d.device_info(3).is_err());
+}
+
+#[test]
+fn an_imported_pool_starts_with_read_write_access_from_its_own_device_only() {
+    let p = sim_with(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    });
+    let (_pool, fd) = shared_pool(&p);
+    let (w, wpool) = worker(&p, &fd);
+    assert_eq!(w.mem_pool_get_access(wpool, 0).unwrap(), Access::ReadWrite);
+    assert_eq!(w.mem_pool_get_access(wpool, 1).unwrap(), Access::None);
+}
+
+#[test]
+fn touching_an_import_from_a_device_without_access_is_recorded() {
+    let p = sim_with(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    });
+    let (_pool, fd) = shared_pool(&p);
+    let (w, _ptr, a, ws) = handoff(&p, &fd, MIB);
+    w.use_device(1).unwrap();
+    assert!(w.memset_d8_async(a, 0, 16, ws).is_err());
+    assert_eq!(kinds(&p), vec![ViolationKind::NoAccess]);
+    let wpool = w.pointer_get_mempool(a).unwrap();
+    w.mem_pool_set_access(wpool, 1, Access::ReadWrite).unwrap();
+    w.memset_d8_async(a, 0, 16, ws).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::NoAccess]);
+}
+
+// --- events --------------------------------------------------------------------------------
+
+#[test]
+fn an_event_handle_opens_in_another_process_and_a_plain_event_has_none() {
+    let p = sim();
+    let ev = p.event_create(true).unwrap();
+    let h = p.ipc_get_event_handle(ev).unwrap();
+    let w = p.peer();
+    w.use_device(0).unwrap();
+    let a = w.ipc_open_event_handle(&h).unwrap();
+    let b = w.ipc_open_event_handle(&h).unwrap();
+    assert!(w.event_query(a).unwrap());
+    w.event_destroy(a).unwrap();
+    w.event_synchronize(b).unwrap();
+    let plain = p.event_create(false).unwrap();
+    assert!(p.ipc_get_event_handle(plain).is_err());
+}
+
+// --- VMM and host registration -------------------------------------------------------------
+
+#[test]
+fn vmm_memory_maps_in_another_process_and_needs_access() {
+    let p = sim();
+    let g = p.vmm_granularity(0, Granularity::Minimum).unwrap();
+    let h = p.vmm_create(0, 2 * g).unwrap();
+    let va = p.vmm_reserve(2 * g, 0).unwrap();
+    p.vmm_map(va, 2 * g, h).unwrap();
+    let e = p.memset_d8_async(va, 1, 16, S).unwrap_err();
+    assert!(e.is_call("cuMemsetD8Async", CuCode::ILLEGAL_ADDRESS));
+    p.vmm_set_access(va, 2 * g, 0, Access::ReadWrite).unwrap();
+    p.memset_d8_async(va, 0x5A, 2 * g, S).unwrap();
+
+    let fd = p.vmm_export_fd(h).unwrap();
+    let w = p.peer();
+    w.use_device(0).unwrap();
+    let wh = w.vmm_import_fd(fd.as_fd()).unwrap();
+    let wva = w.vmm_reserve(2 * g, 0).unwrap();
+    w.vmm_map(wva, 2 * g, wh).unwrap();
+    w.vmm_set_access(wva, 2 * g, 0, Access::ReadWrite).unwrap();
+    let mut buf = [0u8; 4];
+    w.memcpy_dtoh(&mut buf, wva.offset(g)).unwrap();
+    assert_eq!(buf, [0x5A; 4]);
+    w.vmm_unmap(wva, 2 * g).unwrap();
+    assert!(w.memcpy_dtoh(&mut buf, wva).is_err());
+    w.vmm_address_free(wva, 2 * g).unwrap();
+    w.vmm_release(wh).unwrap();
+    assert_eq!(
+        kinds(&p),
+        vec![ViolationKind::NoAccess, ViolationKind::UnmappedAccess]
+    );
+}
+
+#[test]
+fn host_memory_registers_once() {
+    let d = sim();
+    let mut buf = vec![0u8; 8192];
+    // SAFETY: `buf` outlives the registration, which is removed below.
+    unsafe {
+        d.host_register(buf.as_mut_ptr(), buf.len()).unwrap();
+        let e = d.host_register(buf.as_mut_ptr().add(4096), 16).unwrap_err();
+        assert!(e.is_call(
+            "cuMemHostRegister_v2",
+            CuCode::HOST_MEMORY_ALREADY_REGISTERED
+        ));
+        d.host_unregister(buf.as_mut_ptr()).unwrap();
+        let e = d.host_unregister(buf.as_mut_ptr()).unwrap_err();
+        assert!(e.is_call("cuMemHostUnregister", CuCode::HOST_MEMORY_NOT_REGISTERED));
+    }
+}
+
+// --- the machine lock ----------------------------------------------------------------------
+
+#[test]
+fn a_lock_held_by_a_dead_thread_is_taken_over() {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let word = std::sync::atomic::AtomicU32::new(dead);
+    let t = std::time::Instant::now();
+    drop(shm::MachineLock::acquire(&word));
+    assert!(t.elapsed() < std::time::Duration::from_secs(2));
+    assert_eq!(word.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+#[test]
+fn from_env_without_the_variable_is_an_error() {
+    // The variable is never set in this process (tests never call set_var).
+    if std::env::var_os(MACHINE_ENV).is_none() {
+        assert!(SimDriver::from_env().is_err());
+    }
+}
+
+#[test]
+fn attach_finds_the_same_machine() {
+    let p = sim();
+    let (_, value) = p.child_env();
+    let q = SimDriver::attach(&value).unwrap();
+    assert_eq!(q.machine_id(), p.machine_id());
+    assert!(SimDriver::attach("1:2:3").is_err());
+}
