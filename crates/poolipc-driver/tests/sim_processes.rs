@@ -123,7 +123,7 @@ struct Offer {
 fn worker_receive() -> Offer {
     let sock = UnixStream::from(std::io::stdin().as_fd().try_clone_to_owned().unwrap());
     let mut sock = sock;
-    let sim = SimDriver::from_env().unwrap();
+    let sim = SimDriver::from_env().unwrap().unwrap();
     sim.use_device(0).unwrap();
     let fd = recv_fd(&sock);
     let pool = sim.mem_pool_import_fd(fd.as_fd()).unwrap();

@@ -36,7 +36,7 @@
 //!
 //! A pointer import spanning more than 128 chunks of 32 MiB kills the importing process with
 //! SIGSEGV, as libcuda does, unless [`SimConfig::import_crash`] is off: then it fails with
-//! [`DriverError::ImportOverLimit`](crate::DriverError::ImportOverLimit).
+//! [`crate::DriverError::ImportOverLimit`].
 //!
 //! Streams are synchronous: work runs when it is issued, events complete when recorded.
 
@@ -74,7 +74,7 @@ const VMM_BASE: u64 = 3 << 48;
 const POOL_SPAN: u64 = 128 << 30;
 /// The pool memfd's first page is its header; memory starts after it.
 const POOL_HEADER: u64 = 4096;
-/// Freed memory is filled with this byte (up to [`POISON_LIMIT`] bytes of each block).
+/// Freed memory is filled with this byte (the first 64 MiB of each freed block).
 pub const POISON: u8 = 0xDB;
 /// Bytes of a freed block that are poisoned; beyond, poisoning would page in gigabytes.
 const POISON_LIMIT: u64 = 64 << 20;
@@ -90,7 +90,7 @@ pub struct SimConfig {
     pub memory_per_device: u64,
     /// Emulate libcuda's crash: a pointer import over 128 chunks of 32 MiB kills the
     /// importing process with SIGSEGV. Off: the import fails with
-    /// [`DriverError::ImportOverLimit`](crate::DriverError::ImportOverLimit) instead.
+    /// [`crate::DriverError::ImportOverLimit`] instead.
     pub import_crash: bool,
 }
 
@@ -233,12 +233,14 @@ impl SimDriver {
 
     /// Attaches this process to the machine named by [`MACHINE_ENV`], which a parent set with
     /// [`child_env`](SimDriver::child_env). The parent must still be alive.
-    pub fn from_env() -> Result<SimDriver> {
-        let value = std::env::var(MACHINE_ENV).map_err(|_| DriverError::InvalidArgument {
-            call: "SimDriver::from_env",
-            reason: format!("{MACHINE_ENV} is not set: no simulated machine to attach to"),
-        })?;
-        SimDriver::attach(&value)
+    ///
+    /// `None` when the variable is not set (this process was not given a simulated machine:
+    /// the caller decides what that means, e.g. use the real driver); `Some(Err(_))` when it is
+    /// set but the machine cannot be attached.
+    #[must_use]
+    pub fn from_env() -> Option<Result<SimDriver>> {
+        let value = std::env::var(MACHINE_ENV).ok()?;
+        Some(SimDriver::attach(&value))
     }
 
     /// Attaches to the machine a [`child_env`](SimDriver::child_env) value names.
