@@ -204,13 +204,13 @@ impl Auditor {
                 }
                 self.maybe_free(*alloc, &mut found);
             }
-            ParentAction::JobFailed { worker, .. } => {
-                if self.reaping.is_some_and(|w| w != *worker) {
-                    found.push(Violation::new(
-                        Invariant::DeathFailsOnlyItsJobs,
-                        format!("a job of {worker} failed because another worker was reaped"),
-                    ));
-                }
+            ParentAction::JobFailed { worker, .. }
+                if self.reaping.is_some_and(|w| w != *worker) =>
+            {
+                found.push(Violation::new(
+                    Invariant::DeathFailsOnlyItsJobs,
+                    format!("a job of {worker} failed because another worker was reaped"),
+                ));
             }
             _ => {}
         }
@@ -319,10 +319,10 @@ impl Auditor {
             WorkerAction::RecordDone { handoff } => {
                 let loan = self.loans.entry(*handoff).or_default();
                 loan.done_recorded = true;
-                if let Some(alloc) = loan.alloc {
-                    if let Some(h) = self.holders.get_mut(&(worker, alloc)) {
-                        h.remove(handoff);
-                    }
+                if let Some(alloc) = loan.alloc
+                    && let Some(h) = self.holders.get_mut(&(worker, alloc))
+                {
+                    h.remove(handoff);
                 }
             }
             WorkerAction::Unimport { alloc } => {
@@ -405,12 +405,12 @@ impl Auditor {
 
     /// The parent received `message` from `worker`.
     pub fn delivered_to_parent(&mut self, worker: WorkerId, message: &ToParent) {
-        if let ToParent::Ack { handoff } = message {
-            if let Some(loan) = self.loans.get_mut(handoff) {
-                if loan.worker == Some(worker) && loan.ack_sent {
-                    loan.ack_delivered = true;
-                }
-            }
+        if let ToParent::Ack { handoff } = message
+            && let Some(loan) = self.loans.get_mut(handoff)
+            && loan.worker == Some(worker)
+            && loan.ack_sent
+        {
+            loan.ack_delivered = true;
         }
     }
 
@@ -445,13 +445,15 @@ impl Auditor {
         self.reaping = None;
         let mut found = Vec::new();
         for (handoff, loan) in &self.loans {
-            if let Some(worker) = loan.worker {
-                if loan.offered && !loan.released && self.parent_knows_reaped.contains(&worker) {
-                    found.push(Violation::new(
-                        Invariant::DeathFailsOnlyItsJobs,
-                        format!("{handoff} of reaped {worker} was never released"),
-                    ));
-                }
+            if let Some(worker) = loan.worker
+                && loan.offered
+                && !loan.released
+                && self.parent_knows_reaped.contains(&worker)
+            {
+                found.push(Violation::new(
+                    Invariant::DeathFailsOnlyItsJobs,
+                    format!("{handoff} of reaped {worker} was never released"),
+                ));
             }
         }
         for ((worker, alloc), n) in &self.imports {

@@ -10,26 +10,26 @@ use std::fmt;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[non_exhaustive]
 pub enum Invariant {
-    /// 1. The parent owns every allocation. A worker never allocates memory the parent keeps:
+    /// Invariant 1: The parent owns every allocation. A worker never allocates memory the parent keeps:
     /// every export, offer and release names an allocation the parent made.
     ParentOwnsAllocations = 1,
-    /// 2. The worker touches memory only after it waited (on its stream) for the parent's READY
+    /// Invariant 2: The worker touches memory only after it waited (on its stream) for the parent's READY
     /// event, and the parent recorded READY before it offered.
     ReadyBeforeAccess = 2,
-    /// 3. The worker records DONE after its last access, frees its import (UNIMPORT), then ACKs.
+    /// Invariant 3: The worker records DONE after its last access, frees its import (UNIMPORT), then ACKs.
     DoneThenUnimportThenAck = 3,
-    /// 4. The parent releases only after the ACK, and makes its consumer streams wait on DONE
+    /// Invariant 4: The parent releases only after the ACK, and makes its consumer streams wait on DONE
     /// first: the gate is GPU completion, never CPU receipt. Each handoff is released once.
     ReleaseAfterAckAndDone = 4,
-    /// 5. An import is freed before the exporter frees the allocation, in every path, faults
+    /// Invariant 5: An import is freed before the exporter frees the allocation, in every path, faults
     /// included; nothing freed is imported.
     UnimportBeforeFree = 5,
-    /// 6. One import per exported allocation per worker, refcounted: never a second driver
+    /// Invariant 6: One import per exported allocation per worker, refcounted: never a second driver
     /// import of the same allocation in one worker, never an unimport while a handoff uses it.
     OneImportPerAllocation = 6,
-    /// 7. No allocation above the import limit is ever offered for pointer import.
+    /// Invariant 7: No allocation above the import limit is ever offered for pointer import.
     ImportLimit = 7,
-    /// 8. A worker that dies mid-handoff fails its jobs only: once it is reaped the parent
+    /// Invariant 8: A worker that dies mid-handoff fails its jobs only: once it is reaped the parent
     /// releases everything it had lent it, touches no other worker's handoffs, and keeps
     /// serving the others.
     DeathFailsOnlyItsJobs = 8,

@@ -96,17 +96,22 @@ pub enum Op {
         /// Which pending request.
         pick: u8,
     },
-    /// Deliver one in-flight message to a worker (any of them: reordering).
+    /// Deliver the oldest in-flight message to a worker.
     DeliverToWorker {
-        /// Worker index.
+        /// Worker index (among workers with messages in flight).
         worker: u8,
-        /// Which message.
-        pick: u8,
     },
-    /// Deliver one in-flight message from a worker to the parent.
+    /// Deliver the oldest in-flight message from a worker to the parent.
     DeliverToParent {
+        /// Worker index (among workers with messages in flight).
+        worker: u8,
+    },
+    /// Move an in-flight message behind all others.
+    Reorder {
         /// Worker index.
         worker: u8,
+        /// Towards the parent, or towards the worker.
+        to_parent: bool,
         /// Which message.
         pick: u8,
     },
@@ -163,7 +168,7 @@ pub enum Op {
     },
     /// A dead worker process is reaped.
     Reap {
-        /// Worker index.
+        /// Worker index (among dead workers).
         worker: u8,
     },
     /// The parent shuts down.
@@ -187,6 +192,13 @@ struct SimWorker {
     usable: Vec<HandoffId>,
     next_request: u64,
     condemned: bool,
+}
+
+fn move_to_back<T>(queue: &mut Vec<T>, pick: u8) {
+    if !queue.is_empty() {
+        let m = queue.remove(usize::from(pick) % queue.len());
+        queue.push(m);
+    }
 }
 
 /// A failed step: the invariants broken and the reference model's disagreements.
@@ -224,6 +236,7 @@ pub struct World {
     cancelled: BTreeSet<(WorkerId, JobId)>,
     shutting_down: bool,
     failure: Failure,
+    coverage: BTreeMap<&'static str, u64>,
     #[cfg(test)]
     mutation: Option<crate::mutation::Mutation>,
 }
@@ -259,6 +272,7 @@ impl World {
             cancelled: BTreeSet::new(),
             shutting_down: false,
             failure: Failure::default(),
+            coverage: BTreeMap::new(),
             #[cfg(test)]
             mutation: None,
         }
@@ -270,6 +284,17 @@ impl World {
         world.parent.mutation = mutation;
         world.mutation = mutation;
         world
+    }
+
+    /// How often each kind of path was taken so far (action kinds, outcomes, dedupe), to show
+    /// that a test reaches them.
+    #[must_use]
+    pub fn coverage(&self) -> &BTreeMap<&'static str, u64> {
+        &self.coverage
+    }
+
+    fn count(&mut self, what: &'static str) {
+        *self.coverage.entry(what).or_insert(0) += 1;
     }
 
     /// Workers started so far.
@@ -315,6 +340,19 @@ impl World {
             None
         } else {
             Some(usize::from(worker) % self.workers.len())
+        }
+    }
+
+    /// Like `worker_index`, but among the workers for which `busy` holds, so deliveries and
+    /// finishes are never wasted on an idle worker.
+    fn busy_worker(&self, worker: u8, busy: impl Fn(&SimWorker) -> bool) -> Option<usize> {
+        let candidates: Vec<usize> = (0..self.workers.len())
+            .filter(|&i| busy(&self.workers[i]))
+            .collect();
+        if candidates.is_empty() {
+            None
+        } else {
+            Some(candidates[usize::from(worker) % candidates.len()])
         }
     }
 
@@ -481,20 +519,21 @@ impl World {
                         .handle(ParentEvent::ResultDeclined { worker, request }, self.now);
                 }
             }
-            Op::DeliverToWorker { worker, pick } => {
-                if let Some(i) = self.worker_index(worker) {
+            Op::DeliverToWorker { worker } => {
+                let busy = |w: &SimWorker| w.process == Process::Running && !w.to_worker.is_empty();
+                if let Some(i) = self.busy_worker(worker, busy) {
                     let w = &mut self.workers[i];
                     if w.process == Process::Running && !w.to_worker.is_empty() {
-                        let msg = w.to_worker.remove(usize::from(pick) % w.to_worker.len());
+                        let msg = w.to_worker.remove(0);
                         let _ = w.machine.handle(WorkerEvent::Message(msg), self.now);
                     }
                 }
             }
-            Op::DeliverToParent { worker, pick } => {
-                if let Some(i) = self.worker_index(worker) {
+            Op::DeliverToParent { worker } => {
+                if let Some(i) = self.busy_worker(worker, |w| !w.to_parent.is_empty()) {
                     let w = &mut self.workers[i];
                     if !w.to_parent.is_empty() {
-                        let message = w.to_parent.remove(usize::from(pick) % w.to_parent.len());
+                        let message = w.to_parent.remove(0);
                         let id = w.id;
                         self.auditor.delivered_to_parent(id, &message);
                         let _ = self.parent.handle(
@@ -504,6 +543,20 @@ impl World {
                             },
                             self.now,
                         );
+                    }
+                }
+            }
+            Op::Reorder {
+                worker,
+                to_parent,
+                pick,
+            } => {
+                if let Some(i) = self.worker_index(worker) {
+                    let w = &mut self.workers[i];
+                    if to_parent {
+                        move_to_back(&mut w.to_parent, pick);
+                    } else {
+                        move_to_back(&mut w.to_worker, pick);
                     }
                 }
             }
@@ -538,7 +591,8 @@ impl World {
                 }
             }
             Op::Access { worker, pick } => {
-                if let Some(i) = self.worker_index(worker) {
+                let busy = |w: &SimWorker| w.process == Process::Running && !w.usable.is_empty();
+                if let Some(i) = self.busy_worker(worker, busy) {
                     let w = &self.workers[i];
                     if w.process == Process::Running && !w.usable.is_empty() {
                         let handoff = w.usable[usize::from(pick) % w.usable.len()];
@@ -549,7 +603,8 @@ impl World {
                 }
             }
             Op::Finish { worker, pick } => {
-                if let Some(i) = self.worker_index(worker) {
+                let busy = |w: &SimWorker| w.process == Process::Running && !w.usable.is_empty();
+                if let Some(i) = self.busy_worker(worker, busy) {
                     let w = &mut self.workers[i];
                     if w.process == Process::Running && !w.usable.is_empty() {
                         let handoff = w.usable.remove(usize::from(pick) % w.usable.len());
@@ -585,25 +640,25 @@ impl World {
                 }
             }
             Op::Reap { worker } => {
-                if let Some(i) = self.worker_index(worker) {
-                    if self.workers[i].process == Process::Dead {
-                        let id = self.workers[i].id;
-                        self.workers[i].process = Process::Reaped;
-                        self.auditor.worker_reaped(id);
-                        self.auditor.parent_handles_reap(id);
-                        let got = self
-                            .parent
-                            .handle(ParentEvent::WorkerReaped { worker: id }, self.now);
-                        if let Err(e) = got {
-                            self.mismatch(format!("reaping {id} refused: {e}"));
-                        }
-                        self.drain();
-                        let left = self.parent.outstanding_for(id);
-                        if left != 0 {
-                            self.mismatch(format!(
-                                "{id} reaped but the parent still counts {left} of its handoffs"
-                            ));
-                        }
+                if let Some(i) = self.worker_index(worker)
+                    && self.workers[i].process == Process::Dead
+                {
+                    let id = self.workers[i].id;
+                    self.workers[i].process = Process::Reaped;
+                    self.auditor.worker_reaped(id);
+                    self.auditor.parent_handles_reap(id);
+                    let got = self
+                        .parent
+                        .handle(ParentEvent::WorkerReaped { worker: id }, self.now);
+                    if let Err(e) = got {
+                        self.mismatch(format!("reaping {id} refused: {e}"));
+                    }
+                    self.drain();
+                    let left = self.parent.outstanding_for(id);
+                    if left != 0 {
+                        self.mismatch(format!(
+                            "{id} reaped but the parent still counts {left} of its handoffs"
+                        ));
                     }
                 }
             }
@@ -645,6 +700,21 @@ impl World {
                     let id = self.workers[i].id;
                     let checked = self.auditor.worker_action(id, &action);
                     self.note(checked);
+                    self.count(match &action {
+                        WorkerAction::Usable { .. } => "worker: usable",
+                        WorkerAction::Send(ToParent::Ack { .. }) => "worker: ack",
+                        WorkerAction::Send(ToParent::ResultRequest { .. }) => "worker: request",
+                        _ => "worker: other",
+                    });
+                    if let WorkerAction::Usable { alloc, .. } = &action {
+                        let shared = self.workers[i]
+                            .machine
+                            .imports()
+                            .any(|(a, n)| a == *alloc && n > 1);
+                        if shared {
+                            self.count("import shared by two handoffs");
+                        }
+                    }
                     let w = &mut self.workers[i];
                     match action {
                         WorkerAction::Send(msg) => w.to_parent.push(msg),
@@ -660,12 +730,50 @@ impl World {
     }
 
     fn carry_out_parent(&mut self, action: ParentAction) {
+        self.count(match &action {
+            ParentAction::Export { .. } => "export",
+            ParentAction::Send {
+                message: ToWorker::Offer(o),
+                ..
+            } => match o.purpose {
+                Purpose::Input => "offer input",
+                Purpose::Result { .. } => "offer result",
+            },
+            ParentAction::Send {
+                message: ToWorker::ResultRefused { .. },
+                ..
+            } => "refuse result",
+            ParentAction::Send {
+                message: ToWorker::Cancel { .. },
+                ..
+            } => "cancel",
+            ParentAction::Send {
+                message: ToWorker::Shutdown,
+                ..
+            } => "shutdown",
+            ParentAction::FreeResult { .. } => "free unused result",
+            ParentAction::Release {
+                outcome: Outcome::Completed,
+                ..
+            } => "release completed",
+            ParentAction::Release {
+                outcome: Outcome::Cancelled,
+                ..
+            } => "release cancelled",
+            ParentAction::Release {
+                outcome: Outcome::Failed,
+                ..
+            } => "release failed",
+            ParentAction::KillWorker { .. } => "kill worker",
+            ParentAction::ShutdownComplete => "shutdown complete",
+            _ => "other parent action",
+        });
         match action {
             ParentAction::Send { worker, message } => {
-                if let Some(w) = self.workers.iter_mut().find(|w| w.id == worker) {
-                    if w.process == Process::Running {
-                        w.to_worker.push(message);
-                    }
+                if let Some(w) = self.workers.iter_mut().find(|w| w.id == worker)
+                    && w.process == Process::Running
+                {
+                    w.to_worker.push(message);
                 }
             }
             ParentAction::AllocateResult {
