@@ -134,7 +134,6 @@ impl TransportError {
 ///
 /// `send` and `recv` take `&mut self`: one frame at a time in each direction. Every wait is
 /// bounded by the deadline passed in.
-#[derive(Debug)]
 pub struct Connection {
     sock: OwnedFd,
     limits: FrameLimits,
@@ -380,6 +379,17 @@ impl Connection {
             }
         }
         Ok(())
+    }
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("fd", &self.sock.as_raw_fd())
+            .field("limits", &self.limits)
+            .field("recv_broken", &self.recv_broken)
+            .field("send_broken", &self.send_broken)
+            .finish()
     }
 }
 

@@ -9,7 +9,7 @@
 //!   end of a `socketpair`, named by [`FD_ENV`].
 //! - [`PrivateListener`] / [`connect_private`]: for workers started by someone else, a socket in
 //!   a private 0700 directory, with `SO_PEERCRED` checked on both sides. Never an abstract
-//!   socket: see [`listener`](crate::PrivateListener) for why.
+//!   socket: [`PrivateListener`] says why.
 //! - [`parent_handshake`] / [`worker_handshake`]: protocol version, device UUID, driver
 //!   version, capabilities, and the pool FD, once.
 //!

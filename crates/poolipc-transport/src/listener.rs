@@ -99,6 +99,19 @@ pub fn ensure_private_dir(dir: &Path) -> Result<(), SetupError> {
 }
 
 /// A listening Unix socket in a private directory. The socket file is removed on drop.
+///
+/// Two walls keep other users out: the directory is mode 0700 and ours
+/// ([`ensure_private_dir`]), so the kernel refuses their `connect` before our code runs; and
+/// every accepted peer's `SO_PEERCRED` uid is checked, so a connection from another uid is
+/// dropped even if the first wall was opened. [`connect_private`] checks the listener's uid
+/// the same way.
+///
+/// # Why not an abstract-namespace socket
+///
+/// Linux abstract sockets (`\0name`) have no file-system permissions: any process in the same
+/// network namespace, of any user, can connect to one, and any process can bind the name
+/// first and pose as the parent (handing the worker a pool FD of its choosing). Only the peer
+/// check would stand between us and that, so poolipc never uses the abstract namespace.
 #[derive(Debug)]
 pub struct PrivateListener {
     sock: OwnedFd,
