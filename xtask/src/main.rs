@@ -194,6 +194,8 @@ fn gpu_bundle(root: &Path) -> Result<PathBuf> {
             "poolipc-driver",
             "-p",
             "poolipc-pool",
+            "-p",
+            "poolipc-cli",
         ])
         .output()?;
     if !out.status.success() {
@@ -237,6 +239,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$here/out}
 mkdir -p "$out"
 export POOLIPC_TEST_CHILD="$here/tests/poolipc-test-child"
+export POOLIPC_BIN="$here/poolipc"
 export RUST_BACKTRACE=1
 summary="$out/summary.txt"
 : > "$summary"

@@ -1,2 +1,50 @@
-//! The `poolipc` command.
-fn main() {}
+//! The `poolipc` command: `doctor` (what this machine can do), and the hidden child roles it
+//! spawns.
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod doctor;
+mod probe;
+
+/// Zero-copy handoff of GPU tensors between processes under the stream-ordered allocator.
+#[derive(Debug, Parser)]
+#[command(name = "poolipc", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print what this machine can do (driver, pool swap, export order, events, VMM, WSL2)
+    /// and a verdict.
+    Doctor(doctor::Args),
+    /// (internal) The sacrificial child of `doctor --probe-limit`.
+    #[command(name = "__import-child", hide = true)]
+    ImportChild,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Doctor(args) => doctor::run(&args),
+        Command::ImportChild => probe::child_main(),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("poolipc: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

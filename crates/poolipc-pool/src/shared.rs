@@ -92,14 +92,14 @@ pub const TORCH_POOL_ATTRIBUTES: [PoolAttribute; 4] = [
 ///
 /// [`uninstall`]: SharedPool::uninstall
 #[derive(Debug)]
-pub struct SharedPool<D: Driver> {
+pub struct SharedPool<D: Driver + ?Sized> {
     driver: Arc<D>,
     device: u32,
     pool: PoolHandle,
     fd: OwnedFd,
 }
 
-impl<D: Driver> SharedPool<D> {
+impl<D: Driver + ?Sized> SharedPool<D> {
     /// Create the POSIX-FD pool, give it torch's attributes, make it `device`'s current pool
     /// and export its FD once (which is what unlocks pointer export).
     pub fn install(driver: Arc<D>, device: u32) -> Result<SharedPool<D>, PoolError> {

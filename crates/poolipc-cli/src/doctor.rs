@@ -1,0 +1,251 @@
+//! `poolipc doctor`: a table of what this machine can do, and a verdict.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Result;
+use poolipc_driver::sim::{SimConfig, SimDriver};
+use poolipc_driver::{CuCode, CudaDriver, Driver, Granularity, PoolSharing, platform};
+use poolipc_pool::{ImportLimit, SharedPool};
+
+use crate::probe;
+
+/// Options of `poolipc doctor`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// Also find the import crash boundary, importing growing allocations in sacrificial
+    /// child processes (takes a few seconds per probe).
+    #[arg(long)]
+    probe_limit: bool,
+    /// Examine the simulated driver instead of the GPU (for machines without one).
+    #[arg(long)]
+    sim: bool,
+    /// The device to examine.
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+}
+
+/// The driver a child of ours uses: the parent's simulated machine when it handed one over,
+/// else the real driver.
+pub(crate) fn open_driver_for_child() -> Result<Box<dyn Driver>> {
+    Ok(match SimDriver::from_env() {
+        Some(sim) => Box::new(sim?),
+        None => Box::new(CudaDriver::new()?),
+    })
+}
+
+struct Table {
+    failures: Vec<String>,
+}
+
+impl Table {
+    fn row(&self, what: &str, value: impl std::fmt::Display) {
+        println!("  {what:<24} {value}");
+    }
+
+    fn check<T>(&mut self, what: &str, result: Result<T>, show: impl FnOnce(&T) -> String) {
+        match result {
+            Ok(v) => self.row(what, format!("yes — {}", show(&v))),
+            Err(e) => {
+                self.row(what, format!("NO — {e:#}"));
+                self.failures.push(format!("{what}: {e:#}"));
+            }
+        }
+    }
+}
+
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    let mut t = Table {
+        failures: Vec::new(),
+    };
+    println!("poolipc doctor");
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    t.row("kernel", release.trim());
+    t.row(
+        "WSL2",
+        if platform::is_wsl2() {
+            "yes (no interprocess events or pool FD export there)"
+        } else {
+            "no"
+        },
+    );
+    t.row(
+        "libcuda",
+        if CudaDriver::library_present() {
+            "found"
+        } else {
+            "not found"
+        },
+    );
+
+    let (driver, child_env): (Arc<dyn Driver>, _) = if args.sim {
+        let sim = SimDriver::new(SimConfig::default())?;
+        let env = sim.child_env();
+        t.row("driver", "SIMULATED (--sim): no GPU is examined");
+        (Arc::new(sim), Some(env))
+    } else {
+        match CudaDriver::new() {
+            Ok(d) => (Arc::new(d), None),
+            Err(e) => {
+                t.row("CUDA driver", format!("unusable: {e}"));
+                println!();
+                println!("verdict: no usable GPU here, so nothing can be shared on hardware.");
+                println!(
+                    "         `poolipc doctor --sim` examines the simulated driver the tests use."
+                );
+                return Ok(ExitCode::SUCCESS);
+            }
+        }
+    };
+    let d = &*driver;
+    let v = d.driver_version()?;
+    t.row(
+        "driver API version",
+        format!("{}.{} ({v})", v / 1000, v % 1000 / 10),
+    );
+    let count = d.device_count()?;
+    t.row("devices", count);
+    for i in 0..count {
+        let info = d.device_info(i)?;
+        t.row(
+            &format!("device {i}"),
+            format!(
+                "{} {} {} MiB",
+                info.name,
+                info.uuid,
+                info.total_memory >> 20
+            ),
+        );
+    }
+    if args.device >= count {
+        anyhow::bail!("device {} does not exist ({count} visible)", args.device);
+    }
+    let dev = args.device;
+    d.use_device(dev)?;
+    let info = d.device_info(dev)?;
+    t.row("memory pools", yes_no(info.memory_pools));
+    t.row("pool export by POSIX FD", yes_no(info.pool_posix_fd));
+
+    t.check("pool swap possible", swap_check(&driver, dev), |s| {
+        s.clone()
+    });
+    t.check("pointer export order", export_order_check(d, dev), |s| {
+        s.clone()
+    });
+    t.check("interprocess events", events_check(d), |s| s.clone());
+    let vmm = vmm_check(d, dev, info.vmm && info.vmm_posix_fd);
+    match vmm {
+        Ok(s) => t.row("VMM (for the arena)", format!("yes — {s}")),
+        Err(e) => t.row(
+            "VMM (for the arena)",
+            format!("no — {e:#} (the arena rung is unavailable)"),
+        ),
+    }
+    let limit = ImportLimit::default();
+    t.row(
+        "import limit (rule)",
+        format!(
+            "≤ {} chunks of {} MiB per allocation ({} MiB when chunk-aligned)",
+            limit.max_chunks(),
+            limit.chunk_bytes() >> 20,
+            limit.max_bytes_at(0) >> 20
+        ),
+    );
+    if args.probe_limit {
+        println!("  probing the import crash boundary in sacrificial children:");
+        let report = probe::probe_limit(Arc::clone(&driver), dev, child_env)?;
+        match report.last_good {
+            Some(b) => t.row("last good import size", format!("{} MiB", b >> 20)),
+            None => t.row("last good import size", "none at or above 4096 MiB"),
+        }
+        match report.first_bad {
+            Some((b, outcome)) => t.row(
+                "first bad import size",
+                format!("{} MiB: {outcome}", b >> 20),
+            ),
+            None => t.row("first bad import size", "none up to 8192 MiB"),
+        }
+        t.row("parent after the probes", "alive");
+    }
+    println!();
+    if t.failures.is_empty() {
+        println!(
+            "verdict: poolipc can hand tensors over by pool pointer on device {dev} ({}).",
+            d.kind()
+        );
+    } else {
+        println!("verdict: poolipc cannot use pool pointers on device {dev}:");
+        for f in &t.failures {
+            println!("         - {f}");
+        }
+        println!("         handoffs would take the host-staging rung.");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn yes_no(b: bool) -> &'static str {
+    if b { "yes" } else { "no" }
+}
+
+fn swap_check(driver: &Arc<dyn Driver>, dev: u32) -> Result<String> {
+    let pool = SharedPool::install(Arc::clone(driver), dev)?;
+    let d = &**driver;
+    let stream = d.stream_create()?;
+    let ptr = d.mem_alloc_async(1 << 20, stream)?;
+    let ours = d.pointer_get_mempool(ptr)? == pool.handle();
+    d.mem_free_async(ptr, stream)?;
+    d.stream_synchronize(stream)?;
+    d.stream_destroy(stream)?;
+    pool.uninstall()?;
+    anyhow::ensure!(
+        ours,
+        "an allocation after the swap did not come from the swapped pool"
+    );
+    Ok("cuDeviceSetMemPool took; stream-ordered allocations came from the shareable pool".into())
+}
+
+fn export_order_check(d: &dyn Driver, dev: u32) -> Result<String> {
+    let stream = d.stream_create()?;
+    let pool = d.mem_pool_create(dev, PoolSharing::PosixFd)?;
+    let ptr = d.mem_alloc_from_pool_async(1 << 20, pool, stream)?;
+    d.stream_synchronize(stream)?;
+    let before = d.mem_pool_export_pointer(ptr);
+    let _fd = d.mem_pool_export_fd(pool)?;
+    let after = d.mem_pool_export_pointer(ptr);
+    d.mem_free_async(ptr, stream)?;
+    d.stream_synchronize(stream)?;
+    d.mem_pool_destroy(pool)?;
+    d.stream_destroy(stream)?;
+    after?;
+    Ok(match before {
+        Err(e) if e.code() == Some(CuCode::INVALID_VALUE) => {
+            "pointer export needs the pool FD exported first (INVALID_VALUE before); poolipc does that".into()
+        }
+        Err(e) => format!("pointer export before the FD export failed otherwise: {e}"),
+        Ok(_) => "pointer export works even before the pool FD export".into(),
+    })
+}
+
+fn events_check(d: &dyn Driver) -> Result<String> {
+    let ev = d.event_create(true)?;
+    let h = d.ipc_get_event_handle(ev);
+    d.event_destroy(ev)?;
+    h?;
+    Ok("cuIpcGetEventHandle works".into())
+}
+
+fn vmm_check(d: &dyn Driver, dev: u32, supported: bool) -> Result<String> {
+    anyhow::ensure!(
+        supported,
+        "the device does not report VMM with POSIX FD handles"
+    );
+    let g = d.vmm_granularity(dev, Granularity::Minimum)?;
+    let h = d.vmm_create(dev, g)?;
+    let fd = d.vmm_export_fd(h);
+    d.vmm_release(h)?;
+    fd?;
+    Ok(format!(
+        "cuMemCreate + FD export work, granularity {} KiB",
+        g >> 10
+    ))
+}

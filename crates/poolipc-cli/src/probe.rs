@@ -1,0 +1,239 @@
+//! `doctor --probe-limit`: find where `cuMemPoolImportPointer` starts to kill the importer, by
+//! importing growing allocations in sacrificial child processes.
+
+use std::os::fd::AsFd;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use poolipc_driver::{DevicePtr, Driver, StreamHandle};
+use poolipc_pool::{AttachedPool, ImportLimit, SharedPool};
+use poolipc_transport::{
+    Ack, Capabilities, DType, DeviceUuid, EventBlob, ExportBlob, HandleId, HandshakeConfig,
+    Identity, JobId, Lend, LentTensor, Message, Rung, TensorMeta,
+};
+
+const MIB: u64 = 1 << 20;
+const PATTERN: u32 = 0x600D_F00D;
+/// The device ordinal a child uses, passed by the parent.
+const DEVICE_ENV: &str = "POOLIPC_PROBE_DEVICE";
+
+/// How one sacrificial import ended.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Outcome {
+    /// The child imported it and read the parent's pattern.
+    Imported,
+    /// The child died of a signal.
+    Crashed(i32),
+    /// The child reported an error, or exited without a signal.
+    Failed(String),
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Imported => write!(f, "imported, pattern read"),
+            Outcome::Crashed(sig) => {
+                write!(f, "importer killed by signal {sig}{}", signal_name(*sig))
+            }
+            Outcome::Failed(why) => write!(f, "failed: {why}"),
+        }
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        11 => " (SIGSEGV)",
+        6 => " (SIGABRT)",
+        7 => " (SIGBUS)",
+        9 => " (SIGKILL)",
+        _ => "",
+    }
+}
+
+/// What the probe found.
+#[derive(Debug, Clone)]
+pub(crate) struct ProbeReport {
+    /// The largest size that imported, in bytes.
+    pub(crate) last_good: Option<u64>,
+    /// The smallest size that did not.
+    pub(crate) first_bad: Option<(u64, Outcome)>,
+}
+
+pub(crate) fn identity(driver: &dyn Driver, device: u32) -> Result<Identity> {
+    let info = driver.device_info(device)?;
+    Ok(Identity {
+        device: DeviceUuid(info.uuid.0),
+        driver_version: driver.driver_version()?,
+        capabilities: Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS,
+        devices: Vec::new(),
+    })
+}
+
+/// Imports `bytes` from `pool` in a fresh child; the parent survives whatever happens there.
+fn probe_once(
+    pool: &SharedPool<dyn Driver>,
+    stream: StreamHandle,
+    child_env: Option<&(&'static str, String)>,
+    bytes: u64,
+) -> Result<(Outcome, DevicePtr)> {
+    let d = &**pool.driver();
+    let ptr = pool.alloc(bytes, stream)?;
+    let result = (|| -> Result<Outcome> {
+        // The child reads the first word; filling 1 MiB keeps the simulation's probes cheap.
+        d.memset_d32_async(ptr, PATTERN, (1 << 20) / 4, stream)?;
+        d.stream_synchronize(stream)?;
+        let blob = pool.export(ptr)?;
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.arg("__import-child")
+            .env(DEVICE_ENV, pool.device().to_string());
+        if let Some((k, v)) = child_env {
+            cmd.env(k, v);
+        }
+        let (mut child, mut conn) = poolipc_transport::spawn_worker(cmd)?;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let config = HandshakeConfig {
+            identity: identity(d, pool.device())?,
+            required: Capabilities::NONE,
+        };
+        let answer = poolipc_transport::parent_handshake(&mut conn, &config, pool.fd(), deadline)
+            .map_err(anyhow::Error::from)
+            .and_then(|_| {
+                let lend = Lend {
+                    job: JobId(1),
+                    tensors: vec![LentTensor {
+                        handle: HandleId(1),
+                        rung: Rung::PoolPointer,
+                        export: ExportBlob(blob.0),
+                        ready_event: EventBlob([0; 64]),
+                        meta: TensorMeta {
+                            dtype: DType::U8,
+                            shape: vec![bytes],
+                            strides: vec![1],
+                            byte_offset: 0,
+                            byte_len: bytes,
+                        },
+                    }],
+                };
+                conn.send(&Message::Lend(lend), &[], deadline)?;
+                Ok(conn.recv(deadline)?.0)
+            });
+        let status = child.wait()?;
+        if let Some(sig) = status.signal() {
+            return Ok(Outcome::Crashed(sig));
+        }
+        Ok(match answer {
+            Ok(Message::Ack(_)) if status.success() => Outcome::Imported,
+            Ok(Message::Error { message, .. }) => Outcome::Failed(message),
+            Ok(other) => Outcome::Failed(format!("unexpected answer {:?}", other.kind())),
+            Err(e) => Outcome::Failed(format!("{e:#} (child {status})")),
+        })
+    })();
+    // The child is gone, and with it its import: the allocation may be freed.
+    pool.free(ptr, stream)?;
+    d.stream_synchronize(stream)?;
+    Ok((result?, ptr))
+}
+
+/// Finds the largest importable allocation between `lo` and `hi` in `step` increments,
+/// printing each probe as it goes.
+pub(crate) fn probe_limit(
+    driver: Arc<dyn Driver>,
+    device: u32,
+    child_env: Option<(&'static str, String)>,
+) -> Result<ProbeReport> {
+    let (lo_start, hi_start, step) = (4096 * MIB, 8192 * MIB, 16 * MIB);
+    let pool = SharedPool::install(driver, device).context("installing the shared pool")?;
+    let d = Arc::clone(pool.driver());
+    let stream = d.stream_create()?;
+    let limit = ImportLimit::default();
+    let run = |bytes: u64| -> Result<Outcome> {
+        let t = Instant::now();
+        let (outcome, ptr) = probe_once(&pool, stream, child_env.as_ref(), bytes)?;
+        println!(
+            "  probe {:>6} MiB at {:#x} ({} chunks of 32 MiB): {outcome} [{:.1} s]",
+            bytes / MIB,
+            ptr.0,
+            limit.chunks_spanned(ptr.0, bytes),
+            t.elapsed().as_secs_f64()
+        );
+        Ok(outcome)
+    };
+    let lo_outcome = run(lo_start)?;
+    if lo_outcome != Outcome::Imported {
+        return Ok(ProbeReport {
+            last_good: None,
+            first_bad: Some((lo_start, lo_outcome)),
+        });
+    }
+    let hi_outcome = run(hi_start)?;
+    if hi_outcome == Outcome::Imported {
+        return Ok(ProbeReport {
+            last_good: Some(hi_start),
+            first_bad: None,
+        });
+    }
+    let (mut lo, mut hi, mut hi_outcome) = (lo_start, hi_start, hi_outcome);
+    while hi - lo > step {
+        let mid = lo + (hi - lo) / 2 / step * step;
+        let outcome = run(mid)?;
+        if outcome == Outcome::Imported {
+            lo = mid;
+        } else {
+            hi = mid;
+            hi_outcome = outcome;
+        }
+    }
+    Ok(ProbeReport {
+        last_good: Some(lo),
+        first_bad: Some((hi, hi_outcome)),
+    })
+}
+
+/// The sacrificial child: attach the pool, import the one lent tensor, read its first word.
+pub(crate) fn child_main() -> Result<ExitCode> {
+    let device: u32 = std::env::var(DEVICE_ENV)
+        .unwrap_or_else(|_| "0".into())
+        .parse()?;
+    let driver = crate::doctor::open_driver_for_child()?;
+    driver.use_device(device)?;
+    let mut conn = poolipc_transport::connection_from_env()?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let config = HandshakeConfig {
+        identity: identity(&*driver, device)?,
+        required: Capabilities::NONE,
+    };
+    let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
+    let pool = AttachedPool::attach(&*driver, pool_fd.as_fd(), device)?;
+    let Message::Lend(lend) = conn.recv(deadline)?.0 else {
+        bail!("expected a Lend")
+    };
+    let Some(t) = lend.tensors.first() else {
+        bail!("the Lend holds no tensor")
+    };
+    let data = poolipc_driver::ExportData(t.export.0);
+    // This is the call that may not return.
+    let ptr = driver.mem_pool_import_pointer(pool.pool, &data)?;
+    let mut word = [0u8; 4];
+    driver.memcpy_dtoh(&mut word, ptr)?;
+    driver.mem_pool_free_import(ptr, StreamHandle::NULL)?;
+    driver.stream_synchronize(StreamHandle::NULL)?;
+    let answer = if u32::from_le_bytes(word) == PATTERN {
+        Message::Ack(Ack {
+            job: lend.job,
+            handles: vec![t.handle],
+        })
+    } else {
+        Message::Error {
+            code: poolipc_transport::ErrorCode::OTHER,
+            message: format!(
+                "read {:#x}, expected {PATTERN:#x}",
+                u32::from_le_bytes(word)
+            ),
+        }
+    };
+    conn.send(&answer, &[], deadline)?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,96 @@
+//! `poolipc doctor` as a user runs it: the real binary, its output and exit status.
+
+use std::process::{Command, Output};
+
+fn poolipc() -> Command {
+    let bin = std::env::var_os("POOLIPC_BIN").map_or_else(
+        || env!("CARGO_BIN_EXE_poolipc").into(),
+        std::path::PathBuf::from,
+    );
+    let mut c = Command::new(bin);
+    c.env("RUST_LOG", "warn");
+    c
+}
+
+fn run(args: &[&str]) -> (Output, String) {
+    let out = poolipc().args(args).output().expect("run poolipc");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    (out, text)
+}
+
+fn gpu() -> Result<(), String> {
+    poolipc_driver::CudaDriver::new()
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn doctor_without_a_gpu_says_so_plainly_and_exits_0() {
+    if let Ok(()) = gpu() {
+        println!("NOT RUN: this machine has a GPU; the no-GPU path is exercised in CI");
+        return;
+    }
+    let (out, text) = run(&["doctor"]);
+    assert!(out.status.success(), "exit status {}", out.status);
+    assert!(text.contains("verdict: no usable GPU here"), "{text}");
+}
+
+#[test]
+fn doctor_on_the_gpu_gives_a_positive_verdict() {
+    if let Err(why) = gpu() {
+        println!("NOT RUN on hardware: doctor_on_the_gpu_gives_a_positive_verdict ({why})");
+        return;
+    }
+    let (out, text) = run(&["doctor"]);
+    assert!(out.status.success(), "exit status {}", out.status);
+    assert!(text.contains("pool swap possible       yes"), "{text}");
+    assert!(
+        text.contains("verdict: poolipc can hand tensors over by pool pointer"),
+        "{text}"
+    );
+}
+
+#[test]
+fn doctor_examines_the_simulated_driver_when_asked() {
+    let (out, text) = run(&["doctor", "--sim"]);
+    assert!(out.status.success(), "exit status {}", out.status);
+    assert!(text.contains("SIMULATED"), "{text}");
+    assert!(
+        text.contains(
+            "pointer export order     yes — pointer export needs the pool FD exported first"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("verdict: poolipc can hand tensors over by pool pointer on device 0 (sim)"),
+        "{text}"
+    );
+}
+
+fn probe_limit(extra: &[&str]) {
+    let mut args = vec!["doctor", "--probe-limit"];
+    args.extend_from_slice(extra);
+    let (out, text) = run(&args);
+    assert!(out.status.success(), "exit status {}", out.status);
+    assert!(text.contains("last good import size    5248 MiB"), "{text}");
+    assert!(
+        text.contains("first bad import size    5264 MiB: importer killed by signal 11 (SIGSEGV)"),
+        "{text}"
+    );
+    assert!(text.contains("parent after the probes  alive"), "{text}");
+}
+
+#[test]
+fn probe_limit_finds_5248_mib_on_the_simulated_driver_and_survives_the_crashes() {
+    probe_limit(&["--sim"]);
+}
+
+#[test]
+fn probe_limit_finds_5248_mib_on_the_gpu_and_survives_the_crashes() {
+    if let Err(why) = gpu() {
+        println!("NOT RUN on hardware: probe_limit_finds_5248_mib_on_the_gpu ({why})");
+        return;
+    }
+    probe_limit(&[]);
+}

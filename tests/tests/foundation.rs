@@ -1,0 +1,215 @@
+//! The foundation's behaviour, in one process and across two, on both drivers.
+
+use std::sync::Arc;
+
+use anyhow::{Result, ensure};
+use poolipc_driver::{
+    CuCode, DevicePtr, Driver, DriverKind, EventHandle, PoolSharing, StreamHandle,
+};
+use poolipc_pool::SharedPool;
+use poolipc_tests::{Env, both_drivers, hex, num, spawn_child};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn install(env: &Env) -> Result<SharedPool<dyn Driver>> {
+    Ok(SharedPool::install(Arc::clone(&env.driver), env.device)?)
+}
+
+/// Fills `[ptr, ptr+bytes)` with `pattern` on `stream` and records `event` after it.
+fn fill_then_record(
+    d: &dyn Driver,
+    ptr: DevicePtr,
+    bytes: u64,
+    pattern: u32,
+    stream: StreamHandle,
+    event: EventHandle,
+) -> Result<()> {
+    d.memset_d32_async(ptr, pattern, bytes / 4, stream)?;
+    d.event_record(event, stream)?;
+    Ok(())
+}
+
+/// Reads `len` bytes at `ptr + offset` and counts words that are not `pattern`.
+fn bad_words(
+    d: &dyn Driver,
+    ptr: DevicePtr,
+    offset: u64,
+    len: usize,
+    pattern: u32,
+) -> Result<usize> {
+    let mut buf = vec![0u8; len];
+    d.memcpy_dtoh(&mut buf, ptr.offset(offset))?;
+    Ok(poolipc_tests::child::count_bad(&buf, pattern).0)
+}
+
+both_drivers!(
+    fn after_install_allocations_from_the_current_pool_come_from_ours(env) {
+        let pool = install(env)?;
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let current = d.device_get_mem_pool(env.device)?;
+        ensure!(current == pool.handle(), "the device's current pool is not ours");
+        let ptr = d.mem_alloc_async(MIB, stream)?;
+        ensure!(d.pointer_get_mempool(ptr)? == pool.handle(), "allocation came from another pool");
+        d.mem_free_async(ptr, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn pointer_export_fails_before_the_pool_fd_export_and_succeeds_after(env) {
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let pool = d.mem_pool_create(env.device, PoolSharing::PosixFd)?;
+        let ptr = d.mem_alloc_from_pool_async(MIB, pool, stream)?;
+        d.stream_synchronize(stream)?;
+        let err = d.mem_pool_export_pointer(ptr).expect_err("export before the FD export");
+        ensure!(
+            err.is_call("cuMemPoolExportPointer", CuCode::INVALID_VALUE),
+            "expected cuMemPoolExportPointer INVALID_VALUE, got {err}"
+        );
+        let _fd = d.mem_pool_export_fd(pool)?;
+        d.mem_pool_export_pointer(ptr)?;
+        d.mem_free_async(ptr, stream)?;
+        d.stream_synchronize(stream)?;
+        d.mem_pool_destroy(pool)?;
+        Ok(())
+    }
+);
+
+/// The child imports `bytes` from the parent, reads the parent's pattern at both ends, writes
+/// its own pattern in place at both ends; the parent sees the writes and its pattern between.
+fn child_reads_and_writes_in_place(env: &Env, bytes: u64) -> Result<()> {
+    let pool = install(env)?;
+    let d = &*env.driver;
+    let stream = d.stream_create()?;
+    let ready = d.event_create(true)?;
+    let ptr = pool.alloc(bytes, stream)?;
+    fill_then_record(d, ptr, bytes, 0xA5A5_0001, stream, ready)?;
+    let blob = pool.export(ptr)?;
+    let mut child = spawn_child(env, pool.fd())?;
+    let ev = child.call(&format!("open {}", hex(&d.ipc_get_event_handle(ready)?.0)))?;
+    child.call(&format!("wait {}", ev[0]))?;
+    let imported = child.call(&format!("import {}", hex(&blob.0)))?;
+    let theirs = &imported[0];
+    // The child reads the ends (the whole of a small allocation), then writes 4 KiB at each.
+    let sample = MIB.min(bytes);
+    let mut reads = vec![0, bytes - sample];
+    reads.dedup();
+    for offset in reads {
+        let got = child.call(&format!("check {theirs} {offset} {sample} a5a50001"))?;
+        ensure!(
+            num(&got, 0)? == 0,
+            "child read {} wrong words at {offset}",
+            got[0]
+        );
+    }
+    let writes = [0, bytes - 4096];
+    for offset in writes {
+        child.call(&format!("fill {theirs} {offset} {} 5a5a0002", 4096 / 4))?;
+    }
+    let done = child.call("record")?;
+    let done = d.ipc_open_event_handle(&poolipc_driver::IpcEventHandle(poolipc_tests::unhex(
+        &done[0],
+    )?))?;
+    child.call(&format!("free {theirs}"))?;
+    d.stream_wait_event(stream, done)?;
+    d.stream_synchronize(stream)?;
+    for offset in writes {
+        ensure!(
+            bad_words(d, ptr, offset, 4096, 0x5A5A_0002)? == 0,
+            "parent does not see the write at {offset}"
+        );
+    }
+    let between = sample.min(bytes - 4096) - 4096;
+    ensure!(
+        bad_words(d, ptr, 4096, between as usize, 0xA5A5_0001)? == 0,
+        "bytes beside the writes changed"
+    );
+    ensure!(child.finish()?.success(), "child failed");
+    pool.free(ptr, stream)?;
+    d.stream_synchronize(stream)?;
+    Ok(())
+}
+
+both_drivers!(
+    fn a_child_imports_1_mib_reads_the_pattern_and_writes_in_place(env) {
+        child_reads_and_writes_in_place(env, MIB)
+    }
+);
+
+both_drivers!(
+    fn a_child_imports_4096_mib_reads_the_pattern_and_writes_in_place(env) {
+        child_reads_and_writes_in_place(env, 4096 * MIB)
+    }
+);
+
+both_drivers!(
+    fn interprocess_events_gate_both_directions(env) {
+        // 1 GiB memsets take long enough on the GPU that reading without the event wait would
+        // race; on SimDriver a touch without the wait is a recorded violation.
+        let bytes = GIB;
+        let pool = install(env)?;
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let ready = d.event_create(true)?;
+        let ptr = pool.alloc(bytes, stream)?;
+        // Parent → child: READY is recorded right after the fill, nothing is synchronized.
+        fill_then_record(d, ptr, bytes, 0x1111_1111, stream, ready)?;
+        let blob = pool.export(ptr)?;
+        let mut child = spawn_child(env, pool.fd())?;
+        let ev = child.call(&format!("open {}", hex(&d.ipc_get_event_handle(ready)?.0)))?;
+        child.call(&format!("wait {}", ev[0]))?;
+        let theirs = child.call(&format!("import {}", hex(&blob.0)))?[0].clone();
+        let got = child.call(&format!("check {theirs} {} {MIB} 11111111", bytes - MIB))?;
+        ensure!(num(&got, 0)? == 0, "the child read before READY: {} bad words", got[0]);
+        // Child → parent: the child fills everything and records DONE without synchronizing.
+        child.call(&format!("fill {theirs} 0 {} 22222222", bytes / 4))?;
+        let done = child.call("record")?;
+        let done = d.ipc_open_event_handle(&poolipc_driver::IpcEventHandle(poolipc_tests::unhex(&done[0])?))?;
+        d.stream_wait_event(stream, done)?;
+        d.stream_synchronize(stream)?;
+        ensure!(bad_words(d, ptr, bytes - MIB, MIB as usize, 0x2222_2222)? == 0, "the parent read before DONE");
+        child.call(&format!("free {theirs}"))?;
+        ensure!(child.finish()?.success(), "child failed");
+        pool.free(ptr, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_recycled_allocation_stays_reserved_and_imports_far_faster_than_new_memory(env) {
+        let bytes = 4096 * MIB;
+        let pool = install(env)?;
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let mut child = spawn_child(env, pool.fd())?;
+        let mut import_micros = Vec::new();
+        for round in 0..3 {
+            let ptr = pool.alloc(bytes, stream)?;
+            d.memset_d32_async(ptr, 0x3333_0000 + round, bytes / 4, stream)?;
+            d.stream_synchronize(stream)?;
+            let blob = pool.export(ptr)?;
+            let got = child.call(&format!("import {}", hex(&blob.0)))?;
+            import_micros.push(got[1].parse::<f64>()?);
+            child.call(&format!("free {}", got[0]))?;
+            pool.free(ptr, stream)?;
+            d.stream_synchronize(stream)?;
+            let stats = pool.stats()?;
+            ensure!(
+                stats.reserved_current >= bytes,
+                "the pool gave memory back at a synchronize (release threshold not in force): {stats}"
+            );
+        }
+        ensure!(child.finish()?.success(), "child failed");
+        let (first, recycled) = (import_micros[0], import_micros[1].min(import_micros[2]));
+        println!("{:?}: 4096 MiB import: first {first:.1} µs, recycled {recycled:.1} µs, ratio {:.0}×", env.kind(), first / recycled);
+        if env.kind() == DriverKind::Cuda {
+            ensure!(first >= 50.0 * recycled, "recycled import not 50× faster: first {first} µs, recycled {recycled} µs");
+        }
+        Ok(())
+    }
+);
