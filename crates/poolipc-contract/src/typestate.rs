@@ -18,7 +18,7 @@
 //!
 //! Releasing before the ACK does not compile:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0599
 //! use poolipc_contract::typestate::Loan;
 //! use poolipc_contract::{AllocId, HandoffId};
 //!
@@ -28,7 +28,7 @@
 //!
 //! Nor does releasing on the ACK without waiting on DONE:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0599
 //! use poolipc_contract::typestate::Loan;
 //! use poolipc_contract::{AllocId, HandoffId};
 //!
@@ -53,7 +53,7 @@
 //!
 //! Touching (writing) the memory before READY does not compile:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0599
 //! use poolipc_contract::typestate::Import;
 //! use poolipc_contract::{AllocId, HandoffId};
 //!
@@ -63,7 +63,7 @@
 //!
 //! ACK before UNIMPORT does not compile:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0599
 //! use poolipc_contract::typestate::Import;
 //! use poolipc_contract::{AllocId, HandoffId};
 //!
@@ -73,7 +73,7 @@
 //!
 //! Nor does touching the memory after DONE, since `record_done` consumed the ready handle:
 //!
-//! ```compile_fail
+//! ```compile_fail,E0382
 //! use poolipc_contract::typestate::Import;
 //! use poolipc_contract::{AllocId, HandoffId};
 //!
