@@ -20,6 +20,23 @@
 //! - [`Invariant`] names DESIGN.md's eight invariants; [`audit::Auditor`] checks them on what
 //!   the machines do; [`sim::World`] is the simulated world the property tests and the fuzz
 //!   target drive.
+//!
+//! # Wiring a facade
+//!
+//! The parent's facade owns one [`Parent`]. After every call into it, it drains
+//! [`Parent::poll_action`] and carries each action out in order: [`ParentAction::Export`]
+//! (or its cached blob), [`ParentAction::RecordReady`], [`ParentAction::Send`] over the
+//! worker's socket, [`ParentAction::AllocateResult`] (answered later with
+//! [`ParentEvent::ResultAllocated`] or [`ParentEvent::ResultDeclined`]),
+//! [`ParentAction::WaitDone`] then [`ParentAction::Release`], [`ParentAction::KillWorker`].
+//! It feeds back every message ([`ParentEvent::Message`]), hang-up and reaping, and calls
+//! [`Parent::handle_timeout`] when [`Parent::poll_timeout`] comes due. Before lending, the
+//! facade picks the rung: [`PointerLimit::admits`] says whether the pool pointer rung is
+//! allowed at all, and [`Parent::lend`] refuses what it does not admit.
+//!
+//! The worker's facade owns one [`Worker`] and does the same with [`WorkerAction`]s:
+//! import, wait on READY, hand the memory to the user on [`WorkerAction::Usable`], and call
+//! [`Worker::finish`] after the last access is queued.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

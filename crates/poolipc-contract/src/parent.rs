@@ -627,11 +627,9 @@ impl Parent {
         spec: ResultSpec,
         now: Timestamp,
     ) -> Result<(), ContractError> {
+        self.check_live(worker)?;
         let Some(Peer::Live { last_request }) = self.workers.get_mut(&worker) else {
-            return Err(self
-                .check_live(worker)
-                .err()
-                .unwrap_or(ContractError::WorkerGone(worker)));
+            return Err(ContractError::WorkerGone(worker));
         };
         if last_request.is_some_and(|last| request <= last) {
             return Err(ContractError::DuplicateRequest { request });
@@ -710,9 +708,7 @@ impl Parent {
         } else if span.bytes < p.spec.bytes {
             Some(Refusal::TooSmall)
         } else {
-            let handoff =
-                self.open_loan(worker, p.job, alloc, span, Purpose::Result { request }, now);
-            let _ = handoff;
+            self.open_loan(worker, p.job, alloc, span, Purpose::Result { request }, now);
             return Ok(());
         };
         self.actions.push_back(ParentAction::FreeResult {
