@@ -149,7 +149,7 @@ pub enum Op {
     },
     /// The parent cancels a job.
     Cancel {
-        /// Worker index.
+        /// Worker index (among workers holding or being sent handoffs, if any).
         worker: u8,
         /// Job number.
         job: u8,
@@ -163,7 +163,7 @@ pub enum Op {
     Timeout,
     /// The worker process dies.
     Crash {
-        /// Worker index.
+        /// Worker index (among workers holding or being sent handoffs, if any).
         worker: u8,
     },
     /// A dead worker process is reaped.
@@ -190,6 +190,8 @@ struct SimWorker {
     to_worker: Vec<ToWorker>,
     to_parent: Vec<ToParent>,
     usable: Vec<HandoffId>,
+    /// Jobs that had memory usable on this worker, to aim cancellations at.
+    usable_jobs: Vec<JobId>,
     next_request: u64,
     condemned: bool,
 }
@@ -435,6 +437,7 @@ impl World {
                             to_worker: Vec::new(),
                             to_parent: Vec::new(),
                             usable: Vec::new(),
+                            usable_jobs: Vec::new(),
                             next_request: 0,
                             condemned: false,
                         });
@@ -616,9 +619,19 @@ impl World {
                 }
             }
             Op::Cancel { worker, job } => {
-                if let Some(i) = self.worker_index(worker) {
-                    let id = self.workers[i].id;
-                    let job = JobId(u64::from(job % 4));
+                let holding = |w: &SimWorker| !w.usable.is_empty() || !w.to_worker.is_empty();
+                if let Some(i) = self
+                    .busy_worker(worker, holding)
+                    .or(self.worker_index(worker))
+                {
+                    let w = &self.workers[i];
+                    let id = w.id;
+                    // Mostly a job that has handoffs out; sometimes any job.
+                    let job = if job % 2 == 0 && !w.usable_jobs.is_empty() {
+                        w.usable_jobs[usize::from(job / 2) % w.usable_jobs.len()]
+                    } else {
+                        JobId(u64::from(job % 4))
+                    };
                     if self.parent.cancel(id, job).is_ok() {
                         self.cancelled.insert((id, job));
                     }
@@ -635,7 +648,15 @@ impl World {
                 }
             }
             Op::Crash { worker } => {
-                if let Some(i) = self.worker_index(worker) {
+                // Mid-handoff deaths are the interesting ones: prefer a worker holding some.
+                let holding = |w: &SimWorker| {
+                    w.process == Process::Running
+                        && (!w.usable.is_empty() || !w.to_worker.is_empty())
+                };
+                if let Some(i) = self
+                    .busy_worker(worker, holding)
+                    .or(self.worker_index(worker))
+                {
                     self.crash(i);
                 }
             }
@@ -678,6 +699,7 @@ impl World {
         w.condemned = true;
         w.to_worker.clear();
         w.usable.clear();
+        w.usable_jobs.clear();
         let id = w.id;
         let _ = self
             .parent
@@ -718,7 +740,10 @@ impl World {
                     let w = &mut self.workers[i];
                     match action {
                         WorkerAction::Send(msg) => w.to_parent.push(msg),
-                        WorkerAction::Usable { handoff, .. } => w.usable.push(handoff),
+                        WorkerAction::Usable { handoff, job, .. } => {
+                            w.usable.push(handoff);
+                            w.usable_jobs.push(job);
+                        }
                         _ => {}
                     }
                 }
@@ -813,11 +838,30 @@ impl World {
     fn settle(&mut self) {
         let checked = self.auditor.check_settled();
         self.note(checked);
+        if !self.failure.violations.is_empty() {
+            return;
+        }
         let (ours, audited) = (self.parent.outstanding(), self.auditor.unreleased());
-        if ours != audited && self.failure.violations.is_empty() {
+        if ours != audited {
             self.mismatch(format!(
                 "the parent counts {ours} outstanding handoffs, the auditor {audited}"
             ));
+        }
+        if self.parent.is_shut_down() && (ours != 0 || !self.alloc_requests.is_empty()) {
+            self.mismatch(format!(
+                "shut down with {ours} handoffs and {} result allocations outstanding",
+                self.alloc_requests.len()
+            ));
+        }
+        for w in &self.workers {
+            let expected = w.process == Process::Running && !w.condemned;
+            if self.parent.is_live(w.id) != expected {
+                let what = format!(
+                    "{} is {:?}, condemned: {}, but the parent says live: {}",
+                    w.id, w.process, w.condemned, !expected
+                );
+                self.failure.mismatches.push(what);
+            }
         }
     }
 }

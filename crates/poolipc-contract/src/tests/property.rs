@@ -69,14 +69,15 @@ impl ReferenceStateMachine for Model {
 /// The operations, weighted. Depends on the model only through whether a worker exists and
 /// whether the parent is shutting down.
 fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
+    if state.workers == 0 && !state.shut_down {
+        // Nothing else can happen before the first worker: start with it.
+        return Just(Op::SpawnWorker).boxed();
+    }
     let w = any::<u8>;
     let pick = any::<u8>;
-    let job = || 0u8..4;
+    let job = || 0u8..2;
     let mut arms: Vec<(u32, BoxedStrategy<Op>)> = vec![
-        (
-            if state.workers == 0 { 10 } else { 2 },
-            Just(Op::SpawnWorker).boxed(),
-        ),
+        (2, Just(Op::SpawnWorker).boxed()),
         (
             5,
             (w(), job(), size())
@@ -163,7 +164,7 @@ fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
             (0u16..40).prop_map(|millis| Op::Advance { millis }).boxed(),
         ),
         (2, Just(Op::Timeout).boxed()),
-        (2, w().prop_map(|worker| Op::Reap { worker }).boxed()),
+        (5, w().prop_map(|worker| Op::Reap { worker }).boxed()),
     ];
     // Faults and endings are rare beside the happy path, so most sequences get far into
     // the handoffs before something goes wrong.
@@ -173,7 +174,7 @@ fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
     if !state.shut_down {
         arms.push((1, Just(Op::Shutdown).boxed()));
     }
-    arms.push((1, w().prop_map(|worker| Op::Crash { worker }).boxed()));
+    arms.push((4, w().prop_map(|worker| Op::Crash { worker }).boxed()));
     arms.push((
         1,
         (w(), job())
