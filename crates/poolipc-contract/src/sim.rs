@@ -8,6 +8,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::audit::Auditor;
+use crate::error::ContractError;
 use crate::invariant::Violation;
 use crate::limit::PointerLimit;
 use crate::message::{ToParent, ToWorker};
@@ -528,7 +529,12 @@ impl World {
                     let w = &mut self.workers[i];
                     if w.process == Process::Running && !w.to_worker.is_empty() {
                         let msg = w.to_worker.remove(0);
-                        let _ = w.machine.handle(WorkerEvent::Message(msg), self.now);
+                        if let Err(e) = w.machine.handle(WorkerEvent::Message(msg), self.now) {
+                            self.count(match e {
+                                ContractError::StaleOffer(_) => "worker refused a stale offer",
+                                _ => "worker refused a message",
+                            });
+                        }
                     }
                 }
             }
@@ -539,13 +545,22 @@ impl World {
                         let message = w.to_parent.remove(0);
                         let id = w.id;
                         self.auditor.delivered_to_parent(id, &message);
-                        let _ = self.parent.handle(
+                        let got = self.parent.handle(
                             ParentEvent::Message {
                                 worker: id,
                                 message,
                             },
                             self.now,
                         );
+                        if let Err(e) = got {
+                            self.count(match e {
+                                ContractError::WorkerGone(_) => "parent refused a late message",
+                                ContractError::UnknownHandoff(_) => {
+                                    "parent refused a duplicate ack"
+                                }
+                                _ => "parent refused a message",
+                            });
+                        }
                     }
                 }
             }
@@ -644,6 +659,7 @@ impl World {
             }
             Op::Timeout => {
                 if self.parent.poll_timeout().is_some_and(|t| t <= self.now) {
+                    self.count("deadline expired");
                     self.parent.handle_timeout(self.now);
                 }
             }

@@ -160,10 +160,12 @@ fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
                 .boxed(),
         ),
         (
-            2,
-            (0u16..40).prop_map(|millis| Op::Advance { millis }).boxed(),
+            4,
+            prop_oneof![5 => 0u16..20, 1 => 80u16..200]
+                .prop_map(|millis| Op::Advance { millis })
+                .boxed(),
         ),
-        (2, Just(Op::Timeout).boxed()),
+        (4, Just(Op::Timeout).boxed()),
         (5, w().prop_map(|worker| Op::Reap { worker }).boxed()),
     ];
     // Faults and endings are rare beside the happy path, so most sequences get far into
@@ -249,7 +251,11 @@ prop_state_machine! {
 }
 
 /// The paths a sequence must be able to reach, or the property above would hold vacuously.
-const PATHS: [&str; 13] = [
+const PATHS: [&str; 17] = [
+    "deadline expired",
+    "parent refused a late message",
+    "parent refused a duplicate ack",
+    "worker refused a stale offer",
     "offer input",
     "offer result",
     "refuse result",
