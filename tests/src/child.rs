@@ -3,6 +3,7 @@
 //! Commands (one per line; answers `ok ...` or `err <message>`):
 //! - `import <export-hex>`: `cuMemPoolImportPointer`; answers the address and the microseconds.
 //! - `free <ptr>`: frees the import (stream-ordered) and synchronizes.
+//! - `free_nosync <ptr>`: frees the import (stream-ordered) without synchronizing.
 //! - `open <event-hex>`: `cuIpcOpenEventHandle`; answers the local handle.
 //! - `wait <event>`: `cuStreamWaitEvent` on the child's stream.
 //! - `query <event>`: `cuEventQuery`; answers 1 or 0.
@@ -10,6 +11,7 @@
 //!   checks every word; answers the number of bad words and the first bad offset.
 //! - `fill <ptr> <offset> <words> <u32-hex>`: `cuMemsetD32Async` on the child's stream.
 //! - `record`: records the child's interprocess event on its stream; answers its handle.
+//! - `pool`: what attaching the pool found (release threshold before, raised or not).
 //! - `sync`: synchronizes the child's stream.
 //! - `exit`.
 
@@ -60,6 +62,10 @@ impl Worker {
                 d.stream_synchronize(self.stream)?;
                 Ok(String::new())
             }
+            "free_nosync" => {
+                d.mem_pool_free_import(DevicePtr(parse(w.next())?), self.stream)?;
+                Ok(String::new())
+            }
             "open" => {
                 let h = IpcEventHandle(unhex::<64>(w.next().unwrap_or(""))?);
                 Ok(format!("{:#x}", d.ipc_open_event_handle(&h)?.0))
@@ -101,6 +107,10 @@ impl Worker {
                 d.event_record(ev, self.stream)?;
                 Ok(hex(&h.0))
             }
+            "pool" => Ok(format!(
+                "threshold_before={:?} keeps_mappings={}",
+                self.pool.initial_release_threshold, self.pool.keeps_mappings
+            )),
             "sync" => {
                 d.stream_synchronize(self.stream)?;
                 Ok(String::new())

@@ -251,12 +251,12 @@ for bin in "$here"/tests/*; do
   name=$(basename "$bin")
   [ "$name" = poolipc-test-child ] && continue
   for t in $("$bin" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
-    start=$(date +%s.%N)
+    start=$(date +%s%N)
     if "$bin" --exact "$t" --nocapture --test-threads=1 >"$out/one.log" 2>&1; then r=ok; pass=$((pass+1)); else r=FAILED; fail=$((fail+1)); fi
-    secs=$(echo "$(date +%s.%N) - $start" | bc)
-    note=$(grep -hoE 'RAN on CudaDriver|NOT RUN on hardware[^(]*|ratio [0-9]+×' "$out/one.log" | head -2 | tr '\n' ' ')
-    { echo "=== $name::$t: $r (${secs}s)"; cat "$out/one.log"; } >> "$log"
-    printf '%-7s %-90s %6.2fs %s\n' "$r" "$name::$t" "$secs" "$note" >> "$summary"
+    ms=$(( ($(date +%s%N) - start) / 1000000 ))
+    note=$(grep -hoE 'RAN on CudaDriver|NOT RUN on hardware[^(]*|first [0-9.]+ µs, recycled [0-9.]+ µs, ratio [0-9]+×|keeps_mappings=[a-z]+' "$out/one.log" | head -2 | tr '\n' ' ')
+    { echo "=== $name::$t: $r (${ms} ms)"; cat "$out/one.log"; } >> "$log"
+    printf '%-7s %-100s %7d ms %s\n' "$r" "$name::$t" "$ms" "$note" >> "$summary"
   done
 done
 rm -f "$out/one.log"

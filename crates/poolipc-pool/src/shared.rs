@@ -249,10 +249,18 @@ pub struct AttachedPool {
     pub device: u32,
     /// The access the import had before we set it.
     pub initial_access: Access,
+    /// The imported pool's release threshold before we raised it, where the driver tells.
+    pub initial_release_threshold: Option<u64>,
+    /// Whether the imported pool keeps freed imports mapped across synchronizes (release
+    /// threshold raised to UINT64_MAX). When false, every import of recycled memory maps it
+    /// again (about 1 ms/GiB).
+    pub keeps_mappings: bool,
 }
 
 impl AttachedPool {
-    /// Import the parent's pool FD and make sure `device` may read and write it.
+    /// Import the parent's pool FD, make sure `device` may read and write it, and try to raise
+    /// the imported pool's release threshold as the parent's is (driver 580 refuses that on an
+    /// imported pool; [`AttachedPool::keeps_mappings`] says what happened).
     pub fn attach<D: Driver + ?Sized>(
         driver: &D,
         fd: BorrowedFd<'_>,
@@ -263,11 +271,36 @@ impl AttachedPool {
         if initial_access != Access::ReadWrite {
             driver.mem_pool_set_access(pool, device, Access::ReadWrite)?;
         }
-        tracing::debug!(?pool, device, ?initial_access, "attached the parent's pool");
+        // The imported pool's attributes: cuMemPoolGetAttribute on an imported pool is
+        // INVALID_VALUE on driver 580 (measured on the H200), so both are best effort.
+        let initial_release_threshold = driver
+            .mem_pool_get_attribute(pool, PoolCounter::ReleaseThreshold)
+            .ok();
+        let keeps_mappings =
+            match driver.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX)) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::debug!(
+                        error = %e,
+                        "the imported pool's release threshold cannot be raised from this side"
+                    );
+                    false
+                }
+            };
+        tracing::debug!(
+            ?pool,
+            device,
+            ?initial_access,
+            initial_release_threshold,
+            keeps_mappings,
+            "attached the parent's pool"
+        );
         Ok(AttachedPool {
             pool,
             device,
             initial_access,
+            initial_release_threshold,
+            keeps_mappings,
         })
     }
 }
@@ -458,6 +491,11 @@ mod tests {
             .returning(|_| Ok(PoolHandle(0x55)));
         d.expect_mem_pool_get_access()
             .returning(|_, _| Ok(Access::None));
+        d.expect_mem_pool_get_attribute().returning(|_, _| Ok(0));
+        d.expect_mem_pool_set_attribute()
+            .withf(|p, a| *p == PoolHandle(0x55) && *a == PoolAttribute::ReleaseThreshold(u64::MAX))
+            .times(1)
+            .returning(|_, _| Ok(()));
         d.expect_mem_pool_set_access()
             .withf(|p, dev, a| *p == PoolHandle(0x55) && *dev == 0 && *a == Access::ReadWrite)
             .times(1)
@@ -474,9 +512,32 @@ mod tests {
             .returning(|_| Ok(PoolHandle(0x55)));
         d.expect_mem_pool_get_access()
             .returning(|_, _| Ok(Access::ReadWrite));
+        d.expect_mem_pool_get_attribute()
+            .returning(|_, _| Ok(u64::MAX));
+        d.expect_mem_pool_set_attribute().returning(|_, _| Ok(()));
         d.expect_mem_pool_set_access().never();
         let fd = some_fd();
         AttachedPool::attach(&d, fd.as_fd(), 0).unwrap();
+    }
+
+    #[test]
+    fn attach_tries_to_raise_the_imported_pools_release_threshold_and_says_if_it_could_not() {
+        let mut d = MockDriver::new();
+        d.expect_mem_pool_import_fd()
+            .returning(|_| Ok(PoolHandle(0x55)));
+        d.expect_mem_pool_get_access()
+            .returning(|_, _| Ok(Access::ReadWrite));
+        d.expect_mem_pool_get_attribute().returning(|_, _| Ok(0));
+        d.expect_mem_pool_set_attribute().returning(|_, _| {
+            Err(DriverError::Call {
+                call: "cuMemPoolSetAttribute",
+                code: CuCode::NOT_SUPPORTED,
+            })
+        });
+        let fd = some_fd();
+        let a = AttachedPool::attach(&d, fd.as_fd(), 0).unwrap();
+        assert!(!a.keeps_mappings);
+        assert_eq!(a.initial_release_threshold, Some(0));
     }
 
     #[test]

@@ -935,7 +935,8 @@ impl Driver for SimDriver {
 
     fn mem_pool_set_attribute(&self, pool: PoolHandle, attr: PoolAttribute) -> Result<()> {
         let l = self.local();
-        let slot = Self::pool_slot(&l, "cuMemPoolSetAttribute", pool)?;
+        // Measured on the H200 (driver 580): attributes of an imported pool are refused.
+        let slot = Self::own_pool_slot(&l, "cuMemPoolSetAttribute", pool)?;
         self.machine.with(|st| {
             let p = &mut st.pools[slot];
             match attr {
@@ -950,7 +951,9 @@ impl Driver for SimDriver {
 
     fn mem_pool_get_attribute(&self, pool: PoolHandle, counter: PoolCounter) -> Result<u64> {
         let l = self.local();
-        let slot = Self::pool_slot(&l, "cuMemPoolGetAttribute", pool)?;
+        // Measured on the H200 (driver 580): cuMemPoolGetAttribute on an imported pool is
+        // INVALID_VALUE.
+        let slot = Self::own_pool_slot(&l, "cuMemPoolGetAttribute", pool)?;
         Ok(self.machine.with(|st| {
             let p = &st.pools[slot];
             match counter {
