@@ -12,6 +12,7 @@
 //! - `fill <ptr> <offset> <words> <u32-hex>`: `cuMemsetD32Async` on the child's stream.
 //! - `record`: records the child's interprocess event on its stream; answers its handle.
 //! - `pool`: what attaching the pool found (release threshold before, raised or not).
+//! - `set_threshold`: `cuMemPoolSetAttribute` of the release threshold on the imported pool.
 //! - `sync`: synchronizes the child's stream.
 //! - `exit`.
 
@@ -108,9 +109,18 @@ impl Worker {
                 Ok(hex(&h.0))
             }
             "pool" => Ok(format!(
-                "threshold_before={:?} keeps_mappings={}",
-                self.pool.initial_release_threshold, self.pool.keeps_mappings
+                "threshold_before={:?} keeps_mappings={} access_before={:?}",
+                self.pool.initial_release_threshold,
+                self.pool.keeps_mappings,
+                self.pool.initial_access
             )),
+            "set_threshold" => {
+                d.mem_pool_set_attribute(
+                    self.pool.pool,
+                    poolipc_driver::PoolAttribute::ReleaseThreshold(u64::MAX),
+                )?;
+                Ok(String::new())
+            }
             "sync" => {
                 d.stream_synchronize(self.stream)?;
                 Ok(String::new())

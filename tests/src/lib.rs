@@ -96,7 +96,7 @@ impl Env {
 
 /// Runs `body` on `SimDriver`, and on `CudaDriver` when the machine has a GPU.
 ///
-/// ```ignore
+/// ```text
 /// both_drivers!(fn a_child_reads_the_parents_pattern(env) { ... });
 /// ```
 #[macro_export]

@@ -1,0 +1,120 @@
+//! The same scenarios on CudaDriver and on SimDriver must end the same way: success, the same
+//! typed error, or the same crash. Each expectation here is what the H200 (driver 580) did;
+//! SimDriver is made to match it.
+
+use std::sync::Arc;
+
+use anyhow::{Result, ensure};
+use poolipc_driver::{CuCode, Driver, DriverError, PoolSharing, StreamHandle};
+use poolipc_pool::SharedPool;
+use poolipc_tests::{Env, both_drivers, hex, spawn_child};
+
+const MIB: u64 = 1 << 20;
+
+fn install(env: &Env) -> Result<SharedPool<dyn Driver>> {
+    Ok(SharedPool::install(Arc::clone(&env.driver), env.device)?)
+}
+
+fn expect_code(
+    r: Result<impl std::fmt::Debug, DriverError>,
+    call: &str,
+    code: CuCode,
+) -> Result<()> {
+    match r {
+        Err(e) if e.is_call(call, code) => Ok(()),
+        other => anyhow::bail!("expected {call} to fail with {code}, got {other:?}"),
+    }
+}
+
+both_drivers!(
+    fn an_imported_pool_starts_read_write_and_refuses_attributes(env) {
+        let pool = install(env)?;
+        let mut child = spawn_child(env, pool.fd())?;
+        let got = child.call("pool")?.join(" ");
+        ensure!(got.contains("access_before=ReadWrite"), "worker's imported pool: {got}");
+        ensure!(got.contains("threshold_before=None"), "worker's imported pool: {got}");
+        let err = child.call_err("set_threshold")?;
+        ensure!(err.contains("cuMemPoolSetAttribute failed: CUDA_ERROR_INVALID_VALUE"), "{err}");
+        ensure!(child.finish()?.success(), "child failed");
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn importing_the_same_export_twice_gives_the_same_address(env) {
+        let pool = install(env)?;
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let ptr = pool.alloc(MIB, stream)?;
+        d.stream_synchronize(stream)?;
+        let blob = hex(&pool.export(ptr)?.0);
+        let mut child = spawn_child(env, pool.fd())?;
+        let a = child.call(&format!("import {blob}"))?;
+        let b = child.call(&format!("import {blob}"))?;
+        ensure!(a[0] == b[0], "two imports of one export: {} and {}", a[0], b[0]);
+        child.call(&format!("free {}", a[0]))?;
+        ensure!(child.finish()?.success(), "child failed");
+        pool.free(ptr, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn an_export_of_freed_memory_does_not_import(env) {
+        let pool = install(env)?;
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let ptr = pool.alloc(MIB, stream)?;
+        d.stream_synchronize(stream)?;
+        let blob = hex(&pool.export(ptr)?.0);
+        pool.free(ptr, stream)?;
+        d.stream_synchronize(stream)?;
+        let mut child = spawn_child(env, pool.fd())?;
+        let err = child.call_err(&format!("import {blob}"))?;
+        ensure!(err.contains("cuMemPoolImportPointer failed"), "{err}");
+        println!("{:?}: stale export: {err}", env.kind());
+        ensure!(child.finish()?.success(), "child failed");
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn an_event_without_the_interprocess_flag_has_no_ipc_handle(env) {
+        let d = &*env.driver;
+        let ev = d.event_create(false)?;
+        expect_code(d.ipc_get_event_handle(ev), "cuIpcGetEventHandle", CuCode::INVALID_VALUE)?;
+        d.event_destroy(ev)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_pool_shared_by_nothing_cannot_export_its_fd(env) {
+        let d = &*env.driver;
+        let pool = d.mem_pool_create(env.device, PoolSharing::None)?;
+        let r = d.mem_pool_export_fd(pool);
+        ensure!(r.is_err(), "a pool with handleTypes NONE exported an FD");
+        println!("{:?}: {}", env.kind(), r.err().map(|e| e.to_string()).unwrap_or_default());
+        d.mem_pool_destroy(pool)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn the_range_of_an_address_inside_an_allocation_is_the_allocation(env) {
+        let pool = install(env)?;
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let ptr = pool.alloc(3 * MIB, stream)?;
+        d.stream_synchronize(stream)?;
+        let (base, len) = d.pointer_get_range(ptr.offset(MIB + 5))?;
+        ensure!(base == ptr, "range base {base:?}, allocation {ptr:?}");
+        ensure!(len == 3 * MIB, "range length {len}");
+        ensure!(d.pointer_get_mempool(ptr.offset(MIB))? == pool.handle(), "interior pointer's pool");
+        pool.free(ptr, stream)?;
+        d.stream_synchronize(stream)?;
+        let _ = StreamHandle::NULL;
+        Ok(())
+    }
+);
