@@ -308,6 +308,12 @@ impl SimDriver {
         })
     }
 
+    /// Forgets every recorded violation (a test that provoked one on purpose, after checking
+    /// it, so that later checks see only new ones).
+    pub fn clear_violations(&self) {
+        self.machine.with(|st| st.violation_count = 0);
+    }
+
     /// How many violations were recorded on this machine.
     #[must_use]
     pub fn violation_count(&self) -> u64 {
@@ -1262,14 +1268,31 @@ impl Driver for SimDriver {
         {
             return Err(fail(CALL, CuCode::INVALID_VALUE));
         }
-        let block = block as usize;
         let ptr = IMPORT_BASE + slot as u64 * POOL_SPAN + offset;
         let l = &mut *l;
         self.machine.with(|st| {
+            let (mut block, mut generation) = (block as usize, generation);
             let b = &st.blocks[block];
-            if b.state != BLOCK_LIVE || b.generation != generation || b.pool as usize != slot || b.offset != offset {
-                // A stale blob: the allocation was freed (and perhaps handed out again).
-                return Err(fail(CALL, CuCode::INVALID_VALUE));
+            let live = b.state == BLOCK_LIVE
+                && b.generation == generation
+                && b.pool as usize == slot
+                && b.offset == offset;
+            if !live {
+                // The export of an allocation the exporter has freed. While the pool still
+                // holds the memory, driver 580 imports it without complaint (measured on the
+                // H200): the importer now reads memory the pool may hand out again.
+                let cached = st.block_containing(slot, offset).filter(|&j| {
+                    let c = &st.blocks[j];
+                    c.state == BLOCK_CACHED && offset + bytes <= c.offset + c.size
+                });
+                let Some(j) = cached else {
+                    // Handed out again, or given back: nothing to map.
+                    return Err(fail(CALL, CuCode::INVALID_VALUE));
+                };
+                st.violation(ViolationKind::ImportOfFreed, CALL, self.pid)
+                    .block(block, generation)
+                    .log();
+                (block, generation) = (j, st.blocks[j].generation);
             }
             let chunks = chunks_spanned(offset, bytes);
             if chunks > IMPORT_CHUNK_LIMIT {
@@ -1385,7 +1408,8 @@ impl Driver for SimDriver {
         self.machine.with(|st| {
             let ev = Self::event(&l, st, CALL, event)?;
             if st.events[ev.slot].interprocess != 1 {
-                return Err(fail(CALL, CuCode::INVALID_VALUE));
+                // INVALID_HANDLE, as driver 580 answers (measured on the H200).
+                return Err(fail(CALL, CuCode::INVALID_HANDLE));
             }
             Ok(IpcEventHandle(export_blob([
                 state::MAGIC,

@@ -341,6 +341,39 @@ fn a_stale_blob_does_not_import() {
 }
 
 #[test]
+fn the_export_of_freed_memory_still_held_by_the_pool_imports_with_a_recorded_violation() {
+    // Driver 580 on the H200: the export of a freed allocation, whose memory the pool still
+    // holds (threshold UINT64_MAX), imports without an error.
+    let p = sim();
+    let (pool, fd) = shared_pool(&p);
+    p.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
+        .unwrap();
+    let ptr = p.mem_alloc_async(MIB, S).unwrap();
+    let stale = p.mem_pool_export_pointer(ptr).unwrap();
+    p.mem_free_async(ptr, S).unwrap();
+    p.stream_synchronize(S).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    w.mem_pool_import_pointer(wpool, &stale).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::ImportOfFreed]);
+}
+
+#[test]
+fn the_export_of_freed_memory_the_pool_gave_back_does_not_import() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p); // release threshold 0: given back at the synchronize
+    let ptr = p.mem_alloc_async(MIB, S).unwrap();
+    let stale = p.mem_pool_export_pointer(ptr).unwrap();
+    p.mem_free_async(ptr, S).unwrap();
+    p.stream_synchronize(S).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    let e = w.mem_pool_import_pointer(wpool, &stale).unwrap_err();
+    assert!(
+        e.is_call("cuMemPoolImportPointer", CuCode::INVALID_VALUE),
+        "{e}"
+    );
+}
+
+#[test]
 fn an_import_used_after_its_memory_was_recycled_is_caught() {
     let p = sim();
     let (_pool, fd) = shared_pool(&p);

@@ -26,6 +26,10 @@ pub enum ViolationKind {
     /// A device touched memory it was given no access to (`cuMemSetAccess`,
     /// `cuMemPoolSetAccess`).
     NoAccess = 6,
+    /// The export of an allocation the exporter had already freed was imported (the pool
+    /// still held the memory, so the real driver maps it; the import reads memory the pool
+    /// may hand out again).
+    ImportOfFreed = 7,
 }
 
 impl ViolationKind {
@@ -37,6 +41,7 @@ impl ViolationKind {
             4 => ViolationKind::StaleGeneration,
             5 => ViolationKind::ImportOverLimit,
             6 => ViolationKind::NoAccess,
+            7 => ViolationKind::ImportOfFreed,
             _ => return None,
         })
     }
