@@ -171,6 +171,43 @@ pub fn child_binary() -> Result<PathBuf> {
     )
 }
 
+/// Where a binary of this package is: `var` if set, else beside the test binary, else one
+/// directory up.
+pub fn sibling_binary(name: &str, var: &str) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(var) {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe
+        .parent()
+        .ok_or_else(|| anyhow!("test binary has no directory"))?;
+    for candidate in [dir.join(name), dir.join("..").join(name)] {
+        if candidate.exists() {
+            return Ok(candidate);
+        }
+    }
+    bail!(
+        "{name} not found beside {} or one level up; set {var}",
+        exe.display()
+    )
+}
+
+/// A command starting the facade test worker (`poolipc::echo`), attached to `env`'s driver.
+pub fn worker_command(env: &Env, die_at: Option<&str>) -> Result<Command> {
+    let mut cmd = Command::new(sibling_binary(
+        "poolipc-test-worker",
+        "POOLIPC_TEST_WORKER",
+    )?);
+    if let Some(sim) = &env.sim {
+        let (k, v) = sim.child_env();
+        cmd.env(k, v);
+    }
+    if let Some(step) = die_at {
+        cmd.env("POOLIPC_TEST_DIE_AT", step);
+    }
+    Ok(cmd)
+}
+
 /// A live child process and the line protocol to drive it.
 #[derive(Debug)]
 pub struct Child {

@@ -1,0 +1,78 @@
+//! The echo worker: for each input, a result of the same dtype and shape holding a copy of it,
+//! its first 32-bit word replaced by a marker. `poolipc demo`, the tests and the benchmark use
+//! it as the worker side; it exercises inputs, the shape-first result request, a device copy
+//! and a write in place.
+
+use crate::error::Error;
+use crate::tensor::ResultShape;
+use crate::worker::Worker;
+
+/// The word the echo worker writes at the start of result `i`.
+#[must_use]
+pub fn marker(i: usize) -> u32 {
+    0xEC40_0000 | (i as u32 & 0xFFFF)
+}
+
+/// A point in a job at which [`serve`] can be told to die, to test what the parent does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DieAt {
+    /// After the inputs were imported, before asking for results.
+    AfterImport,
+    /// After the results were granted and imported, before writing them.
+    AfterGrant,
+    /// After writing, before finishing (no DONE, no ACK).
+    AfterWrite,
+}
+
+impl std::str::FromStr for DieAt {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "after-import" => DieAt::AfterImport,
+            "after-grant" => DieAt::AfterGrant,
+            "after-write" => DieAt::AfterWrite,
+            other => return Err(format!("unknown step {other:?}")),
+        })
+    }
+}
+
+fn die_here(at: Option<DieAt>, here: DieAt) {
+    if at == Some(here) {
+        tracing::warn!(?here, "echo worker dying on purpose");
+        std::process::abort();
+    }
+}
+
+/// Serves jobs until the parent says goodbye; returns how many it served.
+pub fn serve(worker: &mut Worker, die_at: Option<DieAt>) -> Result<usize, Error> {
+    let mut served = 0;
+    while let Some(mut job) = worker.next_job()? {
+        let shapes: Vec<ResultShape> = job
+            .inputs()
+            .iter()
+            .map(|i| ResultShape::new(i.desc().dtype, &i.desc().shape))
+            .collect();
+        die_here(die_at, DieAt::AfterImport);
+        let copies: Vec<_> = job
+            .inputs()
+            .iter()
+            .map(|i| (i.ptr(), i.byte_len()))
+            .collect();
+        if !shapes.is_empty() {
+            job.request_results(&shapes)?;
+        }
+        die_here(die_at, DieAt::AfterGrant);
+        let driver = job.driver().clone();
+        let stream = job.stream();
+        for (i, ((src, bytes), dst)) in copies.iter().zip(job.results()).enumerate() {
+            driver.memcpy_dtod_async(dst.ptr(), *src, (*bytes).min(dst.bytes()), stream)?;
+            if dst.bytes() >= 4 {
+                driver.memset_d32_async(dst.ptr(), marker(i), 1, stream)?;
+            }
+        }
+        die_here(die_at, DieAt::AfterWrite);
+        job.finish()?;
+        served += 1;
+    }
+    Ok(served)
+}

@@ -1,0 +1,72 @@
+//! The facade's error: one variant per thing a caller can act on.
+
+use poolipc_contract::{ContractError, FailReason, WorkerId};
+use poolipc_driver::DriverError;
+use poolipc_pool::{CacheError, PoolError};
+use poolipc_transport::{HandshakeError, SetupError, TransportError};
+
+/// Why a poolipc operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A CUDA driver call failed.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// The shared pool could not be installed, attached or used.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// An import could not be made or freed.
+    #[error(transparent)]
+    Import(#[from] CacheError),
+    /// The connection failed: malformed frame, wrong FDs, deadline, peer gone.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// Setting up the connection failed (spawn, socket, environment).
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    /// The handshake failed; the message says which side refused what.
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
+    /// The ownership contract refused an operation (a bug in the caller or the peer).
+    #[error("the ownership contract refused it: {0}")]
+    Contract(#[from] ContractError),
+    /// The job failed because its worker died, hung up or missed a deadline; what it held
+    /// was released once the process was reaped. The parent goes on serving other workers.
+    #[error("job failed on worker {worker}: {reason:?} ({detail})")]
+    JobFailed {
+        /// The worker.
+        worker: WorkerId,
+        /// Why, as the contract saw it.
+        reason: FailReason,
+        /// What the parent saw (exit status, transport error).
+        detail: String,
+    },
+    /// The worker reported an error for the job.
+    #[error("the worker reported: {0}")]
+    Worker(String),
+    /// The parent refused a result request (allocation failed, over the limit, shutdown).
+    #[error("result request refused by the parent: {0}")]
+    ResultRefused(String),
+    /// A tensor description that cannot be right (shape, strides, dtype and bytes disagree,
+    /// a pointer outside its allocation).
+    #[error("invalid tensor: {0}")]
+    InvalidTensor(String),
+    /// A tensor that no rung available to this worker can carry.
+    #[error("no rung can carry this tensor: {0}")]
+    NoRung(String),
+    /// A message out of place in the protocol.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// A worker id this parent does not know (or no longer serves).
+    #[error("unknown worker {0}")]
+    UnknownWorker(WorkerId),
+    /// An operating system call failed.
+    #[error("{call}: {source}")]
+    Os {
+        /// What was called.
+        call: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}

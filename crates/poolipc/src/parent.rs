@@ -1,0 +1,761 @@
+//! The parent: owns the shared pool, spawns workers, lends inputs, allocates results.
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::{Child, Command, ExitStatus};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use poolipc_contract::{
+    self as contract, AllocId, FailReason, HandoffId, Outcome, ParentAction, ParentEvent,
+    PointerLimit, Purpose, RequestId, Span, Timestamp, ToParent, ToWorker, WorkerId,
+};
+use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
+use poolipc_pool::{ImportLimit, SharedPool};
+use poolipc_transport::{
+    AllocationGrant, Capabilities, Connection, DeviceUuid, ErrorCode, EventBlob, ExportBlob,
+    HandleId, HandshakeConfig, Identity, JobId, Lend, LentTensor, Message, ResultGrant,
+};
+
+use crate::error::Error;
+use crate::tensor::{ResultShape, Rung, TensorDesc};
+
+/// How a [`Parent`] behaves.
+#[derive(Clone, Debug)]
+pub struct ParentOptions {
+    /// The device whose pool is shared.
+    pub device: u32,
+    /// Which allocations may go by pool pointer (the 128-chunk rule by default).
+    pub limit: ImportLimit,
+    /// How long a worker may hold a handoff before the parent kills it.
+    pub handoff_timeout: Duration,
+    /// How long a worker may take to start and shake hands.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ParentOptions {
+    fn default() -> Self {
+        ParentOptions {
+            device: 0,
+            limit: ImportLimit::default(),
+            handoff_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// An input tensor to lend: where its first element is, and its layout. Its memory must come
+/// from the shared pool (torch's allocations do, once the pool is installed) and stay alive
+/// until the job returns.
+#[derive(Clone, Debug)]
+pub struct Input {
+    /// The address of element 0.
+    pub ptr: DevicePtr,
+    /// The layout.
+    pub desc: TensorDesc,
+}
+
+/// A result the worker wrote, in memory the parent allocated: the caller's to keep and free.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResultTensor {
+    /// The allocation (from the caller's allocator, the shared pool by default).
+    pub ptr: DevicePtr,
+    /// Its size.
+    pub bytes: u64,
+    /// The shape the worker announced.
+    pub shape: ResultShape,
+    /// How it crossed.
+    pub rung: Rung,
+}
+
+/// What a job gave back.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobOutput {
+    /// The results, in the order the worker requested them.
+    pub results: Vec<ResultTensor>,
+    /// The rung each input took, in argument order.
+    pub input_rungs: Vec<Rung>,
+}
+
+/// What the parent knows of a worker.
+#[derive(Clone, Debug)]
+pub struct WorkerInfo {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its process id, if the parent spawned it.
+    pub pid: Option<u32>,
+    /// What it said in the handshake.
+    pub identity: Identity,
+}
+
+type Allocator<'a> = dyn FnMut(&ResultShape, u64) -> Result<DevicePtr, Error> + 'a;
+
+struct Slot {
+    child: Option<Child>,
+    conn: Connection,
+    info: WorkerInfo,
+    ready: EventHandle,
+    ready_blob: EventBlob,
+    done_events: HashMap<[u8; 64], EventHandle>,
+    next_request: u64,
+    dead: bool,
+}
+
+/// The state of one job while it runs.
+#[derive(Default)]
+struct JobState {
+    lend: Vec<LentTensor>,
+    grants: Vec<ResultGrant>,
+    record_ready: bool,
+    exports: HashMap<AllocId, ExportData>,
+    done: HashMap<HandoffId, EventHandle>,
+    requested: Vec<(RequestId, ResultShape)>,
+    results: BTreeMap<RequestId, ResultTensor>,
+    result_allocs: HashMap<AllocId, (DevicePtr, RequestId)>,
+    failed: Option<(FailReason, String)>,
+    worker_error: Option<String>,
+    open_handoffs: usize,
+    acked_all: bool,
+}
+
+/// The parent side: the shared pool, the workers, the jobs.
+pub struct Parent {
+    driver: Arc<dyn Driver>,
+    pool: SharedPool<dyn Driver>,
+    options: ParentOptions,
+    machine: contract::Parent,
+    workers: BTreeMap<WorkerId, Slot>,
+    next_worker: u32,
+    next_job: u64,
+    next_alloc: u64,
+    epoch: Instant,
+}
+
+impl std::fmt::Debug for Parent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parent")
+            .field("driver", &self.driver.kind())
+            .field("device", &self.options.device)
+            .field("workers", &self.workers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn blob64(b: &[u8; 64]) -> ExportBlob {
+    ExportBlob(*b)
+}
+
+impl Parent {
+    /// Installs the shared pool on `options.device` (see [`SharedPool::install`]).
+    pub fn new(driver: Arc<dyn Driver>, options: ParentOptions) -> Result<Parent, Error> {
+        driver.use_device(options.device)?;
+        let pool = SharedPool::install(Arc::clone(&driver), options.device)?;
+        let limit = PointerLimit::new(options.limit.chunk_bytes(), options.limit.max_chunks())
+            .ok_or_else(|| Error::Protocol("an import limit with zero-byte chunks".into()))?;
+        let machine = contract::Parent::new(contract::ParentConfig {
+            limit,
+            handoff_timeout: options.handoff_timeout,
+        });
+        Ok(Parent {
+            driver,
+            pool,
+            options,
+            machine,
+            workers: BTreeMap::new(),
+            next_worker: 1,
+            next_job: 1,
+            next_alloc: 1,
+            epoch: Instant::now(),
+        })
+    }
+
+    /// The shared pool.
+    pub fn pool(&self) -> &SharedPool<dyn Driver> {
+        &self.pool
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// This side's handshake identity.
+    pub fn identity(&self) -> Result<Identity, Error> {
+        let info = self.driver.device_info(self.options.device)?;
+        Ok(Identity {
+            device: DeviceUuid(info.uuid.0),
+            driver_version: self.driver.driver_version()?,
+            capabilities: Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS,
+            devices: Vec::new(),
+        })
+    }
+
+    /// Spawns `cmd` as a worker on an inherited socketpair and shakes hands with it.
+    pub fn spawn_worker(&mut self, cmd: Command) -> Result<WorkerId, Error> {
+        let (child, conn) = poolipc_transport::spawn_worker(cmd)?;
+        self.adopt(Some(child), conn)
+    }
+
+    /// Takes a worker connected by other means (a listening socket), and shakes hands.
+    pub fn accept_worker(&mut self, conn: Connection) -> Result<WorkerId, Error> {
+        self.adopt(None, conn)
+    }
+
+    fn adopt(&mut self, mut child: Option<Child>, mut conn: Connection) -> Result<WorkerId, Error> {
+        let config = HandshakeConfig {
+            identity: self.identity()?,
+            required: Capabilities::NONE,
+        };
+        let deadline = Instant::now() + self.options.handshake_timeout;
+        let peer =
+            match poolipc_transport::parent_handshake(&mut conn, &config, self.pool.fd(), deadline)
+            {
+                Ok(p) => p,
+                Err(e) => {
+                    if let Some(c) = child.as_mut() {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                    }
+                    return Err(e.into());
+                }
+            };
+        let id = WorkerId(self.next_worker);
+        self.next_worker += 1;
+        self.machine.add_worker(id)?;
+        let ready = self.driver.event_create(true)?;
+        let ready_blob = EventBlob(self.driver.ipc_get_event_handle(ready)?.0);
+        let pid = child.as_ref().map(Child::id);
+        tracing::info!(worker = %id, ?pid, "worker connected");
+        self.workers.insert(
+            id,
+            Slot {
+                child,
+                conn,
+                info: WorkerInfo {
+                    id,
+                    pid,
+                    identity: peer.identity,
+                },
+                ready,
+                ready_blob,
+                done_events: HashMap::new(),
+                next_request: 1,
+                dead: false,
+            },
+        );
+        Ok(id)
+    }
+
+    /// What the parent knows of a worker.
+    pub fn worker(&self, id: WorkerId) -> Option<&WorkerInfo> {
+        self.workers.get(&id).map(|s| &s.info)
+    }
+
+    /// Lends `inputs` to `worker` and serves its result requests, allocating results from the
+    /// shared pool. See [`run_job_with`](Parent::run_job_with).
+    pub fn run_job(
+        &mut self,
+        worker: WorkerId,
+        inputs: &[Input],
+        stream: StreamHandle,
+    ) -> Result<JobOutput, Error> {
+        let pool_alloc = {
+            let driver = Arc::clone(&self.driver);
+            let pool = self.pool.handle();
+            move |_: &ResultShape, bytes: u64| -> Result<DevicePtr, Error> {
+                Ok(driver.mem_alloc_from_pool_async(bytes, pool, stream)?)
+            }
+        };
+        let mut alloc = pool_alloc;
+        self.run_job_with(worker, inputs, stream, &mut alloc)
+    }
+
+    /// Lends `inputs` to `worker`, READY recorded on `stream`; answers the worker's result
+    /// requests by calling `alloc(shape, bytes)` (which must return memory of the shared
+    /// pool); returns when the worker acknowledged everything, `stream` having waited on its
+    /// DONE event. If the worker dies, the job fails with [`Error::JobFailed`] once the worker
+    /// is reaped and its results freed; other workers are unaffected.
+    pub fn run_job_with(
+        &mut self,
+        worker: WorkerId,
+        inputs: &[Input],
+        stream: StreamHandle,
+        alloc: &mut Allocator<'_>,
+    ) -> Result<JobOutput, Error> {
+        if self.workers.get(&worker).is_none_or(|s| s.dead) {
+            return Err(Error::UnknownWorker(worker));
+        }
+        let job = JobId(self.next_job);
+        self.next_job += 1;
+        let span = tracing::info_span!("job", worker = %worker, job = job.0);
+        let _enter = span.enter();
+        let cjob = contract::JobId(job.0);
+        let mut st = JobState::default();
+        let mut input_rungs = Vec::with_capacity(inputs.len());
+        let mut allocs_by_base: HashMap<u64, AllocId> = HashMap::new();
+        for input in inputs {
+            let extent = input.desc.extent_bytes()?;
+            let (base, size) = self.driver.pointer_get_range(input.ptr)?;
+            let offset = input.ptr.0 - base.0;
+            if offset + extent > size {
+                return Err(Error::InvalidTensor(format!(
+                    "the tensor at {:?} runs {} bytes past its allocation",
+                    input.ptr,
+                    offset + extent - size
+                )));
+            }
+            let alloc_id = *allocs_by_base.entry(base.0).or_insert_with(|| {
+                let a = AllocId(self.next_alloc);
+                self.next_alloc += 1;
+                a
+            });
+            let span = Span {
+                ptr: base.0,
+                bytes: size,
+            };
+            let now = self.now();
+            match self.machine.lend(worker, cjob, alloc_id, span, now) {
+                Ok(_handoff) => {}
+                Err(contract::ContractError::AboveImportLimit { .. }) => {
+                    self.abandon(worker, &mut st);
+                    return Err(Error::NoRung(format!(
+                        "{size} bytes at {base:?} are over the pointer-import limit ({} chunks \
+                         of {} MiB); host staging is not built yet",
+                        self.options.limit.max_chunks(),
+                        self.options.limit.chunk_bytes() >> 20
+                    )));
+                }
+                Err(e) => {
+                    self.abandon(worker, &mut st);
+                    return Err(e.into());
+                }
+            }
+            // The offer the machine queued describes this input; its layout comes from here.
+            self.drive(job, stream, &mut st, alloc, Some((input, offset, extent)))?;
+            input_rungs.push(Rung::PoolPointer);
+        }
+        self.flush(worker, job, stream, &mut st)?;
+        self.serve(worker, job, stream, &mut st, alloc)?;
+        if let Some((reason, detail)) = st.failed.take() {
+            return Err(Error::JobFailed {
+                worker,
+                reason,
+                detail,
+            });
+        }
+        if let Some(e) = st.worker_error.take() {
+            return Err(Error::Worker(e));
+        }
+        Ok(JobOutput {
+            results: st.results.into_values().collect(),
+            input_rungs,
+        })
+    }
+
+    /// After a failed lend: the loans already queued are cancelled with the job.
+    fn abandon(&mut self, worker: WorkerId, st: &mut JobState) {
+        st.lend.clear();
+        let _ = self
+            .machine
+            .cancel(worker, contract::JobId(self.next_job - 1));
+        while self.machine.poll_action().is_some() {}
+    }
+
+    /// Carries out what the machine asks, in order.
+    fn drive(
+        &mut self,
+        job: JobId,
+        stream: StreamHandle,
+        st: &mut JobState,
+        alloc: &mut Allocator<'_>,
+        mut input: Option<(&Input, u64, u64)>,
+    ) -> Result<(), Error> {
+        while let Some(action) = self.machine.poll_action() {
+            tracing::trace!(?action, "contract action");
+            match action {
+                ParentAction::Export { alloc: a, span } => {
+                    let data = self.pool.export(DevicePtr(span.ptr))?;
+                    st.exports.insert(a, data);
+                }
+                ParentAction::RecordReady { .. } => st.record_ready = true,
+                ParentAction::Send {
+                    worker: to,
+                    message,
+                } => match message {
+                    ToWorker::Offer(offer) => {
+                        let export = st
+                            .exports
+                            .get(&offer.alloc)
+                            .copied()
+                            .ok_or_else(|| Error::Protocol("offer before export".into()))?;
+                        st.open_handoffs += 1;
+                        match offer.purpose {
+                            Purpose::Input => {
+                                let (inp, offset, extent) = input.take().ok_or_else(|| {
+                                    Error::Protocol("an input offer with no input".into())
+                                })?;
+                                let ready_event = self.slot(to)?.ready_blob;
+                                st.lend.push(LentTensor {
+                                    handle: HandleId(offer.handoff.0),
+                                    rung: poolipc_transport::Rung::PoolPointer,
+                                    export: blob64(&export.0),
+                                    ready_event,
+                                    meta: inp.desc.meta(offset, extent),
+                                });
+                            }
+                            Purpose::Result { .. } => {
+                                let ready_event = self.slot(to)?.ready_blob;
+                                st.grants.push(ResultGrant::Granted {
+                                    handle: HandleId(offer.handoff.0),
+                                    rung: poolipc_transport::Rung::PoolPointer,
+                                    export: blob64(&export.0),
+                                    ready_event,
+                                });
+                            }
+                            other => {
+                                return Err(Error::Protocol(format!("an offer for {other:?}")));
+                            }
+                        }
+                    }
+                    ToWorker::ResultRefused { reason, .. } => {
+                        st.grants.push(ResultGrant::Refused {
+                            code: match reason {
+                                contract::Refusal::AboveImportLimit => ErrorCode::OVER_IMPORT_LIMIT,
+                                contract::Refusal::Cancelled => ErrorCode::CANCELLED,
+                                _ => ErrorCode::OUT_OF_MEMORY,
+                            },
+                            message: format!("{reason:?}"),
+                        });
+                    }
+                    ToWorker::Cancel { job: j } => {
+                        let d = Instant::now() + Duration::from_secs(5);
+                        let _ = self.slot_mut(to)?.conn.send(
+                            &Message::Cancel { job: JobId(j.0) },
+                            &[],
+                            d,
+                        );
+                    }
+                    ToWorker::Shutdown => {}
+                    _ => {}
+                },
+                ParentAction::AllocateResult {
+                    worker, request, ..
+                } => {
+                    let shape = st
+                        .requested
+                        .iter()
+                        .find(|(r, _)| *r == request)
+                        .map(|(_, s)| s.clone())
+                        .ok_or_else(|| {
+                            Error::Protocol("allocation for an unknown request".into())
+                        })?;
+                    let now = self.now();
+                    let bytes = shape.bytes()?;
+                    match alloc(&shape, bytes) {
+                        Ok(ptr) => {
+                            let a = AllocId(self.next_alloc);
+                            self.next_alloc += 1;
+                            st.result_allocs.insert(a, (ptr, request));
+                            st.results.insert(
+                                request,
+                                ResultTensor {
+                                    ptr,
+                                    bytes,
+                                    shape,
+                                    rung: Rung::PoolPointer,
+                                },
+                            );
+                            self.machine.handle(
+                                ParentEvent::ResultAllocated {
+                                    worker,
+                                    request,
+                                    alloc: a,
+                                    span: Span { ptr: ptr.0, bytes },
+                                },
+                                now,
+                            )?;
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "result allocation failed");
+                            self.machine
+                                .handle(ParentEvent::ResultDeclined { worker, request }, now)?;
+                        }
+                    }
+                }
+                ParentAction::FreeResult {
+                    alloc: a, request, ..
+                } => {
+                    if let Some((ptr, _)) = st.result_allocs.remove(&a) {
+                        self.pool.free(ptr, stream)?;
+                    }
+                    st.results.remove(&request);
+                }
+                ParentAction::WaitDone { handoff } => {
+                    if let Some(ev) = st.done.get(&handoff) {
+                        self.driver.stream_wait_event(stream, *ev)?;
+                    }
+                }
+                ParentAction::Release {
+                    alloc: a,
+                    purpose,
+                    outcome,
+                    ..
+                } => {
+                    st.open_handoffs = st.open_handoffs.saturating_sub(1);
+                    if let Purpose::Result { request } = purpose {
+                        if outcome != Outcome::Completed {
+                            if let Some((ptr, _)) = st.result_allocs.remove(&a) {
+                                // The worker is reaped or acknowledged: nothing imports it.
+                                self.pool.free(ptr, stream)?;
+                            }
+                            st.results.remove(&request);
+                        } else {
+                            st.result_allocs.remove(&a);
+                        }
+                    }
+                }
+                ParentAction::KillWorker { worker } => {
+                    if let Some(c) = self.slot_mut(worker)?.child.as_mut() {
+                        let _ = c.kill();
+                    }
+                }
+                ParentAction::JobFailed { reason, .. } if st.failed.is_none() => {
+                    st.failed = Some((reason, String::new()));
+                }
+                ParentAction::ShutdownComplete => {}
+                _ => {}
+            }
+        }
+        let _ = job;
+        Ok(())
+    }
+
+    fn slot(&self, w: WorkerId) -> Result<&Slot, Error> {
+        self.workers.get(&w).ok_or(Error::UnknownWorker(w))
+    }
+
+    fn slot_mut(&mut self, w: WorkerId) -> Result<&mut Slot, Error> {
+        self.workers.get_mut(&w).ok_or(Error::UnknownWorker(w))
+    }
+
+    /// Records READY if an offer needs it, then sends the batched offers.
+    fn flush(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        stream: StreamHandle,
+        st: &mut JobState,
+    ) -> Result<(), Error> {
+        let deadline = Instant::now() + self.options.handoff_timeout;
+        let driver = Arc::clone(&self.driver);
+        let slot = self.slot_mut(worker)?;
+        if st.record_ready {
+            driver.event_record(slot.ready, stream)?;
+            st.record_ready = false;
+        }
+        if !st.lend.is_empty() {
+            let tensors = std::mem::take(&mut st.lend);
+            slot.conn
+                .send(&Message::Lend(Lend { job, tensors }), &[], deadline)?;
+        } else if st.open_handoffs == 0 && st.grants.is_empty() {
+            // A job without inputs still needs to reach the worker.
+            slot.conn.send(
+                &Message::Lend(Lend {
+                    job,
+                    tensors: Vec::new(),
+                }),
+                &[],
+                deadline,
+            )?;
+        }
+        if !st.grants.is_empty() {
+            let results = std::mem::take(&mut st.grants);
+            slot.conn.send(
+                &Message::AllocationGrant(AllocationGrant { job, results }),
+                &[],
+                deadline,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Receives until the worker acknowledged the whole job, or died.
+    fn serve(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        stream: StreamHandle,
+        st: &mut JobState,
+        alloc: &mut Allocator<'_>,
+    ) -> Result<(), Error> {
+        loop {
+            if st.failed.is_some() && st.open_handoffs == 0 {
+                return Ok(());
+            }
+            if st.acked_all && st.open_handoffs == 0 {
+                return Ok(());
+            }
+            let deadline = Instant::now() + self.options.handoff_timeout;
+            let received = self.slot_mut(worker)?.conn.recv(deadline);
+            let now = self.now();
+            let msg = match received {
+                Ok((msg, _fds)) => msg,
+                Err(e) => {
+                    tracing::warn!(error = %e, "worker connection lost");
+                    let timeout = matches!(e, poolipc_transport::TransportError::Timeout { .. });
+                    if timeout {
+                        self.machine
+                            .handle_timeout(now.saturating_add(self.options.handoff_timeout));
+                    } else {
+                        self.machine
+                            .handle(ParentEvent::WorkerHungUp { worker }, now)?;
+                    }
+                    self.drive(job, stream, st, alloc, None)?;
+                    let status = self.reap(worker)?;
+                    self.machine
+                        .handle(ParentEvent::WorkerReaped { worker }, self.now())?;
+                    self.drive(job, stream, st, alloc, None)?;
+                    let reason = st.failed.as_ref().map_or(FailReason::HungUp, |f| f.0);
+                    st.failed = Some((reason, format!("{e}; worker {status}")));
+                    self.driver.stream_synchronize(stream)?;
+                    return Ok(());
+                }
+            };
+            match msg {
+                Message::ResultRequest(req) if req.job == job => {
+                    for spec in req.results {
+                        let shape = ResultShape {
+                            dtype: spec.dtype,
+                            shape: spec.shape,
+                        };
+                        let bytes = shape.bytes()?;
+                        if bytes != spec.byte_len {
+                            return Err(Error::Protocol(format!(
+                                "result request of {} bytes for shape {:?} of {} bytes",
+                                spec.byte_len, shape.shape, bytes
+                            )));
+                        }
+                        let slot = self.slot_mut(worker)?;
+                        let request = RequestId(slot.next_request);
+                        slot.next_request += 1;
+                        st.requested.push((request, shape));
+                        let cspec = contract::ResultSpec {
+                            shape: vec![bytes],
+                            dtype: contract::DType::U8,
+                            bytes,
+                        };
+                        self.machine.handle(
+                            ParentEvent::Message {
+                                worker,
+                                message: ToParent::ResultRequest {
+                                    job: contract::JobId(job.0),
+                                    request,
+                                    spec: cspec,
+                                },
+                            },
+                            now,
+                        )?;
+                        self.drive(job, stream, st, alloc, None)?;
+                    }
+                    self.flush(worker, job, stream, st)?;
+                }
+                Message::Done(done) if done.job == job => {
+                    let key = done.done_event.0;
+                    let ev = match self.slot(worker)?.done_events.get(&key) {
+                        Some(ev) => *ev,
+                        None => {
+                            let ev = self.driver.ipc_open_event_handle(&IpcEventHandle(key))?;
+                            self.slot_mut(worker)?.done_events.insert(key, ev);
+                            ev
+                        }
+                    };
+                    for h in done.handles {
+                        st.done.insert(HandoffId(h.0), ev);
+                    }
+                }
+                Message::Ack(ack) if ack.job == job => {
+                    for h in ack.handles {
+                        let handoff = HandoffId(h.0);
+                        if !st.done.contains_key(&handoff) {
+                            return Err(Error::Protocol(format!(
+                                "ACK of {handoff:?} before its DONE"
+                            )));
+                        }
+                        self.machine.handle(
+                            ParentEvent::Message {
+                                worker,
+                                message: ToParent::Ack { handoff },
+                            },
+                            now,
+                        )?;
+                        self.drive(job, stream, st, alloc, None)?;
+                    }
+                    st.acked_all = true;
+                }
+                Message::Error { message, .. } => st.worker_error = Some(message),
+                Message::Heartbeat { .. } => {}
+                other => {
+                    return Err(Error::Protocol(format!(
+                        "unexpected {:?} during a job",
+                        other.kind()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Waits for a worker's process (killing it if it still runs) and marks it dead.
+    fn reap(&mut self, worker: WorkerId) -> Result<String, Error> {
+        let slot = self.slot_mut(worker)?;
+        slot.dead = true;
+        let status: Option<ExitStatus> = match slot.child.as_mut() {
+            Some(c) => {
+                let _ = c.kill();
+                Some(c.wait().map_err(|source| Error::Os {
+                    call: "waitpid",
+                    source,
+                })?)
+            }
+            None => None,
+        };
+        let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
+        tracing::warn!(worker = %worker, status = %text, "worker reaped");
+        Ok(text)
+    }
+
+    /// Tells the worker to stop and waits for it.
+    pub fn stop_worker(&mut self, worker: WorkerId) -> Result<Option<ExitStatus>, Error> {
+        let mut slot = self
+            .workers
+            .remove(&worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        if !slot.dead {
+            let _ = slot
+                .conn
+                .send(&Message::Bye, &[], Instant::now() + Duration::from_secs(5));
+        }
+        let status = match slot.child.as_mut() {
+            Some(c) => Some(c.wait().map_err(|source| Error::Os {
+                call: "waitpid",
+                source,
+            })?),
+            None => None,
+        };
+        let _ = self.driver.event_destroy(slot.ready);
+        Ok(status)
+    }
+}
+
+impl Drop for Parent {
+    fn drop(&mut self) {
+        let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
+        for id in ids {
+            if let Err(e) = self.stop_worker(id) {
+                tracing::warn!(worker = %id, error = %e, "stopping a worker at drop failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,517 @@
+//! The worker: takes jobs, reads inputs and writes results in place, DONE and ACK for the user.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use poolipc_contract::{
+    self as contract, AllocId, HandoffId, Offer, Purpose, RequestId, Span, Timestamp, ToParent,
+    ToWorker, WorkerAction, WorkerEvent,
+};
+use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
+use poolipc_pool::{AttachedPool, ImportCache};
+use poolipc_transport::{
+    Ack, Capabilities, Connection, DeviceUuid, Done, ErrorCode, EventBlob, HandleId,
+    HandshakeConfig, Identity, JobId, Lend, Message, ResultGrant, ResultRequest, ResultSpec,
+    TransportError,
+};
+
+use crate::error::Error;
+use crate::tensor::{ResultShape, Rung, TensorDesc};
+
+/// An input of a job: readable on the job's stream, valid until the job finishes.
+#[derive(Debug)]
+pub struct InputView {
+    ptr: DevicePtr,
+    desc: TensorDesc,
+    byte_len: u64,
+    rung: Rung,
+}
+
+impl InputView {
+    /// The address of element 0 in this process.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+    /// The layout.
+    pub fn desc(&self) -> &TensorDesc {
+        &self.desc
+    }
+    /// Bytes from element 0 to the end of the last element.
+    pub fn byte_len(&self) -> u64 {
+        self.byte_len
+    }
+    /// How it crossed.
+    pub fn rung(&self) -> Rung {
+        self.rung
+    }
+}
+
+/// A result buffer of a job, allocated by the parent: write it on the job's stream.
+#[derive(Debug)]
+pub struct ResultView {
+    ptr: DevicePtr,
+    shape: ResultShape,
+    bytes: u64,
+    rung: Rung,
+}
+
+impl ResultView {
+    /// The address in this process.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+    /// The shape asked for.
+    pub fn shape(&self) -> &ResultShape {
+        &self.shape
+    }
+    /// Its size.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+    /// How it crosses.
+    pub fn rung(&self) -> Rung {
+        self.rung
+    }
+}
+
+/// The worker side of poolipc.
+pub struct Worker {
+    driver: Arc<dyn Driver>,
+    pool: AttachedPool,
+    conn: Connection,
+    stream: StreamHandle,
+    machine: contract::Worker,
+    cache: ImportCache,
+    imports: HashMap<AllocId, (DevicePtr, ExportData)>,
+    done: EventHandle,
+    done_blob: EventBlob,
+    ready_events: HashMap<[u8; 64], EventHandle>,
+    next_request: u64,
+    timeout: Duration,
+    epoch: Instant,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("driver", &self.driver.kind())
+            .field("imports", &self.cache.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn alloc_of(data: &ExportData) -> AllocId {
+    // One import per exported allocation: the parent sends the same export bytes for the
+    // same allocation, so the bytes name it.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    data.0.hash(&mut h);
+    AllocId(h.finish())
+}
+
+impl Worker {
+    /// In a worker the parent spawned: takes the inherited socket (`POOLIPC_FD`), shakes
+    /// hands, attaches the pool on `device`.
+    pub fn from_env(driver: Arc<dyn Driver>, device: u32) -> Result<Worker, Error> {
+        let conn = poolipc_transport::connection_from_env()?;
+        Worker::connect(driver, device, conn)
+    }
+
+    /// Shakes hands over `conn` and attaches the pool the parent sends.
+    pub fn connect(
+        driver: Arc<dyn Driver>,
+        device: u32,
+        mut conn: Connection,
+    ) -> Result<Worker, Error> {
+        driver.use_device(device)?;
+        let info = driver.device_info(device)?;
+        let identity = Identity {
+            device: DeviceUuid(info.uuid.0),
+            driver_version: driver.driver_version()?,
+            capabilities: Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS,
+            devices: Vec::new(),
+        };
+        let config = HandshakeConfig {
+            identity,
+            required: Capabilities::NONE,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
+        let pool = AttachedPool::attach(&*driver, pool_fd.as_fd(), device)?;
+        let stream = driver.stream_create()?;
+        let done = driver.event_create(true)?;
+        let done_blob = EventBlob(driver.ipc_get_event_handle(done)?.0);
+        Ok(Worker {
+            driver,
+            pool,
+            conn,
+            stream,
+            machine: contract::Worker::new(),
+            cache: ImportCache::new(),
+            imports: HashMap::new(),
+            done,
+            done_blob,
+            ready_events: HashMap::new(),
+            next_request: 1,
+            timeout: Duration::from_secs(3600),
+            epoch: Instant::now(),
+        })
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    /// The stream jobs run on.
+    pub fn stream(&self) -> StreamHandle {
+        self.stream
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// Waits for the next job. `None` when the parent said goodbye or went away: the worker
+    /// should exit.
+    pub fn next_job(&mut self) -> Result<Option<Job<'_>>, Error> {
+        loop {
+            let deadline = Instant::now() + self.timeout;
+            let msg = match self.conn.recv(deadline) {
+                Ok((m, _)) => m,
+                Err(TransportError::PeerClosed { .. }) => return Ok(None),
+                Err(e) if e.is_peer_gone() => return Ok(None),
+                Err(e) => return Err(e.into()),
+            };
+            match msg {
+                Message::Lend(lend) => return self.start(lend).map(Some),
+                Message::Bye => return Ok(None),
+                Message::Heartbeat { .. } | Message::Cancel { .. } => {}
+                other => {
+                    return Err(Error::Protocol(format!(
+                        "unexpected {:?} between jobs",
+                        other.kind()
+                    )));
+                }
+            }
+        }
+    }
+
+    fn start(&mut self, lend: Lend) -> Result<Job<'_>, Error> {
+        let id = lend.job;
+        let mut job = Job {
+            worker: self,
+            id,
+            inputs: Vec::new(),
+            results: Vec::new(),
+            held: Vec::new(),
+            finished: false,
+        };
+        for t in lend.tensors {
+            let data = ExportData(t.export.0);
+            let offer = Offer {
+                handoff: HandoffId(t.handle.0),
+                job: contract::JobId(id.0),
+                alloc: alloc_of(&data),
+                span: Span {
+                    ptr: 0,
+                    bytes: t.meta.byte_offset + t.meta.byte_len,
+                },
+                purpose: Purpose::Input,
+            };
+            let base = job.worker.take_offer(offer, data, t.ready_event)?;
+            job.held.push(HandoffId(t.handle.0));
+            job.inputs.push(InputView {
+                ptr: base.offset(t.meta.byte_offset),
+                desc: TensorDesc::from_meta(&t.meta),
+                byte_len: t.meta.byte_len,
+                rung: Rung::PoolPointer,
+            });
+        }
+        Ok(job)
+    }
+
+    /// Feeds one offer to the contract and carries out its actions; returns the import's
+    /// address.
+    fn take_offer(
+        &mut self,
+        offer: Offer,
+        data: ExportData,
+        ready: EventBlob,
+    ) -> Result<DevicePtr, Error> {
+        let now = self.now();
+        let alloc = offer.alloc;
+        self.machine
+            .handle(WorkerEvent::Message(ToWorker::Offer(offer)), now)?;
+        while let Some(action) = self.machine.poll_action() {
+            match action {
+                WorkerAction::Import { alloc, .. } => {
+                    let ptr = self.cache.acquire(&*self.driver, self.pool.pool, &data)?;
+                    self.imports.insert(alloc, (ptr, data));
+                }
+                WorkerAction::WaitReady { .. } => {
+                    let ev = match self.ready_events.get(&ready.0) {
+                        Some(ev) => *ev,
+                        None => {
+                            let ev = self
+                                .driver
+                                .ipc_open_event_handle(&IpcEventHandle(ready.0))?;
+                            self.ready_events.insert(ready.0, ev);
+                            ev
+                        }
+                    };
+                    self.driver.stream_wait_event(self.stream, ev)?;
+                }
+                WorkerAction::Usable { .. } => {}
+                other => {
+                    return Err(Error::Protocol(format!(
+                        "unexpected contract action {other:?}"
+                    )));
+                }
+            }
+        }
+        self.imports
+            .get(&alloc)
+            .map(|(p, _)| *p)
+            .ok_or_else(|| Error::Protocol("an offer whose import is missing".into()))
+    }
+}
+
+/// One job: its inputs, the results asked for, and the obligation to finish it.
+///
+/// Views are valid until [`finish`](Job::finish) (or drop, which finishes too): the parent
+/// may reuse the memory after that.
+pub struct Job<'w> {
+    worker: &'w mut Worker,
+    id: JobId,
+    inputs: Vec<InputView>,
+    results: Vec<ResultView>,
+    held: Vec<HandoffId>,
+    finished: bool,
+}
+
+impl std::fmt::Debug for Job<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("id", &self.id)
+            .field("inputs", &self.inputs.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Job<'_> {
+    /// The job's id.
+    pub fn id(&self) -> JobId {
+        self.id
+    }
+    /// The inputs, in argument order. Their memory is ready on [`stream`](Job::stream).
+    pub fn inputs(&self) -> &[InputView] {
+        &self.inputs
+    }
+    /// The results requested so far.
+    pub fn results(&self) -> &[ResultView] {
+        &self.results
+    }
+    /// The stream to work on: it waited on READY; DONE is recorded on it.
+    pub fn stream(&self) -> StreamHandle {
+        self.worker.stream
+    }
+    /// The driver.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.worker.driver
+    }
+
+    /// Asks the parent for result memory, shape first; returns the new result views.
+    pub fn request_results(&mut self, shapes: &[ResultShape]) -> Result<&[ResultView], Error> {
+        let w = &mut *self.worker;
+        let mut specs = Vec::with_capacity(shapes.len());
+        let mut requests = Vec::with_capacity(shapes.len());
+        for shape in shapes {
+            let bytes = shape.bytes()?;
+            let request = RequestId(w.next_request);
+            w.next_request += 1;
+            w.machine.request_result(
+                contract::JobId(self.id.0),
+                request,
+                contract::ResultSpec {
+                    shape: vec![bytes],
+                    dtype: contract::DType::U8,
+                    bytes,
+                },
+            )?;
+            while let Some(a) = w.machine.poll_action() {
+                if !matches!(a, WorkerAction::Send(ToParent::ResultRequest { .. })) {
+                    return Err(Error::Protocol(format!("unexpected contract action {a:?}")));
+                }
+            }
+            specs.push(ResultSpec {
+                dtype: shape.dtype,
+                shape: shape.shape.clone(),
+                byte_len: bytes,
+            });
+            requests.push((request, shape.clone(), bytes));
+        }
+        let deadline = Instant::now() + w.timeout;
+        w.conn.send(
+            &Message::ResultRequest(ResultRequest {
+                job: self.id,
+                results: specs,
+            }),
+            &[],
+            deadline,
+        )?;
+        let grant = loop {
+            match w.conn.recv(deadline)?.0 {
+                Message::AllocationGrant(g) if g.job == self.id => break g,
+                Message::Heartbeat { .. } => {}
+                other => {
+                    return Err(Error::Protocol(format!(
+                        "expected an AllocationGrant, got {:?}",
+                        other.kind()
+                    )));
+                }
+            }
+        };
+        if grant.results.len() != requests.len() {
+            return Err(Error::Protocol(format!(
+                "{} grants for {} requests",
+                grant.results.len(),
+                requests.len()
+            )));
+        }
+        let first = self.results.len();
+        let mut refused = None;
+        for (g, (request, shape, bytes)) in grant.results.into_iter().zip(requests) {
+            match g {
+                ResultGrant::Granted {
+                    handle,
+                    export,
+                    ready_event,
+                    ..
+                } => {
+                    let data = ExportData(export.0);
+                    let offer = Offer {
+                        handoff: HandoffId(handle.0),
+                        job: contract::JobId(self.id.0),
+                        alloc: alloc_of(&data),
+                        span: Span { ptr: 0, bytes },
+                        purpose: Purpose::Result { request },
+                    };
+                    let ptr = w.take_offer(offer, data, ready_event)?;
+                    self.held.push(HandoffId(handle.0));
+                    self.results.push(ResultView {
+                        ptr,
+                        shape,
+                        bytes,
+                        rung: Rung::PoolPointer,
+                    });
+                }
+                ResultGrant::Refused { message, .. } => {
+                    let now = w.now();
+                    w.machine.handle(
+                        WorkerEvent::Message(ToWorker::ResultRefused {
+                            job: contract::JobId(self.id.0),
+                            request,
+                            reason: contract::Refusal::Declined,
+                        }),
+                        now,
+                    )?;
+                    while w.machine.poll_action().is_some() {}
+                    refused.get_or_insert(message);
+                }
+                _ => return Err(Error::Protocol("a grant of an unknown kind".into())),
+            }
+        }
+        if let Some(message) = refused {
+            return Err(Error::ResultRefused(message));
+        }
+        Ok(&self.results[first..])
+    }
+
+    /// Reports a failure of the job to the parent, then finishes it.
+    pub fn fail(mut self, message: &str) -> Result<(), Error> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        self.worker.conn.send(
+            &Message::Error {
+                code: ErrorCode::OTHER,
+                message: message.to_owned(),
+            },
+            &[],
+            deadline,
+        )?;
+        self.finish_inner()
+    }
+
+    /// The work on every view is queued on [`stream`](Job::stream): free the imports
+    /// (stream-ordered), record DONE after them, tell the parent (Done, then Ack).
+    ///
+    /// DONE is recorded after the imports' frees, so the parent's wait on DONE covers them
+    /// too: the importer's free is ordered before the exporter may reuse the memory. The
+    /// worker does not synchronize: a synchronize would unmap the freed imports, making the
+    /// next import of recycled memory cost 1 ms/GiB (measured on the H200).
+    pub fn finish(mut self) -> Result<(), Error> {
+        self.finish_inner()
+    }
+
+    fn finish_inner(&mut self) -> Result<(), Error> {
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        let w = &mut *self.worker;
+        let mut unimport = Vec::new();
+        let mut acked = Vec::new();
+        for &h in &self.held {
+            w.machine.finish(h)?;
+            while let Some(a) = w.machine.poll_action() {
+                match a {
+                    WorkerAction::RecordDone { .. } => {}
+                    WorkerAction::Unimport { alloc } => unimport.push(alloc),
+                    WorkerAction::Send(ToParent::Ack { handoff }) => {
+                        acked.push(HandleId(handoff.0))
+                    }
+                    other => {
+                        return Err(Error::Protocol(format!(
+                            "unexpected contract action {other:?}"
+                        )));
+                    }
+                }
+            }
+        }
+        for alloc in unimport {
+            if let Some((_, data)) = w.imports.remove(&alloc) {
+                w.cache.release(&*w.driver, &data, w.stream)?;
+            }
+        }
+        w.driver.event_record(w.done, w.stream)?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        w.conn.send(
+            &Message::Done(Done {
+                job: self.id,
+                done_event: w.done_blob,
+                handles: acked.clone(),
+            }),
+            &[],
+            deadline,
+        )?;
+        w.conn.send(
+            &Message::Ack(Ack {
+                job: self.id,
+                handles: acked,
+            }),
+            &[],
+            deadline,
+        )?;
+        Ok(())
+    }
+}
+
+impl Drop for Job<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish_inner() {
+            tracing::warn!(job = self.id.0, error = %e, "finishing a dropped job failed");
+        }
+    }
+}
