@@ -190,6 +190,9 @@ both_drivers!(
             .expect_err("over the limit");
         ensure!(matches!(err, Error::NoRung(_)), "{err}");
         ensure!(err.to_string().contains("over the pointer-import limit"), "{err}");
+        let report = p.canary_report(worker).expect("the battery ran");
+        ensure!(report.ok(), "{report}");
+        ensure!(!report.skipped.is_empty(), "over-limit canaries should be skipped: {report}");
         let out = p.run_job(worker, &[Input { ptr: small, desc: TensorDesc::contiguous(DType::U8, &[MIB]) }], stream)?;
         d.stream_synchronize(stream)?;
         for r in out.results {

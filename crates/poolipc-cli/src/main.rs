@@ -1,11 +1,12 @@
-//! The `poolipc` command: `doctor` (what this machine can do), and the hidden child roles it
-//! spawns.
+//! The `poolipc` command: `demo` (a parent and a worker handing tensors both ways), `doctor`
+//! (what this machine can do), and the hidden child roles they spawn.
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod demo;
 mod doctor;
 mod probe;
 
@@ -19,12 +20,18 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// A parent and a worker process handing tensors both ways, verified and timed: on the
+    /// GPU when there is one, else on the simulated driver (saying which).
+    Demo(demo::Args),
     /// Print what this machine can do (driver, pool swap, export order, events, VMM, WSL2)
     /// and a verdict.
     Doctor(doctor::Args),
     /// (internal) The sacrificial child of `doctor --probe-limit`.
     #[command(name = "__import-child", hide = true)]
     ImportChild,
+    /// (internal) The worker process of `demo`.
+    #[command(name = "__demo-worker", hide = true)]
+    DemoWorker,
 }
 
 fn main() -> ExitCode {
@@ -39,6 +46,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Doctor(args) => doctor::run(&args),
         Command::ImportChild => probe::child_main(),
+        Command::Demo(args) => demo::run(&args),
+        Command::DemoWorker => demo::worker_main(),
     };
     match result {
         Ok(code) => code,

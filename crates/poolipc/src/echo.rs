@@ -5,7 +5,7 @@
 
 use crate::error::Error;
 use crate::tensor::ResultShape;
-use crate::worker::Worker;
+use crate::worker::{Job, Worker};
 
 /// The word the echo worker writes at the start of result `i`.
 #[must_use]
@@ -43,34 +43,40 @@ fn die_here(at: Option<DieAt>, here: DieAt) {
     }
 }
 
+/// Answers one job as the echo worker does: a result per input, a copy with a marker.
+pub fn answer(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
+    let shapes: Vec<ResultShape> = job
+        .inputs()
+        .iter()
+        .map(|i| ResultShape::new(i.desc().dtype, &i.desc().shape))
+        .collect();
+    die_here(die_at, DieAt::AfterImport);
+    let copies: Vec<_> = job
+        .inputs()
+        .iter()
+        .map(|i| (i.ptr(), i.byte_len()))
+        .collect();
+    if !shapes.is_empty() {
+        job.request_results(&shapes)?;
+    }
+    die_here(die_at, DieAt::AfterGrant);
+    let driver = job.driver().clone();
+    let stream = job.stream();
+    for (i, ((src, bytes), dst)) in copies.iter().zip(job.results()).enumerate() {
+        driver.memcpy_dtod_async(dst.ptr(), *src, (*bytes).min(dst.bytes()), stream)?;
+        if dst.bytes() >= 4 {
+            driver.memset_d32_async(dst.ptr(), marker(i), 1, stream)?;
+        }
+    }
+    die_here(die_at, DieAt::AfterWrite);
+    Ok(())
+}
+
 /// Serves jobs until the parent says goodbye; returns how many it served.
 pub fn serve(worker: &mut Worker, die_at: Option<DieAt>) -> Result<usize, Error> {
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
-        let shapes: Vec<ResultShape> = job
-            .inputs()
-            .iter()
-            .map(|i| ResultShape::new(i.desc().dtype, &i.desc().shape))
-            .collect();
-        die_here(die_at, DieAt::AfterImport);
-        let copies: Vec<_> = job
-            .inputs()
-            .iter()
-            .map(|i| (i.ptr(), i.byte_len()))
-            .collect();
-        if !shapes.is_empty() {
-            job.request_results(&shapes)?;
-        }
-        die_here(die_at, DieAt::AfterGrant);
-        let driver = job.driver().clone();
-        let stream = job.stream();
-        for (i, ((src, bytes), dst)) in copies.iter().zip(job.results()).enumerate() {
-            driver.memcpy_dtod_async(dst.ptr(), *src, (*bytes).min(dst.bytes()), stream)?;
-            if dst.bytes() >= 4 {
-                driver.memset_d32_async(dst.ptr(), marker(i), 1, stream)?;
-            }
-        }
-        die_here(die_at, DieAt::AfterWrite);
+        answer(&mut job, die_at)?;
         job.finish()?;
         served += 1;
     }

@@ -13,12 +13,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod canary;
 pub mod echo;
 mod error;
 mod parent;
 mod tensor;
 mod worker;
 
+pub use canary::CanaryReport;
 pub use error::Error;
 pub use parent::{Input, JobOutput, Parent, ParentOptions, ResultTensor, WorkerInfo};
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};

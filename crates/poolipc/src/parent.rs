@@ -16,6 +16,7 @@ use poolipc_transport::{
     HandleId, HandshakeConfig, Identity, JobId, Lend, LentTensor, Message, ResultGrant,
 };
 
+use crate::canary::CanaryReport;
 use crate::error::Error;
 use crate::tensor::{ResultShape, Rung, TensorDesc};
 
@@ -30,6 +31,8 @@ pub struct ParentOptions {
     pub handoff_timeout: Duration,
     /// How long a worker may take to start and shake hands.
     pub handshake_timeout: Duration,
+    /// Run the canary battery on each new worker before it takes jobs.
+    pub canary: bool,
 }
 
 impl Default for ParentOptions {
@@ -39,6 +42,7 @@ impl Default for ParentOptions {
             limit: ImportLimit::default(),
             handoff_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(60),
+            canary: true,
         }
     }
 }
@@ -98,11 +102,13 @@ struct Slot {
     done_events: HashMap<[u8; 64], EventHandle>,
     next_request: u64,
     dead: bool,
+    canary: Option<CanaryReport>,
 }
 
 /// The state of one job while it runs.
 #[derive(Default)]
 struct JobState {
+    job: Option<contract::JobId>,
     lend: Vec<LentTensor>,
     grants: Vec<ResultGrant>,
     record_ready: bool,
@@ -166,6 +172,11 @@ impl Parent {
             next_alloc: 1,
             epoch: Instant::now(),
         })
+    }
+
+    /// The options it was made with.
+    pub fn options(&self) -> &ParentOptions {
+        &self.options
     }
 
     /// The shared pool.
@@ -244,14 +255,24 @@ impl Parent {
                 done_events: HashMap::new(),
                 next_request: 1,
                 dead: false,
+                canary: None,
             },
         );
+        if self.options.canary {
+            let report = crate::canary::run(self, id)?;
+            self.slot_mut(id)?.canary = Some(report);
+        }
         Ok(id)
     }
 
     /// What the parent knows of a worker.
     pub fn worker(&self, id: WorkerId) -> Option<&WorkerInfo> {
         self.workers.get(&id).map(|s| &s.info)
+    }
+
+    /// The canary battery's report on a worker, if it ran.
+    pub fn canary_report(&self, id: WorkerId) -> Option<&CanaryReport> {
+        self.workers.get(&id).and_then(|s| s.canary.as_ref())
     }
 
     /// Lends `inputs` to `worker` and serves its result requests, allocating results from the
@@ -285,17 +306,59 @@ impl Parent {
         stream: StreamHandle,
         alloc: &mut Allocator<'_>,
     ) -> Result<JobOutput, Error> {
-        if self.workers.get(&worker).is_none_or(|s| s.dead) {
-            return Err(Error::UnknownWorker(worker));
-        }
         let job = JobId(self.next_job);
         self.next_job += 1;
+        self.run_job_inner(worker, job, inputs, stream, alloc)
+    }
+
+    /// [`run_job`](Parent::run_job) under a job id of the caller's (the canary battery's).
+    pub(crate) fn run_job_as(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        inputs: &[Input],
+        stream: StreamHandle,
+    ) -> Result<JobOutput, Error> {
+        let driver = Arc::clone(&self.driver);
+        let pool = self.pool.handle();
+        let mut alloc = move |_: &ResultShape, bytes: u64| -> Result<DevicePtr, Error> {
+            Ok(driver.mem_alloc_from_pool_async(bytes, pool, stream)?)
+        };
+        self.run_job_inner(worker, job, inputs, stream, &mut alloc)
+    }
+
+    fn run_job_inner(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        inputs: &[Input],
+        stream: StreamHandle,
+        alloc: &mut Allocator<'_>,
+    ) -> Result<JobOutput, Error> {
+        let slot = self
+            .workers
+            .get(&worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        if slot.dead {
+            return Err(Error::UnknownWorker(worker));
+        }
+        if let Some(report) = slot.canary.as_ref().filter(|r| !r.ok()) {
+            return Err(Error::NoRung(format!(
+                "{worker} was demoted from the pool-pointer rung by its canary battery ({report}); \
+                 host staging is not built yet"
+            )));
+        }
         let span = tracing::info_span!("job", worker = %worker, job = job.0);
         let _enter = span.enter();
         let cjob = contract::JobId(job.0);
-        let mut st = JobState::default();
+        let mut st = JobState {
+            job: Some(cjob),
+            ..JobState::default()
+        };
         let mut input_rungs = Vec::with_capacity(inputs.len());
         let mut allocs_by_base: HashMap<u64, AllocId> = HashMap::new();
+        // Every input is checked before any is lent, so that a refusal leaves nothing lent.
+        let mut placed = Vec::with_capacity(inputs.len());
         for input in inputs {
             let extent = input.desc.extent_bytes()?;
             let (base, size) = self.driver.pointer_get_range(input.ptr)?;
@@ -307,6 +370,15 @@ impl Parent {
                     offset + extent - size
                 )));
             }
+            if let Err(e) = self.options.limit.check(base.0, size) {
+                return Err(Error::NoRung(format!(
+                    "an input is over the pointer-import limit ({e}); host staging is not \
+                     built yet"
+                )));
+            }
+            placed.push((base, size, offset, extent));
+        }
+        for (input, (base, size, offset, extent)) in inputs.iter().zip(placed) {
             let alloc_id = *allocs_by_base.entry(base.0).or_insert_with(|| {
                 let a = AllocId(self.next_alloc);
                 self.next_alloc += 1;
@@ -358,9 +430,9 @@ impl Parent {
     /// After a failed lend: the loans already queued are cancelled with the job.
     fn abandon(&mut self, worker: WorkerId, st: &mut JobState) {
         st.lend.clear();
-        let _ = self
-            .machine
-            .cancel(worker, contract::JobId(self.next_job - 1));
+        if let Some(job) = st.job {
+            let _ = self.machine.cancel(worker, job);
+        }
         while self.machine.poll_action().is_some() {}
     }
 

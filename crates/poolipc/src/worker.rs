@@ -186,6 +186,15 @@ impl Worker {
                 Err(e) => return Err(e.into()),
             };
             match msg {
+                Message::Lend(lend) if crate::canary::is_canary(lend.job) => {
+                    // The parent's canary battery: answered here, before user jobs.
+                    let mut job = self.start(lend)?;
+                    let answered = crate::echo::answer(&mut job, None);
+                    match answered {
+                        Ok(()) => job.finish()?,
+                        Err(e) => job.fail(&e.to_string())?,
+                    }
+                }
                 Message::Lend(lend) => return self.start(lend).map(Some),
                 Message::Bye => return Ok(None),
                 Message::Heartbeat { .. } | Message::Cancel { .. } => {}

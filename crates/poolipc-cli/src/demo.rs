@@ -1,0 +1,243 @@
+//! `poolipc demo`: a parent and a worker process handing tensors both ways, verified, timed.
+
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use poolipc::{DType, Input, Parent, ParentOptions, TensorDesc, echo};
+use poolipc_driver::sim::{SimConfig, SimDriver};
+use poolipc_driver::{CudaDriver, DevicePtr, Driver};
+
+/// Options of `poolipc demo`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// Use the simulated driver even when a GPU is present.
+    #[arg(long)]
+    sim: bool,
+    /// The device to use.
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+}
+
+const MIB: u64 = 1 << 20;
+
+struct Case {
+    name: &'static str,
+    alloc: u64,
+    offset: u64,
+    desc: TensorDesc,
+    pattern: u32,
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        Case {
+            name: "f32 4 KiB",
+            alloc: 4096,
+            offset: 0,
+            desc: TensorDesc::contiguous(DType::F32, &[1024]),
+            pattern: 0x3F80_0000,
+        },
+        Case {
+            name: "bf16 odd size",
+            alloc: 24_690,
+            offset: 0,
+            desc: TensorDesc::contiguous(DType::BF16, &[12_345]),
+            pattern: 0x3F80_3F80,
+        },
+        Case {
+            name: "i64 view at +1 MiB+8",
+            alloc: 3 * MIB,
+            offset: MIB + 8,
+            desc: TensorDesc::contiguous(DType::I64, &[1000]),
+            pattern: 7,
+        },
+        Case {
+            name: "f32 64 MiB",
+            alloc: 64 * MIB,
+            offset: 0,
+            desc: TensorDesc::contiguous(DType::F32, &[4096, 4096]),
+            pattern: 0x4040_0000,
+        },
+        Case {
+            name: "u8 1 GiB",
+            alloc: 1024 * MIB,
+            offset: 0,
+            desc: TensorDesc::contiguous(DType::U8, &[1024 * MIB]),
+            pattern: 0x0102_0304,
+        },
+    ]
+}
+
+/// The driver the demo runs on, the environment its worker needs (the simulated machine),
+/// and a line saying which.
+type Opened = (Arc<dyn Driver>, Option<(&'static str, String)>, String);
+
+fn open(args: &Args) -> Result<Opened> {
+    if !args.sim {
+        match CudaDriver::new() {
+            Ok(d) => {
+                let name = d
+                    .device_info(args.device)
+                    .map(|i| i.name)
+                    .unwrap_or_default();
+                return Ok((
+                    Arc::new(d),
+                    None,
+                    format!("on the GPU: {name} (CudaDriver)"),
+                ));
+            }
+            Err(e) => {
+                let sim = SimDriver::new(SimConfig::default())?;
+                let env = sim.child_env();
+                return Ok((
+                    Arc::new(sim),
+                    Some(env),
+                    format!("on the SIMULATED driver: no usable GPU here ({e})"),
+                ));
+            }
+        }
+    }
+    let sim = SimDriver::new(SimConfig::default())?;
+    let env = sim.child_env();
+    Ok((
+        Arc::new(sim),
+        Some(env),
+        "on the SIMULATED driver (--sim)".into(),
+    ))
+}
+
+fn check(
+    d: &dyn Driver,
+    ptr: DevicePtr,
+    bytes: u64,
+    i: usize,
+    pattern: u32,
+    offset: u64,
+) -> Result<()> {
+    let sample = bytes.min(64 * 1024) as usize;
+    let pat = pattern.to_le_bytes();
+    for start in [0, bytes - sample as u64] {
+        let mut buf = vec![0u8; sample];
+        d.memcpy_dtoh(&mut buf, ptr.offset(start))?;
+        for (k, b) in buf.iter().enumerate() {
+            let at = start + k as u64;
+            let want = if at < 4 {
+                echo::marker(i).to_le_bytes()[at as usize]
+            } else {
+                pat[((at + offset) % 4) as usize]
+            };
+            if *b != want {
+                bail!("result byte {at} is {b:#04x}, expected {want:#04x}");
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    let (driver, child_env, which) = open(args)?;
+    println!("poolipc demo {which}");
+    let options = ParentOptions {
+        device: args.device,
+        ..ParentOptions::default()
+    };
+    let mut parent = Parent::new(Arc::clone(&driver), options).context("starting the parent")?;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.arg("__demo-worker")
+        .env("POOLIPC_DEMO_DEVICE", args.device.to_string());
+    if let Some((k, v)) = &child_env {
+        cmd.env(k, v);
+    }
+    let t = Instant::now();
+    let worker = parent.spawn_worker(cmd).context("starting the worker")?;
+    let pid = parent.worker(worker).and_then(|w| w.pid).unwrap_or(0);
+    println!(
+        "worker pid {pid} connected in {:.1} ms",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    if let Some(report) = parent.canary_report(worker) {
+        println!("canary battery: {report}");
+    }
+    let d = &*driver;
+    let stream = d.stream_create()?;
+    println!();
+    println!(
+        "  {:<22} {:>12} {:<14} {:>10} {:>10}  verified",
+        "tensor", "bytes", "rung", "first ms", "again ms"
+    );
+    let mut failures = 0;
+    for c in cases() {
+        let base = parent.pool().alloc(c.alloc, stream)?;
+        d.memset_d32_async(base, c.pattern, c.alloc.div_ceil(4), stream)?;
+        let inputs = [Input {
+            ptr: base.offset(c.offset),
+            desc: c.desc.clone(),
+        }];
+        let mut times = Vec::new();
+        let mut verdict = String::from("yes");
+        let mut rung = String::new();
+        for _ in 0..2 {
+            let t = Instant::now();
+            let out = parent.run_job(worker, &inputs, stream)?;
+            d.stream_synchronize(stream)?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+            rung = out
+                .input_rungs
+                .first()
+                .map(ToString::to_string)
+                .unwrap_or_default();
+            for (i, r) in out.results.iter().enumerate() {
+                if let Err(e) = check(d, r.ptr, r.bytes, i, c.pattern, c.offset) {
+                    verdict = format!("NO: {e}");
+                    failures += 1;
+                }
+                parent.pool().free(r.ptr, stream)?;
+            }
+        }
+        parent.pool().free(base, stream)?;
+        d.stream_synchronize(stream)?;
+        println!(
+            "  {:<22} {:>12} {:<14} {:>10.3} {:>10.3}  {verdict}",
+            c.name,
+            c.desc.extent_bytes()?,
+            rung,
+            times[0],
+            times[1]
+        );
+    }
+    println!();
+    println!(
+        "each row: the parent lends the tensor, the worker asks for a result of the same shape,"
+    );
+    println!(
+        "copies the input into it and marks it, DONE, UNIMPORT, ACK; the parent checks the result."
+    );
+    println!("pool after the demo: {}", parent.pool().stats()?);
+    let status = parent.stop_worker(worker)?;
+    println!(
+        "worker exited: {}",
+        status.map_or_else(|| "?".into(), |s| s.to_string())
+    );
+    if failures > 0 {
+        println!("demo FAILED: {failures} result(s) wrong");
+        return Ok(ExitCode::FAILURE);
+    }
+    println!("demo passed");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The demo's worker process.
+pub(crate) fn worker_main() -> Result<ExitCode> {
+    let device: u32 = std::env::var("POOLIPC_DEMO_DEVICE")
+        .unwrap_or_else(|_| "0".into())
+        .parse()?;
+    let driver: Arc<dyn Driver> = match SimDriver::from_env() {
+        Some(sim) => Arc::new(sim?),
+        None => Arc::new(CudaDriver::new()?),
+    };
+    let mut worker = poolipc::Worker::from_env(driver, device)?;
+    echo::serve(&mut worker, None)?;
+    Ok(ExitCode::SUCCESS)
+}
