@@ -167,6 +167,18 @@ pub enum DriverError {
         /// The most that import survives.
         limit: u64,
     },
+    /// A range of a [`SharedHostBuffer`](crate::host::SharedHostBuffer) past its end.
+    #[error("{call}: {bytes} bytes at offset {offset} run past the buffer's {len} bytes")]
+    OutOfBounds {
+        /// The access or copy refused.
+        call: &'static str,
+        /// Where the range starts.
+        offset: u64,
+        /// Its length.
+        bytes: u64,
+        /// The buffer's length.
+        len: u64,
+    },
     /// An operating system call the driver layer made failed.
     #[error("{call} failed: {source}")]
     Os {

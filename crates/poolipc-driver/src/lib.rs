@@ -6,6 +6,7 @@
 //! - `sim::SimDriver`: a simulation for machines without a GPU, chosen explicitly, never a
 //!   silent fallback.
 //! - `MockDriver` (feature `mock`): mockall's mock of the trait.
+//! - [`host::SharedHostBuffer`]: pinned host memory two processes share, for host staging.
 //!
 //! Raw FFI lives here and in the transport's FD handling, nowhere else in the workspace.
 #![warn(missing_docs)]
@@ -13,6 +14,7 @@
 mod api;
 mod cuda;
 mod error;
+pub mod host;
 pub mod platform;
 pub mod sim;
 mod types;

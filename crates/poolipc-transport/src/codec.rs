@@ -28,6 +28,9 @@
 //! - `Done`: job u64, done event `[64]`, `list<u64 handle>`.
 //! - `Ack`: job u64, `list<u64 handle>`.
 //! - `Cancel`: job u64. `Heartbeat`: seq u64. `Bye`: nothing.
+//! - `StagingBuffer`: bytes u64, chunk u64, filled events `[64] × 2`, drained events
+//!   `[64] × 2` (and one FD beside the frame). `StagingReady`: bytes u64.
+//! - `Chunk`: job u64, handle u64, seq u64, offset u64, bytes u64.
 //!
 //! A payload must be consumed exactly: trailing bytes are an error.
 //!
@@ -38,9 +41,10 @@
 //! decoder allocate more than a small multiple of `n`, and `n` is capped by [`FrameLimits`].
 
 use crate::message::{
-    Ack, AllocationGrant, Capabilities, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob,
-    ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS,
-    MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, Rung, TensorMeta,
+    Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
+    EventBlob, ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, MAX_BATCH, MAX_DEVICES,
+    MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, Rung,
+    StagingBuffer, TensorMeta,
 };
 
 /// The protocol version this crate speaks. Bumped on any change of the wire format; the golden
@@ -480,6 +484,21 @@ impl Writer<'_> {
             Message::Cancel { job } => self.u64(job.0),
             Message::Heartbeat { seq } => self.u64(*seq),
             Message::Bye => {}
+            Message::StagingBuffer(sb) => {
+                self.u64(sb.bytes);
+                self.u64(sb.chunk);
+                for e in sb.filled_event.iter().chain(&sb.drained_event) {
+                    self.bytes(&e.0);
+                }
+            }
+            Message::StagingReady { bytes } => self.u64(*bytes),
+            Message::Chunk(c) => {
+                self.u64(c.job.0);
+                self.u64(c.handle.0);
+                self.u64(c.seq);
+                self.u64(c.offset);
+                self.u64(c.bytes);
+            }
         }
         Ok(())
     }
@@ -771,6 +790,28 @@ impl Reader<'_> {
                 seq: self.u64("seq")?,
             },
             MessageKind::Bye => Message::Bye,
+            MessageKind::StagingBuffer => Message::StagingBuffer(StagingBuffer {
+                bytes: self.u64("bytes")?,
+                chunk: self.u64("chunk")?,
+                filled_event: [
+                    EventBlob(self.take("filled_event")?),
+                    EventBlob(self.take("filled_event")?),
+                ],
+                drained_event: [
+                    EventBlob(self.take("drained_event")?),
+                    EventBlob(self.take("drained_event")?),
+                ],
+            }),
+            MessageKind::StagingReady => Message::StagingReady {
+                bytes: self.u64("bytes")?,
+            },
+            MessageKind::Chunk => Message::Chunk(Chunk {
+                job: JobId(self.u64("job")?),
+                handle: HandleId(self.u64("handle")?),
+                seq: self.u64("seq")?,
+                offset: self.u64("offset")?,
+                bytes: self.u64("bytes")?,
+            }),
         })
     }
 }

@@ -25,6 +25,9 @@
 //! | `Done` | worker → parent | 0 |
 //! | `Ack`, `Error`, `Heartbeat`, `Bye` | either | 0 |
 //! | `Cancel` | parent → worker | 0 |
+//! | `StagingBuffer` | parent → worker, once, before host staging | exactly 1: the buffer's memfd |
+//! | `StagingReady` | worker → parent, the answer | 0 |
+//! | `Chunk` | either: the data's sender, then the receiver's echo | 0 |
 //!
 //! A frame that arrives with other FDs than its kind carries is an error, and every FD that
 //! came with it is closed before the error is returned.
@@ -50,9 +53,10 @@ pub use listener::{
     PeerCred, PrivateListener, check_peer_uid, connect_private, ensure_private_dir,
 };
 pub use message::{
-    Ack, AllocationGrant, Capabilities, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob,
-    ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS,
-    MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, Rung, TensorMeta,
+    Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
+    EventBlob, ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, MAX_BATCH, MAX_DEVICES,
+    MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, Rung,
+    StagingBuffer, TensorMeta,
 };
 pub use spawn::{FD_ENV, connection_from_env, parse_fd_var, spawn_worker};
 

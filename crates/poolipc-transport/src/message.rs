@@ -188,19 +188,24 @@ impl DType {
 /// Which rung of the ladder a tensor travels on. The numbers are wire values; unknown values
 /// are a decode error, so a newer peer cannot slip a rung past an older one.
 ///
-/// Room is left for rungs that carry file descriptors (host staging through a memfd, the VMM
-/// arena): when one is added, [`Message::expected_fds`] says how many FDs its frames carry.
+/// Rungs that need file descriptors do not carry them per tensor: host staging sets its
+/// buffer up once per connection ([`Message::StagingBuffer`], one FD), and the tensors that
+/// travel on it only name the rung.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 #[repr(u8)]
 pub enum Rung {
     /// The allocation lives in the shared pool; the export blob names it.
     PoolPointer = 1,
+    /// The bytes travel through the pinned shared host buffer set up by
+    /// [`Message::StagingBuffer`], chunk by chunk ([`Message::Chunk`]); the export blob is
+    /// unused (zero).
+    HostStaging = 2,
 }
 
 impl Rung {
     /// Every rung, in wire order.
-    pub const ALL: [Rung; 1] = [Rung::PoolPointer];
+    pub const ALL: [Rung; 2] = [Rung::PoolPointer, Rung::HostStaging];
 
     /// The rung with this wire value.
     pub fn from_wire(v: u8) -> Option<Self> {
@@ -343,6 +348,40 @@ pub struct Identity {
     pub devices: Vec<DeviceEntry>,
 }
 
+/// Parent → worker: the host-staging buffer, sent with exactly one FD (its memfd).
+///
+/// The parent created the buffer and all four interprocess events; the worker maps the
+/// buffer, registers it, opens the events and answers [`Message::StagingReady`]. Whichever
+/// side sends a tensor's bytes records `filled`, the side receiving them records `drained`,
+/// so one buffer serves both directions (one transfer at a time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingBuffer {
+    /// Bytes of the shared buffer (both halves).
+    pub bytes: u64,
+    /// Bytes of one chunk: the size of each half.
+    pub chunk: u64,
+    /// `filled[h]`: recorded by the sender of the data after its copy into half `h`.
+    pub filled_event: [EventBlob; 2],
+    /// `drained[h]`: recorded by the receiver of the data after its copy out of half `h`.
+    pub drained_event: [EventBlob; 2],
+}
+
+/// Either side: one chunk of a host-staged tensor is in the buffer (from the sender of the
+/// data), or has been copied out of it (the receiver's acknowledgement, same fields).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// The job the tensor belongs to.
+    pub job: JobId,
+    /// The tensor's handle.
+    pub handle: HandleId,
+    /// The chunk's number within the tensor, from 0; it uses half `seq % 2`.
+    pub seq: u64,
+    /// The chunk's offset within the tensor, in bytes.
+    pub offset: u64,
+    /// The chunk's length in bytes.
+    pub bytes: u64,
+}
+
 /// A numeric reason on the wire. Unknown codes decode fine (a newer peer may send one); the
 /// names below are the ones this version knows.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -454,6 +493,16 @@ pub enum Message {
     },
     /// Either side: closing on purpose.
     Bye,
+    /// Parent → worker, once per connection before the first host-staged tensor, with exactly
+    /// one FD (the buffer's memfd). See [`StagingBuffer`].
+    StagingBuffer(StagingBuffer),
+    /// Worker → parent: the staging buffer is mapped and registered, the events opened.
+    StagingReady {
+        /// The buffer's size as the worker found it (equal to [`StagingBuffer::bytes`]).
+        bytes: u64,
+    },
+    /// Either side: a host-staged chunk is in the buffer, or (echoed back) drained from it.
+    Chunk(Chunk),
 }
 
 /// The kind of a [`Message`], with its wire tag.
@@ -474,11 +523,14 @@ pub enum MessageKind {
     Cancel = 10,
     Heartbeat = 11,
     Bye = 12,
+    StagingBuffer = 13,
+    StagingReady = 14,
+    Chunk = 15,
 }
 
 impl MessageKind {
     /// Every kind, in tag order.
-    pub const ALL: [MessageKind; 12] = [
+    pub const ALL: [MessageKind; 15] = [
         MessageKind::Hello,
         MessageKind::HelloAck,
         MessageKind::Refuse,
@@ -491,6 +543,9 @@ impl MessageKind {
         MessageKind::Cancel,
         MessageKind::Heartbeat,
         MessageKind::Bye,
+        MessageKind::StagingBuffer,
+        MessageKind::StagingReady,
+        MessageKind::Chunk,
     ];
 
     /// The kind with this wire tag.
@@ -500,11 +555,12 @@ impl MessageKind {
 
     /// How many file descriptors a frame of this kind carries: the only count accepted.
     ///
-    /// `Hello` carries the pool FD; nothing else carries any yet. Rungs that need FDs (a memfd
-    /// for host staging, VMM arena chunks) will add kinds here, never relax the check.
+    /// `Hello` carries the pool FD, `StagingBuffer` the host-staging memfd; nothing else
+    /// carries any. Rungs that need FDs (VMM arena chunks) will add kinds here, never relax
+    /// the check.
     pub fn expected_fds(self) -> usize {
         match self {
-            MessageKind::Hello => 1,
+            MessageKind::Hello | MessageKind::StagingBuffer => 1,
             _ => 0,
         }
     }
@@ -532,6 +588,9 @@ impl Message {
             Message::Cancel { .. } => MessageKind::Cancel,
             Message::Heartbeat { .. } => MessageKind::Heartbeat,
             Message::Bye => MessageKind::Bye,
+            Message::StagingBuffer(_) => MessageKind::StagingBuffer,
+            Message::StagingReady { .. } => MessageKind::StagingReady,
+            Message::Chunk(_) => MessageKind::Chunk,
         }
     }
 

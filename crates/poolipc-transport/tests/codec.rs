@@ -4,10 +4,10 @@ mod common;
 
 use poolipc_transport::codec::{HEADER_LEN, decode, encode};
 use poolipc_transport::{
-    Ack, AllocationGrant, Capabilities, DType, DecodeError, DeviceEntry, DeviceUuid, Done,
+    Ack, AllocationGrant, Capabilities, Chunk, DType, DecodeError, DeviceEntry, DeviceUuid, Done,
     EncodeError, ErrorCode, EventBlob, ExportBlob, FrameLimits, HandleId, Identity, JobId, Lend,
     LentTensor, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message, MessageKind, PROTOCOL_VERSION,
-    ResultGrant, ResultRequest, ResultSpec, Rung, TensorMeta,
+    ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -162,6 +162,35 @@ fn message() -> impl Strategy<Value = Message> {
         any::<u64>().prop_map(|j| Message::Cancel { job: JobId(j) }),
         any::<u64>().prop_map(|seq| Message::Heartbeat { seq }),
         Just(Message::Bye),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            [blob(), blob()],
+            [blob(), blob()]
+        )
+            .prop_map(|(bytes, chunk, [f0, f1], [d0, d1])| Message::StagingBuffer(
+                StagingBuffer {
+                    bytes,
+                    chunk,
+                    filled_event: [EventBlob(f0), EventBlob(f1)],
+                    drained_event: [EventBlob(d0), EventBlob(d1)],
+                }
+            )),
+        any::<u64>().prop_map(|bytes| Message::StagingReady { bytes }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>()
+        )
+            .prop_map(|(j, h, seq, offset, bytes)| Message::Chunk(Chunk {
+                job: JobId(j),
+                handle: HandleId(h),
+                seq,
+                offset,
+                bytes,
+            })),
     ]
 }
 

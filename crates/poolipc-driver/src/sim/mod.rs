@@ -32,7 +32,11 @@
 //! ordered before it (a vector-clock happens-before model: writes stamp the stream's clock,
 //! `cuEventRecord` captures it, `cuStreamWaitEvent` and host synchronization merge it), use of
 //! an import after its free or after its alias's free, use of an import whose allocation was
-//! recycled (generations), access without `cuMemSetAccess`.
+//! recycled (generations), access without `cuMemSetAccess`. The same happens-before model
+//! covers host memory registered with `cuMemHostRegister` when it is a shared file mapping
+//! (the memfd of host staging): an asynchronous copy into it must be ordered after the other
+//! process's last copy out of or into those bytes, and a copy out of it after the other
+//! process's last copy into them, both by file offset, so the two processes' mappings meet.
 //!
 //! A pointer import spanning more than 128 chunks of 32 MiB is a recorded violation. As on
 //! driver 580, one of 129 to 164 chunks still imports (libcuda's stack overflow only hits dead
@@ -52,11 +56,12 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use machine::Machine;
-use shm::{Mapping, my_pid, punch_hole, sparse_memfd};
+use shm::{Mapping, backing_file, my_pid, punch_hole, sparse_memfd};
 use state::{
     BLOCK_CACHED, BLOCK_LIVE, CHUNK, Clock, GRANULE, IMPORT_CHUNK_LIMIT, MAX_STREAMS, MemoryWork,
     POOL_DYING, POOL_LIVE, State, chunks_spanned, merge,
 };
+use state::{HostAccessRec, MAX_HOST_ACCESSES};
 pub use violation::{Violation, ViolationKind};
 
 use crate::api::Driver;
@@ -186,8 +191,19 @@ struct Local {
     reservations: BTreeMap<u64, u64>,
     maps: BTreeMap<u64, VmmMap>,
     next_va: u64,
-    host_registered: BTreeMap<usize, usize>,
+    host_registered: BTreeMap<usize, HostRegistration>,
 }
+
+/// A range registered with `cuMemHostRegister`.
+#[derive(Debug, Clone, Copy)]
+struct HostRegistration {
+    bytes: usize,
+    /// (device, inode, file offset of the first byte), when the range is one file mapping.
+    file: Option<(u64, u64, u64)>,
+}
+
+/// Bytes of a shared host file one asynchronous copy touches: (device, inode, start, end).
+type HostRange = (u64, u64, u64, u64);
 
 fn fail(call: &'static str, code: CuCode) -> DriverError {
     DriverError::Call { call, code }
@@ -765,10 +781,18 @@ impl SimDriver {
         }
         let mut l = self.local();
         let l = &mut *l;
+        let host = if sync {
+            None
+        } else {
+            Self::host_range(l, dst.as_ptr() as usize, dst.len())
+        };
         self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
             let place = self.touch(l, st, call, src, dst.len() as u64, s, false)?;
             let (map, off) = Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
+            if let Some(h) = host {
+                self.host_access(st, call, s, h, true);
+            }
             map.read(off, dst);
             if sync {
                 merge(&mut l.host_clock, &st.streams[s].clock);
@@ -790,8 +814,16 @@ impl SimDriver {
         }
         let mut l = self.local();
         let l = &mut *l;
+        let host = if sync {
+            None
+        } else {
+            Self::host_range(l, src.as_ptr() as usize, src.len())
+        };
         self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
+            if let Some(h) = host {
+                self.host_access(st, call, s, h, false);
+            }
             let place = self.touch(l, st, call, dst, src.len() as u64, s, true)?;
             let (map, off) = Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
             map.write(off, src);
@@ -800,6 +832,85 @@ impl SimDriver {
             }
             Ok(())
         })
+    }
+
+    /// The shared file bytes behind `[ptr, ptr + len)`, when that lies in one registered,
+    /// file-backed range.
+    fn host_range(l: &Local, ptr: usize, len: usize) -> Option<HostRange> {
+        let (&base, reg) = l.host_registered.range(..=ptr).next_back()?;
+        let (dev, ino, file_off) = reg.file?;
+        let rel = ptr - base;
+        if rel.checked_add(len)? > reg.bytes {
+            return None;
+        }
+        let start = file_off + rel as u64;
+        Some((dev, ino, start, start + len as u64))
+    }
+
+    /// An asynchronous copy on stream slot `s` writes (device to host) or reads (host to
+    /// device) shared host bytes: it must be ordered after the other processes' last write to
+    /// them and, when it writes, after their last read. Then it becomes the last access.
+    fn host_access(
+        &self,
+        st: &mut State,
+        call: &'static str,
+        s: usize,
+        (dev, ino, start, end): HostRange,
+        write: bool,
+    ) {
+        let mut unordered = None;
+        for r in st.host_accesses.iter().filter(|r| {
+            r.live == 1 && r.dev == dev && r.ino == ino && r.start < end && start < r.end
+        }) {
+            if r.agent == self.agent || (r.write == 0 && !write) {
+                continue;
+            }
+            let known = st.streams[s].clock[r.stream as usize];
+            if known < r.seq {
+                unordered = Some((r.pid, r.seq, known));
+            }
+        }
+        if let Some((pid, seq, known)) = unordered {
+            st.violation(ViolationKind::UnorderedAccess, call, self.pid)
+                .other_pid(pid)
+                .values(seq, known)
+                .log();
+        }
+        // What this access covers is superseded: a write by anyone's earlier access, a read
+        // by this process's earlier reads.
+        let agent = self.agent;
+        for r in st.host_accesses.iter_mut().filter(|r| {
+            r.live == 1
+                && r.dev == dev
+                && r.ino == ino
+                && start <= r.start
+                && r.end <= end
+                && (write || (r.write == 0 && r.agent == agent))
+        }) {
+            r.live = 0;
+        }
+        let seq = st.tick(s);
+        let slot = match st.host_accesses.iter().position(|r| r.live == 0) {
+            Some(i) => i,
+            None => {
+                // Full: forget one. A forgotten access can only hide a violation, never
+                // invent one.
+                st.host_cursor = st.host_cursor.wrapping_add(1);
+                (st.host_cursor % MAX_HOST_ACCESSES as u64) as usize
+            }
+        };
+        st.host_accesses[slot] = HostAccessRec {
+            live: 1,
+            write: u32::from(write),
+            pid: self.pid,
+            stream: s as u32,
+            dev,
+            ino,
+            start,
+            end,
+            agent,
+            seq,
+        };
     }
 
     fn host_len(call: &'static str, bytes: u64) -> Result<usize> {
@@ -1663,11 +1774,13 @@ impl Driver for SimDriver {
             .host_registered
             .range(..end)
             .next_back()
-            .is_some_and(|(&s, &n)| s + n > start);
+            .is_some_and(|(&s, r)| s + r.bytes > start);
         if overlaps {
             return Err(fail(CALL, CuCode::HOST_MEMORY_ALREADY_REGISTERED));
         }
-        l.host_registered.insert(start, bytes);
+        let file = backing_file(start, bytes);
+        l.host_registered
+            .insert(start, HostRegistration { bytes, file });
         Ok(())
     }
 

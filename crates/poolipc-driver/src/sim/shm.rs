@@ -254,3 +254,38 @@ pub(super) fn die_by_sigsegv() -> ! {
     let _ = nix::sys::signal::raise(Signal::SIGSEGV);
     std::process::abort()
 }
+
+/// The file behind host address `ptr`, if `[ptr, ptr + len)` lies in one file-backed mapping
+/// of this process: (device, inode, offset of `ptr` in the file), from `/proc/self/maps`.
+/// Anonymous memory, or a range over several mappings, gives `None`.
+pub(super) fn backing_file(ptr: usize, len: usize) -> Option<(u64, u64, u64)> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let end = ptr.checked_add(len)?;
+    for line in maps.lines() {
+        // "start-end perms offset major:minor inode path"
+        let mut f = line.split_ascii_whitespace();
+        let (range, _perms, offset, dev, inode) =
+            (f.next()?, f.next()?, f.next()?, f.next()?, f.next()?);
+        let (a, b) = range.split_once('-')?;
+        let (a, b) = (
+            usize::from_str_radix(a, 16).ok()?,
+            usize::from_str_radix(b, 16).ok()?,
+        );
+        if ptr < a || ptr >= b {
+            continue;
+        }
+        if end > b {
+            return None;
+        }
+        let inode: u64 = inode.parse().ok()?;
+        if inode == 0 {
+            return None;
+        }
+        let (major, minor) = dev.split_once(':')?;
+        let dev =
+            (u64::from_str_radix(major, 16).ok()? << 32) | u64::from_str_radix(minor, 16).ok()?;
+        let offset = u64::from_str_radix(offset, 16).ok()?;
+        return Some((dev, inode, offset + (ptr - a) as u64));
+    }
+    None
+}

@@ -9,7 +9,7 @@ use crate::error::CuCode;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
-pub(super) const LAYOUT: u64 = 1;
+pub(super) const LAYOUT: u64 = 2;
 
 pub(super) const MAX_DEVICES: usize = 8;
 pub(super) const MAX_POOLS: usize = 128;
@@ -18,6 +18,8 @@ pub(super) const MAX_IMPORTS: usize = 4096;
 pub(super) const MAX_STREAMS: usize = 256;
 pub(super) const MAX_EVENTS: usize = 1024;
 pub(super) const MAX_VIOLATIONS: usize = 1024;
+/// Accesses to registered, file-backed host memory remembered at once (see [`HostAccessRec`]).
+pub(super) const MAX_HOST_ACCESSES: usize = 512;
 
 /// Pool allocations are rounded up to this (the real pool's granularity for pinned memory).
 pub(super) const GRANULE: u64 = 2 << 20;
@@ -155,6 +157,28 @@ pub(super) struct ViolationRec {
     pub(super) b: u64,
 }
 
+/// The last asynchronous copy that wrote, or read, a byte range of a file mapped into host
+/// memory and registered with `cuMemHostRegister` (a memfd two processes share). Files are
+/// named by device and inode, ranges by file offset, so two processes mapping the same
+/// memfd at different addresses meet here.
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct HostAccessRec {
+    pub(super) live: u32,
+    /// 1: a device-to-host copy wrote the range; 0: a host-to-device copy read it.
+    pub(super) write: u32,
+    pub(super) pid: u32,
+    /// Stream slot of the copy.
+    pub(super) stream: u32,
+    pub(super) dev: u64,
+    pub(super) ino: u64,
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) agent: u64,
+    /// The copy's tick on its stream.
+    pub(super) seq: u64,
+}
+
 /// The whole machine. Lives in shared memory only (it is megabytes: never on a stack).
 #[repr(C)]
 #[derive(Debug)]
@@ -174,6 +198,9 @@ pub(super) struct State {
     pub(super) streams: [StreamRec; MAX_STREAMS],
     pub(super) events: [EventRec; MAX_EVENTS],
     pub(super) violations: [ViolationRec; MAX_VIOLATIONS],
+    /// Where the next host access record goes when no slot is free (oldest first, roughly).
+    pub(super) host_cursor: u64,
+    pub(super) host_accesses: [HostAccessRec; MAX_HOST_ACCESSES],
 }
 
 /// Work left to the caller after a state change: byte ranges of a pool's memfd.
@@ -545,6 +572,11 @@ impl State {
         for imp in self.imports.iter_mut().filter(|i| i.live == 1) {
             if gone(imp.agent, imp.pid) {
                 imp.live = 0;
+            }
+        }
+        for h in self.host_accesses.iter_mut().filter(|h| h.live == 1) {
+            if gone(h.agent, h.pid) {
+                h.live = 0;
             }
         }
         for p in 0..MAX_POOLS {

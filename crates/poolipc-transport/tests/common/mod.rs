@@ -2,9 +2,9 @@
 #![allow(dead_code)] // each test file uses part of this
 
 use poolipc_transport::{
-    Ack, AllocationGrant, Capabilities, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob,
-    ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, Message, ResultGrant, ResultRequest,
-    ResultSpec, Rung, TensorMeta,
+    Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
+    EventBlob, ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, Message, ResultGrant,
+    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 
 /// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
@@ -150,5 +150,25 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
             },
         ),
         ("bye", Message::Bye),
+        (
+            "staging_buffer",
+            Message::StagingBuffer(StagingBuffer {
+                bytes: 128 << 20,
+                chunk: 64 << 20,
+                filled_event: [EventBlob(blob64(0x40)), EventBlob(blob64(0x50))],
+                drained_event: [EventBlob(blob64(0x60)), EventBlob(blob64(0x70))],
+            }),
+        ),
+        ("staging_ready", Message::StagingReady { bytes: 128 << 20 }),
+        (
+            "chunk",
+            Message::Chunk(Chunk {
+                job: JobId(7),
+                handle: HandleId(4),
+                seq: 3,
+                offset: 3 * (64 << 20),
+                bytes: 12345,
+            }),
+        ),
     ]
 }

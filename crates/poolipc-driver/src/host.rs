@@ -1,0 +1,361 @@
+//! [`SharedHostBuffer`]: host memory two processes share (a memfd mapped `MAP_SHARED` on both
+//! sides), pinned with `cuMemHostRegister`, and stream-ordered copies between it and device
+//! memory. The host-staging rung moves tensors through one of these.
+//!
+//! # The lifetime rule
+//!
+//! An asynchronous copy reads or writes the mapping after the call returned, until its stream
+//! reaches it. The buffer therefore remembers every stream a copy was issued on, with a
+//! private event recorded after each copy, and its `Drop` synchronizes those events before it
+//! unregisters and unmaps the memory: a buffer dropped with copies in flight waits for them
+//! instead of letting the device write into freed pages. Drop it on a thread where the device
+//! is current (`Driver::use_device`), as for every other driver object.
+//!
+//! Ordering between the two processes is the caller's: copies into the buffer in one process
+//! and out of it in the other must be ordered by interprocess events (the staging engine
+//! records `filled` / `drained` events for that). The host accessors
+//! ([`read_at`](SharedHostBuffer::read_at), [`write_at`](SharedHostBuffer::write_at)) are not
+//! ordered with stream work at all: synchronize first.
+
+use std::ffi::c_void;
+use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
+
+use crate::api::Driver;
+use crate::error::{DriverError, Result};
+use crate::types::{DevicePtr, EventHandle, StreamHandle};
+
+fn os(call: &'static str, e: nix::Error) -> DriverError {
+    DriverError::Os {
+        call,
+        source: std::io::Error::from_raw_os_error(e as i32),
+    }
+}
+
+/// What the buffer tracks once registered.
+struct Registration {
+    driver: Arc<dyn Driver>,
+    /// Each stream a copy was issued on, with an event recorded after its latest copy.
+    streams: Vec<(StreamHandle, EventHandle)>,
+}
+
+/// A memfd of `len` bytes mapped read-write and shared; see the [module docs](self).
+pub struct SharedHostBuffer {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+    len: usize,
+    registration: Mutex<Option<Registration>>,
+}
+
+impl std::fmt::Debug for SharedHostBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedHostBuffer")
+            .field("fd", &self.fd)
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("registered", &self.lock().is_some())
+            .finish()
+    }
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value; the host accessors copy
+// bytes through bounds-checked raw copies, device copies go through the driver (which is
+// `Send + Sync`), and the registration state sits behind a mutex. Nothing is tied to the
+// creating thread.
+unsafe impl Send for SharedHostBuffer {}
+// SAFETY: as above; `&self` methods never hand out references into the mapping.
+unsafe impl Sync for SharedHostBuffer {}
+
+impl SharedHostBuffer {
+    /// A new memfd (`MFD_CLOEXEC`) of `len` bytes, mapped `MAP_SHARED`.
+    pub fn create(len: usize) -> Result<SharedHostBuffer> {
+        let n = Self::nonzero("memfd_create", len)?;
+        let fd = memfd_create("poolipc-staging", MFdFlags::MFD_CLOEXEC)
+            .map_err(|e| os("memfd_create", e))?;
+        let size = libc::off_t::try_from(len).map_err(|_| DriverError::InvalidArgument {
+            call: "ftruncate",
+            reason: format!("{len} bytes do not fit off_t"),
+        })?;
+        nix::unistd::ftruncate(&fd, size).map_err(|e| os("ftruncate", e))?;
+        Self::map(fd, n)
+    }
+
+    /// Maps a buffer another process created, from its FD (received by `SCM_RIGHTS` or
+    /// inherited). `len` must be the file's size exactly (checked with `fstat`).
+    pub fn from_fd(fd: OwnedFd, len: usize) -> Result<SharedHostBuffer> {
+        let n = Self::nonzero("mmap", len)?;
+        let st = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| os("fstat", e))?;
+        if u64::try_from(st.st_size).ok() != Some(len as u64) {
+            return Err(DriverError::InvalidArgument {
+                call: "SharedHostBuffer::from_fd",
+                reason: format!("the file has {} bytes, {len} expected", st.st_size),
+            });
+        }
+        Self::map(fd, n)
+    }
+
+    fn nonzero(call: &'static str, len: usize) -> Result<NonZeroUsize> {
+        NonZeroUsize::new(len).ok_or_else(|| DriverError::InvalidArgument {
+            call,
+            reason: "a shared host buffer cannot be empty".into(),
+        })
+    }
+
+    fn map(fd: OwnedFd, n: NonZeroUsize) -> Result<SharedHostBuffer> {
+        // SAFETY: a fresh mapping chosen by the kernel (no address hint, no MAP_FIXED) cannot
+        // alias any Rust object; the size was checked against the file, so every mapped page
+        // is backed.
+        let p = unsafe {
+            mmap(
+                None,
+                n,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                &fd,
+                0,
+            )
+        }
+        .map_err(|e| os("mmap", e))?;
+        Ok(SharedHostBuffer {
+            fd,
+            ptr: p.cast(),
+            len: n.get(),
+            registration: Mutex::new(None),
+        })
+    }
+
+    /// The memfd, to send to the other process.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Bytes of the buffer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always `false`: an empty buffer cannot be created.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Option<Registration>> {
+        self.registration
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Pins the buffer for `driver` (`cuMemHostRegister`, portable and device-mapped); `Drop`
+    /// unregisters it. Copies need this first. Registering twice fails.
+    pub fn register(&self, driver: &Arc<dyn Driver>) -> Result<()> {
+        let mut reg = self.lock();
+        if reg.is_some() {
+            return Err(DriverError::InvalidArgument {
+                call: "cuMemHostRegister_v2",
+                reason: "the shared host buffer is already registered".into(),
+            });
+        }
+        // SAFETY: `ptr` points to `len` mapped bytes that stay mapped until `Drop`, which
+        // unregisters before it unmaps.
+        unsafe { driver.host_register(self.ptr.as_ptr(), self.len) }?;
+        *reg = Some(Registration {
+            driver: Arc::clone(driver),
+            streams: Vec::new(),
+        });
+        Ok(())
+    }
+
+    /// Whether [`register`](Self::register) succeeded.
+    pub fn is_registered(&self) -> bool {
+        self.lock().is_some()
+    }
+
+    fn check(&self, call: &'static str, off: usize, n: usize) -> Result<()> {
+        match off.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(DriverError::OutOfBounds {
+                call,
+                offset: off as u64,
+                bytes: n as u64,
+                len: self.len as u64,
+            }),
+        }
+    }
+
+    /// Copies `dst.len()` bytes from offset `off` into `dst`. Not ordered with stream work.
+    pub fn read_at(&self, off: usize, dst: &mut [u8]) -> Result<()> {
+        self.check("SharedHostBuffer::read_at", off, dst.len())?;
+        // SAFETY: `[off, off + dst.len())` lies in the mapping (checked above), which is
+        // readable; `dst` is a distinct Rust buffer, so the ranges do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(off), dst.as_mut_ptr(), dst.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `src` to offset `off`. Not ordered with stream work.
+    pub fn write_at(&self, off: usize, src: &[u8]) -> Result<()> {
+        self.check("SharedHostBuffer::write_at", off, src.len())?;
+        // SAFETY: `[off, off + src.len())` lies in the mapping (checked above), which is
+        // writable; `copy` is a memmove, so it is correct even if `src` came from this mapping.
+        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(off), src.len()) };
+        Ok(())
+    }
+
+    /// `cuMemcpyDtoHAsync` of `bytes` from `src` into the buffer at `off`, on `stream`.
+    ///
+    /// Safe: the range is bounds-checked and the buffer outlives the copy (its `Drop` waits
+    /// for every stream it was used on). Needs [`register`](Self::register) first.
+    pub fn copy_from_device(
+        &self,
+        off: usize,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const CALL: &str = "cuMemcpyDtoHAsync";
+        self.check(CALL, off, bytes)?;
+        self.issue(CALL, stream, |driver| {
+            // SAFETY: `[off, off + bytes)` lies in the mapping (checked above), which stays
+            // mapped until the copy completed: `Drop` synchronizes the event `issue` records
+            // after it. Other accesses to those bytes are the caller's to order (module docs).
+            unsafe {
+                driver.memcpy_dtoh_async(self.ptr.as_ptr().add(off), src, bytes as u64, stream)
+            }
+        })
+    }
+
+    /// `cuMemcpyHtoDAsync` of `bytes` from the buffer at `off` to `dst`, on `stream`.
+    ///
+    /// Safe for the same reasons as [`copy_from_device`](Self::copy_from_device).
+    pub fn copy_to_device(
+        &self,
+        off: usize,
+        dst: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const CALL: &str = "cuMemcpyHtoDAsync";
+        self.check(CALL, off, bytes)?;
+        self.issue(CALL, stream, |driver| {
+            // SAFETY: as in `copy_from_device`: in bounds, mapped until the copy completed.
+            unsafe {
+                driver.memcpy_htod_async(dst, self.ptr.as_ptr().add(off), bytes as u64, stream)
+            }
+        })
+    }
+
+    /// Runs `copy` with the registered driver, then records the stream's tracking event.
+    fn issue(
+        &self,
+        call: &'static str,
+        stream: StreamHandle,
+        copy: impl FnOnce(&dyn Driver) -> Result<()>,
+    ) -> Result<()> {
+        let mut guard = self.lock();
+        let Some(reg) = guard.as_mut() else {
+            return Err(DriverError::InvalidArgument {
+                call,
+                reason: "the shared host buffer is not registered".into(),
+            });
+        };
+        let event = match reg.streams.iter().find(|(s, _)| *s == stream) {
+            Some((_, e)) => *e,
+            None => {
+                let e = reg.driver.event_create(false)?;
+                reg.streams.push((stream, e));
+                e
+            }
+        };
+        // Record even when the copy failed part-way: whatever it issued is then covered.
+        let copied = copy(reg.driver.as_ref());
+        let recorded = reg.driver.event_record(event, stream);
+        copied.and(recorded)
+    }
+}
+
+impl Drop for SharedHostBuffer {
+    /// Waits for every copy issued through this buffer, unregisters it, unmaps it. Errors are
+    /// logged, never raised.
+    fn drop(&mut self) {
+        let reg = self
+            .registration
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(reg) = reg {
+            let mut in_flight = false;
+            for (stream, event) in &reg.streams {
+                if let Err(e) = reg.driver.event_synchronize(*event) {
+                    tracing::error!(?stream, error = %e, "shared host buffer: waiting for copies failed");
+                    in_flight = true;
+                }
+                if let Err(e) = reg.driver.event_destroy(*event) {
+                    tracing::warn!(?stream, error = %e, "shared host buffer: event destroy failed");
+                }
+            }
+            if in_flight {
+                // A copy may still use the pages: leaking the mapping is the safe failure.
+                tracing::error!(
+                    len = self.len,
+                    "shared host buffer leaked: copies may still be in flight"
+                );
+                return;
+            }
+            // SAFETY: registered by `register` with this pointer; every copy through it
+            // completed (the events above were synchronized).
+            if let Err(e) = unsafe { reg.driver.host_unregister(self.ptr.as_ptr()) } {
+                tracing::warn!(error = %e, "shared host buffer: cuMemHostUnregister failed");
+            }
+        }
+        // SAFETY: `ptr`/`len` are what mmap returned; no copy uses the pages any more (above)
+        // and nothing borrows them (we are in drop).
+        if let Err(e) = unsafe { munmap(self.ptr.cast::<c_void>(), self.len) } {
+            tracing::warn!(error = %e, "shared host buffer: munmap failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accessors_refuse_ranges_past_the_end() {
+        let b = SharedHostBuffer::create(4096).expect("create");
+        let mut buf = [0u8; 16];
+        assert!(matches!(
+            b.read_at(4090, &mut buf),
+            Err(DriverError::OutOfBounds {
+                offset: 4090,
+                bytes: 16,
+                len: 4096,
+                ..
+            })
+        ));
+        assert!(matches!(
+            b.write_at(usize::MAX, &buf),
+            Err(DriverError::OutOfBounds { .. })
+        ));
+        b.write_at(4080, &buf).expect("last 16 bytes are in range");
+    }
+
+    #[test]
+    fn written_bytes_read_back() {
+        let b = SharedHostBuffer::create(8192).expect("create");
+        b.write_at(100, b"staging").expect("write");
+        let mut out = [0u8; 7];
+        b.read_at(100, &mut out).expect("read");
+        assert_eq!(&out, b"staging");
+    }
+
+    #[test]
+    fn an_empty_buffer_is_refused() {
+        assert!(SharedHostBuffer::create(0).is_err());
+    }
+}
