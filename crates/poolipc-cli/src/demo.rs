@@ -72,7 +72,12 @@ fn cases() -> Vec<Case> {
 
 /// The driver the demo runs on, the environment its worker needs (the simulated machine),
 /// and a line saying which.
-type Opened = (Arc<dyn Driver>, Option<(&'static str, String)>, String);
+pub(crate) type Opened = (Arc<dyn Driver>, Option<(&'static str, String)>, String);
+
+pub(crate) fn open_driver(sim: bool, device: u32) -> Result<Opened> {
+    let args = Args { sim, device };
+    open(&args)
+}
 
 fn open(args: &Args) -> Result<Opened> {
     if !args.sim {
@@ -238,6 +243,10 @@ pub(crate) fn worker_main() -> Result<ExitCode> {
         None => Arc::new(CudaDriver::new()?),
     };
     let mut worker = poolipc::Worker::from_env(driver, device)?;
-    echo::serve(&mut worker, None)?;
+    if std::env::var("POOLIPC_WORKER_MODE").as_deref() == Ok("touch") {
+        echo::serve_touch(&mut worker)?;
+    } else {
+        echo::serve(&mut worker, None)?;
+    }
     Ok(ExitCode::SUCCESS)
 }

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod demo;
 mod doctor;
 mod probe;
@@ -23,6 +24,9 @@ enum Command {
     /// A parent and a worker process handing tensors both ways, verified and timed: on the
     /// GPU when there is one, else on the simulated driver (saying which).
     Demo(demo::Args),
+    /// The handoff's round trip at several sizes and a batch of small tensors, against the
+    /// host copy it replaces, measured in the same run.
+    Bench(bench::Args),
     /// Print what this machine can do (driver, pool swap, export order, events, VMM, WSL2)
     /// and a verdict.
     Doctor(doctor::Args),
@@ -47,6 +51,7 @@ fn main() -> ExitCode {
         Command::Doctor(args) => doctor::run(&args),
         Command::ImportChild => probe::child_main(),
         Command::Demo(args) => demo::run(&args),
+        Command::Bench(args) => bench::run(&args),
         Command::DemoWorker => demo::worker_main(),
     };
     match result {

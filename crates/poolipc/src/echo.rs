@@ -72,6 +72,31 @@ pub fn answer(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
     Ok(())
 }
 
+/// Answers one job by writing in place: the first 4 KiB of every input (or all of a smaller
+/// one) set to the input's marker, no results. What `poolipc bench` measures.
+pub fn touch(job: &mut Job<'_>) -> Result<(), Error> {
+    let driver = job.driver().clone();
+    let stream = job.stream();
+    for (i, input) in job.inputs().iter().enumerate() {
+        let words = input.byte_len().min(4096) / 4;
+        if words > 0 {
+            driver.memset_d32_async(input.ptr(), marker(i), words, stream)?;
+        }
+    }
+    Ok(())
+}
+
+/// Serves jobs with [`touch`] until the parent says goodbye.
+pub fn serve_touch(worker: &mut Worker) -> Result<usize, Error> {
+    let mut served = 0;
+    while let Some(mut job) = worker.next_job()? {
+        touch(&mut job)?;
+        job.finish()?;
+        served += 1;
+    }
+    Ok(served)
+}
+
 /// Serves jobs until the parent says goodbye; returns how many it served.
 pub fn serve(worker: &mut Worker, die_at: Option<DieAt>) -> Result<usize, Error> {
     let mut served = 0;
