@@ -203,6 +203,10 @@ fn gpu_bundle(root: &Path) -> Result<PathBuf> {
         &release.join("poolipc-test-child"),
         &bundle.join("tests/poolipc-test-child"),
     )?;
+    copy(
+        &release.join("poolipc-test-worker"),
+        &bundle.join("tests/poolipc-test-worker"),
+    )?;
     let out = cargo()
         .args([
             "test",
