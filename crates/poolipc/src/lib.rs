@@ -17,6 +17,7 @@ pub mod canary;
 pub mod echo;
 mod error;
 mod parent;
+pub mod staging;
 mod tensor;
 mod worker;
 

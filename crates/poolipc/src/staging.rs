@@ -1,0 +1,462 @@
+//! The host-staging rung: a tensor's bytes move from device memory in one process to device
+//! memory in the other through pinned shared host memory, chunk by chunk, never needing a
+//! second device copy of the tensor.
+//!
+//! # Setup, once per connection
+//!
+//! The parent creates a [`SharedHostBuffer`] of two halves of `chunk` bytes, registers it, and
+//! creates four interprocess events: `filled[0..2]` and `drained[0..2]`. It sends
+//! [`Message::StagingBuffer`] with the buffer's memfd ([`StagingChannel::setup_parent`]); the
+//! worker maps and registers the buffer, opens the events and answers
+//! [`Message::StagingReady`] ([`StagingChannel::setup_worker`]).
+//!
+//! # One tensor
+//!
+//! The same engine serves both directions (inputs parent → worker, results worker →
+//! parent); one transfer at a time per connection, and nothing else on the connection
+//! meanwhile. Chunk `i` uses half `i % 2`:
+//!
+//! - the sender's stream copies chunk `i` into its half and records `filled[i % 2]`; the
+//!   sender then sends [`Message::Chunk`] with `seq = i`;
+//! - the receiver, on that message, makes its stream wait `filled[i % 2]`, copies the half
+//!   into `dst + offset`, records `drained[i % 2]`, and echoes the message back (its ack);
+//! - before reusing a half for chunk `i + 2`, the sender waits for the ack of chunk `i` (so
+//!   the receiver's `drained` record is issued) and makes its stream wait `drained[i % 2]`.
+//!
+//! At its start a transfer's sender also waits the last `filled` and `drained` of both
+//! halves, whichever side recorded them: that orders it after the previous transfer, in
+//! either direction. [`StagingChannel::send_tensor`] returns once every chunk is acked; its
+//! copies out of `src` are then issued on `stream` (free `src` stream-ordered after them).
+//! [`StagingChannel::recv_tensor`] returns once every copy into `dst` is issued on its
+//! stream: work on that stream sees the tensor.
+//!
+//! `#![forbid(unsafe_code)]` holds here: the copies are [`SharedHostBuffer`]'s safe methods.
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use poolipc_driver::host::SharedHostBuffer;
+use poolipc_driver::{DevicePtr, Driver, DriverError, EventHandle, IpcEventHandle, StreamHandle};
+use poolipc_transport::{
+    Chunk, Connection, ErrorCode, EventBlob, HandleId, JobId, Message, MessageKind, StagingBuffer,
+    TransportError,
+};
+use tracing::{debug, trace};
+
+/// Bytes of one half of the buffer unless configured: 64 MiB (the buffer is twice that).
+pub const DEFAULT_CHUNK: usize = 64 << 20;
+
+/// Which wait to leave out, for the tests that prove the simulation catches a missing one.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SkipWait {
+    /// Skip nothing (always, outside those tests).
+    #[default]
+    None,
+    /// The receiver does not wait `filled` before copying a half out.
+    Filled,
+    /// The sender does not wait `drained` before reusing a half.
+    Drained,
+}
+
+/// How a [`StagingChannel`] is set up and how long it waits.
+#[derive(Clone, Debug)]
+pub struct StagingConfig {
+    /// Bytes of each half of the shared buffer, i.e. of one chunk (the buffer is twice this).
+    pub chunk: usize,
+    /// How long each wait for the peer's next message may take.
+    pub timeout: Duration,
+    /// Test-only: leave out one of the waits. Never set it elsewhere.
+    #[doc(hidden)]
+    pub skip_wait: SkipWait,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        StagingConfig {
+            chunk: DEFAULT_CHUNK,
+            timeout: Duration::from_secs(30),
+            skip_wait: SkipWait::None,
+        }
+    }
+}
+
+/// Why staging failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StagingError {
+    /// A driver call failed (mapping, registration, events, copies).
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// The connection failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The peer sent something the staging protocol does not allow here.
+    #[error("host staging: {0}")]
+    Protocol(String),
+    /// The peer reported an error instead of going on.
+    #[error("host staging: the peer failed: {message} ({code})")]
+    Peer {
+        /// Its code.
+        code: ErrorCode,
+        /// Its message.
+        message: String,
+    },
+}
+
+type Result<T, E = StagingError> = std::result::Result<T, E>;
+
+/// One side of the host-staging rung over a connection. See the [module docs](self).
+pub struct StagingChannel {
+    driver: Arc<dyn Driver>,
+    buffer: SharedHostBuffer,
+    chunk: usize,
+    filled: [EventHandle; 2],
+    drained: [EventHandle; 2],
+    config: StagingConfig,
+}
+
+impl std::fmt::Debug for StagingChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagingChannel")
+            .field("buffer", &self.buffer)
+            .field("chunk", &self.chunk)
+            .finish_non_exhaustive()
+    }
+}
+
+fn ipc(e: &IpcEventHandle) -> EventBlob {
+    EventBlob(e.0)
+}
+
+fn unipc(e: &EventBlob) -> IpcEventHandle {
+    IpcEventHandle(e.0)
+}
+
+/// Destroys events made so far when setup fails half-way.
+fn destroy_all(driver: &dyn Driver, events: &[EventHandle]) {
+    for e in events {
+        if let Err(err) = driver.event_destroy(*e) {
+            tracing::warn!(event = ?e, error = %err, "host staging: event destroy failed");
+        }
+    }
+}
+
+impl StagingChannel {
+    /// Parent side: creates the buffer (two halves of `config.chunk` bytes) and the four
+    /// events, sends [`Message::StagingBuffer`] with the memfd, and waits for the worker's
+    /// [`Message::StagingReady`]. The device must be current on this thread.
+    pub fn setup_parent(
+        driver: Arc<dyn Driver>,
+        conn: &mut Connection,
+        config: StagingConfig,
+    ) -> Result<StagingChannel> {
+        let chunk = config.chunk;
+        let bytes = chunk
+            .checked_mul(2)
+            .filter(|_| chunk > 0)
+            .ok_or_else(|| StagingError::Protocol(format!("invalid chunk size {chunk}")))?;
+        let buffer = SharedHostBuffer::create(bytes)?;
+        buffer.register(&driver)?;
+        let mut events = Vec::with_capacity(4);
+        let mut blobs = Vec::with_capacity(4);
+        for _ in 0..4 {
+            let made = driver.event_create(true).and_then(|e| {
+                events.push(e);
+                driver.ipc_get_event_handle(e)
+            });
+            match made {
+                Ok(h) => blobs.push(ipc(&h)),
+                Err(e) => {
+                    destroy_all(driver.as_ref(), &events);
+                    return Err(e.into());
+                }
+            }
+        }
+        let channel = StagingChannel {
+            filled: [events[0], events[1]],
+            drained: [events[2], events[3]],
+            driver,
+            buffer,
+            chunk,
+            config,
+        };
+        let msg = Message::StagingBuffer(StagingBuffer {
+            bytes: bytes as u64,
+            chunk: chunk as u64,
+            filled_event: [blobs[0], blobs[1]],
+            drained_event: [blobs[2], blobs[3]],
+        });
+        conn.send(&msg, &[channel.buffer.fd()], channel.deadline())?;
+        match channel.recv(conn)? {
+            Message::StagingReady { bytes: b } if b == bytes as u64 => {}
+            Message::StagingReady { bytes: b } => {
+                return Err(StagingError::Protocol(format!(
+                    "the worker mapped {b} bytes of a {bytes}-byte buffer"
+                )));
+            }
+            other => return Err(unexpected(&other, "StagingReady")),
+        }
+        debug!(bytes, chunk, "host staging set up (parent)");
+        Ok(channel)
+    }
+
+    /// Worker side, given the [`Message::StagingBuffer`] and its FD as
+    /// [`Connection::recv`] returned them: maps and registers the buffer, opens the events,
+    /// answers [`Message::StagingReady`]. The device must be current on this thread.
+    pub fn setup_worker(
+        driver: Arc<dyn Driver>,
+        conn: &mut Connection,
+        setup: &StagingBuffer,
+        mut fds: Vec<OwnedFd>,
+        config: StagingConfig,
+    ) -> Result<StagingChannel> {
+        let (Some(fd), true) = (fds.pop(), fds.is_empty()) else {
+            return Err(StagingError::Protocol(
+                "StagingBuffer must come with exactly one FD".into(),
+            ));
+        };
+        let bytes = usize::try_from(setup.bytes).ok();
+        let chunk = usize::try_from(setup.chunk).ok().filter(|c| *c > 0);
+        let (Some(bytes), Some(chunk)) = (bytes, chunk) else {
+            return Err(StagingError::Protocol(format!(
+                "unusable staging buffer: {} bytes, chunk {}",
+                setup.bytes, setup.chunk
+            )));
+        };
+        if chunk.checked_mul(2) != Some(bytes) {
+            return Err(StagingError::Protocol(format!(
+                "a staging buffer of {bytes} bytes is not two chunks of {chunk}"
+            )));
+        }
+        let buffer = SharedHostBuffer::from_fd(fd, bytes)?;
+        buffer.register(&driver)?;
+        let mut events = Vec::with_capacity(4);
+        for blob in setup.filled_event.iter().chain(&setup.drained_event) {
+            match driver.ipc_open_event_handle(&unipc(blob)) {
+                Ok(e) => events.push(e),
+                Err(e) => {
+                    destroy_all(driver.as_ref(), &events);
+                    return Err(e.into());
+                }
+            }
+        }
+        let channel = StagingChannel {
+            filled: [events[0], events[1]],
+            drained: [events[2], events[3]],
+            driver,
+            buffer,
+            chunk,
+            config: StagingConfig { chunk, ..config },
+        };
+        conn.send(
+            &Message::StagingReady {
+                bytes: bytes as u64,
+            },
+            &[],
+            channel.deadline(),
+        )?;
+        debug!(bytes, chunk, "host staging set up (worker)");
+        Ok(channel)
+    }
+
+    /// Worker side, receiving the [`Message::StagingBuffer`] itself first (for a worker that
+    /// knows staging setup comes next).
+    pub fn accept_worker(
+        driver: Arc<dyn Driver>,
+        conn: &mut Connection,
+        config: StagingConfig,
+    ) -> Result<StagingChannel> {
+        let deadline = Instant::now() + config.timeout;
+        let (msg, fds) = conn.recv(deadline)?;
+        match msg {
+            Message::StagingBuffer(setup) => {
+                StagingChannel::setup_worker(driver, conn, &setup, fds, config)
+            }
+            Message::Error { code, message } => Err(StagingError::Peer { code, message }),
+            other => Err(unexpected(&other, "StagingBuffer")),
+        }
+    }
+
+    /// Bytes of one chunk (one half of the buffer).
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// The shared buffer.
+    pub fn buffer(&self) -> &SharedHostBuffer {
+        &self.buffer
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.config.timeout
+    }
+
+    fn recv(&self, conn: &mut Connection) -> Result<Message> {
+        let (msg, _fds) = conn.recv(self.deadline())?;
+        if let Message::Error { code, message } = msg {
+            return Err(StagingError::Peer { code, message });
+        }
+        Ok(msg)
+    }
+
+    /// The chunk `seq` of a tensor of `bytes`: (offset, length).
+    fn span(&self, seq: usize, bytes: usize) -> (usize, usize) {
+        let off = seq * self.chunk;
+        (off, self.chunk.min(bytes - off))
+    }
+
+    fn half(&self, seq: usize) -> usize {
+        (seq % 2) * self.chunk
+    }
+
+    /// Sends `[src, src + bytes)` of this process's device memory to the peer's
+    /// [`recv_tensor`](Self::recv_tensor) of the same `job`, `handle` and `bytes`. `src` must
+    /// be ready on `stream` (or ordered before it by the caller). Returns once the peer acked
+    /// every chunk; the copies out of `src` are issued on `stream`.
+    pub fn send_tensor(
+        &mut self,
+        conn: &mut Connection,
+        job: JobId,
+        handle: HandleId,
+        src: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let bytes = self.tensor_len(bytes)?;
+        let n = bytes.div_ceil(self.chunk);
+        let d = Arc::clone(&self.driver);
+        for h in 0..2 {
+            d.stream_wait_event(stream, self.filled[h])?;
+            d.stream_wait_event(stream, self.drained[h])?;
+        }
+        let mut acked = 0;
+        for seq in 0..n {
+            let (off, len) = self.span(seq, bytes);
+            if seq >= 2 {
+                while acked <= seq - 2 {
+                    self.expect_chunk(conn, job, handle, acked, bytes, "ack")?;
+                    acked += 1;
+                }
+                if self.config.skip_wait != SkipWait::Drained {
+                    d.stream_wait_event(stream, self.drained[seq % 2])?;
+                }
+            }
+            self.buffer
+                .copy_from_device(self.half(seq), src.offset(off as u64), len, stream)?;
+            d.event_record(self.filled[seq % 2], stream)?;
+            conn.send(
+                &Message::Chunk(chunk_msg(job, handle, seq, off, len)),
+                &[],
+                self.deadline(),
+            )?;
+            trace!(seq, off, len, "host staging: chunk sent");
+        }
+        while acked < n {
+            self.expect_chunk(conn, job, handle, acked, bytes, "ack")?;
+            acked += 1;
+        }
+        debug!(
+            ?job,
+            ?handle,
+            bytes,
+            chunks = n,
+            "host staging: tensor sent"
+        );
+        Ok(())
+    }
+
+    /// Receives the peer's [`send_tensor`](Self::send_tensor) of the same `job`, `handle` and
+    /// `bytes` into `[dst, dst + bytes)` of this process's device memory. Returns once every
+    /// copy into `dst` is issued on `stream`: later work on `stream` sees the tensor.
+    pub fn recv_tensor(
+        &mut self,
+        conn: &mut Connection,
+        job: JobId,
+        handle: HandleId,
+        dst: DevicePtr,
+        bytes: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let bytes = self.tensor_len(bytes)?;
+        let n = bytes.div_ceil(self.chunk);
+        let d = Arc::clone(&self.driver);
+        for seq in 0..n {
+            let c = self.expect_chunk(conn, job, handle, seq, bytes, "chunk")?;
+            let (off, len) = self.span(seq, bytes);
+            if self.config.skip_wait != SkipWait::Filled {
+                d.stream_wait_event(stream, self.filled[seq % 2])?;
+            }
+            self.buffer
+                .copy_to_device(self.half(seq), dst.offset(off as u64), len, stream)?;
+            d.event_record(self.drained[seq % 2], stream)?;
+            conn.send(&Message::Chunk(c), &[], self.deadline())?;
+            trace!(seq, off, len, "host staging: chunk received");
+        }
+        debug!(
+            ?job,
+            ?handle,
+            bytes,
+            chunks = n,
+            "host staging: tensor received"
+        );
+        Ok(())
+    }
+
+    fn tensor_len(&self, bytes: u64) -> Result<usize> {
+        usize::try_from(bytes)
+            .map_err(|_| StagingError::Protocol(format!("{bytes} bytes do not fit usize")))
+    }
+
+    /// Receives the `Chunk` for `seq` and checks every field.
+    fn expect_chunk(
+        &self,
+        conn: &mut Connection,
+        job: JobId,
+        handle: HandleId,
+        seq: usize,
+        bytes: usize,
+        what: &str,
+    ) -> Result<Chunk> {
+        let (off, len) = self.span(seq, bytes);
+        let want = chunk_msg(job, handle, seq, off, len);
+        match self.recv(conn)? {
+            Message::Chunk(c) if c == want => Ok(c),
+            Message::Chunk(c) => Err(StagingError::Protocol(format!(
+                "expected {what} {want:?}, got {c:?}"
+            ))),
+            other => Err(unexpected(&other, "Chunk")),
+        }
+    }
+}
+
+fn chunk_msg(job: JobId, handle: HandleId, seq: usize, off: usize, len: usize) -> Chunk {
+    Chunk {
+        job,
+        handle,
+        seq: seq as u64,
+        offset: off as u64,
+        bytes: len as u64,
+    }
+}
+
+fn unexpected(msg: &Message, wanted: &str) -> StagingError {
+    let kind: MessageKind = msg.kind();
+    StagingError::Protocol(format!("expected {wanted}, got {kind}"))
+}
+
+impl Drop for StagingChannel {
+    /// Destroys the four events; the buffer then waits for its copies, unregisters, unmaps.
+    fn drop(&mut self) {
+        destroy_all(
+            self.driver.as_ref(),
+            &[
+                self.filled[0],
+                self.filled[1],
+                self.drained[0],
+                self.drained[1],
+            ],
+        );
+    }
+}
