@@ -1,0 +1,41 @@
+//! The Python module `poolipc` (its native part, `poolipc._native`): the pool swap for
+//! ComfyUI's prestartup hook, the shared pool's statistics, [`parent::NativeParent`] to spawn
+//! workers and lend them tensors, [`worker::NativeWorker`] to take jobs whose views torch,
+//! CuPy and JAX take by DLPack or `__cuda_array_interface__`. The pure-Python package
+//! (`python/poolipc`) wraps these for torch.
+//!
+//! The driver is the GPU's unless `POOLIPC_DRIVER=sim` picks the simulated one (tests on
+//! machines without a GPU); a worker follows its parent.
+//!
+//! Unsafe code: only in [`dlpack`] (the DLPack capsule is a C protocol over raw pointers).
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod dlpack;
+mod dtype;
+mod errors;
+mod parent;
+mod state;
+mod worker;
+
+use pyo3::prelude::*;
+
+/// The native module.
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_function(wrap_pyfunction!(parent::_install, m)?)?;
+    m.add_function(wrap_pyfunction!(parent::is_installed, m)?)?;
+    m.add_function(wrap_pyfunction!(parent::memory_stats, m)?)?;
+    m.add_class::<parent::NativeParent>()?;
+    m.add_class::<parent::DeviceBuffer>()?;
+    m.add_class::<worker::NativeWorker>()?;
+    m.add_class::<worker::Job>()?;
+    m.add_class::<worker::View>()?;
+    m.add("PoolipcError", py.get_type::<errors::PoolipcError>())?;
+    m.add("JobFailedError", py.get_type::<errors::JobFailedError>())?;
+    m.add("ExpiredViewError", py.get_type::<errors::ExpiredViewError>())?;
+    m.add("DRIVER_ENV", state::DRIVER_ENV)?;
+    Ok(())
+}

@@ -1,0 +1,763 @@
+//! The worker side for Python: a thread owns the facade [`poolipc::Worker`] (its `Job` borrows
+//! it, which a Python object cannot hold) and carries out the commands Python objects send it.
+//! Every CUDA call of the worker happens on that thread, where the context is current.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use poolipc::{DType, DevicePtr, ResultShape, StreamHandle};
+use pyo3::exceptions::{PyAttributeError, PyBufferError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::dlpack;
+use crate::dtype;
+use crate::errors::{ExpiredViewError, JobFailedError, err};
+use crate::state;
+
+/// What Python asks the worker thread to do.
+enum Cmd {
+    NextJob,
+    Request(Vec<ResultShape>),
+    /// Make `waiter` wait for the work queued so far on `on`.
+    StreamWait { waiter: StreamHandle, on: StreamHandle },
+    Read(DevicePtr, usize),
+    Write(DevicePtr, Vec<u8>),
+    Finish,
+    Fail(String),
+}
+
+/// A view as the thread describes it.
+#[derive(Clone)]
+struct ViewInfo {
+    ptr: DevicePtr,
+    dtype: DType,
+    shape: Vec<u64>,
+    /// In elements, filled in when contiguous.
+    strides: Vec<i64>,
+    nbytes: u64,
+    rung: String,
+}
+
+enum Reply {
+    Job(Option<(u64, Vec<ViewInfo>)>),
+    Results(Vec<ViewInfo>),
+    Bytes(Vec<u8>),
+    Ok,
+}
+
+type Envelope = (Cmd, Sender<Result<Reply, String>>);
+
+fn thread_main(device: u32, rx: Receiver<Envelope>, ready: Sender<Result<(u64, bool), String>>) {
+    let opened = state::open_worker_driver().and_then(|driver| {
+        let sim = state::is_sim(&*driver);
+        poolipc::Worker::from_env(driver, device)
+            .map(|w| (w, sim))
+            .map_err(|e| format!("poolipc: starting the worker: {e}"))
+    });
+    let (mut worker, sim) = match opened {
+        Ok(w) => w,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let driver = Arc::clone(worker.driver());
+    let sync_event = match driver.event_create(false) {
+        Ok(e) => e,
+        Err(e) => {
+            let _ = ready.send(Err(format!("poolipc: cuEventCreate: {e}")));
+            return;
+        }
+    };
+    let _ = ready.send(Ok((worker.stream().0, sim)));
+    let stream_wait = |waiter: StreamHandle, on: StreamHandle| -> Result<Reply, String> {
+        // The simulation knows no CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2): its
+        // default stream is 0.
+        let sim_default = |s: StreamHandle| {
+            if sim && (s.0 == 1 || s.0 == 2) { StreamHandle::NULL } else { s }
+        };
+        let (waiter, on) = (sim_default(waiter), sim_default(on));
+        if waiter == on {
+            return Ok(Reply::Ok);
+        }
+        driver
+            .event_record(sync_event, on)
+            .and_then(|()| driver.stream_wait_event(waiter, sync_event))
+            .map(|()| Reply::Ok)
+            .map_err(|e| format!("poolipc: ordering streams: {e}"))
+    };
+    let copy = |cmd: Cmd| -> Result<Reply, String> {
+        match cmd {
+            Cmd::Read(p, n) => {
+                let mut buf = vec![0u8; n];
+                driver
+                    .memcpy_dtoh(&mut buf, p)
+                    .map(|()| Reply::Bytes(buf))
+                    .map_err(|e| format!("poolipc: reading device memory: {e}"))
+            }
+            Cmd::Write(p, data) => driver
+                .memcpy_htod(p, &data)
+                .map(|()| Reply::Ok)
+                .map_err(|e| format!("poolipc: writing device memory: {e}")),
+            _ => Err("poolipc: not a copy".into()),
+        }
+    };
+    while let Ok((cmd, reply)) = rx.recv() {
+        match cmd {
+            Cmd::NextJob => {}
+            Cmd::StreamWait { waiter, on } => {
+                let _ = reply.send(stream_wait(waiter, on));
+                continue;
+            }
+            c @ (Cmd::Read(..) | Cmd::Write(..)) => {
+                let _ = reply.send(copy(c));
+                continue;
+            }
+            _ => {
+                let _ = reply.send(Err("poolipc: no job is open".into()));
+                continue;
+            }
+        }
+        let mut job = match worker.next_job() {
+            Ok(Some(job)) => job,
+            Ok(None) => {
+                let _ = reply.send(Ok(Reply::Job(None)));
+                continue;
+            }
+            Err(e) => {
+                let _ = reply.send(Err(format!("poolipc: waiting for a job: {e}")));
+                continue;
+            }
+        };
+        let inputs = job
+            .inputs()
+            .iter()
+            .map(|v| ViewInfo {
+                ptr: v.ptr(),
+                dtype: v.desc().dtype,
+                shape: v.desc().shape.clone(),
+                strides: v.desc().strides_or_contiguous(),
+                nbytes: v.byte_len(),
+                rung: v.rung().to_string(),
+            })
+            .collect();
+        let _ = reply.send(Ok(Reply::Job(Some((job.id().0, inputs)))));
+        // The job is open: serve its commands until it is finished, failed, or dropped.
+        loop {
+            let Ok((cmd, reply)) = rx.recv() else {
+                // The Python side is gone: the drop of `job` finishes it.
+                return;
+            };
+            let answer = match cmd {
+                Cmd::Request(shapes) => match job.request_results(&shapes) {
+                    Ok(views) => Ok(Reply::Results(
+                        views
+                            .iter()
+                            .map(|v| ViewInfo {
+                                ptr: v.ptr(),
+                                dtype: v.shape().dtype,
+                                shape: v.shape().shape.clone(),
+                                strides: poolipc::TensorDesc::contiguous_strides(&v.shape().shape),
+                                nbytes: v.bytes(),
+                                rung: v.rung().to_string(),
+                            })
+                            .collect(),
+                    )),
+                    Err(e) => Err(format!("poolipc: requesting results: {e}")),
+                },
+                Cmd::StreamWait { waiter, on } => stream_wait(waiter, on),
+                c @ (Cmd::Read(..) | Cmd::Write(..)) => copy(c),
+                Cmd::Finish => {
+                    let r = job
+                        .finish()
+                        .map(|()| Reply::Ok)
+                        .map_err(|e| format!("poolipc: finishing the job: {e}"));
+                    let _ = reply.send(r);
+                    break;
+                }
+                Cmd::Fail(msg) => {
+                    let r = job
+                        .fail(&msg)
+                        .map(|()| Reply::Ok)
+                        .map_err(|e| format!("poolipc: failing the job: {e}"));
+                    let _ = reply.send(r);
+                    break;
+                }
+                Cmd::NextJob => Err("poolipc: the previous job is still open; finish it first".into()),
+            };
+            let _ = reply.send(answer);
+        }
+    }
+}
+
+/// The channel to the worker thread.
+struct Link {
+    tx: Mutex<Option<Sender<Envelope>>>,
+}
+
+impl Link {
+    fn call(&self, py: Python<'_>, cmd: Cmd) -> PyResult<Reply> {
+        let (rtx, rrx) = channel();
+        {
+            let guard = self.tx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let tx = guard
+                .as_ref()
+                .ok_or_else(|| err("poolipc: this worker was closed"))?;
+            tx.send((cmd, rtx))
+                .map_err(|_| err("poolipc: the worker thread is gone"))?;
+        }
+        py.detach(move || rrx.recv())
+            .map_err(|_| err("poolipc: the worker thread is gone"))?
+            .map_err(err)
+    }
+
+    /// Sends without waiting for the answer (used at drop).
+    fn post(&self, cmd: Cmd) {
+        let guard = self.tx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(tx) = guard.as_ref() {
+            let (rtx, _) = channel();
+            let _ = tx.send((cmd, rtx));
+        }
+    }
+}
+
+/// What every view of a job shares: whether the job is still open, how many DLPack tensors
+/// made from its views are alive, and the consumer streams DONE must come after.
+pub(crate) struct JobLife {
+    open: AtomicBool,
+    pub(crate) live_exports: AtomicUsize,
+    consumer_streams: Mutex<Vec<u64>>,
+}
+
+/// A worker process's side of poolipc. Made from the environment its parent set
+/// (`POOLIPC_FD`, and `POOLIPC_SIM_MACHINE` on the simulated driver).
+#[pyclass(module = "poolipc", name = "NativeWorker")]
+pub(crate) struct NativeWorker {
+    link: Arc<Link>,
+    thread: Option<JoinHandle<()>>,
+    #[pyo3(get)]
+    stream: u64,
+    #[pyo3(get)]
+    device: u32,
+    #[pyo3(get)]
+    simulated: bool,
+}
+
+#[pymethods]
+impl NativeWorker {
+    #[new]
+    #[pyo3(signature = (device = 0))]
+    fn new(py: Python<'_>, device: u32) -> PyResult<Self> {
+        let (tx, rx) = channel::<Envelope>();
+        let (rtx, rrx) = channel();
+        let thread = std::thread::Builder::new()
+            .name("poolipc-worker".into())
+            .spawn(move || thread_main(device, rx, rtx))
+            .map_err(|e| err(format!("poolipc: starting the worker thread: {e}")))?;
+        let started = py
+            .detach(move || rrx.recv())
+            .map_err(|_| err("poolipc: the worker thread ended before it started"))?;
+        let (stream, simulated) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = thread.join();
+                return Err(err(e));
+            }
+        };
+        Ok(NativeWorker {
+            link: Arc::new(Link {
+                tx: Mutex::new(Some(tx)),
+            }),
+            thread: Some(thread),
+            stream,
+            device,
+            simulated,
+        })
+    }
+
+    /// Waits for the next job; None when the parent said goodbye or went away.
+    fn next_job(&self, py: Python<'_>) -> PyResult<Option<Job>> {
+        match self.link.call(py, Cmd::NextJob)? {
+            Reply::Job(None) => Ok(None),
+            Reply::Job(Some((id, inputs))) => {
+                let life = Arc::new(JobLife {
+                    open: AtomicBool::new(true),
+                    live_exports: AtomicUsize::new(0),
+                    consumer_streams: Mutex::new(Vec::new()),
+                });
+                let views = inputs
+                    .into_iter()
+                    .map(|info| {
+                        Py::new(
+                            py,
+                            View::new(info, false, &life, &self.link, self.stream, self.device),
+                        )
+                    })
+                    .collect::<PyResult<Vec<_>>>()?;
+                Ok(Some(Job {
+                    id,
+                    link: Arc::clone(&self.link),
+                    life,
+                    stream: self.stream,
+                    device: self.device,
+                    inputs: views,
+                    results: Vec::new(),
+                }))
+            }
+            _ => Err(err("poolipc: unexpected answer from the worker thread")),
+        }
+    }
+
+    /// Stops the worker thread (an open job is finished first).
+    fn close(&mut self, py: Python<'_>) {
+        self.link
+            .tx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(t) = self.thread.take() {
+            py.detach(move || {
+                let _ = t.join();
+            });
+        }
+    }
+}
+
+impl Drop for NativeWorker {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread; it is not joined here (no GIL juggling at drop).
+        self.link
+            .tx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+    }
+}
+
+/// One job: input views, result buffers, and the obligation to finish. Finishing records
+/// DONE after every consumer stream that took a view by DLPack, frees the imports, and
+/// acknowledges; the views then raise `ExpiredViewError`.
+#[pyclass(module = "poolipc")]
+pub(crate) struct Job {
+    #[pyo3(get)]
+    id: u64,
+    link: Arc<Link>,
+    life: Arc<JobLife>,
+    /// The job's stream: it waited on READY; DONE is recorded on it.
+    #[pyo3(get)]
+    stream: u64,
+    device: u32,
+    inputs: Vec<Py<View>>,
+    results: Vec<Py<View>>,
+}
+
+impl Job {
+    fn end(&mut self, py: Python<'_>, cmd: Cmd) -> PyResult<()> {
+        if !self.life.open.load(Ordering::Acquire) {
+            return Err(ExpiredViewError::new_err("poolipc: this job has already ended"));
+        }
+        let streams = std::mem::take(
+            &mut *self
+                .life
+                .consumer_streams
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        let mut first_err = None;
+        for s in streams {
+            if let Err(e) = self.link.call(
+                py,
+                Cmd::StreamWait {
+                    waiter: StreamHandle(self.stream),
+                    on: StreamHandle(s),
+                },
+            ) {
+                first_err.get_or_insert(e);
+            }
+        }
+        self.life.open.store(false, Ordering::Release);
+        self.link.call(py, cmd)?;
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+#[pymethods]
+impl Job {
+    /// The input views, in argument order.
+    #[getter]
+    fn inputs(&self, py: Python<'_>) -> Vec<Py<View>> {
+        self.inputs.iter().map(|v| v.clone_ref(py)).collect()
+    }
+
+    /// The result buffers requested so far.
+    #[getter]
+    fn results(&self, py: Python<'_>) -> Vec<Py<View>> {
+        self.results.iter().map(|v| v.clone_ref(py)).collect()
+    }
+
+    /// Whether the job is still open.
+    #[getter]
+    fn open(&self) -> bool {
+        self.life.open.load(Ordering::Acquire)
+    }
+
+    /// How many DLPack tensors made from this job's views are still alive. After `finish` they
+    /// point at memory the parent owns again and must not be used.
+    #[getter]
+    fn live_exports(&self) -> usize {
+        self.life.live_exports.load(Ordering::Acquire)
+    }
+
+    /// Asks the parent for result memory, shape first: `shapes` is a list of
+    /// `(dtype, shape)`. Returns the new result buffers (contiguous).
+    fn request_results(
+        &mut self,
+        py: Python<'_>,
+        shapes: Vec<(String, Vec<u64>)>,
+    ) -> PyResult<Vec<Py<View>>> {
+        if !self.life.open.load(Ordering::Acquire) {
+            return Err(ExpiredViewError::new_err("poolipc: this job has already ended"));
+        }
+        let shapes = shapes
+            .into_iter()
+            .map(|(d, s)| Ok(ResultShape::new(dtype::parse(&d)?, &s)))
+            .collect::<PyResult<Vec<_>>>()?;
+        match self.link.call(py, Cmd::Request(shapes)) {
+            Ok(Reply::Results(infos)) => {
+                let mut new = Vec::with_capacity(infos.len());
+                for info in infos {
+                    let v = Py::new(
+                        py,
+                        View::new(info, true, &self.life, &self.link, self.stream, self.device),
+                    )?;
+                    self.results.push(v.clone_ref(py));
+                    new.push(v);
+                }
+                Ok(new)
+            }
+            Ok(_) => Err(err("poolipc: unexpected answer from the worker thread")),
+            Err(e) => Err(JobFailedError::new_err(e.value(py).to_string())),
+        }
+    }
+
+    /// Ends the job: DONE after the job's stream and every stream in `streams` (and every
+    /// consumer stream that took a view by DLPack), imports freed, ACK. The views expire.
+    #[pyo3(signature = (streams = None))]
+    fn finish(&mut self, py: Python<'_>, streams: Option<Vec<u64>>) -> PyResult<()> {
+        if let Some(s) = streams {
+            self.life
+                .consumer_streams
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .extend(s);
+        }
+        self.end(py, Cmd::Finish)
+    }
+
+    /// Reports the job as failed to the parent (its `run` raises `JobFailedError` with
+    /// `message`), then ends it like `finish`.
+    fn fail(&mut self, py: Python<'_>, message: String) -> PyResult<()> {
+        self.end(py, Cmd::Fail(message))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Finishes the job, or fails it with the exception's text when the block raised.
+    #[pyo3(signature = (exc_type = None, exc = None, _tb = None))]
+    fn __exit__(
+        &mut self,
+        py: Python<'_>,
+        exc_type: Option<Bound<'_, PyAny>>,
+        exc: Option<Bound<'_, PyAny>>,
+        _tb: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if !self.life.open.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        match (exc_type, exc) {
+            (Some(t), Some(e)) if !t.is_none() => {
+                let name = t
+                    .getattr("__name__")
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|_| "exception".into());
+                self.fail(py, format!("{name}: {e}"))?;
+            }
+            _ => self.finish(py, None)?,
+        }
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Job(id={}, inputs={}, results={}, open={})",
+            self.id,
+            self.inputs.len(),
+            self.results.len(),
+            self.life.open.load(Ordering::Acquire)
+        )
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.life.open.swap(false, Ordering::AcqRel) {
+            // Dropped without finish: finish it, so the parent is not left waiting.
+            self.link.post(Cmd::Finish);
+        }
+    }
+}
+
+/// An input view or a result buffer of a job: device memory the parent owns, usable by
+/// torch, CuPy and JAX without a copy (`__dlpack__`, `__cuda_array_interface__`) until the
+/// job ends; any use after that raises `ExpiredViewError`.
+#[pyclass(module = "poolipc")]
+pub(crate) struct View {
+    info: ViewInfo,
+    /// A result buffer (written by the worker) rather than an input.
+    #[pyo3(get)]
+    is_result: bool,
+    life: Arc<JobLife>,
+    link: Arc<Link>,
+    job_stream: u64,
+    device: u32,
+}
+
+impl View {
+    fn new(
+        info: ViewInfo,
+        is_result: bool,
+        life: &Arc<JobLife>,
+        link: &Arc<Link>,
+        job_stream: u64,
+        device: u32,
+    ) -> View {
+        View {
+            info,
+            is_result,
+            life: Arc::clone(life),
+            link: Arc::clone(link),
+            job_stream,
+            device,
+        }
+    }
+
+    fn check_open(&self) -> PyResult<()> {
+        if self.life.open.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(ExpiredViewError::new_err(
+                "poolipc: this view's job has ended; its memory belongs to the parent again \
+                 (use views, and tensors made from them, only inside the job)",
+            ))
+        }
+    }
+
+    /// The DLPack `stream` argument as a stream handle: None means the legacy default stream
+    /// (1 in CUDA's numbering); -1 means no ordering wanted.
+    fn consumer_stream(&self, stream: Option<i64>) -> PyResult<Option<StreamHandle>> {
+        match stream {
+            Some(-1) => Ok(None),
+            Some(0) => Err(PyValueError::new_err(
+                "poolipc: stream 0 is ambiguous in DLPack; pass 1 (legacy default), 2 \
+                 (per-thread default) or a stream handle",
+            )),
+            Some(s) if s < -1 => Err(PyValueError::new_err(format!(
+                "poolipc: {s} is not a stream"
+            ))),
+            // CU_STREAM_LEGACY is the handle 1, CU_STREAM_PER_THREAD the handle 2 in the driver
+            // API, so the DLPack numbers are the driver's handles.
+            Some(s) => Ok(Some(StreamHandle(s as u64))),
+            None => Ok(Some(StreamHandle(1))),
+        }
+    }
+}
+
+#[pymethods]
+impl View {
+    /// The device address of element 0 in this process.
+    #[getter]
+    fn ptr(&self) -> PyResult<u64> {
+        self.check_open()?;
+        Ok(self.info.ptr.0)
+    }
+
+    /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        dtype::name(self.info.dtype)
+    }
+
+    /// The shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.info.shape)
+    }
+
+    /// The strides, in elements.
+    #[getter]
+    fn strides<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.info.strides)
+    }
+
+    /// Bytes from element 0 to the end of the last element.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.info.nbytes
+    }
+
+    /// The rung it crossed on.
+    #[getter]
+    fn rung(&self) -> &str {
+        &self.info.rung
+    }
+
+    /// The job's stream (it waited on READY).
+    #[getter]
+    fn stream(&self) -> u64 {
+        self.job_stream
+    }
+
+    /// Whether its job is still open.
+    #[getter]
+    fn valid(&self) -> bool {
+        self.life.open.load(Ordering::Acquire)
+    }
+
+    /// A copy of the bytes `[ptr, ptr + nbytes)` (synchronous; for tests and debugging).
+    fn read_bytes(&self, py: Python<'_>) -> PyResult<Vec<u8>> {
+        self.check_open()?;
+        let n = usize::try_from(self.info.nbytes)
+            .map_err(|_| PyValueError::new_err("poolipc: too large to read"))?;
+        match self.link.call(py, Cmd::Read(self.info.ptr, n))? {
+            Reply::Bytes(b) => Ok(b),
+            _ => Err(err("poolipc: unexpected answer from the worker thread")),
+        }
+    }
+
+    /// Writes `data` at the start of the view (synchronous; for tests and debugging).
+    fn write_bytes(&self, py: Python<'_>, data: Vec<u8>) -> PyResult<()> {
+        self.check_open()?;
+        if data.len() as u64 > self.info.nbytes {
+            return Err(PyValueError::new_err(format!(
+                "poolipc: {} bytes do not fit in a view of {} bytes",
+                data.len(),
+                self.info.nbytes
+            )));
+        }
+        self.link.call(py, Cmd::Write(self.info.ptr, data))?;
+        Ok(())
+    }
+
+    /// `(kDLCUDA, device)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (dlpack::DL_CUDA, self.device as i32)
+    }
+
+    /// A DLPack capsule over the view (no copy). `stream` is the consumer's stream: it is made
+    /// to wait on the job's stream, and DONE will wait on it. A versioned capsule
+    /// (`dltensor_versioned`) when `max_version` is at least (1, 0), a legacy one otherwise.
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.check_open()?;
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "poolipc: views are handed out without a copy (copy=True is not supported)",
+            ));
+        }
+        if let Some(d) = dl_device {
+            if d != self.__dlpack_device__() {
+                return Err(PyBufferError::new_err(format!(
+                    "poolipc: the view lives on {:?}, not {d:?}",
+                    self.__dlpack_device__()
+                )));
+            }
+        }
+        let (code, bits) = dlpack::code_of(self.info.dtype).ok_or_else(|| {
+            PyBufferError::new_err(format!(
+                "poolipc: {} has no DLPack type code here",
+                dtype::name(self.info.dtype)
+            ))
+        })?;
+        if let Some(s) = self.consumer_stream(stream)? {
+            self.link.call(
+                py,
+                Cmd::StreamWait {
+                    waiter: s,
+                    on: StreamHandle(self.job_stream),
+                },
+            )?;
+            let mut cs = self
+                .life
+                .consumer_streams
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !cs.contains(&s.0) && s.0 != self.job_stream {
+                cs.push(s.0);
+            }
+        }
+        let tensor = dlpack::Export {
+            data: self.info.ptr.0,
+            device_id: self.device as i32,
+            code,
+            bits,
+            shape: self.info.shape.iter().map(|&d| d as i64).collect(),
+            strides: self.info.strides.clone(),
+            life: Arc::clone(&self.life),
+        };
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        dlpack::capsule(py, tensor, versioned)
+    }
+
+    /// `__cuda_array_interface__` version 3, with the job's stream as `stream` (consumers
+    /// order their work after it). Not offered for bfloat16 and float8 (numpy has no type
+    /// string for them): use DLPack there.
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.check_open()
+            .map_err(|e| PyAttributeError::new_err(e.value(py).to_string()))?;
+        let typestr = dtype::typestr(self.info.dtype).ok_or_else(|| {
+            PyAttributeError::new_err(format!(
+                "poolipc: {} has no __cuda_array_interface__ type string; use __dlpack__",
+                dtype::name(self.info.dtype)
+            ))
+        })?;
+        let elem = self.info.dtype.size_bytes() as i64;
+        let d = PyDict::new(py);
+        d.set_item("shape", PyTuple::new(py, &self.info.shape)?)?;
+        d.set_item("typestr", typestr)?;
+        d.set_item("data", (self.info.ptr.0, false))?;
+        let strides: Vec<i64> = self.info.strides.iter().map(|s| s * elem).collect();
+        d.set_item("strides", PyTuple::new(py, strides)?)?;
+        d.set_item("version", 3)?;
+        // Stream 0 is not allowed in the interface; the simulation may number a stream so.
+        d.set_item("stream", (self.job_stream != 0).then_some(self.job_stream))?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "{}(ptr={:#x}, dtype={}, shape={:?}, strides={:?}, valid={})",
+            if self.is_result { "ResultBuffer" } else { "InputView" },
+            self.info.ptr.0,
+            dtype::name(self.info.dtype),
+            self.info.shape,
+            self.info.strides,
+            self.life.open.load(Ordering::Acquire)
+        )
+    }
+}
