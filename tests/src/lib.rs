@@ -203,7 +203,7 @@ pub fn worker_command(env: &Env, die_at: Option<&str>) -> Result<Command> {
         cmd.env(k, v);
     }
     if let Some(step) = die_at {
-        cmd.env("POOLIPC_TEST_DIE_AT", step);
+        cmd.env(poolipc::FAILPOINT_ENV, step);
     }
     Ok(cmd)
 }

@@ -22,8 +22,7 @@ fn parent(env: &Env, limit: ImportLimit) -> Result<Parent> {
 /// An allocation from the shared pool filled with a 32-bit pattern.
 fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<DevicePtr> {
     let ptr = p.pool().alloc(bytes, stream)?;
-    p.driver()
-        .memset_d32_async(ptr, pattern, bytes.div_ceil(4), stream)?;
+    echo::fill_pattern(&**p.driver(), ptr, bytes, pattern, stream)?;
     Ok(ptr)
 }
 
@@ -118,6 +117,9 @@ both_drivers!(
     }
 );
 
+/// A worker killed (SIGKILL) at `step`, twice: the parent survives, the job errs, the pool's
+/// used bytes return to the baseline, the next job on a fresh worker succeeds. `after-ack`
+/// dies once the job is acknowledged: that job succeeds and the worker's next one fails.
 fn killed_at(env: &Env, step: &str) -> Result<()> {
     let mut p = parent(env, ImportLimit::default())?;
     let d = Arc::clone(p.driver());
@@ -130,9 +132,23 @@ fn killed_at(env: &Env, step: &str) -> Result<()> {
     }];
     for attempt in 0..2 {
         let doomed = p.spawn_worker(worker_command(env, Some(step))?)?;
-        match p.run_job(doomed, &inputs, stream) {
-            Err(Error::JobFailed { .. }) => {}
-            other => anyhow::bail!("{step} attempt {attempt}: expected JobFailed, got {other:?}"),
+        let first = p.run_job(doomed, &inputs, stream);
+        let failed = if step == "after-ack" {
+            let out =
+                first.map_err(|e| anyhow::anyhow!("{step}: the acknowledged job failed: {e}"))?;
+            d.stream_synchronize(stream)?;
+            for r in &out.results {
+                p.pool().free(r.ptr, stream)?;
+            }
+            p.run_job(doomed, &inputs, stream)
+        } else {
+            first
+        };
+        match failed {
+            Err(Error::JobFailed { .. } | Error::UnknownWorker(_)) => {}
+            other => {
+                anyhow::bail!("{step} attempt {attempt}: expected the job to fail, got {other:?}")
+            }
         }
         d.stream_synchronize(stream)?;
         let used = p.pool().stats()?.used_current;
@@ -140,7 +156,6 @@ fn killed_at(env: &Env, step: &str) -> Result<()> {
             used == baseline + 4 * MIB,
             "{step}: {used} bytes in use after the failed job"
         );
-        // The next job, on a fresh worker, succeeds.
         let fresh = p.spawn_worker(worker_command(env, None)?)?;
         let out = p.run_job(fresh, &inputs, stream)?;
         d.stream_synchronize(stream)?;
@@ -159,48 +174,90 @@ fn killed_at(env: &Env, step: &str) -> Result<()> {
 }
 
 both_drivers!(
-    fn a_worker_dying_after_import_fails_its_job_only(env) {
+    fn a_worker_killed_before_import_fails_its_job_only(env) {
+        killed_at(env, "before-import")
+    }
+);
+
+both_drivers!(
+    fn a_worker_killed_before_waiting_on_ready_fails_its_job_only(env) {
+        killed_at(env, "before-ready-wait")
+    }
+);
+
+both_drivers!(
+    fn a_worker_killed_after_import_fails_its_job_only(env) {
         killed_at(env, "after-import")
     }
 );
 
 both_drivers!(
-    fn a_worker_dying_after_the_result_grant_fails_its_job_only(env) {
+    fn a_worker_killed_after_the_result_grant_fails_its_job_only(env) {
         killed_at(env, "after-grant")
     }
 );
 
 both_drivers!(
-    fn a_worker_dying_after_writing_before_done_fails_its_job_only(env) {
+    fn a_worker_killed_after_writing_fails_its_job_only(env) {
         killed_at(env, "after-write")
     }
 );
 
 both_drivers!(
-    fn a_tensor_over_the_import_limit_is_refused_clearly_and_the_parent_goes_on(env) {
+    fn a_worker_killed_before_recording_done_fails_its_job_only(env) {
+        killed_at(env, "before-done")
+    }
+);
+
+both_drivers!(
+    fn a_worker_killed_between_done_and_ack_fails_its_job_only(env) {
+        killed_at(env, "after-done")
+    }
+);
+
+both_drivers!(
+    fn a_worker_killed_after_its_ack_fails_only_its_next_job(env) {
+        killed_at(env, "after-ack")
+    }
+);
+
+both_drivers!(
+    fn a_tensor_over_the_import_limit_takes_host_staging_both_ways_and_arrives_intact(env) {
         // A 2-chunk limit of 1 MiB chunks stands in for the 128 × 32 MiB rule.
         let mut p = parent(env, ImportLimit::new(MIB, 2).expect("limit"))?;
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
+        let baseline = p.pool().stats()?.used_current;
         let worker = p.spawn_worker(worker_command(env, None)?)?;
-        let big = filled(&p, 4 * MIB, 1, stream)?;
-        let small = filled(&p, MIB, 2, stream)?;
-        let err = p
-            .run_job(worker, &[Input { ptr: big, desc: TensorDesc::contiguous(DType::U8, &[4 * MIB]) }], stream)
-            .expect_err("over the limit");
-        ensure!(matches!(err, Error::NoRung(_)), "{err}");
-        ensure!(err.to_string().contains("over the pointer-import limit"), "{err}");
-        let report = p.canary_report(worker).expect("the battery ran");
+        let report = p.canary_report(worker).expect("the battery ran").clone();
         ensure!(report.ok(), "{report}");
-        ensure!(!report.skipped.is_empty(), "over-limit canaries should be skipped: {report}");
-        let out = p.run_job(worker, &[Input { ptr: small, desc: TensorDesc::contiguous(DType::U8, &[MIB]) }], stream)?;
+        ensure!(!report.skipped.is_empty(), "over-limit canaries are skipped: {report}");
+        // 5 MiB + 3 bytes: over the limit, and not a multiple of the staging chunk.
+        let bytes = 5 * MIB + 3;
+        let big = filled(&p, bytes, 0x1357_9BDF, stream)?;
+        let small = filled(&p, MIB / 2, 0x2468_ACE0, stream)?;
+        let inputs = [
+            Input { ptr: big, desc: TensorDesc::contiguous(DType::U8, &[bytes]) },
+            Input { ptr: small, desc: TensorDesc::contiguous(DType::U8, &[MIB / 2]) },
+        ];
+        let out = p.run_job(worker, &inputs, stream)?;
+        ensure!(out.input_rungs == vec![Rung::HostStaging, Rung::PoolPointer], "{:?}", out.input_rungs);
+        ensure!(out.results[0].rung == Rung::HostStaging, "{:?}", out.results[0]);
+        ensure!(out.results[1].rung == Rung::PoolPointer, "{:?}", out.results[1]);
         d.stream_synchronize(stream)?;
-        for r in out.results {
+        for (i, (r, pattern)) in out.results.iter().zip([0x1357_9BDFu32, 0x2468_ACE0]).enumerate() {
+            let got = read(&*d, r.ptr, r.bytes as usize)?;
+            ensure!(got[..4] == echo::marker(i).to_le_bytes(), "result {i}: no marker");
+            let pat = pattern.to_le_bytes();
+            for (k, b) in got.iter().enumerate().skip(4) {
+                ensure!(*b == pat[k % 4], "result {i}: byte {k} is {b:#x}");
+            }
             p.pool().free(r.ptr, stream)?;
         }
         p.pool().free(big, stream)?;
         p.pool().free(small, stream)?;
         d.stream_synchronize(stream)?;
+        ensure!(p.pool().stats()?.used_current == baseline, "memory left in use: {}", p.pool().stats()?);
         Ok(())
     }
 );

@@ -175,7 +175,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let mut failures = 0;
     for c in cases() {
         let base = parent.pool().alloc(c.alloc, stream)?;
-        d.memset_d32_async(base, c.pattern, c.alloc.div_ceil(4), stream)?;
+        echo::fill_pattern(d, base, c.alloc, c.pattern, stream)?;
         let inputs = [Input {
             ptr: base.offset(c.offset),
             desc: c.desc.clone(),

@@ -160,8 +160,7 @@ impl Battery<'_> {
                     .pool()
                     .alloc(p.alloc, s)
                     .map_err(|e| e.to_string())?;
-                d.memset_d32_async(a, p.pattern, p.alloc.div_ceil(4), s)
-                    .map_err(|e| e.to_string())?;
+                echo::fill_pattern(&*d, a, p.alloc, p.pattern, s).map_err(|e| e.to_string())?;
                 allocs.push(a);
                 a
             };

@@ -13,6 +13,27 @@ pub fn marker(i: usize) -> u32 {
     0xEC40_0000 | (i as u32 & 0xFFFF)
 }
 
+/// Fills `[ptr, ptr + bytes)` with the repeating little-endian bytes of `pattern` on
+/// `stream`, byte `k` being `pattern.to_le_bytes()[k % 4]`, never touching a byte beyond (the
+/// driver refuses a memset past the allocation's size). `ptr` must be 4-byte aligned.
+pub fn fill_pattern(
+    driver: &dyn crate::Driver,
+    ptr: crate::DevicePtr,
+    bytes: u64,
+    pattern: u32,
+    stream: crate::StreamHandle,
+) -> Result<(), Error> {
+    let words = bytes / 4;
+    if words > 0 {
+        driver.memset_d32_async(ptr, pattern, words, stream)?;
+    }
+    let tail = pattern.to_le_bytes();
+    for k in words * 4..bytes {
+        driver.memset_d8_async(ptr.offset(k), tail[(k % 4) as usize], 1, stream)?;
+    }
+    Ok(())
+}
+
 /// A point in a job at which [`serve`] can be told to die, to test what the parent does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DieAt {
@@ -38,9 +59,14 @@ impl std::str::FromStr for DieAt {
 
 fn die_here(at: Option<DieAt>, here: DieAt) {
     if at == Some(here) {
-        tracing::warn!(?here, "echo worker dying on purpose");
-        std::process::abort();
+        tracing::warn!(?here, "echo worker dying on purpose (SIGKILL)");
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
     }
+    crate::worker::failpoint(match here {
+        DieAt::AfterImport => "after-import",
+        DieAt::AfterGrant => "after-grant",
+        DieAt::AfterWrite => "after-write",
+    });
 }
 
 /// Answers one job as the echo worker does: a result per input, a copy with a marker.

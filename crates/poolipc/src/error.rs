@@ -9,6 +9,9 @@ use poolipc_transport::{HandshakeError, SetupError, TransportError};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// The host-staging rung failed.
+    #[error(transparent)]
+    Staging(#[from] crate::staging::StagingError),
     /// A CUDA driver call failed.
     #[error(transparent)]
     Driver(#[from] DriverError),

@@ -27,7 +27,7 @@ pub use parent::{Input, JobOutput, Parent, ParentOptions, ResultTensor, WorkerIn
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_transport::{DType, JobId};
 pub use tensor::{ResultShape, Rung, TensorDesc};
-pub use worker::{InputView, Job, ResultView, Worker};
+pub use worker::{FAILPOINT_ENV, InputView, Job, ResultView, Worker, failpoint};
 
 /// Results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

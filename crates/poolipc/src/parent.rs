@@ -14,10 +14,12 @@ use poolipc_pool::{ImportLimit, SharedPool};
 use poolipc_transport::{
     AllocationGrant, Capabilities, Connection, DeviceUuid, ErrorCode, EventBlob, ExportBlob,
     HandleId, HandshakeConfig, Identity, JobId, Lend, LentTensor, Message, ResultGrant,
+    Rung as WireRung,
 };
 
 use crate::canary::CanaryReport;
 use crate::error::Error;
+use crate::staging::{StagingChannel, StagingConfig};
 use crate::tensor::{ResultShape, Rung, TensorDesc};
 
 /// How a [`Parent`] behaves.
@@ -33,6 +35,8 @@ pub struct ParentOptions {
     pub handshake_timeout: Duration,
     /// Run the canary battery on each new worker before it takes jobs.
     pub canary: bool,
+    /// The host-staging rung's buffer and waits.
+    pub staging: StagingConfig,
 }
 
 impl Default for ParentOptions {
@@ -43,6 +47,7 @@ impl Default for ParentOptions {
             handoff_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(60),
             canary: true,
+            staging: StagingConfig::default(),
         }
     }
 }
@@ -103,6 +108,7 @@ struct Slot {
     next_request: u64,
     dead: bool,
     canary: Option<CanaryReport>,
+    staging: Option<StagingChannel>,
 }
 
 /// The state of one job while it runs.
@@ -118,6 +124,12 @@ struct JobState {
     results: BTreeMap<RequestId, ResultTensor>,
     result_allocs: HashMap<AllocId, (DevicePtr, RequestId)>,
     failed: Option<(FailReason, String)>,
+    /// Inputs on the host-staging rung: (wire handle, element 0, bytes), in argument order.
+    staged: Vec<(HandleId, DevicePtr, u64)>,
+    /// Results on the host-staging rung, by wire handle: (the parent's allocation, bytes).
+    staged_results: HashMap<HandleId, (DevicePtr, u64)>,
+    /// Result allocations made before the contract asked for them, by request.
+    preallocated: HashMap<RequestId, DevicePtr>,
     worker_error: Option<String>,
     open_handoffs: usize,
     acked_all: bool,
@@ -145,6 +157,11 @@ impl std::fmt::Debug for Parent {
             .finish_non_exhaustive()
     }
 }
+
+/// Wire handles of staged inputs have this bit set; the contract's handoff ids never do.
+const STAGED_HANDLE: u64 = 1 << 62;
+/// With [`STAGED_HANDLE`]: a staged result rather than an input.
+const RESULT_HANDLE: u64 = 1 << 61;
 
 fn blob64(b: &[u8; 64]) -> ExportBlob {
     ExportBlob(*b)
@@ -199,7 +216,9 @@ impl Parent {
         Ok(Identity {
             device: DeviceUuid(info.uuid.0),
             driver_version: self.driver.driver_version()?,
-            capabilities: Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS,
+            capabilities: Capabilities::POOL_POINTER
+                | Capabilities::IPC_EVENTS
+                | Capabilities::HOST_STAGING,
             devices: Vec::new(),
         })
     }
@@ -256,6 +275,7 @@ impl Parent {
                 next_request: 1,
                 dead: false,
                 canary: None,
+                staging: None,
             },
         );
         if self.options.canary {
@@ -342,12 +362,13 @@ impl Parent {
         if slot.dead {
             return Err(Error::UnknownWorker(worker));
         }
-        if let Some(report) = slot.canary.as_ref().filter(|r| !r.ok()) {
-            return Err(Error::NoRung(format!(
-                "{worker} was demoted from the pool-pointer rung by its canary battery ({report}); \
-                 host staging is not built yet"
-            )));
-        }
+        // A worker whose canary battery failed takes every input by host staging.
+        let demoted = slot.canary.as_ref().is_some_and(|r| !r.ok());
+        let stages = slot
+            .info
+            .identity
+            .capabilities
+            .contains(Capabilities::HOST_STAGING);
         let span = tracing::info_span!("job", worker = %worker, job = job.0);
         let _enter = span.enter();
         let cjob = contract::JobId(job.0);
@@ -370,15 +391,44 @@ impl Parent {
                     offset + extent - size
                 )));
             }
-            if let Err(e) = self.options.limit.check(base.0, size) {
+            let by_pointer = !demoted && self.options.limit.allows(base.0, size);
+            if !by_pointer && !stages {
+                let why = match self.options.limit.check(base.0, size) {
+                    Err(e) => e.to_string(),
+                    Ok(()) => format!("{worker} was demoted by its canary battery"),
+                };
                 return Err(Error::NoRung(format!(
-                    "an input is over the pointer-import limit ({e}); host staging is not \
-                     built yet"
+                    "an input cannot go by pool pointer ({why}) and the worker has no host staging"
                 )));
             }
-            placed.push((base, size, offset, extent));
+            placed.push((base, size, offset, extent, by_pointer));
         }
-        for (input, (base, size, offset, extent)) in inputs.iter().zip(placed) {
+        // Host staging is set up before anything is lent, so a failure leaves nothing lent.
+        if placed.iter().any(|p| !p.4) && self.slot(worker)?.staging.is_none() {
+            let driver = Arc::clone(&self.driver);
+            let config = self.options.staging.clone();
+            let slot = self.slot_mut(worker)?;
+            slot.staging = Some(StagingChannel::setup_parent(
+                driver,
+                &mut slot.conn,
+                config,
+            )?);
+        }
+        for (input, (base, size, offset, extent, by_pointer)) in inputs.iter().zip(placed) {
+            if !by_pointer {
+                let handle = HandleId(STAGED_HANDLE | st.staged.len() as u64);
+                st.lend.push(LentTensor {
+                    handle,
+                    rung: WireRung::HostStaging,
+                    export: ExportBlob([0; 64]),
+                    ready_event: EventBlob([0; 64]),
+                    meta: input.desc.meta(0, extent),
+                });
+                st.staged.push((handle, input.ptr, extent));
+                input_rungs.push(Rung::HostStaging);
+                tracing::debug!(bytes = extent, "input takes the host-staging rung");
+                continue;
+            }
             let alloc_id = *allocs_by_base.entry(base.0).or_insert_with(|| {
                 let a = AllocId(self.next_alloc);
                 self.next_alloc += 1;
@@ -409,8 +459,14 @@ impl Parent {
             self.drive(job, stream, &mut st, alloc, Some((input, offset, extent)))?;
             input_rungs.push(Rung::PoolPointer);
         }
-        self.flush(worker, job, stream, &mut st)?;
-        self.serve(worker, job, stream, &mut st, alloc)?;
+        let sent = self
+            .flush(worker, job, stream, &mut st)
+            .and_then(|()| self.send_staged(worker, job, stream, &mut st));
+        if let Err(e) = sent {
+            self.lose_worker(worker, job, stream, &mut st, alloc, &e.to_string(), false)?;
+        } else {
+            self.serve(worker, job, stream, &mut st, alloc)?;
+        }
         if let Some((reason, detail)) = st.failed.take() {
             return Err(Error::JobFailed {
                 worker,
@@ -526,7 +582,11 @@ impl Parent {
                         })?;
                     let now = self.now();
                     let bytes = shape.bytes()?;
-                    match alloc(&shape, bytes) {
+                    let made = match st.preallocated.remove(&request) {
+                        Some(ptr) => Ok(ptr),
+                        None => alloc(&shape, bytes),
+                    };
+                    match made {
                         Ok(ptr) => {
                             let a = AllocId(self.next_alloc);
                             self.next_alloc += 1;
@@ -678,22 +738,15 @@ impl Parent {
                 Err(e) => {
                     tracing::warn!(error = %e, "worker connection lost");
                     let timeout = matches!(e, poolipc_transport::TransportError::Timeout { .. });
-                    if timeout {
-                        self.machine
-                            .handle_timeout(now.saturating_add(self.options.handoff_timeout));
-                    } else {
-                        self.machine
-                            .handle(ParentEvent::WorkerHungUp { worker }, now)?;
-                    }
-                    self.drive(job, stream, st, alloc, None)?;
-                    let status = self.reap(worker)?;
-                    self.machine
-                        .handle(ParentEvent::WorkerReaped { worker }, self.now())?;
-                    self.drive(job, stream, st, alloc, None)?;
-                    let reason = st.failed.as_ref().map_or(FailReason::HungUp, |f| f.0);
-                    st.failed = Some((reason, format!("{e}; worker {status}")));
-                    self.driver.stream_synchronize(stream)?;
-                    return Ok(());
+                    return self.lose_worker(
+                        worker,
+                        job,
+                        stream,
+                        st,
+                        alloc,
+                        &e.to_string(),
+                        timeout,
+                    );
                 }
             };
             match msg {
@@ -713,6 +766,45 @@ impl Parent {
                         let slot = self.slot_mut(worker)?;
                         let request = RequestId(slot.next_request);
                         slot.next_request += 1;
+                        let demoted = slot.canary.as_ref().is_some_and(|r| !r.ok());
+                        // Allocate first: the rung depends on where the memory lands.
+                        let ptr = match alloc(&shape, bytes) {
+                            Ok(ptr) => ptr,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "result allocation failed");
+                                st.grants.push(ResultGrant::Refused {
+                                    code: ErrorCode::OUT_OF_MEMORY,
+                                    message: format!(
+                                        "the parent could not allocate {bytes} bytes: {e}"
+                                    ),
+                                });
+                                continue;
+                            }
+                        };
+                        if demoted || !self.options.limit.allows(ptr.0, bytes) {
+                            let handle = HandleId(
+                                STAGED_HANDLE | RESULT_HANDLE | st.staged_results.len() as u64,
+                            );
+                            st.staged_results.insert(handle, (ptr, bytes));
+                            st.results.insert(
+                                request,
+                                ResultTensor {
+                                    ptr,
+                                    bytes,
+                                    shape,
+                                    rung: Rung::HostStaging,
+                                },
+                            );
+                            st.grants.push(ResultGrant::Granted {
+                                handle,
+                                rung: WireRung::HostStaging,
+                                export: ExportBlob([0; 64]),
+                                ready_event: EventBlob([0; 64]),
+                            });
+                            tracing::debug!(bytes, "result takes the host-staging rung");
+                            continue;
+                        }
+                        st.preallocated.insert(request, ptr);
                         st.requested.push((request, shape));
                         let cspec = contract::ResultSpec {
                             shape: vec![bytes],
@@ -732,7 +824,27 @@ impl Parent {
                         )?;
                         self.drive(job, stream, st, alloc, None)?;
                     }
-                    self.flush(worker, job, stream, st)?;
+                    if !st.staged_results.is_empty() && self.slot(worker)?.staging.is_none() {
+                        let driver = Arc::clone(&self.driver);
+                        let config = self.options.staging.clone();
+                        let slot = self.slot_mut(worker)?;
+                        slot.staging = Some(StagingChannel::setup_parent(
+                            driver,
+                            &mut slot.conn,
+                            config,
+                        )?);
+                    }
+                    if let Err(e) = self.flush(worker, job, stream, st) {
+                        return self.lose_worker(
+                            worker,
+                            job,
+                            stream,
+                            st,
+                            alloc,
+                            &e.to_string(),
+                            false,
+                        );
+                    }
                 }
                 Message::Done(done) if done.job == job => {
                     let key = done.done_event.0;
@@ -745,11 +857,37 @@ impl Parent {
                         }
                     };
                     for h in done.handles {
-                        st.done.insert(HandoffId(h.0), ev);
+                        if let Some(&(dst, bytes)) = st.staged_results.get(&h) {
+                            // The worker sends the staged result right after its Done.
+                            let received = {
+                                let Slot { staging, conn, .. } = self.slot_mut(worker)?;
+                                let ch = staging.as_mut().ok_or_else(|| {
+                                    Error::Protocol("a staged result without host staging".into())
+                                })?;
+                                ch.recv_tensor(conn, job, h, dst, bytes, stream)
+                            };
+                            if let Err(e) = received {
+                                return self.lose_worker(
+                                    worker,
+                                    job,
+                                    stream,
+                                    st,
+                                    alloc,
+                                    &e.to_string(),
+                                    false,
+                                );
+                            }
+                            st.staged_results.remove(&h);
+                        } else {
+                            st.done.insert(HandoffId(h.0), ev);
+                        }
                     }
                 }
                 Message::Ack(ack) if ack.job == job => {
                     for h in ack.handles {
+                        if h.0 & STAGED_HANDLE != 0 {
+                            continue;
+                        }
                         let handoff = HandoffId(h.0);
                         if !st.done.contains_key(&handoff) {
                             return Err(Error::Protocol(format!(
@@ -777,6 +915,65 @@ impl Parent {
                 }
             }
         }
+    }
+
+    /// Sends the job's staged inputs through the worker's staging channel, in order.
+    fn send_staged(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        stream: StreamHandle,
+        st: &mut JobState,
+    ) -> Result<(), Error> {
+        if st.staged.is_empty() {
+            return Ok(());
+        }
+        let slot = self.slot_mut(worker)?;
+        let Slot { staging, conn, .. } = slot;
+        let ch = staging
+            .as_mut()
+            .ok_or_else(|| Error::Protocol("no staging channel".into()))?;
+        for &(handle, src, bytes) in &st.staged {
+            ch.send_tensor(conn, job, handle, src, bytes, stream)?;
+        }
+        Ok(())
+    }
+
+    /// The worker is lost (connection closed or broken, deadline passed): the contract fails
+    /// its jobs, the process is killed and reaped, what it held is released.
+    #[allow(clippy::too_many_arguments)] // the job's whole context, as `serve` has it
+    fn lose_worker(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        stream: StreamHandle,
+        st: &mut JobState,
+        alloc: &mut Allocator<'_>,
+        why: &str,
+        timeout: bool,
+    ) -> Result<(), Error> {
+        let now = self.now();
+        if timeout {
+            self.machine
+                .handle_timeout(now.saturating_add(self.options.handoff_timeout));
+        } else {
+            self.machine
+                .handle(ParentEvent::WorkerHungUp { worker }, now)?;
+        }
+        self.drive(job, stream, st, alloc, None)?;
+        let status = self.reap(worker)?;
+        self.machine
+            .handle(ParentEvent::WorkerReaped { worker }, self.now())?;
+        self.drive(job, stream, st, alloc, None)?;
+        // Staged results never reached the worker's memory: the parent's allocations go back.
+        for (_, (ptr, _)) in st.staged_results.drain() {
+            st.results.retain(|_, r| r.ptr != ptr);
+            self.pool.free(ptr, stream)?;
+        }
+        let reason = st.failed.as_ref().map_or(FailReason::HungUp, |f| f.0);
+        st.failed = Some((reason, format!("{why}; worker {status}")));
+        self.driver.stream_synchronize(stream)?;
+        Ok(())
     }
 
     /// Waits for a worker's process (killing it if it still runs) and marks it dead.

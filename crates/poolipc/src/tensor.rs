@@ -10,12 +10,16 @@ use crate::error::Error;
 pub enum Rung {
     /// A pointer export from the shared pool, imported by the worker: no copy.
     PoolPointer,
+    /// Copied through pinned shared host memory, chunk by chunk, into the worker's own
+    /// device memory: for tensors over the import limit, and workers whose canary failed.
+    HostStaging,
 }
 
 impl std::fmt::Display for Rung {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             Rung::PoolPointer => "pool pointer",
+            Rung::HostStaging => "host staging",
         })
     }
 }

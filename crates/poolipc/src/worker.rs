@@ -15,10 +15,11 @@ use poolipc_pool::{AttachedPool, ImportCache};
 use poolipc_transport::{
     Ack, Capabilities, Connection, DeviceUuid, Done, ErrorCode, EventBlob, HandleId,
     HandshakeConfig, Identity, JobId, Lend, Message, ResultGrant, ResultRequest, ResultSpec,
-    TransportError,
+    Rung as WireRung, TransportError,
 };
 
 use crate::error::Error;
+use crate::staging::{StagingChannel, StagingConfig};
 use crate::tensor::{ResultShape, Rung, TensorDesc};
 
 /// An input of a job: readable on the job's stream, valid until the job finishes.
@@ -92,6 +93,7 @@ pub struct Worker {
     next_request: u64,
     timeout: Duration,
     epoch: Instant,
+    staging: Option<StagingChannel>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -101,6 +103,32 @@ impl std::fmt::Debug for Worker {
             .field("imports", &self.cache.len())
             .finish_non_exhaustive()
     }
+}
+
+/// The environment variable naming a failpoint: the worker kills itself with SIGKILL when it
+/// reaches that step. For tests of what the parent does when a worker dies mid-handoff;
+/// unset, it costs one lookup per process.
+pub const FAILPOINT_ENV: &str = "POOLIPC_FAILPOINT";
+
+/// Dies here (SIGKILL) if [`FAILPOINT_ENV`] names `step`. Canary jobs pass failpoints by.
+pub fn failpoint(step: &str) {
+    if IN_CANARY.with(std::cell::Cell::get) {
+        return;
+    }
+    static AT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    if AT
+        .get_or_init(|| std::env::var(FAILPOINT_ENV).ok())
+        .as_deref()
+        == Some(step)
+    {
+        tracing::warn!(step, "failpoint reached: the worker kills itself");
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+thread_local! {
+    /// Whether this thread is answering the parent's canary battery.
+    static IN_CANARY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 fn alloc_of(data: &ExportData) -> AllocId {
@@ -130,7 +158,9 @@ impl Worker {
         let identity = Identity {
             device: DeviceUuid(info.uuid.0),
             driver_version: driver.driver_version()?,
-            capabilities: Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS,
+            capabilities: Capabilities::POOL_POINTER
+                | Capabilities::IPC_EVENTS
+                | Capabilities::HOST_STAGING,
             devices: Vec::new(),
         };
         let config = HandshakeConfig {
@@ -157,6 +187,7 @@ impl Worker {
             next_request: 1,
             timeout: Duration::from_secs(3600),
             epoch: Instant::now(),
+            staging: None,
         })
     }
 
@@ -179,8 +210,8 @@ impl Worker {
     pub fn next_job(&mut self) -> Result<Option<Job<'_>>, Error> {
         loop {
             let deadline = Instant::now() + self.timeout;
-            let msg = match self.conn.recv(deadline) {
-                Ok((m, _)) => m,
+            let (msg, fds) = match self.conn.recv(deadline) {
+                Ok(got) => got,
                 Err(TransportError::PeerClosed { .. }) => return Ok(None),
                 Err(e) if e.is_peer_gone() => return Ok(None),
                 Err(e) => return Err(e.into()),
@@ -188,15 +219,30 @@ impl Worker {
             match msg {
                 Message::Lend(lend) if crate::canary::is_canary(lend.job) => {
                     // The parent's canary battery: answered here, before user jobs.
-                    let mut job = self.start(lend)?;
-                    let answered = crate::echo::answer(&mut job, None);
-                    match answered {
-                        Ok(()) => job.finish()?,
-                        Err(e) => job.fail(&e.to_string())?,
-                    }
+                    IN_CANARY.with(|c| c.set(true));
+                    let answered = self.start(lend).and_then(|mut job| {
+                        match crate::echo::answer(&mut job, None) {
+                            Ok(()) => job.finish(),
+                            Err(e) => job.fail(&e.to_string()),
+                        }
+                    });
+                    IN_CANARY.with(|c| c.set(false));
+                    answered?;
                 }
                 Message::Lend(lend) => return self.start(lend).map(Some),
                 Message::Bye => return Ok(None),
+                Message::StagingBuffer(setup) => {
+                    let driver = Arc::clone(&self.driver);
+                    let ch = StagingChannel::setup_worker(
+                        driver,
+                        &mut self.conn,
+                        &setup,
+                        fds,
+                        StagingConfig::default(),
+                    )?;
+                    tracing::debug!(chunk = ch.chunk(), "host staging set up");
+                    self.staging = Some(ch);
+                }
                 Message::Heartbeat { .. } | Message::Cancel { .. } => {}
                 other => {
                     return Err(Error::Protocol(format!(
@@ -216,9 +262,29 @@ impl Worker {
             inputs: Vec::new(),
             results: Vec::new(),
             held: Vec::new(),
+            staged: Vec::new(),
+            staged_results: Vec::new(),
             finished: false,
         };
         for t in lend.tensors {
+            if t.rung == WireRung::HostStaging {
+                // Copied into memory of our own, which we free when the job finishes.
+                let w = &mut *job.worker;
+                let bytes = t.meta.byte_len;
+                let dst = w.driver.mem_alloc_async(bytes.max(1), w.stream)?;
+                job.staged.push(dst);
+                let ch = w.staging.as_mut().ok_or_else(|| {
+                    Error::Protocol("a staged input before host staging was set up".into())
+                })?;
+                ch.recv_tensor(&mut w.conn, id, t.handle, dst, bytes, w.stream)?;
+                job.inputs.push(InputView {
+                    ptr: dst,
+                    desc: TensorDesc::from_meta(&t.meta),
+                    byte_len: bytes,
+                    rung: Rung::HostStaging,
+                });
+                continue;
+            }
             let data = ExportData(t.export.0);
             let offer = Offer {
                 handoff: HandoffId(t.handle.0),
@@ -257,10 +323,12 @@ impl Worker {
         while let Some(action) = self.machine.poll_action() {
             match action {
                 WorkerAction::Import { alloc, .. } => {
+                    failpoint("before-import");
                     let ptr = self.cache.acquire(&*self.driver, self.pool.pool, &data)?;
                     self.imports.insert(alloc, (ptr, data));
                 }
                 WorkerAction::WaitReady { .. } => {
+                    failpoint("before-ready-wait");
                     let ev = match self.ready_events.get(&ready.0) {
                         Some(ev) => *ev,
                         None => {
@@ -298,6 +366,10 @@ pub struct Job<'w> {
     inputs: Vec<InputView>,
     results: Vec<ResultView>,
     held: Vec<HandoffId>,
+    /// This process's copies of staged inputs and results, freed when the job finishes.
+    staged: Vec<DevicePtr>,
+    /// Staged results to send when the job finishes: (wire handle, our copy, bytes).
+    staged_results: Vec<(HandleId, DevicePtr, u64)>,
     finished: bool,
 }
 
@@ -372,9 +444,22 @@ impl Job<'_> {
             deadline,
         )?;
         let grant = loop {
-            match w.conn.recv(deadline)?.0 {
+            let (msg, fds) = w.conn.recv(deadline)?;
+            match msg {
                 Message::AllocationGrant(g) if g.job == self.id => break g,
                 Message::Heartbeat { .. } => {}
+                Message::StagingBuffer(setup) => {
+                    // The parent sets host staging up before the first staged result.
+                    let driver = Arc::clone(&w.driver);
+                    let ch = StagingChannel::setup_worker(
+                        driver,
+                        &mut w.conn,
+                        &setup,
+                        fds,
+                        StagingConfig::default(),
+                    )?;
+                    w.staging = Some(ch);
+                }
                 other => {
                     return Err(Error::Protocol(format!(
                         "expected an AllocationGrant, got {:?}",
@@ -394,6 +479,33 @@ impl Job<'_> {
         let mut refused = None;
         for (g, (request, shape, bytes)) in grant.results.into_iter().zip(requests) {
             match g {
+                ResultGrant::Granted {
+                    handle,
+                    rung: WireRung::HostStaging,
+                    ..
+                } => {
+                    // Written here into memory of our own, sent to the parent's allocation
+                    // through host staging when the job finishes.
+                    let now = w.now();
+                    w.machine.handle(
+                        WorkerEvent::Message(ToWorker::ResultRefused {
+                            job: contract::JobId(self.id.0),
+                            request,
+                            reason: contract::Refusal::Declined,
+                        }),
+                        now,
+                    )?;
+                    while w.machine.poll_action().is_some() {}
+                    let ptr = w.driver.mem_alloc_async(bytes.max(1), w.stream)?;
+                    self.staged.push(ptr);
+                    self.staged_results.push((handle, ptr, bytes));
+                    self.results.push(ResultView {
+                        ptr,
+                        shape,
+                        bytes,
+                        rung: Rung::HostStaging,
+                    });
+                }
                 ResultGrant::Granted {
                     handle,
                     export,
@@ -494,17 +606,32 @@ impl Job<'_> {
                 w.cache.release(&*w.driver, &data, w.stream)?;
             }
         }
+        failpoint("before-done");
         w.driver.event_record(w.done, w.stream)?;
         let deadline = Instant::now() + Duration::from_secs(30);
+        let mut done_handles = acked.clone();
+        done_handles.extend(self.staged_results.iter().map(|(h, _, _)| *h));
         w.conn.send(
             &Message::Done(Done {
                 job: self.id,
                 done_event: w.done_blob,
-                handles: acked.clone(),
+                handles: done_handles,
             }),
             &[],
             deadline,
         )?;
+        failpoint("after-done");
+        // Staged results go right after the Done that names them, in its order.
+        for (handle, src, bytes) in std::mem::take(&mut self.staged_results) {
+            let ch = w
+                .staging
+                .as_mut()
+                .ok_or_else(|| Error::Protocol("a staged result without host staging".into()))?;
+            ch.send_tensor(&mut w.conn, self.id, handle, src, bytes, w.stream)?;
+        }
+        for dst in self.staged.drain(..) {
+            w.driver.mem_free_async(dst, w.stream)?;
+        }
         w.conn.send(
             &Message::Ack(Ack {
                 job: self.id,
@@ -513,6 +640,7 @@ impl Job<'_> {
             &[],
             deadline,
         )?;
+        failpoint("after-ack");
         Ok(())
     }
 }

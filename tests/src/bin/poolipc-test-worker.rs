@@ -1,5 +1,5 @@
-//! A facade worker for the tests: `poolipc::echo`, optionally dying at a chosen step
-//! (`POOLIPC_TEST_DIE_AT=after-import|after-grant|after-write`).
+//! A facade worker for the tests: `poolipc::echo`, dying (SIGKILL) at the step named by
+//! `POOLIPC_FAILPOINT` if set (see `poolipc::failpoint`).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -12,12 +12,8 @@ fn run() -> anyhow::Result<usize> {
         Some(sim) => Arc::new(sim?),
         None => Arc::new(poolipc_driver::CudaDriver::new()?),
     };
-    let die_at = match std::env::var("POOLIPC_TEST_DIE_AT") {
-        Ok(s) => Some(s.parse().map_err(anyhow::Error::msg)?),
-        Err(_) => None,
-    };
     let mut worker = poolipc::Worker::from_env(driver, 0)?;
-    Ok(poolipc::echo::serve(&mut worker, die_at)?)
+    Ok(poolipc::echo::serve(&mut worker, None)?)
 }
 
 fn main() -> ExitCode {

@@ -644,3 +644,17 @@ fn attach_finds_the_same_machine() {
     assert_eq!(q.machine_id(), p.machine_id());
     assert!(SimDriver::attach("1:2:3").is_err());
 }
+
+#[test]
+fn a_memset_past_the_size_asked_for_is_invalid_value_as_on_the_h200() {
+    // Driver 580: a 24 690-byte allocation refuses a memset of 24 692 bytes, although the
+    // pool rounds the allocation up.
+    let p = sim();
+    let (_pool, _fd) = shared_pool(&p);
+    let ptr = p.mem_alloc_async(24_690, S).unwrap();
+    let e = p.memset_d32_async(ptr, 1, 24_692 / 4, S).unwrap_err();
+    assert!(e.is_call("cuMemsetD32Async", CuCode::INVALID_VALUE), "{e}");
+    p.memset_d32_async(ptr, 1, 24_690 / 4, S).unwrap();
+    p.memset_d8_async(ptr.offset(24_688), 1, 2, S).unwrap();
+    assert_eq!(kinds(&p), vec![]);
+}
