@@ -173,7 +173,18 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         "tensor", "bytes", "rung", "first ms", "again ms"
     );
     let mut failures = 0;
-    for c in cases() {
+    let mut cases = cases();
+    if d.kind() == poolipc_driver::DriverKind::Cuda {
+        // Over the 128-chunk import limit: host staging, both ways.
+        cases.push(Case {
+            name: "u8 5 GiB (staged)",
+            alloc: 5 * 1024 * MIB,
+            offset: 0,
+            desc: TensorDesc::contiguous(DType::U8, &[5 * 1024 * MIB]),
+            pattern: 0x5555_AAAA,
+        });
+    }
+    for c in cases {
         let base = parent.pool().alloc(c.alloc, stream)?;
         echo::fill_pattern(d, base, c.alloc, c.pattern, stream)?;
         let inputs = [Input {

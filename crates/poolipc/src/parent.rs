@@ -146,6 +146,8 @@ pub struct Parent {
     next_job: u64,
     next_alloc: u64,
     epoch: Instant,
+    /// The limit the parent was made with.
+    ceiling: ImportLimit,
 }
 
 impl std::fmt::Debug for Parent {
@@ -171,6 +173,7 @@ impl Parent {
     /// Installs the shared pool on `options.device` (see [`SharedPool::install`]).
     pub fn new(driver: Arc<dyn Driver>, options: ParentOptions) -> Result<Parent, Error> {
         driver.use_device(options.device)?;
+        let ceiling = options.limit;
         let pool = SharedPool::install(Arc::clone(&driver), options.device)?;
         let limit = PointerLimit::new(options.limit.chunk_bytes(), options.limit.max_chunks())
             .ok_or_else(|| Error::Protocol("an import limit with zero-byte chunks".into()))?;
@@ -188,7 +191,25 @@ impl Parent {
             next_job: 1,
             next_alloc: 1,
             epoch: Instant::now(),
+            ceiling,
         })
+    }
+
+    /// Sets the import limit from here on (tensors over it take host staging), at most the
+    /// limit the parent was made with: the contract keeps that one.
+    pub fn lower_import_limit(&mut self, limit: ImportLimit) -> Result<(), Error> {
+        let cur = self.ceiling;
+        if limit.chunk_bytes() != cur.chunk_bytes() || limit.max_chunks() > cur.max_chunks() {
+            return Err(Error::Protocol(format!(
+                "the import limit can only be lowered: {} chunks of {} bytes is not within {} of {}",
+                limit.max_chunks(),
+                limit.chunk_bytes(),
+                cur.max_chunks(),
+                cur.chunk_bytes()
+            )));
+        }
+        self.options.limit = limit;
+        Ok(())
     }
 
     /// The options it was made with.
