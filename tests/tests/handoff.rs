@@ -284,3 +284,33 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    fn a_worker_started_by_someone_else_connects_to_a_private_socket(env) {
+        let mut p = parent(env, ImportLimit::default())?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let dir = std::env::temp_dir().join(format!("poolipc-test-{}-{:?}", std::process::id(), env.kind()));
+        let listener = poolipc_transport::PrivateListener::bind(&dir, "parent.sock")?;
+        // Not spawned through the parent: a plain process told where the socket is.
+        let mut cmd = worker_command(env, None)?;
+        cmd.env("POOLIPC_SOCKET", listener.path());
+        let mut child = cmd.spawn()?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let (conn, cred) = listener.accept(deadline)?;
+        ensure!(cred.pid == child.id() as i32, "peer credentials: {cred:?}");
+        let worker = p.accept_worker(conn)?;
+        let input = filled(&p, MIB, 0x0BAD_F00D, stream)?;
+        let out = p.run_job(worker, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]) }], stream)?;
+        d.stream_synchronize(stream)?;
+        ensure!(read(&*d, out.results[0].ptr, 8)?[4..] == 0x0BAD_F00Du32.to_le_bytes(), "result content");
+        p.pool().free(out.results[0].ptr, stream)?;
+        p.pool().free(input, stream)?;
+        d.stream_synchronize(stream)?;
+        p.stop_worker(worker)?;
+        ensure!(child.wait()?.success(), "worker exit");
+        drop(listener);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+);

@@ -1,5 +1,6 @@
 //! A facade worker for the tests: `poolipc::echo`, dying (SIGKILL) at the step named by
-//! `POOLIPC_FAILPOINT` if set (see `poolipc::failpoint`).
+//! `POOLIPC_FAILPOINT` if set (see `poolipc::failpoint`). It connects through the inherited
+//! socket (`POOLIPC_FD`), or to the listening socket named by `POOLIPC_SOCKET`.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -12,7 +13,15 @@ fn run() -> anyhow::Result<usize> {
         Some(sim) => Arc::new(sim?),
         None => Arc::new(poolipc_driver::CudaDriver::new()?),
     };
-    let mut worker = poolipc::Worker::from_env(driver, 0)?;
+    // Started by someone else: connect to the parent's private listening socket.
+    let mut worker = match std::env::var_os("POOLIPC_SOCKET") {
+        Some(path) => {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            let conn = poolipc_transport::connect_private(std::path::Path::new(&path), deadline)?;
+            poolipc::Worker::connect(driver, 0, conn)?
+        }
+        None => poolipc::Worker::from_env(driver, 0)?,
+    };
     Ok(poolipc::echo::serve(&mut worker, None)?)
 }
 
