@@ -122,7 +122,11 @@ fn tensor(e: &mut Export) -> DLTensor {
 }
 
 /// A capsule over `e`; counts as one live export of the job until its deleter runs.
-pub(crate) fn capsule(py: Python<'_>, mut e: Export, versioned: bool) -> PyResult<Bound<'_, PyAny>> {
+pub(crate) fn capsule(
+    py: Python<'_>,
+    mut e: Export,
+    versioned: bool,
+) -> PyResult<Bound<'_, PyAny>> {
     e.life.live_exports.fetch_add(1, Ordering::AcqRel);
     // The Vecs' heap buffers do not move when the Vecs move into the holder, so the pointers
     // taken here stay valid for the holder's life.

@@ -35,7 +35,10 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::View>()?;
     m.add("PoolipcError", py.get_type::<errors::PoolipcError>())?;
     m.add("JobFailedError", py.get_type::<errors::JobFailedError>())?;
-    m.add("ExpiredViewError", py.get_type::<errors::ExpiredViewError>())?;
+    m.add(
+        "ExpiredViewError",
+        py.get_type::<errors::ExpiredViewError>(),
+    )?;
     m.add("DRIVER_ENV", state::DRIVER_ENV)?;
     Ok(())
 }

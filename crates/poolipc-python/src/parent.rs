@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use poolipc::{DevicePtr, Driver, Input, ResultShape, StreamHandle, TensorDesc};
 use poolipc_contract::WorkerId;
 use poolipc_driver::PoolHandle;
+use poolipc_pool::PoolStats;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -32,9 +33,9 @@ fn with_global<T: Send>(
 ) -> PyResult<T> {
     py.detach(|| {
         let mut guard = state::lock();
-        let g = guard
-            .as_mut()
-            .ok_or_else(|| err("poolipc: no pool is installed (call poolipc.install_pool() first)"))?;
+        let g = guard.as_mut().ok_or_else(|| {
+            err("poolipc: no pool is installed (call poolipc.install_pool() first)")
+        })?;
         g.driver.use_device(g.device).map_err(driver_err)?;
         f(g)
     })
@@ -70,17 +71,20 @@ pub(crate) fn is_installed(py: Python<'_>) -> bool {
 /// `reserved_high` in bytes, plus `device` and `driver`.
 #[pyfunction]
 pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let (s, device, which) = with_global(py, |g| {
-        let s = g.parent.pool().stats().map_err(|e| to_py(e.into()))?;
-        Ok((s, g.device, g.which.clone()))
-    })?;
+    let inst = state::installed()
+        .ok_or_else(|| err("poolipc: no pool is installed (call poolipc.install_pool() first)"))?;
+    let s = {
+        let inst = inst.clone();
+        py.detach(move || PoolStats::read(&*inst.driver, inst.pool))
+            .map_err(driver_err)?
+    };
     let d = PyDict::new(py);
     d.set_item("used_current", s.used_current)?;
     d.set_item("used_high", s.used_high)?;
     d.set_item("reserved_current", s.reserved_current)?;
     d.set_item("reserved_high", s.reserved_high)?;
-    d.set_item("device", device)?;
-    d.set_item("driver", which)?;
+    d.set_item("device", inst.device)?;
+    d.set_item("driver", inst.which)?;
     Ok(d)
 }
 
@@ -199,6 +203,8 @@ pub(crate) struct NativeParent {
     #[pyo3(get)]
     device: u32,
     workers: Vec<u32>,
+    /// The driver and pool, for what needs no facade (and so no global lock): raw memory.
+    inst: state::Installed,
 }
 
 #[pymethods]
@@ -207,16 +213,18 @@ impl NativeParent {
     #[pyo3(signature = (device = 0))]
     fn new(py: Python<'_>, device: u32) -> PyResult<Self> {
         py.detach(|| state::ensure(&mut state::lock(), device))?;
+        let inst = state::installed().ok_or_else(|| err("poolipc: the pool vanished"))?;
         Ok(NativeParent {
             device,
             workers: Vec::new(),
+            inst,
         })
     }
 
     /// Which driver the pool is on, in words.
     #[getter]
-    fn driver(&self, py: Python<'_>) -> PyResult<String> {
-        with_global(py, |g| Ok(g.which.clone()))
+    fn driver(&self) -> String {
+        self.inst.which.clone()
     }
 
     /// Spawns `argv` as a worker (the socket is inherited, the simulated machine passed when
@@ -406,7 +414,8 @@ impl NativeParent {
         })
     }
 
-    /// Allocates `nbytes` from the shared pool (stream-ordered on `stream`).
+    /// Allocates `nbytes` from the shared pool (stream-ordered on `stream`). Needs no lock, so
+    /// a result allocator may call it while a job runs.
     #[pyo3(signature = (nbytes, stream = 0, dtype = "uint8", shape = None))]
     fn alloc(
         &self,
@@ -417,16 +426,16 @@ impl NativeParent {
         shape: Option<Vec<u64>>,
     ) -> PyResult<DeviceBuffer> {
         let dt = dtype::parse(dtype)?;
-        let (ptr, driver) = with_global(py, move |g| {
-            let p = g
-                .parent
-                .pool()
-                .alloc(nbytes, StreamHandle(stream))
-                .map_err(|e| to_py(e.into()))?;
-            Ok((p, Arc::clone(&g.driver)))
-        })?;
+        let inst = self.inst.clone();
+        let ptr = py
+            .detach(move || {
+                inst.driver.use_device(inst.device)?;
+                inst.driver
+                    .mem_alloc_from_pool_async(nbytes, inst.pool, StreamHandle(stream))
+            })
+            .map_err(driver_err)?;
         Ok(DeviceBuffer {
-            driver,
+            driver: Arc::clone(&self.inst.driver),
             ptr: Some(ptr),
             nbytes,
             dtype: dtype::name(dt),
@@ -436,37 +445,40 @@ impl NativeParent {
 
     /// Copies `data` to device address `ptr` (synchronous).
     fn write(&self, py: Python<'_>, ptr: u64, data: Vec<u8>) -> PyResult<()> {
-        with_global(py, move |g| {
-            g.driver
-                .memcpy_htod(DevicePtr(ptr), &data)
-                .map_err(driver_err)
+        let inst = self.inst.clone();
+        py.detach(move || {
+            inst.driver.use_device(inst.device)?;
+            inst.driver.memcpy_htod(DevicePtr(ptr), &data)
         })
+        .map_err(driver_err)
     }
 
     /// Reads `nbytes` from device address `ptr` (synchronous).
-    fn read<'py>(&self, py: Python<'py>, ptr: u64, nbytes: usize) -> PyResult<Vec<u8>> {
-        with_global(py, move |g| {
+    fn read(&self, py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Vec<u8>> {
+        let inst = self.inst.clone();
+        py.detach(move || {
+            inst.driver.use_device(inst.device)?;
             let mut buf = vec![0u8; nbytes];
-            g.driver
-                .memcpy_dtoh(&mut buf, DevicePtr(ptr))
-                .map_err(driver_err)?;
+            inst.driver.memcpy_dtoh(&mut buf, DevicePtr(ptr))?;
             Ok(buf)
         })
+        .map_err(driver_err)
     }
 
     /// Waits for `stream` on the host.
     #[pyo3(signature = (stream = 0))]
     fn synchronize(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
-        with_global(py, move |g| {
-            g.driver
-                .stream_synchronize(StreamHandle(stream))
-                .map_err(driver_err)
+        let inst = self.inst.clone();
+        py.detach(move || {
+            inst.driver.use_device(inst.device)?;
+            inst.driver.stream_synchronize(StreamHandle(stream))
         })
+        .map_err(driver_err)
     }
 
     /// Whether the process is on the simulated driver.
     #[getter]
-    fn simulated(&self, py: Python<'_>) -> PyResult<bool> {
-        with_global(py, |g| Ok(state::is_sim(&*g.driver)))
+    fn simulated(&self) -> bool {
+        state::is_sim(&*self.inst.driver)
     }
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use poolipc::{Driver, Parent, ParentOptions};
 use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{CudaDriver, DriverKind};
+use poolipc_driver::{CudaDriver, DriverKind, PoolHandle};
 use pyo3::PyResult;
 
 use crate::errors::{err, to_py};
@@ -32,10 +32,32 @@ pub(crate) struct Global {
 
 static GLOBAL: Mutex<Option<Global>> = Mutex::new(None);
 
+/// What may be used without the global lock (from inside a result allocator, from drops):
+/// the driver, the pool's handle, the device, the driver in words. Set once, with the pool.
+#[derive(Clone)]
+pub(crate) struct Installed {
+    pub(crate) driver: Arc<dyn Driver>,
+    pub(crate) pool: PoolHandle,
+    pub(crate) device: u32,
+    pub(crate) which: String,
+}
+
+static INSTALLED: Mutex<Option<Installed>> = Mutex::new(None);
+
+/// The installed pool, if any. Never blocks on a running job.
+pub(crate) fn installed() -> Option<Installed> {
+    INSTALLED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
+
 /// Locks the global state. Call it only with the GIL released (`py.detach`): a Python
 /// callback made under the lock (the result allocator) needs the GIL.
 pub(crate) fn lock() -> MutexGuard<'static, Option<Global>> {
-    GLOBAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    GLOBAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The driver `POOLIPC_DRIVER` asks for, a child environment for the simulation, and words.
@@ -105,6 +127,14 @@ pub(crate) fn ensure(slot: &mut Option<Global>, device: u32) -> PyResult<bool> {
         ..ParentOptions::default()
     };
     let parent = Parent::new(Arc::clone(&driver), options).map_err(to_py)?;
+    *INSTALLED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Installed {
+        driver: Arc::clone(&driver),
+        pool: parent.pool().handle(),
+        device,
+        which: which.clone(),
+    });
     *slot = Some(Global {
         driver,
         parent,

@@ -22,7 +22,10 @@ enum Cmd {
     NextJob,
     Request(Vec<ResultShape>),
     /// Make `waiter` wait for the work queued so far on `on`.
-    StreamWait { waiter: StreamHandle, on: StreamHandle },
+    StreamWait {
+        waiter: StreamHandle,
+        on: StreamHandle,
+    },
     Read(DevicePtr, usize),
     Write(DevicePtr, Vec<u8>),
     Finish,
@@ -77,7 +80,11 @@ fn thread_main(device: u32, rx: Receiver<Envelope>, ready: Sender<Result<(u64, b
         // The simulation knows no CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2): its
         // default stream is 0.
         let sim_default = |s: StreamHandle| {
-            if sim && (s.0 == 1 || s.0 == 2) { StreamHandle::NULL } else { s }
+            if sim && (s.0 == 1 || s.0 == 2) {
+                StreamHandle::NULL
+            } else {
+                s
+            }
         };
         let (waiter, on) = (sim_default(waiter), sim_default(on));
         if waiter == on {
@@ -186,7 +193,9 @@ fn thread_main(device: u32, rx: Receiver<Envelope>, ready: Sender<Result<(u64, b
                     let _ = reply.send(r);
                     break;
                 }
-                Cmd::NextJob => Err("poolipc: the previous job is still open; finish it first".into()),
+                Cmd::NextJob => {
+                    Err("poolipc: the previous job is still open; finish it first".into())
+                }
             };
             let _ = reply.send(answer);
         }
@@ -202,7 +211,10 @@ impl Link {
     fn call(&self, py: Python<'_>, cmd: Cmd) -> PyResult<Reply> {
         let (rtx, rrx) = channel();
         {
-            let guard = self.tx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let guard = self
+                .tx
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             let tx = guard
                 .as_ref()
                 .ok_or_else(|| err("poolipc: this worker was closed"))?;
@@ -216,7 +228,10 @@ impl Link {
 
     /// Sends without waiting for the answer (used at drop).
     fn post(&self, cmd: Cmd) {
-        let guard = self.tx.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let guard = self
+            .tx
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(tx) = guard.as_ref() {
             let (rtx, _) = channel();
             let _ = tx.send((cmd, rtx));
@@ -357,7 +372,9 @@ pub(crate) struct Job {
 impl Job {
     fn end(&mut self, py: Python<'_>, cmd: Cmd) -> PyResult<()> {
         if !self.life.open.load(Ordering::Acquire) {
-            return Err(ExpiredViewError::new_err("poolipc: this job has already ended"));
+            return Err(ExpiredViewError::new_err(
+                "poolipc: this job has already ended",
+            ));
         }
         let streams = std::mem::take(
             &mut *self
@@ -422,7 +439,9 @@ impl Job {
         shapes: Vec<(String, Vec<u64>)>,
     ) -> PyResult<Vec<Py<View>>> {
         if !self.life.open.load(Ordering::Acquire) {
-            return Err(ExpiredViewError::new_err("poolipc: this job has already ended"));
+            return Err(ExpiredViewError::new_err(
+                "poolipc: this job has already ended",
+            ));
         }
         let shapes = shapes
             .into_iter()
@@ -752,7 +771,11 @@ impl View {
     fn __repr__(&self) -> String {
         format!(
             "{}(ptr={:#x}, dtype={}, shape={:?}, strides={:?}, valid={})",
-            if self.is_result { "ResultBuffer" } else { "InputView" },
+            if self.is_result {
+                "ResultBuffer"
+            } else {
+                "InputView"
+            },
             self.info.ptr.0,
             dtype::name(self.info.dtype),
             self.info.shape,

@@ -1,0 +1,392 @@
+"""The binding on the simulated driver, across real processes: parent and worker, views,
+lifetimes, errors, and the ComfyUI prestartup script run the way ComfyUI runs it.
+
+Run: POOLIPC_DRIVER=sim python -m pytest crates/poolipc-python/tests (the module sets it too).
+"""
+
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+os.environ.setdefault("POOLIPC_DRIVER", "sim")
+if os.environ["POOLIPC_DRIVER"] != "sim":
+    pytest.skip("test_sim.py runs on the simulated driver only", allow_module_level=True)
+
+import poolipc  # noqa: E402
+
+from conftest import REPO, poolipc_binary, py_worker_argv  # noqa: E402
+
+PRESTARTUP = REPO / "comfyui" / "prestartup_script.py"
+
+
+def marker(i):
+    return 0xEC400000 | i
+
+
+@pytest.fixture(scope="module")
+def parent():
+    assert "torch" not in sys.modules, "the sim suite must not import torch"
+    info = poolipc.install_pool(0)
+    assert info["installed"] and "SIMULATED" in info["driver"]
+    return poolipc.Parent(0)
+
+
+def spawn(parent, mode="echo", extra=None):
+    env = {"POOLIPC_TEST_MODE": mode}
+    env.update(extra or {})
+    return parent.spawn(py_worker_argv(), env)
+
+
+def f32_buffer(parent, values):
+    buf = parent.alloc(4 * len(values), dtype="float32", shape=[len(values)])
+    parent.write(buf.ptr, struct.pack(f"<{len(values)}f", *values))
+    return buf
+
+
+# --- the parent and a Python worker -------------------------------------------------------
+
+
+def test_a_python_worker_echoes_a_float32_tensor_through_the_binding(parent):
+    w = spawn(parent)
+    assert parent.canary_report(w) is not None
+    vals = [float(i) + 0.5 for i in range(1000)]
+    buf = f32_buffer(parent, vals)
+    (res,) = parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [10, 100])])
+    assert isinstance(res, poolipc.DeviceBuffer)
+    assert res.dtype == "float32" and res.shape == (10, 100) and res.nbytes == 4000
+    got = parent.read(res.ptr, 4000)
+    assert struct.unpack("<I", got[:4])[0] == marker(0)
+    assert struct.unpack("<999f", got[4:]) == tuple(vals[1:])
+    assert parent.last_input_rungs == ["pool pointer"]
+    assert parent.stop(w) == 0
+
+
+@pytest.mark.parametrize(
+    "dtype,elem,count",
+    [("float32", 4, 7), ("bfloat16", 2, 1001), ("int64", 8, 13), ("uint8", 1, 4099)],
+)
+def test_dtypes_and_odd_sizes_round_trip(parent, dtype, elem, count):
+    w = spawn(parent)
+    n = elem * count
+    buf = parent.alloc(n, dtype=dtype)
+    data = bytes((i * 7 + 3) % 251 for i in range(n))
+    parent.write(buf.ptr, data)
+    (res,) = parent.run(w, [poolipc.TensorRef(buf.ptr, dtype, [count])])
+    assert res.dtype == dtype and res.nbytes == n
+    got = parent.read(res.ptr, n)
+    assert got[4:] == data[4:] and struct.unpack("<I", got[:4])[0] == marker(0)
+    parent.stop(w)
+
+
+def test_views_with_offsets_and_strides_arrive_as_described(parent, report):
+    w = spawn(parent, "probe", report.env)
+    base = f32_buffer(parent, [float(i) for i in range(64)])  # an 8x8 matrix
+    # rows 2..5, columns 1..3 of the matrix: offset 2*8+1 elements, strides (8, 1)
+    sub = poolipc.TensorRef(base.ptr + 4 * 17, "float32", [4, 3], [8, 1])
+    # its transpose: strides (1, 8)
+    tr = poolipc.TensorRef(base.ptr + 4 * 17, "float32", [3, 4], [1, 8])
+    out = parent.run(w, [sub, tr])
+    want_sub = [float(8 * r + c) for r in range(2, 6) for c in range(1, 4)]
+    want_tr = [float(8 * r + c) for c in range(1, 4) for r in range(2, 6)]
+    for res, want, i in ((out[0], want_sub, 0), (out[1], want_tr, 1)):
+        got = parent.read(res.ptr, 48)
+        assert struct.unpack("<I", got[:4])[0] == marker(i)
+        assert list(struct.unpack("<11f", got[4:])) == want[1:]
+    parent.stop(w)  # the worker writes its report after the job ended
+    (rep,) = [x for x in report.lines() if "inputs" in x]
+    a, b = rep["inputs"]
+    assert a["shape"] == [4, 3] and a["strides"] == [8, 1] and a["nbytes"] == 4 * (3 * 8 + 2 + 1)
+    assert b["shape"] == [3, 4] and b["strides"] == [1, 8]
+    # both views point into the same import, 17 elements in
+    assert a["ptr"] == b["ptr"]
+    assert a["cai"]["strides"] == [32, 4] and a["cai"]["typestr"] == "<f4"
+    assert a["capsule"]["strides"] == [8, 1] and a["capsule"]["data"] == a["ptr"]
+
+
+def test_a_negative_stride_is_refused_before_anything_is_lent(parent):
+    w = spawn(parent)
+    buf = f32_buffer(parent, [1.0] * 8)
+    with pytest.raises(ValueError, match="negative strides"):
+        parent.run(w, [poolipc.TensorRef(buf.ptr + 28, "float32", [8], [-1])])
+    # the worker is untouched and serves the next job
+    (res,) = parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [8])])
+    assert res.nbytes == 32
+    parent.stop(w)
+
+
+def test_a_bad_dtype_is_a_clear_error_on_both_sides(parent, report):
+    with pytest.raises(ValueError, match=r"unknown dtype .float33.*float32"):
+        parent.run(1, [poolipc.TensorRef(0x1000, "float33", [4])])
+    w = spawn(parent, "bad-dtype", report.env)
+    buf = f32_buffer(parent, [1.0] * 4)
+    with pytest.raises(poolipc.JobFailedError, match="unknown dtype .float33."):
+        parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [4])])
+    parent.stop(w)
+
+
+def test_a_tensor_outside_its_allocation_is_refused(parent):
+    w = spawn(parent)
+    buf = f32_buffer(parent, [1.0] * 4)
+    with pytest.raises(ValueError, match="past its allocation"):
+        parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [400])])
+    parent.stop(w)
+
+
+# --- DLPack, __cuda_array_interface__, lifetimes -----------------------------------------
+
+
+def test_views_describe_themselves_by_dlpack_and_cuda_array_interface(parent, report):
+    w = spawn(parent, "probe", report.env)
+    f = f32_buffer(parent, [1.0] * 6)
+    h = parent.alloc(2 * 5, dtype="bfloat16")
+    parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [2, 3]), poolipc.TensorRef(h.ptr, "bfloat16", [5])])
+    parent.stop(w)  # the worker writes its report after the job ended
+    (rep,) = [x for x in report.lines() if "inputs" in x]
+    a, b = rep["inputs"]
+    assert a["dlpack_device"] == [2, 0]  # kDLCUDA, device 0
+    assert a["cai"] == {
+        "shape": [2, 3], "typestr": "<f4", "data": [a["ptr"], False], "strides": [12, 4],
+        "version": 3, "stream": rep["job_stream"] or None,
+    }
+    cap = a["capsule"]
+    assert cap["name"] == "dltensor" and cap["device"] == [2, 0] and cap["ndim"] == 2
+    assert cap["dtype"] == [2, 32, 1] and cap["shape"] == [2, 3] and cap["strides"] == [3, 1]
+    assert cap["data"] == a["ptr"] and cap["byte_offset"] == 0
+    v = a["capsule_versioned"]
+    assert v["name"] == "dltensor_versioned" and v["version"] == [1, 0] and v["shape"] == [2, 3]
+    # bfloat16: DLPack code kDLBfloat, no __cuda_array_interface__ (numpy has no type string)
+    assert b["capsule"]["dtype"] == [4, 16, 1]
+    assert "no __cuda_array_interface__" in b["cai_error"]
+    assert a["repr"].startswith("InputView(")
+    assert rep["results"][0]["is_result"] and rep["results"][0]["cai_strides"] == [12, 4]
+
+
+def test_capsules_count_as_live_until_their_deleter_runs(parent, report):
+    w = spawn(parent, "probe", report.env)
+    f = f32_buffer(parent, [1.0] * 4)
+    parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
+    parent.stop(w)  # the worker writes its report after the job ended
+    (rep,) = [x for x in report.lines() if "inputs" in x]
+    (a,) = rep["inputs"]
+    assert a["live_with_capsule"] == 1
+    assert a["live_after_drop"] == 0  # an unconsumed capsule's destructor deletes it
+    assert a["live_consumed"] == 2  # renamed capsules belong to the consumer
+    assert rep["after"]["live_exports_before_deleters"] == 2
+    assert rep["after"]["live_exports_after_deleters"] == 0
+
+
+def test_a_view_used_after_its_job_ended_raises(parent, report):
+    w = spawn(parent, "probe", report.env)
+    f = f32_buffer(parent, [1.0] * 4)
+    parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
+    parent.stop(w)  # the worker writes its report after the job ended
+    (rep,) = [x for x in report.lines() if "inputs" in x]
+    after = rep["after"]
+    for key in ("ptr", "read_bytes", "dlpack", "result_ptr", "finish_again", "request_again"):
+        assert after[key] is not None and after[key].startswith("ExpiredViewError"), (key, after[key])
+    assert "belongs to the parent again" in after["ptr"]
+    assert after["cai"].startswith("AttributeError")  # so hasattr() says no
+    assert after["valid"] is False and after["open"] is False
+
+
+# --- failures -------------------------------------------------------------------------------
+
+
+def test_an_exception_in_the_worker_fails_the_job_with_its_text(parent):
+    w = spawn(parent, "fail")
+    f = f32_buffer(parent, [1.0] * 4)
+    with pytest.raises(poolipc.JobFailedError, match="ValueError: the worker failed on purpose"):
+        parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
+    parent.stop(w)
+
+
+@pytest.mark.parametrize("mode", ["die-after-import", "die-after-grant"])
+def test_a_worker_killed_mid_job_fails_that_job_only(parent, mode):
+    dying = spawn(parent, mode)
+    healthy = spawn(parent)
+    f = f32_buffer(parent, [2.0] * 16)
+    before = poolipc.memory_stats()["used_current"]
+    with pytest.raises(poolipc.JobFailedError, match="job failed"):
+        parent.run(dying, [poolipc.TensorRef(f.ptr, "float32", [16])])
+    # what the dead worker held is released: only the input is still in use
+    assert poolipc.memory_stats()["used_current"] == before
+    (res,) = parent.run(healthy, [poolipc.TensorRef(f.ptr, "float32", [16])])
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 2.0)
+    with pytest.raises(poolipc.PoolipcError):
+        parent.run(dying, [poolipc.TensorRef(f.ptr, "float32", [16])])
+    parent.stop(healthy)
+
+
+def test_results_from_a_caller_allocator_are_what_run_returns(parent):
+    w = spawn(parent)
+    f = f32_buffer(parent, [3.0] * 8)
+    made = []
+
+    def alloc(dtype, shape, nbytes):
+        b = parent.alloc(nbytes, dtype=dtype, shape=shape)
+        made.append((dtype, shape, nbytes))
+        return b
+
+    (res,) = parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [2, 4])], alloc=alloc)
+    assert made == [("float32", (2, 4), 32)]
+    assert isinstance(res, poolipc.DeviceBuffer) and res.shape == (2, 4)
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 3.0)
+    parent.stop(w)
+
+
+def test_an_allocator_that_raises_fails_the_job_with_its_error(parent):
+    w = spawn(parent)
+    f = f32_buffer(parent, [3.0] * 8)
+
+    def alloc(dtype, shape, nbytes):
+        raise MemoryError("no room for the result")
+
+    with pytest.raises(poolipc.JobFailedError, match="no room for the result"):
+        parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [8])], alloc=alloc)
+    parent.stop(w)
+
+
+def test_memory_stats_are_the_pools_figures(parent):
+    s0 = poolipc.memory_stats()
+    b = parent.alloc(3 << 20)
+    s1 = poolipc.memory_stats()
+    assert s1["used_current"] >= s0["used_current"] + (3 << 20)
+    assert s1["used_high"] >= s1["used_current"] and s1["reserved_current"] >= s1["used_current"]
+    b.free()
+    parent.synchronize()
+    assert poolipc.memory_stats()["used_current"] == s0["used_current"]
+    with pytest.raises(poolipc.PoolipcError, match="freed"):
+        b.ptr
+
+
+def test_a_rust_worker_serves_a_python_parent(parent):
+    exe = poolipc_binary()
+    if exe is None:
+        pytest.skip("no poolipc binary (cargo build -p poolipc-cli, or set POOLIPC_BIN)")
+    w = parent.spawn([exe, "__demo-worker"])
+    f = f32_buffer(parent, [5.0] * 33)
+    (res,) = parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [3, 11])])
+    got = parent.read(res.ptr, 132)
+    assert struct.unpack("<I", got[:4])[0] == marker(0) and got[4:8] == struct.pack("<f", 5.0)
+    assert parent.stop(w) == 0
+
+
+# --- install_pool ---------------------------------------------------------------------------
+
+
+def test_install_pool_refuses_once_torch_is_imported(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    with pytest.raises(poolipc.PoolipcError, match=r"torch is already imported.*before `import torch`"):
+        poolipc.install_pool(0)
+
+
+@pytest.mark.parametrize(
+    "conf,argv,new,no_effect",
+    [
+        (None, [], "backend:cudaMallocAsync", None),
+        ("", [], "backend:cudaMallocAsync", None),
+        ("expandable_segments:True", [], "expandable_segments:True,backend:cudaMallocAsync", None),
+        ("backend:cudaMallocAsync", [], None, None),
+        ("backend:cudaMallocAsync,backend:cudaMallocAsync", [], None, None),
+        ("backend:native", [], None, "chose another allocator backend"),
+        (None, ["main.py", "--disable-cuda-malloc"], None, "--disable-cuda-malloc"),
+    ],
+)
+def test_the_allocator_setting_is_left_to_the_user_who_chose(conf, argv, new, no_effect):
+    got_new, reason = poolipc._backend_choice(conf, argv)
+    assert got_new == new
+    assert (reason is None) == (no_effect is None)
+    if no_effect:
+        assert no_effect in reason
+
+
+# --- the ComfyUI prestartup script, in a fresh interpreter ---------------------------------
+
+RUN_PRESTARTUP = textwrap.dedent(
+    """
+    import importlib.util, os, sys
+    sys.argv = {argv!r}
+    {before}
+    # what ComfyUI's main.py does with custom_nodes/<pack>/prestartup_script.py
+    spec = importlib.util.spec_from_file_location("prestartup_script", {path!r})
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    print("STARTUP CONTINUES", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    """
+)
+
+
+def run_prestartup(env_extra, argv=("main.py",), before=""):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "POOLIPC_ENABLE")}
+    env.update(env_extra)
+    code = RUN_PRESTARTUP.format(argv=list(argv), before=before, path=str(PRESTARTUP))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "STARTUP CONTINUES" in p.stdout, p.stdout + p.stderr
+    return p.stdout, p.stderr
+
+
+def test_prestartup_does_nothing_unless_enabled():
+    out, err = run_prestartup({"POOLIPC_DRIVER": "sim"})
+    assert "poolipc" not in err
+    assert out.strip().endswith("None")
+
+
+def test_prestartup_swaps_the_pool_and_says_what_torch_will_show():
+    out, err = run_prestartup({"POOLIPC_ENABLE": "1", "POOLIPC_DRIVER": "sim"})
+    lines = [x for x in err.splitlines() if x.startswith("poolipc:")]
+    assert len(lines) == 1, err
+    assert "installed a shareable CUDA memory pool as device 0's current pool" in lines[0]
+    assert "memory_allocated() and memory_reserved() will read 0" in lines[0]
+    assert "poolipc.memory_stats()" in lines[0]
+    assert out.strip().endswith("backend:cudaMallocAsync")
+
+
+def test_prestartup_keeps_a_backend_comfyui_already_chose():
+    out, err = run_prestartup(
+        {"POOLIPC_ENABLE": "1", "POOLIPC_DRIVER": "sim", "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+    )
+    assert "current pool" in err
+    assert out.strip().endswith(" backend:cudaMallocAsync")
+
+
+def test_prestartup_with_disable_cuda_malloc_says_the_swap_has_no_effect():
+    out, err = run_prestartup(
+        {"POOLIPC_ENABLE": "1", "POOLIPC_DRIVER": "sim"}, argv=("main.py", "--disable-cuda-malloc")
+    )
+    assert "the swap has no effect" in err and "--disable-cuda-malloc" in err
+    assert out.strip().endswith("None")  # the user's choice stands: no backend was set
+
+
+def test_prestartup_with_another_backend_says_the_swap_has_no_effect():
+    out, err = run_prestartup(
+        {"POOLIPC_ENABLE": "1", "POOLIPC_DRIVER": "sim", "PYTORCH_CUDA_ALLOC_CONF": "backend:native"}
+    )
+    assert "the swap has no effect" in err and "backend:native" in err
+    assert out.strip().endswith("backend:native")
+
+
+def test_a_prestartup_failure_is_logged_and_startup_goes_on():
+    out, err = run_prestartup({"POOLIPC_ENABLE": "1", "POOLIPC_DRIVER": "no-such-driver"})
+    assert "poolipc: not enabled" in err and "no-such-driver" in err and "ComfyUI starts as before" in err
+
+
+def test_prestartup_after_torch_was_imported_is_logged_and_startup_goes_on():
+    out, err = run_prestartup(
+        {"POOLIPC_ENABLE": "1", "POOLIPC_DRIVER": "sim"},
+        before="import types; sys.modules['torch'] = types.ModuleType('torch')",
+    )
+    assert "poolipc: not enabled" in err and "torch is already imported" in err
+
+
+def test_prestartup_without_the_module_is_logged_and_startup_goes_on():
+    out, err = run_prestartup(
+        {"POOLIPC_ENABLE": "1", "POOLIPC_DRIVER": "sim"},
+        before="sys.modules['poolipc'] = None  # as if the wheel were not installed",
+    )
+    assert "poolipc: not enabled" in err and "pip install" in err

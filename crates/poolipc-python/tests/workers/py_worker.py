@@ -1,0 +1,218 @@
+"""A Python worker for the test suites, torch-free: POOLIPC_TEST_MODE picks its behaviour.
+
+echo              a result per input, same dtype and shape, holding the input's elements
+                  (gathered by strides), its first 32-bit word replaced by 0xEC40_0000 | i
+probe             like echo, and writes a JSON report (POOLIPC_TEST_REPORT) of what the views
+                  say: layout, __cuda_array_interface__, the DLPack capsules' structure read
+                  with ctypes, and what every use after the job raised
+fail              raises inside the job: the parent's run() must raise with the text
+die-after-import  killed (SIGKILL) after the inputs arrived
+die-after-grant   killed after the results were granted
+bad-dtype         asks for a result of a dtype that does not exist, reports the error
+"""
+
+import ctypes
+import json
+import os
+import signal
+import struct
+import sys
+
+import poolipc
+
+MODE = os.environ.get("POOLIPC_TEST_MODE", "echo")
+REPORT = os.environ.get("POOLIPC_TEST_REPORT")
+
+
+def marker(i):
+    return 0xEC400000 | (i & 0xFFFF)
+
+
+def gather(view):
+    """The view's elements in row-major order, as bytes (read through the binding)."""
+    raw = view.read_bytes()
+    elem = len(struct.pack("<" + {"float32": "f", "int64": "q", "bfloat16": "H", "uint8": "B",
+                                  "float16": "e", "int32": "i", "float64": "d"}[view.dtype], 0))
+    shape, strides = view.shape, view.strides
+    out = bytearray()
+    idx = [0] * len(shape)
+    total = 1
+    for d in shape:
+        total *= d
+    for _ in range(total):
+        off = sum(i * s for i, s in zip(idx, strides)) * elem
+        out += raw[off:off + elem]
+        for k in reversed(range(len(shape))):
+            idx[k] += 1
+            if idx[k] < shape[k]:
+                break
+            idx[k] = 0
+    return bytes(out)
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManagedTensor(ctypes.Structure):
+    pass
+
+
+DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                            ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor)))]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    pass
+
+
+DLManagedTensorVersioned._fields_ = [
+    ("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("manager_ctx", ctypes.c_void_p),
+    ("deleter", ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensorVersioned))),
+    ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor)]
+
+api = ctypes.pythonapi
+api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+api.PyCapsule_GetName.restype = ctypes.c_char_p
+api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def read_capsule(cap, versioned):
+    """Consume the capsule the way torch does: read the struct, rename, call the deleter."""
+    name = api.PyCapsule_GetName(cap).decode()
+    ptr = api.PyCapsule_GetPointer(cap, name.encode())
+    kind = DLManagedTensorVersioned if versioned else DLManagedTensor
+    m = ctypes.cast(ptr, ctypes.POINTER(kind)).contents
+    t = m.dl_tensor
+    info = {
+        "name": name,
+        "data": t.data,
+        "device": [t.device.device_type, t.device.device_id],
+        "ndim": t.ndim,
+        "dtype": [t.dtype.code, t.dtype.bits, t.dtype.lanes],
+        "shape": [t.shape[i] for i in range(t.ndim)],
+        "strides": [t.strides[i] for i in range(t.ndim)],
+        "byte_offset": t.byte_offset,
+    }
+    if versioned:
+        info["version"] = [m.major, m.minor]
+    return info, m, ptr
+
+
+def raises(f):
+    try:
+        f()
+    except BaseException as e:  # noqa: BLE001 - the report names whatever it was
+        return type(e).__name__ + ": " + str(e)
+    return None
+
+
+def echo(job):
+    views = job.inputs
+    if not views:
+        return
+    outs = job.request_results([(v.dtype, list(v.shape)) for v in views])
+    if MODE == "die-after-grant":
+        os.kill(os.getpid(), signal.SIGKILL)
+    for i, (v, out) in enumerate(zip(views, outs)):
+        data = bytearray(gather(v))
+        if len(data) >= 4:
+            data[0:4] = struct.pack("<I", marker(i))
+        out.write_bytes(bytes(data))
+
+
+def probe(job):
+    rep = {"job_stream": job.stream, "inputs": []}
+    keep = []
+    for v in job.inputs:
+        r = {"ptr": v.ptr, "dtype": v.dtype, "shape": list(v.shape), "strides": list(v.strides),
+             "nbytes": v.nbytes, "rung": v.rung, "dlpack_device": list(v.__dlpack_device__()),
+             "repr": repr(v)}
+        try:
+            cai = v.__cuda_array_interface__
+            r["cai"] = {k: (list(x) if isinstance(x, tuple) else x) for k, x in cai.items()}
+        except AttributeError as e:
+            r["cai_error"] = str(e)
+        # An unconsumed capsule: its destructor must free the tensor (live_exports back).
+        before = job.live_exports
+        cap = v.__dlpack__(stream=-1)
+        r["live_with_capsule"] = job.live_exports - before
+        del cap
+        r["live_after_drop"] = job.live_exports - before
+        # Consumed capsules, legacy and versioned, kept alive past the job's end.
+        for versioned in (False, True):
+            try:
+                cap = v.__dlpack__(stream=None, max_version=(1, 0) if versioned else None)
+            except BufferError as e:
+                r["dlpack_error"] = str(e)
+                break
+            info, m, ptr = read_capsule(cap, versioned)
+            api.PyCapsule_SetName(cap, b"used_dltensor_versioned" if versioned else b"used_dltensor")
+            del cap
+            keep.append((m, ptr, versioned))
+            r["capsule_versioned" if versioned else "capsule"] = info
+        r["live_consumed"] = job.live_exports
+        rep["inputs"].append(r)
+    echo(job)
+    rep["results"] = [{"ptr": o.ptr, "dtype": o.dtype, "shape": list(o.shape), "is_result": o.is_result,
+                       "cai_strides": list(o.__cuda_array_interface__["strides"])
+                       if o.dtype != "bfloat16" else None}
+                      for o in job.results]
+    views = job.inputs + job.results
+    job.finish()
+    rep["after"] = {
+        "ptr": raises(lambda: views[0].ptr),
+        "read_bytes": raises(lambda: views[0].read_bytes()),
+        "dlpack": raises(lambda: views[0].__dlpack__()),
+        "cai": raises(lambda: views[0].__cuda_array_interface__),
+        "result_ptr": raises(lambda: views[-1].ptr) if job.results else None,
+        "finish_again": raises(job.finish),
+        "request_again": raises(lambda: job.request_results([("float32", [1])])),
+        "valid": views[0].valid,
+        "open": job.open,
+        "live_exports_before_deleters": job.live_exports,
+    }
+    # The consumer lets go: the deleters run (with the job already ended).
+    for m, ptr, versioned in keep:
+        kind = DLManagedTensorVersioned if versioned else DLManagedTensor
+        m.deleter(ctypes.cast(ptr, ctypes.POINTER(kind)))
+    rep["after"]["live_exports_after_deleters"] = job.live_exports
+    with open(REPORT, "a") as f:
+        f.write(json.dumps(rep) + "\n")
+
+
+def main():
+    worker = poolipc.Worker()
+    with open(REPORT, "a") if REPORT else open(os.devnull, "w") as f:
+        f.write(json.dumps({"started": True, "simulated": worker.simulated, "stream": worker.stream}) + "\n")
+    for job in worker:
+        if MODE == "die-after-import":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if MODE == "probe":
+            probe(job)
+            continue
+        if MODE == "bad-dtype":
+            err = raises(lambda: job.request_results([("float33", [4])]))
+            job.fail(f"bad dtype said: {err}")
+            continue
+        with job:
+            if MODE == "fail":
+                raise ValueError("the worker failed on purpose")
+            echo(job)
+    worker.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
