@@ -61,7 +61,10 @@ pub(crate) fn lock() -> MutexGuard<'static, Option<Global>> {
 }
 
 /// The driver `POOLIPC_DRIVER` asks for, a child environment for the simulation, and words.
-pub(crate) fn open_driver() -> PyResult<(Arc<dyn Driver>, Option<(&'static str, String)>, String)> {
+/// A driver, the environment a child needs to reach it (the simulated machine), and words.
+pub(crate) type Opened = (Arc<dyn Driver>, Option<(&'static str, String)>, String);
+
+pub(crate) fn open_driver() -> PyResult<Opened> {
     let choice = std::env::var(DRIVER_ENV).unwrap_or_default();
     match choice.as_str() {
         "sim" => {

@@ -698,13 +698,13 @@ impl View {
                 "poolipc: views are handed out without a copy (copy=True is not supported)",
             ));
         }
-        if let Some(d) = dl_device {
-            if d != self.__dlpack_device__() {
-                return Err(PyBufferError::new_err(format!(
-                    "poolipc: the view lives on {:?}, not {d:?}",
-                    self.__dlpack_device__()
-                )));
-            }
+        if let Some(d) = dl_device
+            && d != self.__dlpack_device__()
+        {
+            return Err(PyBufferError::new_err(format!(
+                "poolipc: the view lives on {:?}, not {d:?}",
+                self.__dlpack_device__()
+            )));
         }
         let (code, bits) = dlpack::code_of(self.info.dtype).ok_or_else(|| {
             PyBufferError::new_err(format!(

@@ -16,6 +16,9 @@ import pytest
 os.environ.setdefault("POOLIPC_DRIVER", "sim")
 if os.environ["POOLIPC_DRIVER"] != "sim":
     pytest.skip("test_sim.py runs on the simulated driver only", allow_module_level=True)
+if "torch" in sys.modules:
+    pytest.skip("torch is imported in this process (gpu_torch_test.py ran first?); run "
+                "test_sim.py in its own pytest process", allow_module_level=True)
 
 import poolipc  # noqa: E402
 

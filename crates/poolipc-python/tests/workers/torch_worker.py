@@ -1,0 +1,40 @@
+"""A torch worker for the H200 suite: views go into torch by DLPack (no copy); each result is
+``x * 2 + 1`` in the input's dtype and shape. POOLIPC_TEST_MODE: ``torch`` (default),
+``cupy`` (reads by __cuda_array_interface__, writes with CuPy on the job's stream),
+``die-after-import``, ``die-after-grant`` (SIGKILL at that step)."""
+
+import os
+import signal
+
+import poolipc
+import torch
+
+MODE = os.environ.get("POOLIPC_TEST_MODE", "torch")
+
+
+def main():
+    worker = poolipc.Worker()
+    for job in worker:
+        if MODE == "die-after-import":
+            os.kill(os.getpid(), signal.SIGKILL)
+        with job:
+            if MODE == "cupy":
+                import cupy
+
+                with cupy.cuda.ExternalStream(job.stream):
+                    xs = [cupy.asarray(v) for v in job.inputs]
+                    outs = job.request_results([(v.dtype, tuple(v.shape)) for v in job.inputs])
+                    for x, o in zip(xs, outs):
+                        cupy.asarray(o)[...] = x * 2 + 1
+                continue
+            xs = [torch.from_dlpack(v) for v in job.inputs]
+            outs = job.request_results([(str(x.dtype).removeprefix("torch."), tuple(x.shape)) for x in xs])
+            if MODE == "die-after-grant":
+                os.kill(os.getpid(), signal.SIGKILL)
+            for x, o in zip(xs, outs):
+                torch.from_dlpack(o).copy_(x * 2 + 1)
+            del xs
+
+
+if __name__ == "__main__":
+    main()
