@@ -28,7 +28,7 @@ create_exception!(
 pub(crate) fn to_py(e: poolipc::Error) -> PyErr {
     let text = format!("poolipc: {e}");
     match e {
-        poolipc::Error::JobFailed { .. } | poolipc::Error::Worker(_) => {
+        poolipc::Error::JobFailed { .. } | poolipc::Error::Worker { .. } => {
             JobFailedError::new_err(text)
         }
         poolipc::Error::InvalidTensor(_) => PyValueError::new_err(text),

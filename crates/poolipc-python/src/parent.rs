@@ -16,12 +16,6 @@ use crate::dtype;
 use crate::errors::{err, to_py};
 use crate::state::{self, Global};
 
-/// Results of a failed job that came from the caller's allocator. The facade frees the
-/// results of a failed job itself (`pool.free`), memory that torch also believes it owns; so
-/// the torch tensors are kept here forever rather than let torch free them a second time.
-/// See the crate's README: a facade change removes the need.
-static GRAVEYARD: Mutex<Vec<Py<PyAny>>> = Mutex::new(Vec::new());
-
 fn driver_err(e: poolipc_driver::DriverError) -> PyErr {
     to_py(e.into())
 }
@@ -339,21 +333,21 @@ impl NativeParent {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let output = match res {
             Ok(o) => o,
-            Err(e) => {
-                if !allocated.is_empty() {
-                    let n = allocated.len();
-                    GRAVEYARD
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .extend(allocated.into_iter().map(|a| a.keep));
-                    let mut pe = to_py(e);
-                    let note = format!(
-                        "{} (poolipc kept {n} result tensor(s) of the failed job alive for \
-                         good: the facade released their memory itself)",
-                        pe.value(py)
-                    );
-                    pe = crate::errors::JobFailedError::new_err(note);
-                    return Err(pe);
+            Err(mut e) => {
+                // A failed job gives back every result memory it allocated: nothing imports
+                // it any more. Torch's own tensors are dropped (torch frees them); memory the
+                // default allocator took from the pool is freed here.
+                drop(allocated);
+                if let poolipc::Error::JobFailed { results, .. }
+                | poolipc::Error::Worker { results, .. } = &mut e
+                {
+                    if !caller_alloc {
+                        for ptr in results.drain(..) {
+                            if let Err(free) = driver.mem_free_async(ptr, stream) {
+                                eprintln!("poolipc: freeing a failed job's result failed: {free}");
+                            }
+                        }
+                    }
                 }
                 let mut e = to_py(e);
                 if let Some(text) = raised

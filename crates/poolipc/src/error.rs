@@ -43,12 +43,21 @@ pub enum Error {
         reason: FailReason,
         /// What the parent saw (exit status, transport error).
         detail: String,
+        /// The result memory the caller's allocator made for this job, given back: nothing
+        /// imports it any more. Empty after [`Parent::run_job`](crate::Parent::run_job),
+        /// which frees it.
+        results: Vec<poolipc_driver::DevicePtr>,
     },
     /// The worker reported an error for the job.
-    #[error("the worker reported: {0}")]
-    Worker(String),
+    #[error("the worker reported: {message}")]
+    Worker {
+        /// What it said.
+        message: String,
+        /// As for [`Error::JobFailed`].
+        results: Vec<poolipc_driver::DevicePtr>,
+    },
     /// The parent refused a result request (allocation failed, over the limit, shutdown).
-    #[error("result request refused by the parent: {0}")]
+    #[error("result request refused: {0}")]
     ResultRefused(String),
     /// A tensor description that cannot be right (shape, strides, dtype and bytes disagree,
     /// a pointer outside its allocation).

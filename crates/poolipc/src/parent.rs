@@ -128,6 +128,8 @@ struct JobState {
     staged: Vec<(HandleId, DevicePtr, u64)>,
     /// Results on the host-staging rung, by wire handle: (the parent's allocation, bytes).
     staged_results: HashMap<HandleId, (DevicePtr, u64)>,
+    /// Result memory that will not be handed out: the caller's to free.
+    orphans: Vec<DevicePtr>,
     /// Result allocations made before the contract asked for them, by request.
     preallocated: HashMap<RequestId, DevicePtr>,
     worker_error: Option<String>,
@@ -332,14 +334,29 @@ impl Parent {
             }
         };
         let mut alloc = pool_alloc;
-        self.run_job_with(worker, inputs, stream, &mut alloc)
+        let out = self.run_job_with(worker, inputs, stream, &mut alloc);
+        out.map_err(|e| self.free_returned(e, stream))
+    }
+
+    /// For the jobs whose results this crate allocated: frees what a failed job gave back.
+    fn free_returned(&self, mut e: Error, stream: StreamHandle) -> Error {
+        if let Error::JobFailed { results, .. } | Error::Worker { results, .. } = &mut e {
+            for ptr in results.drain(..) {
+                if let Err(free) = self.pool.free(ptr, stream) {
+                    tracing::warn!(error = %free, ?ptr, "freeing a failed job's result failed");
+                }
+            }
+        }
+        e
     }
 
     /// Lends `inputs` to `worker`, READY recorded on `stream`; answers the worker's result
     /// requests by calling `alloc(shape, bytes)` (which must return memory of the shared
     /// pool); returns when the worker acknowledged everything, `stream` having waited on its
     /// DONE event. If the worker dies, the job fails with [`Error::JobFailed`] once the worker
-    /// is reaped and its results freed; other workers are unaffected.
+    /// is reaped; other workers are unaffected. A failed job's error lists every result the
+    /// allocator made (`results`): no process imports them any more, and they are the
+    /// caller's to free. [`run_job`](Parent::run_job) frees them itself.
     pub fn run_job_with(
         &mut self,
         worker: WorkerId,
@@ -365,7 +382,8 @@ impl Parent {
         let mut alloc = move |_: &ResultShape, bytes: u64| -> Result<DevicePtr, Error> {
             Ok(driver.mem_alloc_from_pool_async(bytes, pool, stream)?)
         };
-        self.run_job_inner(worker, job, inputs, stream, &mut alloc)
+        let out = self.run_job_inner(worker, job, inputs, stream, &mut alloc);
+        out.map_err(|e| self.free_returned(e, stream))
     }
 
     fn run_job_inner(
@@ -488,15 +506,20 @@ impl Parent {
         } else {
             self.serve(worker, job, stream, &mut st, alloc)?;
         }
-        if let Some((reason, detail)) = st.failed.take() {
-            return Err(Error::JobFailed {
-                worker,
-                reason,
-                detail,
-            });
-        }
-        if let Some(e) = st.worker_error.take() {
-            return Err(Error::Worker(e));
+        if st.failed.is_some() || st.worker_error.is_some() {
+            // Everything the caller's allocator made for this job goes back to the caller.
+            let mut results = std::mem::take(&mut st.orphans);
+            results.extend(st.results.values().map(|r| r.ptr));
+            if let Some((reason, detail)) = st.failed.take() {
+                return Err(Error::JobFailed {
+                    worker,
+                    reason,
+                    detail,
+                    results,
+                });
+            }
+            let message = st.worker_error.take().unwrap_or_default();
+            return Err(Error::Worker { message, results });
         }
         Ok(JobOutput {
             results: st.results.into_values().collect(),
@@ -642,7 +665,8 @@ impl Parent {
                     alloc: a, request, ..
                 } => {
                     if let Some((ptr, _)) = st.result_allocs.remove(&a) {
-                        self.pool.free(ptr, stream)?;
+                        // Never offered: the caller's allocator made it, the caller frees it.
+                        st.orphans.push(ptr);
                     }
                     st.results.remove(&request);
                 }
@@ -661,8 +685,9 @@ impl Parent {
                     if let Purpose::Result { request } = purpose {
                         if outcome != Outcome::Completed {
                             if let Some((ptr, _)) = st.result_allocs.remove(&a) {
-                                // The worker is reaped or acknowledged: nothing imports it.
-                                self.pool.free(ptr, stream)?;
+                                // Nothing imports it any more (the worker acknowledged or was
+                                // reaped); the caller's allocator made it, the caller frees it.
+                                st.orphans.push(ptr);
                             }
                             st.results.remove(&request);
                         } else {
@@ -989,7 +1014,7 @@ impl Parent {
         // Staged results never reached the worker's memory: the parent's allocations go back.
         for (_, (ptr, _)) in st.staged_results.drain() {
             st.results.retain(|_, r| r.ptr != ptr);
-            self.pool.free(ptr, stream)?;
+            st.orphans.push(ptr);
         }
         let reason = st.failed.as_ref().map_or(FailReason::HungUp, |f| f.0);
         st.failed = Some((reason, format!("{why}; worker {status}")));
