@@ -340,12 +340,11 @@ impl NativeParent {
                 drop(allocated);
                 if let poolipc::Error::JobFailed { results, .. }
                 | poolipc::Error::Worker { results, .. } = &mut e
+                    && !caller_alloc
                 {
-                    if !caller_alloc {
-                        for ptr in results.drain(..) {
-                            if let Err(free) = driver.mem_free_async(ptr, stream) {
-                                eprintln!("poolipc: freeing a failed job's result failed: {free}");
-                            }
+                    for ptr in results.drain(..) {
+                        if let Err(free) = driver.mem_free_async(ptr, stream) {
+                            eprintln!("poolipc: freeing a failed job's result failed: {free}");
                         }
                     }
                 }
