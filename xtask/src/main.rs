@@ -58,6 +58,26 @@ fn run(mut cmd: Command) -> Result<()> {
     Ok(())
 }
 
+/// `maturin` on the PATH, or as a Python module.
+fn maturin() -> Option<Command> {
+    let works = |c: &mut Command| {
+        c.arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if works(&mut Command::new("maturin")) {
+        return Some(Command::new("maturin"));
+    }
+    let mut m = Command::new("python3");
+    m.args(["-m", "maturin"]);
+    if works(&mut m) {
+        let mut m = Command::new("python3");
+        m.args(["-m", "maturin"]);
+        return Some(m);
+    }
+    None
+}
+
 fn has_subcommand(name: &str) -> bool {
     cargo()
         .args([name, "--version"])
@@ -242,6 +262,23 @@ fn gpu_bundle(root: &Path) -> Result<PathBuf> {
         let short = name.rsplit_once('-').map_or(name.as_ref(), |(a, _)| a);
         copy(exe, &bundle.join("tests").join(short))?;
     }
+    // The Python wheel (abi3), when maturin is here: `pip install maturin`.
+    match maturin() {
+        Some(mut m) => {
+            m.args([
+                "build",
+                "--release",
+                "-m",
+                "crates/poolipc-python/Cargo.toml",
+                "-o",
+            ])
+            .arg(&bundle);
+            run(m)?;
+        }
+        None => {
+            eprintln!("maturin not found: the bundle carries no Python wheel (pip install maturin)")
+        }
+    }
     let script = bundle.join("run.sh");
     std::fs::write(&script, RUN_SH)?;
     let mut perms = std::fs::metadata(&script)?.permissions();
@@ -297,6 +334,21 @@ echo "--- poolipc bench" >> "$summary"
 RUST_LOG=warn "$here/poolipc" bench > "$out/bench.log" 2>&1; echo "bench exit: $?" >> "$summary"
 cat "$out/bench.log" >> "$summary"
 RUST_LOG=warn "$here/poolipc" bench --json --iterations 10 >> "$out/bench.log" 2>&1
+echo "--- python: the binding under torch (cudaMallocAsync), then on SimDriver" >> "$summary"
+wheel=$(ls "$here"/poolipc-*.whl 2>/dev/null | head -1)
+repo=$(cd "$here/../.." && pwd)
+if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" > "$out/python.log" 2>&1
+  ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site python3 -m pytest -v -rs tests/gpu_torch_test.py ) >> "$out/python.log" 2>&1
+  r1=$?
+  ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site POOLIPC_DRIVER=sim python3 -m pytest -q tests/test_sim.py ) >> "$out/python.log" 2>&1
+  r2=$?
+  echo "python torch suite exit: $r1, sim suite exit: $r2" >> "$summary"
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/python.log" | sed 's/^tests\/gpu_torch_test.py:://' | tail -40 >> "$summary"
+  [ "$r1" -eq 0 ] && [ "$r2" -eq 0 ] || fail=$((fail+1))
+else
+  echo "python: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
+fi
 echo "--- tests: $pass passed, $fail failed" >> "$summary"
 cat "$summary"
 [ "$fail" -eq 0 ]
