@@ -58,6 +58,54 @@ fn run(mut cmd: Command) -> Result<()> {
     Ok(())
 }
 
+/// The Python binding: a venv under `target/pyenv` with maturin and pytest (from PyPI), the
+/// abi3 wheel built and installed there, and the pytest suite run on SimDriver.
+fn python_suite() -> Result<()> {
+    let root = root()?;
+    let venv = root.join("target/pyenv");
+    let py = venv.join("bin/python");
+    if !py.exists() {
+        let mut c = Command::new("python3");
+        c.args(["-m", "venv"]).arg(&venv);
+        run(c)?;
+    }
+    let mut c = Command::new(&py);
+    c.args(["-m", "pip", "install", "-q", "maturin>=1.5,<2", "pytest"]);
+    run(c)?;
+    let wheels = root.join("target/wheels");
+    let _ = std::fs::remove_dir_all(&wheels);
+    let mut c = Command::new(venv.join("bin/maturin"));
+    c.args([
+        "build",
+        "--release",
+        "-m",
+        "crates/poolipc-python/Cargo.toml",
+        "-o",
+    ])
+    .arg(&wheels);
+    run(c)?;
+    let wheel = std::fs::read_dir(&wheels)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .context("maturin built no wheel")?;
+    let mut c = Command::new(&py);
+    c.args([
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--force-reinstall",
+        "--no-deps",
+    ])
+    .arg(&wheel);
+    run(c)?;
+    let mut c = Command::new(&py);
+    // The Rust worker test finds the `poolipc` binary nextest built under target/debug.
+    c.args(["-m", "pytest", "-q", "-rs", "tests"])
+        .current_dir(root.join("crates/poolipc-python"));
+    run(c)
+}
+
 /// `maturin` on the PATH, or as a Python module.
 fn maturin() -> Option<Command> {
     let works = |c: &mut Command| {
@@ -150,6 +198,7 @@ fn ci() -> Result<()> {
         bail!("cargo deny check advisories failed:\n{text}");
     }
     fuzz_build()?;
+    python_suite()?;
     eprintln!("xtask ci: all green");
     Ok(())
 }
