@@ -23,6 +23,9 @@ pub(crate) struct Args {
     /// The device to examine.
     #[arg(long, default_value_t = 0)]
     device: u32,
+    /// With --sim: how many simulated devices.
+    #[arg(long, default_value_t = 1)]
+    sim_devices: u32,
 }
 
 /// The driver a child of ours uses: the parent's simulated machine when it handed one over,
@@ -79,7 +82,10 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     );
 
     let (driver, child_env): (Arc<dyn Driver>, _) = if args.sim {
-        let sim = SimDriver::new(SimConfig::default())?;
+        let sim = SimDriver::new(SimConfig {
+            devices: args.sim_devices,
+            ..SimConfig::default()
+        })?;
         let env = sim.child_env();
         t.row("driver", "SIMULATED (--sim): no GPU is examined");
         (Arc::new(sim), Some(env))
@@ -116,6 +122,28 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
                 info.total_memory >> 20
             ),
         );
+    }
+    if count > 1 {
+        println!("  peer access (row can access column; cuDeviceCanAccessPeer):");
+        let header: String = (0..count).map(|j| format!("{j:>4}")).collect();
+        println!("  {:<24} {header}", "");
+        for i in 0..count {
+            let row: String = (0..count)
+                .map(|j| {
+                    let cell = if i == j {
+                        "-"
+                    } else {
+                        match d.device_can_access_peer(i, j) {
+                            Ok(true) => "yes",
+                            Ok(false) => "no",
+                            Err(_) => "err",
+                        }
+                    };
+                    format!("{cell:>4}")
+                })
+                .collect();
+            println!("  {:<24} {row}", format!("device {i}"));
+        }
     }
     if args.device >= count {
         anyhow::bail!("device {} does not exist ({count} visible)", args.device);

@@ -94,3 +94,23 @@ fn probe_limit_finds_5248_mib_on_the_gpu_and_survives_the_crashes() {
     }
     probe_limit(&[]);
 }
+
+#[test]
+fn doctor_lists_every_device_and_the_peer_access_matrix() {
+    let (out, text) = run(&["doctor", "--sim", "--sim-devices", "3"]);
+    assert!(out.status.success(), "exit status {}", out.status);
+    for i in 0..3 {
+        assert!(
+            text.contains(&format!("poolipc simulated device {i} GPU-")),
+            "{text}"
+        );
+    }
+    assert!(
+        text.contains("peer access (row can access column"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  device 1                  yes   - yes"),
+        "{text}"
+    );
+}

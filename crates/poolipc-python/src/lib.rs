@@ -1,13 +1,13 @@
 //! The Python module `poolipc` (its native part, `poolipc._native`): the pool swap for
-//! ComfyUI's prestartup hook, the shared pool's statistics, [`parent::NativeParent`] to spawn
-//! workers and lend them tensors, [`worker::NativeWorker`] to take jobs whose views torch,
+//! ComfyUI's prestartup hook, the shared pool's statistics, `NativeParent` to spawn
+//! workers and lend them tensors, `NativeWorker` to take jobs whose views torch,
 //! CuPy and JAX take by DLPack or `__cuda_array_interface__`. The pure-Python package
 //! (`python/poolipc`) wraps these for torch.
 //!
 //! The driver is the GPU's unless `POOLIPC_DRIVER=sim` picks the simulated one (tests on
 //! machines without a GPU); a worker follows its parent.
 //!
-//! Unsafe code: only in [`dlpack`] (the DLPack capsule is a C protocol over raw pointers).
+//! Unsafe code: only in the `dlpack` module (the DLPack capsule is a C protocol over raw pointers).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
