@@ -391,9 +391,11 @@ fn a_peer_of_another_uid_is_dropped_with_a_typed_error_on_both_sides() {
         ),
         "{err:?}"
     );
+    let status = reap(child, Duration::from_secs(10));
+    // One failure in CI so far, not reproduced since: the status says how the child ended.
     assert!(
-        reap(child, Duration::from_secs(10)).success(),
-        "the child saw the listener's uid"
+        status.success(),
+        "the child saw the listener's uid: {status:?}"
     );
     drop(listener);
     let _ = std::fs::remove_dir(&dir);
