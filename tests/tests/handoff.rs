@@ -314,3 +314,42 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    fn a_worker_whose_parent_dies_exits_by_itself(env) {
+        let mut cmd = std::process::Command::new(poolipc_tests::sibling_binary(
+            "poolipc-test-parent",
+            "POOLIPC_TEST_PARENT",
+        )?);
+        if let Some(sim) = &env.sim {
+            let (k, v) = sim.child_env();
+            cmd.env(k, v);
+        }
+        let out = cmd.stderr(std::process::Stdio::inherit()).output()?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let pid: i32 = text
+            .trim()
+            .strip_prefix("worker ")
+            .and_then(|p| p.parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("the parent printed {text:?} ({})", out.status))?;
+        ensure!(
+            std::os::unix::process::ExitStatusExt::signal(&out.status) == Some(9),
+            "the parent should have died by SIGKILL: {}",
+            out.status
+        );
+        // The worker sees its connection close and leaves; it is not our child, so watch /proc.
+        let t = std::time::Instant::now();
+        while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| s.contains(") Z "))
+                .unwrap_or(true);
+            if zombie {
+                break;
+            }
+            ensure!(t.elapsed() < std::time::Duration::from_secs(20), "worker {pid} still runs");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        println!("{:?}: worker {pid} left {:?} after its parent died", env.kind(), t.elapsed());
+        Ok(())
+    }
+);

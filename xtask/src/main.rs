@@ -276,6 +276,10 @@ fn gpu_bundle(root: &Path) -> Result<PathBuf> {
         &release.join("poolipc-test-worker"),
         &bundle.join("tests/poolipc-test-worker"),
     )?;
+    copy(
+        &release.join("poolipc-test-parent"),
+        &bundle.join("tests/poolipc-test-parent"),
+    )?;
     let out = cargo()
         .args([
             "test",
@@ -362,7 +366,7 @@ pass=0; fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1 || echo "nvidia-smi: not available" >> "$summary"
 for bin in "$here"/tests/*; do
   name=$(basename "$bin")
-  case "$name" in poolipc-test-child|poolipc-test-worker) continue ;; esac
+  case "$name" in poolipc-test-child|poolipc-test-worker|poolipc-test-parent) continue ;; esac
   for t in $("$bin" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
     start=$(date +%s%N)
     if "$bin" --exact "$t" --nocapture --test-threads=1 >"$out/one.log" 2>&1; then r=ok; pass=$((pass+1)); else r=FAILED; fail=$((fail+1)); fi

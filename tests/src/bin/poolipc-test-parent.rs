@@ -1,0 +1,52 @@
+//! A parent process that dies: it starts the facade test worker, runs one job with it, prints
+//! the worker's pid, then kills itself with SIGKILL. The test checks the worker then exits by
+//! itself (its parent went away mid-life).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use poolipc::{DType, Driver, Input, Parent, ParentOptions, TensorDesc};
+
+fn run() -> anyhow::Result<()> {
+    poolipc_tests::init_tracing();
+    let driver: Arc<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
+        Some(sim) => Arc::new(sim?),
+        None => Arc::new(poolipc_driver::CudaDriver::new()?),
+    };
+    let mut parent = Parent::new(Arc::clone(&driver), ParentOptions::default())?;
+    let mut cmd = std::process::Command::new(poolipc_tests::sibling_binary(
+        "poolipc-test-worker",
+        "POOLIPC_TEST_WORKER",
+    )?);
+    // The simulated machine's variable, if any, is inherited from our own environment.
+    cmd.env_remove(poolipc::FAILPOINT_ENV);
+    let worker = parent.spawn_worker(cmd)?;
+    let stream = driver.stream_create()?;
+    let input = parent.pool().alloc(1 << 20, stream)?;
+    let out = parent.run_job(
+        worker,
+        &[Input {
+            ptr: input,
+            desc: TensorDesc::contiguous(DType::U8, &[1 << 20]),
+        }],
+        stream,
+    )?;
+    driver.stream_synchronize(stream)?;
+    anyhow::ensure!(out.results.len() == 1, "one result expected");
+    let pid = parent.worker(worker).and_then(|w| w.pid).unwrap_or(0);
+    println!("worker {pid}");
+    use std::io::Write as _;
+    std::io::stdout().flush()?;
+    nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL)?;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("poolipc-test-parent: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
