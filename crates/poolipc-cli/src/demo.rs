@@ -4,10 +4,10 @@ use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use poolipc::{DType, Input, Parent, ParentOptions, TensorDesc, echo};
 use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{CudaDriver, DevicePtr, Driver};
+use poolipc_driver::{CudaDriver, Driver};
 
 /// Options of `poolipc demo`.
 #[derive(Debug, clap::Args)]
@@ -113,34 +113,6 @@ fn open(args: &Args) -> Result<Opened> {
     ))
 }
 
-fn check(
-    d: &dyn Driver,
-    ptr: DevicePtr,
-    bytes: u64,
-    i: usize,
-    pattern: u32,
-    offset: u64,
-) -> Result<()> {
-    let sample = bytes.min(64 * 1024) as usize;
-    let pat = pattern.to_le_bytes();
-    for start in [0, bytes - sample as u64] {
-        let mut buf = vec![0u8; sample];
-        d.memcpy_dtoh(&mut buf, ptr.offset(start))?;
-        for (k, b) in buf.iter().enumerate() {
-            let at = start + k as u64;
-            let want = if at < 4 {
-                echo::marker(i).to_le_bytes()[at as usize]
-            } else {
-                pat[((at + offset) % 4) as usize]
-            };
-            if *b != want {
-                bail!("result byte {at} is {b:#04x}, expected {want:#04x}");
-            }
-        }
-    }
-    Ok(())
-}
-
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let (driver, child_env, which) = open(args)?;
     println!("poolipc demo {which}");
@@ -205,7 +177,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
                 .map(ToString::to_string)
                 .unwrap_or_default();
             for (i, r) in out.results.iter().enumerate() {
-                if let Err(e) = check(d, r.ptr, r.bytes, i, c.pattern, c.offset) {
+                if let Err(e) = echo::verify_echo(d, r.ptr, r.bytes, i, c.pattern, c.offset) {
                     verdict = format!("NO: {e}");
                     failures += 1;
                 }

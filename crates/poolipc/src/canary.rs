@@ -79,41 +79,6 @@ fn piece(alloc: u64, offset: u64, dtype: DType, shape: &[u64], pattern: u32) -> 
     }
 }
 
-/// Checks that `[ptr, ptr+bytes)` holds the echo of a tensor filled with `pattern` starting
-/// `offset` bytes into its allocation: the marker first, the pattern after (sampled at both
-/// ends).
-fn verify(
-    parent: &Parent,
-    ptr: DevicePtr,
-    bytes: u64,
-    i: usize,
-    pattern: u32,
-    offset: u64,
-) -> Result<(), String> {
-    let d = parent.driver();
-    let sample = bytes.min(64 * 1024) as usize;
-    let pat = pattern.to_le_bytes();
-    for start in [0, bytes - sample as u64] {
-        let mut buf = vec![0u8; sample];
-        d.memcpy_dtoh(&mut buf, ptr.offset(start))
-            .map_err(|e| e.to_string())?;
-        for (k, b) in buf.iter().enumerate() {
-            let at = start + k as u64;
-            let want = if at < 4 {
-                echo::marker(i).to_le_bytes()[at as usize]
-            } else {
-                pat[((at + offset) % 4) as usize]
-            };
-            if *b != want {
-                return Err(format!(
-                    "byte {at} of result {i} is {b:#04x}, expected {want:#04x}"
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
 struct Battery<'p> {
     parent: &'p mut Parent,
     worker: poolipc_contract::WorkerId,
@@ -183,7 +148,14 @@ impl Battery<'_> {
                 ));
             }
             for (i, (p, r)) in pieces.iter().zip(&out.results).enumerate() {
-                let check = verify(self.parent, r.ptr, r.bytes, i, p.pattern, p.offset);
+                let check = echo::verify_echo(
+                    &**self.parent.driver(),
+                    r.ptr,
+                    r.bytes,
+                    i,
+                    p.pattern,
+                    p.offset,
+                );
                 let _ = self.parent.pool().free(r.ptr, s);
                 check?;
             }

@@ -34,6 +34,41 @@ pub fn fill_pattern(
     Ok(())
 }
 
+/// Checks that `[ptr, ptr + bytes)` holds what [`answer`] makes of input `i` when that input
+/// was filled by [`fill_pattern`] with `pattern` starting `offset` bytes into its allocation:
+/// the marker first, the pattern after, sampled (64 KiB) at both ends.
+pub fn verify_echo(
+    driver: &dyn crate::Driver,
+    ptr: crate::DevicePtr,
+    bytes: u64,
+    i: usize,
+    pattern: u32,
+    offset: u64,
+) -> Result<(), String> {
+    let sample = bytes.min(64 * 1024) as usize;
+    let pat = pattern.to_le_bytes();
+    for start in [0, bytes - sample as u64] {
+        let mut buf = vec![0u8; sample];
+        driver
+            .memcpy_dtoh(&mut buf, ptr.offset(start))
+            .map_err(|e| e.to_string())?;
+        for (k, b) in buf.iter().enumerate() {
+            let at = start + k as u64;
+            let want = if at < 4 {
+                marker(i).to_le_bytes()[at as usize]
+            } else {
+                pat[((at + offset) % 4) as usize]
+            };
+            if *b != want {
+                return Err(format!(
+                    "byte {at} of result {i} is {b:#04x}, expected {want:#04x}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A point in a job at which [`serve`] can be told to die, to test what the parent does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DieAt {

@@ -443,15 +443,8 @@ impl Parent {
             placed.push((base, size, offset, extent, by_pointer));
         }
         // Host staging is set up before anything is lent, so a failure leaves nothing lent.
-        if placed.iter().any(|p| !p.4) && self.slot(worker)?.staging.is_none() {
-            let driver = Arc::clone(&self.driver);
-            let config = self.options.staging.clone();
-            let slot = self.slot_mut(worker)?;
-            slot.staging = Some(StagingChannel::setup_parent(
-                driver,
-                &mut slot.conn,
-                config,
-            )?);
+        if placed.iter().any(|p| !p.4) {
+            self.ensure_staging(worker)?;
         }
         for (input, (base, size, offset, extent, by_pointer)) in inputs.iter().zip(placed) {
             if !by_pointer {
@@ -870,15 +863,8 @@ impl Parent {
                         )?;
                         self.drive(job, stream, st, alloc, None)?;
                     }
-                    if !st.staged_results.is_empty() && self.slot(worker)?.staging.is_none() {
-                        let driver = Arc::clone(&self.driver);
-                        let config = self.options.staging.clone();
-                        let slot = self.slot_mut(worker)?;
-                        slot.staging = Some(StagingChannel::setup_parent(
-                            driver,
-                            &mut slot.conn,
-                            config,
-                        )?);
+                    if !st.staged_results.is_empty() {
+                        self.ensure_staging(worker)?;
                     }
                     if let Err(e) = self.flush(worker, job, stream, st) {
                         return self.lose_worker(
@@ -961,6 +947,22 @@ impl Parent {
                 }
             }
         }
+    }
+
+    /// Sets host staging up with `worker` the first time one of its tensors needs it.
+    fn ensure_staging(&mut self, worker: WorkerId) -> Result<(), Error> {
+        if self.slot(worker)?.staging.is_some() {
+            return Ok(());
+        }
+        let driver = Arc::clone(&self.driver);
+        let config = self.options.staging.clone();
+        let slot = self.slot_mut(worker)?;
+        slot.staging = Some(StagingChannel::setup_parent(
+            driver,
+            &mut slot.conn,
+            config,
+        )?);
+        Ok(())
     }
 
     /// Sends the job's staged inputs through the worker's staging channel, in order.
