@@ -384,7 +384,12 @@ echo "--- poolipc demo" >> "$summary"
 "$here/poolipc" demo > "$out/demo.log" 2>&1; echo "demo exit: $?" >> "$summary"
 grep -v ' INFO ' "$out/demo.log" >> "$summary"
 echo "--- poolipc bench" >> "$summary"
-RUST_LOG=warn "$here/poolipc" bench > "$out/bench.log" 2>&1; echo "bench exit: $?" >> "$summary"
+repo=$(cd "$here/../.." && pwd)
+peers=""
+if nvcc -O2 -o /tmp/poolipc-floor "$repo/bench/floor.c" -lcuda > "$out/floor-build.txt" 2>&1; then peers="--floor /tmp/poolipc-floor"; else echo "floor.c did not build: $(tail -1 "$out/floor-build.txt")" >> "$summary"; fi
+python3 -c 'import torch' 2>/dev/null && peers="$peers --torchmp $repo/bench/torchmp.py"
+rm -f "$out/floor-build.txt"
+RUST_LOG=warn "$here/poolipc" bench $peers > "$out/bench.log" 2>&1; echo "bench exit: $?" >> "$summary"
 cat "$out/bench.log" >> "$summary"
 RUST_LOG=warn "$here/poolipc" bench --json --iterations 10 >> "$out/bench.log" 2>&1
 echo "--- python: the binding under torch (cudaMallocAsync), then on SimDriver" >> "$summary"

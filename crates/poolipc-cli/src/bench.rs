@@ -27,6 +27,77 @@ pub(crate) struct Args {
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
+    /// A build of `bench/floor.c` (the bare-driver handoff, `nvcc -O2 -o floor bench/floor.c
+    /// -lcuda`), run after ours and reported beside it.
+    #[arg(long)]
+    floor: Option<std::path::PathBuf>,
+    /// `bench/torchmp.py` (torch.multiprocessing's round trip, needs torch), run with
+    /// `python3` after ours and reported beside it.
+    #[arg(long)]
+    torchmp: Option<std::path::PathBuf>,
+}
+
+/// The number after `"key": ` in a JSON line (the probes print flat objects).
+fn json_number(line: &str, key: &str) -> Option<f64> {
+    let at = line.find(&format!("\"{key}\": "))? + key.len() + 4;
+    let rest = &line[at..];
+    let end = rest.find([',', '}']).unwrap_or(rest.len());
+    rest[..end].trim().parse().ok()
+}
+
+/// The string after `"key": ` in a JSON line.
+fn json_string<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let at = line.find(&format!("\"{key}\": \""))? + key.len() + 5;
+    let rest = &line[at..];
+    Some(&rest[..rest.find('"')?])
+}
+
+/// Runs `cmd` and gives (bytes, median µs) of every line `parse` understands, or why not.
+fn peer_runs(
+    mut cmd: Command,
+    parse: impl Fn(&str) -> Option<(u64, f64)>,
+) -> Result<Vec<(u64, f64)>, String> {
+    let out = cmd
+        .output()
+        .map_err(|e| format!("could not run {cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .last()
+                .unwrap_or("")
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(parse)
+        .collect())
+}
+
+fn floor_line(line: &str) -> Option<(u64, f64)> {
+    if !line.contains("\"handoff_round_trip\"") {
+        return None;
+    }
+    Some((
+        json_number(line, "bytes")? as u64,
+        json_number(line, "us_median")?,
+    ))
+}
+
+fn torchmp_line(line: &str) -> Option<(u64, f64)> {
+    if !line.contains("\"torch_mp_round_trip\"") {
+        return None;
+    }
+    let bytes = match json_string(line, "size")? {
+        "4KiB" => 4 * KIB,
+        "1MiB" => MIB,
+        "1GiB" => 1024 * MIB,
+        "4GiB" => 4096 * MIB,
+        _ => return None,
+    };
+    Some((bytes, json_number(line, "round_trip_ms_median")? * 1e3))
 }
 
 const KIB: u64 = 1 << 10;
@@ -181,6 +252,21 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     parent.stop_worker(worker)?;
 
     let tensors_per_s = n as f64 / batch_s;
+    // The peers, measured in the same run, after ours (they need the GPU too).
+    let floor = args
+        .floor
+        .as_ref()
+        .map(|p| peer_runs(Command::new(p), floor_line));
+    let torchmp = args.torchmp.as_ref().map(|p| {
+        let mut c = Command::new("python3");
+        c.arg(p);
+        peer_runs(c, torchmp_line)
+    });
+    let find = |runs: &Option<Result<Vec<(u64, f64)>, String>>, bytes: u64| {
+        runs.as_ref()
+            .and_then(|r| r.as_ref().ok())
+            .and_then(|v| v.iter().find(|(b, _)| *b == bytes).map(|(_, us)| *us))
+    };
     if args.json {
         let mut s = String::from("{\"driver\":\"");
         s.push_str(&d.kind().to_string());
@@ -193,6 +279,19 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
                 "{{\"bytes\":{},\"first_us\":{:.1},\"recycled_median_us\":{:.1},\"host_staging_median_us\":{:.1},\"host_copy_median_us\":{:.1},\"speedup_vs_host_staging\":{:.2},\"speedup_vs_host_copy\":{:.2}}}",
                 r.bytes, r.first_us, r.recycled_us, r.staging_us, r.host_copy_us, r.staging_us / r.recycled_us, r.host_copy_us / r.recycled_us
             ));
+            s.pop();
+            for (key, v) in [
+                ("floor_us", find(&floor, r.bytes)),
+                ("torch_mp_us", find(&torchmp, r.bytes)),
+            ] {
+                if let Some(v) = v {
+                    s.push_str(&format!(
+                        ",\"{key}\":{v:.1},\"ratio_to_{key}\":{:.3}",
+                        r.recycled_us / v
+                    ));
+                }
+            }
+            s.push('}');
         }
         s.push_str(&format!("],\"batch\":{{\"tensors\":{n},\"tensor_bytes\":4096,\"median_s\":{batch_s:.6},\"tensors_per_s\":{tensors_per_s:.0}}}}}"));
         println!("{s}");
@@ -224,6 +323,43 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         println!(
             "  host copy: device → pageable host → device in this process, the path the handoff replaces"
         );
+        if floor.is_some() || torchmp.is_some() {
+            println!();
+            println!(
+                "  against the peers, measured in the same run after ours (recycled medians):"
+            );
+            println!(
+                "  {:>10} {:>14} {:>12} {:>11} {:>16} {:>11}",
+                "size", "ours µs", "floor µs", "ours/floor", "torch.mp µs", "ours/t.mp"
+            );
+            let cell = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+            let ratio = |ours: f64, v: Option<f64>| {
+                v.map_or_else(|| "-".to_owned(), |v| format!("{:.2}", ours / v))
+            };
+            for r in &rows {
+                let (f, t) = (find(&floor, r.bytes), find(&torchmp, r.bytes));
+                println!(
+                    "  {:>10} {:>14.1} {:>12} {:>11} {:>16} {:>11}",
+                    human(r.bytes),
+                    r.recycled_us,
+                    cell(f),
+                    ratio(r.recycled_us, f),
+                    cell(t),
+                    ratio(r.recycled_us, t)
+                );
+            }
+            for (name, runs) in [("floor", &floor), ("torch.multiprocessing", &torchmp)] {
+                if let Some(Err(why)) = runs {
+                    println!("  {name}: NOT MEASURED: {why}");
+                }
+            }
+            println!(
+                "  floor: bench/floor.c, the bare-driver handoff (its child memsets 4 KiB in place)"
+            );
+            println!(
+                "  torch.mp: bench/torchmp.py, native allocator, legacy CUDA IPC, worker writes one element"
+            );
+        }
         println!(
             "  batch: {n} tensors of 4 KiB, each its own allocation, in one job: {:.2} ms, {tensors_per_s:.0} tensors/s",
             batch_s * 1e3
@@ -239,5 +375,43 @@ fn human(bytes: u64) -> String {
         format!("{} MiB", bytes >> 20)
     } else {
         format!("{} KiB", bytes >> 10)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floor_lines_give_size_and_median() {
+        let line = r#"{"event": "handoff_round_trip", "free": "async", "wait": "stream", "ready": "wait", "bytes": 67108864, "first_us": 541.7, "us_median": 332.65, "child_import_us": 2.10, "reps": 2000}"#;
+        assert_eq!(floor_line(line), Some((64 * MIB, 332.65)));
+        assert_eq!(
+            floor_line(r#"{"event": "uds_ping_pong", "bytes": 80, "us_median": 13.17}"#),
+            None
+        );
+        assert_eq!(floor_line("not json"), None);
+    }
+
+    #[test]
+    fn torchmp_lines_give_size_and_median_in_microseconds() {
+        let line = r#"{"event": "torch_mp_round_trip", "size": "4GiB", "round_trip_ms_median": 1.47, "first_ms": 3.2}"#;
+        let (bytes, us) = torchmp_line(line).unwrap();
+        assert_eq!(bytes, 4096 * MIB);
+        assert!((us - 1470.0).abs() < 1e-6);
+        assert_eq!(
+            torchmp_line(
+                r#"{"event": "torch_mp_round_trip", "size": "2KiB", "round_trip_ms_median": 1}"#
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn a_failing_peer_says_why() {
+        let mut c = Command::new("sh");
+        c.args(["-c", "echo broken >&2; exit 3"]);
+        let e = peer_runs(c, floor_line).unwrap_err();
+        assert!(e.contains("broken"), "{e}");
     }
 }
