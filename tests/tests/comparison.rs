@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc_driver::{CuCode, Driver, DriverError, PoolSharing, StreamHandle};
+use poolipc_driver::{CuCode, Driver, DriverError, PoolSharing};
 use poolipc_pool::SharedPool;
 use poolipc_tests::{Env, both_drivers, hex, spawn_child};
 
@@ -123,7 +123,6 @@ both_drivers!(
         ensure!(d.pointer_get_mempool(ptr.offset(MIB))? == pool.handle(), "interior pointer's pool");
         pool.free(ptr, stream)?;
         d.stream_synchronize(stream)?;
-        let _ = StreamHandle::NULL;
         Ok(())
     }
 );

@@ -488,14 +488,14 @@ impl Parent {
                 }
             }
             // The offer the machine queued describes this input; its layout comes from here.
-            self.drive(job, stream, &mut st, alloc, Some((input, offset, extent)))?;
+            self.drive(stream, &mut st, alloc, Some((input, offset, extent)))?;
             input_rungs.push(Rung::PoolPointer);
         }
         let sent = self
             .flush(worker, job, stream, &mut st)
             .and_then(|()| self.send_staged(worker, job, stream, &mut st));
         if let Err(e) = sent {
-            self.lose_worker(worker, job, stream, &mut st, alloc, &e.to_string(), false)?;
+            self.lose_worker(worker, stream, &mut st, alloc, &e.to_string(), false)?;
         } else {
             self.serve(worker, job, stream, &mut st, alloc)?;
         }
@@ -532,7 +532,6 @@ impl Parent {
     /// Carries out what the machine asks, in order.
     fn drive(
         &mut self,
-        job: JobId,
         stream: StreamHandle,
         st: &mut JobState,
         alloc: &mut Allocator<'_>,
@@ -700,7 +699,6 @@ impl Parent {
                 _ => {}
             }
         }
-        let _ = job;
         Ok(())
     }
 
@@ -777,15 +775,7 @@ impl Parent {
                 Err(e) => {
                     tracing::warn!(error = %e, "worker connection lost");
                     let timeout = matches!(e, poolipc_transport::TransportError::Timeout { .. });
-                    return self.lose_worker(
-                        worker,
-                        job,
-                        stream,
-                        st,
-                        alloc,
-                        &e.to_string(),
-                        timeout,
-                    );
+                    return self.lose_worker(worker, stream, st, alloc, &e.to_string(), timeout);
                 }
             };
             match msg {
@@ -861,21 +851,13 @@ impl Parent {
                             },
                             now,
                         )?;
-                        self.drive(job, stream, st, alloc, None)?;
+                        self.drive(stream, st, alloc, None)?;
                     }
                     if !st.staged_results.is_empty() {
                         self.ensure_staging(worker)?;
                     }
                     if let Err(e) = self.flush(worker, job, stream, st) {
-                        return self.lose_worker(
-                            worker,
-                            job,
-                            stream,
-                            st,
-                            alloc,
-                            &e.to_string(),
-                            false,
-                        );
+                        return self.lose_worker(worker, stream, st, alloc, &e.to_string(), false);
                     }
                 }
                 Message::Done(done) if done.job == job => {
@@ -901,7 +883,6 @@ impl Parent {
                             if let Err(e) = received {
                                 return self.lose_worker(
                                     worker,
-                                    job,
                                     stream,
                                     st,
                                     alloc,
@@ -933,7 +914,7 @@ impl Parent {
                             },
                             now,
                         )?;
-                        self.drive(job, stream, st, alloc, None)?;
+                        self.drive(stream, st, alloc, None)?;
                     }
                     st.acked_all = true;
                 }
@@ -989,11 +970,9 @@ impl Parent {
 
     /// The worker is lost (connection closed or broken, deadline passed): the contract fails
     /// its jobs, the process is killed and reaped, what it held is released.
-    #[allow(clippy::too_many_arguments)] // the job's whole context, as `serve` has it
     fn lose_worker(
         &mut self,
         worker: WorkerId,
-        job: JobId,
         stream: StreamHandle,
         st: &mut JobState,
         alloc: &mut Allocator<'_>,
@@ -1008,11 +987,11 @@ impl Parent {
             self.machine
                 .handle(ParentEvent::WorkerHungUp { worker }, now)?;
         }
-        self.drive(job, stream, st, alloc, None)?;
+        self.drive(stream, st, alloc, None)?;
         let status = self.reap(worker)?;
         self.machine
             .handle(ParentEvent::WorkerReaped { worker }, self.now())?;
-        self.drive(job, stream, st, alloc, None)?;
+        self.drive(stream, st, alloc, None)?;
         // Staged results never reached the worker's memory: the parent's allocations go back.
         for (_, (ptr, _)) in st.staged_results.drain() {
             st.results.retain(|_, r| r.ptr != ptr);
