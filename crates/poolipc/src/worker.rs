@@ -308,6 +308,22 @@ impl Worker {
         Ok(job)
     }
 
+    /// Tells the contract a result request will not be met by a pointer offer (refused, or
+    /// granted on the host-staging rung, which the contract does not cover).
+    fn end_request(&mut self, job: JobId, request: RequestId) -> Result<(), Error> {
+        let now = self.now();
+        self.machine.handle(
+            WorkerEvent::Message(ToWorker::ResultRefused {
+                job: contract::JobId(job.0),
+                request,
+                reason: contract::Refusal::Declined,
+            }),
+            now,
+        )?;
+        while self.machine.poll_action().is_some() {}
+        Ok(())
+    }
+
     /// Feeds one offer to the contract and carries out its actions; returns the import's
     /// address.
     fn take_offer(
@@ -486,16 +502,7 @@ impl Job<'_> {
                 } => {
                     // Written here into memory of our own, sent to the parent's allocation
                     // through host staging when the job finishes.
-                    let now = w.now();
-                    w.machine.handle(
-                        WorkerEvent::Message(ToWorker::ResultRefused {
-                            job: contract::JobId(self.id.0),
-                            request,
-                            reason: contract::Refusal::Declined,
-                        }),
-                        now,
-                    )?;
-                    while w.machine.poll_action().is_some() {}
+                    w.end_request(self.id, request)?;
                     let ptr = w.driver.mem_alloc_async(bytes.max(1), w.stream)?;
                     self.staged.push(ptr);
                     self.staged_results.push((handle, ptr, bytes));
@@ -530,16 +537,7 @@ impl Job<'_> {
                     });
                 }
                 ResultGrant::Refused { message, .. } => {
-                    let now = w.now();
-                    w.machine.handle(
-                        WorkerEvent::Message(ToWorker::ResultRefused {
-                            job: contract::JobId(self.id.0),
-                            request,
-                            reason: contract::Refusal::Declined,
-                        }),
-                        now,
-                    )?;
-                    while w.machine.poll_action().is_some() {}
+                    w.end_request(self.id, request)?;
                     refused.get_or_insert(message);
                 }
                 _ => return Err(Error::Protocol("a grant of an unknown kind".into())),
