@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
 use poolipc_pool::AttachedPool;
-use poolipc_transport::{Capabilities, DeviceUuid, HandshakeConfig, Identity};
+use poolipc_transport::{Capabilities, HandshakeConfig};
 
 use crate::{hex, unhex};
 
@@ -158,13 +158,8 @@ pub fn main() -> Result<()> {
         None => Box::new(poolipc_driver::CudaDriver::new()?),
     };
     driver.use_device(device)?;
-    let info = driver.device_info(device)?;
-    let identity = Identity {
-        device: DeviceUuid(info.uuid.0),
-        driver_version: driver.driver_version()?,
-        capabilities: Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS,
-        devices: Vec::new(),
-    };
+    let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
+    let identity = poolipc::identity(&*driver, device, caps)?;
     let mut conn = poolipc_transport::connection_from_env()?;
     let config = HandshakeConfig {
         identity,

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use poolipc_driver::sim::{SimConfig, SimDriver};
 use poolipc_driver::{CudaDriver, Driver, DriverKind};
-use poolipc_transport::{Capabilities, DeviceUuid, HandshakeConfig, Identity};
+use poolipc_transport::{Capabilities, HandshakeConfig, Identity};
 
 pub mod child;
 
@@ -84,13 +84,8 @@ impl Env {
 
     /// The handshake identity of this side.
     pub fn identity(&self) -> Result<Identity> {
-        let info = self.driver.device_info(self.device)?;
-        Ok(Identity {
-            device: DeviceUuid(info.uuid.0),
-            driver_version: self.driver.driver_version()?,
-            capabilities: Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS,
-            devices: Vec::new(),
-        })
+        let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
+        Ok(poolipc::identity(&*self.driver, self.device, caps)?)
     }
 }
 

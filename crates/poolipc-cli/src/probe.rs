@@ -11,8 +11,8 @@ use anyhow::{Context, Result, bail};
 use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 use poolipc_pool::{AttachedPool, ImportLimit, SharedPool};
 use poolipc_transport::{
-    Ack, Capabilities, DType, DeviceUuid, EventBlob, ExportBlob, HandleId, HandshakeConfig,
-    Identity, JobId, Lend, LentTensor, Message, Rung, TensorMeta,
+    Ack, Capabilities, DType, EventBlob, ExportBlob, HandleId, HandshakeConfig, JobId, Lend,
+    LentTensor, Message, Rung, TensorMeta,
 };
 
 const MIB: u64 = 1 << 20;
@@ -62,14 +62,9 @@ pub(crate) struct ProbeReport {
     pub(crate) first_bad: Option<(u64, Outcome)>,
 }
 
-pub(crate) fn identity(driver: &dyn Driver, device: u32) -> Result<Identity> {
-    let info = driver.device_info(device)?;
-    Ok(Identity {
-        device: DeviceUuid(info.uuid.0),
-        driver_version: driver.driver_version()?,
-        capabilities: Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS,
-        devices: Vec::new(),
-    })
+fn identity(driver: &dyn Driver, device: u32) -> Result<poolipc_transport::Identity> {
+    let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
+    Ok(poolipc::identity(driver, device, caps)?)
 }
 
 /// Imports `bytes` from `pool` in a fresh child; the parent survives whatever happens there.

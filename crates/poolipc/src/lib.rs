@@ -16,6 +16,7 @@
 pub mod canary;
 pub mod echo;
 mod error;
+mod handshake;
 mod parent;
 pub mod staging;
 mod tensor;
@@ -23,6 +24,7 @@ mod worker;
 
 pub use canary::CanaryReport;
 pub use error::Error;
+pub use handshake::identity;
 pub use parent::{Input, JobOutput, Parent, ParentOptions, ResultTensor, WorkerInfo};
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_transport::{DType, JobId};

@@ -12,9 +12,8 @@ use poolipc_contract::{
 use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
 use poolipc_pool::{ImportLimit, SharedPool};
 use poolipc_transport::{
-    AllocationGrant, Capabilities, Connection, DeviceUuid, ErrorCode, EventBlob, ExportBlob,
-    HandleId, HandshakeConfig, Identity, JobId, Lend, LentTensor, Message, ResultGrant,
-    Rung as WireRung,
+    AllocationGrant, Capabilities, Connection, ErrorCode, EventBlob, ExportBlob, HandleId,
+    HandshakeConfig, Identity, JobId, Lend, LentTensor, Message, ResultGrant, Rung as WireRung,
 };
 
 use crate::canary::CanaryReport;
@@ -162,6 +161,11 @@ impl std::fmt::Debug for Parent {
     }
 }
 
+/// What the facade's sides can do, said in the handshake.
+pub(crate) const CAPABILITIES: Capabilities = Capabilities(
+    Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0,
+);
+
 /// Wire handles of staged inputs have this bit set; the contract's handoff ids never do.
 const STAGED_HANDLE: u64 = 1 << 62;
 /// With [`STAGED_HANDLE`]: a staged result rather than an input.
@@ -235,15 +239,7 @@ impl Parent {
 
     /// This side's handshake identity.
     pub fn identity(&self) -> Result<Identity, Error> {
-        let info = self.driver.device_info(self.options.device)?;
-        Ok(Identity {
-            device: DeviceUuid(info.uuid.0),
-            driver_version: self.driver.driver_version()?,
-            capabilities: Capabilities::POOL_POINTER
-                | Capabilities::IPC_EVENTS
-                | Capabilities::HOST_STAGING,
-            devices: Vec::new(),
-        })
+        crate::identity(&*self.driver, self.options.device, CAPABILITIES)
     }
 
     /// Spawns `cmd` as a worker on an inherited socketpair and shakes hands with it.

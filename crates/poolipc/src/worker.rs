@@ -13,9 +13,8 @@ use poolipc_contract::{
 use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
 use poolipc_pool::{AttachedPool, ImportCache};
 use poolipc_transport::{
-    Ack, Capabilities, Connection, DeviceUuid, Done, ErrorCode, EventBlob, HandleId,
-    HandshakeConfig, Identity, JobId, Lend, Message, ResultGrant, ResultRequest, ResultSpec,
-    Rung as WireRung, TransportError,
+    Ack, Capabilities, Connection, Done, ErrorCode, EventBlob, HandleId, HandshakeConfig, JobId,
+    Lend, Message, ResultGrant, ResultRequest, ResultSpec, Rung as WireRung, TransportError,
 };
 
 use crate::error::Error;
@@ -154,15 +153,7 @@ impl Worker {
         mut conn: Connection,
     ) -> Result<Worker, Error> {
         driver.use_device(device)?;
-        let info = driver.device_info(device)?;
-        let identity = Identity {
-            device: DeviceUuid(info.uuid.0),
-            driver_version: driver.driver_version()?,
-            capabilities: Capabilities::POOL_POINTER
-                | Capabilities::IPC_EVENTS
-                | Capabilities::HOST_STAGING,
-            devices: Vec::new(),
-        };
+        let identity = crate::identity(&*driver, device, crate::parent::CAPABILITIES)?;
         let config = HandshakeConfig {
             identity,
             required: Capabilities::NONE,
