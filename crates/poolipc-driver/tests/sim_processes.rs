@@ -4,16 +4,17 @@
 //! socketpair that is the child's stdin.
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::io::{IoSlice, IoSliceMut, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+mod common;
+
+use common::{recv_fd, send_fd};
+
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 
-use nix::sys::socket::{
-    AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, recvmsg,
-    sendmsg, socketpair,
-};
+use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use poolipc_driver::sim::{SimConfig, SimDriver, ViolationKind};
 use poolipc_driver::{
     DevicePtr, Driver, ExportData, IpcEventHandle, PoolHandle, PoolSharing, StreamHandle,
@@ -53,39 +54,6 @@ fn spawn(parent: &SimDriver, test: &str) -> Worker {
         process,
         sock: UnixStream::from(mine),
     }
-}
-
-fn send_fd(sock: &UnixStream, fd: &OwnedFd) {
-    let fds = [fd.as_raw_fd()];
-    sendmsg::<()>(
-        sock.as_raw_fd(),
-        &[IoSlice::new(b"F")],
-        &[ControlMessage::ScmRights(&fds)],
-        MsgFlags::empty(),
-        None,
-    )
-    .unwrap();
-}
-
-fn recv_fd(sock: &UnixStream) -> OwnedFd {
-    let mut byte = [0u8; 1];
-    let mut iov = [IoSliceMut::new(&mut byte)];
-    let mut space = nix::cmsg_space!([RawFd; 1]);
-    let msg = recvmsg::<()>(
-        sock.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
-    )
-    .unwrap();
-    for c in msg.cmsgs().unwrap() {
-        if let ControlMessageOwned::ScmRights(fds) = c {
-            // SAFETY: the kernel just installed this descriptor in our table; nothing else
-            // owns it.
-            return unsafe { OwnedFd::from_raw_fd(fds[0]) };
-        }
-    }
-    panic!("no descriptor arrived");
 }
 
 fn send64(sock: &mut UnixStream, b: &[u8; 64]) {
