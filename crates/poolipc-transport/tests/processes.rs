@@ -54,6 +54,34 @@ fn worker_command(role: &str) -> Command {
     cmd
 }
 
+/// A child that runs as uid/gid 65534 from its first instruction: the uid is dropped between
+/// fork and exec, where the process has one thread. (Calling setuid inside the child's own
+/// libtest harness, where a second thread is alive, died of SIGSEGV on one CI machine.) The
+/// binary is a copy in a fresh world-readable directory, so nobody can exec it wherever the
+/// checkout lives.
+fn nobody_command(role: &str) -> (Command, PathBuf) {
+    use std::os::unix::process::CommandExt;
+    let dir = std::path::Path::new("/tmp")
+        .join(format!("poolipc-test-nobody-{}-{role}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("mkdir for the copy");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod copy dir");
+    let exe = dir.join("child");
+    std::fs::copy(std::env::current_exe().expect("current_exe"), &exe).expect("copy test binary");
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod copy");
+    let template = worker_command(role);
+    let mut cmd = Command::new(&exe);
+    cmd.args(template.get_args())
+        .envs(template.get_envs().filter_map(|(k, v)| v.map(|v| (k, v))))
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .uid(NOBODY)
+        .gid(NOBODY);
+    (cmd, dir)
+}
+
+const NOBODY: u32 = 65534;
+
 fn spawn(role: &str) -> (Child, Connection) {
     spawn_worker(worker_command(role)).expect("spawn worker")
 }
@@ -177,9 +205,13 @@ fn handshake_then_hang() -> Result<(), String> {
     Ok(())
 }
 
-fn become_nobody() -> Result<(), String> {
-    nix::unistd::setgid(nix::unistd::Gid::from_raw(65534)).map_err(|e| format!("setgid: {e}"))?;
-    nix::unistd::setuid(nix::unistd::Uid::from_raw(65534)).map_err(|e| format!("setuid: {e}"))
+/// The parent started us as nobody (see `nobody_command`); make sure it did.
+fn check_nobody() -> Result<(), String> {
+    let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
+    if uid.as_raw() != NOBODY || gid.as_raw() != NOBODY {
+        return Err(format!("running as {uid}:{gid}, not {NOBODY}:{NOBODY}"));
+    }
+    Ok(())
 }
 
 fn socket_path() -> Result<PathBuf, String> {
@@ -190,7 +222,7 @@ fn socket_path() -> Result<PathBuf, String> {
 
 fn other_uid_connector() -> Result<(), String> {
     let path = socket_path()?;
-    become_nobody()?;
+    check_nobody()?;
     match connect_private(&path, secs(5)) {
         // Our side of the check: the listener runs as root, not as us.
         Err(SetupError::PeerUidMismatch {
@@ -204,7 +236,7 @@ fn other_uid_connector() -> Result<(), String> {
 
 fn other_uid_blocked() -> Result<(), String> {
     let path = socket_path()?;
-    become_nobody()?;
+    check_nobody()?;
     match connect_private(&path, secs(5)) {
         Err(SetupError::Sys {
             op: "connect",
@@ -376,7 +408,7 @@ fn a_peer_of_another_uid_is_dropped_with_a_typed_error_on_both_sides() {
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711)).expect("chmod dir");
     std::fs::set_permissions(listener.path(), std::fs::Permissions::from_mode(0o666))
         .expect("chmod socket");
-    let mut cmd = worker_command("other_uid_connector");
+    let (mut cmd, copy_dir) = nobody_command("other_uid_connector");
     cmd.env(SOCKET_ENV, listener.path());
     let child = cmd.spawn().expect("spawn");
     let err = listener.accept(secs(10)).expect_err("other uid accepted");
@@ -392,7 +424,7 @@ fn a_peer_of_another_uid_is_dropped_with_a_typed_error_on_both_sides() {
         "{err:?}"
     );
     let status = reap(child, Duration::from_secs(10));
-    // One failure in CI so far, not reproduced since: the status says how the child ended.
+    let _ = std::fs::remove_dir_all(&copy_dir);
     assert!(
         status.success(),
         "the child saw the listener's uid: {status:?}"
@@ -408,13 +440,12 @@ fn a_peer_of_another_uid_cannot_reach_a_socket_in_the_private_directory() {
     }
     let dir = private_dir("blocked");
     let listener = PrivateListener::bind(&dir, "worker.sock").expect("bind");
-    let mut cmd = worker_command("other_uid_blocked");
+    let (mut cmd, copy_dir) = nobody_command("other_uid_blocked");
     cmd.env(SOCKET_ENV, listener.path());
     let child = cmd.spawn().expect("spawn");
-    assert!(
-        reap(child, Duration::from_secs(10)).success(),
-        "the child got EACCES"
-    );
+    let status = reap(child, Duration::from_secs(10));
+    let _ = std::fs::remove_dir_all(&copy_dir);
+    assert!(status.success(), "the child got EACCES: {status:?}");
     let err = listener
         .accept(Instant::now() + Duration::from_millis(200))
         .expect_err("nobody came");
