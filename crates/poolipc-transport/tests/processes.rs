@@ -54,15 +54,40 @@ fn worker_command(role: &str) -> Command {
     cmd
 }
 
+/// A directory where uid 65534 can exec a file we put there: every ancestor searchable by
+/// others and the filesystem not mounted noexec.
+fn exec_dir_for_nobody() -> Option<PathBuf> {
+    use nix::sys::statvfs::{FsFlags, statvfs};
+    let exe = std::env::current_exe().ok()?;
+    let target = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .map(PathBuf::from);
+    let candidates = ["/tmp", "/dev/shm", "/var/tmp"]
+        .into_iter()
+        .map(PathBuf::from)
+        .chain(target);
+    candidates.into_iter().find(|dir| {
+        let searchable = dir.ancestors().all(|a| {
+            std::fs::metadata(a).is_ok_and(|m| m.is_dir() && m.permissions().mode() & 0o001 != 0)
+        });
+        let exec = statvfs(dir.as_path()).is_ok_and(|v| !v.flags().contains(FsFlags::ST_NOEXEC));
+        searchable && exec
+    })
+}
+
 /// A child that runs as uid/gid 65534 from its first instruction: the uid is dropped between
 /// fork and exec, where the process has one thread. (Calling setuid inside the child's own
 /// libtest harness, where a second thread is alive, died of SIGSEGV on one CI machine.) The
-/// binary is a copy in a fresh world-readable directory, so nobody can exec it wherever the
-/// checkout lives.
-fn nobody_command(role: &str) -> (Command, PathBuf) {
+/// binary is a copy in a fresh 0755 directory, so nobody can exec it wherever the checkout
+/// lives. `None`, said on stderr, when no directory lets nobody exec.
+fn nobody_command(role: &str) -> Option<(Command, PathBuf)> {
     use std::os::unix::process::CommandExt;
-    let dir = std::path::Path::new("/tmp")
-        .join(format!("poolipc-test-nobody-{}-{role}", std::process::id()));
+    let Some(base) = exec_dir_for_nobody() else {
+        eprintln!("NOT RUN: no directory here lets uid {NOBODY} exec a copy of this test");
+        return None;
+    };
+    let dir = base.join(format!("poolipc-test-nobody-{}-{role}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("mkdir for the copy");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod copy dir");
     let exe = dir.join("child");
@@ -77,7 +102,7 @@ fn nobody_command(role: &str) -> (Command, PathBuf) {
         .stdout(Stdio::null())
         .uid(NOBODY)
         .gid(NOBODY);
-    (cmd, dir)
+    Some((cmd, dir))
 }
 
 const NOBODY: u32 = 65534;
@@ -408,7 +433,9 @@ fn a_peer_of_another_uid_is_dropped_with_a_typed_error_on_both_sides() {
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711)).expect("chmod dir");
     std::fs::set_permissions(listener.path(), std::fs::Permissions::from_mode(0o666))
         .expect("chmod socket");
-    let (mut cmd, copy_dir) = nobody_command("other_uid_connector");
+    let Some((mut cmd, copy_dir)) = nobody_command("other_uid_connector") else {
+        return;
+    };
     cmd.env(SOCKET_ENV, listener.path());
     let child = cmd.spawn().expect("spawn");
     let err = listener.accept(secs(10)).expect_err("other uid accepted");
@@ -440,7 +467,9 @@ fn a_peer_of_another_uid_cannot_reach_a_socket_in_the_private_directory() {
     }
     let dir = private_dir("blocked");
     let listener = PrivateListener::bind(&dir, "worker.sock").expect("bind");
-    let (mut cmd, copy_dir) = nobody_command("other_uid_blocked");
+    let Some((mut cmd, copy_dir)) = nobody_command("other_uid_blocked") else {
+        return;
+    };
     cmd.env(SOCKET_ENV, listener.path());
     let child = cmd.spawn().expect("spawn");
     let status = reap(child, Duration::from_secs(10));
