@@ -222,8 +222,9 @@ impl NativeParent {
     }
 
     /// Spawns `argv` as a worker (the socket is inherited, the simulated machine passed when
-    /// there is one, `POOLIPC_DEVICE` set), shakes hands, runs the canary battery. Returns the
-    /// worker's id.
+    /// there is one, `POOLIPC_DEVICE` set to this process's ordinal unless `env` sets it, e.g.
+    /// to `parent` for a worker whose `CUDA_VISIBLE_DEVICES` differs), shakes hands, runs the
+    /// canary battery. Returns the worker's id.
     #[pyo3(signature = (argv, env = None))]
     fn spawn(
         &mut self,
@@ -236,14 +237,18 @@ impl NativeParent {
             .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("poolipc: empty argv"))?;
         let mut cmd = Command::new(prog);
         cmd.args(args);
-        for (k, v) in env.unwrap_or_default() {
+        let env = env.unwrap_or_default();
+        let device_chosen = env.contains_key("POOLIPC_DEVICE");
+        for (k, v) in env {
             cmd.env(k, v);
         }
         let id = with_global(py, move |g| {
             if let Some((k, v)) = &g.child_env {
                 cmd.env(k, v);
             }
-            cmd.env("POOLIPC_DEVICE", g.device.to_string());
+            if !device_chosen {
+                cmd.env("POOLIPC_DEVICE", g.device.to_string());
+            }
             g.parent.spawn_worker(cmd).map_err(to_py)
         })?;
         self.workers.push(id.0);

@@ -53,12 +53,23 @@ enum Reply {
 
 type Envelope = (Cmd, Sender<Result<Reply, String>>);
 
-fn thread_main(device: u32, rx: Receiver<Envelope>, ready: Sender<Result<(u64, bool), String>>) {
+/// What a started worker thread reports: its stream, whether simulated, its device.
+type Started = (u64, bool, u32);
+
+/// `device`: an ordinal, or `None` for whichever device has the parent's UUID.
+fn thread_main(
+    device: Option<u32>,
+    rx: Receiver<Envelope>,
+    ready: Sender<Result<Started, String>>,
+) {
     let opened = state::open_worker_driver().and_then(|driver| {
         let sim = state::is_sim(&*driver);
-        poolipc::Worker::from_env(driver, device)
-            .map(|w| (w, sim))
-            .map_err(|e| format!("poolipc: starting the worker: {e}"))
+        match device {
+            Some(d) => poolipc::Worker::from_env(driver, d),
+            None => poolipc::Worker::from_env_on_parent_device(driver),
+        }
+        .map(|w| (w, sim))
+        .map_err(|e| format!("poolipc: starting the worker: {e}"))
     });
     let (mut worker, sim) = match opened {
         Ok(w) => w,
@@ -75,7 +86,7 @@ fn thread_main(device: u32, rx: Receiver<Envelope>, ready: Sender<Result<(u64, b
             return;
         }
     };
-    let _ = ready.send(Ok((worker.stream().0, sim)));
+    let _ = ready.send(Ok((worker.stream().0, sim, worker.device())));
     let stream_wait = |waiter: StreamHandle, on: StreamHandle| -> Result<Reply, String> {
         // The simulation knows no CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2): its
         // default stream is 0.
@@ -263,9 +274,11 @@ pub(crate) struct NativeWorker {
 
 #[pymethods]
 impl NativeWorker {
+    /// `device`: this process's ordinal, or `None` for whichever device has the parent's
+    /// UUID (the two differ when the processes' `CUDA_VISIBLE_DEVICES` differ).
     #[new]
-    #[pyo3(signature = (device = 0))]
-    fn new(py: Python<'_>, device: u32) -> PyResult<Self> {
+    #[pyo3(signature = (device = Some(0)))]
+    fn new(py: Python<'_>, device: Option<u32>) -> PyResult<Self> {
         let (tx, rx) = channel::<Envelope>();
         let (rtx, rrx) = channel();
         let thread = std::thread::Builder::new()
@@ -275,7 +288,7 @@ impl NativeWorker {
         let started = py
             .detach(move || rrx.recv())
             .map_err(|_| err("poolipc: the worker thread ended before it started"))?;
-        let (stream, simulated) = match started {
+        let (stream, simulated, device) = match started {
             Ok(s) => s,
             Err(e) => {
                 let _ = thread.join();

@@ -225,6 +225,26 @@ def test_a_worker_killed_mid_job_fails_that_job_only(parent, mode):
     parent.stop(healthy)
 
 
+def test_a_worker_on_the_parents_device_finds_it_by_uuid(parent):
+    # POOLIPC_DEVICE=parent: the worker takes whichever of its devices has the parent's UUID.
+    w = spawn(parent, extra={"POOLIPC_DEVICE": "parent"})
+    buf = f32_buffer(parent, [1.5] * 8)
+    (res,) = parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [8])])
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 1.5)
+    assert parent.stop(w) == 0
+
+
+def test_a_worker_that_sees_no_device_of_the_parents_is_refused_with_a_reason(parent):
+    with pytest.raises(poolipc.PoolipcError, match="sees no device"):
+        spawn(parent, extra={"POOLIPC_DEVICE": "parent", "POOLIPC_SIM_VISIBLE_DEVICES": ""})
+    # the parent goes on
+    w = spawn(parent)
+    buf = f32_buffer(parent, [2.5] * 8)
+    (res,) = parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [8])])
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 2.5)
+    assert parent.stop(w) == 0
+
+
 def test_results_from_a_caller_allocator_are_what_run_returns(parent):
     w = spawn(parent)
     f = f32_buffer(parent, [3.0] * 8)

@@ -66,6 +66,15 @@ pub enum HandshakeError {
         /// The peer's.
         theirs: DeviceUuid,
     },
+    /// This side cannot use the device the peer's pool lives on: it does not see it (another
+    /// `CUDA_VISIBLE_DEVICES`), or could not ask.
+    #[error("the peer's device {theirs} is not usable here: {reason}")]
+    DeviceNotVisible {
+        /// The peer's device.
+        theirs: DeviceUuid,
+        /// What this side sees, or why it could not tell.
+        reason: String,
+    },
     /// The peer loaded another driver version.
     #[error("driver version mismatch: this side has {ours}, the peer {theirs}")]
     DriverMismatch {
@@ -103,7 +112,9 @@ impl HandshakeError {
     fn refusal_code(&self) -> Option<ErrorCode> {
         Some(match self {
             HandshakeError::VersionMismatch { .. } => ErrorCode::VERSION_MISMATCH,
-            HandshakeError::DeviceMismatch { .. } => ErrorCode::DEVICE_MISMATCH,
+            HandshakeError::DeviceMismatch { .. } | HandshakeError::DeviceNotVisible { .. } => {
+                ErrorCode::DEVICE_MISMATCH
+            }
             HandshakeError::DriverMismatch { .. } => ErrorCode::DRIVER_MISMATCH,
             HandshakeError::MissingCapabilities { .. } => ErrorCode::MISSING_CAPABILITY,
             HandshakeError::UnexpectedMessage { .. } => ErrorCode::UNEXPECTED_MESSAGE,
@@ -220,6 +231,20 @@ pub fn worker_handshake(
     local: &HandshakeConfig,
     deadline: Instant,
 ) -> Result<(Peer, OwnedFd), HandshakeError> {
+    worker_handshake_choosing(conn, |_| Ok(local.clone()), deadline).map(|(peer, fd, _)| (peer, fd))
+}
+
+/// Worker side, for a worker that settles what it is once it has read the parent's identity,
+/// such as which of its devices is the parent's (ordinals differ across
+/// `CUDA_VISIBLE_DEVICES`; UUIDs do not). `choose` gets the parent's identity from its `Hello`
+/// and returns this side's configuration; an error from it is sent to the parent as a refusal
+/// and returned. Otherwise as [`worker_handshake`], and the chosen configuration is returned
+/// too.
+pub fn worker_handshake_choosing(
+    conn: &mut Connection,
+    choose: impl FnOnce(&Identity) -> Result<HandshakeConfig, HandshakeError>,
+    deadline: Instant,
+) -> Result<(Peer, OwnedFd, HandshakeConfig), HandshakeError> {
     let (hello, mut fds) = match conn.recv(deadline) {
         Ok(got) => got,
         Err(e) => return Err(refuse(conn, recv_error(e), deadline)),
@@ -238,7 +263,8 @@ pub fn worker_handshake(
             ));
         }
     };
-    let peer = check_peer(local, &theirs).map_err(|e| refuse(conn, e, deadline))?;
+    let local = choose(&theirs).map_err(|e| refuse(conn, e, deadline))?;
+    let peer = check_peer(&local, &theirs).map_err(|e| refuse(conn, e, deadline))?;
     // `recv` guarantees a Hello comes with exactly one FD.
     let Some(pool_fd) = fds.pop() else {
         return Err(HandshakeError::Transport(TransportError::MissingFds {
@@ -266,5 +292,5 @@ pub fn worker_handshake(
         Err(e) => return Err(refuse(conn, recv_error(e), deadline)),
     }
     tracing::debug!(parent_device = %theirs.device, version = PROTOCOL_VERSION, "handshake done");
-    Ok((peer, pool_fd))
+    Ok((peer, pool_fd, local))
 }

@@ -11,7 +11,8 @@
 //!   a private 0700 directory, with `SO_PEERCRED` checked on both sides. Never an abstract
 //!   socket: [`PrivateListener`] says why.
 //! - [`parent_handshake`] / [`worker_handshake`]: protocol version, device UUID, driver
-//!   version, capabilities, and the pool FD, once.
+//!   version, capabilities, and the pool FD, once. [`worker_handshake_choosing`] lets a worker
+//!   pick its device by the UUID in the parent's `Hello`.
 //!
 //! # Who sends what
 //!
@@ -48,7 +49,10 @@ mod spawn;
 pub use codec::{DecodeError, EncodeError, FrameLimits, MAX_FRAME_LEN, PROTOCOL_VERSION};
 pub use connection::{Connection, Direction, TransportError};
 pub use error::SetupError;
-pub use handshake::{HandshakeConfig, HandshakeError, Peer, parent_handshake, worker_handshake};
+pub use handshake::{
+    HandshakeConfig, HandshakeError, Peer, parent_handshake, worker_handshake,
+    worker_handshake_choosing,
+};
 pub use listener::{
     PeerCred, PrivateListener, check_peer_uid, connect_private, ensure_private_dir,
 };

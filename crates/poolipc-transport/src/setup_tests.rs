@@ -15,6 +15,7 @@ use crate::{
     Capabilities, Connection, DeviceUuid, ErrorCode, HandshakeConfig, HandshakeError, Identity,
     Message, PeerCred, PrivateListener, SetupError, check_peer_uid, connect_private,
     ensure_private_dir, parent_handshake, parse_fd_var, worker_handshake,
+    worker_handshake_choosing,
 };
 
 fn soon() -> Instant {
@@ -221,6 +222,84 @@ fn a_device_mismatch_is_refused_by_the_worker() {
         base(),
         cfg(2, 12080, Capabilities::POOL_POINTER, Capabilities::NONE),
     );
+    assert!(
+        matches!(w, Err(HandshakeError::DeviceMismatch { .. })),
+        "{w:?}"
+    );
+    assert!(
+        matches!(&p, Err(HandshakeError::Refused { code, .. }) if *code == ErrorCode::DEVICE_MISMATCH),
+        "{p:?}"
+    );
+}
+
+/// The worker's side chosen from the parent's Hello; returns (parent result, worker result).
+fn handshake_choosing(
+    parent: HandshakeConfig,
+    choose: impl FnOnce(&Identity) -> Result<HandshakeConfig, HandshakeError> + Send + 'static,
+) -> (
+    Result<crate::Peer, HandshakeError>,
+    Result<HandshakeConfig, HandshakeError>,
+) {
+    let (mut p, mut w) = Connection::pair().expect("pair");
+    let worker_side = std::thread::spawn(move || {
+        worker_handshake_choosing(&mut w, choose, soon()).map(|(_peer, _fd, local)| local)
+    });
+    let fd = pool();
+    let parent_result = parent_handshake(&mut p, &parent, fd.as_fd(), soon());
+    let worker_result = worker_side.join().expect("worker thread");
+    (parent_result, worker_result)
+}
+
+#[test]
+fn a_worker_may_choose_its_device_from_the_parents_hello() {
+    // The worker sees devices 7, 1 and 9 and takes the one the parent named.
+    let (p, w) = handshake_choosing(base(), |theirs| {
+        let seen = [7u8, 1, 9];
+        let found = seen
+            .into_iter()
+            .find(|&d| DeviceUuid([d; 16]) == theirs.device)
+            .expect("the parent's device is among ours");
+        Ok(cfg(
+            found,
+            12080,
+            Capabilities::POOL_POINTER,
+            Capabilities::NONE,
+        ))
+    });
+    assert_eq!(p.expect("parent").identity.device, DeviceUuid([1; 16]));
+    assert_eq!(w.expect("worker").identity.device, DeviceUuid([1; 16]));
+}
+
+#[test]
+fn a_worker_that_does_not_see_the_parents_device_refuses_and_both_sides_say_so() {
+    let (p, w) = handshake_choosing(base(), |theirs| {
+        Err(HandshakeError::DeviceNotVisible {
+            theirs: theirs.device,
+            reason: "this process sees 2 devices".into(),
+        })
+    });
+    assert!(
+        matches!(&w, Err(HandshakeError::DeviceNotVisible { theirs, .. }) if *theirs == DeviceUuid([1; 16])),
+        "{w:?}"
+    );
+    assert!(
+        matches!(&p, Err(HandshakeError::Refused { code, message })
+            if *code == ErrorCode::DEVICE_MISMATCH && message.contains("sees 2 devices")),
+        "{p:?}"
+    );
+}
+
+#[test]
+fn a_chosen_side_is_still_checked_against_the_parent() {
+    // Choosing does not skip the checks: a choice of another device is a mismatch.
+    let (p, w) = handshake_choosing(base(), |_| {
+        Ok(cfg(
+            2,
+            12080,
+            Capabilities::POOL_POINTER,
+            Capabilities::NONE,
+        ))
+    });
     assert!(
         matches!(w, Err(HandshakeError::DeviceMismatch { .. })),
         "{w:?}"

@@ -26,6 +26,7 @@ pub use canary::CanaryReport;
 pub use error::Error;
 pub use handshake::identity;
 pub use parent::{Input, JobOutput, Parent, ParentOptions, ResultTensor, WorkerInfo};
+pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_transport::{DType, JobId};
 pub use tensor::{ResultShape, Rung, TensorDesc};

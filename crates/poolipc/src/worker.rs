@@ -13,8 +13,9 @@ use poolipc_contract::{
 use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
 use poolipc_pool::{AttachedPool, ImportCache};
 use poolipc_transport::{
-    Ack, Capabilities, Connection, Done, ErrorCode, EventBlob, HandleId, HandshakeConfig, JobId,
-    Lend, Message, ResultGrant, ResultRequest, ResultSpec, Rung as WireRung, TransportError,
+    Ack, Capabilities, Connection, Done, ErrorCode, EventBlob, HandleId, HandshakeConfig,
+    HandshakeError, JobId, Lend, Message, ResultGrant, ResultRequest, ResultSpec, Rung as WireRung,
+    TransportError,
 };
 
 use crate::error::Error;
@@ -130,6 +131,38 @@ thread_local! {
     static IN_CANARY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// This process's ordinal for the device with UUID `uuid`.
+fn find_device(
+    driver: &dyn Driver,
+    uuid: poolipc_transport::DeviceUuid,
+) -> Result<u32, HandshakeError> {
+    let listing = |e: poolipc_driver::DriverError| HandshakeError::DeviceNotVisible {
+        theirs: uuid,
+        reason: format!("listing this process's devices failed: {e}"),
+    };
+    let count = driver.device_count().map_err(listing)?;
+    let mut seen = Vec::new();
+    for ordinal in 0..count {
+        let info = driver.device_info(ordinal).map_err(listing)?;
+        if info.uuid.0 == uuid.0 {
+            return Ok(ordinal);
+        }
+        seen.push(info.uuid.to_string());
+    }
+    Err(HandshakeError::DeviceNotVisible {
+        theirs: uuid,
+        reason: if seen.is_empty() {
+            "this process sees no device (check CUDA_VISIBLE_DEVICES)".into()
+        } else {
+            format!(
+                "this process sees {} ({}); check CUDA_VISIBLE_DEVICES",
+                seen.len(),
+                seen.join(", ")
+            )
+        },
+    })
+}
+
 fn alloc_of(data: &ExportData) -> AllocId {
     // One import per exported allocation: the parent sends the same export bytes for the
     // same allocation, so the bytes name it.
@@ -146,6 +179,13 @@ impl Worker {
         Worker::connect(driver, device, conn)
     }
 
+    /// Like [`from_env`](Worker::from_env), on whichever of this process's devices is the
+    /// parent's: see [`connect_on_parent_device`](Worker::connect_on_parent_device).
+    pub fn from_env_on_parent_device(driver: Arc<dyn Driver>) -> Result<Worker, Error> {
+        let conn = poolipc_transport::connection_from_env()?;
+        Worker::connect_on_parent_device(driver, conn)
+    }
+
     /// Shakes hands over `conn` and attaches the pool the parent sends.
     pub fn connect(
         driver: Arc<dyn Driver>,
@@ -160,7 +200,58 @@ impl Worker {
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
-        let pool = AttachedPool::attach(&*driver, pool_fd.as_fd(), device)?;
+        Worker::attach(driver, device, conn, pool_fd.as_fd())
+    }
+
+    /// Shakes hands over `conn` on the device the parent's pool lives on, found by its UUID
+    /// among this process's devices: ordinals differ between processes whose
+    /// `CUDA_VISIBLE_DEVICES` differ (`2,0` makes the parent's device 2 this worker's 0), the
+    /// UUID does not. A worker that does not see that device refuses the handshake
+    /// ([`HandshakeError::DeviceNotVisible`](poolipc_transport::HandshakeError), the parent
+    /// gets the refusal) and lists what it does see.
+    pub fn connect_on_parent_device(
+        driver: Arc<dyn Driver>,
+        mut conn: Connection,
+    ) -> Result<Worker, Error> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut chosen = None;
+        let (_peer, pool_fd, _config) = poolipc_transport::worker_handshake_choosing(
+            &mut conn,
+            |parent| {
+                let device = find_device(&*driver, parent.device)?;
+                let not_usable =
+                    |e: poolipc_driver::DriverError| HandshakeError::DeviceNotVisible {
+                        theirs: parent.device,
+                        reason: format!("it is this process's device {device}, which failed: {e}"),
+                    };
+                driver.use_device(device).map_err(not_usable)?;
+                let identity = crate::identity(&*driver, device, crate::parent::CAPABILITIES)
+                    .map_err(|e| HandshakeError::DeviceNotVisible {
+                        theirs: parent.device,
+                        reason: format!("asking device {device} failed: {e}"),
+                    })?;
+                chosen = Some(device);
+                Ok(HandshakeConfig {
+                    identity,
+                    required: Capabilities::NONE,
+                })
+            },
+            deadline,
+        )?;
+        let device = chosen.ok_or_else(|| {
+            Error::Protocol("the handshake succeeded without choosing a device".into())
+        })?;
+        tracing::info!(device, "worker on the parent's device");
+        Worker::attach(driver, device, conn, pool_fd.as_fd())
+    }
+
+    fn attach(
+        driver: Arc<dyn Driver>,
+        device: u32,
+        conn: Connection,
+        pool_fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<Worker, Error> {
+        let pool = AttachedPool::attach(&*driver, pool_fd, device)?;
         let stream = driver.stream_create()?;
         let done = driver.event_create(true)?;
         let done_blob = EventBlob(driver.ipc_get_event_handle(done)?.0);
@@ -185,6 +276,11 @@ impl Worker {
     /// The driver.
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.driver
+    }
+
+    /// This process's ordinal of the device it works on (the parent's device, by UUID).
+    pub fn device(&self) -> u32 {
+        self.pool.device
     }
 
     /// The stream jobs run on.

@@ -1,6 +1,8 @@
 //! A facade worker for the tests: `poolipc::echo`, dying (SIGKILL) at the step named by
 //! `POOLIPC_FAILPOINT` if set (see `poolipc::failpoint`). It connects through the inherited
-//! socket (`POOLIPC_FD`), or to the listening socket named by `POOLIPC_SOCKET`.
+//! socket (`POOLIPC_FD`), or to the listening socket named by `POOLIPC_SOCKET`. Its device:
+//! ordinal 0, the ordinal in `POOLIPC_TEST_DEVICE`, or, when that says `parent`, whichever of
+//! its devices has the parent's UUID.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -14,13 +16,22 @@ fn run() -> anyhow::Result<usize> {
         None => Arc::new(poolipc_driver::CudaDriver::new()?),
     };
     // Started by someone else: connect to the parent's private listening socket.
-    let mut worker = match std::env::var_os("POOLIPC_SOCKET") {
+    let conn = match std::env::var_os("POOLIPC_SOCKET") {
         Some(path) => {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-            let conn = poolipc_transport::connect_private(std::path::Path::new(&path), deadline)?;
-            poolipc::Worker::connect(driver, 0, conn)?
+            poolipc_transport::connect_private(std::path::Path::new(&path), deadline)?
         }
-        None => poolipc::Worker::from_env(driver, 0)?,
+        None => poolipc_transport::connection_from_env()?,
+    };
+    let mut worker = match std::env::var("POOLIPC_TEST_DEVICE").as_deref() {
+        Ok("parent") => poolipc::Worker::connect_on_parent_device(driver, conn)?,
+        Ok(ordinal) => {
+            let device = ordinal
+                .parse()
+                .map_err(|_| anyhow::anyhow!("POOLIPC_TEST_DEVICE={ordinal:?}"))?;
+            poolipc::Worker::connect(driver, device, conn)?
+        }
+        Err(_) => poolipc::Worker::connect(driver, 0, conn)?,
     };
     Ok(poolipc::echo::serve(&mut worker, None)?)
 }

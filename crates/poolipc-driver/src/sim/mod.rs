@@ -74,6 +74,16 @@ use crate::types::{
 /// The environment variable [`SimDriver::child_env`] sets and [`SimDriver::from_env`] reads.
 pub const MACHINE_ENV: &str = "POOLIPC_SIM_MACHINE";
 
+/// The simulated `CUDA_VISIBLE_DEVICES`: which of the machine's devices this process sees, in
+/// which order. Read when a process makes or attaches to a machine. A comma-separated list of
+/// machine indices (`2,0`) or UUIDs (`GPU-…`, as [`DeviceUuid`] prints them); as with the real
+/// variable, the list ends at the first entry that names no device or names one twice, and an
+/// empty value hides every device. Unset: all devices, in machine order.
+///
+/// A variable of its own rather than `CUDA_VISIBLE_DEVICES` itself, so that the simulated
+/// machine in a test on a GPU host does not take the real GPU's setting.
+pub const VISIBLE_ENV: &str = "POOLIPC_SIM_VISIBLE_DEVICES";
+
 const OWN_BASE: u64 = 1 << 48;
 const IMPORT_BASE: u64 = 2 << 48;
 const VMM_BASE: u64 = 3 << 48;
@@ -115,6 +125,8 @@ impl Default for SimConfig {
 /// One simulated process on a simulated machine. See the [module docs](self).
 pub struct SimDriver {
     machine: Arc<Machine>,
+    /// This process's ordinals: machine device indices, in visible order.
+    visible: Vec<u32>,
     agent: u64,
     pid: u32,
     local: Mutex<Local>,
@@ -204,6 +216,37 @@ struct HostRegistration {
 
 /// Bytes of a shared host file one asynchronous copy touches: (device, inode, start, end).
 type HostRange = (u64, u64, u64, u64);
+
+/// The UUID of device `index` of machine `machine`.
+fn sim_uuid(machine: u64, index: u32) -> DeviceUuid {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&machine.to_le_bytes());
+    b[8..12].copy_from_slice(&0x5349_4d00_u32.to_le_bytes());
+    b[12..].copy_from_slice(&index.to_le_bytes());
+    DeviceUuid(b)
+}
+
+/// The machine indices a process sees, in its ordinal order (see [`VISIBLE_ENV`]).
+fn visible_devices(machine: u64, devices: u32, setting: Option<&str>) -> Vec<u32> {
+    let Some(setting) = setting else {
+        return (0..devices).collect();
+    };
+    let mut seen = Vec::new();
+    for entry in setting.split(',').map(str::trim) {
+        let index = match entry.parse::<u32>() {
+            Ok(i) => (i < devices).then_some(i),
+            Err(_) => {
+                (0..devices).find(|&i| sim_uuid(machine, i).to_string().eq_ignore_ascii_case(entry))
+            }
+        };
+        match index {
+            Some(i) if !seen.contains(&i) => seen.push(i),
+            // The real driver stops at the first entry it cannot use.
+            _ => break,
+        }
+    }
+    seen
+}
 
 fn fail(call: &'static str, code: CuCode) -> DriverError {
     DriverError::Call { call, code }
@@ -296,6 +339,12 @@ impl SimDriver {
         SimDriver::on(Arc::clone(&self.machine))
     }
 
+    /// Like [`peer`](SimDriver::peer), for a process whose [`VISIBLE_ENV`] is `visible`.
+    #[must_use]
+    pub fn peer_seeing(&self, visible: &str) -> SimDriver {
+        SimDriver::on_seeing(Arc::clone(&self.machine), Some(visible))
+    }
+
     /// The simulated machine's identity (also in device UUIDs).
     #[must_use]
     pub fn machine_id(&self) -> u64 {
@@ -337,9 +386,19 @@ impl SimDriver {
     }
 
     fn on(machine: Arc<Machine>) -> SimDriver {
+        let visible = std::env::var(VISIBLE_ENV).ok();
+        SimDriver::on_seeing(machine, visible.as_deref())
+    }
+
+    fn on_seeing(machine: Arc<Machine>, visible: Option<&str>) -> SimDriver {
         let agent = machine.with(State::next_id);
+        let visible = visible_devices(machine.id, machine.devices, visible);
+        if visible.len() != machine.devices as usize {
+            tracing::debug!(?visible, "simulated devices visible to this process");
+        }
         SimDriver {
             machine,
+            visible,
             agent,
             pid: my_pid(),
             local: Mutex::new(Local {
@@ -369,24 +428,20 @@ impl SimDriver {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn device_check(&self, call: &'static str, ordinal: u32) -> Result<()> {
-        if ordinal < self.machine.devices {
-            Ok(())
-        } else {
-            Err(fail(call, CuCode::INVALID_DEVICE))
-        }
+    /// The machine's index of the device this process calls `ordinal` (see [`VISIBLE_ENV`]).
+    fn device_check(&self, call: &'static str, ordinal: u32) -> Result<u32> {
+        self.visible
+            .get(ordinal as usize)
+            .copied()
+            .ok_or(fail(call, CuCode::INVALID_DEVICE))
     }
 
     fn context(l: &Local, call: &'static str) -> Result<u32> {
         l.device.ok_or(fail(call, CuCode::INVALID_CONTEXT))
     }
 
-    fn uuid(&self, ordinal: u32) -> DeviceUuid {
-        let mut b = [0u8; 16];
-        b[..8].copy_from_slice(&self.machine.id.to_le_bytes());
-        b[8..12].copy_from_slice(&0x5349_4d00_u32.to_le_bytes());
-        b[12..].copy_from_slice(&ordinal.to_le_bytes());
-        DeviceUuid(b)
+    fn uuid(&self, index: u32) -> DeviceUuid {
+        sim_uuid(self.machine.id, index)
     }
 
     /// Creates a pool in the machine and maps it here.
@@ -602,7 +657,7 @@ impl SimDriver {
                 return Err(fail(call, CuCode::INVALID_VALUE));
             }
             let imp = *imp;
-            let dev = l.device.unwrap_or(0) as usize;
+            let dev = l.device.or(self.visible.first().copied()).unwrap_or(0) as usize;
             let access = l
                 .pools
                 .get(&imp.pool)
@@ -982,15 +1037,15 @@ impl Driver for SimDriver {
     }
 
     fn device_count(&self) -> Result<u32> {
-        Ok(self.machine.devices)
+        Ok(u32::try_from(self.visible.len()).unwrap_or(u32::MAX))
     }
 
     fn device_info(&self, ordinal: u32) -> Result<DeviceInfo> {
-        self.device_check("cuDeviceGet", ordinal)?;
+        let index = self.device_check("cuDeviceGet", ordinal)?;
         Ok(DeviceInfo {
             ordinal,
-            uuid: self.uuid(ordinal),
-            name: format!("poolipc simulated device {ordinal}"),
+            uuid: self.uuid(index),
+            name: format!("poolipc simulated device {index}"),
             total_memory: self.machine.memory,
             memory_pools: true,
             pool_posix_fd: true,
@@ -1000,13 +1055,13 @@ impl Driver for SimDriver {
     }
 
     fn device_can_access_peer(&self, ordinal: u32, peer: u32) -> Result<bool> {
-        self.device_check("cuDeviceGet", ordinal)?;
-        self.device_check("cuDeviceGet", peer)?;
-        Ok(ordinal != peer)
+        let index = self.device_check("cuDeviceGet", ordinal)?;
+        let peer = self.device_check("cuDeviceGet", peer)?;
+        Ok(index != peer)
     }
 
     fn use_device(&self, ordinal: u32) -> Result<()> {
-        self.device_check("cuDeviceGet", ordinal)?;
+        let ordinal = self.device_check("cuDeviceGet", ordinal)?;
         self.local().device = Some(ordinal);
         Ok(())
     }
@@ -1020,7 +1075,7 @@ impl Driver for SimDriver {
     }
 
     fn mem_pool_create(&self, ordinal: u32, sharing: PoolSharing) -> Result<PoolHandle> {
-        self.device_check("cuMemPoolCreate", ordinal)?;
+        let ordinal = self.device_check("cuMemPoolCreate", ordinal)?;
         let mut l = self.local();
         let slot = self.create_pool(&mut l, ordinal, sharing == PoolSharing::PosixFd)?;
         Ok(pool_handle(slot, l.pools[&slot].generation))
@@ -1107,7 +1162,7 @@ impl Driver for SimDriver {
     }
 
     fn device_get_mem_pool(&self, ordinal: u32) -> Result<PoolHandle> {
-        self.device_check("cuDeviceGetMemPool", ordinal)?;
+        let ordinal = self.device_check("cuDeviceGetMemPool", ordinal)?;
         let mut l = self.local();
         let slot = match l.current_pool.get(&ordinal) {
             Some(&s) => s,
@@ -1117,7 +1172,7 @@ impl Driver for SimDriver {
     }
 
     fn device_get_default_mem_pool(&self, ordinal: u32) -> Result<PoolHandle> {
-        self.device_check("cuDeviceGetDefaultMemPool", ordinal)?;
+        let ordinal = self.device_check("cuDeviceGetDefaultMemPool", ordinal)?;
         let mut l = self.local();
         let slot = self.default_pool(&mut l, ordinal)?;
         Ok(pool_handle(slot, l.pools[&slot].generation))
@@ -1125,7 +1180,7 @@ impl Driver for SimDriver {
 
     fn device_set_mem_pool(&self, ordinal: u32, pool: PoolHandle) -> Result<()> {
         const CALL: &str = "cuDeviceSetMemPool";
-        self.device_check(CALL, ordinal)?;
+        let ordinal = self.device_check(CALL, ordinal)?;
         let mut l = self.local();
         let slot = Self::own_pool_slot(&l, CALL, pool)?;
         if l.pools[&slot].device != ordinal {
@@ -1220,7 +1275,7 @@ impl Driver for SimDriver {
 
     fn mem_pool_set_access(&self, pool: PoolHandle, ordinal: u32, access: Access) -> Result<()> {
         const CALL: &str = "cuMemPoolSetAccess";
-        self.device_check(CALL, ordinal)?;
+        let ordinal = self.device_check(CALL, ordinal)?;
         let mut l = self.local();
         let slot = Self::pool_slot(&l, CALL, pool)?;
         let Some(p) = l.pools.get_mut(&slot) else {
@@ -1241,7 +1296,7 @@ impl Driver for SimDriver {
 
     fn mem_pool_get_access(&self, pool: PoolHandle, ordinal: u32) -> Result<Access> {
         const CALL: &str = "cuMemPoolGetAccess";
-        self.device_check(CALL, ordinal)?;
+        let ordinal = self.device_check(CALL, ordinal)?;
         let l = self.local();
         let slot = Self::pool_slot(&l, CALL, pool)?;
         let p = &l.pools[&slot];
@@ -1811,7 +1866,7 @@ impl Driver for SimDriver {
 
     fn vmm_create(&self, ordinal: u32, bytes: u64) -> Result<VmmHandle> {
         const CALL: &str = "cuMemCreate";
-        self.device_check(CALL, ordinal)?;
+        let ordinal = self.device_check(CALL, ordinal)?;
         if bytes == 0 || !bytes.is_multiple_of(GRANULE) {
             return Err(fail(CALL, CuCode::INVALID_VALUE));
         }

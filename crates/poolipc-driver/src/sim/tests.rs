@@ -544,6 +544,75 @@ fn touching_an_import_from_a_device_without_access_is_recorded() {
     assert_eq!(kinds(&p), vec![ViolationKind::NoAccess]);
 }
 
+#[test]
+fn visible_devices_reorder_ordinals_but_not_uuids() {
+    let d = sim_with(SimConfig {
+        devices: 3,
+        ..SimConfig::default()
+    });
+    let uuid = |d: &SimDriver, i| d.device_info(i).unwrap().uuid;
+    let w = d.peer_seeing("2,0");
+    assert_eq!(w.device_count().unwrap(), 2);
+    assert_eq!(uuid(&w, 0), uuid(&d, 2));
+    assert_eq!(uuid(&w, 1), uuid(&d, 0));
+    assert_eq!(w.device_info(1).unwrap().ordinal, 1);
+    assert!(
+        w.device_info(2)
+            .unwrap_err()
+            .is_call("cuDeviceGet", CuCode::INVALID_DEVICE)
+    );
+    // By UUID, in any case, as nvidia-smi prints it.
+    let by_uuid = d.peer_seeing(&format!(" {} ,0", uuid(&d, 1).to_string().to_uppercase()));
+    assert_eq!(by_uuid.device_count().unwrap(), 2);
+    assert_eq!(uuid(&by_uuid, 0), uuid(&d, 1));
+}
+
+#[test]
+fn visible_devices_end_at_the_first_entry_naming_no_device_or_one_twice() {
+    let d = sim_with(SimConfig {
+        devices: 3,
+        ..SimConfig::default()
+    });
+    assert_eq!(d.peer_seeing("1,7,0").device_count().unwrap(), 1);
+    assert_eq!(d.peer_seeing("1,1,0").device_count().unwrap(), 1);
+    assert_eq!(d.peer_seeing("GPU-nonsense,0").device_count().unwrap(), 0);
+    let none = d.peer_seeing("");
+    assert_eq!(none.device_count().unwrap(), 0);
+    assert!(none.use_device(0).is_err());
+}
+
+#[test]
+fn a_pool_is_shared_by_uuid_whatever_ordinal_each_process_gives_its_device() {
+    let p = sim_with(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    });
+    p.use_device(1).unwrap();
+    let pool = p.mem_pool_create(1, PoolSharing::PosixFd).unwrap();
+    p.device_set_mem_pool(1, pool).unwrap();
+    let fd = p.mem_pool_export_fd(pool).unwrap();
+    let ptr = p.mem_alloc_async(MIB, S).unwrap();
+    p.memset_d8_async(ptr, 0x5A, MIB, S).unwrap();
+    let ready = p.event_create(true).unwrap();
+    p.event_record(ready, S).unwrap();
+    let blob = p.mem_pool_export_pointer(ptr).unwrap();
+    // The parent's device 1 is this worker's device 0.
+    let w = p.peer_seeing("1");
+    w.use_device(0).unwrap();
+    let wpool = w.mem_pool_import_fd(fd.as_fd()).unwrap();
+    assert_eq!(w.mem_pool_get_access(wpool, 0).unwrap(), Access::ReadWrite);
+    let a = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    let r = w
+        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
+        .unwrap();
+    w.event_synchronize(r).unwrap();
+    let mut got = [0u8; 4];
+    w.memcpy_dtoh(&mut got, a).unwrap();
+    assert_eq!(got, [0x5A; 4]);
+    w.mem_pool_free_import(a, S).unwrap();
+    assert!(kinds(&p).is_empty(), "{:?}", p.violations());
+}
+
 // --- events --------------------------------------------------------------------------------
 
 #[test]

@@ -179,7 +179,10 @@ class Parent:
 
     def spawn(self, argv, env: dict | None = None) -> int:
         """Start ``argv`` as a worker (it inherits the socket; with ``POOLIPC_DRIVER=sim`` also
-        the simulated machine) and shake hands; returns the worker id."""
+        the simulated machine) and shake hands; returns the worker id. The worker's
+        ``POOLIPC_DEVICE`` is this process's device ordinal unless ``env`` sets it: set it to
+        ``"parent"`` when the worker's ``CUDA_VISIBLE_DEVICES`` differs, and it finds the
+        device by UUID."""
         return self._native.spawn([str(a) for a in argv], env)
 
     def spawn_python(self, script: str, *args, env: dict | None = None) -> int:
@@ -272,11 +275,23 @@ class Worker:
     ``ExpiredViewError``; tensors made from them point at memory the parent owns again.
     """
 
-    def __init__(self, device: int | None = None):
+    def __init__(self, device: int | str | None = None):
+        """``device``: this process's device ordinal, or ``"parent"`` for whichever of its
+        devices has the parent's UUID (ordinals differ when the two processes'
+        ``CUDA_VISIBLE_DEVICES`` differ). Unset: ``POOLIPC_DEVICE``, else 0."""
         if device is None:
-            device = int(os.environ.get("POOLIPC_DEVICE", "0"))
-        self.device = device
-        self._native = _native.NativeWorker(device)
+            device = os.environ.get("POOLIPC_DEVICE", "0")
+        if device == "parent":
+            self._native = _native.NativeWorker(None)
+        else:
+            try:
+                ordinal = int(device)
+            except ValueError:
+                raise ValueError(
+                    f"poolipc: device {device!r} is neither an ordinal nor 'parent'"
+                ) from None
+            self._native = _native.NativeWorker(ordinal)
+        self.device = self._native.device
 
     @property
     def stream(self) -> int:
