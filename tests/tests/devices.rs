@@ -1,12 +1,13 @@
 //! Several simulated devices: a worker whose `CUDA_VISIBLE_DEVICES` differs from the parent's
 //! finds the parent's device by UUID, and one that cannot is refused with a reason on both
-//! sides while the parent keeps serving. SimDriver only: the hardware half needs a machine
-//! with two GPUs.
+//! sides while the parent keeps serving; a worker on another device than the pool's takes
+//! tensors by pool pointer through peer access, or by host staging where the devices cannot
+//! reach each other. SimDriver only: the hardware half needs a machine with two GPUs.
 
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc::{DType, Error, Input, Parent, ParentOptions, TensorDesc, echo};
+use poolipc::{DType, Error, Input, Parent, ParentOptions, Rung, TensorDesc, echo};
 use poolipc_driver::sim::{SimConfig, SimDriver, VISIBLE_ENV};
 use poolipc_driver::{Driver, DriverKind};
 use poolipc_tests::{Env, worker_command};
@@ -16,20 +17,28 @@ const MIB: u64 = 1 << 20;
 
 /// A machine of three simulated devices, the parent on device 2.
 fn three_devices() -> Result<(Env, Parent)> {
-    let sim = Arc::new(SimDriver::new(SimConfig {
-        devices: 3,
-        ..SimConfig::default()
-    })?);
-    sim.use_device(2)?;
+    machine(
+        SimConfig {
+            devices: 3,
+            ..SimConfig::default()
+        },
+        2,
+    )
+}
+
+/// A simulated machine, the parent's pool on `device`.
+fn machine(config: SimConfig, device: u32) -> Result<(Env, Parent)> {
+    let sim = Arc::new(SimDriver::new(config)?);
+    sim.use_device(device)?;
     let env = Env {
         driver: sim.clone(),
         sim: Some(sim),
-        device: 2,
+        device,
     };
     let parent = Parent::new(
         Arc::clone(&env.driver),
         ParentOptions {
-            device: 2,
+            device,
             ..ParentOptions::default()
         },
     )?;
@@ -46,6 +55,11 @@ fn worker(env: &Env, visible: &str, device: &str) -> Result<std::process::Comman
 
 /// One job through `worker`: 1 MiB lent, the echoed result checked.
 fn one_job(p: &mut Parent, worker: poolipc::WorkerId) -> Result<()> {
+    one_job_by(p, worker).map(|_| ())
+}
+
+/// [`one_job`], returning the rungs the input and the result took.
+fn one_job_by(p: &mut Parent, worker: poolipc::WorkerId) -> Result<(Rung, Rung)> {
     let d = Arc::clone(p.driver());
     let stream = d.stream_create()?;
     let input = p.pool().alloc(MIB, stream)?;
@@ -69,7 +83,7 @@ fn one_job(p: &mut Parent, worker: poolipc::WorkerId) -> Result<()> {
     p.pool().free(input, stream)?;
     d.stream_synchronize(stream)?;
     d.stream_destroy(stream)?;
-    Ok(())
+    Ok((out.input_rungs[0], out.results[0].rung))
 }
 
 fn refusal(result: Result<poolipc::WorkerId, Error>) -> Result<String> {
@@ -128,6 +142,82 @@ fn a_worker_that_does_not_see_the_parents_device_says_what_it_sees() -> Result<(
     let message = refusal(p.spawn_worker(worker(&env, "", "parent")?))?;
     ensure!(message.contains("sees no device"), "{message}");
     let w = p.spawn_worker(worker(&env, "0,1,2", "parent")?)?;
+    one_job(&mut p, w)?;
+    p.stop_worker(w)?;
+    env.assert_no_violations();
+    Ok(())
+}
+
+#[test]
+fn a_worker_on_a_peer_device_takes_tensors_by_pool_pointer() -> Result<()> {
+    let (env, mut p) = machine(
+        SimConfig {
+            devices: 2,
+            ..SimConfig::default()
+        },
+        0,
+    )?;
+    // Works on device 1, reads and writes the pool on device 0 through peer access: without
+    // cuMemPoolSetAccess for device 1 the simulation would record NoAccess.
+    let w = p.spawn_worker(worker(&env, "0,1", "any:1")?)?;
+    ensure!(
+        p.canary_report(w).is_some_and(poolipc::CanaryReport::ok),
+        "canary battery: {:?}",
+        p.canary_report(w)
+    );
+    let rungs = one_job_by(&mut p, w)?;
+    ensure!(rungs == (Rung::PoolPointer, Rung::PoolPointer), "{rungs:?}");
+    // The same devices under another visibility: machine device 1 is the worker's 0.
+    let v = p.spawn_worker(worker(&env, "1,0", "any:0")?)?;
+    let rungs = one_job_by(&mut p, v)?;
+    ensure!(rungs == (Rung::PoolPointer, Rung::PoolPointer), "{rungs:?}");
+    p.stop_worker(w)?;
+    p.stop_worker(v)?;
+    env.assert_no_violations();
+    Ok(())
+}
+
+#[test]
+fn a_worker_on_a_device_without_a_peer_path_takes_host_staging_both_ways() -> Result<()> {
+    let (env, mut p) = machine(
+        SimConfig {
+            devices: 2,
+            peer_access: false,
+            ..SimConfig::default()
+        },
+        0,
+    )?;
+    let w = p.spawn_worker(worker(&env, "0,1", "any:1")?)?;
+    ensure!(
+        p.canary_report(w).is_none(),
+        "no pool-pointer canaries for it"
+    );
+    for _ in 0..2 {
+        let rungs = one_job_by(&mut p, w)?;
+        ensure!(rungs == (Rung::HostStaging, Rung::HostStaging), "{rungs:?}");
+    }
+    // A worker on the pool's own device still goes by pool pointer.
+    let v = p.spawn_worker(worker(&env, "0,1", "any:0")?)?;
+    let rungs = one_job_by(&mut p, v)?;
+    ensure!(rungs == (Rung::PoolPointer, Rung::PoolPointer), "{rungs:?}");
+    p.stop_worker(w)?;
+    p.stop_worker(v)?;
+    env.assert_no_violations();
+    Ok(())
+}
+
+#[test]
+fn a_worker_that_sees_only_its_own_device_is_refused() -> Result<()> {
+    let (env, mut p) = machine(
+        SimConfig {
+            devices: 2,
+            ..SimConfig::default()
+        },
+        0,
+    )?;
+    let message = refusal(p.spawn_worker(worker(&env, "1", "any:0")?))?;
+    ensure!(message.contains("sees 1"), "{message}");
+    let w = p.spawn_worker(worker(&env, "1,0", "any:0")?)?;
     one_job(&mut p, w)?;
     p.stop_worker(w)?;
     env.assert_no_violations();

@@ -26,6 +26,9 @@ pub(crate) struct Args {
     /// With --sim: how many simulated devices.
     #[arg(long, default_value_t = 1)]
     sim_devices: u32,
+    /// With --sim: simulated devices that cannot reach each other (no peer path).
+    #[arg(long)]
+    sim_no_peer: bool,
 }
 
 /// The driver a child of ours uses: the parent's simulated machine when it handed one over,
@@ -84,6 +87,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let (driver, child_env): (Arc<dyn Driver>, _) = if args.sim {
         let sim = SimDriver::new(SimConfig {
             devices: args.sim_devices,
+            peer_access: !args.sim_no_peer,
             ..SimConfig::default()
         })?;
         let env = sim.child_env();

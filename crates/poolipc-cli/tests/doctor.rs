@@ -114,3 +114,17 @@ fn doctor_lists_every_device_and_the_peer_access_matrix() {
         "{text}"
     );
 }
+
+#[test]
+fn doctor_shows_devices_without_a_peer_path() {
+    let (out, text) = run(&["doctor", "--sim", "--sim-devices", "2", "--sim-no-peer"]);
+    assert!(out.status.success(), "exit status {}", out.status);
+    assert!(
+        text.contains("  device 0                    -  no"),
+        "{text}"
+    );
+    assert!(
+        text.contains("  device 1                   no   -"),
+        "{text}"
+    );
+}

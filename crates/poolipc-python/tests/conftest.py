@@ -40,9 +40,10 @@ def poolipc_binary():
     env = os.environ.get("POOLIPC_BIN")
     if env:
         return env
-    for profile in ("release", "debug"):
-        p = REPO / "target" / profile / "poolipc"
-        if p.exists():
-            return str(p)
+    # The newest build: a stale one may not speak this build's simulated machine layout.
+    built = [REPO / "target" / profile / "poolipc" for profile in ("release", "debug")]
+    built = [p for p in built if p.exists()]
+    if built:
+        return str(max(built, key=lambda p: p.stat().st_mtime))
     bundle = REPO / "target" / "gpu-bundle" / "poolipc"
     return str(bundle) if bundle.exists() else None

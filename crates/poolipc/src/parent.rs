@@ -110,6 +110,22 @@ struct Slot {
     staging: Option<StagingChannel>,
 }
 
+impl Slot {
+    /// Whether the worker said it can import from the pool (a worker on a device without a
+    /// peer path to the pool's says it cannot).
+    fn reaches_pool(&self) -> bool {
+        self.info
+            .identity
+            .capabilities
+            .contains(Capabilities::POOL_POINTER)
+    }
+
+    /// Whether tensors may go to it by pool pointer: it reaches the pool and no canary failed.
+    fn takes_pointers(&self) -> bool {
+        self.reaches_pool() && self.canary.as_ref().is_none_or(CanaryReport::ok)
+    }
+}
+
 /// The state of one job while it runs.
 #[derive(Default)]
 struct JobState {
@@ -297,7 +313,13 @@ impl Parent {
                 staging: None,
             },
         );
-        if self.options.canary {
+        if !self.slot_mut(id)?.reaches_pool() {
+            // Nothing to prove by pool pointer: it will get none.
+            tracing::warn!(
+                worker = %id,
+                "the worker cannot reach the pool from its device: host staging for every tensor"
+            );
+        } else if self.options.canary {
             let report = crate::canary::run(self, id)?;
             self.slot_mut(id)?.canary = Some(report);
         }
@@ -397,8 +419,9 @@ impl Parent {
         if slot.dead {
             return Err(Error::UnknownWorker(worker));
         }
-        // A worker whose canary battery failed takes every input by host staging.
-        let demoted = slot.canary.as_ref().is_some_and(|r| !r.ok());
+        // A worker whose canary battery failed, or that cannot reach the pool, takes every
+        // input by host staging.
+        let demoted = !slot.takes_pointers();
         let stages = slot
             .info
             .identity
@@ -430,6 +453,9 @@ impl Parent {
             if !by_pointer && !stages {
                 let why = match self.options.limit.check(base.0, size) {
                     Err(e) => e.to_string(),
+                    Ok(()) if !slot.reaches_pool() => {
+                        format!("{worker} cannot reach the pool from its device")
+                    }
                     Ok(()) => format!("{worker} was demoted by its canary battery"),
                 };
                 return Err(Error::NoRung(format!(
@@ -791,7 +817,7 @@ impl Parent {
                         let slot = self.slot_mut(worker)?;
                         let request = RequestId(slot.next_request);
                         slot.next_request += 1;
-                        let demoted = slot.canary.as_ref().is_some_and(|r| !r.ok());
+                        let demoted = !slot.takes_pointers();
                         // Allocate first: the rung depends on where the memory lands.
                         let ptr = match alloc(&shape, bytes) {
                             Ok(ptr) => ptr,

@@ -81,6 +81,8 @@ impl ResultView {
 /// The worker side of poolipc.
 pub struct Worker {
     driver: Arc<dyn Driver>,
+    /// The device this worker works on (see [`Worker::device`]).
+    device: u32,
     pool: AttachedPool,
     conn: Connection,
     stream: StreamHandle,
@@ -129,6 +131,67 @@ pub fn failpoint(step: &str) {
 thread_local! {
     /// Whether this thread is answering the parent's canary battery.
     static IN_CANARY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Which device a worker works on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkerDevice {
+    /// This ordinal, which must be the parent's device (else the handshake fails as a device
+    /// mismatch).
+    Exactly(u32),
+    /// Whichever of this process's devices has the parent's device UUID.
+    Parent,
+    /// This ordinal, whatever device the parent's pool lives on, as long as this process sees
+    /// that device too. Where the two devices can reach each other (`cuDeviceCanAccessPeer`),
+    /// the pool is given access from this one (`cuMemPoolSetAccess`) and tensors go by pool
+    /// pointer; otherwise the worker tells the parent it cannot take pool pointers, and every
+    /// tensor goes by host staging.
+    Any(u32),
+}
+
+/// Where a worker works, worked out from the parent's `Hello`.
+#[derive(Clone, Debug)]
+struct Placement {
+    identity: poolipc_transport::Identity,
+    compute: u32,
+    pool_device: u32,
+    /// The compute device can reach the pool's (or is it).
+    peer: bool,
+}
+
+/// Where the parent's pool is in this process, and where this worker works: `compute`, or
+/// the pool's device when `None`.
+fn place(
+    driver: &dyn Driver,
+    parent: poolipc_transport::DeviceUuid,
+    compute: Option<u32>,
+) -> Result<Placement, HandshakeError> {
+    let failed = |reason: String| HandshakeError::DeviceNotVisible {
+        theirs: parent,
+        reason,
+    };
+    let pool_device = find_device(driver, parent)?;
+    let compute = compute.unwrap_or(pool_device);
+    let peer = compute == pool_device
+        || driver
+            .device_can_access_peer(compute, pool_device)
+            .map_err(|e| {
+                failed(format!(
+                    "asking whether device {compute} reaches device {pool_device} failed: {e}"
+                ))
+            })?;
+    let mut capabilities = crate::parent::CAPABILITIES;
+    if !peer {
+        capabilities = Capabilities(capabilities.0 & !Capabilities::POOL_POINTER.0);
+    }
+    let identity = crate::identity(driver, pool_device, capabilities)
+        .map_err(|e| failed(format!("asking device {pool_device} failed: {e}")))?;
+    Ok(Placement {
+        identity,
+        compute,
+        pool_device,
+        peer,
+    })
 }
 
 /// This process's ordinal for the device with UUID `uuid`.
@@ -186,6 +249,12 @@ impl Worker {
         Worker::connect_on_parent_device(driver, conn)
     }
 
+    /// In a worker the parent spawned, on the device `choice` names.
+    pub fn from_env_with(driver: Arc<dyn Driver>, choice: WorkerDevice) -> Result<Worker, Error> {
+        let conn = poolipc_transport::connection_from_env()?;
+        Worker::connect_with(driver, choice, conn)
+    }
+
     /// Shakes hands over `conn` and attaches the pool the parent sends.
     pub fn connect(
         driver: Arc<dyn Driver>,
@@ -211,26 +280,30 @@ impl Worker {
     /// gets the refusal) and lists what it does see.
     pub fn connect_on_parent_device(
         driver: Arc<dyn Driver>,
+        conn: Connection,
+    ) -> Result<Worker, Error> {
+        Worker::connect_with(driver, WorkerDevice::Parent, conn)
+    }
+
+    /// Shakes hands over `conn` on the device `choice` names. See [`WorkerDevice`].
+    pub fn connect_with(
+        driver: Arc<dyn Driver>,
+        choice: WorkerDevice,
         mut conn: Connection,
     ) -> Result<Worker, Error> {
+        let compute = match choice {
+            WorkerDevice::Exactly(device) => return Worker::connect(driver, device, conn),
+            WorkerDevice::Parent => None,
+            WorkerDevice::Any(device) => Some(device),
+        };
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut chosen = None;
         let (_peer, pool_fd, _config) = poolipc_transport::worker_handshake_choosing(
             &mut conn,
             |parent| {
-                let device = find_device(&*driver, parent.device)?;
-                let not_usable =
-                    |e: poolipc_driver::DriverError| HandshakeError::DeviceNotVisible {
-                        theirs: parent.device,
-                        reason: format!("it is this process's device {device}, which failed: {e}"),
-                    };
-                driver.use_device(device).map_err(not_usable)?;
-                let identity = crate::identity(&*driver, device, crate::parent::CAPABILITIES)
-                    .map_err(|e| HandshakeError::DeviceNotVisible {
-                        theirs: parent.device,
-                        reason: format!("asking device {device} failed: {e}"),
-                    })?;
-                chosen = Some(device);
+                let placed = place(&*driver, parent.device, compute)?;
+                let identity = placed.identity.clone();
+                chosen = Some(placed);
                 Ok(HandshakeConfig {
                     identity,
                     required: Capabilities::NONE,
@@ -238,11 +311,33 @@ impl Worker {
             },
             deadline,
         )?;
-        let device = chosen.ok_or_else(|| {
+        let placed = chosen.ok_or_else(|| {
             Error::Protocol("the handshake succeeded without choosing a device".into())
         })?;
-        tracing::info!(device, "worker on the parent's device");
-        Worker::attach(driver, device, conn, pool_fd.as_fd())
+        if placed.compute != placed.pool_device && !placed.peer {
+            tracing::warn!(
+                device = placed.compute,
+                pool_device = placed.pool_device,
+                "this device cannot reach the parent's pool: every tensor takes host staging"
+            );
+        } else {
+            tracing::info!(
+                device = placed.compute,
+                pool_device = placed.pool_device,
+                "worker placed"
+            );
+        }
+        driver.use_device(placed.compute)?;
+        // Without a peer path the pool is attached on its own device and never touched: the
+        // parent sends everything by host staging (our capabilities said so).
+        let attach_on = if placed.peer {
+            placed.compute
+        } else {
+            placed.pool_device
+        };
+        let mut worker = Worker::attach(driver, attach_on, conn, pool_fd.as_fd())?;
+        worker.device = placed.compute;
+        Ok(worker)
     }
 
     fn attach(
@@ -256,6 +351,7 @@ impl Worker {
         let done = driver.event_create(true)?;
         let done_blob = EventBlob(driver.ipc_get_event_handle(done)?.0);
         Ok(Worker {
+            device,
             driver,
             pool,
             conn,
@@ -278,9 +374,10 @@ impl Worker {
         &self.driver
     }
 
-    /// This process's ordinal of the device it works on (the parent's device, by UUID).
+    /// This process's ordinal of the device it works on: its stream, events and host-staged
+    /// copies live there.
     pub fn device(&self) -> u32 {
-        self.pool.device
+        self.device
     }
 
     /// The stream jobs run on.

@@ -1,13 +1,14 @@
 //! A facade worker for the tests: `poolipc::echo`, dying (SIGKILL) at the step named by
 //! `POOLIPC_FAILPOINT` if set (see `poolipc::failpoint`). It connects through the inherited
 //! socket (`POOLIPC_FD`), or to the listening socket named by `POOLIPC_SOCKET`. Its device:
-//! ordinal 0, the ordinal in `POOLIPC_TEST_DEVICE`, or, when that says `parent`, whichever of
-//! its devices has the parent's UUID.
+//! ordinal 0, the ordinal in `POOLIPC_TEST_DEVICE`; when that says `parent`, whichever of its
+//! devices has the parent's UUID; when it says `any:N`, ordinal N wherever the parent's pool is
+//! (`poolipc::WorkerDevice`).
 
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use poolipc::Driver;
+use poolipc::{Driver, WorkerDevice};
 
 fn run() -> anyhow::Result<usize> {
     poolipc_tests::init_tracing();
@@ -23,16 +24,18 @@ fn run() -> anyhow::Result<usize> {
         }
         None => poolipc_transport::connection_from_env()?,
     };
-    let mut worker = match std::env::var("POOLIPC_TEST_DEVICE").as_deref() {
-        Ok("parent") => poolipc::Worker::connect_on_parent_device(driver, conn)?,
-        Ok(ordinal) => {
-            let device = ordinal
-                .parse()
-                .map_err(|_| anyhow::anyhow!("POOLIPC_TEST_DEVICE={ordinal:?}"))?;
-            poolipc::Worker::connect(driver, device, conn)?
+    let choice = match std::env::var("POOLIPC_TEST_DEVICE").as_deref() {
+        Ok("parent") => WorkerDevice::Parent,
+        Ok(value) => {
+            let bad = || anyhow::anyhow!("POOLIPC_TEST_DEVICE={value:?}");
+            match value.strip_prefix("any:") {
+                Some(n) => WorkerDevice::Any(n.parse().map_err(|_| bad())?),
+                None => WorkerDevice::Exactly(value.parse().map_err(|_| bad())?),
+            }
         }
-        Err(_) => poolipc::Worker::connect(driver, 0, conn)?,
+        Err(_) => WorkerDevice::Exactly(0),
     };
+    let mut worker = poolipc::Worker::connect_with(driver, choice, conn)?;
     Ok(poolipc::echo::serve(&mut worker, None)?)
 }
 

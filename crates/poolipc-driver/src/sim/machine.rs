@@ -19,6 +19,7 @@ pub(super) struct Machine {
     pub(super) devices: u32,
     pub(super) memory: u64,
     pub(super) import_crash: bool,
+    pub(super) peer_access: bool,
 }
 
 fn map_len() -> u64 {
@@ -33,7 +34,12 @@ fn attach_error(reason: String) -> DriverError {
 }
 
 impl Machine {
-    pub(super) fn create(devices: u32, memory: u64, import_crash: bool) -> Result<Machine> {
+    pub(super) fn create(config: &super::SimConfig) -> Result<Machine> {
+        let (devices, memory, import_crash) = (
+            config.devices,
+            config.memory_per_device,
+            config.import_crash,
+        );
         let fd = sparse_memfd("poolipc-sim-machine", map_len())?;
         let map = Mapping::new(&fd, 0, map_len())?;
         let id = machine_id();
@@ -44,6 +50,7 @@ impl Machine {
             devices,
             memory,
             import_crash,
+            peer_access: config.peer_access,
         };
         m.with(|st| {
             st.magic = MAGIC;
@@ -52,6 +59,7 @@ impl Machine {
             st.machine_id = id;
             st.device_count = devices;
             st.import_crash = u32::from(import_crash);
+            st.peer_access = u32::from(config.peer_access);
             for d in st.devices.iter_mut().take(devices as usize) {
                 d.total = memory;
             }
@@ -88,8 +96,9 @@ impl Machine {
             devices: 0,
             memory: 0,
             import_crash: true,
+            peer_access: true,
         };
-        let (magic, layout, found, devices, memory, crash) = m.with(|st| {
+        let (magic, layout, found, devices, memory, crash, peer) = m.with(|st| {
             (
                 st.magic,
                 st.layout,
@@ -97,6 +106,7 @@ impl Machine {
                 st.device_count,
                 st.devices[0].total,
                 st.import_crash,
+                st.peer_access,
             )
         });
         if magic != MAGIC || layout != LAYOUT || found != id {
@@ -107,6 +117,7 @@ impl Machine {
         m.devices = devices.min(MAX_DEVICES as u32);
         m.memory = memory;
         m.import_crash = crash != 0;
+        m.peer_access = peer != 0;
         Ok(m)
     }
 

@@ -109,15 +109,20 @@ pub struct SimConfig {
     /// importing process with SIGSEGV. Off: the import fails with
     /// [`crate::DriverError::ImportOverLimit`] instead.
     pub import_crash: bool,
+    /// Whether distinct devices can reach each other's memory (`cuDeviceCanAccessPeer`, and
+    /// `cuMemPoolSetAccess` for another device than the pool's). Off: a machine whose GPUs
+    /// share no NVLink or PCIe peer path.
+    pub peer_access: bool,
 }
 
 impl Default for SimConfig {
-    /// One device of 16 GiB, import crash emulated.
+    /// One device of 16 GiB, import crash emulated, devices peers of each other.
     fn default() -> Self {
         SimConfig {
             devices: 1,
             memory_per_device: 16 << 30,
             import_crash: true,
+            peer_access: true,
         }
     }
 }
@@ -284,11 +289,7 @@ impl SimDriver {
                 ),
             });
         }
-        let machine = Machine::create(
-            config.devices,
-            config.memory_per_device,
-            config.import_crash,
-        )?;
+        let machine = Machine::create(&config)?;
         Ok(SimDriver::on(Arc::new(machine)))
     }
 
@@ -1057,7 +1058,7 @@ impl Driver for SimDriver {
     fn device_can_access_peer(&self, ordinal: u32, peer: u32) -> Result<bool> {
         let index = self.device_check("cuDeviceGet", ordinal)?;
         let peer = self.device_check("cuDeviceGet", peer)?;
-        Ok(index != peer)
+        Ok(index != peer && self.machine.peer_access)
     }
 
     fn use_device(&self, ordinal: u32) -> Result<()> {
@@ -1284,6 +1285,10 @@ impl Driver for SimDriver {
         if p.device == ordinal && access != Access::ReadWrite && !p.imported {
             // The pool's own device always has read-write access.
             return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        if p.device != ordinal && access != Access::None && !self.machine.peer_access {
+            // No peer path between the two devices (an assumption: not measured on hardware).
+            return Err(fail(CALL, CuCode::INVALID_DEVICE));
         }
         if p.access.len() < self.machine.devices as usize {
             p.access.resize(self.machine.devices as usize, Access::None);

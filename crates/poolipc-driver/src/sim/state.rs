@@ -9,7 +9,7 @@ use crate::error::CuCode;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
-pub(super) const LAYOUT: u64 = 2;
+pub(super) const LAYOUT: u64 = 3;
 
 pub(super) const MAX_DEVICES: usize = 8;
 pub(super) const MAX_POOLS: usize = 128;
@@ -189,6 +189,9 @@ pub(super) struct State {
     pub(super) machine_id: u64,
     pub(super) device_count: u32,
     pub(super) import_crash: u32,
+    /// Whether distinct devices can reach each other (peer access); 1 or 0.
+    pub(super) peer_access: u32,
+    pub(super) _pad: u32,
     pub(super) next_id: u64,
     pub(super) violation_count: u64,
     pub(super) devices: [DeviceRec; MAX_DEVICES],

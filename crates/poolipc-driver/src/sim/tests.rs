@@ -613,6 +613,34 @@ fn a_pool_is_shared_by_uuid_whatever_ordinal_each_process_gives_its_device() {
     assert!(kinds(&p).is_empty(), "{:?}", p.violations());
 }
 
+#[test]
+fn devices_without_a_peer_path_refuse_access_to_each_others_pools() {
+    let p = sim_with(SimConfig {
+        devices: 2,
+        peer_access: false,
+        ..SimConfig::default()
+    });
+    assert!(!p.device_can_access_peer(0, 1).unwrap());
+    assert!(!p.device_can_access_peer(1, 0).unwrap());
+    let (_pool, fd) = shared_pool(&p);
+    let (w, wpool) = worker(&p, &fd);
+    let e = w
+        .mem_pool_set_access(wpool, 1, Access::ReadWrite)
+        .unwrap_err();
+    assert!(
+        e.is_call("cuMemPoolSetAccess", CuCode::INVALID_DEVICE),
+        "{e}"
+    );
+    // Its own device keeps read-write; taking nothing away from another is allowed.
+    w.mem_pool_set_access(wpool, 0, Access::ReadWrite).unwrap();
+    w.mem_pool_set_access(wpool, 1, Access::None).unwrap();
+    let peers = sim_with(SimConfig {
+        devices: 2,
+        ..SimConfig::default()
+    });
+    assert!(peers.device_can_access_peer(0, 1).unwrap());
+}
+
 // --- events --------------------------------------------------------------------------------
 
 #[test]
