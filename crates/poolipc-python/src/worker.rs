@@ -56,20 +56,16 @@ type Envelope = (Cmd, Sender<Result<Reply, String>>);
 /// What a started worker thread reports: its stream, whether simulated, its device.
 type Started = (u64, bool, u32);
 
-/// `device`: an ordinal, or `None` for whichever device has the parent's UUID.
 fn thread_main(
-    device: Option<u32>,
+    device: poolipc::WorkerDevice,
     rx: Receiver<Envelope>,
     ready: Sender<Result<Started, String>>,
 ) {
     let opened = state::open_worker_driver().and_then(|driver| {
         let sim = state::is_sim(&*driver);
-        match device {
-            Some(d) => poolipc::Worker::from_env(driver, d),
-            None => poolipc::Worker::from_env_on_parent_device(driver),
-        }
-        .map(|w| (w, sim))
-        .map_err(|e| format!("poolipc: starting the worker: {e}"))
+        poolipc::Worker::from_env_with(driver, device)
+            .map(|w| (w, sim))
+            .map_err(|e| format!("poolipc: starting the worker: {e}"))
     });
     let (mut worker, sim) = match opened {
         Ok(w) => w,
@@ -274,11 +270,18 @@ pub(crate) struct NativeWorker {
 
 #[pymethods]
 impl NativeWorker {
-    /// `device`: this process's ordinal, or `None` for whichever device has the parent's
-    /// UUID (the two differ when the processes' `CUDA_VISIBLE_DEVICES` differ).
+    /// `device`: this process's ordinal of the parent's device; `None` for whichever device
+    /// has the parent's UUID (ordinals differ when the processes' `CUDA_VISIBLE_DEVICES`
+    /// differ); with `any=True`, the ordinal to work on wherever the parent's pool is (peer
+    /// access, else host staging). See `poolipc::WorkerDevice`.
     #[new]
-    #[pyo3(signature = (device = Some(0)))]
-    fn new(py: Python<'_>, device: Option<u32>) -> PyResult<Self> {
+    #[pyo3(signature = (device = Some(0), any = false))]
+    fn new(py: Python<'_>, device: Option<u32>, any: bool) -> PyResult<Self> {
+        let device = match (device, any) {
+            (Some(n), false) => poolipc::WorkerDevice::Exactly(n),
+            (Some(n), true) => poolipc::WorkerDevice::Any(n),
+            (None, _) => poolipc::WorkerDevice::Parent,
+        };
         let (tx, rx) = channel::<Envelope>();
         let (rtx, rrx) = channel();
         let thread = std::thread::Builder::new()

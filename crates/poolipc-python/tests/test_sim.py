@@ -234,6 +234,22 @@ def test_a_worker_on_the_parents_device_finds_it_by_uuid(parent):
     assert parent.stop(w) == 0
 
 
+def test_a_worker_told_any_device_works_on_it(parent):
+    # One simulated device here: "any:0" is the pool's own device, so pool pointers.
+    w = spawn(parent, extra={"POOLIPC_DEVICE": "any:0"})
+    buf = f32_buffer(parent, [3.5] * 8)
+    (res,) = parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [8])])
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 3.5)
+    assert parent.last_input_rungs == ["pool pointer"]
+    assert parent.stop(w) == 0
+
+
+@pytest.mark.parametrize("device", ["gpu0", "any:", "any:x", "-"])
+def test_a_worker_device_that_is_no_ordinal_parent_or_any_is_a_clear_error(device):
+    with pytest.raises(ValueError, match="not an ordinal, 'parent' or 'any:N'"):
+        poolipc.Worker(device)
+
+
 def test_a_worker_that_sees_no_device_of_the_parents_is_refused_with_a_reason(parent):
     with pytest.raises(poolipc.PoolipcError, match="sees no device"):
         spawn(parent, extra={"POOLIPC_DEVICE": "parent", "POOLIPC_SIM_VISIBLE_DEVICES": ""})

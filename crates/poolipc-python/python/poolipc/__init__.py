@@ -276,21 +276,26 @@ class Worker:
     """
 
     def __init__(self, device: int | str | None = None):
-        """``device``: this process's device ordinal, or ``"parent"`` for whichever of its
-        devices has the parent's UUID (ordinals differ when the two processes'
-        ``CUDA_VISIBLE_DEVICES`` differ). Unset: ``POOLIPC_DEVICE``, else 0."""
+        """``device``: this process's ordinal of the parent's device; ``"parent"`` for whichever
+        of its devices has the parent's UUID (ordinals differ when the two processes'
+        ``CUDA_VISIBLE_DEVICES`` differ); ``"any:N"`` to work on ordinal N wherever the
+        parent's pool is (by peer access where the devices reach each other, else every tensor
+        by host staging). Unset: ``POOLIPC_DEVICE``, else 0. ``self.device`` is the ordinal it
+        works on."""
         if device is None:
             device = os.environ.get("POOLIPC_DEVICE", "0")
-        if device == "parent":
-            self._native = _native.NativeWorker(None)
-        else:
-            try:
-                ordinal = int(device)
-            except ValueError:
-                raise ValueError(
-                    f"poolipc: device {device!r} is neither an ordinal nor 'parent'"
-                ) from None
-            self._native = _native.NativeWorker(ordinal)
+        text = str(device)
+        try:
+            if text == "parent":
+                self._native = _native.NativeWorker(None)
+            elif text.startswith("any:"):
+                self._native = _native.NativeWorker(int(text[4:]), any=True)
+            else:
+                self._native = _native.NativeWorker(int(text))
+        except ValueError:
+            raise ValueError(
+                f"poolipc: device {device!r} is not an ordinal, 'parent' or 'any:N'"
+            ) from None
         self.device = self._native.device
 
     @property
