@@ -101,6 +101,7 @@ fn probe_once(
                     tensors: vec![LentTensor {
                         handle: HandleId(1),
                         rung: Rung::PoolPointer,
+                        pool: 0,
                         export: ExportBlob(blob.0),
                         ready_event: EventBlob([0; 64]),
                         meta: TensorMeta {

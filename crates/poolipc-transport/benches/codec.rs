@@ -19,6 +19,7 @@ fn lend(n: u64) -> Message {
             .map(|i| LentTensor {
                 handle: HandleId(i),
                 rung: Rung::PoolPointer,
+                pool: 0,
                 export: ExportBlob([i as u8; 64]),
                 ready_event: EventBlob([!(i as u8); 64]),
                 meta: TensorMeta {

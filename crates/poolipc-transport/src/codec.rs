@@ -18,19 +18,24 @@
 //! - `Hello`, `HelloAck`: device uuid `[16]`, driver version i32, capabilities u64,
 //!   devices `u16 count × (uuid [16], ordinal u32)`.
 //! - `Refuse`, `Error`: code u16, message text.
-//! - `Lend`: job u64, `list<tensor>`; tensor: handle u64, rung u8, export `[64]`,
+//! - `Lend`: job u64, `list<tensor>`; tensor: handle u64, rung u8, pool u8, export `[64]`,
 //!   ready event `[64]`, dtype u8, ndim u8, shape `u64 × ndim`, strides `i64 × ndim`,
 //!   byte offset u64, byte length u64.
 //! - `ResultRequest`: job u64, `list<spec>`; spec: dtype u8, ndim u8, shape `u64 × ndim`,
 //!   byte length u64.
 //! - `AllocationGrant`: job u64, `list<grant>`; grant: kind u8 (1 granted, 2 refused);
-//!   granted: handle u64, rung u8, export `[64]`, ready event `[64]`; refused: code u16, text.
+//!   granted: handle u64, rung u8, pool u8, export `[64]`, ready event `[64]`; refused:
+//!   code u16, text.
 //! - `Done`: job u64, done event `[64]`, `list<u64 handle>`.
 //! - `Ack`: job u64, `list<u64 handle>`.
 //! - `Cancel`: job u64. `Heartbeat`: seq u64. `Bye`: nothing.
 //! - `StagingBuffer`: bytes u64, chunk u64, filled events `[64] × 2`, drained events
 //!   `[64] × 2` (and one FD beside the frame). `StagingReady`: bytes u64.
 //! - `Chunk`: job u64, handle u64, seq u64, offset u64, bytes u64.
+//! - `ExtraPool`: index u8 (1..=255; 0 is an error), device uuid `[16]` (and one FD beside
+//!   the frame).
+//! - `ExtraPoolReply`: index u8, reachable u8 (0 false, 1 true; anything else is an error),
+//!   reason text.
 //!
 //! A payload must be consumed exactly: trailing bytes are an error.
 //!
@@ -42,14 +47,14 @@
 
 use crate::message::{
     Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
-    EventBlob, ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, MAX_BATCH, MAX_DEVICES,
-    MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, Rung,
-    StagingBuffer, TensorMeta,
+    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandleId, Identity, JobId, Lend, LentTensor,
+    MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
+    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 
 /// The protocol version this crate speaks. Bumped on any change of the wire format; the golden
 /// frames in `fixtures/frames/` pin the current one.
-pub const PROTOCOL_VERSION: u8 = 1;
+pub const PROTOCOL_VERSION: u8 = 2;
 
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
@@ -175,6 +180,21 @@ pub enum DecodeError {
         /// The field.
         field: &'static str,
     },
+    /// A numeric field has a value its message does not allow (`ExtraPool`'s index 0, which
+    /// names the pool that came with `Hello`).
+    #[error("{kind} field `{field}` has value {value}, outside its range {min}..={max}")]
+    OutOfRange {
+        /// The message.
+        kind: MessageKind,
+        /// The field.
+        field: &'static str,
+        /// The value on the wire.
+        value: u64,
+        /// The smallest value allowed.
+        min: u64,
+        /// The largest value allowed.
+        max: u64,
+    },
 }
 
 /// Why a message cannot be encoded.
@@ -202,6 +222,21 @@ pub enum EncodeError {
         len: usize,
         /// The limit.
         max: usize,
+    },
+    /// A numeric field has a value its message does not allow (`ExtraPool`'s index 0): the
+    /// peer would refuse the frame.
+    #[error("{kind} field `{field}` has value {value}, outside its range {min}..={max}")]
+    OutOfRange {
+        /// The message.
+        kind: MessageKind,
+        /// The field.
+        field: &'static str,
+        /// The value.
+        value: u64,
+        /// The smallest value allowed.
+        min: u64,
+        /// The largest value allowed.
+        max: u64,
     },
     /// A tensor's shape and strides differ in length.
     #[error("{kind}: shape has {shape} dims but strides has {strides}")]
@@ -410,6 +445,7 @@ impl Writer<'_> {
                 for t in &lend.tensors {
                     self.u64(t.handle.0);
                     self.u8(t.rung as u8);
+                    self.u8(t.pool);
                     self.bytes(&t.export.0);
                     self.bytes(&t.ready_event.0);
                     let m = &t.meta;
@@ -454,12 +490,14 @@ impl Writer<'_> {
                         ResultGrant::Granted {
                             handle,
                             rung,
+                            pool,
                             export,
                             ready_event,
                         } => {
                             self.u8(GRANT_GRANTED);
                             self.u64(handle.0);
                             self.u8(*rung as u8);
+                            self.u8(*pool);
                             self.bytes(&export.0);
                             self.bytes(&ready_event.0);
                         }
@@ -499,6 +537,24 @@ impl Writer<'_> {
                 self.u64(c.offset);
                 self.u64(c.bytes);
             }
+            Message::ExtraPool(ep) => {
+                if ep.index < EXTRA_POOL_MIN_INDEX {
+                    return Err(EncodeError::OutOfRange {
+                        kind: self.kind,
+                        field: "index",
+                        value: u64::from(ep.index),
+                        min: u64::from(EXTRA_POOL_MIN_INDEX),
+                        max: u64::from(u8::MAX),
+                    });
+                }
+                self.u8(ep.index);
+                self.bytes(&ep.device.0);
+            }
+            Message::ExtraPoolReply(reply) => {
+                self.u8(reply.index);
+                self.u8(u8::from(reply.reachable));
+                self.text("reason", &reply.reason)?;
+            }
         }
         Ok(())
     }
@@ -506,6 +562,9 @@ impl Writer<'_> {
 
 const GRANT_GRANTED: u8 = 1;
 const GRANT_REFUSED: u8 = 2;
+
+/// `ExtraPool::index` 0 is the pool that came with `Hello`: an extra pool is 1 or more.
+const EXTRA_POOL_MIN_INDEX: u8 = 1;
 
 /// Decodes exactly one frame that fills `bytes`.
 pub fn decode(bytes: &[u8], limits: FrameLimits) -> Result<Message, DecodeError> {
@@ -553,7 +612,7 @@ struct Reader<'a> {
 }
 
 /// Wire bytes of the smallest item of each list, for the count check.
-const MIN_TENSOR_WIRE: usize = 8 + 1 + 64 + 64 + 1 + 1 + 8 + 8;
+const MIN_TENSOR_WIRE: usize = 8 + 1 + 1 + 64 + 64 + 1 + 1 + 8 + 8;
 const MIN_SPEC_WIRE: usize = 1 + 1 + 8;
 const MIN_GRANT_WIRE: usize = 1 + 2 + 2;
 const DEVICE_WIRE: usize = 16 + 4;
@@ -645,6 +704,17 @@ impl Reader<'_> {
             value: v,
         })
     }
+    fn bool(&mut self, field: &'static str) -> Result<bool, DecodeError> {
+        match self.u8(field)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            value => Err(DecodeError::UnknownValue {
+                kind: self.kind,
+                field,
+                value,
+            }),
+        }
+    }
     fn shape(&mut self) -> Result<Vec<u64>, DecodeError> {
         let n = self.ndim("shape", 8)?;
         let mut shape = Vec::with_capacity(n);
@@ -684,6 +754,7 @@ impl Reader<'_> {
     fn tensor(&mut self) -> Result<LentTensor, DecodeError> {
         let handle = HandleId(self.u64("handle")?);
         let rung = self.rung()?;
+        let pool = self.u8("pool")?;
         let export = ExportBlob(self.take("export")?);
         let ready_event = EventBlob(self.take("ready_event")?);
         let dtype = self.dtype()?;
@@ -700,6 +771,7 @@ impl Reader<'_> {
         Ok(LentTensor {
             handle,
             rung,
+            pool,
             export,
             ready_event,
             meta: TensorMeta {
@@ -716,6 +788,7 @@ impl Reader<'_> {
             GRANT_GRANTED => Ok(ResultGrant::Granted {
                 handle: HandleId(self.u64("handle")?),
                 rung: self.rung()?,
+                pool: self.u8("pool")?,
                 export: ExportBlob(self.take("export")?),
                 ready_event: EventBlob(self.take("ready_event")?),
             }),
@@ -811,6 +884,27 @@ impl Reader<'_> {
                 seq: self.u64("seq")?,
                 offset: self.u64("offset")?,
                 bytes: self.u64("bytes")?,
+            }),
+            MessageKind::ExtraPool => {
+                let index = self.u8("index")?;
+                if index < EXTRA_POOL_MIN_INDEX {
+                    return Err(DecodeError::OutOfRange {
+                        kind: self.kind,
+                        field: "index",
+                        value: u64::from(index),
+                        min: u64::from(EXTRA_POOL_MIN_INDEX),
+                        max: u64::from(u8::MAX),
+                    });
+                }
+                Message::ExtraPool(ExtraPool {
+                    index,
+                    device: DeviceUuid(self.take("device")?),
+                })
+            }
+            MessageKind::ExtraPoolReply => Message::ExtraPoolReply(ExtraPoolReply {
+                index: self.u8("index")?,
+                reachable: self.bool("reachable")?,
+                reason: self.text("reason")?,
             }),
         })
     }

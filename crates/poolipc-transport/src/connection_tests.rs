@@ -9,8 +9,8 @@ use rstest::rstest;
 
 use crate::codec::{FrameLimits, HEADER_LEN, PROTOCOL_VERSION, encode};
 use crate::{
-    Capabilities, Connection, DecodeError, DeviceUuid, Direction, Identity, Message, MessageKind,
-    TransportError,
+    Capabilities, Connection, DecodeError, DeviceUuid, Direction, ExtraPool, ExtraPoolReply,
+    Identity, Message, MessageKind, TransportError,
 };
 
 fn soon() -> Instant {
@@ -27,6 +27,21 @@ fn hello() -> Vec<u8> {
         driver_version: 12080,
         capabilities: Capabilities::POOL_POINTER,
         devices: vec![],
+    }))
+}
+
+fn extra_pool() -> Vec<u8> {
+    frame(&Message::ExtraPool(ExtraPool {
+        index: 1,
+        device: DeviceUuid([8; 16]),
+    }))
+}
+
+fn extra_pool_reply() -> Vec<u8> {
+    frame(&Message::ExtraPoolReply(ExtraPoolReply {
+        index: 1,
+        reachable: true,
+        reason: String::new(),
     }))
 }
 
@@ -63,6 +78,9 @@ type Expect = fn(&TransportError) -> bool;
 #[rstest]
 #[case::fd_where_none_is_expected(heartbeat(), 1, |e: &TransportError| matches!(e, TransportError::UnexpectedFds { kind: MessageKind::Heartbeat, expected: 0, received: 1 }))]
 #[case::missing_fd(hello(), 0, |e: &TransportError| matches!(e, TransportError::MissingFds { kind: MessageKind::Hello, expected: 1, received: 0 }))]
+#[case::extra_pool_without_its_fd(extra_pool(), 0, |e: &TransportError| matches!(e, TransportError::MissingFds { kind: MessageKind::ExtraPool, expected: 1, received: 0 }))]
+#[case::extra_pool_with_two_fds(extra_pool(), 2, |e: &TransportError| matches!(e, TransportError::UnexpectedFds { kind: MessageKind::ExtraPool, expected: 1, received: 2 }))]
+#[case::fd_with_an_extra_pool_reply(extra_pool_reply(), 1, |e: &TransportError| matches!(e, TransportError::UnexpectedFds { kind: MessageKind::ExtraPoolReply, expected: 0, received: 1 }))]
 #[case::too_many_fds(hello(), 3, |e: &TransportError| matches!(e, TransportError::UnexpectedFds { kind: MessageKind::Hello, expected: 1, received: 3 }))]
 #[case::more_fds_than_one_frame_can_carry(hello(), 12, |e: &TransportError| matches!(e, TransportError::FdsTruncated { received: 8 }))]
 #[case::fds_with_an_unknown_tag(raw_header(0, PROTOCOL_VERSION, 200), 2, |e: &TransportError| matches!(e, TransportError::Decode(DecodeError::UnknownTag(200))))]
@@ -231,4 +249,37 @@ fn frames_and_fds_arrive_in_order() {
     assert_eq!((m1, f1.len()), (Message::Heartbeat { seq: 1 }, 0));
     assert_eq!((m2.kind(), f2.len()), (MessageKind::Hello, 1));
     assert_eq!((m3, f3.len()), (Message::Heartbeat { seq: 2 }, 0));
+}
+
+#[test]
+fn an_extra_pool_arrives_with_its_fd_and_its_reply_without() {
+    let (mut tx, mut rx) = Connection::pair().expect("socketpair");
+    let (readers, _writers) = pipes(1);
+    let offer = Message::ExtraPool(ExtraPool {
+        index: 3,
+        device: DeviceUuid([9; 16]),
+    });
+    tx.send(&offer, &[readers[0].as_fd()], soon())
+        .expect("send extra pool");
+    let err = tx
+        .send(&offer, &[], soon())
+        .expect_err("extra pool without its fd");
+    assert!(matches!(
+        err,
+        TransportError::WrongFdCount {
+            kind: MessageKind::ExtraPool,
+            expected: 1,
+            given: 0
+        }
+    ));
+    let (m, fds) = rx.recv(soon()).expect("recv extra pool");
+    assert_eq!((m, fds.len()), (offer, 1));
+    let reply = Message::ExtraPoolReply(ExtraPoolReply {
+        index: 3,
+        reachable: false,
+        reason: "no peer access".into(),
+    });
+    rx.send(&reply, &[], soon()).expect("send reply");
+    let (m, fds) = tx.recv(soon()).expect("recv reply");
+    assert_eq!((m, fds.len()), (reply, 0));
 }

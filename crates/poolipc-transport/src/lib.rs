@@ -29,6 +29,8 @@
 //! | `StagingBuffer` | parent → worker, once, before host staging | exactly 1: the buffer's memfd |
 //! | `StagingReady` | worker → parent, the answer | 0 |
 //! | `Chunk` | either: the data's sender, then the receiver's echo | 0 |
+//! | `ExtraPool` | parent → worker, once per further pool (a pool per device) | exactly 1: that pool |
+//! | `ExtraPoolReply` | worker → parent, the answer | 0 |
 //!
 //! A frame that arrives with other FDs than its kind carries is an error, and every FD that
 //! came with it is closed before the error is returned.
@@ -58,9 +60,9 @@ pub use listener::{
 };
 pub use message::{
     Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
-    EventBlob, ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, MAX_BATCH, MAX_DEVICES,
-    MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, Rung,
-    StagingBuffer, TensorMeta,
+    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandleId, Identity, JobId, Lend, LentTensor,
+    MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
+    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 pub use spawn::{FD_ENV, connection_from_env, parse_fd_var, spawn_worker};
 

@@ -235,6 +235,10 @@ pub struct LentTensor {
     pub handle: HandleId,
     /// The rung it travels on.
     pub rung: Rung,
+    /// Which of the parent's pools the allocation comes from: 0 is the pool whose FD came with
+    /// `Hello`, n > 0 the one offered by `ExtraPool { index: n }`. Meaningless (0) on the
+    /// host-staging rung.
+    pub pool: u8,
     /// The pointer export.
     pub export: ExportBlob,
     /// The READY event the worker waits on before touching the memory.
@@ -282,6 +286,10 @@ pub enum ResultGrant {
         handle: HandleId,
         /// The rung it travels on.
         rung: Rung,
+        /// Which of the parent's pools the allocation comes from: 0 is the pool whose FD came
+        /// with `Hello`, n > 0 the one offered by `ExtraPool { index: n }`. Meaningless (0) on
+        /// the host-staging rung.
+        pool: u8,
         /// The pointer export.
         export: ExportBlob,
         /// The READY event.
@@ -380,6 +388,35 @@ pub struct Chunk {
     pub offset: u64,
     /// The chunk's length in bytes.
     pub bytes: u64,
+}
+
+/// Parent → worker, with exactly one FD (the pool's): another of the parent's pools (a pool
+/// per device).
+///
+/// `index` (1..=255) is what [`LentTensor::pool`] and [`ResultGrant::Granted`]'s `pool` name
+/// it by; `device` is the UUID of the device it lives on. The worker answers
+/// [`ExtraPoolReply`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExtraPool {
+    /// The pool's number on this connection, 1..=255 (0 is the pool that came with `Hello`).
+    pub index: u8,
+    /// The device the pool lives on.
+    pub device: DeviceUuid,
+}
+
+/// Worker → parent: the answer to an [`ExtraPool`].
+///
+/// Whether the worker attached the pool and can use it from its device; when not, `reason`
+/// says why (at most [`MAX_TEXT_LEN`] bytes, like other texts) and the parent sends that
+/// pool's tensors by host staging.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExtraPoolReply {
+    /// The [`ExtraPool::index`] answered.
+    pub index: u8,
+    /// Whether the worker attached the pool and can use it from its device.
+    pub reachable: bool,
+    /// When not reachable, why, for a person (at most [`MAX_TEXT_LEN`] bytes).
+    pub reason: String,
 }
 
 /// A numeric reason on the wire. Unknown codes decode fine (a newer peer may send one); the
@@ -503,6 +540,11 @@ pub enum Message {
     },
     /// Either side: a host-staged chunk is in the buffer, or (echoed back) drained from it.
     Chunk(Chunk),
+    /// Parent → worker, with exactly one FD (the pool's): another of the parent's pools (a
+    /// pool per device). See [`ExtraPool`].
+    ExtraPool(ExtraPool),
+    /// Worker → parent: whether the worker can use that pool. See [`ExtraPoolReply`].
+    ExtraPoolReply(ExtraPoolReply),
 }
 
 /// The kind of a [`Message`], with its wire tag.
@@ -526,11 +568,13 @@ pub enum MessageKind {
     StagingBuffer = 13,
     StagingReady = 14,
     Chunk = 15,
+    ExtraPool = 16,
+    ExtraPoolReply = 17,
 }
 
 impl MessageKind {
     /// Every kind, in tag order.
-    pub const ALL: [MessageKind; 15] = [
+    pub const ALL: [MessageKind; 17] = [
         MessageKind::Hello,
         MessageKind::HelloAck,
         MessageKind::Refuse,
@@ -546,6 +590,8 @@ impl MessageKind {
         MessageKind::StagingBuffer,
         MessageKind::StagingReady,
         MessageKind::Chunk,
+        MessageKind::ExtraPool,
+        MessageKind::ExtraPoolReply,
     ];
 
     /// The kind with this wire tag.
@@ -555,12 +601,12 @@ impl MessageKind {
 
     /// How many file descriptors a frame of this kind carries: the only count accepted.
     ///
-    /// `Hello` carries the pool FD, `StagingBuffer` the host-staging memfd; nothing else
-    /// carries any. Rungs that need FDs (VMM arena chunks) will add kinds here, never relax
-    /// the check.
+    /// `Hello` and `ExtraPool` carry a pool's FD, `StagingBuffer` the host-staging memfd;
+    /// nothing else carries any. Rungs that need FDs (VMM arena chunks) will add kinds here,
+    /// never relax the check.
     pub fn expected_fds(self) -> usize {
         match self {
-            MessageKind::Hello | MessageKind::StagingBuffer => 1,
+            MessageKind::Hello | MessageKind::StagingBuffer | MessageKind::ExtraPool => 1,
             _ => 0,
         }
     }
@@ -591,6 +637,8 @@ impl Message {
             Message::StagingBuffer(_) => MessageKind::StagingBuffer,
             Message::StagingReady { .. } => MessageKind::StagingReady,
             Message::Chunk(_) => MessageKind::Chunk,
+            Message::ExtraPool(_) => MessageKind::ExtraPool,
+            Message::ExtraPoolReply(_) => MessageKind::ExtraPoolReply,
         }
     }
 

@@ -5,9 +5,10 @@ mod common;
 use poolipc_transport::codec::{HEADER_LEN, decode, encode};
 use poolipc_transport::{
     Ack, AllocationGrant, Capabilities, Chunk, DType, DecodeError, DeviceEntry, DeviceUuid, Done,
-    EncodeError, ErrorCode, EventBlob, ExportBlob, FrameLimits, HandleId, Identity, JobId, Lend,
-    LentTensor, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message, MessageKind, PROTOCOL_VERSION,
-    ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    EncodeError, ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, FrameLimits,
+    HandleId, Identity, JobId, Lend, LentTensor, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message,
+    MessageKind, PROTOCOL_VERSION, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer,
+    TensorMeta,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -61,8 +62,7 @@ fn identity() -> impl Strategy<Value = Identity> {
 
 fn tensor() -> impl Strategy<Value = LentTensor> {
     (
-        any::<u64>(),
-        rung(),
+        (any::<u64>(), rung(), any::<u8>()),
         blob(),
         blob(),
         dtype(),
@@ -70,28 +70,34 @@ fn tensor() -> impl Strategy<Value = LentTensor> {
         any::<u64>(),
         any::<u64>(),
     )
-        .prop_map(|(h, rung, e, r, dtype, dims, off, len)| LentTensor {
-            handle: HandleId(h),
-            rung,
-            export: ExportBlob(e),
-            ready_event: EventBlob(r),
-            meta: TensorMeta {
-                dtype,
-                shape: dims.iter().map(|d| d.0).collect(),
-                strides: dims.iter().map(|d| d.1).collect(),
-                byte_offset: off,
-                byte_len: len,
+        .prop_map(
+            |((h, rung, pool), e, r, dtype, dims, off, len)| LentTensor {
+                handle: HandleId(h),
+                rung,
+                pool,
+                export: ExportBlob(e),
+                ready_event: EventBlob(r),
+                meta: TensorMeta {
+                    dtype,
+                    shape: dims.iter().map(|d| d.0).collect(),
+                    strides: dims.iter().map(|d| d.1).collect(),
+                    byte_offset: off,
+                    byte_len: len,
+                },
             },
-        })
+        )
 }
 
 fn grant() -> impl Strategy<Value = ResultGrant> {
     prop_oneof![
-        (any::<u64>(), rung(), blob(), blob()).prop_map(|(h, rung, e, r)| ResultGrant::Granted {
-            handle: HandleId(h),
-            rung,
-            export: ExportBlob(e),
-            ready_event: EventBlob(r),
+        (any::<u64>(), rung(), any::<u8>(), blob(), blob()).prop_map(|(h, rung, pool, e, r)| {
+            ResultGrant::Granted {
+                handle: HandleId(h),
+                rung,
+                pool,
+                export: ExportBlob(e),
+                ready_event: EventBlob(r),
+            }
         }),
         (any::<u16>(), text()).prop_map(|(c, m)| ResultGrant::Refused {
             code: ErrorCode(c),
@@ -191,6 +197,17 @@ fn message() -> impl Strategy<Value = Message> {
                 offset,
                 bytes,
             })),
+        (1u8..=u8::MAX, any::<[u8; 16]>()).prop_map(|(index, d)| Message::ExtraPool(ExtraPool {
+            index,
+            device: DeviceUuid(d),
+        })),
+        (any::<u8>(), any::<bool>(), text()).prop_map(|(index, reachable, reason)| {
+            Message::ExtraPoolReply(ExtraPoolReply {
+                index,
+                reachable,
+                reason,
+            })
+        }),
     ]
 }
 
@@ -218,7 +235,7 @@ proptest! {
 
     #[test]
     fn arbitrary_payloads_behind_a_valid_header_never_panic(
-        tag in 0u8..16,
+        tag in 0u8..=(MessageKind::ALL.len() as u8 + 1),
         payload in prop::collection::vec(any::<u8>(), 0..512),
     ) {
         let mut frame = header(payload.len() as u32, PROTOCOL_VERSION, tag, 0);
@@ -267,6 +284,14 @@ fn heartbeat() -> Vec<u8> {
 #[case::text_not_utf8(frame(MessageKind::Error, &[0, 0, 2, 0, 0xc3, 0x28]), |e: &DecodeError| matches!(e, DecodeError::InvalidUtf8 { field: "message", .. }))]
 #[case::unknown_dtype(frame(MessageKind::ResultRequest, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0xee, 0]); p.extend_from_slice(&[0; 8]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "dtype", value: 0xee, .. }))]
 #[case::unknown_rung(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 8]); p.push(9); p.extend_from_slice(&[0; 128]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "rung", value: 9, .. }))]
+#[case::lend_unknown_rung(frame(MessageKind::Lend, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0; 8]); p.push(9); p.push(0); p.extend_from_slice(&[0; 128 + 2 + 16]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { kind: MessageKind::Lend, field: "rung", value: 9 }))]
+#[case::grant_cut_in_pool(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 8]); p.push(Rung::PoolPointer as u8); p }), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::AllocationGrant, field: "pool" }))]
+#[case::extra_pool_index_zero(frame(MessageKind::ExtraPool, &[0; 17]), |e: &DecodeError| matches!(e, DecodeError::OutOfRange { kind: MessageKind::ExtraPool, field: "index", value: 0, min: 1, max: 255 }))]
+#[case::extra_pool_cut_in_device(frame(MessageKind::ExtraPool, &[1; 16]), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::ExtraPool, field: "device" }))]
+#[case::extra_pool_trailing_byte(frame(MessageKind::ExtraPool, &[1; 18]), |e: &DecodeError| matches!(e, DecodeError::TrailingBytes { kind: MessageKind::ExtraPool, count: 1 }))]
+#[case::extra_pool_reply_bool_two(frame(MessageKind::ExtraPoolReply, &[1, 2, 0, 0]), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { kind: MessageKind::ExtraPoolReply, field: "reachable", value: 2 }))]
+#[case::extra_pool_reply_reason_over_its_limit(frame(MessageKind::ExtraPoolReply, &{ let mut p = vec![1, 0]; p.extend_from_slice(&2000u16.to_le_bytes()); p.extend_from_slice(&[b'a'; 2000]); p }), |e: &DecodeError| matches!(e, DecodeError::BadCount { kind: MessageKind::ExtraPoolReply, field: "reason", count: 2000, .. }))]
+#[case::extra_pool_reply_reason_not_utf8(frame(MessageKind::ExtraPoolReply, &[1, 0, 2, 0, 0xc3, 0x28]), |e: &DecodeError| matches!(e, DecodeError::InvalidUtf8 { kind: MessageKind::ExtraPoolReply, field: "reason" }))]
 #[case::unknown_grant_kind(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(7); p.extend_from_slice(&[0; 16]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "grant", value: 7, .. }))]
 fn malformed_bytes_give_a_typed_decode_error(
     #[case] bytes: Vec<u8>,
@@ -329,6 +354,83 @@ fn encoding_refuses_shape_and_strides_of_different_lengths() {
             ..
         })
     ));
+}
+
+#[test]
+fn encoding_refuses_extra_pool_index_zero() {
+    let msg = Message::ExtraPool(ExtraPool {
+        index: 0,
+        device: DeviceUuid([1; 16]),
+    });
+    assert!(matches!(
+        encode(&msg, FrameLimits::default()),
+        Err(EncodeError::OutOfRange {
+            kind: MessageKind::ExtraPool,
+            field: "index",
+            value: 0,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn encoding_refuses_a_reason_over_its_limit() {
+    let msg = Message::ExtraPoolReply(ExtraPoolReply {
+        index: 1,
+        reachable: false,
+        reason: "x".repeat(MAX_TEXT_LEN + 1),
+    });
+    assert!(matches!(
+        encode(&msg, FrameLimits::default()),
+        Err(EncodeError::FieldTooLong {
+            field: "reason",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn the_pool_byte_follows_the_rung_byte() {
+    // Lend: header, job, count, then handle u64, rung u8, pool u8.
+    let lend = Message::Lend(Lend {
+        job: JobId(1),
+        tensors: vec![LentTensor {
+            pool: 0xab,
+            ..lend_sample_tensor()
+        }],
+    });
+    let bytes = encode(&lend, FrameLimits::default()).expect("encodes");
+    let at = HEADER_LEN + 8 + 4 + 8;
+    assert_eq!(
+        &bytes[at..at + 2],
+        &[Rung::PoolPointer as u8, 0xab],
+        "rung, then pool"
+    );
+    // AllocationGrant: header, job, count, then kind u8, handle u64, rung u8, pool u8.
+    let grant = Message::AllocationGrant(AllocationGrant {
+        job: JobId(1),
+        results: vec![ResultGrant::Granted {
+            handle: HandleId(5),
+            rung: Rung::HostStaging,
+            pool: 0xcd,
+            export: ExportBlob([0; 64]),
+            ready_event: EventBlob([0; 64]),
+        }],
+    });
+    let bytes = encode(&grant, FrameLimits::default()).expect("encodes");
+    let at = HEADER_LEN + 8 + 4 + 1 + 8;
+    assert_eq!(
+        &bytes[at..at + 2],
+        &[Rung::HostStaging as u8, 0xcd],
+        "rung, then pool"
+    );
+}
+
+fn lend_sample_tensor() -> LentTensor {
+    let Message::Lend(lend) = &common::samples()[3].1 else {
+        panic!("sample 3 is a Lend")
+    };
+    lend.tensors[0].clone()
 }
 
 #[test]

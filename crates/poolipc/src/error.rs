@@ -66,6 +66,9 @@ pub enum Error {
     /// A tensor that no rung available to this worker can carry.
     #[error("no rung can carry this tensor: {0}")]
     NoRung(String),
+    /// An option that cannot work (a device listed twice, say).
+    #[error("invalid configuration: {0}")]
+    Config(String),
     /// A message out of place in the protocol.
     #[error("protocol: {0}")]
     Protocol(String),

@@ -12,8 +12,9 @@ use poolipc_contract::{
 use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
 use poolipc_pool::{ImportLimit, SharedPool};
 use poolipc_transport::{
-    AllocationGrant, Capabilities, Connection, ErrorCode, EventBlob, ExportBlob, HandleId,
-    HandshakeConfig, Identity, JobId, Lend, LentTensor, Message, ResultGrant, Rung as WireRung,
+    AllocationGrant, Capabilities, Connection, ErrorCode, EventBlob, ExportBlob, ExtraPool,
+    HandleId, HandshakeConfig, Identity, JobId, Lend, LentTensor, Message, ResultGrant,
+    Rung as WireRung,
 };
 
 use crate::canary::CanaryReport;
@@ -26,6 +27,10 @@ use crate::tensor::{ResultShape, Rung, TensorDesc};
 pub struct ParentOptions {
     /// The device whose pool is shared.
     pub device: u32,
+    /// More devices to share a pool of, one each (empty by default). A worker is offered them
+    /// after the handshake and says which it can use from its own device; tensors from a pool
+    /// it cannot use go to it by host staging.
+    pub more_devices: Vec<u32>,
     /// Which allocations may go by pool pointer (the 128-chunk rule by default).
     pub limit: ImportLimit,
     /// How long a worker may hold a handoff before the parent kills it.
@@ -42,6 +47,7 @@ impl Default for ParentOptions {
     fn default() -> Self {
         ParentOptions {
             device: 0,
+            more_devices: Vec::new(),
             limit: ImportLimit::default(),
             handoff_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(60),
@@ -108,6 +114,8 @@ struct Slot {
     dead: bool,
     canary: Option<CanaryReport>,
     staging: Option<StagingChannel>,
+    /// For each of the parent's pools after the first, whether the worker can use it.
+    more_pools: Vec<bool>,
 }
 
 impl Slot {
@@ -120,9 +128,23 @@ impl Slot {
             .contains(Capabilities::POOL_POINTER)
     }
 
-    /// Whether tensors may go to it by pool pointer: it reaches the pool and no canary failed.
+    /// Whether tensors of the first pool may go to it by pool pointer: it reaches the pool
+    /// and no canary failed.
     fn takes_pointers(&self) -> bool {
-        self.reaches_pool() && self.canary.as_ref().is_none_or(CanaryReport::ok)
+        self.reaches_pool() && self.canary_ok()
+    }
+
+    /// No canary battery failed (none ran, or all passed).
+    fn canary_ok(&self) -> bool {
+        self.canary.as_ref().is_none_or(CanaryReport::ok)
+    }
+
+    /// Whether memory of the parent's pool `index` may go to it by pool pointer.
+    fn takes_pointers_from(&self, index: u8) -> bool {
+        match usize::from(index).checked_sub(1) {
+            None => self.takes_pointers(),
+            Some(i) => self.canary_ok() && self.more_pools.get(i) == Some(&true),
+        }
     }
 }
 
@@ -156,6 +178,8 @@ struct JobState {
 pub struct Parent {
     driver: Arc<dyn Driver>,
     pool: SharedPool<dyn Driver>,
+    /// The pools of `options.more_devices`, in that order: pool index 1, 2, ...
+    more_pools: Vec<SharedPool<dyn Driver>>,
     options: ParentOptions,
     machine: contract::Parent,
     workers: BTreeMap<WorkerId, Slot>,
@@ -194,6 +218,28 @@ fn blob64(b: &[u8; 64]) -> ExportBlob {
 impl Parent {
     /// Installs the shared pool on `options.device` (see [`SharedPool::install`]).
     pub fn new(driver: Arc<dyn Driver>, options: ParentOptions) -> Result<Parent, Error> {
+        let mut devices = vec![options.device];
+        for &d in &options.more_devices {
+            if devices.contains(&d) {
+                return Err(Error::Config(format!(
+                    "device {d} is listed twice (device {}, more devices {:?})",
+                    options.device, options.more_devices
+                )));
+            }
+            devices.push(d);
+        }
+        if options.more_devices.len() > usize::from(u8::MAX) {
+            return Err(Error::Config(format!(
+                "{} more devices: at most {} pools are named on the wire",
+                options.more_devices.len(),
+                u8::MAX
+            )));
+        }
+        let mut more_pools = Vec::with_capacity(options.more_devices.len());
+        for &d in &options.more_devices {
+            driver.use_device(d)?;
+            more_pools.push(SharedPool::install(Arc::clone(&driver), d)?);
+        }
         driver.use_device(options.device)?;
         let ceiling = options.limit;
         let pool = SharedPool::install(Arc::clone(&driver), options.device)?;
@@ -206,6 +252,7 @@ impl Parent {
         Ok(Parent {
             driver,
             pool,
+            more_pools,
             options,
             machine,
             workers: BTreeMap::new(),
@@ -239,9 +286,30 @@ impl Parent {
         &self.options
     }
 
-    /// The shared pool.
+    /// The shared pool (on `options.device`).
     pub fn pool(&self) -> &SharedPool<dyn Driver> {
         &self.pool
+    }
+
+    /// The shared pool on `device`: the first one's, or one of `options.more_devices`.
+    pub fn pool_on(&self, device: u32) -> Option<&SharedPool<dyn Driver>> {
+        std::iter::once(&self.pool)
+            .chain(&self.more_pools)
+            .find(|p| p.device() == device)
+    }
+
+    /// Which of this parent's pools `ptr` comes from (0: the first; n: `more_devices[n - 1]`),
+    /// or `None` if none. With one pool there is nothing to ask the driver.
+    fn pool_index(&self, ptr: DevicePtr) -> Option<u8> {
+        if self.more_pools.is_empty() {
+            return Some(0);
+        }
+        // Not pool memory at all (cuMemAlloc'd, say) is no pool of ours either.
+        let handle = self.driver.pointer_get_mempool(ptr).ok()?;
+        std::iter::once(&self.pool)
+            .chain(&self.more_pools)
+            .position(|p| p.handle() == handle)
+            .and_then(|i| u8::try_from(i).ok())
     }
 
     /// The driver.
@@ -311,19 +379,77 @@ impl Parent {
                 dead: false,
                 canary: None,
                 staging: None,
+                more_pools: Vec::new(),
             },
         );
+        if let Err(e) = self.offer_more_pools(id, deadline) {
+            tracing::warn!(worker = %id, error = %e, "offering the other pools failed");
+            if let Some(mut c) = self.workers.remove(&id).and_then(|s| s.child) {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            // Nothing was lent to it yet: the contract forgets it at once.
+            let now = self.now();
+            let _ = self
+                .machine
+                .handle(ParentEvent::WorkerHungUp { worker: id }, now);
+            let _ = self
+                .machine
+                .handle(ParentEvent::WorkerReaped { worker: id }, now);
+            while self.machine.poll_action().is_some() {}
+            return Err(e);
+        }
         if !self.slot_mut(id)?.reaches_pool() {
-            // Nothing to prove by pool pointer: it will get none.
+            // Nothing of the first pool to prove by pool pointer: it will get none.
             tracing::warn!(
                 worker = %id,
-                "the worker cannot reach the pool from its device: host staging for every tensor"
+                "the worker cannot reach the pool from its device: its tensors take host staging"
             );
         } else if self.options.canary {
             let report = crate::canary::run(self, id)?;
             self.slot_mut(id)?.canary = Some(report);
         }
         Ok(id)
+    }
+
+    /// Offers a new worker the pools after the first, one `ExtraPool` each, and records which
+    /// it can use.
+    fn offer_more_pools(&mut self, id: WorkerId, deadline: Instant) -> Result<(), Error> {
+        for (i, pool) in self.more_pools.iter().enumerate() {
+            let index =
+                u8::try_from(i + 1).map_err(|_| Error::Config("more than 255 pools".into()))?;
+            let device = self.driver.device_info(pool.device())?.uuid;
+            let slot = self.workers.get_mut(&id).ok_or(Error::UnknownWorker(id))?;
+            slot.conn.send(
+                &Message::ExtraPool(ExtraPool {
+                    index,
+                    device: poolipc_transport::DeviceUuid(device.0),
+                }),
+                &[pool.fd()],
+                deadline,
+            )?;
+            let reachable = match slot.conn.recv(deadline)? {
+                (Message::ExtraPoolReply(r), _) if r.index == index => {
+                    if !r.reachable {
+                        tracing::info!(
+                            worker = %id,
+                            pool_device = pool.device(),
+                            reason = %r.reason,
+                            "the worker cannot use this pool: its tensors go by host staging"
+                        );
+                    }
+                    r.reachable
+                }
+                (other, _) => {
+                    return Err(Error::Protocol(format!(
+                        "expected the answer to ExtraPool {index}, got {}",
+                        other.kind()
+                    )));
+                }
+            };
+            slot.more_pools.push(reachable);
+        }
+        Ok(())
     }
 
     /// What the parent knows of a worker.
@@ -449,31 +575,38 @@ impl Parent {
                     offset + extent - size
                 )));
             }
-            let by_pointer = !demoted && self.options.limit.allows(base.0, size);
+            let pool = self.pool_index(input.ptr);
+            let by_pointer = pool.is_some_and(|i| slot.takes_pointers_from(i))
+                && self.options.limit.allows(base.0, size);
             if !by_pointer && !stages {
-                let why = match self.options.limit.check(base.0, size) {
-                    Err(e) => e.to_string(),
-                    Ok(()) if !slot.reaches_pool() => {
+                let why = match (self.options.limit.check(base.0, size), pool) {
+                    (Err(e), _) => e.to_string(),
+                    (Ok(()), _) if !slot.reaches_pool() => {
                         format!("{worker} cannot reach the pool from its device")
                     }
-                    Ok(()) => format!("{worker} was demoted by its canary battery"),
+                    (Ok(()), _) if demoted => {
+                        format!("{worker} was demoted by its canary battery")
+                    }
+                    (Ok(()), None) => "it is not memory of this parent's pools".into(),
+                    (Ok(()), Some(i)) => format!("{worker} cannot use the parent's pool {i}"),
                 };
                 return Err(Error::NoRung(format!(
                     "an input cannot go by pool pointer ({why}) and the worker has no host staging"
                 )));
             }
-            placed.push((base, size, offset, extent, by_pointer));
+            placed.push((base, size, offset, extent, by_pointer, pool.unwrap_or(0)));
         }
         // Host staging is set up before anything is lent, so a failure leaves nothing lent.
         if placed.iter().any(|p| !p.4) {
             self.ensure_staging(worker)?;
         }
-        for (input, (base, size, offset, extent, by_pointer)) in inputs.iter().zip(placed) {
+        for (input, (base, size, offset, extent, by_pointer, pool)) in inputs.iter().zip(placed) {
             if !by_pointer {
                 let handle = HandleId(STAGED_HANDLE | st.staged.len() as u64);
                 st.lend.push(LentTensor {
                     handle,
                     rung: WireRung::HostStaging,
+                    pool: 0,
                     export: ExportBlob([0; 64]),
                     ready_event: EventBlob([0; 64]),
                     meta: input.desc.meta(0, extent),
@@ -510,7 +643,7 @@ impl Parent {
                 }
             }
             // The offer the machine queued describes this input; its layout comes from here.
-            self.drive(stream, &mut st, alloc, Some((input, offset, extent)))?;
+            self.drive(stream, &mut st, alloc, Some((input, offset, extent, pool)))?;
             input_rungs.push(Rung::PoolPointer);
         }
         let sent = self
@@ -557,13 +690,19 @@ impl Parent {
         stream: StreamHandle,
         st: &mut JobState,
         alloc: &mut Allocator<'_>,
-        mut input: Option<(&Input, u64, u64)>,
+        mut input: Option<(&Input, u64, u64, u8)>,
     ) -> Result<(), Error> {
         while let Some(action) = self.machine.poll_action() {
             tracing::trace!(?action, "contract action");
             match action {
                 ParentAction::Export { alloc: a, span } => {
-                    let data = self.pool.export(DevicePtr(span.ptr))?;
+                    let ptr = DevicePtr(span.ptr);
+                    // Through the pool it came from, which checks that it did.
+                    let pool = match self.pool_index(ptr) {
+                        Some(i) if i > 0 => self.more_pools.get(usize::from(i) - 1),
+                        _ => None,
+                    };
+                    let data = pool.unwrap_or(&self.pool).export(ptr)?;
                     st.exports.insert(a, data);
                 }
                 ParentAction::RecordReady { .. } => st.record_ready = true,
@@ -580,13 +719,15 @@ impl Parent {
                         st.open_handoffs += 1;
                         match offer.purpose {
                             Purpose::Input => {
-                                let (inp, offset, extent) = input.take().ok_or_else(|| {
-                                    Error::Protocol("an input offer with no input".into())
-                                })?;
+                                let (inp, offset, extent, pool) =
+                                    input.take().ok_or_else(|| {
+                                        Error::Protocol("an input offer with no input".into())
+                                    })?;
                                 let ready_event = self.slot(to)?.ready_blob;
                                 st.lend.push(LentTensor {
                                     handle: HandleId(offer.handoff.0),
                                     rung: poolipc_transport::Rung::PoolPointer,
+                                    pool,
                                     export: blob64(&export.0),
                                     ready_event,
                                     meta: inp.desc.meta(offset, extent),
@@ -594,9 +735,16 @@ impl Parent {
                             }
                             Purpose::Result { .. } => {
                                 let ready_event = self.slot(to)?.ready_blob;
+                                // Only memory of a pool the worker uses is offered by pointer.
+                                let pool = st
+                                    .result_allocs
+                                    .get(&offer.alloc)
+                                    .and_then(|(ptr, _)| self.pool_index(*ptr))
+                                    .unwrap_or(0);
                                 st.grants.push(ResultGrant::Granted {
                                     handle: HandleId(offer.handoff.0),
                                     rung: poolipc_transport::Rung::PoolPointer,
+                                    pool,
                                     export: blob64(&export.0),
                                     ready_event,
                                 });
@@ -817,7 +965,6 @@ impl Parent {
                         let slot = self.slot_mut(worker)?;
                         let request = RequestId(slot.next_request);
                         slot.next_request += 1;
-                        let demoted = !slot.takes_pointers();
                         // Allocate first: the rung depends on where the memory lands.
                         let ptr = match alloc(&shape, bytes) {
                             Ok(ptr) => ptr,
@@ -832,7 +979,12 @@ impl Parent {
                                 continue;
                             }
                         };
-                        if demoted || !self.options.limit.allows(ptr.0, bytes) {
+                        let by_pointer = self.pool_index(ptr).is_some_and(|i| {
+                            self.workers
+                                .get(&worker)
+                                .is_some_and(|s| s.takes_pointers_from(i))
+                        });
+                        if !by_pointer || !self.options.limit.allows(ptr.0, bytes) {
                             let handle = HandleId(
                                 STAGED_HANDLE | RESULT_HANDLE | st.staged_results.len() as u64,
                             );
@@ -849,6 +1001,7 @@ impl Parent {
                             st.grants.push(ResultGrant::Granted {
                                 handle,
                                 rung: WireRung::HostStaging,
+                                pool: 0,
                                 export: ExportBlob([0; 64]),
                                 ready_event: EventBlob([0; 64]),
                             });

@@ -84,6 +84,8 @@ pub struct Worker {
     /// The device this worker works on (see [`Worker::device`]).
     device: u32,
     pool: AttachedPool,
+    /// The parent's other pools (`ExtraPool` index 1, 2, ...): attached, or why not.
+    more_pools: Vec<Result<AttachedPool, String>>,
     conn: Connection,
     stream: StreamHandle,
     machine: contract::Worker,
@@ -352,6 +354,7 @@ impl Worker {
         let done_blob = EventBlob(driver.ipc_get_event_handle(done)?.0);
         Ok(Worker {
             device,
+            more_pools: Vec::new(),
             driver,
             pool,
             conn,
@@ -427,6 +430,12 @@ impl Worker {
                     tracing::debug!(chunk = ch.chunk(), "host staging set up");
                     self.staging = Some(ch);
                 }
+                Message::ExtraPool(offer) => {
+                    let Some(fd) = fds.into_iter().next() else {
+                        return Err(Error::Protocol("an ExtraPool without its FD".into()));
+                    };
+                    self.take_extra_pool(offer, fd)?;
+                }
                 Message::Heartbeat { .. } | Message::Cancel { .. } => {}
                 other => {
                     return Err(Error::Protocol(format!(
@@ -435,6 +444,79 @@ impl Worker {
                     )));
                 }
             }
+        }
+    }
+
+    /// Attaches another of the parent's pools if this worker's device can use it, and says so.
+    fn take_extra_pool(
+        &mut self,
+        offer: poolipc_transport::ExtraPool,
+        fd: std::os::fd::OwnedFd,
+    ) -> Result<(), Error> {
+        let expected = self.more_pools.len() + 1;
+        if usize::from(offer.index) != expected {
+            return Err(Error::Protocol(format!(
+                "ExtraPool {} where {expected} was next",
+                offer.index
+            )));
+        }
+        let attached = self.attach_extra_pool(offer.device, &fd);
+        let reply = poolipc_transport::ExtraPoolReply {
+            index: offer.index,
+            reachable: attached.is_ok(),
+            reason: attached.as_ref().err().cloned().unwrap_or_default(),
+        };
+        match &attached {
+            Ok(_) => tracing::debug!(
+                index = offer.index,
+                "attached another of the parent's pools"
+            ),
+            Err(why) => {
+                tracing::info!(index = offer.index, %why, "cannot use one of the parent's pools")
+            }
+        }
+        self.more_pools.push(attached);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        self.conn
+            .send(&Message::ExtraPoolReply(reply), &[], deadline)?;
+        Ok(())
+    }
+
+    fn attach_extra_pool(
+        &self,
+        uuid: poolipc_transport::DeviceUuid,
+        fd: &std::os::fd::OwnedFd,
+    ) -> Result<AttachedPool, String> {
+        let d = &*self.driver;
+        let pool_device = find_device(d, uuid).map_err(|e| e.to_string())?;
+        if pool_device != self.device {
+            let peer = d
+                .device_can_access_peer(self.device, pool_device)
+                .map_err(|e| e.to_string())?;
+            if !peer {
+                return Err(format!(
+                    "device {} cannot reach device {pool_device} ({uuid}): no peer path",
+                    self.device
+                ));
+            }
+        }
+        // Access from the device this worker works on (a peer grant when it is another).
+        AttachedPool::attach(d, fd.as_fd(), self.device).map_err(|e| e.to_string())
+    }
+
+    /// The imported handle of the parent's pool `index`.
+    fn pool_handle(&self, index: u8) -> Result<poolipc_driver::PoolHandle, Error> {
+        if index == 0 {
+            return Ok(self.pool.pool);
+        }
+        match self.more_pools.get(usize::from(index) - 1) {
+            Some(Ok(p)) => Ok(p.pool),
+            Some(Err(why)) => Err(Error::Protocol(format!(
+                "a tensor by pointer from the parent's pool {index}, which this worker cannot use ({why})"
+            ))),
+            None => Err(Error::Protocol(format!(
+                "a tensor by pointer from the parent's pool {index}, never offered"
+            ))),
         }
     }
 
@@ -480,7 +562,8 @@ impl Worker {
                 },
                 purpose: Purpose::Input,
             };
-            let base = job.worker.take_offer(offer, data, t.ready_event)?;
+            let pool = job.worker.pool_handle(t.pool)?;
+            let base = job.worker.take_offer(offer, pool, data, t.ready_event)?;
             job.held.push(HandoffId(t.handle.0));
             job.inputs.push(InputView {
                 ptr: base.offset(t.meta.byte_offset),
@@ -513,6 +596,7 @@ impl Worker {
     fn take_offer(
         &mut self,
         offer: Offer,
+        pool: poolipc_driver::PoolHandle,
         data: ExportData,
         ready: EventBlob,
     ) -> Result<DevicePtr, Error> {
@@ -524,7 +608,7 @@ impl Worker {
             match action {
                 WorkerAction::Import { alloc, .. } => {
                     failpoint("before-import");
-                    let ptr = self.cache.acquire(&*self.driver, self.pool.pool, &data)?;
+                    let ptr = self.cache.acquire(&*self.driver, pool, &data)?;
                     self.imports.insert(alloc, (ptr, data));
                 }
                 WorkerAction::WaitReady { .. } => {
@@ -699,10 +783,12 @@ impl Job<'_> {
                 }
                 ResultGrant::Granted {
                     handle,
+                    pool,
                     export,
                     ready_event,
                     ..
                 } => {
+                    let pool = w.pool_handle(pool)?;
                     let data = ExportData(export.0);
                     let offer = Offer {
                         handoff: HandoffId(handle.0),
@@ -711,7 +797,7 @@ impl Job<'_> {
                         span: Span { ptr: 0, bytes },
                         purpose: Purpose::Result { request },
                     };
-                    let ptr = w.take_offer(offer, data, ready_event)?;
+                    let ptr = w.take_offer(offer, pool, data, ready_event)?;
                     self.held.push(HandoffId(handle.0));
                     self.results.push(ResultView {
                         ptr,

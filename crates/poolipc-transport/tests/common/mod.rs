@@ -3,8 +3,8 @@
 
 use poolipc_transport::{
     Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
-    EventBlob, ExportBlob, HandleId, Identity, JobId, Lend, LentTensor, Message, ResultGrant,
-    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandleId, Identity, JobId, Lend, LentTensor,
+    Message, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 
 /// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
@@ -65,6 +65,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                     LentTensor {
                         handle: HandleId(1),
                         rung: Rung::PoolPointer,
+                        pool: 0,
                         export: ExportBlob(blob64(0x10)),
                         ready_event: EventBlob(blob64(0x80)),
                         meta: TensorMeta {
@@ -78,6 +79,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                     LentTensor {
                         handle: HandleId(2),
                         rung: Rung::PoolPointer,
+                        pool: 2,
                         export: ExportBlob(blob64(0x20)),
                         ready_event: EventBlob(blob64(0x90)),
                         meta: TensorMeta {
@@ -110,6 +112,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                     ResultGrant::Granted {
                         handle: HandleId(3),
                         rung: Rung::PoolPointer,
+                        pool: 1,
                         export: ExportBlob(blob64(0x30)),
                         ready_event: EventBlob(blob64(0xa0)),
                     },
@@ -168,6 +171,21 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                 seq: 3,
                 offset: 3 * (64 << 20),
                 bytes: 12345,
+            }),
+        ),
+        (
+            "extra_pool",
+            Message::ExtraPool(ExtraPool {
+                index: 2,
+                device: uuid(3),
+            }),
+        ),
+        (
+            "extra_pool_reply",
+            Message::ExtraPoolReply(ExtraPoolReply {
+                index: 2,
+                reachable: false,
+                reason: "no peer access from GPU-10 to GPU-30".into(),
             }),
         ),
     ]
