@@ -1,58 +1,156 @@
-//! Several simulated devices: a worker whose `CUDA_VISIBLE_DEVICES` differs from the parent's
-//! finds the parent's device by UUID, and one that cannot is refused with a reason on both
-//! sides while the parent keeps serving; a worker on another device than the pool's takes
-//! tensors by pool pointer through peer access, or by host staging where the devices cannot
-//! reach each other; a parent with a pool per device lends from either and allocates results
-//! on either, by pointer where the worker can use that pool and by host staging where not.
-//! SimDriver only: the hardware half needs a machine with two GPUs.
+//! Several devices. A worker whose `CUDA_VISIBLE_DEVICES` differs from the parent's finds the
+//! parent's device by UUID, and one that cannot is refused with a reason on both sides while
+//! the parent keeps serving; a worker on another device than the pool's takes tensors by pool
+//! pointer through peer access, or by host staging where the devices cannot reach each other;
+//! a parent with a pool per device lends from either and allocates results on either, by
+//! pointer where the worker can use that pool and by host staging where not.
+//!
+//! The tests written with `two_devices!` run on a simulated machine of two devices here, and on
+//! two real GPUs when the machine has them (else they print NOT RUN); what depends on the
+//! hardware's peer access is read from `cuDeviceCanAccessPeer`. The rest needs the simulation
+//! (devices without a peer path, hidden devices, a bad configuration).
 
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
 use poolipc::{DType, Error, Input, Parent, ParentOptions, Rung, TensorDesc, echo};
 use poolipc_driver::sim::{SimConfig, SimDriver, VISIBLE_ENV};
-use poolipc_driver::{DevicePtr, Driver, DriverKind, StreamHandle};
+use poolipc_driver::{CudaDriver, DevicePtr, Driver, StreamHandle};
 use poolipc_tests::{Env, worker_command};
 use poolipc_transport::{ErrorCode, HandshakeError};
 
 const MIB: u64 = 1 << 20;
 
-/// A machine of three simulated devices, the parent on device 2.
-fn three_devices() -> Result<(Env, Parent)> {
-    machine(
-        SimConfig {
-            devices: 3,
+/// Two devices, simulated or real, and how to tell a worker which of them it sees.
+struct Rig {
+    driver: Arc<dyn Driver>,
+    sim: Option<Arc<SimDriver>>,
+    /// `POOLIPC_SIM_VISIBLE_DEVICES` or `CUDA_VISIBLE_DEVICES`.
+    visible_var: &'static str,
+}
+
+impl Rig {
+    fn sim(peer_access: bool) -> Result<Rig> {
+        let sim = Arc::new(SimDriver::new(SimConfig {
+            devices: 2,
+            peer_access,
             ..SimConfig::default()
-        },
-        2,
-    )
-}
+        })?);
+        Ok(Rig {
+            driver: sim.clone(),
+            sim: Some(sim),
+            visible_var: VISIBLE_ENV,
+        })
+    }
 
-/// A simulated machine, the parent's pool on `device`.
-fn machine(config: SimConfig, device: u32) -> Result<(Env, Parent)> {
-    let sim = Arc::new(SimDriver::new(config)?);
-    sim.use_device(device)?;
-    let env = Env {
-        driver: sim.clone(),
-        sim: Some(sim),
-        device,
-    };
-    let parent = Parent::new(
-        Arc::clone(&env.driver),
-        ParentOptions {
+    /// The real driver with at least two devices, or why not.
+    fn cuda() -> std::result::Result<Rig, String> {
+        let d = CudaDriver::new().map_err(|e| format!("no usable GPU: {e}"))?;
+        let n = d.device_count().map_err(|e| e.to_string())?;
+        if n < 2 {
+            return Err(format!("needs two GPUs, this machine has {n}"));
+        }
+        Ok(Rig {
+            driver: Arc::new(d),
+            sim: None,
+            visible_var: "CUDA_VISIBLE_DEVICES",
+        })
+    }
+
+    /// The environment of a test on `device`.
+    fn env(&self, device: u32) -> Result<Env> {
+        self.driver.use_device(device)?;
+        Ok(Env {
+            driver: Arc::clone(&self.driver),
+            sim: self.sim.clone(),
             device,
-            ..ParentOptions::default()
-        },
-    )?;
-    Ok((env, parent))
+        })
+    }
+
+    /// A parent whose first pool is on `device`, with one more on each of `more`.
+    fn parent(&self, device: u32, more: &[u32]) -> Result<(Env, Parent)> {
+        let env = self.env(device)?;
+        let parent = Parent::new(
+            Arc::clone(&self.driver),
+            ParentOptions {
+                device,
+                more_devices: more.to_vec(),
+                ..ParentOptions::default()
+            },
+        )?;
+        Ok((env, parent))
+    }
+
+    /// The visibility value naming this process's `ordinals` in that order, by UUID (indices
+    /// would be the machine's, not this process's).
+    fn visible(&self, ordinals: &[u32]) -> Result<String> {
+        let uuids = ordinals
+            .iter()
+            .map(|&o| Ok(self.driver.device_info(o)?.uuid.to_string()))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(uuids.join(","))
+    }
+
+    /// Whether `a` can reach `b`'s memory.
+    fn peers(&self, a: u32, b: u32) -> Result<bool> {
+        Ok(self.driver.device_can_access_peer(a, b)?)
+    }
+
+    /// The echo worker, seeing `ordinals` of ours (`None`: what we see), on `device`
+    /// (`parent`, an ordinal, or `any:N`).
+    fn worker(
+        &self,
+        env: &Env,
+        ordinals: Option<&[u32]>,
+        device: &str,
+    ) -> Result<std::process::Command> {
+        let mut cmd = worker_command(env, None)?;
+        if let Some(o) = ordinals {
+            cmd.env(self.visible_var, self.visible(o)?);
+        }
+        cmd.env("POOLIPC_TEST_DEVICE", device);
+        Ok(cmd)
+    }
+
+    fn assert_no_violations(&self) {
+        if let Some(sim) = &self.sim {
+            let v = sim.violations();
+            assert!(v.is_empty(), "the simulation recorded violations: {v:?}");
+        }
+    }
 }
 
-/// The echo worker, seeing `visible`, on `device` (`parent` or an ordinal).
-fn worker(env: &Env, visible: &str, device: &str) -> Result<std::process::Command> {
-    let mut cmd = worker_command(env, None)?;
-    cmd.env(VISIBLE_ENV, visible)
-        .env("POOLIPC_TEST_DEVICE", device);
-    Ok(cmd)
+/// A test body run on two simulated devices and, when the machine has them, two GPUs.
+macro_rules! two_devices {
+    (fn $name:ident($rig:ident) $body:block) => {
+        mod $name {
+            use super::*;
+
+            fn body($rig: &Rig) -> Result<()> $body
+
+            #[test]
+            fn on_sim_driver() {
+                poolipc_tests::init_tracing();
+                let rig = Rig::sim(true).expect("SimDriver");
+                body(&rig).expect(concat!(stringify!($name), " on SimDriver"));
+                rig.assert_no_violations();
+            }
+
+            #[test]
+            fn on_two_gpus() {
+                poolipc_tests::init_tracing();
+                match Rig::cuda() {
+                    Ok(rig) => {
+                        body(&rig).expect(concat!(stringify!($name), " on two GPUs"));
+                        println!("RAN on CudaDriver: {}", stringify!($name));
+                    }
+                    Err(why) => {
+                        println!("NOT RUN on hardware: {} ({why})", stringify!($name));
+                    }
+                }
+            }
+        }
+    };
 }
 
 /// One job through `worker`: 1 MiB lent, the echoed result checked.
@@ -97,157 +195,6 @@ fn refusal(result: Result<poolipc::WorkerId, Error>) -> Result<String> {
         }
         other => anyhow::bail!("expected a device refusal, got {other:?}"),
     }
-}
-
-#[test]
-fn a_worker_that_sees_the_parents_device_under_another_ordinal_finds_it_by_uuid() -> Result<()> {
-    let (env, mut p) = three_devices()?;
-    ensure!(env.kind() == DriverKind::Sim);
-    // Machine device 2 is the worker's ordinal 1.
-    let w = p.spawn_worker(worker(&env, "0,2", "parent")?)?;
-    let parent_uuid = env.driver.device_info(2)?.uuid;
-    ensure!(
-        p.worker(w).map(|i| i.identity.device.0) == Some(parent_uuid.0),
-        "the worker's identity names the parent's device"
-    );
-    one_job(&mut p, w)?;
-    one_job(&mut p, w)?;
-    p.stop_worker(w)?;
-    env.assert_no_violations();
-    Ok(())
-}
-
-#[test]
-fn a_worker_given_the_parents_ordinal_under_another_visibility_is_refused() -> Result<()> {
-    let (env, mut p) = three_devices()?;
-    // Ordinal 2 does not exist for it; ordinal 1 is machine device 0: a mismatch, by UUID.
-    let message = refusal(p.spawn_worker(worker(&env, "2,0", "1")?))?;
-    ensure!(message.contains("device mismatch"), "{message}");
-    // The parent goes on: the next worker, on the right device, works.
-    let w = p.spawn_worker(worker(&env, "2,0", "0")?)?;
-    one_job(&mut p, w)?;
-    p.stop_worker(w)?;
-    env.assert_no_violations();
-    Ok(())
-}
-
-#[test]
-fn a_worker_that_does_not_see_the_parents_device_says_what_it_sees() -> Result<()> {
-    let (env, mut p) = three_devices()?;
-    let message = refusal(p.spawn_worker(worker(&env, "1,0", "parent")?))?;
-    eprintln!("refused: {message}");
-    let visible_uuid = env.driver.device_info(1)?.uuid.to_string();
-    ensure!(
-        message.contains("sees 2") && message.contains(&visible_uuid),
-        "{message}"
-    );
-    let message = refusal(p.spawn_worker(worker(&env, "", "parent")?))?;
-    ensure!(message.contains("sees no device"), "{message}");
-    let w = p.spawn_worker(worker(&env, "0,1,2", "parent")?)?;
-    one_job(&mut p, w)?;
-    p.stop_worker(w)?;
-    env.assert_no_violations();
-    Ok(())
-}
-
-#[test]
-fn a_worker_on_a_peer_device_takes_tensors_by_pool_pointer() -> Result<()> {
-    let (env, mut p) = machine(
-        SimConfig {
-            devices: 2,
-            ..SimConfig::default()
-        },
-        0,
-    )?;
-    // Works on device 1, reads and writes the pool on device 0 through peer access: without
-    // cuMemPoolSetAccess for device 1 the simulation would record NoAccess.
-    let w = p.spawn_worker(worker(&env, "0,1", "any:1")?)?;
-    ensure!(
-        p.canary_report(w).is_some_and(poolipc::CanaryReport::ok),
-        "canary battery: {:?}",
-        p.canary_report(w)
-    );
-    let rungs = one_job_by(&mut p, w)?;
-    ensure!(rungs == (Rung::PoolPointer, Rung::PoolPointer), "{rungs:?}");
-    // The same devices under another visibility: machine device 1 is the worker's 0.
-    let v = p.spawn_worker(worker(&env, "1,0", "any:0")?)?;
-    let rungs = one_job_by(&mut p, v)?;
-    ensure!(rungs == (Rung::PoolPointer, Rung::PoolPointer), "{rungs:?}");
-    p.stop_worker(w)?;
-    p.stop_worker(v)?;
-    env.assert_no_violations();
-    Ok(())
-}
-
-#[test]
-fn a_worker_on_a_device_without_a_peer_path_takes_host_staging_both_ways() -> Result<()> {
-    let (env, mut p) = machine(
-        SimConfig {
-            devices: 2,
-            peer_access: false,
-            ..SimConfig::default()
-        },
-        0,
-    )?;
-    let w = p.spawn_worker(worker(&env, "0,1", "any:1")?)?;
-    ensure!(
-        p.canary_report(w).is_none(),
-        "no pool-pointer canaries for it"
-    );
-    for _ in 0..2 {
-        let rungs = one_job_by(&mut p, w)?;
-        ensure!(rungs == (Rung::HostStaging, Rung::HostStaging), "{rungs:?}");
-    }
-    // A worker on the pool's own device still goes by pool pointer.
-    let v = p.spawn_worker(worker(&env, "0,1", "any:0")?)?;
-    let rungs = one_job_by(&mut p, v)?;
-    ensure!(rungs == (Rung::PoolPointer, Rung::PoolPointer), "{rungs:?}");
-    p.stop_worker(w)?;
-    p.stop_worker(v)?;
-    env.assert_no_violations();
-    Ok(())
-}
-
-#[test]
-fn a_worker_that_sees_only_its_own_device_is_refused() -> Result<()> {
-    let (env, mut p) = machine(
-        SimConfig {
-            devices: 2,
-            ..SimConfig::default()
-        },
-        0,
-    )?;
-    let message = refusal(p.spawn_worker(worker(&env, "1", "any:0")?))?;
-    ensure!(message.contains("sees 1"), "{message}");
-    let w = p.spawn_worker(worker(&env, "1,0", "any:0")?)?;
-    one_job(&mut p, w)?;
-    p.stop_worker(w)?;
-    env.assert_no_violations();
-    Ok(())
-}
-
-/// A parent with a pool on device 0 (the first) and one on device 1.
-fn pool_per_device(peer_access: bool) -> Result<(Env, Parent)> {
-    let sim = Arc::new(SimDriver::new(SimConfig {
-        devices: 2,
-        peer_access,
-        ..SimConfig::default()
-    })?);
-    sim.use_device(0)?;
-    let env = Env {
-        driver: sim.clone(),
-        sim: Some(sim),
-        device: 0,
-    };
-    let parent = Parent::new(
-        Arc::clone(&env.driver),
-        ParentOptions {
-            device: 0,
-            more_devices: vec![1],
-            ..ParentOptions::default()
-        },
-    )?;
-    Ok((env, parent))
 }
 
 /// One job through `worker`: 1 MiB from the pool on `input_on` lent, the result allocated
@@ -318,29 +265,183 @@ fn cross_job(
     Ok((out.input_rungs[0], out.results[0].rung))
 }
 
+two_devices! {
+    fn a_worker_that_sees_the_parents_device_under_another_ordinal_finds_it_by_uuid(rig) {
+        let (env, mut p) = rig.parent(1, &[])?;
+        // The parent's device 1 is the worker's 0.
+        let w = p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "parent")?)?;
+        let parent_uuid = rig.driver.device_info(1)?.uuid;
+        ensure!(
+            p.worker(w).map(|i| i.identity.device.0) == Some(parent_uuid.0),
+            "the worker's identity names the parent's device"
+        );
+        one_job(&mut p, w)?;
+        one_job(&mut p, w)?;
+        p.stop_worker(w)?;
+        Ok(())
+    }
+}
+
+two_devices! {
+    fn a_worker_given_the_parents_ordinal_under_another_visibility_is_refused(rig) {
+        let (env, mut p) = rig.parent(1, &[])?;
+        // Its ordinal 1 is our device 0: a mismatch, found by UUID.
+        let message = refusal(p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "1")?))?;
+        ensure!(message.contains("device mismatch"), "{message}");
+        // The parent goes on: the next worker, on the right ordinal, works.
+        let w = p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "0")?)?;
+        one_job(&mut p, w)?;
+        p.stop_worker(w)?;
+        Ok(())
+    }
+}
+
+two_devices! {
+    fn a_worker_that_does_not_see_the_parents_device_says_what_it_sees(rig) {
+        let (env, mut p) = rig.parent(1, &[])?;
+        let message = refusal(p.spawn_worker(rig.worker(&env, Some(&[0]), "parent")?))?;
+        let visible_uuid = rig.driver.device_info(0)?.uuid.to_string();
+        ensure!(message.contains("sees 1") && message.contains(&visible_uuid), "{message}");
+        let w = p.spawn_worker(rig.worker(&env, None, "parent")?)?;
+        one_job(&mut p, w)?;
+        p.stop_worker(w)?;
+        Ok(())
+    }
+}
+
+two_devices! {
+    fn a_worker_on_another_device_takes_tensors_by_pointer_where_it_is_a_peer(rig) {
+        let (env, mut p) = rig.parent(0, &[])?;
+        // Works on device 1 and uses the pool on device 0 through peer access: without
+        // cuMemPoolSetAccess for device 1 the simulation records NoAccess.
+        let expected = if rig.peers(1, 0)? {
+            (Rung::PoolPointer, Rung::PoolPointer)
+        } else {
+            (Rung::HostStaging, Rung::HostStaging)
+        };
+        let w = p.spawn_worker(rig.worker(&env, None, "any:1")?)?;
+        let rungs = one_job_by(&mut p, w)?;
+        ensure!(rungs == expected, "{rungs:?}, expected {expected:?}");
+        // The same devices under another visibility: our device 1 is the worker's 0.
+        let v = p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "any:0")?)?;
+        let rungs = one_job_by(&mut p, v)?;
+        ensure!(rungs == expected, "{rungs:?}, expected {expected:?}");
+        p.stop_worker(w)?;
+        p.stop_worker(v)?;
+        Ok(())
+    }
+}
+
+two_devices! {
+    fn a_worker_that_sees_only_its_own_device_is_refused(rig) {
+        let (env, mut p) = rig.parent(0, &[])?;
+        let message = refusal(p.spawn_worker(rig.worker(&env, Some(&[1]), "any:0")?))?;
+        ensure!(message.contains("sees 1"), "{message}");
+        let w = p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "any:0")?)?;
+        one_job(&mut p, w)?;
+        p.stop_worker(w)?;
+        Ok(())
+    }
+}
+
+two_devices! {
+    fn a_pool_per_device_lends_and_allocates_across_devices(rig) {
+        let (env, mut p) = rig.parent(0, &[1])?;
+        let on0 = p.spawn_worker(rig.worker(&env, None, "0")?)?;
+        let on1 = p.spawn_worker(rig.worker(&env, None, "any:1")?)?;
+        let rung = |a: u32, b: u32| -> Result<Rung> {
+            Ok(if a == b || rig.peers(a, b)? {
+                Rung::PoolPointer
+            } else {
+                Rung::HostStaging
+            })
+        };
+        // A tensor of device 1's pool read on device 0; a result on device 1 for a worker
+        // on device 0; and the other way round.
+        for (w, on, input_on, result_on, pattern) in [
+            (on0, 0, 1, 1, 0x1111_0001),
+            (on0, 0, 0, 1, 0x1111_0002),
+            (on1, 1, 0, 0, 0x1111_0003),
+            (on1, 1, 1, 0, 0x1111_0004),
+            (on1, 1, 1, 1, 0x1111_0005),
+        ] {
+            let expected = (rung(on, input_on)?, rung(on, result_on)?);
+            let got = cross_job(&mut p, w, input_on, result_on, pattern)?;
+            ensure!(
+                got == expected,
+                "worker on {on}, input on {input_on}, result on {result_on}: {got:?}, expected {expected:?}"
+            );
+        }
+        p.stop_worker(on0)?;
+        p.stop_worker(on1)?;
+        Ok(())
+    }
+}
+
+two_devices! {
+    fn the_peer_matrix_is_what_the_driver_says(rig) {
+        // Printed for the record of a hardware run; the simulation's devices are peers.
+        for a in 0..2 {
+            for b in 0..2 {
+                if a != b {
+                    let peer = rig.peers(a, b)?;
+                    println!("device {a} can access device {b}: {peer}");
+                    if rig.sim.is_some() {
+                        ensure!(peer, "simulated devices are peers by default");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---- the simulation only ----------------------------------------------------------------
+
 #[test]
-fn a_pool_per_device_lends_and_allocates_across_devices_by_pointer_between_peers() -> Result<()> {
-    let (env, mut p) = pool_per_device(true)?;
-    let on0 = p.spawn_worker(worker(&env, "0,1", "0")?)?;
-    let on1 = p.spawn_worker(worker(&env, "0,1", "any:1")?)?;
-    let pointer = (Rung::PoolPointer, Rung::PoolPointer);
-    // A tensor of device 1's pool read on device 0; a result on device 1 for a worker on 0.
-    ensure!(cross_job(&mut p, on0, 1, 1, 0x1111_0001)? == pointer);
-    // And the other way round.
-    ensure!(cross_job(&mut p, on1, 0, 0, 0x1111_0002)? == pointer);
-    ensure!(cross_job(&mut p, on1, 1, 0, 0x1111_0003)? == pointer);
-    p.stop_worker(on0)?;
-    p.stop_worker(on1)?;
-    env.assert_no_violations();
+fn a_worker_on_a_device_without_a_peer_path_takes_host_staging_both_ways() -> Result<()> {
+    let rig = Rig::sim(false)?;
+    let (env, mut p) = rig.parent(0, &[])?;
+    let w = p.spawn_worker(rig.worker(&env, None, "any:1")?)?;
+    ensure!(
+        p.canary_report(w).is_none(),
+        "no pool-pointer canaries for it"
+    );
+    for _ in 0..2 {
+        let rungs = one_job_by(&mut p, w)?;
+        ensure!(rungs == (Rung::HostStaging, Rung::HostStaging), "{rungs:?}");
+    }
+    // A worker on the pool's own device still goes by pool pointer.
+    let v = p.spawn_worker(rig.worker(&env, None, "any:0")?)?;
+    let rungs = one_job_by(&mut p, v)?;
+    ensure!(rungs == (Rung::PoolPointer, Rung::PoolPointer), "{rungs:?}");
+    p.stop_worker(w)?;
+    p.stop_worker(v)?;
+    rig.assert_no_violations();
+    Ok(())
+}
+
+#[test]
+fn a_worker_that_sees_no_device_is_refused_with_that_reason() -> Result<()> {
+    // On hardware an empty CUDA_VISIBLE_DEVICES stops the worker before the handshake.
+    let rig = Rig::sim(true)?;
+    let (env, mut p) = rig.parent(1, &[])?;
+    let mut cmd = worker_command(&env, None)?;
+    cmd.env(VISIBLE_ENV, "")
+        .env("POOLIPC_TEST_DEVICE", "parent");
+    let message = refusal(p.spawn_worker(cmd))?;
+    ensure!(message.contains("sees no device"), "{message}");
+    rig.assert_no_violations();
     Ok(())
 }
 
 #[test]
 fn a_pool_per_device_without_peer_paths_sends_the_other_devices_tensors_by_host_staging()
 -> Result<()> {
-    let (env, mut p) = pool_per_device(false)?;
-    let on0 = p.spawn_worker(worker(&env, "0,1", "0")?)?;
-    let on1 = p.spawn_worker(worker(&env, "0,1", "any:1")?)?;
+    let rig = Rig::sim(false)?;
+    let (env, mut p) = rig.parent(0, &[1])?;
+    let on0 = p.spawn_worker(rig.worker(&env, None, "0")?)?;
+    let on1 = p.spawn_worker(rig.worker(&env, None, "any:1")?)?;
     let (pointer, staging) = (Rung::PoolPointer, Rung::HostStaging);
     // Each worker takes its own device's pool by pointer and the other's by host staging.
     ensure!(cross_job(&mut p, on0, 0, 0, 0x2222_0001)? == (pointer, pointer));
@@ -351,26 +452,16 @@ fn a_pool_per_device_without_peer_paths_sends_the_other_devices_tensors_by_host_
     ensure!(cross_job(&mut p, on1, 0, 0, 0x2222_0006)? == (staging, staging));
     p.stop_worker(on0)?;
     p.stop_worker(on1)?;
-    env.assert_no_violations();
+    rig.assert_no_violations();
     Ok(())
 }
 
 #[test]
 fn a_device_listed_twice_is_a_configuration_error() -> Result<()> {
-    let sim = Arc::new(SimDriver::new(SimConfig {
-        devices: 2,
-        ..SimConfig::default()
-    })?);
-    let got = Parent::new(
-        sim,
-        ParentOptions {
-            device: 0,
-            more_devices: vec![1, 0],
-            ..ParentOptions::default()
-        },
-    );
+    let rig = Rig::sim(true)?;
+    let got = rig.parent(0, &[1, 0]);
     ensure!(
-        matches!(&got, Err(Error::Config(m)) if m.contains("device 0 is listed twice")),
+        matches!(&got, Err(e) if e.to_string().contains("device 0 is listed twice")),
         "{:?}",
         got.err()
     );
