@@ -457,6 +457,25 @@ fn a_pool_per_device_without_peer_paths_sends_the_other_devices_tensors_by_host_
 }
 
 #[test]
+fn a_worker_that_dies_before_answering_an_extra_pool_fails_its_spawn_only() -> Result<()> {
+    let rig = Rig::sim(true)?;
+    let (env, mut p) = rig.parent(0, &[1])?;
+    let mut dying = worker_command(&env, Some("before-extra-pool-reply"))?;
+    dying.env("POOLIPC_TEST_DEVICE", "0");
+    let got = p.spawn_worker(dying);
+    ensure!(
+        got.is_err(),
+        "a worker that died mid-offer was taken: {got:?}"
+    );
+    // The parent goes on: the next worker gets both pools and works.
+    let w = p.spawn_worker(rig.worker(&env, None, "0")?)?;
+    ensure!(cross_job(&mut p, w, 1, 1, 0x3333_0001)? == (Rung::PoolPointer, Rung::PoolPointer));
+    p.stop_worker(w)?;
+    rig.assert_no_violations();
+    Ok(())
+}
+
+#[test]
 fn a_device_listed_twice_is_a_configuration_error() -> Result<()> {
     let rig = Rig::sim(true)?;
     let got = rig.parent(0, &[1, 0]);

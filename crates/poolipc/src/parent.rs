@@ -384,9 +384,12 @@ impl Parent {
         );
         if let Err(e) = self.offer_more_pools(id, deadline) {
             tracing::warn!(worker = %id, error = %e, "offering the other pools failed");
-            if let Some(mut c) = self.workers.remove(&id).and_then(|s| s.child) {
-                let _ = c.kill();
-                let _ = c.wait();
+            if let Some(slot) = self.workers.remove(&id) {
+                if let Some(mut c) = slot.child {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                let _ = self.driver.event_destroy(slot.ready);
             }
             // Nothing was lent to it yet: the contract forgets it at once.
             let now = self.now();

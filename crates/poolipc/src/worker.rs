@@ -460,6 +460,7 @@ impl Worker {
                 offer.index
             )));
         }
+        failpoint("before-extra-pool-reply");
         let attached = self.attach_extra_pool(offer.device, &fd);
         let reply = poolipc_transport::ExtraPoolReply {
             index: offer.index,
