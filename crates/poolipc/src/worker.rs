@@ -320,7 +320,7 @@ impl Worker {
             tracing::warn!(
                 device = placed.compute,
                 pool_device = placed.pool_device,
-                "this device cannot reach the parent's pool: every tensor takes host staging"
+                "this device cannot reach the parent's first pool: its tensors take host staging"
             );
         } else {
             tracing::info!(
@@ -331,7 +331,7 @@ impl Worker {
         }
         driver.use_device(placed.compute)?;
         // Without a peer path the pool is attached on its own device and never touched: the
-        // parent sends everything by host staging (our capabilities said so).
+        // parent sends its tensors by host staging (our capabilities said so).
         let attach_on = if placed.peer {
             placed.compute
         } else {
