@@ -29,6 +29,10 @@ pub(crate) struct Args {
     /// With --sim: simulated devices that cannot reach each other (no peer path).
     #[arg(long)]
     sim_no_peer: bool,
+    /// Print one JSON object instead of the table (for scripts): every row by its label, the
+    /// devices, the peer-access matrix, the failures and the verdict.
+    #[arg(long)]
+    json: bool,
 }
 
 /// The driver a child of ours uses: the parent's simulated machine when it handed one over,
@@ -42,11 +46,39 @@ pub(crate) fn open_driver_for_child() -> Result<Box<dyn Driver>> {
 
 struct Table {
     failures: Vec<String>,
+    /// `--json`: rows are kept for the object printed at the end, not printed.
+    json: bool,
+    rows: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Table {
-    fn row(&self, what: &str, value: impl std::fmt::Display) {
-        println!("  {what:<24} {value}");
+    fn row(&mut self, what: &str, value: impl std::fmt::Display) {
+        if self.json {
+            self.rows.insert(
+                what.to_owned(),
+                serde_json::Value::String(value.to_string()),
+            );
+        } else {
+            println!("  {what:<24} {value}");
+        }
+    }
+
+    /// A line of the table's prose (headings, the verdict): not part of the JSON.
+    fn say(&self, line: impl std::fmt::Display) {
+        if !self.json {
+            println!("{line}");
+        }
+    }
+
+    /// Prints the JSON object (`--json`): the rows, then `extra`'s fields.
+    fn print_json(&self, extra: serde_json::Value) {
+        let mut out = serde_json::Map::new();
+        out.insert("rows".into(), serde_json::Value::Object(self.rows.clone()));
+        out.insert("failures".into(), serde_json::json!(self.failures));
+        if let serde_json::Value::Object(fields) = extra {
+            out.extend(fields);
+        }
+        println!("{}", serde_json::Value::Object(out));
     }
 
     fn check<T>(&mut self, what: &str, result: Result<T>, show: impl FnOnce(&T) -> String) {
@@ -63,8 +95,10 @@ impl Table {
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let mut t = Table {
         failures: Vec::new(),
+        json: args.json,
+        rows: serde_json::Map::new(),
     };
-    println!("poolipc doctor");
+    t.say("poolipc doctor");
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     t.row("kernel", release.trim());
     t.row(
@@ -98,11 +132,18 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             Ok(d) => (Arc::new(d), None),
             Err(e) => {
                 t.row("CUDA driver", format!("unusable: {e}"));
-                println!();
-                println!("verdict: no usable GPU here, so nothing can be shared on hardware.");
-                println!(
-                    "         `poolipc doctor --sim` examines the simulated driver the tests use."
+                t.say("");
+                t.say("verdict: no usable GPU here, so nothing can be shared on hardware.");
+                t.say(
+                    "         `poolipc doctor --sim` examines the simulated driver the tests use.",
                 );
+                if t.json {
+                    t.print_json(serde_json::json!({
+                        "usable_gpu": false,
+                        "pool_pointer": false,
+                        "verdict": "no usable GPU here",
+                    }));
+                }
                 return Ok(ExitCode::SUCCESS);
             }
         }
@@ -115,8 +156,15 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     );
     let count = d.device_count()?;
     t.row("devices", count);
+    let mut devices = Vec::new();
     for i in 0..count {
         let info = d.device_info(i)?;
+        devices.push(serde_json::json!({
+            "ordinal": i,
+            "name": info.name,
+            "uuid": info.uuid.to_string(),
+            "total_mib": info.total_memory >> 20,
+        }));
         t.row(
             &format!("device {i}"),
             format!(
@@ -127,26 +175,38 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             ),
         );
     }
-    if count > 1 {
-        println!("  peer access (row can access column; cuDeviceCanAccessPeer):");
-        let header: String = (0..count).map(|j| format!("{j:>4}")).collect();
-        println!("  {:<24} {header}", "");
-        for i in 0..count {
-            let row: String = (0..count)
+    // Row i, column j: whether device i can access device j (null on the diagonal or when
+    // the driver could not say).
+    let peers: Vec<Vec<Option<bool>>> = (0..count)
+        .map(|i| {
+            (0..count)
                 .map(|j| {
-                    let cell = if i == j {
-                        "-"
-                    } else {
-                        match d.device_can_access_peer(i, j) {
-                            Ok(true) => "yes",
-                            Ok(false) => "no",
-                            Err(_) => "err",
-                        }
+                    (i != j)
+                        .then(|| d.device_can_access_peer(i, j).ok())
+                        .flatten()
+                })
+                .collect()
+        })
+        .collect();
+    if count > 1 {
+        t.say("  peer access (row can access column; cuDeviceCanAccessPeer):");
+        let header: String = (0..count).map(|j| format!("{j:>4}")).collect();
+        t.say(format!("  {:<24} {header}", ""));
+        for (i, cells) in peers.iter().enumerate() {
+            let row: String = cells
+                .iter()
+                .enumerate()
+                .map(|(j, cell)| {
+                    let cell = match cell {
+                        _ if i == j => "-",
+                        Some(true) => "yes",
+                        Some(false) => "no",
+                        None => "err",
                     };
                     format!("{cell:>4}")
                 })
                 .collect();
-            println!("  {:<24} {row}", format!("device {i}"));
+            t.say(format!("  {:<24} {row}", format!("device {i}")));
         }
     }
     if args.device >= count {
@@ -184,8 +244,8 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         ),
     );
     if args.probe_limit {
-        println!("  probing the import crash boundary in sacrificial children:");
-        let report = probe::probe_limit(Arc::clone(&driver), dev, child_env)?;
+        t.say("  probing the import crash boundary in sacrificial children:");
+        let report = probe::probe_limit(Arc::clone(&driver), dev, child_env, args.json)?;
         match report.last_good {
             Some(b) => t.row("last good import size", format!("{} MiB", b >> 20)),
             None => t.row("last good import size", "none at or above 4096 MiB"),
@@ -199,18 +259,38 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         }
         t.row("parent after the probes", "alive");
     }
-    println!();
-    if t.failures.is_empty() {
-        println!(
-            "verdict: poolipc can hand tensors over by pool pointer on device {dev} ({}).",
+    t.say("");
+    let verdict = if t.failures.is_empty() {
+        format!(
+            "poolipc can hand tensors over by pool pointer on device {dev} ({})",
             d.kind()
-        );
+        )
     } else {
-        println!("verdict: poolipc cannot use pool pointers on device {dev}:");
+        format!(
+            "poolipc cannot use pool pointers on device {dev}: handoffs would take the host-staging rung"
+        )
+    };
+    if t.failures.is_empty() {
+        t.say(format!("verdict: {verdict}."));
+    } else {
+        t.say(format!(
+            "verdict: poolipc cannot use pool pointers on device {dev}:"
+        ));
         for f in &t.failures {
-            println!("         - {f}");
+            t.say(format!("         - {f}"));
         }
-        println!("         handoffs would take the host-staging rung.");
+        t.say("         handoffs would take the host-staging rung.");
+    }
+    if t.json {
+        t.print_json(serde_json::json!({
+            "usable_gpu": !args.sim,
+            "driver": d.kind().to_string(),
+            "device": dev,
+            "devices": devices,
+            "peer_access": peers,
+            "pool_pointer": t.failures.is_empty(),
+            "verdict": verdict,
+        }));
     }
     Ok(ExitCode::SUCCESS)
 }

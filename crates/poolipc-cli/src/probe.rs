@@ -134,11 +134,12 @@ fn probe_once(
 }
 
 /// Finds the largest importable allocation between `lo` and `hi` in `step` increments,
-/// printing each probe as it goes.
+/// printing each probe as it goes (on stderr when `stdout_is_data`, e.g. `doctor --json`).
 pub(crate) fn probe_limit(
     driver: Arc<dyn Driver>,
     device: u32,
     child_env: Option<(&'static str, String)>,
+    stdout_is_data: bool,
 ) -> Result<ProbeReport> {
     let (lo_start, hi_start, step) = (4096 * MIB, 8192 * MIB, 16 * MIB);
     let pool = SharedPool::install(driver, device).context("installing the shared pool")?;
@@ -148,13 +149,18 @@ pub(crate) fn probe_limit(
     let run = |bytes: u64| -> Result<Outcome> {
         let t = Instant::now();
         let (outcome, ptr) = probe_once(&pool, stream, child_env.as_ref(), bytes)?;
-        println!(
+        let line = format!(
             "  probe {:>6} MiB at {:#x} ({} chunks of 32 MiB): {outcome} [{:.1} s]",
             bytes / MIB,
             ptr.0,
             limit.chunks_spanned(ptr.0, bytes),
             t.elapsed().as_secs_f64()
         );
+        if stdout_is_data {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
         Ok(outcome)
     };
     let lo_outcome = run(lo_start)?;

@@ -128,3 +128,59 @@ fn doctor_shows_devices_without_a_peer_path() {
         "{text}"
     );
 }
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let (out, text) = run(args);
+    assert!(out.status.success(), "exit status {}", out.status);
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not one JSON object ({e}): {text}"))
+}
+
+#[test]
+fn doctor_json_is_one_object_with_the_devices_the_peer_matrix_and_the_verdict() {
+    let v = json(&[
+        "doctor",
+        "--sim",
+        "--sim-devices",
+        "2",
+        "--sim-no-peer",
+        "--json",
+    ]);
+    assert_eq!(v["driver"], "sim", "{v}");
+    assert_eq!(v["pool_pointer"], true, "{v}");
+    assert_eq!(v["devices"].as_array().map(Vec::len), Some(2), "{v}");
+    assert!(
+        v["devices"][1]["uuid"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("GPU-")),
+        "{v}"
+    );
+    assert_eq!(
+        v["peer_access"],
+        serde_json::json!([[null, false], [false, null]]),
+        "{v}"
+    );
+    assert_eq!(v["rows"]["pool export by POSIX FD"], "yes", "{v}");
+    assert_eq!(v["failures"], serde_json::json!([]), "{v}");
+}
+
+#[test]
+fn doctor_json_says_whether_there_is_a_usable_gpu() {
+    let v = json(&["doctor", "--json"]);
+    match gpu() {
+        Err(_) => {
+            assert_eq!(v["usable_gpu"], false, "{v}");
+            assert_eq!(v["pool_pointer"], false, "{v}");
+            assert!(
+                v["rows"]["CUDA driver"]
+                    .as_str()
+                    .is_some_and(|s| s.starts_with("unusable")),
+                "{v}"
+            );
+        }
+        Ok(()) => {
+            assert_eq!(v["usable_gpu"], true, "{v}");
+            assert_eq!(v["pool_pointer"], true, "{v}");
+            println!("RAN on CudaDriver: doctor_json_says_whether_there_is_a_usable_gpu");
+        }
+    }
+}
