@@ -160,30 +160,8 @@ fn one_job(p: &mut Parent, worker: poolipc::WorkerId) -> Result<()> {
 
 /// [`one_job`], returning the rungs the input and the result took.
 fn one_job_by(p: &mut Parent, worker: poolipc::WorkerId) -> Result<(Rung, Rung)> {
-    let d = Arc::clone(p.driver());
-    let stream = d.stream_create()?;
-    let input = p.pool().alloc(MIB, stream)?;
-    echo::fill_pattern(&*d, input, MIB, 0x600D_D00D, stream)?;
-    let out = p.run_job(
-        worker,
-        &[Input {
-            ptr: input,
-            desc: TensorDesc::contiguous(DType::U8, &[MIB]),
-        }],
-        stream,
-    )?;
-    d.stream_synchronize(stream)?;
-    let mut got = [0u8; 8];
-    d.memcpy_dtoh(&mut got, out.results[0].ptr)?;
-    ensure!(
-        got[4..] == 0x600D_D00Du32.to_le_bytes(),
-        "result content {got:x?}"
-    );
-    p.pool().free(out.results[0].ptr, stream)?;
-    p.pool().free(input, stream)?;
-    d.stream_synchronize(stream)?;
-    d.stream_destroy(stream)?;
-    Ok((out.input_rungs[0], out.results[0].rung))
+    let first = p.options().device;
+    cross_job(p, worker, first, first, 0x600D_D00D)
 }
 
 fn refusal(result: Result<poolipc::WorkerId, Error>) -> Result<String> {

@@ -293,9 +293,12 @@ impl Parent {
 
     /// The shared pool on `device`: the first one's, or one of `options.more_devices`.
     pub fn pool_on(&self, device: u32) -> Option<&SharedPool<dyn Driver>> {
-        std::iter::once(&self.pool)
-            .chain(&self.more_pools)
-            .find(|p| p.device() == device)
+        self.pools().find(|p| p.device() == device)
+    }
+
+    /// Every shared pool, by pool index: the first, then `options.more_devices`' in order.
+    fn pools(&self) -> impl Iterator<Item = &SharedPool<dyn Driver>> {
+        std::iter::once(&self.pool).chain(&self.more_pools)
     }
 
     /// Which of this parent's pools `ptr` comes from (0: the first; n: `more_devices[n - 1]`),
@@ -306,8 +309,7 @@ impl Parent {
         }
         // Not pool memory at all (cuMemAlloc'd, say) is no pool of ours either.
         let handle = self.driver.pointer_get_mempool(ptr).ok()?;
-        std::iter::once(&self.pool)
-            .chain(&self.more_pools)
+        self.pools()
             .position(|p| p.handle() == handle)
             .and_then(|i| u8::try_from(i).ok())
     }
@@ -700,12 +702,11 @@ impl Parent {
             match action {
                 ParentAction::Export { alloc: a, span } => {
                     let ptr = DevicePtr(span.ptr);
-                    // Through the pool it came from, which checks that it did.
-                    let pool = match self.pool_index(ptr) {
-                        Some(i) if i > 0 => self.more_pools.get(usize::from(i) - 1),
-                        _ => None,
-                    };
-                    let data = pool.unwrap_or(&self.pool).export(ptr)?;
+                    // Through the pool it came from, which checks that it did (memory of none
+                    // goes to the first, which refuses it).
+                    let index = self.pool_index(ptr).unwrap_or(0);
+                    let pool = self.pools().nth(usize::from(index)).unwrap_or(&self.pool);
+                    let data = pool.export(ptr)?;
                     st.exports.insert(a, data);
                 }
                 ParentAction::RecordReady { .. } => st.record_ready = true,

@@ -174,14 +174,7 @@ fn place(
     };
     let pool_device = find_device(driver, parent)?;
     let compute = compute.unwrap_or(pool_device);
-    let peer = compute == pool_device
-        || driver
-            .device_can_access_peer(compute, pool_device)
-            .map_err(|e| {
-                failed(format!(
-                    "asking whether device {compute} reaches device {pool_device} failed: {e}"
-                ))
-            })?;
+    let peer = reaches(driver, compute, pool_device).map_err(failed)?;
     let mut capabilities = crate::parent::CAPABILITIES;
     if !peer {
         capabilities = Capabilities(capabilities.0 & !Capabilities::POOL_POINTER.0);
@@ -194,6 +187,16 @@ fn place(
         pool_device,
         peer,
     })
+}
+
+/// Whether work on device `from` can use memory of device `to`: the same device, or a peer.
+fn reaches(driver: &dyn Driver, from: u32, to: u32) -> Result<bool, String> {
+    if from == to {
+        return Ok(true);
+    }
+    driver
+        .device_can_access_peer(from, to)
+        .map_err(|e| format!("asking whether device {from} reaches device {to} failed: {e}"))
 }
 
 /// This process's ordinal for the device with UUID `uuid`.
@@ -490,16 +493,11 @@ impl Worker {
     ) -> Result<AttachedPool, String> {
         let d = &*self.driver;
         let pool_device = find_device(d, uuid).map_err(|e| e.to_string())?;
-        if pool_device != self.device {
-            let peer = d
-                .device_can_access_peer(self.device, pool_device)
-                .map_err(|e| e.to_string())?;
-            if !peer {
-                return Err(format!(
-                    "device {} cannot reach device {pool_device} ({uuid}): no peer path",
-                    self.device
-                ));
-            }
+        if !reaches(d, self.device, pool_device)? {
+            return Err(format!(
+                "device {} cannot reach device {pool_device} ({uuid}): no peer path",
+                self.device
+            ));
         }
         // Access from the device this worker works on (a peer grant when it is another).
         AttachedPool::attach(d, fd.as_fd(), self.device).map_err(|e| e.to_string())
