@@ -23,8 +23,8 @@ const MIB: u64 = 1 << 20;
 
 /// Two devices, simulated or real, and how to tell a worker which of them it sees.
 struct Rig {
-    driver: Arc<dyn Driver>,
-    sim: Option<Arc<SimDriver>>,
+    /// The driver (and the simulation, to read violations back), on device 0.
+    base: Env,
     /// `POOLIPC_SIM_VISIBLE_DEVICES` or `CUDA_VISIBLE_DEVICES`.
     visible_var: &'static str,
 }
@@ -37,8 +37,11 @@ impl Rig {
             ..SimConfig::default()
         })?);
         Ok(Rig {
-            driver: sim.clone(),
-            sim: Some(sim),
+            base: Env {
+                driver: sim.clone(),
+                sim: Some(sim),
+                device: 0,
+            },
             visible_var: VISIBLE_ENV,
         })
     }
@@ -51,27 +54,33 @@ impl Rig {
             return Err(format!("needs two GPUs, this machine has {n}"));
         }
         Ok(Rig {
-            driver: Arc::new(d),
-            sim: None,
+            base: Env {
+                driver: Arc::new(d),
+                sim: None,
+                device: 0,
+            },
             visible_var: "CUDA_VISIBLE_DEVICES",
         })
     }
 
     /// The environment of a test on `device`.
     fn env(&self, device: u32) -> Result<Env> {
-        self.driver.use_device(device)?;
+        self.driver().use_device(device)?;
         Ok(Env {
-            driver: Arc::clone(&self.driver),
-            sim: self.sim.clone(),
             device,
+            ..self.base.clone()
         })
+    }
+
+    fn driver(&self) -> &dyn Driver {
+        &*self.base.driver
     }
 
     /// A parent whose first pool is on `device`, with one more on each of `more`.
     fn parent(&self, device: u32, more: &[u32]) -> Result<(Env, Parent)> {
         let env = self.env(device)?;
         let parent = Parent::new(
-            Arc::clone(&self.driver),
+            Arc::clone(&env.driver),
             ParentOptions {
                 device,
                 more_devices: more.to_vec(),
@@ -86,14 +95,14 @@ impl Rig {
     fn visible(&self, ordinals: &[u32]) -> Result<String> {
         let uuids = ordinals
             .iter()
-            .map(|&o| Ok(self.driver.device_info(o)?.uuid.to_string()))
+            .map(|&o| Ok(self.driver().device_info(o)?.uuid.to_string()))
             .collect::<Result<Vec<_>>>()?;
         Ok(uuids.join(","))
     }
 
     /// Whether `a` can reach `b`'s memory.
     fn peers(&self, a: u32, b: u32) -> Result<bool> {
-        Ok(self.driver.device_can_access_peer(a, b)?)
+        Ok(self.driver().device_can_access_peer(a, b)?)
     }
 
     /// The echo worker, seeing `ordinals` of ours (`None`: what we see), on `device`
@@ -113,10 +122,7 @@ impl Rig {
     }
 
     fn assert_no_violations(&self) {
-        if let Some(sim) = &self.sim {
-            let v = sim.violations();
-            assert!(v.is_empty(), "the simulation recorded violations: {v:?}");
-        }
+        self.base.assert_no_violations();
     }
 }
 
@@ -248,7 +254,7 @@ two_devices! {
         let (env, mut p) = rig.parent(1, &[])?;
         // The parent's device 1 is the worker's 0.
         let w = p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "parent")?)?;
-        let parent_uuid = rig.driver.device_info(1)?.uuid;
+        let parent_uuid = rig.driver().device_info(1)?.uuid;
         ensure!(
             p.worker(w).map(|i| i.identity.device.0) == Some(parent_uuid.0),
             "the worker's identity names the parent's device"
@@ -278,7 +284,7 @@ two_devices! {
     fn a_worker_that_does_not_see_the_parents_device_says_what_it_sees(rig) {
         let (env, mut p) = rig.parent(1, &[])?;
         let message = refusal(p.spawn_worker(rig.worker(&env, Some(&[0]), "parent")?))?;
-        let visible_uuid = rig.driver.device_info(0)?.uuid.to_string();
+        let visible_uuid = rig.driver().device_info(0)?.uuid.to_string();
         ensure!(message.contains("sees 1") && message.contains(&visible_uuid), "{message}");
         let w = p.spawn_worker(rig.worker(&env, None, "parent")?)?;
         one_job(&mut p, w)?;
@@ -364,7 +370,7 @@ two_devices! {
                 if a != b {
                     let peer = rig.peers(a, b)?;
                     println!("device {a} can access device {b}: {peer}");
-                    if rig.sim.is_some() {
+                    if rig.base.sim.is_some() {
                         ensure!(peer, "simulated devices are peers by default");
                     }
                 }

@@ -185,7 +185,24 @@ fn pool() -> std::os::fd::OwnedFd {
         .expect("memfd")
 }
 
-/// Runs both sides on two threads; returns (parent result, worker result).
+/// Runs the parent's handshake here and `worker_side` on a thread, over a socket pair;
+/// returns (parent result, worker result).
+fn both_sides<T: Send + 'static>(
+    parent: &HandshakeConfig,
+    worker_side: impl FnOnce(&mut Connection) -> Result<T, HandshakeError> + Send + 'static,
+) -> (
+    Result<crate::Peer, HandshakeError>,
+    Result<T, HandshakeError>,
+) {
+    let (mut p, mut w) = Connection::pair().expect("pair");
+    let worker_side = std::thread::spawn(move || worker_side(&mut w));
+    let fd = pool();
+    let parent_result = parent_handshake(&mut p, parent, fd.as_fd(), soon());
+    let worker_result = worker_side.join().expect("worker thread");
+    (parent_result, worker_result)
+}
+
+/// Both sides of the handshake; returns (parent result, worker result).
 fn handshake(
     parent: HandshakeConfig,
     worker: HandshakeConfig,
@@ -193,14 +210,9 @@ fn handshake(
     Result<crate::Peer, HandshakeError>,
     Result<crate::Peer, HandshakeError>,
 ) {
-    let (mut p, mut w) = Connection::pair().expect("pair");
-    let worker_side = std::thread::spawn(move || {
-        worker_handshake(&mut w, &worker, soon()).map(|(peer, _fd)| peer)
-    });
-    let fd = pool();
-    let parent_result = parent_handshake(&mut p, &parent, fd.as_fd(), soon());
-    let worker_result = worker_side.join().expect("worker thread");
-    (parent_result, worker_result)
+    both_sides(&parent, move |w| {
+        worker_handshake(w, &worker, soon()).map(|(peer, _fd)| peer)
+    })
 }
 
 #[test]
@@ -240,14 +252,9 @@ fn handshake_choosing(
     Result<crate::Peer, HandshakeError>,
     Result<HandshakeConfig, HandshakeError>,
 ) {
-    let (mut p, mut w) = Connection::pair().expect("pair");
-    let worker_side = std::thread::spawn(move || {
-        worker_handshake_choosing(&mut w, choose, soon()).map(|(_peer, _fd, local)| local)
-    });
-    let fd = pool();
-    let parent_result = parent_handshake(&mut p, &parent, fd.as_fd(), soon());
-    let worker_result = worker_side.join().expect("worker thread");
-    (parent_result, worker_result)
+    both_sides(&parent, move |w| {
+        worker_handshake_choosing(w, choose, soon()).map(|(_peer, _fd, local)| local)
+    })
 }
 
 #[test]
