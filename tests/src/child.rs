@@ -22,7 +22,7 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, EventBlob, EventHandle, ExportBlob, StreamHandle};
 use poolipc_pool::AttachedPool;
 use poolipc_transport::{Capabilities, HandshakeConfig};
 
@@ -41,7 +41,7 @@ struct Worker {
     driver: Box<dyn Driver>,
     pool: AttachedPool,
     stream: StreamHandle,
-    event: Option<(EventHandle, IpcEventHandle)>,
+    event: Option<(EventHandle, EventBlob)>,
 }
 
 impl Worker {
@@ -51,7 +51,7 @@ impl Worker {
         let d = &*self.driver;
         match cmd {
             "import" => {
-                let data = ExportData(unhex::<64>(w.next().unwrap_or(""))?);
+                let data = ExportBlob(unhex::<64>(w.next().unwrap_or(""))?);
                 let t = Instant::now();
                 let ptr = d.mem_pool_import_pointer(self.pool.pool, &data)?;
                 let micros = t.elapsed().as_secs_f64() * 1e6;
@@ -68,7 +68,7 @@ impl Worker {
                 Ok(String::new())
             }
             "open" => {
-                let h = IpcEventHandle(unhex::<64>(w.next().unwrap_or(""))?);
+                let h = EventBlob(unhex::<64>(w.next().unwrap_or(""))?);
                 Ok(format!("{:#x}", d.ipc_open_event_handle(&h)?.0))
             }
             "wait" => {

@@ -111,9 +111,8 @@ fn child_reads_and_writes_in_place(env: &Env, bytes: u64) -> Result<()> {
         child.call(&format!("fill {theirs} {offset} {} 5a5a0002", 4096 / 4))?;
     }
     let done = child.call("record")?;
-    let done = d.ipc_open_event_handle(&poolipc_driver::IpcEventHandle(poolipc_tests::unhex(
-        &done[0],
-    )?))?;
+    let done =
+        d.ipc_open_event_handle(&poolipc_driver::EventBlob(poolipc_tests::unhex(&done[0])?))?;
     child.call(&format!("free {theirs}"))?;
     d.stream_wait_event(stream, done)?;
     d.stream_synchronize(stream)?;
@@ -168,7 +167,7 @@ both_drivers!(
         // Child → parent: the child fills everything and records DONE without synchronizing.
         child.call(&format!("fill {theirs} 0 {} 22222222", bytes / 4))?;
         let done = child.call("record")?;
-        let done = d.ipc_open_event_handle(&poolipc_driver::IpcEventHandle(poolipc_tests::unhex(&done[0])?))?;
+        let done = d.ipc_open_event_handle(&poolipc_driver::EventBlob(poolipc_tests::unhex(&done[0])?))?;
         d.stream_wait_event(stream, done)?;
         d.stream_synchronize(stream)?;
         ensure!(bad_words(d, ptr, bytes - MIB, MIB as usize, 0x2222_2222)? == 0, "the parent read before DONE");

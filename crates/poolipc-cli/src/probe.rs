@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 use poolipc_pool::{AttachedPool, ImportLimit, SharedPool};
 use poolipc_transport::{
-    Ack, Capabilities, DType, EventBlob, ExportBlob, HandleId, HandshakeConfig, JobId, Lend,
+    Ack, Capabilities, DType, EventBlob, ExportBlob, HandoffId, HandshakeConfig, JobId, Lend,
     LentTensor, Message, Rung, TensorMeta,
 };
 
@@ -99,7 +99,7 @@ fn probe_once(
                 let lend = Lend {
                     job: JobId(1),
                     tensors: vec![LentTensor {
-                        handle: HandleId(1),
+                        handle: HandoffId(1),
                         rung: Rung::PoolPointer,
                         pool: 0,
                         export: ExportBlob(blob.0),
@@ -215,7 +215,7 @@ pub(crate) fn child_main() -> Result<ExitCode> {
     let Some(t) = lend.tensors.first() else {
         bail!("the Lend holds no tensor")
     };
-    let data = poolipc_driver::ExportData(t.export.0);
+    let data = poolipc_driver::ExportBlob(t.export.0);
     // This is the call that may not return.
     let ptr = driver.mem_pool_import_pointer(pool.pool, &data)?;
     let mut word = [0u8; 4];

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use poolipc_contract::{
-    AllocId, JobId, Parent, ParentAction, ParentConfig, ParentEvent, PointerLimit, Span, Timestamp,
+    AllocId, ImportLimit, JobId, Parent, ParentAction, ParentConfig, ParentEvent, Span, Timestamp,
     Worker, WorkerAction, WorkerEvent, WorkerId,
 };
 
@@ -61,7 +61,7 @@ fn handoff(c: &mut Criterion) {
         group.throughput(Throughput::Elements(n));
         group.bench_function(BenchmarkId::new("lend to release", n), |b| {
             let mut p = Parent::new(ParentConfig {
-                limit: PointerLimit::default(),
+                limit: ImportLimit::default(),
                 handoff_timeout: Duration::from_secs(30),
             });
             p.add_worker(W).expect("worker");

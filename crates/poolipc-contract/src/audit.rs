@@ -9,11 +9,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::invariant::{Invariant, Violation};
-use crate::limit::PointerLimit;
 use crate::message::{ToParent, ToWorker};
 use crate::parent::ParentAction;
 use crate::types::{AllocId, HandoffId, Outcome, Purpose, Span, WorkerId};
 use crate::worker::WorkerAction;
+use poolipc_types::ImportLimit;
 
 #[derive(Clone, Debug)]
 struct AllocRecord {
@@ -47,7 +47,7 @@ struct LoanRecord {
 /// [`Auditor::check_settled`] when all actions are carried out.
 #[derive(Clone, Debug)]
 pub struct Auditor {
-    limit: PointerLimit,
+    limit: ImportLimit,
     allocs: BTreeMap<AllocId, AllocRecord>,
     loans: BTreeMap<HandoffId, LoanRecord>,
     imports: BTreeMap<(WorkerId, AllocId), u32>,
@@ -66,7 +66,7 @@ fn verdict(found: Vec<Violation>) -> Checked {
 impl Auditor {
     /// An empty ledger for a parent using `limit`.
     #[must_use]
-    pub fn new(limit: PointerLimit) -> Auditor {
+    pub fn new(limit: ImportLimit) -> Auditor {
         Auditor {
             limit,
             allocs: BTreeMap::new(),

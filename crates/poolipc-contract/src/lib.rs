@@ -9,7 +9,7 @@
 //! ...), with the time passed in as a [`Timestamp`]; the work to do comes out of
 //! [`Parent::poll_action`] and [`Worker::poll_action`], in the order it must be done.
 //!
-//! - [`Parent`] lends inputs (refusing allocations above the [`PointerLimit`], the rung
+//! - [`Parent`] lends inputs (refusing allocations above the [`ImportLimit`], the rung
 //!   decision's input), answers shape-first result requests through the facade's allocator,
 //!   releases a handoff only after the worker's ACK and a wait on its DONE event, enforces
 //!   deadlines by killing the worker, and releases a dead worker's handoffs once it is reaped.
@@ -31,7 +31,7 @@
 //! [`ParentAction::WaitDone`] then [`ParentAction::Release`], [`ParentAction::KillWorker`].
 //! It feeds back every message ([`ParentEvent::Message`]), hang-up and reaping, and calls
 //! [`Parent::handle_timeout`] when [`Parent::poll_timeout`] comes due. Before lending, the
-//! facade picks the rung: [`PointerLimit::admits`] says whether the pool pointer rung is
+//! facade picks the rung: [`ImportLimit::admits`] says whether the pool pointer rung is
 //! allowed at all, and [`Parent::lend`] refuses what it does not admit.
 //!
 //! The worker's facade owns one [`Worker`] and does the same with [`WorkerAction`]s:
@@ -43,7 +43,6 @@
 pub mod audit;
 mod error;
 mod invariant;
-mod limit;
 mod message;
 mod mutation;
 mod parent;
@@ -57,11 +56,11 @@ mod tests;
 
 pub use error::ContractError;
 pub use invariant::{Invariant, Violation};
-pub use limit::{CHUNK_BYTES, MAX_CHUNKS, PointerLimit};
 pub use message::{Offer, Refusal, ToParent, ToWorker};
 pub use parent::{FailReason, Parent, ParentAction, ParentConfig, ParentEvent};
-pub use types::{
-    AllocId, DType, HandoffId, JobId, Outcome, Purpose, RequestId, ResultSpec, Span, Timestamp,
+pub use poolipc_types::{
+    AllocId, CHUNK_BYTES, DType, HandoffId, ImportLimit, JobId, MAX_CHUNKS, RequestId, Span,
     WorkerId,
 };
+pub use types::{Outcome, Purpose, ResultSpec, Timestamp};
 pub use worker::{Worker, WorkerAction, WorkerEvent};

@@ -5,17 +5,17 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use crate::error::ContractError;
-use crate::limit::PointerLimit;
 use crate::message::{Offer, Refusal, ToParent, ToWorker};
 use crate::types::{
     AllocId, HandoffId, JobId, Outcome, Purpose, RequestId, ResultSpec, Span, Timestamp, WorkerId,
 };
+use poolipc_types::ImportLimit;
 
 /// How the parent side behaves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ParentConfig {
     /// Which allocations may go by pool pointer.
-    pub limit: PointerLimit,
+    pub limit: ImportLimit,
     /// How long a worker may hold a handoff before the ACK. Past it, the worker is killed,
     /// its jobs fail, and what it held is released once it is reaped.
     pub handoff_timeout: Duration,
@@ -24,7 +24,7 @@ pub struct ParentConfig {
 impl Default for ParentConfig {
     fn default() -> Self {
         ParentConfig {
-            limit: PointerLimit::default(),
+            limit: ImportLimit::default(),
             handoff_timeout: Duration::from_secs(30),
         }
     }

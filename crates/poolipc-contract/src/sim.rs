@@ -10,7 +10,6 @@ use std::time::Duration;
 use crate::audit::Auditor;
 use crate::error::ContractError;
 use crate::invariant::Violation;
-use crate::limit::PointerLimit;
 use crate::message::{ToParent, ToWorker};
 use crate::parent::{Parent, ParentAction, ParentConfig, ParentEvent};
 use crate::types::{
@@ -18,6 +17,7 @@ use crate::types::{
     WorkerId,
 };
 use crate::worker::{Worker, WorkerAction, WorkerEvent};
+use poolipc_types::ImportLimit;
 
 /// The sizes the simulation uses, relative to its import limit (chunks of 1 KiB, at most 4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,8 +41,8 @@ pub const SIM_MAX_CHUNKS: u64 = 4;
 
 /// The simulation's pointer limit.
 #[must_use]
-pub fn sim_limit() -> PointerLimit {
-    PointerLimit::new(SIM_CHUNK, SIM_MAX_CHUNKS).unwrap_or_default()
+pub fn sim_limit() -> ImportLimit {
+    ImportLimit::new(SIM_CHUNK, SIM_MAX_CHUNKS).unwrap_or_default()
 }
 
 /// One step of a test: a command to a side, a delivery, a fault, or time passing. Indices

@@ -1,45 +1,11 @@
-//! Identifiers, time and the description of memory that both sides speak of.
+//! Time, results and outcomes that both sides speak of.
+//!
+//! The identifiers, [`Span`] and [`DType`] are `poolipc-types`' (re-exported at the crate
+//! root); they are named here so that the modules of this crate find them in one place.
 
-use std::fmt;
 use std::time::Duration;
 
-macro_rules! id_type {
-    ($(#[$doc:meta])* $name:ident($inner:ty)) => {
-        $(#[$doc])*
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-        #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-        pub struct $name(pub $inner);
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, "{}#{}", stringify!($name), self.0)
-            }
-        }
-    };
-}
-
-id_type!(
-    /// A worker process, as the parent numbers them. Never reused within one parent.
-    WorkerId(u32)
-);
-id_type!(
-    /// A job: the unit of work a worker does, grouping the tensors it reads and writes.
-    JobId(u64)
-);
-id_type!(
-    /// One handoff of one allocation to one worker. The parent numbers them, increasing,
-    /// never reused.
-    HandoffId(u64)
-);
-id_type!(
-    /// One allocation of the parent's pool, unique for its lifetime *and* generation: memory
-    /// the allocator recycles gets a new id. Two tensors that view the same allocation share it.
-    AllocId(u64)
-);
-id_type!(
-    /// A worker's shape-first result request, numbered by the worker, unique per worker.
-    RequestId(u64)
-);
+pub(crate) use poolipc_types::{AllocId, DType, HandoffId, JobId, RequestId, Span, WorkerId};
 
 /// A point in time in nanoseconds from an origin the caller chooses (for example a
 /// `std::time::Instant` taken at startup). The contract never reads a clock: every input
@@ -54,52 +20,6 @@ impl Timestamp {
     pub fn saturating_add(self, d: Duration) -> Timestamp {
         let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         Timestamp(self.0.saturating_add(nanos))
-    }
-}
-
-/// An allocation's device address range `[ptr, ptr + bytes)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Span {
-    /// The allocation's start address.
-    pub ptr: u64,
-    /// Its size in bytes.
-    pub bytes: u64,
-}
-
-/// The element type of a tensor the worker asks for, as DLPack names them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-#[non_exhaustive]
-pub enum DType {
-    /// 32-bit IEEE float.
-    F32,
-    /// 16-bit IEEE float.
-    F16,
-    /// bfloat16.
-    BF16,
-    /// 64-bit IEEE float.
-    F64,
-    /// Unsigned byte.
-    U8,
-    /// Signed 32-bit integer.
-    I32,
-    /// Signed 64-bit integer.
-    I64,
-    /// Boolean, one byte.
-    Bool,
-}
-
-impl DType {
-    /// Bytes per element.
-    #[must_use]
-    pub fn size(self) -> u64 {
-        match self {
-            DType::F64 | DType::I64 => 8,
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 | DType::Bool => 1,
-        }
     }
 }
 

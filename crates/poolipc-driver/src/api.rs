@@ -4,8 +4,8 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::error::Result;
 use crate::types::{
-    Access, DeviceInfo, DevicePtr, DriverKind, EventHandle, ExportData, Granularity,
-    IpcEventHandle, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
+    Access, DeviceInfo, DevicePtr, DriverKind, EventBlob, EventHandle, ExportBlob, Granularity,
+    PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
 };
 
 /// The CUDA driver calls poolipc makes, one method per call (or per tight group of calls).
@@ -85,10 +85,10 @@ pub trait Driver: Send + Sync {
     /// `cuMemFreeAsync` of an allocation this process made.
     fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
     /// `cuMemPoolExportPointer`.
-    fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportData>;
+    fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportBlob>;
     /// `cuMemPoolImportPointer`. On real hardware an allocation spanning more than 128
-    /// 32 MiB chunks kills the calling process; see `ImportLimit` in `poolipc-pool`.
-    fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportData) -> Result<DevicePtr>;
+    /// 32 MiB chunks kills the calling process; see `ImportLimit` in `poolipc-types`.
+    fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportBlob) -> Result<DevicePtr>;
     /// `cuMemFreeAsync` of an imported pointer (the import, not the allocation).
     fn mem_pool_free_import(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
 
@@ -99,9 +99,9 @@ pub trait Driver: Send + Sync {
     /// `cuEventDestroy`.
     fn event_destroy(&self, event: EventHandle) -> Result<()>;
     /// `cuIpcGetEventHandle`.
-    fn ipc_get_event_handle(&self, event: EventHandle) -> Result<IpcEventHandle>;
+    fn ipc_get_event_handle(&self, event: EventHandle) -> Result<EventBlob>;
     /// `cuIpcOpenEventHandle`.
-    fn ipc_open_event_handle(&self, handle: &IpcEventHandle) -> Result<EventHandle>;
+    fn ipc_open_event_handle(&self, handle: &EventBlob) -> Result<EventHandle>;
     /// `cuEventRecord`.
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()>;
     /// `cuEventQuery`: `true` when complete, `false` on `CUDA_ERROR_NOT_READY`.

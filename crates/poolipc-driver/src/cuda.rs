@@ -11,8 +11,8 @@ use cudarc::driver::sys;
 use crate::api::Driver;
 use crate::error::{CuCode, DriverError, Result};
 use crate::types::{
-    Access, DeviceInfo, DevicePtr, DeviceUuid, DriverKind, EventHandle, ExportData, Granularity,
-    IpcEventHandle, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
+    Access, DeviceInfo, DevicePtr, DeviceUuid, DriverKind, EventBlob, EventHandle, ExportBlob,
+    Granularity, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
 };
 use crate::{MIN_DRIVER_VERSION, platform};
 
@@ -654,16 +654,16 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportData> {
+    fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportBlob> {
         let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
         // SAFETY: `data` is a valid 64-byte place to write.
         check("cuMemPoolExportPointer", unsafe {
             sys::cuMemPoolExportPointer(&raw mut data, ptr.0)
         })?;
-        Ok(ExportData(data.reserved))
+        Ok(ExportBlob(data.reserved))
     }
 
-    fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportData) -> Result<DevicePtr> {
+    fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportBlob) -> Result<DevicePtr> {
         let mut share = sys::CUmemPoolPtrExportData { reserved: data.0 };
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: `p` is a valid place to write; `share` holds the 64 bytes the exporter
@@ -701,16 +701,16 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn ipc_get_event_handle(&self, event: EventHandle) -> Result<IpcEventHandle> {
+    fn ipc_get_event_handle(&self, event: EventHandle) -> Result<EventBlob> {
         let mut h = sys::CUipcEventHandle { reserved: [0; 64] };
         // SAFETY: `h` is a valid 64-byte place to write.
         check("cuIpcGetEventHandle", unsafe {
             sys::cuIpcGetEventHandle(&raw mut h, event_raw(event))
         })?;
-        Ok(IpcEventHandle(h.reserved.map(|c| c as u8)))
+        Ok(EventBlob(h.reserved.map(|c| c as u8)))
     }
 
-    fn ipc_open_event_handle(&self, handle: &IpcEventHandle) -> Result<EventHandle> {
+    fn ipc_open_event_handle(&self, handle: &EventBlob) -> Result<EventHandle> {
         let h = sys::CUipcEventHandle {
             reserved: handle.0.map(|b| b as std::ffi::c_char),
         };

@@ -24,9 +24,10 @@ pub use api::Driver;
 pub use api::MockDriver;
 pub use cuda::CudaDriver;
 pub use error::{CuCode, DriverError, Result};
+pub use poolipc_types::{DeviceUuid, EventBlob, ExportBlob};
 pub use types::{
-    Access, DeviceInfo, DevicePtr, DeviceUuid, DriverKind, EventHandle, ExportData, Granularity,
-    IpcEventHandle, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
+    Access, DeviceInfo, DevicePtr, DriverKind, EventHandle, Granularity, PoolAttribute,
+    PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
 };
 
 /// The oldest driver API version poolipc accepts: 12.0 (`cuDriverGetVersion` == 12000).

@@ -1,10 +1,14 @@
-//! Plain data the [`Driver`](crate::Driver) trait speaks in: handles, blobs, attributes.
+//! Plain data the [`Driver`](crate::Driver) trait speaks in: handles, attributes. The blobs
+//! ([`ExportBlob`](poolipc_types::ExportBlob), [`EventBlob`](poolipc_types::EventBlob)) and
+//! [`DeviceUuid`] are `poolipc-types`', re-exported at this crate's root.
 //!
 //! Handles are opaque `u64` newtypes rather than associated types: each driver gives them
 //! meaning (`CudaDriver` stores the CUDA handle's address, `SimDriver` an index), they are
 //! `Copy`, and mockall can name them. A handle from one driver means nothing to another.
 
 use std::fmt;
+
+pub(crate) use poolipc_types::{DeviceUuid, EventBlob, ExportBlob};
 
 macro_rules! handle {
     ($(#[$m:meta])* $name:ident) => {
@@ -57,59 +61,6 @@ impl DevicePtr {
     #[must_use]
     pub fn offset(self, bytes: u64) -> DevicePtr {
         DevicePtr(self.0.wrapping_add(bytes))
-    }
-}
-
-/// The 64 opaque bytes `cuMemPoolExportPointer` writes (`CUmemPoolPtrExportData`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ExportData(pub [u8; 64]);
-
-impl fmt::Debug for ExportData {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ExportData(")?;
-        for b in &self.0[..8] {
-            write!(f, "{b:02x}")?;
-        }
-        write!(f, "..)")
-    }
-}
-
-/// The 64 opaque bytes `cuIpcGetEventHandle` writes (`CUipcEventHandle`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct IpcEventHandle(pub [u8; 64]);
-
-impl fmt::Debug for IpcEventHandle {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "IpcEventHandle(")?;
-        for b in &self.0[..8] {
-            write!(f, "{b:02x}")?;
-        }
-        write!(f, "..)")
-    }
-}
-
-/// A device's UUID: stable across processes, unlike its ordinal (`CUDA_VISIBLE_DEVICES`).
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct DeviceUuid(pub [u8; 16]);
-
-impl fmt::Display for DeviceUuid {
-    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi prints it.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let b = &self.0;
-        write!(f, "GPU-")?;
-        for (i, byte) in b.iter().enumerate() {
-            if matches!(i, 4 | 6 | 8 | 10) {
-                write!(f, "-")?;
-            }
-            write!(f, "{byte:02x}")?;
-        }
-        Ok(())
-    }
-}
-
-impl fmt::Debug for DeviceUuid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(self, f)
     }
 }
 

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use poolipc_driver::host::SharedHostBuffer;
 use poolipc_driver::sim::{SimConfig, SimDriver, ViolationKind};
-use poolipc_driver::{Driver, DriverError, IpcEventHandle, PoolSharing, StreamHandle};
+use poolipc_driver::{Driver, DriverError, EventBlob, PoolSharing, StreamHandle};
 
 const ROLE: &str = "POOLIPC_HOST_BUFFER_TEST_ROLE";
 const LEN: usize = 1 << 20;
@@ -38,7 +38,7 @@ fn share(test: &str, skip_wait: bool) -> Vec<poolipc_driver::sim::Violation> {
         buf.register(&d).unwrap();
         let mut blob = [0u8; 64];
         sock.read_exact(&mut blob).unwrap();
-        let filled = d.ipc_open_event_handle(&IpcEventHandle(blob)).unwrap();
+        let filled = d.ipc_open_event_handle(&EventBlob(blob)).unwrap();
         let s = d.stream_create().unwrap();
         let pool = d.mem_pool_create(0, PoolSharing::None).unwrap();
         let dst = d.mem_alloc_from_pool_async(LEN as u64, pool, s).unwrap();

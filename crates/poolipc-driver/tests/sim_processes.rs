@@ -17,7 +17,7 @@ use std::process::{Command, Stdio};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use poolipc_driver::sim::{SimConfig, SimDriver, ViolationKind};
 use poolipc_driver::{
-    DevicePtr, Driver, ExportData, IpcEventHandle, PoolHandle, PoolSharing, StreamHandle,
+    DevicePtr, Driver, EventBlob, ExportBlob, PoolHandle, PoolSharing, StreamHandle,
 };
 
 const ROLE: &str = "POOLIPC_SIM_TEST_ROLE";
@@ -84,8 +84,8 @@ struct Offer {
     sim: SimDriver,
     sock: UnixStream,
     pool: PoolHandle,
-    blob: ExportData,
-    ready: IpcEventHandle,
+    blob: ExportBlob,
+    ready: EventBlob,
 }
 
 fn worker_receive() -> Offer {
@@ -95,8 +95,8 @@ fn worker_receive() -> Offer {
     sim.use_device(0).unwrap();
     let fd = recv_fd(&sock);
     let pool = sim.mem_pool_import_fd(fd.as_fd()).unwrap();
-    let blob = ExportData(recv64(&mut sock));
-    let ready = IpcEventHandle(recv64(&mut sock));
+    let blob = ExportBlob(recv64(&mut sock));
+    let ready = EventBlob(recv64(&mut sock));
     Offer {
         sim,
         sock,
@@ -150,7 +150,7 @@ fn a_worker_process_reads_the_parents_bytes_and_writes_in_place() {
     );
     let ptr = parent_offer(&p, &mut w, pool, 4 * MIB);
     let done = p
-        .ipc_open_event_handle(&IpcEventHandle(recv64(&mut w.sock)))
+        .ipc_open_event_handle(&EventBlob(recv64(&mut w.sock)))
         .unwrap();
     p.stream_wait_event(S, done).unwrap();
     p.stream_synchronize(S).unwrap();

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use poolipc_driver::{DevicePtr, Driver, DriverError, ExportData, PoolHandle, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, DriverError, ExportBlob, PoolHandle, StreamHandle};
 
 /// Errors of the import cache.
 #[derive(Debug, thiserror::Error)]
@@ -15,7 +15,7 @@ use poolipc_driver::{DevicePtr, Driver, DriverError, ExportData, PoolHandle, Str
 pub enum CacheError {
     /// A release of an export this cache does not hold.
     #[error("released an import that is not held (export {0:?})")]
-    NotHeld(ExportData),
+    NotHeld(ExportBlob),
     /// The driver refused the import or its free.
     #[error(transparent)]
     Driver(#[from] DriverError),
@@ -42,7 +42,7 @@ pub enum Released {
 /// One import per exported allocation, shared by refcount (worker side).
 #[derive(Debug, Default)]
 pub struct ImportCache {
-    entries: HashMap<ExportData, Entry>,
+    entries: HashMap<ExportBlob, Entry>,
 }
 
 impl ImportCache {
@@ -55,8 +55,8 @@ impl ImportCache {
     /// The import of `data`, made with `import` the first time and shared after.
     pub fn acquire_with<E>(
         &mut self,
-        data: &ExportData,
-        import: impl FnOnce(&ExportData) -> Result<DevicePtr, E>,
+        data: &ExportBlob,
+        import: impl FnOnce(&ExportBlob) -> Result<DevicePtr, E>,
     ) -> Result<DevicePtr, E> {
         if let Some(e) = self.entries.get_mut(data) {
             e.users += 1;
@@ -73,7 +73,7 @@ impl ImportCache {
     /// entry is gone anyway (the driver holds nothing more we could free twice).
     pub fn release_with<E: From<CacheError>>(
         &mut self,
-        data: &ExportData,
+        data: &ExportBlob,
         free: impl FnOnce(DevicePtr) -> Result<(), E>,
     ) -> Result<Released, E> {
         let Some(e) = self.entries.get_mut(data) else {
@@ -94,7 +94,7 @@ impl ImportCache {
         &mut self,
         driver: &D,
         pool: PoolHandle,
-        data: &ExportData,
+        data: &ExportBlob,
     ) -> Result<DevicePtr, CacheError> {
         Ok(self.acquire_with(data, |d| driver.mem_pool_import_pointer(pool, d))?)
     }
@@ -103,7 +103,7 @@ impl ImportCache {
     pub fn release<D: Driver + ?Sized>(
         &mut self,
         driver: &D,
-        data: &ExportData,
+        data: &ExportBlob,
         stream: StreamHandle,
     ) -> Result<Released, CacheError> {
         self.release_with(data, |ptr| {
@@ -115,7 +115,7 @@ impl ImportCache {
 
     /// Users of `data`'s import, 0 when not held.
     #[must_use]
-    pub fn users(&self, data: &ExportData) -> u32 {
+    pub fn users(&self, data: &ExportBlob) -> u32 {
         self.entries.get(data).map_or(0, |e| e.users)
     }
 
@@ -149,8 +149,8 @@ mod tests {
     use super::*;
     use poolipc_driver::{CuCode, MockDriver};
 
-    fn blob(n: u8) -> ExportData {
-        ExportData([n; 64])
+    fn blob(n: u8) -> ExportBlob {
+        ExportBlob([n; 64])
     }
 
     #[test]

@@ -3,18 +3,18 @@
 //! - [`SharedPool`]: the parent's pool: created shareable by POSIX FD, given torch's
 //!   attributes, made the device's current pool, its FD exported once.
 //! - [`AttachedPool`]: the same pool imported by a worker.
-//! - [`ImportLimit`]: which allocations may go by pointer import at all (the 128-chunk rule).
+//! - [`ImportLimit`]: which allocations may go by pointer import at all (the 128-chunk rule),
+//!   defined in `poolipc-types` and re-exported here.
 //! - [`ImportCache`]: the worker's one-import-per-allocation cache.
 //! - [`PoolStats`]: the pool's true figures.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod cache;
-mod limit;
 mod shared;
 mod stats;
 
 pub use cache::{CacheError, ImportCache, Released};
-pub use limit::{CHUNK_BYTES, ImportLimit, LimitExceeded, MAX_CHUNKS};
+pub use poolipc_types::{CHUNK_BYTES, ImportLimit, LimitExceeded, MAX_CHUNKS};
 pub use shared::{AttachedPool, PoolError, SharedPool, TORCH_POOL_ATTRIBUTES};
 pub use stats::PoolStats;

@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use poolipc_driver::{
-    Access, DevicePtr, Driver, DriverError, DriverKind, ExportData, PoolAttribute, PoolCounter,
+    Access, DevicePtr, Driver, DriverError, DriverKind, ExportBlob, PoolAttribute, PoolCounter,
     PoolHandle, PoolSharing, StreamHandle,
 };
 
@@ -204,7 +204,7 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     }
 
     /// Export `ptr` for import by a worker, refusing pointers of other pools.
-    pub fn export(&self, ptr: DevicePtr) -> Result<ExportData, PoolError> {
+    pub fn export(&self, ptr: DevicePtr) -> Result<ExportBlob, PoolError> {
         let found = self.driver.pointer_get_mempool(ptr)?;
         if found != self.pool {
             return Err(PoolError::ForeignPointer {
@@ -389,9 +389,9 @@ mod tests {
         d.expect_mem_pool_export_pointer()
             .times(1)
             .in_sequence(&mut seq)
-            .returning(|_| Ok(ExportData([1; 64])));
+            .returning(|_| Ok(ExportBlob([1; 64])));
         let pool = SharedPool::install(Arc::new(d), 0).unwrap();
-        assert_eq!(pool.export(DevicePtr(0x1000)).unwrap(), ExportData([1; 64]));
+        assert_eq!(pool.export(DevicePtr(0x1000)).unwrap(), ExportBlob([1; 64]));
     }
 
     #[test]

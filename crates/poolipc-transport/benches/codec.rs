@@ -8,7 +8,7 @@ use std::hint::black_box;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use poolipc_transport::codec::{decode, encode};
 use poolipc_transport::{
-    DType, EventBlob, ExportBlob, FrameLimits, HandleId, JobId, Lend, LentTensor, Message, Rung,
+    DType, EventBlob, ExportBlob, FrameLimits, HandoffId, JobId, Lend, LentTensor, Message, Rung,
     TensorMeta,
 };
 
@@ -17,7 +17,7 @@ fn lend(n: u64) -> Message {
         job: JobId(1),
         tensors: (0..n)
             .map(|i| LentTensor {
-                handle: HandleId(i),
+                handle: HandoffId(i),
                 rung: Rung::PoolPointer,
                 pool: 0,
                 export: ExportBlob([i as u8; 64]),

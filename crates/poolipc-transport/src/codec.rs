@@ -47,7 +47,7 @@
 
 use crate::message::{
     Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
-    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandleId, Identity, JobId, Lend, LentTensor,
+    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId, Lend, LentTensor,
     MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
     ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
@@ -423,7 +423,7 @@ impl Writer<'_> {
         }
         Ok(())
     }
-    fn handles(&mut self, handles: &[HandleId]) -> Result<(), EncodeError> {
+    fn handles(&mut self, handles: &[HandoffId]) -> Result<(), EncodeError> {
         self.count("handles", handles.len())?;
         for h in handles {
             self.u64(h.0);
@@ -743,16 +743,16 @@ impl Reader<'_> {
             devices,
         })
     }
-    fn handles(&mut self) -> Result<Vec<HandleId>, DecodeError> {
+    fn handles(&mut self) -> Result<Vec<HandoffId>, DecodeError> {
         let n = self.list_count("handles", 8)?;
         let mut handles = Vec::with_capacity(n);
         for _ in 0..n {
-            handles.push(HandleId(self.u64("handles")?));
+            handles.push(HandoffId(self.u64("handles")?));
         }
         Ok(handles)
     }
     fn tensor(&mut self) -> Result<LentTensor, DecodeError> {
-        let handle = HandleId(self.u64("handle")?);
+        let handle = HandoffId(self.u64("handle")?);
         let rung = self.rung()?;
         let pool = self.u8("pool")?;
         let export = ExportBlob(self.take("export")?);
@@ -786,7 +786,7 @@ impl Reader<'_> {
     fn grant(&mut self) -> Result<ResultGrant, DecodeError> {
         match self.u8("grant")? {
             GRANT_GRANTED => Ok(ResultGrant::Granted {
-                handle: HandleId(self.u64("handle")?),
+                handle: HandoffId(self.u64("handle")?),
                 rung: self.rung()?,
                 pool: self.u8("pool")?,
                 export: ExportBlob(self.take("export")?),
@@ -880,7 +880,7 @@ impl Reader<'_> {
             },
             MessageKind::Chunk => Message::Chunk(Chunk {
                 job: JobId(self.u64("job")?),
-                handle: HandleId(self.u64("handle")?),
+                handle: HandoffId(self.u64("handle")?),
                 seq: self.u64("seq")?,
                 offset: self.u64("offset")?,
                 bytes: self.u64("bytes")?,

@@ -213,7 +213,7 @@ fn a_full_socket_times_out_the_sender() {
     let (mut tx, _rx) = Connection::pair().expect("socketpair");
     let big = Message::Ack(crate::Ack {
         job: crate::JobId(1),
-        handles: (0..crate::MAX_BATCH as u64).map(crate::HandleId).collect(),
+        handles: (0..crate::MAX_BATCH as u64).map(crate::HandoffId).collect(),
     });
     let deadline = Instant::now() + Duration::from_millis(200);
     let err = loop {

@@ -59,11 +59,11 @@ pub use listener::{
     PeerCred, PrivateListener, check_peer_uid, connect_private, ensure_private_dir,
 };
 pub use message::{
-    Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
-    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandleId, Identity, JobId, Lend, LentTensor,
-    MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
-    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    Ack, AllocationGrant, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
+    ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN,
+    Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
+pub use poolipc_types::{DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 pub use spawn::{FD_ENV, connection_from_env, parse_fd_var, spawn_worker};
 
 #[cfg(test)]

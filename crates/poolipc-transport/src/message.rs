@@ -1,9 +1,12 @@
 //! The messages of the wire protocol: one per step of the ownership contract.
 //!
 //! These are plain data. How they look on the wire is [`crate::codec`]'s job; which of them
-//! carry file descriptors is [`Message::expected_fds`].
+//! carry file descriptors is [`Message::expected_fds`]. The ids, dtypes, device UUIDs, blobs
+//! and rungs they carry are `poolipc-types`', re-exported at this crate's root.
 
 use std::fmt;
+
+pub(crate) use poolipc_types::{DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 
 /// The most dimensions a tensor may have on the wire.
 pub const MAX_DIMS: usize = 32;
@@ -19,68 +22,6 @@ pub const MAX_BATCH: usize = 8192;
 
 /// The most devices an [`Identity`] may list.
 pub const MAX_DEVICES: usize = 64;
-
-macro_rules! blob {
-    ($(#[$doc:meta])* $name:ident, $len:expr) => {
-        $(#[$doc])*
-        #[derive(Clone, Copy, PartialEq, Eq, Hash)]
-        pub struct $name(pub [u8; $len]);
-
-        impl fmt::Debug for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, concat!(stringify!($name), "("))?;
-                for b in &self.0[..8] {
-                    write!(f, "{b:02x}")?;
-                }
-                write!(f, "..)")
-            }
-        }
-    };
-}
-
-blob!(
-    /// A pointer export (`CUmemPoolPtrExportData`): 64 opaque bytes.
-    ExportBlob,
-    64
-);
-blob!(
-    /// An interprocess event handle (`CUipcEventHandle`): 64 opaque bytes.
-    EventBlob,
-    64
-);
-
-/// A GPU's stable identity (`cuDeviceGetUuid`). Ordinals differ between processes when
-/// `CUDA_VISIBLE_DEVICES` does; UUIDs do not, so the handshake compares these.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct DeviceUuid(pub [u8; 16]);
-
-impl fmt::Debug for DeviceUuid {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "DeviceUuid({self})")
-    }
-}
-
-impl fmt::Display for DeviceUuid {
-    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as nvidia-smi prints it.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "GPU-")?;
-        for (i, b) in self.0.iter().enumerate() {
-            if matches!(i, 4 | 6 | 8 | 10) {
-                write!(f, "-")?;
-            }
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
-    }
-}
-
-/// Identifies one job (a batch of tensors lent and the results asked for).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct JobId(pub u64);
-
-/// Identifies one handed-over allocation within a connection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct HandleId(pub u64);
 
 /// Capability bits a side announces in the handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -121,98 +62,6 @@ impl std::ops::BitOr for Capabilities {
     }
 }
 
-/// Element type of a tensor. The numbers are the wire values and never change.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-#[repr(u8)]
-#[allow(missing_docs)] // the names say it
-pub enum DType {
-    Bool = 1,
-    U8 = 2,
-    I8 = 3,
-    I16 = 4,
-    U16 = 5,
-    I32 = 6,
-    U32 = 7,
-    I64 = 8,
-    U64 = 9,
-    F16 = 10,
-    BF16 = 11,
-    F32 = 12,
-    F64 = 13,
-    F8E4M3FN = 14,
-    F8E5M2 = 15,
-    C64 = 16,
-    C128 = 17,
-}
-
-impl DType {
-    /// Every dtype, in wire order.
-    pub const ALL: [DType; 17] = [
-        DType::Bool,
-        DType::U8,
-        DType::I8,
-        DType::I16,
-        DType::U16,
-        DType::I32,
-        DType::U32,
-        DType::I64,
-        DType::U64,
-        DType::F16,
-        DType::BF16,
-        DType::F32,
-        DType::F64,
-        DType::F8E4M3FN,
-        DType::F8E5M2,
-        DType::C64,
-        DType::C128,
-    ];
-
-    /// Bytes per element.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            DType::Bool | DType::U8 | DType::I8 | DType::F8E4M3FN | DType::F8E5M2 => 1,
-            DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
-            DType::I32 | DType::U32 | DType::F32 => 4,
-            DType::I64 | DType::U64 | DType::F64 | DType::C64 => 8,
-            DType::C128 => 16,
-        }
-    }
-
-    /// The dtype with this wire value.
-    pub fn from_wire(v: u8) -> Option<Self> {
-        Self::ALL.iter().copied().find(|d| *d as u8 == v)
-    }
-}
-
-/// Which rung of the ladder a tensor travels on. The numbers are wire values; unknown values
-/// are a decode error, so a newer peer cannot slip a rung past an older one.
-///
-/// Rungs that need file descriptors do not carry them per tensor: host staging sets its
-/// buffer up once per connection ([`Message::StagingBuffer`], one FD), and the tensors that
-/// travel on it only name the rung.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-#[repr(u8)]
-pub enum Rung {
-    /// The allocation lives in the shared pool; the export blob names it.
-    PoolPointer = 1,
-    /// The bytes travel through the pinned shared host buffer set up by
-    /// [`Message::StagingBuffer`], chunk by chunk ([`Message::Chunk`]); the export blob is
-    /// unused (zero).
-    HostStaging = 2,
-}
-
-impl Rung {
-    /// Every rung, in wire order.
-    pub const ALL: [Rung; 2] = [Rung::PoolPointer, Rung::HostStaging];
-
-    /// The rung with this wire value.
-    pub fn from_wire(v: u8) -> Option<Self> {
-        Self::ALL.iter().copied().find(|r| *r as u8 == v)
-    }
-}
-
 /// A tensor's layout over an allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorMeta {
@@ -232,7 +81,7 @@ pub struct TensorMeta {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LentTensor {
     /// The parent's name for this allocation on this connection.
-    pub handle: HandleId,
+    pub handle: HandoffId,
     /// The rung it travels on.
     pub rung: Rung,
     /// Which of the parent's pools the allocation comes from: 0 is the pool whose FD came with
@@ -283,7 +132,7 @@ pub enum ResultGrant {
     /// Allocated: the worker imports `export` after waiting on `ready_event`, and writes.
     Granted {
         /// The parent's name for the allocation.
-        handle: HandleId,
+        handle: HandoffId,
         /// The rung it travels on.
         rung: Rung,
         /// Which of the parent's pools the allocation comes from: 0 is the pool whose FD came
@@ -321,7 +170,7 @@ pub struct Done {
     /// The DONE event the parent's consumer streams wait on.
     pub done_event: EventBlob,
     /// The allocations it covers.
-    pub handles: Vec<HandleId>,
+    pub handles: Vec<HandoffId>,
 }
 
 /// Acknowledges handles: from the worker, "unimported, you may release"; from the parent,
@@ -331,7 +180,7 @@ pub struct Ack {
     /// The job.
     pub job: JobId,
     /// The allocations it covers.
-    pub handles: Vec<HandleId>,
+    pub handles: Vec<HandoffId>,
 }
 
 /// One device a side can see, for multi-GPU setups.
@@ -381,7 +230,7 @@ pub struct Chunk {
     /// The job the tensor belongs to.
     pub job: JobId,
     /// The tensor's handle.
-    pub handle: HandleId,
+    pub handle: HandoffId,
     /// The chunk's number within the tensor, from 0; it uses half `seq % 2`.
     pub seq: u64,
     /// The chunk's offset within the tensor, in bytes.

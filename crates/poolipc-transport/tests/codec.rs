@@ -6,7 +6,7 @@ use poolipc_transport::codec::{HEADER_LEN, decode, encode};
 use poolipc_transport::{
     Ack, AllocationGrant, Capabilities, Chunk, DType, DecodeError, DeviceEntry, DeviceUuid, Done,
     EncodeError, ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, FrameLimits,
-    HandleId, Identity, JobId, Lend, LentTensor, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message,
+    HandoffId, Identity, JobId, Lend, LentTensor, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message,
     MessageKind, PROTOCOL_VERSION, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer,
     TensorMeta,
 };
@@ -72,7 +72,7 @@ fn tensor() -> impl Strategy<Value = LentTensor> {
     )
         .prop_map(
             |((h, rung, pool), e, r, dtype, dims, off, len)| LentTensor {
-                handle: HandleId(h),
+                handle: HandoffId(h),
                 rung,
                 pool,
                 export: ExportBlob(e),
@@ -92,7 +92,7 @@ fn grant() -> impl Strategy<Value = ResultGrant> {
     prop_oneof![
         (any::<u64>(), rung(), any::<u8>(), blob(), blob()).prop_map(|(h, rung, pool, e, r)| {
             ResultGrant::Granted {
-                handle: HandleId(h),
+                handle: HandoffId(h),
                 rung,
                 pool,
                 export: ExportBlob(e),
@@ -106,8 +106,8 @@ fn grant() -> impl Strategy<Value = ResultGrant> {
     ]
 }
 
-fn handles() -> impl Strategy<Value = Vec<HandleId>> {
-    prop::collection::vec(any::<u64>().prop_map(HandleId), 0..50)
+fn handles() -> impl Strategy<Value = Vec<HandoffId>> {
+    prop::collection::vec(any::<u64>().prop_map(HandoffId), 0..50)
 }
 
 fn message() -> impl Strategy<Value = Message> {
@@ -192,7 +192,7 @@ fn message() -> impl Strategy<Value = Message> {
         )
             .prop_map(|(j, h, seq, offset, bytes)| Message::Chunk(Chunk {
                 job: JobId(j),
-                handle: HandleId(h),
+                handle: HandoffId(h),
                 seq,
                 offset,
                 bytes,
@@ -308,7 +308,7 @@ fn a_lowered_cap_rejects_frames_the_default_accepts() {
     let limits = FrameLimits::new(4096);
     let big = Message::Ack(Ack {
         job: JobId(1),
-        handles: (0..1000).map(HandleId).collect(),
+        handles: (0..1000).map(HandoffId).collect(),
     });
     let bytes = encode(&big, FrameLimits::default()).expect("fits the default cap");
     assert!(matches!(
@@ -410,7 +410,7 @@ fn the_pool_byte_follows_the_rung_byte() {
     let grant = Message::AllocationGrant(AllocationGrant {
         job: JobId(1),
         results: vec![ResultGrant::Granted {
-            handle: HandleId(5),
+            handle: HandoffId(5),
             rung: Rung::HostStaging,
             pool: 0xcd,
             export: ExportBlob([0; 64]),

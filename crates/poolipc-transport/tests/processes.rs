@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use poolipc_transport::{
-    Ack, Capabilities, Connection, DeviceUuid, Direction, ErrorCode, HandleId, HandshakeConfig,
+    Ack, Capabilities, Connection, DeviceUuid, Direction, ErrorCode, HandoffId, HandshakeConfig,
     HandshakeError, JobId, Message, PrivateListener, SetupError, TransportError, connect_private,
     connection_from_env, parent_handshake, spawn_worker, worker_handshake,
 };
@@ -188,7 +188,7 @@ fn handshake_worker() -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let ack = Message::Ack(Ack {
         job: JobId(1),
-        handles: vec![HandleId(42)],
+        handles: vec![HandoffId(42)],
     });
     conn.send(&ack, &[], secs(10)).map_err(|e| e.to_string())?;
     match conn.recv(secs(10)) {
@@ -296,7 +296,7 @@ fn handshake_hands_the_pool_fd_to_a_spawned_worker_which_sees_and_writes_its_byt
         msg,
         Message::Ack(Ack {
             job: JobId(1),
-            handles: vec![HandleId(42)]
+            handles: vec![HandoffId(42)]
         })
     );
     assert!(fds.is_empty());

@@ -6,15 +6,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use poolipc_contract::{
-    self as contract, AllocId, FailReason, HandoffId, Outcome, ParentAction, ParentEvent,
-    PointerLimit, Purpose, RequestId, Span, Timestamp, ToParent, ToWorker, WorkerId,
+    self as contract, AllocId, FailReason, HandoffId, Outcome, ParentAction, ParentEvent, Purpose,
+    RequestId, Span, Timestamp, ToParent, ToWorker, WorkerId,
 };
-use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, EventHandle, StreamHandle};
 use poolipc_pool::{ImportLimit, SharedPool};
 use poolipc_transport::{
     AllocationGrant, Capabilities, Connection, ErrorCode, EventBlob, ExportBlob, ExtraPool,
-    HandleId, HandshakeConfig, Identity, JobId, Lend, LentTensor, Message, ResultGrant,
-    Rung as WireRung,
+    HandshakeConfig, Identity, JobId, Lend, LentTensor, Message, ResultGrant, Rung as WireRung,
 };
 
 use crate::canary::CanaryReport;
@@ -155,16 +154,16 @@ struct JobState {
     lend: Vec<LentTensor>,
     grants: Vec<ResultGrant>,
     record_ready: bool,
-    exports: HashMap<AllocId, ExportData>,
+    exports: HashMap<AllocId, ExportBlob>,
     done: HashMap<HandoffId, EventHandle>,
     requested: Vec<(RequestId, ResultShape)>,
     results: BTreeMap<RequestId, ResultTensor>,
     result_allocs: HashMap<AllocId, (DevicePtr, RequestId)>,
     failed: Option<(FailReason, String)>,
     /// Inputs on the host-staging rung: (wire handle, element 0, bytes), in argument order.
-    staged: Vec<(HandleId, DevicePtr, u64)>,
+    staged: Vec<(HandoffId, DevicePtr, u64)>,
     /// Results on the host-staging rung, by wire handle: (the parent's allocation, bytes).
-    staged_results: HashMap<HandleId, (DevicePtr, u64)>,
+    staged_results: HashMap<HandoffId, (DevicePtr, u64)>,
     /// Result memory that will not be handed out: the caller's to free.
     orphans: Vec<DevicePtr>,
     /// Result allocations made before the contract asked for them, by request.
@@ -243,7 +242,7 @@ impl Parent {
         driver.use_device(options.device)?;
         let ceiling = options.limit;
         let pool = SharedPool::install(Arc::clone(&driver), options.device)?;
-        let limit = PointerLimit::new(options.limit.chunk_bytes(), options.limit.max_chunks())
+        let limit = ImportLimit::new(options.limit.chunk_bytes(), options.limit.max_chunks())
             .ok_or_else(|| Error::Protocol("an import limit with zero-byte chunks".into()))?;
         let machine = contract::Parent::new(contract::ParentConfig {
             limit,
@@ -607,7 +606,7 @@ impl Parent {
         }
         for (input, (base, size, offset, extent, by_pointer, pool)) in inputs.iter().zip(placed) {
             if !by_pointer {
-                let handle = HandleId(STAGED_HANDLE | st.staged.len() as u64);
+                let handle = HandoffId(STAGED_HANDLE | st.staged.len() as u64);
                 st.lend.push(LentTensor {
                     handle,
                     rung: WireRung::HostStaging,
@@ -729,7 +728,7 @@ impl Parent {
                                     })?;
                                 let ready_event = self.slot(to)?.ready_blob;
                                 st.lend.push(LentTensor {
-                                    handle: HandleId(offer.handoff.0),
+                                    handle: HandoffId(offer.handoff.0),
                                     rung: poolipc_transport::Rung::PoolPointer,
                                     pool,
                                     export: blob64(&export.0),
@@ -746,7 +745,7 @@ impl Parent {
                                     .and_then(|(ptr, _)| self.pool_index(*ptr))
                                     .unwrap_or(0);
                                 st.grants.push(ResultGrant::Granted {
-                                    handle: HandleId(offer.handoff.0),
+                                    handle: HandoffId(offer.handoff.0),
                                     rung: poolipc_transport::Rung::PoolPointer,
                                     pool,
                                     export: blob64(&export.0),
@@ -989,7 +988,7 @@ impl Parent {
                                 .is_some_and(|s| s.takes_pointers_from(i))
                         });
                         if !by_pointer || !self.options.limit.allows(ptr.0, bytes) {
-                            let handle = HandleId(
+                            let handle = HandoffId(
                                 STAGED_HANDLE | RESULT_HANDLE | st.staged_results.len() as u64,
                             );
                             st.staged_results.insert(handle, (ptr, bytes));
@@ -1044,7 +1043,7 @@ impl Parent {
                     let ev = match self.slot(worker)?.done_events.get(&key) {
                         Some(ev) => *ev,
                         None => {
-                            let ev = self.driver.ipc_open_event_handle(&IpcEventHandle(key))?;
+                            let ev = self.driver.ipc_open_event_handle(&EventBlob(key))?;
                             self.slot_mut(worker)?.done_events.insert(key, ev);
                             ev
                         }

@@ -37,9 +37,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use poolipc_driver::host::SharedHostBuffer;
-use poolipc_driver::{DevicePtr, Driver, DriverError, EventHandle, IpcEventHandle, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, DriverError, EventHandle, StreamHandle};
 use poolipc_transport::{
-    Chunk, Connection, ErrorCode, EventBlob, HandleId, JobId, Message, MessageKind, StagingBuffer,
+    Chunk, Connection, ErrorCode, HandoffId, JobId, Message, MessageKind, StagingBuffer,
     TransportError,
 };
 use tracing::{debug, trace};
@@ -126,14 +126,6 @@ impl std::fmt::Debug for StagingChannel {
     }
 }
 
-fn ipc(e: &IpcEventHandle) -> EventBlob {
-    EventBlob(e.0)
-}
-
-fn unipc(e: &EventBlob) -> IpcEventHandle {
-    IpcEventHandle(e.0)
-}
-
 /// Destroys events made so far when setup fails half-way.
 fn destroy_all(driver: &dyn Driver, events: &[EventHandle]) {
     for e in events {
@@ -167,7 +159,7 @@ impl StagingChannel {
                 driver.ipc_get_event_handle(e)
             });
             match made {
-                Ok(h) => blobs.push(ipc(&h)),
+                Ok(h) => blobs.push(h),
                 Err(e) => {
                     destroy_all(driver.as_ref(), &events);
                     return Err(e.into());
@@ -234,7 +226,7 @@ impl StagingChannel {
         buffer.register(&driver)?;
         let mut events = Vec::with_capacity(4);
         for blob in setup.filled_event.iter().chain(&setup.drained_event) {
-            match driver.ipc_open_event_handle(&unipc(blob)) {
+            match driver.ipc_open_event_handle(blob) {
                 Ok(e) => events.push(e),
                 Err(e) => {
                     destroy_all(driver.as_ref(), &events);
@@ -319,7 +311,7 @@ impl StagingChannel {
         &mut self,
         conn: &mut Connection,
         job: JobId,
-        handle: HandleId,
+        handle: HandoffId,
         src: DevicePtr,
         bytes: u64,
         stream: StreamHandle,
@@ -374,7 +366,7 @@ impl StagingChannel {
         &mut self,
         conn: &mut Connection,
         job: JobId,
-        handle: HandleId,
+        handle: HandoffId,
         dst: DevicePtr,
         bytes: u64,
         stream: StreamHandle,
@@ -414,7 +406,7 @@ impl StagingChannel {
         &self,
         conn: &mut Connection,
         job: JobId,
-        handle: HandleId,
+        handle: HandoffId,
         seq: usize,
         bytes: usize,
         what: &str,
@@ -431,7 +423,7 @@ impl StagingChannel {
     }
 }
 
-fn chunk_msg(job: JobId, handle: HandleId, seq: usize, off: usize, len: usize) -> Chunk {
+fn chunk_msg(job: JobId, handle: HandoffId, seq: usize, off: usize, len: usize) -> Chunk {
     Chunk {
         job,
         handle,

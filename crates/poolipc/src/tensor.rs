@@ -1,28 +1,11 @@
-//! What a tensor is on the wire: dtype, shape, strides, offset, bytes; and the rungs.
+//! What a tensor is on the wire: dtype, shape, strides, offset, bytes; and the rungs
+//! (`poolipc-types`' [`Rung`], re-exported here).
 
-use poolipc_transport::{DType, TensorMeta};
+use poolipc_transport::TensorMeta;
+use poolipc_types::DType;
+pub use poolipc_types::Rung;
 
 use crate::error::Error;
-
-/// How a tensor crossed the process boundary. Reported for every tensor, never silent.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Rung {
-    /// A pointer export from the shared pool, imported by the worker: no copy.
-    PoolPointer,
-    /// Copied through pinned shared host memory, chunk by chunk, into the worker's own
-    /// device memory: for tensors over the import limit, and workers whose canary failed.
-    HostStaging,
-}
-
-impl std::fmt::Display for Rung {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Rung::PoolPointer => "pool pointer",
-            Rung::HostStaging => "host staging",
-        })
-    }
-}
 
 /// The layout of a tensor in its allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -10,12 +10,11 @@ use poolipc_contract::{
     self as contract, AllocId, HandoffId, Offer, Purpose, RequestId, Span, Timestamp, ToParent,
     ToWorker, WorkerAction, WorkerEvent,
 };
-use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportData, IpcEventHandle, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportBlob, StreamHandle};
 use poolipc_pool::{AttachedPool, ImportCache};
 use poolipc_transport::{
-    Ack, Capabilities, Connection, Done, ErrorCode, EventBlob, HandleId, HandshakeConfig,
-    HandshakeError, JobId, Lend, Message, ResultGrant, ResultRequest, ResultSpec, Rung as WireRung,
-    TransportError,
+    Ack, Capabilities, Connection, Done, ErrorCode, EventBlob, HandshakeConfig, HandshakeError,
+    JobId, Lend, Message, ResultGrant, ResultRequest, ResultSpec, Rung as WireRung, TransportError,
 };
 
 use crate::error::Error;
@@ -90,7 +89,7 @@ pub struct Worker {
     stream: StreamHandle,
     machine: contract::Worker,
     cache: ImportCache,
-    imports: HashMap<AllocId, (DevicePtr, ExportData)>,
+    imports: HashMap<AllocId, (DevicePtr, ExportBlob)>,
     done: EventHandle,
     done_blob: EventBlob,
     ready_events: HashMap<[u8; 64], EventHandle>,
@@ -231,7 +230,7 @@ fn find_device(
     })
 }
 
-fn alloc_of(data: &ExportData) -> AllocId {
+fn alloc_of(data: &ExportBlob) -> AllocId {
     // One import per exported allocation: the parent sends the same export bytes for the
     // same allocation, so the bytes name it.
     let mut h = std::collections::hash_map::DefaultHasher::new();
@@ -550,7 +549,7 @@ impl Worker {
                 });
                 continue;
             }
-            let data = ExportData(t.export.0);
+            let data = ExportBlob(t.export.0);
             let offer = Offer {
                 handoff: HandoffId(t.handle.0),
                 job: contract::JobId(id.0),
@@ -596,7 +595,7 @@ impl Worker {
         &mut self,
         offer: Offer,
         pool: poolipc_driver::PoolHandle,
-        data: ExportData,
+        data: ExportBlob,
         ready: EventBlob,
     ) -> Result<DevicePtr, Error> {
         let now = self.now();
@@ -615,9 +614,7 @@ impl Worker {
                     let ev = match self.ready_events.get(&ready.0) {
                         Some(ev) => *ev,
                         None => {
-                            let ev = self
-                                .driver
-                                .ipc_open_event_handle(&IpcEventHandle(ready.0))?;
+                            let ev = self.driver.ipc_open_event_handle(&EventBlob(ready.0))?;
                             self.ready_events.insert(ready.0, ev);
                             ev
                         }
@@ -652,7 +649,7 @@ pub struct Job<'w> {
     /// This process's copies of staged inputs and results, freed when the job finishes.
     staged: Vec<DevicePtr>,
     /// Staged results to send when the job finishes: (wire handle, our copy, bytes).
-    staged_results: Vec<(HandleId, DevicePtr, u64)>,
+    staged_results: Vec<(HandoffId, DevicePtr, u64)>,
     finished: bool,
 }
 
@@ -788,7 +785,7 @@ impl Job<'_> {
                     ..
                 } => {
                     let pool = w.pool_handle(pool)?;
-                    let data = ExportData(export.0);
+                    let data = ExportBlob(export.0);
                     let offer = Offer {
                         handoff: HandoffId(handle.0),
                         job: contract::JobId(self.id.0),
@@ -858,7 +855,7 @@ impl Job<'_> {
                     WorkerAction::RecordDone { .. } => {}
                     WorkerAction::Unimport { alloc } => unimport.push(alloc),
                     WorkerAction::Send(ToParent::Ack { handoff }) => {
-                        acked.push(HandleId(handoff.0))
+                        acked.push(HandoffId(handoff.0))
                     }
                     other => {
                         return Err(Error::Protocol(format!(

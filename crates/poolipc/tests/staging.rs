@@ -14,7 +14,7 @@ use std::sync::Arc;
 use poolipc::staging::{SkipWait, StagingChannel, StagingConfig};
 use poolipc_driver::sim::{SimConfig, SimDriver, ViolationKind};
 use poolipc_driver::{DevicePtr, Driver, PoolSharing, StreamHandle};
-use poolipc_transport::{Connection, HandleId, JobId, connection_from_env, spawn_worker};
+use poolipc_transport::{Connection, HandoffId, JobId, connection_from_env, spawn_worker};
 
 const ROLE: &str = "POOLIPC_STAGING_TEST_ROLE";
 const KIB: u64 = 1 << 10;
@@ -100,14 +100,14 @@ impl Side {
     fn send(&self, ch: &mut StagingChannel, conn: &mut Connection, bytes: u64, seed: u64) {
         let src = self.alloc(bytes);
         self.fill(src, bytes, seed);
-        ch.send_tensor(conn, JobId(seed), HandleId(seed), src, bytes, self.stream)
+        ch.send_tensor(conn, JobId(seed), HandoffId(seed), src, bytes, self.stream)
             .unwrap();
         self.driver.mem_free_async(src, self.stream).unwrap();
     }
 
     fn recv(&self, ch: &mut StagingChannel, conn: &mut Connection, bytes: u64, seed: u64) {
         let dst = self.alloc(bytes);
-        ch.recv_tensor(conn, JobId(seed), HandleId(seed), dst, bytes, self.stream)
+        ch.recv_tensor(conn, JobId(seed), HandoffId(seed), dst, bytes, self.stream)
             .unwrap();
         self.verify(dst, bytes, seed);
         self.driver.mem_free_async(dst, self.stream).unwrap();

@@ -9,7 +9,7 @@ use crate::types::{
     WorkerId,
 };
 use crate::worker::{Worker, WorkerAction, WorkerEvent};
-use crate::{ContractError, PointerLimit};
+use crate::{ContractError, ImportLimit};
 
 const W0: WorkerId = WorkerId(0);
 const W1: WorkerId = WorkerId(1);
@@ -22,7 +22,7 @@ const SMALL: Span = Span {
 
 fn parent() -> Parent {
     let mut p = Parent::new(ParentConfig {
-        limit: PointerLimit::default(),
+        limit: ImportLimit::default(),
         handoff_timeout: Duration::from_millis(10),
     });
     for w in [W0, W1] {

@@ -67,8 +67,8 @@ pub use violation::{Violation, ViolationKind};
 use crate::api::Driver;
 use crate::error::{CuCode, DriverError, Result};
 use crate::types::{
-    Access, DeviceInfo, DevicePtr, DeviceUuid, DriverKind, EventHandle, ExportData, Granularity,
-    IpcEventHandle, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
+    Access, DeviceInfo, DevicePtr, DeviceUuid, DriverKind, EventBlob, EventHandle, ExportBlob,
+    Granularity, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
 };
 
 /// The environment variable [`SimDriver::child_env`] sets and [`SimDriver::from_env`] reads.
@@ -1391,7 +1391,7 @@ impl Driver for SimDriver {
         self.free(ptr, stream)
     }
 
-    fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportData> {
+    fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportBlob> {
         const CALL: &str = "cuMemPoolExportPointer";
         let l = self.local();
         let p = ptr.0;
@@ -1412,7 +1412,7 @@ impl Driver for SimDriver {
                 .live_block_at(slot, off)
                 .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
             let r = &st.blocks[b];
-            Ok(ExportData(export_blob([
+            Ok(ExportBlob(export_blob([
                 state::MAGIC,
                 self.machine.id,
                 BLOB_POINTER,
@@ -1425,7 +1425,7 @@ impl Driver for SimDriver {
         })
     }
 
-    fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportData) -> Result<DevicePtr> {
+    fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportBlob) -> Result<DevicePtr> {
         const CALL: &str = "cuMemPoolImportPointer";
         let [
             magic,
@@ -1582,7 +1582,7 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn ipc_get_event_handle(&self, event: EventHandle) -> Result<IpcEventHandle> {
+    fn ipc_get_event_handle(&self, event: EventHandle) -> Result<EventBlob> {
         const CALL: &str = "cuIpcGetEventHandle";
         let l = self.local();
         self.machine.with(|st| {
@@ -1591,7 +1591,7 @@ impl Driver for SimDriver {
                 // INVALID_HANDLE, as driver 580 answers (measured on the H200).
                 return Err(fail(CALL, CuCode::INVALID_HANDLE));
             }
-            Ok(IpcEventHandle(export_blob([
+            Ok(EventBlob(export_blob([
                 state::MAGIC,
                 self.machine.id,
                 BLOB_EVENT,
@@ -1604,7 +1604,7 @@ impl Driver for SimDriver {
         })
     }
 
-    fn ipc_open_event_handle(&self, handle: &IpcEventHandle) -> Result<EventHandle> {
+    fn ipc_open_event_handle(&self, handle: &EventBlob) -> Result<EventHandle> {
         const CALL: &str = "cuIpcOpenEventHandle";
         let [magic, machine, kind, slot, generation, ..] = blob_fields(&handle.0);
         if magic != state::MAGIC

@@ -3,7 +3,7 @@
 
 use poolipc_transport::{
     Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
-    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandleId, Identity, JobId, Lend, LentTensor,
+    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId, Lend, LentTensor,
     Message, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 
@@ -63,7 +63,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                 job: JobId(7),
                 tensors: vec![
                     LentTensor {
-                        handle: HandleId(1),
+                        handle: HandoffId(1),
                         rung: Rung::PoolPointer,
                         pool: 0,
                         export: ExportBlob(blob64(0x10)),
@@ -77,7 +77,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                         },
                     },
                     LentTensor {
-                        handle: HandleId(2),
+                        handle: HandoffId(2),
                         rung: Rung::PoolPointer,
                         pool: 2,
                         export: ExportBlob(blob64(0x20)),
@@ -110,7 +110,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                 job: JobId(7),
                 results: vec![
                     ResultGrant::Granted {
-                        handle: HandleId(3),
+                        handle: HandoffId(3),
                         rung: Rung::PoolPointer,
                         pool: 1,
                         export: ExportBlob(blob64(0x30)),
@@ -128,14 +128,14 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
             Message::Done(Done {
                 job: JobId(7),
                 done_event: EventBlob(blob64(0xc0)),
-                handles: vec![HandleId(1), HandleId(2), HandleId(3)],
+                handles: vec![HandoffId(1), HandoffId(2), HandoffId(3)],
             }),
         ),
         (
             "ack",
             Message::Ack(Ack {
                 job: JobId(7),
-                handles: vec![HandleId(1), HandleId(2), HandleId(3)],
+                handles: vec![HandoffId(1), HandoffId(2), HandoffId(3)],
             }),
         ),
         (
@@ -167,7 +167,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
             "chunk",
             Message::Chunk(Chunk {
                 job: JobId(7),
-                handle: HandleId(4),
+                handle: HandoffId(4),
                 seq: 3,
                 offset: 3 * (64 << 20),
                 bytes: 12345,

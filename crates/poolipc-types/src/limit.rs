@@ -6,6 +6,13 @@
 //! 164 chunks, with a crash above. The safe rule: the 32 MiB chunks that `[ptr, ptr + size)`
 //! touches must number at most 128. Chunks are counted from the pointer, not the size alone:
 //! an allocation that does not start on a chunk boundary touches one chunk more.
+//!
+//! The pool enforces it, the contract checks it (its `Invariant::ImportLimit`), and the
+//! facade picks the rung by it: one rule, here.
+
+use std::fmt;
+
+use crate::span::Span;
 
 /// A chunk of the pool's physical backing: 32 MiB.
 pub const CHUNK_BYTES: u64 = 32 << 20;
@@ -14,7 +21,10 @@ pub const MAX_CHUNKS: u64 = 128;
 
 /// The rule deciding whether an allocation may go by pool pointer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub struct ImportLimit {
+    // Never zero when made by `new` or `default`; read through `chunk_bytes()`, which treats a
+    // zero (only `arbitrary` can make one) as one byte so that no division panics.
     chunk_bytes: u64,
     max_chunks: u64,
 }
@@ -30,11 +40,7 @@ impl Default for ImportLimit {
 }
 
 /// An allocation the limit refuses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "an allocation of {bytes} bytes at {ptr:#x} touches {chunks} chunks of {chunk_bytes} bytes; \
-     pointer import allows at most {max_chunks} (libcuda's import overflows its stack beyond)"
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LimitExceeded {
     /// The allocation's start.
     pub ptr: u64,
@@ -47,6 +53,19 @@ pub struct LimitExceeded {
     /// The rule's maximum.
     pub max_chunks: u64,
 }
+
+impl fmt::Display for LimitExceeded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "an allocation of {} bytes at {:#x} touches {} chunks of {} bytes; pointer import \
+             allows at most {} (libcuda's import overflows its stack beyond)",
+            self.bytes, self.ptr, self.chunks, self.chunk_bytes, self.max_chunks
+        )
+    }
+}
+
+impl std::error::Error for LimitExceeded {}
 
 impl ImportLimit {
     /// A rule with another chunk size or maximum (a different driver, a test). Returns `None`
@@ -71,7 +90,7 @@ impl ImportLimit {
     /// The chunk size.
     #[must_use]
     pub fn chunk_bytes(&self) -> u64 {
-        self.chunk_bytes
+        self.chunk_bytes.max(1)
     }
 
     /// The maximum number of chunks.
@@ -87,14 +106,23 @@ impl ImportLimit {
         if bytes == 0 {
             return 0;
         }
+        let chunk = self.chunk_bytes();
         let last = ptr.saturating_add(bytes - 1);
-        last / self.chunk_bytes - ptr / self.chunk_bytes + 1
+        last / chunk - ptr / chunk + 1
     }
 
     /// Whether `[ptr, ptr + bytes)` may be offered for pointer import.
     #[must_use]
     pub fn allows(&self, ptr: u64, bytes: u64) -> bool {
         self.chunks_spanned(ptr, bytes) <= self.max_chunks
+    }
+
+    /// Whether an allocation covering `span` may be offered for pointer import: as
+    /// [`allows`](ImportLimit::allows), and a span that wraps the address space never is.
+    #[must_use]
+    pub fn admits(&self, span: Span) -> bool {
+        let wraps = span.bytes > 0 && span.ptr.checked_add(span.bytes - 1).is_none();
+        !wraps && self.allows(span.ptr, span.bytes)
     }
 
     /// [`allows`](ImportLimit::allows), with the reason when it does not.
@@ -107,7 +135,7 @@ impl ImportLimit {
                 ptr,
                 bytes,
                 chunks,
-                chunk_bytes: self.chunk_bytes,
+                chunk_bytes: self.chunk_bytes(),
                 max_chunks: self.max_chunks,
             })
         }
@@ -116,9 +144,10 @@ impl ImportLimit {
     /// The largest allocation starting at `ptr` that the rule allows.
     #[must_use]
     pub fn max_bytes_at(&self, ptr: u64) -> u64 {
-        let into_chunk = ptr % self.chunk_bytes;
+        let chunk = self.chunk_bytes();
+        let into_chunk = ptr % chunk;
         self.max_chunks
-            .saturating_mul(self.chunk_bytes)
+            .saturating_mul(chunk)
             .saturating_sub(into_chunk)
     }
 }
@@ -153,6 +182,7 @@ mod tests {
         assert_eq!(limit.chunks_spanned(ptr, bytes), chunks);
         assert_eq!(limit.allows(ptr, bytes), allowed);
         assert_eq!(limit.check(ptr, bytes).is_ok(), allowed);
+        assert_eq!(limit.admits(Span { ptr, bytes }), allowed);
     }
 
     #[test]
@@ -190,6 +220,42 @@ mod tests {
         assert!(limit.chunks_spanned(u64::MAX - 10, 100) >= 1);
     }
 
+    // From the contract's former `ImportLimit`, now this type.
+
+    #[test]
+    fn an_aligned_allocation_of_exactly_128_chunks_is_admitted() {
+        let limit = ImportLimit::default();
+        assert!(limit.admits(Span {
+            ptr: 0,
+            bytes: 128 * 32 * MIB
+        }));
+    }
+
+    #[test]
+    fn an_unaligned_allocation_of_128_chunks_touches_129_and_is_refused() {
+        let limit = ImportLimit::default();
+        let span = Span {
+            ptr: 4096,
+            bytes: 128 * 32 * MIB,
+        };
+        assert_eq!(limit.chunks_spanned(span.ptr, span.bytes), 129);
+        assert!(!limit.admits(span));
+    }
+
+    #[test]
+    fn a_span_that_wraps_the_address_space_is_refused() {
+        let limit = ImportLimit::default();
+        assert!(!limit.admits(Span {
+            ptr: u64::MAX,
+            bytes: 2
+        }));
+    }
+
+    #[test]
+    fn a_zero_chunk_size_is_no_rule() {
+        assert!(ImportLimit::new(0, 128).is_none());
+    }
+
     proptest! {
         #[test]
         fn allowed_ranges_never_touch_more_than_the_maximum(ptr in 0u64..(1 << 48), bytes in 0u64..(8u64 << 30)) {
@@ -201,6 +267,7 @@ mod tests {
             }
             prop_assert_eq!(limit.allows(ptr, bytes), chunks <= MAX_CHUNKS);
             prop_assert_eq!(limit.allows(ptr, bytes), bytes <= limit.max_bytes_at(ptr));
+            prop_assert_eq!(limit.admits(Span { ptr, bytes }), limit.allows(ptr, bytes));
         }
     }
 }

@@ -1,0 +1,32 @@
+//! The plain types every poolipc crate speaks in, defined once.
+//!
+//! - Ids: [`WorkerId`], [`JobId`], [`HandoffId`] (the wire's handle), [`AllocId`],
+//!   [`RequestId`].
+//! - [`Span`]: an allocation's device address range.
+//! - [`DType`]: a tensor's element type, with its wire number.
+//! - [`DeviceUuid`]: a GPU's stable identity.
+//! - [`ExportBlob`] and [`EventBlob`]: the 64 opaque bytes of a pointer export and of an
+//!   interprocess event handle.
+//! - [`Rung`]: how a tensor crosses the process boundary, with its wire number.
+//! - [`ImportLimit`]: the chunk rule deciding which allocations may go by pool pointer.
+//!
+//! No dependencies (the optional `arbitrary` feature aside), no IO, no unsafe: the driver,
+//! the contract and the transport all sit on top of this crate.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod blob;
+mod device;
+mod dtype;
+mod id;
+mod limit;
+mod rung;
+mod span;
+
+pub use blob::{EventBlob, ExportBlob};
+pub use device::DeviceUuid;
+pub use dtype::DType;
+pub use id::{AllocId, HandoffId, JobId, RequestId, WorkerId};
+pub use limit::{CHUNK_BYTES, ImportLimit, LimitExceeded, MAX_CHUNKS};
+pub use rung::Rung;
+pub use span::Span;
