@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::invariant::{Invariant, Violation};
-use crate::message::{ToParent, ToWorker};
+use crate::legacy::{ToParent, ToWorker};
 use crate::parent::ParentAction;
 use crate::types::{AllocId, HandoffId, Outcome, Purpose, Span, WorkerId};
 use crate::worker::WorkerAction;

@@ -43,7 +43,8 @@
 pub mod audit;
 mod error;
 mod invariant;
-mod message;
+mod legacy;
+pub mod message;
 mod mutation;
 mod parent;
 pub mod sim;
@@ -56,7 +57,13 @@ mod tests;
 
 pub use error::ContractError;
 pub use invariant::{Invariant, Violation};
-pub use message::{Offer, Refusal, ToParent, ToWorker};
+pub use legacy::{Offer, Refusal, ToParent, ToWorker};
+pub use message::{
+    Ack, AllocationGrant, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
+    ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN,
+    Message, MessageKind, ResultGrant, ResultRequest, StagingBuffer, TensorMeta,
+};
+pub use poolipc_types::{DeviceUuid, EventBlob, ExportBlob, Rung};
 pub use parent::{FailReason, Parent, ParentAction, ParentConfig, ParentEvent};
 pub use poolipc_types::{
     AllocId, CHUNK_BYTES, DType, HandoffId, ImportLimit, JobId, MAX_CHUNKS, RequestId, Span,

@@ -1,88 +1,512 @@
-//! The messages the contract exchanges between parent and worker. The transport frames them;
-//! the facade attaches what only it has (the export blob, the READY event handle).
+//! The messages of the wire protocol: one vocabulary, owned by the contract.
+//!
+//! The contract's machines take these in and emit them; the transport (`poolipc-transport`)
+//! only encodes them and carries the file descriptors that [`MessageKind::expected_fds`]
+//! names; the facade sends exactly what the machines emitted. The ids, dtypes, device UUIDs, blobs
+//! and rungs they carry are `poolipc-types`', re-exported at this crate's root.
 
-use crate::types::{AllocId, HandoffId, JobId, Purpose, RequestId, ResultSpec, Span};
+use std::fmt;
 
-/// The parent's offer of one allocation to one worker, for reading or for writing in place.
-/// On the wire it travels with the pointer's export data and the READY event's handle.
+use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
+
+/// The most dimensions a tensor may have on the wire.
+pub const MAX_DIMS: usize = 32;
+
+/// The longest human-readable text (error and refusal messages) on the wire, in bytes.
+pub const MAX_TEXT_LEN: usize = 1024;
+
+/// The most items in one list of a message (tensors of a `Lend`, results, grants, handles).
+///
+/// Besides the frame cap, this bounds what a decoder allocates: the in-memory form of an item
+/// can be larger than its wire form (a refused grant is 5 bytes on the wire, ~150 in memory).
+pub const MAX_BATCH: usize = 8192;
+
+/// The most devices an [`Identity`] may list.
+pub const MAX_DEVICES: usize = 64;
+
+/// Capability bits a side announces in the handshake.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Capabilities(pub u64);
+
+impl Capabilities {
+    /// No capability.
+    pub const NONE: Self = Self(0);
+    /// Pool pointer export/import (rung 1 of the ladder).
+    pub const POOL_POINTER: Self = Self(1 << 0);
+    /// Interprocess events for READY/DONE gating.
+    pub const IPC_EVENTS: Self = Self(1 << 1);
+    /// The VMM arena (results without a size limit).
+    pub const VMM_ARENA: Self = Self(1 << 2);
+    /// Host staging through pinned shared memory.
+    pub const HOST_STAGING: Self = Self(1 << 3);
+
+    /// Whether every bit of `other` is set in `self`.
+    pub fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+
+    /// The bits of `self` that `other` lacks.
+    pub fn missing_from(self, other: Self) -> Self {
+        Self(self.0 & !other.0)
+    }
+
+    /// Both sides' bits.
+    pub fn intersection(self, other: Self) -> Self {
+        Self(self.0 & other.0)
+    }
+}
+
+impl std::ops::BitOr for Capabilities {
+    type Output = Self;
+    fn bitor(self, rhs: Self) -> Self {
+        Self(self.0 | rhs.0)
+    }
+}
+
+/// A tensor's layout over an allocation.
 #[derive(Clone, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Offer {
-    /// The handoff this offer opens.
-    pub handoff: HandoffId,
-    /// The job the memory belongs to.
-    pub job: JobId,
-    /// The exported allocation: the worker imports it once and refcounts it
-    /// ([`crate::Invariant::OneImportPerAllocation`]).
+pub struct TensorMeta {
+    /// Element type.
+    pub dtype: DType,
+    /// Size of each dimension (at most [`MAX_DIMS`]).
+    pub shape: Vec<u64>,
+    /// Stride of each dimension, in elements (may be negative or zero); as many as `shape`.
+    pub strides: Vec<i64>,
+    /// Offset of element 0 from the start of the allocation, in bytes.
+    pub byte_offset: u64,
+    /// Bytes of the allocation the tensor may touch.
+    pub byte_len: u64,
+}
+
+/// One tensor of a [`Lend`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LentTensor {
+    /// The handoff this tensor opens (the contract's name for it).
+    pub handle: HandoffId,
+    /// The allocation it lives in: the worker imports once per allocation and refcounts the
+    /// import. Meaningful on the pool-pointer rung; on host staging the worker ignores it.
     pub alloc: AllocId,
-    /// The allocation's range.
-    pub span: Span,
-    /// Input to read, or result to write.
-    pub purpose: Purpose,
+    /// The rung it travels on.
+    pub rung: Rung,
+    /// Which of the parent's pools the allocation comes from: 0 is the pool whose FD came with
+    /// `Hello`, n > 0 the one offered by `ExtraPool { index: n }`. Meaningless (0) on the
+    /// host-staging rung.
+    pub pool: u8,
+    /// The pointer export.
+    pub export: ExportBlob,
+    /// The READY event the worker waits on before touching the memory.
+    pub ready_event: EventBlob,
+    /// The layout.
+    pub meta: TensorMeta,
 }
 
-/// Why the parent will not give a worker memory for a result.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-#[non_exhaustive]
-pub enum Refusal {
-    /// The parent's allocator declined (out of memory, or the facade chose another rung).
-    Declined,
-    /// The allocation made would exceed the pointer import limit: use another rung.
-    AboveImportLimit,
-    /// The allocation made is smaller than the bytes announced.
-    TooSmall,
-    /// The announced bytes do not cover the shape and dtype.
-    Malformed,
+/// Parent → worker: tensors lent for a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lend {
+    /// The job.
+    pub job: JobId,
+    /// The tensors, in argument order.
+    pub tensors: Vec<LentTensor>,
+}
+
+/// The shape of one result, announced before the parent allocates it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResultSpec {
+    /// Element type.
+    pub dtype: DType,
+    /// Size of each dimension (at most [`MAX_DIMS`]); results are contiguous.
+    pub shape: Vec<u64>,
+    /// Bytes the result needs.
+    pub byte_len: u64,
+}
+
+/// Worker → parent: the results a job will produce, shape first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResultRequest {
+    /// The job.
+    pub job: JobId,
+    /// One entry per result.
+    pub results: Vec<ResultSpec>,
+}
+
+/// The parent's answer for one requested result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ResultGrant {
+    /// Allocated: the worker imports `export` after waiting on `ready_event`, and writes.
+    Granted {
+        /// The handoff this result opens (the contract's name for it).
+        handle: HandoffId,
+        /// The allocation made for it (see [`LentTensor::alloc`]).
+        alloc: AllocId,
+        /// The rung it travels on.
+        rung: Rung,
+        /// Which of the parent's pools the allocation comes from: 0 is the pool whose FD came
+        /// with `Hello`, n > 0 the one offered by `ExtraPool { index: n }`. Meaningless (0) on
+        /// the host-staging rung.
+        pool: u8,
+        /// The pointer export.
+        export: ExportBlob,
+        /// The READY event.
+        ready_event: EventBlob,
+    },
+    /// Not allocated.
+    Refused {
+        /// Why, as a code the worker can act on.
+        code: ErrorCode,
+        /// Why, for a person.
+        message: String,
+    },
+}
+
+/// Parent → worker: the answer to a [`ResultRequest`], one entry per requested result.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AllocationGrant {
+    /// The job.
+    pub job: JobId,
+    /// In the order of the request.
+    pub results: Vec<ResultGrant>,
+}
+
+/// Worker → parent: the worker recorded DONE after its last access to these allocations.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Done {
+    /// The job.
+    pub job: JobId,
+    /// The DONE event the parent's consumer streams wait on.
+    pub done_event: EventBlob,
+    /// The allocations it covers.
+    pub handles: Vec<HandoffId>,
+}
+
+/// Acknowledges handles: from the worker, "unimported, you may release"; from the parent,
+/// "released".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ack {
+    /// The job.
+    pub job: JobId,
+    /// The allocations it covers.
+    pub handles: Vec<HandoffId>,
+}
+
+/// One device a side can see, for multi-GPU setups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceEntry {
+    /// Stable identity.
+    pub uuid: DeviceUuid,
+    /// Ordinal in the sending process (differs across `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: u32,
+}
+
+/// What a side says about itself in the handshake.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// The device the shared pool lives on.
+    pub device: DeviceUuid,
+    /// `cuDriverGetVersion`.
+    pub driver_version: i32,
+    /// What this side supports.
+    pub capabilities: Capabilities,
+    /// All devices this side sees (at most [`MAX_DEVICES`]).
+    pub devices: Vec<DeviceEntry>,
+}
+
+/// Parent → worker: the host-staging buffer, sent with exactly one FD (its memfd).
+///
+/// The parent created the buffer and all four interprocess events; the worker maps the
+/// buffer, registers it, opens the events and answers [`Message::StagingReady`]. Whichever
+/// side sends a tensor's bytes records `filled`, the side receiving them records `drained`,
+/// so one buffer serves both directions (one transfer at a time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StagingBuffer {
+    /// Bytes of the shared buffer (both halves).
+    pub bytes: u64,
+    /// Bytes of one chunk: the size of each half.
+    pub chunk: u64,
+    /// `filled[h]`: recorded by the sender of the data after its copy into half `h`.
+    pub filled_event: [EventBlob; 2],
+    /// `drained[h]`: recorded by the receiver of the data after its copy out of half `h`.
+    pub drained_event: [EventBlob; 2],
+}
+
+/// Either side: one chunk of a host-staged tensor is in the buffer (from the sender of the
+/// data), or has been copied out of it (the receiver's acknowledgement, same fields).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// The job the tensor belongs to.
+    pub job: JobId,
+    /// The tensor's handle.
+    pub handle: HandoffId,
+    /// The chunk's number within the tensor, from 0; it uses half `seq % 2`.
+    pub seq: u64,
+    /// The chunk's offset within the tensor, in bytes.
+    pub offset: u64,
+    /// The chunk's length in bytes.
+    pub bytes: u64,
+}
+
+/// Parent → worker, with exactly one FD (the pool's): another of the parent's pools (a pool
+/// per device).
+///
+/// `index` (1..=255) is what [`LentTensor::pool`] and [`ResultGrant::Granted`]'s `pool` name
+/// it by; `device` is the UUID of the device it lives on. The worker answers
+/// [`ExtraPoolReply`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExtraPool {
+    /// The pool's number on this connection, 1..=255 (0 is the pool that came with `Hello`).
+    pub index: u8,
+    /// The device the pool lives on.
+    pub device: DeviceUuid,
+}
+
+/// Worker → parent: the answer to an [`ExtraPool`].
+///
+/// Whether the worker attached the pool and can use it from its device; when not, `reason`
+/// says why (at most [`MAX_TEXT_LEN`] bytes, like other texts) and the parent sends that
+/// pool's tensors by host staging.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExtraPoolReply {
+    /// The [`ExtraPool::index`] answered.
+    pub index: u8,
+    /// Whether the worker attached the pool and can use it from its device.
+    pub reachable: bool,
+    /// When not reachable, why, for a person (at most [`MAX_TEXT_LEN`] bytes).
+    pub reason: String,
+}
+
+/// A numeric reason on the wire. Unknown codes decode fine (a newer peer may send one); the
+/// names below are the ones this version knows.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ErrorCode(pub u16);
+
+impl ErrorCode {
+    /// Something else; read the message.
+    pub const OTHER: Self = Self(0);
+    /// The protocol versions differ.
+    pub const VERSION_MISMATCH: Self = Self(1);
+    /// The sides are not on the same device.
+    pub const DEVICE_MISMATCH: Self = Self(2);
+    /// The driver versions differ.
+    pub const DRIVER_MISMATCH: Self = Self(3);
+    /// The peer lacks a required capability.
+    pub const MISSING_CAPABILITY: Self = Self(4);
+    /// A message arrived that the protocol does not allow at this point.
+    pub const UNEXPECTED_MESSAGE: Self = Self(5);
+    /// A frame could not be decoded.
+    pub const MALFORMED_FRAME: Self = Self(6);
+    /// Not enough memory for the allocation.
+    pub const OUT_OF_MEMORY: Self = Self(7);
+    /// The allocation exceeds the import limit.
+    pub const OVER_IMPORT_LIMIT: Self = Self(8);
     /// The job was cancelled.
-    Cancelled,
-    /// The parent is shutting down.
-    ShuttingDown,
+    pub const CANCELLED: Self = Self(9);
+    /// An internal failure of the sender.
+    pub const INTERNAL: Self = Self(10);
+
+    /// The known name, if any.
+    pub fn name(self) -> Option<&'static str> {
+        Some(match self {
+            Self::OTHER => "other",
+            Self::VERSION_MISMATCH => "version mismatch",
+            Self::DEVICE_MISMATCH => "device mismatch",
+            Self::DRIVER_MISMATCH => "driver version mismatch",
+            Self::MISSING_CAPABILITY => "missing capability",
+            Self::UNEXPECTED_MESSAGE => "unexpected message",
+            Self::MALFORMED_FRAME => "malformed frame",
+            Self::OUT_OF_MEMORY => "out of memory",
+            Self::OVER_IMPORT_LIMIT => "over import limit",
+            Self::CANCELLED => "cancelled",
+            Self::INTERNAL => "internal",
+            _ => return None,
+        })
+    }
 }
 
-/// Parent to worker.
+impl fmt::Debug for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => write!(f, "ErrorCode({} {n:?})", self.0),
+            None => write!(f, "ErrorCode({})", self.0),
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => write!(f, "{n}"),
+            None => write!(f, "code {}", self.0),
+        }
+    }
+}
+
+/// A message of the protocol. See the crate documentation for who sends which.
 #[derive(Clone, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-#[non_exhaustive]
-pub enum ToWorker {
-    /// Import this allocation, wait on READY, use it, then DONE, UNIMPORT, ACK.
-    Offer(Offer),
-    /// No memory for this result request.
-    ResultRefused {
-        /// The job of the request.
-        job: JobId,
-        /// The request refused.
-        request: RequestId,
-        /// Why.
-        reason: Refusal,
+pub enum Message {
+    /// Parent → worker, first frame, with exactly one FD: the shared pool's.
+    Hello(Identity),
+    /// Worker → parent, then parent → worker: the handshake is accepted; the sender's side of
+    /// the story.
+    HelloAck(Identity),
+    /// Either side, during the handshake: refused, and why. The sender closes after it.
+    Refuse {
+        /// What the sender found wrong.
+        code: ErrorCode,
+        /// For a person.
+        message: String,
     },
-    /// Stop working on this job; finish (DONE, UNIMPORT, ACK) what it holds.
+    /// Parent → worker: tensors lent for a job.
+    Lend(Lend),
+    /// Worker → parent: the results' shapes, before the parent allocates them.
+    ResultRequest(ResultRequest),
+    /// Parent → worker: allocations for the requested results.
+    AllocationGrant(AllocationGrant),
+    /// Worker → parent: DONE was recorded after the last access.
+    Done(Done),
+    /// Either side: handles acknowledged (see [`Ack`]).
+    Ack(Ack),
+    /// Either side: something failed.
+    Error {
+        /// What failed, as a code.
+        code: ErrorCode,
+        /// For a person.
+        message: String,
+    },
+    /// Worker → parent: the worker's code failed on this job. The worker still finishes the
+    /// job (Done, Ack); the job then ends with this message as its error.
+    JobError {
+        /// The job.
+        job: JobId,
+        /// For a person.
+        message: String,
+    },
+    /// Parent → worker: stop working on a job.
     Cancel {
-        /// The job cancelled.
+        /// The job.
         job: JobId,
     },
-    /// The parent is shutting down: take no more work, finish what is held.
-    Shutdown,
+    /// Either side: still alive.
+    Heartbeat {
+        /// Echoed by the answer, so round trips can be matched.
+        seq: u64,
+    },
+    /// Either side: closing on purpose.
+    Bye,
+    /// Parent → worker, once per connection before the first host-staged tensor, with exactly
+    /// one FD (the buffer's memfd). See [`StagingBuffer`].
+    StagingBuffer(StagingBuffer),
+    /// Worker → parent: the staging buffer is mapped and registered, the events opened.
+    StagingReady {
+        /// The buffer's size as the worker found it (equal to [`StagingBuffer::bytes`]).
+        bytes: u64,
+    },
+    /// Either side: a host-staged chunk is in the buffer, or (echoed back) drained from it.
+    Chunk(Chunk),
+    /// Parent → worker, with exactly one FD (the pool's): another of the parent's pools (a
+    /// pool per device). See [`ExtraPool`].
+    ExtraPool(ExtraPool),
+    /// Worker → parent: whether the worker can use that pool. See [`ExtraPoolReply`].
+    ExtraPoolReply(ExtraPoolReply),
 }
 
-/// Worker to parent.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-#[non_exhaustive]
-pub enum ToParent {
-    /// Shape first: the worker asks for result memory.
-    ResultRequest {
-        /// The job the result belongs to.
-        job: JobId,
-        /// The worker's number for this request, increasing.
-        request: RequestId,
-        /// Shape, dtype and bytes.
-        spec: ResultSpec,
-    },
-    /// DONE is recorded after the last access and the import reference is dropped
-    /// (unimported if it was the last): the parent may release once its streams wait on DONE.
-    Ack {
-        /// The handoff finished.
-        handoff: HandoffId,
-    },
+/// The kind of a [`Message`], with its wire tag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+#[allow(missing_docs)] // one per Message variant, same names
+pub enum MessageKind {
+    Hello = 1,
+    HelloAck = 2,
+    Refuse = 3,
+    Lend = 4,
+    ResultRequest = 5,
+    AllocationGrant = 6,
+    Done = 7,
+    Ack = 8,
+    Error = 9,
+    Cancel = 10,
+    Heartbeat = 11,
+    Bye = 12,
+    StagingBuffer = 13,
+    StagingReady = 14,
+    Chunk = 15,
+    ExtraPool = 16,
+    ExtraPoolReply = 17,
+    JobError = 18,
+}
+
+impl MessageKind {
+    /// Every kind, in tag order.
+    pub const ALL: [MessageKind; 18] = [
+        MessageKind::Hello,
+        MessageKind::HelloAck,
+        MessageKind::Refuse,
+        MessageKind::Lend,
+        MessageKind::ResultRequest,
+        MessageKind::AllocationGrant,
+        MessageKind::Done,
+        MessageKind::Ack,
+        MessageKind::Error,
+        MessageKind::Cancel,
+        MessageKind::Heartbeat,
+        MessageKind::Bye,
+        MessageKind::StagingBuffer,
+        MessageKind::StagingReady,
+        MessageKind::Chunk,
+        MessageKind::ExtraPool,
+        MessageKind::ExtraPoolReply,
+        MessageKind::JobError,
+    ];
+
+    /// The kind with this wire tag.
+    pub fn from_tag(tag: u8) -> Option<Self> {
+        Self::ALL.iter().copied().find(|k| *k as u8 == tag)
+    }
+
+    /// How many file descriptors a frame of this kind carries: the only count accepted.
+    ///
+    /// `Hello` and `ExtraPool` carry a pool's FD, `StagingBuffer` the host-staging memfd;
+    /// nothing else carries any. Rungs that need FDs (VMM arena chunks) will add kinds here,
+    /// never relax the check.
+    pub fn expected_fds(self) -> usize {
+        match self {
+            MessageKind::Hello | MessageKind::StagingBuffer | MessageKind::ExtraPool => 1,
+            _ => 0,
+        }
+    }
+}
+
+impl fmt::Display for MessageKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+impl Message {
+    /// The kind (and wire tag) of this message.
+    pub fn kind(&self) -> MessageKind {
+        match self {
+            Message::Hello(_) => MessageKind::Hello,
+            Message::HelloAck(_) => MessageKind::HelloAck,
+            Message::Refuse { .. } => MessageKind::Refuse,
+            Message::Lend(_) => MessageKind::Lend,
+            Message::ResultRequest(_) => MessageKind::ResultRequest,
+            Message::AllocationGrant(_) => MessageKind::AllocationGrant,
+            Message::Done(_) => MessageKind::Done,
+            Message::Ack(_) => MessageKind::Ack,
+            Message::Error { .. } => MessageKind::Error,
+            Message::Cancel { .. } => MessageKind::Cancel,
+            Message::Heartbeat { .. } => MessageKind::Heartbeat,
+            Message::Bye => MessageKind::Bye,
+            Message::StagingBuffer(_) => MessageKind::StagingBuffer,
+            Message::StagingReady { .. } => MessageKind::StagingReady,
+            Message::Chunk(_) => MessageKind::Chunk,
+            Message::ExtraPool(_) => MessageKind::ExtraPool,
+            Message::ExtraPoolReply(_) => MessageKind::ExtraPoolReply,
+            Message::JobError { .. } => MessageKind::JobError,
+        }
+    }
+
+    /// How many file descriptors travel with this message (see [`MessageKind::expected_fds`]).
+    pub fn expected_fds(&self) -> usize {
+        self.kind().expected_fds()
+    }
 }

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use crate::error::ContractError;
-use crate::message::{Offer, Refusal, ToParent, ToWorker};
+use crate::legacy::{Offer, Refusal, ToParent, ToWorker};
 use crate::types::{
     AllocId, HandoffId, JobId, Outcome, Purpose, RequestId, ResultSpec, Span, Timestamp, WorkerId,
 };

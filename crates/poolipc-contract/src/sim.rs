@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::audit::Auditor;
 use crate::error::ContractError;
 use crate::invariant::Violation;
-use crate::message::{ToParent, ToWorker};
+use crate::legacy::{ToParent, ToWorker};
 use crate::parent::{Parent, ParentAction, ParentConfig, ParentEvent};
 use crate::types::{
     AllocId, DType, HandoffId, JobId, Outcome, Purpose, RequestId, ResultSpec, Span, Timestamp,

@@ -84,7 +84,7 @@
 
 use std::marker::PhantomData;
 
-use crate::message::ToParent;
+use crate::legacy::ToParent;
 use crate::types::{AllocId, HandoffId, WorkerId};
 
 /// The states a handle moves through. Zero-sized markers.

@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use crate::error::ContractError;
-use crate::message::{Offer, Refusal, ToParent, ToWorker};
+use crate::legacy::{Offer, Refusal, ToParent, ToWorker};
 use crate::types::{AllocId, HandoffId, JobId, Purpose, RequestId, ResultSpec, Span, Timestamp};
 
 /// Something from outside for the worker machine.

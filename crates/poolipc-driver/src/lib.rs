@@ -14,6 +14,7 @@
 mod api;
 mod cuda;
 mod error;
+mod owned;
 pub mod host;
 pub mod platform;
 pub mod sim;
@@ -24,6 +25,7 @@ pub use api::Driver;
 pub use api::MockDriver;
 pub use cuda::CudaDriver;
 pub use error::{CuCode, DriverError, Result};
+pub use owned::{OwnedEvent, OwnedStream};
 pub use poolipc_types::{DeviceUuid, EventBlob, ExportBlob};
 pub use types::{
     Access, DeviceInfo, DevicePtr, DriverKind, EventHandle, Granularity, PoolAttribute,

@@ -8,8 +8,8 @@ use std::hint::black_box;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use poolipc_transport::codec::{decode, encode};
 use poolipc_transport::{
-    DType, EventBlob, ExportBlob, FrameLimits, HandoffId, JobId, Lend, LentTensor, Message, Rung,
-    TensorMeta,
+    AllocId, DType, EventBlob, ExportBlob, FrameLimits, HandoffId, JobId, Lend, LentTensor,
+    Message, Rung, TensorMeta,
 };
 
 fn lend(n: u64) -> Message {
@@ -18,6 +18,7 @@ fn lend(n: u64) -> Message {
         tensors: (0..n)
             .map(|i| LentTensor {
                 handle: HandoffId(i),
+                alloc: AllocId(i / 2),
                 rung: Rung::PoolPointer,
                 pool: 0,
                 export: ExportBlob([i as u8; 64]),

@@ -18,17 +18,17 @@
 //! - `Hello`, `HelloAck`: device uuid `[16]`, driver version i32, capabilities u64,
 //!   devices `u16 count × (uuid [16], ordinal u32)`.
 //! - `Refuse`, `Error`: code u16, message text.
-//! - `Lend`: job u64, `list<tensor>`; tensor: handle u64, rung u8, pool u8, export `[64]`,
+//! - `Lend`: job u64, `list<tensor>`; tensor: handle u64, alloc u64, rung u8, pool u8, export `[64]`,
 //!   ready event `[64]`, dtype u8, ndim u8, shape `u64 × ndim`, strides `i64 × ndim`,
 //!   byte offset u64, byte length u64.
 //! - `ResultRequest`: job u64, `list<spec>`; spec: dtype u8, ndim u8, shape `u64 × ndim`,
 //!   byte length u64.
 //! - `AllocationGrant`: job u64, `list<grant>`; grant: kind u8 (1 granted, 2 refused);
-//!   granted: handle u64, rung u8, pool u8, export `[64]`, ready event `[64]`; refused:
+//!   granted: handle u64, alloc u64, rung u8, pool u8, export `[64]`, ready event `[64]`; refused:
 //!   code u16, text.
 //! - `Done`: job u64, done event `[64]`, `list<u64 handle>`.
 //! - `Ack`: job u64, `list<u64 handle>`.
-//! - `Cancel`: job u64. `Heartbeat`: seq u64. `Bye`: nothing.
+//! - `Cancel`: job u64. `Heartbeat`: seq u64. `Bye`: nothing. `JobError`: job u64, text.
 //! - `StagingBuffer`: bytes u64, chunk u64, filled events `[64] × 2`, drained events
 //!   `[64] × 2` (and one FD beside the frame). `StagingReady`: bytes u64.
 //! - `Chunk`: job u64, handle u64, seq u64, offset u64, bytes u64.
@@ -46,15 +46,15 @@
 //! decoder allocate more than a small multiple of `n`, and `n` is capped by [`FrameLimits`].
 
 use crate::message::{
-    Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
-    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId, Lend, LentTensor,
-    MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
-    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    Ack, AllocationGrant, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
+    ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN,
+    Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
+use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 
 /// The protocol version this crate speaks. Bumped on any change of the wire format; the golden
 /// frames in `fixtures/frames/` pin the current one.
-pub const PROTOCOL_VERSION: u8 = 2;
+pub const PROTOCOL_VERSION: u8 = 3;
 
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
@@ -444,6 +444,7 @@ impl Writer<'_> {
                 self.count("tensors", lend.tensors.len())?;
                 for t in &lend.tensors {
                     self.u64(t.handle.0);
+                    self.u64(t.alloc.0);
                     self.u8(t.rung as u8);
                     self.u8(t.pool);
                     self.bytes(&t.export.0);
@@ -489,6 +490,7 @@ impl Writer<'_> {
                     match g {
                         ResultGrant::Granted {
                             handle,
+                            alloc,
                             rung,
                             pool,
                             export,
@@ -496,6 +498,7 @@ impl Writer<'_> {
                         } => {
                             self.u8(GRANT_GRANTED);
                             self.u64(handle.0);
+                            self.u64(alloc.0);
                             self.u8(*rung as u8);
                             self.u8(*pool);
                             self.bytes(&export.0);
@@ -520,6 +523,10 @@ impl Writer<'_> {
                 self.handles(&ack.handles)?;
             }
             Message::Cancel { job } => self.u64(job.0),
+            Message::JobError { job, message } => {
+                self.u64(job.0);
+                self.text("message", message)?;
+            }
             Message::Heartbeat { seq } => self.u64(*seq),
             Message::Bye => {}
             Message::StagingBuffer(sb) => {
@@ -612,7 +619,7 @@ struct Reader<'a> {
 }
 
 /// Wire bytes of the smallest item of each list, for the count check.
-const MIN_TENSOR_WIRE: usize = 8 + 1 + 1 + 64 + 64 + 1 + 1 + 8 + 8;
+const MIN_TENSOR_WIRE: usize = 8 + 8 + 1 + 1 + 64 + 64 + 1 + 1 + 8 + 8;
 const MIN_SPEC_WIRE: usize = 1 + 1 + 8;
 const MIN_GRANT_WIRE: usize = 1 + 2 + 2;
 const DEVICE_WIRE: usize = 16 + 4;
@@ -753,6 +760,7 @@ impl Reader<'_> {
     }
     fn tensor(&mut self) -> Result<LentTensor, DecodeError> {
         let handle = HandoffId(self.u64("handle")?);
+        let alloc = AllocId(self.u64("alloc")?);
         let rung = self.rung()?;
         let pool = self.u8("pool")?;
         let export = ExportBlob(self.take("export")?);
@@ -770,6 +778,7 @@ impl Reader<'_> {
         }
         Ok(LentTensor {
             handle,
+            alloc,
             rung,
             pool,
             export,
@@ -787,6 +796,7 @@ impl Reader<'_> {
         match self.u8("grant")? {
             GRANT_GRANTED => Ok(ResultGrant::Granted {
                 handle: HandoffId(self.u64("handle")?),
+                alloc: AllocId(self.u64("alloc")?),
                 rung: self.rung()?,
                 pool: self.u8("pool")?,
                 export: ExportBlob(self.take("export")?),
@@ -814,6 +824,10 @@ impl Reader<'_> {
             },
             MessageKind::Error => Message::Error {
                 code: ErrorCode(self.u16("code")?),
+                message: self.text("message")?,
+            },
+            MessageKind::JobError => Message::JobError {
+                job: JobId(self.u64("job")?),
                 message: self.text("message")?,
             },
             MessageKind::Lend => {

@@ -23,7 +23,8 @@ use std::time::Instant;
 
 use crate::codec::{DecodeError, PROTOCOL_VERSION};
 use crate::connection::{Connection, TransportError};
-use crate::message::{Capabilities, DeviceUuid, ErrorCode, Identity, Message, MessageKind};
+use crate::message::{Capabilities, ErrorCode, Identity, Message, MessageKind};
+use poolipc_types::DeviceUuid;
 
 /// What this side is, and what it requires of the peer.
 #[derive(Clone, Debug, PartialEq, Eq)]

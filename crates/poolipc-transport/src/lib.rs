@@ -44,7 +44,8 @@ mod connection;
 mod error;
 mod handshake;
 mod listener;
-mod message;
+// The vocabulary is the contract's: this crate encodes it and has none of its own.
+use poolipc_contract::message;
 mod scm;
 mod spawn;
 
@@ -63,6 +64,7 @@ pub use message::{
     ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN,
     Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
+pub use poolipc_types::AllocId;
 pub use poolipc_types::{DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 pub use spawn::{FD_ENV, connection_from_env, parse_fd_var, spawn_worker};
 

@@ -4,11 +4,11 @@ mod common;
 
 use poolipc_transport::codec::{HEADER_LEN, decode, encode};
 use poolipc_transport::{
-    Ack, AllocationGrant, Capabilities, Chunk, DType, DecodeError, DeviceEntry, DeviceUuid, Done,
-    EncodeError, ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, FrameLimits,
-    HandoffId, Identity, JobId, Lend, LentTensor, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message,
-    MessageKind, PROTOCOL_VERSION, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer,
-    TensorMeta,
+    Ack, AllocId, AllocationGrant, Capabilities, Chunk, DType, DecodeError, DeviceEntry,
+    DeviceUuid, Done, EncodeError, ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply,
+    FrameLimits, HandoffId, Identity, JobId, Lend, LentTensor, MAX_DIMS, MAX_FRAME_LEN,
+    MAX_TEXT_LEN, Message, MessageKind, PROTOCOL_VERSION, ResultGrant, ResultRequest, ResultSpec,
+    Rung, StagingBuffer, TensorMeta,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -62,7 +62,7 @@ fn identity() -> impl Strategy<Value = Identity> {
 
 fn tensor() -> impl Strategy<Value = LentTensor> {
     (
-        (any::<u64>(), rung(), any::<u8>()),
+        (any::<u64>(), any::<u64>(), rung(), any::<u8>()),
         blob(),
         blob(),
         dtype(),
@@ -71,8 +71,9 @@ fn tensor() -> impl Strategy<Value = LentTensor> {
         any::<u64>(),
     )
         .prop_map(
-            |((h, rung, pool), e, r, dtype, dims, off, len)| LentTensor {
+            |((h, a, rung, pool), e, r, dtype, dims, off, len)| LentTensor {
                 handle: HandoffId(h),
+                alloc: AllocId(a),
                 rung,
                 pool,
                 export: ExportBlob(e),
@@ -90,15 +91,22 @@ fn tensor() -> impl Strategy<Value = LentTensor> {
 
 fn grant() -> impl Strategy<Value = ResultGrant> {
     prop_oneof![
-        (any::<u64>(), rung(), any::<u8>(), blob(), blob()).prop_map(|(h, rung, pool, e, r)| {
-            ResultGrant::Granted {
+        (
+            any::<u64>(),
+            any::<u64>(),
+            rung(),
+            any::<u8>(),
+            blob(),
+            blob()
+        )
+            .prop_map(|(h, a, rung, pool, e, r)| ResultGrant::Granted {
                 handle: HandoffId(h),
+                alloc: AllocId(a),
                 rung,
                 pool,
                 export: ExportBlob(e),
                 ready_event: EventBlob(r),
-            }
-        }),
+            }),
         (any::<u16>(), text()).prop_map(|(c, m)| ResultGrant::Refused {
             code: ErrorCode(c),
             message: m,
@@ -166,6 +174,10 @@ fn message() -> impl Strategy<Value = Message> {
             message: m
         }),
         any::<u64>().prop_map(|j| Message::Cancel { job: JobId(j) }),
+        (any::<u64>(), text()).prop_map(|(j, m)| Message::JobError {
+            job: JobId(j),
+            message: m
+        }),
         any::<u64>().prop_map(|seq| Message::Heartbeat { seq }),
         Just(Message::Bye),
         (
@@ -283,9 +295,9 @@ fn heartbeat() -> Vec<u8> {
 #[case::text_over_its_limit(frame(MessageKind::Error, &{ let mut p = vec![0, 0]; p.extend_from_slice(&2000u16.to_le_bytes()); p.extend_from_slice(&[b'a'; 2000]); p }), |e: &DecodeError| matches!(e, DecodeError::BadCount { field: "message", count: 2000, .. }))]
 #[case::text_not_utf8(frame(MessageKind::Error, &[0, 0, 2, 0, 0xc3, 0x28]), |e: &DecodeError| matches!(e, DecodeError::InvalidUtf8 { field: "message", .. }))]
 #[case::unknown_dtype(frame(MessageKind::ResultRequest, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0xee, 0]); p.extend_from_slice(&[0; 8]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "dtype", value: 0xee, .. }))]
-#[case::unknown_rung(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 8]); p.push(9); p.extend_from_slice(&[0; 128]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "rung", value: 9, .. }))]
-#[case::lend_unknown_rung(frame(MessageKind::Lend, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0; 8]); p.push(9); p.push(0); p.extend_from_slice(&[0; 128 + 2 + 16]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { kind: MessageKind::Lend, field: "rung", value: 9 }))]
-#[case::grant_cut_in_pool(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 8]); p.push(Rung::PoolPointer as u8); p }), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::AllocationGrant, field: "pool" }))]
+#[case::unknown_rung(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 16]); p.push(9); p.extend_from_slice(&[0; 128]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "rung", value: 9, .. }))]
+#[case::lend_unknown_rung(frame(MessageKind::Lend, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0; 16]); p.push(9); p.push(0); p.extend_from_slice(&[0; 128 + 2 + 16]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { kind: MessageKind::Lend, field: "rung", value: 9 }))]
+#[case::grant_cut_in_pool(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 16]); p.push(Rung::PoolPointer as u8); p }), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::AllocationGrant, field: "pool" }))]
 #[case::extra_pool_index_zero(frame(MessageKind::ExtraPool, &[0; 17]), |e: &DecodeError| matches!(e, DecodeError::OutOfRange { kind: MessageKind::ExtraPool, field: "index", value: 0, min: 1, max: 255 }))]
 #[case::extra_pool_cut_in_device(frame(MessageKind::ExtraPool, &[1; 16]), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::ExtraPool, field: "device" }))]
 #[case::extra_pool_trailing_byte(frame(MessageKind::ExtraPool, &[1; 18]), |e: &DecodeError| matches!(e, DecodeError::TrailingBytes { kind: MessageKind::ExtraPool, count: 1 }))]
@@ -391,7 +403,7 @@ fn encoding_refuses_a_reason_over_its_limit() {
 
 #[test]
 fn the_pool_byte_follows_the_rung_byte() {
-    // Lend: header, job, count, then handle u64, rung u8, pool u8.
+    // Lend: header, job, count, then handle u64, alloc u64, rung u8, pool u8.
     let lend = Message::Lend(Lend {
         job: JobId(1),
         tensors: vec![LentTensor {
@@ -400,17 +412,18 @@ fn the_pool_byte_follows_the_rung_byte() {
         }],
     });
     let bytes = encode(&lend, FrameLimits::default()).expect("encodes");
-    let at = HEADER_LEN + 8 + 4 + 8;
+    let at = HEADER_LEN + 8 + 4 + 8 + 8;
     assert_eq!(
         &bytes[at..at + 2],
         &[Rung::PoolPointer as u8, 0xab],
         "rung, then pool"
     );
-    // AllocationGrant: header, job, count, then kind u8, handle u64, rung u8, pool u8.
+    // AllocationGrant: header, job, count, then kind u8, handle u64, alloc u64, rung u8, pool u8.
     let grant = Message::AllocationGrant(AllocationGrant {
         job: JobId(1),
         results: vec![ResultGrant::Granted {
             handle: HandoffId(5),
+            alloc: AllocId(9),
             rung: Rung::HostStaging,
             pool: 0xcd,
             export: ExportBlob([0; 64]),
@@ -418,7 +431,7 @@ fn the_pool_byte_follows_the_rung_byte() {
         }],
     });
     let bytes = encode(&grant, FrameLimits::default()).expect("encodes");
-    let at = HEADER_LEN + 8 + 4 + 1 + 8;
+    let at = HEADER_LEN + 8 + 4 + 1 + 8 + 8;
     assert_eq!(
         &bytes[at..at + 2],
         &[Rung::HostStaging as u8, 0xcd],

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::message::{Offer, Refusal, ToParent, ToWorker};
+use crate::legacy::{Offer, Refusal, ToParent, ToWorker};
 use crate::parent::{FailReason, Parent, ParentAction, ParentConfig, ParentEvent};
 use crate::types::{
     AllocId, DType, HandoffId, JobId, Outcome, Purpose, RequestId, ResultSpec, Span, Timestamp,

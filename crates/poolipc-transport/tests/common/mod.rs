@@ -2,9 +2,9 @@
 #![allow(dead_code)] // each test file uses part of this
 
 use poolipc_transport::{
-    Ack, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode,
-    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId, Lend, LentTensor,
-    Message, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    Ack, AllocId, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done,
+    ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId, Lend,
+    LentTensor, Message, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 
 /// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
@@ -64,6 +64,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                 tensors: vec![
                     LentTensor {
                         handle: HandoffId(1),
+                        alloc: AllocId(11),
                         rung: Rung::PoolPointer,
                         pool: 0,
                         export: ExportBlob(blob64(0x10)),
@@ -78,6 +79,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                     },
                     LentTensor {
                         handle: HandoffId(2),
+                        alloc: AllocId(11),
                         rung: Rung::PoolPointer,
                         pool: 2,
                         export: ExportBlob(blob64(0x20)),
@@ -111,6 +113,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                 results: vec![
                     ResultGrant::Granted {
                         handle: HandoffId(3),
+                        alloc: AllocId(12),
                         rung: Rung::PoolPointer,
                         pool: 1,
                         export: ExportBlob(blob64(0x30)),
@@ -146,6 +149,13 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
             },
         ),
         ("cancel", Message::Cancel { job: JobId(7) }),
+        (
+            "job_error",
+            Message::JobError {
+                job: JobId(7),
+                message: "the node raised ValueError".into(),
+            },
+        ),
         (
             "heartbeat",
             Message::Heartbeat {
