@@ -1,6 +1,7 @@
-//! Arbitrary operation sequences against the ownership contract: both machines, a faulty
-//! network, crashing workers and a clock, in poolipc-contract's simulated world. No input may
-//! make either machine panic, and every invariant must hold after every step.
+//! Arbitrary operation sequences against the ownership contract: both machines speaking the
+//! wire messages, a faulty network, crashing, stopping and misbehaving workers, staged and
+//! pointer handoffs, a slow allocator and a clock, in poolipc-contract's simulated world. No
+//! input may make either machine panic, and every invariant must hold after every step.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

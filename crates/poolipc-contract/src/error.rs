@@ -1,9 +1,15 @@
-//! The errors the state machines return for inputs they reject. A rejected input changes
-//! nothing: the machine's state is as before the call.
+//! The errors the state machines return for calls they reject. A rejected call changes
+//! nothing: the machine's state is as before it, and nothing is queued.
+//!
+//! A worker's misbehaviour is never one of these: the parent machine condemns the worker
+//! instead (see [`crate::Parent::handle`]). These are for the facade's own mistakes (an unknown
+//! worker id, a job started twice, an input above the pointer limit) and, on the worker's
+//! side, for messages from the parent it cannot take.
 
+use crate::message::MessageKind;
 use crate::types::{AllocId, HandoffId, JobId, RequestId, Span, WorkerId};
 
-/// An input the contract refuses.
+/// A call the contract refuses.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ContractError {
@@ -13,22 +19,19 @@ pub enum ContractError {
     /// The worker id is taken (ids are never reused).
     #[error("{0} was added already")]
     WorkerExists(WorkerId),
-    /// The worker hung up, missed a deadline, or was reaped: it takes no work and its messages
-    /// no longer count (what it held is released when it is reaped).
-    #[error("{0} is gone or condemned")]
+    /// The worker hung up, was condemned, stopped, or was reaped: it takes no new work.
+    #[error("{0} is gone, stopping or condemned")]
     WorkerGone(WorkerId),
-    /// The parent (or, on a worker, the parent's shutdown request) stops new work.
-    #[error("shutting down: no new handoffs")]
+    /// The parent is shutting down: no new work.
+    #[error("shutting down: no new jobs")]
     ShuttingDown,
-    /// The job was cancelled: no new handoffs in it.
-    #[error("{job} on {worker} was cancelled")]
-    JobCancelled {
-        /// The worker.
-        worker: WorkerId,
-        /// The job.
-        job: JobId,
-    },
-    /// The allocation may not go by pool pointer: pick another rung.
+    /// A job of this id is open already.
+    #[error("{0} is open already")]
+    JobExists(JobId),
+    /// No such job is open.
+    #[error("{0} is not open")]
+    UnknownJob(JobId),
+    /// An allocation may not go by pool pointer: pick another rung.
     #[error(
         "{alloc} ({} bytes at {:#x}) is above the pointer import limit: use another rung",
         span.bytes,
@@ -47,30 +50,34 @@ pub enum ContractError {
         /// The allocation.
         alloc: AllocId,
     },
-    /// No such handoff is outstanding (a duplicate or late message).
-    #[error("{0} is not outstanding")]
-    UnknownHandoff(HandoffId),
-    /// A message about a handoff came from a worker that does not hold it.
-    #[error("{handoff} does not belong to {worker}")]
-    WrongWorker {
-        /// The handoff.
-        handoff: HandoffId,
-        /// The sender.
-        worker: WorkerId,
-    },
-    /// An offer older than one already seen: duplicated or reordered; never imported.
-    #[error("{0} is not newer than an offer already seen")]
-    StaleOffer(HandoffId),
-    /// No such result request is pending.
+    /// No such result request is waiting for an allocation.
     #[error("{request} is not pending")]
     UnknownRequest {
         /// The request.
         request: RequestId,
     },
-    /// The request id was used before.
-    #[error("{request} was used before")]
-    DuplicateRequest {
-        /// The request.
-        request: RequestId,
+    /// A result request of the job is not answered yet.
+    #[error("a result request of {0} is not answered yet")]
+    RequestPending(JobId),
+    /// A result's `byte_len` is not the dense size of its shape and dtype.
+    #[error("result {index} of {job}: byte_len {byte_len} is not the dense size of its shape")]
+    MalformedResult {
+        /// The job.
+        job: JobId,
+        /// Which result of the request.
+        index: usize,
+        /// What it said.
+        byte_len: u64,
     },
+    /// Worker: a handle not newer than one already seen (a duplicated or reordered message),
+    /// or named twice. Nothing of the message is imported.
+    #[error("{0} is not newer than a handle already seen")]
+    StaleHandle(HandoffId),
+    /// Worker: an allocation grant that does not answer the job's pending request.
+    #[error("an allocation grant for {0} answers no pending request, or not all of it")]
+    GrantMismatch(JobId),
+    /// Worker: a message the parent does not send after the handshake, or one the facade
+    /// consumes itself.
+    #[error("unexpected {0} from the parent")]
+    Unexpected(MessageKind),
 }

@@ -11,15 +11,22 @@ use std::fmt;
 #[non_exhaustive]
 pub enum Invariant {
     /// Invariant 1: The parent owns every allocation. A worker never allocates memory the parent keeps:
-    /// every export, offer and release names an allocation the parent made.
+    /// every item of a `Lend` or `AllocationGrant`, every free and every delivered result
+    /// names an allocation the parent made.
     ParentOwnsAllocations = 1,
     /// Invariant 2: The worker touches memory only after it waited (on its stream) for the parent's READY
-    /// event, and the parent recorded READY before it offered.
+    /// event, and the parent recorded that job's READY before it sent the `Lend` or
+    /// `AllocationGrant` carrying it. (Host-staged handoffs are the worker's own copies: no
+    /// READY.)
     ReadyBeforeAccess = 2,
-    /// Invariant 3: The worker records DONE after its last access, frees its import (UNIMPORT), then ACKs.
+    /// Invariant 3: After its last access to a job's memory the worker frees its imports (UNIMPORT,
+    /// stream ordered), then records DONE (so the parent's wait on DONE covers the frees),
+    /// then ACKs; it touches none of the job's memory afterwards.
     DoneThenUnimportThenAck = 3,
     /// Invariant 4: The parent releases only after the ACK, and makes its consumer streams wait on DONE
-    /// first: the gate is GPU completion, never CPU receipt. Each handoff is released once.
+    /// first: the gate is GPU completion, never CPU receipt. Each handoff is released once;
+    /// a host-staged result only after its bytes were received; a job finishes only when
+    /// every handoff of it is released.
     ReleaseAfterAckAndDone = 4,
     /// Invariant 5: An import is freed before the exporter frees the allocation, in every path, faults
     /// included; nothing freed is imported.
@@ -27,7 +34,8 @@ pub enum Invariant {
     /// Invariant 6: One import per exported allocation per worker, refcounted: never a second driver
     /// import of the same allocation in one worker, never an unimport while a handoff uses it.
     OneImportPerAllocation = 6,
-    /// Invariant 7: No allocation above the import limit is ever offered for pointer import.
+    /// Invariant 7: No allocation above the import limit is ever offered for pointer import (in a
+    /// `Lend` or an `AllocationGrant`). Host-staged handoffs have no import and no limit.
     ImportLimit = 7,
     /// Invariant 8: A worker that dies mid-handoff fails its jobs only: once it is reaped the parent
     /// releases everything it had lent it, touches no other worker's handoffs, and keeps

@@ -1,20 +1,26 @@
-//! The poolipc ownership contract as a sans-IO state machine.
+//! The poolipc ownership contract as a sans-IO state machine, and the wire messages it
+//! speaks.
 //!
 //! ```text
-//! EXPORT -> READY-event -> IMPORT -> WRITE -> DONE-event -> UNIMPORT -> ACK -> RELEASE
+//! EXPORT -> READY-event -> IMPORT -> WRITE -> UNIMPORT -> DONE-event -> ACK -> RELEASE
 //! ```
 //!
 //! Two machines, one per side, in the manner of `quinn-proto`: no IO, no clock, no unsafe.
-//! Inputs go in ([`Parent::lend`], [`Parent::handle`], [`Worker::handle`], [`Worker::finish`],
-//! ...), with the time passed in as a [`Timestamp`]; the work to do comes out of
-//! [`Parent::poll_action`] and [`Worker::poll_action`], in the order it must be done.
+//! Inputs go in ([`Parent::start_job`], [`Parent::handle`], [`Worker::handle`],
+//! [`Worker::finish_job`], ...), with the time passed in as a [`Timestamp`]; the work to do
+//! comes out of [`Parent::poll_action`] and [`Worker::poll_action`], in the order it must be
+//! done. What the machines send is a [`Message`] of [`message`]: the transport encodes it
+//! and nothing else, so the protocol these tests prove is the one that runs.
 //!
-//! - [`Parent`] lends inputs (refusing allocations above the [`ImportLimit`], the rung
-//!   decision's input), answers shape-first result requests through the facade's allocator,
-//!   releases a handoff only after the worker's ACK and a wait on its DONE event, enforces
-//!   deadlines by killing the worker, and releases a dead worker's handoffs once it is reaped.
-//! - [`Worker`] imports each allocation once and refcounts it, waits on READY before the
-//!   memory is usable, and on [`Worker::finish`] records DONE, unimports, then ACKs.
+//! - [`Parent`] starts a job with one `Lend` (checking pool-pointer inputs against the
+//!   [`ImportLimit`]; host-staged inputs are ordinary loans whose bytes the facade pushes),
+//!   answers shape-first result requests through the facade's allocator, releases a job's
+//!   handoffs only after the worker's `Ack` and a wait on its DONE event, condemns a worker
+//!   at its first misbehaviour or missed deadline, and releases a dead worker's handoffs once
+//!   it is reaped.
+//! - [`Worker`] imports each allocation once and refcounts it, waits on READY before a job
+//!   is usable, and on [`Worker::finish_job`] frees its imports, records DONE, sends `Done`
+//!   and then `Ack`.
 //! - [`typestate`] gives the facade handles whose methods consume `self`, so the order is
 //!   checked by the compiler where it can be.
 //! - [`Invariant`] names DESIGN.md's eight invariants; [`audit::Auditor`] checks them on what
@@ -24,26 +30,24 @@
 //! # Wiring a facade
 //!
 //! The parent's facade owns one [`Parent`]. After every call into it, it drains
-//! [`Parent::poll_action`] and carries each action out in order: [`ParentAction::Export`]
-//! (or its cached blob), [`ParentAction::RecordReady`], [`ParentAction::Send`] over the
-//! worker's socket, [`ParentAction::AllocateResult`] (answered later with
-//! [`ParentEvent::ResultAllocated`] or [`ParentEvent::ResultDeclined`]),
-//! [`ParentAction::WaitDone`] then [`ParentAction::Release`], [`ParentAction::KillWorker`].
-//! It feeds back every message ([`ParentEvent::Message`]), hang-up and reaping, and calls
-//! [`Parent::handle_timeout`] when [`Parent::poll_timeout`] comes due. Before lending, the
-//! facade picks the rung: [`ImportLimit::admits`] says whether the pool pointer rung is
-//! allowed at all, and [`Parent::lend`] refuses what it does not admit.
+//! [`Parent::poll_action`] and carries out each [`ParentAction`] in order, matching every
+//! variant: record READY, send the message unchanged, push or pull staged bytes, allocate a
+//! result (answered with [`ParentEvent::ResultAllocated`] or [`ParentEvent::ResultDeclined`]),
+//! wait on DONE then release, free an unoffered result, kill a worker, finish a job, drop a
+//! worker's slot. It feeds back every message the worker sends ([`ParentEvent::Received`]),
+//! hang-ups and reaping, and calls [`Parent::handle_timeout`] when [`Parent::poll_timeout`]
+//! comes due.
 //!
-//! The worker's facade owns one [`Worker`] and does the same with [`WorkerAction`]s:
-//! import, wait on READY, hand the memory to the user on [`WorkerAction::Usable`], and call
-//! [`Worker::finish`] after the last access is queued.
+//! The worker's facade owns one [`Worker`] and does the same with [`WorkerAction`]s: import,
+//! wait on READY, receive staged inputs, run the job on [`WorkerAction::JobStarted`], ask for
+//! results ([`Worker::request_results`]), and call [`Worker::finish_job`] once its last
+//! access is queued.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod audit;
 mod error;
 mod invariant;
-mod legacy;
 pub mod message;
 mod mutation;
 mod parent;
@@ -57,17 +61,17 @@ mod tests;
 
 pub use error::ContractError;
 pub use invariant::{Invariant, Violation};
-pub use legacy::{Offer, Refusal, ToParent, ToWorker};
 pub use message::{
     Ack, AllocationGrant, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
     ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN,
-    Message, MessageKind, ResultGrant, ResultRequest, StagingBuffer, TensorMeta,
+    Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
-pub use poolipc_types::{DeviceUuid, EventBlob, ExportBlob, Rung};
-pub use parent::{FailReason, Parent, ParentAction, ParentConfig, ParentEvent};
+pub use parent::{
+    FailReason, InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent,
+};
 pub use poolipc_types::{
-    AllocId, CHUNK_BYTES, DType, HandoffId, ImportLimit, JobId, MAX_CHUNKS, RequestId, Span,
-    WorkerId,
+    AllocId, CHUNK_BYTES, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, ImportLimit, JobId,
+    MAX_CHUNKS, RequestId, Rung, Span, WorkerId,
 };
-pub use types::{Outcome, Purpose, ResultSpec, Timestamp};
-pub use worker::{Worker, WorkerAction, WorkerEvent};
+pub use types::{Outcome, Purpose, Timestamp, dense_bytes};
+pub use worker::{Worker, WorkerAction};

@@ -8,21 +8,23 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[cfg_attr(not(test), allow(dead_code))] // constructed by the mutation tests only
 pub(crate) enum Mutation {
-    /// Invariant 1: the parent answers a result request by offering memory it never
+    /// Invariant 1: the parent answers a result request by granting memory it never
     /// allocated, instead of asking the facade to allocate.
     GrantBeforeAllocation,
-    /// Invariant 2: the worker hands the memory to its user without waiting on READY.
+    /// Invariant 2: the worker hands a job's memory to its code without waiting on READY.
     UseBeforeReady,
-    /// Invariant 3: the worker ACKs before it unimports.
+    /// Invariant 3: the worker frees its imports after the ACK instead of before DONE.
     AckBeforeUnimport,
-    /// Invariant 4: the parent releases on the ACK without making its streams wait on DONE.
+    /// Invariant 4: the parent releases on the ACK without making its stream wait on DONE.
     ReleaseWithoutWaitingDone,
     /// Invariant 5: the parent releases a hung-up worker's handoffs before it is reaped,
     /// while the (still running) process may hold the imports.
     ReleaseAtHangUp,
-    /// Invariant 6: the worker imports every offer, even of an allocation it holds already.
+    /// Invariant 6: the worker imports every pointer handoff, even of an allocation it holds
+    /// already.
     ImportEveryOffer,
-    /// Invariant 7: the parent offers allocations above the import limit.
+    /// Invariant 7: the parent lends and grants allocations above the import limit by
+    /// pointer.
     IgnoreImportLimit,
     /// Invariant 8: on reaping, the parent forgets the dead worker's handoffs instead of
     /// releasing them.

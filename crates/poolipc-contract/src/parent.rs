@@ -1,13 +1,22 @@
-//! The parent's side of the contract: lends inputs, allocates results, releases only after
-//! the worker's ACK and a wait on DONE, and cleans up after dead workers once they are reaped.
+//! The parent's side of the contract, at job granularity: starts jobs with one `Lend`,
+//! answers shape-first result requests through the facade's allocator, releases a job's
+//! handoffs only after the worker's `Ack` (and a wait on its DONE event for pointer
+//! handoffs), condemns a worker at its first misbehaviour, and releases a condemned or dead
+//! worker's handoffs once it is reaped.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
 use std::time::Duration;
 
 use crate::error::ContractError;
-use crate::legacy::{Offer, Refusal, ToParent, ToWorker};
+use crate::message::{
+    Ack, AllocationGrant, Done, ErrorCode, Lend, LentTensor, Message, ResultGrant, ResultRequest,
+    ResultSpec, TensorMeta,
+};
+use crate::mutation::Mutation;
 use crate::types::{
-    AllocId, HandoffId, JobId, Outcome, Purpose, RequestId, ResultSpec, Span, Timestamp, WorkerId,
+    AllocId, EventBlob, ExportBlob, HandoffId, JobId, Outcome, Purpose, RequestId, Rung, Span,
+    Timestamp, WorkerId, ZERO_EVENT, ZERO_EXPORT, by_pointer, dense_bytes,
 };
 use poolipc_types::ImportLimit;
 
@@ -16,8 +25,9 @@ use poolipc_types::ImportLimit;
 pub struct ParentConfig {
     /// Which allocations may go by pool pointer.
     pub limit: ImportLimit,
-    /// How long a worker may hold a handoff before the ACK. Past it, the worker is killed,
-    /// its jobs fail, and what it held is released once it is reaped.
+    /// How long a job may go without a word from its worker (a message about the job). Past
+    /// it, the worker is killed, its jobs fail, and what it held is released once it is
+    /// reaped.
     pub handoff_timeout: Duration,
 }
 
@@ -30,115 +40,197 @@ impl Default for ParentConfig {
     }
 }
 
+/// One input of a job, as the facade placed it on a rung.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputLoan {
+    /// The allocation the tensor lives in (pool pointer), or the id the facade gave the
+    /// source (host staging).
+    pub alloc: AllocId,
+    /// The allocation's range (pool pointer: checked against the import limit), or the
+    /// source's (host staging).
+    pub span: Span,
+    /// The rung it travels on.
+    pub rung: Rung,
+    /// Which of the parent's pools the allocation comes from (0 on host staging).
+    pub pool: u8,
+    /// The pointer export; zero for host staging.
+    pub export: ExportBlob,
+    /// The tensor's layout over the allocation.
+    pub meta: TensorMeta,
+}
+
 /// Why a job failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum FailReason {
-    /// A handoff of the worker missed its deadline; the worker is being killed.
+    /// The worker sent no word about a job of it within the deadline; it was killed.
     DeadlineExpired,
-    /// The worker's connection closed.
+    /// The worker's connection closed, or its process exited, without being stopped.
     HungUp,
-    /// The worker process was reaped.
-    Reaped,
+    /// The worker broke the protocol (the detail says how); it was killed.
+    ProtocolViolation,
+    /// The worker was stopped ([`Parent::stop_worker`], [`Parent::shutdown`]) with the job
+    /// still open.
+    Stopped,
+    /// The job was cancelled ([`Parent::cancel`]); the worker finished it (Done, Ack), so
+    /// what it held is released as [`Outcome::Cancelled`].
+    Cancelled,
+}
+
+impl fmt::Display for FailReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FailReason::DeadlineExpired => "deadline expired",
+            FailReason::HungUp => "the worker hung up",
+            FailReason::ProtocolViolation => "protocol violation",
+            FailReason::Stopped => "the worker was stopped",
+            FailReason::Cancelled => "cancelled",
+        })
+    }
+}
+
+/// How a job ended: [`ParentAction::JobFinished`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum JobOutcome {
+    /// The worker finished it: results delivered ([`Outcome::Completed`] releases).
+    Completed,
+    /// The worker finished it but its code failed: the text of its `JobError`.
+    WorkerError(String),
+    /// The job failed; every handoff of it was released ([`Outcome::Failed`] after the
+    /// worker was reaped, or [`Outcome::Cancelled`]).
+    Failed {
+        /// Why.
+        reason: FailReason,
+        /// What was seen, for a person (names the fault of a protocol violation).
+        detail: String,
+    },
 }
 
 /// Something from outside for the parent machine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ParentEvent {
-    /// A message from a worker.
-    Message {
+    /// Any message the worker sent after the handshake (the facade passes every one, except
+    /// the host-staging frames it consumes inside [`ParentAction::SendStaged`] and
+    /// [`ParentAction::ReceiveStaged`]).
+    Received {
         /// The sender.
         worker: WorkerId,
         /// The message.
-        message: ToParent,
+        message: Message,
     },
-    /// The facade allocated the memory [`ParentAction::AllocateResult`] asked for.
+    /// The answer to [`ParentAction::AllocateResult`]: allocated.
     ResultAllocated {
         /// The worker that asked.
         worker: WorkerId,
-        /// Its request.
+        /// The request answered.
         request: RequestId,
         /// The new allocation, a fresh id.
         alloc: AllocId,
-        /// Its range.
+        /// The allocation: `[ptr, ptr + bytes)`.
         span: Span,
+        /// The rung the facade chose for it.
+        rung: Rung,
+        /// Which of the parent's pools it comes from (0 on host staging).
+        pool: u8,
+        /// Pool pointer: the allocation's export. Host staging: zero.
+        export: ExportBlob,
     },
-    /// The facade could not or would not allocate it.
+    /// The answer to [`ParentAction::AllocateResult`]: not allocated.
     ResultDeclined {
         /// The worker that asked.
         worker: WorkerId,
-        /// Its request.
+        /// The request answered.
         request: RequestId,
+        /// Why, for the worker's code.
+        code: ErrorCode,
+        /// Why, for a person.
+        message: String,
     },
-    /// The worker's connection closed (EOF or error). The process may still run and still
-    /// hold imports: nothing is released until [`ParentEvent::WorkerReaped`].
+    /// EOF or a broken connection (`why` says which). The process may still run and hold
+    /// imports: nothing is released until [`ParentEvent::WorkerReaped`].
     WorkerHungUp {
         /// The worker.
         worker: WorkerId,
+        /// What was seen.
+        why: String,
     },
-    /// The worker process has been reaped: the driver has dropped its imports.
+    /// The process has been waited for: the driver dropped its imports.
     WorkerReaped {
         /// The worker.
         worker: WorkerId,
     },
 }
 
-/// Work the parent machine asks of the facade, in order.
+/// Work the parent machine asks of the facade, in the order it must be done.
+///
+/// Not `#[non_exhaustive]`: the facade matches every variant, so a new one is a compile
+/// error there rather than a silently ignored action.
 #[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 #[must_use]
 pub enum ParentAction {
-    /// Make sure an export of this allocation's pointer exists (a blob cached for the live
-    /// allocation satisfies it).
-    Export {
-        /// The allocation.
-        alloc: AllocId,
-        /// Its range.
-        span: Span,
-    },
-    /// Record this handoff's interprocess READY event on the producing stream.
+    /// Record the worker's READY event for this job on the job's stream (before the `Lend`
+    /// or `AllocationGrant` that follows: it carries the event's blob).
     RecordReady {
-        /// The handoff.
-        handoff: HandoffId,
+        /// The worker.
+        worker: WorkerId,
+        /// The job.
+        job: JobId,
     },
-    /// Send a message to a worker (an [`Offer`] goes with its export blob and READY handle).
+    /// Send this message to the worker, unchanged.
     Send {
         /// The recipient.
         worker: WorkerId,
         /// The message.
-        message: ToWorker,
+        message: Message,
     },
-    /// Allocate memory for a worker's result (torch.empty or the arena), then answer with
-    /// [`ParentEvent::ResultAllocated`] or [`ParentEvent::ResultDeclined`].
+    /// Push this host-staged input's bytes to the worker now (after its `Lend`).
+    SendStaged {
+        /// The worker.
+        worker: WorkerId,
+        /// The job.
+        job: JobId,
+        /// The staged input.
+        handoff: HandoffId,
+    },
+    /// Allocate memory for a worker's result and pick its rung, then answer with
+    /// [`ParentEvent::ResultAllocated`] or [`ParentEvent::ResultDeclined`] (synchronously
+    /// or later).
     AllocateResult {
         /// The worker asking.
         worker: WorkerId,
         /// The job.
         job: JobId,
-        /// The request.
+        /// The request, numbered by the parent.
         request: RequestId,
         /// What it asked for.
         spec: ResultSpec,
     },
-    /// Drop an allocation made for a request that can no longer be offered. It was never
-    /// exported or offered, so no import of it exists.
-    FreeResult {
-        /// The worker that had asked.
+    /// A host-staged result named in the worker's `Done`: its bytes follow the `Done` on the
+    /// wire; pull them now.
+    ReceiveStaged {
+        /// The worker.
         worker: WorkerId,
-        /// Its request.
-        request: RequestId,
-        /// The allocation.
-        alloc: AllocId,
-    },
-    /// Make the consumer streams wait on this handoff's DONE event. Always comes right
-    /// before the [`ParentAction::Release`] of an acknowledged handoff.
-    WaitDone {
-        /// The handoff.
+        /// The job.
+        job: JobId,
+        /// The staged result.
         handoff: HandoffId,
     },
-    /// The handoff is over: drop the contract's reference. An input's memory may be reused
-    /// once nothing else holds it; a [`Outcome::Completed`] result is the caller's tensor.
+    /// Make the job's stream wait on the worker's DONE event. Comes right before the
+    /// [`ParentAction::Release`] of each acknowledged pool-pointer handoff.
+    WaitDone {
+        /// The worker.
+        worker: WorkerId,
+        /// The job.
+        job: JobId,
+        /// The handoff about to be released.
+        handoff: HandoffId,
+        /// The DONE event the worker recorded.
+        done_event: EventBlob,
+    },
+    /// The handoff is over: an input's memory may be reused once nothing else holds it; a
+    /// [`Outcome::Completed`] result is the caller's; any other result is the caller's to
+    /// free.
     Release {
         /// The worker it was lent to.
         worker: WorkerId,
@@ -150,33 +242,109 @@ pub enum ParentAction {
         alloc: AllocId,
         /// Input or result.
         purpose: Purpose,
+        /// The rung it travelled on.
+        rung: Rung,
         /// How it ended.
         outcome: Outcome,
     },
-    /// Kill the worker process (SIGKILL), then report [`ParentEvent::WorkerHungUp`] and,
-    /// once waited for, [`ParentEvent::WorkerReaped`].
+    /// An allocation made for a request and never offered to the worker (declined by the
+    /// contract, over the limit, job cancelled or failed): the caller's to free. No import
+    /// of it exists.
+    FreeResult {
+        /// The worker that had asked.
+        worker: WorkerId,
+        /// The job.
+        job: JobId,
+        /// The request.
+        request: RequestId,
+        /// The allocation.
+        alloc: AllocId,
+    },
+    /// Kill the worker process (SIGKILL), reap it, then report
+    /// [`ParentEvent::WorkerReaped`].
     KillWorker {
         /// The worker.
         worker: WorkerId,
     },
-    /// The job failed; its handoffs are released when the worker is reaped.
-    JobFailed {
+    /// Every handoff of the job is released: the last action about the job.
+    JobFinished {
         /// The worker.
         worker: WorkerId,
         /// The job.
         job: JobId,
-        /// Why.
-        reason: FailReason,
+        /// How it ended.
+        outcome: JobOutcome,
     },
-    /// Shutdown requested and nothing is outstanding any more.
+    /// The worker is reaped and nothing of it is left in the contract: drop its slot.
+    WorkerRemoved {
+        /// The worker.
+        worker: WorkerId,
+    },
+    /// [`Parent::shutdown`] was called and nothing is outstanding any more.
     ShutdownComplete,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Peer {
-    Live { last_request: Option<RequestId> },
+enum PeerState {
+    /// Connected and in good standing (maybe stopping).
+    Live,
+    /// Hung up, killed or past a deadline: its messages are ignored; its jobs fail and its
+    /// loans are released when it is reaped.
     Condemned,
+    /// Waited for: its imports are gone.
     Reaped,
+}
+
+#[derive(Clone, Debug)]
+struct Peer {
+    state: PeerState,
+    /// `Bye` sent: no new jobs.
+    stopping: bool,
+    /// Why its jobs fail, once it is condemned.
+    failure: Option<(FailReason, String)>,
+    /// Its open jobs.
+    jobs: BTreeSet<JobId>,
+}
+
+/// An answer to one result request, held until every request of its message is answered.
+#[derive(Clone, Debug)]
+enum Answer {
+    Allocated {
+        alloc: AllocId,
+        span: Span,
+        rung: Rung,
+        pool: u8,
+        export: ExportBlob,
+    },
+    Refused {
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+/// The requests of one `ResultRequest` message.
+#[derive(Clone, Debug)]
+struct Batch {
+    requests: Vec<RequestId>,
+    answers: Vec<Option<Answer>>,
+}
+
+impl Batch {
+    fn answered(&self) -> bool {
+        self.answers.iter().all(Option::is_some)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Job {
+    ready_event: EventBlob,
+    /// Inputs in `Lend` order, then results in grant order.
+    handoffs: Vec<HandoffId>,
+    deadline: Timestamp,
+    cancelled: bool,
+    done_seen: bool,
+    error: Option<String>,
+    batch: Option<Batch>,
 }
 
 #[derive(Clone, Debug)]
@@ -184,22 +352,17 @@ struct Loan {
     worker: WorkerId,
     job: JobId,
     alloc: AllocId,
+    rung: Rung,
     purpose: Purpose,
-    deadline: Timestamp,
-    cancelled: bool,
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Lent {
-    span: Span,
-    loans: u32,
+    done: Option<EventBlob>,
 }
 
 #[derive(Clone, Debug)]
 struct Pending {
+    worker: WorkerId,
     job: JobId,
-    spec: ResultSpec,
-    abandoned: bool,
+    index: usize,
+    byte_len: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -211,22 +374,35 @@ enum Shutdown {
 
 /// The parent's side of the ownership contract, for all of its workers.
 ///
-/// Sans-IO: commands ([`Parent::lend`], [`Parent::cancel`], [`Parent::shutdown`]) and events
-/// ([`Parent::handle`], [`Parent::handle_timeout`]) go in, [`ParentAction`]s come out of
-/// [`Parent::poll_action`] in the order the facade must carry them out.
+/// Sans-IO: commands ([`Parent::start_job`], [`Parent::cancel`], [`Parent::stop_worker`],
+/// [`Parent::shutdown`]) and events ([`Parent::handle`], [`Parent::handle_timeout`]) go in;
+/// [`ParentAction`]s come out of [`Parent::poll_action`] in the order the facade must carry
+/// them out.
+///
+/// A worker's misbehaviour (a message the protocol does not allow at that point, an
+/// `Error` from it) condemns that worker and no other: [`ParentAction::KillWorker`], its
+/// jobs fail with [`FailReason::ProtocolViolation`] and a detail naming the fault, and once
+/// it is reaped every handoff of it is released ([`Outcome::Failed`]), then
+/// [`ParentAction::JobFinished`] per job, then [`ParentAction::WorkerRemoved`]. `handle`
+/// still returns `Ok`: an `Err` is the facade's own mistake.
 #[derive(Debug)]
 pub struct Parent {
     config: ParentConfig,
     workers: BTreeMap<WorkerId, Peer>,
+    jobs: BTreeMap<(WorkerId, JobId), Job>,
     loans: BTreeMap<HandoffId, Loan>,
-    lent: BTreeMap<AllocId, Lent>,
-    pending: BTreeMap<(WorkerId, RequestId), Pending>,
-    cancelled: BTreeSet<(WorkerId, JobId)>,
+    /// Allocations with open loans: their range and how many.
+    lent: BTreeMap<AllocId, (Span, u32)>,
+    /// Result allocations answered and not yet granted.
+    unoffered: BTreeSet<AllocId>,
+    /// Result requests waiting for the facade's answer.
+    requests: BTreeMap<RequestId, Pending>,
     actions: VecDeque<ParentAction>,
     next_handoff: u64,
+    next_request: u64,
     shutdown: Shutdown,
     #[cfg(test)]
-    pub(crate) mutation: Option<crate::mutation::Mutation>,
+    pub(crate) mutation: Option<Mutation>,
 }
 
 impl Parent {
@@ -236,12 +412,14 @@ impl Parent {
         Parent {
             config,
             workers: BTreeMap::new(),
+            jobs: BTreeMap::new(),
             loans: BTreeMap::new(),
             lent: BTreeMap::new(),
-            pending: BTreeMap::new(),
-            cancelled: BTreeSet::new(),
+            unoffered: BTreeSet::new(),
+            requests: BTreeMap::new(),
             actions: VecDeque::new(),
             next_handoff: 0,
+            next_request: 0,
             shutdown: Shutdown::Running,
             #[cfg(test)]
             mutation: None,
@@ -249,13 +427,13 @@ impl Parent {
     }
 
     #[cfg(test)]
-    fn mutated(&self, m: crate::mutation::Mutation) -> bool {
+    fn mutated(&self, m: Mutation) -> bool {
         self.mutation == Some(m)
     }
 
     #[cfg(not(test))]
     #[allow(clippy::unused_self)] // the test build reads `self`
-    fn mutated(&self, _: crate::mutation::Mutation) -> bool {
+    fn mutated(&self, _: Mutation) -> bool {
         false
     }
 
@@ -270,13 +448,14 @@ impl Parent {
         self.actions.pop_front()
     }
 
-    /// The earliest deadline of a live worker's handoff: call [`Parent::handle_timeout`] then.
+    /// The earliest deadline of a job of a live worker: call [`Parent::handle_timeout`]
+    /// then. A job waiting for the facade's answer to its result request has none.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Timestamp> {
-        self.loans
-            .values()
-            .filter(|l| self.is_live(l.worker))
-            .map(|l| l.deadline)
+        self.jobs
+            .iter()
+            .filter(|((w, _), j)| self.connected(*w) && j.batch.is_none())
+            .map(|(_, j)| j.deadline)
             .min()
     }
 
@@ -292,16 +471,33 @@ impl Parent {
         self.loans.values().filter(|l| l.worker == worker).count()
     }
 
-    /// Whether `worker` takes work: added, not hung up, not condemned, not reaped.
+    /// The open jobs of `worker` (started, not finished), in id order.
+    #[must_use]
+    pub fn jobs_of(&self, worker: WorkerId) -> Vec<JobId> {
+        self.workers
+            .get(&worker)
+            .map(|p| p.jobs.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Whether `worker` takes new jobs: added, not stopping, not condemned, not reaped.
     #[must_use]
     pub fn is_live(&self, worker: WorkerId) -> bool {
-        matches!(self.workers.get(&worker), Some(Peer::Live { .. }))
+        self.workers
+            .get(&worker)
+            .is_some_and(|p| p.state == PeerState::Live && !p.stopping)
     }
 
     /// Whether the shutdown has finished.
     #[must_use]
     pub fn is_shut_down(&self) -> bool {
         self.shutdown == Shutdown::Complete
+    }
+
+    fn connected(&self, worker: WorkerId) -> bool {
+        self.workers
+            .get(&worker)
+            .is_some_and(|p| p.state == PeerState::Live)
     }
 
     /// A new worker, after its handshake.
@@ -315,145 +511,233 @@ impl Parent {
         if self.workers.contains_key(&worker) {
             return Err(ContractError::WorkerExists(worker));
         }
-        self.workers
-            .insert(worker, Peer::Live { last_request: None });
-        Ok(())
-    }
-
-    fn check_live(&self, worker: WorkerId) -> Result<(), ContractError> {
-        match self.workers.get(&worker) {
-            None => Err(ContractError::UnknownWorker(worker)),
-            Some(Peer::Live { .. }) => Ok(()),
-            Some(_) => Err(ContractError::WorkerGone(worker)),
-        }
-    }
-
-    /// Lend an input: the allocation `alloc` (covering `span`) to `worker` for `job`, by pool
-    /// pointer. Queues EXPORT (first loan of the allocation), RECORD READY and the offer.
-    ///
-    /// This is the rung decision's input: an allocation above the pointer limit is refused
-    /// here ([`crate::Invariant::ImportLimit`]); the facade then takes the next rung.
-    ///
-    /// # Errors
-    /// The worker is unknown or gone, the parent is shutting down, the job was cancelled,
-    /// the allocation is above the limit or known with another range. Nothing is queued then.
-    pub fn lend(
-        &mut self,
-        worker: WorkerId,
-        job: JobId,
-        alloc: AllocId,
-        span: Span,
-        now: Timestamp,
-    ) -> Result<HandoffId, ContractError> {
-        self.check_live(worker)?;
-        if self.shutdown != Shutdown::Running {
-            return Err(ContractError::ShuttingDown);
-        }
-        if self.cancelled.contains(&(worker, job)) {
-            return Err(ContractError::JobCancelled { worker, job });
-        }
-        if !self.config.limit.admits(span)
-            && !self.mutated(crate::mutation::Mutation::IgnoreImportLimit)
-        {
-            return Err(ContractError::AboveImportLimit { alloc, span });
-        }
-        if self.lent.get(&alloc).is_some_and(|l| l.span != span) {
-            return Err(ContractError::AllocationMismatch { alloc });
-        }
-        Ok(self.open_loan(worker, job, alloc, span, Purpose::Input, now))
-    }
-
-    fn open_loan(
-        &mut self,
-        worker: WorkerId,
-        job: JobId,
-        alloc: AllocId,
-        span: Span,
-        purpose: Purpose,
-        now: Timestamp,
-    ) -> HandoffId {
-        let handoff = HandoffId(self.next_handoff);
-        self.next_handoff += 1;
-        let entry = self.lent.entry(alloc).or_insert(Lent { span, loans: 0 });
-        if entry.loans == 0 {
-            self.actions.push_back(ParentAction::Export { alloc, span });
-        }
-        entry.loans += 1;
-        self.loans.insert(
-            handoff,
-            Loan {
-                worker,
-                job,
-                alloc,
-                purpose,
-                deadline: now.saturating_add(self.config.handoff_timeout),
-                cancelled: false,
+        self.workers.insert(
+            worker,
+            Peer {
+                state: PeerState::Live,
+                stopping: false,
+                failure: None,
+                jobs: BTreeSet::new(),
             },
         );
-        self.actions
-            .push_back(ParentAction::RecordReady { handoff });
-        self.actions.push_back(ParentAction::Send {
-            worker,
-            message: ToWorker::Offer(Offer {
-                handoff,
-                job,
-                alloc,
-                span,
-                purpose,
-            }),
-        });
-        handoff
+        Ok(())
     }
 
-    /// Cancel `job` on `worker`: the worker is told; handoffs still end with ACK (or reaping),
-    /// pending result requests of the job are refused.
+    fn check_takes_work(&self, worker: WorkerId) -> Result<(), ContractError> {
+        match self.workers.get(&worker) {
+            None => Err(ContractError::UnknownWorker(worker)),
+            Some(_) if !self.is_live(worker) => Err(ContractError::WorkerGone(worker)),
+            Some(_) if self.shutdown != Shutdown::Running => Err(ContractError::ShuttingDown),
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn fresh_handoff(&mut self) -> HandoffId {
+        let h = HandoffId(self.next_handoff);
+        self.next_handoff += 1;
+        h
+    }
+
+    fn open_loan(&mut self, handoff: HandoffId, span: Span, loan: Loan) {
+        self.lent.entry(loan.alloc).or_insert((span, 0)).1 += 1;
+        self.loans.insert(handoff, loan);
+    }
+
+    /// Starts `job` on `worker`: one `Lend` with every input, in order.
+    ///
+    /// All-or-nothing: every input is checked first (a pool-pointer input must be admitted
+    /// by the import limit; an allocation already lent must have the same range); on error
+    /// nothing is queued and nothing changes. Then queues [`ParentAction::RecordReady`]
+    /// (only if some input goes by pool pointer), `Send(Lend)` (fresh handles in input
+    /// order; `ready_event` on pool-pointer items, zero blobs on staged ones), then
+    /// [`ParentAction::SendStaged`] for each host-staged input, in order. A job with no
+    /// inputs still sends its (empty) `Lend`.
+    ///
+    /// `ready_event` is the blob of the READY event the facade records for THIS job: two
+    /// jobs in flight on one worker must not share one, since the worker's wait captures
+    /// the event's latest record. Every pool-pointer item of the job's `Lend` and of its
+    /// `AllocationGrant`s carries it.
+    ///
+    /// Returns the handles of the inputs, in order.
     ///
     /// # Errors
-    /// The worker is unknown or gone.
-    pub fn cancel(&mut self, worker: WorkerId, job: JobId) -> Result<(), ContractError> {
-        self.check_live(worker)?;
-        if !self.cancelled.insert((worker, job)) {
-            return Ok(());
+    /// The worker is unknown ([`ContractError::UnknownWorker`]), gone or stopping
+    /// ([`ContractError::WorkerGone`]); the parent is shutting down; the job is open
+    /// already ([`ContractError::JobExists`]); an input is above the limit
+    /// ([`ContractError::AboveImportLimit`]) or known with another range
+    /// ([`ContractError::AllocationMismatch`]).
+    pub fn start_job(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        ready_event: EventBlob,
+        inputs: Vec<InputLoan>,
+        now: Timestamp,
+    ) -> Result<Vec<HandoffId>, ContractError> {
+        self.check_takes_work(worker)?;
+        if self.jobs.contains_key(&(worker, job)) {
+            return Err(ContractError::JobExists(job));
+        }
+        let mut spans: BTreeMap<AllocId, Span> = BTreeMap::new();
+        for input in &inputs {
+            let (alloc, span) = (input.alloc, input.span);
+            if by_pointer(input.rung)
+                && !self.config.limit.admits(span)
+                && !self.mutated(Mutation::IgnoreImportLimit)
+            {
+                return Err(ContractError::AboveImportLimit { alloc, span });
+            }
+            let known = self
+                .lent
+                .get(&alloc)
+                .map(|(s, _)| *s)
+                .or_else(|| spans.get(&alloc).copied());
+            if known.is_some_and(|s| s != span) || self.unoffered.contains(&alloc) {
+                return Err(ContractError::AllocationMismatch { alloc });
+            }
+            spans.insert(alloc, span);
+        }
+        let mut handoffs = Vec::with_capacity(inputs.len());
+        let mut tensors = Vec::with_capacity(inputs.len());
+        let mut staged = Vec::new();
+        for input in inputs {
+            let handle = self.fresh_handoff();
+            let pointer = by_pointer(input.rung);
+            self.open_loan(
+                handle,
+                input.span,
+                Loan {
+                    worker,
+                    job,
+                    alloc: input.alloc,
+                    rung: input.rung,
+                    purpose: Purpose::Input,
+                    done: None,
+                },
+            );
+            if !pointer {
+                staged.push(handle);
+            }
+            handoffs.push(handle);
+            tensors.push(LentTensor {
+                handle,
+                alloc: input.alloc,
+                rung: input.rung,
+                pool: if pointer { input.pool } else { 0 },
+                export: if pointer { input.export } else { ZERO_EXPORT },
+                ready_event: if pointer { ready_event } else { ZERO_EVENT },
+                meta: input.meta,
+            });
+        }
+        self.jobs.insert(
+            (worker, job),
+            Job {
+                ready_event,
+                handoffs: handoffs.clone(),
+                deadline: now.saturating_add(self.config.handoff_timeout),
+                cancelled: false,
+                done_seen: false,
+                error: None,
+                batch: None,
+            },
+        );
+        if let Some(peer) = self.workers.get_mut(&worker) {
+            peer.jobs.insert(job);
+        }
+        if staged.len() < tensors.len() {
+            self.actions
+                .push_back(ParentAction::RecordReady { worker, job });
         }
         self.actions.push_back(ParentAction::Send {
             worker,
-            message: ToWorker::Cancel { job },
+            message: Message::Lend(Lend { job, tensors }),
         });
-        for loan in self.loans.values_mut() {
-            if loan.worker == worker && loan.job == job {
-                loan.cancelled = true;
+        for handoff in staged {
+            self.actions.push_back(ParentAction::SendStaged {
+                worker,
+                job,
+                handoff,
+            });
+        }
+        Ok(handoffs)
+    }
+
+    /// Cancels `job` on `worker`: `Send(Cancel)`. The worker still finishes the job (Done,
+    /// Ack); its handoffs are released as [`Outcome::Cancelled`] and it ends
+    /// [`JobOutcome::Failed`] with [`FailReason::Cancelled`]. Result requests of the job are
+    /// declined: those not answered yet become `Refused { CANCELLED }` when answered, those
+    /// answered and not granted are freed now. Cancelling twice is a no-op.
+    ///
+    /// # Errors
+    /// The worker is unknown or not connected, or the job is not open on it.
+    pub fn cancel(&mut self, worker: WorkerId, job: JobId) -> Result<(), ContractError> {
+        if !self.workers.contains_key(&worker) {
+            return Err(ContractError::UnknownWorker(worker));
+        }
+        if !self.connected(worker) {
+            return Err(ContractError::WorkerGone(worker));
+        }
+        let Some(j) = self.jobs.get_mut(&(worker, job)) else {
+            return Err(ContractError::UnknownJob(job));
+        };
+        if j.cancelled {
+            return Ok(());
+        }
+        j.cancelled = true;
+        self.actions.push_back(ParentAction::Send {
+            worker,
+            message: Message::Cancel { job },
+        });
+        let Some(batch) = j.batch.as_mut() else {
+            return Ok(());
+        };
+        let mut freed = Vec::new();
+        for (request, answer) in batch.requests.iter().zip(batch.answers.iter_mut()) {
+            if let Some(a) = answer {
+                if let Answer::Allocated { alloc, .. } = a {
+                    freed.push((*request, *alloc));
+                }
+                *a = cancelled_refusal();
             }
         }
-        let refused: Vec<RequestId> = self
-            .pending
-            .iter()
-            .filter(|((w, _), p)| *w == worker && p.job == job && !p.abandoned)
-            .map(|((_, r), _)| *r)
-            .collect();
-        for request in refused {
-            self.refuse_pending(worker, request, Refusal::Cancelled);
+        for (request, alloc) in freed {
+            self.unoffered.remove(&alloc);
+            self.actions.push_back(ParentAction::FreeResult {
+                worker,
+                job,
+                request,
+                alloc,
+            });
         }
         Ok(())
     }
 
-    fn refuse_pending(&mut self, worker: WorkerId, request: RequestId, reason: Refusal) {
-        if let Some(p) = self.pending.get_mut(&(worker, request)) {
-            p.abandoned = true;
-            let job = p.job;
+    /// Stops one worker: `Send(Bye)`; it takes no new job. Its open jobs may still finish;
+    /// those open when it is reaped fail with [`FailReason::Stopped`]. The facade waits a
+    /// bounded time for EOF, then kills, reaps and reports both. Stopping twice is a no-op.
+    ///
+    /// # Errors
+    /// The worker is unknown, or not connected.
+    pub fn stop_worker(&mut self, worker: WorkerId) -> Result<(), ContractError> {
+        let Some(peer) = self.workers.get_mut(&worker) else {
+            return Err(ContractError::UnknownWorker(worker));
+        };
+        if peer.state != PeerState::Live {
+            return Err(ContractError::WorkerGone(worker));
+        }
+        if !peer.stopping {
+            peer.stopping = true;
             self.actions.push_back(ParentAction::Send {
                 worker,
-                message: ToWorker::ResultRefused {
-                    job,
-                    request,
-                    reason,
-                },
+                message: Message::Bye,
             });
         }
+        Ok(())
     }
 
-    /// Stop taking work: workers are told, pending result requests refused; outstanding
-    /// handoffs end as usual (ACK, or deadline then reaping). [`ParentAction::ShutdownComplete`]
-    /// follows once nothing is outstanding.
+    /// Stops taking work: `Bye` to every live worker (as [`Parent::stop_worker`]); open
+    /// jobs end as usual. [`ParentAction::ShutdownComplete`] follows once no job is open and
+    /// no result request waits for an answer.
     pub fn shutdown(&mut self) {
         if self.shutdown != Shutdown::Running {
             return;
@@ -461,142 +745,536 @@ impl Parent {
         self.shutdown = Shutdown::Draining;
         let live: Vec<WorkerId> = self
             .workers
-            .iter()
-            .filter(|(_, p)| matches!(p, Peer::Live { .. }))
-            .map(|(w, _)| *w)
+            .keys()
+            .copied()
+            .filter(|w| self.is_live(*w))
             .collect();
         for worker in live {
-            self.actions.push_back(ParentAction::Send {
-                worker,
-                message: ToWorker::Shutdown,
-            });
-        }
-        let refused: Vec<(WorkerId, RequestId)> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| !p.abandoned)
-            .map(|(k, _)| *k)
-            .collect();
-        for (worker, request) in refused {
-            if self.is_live(worker) {
-                self.refuse_pending(worker, request, Refusal::ShuttingDown);
-            }
+            let _ = self.stop_worker(worker);
         }
         self.check_shutdown_complete();
     }
 
     fn check_shutdown_complete(&mut self) {
-        if self.shutdown == Shutdown::Draining && self.loans.is_empty() && self.pending.is_empty() {
+        if self.shutdown == Shutdown::Draining && self.jobs.is_empty() && self.requests.is_empty() {
             self.shutdown = Shutdown::Complete;
             self.actions.push_back(ParentAction::ShutdownComplete);
         }
     }
 
-    /// Deadlines: every live worker holding a handoff past its deadline is condemned
-    /// (killed; its jobs fail; its handoffs are released when it is reaped).
+    /// Deadlines: every live worker with a job past its deadline is condemned
+    /// ([`FailReason::DeadlineExpired`], [`ParentAction::KillWorker`]).
     pub fn handle_timeout(&mut self, now: Timestamp) {
-        let late: BTreeSet<WorkerId> = self
-            .loans
-            .values()
-            .filter(|l| l.deadline <= now && self.is_live(l.worker))
-            .map(|l| l.worker)
+        let late: BTreeMap<WorkerId, JobId> = self
+            .jobs
+            .iter()
+            .filter(|((w, _), j)| j.batch.is_none() && j.deadline <= now && self.connected(*w))
+            .map(|((w, job), _)| (*w, *job))
             .collect();
-        for worker in late {
-            self.condemn(worker, FailReason::DeadlineExpired, true);
-        }
-    }
-
-    fn jobs_of(&self, worker: WorkerId) -> BTreeSet<JobId> {
-        self.loans
-            .values()
-            .filter(|l| l.worker == worker)
-            .map(|l| l.job)
-            .chain(
-                self.pending
-                    .iter()
-                    .filter(|((w, _), p)| *w == worker && !p.abandoned)
-                    .map(|(_, p)| p.job),
-            )
-            .collect()
-    }
-
-    fn condemn(&mut self, worker: WorkerId, reason: FailReason, kill: bool) {
-        for job in self.jobs_of(worker) {
-            self.actions.push_back(ParentAction::JobFailed {
+        let timeout = self.config.handoff_timeout;
+        for (worker, job) in late {
+            self.condemn(
                 worker,
-                job,
-                reason,
-            });
+                FailReason::DeadlineExpired,
+                format!("{worker} sent no word about {job} within {timeout:?}"),
+                true,
+            );
         }
-        for (_, p) in self.pending.iter_mut().filter(|((w, _), _)| *w == worker) {
-            p.abandoned = true;
+        self.check_shutdown_complete();
+    }
+
+    /// Marks `worker` condemned: its messages are ignored from now on, its jobs fail with
+    /// `reason` when it is reaped.
+    fn condemn(&mut self, worker: WorkerId, reason: FailReason, detail: String, kill: bool) {
+        let Some(peer) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        if peer.state != PeerState::Live {
+            return;
         }
+        peer.state = PeerState::Condemned;
+        peer.failure = Some((reason, detail));
         if kill {
             self.actions.push_back(ParentAction::KillWorker { worker });
         }
-        self.workers.insert(worker, Peer::Condemned);
+    }
+
+    fn violation(&mut self, worker: WorkerId, detail: String) {
+        self.condemn(
+            worker,
+            FailReason::ProtocolViolation,
+            format!("protocol violation by {worker}: {detail}"),
+            true,
+        );
     }
 
     /// An input from outside.
     ///
+    /// A worker's misbehaviour is not an error: it condemns the worker (see [`Parent`]).
+    /// Messages from a condemned or reaped worker are ignored.
+    ///
     /// # Errors
-    /// A message from an unknown, gone or wrong worker, about an unknown handoff or request,
-    /// a duplicate request, a result allocation that reuses a live id. Nothing changes then.
+    /// The facade's own mistakes: an unknown worker; an answer to a request that is not
+    /// pending ([`ContractError::UnknownRequest`]) or with an allocation id that is live
+    /// ([`ContractError::AllocationMismatch`]). Nothing changes then.
     pub fn handle(&mut self, event: ParentEvent, now: Timestamp) -> Result<(), ContractError> {
-        match event {
-            ParentEvent::Message { worker, message } => match message {
-                ToParent::Ack { handoff } => self.on_ack(worker, handoff),
-                ToParent::ResultRequest { job, request, spec } => {
-                    self.on_result_request(worker, job, request, spec, now)
-                }
-            },
+        let handled = match event {
+            ParentEvent::Received { worker, message } => self.on_message(worker, message, now),
             ParentEvent::ResultAllocated {
                 worker,
                 request,
                 alloc,
                 span,
-            } => self.on_result_allocated(worker, request, alloc, span, now),
-            ParentEvent::ResultDeclined { worker, request } => {
-                let Some(p) = self.pending.remove(&(worker, request)) else {
-                    return Err(ContractError::UnknownRequest { request });
-                };
-                if !p.abandoned {
-                    self.actions.push_back(ParentAction::Send {
+                rung,
+                pool,
+                export,
+            } => self.on_answer(
+                worker,
+                request,
+                Answer::Allocated {
+                    alloc,
+                    span,
+                    rung,
+                    pool,
+                    export,
+                },
+                now,
+            ),
+            ParentEvent::ResultDeclined {
+                worker,
+                request,
+                code,
+                message,
+            } => self.on_answer(worker, request, Answer::Refused { code, message }, now),
+            ParentEvent::WorkerHungUp { worker, why } => self.on_hung_up(worker, &why),
+            ParentEvent::WorkerReaped { worker } => self.on_reaped(worker),
+        };
+        self.check_shutdown_complete();
+        handled
+    }
+
+    fn on_message(
+        &mut self,
+        worker: WorkerId,
+        message: Message,
+        now: Timestamp,
+    ) -> Result<(), ContractError> {
+        if !self.workers.contains_key(&worker) {
+            return Err(ContractError::UnknownWorker(worker));
+        }
+        if !self.connected(worker) {
+            return Ok(());
+        }
+        match message {
+            Message::ResultRequest(r) => self.on_result_request(worker, r, now),
+            Message::Done(d) => self.on_done(worker, d, now),
+            Message::Ack(a) => self.on_ack(worker, a),
+            Message::JobError { job, message } => match self.jobs.get_mut(&(worker, job)) {
+                Some(j) => {
+                    j.error.get_or_insert(message);
+                    j.deadline = now.saturating_add(self.config.handoff_timeout);
+                }
+                None => self.violation(worker, format!("a JobError for {job}, which is not open")),
+            },
+            Message::Heartbeat { .. } => {}
+            Message::Error { code, message } => {
+                self.violation(worker, format!("the worker reported: {code}: {message}"));
+            }
+            other => {
+                self.violation(
+                    worker,
+                    format!("unexpected {} from the worker", other.kind()),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn on_result_request(&mut self, worker: WorkerId, request: ResultRequest, now: Timestamp) {
+        let ResultRequest { job, results } = request;
+        let Some(j) = self.jobs.get(&(worker, job)) else {
+            return self.violation(
+                worker,
+                format!("a result request for {job}, which is not open"),
+            );
+        };
+        if j.batch.is_some() {
+            return self.violation(
+                worker,
+                format!("a second result request for {job} before the first was answered"),
+            );
+        }
+        for (i, spec) in results.iter().enumerate() {
+            match dense_bytes(spec.dtype, &spec.shape) {
+                Some(dense) if dense == spec.byte_len => {}
+                Some(dense) => {
+                    return self.violation(
                         worker,
-                        message: ToWorker::ResultRefused {
-                            job: p.job,
-                            request,
-                            reason: Refusal::Declined,
+                        format!(
+                            "result {i} of the request for {job} says byte_len {} but {:?} of {:?} \
+                             takes {dense}",
+                            spec.byte_len, spec.shape, spec.dtype
+                        ),
+                    );
+                }
+                None => {
+                    return self.violation(
+                        worker,
+                        format!(
+                            "result {i} of the request for {job}: the size of {:?} of {:?} \
+                             overflows",
+                            spec.shape, spec.dtype
+                        ),
+                    );
+                }
+            }
+        }
+        let cancelled = j.cancelled;
+        let mut batch = Batch {
+            requests: Vec::with_capacity(results.len()),
+            answers: vec![None; results.len()],
+        };
+        for (index, spec) in results.into_iter().enumerate() {
+            let request = RequestId(self.next_request);
+            self.next_request += 1;
+            batch.requests.push(request);
+            if cancelled {
+                batch.answers[index] = Some(cancelled_refusal());
+            } else if self.mutated(Mutation::GrantBeforeAllocation) {
+                // Test-only bug: grant memory nobody allocated.
+                batch.answers[index] = Some(Answer::Allocated {
+                    alloc: AllocId(u64::MAX - request.0),
+                    span: Span {
+                        ptr: 0,
+                        bytes: spec.byte_len,
+                    },
+                    rung: Rung::PoolPointer,
+                    pool: 0,
+                    export: ZERO_EXPORT,
+                });
+            } else {
+                self.requests.insert(
+                    request,
+                    Pending {
+                        worker,
+                        job,
+                        index,
+                        byte_len: spec.byte_len,
+                    },
+                );
+                self.actions.push_back(ParentAction::AllocateResult {
+                    worker,
+                    job,
+                    request,
+                    spec,
+                });
+            }
+        }
+        if let Some(j) = self.jobs.get_mut(&(worker, job)) {
+            j.deadline = now.saturating_add(self.config.handoff_timeout);
+            j.batch = Some(batch);
+        }
+        self.grant_if_answered(worker, job, now);
+    }
+
+    fn on_answer(
+        &mut self,
+        worker: WorkerId,
+        request: RequestId,
+        answer: Answer,
+        now: Timestamp,
+    ) -> Result<(), ContractError> {
+        if !self.workers.contains_key(&worker) {
+            return Err(ContractError::UnknownWorker(worker));
+        }
+        if self
+            .requests
+            .get(&request)
+            .is_none_or(|p| p.worker != worker)
+        {
+            return Err(ContractError::UnknownRequest { request });
+        }
+        if let Answer::Allocated { alloc, .. } = &answer
+            && (self.lent.contains_key(alloc) || self.unoffered.contains(alloc))
+        {
+            return Err(ContractError::AllocationMismatch { alloc: *alloc });
+        }
+        let Some(p) = self.requests.remove(&request) else {
+            return Err(ContractError::UnknownRequest { request });
+        };
+        let job = p.job;
+        let Some(j) = self.jobs.get(&(worker, job)) else {
+            return Ok(());
+        };
+        let reaped = self
+            .workers
+            .get(&worker)
+            .is_some_and(|peer| peer.state == PeerState::Reaped);
+        let answer = match answer {
+            Answer::Allocated { alloc, .. } if reaped || j.cancelled => {
+                self.actions.push_back(ParentAction::FreeResult {
+                    worker,
+                    job,
+                    request,
+                    alloc,
+                });
+                cancelled_refusal()
+            }
+            Answer::Allocated {
+                alloc, span, rung, ..
+            } if by_pointer(rung)
+                && !self.config.limit.admits(span)
+                && !self.mutated(Mutation::IgnoreImportLimit) =>
+            {
+                self.actions.push_back(ParentAction::FreeResult {
+                    worker,
+                    job,
+                    request,
+                    alloc,
+                });
+                Answer::Refused {
+                    code: ErrorCode::OVER_IMPORT_LIMIT,
+                    message: format!(
+                        "the allocation of {} bytes at {:#x} is above the pointer import limit",
+                        span.bytes, span.ptr
+                    ),
+                }
+            }
+            Answer::Allocated { alloc, span, .. } if span.bytes < p.byte_len => {
+                self.actions.push_back(ParentAction::FreeResult {
+                    worker,
+                    job,
+                    request,
+                    alloc,
+                });
+                Answer::Refused {
+                    code: ErrorCode::INTERNAL,
+                    message: format!(
+                        "the parent allocated {} bytes for a result of {}",
+                        span.bytes, p.byte_len
+                    ),
+                }
+            }
+            Answer::Allocated { alloc, .. } => {
+                self.unoffered.insert(alloc);
+                answer
+            }
+            Answer::Refused { .. } if j.cancelled => cancelled_refusal(),
+            refused @ Answer::Refused { .. } => refused,
+        };
+        if let Some(slot) = self
+            .jobs
+            .get_mut(&(worker, job))
+            .and_then(|j| j.batch.as_mut())
+            .and_then(|b| b.answers.get_mut(p.index))
+        {
+            *slot = Some(answer);
+        }
+        if reaped {
+            self.finish_abandoned(worker, job);
+        } else {
+            self.grant_if_answered(worker, job, now);
+        }
+        Ok(())
+    }
+
+    /// Once every request of the job's pending message is answered, and the worker is
+    /// connected: RECORD READY (if a pointer is granted), then the `AllocationGrant`.
+    fn grant_if_answered(&mut self, worker: WorkerId, job: JobId, now: Timestamp) {
+        if !self.connected(worker) {
+            return;
+        }
+        let Some(j) = self.jobs.get_mut(&(worker, job)) else {
+            return;
+        };
+        if !j.batch.as_ref().is_some_and(Batch::answered) {
+            return;
+        }
+        let Some(batch) = j.batch.take() else {
+            return;
+        };
+        j.deadline = now.saturating_add(self.config.handoff_timeout);
+        let ready_event = j.ready_event;
+        let mut results = Vec::with_capacity(batch.requests.len());
+        let mut any_pointer = false;
+        for (request, answer) in batch.requests.into_iter().zip(batch.answers) {
+            match answer {
+                Some(Answer::Allocated {
+                    alloc,
+                    span,
+                    rung,
+                    pool,
+                    export,
+                }) => {
+                    let handle = self.fresh_handoff();
+                    let pointer = by_pointer(rung);
+                    any_pointer |= pointer;
+                    self.unoffered.remove(&alloc);
+                    self.open_loan(
+                        handle,
+                        span,
+                        Loan {
+                            worker,
+                            job,
+                            alloc,
+                            rung,
+                            purpose: Purpose::Result { request },
+                            done: None,
                         },
+                    );
+                    if let Some(j) = self.jobs.get_mut(&(worker, job)) {
+                        j.handoffs.push(handle);
+                    }
+                    results.push(ResultGrant::Granted {
+                        handle,
+                        alloc,
+                        rung,
+                        pool: if pointer { pool } else { 0 },
+                        export: if pointer { export } else { ZERO_EXPORT },
+                        ready_event: if pointer { ready_event } else { ZERO_EVENT },
                     });
                 }
-                self.check_shutdown_complete();
-                Ok(())
+                Some(Answer::Refused { code, message }) => {
+                    results.push(ResultGrant::Refused { code, message });
+                }
+                None => {}
             }
-            ParentEvent::WorkerHungUp { worker } => self.on_hung_up(worker),
-            ParentEvent::WorkerReaped { worker } => self.on_reaped(worker),
+        }
+        if any_pointer {
+            self.actions
+                .push_back(ParentAction::RecordReady { worker, job });
+        }
+        self.actions.push_back(ParentAction::Send {
+            worker,
+            message: Message::AllocationGrant(AllocationGrant { job, results }),
+        });
+    }
+
+    fn on_done(&mut self, worker: WorkerId, done: Done, now: Timestamp) {
+        let Done {
+            job,
+            done_event,
+            handles,
+        } = done;
+        if !self.jobs.contains_key(&(worker, job)) {
+            return self.violation(worker, format!("a Done for {job}, which is not open"));
+        }
+        let mut seen = BTreeSet::new();
+        for h in &handles {
+            if let Err(fault) = self.check_handle(worker, job, *h) {
+                return self.violation(worker, format!("the Done for {job} names {fault}"));
+            }
+            if self.loans.get(h).is_some_and(|l| l.done.is_some()) || !seen.insert(*h) {
+                return self.violation(
+                    worker,
+                    format!("the Done for {job} names {h}, which is DONE already"),
+                );
+            }
+        }
+        if let Some(j) = self.jobs.get_mut(&(worker, job)) {
+            j.done_seen = true;
+            j.deadline = now.saturating_add(self.config.handoff_timeout);
+        }
+        for h in handles {
+            let Some(loan) = self.loans.get_mut(&h) else {
+                continue;
+            };
+            loan.done = Some(done_event);
+            if matches!(loan.purpose, Purpose::Result { .. }) && !by_pointer(loan.rung) {
+                self.actions.push_back(ParentAction::ReceiveStaged {
+                    worker,
+                    job,
+                    handoff: h,
+                });
+            }
         }
     }
 
-    fn on_ack(&mut self, worker: WorkerId, handoff: HandoffId) -> Result<(), ContractError> {
-        self.check_live(worker)?;
-        let Some(loan) = self.loans.get(&handoff) else {
-            return Err(ContractError::UnknownHandoff(handoff));
-        };
-        if loan.worker != worker {
-            return Err(ContractError::WrongWorker { handoff, worker });
+    /// Whether `h` is an open handoff of `worker` and `job`; if not, what it is.
+    fn check_handle(&self, worker: WorkerId, job: JobId, h: HandoffId) -> Result<(), String> {
+        match self.loans.get(&h) {
+            None => Err(format!("{h}, which is not an open handoff")),
+            Some(l) if l.worker != worker => Err(format!("{h}, which is another worker's")),
+            Some(l) if l.job != job => Err(format!("{h}, which belongs to {}", l.job)),
+            Some(_) => Ok(()),
         }
-        let outcome = if loan.cancelled {
+    }
+
+    fn on_ack(&mut self, worker: WorkerId, ack: Ack) {
+        let Ack { job, handles } = ack;
+        let Some(j) = self.jobs.get(&(worker, job)) else {
+            return self.violation(worker, format!("an Ack for {job}, which is not open"));
+        };
+        if !j.done_seen {
+            return self.violation(worker, format!("an Ack for {job} before its Done"));
+        }
+        if j.batch.is_some() {
+            return self.violation(
+                worker,
+                format!("an Ack for {job} while its result request is not answered"),
+            );
+        }
+        let mut seen = BTreeSet::new();
+        for h in &handles {
+            if let Err(fault) = self.check_handle(worker, job, *h) {
+                return self.violation(worker, format!("the Ack for {job} names {fault}"));
+            }
+            if !seen.insert(*h) {
+                return self.violation(worker, format!("the Ack for {job} names {h} twice"));
+            }
+            if self.loans.get(h).is_some_and(|l| l.done.is_none()) {
+                return self.violation(
+                    worker,
+                    format!("the Ack for {job} names {h}, which is not DONE"),
+                );
+            }
+        }
+        if let Some(open) = j.handoffs.iter().find(|h| !seen.contains(h)) {
+            return self.violation(worker, format!("the Ack for {job} leaves {open} open"));
+        }
+        let Some(j) = self.jobs.remove(&(worker, job)) else {
+            return;
+        };
+        if let Some(peer) = self.workers.get_mut(&worker) {
+            peer.jobs.remove(&job);
+        }
+        let outcome = if j.cancelled {
             Outcome::Cancelled
         } else {
             Outcome::Completed
         };
-        if !self.mutated(crate::mutation::Mutation::ReleaseWithoutWaitingDone) {
-            self.actions.push_back(ParentAction::WaitDone { handoff });
+        for h in handles {
+            let Some(loan) = self.loans.get(&h) else {
+                continue;
+            };
+            if by_pointer(loan.rung)
+                && let Some(done_event) = loan.done
+                && !self.mutated(Mutation::ReleaseWithoutWaitingDone)
+            {
+                self.actions.push_back(ParentAction::WaitDone {
+                    worker,
+                    job,
+                    handoff: h,
+                    done_event,
+                });
+            }
+            self.release(h, outcome);
         }
-        self.release(handoff, outcome);
-        self.check_shutdown_complete();
-        Ok(())
+        let outcome = if j.cancelled {
+            JobOutcome::Failed {
+                reason: FailReason::Cancelled,
+                detail: format!("{job} was cancelled"),
+            }
+        } else if let Some(message) = j.error {
+            JobOutcome::WorkerError(message)
+        } else {
+            JobOutcome::Completed
+        };
+        self.actions.push_back(ParentAction::JobFinished {
+            worker,
+            job,
+            outcome,
+        });
     }
 
     fn release(&mut self, handoff: HandoffId, outcome: Outcome) {
@@ -604,8 +1282,8 @@ impl Parent {
             return;
         };
         if let Some(entry) = self.lent.get_mut(&loan.alloc) {
-            entry.loans = entry.loans.saturating_sub(1);
-            if entry.loans == 0 {
+            entry.1 = entry.1.saturating_sub(1);
+            if entry.1 == 0 {
                 self.lent.remove(&loan.alloc);
             }
         }
@@ -615,137 +1293,9 @@ impl Parent {
             handoff,
             alloc: loan.alloc,
             purpose: loan.purpose,
+            rung: loan.rung,
             outcome,
         });
-    }
-
-    fn on_result_request(
-        &mut self,
-        worker: WorkerId,
-        job: JobId,
-        request: RequestId,
-        spec: ResultSpec,
-        now: Timestamp,
-    ) -> Result<(), ContractError> {
-        self.check_live(worker)?;
-        let Some(Peer::Live { last_request }) = self.workers.get_mut(&worker) else {
-            return Err(ContractError::WorkerGone(worker));
-        };
-        if last_request.is_some_and(|last| request <= last) {
-            return Err(ContractError::DuplicateRequest { request });
-        }
-        *last_request = Some(request);
-        let refusal = if self.shutdown != Shutdown::Running {
-            Some(Refusal::ShuttingDown)
-        } else if self.cancelled.contains(&(worker, job)) {
-            Some(Refusal::Cancelled)
-        } else if spec.dense_bytes().is_none_or(|dense| spec.bytes < dense) {
-            Some(Refusal::Malformed)
-        } else {
-            None
-        };
-        if let Some(reason) = refusal {
-            self.actions.push_back(ParentAction::Send {
-                worker,
-                message: ToWorker::ResultRefused {
-                    job,
-                    request,
-                    reason,
-                },
-            });
-            return Ok(());
-        }
-        if self.mutated(crate::mutation::Mutation::GrantBeforeAllocation) {
-            // Test-only bug: offer memory nobody allocated.
-            let span = Span {
-                ptr: 0,
-                bytes: spec.bytes,
-            };
-            let alloc = AllocId(u64::MAX - request.0);
-            self.open_loan(worker, job, alloc, span, Purpose::Result { request }, now);
-            return Ok(());
-        }
-        self.pending.insert(
-            (worker, request),
-            Pending {
-                job,
-                spec: spec.clone(),
-                abandoned: false,
-            },
-        );
-        self.actions.push_back(ParentAction::AllocateResult {
-            worker,
-            job,
-            request,
-            spec,
-        });
-        Ok(())
-    }
-
-    fn on_result_allocated(
-        &mut self,
-        worker: WorkerId,
-        request: RequestId,
-        alloc: AllocId,
-        span: Span,
-        now: Timestamp,
-    ) -> Result<(), ContractError> {
-        if !self.pending.contains_key(&(worker, request)) {
-            return Err(ContractError::UnknownRequest { request });
-        }
-        if self.lent.contains_key(&alloc) {
-            return Err(ContractError::AllocationMismatch { alloc });
-        }
-        let Some(p) = self.pending.remove(&(worker, request)) else {
-            return Err(ContractError::UnknownRequest { request });
-        };
-        let refusal = if p.abandoned || !self.is_live(worker) {
-            None
-        } else if !self.config.limit.admits(span)
-            && !self.mutated(crate::mutation::Mutation::IgnoreImportLimit)
-        {
-            Some(Refusal::AboveImportLimit)
-        } else if span.bytes < p.spec.bytes {
-            Some(Refusal::TooSmall)
-        } else {
-            self.open_loan(worker, p.job, alloc, span, Purpose::Result { request }, now);
-            return Ok(());
-        };
-        self.actions.push_back(ParentAction::FreeResult {
-            worker,
-            request,
-            alloc,
-        });
-        if let Some(reason) = refusal {
-            self.actions.push_back(ParentAction::Send {
-                worker,
-                message: ToWorker::ResultRefused {
-                    job: p.job,
-                    request,
-                    reason,
-                },
-            });
-        }
-        self.check_shutdown_complete();
-        Ok(())
-    }
-
-    fn on_hung_up(&mut self, worker: WorkerId) -> Result<(), ContractError> {
-        match self.workers.get(&worker) {
-            None => Err(ContractError::UnknownWorker(worker)),
-            Some(Peer::Reaped) => Err(ContractError::WorkerGone(worker)),
-            Some(Peer::Condemned) => Ok(()),
-            Some(Peer::Live { .. }) => {
-                self.condemn(worker, FailReason::HungUp, true);
-                if self.mutated(crate::mutation::Mutation::ReleaseAtHangUp) {
-                    // Test-only bug: release before the process is reaped.
-                    for handoff in self.handoffs_of(worker) {
-                        self.release(handoff, Outcome::Failed);
-                    }
-                }
-                Ok(())
-            }
-        }
     }
 
     fn handoffs_of(&self, worker: WorkerId) -> Vec<HandoffId> {
@@ -756,24 +1306,132 @@ impl Parent {
             .collect()
     }
 
-    fn on_reaped(&mut self, worker: WorkerId) -> Result<(), ContractError> {
-        match self.workers.get(&worker) {
-            None => return Err(ContractError::UnknownWorker(worker)),
-            Some(Peer::Reaped) => return Err(ContractError::WorkerGone(worker)),
-            Some(Peer::Live { .. }) => self.condemn(worker, FailReason::Reaped, false),
-            Some(Peer::Condemned) => {}
+    fn on_hung_up(&mut self, worker: WorkerId, why: &str) -> Result<(), ContractError> {
+        let Some(peer) = self.workers.get(&worker) else {
+            return Err(ContractError::UnknownWorker(worker));
+        };
+        if peer.state != PeerState::Live {
+            return Ok(());
         }
-        self.workers.insert(worker, Peer::Reaped);
+        // A stopped worker closing its end with nothing open is its goodbye: the facade
+        // reaps it. Anything else is a lost worker: kill it to be sure it is gone.
+        let (reason, kill) = match (peer.stopping, peer.jobs.is_empty()) {
+            (true, true) => (FailReason::Stopped, false),
+            (true, false) => (FailReason::Stopped, true),
+            (false, _) => (FailReason::HungUp, true),
+        };
+        self.condemn(worker, reason, format!("{worker} hung up: {why}"), kill);
+        if self.mutated(Mutation::ReleaseAtHangUp) {
+            // Test-only bug: release before the process is reaped.
+            for handoff in self.handoffs_of(worker) {
+                self.release(handoff, Outcome::Failed);
+            }
+        }
+        Ok(())
+    }
+
+    fn on_reaped(&mut self, worker: WorkerId) -> Result<(), ContractError> {
+        let Some(peer) = self.workers.get(&worker) else {
+            return Err(ContractError::UnknownWorker(worker));
+        };
+        match peer.state {
+            PeerState::Reaped => return Ok(()),
+            PeerState::Live => {
+                let reason = if peer.stopping {
+                    FailReason::Stopped
+                } else {
+                    FailReason::HungUp
+                };
+                self.condemn(worker, reason, format!("{worker}'s process exited"), false);
+            }
+            PeerState::Condemned => {}
+        }
+        let Some(peer) = self.workers.get_mut(&worker) else {
+            return Ok(());
+        };
+        peer.state = PeerState::Reaped;
+        let jobs: Vec<JobId> = peer.jobs.iter().copied().collect();
+        // Every loan, released: the driver dropped the process's imports.
         for handoff in self.handoffs_of(worker) {
-            if self.mutated(crate::mutation::Mutation::ForgetDeadWorkersLoans) {
+            if self.mutated(Mutation::ForgetDeadWorkersLoans) {
                 // Test-only bug: drop the bookkeeping without releasing.
                 self.loans.remove(&handoff);
             } else {
                 self.release(handoff, Outcome::Failed);
             }
         }
-        self.cancelled.retain(|(w, _)| *w != worker);
-        self.check_shutdown_complete();
+        // Allocations answered and never offered: the caller's to free.
+        for &job in &jobs {
+            let Some(batch) = self
+                .jobs
+                .get_mut(&(worker, job))
+                .and_then(|j| j.batch.as_mut())
+            else {
+                continue;
+            };
+            let mut freed = Vec::new();
+            for (request, answer) in batch.requests.iter().zip(batch.answers.iter_mut()) {
+                if let Some(a) = answer {
+                    if let Answer::Allocated { alloc, .. } = a {
+                        freed.push((*request, *alloc));
+                    }
+                    *a = cancelled_refusal();
+                }
+            }
+            for (request, alloc) in freed {
+                self.unoffered.remove(&alloc);
+                self.actions.push_back(ParentAction::FreeResult {
+                    worker,
+                    job,
+                    request,
+                    alloc,
+                });
+            }
+        }
+        if jobs.is_empty() {
+            self.actions
+                .push_back(ParentAction::WorkerRemoved { worker });
+        }
+        for job in jobs {
+            self.finish_abandoned(worker, job);
+        }
         Ok(())
+    }
+
+    /// A reaped worker's job: finished once no request of it waits for the facade's answer;
+    /// the worker removed once it has no job left.
+    fn finish_abandoned(&mut self, worker: WorkerId, job: JobId) {
+        let Some(j) = self.jobs.get(&(worker, job)) else {
+            return;
+        };
+        if j.batch.as_ref().is_some_and(|b| !b.answered()) {
+            return;
+        }
+        self.jobs.remove(&(worker, job));
+        let Some(peer) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        peer.jobs.remove(&job);
+        let (reason, detail) = peer
+            .failure
+            .clone()
+            .unwrap_or((FailReason::HungUp, format!("{worker} was reaped")));
+        let empty = peer.jobs.is_empty();
+        self.actions.push_back(ParentAction::JobFinished {
+            worker,
+            job,
+            outcome: JobOutcome::Failed { reason, detail },
+        });
+        if empty {
+            self.actions
+                .push_back(ParentAction::WorkerRemoved { worker });
+        }
+    }
+}
+
+fn cancelled_refusal() -> Answer {
+    Answer::Refused {
+        code: ErrorCode::CANCELLED,
+        message: "the job was cancelled".into(),
     }
 }

@@ -1,22 +1,28 @@
 //! A simulated world for testing the contract: one [`Parent`], its [`Worker`]s as processes
-//! that can crash, a network that can lose, duplicate and reorder messages, a clock that only
-//! moves when told, and an [`Auditor`] that sees everything. The property tests and the fuzz
-//! target drive it with sequences of [`Op`]s.
+//! that can crash, stop, or send garbage, a network that can lose, duplicate and reorder
+//! messages, a caller whose allocator answers result requests late (or over the limit, or
+//! by staging), a clock that only moves when told, and an [`Auditor`] that sees everything.
+//! The property tests and the fuzz target drive it with sequences of [`Op`]s.
+//!
+//! Host-staged bytes are not modelled as frames: a [`ParentAction::SendStaged`] or
+//! [`WorkerAction::SendStaged`] stands for bytes that arrive with the message before it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
 use crate::audit::Auditor;
-use crate::error::ContractError;
 use crate::invariant::Violation;
-use crate::legacy::{ToParent, ToWorker};
-use crate::parent::{Parent, ParentAction, ParentConfig, ParentEvent};
-use crate::types::{
-    AllocId, DType, HandoffId, JobId, Outcome, Purpose, RequestId, ResultSpec, Span, Timestamp,
-    WorkerId,
+use crate::message::{
+    Ack, AllocationGrant, Done, ErrorCode, Lend, Message, ResultGrant, ResultRequest, ResultSpec,
+    TensorMeta,
 };
-use crate::worker::{Worker, WorkerAction, WorkerEvent};
+use crate::parent::{InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent};
+use crate::types::{
+    AllocId, DType, EventBlob, ExportBlob, HandoffId, JobId, Outcome, Purpose, RequestId, Rung,
+    Span, Timestamp, WorkerId,
+};
+use crate::worker::{Worker, WorkerAction};
 use poolipc_types::ImportLimit;
 
 /// The sizes the simulation uses, relative to its import limit (chunks of 1 KiB, at most 4).
@@ -32,6 +38,27 @@ pub enum SizeClass {
     Unaligned,
     /// Far above the limit.
     Huge,
+}
+
+/// A worker's misbehaviour: a message the protocol does not allow at that point. Each must
+/// condemn the worker that sends it and no other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[non_exhaustive]
+pub enum Fault {
+    /// A `Done` naming a handoff of another job (or none that exists).
+    DoneOfAnotherJob,
+    /// An `Ack` of a job whose `Done` the parent has not received (or naming a stranger).
+    AckBeforeDone,
+    /// A second `ResultRequest` for a job whose first is not answered yet (or for a job that
+    /// is not open).
+    SecondResultRequest,
+    /// A `ResultRequest` whose `byte_len` is not the dense size of its shape.
+    LyingByteLen,
+    /// An `Error` message.
+    ErrorMessage,
+    /// A message only the parent sends (`Lend`, `Bye`, ...).
+    Unexpected,
 }
 
 /// The simulation's chunk size.
@@ -53,49 +80,46 @@ pub fn sim_limit() -> ImportLimit {
 pub enum Op {
     /// Start a worker (at most [`World::MAX_WORKERS`]).
     SpawnWorker,
-    /// The caller makes a new tensor and lends it.
-    LendNew {
+    /// The caller starts a job of `inputs % 4` tensors on a worker. `plan` holds four bits per
+    /// input: bit 0 lends a tensor the caller holds (else a new one of `size`), bits 1 and 2
+    /// both set send it by host staging, as does a tensor above the limit unless bit 3 forces
+    /// the pool pointer (which must be refused); bits 2 and 3 pick the held tensor.
+    StartJob {
         /// Worker index.
         worker: u8,
-        /// Job number.
-        job: u8,
-        /// Its size.
+        /// How many inputs (modulo 4).
+        inputs: u8,
+        /// Four bits per input, see above.
+        plan: u16,
+        /// The size of new tensors.
         size: SizeClass,
-    },
-    /// The caller lends a tensor it still holds (again, or to another worker).
-    LendAgain {
-        /// Worker index.
-        worker: u8,
-        /// Job number.
-        job: u8,
-        /// Which held tensor.
-        pick: u8,
     },
     /// The caller drops a tensor it holds.
     DropTensor {
         /// Which held tensor.
         pick: u8,
     },
-    /// A worker asks for result memory.
-    RequestResult {
-        /// Worker index.
+    /// A worker asks for `count % 3` results of a started job.
+    RequestResults {
+        /// Worker index (among workers with started jobs).
         worker: u8,
-        /// Job number.
-        job: u8,
-        /// Result size.
+        /// Which started job.
+        pick: u8,
+        /// How many results (modulo 3).
+        count: u8,
+        /// Their size.
         size: SizeClass,
     },
-    /// The parent's facade allocates for a pending result request.
-    AllocateResult {
+    /// The parent's allocator answers a pending result request.
+    AnswerResult {
         /// Which pending request.
         pick: u8,
-        /// The size allocated (may be above the limit, or too small).
+        /// The size allocated (may be above the limit).
         size: SizeClass,
-    },
-    /// The parent's facade declines a pending result request.
-    DeclineResult {
-        /// Which pending request.
-        pick: u8,
+        /// Allocate for host staging rather than pool pointer.
+        staged: bool,
+        /// Decline instead of allocating.
+        decline: bool,
     },
     /// Deliver the oldest in-flight message to a worker.
     DeliverToWorker {
@@ -136,24 +160,45 @@ pub enum Op {
     },
     /// The worker touches memory it holds.
     Access {
-        /// Worker index.
+        /// Worker index (among workers holding some).
         worker: u8,
         /// Which held handoff.
         pick: u8,
     },
-    /// The worker is done with memory it holds.
+    /// The worker's code is done with a started job.
     Finish {
-        /// Worker index.
+        /// Worker index (among workers with started jobs).
         worker: u8,
-        /// Which held handoff.
+        /// Which started job.
         pick: u8,
     },
-    /// The parent cancels a job.
-    Cancel {
-        /// Worker index (among workers holding or being sent handoffs, if any).
+    /// The worker's code fails on a started job (it still finishes it).
+    FailJob {
+        /// Worker index (among workers with started jobs).
         worker: u8,
-        /// Job number.
-        job: u8,
+        /// Which started job.
+        pick: u8,
+    },
+    /// The parent cancels an open job.
+    Cancel {
+        /// Worker index (among workers with open jobs, if any).
+        worker: u8,
+        /// Which open job.
+        pick: u8,
+    },
+    /// The parent stops a worker (`Bye`).
+    StopWorker {
+        /// Worker index.
+        worker: u8,
+    },
+    /// A worker sends garbage, delivered at once.
+    Garbage {
+        /// Worker index.
+        worker: u8,
+        /// What kind.
+        fault: Fault,
+        /// Which job or message it is about.
+        pick: u8,
     },
     /// Time passes.
     Advance {
@@ -188,13 +233,18 @@ struct SimWorker {
     id: WorkerId,
     machine: Worker,
     process: Process,
-    to_worker: Vec<ToWorker>,
-    to_parent: Vec<ToParent>,
-    usable: Vec<HandoffId>,
-    /// Jobs that had memory usable on this worker, to aim cancellations at.
-    usable_jobs: Vec<JobId>,
-    next_request: u64,
+    to_worker: Vec<Message>,
+    to_parent: Vec<Message>,
+    /// Jobs whose inputs are usable and that the worker's code has not finished.
+    started: Vec<JobId>,
+    /// Handoffs the worker's code may touch, with their job.
+    usable: Vec<(JobId, HandoffId)>,
+    /// Started jobs whose result request is not granted yet.
+    requested: BTreeSet<JobId>,
+    /// The parent killed it, it crashed, or hung up: the parent must no longer count it live.
     condemned: bool,
+    /// The parent said `Bye` to it.
+    stopping: bool,
 }
 
 fn move_to_back<T>(queue: &mut Vec<T>, pick: u8) {
@@ -202,6 +252,10 @@ fn move_to_back<T>(queue: &mut Vec<T>, pick: u8) {
         let m = queue.remove(usize::from(pick) % queue.len());
         queue.push(m);
     }
+}
+
+fn pick<T: Copy>(items: &[T], pick: u8) -> Option<T> {
+    (!items.is_empty()).then(|| items[usize::from(pick) % items.len()])
 }
 
 /// A failed step: the invariants broken and the reference model's disagreements.
@@ -225,6 +279,12 @@ impl fmt::Display for Failure {
     }
 }
 
+/// What the world expects of a job the parent has open.
+#[derive(Debug, Default, Clone)]
+struct OpenJob {
+    handoffs: Vec<HandoffId>,
+}
+
 /// The simulated world. See the module docs.
 #[derive(Debug)]
 pub struct World {
@@ -233,10 +293,17 @@ pub struct World {
     auditor: Auditor,
     now: Timestamp,
     next_alloc: u64,
+    next_job: u64,
     held_tensors: Vec<(AllocId, Span)>,
     spans: BTreeMap<AllocId, Span>,
-    alloc_requests: Vec<(WorkerId, RequestId, ResultSpec)>,
-    cancelled: BTreeSet<(WorkerId, JobId)>,
+    /// Result requests the parent asked its allocator for, not answered yet.
+    alloc_requests: Vec<(WorkerId, JobId, RequestId)>,
+    /// The jobs the parent must count open.
+    open_jobs: BTreeMap<(WorkerId, JobId), OpenJob>,
+    /// Result allocations answered and neither granted nor freed yet.
+    unoffered: BTreeSet<AllocId>,
+    /// Jobs whose `Done` (a real one) reached the parent.
+    done_delivered: BTreeSet<(WorkerId, JobId)>,
     shutting_down: bool,
     failure: Failure,
     coverage: BTreeMap<&'static str, u64>,
@@ -250,10 +317,42 @@ impl Default for World {
     }
 }
 
+fn blob_of(tag: u8, id: u64) -> [u8; 64] {
+    let mut b = [0u8; 64];
+    b[0] = tag;
+    b[1..9].copy_from_slice(&id.to_le_bytes());
+    b
+}
+
+fn ready_blob(worker: WorkerId, job: JobId) -> EventBlob {
+    let mut b = blob_of(1, job.0);
+    b[9..13].copy_from_slice(&worker.0.to_le_bytes());
+    EventBlob(b)
+}
+
+fn done_blob(worker: WorkerId, job: JobId) -> EventBlob {
+    let mut b = blob_of(2, job.0);
+    b[9..13].copy_from_slice(&worker.0.to_le_bytes());
+    EventBlob(b)
+}
+
+fn result_spec(size: SizeClass) -> ResultSpec {
+    let bytes = match size {
+        SizeClass::Small => 256,
+        SizeClass::AtLimit | SizeClass::Unaligned => SIM_CHUNK * SIM_MAX_CHUNKS,
+        SizeClass::Huge => SIM_CHUNK * 40,
+    };
+    ResultSpec {
+        dtype: DType::F32,
+        shape: vec![bytes / 4],
+        byte_len: bytes,
+    }
+}
+
 impl World {
     /// The most workers a world starts.
     pub const MAX_WORKERS: usize = 3;
-    /// The parent's handoff deadline in the simulation.
+    /// The parent's deadline in the simulation.
     pub const HANDOFF_TIMEOUT: Duration = Duration::from_millis(100);
 
     /// A world with a parent and no workers.
@@ -269,10 +368,13 @@ impl World {
             auditor: Auditor::new(sim_limit()),
             now: Timestamp(0),
             next_alloc: 1,
+            next_job: 1,
             held_tensors: Vec::new(),
             spans: BTreeMap::new(),
             alloc_requests: Vec::new(),
-            cancelled: BTreeSet::new(),
+            open_jobs: BTreeMap::new(),
+            unoffered: BTreeSet::new(),
+            done_delivered: BTreeSet::new(),
             shutting_down: false,
             failure: Failure::default(),
             coverage: BTreeMap::new(),
@@ -289,8 +391,8 @@ impl World {
         world
     }
 
-    /// How often each kind of path was taken so far (action kinds, outcomes, dedupe), to show
-    /// that a test reaches them.
+    /// How often each kind of path was taken so far (action kinds, outcomes, faults), to
+    /// show that a test reaches them.
     #[must_use]
     pub fn coverage(&self) -> &BTreeMap<&'static str, u64> {
         &self.coverage
@@ -352,16 +454,12 @@ impl World {
         let candidates: Vec<usize> = (0..self.workers.len())
             .filter(|&i| busy(&self.workers[i]))
             .collect();
-        if candidates.is_empty() {
-            None
-        } else {
-            Some(candidates[usize::from(worker) % candidates.len()])
-        }
+        pick(&candidates, worker)
     }
 
-    fn size(&mut self, size: SizeClass) -> Span {
+    fn fresh_alloc(&mut self, size: SizeClass) -> (AllocId, Span) {
         let base = self.next_alloc * 64 * SIM_CHUNK;
-        match size {
+        let span = match size {
             SizeClass::Small => Span {
                 ptr: base,
                 bytes: 256,
@@ -378,11 +476,7 @@ impl World {
                 ptr: base,
                 bytes: SIM_CHUNK * 40,
             },
-        }
-    }
-
-    fn fresh_alloc(&mut self, size: SizeClass) -> (AllocId, Span) {
-        let span = self.size(size);
+        };
         let alloc = AllocId(self.next_alloc);
         self.next_alloc += 1;
         self.auditor.parent_allocated(alloc, span);
@@ -390,74 +484,111 @@ impl World {
         (alloc, span)
     }
 
-    /// What the reference model expects of a lend.
-    fn lend_should_succeed(&self, index: usize, job: JobId, span: Span) -> bool {
-        let w = &self.workers[index];
-        w.process == Process::Running
-            && !w.condemned
-            && !self.shutting_down
-            && !self.cancelled.contains(&(w.id, job))
-            && sim_limit().admits(span)
+    fn connected(&self, i: usize) -> bool {
+        let w = &self.workers[i];
+        w.process != Process::Reaped && !w.condemned
     }
 
-    fn lend(&mut self, index: usize, job: JobId, alloc: AllocId, span: Span) {
-        let expected = self.lend_should_succeed(index, job, span);
-        let worker = self.workers[index].id;
-        let got = self.parent.lend(worker, job, alloc, span, self.now);
-        // The actions are audited before the model compares, so a mutation shows as the
-        // invariant it breaks.
-        self.drain();
-        if got.is_ok() != expected {
+    fn start_job(&mut self, i: usize, inputs: u8, plan: u16, size: SizeClass) {
+        let mut loans = Vec::new();
+        for n in 0..usize::from(inputs % 4) {
+            let bits = (plan >> (4 * n)) & 0xf;
+            let held = if bits & 1 == 1 {
+                pick(&self.held_tensors, u8::try_from(bits >> 2).unwrap_or(0))
+            } else {
+                None
+            };
+            let (alloc, span) = match held {
+                Some(t) => t,
+                None => {
+                    let t = self.fresh_alloc(size);
+                    self.held_tensors.push(t);
+                    t
+                }
+            };
+            // As the facade does: staging when asked, or when the pointer rung is not
+            // allowed, unless bit 3 forces the pointer (which start_job must refuse).
+            let staged = bits & 0b110 == 0b110 || (!sim_limit().admits(span) && bits & 0b1000 == 0);
+            loans.push(InputLoan {
+                alloc,
+                span,
+                rung: if staged {
+                    Rung::HostStaging
+                } else {
+                    Rung::PoolPointer
+                },
+                pool: 0,
+                export: if staged {
+                    ExportBlob([0; 64])
+                } else {
+                    ExportBlob(blob_of(3, alloc.0))
+                },
+                meta: TensorMeta {
+                    dtype: DType::U8,
+                    shape: vec![span.bytes],
+                    strides: vec![1],
+                    byte_offset: 0,
+                    byte_len: span.bytes,
+                },
+            });
+        }
+        let w = &self.workers[i];
+        let (id, expected) = (
+            w.id,
+            w.process == Process::Running && !w.condemned && !w.stopping && !self.shutting_down,
+        );
+        let admitted = loans
+            .iter()
+            .all(|l| l.rung != Rung::PoolPointer || sim_limit().admits(l.span));
+        let job = JobId(self.next_job);
+        self.next_job += 1;
+        let got = self
+            .parent
+            .start_job(id, job, ready_blob(id, job), loans, self.now);
+        match got {
+            Ok(_) => {
+                self.open_jobs.insert((id, job), OpenJob::default());
+                if self.parent.jobs_of(id).len() > 1 {
+                    self.count("two jobs in flight on one worker");
+                }
+            }
+            Err(_) => {
+                self.count("start_job refused");
+                if let Some(action) = self.parent.poll_action() {
+                    self.mismatch(format!("a refused start_job queued {action:?}"));
+                    let checked = self.auditor.parent_action(&action);
+                    self.note(checked);
+                    self.carry_out_parent(action);
+                }
+            }
+        }
+        if got.is_ok() != (expected && admitted) {
             self.mismatch(format!(
-                "lend of {alloc} ({span:?}) to {worker} for {job}: expected success {expected}, got {got:?}"
+                "start_job of {job} on {id}: expected success {}, got {got:?}",
+                expected && admitted
             ));
         }
     }
 
     fn apply(&mut self, op: &Op) {
         match *op {
-            Op::SpawnWorker => {
-                if self.workers.len() < World::MAX_WORKERS {
-                    let id = WorkerId(u32::try_from(self.workers.len()).unwrap_or(u32::MAX));
-                    let added = self.parent.add_worker(id);
-                    if added.is_ok() == self.shutting_down {
-                        self.mismatch(format!(
-                            "adding {id} while shutting down={}: {added:?}",
-                            self.shutting_down
-                        ));
-                    }
-                    if added.is_ok() {
-                        #[cfg(test)]
-                        let machine = Worker::with_mutation(self.mutation);
-                        #[cfg(not(test))]
-                        let machine = Worker::new();
-                        self.workers.push(SimWorker {
-                            id,
-                            machine,
-                            process: Process::Running,
-                            to_worker: Vec::new(),
-                            to_parent: Vec::new(),
-                            usable: Vec::new(),
-                            usable_jobs: Vec::new(),
-                            next_request: 0,
-                            condemned: false,
-                        });
-                    }
-                }
-            }
-            Op::LendNew { worker, job, size } => {
-                if let Some(i) = self.worker_index(worker) {
-                    let (alloc, span) = self.fresh_alloc(size);
-                    self.held_tensors.push((alloc, span));
-                    self.lend(i, JobId(u64::from(job % 4)), alloc, span);
-                }
-            }
-            Op::LendAgain { worker, job, pick } => {
-                if let (Some(i), false) = (self.worker_index(worker), self.held_tensors.is_empty())
-                {
-                    let (alloc, span) =
-                        self.held_tensors[usize::from(pick) % self.held_tensors.len()];
-                    self.lend(i, JobId(u64::from(job % 4)), alloc, span);
+            Op::SpawnWorker => self.spawn(),
+            Op::StartJob {
+                worker,
+                inputs,
+                plan,
+                size,
+            } => {
+                // Mostly a worker that takes jobs; sometimes any.
+                let live =
+                    |w: &SimWorker| w.process == Process::Running && !w.condemned && !w.stopping;
+                let i = if plan & 0x8000 == 0 {
+                    self.busy_worker(worker, live)
+                } else {
+                    None
+                };
+                if let Some(i) = i.or(self.worker_index(worker)) {
+                    self.start_job(i, inputs, plan, size);
                 }
             }
             Op::DropTensor { pick } => {
@@ -469,99 +600,52 @@ impl World {
                     self.note(checked);
                 }
             }
-            Op::RequestResult { worker, job, size } => {
-                if let Some(i) = self.worker_index(worker) {
+            Op::RequestResults {
+                worker,
+                pick: p,
+                count,
+                size,
+            } => {
+                // Mostly a job without a request; sometimes any (refused while one waits).
+                let busy = |w: &SimWorker| w.process == Process::Running && !w.started.is_empty();
+                if let Some(i) = self.busy_worker(worker, busy) {
                     let w = &mut self.workers[i];
-                    if w.process == Process::Running {
-                        let bytes = match size {
-                            SizeClass::Small => 256,
-                            SizeClass::AtLimit | SizeClass::Unaligned => SIM_CHUNK * SIM_MAX_CHUNKS,
-                            SizeClass::Huge => SIM_CHUNK * 40,
-                        };
-                        let spec = ResultSpec {
-                            shape: vec![bytes / 4],
-                            dtype: DType::F32,
-                            bytes,
-                        };
-                        let request = RequestId(w.next_request);
-                        w.next_request += 1;
-                        let _ = w
-                            .machine
-                            .request_result(JobId(u64::from(job % 4)), request, spec);
+                    let free: Vec<JobId> = w
+                        .started
+                        .iter()
+                        .copied()
+                        .filter(|j| !w.requested.contains(j) || count == 0)
+                        .collect();
+                    if let Some(job) = pick(&free, p) {
+                        let specs = (0..count % 3).map(|_| result_spec(size)).collect();
+                        if w.machine.request_results(job, specs).is_ok() {
+                            w.requested.insert(job);
+                        } else {
+                            self.count("worker: second request refused");
+                        }
                     }
                 }
             }
-            Op::AllocateResult { pick, size } => {
-                if !self.alloc_requests.is_empty() {
-                    let (worker, request, _) = self
-                        .alloc_requests
-                        .remove(usize::from(pick) % self.alloc_requests.len());
-                    let (alloc, span) = self.fresh_alloc(size);
-                    let _ = self.parent.handle(
-                        ParentEvent::ResultAllocated {
-                            worker,
-                            request,
-                            alloc,
-                            span,
-                        },
-                        self.now,
-                    );
-                    // The caller's only reference is the contract's: once the contract
-                    // frees or releases it, the allocation is gone or the caller's result.
-                    self.drain();
-                    let checked = self.auditor.caller_dropped(alloc);
-                    self.note(checked);
-                }
-            }
-            Op::DeclineResult { pick } => {
-                if !self.alloc_requests.is_empty() {
-                    let (worker, request, _) = self
-                        .alloc_requests
-                        .remove(usize::from(pick) % self.alloc_requests.len());
-                    let _ = self
-                        .parent
-                        .handle(ParentEvent::ResultDeclined { worker, request }, self.now);
-                }
-            }
+            Op::AnswerResult {
+                pick,
+                size,
+                staged,
+                decline,
+            } => self.answer(pick, size, staged, decline),
             Op::DeliverToWorker { worker } => {
                 let busy = |w: &SimWorker| w.process == Process::Running && !w.to_worker.is_empty();
                 if let Some(i) = self.busy_worker(worker, busy) {
                     let w = &mut self.workers[i];
-                    if w.process == Process::Running && !w.to_worker.is_empty() {
-                        let msg = w.to_worker.remove(0);
-                        if let Err(e) = w.machine.handle(WorkerEvent::Message(msg), self.now) {
-                            self.count(match e {
-                                ContractError::StaleOffer(_) => "worker refused a stale offer",
-                                _ => "worker refused a message",
-                            });
-                        }
+                    let msg = w.to_worker.remove(0);
+                    if w.machine.handle(msg, self.now).is_err() {
+                        self.count("worker refused a stale message");
                     }
                 }
             }
             Op::DeliverToParent { worker } => {
                 if let Some(i) = self.busy_worker(worker, |w| !w.to_parent.is_empty()) {
-                    let w = &mut self.workers[i];
-                    if !w.to_parent.is_empty() {
-                        let message = w.to_parent.remove(0);
-                        let id = w.id;
-                        self.auditor.delivered_to_parent(id, &message);
-                        let got = self.parent.handle(
-                            ParentEvent::Message {
-                                worker: id,
-                                message,
-                            },
-                            self.now,
-                        );
-                        if let Err(e) = got {
-                            self.count(match e {
-                                ContractError::WorkerGone(_) => "parent refused a late message",
-                                ContractError::UnknownHandoff(_) => {
-                                    "parent refused a duplicate ack"
-                                }
-                                _ => "parent refused a message",
-                            });
-                        }
-                    }
+                    let message = self.workers[i].to_parent.remove(0);
+                    self.deliver_to_parent(i, message);
                 }
             }
             Op::Reorder {
@@ -585,10 +669,13 @@ impl World {
             } => {
                 if let Some(i) = self.worker_index(worker) {
                     let w = &mut self.workers[i];
-                    if to_parent && !w.to_parent.is_empty() {
-                        w.to_parent.remove(usize::from(pick) % w.to_parent.len());
-                    } else if !to_parent && !w.to_worker.is_empty() {
-                        w.to_worker.remove(usize::from(pick) % w.to_worker.len());
+                    let queue = if to_parent {
+                        &mut w.to_parent
+                    } else {
+                        &mut w.to_worker
+                    };
+                    if !queue.is_empty() {
+                        queue.remove(usize::from(pick) % queue.len());
                     }
                 }
             }
@@ -599,57 +686,99 @@ impl World {
             } => {
                 if let Some(i) = self.worker_index(worker) {
                     let w = &mut self.workers[i];
-                    if to_parent && !w.to_parent.is_empty() {
-                        let m = w.to_parent[usize::from(pick) % w.to_parent.len()].clone();
-                        w.to_parent.push(m);
-                    } else if !to_parent && !w.to_worker.is_empty() {
-                        let m = w.to_worker[usize::from(pick) % w.to_worker.len()].clone();
-                        w.to_worker.push(m);
+                    let queue = if to_parent {
+                        &mut w.to_parent
+                    } else {
+                        &mut w.to_worker
+                    };
+                    if !queue.is_empty() {
+                        let m = queue[usize::from(pick) % queue.len()].clone();
+                        queue.push(m);
                     }
                 }
             }
-            Op::Access { worker, pick } => {
+            Op::Access { worker, pick: p } => {
                 let busy = |w: &SimWorker| w.process == Process::Running && !w.usable.is_empty();
-                if let Some(i) = self.busy_worker(worker, busy) {
-                    let w = &self.workers[i];
-                    if w.process == Process::Running && !w.usable.is_empty() {
-                        let handoff = w.usable[usize::from(pick) % w.usable.len()];
-                        let id = w.id;
-                        let checked = self.auditor.accessed(id, handoff);
-                        self.note(checked);
-                    }
+                if let Some(i) = self.busy_worker(worker, busy)
+                    && let Some((_, handoff)) = pick(&self.workers[i].usable, p)
+                {
+                    let checked = self.auditor.accessed(self.workers[i].id, handoff);
+                    self.note(checked);
                 }
             }
-            Op::Finish { worker, pick } => {
-                let busy = |w: &SimWorker| w.process == Process::Running && !w.usable.is_empty();
+            Op::Finish { worker, pick: p } => {
+                // Mostly a job not waiting for its grant; sometimes any (then refused).
+                let busy = |w: &SimWorker| w.process == Process::Running && !w.started.is_empty();
                 if let Some(i) = self.busy_worker(worker, busy) {
                     let w = &mut self.workers[i];
-                    if w.process == Process::Running && !w.usable.is_empty() {
-                        let handoff = w.usable.remove(usize::from(pick) % w.usable.len());
-                        if let Err(e) = w.machine.finish(handoff) {
-                            let what = format!("finishing usable {handoff} failed: {e}");
-                            self.mismatch(what);
+                    let id = w.id;
+                    let ready: Vec<JobId> = w
+                        .started
+                        .iter()
+                        .copied()
+                        .filter(|j| !w.requested.contains(j) || p % 8 == 0)
+                        .collect();
+                    if let Some(job) = pick(&ready, p) {
+                        if w.machine.finish_job(job, done_blob(id, job)).is_ok() {
+                            w.started.retain(|j| *j != job);
+                            w.usable.retain(|(j, _)| *j != job);
+                            self.auditor.worker_finishing(id, job);
+                        } else {
+                            self.count("worker: finish waits for its grant");
                         }
                     }
                 }
             }
-            Op::Cancel { worker, job } => {
-                let holding = |w: &SimWorker| !w.usable.is_empty() || !w.to_worker.is_empty();
-                if let Some(i) = self
-                    .busy_worker(worker, holding)
-                    .or(self.worker_index(worker))
-                {
-                    let w = &self.workers[i];
-                    let id = w.id;
-                    // Mostly a job that has handoffs out; sometimes any job.
-                    let job = if job % 2 == 0 && !w.usable_jobs.is_empty() {
-                        w.usable_jobs[usize::from(job / 2) % w.usable_jobs.len()]
-                    } else {
-                        JobId(u64::from(job % 4))
-                    };
-                    if self.parent.cancel(id, job).is_ok() {
-                        self.cancelled.insert((id, job));
+            Op::FailJob { worker, pick: p } => {
+                let busy = |w: &SimWorker| w.process == Process::Running && !w.started.is_empty();
+                if let Some(i) = self.busy_worker(worker, busy) {
+                    let w = &mut self.workers[i];
+                    if let Some(job) = pick(&w.started, p) {
+                        let failed = w.machine.fail_job(job, "the worker's code failed".into());
+                        if let Err(e) = failed {
+                            self.mismatch(format!("fail_job of started {job}: {e}"));
+                        }
                     }
+                }
+            }
+            Op::Cancel { worker, pick: p } => {
+                let open: Vec<usize> = (0..self.workers.len())
+                    .filter(|&i| !self.parent.jobs_of(self.workers[i].id).is_empty())
+                    .collect();
+                if let Some(i) = crate::sim::pick(&open, worker).or(self.worker_index(worker)) {
+                    let id = self.workers[i].id;
+                    let jobs = self.parent.jobs_of(id);
+                    let job = pick(&jobs, p).unwrap_or(JobId(0));
+                    let got = self.parent.cancel(id, job);
+                    let expected = self.connected(i) && !jobs.is_empty();
+                    if got.is_ok() != expected {
+                        self.mismatch(format!(
+                            "cancel of {job} on {id}: expected success {expected}, got {got:?}"
+                        ));
+                    }
+                }
+            }
+            Op::StopWorker { worker } => {
+                if let Some(i) = self.worker_index(worker) {
+                    let id = self.workers[i].id;
+                    let got = self.parent.stop_worker(id);
+                    if got.is_ok() != self.connected(i) {
+                        self.mismatch(format!("stop_worker of {id}: got {got:?}"));
+                    }
+                    if got.is_ok() {
+                        self.workers[i].stopping = true;
+                    }
+                }
+            }
+            Op::Garbage {
+                worker,
+                fault,
+                pick,
+            } => {
+                if let Some(i) = self.worker_index(worker)
+                    && self.workers[i].process == Process::Running
+                {
+                    self.garbage(i, fault, pick);
                 }
             }
             Op::Advance { millis } => {
@@ -673,40 +802,223 @@ impl World {
                     .busy_worker(worker, holding)
                     .or(self.worker_index(worker))
                 {
-                    self.crash(i);
+                    self.crash(i, "crashed");
                 }
             }
             Op::Reap { worker } => {
-                if let Some(i) = self.worker_index(worker)
-                    && self.workers[i].process == Process::Dead
-                {
-                    let id = self.workers[i].id;
-                    self.workers[i].process = Process::Reaped;
-                    self.auditor.worker_reaped(id);
-                    self.auditor.parent_handles_reap(id);
-                    let got = self
-                        .parent
-                        .handle(ParentEvent::WorkerReaped { worker: id }, self.now);
-                    if let Err(e) = got {
-                        self.mismatch(format!("reaping {id} refused: {e}"));
-                    }
-                    self.drain();
-                    let left = self.parent.outstanding_for(id);
-                    if left != 0 {
-                        self.mismatch(format!(
-                            "{id} reaped but the parent still counts {left} of its handoffs"
-                        ));
-                    }
+                if let Some(i) = self.busy_worker(worker, |w| w.process == Process::Dead) {
+                    self.reap(i);
                 }
             }
             Op::Shutdown => {
                 self.shutting_down = true;
                 self.parent.shutdown();
+                for i in 0..self.workers.len() {
+                    if self.connected(i) {
+                        self.workers[i].stopping = true;
+                    }
+                }
             }
         }
     }
 
-    fn crash(&mut self, i: usize) {
+    fn spawn(&mut self) {
+        if self.workers.len() >= World::MAX_WORKERS {
+            return;
+        }
+        let id = WorkerId(u32::try_from(self.workers.len()).unwrap_or(u32::MAX));
+        let added = self.parent.add_worker(id);
+        if added.is_ok() == self.shutting_down {
+            self.mismatch(format!(
+                "adding {id} while shutting down={}: {added:?}",
+                self.shutting_down
+            ));
+        }
+        if added.is_ok() {
+            #[cfg(test)]
+            let machine = Worker::with_mutation(self.mutation);
+            #[cfg(not(test))]
+            let machine = Worker::new();
+            self.workers.push(SimWorker {
+                id,
+                machine,
+                process: Process::Running,
+                to_worker: Vec::new(),
+                to_parent: Vec::new(),
+                started: Vec::new(),
+                usable: Vec::new(),
+                requested: BTreeSet::new(),
+                condemned: false,
+                stopping: false,
+            });
+        }
+    }
+
+    fn answer(&mut self, p: u8, size: SizeClass, staged: bool, decline: bool) {
+        if self.alloc_requests.is_empty() {
+            return;
+        }
+        let (worker, _, request) = self
+            .alloc_requests
+            .remove(usize::from(p) % self.alloc_requests.len());
+        self.answer_request(worker, request, size, staged, decline);
+    }
+
+    fn answer_request(
+        &mut self,
+        worker: WorkerId,
+        request: RequestId,
+        size: SizeClass,
+        staged: bool,
+        decline: bool,
+    ) {
+        if decline {
+            let got = self.parent.handle(
+                ParentEvent::ResultDeclined {
+                    worker,
+                    request,
+                    code: ErrorCode::OUT_OF_MEMORY,
+                    message: "no memory in the simulation".into(),
+                },
+                self.now,
+            );
+            if let Err(e) = got {
+                self.mismatch(format!("declining {request} refused: {e}"));
+            }
+            return;
+        }
+        let (alloc, span) = self.fresh_alloc(size);
+        let got = self.parent.handle(
+            ParentEvent::ResultAllocated {
+                worker,
+                request,
+                alloc,
+                span,
+                rung: if staged {
+                    Rung::HostStaging
+                } else {
+                    Rung::PoolPointer
+                },
+                pool: 0,
+                export: if staged {
+                    ExportBlob([0; 64])
+                } else {
+                    ExportBlob(blob_of(3, alloc.0))
+                },
+            },
+            self.now,
+        );
+        if let Err(e) = got {
+            self.mismatch(format!("allocating for {request} refused: {e}"));
+        }
+        // From here the caller's only reference is the contract's: it is dropped once the
+        // grant lends it (then released to the caller, or freed) or the contract frees it.
+        self.unoffered.insert(alloc);
+    }
+
+    fn deliver_to_parent(&mut self, i: usize, message: Message) {
+        let id = self.workers[i].id;
+        if !self.connected(i) {
+            self.count("parent ignored a late message");
+        }
+        if let Message::Done(d) = &message {
+            self.done_delivered.insert((id, d.job));
+        }
+        self.auditor.delivered_to_parent(id, &message);
+        let got = self.parent.handle(
+            ParentEvent::Received {
+                worker: id,
+                message,
+            },
+            self.now,
+        );
+        if let Err(e) = got {
+            self.mismatch(format!("a message from {id} came back as an error: {e}"));
+        }
+    }
+
+    fn garbage(&mut self, i: usize, fault: Fault, p: u8) {
+        let id = self.workers[i].id;
+        let jobs = self.parent.jobs_of(id);
+        let job = pick(&jobs, p).unwrap_or(JobId(u64::MAX));
+        let handoffs = |w: &World, job: JobId| {
+            w.open_jobs
+                .get(&(id, job))
+                .map(|j| j.handoffs.clone())
+                .unwrap_or_default()
+        };
+        let stranger = HandoffId(u64::MAX);
+        let message = match fault {
+            Fault::DoneOfAnotherJob => {
+                let other = jobs.iter().copied().find(|j| *j != job);
+                let handle = other
+                    .and_then(|o| handoffs(self, o).first().copied())
+                    .unwrap_or(stranger);
+                Message::Done(Done {
+                    job,
+                    done_event: done_blob(id, job),
+                    handles: vec![handle],
+                })
+            }
+            Fault::AckBeforeDone => {
+                let mut handles = handoffs(self, job);
+                if self.done_delivered.contains(&(id, job)) {
+                    handles.push(stranger);
+                }
+                Message::Ack(Ack { job, handles })
+            }
+            Fault::SecondResultRequest => {
+                let pending = self
+                    .alloc_requests
+                    .iter()
+                    .find(|(w, _, _)| *w == id)
+                    .map_or(JobId(u64::MAX), |(_, j, _)| *j);
+                Message::ResultRequest(ResultRequest {
+                    job: pending,
+                    results: vec![result_spec(SizeClass::Small)],
+                })
+            }
+            Fault::LyingByteLen => {
+                let mut spec = result_spec(SizeClass::Small);
+                spec.byte_len += 4;
+                Message::ResultRequest(ResultRequest {
+                    job,
+                    results: vec![spec],
+                })
+            }
+            Fault::ErrorMessage => Message::Error {
+                code: ErrorCode::INTERNAL,
+                message: "garbage".into(),
+            },
+            Fault::Unexpected => match p % 4 {
+                0 => Message::Bye,
+                1 => Message::Cancel { job },
+                2 => Message::Lend(Lend {
+                    job,
+                    tensors: Vec::new(),
+                }),
+                _ => Message::AllocationGrant(AllocationGrant {
+                    job,
+                    results: vec![ResultGrant::Refused {
+                        code: ErrorCode::OTHER,
+                        message: String::new(),
+                    }],
+                }),
+            },
+        };
+        let was_connected = self.connected(i);
+        self.deliver_to_parent(i, message.clone());
+        self.drain();
+        if was_connected {
+            if self.workers[i].condemned {
+                self.count("garbage condemned its worker");
+            } else {
+                self.mismatch(format!("{id} sent {message:?} and is not condemned"));
+            }
+        }
+    }
+
+    fn crash(&mut self, i: usize, why: &str) {
         let w = &mut self.workers[i];
         if w.process != Process::Running {
             return;
@@ -715,11 +1027,71 @@ impl World {
         w.condemned = true;
         w.to_worker.clear();
         w.usable.clear();
-        w.usable_jobs.clear();
+        w.started.clear();
+        w.requested.clear();
         let id = w.id;
-        let _ = self
+        let got = self.parent.handle(
+            ParentEvent::WorkerHungUp {
+                worker: id,
+                why: why.into(),
+            },
+            self.now,
+        );
+        if let Err(e) = got {
+            self.mismatch(format!("hang-up of {id} refused: {e}"));
+        }
+    }
+
+    /// A worker told to stop exits once its code has finished every job: the parent reads
+    /// what it sent, then EOF.
+    fn exit_if_stopped(&mut self, i: usize) -> bool {
+        let w = &self.workers[i];
+        if w.process != Process::Running
+            || !w.machine.is_stopping()
+            || w.machine.jobs().next().is_some()
+        {
+            return false;
+        }
+        self.count("stopped worker exited");
+        let sent = std::mem::take(&mut self.workers[i].to_parent);
+        for message in sent {
+            self.deliver_to_parent(i, message);
+        }
+        self.crash(i, "EOF after Bye");
+        true
+    }
+
+    fn reap(&mut self, i: usize) {
+        let id = self.workers[i].id;
+        self.workers[i].process = Process::Reaped;
+        self.workers[i].to_parent.clear();
+        self.auditor.worker_reaped(id);
+        self.auditor.parent_handles_reap(id);
+        let got = self
             .parent
-            .handle(ParentEvent::WorkerHungUp { worker: id }, self.now);
+            .handle(ParentEvent::WorkerReaped { worker: id }, self.now);
+        if let Err(e) = got {
+            self.mismatch(format!("reaping {id} refused: {e}"));
+        }
+        self.drain();
+        let left = self.parent.outstanding_for(id);
+        if left != 0 {
+            self.mismatch(format!(
+                "{id} reaped but the parent still counts {left} of its handoffs"
+            ));
+        }
+        let waiting: BTreeSet<JobId> = self
+            .alloc_requests
+            .iter()
+            .filter(|(w, _, _)| *w == id)
+            .map(|(_, j, _)| *j)
+            .collect();
+        if self.parent.jobs_of(id).iter().any(|j| !waiting.contains(j)) {
+            self.mismatch(format!(
+                "{id} reaped but jobs {:?} are still open",
+                self.parent.jobs_of(id)
+            ));
+        }
     }
 
     /// Carry out every action both sides have queued, until none is left.
@@ -738,31 +1110,9 @@ impl World {
                     let id = self.workers[i].id;
                     let checked = self.auditor.worker_action(id, &action);
                     self.note(checked);
-                    self.count(match &action {
-                        WorkerAction::Usable { .. } => "worker: usable",
-                        WorkerAction::Send(ToParent::Ack { .. }) => "worker: ack",
-                        WorkerAction::Send(ToParent::ResultRequest { .. }) => "worker: request",
-                        _ => "worker: other",
-                    });
-                    if let WorkerAction::Usable { alloc, .. } = &action {
-                        let shared = self.workers[i]
-                            .machine
-                            .imports()
-                            .any(|(a, n)| a == *alloc && n > 1);
-                        if shared {
-                            self.count("import shared by two handoffs");
-                        }
-                    }
-                    let w = &mut self.workers[i];
-                    match action {
-                        WorkerAction::Send(msg) => w.to_parent.push(msg),
-                        WorkerAction::Usable { handoff, job, .. } => {
-                            w.usable.push(handoff);
-                            w.usable_jobs.push(job);
-                        }
-                        _ => {}
-                    }
+                    self.carry_out_worker(i, action);
                 }
+                progressed |= self.exit_if_stopped(i);
             }
             if !progressed {
                 break;
@@ -770,28 +1120,112 @@ impl World {
         }
     }
 
+    fn carry_out_worker(&mut self, i: usize, action: WorkerAction) {
+        self.count(match &action {
+            WorkerAction::Import { .. } => "worker: import",
+            WorkerAction::WaitReady { .. } => "worker: wait ready",
+            WorkerAction::ReceiveStaged { .. } => "worker: receive staged",
+            WorkerAction::JobStarted { .. } => "worker: job started",
+            WorkerAction::ResultsGranted { .. } => "worker: results granted",
+            WorkerAction::Unimport { .. } => "worker: unimport",
+            WorkerAction::RecordDone { .. } => "worker: record done",
+            WorkerAction::Send(_) => "worker: send",
+            WorkerAction::SendStaged { .. } => "worker: send staged",
+            WorkerAction::Cancelled { .. } => "worker: cancelled",
+            WorkerAction::Stop => "worker: stop",
+        });
+        let shared = match &action {
+            WorkerAction::JobStarted { inputs, .. } => {
+                let machine = &self.workers[i].machine;
+                inputs
+                    .iter()
+                    .any(|t| machine.imports().any(|(a, n)| a == t.alloc && n > 1))
+            }
+            _ => false,
+        };
+        if shared {
+            self.count("import shared by two handoffs");
+        }
+        let w = &mut self.workers[i];
+        match action {
+            WorkerAction::Send(msg) => {
+                if w.process == Process::Running {
+                    w.to_parent.push(msg);
+                }
+            }
+            WorkerAction::JobStarted { job, inputs } => {
+                w.started.push(job);
+                w.usable.extend(inputs.iter().map(|t| (job, t.handle)));
+                // The worker's code asks for its results at once in one job of two (and
+                // later, by `Op::RequestResults`, in others).
+                if job.0 % 2 == 0 {
+                    let specs = vec![result_spec(SizeClass::Small); 1 + (job.0 % 3) as usize];
+                    if w.machine.request_results(job, specs).is_ok() {
+                        w.requested.insert(job);
+                    }
+                }
+            }
+            WorkerAction::ResultsGranted { job, results } => {
+                w.requested.remove(&job);
+                w.usable.extend(results.iter().filter_map(|g| match g {
+                    ResultGrant::Granted { handle, .. } => Some((job, *handle)),
+                    ResultGrant::Refused { .. } => None,
+                }));
+            }
+            WorkerAction::Import { .. }
+            | WorkerAction::WaitReady { .. }
+            | WorkerAction::ReceiveStaged { .. }
+            | WorkerAction::Unimport { .. }
+            | WorkerAction::RecordDone { .. }
+            | WorkerAction::SendStaged { .. }
+            | WorkerAction::Cancelled { .. }
+            | WorkerAction::Stop => {}
+        }
+    }
+
     fn carry_out_parent(&mut self, action: ParentAction) {
         self.count(match &action {
-            ParentAction::Export { .. } => "export",
+            ParentAction::RecordReady { .. } => "record ready",
             ParentAction::Send {
-                message: ToWorker::Offer(o),
+                message: Message::Lend(l),
                 ..
-            } => match o.purpose {
-                Purpose::Input => "offer input",
-                Purpose::Result { .. } => "offer result",
-            },
+            } => {
+                if l.tensors.iter().any(|t| t.rung == Rung::HostStaging) {
+                    "lend with a staged input"
+                } else {
+                    "lend"
+                }
+            }
             ParentAction::Send {
-                message: ToWorker::ResultRefused { .. },
+                message: Message::AllocationGrant(g),
                 ..
-            } => "refuse result",
+            } => {
+                let granted = |rung: Rung| {
+                    g.results
+                        .iter()
+                        .any(|r| matches!(r, ResultGrant::Granted { rung: x, .. } if *x == rung))
+                };
+                if granted(Rung::HostStaging) {
+                    "grant a staged result"
+                } else if granted(Rung::PoolPointer) {
+                    "grant a pointer result"
+                } else {
+                    "refuse results"
+                }
+            }
             ParentAction::Send {
-                message: ToWorker::Cancel { .. },
+                message: Message::Cancel { .. },
                 ..
             } => "cancel",
             ParentAction::Send {
-                message: ToWorker::Shutdown,
+                message: Message::Bye,
                 ..
-            } => "shutdown",
+            } => "bye",
+            ParentAction::Send { .. } => "send other",
+            ParentAction::SendStaged { .. } => "send staged",
+            ParentAction::AllocateResult { .. } => "allocate result",
+            ParentAction::ReceiveStaged { .. } => "receive staged",
+            ParentAction::WaitDone { .. } => "wait done",
             ParentAction::FreeResult { .. } => "free unused result",
             ParentAction::Release {
                 outcome: Outcome::Completed,
@@ -801,16 +1235,43 @@ impl World {
                 outcome: Outcome::Cancelled,
                 ..
             } => "release cancelled",
-            ParentAction::Release {
-                outcome: Outcome::Failed,
-                ..
-            } => "release failed",
+            ParentAction::Release { .. } => "release failed",
             ParentAction::KillWorker { .. } => "kill worker",
+            ParentAction::JobFinished {
+                outcome: JobOutcome::Completed,
+                ..
+            } => "job completed",
+            ParentAction::JobFinished {
+                outcome: JobOutcome::WorkerError(_),
+                ..
+            } => "job finished with the worker's error",
+            ParentAction::JobFinished { .. } => "job failed",
+            ParentAction::WorkerRemoved { .. } => "worker removed",
             ParentAction::ShutdownComplete => "shutdown complete",
-            _ => "other parent action",
         });
         match action {
             ParentAction::Send { worker, message } => {
+                match &message {
+                    Message::Lend(l) => {
+                        if let Some(j) = self.open_jobs.get_mut(&(worker, l.job)) {
+                            j.handoffs.extend(l.tensors.iter().map(|t| t.handle));
+                        }
+                    }
+                    Message::AllocationGrant(g) => {
+                        for r in &g.results {
+                            if let ResultGrant::Granted { handle, alloc, .. } = r {
+                                if let Some(j) = self.open_jobs.get_mut(&(worker, g.job)) {
+                                    j.handoffs.push(*handle);
+                                }
+                                if self.unoffered.remove(alloc) {
+                                    let checked = self.auditor.caller_dropped(*alloc);
+                                    self.note(checked);
+                                }
+                            }
+                        }
+                    }
+                    _ => {}
+                }
                 if let Some(w) = self.workers.iter_mut().find(|w| w.id == worker)
                     && w.process == Process::Running
                 {
@@ -819,21 +1280,26 @@ impl World {
             }
             ParentAction::AllocateResult {
                 worker,
+                job,
                 request,
                 spec,
-                ..
             } => {
-                self.alloc_requests.push((worker, request, spec));
+                // Like the facade, the simulated allocator mostly answers at once, with the
+                // size asked for; one request in five waits for an `Op::AnswerResult`.
+                let size = match spec.byte_len {
+                    0..=256 => SizeClass::Small,
+                    257..=4096 => SizeClass::AtLimit,
+                    _ => SizeClass::Huge,
+                };
+                match request.0 % 5 {
+                    0 => self.alloc_requests.push((worker, job, request)),
+                    n => self.answer_request(worker, request, size, n % 2 == 0, false),
+                }
             }
             ParentAction::KillWorker { worker } => {
                 if let Some(i) = self.workers.iter().position(|w| w.id == worker) {
                     self.workers[i].condemned = true;
-                    self.crash(i);
-                }
-            }
-            ParentAction::JobFailed { worker, .. } => {
-                if let Some(w) = self.workers.iter_mut().find(|w| w.id == worker) {
-                    w.condemned = true;
+                    self.crash(i, "killed");
                 }
             }
             ParentAction::Release {
@@ -847,7 +1313,29 @@ impl World {
                     self.held_tensors.push((alloc, *span));
                 }
             }
-            _ => {}
+            ParentAction::JobFinished { worker, job, .. } => {
+                if self.open_jobs.remove(&(worker, job)).is_none() {
+                    self.mismatch(format!("{job} of {worker} finished twice or never started"));
+                }
+            }
+            ParentAction::WorkerRemoved { worker } => {
+                let reaped = self
+                    .workers
+                    .iter()
+                    .any(|w| w.id == worker && w.process == Process::Reaped);
+                if !reaped {
+                    self.mismatch(format!("{worker} removed before it was reaped"));
+                }
+            }
+            ParentAction::FreeResult { alloc, .. } => {
+                self.unoffered.remove(&alloc);
+            }
+            ParentAction::RecordReady { .. }
+            | ParentAction::SendStaged { .. }
+            | ParentAction::ReceiveStaged { .. }
+            | ParentAction::WaitDone { .. }
+            | ParentAction::Release { .. }
+            | ParentAction::ShutdownComplete => {}
         }
     }
 
@@ -869,12 +1357,27 @@ impl World {
                 self.alloc_requests.len()
             ));
         }
-        for w in &self.workers {
-            let expected = w.process == Process::Running && !w.condemned;
+        for i in 0..self.workers.len() {
+            let w = &self.workers[i];
+            let expected = w.process == Process::Running && !w.condemned && !w.stopping;
             if self.parent.is_live(w.id) != expected {
                 let what = format!(
-                    "{} is {:?}, condemned: {}, but the parent says live: {}",
-                    w.id, w.process, w.condemned, !expected
+                    "{} is {:?}, condemned: {}, stopping: {}, but the parent says live: {}",
+                    w.id, w.process, w.condemned, w.stopping, !expected
+                );
+                self.failure.mismatches.push(what);
+            }
+            let open: Vec<JobId> = self
+                .open_jobs
+                .keys()
+                .filter(|(wid, _)| *wid == w.id)
+                .map(|(_, j)| *j)
+                .collect();
+            let theirs = self.parent.jobs_of(w.id);
+            if open != theirs {
+                let what = format!(
+                    "{} has open jobs {theirs:?}, the world expects {open:?}",
+                    w.id
                 );
                 self.failure.mismatches.push(what);
             }

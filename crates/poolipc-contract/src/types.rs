@@ -1,11 +1,13 @@
-//! Time, results and outcomes that both sides speak of.
+//! Time and outcomes that both sides speak of.
 //!
 //! The identifiers, [`Span`] and [`DType`] are `poolipc-types`' (re-exported at the crate
 //! root); they are named here so that the modules of this crate find them in one place.
 
 use std::time::Duration;
 
-pub(crate) use poolipc_types::{AllocId, DType, HandoffId, JobId, RequestId, Span, WorkerId};
+pub(crate) use poolipc_types::{
+    AllocId, DType, EventBlob, ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId,
+};
 
 /// A point in time in nanoseconds from an origin the caller chooses (for example a
 /// `std::time::Instant` taken at startup). The contract never reads a clock: every input
@@ -23,35 +25,34 @@ impl Timestamp {
     }
 }
 
-/// What a worker announces before it writes a result: the parent allocates from it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct ResultSpec {
-    /// The tensor's shape.
-    pub shape: Vec<u64>,
-    /// The tensor's element type.
-    pub dtype: DType,
-    /// The bytes the worker will write (at least shape × element size for a dense tensor).
-    pub bytes: u64,
+/// The bytes a dense tensor of `shape` and `dtype` takes, or `None` on overflow: what a
+/// [`crate::ResultSpec`]'s `byte_len` must equal.
+#[must_use]
+pub fn dense_bytes(dtype: DType, shape: &[u64]) -> Option<u64> {
+    shape
+        .iter()
+        .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
 }
 
-impl ResultSpec {
-    /// The bytes a dense tensor of this shape and dtype takes, or `None` on overflow.
-    #[must_use]
-    pub fn dense_bytes(&self) -> Option<u64> {
-        self.shape
-            .iter()
-            .try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d))
-    }
+/// The zero blob: what host-staged items carry where a pointer export or an event would be.
+pub(crate) const ZERO_EXPORT: ExportBlob = ExportBlob([0; 64]);
+/// The zero event blob.
+pub(crate) const ZERO_EVENT: EventBlob = EventBlob([0; 64]);
+
+/// Whether a rung hands memory over by pointer import (and so needs READY, DONE, the
+/// import limit and an import on the worker). Every other rung moves bytes.
+pub(crate) fn by_pointer(rung: Rung) -> bool {
+    rung == Rung::PoolPointer
 }
 
-/// Why a handoff's memory may change owner: the parent says it in [`crate::ParentAction::Release`].
+/// How a handoff ended: the parent says it in [`crate::ParentAction::Release`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Outcome {
     /// The worker acknowledged after DONE: an input may be reused, a result is the caller's.
     Completed,
-    /// The job was cancelled; the worker still acknowledged after DONE.
+    /// The job was cancelled; the worker still acknowledged after DONE. A result is not the
+    /// caller's: free it.
     Cancelled,
     /// The worker died or was killed and has been reaped: the driver dropped its imports.
     Failed,
@@ -64,7 +65,7 @@ pub enum Outcome {
 pub enum Purpose {
     /// An input the parent lends: the worker reads it.
     Input,
-    /// A result the parent allocated on the worker's request: the worker writes it in place.
+    /// A result the parent allocated on the worker's request: the worker writes it.
     Result {
         /// The request this allocation answers.
         request: RequestId,

@@ -8,11 +8,11 @@
 //! use poolipc_contract::typestate::{Loan, WorkerReaped};
 //! use poolipc_contract::{AllocId, HandoffId, WorkerId};
 //!
-//! let loan = Loan::exported(HandoffId(7), AllocId(3)); // EXPORT done
-//! let loan = loan.ready_recorded_and_offered();        // READY recorded, offer sent
-//! let loan = loan.acknowledged(HandoffId(7)).ok().unwrap(); // ACK received
-//! let loan = loan.streams_wait_on_done();              // consumer streams wait on DONE
-//! let released = loan.release();                        // RELEASE
+//! let loan = Loan::lent(HandoffId(7), AllocId(3));          // in a Lend or a grant, exported
+//! let loan = loan.ready_recorded_and_sent();                // READY recorded, message sent
+//! let loan = loan.acknowledged(HandoffId(7)).ok().unwrap(); // the job's ACK names it
+//! let loan = loan.streams_wait_on_done();                   // the job's stream waits on DONE
+//! let released = loan.release();                            // RELEASE
 //! assert_eq!(released.handoff(), HandoffId(7));
 //! ```
 //!
@@ -22,8 +22,8 @@
 //! use poolipc_contract::typestate::Loan;
 //! use poolipc_contract::{AllocId, HandoffId};
 //!
-//! let loan = Loan::exported(HandoffId(7), AllocId(3)).ready_recorded_and_offered();
-//! let released = loan.release(); // no `release` on an offered loan
+//! let loan = Loan::lent(HandoffId(7), AllocId(3)).ready_recorded_and_sent();
+//! let released = loan.release(); // no `release` on a sent loan
 //! ```
 //!
 //! Nor does releasing on the ACK without waiting on DONE:
@@ -32,23 +32,23 @@
 //! use poolipc_contract::typestate::Loan;
 //! use poolipc_contract::{AllocId, HandoffId};
 //!
-//! let loan = Loan::exported(HandoffId(7), AllocId(3)).ready_recorded_and_offered();
+//! let loan = Loan::lent(HandoffId(7), AllocId(3)).ready_recorded_and_sent();
 //! let acked = loan.acknowledged(HandoffId(7)).ok().unwrap();
 //! let released = acked.release(); // the gate is DONE on the GPU, not the ACK on the CPU
 //! ```
 //!
-//! The worker's side of one handoff:
+//! The worker's side of one handoff, in [`crate::Worker::finish_job`]'s order:
 //!
 //! ```
 //! use poolipc_contract::typestate::Import;
-//! use poolipc_contract::{AllocId, HandoffId, ToParent};
+//! use poolipc_contract::{AllocId, HandoffId};
 //!
 //! let import = Import::imported(HandoffId(7), AllocId(3)); // IMPORT (or a dedupe reference)
 //! let ready = import.wait_ready();                         // stream waits on READY
 //! let _memory = ready.access();                            // WRITE / read
-//! let done = ready.record_done();                          // DONE after the last access
-//! let unimported = done.unimport();                        // UNIMPORT (drop the reference)
-//! assert_eq!(unimported.ack(), ToParent::Ack { handoff: HandoffId(7) }); // ACK
+//! let unimported = ready.unimport();                       // UNIMPORT after the last access
+//! let done = unimported.record_done();                     // DONE covers the frees
+//! assert_eq!(done.ack(), HandoffId(7));                    // named in the job's ACK
 //! ```
 //!
 //! Touching (writing) the memory before READY does not compile:
@@ -61,40 +61,49 @@
 //! let memory = import.access(); // no `access` before `wait_ready`
 //! ```
 //!
-//! ACK before UNIMPORT does not compile:
+//! Recording DONE before the frees does not compile:
 //!
 //! ```compile_fail,E0599
 //! use poolipc_contract::typestate::Import;
 //! use poolipc_contract::{AllocId, HandoffId};
 //!
-//! let done = Import::imported(HandoffId(7), AllocId(3)).wait_ready().record_done();
-//! let ack = done.ack(); // no `ack` before `unimport`
+//! let ready = Import::imported(HandoffId(7), AllocId(3)).wait_ready();
+//! let done = ready.record_done(); // no `record_done` before `unimport`
 //! ```
 //!
-//! Nor does touching the memory after DONE, since `record_done` consumed the ready handle:
+//! ACK before DONE does not compile:
+//!
+//! ```compile_fail,E0599
+//! use poolipc_contract::typestate::Import;
+//! use poolipc_contract::{AllocId, HandoffId};
+//!
+//! let unimported = Import::imported(HandoffId(7), AllocId(3)).wait_ready().unimport();
+//! let ack = unimported.ack(); // no `ack` before `record_done`
+//! ```
+//!
+//! Nor does touching the memory after the free, since `unimport` consumed the ready handle:
 //!
 //! ```compile_fail,E0382
 //! use poolipc_contract::typestate::Import;
 //! use poolipc_contract::{AllocId, HandoffId};
 //!
 //! let ready = Import::imported(HandoffId(7), AllocId(3)).wait_ready();
-//! let done = ready.record_done();
+//! let unimported = ready.unimport();
 //! let memory = ready.access(); // `ready` was moved
 //! ```
 
 use std::marker::PhantomData;
 
-use crate::legacy::ToParent;
 use crate::types::{AllocId, HandoffId, WorkerId};
 
 /// The states a handle moves through. Zero-sized markers.
 pub mod state {
-    /// Parent: the allocation's pointer is exported.
+    /// Parent: the handoff is in a `Lend` or `AllocationGrant` about to be sent.
     #[derive(Debug)]
-    pub struct Exported;
-    /// Parent: READY is recorded and the offer sent.
+    pub struct Lent;
+    /// Parent: READY is recorded and the message sent.
     #[derive(Debug)]
-    pub struct Offered;
+    pub struct Sent;
     /// Parent: the worker's ACK arrived.
     #[derive(Debug)]
     pub struct Acknowledged;
@@ -107,12 +116,12 @@ pub mod state {
     /// Worker: the stream waits on READY; the memory may be used.
     #[derive(Debug)]
     pub struct Ready;
-    /// Worker: DONE is recorded after the last access.
-    #[derive(Debug)]
-    pub struct DoneRecorded;
-    /// Worker: the import reference is dropped.
+    /// Worker: the import reference is dropped after the last access.
     #[derive(Debug)]
     pub struct Unimported;
+    /// Worker: DONE is recorded after the frees.
+    #[derive(Debug)]
+    pub struct DoneRecorded;
 }
 
 /// The parent's handle on one handoff.
@@ -144,9 +153,9 @@ impl<S> Loan<S> {
     }
 }
 
-impl Loan<state::Exported> {
-    /// After [`crate::ParentAction::Export`]: the pointer is exported.
-    pub fn exported(handoff: HandoffId, alloc: AllocId) -> Loan<state::Exported> {
+impl Loan<state::Lent> {
+    /// A handoff of [`crate::Parent::start_job`] or of an allocation grant.
+    pub fn lent(handoff: HandoffId, alloc: AllocId) -> Loan<state::Lent> {
         Loan {
             handoff,
             alloc,
@@ -154,22 +163,22 @@ impl Loan<state::Exported> {
         }
     }
 
-    /// After [`crate::ParentAction::RecordReady`] and the offer's
-    /// [`crate::ParentAction::Send`].
-    pub fn ready_recorded_and_offered(self) -> Loan<state::Offered> {
+    /// After [`crate::ParentAction::RecordReady`] and the [`crate::ParentAction::Send`] of
+    /// the message carrying it.
+    pub fn ready_recorded_and_sent(self) -> Loan<state::Sent> {
         self.to()
     }
 }
 
-impl Loan<state::Offered> {
-    /// The worker acknowledged `handoff`. Gives the loan back if the ACK is for another one.
+impl Loan<state::Sent> {
+    /// The worker's ACK named `handoff`. Gives the loan back if it is another one.
     ///
     /// # Errors
     /// The loan itself, unchanged, when `handoff` is not this loan's.
     pub fn acknowledged(
         self,
         handoff: HandoffId,
-    ) -> Result<Loan<state::Acknowledged>, Loan<state::Offered>> {
+    ) -> Result<Loan<state::Acknowledged>, Loan<state::Sent>> {
         if handoff == self.handoff {
             Ok(self.to())
         } else {
@@ -187,7 +196,7 @@ impl Loan<state::Offered> {
 }
 
 impl Loan<state::Acknowledged> {
-    /// After [`crate::ParentAction::WaitDone`]: the consumer streams wait on DONE.
+    /// After [`crate::ParentAction::WaitDone`]: the job's stream waits on DONE.
     pub fn streams_wait_on_done(self) -> Loan<state::DoneAwaited> {
         self.to()
     }
@@ -312,26 +321,24 @@ impl Import<state::Ready> {
         Access { import: self }
     }
 
-    /// [`crate::WorkerAction::RecordDone`], after the last access.
-    pub fn record_done(self) -> Import<state::DoneRecorded> {
-        self.to()
-    }
-}
-
-impl Import<state::DoneRecorded> {
-    /// The import reference is dropped ([`crate::WorkerAction::Unimport`] when it was the
-    /// last).
+    /// After the last access: the import reference is dropped ([`crate::WorkerAction::Unimport`]
+    /// when it was the last, stream ordered).
     pub fn unimport(self) -> Import<state::Unimported> {
         self.to()
     }
 }
 
 impl Import<state::Unimported> {
-    /// The ACK to send.
+    /// [`crate::WorkerAction::RecordDone`], after the frees.
+    pub fn record_done(self) -> Import<state::DoneRecorded> {
+        self.to()
+    }
+}
+
+impl Import<state::DoneRecorded> {
+    /// The handle to name in the job's `Done` and `Ack`.
     #[must_use]
-    pub fn ack(self) -> ToParent {
-        ToParent::Ack {
-            handoff: self.handoff,
-        }
+    pub fn ack(self) -> HandoffId {
+        self.handoff
     }
 }

@@ -1,103 +1,134 @@
-//! The worker's side of the contract: imports each allocation once (refcounted), waits on
-//! READY before use, and on finishing records DONE, unimports, then ACKs.
+//! The worker's side of the contract, at job granularity: imports each allocation once
+//! (refcounted), waits on READY before a job's memory is usable, receives host-staged
+//! inputs, and on finishing a job frees its imports (stream ordered), records DONE, sends
+//! `Done`, pushes staged results, then sends `Ack`.
 
 use std::collections::{BTreeMap, VecDeque};
 
 use crate::error::ContractError;
-use crate::legacy::{Offer, Refusal, ToParent, ToWorker};
-use crate::types::{AllocId, HandoffId, JobId, Purpose, RequestId, ResultSpec, Span, Timestamp};
+use crate::message::{
+    Ack, AllocationGrant, Done, Lend, LentTensor, MAX_TEXT_LEN, Message, ResultGrant,
+    ResultRequest, ResultSpec, TensorMeta,
+};
+use crate::mutation::Mutation;
+use crate::types::{AllocId, EventBlob, ExportBlob, HandoffId, JobId, Rung, Timestamp, by_pointer};
 
-/// Something from outside for the worker machine.
+/// Work the worker machine asks of the worker's facade, in the order it must be done.
+///
+/// Not `#[non_exhaustive]`: the facade matches every variant.
 #[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum WorkerEvent {
-    /// A message from the parent.
-    Message(ToWorker),
-}
-
-/// Work the worker machine asks of the worker's facade, in order.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 #[must_use]
 pub enum WorkerAction {
-    /// Import the allocation's pointer from the offer's export blob. Only for the first
-    /// handoff of an allocation this worker does not hold yet
-    /// ([`crate::Invariant::OneImportPerAllocation`]).
+    /// Import the allocation's pointer from this export. Only for the first handoff of an
+    /// allocation this worker does not hold already; later ones share the import
+    /// (refcounted, [`crate::Invariant::OneImportPerAllocation`]).
     Import {
+        /// The job.
+        job: JobId,
         /// The handoff that brought it.
         handoff: HandoffId,
         /// The allocation.
         alloc: AllocId,
-        /// Its range.
-        span: Span,
+        /// Which of the parent's pools it comes from.
+        pool: u8,
+        /// The pointer export.
+        export: ExportBlob,
     },
-    /// Make the worker's stream wait on the handoff's READY event.
+    /// Make the worker's stream wait on this READY event. Once per `Lend` or
+    /// `AllocationGrant` with pool-pointer items, after their imports.
     WaitReady {
-        /// The handoff.
-        handoff: HandoffId,
-    },
-    /// The memory may now be used on the worker's stream: read an input, write a result.
-    /// When the last access is queued, call [`Worker::finish`].
-    Usable {
-        /// The handoff.
-        handoff: HandoffId,
-        /// Its job.
+        /// The job.
         job: JobId,
-        /// The allocation (imported once per worker).
-        alloc: AllocId,
-        /// Input or result.
-        purpose: Purpose,
+        /// The event the parent recorded for the job.
+        ready_event: EventBlob,
     },
-    /// Record the handoff's DONE event on the worker's stream, after its last access.
-    RecordDone {
-        /// The handoff.
+    /// A host-staged input: its bytes follow the `Lend` on the wire; receive them now.
+    ReceiveStaged {
+        /// The job.
+        job: JobId,
+        /// The staged input.
         handoff: HandoffId,
+        /// Its layout.
+        meta: TensorMeta,
     },
-    /// Free the import of the allocation: no handoff of this worker uses it any more.
+    /// The job's inputs are usable (after their imports, wait and receives). When its last
+    /// access is queued, call [`Worker::finish_job`].
+    JobStarted {
+        /// The job.
+        job: JobId,
+        /// Its inputs, as lent.
+        inputs: Vec<LentTensor>,
+    },
+    /// The granted results are writable (after their imports and wait).
+    ResultsGranted {
+        /// The job.
+        job: JobId,
+        /// One per requested result, in request order.
+        results: Vec<ResultGrant>,
+    },
+    /// Free the import of the allocation, stream ordered: no handoff of this worker uses it
+    /// any more.
     Unimport {
         /// The allocation.
         alloc: AllocId,
     },
-    /// Send a message to the parent.
-    Send(ToParent),
-    /// The parent refused a result request.
-    ResultRefused {
+    /// Record the worker's DONE event on its stream: after the job's last access and the
+    /// frees.
+    RecordDone {
         /// The job.
         job: JobId,
-        /// The request.
-        request: RequestId,
-        /// Why.
-        reason: Refusal,
     },
-    /// The parent cancelled the job: stop, and finish every handoff of it.
+    /// Send this message to the parent, unchanged.
+    Send(Message),
+    /// A host-staged result's bytes: push them now, right after the `Done` that names it.
+    SendStaged {
+        /// The job.
+        job: JobId,
+        /// The staged result.
+        handoff: HandoffId,
+    },
+    /// The parent cancelled the job: stop, and finish it ([`Worker::finish_job`]).
     Cancelled {
         /// The job.
         job: JobId,
     },
-    /// The parent is shutting down: finish what is held, take no new work.
-    ShutdownRequested,
+    /// The parent said `Bye`: finish the open jobs and exit.
+    Stop,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Held {
+    handoff: HandoffId,
     alloc: AllocId,
+    rung: Rung,
+    result: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+struct OpenJob {
+    /// Inputs in `Lend` order, then results in grant order.
+    held: Vec<Held>,
+    /// Results requested and not granted yet.
+    pending: Option<usize>,
+    cancelled: bool,
 }
 
 /// The worker's side of the ownership contract.
 ///
-/// Sans-IO: [`Worker::handle`] takes the parent's messages, [`Worker::request_result`] and
-/// [`Worker::finish`] the facade's decisions; [`Worker::poll_action`] gives what to do.
+/// Sans-IO: [`Worker::handle`] takes the parent's messages; [`Worker::request_results`],
+/// [`Worker::fail_job`] and [`Worker::finish_job`] the worker's decisions;
+/// [`Worker::poll_action`] gives what to do. Several jobs may be open at once (a `Lend`
+/// may arrive while an earlier job waits for its grant); the facade runs them one at a
+/// time, in the order of their [`WorkerAction::JobStarted`].
 #[derive(Debug, Default)]
 pub struct Worker {
     imports: BTreeMap<AllocId, u32>,
-    held: BTreeMap<HandoffId, Held>,
-    pending: BTreeMap<RequestId, JobId>,
-    last_request: Option<RequestId>,
-    newest_offer: Option<HandoffId>,
-    shutting_down: bool,
+    jobs: BTreeMap<JobId, OpenJob>,
+    newest: Option<HandoffId>,
+    stopping: bool,
     actions: VecDeque<WorkerAction>,
     #[cfg(test)]
-    pub(crate) mutation: Option<crate::mutation::Mutation>,
+    pub(crate) mutation: Option<Mutation>,
 }
 
 impl Worker {
@@ -108,7 +139,7 @@ impl Worker {
     }
 
     #[cfg(test)]
-    pub(crate) fn with_mutation(mutation: Option<crate::mutation::Mutation>) -> Worker {
+    pub(crate) fn with_mutation(mutation: Option<Mutation>) -> Worker {
         Worker {
             mutation,
             ..Worker::default()
@@ -116,13 +147,13 @@ impl Worker {
     }
 
     #[cfg(test)]
-    fn mutated(&self, m: crate::mutation::Mutation) -> bool {
+    fn mutated(&self, m: Mutation) -> bool {
         self.mutation == Some(m)
     }
 
     #[cfg(not(test))]
     #[allow(clippy::unused_self)] // the test build reads `self`
-    fn mutated(&self, _: crate::mutation::Mutation) -> bool {
+    fn mutated(&self, _: Mutation) -> bool {
         false
     }
 
@@ -131,10 +162,10 @@ impl Worker {
         self.actions.pop_front()
     }
 
-    /// Handoffs held (usable, not finished).
+    /// Handoffs held: of open jobs, inputs and granted results.
     #[must_use]
     pub fn held(&self) -> usize {
-        self.held.len()
+        self.jobs.values().map(|j| j.held.len()).sum()
     }
 
     /// Live driver imports, and the handoffs counted on each.
@@ -142,142 +173,300 @@ impl Worker {
         self.imports.iter().map(|(a, n)| (*a, *n))
     }
 
-    /// A message from the parent.
+    /// Open jobs, in id order.
+    pub fn jobs(&self) -> impl Iterator<Item = JobId> + '_ {
+        self.jobs.keys().copied()
+    }
+
+    /// Whether the parent said `Bye`.
+    #[must_use]
+    pub fn is_stopping(&self) -> bool {
+        self.stopping
+    }
+
+    /// A message from the parent: every one after the handshake except the setup and
+    /// staging frames the facade consumes itself (`StagingBuffer`, `Chunk`, `StagingReady`,
+    /// `ExtraPool`).
     ///
     /// # Errors
-    /// A stale (duplicated or reordered) offer, an offer or refusal for a request not
-    /// pending. Nothing is imported then.
-    pub fn handle(&mut self, event: WorkerEvent, _now: Timestamp) -> Result<(), ContractError> {
-        match event {
-            WorkerEvent::Message(ToWorker::Offer(offer)) => self.on_offer(offer),
-            WorkerEvent::Message(ToWorker::ResultRefused {
+    /// A `Lend` for a job open already ([`ContractError::JobExists`]); a handle not newer
+    /// than one seen ([`ContractError::StaleHandle`]: duplicated or reordered); a grant that
+    /// answers no pending request of an open job; any message the parent does not send here
+    /// ([`ContractError::Unexpected`]). Nothing is imported then and nothing changes.
+    pub fn handle(&mut self, message: Message, _now: Timestamp) -> Result<(), ContractError> {
+        match message {
+            Message::Lend(lend) => self.on_lend(lend),
+            Message::AllocationGrant(grant) => self.on_grant(grant),
+            Message::Cancel { job } => {
+                if let Some(j) = self.jobs.get_mut(&job)
+                    && !j.cancelled
+                {
+                    j.cancelled = true;
+                    self.actions.push_back(WorkerAction::Cancelled { job });
+                }
+                Ok(())
+            }
+            Message::Bye => {
+                if !self.stopping {
+                    self.stopping = true;
+                    self.actions.push_back(WorkerAction::Stop);
+                }
+                Ok(())
+            }
+            Message::Heartbeat { .. } => Ok(()),
+            other => Err(ContractError::Unexpected(other.kind())),
+        }
+    }
+
+    /// Checks that `handles` are newer than any seen and increasing.
+    fn check_fresh(&self, handles: impl Iterator<Item = HandoffId>) -> Result<(), ContractError> {
+        let mut newest = self.newest;
+        for h in handles {
+            if newest.is_some_and(|n| h <= n) {
+                return Err(ContractError::StaleHandle(h));
+            }
+            newest = Some(h);
+        }
+        Ok(())
+    }
+
+    /// One reference on `alloc`; the driver import only for the first.
+    fn import(
+        &mut self,
+        job: JobId,
+        handoff: HandoffId,
+        alloc: AllocId,
+        pool: u8,
+        export: ExportBlob,
+    ) {
+        let every = self.mutated(Mutation::ImportEveryOffer);
+        let refs = self.imports.entry(alloc).or_insert(0);
+        if *refs == 0 || every {
+            self.actions.push_back(WorkerAction::Import {
                 job,
-                request,
-                reason,
-            }) => {
-                if self.pending.get(&request) != Some(&job) {
-                    return Err(ContractError::UnknownRequest { request });
-                }
-                self.pending.remove(&request);
-                self.actions.push_back(WorkerAction::ResultRefused {
-                    job,
-                    request,
-                    reason,
-                });
-                Ok(())
-            }
-            WorkerEvent::Message(ToWorker::Cancel { job }) => {
-                self.actions.push_back(WorkerAction::Cancelled { job });
-                Ok(())
-            }
-            WorkerEvent::Message(ToWorker::Shutdown) => {
-                if !self.shutting_down {
-                    self.shutting_down = true;
-                    self.actions.push_back(WorkerAction::ShutdownRequested);
-                }
-                Ok(())
+                handoff,
+                alloc,
+                pool,
+                export,
+            });
+        }
+        *refs += 1;
+    }
+
+    /// WAIT READY once per distinct event (once, for a parent that keeps the contract).
+    fn wait_ready(&mut self, job: JobId, events: Vec<EventBlob>) {
+        if self.mutated(Mutation::UseBeforeReady) {
+            return;
+        }
+        let mut waited: Vec<EventBlob> = Vec::new();
+        for ready_event in events {
+            if !waited.contains(&ready_event) {
+                waited.push(ready_event);
+                self.actions
+                    .push_back(WorkerAction::WaitReady { job, ready_event });
             }
         }
     }
 
-    fn on_offer(&mut self, offer: Offer) -> Result<(), ContractError> {
-        let Offer {
-            handoff,
-            job,
-            alloc,
-            span,
-            purpose,
-        } = offer;
-        if self.newest_offer.is_some_and(|newest| handoff <= newest) {
-            return Err(ContractError::StaleOffer(handoff));
+    fn on_lend(&mut self, lend: Lend) -> Result<(), ContractError> {
+        let Lend { job, tensors } = lend;
+        if self.jobs.contains_key(&job) {
+            return Err(ContractError::JobExists(job));
         }
-        if let Purpose::Result { request } = purpose {
-            if self.pending.get(&request) != Some(&job) {
-                return Err(ContractError::UnknownRequest { request });
+        self.check_fresh(tensors.iter().map(|t| t.handle))?;
+        if let Some(last) = tensors.last() {
+            self.newest = Some(last.handle);
+        }
+        let mut open = OpenJob::default();
+        let mut events = Vec::new();
+        for t in &tensors {
+            if by_pointer(t.rung) {
+                self.import(job, t.handle, t.alloc, t.pool, t.export);
+                events.push(t.ready_event);
             }
-            self.pending.remove(&request);
-        }
-        self.newest_offer = Some(handoff);
-        let always_import = self.mutated(crate::mutation::Mutation::ImportEveryOffer);
-        let refs = self.imports.entry(alloc).or_insert(0);
-        if *refs == 0 || always_import {
-            self.actions.push_back(WorkerAction::Import {
-                handoff,
-                alloc,
-                span,
+            open.held.push(Held {
+                handoff: t.handle,
+                alloc: t.alloc,
+                rung: t.rung,
+                result: false,
             });
         }
-        *refs += 1;
-        if !self.mutated(crate::mutation::Mutation::UseBeforeReady) {
-            self.actions.push_back(WorkerAction::WaitReady { handoff });
+        self.wait_ready(job, events);
+        for t in &tensors {
+            if !by_pointer(t.rung) {
+                self.actions.push_back(WorkerAction::ReceiveStaged {
+                    job,
+                    handoff: t.handle,
+                    meta: t.meta.clone(),
+                });
+            }
         }
-        self.held.insert(handoff, Held { alloc });
-        self.actions.push_back(WorkerAction::Usable {
-            handoff,
+        self.jobs.insert(job, open);
+        self.actions.push_back(WorkerAction::JobStarted {
             job,
-            alloc,
-            purpose,
+            inputs: tensors,
         });
         Ok(())
     }
 
-    /// Ask the parent for result memory, shape first.
-    ///
-    /// # Errors
-    /// [`ContractError::ShuttingDown`] after the parent's shutdown request;
-    /// [`ContractError::DuplicateRequest`] if `request` is not newer than the last one.
-    pub fn request_result(
-        &mut self,
-        job: JobId,
-        request: RequestId,
-        spec: ResultSpec,
-    ) -> Result<(), ContractError> {
-        if self.shutting_down {
-            return Err(ContractError::ShuttingDown);
+    fn on_grant(&mut self, grant: AllocationGrant) -> Result<(), ContractError> {
+        let AllocationGrant { job, results } = grant;
+        let answers = self
+            .jobs
+            .get(&job)
+            .is_some_and(|j| j.pending == Some(results.len()));
+        if !answers {
+            return Err(ContractError::GrantMismatch(job));
         }
-        if self.last_request.is_some_and(|last| request <= last) {
-            return Err(ContractError::DuplicateRequest { request });
+        let granted = || {
+            results.iter().filter_map(|g| match g {
+                ResultGrant::Granted {
+                    handle,
+                    alloc,
+                    rung,
+                    pool,
+                    export,
+                    ready_event,
+                } => Some((*handle, *alloc, *rung, *pool, *export, *ready_event)),
+                ResultGrant::Refused { .. } => None,
+            })
+        };
+        self.check_fresh(granted().map(|g| g.0))?;
+        let mut held = Vec::new();
+        let mut events = Vec::new();
+        for (handoff, alloc, rung, pool, export, ready_event) in granted() {
+            self.newest = Some(handoff);
+            if by_pointer(rung) {
+                self.import(job, handoff, alloc, pool, export);
+                events.push(ready_event);
+            }
+            held.push(Held {
+                handoff,
+                alloc,
+                rung,
+                result: true,
+            });
         }
-        self.last_request = Some(request);
-        self.pending.insert(request, job);
+        self.wait_ready(job, events);
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.pending = None;
+            j.held.extend(held);
+        }
         self.actions
-            .push_back(WorkerAction::Send(ToParent::ResultRequest {
-                job,
-                request,
-                spec,
-            }));
+            .push_back(WorkerAction::ResultsGranted { job, results });
         Ok(())
     }
 
-    /// The last access to the handoff's memory is queued: record DONE, drop the import
-    /// reference (unimport if it was the last), ACK.
+    /// Asks the parent for the job's results' memory, shape first: `Send(ResultRequest)`.
+    /// The answer comes as [`WorkerAction::ResultsGranted`].
     ///
     /// # Errors
-    /// [`ContractError::UnknownHandoff`] if the handoff is not held.
-    pub fn finish(&mut self, handoff: HandoffId) -> Result<(), ContractError> {
-        let Some(Held { alloc }) = self.held.remove(&handoff) else {
-            return Err(ContractError::UnknownHandoff(handoff));
+    /// The job is not open; a request of it is not answered yet; a spec's `byte_len` is not
+    /// the dense size of its shape and dtype (the parent would condemn the worker for it).
+    pub fn request_results(
+        &mut self,
+        job: JobId,
+        specs: Vec<ResultSpec>,
+    ) -> Result<(), ContractError> {
+        let Some(j) = self.jobs.get(&job) else {
+            return Err(ContractError::UnknownJob(job));
         };
-        self.actions.push_back(WorkerAction::RecordDone { handoff });
-        let ack = WorkerAction::Send(ToParent::Ack { handoff });
-        let ack_first = self.mutated(crate::mutation::Mutation::AckBeforeUnimport);
-        if ack_first {
-            self.actions.push_back(ack.clone());
+        if j.pending.is_some() {
+            return Err(ContractError::RequestPending(job));
         }
-        let last = match self.imports.get_mut(&alloc) {
-            Some(refs) => {
-                *refs = refs.saturating_sub(1);
-                *refs == 0
+        for (index, spec) in specs.iter().enumerate() {
+            if crate::types::dense_bytes(spec.dtype, &spec.shape) != Some(spec.byte_len) {
+                return Err(ContractError::MalformedResult {
+                    job,
+                    index,
+                    byte_len: spec.byte_len,
+                });
             }
-            None => false,
+        }
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.pending = Some(specs.len());
+        }
+        self.actions
+            .push_back(WorkerAction::Send(Message::ResultRequest(ResultRequest {
+                job,
+                results: specs,
+            })));
+        Ok(())
+    }
+
+    /// The worker's code failed on the job: `Send(JobError)` (the text cut to
+    /// [`MAX_TEXT_LEN`] bytes). The job must still be finished ([`Worker::finish_job`]); it
+    /// then ends with this text as its error.
+    ///
+    /// # Errors
+    /// The job is not open.
+    pub fn fail_job(&mut self, job: JobId, message: String) -> Result<(), ContractError> {
+        if !self.jobs.contains_key(&job) {
+            return Err(ContractError::UnknownJob(job));
+        }
+        let mut message = message;
+        if message.len() > MAX_TEXT_LEN {
+            let mut end = MAX_TEXT_LEN;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+        }
+        self.actions
+            .push_back(WorkerAction::Send(Message::JobError { job, message }));
+        Ok(())
+    }
+
+    /// The worker's code queued its last access to the job's memory. In this order:
+    /// [`WorkerAction::Unimport`] for every allocation whose last handoff is this job's
+    /// (stream-ordered frees), [`WorkerAction::RecordDone`] (so the parent's wait on DONE
+    /// covers the frees on the GPU timeline), `Send(Done)` naming every handoff of the job
+    /// (inputs, then results; pointer and staged), [`WorkerAction::SendStaged`] for each
+    /// staged result in order, then `Send(Ack)` with the same handles.
+    ///
+    /// # Errors
+    /// The job is not open, or its result request is not answered yet.
+    pub fn finish_job(&mut self, job: JobId, done_event: EventBlob) -> Result<(), ContractError> {
+        match self.jobs.get(&job) {
+            None => return Err(ContractError::UnknownJob(job)),
+            Some(j) if j.pending.is_some() => return Err(ContractError::RequestPending(job)),
+            Some(_) => {}
+        }
+        let Some(open) = self.jobs.remove(&job) else {
+            return Err(ContractError::UnknownJob(job));
         };
-        if last {
-            self.imports.remove(&alloc);
-            self.actions.push_back(WorkerAction::Unimport { alloc });
+        let mut unimports = Vec::new();
+        for h in open.held.iter().filter(|h| by_pointer(h.rung)) {
+            if let Some(refs) = self.imports.get_mut(&h.alloc) {
+                *refs = refs.saturating_sub(1);
+                if *refs == 0 {
+                    self.imports.remove(&h.alloc);
+                    unimports.push(WorkerAction::Unimport { alloc: h.alloc });
+                }
+            }
         }
+        let ack_first = self.mutated(Mutation::AckBeforeUnimport);
         if !ack_first {
-            self.actions.push_back(ack);
+            self.actions.extend(unimports.drain(..));
         }
+        let handles: Vec<HandoffId> = open.held.iter().map(|h| h.handoff).collect();
+        self.actions.push_back(WorkerAction::RecordDone { job });
+        self.actions
+            .push_back(WorkerAction::Send(Message::Done(Done {
+                job,
+                done_event,
+                handles: handles.clone(),
+            })));
+        for h in open.held.iter().filter(|h| h.result && !by_pointer(h.rung)) {
+            self.actions.push_back(WorkerAction::SendStaged {
+                job,
+                handoff: h.handoff,
+            });
+        }
+        self.actions
+            .push_back(WorkerAction::Send(Message::Ack(Ack { job, handles })));
+        // Test-only bug: the frees after the ACK.
+        self.actions.extend(unimports);
         Ok(())
     }
 }

@@ -7,12 +7,12 @@ use proptest::test_runner::{Config, TestRng, TestRunner};
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 
 use crate::mutation::Mutation;
-use crate::sim::{Op, SizeClass, World};
+use crate::sim::{Fault, Op, SizeClass, World};
 
 /// Cases per run, fixed here so that CI runs this many whatever its environment says.
 pub(crate) const CASES: u32 = 10_000;
 /// Steps per case.
-pub(crate) const STEPS: std::ops::Range<usize> = 1..40;
+pub(crate) const STEPS: std::ops::Range<usize> = 1..48;
 
 /// The reference model. It knows what the outside world did (workers started, shutdown) and
 /// generates operations; [`World`] holds the model's expectations of each call's outcome
@@ -21,6 +21,17 @@ pub(crate) const STEPS: std::ops::Range<usize> = 1..40;
 pub(crate) struct Model {
     workers: usize,
     shut_down: bool,
+}
+
+fn fault() -> impl Strategy<Value = Fault> {
+    prop_oneof![
+        Just(Fault::DoneOfAnotherJob),
+        Just(Fault::AckBeforeDone),
+        Just(Fault::SecondResultRequest),
+        Just(Fault::LyingByteLen),
+        Just(Fault::ErrorMessage),
+        Just(Fault::Unexpected),
+    ]
 }
 
 fn size() -> impl Strategy<Value = SizeClass> {
@@ -75,48 +86,92 @@ fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
     }
     let w = any::<u8>;
     let pick = any::<u8>;
-    let job = || 0u8..2;
     let mut arms: Vec<(u32, BoxedStrategy<Op>)> = vec![
         (2, Just(Op::SpawnWorker).boxed()),
         (
-            5,
-            (w(), job(), size())
-                .prop_map(|(worker, job, size)| Op::LendNew { worker, job, size })
-                .boxed(),
-        ),
-        (
-            2,
-            (w(), job(), pick())
-                .prop_map(|(worker, job, pick)| Op::LendAgain { worker, job, pick })
+            6,
+            (w(), 0u8..4, any::<u16>(), size())
+                .prop_map(|(worker, inputs, plan, size)| Op::StartJob {
+                    worker,
+                    inputs,
+                    plan,
+                    size,
+                })
                 .boxed(),
         ),
         (2, pick().prop_map(|pick| Op::DropTensor { pick }).boxed()),
         (
-            3,
-            (w(), job(), size())
-                .prop_map(|(worker, job, size)| Op::RequestResult { worker, job, size })
+            5,
+            (
+                w(),
+                pick(),
+                prop_oneof![1 => Just(0u8), 6 => 1u8..3],
+                size(),
+            )
+                .prop_map(|(worker, pick, count, size)| Op::RequestResults {
+                    worker,
+                    pick,
+                    count,
+                    size,
+                })
                 .boxed(),
         ),
         (
-            3,
-            (pick(), size())
-                .prop_map(|(pick, size)| Op::AllocateResult { pick, size })
+            6,
+            (
+                pick(),
+                size(),
+                prop::bool::weighted(0.3),
+                prop::bool::weighted(0.15),
+            )
+                .prop_map(|(pick, size, staged, decline)| Op::AnswerResult {
+                    pick,
+                    size,
+                    staged,
+                    decline,
+                })
                 .boxed(),
         ),
         (
-            1,
-            pick().prop_map(|pick| Op::DeclineResult { pick }).boxed(),
-        ),
-        (
-            10,
+            14,
             w().prop_map(|worker| Op::DeliverToWorker { worker })
                 .boxed(),
         ),
         (
-            10,
+            14,
             w().prop_map(|worker| Op::DeliverToParent { worker })
                 .boxed(),
         ),
+        (
+            3,
+            (w(), pick())
+                .prop_map(|(worker, pick)| Op::Access { worker, pick })
+                .boxed(),
+        ),
+        (
+            7,
+            (w(), pick())
+                .prop_map(|(worker, pick)| Op::Finish { worker, pick })
+                .boxed(),
+        ),
+        (
+            4,
+            prop_oneof![5 => 0u16..20, 1 => 80u16..200]
+                .prop_map(|millis| Op::Advance { millis })
+                .boxed(),
+        ),
+        (4, Just(Op::Timeout).boxed()),
+        (5, w().prop_map(|worker| Op::Reap { worker }).boxed()),
+    ];
+    // Faults and endings are rare beside the happy path, so most sequences get far into
+    // the jobs before something goes wrong.
+    for arm in &mut arms {
+        arm.0 *= 3;
+    }
+    if !state.shut_down {
+        arms.push((1, Just(Op::Shutdown).boxed()));
+    }
+    let faults: Vec<(u32, BoxedStrategy<Op>)> = vec![
         (
             1,
             (w(), any::<bool>(), pick())
@@ -147,42 +202,32 @@ fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
                 })
                 .boxed(),
         ),
+        (2, w().prop_map(|worker| Op::Crash { worker }).boxed()),
+        (
+            2,
+            (w(), pick())
+                .prop_map(|(worker, pick)| Op::Cancel { worker, pick })
+                .boxed(),
+        ),
         (
             3,
             (w(), pick())
-                .prop_map(|(worker, pick)| Op::Access { worker, pick })
+                .prop_map(|(worker, pick)| Op::FailJob { worker, pick })
                 .boxed(),
         ),
+        (1, w().prop_map(|worker| Op::StopWorker { worker }).boxed()),
         (
-            6,
-            (w(), pick())
-                .prop_map(|(worker, pick)| Op::Finish { worker, pick })
+            1,
+            (w(), fault(), pick())
+                .prop_map(|(worker, fault, pick)| Op::Garbage {
+                    worker,
+                    fault,
+                    pick,
+                })
                 .boxed(),
         ),
-        (
-            4,
-            prop_oneof![5 => 0u16..20, 1 => 80u16..200]
-                .prop_map(|millis| Op::Advance { millis })
-                .boxed(),
-        ),
-        (4, Just(Op::Timeout).boxed()),
-        (5, w().prop_map(|worker| Op::Reap { worker }).boxed()),
     ];
-    // Faults and endings are rare beside the happy path, so most sequences get far into
-    // the handoffs before something goes wrong.
-    for arm in &mut arms {
-        arm.0 *= 3;
-    }
-    if !state.shut_down {
-        arms.push((1, Just(Op::Shutdown).boxed()));
-    }
-    arms.push((4, w().prop_map(|worker| Op::Crash { worker }).boxed()));
-    arms.push((
-        1,
-        (w(), job())
-            .prop_map(|(worker, job)| Op::Cancel { worker, job })
-            .boxed(),
-    ));
+    arms.extend(faults);
     Union::new_weighted(arms).boxed()
 }
 
@@ -251,24 +296,35 @@ prop_state_machine! {
 }
 
 /// The paths a sequence must be able to reach, or the property above would hold vacuously.
-const PATHS: [&str; 17] = [
+const PATHS: [&str; 28] = [
     "deadline expired",
-    "parent refused a late message",
-    "parent refused a duplicate ack",
-    "worker refused a stale offer",
-    "offer input",
-    "offer result",
-    "refuse result",
+    "parent ignored a late message",
+    "worker refused a stale message",
+    "start_job refused",
+    "lend",
+    "lend with a staged input",
+    "send staged",
+    "grant a pointer result",
+    "grant a staged result",
+    "refuse results",
+    "receive staged",
+    "worker: send staged",
     "free unused result",
     "release completed",
     "release cancelled",
     "release failed",
     "kill worker",
     "cancel",
-    "shutdown",
+    "bye",
     "shutdown complete",
     "import shared by two handoffs",
-    "export",
+    "two jobs in flight on one worker",
+    "job completed",
+    "job finished with the worker's error",
+    "job failed",
+    "worker removed",
+    "garbage condemned its worker",
+    "stopped worker exited",
 ];
 
 #[test]
