@@ -203,6 +203,21 @@ pub fn worker_command(env: &Env, die_at: Option<&str>) -> Result<Command> {
     Ok(cmd)
 }
 
+/// A command starting the rogue test worker, which breaks the protocol in `mode` (see
+/// `src/bin/poolipc-test-rogue.rs`).
+pub fn rogue_command(env: &Env, mode: &str) -> Result<Command> {
+    let mut cmd = Command::new(sibling_binary(
+        "poolipc-test-rogue",
+        "POOLIPC_TEST_ROGUE_BIN",
+    )?);
+    if let Some(sim) = &env.sim {
+        let (k, v) = sim.child_env();
+        cmd.env(k, v);
+    }
+    cmd.env("POOLIPC_TEST_ROGUE", mode);
+    Ok(cmd)
+}
+
 /// A live child process and the line protocol to drive it.
 #[derive(Debug)]
 pub struct Child {

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use anyhow::{Result, ensure};
 use poolipc::{DType, Error, Input, Parent, ParentOptions, Rung, TensorDesc, echo};
 use poolipc_driver::sim::{SimConfig, SimDriver, VISIBLE_ENV};
-use poolipc_driver::{CudaDriver, DevicePtr, Driver, StreamHandle};
+use poolipc_driver::{CudaDriver, Driver, StreamHandle};
 use poolipc_tests::{Env, worker_command};
 use poolipc_transport::{ErrorCode, HandshakeError};
 
@@ -160,12 +160,12 @@ macro_rules! two_devices {
 }
 
 /// One job through `worker`: 1 MiB lent, the echoed result checked.
-fn one_job(p: &mut Parent, worker: poolipc::WorkerId) -> Result<()> {
+fn one_job(p: &Parent, worker: poolipc::WorkerId) -> Result<()> {
     one_job_by(p, worker).map(|_| ())
 }
 
 /// [`one_job`], returning the rungs the input and the result took.
-fn one_job_by(p: &mut Parent, worker: poolipc::WorkerId) -> Result<(Rung, Rung)> {
+fn one_job_by(p: &Parent, worker: poolipc::WorkerId) -> Result<(Rung, Rung)> {
     let first = p.options().device;
     cross_job(p, worker, first, first, 0x600D_D00D)
 }
@@ -186,7 +186,7 @@ fn refusal(result: Result<poolipc::WorkerId, Error>) -> Result<String> {
 /// device is filled and allocated on a stream of that device, as the hardware needs when the
 /// devices are not peers; the job runs on a stream of the parent's first device.
 fn cross_job(
-    p: &mut Parent,
+    p: &Parent,
     worker: poolipc::WorkerId,
     input_on: u32,
     result_on: u32,
@@ -210,12 +210,14 @@ fn cross_job(
         .pool_on(result_on)
         .ok_or_else(|| anyhow::anyhow!("no pool on {result_on}"))?
         .handle();
-    let mut alloc = |_: &poolipc::ResultShape, bytes: u64| -> Result<DevicePtr, Error> {
-        d.use_device(result_on)?;
-        let ptr = d.mem_alloc_from_pool_async(bytes, result_pool, out_stream);
-        d.stream_synchronize(out_stream)?;
-        d.use_device(first)?;
-        Ok(ptr?)
+    // Runs on the parent's IO thread: it switches device there and back.
+    let ad = Arc::clone(&d);
+    let alloc = move |_: &poolipc::ResultShape, bytes: u64, _: StreamHandle| {
+        ad.use_device(result_on)?;
+        let ptr = ad.mem_alloc_from_pool_async(bytes, result_pool, out_stream);
+        ad.stream_synchronize(out_stream)?;
+        ad.use_device(first)?;
+        Ok::<_, Error>(ptr?)
     };
     d.use_device(first)?;
     let stream = d.stream_create()?;
@@ -226,7 +228,7 @@ fn cross_job(
             desc: TensorDesc::contiguous(DType::U8, &[MIB]),
         }],
         stream,
-        &mut alloc,
+        Box::new(alloc),
     )?;
     d.stream_synchronize(stream)?;
     let mut got = [0u8; 8];
@@ -251,7 +253,7 @@ fn cross_job(
 
 two_devices! {
     fn a_worker_that_sees_the_parents_device_under_another_ordinal_finds_it_by_uuid(rig) {
-        let (env, mut p) = rig.parent(1, &[])?;
+        let (env, p) = rig.parent(1, &[])?;
         // The parent's device 1 is the worker's 0.
         let w = p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "parent")?)?;
         let parent_uuid = rig.driver().device_info(1)?.uuid;
@@ -259,8 +261,8 @@ two_devices! {
             p.worker(w).map(|i| i.identity.device.0) == Some(parent_uuid.0),
             "the worker's identity names the parent's device"
         );
-        one_job(&mut p, w)?;
-        one_job(&mut p, w)?;
+        one_job(&p, w)?;
+        one_job(&p, w)?;
         p.stop_worker(w)?;
         Ok(())
     }
@@ -268,13 +270,13 @@ two_devices! {
 
 two_devices! {
     fn a_worker_given_the_parents_ordinal_under_another_visibility_is_refused(rig) {
-        let (env, mut p) = rig.parent(1, &[])?;
+        let (env, p) = rig.parent(1, &[])?;
         // Its ordinal 1 is our device 0: a mismatch, found by UUID.
         let message = refusal(p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "1")?))?;
         ensure!(message.contains("device mismatch"), "{message}");
         // The parent goes on: the next worker, on the right ordinal, works.
         let w = p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "0")?)?;
-        one_job(&mut p, w)?;
+        one_job(&p, w)?;
         p.stop_worker(w)?;
         Ok(())
     }
@@ -282,12 +284,12 @@ two_devices! {
 
 two_devices! {
     fn a_worker_that_does_not_see_the_parents_device_says_what_it_sees(rig) {
-        let (env, mut p) = rig.parent(1, &[])?;
+        let (env, p) = rig.parent(1, &[])?;
         let message = refusal(p.spawn_worker(rig.worker(&env, Some(&[0]), "parent")?))?;
         let visible_uuid = rig.driver().device_info(0)?.uuid.to_string();
         ensure!(message.contains("sees 1") && message.contains(&visible_uuid), "{message}");
         let w = p.spawn_worker(rig.worker(&env, None, "parent")?)?;
-        one_job(&mut p, w)?;
+        one_job(&p, w)?;
         p.stop_worker(w)?;
         Ok(())
     }
@@ -295,7 +297,7 @@ two_devices! {
 
 two_devices! {
     fn a_worker_on_another_device_takes_tensors_by_pointer_where_it_is_a_peer(rig) {
-        let (env, mut p) = rig.parent(0, &[])?;
+        let (env, p) = rig.parent(0, &[])?;
         // Works on device 1 and uses the pool on device 0 through peer access: without
         // cuMemPoolSetAccess for device 1 the simulation records NoAccess.
         let expected = if rig.peers(1, 0)? {
@@ -304,11 +306,11 @@ two_devices! {
             (Rung::HostStaging, Rung::HostStaging)
         };
         let w = p.spawn_worker(rig.worker(&env, None, "any:1")?)?;
-        let rungs = one_job_by(&mut p, w)?;
+        let rungs = one_job_by(&p, w)?;
         ensure!(rungs == expected, "{rungs:?}, expected {expected:?}");
         // The same devices under another visibility: our device 1 is the worker's 0.
         let v = p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "any:0")?)?;
-        let rungs = one_job_by(&mut p, v)?;
+        let rungs = one_job_by(&p, v)?;
         ensure!(rungs == expected, "{rungs:?}, expected {expected:?}");
         p.stop_worker(w)?;
         p.stop_worker(v)?;
@@ -318,11 +320,11 @@ two_devices! {
 
 two_devices! {
     fn a_worker_that_sees_only_its_own_device_is_refused(rig) {
-        let (env, mut p) = rig.parent(0, &[])?;
+        let (env, p) = rig.parent(0, &[])?;
         let message = refusal(p.spawn_worker(rig.worker(&env, Some(&[1]), "any:0")?))?;
         ensure!(message.contains("sees 1"), "{message}");
         let w = p.spawn_worker(rig.worker(&env, Some(&[1, 0]), "any:0")?)?;
-        one_job(&mut p, w)?;
+        one_job(&p, w)?;
         p.stop_worker(w)?;
         Ok(())
     }
@@ -330,7 +332,7 @@ two_devices! {
 
 two_devices! {
     fn a_pool_per_device_lends_and_allocates_across_devices(rig) {
-        let (env, mut p) = rig.parent(0, &[1])?;
+        let (env, p) = rig.parent(0, &[1])?;
         let on0 = p.spawn_worker(rig.worker(&env, None, "0")?)?;
         let on1 = p.spawn_worker(rig.worker(&env, None, "any:1")?)?;
         let rung = |a: u32, b: u32| -> Result<Rung> {
@@ -350,7 +352,7 @@ two_devices! {
             (on1, 1, 1, 1, 0x1111_0005),
         ] {
             let expected = (rung(on, input_on)?, rung(on, result_on)?);
-            let got = cross_job(&mut p, w, input_on, result_on, pattern)?;
+            let got = cross_job(&p, w, input_on, result_on, pattern)?;
             ensure!(
                 got == expected,
                 "worker on {on}, input on {input_on}, result on {result_on}: {got:?}, expected {expected:?}"
@@ -385,19 +387,19 @@ two_devices! {
 #[test]
 fn a_worker_on_a_device_without_a_peer_path_takes_host_staging_both_ways() -> Result<()> {
     let rig = Rig::sim(false)?;
-    let (env, mut p) = rig.parent(0, &[])?;
+    let (env, p) = rig.parent(0, &[])?;
     let w = p.spawn_worker(rig.worker(&env, None, "any:1")?)?;
     ensure!(
         p.canary_report(w).is_none(),
         "no pool-pointer canaries for it"
     );
     for _ in 0..2 {
-        let rungs = one_job_by(&mut p, w)?;
+        let rungs = one_job_by(&p, w)?;
         ensure!(rungs == (Rung::HostStaging, Rung::HostStaging), "{rungs:?}");
     }
     // A worker on the pool's own device still goes by pool pointer.
     let v = p.spawn_worker(rig.worker(&env, None, "any:0")?)?;
-    let rungs = one_job_by(&mut p, v)?;
+    let rungs = one_job_by(&p, v)?;
     ensure!(rungs == (Rung::PoolPointer, Rung::PoolPointer), "{rungs:?}");
     p.stop_worker(w)?;
     p.stop_worker(v)?;
@@ -409,7 +411,7 @@ fn a_worker_on_a_device_without_a_peer_path_takes_host_staging_both_ways() -> Re
 fn a_worker_that_sees_no_device_is_refused_with_that_reason() -> Result<()> {
     // On hardware an empty CUDA_VISIBLE_DEVICES stops the worker before the handshake.
     let rig = Rig::sim(true)?;
-    let (env, mut p) = rig.parent(1, &[])?;
+    let (env, p) = rig.parent(1, &[])?;
     let mut cmd = worker_command(&env, None)?;
     cmd.env(VISIBLE_ENV, "")
         .env("POOLIPC_TEST_DEVICE", "parent");
@@ -423,17 +425,17 @@ fn a_worker_that_sees_no_device_is_refused_with_that_reason() -> Result<()> {
 fn a_pool_per_device_without_peer_paths_sends_the_other_devices_tensors_by_host_staging()
 -> Result<()> {
     let rig = Rig::sim(false)?;
-    let (env, mut p) = rig.parent(0, &[1])?;
+    let (env, p) = rig.parent(0, &[1])?;
     let on0 = p.spawn_worker(rig.worker(&env, None, "0")?)?;
     let on1 = p.spawn_worker(rig.worker(&env, None, "any:1")?)?;
     let (pointer, staging) = (Rung::PoolPointer, Rung::HostStaging);
     // Each worker takes its own device's pool by pointer and the other's by host staging.
-    ensure!(cross_job(&mut p, on0, 0, 0, 0x2222_0001)? == (pointer, pointer));
-    ensure!(cross_job(&mut p, on0, 1, 1, 0x2222_0002)? == (staging, staging));
-    ensure!(cross_job(&mut p, on0, 1, 0, 0x2222_0003)? == (staging, pointer));
-    ensure!(cross_job(&mut p, on1, 1, 1, 0x2222_0004)? == (pointer, pointer));
-    ensure!(cross_job(&mut p, on1, 0, 1, 0x2222_0005)? == (staging, pointer));
-    ensure!(cross_job(&mut p, on1, 0, 0, 0x2222_0006)? == (staging, staging));
+    ensure!(cross_job(&p, on0, 0, 0, 0x2222_0001)? == (pointer, pointer));
+    ensure!(cross_job(&p, on0, 1, 1, 0x2222_0002)? == (staging, staging));
+    ensure!(cross_job(&p, on0, 1, 0, 0x2222_0003)? == (staging, pointer));
+    ensure!(cross_job(&p, on1, 1, 1, 0x2222_0004)? == (pointer, pointer));
+    ensure!(cross_job(&p, on1, 0, 1, 0x2222_0005)? == (staging, pointer));
+    ensure!(cross_job(&p, on1, 0, 0, 0x2222_0006)? == (staging, staging));
     p.stop_worker(on0)?;
     p.stop_worker(on1)?;
     rig.assert_no_violations();
@@ -443,7 +445,7 @@ fn a_pool_per_device_without_peer_paths_sends_the_other_devices_tensors_by_host_
 #[test]
 fn a_worker_that_dies_before_answering_an_extra_pool_fails_its_spawn_only() -> Result<()> {
     let rig = Rig::sim(true)?;
-    let (env, mut p) = rig.parent(0, &[1])?;
+    let (env, p) = rig.parent(0, &[1])?;
     let mut dying = worker_command(&env, Some("before-extra-pool-reply"))?;
     dying.env("POOLIPC_TEST_DEVICE", "0");
     let got = p.spawn_worker(dying);
@@ -453,7 +455,7 @@ fn a_worker_that_dies_before_answering_an_extra_pool_fails_its_spawn_only() -> R
     );
     // The parent goes on: the next worker gets both pools and works.
     let w = p.spawn_worker(rig.worker(&env, None, "0")?)?;
-    ensure!(cross_job(&mut p, w, 1, 1, 0x3333_0001)? == (Rung::PoolPointer, Rung::PoolPointer));
+    ensure!(cross_job(&p, w, 1, 1, 0x3333_0001)? == (Rung::PoolPointer, Rung::PoolPointer));
     p.stop_worker(w)?;
     rig.assert_no_violations();
     Ok(())

@@ -75,7 +75,7 @@ fn cases() -> Vec<Case> {
 
 both_drivers!(
     fn a_job_lends_inputs_of_several_dtypes_and_gets_results_back(env) {
-        let mut p = parent(env, ImportLimit::default())?;
+        let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
         let baseline = p.pool().stats()?.used_current;
@@ -121,7 +121,7 @@ both_drivers!(
 /// used bytes return to the baseline, the next job on a fresh worker succeeds. `after-ack`
 /// dies once the job is acknowledged: that job succeeds and the worker's next one fails.
 fn killed_at(env: &Env, step: &str) -> Result<()> {
-    let mut p = parent(env, ImportLimit::default())?;
+    let p = parent(env, ImportLimit::default())?;
     let d = Arc::clone(p.driver());
     let stream = d.stream_create()?;
     let baseline = p.pool().stats()?.used_current;
@@ -224,7 +224,7 @@ both_drivers!(
 both_drivers!(
     fn a_tensor_over_the_import_limit_takes_host_staging_both_ways_and_arrives_intact(env) {
         // A 2-chunk limit of 1 MiB chunks stands in for the 128 × 32 MiB rule.
-        let mut p = parent(env, ImportLimit::new(MIB, 2).expect("limit"))?;
+        let p = parent(env, ImportLimit::new(MIB, 2).expect("limit"))?;
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
         let baseline = p.pool().stats()?.used_current;
@@ -264,7 +264,7 @@ both_drivers!(
 
 both_drivers!(
     fn a_rogue_peer_is_refused_and_the_parent_serves_the_next_worker(env) {
-        let mut p = parent(env, ImportLimit::default())?;
+        let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
         // Not a worker: writes garbage on the inherited socket and exits.
@@ -287,7 +287,7 @@ both_drivers!(
 
 both_drivers!(
     fn a_worker_started_by_someone_else_connects_to_a_private_socket(env) {
-        let mut p = parent(env, ImportLimit::default())?;
+        let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
         let dir = std::env::temp_dir().join(format!("poolipc-test-{}-{:?}", std::process::id(), env.kind()));

@@ -103,6 +103,12 @@ fn python_suite() -> Result<()> {
     // The Rust worker test finds the `poolipc` binary nextest built under target/debug.
     c.args(["-m", "pytest", "-q", "-rs", "tests"])
         .current_dir(root.join("crates/poolipc-python"));
+    run(c)?;
+    // The ComfyUI pack: fake ComfyUI modules, fresh interpreters, the binding on SimDriver.
+    let mut c = Command::new(&py);
+    c.args(["-m", "pytest", "-q", "-rs", "comfyui-poolipc/tests"])
+        .env("POOLIPC_DRIVER", "sim")
+        .current_dir(&root);
     run(c)
 }
 
@@ -133,7 +139,27 @@ fn has_subcommand(name: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+/// Installs `cargo-<name>` (from crates.io, `--locked`) when this machine lacks it, so the
+/// README's test command works on a fresh machine with only Rust and Python.
+fn ensure_tool(name: &str) -> Result<()> {
+    if has_subcommand(name) {
+        return Ok(());
+    }
+    eprintln!("cargo-{name} is not installed: installing it (cargo install --locked cargo-{name})");
+    let mut c = cargo();
+    c.args(["install", "--locked", &format!("cargo-{name}")]);
+    run(c)
+}
+
 fn ci() -> Result<()> {
+    let mut c = Command::new("rustup");
+    c.args(["component", "add", "rustfmt", "clippy"]);
+    if let Err(e) = run(c) {
+        eprintln!("rustup component add rustfmt clippy: {e} (going on with what is installed)");
+    }
+    for tool in ["nextest", "deny", "fuzz"] {
+        ensure_tool(tool)?;
+    }
     let mut c = cargo();
     c.args(["fmt", "--all", "--check"]);
     run(c)?;
@@ -167,11 +193,6 @@ fn ci() -> Result<()> {
     c.args(["doc", "--workspace", "--no-deps"])
         .env("RUSTDOCFLAGS", "-D warnings");
     run(c)?;
-    if !has_subcommand("deny") {
-        bail!(
-            "cargo-deny is not installed: `cargo install --locked cargo-deny` (.ci/run does this)"
-        );
-    }
     let mut c = cargo();
     c.args([
         "deny",
@@ -213,11 +234,7 @@ fn fuzz_command(sub: &str) -> Command {
 }
 
 fn fuzz_build() -> Result<()> {
-    if !has_subcommand("fuzz") {
-        bail!(
-            "cargo-fuzz is not installed: `cargo install --locked cargo-fuzz` (.ci/run does this)"
-        );
-    }
+    ensure_tool("fuzz")?;
     run(fuzz_command("build"))
 }
 
@@ -279,6 +296,10 @@ fn gpu_bundle(root: &Path) -> Result<PathBuf> {
     copy(
         &release.join("poolipc-test-parent"),
         &bundle.join("tests/poolipc-test-parent"),
+    )?;
+    copy(
+        &release.join("poolipc-test-rogue"),
+        &bundle.join("tests/poolipc-test-rogue"),
     )?;
     let out = cargo()
         .args([
@@ -357,6 +378,7 @@ mkdir -p "$out"
 export POOLIPC_TEST_CHILD="$here/tests/poolipc-test-child"
 export POOLIPC_BIN="$here/poolipc"
 export POOLIPC_TEST_WORKER="$here/tests/poolipc-test-worker"
+export POOLIPC_TEST_ROGUE_BIN="$here/tests/poolipc-test-rogue"
 export RUST_BACKTRACE=1
 summary="$out/summary.txt"
 : > "$summary"
@@ -366,7 +388,7 @@ pass=0; fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1 || echo "nvidia-smi: not available" >> "$summary"
 for bin in "$here"/tests/*; do
   name=$(basename "$bin")
-  case "$name" in poolipc-test-child|poolipc-test-worker|poolipc-test-parent) continue ;; esac
+  case "$name" in poolipc-test-child|poolipc-test-worker|poolipc-test-parent|poolipc-test-rogue) continue ;; esac
   for t in $("$bin" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
     start=$(date +%s%N)
     if "$bin" --exact "$t" --nocapture --test-threads=1 >"$out/one.log" 2>&1; then r=ok; pass=$((pass+1)); else r=FAILED; fail=$((fail+1)); fi

@@ -120,7 +120,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         device: args.device,
         ..ParentOptions::default()
     };
-    let mut parent = Parent::new(Arc::clone(&driver), options).context("starting the parent")?;
+    let parent = Parent::new(Arc::clone(&driver), options).context("starting the parent")?;
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.arg("__demo-worker")
         .env("POOLIPC_DEMO_DEVICE", args.device.to_string());

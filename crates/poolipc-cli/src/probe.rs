@@ -11,8 +11,8 @@ use anyhow::{Context, Result, bail};
 use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 use poolipc_pool::{AttachedPool, ImportLimit, SharedPool};
 use poolipc_transport::{
-    Ack, Capabilities, DType, EventBlob, ExportBlob, HandoffId, HandshakeConfig, JobId, Lend,
-    LentTensor, Message, Rung, TensorMeta,
+    Ack, Capabilities, DType, EventBlob, HandoffId, HandshakeConfig, JobId, Lend, LentTensor,
+    Message, Rung, TensorMeta,
 };
 
 const MIB: u64 = 1 << 20;
@@ -100,9 +100,10 @@ fn probe_once(
                     job: JobId(1),
                     tensors: vec![LentTensor {
                         handle: HandoffId(1),
+                        alloc: poolipc_transport::AllocId(1),
                         rung: Rung::PoolPointer,
                         pool: 0,
-                        export: ExportBlob(blob.0),
+                        export: blob,
                         ready_event: EventBlob([0; 64]),
                         meta: TensorMeta {
                             dtype: DType::U8,
@@ -215,7 +216,7 @@ pub(crate) fn child_main() -> Result<ExitCode> {
     let Some(t) = lend.tensors.first() else {
         bail!("the Lend holds no tensor")
     };
-    let data = poolipc_driver::ExportBlob(t.export.0);
+    let data = t.export;
     // This is the call that may not return.
     let ptr = driver.mem_pool_import_pointer(pool.pool, &data)?;
     let mut word = [0u8; 4];

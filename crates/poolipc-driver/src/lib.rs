@@ -14,8 +14,8 @@
 mod api;
 mod cuda;
 mod error;
-mod owned;
 pub mod host;
+mod owned;
 pub mod platform;
 pub mod sim;
 mod types;

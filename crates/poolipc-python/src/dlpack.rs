@@ -27,6 +27,9 @@ pub(crate) const DL_CUDA: i32 = 2;
 const LEGACY_NAME: &CStr = c"dltensor";
 const VERSIONED_NAME: &CStr = c"dltensor_versioned";
 
+/// `DLPACK_FLAG_BITMASK_READ_ONLY` (dlpack.h, v1.0): the consumer must not write the tensor.
+pub(crate) const FLAG_READ_ONLY: u64 = 1 << 0;
+
 /// `(code, bits)` of a dtype in DLPack.
 pub(crate) fn code_of(d: DType) -> Option<(u8, u8)> {
     crate::dtype::dlpack(d)
@@ -89,6 +92,8 @@ pub(crate) struct Export {
     pub(crate) shape: Vec<i64>,
     /// In elements.
     pub(crate) strides: Vec<i64>,
+    /// Sets `DLPACK_FLAG_BITMASK_READ_ONLY` in a versioned capsule (a legacy one has no flags).
+    pub(crate) read_only: bool,
     pub(crate) life: Arc<JobLife>,
 }
 
@@ -138,7 +143,7 @@ pub(crate) fn capsule(
                     version: DLPackVersion { major: 1, minor: 0 },
                     manager_ctx: std::ptr::null_mut(),
                     deleter: Some(delete_versioned),
-                    flags: 0,
+                    flags: if e.read_only { FLAG_READ_ONLY } else { 0 },
                     dl_tensor: t,
                 },
                 shape: e.shape,

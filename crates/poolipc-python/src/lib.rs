@@ -1,6 +1,7 @@
 //! The Python module `poolipc` (its native part, `poolipc._native`): the pool swap for
 //! ComfyUI's prestartup hook, the shared pool's statistics, `NativeParent` to spawn
-//! workers and lend them tensors, `NativeWorker` to take jobs whose views torch,
+//! workers and lend them tensors (`submit` gives a `NativeJobHandle` to wait on, from any
+//! thread, with the GIL released), `NativeWorker` to take jobs whose views torch,
 //! CuPy and JAX take by DLPack or `__cuda_array_interface__`. The pure-Python package
 //! (`python/poolipc`) wraps these for torch.
 //!
@@ -30,11 +31,14 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parent::memory_stats, m)?)?;
     m.add_class::<parent::NativeParent>()?;
     m.add_class::<parent::DeviceBuffer>()?;
+    m.add_class::<parent::NativeJobHandle>()?;
     m.add_class::<worker::NativeWorker>()?;
     m.add_class::<worker::Job>()?;
     m.add_class::<worker::View>()?;
     m.add("PoolipcError", py.get_type::<errors::PoolipcError>())?;
     m.add("JobFailedError", py.get_type::<errors::JobFailedError>())?;
+    m.add("WorkerError", py.get_type::<errors::WorkerError>())?;
+    m.add("UnknownWorkerError", errors::unknown_worker_type(py)?)?;
     m.add(
         "ExpiredViewError",
         py.get_type::<errors::ExpiredViewError>(),

@@ -1,63 +1,75 @@
 //! The parent side for Python: the pool swap, pool statistics, spawning workers and running
 //! jobs whose results a Python allocator (torch.empty) provides.
+//!
+//! Every Python `Parent` of a process shares the one facade [`poolipc::Parent`] (see
+//! [`crate::state`]), which is `Send + Sync`: nothing here holds a lock while a job, a spawn
+//! or a stop runs, and every call that waits releases the GIL. Two Python threads run jobs on
+//! two workers at the same time; `pid`, `canary_report`, `stats` never wait for a job.
 
 use std::collections::HashMap;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
-use poolipc::{DevicePtr, Driver, Input, ResultShape, StreamHandle, TensorDesc};
+use poolipc::{DevicePtr, Input, JobHandle, JobOutput, ResultAllocator, StreamHandle, TensorDesc};
 use poolipc_contract::WorkerId;
-use poolipc_driver::PoolHandle;
 use poolipc_pool::PoolStats;
+use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::dtype;
-use crate::errors::{err, to_py};
-use crate::state::{self, Global};
+use crate::errors::{JobFailedError, err, to_py, to_py_for, value_err};
+use crate::state::{self, Global, Requested};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 fn driver_err(e: poolipc_driver::DriverError) -> PyErr {
     to_py(e.into())
 }
 
-/// Runs `f` on the installed pool's state with the GIL released.
-fn with_global<T: Send>(
-    py: Python<'_>,
-    f: impl FnOnce(&mut Global) -> PyResult<T> + Send,
-) -> PyResult<T> {
-    py.detach(|| {
-        let mut guard = state::lock();
-        let g = guard.as_mut().ok_or_else(|| {
-            err("poolipc: no pool is installed (call poolipc.install_pool() first)")
-        })?;
-        g.driver.use_device(g.device).map_err(driver_err)?;
-        f(g)
-    })
+fn installed() -> PyResult<Arc<Global>> {
+    state::installed()
+        .ok_or_else(|| err("poolipc: no pool is installed (call poolipc.install_pool() first)"))
 }
 
-/// Installs the shared pool on `device` (the driver `POOLIPC_DRIVER` picks). Returns a dict:
-/// `installed` (False when it already was), `driver` (in words), `device`. The checks around
-/// torch and `PYTORCH_CUDA_ALLOC_CONF` live in the Python wrapper, `poolipc.install_pool`.
+/// Installs the shared pool on `device` (the driver `POOLIPC_DRIVER` picks) by creating the
+/// process's parent with these deadlines (seconds; None: the default). Returns a dict:
+/// `installed` (False when it already was), `driver` (in words), `device`. A later call, or a
+/// `Parent`, with other deadlines is a `ValueError` naming the clash. The checks around torch
+/// and `PYTORCH_CUDA_ALLOC_CONF` live in the Python wrapper, `poolipc.install_pool`.
 #[pyfunction]
-#[pyo3(signature = (device = 0))]
-pub(crate) fn _install(py: Python<'_>, device: u32) -> PyResult<Bound<'_, PyDict>> {
-    let (installed, which) = py.detach(|| {
-        let mut guard = state::lock();
-        let installed = state::ensure(&mut guard, device)?;
-        let which = guard.as_ref().map(|g| g.which.clone()).unwrap_or_default();
-        Ok::<_, PyErr>((installed, which))
-    })?;
+#[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None))]
+pub(crate) fn _install(
+    py: Python<'_>,
+    device: u32,
+    handoff_timeout: Option<f64>,
+    stop_timeout: Option<f64>,
+    handshake_timeout: Option<f64>,
+    frame_timeout: Option<f64>,
+) -> PyResult<Bound<'_, PyDict>> {
+    let requested = Requested {
+        handoff_timeout,
+        stop_timeout,
+        handshake_timeout,
+        frame_timeout,
+    };
+    let (g, installed) = py
+        .detach(|| state::ensure(device, &requested, "install_pool"))
+        .map_err(state::EnsureError::into_py)?;
     let d = PyDict::new(py);
     d.set_item("installed", installed)?;
-    d.set_item("driver", which)?;
+    d.set_item("driver", g.which.clone())?;
     d.set_item("device", device)?;
     Ok(d)
 }
 
 /// Whether a pool is installed in this process.
 #[pyfunction]
-pub(crate) fn is_installed(py: Python<'_>) -> bool {
-    py.detach(|| state::lock().is_some())
+pub(crate) fn is_installed() -> bool {
+    state::installed().is_some()
 }
 
 /// The shared pool's true figures (torch's `memory_allocated()`/`memory_reserved()` read 0
@@ -65,36 +77,51 @@ pub(crate) fn is_installed(py: Python<'_>) -> bool {
 /// `reserved_high` in bytes, plus `device` and `driver`.
 #[pyfunction]
 pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let inst = state::installed()
-        .ok_or_else(|| err("poolipc: no pool is installed (call poolipc.install_pool() first)"))?;
+    let g = installed()?;
     let s = {
-        let inst = inst.clone();
-        py.detach(move || PoolStats::read(&*inst.driver, inst.pool))
-            .map_err(driver_err)?
+        let g = Arc::clone(&g);
+        py.detach(move || {
+            g.driver.use_device(g.device)?;
+            PoolStats::read(&*g.driver, g.pool)
+        })
+        .map_err(driver_err)?
     };
     let d = PyDict::new(py);
     d.set_item("used_current", s.used_current)?;
     d.set_item("used_high", s.used_high)?;
     d.set_item("reserved_current", s.reserved_current)?;
     d.set_item("reserved_high", s.reserved_high)?;
-    d.set_item("device", inst.device)?;
-    d.set_item("driver", inst.which)?;
+    d.set_item("device", g.device)?;
+    d.set_item("driver", g.which.clone())?;
     Ok(d)
 }
 
-/// Device memory from the shared pool, freed (stream-ordered on the legacy stream) when the
-/// object dies or [`free`](DeviceBuffer::free) is called. What `Parent.run` returns as results
-/// when no allocator is given, and what `Parent.alloc` gives; mostly for tests and tools
-/// without torch.
-#[pyclass(module = "poolipc")]
+/// Device memory, freed (stream-ordered on the legacy stream) when the object dies or
+/// [`free`](DeviceBuffer::free) is called. What `Parent.run` returns as results when no
+/// allocator is given, and what `Parent.alloc` gives; mostly for tests and tools without torch.
+#[pyclass(module = "poolipc", frozen)]
 pub(crate) struct DeviceBuffer {
-    driver: Arc<dyn Driver>,
-    ptr: Option<DevicePtr>,
+    g: Arc<Global>,
+    ptr: Mutex<Option<DevicePtr>>,
     #[pyo3(get)]
     nbytes: u64,
     #[pyo3(get)]
     dtype: &'static str,
     shape: Vec<u64>,
+    /// From the shared pool (lends by pool pointer) or the device's default pool (lends by
+    /// host staging).
+    #[pyo3(get)]
+    shared: bool,
+}
+
+impl DeviceBuffer {
+    fn free_now(&self) -> Result<(), poolipc_driver::DriverError> {
+        if let Some(p) = lock(&self.ptr).take() {
+            self.g.driver.use_device(self.g.device)?;
+            self.g.driver.mem_free_async(p, StreamHandle::NULL)?;
+        }
+        Ok(())
+    }
 }
 
 #[pymethods]
@@ -102,7 +129,7 @@ impl DeviceBuffer {
     /// The device address.
     #[getter]
     fn ptr(&self) -> PyResult<u64> {
-        self.ptr
+        lock(&self.ptr)
             .map(|p| p.0)
             .ok_or_else(|| err("poolipc: this DeviceBuffer was freed"))
     }
@@ -119,20 +146,15 @@ impl DeviceBuffer {
     }
 
     /// Frees the memory now (stream-ordered on the legacy default stream).
-    fn free(&mut self) -> PyResult<()> {
-        if let Some(p) = self.ptr.take() {
-            self.driver
-                .mem_free_async(p, StreamHandle::NULL)
-                .map_err(driver_err)?;
-        }
-        Ok(())
+    fn free(&self) -> PyResult<()> {
+        self.free_now().map_err(driver_err)
     }
 
     fn __repr__(&self) -> String {
-        match self.ptr {
+        match *lock(&self.ptr) {
             Some(p) => format!(
-                "DeviceBuffer(ptr={:#x}, dtype={}, shape={:?}, nbytes={})",
-                p.0, self.dtype, self.shape, self.nbytes
+                "DeviceBuffer(ptr={:#x}, dtype={}, shape={:?}, nbytes={}, shared={})",
+                p.0, self.dtype, self.shape, self.nbytes, self.shared
             ),
             None => "DeviceBuffer(freed)".into(),
         }
@@ -141,10 +163,8 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if let Some(p) = self.ptr.take() {
-            // Nothing to report to at drop: an error here means the pool is gone already.
-            let _ = self.driver.mem_free_async(p, StreamHandle::NULL);
-        }
+        // Nothing to report to at drop: an error here means the pool is gone already.
+        let _ = self.free_now();
     }
 }
 
@@ -154,21 +174,23 @@ type InputSpec = (u64, String, Vec<u64>, Option<Vec<i64>>);
 fn parse_inputs(specs: Vec<InputSpec>) -> PyResult<Vec<Input>> {
     specs
         .into_iter()
-        .map(|(ptr, dt, shape, strides)| {
-            let dtype = dtype::parse(&dt)?;
+        .enumerate()
+        .map(|(i, (ptr, dt, shape, strides))| {
+            let dtype = dtype::parse(&dt)
+                .map_err(|e| value_err(format!("poolipc: input {i}: {}", e_text(&e))))?;
             if let Some(s) = &strides {
                 if s.len() != shape.len() {
-                    return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                        "poolipc: {} strides for {} dimensions",
+                    return Err(value_err(format!(
+                        "poolipc: input {i}: {} strides for {} dimensions",
                         s.len(),
                         shape.len()
                     )));
                 }
                 if s.iter().any(|&x| x < 0) {
-                    return Err(pyo3::exceptions::PyValueError::new_err(
-                        "poolipc: negative strides are not supported (flip() views); pass a \
-                         .contiguous() copy",
-                    ));
+                    return Err(value_err(format!(
+                        "poolipc: input {i}: negative strides are not supported (a flip() \
+                         view, strides {s:?}); pass a .contiguous() copy"
+                    )));
                 }
             }
             Ok(Input {
@@ -183,196 +205,209 @@ fn parse_inputs(specs: Vec<InputSpec>) -> PyResult<Vec<Input>> {
         .collect()
 }
 
+/// An exception's text without the `poolipc: ` its message starts with.
+fn e_text(e: &PyErr) -> String {
+    Python::attach(|py| {
+        let s = e.value(py).to_string();
+        s.strip_prefix("poolipc: ").map(str::to_owned).unwrap_or(s)
+    })
+}
+
 /// What the allocator callback gave for one result: the pointer and the object that owns it.
 struct Allocated {
     ptr: u64,
     keep: Py<PyAny>,
 }
 
-/// The parent side of poolipc for Python. Every `NativeParent` of a process shares the one
-/// installed pool (installed here if `install_pool` did not already). The Python wrapper
-/// `poolipc.Parent` turns torch tensors into input descriptions and back.
-#[pyclass(module = "poolipc", name = "NativeParent")]
-pub(crate) struct NativeParent {
-    #[pyo3(get)]
-    device: u32,
-    workers: Vec<u32>,
-    /// The driver and pool, for what needs no facade (and so no global lock): raw memory.
-    inst: state::Installed,
+/// What the Python allocator left for the thread that waits on the job.
+#[derive(Default)]
+struct AllocLog {
+    made: Vec<Allocated>,
+    /// The first exception it raised.
+    raised: Option<PyErr>,
 }
 
-#[pymethods]
-impl NativeParent {
-    #[new]
-    #[pyo3(signature = (device = 0))]
-    fn new(py: Python<'_>, device: u32) -> PyResult<Self> {
-        py.detach(|| state::ensure(&mut state::lock(), device))?;
-        let inst = state::installed().ok_or_else(|| err("poolipc: the pool vanished"))?;
-        Ok(NativeParent {
-            device,
-            workers: Vec::new(),
-            inst,
-        })
-    }
-
-    /// Which driver the pool is on, in words.
-    #[getter]
-    fn driver(&self) -> String {
-        self.inst.which.clone()
-    }
-
-    /// Spawns `argv` as a worker (the socket is inherited, the simulated machine passed when
-    /// there is one, `POOLIPC_DEVICE` set to this process's ordinal unless `env` sets it, e.g.
-    /// to `parent` for a worker whose `CUDA_VISIBLE_DEVICES` differs), shakes hands, runs the
-    /// canary battery. Returns the worker's id.
-    #[pyo3(signature = (argv, env = None))]
-    fn spawn(
-        &mut self,
-        py: Python<'_>,
-        argv: Vec<String>,
-        env: Option<HashMap<String, String>>,
-    ) -> PyResult<u32> {
-        let (prog, args) = argv
-            .split_first()
-            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("poolipc: empty argv"))?;
-        let mut cmd = Command::new(prog);
-        cmd.args(args);
-        let env = env.unwrap_or_default();
-        let device_chosen = env.contains_key("POOLIPC_DEVICE");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let id = with_global(py, move |g| {
-            if let Some((k, v)) = &g.child_env {
-                cmd.env(k, v);
-            }
-            if !device_chosen {
-                cmd.env("POOLIPC_DEVICE", g.device.to_string());
-            }
-            g.parent.spawn_worker(cmd).map_err(to_py)
-        })?;
-        self.workers.push(id.0);
-        Ok(id.0)
-    }
-
-    /// The worker's process id.
-    fn pid(&self, py: Python<'_>, worker: u32) -> PyResult<Option<u32>> {
-        with_global(py, move |g| {
-            Ok(g.parent.worker(WorkerId(worker)).and_then(|w| w.pid))
-        })
-    }
-
-    /// The canary battery's report on the worker, in words.
-    fn canary_report(&self, py: Python<'_>, worker: u32) -> PyResult<Option<String>> {
-        with_global(py, move |g| {
-            Ok(g.parent
-                .canary_report(WorkerId(worker))
-                .map(ToString::to_string))
-        })
-    }
-
-    /// Lends `inputs` (`(ptr, dtype, shape, strides or None)` each) to `worker`, READY
-    /// recorded on `stream`, and returns `(results, input_rungs)` once the worker acknowledged,
-    /// `stream` having waited on DONE. Each result is `(ptr, nbytes, dtype, shape, rung,
-    /// owner)`: `owner` is what `alloc(dtype, shape, nbytes) -> (ptr, owner)` returned (torch
-    /// tensors, from `torch.empty`), or a [`DeviceBuffer`] from the pool when `alloc` is None.
-    #[pyo3(signature = (worker, inputs, stream = 0, alloc = None))]
-    #[allow(clippy::type_complexity)] // the tuple is the Python-facing shape, documented above
-    fn run(
-        &self,
-        py: Python<'_>,
-        worker: u32,
-        inputs: Vec<InputSpec>,
-        stream: u64,
-        alloc: Option<Py<PyAny>>,
-    ) -> PyResult<(
-        Vec<(u64, u64, &'static str, Vec<u64>, String, Py<PyAny>)>,
-        Vec<String>,
-    )> {
-        let inputs = parse_inputs(inputs)?;
-        let stream = StreamHandle(stream);
-        let caller_alloc = alloc.is_some();
-        // Results of the caller's allocator, in request order; errors it raised.
-        let allocated: Mutex<Vec<Allocated>> = Mutex::new(Vec::new());
-        let raised: Mutex<Option<String>> = Mutex::new(None);
-        let out = with_global(py, |g| {
-            let driver = Arc::clone(&g.driver);
-            let pool: PoolHandle = g.parent.pool().handle();
-            let mut call = |shape: &ResultShape, bytes: u64| -> Result<DevicePtr, poolipc::Error> {
-                match &alloc {
-                    None => Ok(driver.mem_alloc_from_pool_async(bytes, pool, stream)?),
-                    Some(f) => Python::attach(|py| {
-                        let r = f
-                            .call1(py, (dtype::name(shape.dtype), shape.shape.clone(), bytes))
-                            .and_then(|r| r.extract::<(u64, Py<PyAny>)>(py));
-                        match r {
-                            Ok((ptr, keep)) => {
-                                allocated
-                                    .lock()
-                                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                                    .push(Allocated { ptr, keep });
-                                Ok(DevicePtr(ptr))
-                            }
-                            Err(e) => {
-                                let text = e.to_string();
-                                *raised
-                                    .lock()
-                                    .unwrap_or_else(std::sync::PoisonError::into_inner) =
-                                    Some(text.clone());
-                                Err(poolipc::Error::ResultRefused(format!(
-                                    "the result allocator raised {text}"
-                                )))
-                            }
-                        }
-                    }),
+/// The facade's allocator over a Python callable `f(dtype, shape, nbytes, stream) -> (ptr,
+/// owner)`. It runs on the parent's IO thread, which takes the GIL for it: the thread that
+/// waits on the job has released the GIL, so the two never wait on each other.
+fn python_allocator(f: Py<PyAny>, log: Arc<Mutex<AllocLog>>) -> ResultAllocator {
+    Box::new(move |shape, bytes, stream| {
+        let attached = Python::try_attach(|py| {
+            let r = f
+                .call1(
+                    py,
+                    (
+                        dtype::name(shape.dtype),
+                        shape.shape.clone(),
+                        bytes,
+                        stream.0,
+                    ),
+                )
+                .and_then(|r| r.extract::<(u64, Py<PyAny>)>(py));
+            match r {
+                Ok((ptr, keep)) => {
+                    lock(&log).made.push(Allocated { ptr, keep });
+                    Ok(DevicePtr(ptr))
                 }
-            };
-            let res = g
-                .parent
-                .run_job_with(WorkerId(worker), &inputs, stream, &mut call);
-            Ok((res, Arc::clone(&g.driver)))
-        })?;
-        let (res, driver) = out;
-        let allocated = allocated
-            .into_inner()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let output = match res {
-            Ok(o) => o,
-            Err(mut e) => {
-                // A failed job gives back every result memory it allocated: nothing imports
-                // it any more. Torch's own tensors are dropped (torch frees them); memory the
-                // default allocator took from the pool is freed here.
-                drop(allocated);
-                if let poolipc::Error::JobFailed { results, .. }
-                | poolipc::Error::Worker { results, .. } = &mut e
-                    && !caller_alloc
-                {
-                    for ptr in results.drain(..) {
-                        if let Err(free) = driver.mem_free_async(ptr, stream) {
-                            eprintln!("poolipc: freeing a failed job's result failed: {free}");
+                Err(e) => {
+                    let text = e.to_string();
+                    lock(&log).raised.get_or_insert(e);
+                    Err(poolipc::Error::ResultRefused(format!(
+                        "the result allocator raised {text}"
+                    )))
+                }
+            }
+        });
+        attached.unwrap_or_else(|| {
+            Err(poolipc::Error::ResultRefused(
+                "the Python interpreter is shutting down: no result allocator can run".into(),
+            ))
+        })
+    })
+}
+
+/// How long one wait of [`NativeJobHandle::wait`] lasts before it looks at signals
+/// (KeyboardInterrupt) and the caller's timeout. A finished job ends the wait at once.
+const WAIT_SLICE: Duration = Duration::from_millis(50);
+
+/// A job submitted with `NativeParent.submit`: wait for it from any thread, with the GIL
+/// released. Waiting twice (or from two threads) gives the same results.
+///
+/// Dropped before it was waited for, it lets the job run to its end on a thread of its own
+/// (a job cannot be taken back from a worker), keeping the inputs and the allocator's results
+/// alive until then, and frees the results of the default allocator.
+#[pyclass(module = "poolipc", name = "NativeJobHandle", frozen)]
+pub(crate) struct NativeJobHandle {
+    /// The job's id.
+    #[pyo3(get)]
+    id: u64,
+    /// The worker it runs on.
+    #[pyo3(get)]
+    worker: u32,
+    g: Arc<Global>,
+    /// Until some thread took the facade's answer.
+    pending: Mutex<Option<JobHandle>>,
+    /// The answer as Python objects, once taken.
+    outcome: Mutex<Option<Result<Py<PyAny>, PyErr>>>,
+    log: Arc<Mutex<AllocLog>>,
+    caller_alloc: bool,
+    /// What the caller's inputs are (torch tensors): alive until the job ended.
+    keep: Mutex<Option<Py<PyAny>>>,
+}
+
+impl NativeJobHandle {
+    fn cached(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
+        lock(&self.outcome).as_ref().map(|r| match r {
+            Ok(v) => Ok(v.clone_ref(py)),
+            Err(e) => Err(e.clone_ref(py)),
+        })
+    }
+
+    fn wait_inner(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        let deadline = match timeout {
+            None => None,
+            Some(t) if t.is_finite() && t >= 0.0 => {
+                Some(Instant::now() + Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX))
+            }
+            Some(t) => {
+                return Err(value_err(format!(
+                    "poolipc: timeout={t} is not a timeout: give seconds, 0 or more, or None"
+                )));
+            }
+        };
+        loop {
+            if let Some(r) = self.cached(py) {
+                return r;
+            }
+            let slice = deadline.map_or(WAIT_SLICE, |d| {
+                WAIT_SLICE.min(d.saturating_duration_since(Instant::now()))
+            });
+            let pending = &self.pending;
+            let raw = py.detach(move || {
+                let mut p = lock(pending);
+                match p.take() {
+                    Some(h) => match h.wait_timeout(slice) {
+                        Ok(r) => Some(r),
+                        Err(h) => {
+                            *p = Some(h);
+                            None
                         }
+                    },
+                    None => {
+                        // Another thread took the answer and is turning it into Python
+                        // objects: it stores them in a moment.
+                        drop(p);
+                        std::thread::sleep(Duration::from_millis(1));
+                        None
                     }
                 }
-                let mut e = to_py(e);
-                if let Some(text) = raised
-                    .into_inner()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                {
-                    e = crate::errors::JobFailedError::new_err(format!(
-                        "{} (the result allocator raised {text})",
-                        e.value(py)
-                    ));
-                }
-                return Err(e);
+            });
+            if let Some(raw) = raw {
+                let out = self.convert(py, raw);
+                let stored = match &out {
+                    Ok(v) => Ok(v.clone_ref(py)),
+                    Err(e) => Err(e.clone_ref(py)),
+                };
+                *lock(&self.outcome) = Some(stored);
+                // The job ended: the inputs are the caller's again.
+                lock(&self.keep).take();
+                return out;
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(PyTimeoutError::new_err(format!(
+                    "poolipc: job {} on worker {} is still running",
+                    self.id, self.worker
+                )));
+            }
+        }
+    }
+
+    /// The facade's answer as `(results, input_rungs)`: each result `(ptr, nbytes, dtype,
+    /// shape, rung, owner)`, or the typed exception.
+    fn convert(
+        &self,
+        py: Python<'_>,
+        raw: Result<JobOutput, poolipc::Error>,
+    ) -> PyResult<Py<PyAny>> {
+        let log = std::mem::take(&mut *lock(&self.log));
+        let output = match raw {
+            Ok(o) => o,
+            Err(e) => {
+                // A failed job's results are nobody's: the allocator's objects are dropped
+                // here (torch frees its tensors); the facade freed the default allocator's.
+                drop(log.made);
+                let pe = to_py_for(py, e, Some(self.worker));
+                return Err(match log.raised {
+                    None => pe,
+                    Some(raised) => {
+                        let text = format!(
+                            "{} (the result allocator raised {})",
+                            pe.value(py),
+                            raised
+                                .value(py)
+                                .repr()
+                                .map(|r| r.to_string())
+                                .unwrap_or_default()
+                        );
+                        let e = JobFailedError::new_err(text.clone());
+                        let v = e.value(py);
+                        let _ = v.setattr("worker", self.worker);
+                        let _ = v.setattr("reason", "allocator_raised");
+                        let _ = v.setattr("detail", text);
+                        e.set_cause(py, Some(raised));
+                        e
+                    }
+                });
             }
         };
         let mut by_ptr: HashMap<u64, Py<PyAny>> = HashMap::new();
-        for a in allocated {
+        for a in log.made {
             by_ptr.insert(a.ptr, a.keep);
         }
         let mut results = Vec::with_capacity(output.results.len());
         for r in output.results {
-            let owner = if caller_alloc {
+            let owner = if self.caller_alloc {
                 by_ptr
                     .remove(&r.ptr.0)
                     .ok_or_else(|| err("poolipc: a result the allocator did not make"))?
@@ -380,11 +415,12 @@ impl NativeParent {
                 Py::new(
                     py,
                     DeviceBuffer {
-                        driver: Arc::clone(&driver),
-                        ptr: Some(r.ptr),
+                        g: Arc::clone(&self.g),
+                        ptr: Mutex::new(Some(r.ptr)),
                         nbytes: r.bytes,
                         dtype: dtype::name(r.shape.dtype),
                         shape: r.shape.shape.clone(),
+                        shared: true,
                     },
                 )?
                 .into_any()
@@ -398,23 +434,310 @@ impl NativeParent {
                 owner,
             ));
         }
-        let rungs = output.input_rungs.iter().map(ToString::to_string).collect();
-        Ok((results, rungs))
+        let rungs: Vec<String> = output.input_rungs.iter().map(ToString::to_string).collect();
+        Ok((results, rungs).into_pyobject(py)?.into_any().unbind())
+    }
+}
+
+#[pymethods]
+impl NativeJobHandle {
+    /// Waits for the job (the GIL released) and returns `(results, input_rungs)` as
+    /// `NativeParent.run` does, or raises its typed error. `timeout` in seconds (None: until
+    /// it ends; the worker's handoff deadline bounds that): `TimeoutError` if it is still
+    /// running then. Ctrl-C interrupts the wait, not the job.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        self.wait_inner(py, timeout)
     }
 
-    /// Tells the worker to stop and waits for it; returns its exit code (None if it was
-    /// killed by a signal or not ours to wait for).
-    fn stop(&mut self, py: Python<'_>, worker: u32) -> PyResult<Option<i32>> {
-        self.workers.retain(|w| *w != worker);
-        with_global(py, move |g| {
-            let status = g.parent.stop_worker(WorkerId(worker)).map_err(to_py)?;
-            Ok(status.and_then(|s| s.code()))
+    /// Whether the job has ended (its results or its error are ready).
+    #[getter]
+    fn done(&self, py: Python<'_>) -> bool {
+        if lock(&self.outcome).is_some() {
+            return true;
+        }
+        let pending = &self.pending;
+        // A waiting thread holds `pending` for at most one wait slice.
+        py.detach(move || lock(pending).as_ref().is_none_or(JobHandle::is_finished))
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!(
+            "JobHandle(id={}, worker={}, done={})",
+            self.id,
+            self.worker,
+            self.done(py)
+        )
+    }
+}
+
+impl Drop for NativeJobHandle {
+    fn drop(&mut self) {
+        let Some(h) = self
+            .pending
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        else {
+            return;
+        };
+        let keep = self
+            .keep
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let log = Arc::clone(&self.log);
+        let g = Arc::clone(&self.g);
+        let caller_alloc = self.caller_alloc;
+        let spawned = std::thread::Builder::new()
+            .name("poolipc-unwaited-job".into())
+            .spawn(move || {
+                if let Ok(out) = h.wait()
+                    && !caller_alloc
+                    && g.use_device().is_ok()
+                {
+                    for r in out.results {
+                        let _ = g.driver.mem_free_async(r.ptr, StreamHandle::NULL);
+                    }
+                }
+                // The inputs and the allocator's objects go only now (their references are
+                // released the next time some thread holds the GIL).
+                drop(keep);
+                drop(log);
+            });
+        if spawned.is_err() {
+            eprintln!("poolipc: could not start a thread to see an unwaited job to its end");
+        }
+    }
+}
+
+/// The parent side of poolipc for Python. Every `NativeParent` of a process shares the one
+/// process parent (made here if `install_pool` did not already). The Python wrapper
+/// `poolipc.Parent` turns torch tensors into input descriptions and back.
+#[pyclass(module = "poolipc", name = "NativeParent", frozen)]
+pub(crate) struct NativeParent {
+    #[pyo3(get)]
+    device: u32,
+    g: Arc<Global>,
+}
+
+impl NativeParent {
+    fn submit_inner(
+        &self,
+        py: Python<'_>,
+        worker: u32,
+        inputs: Vec<InputSpec>,
+        stream: u64,
+        alloc: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<NativeJobHandle> {
+        let inputs = parse_inputs(inputs)?;
+        let log = Arc::new(Mutex::new(AllocLog::default()));
+        let caller_alloc = alloc.is_some();
+        let alloc = alloc.map(|f| python_allocator(f, Arc::clone(&log)));
+        let g = Arc::clone(&self.g);
+        let stream = StreamHandle(stream);
+        let handle = py
+            .detach(move || {
+                g.use_device()?;
+                let w = WorkerId(worker);
+                match alloc {
+                    Some(a) => g.parent.submit_with(w, &inputs, stream, a),
+                    None => g.parent.submit(w, &inputs, stream),
+                }
+            })
+            .map_err(|e| to_py_for(py, e, Some(worker)))?;
+        Ok(NativeJobHandle {
+            id: handle.id().0,
+            worker,
+            g: Arc::clone(&self.g),
+            pending: Mutex::new(Some(handle)),
+            outcome: Mutex::new(None),
+            log,
+            caller_alloc,
+            keep: Mutex::new(keep),
+        })
+    }
+}
+
+#[pymethods]
+impl NativeParent {
+    /// `device`: the pool's device. The deadlines (seconds; None: the process parent's, 30 s,
+    /// 5 s, 60 s and 5 s by default) apply when this call creates the process's parent; a
+    /// value that differs from the parent's is a `ValueError` naming the clash.
+    #[new]
+    #[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None))]
+    fn new(
+        py: Python<'_>,
+        device: u32,
+        handoff_timeout: Option<f64>,
+        stop_timeout: Option<f64>,
+        handshake_timeout: Option<f64>,
+        frame_timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let requested = Requested {
+            handoff_timeout,
+            stop_timeout,
+            handshake_timeout,
+            frame_timeout,
+        };
+        let (g, _) = py
+            .detach(|| state::ensure(device, &requested, "Parent"))
+            .map_err(state::EnsureError::into_py)?;
+        Ok(NativeParent { device, g })
+    }
+
+    /// Which driver the pool is on, in words.
+    #[getter]
+    fn driver(&self) -> String {
+        self.g.which.clone()
+    }
+
+    /// Whether the process is on the simulated driver.
+    #[getter]
+    fn simulated(&self) -> bool {
+        state::is_sim(&*self.g.driver)
+    }
+
+    /// The process parent's options: `device`, the deadlines in seconds, `canary`, and
+    /// `made_by` (`install_pool` or `Parent`).
+    fn options<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let o = self.g.parent.options();
+        let d = PyDict::new(py);
+        d.set_item("device", o.device)?;
+        d.set_item("handoff_timeout", o.handoff_timeout.as_secs_f64())?;
+        d.set_item("stop_timeout", o.stop_timeout.as_secs_f64())?;
+        d.set_item("handshake_timeout", o.handshake_timeout.as_secs_f64())?;
+        d.set_item("frame_timeout", o.frame_timeout.as_secs_f64())?;
+        d.set_item("canary", o.canary)?;
+        d.set_item("made_by", self.g.made_by)?;
+        Ok(d)
+    }
+
+    /// Spawns `argv` as a worker (the socket is inherited, the simulated machine passed when
+    /// there is one, `POOLIPC_DEVICE` set to this process's ordinal unless `env` sets it, e.g.
+    /// to `parent` for a worker whose `CUDA_VISIBLE_DEVICES` differs), shakes hands, runs the
+    /// canary battery. Returns the worker's id. Other threads' jobs go on meanwhile.
+    #[pyo3(signature = (argv, env = None))]
+    fn spawn(
+        &self,
+        py: Python<'_>,
+        argv: Vec<String>,
+        env: Option<HashMap<String, String>>,
+    ) -> PyResult<u32> {
+        let (prog, args) = argv
+            .split_first()
+            .ok_or_else(|| value_err("poolipc: empty argv"))?;
+        let mut cmd = Command::new(prog);
+        cmd.args(args);
+        let env = env.unwrap_or_default();
+        if !env.contains_key("POOLIPC_DEVICE") {
+            cmd.env("POOLIPC_DEVICE", self.g.device.to_string());
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        if let Some((k, v)) = &self.g.child_env {
+            cmd.env(k, v);
+        }
+        let g = Arc::clone(&self.g);
+        py.detach(move || {
+            g.use_device()?;
+            g.parent.spawn_worker(cmd)
+        })
+        .map(|id| id.0)
+        .map_err(|e| to_py_for(py, e, None))
+    }
+
+    /// The worker's process id; None for a worker this parent does not serve (stopped, lost)
+    /// or did not spawn. Never waits for a job.
+    fn pid(&self, py: Python<'_>, worker: u32) -> Option<u32> {
+        let g = &self.g;
+        py.detach(move || g.parent.worker(WorkerId(worker)).and_then(|w| w.pid))
+    }
+
+    /// The ids of the workers this parent serves.
+    fn workers(&self, py: Python<'_>) -> Vec<u32> {
+        let g = &self.g;
+        py.detach(move || g.parent.workers().into_iter().map(|w| w.id.0).collect())
+    }
+
+    /// The canary battery's report on the worker, in words. Never waits for a job.
+    fn canary_report(&self, py: Python<'_>, worker: u32) -> Option<String> {
+        let g = &self.g;
+        py.detach(move || {
+            g.parent
+                .canary_report(WorkerId(worker))
+                .map(|r| r.to_string())
         })
     }
 
-    /// Allocates `nbytes` from the shared pool (stream-ordered on `stream`). Needs no lock, so
-    /// a result allocator may call it while a job runs.
-    #[pyo3(signature = (nbytes, stream = 0, dtype = "uint8", shape = None))]
+    /// The parent's counters (a dict); never waits for a job.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.g.parent.stats();
+        let d = PyDict::new(py);
+        d.set_item("workers_connected", s.workers_connected)?;
+        d.set_item("workers_lost", s.workers_lost)?;
+        d.set_item("jobs_submitted", s.jobs_submitted)?;
+        d.set_item("jobs_completed", s.jobs_completed)?;
+        d.set_item("jobs_failed", s.jobs_failed)?;
+        d.set_item("pool_pointer_tensors", s.pool_pointer_tensors)?;
+        d.set_item("host_staged_tensors", s.host_staged_tensors)?;
+        Ok(d)
+    }
+
+    /// Lends `inputs` (`(ptr, dtype, shape, strides or None)` each) to `worker`, READY
+    /// recorded on `stream`, and returns a `NativeJobHandle` at once. `alloc(dtype, shape,
+    /// nbytes, stream) -> (ptr, owner)` makes each result (torch.empty); it runs on the
+    /// parent's IO thread, holding the GIL, and must not wait on the parent (no `run`,
+    /// `wait`, `spawn` or `stop` inside it). None: results from the shared pool, as
+    /// `DeviceBuffer`s. `keep`: objects kept alive until the job ended (the input tensors).
+    /// A tensor refused before anything is lent raises `ValueError` here; one refused by the
+    /// IO thread (past its allocation) raises it from `wait`.
+    #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, keep = None))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        worker: u32,
+        inputs: Vec<InputSpec>,
+        stream: u64,
+        alloc: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<NativeJobHandle> {
+        self.submit_inner(py, worker, inputs, stream, alloc, keep)
+    }
+
+    /// `submit` then `wait`: returns `(results, input_rungs)` once the worker acknowledged,
+    /// `stream` having waited on DONE. Each result is `(ptr, nbytes, dtype, shape, rung,
+    /// owner)`: `owner` is what the allocator returned, or a [`DeviceBuffer`] from the pool.
+    #[pyo3(signature = (worker, inputs, stream = 0, alloc = None))]
+    fn run(
+        &self,
+        py: Python<'_>,
+        worker: u32,
+        inputs: Vec<InputSpec>,
+        stream: u64,
+        alloc: Option<Py<PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        self.submit_inner(py, worker, inputs, stream, alloc, None)?
+            .wait_inner(py, None)
+    }
+
+    /// Tells the worker to stop (Bye), waits for it to exit at most the parent's
+    /// `stop_timeout`, then kills it, and reaps it. Returns its exit code (None if it was
+    /// killed by a signal, or not ours to wait for). Jobs it still held fail with
+    /// `JobFailedError`; other workers' jobs go on.
+    fn stop(&self, py: Python<'_>, worker: u32) -> PyResult<Option<i32>> {
+        let g = Arc::clone(&self.g);
+        py.detach(move || g.parent.stop_worker(WorkerId(worker)))
+            .map(|s| s.and_then(|s| s.code()))
+            .map_err(|e| to_py_for(py, e, Some(worker)))
+    }
+
+    /// Allocates `nbytes` (stream-ordered on `stream`): from the shared pool (lent by pool
+    /// pointer), or with `shared=False` from the device's default pool, which no worker can
+    /// import (lent by host staging, like memory of `--disable-cuda-malloc`).
+    #[pyo3(signature = (nbytes, stream = 0, dtype = "uint8", shape = None, shared = true))]
     fn alloc(
         &self,
         py: Python<'_>,
@@ -422,42 +745,49 @@ impl NativeParent {
         stream: u64,
         dtype: &str,
         shape: Option<Vec<u64>>,
+        shared: bool,
     ) -> PyResult<DeviceBuffer> {
         let dt = dtype::parse(dtype)?;
-        let inst = self.inst.clone();
+        let g = Arc::clone(&self.g);
         let ptr = py
             .detach(move || {
-                inst.driver.use_device(inst.device)?;
-                inst.driver
-                    .mem_alloc_from_pool_async(nbytes, inst.pool, StreamHandle(stream))
+                g.driver.use_device(g.device)?;
+                let pool = if shared {
+                    g.pool
+                } else {
+                    g.driver.device_get_default_mem_pool(g.device)?
+                };
+                g.driver
+                    .mem_alloc_from_pool_async(nbytes, pool, StreamHandle(stream))
             })
             .map_err(driver_err)?;
         Ok(DeviceBuffer {
-            driver: Arc::clone(&self.inst.driver),
-            ptr: Some(ptr),
+            g: Arc::clone(&self.g),
+            ptr: Mutex::new(Some(ptr)),
             nbytes,
             dtype: dtype::name(dt),
             shape: shape.unwrap_or_else(|| vec![nbytes / dt.size_bytes() as u64]),
+            shared,
         })
     }
 
     /// Copies `data` to device address `ptr` (synchronous).
     fn write(&self, py: Python<'_>, ptr: u64, data: Vec<u8>) -> PyResult<()> {
-        let inst = self.inst.clone();
+        let g = Arc::clone(&self.g);
         py.detach(move || {
-            inst.driver.use_device(inst.device)?;
-            inst.driver.memcpy_htod(DevicePtr(ptr), &data)
+            g.driver.use_device(g.device)?;
+            g.driver.memcpy_htod(DevicePtr(ptr), &data)
         })
         .map_err(driver_err)
     }
 
     /// Reads `nbytes` from device address `ptr` (synchronous).
     fn read(&self, py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Vec<u8>> {
-        let inst = self.inst.clone();
+        let g = Arc::clone(&self.g);
         py.detach(move || {
-            inst.driver.use_device(inst.device)?;
+            g.driver.use_device(g.device)?;
             let mut buf = vec![0u8; nbytes];
-            inst.driver.memcpy_dtoh(&mut buf, DevicePtr(ptr))?;
+            g.driver.memcpy_dtoh(&mut buf, DevicePtr(ptr))?;
             Ok(buf)
         })
         .map_err(driver_err)
@@ -466,17 +796,11 @@ impl NativeParent {
     /// Waits for `stream` on the host.
     #[pyo3(signature = (stream = 0))]
     fn synchronize(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
-        let inst = self.inst.clone();
+        let g = Arc::clone(&self.g);
         py.detach(move || {
-            inst.driver.use_device(inst.device)?;
-            inst.driver.stream_synchronize(StreamHandle(stream))
+            g.driver.use_device(g.device)?;
+            g.driver.stream_synchronize(StreamHandle(stream))
         })
         .map_err(driver_err)
-    }
-
-    /// Whether the process is on the simulated driver.
-    #[getter]
-    fn simulated(&self) -> bool {
-        state::is_sim(&*self.inst.driver)
     }
 }

@@ -4,15 +4,17 @@
 //! The facade's `Parent::new` installs the pool, so it is the only owner of it: a second
 //! install would be refused (`AlreadyInstalled`). Keeping one facade parent for the process
 //! is what lets the prestartup hook install the pool long before any node spawns a worker.
+//!
+//! The facade parent is `Send + Sync` with `&self` methods, so it is shared as an
+//! `Arc<Global>`: the mutex here is held only to create it or to clone the `Arc`, never while a
+//! job, a spawn or a stop runs. Jobs on different workers run at the same time.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use poolipc::{Driver, Parent, ParentOptions};
 use poolipc_driver::sim::{SimConfig, SimDriver};
 use poolipc_driver::{CudaDriver, DriverKind, PoolHandle};
-use pyo3::PyResult;
-
-use crate::errors::{err, to_py};
 
 /// The environment variable that picks the driver: `sim` for the simulated driver (tests,
 /// machines without a GPU), `cuda` or unset for the GPU. Nothing falls back to the simulation
@@ -23,53 +25,126 @@ pub(crate) const DRIVER_ENV: &str = "POOLIPC_DRIVER";
 pub(crate) struct Global {
     pub(crate) driver: Arc<dyn Driver>,
     pub(crate) parent: Parent,
+    /// The pool's handle, for raw allocations that need no facade.
+    pub(crate) pool: PoolHandle,
     /// What a worker needs in its environment to reach the simulated machine.
     pub(crate) child_env: Option<(&'static str, String)>,
     pub(crate) device: u32,
     /// Which driver, in words.
     pub(crate) which: String,
+    /// Who created it (`install_pool` or `Parent`), for the words of a clash.
+    pub(crate) made_by: &'static str,
 }
 
-static GLOBAL: Mutex<Option<Global>> = Mutex::new(None);
-
-/// What may be used without the global lock (from inside a result allocator, from drops):
-/// the driver, the pool's handle, the device, the driver in words. Set once, with the pool.
-#[derive(Clone)]
-pub(crate) struct Installed {
-    pub(crate) driver: Arc<dyn Driver>,
-    pub(crate) pool: PoolHandle,
-    pub(crate) device: u32,
-    pub(crate) which: String,
+impl Global {
+    /// Makes the pool's device current on the calling thread (CUDA contexts are per thread).
+    pub(crate) fn use_device(&self) -> Result<(), poolipc::Error> {
+        self.driver.use_device(self.device).map_err(Into::into)
+    }
 }
 
-static INSTALLED: Mutex<Option<Installed>> = Mutex::new(None);
+static GLOBAL: Mutex<Option<Arc<Global>>> = Mutex::new(None);
 
-/// The installed pool, if any. Never blocks on a running job.
-pub(crate) fn installed() -> Option<Installed> {
-    INSTALLED
+/// The installed pool, if any. Never blocks on a running job (the lock is held only to
+/// create the parent or to clone the `Arc`).
+pub(crate) fn installed() -> Option<Arc<Global>> {
+    GLOBAL
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone()
 }
 
-/// Locks the global state. Call it only with the GIL released (`py.detach`): a Python
-/// callback made under the lock (the result allocator) needs the GIL.
-pub(crate) fn lock() -> MutexGuard<'static, Option<Global>> {
-    GLOBAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+/// Deadlines asked for from Python, in seconds; `None`: not given (the default on first
+/// creation, whatever the process's parent has afterwards).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Requested {
+    pub(crate) handoff_timeout: Option<f64>,
+    pub(crate) stop_timeout: Option<f64>,
+    pub(crate) handshake_timeout: Option<f64>,
+    pub(crate) frame_timeout: Option<f64>,
 }
 
-/// The driver `POOLIPC_DRIVER` asks for, a child environment for the simulation, and words.
+/// A deadline's name, its requested value, and its field of [`ParentOptions`].
+type Field = (
+    &'static str,
+    Option<f64>,
+    fn(&mut ParentOptions) -> &mut Duration,
+);
+
+impl Requested {
+    /// Each option with its name, the requested value and the field of [`ParentOptions`].
+    fn fields(&self) -> [Field; 4] {
+        [
+            ("handoff_timeout", self.handoff_timeout, |o| {
+                &mut o.handoff_timeout
+            }),
+            ("stop_timeout", self.stop_timeout, |o| &mut o.stop_timeout),
+            ("handshake_timeout", self.handshake_timeout, |o| {
+                &mut o.handshake_timeout
+            }),
+            ("frame_timeout", self.frame_timeout, |o| {
+                &mut o.frame_timeout
+            }),
+        ]
+    }
+
+    /// The facade's options: the defaults, with what was asked for.
+    fn options(&self, device: u32) -> Result<ParentOptions, String> {
+        let mut o = ParentOptions {
+            device,
+            ..ParentOptions::default()
+        };
+        for (name, value, field) in self.fields() {
+            if let Some(secs) = value {
+                *field(&mut o) = seconds(name, secs)?;
+            }
+        }
+        Ok(o)
+    }
+
+    /// What in `self` differs from the options the process's parent was made with.
+    fn clashes(&self, made: &ParentOptions) -> Vec<String> {
+        let mut made = made.clone();
+        let mut out = Vec::new();
+        for (name, value, field) in self.fields() {
+            if let Some(secs) = value {
+                let have = *field(&mut made);
+                let want = seconds(name, secs).unwrap_or(Duration::MAX);
+                // Compared in the units Python gave them (a float of seconds round-trips
+                // through Duration to within a nanosecond).
+                if want.abs_diff(have) > Duration::from_micros(1) {
+                    out.push(format!(
+                        "{name}={secs:?} (the process's parent has {:?})",
+                        have.as_secs_f64()
+                    ));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// A deadline in seconds as a `Duration`: finite and more than zero.
+fn seconds(name: &str, secs: f64) -> Result<Duration, String> {
+    if !(secs.is_finite() && secs > 0.0) {
+        return Err(format!(
+            "poolipc: {name}={secs:?} is not a deadline: give seconds, more than 0"
+        ));
+    }
+    Duration::try_from_secs_f64(secs)
+        .map_err(|e| format!("poolipc: {name}={secs:?} is not a deadline: {e}"))
+}
+
 /// A driver, the environment a child needs to reach it (the simulated machine), and words.
 pub(crate) type Opened = (Arc<dyn Driver>, Option<(&'static str, String)>, String);
 
-pub(crate) fn open_driver() -> PyResult<Opened> {
+/// The driver `POOLIPC_DRIVER` asks for.
+pub(crate) fn open_driver() -> Result<Opened, String> {
     let choice = std::env::var(DRIVER_ENV).unwrap_or_default();
     match choice.as_str() {
         "sim" => {
             let sim = SimDriver::new(SimConfig::default())
-                .map_err(|e| err(format!("poolipc: starting the simulated driver: {e}")))?;
+                .map_err(|e| format!("poolipc: starting the simulated driver: {e}"))?;
             let env = sim.child_env();
             Ok((
                 Arc::new(sim),
@@ -79,15 +154,15 @@ pub(crate) fn open_driver() -> PyResult<Opened> {
         }
         "" | "cuda" => {
             let d = CudaDriver::new().map_err(|e| {
-                err(format!(
+                format!(
                     "poolipc: no usable CUDA driver: {e} (set {DRIVER_ENV}=sim for the simulation)"
-                ))
+                )
             })?;
             Ok((Arc::new(d), None, "the CUDA driver".into()))
         }
-        other => Err(err(format!(
+        other => Err(format!(
             "poolipc: {DRIVER_ENV}={other:?} is not a driver; use \"cuda\" (default) or \"sim\""
-        ))),
+        )),
     }
 }
 
@@ -110,42 +185,75 @@ pub(crate) fn open_worker_driver() -> Result<Arc<dyn Driver>, String> {
         .map_err(|e| format!("poolipc: no usable CUDA driver: {e}"))
 }
 
-/// Installs the pool on `device` if nothing did, or checks that it is on `device`. Returns
-/// whether this call installed it.
-pub(crate) fn ensure(slot: &mut Option<Global>, device: u32) -> PyResult<bool> {
+/// Why [`ensure`] failed.
+pub(crate) enum EnsureError {
+    /// Options that cannot work, or that clash with the process's parent: a `ValueError`.
+    Config(String),
+    /// The driver could not be opened: a `PoolipcError`.
+    Driver(String),
+    /// The facade refused.
+    Facade(poolipc::Error),
+}
+
+impl EnsureError {
+    pub(crate) fn into_py(self) -> pyo3::PyErr {
+        match self {
+            EnsureError::Config(m) => crate::errors::value_err(m),
+            EnsureError::Driver(m) => crate::errors::err(m),
+            EnsureError::Facade(e) => crate::errors::to_py(e),
+        }
+    }
+}
+
+/// Creates the process's parent (and so installs the pool) on `device` if nothing did, or
+/// checks that the one there is on `device` with the deadlines asked for. Returns it, and
+/// whether this call created it. Call it with the GIL released: creating the parent starts
+/// its IO thread and installs the pool.
+pub(crate) fn ensure(
+    device: u32,
+    requested: &Requested,
+    by: &'static str,
+) -> Result<(Arc<Global>, bool), EnsureError> {
+    let options = requested.options(device).map_err(EnsureError::Config)?;
+    let mut slot = GLOBAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if let Some(g) = slot.as_ref() {
         if g.device != device {
-            return Err(err(format!(
-                "poolipc: the shared pool is installed on device {}, not {device}; one device \
-                 per process",
-                g.device
+            return Err(EnsureError::Config(format!(
+                "poolipc: the process's parent (made by {}) has its pool on device {}, not \
+                 {device}; one device per process",
+                g.made_by, g.device
             )));
         }
-        g.driver.use_device(device).map_err(|e| to_py(e.into()))?;
-        return Ok(false);
+        let clashes = requested.clashes(g.parent.options());
+        if !clashes.is_empty() {
+            return Err(EnsureError::Config(format!(
+                "poolipc: {by}({}) clashes with the process's parent, made by {} with other \
+                 deadlines; there is one parent per process and the first creation sets them \
+                 (pass the deadlines there, or leave them out here)",
+                clashes.join(", "),
+                g.made_by
+            )));
+        }
+        return Ok((Arc::clone(g), false));
     }
-    let (driver, child_env, which) = open_driver()?;
-    let options = ParentOptions {
-        device,
-        ..ParentOptions::default()
-    };
-    let parent = Parent::new(Arc::clone(&driver), options).map_err(to_py)?;
-    *INSTALLED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Installed {
-        driver: Arc::clone(&driver),
+    let (driver, child_env, which) = open_driver().map_err(EnsureError::Driver)?;
+    let parent = Parent::new(Arc::clone(&driver), options).map_err(|e| match e {
+        poolipc::Error::Config(m) => EnsureError::Config(format!("poolipc: {m}")),
+        e => EnsureError::Facade(e),
+    })?;
+    let g = Arc::new(Global {
         pool: parent.pool().handle(),
-        device,
-        which: which.clone(),
-    });
-    *slot = Some(Global {
         driver,
         parent,
         child_env,
         device,
         which,
+        made_by: by,
     });
-    Ok(true)
+    *slot = Some(Arc::clone(&g));
+    Ok((g, true))
 }
 
 /// Whether the driver is the simulation.

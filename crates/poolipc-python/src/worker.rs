@@ -42,6 +42,8 @@ struct ViewInfo {
     strides: Vec<i64>,
     nbytes: u64,
     rung: String,
+    /// A host-staged input: this worker's private copy, which goes one way only.
+    read_only: bool,
 }
 
 enum Reply {
@@ -156,6 +158,7 @@ fn thread_main(
                 strides: v.desc().strides_or_contiguous(),
                 nbytes: v.byte_len(),
                 rung: v.rung().to_string(),
+                read_only: v.read_only(),
             })
             .collect();
         let _ = reply.send(Ok(Reply::Job(Some((job.id().0, inputs)))));
@@ -177,6 +180,7 @@ fn thread_main(
                                 strides: poolipc::TensorDesc::contiguous_strides(&v.shape().shape),
                                 nbytes: v.bytes(),
                                 rung: v.rung().to_string(),
+                                read_only: false,
                             })
                             .collect(),
                     )),
@@ -256,10 +260,10 @@ pub(crate) struct JobLife {
 
 /// A worker process's side of poolipc. Made from the environment its parent set
 /// (`POOLIPC_FD`, and `POOLIPC_SIM_MACHINE` on the simulated driver).
-#[pyclass(module = "poolipc", name = "NativeWorker")]
+#[pyclass(module = "poolipc", name = "NativeWorker", frozen)]
 pub(crate) struct NativeWorker {
     link: Arc<Link>,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
     #[pyo3(get)]
     stream: u64,
     #[pyo3(get)]
@@ -302,7 +306,7 @@ impl NativeWorker {
             link: Arc::new(Link {
                 tx: Mutex::new(Some(tx)),
             }),
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
             stream,
             device,
             simulated,
@@ -335,7 +339,7 @@ impl NativeWorker {
                     stream: self.stream,
                     device: self.device,
                     inputs: views,
-                    results: Vec::new(),
+                    results: Mutex::new(Vec::new()),
                 }))
             }
             _ => Err(err("poolipc: unexpected answer from the worker thread")),
@@ -343,13 +347,18 @@ impl NativeWorker {
     }
 
     /// Stops the worker thread (an open job is finished first).
-    fn close(&mut self, py: Python<'_>) {
+    fn close(&self, py: Python<'_>) {
         self.link
             .tx
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
-        if let Some(t) = self.thread.take() {
+        let thread = self
+            .thread
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(t) = thread {
             py.detach(move || {
                 let _ = t.join();
             });
@@ -371,7 +380,7 @@ impl Drop for NativeWorker {
 /// One job: input views, result buffers, and the obligation to finish. Finishing records
 /// DONE after every consumer stream that took a view by DLPack, frees the imports, and
 /// acknowledges; the views then raise `ExpiredViewError`.
-#[pyclass(module = "poolipc")]
+#[pyclass(module = "poolipc", frozen)]
 pub(crate) struct Job {
     #[pyo3(get)]
     id: u64,
@@ -382,12 +391,14 @@ pub(crate) struct Job {
     stream: u64,
     device: u32,
     inputs: Vec<Py<View>>,
-    results: Vec<Py<View>>,
+    results: Mutex<Vec<Py<View>>>,
 }
 
 impl Job {
-    fn end(&mut self, py: Python<'_>, cmd: Cmd) -> PyResult<()> {
-        if !self.life.open.load(Ordering::Acquire) {
+    fn end(&self, py: Python<'_>, cmd: Cmd) -> PyResult<()> {
+        // Claimed at once, so two threads that end the job at the same time end it once
+        // (the views expire from here; only the streams are still to be ordered).
+        if !self.life.open.swap(false, Ordering::AcqRel) {
             return Err(ExpiredViewError::new_err(
                 "poolipc: this job has already ended",
             ));
@@ -411,7 +422,6 @@ impl Job {
                 first_err.get_or_insert(e);
             }
         }
-        self.life.open.store(false, Ordering::Release);
         self.link.call(py, cmd)?;
         match first_err {
             Some(e) => Err(e),
@@ -431,7 +441,12 @@ impl Job {
     /// The result buffers requested so far.
     #[getter]
     fn results(&self, py: Python<'_>) -> Vec<Py<View>> {
-        self.results.iter().map(|v| v.clone_ref(py)).collect()
+        self.results
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|v| v.clone_ref(py))
+            .collect()
     }
 
     /// Whether the job is still open.
@@ -450,7 +465,7 @@ impl Job {
     /// Asks the parent for result memory, shape first: `shapes` is a list of
     /// `(dtype, shape)`. Returns the new result buffers (contiguous).
     fn request_results(
-        &mut self,
+        &self,
         py: Python<'_>,
         shapes: Vec<(String, Vec<u64>)>,
     ) -> PyResult<Vec<Py<View>>> {
@@ -471,7 +486,10 @@ impl Job {
                         py,
                         View::new(info, true, &self.life, &self.link, self.stream, self.device),
                     )?;
-                    self.results.push(v.clone_ref(py));
+                    self.results
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(v.clone_ref(py));
                     new.push(v);
                 }
                 Ok(new)
@@ -484,7 +502,7 @@ impl Job {
     /// Ends the job: DONE after the job's stream and every stream in `streams` (and every
     /// consumer stream that took a view by DLPack), imports freed, ACK. The views expire.
     #[pyo3(signature = (streams = None))]
-    fn finish(&mut self, py: Python<'_>, streams: Option<Vec<u64>>) -> PyResult<()> {
+    fn finish(&self, py: Python<'_>, streams: Option<Vec<u64>>) -> PyResult<()> {
         if let Some(s) = streams {
             self.life
                 .consumer_streams
@@ -497,7 +515,7 @@ impl Job {
 
     /// Reports the job as failed to the parent (its `run` raises `JobFailedError` with
     /// `message`), then ends it like `finish`.
-    fn fail(&mut self, py: Python<'_>, message: String) -> PyResult<()> {
+    fn fail(&self, py: Python<'_>, message: String) -> PyResult<()> {
         self.end(py, Cmd::Fail(message))
     }
 
@@ -508,7 +526,7 @@ impl Job {
     /// Finishes the job, or fails it with the exception's text when the block raised.
     #[pyo3(signature = (exc_type = None, exc = None, _tb = None))]
     fn __exit__(
-        &mut self,
+        &self,
         py: Python<'_>,
         exc_type: Option<Bound<'_, PyAny>>,
         exc: Option<Bound<'_, PyAny>>,
@@ -535,7 +553,10 @@ impl Job {
             "Job(id={}, inputs={}, results={}, open={})",
             self.id,
             self.inputs.len(),
-            self.results.len(),
+            self.results
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .len(),
             self.life.open.load(Ordering::Acquire)
         )
     }
@@ -553,7 +574,22 @@ impl Drop for Job {
 /// An input view or a result buffer of a job: device memory the parent owns, usable by
 /// torch, CuPy and JAX without a copy (`__dlpack__`, `__cuda_array_interface__`) until the
 /// job ends; any use after that raises `ExpiredViewError`.
-#[pyclass(module = "poolipc")]
+///
+/// Read-only inputs. An input that crossed by host staging (`rung == "host staging"`: memory
+/// not from the shared pool, or over the import limit) is this worker's private copy, and the
+/// copy goes one way only: a write would change the copy and vanish when the job ends. Such a
+/// view says `read_only == True`, and says so to consumers: `__cuda_array_interface__`'s
+/// `data` is `(ptr, True)`; the DLPack capsule a consumer asking for `max_version >= (1, 0)`
+/// gets is versioned with `DLPACK_FLAG_BITMASK_READ_ONLY` set (a legacy consumer gets the
+/// unversioned capsule, which cannot carry the flag); `write_bytes` raises `ValueError`.
+/// Pool-pointer inputs are the parent's own memory: writable, and the parent sees a write.
+///
+/// What consumers do with the flag differs. NumPy and CuPy read it. torch (2.9 to 2.11:
+/// `torch.from_dlpack` asks for `max_version=(1, 0)`, `at::fromDLPackImpl` never looks at
+/// `flags`) has no read-only tensors: it makes an ordinary, writable tensor of a read-only
+/// capsule, without a warning. So with torch, check `view.read_only` (or `view.rung`) and
+/// `.clone()` a staged input before writing to it in place; the write does not raise.
+#[pyclass(module = "poolipc", frozen)]
 pub(crate) struct View {
     info: ViewInfo,
     /// A result buffer (written by the worker) rather than an input.
@@ -654,6 +690,14 @@ impl View {
         &self.info.rung
     }
 
+    /// Whether the view must not be written: True for an input that crossed by host staging
+    /// (a write would change only this worker's copy, never the parent's tensor). False for
+    /// pool-pointer inputs and for result buffers.
+    #[getter]
+    fn read_only(&self) -> bool {
+        self.info.read_only
+    }
+
     /// The job's stream (it waited on READY).
     #[getter]
     fn stream(&self) -> u64 {
@@ -680,6 +724,13 @@ impl View {
     /// Writes `data` at the start of the view (synchronous; for tests and debugging).
     fn write_bytes(&self, py: Python<'_>, data: Vec<u8>) -> PyResult<()> {
         self.check_open()?;
+        if self.info.read_only {
+            return Err(PyValueError::new_err(
+                "poolipc: this input view is read-only: it crossed by host staging, so it is \
+                 this worker's private copy and a write would never reach the parent (clone it \
+                 to work on it in place)",
+            ));
+        }
         if data.len() as u64 > self.info.nbytes {
             return Err(PyValueError::new_err(format!(
                 "poolipc: {} bytes do not fit in a view of {} bytes",
@@ -699,6 +750,8 @@ impl View {
     /// A DLPack capsule over the view (no copy). `stream` is the consumer's stream: it is made
     /// to wait on the job's stream, and DONE will wait on it. A versioned capsule
     /// (`dltensor_versioned`) when `max_version` is at least (1, 0), a legacy one otherwise.
+    /// A read-only view's versioned capsule has `DLPACK_FLAG_BITMASK_READ_ONLY` set; torch
+    /// ignores the flag (see the class docs), NumPy and CuPy honour it.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         &self,
@@ -752,6 +805,7 @@ impl View {
             bits,
             shape: self.info.shape.iter().map(|&d| d as i64).collect(),
             strides: self.info.strides.clone(),
+            read_only: self.info.read_only,
             life: Arc::clone(&self.life),
         };
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
@@ -759,7 +813,7 @@ impl View {
     }
 
     /// `__cuda_array_interface__` version 3, with the job's stream as `stream` (consumers
-    /// order their work after it). Not offered for bfloat16 and float8 (numpy has no type
+    /// order their work after it) and `data == (ptr, read_only)`. Not offered for bfloat16 and float8 (numpy has no type
     /// string for them): use DLPack there.
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -775,7 +829,8 @@ impl View {
         let d = PyDict::new(py);
         d.set_item("shape", PyTuple::new(py, &self.info.shape)?)?;
         d.set_item("typestr", typestr)?;
-        d.set_item("data", (self.info.ptr.0, false))?;
+        // `data[1]` is the read-only flag: set for host-staged inputs.
+        d.set_item("data", (self.info.ptr.0, self.info.read_only))?;
         let strides: Vec<i64> = self.info.strides.iter().map(|s| s * elem).collect();
         d.set_item("strides", PyTuple::new(py, strides)?)?;
         d.set_item("version", 3)?;
@@ -786,7 +841,7 @@ impl View {
 
     fn __repr__(&self) -> String {
         format!(
-            "{}(ptr={:#x}, dtype={}, shape={:?}, strides={:?}, valid={})",
+            "{}(ptr={:#x}, dtype={}, shape={:?}, strides={:?}, rung={}, read_only={}, valid={})",
             if self.is_result {
                 "ResultBuffer"
             } else {
@@ -796,7 +851,13 @@ impl View {
             dtype::name(self.info.dtype),
             self.info.shape,
             self.info.strides,
-            self.life.open.load(Ordering::Acquire)
+            self.info.rung,
+            if self.info.read_only { "True" } else { "False" },
+            if self.life.open.load(Ordering::Acquire) {
+                "True"
+            } else {
+                "False"
+            }
         )
     }
 }

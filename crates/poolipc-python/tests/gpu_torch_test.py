@@ -45,7 +45,7 @@ from conftest import poolipc_binary  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_WORKER = os.path.join(HERE, "workers", "torch_worker.py")
-PRESTARTUP = os.path.join(HERE, "..", "..", "..", "comfyui", "prestartup_script.py")
+PRESTARTUP = os.path.join(HERE, "..", "..", "..", "comfyui-poolipc", "prestartup_script.py")
 DEV = torch.device("cuda", 0)
 MIB = 1 << 20
 

@@ -5,10 +5,13 @@ Run: POOLIPC_DRIVER=sim python -m pytest crates/poolipc-python/tests (the module
 """
 
 import os
+import signal
 import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import types
 
 import pytest
@@ -24,7 +27,17 @@ import poolipc  # noqa: E402
 
 from conftest import REPO, poolipc_binary, py_worker_argv  # noqa: E402
 
-PRESTARTUP = REPO / "comfyui" / "prestartup_script.py"
+# The ComfyUI pack: comfyui-poolipc/ (comfyui/ before it was renamed).
+PRESTARTUP = next(
+    (p for p in (REPO / "comfyui-poolipc" / "prestartup_script.py", REPO / "comfyui" / "prestartup_script.py")
+     if p.exists()),
+    REPO / "comfyui-poolipc" / "prestartup_script.py",
+)
+
+
+# The process's parent is made once, by the fixture's install_pool: a short stop deadline
+# keeps the test of a worker that ignores Bye quick.
+STOP_TIMEOUT = 2.0
 
 
 def marker(i):
@@ -34,9 +47,20 @@ def marker(i):
 @pytest.fixture(scope="module")
 def parent():
     assert "torch" not in sys.modules, "the sim suite must not import torch"
-    info = poolipc.install_pool(0)
+    info = poolipc.install_pool(0, stop_timeout=STOP_TIMEOUT)
     assert info["installed"] and "SIMULATED" in info["driver"]
     return poolipc.Parent(0)
+
+
+def wait_until(cond, timeout=30.0):
+    """Polls `cond` until it is true or `timeout` passed; returns its last value. Only a
+    failing test waits the whole time."""
+    end = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v or time.monotonic() > end:
+            return v
+        time.sleep(0.01)
 
 
 def spawn(parent, mode="echo", extra=None):
@@ -114,7 +138,7 @@ def test_views_with_offsets_and_strides_arrive_as_described(parent, report):
 def test_a_negative_stride_is_refused_before_anything_is_lent(parent):
     w = spawn(parent)
     buf = f32_buffer(parent, [1.0] * 8)
-    with pytest.raises(ValueError, match="negative strides"):
+    with pytest.raises(ValueError, match="input 0: negative strides"):
         parent.run(w, [poolipc.TensorRef(buf.ptr + 28, "float32", [8], [-1])])
     # the worker is untouched and serves the next job
     (res,) = parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [8])])
@@ -132,12 +156,18 @@ def test_a_bad_dtype_is_a_clear_error_on_both_sides(parent, report):
     parent.stop(w)
 
 
-def test_a_tensor_outside_its_allocation_is_refused(parent):
+def test_a_tensor_outside_its_allocation_is_refused_and_the_worker_serves_the_next_job(parent):
     w = spawn(parent)
     buf = f32_buffer(parent, [1.0] * 4)
-    with pytest.raises(ValueError, match="past its allocation"):
-        parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [400])])
-    parent.stop(w)
+    good = f32_buffer(parent, [4.5] * 8)
+    with pytest.raises(ValueError, match="input 1 .*past its allocation") as e:
+        parent.run(w, [poolipc.TensorRef(good.ptr, "float32", [8]),
+                       poolipc.TensorRef(buf.ptr, "float32", [400])])
+    assert not isinstance(e.value, poolipc.PoolipcError)  # a plain ValueError
+    # nothing of the refused job reached the worker: it serves the next one
+    (res,) = parent.run(w, [poolipc.TensorRef(good.ptr, "float32", [8])])
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 4.5)
+    assert parent.stop(w) == 0
 
 
 # --- DLPack, __cuda_array_interface__, lifetimes -----------------------------------------
@@ -203,9 +233,16 @@ def test_a_view_used_after_its_job_ended_raises(parent, report):
 def test_an_exception_in_the_worker_fails_the_job_with_its_text(parent):
     w = spawn(parent, "fail")
     f = f32_buffer(parent, [1.0] * 4)
-    with pytest.raises(poolipc.JobFailedError, match="ValueError: the worker failed on purpose"):
+    with pytest.raises(poolipc.WorkerError, match="ValueError: the worker failed on purpose") as e:
         parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
-    parent.stop(w)
+    # a JobFailedError too, naming the worker and carrying its words
+    assert isinstance(e.value, poolipc.JobFailedError)
+    assert e.value.worker == w and "failed on purpose" in e.value.message
+    # the worker lives on and serves the next job (it fails that one too, on purpose)
+    assert parent.pid(w) is not None
+    with pytest.raises(poolipc.WorkerError):
+        parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
+    assert parent.stop(w) == 0
 
 
 @pytest.mark.parametrize("mode", ["die-after-import", "die-after-grant"])
@@ -220,7 +257,7 @@ def test_a_worker_killed_mid_job_fails_that_job_only(parent, mode):
     assert poolipc.memory_stats()["used_current"] == before
     (res,) = parent.run(healthy, [poolipc.TensorRef(f.ptr, "float32", [16])])
     assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 2.0)
-    with pytest.raises(poolipc.PoolipcError):
+    with pytest.raises(poolipc.UnknownWorkerError):
         parent.run(dying, [poolipc.TensorRef(f.ptr, "float32", [16])])
     parent.stop(healthy)
 
@@ -265,14 +302,18 @@ def test_results_from_a_caller_allocator_are_what_run_returns(parent):
     w = spawn(parent)
     f = f32_buffer(parent, [3.0] * 8)
     made = []
+    threads = []
 
     def alloc(dtype, shape, nbytes):
+        # Called on the parent's IO thread, which took the GIL while run() waits without it.
+        threads.append(threading.get_ident())
         b = parent.alloc(nbytes, dtype=dtype, shape=shape)
         made.append((dtype, shape, nbytes))
         return b
 
     (res,) = parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [2, 4])], alloc=alloc)
     assert made == [("float32", (2, 4), 32)]
+    assert threads and threads[0] != threading.get_ident()
     assert isinstance(res, poolipc.DeviceBuffer) and res.shape == (2, 4)
     assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 3.0)
     parent.stop(w)
@@ -285,8 +326,12 @@ def test_an_allocator_that_raises_fails_the_job_with_its_error(parent):
     def alloc(dtype, shape, nbytes):
         raise MemoryError("no room for the result")
 
-    with pytest.raises(poolipc.JobFailedError, match="no room for the result"):
+    with pytest.raises(poolipc.JobFailedError, match="no room for the result") as e:
         parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [8])], alloc=alloc)
+    assert isinstance(e.value.__cause__, MemoryError) and e.value.worker == w
+    # the worker is untouched
+    (res,) = parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    assert res.nbytes == 32
     parent.stop(w)
 
 
@@ -313,6 +358,282 @@ def test_a_rust_worker_serves_a_python_parent(parent):
     got = parent.read(res.ptr, 132)
     assert struct.unpack("<I", got[:4])[0] == marker(0) and got[4:8] == struct.pack("<f", 5.0)
     assert parent.stop(w) == 0
+
+
+# --- one Parent, many threads; deadlines; typed errors ------------------------------------
+
+
+def gate_env(report, tmp_path):
+    gate = tmp_path / "gate"
+    return gate, {**report.env, "POOLIPC_TEST_GATE": str(gate)}
+
+
+def entered(report):
+    """The pids of gate workers that hold a job (and wait on the gate)."""
+    return {x["entered"] for x in report.lines() if "entered" in x}
+
+
+def test_two_threads_sharing_one_parent_run_jobs_on_two_workers_at_once(parent, report, tmp_path):
+    gate, env = gate_env(report, tmp_path)
+    a, b = spawn(parent, "gate", env), spawn(parent, "gate", env)
+    pids = {parent.pid(a), parent.pid(b)}
+    fa, fb = f32_buffer(parent, [1.25] * 8), f32_buffer(parent, [2.75] * 8)
+    out, errors, alloc_threads = {}, {}, []
+
+    def alloc(dtype, shape, nbytes):
+        alloc_threads.append(threading.get_ident())
+        return parent.alloc(nbytes, dtype=dtype, shape=shape)
+
+    def job(w, buf, with_alloc):
+        try:
+            out[w] = parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [8])],
+                                alloc=alloc if with_alloc else None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[w] = e
+
+    threads = [threading.Thread(target=job, args=(a, fa, True)),
+               threading.Thread(target=job, args=(b, fb, False))]
+    for t in threads:
+        t.start()
+    try:
+        # Both workers hold a job at once: each says so before it waits on the gate, and
+        # neither job can end before the gate opens. Jobs run one at a time would never get
+        # here (the second would not start while the first waits).
+        assert wait_until(lambda: entered(report) == pids), (report.lines(), errors)
+        assert all(t.is_alive() for t in threads) and not errors
+        # The parent answers while both jobs run.
+        assert {parent.pid(a), parent.pid(b)} == pids
+        assert parent.canary_report(a) is not None
+        assert set(parent.workers()) >= {a, b}
+        assert parent.stats()["jobs_submitted"] >= 2
+    finally:
+        gate.touch()
+        for t in threads:
+            t.join(30)
+    assert not errors, errors
+    for w, val in ((a, 1.25), (b, 2.75)):
+        (res,) = out[w]
+        assert parent.read(res.ptr + 4, 4) == struct.pack("<f", val)
+    assert alloc_threads and threading.get_ident() not in alloc_threads
+    assert parent.stop(a) == 0 and parent.stop(b) == 0
+
+
+def test_submit_gives_a_handle_whose_wait_releases_the_gil(parent, report, tmp_path):
+    gate, env = gate_env(report, tmp_path)
+    w = spawn(parent, "gate", env)
+    f = f32_buffer(parent, [6.5] * 8)
+    h = parent.submit(w, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    assert h.worker == w and isinstance(h.id, int)
+    assert wait_until(lambda: entered(report) == {parent.pid(w)})
+    # A Python thread counts while this one waits: only a wait without the GIL lets it.
+    counting, count = [True], [0]
+
+    def counter():
+        while counting[0]:
+            count[0] += 1
+
+    t = threading.Thread(target=counter)
+    t.start()
+    try:
+        before = count[0]
+        with pytest.raises(TimeoutError, match="still running"):
+            h.wait(timeout=0.3)
+        assert count[0] > before
+    finally:
+        counting[0] = False
+        t.join()
+    assert not h.done and h.input_rungs is None
+    gate.touch()
+    (res,) = h.wait(timeout=30)
+    assert h.done and h.input_rungs == ["pool pointer"] and h.result_rungs == ["pool pointer"]
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 6.5)
+    (again,) = h.wait()
+    assert again is res  # the same results, not a second copy
+    assert parent.stop(w) == 0
+
+
+def test_a_worker_killed_mid_job_raises_job_failed_error_and_the_next_spawn_works(
+        parent, report, tmp_path):
+    gate, env = gate_env(report, tmp_path)
+    w = spawn(parent, "gate", env)
+    pid = parent.pid(w)
+    lost = parent.stats()["workers_lost"]
+    f = f32_buffer(parent, [1.0] * 8)
+    h = parent.submit(w, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    assert wait_until(lambda: entered(report) == {pid})
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(poolipc.JobFailedError, match="job failed") as e:
+        h.wait(timeout=30)
+    assert type(e.value) is poolipc.JobFailedError  # the worker was lost: no WorkerError
+    assert e.value.worker == w and e.value.reason in ("hung_up", "reaped", "deadline_expired")
+    assert e.value.detail
+    assert parent.stats()["workers_lost"] == lost + 1
+    assert parent.pid(w) is None and w not in parent.workers()
+    with pytest.raises(poolipc.UnknownWorkerError) as unknown:
+        parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    assert isinstance(unknown.value, KeyError) and unknown.value.worker == w
+    # the next spawn works, and so does its job
+    n = spawn(parent)
+    (res,) = parent.run(n, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 1.0)
+    assert parent.stop(n) == 0
+
+
+def test_stop_kills_a_worker_that_ignores_bye_within_stop_timeout(parent, report):
+    w = spawn(parent, "linger", report.env)
+    f = f32_buffer(parent, [2.0] * 8)
+    parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    pid = parent.pid(w)
+    t0 = time.monotonic()
+    code = parent.stop(w)
+    took = time.monotonic() - t0
+    # It heard the goodbye and stayed; stop waited its deadline, no more (with a margin).
+    assert wait_until(lambda: any(x.get("lingering") == pid for x in report.lines()), 5)
+    assert STOP_TIMEOUT - 0.5 <= took < STOP_TIMEOUT + 3.0, took
+    assert code is None  # killed, not exited
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed and reaped
+    with pytest.raises(poolipc.UnknownWorkerError):
+        parent.stop(w)
+
+
+def test_stop_of_one_worker_does_not_wait_for_another_workers_job(parent, report, tmp_path):
+    gate, env = gate_env(report, tmp_path)
+    busy = spawn(parent, "gate", env)
+    idle = spawn(parent)
+    f = f32_buffer(parent, [3.0] * 8)
+    h = parent.submit(busy, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    assert wait_until(lambda: entered(report) == {parent.pid(busy)})
+    assert parent.stop(idle) == 0  # while busy's job waits on the gate
+    assert not h.done
+    gate.touch()
+    (res,) = h.wait(timeout=30)
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 3.0)
+    assert parent.stop(busy) == 0
+
+
+def test_an_unknown_worker_is_an_unknown_worker_error(parent):
+    f = f32_buffer(parent, [1.0] * 4)
+    for call in (lambda: parent.run(99999, [poolipc.TensorRef(f.ptr, "float32", [4])]),
+                 lambda: parent.stop(99999)):
+        with pytest.raises(poolipc.UnknownWorkerError, match="unknown worker") as e:
+            call()
+        assert isinstance(e.value, KeyError) and isinstance(e.value, poolipc.PoolipcError)
+    assert parent.pid(99999) is None
+
+
+def test_four_threads_share_one_parent_through_random_kills_with_typed_errors_only(parent):
+    import random
+
+    rng = random.Random(11)
+    threads_n, jobs_n = 4, 60
+    bufs = [f32_buffer(parent, [float(t) + 0.5] * 64) for t in range(threads_n)]
+    parent.synchronize()
+    baseline = poolipc.memory_stats()["used_current"]
+    workers = [spawn(parent) for _ in range(threads_n)]
+    wrong, untyped, typed, done = [], [], [], [0]
+    lock = threading.Lock()
+
+    def body(t):
+        w = workers[t]
+        for _ in range(jobs_n):
+            try:
+                (res,) = parent.run(w, [poolipc.TensorRef(bufs[t].ptr, "float32", [64])])
+                got = parent.read(res.ptr + 4, 4)
+                del res  # its memory goes back to the pool
+                if got != struct.pack("<f", float(t) + 0.5):
+                    wrong.append((t, got))
+                with lock:
+                    done[0] += 1
+            except (poolipc.JobFailedError, poolipc.UnknownWorkerError) as e:
+                assert not isinstance(e, poolipc.WorkerError)
+                typed.append(type(e).__name__)
+                w = workers[t] = spawn(parent)  # a lost worker is replaced
+            except BaseException as e:  # noqa: BLE001 - the test counts them
+                untyped.append(repr(e))
+                return
+
+    ts = [threading.Thread(target=body, args=(t,)) for t in range(threads_n)]
+    for t in ts:
+        t.start()
+    kills = 0
+    while any(t.is_alive() for t in ts) and kills < 3:
+        time.sleep(rng.uniform(0.02, 0.1))
+        pid = parent.pid(rng.choice(workers))
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                kills += 1
+            except ProcessLookupError:
+                pass
+    for t in ts:
+        t.join(60)
+    assert not untyped and not wrong, (untyped, wrong)
+    assert done[0] + len(typed) == threads_n * jobs_n
+    assert kills >= 1
+    print(f"{kills} kills, {len(typed)} typed failures: {sorted(set(typed))}")
+    for w in workers:
+        parent.stop(w)
+    parent.synchronize()
+    assert wait_until(lambda: poolipc.memory_stats()["used_current"] == baseline, 10), (
+        poolipc.memory_stats(), baseline)
+
+
+def test_deadlines_are_set_once_per_process_and_a_clash_is_a_value_error(parent):
+    o = parent.options
+    assert o["stop_timeout"] == STOP_TIMEOUT and o["made_by"] == "install_pool"
+    assert o["handoff_timeout"] == 30.0
+    # the same values, or none, share the process's parent
+    assert poolipc.Parent(0, stop_timeout=STOP_TIMEOUT, handoff_timeout=30.0).options == o
+    with pytest.raises(ValueError, match=r"stop_timeout=7\.0 .*has 2\.0.*clashes"):
+        poolipc.Parent(0, stop_timeout=7.0)
+    with pytest.raises(ValueError, match="handoff_timeout=-1.0 is not a deadline"):
+        poolipc.Parent(0, handoff_timeout=-1.0)
+    with pytest.raises(ValueError, match="not 3; one device per process"):
+        poolipc.Parent(3)
+
+
+def test_a_staged_input_is_read_only_on_the_worker_and_a_pool_pointer_one_is_writable(
+        parent, report):
+    w = spawn(parent, "probe", report.env)
+    pooled = f32_buffer(parent, [1.5] * 4)
+    staged = parent.alloc(16, dtype="float32", shape=[4], shared=False)
+    parent.write(staged.ptr, struct.pack("<4f", 7.0, 8.0, 9.0, 10.0))
+    out = parent.run(w, [poolipc.TensorRef(pooled.ptr, "float32", [4]),
+                         poolipc.TensorRef(staged.ptr, "float32", [4])])
+    assert parent.last_input_rungs == ["pool pointer", "host staging"]
+    # the staged input's bytes crossed
+    assert struct.unpack("<3f", parent.read(out[1].ptr + 4, 12)) == (8.0, 9.0, 10.0)
+    parent.stop(w)  # the worker writes its report after the job ended
+    (rep,) = [x for x in report.lines() if "inputs" in x]
+    p, s = rep["inputs"]
+    assert p["rung"] == "pool pointer" and s["rung"] == "host staging"
+    # pool pointer: the parent's own memory, writable
+    assert p["read_only"] is False and p["cai"]["data"][1] is False
+    assert p["capsule_versioned"]["flags"] & 1 == 0
+    # host staging: the worker's private copy, read-only wherever a consumer can be told
+    assert s["read_only"] is True and s["cai"]["data"] == [s["ptr"], True]
+    assert s["capsule_versioned"]["flags"] & 1 == 1  # DLPACK_FLAG_BITMASK_READ_ONLY
+    assert s["write_error"].startswith("ValueError") and "read-only" in s["write_error"]
+    assert "read_only=True" in s["repr"]
+
+
+def test_a_write_into_an_input_is_seen_by_the_parent_or_raises(parent, report):
+    w = spawn(parent, "write-inputs", report.env)
+    pooled = f32_buffer(parent, [1.0] * 4)
+    staged = parent.alloc(16, dtype="float32", shape=[4], shared=False)
+    parent.write(staged.ptr, struct.pack("<4f", 1.0, 2.0, 3.0, 4.0))
+    parent.run(w, [poolipc.TensorRef(pooled.ptr, "float32", [4]),
+                   poolipc.TensorRef(staged.ptr, "float32", [4])])
+    (rep,) = [x["writes"] for x in report.lines() if "writes" in x]
+    assert [r["rung"] for r in rep] == ["pool pointer", "host staging"]
+    # pool pointer: the write went through and the parent sees it
+    assert rep[0]["write_error"] is None and parent.read(pooled.ptr, 4) == b"\xab" * 4
+    # host staging: the write raised, and the parent's tensor is as it was
+    assert rep[1]["write_error"].startswith("ValueError")
+    assert parent.read(staged.ptr, 16) == struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+    assert parent.stop(w) == 0
+
 
 
 # --- install_pool ---------------------------------------------------------------------------

@@ -80,20 +80,25 @@ fn piece(alloc: u64, offset: u64, dtype: DType, shape: &[u64], pattern: u32) -> 
 }
 
 struct Battery<'p> {
-    parent: &'p mut Parent,
+    parent: &'p Parent,
     worker: poolipc_contract::WorkerId,
     stream: StreamHandle,
     next: u64,
     report: CanaryReport,
+    /// The worker died (or was killed) during the battery: nothing more to prove.
+    lost: bool,
 }
 
 impl Battery<'_> {
     /// Runs one canary job over `pieces` (a piece with `alloc == 0` reuses the previous
     /// allocation at its own offset) and records the outcome under `name`.
     fn check(&mut self, name: &'static str, pieces: &[Piece]) {
+        if self.lost {
+            return;
+        }
         if pieces
             .iter()
-            .any(|p| !self.parent.options().limit.allows(0, p.alloc))
+            .any(|p| !self.parent.import_limit().allows(0, p.alloc))
         {
             self.report.skipped.push(name);
             return;
@@ -136,7 +141,13 @@ impl Battery<'_> {
         }
         let job = JobId(CANARY_BIT | self.next);
         self.next += 1;
-        let result = self.parent.run_job_as(self.worker, job, &inputs, s);
+        let result = self
+            .parent
+            .submit_as(self.worker, job, &inputs, s, None)
+            .and_then(crate::parent::JobHandle::wait);
+        if let Err(Error::JobFailed { .. } | Error::UnknownWorker(_)) = &result {
+            self.lost = true;
+        }
         let outcome = (|| -> Result<(), String> {
             let out = result.map_err(e)?;
             d.stream_synchronize(s).map_err(|e| e.to_string())?;
@@ -170,14 +181,17 @@ impl Battery<'_> {
 }
 
 /// Runs the battery on `worker`.
-pub fn run(parent: &mut Parent, worker: poolipc_contract::WorkerId) -> Result<CanaryReport, Error> {
-    let stream = parent.driver().stream_create()?;
+pub fn run(parent: &Parent, worker: poolipc_contract::WorkerId) -> Result<CanaryReport, Error> {
+    // The battery allocates and checks on this thread: the device must be current here.
+    parent.driver().use_device(parent.options().device)?;
+    let stream = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(parent.driver()))?;
     let mut b = Battery {
         parent,
         worker,
-        stream,
+        stream: stream.handle(),
         next: 1,
         report: CanaryReport::default(),
+        lost: false,
     };
     b.check(
         "import of a small tensor",
@@ -217,8 +231,14 @@ pub fn run(parent: &mut Parent, worker: poolipc_contract::WorkerId) -> Result<Ca
         "unimport before reuse: recycled memory lent again",
         &[piece(2 * MIB, 0, DType::U8, &[MIB], 0x0A0B_0C0D)],
     );
+    if b.lost {
+        return Err(Error::Protocol(format!(
+            "{worker} was lost during its canary battery: {}",
+            b.report
+        )));
+    }
     let report = std::mem::take(&mut b.report);
-    let _ = b.parent.driver().stream_destroy(stream);
+    drop(stream);
     if report.ok() {
         tracing::info!(worker = %worker, "{report}");
     } else {

@@ -134,11 +134,15 @@ pub fn answer(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
 }
 
 /// Answers one job by writing in place: the first 4 KiB of every input (or all of a smaller
-/// one) set to the input's marker, no results. What `poolipc bench` measures.
+/// one) set to the input's marker, no results. What `poolipc bench` measures. Read-only
+/// inputs (host-staged: a write would never reach the parent) are left alone.
 pub fn touch(job: &mut Job<'_>) -> Result<(), Error> {
     let driver = job.driver().clone();
     let stream = job.stream();
     for (i, input) in job.inputs().iter().enumerate() {
+        if input.read_only() {
+            continue;
+        }
         let words = input.byte_len().min(4096) / 4;
         if words > 0 {
             driver.memset_d32_async(input.ptr(), marker(i), words, stream)?;

@@ -1,7 +1,7 @@
 //! What a side says of itself in the handshake.
 
 use poolipc_driver::Driver;
-use poolipc_transport::{Capabilities, DeviceUuid, Identity};
+use poolipc_transport::{Capabilities, Identity};
 
 use crate::error::Error;
 
@@ -14,7 +14,7 @@ pub fn identity(
 ) -> Result<Identity, Error> {
     let info = driver.device_info(device)?;
     Ok(Identity {
-        device: DeviceUuid(info.uuid.0),
+        device: info.uuid,
         driver_version: driver.driver_version()?,
         capabilities,
         devices: Vec::new(),

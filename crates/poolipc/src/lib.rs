@@ -2,18 +2,41 @@
 //! while the parent keeps PyTorch's stream-ordered allocator.
 //!
 //! - [`Parent`] installs the shareable pool ([`poolipc_pool::SharedPool`]), spawns workers over
-//!   an inherited socketpair, shakes hands (the pool FD travels by SCM_RIGHTS), lends inputs
-//!   and serves the workers' shape-first result requests, and releases memory only after the
-//!   worker's ACK and a wait on its DONE event. A worker that dies fails its job only.
+//!   an inherited socketpair, shakes hands (the pool FD travels by SCM_RIGHTS) and runs jobs
+//!   through one IO thread that drives the ownership contract for every worker at once
+//!   ([`driver_loop`](crate#the-driver-loop)). `Parent` is `Send + Sync`: any thread
+//!   [`submit`](Parent::submit)s and waits on its [`JobHandle`]. Memory is released only after
+//!   the worker's ACK and a wait on its DONE event. Any fault of a worker (EOF, deadline,
+//!   protocol violation) fails its jobs only: it is killed and reaped, its loans cancelled.
 //! - [`Worker`] takes jobs: read views of the inputs after its stream waited on READY, write
 //!   views of the results the parent allocated, DONE, UNIMPORT and ACK handled for the user.
 //!
 //! The ownership contract itself lives in [`poolipc_contract`]: this crate drives its state
-//! machines and does the IO they ask for. Every tensor says which [`Rung`] it travelled on.
+//! machines and does the IO they ask for, matching every action they emit; what goes on the
+//! wire is what they emitted. Every tensor says which [`Rung`] it travelled on.
+//!
+//! # The driver loop
+//!
+//! One thread per [`Parent`] polls every worker's socket and a wake-up socket for callers'
+//! commands. Each frame goes into the contract's parent machine; each action it emits is
+//! carried out in order (record READY, send, push or pull host-staged bytes, allocate a
+//! result, wait on DONE, release, kill and reap). Jobs on different workers run at the same
+//! time and a worker may have several pool-pointer jobs in flight; a job with host-staged
+//! tensors runs alone on its worker, since its bytes share the worker's socket. Staged inputs
+//! are handed to the worker read-only: a write would change only the worker's copy.
+//!
+//! # Why `Arc<dyn Driver>`
+//!
+//! The facade holds the driver as `Arc<dyn Driver>`, not as a type parameter the way
+//! wgpu-hal's `Api` is: the CUDA driver, the simulated driver, mockall's mock and the Python
+//! binding then share one object (and one `Parent` type), and a driver call costs one indirect
+//! call next to microseconds of CUDA. The choice is deliberate (DESIGN.md, "The facade is the
+//! contract's driver loop").
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod canary;
+mod driver_loop;
 pub mod echo;
 mod error;
 mod handshake;
@@ -25,7 +48,10 @@ mod worker;
 pub use canary::CanaryReport;
 pub use error::Error;
 pub use handshake::identity;
-pub use parent::{Input, JobOutput, Parent, ParentOptions, ResultTensor, WorkerInfo};
+pub use parent::{
+    Input, JobHandle, JobOutput, Parent, ParentOptions, ParentStats, ResultAllocator, ResultTensor,
+    WorkerInfo,
+};
 pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_transport::{DType, JobId};

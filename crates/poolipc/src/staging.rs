@@ -13,8 +13,7 @@
 //! # One tensor
 //!
 //! The same engine serves both directions (inputs parent → worker, results worker →
-//! parent); one transfer at a time per connection, and nothing else on the connection
-//! meanwhile. Chunk `i` uses half `i % 2`:
+//! parent); one transfer at a time per connection. Chunk `i` uses half `i % 2`:
 //!
 //! - the sender's stream copies chunk `i` into its half and records `filled[i % 2]`; the
 //!   sender then sends [`Message::Chunk`] with `seq = i`;
@@ -30,8 +29,18 @@
 //! [`StagingChannel::recv_tensor`] returns once every copy into `dst` is issued on its
 //! stream: work on that stream sees the tensor.
 //!
+//! # Other frames meanwhile
+//!
+//! The peer may send other frames while a transfer (or the setup) waits for its own: a lend
+//! of a later job, a cancel, a worker's Done. The channel does not fail on them: it keeps
+//! them, in order, in a backlog that [`StagingChannel::take_backlog`] hands to the caller,
+//! who handles them next. Heartbeats are dropped; a peer's `Error` ends the wait
+//! ([`StagingError::Peer`]); a frame that came with FDs cannot wait in the backlog (they
+//! would be lost) and fails the transfer.
+//!
 //! `#![forbid(unsafe_code)]` holds here: the copies are [`SharedHostBuffer`]'s safe methods.
 
+use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -115,6 +124,8 @@ pub struct StagingChannel {
     filled: [EventHandle; 2],
     drained: [EventHandle; 2],
     config: StagingConfig,
+    /// Frames of the peer that arrived while this channel waited for its own.
+    backlog: VecDeque<Message>,
 }
 
 impl std::fmt::Debug for StagingChannel {
@@ -166,13 +177,14 @@ impl StagingChannel {
                 }
             }
         }
-        let channel = StagingChannel {
+        let mut channel = StagingChannel {
             filled: [events[0], events[1]],
             drained: [events[2], events[3]],
             driver,
             buffer,
             chunk,
             config,
+            backlog: VecDeque::new(),
         };
         let msg = Message::StagingBuffer(StagingBuffer {
             bytes: bytes as u64,
@@ -181,7 +193,8 @@ impl StagingChannel {
             drained_event: [blobs[2], blobs[3]],
         });
         conn.send(&msg, &[channel.buffer.fd()], channel.deadline())?;
-        match channel.recv(conn)? {
+        let ready = channel.recv(conn, |m| matches!(m, Message::StagingReady { .. }))?;
+        match ready {
             Message::StagingReady { bytes: b } if b == bytes as u64 => {}
             Message::StagingReady { bytes: b } => {
                 return Err(StagingError::Protocol(format!(
@@ -241,6 +254,7 @@ impl StagingChannel {
             buffer,
             chunk,
             config: StagingConfig { chunk, ..config },
+            backlog: VecDeque::new(),
         };
         conn.send(
             &Message::StagingReady {
@@ -254,21 +268,35 @@ impl StagingChannel {
     }
 
     /// Worker side, receiving the [`Message::StagingBuffer`] itself first (for a worker that
-    /// knows staging setup comes next).
+    /// knows staging setup comes next). Frames before it wait in the
+    /// [backlog](Self::take_backlog).
     pub fn accept_worker(
         driver: Arc<dyn Driver>,
         conn: &mut Connection,
         config: StagingConfig,
     ) -> Result<StagingChannel> {
         let deadline = Instant::now() + config.timeout;
-        let (msg, fds) = conn.recv(deadline)?;
-        match msg {
-            Message::StagingBuffer(setup) => {
-                StagingChannel::setup_worker(driver, conn, &setup, fds, config)
+        let mut skipped = VecDeque::new();
+        loop {
+            let (msg, fds) = conn.recv(deadline)?;
+            match msg {
+                Message::StagingBuffer(setup) => {
+                    let mut channel =
+                        StagingChannel::setup_worker(driver, conn, &setup, fds, config)?;
+                    skipped.append(&mut channel.backlog);
+                    channel.backlog = skipped;
+                    return Ok(channel);
+                }
+                other => keep(&mut skipped, other, &fds)?,
             }
-            Message::Error { code, message } => Err(StagingError::Peer { code, message }),
-            other => Err(unexpected(&other, "StagingBuffer")),
         }
+    }
+
+    /// The frames of the peer that arrived while this channel waited for its own (setup,
+    /// chunks, acks), in order; empty after. Call it after every call that may receive, and
+    /// handle them next.
+    pub fn take_backlog(&mut self) -> VecDeque<Message> {
+        std::mem::take(&mut self.backlog)
     }
 
     /// Bytes of one chunk (one half of the buffer).
@@ -285,12 +313,21 @@ impl StagingChannel {
         Instant::now() + self.config.timeout
     }
 
-    fn recv(&self, conn: &mut Connection) -> Result<Message> {
-        let (msg, _fds) = conn.recv(self.deadline())?;
-        if let Message::Error { code, message } = msg {
-            return Err(StagingError::Peer { code, message });
+    /// The next frame `wanted` accepts; others wait in the backlog (see [`keep`]). One
+    /// deadline for the whole wait.
+    fn recv(
+        &mut self,
+        conn: &mut Connection,
+        wanted: impl Fn(&Message) -> bool,
+    ) -> Result<Message> {
+        let deadline = self.deadline();
+        loop {
+            let (msg, fds) = conn.recv(deadline)?;
+            if wanted(&msg) && fds.is_empty() {
+                return Ok(msg);
+            }
+            keep(&mut self.backlog, msg, &fds)?;
         }
-        Ok(msg)
     }
 
     /// The chunk `seq` of a tensor of `bytes`: (offset, length).
@@ -403,7 +440,7 @@ impl StagingChannel {
 
     /// Receives the `Chunk` for `seq` and checks every field.
     fn expect_chunk(
-        &self,
+        &mut self,
         conn: &mut Connection,
         job: JobId,
         handle: HandoffId,
@@ -413,7 +450,7 @@ impl StagingChannel {
     ) -> Result<Chunk> {
         let (off, len) = self.span(seq, bytes);
         let want = chunk_msg(job, handle, seq, off, len);
-        match self.recv(conn)? {
+        match self.recv(conn, |m| matches!(m, Message::Chunk(_)))? {
             Message::Chunk(c) if c == want => Ok(c),
             Message::Chunk(c) => Err(StagingError::Protocol(format!(
                 "expected {what} {want:?}, got {c:?}"
@@ -430,6 +467,25 @@ fn chunk_msg(job: JobId, handle: HandoffId, seq: usize, off: usize, len: usize) 
         seq: seq as u64,
         offset: off as u64,
         bytes: len as u64,
+    }
+}
+
+/// Keeps a frame that is not the one waited for: heartbeats are dropped, a peer's error ends
+/// the wait, a frame with FDs fails it (its FDs cannot wait), any other goes to `backlog`.
+fn keep(backlog: &mut VecDeque<Message>, msg: Message, fds: &[OwnedFd]) -> Result<()> {
+    match msg {
+        Message::Heartbeat { .. } => Ok(()),
+        Message::Error { code, message } => Err(StagingError::Peer { code, message }),
+        other if !fds.is_empty() => Err(StagingError::Protocol(format!(
+            "a {} with {} FDs arrived during host staging",
+            other.kind(),
+            fds.len()
+        ))),
+        other => {
+            trace!(kind = %other.kind(), "host staging: a frame kept for later");
+            backlog.push_back(other);
+            Ok(())
+        }
     }
 }
 

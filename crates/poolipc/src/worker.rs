@@ -1,116 +1,58 @@
-//! The worker: takes jobs, reads inputs and writes results in place, DONE and ACK for the user.
+//! The worker: the driver of the contract's worker machine ([`poolipc_contract::Worker`]).
+//!
+//! Every frame from the parent goes into the machine, except the setup frames this side
+//! consumes itself (`StagingBuffer` sets host staging up, `ExtraPool` attaches another pool,
+//! `Chunk`s belong to the staging transfer that reads them). Every action the machine emits
+//! is carried out in order, matched exhaustively, and what goes on the wire is exactly what
+//! it emitted. The machine imports once per allocation and refcounts it; this side keeps the
+//! import cache (one driver import per export blob) under it.
+//!
+//! The worker runs one job at a time, but the parent may lend later jobs while a job waits
+//! for its results' grant: their imports are made as the machine asks, and
+//! [`Worker::next_job`] hands them out in order. Host-staged inputs are read-only
+//! ([`InputView::read_only`]): they are this worker's private copy.
+//!
+//! Nothing here synchronizes with the host: a synchronize after freeing an import unmaps it
+//! (FACTS.md), and the contract orders everything on the GPU timeline through READY and DONE.
 
-use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
-use std::os::fd::AsFd;
+mod device;
+mod job;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use poolipc_contract::{
-    self as contract, AllocId, HandoffId, Offer, Purpose, RequestId, Span, Timestamp, ToParent,
-    ToWorker, WorkerAction, WorkerEvent,
-};
-use poolipc_driver::{DevicePtr, Driver, EventHandle, ExportBlob, StreamHandle};
+use poolipc_contract::{self as contract, AllocId, HandoffId, Timestamp, WorkerAction};
+use poolipc_driver::{DevicePtr, Driver, ExportBlob, OwnedEvent, OwnedStream, StreamHandle};
 use poolipc_pool::{AttachedPool, ImportCache};
 use poolipc_transport::{
-    Ack, Capabilities, Connection, Done, ErrorCode, EventBlob, HandshakeConfig, HandshakeError,
-    JobId, Lend, Message, ResultGrant, ResultRequest, ResultSpec, Rung as WireRung, TransportError,
+    Capabilities, Connection, EventBlob, ExtraPool, ExtraPoolReply, HandshakeConfig, JobId,
+    LentTensor, Message, ResultGrant, TransportError,
 };
+
+pub use device::WorkerDevice;
+pub use job::{InputView, Job, ResultView};
 
 use crate::error::Error;
 use crate::staging::{StagingChannel, StagingConfig};
-use crate::tensor::{ResultShape, Rung, TensorDesc};
+use crate::tensor::{Rung, TensorDesc};
+use device::{find_device, place, reaches};
 
-/// An input of a job: readable on the job's stream, valid until the job finishes.
-#[derive(Debug)]
-pub struct InputView {
-    ptr: DevicePtr,
-    desc: TensorDesc,
-    byte_len: u64,
-    rung: Rung,
-}
-
-impl InputView {
-    /// The address of element 0 in this process.
-    pub fn ptr(&self) -> DevicePtr {
-        self.ptr
-    }
-    /// The layout.
-    pub fn desc(&self) -> &TensorDesc {
-        &self.desc
-    }
-    /// Bytes from element 0 to the end of the last element.
-    pub fn byte_len(&self) -> u64 {
-        self.byte_len
-    }
-    /// How it crossed.
-    pub fn rung(&self) -> Rung {
-        self.rung
-    }
-}
-
-/// A result buffer of a job, allocated by the parent: write it on the job's stream.
-#[derive(Debug)]
-pub struct ResultView {
-    ptr: DevicePtr,
-    shape: ResultShape,
-    bytes: u64,
-    rung: Rung,
-}
-
-impl ResultView {
-    /// The address in this process.
-    pub fn ptr(&self) -> DevicePtr {
-        self.ptr
-    }
-    /// The shape asked for.
-    pub fn shape(&self) -> &ResultShape {
-        &self.shape
-    }
-    /// Its size.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
-    /// How it crosses.
-    pub fn rung(&self) -> Rung {
-        self.rung
-    }
-}
-
-/// The worker side of poolipc.
-pub struct Worker {
-    driver: Arc<dyn Driver>,
-    /// The device this worker works on (see [`Worker::device`]).
-    device: u32,
-    pool: AttachedPool,
-    /// The parent's other pools (`ExtraPool` index 1, 2, ...): attached, or why not.
-    more_pools: Vec<Result<AttachedPool, String>>,
-    conn: Connection,
-    stream: StreamHandle,
-    machine: contract::Worker,
-    cache: ImportCache,
-    imports: HashMap<AllocId, (DevicePtr, ExportBlob)>,
-    done: EventHandle,
-    done_blob: EventBlob,
-    ready_events: HashMap<[u8; 64], EventHandle>,
-    next_request: u64,
-    timeout: Duration,
-    epoch: Instant,
-    staging: Option<StagingChannel>,
-}
-
-impl std::fmt::Debug for Worker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Worker")
-            .field("driver", &self.driver.kind())
-            .field("imports", &self.cache.len())
-            .finish_non_exhaustive()
-    }
-}
+/// How long the worker waits for the parent's next frame: between jobs the parent may be
+/// idle for long.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// How long one send may take.
+const SEND_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the handshake may take.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The environment variable naming a failpoint: the worker kills itself with SIGKILL when it
 /// reaches that step. For tests of what the parent does when a worker dies mid-handoff;
 /// unset, it costs one lookup per process.
+///
+/// The steps: `before-import`, `before-ready-wait`, `after-import`, `after-grant`,
+/// `after-write`, `before-done`, `after-done`, `after-ack`, `before-extra-pool-reply`.
 pub const FAILPOINT_ENV: &str = "POOLIPC_FAILPOINT";
 
 /// Dies here (SIGKILL) if [`FAILPOINT_ENV`] names `step`. Canary jobs pass failpoints by.
@@ -134,108 +76,95 @@ thread_local! {
     static IN_CANARY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Which device a worker works on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WorkerDevice {
-    /// This ordinal, which must be the parent's device (else the handshake fails as a device
-    /// mismatch).
-    Exactly(u32),
-    /// Whichever of this process's devices has the parent's device UUID.
-    Parent,
-    /// This ordinal, whatever device the parent's pool lives on, as long as this process sees
-    /// that device too. Where the two devices can reach each other (`cuDeviceCanAccessPeer`),
-    /// the pool is given access from this one (`cuMemPoolSetAccess`) and tensors go by pool
-    /// pointer; otherwise the worker tells the parent it cannot take pool pointers, and every
-    /// tensor goes by host staging.
-    Any(u32),
+/// While it lives, this thread works on a canary job: failpoints pass by.
+struct CanaryScope {
+    before: bool,
 }
 
-/// Where a worker works, worked out from the parent's `Hello`.
-#[derive(Clone, Debug)]
-struct Placement {
-    identity: poolipc_transport::Identity,
-    compute: u32,
-    pool_device: u32,
-    /// The compute device can reach the pool's (or is it).
-    peer: bool,
-}
-
-/// Where the parent's pool is in this process, and where this worker works: `compute`, or
-/// the pool's device when `None`.
-fn place(
-    driver: &dyn Driver,
-    parent: poolipc_transport::DeviceUuid,
-    compute: Option<u32>,
-) -> Result<Placement, HandshakeError> {
-    let failed = |reason: String| HandshakeError::DeviceNotVisible {
-        theirs: parent,
-        reason,
-    };
-    let pool_device = find_device(driver, parent)?;
-    let compute = compute.unwrap_or(pool_device);
-    let peer = reaches(driver, compute, pool_device).map_err(failed)?;
-    let mut capabilities = crate::parent::CAPABILITIES;
-    if !peer {
-        capabilities = Capabilities(capabilities.0 & !Capabilities::POOL_POINTER.0);
-    }
-    let identity = crate::identity(driver, pool_device, capabilities)
-        .map_err(|e| failed(format!("asking device {pool_device} failed: {e}")))?;
-    Ok(Placement {
-        identity,
-        compute,
-        pool_device,
-        peer,
-    })
-}
-
-/// Whether work on device `from` can use memory of device `to`: the same device, or a peer.
-fn reaches(driver: &dyn Driver, from: u32, to: u32) -> Result<bool, String> {
-    if from == to {
-        return Ok(true);
-    }
-    driver
-        .device_can_access_peer(from, to)
-        .map_err(|e| format!("asking whether device {from} reaches device {to} failed: {e}"))
-}
-
-/// This process's ordinal for the device with UUID `uuid`.
-fn find_device(
-    driver: &dyn Driver,
-    uuid: poolipc_transport::DeviceUuid,
-) -> Result<u32, HandshakeError> {
-    let listing = |e: poolipc_driver::DriverError| HandshakeError::DeviceNotVisible {
-        theirs: uuid,
-        reason: format!("listing this process's devices failed: {e}"),
-    };
-    let count = driver.device_count().map_err(listing)?;
-    let mut seen = Vec::new();
-    for ordinal in 0..count {
-        let info = driver.device_info(ordinal).map_err(listing)?;
-        if info.uuid.0 == uuid.0 {
-            return Ok(ordinal);
+impl CanaryScope {
+    fn enter() -> CanaryScope {
+        CanaryScope {
+            before: IN_CANARY.with(|c| c.replace(true)),
         }
-        seen.push(info.uuid.to_string());
     }
-    Err(HandshakeError::DeviceNotVisible {
-        theirs: uuid,
-        reason: if seen.is_empty() {
-            "this process sees no device (check CUDA_VISIBLE_DEVICES)".into()
-        } else {
-            format!(
-                "this process sees {} ({}); check CUDA_VISIBLE_DEVICES",
-                seen.len(),
-                seen.join(", ")
-            )
-        },
-    })
 }
 
-fn alloc_of(data: &ExportBlob) -> AllocId {
-    // One import per exported allocation: the parent sends the same export bytes for the
-    // same allocation, so the bytes name it.
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    data.0.hash(&mut h);
-    AllocId(h.finish())
+impl Drop for CanaryScope {
+    fn drop(&mut self) {
+        IN_CANARY.with(|c| c.set(self.before));
+    }
+}
+
+/// A live import: its address here, and the export blob the cache knows it by.
+#[derive(Debug)]
+struct Import {
+    ptr: DevicePtr,
+    export: ExportBlob,
+}
+
+/// This process's copy of a host-staged tensor: an input received, or a result to send.
+#[derive(Debug)]
+struct StagedCopy {
+    job: JobId,
+    ptr: DevicePtr,
+    bytes: u64,
+}
+
+/// A job the machine started (its inputs usable), not yet handed out.
+#[derive(Debug)]
+struct Started {
+    job: JobId,
+    inputs: Vec<LentTensor>,
+}
+
+/// The worker side of poolipc.
+///
+/// Dropping it frees what it holds: imports still live, its copies of staged tensors, the
+/// events it opened or created, the staging buffer, and last its stream.
+pub struct Worker {
+    driver: Arc<dyn Driver>,
+    /// The device this worker works on (see [`Worker::device`]).
+    device: u32,
+    pool: AttachedPool,
+    /// The parent's other pools (`ExtraPool` index 1, 2, ...): attached, or why not.
+    more_pools: Vec<Result<AttachedPool, String>>,
+    conn: Connection,
+    machine: contract::Worker,
+    cache: ImportCache,
+    /// Live imports by allocation, as the machine asked for them.
+    imports: HashMap<AllocId, Import>,
+    /// This process's copies of host-staged tensors, by handoff.
+    staged: HashMap<HandoffId, StagedCopy>,
+    /// READY events opened, by blob (the parent has a small ring of them per worker).
+    ready_events: HashMap<EventBlob, OwnedEvent>,
+    done: OwnedEvent,
+    done_blob: EventBlob,
+    staging: Option<StagingChannel>,
+    /// Frames that arrived while a staging transfer waited for its chunks: handled before
+    /// the socket is read again.
+    backlog: VecDeque<Message>,
+    /// Jobs started by the machine, not yet handed out, in order.
+    started: VecDeque<Started>,
+    /// Grants passed by the machine, not yet taken by their job.
+    granted: HashMap<JobId, Vec<ResultGrant>>,
+    /// Jobs the parent cancelled, until they finish.
+    cancelled: HashSet<JobId>,
+    /// The parent said Bye: hand out what was started, then no more jobs.
+    stopping: bool,
+    epoch: Instant,
+    /// Last, so it is destroyed after everything queued on it.
+    stream: OwnedStream,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("driver", &self.driver.kind())
+            .field("device", &self.device)
+            .field("imports", &self.cache.len())
+            .field("queued_jobs", &self.started.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Worker {
@@ -271,7 +200,7 @@ impl Worker {
             identity,
             required: Capabilities::NONE,
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
         Worker::attach(driver, device, conn, pool_fd.as_fd())
     }
@@ -300,7 +229,7 @@ impl Worker {
             WorkerDevice::Parent => None,
             WorkerDevice::Any(device) => Some(device),
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let mut chosen = None;
         let (_peer, pool_fd, _config) = poolipc_transport::worker_handshake_choosing(
             &mut conn,
@@ -351,26 +280,30 @@ impl Worker {
         pool_fd: std::os::fd::BorrowedFd<'_>,
     ) -> Result<Worker, Error> {
         let pool = AttachedPool::attach(&*driver, pool_fd, device)?;
-        let stream = driver.stream_create()?;
-        let done = driver.event_create(true)?;
-        let done_blob = EventBlob(driver.ipc_get_event_handle(done)?.0);
+        let stream = OwnedStream::new(Arc::clone(&driver))?;
+        let done = OwnedEvent::new(Arc::clone(&driver), true)?;
+        let done_blob = done.ipc_handle()?;
         Ok(Worker {
             device,
             more_pools: Vec::new(),
             driver,
             pool,
             conn,
-            stream,
             machine: contract::Worker::new(),
             cache: ImportCache::new(),
             imports: HashMap::new(),
+            staged: HashMap::new(),
+            ready_events: HashMap::new(),
             done,
             done_blob,
-            ready_events: HashMap::new(),
-            next_request: 1,
-            timeout: Duration::from_secs(3600),
-            epoch: Instant::now(),
             staging: None,
+            backlog: VecDeque::new(),
+            started: VecDeque::new(),
+            granted: HashMap::new(),
+            cancelled: HashSet::new(),
+            stopping: false,
+            epoch: Instant::now(),
+            stream,
         })
     }
 
@@ -387,74 +320,352 @@ impl Worker {
 
     /// The stream jobs run on.
     pub fn stream(&self) -> StreamHandle {
-        self.stream
+        self.stream.handle()
     }
 
     fn now(&self) -> Timestamp {
         Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
     }
 
-    /// Waits for the next job. `None` when the parent said goodbye or went away: the worker
-    /// should exit.
+    /// Waits for the next job. `None` when the parent said goodbye (after the jobs it lent
+    /// before that) or went away: the worker should exit.
+    ///
+    /// The parent's canary jobs are answered in here; user code never sees them. A job the
+    /// parent cancelled before it was handed out is finished at once, untouched.
     pub fn next_job(&mut self) -> Result<Option<Job<'_>>, Error> {
         loop {
-            let deadline = Instant::now() + self.timeout;
-            let (msg, fds) = match self.conn.recv(deadline) {
-                Ok(got) => got,
-                Err(TransportError::PeerClosed { .. }) => return Ok(None),
+            if let Some(started) = self.started.pop_front() {
+                if self.cancelled.contains(&started.job) {
+                    tracing::debug!(job = started.job.0, "cancelled before it started");
+                    self.finish_job(started.job)?;
+                    continue;
+                }
+                if crate::canary::is_canary(started.job) {
+                    self.answer_canary(started)?;
+                    continue;
+                }
+                return self.job(started).map(Some);
+            }
+            if self.stopping {
+                return Ok(None);
+            }
+            match self.next_frame() {
+                Ok((message, fds)) => self.take(message, fds)?,
                 Err(e) if e.is_peer_gone() => return Ok(None),
                 Err(e) => return Err(e.into()),
-            };
-            match msg {
-                Message::Lend(lend) if crate::canary::is_canary(lend.job) => {
-                    // The parent's canary battery: answered here, before user jobs.
-                    IN_CANARY.with(|c| c.set(true));
-                    let answered = self.start(lend).and_then(|mut job| {
-                        match crate::echo::answer(&mut job, None) {
-                            Ok(()) => job.finish(),
-                            Err(e) => job.fail(&e.to_string()),
-                        }
-                    });
-                    IN_CANARY.with(|c| c.set(false));
-                    answered?;
-                }
-                Message::Lend(lend) => return self.start(lend).map(Some),
-                Message::Bye => return Ok(None),
-                Message::StagingBuffer(setup) => {
-                    let driver = Arc::clone(&self.driver);
-                    let ch = StagingChannel::setup_worker(
-                        driver,
-                        &mut self.conn,
-                        &setup,
-                        fds,
-                        StagingConfig::default(),
-                    )?;
-                    tracing::debug!(chunk = ch.chunk(), "host staging set up");
-                    self.staging = Some(ch);
-                }
-                Message::ExtraPool(offer) => {
-                    let Some(fd) = fds.into_iter().next() else {
-                        return Err(Error::Protocol("an ExtraPool without its FD".into()));
-                    };
-                    self.take_extra_pool(offer, fd)?;
-                }
-                Message::Heartbeat { .. } | Message::Cancel { .. } => {}
-                other => {
-                    return Err(Error::Protocol(format!(
-                        "unexpected {:?} between jobs",
-                        other.kind()
-                    )));
-                }
             }
         }
     }
 
-    /// Attaches another of the parent's pools if this worker's device can use it, and says so.
-    fn take_extra_pool(
+    /// Answers one job of the parent's canary battery as the echo worker does.
+    fn answer_canary(&mut self, started: Started) -> Result<(), Error> {
+        let _canary = CanaryScope::enter();
+        self.job(started)
+            .and_then(|mut job| match crate::echo::answer(&mut job, None) {
+                Ok(()) => job.finish(),
+                Err(e) => job.fail(&e.to_string()),
+            })
+    }
+
+    /// The job as user code sees it. Should a view fail to build, the job is finished on
+    /// drop all the same.
+    fn job(&mut self, started: Started) -> Result<Job<'_>, Error> {
+        let Started { job: id, inputs } = started;
+        let mut job = Job {
+            worker: self,
+            id,
+            inputs: Vec::with_capacity(inputs.len()),
+            results: Vec::new(),
+            finished: false,
+        };
+        for t in inputs {
+            let view = job.worker.input_view(t)?;
+            job.inputs.push(view);
+        }
+        Ok(job)
+    }
+
+    /// The view of one lent tensor: the import at its offset (pool pointer), or this
+    /// process's copy (host staging, read-only).
+    fn input_view(&self, t: LentTensor) -> Result<InputView, Error> {
+        let ptr = match t.rung {
+            Rung::PoolPointer => self
+                .imports
+                .get(&t.alloc)
+                .map(|i| i.ptr.offset(t.meta.byte_offset))
+                .ok_or_else(|| {
+                    Error::Protocol(format!(
+                        "input {:?}: allocation {:?} is not imported",
+                        t.handle, t.alloc
+                    ))
+                })?,
+            Rung::HostStaging => self.staged.get(&t.handle).map(|c| c.ptr).ok_or_else(|| {
+                Error::Protocol(format!("staged input {:?} was never received", t.handle))
+            })?,
+            other => {
+                return Err(Error::Protocol(format!(
+                    "input {:?} on rung {other}, which this worker does not take",
+                    t.handle
+                )));
+            }
+        };
+        Ok(InputView {
+            ptr,
+            desc: TensorDesc::from_meta(&t.meta),
+            byte_len: t.meta.byte_len,
+            rung: t.rung,
+        })
+    }
+
+    /// The memory of one granted result: the import (pool pointer), or memory of this
+    /// process sent to the parent when the job finishes (host staging).
+    fn result_memory(
         &mut self,
-        offer: poolipc_transport::ExtraPool,
-        fd: std::os::fd::OwnedFd,
-    ) -> Result<(), Error> {
+        job: JobId,
+        handle: HandoffId,
+        alloc: AllocId,
+        rung: Rung,
+        bytes: u64,
+    ) -> Result<DevicePtr, Error> {
+        match rung {
+            Rung::PoolPointer => self.imports.get(&alloc).map(|i| i.ptr).ok_or_else(|| {
+                Error::Protocol(format!(
+                    "result {handle:?} of job {}: allocation {alloc:?} is not imported",
+                    job.0
+                ))
+            }),
+            Rung::HostStaging => {
+                let ptr = self
+                    .driver
+                    .mem_alloc_async(bytes.max(1), self.stream.handle())?;
+                self.staged.insert(handle, StagedCopy { job, ptr, bytes });
+                Ok(ptr)
+            }
+            other => Err(Error::Protocol(format!(
+                "result {handle:?} on rung {other}, which this worker does not take"
+            ))),
+        }
+    }
+
+    /// The next frame from the parent: the backlog first, then the socket.
+    fn next_frame(&mut self) -> Result<(Message, Vec<OwnedFd>), TransportError> {
+        if let Some(message) = self.backlog.pop_front() {
+            return Ok((message, Vec::new()));
+        }
+        self.conn.recv(Instant::now() + IDLE_TIMEOUT)
+    }
+
+    /// Handles one frame from the parent: setup frames here, every other one through the
+    /// machine, whose actions are then carried out.
+    fn take(&mut self, message: Message, fds: Vec<OwnedFd>) -> Result<(), Error> {
+        match message {
+            Message::StagingBuffer(setup) => {
+                let mut ch = StagingChannel::setup_worker(
+                    Arc::clone(&self.driver),
+                    &mut self.conn,
+                    &setup,
+                    fds,
+                    StagingConfig::default(),
+                )?;
+                self.backlog.extend(ch.take_backlog());
+                tracing::debug!(chunk = ch.chunk(), "host staging set up");
+                self.staging = Some(ch);
+                Ok(())
+            }
+            Message::ExtraPool(offer) => {
+                let Some(fd) = fds.into_iter().next() else {
+                    return Err(Error::Protocol("an ExtraPool without its FD".into()));
+                };
+                self.take_extra_pool(offer, fd)
+            }
+            Message::Chunk(c) => Err(Error::Protocol(format!(
+                "a Chunk of job {} outside a host-staging transfer",
+                c.job.0
+            ))),
+            Message::StagingReady { .. } => {
+                Err(Error::Protocol("a StagingReady from the parent".into()))
+            }
+            message => {
+                // A canary's lend imports and waits here, before its job is answered.
+                let canary =
+                    matches!(&message, Message::Lend(l) if crate::canary::is_canary(l.job));
+                let _canary = canary.then(CanaryScope::enter);
+                let now = self.now();
+                self.machine.handle(message, now)?;
+                self.drain()
+            }
+        }
+    }
+
+    /// Carries out every action the machine has queued, in order.
+    fn drain(&mut self) -> Result<(), Error> {
+        while let Some(action) = self.machine.poll_action() {
+            tracing::trace!(?action, "contract action");
+            self.act(action)?;
+        }
+        Ok(())
+    }
+
+    fn act(&mut self, action: WorkerAction) -> Result<(), Error> {
+        let stream = self.stream.handle();
+        match action {
+            WorkerAction::Import {
+                job,
+                handoff,
+                alloc,
+                pool,
+                export,
+            } => {
+                failpoint("before-import");
+                if self.imports.contains_key(&alloc) {
+                    return Err(Error::Protocol(format!(
+                        "the contract imported allocation {alloc:?} twice"
+                    )));
+                }
+                let pool = self.pool_handle(pool)?;
+                let ptr = self.cache.acquire(&*self.driver, pool, &export)?;
+                tracing::trace!(job = job.0, ?handoff, ?alloc, ?ptr, "imported");
+                self.imports.insert(alloc, Import { ptr, export });
+            }
+            WorkerAction::WaitReady { job, ready_event } => {
+                failpoint("before-ready-wait");
+                let event = match self.ready_events.get(&ready_event) {
+                    Some(e) => e.handle(),
+                    None => {
+                        let e = OwnedEvent::open_ipc(Arc::clone(&self.driver), &ready_event)?;
+                        let h = e.handle();
+                        self.ready_events.insert(ready_event, e);
+                        h
+                    }
+                };
+                tracing::trace!(job = job.0, "waiting on READY");
+                self.driver.stream_wait_event(stream, event)?;
+            }
+            WorkerAction::ReceiveStaged { job, handoff, meta } => {
+                let bytes = meta.byte_len;
+                let dst = self.driver.mem_alloc_async(bytes.max(1), stream)?;
+                self.staged.insert(
+                    handoff,
+                    StagedCopy {
+                        job,
+                        ptr: dst,
+                        bytes,
+                    },
+                );
+                let ch = self.staging.as_mut().ok_or_else(|| {
+                    Error::Protocol("a staged input before host staging was set up".into())
+                })?;
+                let received = ch.recv_tensor(&mut self.conn, job, handoff, dst, bytes, stream);
+                self.backlog.extend(ch.take_backlog());
+                received?;
+            }
+            WorkerAction::JobStarted { job, inputs } => {
+                self.started.push_back(Started { job, inputs });
+            }
+            WorkerAction::ResultsGranted { job, results } => {
+                if self.granted.insert(job, results).is_some() {
+                    return Err(Error::Protocol(format!(
+                        "two grants for job {} before it took one",
+                        job.0
+                    )));
+                }
+            }
+            WorkerAction::Unimport { alloc } => {
+                let Some(import) = self.imports.remove(&alloc) else {
+                    return Err(Error::Protocol(format!(
+                        "the contract freed allocation {alloc:?}, which is not imported"
+                    )));
+                };
+                self.cache.release(&*self.driver, &import.export, stream)?;
+            }
+            WorkerAction::RecordDone { job } => {
+                failpoint("before-done");
+                tracing::trace!(job = job.0, "recording DONE");
+                self.driver.event_record(self.done.handle(), stream)?;
+            }
+            WorkerAction::Send(message) => {
+                self.conn
+                    .send(&message, &[], Instant::now() + SEND_TIMEOUT)?;
+                if let Message::Done(_) = message {
+                    failpoint("after-done");
+                } else if let Message::Ack(_) = message {
+                    failpoint("after-ack");
+                }
+            }
+            WorkerAction::SendStaged { job, handoff } => {
+                let Some(copy) = self.staged.remove(&handoff) else {
+                    return Err(Error::Protocol(format!(
+                        "staged result {handoff:?} of job {} has no memory here",
+                        job.0
+                    )));
+                };
+                let ch = self.staging.as_mut().ok_or_else(|| {
+                    Error::Protocol("a staged result without host staging".into())
+                })?;
+                let sent =
+                    ch.send_tensor(&mut self.conn, job, handoff, copy.ptr, copy.bytes, stream);
+                self.backlog.extend(ch.take_backlog());
+                // Stream-ordered after the copies out of it.
+                self.free_copy(&copy);
+                sent?;
+            }
+            WorkerAction::Cancelled { job } => {
+                tracing::debug!(job = job.0, "the parent cancelled the job");
+                self.cancelled.insert(job);
+            }
+            WorkerAction::Stop => {
+                tracing::debug!("the parent said goodbye");
+                self.stopping = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the machine passed the grants of `job`'s result request, handling every
+    /// frame that comes first (lends of later jobs are queued).
+    fn wait_for_grants(&mut self, job: JobId) -> Result<Vec<ResultGrant>, Error> {
+        loop {
+            if let Some(grants) = self.granted.remove(&job) {
+                return Ok(grants);
+            }
+            let (message, fds) = self.next_frame()?;
+            self.take(message, fds)?;
+        }
+    }
+
+    /// The job's last access is queued: the machine's finish (unimports, DONE, Done, staged
+    /// results, Ack), then this process's copies of its staged tensors are freed.
+    fn finish_job(&mut self, job: JobId) -> Result<(), Error> {
+        let finished = self
+            .machine
+            .finish_job(job, self.done_blob)
+            .map_err(Error::from)
+            .and_then(|()| self.drain());
+        let copies: Vec<HandoffId> = self
+            .staged
+            .iter()
+            .filter(|(_, c)| c.job == job)
+            .map(|(h, _)| *h)
+            .collect();
+        for h in copies {
+            if let Some(copy) = self.staged.remove(&h) {
+                self.free_copy(&copy);
+            }
+        }
+        self.cancelled.remove(&job);
+        self.granted.remove(&job);
+        finished
+    }
+
+    /// Frees a staged copy, stream-ordered; a failure is logged (the memory is ours).
+    fn free_copy(&self, copy: &StagedCopy) {
+        if let Err(e) = self.driver.mem_free_async(copy.ptr, self.stream.handle()) {
+            tracing::warn!(job = copy.job.0, ptr = ?copy.ptr, error = %e, "freeing a staged copy failed");
+        }
+    }
+
+    /// Attaches another of the parent's pools if this worker's device can use it, and says so.
+    fn take_extra_pool(&mut self, offer: ExtraPool, fd: OwnedFd) -> Result<(), Error> {
         let expected = self.more_pools.len() + 1;
         if usize::from(offer.index) != expected {
             return Err(Error::Protocol(format!(
@@ -464,7 +675,7 @@ impl Worker {
         }
         failpoint("before-extra-pool-reply");
         let attached = self.attach_extra_pool(offer.device, &fd);
-        let reply = poolipc_transport::ExtraPoolReply {
+        let reply = ExtraPoolReply {
             index: offer.index,
             reachable: attached.is_ok(),
             reason: attached.as_ref().err().cloned().unwrap_or_default(),
@@ -479,16 +690,18 @@ impl Worker {
             }
         }
         self.more_pools.push(attached);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        self.conn
-            .send(&Message::ExtraPoolReply(reply), &[], deadline)?;
+        self.conn.send(
+            &Message::ExtraPoolReply(reply),
+            &[],
+            Instant::now() + SEND_TIMEOUT,
+        )?;
         Ok(())
     }
 
     fn attach_extra_pool(
         &self,
         uuid: poolipc_transport::DeviceUuid,
-        fd: &std::os::fd::OwnedFd,
+        fd: &OwnedFd,
     ) -> Result<AttachedPool, String> {
         let d = &*self.driver;
         let pool_device = find_device(d, uuid).map_err(|e| e.to_string())?;
@@ -517,402 +730,26 @@ impl Worker {
             ))),
         }
     }
-
-    fn start(&mut self, lend: Lend) -> Result<Job<'_>, Error> {
-        let id = lend.job;
-        let mut job = Job {
-            worker: self,
-            id,
-            inputs: Vec::new(),
-            results: Vec::new(),
-            held: Vec::new(),
-            staged: Vec::new(),
-            staged_results: Vec::new(),
-            finished: false,
-        };
-        for t in lend.tensors {
-            if t.rung == WireRung::HostStaging {
-                // Copied into memory of our own, which we free when the job finishes.
-                let w = &mut *job.worker;
-                let bytes = t.meta.byte_len;
-                let dst = w.driver.mem_alloc_async(bytes.max(1), w.stream)?;
-                job.staged.push(dst);
-                let ch = w.staging.as_mut().ok_or_else(|| {
-                    Error::Protocol("a staged input before host staging was set up".into())
-                })?;
-                ch.recv_tensor(&mut w.conn, id, t.handle, dst, bytes, w.stream)?;
-                job.inputs.push(InputView {
-                    ptr: dst,
-                    desc: TensorDesc::from_meta(&t.meta),
-                    byte_len: bytes,
-                    rung: Rung::HostStaging,
-                });
-                continue;
-            }
-            let data = ExportBlob(t.export.0);
-            let offer = Offer {
-                handoff: HandoffId(t.handle.0),
-                job: contract::JobId(id.0),
-                alloc: alloc_of(&data),
-                span: Span {
-                    ptr: 0,
-                    bytes: t.meta.byte_offset + t.meta.byte_len,
-                },
-                purpose: Purpose::Input,
-            };
-            let pool = job.worker.pool_handle(t.pool)?;
-            let base = job.worker.take_offer(offer, pool, data, t.ready_event)?;
-            job.held.push(HandoffId(t.handle.0));
-            job.inputs.push(InputView {
-                ptr: base.offset(t.meta.byte_offset),
-                desc: TensorDesc::from_meta(&t.meta),
-                byte_len: t.meta.byte_len,
-                rung: Rung::PoolPointer,
-            });
-        }
-        Ok(job)
-    }
-
-    /// Tells the contract a result request will not be met by a pointer offer (refused, or
-    /// granted on the host-staging rung, which the contract does not cover).
-    fn end_request(&mut self, job: JobId, request: RequestId) -> Result<(), Error> {
-        let now = self.now();
-        self.machine.handle(
-            WorkerEvent::Message(ToWorker::ResultRefused {
-                job: contract::JobId(job.0),
-                request,
-                reason: contract::Refusal::Declined,
-            }),
-            now,
-        )?;
-        while self.machine.poll_action().is_some() {}
-        Ok(())
-    }
-
-    /// Feeds one offer to the contract and carries out its actions; returns the import's
-    /// address.
-    fn take_offer(
-        &mut self,
-        offer: Offer,
-        pool: poolipc_driver::PoolHandle,
-        data: ExportBlob,
-        ready: EventBlob,
-    ) -> Result<DevicePtr, Error> {
-        let now = self.now();
-        let alloc = offer.alloc;
-        self.machine
-            .handle(WorkerEvent::Message(ToWorker::Offer(offer)), now)?;
-        while let Some(action) = self.machine.poll_action() {
-            match action {
-                WorkerAction::Import { alloc, .. } => {
-                    failpoint("before-import");
-                    let ptr = self.cache.acquire(&*self.driver, pool, &data)?;
-                    self.imports.insert(alloc, (ptr, data));
-                }
-                WorkerAction::WaitReady { .. } => {
-                    failpoint("before-ready-wait");
-                    let ev = match self.ready_events.get(&ready.0) {
-                        Some(ev) => *ev,
-                        None => {
-                            let ev = self.driver.ipc_open_event_handle(&EventBlob(ready.0))?;
-                            self.ready_events.insert(ready.0, ev);
-                            ev
-                        }
-                    };
-                    self.driver.stream_wait_event(self.stream, ev)?;
-                }
-                WorkerAction::Usable { .. } => {}
-                other => {
-                    return Err(Error::Protocol(format!(
-                        "unexpected contract action {other:?}"
-                    )));
-                }
-            }
-        }
-        self.imports
-            .get(&alloc)
-            .map(|(p, _)| *p)
-            .ok_or_else(|| Error::Protocol("an offer whose import is missing".into()))
-    }
 }
 
-/// One job: its inputs, the results asked for, and the obligation to finish it.
-///
-/// Views are valid until [`finish`](Job::finish) (or drop, which finishes too): the parent
-/// may reuse the memory after that.
-pub struct Job<'w> {
-    worker: &'w mut Worker,
-    id: JobId,
-    inputs: Vec<InputView>,
-    results: Vec<ResultView>,
-    held: Vec<HandoffId>,
-    /// This process's copies of staged inputs and results, freed when the job finishes.
-    staged: Vec<DevicePtr>,
-    /// Staged results to send when the job finishes: (wire handle, our copy, bytes).
-    staged_results: Vec<(HandoffId, DevicePtr, u64)>,
-    finished: bool,
-}
-
-impl std::fmt::Debug for Job<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Job")
-            .field("id", &self.id)
-            .field("inputs", &self.inputs.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Job<'_> {
-    /// The job's id.
-    pub fn id(&self) -> JobId {
-        self.id
-    }
-    /// The inputs, in argument order. Their memory is ready on [`stream`](Job::stream).
-    pub fn inputs(&self) -> &[InputView] {
-        &self.inputs
-    }
-    /// The results requested so far.
-    pub fn results(&self) -> &[ResultView] {
-        &self.results
-    }
-    /// The stream to work on: it waited on READY; DONE is recorded on it.
-    pub fn stream(&self) -> StreamHandle {
-        self.worker.stream
-    }
-    /// The driver.
-    pub fn driver(&self) -> &Arc<dyn Driver> {
-        &self.worker.driver
-    }
-
-    /// Asks the parent for result memory, shape first; returns the new result views.
-    pub fn request_results(&mut self, shapes: &[ResultShape]) -> Result<&[ResultView], Error> {
-        let w = &mut *self.worker;
-        let mut specs = Vec::with_capacity(shapes.len());
-        let mut requests = Vec::with_capacity(shapes.len());
-        for shape in shapes {
-            let bytes = shape.bytes()?;
-            let request = RequestId(w.next_request);
-            w.next_request += 1;
-            w.machine.request_result(
-                contract::JobId(self.id.0),
-                request,
-                contract::ResultSpec {
-                    shape: vec![bytes],
-                    dtype: contract::DType::U8,
-                    bytes,
-                },
-            )?;
-            while let Some(a) = w.machine.poll_action() {
-                if !matches!(a, WorkerAction::Send(ToParent::ResultRequest { .. })) {
-                    return Err(Error::Protocol(format!("unexpected contract action {a:?}")));
-                }
-            }
-            specs.push(ResultSpec {
-                dtype: shape.dtype,
-                shape: shape.shape.clone(),
-                byte_len: bytes,
-            });
-            requests.push((request, shape.clone(), bytes));
-        }
-        let deadline = Instant::now() + w.timeout;
-        w.conn.send(
-            &Message::ResultRequest(ResultRequest {
-                job: self.id,
-                results: specs,
-            }),
-            &[],
-            deadline,
-        )?;
-        let grant = loop {
-            let (msg, fds) = w.conn.recv(deadline)?;
-            match msg {
-                Message::AllocationGrant(g) if g.job == self.id => break g,
-                Message::Heartbeat { .. } => {}
-                Message::StagingBuffer(setup) => {
-                    // The parent sets host staging up before the first staged result.
-                    let driver = Arc::clone(&w.driver);
-                    let ch = StagingChannel::setup_worker(
-                        driver,
-                        &mut w.conn,
-                        &setup,
-                        fds,
-                        StagingConfig::default(),
-                    )?;
-                    w.staging = Some(ch);
-                }
-                other => {
-                    return Err(Error::Protocol(format!(
-                        "expected an AllocationGrant, got {:?}",
-                        other.kind()
-                    )));
-                }
-            }
-        };
-        if grant.results.len() != requests.len() {
-            return Err(Error::Protocol(format!(
-                "{} grants for {} requests",
-                grant.results.len(),
-                requests.len()
-            )));
-        }
-        let first = self.results.len();
-        let mut refused = None;
-        for (g, (request, shape, bytes)) in grant.results.into_iter().zip(requests) {
-            match g {
-                ResultGrant::Granted {
-                    handle,
-                    rung: WireRung::HostStaging,
-                    ..
-                } => {
-                    // Written here into memory of our own, sent to the parent's allocation
-                    // through host staging when the job finishes.
-                    w.end_request(self.id, request)?;
-                    let ptr = w.driver.mem_alloc_async(bytes.max(1), w.stream)?;
-                    self.staged.push(ptr);
-                    self.staged_results.push((handle, ptr, bytes));
-                    self.results.push(ResultView {
-                        ptr,
-                        shape,
-                        bytes,
-                        rung: Rung::HostStaging,
-                    });
-                }
-                ResultGrant::Granted {
-                    handle,
-                    pool,
-                    export,
-                    ready_event,
-                    ..
-                } => {
-                    let pool = w.pool_handle(pool)?;
-                    let data = ExportBlob(export.0);
-                    let offer = Offer {
-                        handoff: HandoffId(handle.0),
-                        job: contract::JobId(self.id.0),
-                        alloc: alloc_of(&data),
-                        span: Span { ptr: 0, bytes },
-                        purpose: Purpose::Result { request },
-                    };
-                    let ptr = w.take_offer(offer, pool, data, ready_event)?;
-                    self.held.push(HandoffId(handle.0));
-                    self.results.push(ResultView {
-                        ptr,
-                        shape,
-                        bytes,
-                        rung: Rung::PoolPointer,
-                    });
-                }
-                ResultGrant::Refused { message, .. } => {
-                    w.end_request(self.id, request)?;
-                    refused.get_or_insert(message);
-                }
-                _ => return Err(Error::Protocol("a grant of an unknown kind".into())),
-            }
-        }
-        if let Some(message) = refused {
-            return Err(Error::ResultRefused(message));
-        }
-        Ok(&self.results[first..])
-    }
-
-    /// Reports a failure of the job to the parent, then finishes it.
-    pub fn fail(mut self, message: &str) -> Result<(), Error> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        self.worker.conn.send(
-            &Message::Error {
-                code: ErrorCode::OTHER,
-                message: message.to_owned(),
-            },
-            &[],
-            deadline,
-        )?;
-        self.finish_inner()
-    }
-
-    /// The work on every view is queued on [`stream`](Job::stream): free the imports
-    /// (stream-ordered), record DONE after them, tell the parent (Done, then Ack).
-    ///
-    /// DONE is recorded after the imports' frees, so the parent's wait on DONE covers them
-    /// too: the importer's free is ordered before the exporter may reuse the memory. The
-    /// worker does not synchronize: a synchronize would unmap the freed imports, making the
-    /// next import of recycled memory cost 1 ms/GiB (measured on the H200).
-    pub fn finish(mut self) -> Result<(), Error> {
-        self.finish_inner()
-    }
-
-    fn finish_inner(&mut self) -> Result<(), Error> {
-        if self.finished {
-            return Ok(());
-        }
-        self.finished = true;
-        let w = &mut *self.worker;
-        let mut unimport = Vec::new();
-        let mut acked = Vec::new();
-        for &h in &self.held {
-            w.machine.finish(h)?;
-            while let Some(a) = w.machine.poll_action() {
-                match a {
-                    WorkerAction::RecordDone { .. } => {}
-                    WorkerAction::Unimport { alloc } => unimport.push(alloc),
-                    WorkerAction::Send(ToParent::Ack { handoff }) => {
-                        acked.push(HandoffId(handoff.0))
-                    }
-                    other => {
-                        return Err(Error::Protocol(format!(
-                            "unexpected contract action {other:?}"
-                        )));
-                    }
-                }
-            }
-        }
-        for alloc in unimport {
-            if let Some((_, data)) = w.imports.remove(&alloc) {
-                w.cache.release(&*w.driver, &data, w.stream)?;
-            }
-        }
-        failpoint("before-done");
-        w.driver.event_record(w.done, w.stream)?;
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let mut done_handles = acked.clone();
-        done_handles.extend(self.staged_results.iter().map(|(h, _, _)| *h));
-        w.conn.send(
-            &Message::Done(Done {
-                job: self.id,
-                done_event: w.done_blob,
-                handles: done_handles,
-            }),
-            &[],
-            deadline,
-        )?;
-        failpoint("after-done");
-        // Staged results go right after the Done that names them, in its order.
-        for (handle, src, bytes) in std::mem::take(&mut self.staged_results) {
-            let ch = w
-                .staging
-                .as_mut()
-                .ok_or_else(|| Error::Protocol("a staged result without host staging".into()))?;
-            ch.send_tensor(&mut w.conn, self.id, handle, src, bytes, w.stream)?;
-        }
-        for dst in self.staged.drain(..) {
-            w.driver.mem_free_async(dst, w.stream)?;
-        }
-        w.conn.send(
-            &Message::Ack(Ack {
-                job: self.id,
-                handles: acked,
-            }),
-            &[],
-            deadline,
-        )?;
-        failpoint("after-ack");
-        Ok(())
-    }
-}
-
-impl Drop for Job<'_> {
+impl Drop for Worker {
+    /// Frees what is still held, stream-ordered and without synchronizing: imports (a
+    /// worker dropped mid-job, or one whose parent vanished), copies of staged tensors. The
+    /// events, the staging buffer and the stream go with the fields, the stream last.
     fn drop(&mut self) {
-        if let Err(e) = self.finish_inner() {
-            tracing::warn!(job = self.id.0, error = %e, "finishing a dropped job failed");
+        let stream = self.stream.handle();
+        for (_, copy) in self.staged.drain() {
+            if let Err(e) = self.driver.mem_free_async(copy.ptr, stream) {
+                tracing::warn!(ptr = ?copy.ptr, error = %e, "freeing a staged copy failed");
+            }
+        }
+        self.imports.clear();
+        let freed = self.cache.free_all(&*self.driver, stream);
+        if freed > 0 {
+            tracing::debug!(
+                freed,
+                "imports still live when the worker was dropped: freed"
+            );
         }
     }
 }

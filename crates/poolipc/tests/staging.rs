@@ -14,7 +14,7 @@ use std::sync::Arc;
 use poolipc::staging::{SkipWait, StagingChannel, StagingConfig};
 use poolipc_driver::sim::{SimConfig, SimDriver, ViolationKind};
 use poolipc_driver::{DevicePtr, Driver, PoolSharing, StreamHandle};
-use poolipc_transport::{Connection, HandoffId, JobId, connection_from_env, spawn_worker};
+use poolipc_transport::{Connection, HandoffId, JobId, Message, connection_from_env, spawn_worker};
 
 const ROLE: &str = "POOLIPC_STAGING_TEST_ROLE";
 const KIB: u64 = 1 << 10;
@@ -113,23 +113,46 @@ impl Side {
         self.driver.mem_free_async(dst, self.stream).unwrap();
     }
 
+    /// With `chatter`, each side sends [`chatter`] before each transfer, and then finds the
+    /// peer's in its channel's backlog.
     fn run(
         &self,
         ch: &mut StagingChannel,
         conn: &mut Connection,
         parent: bool,
         transfers: &[(Direction, u64)],
+        chatter_too: bool,
     ) {
         for (i, (dir, bytes)) in transfers.iter().enumerate() {
             let seed = i as u64 + 1;
+            if chatter_too {
+                chatter(conn, 1000 + seed);
+            }
             let sends = (*dir == Direction::ParentToWorker) == parent;
             if sends {
                 self.send(ch, conn, *bytes, seed);
             } else {
                 self.recv(ch, conn, *bytes, seed);
             }
+            if chatter_too {
+                assert_eq!(ch.take_backlog(), [kept(1000 + seed)], "transfer {seed}");
+            }
         }
     }
+}
+
+/// Frames that are not the channel's own, sent where a staging wait will read them: a
+/// heartbeat (dropped) and a cancel (kept in the backlog).
+fn chatter(conn: &mut Connection, n: u64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    conn.send(&Message::Heartbeat { seq: n }, &[], deadline)
+        .unwrap();
+    conn.send(&kept(n), &[], deadline).unwrap();
+}
+
+/// The frame of [`chatter`] that the backlog keeps.
+fn kept(n: u64) -> Message {
+    Message::Cancel { job: JobId(n) }
 }
 
 /// Runs `transfers` over one staging channel between this process and a worker that re-runs
@@ -139,6 +162,18 @@ fn run_case(
     chunk: u64,
     transfers: &[(Direction, u64)],
     skip: SkipWait,
+) -> Vec<poolipc_driver::sim::Violation> {
+    run_case_with(test, chunk, transfers, skip, false)
+}
+
+/// [`run_case`], and with `chatter_too` each side sends other frames before the setup and
+/// before each transfer ([`chatter`]), which the peer's channel must keep in its backlog.
+fn run_case_with(
+    test: &str,
+    chunk: u64,
+    transfers: &[(Direction, u64)],
+    skip: SkipWait,
+    chatter_too: bool,
 ) -> Vec<poolipc_driver::sim::Violation> {
     let config = StagingConfig {
         chunk: chunk as usize,
@@ -152,8 +187,14 @@ fn run_case(
                 .expect("a machine to attach to"),
         );
         let mut conn = connection_from_env().unwrap();
+        if chatter_too {
+            chatter(&mut conn, 999);
+        }
         let mut ch = StagingChannel::accept_worker(side.driver.clone(), &mut conn, config).unwrap();
-        side.run(&mut ch, &mut conn, false, transfers);
+        if chatter_too {
+            assert_eq!(ch.take_backlog(), [kept(998)], "setup (worker)");
+        }
+        side.run(&mut ch, &mut conn, false, transfers, chatter_too);
         drop(ch);
         std::process::exit(0);
     }
@@ -169,8 +210,14 @@ fn run_case(
     let (key, value) = side.sim.child_env();
     cmd.env(key, value).env(ROLE, "worker");
     let (mut child, mut conn) = spawn_worker(cmd).unwrap();
+    if chatter_too {
+        chatter(&mut conn, 998);
+    }
     let mut ch = StagingChannel::setup_parent(side.driver.clone(), &mut conn, config).unwrap();
-    side.run(&mut ch, &mut conn, true, transfers);
+    if chatter_too {
+        assert_eq!(ch.take_backlog(), [kept(999)], "setup (parent)");
+    }
+    side.run(&mut ch, &mut conn, true, transfers, chatter_too);
     let status = child.wait().unwrap();
     assert!(status.success(), "worker failed: {status}");
     drop(ch);
@@ -241,6 +288,23 @@ fn transfers_alternating_directions_on_one_channel_stay_ordered() {
             (P2W, 4 * 64 * KIB),
         ],
         SkipWait::None,
+    );
+    assert_clean(&v);
+}
+
+#[test]
+fn frames_other_than_chunks_during_setup_and_transfers_wait_in_the_backlog_in_order() {
+    let v = run_case_with(
+        "frames_other_than_chunks_during_setup_and_transfers_wait_in_the_backlog_in_order",
+        64 * KIB,
+        &[
+            (P2W, 3 * 64 * KIB + 1),
+            (W2P, 1),
+            (W2P, 4 * 64 * KIB),
+            (P2W, 5),
+        ],
+        SkipWait::None,
+        true,
     );
     assert_clean(&v);
 }

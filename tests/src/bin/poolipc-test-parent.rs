@@ -13,7 +13,7 @@ fn run() -> anyhow::Result<()> {
         Some(sim) => Arc::new(sim?),
         None => Arc::new(poolipc_driver::CudaDriver::new()?),
     };
-    let mut parent = Parent::new(Arc::clone(&driver), ParentOptions::default())?;
+    let parent = Parent::new(Arc::clone(&driver), ParentOptions::default())?;
     let mut cmd = std::process::Command::new(poolipc_tests::sibling_binary(
         "poolipc-test-worker",
         "POOLIPC_TEST_WORKER",

@@ -4,6 +4,10 @@
 //! ordinal 0, the ordinal in `POOLIPC_TEST_DEVICE`; when that says `parent`, whichever of its
 //! devices has the parent's UUID; when it says `any:N`, ordinal N wherever the parent's pool is
 //! (`poolipc::WorkerDevice`).
+//!
+//! For the tests of concurrency and of the views: with `POOLIPC_TEST_GATE=DIR` it creates
+//! `DIR/started-<pid>-<job>` when a job starts and waits for `DIR/go` before answering it;
+//! with `POOLIPC_TEST_REPORT=FILE` it appends one line per input, `<job> <rung> <read-only>`.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -36,7 +40,42 @@ fn run() -> anyhow::Result<usize> {
         Err(_) => WorkerDevice::Exactly(0),
     };
     let mut worker = poolipc::Worker::connect_with(driver, choice, conn)?;
-    Ok(poolipc::echo::serve(&mut worker, None)?)
+    let gate = std::env::var_os("POOLIPC_TEST_GATE").map(std::path::PathBuf::from);
+    let report = std::env::var_os("POOLIPC_TEST_REPORT").map(std::path::PathBuf::from);
+    if gate.is_none() && report.is_none() {
+        return Ok(poolipc::echo::serve(&mut worker, None)?);
+    }
+    let mut served = 0;
+    while let Some(mut job) = worker.next_job()? {
+        if let Some(file) = &report {
+            use std::io::Write as _;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(file)?;
+            for input in job.inputs() {
+                writeln!(f, "{} {:?} {}", job.id().0, input.rung(), input.read_only())?;
+            }
+        }
+        if let Some(dir) = &gate {
+            let started = dir.join(format!("started-{}-{}", std::process::id(), job.id().0));
+            std::fs::write(started, b"")?;
+            let go = dir.join("go");
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while !go.exists() {
+                anyhow::ensure!(
+                    std::time::Instant::now() < until,
+                    "no {} within 60 s",
+                    go.display()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
+        poolipc::echo::answer(&mut job, None)?;
+        job.finish()?;
+        served += 1;
+    }
+    Ok(served)
 }
 
 fn main() -> ExitCode {

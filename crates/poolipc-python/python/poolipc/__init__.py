@@ -6,10 +6,19 @@ while the parent keeps PyTorch's stream-ordered allocator (``backend:cudaMallocA
 - ``memory_stats()``: the pool's true figures (torch's ``memory_allocated()`` and
   ``memory_reserved()`` read 0 after the swap).
 - ``Parent``: spawn workers, lend them torch tensors, get results back as torch tensors.
+  One ``Parent`` may be shared by many threads: ``submit`` returns a ``JobHandle`` at once,
+  jobs on different workers run at the same time, and every wait releases the GIL.
 - ``Worker``: in a worker process, take jobs; views and result buffers go into torch, CuPy or
   JAX by DLPack or ``__cuda_array_interface__`` without a copy.
 
 ``POOLIPC_DRIVER=sim`` runs all of it on the simulated driver (no GPU, no torch needed).
+
+Errors: ``PoolipcError`` (a ``RuntimeError``) for anything of poolipc's;
+``JobFailedError`` when a job's worker was lost (``.worker``, ``.reason``, ``.detail``);
+``WorkerError``, a ``JobFailedError``, when the worker reported an error for the job;
+``UnknownWorkerError``, a ``PoolipcError`` and a ``KeyError``, for a worker id the parent does
+not serve; ``ValueError`` for a tensor that cannot be lent (naming which input and why) and
+for options that cannot work; ``ExpiredViewError`` for a view used after its job.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from ._native import (
     Job,
     JobFailedError,
     PoolipcError,
+    UnknownWorkerError,
     View,
+    WorkerError,
     memory_stats,
 )
 
@@ -33,6 +44,7 @@ __all__ = [
     "install_pool",
     "memory_stats",
     "Parent",
+    "JobHandle",
     "Worker",
     "Job",
     "View",
@@ -40,6 +52,8 @@ __all__ = [
     "TensorRef",
     "PoolipcError",
     "JobFailedError",
+    "WorkerError",
+    "UnknownWorkerError",
     "ExpiredViewError",
     "ALLOC_CONF",
     "ASYNC_BACKEND",
@@ -77,9 +91,19 @@ def _backend_choice(conf: str | None, argv: list[str]) -> tuple[str | None, str 
     return None, f"{ALLOC_CONF}={conf!r} chose another allocator backend"
 
 
-def install_pool(device: int = 0) -> dict:
+def install_pool(
+    device: int = 0,
+    *,
+    handoff_timeout: float | None = None,
+    stop_timeout: float | None = None,
+    handshake_timeout: float | None = None,
+    frame_timeout: float | None = None,
+) -> dict:
     """Swap the device's current memory pool for poolipc's shareable one. Call it before
     ``import torch`` (ComfyUI: from the pack's ``prestartup_script.py``).
+
+    This creates the process's one parent; the deadlines (seconds, see ``Parent``) are set
+    here when given, and a later ``Parent`` with other values is a ``ValueError``.
 
     Refuses (``PoolipcError``) when torch is already imported: torch picks its allocator once.
     Puts ``backend:cudaMallocAsync`` into ``PYTORCH_CUDA_ALLOC_CONF`` unless the user chose
@@ -97,7 +121,9 @@ def install_pool(device: int = 0) -> dict:
     new_conf, reason = _backend_choice(os.environ.get(ALLOC_CONF), sys.argv)
     if new_conf is not None:
         os.environ[ALLOC_CONF] = new_conf
-    info = dict(_native._install(device))
+    info = dict(
+        _native._install(device, handoff_timeout, stop_timeout, handshake_timeout, frame_timeout)
+    )
     info["effective"] = reason is None
     info["reason"] = reason
     if reason is None:
@@ -156,16 +182,85 @@ def _describe(x):
     return (int(ptr), str(x.dtype), list(x.shape), None if strides is None else list(strides))
 
 
+class JobHandle:
+    """A job submitted with ``Parent.submit``: ``wait()`` for its results from any thread.
+
+    ``wait(timeout=None)`` releases the GIL while it waits and returns what ``Parent.run``
+    returns (the results, in the order the worker requested them), or raises the job's error:
+    ``JobFailedError`` (the worker was lost), ``WorkerError`` (it reported an error),
+    ``ValueError`` (an input was refused). ``timeout`` in seconds: ``TimeoutError`` if the job
+    is still running then (wait again later). Waiting again, or from two threads, gives the
+    same results. ``input_rungs`` and ``result_rungs`` say how each tensor crossed, once the
+    job ended. A handle dropped unwaited lets the job run to its end (it keeps the inputs
+    alive until then) and frees its results.
+    """
+
+    __slots__ = ("_native", "input_rungs", "result_rungs", "_inputs")
+
+    def __init__(self, native, inputs):
+        self._native = native
+        self._inputs = inputs
+        self.input_rungs: list[str] | None = None
+        self.result_rungs: list[str] | None = None
+
+    @property
+    def id(self) -> int:
+        return self._native.id
+
+    @property
+    def worker(self) -> int:
+        return self._native.worker
+
+    @property
+    def done(self) -> bool:
+        """Whether the job has ended (``wait`` returns or raises at once)."""
+        return self._native.done
+
+    def wait(self, timeout: float | None = None) -> list:
+        results, rungs = self._native.wait(timeout)
+        self.input_rungs = list(rungs)
+        self.result_rungs = [r[4] for r in results]
+        self._inputs = None
+        return [r[5] for r in results]
+
+    def __repr__(self) -> str:
+        return f"JobHandle(id={self.id}, worker={self.worker}, done={self.done})"
+
+
 class Parent:
     """The parent side: spawns workers and lends them tensors.
 
-    Every ``Parent`` of a process shares the one pool ``install_pool`` installed (or installs
-    it, if nothing did: tensors torch allocated before cannot be lent then).
+    Every ``Parent`` of a process shares the one process parent and its pool, which
+    ``install_pool`` made (or this makes, if nothing did: tensors torch allocated before
+    cannot then be lent by pool pointer).
+
+    Deadlines, in seconds (``None``: the process parent's; the defaults are 30, 5, 60, 5):
+    ``handoff_timeout``, how long a worker may stay silent about a job it holds before it is
+    killed (the job raises ``JobFailedError``); ``stop_timeout``, how long ``stop`` waits for a
+    worker to exit after saying goodbye before it kills it; ``handshake_timeout``, how long a
+    new worker may take to start and shake hands; ``frame_timeout``, how long a message that
+    began to arrive may take. They are set by whichever of ``install_pool`` and ``Parent``
+    comes first in the process; a later value that differs is a ``ValueError`` naming the
+    clash (``options`` says what is in force).
+
+    Thread-safe: share one ``Parent`` between threads. Jobs on different workers run at the
+    same time; ``spawn``, ``stop``, ``pid``, ``canary_report`` and ``stats`` never wait for
+    another thread's job; every wait releases the GIL.
     """
 
-    def __init__(self, device: int = 0):
+    def __init__(
+        self,
+        device: int = 0,
+        *,
+        handoff_timeout: float | None = None,
+        stop_timeout: float | None = None,
+        handshake_timeout: float | None = None,
+        frame_timeout: float | None = None,
+    ):
         self.device = device
-        self._native = _native.NativeParent(device)
+        self._native = _native.NativeParent(
+            device, handoff_timeout, stop_timeout, handshake_timeout, frame_timeout
+        )
         self.last_input_rungs: list[str] = []
         self.last_result_rungs: list[str] = []
 
@@ -176,6 +271,12 @@ class Parent:
     @property
     def simulated(self) -> bool:
         return self._native.simulated
+
+    @property
+    def options(self) -> dict:
+        """The process parent's options: ``device``, the deadlines in seconds, ``canary``,
+        ``made_by``."""
+        return dict(self._native.options())
 
     def spawn(self, argv, env: dict | None = None) -> int:
         """Start ``argv`` as a worker (it inherits the socket; with ``POOLIPC_DRIVER=sim`` also
@@ -190,26 +291,29 @@ class Parent:
         return self.spawn([sys.executable, script, *args], env)
 
     def pid(self, worker: int):
+        """The worker's process id (None once it is stopped or lost); never waits for a job."""
         return self._native.pid(worker)
+
+    def workers(self) -> list[int]:
+        """The ids of the workers this parent serves."""
+        return list(self._native.workers())
 
     def canary_report(self, worker: int):
         return self._native.canary_report(worker)
 
-    def run(self, worker: int, inputs, *, stream=None, alloc=None) -> list:
-        """Lend ``inputs`` to ``worker``, serve its result requests, return its results.
+    def stats(self) -> dict:
+        """Counters: workers connected and lost, jobs submitted, completed and failed, tensors
+        by pool pointer and by host staging. Never waits for a job."""
+        return dict(self._native.stats())
 
-        ``inputs``: torch CUDA tensors (pointer, dtype, shape and strides are taken from
-        them; views with offsets and non-contiguous tensors go as they are, described by
-        their strides; negative strides are refused) or ``TensorRef``\\ s.
+    def submit(self, worker: int, inputs, *, stream=None, alloc=None) -> JobHandle:
+        """Lend ``inputs`` to ``worker`` and return at once; the ``JobHandle``'s ``wait()``
+        gives the results. Arguments as for ``run``. The inputs must not be written until the
+        job ended (the handle keeps them alive until then).
 
-        ``stream``: the stream READY is recorded on and which waits on the worker's DONE;
-        default: torch's current stream when torch tensors are lent, else the legacy default
-        stream (0).
-
-        ``alloc(dtype, shape, nbytes) -> tensor``: makes each result; default: ``torch.empty``
-        on this device when torch is imported and a torch tensor was lent, else a
-        ``DeviceBuffer`` from the pool. Returned tensors are ordinary torch tensors from the
-        pool; torch's stream has waited on DONE, so they may be used at once on it.
+        A tensor that cannot be lent (negative strides, a wrong dtype) raises ``ValueError``
+        here; one that runs past its allocation raises it from ``wait``. Either way the
+        worker is untouched.
         """
         inputs = list(inputs)
         specs = [_describe(x) for x in inputs]
@@ -217,10 +321,23 @@ class Parent:
             alloc is None and not inputs and "torch" in sys.modules
         )
         torch = sys.modules.get("torch")
+        torch_stream = None
         if stream is None:
-            stream = torch.cuda.current_stream(self.device).cuda_stream if torch_mode else 0
+            if torch_mode:
+                torch_stream = torch.cuda.current_stream(self.device)
+                stream = torch_stream.cuda_stream
+            else:
+                stream = 0
         elif hasattr(stream, "cuda_stream"):
+            torch_stream = stream
             stream = stream.cuda_stream
+        elif torch_mode:
+            dev = torch.device("cuda", self.device)
+            torch_stream = (
+                torch.cuda.default_stream(dev)
+                if int(stream) == 0
+                else torch.cuda.ExternalStream(int(stream), device=dev)
+            )
         native_alloc = None
         if alloc is None and torch_mode:
             dev = torch.device("cuda", self.device)
@@ -231,23 +348,66 @@ class Parent:
         if alloc is not None:
             user_alloc = alloc
 
-            def native_alloc(dtype, shape, nbytes):
-                t = user_alloc(dtype, tuple(shape), nbytes)
+            def native_alloc(dtype, shape, nbytes, _stream):
+                # Runs on the parent's IO thread (it took the GIL): torch's current stream
+                # there is the default one, so the job's stream is made current for torch.
+                if torch_stream is not None:
+                    with torch.cuda.stream(torch_stream):
+                        t = user_alloc(dtype, tuple(shape), nbytes)
+                else:
+                    t = user_alloc(dtype, tuple(shape), nbytes)
                 ptr = t.data_ptr() if callable(getattr(t, "data_ptr", None)) else int(t.ptr)
                 return (int(ptr), t)
 
-        results, rungs = self._native.run(worker, specs, int(stream), native_alloc)
-        self.last_input_rungs = list(rungs)
-        self.last_result_rungs = [r[4] for r in results]
-        return [r[5] for r in results]
+        native = self._native.submit(worker, specs, int(stream), native_alloc, inputs)
+        return JobHandle(native, inputs)
+
+    def run(self, worker: int, inputs, *, stream=None, alloc=None) -> list:
+        """Lend ``inputs`` to ``worker``, serve its result requests, return its results:
+        ``submit(...).wait()``.
+
+        ``inputs``: torch CUDA tensors (pointer, dtype, shape and strides are taken from
+        them; views with offsets and non-contiguous tensors go as they are, described by
+        their strides; negative strides are refused) or ``TensorRef``\\ s. Tensors of the
+        shared pool go by pool pointer; any other device memory by host staging (the worker
+        sees those read-only).
+
+        ``stream``: the stream READY is recorded on and which waits on the worker's DONE;
+        default: torch's current stream when torch tensors are lent, else the legacy default
+        stream (0).
+
+        ``alloc(dtype, shape, nbytes) -> tensor``: makes each result; default: ``torch.empty``
+        on this device when torch is imported and a torch tensor was lent, else a
+        ``DeviceBuffer`` from the pool. It is called on the parent's IO thread (holding the
+        GIL), with ``stream`` as torch's current stream; it must not wait on this parent (no
+        ``run``, ``wait``, ``spawn`` or ``stop`` inside it). If it raises, the job fails with
+        ``JobFailedError`` whose ``__cause__`` is its exception. Returned tensors are ordinary
+        torch tensors from the pool; torch's stream has waited on DONE, so they may be used at
+        once on it.
+
+        ``last_input_rungs``/``last_result_rungs`` say how the last job of this object
+        crossed; with several threads, use ``submit`` and the handle's ``input_rungs``.
+        """
+        handle = self.submit(worker, inputs, stream=stream, alloc=alloc)
+        out = handle.wait()
+        self.last_input_rungs = handle.input_rungs
+        self.last_result_rungs = handle.result_rungs
+        return out
 
     def stop(self, worker: int):
-        """Tell the worker to stop and wait for it; returns its exit code."""
+        """Tell the worker to stop; wait for it at most ``stop_timeout``, then kill it; reap
+        it. Returns its exit code (None when it had to be killed). Its jobs in flight raise
+        ``JobFailedError``; other workers' jobs go on. ``UnknownWorkerError`` for a worker
+        this parent does not serve."""
         return self._native.stop(worker)
 
     # Raw memory, for tools and tests without torch.
-    def alloc(self, nbytes: int, *, dtype: str = "uint8", shape=None, stream: int = 0) -> DeviceBuffer:
-        return self._native.alloc(nbytes, stream, dtype, None if shape is None else list(shape))
+    def alloc(
+        self, nbytes: int, *, dtype: str = "uint8", shape=None, stream: int = 0, shared: bool = True
+    ) -> DeviceBuffer:
+        """``nbytes`` of device memory: from the shared pool (lent by pool pointer), or with
+        ``shared=False`` from the device's default pool (lent by host staging)."""
+        return self._native.alloc(nbytes, stream, dtype, None if shape is None else list(shape), shared)
 
     def write(self, ptr: int, data: bytes) -> None:
         self._native.write(int(ptr), bytes(data))
@@ -273,6 +433,11 @@ class Worker:
     DLPack, imports freed, ACK) or, on an exception, fails it with the exception's text. Views
     and tensors made from them must not be used after that: the views raise
     ``ExpiredViewError``; tensors made from them point at memory the parent owns again.
+
+    Inputs that crossed by host staging are this worker's private copy: ``view.read_only`` is
+    True, ``__cuda_array_interface__`` and the versioned DLPack capsule say read-only, and a
+    write would never reach the parent. torch ignores DLPack's read-only flag (it has no
+    read-only tensors), so with torch check ``read_only`` and clone before writing in place.
     """
 
     def __init__(self, device: int | str | None = None):

@@ -9,6 +9,13 @@ fail              raises inside the job: the parent's run() must raise with the 
 die-after-import  killed (SIGKILL) after the inputs arrived
 die-after-grant   killed after the results were granted
 bad-dtype         asks for a result of a dtype that does not exist, reports the error
+gate              like echo, but first reports {"entered": pid, "job": id} and waits until the
+                  file POOLIPC_TEST_GATE exists (so a test sees two workers hold a job at once
+                  without timing anything); fails the job if the gate stays shut for 60 s
+linger            like echo, but ignores the parent's goodbye: it neither exits nor dies of
+                  SIGTERM, so only a kill ends it
+write-inputs      writes 0xAB bytes at the start of every input view and reports, per input,
+                  its rung, read_only and what the write raised; then echoes
 """
 
 import ctypes
@@ -17,11 +24,20 @@ import os
 import signal
 import struct
 import sys
+import time
 
 import poolipc
 
 MODE = os.environ.get("POOLIPC_TEST_MODE", "echo")
 REPORT = os.environ.get("POOLIPC_TEST_REPORT")
+GATE = os.environ.get("POOLIPC_TEST_GATE")
+
+
+def say(obj):
+    """Appends one JSON line to the report (when there is one)."""
+    if REPORT:
+        with open(REPORT, "a") as f:
+            f.write(json.dumps(obj) + "\n")
 
 
 def marker(i):
@@ -108,6 +124,7 @@ def read_capsule(cap, versioned):
     }
     if versioned:
         info["version"] = [m.major, m.minor]
+        info["flags"] = m.flags
     return info, m, ptr
 
 
@@ -139,7 +156,9 @@ def probe(job):
     for v in job.inputs:
         r = {"ptr": v.ptr, "dtype": v.dtype, "shape": list(v.shape), "strides": list(v.strides),
              "nbytes": v.nbytes, "rung": v.rung, "dlpack_device": list(v.__dlpack_device__()),
-             "repr": repr(v)}
+             "repr": repr(v), "read_only": v.read_only}
+        if v.read_only:
+            r["write_error"] = raises(lambda: v.write_bytes(b"\0" * min(4, v.nbytes)))
         try:
             cai = v.__cuda_array_interface__
             r["cai"] = {k: (list(x) if isinstance(x, tuple) else x) for k, x in cai.items()}
@@ -200,6 +219,22 @@ def main():
     for job in worker:
         if MODE == "die-after-import":
             os.kill(os.getpid(), signal.SIGKILL)
+        if MODE == "gate":
+            say({"entered": os.getpid(), "job": job.id})
+            deadline = time.monotonic() + 60
+            while not os.path.exists(GATE):
+                if time.monotonic() > deadline:
+                    job.fail("the gate stayed shut for 60 s")
+                    break
+                time.sleep(0.01)
+            if not job.open:
+                continue
+        if MODE == "write-inputs":
+            rep = []
+            for v in job.inputs:
+                err = raises(lambda: v.write_bytes(b"\xab" * min(4, v.nbytes)))
+                rep.append({"rung": v.rung, "read_only": v.read_only, "write_error": err})
+            say({"writes": rep})
         if MODE == "probe":
             probe(job)
             continue
@@ -207,11 +242,22 @@ def main():
             err = raises(lambda: job.request_results([("float33", [4])]))
             job.fail(f"bad dtype said: {err}")
             continue
-        with job:
-            if MODE == "fail":
-                raise ValueError("the worker failed on purpose")
-            echo(job)
+        try:
+            with job:  # an exception inside fails the job with its text, then propagates
+                if MODE == "fail":
+                    raise ValueError("the worker failed on purpose")
+                echo(job)
+        except (ValueError, poolipc.PoolipcError) as e:
+            if MODE != "fail" and not isinstance(e, poolipc.PoolipcError):
+                raise
+            # the job failed (on purpose, or the parent refused its results): the `with`
+            # reported it to the parent, and the worker goes on to the next job
     worker.close()
+    if MODE == "linger":
+        # The parent said goodbye; a worker that ignores it stays until it is killed.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        say({"lingering": os.getpid()})
+        time.sleep(600)
 
 
 if __name__ == "__main__":

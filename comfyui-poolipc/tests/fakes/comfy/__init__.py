@@ -1,0 +1,1 @@
+"""A stand-in for ComfyUI's `comfy` package: only what the pack and these tests touch."""

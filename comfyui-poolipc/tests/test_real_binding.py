@@ -1,0 +1,77 @@
+"""The pack on the real poolipc binding and its simulated driver (POOLIPC_DRIVER=sim, no GPU,
+no torch), each case in a fresh interpreter. Skipped when the binding is not importable
+(build it: `maturin build -m crates/poolipc-python/Cargo.toml` and pip install the wheel, or
+`cargo xtask ci`, which installs it into target/pyenv)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAKES, PACK, TESTS, process_gone, subprocess_env
+from test_prestartup import comfy_start, installs
+
+
+def _real_binding_importable():
+    p = subprocess.run(
+        [sys.executable, "-c", "import poolipc, sys; sys.exit(3 if getattr(poolipc, 'STUB', False) else 0)"],
+        env=subprocess_env(POOLIPC_DRIVER="sim"),
+        capture_output=True,
+        text=True,
+    )
+    return p.returncode == 0, (p.stderr.strip().splitlines() or ["stub"])[-1]
+
+
+_OK, _WHY = _real_binding_importable()
+pytestmark = pytest.mark.skipif(not _OK, reason=f"the real poolipc binding is not importable here ({_WHY})")
+
+SIM = {"POOLIPC_ENABLE": "1", "POOLIPC_DRIVER": "sim"}
+
+
+@pytest.mark.parametrize("order", ["new", "old"])
+def test_the_real_binding_installs_in_a_comfyui_startup(tmp_path, order):
+    out, err, state = comfy_start(tmp_path, order, env=SIM, binding=None)
+    assert len(installs(err)) == 1 and "as device 0's current pool" in err, err
+    assert state["mode"] == "installed"
+
+
+def test_the_real_binding_is_not_installed_under_disable_cuda_malloc(tmp_path):
+    out, err, state = comfy_start(tmp_path, "new", "--disable-cuda-malloc", env=SIM, binding=None)
+    assert installs(err) == [] and "host staging" in err
+    assert state["mode"] == "host-staging"
+
+
+SCENARIO = """
+import json, logging, os, signal, sys, time
+logging.basicConfig(level=logging.INFO)
+sys.path[:0] = [{fakes!r}, {tests!r}]
+import poolipc
+poolipc.install_pool(0)
+from conftest import load_pack, set_startup
+set_startup("installed", 0)
+load_pack()
+nodes = sys.modules["comfyui-poolipc.nodes"]
+import comfy.model_management as mm
+start = lambda: nodes.PoolipcStartWorker().start("sim", unique_id="5")[0]
+pid = lambda h: h.registry.acquire(h)[2]
+h = start(); first = pid(h)
+h = start(); second = pid(h)
+os.kill(second, signal.SIGKILL); time.sleep(0.5)
+third = pid(h)
+mm.unload_all_models()
+print("PIDS " + json.dumps([first, second, third, nodes.REGISTRY.running()]))
+"""
+
+
+def test_on_the_real_binding_workers_are_replaced_respawned_and_freed(tmp_path):
+    (tmp_path / "w.json").write_text(json.dumps({"workers": {"sim": ["{python}", str(TESTS / "sim_worker.py")]}}))
+    (tmp_path / "user").mkdir()
+    env = subprocess_env(**SIM, POOLIPC_WORKERS_FILE=tmp_path / "w.json", FAKE_COMFY_USER_DIR=tmp_path / "user")
+    code = SCENARIO.format(fakes=str(FAKES), tests=str(TESTS))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    first, second, third, running = json.loads(p.stdout.split("PIDS ", 1)[1])
+    assert len({first, second, third}) == 3
+    assert all(process_gone(x) for x in (first, second, third))
+    assert running == {}
+    assert "had died; started a new one" in p.stderr

@@ -1,0 +1,1295 @@
+//! The parent's IO loop: one thread per [`Parent`](crate::Parent) that polls every worker's
+//! socket, feeds what arrives into the ownership contract's machine and carries out every
+//! action the machine emits, matched exhaustively. What goes on the wire is what the contract
+//! emitted; the loop adds nothing and drops nothing.
+//!
+//! Every fault (EOF, a broken or malformed frame, a protocol violation the contract names, a
+//! deadline) takes the same path: the contract condemns the worker, the loop kills and reaps
+//! it, the contract releases its loans and fails its jobs, and nothing of it touches another
+//! worker.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::io::Read as _;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::process::{Child, ExitStatus};
+use std::sync::Arc;
+use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use poolipc_contract::{
+    self as contract, FailReason, InputLoan, JobOutcome, Message, Outcome, ParentAction,
+    ParentEvent, Purpose, ResultGrant, ResultSpec, Timestamp,
+};
+use poolipc_driver::{DevicePtr, OwnedEvent, StreamHandle};
+use poolipc_transport::{Capabilities, Connection, ErrorCode, TransportError};
+use poolipc_types::{
+    AllocId, EventBlob, ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId,
+};
+
+use crate::error::Error;
+use crate::parent::{
+    Completion, Input, JobOutput, ResultAllocator, ResultTensor, Shared, Stats, lock,
+};
+use crate::staging::StagingChannel;
+use crate::tensor::ResultShape;
+
+/// What a caller's thread asks of the IO loop.
+pub(crate) enum Command {
+    /// A worker that shook hands: the loop owns its socket and process from now on.
+    Adopt {
+        worker: WorkerId,
+        conn: Box<Connection>,
+        child: Option<Child>,
+        reply: Sender<Result<(), Error>>,
+    },
+    /// A job to run.
+    Submit(Box<Submission>),
+    /// Bye, a bounded wait, then SIGKILL; reply with the exit status once reaped.
+    Stop {
+        worker: WorkerId,
+        reply: Sender<Result<Option<ExitStatus>, Error>>,
+    },
+    /// The parent is dropped: stop every worker, fail every job, end the thread.
+    Shutdown,
+}
+
+/// A job as submitted.
+pub(crate) struct Submission {
+    pub(crate) worker: WorkerId,
+    pub(crate) job: JobId,
+    pub(crate) inputs: Vec<Input>,
+    pub(crate) stream: StreamHandle,
+    /// `None`: the shared pool, and a failed job's results are freed by the loop.
+    pub(crate) alloc: Option<ResultAllocator>,
+    pub(crate) done: Arc<Completion>,
+}
+
+/// Starts the IO thread; returns once it made the device current (or failed to).
+pub(crate) fn start(
+    shared: Arc<Shared>,
+    wake: UnixStream,
+) -> Result<std::thread::JoinHandle<()>, Error> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = std::thread::Builder::new()
+        .name("poolipc-parent-io".into())
+        .spawn(move || {
+            // CUDA contexts are per thread: every driver call of the loop needs this one.
+            if let Err(e) = shared.driver.use_device(shared.options.device) {
+                let _ = tx.send(Err(Error::from(e)));
+                return;
+            }
+            let _ = tx.send(Ok(()));
+            Loop::new(shared, wake).run();
+        })
+        .map_err(|source| Error::Os {
+            call: "pthread_create",
+            source,
+        })?;
+    match rx.recv() {
+        Ok(Ok(())) => Ok(handle),
+        Ok(Err(e)) => {
+            let _ = handle.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = handle.join();
+            Err(Error::Protocol(
+                "the parent's IO thread ended at its start".into(),
+            ))
+        }
+    }
+}
+
+/// A worker as the loop holds it.
+struct Slot {
+    conn: Connection,
+    child: Option<Child>,
+    /// READY events not in use by a job (a job takes one and gives it back when it ends: a
+    /// worker's wait captures an event's latest record, so two jobs in flight never share one).
+    ready_free: Vec<(OwnedEvent, EventBlob)>,
+    /// The worker's DONE events, opened once each.
+    done_events: HashMap<EventBlob, OwnedEvent>,
+    staging: Option<StagingChannel>,
+    /// Frames that arrived while the loop waited for another (host staging's): handled next.
+    backlog: VecDeque<Message>,
+    takes_staging: bool,
+    /// Set when the worker is being stopped: when to kill it if it has not exited.
+    exit_deadline: Option<Instant>,
+    stop_replies: Vec<Sender<Result<Option<ExitStatus>, Error>>>,
+    /// Jobs waiting for this worker (staged jobs run alone on their worker).
+    queued: VecDeque<Box<Submission>>,
+    /// Jobs sent to it and not finished.
+    in_flight: usize,
+    /// Whether one of the jobs in flight takes host staging.
+    staged_in_flight: bool,
+    /// Why it was lost, for the jobs that fail with it.
+    lost: Option<String>,
+}
+
+/// A job as the loop holds it, from its Lend to its JobFinished.
+struct JobState {
+    stream: StreamHandle,
+    alloc: Option<ResultAllocator>,
+    done: Arc<Completion>,
+    ready: Option<(OwnedEvent, EventBlob)>,
+    input_rungs: Vec<Rung>,
+    staged: bool,
+    /// Staged inputs: where their bytes are.
+    staged_inputs: HashMap<HandoffId, (DevicePtr, u64)>,
+    /// Results, by the contract's request id (increasing: the worker's order).
+    results: BTreeMap<RequestId, ResultTensor>,
+    requests_by_alloc: HashMap<AllocId, RequestId>,
+    requests_by_handoff: HashMap<HandoffId, RequestId>,
+    /// Result memory that will not be handed out: freed (default allocator) or returned.
+    orphans: Vec<DevicePtr>,
+    /// Input allocations lent by pointer: their entries in `Loop::lent` are dropped at release.
+    lent_bases: Vec<u64>,
+}
+
+struct Loop {
+    shared: Arc<Shared>,
+    wake: UnixStream,
+    machine: contract::Parent,
+    workers: BTreeMap<WorkerId, Slot>,
+    jobs: HashMap<(WorkerId, JobId), JobState>,
+    /// Input allocations currently lent by pointer: base address to (id, loans).
+    lent: HashMap<u64, (AllocId, u32)>,
+    /// Exit statuses of workers being reaped, for the errors of their jobs.
+    reaped: HashMap<WorkerId, String>,
+    next_alloc: u64,
+    epoch: Instant,
+    shutting_down: bool,
+}
+
+/// How long the loop sleeps when nothing is due: commands and frames wake it earlier.
+const IDLE_POLL: Duration = Duration::from_millis(500);
+/// While a worker is exiting, how often to look whether it has.
+const EXIT_POLL: Duration = Duration::from_millis(2);
+
+impl Loop {
+    fn new(shared: Arc<Shared>, wake: UnixStream) -> Loop {
+        let limit = shared.options.limit;
+        let machine = contract::Parent::new(contract::ParentConfig {
+            limit,
+            handoff_timeout: shared.options.handoff_timeout,
+        });
+        Loop {
+            shared,
+            wake,
+            machine,
+            workers: BTreeMap::new(),
+            jobs: HashMap::new(),
+            lent: HashMap::new(),
+            reaped: HashMap::new(),
+            next_alloc: 1,
+            epoch: Instant::now(),
+            shutting_down: false,
+        }
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    fn run(mut self) {
+        loop {
+            for command in self.shared.take_commands() {
+                self.command(command);
+            }
+            self.drain_backlogs();
+            self.check_exits();
+            self.drive();
+            if self.shutting_down && self.workers.is_empty() {
+                break;
+            }
+            self.wait_for_io();
+            self.machine.handle_timeout(self.now());
+            self.drive();
+        }
+        self.fail_leftover_jobs();
+    }
+
+    /// Sleeps in `poll` until a worker's socket is readable, a command arrives, or the next
+    /// deadline; reads one frame from each readable socket.
+    fn wait_for_io(&mut self) {
+        let mut timeout = IDLE_POLL;
+        if let Some(t) = self.machine.poll_timeout() {
+            let now = self.now();
+            timeout = timeout.min(Duration::from_nanos(t.0.saturating_sub(now.0)));
+        }
+        if self.workers.values().any(|s| s.exit_deadline.is_some()) {
+            timeout = timeout.min(EXIT_POLL);
+        }
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, s)| s.lost.is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        let readable: Vec<(WorkerId, bool)> = {
+            let mut fds = Vec::with_capacity(ids.len() + 1);
+            fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
+            for id in &ids {
+                if let Some(s) = self.workers.get(id) {
+                    fds.push(PollFd::new(s.conn.as_fd(), PollFlags::POLLIN));
+                }
+            }
+            let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
+            match poll(&mut fds, PollTimeout::from(ms)) {
+                Ok(_) => {}
+                Err(nix::errno::Errno::EINTR) => return,
+                Err(e) => {
+                    tracing::error!(error = %e, "poll failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
+                }
+            }
+            let woke = fds[0].revents().is_some_and(|r| !r.is_empty());
+            if woke {
+                let mut buf = [0u8; 256];
+                while matches!((&self.wake).read(&mut buf), Ok(n) if n > 0) {}
+            }
+            ids.iter()
+                .zip(&fds[1..])
+                .map(|(id, fd)| (*id, fd.revents().is_some_and(|r| !r.is_empty())))
+                .collect()
+        };
+        for (id, ready) in readable {
+            if ready {
+                self.read_one(id);
+            }
+        }
+    }
+
+    /// Reads one frame from a readable worker socket and hands it to the contract.
+    fn read_one(&mut self, worker: WorkerId) {
+        let deadline = Instant::now() + self.shared.options.frame_timeout;
+        let Some(slot) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        match slot.conn.recv(deadline) {
+            Ok((message, _fds)) => self.received(worker, message),
+            Err(e) => self.hung_up(worker, &e),
+        }
+    }
+
+    fn received(&mut self, worker: WorkerId, message: Message) {
+        tracing::trace!(worker = %worker, kind = ?message.kind(), "received");
+        let now = self.now();
+        if let Err(e) = self
+            .machine
+            .handle(ParentEvent::Received { worker, message }, now)
+        {
+            tracing::warn!(worker = %worker, error = %e, "the contract refused an event");
+        }
+        self.drive();
+    }
+
+    fn hung_up(&mut self, worker: WorkerId, e: &TransportError) {
+        let why = if e.is_peer_gone() {
+            format!("the worker closed its connection ({e})")
+        } else {
+            format!("the worker's connection broke: {e}")
+        };
+        if let Some(s) = self.workers.get_mut(&worker) {
+            if s.lost.is_some() {
+                return;
+            }
+            s.lost = Some(why.clone());
+        }
+        let stopping = self
+            .workers
+            .get(&worker)
+            .is_some_and(|s| s.exit_deadline.is_some());
+        if stopping {
+            // Bye was sent: the worker closing is how it says goodbye. Wait for its exit.
+            return;
+        }
+        tracing::warn!(worker = %worker, "{why}");
+        let now = self.now();
+        if let Err(e) = self
+            .machine
+            .handle(ParentEvent::WorkerHungUp { worker, why }, now)
+        {
+            tracing::warn!(worker = %worker, error = %e, "the contract refused a hang-up");
+        }
+        self.drive();
+    }
+
+    fn drain_backlogs(&mut self) {
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, s)| !s.backlog.is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            while let Some(m) = self
+                .workers
+                .get_mut(&id)
+                .and_then(|s| s.backlog.pop_front())
+            {
+                self.received(id, m);
+            }
+        }
+    }
+
+    fn command(&mut self, command: Command) {
+        match command {
+            Command::Adopt {
+                worker,
+                conn,
+                child,
+                reply,
+            } => {
+                let r = self.adopt(worker, *conn, child);
+                let _ = reply.send(r);
+            }
+            Command::Submit(sub) => self.submit(sub),
+            Command::Stop { worker, reply } => self.stop(worker, Some(reply)),
+            Command::Shutdown => {
+                self.shutting_down = true;
+                let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
+                for id in ids {
+                    self.stop(id, None);
+                }
+            }
+        }
+    }
+
+    fn adopt(
+        &mut self,
+        worker: WorkerId,
+        conn: Connection,
+        mut child: Option<Child>,
+    ) -> Result<(), Error> {
+        if self.shutting_down {
+            if let Some(c) = child.as_mut() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            return Err(Error::Protocol("the parent is shutting down".into()));
+        }
+        if let Err(e) = self.machine.add_worker(worker) {
+            if let Some(c) = child.as_mut() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            return Err(e.into());
+        }
+        let takes_staging = self.shared.registered(worker).is_some_and(|r| {
+            r.info
+                .identity
+                .capabilities
+                .contains(Capabilities::HOST_STAGING)
+        });
+        self.workers.insert(
+            worker,
+            Slot {
+                conn,
+                child,
+                ready_free: Vec::new(),
+                done_events: HashMap::new(),
+                staging: None,
+                backlog: VecDeque::new(),
+                takes_staging,
+                exit_deadline: None,
+                stop_replies: Vec::new(),
+                queued: VecDeque::new(),
+                in_flight: 0,
+                staged_in_flight: false,
+                lost: None,
+            },
+        );
+        Ok(())
+    }
+
+    fn stop(&mut self, worker: WorkerId, reply: Option<Sender<Result<Option<ExitStatus>, Error>>>) {
+        let Some(slot) = self.workers.get_mut(&worker) else {
+            if let Some(r) = reply {
+                let _ = r.send(Err(Error::UnknownWorker(worker)));
+            }
+            return;
+        };
+        slot.stop_replies.extend(reply);
+        if slot.exit_deadline.is_some() {
+            return;
+        }
+        slot.exit_deadline = Some(Instant::now() + self.shared.options.stop_timeout);
+        // Jobs not yet sent fail at once; jobs in flight fail when it is reaped.
+        let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
+        for sub in queued {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            sub.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::Stopped,
+                detail: "the worker was stopped before the job was sent".into(),
+                results: Vec::new(),
+            }));
+        }
+        if let Err(e) = self.machine.stop_worker(worker) {
+            tracing::debug!(worker = %worker, error = %e, "stopping a worker the contract has let go");
+        }
+        self.drive();
+    }
+
+    /// Workers being stopped: reaped once they exit, killed at their deadline.
+    fn check_exits(&mut self) {
+        let now = Instant::now();
+        let due: Vec<(WorkerId, bool)> = self
+            .workers
+            .iter_mut()
+            .filter_map(|(id, s)| {
+                let deadline = s.exit_deadline?;
+                let exited = match s.child.as_mut() {
+                    Some(c) => matches!(c.try_wait(), Ok(Some(_))),
+                    // Not ours to reap: its closing the socket is its exit.
+                    None => s.lost.is_some(),
+                };
+                (exited || now >= deadline).then_some((*id, exited))
+            })
+            .collect();
+        for (id, exited) in due {
+            if !exited {
+                tracing::warn!(worker = %id, "the worker did not exit after Bye in time: killing it");
+                Stats::bump(&self.shared.stats.workers_lost);
+            }
+            self.reap(id, !exited);
+        }
+    }
+
+    /// Kills (if asked) and waits for the worker, closes everything the loop held of it
+    /// (socket, events, staging buffer), then tells the contract, which releases what the
+    /// worker held and fails its jobs. The jobs end after the slot is gone, so a caller that
+    /// sees its job fail finds nothing of the worker left open.
+    fn reap(&mut self, worker: WorkerId, kill: bool) {
+        let Some(mut slot) = self.workers.remove(&worker) else {
+            return;
+        };
+        let status = match slot.child.as_mut() {
+            Some(c) => {
+                if kill {
+                    let _ = c.kill();
+                }
+                match c.wait() {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::error!(worker = %worker, error = %e, "waitpid failed");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
+        tracing::info!(worker = %worker, status = %text, "worker reaped");
+        let why = slot
+            .lost
+            .clone()
+            .unwrap_or_else(|| "the worker was stopped".into());
+        let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
+        let replies: Vec<_> = slot.stop_replies.drain(..).collect();
+        drop(slot);
+        self.reaped.insert(worker, text);
+        if let Some(r) = lock(&self.shared.registry).get_mut(&worker) {
+            r.gone = true;
+        }
+        let now = self.now();
+        // The contract learns that the connection is gone (if it has not yet), then that the
+        // process is: only now may what the worker imported be reused.
+        if let Err(e) = self.machine.handle(
+            ParentEvent::WorkerHungUp {
+                worker,
+                why: why.clone(),
+            },
+            now,
+        ) {
+            tracing::debug!(worker = %worker, error = %e, "hang-up of a worker the contract let go");
+        }
+        if let Err(e) = self
+            .machine
+            .handle(ParentEvent::WorkerReaped { worker }, now)
+        {
+            tracing::warn!(worker = %worker, error = %e, "the contract refused a reaping");
+        }
+        self.drive();
+        for q in queued {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            q.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::HungUp,
+                detail: format!("the worker was lost before the job was sent ({why})"),
+                results: Vec::new(),
+            }));
+        }
+        // Jobs the contract has not finished (it finishes them after an allocation answer it
+        // still waits for, which this loop gives at once) fail here rather than hang.
+        let orphaned: Vec<JobId> = self
+            .jobs
+            .keys()
+            .filter(|(w, _)| *w == worker)
+            .map(|(_, j)| *j)
+            .collect();
+        for job in orphaned {
+            tracing::error!(worker = %worker, job = job.0, "a job outlived its worker's reaping");
+            self.finish(
+                worker,
+                job,
+                JobOutcome::Failed {
+                    reason: FailReason::HungUp,
+                    detail: why.clone(),
+                },
+            );
+        }
+        self.reaped.remove(&worker);
+        for r in replies {
+            let _ = r.send(Ok(status));
+        }
+    }
+
+    /// A submitted job: placed and lent now, or queued behind the worker's jobs in flight.
+    fn submit(&mut self, sub: Box<Submission>) {
+        let worker = sub.worker;
+        let Some(slot) = self.workers.get_mut(&worker) else {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            sub.done.complete(Err(Error::UnknownWorker(worker)));
+            return;
+        };
+        if slot.exit_deadline.is_some() || slot.lost.is_some() {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            sub.done.complete(Err(Error::UnknownWorker(worker)));
+            return;
+        }
+        slot.queued.push_back(sub);
+        self.dispatch(worker);
+    }
+
+    /// Sends the worker's queued jobs that may go now. Host staging shares the worker's socket
+    /// with its frames, so a job that stages runs alone on its worker.
+    fn dispatch(&mut self, worker: WorkerId) {
+        loop {
+            let Some(slot) = self.workers.get_mut(&worker) else {
+                return;
+            };
+            if slot.staged_in_flight || slot.lost.is_some() || slot.exit_deadline.is_some() {
+                return;
+            }
+            let Some(sub) = slot.queued.pop_front() else {
+                return;
+            };
+            match self.place(&sub) {
+                Ok(placed) => {
+                    let slot = match self.workers.get_mut(&worker) {
+                        Some(s) => s,
+                        None => return,
+                    };
+                    if placed.staged && slot.in_flight > 0 {
+                        // Wait until the worker's other jobs are done.
+                        slot.queued.push_front(sub);
+                        return;
+                    }
+                    self.lend(*sub, placed);
+                }
+                Err(e) => {
+                    // Nothing was sent: the worker's session is untouched.
+                    tracing::warn!(worker = %worker, job = sub.job.0, error = %e, "job refused");
+                    Stats::bump(&self.shared.stats.jobs_failed);
+                    sub.done.complete(Err(e));
+                }
+            }
+        }
+    }
+
+    /// Chooses each input's rung and exports what goes by pointer. Fails (sending nothing)
+    /// on a tensor that cannot be lent.
+    fn place(&mut self, sub: &Submission) -> Result<Placed, Error> {
+        let reg = self
+            .shared
+            .registered(sub.worker)
+            .ok_or(Error::UnknownWorker(sub.worker))?;
+        let takes_staging = self
+            .workers
+            .get(&sub.worker)
+            .is_some_and(|s| s.takes_staging);
+        let limit = self.shared.limit();
+        let driver = Arc::clone(&self.shared.driver);
+        let mut placed = Placed::default();
+        for (i, input) in sub.inputs.iter().enumerate() {
+            let extent = input
+                .desc
+                .extent_bytes()
+                .map_err(|e| Error::InvalidTensor(format!("input {i}: {e}")))?;
+            let (base, size) = driver.pointer_get_range(input.ptr).map_err(|e| {
+                Error::InvalidTensor(format!(
+                    "input {i} at {:?} is not device memory this process can see: {e}",
+                    input.ptr
+                ))
+            })?;
+            let offset = input.ptr.0 - base.0;
+            if offset.saturating_add(extent) > size {
+                return Err(Error::InvalidTensor(format!(
+                    "input {i} at {:?} runs {} bytes past its allocation",
+                    input.ptr,
+                    offset + extent - size
+                )));
+            }
+            let pool = self
+                .shared
+                .pools
+                .iter()
+                .position(|p| p.owns(input.ptr).unwrap_or(false));
+            let by_pointer =
+                pool.is_some_and(|p| reg.takes_pointers_from(p)) && limit.allows(base.0, size);
+            if by_pointer {
+                let p = pool.unwrap_or(0);
+                let export = self.shared.pools[p].export(base)?;
+                let alloc = match self.lent.get(&base.0) {
+                    Some((a, _)) => *a,
+                    None => {
+                        let a = AllocId(self.next_alloc);
+                        self.next_alloc += 1;
+                        a
+                    }
+                };
+                placed.loans.push(InputLoan {
+                    alloc,
+                    span: Span {
+                        ptr: base.0,
+                        bytes: size,
+                    },
+                    rung: Rung::PoolPointer,
+                    pool: u8::try_from(p).unwrap_or(0),
+                    export,
+                    meta: input.desc.meta(offset, extent),
+                });
+                placed.rungs.push(Rung::PoolPointer);
+                continue;
+            }
+            if !takes_staging {
+                return Err(Error::NoRung(format!(
+                    "input {i} cannot go by pool pointer ({}) and {} has no host staging",
+                    why_not_pointer(pool, &reg, limit.check(base.0, size).err()),
+                    sub.worker
+                )));
+            }
+            tracing::debug!(
+                input = i,
+                bytes = extent,
+                why = %why_not_pointer(pool, &reg, limit.check(base.0, size).err()),
+                "input takes the host-staging rung"
+            );
+            let alloc = AllocId(self.next_alloc);
+            self.next_alloc += 1;
+            placed.loans.push(InputLoan {
+                alloc,
+                span: Span {
+                    ptr: input.ptr.0,
+                    bytes: extent,
+                },
+                rung: Rung::HostStaging,
+                pool: 0,
+                export: ExportBlob([0; 64]),
+                meta: input.desc.meta(0, extent),
+            });
+            placed.rungs.push(Rung::HostStaging);
+            placed.staged = true;
+        }
+        Ok(placed)
+    }
+
+    /// Starts a placed job in the contract and carries out what it asks.
+    fn lend(&mut self, sub: Submission, placed: Placed) {
+        let worker = sub.worker;
+        let job = sub.job;
+        if placed.staged
+            && let Err(e) = self.ensure_staging(worker)
+        {
+            self.lose(worker, &format!("setting host staging up failed: {e}"));
+            Stats::bump(&self.shared.stats.jobs_failed);
+            sub.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::HungUp,
+                detail: format!("setting host staging up failed: {e}"),
+                results: Vec::new(),
+            }));
+            return;
+        }
+        let ready = match self.take_ready(worker) {
+            Ok(r) => r,
+            Err(e) => {
+                Stats::bump(&self.shared.stats.jobs_failed);
+                sub.done.complete(Err(e));
+                return;
+            }
+        };
+        let now = self.now();
+        let handoffs = match self
+            .machine
+            .start_job(worker, job, ready.1, placed.loans.clone(), now)
+        {
+            Ok(h) => h,
+            Err(e) => {
+                self.give_ready(worker, ready);
+                Stats::bump(&self.shared.stats.jobs_failed);
+                sub.done.complete(Err(e.into()));
+                return;
+            }
+        };
+        let mut staged_inputs = HashMap::new();
+        let mut lent_bases = Vec::new();
+        for ((h, loan), input) in handoffs.iter().zip(&placed.loans).zip(&sub.inputs) {
+            match loan.rung {
+                Rung::HostStaging => {
+                    staged_inputs.insert(*h, (input.ptr, loan.span.bytes));
+                    Stats::bump(&self.shared.stats.host_staged_tensors);
+                }
+                _ => {
+                    self.lent.entry(loan.span.ptr).or_insert((loan.alloc, 0)).1 += 1;
+                    lent_bases.push(loan.span.ptr);
+                    Stats::bump(&self.shared.stats.pool_pointer_tensors);
+                }
+            }
+        }
+        if let Some(s) = self.workers.get_mut(&worker) {
+            s.in_flight += 1;
+            s.staged_in_flight |= placed.staged;
+        }
+        let Submission {
+            stream,
+            alloc,
+            done,
+            ..
+        } = sub;
+        self.jobs.insert(
+            (worker, job),
+            JobState {
+                stream,
+                alloc,
+                done,
+                ready: Some(ready),
+                input_rungs: placed.rungs,
+                staged: placed.staged,
+                staged_inputs,
+                results: BTreeMap::new(),
+                requests_by_alloc: HashMap::new(),
+                requests_by_handoff: HashMap::new(),
+                orphans: Vec::new(),
+                lent_bases,
+            },
+        );
+        self.drive();
+    }
+
+    fn take_ready(&mut self, worker: WorkerId) -> Result<(OwnedEvent, EventBlob), Error> {
+        if let Some(r) = self
+            .workers
+            .get_mut(&worker)
+            .and_then(|s| s.ready_free.pop())
+        {
+            return Ok(r);
+        }
+        let event = OwnedEvent::new(Arc::clone(&self.shared.driver), true)?;
+        let blob = event.ipc_handle()?;
+        Ok((event, blob))
+    }
+
+    fn give_ready(&mut self, worker: WorkerId, ready: (OwnedEvent, EventBlob)) {
+        if let Some(s) = self.workers.get_mut(&worker) {
+            s.ready_free.push(ready);
+        }
+    }
+
+    /// Sets host staging up with `worker` the first time one of its tensors needs it.
+    fn ensure_staging(&mut self, worker: WorkerId) -> Result<(), Error> {
+        let driver = Arc::clone(&self.shared.driver);
+        let config = self.shared.options.staging.clone();
+        let slot = self
+            .workers
+            .get_mut(&worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        if slot.staging.is_none() {
+            let mut ch = StagingChannel::setup_parent(driver, &mut slot.conn, config)?;
+            slot.backlog.extend(ch.take_backlog());
+            slot.staging = Some(ch);
+        }
+        Ok(())
+    }
+
+    /// The worker is lost outside the contract's view (a send failed, staging broke): tell the
+    /// contract it hung up; it condemns the worker, and the actions do the rest.
+    fn lose(&mut self, worker: WorkerId, why: &str) {
+        if let Some(s) = self.workers.get_mut(&worker) {
+            if s.lost.is_some() {
+                return;
+            }
+            s.lost = Some(why.to_owned());
+        }
+        tracing::warn!(worker = %worker, "{why}");
+        let now = self.now();
+        let _ = self.machine.handle(
+            ParentEvent::WorkerHungUp {
+                worker,
+                why: why.to_owned(),
+            },
+            now,
+        );
+    }
+
+    /// Carries out every action the contract has queued, in order.
+    fn drive(&mut self) {
+        while let Some(action) = self.machine.poll_action() {
+            tracing::trace!(?action, "contract action");
+            self.act(action);
+        }
+    }
+
+    fn act(&mut self, action: ParentAction) {
+        match action {
+            ParentAction::RecordReady { worker, job } => {
+                let driver = Arc::clone(&self.shared.driver);
+                if let Some(st) = self.jobs.get(&(worker, job))
+                    && let Some((ev, _)) = &st.ready
+                    && let Err(e) = driver.event_record(ev.handle(), st.stream)
+                {
+                    self.lose(worker, &format!("recording READY failed: {e}"));
+                }
+            }
+            ParentAction::Send { worker, message } => self.send(worker, &message),
+            ParentAction::SendStaged {
+                worker,
+                job,
+                handoff,
+            } => {
+                let Some(st) = self.jobs.get(&(worker, job)) else {
+                    return;
+                };
+                let Some(&(src, bytes)) = st.staged_inputs.get(&handoff) else {
+                    return;
+                };
+                let stream = st.stream;
+                let r = self.with_staging(worker, |ch, conn| {
+                    ch.send_tensor(conn, job, handoff, src, bytes, stream)
+                });
+                if let Err(e) = r {
+                    self.lose(worker, &format!("sending a staged input failed: {e}"));
+                }
+            }
+            ParentAction::AllocateResult {
+                worker,
+                job,
+                request,
+                spec,
+            } => self.allocate_result(worker, job, request, &spec),
+            ParentAction::ReceiveStaged {
+                worker,
+                job,
+                handoff,
+            } => {
+                let Some(st) = self.jobs.get(&(worker, job)) else {
+                    return;
+                };
+                let Some(r) = st
+                    .requests_by_handoff
+                    .get(&handoff)
+                    .and_then(|req| st.results.get(req))
+                else {
+                    return;
+                };
+                let (dst, bytes, stream) = (r.ptr, r.bytes, st.stream);
+                let r = self.with_staging(worker, |ch, conn| {
+                    ch.recv_tensor(conn, job, handoff, dst, bytes, stream)
+                });
+                if let Err(e) = r {
+                    self.lose(worker, &format!("receiving a staged result failed: {e}"));
+                }
+            }
+            ParentAction::WaitDone {
+                worker,
+                job,
+                handoff: _,
+                done_event,
+            } => {
+                if let Err(e) = self.wait_done(worker, job, done_event) {
+                    self.lose(worker, &format!("waiting on DONE failed: {e}"));
+                }
+            }
+            ParentAction::Release {
+                worker,
+                job,
+                handoff: _,
+                alloc: _,
+                purpose,
+                rung: _,
+                outcome,
+            } => self.release(worker, job, purpose, outcome),
+            ParentAction::FreeResult {
+                worker,
+                job,
+                request,
+                alloc: _,
+            } => {
+                if let Some(st) = self.jobs.get_mut(&(worker, job))
+                    && let Some(r) = st.results.remove(&request)
+                {
+                    st.orphans.push(r.ptr);
+                }
+            }
+            ParentAction::KillWorker { worker } => {
+                let lost = self
+                    .workers
+                    .get(&worker)
+                    .is_some_and(|s| s.exit_deadline.is_none());
+                if lost {
+                    Stats::bump(&self.shared.stats.workers_lost);
+                }
+                self.reap(worker, true);
+            }
+            ParentAction::JobFinished {
+                worker,
+                job,
+                outcome,
+            } => self.finish(worker, job, outcome),
+            ParentAction::WorkerRemoved { worker } => {
+                // The loop drops the slot itself once it reaped the process.
+                tracing::debug!(worker = %worker, "the contract let the worker go");
+            }
+            ParentAction::ShutdownComplete => {}
+        }
+    }
+
+    /// Sends what the contract emitted, unchanged; notes result grants for later.
+    fn send(&mut self, worker: WorkerId, message: &Message) {
+        if let Message::AllocationGrant(g) = message
+            && let Some(st) = self.jobs.get_mut(&(worker, g.job))
+        {
+            for grant in &g.results {
+                if let ResultGrant::Granted { handle, alloc, .. } = grant
+                    && let Some(&req) = st.requests_by_alloc.get(alloc)
+                {
+                    st.requests_by_handoff.insert(*handle, req);
+                }
+            }
+        }
+        let deadline = Instant::now() + self.shared.options.frame_timeout;
+        let Some(slot) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        if slot.lost.is_some() {
+            return;
+        }
+        if let Err(e) = slot.conn.send(message, &[], deadline) {
+            if matches!(message, Message::Bye) {
+                // A worker that already left needs no goodbye.
+                slot.lost = Some(format!("sending Bye failed: {e}"));
+                return;
+            }
+            self.lose(worker, &format!("sending {} failed: {e}", message.kind()));
+        }
+    }
+
+    fn with_staging(
+        &mut self,
+        worker: WorkerId,
+        f: impl FnOnce(&mut StagingChannel, &mut Connection) -> Result<(), crate::staging::StagingError>,
+    ) -> Result<(), Error> {
+        let slot = self
+            .workers
+            .get_mut(&worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        let Slot {
+            staging,
+            conn,
+            backlog,
+            ..
+        } = slot;
+        let ch = staging
+            .as_mut()
+            .ok_or_else(|| Error::Protocol("host staging is not set up".into()))?;
+        let r = f(ch, conn);
+        backlog.extend(ch.take_backlog());
+        Ok(r?)
+    }
+
+    fn wait_done(&mut self, worker: WorkerId, job: JobId, blob: EventBlob) -> Result<(), Error> {
+        let driver = Arc::clone(&self.shared.driver);
+        let stream = self
+            .jobs
+            .get(&(worker, job))
+            .map(|s| s.stream)
+            .ok_or_else(|| Error::Protocol("DONE for a job the loop does not hold".into()))?;
+        let slot = self
+            .workers
+            .get_mut(&worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        let event = match slot.done_events.get(&blob) {
+            Some(e) => e,
+            None => {
+                let e = OwnedEvent::open_ipc(Arc::clone(&driver), &blob)?;
+                slot.done_events.entry(blob).or_insert(e)
+            }
+        };
+        driver.stream_wait_event(stream, event.handle())?;
+        Ok(())
+    }
+
+    fn allocate_result(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        request: RequestId,
+        spec: &ResultSpec,
+    ) {
+        let now = self.now();
+        let event = match self.make_result(worker, job, request, spec) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(worker = %worker, job = job.0, error = %e, "result allocation failed");
+                ParentEvent::ResultDeclined {
+                    worker,
+                    request,
+                    code: ErrorCode::OUT_OF_MEMORY,
+                    message: format!("the parent could not allocate {} bytes: {e}", spec.byte_len),
+                }
+            }
+        };
+        if let Err(e) = self.machine.handle(event, now) {
+            tracing::warn!(worker = %worker, error = %e, "the contract refused a result allocation");
+        }
+    }
+
+    /// Allocates a result and chooses its rung: pool pointer for memory of a pool the worker
+    /// takes pointers from, within the limit; host staging otherwise.
+    fn make_result(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        request: RequestId,
+        spec: &ResultSpec,
+    ) -> Result<ParentEvent, Error> {
+        let reg = self
+            .shared
+            .registered(worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        let takes_staging = self.workers.get(&worker).is_some_and(|s| s.takes_staging);
+        let shape = ResultShape {
+            dtype: spec.dtype,
+            shape: spec.shape.clone(),
+        };
+        let bytes = spec.byte_len;
+        let st = self.jobs.get_mut(&(worker, job)).ok_or_else(|| {
+            Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
+        })?;
+        let stream = st.stream;
+        let ptr = match st.alloc.as_mut() {
+            Some(f) => f(&shape, bytes, stream)?,
+            None => self.shared.pools[0].alloc(bytes, stream)?,
+        };
+        let alloc = AllocId(self.next_alloc);
+        self.next_alloc += 1;
+        let pool = self
+            .shared
+            .pools
+            .iter()
+            .position(|p| p.owns(ptr).unwrap_or(false));
+        let limit = self.shared.limit();
+        let by_pointer =
+            pool.is_some_and(|p| reg.takes_pointers_from(p)) && limit.allows(ptr.0, bytes);
+        let rung = if by_pointer {
+            Rung::PoolPointer
+        } else if takes_staging {
+            Rung::HostStaging
+        } else {
+            // Not lendable and no staging: give the memory back at once.
+            st.orphans.push(ptr);
+            return Err(Error::NoRung(format!(
+                "a result of {bytes} bytes cannot go by pool pointer and {worker} has no host staging"
+            )));
+        };
+        let export = match (rung, pool) {
+            (Rung::PoolPointer, Some(p)) => match self.shared.pools[p].export(ptr) {
+                Ok(e) => e,
+                Err(e) => {
+                    st.orphans.push(ptr);
+                    return Err(e.into());
+                }
+            },
+            _ => ExportBlob([0; 64]),
+        };
+        st.results.insert(
+            request,
+            ResultTensor {
+                ptr,
+                bytes,
+                shape,
+                rung,
+            },
+        );
+        st.requests_by_alloc.insert(alloc, request);
+        let counter = match rung {
+            Rung::HostStaging => &self.shared.stats.host_staged_tensors,
+            _ => &self.shared.stats.pool_pointer_tensors,
+        };
+        Stats::bump(counter);
+        if rung == Rung::HostStaging {
+            // Set up before the grant goes out: the worker sends the bytes after its Done.
+            self.ensure_staging(worker)?;
+            if let Some(s) = self.workers.get_mut(&worker) {
+                s.staged_in_flight = true;
+            }
+            if let Some(st) = self.jobs.get_mut(&(worker, job)) {
+                st.staged = true;
+            }
+        }
+        Ok(ParentEvent::ResultAllocated {
+            worker,
+            request,
+            alloc,
+            span: Span { ptr: ptr.0, bytes },
+            rung,
+            pool: pool.and_then(|p| u8::try_from(p).ok()).unwrap_or(0),
+            export,
+        })
+    }
+
+    fn release(&mut self, worker: WorkerId, job: JobId, purpose: Purpose, outcome: Outcome) {
+        let Some(st) = self.jobs.get_mut(&(worker, job)) else {
+            return;
+        };
+        // Inputs stay the caller's; a result that did not complete goes back.
+        if let Purpose::Result { request } = purpose
+            && outcome != Outcome::Completed
+            && let Some(r) = st.results.remove(&request)
+        {
+            // Nothing imports it any more: the worker acknowledged or was reaped.
+            st.orphans.push(r.ptr);
+        }
+    }
+
+    /// The contract's last word on a job: its handle gets the results or the error.
+    fn finish(&mut self, worker: WorkerId, job: JobId, outcome: JobOutcome) {
+        let Some(mut st) = self.jobs.remove(&(worker, job)) else {
+            return;
+        };
+        for base in st.lent_bases.drain(..) {
+            if let Some(e) = self.lent.get_mut(&base) {
+                e.1 -= 1;
+                if e.1 == 0 {
+                    self.lent.remove(&base);
+                }
+            }
+        }
+        if let Some(ready) = st.ready.take() {
+            self.give_ready(worker, ready);
+        }
+        if let Some(s) = self.workers.get_mut(&worker) {
+            s.in_flight = s.in_flight.saturating_sub(1);
+            if st.staged {
+                s.staged_in_flight = false;
+            }
+        }
+        let result = match outcome {
+            JobOutcome::Completed => {
+                if !st.orphans.is_empty() {
+                    self.free_orphans(&mut st);
+                }
+                Ok(JobOutput {
+                    results: st.results.into_values().collect(),
+                    input_rungs: st.input_rungs,
+                })
+            }
+            JobOutcome::WorkerError(message) => {
+                let results = self.give_back_results(&mut st);
+                Err(Error::Worker { message, results })
+            }
+            JobOutcome::Failed { reason, detail } => {
+                let results = self.give_back_results(&mut st);
+                let status = self.reaped.get(&worker).cloned().unwrap_or_default();
+                let detail = if status.is_empty() {
+                    detail
+                } else {
+                    format!("{detail}; worker {status}")
+                };
+                Err(Error::JobFailed {
+                    worker,
+                    reason,
+                    detail,
+                    results,
+                })
+            }
+        };
+        let counter = if matches!(result, Err(Error::JobFailed { .. })) {
+            &self.shared.stats.jobs_failed
+        } else {
+            &self.shared.stats.jobs_completed
+        };
+        Stats::bump(counter);
+        st.done.complete(result);
+        self.dispatch(worker);
+    }
+
+    /// A failed job's result memory: freed here for the default allocator, else returned.
+    fn give_back_results(&mut self, st: &mut JobState) -> Vec<DevicePtr> {
+        let mut all = std::mem::take(&mut st.orphans);
+        all.extend(std::mem::take(&mut st.results).into_values().map(|r| r.ptr));
+        if st.alloc.is_none() {
+            st.orphans = all;
+            self.free_orphans(st);
+            Vec::new()
+        } else {
+            all
+        }
+    }
+
+    fn free_orphans(&mut self, st: &mut JobState) {
+        for ptr in st.orphans.drain(..) {
+            if st.alloc.is_some() {
+                continue;
+            }
+            if let Err(e) = self.shared.pools[0].free(ptr, st.stream) {
+                tracing::warn!(error = %e, ?ptr, "freeing a result that was not handed out failed");
+            }
+        }
+    }
+
+    /// At the end of the thread: whatever job is left fails.
+    fn fail_leftover_jobs(&mut self) {
+        for ((worker, _), mut st) in std::mem::take(&mut self.jobs) {
+            let results = self.give_back_results(&mut st);
+            st.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::Stopped,
+                detail: "the parent shut down".into(),
+                results,
+            }));
+        }
+    }
+}
+
+#[derive(Default)]
+struct Placed {
+    loans: Vec<InputLoan>,
+    rungs: Vec<Rung>,
+    staged: bool,
+}
+
+fn why_not_pointer(
+    pool: Option<usize>,
+    reg: &crate::parent::Registered,
+    limit: Option<poolipc_types::LimitExceeded>,
+) -> String {
+    if let Some(e) = limit {
+        return e.to_string();
+    }
+    match pool {
+        None => "it is not memory of this parent's pools".into(),
+        Some(p) if reg.pools.get(p) != Some(&true) => {
+            format!(
+                "{} cannot reach the parent's pool {p} from its device",
+                reg.info.id
+            )
+        }
+        Some(_) => format!("{} was demoted by its canary battery", reg.info.id),
+    }
+}

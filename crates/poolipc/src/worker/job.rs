@@ -1,0 +1,238 @@
+//! One job as the worker's code sees it: the views of its inputs and results, and the
+//! obligation to finish it.
+
+use std::sync::Arc;
+
+use poolipc_driver::{DevicePtr, Driver, StreamHandle};
+use poolipc_transport::{JobId, ResultGrant, ResultSpec};
+
+use super::Worker;
+use crate::error::Error;
+use crate::tensor::{ResultShape, Rung, TensorDesc};
+
+/// An input of a job: readable on the job's stream, valid until the job finishes.
+///
+/// How it crossed decides whether a write to it reaches the parent:
+/// - [`Rung::PoolPointer`]: the view is the parent's own memory, imported. Writable; the
+///   parent sees a write (ordered by the job's DONE event).
+/// - [`Rung::HostStaging`]: the view is this worker's private copy of the tensor, which goes
+///   one way only. It is handed out **read-only** ([`read_only`](InputView::read_only) is
+///   true): a write would change only the copy and vanish when the job finishes. The Python
+///   binding marks such tensors read-only (DLPack's flag, `__cuda_array_interface__`'s
+///   `data[1]`), so a write raises instead of vanishing; Rust code must check the flag.
+#[derive(Debug)]
+pub struct InputView {
+    pub(super) ptr: DevicePtr,
+    pub(super) desc: TensorDesc,
+    pub(super) byte_len: u64,
+    pub(super) rung: Rung,
+}
+
+impl InputView {
+    /// The address of element 0 in this process.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+    /// The layout.
+    pub fn desc(&self) -> &TensorDesc {
+        &self.desc
+    }
+    /// Bytes from element 0 to the end of the last element.
+    pub fn byte_len(&self) -> u64 {
+        self.byte_len
+    }
+    /// How it crossed.
+    pub fn rung(&self) -> Rung {
+        self.rung
+    }
+    /// Whether the view must not be written: true for host-staged inputs, which are this
+    /// worker's private copy (a write would never reach the parent). Pool-pointer inputs are
+    /// the parent's memory: writable, and a write is seen by the parent.
+    pub fn read_only(&self) -> bool {
+        self.rung == Rung::HostStaging
+    }
+}
+
+/// A result buffer of a job, allocated by the parent: write it on the job's stream.
+///
+/// On [`Rung::PoolPointer`] it is the parent's allocation, imported; on
+/// [`Rung::HostStaging`] it is memory of this worker whose bytes are sent to the parent's
+/// allocation when the job finishes. Either way the parent sees what was written.
+#[derive(Debug)]
+pub struct ResultView {
+    pub(super) ptr: DevicePtr,
+    pub(super) shape: ResultShape,
+    pub(super) bytes: u64,
+    pub(super) rung: Rung,
+}
+
+impl ResultView {
+    /// The address in this process.
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+    /// The shape asked for.
+    pub fn shape(&self) -> &ResultShape {
+        &self.shape
+    }
+    /// Its size.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+    /// How it crosses.
+    pub fn rung(&self) -> Rung {
+        self.rung
+    }
+}
+
+/// One job: its inputs, the results asked for, and the obligation to finish it.
+///
+/// Views are valid until [`finish`](Job::finish) (or drop, which finishes too): the parent
+/// may reuse the memory after that.
+pub struct Job<'w> {
+    pub(super) worker: &'w mut Worker,
+    pub(super) id: JobId,
+    pub(super) inputs: Vec<InputView>,
+    pub(super) results: Vec<ResultView>,
+    pub(super) finished: bool,
+}
+
+impl std::fmt::Debug for Job<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("id", &self.id)
+            .field("inputs", &self.inputs.len())
+            .field("results", &self.results.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Job<'_> {
+    /// The job's id.
+    pub fn id(&self) -> JobId {
+        self.id
+    }
+    /// The inputs, in argument order. Their memory is ready on [`stream`](Job::stream).
+    /// Host-staged ones are read-only ([`InputView::read_only`]).
+    pub fn inputs(&self) -> &[InputView] {
+        &self.inputs
+    }
+    /// The results requested so far (granted ones only).
+    pub fn results(&self) -> &[ResultView] {
+        &self.results
+    }
+    /// The stream to work on: it waited on READY; DONE is recorded on it.
+    pub fn stream(&self) -> StreamHandle {
+        self.worker.stream.handle()
+    }
+    /// The driver.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.worker.driver
+    }
+    /// Whether the parent cancelled this job. Its further result requests are refused;
+    /// finish it soon (its inputs stay valid until then).
+    pub fn cancelled(&self) -> bool {
+        self.worker.cancelled.contains(&self.id)
+    }
+
+    /// Asks the parent for result memory, shape first; returns the new result views, once
+    /// the parent granted them and they are writable on [`stream`](Job::stream).
+    ///
+    /// Lends of later jobs that arrive meanwhile are queued for
+    /// [`Worker::next_job`]. If the parent refused any of the results, this returns
+    /// [`Error::ResultRefused`]; the ones it granted are in [`results`](Job::results) all
+    /// the same (and are sent back when the job finishes).
+    pub fn request_results(&mut self, shapes: &[ResultShape]) -> Result<&[ResultView], Error> {
+        if shapes.is_empty() {
+            return Ok(&[]);
+        }
+        let specs = shapes
+            .iter()
+            .map(|s| {
+                Ok(ResultSpec {
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                    byte_len: s.bytes()?,
+                })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        let w = &mut *self.worker;
+        w.machine.request_results(self.id, specs.clone())?;
+        w.drain()?;
+        let grants = w.wait_for_grants(self.id)?;
+        if grants.len() != specs.len() {
+            return Err(Error::Protocol(format!(
+                "{} grants for {} results of job {}",
+                grants.len(),
+                specs.len(),
+                self.id.0
+            )));
+        }
+        let first = self.results.len();
+        let mut refused = None;
+        for (grant, (shape, spec)) in grants.into_iter().zip(shapes.iter().zip(&specs)) {
+            match grant {
+                ResultGrant::Granted {
+                    handle,
+                    alloc,
+                    rung,
+                    pool: _,
+                    export: _,
+                    ready_event: _,
+                } => {
+                    let ptr = w.result_memory(self.id, handle, alloc, rung, spec.byte_len)?;
+                    self.results.push(ResultView {
+                        ptr,
+                        shape: shape.clone(),
+                        bytes: spec.byte_len,
+                        rung,
+                    });
+                }
+                ResultGrant::Refused { code, message } => {
+                    refused.get_or_insert(format!("{message} ({code})"));
+                }
+            }
+        }
+        if let Some(why) = refused {
+            return Err(Error::ResultRefused(why));
+        }
+        Ok(&self.results[first..])
+    }
+
+    /// Reports a failure of the job to the parent (the job then ends with this message as
+    /// its error), then finishes it: what it held is given back as usual.
+    pub fn fail(mut self, message: &str) -> Result<(), Error> {
+        let w = &mut *self.worker;
+        w.machine.fail_job(self.id, message.to_owned())?;
+        w.drain()?;
+        self.finish_inner()
+    }
+
+    /// The work on every view is queued on [`stream`](Job::stream): free the imports
+    /// (stream-ordered), record DONE after them, tell the parent (Done, the staged results'
+    /// bytes, Ack), in the order the contract gives.
+    ///
+    /// DONE is recorded after the imports' frees, so the parent's wait on DONE covers them
+    /// too: the importer's free is ordered before the exporter may reuse the memory. The
+    /// worker does not synchronize: a synchronize would unmap the freed imports, making the
+    /// next import of recycled memory cost 1 ms/GiB (measured on the H200).
+    pub fn finish(mut self) -> Result<(), Error> {
+        self.finish_inner()
+    }
+
+    fn finish_inner(&mut self) -> Result<(), Error> {
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        self.worker.finish_job(self.id)
+    }
+}
+
+impl Drop for Job<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.finish_inner() {
+            tracing::warn!(job = self.id.0, error = %e, "finishing a dropped job failed");
+        }
+    }
+}

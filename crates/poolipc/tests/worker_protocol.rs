@@ -1,0 +1,325 @@
+//! The facade's worker (`poolipc::echo` over [`poolipc::Worker`]) against a scripted parent on
+//! SimDriver: what it sends, in what order, is what the contract's worker machine emitted.
+//! Each test re-executes this binary as the worker (`--exact <its own name>`), which serves
+//! jobs with the echo worker until Bye and appends `<job> <read-only flags>` per job to the
+//! file named by `REPORT`.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use poolipc::staging::{StagingChannel, StagingConfig};
+use poolipc_driver::sim::{SimConfig, SimDriver};
+use poolipc_driver::{DevicePtr, Driver, EventHandle, StreamHandle};
+use poolipc_pool::SharedPool;
+use poolipc_transport::{
+    AllocId, AllocationGrant, Capabilities, Connection, DType, ErrorCode, EventBlob, ExportBlob,
+    HandoffId, HandshakeConfig, JobId, Lend, LentTensor, Message, ResultGrant, Rung, TensorMeta,
+    parent_handshake, spawn_worker,
+};
+
+const ROLE: &str = "POOLIPC_WORKER_PROTOCOL_TEST_ROLE";
+const REPORT: &str = "POOLIPC_WORKER_PROTOCOL_TEST_REPORT";
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
+
+fn bytes_meta(bytes: u64) -> TensorMeta {
+    TensorMeta {
+        dtype: DType::U8,
+        shape: vec![bytes],
+        strides: vec![1],
+        byte_offset: 0,
+        byte_len: bytes,
+    }
+}
+
+/// The worker side of every test.
+fn serve() -> ! {
+    let sim = SimDriver::from_env()
+        .unwrap()
+        .expect("a machine to attach to");
+    let mut worker = poolipc::Worker::from_env(Arc::new(sim), 0).unwrap();
+    let report = PathBuf::from(std::env::var_os(REPORT).unwrap());
+    let mut lines = String::new();
+    while let Some(mut job) = worker.next_job().unwrap() {
+        let flags: Vec<bool> = job
+            .inputs()
+            .iter()
+            .map(poolipc::InputView::read_only)
+            .collect();
+        lines.push_str(&format!("{} {flags:?}\n", job.id().0));
+        match poolipc::echo::answer(&mut job, None) {
+            Ok(()) => job.finish().unwrap(),
+            Err(e) => job.fail(&e.to_string()).unwrap(),
+        }
+    }
+    std::fs::write(report, lines).unwrap();
+    std::process::exit(0);
+}
+
+/// The parent side: a pool, a stream, a READY event, a connection to the worker.
+struct Script {
+    sim: Arc<SimDriver>,
+    driver: Arc<dyn Driver>,
+    pool: SharedPool<dyn Driver>,
+    stream: StreamHandle,
+    ready: EventHandle,
+    ready_blob: EventBlob,
+    conn: Connection,
+    child: Child,
+    report: PathBuf,
+}
+
+impl Script {
+    /// Starts the worker running `test` (or, in the worker, serves and exits).
+    fn start(test: &str) -> Script {
+        if std::env::var_os(ROLE).is_some() {
+            serve();
+        }
+        let sim = Arc::new(
+            SimDriver::new(SimConfig {
+                memory_per_device: 1 << 30,
+                ..SimConfig::default()
+            })
+            .unwrap(),
+        );
+        let driver: Arc<dyn Driver> = sim.clone();
+        driver.use_device(0).unwrap();
+        let pool = SharedPool::install(Arc::clone(&driver), 0).unwrap();
+        let stream = driver.stream_create().unwrap();
+        let ready = driver.event_create(true).unwrap();
+        let ready_blob = driver.ipc_get_event_handle(ready).unwrap();
+        let report = std::env::temp_dir().join(format!("{test}-{}.report", std::process::id()));
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([test, "--exact", "--nocapture"]);
+        let (k, v) = sim.child_env();
+        cmd.env(k, v).env(ROLE, "worker").env(REPORT, &report);
+        let (child, mut conn) = spawn_worker(cmd).unwrap();
+        let caps =
+            Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS | Capabilities::HOST_STAGING;
+        let config = HandshakeConfig {
+            identity: poolipc::identity(&*driver, 0, caps).unwrap(),
+            required: Capabilities::NONE,
+        };
+        parent_handshake(&mut conn, &config, pool.fd(), deadline()).unwrap();
+        Script {
+            sim,
+            driver,
+            pool,
+            stream,
+            ready,
+            ready_blob,
+            conn,
+            child,
+            report,
+        }
+    }
+
+    /// A pool allocation of `bytes` filled with `pattern`, READY recorded after.
+    fn pooled(&self, bytes: u64, pattern: u32) -> (DevicePtr, ExportBlob) {
+        let ptr = self.pool.alloc(bytes, self.stream).unwrap();
+        poolipc::echo::fill_pattern(&*self.driver, ptr, bytes, pattern, self.stream).unwrap();
+        self.driver.event_record(self.ready, self.stream).unwrap();
+        (ptr, self.pool.export(ptr).unwrap())
+    }
+
+    fn pointer(&self, handle: u64, alloc: u64, export: ExportBlob, bytes: u64) -> LentTensor {
+        LentTensor {
+            handle: HandoffId(handle),
+            alloc: AllocId(alloc),
+            rung: Rung::PoolPointer,
+            pool: 0,
+            export,
+            ready_event: self.ready_blob,
+            meta: bytes_meta(bytes),
+        }
+    }
+
+    fn send(&mut self, message: Message) {
+        self.conn.send(&message, &[], deadline()).unwrap();
+    }
+
+    fn recv(&mut self) -> Message {
+        loop {
+            match self.conn.recv(deadline()).unwrap().0 {
+                Message::Heartbeat { .. } => {}
+                m => return m,
+            }
+        }
+    }
+
+    /// Waits on the DONE event of `message` (a Done) on the parent's stream, then for the
+    /// stream.
+    fn wait_done(&self, message: &Message) {
+        let Message::Done(done) = message else {
+            panic!("expected a Done, got {message:?}");
+        };
+        let event = self.driver.ipc_open_event_handle(&done.done_event).unwrap();
+        self.driver.stream_wait_event(self.stream, event).unwrap();
+        self.driver.stream_synchronize(self.stream).unwrap();
+        self.driver.event_destroy(event).unwrap();
+    }
+
+    /// Bye; the worker exits; its report, and no violation recorded.
+    fn end(mut self) -> String {
+        self.send(Message::Bye);
+        assert!(self.child.wait().unwrap().success(), "the worker failed");
+        let v = self.sim.violations();
+        assert!(v.is_empty(), "violations recorded: {v:#?}");
+        let report = std::fs::read_to_string(&self.report).unwrap();
+        let _ = std::fs::remove_file(&self.report);
+        report
+    }
+}
+
+fn handles(message: &Message) -> Vec<HandoffId> {
+    match message {
+        Message::Done(d) => d.handles.clone(),
+        Message::Ack(a) => a.handles.clone(),
+        other => panic!("expected a Done or an Ack, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_lend_arriving_while_a_job_waits_for_its_grant_is_served_after_that_job_acks() {
+    let mut s = Script::start(
+        "a_lend_arriving_while_a_job_waits_for_its_grant_is_served_after_that_job_acks",
+    );
+    let (_, input) = s.pooled(4096, 0x1122_3344);
+    let lend = |s: &Script, job: u64, handle: u64| {
+        Message::Lend(Lend {
+            job: JobId(job),
+            tensors: vec![s.pointer(handle, 1, input, 4096)],
+        })
+    };
+    s.send(lend(&s, 1, 1));
+    let Message::ResultRequest(request) = s.recv() else {
+        panic!("no result request")
+    };
+    assert_eq!((request.job, request.results[0].byte_len), (JobId(1), 4096));
+    // Job 2 lends the same allocation before job 1's grant.
+    s.send(lend(&s, 2, 2));
+    let (result, export) = s.pooled(4096, 0);
+    s.send(Message::AllocationGrant(AllocationGrant {
+        job: JobId(1),
+        results: vec![ResultGrant::Granted {
+            handle: HandoffId(3),
+            alloc: AllocId(2),
+            rung: Rung::PoolPointer,
+            pool: 0,
+            export,
+            ready_event: s.ready_blob,
+        }],
+    }));
+    let done = s.recv();
+    assert_eq!(handles(&done), [HandoffId(1), HandoffId(3)]);
+    assert_eq!(
+        handles(&s.recv()),
+        [HandoffId(1), HandoffId(3)],
+        "job 1's Ack"
+    );
+    s.wait_done(&done);
+    poolipc::echo::verify_echo(&*s.driver, result, 4096, 0, 0x1122_3344, 0).unwrap();
+    let Message::ResultRequest(request) = s.recv() else {
+        panic!("job 2 was not served")
+    };
+    assert_eq!(request.job, JobId(2));
+    s.send(Message::AllocationGrant(AllocationGrant {
+        job: JobId(2),
+        results: vec![ResultGrant::Refused {
+            code: ErrorCode::CANCELLED,
+            message: "not now".into(),
+        }],
+    }));
+    let Message::JobError { job, message } = s.recv() else {
+        panic!("no JobError")
+    };
+    assert_eq!(job, JobId(2));
+    assert!(message.contains("not now"), "{message}");
+    assert_eq!(handles(&s.recv()), [HandoffId(2)], "job 2's Done");
+    assert_eq!(handles(&s.recv()), [HandoffId(2)], "job 2's Ack");
+    assert_eq!(s.end(), "1 [false]\n2 [false]\n");
+}
+
+#[test]
+fn staged_inputs_are_read_only_and_a_staged_result_follows_the_done_that_names_it() {
+    let mut s = Script::start(
+        "staged_inputs_are_read_only_and_a_staged_result_follows_the_done_that_names_it",
+    );
+    let config = StagingConfig {
+        chunk: 4096,
+        ..StagingConfig::default()
+    };
+    let mut ch = StagingChannel::setup_parent(Arc::clone(&s.driver), &mut s.conn, config).unwrap();
+    assert!(ch.take_backlog().is_empty());
+    let bytes = 10_000;
+    let src = s.driver.mem_alloc_async(bytes, s.stream).unwrap();
+    poolipc::echo::fill_pattern(&*s.driver, src, bytes, 0x5566_7788, s.stream).unwrap();
+    let (_, pointer) = s.pooled(64, 0x0102_0304);
+    let lent = vec![
+        LentTensor {
+            handle: HandoffId(1),
+            alloc: AllocId(1),
+            rung: Rung::HostStaging,
+            pool: 0,
+            export: ExportBlob([0; 64]),
+            ready_event: EventBlob([0; 64]),
+            meta: bytes_meta(bytes),
+        },
+        s.pointer(2, 2, pointer, 64),
+    ];
+    s.send(Message::Lend(Lend {
+        job: JobId(7),
+        tensors: lent,
+    }));
+    ch.send_tensor(&mut s.conn, JobId(7), HandoffId(1), src, bytes, s.stream)
+        .unwrap();
+    let Message::ResultRequest(request) = s.recv() else {
+        panic!("no result request")
+    };
+    assert_eq!(request.results.len(), 2);
+    let dst = s.driver.mem_alloc_async(bytes, s.stream).unwrap();
+    let (_, export) = s.pooled(64, 0);
+    s.send(Message::AllocationGrant(AllocationGrant {
+        job: JobId(7),
+        results: vec![
+            ResultGrant::Granted {
+                handle: HandoffId(3),
+                alloc: AllocId(3),
+                rung: Rung::HostStaging,
+                pool: 0,
+                export: ExportBlob([0; 64]),
+                ready_event: EventBlob([0; 64]),
+            },
+            ResultGrant::Granted {
+                handle: HandoffId(4),
+                alloc: AllocId(4),
+                rung: Rung::PoolPointer,
+                pool: 0,
+                export,
+                ready_event: s.ready_blob,
+            },
+        ],
+    }));
+    let done = s.recv();
+    assert_eq!(
+        handles(&done),
+        [HandoffId(1), HandoffId(2), HandoffId(3), HandoffId(4)]
+    );
+    ch.recv_tensor(&mut s.conn, JobId(7), HandoffId(3), dst, bytes, s.stream)
+        .unwrap();
+    assert!(ch.take_backlog().is_empty());
+    assert_eq!(
+        handles(&s.recv()).len(),
+        4,
+        "the Ack after the staged bytes"
+    );
+    s.wait_done(&done);
+    poolipc::echo::verify_echo(&*s.driver, dst, bytes, 0, 0x5566_7788, 0).unwrap();
+    drop(ch);
+    assert_eq!(s.end(), "7 [true, false]\n");
+}

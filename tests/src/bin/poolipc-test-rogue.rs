@@ -1,0 +1,102 @@
+//! A worker that shakes hands properly, then breaks the protocol in the way
+//! `POOLIPC_TEST_ROGUE` names, so the tests can show that every fault takes the lost-worker
+//! path. It speaks the wire by hand (the transport and the contract's messages); it imports
+//! nothing. Modes, each acting on the first job's `Lend`:
+//!
+//! - `bad-request-len`: a result request whose byte length does not match its shape;
+//! - `done-other-job`: a DONE for a job it was never given;
+//! - `ack-before-done`: an ACK of the job's handles with no DONE before it;
+//! - `second-hello-ack`: a second `HelloAck`;
+//! - `garbage-frame`: bytes that are no frame at all;
+//! - `exit-on-first-job`: exits at once (with the canary battery on, during it);
+//! - `silent`: nothing at all (the handoff deadline must end it);
+//! - `ignore-bye`: answers nothing and ignores `Bye` (the stop deadline must end it).
+
+use std::io::Write as _;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use poolipc::Driver;
+use poolipc_contract::{Ack, Done, Message, ResultRequest, ResultSpec};
+use poolipc_transport::{Capabilities, HandshakeConfig};
+use poolipc_types::{DType, EventBlob, JobId};
+
+fn run() -> anyhow::Result<()> {
+    poolipc_tests::init_tracing();
+    let mode = std::env::var("POOLIPC_TEST_ROGUE")?;
+    let driver: Arc<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
+        Some(sim) => Arc::new(sim?),
+        None => Arc::new(poolipc_driver::CudaDriver::new()?),
+    };
+    let mut conn = poolipc_transport::connection_from_env()?;
+    let caps = Capabilities(Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0);
+    let config = HandshakeConfig {
+        identity: poolipc::identity(&*driver, 0, caps)?,
+        required: Capabilities::NONE,
+    };
+    let deadline = || Instant::now() + Duration::from_secs(30);
+    let (_peer, _pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline())?;
+    if mode == "ignore-bye" {
+        loop {
+            // Read and drop everything, Bye included; never exit.
+            if conn.recv(deadline()).is_err() {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    let lend = loop {
+        match conn.recv(deadline())?.0 {
+            Message::Lend(l) => break l,
+            Message::Heartbeat { .. } => {}
+            other => anyhow::bail!("rogue: expected a Lend, got {}", other.kind()),
+        }
+    };
+    let handles: Vec<_> = lend.tensors.iter().map(|t| t.handle).collect();
+    let bad = match mode.as_str() {
+        "bad-request-len" => Message::ResultRequest(ResultRequest {
+            job: lend.job,
+            results: vec![ResultSpec {
+                dtype: DType::F32,
+                shape: vec![16],
+                byte_len: 65,
+            }],
+        }),
+        "done-other-job" => Message::Done(Done {
+            job: JobId(lend.job.0 + 1000),
+            done_event: EventBlob([7; 64]),
+            handles,
+        }),
+        "ack-before-done" => Message::Ack(Ack {
+            job: lend.job,
+            handles,
+        }),
+        "second-hello-ack" => Message::HelloAck(config.identity.clone()),
+        "garbage-frame" => {
+            let mut raw = std::fs::File::from(conn.into_fd());
+            raw.write_all(b"\xffGARBAGE-NOT-A-FRAME-AT-ALL-GARBAGE")?;
+            std::thread::sleep(Duration::from_secs(60));
+            return Ok(());
+        }
+        "exit-on-first-job" => std::process::exit(3),
+        "silent" => {
+            std::thread::sleep(Duration::from_secs(600));
+            return Ok(());
+        }
+        other => anyhow::bail!("rogue: unknown mode {other:?}"),
+    };
+    conn.send(&bad, &[], deadline())?;
+    // Stay alive: the parent must kill it.
+    std::thread::sleep(Duration::from_secs(600));
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("poolipc-test-rogue: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! The facade as its users meet it: every fault takes the lost-worker path and spares the
+//! other workers, nothing is an error that a rung can carry, jobs run at the same time, and
+//! nothing is left behind.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use poolipc::{DType, Error, Input, Parent, ParentOptions, Rung, TensorDesc, echo};
+use poolipc_contract::FailReason;
+use poolipc_driver::{DevicePtr, PoolSharing, StreamHandle};
+use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
+
+const MIB: u64 = 1 << 20;
+
+fn parent(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<Parent> {
+    let mut options = ParentOptions {
+        device: env.device,
+        ..ParentOptions::default()
+    };
+    tweak(&mut options);
+    Ok(Parent::new(Arc::clone(&env.driver), options)?)
+}
+
+/// An allocation from the shared pool filled with a 32-bit pattern.
+fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<DevicePtr> {
+    let ptr = p.pool().alloc(bytes, stream)?;
+    echo::fill_pattern(&**p.driver(), ptr, bytes, pattern, stream)?;
+    Ok(ptr)
+}
+
+/// Checks one echoed result: the worker's marker for input `i`, then the input's pattern.
+fn check_echo(p: &Parent, ptr: DevicePtr, bytes: u64, i: usize, pattern: u32) -> Result<()> {
+    echo::verify_echo(&**p.driver(), ptr, bytes, i, pattern, 0).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// One echo job of a 1 MiB f32 tensor on `worker`; checks the result and frees everything.
+fn echo_job(p: &Parent, worker: poolipc::WorkerId, stream: StreamHandle) -> Result<Rung> {
+    let input = filled(p, MIB, 0x3F80_0000, stream)?;
+    let out = p.run_job(
+        worker,
+        &[Input {
+            ptr: input,
+            desc: TensorDesc::contiguous(DType::F32, &[MIB / 4]),
+        }],
+        stream,
+    )?;
+    p.driver().stream_synchronize(stream)?;
+    ensure!(out.results.len() == 1, "{} results", out.results.len());
+    check_echo(p, out.results[0].ptr, MIB, 0, 0x3F80_0000)?;
+    p.pool().free(out.results[0].ptr, stream)?;
+    p.pool().free(input, stream)?;
+    p.driver().stream_synchronize(stream)?;
+    Ok(out.input_rungs[0])
+}
+
+fn violation(env: &Env, mode: &str, want: FailReason) -> Result<()> {
+    let p = parent(env, |o| o.canary = false)?;
+    let stream = p.driver().stream_create()?;
+    let good = p.spawn_worker(worker_command(env, None)?)?;
+    let rogue = p.spawn_worker(rogue_command(env, mode)?)?;
+    let input = filled(&p, MIB, 0x0102_0304, stream)?;
+    let tensor = Input {
+        ptr: input,
+        desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+    };
+    match p.run_job(rogue, std::slice::from_ref(&tensor), stream) {
+        Err(Error::JobFailed {
+            worker,
+            reason,
+            detail,
+            ..
+        }) => {
+            println!("{mode}: {reason:?}: {detail}");
+            ensure!(worker == rogue, "the failure names {worker}");
+            ensure!(
+                reason == want,
+                "{mode}: reason {reason:?}, wanted {want:?} ({detail})"
+            );
+        }
+        other => bail!("{mode}: the rogue's job gave {other:?}"),
+    }
+    ensure!(
+        p.worker(rogue).is_none(),
+        "{mode}: the rogue is still registered"
+    );
+    ensure!(p.stats().workers_lost == 1, "{mode}: {:?}", p.stats());
+    // The good worker was never touched, and its jobs run, twice (a deadline sweep in
+    // between would have found the rogue's loans).
+    for _ in 0..2 {
+        ensure!(echo_job(&p, good, stream)? == Rung::PoolPointer);
+    }
+    p.pool().free(input, stream)?;
+    p.driver().stream_synchronize(stream)?;
+    let status = p.stop_worker(good)?;
+    ensure!(
+        status.is_some_and(|s| s.success()),
+        "good worker exit: {status:?}"
+    );
+    Ok(())
+}
+
+both_drivers!(
+    fn a_result_request_of_the_wrong_length_fails_the_job_and_kills_only_that_worker(env) {
+        violation(env, "bad-request-len", FailReason::ProtocolViolation)
+    }
+);
+
+both_drivers!(
+    fn a_done_for_another_job_fails_the_job_and_kills_only_that_worker(env) {
+        violation(env, "done-other-job", FailReason::ProtocolViolation)
+    }
+);
+
+both_drivers!(
+    fn an_ack_before_done_fails_the_job_and_kills_only_that_worker(env) {
+        violation(env, "ack-before-done", FailReason::ProtocolViolation)
+    }
+);
+
+both_drivers!(
+    fn a_second_hello_ack_fails_the_job_and_kills_only_that_worker(env) {
+        violation(env, "second-hello-ack", FailReason::ProtocolViolation)
+    }
+);
+
+both_drivers!(
+    fn a_frame_that_is_no_frame_fails_the_job_and_kills_only_that_worker(env) {
+        violation(env, "garbage-frame", FailReason::HungUp)
+    }
+);
+
+both_drivers!(
+    fn a_silent_worker_is_killed_at_its_deadline_and_spares_the_others(env) {
+        let p = parent(env, |o| {
+            o.canary = false;
+            o.handoff_timeout = Duration::from_millis(500);
+        })?;
+        let stream = p.driver().stream_create()?;
+        let good = p.spawn_worker(worker_command(env, None)?)?;
+        let rogue = p.spawn_worker(rogue_command(env, "silent")?)?;
+        let input = filled(&p, MIB, 1, stream)?;
+        let got = p.run_job(rogue, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]) }], stream);
+        ensure!(
+            matches!(got, Err(Error::JobFailed { reason: FailReason::DeadlineExpired, .. })),
+            "{got:?}"
+        );
+        ensure!(echo_job(&p, good, stream)? == Rung::PoolPointer);
+        p.pool().free(input, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        p.stop_worker(good)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn stop_kills_a_worker_that_ignores_bye_once_the_stop_timeout_passes(env) {
+        let p = parent(env, |o| {
+            o.canary = false;
+            o.stop_timeout = Duration::from_millis(200);
+        })?;
+        let rogue = p.spawn_worker(rogue_command(env, "ignore-bye")?)?;
+        let status = p.stop_worker(rogue)?.context("a spawned worker has an exit status")?;
+        use std::os::unix::process::ExitStatusExt as _;
+        ensure!(status.signal() == Some(9), "the worker was not killed: {status:?}");
+        ensure!(p.worker(rogue).is_none());
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn memory_of_another_pool_takes_host_staging_read_only_and_arrives_intact(env) {
+        let p = parent(env, |_| {})?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let dir = tempdir("staged-views")?;
+        let report = dir.join("report");
+        let mut cmd = worker_command(env, None)?;
+        cmd.env("POOLIPC_TEST_REPORT", &report);
+        let worker = p.spawn_worker(cmd)?;
+        // Memory the parent's pool never saw: a private pool's, as cuda.core's own would be.
+        let other = d.mem_pool_create(env.device, PoolSharing::None)?;
+        let foreign = d.mem_alloc_from_pool_async(MIB, other, stream)?;
+        echo::fill_pattern(&*d, foreign, MIB, 0x5A5A_0101, stream)?;
+        let ours = filled(&p, MIB, 0x0F0F_0F0F, stream)?;
+        let desc = TensorDesc::contiguous(DType::F32, &[MIB / 4]);
+        let out = p.run_job(
+            worker,
+            &[Input { ptr: foreign, desc: desc.clone() }, Input { ptr: ours, desc }],
+            stream,
+        )?;
+        d.stream_synchronize(stream)?;
+        ensure!(out.input_rungs == [Rung::HostStaging, Rung::PoolPointer], "{:?}", out.input_rungs);
+        check_echo(&p, out.results[0].ptr, MIB, 0, 0x5A5A_0101)?;
+        check_echo(&p, out.results[1].ptr, MIB, 1, 0x0F0F_0F0F)?;
+        let lines = std::fs::read_to_string(&report)?;
+        // Canary jobs are answered inside the worker library: only user jobs are reported.
+        let user: Vec<&str> = lines.lines().collect();
+        let last_two = &user[user.len().saturating_sub(2)..];
+        ensure!(
+            last_two.len() == 2
+                && last_two[0].ends_with("HostStaging true")
+                && last_two[1].ends_with("PoolPointer false"),
+            "the worker's views: {lines:?}"
+        );
+        // The same worker takes the next job as if nothing happened.
+        ensure!(echo_job(&p, worker, stream)? == Rung::PoolPointer);
+        for r in &out.results {
+            p.pool().free(r.ptr, stream)?;
+        }
+        p.pool().free(ours, stream)?;
+        d.mem_free_async(foreign, stream)?;
+        d.stream_synchronize(stream)?;
+        d.mem_pool_destroy(other)?;
+        p.stop_worker(worker)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_refused_tensor_is_an_invalid_tensor_error_and_the_worker_goes_on(env) {
+        let p = parent(env, |o| o.canary = false)?;
+        let stream = p.driver().stream_create()?;
+        let worker = p.spawn_worker(worker_command(env, None)?)?;
+        let base = filled(&p, MIB, 3, stream)?;
+        let negative = Input {
+            ptr: base.offset(MIB - 4),
+            desc: TensorDesc { dtype: DType::F32, shape: vec![16], strides: vec![-1] },
+        };
+        let got = p.run_job(worker, &[negative], stream);
+        ensure!(matches!(got, Err(Error::InvalidTensor(_))), "negative strides: {got:?}");
+        let past = Input {
+            ptr: base.offset(MIB / 2),
+            desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+        };
+        let got = p.run_job(worker, &[past], stream);
+        match &got {
+            Err(Error::InvalidTensor(why)) => ensure!(why.contains("past its allocation"), "{why}"),
+            other => bail!("a view past its allocation: {other:?}"),
+        }
+        ensure!(echo_job(&p, worker, stream)? == Rung::PoolPointer);
+        p.pool().free(base, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        let status = p.stop_worker(worker)?;
+        ensure!(status.is_some_and(|s| s.success()), "{status:?}");
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn jobs_on_two_workers_run_at_the_same_time_from_two_threads(env) {
+        let p = Arc::new(parent(env, |_| {})?);
+        let dir = tempdir("gate")?;
+        let mut workers = Vec::new();
+        for _ in 0..2 {
+            let mut cmd = worker_command(env, None)?;
+            cmd.env("POOLIPC_TEST_GATE", &dir);
+            workers.push(p.spawn_worker(cmd)?);
+        }
+        let threads: Vec<_> = workers
+            .iter()
+            .map(|&w| {
+                let p = Arc::clone(&p);
+                std::thread::spawn(move || -> Result<Rung> {
+                    let stream = p.driver().stream_create()?;
+                    echo_job(&p, w, stream)
+                })
+            })
+            .collect();
+        // Both workers hold a job at once: each said so before either may answer.
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let started = std::fs::read_dir(&dir)?.count();
+            // While they wait, the parent answers without waiting for them.
+            for &w in &workers {
+                ensure!(p.worker(w).and_then(|i| i.pid).is_some(), "no pid for {w}");
+            }
+            let _ = p.stats();
+            if started >= 2 {
+                break;
+            }
+            ensure!(std::time::Instant::now() < until, "only {started} of 2 jobs started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::fs::write(dir.join("go"), b"")?;
+        for t in threads {
+            let rung = t.join().map_err(|_| anyhow::anyhow!("a job thread panicked"))??;
+            ensure!(rung == Rung::PoolPointer);
+        }
+        for w in workers {
+            p.stop_worker(w)?;
+        }
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_worker_holds_several_jobs_in_flight_and_answers_them_in_order(env) {
+        let p = parent(env, |_| {})?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let worker = p.spawn_worker(worker_command(env, None)?)?;
+        let mut inputs = Vec::new();
+        let mut handles = Vec::new();
+        for k in 0..4u32 {
+            let ptr = filled(&p, MIB, 0x1000_0000 + k, stream)?;
+            inputs.push(ptr);
+            let input = Input { ptr, desc: TensorDesc::contiguous(DType::U8, &[MIB]) };
+            handles.push(p.submit(worker, &[input], stream)?);
+        }
+        for (k, h) in handles.into_iter().enumerate() {
+            let out = h.wait()?;
+            d.stream_synchronize(stream)?;
+            check_echo(&p, out.results[0].ptr, MIB, 0, 0x1000_0000 + k as u32)?;
+            p.pool().free(out.results[0].ptr, stream)?;
+        }
+        for ptr in inputs {
+            p.pool().free(ptr, stream)?;
+        }
+        d.stream_synchronize(stream)?;
+        p.stop_worker(worker)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_worker_that_dies_during_its_canary_battery_gets_no_id(env) {
+        let p = parent(env, |_| {})?;
+        let got = p.spawn_worker(rogue_command(env, "exit-on-first-job")?);
+        ensure!(got.is_err(), "spawn gave {got:?}");
+        println!("spawn refused: {}", got.err().map(|e| e.to_string()).unwrap_or_default());
+        ensure!(p.workers().is_empty(), "{:?}", p.workers());
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        ensure!(echo_job(&p, w, stream)? == Rung::PoolPointer);
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn killed_workers_leave_no_descriptors_behind(env) {
+        let p = parent(env, |o| o.canary = false)?;
+        let stream = p.driver().stream_create()?;
+        let input = filled(&p, MIB, 9, stream)?;
+        let tensor = Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]) };
+        // One round first, so that whatever is opened once per process is open.
+        let kill_one = |p: &Parent| -> Result<()> {
+            let w = p.spawn_worker(worker_command(env, Some("after-import"))?)?;
+            let got = p.run_job(w, std::slice::from_ref(&tensor), stream);
+            ensure!(matches!(got, Err(Error::JobFailed { .. })), "{got:?}");
+            Ok(())
+        };
+        kill_one(&p)?;
+        let before = open_fds()?;
+        for _ in 0..5 {
+            kill_one(&p)?;
+        }
+        let after = open_fds()?;
+        ensure!(after <= before, "{before} descriptors before 5 killed workers, {after} after");
+        p.pool().free(input, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+fn open_fds() -> Result<usize> {
+    Ok(std::fs::read_dir("/proc/self/fd")?.count())
+}
+
+/// A fresh directory under the system's temporary directory.
+fn tempdir(what: &str) -> Result<std::path::PathBuf> {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("poolipc-{what}-{}-{n}", std::process::id()));
+    if Path::new(&dir).exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
