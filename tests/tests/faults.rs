@@ -258,11 +258,14 @@ both_drivers!(
             cmd.env("POOLIPC_TEST_GATE", &dir);
             workers.push(p.spawn_worker(cmd)?);
         }
-        let threads: Vec<_> = workers
+        let mut threads: Vec<_> = workers
             .iter()
             .map(|&w| {
                 let p = Arc::clone(&p);
+                let device = env.device;
                 std::thread::spawn(move || -> Result<Rung> {
+                    // A new thread has no current CUDA context: the caller's streams need one.
+                    p.driver().use_device(device)?;
                     let stream = p.driver().stream_create()?;
                     echo_job(&p, w, stream)
                 })
@@ -279,6 +282,10 @@ both_drivers!(
             let _ = p.stats();
             if started >= 2 {
                 break;
+            }
+            if let Some(i) = threads.iter().position(std::thread::JoinHandle::is_finished) {
+                let ended = threads.remove(i).join();
+                bail!("a job thread ended before both jobs started: {ended:?}");
             }
             ensure!(std::time::Instant::now() < until, "only {started} of 2 jobs started");
             std::thread::sleep(Duration::from_millis(5));

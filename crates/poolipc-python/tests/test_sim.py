@@ -573,7 +573,11 @@ def test_four_threads_share_one_parent_through_random_kills_with_typed_errors_on
     assert kills >= 1
     print(f"{kills} kills, {len(typed)} typed failures: {sorted(set(typed))}")
     for w in workers:
-        parent.stop(w)
+        try:
+            parent.stop(w)
+        except poolipc.UnknownWorkerError:
+            # Killed while idle: the parent already reaped it, and says so.
+            pass
     parent.synchronize()
     assert wait_until(lambda: poolipc.memory_stats()["used_current"] == baseline, 10), (
         poolipc.memory_stats(), baseline)

@@ -237,7 +237,27 @@ impl Loop {
                 }
             }
             let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
-            match poll(&mut fds, PollTimeout::from(ms)) {
+            // While jobs are in flight a frame is due within microseconds: look again without
+            // sleeping for up to `options.spin`, which saves a wake-up per frame.
+            let spin = if self.jobs.is_empty() {
+                Duration::ZERO
+            } else {
+                self.shared.options.spin
+            };
+            let started = Instant::now();
+            let polled = loop {
+                let spinning = started.elapsed() < spin;
+                let wait = if spinning {
+                    PollTimeout::from(0u16)
+                } else {
+                    PollTimeout::from(ms)
+                };
+                match poll(&mut fds, wait) {
+                    Ok(0) if spinning => std::hint::spin_loop(),
+                    other => break other,
+                }
+            };
+            match polled {
                 Ok(_) => {}
                 Err(nix::errno::Errno::EINTR) => return,
                 Err(e) => {

@@ -50,7 +50,7 @@ pub use error::Error;
 pub use handshake::identity;
 pub use parent::{
     Input, JobHandle, JobOutput, Parent, ParentOptions, ParentStats, ResultAllocator, ResultTensor,
-    WorkerInfo,
+    SPIN_ENV, WorkerInfo,
 };
 pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};

@@ -46,6 +46,12 @@ pub struct ParentOptions {
     pub stop_timeout: Duration,
     /// How long a frame that has begun to arrive may take to complete.
     pub frame_timeout: Duration,
+    /// How long the IO loop (while jobs are in flight) and a thread waiting on a
+    /// [`JobHandle`] look again before they sleep: each saves a thread wake-up per handoff
+    /// (tens of microseconds) for at most this much CPU. Zero turns it off. By default
+    /// `POOLIPC_SPIN_US` if set, else 50 µs where the machine has four or more CPUs, else
+    /// zero.
+    pub spin: Duration,
     /// Run the canary battery on each new worker before it takes jobs.
     pub canary: bool,
     /// The host-staging rung's buffer and waits.
@@ -62,9 +68,28 @@ impl Default for ParentOptions {
             handshake_timeout: Duration::from_secs(60),
             stop_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(5),
+            spin: default_spin(),
             canary: true,
             staging: StagingConfig::default(),
         }
+    }
+}
+
+/// The environment variable that sets [`ParentOptions::spin`]'s default, in microseconds.
+pub const SPIN_ENV: &str = "POOLIPC_SPIN_US";
+
+/// `POOLIPC_SPIN_US` if set to a number; else 50 µs where there are CPUs to spare for
+/// spinning (four or more), none otherwise.
+fn default_spin() -> Duration {
+    if let Some(us) = std::env::var(SPIN_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+    {
+        return Duration::from_micros(us);
+    }
+    match std::thread::available_parallelism() {
+        Ok(n) if n.get() >= 4 => Duration::from_micros(50),
+        _ => Duration::ZERO,
     }
 }
 
@@ -222,6 +247,8 @@ impl Shared {
 pub(crate) struct Completion {
     result: Mutex<Option<Result<JobOutput, Error>>>,
     cond: Condvar,
+    /// Set with the result: lets a waiter spin without the lock.
+    finished: std::sync::atomic::AtomicBool,
 }
 
 impl Completion {
@@ -230,7 +257,19 @@ impl Completion {
         if slot.is_none() {
             *slot = Some(result);
         }
+        self.finished.store(true, Ordering::Release);
         self.cond.notify_all();
+    }
+
+    /// Spins at most `spin` for the result to be set.
+    fn spin(&self, spin: Duration) {
+        if spin.is_zero() {
+            return;
+        }
+        let started = Instant::now();
+        while !self.finished.load(Ordering::Acquire) && started.elapsed() < spin {
+            std::hint::spin_loop();
+        }
     }
 }
 
@@ -240,6 +279,7 @@ pub struct JobHandle {
     worker: WorkerId,
     job: JobId,
     done: Arc<Completion>,
+    spin: Duration,
 }
 
 impl std::fmt::Debug for JobHandle {
@@ -271,6 +311,7 @@ impl JobHandle {
     /// Waits until the job ends. A worker lost mid-job ends it with [`Error::JobFailed`] once
     /// the worker is reaped; the handoff deadline bounds the wait.
     pub fn wait(self) -> Result<JobOutput, Error> {
+        self.done.spin(self.spin);
         let mut slot = lock(&self.done.result);
         loop {
             if let Some(r) = slot.take() {
@@ -689,7 +730,12 @@ impl Parent {
                 alloc,
                 done: Arc::clone(&done),
             })));
-        Ok(JobHandle { worker, job, done })
+        Ok(JobHandle {
+            worker,
+            job,
+            done,
+            spin: self.shared.options.spin,
+        })
     }
 
     /// Lends `inputs` to `worker` and waits: [`submit`](Parent::submit) then
