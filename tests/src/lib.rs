@@ -189,14 +189,7 @@ pub fn sibling_binary(name: &str, var: &str) -> Result<PathBuf> {
 
 /// A command starting the facade test worker (`poolipc::echo`), attached to `env`'s driver.
 pub fn worker_command(env: &Env, die_at: Option<&str>) -> Result<Command> {
-    let mut cmd = Command::new(sibling_binary(
-        "poolipc-test-worker",
-        "POOLIPC_TEST_WORKER",
-    )?);
-    if let Some(sim) = &env.sim {
-        let (k, v) = sim.child_env();
-        cmd.env(k, v);
-    }
+    let mut cmd = attached_command(env, "poolipc-test-worker", "POOLIPC_TEST_WORKER")?;
     if let Some(step) = die_at {
         cmd.env(poolipc::FAILPOINT_ENV, step);
     }
@@ -206,15 +199,19 @@ pub fn worker_command(env: &Env, die_at: Option<&str>) -> Result<Command> {
 /// A command starting the rogue test worker, which breaks the protocol in `mode` (see
 /// `src/bin/poolipc-test-rogue.rs`).
 pub fn rogue_command(env: &Env, mode: &str) -> Result<Command> {
-    let mut cmd = Command::new(sibling_binary(
-        "poolipc-test-rogue",
-        "POOLIPC_TEST_ROGUE_BIN",
-    )?);
+    let mut cmd = attached_command(env, "poolipc-test-rogue", "POOLIPC_TEST_ROGUE_BIN")?;
+    cmd.env("POOLIPC_TEST_ROGUE", mode);
+    Ok(cmd)
+}
+
+/// A command starting this package's binary `name` (found as [`sibling_binary`] does),
+/// attached to `env`'s driver: the simulated machine's variables where `env` is simulated.
+fn attached_command(env: &Env, name: &str, var: &str) -> Result<Command> {
+    let mut cmd = Command::new(sibling_binary(name, var)?);
     if let Some(sim) = &env.sim {
         let (k, v) = sim.child_env();
         cmd.env(k, v);
     }
-    cmd.env("POOLIPC_TEST_ROGUE", mode);
     Ok(cmd)
 }
 

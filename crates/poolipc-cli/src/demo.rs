@@ -200,7 +200,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         "each row: the parent lends the tensor, the worker asks for a result of the same shape,"
     );
     println!(
-        "copies the input into it and marks it, DONE, UNIMPORT, ACK; the parent checks the result."
+        "copies the input into it and marks it, UNIMPORT, DONE, ACK; the parent checks the result."
     );
     println!("pool after the demo: {}", parent.pool().stats()?);
     let status = parent.stop_worker(worker)?;

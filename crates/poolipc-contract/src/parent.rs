@@ -662,6 +662,36 @@ impl Parent {
         Ok(handoffs)
     }
 
+    /// The answers already given to `job`'s pending result request become cancelled
+    /// refusals; what was allocated for them is the caller's to free (never offered).
+    fn refuse_answered(&mut self, worker: WorkerId, job: JobId) {
+        let Some(batch) = self
+            .jobs
+            .get_mut(&(worker, job))
+            .and_then(|j| j.batch.as_mut())
+        else {
+            return;
+        };
+        let mut freed = Vec::new();
+        for (request, answer) in batch.requests.iter().zip(batch.answers.iter_mut()) {
+            if let Some(a) = answer {
+                if let Answer::Allocated { alloc, .. } = a {
+                    freed.push((*request, *alloc));
+                }
+                *a = cancelled_refusal();
+            }
+        }
+        for (request, alloc) in freed {
+            self.unoffered.remove(&alloc);
+            self.actions.push_back(ParentAction::FreeResult {
+                worker,
+                job,
+                request,
+                alloc,
+            });
+        }
+    }
+
     /// Cancels `job` on `worker`: `Send(Cancel)`. The worker still finishes the job (Done,
     /// Ack); its handoffs are released as [`Outcome::Cancelled`] and it ends
     /// [`JobOutcome::Failed`] with [`FailReason::Cancelled`]. Result requests of the job are
@@ -688,27 +718,7 @@ impl Parent {
             worker,
             message: Message::Cancel { job },
         });
-        let Some(batch) = j.batch.as_mut() else {
-            return Ok(());
-        };
-        let mut freed = Vec::new();
-        for (request, answer) in batch.requests.iter().zip(batch.answers.iter_mut()) {
-            if let Some(a) = answer {
-                if let Answer::Allocated { alloc, .. } = a {
-                    freed.push((*request, *alloc));
-                }
-                *a = cancelled_refusal();
-            }
-        }
-        for (request, alloc) in freed {
-            self.unoffered.remove(&alloc);
-            self.actions.push_back(ParentAction::FreeResult {
-                worker,
-                job,
-                request,
-                alloc,
-            });
-        }
+        self.refuse_answered(worker, job);
         Ok(())
     }
 
@@ -1362,31 +1372,7 @@ impl Parent {
         }
         // Allocations answered and never offered: the caller's to free.
         for &job in &jobs {
-            let Some(batch) = self
-                .jobs
-                .get_mut(&(worker, job))
-                .and_then(|j| j.batch.as_mut())
-            else {
-                continue;
-            };
-            let mut freed = Vec::new();
-            for (request, answer) in batch.requests.iter().zip(batch.answers.iter_mut()) {
-                if let Some(a) = answer {
-                    if let Answer::Allocated { alloc, .. } = a {
-                        freed.push((*request, *alloc));
-                    }
-                    *a = cancelled_refusal();
-                }
-            }
-            for (request, alloc) in freed {
-                self.unoffered.remove(&alloc);
-                self.actions.push_back(ParentAction::FreeResult {
-                    worker,
-                    job,
-                    request,
-                    alloc,
-                });
-            }
+            self.refuse_answered(worker, job);
         }
         if jobs.is_empty() {
             self.actions
