@@ -64,6 +64,8 @@ pub(crate) struct Submission {
     /// `None`: the shared pool, and a failed job's results are freed by the loop.
     pub(crate) alloc: Option<ResultAllocator>,
     pub(crate) done: Arc<Completion>,
+    /// Set while a placed job waits for its worker's other jobs (a staged job runs alone).
+    pub(crate) placed: Option<Placed>,
 }
 
 /// Starts the IO thread; returns once it made the device current (or failed to).
@@ -313,28 +315,7 @@ impl Loop {
         } else {
             format!("the worker's connection broke: {e}")
         };
-        if let Some(s) = self.workers.get_mut(&worker) {
-            if s.lost.is_some() {
-                return;
-            }
-            s.lost = Some(why.clone());
-        }
-        let stopping = self
-            .workers
-            .get(&worker)
-            .is_some_and(|s| s.exit_deadline.is_some());
-        if stopping {
-            // Bye was sent: the worker closing is how it says goodbye. Wait for its exit.
-            return;
-        }
-        tracing::warn!(worker = %worker, "{why}");
-        let now = self.now();
-        if let Err(e) = self
-            .machine
-            .handle(ParentEvent::WorkerHungUp { worker, why }, now)
-        {
-            tracing::warn!(worker = %worker, error = %e, "the contract refused a hang-up");
-        }
+        self.lose(worker, &why);
         self.drive();
     }
 
@@ -596,17 +577,23 @@ impl Loop {
             if slot.staged_in_flight || slot.lost.is_some() || slot.exit_deadline.is_some() {
                 return;
             }
-            let Some(sub) = slot.queued.pop_front() else {
+            let Some(mut sub) = slot.queued.pop_front() else {
                 return;
             };
-            match self.place(&sub) {
+            let placement = match sub.placed.take() {
+                Some(placed) => Ok(placed),
+                None => self.place(&sub),
+            };
+            match placement {
                 Ok(placed) => {
                     let slot = match self.workers.get_mut(&worker) {
                         Some(s) => s,
                         None => return,
                     };
                     if placed.staged && slot.in_flight > 0 {
-                        // Wait until the worker's other jobs are done.
+                        // Wait until the worker's other jobs are done, keeping the placement
+                        // (its exports are made).
+                        sub.placed = Some(placed);
                         slot.queued.push_front(sub);
                         return;
                     }
@@ -625,9 +612,9 @@ impl Loop {
     /// Chooses each input's rung and exports what goes by pointer. Fails (sending nothing)
     /// on a tensor that cannot be lent.
     fn place(&mut self, sub: &Submission) -> Result<Placed, Error> {
-        let reg = self
+        let pointer_pools = self
             .shared
-            .registered(sub.worker)
+            .pointer_pools(sub.worker)
             .ok_or(Error::UnknownWorker(sub.worker))?;
         let takes_staging = self
             .workers
@@ -660,8 +647,8 @@ impl Loop {
                 .pools
                 .iter()
                 .position(|p| p.owns(input.ptr).unwrap_or(false));
-            let by_pointer =
-                pool.is_some_and(|p| reg.takes_pointers_from(p)) && limit.allows(base.0, size);
+            let by_pointer = pool.is_some_and(|p| pointer_pools.get(p) == Some(&true))
+                && limit.allows(base.0, size);
             if by_pointer {
                 let p = pool.unwrap_or(0);
                 let export = self.shared.pools[p].export(base)?;
@@ -690,14 +677,19 @@ impl Loop {
             if !takes_staging {
                 return Err(Error::NoRung(format!(
                     "input {i} cannot go by pool pointer ({}) and {} has no host staging",
-                    why_not_pointer(pool, &reg, limit.check(base.0, size).err()),
+                    why_not_pointer(
+                        &self.shared,
+                        sub.worker,
+                        pool,
+                        limit.check(base.0, size).err()
+                    ),
                     sub.worker
                 )));
             }
             tracing::debug!(
                 input = i,
                 bytes = extent,
-                why = %why_not_pointer(pool, &reg, limit.check(base.0, size).err()),
+                why = %why_not_pointer(&self.shared, sub.worker, pool, limit.check(base.0, size).err()),
                 "input takes the host-staging rung"
             );
             let alloc = AllocId(self.next_alloc);
@@ -845,16 +837,23 @@ impl Loop {
                 return;
             }
             s.lost = Some(why.to_owned());
+            if s.exit_deadline.is_some() {
+                // Bye was sent: the worker closing is how it says goodbye. Its exit (or its
+                // stop deadline) reaps it.
+                return;
+            }
         }
         tracing::warn!(worker = %worker, "{why}");
         let now = self.now();
-        let _ = self.machine.handle(
+        if let Err(e) = self.machine.handle(
             ParentEvent::WorkerHungUp {
                 worker,
                 why: why.to_owned(),
             },
             now,
-        );
+        ) {
+            tracing::warn!(worker = %worker, error = %e, "the contract refused a hang-up");
+        }
     }
 
     /// Carries out every action the contract has queued, in order.
@@ -1088,9 +1087,9 @@ impl Loop {
         request: RequestId,
         spec: &ResultSpec,
     ) -> Result<ParentEvent, Error> {
-        let reg = self
+        let pointer_pools = self
             .shared
-            .registered(worker)
+            .pointer_pools(worker)
             .ok_or(Error::UnknownWorker(worker))?;
         let takes_staging = self.workers.get(&worker).is_some_and(|s| s.takes_staging);
         let shape = ResultShape {
@@ -1115,7 +1114,7 @@ impl Loop {
             .position(|p| p.owns(ptr).unwrap_or(false));
         let limit = self.shared.limit();
         let by_pointer =
-            pool.is_some_and(|p| reg.takes_pointers_from(p)) && limit.allows(ptr.0, bytes);
+            pool.is_some_and(|p| pointer_pools.get(p) == Some(&true)) && limit.allows(ptr.0, bytes);
         let rung = if by_pointer {
             Rung::PoolPointer
         } else if takes_staging {
@@ -1211,9 +1210,7 @@ impl Loop {
         }
         let result = match outcome {
             JobOutcome::Completed => {
-                if !st.orphans.is_empty() {
-                    self.free_orphans(&mut st);
-                }
+                self.free_orphans(&mut st);
                 Ok(JobOutput {
                     results: st.results.into_values().collect(),
                     input_rungs: st.input_rungs,
@@ -1262,11 +1259,20 @@ impl Loop {
         }
     }
 
+    /// Frees the result memory of the default allocator that was not handed out. Memory of
+    /// a caller's allocator is the caller's: left alone (and said so).
     fn free_orphans(&mut self, st: &mut JobState) {
-        for ptr in st.orphans.drain(..) {
-            if st.alloc.is_some() {
-                continue;
+        if st.alloc.is_some() {
+            if !st.orphans.is_empty() {
+                tracing::warn!(
+                    count = st.orphans.len(),
+                    "result memory of the job's allocator was not handed out: the caller's to free"
+                );
             }
+            st.orphans.clear();
+            return;
+        }
+        for ptr in st.orphans.drain(..) {
             if let Err(e) = self.shared.pools[0].free(ptr, st.stream) {
                 tracing::warn!(error = %e, ?ptr, "freeing a result that was not handed out failed");
             }
@@ -1288,28 +1294,32 @@ impl Loop {
 }
 
 #[derive(Default)]
-struct Placed {
+pub(crate) struct Placed {
     loans: Vec<InputLoan>,
     rungs: Vec<Rung>,
     staged: bool,
 }
 
+/// Why an input does not go by pool pointer, in words (for the log and the error).
 fn why_not_pointer(
+    shared: &Shared,
+    worker: WorkerId,
     pool: Option<usize>,
-    reg: &crate::parent::Registered,
     limit: Option<poolipc_types::LimitExceeded>,
 ) -> String {
     if let Some(e) = limit {
         return e.to_string();
     }
+    let reaches = |p: usize| {
+        lock(&shared.registry)
+            .get(&worker)
+            .is_some_and(|r| r.pools.get(p) == Some(&true))
+    };
     match pool {
         None => "it is not memory of this parent's pools".into(),
-        Some(p) if reg.pools.get(p) != Some(&true) => {
-            format!(
-                "{} cannot reach the parent's pool {p} from its device",
-                reg.info.id
-            )
+        Some(p) if !reaches(p) => {
+            format!("{worker} cannot reach the parent's pool {p} from its device")
         }
-        Some(_) => format!("{} was demoted by its canary battery", reg.info.id),
+        Some(_) => format!("{worker} was demoted by its canary battery"),
     }
 }

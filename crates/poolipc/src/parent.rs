@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use poolipc_contract::{ExtraPool, FailReason, Identity, Message};
+use poolipc_contract::{ExtraPool, Identity, Message};
 use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 use poolipc_pool::SharedPool;
 use poolipc_transport::{Capabilities, Connection, HandshakeConfig};
@@ -239,6 +239,18 @@ impl Shared {
 
     pub(crate) fn registered(&self, id: WorkerId) -> Option<Registered> {
         lock(&self.registry).get(&id).cloned()
+    }
+
+    /// For each of the parent's pools, whether `id` takes pool pointers from it; `None` for
+    /// a worker the parent does not know. On every job and result: copies no more than this.
+    pub(crate) fn pointer_pools(&self, id: WorkerId) -> Option<Vec<bool>> {
+        let registry = lock(&self.registry);
+        let r = registry.get(&id)?;
+        Some(
+            (0..self.pools.len())
+                .map(|p| r.takes_pointers_from(p))
+                .collect(),
+        )
     }
 }
 
@@ -729,6 +741,7 @@ impl Parent {
                 stream,
                 alloc,
                 done: Arc::clone(&done),
+                placed: None,
             })));
         Ok(JobHandle {
             worker,
@@ -774,14 +787,6 @@ impl Parent {
             .map_err(|_| Error::Protocol("the parent's IO thread has stopped".into()))?;
         lock(&self.shared.registry).remove(&worker);
         status
-    }
-
-    /// Why a job failed, for callers that match on it.
-    pub fn fail_reason(e: &Error) -> Option<FailReason> {
-        match e {
-            Error::JobFailed { reason, .. } => Some(*reason),
-            _ => None,
-        }
     }
 }
 
