@@ -46,7 +46,12 @@ impl std::fmt::Debug for Env {
 impl Env {
     /// The simulated driver, with memory enough for the 4 GiB tests (sparse, so free).
     pub fn sim() -> Result<Env> {
-        let sim = Arc::new(SimDriver::new(SimConfig::default()).context("SimDriver::new")?);
+        Env::sim_with(SimConfig::default())
+    }
+
+    /// A simulated machine configured as given (an MPS server, more devices, ...).
+    pub fn sim_with(config: SimConfig) -> Result<Env> {
+        let sim = Arc::new(SimDriver::new(config).context("SimDriver::new")?);
         sim.use_device(0)?;
         Ok(Env {
             driver: sim.clone(),

@@ -387,3 +387,89 @@ fn tempdir(what: &str) -> Result<std::path::PathBuf> {
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
 }
+
+/// A worker whose kernel faults: without MPS the fault stays in the worker (its job fails
+/// with the driver's error, other workers and the parent go on); under MPS it ends every
+/// client's context, and the parent says so, naming MPS and the worker, and refuses all
+/// further work instead of handing out results it cannot trust.
+fn gpu_fault(env: &Env) -> Result<()> {
+    let p = parent(env, |o| o.canary = false)?;
+    let stream = p.driver().stream_create()?;
+    let good = p.spawn_worker(worker_command(env, None)?)?;
+    let mut cmd = worker_command(env, None)?;
+    cmd.env("POOLIPC_TEST_GPU_FAULT", "1");
+    let faulty = p.spawn_worker(cmd)?;
+    ensure!(echo_job(&p, good, stream)? == Rung::PoolPointer);
+    let input = filled(&p, MIB, 0x0102_0304, stream)?;
+    let tensor = Input {
+        ptr: input,
+        desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+    };
+    let got = p.run_job(faulty, std::slice::from_ref(&tensor), stream);
+    let mps = p.mps_client() == Some(true);
+    println!("mps client: {mps}; the faulty worker's job: {got:?}");
+    if mps {
+        let Err(e @ Error::ContextLost { .. }) = got else {
+            bail!("under MPS a worker's GPU fault must end in ContextLost, got {got:?}");
+        };
+        let text = e.to_string();
+        ensure!(text.contains("MPS client"), "does not name MPS: {text}");
+        ensure!(
+            text.contains(&faulty.to_string()),
+            "does not name {faulty}: {text}"
+        );
+        ensure!(
+            p.context_lost().is_some(),
+            "the parent does not say it is lost"
+        );
+        // Everything after is refused cleanly, naming the cause.
+        match p.run_job(good, std::slice::from_ref(&tensor), stream) {
+            Err(Error::ContextLost { detail }) => ensure!(detail == text, "{detail}"),
+            other => bail!("a job after the loss: {other:?}"),
+        }
+        match p.spawn_worker(worker_command(env, None)?) {
+            Err(Error::ContextLost { .. }) => {}
+            other => bail!("a worker after the loss: {other:?}"),
+        }
+        // The parent's memory is gone with its context: nothing to free.
+        return Ok(());
+    }
+    // The worker cannot free its imports on a dead context, so it cannot answer by the
+    // contract: it exits, and its job fails as a lost worker's (or with its error, where it
+    // managed to send one).
+    match got {
+        Err(Error::Worker { message, .. }) => ensure!(
+            message.contains("ILLEGAL_ADDRESS"),
+            "the worker's error: {message}"
+        ),
+        Err(Error::JobFailed { worker, reason, .. }) => ensure!(
+            worker == faulty && reason == FailReason::HungUp,
+            "failed on {worker}: {reason:?}"
+        ),
+        other => bail!("without MPS the faulty worker's job must fail, got {other:?}"),
+    }
+    ensure!(p.context_lost().is_none(), "{:?}", p.context_lost());
+    // The parent and the other worker go on.
+    ensure!(echo_job(&p, good, stream)? == Rung::PoolPointer);
+    p.pool().free(input, stream)?;
+    p.driver().stream_synchronize(stream)?;
+    p.stop_worker(good)?;
+    Ok(())
+}
+
+both_drivers!(
+    fn a_worker_gpu_fault_is_contained_or_named(env) {
+        gpu_fault(env)
+    }
+);
+
+#[test]
+fn under_simulated_mps_a_worker_gpu_fault_ends_the_parent_context_and_is_named() {
+    poolipc_tests::init_tracing();
+    let env = Env::sim_with(poolipc_driver::sim::SimConfig {
+        mps: true,
+        ..Default::default()
+    })
+    .expect("SimDriver");
+    gpu_fault(&env).expect("gpu fault under simulated MPS");
+}

@@ -135,6 +135,17 @@ pub trait Driver: Send + Sync {
         words: u64,
         stream: StreamHandle,
     ) -> Result<()>;
+    /// A kernel of one thread that stores the 32-bit `value` at `address` (`st.global.u32`),
+    /// launched on `stream`, then `cuStreamSynchronize(stream)`. Through an address the
+    /// process cannot reach, that is a GPU fault: the synchronize fails with
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS` and the process's context is lost (under MPS, every
+    /// client's). For fault tests and checks; no handoff calls it.
+    fn launch_store_kernel(
+        &self,
+        address: DevicePtr,
+        value: u32,
+        stream: StreamHandle,
+    ) -> Result<()>;
     /// `cuMemcpyDtoH` (synchronous).
     fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()>;
     /// `cuMemcpyHtoD` (synchronous).

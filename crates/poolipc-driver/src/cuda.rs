@@ -81,7 +81,27 @@ const SYMBOLS: &[&str] = &[
     "cuMemUnmap",
     "cuMemAddressFree",
     "cuMemRelease",
+    "cuCtxGetCurrent",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
 ];
+
+/// The kernel of [`Driver::launch_store_kernel`], as PTX the driver compiles for the device
+/// (no nvrtc, no toolkit): one thread stores a 32-bit value through a pointer.
+const STORE_KERNEL_PTX: &[u8] = b".version 7.0
+.target sm_50
+.address_size 64
+.visible .entry poolipc_store(.param .u64 p, .param .u32 v)
+{
+  .reg .u64 %rd<2>;
+  .reg .u32 %r<2>;
+  ld.param.u64 %rd1, [p];
+  ld.param.u32 %r1, [v];
+  st.global.u32 [%rd1], %r1;
+  ret;
+}
+\0";
 
 fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -194,6 +214,8 @@ struct Retained {
 #[derive(Debug)]
 pub struct CudaDriver {
     retained: Mutex<HashMap<u32, Retained>>,
+    /// The store kernel's function, by the context it was loaded in (addresses).
+    store_kernels: Mutex<HashMap<usize, usize>>,
 }
 
 impl CudaDriver {
@@ -232,6 +254,7 @@ impl CudaDriver {
         version_check(version)?;
         let driver = CudaDriver {
             retained: Mutex::new(HashMap::new()),
+            store_kernels: Mutex::new(HashMap::new()),
         };
         if driver.device_count()? == 0 {
             return Err(DriverError::NoDevice);
@@ -244,6 +267,36 @@ impl CudaDriver {
     pub fn library_present() -> bool {
         // SAFETY: only tries to dlopen candidate names.
         unsafe { sys::is_culib_present() }
+    }
+
+    /// The store kernel in the current context, loaded from PTX the first time.
+    fn store_kernel(&self) -> Result<sys::CUfunction> {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a valid place to write.
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&raw mut ctx)
+        })?;
+        let mut kernels = self
+            .store_kernels
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(&f) = kernels.get(&ctx.expose_provenance()) {
+            return Ok(std::ptr::with_exposed_provenance_mut(f));
+        }
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: the image is NUL-terminated PTX text that lives for the whole program;
+        // `module` is a valid place to write. The module stays loaded while the context lives.
+        check("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&raw mut module, STORE_KERNEL_PTX.as_ptr().cast())
+        })?;
+        let mut function: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: `module` was just loaded; the name is NUL-terminated; `function` is a
+        // valid place to write.
+        check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&raw mut function, module, c"poolipc_store".as_ptr())
+        })?;
+        kernels.insert(ctx.expose_provenance(), function.expose_provenance());
+        Ok(function)
     }
 
     fn device(&self, ordinal: u32) -> Result<sys::CUdevice> {
@@ -352,6 +405,10 @@ impl Driver for CudaDriver {
                 dev,
                 A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
             )? != 0,
+            mps_client: self
+                .attribute(dev, A::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
+                .ok()
+                .map(|v| v != 0),
         })
     }
 
@@ -805,6 +862,37 @@ impl Driver for CudaDriver {
         check("cuMemsetD32Async", unsafe {
             sys::cuMemsetD32Async(ptr.0, value, n, stream_raw(stream))
         })
+    }
+
+    fn launch_store_kernel(
+        &self,
+        address: DevicePtr,
+        value: u32,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let function = self.store_kernel()?;
+        let mut p = address.0;
+        let mut v = value;
+        let mut params = [(&raw mut p).cast::<c_void>(), (&raw mut v).cast::<c_void>()];
+        // SAFETY: `function` is the loaded `poolipc_store(u64, u32)`; `params` points to one
+        // pointer per parameter, each to a live value of the parameter's type, for the call
+        // (the driver copies them at launch); no extra arguments.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                function,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                stream_raw(stream),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })?;
+        self.stream_synchronize(stream)
     }
 
     fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {

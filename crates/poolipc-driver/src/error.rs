@@ -46,6 +46,37 @@ impl CuCode {
     pub const NOT_SUPPORTED: CuCode = CuCode(801);
     /// `CUDA_ERROR_UNKNOWN`.
     pub const UNKNOWN: CuCode = CuCode(999);
+    /// `CUDA_ERROR_ECC_UNCORRECTABLE`.
+    pub const ECC_UNCORRECTABLE: CuCode = CuCode(214);
+    /// `CUDA_ERROR_HARDWARE_STACK_ERROR`.
+    pub const HARDWARE_STACK_ERROR: CuCode = CuCode(714);
+    /// `CUDA_ERROR_ILLEGAL_INSTRUCTION`.
+    pub const ILLEGAL_INSTRUCTION: CuCode = CuCode(715);
+    /// `CUDA_ERROR_MISALIGNED_ADDRESS`.
+    pub const MISALIGNED_ADDRESS: CuCode = CuCode(716);
+    /// `CUDA_ERROR_INVALID_ADDRESS_SPACE`.
+    pub const INVALID_ADDRESS_SPACE: CuCode = CuCode(717);
+    /// `CUDA_ERROR_INVALID_PC`.
+    pub const INVALID_PC: CuCode = CuCode(718);
+    /// `CUDA_ERROR_LAUNCH_FAILED`.
+    pub const LAUNCH_FAILED: CuCode = CuCode(719);
+    /// `CUDA_ERROR_MPS_CONNECTION_FAILED`.
+    pub const MPS_CONNECTION_FAILED: CuCode = CuCode(805);
+    /// `CUDA_ERROR_MPS_RPC_FAILURE`.
+    pub const MPS_RPC_FAILURE: CuCode = CuCode(806);
+    /// `CUDA_ERROR_MPS_SERVER_NOT_READY`.
+    pub const MPS_SERVER_NOT_READY: CuCode = CuCode(807);
+    /// `CUDA_ERROR_MPS_CLIENT_TERMINATED`.
+    pub const MPS_CLIENT_TERMINATED: CuCode = CuCode(810);
+
+    /// Whether this code means the calling process's CUDA context is unusable from now on:
+    /// a GPU fault (the "sticky" errors: illegal address, illegal instruction, ...), an
+    /// uncorrectable ECC error, or the MPS server having dropped this client. Every later
+    /// call in the process fails too; only a new process gets a working context.
+    #[must_use]
+    pub fn is_context_lost(self) -> bool {
+        matches!(self.0, 214 | 700 | 714..=719 | 806 | 810)
+    }
 
     /// The `CUDA_ERROR_*` name, or `CUDA_ERROR_<n>` for codes this table does not list.
     #[must_use]
@@ -65,11 +96,24 @@ impl CuCode {
             400 => "CUDA_ERROR_INVALID_HANDLE",
             500 => "CUDA_ERROR_NOT_FOUND",
             600 => "CUDA_ERROR_NOT_READY",
+            214 => "CUDA_ERROR_ECC_UNCORRECTABLE",
             700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
+            714 => "CUDA_ERROR_HARDWARE_STACK_ERROR",
+            715 => "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+            716 => "CUDA_ERROR_MISALIGNED_ADDRESS",
+            717 => "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+            718 => "CUDA_ERROR_INVALID_PC",
+            719 => "CUDA_ERROR_LAUNCH_FAILED",
             712 => "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
             713 => "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
             800 => "CUDA_ERROR_NOT_PERMITTED",
             801 => "CUDA_ERROR_NOT_SUPPORTED",
+            805 => "CUDA_ERROR_MPS_CONNECTION_FAILED",
+            806 => "CUDA_ERROR_MPS_RPC_FAILURE",
+            807 => "CUDA_ERROR_MPS_SERVER_NOT_READY",
+            808 => "CUDA_ERROR_MPS_MAX_CLIENTS_REACHED",
+            809 => "CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED",
+            810 => "CUDA_ERROR_MPS_CLIENT_TERMINATED",
             999 => "CUDA_ERROR_UNKNOWN",
             n => return std::borrow::Cow::Owned(format!("CUDA_ERROR_{n}")),
         };
@@ -198,6 +242,13 @@ impl DriverError {
             DriverError::Call { code, .. } => Some(*code),
             _ => None,
         }
+    }
+
+    /// Whether this error says the process's CUDA context is lost (see
+    /// [`CuCode::is_context_lost`]).
+    #[must_use]
+    pub fn is_context_lost(&self) -> bool {
+        self.code().is_some_and(CuCode::is_context_lost)
     }
 
     /// Whether this is `call` failing with `code`.

@@ -15,6 +15,7 @@ mod api;
 mod cuda;
 mod error;
 pub mod host;
+pub mod mps_env;
 mod owned;
 pub mod platform;
 pub mod sim;

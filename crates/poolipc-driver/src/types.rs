@@ -83,6 +83,10 @@ pub struct DeviceInfo {
     pub vmm: bool,
     /// `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED` (VMM handles by FD).
     pub vmm_posix_fd: bool,
+    /// `CU_DEVICE_ATTRIBUTE_MPS_ENABLED`: whether this process's contexts on the device are
+    /// shared through an MPS server (this process is an MPS client). `None` where the driver
+    /// does not report it (before CUDA 12.4's drivers).
+    pub mps_client: Option<bool>,
 }
 
 /// Settable pool attributes (`CUmemPool_attribute`), with their values.

@@ -325,6 +325,7 @@ mod tests {
             pool_posix_fd: pool_fd,
             vmm: true,
             vmm_posix_fd: true,
+            mps_client: None,
         }
     }
 

@@ -163,6 +163,9 @@ struct Loop {
     next_alloc: u64,
     epoch: Instant,
     shutting_down: bool,
+    /// The last worker that failed or reported an error, and what it said: named when the
+    /// process's context turns out lost (under MPS, a worker's GPU fault ends it).
+    suspect: Option<(WorkerId, String)>,
 }
 
 /// How long the loop sleeps when nothing is due: commands and frames wake it earlier.
@@ -188,6 +191,7 @@ impl Loop {
             next_alloc: 1,
             epoch: Instant::now(),
             shutting_down: false,
+            suspect: None,
         }
     }
 
@@ -553,6 +557,11 @@ impl Loop {
     /// A submitted job: placed and lent now, or queued behind the worker's jobs in flight.
     fn submit(&mut self, sub: Box<Submission>) {
         let worker = sub.worker;
+        if let Err(e) = self.shared.check_context() {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            sub.done.complete(Err(e));
+            return;
+        }
         let Some(slot) = self.workers.get_mut(&worker) else {
             Stats::bump(&self.shared.stats.jobs_failed);
             sub.done.complete(Err(Error::UnknownWorker(worker)));
@@ -603,6 +612,11 @@ impl Loop {
                     // Nothing was sent: the worker's session is untouched.
                     tracing::warn!(worker = %worker, job = sub.job.0, error = %e, "job refused");
                     Stats::bump(&self.shared.stats.jobs_failed);
+                    if self.escalate("placing a job's inputs", &e) {
+                        sub.done.complete(Err(self.context_error()));
+                        self.drive();
+                        return;
+                    }
                     sub.done.complete(Err(e));
                 }
             }
@@ -732,7 +746,12 @@ impl Loop {
             Ok(r) => r,
             Err(e) => {
                 Stats::bump(&self.shared.stats.jobs_failed);
-                sub.done.complete(Err(e));
+                let lost = self.escalate("making a READY event", &e);
+                sub.done
+                    .complete(Err(if lost { self.context_error() } else { e }));
+                if lost {
+                    self.drive();
+                }
                 return;
             }
         };
@@ -829,6 +848,79 @@ impl Loop {
         Ok(())
     }
 
+    /// A driver error in the loop: if it says this process's CUDA context is lost, nothing
+    /// on the GPU can be trusted any more. Then the parent records why (naming MPS and the
+    /// worker most likely at fault), condemns every worker, and refuses all later work;
+    /// returns whether that happened. The actions it queues run at the next `drive`.
+    fn escalate(&mut self, what: &str, e: &Error) -> bool {
+        if !e.is_context_lost() {
+            return false;
+        }
+        if self.shared.check_context().is_ok() {
+            let suspect = match &self.suspect {
+                Some((w, said)) => format!(" The worker most likely at fault: {w} ({said})."),
+                None => {
+                    let busy: Vec<String> = self
+                        .workers
+                        .iter()
+                        .filter(|(_, s)| s.in_flight > 0)
+                        .map(|(w, _)| w.to_string())
+                        .collect();
+                    if busy.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" Workers with jobs on the GPU then: {}.", busy.join(", "))
+                    }
+                }
+            };
+            let cause = match self.shared.mps_client {
+                Some(true) => format!(
+                    "this process is an MPS client, and under MPS a GPU fault in any client (a worker's kernel) ends every client's context.{suspect}"
+                ),
+                _ => format!(
+                    "a GPU fault in this process (a kernel of its own), or the GPU itself; a worker's fault does not reach the parent without MPS.{suspect}"
+                ),
+            };
+            let detail = format!(
+                "the GPU context of this process is lost ({what}: {e}): {cause} Every later CUDA call here fails and nothing computed since can be trusted, so this parent refuses all further work; restart the process{}",
+                if self.shared.mps_client == Some(true) {
+                    ", and run workers you do not trust without MPS."
+                } else {
+                    "."
+                }
+            );
+            tracing::error!("{detail}");
+            *crate::parent::lock(&self.shared.context_lost) = Some(detail.clone());
+            let workers: Vec<WorkerId> = self.workers.keys().copied().collect();
+            for w in workers {
+                self.lose(w, "the parent's GPU context is lost");
+            }
+            // Jobs still waiting for a worker will never run.
+            let queued: Vec<Box<Submission>> = self
+                .workers
+                .values_mut()
+                .flat_map(|s| s.queued.drain(..))
+                .collect();
+            for sub in queued {
+                Stats::bump(&self.shared.stats.jobs_failed);
+                sub.done.complete(Err(Error::ContextLost {
+                    detail: detail.clone(),
+                }));
+            }
+        }
+        true
+    }
+
+    /// The error every job gets once the context is lost.
+    fn context_error(&self) -> Error {
+        match self.shared.check_context() {
+            Err(e) => e,
+            Ok(()) => Error::ContextLost {
+                detail: "the GPU context of this process is lost".into(),
+            },
+        }
+    }
+
     /// The worker is lost outside the contract's view (a send failed, staging broke): tell the
     /// contract it hung up; it condemns the worker, and the actions do the rest.
     fn lose(&mut self, worker: WorkerId, why: &str) {
@@ -844,6 +936,9 @@ impl Loop {
             }
         }
         tracing::warn!(worker = %worker, "{why}");
+        if self.shared.check_context().is_ok() {
+            self.suspect = Some((worker, why.to_owned()));
+        }
         let now = self.now();
         if let Err(e) = self.machine.handle(
             ParentEvent::WorkerHungUp {
@@ -871,8 +966,9 @@ impl Loop {
                 if let Some(st) = self.jobs.get(&(worker, job))
                     && let Some((ev, _)) = &st.ready
                     && let Err(e) = driver.event_record(ev.handle(), st.stream)
+                    && !self.escalate("recording READY", &e.into())
                 {
-                    self.lose(worker, &format!("recording READY failed: {e}"));
+                    self.lose(worker, "recording READY failed");
                 }
             }
             ParentAction::Send { worker, message } => self.send(worker, &message),
@@ -891,7 +987,9 @@ impl Loop {
                 let r = self.with_staging(worker, |ch, conn| {
                     ch.send_tensor(conn, job, handoff, src, bytes, stream)
                 });
-                if let Err(e) = r {
+                if let Err(e) = r
+                    && !self.escalate("sending a staged input", &e)
+                {
                     self.lose(worker, &format!("sending a staged input failed: {e}"));
                 }
             }
@@ -920,7 +1018,9 @@ impl Loop {
                 let r = self.with_staging(worker, |ch, conn| {
                     ch.recv_tensor(conn, job, handoff, dst, bytes, stream)
                 });
-                if let Err(e) = r {
+                if let Err(e) = r
+                    && !self.escalate("receiving a staged result", &e)
+                {
                     self.lose(worker, &format!("receiving a staged result failed: {e}"));
                 }
             }
@@ -930,7 +1030,9 @@ impl Loop {
                 handoff: _,
                 done_event,
             } => {
-                if let Err(e) = self.wait_done(worker, job, done_event) {
+                if let Err(e) = self.wait_done(worker, job, done_event)
+                    && !self.escalate("waiting on DONE", &e)
+                {
                     self.lose(worker, &format!("waiting on DONE failed: {e}"));
                 }
             }
@@ -1199,6 +1301,19 @@ impl Loop {
                 }
             }
         }
+        if !matches!(outcome, JobOutcome::Completed) {
+            if let JobOutcome::WorkerError(m) = &outcome {
+                self.suspect = Some((worker, format!("it reported: {m}")));
+            }
+            // A worker that failed may have faulted on the GPU: under MPS that ends our
+            // context too. Ask now (one query) rather than at the next job.
+            if let Some((ev, _)) = &st.ready
+                && self.shared.check_context().is_ok()
+                && let Err(e) = self.shared.driver.event_query(ev.handle())
+            {
+                self.escalate("checking the context after a failed job", &e.into());
+            }
+        }
         if let Some(ready) = st.ready.take() {
             self.give_ready(worker, ready);
         }
@@ -1236,7 +1351,14 @@ impl Loop {
                 })
             }
         };
-        let counter = if matches!(result, Err(Error::JobFailed { .. })) {
+        let result = match result {
+            Err(_) if self.shared.check_context().is_err() => Err(self.context_error()),
+            r => r,
+        };
+        let counter = if matches!(
+            result,
+            Err(Error::JobFailed { .. } | Error::ContextLost { .. })
+        ) {
             &self.shared.stats.jobs_failed
         } else {
             &self.shared.stats.jobs_completed

@@ -72,6 +72,17 @@ pub enum Error {
     /// A message out of place in the protocol.
     #[error("protocol: {0}")]
     Protocol(String),
+    /// This process's CUDA context is lost: a GPU fault (under MPS, possibly another
+    /// client's: a worker's), an uncorrectable ECC error, or the MPS server dropped it. Every
+    /// later CUDA call in the process fails and nothing computed since can be trusted, so the
+    /// [`Parent`](crate::Parent) refuses all further work; only a new process has a working
+    /// context. The detail names the first failing call, whether this process is an MPS
+    /// client, and the worker most likely at fault.
+    #[error("{detail}")]
+    ContextLost {
+        /// What happened, and what to do.
+        detail: String,
+    },
     /// A worker id this parent does not know (or no longer serves).
     #[error("unknown worker {0}")]
     UnknownWorker(WorkerId),
@@ -84,4 +95,20 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl Error {
+    /// Whether this error says the process's CUDA context is lost (see
+    /// [`Error::ContextLost`]), directly or through the driver error it carries.
+    #[must_use]
+    pub fn is_context_lost(&self) -> bool {
+        match self {
+            Error::ContextLost { .. } => true,
+            Error::Driver(e)
+            | Error::Pool(PoolError::Driver(e))
+            | Error::Import(CacheError::Driver(e))
+            | Error::Staging(crate::staging::StagingError::Driver(e)) => e.is_context_lost(),
+            _ => false,
+        }
+    }
 }

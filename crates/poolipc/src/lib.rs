@@ -40,6 +40,7 @@ mod driver_loop;
 pub mod echo;
 mod error;
 mod handshake;
+pub mod mps;
 mod parent;
 pub mod staging;
 mod tensor;

@@ -213,6 +213,10 @@ pub(crate) struct Shared {
     next_worker: AtomicU32,
     next_job: AtomicU64,
     pub(crate) stats: Stats,
+    /// Whether this process is an MPS client on the parent's device (`None`: not reported).
+    pub(crate) mps_client: Option<bool>,
+    /// Set once the process's CUDA context is lost: why, for every later refusal.
+    pub(crate) context_lost: Mutex<Option<String>>,
 }
 
 /// Locks a mutex, taking the data back if a thread panicked while holding it (the data of
@@ -235,6 +239,16 @@ impl Shared {
 
     pub(crate) fn take_commands(&self) -> VecDeque<LoopCommand> {
         std::mem::take(&mut *lock(&self.inbox))
+    }
+
+    /// `Err(ContextLost)` once the process's CUDA context is lost: nothing more is done.
+    pub(crate) fn check_context(&self) -> Result<(), Error> {
+        match lock(&self.context_lost).as_ref() {
+            Some(detail) => Err(Error::ContextLost {
+                detail: detail.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     pub(crate) fn registered(&self, id: WorkerId) -> Option<Registered> {
@@ -428,7 +442,16 @@ impl Parent {
                 source,
             })?;
         }
+        let mps_client = driver.device_info(options.device)?.mps_client;
+        if mps_client == Some(true) {
+            tracing::info!(
+                device = options.device,
+                "poolipc: this process is an MPS client: handoffs skip the GPU's turn-taking, and a GPU fault in any client (a worker) ends every client's context"
+            );
+        }
         let shared = Arc::new(Shared {
+            mps_client,
+            context_lost: Mutex::new(None),
             driver,
             pools,
             limit: Mutex::new(options.limit),
@@ -499,6 +522,18 @@ impl Parent {
         )
     }
 
+    /// Whether this process is an MPS client on the parent's device, as the driver reported
+    /// at [`Parent::new`] (`None`: the driver does not say). See [`crate::mps`].
+    pub fn mps_client(&self) -> Option<bool> {
+        self.shared.mps_client
+    }
+
+    /// Why this parent refuses all work, once the process's CUDA context is lost (see
+    /// [`Error::ContextLost`]); `None` while it is usable.
+    pub fn context_lost(&self) -> Option<String> {
+        lock(&self.shared.context_lost).clone()
+    }
+
     /// Counters, read without waiting for any job.
     pub fn stats(&self) -> ParentStats {
         let s = &self.shared.stats;
@@ -534,6 +569,10 @@ impl Parent {
                 let _ = c.wait();
             }
         };
+        if let Err(e) = self.shared.check_context() {
+            kill(&mut child);
+            return Err(e);
+        }
         let deadline = Instant::now() + self.shared.options.handshake_timeout;
         let setup = self.identity().and_then(|identity| {
             let config = HandshakeConfig {
@@ -726,6 +765,7 @@ impl Parent {
                 .extent_bytes()
                 .map_err(|e| Error::InvalidTensor(format!("input {i}: {e}")))?;
         }
+        self.shared.check_context()?;
         match self.shared.registered(worker) {
             None => return Err(Error::UnknownWorker(worker)),
             Some(r) if r.gone => return Err(Error::UnknownWorker(worker)),

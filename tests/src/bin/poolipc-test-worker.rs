@@ -8,6 +8,10 @@
 //! For the tests of concurrency and of the views: with `POOLIPC_TEST_GATE=DIR` it creates
 //! `DIR/started-<pid>-<job>` when a job starts and waits for `DIR/go` before answering it;
 //! with `POOLIPC_TEST_REPORT=FILE` it appends one line per input, `<job> <rung> <read-only>`.
+//!
+//! With `POOLIPC_TEST_GPU_FAULT=1` its first job's kernel faults: a store through an address
+//! nothing maps (`Driver::launch_store_kernel`); the job fails with the driver's error and
+//! the worker, its context gone, goes on answering as a real worker whose code raised would.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -42,7 +46,8 @@ fn run() -> anyhow::Result<usize> {
     let mut worker = poolipc::Worker::connect_with(driver, choice, conn)?;
     let gate = std::env::var_os("POOLIPC_TEST_GATE").map(std::path::PathBuf::from);
     let report = std::env::var_os("POOLIPC_TEST_REPORT").map(std::path::PathBuf::from);
-    if gate.is_none() && report.is_none() {
+    let mut fault = std::env::var_os("POOLIPC_TEST_GPU_FAULT").is_some();
+    if gate.is_none() && report.is_none() && !fault {
         return Ok(poolipc::echo::serve(&mut worker, None)?);
     }
     let mut served = 0;
@@ -56,6 +61,19 @@ fn run() -> anyhow::Result<usize> {
             for input in job.inputs() {
                 writeln!(f, "{} {:?} {}", job.id().0, input.rung(), input.read_only())?;
             }
+        }
+        if std::mem::take(&mut fault) {
+            let stream = job.stream();
+            let r = job
+                .driver()
+                .launch_store_kernel(poolipc::DevicePtr(16), 1, stream);
+            let message = match r {
+                Ok(()) => "the faulting kernel did not fault".to_owned(),
+                Err(e) => format!("the job's kernel faulted: {e}"),
+            };
+            eprintln!("poolipc-test-worker: {message}");
+            job.fail(&message)?;
+            continue;
         }
         if let Some(dir) = &gate {
             let started = dir.join(format!("started-{}-{}", std::process::id(), job.id().0));

@@ -60,6 +60,7 @@ impl Machine {
             st.device_count = devices;
             st.import_crash = u32::from(import_crash);
             st.peer_access = u32::from(config.peer_access);
+            st.mps = if config.mps { super::state::MPS_ON } else { 0 };
             for d in st.devices.iter_mut().take(devices as usize) {
                 d.total = memory;
             }

@@ -113,6 +113,10 @@ pub struct SimConfig {
     /// `cuMemPoolSetAccess` for another device than the pool's). Off: a machine whose GPUs
     /// share no NVLink or PCIe peer path.
     pub peer_access: bool,
+    /// Every process on the machine is an MPS client: `DeviceInfo::mps_client` says so, and a
+    /// GPU fault in one process ([`Driver::launch_store_kernel`] through a bad address) ends
+    /// every process's context, as on the H200 under MPS. Off: only the faulting process's.
+    pub mps: bool,
 }
 
 impl Default for SimConfig {
@@ -123,6 +127,7 @@ impl Default for SimConfig {
             memory_per_device: 16 << 30,
             import_crash: true,
             peer_access: true,
+            mps: false,
         }
     }
 }
@@ -209,6 +214,9 @@ struct Local {
     maps: BTreeMap<u64, VmmMap>,
     next_va: u64,
     host_registered: BTreeMap<usize, HostRegistration>,
+    /// This process's context faulted (a store through a bad address): every call that
+    /// touches the GPU fails from now on, as with a real sticky error.
+    context_lost: bool,
 }
 
 /// A range registered with `cuMemHostRegister`.
@@ -418,6 +426,7 @@ impl SimDriver {
                 maps: BTreeMap::new(),
                 next_va: VMM_BASE,
                 host_registered: BTreeMap::new(),
+                context_lost: false,
             }),
         }
     }
@@ -435,6 +444,18 @@ impl SimDriver {
             .get(ordinal as usize)
             .copied()
             .ok_or(fail(call, CuCode::INVALID_DEVICE))
+    }
+
+    /// Fails `call` with `CUDA_ERROR_ILLEGAL_ADDRESS` once this process's context is lost:
+    /// it faulted itself, or another MPS client faulted (see [`SimConfig::mps`]).
+    fn check_context(&self, call: &'static str) -> Result<()> {
+        let lost =
+            self.local().context_lost || self.machine.with(|st| st.mps & state::MPS_FAULTED != 0);
+        if lost {
+            Err(fail(call, CuCode::ILLEGAL_ADDRESS))
+        } else {
+            Ok(())
+        }
     }
 
     fn context(l: &Local, call: &'static str) -> Result<u32> {
@@ -1052,6 +1073,7 @@ impl Driver for SimDriver {
             pool_posix_fd: true,
             vmm: true,
             vmm_posix_fd: true,
+            mps_client: Some(self.machine.with(|st| st.mps & state::MPS_ON != 0)),
         })
     }
 
@@ -1370,6 +1392,7 @@ impl Driver for SimDriver {
     }
 
     fn mem_alloc_async(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        self.check_context("cuMemAllocAsync")?;
         let pool = {
             let l = self.local();
             Self::context(&l, "cuMemAllocAsync")?
@@ -1384,6 +1407,7 @@ impl Driver for SimDriver {
         pool: PoolHandle,
         stream: StreamHandle,
     ) -> Result<DevicePtr> {
+        self.check_context("cuMemAllocFromPoolAsync")?;
         self.alloc("cuMemAllocFromPoolAsync", bytes, pool, stream)
     }
 
@@ -1392,6 +1416,7 @@ impl Driver for SimDriver {
     }
 
     fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportBlob> {
+        self.check_context("cuMemPoolExportPointer")?;
         const CALL: &str = "cuMemPoolExportPointer";
         let l = self.local();
         let p = ptr.0;
@@ -1426,6 +1451,7 @@ impl Driver for SimDriver {
     }
 
     fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportBlob) -> Result<DevicePtr> {
+        self.check_context("cuMemPoolImportPointer")?;
         const CALL: &str = "cuMemPoolImportPointer";
         let [
             magic,
@@ -1639,6 +1665,7 @@ impl Driver for SimDriver {
     }
 
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        self.check_context("cuEventRecord")?;
         const CALL: &str = "cuEventRecord";
         let mut l = self.local();
         let l = &mut *l;
@@ -1655,12 +1682,14 @@ impl Driver for SimDriver {
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {
+        self.check_context("cuEventQuery")?;
         let l = self.local();
         self.machine
             .with(|st| Self::event(&l, st, "cuEventQuery", event).map(|_| true))
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        self.check_context("cuEventSynchronize")?;
         const CALL: &str = "cuEventSynchronize";
         let mut l = self.local();
         let l = &mut *l;
@@ -1674,6 +1703,7 @@ impl Driver for SimDriver {
     }
 
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        self.check_context("cuStreamWaitEvent")?;
         const CALL: &str = "cuStreamWaitEvent";
         let mut l = self.local();
         let l = &mut *l;
@@ -1717,6 +1747,7 @@ impl Driver for SimDriver {
     }
 
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        self.check_context("cuStreamSynchronize")?;
         const CALL: &str = "cuStreamSynchronize";
         let mut l = self.local();
         let l = &mut *l;
@@ -1736,6 +1767,7 @@ impl Driver for SimDriver {
         bytes: u64,
         stream: StreamHandle,
     ) -> Result<()> {
+        self.check_context("cuMemsetD8Async")?;
         self.memset("cuMemsetD8Async", ptr, &[value], bytes, stream)
     }
 
@@ -1746,17 +1778,63 @@ impl Driver for SimDriver {
         words: u64,
         stream: StreamHandle,
     ) -> Result<()> {
+        self.check_context("cuMemsetD32Async")?;
         if !ptr.0.is_multiple_of(4) {
             return Err(fail("cuMemsetD32Async", CuCode::INVALID_VALUE));
         }
         self.memset("cuMemsetD32Async", ptr, &value.to_le_bytes(), words, stream)
     }
 
+    fn launch_store_kernel(
+        &self,
+        address: DevicePtr,
+        value: u32,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const CALL: &str = "cuStreamSynchronize";
+        self.check_context("cuLaunchKernel")?;
+        let unaligned = !address.0.is_multiple_of(4);
+        // What this process can reach (asked without recording an access violation: a
+        // fault is the expected outcome here, not a bug of the caller's).
+        let reachable = self
+            .pointer_get_range(address)
+            .is_ok_and(|(base, len)| address.0 + 4 <= base.0 + len);
+        let stored = !unaligned
+            && reachable
+            && self
+                .memset("cuLaunchKernel", address, &value.to_le_bytes(), 1, stream)
+                .is_ok();
+        if stored {
+            return self.stream_synchronize(stream);
+        }
+        // A store the GPU cannot make: the context is lost, and under MPS every client's.
+        self.local().context_lost = true;
+        let mps = self.machine.with(|st| {
+            if st.mps & state::MPS_ON != 0 {
+                st.mps |= state::MPS_FAULTED;
+                true
+            } else {
+                false
+            }
+        });
+        tracing::debug!(?address, mps, "simulated GPU fault");
+        Err(fail(
+            CALL,
+            if unaligned {
+                CuCode::MISALIGNED_ADDRESS
+            } else {
+                CuCode::ILLEGAL_ADDRESS
+            },
+        ))
+    }
+
     fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
+        self.check_context("cuMemcpyDtoH")?;
         self.copy_out("cuMemcpyDtoH", dst, src, StreamHandle::NULL, true)
     }
 
     fn memcpy_htod(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
+        self.check_context("cuMemcpyHtoD")?;
         self.copy_in("cuMemcpyHtoD", dst, src, StreamHandle::NULL, true)
     }
 
@@ -1767,6 +1845,7 @@ impl Driver for SimDriver {
         bytes: u64,
         stream: StreamHandle,
     ) -> Result<()> {
+        self.check_context("cuMemcpyDtoDAsync")?;
         const CALL: &str = "cuMemcpyDtoDAsync";
         if bytes == 0 {
             return Ok(());

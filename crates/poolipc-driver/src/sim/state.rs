@@ -9,9 +9,13 @@ use crate::error::CuCode;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
-pub(super) const LAYOUT: u64 = 3;
+pub(super) const LAYOUT: u64 = 4;
 
 pub(super) const MAX_DEVICES: usize = 8;
+/// [`State::mps`]: the machine runs an MPS server that every process is a client of.
+pub(super) const MPS_ON: u32 = 1;
+/// [`State::mps`]: a client faulted under MPS; every client's context is lost.
+pub(super) const MPS_FAULTED: u32 = 2;
 pub(super) const MAX_POOLS: usize = 128;
 pub(super) const MAX_BLOCKS: usize = 8192;
 pub(super) const MAX_IMPORTS: usize = 4096;
@@ -191,7 +195,9 @@ pub(super) struct State {
     pub(super) import_crash: u32,
     /// Whether distinct devices can reach each other (peer access); 1 or 0.
     pub(super) peer_access: u32,
-    pub(super) _pad: u32,
+    /// [`MPS_ON`] when every process is an MPS client; [`MPS_FAULTED`] once one of them
+    /// faulted, which ends every client's context.
+    pub(super) mps: u32,
     pub(super) next_id: u64,
     pub(super) violation_count: u64,
     pub(super) devices: [DeviceRec; MAX_DEVICES],
