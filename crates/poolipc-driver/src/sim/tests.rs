@@ -533,7 +533,10 @@ fn a_freed_or_unknown_pointer_has_no_buffer_id() {
     d.mem_free_async(a, S).unwrap();
     for p in [a, DevicePtr(0x1234)] {
         let e = d.pointer_get_buffer_id(p).unwrap_err();
-        assert!(e.is_call("cuPointerGetAttribute", CuCode::INVALID_VALUE), "{e}");
+        assert!(
+            e.is_call("cuPointerGetAttribute", CuCode::INVALID_VALUE),
+            "{e}"
+        );
     }
 }
 
