@@ -91,8 +91,9 @@ pub const TORCH_POOL_ATTRIBUTES: [PoolAttribute; 4] = [
 /// from it may still be in use by code that never heard of poolipc. [`uninstall`] undoes the
 /// swap when nothing is allocated.
 ///
-/// Pointer exports are cached while their allocation lives (see [`export`]), so a
-/// `SharedPool` may be shared between threads and exported from by all of them.
+/// Pointer exports are cached while their allocation lives (see [`export`]). The cache sits
+/// behind a lock held only for its bookkeeping, never across a driver call, so threads
+/// sharing a `SharedPool` may all export from it.
 ///
 /// [`uninstall`]: SharedPool::uninstall
 /// [`export`]: SharedPool::export
