@@ -126,3 +126,61 @@ both_drivers!(
         Ok(())
     }
 );
+
+// `CU_POINTER_ATTRIBUTE_BUFFER_ID`, which the export cache relies on (FACTS.md, second round:
+// 917 then 918 at the same address on the H200). Not here: `cuMemRetainAllocationHandle` on
+// pool memory (INVALID_VALUE on the H200), because the `Driver` trait has no retain call.
+
+both_drivers!(
+    fn an_address_the_pool_hands_out_again_has_a_new_buffer_id(env) {
+        let pool = install(env)?;
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let a = pool.alloc(MIB, stream)?;
+        d.stream_synchronize(stream)?;
+        let first = d.pointer_get_buffer_id(a)?;
+        pool.free(a, stream)?;
+        d.stream_synchronize(stream)?;
+        let b = pool.alloc(MIB, stream)?;
+        d.stream_synchronize(stream)?;
+        ensure!(a == b, "the pool did not hand {a:?} out again (got {b:?})");
+        let second = d.pointer_get_buffer_id(b)?;
+        ensure!(second != first, "buffer id {first} kept across free and reallocation");
+        println!("{:?}: buffer ids {first} then {second} at {a:?}", env.kind());
+        pool.free(b, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_live_allocation_gives_the_same_buffer_id_every_time(env) {
+        let pool = install(env)?;
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let a = pool.alloc(MIB, stream)?;
+        d.stream_synchronize(stream)?;
+        let first = d.pointer_get_buffer_id(a)?;
+        let again = d.pointer_get_buffer_id(a)?;
+        ensure!(first == again, "two queries of one live allocation: {first} and {again}");
+        pool.free(a, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn an_interior_pointer_has_its_allocations_buffer_id(env) {
+        let pool = install(env)?;
+        let d = &*env.driver;
+        let stream = d.stream_create()?;
+        let a = pool.alloc(3 * MIB, stream)?;
+        d.stream_synchronize(stream)?;
+        let base = d.pointer_get_buffer_id(a)?;
+        let inside = d.pointer_get_buffer_id(a.offset(MIB + 5))?;
+        ensure!(base == inside, "base {base}, interior pointer {inside}");
+        pool.free(a, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);

@@ -71,6 +71,12 @@ pub trait Driver: Send + Sync {
 
     /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE)`.
     fn pointer_get_mempool(&self, ptr: DevicePtr) -> Result<PoolHandle>;
+    /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_BUFFER_ID)`: the id of the allocation `ptr`
+    /// lies in (an interior pointer gives its allocation's). Unique within this process: an
+    /// address the pool hands out again has a new id (measured on the H200: 917, then 918 at
+    /// the same address), so an unchanged id means the same live allocation. A freed or unknown
+    /// pointer fails (`INVALID_VALUE`).
+    fn pointer_get_buffer_id(&self, ptr: DevicePtr) -> Result<u64>;
     /// `cuMemGetAddressRange`: the allocation `ptr` lies in, as (base, size).
     fn pointer_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)>;
     /// `cuMemAllocAsync`: from the device's current pool.

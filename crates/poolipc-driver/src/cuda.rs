@@ -670,6 +670,19 @@ impl Driver for CudaDriver {
         Ok(pool_handle(pool))
     }
 
+    fn pointer_get_buffer_id(&self, ptr: DevicePtr) -> Result<u64> {
+        let mut id: std::ffi::c_ulonglong = 0;
+        // SAFETY: BUFFER_ID writes one unsigned long long into `id`.
+        check("cuPointerGetAttribute", unsafe {
+            sys::cuPointerGetAttribute(
+                (&raw mut id).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                ptr.0,
+            )
+        })?;
+        Ok(id)
+    }
+
     fn pointer_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
         let (mut base, mut len): (sys::CUdeviceptr, usize) = (0, 0);
         // SAFETY: both are valid places to write.

@@ -10,6 +10,7 @@ use poolipc_driver::{
     PoolHandle, PoolSharing, StreamHandle,
 };
 
+use crate::export_cache::{DEFAULT_EXPORT_CACHE_ENTRIES, ExportCache, ExportCacheStats, Lookup};
 use crate::stats::PoolStats;
 
 /// Errors of installing, attaching or using the shared pool.
@@ -90,13 +91,28 @@ pub const TORCH_POOL_ATTRIBUTES: [PoolAttribute; 4] = [
 /// from it may still be in use by code that never heard of poolipc. [`uninstall`] undoes the
 /// swap when nothing is allocated.
 ///
+/// Pointer exports are cached while their allocation lives (see [`export`]). The cache sits
+/// behind a lock held only for its bookkeeping, never across a driver call, so threads
+/// sharing a `SharedPool` may all export from it.
+///
 /// [`uninstall`]: SharedPool::uninstall
+/// [`export`]: SharedPool::export
 #[derive(Debug)]
 pub struct SharedPool<D: Driver + ?Sized> {
     driver: Arc<D>,
     device: u32,
     pool: PoolHandle,
     fd: OwnedFd,
+    exports: ExportCache,
+}
+
+/// How [`SharedPool::export_traced`] got its blob (tests check what the cache served).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Served {
+    /// From the cache, for the allocation of this buffer id.
+    Cached { buffer_id: u64 },
+    /// From `cuMemPoolExportPointer`.
+    Exported,
 }
 
 impl<D: Driver + ?Sized> SharedPool<D> {
@@ -154,6 +170,7 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             device,
             pool,
             fd,
+            exports: ExportCache::new(DEFAULT_EXPORT_CACHE_ENTRIES),
         })
     }
 
@@ -193,9 +210,11 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             .mem_alloc_from_pool_async(bytes, self.pool, stream)?)
     }
 
-    /// Free an allocation of this pool, stream-ordered.
+    /// Free an allocation of this pool, stream-ordered, and drop its cached export.
     pub fn free(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), PoolError> {
-        Ok(self.driver.mem_free_async(ptr, stream)?)
+        self.driver.mem_free_async(ptr, stream)?;
+        self.exports.forget(ptr.0);
+        Ok(())
     }
 
     /// Whether `ptr` was allocated from this pool.
@@ -204,7 +223,65 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     }
 
     /// Export `ptr` for import by a worker, refusing pointers of other pools.
+    ///
+    /// `cuMemPoolExportPointer` costs about 0.43 ms/GiB each time, so the export of an
+    /// allocation's base is cached while that allocation lives: one
+    /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_BUFFER_ID)` tells whether the address still
+    /// holds the allocation the cached blob was made for (a hit: nothing else is called) or a
+    /// later one the pool handed out there (the export is made again and replaces the entry).
+    /// Only exports of this pool's allocations are cached, so a hit needs no pool check. When
+    /// the buffer id cannot be read, the export is made as without a cache.
     pub fn export(&self, ptr: DevicePtr) -> Result<ExportBlob, PoolError> {
+        self.export_traced(ptr).map(|(blob, _)| blob)
+    }
+
+    /// [`export`](SharedPool::export), saying whether the blob came from the cache.
+    pub(crate) fn export_traced(&self, ptr: DevicePtr) -> Result<(ExportBlob, Served), PoolError> {
+        let buffer_id = match self.driver.pointer_get_buffer_id(ptr) {
+            Ok(id) => id,
+            Err(e) => {
+                tracing::debug!(?ptr, error = %e, "no buffer id: exporting without the cache");
+                self.exports.count_uncached();
+                return Ok((self.export_uncached(ptr)?, Served::Exported));
+            }
+        };
+        match self.exports.lookup(ptr.0, buffer_id) {
+            Lookup::Hit(blob) => {
+                tracing::trace!(?ptr, buffer_id, "export cache hit");
+                return Ok((blob, Served::Cached { buffer_id }));
+            }
+            Lookup::Stale => {
+                tracing::trace!(
+                    ?ptr,
+                    buffer_id,
+                    "export cache: the address holds a new allocation"
+                );
+            }
+            Lookup::Miss => tracing::trace!(?ptr, buffer_id, "export cache miss"),
+        }
+        let blob = self.export_uncached(ptr)?;
+        // Keep the blob only if it is the export of an allocation's base, and that allocation
+        // is still the one whose id we read before exporting (another thread may have freed
+        // it, and the pool handed the address out again, meanwhile).
+        let after = self.driver.pointer_get_buffer_id(ptr);
+        let range = self.driver.pointer_get_range(ptr);
+        match (after, range) {
+            (Ok(after), Ok((base, bytes))) if after == buffer_id && base == ptr => {
+                self.exports.insert(ptr.0, buffer_id, blob, bytes);
+            }
+            (after, range) => tracing::debug!(
+                ?ptr,
+                buffer_id,
+                ?after,
+                ?range,
+                "export not cached: not an allocation's base, or the allocation changed"
+            ),
+        }
+        Ok((blob, Served::Exported))
+    }
+
+    /// The export without the cache: the pool check, then `cuMemPoolExportPointer`.
+    fn export_uncached(&self, ptr: DevicePtr) -> Result<ExportBlob, PoolError> {
         let found = self.driver.pointer_get_mempool(ptr)?;
         if found != self.pool {
             return Err(PoolError::ForeignPointer {
@@ -214,6 +291,25 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             });
         }
         Ok(self.driver.mem_pool_export_pointer(ptr)?)
+    }
+
+    /// What the export cache has done: hits, misses, stale entries replaced, evictions, and
+    /// the bytes whose export hits saved.
+    pub fn export_cache_stats(&self) -> ExportCacheStats {
+        self.exports.stats()
+    }
+
+    /// Keep at most `entries` exports from now on (default
+    /// [`DEFAULT_EXPORT_CACHE_ENTRIES`](crate::DEFAULT_EXPORT_CACHE_ENTRIES)); the least
+    /// recently used go first. 0 turns the cache off.
+    pub fn set_export_cache_capacity(&self, entries: usize) {
+        self.exports.set_capacity(entries);
+    }
+
+    /// The export cache, for the tests' mutation switch.
+    #[cfg(test)]
+    pub(crate) fn export_cache(&self) -> &ExportCache {
+        &self.exports
     }
 
     /// Used and reserved bytes of this pool, current and high.
@@ -383,6 +479,7 @@ mod tests {
     fn the_fd_is_exported_before_any_pointer_export() {
         let mut seq = Sequence::new();
         let mut d = installing(&mut seq);
+        d.expect_pointer_get_buffer_id().returning(|_| Ok(7));
         d.expect_pointer_get_mempool()
             .times(1)
             .in_sequence(&mut seq)
@@ -391,6 +488,7 @@ mod tests {
             .times(1)
             .in_sequence(&mut seq)
             .returning(|_| Ok(ExportBlob([1; 64])));
+        d.expect_pointer_get_range().returning(|p| Ok((p, 4096)));
         let pool = SharedPool::install(Arc::new(d), 0).unwrap();
         assert_eq!(pool.export(DevicePtr(0x1000)).unwrap(), ExportBlob([1; 64]));
     }
@@ -399,11 +497,110 @@ mod tests {
     fn a_pointer_of_another_pool_is_not_exported() {
         let mut seq = Sequence::new();
         let mut d = installing(&mut seq);
+        d.expect_pointer_get_buffer_id().returning(|_| Ok(9));
         d.expect_pointer_get_mempool().returning(|_| Ok(DEFAULT));
         d.expect_mem_pool_export_pointer().never();
         let pool = SharedPool::install(Arc::new(d), 0).unwrap();
         let e = pool.export(DevicePtr(0x1000)).unwrap_err();
         assert!(matches!(e, PoolError::ForeignPointer { .. }), "{e}");
+    }
+
+    /// An installed pool whose driver exports `ptr`'s allocation (`bytes` long) with blob
+    /// `[n; 64]` at the n-th `cuMemPoolExportPointer`, and reports the buffer ids `ids`
+    /// gives, one per query.
+    fn exporting(
+        bytes: u64,
+        exports: usize,
+        ids: impl FnMut(DevicePtr) -> Result<u64, DriverError> + Send + 'static,
+    ) -> SharedPool<MockDriver> {
+        let mut seq = Sequence::new();
+        let mut d = installing(&mut seq);
+        d.expect_pointer_get_buffer_id().returning(ids);
+        d.expect_pointer_get_mempool().returning(|_| Ok(OURS));
+        let mut n = 0u8;
+        d.expect_mem_pool_export_pointer()
+            .times(exports)
+            .returning(move |_| {
+                n += 1;
+                Ok(ExportBlob([n; 64]))
+            });
+        d.expect_pointer_get_range()
+            .returning(move |p| Ok((DevicePtr(p.0 & !0xfff), bytes)));
+        SharedPool::install(Arc::new(d), 0).unwrap()
+    }
+
+    #[test]
+    fn a_second_export_of_a_live_allocation_reuses_the_blob() {
+        let pool = exporting(1 << 30, 1, |_| Ok(917));
+        let first = pool.export(DevicePtr(0x1000)).unwrap();
+        assert_eq!(pool.export(DevicePtr(0x1000)).unwrap(), first);
+        let s = pool.export_cache_stats();
+        assert_eq!(
+            (s.hits, s.misses, s.stale, s.bytes_saved),
+            (1, 1, 0, 1 << 30)
+        );
+    }
+
+    #[test]
+    fn an_address_holding_a_new_allocation_is_exported_again() {
+        // Two queries per miss (before and after the export), then the recycled address.
+        let mut ids = [917, 917, 918, 918, 918].into_iter();
+        let pool = exporting(4096, 2, move |_| Ok(ids.next().unwrap_or(0)));
+        let first = pool.export(DevicePtr(0x1000)).unwrap();
+        let second = pool.export(DevicePtr(0x1000)).unwrap();
+        assert_ne!(first, second);
+        assert_eq!(pool.export(DevicePtr(0x1000)).unwrap(), second);
+        let s = pool.export_cache_stats();
+        assert_eq!((s.hits, s.misses, s.stale, s.entries), (1, 1, 1, 1));
+    }
+
+    #[test]
+    fn without_a_buffer_id_every_export_goes_to_the_driver() {
+        let pool = exporting(4096, 2, |_| {
+            Err(DriverError::Call {
+                call: "cuPointerGetAttribute",
+                code: CuCode::NOT_SUPPORTED,
+            })
+        });
+        pool.export(DevicePtr(0x1000)).unwrap();
+        pool.export(DevicePtr(0x1000)).unwrap();
+        let s = pool.export_cache_stats();
+        assert_eq!((s.hits, s.uncached, s.entries), (0, 2, 0));
+    }
+
+    #[test]
+    fn the_export_of_an_interior_pointer_is_not_cached() {
+        let pool = exporting(4096, 2, |_| Ok(5));
+        pool.export(DevicePtr(0x1010)).unwrap();
+        pool.export(DevicePtr(0x1010)).unwrap();
+        assert_eq!(pool.export_cache_stats().entries, 0);
+    }
+
+    #[test]
+    fn an_export_whose_allocation_changed_meanwhile_is_not_cached() {
+        let mut ids = [1, 2, 2, 2].into_iter();
+        let pool = exporting(4096, 2, move |_| Ok(ids.next().unwrap_or(0)));
+        pool.export(DevicePtr(0x1000)).unwrap();
+        assert_eq!(pool.export_cache_stats().entries, 0);
+        pool.export(DevicePtr(0x1000)).unwrap();
+        assert_eq!(pool.export_cache_stats().entries, 1);
+    }
+
+    #[test]
+    fn a_free_through_the_pool_drops_the_cached_export() {
+        let mut seq = Sequence::new();
+        let mut d = installing(&mut seq);
+        d.expect_pointer_get_buffer_id().returning(|_| Ok(3));
+        d.expect_pointer_get_mempool().returning(|_| Ok(OURS));
+        d.expect_mem_pool_export_pointer()
+            .times(1)
+            .returning(|_| Ok(ExportBlob([1; 64])));
+        d.expect_pointer_get_range().returning(|p| Ok((p, 4096)));
+        d.expect_mem_free_async().times(1).returning(|_, _| Ok(()));
+        let pool = SharedPool::install(Arc::new(d), 0).unwrap();
+        pool.export(DevicePtr(0x1000)).unwrap();
+        pool.free(DevicePtr(0x1000), StreamHandle::NULL).unwrap();
+        assert_eq!(pool.export_cache_stats().entries, 0);
     }
 
     #[test]

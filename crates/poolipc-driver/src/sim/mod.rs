@@ -18,6 +18,9 @@
 //! Device addresses are not host addresses: each process sees its own pools at
 //! `0x1_0000_0000_0000 + slot * 128 GiB`, imported pools at `0x2_...`, VMM reservations at
 //! `0x3_...`, so an exporter's pointer used by an importer is caught as an unmapped access.
+//! Every pool allocation, pointer import and VMM mapping gets a buffer id
+//! (`CU_POINTER_ATTRIBUTE_BUFFER_ID`) from a per-process counter, so memory the pool hands
+//! out again has a new one, as on the H200.
 //!
 //! # What it enforces
 //!
@@ -171,6 +174,8 @@ struct LocalImport {
     block: usize,
     generation: u64,
     bytes: u64,
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID` of the import in this process.
+    buffer_id: u64,
 }
 
 #[derive(Debug)]
@@ -193,6 +198,8 @@ struct VmmMap {
     map: Mapping,
     bytes: u64,
     access: Access,
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID` of the mapping.
+    buffer_id: u64,
 }
 
 #[derive(Debug)]
@@ -217,6 +224,18 @@ struct Local {
     /// This process's context faulted (a store through a bad address): every call that
     /// touches the GPU fails from now on, as with a real sticky error.
     context_lost: bool,
+    /// The last `CU_POINTER_ATTRIBUTE_BUFFER_ID` handed out: per process and increasing, as
+    /// the real driver's ids are, so recycled memory gets a new one.
+    last_buffer_id: u64,
+    /// Buffer ids of this process's live pool allocations, by (block, generation).
+    buffer_ids: HashMap<(usize, u64), u64>,
+}
+
+impl Local {
+    fn new_buffer_id(&mut self) -> u64 {
+        self.last_buffer_id += 1;
+        self.last_buffer_id
+    }
 }
 
 /// A range registered with `cuMemHostRegister`.
@@ -427,6 +446,8 @@ impl SimDriver {
                 next_va: VMM_BASE,
                 host_registered: BTreeMap::new(),
                 context_lost: false,
+                last_buffer_id: 0,
+                buffer_ids: HashMap::new(),
             }),
         }
     }
@@ -797,6 +818,7 @@ impl SimDriver {
                 .live_block_at(slot, off)
                 .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
             let generation_ = st.blocks[b].generation;
+            l.buffer_ids.remove(&(b, generation_));
             for pid in st.live_importers(b, generation_, Machine::alive) {
                 st.violation(ViolationKind::FreedWhileImported, CALL, self.pid)
                     .block(b, generation_)
@@ -1357,6 +1379,38 @@ impl Driver for SimDriver {
         Err(fail(CALL, CuCode::INVALID_VALUE))
     }
 
+    fn pointer_get_buffer_id(&self, ptr: DevicePtr) -> Result<u64> {
+        // Found as `pointer_get_mempool` finds the allocation, failing the same way.
+        const CALL: &str = "cuPointerGetAttribute";
+        let l = self.local();
+        let p = ptr.0;
+        if (OWN_BASE..IMPORT_BASE).contains(&p) {
+            let slot = ((p - OWN_BASE) / POOL_SPAN) as usize;
+            let off = (p - OWN_BASE) % POOL_SPAN;
+            if l.pools.get(&slot).is_some_and(|lp| !lp.imported) {
+                let live = self.machine.with(|st| {
+                    st.block_containing(slot, off)
+                        .filter(|&b| st.blocks[b].state == BLOCK_LIVE)
+                        .map(|b| (b, st.blocks[b].generation))
+                });
+                if let Some(id) = live.and_then(|key| l.buffer_ids.get(&key)) {
+                    return Ok(*id);
+                }
+            }
+        } else if (IMPORT_BASE..VMM_BASE).contains(&p) {
+            if let Some((&base, imp)) = l.imports.range(..=p).next_back()
+                && p < base + imp.bytes.max(1)
+            {
+                return Ok(imp.buffer_id);
+            }
+        } else if let Some((&base, m)) = l.maps.range(..=p).next_back()
+            && p < base + m.bytes
+        {
+            return Ok(m.buffer_id);
+        }
+        Err(fail(CALL, CuCode::INVALID_VALUE))
+    }
+
     fn pointer_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
         const CALL: &str = "cuMemGetAddressRange_v2";
         let l = self.local();
@@ -1539,6 +1593,7 @@ impl Driver for SimDriver {
             r.agent = self.agent;
             r.block = block as u64;
             r.generation = generation;
+            let buffer_id = l.new_buffer_id();
             l.imports.insert(
                 ptr,
                 LocalImport {
@@ -1547,6 +1602,7 @@ impl Driver for SimDriver {
                     block,
                     generation,
                     bytes,
+                    buffer_id,
                 },
             );
             Ok(DevicePtr(ptr))
@@ -2067,12 +2123,14 @@ impl Driver for SimDriver {
             return Err(fail(CALL, CuCode::ALREADY_MAPPED));
         }
         let map = Mapping::new(&v.fd, 0, bytes)?;
+        let buffer_id = l.new_buffer_id();
         l.maps.insert(
             ptr.0,
             VmmMap {
                 map,
                 bytes,
                 access: Access::None,
+                buffer_id,
             },
         );
         Ok(())
@@ -2171,6 +2229,8 @@ impl SimDriver {
             // The allocation is stream-ordered: it is the stream's write, which another
             // process must be ordered after before it touches the memory.
             self.stamp(st, b, s);
+            let id = l.new_buffer_id();
+            l.buffer_ids.insert((b, st.blocks[b].generation), id);
             Ok(DevicePtr(
                 OWN_BASE + slot as u64 * POOL_SPAN + st.blocks[b].offset,
             ))

@@ -500,6 +500,62 @@ fn a_pointer_outside_any_allocation_has_no_pool_and_no_range() {
     assert!(e.is_call("cuMemGetAddressRange_v2", CuCode::NOT_FOUND));
 }
 
+// --- buffer ids ------------------------------------------------------------------------------
+
+#[test]
+fn an_address_the_pool_hands_out_again_has_a_new_buffer_id() {
+    let d = sim();
+    let (pool, _fd) = shared_pool(&d);
+    let a = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
+    let first = d.pointer_get_buffer_id(a).unwrap();
+    d.mem_free_async(a, S).unwrap();
+    let b = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
+    assert_eq!(a, b, "the pool should recycle the address");
+    let second = d.pointer_get_buffer_id(b).unwrap();
+    assert!(second > first, "ids {first} then {second}");
+}
+
+#[test]
+fn a_live_allocation_keeps_its_buffer_id_and_interior_pointers_share_it() {
+    let d = sim();
+    let a = d.mem_alloc_async(3 * MIB, S).unwrap();
+    let id = d.pointer_get_buffer_id(a).unwrap();
+    assert_eq!(d.pointer_get_buffer_id(a).unwrap(), id);
+    assert_eq!(d.pointer_get_buffer_id(a.offset(MIB + 5)).unwrap(), id);
+    let b = d.mem_alloc_async(MIB, S).unwrap();
+    assert_ne!(d.pointer_get_buffer_id(b).unwrap(), id);
+}
+
+#[test]
+fn a_freed_or_unknown_pointer_has_no_buffer_id() {
+    let d = sim();
+    let a = d.mem_alloc_async(MIB, S).unwrap();
+    d.mem_free_async(a, S).unwrap();
+    for p in [a, DevicePtr(0x1234)] {
+        let e = d.pointer_get_buffer_id(p).unwrap_err();
+        assert!(
+            e.is_call("cuPointerGetAttribute", CuCode::INVALID_VALUE),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn an_import_has_a_buffer_id_of_the_importing_process() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let ptr = p.mem_alloc_async(MIB, S).unwrap();
+    let blob = p.mem_pool_export_pointer(ptr).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    let id = w.pointer_get_buffer_id(imported).unwrap();
+    assert_eq!(w.pointer_get_buffer_id(imported.offset(100)).unwrap(), id);
+    // The exporter's pointer means nothing in the importer.
+    assert!(w.pointer_get_buffer_id(ptr).is_err());
+    w.mem_pool_free_import(imported, S).unwrap();
+    assert!(w.pointer_get_buffer_id(imported).is_err());
+}
+
 // --- devices and access --------------------------------------------------------------------
 
 #[test]
