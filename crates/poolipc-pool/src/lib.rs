@@ -7,13 +7,17 @@
 //!   defined in `poolipc-types` and re-exported here.
 //! - [`ImportCache`]: the worker's one-import-per-allocation cache.
 //! - [`PoolStats`]: the pool's true figures.
+//! - [`arena`]: the result arena: parent-owned VMM memory each worker maps once, so that a
+//!   result handoff is an offset ([`Arena`], [`ArenaMapping`], [`ArenaAllocator`]).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod arena;
 mod cache;
 mod shared;
 mod stats;
 
+pub use arena::{Arena, ArenaAllocator, ArenaBlock, ArenaError, ArenaMapping};
 pub use cache::{CacheError, ImportCache, Released};
 pub use poolipc_types::{CHUNK_BYTES, ImportLimit, LimitExceeded, MAX_CHUNKS};
 pub use shared::{AttachedPool, PoolError, SharedPool, TORCH_POOL_ATTRIBUTES};
