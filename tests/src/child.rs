@@ -14,17 +14,29 @@
 //! - `pool`: what attaching the pool found (release threshold before, raised or not).
 //! - `set_threshold`: `cuMemPoolSetAttribute` of the release threshold on the imported pool.
 //! - `sync`: synchronizes the child's stream.
+//! - `arena_map <chunk> <len>`: maps a chunk of the parent's result arena. The child answers
+//!   `ready-fd`, then takes the chunk's FD from the next transport frame (see
+//!   [`Child::call_with_fd`](crate::Child::call_with_fd)), imports and maps it
+//!   (`ArenaMapping::map_chunk`); answers the local base address and the microseconds.
+//! - `arena_resolve <chunk> <offset> <len>`: `ArenaMapping::resolve`; answers the address.
+//! - `arena_fill <chunk> <offset> <len> <u32-hex>`: resolves the range, `cuMemsetD32Async` of
+//!   all of it on the child's stream, then synchronizes; answers the address.
+//! - `arena_check <chunk> <offset> <len> <u32-hex>`: resolves the range, synchronizes, copies
+//!   it to the host and checks every word; answers the number of bad words and the first bad
+//!   offset.
+//! - `arena_unmap <chunk>`: `ArenaMapping::unmap_chunk`.
 //! - `exit`.
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
 use poolipc_driver::{DevicePtr, Driver, EventBlob, EventHandle, ExportBlob, StreamHandle};
-use poolipc_pool::AttachedPool;
-use poolipc_transport::{Capabilities, HandshakeConfig};
+use poolipc_pool::{ArenaMapping, AttachedPool};
+use poolipc_transport::{Capabilities, Connection, HandshakeConfig, Message};
 
 use crate::{hex, unhex};
 
@@ -38,18 +50,76 @@ fn parse(word: Option<&str>) -> Result<u64> {
 
 /// The child's state.
 struct Worker {
-    driver: Box<dyn Driver>,
+    driver: Arc<dyn Driver>,
     pool: AttachedPool,
     stream: StreamHandle,
     event: Option<(EventHandle, EventBlob)>,
+    arena: ArenaMapping<dyn Driver>,
+    /// The command socket again, as a transport connection: FDs arrive on it in frames.
+    fds: Connection,
 }
 
 impl Worker {
-    fn handle(&mut self, line: &str) -> Result<String> {
+    /// Says `ready-fd` on `writer` and takes the one FD of the next frame (a one-FD frame
+    /// kind serves as the carrier; its fields are ignored).
+    fn receive_fd(&mut self, writer: &mut UnixStream) -> Result<OwnedFd> {
+        writer.write_all(b"ready-fd\n")?;
+        let (msg, mut fds) = self.fds.recv(Instant::now() + Duration::from_secs(60))?;
+        if !matches!(msg, Message::ExtraPool(_)) || fds.len() != 1 {
+            bail!(
+                "expected one FD in an ExtraPool frame, got {:?}",
+                msg.kind()
+            );
+        }
+        fds.pop().ok_or_else(|| anyhow!("no FD"))
+    }
+
+    /// `(chunk, offset, len)` from the command's words, resolved in the arena mapping.
+    fn arena_range<'a>(&self, w: &mut impl Iterator<Item = &'a str>) -> Result<(DevicePtr, u64)> {
+        let chunk = u32::try_from(parse(w.next())?)?;
+        let offset = parse(w.next())?;
+        let len = parse(w.next())?;
+        Ok((self.arena.resolve(chunk, offset, len)?, len))
+    }
+
+    fn handle(&mut self, line: &str, writer: &mut UnixStream) -> Result<String> {
         let mut w = line.split_whitespace();
         let cmd = w.next().unwrap_or("");
+        if cmd == "arena_map" {
+            let chunk = u32::try_from(parse(w.next())?)?;
+            let len = parse(w.next())?;
+            let fd = self.receive_fd(writer)?;
+            let t = Instant::now();
+            let base = self.arena.map_chunk(chunk, len, fd.as_fd())?;
+            let micros = t.elapsed().as_secs_f64() * 1e6;
+            return Ok(format!("{:#x} {micros:.1}", base.0));
+        }
         let d = &*self.driver;
         match cmd {
+            "arena_resolve" => Ok(format!("{:#x}", self.arena_range(&mut w)?.0.0)),
+            "arena_fill" => {
+                let (ptr, len) = self.arena_range(&mut w)?;
+                let pattern = u32::from_str_radix(w.next().unwrap_or(""), 16)?;
+                if len % 4 != 0 {
+                    bail!("arena_fill needs whole 32-bit words, not {len} bytes");
+                }
+                d.memset_d32_async(ptr, pattern, len / 4, self.stream)?;
+                d.stream_synchronize(self.stream)?;
+                Ok(format!("{:#x}", ptr.0))
+            }
+            "arena_check" => {
+                let (ptr, len) = self.arena_range(&mut w)?;
+                let pattern = u32::from_str_radix(w.next().unwrap_or(""), 16)?;
+                d.stream_synchronize(self.stream)?;
+                let mut buf = vec![0u8; usize::try_from(len)?];
+                d.memcpy_dtoh(&mut buf, ptr)?;
+                let (bad, first) = count_bad(&buf, pattern);
+                Ok(format!("{bad} {first}"))
+            }
+            "arena_unmap" => {
+                self.arena.unmap_chunk(u32::try_from(parse(w.next())?)?)?;
+                Ok(String::new())
+            }
             "import" => {
                 let data = ExportBlob(unhex::<64>(w.next().unwrap_or(""))?);
                 let t = Instant::now();
@@ -153,9 +223,9 @@ pub fn main() -> Result<()> {
         .unwrap_or_else(|_| "0".into())
         .parse()
         .context("POOLIPC_TEST_DEVICE")?;
-    let driver: Box<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
-        Some(sim) => Box::new(sim.context("attaching to the parent's simulated machine")?),
-        None => Box::new(poolipc_driver::CudaDriver::new()?),
+    let driver: Arc<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
+        Some(sim) => Arc::new(sim.context("attaching to the parent's simulated machine")?),
+        None => Arc::new(poolipc_driver::CudaDriver::new()?),
     };
     driver.use_device(device)?;
     let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
@@ -169,14 +239,17 @@ pub fn main() -> Result<()> {
     let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
     let pool = AttachedPool::attach(&*driver, pool_fd.as_fd(), device)?;
     let stream = driver.stream_create()?;
+    let sock = UnixStream::from(conn.into_fd());
+    let fds = Connection::new(OwnedFd::from(sock.try_clone()?));
     let mut worker = Worker {
+        arena: ArenaMapping::new(Arc::clone(&driver), device),
         driver,
         pool,
         stream,
         event: None,
+        fds,
     };
 
-    let sock = UnixStream::from(conn.into_fd());
     let mut reader = BufReader::new(sock.try_clone()?);
     let mut writer = sock;
     let mut line = String::new();
@@ -189,7 +262,7 @@ pub fn main() -> Result<()> {
         if cmd == "exit" {
             return Ok(());
         }
-        let answer = match worker.handle(cmd) {
+        let answer = match worker.handle(cmd, &mut writer) {
             Ok(s) if s.is_empty() => "ok\n".to_owned(),
             Ok(s) => format!("ok {s}\n"),
             Err(e) => format!("err {}\n", format!("{e:#}").replace('\n', " ")),

@@ -12,7 +12,7 @@
 
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Write};
-use std::os::fd::BorrowedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Command, ExitStatus};
@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use poolipc_driver::sim::{SimConfig, SimDriver};
 use poolipc_driver::{CudaDriver, Driver, DriverKind};
-use poolipc_transport::{Capabilities, HandshakeConfig, Identity};
+use poolipc_transport::{
+    Capabilities, Connection, DeviceUuid, ExtraPool, HandshakeConfig, Identity, Message,
+};
 
 pub mod child;
 
@@ -286,6 +288,10 @@ impl Child {
     /// Sends a command and returns the answer's words after `ok`; an `err` answer is an error.
     pub fn call(&mut self, command: &str) -> Result<Vec<String>> {
         self.link.send(command)?;
+        self.answer(command)
+    }
+
+    fn answer(&mut self, command: &str) -> Result<Vec<String>> {
         let answer = self
             .link
             .recv()
@@ -295,6 +301,28 @@ impl Child {
             Some("ok") => Ok(words.collect()),
             _ => bail!("child answered {answer:?} to {command:?}"),
         }
+    }
+
+    /// Sends a command that takes a file descriptor (`arena_map`): the command line; then,
+    /// once the child answered `ready-fd`, `fd` by SCM_RIGHTS in a one-FD transport frame
+    /// (an `ExtraPool` frame serves as the carrier: the line protocol has no FD frame of its
+    /// own); then the answer, as [`call`](Child::call) reads it.
+    pub fn call_with_fd(&mut self, command: &str, fd: BorrowedFd<'_>) -> Result<Vec<String>> {
+        self.link.send(command)?;
+        let ready = self
+            .link
+            .recv()
+            .with_context(|| format!("readiness for {command:?}"))?;
+        if ready != "ready-fd" {
+            bail!("child answered {ready:?} to {command:?} instead of ready-fd");
+        }
+        let mut conn = Connection::new(OwnedFd::from(self.link.writer.try_clone()?));
+        let carrier = Message::ExtraPool(ExtraPool {
+            index: 1,
+            device: DeviceUuid([0; 16]),
+        });
+        conn.send(&carrier, &[fd], Instant::now() + Duration::from_secs(60))?;
+        self.answer(command)
     }
 
     /// Sends a command whose answer must be an error, returning its text.

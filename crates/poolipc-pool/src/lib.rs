@@ -8,6 +8,8 @@
 //! - [`ImportCache`]: the worker's one-import-per-allocation cache.
 //! - [`PoolStats`]: the pool's true figures.
 //! - [`ExportCacheStats`]: what the parent's export cache did.
+//! - [`arena`]: the result arena: parent-owned VMM memory each worker maps once, so that a
+//!   result handoff is an offset ([`Arena`], [`ArenaMapping`], [`ArenaAllocator`]).
 //!
 //! # The export cache
 //!
@@ -23,11 +25,13 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod arena;
 mod cache;
 mod export_cache;
 mod shared;
 mod stats;
 
+pub use arena::{Arena, ArenaAllocator, ArenaBlock, ArenaError, ArenaMapping};
 pub use cache::{CacheError, ImportCache, Released};
 pub use export_cache::{DEFAULT_EXPORT_CACHE_ENTRIES, ExportCacheStats};
 pub use poolipc_types::{CHUNK_BYTES, ImportLimit, LimitExceeded, MAX_CHUNKS};

@@ -1,0 +1,330 @@
+//! `Arena`: the parent's chunks of VMM memory and the allocator over them.
+
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use poolipc_driver::{DevicePtr, Driver, Granularity};
+
+use super::alloc::{ALIGN, AllocError, AllocStats, ArenaAllocator, Block};
+use super::{ArenaError, MappedChunk, map_handle, unmap};
+
+/// A block of the arena, as the parent hands it out: where it is in the arena (what goes on
+/// the wire) and where it is in the parent's address space.
+///
+/// `len` is the reserved length: the request rounded up to [`ALIGN`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ArenaBlock {
+    /// The chunk's index.
+    pub chunk: u32,
+    /// Bytes from the chunk's start, a multiple of [`ALIGN`].
+    pub offset: u64,
+    /// Bytes reserved, a multiple of [`ALIGN`].
+    pub len: u64,
+    /// The block's address in the parent.
+    pub ptr: DevicePtr,
+}
+
+impl ArenaBlock {
+    /// The allocator's view: chunk, offset, length.
+    #[must_use]
+    pub fn block(&self) -> Block {
+        Block {
+            chunk: self.chunk,
+            offset: self.offset,
+            len: self.len,
+        }
+    }
+}
+
+/// One chunk of the arena, as [`Arena::chunks`] lists it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChunkInfo {
+    /// The chunk's index: what blocks and [`Arena::export_fd`] name it by.
+    pub index: u32,
+    /// Its length in bytes, a multiple of the driver's recommended granularity.
+    pub len: u64,
+    /// Its base address in the parent.
+    pub ptr: DevicePtr,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    alloc: ArenaAllocator,
+    /// By chunk index (the allocator's indices: pushed together).
+    chunks: Vec<MappedChunk>,
+}
+
+/// The parent's result arena: chunks of device memory shareable by POSIX FD, mapped
+/// read-write for one device, and a best-fit allocator over them.
+///
+/// Chunks are made on the thread that calls [`new`](Arena::new), [`grow`](Arena::grow) or
+/// an [`alloc`](Arena::alloc) that grows: that thread must have made the device current
+/// ([`Driver::use_device`]). [`free`](Arena::free) makes no driver call, so a block can be
+/// freed from any thread: share the arena with `Arc<Arena<D>>`.
+///
+/// Each chunk gets its own address range; a block never spans two chunks. When an `alloc`
+/// finds no room it adds a chunk as large as the first one (or as large as the request, if
+/// that is larger), never passing the cap given to [`with_max_bytes`](Arena::with_max_bytes).
+/// A worker must map each new chunk (see [`ChunkInfo`] and [`export_fd`](Arena::export_fd))
+/// before it is granted a block in it.
+pub struct Arena<D: Driver + ?Sized> {
+    driver: Arc<D>,
+    device: u32,
+    granularity: u64,
+    /// The size of a chunk added by growth, unless the request needs more.
+    growth: u64,
+    max_bytes: Option<u64>,
+    state: Mutex<State>,
+}
+
+impl<D: Driver + ?Sized> std::fmt::Debug for Arena<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("device", &self.device)
+            .field("granularity", &self.granularity)
+            .field("max_bytes", &self.max_bytes)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Driver + ?Sized> Arena<D> {
+    /// An arena of one chunk of at least `initial_bytes` (rounded up to the driver's
+    /// recommended granularity) on `device`, with no cap on growth.
+    pub fn new(driver: Arc<D>, device: u32, initial_bytes: u64) -> Result<Arena<D>, ArenaError> {
+        Arena::with_max_bytes(driver, device, initial_bytes, None)
+    }
+
+    /// Like [`new`](Arena::new), never growing past `max_bytes` in total (when given).
+    pub fn with_max_bytes(
+        driver: Arc<D>,
+        device: u32,
+        initial_bytes: u64,
+        max_bytes: Option<u64>,
+    ) -> Result<Arena<D>, ArenaError> {
+        let granularity = driver.vmm_granularity(device, Granularity::Recommended)?;
+        let growth = round_up(initial_bytes, granularity)?;
+        let arena = Arena {
+            driver,
+            device,
+            granularity,
+            growth,
+            max_bytes,
+            state: Mutex::new(State::default()),
+        };
+        {
+            let mut st = arena.lock();
+            arena.add_chunk(&mut st, initial_bytes, growth)?;
+        }
+        tracing::debug!(device, bytes = growth, granularity, "arena created");
+        Ok(arena)
+    }
+
+    /// Adds a chunk of at least `min_bytes` (rounded up to the granularity) and returns its
+    /// index. Refused with [`ArenaError::Exhausted`] when it would pass the cap.
+    pub fn grow(&self, min_bytes: u64) -> Result<u32, ArenaError> {
+        let len = round_up(min_bytes, self.granularity)?;
+        let mut st = self.lock();
+        self.add_chunk(&mut st, min_bytes, len)
+    }
+
+    /// A block of at least `bytes` (rounded up to [`ALIGN`]), growing the arena when no free
+    /// range holds it.
+    ///
+    /// Zero bytes are refused ([`AllocError::ZeroSize`]): an empty tensor needs no memory.
+    /// Past the cap the answer is [`ArenaError::Exhausted`].
+    pub fn alloc(&self, bytes: u64) -> Result<ArenaBlock, ArenaError> {
+        let mut st = self.lock();
+        let block = match st.alloc.alloc(bytes, ALIGN) {
+            Ok(b) => b,
+            Err(AllocError::NoSpace { len, .. }) => {
+                let needed = round_up(len, self.granularity)?;
+                let capacity = st.alloc.capacity();
+                let room = self
+                    .max_bytes
+                    .map_or(u64::MAX, |m| m.saturating_sub(capacity));
+                // A chunk of the usual size if the cap leaves room for it, else just enough.
+                let chunk_len = if needed.max(self.growth) <= room {
+                    needed.max(self.growth)
+                } else {
+                    needed
+                };
+                self.add_chunk(&mut st, bytes, chunk_len)?;
+                st.alloc.alloc(bytes, ALIGN)?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let ptr = st.chunks[block.chunk as usize].base.offset(block.offset);
+        Ok(ArenaBlock {
+            chunk: block.chunk,
+            offset: block.offset,
+            len: block.len,
+            ptr,
+        })
+    }
+
+    /// Gives `block` back. Makes no driver call: any thread may free.
+    ///
+    /// Only after the worker it was granted to sent DONE for its job, or was reaped (see the
+    /// module's ownership rule). A block freed twice, or of another arena, is an error and
+    /// changes nothing.
+    pub fn free(&self, block: ArenaBlock) -> Result<(), ArenaError> {
+        let mut st = self.lock();
+        let Some(chunk) = st.chunks.get(block.chunk as usize) else {
+            return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
+        };
+        if chunk.base.offset(block.offset) != block.ptr {
+            return Err(ArenaError::ForeignBlock {
+                chunk: block.chunk,
+                offset: block.offset,
+            });
+        }
+        st.alloc.free(block.block())?;
+        Ok(())
+    }
+
+    /// The chunks, in index order (a snapshot: growth after the call is not seen).
+    pub fn chunks(&self) -> impl Iterator<Item = ChunkInfo> + use<D> {
+        let st = self.lock();
+        let list: Vec<ChunkInfo> = st
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| ChunkInfo {
+                // Indices fit: the allocator numbers chunks with u32 and refuses more.
+                index: u32::try_from(i).unwrap_or(u32::MAX),
+                len: c.len,
+                ptr: c.base,
+            })
+            .collect();
+        list.into_iter()
+    }
+
+    /// A new FD for chunk `index` (`cuMemExportToShareableHandle`), to send to a worker by
+    /// SCM_RIGHTS. Each call makes a new descriptor; the caller owns it.
+    pub fn export_fd(&self, index: u32) -> Result<OwnedFd, ArenaError> {
+        let handle = {
+            let st = self.lock();
+            st.chunks
+                .get(index as usize)
+                .ok_or(ArenaError::UnknownChunk { chunk: index })?
+                .handle
+        };
+        Ok(self.driver.vmm_export_fd(handle)?)
+    }
+
+    /// The allocator's figures: capacity, use, the largest free range, live blocks.
+    #[must_use]
+    pub fn stats(&self) -> AllocStats {
+        self.lock().alloc.stats()
+    }
+
+    /// Bytes of all chunks.
+    #[must_use]
+    pub fn capacity(&self) -> u64 {
+        self.lock().alloc.capacity()
+    }
+
+    /// The cap on [`capacity`](Arena::capacity), if any.
+    #[must_use]
+    pub fn max_bytes(&self) -> Option<u64> {
+        self.max_bytes
+    }
+
+    /// The driver's recommended granularity: every chunk's length is a multiple of it.
+    #[must_use]
+    pub fn granularity(&self) -> u64 {
+        self.granularity
+    }
+
+    /// The device the memory lives on and is mapped for.
+    #[must_use]
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// The driver.
+    #[must_use]
+    pub fn driver(&self) -> &Arc<D> {
+        &self.driver
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is consistent between statements that can panic (none do on input).
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Creates, maps and registers a chunk of `len` bytes (a granularity multiple) for a
+    /// request of `requested` bytes, within the cap.
+    fn add_chunk(&self, st: &mut State, requested: u64, len: u64) -> Result<u32, ArenaError> {
+        let capacity = st.alloc.capacity();
+        if let Some(max) = self.max_bytes
+            && capacity.checked_add(len).is_none_or(|total| total > max)
+        {
+            return Err(ArenaError::Exhausted {
+                requested,
+                capacity,
+                max,
+            });
+        }
+        let handle = self.driver.vmm_create(self.device, len)?;
+        let base = match map_handle(&*self.driver, self.device, handle, len) {
+            Ok(base) => base,
+            Err(e) => {
+                if let Err(r) = self.driver.vmm_release(handle) {
+                    tracing::warn!(error = %r, "releasing a chunk that failed to map");
+                }
+                return Err(e.into());
+            }
+        };
+        let chunk = MappedChunk { handle, base, len };
+        let index = match st.alloc.add_chunk(len) {
+            Ok(i) => i,
+            Err(e) => {
+                let _ = unmap(&*self.driver, chunk);
+                return Err(e.into());
+            }
+        };
+        st.chunks.push(chunk);
+        tracing::debug!(
+            device = self.device,
+            index,
+            len,
+            ?base,
+            capacity = capacity + len,
+            "arena chunk added"
+        );
+        Ok(index)
+    }
+}
+
+impl<D: Driver + ?Sized> Drop for Arena<D> {
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let live = st.alloc.stats().live_blocks;
+        if live > 0 {
+            tracing::warn!(
+                live,
+                "arena dropped with live blocks; workers' mappings keep the memory until they \
+                 unmap it"
+            );
+        }
+        for chunk in st.chunks.drain(..) {
+            // Failures are logged inside; a destructor has no one to return them to.
+            let _ = unmap(&*self.driver, chunk);
+        }
+    }
+}
+
+/// `bytes` rounded up to a multiple of `granularity`; 0 and overflow are errors.
+fn round_up(bytes: u64, granularity: u64) -> Result<u64, ArenaError> {
+    let bad = ArenaError::BadSize { bytes, granularity };
+    if bytes == 0 || granularity == 0 {
+        return Err(bad);
+    }
+    bytes.checked_next_multiple_of(granularity).ok_or(bad)
+}
+
+#[cfg(test)]
+#[path = "parent_tests.rs"]
+mod tests;

@@ -1,0 +1,320 @@
+use super::*;
+use poolipc_driver::sim::{SimConfig, SimDriver};
+use poolipc_driver::{CuCode, DriverError, MockDriver, StreamHandle, VmmHandle};
+
+const MIB: u64 = 1 << 20;
+
+fn sim() -> Arc<SimDriver> {
+    let d = SimDriver::new(SimConfig::default()).unwrap();
+    d.use_device(0).unwrap();
+    Arc::new(d)
+}
+
+fn granule(d: &SimDriver) -> u64 {
+    d.vmm_granularity(0, Granularity::Recommended).unwrap()
+}
+
+fn assert_no_violations(d: &SimDriver) {
+    let v = d.violations();
+    assert!(v.is_empty(), "violations: {v:#?}");
+}
+
+#[test]
+fn the_first_chunk_is_rounded_up_to_the_granularity_and_is_read_write_at_once() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::new(Arc::clone(&d), 0, 1).unwrap();
+    assert_eq!(arena.capacity(), g);
+    let b = arena.alloc(4096).unwrap();
+    d.memset_d8_async(b.ptr, 0x5a, b.len, StreamHandle::NULL)
+        .unwrap();
+    let mut back = vec![0u8; 4096];
+    d.memcpy_dtoh(&mut back, b.ptr).unwrap();
+    assert!(back.iter().all(|&x| x == 0x5a));
+    assert_no_violations(&d);
+}
+
+#[test]
+fn blocks_are_aligned_and_their_pointers_are_the_chunk_base_plus_offset() {
+    let d = sim();
+    let arena = Arena::new(Arc::clone(&d), 0, 4 * MIB).unwrap();
+    let base = arena.chunks().next().unwrap().ptr;
+    let a = arena.alloc(100).unwrap();
+    let b = arena.alloc(1000).unwrap();
+    for x in [a, b] {
+        assert_eq!(x.offset % ALIGN, 0);
+        assert_eq!(x.ptr.0 % ALIGN, 0);
+        assert_eq!(x.ptr, base.offset(x.offset));
+    }
+    assert_eq!((a.len, b.len), (ALIGN, 2 * ALIGN));
+}
+
+#[test]
+fn alloc_grows_by_a_chunk_when_no_free_range_holds_the_request() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
+    let first = arena.alloc(g).unwrap();
+    assert_eq!(first.chunk, 0);
+    let second = arena.alloc(g / 2).unwrap();
+    assert_eq!(second.chunk, 1);
+    // A request larger than the usual chunk gets a chunk of its own size.
+    let big = arena.alloc(3 * g).unwrap();
+    assert_eq!(big.chunk, 2);
+    let lens: Vec<u64> = arena.chunks().map(|c| c.len).collect();
+    assert_eq!(lens, vec![g, g, 3 * g]);
+    assert_eq!(arena.stats().chunks, 3);
+    d.memset_d8_async(big.ptr, 1, big.len, StreamHandle::NULL)
+        .unwrap();
+    assert_no_violations(&d);
+}
+
+#[test]
+fn grow_adds_a_chunk_of_at_least_the_bytes_asked() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
+    assert_eq!(arena.grow(g + 1).unwrap(), 1);
+    assert_eq!(arena.capacity(), 3 * g);
+    assert!(matches!(
+        arena.grow(0),
+        Err(ArenaError::BadSize { bytes: 0, .. })
+    ));
+}
+
+#[test]
+fn growth_past_the_cap_is_exhausted_and_names_the_request_and_the_capacity() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::with_max_bytes(Arc::clone(&d), 0, g, Some(2 * g)).unwrap();
+    let _a = arena.alloc(g).unwrap();
+    let _b = arena.alloc(g).unwrap();
+    let e = arena.alloc(1).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ArenaError::Exhausted {
+                requested: 1,
+                capacity,
+                max,
+            } if capacity == 2 * g && max == 2 * g
+        ),
+        "{e}"
+    );
+    assert_eq!(arena.capacity(), 2 * g);
+    assert!(matches!(arena.grow(1), Err(ArenaError::Exhausted { .. })));
+}
+
+#[test]
+fn a_growth_chunk_shrinks_to_what_the_request_needs_when_the_cap_is_near() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::with_max_bytes(Arc::clone(&d), 0, 4 * g, Some(5 * g)).unwrap();
+    let _a = arena.alloc(4 * g).unwrap();
+    let b = arena.alloc(g).unwrap();
+    assert_eq!(b.chunk, 1);
+    assert_eq!(arena.capacity(), 5 * g);
+}
+
+#[test]
+fn an_initial_size_over_the_cap_is_refused() {
+    let d = sim();
+    let g = granule(&d);
+    let e = Arena::with_max_bytes(Arc::clone(&d), 0, 2 * g, Some(g)).unwrap_err();
+    assert!(matches!(e, ArenaError::Exhausted { .. }), "{e}");
+    let (free, total) = d.mem_get_info().unwrap();
+    assert_eq!(free, total, "nothing was created");
+}
+
+#[test]
+fn zero_bytes_are_refused_for_the_arena_and_for_a_block() {
+    let d = sim();
+    assert!(matches!(
+        Arena::new(Arc::clone(&d), 0, 0),
+        Err(ArenaError::BadSize { bytes: 0, .. })
+    ));
+    let arena = Arena::new(Arc::clone(&d), 0, 1).unwrap();
+    assert!(matches!(
+        arena.alloc(0),
+        Err(ArenaError::Alloc(AllocError::ZeroSize))
+    ));
+}
+
+#[test]
+fn a_freed_block_is_reused() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
+    let a = arena.alloc(g).unwrap();
+    arena.free(a).unwrap();
+    let b = arena.alloc(g).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(arena.stats().chunks, 1);
+}
+
+#[test]
+fn a_double_free_is_a_typed_error() {
+    let d = sim();
+    let arena = Arena::new(Arc::clone(&d), 0, 1).unwrap();
+    let a = arena.alloc(10).unwrap();
+    arena.free(a).unwrap();
+    let e = arena.free(a).unwrap_err();
+    assert!(
+        matches!(e, ArenaError::Alloc(AllocError::NotLive { chunk: 0, .. })),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_block_of_another_arena_is_refused() {
+    let d = sim();
+    let one = Arena::new(Arc::clone(&d), 0, 1).unwrap();
+    let two = Arena::new(Arc::clone(&d), 0, 1).unwrap();
+    let a = one.alloc(10).unwrap();
+    let _b = two.alloc(10).unwrap();
+    let e = two.free(a).unwrap_err();
+    assert!(
+        matches!(e, ArenaError::ForeignBlock { chunk: 0, .. }),
+        "{e}"
+    );
+    let e = two.free(ArenaBlock { chunk: 9, ..a }).unwrap_err();
+    assert!(
+        matches!(e, ArenaError::Alloc(AllocError::UnknownChunk { chunk: 9 })),
+        "{e}"
+    );
+    one.free(a).unwrap();
+}
+
+#[test]
+fn blocks_are_freed_from_other_threads() {
+    let d = sim();
+    let arena = Arc::new(Arena::new(Arc::clone(&d), 0, 8 * MIB).unwrap());
+    let blocks: Vec<ArenaBlock> = (0..64).map(|_| arena.alloc(4096).unwrap()).collect();
+    let handles: Vec<_> = blocks
+        .chunks(16)
+        .map(|part| {
+            let part = part.to_vec();
+            let arena = Arc::clone(&arena);
+            std::thread::spawn(move || {
+                for b in part {
+                    arena.free(b).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let s = arena.stats();
+    assert_eq!((s.used, s.live_blocks, s.free_ranges), (0, 0, 1));
+}
+
+#[test]
+fn the_arena_is_send_and_sync() {
+    fn both<T: Send + Sync>() {}
+    both::<Arena<SimDriver>>();
+    both::<Arena<dyn Driver>>();
+}
+
+#[test]
+fn chunks_list_every_chunk_and_export_fd_refuses_an_unknown_one() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
+    arena.grow(2 * g).unwrap();
+    let list: Vec<(u32, u64)> = arena.chunks().map(|c| (c.index, c.len)).collect();
+    assert_eq!(list, vec![(0, g), (1, 2 * g)]);
+    arena.export_fd(1).unwrap();
+    assert!(matches!(
+        arena.export_fd(2),
+        Err(ArenaError::UnknownChunk { chunk: 2 })
+    ));
+}
+
+#[test]
+fn drop_unmaps_frees_and_releases_every_chunk() {
+    let d = sim();
+    let g = granule(&d);
+    let (free_before, _) = d.mem_get_info().unwrap();
+    let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
+    arena.grow(g).unwrap();
+    let b = arena.alloc(10).unwrap();
+    assert_eq!(d.mem_get_info().unwrap().0, free_before - 2 * g);
+    drop(arena);
+    assert_eq!(d.mem_get_info().unwrap().0, free_before);
+    let mut byte = [0u8; 1];
+    assert!(d.memcpy_dtoh(&mut byte, b.ptr).is_err(), "still mapped");
+}
+
+fn failed(call: &'static str) -> DriverError {
+    DriverError::Call {
+        call,
+        code: CuCode::INVALID_VALUE,
+    }
+}
+
+#[test]
+fn a_chunk_whose_access_cannot_be_set_is_unmapped_freed_and_released() {
+    let mut d = MockDriver::new();
+    d.expect_vmm_granularity().returning(|_, _| Ok(2 * MIB));
+    d.expect_vmm_create()
+        .times(1)
+        .returning(|_, _| Ok(VmmHandle(7)));
+    d.expect_vmm_reserve()
+        .times(1)
+        .returning(|_, _| Ok(DevicePtr(0x1000_0000)));
+    d.expect_vmm_map().times(1).returning(|_, _, _| Ok(()));
+    d.expect_vmm_set_access()
+        .times(1)
+        .returning(|_, _, _, _| Err(failed("cuMemSetAccess")));
+    d.expect_vmm_unmap()
+        .withf(|p, n| *p == DevicePtr(0x1000_0000) && *n == 2 * MIB)
+        .times(1)
+        .returning(|_, _| Ok(()));
+    d.expect_vmm_address_free()
+        .times(1)
+        .returning(|_, _| Ok(()));
+    d.expect_vmm_release()
+        .withf(|h| *h == VmmHandle(7))
+        .times(1)
+        .returning(|_| Ok(()));
+    let e = Arena::new(Arc::new(d), 0, 1).unwrap_err();
+    assert!(e.to_string().contains("cuMemSetAccess"), "{e}");
+}
+
+#[test]
+fn a_chunk_that_cannot_be_mapped_frees_its_address_range_and_releases_its_handle() {
+    let mut d = MockDriver::new();
+    d.expect_vmm_granularity().returning(|_, _| Ok(2 * MIB));
+    d.expect_vmm_create().returning(|_, _| Ok(VmmHandle(7)));
+    d.expect_vmm_reserve()
+        .returning(|_, _| Ok(DevicePtr(0x1000_0000)));
+    d.expect_vmm_map()
+        .returning(|_, _, _| Err(failed("cuMemMap")));
+    d.expect_vmm_unmap().never();
+    d.expect_vmm_address_free()
+        .times(1)
+        .returning(|_, _| Ok(()));
+    d.expect_vmm_release().times(1).returning(|_| Ok(()));
+    let e = Arena::new(Arc::new(d), 0, 1).unwrap_err();
+    assert!(e.to_string().contains("cuMemMap"), "{e}");
+}
+
+#[test]
+fn a_failing_teardown_step_is_logged_and_the_rest_still_runs() {
+    let mut d = MockDriver::new();
+    d.expect_vmm_granularity().returning(|_, _| Ok(2 * MIB));
+    d.expect_vmm_create().returning(|_, _| Ok(VmmHandle(7)));
+    d.expect_vmm_reserve()
+        .returning(|_, _| Ok(DevicePtr(0x1000_0000)));
+    d.expect_vmm_map().returning(|_, _, _| Ok(()));
+    d.expect_vmm_set_access().returning(|_, _, _, _| Ok(()));
+    d.expect_vmm_unmap()
+        .times(1)
+        .returning(|_, _| Err(failed("cuMemUnmap")));
+    // A range still mapped cannot be freed: not tried.
+    d.expect_vmm_address_free().never();
+    d.expect_vmm_release().times(1).returning(|_| Ok(()));
+    let arena = Arena::new(Arc::new(d), 0, 1).unwrap();
+    drop(arena);
+}

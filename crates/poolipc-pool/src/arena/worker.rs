@@ -1,0 +1,151 @@
+//! `ArenaMapping`: the parent's arena chunks as one worker mapped them.
+
+use std::collections::BTreeMap;
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+
+use poolipc_driver::{DevicePtr, Driver, Granularity};
+
+use super::{ArenaError, MappedChunk, map_handle, unmap};
+
+/// The arena chunks a worker has mapped, and the bounds check between the wire and a device
+/// pointer.
+///
+/// Each chunk is imported from the FD the parent sent, given its own address range, and
+/// mapped read-write for the worker's device, once per worker. A grant names a block as
+/// `(chunk, offset, len)`; [`resolve`](ArenaMapping::resolve) turns that into a pointer only
+/// when the range lies inside a mapped chunk. `Drop` unmaps every chunk.
+pub struct ArenaMapping<D: Driver + ?Sized> {
+    driver: Arc<D>,
+    device: u32,
+    chunks: BTreeMap<u32, MappedChunk>,
+}
+
+impl<D: Driver + ?Sized> std::fmt::Debug for ArenaMapping<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaMapping")
+            .field("device", &self.device)
+            .field("chunks", &self.chunks)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Driver + ?Sized> ArenaMapping<D> {
+    /// No chunks mapped yet; `device` is the worker's device (the one granted access).
+    #[must_use]
+    pub fn new(driver: Arc<D>, device: u32) -> ArenaMapping<D> {
+        ArenaMapping {
+            driver,
+            device,
+            chunks: BTreeMap::new(),
+        }
+    }
+
+    /// Imports chunk `index` of `len` bytes from `fd` (`cuMemImportFromShareableHandle`),
+    /// reserves address space, maps it and grants this worker's device read-write access.
+    /// Returns the chunk's base address here. The caller keeps `fd` (it may close it after).
+    ///
+    /// The calling thread must have made the device current ([`Driver::use_device`]).
+    /// Mapping an index twice is [`ArenaError::AlreadyMapped`]; a length that is 0 or not a
+    /// multiple of the driver's granularity is [`ArenaError::BadChunkLen`], checked before
+    /// any driver call that changes state.
+    pub fn map_chunk(
+        &mut self,
+        index: u32,
+        len: u64,
+        fd: BorrowedFd<'_>,
+    ) -> Result<DevicePtr, ArenaError> {
+        if self.chunks.contains_key(&index) {
+            return Err(ArenaError::AlreadyMapped { chunk: index });
+        }
+        let granularity = self
+            .driver
+            .vmm_granularity(self.device, Granularity::Minimum)?;
+        if len == 0 || granularity == 0 || !len.is_multiple_of(granularity) {
+            return Err(ArenaError::BadChunkLen {
+                chunk: index,
+                len,
+                granularity,
+            });
+        }
+        let handle = self.driver.vmm_import_fd(fd)?;
+        let base = match map_handle(&*self.driver, self.device, handle, len) {
+            Ok(base) => base,
+            Err(e) => {
+                if let Err(r) = self.driver.vmm_release(handle) {
+                    tracing::warn!(error = %r, "releasing an arena import that failed to map");
+                }
+                return Err(e.into());
+            }
+        };
+        self.chunks.insert(index, MappedChunk { handle, base, len });
+        tracing::debug!(index, len, ?base, "arena chunk mapped");
+        Ok(base)
+    }
+
+    /// The address of `len` bytes at `offset` in chunk `chunk`, when that range lies inside
+    /// a chunk this worker mapped; otherwise a typed error naming all three and nothing is
+    /// touched. An empty range is refused too: the arena never grants one.
+    pub fn resolve(&self, chunk: u32, offset: u64, len: u64) -> Result<DevicePtr, ArenaError> {
+        let c = self
+            .chunks
+            .get(&chunk)
+            .ok_or(ArenaError::UnknownChunk { chunk })?;
+        match offset.checked_add(len) {
+            Some(end) if len > 0 && end <= c.len => Ok(c.base.offset(offset)),
+            _ => Err(ArenaError::OutOfBounds {
+                chunk,
+                offset,
+                len,
+                chunk_len: c.len,
+            }),
+        }
+    }
+
+    /// Unmaps chunk `index`, frees its address range and releases the import. Every step is
+    /// tried; the first failure is returned. The chunk is forgotten either way.
+    pub fn unmap_chunk(&mut self, index: u32) -> Result<(), ArenaError> {
+        let chunk = self
+            .chunks
+            .remove(&index)
+            .ok_or(ArenaError::UnknownChunk { chunk: index })?;
+        Ok(unmap(&*self.driver, chunk)?)
+    }
+
+    /// The length of chunk `index`, if mapped.
+    #[must_use]
+    pub fn chunk_len(&self, index: u32) -> Option<u64> {
+        self.chunks.get(&index).map(|c| c.len)
+    }
+
+    /// How many chunks are mapped.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// Whether no chunk is mapped.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// The worker's device.
+    #[must_use]
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+}
+
+impl<D: Driver + ?Sized> Drop for ArenaMapping<D> {
+    fn drop(&mut self) {
+        for (_, chunk) in std::mem::take(&mut self.chunks) {
+            // Failures are logged inside; a destructor has no one to return them to.
+            let _ = unmap(&*self.driver, chunk);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "worker_tests.rs"]
+mod tests;
