@@ -18,15 +18,25 @@ pub(crate) struct Args {
     /// The device to use.
     #[arg(long, default_value_t = 0)]
     device: u32,
-    /// Round trips per size (the median is reported).
-    #[arg(long, default_value_t = 20)]
-    iterations: usize,
+    /// Round trips per size (the median is reported); by default 400 up to 1 MiB, 200 at
+    /// 64 MiB, 50 at 1 GiB and 20 above, so that the medians hold still from run to run.
+    #[arg(long)]
+    iterations: Option<usize>,
     /// The largest size to measure, in MiB.
     #[arg(long, default_value_t = 4096)]
     max_mib: u64,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
+    /// Also write the JSON object to this file (the table still goes to stdout).
+    #[arg(long)]
+    json_out: Option<std::path::PathBuf>,
+    /// Run the table twice, plainly and then under a private CUDA MPS daemon this command
+    /// starts and stops (its own pipe and log directories; nothing system-wide changes), and
+    /// print both with the ratios. The peers run under the same daemon. The bench's own
+    /// processes are the only clients, so the daemon's fault sharing is accepted for them.
+    #[arg(long)]
+    mps: bool,
     /// A build of `bench/floor.c` (the bare-driver handoff, `nvcc -O2 -o floor bench/floor.c
     /// -lcuda`), run after ours and reported beside it.
     #[arg(long)]
@@ -52,11 +62,17 @@ fn json_string<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     Some(&rest[..rest.find('"')?])
 }
 
-/// Runs `cmd` and gives (bytes, median µs) of every line `parse` understands, or why not.
-fn peer_runs(
-    mut cmd: Command,
-    parse: impl Fn(&str) -> Option<(u64, f64)>,
-) -> Result<Vec<(u64, f64)>, String> {
+/// A peer's median round trip at one size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Peer {
+    bytes: u64,
+    us: f64,
+    /// The floor's round trip without its export (`us_median - export_us`).
+    no_export_us: Option<f64>,
+}
+
+/// Runs `cmd` and gives the round trip of every line `parse` understands, or why not.
+fn peer_runs(mut cmd: Command, parse: impl Fn(&str) -> Option<Peer>) -> Result<Vec<Peer>, String> {
     let out = cmd
         .output()
         .map_err(|e| format!("could not run {cmd:?}: {e}"))?;
@@ -76,17 +92,19 @@ fn peer_runs(
         .collect())
 }
 
-fn floor_line(line: &str) -> Option<(u64, f64)> {
+fn floor_line(line: &str) -> Option<Peer> {
     if !line.contains("\"handoff_round_trip\"") {
         return None;
     }
-    Some((
-        json_number(line, "bytes")? as u64,
-        json_number(line, "us_median")?,
-    ))
+    let us = json_number(line, "us_median")?;
+    Some(Peer {
+        bytes: json_number(line, "bytes")? as u64,
+        us,
+        no_export_us: json_number(line, "export_us").map(|e| us - e),
+    })
 }
 
-fn torchmp_line(line: &str) -> Option<(u64, f64)> {
+fn torchmp_line(line: &str) -> Option<Peer> {
     if !line.contains("\"torch_mp_round_trip\"") {
         return None;
     }
@@ -97,7 +115,11 @@ fn torchmp_line(line: &str) -> Option<(u64, f64)> {
         "4GiB" => 4096 * MIB,
         _ => return None,
     };
-    Some((bytes, json_number(line, "round_trip_ms_median")? * 1e3))
+    Some(Peer {
+        bytes,
+        us: json_number(line, "round_trip_ms_median")? * 1e3,
+        no_export_us: None,
+    })
 }
 
 const KIB: u64 = 1 << 10;
@@ -116,11 +138,51 @@ struct Row {
     bytes: u64,
     first_us: f64,
     recycled_us: f64,
+    /// The 90th percentile of the recycled round trips: how much the median can be trusted.
+    recycled_p90_us: f64,
+    /// The same live allocation lent again: the export cache's hit.
+    relend_us: f64,
     staging_us: f64,
     host_copy_us: f64,
 }
 
+/// Round trips per size: enough for a steady median, bounded for the large sizes.
+fn iterations_for(args: &Args, bytes: u64) -> usize {
+    args.iterations.unwrap_or(match bytes {
+        b if b <= MIB => 400,
+        b if b <= 64 * MIB => 200,
+        b if b <= 1024 * MIB => 50,
+        _ => 20,
+    })
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+/// One round trip of `input` on `worker`, timed from submit to the caller's stream done.
+fn round_trip(
+    parent: &Parent,
+    d: &dyn Driver,
+    worker: poolipc::WorkerId,
+    input: &Input,
+    stream: poolipc::StreamHandle,
+) -> Result<(f64, poolipc::JobOutput)> {
+    let t = Instant::now();
+    let out = parent.run_job(worker, std::slice::from_ref(input), stream)?;
+    d.stream_synchronize(stream)?;
+    Ok((t.elapsed().as_secs_f64() * 1e6, out))
+}
+
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    if args.mps {
+        return run_plain_and_mps(args);
+    }
     let (driver, child_env, which) = crate::demo::open_driver(args.sim, args.device)?;
     if !args.json {
         println!("poolipc bench {which}");
@@ -131,6 +193,12 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         ..ParentOptions::default()
     };
     let parent = Parent::new(Arc::clone(&driver), options).context("starting the parent")?;
+    let mps_client = parent.mps_client();
+    if !args.json && mps_client == Some(true) {
+        println!(
+            "  (this process is an MPS client: the GPU's turn-taking between processes is gone)"
+        );
+    }
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.arg("__demo-worker")
         .env("POOLIPC_DEMO_DEVICE", args.device.to_string())
@@ -146,53 +214,51 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         if bytes > args.max_mib * MIB {
             continue;
         }
+        let iterations = iterations_for(args, bytes);
         let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
-        let mut times = Vec::with_capacity(args.iterations);
+        let mut times = Vec::with_capacity(iterations);
         let mut first = f64::NAN;
-        for i in 0..=args.iterations {
+        for i in 0..=iterations {
             // The same size allocated and freed each time: the first is fresh pool memory,
-            // the rest recycled.
+            // the rest recycled (a new allocation at the same address: exported again).
             let ptr = parent.pool().alloc(bytes, stream)?;
             d.stream_synchronize(stream)?;
-            let t = Instant::now();
-            parent.run_job(
-                worker,
-                &[Input {
-                    ptr,
-                    desc: desc.clone(),
-                }],
-                stream,
-            )?;
-            d.stream_synchronize(stream)?;
-            let us = t.elapsed().as_secs_f64() * 1e6;
+            let input = Input {
+                ptr,
+                desc: desc.clone(),
+            };
+            let (us, _) = round_trip(&parent, &*d, worker, &input, stream)?;
             if i == 0 {
-                first = us
+                first = us;
             } else {
-                times.push(us)
+                times.push(us);
             }
             parent.pool().free(ptr, stream)?;
             d.stream_synchronize(stream)?;
+        }
+        // One live allocation lent again and again: its export comes from the cache.
+        let ptr = parent.pool().alloc(bytes, stream)?;
+        d.stream_synchronize(stream)?;
+        let input = Input {
+            ptr,
+            desc: desc.clone(),
+        };
+        let mut relends = Vec::with_capacity(iterations);
+        for i in 0..=iterations {
+            let (us, _) = round_trip(&parent, &*d, worker, &input, stream)?;
+            if i > 0 {
+                relends.push(us);
+            }
         }
         // The host-staging rung, the same round trip through pinned shared memory.
         let pointer_limit = parent.options().limit;
         parent.lower_import_limit(
             ImportLimit::new(pointer_limit.chunk_bytes(), 0).context("limit")?,
         )?;
-        let ptr = parent.pool().alloc(bytes, stream)?;
-        d.stream_synchronize(stream)?;
         let mut staged = Vec::new();
-        for _ in 0..args.iterations.clamp(1, 5) {
-            let t = Instant::now();
-            let out = parent.run_job(
-                worker,
-                &[Input {
-                    ptr,
-                    desc: desc.clone(),
-                }],
-                stream,
-            )?;
-            d.stream_synchronize(stream)?;
-            staged.push(t.elapsed().as_secs_f64() * 1e6);
+        for _ in 0..iterations.clamp(1, 5) {
+            let (us, out) = round_trip(&parent, &*d, worker, &input, stream)?;
+            staged.push(us);
             anyhow::ensure!(
                 out.input_rungs == [Rung::HostStaging],
                 "staging was not used"
@@ -220,11 +286,14 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             bytes,
             first_us: first,
             recycled_us: median(&mut times),
+            recycled_p90_us: percentile(&mut times, 0.9),
+            relend_us: median(&mut relends),
             staging_us: median(&mut staged),
             host_copy_us: median(&mut copies),
         });
     }
-    // A batch of 1000 small tensors, each its own allocation, in one job.
+    // A batch of 1000 small tensors, each its own allocation, in one job: fresh exports the
+    // first time, the export cache's hits after.
     let n = 1000;
     let small: Vec<_> = (0..n)
         .map(|_| parent.pool().alloc(4 * KIB, stream))
@@ -238,7 +307,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         })
         .collect();
     let mut batch = Vec::new();
-    for _ in 0..5 {
+    for _ in 0..10 {
         let t = Instant::now();
         parent.run_job(worker, &inputs, stream)?;
         d.stream_synchronize(stream)?;
@@ -249,6 +318,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         parent.pool().free(p, stream)?;
     }
     d.stream_synchronize(stream)?;
+    let cache = parent.pool().export_cache_stats();
     parent.stop_worker(worker)?;
 
     let tensors_per_s = n as f64 / batch_s;
@@ -262,108 +332,257 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         c.arg(p);
         peer_runs(c, torchmp_line)
     });
-    let find = |runs: &Option<Result<Vec<(u64, f64)>, String>>, bytes: u64| {
+    let find = |runs: &Option<Result<Vec<Peer>, String>>, bytes: u64| {
         runs.as_ref()
             .and_then(|r| r.as_ref().ok())
-            .and_then(|v| v.iter().find(|(b, _)| *b == bytes).map(|(_, us)| *us))
+            .and_then(|v| v.iter().find(|p| p.bytes == bytes).copied())
     };
+    let json_rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            let mut o = serde_json::json!({
+                "bytes": r.bytes,
+                "first_us": r.first_us,
+                "recycled_median_us": r.recycled_us,
+                "recycled_p90_us": r.recycled_p90_us,
+                "relend_median_us": r.relend_us,
+                "host_staging_median_us": r.staging_us,
+                "host_copy_median_us": r.host_copy_us,
+                "speedup_vs_host_staging": r.staging_us / r.recycled_us,
+                "speedup_vs_host_copy": r.host_copy_us / r.recycled_us,
+            });
+            if let Some(f) = find(&floor, r.bytes) {
+                o["floor_us"] = f.us.into();
+                o["ratio_to_floor"] = (r.recycled_us / f.us).into();
+                if let Some(ne) = f.no_export_us {
+                    o["floor_no_export_us"] = ne.into();
+                    o["relend_ratio_to_floor_no_export"] = (r.relend_us / ne).into();
+                }
+            }
+            if let Some(t) = find(&torchmp, r.bytes) {
+                o["torch_mp_us"] = t.us.into();
+                o["ratio_to_torch_mp"] = (r.recycled_us / t.us).into();
+                o["relend_ratio_to_torch_mp"] = (r.relend_us / t.us).into();
+            }
+            o
+        })
+        .collect();
+    let json = serde_json::json!({
+        "driver": d.kind().to_string(),
+        "mps_client": mps_client,
+        "round_trip": json_rows,
+        "batch": {
+            "tensors": n,
+            "tensor_bytes": 4096,
+            "median_s": batch_s,
+            "tensors_per_s": tensors_per_s,
+        },
+        "export_cache": {
+            "hits": cache.hits,
+            "misses": cache.misses,
+            "stale": cache.stale,
+            "bytes_saved": cache.bytes_saved,
+        },
+    });
+    if let Some(path) = &args.json_out {
+        std::fs::write(path, json.to_string())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     if args.json {
-        let mut s = String::from("{\"driver\":\"");
-        s.push_str(&d.kind().to_string());
-        s.push_str("\",\"round_trip\":[");
-        for (i, r) in rows.iter().enumerate() {
-            if i > 0 {
-                s.push(',');
-            }
-            s.push_str(&format!(
-                "{{\"bytes\":{},\"first_us\":{:.1},\"recycled_median_us\":{:.1},\"host_staging_median_us\":{:.1},\"host_copy_median_us\":{:.1},\"speedup_vs_host_staging\":{:.2},\"speedup_vs_host_copy\":{:.2}}}",
-                r.bytes, r.first_us, r.recycled_us, r.staging_us, r.host_copy_us, r.staging_us / r.recycled_us, r.host_copy_us / r.recycled_us
-            ));
-            s.pop();
-            for (key, v) in [
-                ("floor_us", find(&floor, r.bytes)),
-                ("torch_mp_us", find(&torchmp, r.bytes)),
-            ] {
-                if let Some(v) = v {
-                    s.push_str(&format!(
-                        ",\"{key}\":{v:.1},\"ratio_to_{key}\":{:.3}",
-                        r.recycled_us / v
-                    ));
-                }
-            }
-            s.push('}');
-        }
-        s.push_str(&format!("],\"batch\":{{\"tensors\":{n},\"tensor_bytes\":4096,\"median_s\":{batch_s:.6},\"tensors_per_s\":{tensors_per_s:.0}}}}}"));
-        println!("{s}");
-    } else {
+        println!("{json}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!();
+    println!(
+        "  one tensor: lend, worker writes 4 KiB in place, DONE, ACK, release (medians; iterations: {}):",
+        args.iterations.map_or_else(
+            || "400 to 1 MiB, 200 at 64 MiB, 50 at 1 GiB, 20 above".to_owned(),
+            |n| n.to_string()
+        )
+    );
+    println!(
+        "  {:>10} {:>10} {:>12} {:>9} {:>11} {:>12} {:>9} {:>14} {:>9}",
+        "size",
+        "first µs",
+        "recycled µs",
+        "p90 µs",
+        "re-lend µs",
+        "staging µs",
+        "vs stag.",
+        "host copy µs",
+        "vs copy"
+    );
+    for r in &rows {
+        println!(
+            "  {:>10} {:>10.1} {:>12.1} {:>9.1} {:>11.1} {:>12.1} {:>8.1}× {:>14.1} {:>8.1}×",
+            human(r.bytes),
+            r.first_us,
+            r.recycled_us,
+            r.recycled_p90_us,
+            r.relend_us,
+            r.staging_us,
+            r.staging_us / r.recycled_us,
+            r.host_copy_us,
+            r.host_copy_us / r.recycled_us
+        );
+    }
+    println!("  recycled: a new allocation at a recycled address each time (exported again)");
+    println!("  re-lend: the same live allocation lent again (its export comes from the cache)");
+    println!(
+        "  staging: the same round trip on the host-staging rung (pinned shared memory, double-buffered)"
+    );
+    println!(
+        "  host copy: device → pageable host → device in this process, the path the handoff replaces"
+    );
+    if floor.is_some() || torchmp.is_some() {
         println!();
+        println!("  against the peers, measured in the same run after ours (medians):");
         println!(
-            "  one tensor: lend, worker writes 4 KiB in place, DONE, ACK, release (median of {}):",
-            args.iterations
+            "  {:>10} {:>12} {:>10} {:>11} {:>11} {:>13} {:>12} {:>12} {:>13}",
+            "size",
+            "recycled µs",
+            "floor µs",
+            "rec/floor",
+            "re-lend µs",
+            "floor-exp µs",
+            "relend/f-e",
+            "torch.mp µs",
+            "best/t.mp"
         );
-        println!(
-            "  {:>10} {:>12} {:>14} {:>14} {:>10} {:>16} {:>10}",
-            "size", "first µs", "recycled µs", "staging µs", "vs stag.", "host copy µs", "vs copy"
-        );
+        let cell = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+        let ratio = |ours: f64, v: Option<f64>| {
+            v.map_or_else(|| "-".to_owned(), |v| format!("{:.2}", ours / v))
+        };
         for r in &rows {
+            let (f, t) = (find(&floor, r.bytes), find(&torchmp, r.bytes));
+            let fne = f.and_then(|f| f.no_export_us);
             println!(
-                "  {:>10} {:>12.1} {:>14.1} {:>14.1} {:>9.1}× {:>16.1} {:>9.1}×",
+                "  {:>10} {:>12.1} {:>10} {:>11} {:>11.1} {:>13} {:>12} {:>12} {:>13}",
                 human(r.bytes),
-                r.first_us,
                 r.recycled_us,
-                r.staging_us,
-                r.staging_us / r.recycled_us,
-                r.host_copy_us,
-                r.host_copy_us / r.recycled_us
+                cell(f.map(|f| f.us)),
+                ratio(r.recycled_us, f.map(|f| f.us)),
+                r.relend_us,
+                cell(fne),
+                ratio(r.relend_us, fne),
+                cell(t.map(|t| t.us)),
+                ratio(r.recycled_us.min(r.relend_us), t.map(|t| t.us))
             );
         }
-        println!(
-            "  staging: the same round trip on the host-staging rung (pinned shared memory, double-buffered)"
-        );
-        println!(
-            "  host copy: device → pageable host → device in this process, the path the handoff replaces"
-        );
-        if floor.is_some() || torchmp.is_some() {
-            println!();
-            println!(
-                "  against the peers, measured in the same run after ours (recycled medians):"
-            );
-            println!(
-                "  {:>10} {:>14} {:>12} {:>11} {:>16} {:>11}",
-                "size", "ours µs", "floor µs", "ours/floor", "torch.mp µs", "ours/t.mp"
-            );
-            let cell = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
-            let ratio = |ours: f64, v: Option<f64>| {
-                v.map_or_else(|| "-".to_owned(), |v| format!("{:.2}", ours / v))
-            };
-            for r in &rows {
-                let (f, t) = (find(&floor, r.bytes), find(&torchmp, r.bytes));
-                println!(
-                    "  {:>10} {:>14.1} {:>12} {:>11} {:>16} {:>11}",
-                    human(r.bytes),
-                    r.recycled_us,
-                    cell(f),
-                    ratio(r.recycled_us, f),
-                    cell(t),
-                    ratio(r.recycled_us, t)
-                );
+        for (name, runs) in [("floor", &floor), ("torch.multiprocessing", &torchmp)] {
+            if let Some(Err(why)) = runs {
+                println!("  {name}: NOT MEASURED: {why}");
             }
-            for (name, runs) in [("floor", &floor), ("torch.multiprocessing", &torchmp)] {
-                if let Some(Err(why)) = runs {
-                    println!("  {name}: NOT MEASURED: {why}");
-                }
-            }
-            println!(
-                "  floor: bench/floor.c, the bare-driver handoff (its child memsets 4 KiB in place)"
-            );
-            println!(
-                "  torch.mp: bench/torchmp.py, native allocator, legacy CUDA IPC, worker writes one element"
-            );
         }
         println!(
-            "  batch: {n} tensors of 4 KiB, each its own allocation, in one job: {:.2} ms, {tensors_per_s:.0} tensors/s",
-            batch_s * 1e3
+            "  floor: bench/floor.c, the bare-driver handoff (its child memsets 4 KiB in place); floor-exp: the same without its export"
         );
+        println!(
+            "  torch.mp: bench/torchmp.py, native allocator, legacy CUDA IPC, worker writes one element; best: the better of recycled and re-lend"
+        );
+    }
+    println!(
+        "  batch: {n} tensors of 4 KiB, each its own allocation, in one job: {:.2} ms, {tensors_per_s:.0} tensors/s",
+        batch_s * 1e3
+    );
+    println!("  export cache: {cache}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--mps`: the table plainly, then under a private MPS daemon, each in a child of ours (a
+/// process joins MPS when it initialises CUDA, so this one never does), then the ratios.
+fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
+    let dir = std::env::temp_dir().join(format!("poolipc-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let child = |json_out: &std::path::Path| -> Result<Command> {
+        let mut c = Command::new(std::env::current_exe()?);
+        c.arg("bench").arg("--device").arg(args.device.to_string());
+        c.arg("--max-mib").arg(args.max_mib.to_string());
+        if let Some(n) = args.iterations {
+            c.arg("--iterations").arg(n.to_string());
+        }
+        if args.sim {
+            c.arg("--sim");
+        }
+        if let Some(p) = &args.floor {
+            c.arg("--floor").arg(p);
+        }
+        if let Some(p) = &args.torchmp {
+            c.arg("--torchmp").arg(p);
+        }
+        c.arg("--json-out").arg(json_out);
+        Ok(c)
+    };
+    let plain_json = dir.join("plain.json");
+    let mps_json = dir.join("mps.json");
+    println!("== poolipc bench, plain (no MPS)");
+    let status = child(&plain_json)?
+        .env_remove(poolipc_driver::mps_env::PIPE_DIRECTORY_ENV)
+        .status()?;
+    anyhow::ensure!(status.success(), "the plain bench failed: {status}");
+    let mps = poolipc::mps::PrivateMps::start(&poolipc::mps::MpsOptions {
+        // Only this bench's own processes (ours, the worker, the peers) are its clients.
+        accept_shared_gpu_faults: true,
+        ..Default::default()
+    })?;
+    println!();
+    println!(
+        "== poolipc bench under a private MPS daemon ({})",
+        mps.pipe_directory().display()
+    );
+    let status = child(&mps_json)?.envs(mps.env()).status()?;
+    mps.shutdown(std::time::Duration::from_secs(30));
+    anyhow::ensure!(status.success(), "the bench under MPS failed: {status}");
+    let read = |p: &std::path::Path| -> Result<serde_json::Value> {
+        Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
+    };
+    let (plain, under) = (read(&plain_json)?, read(&mps_json)?);
+    let _ = std::fs::remove_dir_all(&dir);
+    println!();
+    println!(
+        "== plain against MPS (recycled medians; the peers under the same daemon; MPS client: {})",
+        under["mps_client"]
+    );
+    println!(
+        "  {:>10} {:>11} {:>10} {:>11} {:>10} {:>11} {:>12} {:>11} {:>12}",
+        "size",
+        "plain µs",
+        "MPS µs",
+        "plain/MPS",
+        "floor µs",
+        "MPS/floor",
+        "re-lend µs",
+        "t.mp µs",
+        "t.mp/MPS"
+    );
+    let rows = |v: &serde_json::Value| v["round_trip"].as_array().cloned().unwrap_or_default();
+    let num = |v: &serde_json::Value, k: &str| v[k].as_f64();
+    let cell = |v: Option<f64>, p: usize| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.p$}"));
+    for (p, m) in rows(&plain).iter().zip(rows(&under).iter()) {
+        let (pu, mu) = (num(p, "recycled_median_us"), num(m, "recycled_median_us"));
+        let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
+        println!(
+            "  {:>10} {:>11} {:>10} {:>11} {:>10} {:>11} {:>12} {:>11} {:>12}",
+            human(p["bytes"].as_u64().unwrap_or(0)),
+            cell(pu, 1),
+            cell(mu, 1),
+            cell(ratio(pu, mu), 2),
+            cell(num(m, "floor_us"), 1),
+            cell(ratio(mu, num(m, "floor_us")), 2),
+            cell(num(m, "relend_median_us"), 1),
+            cell(num(m, "torch_mp_us"), 1),
+            cell(ratio(num(m, "torch_mp_us"), mu), 1),
+        );
+    }
+    println!(
+        "  batch: plain {:.0} tensors/s, MPS {:.0} tensors/s",
+        plain["batch"]["tensors_per_s"].as_f64().unwrap_or(f64::NAN),
+        under["batch"]["tensors_per_s"].as_f64().unwrap_or(f64::NAN)
+    );
+    if let Some(path) = &args.json_out {
+        let both = serde_json::json!({"plain": plain, "mps": under});
+        std::fs::write(path, both.to_string())
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -385,7 +604,10 @@ mod tests {
     #[test]
     fn floor_lines_give_size_and_median() {
         let line = r#"{"event": "handoff_round_trip", "free": "async", "wait": "stream", "ready": "wait", "bytes": 67108864, "first_us": 541.7, "us_median": 332.65, "child_import_us": 2.10, "reps": 2000}"#;
-        assert_eq!(floor_line(line), Some((64 * MIB, 332.65)));
+        let p = floor_line(line).unwrap();
+        assert_eq!((p.bytes, p.us, p.no_export_us), (64 * MIB, 332.65, None));
+        let line = r#"{"event": "handoff_round_trip", "bytes": 4096, "us_median": 320.0, "export_us": 20.5}"#;
+        assert_eq!(floor_line(line).unwrap().no_export_us, Some(299.5));
         assert_eq!(
             floor_line(r#"{"event": "uds_ping_pong", "bytes": 80, "us_median": 13.17}"#),
             None
@@ -396,9 +618,9 @@ mod tests {
     #[test]
     fn torchmp_lines_give_size_and_median_in_microseconds() {
         let line = r#"{"event": "torch_mp_round_trip", "size": "4GiB", "round_trip_ms_median": 1.47, "first_ms": 3.2}"#;
-        let (bytes, us) = torchmp_line(line).unwrap();
-        assert_eq!(bytes, 4096 * MIB);
-        assert!((us - 1470.0).abs() < 1e-6);
+        let p = torchmp_line(line).unwrap();
+        assert_eq!(p.bytes, 4096 * MIB);
+        assert!((p.us - 1470.0).abs() < 1e-6);
         assert_eq!(
             torchmp_line(
                 r#"{"event": "torch_mp_round_trip", "size": "2KiB", "round_trip_ms_median": 1}"#

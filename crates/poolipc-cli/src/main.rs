@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod demo;
 mod doctor;
+mod mps;
 mod probe;
 
 /// Zero-copy handoff of GPU tensors between processes under the stream-ordered allocator.
@@ -30,6 +31,10 @@ enum Command {
     /// Print what this machine can do (driver, pool swap, export order, events, VMM, WSL2)
     /// and a verdict.
     Doctor(doctor::Args),
+    /// Run a command, and every process it starts, as clients of a private CUDA MPS daemon
+    /// (handoffs without the GPU's turn-taking; a GPU fault in any client ends all of them:
+    /// for trusted workers only).
+    Mps(mps::Args),
     /// (internal) The sacrificial child of `doctor --probe-limit`.
     #[command(name = "__import-child", hide = true)]
     ImportChild,
@@ -49,6 +54,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Doctor(args) => doctor::run(&args),
+        Command::Mps(args) => mps::run(&args),
         Command::ImportChild => probe::child_main(),
         Command::Demo(args) => demo::run(&args),
         Command::Bench(args) => bench::run(&args),

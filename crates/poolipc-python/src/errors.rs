@@ -7,6 +7,8 @@
 //! | `JobFailed` (the worker was lost: died, hung up, missed a deadline, stopped) | `JobFailedError` (`.worker`, `.reason`, `.detail`) |
 //! | `Worker` (the worker reported an error for the job) | `WorkerError` (`.worker`, `.message`), a `JobFailedError` |
 //! | `UnknownWorker`                    | `UnknownWorkerError`: a `PoolipcError` and a `KeyError` |
+//! | `ContextLost` (this process's CUDA context is gone; under MPS, after a worker's GPU fault) | `ContextLostError` |
+//! | `poolipc::mps::MpsError` (`start_mps` refused or failed) | `MpsError` |
 //! | anything else (driver, pool, transport, handshake, protocol) | `PoolipcError` |
 //!
 //! `PoolipcError` derives from `RuntimeError`, so nothing the binding raises is a bare
@@ -48,6 +50,25 @@ create_exception!(
     ExpiredViewError,
     PoolipcError,
     "A view or result buffer was used after its job ended: the memory belongs to the parent again."
+);
+
+create_exception!(
+    poolipc,
+    ContextLostError,
+    PoolipcError,
+    "This process's CUDA context is lost: a GPU fault (under MPS, possibly a worker's: under \
+     MPS one client's fault ends every client's context), an uncorrectable ECC error, or the \
+     MPS server dropped it. Every later CUDA call here fails and nothing computed since can be \
+     trusted, so the parent refuses all further work; restart the process. The message names \
+     the first failing call and the worker most likely at fault."
+);
+create_exception!(
+    poolipc,
+    MpsError,
+    PoolipcError,
+    "start_mps refused or failed: not acknowledged (accept_shared_gpu_faults), MPS not \
+     installed, CUDA already initialised in this process, another MPS daemon reachable, or \
+     the daemon did not start. The message says which."
 );
 
 /// `UnknownWorkerError(PoolipcError, KeyError)`: made at import, since a class with two bases
@@ -150,6 +171,7 @@ pub(crate) fn to_py_for(py: Python<'_>, e: poolipc::Error, worker: Option<u32>) 
         ),
         poolipc::Error::InvalidTensor(_) | poolipc::Error::Config(_) => PyValueError::new_err(text),
         poolipc::Error::UnknownWorker(w) => unknown_worker(py, w.0, text),
+        poolipc::Error::ContextLost { .. } => ContextLostError::new_err(text),
         _ => PoolipcError::new_err(text),
     }
 }

@@ -15,6 +15,7 @@
 mod dlpack;
 mod dtype;
 mod errors;
+mod mps;
 mod parent;
 mod state;
 mod worker;
@@ -43,6 +44,13 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "ExpiredViewError",
         py.get_type::<errors::ExpiredViewError>(),
     )?;
+    m.add(
+        "ContextLostError",
+        py.get_type::<errors::ContextLostError>(),
+    )?;
+    m.add("MpsError", py.get_type::<errors::MpsError>())?;
+    m.add_function(wrap_pyfunction!(mps::start_mps, m)?)?;
+    m.add_function(wrap_pyfunction!(mps::mps_status, m)?)?;
     m.add("DRIVER_ENV", state::DRIVER_ENV)?;
     Ok(())
 }

@@ -412,6 +412,40 @@ impl PrivateMps {
     }
 }
 
+impl PrivateMps {
+    /// Lets the daemon go and waits (at most `timeout`) until it has: it quits once its last
+    /// client exited, so call this after the clients you started are gone; this process
+    /// must not be a client itself (it would be waiting for itself). Returns whether the
+    /// daemon is gone; it goes on its own later otherwise.
+    pub fn shutdown(mut self, timeout: Duration) -> bool {
+        drop(self.watchdog_stdin.take());
+        let Some(mut child) = self.watchdog.take() else {
+            return true;
+        };
+        let deadline = Instant::now() + timeout;
+        loop {
+            match child.try_wait() {
+                Ok(Some(_)) => return true,
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Ok(None) => {
+                    tracing::warn!(
+                        pipe = %self.pipe_directory.display(),
+                        "the MPS daemon has not quit yet (clients still running?); it will once they exit"
+                    );
+                    self.watchdog = Some(child);
+                    return false;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "waiting for the MPS watchdog");
+                    return false;
+                }
+            }
+        }
+    }
+}
+
 impl Drop for PrivateMps {
     fn drop(&mut self) {
         // EOF on the watchdog's stdin: it tells the daemon to quit and cleans up.
