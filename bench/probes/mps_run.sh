@@ -2,8 +2,8 @@
 # Probe driver for mps_probe.py: plain, then under a private MPS daemon; and the daemon's quit.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
-export CU_PY_DIR=/work/shared/probes
-[ -f $CU_PY_DIR/cu.py ] || export CU_PY_DIR=$(cd "$here/../../../shared/probes" && pwd)
+export CU_PY_DIR=$here
+
 echo "== plain"; timeout 120 python3 "$here/mps_probe.py"
 echo "== mps"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/pmps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/pmps-log

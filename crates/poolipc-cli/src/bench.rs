@@ -37,6 +37,10 @@ pub(crate) struct Args {
     /// processes are the only clients, so the daemon's fault sharing is accepted for them.
     #[arg(long)]
     mps: bool,
+    /// (with a parent under MPS) Start the worker outside the MPS server: what a worker that
+    /// is not a client costs. Used by `--mps`.
+    #[arg(long, hide = true)]
+    worker_outside_mps: bool,
     /// A build of `bench/floor.c` (the bare-driver handoff, `nvcc -O2 -o floor bench/floor.c
     /// -lcuda`), run after ours and reported beside it.
     #[arg(long)]
@@ -205,6 +209,13 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         .env("POOLIPC_WORKER_MODE", "touch");
     if let Some((k, v)) = &child_env {
         cmd.env(k, v);
+    }
+    if args.worker_outside_mps {
+        // No daemon there: the worker's CUDA runs outside the server.
+        cmd.env(
+            poolipc_driver::mps_env::PIPE_DIRECTORY_ENV,
+            "/nonexistent/poolipc-worker-outside-mps",
+        );
     }
     let worker = parent.spawn_worker(cmd).context("starting the worker")?;
     let d: Arc<dyn Driver> = Arc::clone(&driver);
@@ -485,7 +496,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         "  batch: {n} tensors of 4 KiB, each its own allocation, in one job: {:.2} ms, {tensors_per_s:.0} tensors/s",
         batch_s * 1e3
     );
-    println!("  export cache: {cache}");
+    println!("  {cache}");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -494,10 +505,10 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
 fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
     let dir = std::env::temp_dir().join(format!("poolipc-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let child = |json_out: &std::path::Path| -> Result<Command> {
+    let child = |json_out: &std::path::Path, max_mib: u64| -> Result<Command> {
         let mut c = Command::new(std::env::current_exe()?);
         c.arg("bench").arg("--device").arg(args.device.to_string());
-        c.arg("--max-mib").arg(args.max_mib.to_string());
+        c.arg("--max-mib").arg(max_mib.to_string());
         if let Some(n) = args.iterations {
             c.arg("--iterations").arg(n.to_string());
         }
@@ -516,7 +527,7 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
     let plain_json = dir.join("plain.json");
     let mps_json = dir.join("mps.json");
     println!("== poolipc bench, plain (no MPS)");
-    let status = child(&plain_json)?
+    let status = child(&plain_json, args.max_mib)?
         .env_remove(poolipc_driver::mps_env::PIPE_DIRECTORY_ENV)
         .status()?;
     anyhow::ensure!(status.success(), "the plain bench failed: {status}");
@@ -530,13 +541,25 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
         "== poolipc bench under a private MPS daemon ({})",
         mps.pipe_directory().display()
     );
-    let status = child(&mps_json)?.envs(mps.env()).status()?;
-    mps.shutdown(std::time::Duration::from_secs(30));
+    let status = child(&mps_json, args.max_mib)?.envs(mps.env()).status()?;
     anyhow::ensure!(status.success(), "the bench under MPS failed: {status}");
+    // A parent under MPS with a worker outside it: pool IPC crosses, the turn-taking returns.
+    let mixed_json = dir.join("mixed.json");
+    println!();
+    println!("== poolipc bench, the parent under MPS, its worker outside it (no peers)");
+    let mut mixed = child(&mixed_json, args.max_mib.min(64))?;
+    mixed.arg("--worker-outside-mps");
+    let mixed_ok = mixed.envs(mps.env()).status()?.success();
+    mps.shutdown(std::time::Duration::from_secs(30));
     let read = |p: &std::path::Path| -> Result<serde_json::Value> {
         Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
     };
     let (plain, under) = (read(&plain_json)?, read(&mps_json)?);
+    let mixed = if mixed_ok {
+        read(&mixed_json).ok()
+    } else {
+        None
+    };
     let _ = std::fs::remove_dir_all(&dir);
     println!();
     println!(
@@ -574,13 +597,26 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
             cell(ratio(num(m, "torch_mp_us"), mu), 1),
         );
     }
+    match &mixed {
+        Some(m) => {
+            for r in rows(m) {
+                println!(
+                    "  worker outside MPS, parent inside: {} {} µs",
+                    human(r["bytes"].as_u64().unwrap_or(0)),
+                    cell(num(&r, "recycled_median_us"), 1)
+                );
+            }
+        }
+        None => println!("  worker outside MPS, parent inside: did not run (see above)"),
+    }
     println!(
         "  batch: plain {:.0} tensors/s, MPS {:.0} tensors/s",
         plain["batch"]["tensors_per_s"].as_f64().unwrap_or(f64::NAN),
         under["batch"]["tensors_per_s"].as_f64().unwrap_or(f64::NAN)
     );
     if let Some(path) = &args.json_out {
-        let both = serde_json::json!({"plain": plain, "mps": under});
+        let both =
+            serde_json::json!({"plain": plain, "mps": under, "mps_parent_worker_outside": mixed});
         std::fs::write(path, both.to_string())
             .with_context(|| format!("writing {}", path.display()))?;
     }

@@ -14,6 +14,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::process::{Child, ExitStatus};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
@@ -166,6 +167,9 @@ struct Loop {
     /// The last worker that failed or reported an error, and what it said: named when the
     /// process's context turns out lost (under MPS, a worker's GPU fault ends it).
     suspect: Option<(WorkerId, String)>,
+    /// When a job last finished or a command last came: the loop keeps spinning for
+    /// `options.spin` after it, so that a caller's next submit finds it awake.
+    last_activity: Instant,
 }
 
 /// How long the loop sleeps when nothing is due: commands and frames wake it earlier.
@@ -192,6 +196,7 @@ impl Loop {
             epoch: Instant::now(),
             shutting_down: false,
             suspect: None,
+            last_activity: Instant::now(),
         }
     }
 
@@ -243,16 +248,34 @@ impl Loop {
                 }
             }
             let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
-            // While jobs are in flight a frame is due within microseconds: look again without
-            // sleeping for up to `options.spin`, which saves a wake-up per frame.
-            let spin = if self.jobs.is_empty() {
-                Duration::ZERO
-            } else {
-                self.shared.options.spin
-            };
+            // While jobs are in flight a frame is due within microseconds, and just after one
+            // finished the caller's next submit often is: look again without sleeping for up
+            // to `options.spin`, which saves a wake-up per frame and per submit.
+            let spin = self.shared.options.spin;
             let started = Instant::now();
+            let busy = !self.jobs.is_empty();
+            let spin_until = if busy {
+                Some(started + spin)
+            } else {
+                self.last_activity
+                    .checked_add(spin)
+                    .filter(|&t| t > started)
+            };
+            let pending = &self.shared.pending;
+            let spinning_flag = &self.shared.io_spinning;
+            if spin_until.is_some() {
+                spinning_flag.store(true, Ordering::SeqCst);
+            }
             let polled = loop {
-                let spinning = started.elapsed() < spin;
+                let spinning = spin_until.is_some_and(|t| Instant::now() < t);
+                if !spinning {
+                    spinning_flag.store(false, Ordering::SeqCst);
+                }
+                if pending.load(Ordering::SeqCst) {
+                    // A command came (while spinning, without a wake-up byte): take it now.
+                    spinning_flag.store(false, Ordering::SeqCst);
+                    break Ok(0);
+                }
                 let wait = if spinning {
                     PollTimeout::from(0u16)
                 } else {
@@ -260,7 +283,10 @@ impl Loop {
                 };
                 match poll(&mut fds, wait) {
                     Ok(0) if spinning => std::hint::spin_loop(),
-                    other => break other,
+                    other => {
+                        spinning_flag.store(false, Ordering::SeqCst);
+                        break other;
+                    }
                 }
             };
             match polled {
@@ -342,6 +368,7 @@ impl Loop {
     }
 
     fn command(&mut self, command: Command) {
+        self.last_activity = Instant::now();
         match command {
             Command::Adopt {
                 worker,
@@ -853,9 +880,10 @@ impl Loop {
     /// worker most likely at fault), condemns every worker, and refuses all later work;
     /// returns whether that happened. The actions it queues run at the next `drive`.
     fn escalate(&mut self, what: &str, e: &Error) -> bool {
-        if !e.is_context_lost() {
-            return false;
-        }
+        let e = match self.lost_context(e) {
+            Some(e) => e,
+            None => return false,
+        };
         if self.shared.check_context().is_ok() {
             let suspect = match &self.suspect {
                 Some((w, said)) => format!(" The worker most likely at fault: {w} ({said})."),
@@ -909,6 +937,32 @@ impl Loop {
             }
         }
         true
+    }
+
+    /// Whether `e` means the context is lost, and the error that says so. Under MPS, calls on
+    /// handles made before another client's fault fail with `CUDA_ERROR_INVALID_HANDLE`
+    /// while new work fails with the sticky code (H200, driver 580): so after any driver
+    /// error, one event creation asks the context itself.
+    fn lost_context(&self, e: &Error) -> Option<String> {
+        if e.is_context_lost() {
+            return Some(e.to_string());
+        }
+        if !matches!(
+            e,
+            Error::Driver(_) | Error::Pool(_) | Error::Import(_) | Error::Staging(_)
+        ) {
+            return None;
+        }
+        match self.shared.driver.event_create(false) {
+            Ok(ev) => {
+                if let Err(d) = self.shared.driver.event_destroy(ev) {
+                    tracing::debug!(error = %d, "destroying the probe event");
+                }
+                None
+            }
+            Err(p) if p.is_context_lost() => Some(format!("{e}; then {p}")),
+            Err(_) => None,
+        }
     }
 
     /// The error every job gets once the context is lost.
@@ -1290,6 +1344,7 @@ impl Loop {
 
     /// The contract's last word on a job: its handle gets the results or the error.
     fn finish(&mut self, worker: WorkerId, job: JobId, outcome: JobOutcome) {
+        self.last_activity = Instant::now();
         let Some(mut st) = self.jobs.remove(&(worker, job)) else {
             return;
         };
@@ -1307,9 +1362,12 @@ impl Loop {
             }
             // A worker that failed may have faulted on the GPU: under MPS that ends our
             // context too. Ask now (one query) rather than at the next job.
-            if let Some((ev, _)) = &st.ready
-                && self.shared.check_context().is_ok()
-                && let Err(e) = self.shared.driver.event_query(ev.handle())
+            if self.shared.check_context().is_ok()
+                && let Err(e) = self
+                    .shared
+                    .driver
+                    .event_create(false)
+                    .and_then(|ev| self.shared.driver.event_destroy(ev))
             {
                 self.escalate("checking the context after a failed job", &e.into());
             }

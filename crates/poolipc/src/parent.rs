@@ -209,6 +209,12 @@ pub(crate) struct Shared {
     limit: Mutex<ImportLimit>,
     inbox: Mutex<VecDeque<LoopCommand>>,
     waker: UnixStream,
+    /// Set by [`Shared::post`] before it decides whether to wake the loop; cleared by the
+    /// loop when it takes the commands.
+    pub(crate) pending: std::sync::atomic::AtomicBool,
+    /// Set while the IO loop spins instead of sleeping: a post need not write the wake-up
+    /// byte then (a system call and a wake-up saved per submit).
+    pub(crate) io_spinning: std::sync::atomic::AtomicBool,
     pub(crate) registry: Mutex<BTreeMap<WorkerId, Registered>>,
     next_worker: AtomicU32,
     next_job: AtomicU64,
@@ -233,11 +239,17 @@ impl Shared {
     /// Hands a command to the IO loop and wakes it.
     pub(crate) fn post(&self, command: LoopCommand) {
         lock(&self.inbox).push_back(command);
-        // A full socket buffer means a wake-up is pending anyway.
-        let _ = (&self.waker).write(&[1]);
+        // Dekker with the loop's `io_spinning.store(false)` then `pending.load()`: either the
+        // loop sees `pending` before it sleeps, or we see it is not spinning and wake it.
+        self.pending.store(true, Ordering::SeqCst);
+        if !self.io_spinning.load(Ordering::SeqCst) {
+            // A full socket buffer means a wake-up is pending anyway.
+            let _ = (&self.waker).write(&[1]);
+        }
     }
 
     pub(crate) fn take_commands(&self) -> VecDeque<LoopCommand> {
+        self.pending.store(false, Ordering::SeqCst);
         std::mem::take(&mut *lock(&self.inbox))
     }
 
@@ -458,6 +470,8 @@ impl Parent {
             options,
             inbox: Mutex::new(VecDeque::new()),
             waker,
+            pending: std::sync::atomic::AtomicBool::new(false),
+            io_spinning: std::sync::atomic::AtomicBool::new(false),
             registry: Mutex::new(BTreeMap::new()),
             next_worker: AtomicU32::new(1),
             next_job: AtomicU64::new(1),

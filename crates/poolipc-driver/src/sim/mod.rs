@@ -1614,6 +1614,7 @@ impl Driver for SimDriver {
     }
 
     fn event_create(&self, interprocess: bool) -> Result<EventHandle> {
+        self.check_context("cuEventCreate")?;
         const CALL: &str = "cuEventCreate";
         let mut l = self.local();
         Self::context(&l, CALL)?;
@@ -1773,6 +1774,7 @@ impl Driver for SimDriver {
     }
 
     fn stream_create(&self) -> Result<StreamHandle> {
+        self.check_context("cuStreamCreate")?;
         const CALL: &str = "cuStreamCreate";
         let mut l = self.local();
         Self::context(&l, CALL)?;
