@@ -40,7 +40,7 @@ def _poolipc_prestartup():
 
     # What the nodes read: mode is one of "off", "installed", "host-staging", "cpu", "failed".
     state = types.ModuleType("_poolipc_comfyui_startup")
-    state.mode, state.device, state.reason = "off", None, None
+    state.mode, state.device, state.reason, state.mps = "off", None, None, None
     sys.modules["_poolipc_comfyui_startup"] = state
 
     def record(mode, device=None, reason=None):
@@ -188,6 +188,22 @@ def _poolipc_prestartup():
                 "(python -m pip install poolipc-*.whl). ComfyUI starts as before."
             )
             return
+        mps = os.environ.get("POOLIPC_MPS", "").strip().lower()
+        if mps:
+            # MPS must start before CUDA does, so here, before the pool swap. The value itself
+            # is the acknowledgement: a worker's GPU fault ends ComfyUI's CUDA context too.
+            if mps != "accept-shared-gpu-faults":
+                say(
+                    f"poolipc: POOLIPC_MPS={mps!r} ignored: MPS is started only with "
+                    "POOLIPC_MPS=accept-shared-gpu-faults, because under MPS a GPU fault in any "
+                    "worker ends the CUDA context of ComfyUI itself (README: MPS)"
+                )
+            else:
+                try:
+                    pipe = poolipc.start_mps(accept_shared_gpu_faults=True)  # logs its own line
+                    state.mps = pipe
+                except poolipc.MpsError as e:
+                    say(f"poolipc: MPS not started ({e}); handoffs go on without it")
         info = poolipc.install_pool(device)  # logs its own line
         effective = not isinstance(info, dict) or info.get("effective", True)
         record("installed" if effective else "host-staging", device=device,

@@ -60,7 +60,7 @@ def test_without_opt_in_the_prestartup_does_nothing_and_says_nothing(tmp_path, o
 def test_a_plain_start_installs_on_device_0_before_torch(tmp_path, order):
     out, err, state = comfy_start(tmp_path, order, env=ON)
     assert len(installs(err)) == 1 and "as device 0's current pool" in err
-    assert state == {"mode": "installed", "device": 0, "reason": None}
+    assert state == {"mode": "installed", "device": 0, "reason": None, "mps": None}
     assert "backend:cudaMallocAsync" in torch_saw(out)[1]
     assert "Torch already imported" not in err
 
@@ -172,3 +172,20 @@ def test_flags_are_read_from_sys_argv_when_comfyui_has_not_parsed_them(tmp_path)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "CVD 1" in p.stdout and "as device 0's current pool" in p.stderr
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_POOLIPC_MPS_starts_a_private_daemon_before_the_pool_only_when_its_value_acknowledges_the_cost(tmp_path, order):
+    out, err, state = comfy_start(tmp_path, order, env={**ON, "POOLIPC_MPS": "accept-shared-gpu-faults"})
+    lines = err.splitlines()
+    started = next(i for i, x in enumerate(lines) if "started a private MPS daemon" in x)
+    installed = next(i for i, x in enumerate(lines) if "installed a shareable CUDA memory pool" in x)
+    assert started < installed, err
+    assert state["mps"] == "/tmp/poolipc-mps-stub/pipe" and state["mode"] == "installed"
+
+
+def test_POOLIPC_MPS_1_is_not_an_acknowledgement(tmp_path):
+    out, err, state = comfy_start(tmp_path, "new", env={**ON, "POOLIPC_MPS": "1"})
+    assert "started a private MPS daemon" not in err
+    assert "POOLIPC_MPS=accept-shared-gpu-faults" in err and "ComfyUI itself" in err, err
+    assert state["mps"] is None and state["mode"] == "installed"

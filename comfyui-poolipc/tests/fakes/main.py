@@ -54,4 +54,4 @@ if "torch" in sys.modules:
 import torch  # noqa: E402,F401,F811 - the fake one: prints what it saw
 
 state = sys.modules.get("_poolipc_comfyui_startup")
-print("STATE " + json.dumps({k: getattr(state, k, None) for k in ("mode", "device", "reason")}))
+print("STATE " + json.dumps({k: getattr(state, k, None) for k in ("mode", "device", "reason", "mps")}))

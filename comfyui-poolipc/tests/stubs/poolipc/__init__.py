@@ -26,6 +26,20 @@ class UnknownWorkerError(PoolipcError, KeyError):
     pass
 
 
+class MpsError(PoolipcError):
+    pass
+
+
+def start_mps(*, accept_shared_gpu_faults=False, control=None):
+    if not accept_shared_gpu_faults:
+        raise MpsError("MPS not started: not acknowledged (stub)")
+    if "torch" in sys.modules:
+        raise MpsError("MPS not started: torch first (stub)")
+    pipe = "/tmp/poolipc-mps-stub/pipe"
+    print(f"poolipc: started a private MPS daemon ({pipe}) (stub)", file=sys.stderr, flush=True)
+    return pipe
+
+
 def install_pool(device=0):
     if "torch" in sys.modules:
         raise PoolipcError("poolipc.install_pool: torch is already imported")
