@@ -453,6 +453,10 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   echo "python torch suite exit: $r1, sim suite exit: $r2" >> "$summary"
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/python.log" | sed 's/^tests\/gpu_torch_test.py:://' | tail -40 >> "$summary"
   [ "$r1" -eq 0 ] && [ "$r2" -eq 0 ] || echo "0 1" >> "$out/counts"
+  echo "--- bench/pybench.py: the Python binding against torch.multiprocessing, same run" >> "$summary"
+  ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 900 python3 bench/pybench.py --json ) > "$out/pybench.log" 2>&1
+  echo "pybench exit: $?" >> "$summary"
+  grep -v '^{' "$out/pybench.log" | grep -v ' INFO ' | tail -12 >> "$summary"
 else
   echo "python: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi

@@ -1,0 +1,100 @@
+"""poolipc through its Python binding against torch.multiprocessing, in one run on the GPU.
+
+The parent is torch under cudaMallocAsync with poolipc's pool installed (as in ComfyUI); the
+worker takes each tensor by DLPack into torch and writes one element in place on the job's
+stream, as bench/torchmp.py's worker does. Measured per size: a new tensor each time (recycled
+pool memory: exported again) and the same live tensor lent again (the export cache's hit);
+then torchmp.py runs as a child and its medians are printed beside ours.
+
+    PYTHONPATH=/tmp/site python3 bench/pybench.py [--json]
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import poolipc
+
+poolipc.install_pool(0)
+import torch  # noqa: E402  (after install_pool)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = r"""
+import poolipc, torch
+w = poolipc.Worker()
+for job in w:
+    with job:
+        for v in job.inputs:
+            t = torch.from_dlpack(v)
+            t.view(-1)[0] = 42
+"""
+SIZES = [("4KiB", 1 << 10, 400), ("1MiB", 1 << 18, 400), ("64MiB", 1 << 24, 100),
+         ("1GiB", 1 << 28, 30), ("4GiB", 1 << 30, 15)]
+
+
+def main():
+    as_json = "--json" in sys.argv
+    parent = poolipc.Parent(0)
+    worker = parent.spawn([sys.executable, "-c", WORKER])
+    dev = torch.device("cuda", 0)
+    rows = []
+    for label, numel, reps in SIZES:
+        fresh, again = [], []
+        for i in range(reps + 1):
+            t = torch.zeros(numel, dtype=torch.float32, device=dev)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            parent.run(worker, [t])
+            torch.cuda.current_stream().synchronize()
+            if i:
+                fresh.append(time.perf_counter() - t0)
+            assert t[0].item() == 42.0
+            del t
+        t = torch.zeros(numel, dtype=torch.float32, device=dev)
+        torch.cuda.synchronize()
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            parent.run(worker, [t])
+            torch.cuda.current_stream().synchronize()
+            if i:
+                again.append(time.perf_counter() - t0)
+        assert t[0].item() == 42.0
+        del t
+        row = {"event": "python_round_trip", "size": label, "bytes": numel * 4,
+               "recycled_ms_median": statistics.median(fresh) * 1e3,
+               "relend_ms_median": statistics.median(again) * 1e3, "reps": reps}
+        rows.append(row)
+        if as_json:
+            print(json.dumps(row), flush=True)
+    parent.stop(worker)
+    torch.cuda.synchronize()
+    peer = subprocess.run([sys.executable, os.path.join(HERE, "torchmp.py")],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=""))
+    tmp = {}
+    for line in peer.stdout.splitlines():
+        try:
+            o = json.loads(line)
+        except ValueError:
+            continue
+        if o.get("event") == "torch_mp_round_trip":
+            tmp[o["size"]] = o["round_trip_ms_median"]
+    if peer.returncode != 0:
+        print(f"torch.multiprocessing: NOT MEASURED: {peer.stderr.strip().splitlines()[-1:]}")
+    print()
+    print("  through the Python binding (torch under cudaMallocAsync) against torch.multiprocessing (native allocator, legacy IPC), medians:")
+    print(f"  {'size':>6} {'recycled ms':>12} {'re-lend ms':>11} {'torch.mp ms':>12} {'best/t.mp':>10}")
+    for r in rows:
+        t = tmp.get(r["size"])
+        best = min(r["recycled_ms_median"], r["relend_ms_median"])
+        print(f"  {r['size']:>6} {r['recycled_ms_median']:>12.3f} {r['relend_ms_median']:>11.3f} "
+              f"{(f'{t:.3f}' if t else '-'):>12} {(f'{best / t:.2f}' if t else '-'):>10}")
+        r["torch_mp_ms_median"] = t
+    if as_json:
+        print(json.dumps({"event": "python_vs_torch_mp", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
