@@ -437,7 +437,7 @@ impl Loop {
             },
         );
         // The arena's chunks so far, before any grant can name one.
-        self.announce_chunks();
+        self.announce_chunks(Some(worker));
         Ok(())
     }
 
@@ -474,7 +474,12 @@ impl Loop {
     /// Sends every arena chunk a worker that takes arena results has not been sent yet, in
     /// index order, one `ArenaChunk` (with the chunk's FD) each. A worker a chunk cannot be
     /// sent to takes no more arena results (a failed send loses it, as any send does).
-    fn announce_chunks(&mut self) {
+    ///
+    /// A worker with a host-staged job in flight is skipped unless it is `target` (whose
+    /// result is being allocated: it waits for its grant, not inside a transfer): a frame
+    /// with an FD cannot wait in a staging transfer's backlog. It catches up when that job
+    /// finishes, and always before a grant names the chunk.
+    fn announce_chunks(&mut self, target: Option<WorkerId>) {
         let Some(arena) = lock(&self.shared.arena).clone() else {
             return;
         };
@@ -482,8 +487,11 @@ impl Loop {
         let ids: Vec<WorkerId> = self
             .workers
             .iter()
-            .filter(|(_, s)| {
-                s.takes_arena && s.lost.is_none() && (s.arena_chunks_sent as usize) < chunks.len()
+            .filter(|(id, s)| {
+                s.takes_arena
+                    && s.lost.is_none()
+                    && (!s.staged_in_flight || target == Some(**id))
+                    && (s.arena_chunks_sent as usize) < chunks.len()
             })
             .map(|(id, _)| *id)
             .collect();
@@ -1403,7 +1411,7 @@ impl Loop {
         let block = arena.alloc(bytes)?;
         // Owned from here: dropped on any path below, the block goes back (stream-ordered).
         let result = ResultTensor::in_arena(Arc::clone(&arena), block, bytes, shape, stream);
-        self.announce_chunks();
+        self.announce_chunks(Some(worker));
         let sent = self
             .workers
             .get(&worker)
@@ -1485,6 +1493,10 @@ impl Loop {
             if st.staged {
                 s.staged_in_flight = false;
             }
+        }
+        if st.staged {
+            // Chunks held back while its staging transfer ran.
+            self.announce_chunks(None);
         }
         let result = match outcome {
             JobOutcome::Completed => {
