@@ -321,3 +321,22 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    fn the_canary_battery_passes_with_its_results_in_the_arena(env) {
+        let options = ParentOptions {
+            device: env.device,
+            results: ResultMemory::Arena { initial_bytes: 16 * MIB, max_bytes: None },
+            ..ParentOptions::default()
+        };
+        let p = Parent::new(Arc::clone(&env.driver), options)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let report = p.canary_report(w).context("no canary report")?;
+        ensure!(report.ok(), "{report}");
+        ensure!(p.stats().arena_results > 0, "{:?}", p.stats());
+        ensure!(settle(&p, stream)? == 0, "the battery's blocks are still out");
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
