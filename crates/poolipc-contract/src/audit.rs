@@ -33,6 +33,8 @@ struct LoanRecord {
     job: JobId,
     alloc: AllocId,
     pointer: bool,
+    /// A block of the result arena: no import guards it, so only DONE or the reaping does.
+    arena: bool,
     result: bool,
     /// The parent recorded the job's READY before sending the message carrying it.
     ready_recorded: bool,
@@ -183,6 +185,7 @@ impl Auditor {
         let what = if result { "a grant" } else { "a lend" };
         self.owned(alloc, what, found);
         let pointer = by_pointer(rung);
+        let arena = rung == Rung::Arena;
         if pointer {
             if let Some(rec) = self.allocs.get(&alloc)
                 && !self.limit.admits(rec.span)
@@ -220,6 +223,7 @@ impl Auditor {
                 job,
                 alloc,
                 pointer,
+                arena,
                 result,
                 ready_recorded: ready,
                 ready_event,
@@ -270,26 +274,30 @@ impl Auditor {
             } => {
                 let ready = self.ready_pending.remove(&(*worker, grant.job));
                 for g in &grant.results {
-                    if let ResultGrant::Granted {
+                    let (handle, alloc, rung, ready_event) = match g {
+                        ResultGrant::Granted {
+                            handle,
+                            alloc,
+                            rung,
+                            ready_event,
+                            ..
+                        } => (*handle, *alloc, *rung, *ready_event),
+                        ResultGrant::Arena { handle, alloc, .. } => {
+                            (*handle, *alloc, Rung::Arena, EventBlob([0; 64]))
+                        }
+                        ResultGrant::Refused { .. } => continue,
+                    };
+                    self.sent(
+                        *worker,
+                        grant.job,
                         handle,
                         alloc,
                         rung,
                         ready_event,
-                        ..
-                    } = g
-                    {
-                        self.sent(
-                            *worker,
-                            grant.job,
-                            *handle,
-                            *alloc,
-                            *rung,
-                            *ready_event,
-                            ready,
-                            true,
-                            &mut found,
-                        );
-                    }
+                        ready,
+                        true,
+                        &mut found,
+                    );
                 }
             }
             ParentAction::ReceiveStaged { handoff, .. } => {
@@ -427,9 +435,19 @@ impl Auditor {
                     ),
                 );
             }
+            if loan.arena && !reaped {
+                violation(
+                    found,
+                    Invariant::UnimportBeforeFree,
+                    format!(
+                        "arena block {handoff} returned before {worker} was reaped and without \
+                         a wait on its DONE: the process may still write into it"
+                    ),
+                );
+            }
         } else {
             let gated = loan.ack_delivered
-                && (!loan.pointer
+                && (!(loan.pointer || loan.arena)
                     || (loan.done_waited.is_some() && loan.done_waited == loan.done_delivered));
             if !gated {
                 violation(
@@ -443,7 +461,8 @@ impl Auditor {
                     ),
                 );
             }
-            if loan.result && !loan.pointer && outcome == Outcome::Completed && !loan.received {
+            let staged = !loan.pointer && !loan.arena;
+            if loan.result && staged && outcome == Outcome::Completed && !loan.received {
                 violation(
                     found,
                     Invariant::ReleaseAfterAckAndDone,
@@ -567,7 +586,9 @@ impl Auditor {
             }
             WorkerAction::ResultsGranted { job, results } => {
                 for g in results {
-                    if let ResultGrant::Granted { handle, .. } = g {
+                    if let ResultGrant::Granted { handle, .. } | ResultGrant::Arena { handle, .. } =
+                        g
+                    {
                         self.usable(worker, *job, *handle, &mut found);
                     }
                 }
@@ -695,6 +716,16 @@ impl Auditor {
                 &mut found,
                 Invariant::DoneThenUnimportThenAck,
                 format!("{worker} touches {handoff} after its last access"),
+            );
+        }
+        if loan.arena && self.allocs.get(&loan.alloc).is_some_and(|r| r.freed) {
+            violation(
+                &mut found,
+                Invariant::UnimportBeforeFree,
+                format!(
+                    "{worker} touches arena block {} after it was returned",
+                    loan.alloc
+                ),
             );
         }
         if loan.pointer {

@@ -7,7 +7,7 @@
 //! side, for messages from the parent it cannot take.
 
 use crate::message::MessageKind;
-use crate::types::{AllocId, HandoffId, JobId, RequestId, Span, WorkerId};
+use crate::types::{AllocId, HandoffId, JobId, RequestId, Rung, Span, WorkerId};
 
 /// A call the contract refuses.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -76,6 +76,17 @@ pub enum ContractError {
     /// Worker: an allocation grant that does not answer the job's pending request.
     #[error("an allocation grant for {0} answers no pending request, or not all of it")]
     GrantMismatch(JobId),
+    /// A handoff on a rung that cannot carry it there: an input on the arena rung (the arena
+    /// holds results), a pool-style grant or allocation answer naming the arena rung (arena
+    /// results carry a location instead: [`crate::ParentEvent::ResultAllocatedInArena`],
+    /// [`crate::ResultGrant::Arena`]).
+    #[error("{what} on the {rung} rung, which cannot carry it")]
+    RungNotAllowed {
+        /// The rung named.
+        rung: Rung,
+        /// What named it.
+        what: &'static str,
+    },
     /// Worker: a message the parent does not send after the handshake, or one the facade
     /// consumes itself.
     #[error("unexpected {0} from the parent")]

@@ -29,7 +29,9 @@ pub enum Invariant {
     /// every handoff of it is released.
     ReleaseAfterAckAndDone = 4,
     /// Invariant 5: An import is freed before the exporter frees the allocation, in every path, faults
-    /// included; nothing freed is imported.
+    /// included; nothing freed is imported. An arena block, which no import guards, is freed
+    /// only after the parent's stream waited on its worker's DONE, or after the worker was
+    /// reaped; a worker never touches a freed block.
     UnimportBeforeFree = 5,
     /// Invariant 6: One import per exported allocation per worker, refcounted: never a second driver
     /// import of the same allocation in one worker, never an unimport while a handoff uses it.

@@ -62,7 +62,7 @@ mod tests;
 pub use error::ContractError;
 pub use invariant::{Invariant, Violation};
 pub use message::{
-    Ack, AllocationGrant, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
+    Ack, AllocationGrant, ArenaChunk, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
     ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN,
     Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };

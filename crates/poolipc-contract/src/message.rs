@@ -149,6 +149,24 @@ pub enum ResultGrant {
         /// The READY event.
         ready_event: EventBlob,
     },
+    /// A block of the parent's result arena (protocol 4): `bytes` at `offset` in arena chunk
+    /// `chunk`, which the worker mapped when an [`ArenaChunk`] announced it (always before a
+    /// grant that names it). No export, no import, no READY: the parent hands out a block
+    /// only once every earlier use of it completed on the GPU. The worker writes, records
+    /// DONE, and never touches the block again; the parent reuses it only after that DONE
+    /// (stream-ordered) or after the worker was reaped.
+    Arena {
+        /// The handoff this result opens.
+        handle: HandoffId,
+        /// The allocation id the parent gave the block (see [`LentTensor::alloc`]).
+        alloc: AllocId,
+        /// The arena chunk's index.
+        chunk: u32,
+        /// Bytes from the chunk's start.
+        offset: u64,
+        /// Bytes of the block (at least the result's `byte_len`).
+        bytes: u64,
+    },
     /// Not allocated.
     Refused {
         /// Why, as a code the worker can act on.
@@ -271,6 +289,21 @@ pub struct ExtraPoolReply {
     pub reachable: bool,
     /// When not reachable, why, for a person (at most [`MAX_TEXT_LEN`] bytes).
     pub reason: String,
+}
+
+/// Parent → worker, with exactly one FD (the chunk's `cuMemExportToShareableHandle`): a
+/// chunk of the parent's result arena (protocol 4).
+///
+/// Sent after the handshake for every chunk the arena has, and to every attached worker when
+/// the arena grows, always before any [`ResultGrant::Arena`] that names the chunk. The worker
+/// imports and maps it once (`ArenaMapping::map_chunk`) and answers nothing; a chunk it
+/// cannot map makes the grants that name it fail on its side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArenaChunk {
+    /// The chunk's index: what [`ResultGrant::Arena`]'s `chunk` names it by.
+    pub index: u32,
+    /// Its length in bytes (non-zero; a multiple of the driver's granularity).
+    pub len: u64,
 }
 
 /// A numeric reason on the wire. Unknown codes decode fine (a newer peer may send one); the
@@ -406,6 +439,9 @@ pub enum Message {
     ExtraPool(ExtraPool),
     /// Worker → parent: whether the worker can use that pool. See [`ExtraPoolReply`].
     ExtraPoolReply(ExtraPoolReply),
+    /// Parent → worker, with exactly one FD (the chunk's): a chunk of the result arena. See
+    /// [`ArenaChunk`].
+    ArenaChunk(ArenaChunk),
 }
 
 /// The kind of a [`Message`], with its wire tag.
@@ -431,11 +467,12 @@ pub enum MessageKind {
     ExtraPool = 16,
     ExtraPoolReply = 17,
     JobError = 18,
+    ArenaChunk = 19,
 }
 
 impl MessageKind {
     /// Every kind, in tag order.
-    pub const ALL: [MessageKind; 18] = [
+    pub const ALL: [MessageKind; 19] = [
         MessageKind::Hello,
         MessageKind::HelloAck,
         MessageKind::Refuse,
@@ -454,6 +491,7 @@ impl MessageKind {
         MessageKind::ExtraPool,
         MessageKind::ExtraPoolReply,
         MessageKind::JobError,
+        MessageKind::ArenaChunk,
     ];
 
     /// The kind with this wire tag.
@@ -463,12 +501,15 @@ impl MessageKind {
 
     /// How many file descriptors a frame of this kind carries: the only count accepted.
     ///
-    /// `Hello` and `ExtraPool` carry a pool's FD, `StagingBuffer` the host-staging memfd;
-    /// nothing else carries any. Rungs that need FDs (VMM arena chunks) will add kinds here,
-    /// never relax the check.
+    /// `Hello` and `ExtraPool` carry a pool's FD, `StagingBuffer` the host-staging memfd,
+    /// `ArenaChunk` an arena chunk's; nothing else carries any. New rungs that need FDs add
+    /// kinds here, never relax the check.
     pub fn expected_fds(self) -> usize {
         match self {
-            MessageKind::Hello | MessageKind::StagingBuffer | MessageKind::ExtraPool => 1,
+            MessageKind::Hello
+            | MessageKind::StagingBuffer
+            | MessageKind::ExtraPool
+            | MessageKind::ArenaChunk => 1,
             _ => 0,
         }
     }
@@ -502,6 +543,7 @@ impl Message {
             Message::ExtraPool(_) => MessageKind::ExtraPool,
             Message::ExtraPoolReply(_) => MessageKind::ExtraPoolReply,
             Message::JobError { .. } => MessageKind::JobError,
+            Message::ArenaChunk(_) => MessageKind::ArenaChunk,
         }
     }
 

@@ -29,4 +29,7 @@ pub(crate) enum Mutation {
     /// Invariant 8: on reaping, the parent forgets the dead worker's handoffs instead of
     /// releasing them.
     ForgetDeadWorkersLoans,
+    /// Invariant 5, arena: the parent returns a hung-up worker's arena blocks at once ("no
+    /// import to wait for") while the still running process may be writing into them.
+    ReleaseArenaAtHangUp,
 }

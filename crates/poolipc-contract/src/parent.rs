@@ -16,7 +16,7 @@ use crate::message::{
 use crate::mutation::Mutation;
 use crate::types::{
     AllocId, EventBlob, ExportBlob, HandoffId, JobId, Outcome, Purpose, RequestId, Rung, Span,
-    Timestamp, WorkerId, ZERO_EVENT, ZERO_EXPORT, by_pointer, dense_bytes,
+    Timestamp, WorkerId, ZERO_EVENT, ZERO_EXPORT, by_pointer, dense_bytes, done_gated, staged,
 };
 use poolipc_types::ImportLimit;
 
@@ -136,6 +136,26 @@ pub enum ParentEvent {
         /// Pool pointer: the allocation's export. Host staging: zero.
         export: ExportBlob,
     },
+    /// The answer to [`ParentAction::AllocateResult`]: allocated as a block of the result
+    /// arena (the [`Rung::Arena`] rung). The grant names the block by `(chunk, offset,
+    /// span.bytes)`; there is no export, no import and no import limit. The block is
+    /// released ([`ParentAction::Release`]) only after a [`ParentAction::WaitDone`] on the
+    /// worker's DONE for the job, or once the worker was reaped: only then may the facade
+    /// reuse it.
+    ResultAllocatedInArena {
+        /// The worker that asked.
+        worker: WorkerId,
+        /// The request answered.
+        request: RequestId,
+        /// A fresh id for the block.
+        alloc: AllocId,
+        /// The block in the parent's address space: `[ptr, ptr + bytes)`.
+        span: Span,
+        /// The arena chunk's index (announced to the worker before the grant goes out).
+        chunk: u32,
+        /// Bytes from the chunk's start.
+        offset: u64,
+    },
     /// The answer to [`ParentAction::AllocateResult`]: not allocated.
     ResultDeclined {
         /// The worker that asked.
@@ -217,7 +237,7 @@ pub enum ParentAction {
         handoff: HandoffId,
     },
     /// Make the job's stream wait on the worker's DONE event. Comes right before the
-    /// [`ParentAction::Release`] of each acknowledged pool-pointer handoff.
+    /// [`ParentAction::Release`] of each acknowledged pool-pointer or arena handoff.
     WaitDone {
         /// The worker.
         worker: WorkerId,
@@ -315,6 +335,8 @@ enum Answer {
         rung: Rung,
         pool: u8,
         export: ExportBlob,
+        /// `(chunk, offset)` of an arena block (`rung` is then [`Rung::Arena`]).
+        arena: Option<(u32, u64)>,
     },
     Refused {
         code: ErrorCode,
@@ -830,6 +852,12 @@ impl Parent {
     pub fn handle(&mut self, event: ParentEvent, now: Timestamp) -> Result<(), ContractError> {
         let handled = match event {
             ParentEvent::Received { worker, message } => self.on_message(worker, message, now),
+            ParentEvent::ResultAllocated { rung, .. } if rung == Rung::Arena => {
+                Err(ContractError::RungNotAllowed {
+                    rung,
+                    what: "a result allocation without its arena location",
+                })
+            }
             ParentEvent::ResultAllocated {
                 worker,
                 request,
@@ -847,6 +875,27 @@ impl Parent {
                     rung,
                     pool,
                     export,
+                    arena: None,
+                },
+                now,
+            ),
+            ParentEvent::ResultAllocatedInArena {
+                worker,
+                request,
+                alloc,
+                span,
+                chunk,
+                offset,
+            } => self.on_answer(
+                worker,
+                request,
+                Answer::Allocated {
+                    alloc,
+                    span,
+                    rung: Rung::Arena,
+                    pool: 0,
+                    export: ZERO_EXPORT,
+                    arena: Some((chunk, offset)),
                 },
                 now,
             ),
@@ -961,6 +1010,7 @@ impl Parent {
                     rung: Rung::PoolPointer,
                     pool: 0,
                     export: ZERO_EXPORT,
+                    arena: None,
                 });
             } else {
                 self.requests.insert(
@@ -1115,6 +1165,7 @@ impl Parent {
                     rung,
                     pool,
                     export,
+                    arena,
                 }) => {
                     let handle = self.fresh_handoff();
                     let pointer = by_pointer(rung);
@@ -1135,13 +1186,24 @@ impl Parent {
                     if let Some(j) = self.jobs.get_mut(&(worker, job)) {
                         j.handoffs.push(handle);
                     }
-                    results.push(ResultGrant::Granted {
-                        handle,
-                        alloc,
-                        rung,
-                        pool: if pointer { pool } else { 0 },
-                        export: if pointer { export } else { ZERO_EXPORT },
-                        ready_event: if pointer { ready_event } else { ZERO_EVENT },
+                    results.push(match arena {
+                        // No READY: the facade hands out a block only once every earlier use
+                        // of it completed on the GPU (its return waited on an event).
+                        Some((chunk, offset)) => ResultGrant::Arena {
+                            handle,
+                            alloc,
+                            chunk,
+                            offset,
+                            bytes: span.bytes,
+                        },
+                        None => ResultGrant::Granted {
+                            handle,
+                            alloc,
+                            rung,
+                            pool: if pointer { pool } else { 0 },
+                            export: if pointer { export } else { ZERO_EXPORT },
+                            ready_event: if pointer { ready_event } else { ZERO_EVENT },
+                        },
                     });
                 }
                 Some(Answer::Refused { code, message }) => {
@@ -1190,7 +1252,7 @@ impl Parent {
                 continue;
             };
             loan.done = Some(done_event);
-            if matches!(loan.purpose, Purpose::Result { .. }) && !by_pointer(loan.rung) {
+            if matches!(loan.purpose, Purpose::Result { .. }) && staged(loan.rung) {
                 self.actions.push_back(ParentAction::ReceiveStaged {
                     worker,
                     job,
@@ -1257,7 +1319,7 @@ impl Parent {
             let Some(loan) = self.loans.get(&h) else {
                 continue;
             };
-            if by_pointer(loan.rung)
+            if done_gated(loan.rung)
                 && let Some(done_event) = loan.done
                 && !self.mutated(Mutation::ReleaseWithoutWaitingDone)
             {
@@ -1335,6 +1397,18 @@ impl Parent {
             // Test-only bug: release before the process is reaped.
             for handoff in self.handoffs_of(worker) {
                 self.release(handoff, Outcome::Failed);
+            }
+        }
+        if self.mutated(Mutation::ReleaseArenaAtHangUp) {
+            // Test-only bug: arena blocks have no import, so "nothing to wait for".
+            for handoff in self.handoffs_of(worker) {
+                if self
+                    .loans
+                    .get(&handoff)
+                    .is_some_and(|l| l.rung == Rung::Arena)
+                {
+                    self.release(handoff, Outcome::Failed);
+                }
             }
         }
         Ok(())

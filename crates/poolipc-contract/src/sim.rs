@@ -40,6 +40,14 @@ pub enum SizeClass {
     Huge,
 }
 
+/// Where the simulated allocator puts a result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Memory {
+    Pool,
+    Staged,
+    Arena,
+}
+
 /// A worker's misbehaviour: a message the protocol does not allow at that point. Each must
 /// condemn the worker that sends it and no other.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,6 +126,8 @@ pub enum Op {
         size: SizeClass,
         /// Allocate for host staging rather than pool pointer.
         staged: bool,
+        /// Allocate a block of the result arena (before `staged`).
+        arena: bool,
         /// Decline instead of allocating.
         decline: bool,
     },
@@ -630,8 +640,18 @@ impl World {
                 pick,
                 size,
                 staged,
+                arena,
                 decline,
-            } => self.answer(pick, size, staged, decline),
+            } => {
+                let memory = if arena {
+                    Memory::Arena
+                } else if staged {
+                    Memory::Staged
+                } else {
+                    Memory::Pool
+                };
+                self.answer(pick, size, memory, decline);
+            }
             Op::DeliverToWorker { worker } => {
                 let busy = |w: &SimWorker| w.process == Process::Running && !w.to_worker.is_empty();
                 if let Some(i) = self.busy_worker(worker, busy) {
@@ -854,14 +874,14 @@ impl World {
         }
     }
 
-    fn answer(&mut self, p: u8, size: SizeClass, staged: bool, decline: bool) {
+    fn answer(&mut self, p: u8, size: SizeClass, memory: Memory, decline: bool) {
         if self.alloc_requests.is_empty() {
             return;
         }
         let (worker, _, request) = self
             .alloc_requests
             .remove(usize::from(p) % self.alloc_requests.len());
-        self.answer_request(worker, request, size, staged, decline);
+        self.answer_request(worker, request, size, memory, decline);
     }
 
     fn answer_request(
@@ -869,7 +889,7 @@ impl World {
         worker: WorkerId,
         request: RequestId,
         size: SizeClass,
-        staged: bool,
+        memory: Memory,
         decline: bool,
     ) {
         if decline {
@@ -888,7 +908,18 @@ impl World {
             return;
         }
         let (alloc, span) = self.fresh_alloc(size);
-        let got = self.parent.handle(
+        let staged = memory == Memory::Staged;
+        let event = if memory == Memory::Arena {
+            // Any location: the worker machine does not resolve it, the facade does.
+            ParentEvent::ResultAllocatedInArena {
+                worker,
+                request,
+                alloc,
+                span,
+                chunk: u32::try_from(alloc.0 % 3).unwrap_or(0),
+                offset: alloc.0 * 512,
+            }
+        } else {
             ParentEvent::ResultAllocated {
                 worker,
                 request,
@@ -905,9 +936,9 @@ impl World {
                 } else {
                     ExportBlob(blob_of(3, alloc.0))
                 },
-            },
-            self.now,
-        );
+            }
+        };
+        let got = self.parent.handle(event, self.now);
         if let Err(e) = got {
             self.mismatch(format!("allocating for {request} refused: {e}"));
         }
@@ -1168,7 +1199,9 @@ impl World {
             WorkerAction::ResultsGranted { job, results } => {
                 w.requested.remove(&job);
                 w.usable.extend(results.iter().filter_map(|g| match g {
-                    ResultGrant::Granted { handle, .. } => Some((job, *handle)),
+                    ResultGrant::Granted { handle, .. } | ResultGrant::Arena { handle, .. } => {
+                        Some((job, *handle))
+                    }
                     ResultGrant::Refused { .. } => None,
                 }));
             }
@@ -1205,7 +1238,13 @@ impl World {
                         .iter()
                         .any(|r| matches!(r, ResultGrant::Granted { rung: x, .. } if *x == rung))
                 };
-                if granted(Rung::HostStaging) {
+                let arena = g
+                    .results
+                    .iter()
+                    .any(|r| matches!(r, ResultGrant::Arena { .. }));
+                if arena {
+                    "grant an arena result"
+                } else if granted(Rung::HostStaging) {
                     "grant a staged result"
                 } else if granted(Rung::PoolPointer) {
                     "grant a pointer result"
@@ -1259,7 +1298,9 @@ impl World {
                     }
                     Message::AllocationGrant(g) => {
                         for r in &g.results {
-                            if let ResultGrant::Granted { handle, alloc, .. } = r {
+                            if let ResultGrant::Granted { handle, alloc, .. }
+                            | ResultGrant::Arena { handle, alloc, .. } = r
+                            {
                                 if let Some(j) = self.open_jobs.get_mut(&(worker, g.job)) {
                                     j.handoffs.push(*handle);
                                 }
@@ -1285,15 +1326,22 @@ impl World {
                 spec,
             } => {
                 // Like the facade, the simulated allocator mostly answers at once, with the
-                // size asked for; one request in five waits for an `Op::AnswerResult`.
+                // size asked for (pool, staged or arena in turn); one request in seven waits
+                // for an `Op::AnswerResult`.
                 let size = match spec.byte_len {
                     0..=256 => SizeClass::Small,
                     257..=4096 => SizeClass::AtLimit,
                     _ => SizeClass::Huge,
                 };
-                match request.0 % 5 {
-                    0 => self.alloc_requests.push((worker, job, request)),
-                    n => self.answer_request(worker, request, size, n % 2 == 0, false),
+                let memory = match request.0 % 7 {
+                    0 => None,
+                    1 | 2 => Some(Memory::Pool),
+                    3 | 4 => Some(Memory::Staged),
+                    _ => Some(Memory::Arena),
+                };
+                match memory {
+                    None => self.alloc_requests.push((worker, job, request)),
+                    Some(m) => self.answer_request(worker, request, size, m, false),
                 }
             }
             ParentAction::KillWorker { worker } => {

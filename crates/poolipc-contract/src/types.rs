@@ -45,6 +45,18 @@ pub(crate) fn by_pointer(rung: Rung) -> bool {
     rung == Rung::PoolPointer
 }
 
+/// Whether the parent must make its stream wait on the worker's DONE before it releases a
+/// handoff on this rung: the worker touched the parent's own memory (pool pointer, arena).
+/// Host-staged handoffs are the worker's copies, moved inside the parent's own transfers.
+pub(crate) fn done_gated(rung: Rung) -> bool {
+    matches!(rung, Rung::PoolPointer | Rung::Arena)
+}
+
+/// Whether a rung moves bytes through the host-staging buffer.
+pub(crate) fn staged(rung: Rung) -> bool {
+    rung == Rung::HostStaging
+}
+
 /// How a handoff ended: the parent says it in [`crate::ParentAction::Release`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]

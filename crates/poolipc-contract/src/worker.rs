@@ -11,7 +11,9 @@ use crate::message::{
     ResultRequest, ResultSpec, TensorMeta,
 };
 use crate::mutation::Mutation;
-use crate::types::{AllocId, EventBlob, ExportBlob, HandoffId, JobId, Rung, Timestamp, by_pointer};
+use crate::types::{
+    AllocId, EventBlob, ExportBlob, HandoffId, JobId, Rung, Timestamp, by_pointer, staged,
+};
 
 /// Work the worker machine asks of the worker's facade, in the order it must be done.
 ///
@@ -273,6 +275,12 @@ impl Worker {
         if self.jobs.contains_key(&job) {
             return Err(ContractError::JobExists(job));
         }
+        if let Some(t) = tensors.iter().find(|t| t.rung == Rung::Arena) {
+            return Err(ContractError::RungNotAllowed {
+                rung: t.rung,
+                what: "a lent input",
+            });
+        }
         self.check_fresh(tensors.iter().map(|t| t.handle))?;
         if let Some(last) = tensors.last() {
             self.newest = Some(last.handle);
@@ -293,7 +301,7 @@ impl Worker {
         }
         self.wait_ready(job, events);
         for t in &tensors {
-            if !by_pointer(t.rung) {
+            if staged(t.rung) {
                 self.actions.push_back(WorkerAction::ReceiveStaged {
                     job,
                     handoff: t.handle,
@@ -318,6 +326,23 @@ impl Worker {
         if !answers {
             return Err(ContractError::GrantMismatch(job));
         }
+        if results.iter().any(|g| {
+            matches!(
+                g,
+                ResultGrant::Granted {
+                    rung: Rung::Arena,
+                    ..
+                }
+            )
+        }) {
+            return Err(ContractError::RungNotAllowed {
+                rung: Rung::Arena,
+                what: "a grant without its arena location",
+            });
+        }
+        // Arena grants: no export, no READY (the zero blobs stand in; nothing uses them).
+        let zero_export = ExportBlob([0; 64]);
+        let zero_event = EventBlob([0; 64]);
         let granted = || {
             results.iter().filter_map(|g| match g {
                 ResultGrant::Granted {
@@ -328,6 +353,9 @@ impl Worker {
                     export,
                     ready_event,
                 } => Some((*handle, *alloc, *rung, *pool, *export, *ready_event)),
+                ResultGrant::Arena { handle, alloc, .. } => {
+                    Some((*handle, *alloc, Rung::Arena, 0, zero_export, zero_event))
+                }
                 ResultGrant::Refused { .. } => None,
             })
         };
@@ -457,7 +485,7 @@ impl Worker {
                 done_event,
                 handles: handles.clone(),
             })));
-        for h in open.held.iter().filter(|h| h.result && !by_pointer(h.rung)) {
+        for h in open.held.iter().filter(|h| h.result && staged(h.rung)) {
             self.actions.push_back(WorkerAction::SendStaged {
                 job,
                 handoff: h.handoff,

@@ -23,9 +23,10 @@
 //!   byte offset u64, byte length u64.
 //! - `ResultRequest`: job u64, `list<spec>`; spec: dtype u8, ndim u8, shape `u64 × ndim`,
 //!   byte length u64.
-//! - `AllocationGrant`: job u64, `list<grant>`; grant: kind u8 (1 granted, 2 refused);
-//!   granted: handle u64, alloc u64, rung u8, pool u8, export `[64]`, ready event `[64]`; refused:
-//!   code u16, text.
+//! - `AllocationGrant`: job u64, `list<grant>`; grant: kind u8 (1 granted, 2 refused, 3
+//!   arena); granted: handle u64, alloc u64, rung u8, pool u8, export `[64]`, ready event
+//!   `[64]`; refused: code u16, text; arena: handle u64, alloc u64, chunk u32, offset u64,
+//!   bytes u64.
 //! - `Done`: job u64, done event `[64]`, `list<u64 handle>`.
 //! - `Ack`: job u64, `list<u64 handle>`.
 //! - `Cancel`: job u64. `Heartbeat`: seq u64. `Bye`: nothing. `JobError`: job u64, text.
@@ -36,6 +37,7 @@
 //!   the frame).
 //! - `ExtraPoolReply`: index u8, reachable u8 (0 false, 1 true; anything else is an error),
 //!   reason text.
+//! - `ArenaChunk`: index u32, len u64 (non-zero; and one FD beside the frame).
 //!
 //! A payload must be consumed exactly: trailing bytes are an error.
 //!
@@ -46,7 +48,7 @@
 //! decoder allocate more than a small multiple of `n`, and `n` is capped by [`FrameLimits`].
 
 use crate::message::{
-    Ack, AllocationGrant, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
+    Ack, AllocationGrant, ArenaChunk, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
     ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN,
     Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
@@ -54,7 +56,9 @@ use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId
 
 /// The protocol version this crate speaks. Bumped on any change of the wire format; the golden
 /// frames in `fixtures/frames/` pin the current one.
-pub const PROTOCOL_VERSION: u8 = 3;
+///
+/// 4: the result arena (`ArenaChunk`, and the arena grant form of `AllocationGrant`).
+pub const PROTOCOL_VERSION: u8 = 4;
 
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
@@ -504,6 +508,20 @@ impl Writer<'_> {
                             self.bytes(&export.0);
                             self.bytes(&ready_event.0);
                         }
+                        ResultGrant::Arena {
+                            handle,
+                            alloc,
+                            chunk,
+                            offset,
+                            bytes,
+                        } => {
+                            self.u8(GRANT_ARENA);
+                            self.u64(handle.0);
+                            self.u64(alloc.0);
+                            self.u32(*chunk);
+                            self.u64(*offset);
+                            self.u64(*bytes);
+                        }
                         ResultGrant::Refused { code, message } => {
                             self.u8(GRANT_REFUSED);
                             self.u16(code.0);
@@ -562,6 +580,19 @@ impl Writer<'_> {
                 self.u8(u8::from(reply.reachable));
                 self.text("reason", &reply.reason)?;
             }
+            Message::ArenaChunk(c) => {
+                if c.len == 0 {
+                    return Err(EncodeError::OutOfRange {
+                        kind: self.kind,
+                        field: "len",
+                        value: 0,
+                        min: 1,
+                        max: u64::MAX,
+                    });
+                }
+                self.u32(c.index);
+                self.u64(c.len);
+            }
         }
         Ok(())
     }
@@ -569,6 +600,7 @@ impl Writer<'_> {
 
 const GRANT_GRANTED: u8 = 1;
 const GRANT_REFUSED: u8 = 2;
+const GRANT_ARENA: u8 = 3;
 
 /// `ExtraPool::index` 0 is the pool that came with `Hello`: an extra pool is 1 or more.
 const EXTRA_POOL_MIN_INDEX: u8 = 1;
@@ -802,6 +834,13 @@ impl Reader<'_> {
                 export: ExportBlob(self.take("export")?),
                 ready_event: EventBlob(self.take("ready_event")?),
             }),
+            GRANT_ARENA => Ok(ResultGrant::Arena {
+                handle: HandoffId(self.u64("handle")?),
+                alloc: AllocId(self.u64("alloc")?),
+                chunk: self.u32("chunk")?,
+                offset: self.u64("offset")?,
+                bytes: self.u64("bytes")?,
+            }),
             GRANT_REFUSED => Ok(ResultGrant::Refused {
                 code: ErrorCode(self.u16("code")?),
                 message: self.text("message")?,
@@ -914,6 +953,20 @@ impl Reader<'_> {
                     index,
                     device: DeviceUuid(self.take("device")?),
                 })
+            }
+            MessageKind::ArenaChunk => {
+                let index = self.u32("index")?;
+                let len = self.u64("len")?;
+                if len == 0 {
+                    return Err(DecodeError::OutOfRange {
+                        kind: self.kind,
+                        field: "len",
+                        value: 0,
+                        min: 1,
+                        max: u64::MAX,
+                    });
+                }
+                Message::ArenaChunk(ArenaChunk { index, len })
             }
             MessageKind::ExtraPoolReply => Message::ExtraPoolReply(ExtraPoolReply {
                 index: self.u8("index")?,

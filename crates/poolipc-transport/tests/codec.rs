@@ -4,11 +4,11 @@ mod common;
 
 use poolipc_transport::codec::{HEADER_LEN, decode, encode};
 use poolipc_transport::{
-    Ack, AllocId, AllocationGrant, Capabilities, Chunk, DType, DecodeError, DeviceEntry,
-    DeviceUuid, Done, EncodeError, ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply,
-    FrameLimits, HandoffId, Identity, JobId, Lend, LentTensor, MAX_DIMS, MAX_FRAME_LEN,
-    MAX_TEXT_LEN, Message, MessageKind, PROTOCOL_VERSION, ResultGrant, ResultRequest, ResultSpec,
-    Rung, StagingBuffer, TensorMeta,
+    Ack, AllocId, AllocationGrant, ArenaChunk, Capabilities, Chunk, DType, DecodeError,
+    DeviceEntry, DeviceUuid, Done, EncodeError, ErrorCode, EventBlob, ExportBlob, ExtraPool,
+    ExtraPoolReply, FrameLimits, HandoffId, Identity, JobId, Lend, LentTensor, MAX_DIMS,
+    MAX_FRAME_LEN, MAX_TEXT_LEN, Message, MessageKind, PROTOCOL_VERSION, ResultGrant,
+    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -111,6 +111,20 @@ fn grant() -> impl Strategy<Value = ResultGrant> {
             code: ErrorCode(c),
             message: m,
         }),
+        (
+            any::<u64>(),
+            any::<u64>(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<u64>()
+        )
+            .prop_map(|(h, a, chunk, offset, bytes)| ResultGrant::Arena {
+                handle: HandoffId(h),
+                alloc: AllocId(a),
+                chunk,
+                offset,
+                bytes,
+            }),
     ]
 }
 
@@ -220,6 +234,8 @@ fn message() -> impl Strategy<Value = Message> {
                 reason,
             })
         }),
+        (any::<u32>(), 1u64..)
+            .prop_map(|(index, len)| Message::ArenaChunk(ArenaChunk { index, len })),
     ]
 }
 
@@ -304,6 +320,9 @@ fn heartbeat() -> Vec<u8> {
 #[case::extra_pool_reply_bool_two(frame(MessageKind::ExtraPoolReply, &[1, 2, 0, 0]), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { kind: MessageKind::ExtraPoolReply, field: "reachable", value: 2 }))]
 #[case::extra_pool_reply_reason_over_its_limit(frame(MessageKind::ExtraPoolReply, &{ let mut p = vec![1, 0]; p.extend_from_slice(&2000u16.to_le_bytes()); p.extend_from_slice(&[b'a'; 2000]); p }), |e: &DecodeError| matches!(e, DecodeError::BadCount { kind: MessageKind::ExtraPoolReply, field: "reason", count: 2000, .. }))]
 #[case::extra_pool_reply_reason_not_utf8(frame(MessageKind::ExtraPoolReply, &[1, 0, 2, 0, 0xc3, 0x28]), |e: &DecodeError| matches!(e, DecodeError::InvalidUtf8 { kind: MessageKind::ExtraPoolReply, field: "reason" }))]
+#[case::arena_chunk_of_zero_bytes(frame(MessageKind::ArenaChunk, &[0; 12]), |e: &DecodeError| matches!(e, DecodeError::OutOfRange { kind: MessageKind::ArenaChunk, field: "len", value: 0, .. }))]
+#[case::arena_chunk_cut_in_len(frame(MessageKind::ArenaChunk, &[1; 8]), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::ArenaChunk, field: "len" }))]
+#[case::arena_grant_cut_in_bytes(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(3); p.extend_from_slice(&[0; 8 + 8 + 4 + 8 + 4]); p }), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::AllocationGrant, field: "bytes" }))]
 #[case::unknown_grant_kind(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(7); p.extend_from_slice(&[0; 16]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "grant", value: 7, .. }))]
 fn malformed_bytes_give_a_typed_decode_error(
     #[case] bytes: Vec<u8>,

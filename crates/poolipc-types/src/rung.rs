@@ -19,11 +19,16 @@ pub enum Rung {
     /// device memory: for tensors over the import limit, and workers whose canary failed.
     /// The export blob is unused (zero).
     HostStaging = 2,
+    /// A block of the parent's result arena: VMM memory the parent owns and every worker
+    /// mapped once (its chunk's FD came by SCM_RIGHTS), named on the wire by `(chunk, offset,
+    /// bytes)`. No export, no import, no import limit; the parent reuses the block only after
+    /// the worker's DONE (stream-ordered) or after the worker was reaped.
+    Arena = 3,
 }
 
 impl Rung {
     /// Every rung, in wire order.
-    pub const ALL: [Rung; 2] = [Rung::PoolPointer, Rung::HostStaging];
+    pub const ALL: [Rung; 3] = [Rung::PoolPointer, Rung::HostStaging, Rung::Arena];
 
     /// The rung with this wire value.
     pub fn from_wire(v: u8) -> Option<Self> {
@@ -36,6 +41,7 @@ impl fmt::Display for Rung {
         f.write_str(match self {
             Rung::PoolPointer => "pool pointer",
             Rung::HostStaging => "host staging",
+            Rung::Arena => "arena",
         })
     }
 }
@@ -50,12 +56,13 @@ mod tests {
             assert_eq!(Rung::from_wire(r as u8), Some(r));
         }
         assert_eq!(Rung::from_wire(0), None);
-        assert_eq!(Rung::from_wire(3), None);
+        assert_eq!(Rung::from_wire(4), None);
     }
 
     #[test]
     fn rungs_display_for_a_person() {
         assert_eq!(Rung::PoolPointer.to_string(), "pool pointer");
         assert_eq!(Rung::HostStaging.to_string(), "host staging");
+        assert_eq!(Rung::Arena.to_string(), "arena");
     }
 }

@@ -167,7 +167,10 @@ impl Battery<'_> {
                     p.pattern,
                     p.offset,
                 );
-                let _ = self.parent.pool().free(r.ptr, s);
+                // Arena results go back when `out` is dropped; pool results are freed here.
+                if !r.is_arena() {
+                    let _ = self.parent.pool().free(r.ptr, s);
+                }
                 check?;
             }
             Ok(())

@@ -23,15 +23,16 @@ use poolipc_contract::{
     self as contract, FailReason, InputLoan, JobOutcome, Message, Outcome, ParentAction,
     ParentEvent, Purpose, ResultGrant, ResultSpec, Timestamp,
 };
-use poolipc_driver::{DevicePtr, OwnedEvent, StreamHandle};
-use poolipc_transport::{Capabilities, Connection, ErrorCode, TransportError};
+use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
+use poolipc_pool::Arena;
+use poolipc_transport::{ArenaChunk, Capabilities, Connection, ErrorCode, TransportError};
 use poolipc_types::{
     AllocId, EventBlob, ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId,
 };
 
 use crate::error::Error;
 use crate::parent::{
-    Completion, Input, JobOutput, ResultAllocator, ResultTensor, Shared, Stats, lock,
+    Completion, Input, JobOutput, ResultAllocator, ResultMemory, ResultTensor, Shared, Stats, lock,
 };
 use crate::staging::StagingChannel;
 use crate::tensor::ResultShape;
@@ -118,6 +119,11 @@ struct Slot {
     /// Frames that arrived while the loop waited for another (host staging's): handled next.
     backlog: VecDeque<Message>,
     takes_staging: bool,
+    /// Whether its results may go to the result arena: it announced VMM, reaches the
+    /// parent's device, and every chunk announced so far went out.
+    takes_arena: bool,
+    /// How many of the arena's chunks (by index, from 0) were sent to it.
+    arena_chunks_sent: u32,
     /// Set when the worker is being stopped: when to kill it if it has not exited.
     exit_deadline: Option<Instant>,
     stop_replies: Vec<Sender<Result<Option<ExitStatus>, Error>>>,
@@ -149,6 +155,17 @@ struct JobState {
     orphans: Vec<DevicePtr>,
     /// Input allocations lent by pointer: their entries in `Loop::lent` are dropped at release.
     lent_bases: Vec<u64>,
+}
+
+impl JobState {
+    /// A result that will not be handed out: an arena block goes back to the arena now
+    /// (stream-ordered on the job's stream, by dropping it); other memory waits in `orphans`
+    /// to be freed or returned.
+    fn discard(&mut self, r: ResultTensor) {
+        if !r.is_arena() {
+            self.orphans.push(r.ptr);
+        }
+    }
 }
 
 struct Loop {
@@ -411,12 +428,21 @@ impl Loop {
             }
             return Err(e.into());
         }
-        let takes_staging = self.shared.registered(worker).is_some_and(|r| {
+        let registered = self.shared.registered(worker);
+        let takes_staging = registered.as_ref().is_some_and(|r| {
             r.info
                 .identity
                 .capabilities
                 .contains(Capabilities::HOST_STAGING)
         });
+        let takes_arena = matches!(self.shared.options.results, ResultMemory::Arena { .. })
+            && registered.as_ref().is_some_and(|r| {
+                r.info
+                    .identity
+                    .capabilities
+                    .contains(Capabilities::VMM_ARENA)
+                    && r.pools.first() == Some(&true)
+            });
         self.workers.insert(
             worker,
             Slot {
@@ -427,6 +453,8 @@ impl Loop {
                 staging: None,
                 backlog: VecDeque::new(),
                 takes_staging,
+                takes_arena,
+                arena_chunks_sent: 0,
                 exit_deadline: None,
                 stop_replies: Vec::new(),
                 queued: VecDeque::new(),
@@ -435,7 +463,92 @@ impl Loop {
                 lost: None,
             },
         );
+        // The arena's chunks so far, before any grant can name one.
+        self.announce_chunks(Some(worker));
         Ok(())
+    }
+
+    /// The result arena, created on this thread (the device is current here) at its first
+    /// use.
+    fn ensure_arena(&self) -> Result<Arc<Arena<dyn Driver>>, Error> {
+        let mut slot = lock(&self.shared.arena);
+        if let Some(a) = slot.as_ref() {
+            return Ok(Arc::clone(a));
+        }
+        let ResultMemory::Arena {
+            initial_bytes,
+            max_bytes,
+        } = self.shared.options.results
+        else {
+            return Err(Error::Config("the result arena is not enabled".into()));
+        };
+        let arena = Arc::new(Arena::with_max_bytes(
+            Arc::clone(&self.shared.driver),
+            self.shared.options.device,
+            initial_bytes,
+            max_bytes,
+        )?);
+        tracing::info!(
+            device = self.shared.options.device,
+            bytes = arena.capacity(),
+            ?max_bytes,
+            "result arena created"
+        );
+        *slot = Some(Arc::clone(&arena));
+        Ok(arena)
+    }
+
+    /// Sends every arena chunk a worker that takes arena results has not been sent yet, in
+    /// index order, one `ArenaChunk` (with the chunk's FD) each. A worker a chunk cannot be
+    /// sent to takes no more arena results (a failed send loses it, as any send does).
+    ///
+    /// A worker with a host-staged job in flight is skipped unless it is `target` (whose
+    /// result is being allocated: it waits for its grant, not inside a transfer): a frame
+    /// with an FD cannot wait in a staging transfer's backlog. It catches up when that job
+    /// finishes, and always before a grant names the chunk.
+    fn announce_chunks(&mut self, target: Option<WorkerId>) {
+        let Some(arena) = lock(&self.shared.arena).clone() else {
+            return;
+        };
+        let chunks: Vec<_> = arena.chunks().collect();
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(id, s)| {
+                s.takes_arena
+                    && s.lost.is_none()
+                    && (!s.staged_in_flight || target == Some(**id))
+                    && (s.arena_chunks_sent as usize) < chunks.len()
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            let deadline = Instant::now() + self.shared.options.frame_timeout;
+            let Some(slot) = self.workers.get_mut(&id) else {
+                continue;
+            };
+            for c in chunks.iter().skip(slot.arena_chunks_sent as usize) {
+                let fd = match arena.export_fd(c.index) {
+                    Ok(fd) => fd,
+                    Err(e) => {
+                        tracing::warn!(worker = %id, chunk = c.index, error = %e, "exporting an arena chunk failed: the worker's results go to the pool");
+                        slot.takes_arena = false;
+                        break;
+                    }
+                };
+                let message = Message::ArenaChunk(ArenaChunk {
+                    index: c.index,
+                    len: c.len,
+                });
+                if let Err(e) = slot.conn.send(&message, &[fd.as_fd()], deadline) {
+                    slot.takes_arena = false;
+                    self.lose(id, &format!("sending arena chunk {} failed: {e}", c.index));
+                    break;
+                }
+                tracing::debug!(worker = %id, chunk = c.index, len = c.len, "arena chunk sent");
+                slot.arena_chunks_sent = c.index + 1;
+            }
+        }
     }
 
     fn stop(&mut self, worker: WorkerId, reply: Option<Sender<Result<Option<ExitStatus>, Error>>>) {
@@ -1108,7 +1221,7 @@ impl Loop {
                 if let Some(st) = self.jobs.get_mut(&(worker, job))
                     && let Some(r) = st.results.remove(&request)
                 {
-                    st.orphans.push(r.ptr);
+                    st.discard(r);
                 }
             }
             ParentAction::KillWorker { worker } => {
@@ -1140,7 +1253,8 @@ impl Loop {
             && let Some(st) = self.jobs.get_mut(&(worker, g.job))
         {
             for grant in &g.results {
-                if let ResultGrant::Granted { handle, alloc, .. } = grant
+                if let ResultGrant::Granted { handle, alloc, .. }
+                | ResultGrant::Arena { handle, alloc, .. } = grant
                     && let Some(&req) = st.requests_by_alloc.get(alloc)
                 {
                     st.requests_by_handoff.insert(*handle, req);
@@ -1253,6 +1367,15 @@ impl Loop {
             shape: spec.shape.clone(),
         };
         let bytes = spec.byte_len;
+        let to_arena = bytes > 0
+            && self.workers.get(&worker).is_some_and(|s| s.takes_arena)
+            && self
+                .jobs
+                .get(&(worker, job))
+                .is_some_and(|st| st.alloc.is_none());
+        if to_arena {
+            return self.make_arena_result(worker, job, request, shape, bytes);
+        }
         let st = self.jobs.get_mut(&(worker, job)).ok_or_else(|| {
             Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
         })?;
@@ -1292,15 +1415,8 @@ impl Loop {
             },
             _ => ExportBlob([0; 64]),
         };
-        st.results.insert(
-            request,
-            ResultTensor {
-                ptr,
-                bytes,
-                shape,
-                rung,
-            },
-        );
+        st.results
+            .insert(request, ResultTensor::new(ptr, bytes, shape, rung));
         st.requests_by_alloc.insert(alloc, request);
         let counter = match rung {
             Rung::HostStaging => &self.shared.stats.host_staged_tensors,
@@ -1328,6 +1444,60 @@ impl Loop {
         })
     }
 
+    /// A result in a block of the arena: the chunk it lies in is sent to every worker that
+    /// has not got it (to this one before its grant), then the contract hears where it is.
+    fn make_arena_result(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        request: RequestId,
+        shape: ResultShape,
+        bytes: u64,
+    ) -> Result<ParentEvent, Error> {
+        let arena = self.ensure_arena()?;
+        let stream = self
+            .jobs
+            .get(&(worker, job))
+            .map(|st| st.stream)
+            .ok_or_else(|| {
+                Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
+            })?;
+        let block = arena.alloc(bytes)?;
+        // Owned from here: dropped on any path below, the block goes back (stream-ordered).
+        let result = ResultTensor::in_arena(Arc::clone(&arena), block, bytes, shape, stream);
+        self.announce_chunks(Some(worker));
+        let sent = self
+            .workers
+            .get(&worker)
+            .is_some_and(|s| s.takes_arena && s.arena_chunks_sent > block.chunk);
+        if !sent {
+            return Err(Error::Protocol(format!(
+                "arena chunk {} could not be sent to {worker}",
+                block.chunk
+            )));
+        }
+        let st = self.jobs.get_mut(&(worker, job)).ok_or_else(|| {
+            Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
+        })?;
+        let alloc = AllocId(self.next_alloc);
+        self.next_alloc += 1;
+        st.results.insert(request, result);
+        st.requests_by_alloc.insert(alloc, request);
+        Stats::bump(&self.shared.stats.arena_results);
+        tracing::trace!(worker = %worker, job = job.0, ?block, "result in the arena");
+        Ok(ParentEvent::ResultAllocatedInArena {
+            worker,
+            request,
+            alloc,
+            span: Span {
+                ptr: block.ptr.0,
+                bytes: block.len,
+            },
+            chunk: block.chunk,
+            offset: block.offset,
+        })
+    }
+
     fn release(&mut self, worker: WorkerId, job: JobId, purpose: Purpose, outcome: Outcome) {
         let Some(st) = self.jobs.get_mut(&(worker, job)) else {
             return;
@@ -1337,8 +1507,9 @@ impl Loop {
             && outcome != Outcome::Completed
             && let Some(r) = st.results.remove(&request)
         {
-            // Nothing imports it any more: the worker acknowledged or was reaped.
-            st.orphans.push(r.ptr);
+            // Nothing imports it any more: the worker acknowledged (and the stream waited on
+            // its DONE) or was reaped.
+            st.discard(r);
         }
     }
 
@@ -1380,6 +1551,10 @@ impl Loop {
             if st.staged {
                 s.staged_in_flight = false;
             }
+        }
+        if st.staged {
+            // Chunks held back while its staging transfer ran.
+            self.announce_chunks(None);
         }
         let result = match outcome {
             JobOutcome::Completed => {
@@ -1426,10 +1601,13 @@ impl Loop {
         self.dispatch(worker);
     }
 
-    /// A failed job's result memory: freed here for the default allocator, else returned.
+    /// A failed job's result memory: freed here for the default allocator (arena blocks go
+    /// back to the arena, stream-ordered), else returned.
     fn give_back_results(&mut self, st: &mut JobState) -> Vec<DevicePtr> {
-        let mut all = std::mem::take(&mut st.orphans);
-        all.extend(std::mem::take(&mut st.results).into_values().map(|r| r.ptr));
+        for r in std::mem::take(&mut st.results).into_values() {
+            st.discard(r);
+        }
+        let all = std::mem::take(&mut st.orphans);
         if st.alloc.is_none() {
             st.orphans = all;
             self.free_orphans(st);

@@ -2,7 +2,7 @@
 
 use poolipc_contract::{ContractError, FailReason, WorkerId};
 use poolipc_driver::DriverError;
-use poolipc_pool::{CacheError, PoolError};
+use poolipc_pool::{ArenaError, CacheError, PoolError};
 use poolipc_transport::{HandshakeError, SetupError, TransportError};
 
 /// Why a poolipc operation failed.
@@ -21,6 +21,11 @@ pub enum Error {
     /// An import could not be made or freed.
     #[error(transparent)]
     Import(#[from] CacheError),
+    /// The result arena refused: full (past its cap), a chunk that could not be made or
+    /// mapped, or, on a worker, a grant naming a chunk it has not mapped or a range outside
+    /// its chunk (malformed input: nothing was touched).
+    #[error(transparent)]
+    Arena(#[from] ArenaError),
     /// The connection failed: malformed frame, wrong FDs, deadline, peer gone.
     #[error(transparent)]
     Transport(#[from] TransportError),
@@ -107,6 +112,7 @@ impl Error {
             Error::Driver(e)
             | Error::Pool(PoolError::Driver(e))
             | Error::Import(CacheError::Driver(e))
+            | Error::Arena(ArenaError::Driver(e))
             | Error::Staging(crate::staging::StagingError::Driver(e)) => e.is_context_lost(),
             _ => false,
         }

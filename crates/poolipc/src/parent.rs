@@ -15,8 +15,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use poolipc_contract::{ExtraPool, Identity, Message};
-use poolipc_driver::{DevicePtr, Driver, StreamHandle};
-use poolipc_pool::SharedPool;
+use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
+use poolipc_pool::arena::{AllocStats, ArenaBlock};
+use poolipc_pool::{Arena, SharedPool};
 use poolipc_transport::{Capabilities, Connection, HandshakeConfig};
 use poolipc_types::{ImportLimit, JobId, Rung, WorkerId};
 
@@ -56,6 +57,42 @@ pub struct ParentOptions {
     pub canary: bool,
     /// The host-staging rung's buffer and waits.
     pub staging: StagingConfig,
+    /// Where results of [`submit`](Parent::submit) (the default allocator) live:
+    /// [`ResultMemory::Pool`] by default, [`ResultMemory::Arena`] for the fast path.
+    /// [`submit_with`](Parent::submit_with) always uses the caller's allocator.
+    pub results: ResultMemory,
+}
+
+/// Where the parent puts a job's results when the caller gives no allocator.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResultMemory {
+    /// The shared pool (the seed's way): each result is allocated from the pool, its pointer
+    /// exported (about 0.43 ms/GiB, every time) and imported by the worker; results above
+    /// the import limit take host staging. The caller gets an ordinary pool allocation and
+    /// frees it through [`Parent::pool`]. The default, so that existing callers keep these
+    /// semantics.
+    #[default]
+    Pool,
+    /// The result arena: the fast path. Parent-owned VMM memory (`cuMemCreate` chunks) that
+    /// each worker maps once; a result handoff is then an offset: no export, no import, no
+    /// import limit (a result may be as large as the arena). The caller gets a
+    /// [`ResultTensor`] that gives its block back, stream-ordered, when dropped (or with
+    /// [`ResultTensor::return_to_arena`]).
+    ///
+    /// The arena is created lazily, on the parent's IO thread, at the first result that goes
+    /// to it: a parent whose workers never return results reserves no device memory for it.
+    /// It starts with one chunk of `initial_bytes` (rounded up to the driver's granularity)
+    /// and grows by chunks of that size (or of the request, if larger) up to `max_bytes`
+    /// (`None`: no cap); a result that would pass the cap is refused with out-of-memory.
+    /// Workers whose driver or device has no VMM by POSIX FD, or that cannot reach the
+    /// parent's device, get pool results as before.
+    Arena {
+        /// The first chunk's size, and the size of chunks added by growth.
+        initial_bytes: u64,
+        /// The most the arena may hold in total; `None` for no cap.
+        max_bytes: Option<u64>,
+    },
 }
 
 impl Default for ParentOptions {
@@ -71,6 +108,7 @@ impl Default for ParentOptions {
             spin: default_spin(),
             canary: true,
             staging: StagingConfig::default(),
+            results: ResultMemory::Pool,
         }
     }
 }
@@ -104,10 +142,21 @@ pub struct Input {
     pub desc: TensorDesc,
 }
 
-/// A result the worker wrote, in memory the parent allocated: the caller's to keep and free.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// A result the worker wrote, in memory the parent allocated.
+///
+/// - From the caller's allocator ([`Parent::submit_with`]) or the shared pool
+///   ([`ResultMemory::Pool`]): an ordinary allocation, the caller's to keep and free.
+/// - From the result arena ([`ResultMemory::Arena`], [`Rung::Arena`]): a block of the
+///   parent's arena that this value owns. Dropping it gives the block back **stream-ordered**:
+///   an event is recorded on the job's stream (which waited on the worker's DONE) and the
+///   arena reuses the block only once that event completed, so work the caller queued on
+///   that stream before the drop finishes first. Work on another stream must be ordered
+///   before the drop by the caller, or the block given back on that stream with
+///   [`return_to_arena`](ResultTensor::return_to_arena). Either way, exactly once.
+#[derive(Debug)]
 pub struct ResultTensor {
-    /// The allocation (from the job's allocator, the shared pool by default).
+    /// The allocation (from the job's allocator, the shared pool by default), or the arena
+    /// block's address.
     pub ptr: DevicePtr,
     /// Its size.
     pub bytes: u64,
@@ -115,10 +164,126 @@ pub struct ResultTensor {
     pub shape: ResultShape,
     /// How it crossed.
     pub rung: Rung,
+    /// The arena block this result owns, for arena results.
+    lease: Option<ArenaLease>,
+}
+
+impl ResultTensor {
+    pub(crate) fn new(ptr: DevicePtr, bytes: u64, shape: ResultShape, rung: Rung) -> Self {
+        ResultTensor {
+            ptr,
+            bytes,
+            shape,
+            rung,
+            lease: None,
+        }
+    }
+
+    pub(crate) fn in_arena(
+        arena: Arc<Arena<dyn Driver>>,
+        block: ArenaBlock,
+        bytes: u64,
+        shape: ResultShape,
+        stream: StreamHandle,
+    ) -> Self {
+        ResultTensor {
+            ptr: block.ptr,
+            bytes,
+            shape,
+            rung: Rung::Arena,
+            lease: Some(ArenaLease {
+                held: Some((arena, block)),
+                stream,
+            }),
+        }
+    }
+
+    /// Whether this result is a block of the result arena (given back when dropped).
+    pub fn is_arena(&self) -> bool {
+        self.lease.as_ref().is_some_and(|l| l.held.is_some())
+    }
+
+    /// Gives an arena result's block back, ordered after the work queued on `stream` so far
+    /// (an event recorded there; the arena reuses the block once it completed). Returns
+    /// whether there was a block to give back: `false` for memory of the pool or of the
+    /// caller's allocator, which stays the caller's to free.
+    pub fn return_to_arena(mut self, stream: StreamHandle) -> Result<bool, Error> {
+        match self.lease.as_mut().and_then(|l| l.held.take()) {
+            Some((arena, block)) => give_back(&arena, block, stream).map(|()| true),
+            None => Ok(false),
+        }
+    }
+}
+
+/// An arena block owned by a [`ResultTensor`]: given back once, stream-ordered, when dropped
+/// (unless [`ResultTensor::return_to_arena`] gave it back first). The drop lives here, not on
+/// `ResultTensor`, so that a result's fields can still be moved out of it.
+struct ArenaLease {
+    held: Option<(Arc<Arena<dyn Driver>>, ArenaBlock)>,
+    /// The job's stream: where the drop orders the return.
+    stream: StreamHandle,
+}
+
+impl std::fmt::Debug for ArenaLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaLease")
+            .field("block", &self.held.as_ref().map(|(_, b)| b))
+            .field("stream", &self.stream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for ArenaLease {
+    fn drop(&mut self) {
+        if let Some((arena, block)) = self.held.take()
+            && let Err(e) = give_back(&arena, block, self.stream)
+        {
+            tracing::warn!(?block, error = %e, "an arena result could not be given back: its block stays out of the arena");
+        }
+    }
+}
+
+/// Records an event on `stream` and hands `block` to `arena` with it. A thread with no (or
+/// another) current context gets the arena's device made current and tries once more. On
+/// failure the block stays out of the arena: it is never reused unordered.
+fn give_back(
+    arena: &Arena<dyn Driver>,
+    block: ArenaBlock,
+    stream: StreamHandle,
+) -> Result<(), Error> {
+    let driver = Arc::clone(arena.driver());
+    let record = || -> Result<OwnedEvent, poolipc_driver::DriverError> {
+        let event = OwnedEvent::new(Arc::clone(&driver), false)?;
+        driver.event_record(event.handle(), stream)?;
+        Ok(event)
+    };
+    let event = match record() {
+        Ok(e) => e,
+        Err(first) => {
+            tracing::debug!(error = %first, "recording an arena return failed; retrying on the arena's device");
+            driver.use_device(arena.device())?;
+            record()?
+        }
+    };
+    arena.free_after(block, event)?;
+    tracing::trace!(?block, "arena result given back");
+    Ok(())
+}
+
+/// What the result arena holds: [`Parent::arena_stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ArenaStats {
+    /// The allocator's figures. Blocks given back but whose event has not been seen complete
+    /// yet still count as live.
+    pub alloc: AllocStats,
+    /// Blocks given back, waiting for their event (reclaimed at the next arena result, or by
+    /// [`Parent::reclaim_arena`]).
+    pub pending_frees: usize,
 }
 
 /// What a job gave back.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct JobOutput {
     /// The results, in the order the worker requested them.
     pub results: Vec<ResultTensor>,
@@ -156,6 +321,8 @@ pub struct ParentStats {
     pub pool_pointer_tensors: u64,
     /// Tensors (inputs and results) that went by host staging.
     pub host_staged_tensors: u64,
+    /// Results that went by the result arena.
+    pub arena_results: u64,
 }
 
 /// Allocates a job's result memory: `(shape, bytes, stream)` to an allocation of at least
@@ -173,6 +340,7 @@ pub(crate) struct Stats {
     pub(crate) jobs_failed: AtomicU64,
     pub(crate) pool_pointer_tensors: AtomicU64,
     pub(crate) host_staged_tensors: AtomicU64,
+    pub(crate) arena_results: AtomicU64,
 }
 
 impl Stats {
@@ -223,6 +391,8 @@ pub(crate) struct Shared {
     pub(crate) mps_client: Option<bool>,
     /// Set once the process's CUDA context is lost: why, for every later refusal.
     pub(crate) context_lost: Mutex<Option<String>>,
+    /// The result arena, once the IO thread created it ([`ResultMemory::Arena`]).
+    pub(crate) arena: Mutex<Option<Arc<Arena<dyn Driver>>>>,
 }
 
 /// Locks a mutex, taking the data back if a thread panicked while holding it (the data of
@@ -405,10 +575,19 @@ impl std::fmt::Debug for Parent {
     }
 }
 
-/// What the facade's sides can do, said in the handshake.
+/// What the facade's sides can do on any device, said in the handshake.
 pub(crate) const CAPABILITIES: Capabilities = Capabilities(
     Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0,
 );
+
+/// What this side can do on `device`: [`CAPABILITIES`], and the result arena
+/// ([`Capabilities::VMM_ARENA`]) where the device has VMM with POSIX FD handles.
+pub(crate) fn capabilities(driver: &dyn Driver, device: u32) -> Capabilities {
+    match driver.device_info(device) {
+        Ok(info) if info.vmm && info.vmm_posix_fd => CAPABILITIES | Capabilities::VMM_ARENA,
+        _ => CAPABILITIES,
+    }
+}
 
 impl Parent {
     /// Installs the shared pool on `options.device` (see [`SharedPool::install`]) and one on
@@ -462,6 +641,7 @@ impl Parent {
             );
         }
         let shared = Arc::new(Shared {
+            arena: Mutex::new(None),
             mps_client,
             context_lost: Mutex::new(None),
             driver,
@@ -532,7 +712,7 @@ impl Parent {
         crate::identity(
             &*self.shared.driver,
             self.shared.options.device,
-            CAPABILITIES,
+            capabilities(&*self.shared.driver, self.shared.options.device),
         )
     }
 
@@ -548,6 +728,29 @@ impl Parent {
         lock(&self.shared.context_lost).clone()
     }
 
+    /// The result arena, once created (see [`ResultMemory::Arena`]: lazily, at the first
+    /// result that goes to it). Blocks a caller allocates from it directly are the caller's
+    /// to give back; the parent never grants them.
+    pub fn arena(&self) -> Option<Arc<Arena<dyn Driver>>> {
+        lock(&self.shared.arena).clone()
+    }
+
+    /// What the result arena holds (`None` before it is created). Makes no driver call:
+    /// blocks given back whose event completed still count as live until reclaimed.
+    pub fn arena_stats(&self) -> Option<ArenaStats> {
+        self.arena().map(|a| ArenaStats {
+            alloc: a.stats(),
+            pending_frees: a.pending_frees(),
+        })
+    }
+
+    /// Frees the arena blocks given back whose event completed (the next arena result does
+    /// this too); returns how many. Queries events: the calling thread must have the
+    /// parent's device current ([`Driver::use_device`]).
+    pub fn reclaim_arena(&self) -> usize {
+        self.arena().map_or(0, |a| a.reclaim())
+    }
+
     /// Counters, read without waiting for any job.
     pub fn stats(&self) -> ParentStats {
         let s = &self.shared.stats;
@@ -560,6 +763,7 @@ impl Parent {
             jobs_failed: get(&s.jobs_failed),
             pool_pointer_tensors: get(&s.pool_pointer_tensors),
             host_staged_tensors: get(&s.host_staged_tensors),
+            arena_results: get(&s.arena_results),
         }
     }
 

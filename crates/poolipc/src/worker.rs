@@ -2,7 +2,9 @@
 //!
 //! Every frame from the parent goes into the machine, except the setup frames this side
 //! consumes itself (`StagingBuffer` sets host staging up, `ExtraPool` attaches another pool,
-//! `Chunk`s belong to the staging transfer that reads them). Every action the machine emits
+//! `ArenaChunk` maps a chunk of the parent's result arena, `Chunk`s belong to the staging
+//! transfer that reads them). An arena result is an offset into a mapped chunk: no import,
+//! nothing to free. Every action the machine emits
 //! is carried out in order, matched exhaustively, and what goes on the wire is exactly what
 //! it emitted. The machine imports once per allocation and refcounts it; this side keeps the
 //! import cache (one driver import per export blob) under it.
@@ -25,10 +27,10 @@ use std::time::{Duration, Instant};
 
 use poolipc_contract::{self as contract, AllocId, HandoffId, Timestamp, WorkerAction};
 use poolipc_driver::{DevicePtr, Driver, ExportBlob, OwnedEvent, OwnedStream, StreamHandle};
-use poolipc_pool::{AttachedPool, ImportCache};
+use poolipc_pool::{ArenaError, ArenaMapping, AttachedPool, ImportCache};
 use poolipc_transport::{
-    Capabilities, Connection, EventBlob, ExtraPool, ExtraPoolReply, HandshakeConfig, JobId,
-    LentTensor, Message, ResultGrant, TransportError,
+    ArenaChunk, Capabilities, Connection, EventBlob, ExtraPool, ExtraPoolReply, HandshakeConfig,
+    JobId, LentTensor, Message, ResultGrant, TransportError,
 };
 
 pub use device::WorkerDevice;
@@ -140,6 +142,8 @@ pub struct Worker {
     done: OwnedEvent,
     done_blob: EventBlob,
     staging: Option<StagingChannel>,
+    /// The parent's result arena chunks, mapped as they are announced.
+    arena: Option<ArenaMapping<dyn Driver>>,
     /// Frames that arrived while a staging transfer waited for its chunks: handled before
     /// the socket is read again.
     backlog: VecDeque<Message>,
@@ -195,7 +199,11 @@ impl Worker {
         mut conn: Connection,
     ) -> Result<Worker, Error> {
         driver.use_device(device)?;
-        let identity = crate::identity(&*driver, device, crate::parent::CAPABILITIES)?;
+        let identity = crate::identity(
+            &*driver,
+            device,
+            crate::parent::capabilities(&*driver, device),
+        )?;
         let config = HandshakeConfig {
             identity,
             required: Capabilities::NONE,
@@ -297,6 +305,7 @@ impl Worker {
             done,
             done_blob,
             staging: None,
+            arena: None,
             backlog: VecDeque::new(),
             started: VecDeque::new(),
             granted: HashMap::new(),
@@ -447,6 +456,44 @@ impl Worker {
         }
     }
 
+    /// The address of an arena result: `bytes` at `offset` of chunk `chunk`, which must lie
+    /// inside a chunk this worker mapped and hold the `needed` bytes asked for. Anything
+    /// else is malformed input: a typed error, nothing touched.
+    fn arena_memory(
+        &self,
+        chunk: u32,
+        offset: u64,
+        bytes: u64,
+        needed: u64,
+    ) -> Result<DevicePtr, Error> {
+        let mapping = self
+            .arena
+            .as_ref()
+            .ok_or(Error::Arena(ArenaError::UnknownChunk { chunk }))?;
+        let ptr = mapping.resolve(chunk, offset, bytes)?;
+        if bytes < needed {
+            return Err(Error::Protocol(format!(
+                "an arena grant of {bytes} bytes (chunk {chunk}, offset {offset}) for a result \
+                 of {needed}"
+            )));
+        }
+        Ok(ptr)
+    }
+
+    /// Maps a chunk of the parent's result arena from the FD that came with its frame.
+    fn take_arena_chunk(&mut self, c: ArenaChunk, fds: Vec<OwnedFd>) -> Result<(), Error> {
+        let Some(fd) = fds.into_iter().next() else {
+            return Err(Error::Protocol("an ArenaChunk without its FD".into()));
+        };
+        let (driver, device) = (Arc::clone(&self.driver), self.device);
+        let mapping = self
+            .arena
+            .get_or_insert_with(|| ArenaMapping::new(driver, device));
+        let base = mapping.map_chunk(c.index, c.len, fd.as_fd())?;
+        tracing::debug!(chunk = c.index, len = c.len, ?base, "arena chunk mapped");
+        Ok(())
+    }
+
     /// The next frame from the parent: the backlog first, then the socket.
     fn next_frame(&mut self) -> Result<(Message, Vec<OwnedFd>), TransportError> {
         if let Some(message) = self.backlog.pop_front() {
@@ -478,6 +525,7 @@ impl Worker {
                 };
                 self.take_extra_pool(offer, fd)
             }
+            Message::ArenaChunk(c) => self.take_arena_chunk(c, fds),
             Message::Chunk(c) => Err(Error::Protocol(format!(
                 "a Chunk of job {} outside a host-staging transfer",
                 c.job.0
@@ -738,6 +786,16 @@ impl Drop for Worker {
     /// events, the staging buffer and the stream go with the fields, the stream last.
     fn drop(&mut self) {
         let stream = self.stream.handle();
+        if let Some(mapping) = self.arena.take() {
+            // Unmapping under work still queued on the chunks would fault it: let the
+            // stream's work finish first.
+            if !mapping.is_empty()
+                && let Err(e) = self.driver.stream_synchronize(stream)
+            {
+                tracing::warn!(error = %e, "synchronizing before unmapping the arena failed");
+            }
+            drop(mapping);
+        }
         for (_, copy) in self.staged.drain() {
             if let Err(e) = self.driver.mem_free_async(copy.ptr, stream) {
                 tracing::warn!(ptr = ?copy.ptr, error = %e, "freeing a staged copy failed");

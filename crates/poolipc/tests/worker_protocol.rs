@@ -323,3 +323,88 @@ fn staged_inputs_are_read_only_and_a_staged_result_follows_the_done_that_names_i
     drop(ch);
     assert_eq!(s.end(), "7 [true, false]\n");
 }
+
+#[test]
+fn an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_job() {
+    use std::os::fd::AsFd as _;
+    let mut s = Script::start(
+        "an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_job",
+    );
+    let arena = poolipc_pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
+    let chunk = arena.chunks().next().unwrap();
+    let fd = arena.export_fd(0).unwrap();
+    s.conn
+        .send(
+            &Message::ArenaChunk(poolipc_transport::ArenaChunk {
+                index: 0,
+                len: chunk.len,
+            }),
+            &[fd.as_fd()],
+            deadline(),
+        )
+        .unwrap();
+    let (_, input) = s.pooled(4096, 0x0A0B_0C0D);
+    let bad = [
+        // Past the chunk's end.
+        (chunk.len - 512, 0, "does not lie inside"),
+        // A chunk never announced.
+        (0, 7, "chunk 7 is not mapped"),
+    ];
+    let mut job = 0;
+    let mut handle = 0;
+    for (offset, index, why) in bad {
+        job += 1;
+        handle += 2;
+        s.send(Message::Lend(Lend {
+            job: JobId(job),
+            tensors: vec![s.pointer(handle - 1, 1, input, 4096)],
+        }));
+        let Message::ResultRequest(_) = s.recv() else {
+            panic!("no result request")
+        };
+        s.send(Message::AllocationGrant(AllocationGrant {
+            job: JobId(job),
+            results: vec![ResultGrant::Arena {
+                handle: HandoffId(handle),
+                alloc: AllocId(100 + job),
+                chunk: index,
+                offset,
+                bytes: 4096,
+            }],
+        }));
+        let Message::JobError { message, .. } = s.recv() else {
+            panic!("no JobError for a malformed arena grant")
+        };
+        assert!(message.contains(why), "{message}");
+        let done = s.recv();
+        assert_eq!(handles(&done).len(), 2);
+        assert_eq!(handles(&s.recv()).len(), 2, "the Ack");
+        s.wait_done(&done);
+    }
+    // The same worker then writes a well-formed arena result where it was told.
+    let block = arena.alloc(4096).unwrap();
+    s.send(Message::Lend(Lend {
+        job: JobId(3),
+        tensors: vec![s.pointer(5, 1, input, 4096)],
+    }));
+    let Message::ResultRequest(_) = s.recv() else {
+        panic!("no result request")
+    };
+    s.send(Message::AllocationGrant(AllocationGrant {
+        job: JobId(3),
+        results: vec![ResultGrant::Arena {
+            handle: HandoffId(6),
+            alloc: AllocId(200),
+            chunk: block.chunk,
+            offset: block.offset,
+            bytes: block.len,
+        }],
+    }));
+    let done = s.recv();
+    assert_eq!(handles(&done), [HandoffId(5), HandoffId(6)]);
+    assert_eq!(handles(&s.recv()).len(), 2, "the Ack");
+    s.wait_done(&done);
+    poolipc::echo::verify_echo(&*s.driver, block.ptr, 4096, 0, 0x0A0B_0C0D, 0).unwrap();
+    assert_eq!(s.end(), "1 [false]\n2 [false]\n3 [false]\n");
+    drop(arena);
+}

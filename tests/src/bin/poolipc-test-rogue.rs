@@ -10,7 +10,10 @@
 //! - `garbage-frame`: bytes that are no frame at all;
 //! - `exit-on-first-job`: exits at once (with the canary battery on, during it);
 //! - `silent`: nothing at all (the handoff deadline must end it);
-//! - `ignore-bye`: answers nothing and ignores `Bye` (the stop deadline must end it).
+//! - `ignore-bye`: answers nothing and ignores `Bye` (the stop deadline must end it);
+//! - `arena-ack-before-done`: announces the result arena, asks for one result, takes the
+//!   arena grant, then ACKs the job with no DONE before it (it maps nothing: it never
+//!   writes).
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -30,7 +33,10 @@ fn run() -> anyhow::Result<()> {
         None => Arc::new(poolipc_driver::CudaDriver::new()?),
     };
     let mut conn = poolipc_transport::connection_from_env()?;
-    let caps = Capabilities(Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0);
+    let mut caps = Capabilities(Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0);
+    if mode.starts_with("arena-") {
+        caps = caps | Capabilities::VMM_ARENA;
+    }
     let config = HandshakeConfig {
         identity: poolipc::identity(&*driver, 0, caps)?,
         required: Capabilities::NONE,
@@ -48,7 +54,7 @@ fn run() -> anyhow::Result<()> {
     let lend = loop {
         match conn.recv(deadline())?.0 {
             Message::Lend(l) => break l,
-            Message::Heartbeat { .. } => {}
+            Message::Heartbeat { .. } | Message::ArenaChunk(_) => {}
             other => anyhow::bail!("rogue: expected a Lend, got {}", other.kind()),
         }
     };
@@ -72,6 +78,38 @@ fn run() -> anyhow::Result<()> {
             handles,
         }),
         "second-hello-ack" => Message::HelloAck(config.identity.clone()),
+        "arena-ack-before-done" => {
+            conn.send(
+                &Message::ResultRequest(ResultRequest {
+                    job: lend.job,
+                    results: vec![ResultSpec {
+                        dtype: DType::U8,
+                        shape: vec![4096],
+                        byte_len: 4096,
+                    }],
+                }),
+                &[],
+                deadline(),
+            )?;
+            let grant = loop {
+                match conn.recv(deadline())?.0 {
+                    Message::AllocationGrant(g) => break g,
+                    Message::Heartbeat { .. } | Message::ArenaChunk(_) => {}
+                    other => anyhow::bail!("rogue: expected a grant, got {}", other.kind()),
+                }
+            };
+            let mut handles = handles;
+            for g in &grant.results {
+                match g {
+                    poolipc_contract::ResultGrant::Arena { handle, .. } => handles.push(*handle),
+                    other => anyhow::bail!("rogue: expected an arena grant, got {other:?}"),
+                }
+            }
+            Message::Ack(Ack {
+                job: lend.job,
+                handles,
+            })
+        }
         "garbage-frame" => {
             let mut raw = std::fs::File::from(conn.into_fd());
             raw.write_all(b"\xffGARBAGE-NOT-A-FRAME-AT-ALL-GARBAGE")?;

@@ -96,3 +96,8 @@ fn property_catches_an_allocation_above_the_import_limit_offered_by_pointer() {
 fn property_catches_a_reaped_workers_handoffs_never_released() {
     assert_names(&caught::<8>(), 8);
 }
+
+#[test]
+fn property_catches_arena_blocks_returned_before_the_worker_is_reaped() {
+    assert_names(&caught::<9>(), 5);
+}

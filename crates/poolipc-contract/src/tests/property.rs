@@ -122,12 +122,14 @@ fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
                 pick(),
                 size(),
                 prop::bool::weighted(0.3),
+                prop::bool::weighted(0.3),
                 prop::bool::weighted(0.15),
             )
-                .prop_map(|(pick, size, staged, decline)| Op::AnswerResult {
+                .prop_map(|(pick, size, staged, arena, decline)| Op::AnswerResult {
                     pick,
                     size,
                     staged,
+                    arena,
                     decline,
                 })
                 .boxed(),
@@ -232,7 +234,8 @@ fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
 }
 
 /// The system under test: the simulated world, with mutation `M` switched on
-/// (`0` is none; `1..=8` break the invariant of that number, see [`mutation_for`]).
+/// (`0` is none; `1..=8` break the invariant of that number, `9` returns arena blocks before
+/// the worker is reaped, which breaks invariant 5; see [`mutation_for`]).
 pub(crate) struct Contract<const M: u8>;
 
 pub(crate) fn mutation_for(m: u8) -> Option<Mutation> {
@@ -245,6 +248,7 @@ pub(crate) fn mutation_for(m: u8) -> Option<Mutation> {
         6 => Some(Mutation::ImportEveryOffer),
         7 => Some(Mutation::IgnoreImportLimit),
         8 => Some(Mutation::ForgetDeadWorkersLoans),
+        9 => Some(Mutation::ReleaseArenaAtHangUp),
         _ => None,
     }
 }
@@ -296,7 +300,7 @@ prop_state_machine! {
 }
 
 /// The paths a sequence must be able to reach, or the property above would hold vacuously.
-const PATHS: [&str; 28] = [
+const PATHS: [&str; 29] = [
     "deadline expired",
     "parent ignored a late message",
     "worker refused a stale message",
@@ -306,6 +310,7 @@ const PATHS: [&str; 28] = [
     "send staged",
     "grant a pointer result",
     "grant a staged result",
+    "grant an arena result",
     "refuse results",
     "receive staged",
     "worker: send staged",

@@ -222,24 +222,31 @@ impl Pair {
                         let alloc = self.next_alloc;
                         self.next_alloc += 1;
                         let pointer = self.result_rung == Rung::PoolPointer;
-                        self.p
-                            .handle(
-                                ParentEvent::ResultAllocated {
-                                    worker: *worker,
-                                    request: *request,
-                                    alloc: AllocId(alloc),
-                                    span: span_of(alloc, spec.byte_len),
-                                    rung: self.result_rung,
-                                    pool: 0,
-                                    export: if pointer {
-                                        ExportBlob(blob(3, alloc))
-                                    } else {
-                                        ExportBlob([0; 64])
-                                    },
+                        let event = if self.result_rung == Rung::Arena {
+                            ParentEvent::ResultAllocatedInArena {
+                                worker: *worker,
+                                request: *request,
+                                alloc: AllocId(alloc),
+                                span: span_of(alloc, spec.byte_len),
+                                chunk: 1,
+                                offset: 4096,
+                            }
+                        } else {
+                            ParentEvent::ResultAllocated {
+                                worker: *worker,
+                                request: *request,
+                                alloc: AllocId(alloc),
+                                span: span_of(alloc, spec.byte_len),
+                                rung: self.result_rung,
+                                pool: 0,
+                                export: if pointer {
+                                    ExportBlob(blob(3, alloc))
+                                } else {
+                                    ExportBlob([0; 64])
                                 },
-                                T0,
-                            )
-                            .expect("a pending request");
+                            }
+                        };
+                        self.p.handle(event, T0).expect("a pending request");
                     }
                     _ => {}
                 }
@@ -1678,4 +1685,174 @@ fn a_job_error_text_is_cut_to_the_wire_limit() {
         panic!("a JobError");
     };
     assert!(message.len() <= crate::MAX_TEXT_LEN && !message.is_empty());
+}
+
+// The result arena.
+
+/// A job with no inputs whose worker asks for one result, answered in the arena.
+fn arena_pair() -> (Pair, HandoffId) {
+    let mut pair = Pair::new();
+    pair.result_rung = Rung::Arena;
+    pair.p
+        .start_job(W0, JOB, ready(1), Vec::new(), T0)
+        .expect("start");
+    pair.pump();
+    pair.w
+        .request_results(JOB, vec![spec(16)])
+        .expect("request");
+    pair.pump();
+    let (log, wlog) = pair.take_logs();
+    assert!(
+        !log.iter()
+            .any(|a| matches!(a, ParentAction::RecordReady { .. })),
+        "an arena grant needs no READY: {log:?}"
+    );
+    let grant = sent_messages(&log)
+        .into_iter()
+        .find_map(|m| match m {
+            Message::AllocationGrant(g) => Some(g),
+            _ => None,
+        })
+        .expect("a grant");
+    let [
+        ResultGrant::Arena {
+            handle,
+            chunk: 1,
+            offset: 4096,
+            bytes: 64,
+            ..
+        },
+    ] = grant.results[..]
+    else {
+        panic!("not an arena grant: {grant:?}");
+    };
+    assert!(
+        !wlog.iter().any(|a| matches!(
+            a,
+            WorkerAction::Import { .. } | WorkerAction::WaitReady { .. }
+        )),
+        "the worker imports nothing for an arena block: {wlog:?}"
+    );
+    assert!(
+        wlog.iter()
+            .any(|a| matches!(a, WorkerAction::ResultsGranted { .. })),
+        "{wlog:?}"
+    );
+    (pair, handle)
+}
+
+#[test]
+fn an_arena_result_is_granted_by_location_and_released_only_after_a_wait_on_done() {
+    let (mut pair, handle) = arena_pair();
+    pair.w.finish_job(JOB, done_event(1)).expect("finish");
+    pair.pump();
+    let (log, wlog) = pair.take_logs();
+    assert!(
+        !wlog.iter().any(|a| matches!(
+            a,
+            WorkerAction::Unimport { .. } | WorkerAction::SendStaged { .. }
+        )),
+        "nothing to unimport or send for an arena block: {wlog:?}"
+    );
+    let wait = log
+        .iter()
+        .position(|a| matches!(a, ParentAction::WaitDone { handoff, .. } if *handoff == handle))
+        .expect("a wait on DONE");
+    let release = log
+        .iter()
+        .position(|a| {
+            matches!(a, ParentAction::Release { handoff, rung: Rung::Arena, outcome: Outcome::Completed, .. } if *handoff == handle)
+        })
+        .expect("a release");
+    assert!(wait < release, "{log:?}");
+    assert!(
+        !log.iter()
+            .any(|a| matches!(a, ParentAction::ReceiveStaged { .. }))
+    );
+    assert_eq!(job_finished(&log, JOB), JobOutcome::Completed);
+}
+
+#[test]
+fn an_arena_block_of_a_hung_up_worker_is_released_only_once_it_is_reaped() {
+    let (mut pair, handle) = arena_pair();
+    pair.p
+        .handle(
+            ParentEvent::WorkerHungUp {
+                worker: W0,
+                why: "EOF".into(),
+            },
+            T0,
+        )
+        .expect("EOF");
+    let actions = drain_parent(&mut pair.p);
+    assert!(releases(&actions).is_empty(), "{actions:?}");
+    assert_eq!(pair.p.outstanding_for(W0), 1);
+    pair.p
+        .handle(ParentEvent::WorkerReaped { worker: W0 }, T0)
+        .expect("reaped");
+    let actions = drain_parent(&mut pair.p);
+    assert_eq!(releases(&actions), [(handle, Outcome::Failed)]);
+}
+
+#[test]
+fn an_arena_rung_without_a_location_is_refused_on_both_sides() {
+    let mut p = parent();
+    p.start_job(W0, JOB, ready(1), Vec::new(), T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    p.handle(
+        received(
+            W0,
+            Message::ResultRequest(ResultRequest {
+                job: JOB,
+                results: vec![spec(4)],
+            }),
+        ),
+        T0,
+    )
+    .expect("request");
+    let request = drain_parent(&mut p)
+        .into_iter()
+        .find_map(|a| match a {
+            ParentAction::AllocateResult { request, .. } => Some(request),
+            _ => None,
+        })
+        .expect("an allocation asked for");
+    let got = p.handle(
+        ParentEvent::ResultAllocated {
+            worker: W0,
+            request,
+            alloc: AllocId(9),
+            span: span_of(9, 16),
+            rung: Rung::Arena,
+            pool: 0,
+            export: ExportBlob([0; 64]),
+        },
+        T0,
+    );
+    assert!(
+        matches!(
+            got,
+            Err(ContractError::RungNotAllowed {
+                rung: Rung::Arena,
+                ..
+            })
+        ),
+        "{got:?}"
+    );
+    assert!(drain_parent(&mut p).is_empty());
+
+    let mut w = Worker::new();
+    let got = w.handle(lend(1, vec![(1, 1, Rung::Arena)]), T0);
+    assert!(
+        matches!(
+            got,
+            Err(ContractError::RungNotAllowed {
+                rung: Rung::Arena,
+                ..
+            })
+        ),
+        "{got:?}"
+    );
+    assert!(drain_worker(&mut w).is_empty());
 }

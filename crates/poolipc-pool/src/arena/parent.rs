@@ -3,7 +3,7 @@
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use poolipc_driver::{DevicePtr, Driver, Granularity};
+use poolipc_driver::{DevicePtr, Driver, Granularity, OwnedEvent};
 
 use super::alloc::{ALIGN, AllocError, AllocStats, ArenaAllocator, Block};
 use super::{ArenaError, MappedChunk, map_handle, unmap};
@@ -52,6 +52,9 @@ struct State {
     alloc: ArenaAllocator,
     /// By chunk index (the allocator's indices: pushed together).
     chunks: Vec<MappedChunk>,
+    /// Blocks given back with [`Arena::free_after`], live in the allocator until their event
+    /// completed.
+    pending: Vec<(ArenaBlock, OwnedEvent)>,
 }
 
 /// The parent's result arena: chunks of device memory shareable by POSIX FD, mapped
@@ -59,8 +62,19 @@ struct State {
 ///
 /// Chunks are made on the thread that calls [`new`](Arena::new), [`grow`](Arena::grow) or
 /// an [`alloc`](Arena::alloc) that grows: that thread must have made the device current
-/// ([`Driver::use_device`]). [`free`](Arena::free) makes no driver call, so a block can be
-/// freed from any thread: share the arena with `Arc<Arena<D>>`.
+/// ([`Driver::use_device`]). [`free`](Arena::free) and [`free_after`](Arena::free_after)
+/// make no driver call, so a block can be given back from any thread: share the arena with
+/// `Arc<Arena<D>>`.
+///
+/// # Stream-ordered frees
+///
+/// A block whose last use is queued on a stream (the caller's kernels reading a result, the
+/// stream's wait on the worker's DONE) is given back with
+/// [`free_after`](Arena::free_after) and an event recorded on that stream after the last
+/// use: it stays live until the event completed, and [`alloc`](Arena::alloc) (or
+/// [`reclaim`](Arena::reclaim)) frees the completed ones first, so a block is handed out
+/// again only once every earlier use of it finished on the GPU. That is why a block needs no
+/// READY event when it is granted again.
 ///
 /// Each chunk gets its own address range; a block never spans two chunks. When an `alloc`
 /// finds no room it adds a chunk as large as the first one (or as large as the request, if
@@ -133,8 +147,12 @@ impl<D: Driver + ?Sized> Arena<D> {
     ///
     /// Zero bytes are refused ([`AllocError::ZeroSize`]): an empty tensor needs no memory.
     /// Past the cap the answer is [`ArenaError::Exhausted`].
+    ///
+    /// Blocks given back with [`free_after`](Arena::free_after) whose event completed are
+    /// freed first.
     pub fn alloc(&self, bytes: u64) -> Result<ArenaBlock, ArenaError> {
         let mut st = self.lock();
+        self.reclaim_locked(&mut st);
         let block = match st.alloc.alloc(bytes, ALIGN) {
             Ok(b) => b,
             Err(AllocError::NoSpace { len, .. }) => {
@@ -181,6 +199,82 @@ impl<D: Driver + ?Sized> Arena<D> {
         }
         st.alloc.free(block.block())?;
         Ok(())
+    }
+
+    /// Gives `block` back once `event` completed: the caller recorded `event` on the stream
+    /// of the block's last use (after it). Makes no driver call: any thread may call it.
+    /// The block stays live (and counted as used) until a later [`alloc`](Arena::alloc) or
+    /// [`reclaim`](Arena::reclaim) finds the event complete; the event is destroyed then.
+    ///
+    /// A block that is not live here, or that is pending already, is an error and changes
+    /// nothing (`event` is dropped).
+    pub fn free_after(&self, block: ArenaBlock, event: OwnedEvent) -> Result<(), ArenaError> {
+        let mut st = self.lock();
+        let Some(chunk) = st.chunks.get(block.chunk as usize) else {
+            return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
+        };
+        if chunk.base.offset(block.offset) != block.ptr {
+            return Err(ArenaError::ForeignBlock {
+                chunk: block.chunk,
+                offset: block.offset,
+            });
+        }
+        let b = block.block();
+        if !st.alloc.is_live(&b) || st.pending.iter().any(|(p, _)| *p == block) {
+            return Err(AllocError::NotLive {
+                chunk: b.chunk,
+                offset: b.offset,
+                len: b.len,
+            }
+            .into());
+        }
+        st.pending.push((block, event));
+        tracing::trace!(
+            chunk = b.chunk,
+            offset = b.offset,
+            "arena block returned, stream-ordered"
+        );
+        Ok(())
+    }
+
+    /// Frees every block given back with [`free_after`](Arena::free_after) whose event
+    /// completed; returns how many. One `cuEventQuery` per pending block: call it on a thread
+    /// with the device's context current. An event whose query fails keeps its block (the
+    /// failure is logged): it is never reused on a guess.
+    pub fn reclaim(&self) -> usize {
+        let mut st = self.lock();
+        self.reclaim_locked(&mut st)
+    }
+
+    /// Blocks given back with [`free_after`](Arena::free_after) and not reclaimed yet.
+    #[must_use]
+    pub fn pending_frees(&self) -> usize {
+        self.lock().pending.len()
+    }
+
+    fn reclaim_locked(&self, st: &mut State) -> usize {
+        if st.pending.is_empty() {
+            return 0;
+        }
+        let mut freed = 0;
+        let mut keep = Vec::with_capacity(st.pending.len());
+        for (block, event) in std::mem::take(&mut st.pending) {
+            match self.driver.event_query(event.handle()) {
+                Ok(true) => {
+                    if let Err(e) = st.alloc.free(block.block()) {
+                        tracing::error!(error = %e, ?block, "a pending arena block was not live");
+                    }
+                    freed += 1;
+                }
+                Ok(false) => keep.push((block, event)),
+                Err(e) => {
+                    tracing::warn!(error = %e, ?block, "querying an arena block's free event failed; the block stays out");
+                    keep.push((block, event));
+                }
+            }
+        }
+        st.pending = keep;
+        freed
     }
 
     /// The chunks, in index order (a snapshot: growth after the call is not seen).
@@ -301,6 +395,14 @@ impl<D: Driver + ?Sized> Arena<D> {
 impl<D: Driver + ?Sized> Drop for Arena<D> {
     fn drop(&mut self) {
         let st = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        // Blocks given back stream-ordered may still be in use on the GPU: wait before the
+        // memory goes away.
+        for (block, event) in st.pending.drain(..) {
+            if let Err(e) = self.driver.event_synchronize(event.handle()) {
+                tracing::warn!(error = %e, ?block, "waiting on an arena block's free event failed");
+            }
+            let _ = st.alloc.free(block.block());
+        }
         let live = st.alloc.stats().live_blocks;
         if live > 0 {
             tracing::warn!(

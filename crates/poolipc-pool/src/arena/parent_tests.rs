@@ -318,3 +318,59 @@ fn a_failing_teardown_step_is_logged_and_the_rest_still_runs() {
     let arena = Arena::new(Arc::new(d), 0, 1).unwrap();
     drop(arena);
 }
+
+#[test]
+fn a_block_freed_after_an_event_is_reused_once_the_event_completed_and_not_before() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let done = Arc::new(AtomicBool::new(false));
+    let mut d = MockDriver::new();
+    d.expect_vmm_granularity().returning(|_, _| Ok(2 * MIB));
+    d.expect_vmm_create().returning(|_, _| Ok(VmmHandle(7)));
+    d.expect_vmm_reserve()
+        .returning(|_, _| Ok(DevicePtr(0x1000_0000)));
+    d.expect_vmm_map().returning(|_, _, _| Ok(()));
+    d.expect_vmm_set_access().returning(|_, _, _, _| Ok(()));
+    d.expect_event_create()
+        .returning(|_| Ok(poolipc_driver::EventHandle(42)));
+    let flag = Arc::clone(&done);
+    d.expect_event_query()
+        .returning(move |_| Ok(flag.load(Ordering::SeqCst)));
+    // The refused second return drops its event; the reclaimed one goes with its block.
+    d.expect_event_destroy().times(2).returning(|_| Ok(()));
+    d.expect_vmm_unmap().returning(|_, _| Ok(()));
+    d.expect_vmm_address_free().returning(|_, _| Ok(()));
+    d.expect_vmm_release().returning(|_| Ok(()));
+    let d = Arc::new(d);
+    let arena = Arena::new(Arc::clone(&d), 0, 2 * MIB).unwrap();
+    let block = arena.alloc(2 * MIB).unwrap();
+    let as_dyn: Arc<dyn Driver> = d;
+    let event = OwnedEvent::new(Arc::clone(&as_dyn), false).unwrap();
+    arena.free_after(block, event).unwrap();
+    assert_eq!(arena.pending_frees(), 1);
+    // Returning it again while it is pending is refused.
+    let again = OwnedEvent::new(as_dyn, false).unwrap();
+    assert!(arena.free_after(block, again).is_err());
+    // Not complete: the block stays out and the arena is full.
+    assert_eq!(arena.reclaim(), 0);
+    assert_eq!(arena.stats().live_blocks, 1);
+    done.store(true, Ordering::SeqCst);
+    assert_eq!(arena.reclaim(), 1);
+    assert_eq!(arena.pending_frees(), 0);
+    assert_eq!(arena.alloc(2 * MIB).unwrap(), block);
+}
+
+#[test]
+fn alloc_reclaims_completed_stream_ordered_frees_first() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::with_max_bytes(Arc::clone(&d), 0, g, Some(g)).unwrap();
+    let block = arena.alloc(g).unwrap();
+    let as_dyn: Arc<dyn Driver> = d.clone();
+    let event = OwnedEvent::new(as_dyn, false).unwrap();
+    d.event_record(event.handle(), StreamHandle::NULL).unwrap();
+    arena.free_after(block, event).unwrap();
+    // At the cap: only the reclaimed block can serve this.
+    assert_eq!(arena.alloc(g).unwrap(), block);
+    assert_eq!(arena.pending_frees(), 0);
+    assert_no_violations(&d);
+}

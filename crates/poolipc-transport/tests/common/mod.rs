@@ -2,9 +2,10 @@
 #![allow(dead_code)] // each test file uses part of this
 
 use poolipc_transport::{
-    Ack, AllocId, AllocationGrant, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid, Done,
-    ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId, Lend,
-    LentTensor, Message, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    Ack, AllocId, AllocationGrant, ArenaChunk, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid,
+    Done, ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId,
+    Lend, LentTensor, Message, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer,
+    TensorMeta,
 };
 
 /// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
@@ -123,6 +124,13 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                         code: ErrorCode::OVER_IMPORT_LIMIT,
                         message: "over the import limit".into(),
                     },
+                    ResultGrant::Arena {
+                        handle: HandoffId(4),
+                        alloc: AllocId(13),
+                        chunk: 2,
+                        offset: 3 << 20,
+                        bytes: 64 << 20,
+                    },
                 ],
             }),
         ),
@@ -196,6 +204,13 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                 index: 2,
                 reachable: false,
                 reason: "no peer access from GPU-10 to GPU-30".into(),
+            }),
+        ),
+        (
+            "arena_chunk",
+            Message::ArenaChunk(ArenaChunk {
+                index: 1,
+                len: 2 << 30,
             }),
         ),
     ]

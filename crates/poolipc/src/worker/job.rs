@@ -55,9 +55,11 @@ impl InputView {
 
 /// A result buffer of a job, allocated by the parent: write it on the job's stream.
 ///
-/// On [`Rung::PoolPointer`] it is the parent's allocation, imported; on
-/// [`Rung::HostStaging`] it is memory of this worker whose bytes are sent to the parent's
-/// allocation when the job finishes. Either way the parent sees what was written.
+/// On [`Rung::PoolPointer`] it is the parent's allocation, imported; on [`Rung::Arena`] it
+/// is a block of the parent's result arena, which this worker mapped once (no import, nothing
+/// to free); on [`Rung::HostStaging`] it is memory of this worker whose bytes are sent to the
+/// parent's allocation when the job finishes. Either way the parent sees what was written,
+/// and the view must not be touched after the job finishes.
 #[derive(Debug)]
 pub struct ResultView {
     pub(super) ptr: DevicePtr,
@@ -186,6 +188,21 @@ impl Job<'_> {
                         shape: shape.clone(),
                         bytes: spec.byte_len,
                         rung,
+                    });
+                }
+                ResultGrant::Arena {
+                    handle: _,
+                    alloc: _,
+                    chunk,
+                    offset,
+                    bytes,
+                } => {
+                    let ptr = w.arena_memory(chunk, offset, bytes, spec.byte_len)?;
+                    self.results.push(ResultView {
+                        ptr,
+                        shape: shape.clone(),
+                        bytes: spec.byte_len,
+                        rung: Rung::Arena,
                     });
                 }
                 ResultGrant::Refused { code, message } => {

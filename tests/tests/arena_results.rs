@@ -1,0 +1,342 @@
+//! Results through the result arena, as the facade's users meet them
+//! (`ParentOptions::results = ResultMemory::Arena`): a result is an offset into parent-owned
+//! VMM memory each worker mapped once, the caller's `ResultTensor` gives its block back
+//! stream-ordered and exactly once, the arena grows while workers are attached, and a worker
+//! that dies or breaks the protocol while holding blocks loses none of them.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail, ensure};
+use poolipc::{
+    DType, DevicePtr, Error, Input, JobOutput, Parent, ParentOptions, ResultMemory, Rung,
+    StreamHandle, TensorDesc, WorkerId, echo,
+};
+use poolipc_contract::FailReason;
+use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
+
+const MIB: u64 = 1 << 20;
+
+fn parent(env: &Env, initial_bytes: u64, max_bytes: Option<u64>) -> Result<Parent> {
+    let options = ParentOptions {
+        device: env.device,
+        canary: false,
+        results: ResultMemory::Arena {
+            initial_bytes,
+            max_bytes,
+        },
+        ..ParentOptions::default()
+    };
+    Ok(Parent::new(Arc::clone(&env.driver), options)?)
+}
+
+/// A pool allocation of `bytes` filled with `pattern`.
+fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<DevicePtr> {
+    let ptr = p.pool().alloc(bytes, stream)?;
+    echo::fill_pattern(&**p.driver(), ptr, bytes, pattern, stream)?;
+    Ok(ptr)
+}
+
+fn bytes_input(ptr: DevicePtr, bytes: u64) -> Input {
+    Input {
+        ptr,
+        desc: TensorDesc::contiguous(DType::U8, &[bytes]),
+    }
+}
+
+/// What the echo worker makes of input `i` of `bytes` filled with `pattern`: the pattern,
+/// its first word replaced by the marker where the result has one.
+fn echoed(i: usize, bytes: u64, pattern: u32) -> Result<Vec<u8>> {
+    let n = usize::try_from(bytes)?;
+    let mut want: Vec<u8> = pattern
+        .to_le_bytes()
+        .iter()
+        .copied()
+        .cycle()
+        .take(n)
+        .collect();
+    if n >= 4 {
+        want[..4].copy_from_slice(&echo::marker(i).to_le_bytes());
+    }
+    Ok(want)
+}
+
+/// Every byte of result `i` is what the echo worker wrote.
+fn check_exact(p: &Parent, out: &JobOutput, i: usize, bytes: u64, pattern: u32) -> Result<()> {
+    let r = out
+        .results
+        .get(i)
+        .with_context(|| format!("no result {i}"))?;
+    ensure!(
+        r.bytes == bytes,
+        "result {i} has {} bytes, not {bytes}",
+        r.bytes
+    );
+    let mut got = vec![0u8; usize::try_from(bytes)?];
+    p.driver().memcpy_dtoh(&mut got, r.ptr)?;
+    let want = echoed(i, bytes, pattern)?;
+    if let Some(at) = got.iter().zip(&want).position(|(g, w)| g != w) {
+        bail!(
+            "byte {at} of result {i} ({bytes} bytes) is {:#04x}, expected {:#04x}",
+            got[at],
+            want[at]
+        );
+    }
+    Ok(())
+}
+
+/// Echo job of one input per size on `worker`; the inputs are freed before returning.
+fn echo_job(
+    p: &Parent,
+    worker: WorkerId,
+    sizes: &[u64],
+    pattern: u32,
+    stream: StreamHandle,
+) -> Result<JobOutput> {
+    let mut ptrs = Vec::new();
+    for &n in sizes {
+        ptrs.push(filled(p, n, pattern, stream)?);
+    }
+    let inputs: Vec<Input> = ptrs
+        .iter()
+        .zip(sizes)
+        .map(|(&ptr, &n)| bytes_input(ptr, n))
+        .collect();
+    let out = p.run_job(worker, &inputs, stream);
+    p.driver().stream_synchronize(stream)?;
+    for ptr in ptrs {
+        p.pool().free(ptr, stream)?;
+    }
+    p.driver().stream_synchronize(stream)?;
+    Ok(out?)
+}
+
+/// The index of the arena chunk `ptr` lies in.
+fn chunk_of(p: &Parent, ptr: DevicePtr) -> Result<u32> {
+    let arena = p.arena().context("no arena")?;
+    arena
+        .chunks()
+        .find(|c| c.ptr.0 <= ptr.0 && ptr.0 < c.ptr.0 + c.len)
+        .map(|c| c.index)
+        .with_context(|| format!("{ptr:?} is in no arena chunk"))
+}
+
+/// Lets the returned blocks' events complete and the arena reclaim them; returns the live
+/// blocks left.
+fn settle(p: &Parent, stream: StreamHandle) -> Result<usize> {
+    p.driver().stream_synchronize(stream)?;
+    p.reclaim_arena();
+    let stats = p.arena_stats().context("no arena")?;
+    ensure!(stats.pending_frees == 0, "{stats:?}");
+    Ok(stats.alloc.live_blocks)
+}
+
+both_drivers!(
+    fn results_of_one_byte_one_mib_and_64_mib_cross_through_the_arena_byte_for_byte(env) {
+        let p = parent(env, 64 * MIB, None)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        ensure!(p.arena().is_none(), "the arena is made at the first result, not before");
+        let sizes = [1, MIB, 64 * MIB];
+        let out = echo_job(&p, w, &sizes, 0x0403_0201, stream)?;
+        ensure!(out.results.len() == 3, "{} results", out.results.len());
+        for (i, &n) in sizes.iter().enumerate() {
+            let r = &out.results[i];
+            ensure!(r.rung == Rung::Arena && r.is_arena(), "result {i}: {:?}", r.rung);
+            chunk_of(&p, r.ptr)?;
+            check_exact(&p, &out, i, n, 0x0403_0201)?;
+        }
+        ensure!(p.stats().arena_results == 3, "{:?}", p.stats());
+        ensure!(p.stats().pool_pointer_tensors == 3, "the inputs: {:?}", p.stats());
+        ensure!(p.arena_stats().context("no arena")?.alloc.live_blocks == 3);
+        drop(out);
+        ensure!(settle(&p, stream)? == 0, "blocks left after the results were dropped");
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn many_jobs_reuse_the_same_block_without_growing_the_arena(env) {
+        let p = parent(env, 4 * MIB, Some(4 * MIB))?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let mut seen = BTreeSet::new();
+        for k in 0..24u32 {
+            let out = echo_job(&p, w, &[MIB], 0x0100_0000 + k, stream)?;
+            check_exact(&p, &out, 0, MIB, 0x0100_0000 + k)?;
+            seen.insert(out.results[0].ptr.0);
+            drop(out);
+            // The drop's event completes here; the next result reclaims the block.
+            p.driver().stream_synchronize(stream)?;
+        }
+        ensure!(seen.len() == 1, "{} distinct blocks for one live result at a time", seen.len());
+        let stats = p.arena_stats().context("no arena")?;
+        ensure!(stats.alloc.chunks == 1, "the arena grew: {stats:?}");
+        ensure!(settle(&p, stream)? == 0);
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn the_arena_grows_while_two_workers_are_attached_and_both_map_the_new_chunk(env) {
+        let p = parent(env, 4 * MIB, None)?;
+        let stream = p.driver().stream_create()?;
+        let a = p.spawn_worker(worker_command(env, None)?)?;
+        let b = p.spawn_worker(worker_command(env, None)?)?;
+        let size = 3 * MIB;
+        let first = echo_job(&p, a, &[size], 0xA1A1_A1A1, stream)?;
+        ensure!(chunk_of(&p, first.results[0].ptr)? == 0);
+        // Chunk 0 cannot hold a second one: the arena grows, and both workers are sent the
+        // new chunk, B before its grant.
+        let second = echo_job(&p, b, &[size], 0xB2B2_B2B2, stream)?;
+        ensure!(chunk_of(&p, second.results[0].ptr)? == 1, "no growth");
+        check_exact(&p, &second, 0, size, 0xB2B2_B2B2)?;
+        drop(second);
+        p.driver().stream_synchronize(stream)?;
+        // A never had a result in chunk 1 before; it writes there now without being sent
+        // anything more: it mapped the chunk when the arena grew.
+        let third = echo_job(&p, a, &[size], 0xC3C3_C3C3, stream)?;
+        ensure!(chunk_of(&p, third.results[0].ptr)? == 1, "not in the new chunk");
+        check_exact(&p, &third, 0, size, 0xC3C3_C3C3)?;
+        check_exact(&p, &first, 0, size, 0xA1A1_A1A1)?;
+        let stats = p.arena_stats().context("no arena")?;
+        ensure!(stats.alloc.chunks == 2, "{stats:?}");
+        drop((first, third));
+        ensure!(settle(&p, stream)? == 0);
+        for w in [a, b] {
+            let status = p.stop_worker(w)?;
+            ensure!(status.is_some_and(|s| s.success()), "{w}: {status:?}");
+        }
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_worker_killed_holding_arena_blocks_gives_them_back_once_reaped(env) {
+        let p = parent(env, 8 * MIB, None)?;
+        let stream = p.driver().stream_create()?;
+        let good = p.spawn_worker(worker_command(env, None)?)?;
+        // Dies (SIGKILL) after its two results were granted, before writing them.
+        let doomed = p.spawn_worker(worker_command(env, Some("after-grant"))?)?;
+        match echo_job(&p, doomed, &[MIB, 2 * MIB], 0x0D0D_0D0D, stream) {
+            Err(e) => match e.downcast_ref::<Error>() {
+                Some(Error::JobFailed { worker, reason: FailReason::HungUp, .. })
+                    if *worker == doomed => {}
+                _ => bail!("the doomed worker's job: {e:?}"),
+            },
+            Ok(out) => bail!("the doomed worker's job succeeded: {:?}", out.results),
+        }
+        ensure!(p.stats().arena_results == 2, "the blocks were not granted: {:?}", p.stats());
+        ensure!(p.worker(doomed).is_none(), "the doomed worker is still registered");
+        ensure!(settle(&p, stream)? == 0, "blocks of the reaped worker are still out");
+        // The other worker goes on, in the same blocks.
+        let out = echo_job(&p, good, &[MIB], 0x600D_600D, stream)?;
+        check_exact(&p, &out, 0, MIB, 0x600D_600D)?;
+        drop(out);
+        ensure!(settle(&p, stream)? == 0);
+        let stats = p.arena_stats().context("no arena")?;
+        ensure!(stats.alloc.chunks == 1, "{stats:?}");
+        p.stop_worker(good)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_rogue_acking_an_arena_grant_before_done_is_condemned_alone(env) {
+        let p = parent(env, 4 * MIB, None)?;
+        let stream = p.driver().stream_create()?;
+        let good = p.spawn_worker(worker_command(env, None)?)?;
+        let rogue = p.spawn_worker(rogue_command(env, "arena-ack-before-done")?)?;
+        match echo_job(&p, rogue, &[MIB], 0x0BAD_0BAD, stream) {
+            Err(e) => match e.downcast_ref::<Error>() {
+                Some(Error::JobFailed { worker, reason: FailReason::ProtocolViolation, detail, .. })
+                    if *worker == rogue => println!("the rogue: {detail}"),
+                _ => bail!("the rogue's job: {e:?}"),
+            },
+            Ok(out) => bail!("the rogue's job succeeded: {:?}", out.results),
+        }
+        ensure!(p.stats().arena_results == 1, "{:?}", p.stats());
+        ensure!(p.stats().workers_lost == 1, "{:?}", p.stats());
+        ensure!(p.worker(rogue).is_none(), "the rogue is still registered");
+        ensure!(settle(&p, stream)? == 0, "the rogue's block is still out");
+        // The good worker never noticed.
+        for k in 0..2 {
+            let out = echo_job(&p, good, &[MIB], 0x600D_0000 + k, stream)?;
+            check_exact(&p, &out, 0, MIB, 0x600D_0000 + k)?;
+        }
+        ensure!(settle(&p, stream)? == 0);
+        let status = p.stop_worker(good)?;
+        ensure!(status.is_some_and(|s| s.success()), "{status:?}");
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_result_tensor_gives_its_block_back_exactly_once(env) {
+        let p = parent(env, 4 * MIB, None)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let mut out = echo_job(&p, w, &[MIB, MIB], 0x1234_5678, stream)?;
+        let arena = p.arena().context("no arena")?;
+        ensure!(arena.stats().live_blocks == 2);
+        // Given back explicitly: once now, and not again when the value is gone.
+        let first = out.results.remove(0);
+        ensure!(first.return_to_arena(stream)?, "no block to give back");
+        ensure!(arena.pending_frees() == 1, "pending: {}", arena.pending_frees());
+        // Dropped: once.
+        drop(out);
+        ensure!(arena.pending_frees() == 2, "pending: {}", arena.pending_frees());
+        p.driver().stream_synchronize(stream)?;
+        ensure!(p.reclaim_arena() == 2, "not exactly two blocks came back");
+        ensure!(p.reclaim_arena() == 0);
+        ensure!(arena.stats().live_blocks == 0, "{:?}", arena.stats());
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn results_of_a_callers_allocator_stay_in_the_callers_memory_with_the_arena_on(env) {
+        let p = parent(env, 4 * MIB, None)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let input = filled(&p, MIB, 0x7777_0001, stream)?;
+        let driver = Arc::clone(p.driver());
+        let pool = p.pool().handle();
+        let alloc: poolipc::ResultAllocator = Box::new(move |_, bytes, s| {
+            Ok(driver.mem_alloc_from_pool_async(bytes, pool, s)?)
+        });
+        let out = p.run_job_with(w, &[bytes_input(input, MIB)], stream, alloc)?;
+        p.driver().stream_synchronize(stream)?;
+        let r = &out.results[0];
+        ensure!(r.rung == Rung::PoolPointer && !r.is_arena(), "{:?}", r.rung);
+        check_exact(&p, &out, 0, MIB, 0x7777_0001)?;
+        ensure!(p.arena().is_none(), "the arena was made for a caller's allocator");
+        p.pool().free(r.ptr, stream)?;
+        p.pool().free(input, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn the_canary_battery_passes_with_its_results_in_the_arena(env) {
+        let options = ParentOptions {
+            device: env.device,
+            results: ResultMemory::Arena { initial_bytes: 16 * MIB, max_bytes: None },
+            ..ParentOptions::default()
+        };
+        let p = Parent::new(Arc::clone(&env.driver), options)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let report = p.canary_report(w).context("no canary report")?;
+        ensure!(report.ok(), "{report}");
+        ensure!(p.stats().arena_results > 0, "{:?}", p.stats());
+        ensure!(settle(&p, stream)? == 0, "the battery's blocks are still out");
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
