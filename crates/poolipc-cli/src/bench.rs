@@ -25,6 +25,9 @@ pub(crate) struct Args {
     /// The largest size to measure, in MiB.
     #[arg(long, default_value_t = 4096)]
     max_mib: u64,
+    /// The largest result to measure through the arena, in MiB.
+    #[arg(long, default_value_t = 16384)]
+    result_max_mib: u64,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -127,6 +130,8 @@ fn torchmp_line(line: &str) -> Option<Peer> {
 }
 
 const KIB: u64 = 1 << 10;
+/// The result sizes measured through the arena.
+const RESULT_SIZES: [u64; 6] = [4 << 10, 1 << 20, 64 << 20, 1 << 30, 4 << 30, 16 << 30];
 const MIB: u64 = 1 << 20;
 
 fn median(v: &mut [f64]) -> f64 {
@@ -194,6 +199,10 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let options = ParentOptions {
         device: args.device,
         canary: false,
+        results: poolipc::ResultMemory::Arena {
+            initial_bytes: 1 << 30,
+            max_bytes: None,
+        },
         ..ParentOptions::default()
     };
     let parent = Parent::new(Arc::clone(&driver), options).context("starting the parent")?;
@@ -303,6 +312,42 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             host_copy_us: median(&mut copies),
         });
     }
+    // Results through the arena: a worker answering each job with one result of the size,
+    // writing its first 4 KiB; the block goes back (stream-ordered) when the result drops.
+    let mut arena_rows = Vec::new();
+    for bytes in RESULT_SIZES {
+        if bytes > args.result_max_mib * MIB {
+            continue;
+        }
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.arg("__demo-worker")
+            .env("POOLIPC_DEMO_DEVICE", args.device.to_string())
+            .env("POOLIPC_WORKER_MODE", format!("result:{bytes}"));
+        if let Some((k, v)) = &child_env {
+            cmd.env(k, v);
+        }
+        let producer = parent
+            .spawn_worker(cmd)
+            .context("starting the result worker")?;
+        let iterations = iterations_for(args, bytes);
+        let mut times = Vec::with_capacity(iterations);
+        let mut rung = None;
+        for i in 0..=iterations {
+            let t = Instant::now();
+            let out = parent.run_job(producer, &[], stream)?;
+            d.stream_synchronize(stream)?;
+            let us = t.elapsed().as_secs_f64() * 1e6;
+            anyhow::ensure!(out.results.len() == 1, "{} results", out.results.len());
+            anyhow::ensure!(out.results[0].bytes >= bytes, "a short result");
+            rung = Some(out.results[0].rung);
+            if i > 0 {
+                times.push(us);
+            }
+            drop(out);
+        }
+        parent.stop_worker(producer)?;
+        arena_rows.push((bytes, median(&mut times), rung));
+    }
     // A batch of 1000 small tensors, each its own allocation, in one job: fresh exports the
     // first time, the export cache's hits after.
     let n = 1000;
@@ -388,6 +433,11 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "median_s": batch_s,
             "tensors_per_s": tensors_per_s,
         },
+        "arena_results": arena_rows.iter().map(|(b, us, rung)| serde_json::json!({
+            "bytes": b,
+            "median_us": us,
+            "rung": rung.map(|r| r.to_string()),
+        })).collect::<Vec<_>>(),
         "export_cache": {
             "hits": cache.hits,
             "misses": cache.misses,
@@ -492,6 +542,21 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "  torch.mp: bench/torchmp.py, native allocator, legacy CUDA IPC, worker writes one element; best: the better of recycled and re-lend"
         );
     }
+    if !arena_rows.is_empty() {
+        println!();
+        println!(
+            "  one result through the arena: worker writes its first 4 KiB, DONE, ACK, block back (medians):"
+        );
+        println!("  {:>10} {:>12} {:>14}", "size", "round µs", "rung");
+        for (b, us, rung) in &arena_rows {
+            println!(
+                "  {:>10} {:>12.1} {:>14}",
+                human(*b),
+                us,
+                rung.map_or_else(|| "-".to_owned(), |r| r.to_string())
+            );
+        }
+    }
     println!(
         "  batch: {n} tensors of 4 KiB, each its own allocation, in one job: {:.2} ms, {tensors_per_s:.0} tensors/s",
         batch_s * 1e3
@@ -509,6 +574,12 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
         let mut c = Command::new(std::env::current_exe()?);
         c.arg("bench").arg("--device").arg(args.device.to_string());
         c.arg("--max-mib").arg(max_mib.to_string());
+        let results = if max_mib < args.max_mib {
+            max_mib
+        } else {
+            args.result_max_mib
+        };
+        c.arg("--result-max-mib").arg(results.to_string());
         if let Some(n) = args.iterations {
             c.arg("--iterations").arg(n.to_string());
         }

@@ -226,8 +226,14 @@ pub(crate) fn worker_main() -> Result<ExitCode> {
         None => Arc::new(CudaDriver::new()?),
     };
     let mut worker = poolipc::Worker::from_env(driver, device)?;
-    if std::env::var("POOLIPC_WORKER_MODE").as_deref() == Ok("touch") {
+    let mode = std::env::var("POOLIPC_WORKER_MODE").unwrap_or_default();
+    if mode == "touch" {
         echo::serve_touch(&mut worker)?;
+    } else if let Some(bytes) = mode.strip_prefix("result:") {
+        let bytes: u64 = bytes
+            .parse()
+            .with_context(|| format!("POOLIPC_WORKER_MODE={mode}"))?;
+        echo::serve_produce(&mut worker, bytes)?;
     } else {
         echo::serve(&mut worker, None)?;
     }

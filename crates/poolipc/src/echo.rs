@@ -6,6 +6,7 @@
 use crate::error::Error;
 use crate::tensor::ResultShape;
 use crate::worker::{Job, Worker};
+use poolipc_types::DType;
 
 /// The word the echo worker writes at the start of result `i`.
 #[must_use]
@@ -149,6 +150,31 @@ pub fn touch(job: &mut Job<'_>) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// Answers one job with one result of `bytes` bytes (`u8`), its first 4 KiB (or all of a
+/// smaller one) set to a marker on the job's stream; inputs are left alone. What `poolipc
+/// bench` measures for results (the arena's round trip).
+pub fn produce(job: &mut Job<'_>, bytes: u64) -> Result<(), Error> {
+    let results = job.request_results(&[ResultShape::new(DType::U8, &[bytes])])?;
+    let (ptr, len) = (results[0].ptr(), results[0].bytes());
+    let driver = job.driver().clone();
+    let words = len.min(4096) / 4;
+    if words > 0 {
+        driver.memset_d32_async(ptr, marker(0), words, job.stream())?;
+    }
+    Ok(())
+}
+
+/// Serves jobs with [`produce`] until the parent says goodbye.
+pub fn serve_produce(worker: &mut Worker, bytes: u64) -> Result<usize, Error> {
+    let mut served = 0;
+    while let Some(mut job) = worker.next_job()? {
+        produce(&mut job, bytes)?;
+        job.finish()?;
+        served += 1;
+    }
+    Ok(served)
 }
 
 /// Serves jobs with [`touch`] until the parent says goodbye.
