@@ -103,8 +103,10 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 pub(crate) struct DeviceBuffer {
     g: Arc<Global>,
     ptr: Mutex<Option<DevicePtr>>,
+    /// Its size in bytes.
     #[pyo3(get)]
     nbytes: u64,
+    /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...).
     #[pyo3(get)]
     dtype: &'static str,
     shape: Vec<u64>,
@@ -514,8 +516,19 @@ impl Drop for NativeJobHandle {
 /// The parent side of poolipc for Python. Every `NativeParent` of a process shares the one
 /// process parent (made here if `install_pool` did not already). The Python wrapper
 /// `poolipc.Parent` turns torch tensors into input descriptions and back.
+///
+/// `NativeParent(device=0, handoff_timeout=None, stop_timeout=None, handshake_timeout=None,
+/// frame_timeout=None)`: `device` is the pool's device; the deadlines are in seconds (None:
+/// the process parent's; 30, 5, 60 and 5 by default) and apply when this call creates the
+/// process's parent.
+///
+/// Raises `ValueError` for a deadline that is not more than 0 seconds, a device other than
+/// the process parent's, or a deadline that differs from the process parent's (the message
+/// names the clash); `PoolipcError` when no driver can be opened or the pool cannot be
+/// installed.
 #[pyclass(module = "poolipc", name = "NativeParent", frozen)]
 pub(crate) struct NativeParent {
+    /// The pool's device ordinal.
     #[pyo3(get)]
     device: u32,
     g: Arc<Global>,
@@ -562,9 +575,10 @@ impl NativeParent {
 
 #[pymethods]
 impl NativeParent {
-    /// `device`: the pool's device. The deadlines (seconds; None: the process parent's, 30 s,
-    /// 5 s, 60 s and 5 s by default) apply when this call creates the process's parent; a
-    /// value that differs from the parent's is a `ValueError` naming the clash.
+    /// See the class: `device` is the pool's device; the deadlines (seconds; None: the process
+    /// parent's, 30 s, 5 s, 60 s and 5 s by default) apply when this call creates the
+    /// process's parent; a value that differs from the parent's is a `ValueError` naming the
+    /// clash.
     #[new]
     #[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None))]
     fn new(
@@ -618,6 +632,9 @@ impl NativeParent {
     /// there is one, `POOLIPC_DEVICE` set to this process's ordinal unless `env` sets it, e.g.
     /// to `parent` for a worker whose `CUDA_VISIBLE_DEVICES` differs), shakes hands, runs the
     /// canary battery. Returns the worker's id. Other threads' jobs go on meanwhile.
+    ///
+    /// Raises `ValueError` for an empty `argv`; `PoolipcError` when the program cannot be
+    /// started, exits or is refused during the handshake (the message says why).
     #[pyo3(signature = (argv, env = None))]
     fn spawn(
         &self,
@@ -693,7 +710,8 @@ impl NativeParent {
     /// `wait`, `spawn` or `stop` inside it). None: results from the shared pool, as
     /// `DeviceBuffer`s. `keep`: objects kept alive until the job ended (the input tensors).
     /// A tensor refused before anything is lent raises `ValueError` here; one refused by the
-    /// IO thread (past its allocation) raises it from `wait`.
+    /// IO thread (past its allocation) raises it from `wait`. `UnknownWorkerError` for a
+    /// worker this parent does not serve.
     #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, keep = None))]
     fn submit(
         &self,
@@ -710,6 +728,10 @@ impl NativeParent {
     /// `submit` then `wait`: returns `(results, input_rungs)` once the worker acknowledged,
     /// `stream` having waited on DONE. Each result is `(ptr, nbytes, dtype, shape, rung,
     /// owner)`: `owner` is what the allocator returned, or a [`DeviceBuffer`] from the pool.
+    ///
+    /// Raises `ValueError` (an input cannot be lent), `UnknownWorkerError`, `JobFailedError`
+    /// (the worker was lost, or the allocator raised: its exception is the `__cause__`),
+    /// `WorkerError` (the worker reported an error for the job).
     #[pyo3(signature = (worker, inputs, stream = 0, alloc = None))]
     fn run(
         &self,
@@ -726,7 +748,8 @@ impl NativeParent {
     /// Tells the worker to stop (Bye), waits for it to exit at most the parent's
     /// `stop_timeout`, then kills it, and reaps it. Returns its exit code (None if it was
     /// killed by a signal, or not ours to wait for). Jobs it still held fail with
-    /// `JobFailedError`; other workers' jobs go on.
+    /// `JobFailedError`; other workers' jobs go on. `UnknownWorkerError` for a worker this
+    /// parent does not serve.
     fn stop(&self, py: Python<'_>, worker: u32) -> PyResult<Option<i32>> {
         let g = Arc::clone(&self.g);
         py.detach(move || g.parent.stop_worker(WorkerId(worker)))
@@ -771,7 +794,8 @@ impl NativeParent {
         })
     }
 
-    /// Copies `data` to device address `ptr` (synchronous).
+    /// Copies `data` to device address `ptr` (synchronous). `PoolipcError` when the driver
+    /// refuses (an address that is not device memory).
     fn write(&self, py: Python<'_>, ptr: u64, data: Vec<u8>) -> PyResult<()> {
         let g = Arc::clone(&self.g);
         py.detach(move || {
@@ -781,7 +805,8 @@ impl NativeParent {
         .map_err(driver_err)
     }
 
-    /// Reads `nbytes` from device address `ptr` (synchronous).
+    /// Reads `nbytes` from device address `ptr` (synchronous). `PoolipcError` when the driver
+    /// refuses (an address that is not device memory).
     fn read(&self, py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Vec<u8>> {
         let g = Arc::clone(&self.g);
         py.detach(move || {
@@ -793,7 +818,8 @@ impl NativeParent {
         .map_err(driver_err)
     }
 
-    /// Waits for `stream` on the host.
+    /// Waits for `stream` on the host. `PoolipcError` when the driver refuses (no such
+    /// stream) or the stream's work failed.
     #[pyo3(signature = (stream = 0))]
     fn synchronize(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         let g = Arc::clone(&self.g);

@@ -5,6 +5,7 @@ Run: POOLIPC_DRIVER=sim python -m pytest crates/poolipc-python/tests (the module
 """
 
 import os
+import pathlib
 import signal
 import struct
 import subprocess
@@ -638,6 +639,90 @@ def test_a_write_into_an_input_is_seen_by_the_parent_or_raises(parent, report):
     assert parent.read(staged.ptr, 16) == struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
     assert parent.stop(w) == 0
 
+
+
+# --- the typed, documented surface ---------------------------------------------------------
+
+# Protocol methods a user calls through syntax or a consumer (torch, CuPy) calls: documented too.
+DOCUMENTED_DUNDERS = {"__init__", "__new__", "__iter__", "__enter__", "__exit__", "__dlpack__",
+                      "__dlpack_device__", "__cuda_array_interface__"}
+
+
+def own_doc(obj):
+    """The object's own docstring, stripped ('' when it has none of its own)."""
+    doc = obj.__doc__ if isinstance(obj, type) else getattr(obj, "__doc__", None)
+    if isinstance(obj, type) and "__doc__" not in vars(obj):
+        return ""
+    return (doc or "").strip()
+
+
+def test_every_public_name_and_member_has_a_docstring():
+    import inspect
+
+    missing = []
+    for name in poolipc.__all__:
+        obj = getattr(poolipc, name)
+        if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+            # constants and type aliases: said in the module's docstring
+            if f"``{name}``" not in poolipc.__doc__:
+                missing.append(name)
+            continue
+        if not own_doc(obj):
+            missing.append(name)
+        if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            for member, value in vars(obj).items():
+                if member.startswith("_") and member not in DOCUMENTED_DUNDERS:
+                    continue
+                if isinstance(value, (staticmethod, classmethod)):
+                    value = value.__func__
+                slots = vars(obj).get("__slots__")
+                if isinstance(slots, dict) and member in slots:
+                    # a slot's docstring (help() shows it; the descriptor has it from 3.13)
+                    value = types.SimpleNamespace(__doc__=slots[member])
+                if not (getattr(value, "__doc__", None) or "").strip():
+                    missing.append(f"{name}.{member}")
+    assert not missing, f"no docstring: {missing}"
+
+
+def test_help_on_parent_names_the_constructor_arguments_the_methods_and_what_they_raise():
+    import pydoc
+
+    text = pydoc.render_doc(poolipc.Parent, renderer=pydoc.plaintext)
+    for word in ("handoff_timeout", "stop_timeout", "run(self", "submit(self", "spawn(self",
+                 "ValueError", "JobFailedError", "WorkerError", "UnknownWorkerError"):
+        assert word in text, word
+    native = pydoc.render_doc(poolipc._native.NativeWorker, renderer=pydoc.plaintext)
+    assert "NativeWorker(device=0, any=False)" in native and "PoolipcError" in native
+
+
+def test_the_package_ships_its_stubs_and_py_typed():
+    from importlib import resources
+
+    root = resources.files("poolipc")
+    assert (root / "py.typed").is_file()
+    assert (root / "_native.pyi").is_file()
+
+
+def run_mypy(*args, cwd):
+    pytest.importorskip("mypy", reason="mypy is not installed here (cargo xtask installs it)")
+    env = dict(os.environ, POOLIPC_DRIVER="sim")
+    p = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=300)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_the_stubs_and_the_native_module_have_the_same_names_and_signatures(tmp_path):
+    # stubtest imports the module and compares every name, signature and default with the .pyi
+    rc, out = run_mypy("mypy.stubtest", "poolipc", "--mypy-config-file", os.devnull,
+                       cwd=tmp_path)
+    assert rc == 0, out
+
+
+def test_a_typed_use_of_every_public_name_passes_mypy_strict(tmp_path):
+    usage = pathlib.Path(__file__).resolve().parent / "typed" / "usage.py"
+    rc, out = run_mypy("mypy", "--strict", "--no-incremental", "--config-file", os.devnull,
+                       str(usage), cwd=tmp_path)
+    assert rc == 0, out
 
 
 # --- install_pool ---------------------------------------------------------------------------
