@@ -11,15 +11,18 @@ use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use poolipc::{DevicePtr, Input, JobHandle, JobOutput, ResultAllocator, StreamHandle, TensorDesc};
+use poolipc::{
+    DType, DevicePtr, Input, JobHandle, JobOutput, ResultAllocator, ResultShape, StreamHandle,
+    TensorDesc,
+};
 use poolipc_contract::WorkerId;
 use poolipc_pool::PoolStats;
-use pyo3::exceptions::PyTimeoutError;
+use pyo3::exceptions::{PyMemoryError, PyTimeoutError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::dtype;
-use crate::errors::{JobFailedError, err, to_py, to_py_for, value_err};
+use crate::errors::{ExpiredViewError, JobFailedError, err, to_py, to_py_for, value_err};
 use crate::state::{self, Global, Requested};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -128,12 +131,14 @@ impl DeviceBuffer {
 
 #[pymethods]
 impl DeviceBuffer {
-    /// The device address.
+    /// The device address. `ExpiredViewError` once the buffer was freed.
     #[getter]
     fn ptr(&self) -> PyResult<u64> {
-        lock(&self.ptr)
-            .map(|p| p.0)
-            .ok_or_else(|| err("poolipc: this DeviceBuffer was freed"))
+        lock(&self.ptr).map(|p| p.0).ok_or_else(|| {
+            ExpiredViewError::new_err(
+                "poolipc: this DeviceBuffer was freed; its memory belongs to the pool again",
+            )
+        })
     }
 
     /// The shape (a tuple).
@@ -142,7 +147,8 @@ impl DeviceBuffer {
         PyTuple::new(py, &self.shape)
     }
 
-    /// Same as `ptr`, so that code written for torch tensors reads it too.
+    /// Same as `ptr`, so that code written for torch tensors reads it too
+    /// (`ExpiredViewError` once freed).
     fn data_ptr(&self) -> PyResult<u64> {
         self.ptr()
     }
@@ -167,6 +173,32 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // Nothing to report to at drop: an error here means the pool is gone already.
         let _ = self.free_now();
+    }
+}
+
+/// The shape of a buffer of `nbytes` of `dtype`: `shape` when its elements take exactly
+/// `nbytes`, one dimension when none is given; a `ValueError` otherwise.
+fn buffer_shape(nbytes: u64, dtype: DType, shape: Option<Vec<u64>>) -> PyResult<Vec<u64>> {
+    let elem = dtype.size_bytes() as u64;
+    let name = dtype::name(dtype);
+    if nbytes == 0 {
+        return Err(value_err("poolipc: nbytes=0: nothing to allocate"));
+    }
+    match shape {
+        None if nbytes.is_multiple_of(elem) => Ok(vec![nbytes / elem]),
+        None => Err(value_err(format!(
+            "poolipc: {nbytes} bytes are no whole number of {name} elements ({elem} bytes each)"
+        ))),
+        Some(shape) => {
+            let covers = ResultShape::new(dtype, &shape).bytes().ok() == Some(nbytes);
+            if covers {
+                Ok(shape)
+            } else {
+                Err(value_err(format!(
+                    "poolipc: shape {shape:?} of {name} does not take {nbytes} bytes"
+                )))
+            }
+        }
     }
 }
 
@@ -759,7 +791,11 @@ impl NativeParent {
 
     /// Allocates `nbytes` (stream-ordered on `stream`): from the shared pool (lent by pool
     /// pointer), or with `shared=False` from the device's default pool, which no worker can
-    /// import (lent by host staging, like memory of `--disable-cuda-malloc`).
+    /// import (lent by host staging, like memory of `--disable-cuda-malloc`). `shape`
+    /// (default: `nbytes` over the dtype's size) must cover `nbytes` exactly.
+    ///
+    /// Raises `ValueError` for an unknown dtype, `nbytes` of 0, or a shape whose elements do
+    /// not take `nbytes`; `PoolipcError` when the driver refuses (out of memory).
     #[pyo3(signature = (nbytes, stream = 0, dtype = "uint8", shape = None, shared = true))]
     fn alloc(
         &self,
@@ -771,6 +807,7 @@ impl NativeParent {
         shared: bool,
     ) -> PyResult<DeviceBuffer> {
         let dt = dtype::parse(dtype)?;
+        let shape = buffer_shape(nbytes, dt, shape)?;
         let g = Arc::clone(&self.g);
         let ptr = py
             .detach(move || {
@@ -789,7 +826,7 @@ impl NativeParent {
             ptr: Mutex::new(Some(ptr)),
             nbytes,
             dtype: dtype::name(dt),
-            shape: shape.unwrap_or_else(|| vec![nbytes / dt.size_bytes() as u64]),
+            shape,
             shared,
         })
     }
@@ -806,12 +843,19 @@ impl NativeParent {
     }
 
     /// Reads `nbytes` from device address `ptr` (synchronous). `PoolipcError` when the driver
-    /// refuses (an address that is not device memory).
+    /// refuses (an address that is not device memory), `MemoryError` when no host buffer of
+    /// `nbytes` can be had.
     fn read(&self, py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Vec<u8>> {
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(nbytes).map_err(|e| {
+            PyMemoryError::new_err(format!(
+                "poolipc: no host buffer of {nbytes} bytes to read into: {e}"
+            ))
+        })?;
+        buf.resize(nbytes, 0);
         let g = Arc::clone(&self.g);
         py.detach(move || {
             g.driver.use_device(g.device)?;
-            let mut buf = vec![0u8; nbytes];
             g.driver.memcpy_dtoh(&mut buf, DevicePtr(ptr))?;
             Ok(buf)
         })

@@ -476,6 +476,10 @@ impl Job {
 
     /// Asks the parent for result memory, shape first: `shapes` is a list of
     /// `(dtype, shape)`. Returns the new result buffers (contiguous).
+    ///
+    /// Raises `ValueError` for an unknown dtype or a shape too large to count in bytes (before
+    /// anything is asked), `ExpiredViewError` once the job ended, `JobFailedError` when the
+    /// parent refused the results or is gone.
     fn request_results(
         &self,
         py: Python<'_>,
@@ -488,7 +492,16 @@ impl Job {
         }
         let shapes = shapes
             .into_iter()
-            .map(|(d, s)| Ok(ResultShape::new(dtype::parse(&d)?, &s)))
+            .enumerate()
+            .map(|(i, (d, s))| {
+                let shape = ResultShape::new(dtype::parse(&d)?, &s);
+                shape.bytes().map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "poolipc: result {i}: shape {s:?} of {d} has more bytes than 2^64"
+                    ))
+                })?;
+                Ok(shape)
+            })
             .collect::<PyResult<Vec<_>>>()?;
         match self.link.call(py, Cmd::Request(shapes)) {
             Ok(Reply::Results(infos)) => {

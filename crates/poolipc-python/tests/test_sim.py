@@ -4,6 +4,7 @@ lifetimes, errors, and the ComfyUI prestartup script run the way ComfyUI runs it
 Run: POOLIPC_DRIVER=sim python -m pytest crates/poolipc-python/tests (the module sets it too).
 """
 
+import gc
 import os
 import pathlib
 import signal
@@ -282,7 +283,7 @@ def test_a_worker_told_any_device_works_on_it(parent):
     assert parent.stop(w) == 0
 
 
-@pytest.mark.parametrize("device", ["gpu0", "any:", "any:x", "-"])
+@pytest.mark.parametrize("device", ["gpu0", "any:", "any:x", "-", "-1", "any:-1"])
 def test_a_worker_device_that_is_no_ordinal_parent_or_any_is_a_clear_error(device):
     with pytest.raises(ValueError, match="not an ordinal, 'parent' or 'any:N'"):
         poolipc.Worker(device)
@@ -529,6 +530,9 @@ def test_four_threads_share_one_parent_through_random_kills_with_typed_errors_on
     rng = random.Random(11)
     threads_n, jobs_n = 4, 60
     bufs = [f32_buffer(parent, [float(t) + 0.5] * 64) for t in range(threads_n)]
+    # Buffers of earlier tests that only a cycle collection frees (held by tracebacks) must go
+    # before the baseline, or one freed mid-test leaves the pool below it.
+    gc.collect()
     parent.synchronize()
     baseline = poolipc.memory_stats()["used_current"]
     workers = [spawn(parent) for _ in range(threads_n)]
@@ -639,6 +643,79 @@ def test_a_write_into_an_input_is_seen_by_the_parent_or_raises(parent, report):
     assert parent.read(staged.ptr, 16) == struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
     assert parent.stop(w) == 0
 
+
+
+# --- every error typed ----------------------------------------------------------------------
+
+
+def test_a_freed_device_buffer_raises_expired_view_error(parent):
+    buf = parent.alloc(16)
+    buf.free()
+    with pytest.raises(poolipc.ExpiredViewError, match="was freed"):
+        buf.ptr
+    with pytest.raises(poolipc.ExpiredViewError):
+        buf.data_ptr()
+    buf.free()  # freeing again does nothing
+    assert "freed" in repr(buf)
+
+
+@pytest.mark.parametrize(
+    "nbytes,dtype,shape,says",
+    [
+        (16, "float32", [5], "does not take 16 bytes"),
+        (16, "float32", [2**40, 2**40], "does not take 16 bytes"),
+        (10, "float32", None, "no whole number of float32 elements"),
+        (0, "uint8", None, "nothing to allocate"),
+        (16, "float33", None, "unknown dtype"),
+    ],
+)
+def test_alloc_refuses_a_shape_that_does_not_cover_nbytes_with_value_error(
+    parent, nbytes, dtype, shape, says
+):
+    with pytest.raises(ValueError, match=says) as e:
+        parent.alloc(nbytes, dtype=dtype, shape=shape)
+    assert not isinstance(e.value, poolipc.PoolipcError)
+
+
+def test_a_read_too_large_for_any_host_buffer_is_a_memory_error_not_an_abort(parent):
+    buf = parent.alloc(16)
+    with pytest.raises(MemoryError, match="no host buffer"):
+        parent.read(buf.ptr, 2**62)
+
+
+@pytest.mark.parametrize("device", [-1, "0", 1.0, True])
+def test_a_device_that_is_no_ordinal_is_a_value_or_type_error(parent, device):
+    want = ValueError if isinstance(device, int) and not isinstance(device, bool) else TypeError
+    with pytest.raises(want, match="ordinal"):
+        poolipc.Parent(device)
+    with pytest.raises(want, match="ordinal"):
+        poolipc.install_pool(device)
+
+
+def test_spawn_of_a_string_instead_of_a_list_is_a_type_error(parent):
+    with pytest.raises(TypeError, match="argv must be a list"):
+        parent.spawn(sys.executable)
+    with pytest.raises(ValueError, match="empty argv"):
+        parent.spawn([])
+
+
+def test_a_stream_that_is_no_handle_is_a_type_error(parent):
+    buf = parent.alloc(16)
+    with pytest.raises(TypeError, match="stream must be"):
+        parent.submit(1, [poolipc.TensorRef(buf.ptr, "uint8", [16])], stream="0")
+
+
+def test_worker_side_errors_are_typed_and_finishing_from_two_threads_finishes_once(parent, report):
+    # A result shape too large to count is a ValueError before anything is asked; two threads
+    # finishing one job at once: one finishes, the other gets ExpiredViewError (the native
+    # classes are frozen: no "Already borrowed" can reach Python).
+    w = spawn(parent, "typed-errors", report.env)
+    f = f32_buffer(parent, [1.0] * 4)
+    assert parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])]) == []
+    assert parent.stop(w) == 0
+    (rep,) = [x for x in report.lines() if "too_large" in x]
+    assert rep["too_large"].startswith("ValueError: poolipc: result 0: shape"), rep
+    assert rep["finish_twice"] == ["ExpiredViewError", "ok"], rep
 
 
 # --- the typed, documented surface ---------------------------------------------------------

@@ -105,6 +105,17 @@ def _say(msg: str, level: int = logging.INFO) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _ordinal(device: int) -> int:
+    """A device ordinal as given, checked: an int (``TypeError`` otherwise), 0 or more
+    (``ValueError`` otherwise), so that a wrong one is a clear error here rather than an
+    ``OverflowError`` from the native module."""
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"poolipc: a device ordinal is an int, not {type(device).__name__}")
+    if device < 0:
+        raise ValueError(f"poolipc: device {device} is not an ordinal (0 or more)")
+    return device
+
+
 def _backend_choice(conf: str | None, argv: list[str]) -> tuple[str | None, str | None]:
     """What ``PYTORCH_CUDA_ALLOC_CONF`` should become, and why the swap cannot take effect.
 
@@ -148,6 +159,7 @@ def install_pool(
     installed) and ``ValueError`` (a deadline not more than 0, another device or other
     deadlines than the process's parent has).
     """
+    device = _ordinal(device)
     if "torch" in sys.modules:
         raise PoolipcError(
             "poolipc.install_pool: torch is already imported, so its allocator is chosen and "
@@ -340,7 +352,7 @@ class Parent:
         than the process's parent has) and ``PoolipcError`` (no usable driver: set
         ``POOLIPC_DRIVER=sim`` for the simulation; the pool cannot be installed).
         """
-        self.device = device
+        self.device = _ordinal(device)
         self._native = _native.NativeParent(
             device, handoff_timeout, stop_timeout, handshake_timeout, frame_timeout
         )
@@ -552,8 +564,8 @@ class Parent:
         (default: ``nbytes`` over the dtype's size, in one dimension) must cover ``nbytes``
         exactly.
 
-        Raises ``ValueError`` (an unknown dtype; a shape whose elements do not take
-        ``nbytes``) and ``PoolipcError`` (the driver refused: out of memory).
+        Raises ``ValueError`` (an unknown dtype; ``nbytes`` of 0; a shape whose elements do
+        not take ``nbytes``) and ``PoolipcError`` (the driver refused: out of memory).
         """
         return self._native.alloc(nbytes, stream, dtype, None if shape is None else list(shape), shared)
 
@@ -609,17 +621,15 @@ class Worker:
         if device is None:
             device = os.environ.get("POOLIPC_DEVICE", "0")
         text = str(device)
-        try:
-            if text == "parent":
-                self._native = _native.NativeWorker(None)
-            elif text.startswith("any:"):
-                self._native = _native.NativeWorker(int(text[4:]), any=True)
-            else:
-                self._native = _native.NativeWorker(int(text))
-        except ValueError:
-            raise ValueError(
-                f"poolipc: device {device!r} is not an ordinal, 'parent' or 'any:N'"
-            ) from None
+        ordinal: int | None = None
+        if text != "parent":
+            try:
+                ordinal = _ordinal(int(text.removeprefix("any:")))
+            except ValueError:
+                raise ValueError(
+                    f"poolipc: device {device!r} is not an ordinal, 'parent' or 'any:N'"
+                ) from None
+        self._native = _native.NativeWorker(ordinal, any=text.startswith("any:"))
         self.device = self._native.device
 
     @property
