@@ -58,8 +58,9 @@ fn run(mut cmd: Command) -> Result<()> {
     Ok(())
 }
 
-/// The Python binding: a venv under `target/pyenv` with maturin and pytest (from PyPI), the
-/// abi3 wheel built and installed there, and the pytest suite run on SimDriver.
+/// The Python binding: a venv under `target/pyenv` with maturin, pytest and mypy (from PyPI),
+/// the abi3 wheel built and installed there, and the pytest suite run on SimDriver (mypy checks
+/// the stubs against the module and a typed use of it).
 fn python_suite() -> Result<()> {
     let root = root()?;
     let venv = root.join("target/pyenv");
@@ -70,7 +71,15 @@ fn python_suite() -> Result<()> {
         run(c)?;
     }
     let mut c = Command::new(&py);
-    c.args(["-m", "pip", "install", "-q", "maturin>=1.5,<2", "pytest"]);
+    c.args([
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "maturin>=1.5,<2",
+        "pytest",
+        "mypy",
+    ]);
     run(c)?;
     let wheels = root.join("target/wheels");
     let _ = std::fs::remove_dir_all(&wheels);

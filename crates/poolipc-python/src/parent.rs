@@ -11,15 +11,18 @@ use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use poolipc::{DevicePtr, Input, JobHandle, JobOutput, ResultAllocator, StreamHandle, TensorDesc};
+use poolipc::{
+    DType, DevicePtr, Input, JobHandle, JobOutput, ResultAllocator, ResultShape, StreamHandle,
+    TensorDesc,
+};
 use poolipc_contract::WorkerId;
 use poolipc_pool::PoolStats;
-use pyo3::exceptions::PyTimeoutError;
+use pyo3::exceptions::{PyMemoryError, PyTimeoutError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
 use crate::dtype;
-use crate::errors::{JobFailedError, err, to_py, to_py_for, value_err};
+use crate::errors::{ExpiredViewError, JobFailedError, err, to_py, to_py_for, value_err};
 use crate::state::{self, Global, Requested};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -103,8 +106,10 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 pub(crate) struct DeviceBuffer {
     g: Arc<Global>,
     ptr: Mutex<Option<DevicePtr>>,
+    /// Its size in bytes.
     #[pyo3(get)]
     nbytes: u64,
+    /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...).
     #[pyo3(get)]
     dtype: &'static str,
     shape: Vec<u64>,
@@ -126,12 +131,14 @@ impl DeviceBuffer {
 
 #[pymethods]
 impl DeviceBuffer {
-    /// The device address.
+    /// The device address. `ExpiredViewError` once the buffer was freed.
     #[getter]
     fn ptr(&self) -> PyResult<u64> {
-        lock(&self.ptr)
-            .map(|p| p.0)
-            .ok_or_else(|| err("poolipc: this DeviceBuffer was freed"))
+        lock(&self.ptr).map(|p| p.0).ok_or_else(|| {
+            ExpiredViewError::new_err(
+                "poolipc: this DeviceBuffer was freed; its memory belongs to the pool again",
+            )
+        })
     }
 
     /// The shape (a tuple).
@@ -140,7 +147,8 @@ impl DeviceBuffer {
         PyTuple::new(py, &self.shape)
     }
 
-    /// Same as `ptr`, so that code written for torch tensors reads it too.
+    /// Same as `ptr`, so that code written for torch tensors reads it too
+    /// (`ExpiredViewError` once freed).
     fn data_ptr(&self) -> PyResult<u64> {
         self.ptr()
     }
@@ -165,6 +173,32 @@ impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // Nothing to report to at drop: an error here means the pool is gone already.
         let _ = self.free_now();
+    }
+}
+
+/// The shape of a buffer of `nbytes` of `dtype`: `shape` when its elements take exactly
+/// `nbytes`, one dimension when none is given; a `ValueError` otherwise.
+fn buffer_shape(nbytes: u64, dtype: DType, shape: Option<Vec<u64>>) -> PyResult<Vec<u64>> {
+    let elem = dtype.size_bytes() as u64;
+    let name = dtype::name(dtype);
+    if nbytes == 0 {
+        return Err(value_err("poolipc: nbytes=0: nothing to allocate"));
+    }
+    match shape {
+        None if nbytes.is_multiple_of(elem) => Ok(vec![nbytes / elem]),
+        None => Err(value_err(format!(
+            "poolipc: {nbytes} bytes are no whole number of {name} elements ({elem} bytes each)"
+        ))),
+        Some(shape) => {
+            let covers = ResultShape::new(dtype, &shape).bytes().ok() == Some(nbytes);
+            if covers {
+                Ok(shape)
+            } else {
+                Err(value_err(format!(
+                    "poolipc: shape {shape:?} of {name} does not take {nbytes} bytes"
+                )))
+            }
+        }
     }
 }
 
@@ -514,8 +548,19 @@ impl Drop for NativeJobHandle {
 /// The parent side of poolipc for Python. Every `NativeParent` of a process shares the one
 /// process parent (made here if `install_pool` did not already). The Python wrapper
 /// `poolipc.Parent` turns torch tensors into input descriptions and back.
+///
+/// `NativeParent(device=0, handoff_timeout=None, stop_timeout=None, handshake_timeout=None,
+/// frame_timeout=None)`: `device` is the pool's device; the deadlines are in seconds (None:
+/// the process parent's; 30, 5, 60 and 5 by default) and apply when this call creates the
+/// process's parent.
+///
+/// Raises `ValueError` for a deadline that is not more than 0 seconds, a device other than
+/// the process parent's, or a deadline that differs from the process parent's (the message
+/// names the clash); `PoolipcError` when no driver can be opened or the pool cannot be
+/// installed.
 #[pyclass(module = "poolipc", name = "NativeParent", frozen)]
 pub(crate) struct NativeParent {
+    /// The pool's device ordinal.
     #[pyo3(get)]
     device: u32,
     g: Arc<Global>,
@@ -562,9 +607,10 @@ impl NativeParent {
 
 #[pymethods]
 impl NativeParent {
-    /// `device`: the pool's device. The deadlines (seconds; None: the process parent's, 30 s,
-    /// 5 s, 60 s and 5 s by default) apply when this call creates the process's parent; a
-    /// value that differs from the parent's is a `ValueError` naming the clash.
+    /// See the class: `device` is the pool's device; the deadlines (seconds; None: the process
+    /// parent's, 30 s, 5 s, 60 s and 5 s by default) apply when this call creates the
+    /// process's parent; a value that differs from the parent's is a `ValueError` naming the
+    /// clash.
     #[new]
     #[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None))]
     fn new(
@@ -618,6 +664,9 @@ impl NativeParent {
     /// there is one, `POOLIPC_DEVICE` set to this process's ordinal unless `env` sets it, e.g.
     /// to `parent` for a worker whose `CUDA_VISIBLE_DEVICES` differs), shakes hands, runs the
     /// canary battery. Returns the worker's id. Other threads' jobs go on meanwhile.
+    ///
+    /// Raises `ValueError` for an empty `argv`; `PoolipcError` when the program cannot be
+    /// started, exits or is refused during the handshake (the message says why).
     #[pyo3(signature = (argv, env = None))]
     fn spawn(
         &self,
@@ -693,7 +742,8 @@ impl NativeParent {
     /// `wait`, `spawn` or `stop` inside it). None: results from the shared pool, as
     /// `DeviceBuffer`s. `keep`: objects kept alive until the job ended (the input tensors).
     /// A tensor refused before anything is lent raises `ValueError` here; one refused by the
-    /// IO thread (past its allocation) raises it from `wait`.
+    /// IO thread (past its allocation) raises it from `wait`. `UnknownWorkerError` for a
+    /// worker this parent does not serve.
     #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, keep = None))]
     fn submit(
         &self,
@@ -710,6 +760,10 @@ impl NativeParent {
     /// `submit` then `wait`: returns `(results, input_rungs)` once the worker acknowledged,
     /// `stream` having waited on DONE. Each result is `(ptr, nbytes, dtype, shape, rung,
     /// owner)`: `owner` is what the allocator returned, or a [`DeviceBuffer`] from the pool.
+    ///
+    /// Raises `ValueError` (an input cannot be lent), `UnknownWorkerError`, `JobFailedError`
+    /// (the worker was lost, or the allocator raised: its exception is the `__cause__`),
+    /// `WorkerError` (the worker reported an error for the job).
     #[pyo3(signature = (worker, inputs, stream = 0, alloc = None))]
     fn run(
         &self,
@@ -726,7 +780,8 @@ impl NativeParent {
     /// Tells the worker to stop (Bye), waits for it to exit at most the parent's
     /// `stop_timeout`, then kills it, and reaps it. Returns its exit code (None if it was
     /// killed by a signal, or not ours to wait for). Jobs it still held fail with
-    /// `JobFailedError`; other workers' jobs go on.
+    /// `JobFailedError`; other workers' jobs go on. `UnknownWorkerError` for a worker this
+    /// parent does not serve.
     fn stop(&self, py: Python<'_>, worker: u32) -> PyResult<Option<i32>> {
         let g = Arc::clone(&self.g);
         py.detach(move || g.parent.stop_worker(WorkerId(worker)))
@@ -736,7 +791,11 @@ impl NativeParent {
 
     /// Allocates `nbytes` (stream-ordered on `stream`): from the shared pool (lent by pool
     /// pointer), or with `shared=False` from the device's default pool, which no worker can
-    /// import (lent by host staging, like memory of `--disable-cuda-malloc`).
+    /// import (lent by host staging, like memory of `--disable-cuda-malloc`). `shape`
+    /// (default: `nbytes` over the dtype's size) must cover `nbytes` exactly.
+    ///
+    /// Raises `ValueError` for an unknown dtype, `nbytes` of 0, or a shape whose elements do
+    /// not take `nbytes`; `PoolipcError` when the driver refuses (out of memory).
     #[pyo3(signature = (nbytes, stream = 0, dtype = "uint8", shape = None, shared = true))]
     fn alloc(
         &self,
@@ -748,6 +807,7 @@ impl NativeParent {
         shared: bool,
     ) -> PyResult<DeviceBuffer> {
         let dt = dtype::parse(dtype)?;
+        let shape = buffer_shape(nbytes, dt, shape)?;
         let g = Arc::clone(&self.g);
         let ptr = py
             .detach(move || {
@@ -766,12 +826,13 @@ impl NativeParent {
             ptr: Mutex::new(Some(ptr)),
             nbytes,
             dtype: dtype::name(dt),
-            shape: shape.unwrap_or_else(|| vec![nbytes / dt.size_bytes() as u64]),
+            shape,
             shared,
         })
     }
 
-    /// Copies `data` to device address `ptr` (synchronous).
+    /// Copies `data` to device address `ptr` (synchronous). `PoolipcError` when the driver
+    /// refuses (an address that is not device memory).
     fn write(&self, py: Python<'_>, ptr: u64, data: Vec<u8>) -> PyResult<()> {
         let g = Arc::clone(&self.g);
         py.detach(move || {
@@ -781,19 +842,28 @@ impl NativeParent {
         .map_err(driver_err)
     }
 
-    /// Reads `nbytes` from device address `ptr` (synchronous).
+    /// Reads `nbytes` from device address `ptr` (synchronous). `PoolipcError` when the driver
+    /// refuses (an address that is not device memory), `MemoryError` when no host buffer of
+    /// `nbytes` can be had.
     fn read(&self, py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Vec<u8>> {
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(nbytes).map_err(|e| {
+            PyMemoryError::new_err(format!(
+                "poolipc: no host buffer of {nbytes} bytes to read into: {e}"
+            ))
+        })?;
+        buf.resize(nbytes, 0);
         let g = Arc::clone(&self.g);
         py.detach(move || {
             g.driver.use_device(g.device)?;
-            let mut buf = vec![0u8; nbytes];
             g.driver.memcpy_dtoh(&mut buf, DevicePtr(ptr))?;
             Ok(buf)
         })
         .map_err(driver_err)
     }
 
-    /// Waits for `stream` on the host.
+    /// Waits for `stream` on the host. `PoolipcError` when the driver refuses (no such
+    /// stream) or the stream's work failed.
     #[pyo3(signature = (stream = 0))]
     fn synchronize(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         let g = Arc::clone(&self.g);

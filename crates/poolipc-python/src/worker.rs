@@ -260,14 +260,25 @@ pub(crate) struct JobLife {
 
 /// A worker process's side of poolipc. Made from the environment its parent set
 /// (`POOLIPC_FD`, and `POOLIPC_SIM_MACHINE` on the simulated driver).
+///
+/// `NativeWorker(device=0, any=False)`: `device` is this process's ordinal of the parent's
+/// device; `None` for whichever device has the parent's UUID (ordinals differ when the
+/// processes' `CUDA_VISIBLE_DEVICES` differ); with `any=True`, the ordinal to work on
+/// wherever the parent's pool is (peer access, else host staging).
+///
+/// Raises `PoolipcError` when the process was not spawned by a poolipc parent, the
+/// handshake fails, no driver can be opened, or no device fits (the message says why).
 #[pyclass(module = "poolipc", name = "NativeWorker", frozen)]
 pub(crate) struct NativeWorker {
     link: Arc<Link>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The jobs' stream: it waits on each job's READY; DONE is recorded on it.
     #[pyo3(get)]
     stream: u64,
+    /// The device ordinal this process works on.
     #[pyo3(get)]
     device: u32,
+    /// Whether the worker is on the simulated driver (its parent was).
     #[pyo3(get)]
     simulated: bool,
 }
@@ -279,7 +290,7 @@ impl NativeWorker {
     /// differ); with `any=True`, the ordinal to work on wherever the parent's pool is (peer
     /// access, else host staging). See `poolipc::WorkerDevice`.
     #[new]
-    #[pyo3(signature = (device = Some(0), any = false))]
+    #[pyo3(signature = (device = Some(0), any = false), text_signature = "(device=0, any=False)")]
     fn new(py: Python<'_>, device: Option<u32>, any: bool) -> PyResult<Self> {
         let device = match (device, any) {
             (Some(n), false) => poolipc::WorkerDevice::Exactly(n),
@@ -382,6 +393,7 @@ impl Drop for NativeWorker {
 /// acknowledges; the views then raise `ExpiredViewError`.
 #[pyclass(module = "poolipc", frozen)]
 pub(crate) struct Job {
+    /// The job's id (the parent's `JobHandle.id`).
     #[pyo3(get)]
     id: u64,
     link: Arc<Link>,
@@ -464,6 +476,10 @@ impl Job {
 
     /// Asks the parent for result memory, shape first: `shapes` is a list of
     /// `(dtype, shape)`. Returns the new result buffers (contiguous).
+    ///
+    /// Raises `ValueError` for an unknown dtype or a shape too large to count in bytes (before
+    /// anything is asked), `ExpiredViewError` once the job ended, `JobFailedError` when the
+    /// parent refused the results or is gone.
     fn request_results(
         &self,
         py: Python<'_>,
@@ -476,7 +492,16 @@ impl Job {
         }
         let shapes = shapes
             .into_iter()
-            .map(|(d, s)| Ok(ResultShape::new(dtype::parse(&d)?, &s)))
+            .enumerate()
+            .map(|(i, (d, s))| {
+                let shape = ResultShape::new(dtype::parse(&d)?, &s);
+                shape.bytes().map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "poolipc: result {i}: shape {s:?} of {d} has more bytes than 2^64"
+                    ))
+                })?;
+                Ok(shape)
+            })
             .collect::<PyResult<Vec<_>>>()?;
         match self.link.call(py, Cmd::Request(shapes)) {
             Ok(Reply::Results(infos)) => {
@@ -519,6 +544,7 @@ impl Job {
         self.end(py, Cmd::Fail(message))
     }
 
+    /// Returns the job itself; leaving the `with` block finishes or fails it (`__exit__`).
     fn __enter__(slf: Py<Self>) -> Py<Self> {
         slf
     }

@@ -4,7 +4,9 @@ lifetimes, errors, and the ComfyUI prestartup script run the way ComfyUI runs it
 Run: POOLIPC_DRIVER=sim python -m pytest crates/poolipc-python/tests (the module sets it too).
 """
 
+import gc
 import os
+import pathlib
 import signal
 import struct
 import subprocess
@@ -281,7 +283,7 @@ def test_a_worker_told_any_device_works_on_it(parent):
     assert parent.stop(w) == 0
 
 
-@pytest.mark.parametrize("device", ["gpu0", "any:", "any:x", "-"])
+@pytest.mark.parametrize("device", ["gpu0", "any:", "any:x", "-", "-1", "any:-1"])
 def test_a_worker_device_that_is_no_ordinal_parent_or_any_is_a_clear_error(device):
     with pytest.raises(ValueError, match="not an ordinal, 'parent' or 'any:N'"):
         poolipc.Worker(device)
@@ -528,6 +530,9 @@ def test_four_threads_share_one_parent_through_random_kills_with_typed_errors_on
     rng = random.Random(11)
     threads_n, jobs_n = 4, 60
     bufs = [f32_buffer(parent, [float(t) + 0.5] * 64) for t in range(threads_n)]
+    # Buffers of earlier tests that only a cycle collection frees (held by tracebacks) must go
+    # before the baseline, or one freed mid-test leaves the pool below it.
+    gc.collect()
     parent.synchronize()
     baseline = poolipc.memory_stats()["used_current"]
     workers = [spawn(parent) for _ in range(threads_n)]
@@ -638,6 +643,163 @@ def test_a_write_into_an_input_is_seen_by_the_parent_or_raises(parent, report):
     assert parent.read(staged.ptr, 16) == struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
     assert parent.stop(w) == 0
 
+
+
+# --- every error typed ----------------------------------------------------------------------
+
+
+def test_a_freed_device_buffer_raises_expired_view_error(parent):
+    buf = parent.alloc(16)
+    buf.free()
+    with pytest.raises(poolipc.ExpiredViewError, match="was freed"):
+        buf.ptr
+    with pytest.raises(poolipc.ExpiredViewError):
+        buf.data_ptr()
+    buf.free()  # freeing again does nothing
+    assert "freed" in repr(buf)
+
+
+@pytest.mark.parametrize(
+    "nbytes,dtype,shape,says",
+    [
+        (16, "float32", [5], "does not take 16 bytes"),
+        (16, "float32", [2**40, 2**40], "does not take 16 bytes"),
+        (10, "float32", None, "no whole number of float32 elements"),
+        (0, "uint8", None, "nothing to allocate"),
+        (16, "float33", None, "unknown dtype"),
+    ],
+)
+def test_alloc_refuses_a_shape_that_does_not_cover_nbytes_with_value_error(
+    parent, nbytes, dtype, shape, says
+):
+    with pytest.raises(ValueError, match=says) as e:
+        parent.alloc(nbytes, dtype=dtype, shape=shape)
+    assert not isinstance(e.value, poolipc.PoolipcError)
+
+
+def test_a_read_too_large_for_any_host_buffer_is_a_memory_error_not_an_abort(parent):
+    buf = parent.alloc(16)
+    with pytest.raises(MemoryError, match="no host buffer"):
+        parent.read(buf.ptr, 2**62)
+
+
+@pytest.mark.parametrize("device", [-1, "0", 1.0, True])
+def test_a_device_that_is_no_ordinal_is_a_value_or_type_error(parent, device):
+    want = ValueError if isinstance(device, int) and not isinstance(device, bool) else TypeError
+    with pytest.raises(want, match="ordinal"):
+        poolipc.Parent(device)
+    with pytest.raises(want, match="ordinal"):
+        poolipc.install_pool(device)
+
+
+def test_spawn_of_a_string_instead_of_a_list_is_a_type_error(parent):
+    with pytest.raises(TypeError, match="argv must be a list"):
+        parent.spawn(sys.executable)
+    with pytest.raises(ValueError, match="empty argv"):
+        parent.spawn([])
+
+
+def test_a_stream_that_is_no_handle_is_a_type_error(parent):
+    buf = parent.alloc(16)
+    with pytest.raises(TypeError, match="stream must be"):
+        parent.submit(1, [poolipc.TensorRef(buf.ptr, "uint8", [16])], stream="0")
+
+
+def test_worker_side_errors_are_typed_and_finishing_from_two_threads_finishes_once(parent, report):
+    # A result shape too large to count is a ValueError before anything is asked; two threads
+    # finishing one job at once: one finishes, the other gets ExpiredViewError (the native
+    # classes are frozen: no "Already borrowed" can reach Python).
+    w = spawn(parent, "typed-errors", report.env)
+    f = f32_buffer(parent, [1.0] * 4)
+    assert parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])]) == []
+    assert parent.stop(w) == 0
+    (rep,) = [x for x in report.lines() if "too_large" in x]
+    assert rep["too_large"].startswith("ValueError: poolipc: result 0: shape"), rep
+    assert rep["finish_twice"] == ["ExpiredViewError", "ok"], rep
+
+
+# --- the typed, documented surface ---------------------------------------------------------
+
+# Protocol methods a user calls through syntax or a consumer (torch, CuPy) calls: documented too.
+DOCUMENTED_DUNDERS = {"__init__", "__new__", "__iter__", "__enter__", "__exit__", "__dlpack__",
+                      "__dlpack_device__", "__cuda_array_interface__"}
+
+
+def own_doc(obj):
+    """The object's own docstring, stripped ('' when it has none of its own)."""
+    doc = obj.__doc__ if isinstance(obj, type) else getattr(obj, "__doc__", None)
+    if isinstance(obj, type) and "__doc__" not in vars(obj):
+        return ""
+    return (doc or "").strip()
+
+
+def test_every_public_name_and_member_has_a_docstring():
+    import inspect
+
+    missing = []
+    for name in poolipc.__all__:
+        obj = getattr(poolipc, name)
+        if not (inspect.isclass(obj) or inspect.isroutine(obj)):
+            # constants and type aliases: said in the module's docstring
+            if f"``{name}``" not in poolipc.__doc__:
+                missing.append(name)
+            continue
+        if not own_doc(obj):
+            missing.append(name)
+        if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            for member, value in vars(obj).items():
+                if member.startswith("_") and member not in DOCUMENTED_DUNDERS:
+                    continue
+                if isinstance(value, (staticmethod, classmethod)):
+                    value = value.__func__
+                slots = vars(obj).get("__slots__")
+                if isinstance(slots, dict) and member in slots:
+                    # a slot's docstring (help() shows it; the descriptor has it from 3.13)
+                    value = types.SimpleNamespace(__doc__=slots[member])
+                if not (getattr(value, "__doc__", None) or "").strip():
+                    missing.append(f"{name}.{member}")
+    assert not missing, f"no docstring: {missing}"
+
+
+def test_help_on_parent_names_the_constructor_arguments_the_methods_and_what_they_raise():
+    import pydoc
+
+    text = pydoc.render_doc(poolipc.Parent, renderer=pydoc.plaintext)
+    for word in ("handoff_timeout", "stop_timeout", "run(self", "submit(self", "spawn(self",
+                 "ValueError", "JobFailedError", "WorkerError", "UnknownWorkerError"):
+        assert word in text, word
+    native = pydoc.render_doc(poolipc._native.NativeWorker, renderer=pydoc.plaintext)
+    assert "NativeWorker(device=0, any=False)" in native and "PoolipcError" in native
+
+
+def test_the_package_ships_its_stubs_and_py_typed():
+    from importlib import resources
+
+    root = resources.files("poolipc")
+    assert (root / "py.typed").is_file()
+    assert (root / "_native.pyi").is_file()
+
+
+def run_mypy(*args, cwd):
+    pytest.importorskip("mypy", reason="mypy is not installed here (cargo xtask installs it)")
+    env = dict(os.environ, POOLIPC_DRIVER="sim")
+    p = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=300)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_the_stubs_and_the_native_module_have_the_same_names_and_signatures(tmp_path):
+    # stubtest imports the module and compares every name, signature and default with the .pyi
+    rc, out = run_mypy("mypy.stubtest", "poolipc", "--mypy-config-file", os.devnull,
+                       cwd=tmp_path)
+    assert rc == 0, out
+
+
+def test_a_typed_use_of_every_public_name_passes_mypy_strict(tmp_path):
+    usage = pathlib.Path(__file__).resolve().parent / "typed" / "usage.py"
+    rc, out = run_mypy("mypy", "--strict", "--no-incremental", "--config-file", os.devnull,
+                       str(usage), cwd=tmp_path)
+    assert rc == 0, out
 
 
 # --- install_pool ---------------------------------------------------------------------------

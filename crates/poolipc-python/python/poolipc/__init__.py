@@ -13,6 +13,12 @@ while the parent keeps PyTorch's stream-ordered allocator (``backend:cudaMallocA
 
 ``POOLIPC_DRIVER=sim`` runs all of it on the simulated driver (no GPU, no torch needed).
 
+``ALLOC_CONF`` is the name of torch's allocator setting (``PYTORCH_CUDA_ALLOC_CONF``) and
+``ASYNC_BACKEND`` the value that picks the stream-ordered allocator
+(``backend:cudaMallocAsync``). ``Allocator`` is the type of ``Parent.run``'s ``alloc``
+callable. The dicts the module returns are typed: ``InstallInfo``,
+``MemoryStats``, ``ParentOptions``, ``ParentStats`` (``TypedDict``\\ s).
+
 Errors: ``PoolipcError`` (a ``RuntimeError``) for anything of poolipc's;
 ``JobFailedError`` when a job's worker was lost (``.worker``, ``.reason``, ``.detail``);
 ``WorkerError``, a ``JobFailedError``, when the worker reported an error for the job;
@@ -26,6 +32,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Final, Protocol
 
 from . import _native
 from ._native import (
@@ -41,6 +49,13 @@ from ._native import (
     WorkerError,
     memory_stats,
     mps_status,
+)
+from ._types import (
+    InputSpec,
+    InstallInfo,
+    MemoryStats,
+    ParentOptions,
+    ParentStats,
 )
 
 __all__ = [
@@ -64,13 +79,29 @@ __all__ = [
     "mps_status",
     "ALLOC_CONF",
     "ASYNC_BACKEND",
+    "InstallInfo",
+    "MemoryStats",
+    "ParentOptions",
+    "ParentStats",
+    "Allocator",
 ]
 
 log = logging.getLogger("poolipc")
 
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
-ASYNC_BACKEND = "backend:cudaMallocAsync"
-_DISABLE_FLAG = "--disable-cuda-malloc"
+ALLOC_CONF: Final = "PYTORCH_CUDA_ALLOC_CONF"
+ASYNC_BACKEND: Final = "backend:cudaMallocAsync"
+_DISABLE_FLAG: Final = "--disable-cuda-malloc"
+
+Allocator = Callable[[str, tuple[int, ...], int], Any]
+"""What ``Parent.run``/``submit`` take as ``alloc``: ``alloc(dtype, shape, nbytes)`` returns the
+result's owner, an object with ``data_ptr()`` (a torch tensor) or ``ptr`` (a ``DeviceBuffer``)."""
+
+
+class _HasCudaStream(Protocol):
+    """A torch stream, as far as poolipc reads it."""
+
+    @property
+    def cuda_stream(self) -> int: ...
 
 
 def _say(msg: str, level: int = logging.INFO) -> None:
@@ -79,6 +110,17 @@ def _say(msg: str, level: int = logging.INFO) -> None:
     log.log(level, msg)
     if not logging.getLogger().hasHandlers() and not log.handlers:
         print(msg, file=sys.stderr, flush=True)
+
+
+def _ordinal(device: int) -> int:
+    """A device ordinal as given, checked: an int (``TypeError`` otherwise), 0 or more
+    (``ValueError`` otherwise), so that a wrong one is a clear error here rather than an
+    ``OverflowError`` from the native module."""
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"poolipc: a device ordinal is an int, not {type(device).__name__}")
+    if device < 0:
+        raise ValueError(f"poolipc: device {device} is not an ordinal (0 or more)")
+    return device
 
 
 def _backend_choice(conf: str | None, argv: list[str]) -> tuple[str | None, str | None]:
@@ -135,7 +177,7 @@ def install_pool(
     stop_timeout: float | None = None,
     handshake_timeout: float | None = None,
     frame_timeout: float | None = None,
-) -> dict:
+) -> InstallInfo:
     """Swap the device's current memory pool for poolipc's shareable one. Call it before
     ``import torch`` (ComfyUI: from the pack's ``prestartup_script.py``).
 
@@ -146,9 +188,15 @@ def install_pool(
     Puts ``backend:cudaMallocAsync`` into ``PYTORCH_CUDA_ALLOC_CONF`` unless the user chose
     otherwise (another backend, or ComfyUI's ``--disable-cuda-malloc``); then the swap has no
     effect on torch and handoffs cannot take the zero-copy rung, which is said in the log.
-    Returns a dict: ``installed``, ``driver``, ``device``, ``effective`` (whether torch will
-    allocate from the pool), ``reason`` (why not).
+    Returns an ``InstallInfo`` dict: ``installed`` (False when the pool already was),
+    ``driver``, ``device``, ``effective`` (whether torch will allocate from the pool),
+    ``reason`` (why not).
+
+    Raises ``PoolipcError`` (torch already imported, no usable driver, the pool cannot be
+    installed) and ``ValueError`` (a deadline not more than 0, another device or other
+    deadlines than the process's parent has).
     """
+    device = _ordinal(device)
     if "torch" in sys.modules:
         raise PoolipcError(
             "poolipc.install_pool: torch is already imported, so its allocator is chosen and "
@@ -158,11 +206,16 @@ def install_pool(
     new_conf, reason = _backend_choice(os.environ.get(ALLOC_CONF), sys.argv)
     if new_conf is not None:
         os.environ[ALLOC_CONF] = new_conf
-    info = dict(
-        _native._install(device, handoff_timeout, stop_timeout, handshake_timeout, frame_timeout)
+    native = _native._install(
+        device, handoff_timeout, stop_timeout, handshake_timeout, frame_timeout
     )
-    info["effective"] = reason is None
-    info["reason"] = reason
+    info = InstallInfo(
+        installed=native["installed"],
+        driver=native["driver"],
+        device=native["device"],
+        effective=reason is None,
+        reason=reason,
+    )
     if reason is None:
         _say(
             f"poolipc: installed a shareable CUDA memory pool as device {device}'s current pool "
@@ -185,9 +238,23 @@ class TensorRef:
     dtype name (``float32``, ``bfloat16``, ...), shape, and strides in elements (None:
     contiguous)."""
 
-    __slots__ = ("ptr", "dtype", "shape", "strides")
+    __slots__ = {
+        "ptr": "The device address of element 0.",
+        "dtype": "The dtype's name (torch's spelling: ``float32``, ``bfloat16``, ...).",
+        "shape": "The shape, a tuple of ints.",
+        "strides": "The strides in elements, or None for a contiguous tensor.",
+    }
 
-    def __init__(self, ptr: int, dtype: str, shape, strides=None):
+    ptr: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...] | None
+
+    def __init__(
+        self, ptr: int, dtype: str, shape: Iterable[int], strides: Iterable[int] | None = None
+    ) -> None:
+        """Describe a tensor: see the class. Raises ``ValueError``/``TypeError`` for a
+        ``ptr``, a shape or strides that are not integers."""
         self.ptr = int(ptr)
         self.dtype = str(dtype)
         self.shape = tuple(int(d) for d in shape)
@@ -197,12 +264,12 @@ class TensorRef:
         return f"TensorRef(ptr={self.ptr:#x}, dtype={self.dtype}, shape={self.shape}, strides={self.strides})"
 
 
-def _is_torch_tensor(x) -> bool:
+def _is_torch_tensor(x: object) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _describe(x):
+def _describe(x: Any) -> InputSpec:
     """``(ptr, dtype, shape, strides)`` of a torch tensor, a TensorRef, or a view-like object
     (``ptr``/``data_ptr()``, ``dtype``, ``shape``, ``strides``)."""
     if _is_torch_tensor(x):
@@ -232,20 +299,32 @@ class JobHandle:
     alive until then) and frees its results.
     """
 
-    __slots__ = ("_native", "input_rungs", "result_rungs", "_inputs")
+    __slots__ = {
+        "_native": "The native handle.",
+        "_inputs": "The lent objects, alive until the job ended.",
+        "input_rungs": "How each input crossed (``pool pointer``, ``host staging``), once the "
+        "job ended; None before.",
+        "result_rungs": "How each result crossed, once the job ended; None before.",
+    }
 
-    def __init__(self, native, inputs):
+    input_rungs: list[str] | None
+    result_rungs: list[str] | None
+
+    def __init__(self, native: _native.NativeJobHandle, inputs: list[Any]) -> None:
+        """Made by ``Parent.submit``, not by hand."""
         self._native = native
-        self._inputs = inputs
-        self.input_rungs: list[str] | None = None
-        self.result_rungs: list[str] | None = None
+        self._inputs: list[Any] | None = inputs
+        self.input_rungs = None
+        self.result_rungs = None
 
     @property
     def id(self) -> int:
+        """The job's id (the worker's ``job.id``)."""
         return self._native.id
 
     @property
     def worker(self) -> int:
+        """The id of the worker the job runs on."""
         return self._native.worker
 
     @property
@@ -253,7 +332,17 @@ class JobHandle:
         """Whether the job has ended (``wait`` returns or raises at once)."""
         return self._native.done
 
-    def wait(self, timeout: float | None = None) -> list:
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """The job's results, in the order the worker requested them: torch tensors (or what
+        ``alloc`` made, or ``DeviceBuffer``\\ s). Releases the GIL while it waits.
+
+        Raises ``TimeoutError`` (still running after ``timeout`` seconds; wait again later),
+        ``ValueError`` (an input was refused: negative strides, past its allocation),
+        ``JobFailedError`` (the worker was lost, or ``alloc`` raised: its exception is the
+        ``__cause__``), ``WorkerError`` (the worker reported an error for the job),
+        ``UnknownWorkerError`` (the worker is not served); ``ValueError`` also for a negative
+        ``timeout``.
+        """
         results, rungs = self._native.wait(timeout)
         self.input_rungs = list(rungs)
         self.result_rungs = [r[4] for r in results]
@@ -293,8 +382,14 @@ class Parent:
         stop_timeout: float | None = None,
         handshake_timeout: float | None = None,
         frame_timeout: float | None = None,
-    ):
-        self.device = device
+    ) -> None:
+        """``device``: the pool's device ordinal. The deadlines: see the class.
+
+        Raises ``ValueError`` (a deadline not more than 0; another device, or other deadlines,
+        than the process's parent has) and ``PoolipcError`` (no usable driver: set
+        ``POOLIPC_DRIVER=sim`` for the simulation; the pool cannot be installed).
+        """
+        self.device = _ordinal(device)
         self._native = _native.NativeParent(
             device, handoff_timeout, stop_timeout, handshake_timeout, frame_timeout
         )
@@ -303,31 +398,48 @@ class Parent:
 
     @property
     def driver(self) -> str:
+        """Which driver the pool is on, in words (``the CUDA driver``, ``the SIMULATED
+        driver ...``)."""
         return self._native.driver
 
     @property
     def simulated(self) -> bool:
+        """Whether the process is on the simulated driver (``POOLIPC_DRIVER=sim``)."""
         return self._native.simulated
 
     @property
-    def options(self) -> dict:
+    def options(self) -> ParentOptions:
         """The process parent's options: ``device``, the deadlines in seconds, ``canary``,
         ``made_by``."""
-        return dict(self._native.options())
+        return self._native.options()
 
-    def spawn(self, argv, env: dict | None = None) -> int:
+    def spawn(
+        self, argv: Sequence[str | os.PathLike[str]], env: Mapping[str, str] | None = None
+    ) -> int:
         """Start ``argv`` as a worker (it inherits the socket; with ``POOLIPC_DRIVER=sim`` also
         the simulated machine) and shake hands; returns the worker id. The worker's
         ``POOLIPC_DEVICE`` is this process's device ordinal unless ``env`` sets it: set it to
         ``"parent"`` when the worker's ``CUDA_VISIBLE_DEVICES`` differs, and it finds the
-        device by UUID."""
-        return self._native.spawn([str(a) for a in argv], env)
+        device by UUID.
 
-    def spawn_python(self, script: str, *args, env: dict | None = None) -> int:
-        """Start ``python script args...`` with this interpreter as a worker."""
+        Raises ``TypeError`` for an ``argv`` that is a string (give a list), ``ValueError``
+        for an empty one, ``PoolipcError`` when the program cannot be started, exits, or is
+        refused during the handshake or the canary battery (the message says why).
+        """
+        if isinstance(argv, (str, bytes)):
+            raise TypeError(
+                f"poolipc: argv must be a list of arguments, not a {type(argv).__name__} "
+                f"({argv!r}); write [{argv!r}]"
+            )
+        return self._native.spawn([os.fspath(a) for a in argv], env)
+
+    def spawn_python(
+        self, script: str | os.PathLike[str], *args: str, env: Mapping[str, str] | None = None
+    ) -> int:
+        """Start ``python script args...`` with this interpreter as a worker (see ``spawn``)."""
         return self.spawn([sys.executable, script, *args], env)
 
-    def pid(self, worker: int):
+    def pid(self, worker: int) -> int | None:
         """The worker's process id (None once it is stopped or lost); never waits for a job."""
         return self._native.pid(worker)
 
@@ -335,57 +447,81 @@ class Parent:
         """The ids of the workers this parent serves."""
         return list(self._native.workers())
 
-    def canary_report(self, worker: int):
+    def canary_report(self, worker: int) -> str | None:
+        """The canary battery's report on the worker, in words (None for a worker this parent
+        does not serve). Never waits for a job."""
         return self._native.canary_report(worker)
 
-    def stats(self) -> dict:
+    def stats(self) -> ParentStats:
         """Counters: workers connected and lost, jobs submitted, completed and failed, tensors
         by pool pointer and by host staging. Never waits for a job."""
-        return dict(self._native.stats())
+        return self._native.stats()
 
-    def submit(self, worker: int, inputs, *, stream=None, alloc=None) -> JobHandle:
+    def submit(
+        self,
+        worker: int,
+        inputs: Iterable[Any],
+        *,
+        stream: int | _HasCudaStream | None = None,
+        alloc: Allocator | None = None,
+    ) -> JobHandle:
         """Lend ``inputs`` to ``worker`` and return at once; the ``JobHandle``'s ``wait()``
         gives the results. Arguments as for ``run``. The inputs must not be written until the
         job ended (the handle keeps them alive until then).
 
-        A tensor that cannot be lent (negative strides, a wrong dtype) raises ``ValueError``
-        here; one that runs past its allocation raises it from ``wait``. Either way the
-        worker is untouched.
+        A tensor that cannot be lent (negative strides, a wrong dtype, a CPU tensor) raises
+        ``ValueError`` here; one that runs past its allocation raises it from ``wait``. Either
+        way the worker is untouched. An object that is no tensor raises ``TypeError``; a
+        worker this parent does not serve, ``UnknownWorkerError``.
         """
         inputs = list(inputs)
         specs = [_describe(x) for x in inputs]
         torch_mode = any(_is_torch_tensor(x) for x in inputs) or (
             alloc is None and not inputs and "torch" in sys.modules
         )
-        torch = sys.modules.get("torch")
-        torch_stream = None
+        torch: Any = sys.modules.get("torch")
+        torch_stream: Any = None
+        raw_stream: int
         if stream is None:
             if torch_mode:
                 torch_stream = torch.cuda.current_stream(self.device)
-                stream = torch_stream.cuda_stream
+                raw_stream = int(torch_stream.cuda_stream)
             else:
-                stream = 0
-        elif hasattr(stream, "cuda_stream"):
+                raw_stream = 0
+        elif not isinstance(stream, int):
+            handle = getattr(stream, "cuda_stream", None)
+            if not isinstance(handle, int):
+                raise TypeError(
+                    f"poolipc: stream must be a stream handle (an int) or a torch stream, not "
+                    f"{type(stream).__name__}"
+                )
             torch_stream = stream
-            stream = stream.cuda_stream
-        elif torch_mode:
-            dev = torch.device("cuda", self.device)
-            torch_stream = (
-                torch.cuda.default_stream(dev)
-                if int(stream) == 0
-                else torch.cuda.ExternalStream(int(stream), device=dev)
-            )
-        native_alloc = None
+            raw_stream = handle
+        else:
+            raw_stream = stream
+            if torch_mode:
+                dev = torch.device("cuda", self.device)
+                torch_stream = (
+                    torch.cuda.default_stream(dev)
+                    if raw_stream == 0
+                    else torch.cuda.ExternalStream(raw_stream, device=dev)
+                )
+        native_alloc: Callable[[str, list[int], int, int], tuple[int, object]] | None = None
         if alloc is None and torch_mode:
             dev = torch.device("cuda", self.device)
 
-            def alloc(dtype, shape, nbytes):  # noqa: ARG001 - nbytes is for other allocators
+            # nbytes is for other allocators.
+            def torch_alloc(dtype: str, shape: tuple[int, ...], nbytes: int) -> Any:  # noqa: ARG001
                 return torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=dev)
+
+            alloc = torch_alloc
 
         if alloc is not None:
             user_alloc = alloc
 
-            def native_alloc(dtype, shape, nbytes, _stream):
+            def native_alloc(
+                dtype: str, shape: list[int], nbytes: int, _stream: int
+            ) -> tuple[int, object]:
                 # Runs on the parent's IO thread (it took the GIL): torch's current stream
                 # there is the default one, so the job's stream is made current for torch.
                 if torch_stream is not None:
@@ -396,10 +532,17 @@ class Parent:
                 ptr = t.data_ptr() if callable(getattr(t, "data_ptr", None)) else int(t.ptr)
                 return (int(ptr), t)
 
-        native = self._native.submit(worker, specs, int(stream), native_alloc, inputs)
+        native = self._native.submit(worker, specs, raw_stream, native_alloc, inputs)
         return JobHandle(native, inputs)
 
-    def run(self, worker: int, inputs, *, stream=None, alloc=None) -> list:
+    def run(
+        self,
+        worker: int,
+        inputs: Iterable[Any],
+        *,
+        stream: int | _HasCudaStream | None = None,
+        alloc: Allocator | None = None,
+    ) -> list[Any]:
         """Lend ``inputs`` to ``worker``, serve its result requests, return its results:
         ``submit(...).wait()``.
 
@@ -424,14 +567,19 @@ class Parent:
 
         ``last_input_rungs``/``last_result_rungs`` say how the last job of this object
         crossed; with several threads, use ``submit`` and the handle's ``input_rungs``.
+
+        Raises what ``submit`` and ``JobHandle.wait`` raise: ``ValueError`` (an input that
+        cannot be lent), ``TypeError`` (an object that is no tensor), ``UnknownWorkerError``,
+        ``JobFailedError`` (the worker was lost, or ``alloc`` raised), ``WorkerError`` (the
+        worker reported an error for the job).
         """
         handle = self.submit(worker, inputs, stream=stream, alloc=alloc)
         out = handle.wait()
-        self.last_input_rungs = handle.input_rungs
-        self.last_result_rungs = handle.result_rungs
+        self.last_input_rungs = handle.input_rungs or []
+        self.last_result_rungs = handle.result_rungs or []
         return out
 
-    def stop(self, worker: int):
+    def stop(self, worker: int) -> int | None:
         """Tell the worker to stop; wait for it at most ``stop_timeout``, then kill it; reap
         it. Returns its exit code (None when it had to be killed). Its jobs in flight raise
         ``JobFailedError``; other workers' jobs go on. ``UnknownWorkerError`` for a worker
@@ -440,19 +588,37 @@ class Parent:
 
     # Raw memory, for tools and tests without torch.
     def alloc(
-        self, nbytes: int, *, dtype: str = "uint8", shape=None, stream: int = 0, shared: bool = True
+        self,
+        nbytes: int,
+        *,
+        dtype: str = "uint8",
+        shape: Iterable[int] | None = None,
+        stream: int = 0,
+        shared: bool = True,
     ) -> DeviceBuffer:
         """``nbytes`` of device memory: from the shared pool (lent by pool pointer), or with
-        ``shared=False`` from the device's default pool (lent by host staging)."""
+        ``shared=False`` from the device's default pool (lent by host staging). ``shape``
+        (default: ``nbytes`` over the dtype's size, in one dimension) must cover ``nbytes``
+        exactly.
+
+        Raises ``ValueError`` (an unknown dtype; ``nbytes`` of 0; a shape whose elements do
+        not take ``nbytes``) and ``PoolipcError`` (the driver refused: out of memory).
+        """
         return self._native.alloc(nbytes, stream, dtype, None if shape is None else list(shape), shared)
 
     def write(self, ptr: int, data: bytes) -> None:
+        """Copy ``data`` to device address ``ptr`` (synchronous; for tools and tests).
+        ``PoolipcError`` when the driver refuses."""
         self._native.write(int(ptr), bytes(data))
 
     def read(self, ptr: int, nbytes: int) -> bytes:
+        """Copy ``nbytes`` from device address ``ptr`` (synchronous; for tools and tests).
+        ``PoolipcError`` when the driver refuses, ``MemoryError`` when no host buffer of that
+        size can be had."""
         return bytes(self._native.read(int(ptr), int(nbytes)))
 
     def synchronize(self, stream: int = 0) -> None:
+        """Wait on the host for ``stream``'s work. ``PoolipcError`` when the driver refuses."""
         self._native.synchronize(stream)
 
 
@@ -477,27 +643,30 @@ class Worker:
     read-only tensors), so with torch check ``read_only`` and clone before writing in place.
     """
 
-    def __init__(self, device: int | str | None = None):
+    def __init__(self, device: int | str | None = None) -> None:
         """``device``: this process's ordinal of the parent's device; ``"parent"`` for whichever
         of its devices has the parent's UUID (ordinals differ when the two processes'
         ``CUDA_VISIBLE_DEVICES`` differ); ``"any:N"`` to work on ordinal N wherever the
         parent's pool is (by peer access where the devices reach each other, else every tensor
         by host staging). Unset: ``POOLIPC_DEVICE``, else 0. ``self.device`` is the ordinal it
-        works on."""
+        works on.
+
+        Raises ``ValueError`` for a ``device`` that is no ordinal, ``"parent"`` or
+        ``"any:N"``; ``PoolipcError`` when this process was not spawned by a poolipc parent,
+        the handshake fails, or no device fits (the message says why).
+        """
         if device is None:
             device = os.environ.get("POOLIPC_DEVICE", "0")
         text = str(device)
-        try:
-            if text == "parent":
-                self._native = _native.NativeWorker(None)
-            elif text.startswith("any:"):
-                self._native = _native.NativeWorker(int(text[4:]), any=True)
-            else:
-                self._native = _native.NativeWorker(int(text))
-        except ValueError:
-            raise ValueError(
-                f"poolipc: device {device!r} is not an ordinal, 'parent' or 'any:N'"
-            ) from None
+        ordinal: int | None = None
+        if text != "parent":
+            try:
+                ordinal = _ordinal(int(text.removeprefix("any:")))
+            except ValueError:
+                raise ValueError(
+                    f"poolipc: device {device!r} is not an ordinal, 'parent' or 'any:N'"
+                ) from None
+        self._native = _native.NativeWorker(ordinal, any=text.startswith("any:"))
         self.device = self._native.device
 
     @property
@@ -507,13 +676,16 @@ class Worker:
 
     @property
     def simulated(self) -> bool:
+        """Whether this worker is on the simulated driver (its parent was)."""
         return self._native.simulated
 
-    def next_job(self):
-        """The next job, or None when the parent said goodbye."""
+    def next_job(self) -> Job | None:
+        """The next job (waits for it), or None when the parent said goodbye or went away.
+        ``PoolipcError`` when the worker was closed or a job is still open."""
         return self._native.next_job()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Job]:
+        """The jobs, until the parent says goodbye."""
         while True:
             job = self.next_job()
             if job is None:
@@ -521,4 +693,6 @@ class Worker:
             yield job
 
     def close(self) -> None:
+        """Stop the worker's thread (an open job is finished first); ``next_job`` raises
+        ``PoolipcError`` afterwards."""
         self._native.close()

@@ -14,6 +14,8 @@ gate              like echo, but first reports {"entered": pid, "job": id} and w
                   without timing anything); fails the job if the gate stays shut for 60 s
 linger            like echo, but ignores the parent's goodbye: it neither exits nor dies of
                   SIGTERM, so only a kill ends it
+typed-errors      asks for a result too large to count in bytes, then finishes the job from two
+                  threads at once; reports what each raised (or "ok"), and echoes nothing
 write-inputs      writes 0xAB bytes at the start of every input view and reports, per input,
                   its rung, read_only and what the write raised; then echoes
 """
@@ -24,6 +26,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 
 import poolipc
@@ -237,6 +240,22 @@ def main():
             say({"writes": rep})
         if MODE == "probe":
             probe(job)
+            continue
+        if MODE == "typed-errors":
+            too_large = raises(lambda: job.request_results([("float32", [2**40, 2**40])]))
+            outcomes = []
+            start = threading.Barrier(2)
+
+            def finish():
+                start.wait()
+                outcomes.append(raises(job.finish) or "ok")
+
+            threads = [threading.Thread(target=finish) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            say({"too_large": too_large, "finish_twice": sorted(o.split(":")[0] for o in outcomes)})
             continue
         if MODE == "bad-dtype":
             err = raises(lambda: job.request_results([("float33", [4])]))

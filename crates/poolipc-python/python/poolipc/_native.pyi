@@ -1,0 +1,296 @@
+"""The native part of ``poolipc`` (PyO3, abi3): the process's shared pool and parent, worker
+side, views. The package ``poolipc`` wraps it for torch; use that unless you need the raw
+calls. Kept in step with ``crates/poolipc-python/src`` by ``stubtest`` in the test suite."""
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Final, final
+
+from ._types import (
+    InputSpec,
+    MemoryStats,
+    NativeAllocator,
+    NativeInstallInfo,
+    NativeResult,
+    ParentOptions,
+    ParentStats,
+)
+
+__all__ = [
+    "_install",
+    "is_installed",
+    "memory_stats",
+    "NativeParent",
+    "DeviceBuffer",
+    "NativeJobHandle",
+    "NativeWorker",
+    "Job",
+    "View",
+    "PoolipcError",
+    "JobFailedError",
+    "WorkerError",
+    "UnknownWorkerError",
+    "ExpiredViewError",
+    "DRIVER_ENV",
+]
+
+DRIVER_ENV: Final[str]
+"""The environment variable that picks the driver: ``sim`` or ``cuda`` (the default)."""
+
+class PoolipcError(RuntimeError):
+    """A poolipc operation failed; the message names the call and the reason."""
+
+class JobFailedError(PoolipcError):
+    """A job failed because its worker was lost (or the result allocator raised)."""
+
+    worker: int | None
+    reason: str | None
+    detail: str | None
+
+class WorkerError(JobFailedError):
+    """The worker reported an error for the job; it is alive and serves the next job."""
+
+    message: str
+
+class UnknownWorkerError(PoolipcError, KeyError):
+    """A worker id this parent does not know, or no longer serves."""
+
+    worker: int
+
+class ExpiredViewError(PoolipcError):
+    """A view, a result buffer or a freed DeviceBuffer was used after its memory went back."""
+
+def _install(
+    device: int = 0,
+    handoff_timeout: float | None = None,
+    stop_timeout: float | None = None,
+    handshake_timeout: float | None = None,
+    frame_timeout: float | None = None,
+) -> NativeInstallInfo:
+    """Installs the shared pool by creating the process's parent (see ``install_pool``)."""
+
+def is_installed() -> bool:
+    """Whether a pool is installed in this process."""
+
+def memory_stats() -> MemoryStats:
+    """The shared pool's true figures; ``PoolipcError`` when no pool is installed."""
+
+@final
+class DeviceBuffer:
+    """Device memory, freed when the object dies or ``free()`` is called."""
+
+    @property
+    def ptr(self) -> int:
+        """The device address; ``ExpiredViewError`` once freed."""
+    @property
+    def nbytes(self) -> int:
+        """Its size in bytes."""
+    @property
+    def dtype(self) -> str:
+        """The dtype's name."""
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape."""
+    @property
+    def shared(self) -> bool:
+        """From the shared pool (True) or the device's default pool."""
+    def data_ptr(self) -> int:
+        """Same as ``ptr``."""
+    def free(self) -> None:
+        """Frees the memory now."""
+
+@final
+class NativeJobHandle:
+    """A job submitted with ``NativeParent.submit``."""
+
+    @property
+    def id(self) -> int:
+        """The job's id."""
+    @property
+    def worker(self) -> int:
+        """The worker it runs on."""
+    @property
+    def done(self) -> bool:
+        """Whether the job has ended."""
+    def wait(self, timeout: float | None = None) -> tuple[list[NativeResult], list[str]]:
+        """Waits for the job: ``(results, input_rungs)`` or its typed error."""
+
+@final
+class NativeParent:
+    """The parent side of poolipc for Python (the process's one parent, shared)."""
+
+    def __new__(
+        cls,
+        device: int = 0,
+        handoff_timeout: float | None = None,
+        stop_timeout: float | None = None,
+        handshake_timeout: float | None = None,
+        frame_timeout: float | None = None,
+    ) -> NativeParent:
+        """The process's parent, made (and the pool installed) if nothing did."""
+    @property
+    def device(self) -> int:
+        """The pool's device ordinal."""
+    @property
+    def driver(self) -> str:
+        """Which driver the pool is on, in words."""
+    @property
+    def simulated(self) -> bool:
+        """Whether the process is on the simulated driver."""
+    def options(self) -> ParentOptions:
+        """The process parent's options."""
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+        """Spawns ``argv`` as a worker; returns its id."""
+    def pid(self, worker: int) -> int | None:
+        """The worker's process id, or None."""
+    def workers(self) -> list[int]:
+        """The ids of the workers this parent serves."""
+    def canary_report(self, worker: int) -> str | None:
+        """The canary battery's report on the worker, in words."""
+    def stats(self) -> ParentStats:
+        """The parent's counters."""
+    def submit(
+        self,
+        worker: int,
+        inputs: Sequence[InputSpec],
+        stream: int = 0,
+        alloc: NativeAllocator | None = None,
+        keep: object | None = None,
+    ) -> NativeJobHandle:
+        """Lends ``inputs`` to ``worker`` and returns a handle at once."""
+    def run(
+        self,
+        worker: int,
+        inputs: Sequence[InputSpec],
+        stream: int = 0,
+        alloc: NativeAllocator | None = None,
+    ) -> tuple[list[NativeResult], list[str]]:
+        """``submit`` then ``wait``."""
+    def stop(self, worker: int) -> int | None:
+        """Stops the worker; its exit code, or None when it was killed."""
+    def alloc(
+        self,
+        nbytes: int,
+        stream: int = 0,
+        dtype: str = "uint8",
+        shape: Sequence[int] | None = None,
+        shared: bool = True,
+    ) -> DeviceBuffer:
+        """``nbytes`` of device memory from the shared pool (or the default pool)."""
+    def write(self, ptr: int, data: bytes) -> None:
+        """Copies ``data`` to device address ``ptr``."""
+    def read(self, ptr: int, nbytes: int) -> bytes:
+        """Reads ``nbytes`` from device address ``ptr``."""
+    def synchronize(self, stream: int = 0) -> None:
+        """Waits for ``stream`` on the host."""
+
+@final
+class View:
+    """An input view or a result buffer of a job, valid until the job ends."""
+
+    @property
+    def ptr(self) -> int:
+        """The device address of element 0 in this process."""
+    @property
+    def dtype(self) -> str:
+        """The dtype's name."""
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape."""
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """The strides, in elements."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes from element 0 to the end of the last element."""
+    @property
+    def rung(self) -> str:
+        """The rung it crossed on."""
+    @property
+    def read_only(self) -> bool:
+        """Whether the view must not be written (a host-staged input)."""
+    @property
+    def stream(self) -> int:
+        """The job's stream."""
+    @property
+    def valid(self) -> bool:
+        """Whether its job is still open."""
+    @property
+    def is_result(self) -> bool:
+        """A result buffer rather than an input."""
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """``__cuda_array_interface__`` version 3."""
+    def read_bytes(self) -> bytes:
+        """A copy of the view's bytes."""
+    def write_bytes(self, data: bytes) -> None:
+        """Writes ``data`` at the start of the view."""
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCUDA, device)``."""
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> object:
+        """A DLPack capsule over the view (no copy)."""
+
+@final
+class Job:
+    """One job: input views, result buffers, and the obligation to finish."""
+
+    @property
+    def id(self) -> int:
+        """The job's id."""
+    @property
+    def stream(self) -> int:
+        """The job's stream."""
+    @property
+    def inputs(self) -> list[View]:
+        """The input views, in argument order."""
+    @property
+    def results(self) -> list[View]:
+        """The result buffers requested so far."""
+    @property
+    def open(self) -> bool:
+        """Whether the job is still open."""
+    @property
+    def live_exports(self) -> int:
+        """How many DLPack tensors made from this job's views are still alive."""
+    def request_results(self, shapes: Sequence[tuple[str, Sequence[int]]]) -> list[View]:
+        """Asks the parent for result memory: ``(dtype, shape)`` each."""
+    def finish(self, streams: Sequence[int] | None = None) -> None:
+        """Ends the job: DONE, imports freed, ACK."""
+    def fail(self, message: str) -> None:
+        """Reports the job as failed to the parent, then ends it."""
+    def __enter__(self) -> Job:
+        """Returns the job itself."""
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc: BaseException | None = None,
+        _tb: TracebackType | None = None,
+    ) -> bool:
+        """Finishes the job, or fails it when the block raised."""
+
+@final
+class NativeWorker:
+    """A worker process's side of poolipc."""
+
+    def __new__(cls, device: int | None = 0, any: bool = False) -> NativeWorker:
+        """This process's worker side, from the environment its parent set."""
+    @property
+    def stream(self) -> int:
+        """The jobs' stream."""
+    @property
+    def device(self) -> int:
+        """The device ordinal this process works on."""
+    @property
+    def simulated(self) -> bool:
+        """Whether the worker is on the simulated driver."""
+    def next_job(self) -> Job | None:
+        """Waits for the next job; None when the parent said goodbye."""
+    def close(self) -> None:
+        """Stops the worker thread."""

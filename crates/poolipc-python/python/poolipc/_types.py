@@ -1,0 +1,77 @@
+"""The shapes of the dicts the binding returns, as ``TypedDict``\\ s (plain dicts at run time).
+
+Re-exported by ``poolipc``, so that callers can annotate with them:
+``stats: poolipc.MemoryStats = poolipc.memory_stats()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypedDict
+
+InputSpec = tuple[int, str, Sequence[int], Sequence[int] | None]
+"""One input as ``NativeParent.submit`` takes it: ``(ptr, dtype name, shape, strides in
+elements or None for contiguous)``."""
+
+NativeResult = tuple[int, int, str, list[int], str, Any]
+"""One result as ``NativeJobHandle.wait`` gives it: ``(ptr, nbytes, dtype, shape, rung,
+owner)``; ``owner`` is what the allocator returned, or a ``DeviceBuffer``."""
+
+NativeAllocator = Callable[[str, list[int], int, int], tuple[int, object]]
+"""The allocator ``NativeParent.submit`` calls: ``alloc(dtype, shape, nbytes, stream) -> (ptr,
+owner)``."""
+
+
+class NativeInstallInfo(TypedDict):
+    """What ``poolipc._native._install`` returns: whether this call installed the pool
+    (``installed``; False when it already was), the driver in words, and the device."""
+
+    installed: bool
+    driver: str
+    device: int
+
+
+class InstallInfo(NativeInstallInfo):
+    """What ``poolipc.install_pool`` returns: ``NativeInstallInfo`` and whether torch will
+    allocate from the pool (``effective``), and if not, why (``reason``)."""
+
+    effective: bool
+    reason: str | None
+
+
+class MemoryStats(TypedDict):
+    """What ``poolipc.memory_stats`` returns: the shared pool's true figures in bytes
+    (torch's ``memory_allocated()``/``memory_reserved()`` read 0 after the swap), its device
+    and the driver in words."""
+
+    used_current: int
+    used_high: int
+    reserved_current: int
+    reserved_high: int
+    device: int
+    driver: str
+
+
+class ParentOptions(TypedDict):
+    """``Parent.options``: the process parent's device, its deadlines in seconds, whether it
+    runs the canary battery, and who made it (``install_pool`` or ``Parent``)."""
+
+    device: int
+    handoff_timeout: float
+    stop_timeout: float
+    handshake_timeout: float
+    frame_timeout: float
+    canary: bool
+    made_by: str
+
+
+class ParentStats(TypedDict):
+    """``Parent.stats()``: the process parent's counters."""
+
+    workers_connected: int
+    workers_lost: int
+    jobs_submitted: int
+    jobs_completed: int
+    jobs_failed: int
+    pool_pointer_tensors: int
+    host_staged_tensors: int

@@ -1,0 +1,106 @@
+"""A typed use of the binding's whole public surface, for `mypy --strict` (test_sim.py runs it):
+not run, only checked. `assert_type` pins what each call gives, so a stub that drifts to `Any`
+or to another type fails the check."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from typing_extensions import assert_type
+
+import poolipc
+from poolipc import _native
+
+
+def parent_side(script: str) -> None:
+    info = poolipc.install_pool(0, stop_timeout=2.0)
+    assert_type(info, poolipc.InstallInfo)
+    assert_type(info["effective"], bool)
+    assert_type(info["reason"], str | None)
+    stats = poolipc.memory_stats()
+    assert_type(stats, poolipc.MemoryStats)
+    assert_type(stats["used_high"], int)
+
+    parent = poolipc.Parent(0, handoff_timeout=30.0)
+    assert_type(parent.driver, str)
+    assert_type(parent.simulated, bool)
+    assert_type(parent.options, poolipc.ParentOptions)
+    assert_type(parent.options["stop_timeout"], float)
+    assert_type(parent.stats(), poolipc.ParentStats)
+
+    w = parent.spawn([sys.executable, script], {"POOLIPC_DEVICE": "parent"})
+    assert_type(w, int)
+    assert_type(parent.spawn_python(script, "--flag"), int)
+    assert_type(parent.pid(w), int | None)
+    assert_type(parent.workers(), list[int])
+    assert_type(parent.canary_report(w), str | None)
+
+    buf = parent.alloc(16, dtype="float32", shape=[4])
+    assert_type(buf, poolipc.DeviceBuffer)
+    assert_type(buf.ptr, int)
+    assert_type(buf.shape, tuple[int, ...])
+    parent.write(buf.ptr, b"\0" * 16)
+    assert_type(parent.read(buf.ptr, 16), bytes)
+    parent.synchronize(0)
+
+    ref = poolipc.TensorRef(buf.ptr, "float32", [2, 2], strides=[2, 1])
+    assert_type(ref.strides, tuple[int, ...] | None)
+
+    def alloc(dtype: str, shape: tuple[int, ...], nbytes: int) -> poolipc.DeviceBuffer:
+        return parent.alloc(nbytes, dtype=dtype, shape=shape)
+
+    results = parent.run(w, [ref], stream=0, alloc=alloc)
+    assert_type(results, list[Any])
+    handle = parent.submit(w, [ref])
+    assert_type(handle, poolipc.JobHandle)
+    assert_type(handle.done, bool)
+    assert_type(handle.input_rungs, list[str] | None)
+    try:
+        handle.wait(timeout=1.0)
+    except poolipc.WorkerError as e:
+        assert_type(e.message, str)
+        assert_type(e.worker, int | None)
+    except poolipc.JobFailedError as e:
+        assert_type(e.reason, str | None)
+    except poolipc.UnknownWorkerError as e:
+        assert_type(e.worker, int)
+    assert_type(parent.stop(w), int | None)
+    buf.free()
+
+
+def worker_side() -> None:
+    worker = poolipc.Worker("any:0")
+    assert_type(worker.device, int)
+    assert_type(worker.stream, int)
+    for job in worker:
+        assert_type(job, poolipc.Job)
+        with job as j:
+            assert_type(j, poolipc.Job)
+            (x,) = j.inputs
+            assert_type(x, poolipc.View)
+            assert_type(x.shape, tuple[int, ...])
+            assert_type(x.read_only, bool)
+            assert_type(x.__dlpack_device__(), tuple[int, int])
+            x.__dlpack__(stream=1, max_version=(1, 0))
+            (out,) = j.request_results([(x.dtype, x.shape)])
+            out.write_bytes(x.read_bytes())
+            assert_type(j.live_exports, int)
+    nxt = worker.next_job()
+    assert_type(nxt, poolipc.Job | None)
+    worker.close()
+
+
+def native_side() -> None:
+    assert_type(_native.DRIVER_ENV, str)
+    assert_type(_native.is_installed(), bool)
+    p = _native.NativeParent(0)
+    h = p.submit(1, [(0x1000, "float32", [4], None)])
+    assert_type(h, _native.NativeJobHandle)
+    results, rungs = h.wait(None)
+    assert_type(rungs, list[str])
+    for ptr, nbytes, dtype, shape, rung, owner in results:
+        assert_type(ptr, int)
+        assert_type(shape, list[int])
+    nw = _native.NativeWorker(None, any=False)
+    assert_type(nw.next_job(), _native.Job | None)
