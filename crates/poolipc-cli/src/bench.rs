@@ -34,6 +34,10 @@ pub(crate) struct Args {
     /// Also write the JSON object to this file (the table still goes to stdout).
     #[arg(long)]
     json_out: Option<std::path::PathBuf>,
+    /// Draw the round trips as an SVG chart (log–log, one line per rung and per peer; with
+    /// `--mps`, both runs).
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
     /// Run the table twice, plainly and then under a private CUDA MPS daemon this command
     /// starts and stops (its own pipe and log directories; nothing system-wide changes), and
     /// print both with the ratios. The peers run under the same daemon. The bench's own
@@ -449,6 +453,10 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         std::fs::write(path, json.to_string())
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    if let Some(path) = &args.plot {
+        let title = format!("poolipc bench ({}): round trip against size", d.kind());
+        crate::plot::plot_round_trips(path, &title, &series_from_json("", &json))?;
+    }
     if args.json {
         println!("{json}");
         return Ok(ExitCode::SUCCESS);
@@ -692,6 +700,34 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The chart's lines from one run's JSON: our rungs, then the peers measured beside them.
+fn series_from_json(prefix: &str, run: &serde_json::Value) -> Vec<crate::plot::Series> {
+    let rows = run["round_trip"].as_array().cloned().unwrap_or_default();
+    let line = |name: &str, key: &str, rows: &[serde_json::Value]| crate::plot::Series {
+        name: format!("{prefix}{name}"),
+        points: rows
+            .iter()
+            .filter_map(|r| Some((r["bytes"].as_u64()?, r[key].as_f64()?)))
+            .collect(),
+    };
+    let mut out = vec![
+        line("pool pointer (recycled)", "recycled_median_us", &rows),
+        line(
+            "pool pointer, lent again (cached)",
+            "relend_median_us",
+            &rows,
+        ),
+        line("host staging", "host_staging_median_us", &rows),
+        line("host copy (what it replaces)", "host_copy_median_us", &rows),
+        line("floor (bare driver)", "floor_us", &rows),
+        line("torch.multiprocessing", "torch_mp_us", &rows),
+    ];
+    let arena = run["arena_results"].as_array().cloned().unwrap_or_default();
+    out.push(line("arena result", "median_us", &arena));
+    out.retain(|s| !s.points.is_empty());
+    out
 }
 
 fn human(bytes: u64) -> String {

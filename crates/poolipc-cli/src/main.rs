@@ -10,6 +10,7 @@ mod bench;
 mod demo;
 mod doctor;
 mod mps;
+mod plot;
 mod probe;
 
 /// Zero-copy handoff of GPU tensors between processes under the stream-ordered allocator.
