@@ -5,7 +5,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use crate::error::Result;
 use crate::types::{
     Access, DeviceInfo, DevicePtr, DriverKind, EventBlob, EventHandle, ExportBlob, Granularity,
-    PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
+    PointerInfo, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
 };
 
 /// The CUDA driver calls poolipc makes, one method per call (or per tight group of calls).
@@ -77,6 +77,20 @@ pub trait Driver: Send + Sync {
     /// the same address), so an unchanged id means the same live allocation. A freed or unknown
     /// pointer fails (`INVALID_VALUE`).
     fn pointer_get_buffer_id(&self, ptr: DevicePtr) -> Result<u64>;
+    /// What a handoff needs to know of `ptr`, in one driver call where the driver allows
+    /// (`cuPointerGetAttributes`: range start and size, memory pool, buffer id): under MPS a
+    /// pointer query costs microseconds, and a lend asked three. `ptr` not device memory of
+    /// this process: an error, as [`pointer_get_range`](Driver::pointer_get_range) gives.
+    /// By default composed of the single queries.
+    fn pointer_info(&self, ptr: DevicePtr) -> Result<PointerInfo> {
+        let (base, size) = self.pointer_get_range(ptr)?;
+        Ok(PointerInfo {
+            base,
+            size,
+            pool: self.pointer_get_mempool(ptr).ok(),
+            buffer_id: self.pointer_get_buffer_id(ptr).ok(),
+        })
+    }
     /// `cuMemGetAddressRange`: the allocation `ptr` lies in, as (base, size).
     fn pointer_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)>;
     /// `cuMemAllocAsync`: from the device's current pool.

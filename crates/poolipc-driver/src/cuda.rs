@@ -12,7 +12,8 @@ use crate::api::Driver;
 use crate::error::{CuCode, DriverError, Result};
 use crate::types::{
     Access, DeviceInfo, DevicePtr, DeviceUuid, DriverKind, EventBlob, EventHandle, ExportBlob,
-    Granularity, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
+    Granularity, PointerInfo, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle,
+    VmmHandle,
 };
 use crate::{MIN_DRIVER_VERSION, platform};
 
@@ -45,6 +46,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemPoolSetAccess",
     "cuMemPoolGetAccess",
     "cuPointerGetAttribute",
+    "cuPointerGetAttributes",
     "cuMemGetAddressRange_v2",
     "cuMemAllocAsync",
     "cuMemAllocFromPoolAsync",
@@ -654,6 +656,44 @@ impl Driver for CudaDriver {
             sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ => Access::Read,
             sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Access::ReadWrite,
             _ => Access::None,
+        })
+    }
+
+    fn pointer_info(&self, ptr: DevicePtr) -> Result<PointerInfo> {
+        use sys::CUpointer_attribute as A;
+        let mut base: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut buffer_id: u64 = 0;
+        let mut attrs = [
+            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            A::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            A::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+        ];
+        let mut data: [*mut c_void; 4] = [
+            (&raw mut base).cast(),
+            (&raw mut size).cast(),
+            (&raw mut pool).cast(),
+            (&raw mut buffer_id).cast(),
+        ];
+        // SAFETY: four attributes, four pointers, each to a live value of the type its
+        // attribute writes (CUdeviceptr, size_t, CUmemoryPool, unsigned long long).
+        check("cuPointerGetAttributes", unsafe {
+            sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr.0)
+        })?;
+        // Not a pointer of this process: the driver answers with zeros rather than an error.
+        if size == 0 || base == 0 {
+            return Err(DriverError::Call {
+                call: "cuPointerGetAttributes",
+                code: CuCode::INVALID_VALUE,
+            });
+        }
+        Ok(PointerInfo {
+            base: DevicePtr(base),
+            size: size as u64,
+            pool: (!pool.is_null()).then(|| pool_handle(pool)),
+            buffer_id: (buffer_id != 0).then_some(buffer_id),
         })
     }
 

@@ -29,8 +29,8 @@ pub use error::{CuCode, DriverError, Result};
 pub use owned::{OwnedEvent, OwnedStream};
 pub use poolipc_types::{DeviceUuid, EventBlob, ExportBlob};
 pub use types::{
-    Access, DeviceInfo, DevicePtr, DriverKind, EventHandle, Granularity, PoolAttribute,
-    PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
+    Access, DeviceInfo, DevicePtr, DriverKind, EventHandle, Granularity, PointerInfo,
+    PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
 };
 
 /// The oldest driver API version poolipc accepts: 12.0 (`cuDriverGetVersion` == 12000).

@@ -89,6 +89,19 @@ pub struct DeviceInfo {
     pub mps_client: Option<bool>,
 }
 
+/// What [`Driver::pointer_info`](crate::Driver::pointer_info) tells of a device pointer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PointerInfo {
+    /// The allocation's first byte.
+    pub base: DevicePtr,
+    /// The allocation's size.
+    pub size: u64,
+    /// The memory pool it came from; `None` when it is not pool memory.
+    pub pool: Option<PoolHandle>,
+    /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`; `None` where the driver gives none.
+    pub buffer_id: Option<u64>,
+}
+
 /// Settable pool attributes (`CUmemPool_attribute`), with their values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PoolAttribute {

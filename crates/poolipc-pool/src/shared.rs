@@ -281,6 +281,31 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     }
 
     /// The export without the cache: the pool check, then `cuMemPoolExportPointer`.
+    /// [`export`](SharedPool::export) of an allocation of this pool whose base, size and
+    /// buffer id the caller has just read in one query (`Driver::pointer_info`): a cache hit
+    /// then costs no driver call at all, a miss only the export. An entry is keyed by the
+    /// buffer id read before the export, so even if the allocation died meanwhile (the
+    /// caller's misuse), the entry can only be found by that id again, which no later
+    /// allocation has.
+    pub fn export_known(
+        &self,
+        base: DevicePtr,
+        size: u64,
+        buffer_id: Option<u64>,
+    ) -> Result<ExportBlob, PoolError> {
+        let Some(id) = buffer_id else {
+            self.exports.count_uncached();
+            return Ok(self.driver.mem_pool_export_pointer(base)?);
+        };
+        if let Lookup::Hit(blob) = self.exports.lookup(base.0, id) {
+            tracing::trace!(?base, buffer_id = id, "export cache hit");
+            return Ok(blob);
+        }
+        let blob = self.driver.mem_pool_export_pointer(base)?;
+        self.exports.insert(base.0, id, blob, size);
+        Ok(blob)
+    }
+
     fn export_uncached(&self, ptr: DevicePtr) -> Result<ExportBlob, PoolError> {
         let found = self.driver.pointer_get_mempool(ptr)?;
         if found != self.pool {
