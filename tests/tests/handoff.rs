@@ -223,8 +223,17 @@ both_drivers!(
 
 both_drivers!(
     fn a_tensor_over_the_import_limit_takes_host_staging_both_ways_and_arrives_intact(env) {
-        // A 2-chunk limit of 1 MiB chunks stands in for the 128 × 32 MiB rule.
-        let p = parent(env, ImportLimit::new(MIB, 2).expect("limit"))?;
+        // A 2-chunk limit of 1 MiB chunks stands in for the 128 × 32 MiB rule. Arena copies
+        // off: this is host staging's test (tests/arena_copy.rs has the arena-copy rung's).
+        let p = Parent::new(
+            Arc::clone(&env.driver),
+            ParentOptions {
+                device: env.device,
+                limit: ImportLimit::new(MIB, 2).expect("limit"),
+                arena_copy: false,
+                ..ParentOptions::default()
+            },
+        )?;
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
         let baseline = p.pool().stats()?.used_current;

@@ -25,6 +25,9 @@ pub(crate) struct Args {
     /// The largest size to measure, in MiB.
     #[arg(long, default_value_t = 4096)]
     max_mib: u64,
+    /// The largest input to measure above the import limit (arena copy), in MiB.
+    #[arg(long, default_value_t = 16384)]
+    copy_max_mib: u64,
     /// The largest result to measure through the arena, in MiB.
     #[arg(long, default_value_t = 16384)]
     result_max_mib: u64,
@@ -274,7 +277,9 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
                 relends.push(us);
             }
         }
-        // The host-staging rung, the same round trip through pinned shared memory.
+        // The host-staging rung, the same round trip through pinned shared memory (the
+        // arena-copy rung kept out of its way).
+        parent.set_arena_copy(false);
         let pointer_limit = parent.options().limit;
         parent.lower_import_limit(
             ImportLimit::new(pointer_limit.chunk_bytes(), 0).context("limit")?,
@@ -289,6 +294,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             );
         }
         parent.lower_import_limit(pointer_limit)?;
+        parent.set_arena_copy(true);
         parent.pool().free(ptr, stream)?;
         d.stream_synchronize(stream)?;
         // What the handoff replaces: device → host → device through pageable host memory.
@@ -315,6 +321,46 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             staging_us: median(&mut staged),
             host_copy_us: median(&mut copies),
         });
+    }
+    // Inputs above the import limit: the arena-copy rung (one device-to-device copy into the
+    // arena on the job's stream), beside host staging. Sizes up to 4 GiB are put above the
+    // limit by lowering it; larger ones are above the real one.
+    let mut copy_rows = Vec::new();
+    for bytes in RESULT_SIZES {
+        if bytes > args.copy_max_mib * MIB {
+            continue;
+        }
+        let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
+        let ptr = parent.pool().alloc(bytes, stream)?;
+        d.stream_synchronize(stream)?;
+        let input = Input { ptr, desc };
+        let pointer_limit = parent.options().limit;
+        parent.lower_import_limit(
+            ImportLimit::new(pointer_limit.chunk_bytes(), 0).context("limit")?,
+        )?;
+        let mut copied = Vec::new();
+        let mut rung = None;
+        for i in 0..=iterations_for(args, bytes).min(50) {
+            let (us, out) = round_trip(&parent, &*d, worker, &input, stream)?;
+            rung = out.input_rungs.first().copied();
+            if i > 0 {
+                copied.push(us);
+            }
+        }
+        // Host staging of the same tensor, for the sizes the main table does not have.
+        let mut staged = Vec::new();
+        if bytes > 4096 * MIB {
+            parent.set_arena_copy(false);
+            for _ in 0..3 {
+                staged.push(round_trip(&parent, &*d, worker, &input, stream)?.0);
+            }
+            parent.set_arena_copy(true);
+        }
+        parent.lower_import_limit(pointer_limit)?;
+        parent.pool().free(ptr, stream)?;
+        d.stream_synchronize(stream)?;
+        parent.reclaim_arena();
+        copy_rows.push((bytes, median(&mut copied), rung, median(&mut staged)));
     }
     // Results through the arena: a worker answering each job with one result of the size,
     // writing its first 4 KiB; the block goes back (stream-ordered) when the result drops.
@@ -437,6 +483,12 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "median_s": batch_s,
             "tensors_per_s": tensors_per_s,
         },
+        "above_limit_inputs": copy_rows.iter().map(|(b, us, rung, staged)| serde_json::json!({
+            "bytes": b,
+            "median_us": us,
+            "rung": rung.map(|r| r.to_string()),
+            "host_staging_median_us": if staged.is_nan() { None } else { Some(*staged) },
+        })).collect::<Vec<_>>(),
         "arena_results": arena_rows.iter().map(|(b, us, rung)| serde_json::json!({
             "bytes": b,
             "median_us": us,
@@ -550,6 +602,29 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "  torch.mp: bench/torchmp.py, native allocator, legacy CUDA IPC, worker writes one element; best: the better of recycled and re-lend"
         );
     }
+    if !copy_rows.is_empty() {
+        println!();
+        println!(
+            "  one input above the import limit (limit lowered to 0 up to 4 GiB; the real one above), medians:"
+        );
+        println!(
+            "  {:>10} {:>12} {:>14} {:>16}",
+            "size", "round µs", "rung", "host staging µs"
+        );
+        for (b, us, rung, staged) in &copy_rows {
+            println!(
+                "  {:>10} {:>12.1} {:>14} {:>16}",
+                human(*b),
+                us,
+                rung.map_or_else(|| "-".to_owned(), |r| r.to_string()),
+                if staged.is_nan() {
+                    "see table".to_owned()
+                } else {
+                    format!("{staged:.1}")
+                }
+            );
+        }
+    }
     if !arena_rows.is_empty() {
         println!();
         println!(
@@ -588,6 +663,8 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
             args.result_max_mib
         };
         c.arg("--result-max-mib").arg(results.to_string());
+        c.arg("--copy-max-mib")
+            .arg(results.min(args.copy_max_mib).to_string());
         if let Some(n) = args.iterations {
             c.arg("--iterations").arg(n.to_string());
         }
@@ -726,6 +803,11 @@ fn series_from_json(prefix: &str, run: &serde_json::Value) -> Vec<crate::plot::S
     ];
     let arena = run["arena_results"].as_array().cloned().unwrap_or_default();
     out.push(line("arena result", "median_us", &arena));
+    let copies = run["above_limit_inputs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    out.push(line("above the limit: arena copy", "median_us", &copies));
     out.retain(|s| !s.points.is_empty());
     out
 }

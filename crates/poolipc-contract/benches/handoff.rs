@@ -38,6 +38,7 @@ fn inputs(n: u64) -> Vec<InputLoan> {
                 byte_offset: 0,
                 byte_len: 4096,
             },
+            arena: None,
         })
         .collect()
 }

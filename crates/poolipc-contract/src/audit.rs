@@ -14,7 +14,8 @@ use crate::invariant::{Invariant, Violation};
 use crate::message::{Message, ResultGrant};
 use crate::parent::ParentAction;
 use crate::types::{
-    AllocId, EventBlob, HandoffId, JobId, Outcome, Rung, Span, WorkerId, by_pointer,
+    AllocId, EventBlob, HandoffId, JobId, Outcome, Rung, Span, WorkerId, by_pointer, in_arena,
+    ready_gated,
 };
 use crate::worker::WorkerAction;
 use poolipc_types::ImportLimit;
@@ -33,8 +34,12 @@ struct LoanRecord {
     job: JobId,
     alloc: AllocId,
     pointer: bool,
-    /// A block of the result arena: no import guards it, so only DONE or the reaping does.
+    /// A block of the result arena (a result, or an input's arena copy): no import guards
+    /// it, so only DONE or the reaping does.
     arena: bool,
+    /// The worker must wait on the job's READY before touching it (pool pointer: the
+    /// caller's writes; arena copy: the parent's copy into the block).
+    ready_gate: bool,
     result: bool,
     /// The parent recorded the job's READY before sending the message carrying it.
     ready_recorded: bool,
@@ -185,29 +190,30 @@ impl Auditor {
         let what = if result { "a grant" } else { "a lend" };
         self.owned(alloc, what, found);
         let pointer = by_pointer(rung);
-        let arena = rung == Rung::Arena;
-        if pointer {
-            if let Some(rec) = self.allocs.get(&alloc)
-                && !self.limit.admits(rec.span)
-            {
-                violation(
-                    found,
-                    Invariant::ImportLimit,
-                    format!(
-                        "{alloc} ({} bytes at {:#x}) in {what} for pointer import",
-                        rec.span.bytes, rec.span.ptr
-                    ),
-                );
-            }
-            if !ready {
-                violation(
-                    found,
-                    Invariant::ReadyBeforeAccess,
-                    format!(
-                        "{handoff} of {job} sent by pointer before the job's READY was recorded"
-                    ),
-                );
-            }
+        let arena = in_arena(rung);
+        let ready_gate = ready_gated(rung);
+        if pointer
+            && let Some(rec) = self.allocs.get(&alloc)
+            && !self.limit.admits(rec.span)
+        {
+            violation(
+                found,
+                Invariant::ImportLimit,
+                format!(
+                    "{alloc} ({} bytes at {:#x}) in {what} for pointer import",
+                    rec.span.bytes, rec.span.ptr
+                ),
+            );
+        }
+        if ready_gate && !ready {
+            violation(
+                found,
+                Invariant::ReadyBeforeAccess,
+                format!(
+                    "{handoff} of {job} sent on the {rung} rung before the job's READY was \
+                     recorded"
+                ),
+            );
         }
         if let Some(rec) = self.allocs.get_mut(&alloc) {
             rec.loans.insert(handoff);
@@ -224,6 +230,7 @@ impl Auditor {
                 alloc,
                 pointer,
                 arena,
+                ready_gate,
                 result,
                 ready_recorded: ready,
                 ready_event,
@@ -508,7 +515,7 @@ impl Auditor {
             return;
         };
         loan.usable = true;
-        if !loan.pointer {
+        if !loan.ready_gate {
             return;
         }
         if !loan.ready_recorded || !waited.contains(&(job, loan.ready_event)) {
@@ -519,6 +526,9 @@ impl Auditor {
                     "{handoff} of {job} usable on {worker} before it waited on that job's READY"
                 ),
             );
+        }
+        if !loan.pointer {
+            return;
         }
         let alloc = loan.alloc;
         if self.imports.get(&(worker, alloc)).copied().unwrap_or(0) != 1 {
@@ -728,14 +738,14 @@ impl Auditor {
                 ),
             );
         }
+        if loan.ready_gate && !loan.usable {
+            violation(
+                &mut found,
+                Invariant::ReadyBeforeAccess,
+                format!("{worker} touches {handoff} before it was usable"),
+            );
+        }
         if loan.pointer {
-            if !loan.usable {
-                violation(
-                    &mut found,
-                    Invariant::ReadyBeforeAccess,
-                    format!("{worker} touches {handoff} before it was usable"),
-                );
-            }
             if self
                 .imports
                 .get(&(worker, loan.alloc))

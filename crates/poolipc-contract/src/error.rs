@@ -79,7 +79,8 @@ pub enum ContractError {
     /// A handoff on a rung that cannot carry it there: an input on the arena rung (the arena
     /// holds results), a pool-style grant or allocation answer naming the arena rung (arena
     /// results carry a location instead: [`crate::ParentEvent::ResultAllocatedInArena`],
-    /// [`crate::ResultGrant::Arena`]).
+    /// [`crate::ResultGrant::Arena`]), a result on the arena-copy rung (inputs only), an
+    /// arena-copy input without its arena location or another input with one.
     #[error("{what} on the {rung} rung, which cannot carry it")]
     RungNotAllowed {
         /// The rung named.

@@ -62,9 +62,10 @@ mod tests;
 pub use error::ContractError;
 pub use invariant::{Invariant, Violation};
 pub use message::{
-    Ack, AllocationGrant, ArenaChunk, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
-    ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN,
-    Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
+    Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, Chunk, DeviceEntry, Done,
+    ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES,
+    MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec,
+    StagingBuffer, TensorMeta,
 };
 pub use parent::{
     FailReason, InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent,

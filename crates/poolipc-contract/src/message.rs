@@ -78,6 +78,17 @@ pub struct TensorMeta {
     pub byte_len: u64,
 }
 
+/// Where a block of the parent's result arena lies: `offset` bytes into arena chunk `chunk`
+/// (announced to the worker by an [`ArenaChunk`] before any message names it). The block's
+/// length is what the message carrying the location says it needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ArenaLocation {
+    /// The arena chunk's index.
+    pub chunk: u32,
+    /// Bytes from the chunk's start.
+    pub offset: u64,
+}
+
 /// One tensor of a [`Lend`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LentTensor {
@@ -94,10 +105,17 @@ pub struct LentTensor {
     pub pool: u8,
     /// The pointer export.
     pub export: ExportBlob,
-    /// The READY event the worker waits on before touching the memory.
+    /// The READY event the worker waits on before touching the memory (pool pointer and
+    /// arena copy; zero on host staging).
     pub ready_event: EventBlob,
-    /// The layout.
+    /// The layout. On the arena-copy rung it is over the copy: `byte_offset` and `byte_len`
+    /// count from the block's start.
     pub meta: TensorMeta,
+    /// On the [`Rung::ArenaCopy`] rung (protocol 5), and only there: the arena block the
+    /// parent copied the tensor into. Its length is `meta.byte_offset + meta.byte_len`; the
+    /// worker resolves it through its arena mapping and refuses a block outside a mapped
+    /// chunk. `pool` and `export` are zero then.
+    pub arena: Option<ArenaLocation>,
 }
 
 /// Parent → worker: tensors lent for a job.

@@ -32,4 +32,8 @@ pub(crate) enum Mutation {
     /// Invariant 5, arena: the parent returns a hung-up worker's arena blocks at once ("no
     /// import to wait for") while the still running process may be writing into them.
     ReleaseArenaAtHangUp,
+    /// Invariant 4, arena copy: the parent gives an arena-copy input's block back at the
+    /// worker's ACK without making its stream wait on DONE ("the worker only reads a private
+    /// copy"), while the worker's reads may still be queued on the GPU.
+    ReturnArenaCopyBeforeDone,
 }

@@ -10,13 +10,14 @@ use std::time::Duration;
 
 use crate::error::ContractError;
 use crate::message::{
-    Ack, AllocationGrant, Done, ErrorCode, Lend, LentTensor, Message, ResultGrant, ResultRequest,
-    ResultSpec, TensorMeta,
+    Ack, AllocationGrant, ArenaLocation, Done, ErrorCode, Lend, LentTensor, Message, ResultGrant,
+    ResultRequest, ResultSpec, TensorMeta,
 };
 use crate::mutation::Mutation;
 use crate::types::{
     AllocId, EventBlob, ExportBlob, HandoffId, JobId, Outcome, Purpose, RequestId, Rung, Span,
-    Timestamp, WorkerId, ZERO_EVENT, ZERO_EXPORT, by_pointer, dense_bytes, done_gated, staged,
+    Timestamp, WorkerId, ZERO_EVENT, ZERO_EXPORT, by_pointer, dense_bytes, done_gated, in_arena,
+    ready_gated, staged,
 };
 use poolipc_types::ImportLimit;
 
@@ -43,11 +44,11 @@ impl Default for ParentConfig {
 /// One input of a job, as the facade placed it on a rung.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InputLoan {
-    /// The allocation the tensor lives in (pool pointer), or the id the facade gave the
-    /// source (host staging).
+    /// The allocation the tensor lives in (pool pointer), the id the facade gave the source
+    /// (host staging), or the id it gave the arena block holding the copy (arena copy).
     pub alloc: AllocId,
-    /// The allocation's range (pool pointer: checked against the import limit), or the
-    /// source's (host staging).
+    /// The allocation's range (pool pointer: checked against the import limit), the
+    /// source's (host staging), or the arena block's (arena copy).
     pub span: Span,
     /// The rung it travels on.
     pub rung: Rung,
@@ -55,8 +56,13 @@ pub struct InputLoan {
     pub pool: u8,
     /// The pointer export; zero for host staging.
     pub export: ExportBlob,
-    /// The tensor's layout over the allocation.
+    /// The tensor's layout over the allocation (arena copy: over the block).
     pub meta: TensorMeta,
+    /// [`Rung::ArenaCopy`] only: where the block the facade copied the tensor into lies. The
+    /// facade queued the copy on the job's stream before the job's READY is recorded, and
+    /// gives the block back only at the input's [`ParentAction::Release`] (after a
+    /// [`ParentAction::WaitDone`] on the worker's DONE, or once the worker was reaped).
+    pub arena: Option<ArenaLocation>,
 }
 
 /// Why a job failed.
@@ -568,10 +574,11 @@ impl Parent {
     /// Starts `job` on `worker`: one `Lend` with every input, in order.
     ///
     /// All-or-nothing: every input is checked first (a pool-pointer input must be admitted
-    /// by the import limit; an allocation already lent must have the same range); on error
-    /// nothing is queued and nothing changes. Then queues [`ParentAction::RecordReady`]
-    /// (only if some input goes by pool pointer), `Send(Lend)` (fresh handles in input
-    /// order; `ready_event` on pool-pointer items, zero blobs on staged ones), then
+    /// by the import limit; an arena-copy input must name its block, and only it may; an
+    /// allocation already lent must have the same range); on error nothing is queued and
+    /// nothing changes. Then queues [`ParentAction::RecordReady`] (only if some input goes by
+    /// pool pointer or arena copy), `Send(Lend)` (fresh handles in input order; `ready_event`
+    /// on pool-pointer and arena-copy items, zero blobs on staged ones), then
     /// [`ParentAction::SendStaged`] for each host-staged input, in order. A job with no
     /// inputs still sends its (empty) `Lend`.
     ///
@@ -586,8 +593,9 @@ impl Parent {
     /// The worker is unknown ([`ContractError::UnknownWorker`]), gone or stopping
     /// ([`ContractError::WorkerGone`]); the parent is shutting down; the job is open
     /// already ([`ContractError::JobExists`]); an input is above the limit
-    /// ([`ContractError::AboveImportLimit`]) or known with another range
-    /// ([`ContractError::AllocationMismatch`]).
+    /// ([`ContractError::AboveImportLimit`]), on a rung that cannot carry an input or
+    /// without the arena location its rung needs ([`ContractError::RungNotAllowed`]), or
+    /// known with another range ([`ContractError::AllocationMismatch`]).
     pub fn start_job(
         &mut self,
         worker: WorkerId,
@@ -603,6 +611,22 @@ impl Parent {
         let mut spans: BTreeMap<AllocId, Span> = BTreeMap::new();
         for input in &inputs {
             let (alloc, span) = (input.alloc, input.span);
+            if input.rung == Rung::Arena {
+                return Err(ContractError::RungNotAllowed {
+                    rung: input.rung,
+                    what: "a lent input",
+                });
+            }
+            if (input.rung == Rung::ArenaCopy) != input.arena.is_some() {
+                return Err(ContractError::RungNotAllowed {
+                    rung: input.rung,
+                    what: if input.arena.is_some() {
+                        "an input with an arena location"
+                    } else {
+                        "an input without its arena location"
+                    },
+                });
+            }
             if by_pointer(input.rung)
                 && !self.config.limit.admits(span)
                 && !self.mutated(Mutation::IgnoreImportLimit)
@@ -621,10 +645,13 @@ impl Parent {
         }
         let mut handoffs = Vec::with_capacity(inputs.len());
         let mut tensors = Vec::with_capacity(inputs.len());
-        let mut staged = Vec::new();
+        let mut staged_inputs = Vec::new();
+        let mut any_ready = false;
         for input in inputs {
             let handle = self.fresh_handoff();
             let pointer = by_pointer(input.rung);
+            let ready = ready_gated(input.rung);
+            any_ready |= ready;
             self.open_loan(
                 handle,
                 input.span,
@@ -637,8 +664,8 @@ impl Parent {
                     done: None,
                 },
             );
-            if !pointer {
-                staged.push(handle);
+            if staged(input.rung) {
+                staged_inputs.push(handle);
             }
             handoffs.push(handle);
             tensors.push(LentTensor {
@@ -647,8 +674,9 @@ impl Parent {
                 rung: input.rung,
                 pool: if pointer { input.pool } else { 0 },
                 export: if pointer { input.export } else { ZERO_EXPORT },
-                ready_event: if pointer { ready_event } else { ZERO_EVENT },
+                ready_event: if ready { ready_event } else { ZERO_EVENT },
                 meta: input.meta,
+                arena: input.arena,
             });
         }
         self.jobs.insert(
@@ -666,7 +694,7 @@ impl Parent {
         if let Some(peer) = self.workers.get_mut(&worker) {
             peer.jobs.insert(job);
         }
-        if staged.len() < tensors.len() {
+        if any_ready {
             self.actions
                 .push_back(ParentAction::RecordReady { worker, job });
         }
@@ -674,7 +702,7 @@ impl Parent {
             worker,
             message: Message::Lend(Lend { job, tensors }),
         });
-        for handoff in staged {
+        for handoff in staged_inputs {
             self.actions.push_back(ParentAction::SendStaged {
                 worker,
                 job,
@@ -856,6 +884,12 @@ impl Parent {
                 Err(ContractError::RungNotAllowed {
                     rung,
                     what: "a result allocation without its arena location",
+                })
+            }
+            ParentEvent::ResultAllocated { rung, .. } if rung == Rung::ArenaCopy => {
+                Err(ContractError::RungNotAllowed {
+                    rung,
+                    what: "a result allocation",
                 })
             }
             ParentEvent::ResultAllocated {
@@ -1322,6 +1356,8 @@ impl Parent {
             if done_gated(loan.rung)
                 && let Some(done_event) = loan.done
                 && !self.mutated(Mutation::ReleaseWithoutWaitingDone)
+                && !(loan.rung == Rung::ArenaCopy
+                    && self.mutated(Mutation::ReturnArenaCopyBeforeDone))
             {
                 self.actions.push_back(ParentAction::WaitDone {
                     worker,
@@ -1402,11 +1438,7 @@ impl Parent {
         if self.mutated(Mutation::ReleaseArenaAtHangUp) {
             // Test-only bug: arena blocks have no import, so "nothing to wait for".
             for handoff in self.handoffs_of(worker) {
-                if self
-                    .loans
-                    .get(&handoff)
-                    .is_some_and(|l| l.rung == Rung::Arena)
-                {
+                if self.loans.get(&handoff).is_some_and(|l| in_arena(l.rung)) {
                     self.release(handoff, Outcome::Failed);
                 }
             }

@@ -14,8 +14,8 @@ use std::time::Duration;
 use crate::audit::Auditor;
 use crate::invariant::Violation;
 use crate::message::{
-    Ack, AllocationGrant, Done, ErrorCode, Lend, Message, ResultGrant, ResultRequest, ResultSpec,
-    TensorMeta,
+    Ack, AllocationGrant, ArenaLocation, Done, ErrorCode, Lend, Message, ResultGrant,
+    ResultRequest, ResultSpec, TensorMeta,
 };
 use crate::parent::{InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent};
 use crate::types::{
@@ -501,6 +501,7 @@ impl World {
 
     fn start_job(&mut self, i: usize, inputs: u8, plan: u16, size: SizeClass) {
         let mut loans = Vec::new();
+        let mut blocks = Vec::new();
         for n in 0..usize::from(inputs % 4) {
             let bits = (plan >> (4 * n)) & 0xf;
             let held = if bits & 1 == 1 {
@@ -516,30 +517,57 @@ impl World {
                     t
                 }
             };
-            // As the facade does: staging when asked, or when the pointer rung is not
-            // allowed, unless bit 3 forces the pointer (which start_job must refuse).
-            let staged = bits & 0b110 == 0b110 || (!sim_limit().admits(span) && bits & 0b1000 == 0);
+            // As the facade does: staging when asked; when the pointer rung is not allowed,
+            // an arena copy (bit 2) or staging, unless bit 3 forces the pointer (which
+            // start_job must refuse).
+            let over = !sim_limit().admits(span) && bits & 0b1000 == 0;
+            let rung = if bits & 0b110 == 0b110 {
+                Rung::HostStaging
+            } else if over && bits & 0b100 != 0 {
+                Rung::ArenaCopy
+            } else if over {
+                Rung::HostStaging
+            } else {
+                Rung::PoolPointer
+            };
+            let meta = TensorMeta {
+                dtype: DType::U8,
+                shape: vec![span.bytes],
+                strides: vec![1],
+                byte_offset: 0,
+                byte_len: span.bytes,
+            };
+            if rung == Rung::ArenaCopy {
+                // The facade copies the tensor into a fresh arena block and lends the block:
+                // the block is what the loan holds (the caller's tensor is not lent at all).
+                let (block, block_span) = self.fresh_alloc(size);
+                blocks.push(block);
+                loans.push(InputLoan {
+                    alloc: block,
+                    span: block_span,
+                    rung,
+                    pool: 0,
+                    export: ExportBlob([0; 64]),
+                    meta,
+                    arena: Some(ArenaLocation {
+                        chunk: u32::try_from(block.0 % 3).unwrap_or(0),
+                        offset: block.0 * 512,
+                    }),
+                });
+                continue;
+            }
             loans.push(InputLoan {
                 alloc,
                 span,
-                rung: if staged {
-                    Rung::HostStaging
-                } else {
-                    Rung::PoolPointer
-                },
+                rung,
                 pool: 0,
-                export: if staged {
-                    ExportBlob([0; 64])
-                } else {
+                export: if rung == Rung::PoolPointer {
                     ExportBlob(blob_of(3, alloc.0))
+                } else {
+                    ExportBlob([0; 64])
                 },
-                meta: TensorMeta {
-                    dtype: DType::U8,
-                    shape: vec![span.bytes],
-                    strides: vec![1],
-                    byte_offset: 0,
-                    byte_len: span.bytes,
-                },
+                meta,
+                arena: None,
             });
         }
         let w = &self.workers[i];
@@ -555,6 +583,17 @@ impl World {
         let got = self
             .parent
             .start_job(id, job, ready_blob(id, job), loans, self.now);
+        // The facade owns an arena-copy block only through its loan: it drops its own hold
+        // once the Lend lends the block (then the block goes back to the arena when the loan
+        // is released), or at once if the job was refused.
+        for block in blocks {
+            if got.is_ok() {
+                self.unoffered.insert(block);
+            } else {
+                let checked = self.auditor.caller_dropped(block);
+                self.note(checked);
+            }
+        }
         match got {
             Ok(_) => {
                 self.open_jobs.insert((id, job), OpenJob::default());
@@ -1223,7 +1262,9 @@ impl World {
                 message: Message::Lend(l),
                 ..
             } => {
-                if l.tensors.iter().any(|t| t.rung == Rung::HostStaging) {
+                if l.tensors.iter().any(|t| t.rung == Rung::ArenaCopy) {
+                    "lend with an arena copy"
+                } else if l.tensors.iter().any(|t| t.rung == Rung::HostStaging) {
                     "lend with a staged input"
                 } else {
                     "lend"
@@ -1294,6 +1335,12 @@ impl World {
                     Message::Lend(l) => {
                         if let Some(j) = self.open_jobs.get_mut(&(worker, l.job)) {
                             j.handoffs.extend(l.tensors.iter().map(|t| t.handle));
+                        }
+                        for t in l.tensors.iter().filter(|t| t.rung == Rung::ArenaCopy) {
+                            if self.unoffered.remove(&t.alloc) {
+                                let checked = self.auditor.caller_dropped(t.alloc);
+                                self.note(checked);
+                            }
                         }
                     }
                     Message::AllocationGrant(g) => {

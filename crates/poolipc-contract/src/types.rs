@@ -45,11 +45,26 @@ pub(crate) fn by_pointer(rung: Rung) -> bool {
     rung == Rung::PoolPointer
 }
 
+/// Whether the worker must wait on the job's READY before it touches a handoff on this rung:
+/// the parent queued work on the memory (the caller's writes to a pool-pointer input, the
+/// parent's copy into an arena-copy block) on the job's stream. Arena result blocks need
+/// none: the arena hands a block out only once every earlier use of it completed.
+pub(crate) fn ready_gated(rung: Rung) -> bool {
+    matches!(rung, Rung::PoolPointer | Rung::ArenaCopy)
+}
+
 /// Whether the parent must make its stream wait on the worker's DONE before it releases a
-/// handoff on this rung: the worker touched the parent's own memory (pool pointer, arena).
-/// Host-staged handoffs are the worker's copies, moved inside the parent's own transfers.
+/// handoff on this rung: the worker touched the parent's own memory (pool pointer, arena,
+/// arena copy). Host-staged handoffs are the worker's copies, moved inside the parent's own
+/// transfers.
 pub(crate) fn done_gated(rung: Rung) -> bool {
-    matches!(rung, Rung::PoolPointer | Rung::Arena)
+    matches!(rung, Rung::PoolPointer | Rung::Arena | Rung::ArenaCopy)
+}
+
+/// Whether a handoff on this rung is a block of the parent's result arena: no import
+/// guards it, so only the worker's DONE or its reaping may return it.
+pub(crate) fn in_arena(rung: Rung) -> bool {
+    matches!(rung, Rung::Arena | Rung::ArenaCopy)
 }
 
 /// Whether a rung moves bytes through the host-staging buffer.

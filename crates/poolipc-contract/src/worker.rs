@@ -12,7 +12,8 @@ use crate::message::{
 };
 use crate::mutation::Mutation;
 use crate::types::{
-    AllocId, EventBlob, ExportBlob, HandoffId, JobId, Rung, Timestamp, by_pointer, staged,
+    AllocId, EventBlob, ExportBlob, HandoffId, JobId, Rung, Timestamp, by_pointer, ready_gated,
+    staged,
 };
 
 /// Work the worker machine asks of the worker's facade, in the order it must be done.
@@ -37,7 +38,7 @@ pub enum WorkerAction {
         export: ExportBlob,
     },
     /// Make the worker's stream wait on this READY event. Once per `Lend` or
-    /// `AllocationGrant` with pool-pointer items, after their imports.
+    /// `AllocationGrant` with pool-pointer or arena-copy items, after their imports.
     WaitReady {
         /// The job.
         job: JobId,
@@ -281,6 +282,19 @@ impl Worker {
                 what: "a lent input",
             });
         }
+        if let Some(t) = tensors
+            .iter()
+            .find(|t| (t.rung == Rung::ArenaCopy) != t.arena.is_some())
+        {
+            return Err(ContractError::RungNotAllowed {
+                rung: t.rung,
+                what: if t.arena.is_some() {
+                    "a lent input with an arena location"
+                } else {
+                    "a lent input without its arena location"
+                },
+            });
+        }
         self.check_fresh(tensors.iter().map(|t| t.handle))?;
         if let Some(last) = tensors.last() {
             self.newest = Some(last.handle);
@@ -290,6 +304,8 @@ impl Worker {
         for t in &tensors {
             if by_pointer(t.rung) {
                 self.import(job, t.handle, t.alloc, t.pool, t.export);
+            }
+            if ready_gated(t.rung) {
                 events.push(t.ready_event);
             }
             open.held.push(Held {
@@ -338,6 +354,20 @@ impl Worker {
             return Err(ContractError::RungNotAllowed {
                 rung: Rung::Arena,
                 what: "a grant without its arena location",
+            });
+        }
+        if results.iter().any(|g| {
+            matches!(
+                g,
+                ResultGrant::Granted {
+                    rung: Rung::ArenaCopy,
+                    ..
+                }
+            )
+        }) {
+            return Err(ContractError::RungNotAllowed {
+                rung: Rung::ArenaCopy,
+                what: "a result grant",
             });
         }
         // Arena grants: no export, no READY (the zero blobs stand in; nothing uses them).

@@ -19,8 +19,9 @@
 //!   devices `u16 count × (uuid [16], ordinal u32)`.
 //! - `Refuse`, `Error`: code u16, message text.
 //! - `Lend`: job u64, `list<tensor>`; tensor: handle u64, alloc u64, rung u8, pool u8, export `[64]`,
-//!   ready event `[64]`, dtype u8, ndim u8, shape `u64 × ndim`, strides `i64 × ndim`,
-//!   byte offset u64, byte length u64.
+//!   ready event `[64]`, then on the arena-copy rung (4) only: arena chunk u32, arena offset
+//!   u64; then dtype u8, ndim u8, shape `u64 × ndim`, strides `i64 × ndim`, byte offset u64,
+//!   byte length u64.
 //! - `ResultRequest`: job u64, `list<spec>`; spec: dtype u8, ndim u8, shape `u64 × ndim`,
 //!   byte length u64.
 //! - `AllocationGrant`: job u64, `list<grant>`; grant: kind u8 (1 granted, 2 refused, 3
@@ -48,9 +49,10 @@
 //! decoder allocate more than a small multiple of `n`, and `n` is capped by [`FrameLimits`].
 
 use crate::message::{
-    Ack, AllocationGrant, ArenaChunk, Capabilities, Chunk, DeviceEntry, Done, ErrorCode, ExtraPool,
-    ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN,
-    Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
+    Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, Chunk, DeviceEntry, Done,
+    ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES,
+    MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec,
+    StagingBuffer, TensorMeta,
 };
 use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 
@@ -58,7 +60,8 @@ use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId
 /// frames in `fixtures/frames/` pin the current one.
 ///
 /// 4: the result arena (`ArenaChunk`, and the arena grant form of `AllocationGrant`).
-pub const PROTOCOL_VERSION: u8 = 4;
+/// 5: the arena-copy rung (a `Lend` tensor on rung 4 carries its arena chunk and offset).
+pub const PROTOCOL_VERSION: u8 = 5;
 
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
@@ -251,6 +254,17 @@ pub enum EncodeError {
         shape: usize,
         /// Dims in the strides.
         strides: usize,
+    },
+    /// A lent tensor's arena location does not go with its rung: an arena copy without one,
+    /// or another rung with one. The wire carries a location exactly on the arena-copy rung.
+    #[error("{kind}: a tensor on the {rung} rung {what}")]
+    ArenaLocationMismatch {
+        /// The message.
+        kind: MessageKind,
+        /// The tensor's rung.
+        rung: Rung,
+        /// What is wrong ("lacks its arena location", "carries an arena location").
+        what: &'static str,
     },
 }
 
@@ -453,6 +467,27 @@ impl Writer<'_> {
                     self.u8(t.pool);
                     self.bytes(&t.export.0);
                     self.bytes(&t.ready_event.0);
+                    match (t.rung == Rung::ArenaCopy, t.arena) {
+                        (true, Some(at)) => {
+                            self.u32(at.chunk);
+                            self.u64(at.offset);
+                        }
+                        (false, None) => {}
+                        (true, None) => {
+                            return Err(EncodeError::ArenaLocationMismatch {
+                                kind: self.kind,
+                                rung: t.rung,
+                                what: "lacks its arena location",
+                            });
+                        }
+                        (false, Some(_)) => {
+                            return Err(EncodeError::ArenaLocationMismatch {
+                                kind: self.kind,
+                                rung: t.rung,
+                                what: "carries an arena location",
+                            });
+                        }
+                    }
                     let m = &t.meta;
                     if m.shape.len() != m.strides.len() {
                         return Err(EncodeError::StridesMismatch {
@@ -797,6 +832,14 @@ impl Reader<'_> {
         let pool = self.u8("pool")?;
         let export = ExportBlob(self.take("export")?);
         let ready_event = EventBlob(self.take("ready_event")?);
+        let arena = if rung == Rung::ArenaCopy {
+            Some(ArenaLocation {
+                chunk: self.u32("arena_chunk")?,
+                offset: self.u64("arena_offset")?,
+            })
+        } else {
+            None
+        };
         let dtype = self.dtype()?;
         // Each dim is a shape entry and a stride entry.
         let n = self.ndim("shape", 16)?;
@@ -822,6 +865,7 @@ impl Reader<'_> {
                 byte_offset: self.u64("byte_offset")?,
                 byte_len: self.u64("byte_len")?,
             },
+            arena,
         })
     }
     fn grant(&mut self) -> Result<ResultGrant, DecodeError> {

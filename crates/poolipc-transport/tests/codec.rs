@@ -4,9 +4,9 @@ mod common;
 
 use poolipc_transport::codec::{HEADER_LEN, decode, encode};
 use poolipc_transport::{
-    Ack, AllocId, AllocationGrant, ArenaChunk, Capabilities, Chunk, DType, DecodeError,
-    DeviceEntry, DeviceUuid, Done, EncodeError, ErrorCode, EventBlob, ExportBlob, ExtraPool,
-    ExtraPoolReply, FrameLimits, HandoffId, Identity, JobId, Lend, LentTensor, MAX_DIMS,
+    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, Chunk, DType,
+    DecodeError, DeviceEntry, DeviceUuid, Done, EncodeError, ErrorCode, EventBlob, ExportBlob,
+    ExtraPool, ExtraPoolReply, FrameLimits, HandoffId, Identity, JobId, Lend, LentTensor, MAX_DIMS,
     MAX_FRAME_LEN, MAX_TEXT_LEN, Message, MessageKind, PROTOCOL_VERSION, ResultGrant,
     ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
@@ -67,11 +67,11 @@ fn tensor() -> impl Strategy<Value = LentTensor> {
         blob(),
         dtype(),
         prop::collection::vec((any::<u64>(), any::<i64>()), 0..=MAX_DIMS),
-        any::<u64>(),
-        any::<u64>(),
+        (any::<u64>(), any::<u64>()),
+        (any::<u32>(), any::<u64>()),
     )
         .prop_map(
-            |((h, a, rung, pool), e, r, dtype, dims, off, len)| LentTensor {
+            |((h, a, rung, pool), e, r, dtype, dims, (off, len), (chunk, offset))| LentTensor {
                 handle: HandoffId(h),
                 alloc: AllocId(a),
                 rung,
@@ -85,6 +85,8 @@ fn tensor() -> impl Strategy<Value = LentTensor> {
                     byte_offset: off,
                     byte_len: len,
                 },
+                // The wire carries a location exactly on the arena-copy rung.
+                arena: (rung == Rung::ArenaCopy).then_some(ArenaLocation { chunk, offset }),
             },
         )
 }
@@ -455,6 +457,110 @@ fn the_pool_byte_follows_the_rung_byte() {
         &bytes[at..at + 2],
         &[Rung::HostStaging as u8, 0xcd],
         "rung, then pool"
+    );
+}
+
+#[test]
+fn an_arena_copy_tensor_carries_its_chunk_and_offset_right_after_its_ready_event() {
+    let t = LentTensor {
+        rung: Rung::ArenaCopy,
+        pool: 0,
+        export: ExportBlob([0; 64]),
+        arena: Some(ArenaLocation {
+            chunk: 0x0102_0304,
+            offset: 0x1112_1314_1516_1718,
+        }),
+        ..lend_sample_tensor()
+    };
+    let lend = Message::Lend(Lend {
+        job: JobId(1),
+        tensors: vec![t.clone()],
+    });
+    let bytes = encode(&lend, FrameLimits::default()).expect("encodes");
+    // Header, job, count, handle, alloc, rung, pool, export, ready event.
+    let at = HEADER_LEN + 8 + 4 + 8 + 8 + 1 + 1 + 64 + 64;
+    assert_eq!(&bytes[at..at + 4], &0x0102_0304u32.to_le_bytes());
+    assert_eq!(
+        &bytes[at + 4..at + 12],
+        &0x1112_1314_1516_1718u64.to_le_bytes()
+    );
+    assert_eq!(decode(&bytes, FrameLimits::default()), Ok(lend));
+    let plain = encode(
+        &Message::Lend(Lend {
+            job: JobId(1),
+            tensors: vec![LentTensor {
+                rung: Rung::HostStaging,
+                arena: None,
+                ..t
+            }],
+        }),
+        FrameLimits::default(),
+    )
+    .expect("encodes");
+    assert_eq!(
+        bytes.len(),
+        plain.len() + 12,
+        "12 bytes more, on that rung only"
+    );
+}
+
+#[test]
+fn encoding_refuses_an_arena_location_that_does_not_go_with_the_rung() {
+    for (rung, arena) in [
+        (Rung::ArenaCopy, None),
+        (
+            Rung::PoolPointer,
+            Some(ArenaLocation {
+                chunk: 0,
+                offset: 0,
+            }),
+        ),
+    ] {
+        let lend = Message::Lend(Lend {
+            job: JobId(1),
+            tensors: vec![LentTensor {
+                rung,
+                arena,
+                ..lend_sample_tensor()
+            }],
+        });
+        assert!(
+            matches!(
+                encode(&lend, FrameLimits::default()),
+                Err(EncodeError::ArenaLocationMismatch { rung: r, .. }) if r == rung
+            ),
+            "{rung}"
+        );
+    }
+}
+
+#[test]
+fn an_arena_copy_tensor_cut_inside_its_location_is_a_typed_error() {
+    let lend = Message::Lend(Lend {
+        job: JobId(1),
+        tensors: vec![LentTensor {
+            rung: Rung::ArenaCopy,
+            arena: Some(ArenaLocation {
+                chunk: 1,
+                offset: 512,
+            }),
+            ..lend_sample_tensor()
+        }],
+    });
+    let mut bytes = encode(&lend, FrameLimits::default()).expect("encodes");
+    // Keep the header, job, count, the tensor up to its ready event and 6 of the 12 bytes of
+    // its location; fix the length field.
+    let keep = 8 + 4 + 8 + 8 + 1 + 1 + 64 + 64 + 6;
+    bytes.truncate(HEADER_LEN + keep);
+    bytes[..4].copy_from_slice(&u32::try_from(keep).expect("small").to_le_bytes());
+    assert!(
+        matches!(
+            decode(&bytes, FrameLimits::default()),
+            // The count check sees first that one tensor no longer fits.
+            Err(DecodeError::PayloadTruncated { .. } | DecodeError::BadCount { .. })
+        ),
+        "{:?}",
+        decode(&bytes, FrameLimits::default())
     );
 }
 

@@ -24,11 +24,25 @@ pub enum Rung {
     /// bytes)`. No export, no import, no import limit; the parent reuses the block only after
     /// the worker's DONE (stream-ordered) or after the worker was reaped.
     Arena = 3,
+    /// An input the parent copied device-to-device into a block of its result arena (on the
+    /// job's stream, before READY), for device memory of the parent's device that cannot go
+    /// by pool pointer (over the import limit, or a pool the worker cannot import). Named on
+    /// the wire by `(chunk, offset)` and the tensor's layout; the worker waits on READY and
+    /// reads the copy through its arena mapping: no export, no import, nothing to free. The
+    /// block goes back to the arena only after the worker's DONE (stream-ordered) or after the
+    /// worker was reaped. Costs one device-to-device copy (hundreds of GB/s) where host
+    /// staging costs two trips over PCIe.
+    ArenaCopy = 4,
 }
 
 impl Rung {
     /// Every rung, in wire order.
-    pub const ALL: [Rung; 3] = [Rung::PoolPointer, Rung::HostStaging, Rung::Arena];
+    pub const ALL: [Rung; 4] = [
+        Rung::PoolPointer,
+        Rung::HostStaging,
+        Rung::Arena,
+        Rung::ArenaCopy,
+    ];
 
     /// The rung with this wire value.
     pub fn from_wire(v: u8) -> Option<Self> {
@@ -42,6 +56,7 @@ impl fmt::Display for Rung {
             Rung::PoolPointer => "pool pointer",
             Rung::HostStaging => "host staging",
             Rung::Arena => "arena",
+            Rung::ArenaCopy => "arena copy",
         })
     }
 }
@@ -56,7 +71,7 @@ mod tests {
             assert_eq!(Rung::from_wire(r as u8), Some(r));
         }
         assert_eq!(Rung::from_wire(0), None);
-        assert_eq!(Rung::from_wire(4), None);
+        assert_eq!(Rung::from_wire(5), None);
     }
 
     #[test]
@@ -64,5 +79,6 @@ mod tests {
         assert_eq!(Rung::PoolPointer.to_string(), "pool pointer");
         assert_eq!(Rung::HostStaging.to_string(), "host staging");
         assert_eq!(Rung::Arena.to_string(), "arena");
+        assert_eq!(Rung::ArenaCopy.to_string(), "arena copy");
     }
 }

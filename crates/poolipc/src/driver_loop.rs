@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use poolipc_contract::{
-    self as contract, FailReason, InputLoan, JobOutcome, Message, Outcome, ParentAction,
-    ParentEvent, Purpose, ResultGrant, ResultSpec, Timestamp,
+    self as contract, ArenaLocation, FailReason, InputLoan, JobOutcome, Message, Outcome,
+    ParentAction, ParentEvent, Purpose, ResultGrant, ResultSpec, Timestamp,
 };
 use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
 use poolipc_pool::Arena;
@@ -32,7 +32,8 @@ use poolipc_types::{
 
 use crate::error::Error;
 use crate::parent::{
-    Completion, Input, JobOutput, ResultAllocator, ResultMemory, ResultTensor, Shared, Stats, lock,
+    ArenaLease, Completion, Input, JobOutput, ResultAllocator, ResultMemory, ResultTensor, Shared,
+    Stats, lock,
 };
 use crate::staging::StagingChannel;
 use crate::tensor::ResultShape;
@@ -119,9 +120,13 @@ struct Slot {
     /// Frames that arrived while the loop waited for another (host staging's): handled next.
     backlog: VecDeque<Message>,
     takes_staging: bool,
-    /// Whether its results may go to the result arena: it announced VMM, reaches the
-    /// parent's device, and every chunk announced so far went out.
-    takes_arena: bool,
+    /// Whether it maps the parent's arena (results in the arena, inputs copied into it): an
+    /// arena is enabled ([`ResultMemory::Arena`] or [`ParentOptions::arena_copy`]), it
+    /// announced VMM, reaches the parent's device, and every chunk announced so far went
+    /// out.
+    ///
+    /// [`ParentOptions::arena_copy`]: crate::ParentOptions::arena_copy
+    maps_arena: bool,
     /// How many of the arena's chunks (by index, from 0) were sent to it.
     arena_chunks_sent: u32,
     /// Set when the worker is being stopped: when to kill it if it has not exited.
@@ -144,6 +149,11 @@ struct JobState {
     done: Arc<Completion>,
     ready: Option<(OwnedEvent, EventBlob)>,
     input_rungs: Vec<Rung>,
+    input_reasons: Vec<Option<String>>,
+    /// Arena-copy inputs: their blocks, given back (stream-ordered, on the job's stream) at
+    /// the input's release, which comes after the stream's wait on the worker's DONE or once
+    /// the worker was reaped.
+    arena_inputs: HashMap<HandoffId, ArenaLease>,
     staged: bool,
     /// Staged inputs: where their bytes are.
     staged_inputs: HashMap<HandoffId, (DevicePtr, u64)>,
@@ -435,7 +445,8 @@ impl Loop {
                 .capabilities
                 .contains(Capabilities::HOST_STAGING)
         });
-        let takes_arena = matches!(self.shared.options.results, ResultMemory::Arena { .. })
+        let maps_arena = (matches!(self.shared.options.results, ResultMemory::Arena { .. })
+            || self.shared.options.arena_copy)
             && registered.as_ref().is_some_and(|r| {
                 r.info
                     .identity
@@ -453,7 +464,7 @@ impl Loop {
                 staging: None,
                 backlog: VecDeque::new(),
                 takes_staging,
-                takes_arena,
+                maps_arena,
                 arena_chunks_sent: 0,
                 exit_deadline: None,
                 stop_replies: Vec::new(),
@@ -468,19 +479,23 @@ impl Loop {
         Ok(())
     }
 
-    /// The result arena, created on this thread (the device is current here) at its first
-    /// use.
-    fn ensure_arena(&self) -> Result<Arc<Arena<dyn Driver>>, Error> {
+    /// The arena, created on this thread (the device is current here) at its first use:
+    /// with the [`ResultMemory::Arena`] sizes, or (arena copies only) one chunk of
+    /// `first_bytes` and no cap.
+    fn ensure_arena(&self, first_bytes: u64) -> Result<Arc<Arena<dyn Driver>>, Error> {
         let mut slot = lock(&self.shared.arena);
         if let Some(a) = slot.as_ref() {
             return Ok(Arc::clone(a));
         }
-        let ResultMemory::Arena {
-            initial_bytes,
-            max_bytes,
-        } = self.shared.options.results
-        else {
-            return Err(Error::Config("the result arena is not enabled".into()));
+        let (initial_bytes, max_bytes) = match self.shared.options.results {
+            ResultMemory::Arena {
+                initial_bytes,
+                max_bytes,
+            } => (initial_bytes, max_bytes),
+            ResultMemory::Pool if self.shared.options.arena_copy => (first_bytes, None),
+            ResultMemory::Pool => {
+                return Err(Error::Config("the arena is not enabled".into()));
+            }
         };
         let arena = Arc::new(Arena::with_max_bytes(
             Arc::clone(&self.shared.driver),
@@ -515,7 +530,7 @@ impl Loop {
             .workers
             .iter()
             .filter(|(id, s)| {
-                s.takes_arena
+                s.maps_arena
                     && s.lost.is_none()
                     && (!s.staged_in_flight || target == Some(**id))
                     && (s.arena_chunks_sent as usize) < chunks.len()
@@ -532,7 +547,7 @@ impl Loop {
                     Ok(fd) => fd,
                     Err(e) => {
                         tracing::warn!(worker = %id, chunk = c.index, error = %e, "exporting an arena chunk failed: the worker's results go to the pool");
-                        slot.takes_arena = false;
+                        slot.maps_arena = false;
                         break;
                     }
                 };
@@ -541,7 +556,7 @@ impl Loop {
                     len: c.len,
                 });
                 if let Err(e) = slot.conn.send(&message, &[fd.as_fd()], deadline) {
-                    slot.takes_arena = false;
+                    slot.maps_arena = false;
                     self.lose(id, &format!("sending arena chunk {} failed: {e}", c.index));
                     break;
                 }
@@ -825,28 +840,51 @@ impl Loop {
                     pool: u8::try_from(p).unwrap_or(0),
                     export,
                     meta: input.desc.meta(offset, extent),
+                    arena: None,
                 });
                 placed.rungs.push(Rung::PoolPointer);
+                placed.reasons.push(None);
+                placed.copies.push(None);
                 continue;
             }
+            let why_not = why_not_pointer(
+                &self.shared,
+                sub.worker,
+                pool,
+                limit.check(base.0, size).err(),
+            );
+            let no_copy = match self.arena_copy(sub, pool, input.ptr, extent) {
+                Ok(copy) => {
+                    let reason = format!("input {i}: {why_not}: arena copy ({})", copy.why);
+                    tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
+                    let alloc = AllocId(self.next_alloc);
+                    self.next_alloc += 1;
+                    placed.loans.push(InputLoan {
+                        alloc,
+                        span: copy.span,
+                        rung: Rung::ArenaCopy,
+                        pool: 0,
+                        export: ExportBlob([0; 64]),
+                        meta: input.desc.meta(0, extent),
+                        arena: Some(copy.location),
+                    });
+                    placed.rungs.push(Rung::ArenaCopy);
+                    placed.reasons.push(Some(reason));
+                    placed.copies.push(Some(copy.lease));
+                    continue;
+                }
+                Err(NoCopy::Failed(e)) => return Err(e),
+                Err(NoCopy::Declined(why)) => why,
+            };
             if !takes_staging {
                 return Err(Error::NoRung(format!(
-                    "input {i} cannot go by pool pointer ({}) and {} has no host staging",
-                    why_not_pointer(
-                        &self.shared,
-                        sub.worker,
-                        pool,
-                        limit.check(base.0, size).err()
-                    ),
+                    "input {i} cannot go by pool pointer ({why_not}), no arena copy ({no_copy}), \
+                     and {} has no host staging",
                     sub.worker
                 )));
             }
-            tracing::debug!(
-                input = i,
-                bytes = extent,
-                why = %why_not_pointer(&self.shared, sub.worker, pool, limit.check(base.0, size).err()),
-                "input takes the host-staging rung"
-            );
+            let reason = format!("input {i}: {why_not}: host staging: {no_copy}");
+            tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
             let alloc = AllocId(self.next_alloc);
             self.next_alloc += 1;
             placed.loans.push(InputLoan {
@@ -859,11 +897,111 @@ impl Loop {
                 pool: 0,
                 export: ExportBlob([0; 64]),
                 meta: input.desc.meta(0, extent),
+                arena: None,
             });
             placed.rungs.push(Rung::HostStaging);
+            placed.reasons.push(Some(reason));
+            placed.copies.push(None);
             placed.staged = true;
         }
         Ok(placed)
+    }
+
+    /// Copies an input (`bytes` from element 0 at `src`) into a block of the arena, queued on
+    /// the job's stream now, before the job's READY is recorded, when the arena-copy rung may
+    /// carry it: the option is on, the memory is the parent's shared pool's (so on the
+    /// parent's device), the worker maps the arena, the arena has room (or VRAM is free for
+    /// more, with the margin to spare) and the chunk reached the worker. Otherwise says why
+    /// not, and the input takes host staging; a driver call that fails on the way fails the
+    /// job.
+    fn arena_copy(
+        &mut self,
+        sub: &Submission,
+        pool: Option<usize>,
+        src: DevicePtr,
+        bytes: u64,
+    ) -> Result<ArenaCopy, NoCopy> {
+        let options = &self.shared.options;
+        if !self.shared.arena_copy_on.load(Ordering::Relaxed) {
+            return Err(NoCopy::Declined(
+                "arena copy is off (ParentOptions::arena_copy)".into(),
+            ));
+        }
+        if bytes == 0 {
+            return Err(NoCopy::Declined("an empty tensor needs no copy".into()));
+        }
+        if pool != Some(0) {
+            return Err(NoCopy::Declined(format!(
+                "only memory of the parent's shared pool on device {} is copied into the arena",
+                options.device
+            )));
+        }
+        if !self.workers.get(&sub.worker).is_some_and(|s| s.maps_arena) {
+            return Err(NoCopy::Declined(format!(
+                "{} does not map the arena (no VMM by POSIX FD, or not on the parent's device)",
+                sub.worker
+            )));
+        }
+        let room = lock(&self.shared.arena).clone().is_some_and(|a| {
+            // Blocks given back whose work completed count as free.
+            a.reclaim();
+            a.stats().largest_free >= bytes
+        });
+        let why = if room {
+            "room in the arena".to_owned()
+        } else {
+            let (free, _) = self
+                .shared
+                .driver
+                .mem_get_info()
+                .map_err(|e| NoCopy::Failed(e.into()))?;
+            let margin = options.arena_copy_vram_margin;
+            if free < bytes.saturating_add(margin) {
+                return Err(NoCopy::Declined(format!(
+                    "only {} of VRAM free, the copy needs {} and {} to spare",
+                    human_bytes(free),
+                    human_bytes(bytes),
+                    human_bytes(margin)
+                )));
+            }
+            format!("VRAM free {}", human_bytes(free))
+        };
+        let arena = self
+            .ensure_arena(bytes)
+            .map_err(|e| NoCopy::Declined(format!("the arena could not be made: {e}")))?;
+        let block = arena
+            .alloc(bytes)
+            .map_err(|e| NoCopy::Declined(format!("no arena block for it: {e}")))?;
+        // Owned from here: dropped on any path below, the block goes back stream-ordered.
+        let lease = ArenaLease::new(Arc::clone(&arena), block, sub.stream);
+        self.announce_chunks(Some(sub.worker));
+        let sent = self
+            .workers
+            .get(&sub.worker)
+            .is_some_and(|s| s.maps_arena && s.arena_chunks_sent > block.chunk);
+        if !sent {
+            return Err(NoCopy::Declined(format!(
+                "arena chunk {} could not be sent to {}",
+                block.chunk, sub.worker
+            )));
+        }
+        self.shared
+            .driver
+            .memcpy_dtod_async(block.ptr, src, bytes, sub.stream)
+            .map_err(|e| NoCopy::Failed(e.into()))?;
+        tracing::trace!(worker = %sub.worker, job = sub.job.0, ?block, bytes, "input copied into the arena");
+        Ok(ArenaCopy {
+            lease,
+            location: ArenaLocation {
+                chunk: block.chunk,
+                offset: block.offset,
+            },
+            span: Span {
+                ptr: block.ptr.0,
+                bytes: block.len,
+            },
+            why,
+        })
     }
 
     /// Starts a placed job in the contract and carries out what it asks.
@@ -911,11 +1049,25 @@ impl Loop {
         };
         let mut staged_inputs = HashMap::new();
         let mut lent_bases = Vec::new();
-        for ((h, loan), input) in handoffs.iter().zip(&placed.loans).zip(&sub.inputs) {
+        let mut arena_inputs = HashMap::new();
+        let Placed {
+            loans,
+            rungs,
+            reasons,
+            copies,
+            staged,
+        } = placed;
+        for (((h, loan), input), copy) in handoffs.iter().zip(&loans).zip(&sub.inputs).zip(copies) {
             match loan.rung {
                 Rung::HostStaging => {
                     staged_inputs.insert(*h, (input.ptr, loan.span.bytes));
                     Stats::bump(&self.shared.stats.host_staged_tensors);
+                }
+                Rung::ArenaCopy => {
+                    if let Some(lease) = copy {
+                        arena_inputs.insert(*h, lease);
+                    }
+                    Stats::bump(&self.shared.stats.arena_copied_inputs);
                 }
                 _ => {
                     self.lent.entry(loan.span.ptr).or_insert((loan.alloc, 0)).1 += 1;
@@ -926,7 +1078,7 @@ impl Loop {
         }
         if let Some(s) = self.workers.get_mut(&worker) {
             s.in_flight += 1;
-            s.staged_in_flight |= placed.staged;
+            s.staged_in_flight |= staged;
         }
         let Submission {
             stream,
@@ -941,8 +1093,10 @@ impl Loop {
                 alloc,
                 done,
                 ready: Some(ready),
-                input_rungs: placed.rungs,
-                staged: placed.staged,
+                input_rungs: rungs,
+                input_reasons: reasons,
+                arena_inputs,
+                staged,
                 staged_inputs,
                 results: BTreeMap::new(),
                 requests_by_alloc: HashMap::new(),
@@ -1207,12 +1361,12 @@ impl Loop {
             ParentAction::Release {
                 worker,
                 job,
-                handoff: _,
+                handoff,
                 alloc: _,
                 purpose,
-                rung: _,
+                rung,
                 outcome,
-            } => self.release(worker, job, purpose, outcome),
+            } => self.release(worker, job, handoff, purpose, rung, outcome),
             ParentAction::FreeResult {
                 worker,
                 job,
@@ -1369,7 +1523,8 @@ impl Loop {
         };
         let bytes = spec.byte_len;
         let to_arena = bytes > 0
-            && self.workers.get(&worker).is_some_and(|s| s.takes_arena)
+            && matches!(self.shared.options.results, ResultMemory::Arena { .. })
+            && self.workers.get(&worker).is_some_and(|s| s.maps_arena)
             && self
                 .jobs
                 .get(&(worker, job))
@@ -1455,7 +1610,7 @@ impl Loop {
         shape: ResultShape,
         bytes: u64,
     ) -> Result<ParentEvent, Error> {
-        let arena = self.ensure_arena()?;
+        let arena = self.ensure_arena(bytes)?;
         let stream = self
             .jobs
             .get(&(worker, job))
@@ -1470,7 +1625,7 @@ impl Loop {
         let sent = self
             .workers
             .get(&worker)
-            .is_some_and(|s| s.takes_arena && s.arena_chunks_sent > block.chunk);
+            .is_some_and(|s| s.maps_arena && s.arena_chunks_sent > block.chunk);
         if !sent {
             return Err(Error::Protocol(format!(
                 "arena chunk {} could not be sent to {worker}",
@@ -1499,10 +1654,24 @@ impl Loop {
         })
     }
 
-    fn release(&mut self, worker: WorkerId, job: JobId, purpose: Purpose, outcome: Outcome) {
+    fn release(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        handoff: HandoffId,
+        purpose: Purpose,
+        rung: Rung,
+        outcome: Outcome,
+    ) {
         let Some(st) = self.jobs.get_mut(&(worker, job)) else {
             return;
         };
+        if purpose == Purpose::Input && rung == Rung::ArenaCopy {
+            // The contract releases it after the job's stream waited on the worker's DONE,
+            // or once the worker was reaped: the block goes back ordered after both.
+            drop(st.arena_inputs.remove(&handoff));
+            return;
+        }
         // Inputs stay the caller's; a result that did not complete goes back.
         if let Purpose::Result { request } = purpose
             && outcome != Outcome::Completed
@@ -1562,7 +1731,8 @@ impl Loop {
                 self.free_orphans(&mut st);
                 Ok(JobOutput {
                     results: st.results.into_values().collect(),
-                    input_rungs: st.input_rungs,
+                    input_rungs: std::mem::take(&mut st.input_rungs),
+                    input_reasons: std::mem::take(&mut st.input_reasons),
                 })
             }
             JobOutcome::WorkerError(message) => {
@@ -1656,7 +1826,46 @@ impl Loop {
 pub(crate) struct Placed {
     loans: Vec<InputLoan>,
     rungs: Vec<Rung>,
+    /// Per input: why it did not go by pool pointer.
+    reasons: Vec<Option<String>>,
+    /// Per input: the arena block holding its copy (arena copy). Dropped before the job is
+    /// lent (a later input refused), a block goes back stream-ordered after its copy.
+    copies: Vec<Option<ArenaLease>>,
     staged: bool,
+}
+
+/// An input copied into the arena, its copy queued on the job's stream.
+struct ArenaCopy {
+    lease: ArenaLease,
+    location: ArenaLocation,
+    /// The block in this process.
+    span: Span,
+    /// What made the copy possible, for the reason (free VRAM, or room in the arena).
+    why: String,
+}
+
+/// Why an input is not copied into the arena.
+enum NoCopy {
+    /// Not for this input, worker or machine, in words: it takes host staging.
+    Declined(String),
+    /// A driver call failed on the way: the job fails.
+    Failed(Error),
+}
+
+/// `bytes` for a person: `16 GiB`, `3.5 GiB`, `64 MiB`, `12 KiB`, `100 bytes`.
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    for (unit, name) in UNITS {
+        if bytes >= unit {
+            return if bytes.is_multiple_of(unit) {
+                format!("{} {name}", bytes / unit)
+            } else {
+                // One decimal, rounded down: enough to tell sizes apart in a log line.
+                format!("{}.{} {name}", bytes / unit, bytes % unit * 10 / unit)
+            };
+        }
+    }
+    format!("{bytes} bytes")
 }
 
 /// Why an input does not go by pool pointer, in words (for the log and the error).
@@ -1667,7 +1876,14 @@ fn why_not_pointer(
     limit: Option<poolipc_types::LimitExceeded>,
 ) -> String {
     if let Some(e) = limit {
-        return e.to_string();
+        return format!(
+            "{} over the import limit (it touches {} chunks of {}, pointer import allows at most \
+             {})",
+            human_bytes(e.bytes),
+            e.chunks,
+            human_bytes(e.chunk_bytes),
+            e.max_chunks
+        );
     }
     let reaches = |p: usize| {
         lock(&shared.registry)
@@ -1680,5 +1896,21 @@ fn why_not_pointer(
             format!("{worker} cannot reach the parent's pool {p} from its device")
         }
         Some(_) => format!("{worker} was demoted by its canary battery"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human_bytes;
+
+    #[test]
+    fn sizes_read_in_the_largest_unit_with_one_decimal_at_most() {
+        assert_eq!(human_bytes(16 << 30), "16 GiB");
+        assert_eq!(human_bytes((7 << 29) + 5), "3.5 GiB");
+        assert_eq!(human_bytes(64 << 20), "64 MiB");
+        assert_eq!(human_bytes((1 << 20) + 3), "1.0 MiB");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(100), "100 bytes");
+        assert_eq!(human_bytes(u64::MAX), "17179869183.9 GiB");
     }
 }

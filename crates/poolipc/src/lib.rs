@@ -50,8 +50,8 @@ pub use canary::CanaryReport;
 pub use error::Error;
 pub use handshake::identity;
 pub use parent::{
-    ArenaStats, Input, JobHandle, JobOutput, Parent, ParentOptions, ParentStats, ResultAllocator,
-    ResultMemory, ResultTensor, SPIN_ENV, WorkerInfo,
+    ArenaStats, DEFAULT_ARENA_COPY_VRAM_MARGIN, Input, JobHandle, JobOutput, Parent, ParentOptions,
+    ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV, WorkerInfo,
 };
 pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};

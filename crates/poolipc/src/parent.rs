@@ -61,6 +61,25 @@ pub struct ParentOptions {
     /// [`ResultMemory::Pool`] by default, [`ResultMemory::Arena`] for the fast path.
     /// [`submit_with`](Parent::submit_with) always uses the caller's allocator.
     pub results: ResultMemory,
+    /// Whether an input that cannot go by pool pointer but is memory of the parent's shared
+    /// pool (over the import limit, or a worker that may not import it) is copied
+    /// device-to-device into a block of the arena and lent from there ([`Rung::ArenaCopy`])
+    /// rather than through host staging. True by default. It needs a worker with the arena
+    /// capability and enough free VRAM (see
+    /// [`arena_copy_vram_margin`](ParentOptions::arena_copy_vram_margin)); otherwise, or
+    /// when false, such inputs take host staging as before.
+    ///
+    /// With [`ResultMemory::Arena`] the copies share the result arena and its cap. With
+    /// [`ResultMemory::Pool`] an arena is made for them alone at the first copy, as large as
+    /// that copy (and grown by chunks of that size, with no cap). The arena keeps its chunks
+    /// until the parent is dropped: after a 16 GiB copy, 16 GiB of VRAM stay reserved for
+    /// the next one.
+    pub arena_copy: bool,
+    /// The VRAM that must stay free after an arena copy that needs new arena memory: an
+    /// input takes the arena-copy rung only when `cuMemGetInfo` reports at least its size
+    /// plus this much free (256 MiB by default). A copy that fits in the arena as it is
+    /// needs no new memory and is not checked.
+    pub arena_copy_vram_margin: u64,
 }
 
 /// Where the parent puts a job's results when the caller gives no allocator.
@@ -109,9 +128,14 @@ impl Default for ParentOptions {
             canary: true,
             staging: StagingConfig::default(),
             results: ResultMemory::Pool,
+            arena_copy: true,
+            arena_copy_vram_margin: DEFAULT_ARENA_COPY_VRAM_MARGIN,
         }
     }
 }
+
+/// [`ParentOptions::arena_copy_vram_margin`]'s default: 256 MiB.
+pub const DEFAULT_ARENA_COPY_VRAM_MARGIN: u64 = 256 << 20;
 
 /// The environment variable that sets [`ParentOptions::spin`]'s default, in microseconds.
 pub const SPIN_ENV: &str = "POOLIPC_SPIN_US";
@@ -133,7 +157,14 @@ fn default_spin() -> Duration {
 
 /// An input tensor to lend: where its first element is, and its layout. It must stay alive
 /// (and unwritten by the caller) until its job returns. Memory of the shared pool goes by pool
-/// pointer; any other device memory (`cuMemAlloc`, another pool) takes host staging.
+/// pointer; memory of the shared pool that cannot (over the import limit) is copied into the
+/// arena ([`Rung::ArenaCopy`], see [`ParentOptions::arena_copy`]) or takes host staging; any
+/// other device memory (`cuMemAlloc`, another pool) takes host staging.
+///
+/// An arena copy is queued on the job's stream when the job is placed, before its READY: work
+/// the caller queued on that stream before submitting (the kernels that wrote the tensor) is
+/// copied after it, and work the caller queues on it after [`JobHandle::wait`] (a write, a
+/// free) runs after the copy. The worker reads only the copy.
 #[derive(Clone, Debug)]
 pub struct Input {
     /// The address of element 0.
@@ -215,13 +246,28 @@ impl ResultTensor {
     }
 }
 
-/// An arena block owned by a [`ResultTensor`]: given back once, stream-ordered, when dropped
-/// (unless [`ResultTensor::return_to_arena`] gave it back first). The drop lives here, not on
-/// `ResultTensor`, so that a result's fields can still be moved out of it.
-struct ArenaLease {
+/// An arena block owned by a [`ResultTensor`] (or by the IO loop, for an input's arena copy):
+/// given back once, stream-ordered, when dropped (unless [`ResultTensor::return_to_arena`]
+/// gave it back first). The drop lives here, not on `ResultTensor`, so that a result's fields
+/// can still be moved out of it.
+pub(crate) struct ArenaLease {
     held: Option<(Arc<Arena<dyn Driver>>, ArenaBlock)>,
     /// The job's stream: where the drop orders the return.
     stream: StreamHandle,
+}
+
+impl ArenaLease {
+    /// `block` of `arena`, given back on `stream` when dropped.
+    pub(crate) fn new(
+        arena: Arc<Arena<dyn Driver>>,
+        block: ArenaBlock,
+        stream: StreamHandle,
+    ) -> ArenaLease {
+        ArenaLease {
+            held: Some((arena, block)),
+            stream,
+        }
+    }
 }
 
 impl std::fmt::Debug for ArenaLease {
@@ -289,6 +335,14 @@ pub struct JobOutput {
     pub results: Vec<ResultTensor>,
     /// The rung each input took, in argument order.
     pub input_rungs: Vec<Rung>,
+    /// Why each input took its rung, in argument order: `None` for a pool pointer (the
+    /// rung every input tries first), a sentence for every other (why not by pointer, and
+    /// why this rung rather than the next), e.g. `"input 0: 16 GiB over the import limit (it
+    /// touches 513 chunks of 32 MiB, pointer import allows at most 128): arena copy (VRAM
+    /// free 120 GiB)"` or `"…: host staging: only 3 GiB of VRAM free, the copy needs 16 GiB
+    /// and 256 MiB to spare"`. The same sentence is logged (`debug`) when the job is placed.
+    /// Meant for people and logs, not for parsing: the wording may change.
+    pub input_reasons: Vec<Option<String>>,
 }
 
 /// What the parent knows of a worker.
@@ -323,6 +377,8 @@ pub struct ParentStats {
     pub host_staged_tensors: u64,
     /// Results that went by the result arena.
     pub arena_results: u64,
+    /// Inputs copied into the arena and lent from there ([`Rung::ArenaCopy`]).
+    pub arena_copied_inputs: u64,
 }
 
 /// Allocates a job's result memory: `(shape, bytes, stream)` to an allocation of at least
@@ -341,6 +397,7 @@ pub(crate) struct Stats {
     pub(crate) pool_pointer_tensors: AtomicU64,
     pub(crate) host_staged_tensors: AtomicU64,
     pub(crate) arena_results: AtomicU64,
+    pub(crate) arena_copied_inputs: AtomicU64,
 }
 
 impl Stats {
@@ -377,6 +434,9 @@ pub(crate) struct Shared {
     limit: Mutex<ImportLimit>,
     inbox: Mutex<VecDeque<LoopCommand>>,
     waker: UnixStream,
+    /// Whether the arena-copy rung may be chosen now ([`ParentOptions::arena_copy`] at
+    /// first, then [`Parent::set_arena_copy`]).
+    pub(crate) arena_copy_on: std::sync::atomic::AtomicBool,
     /// Set by [`Shared::post`] before it decides whether to wake the loop; cleared by the
     /// loop when it takes the commands.
     pub(crate) pending: std::sync::atomic::AtomicBool,
@@ -640,6 +700,7 @@ impl Parent {
                 "poolipc: this process is an MPS client: handoffs skip the GPU's turn-taking, and a GPU fault in any client (a worker) ends every client's context"
             );
         }
+        let arena_copy = options.arena_copy;
         let shared = Arc::new(Shared {
             arena: Mutex::new(None),
             mps_client,
@@ -651,6 +712,7 @@ impl Parent {
             inbox: Mutex::new(VecDeque::new()),
             waker,
             pending: std::sync::atomic::AtomicBool::new(false),
+            arena_copy_on: std::sync::atomic::AtomicBool::new(arena_copy),
             io_spinning: std::sync::atomic::AtomicBool::new(false),
             registry: Mutex::new(BTreeMap::new()),
             next_worker: AtomicU32::new(1),
@@ -751,6 +813,14 @@ impl Parent {
         self.arena().map_or(0, |a| a.reclaim())
     }
 
+    /// Turns the arena-copy rung on or off for jobs placed from now on (it starts as
+    /// [`ParentOptions::arena_copy`] says). Turning it on helps only where the arena is set
+    /// up for it: with [`ParentOptions::arena_copy`] or [`ResultMemory::Arena`] at
+    /// [`Parent::new`].
+    pub fn set_arena_copy(&self, on: bool) {
+        self.shared.arena_copy_on.store(on, Ordering::Relaxed);
+    }
+
     /// Counters, read without waiting for any job.
     pub fn stats(&self) -> ParentStats {
         let s = &self.shared.stats;
@@ -764,6 +834,7 @@ impl Parent {
             pool_pointer_tensors: get(&s.pool_pointer_tensors),
             host_staged_tensors: get(&s.host_staged_tensors),
             arena_results: get(&s.arena_results),
+            arena_copied_inputs: get(&s.arena_copied_inputs),
         }
     }
 

@@ -394,7 +394,8 @@ impl Worker {
         Ok(job)
     }
 
-    /// The view of one lent tensor: the import at its offset (pool pointer), or this
+    /// The view of one lent tensor: the import at its offset (pool pointer), the parent's
+    /// copy in the arena through this worker's mapping (arena copy, read-only), or this
     /// process's copy (host staging, read-only).
     fn input_view(&self, t: LentTensor) -> Result<InputView, Error> {
         let ptr = match t.rung {
@@ -411,6 +412,33 @@ impl Worker {
             Rung::HostStaging => self.staged.get(&t.handle).map(|c| c.ptr).ok_or_else(|| {
                 Error::Protocol(format!("staged input {:?} was never received", t.handle))
             })?,
+            Rung::ArenaCopy => {
+                let Some(at) = t.arena else {
+                    return Err(Error::Protocol(format!(
+                        "arena-copy input {:?} without its arena location",
+                        t.handle
+                    )));
+                };
+                // The block holds the tensor's bytes from its byte offset on: all of it must
+                // lie inside a chunk this worker mapped.
+                let len = t
+                    .meta
+                    .byte_offset
+                    .checked_add(t.meta.byte_len)
+                    .ok_or_else(|| {
+                        Error::Protocol(format!(
+                            "arena-copy input {:?}: byte offset {} and length {} overflow",
+                            t.handle, t.meta.byte_offset, t.meta.byte_len
+                        ))
+                    })?;
+                let mapping = self
+                    .arena
+                    .as_ref()
+                    .ok_or(Error::Arena(ArenaError::UnknownChunk { chunk: at.chunk }))?;
+                mapping
+                    .resolve(at.chunk, at.offset, len)?
+                    .offset(t.meta.byte_offset)
+            }
             other => {
                 return Err(Error::Protocol(format!(
                     "input {:?} on rung {other}, which this worker does not take",

@@ -101,3 +101,8 @@ fn property_catches_a_reaped_workers_handoffs_never_released() {
 fn property_catches_arena_blocks_returned_before_the_worker_is_reaped() {
     assert_names(&caught::<9>(), 5);
 }
+
+#[test]
+fn property_catches_an_arena_copy_block_returned_before_done() {
+    assert_names(&caught::<10>(), 4);
+}

@@ -235,7 +235,8 @@ fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
 
 /// The system under test: the simulated world, with mutation `M` switched on
 /// (`0` is none; `1..=8` break the invariant of that number, `9` returns arena blocks before
-/// the worker is reaped, which breaks invariant 5; see [`mutation_for`]).
+/// the worker is reaped, which breaks invariant 5, `10` returns arena-copy input blocks
+/// without waiting on DONE, which breaks invariant 4; see [`mutation_for`]).
 pub(crate) struct Contract<const M: u8>;
 
 pub(crate) fn mutation_for(m: u8) -> Option<Mutation> {
@@ -249,6 +250,7 @@ pub(crate) fn mutation_for(m: u8) -> Option<Mutation> {
         7 => Some(Mutation::IgnoreImportLimit),
         8 => Some(Mutation::ForgetDeadWorkersLoans),
         9 => Some(Mutation::ReleaseArenaAtHangUp),
+        10 => Some(Mutation::ReturnArenaCopyBeforeDone),
         _ => None,
     }
 }
@@ -300,13 +302,14 @@ prop_state_machine! {
 }
 
 /// The paths a sequence must be able to reach, or the property above would hold vacuously.
-const PATHS: [&str; 29] = [
+const PATHS: [&str; 30] = [
     "deadline expired",
     "parent ignored a late message",
     "worker refused a stale message",
     "start_job refused",
     "lend",
     "lend with a staged input",
+    "lend with an arena copy",
     "send staged",
     "grant a pointer result",
     "grant a staged result",

@@ -85,6 +85,7 @@ fn pointer(alloc: u64) -> InputLoan {
         pool: 0,
         export: ExportBlob(blob(3, alloc)),
         meta: meta(4096),
+        arena: None,
     }
 }
 
@@ -96,6 +97,7 @@ fn staged(alloc: u64, bytes: u64) -> InputLoan {
         pool: 0,
         export: ExportBlob([0; 64]),
         meta: meta(bytes),
+        arena: None,
     }
 }
 
@@ -1592,6 +1594,7 @@ fn lend(job: u64, tensors: Vec<(u64, u64, Rung)>) -> Message {
                 export: ExportBlob(blob(3, alloc)),
                 ready_event: ready(job),
                 meta: meta(16),
+                arena: None,
             })
             .collect(),
     })
@@ -1855,4 +1858,183 @@ fn an_arena_rung_without_a_location_is_refused_on_both_sides() {
         "{got:?}"
     );
     assert!(drain_worker(&mut w).is_empty());
+}
+
+// Inputs copied into the arena (the arena-copy rung).
+
+/// An input the facade copied into arena block `alloc` (129 chunks: above the limit, which
+/// does not matter on this rung).
+fn arena_copy(alloc: u64) -> InputLoan {
+    InputLoan {
+        rung: Rung::ArenaCopy,
+        export: ExportBlob([0; 64]),
+        arena: Some(crate::ArenaLocation {
+            chunk: 2,
+            offset: 8192,
+        }),
+        ..huge(alloc)
+    }
+}
+
+#[test]
+fn an_arena_copy_input_is_lent_by_location_after_ready_and_the_worker_imports_nothing() {
+    let mut pair = Pair::new();
+    pair.p
+        .start_job(W0, JOB, ready(1), vec![arena_copy(1)], T0)
+        .expect("an arena copy has no import limit");
+    pair.pump();
+    let (log, wlog) = pair.take_logs();
+    let record = log
+        .iter()
+        .position(|a| matches!(a, ParentAction::RecordReady { .. }))
+        .expect("READY is recorded: the copy is queued before it");
+    let lend = log
+        .iter()
+        .position(|a| {
+            matches!(
+                a,
+                ParentAction::Send {
+                    message: Message::Lend(_),
+                    ..
+                }
+            )
+        })
+        .expect("a Lend");
+    assert!(record < lend, "{log:?}");
+    let Some(Message::Lend(l)) = sent_messages(&log).into_iter().next() else {
+        panic!("no Lend: {log:?}");
+    };
+    let t = &l.tensors[0];
+    assert_eq!(
+        (t.rung, t.ready_event, t.pool),
+        (Rung::ArenaCopy, ready(1), 0)
+    );
+    assert_eq!(t.export, ExportBlob([0; 64]));
+    assert_eq!(
+        t.arena,
+        Some(crate::ArenaLocation {
+            chunk: 2,
+            offset: 8192
+        })
+    );
+    assert!(
+        !wlog
+            .iter()
+            .any(|a| matches!(a, WorkerAction::Import { .. })),
+        "{wlog:?}"
+    );
+    assert!(
+        wlog.iter().any(
+            |a| matches!(a, WorkerAction::WaitReady { ready_event, .. } if *ready_event == ready(1))
+        ),
+        "the worker waits on READY before it reads the copy: {wlog:?}"
+    );
+    assert!(
+        !log.iter()
+            .any(|a| matches!(a, ParentAction::SendStaged { .. })),
+        "nothing is staged: {log:?}"
+    );
+}
+
+#[test]
+fn an_arena_copy_block_is_released_only_after_a_wait_on_the_workers_done() {
+    let mut pair = Pair::new();
+    let handles = pair
+        .p
+        .start_job(W0, JOB, ready(1), vec![arena_copy(1)], T0)
+        .expect("start");
+    pair.pump();
+    let _ = pair.take_logs();
+    pair.w.finish_job(JOB, done_event(1)).expect("finish");
+    pair.pump();
+    let (log, wlog) = pair.take_logs();
+    assert!(
+        !wlog
+            .iter()
+            .any(|a| matches!(a, WorkerAction::Unimport { .. })),
+        "nothing to unimport for a copy in the arena: {wlog:?}"
+    );
+    let wait = log
+        .iter()
+        .position(|a| matches!(a, ParentAction::WaitDone { handoff, .. } if *handoff == handles[0]))
+        .expect("a wait on DONE");
+    let release = log
+        .iter()
+        .position(|a| {
+            matches!(a, ParentAction::Release { handoff, rung: Rung::ArenaCopy, outcome: Outcome::Completed, .. } if *handoff == handles[0])
+        })
+        .expect("a release");
+    assert!(wait < release, "{log:?}");
+    assert_eq!(job_finished(&log, JOB), JobOutcome::Completed);
+}
+
+#[test]
+fn an_arena_copy_block_of_a_hung_up_worker_is_released_only_once_it_is_reaped() {
+    let mut p = parent();
+    let handles = p
+        .start_job(W0, JOB, ready(1), vec![arena_copy(1)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    p.handle(
+        ParentEvent::WorkerHungUp {
+            worker: W0,
+            why: "EOF".into(),
+        },
+        T0,
+    )
+    .expect("EOF");
+    let actions = drain_parent(&mut p);
+    assert!(releases(&actions).is_empty(), "{actions:?}");
+    p.handle(ParentEvent::WorkerReaped { worker: W0 }, T0)
+        .expect("reaped");
+    let actions = drain_parent(&mut p);
+    assert_eq!(releases(&actions), [(handles[0], Outcome::Failed)]);
+}
+
+#[test]
+fn an_arena_copy_input_must_name_its_block_and_no_other_input_may() {
+    let mut p = parent();
+    let without = InputLoan {
+        arena: None,
+        ..arena_copy(1)
+    };
+    assert!(matches!(
+        p.start_job(W0, JOB, ready(1), vec![without], T0),
+        Err(ContractError::RungNotAllowed {
+            rung: Rung::ArenaCopy,
+            ..
+        })
+    ));
+    let with = InputLoan {
+        arena: Some(crate::ArenaLocation {
+            chunk: 0,
+            offset: 0,
+        }),
+        ..pointer(2)
+    };
+    assert!(matches!(
+        p.start_job(W0, JOB, ready(1), vec![with], T0),
+        Err(ContractError::RungNotAllowed { .. })
+    ));
+    assert!(
+        drain_parent(&mut p).is_empty(),
+        "a refused job queues nothing"
+    );
+}
+
+#[test]
+fn a_worker_refuses_an_arena_copy_without_its_location() {
+    let mut w = Worker::new();
+    let got = w.handle(lend(1, vec![(1, 1, Rung::ArenaCopy)]), T0);
+    assert!(
+        matches!(
+            got,
+            Err(ContractError::RungNotAllowed {
+                rung: Rung::ArenaCopy,
+                ..
+            })
+        ),
+        "{got:?}"
+    );
+    assert!(w.poll_action().is_none());
 }

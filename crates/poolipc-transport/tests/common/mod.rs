@@ -2,10 +2,10 @@
 #![allow(dead_code)] // each test file uses part of this
 
 use poolipc_transport::{
-    Ack, AllocId, AllocationGrant, ArenaChunk, Capabilities, Chunk, DType, DeviceEntry, DeviceUuid,
-    Done, ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId,
-    Lend, LentTensor, Message, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer,
-    TensorMeta,
+    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, Chunk, DType,
+    DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply,
+    HandoffId, Identity, JobId, Lend, LentTensor, Message, ResultGrant, ResultRequest, ResultSpec,
+    Rung, StagingBuffer, TensorMeta,
 };
 
 /// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
@@ -77,6 +77,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                             byte_offset: 0,
                             byte_len: 48,
                         },
+                        arena: None,
                     },
                     LentTensor {
                         handle: HandoffId(2),
@@ -92,6 +93,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                             byte_offset: 16,
                             byte_len: 20,
                         },
+                        arena: None,
                     },
                 ],
             }),
@@ -211,6 +213,49 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
             Message::ArenaChunk(ArenaChunk {
                 index: 1,
                 len: 2 << 30,
+            }),
+        ),
+        (
+            "lend_arena_copy",
+            Message::Lend(Lend {
+                job: JobId(8),
+                tensors: vec![
+                    LentTensor {
+                        handle: HandoffId(3),
+                        alloc: AllocId(12),
+                        rung: Rung::ArenaCopy,
+                        pool: 0,
+                        export: ExportBlob([0; 64]),
+                        ready_event: EventBlob(blob64(0xa0)),
+                        meta: TensorMeta {
+                            dtype: DType::U8,
+                            shape: vec![6 << 30],
+                            strides: vec![1],
+                            byte_offset: 0,
+                            byte_len: 6 << 30,
+                        },
+                        arena: Some(ArenaLocation {
+                            chunk: 2,
+                            offset: 0x20_0000,
+                        }),
+                    },
+                    LentTensor {
+                        handle: HandoffId(4),
+                        alloc: AllocId(13),
+                        rung: Rung::HostStaging,
+                        pool: 0,
+                        export: ExportBlob([0; 64]),
+                        ready_event: EventBlob([0; 64]),
+                        meta: TensorMeta {
+                            dtype: DType::F32,
+                            shape: vec![4],
+                            strides: vec![1],
+                            byte_offset: 0,
+                            byte_len: 16,
+                        },
+                        arena: None,
+                    },
+                ],
             }),
         ),
     ]

@@ -15,6 +15,11 @@ use crate::tensor::{ResultShape, Rung, TensorDesc};
 /// How it crossed decides whether a write to it reaches the parent:
 /// - [`Rung::PoolPointer`]: the view is the parent's own memory, imported. Writable; the
 ///   parent sees a write (ordered by the job's DONE event).
+/// - [`Rung::ArenaCopy`]: the view is a copy the parent made for this job in a block of its
+///   arena, read through this worker's mapping (no import). The parent never reads the copy
+///   back, so a write would vanish like one to a staged copy: it is handed out
+///   **read-only** too. (Writing it would harm nothing else: the block is this job's alone
+///   until the parent's wait on DONE.)
 /// - [`Rung::HostStaging`]: the view is this worker's private copy of the tensor, which goes
 ///   one way only. It is handed out **read-only** ([`read_only`](InputView::read_only) is
 ///   true): a write would change only the copy and vanish when the job finishes. The Python
@@ -45,11 +50,12 @@ impl InputView {
     pub fn rung(&self) -> Rung {
         self.rung
     }
-    /// Whether the view must not be written: true for host-staged inputs, which are this
-    /// worker's private copy (a write would never reach the parent). Pool-pointer inputs are
-    /// the parent's memory: writable, and a write is seen by the parent.
+    /// Whether the view must not be written: true exactly when a write would never reach the
+    /// parent's tensor, i.e. for copies (host-staged inputs: this worker's private copy;
+    /// arena-copy inputs: the parent's copy, which it never reads back). Pool-pointer inputs
+    /// are the parent's memory: writable, and a write is seen by the parent.
     pub fn read_only(&self) -> bool {
-        self.rung == Rung::HostStaging
+        matches!(self.rung, Rung::HostStaging | Rung::ArenaCopy)
     }
 }
 
