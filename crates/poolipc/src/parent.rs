@@ -69,7 +69,10 @@ pub struct ParentOptions {
     /// [`arena_copy_vram_margin`](ParentOptions::arena_copy_vram_margin)); otherwise, or
     /// when false, such inputs take host staging as before.
     ///
-    /// With [`ResultMemory::Arena`] the copies share the result arena and its cap. With
+    /// With [`ResultMemory::Arena`] the copies share the result arena and its cap: a copy
+    /// is made only when it fits under the cap, but it may then leave too little for the
+    /// job's own results, which are refused (out of memory) rather than sent to the pool;
+    /// give a capped arena room for both, or turn this off. With
     /// [`ResultMemory::Pool`] an arena is made for them alone at the first copy, as large as
     /// that copy (and grown by chunks of that size, with no cap). The arena keeps its chunks
     /// until the parent is dropped: after a 16 GiB copy, 16 GiB of VRAM stay reserved for
