@@ -199,6 +199,28 @@ struct Loop {
     last_activity: Instant,
 }
 
+/// Under MPS, how long a failed job's context check keeps asking whether the failure ended
+/// this process's context too (the server marks the other clients shortly after the fault).
+const MPS_FAULT_GRACE: Duration = Duration::from_millis(250);
+
+/// Whether a worker's error text names a GPU fault (a sticky CUDA error).
+fn names_gpu_fault(message: &str) -> bool {
+    [
+        "ILLEGAL_ADDRESS",
+        "ILLEGAL_INSTRUCTION",
+        "MISALIGNED_ADDRESS",
+        "INVALID_ADDRESS_SPACE",
+        "INVALID_PC",
+        "LAUNCH_FAILED",
+        "HARDWARE_STACK_ERROR",
+        "ECC_UNCORRECTABLE",
+        "MPS_CLIENT_TERMINATED",
+        "illegal memory access",
+    ]
+    .iter()
+    .any(|needle| message.contains(needle))
+}
+
 /// How long the loop sleeps when nothing is due: commands and frames wake it earlier.
 const IDLE_POLL: Duration = Duration::from_millis(500);
 /// While a worker is exiting, how often to look whether it has.
@@ -1702,15 +1724,39 @@ impl Loop {
                 self.suspect = Some((worker, format!("it reported: {m}")));
             }
             // A worker that failed may have faulted on the GPU: under MPS that ends our
-            // context too. Ask now (one query) rather than at the next job.
-            if self.shared.check_context().is_ok()
-                && let Err(e) = self
+            // context too. Ask now rather than at the next job. The MPS server marks the
+            // other clients a little after the faulting one sees its error (on the H200 the
+            // parent's first query sometimes still succeeded), so under MPS, for a failure
+            // that looks like a crash or a GPU fault, ask again for up to MPS_FAULT_GRACE.
+            let crash_like = match &outcome {
+                JobOutcome::Failed { reason, .. } => {
+                    matches!(reason, FailReason::HungUp | FailReason::ProtocolViolation)
+                }
+                JobOutcome::WorkerError(m) => names_gpu_fault(m),
+                JobOutcome::Completed => false,
+            };
+            let grace = if crash_like && self.shared.mps_client == Some(true) {
+                MPS_FAULT_GRACE
+            } else {
+                Duration::ZERO
+            };
+            let started = Instant::now();
+            while self.shared.check_context().is_ok() {
+                let probe = self
                     .shared
                     .driver
                     .event_create(false)
-                    .and_then(|ev| self.shared.driver.event_destroy(ev))
-            {
-                self.escalate("checking the context after a failed job", &e.into());
+                    .and_then(|ev| self.shared.driver.event_destroy(ev));
+                match probe {
+                    Err(e) => {
+                        self.escalate("checking the context after a failed job", &e.into());
+                        break;
+                    }
+                    Ok(()) if started.elapsed() < grace => {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                    Ok(()) => break,
+                }
             }
         }
         if let Some(ready) = st.ready.take() {
@@ -1901,7 +1947,19 @@ fn why_not_pointer(
 
 #[cfg(test)]
 mod tests {
-    use super::human_bytes;
+    use super::{human_bytes, names_gpu_fault};
+
+    #[test]
+    fn a_worker_error_naming_a_sticky_cuda_error_counts_as_a_gpu_fault() {
+        assert!(names_gpu_fault(
+            "the job's kernel faulted: cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)"
+        ));
+        assert!(names_gpu_fault(
+            "RuntimeError: CUDA error: an illegal memory access was encountered"
+        ));
+        assert!(!names_gpu_fault("ValueError: shapes (3,) and (4,) differ"));
+        assert!(!names_gpu_fault("CUDA_ERROR_OUT_OF_MEMORY"));
+    }
 
     #[test]
     fn sizes_read_in_the_largest_unit_with_one_decimal_at_most() {
