@@ -54,6 +54,7 @@ from ._types import (
     InputSpec,
     InstallInfo,
     MemoryStats,
+    MpsStatus,
     ParentOptions,
     ParentStats,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "MemoryStats",
     "ParentOptions",
     "ParentStats",
+    "MpsStatus",
     "Allocator",
 ]
 
@@ -140,7 +142,9 @@ def _backend_choice(conf: str | None, argv: list[str]) -> tuple[str | None, str 
     return None, f"{ALLOC_CONF}={conf!r} chose another allocator backend"
 
 
-def start_mps(*, accept_shared_gpu_faults: bool = False, control: str | None = None) -> str:
+def start_mps(
+    *, accept_shared_gpu_faults: bool = False, control: str | os.PathLike[str] | None = None
+) -> str:
     """Start a private CUDA MPS daemon for this process and the workers it starts from now on.
 
     Under MPS a handoff skips the GPU's turn-taking between processes (about 60 µs round

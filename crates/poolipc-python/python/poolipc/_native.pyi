@@ -2,6 +2,7 @@
 side, views. The package ``poolipc`` wraps it for torch; use that unless you need the raw
 calls. Kept in step with ``crates/poolipc-python/src`` by ``stubtest`` in the test suite."""
 
+import os
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, final
@@ -9,6 +10,7 @@ from typing import Any, Final, final
 from ._types import (
     InputSpec,
     MemoryStats,
+    MpsStatus,
     NativeAllocator,
     NativeInstallInfo,
     NativeResult,
@@ -31,6 +33,10 @@ __all__ = [
     "WorkerError",
     "UnknownWorkerError",
     "ExpiredViewError",
+    "ContextLostError",
+    "MpsError",
+    "start_mps",
+    "mps_status",
     "DRIVER_ENV",
 ]
 
@@ -59,6 +65,22 @@ class UnknownWorkerError(PoolipcError, KeyError):
 
 class ExpiredViewError(PoolipcError):
     """A view, a result buffer or a freed DeviceBuffer was used after its memory went back."""
+
+class ContextLostError(PoolipcError):
+    """This process's CUDA context is lost (under MPS, possibly a worker's GPU fault); the
+    parent refuses all further work: restart the process."""
+
+class MpsError(PoolipcError):
+    """``start_mps`` refused (not acknowledged, not installed, too late, another daemon) or
+    the daemon did not start."""
+
+def start_mps(
+    *, accept_shared_gpu_faults: bool = False, control: str | os.PathLike[str] | None = None
+) -> str:
+    """Starts a private MPS daemon and makes this process its client; the pipe directory."""
+
+def mps_status() -> MpsStatus:
+    """What this machine and process say about MPS, without touching CUDA."""
 
 def _install(
     device: int = 0,

@@ -75,3 +75,16 @@ class ParentStats(TypedDict):
     jobs_failed: int
     pool_pointer_tensors: int
     host_staged_tensors: int
+
+
+class MpsStatus(TypedDict):
+    """What ``poolipc.mps_status()`` returns: the MPS control program (path or None), where a
+    client of this process would look for a daemon and whether that came from
+    ``CUDA_MPS_PIPE_DIRECTORY``, whether a daemon is reachable there, and whether
+    ``start_mps`` ran in this process."""
+
+    control_binary: str | None
+    pipe_directory: str
+    pipe_directory_from_env: bool
+    daemon_reachable: bool
+    started_here: bool

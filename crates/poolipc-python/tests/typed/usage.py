@@ -104,3 +104,19 @@ def native_side() -> None:
         assert_type(shape, list[int])
     nw = _native.NativeWorker(None, any=False)
     assert_type(nw.next_job(), _native.Job | None)
+
+
+def mps_side() -> None:
+    status = poolipc.mps_status()
+    assert_type(status, poolipc.MpsStatus)
+    assert_type(status["daemon_reachable"], bool)
+    assert_type(status["control_binary"], str | None)
+    try:
+        pipe = poolipc.start_mps(accept_shared_gpu_faults=True)
+        assert_type(pipe, str)
+    except poolipc.MpsError as e:
+        assert_type(e, poolipc.MpsError)
+    try:
+        pass
+    except poolipc.ContextLostError as e:
+        assert_type(e, poolipc.ContextLostError)
