@@ -41,6 +41,10 @@ pub(crate) struct Args {
     /// `--mps`, both runs).
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// With --plot: draw the chart from a JSON file an earlier run wrote with --json-out
+    /// (plain or --mps), measuring nothing.
+    #[arg(long, requires = "plot")]
+    from_json: Option<std::path::PathBuf>,
     /// Run the table twice, plainly and then under a private CUDA MPS daemon this command
     /// starts and stops (its own pipe and log directories; nothing system-wide changes), and
     /// print both with the ratios. The peers run under the same daemon. The bench's own
@@ -196,6 +200,26 @@ fn round_trip(
 }
 
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    if let (Some(from), Some(to)) = (&args.from_json, &args.plot) {
+        let text =
+            std::fs::read_to_string(from).with_context(|| format!("reading {}", from.display()))?;
+        let run: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", from.display()))?;
+        let series = if run.get("plain").is_some() {
+            let mut s = series_from_json("", &run["plain"]);
+            s.extend(series_from_json("MPS: ", &run["mps"]));
+            s
+        } else {
+            series_from_json("", &run)
+        };
+        anyhow::ensure!(
+            !series.is_empty(),
+            "{} holds no round trips",
+            from.display()
+        );
+        crate::plot::plot_round_trips(to, "poolipc bench: round trip against size", &series)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     if args.mps {
         return run_plain_and_mps(args);
     }
@@ -770,6 +794,11 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
         plain["batch"]["tensors_per_s"].as_f64().unwrap_or(f64::NAN),
         under["batch"]["tensors_per_s"].as_f64().unwrap_or(f64::NAN)
     );
+    if let Some(path) = &args.plot {
+        let mut series = series_from_json("", &plain);
+        series.extend(series_from_json("MPS: ", &under));
+        crate::plot::plot_round_trips(path, "poolipc bench: plain and under MPS", &series)?;
+    }
     if let Some(path) = &args.json_out {
         let both =
             serde_json::json!({"plain": plain, "mps": under, "mps_parent_worker_outside": mixed});
