@@ -22,15 +22,18 @@ pub(crate) struct Args {
     /// 64 MiB, 50 at 1 GiB and 20 above, so that the medians hold still from run to run.
     #[arg(long)]
     iterations: Option<usize>,
-    /// The largest size to measure, in MiB.
-    #[arg(long, default_value_t = 4096)]
-    max_mib: u64,
-    /// The largest input to measure above the import limit (arena copy), in MiB.
-    #[arg(long, default_value_t = 16384)]
-    copy_max_mib: u64,
-    /// The largest result to measure through the arena, in MiB.
-    #[arg(long, default_value_t = 16384)]
-    result_max_mib: u64,
+    /// The largest size to measure, in MiB (default 4096; 64 on the simulated driver, whose
+    /// memory is host memory).
+    #[arg(long)]
+    max_mib: Option<u64>,
+    /// The largest input to measure above the import limit (arena copy), in MiB (default
+    /// 16384; 64 on the simulated driver).
+    #[arg(long)]
+    copy_max_mib: Option<u64>,
+    /// The largest result to measure through the arena, in MiB (default 16384; 64 on the
+    /// simulated driver).
+    #[arg(long)]
+    result_max_mib: Option<u64>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -63,6 +66,23 @@ pub(crate) struct Args {
     /// `python3` after ours and reported beside it.
     #[arg(long)]
     torchmp: Option<std::path::PathBuf>,
+}
+
+impl Args {
+    /// `--max-mib`, or its default on this driver.
+    fn max_mib(&self, sim: bool) -> u64 {
+        self.max_mib.unwrap_or(if sim { 64 } else { 4096 })
+    }
+
+    /// `--copy-max-mib`, or its default on this driver.
+    fn copy_max_mib(&self, sim: bool) -> u64 {
+        self.copy_max_mib.unwrap_or(if sim { 64 } else { 16384 })
+    }
+
+    /// `--result-max-mib`, or its default on this driver.
+    fn result_max_mib(&self, sim: bool) -> u64 {
+        self.result_max_mib.unwrap_or(if sim { 64 } else { 16384 })
+    }
 }
 
 /// The number after `"key": ` in a JSON line (the probes print flat objects).
@@ -185,6 +205,30 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[i.min(v.len() - 1)]
 }
 
+/// Whether a row of `bytes` that needs `need` bytes of device memory fits in what the
+/// device has free now (with 256 MiB to spare); if not, says so in `skipped`.
+fn fits(
+    d: &dyn Driver,
+    what: &str,
+    bytes: u64,
+    need: u64,
+    skipped: &mut Vec<String>,
+) -> Result<bool> {
+    let (free, _total) = d
+        .mem_get_info()
+        .context("asking the device's free memory")?;
+    if need.saturating_add(256 * MIB) <= free {
+        return Ok(true);
+    }
+    skipped.push(format!(
+        "{what} of {}: needs {} of device memory, {} free",
+        human(bytes),
+        human(need),
+        human(free)
+    ));
+    Ok(false)
+}
+
 /// One round trip of `input` on `worker`, timed from submit to the caller's stream done.
 fn round_trip(
     parent: &Parent,
@@ -224,6 +268,8 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         return run_plain_and_mps(args);
     }
     let (driver, child_env, which) = crate::demo::open_driver(args.sim, args.device)?;
+    // The simulated driver's device memory is this machine's memory: smaller sizes by default.
+    let sim = child_env.is_some();
     if !args.json {
         println!("poolipc bench {which}");
     }
@@ -261,8 +307,12 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let d: Arc<dyn Driver> = Arc::clone(&driver);
     let stream = d.stream_create()?;
     let mut rows = Vec::new();
+    // Rows the device cannot hold are skipped, and said so, instead of ending the run.
+    let mut skipped = Vec::new();
     for bytes in [4 * KIB, MIB, 64 * MIB, 1024 * MIB, 4096 * MIB] {
-        if bytes > args.max_mib * MIB {
+        if bytes > args.max_mib(sim) * MIB
+            || !fits(&*d, "round trip", bytes, 2 * bytes, &mut skipped)?
+        {
             continue;
         }
         let iterations = iterations_for(args, bytes);
@@ -272,7 +322,10 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         for i in 0..=iterations {
             // The same size allocated and freed each time: the first is fresh pool memory,
             // the rest recycled (a new allocation at the same address: exported again).
-            let ptr = parent.pool().alloc(bytes, stream)?;
+            let ptr = parent
+                .pool()
+                .alloc(bytes, stream)
+                .with_context(|| format!("allocating {} from the pool", human(bytes)))?;
             d.stream_synchronize(stream)?;
             let input = Input {
                 ptr,
@@ -288,7 +341,10 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             d.stream_synchronize(stream)?;
         }
         // One live allocation lent again and again: its export comes from the cache.
-        let ptr = parent.pool().alloc(bytes, stream)?;
+        let ptr = parent
+            .pool()
+            .alloc(bytes, stream)
+            .with_context(|| format!("allocating {} from the pool", human(bytes)))?;
         d.stream_synchronize(stream)?;
         let input = Input {
             ptr,
@@ -322,8 +378,14 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         parent.pool().free(ptr, stream)?;
         d.stream_synchronize(stream)?;
         // What the handoff replaces: device → host → device through pageable host memory.
-        let src = parent.pool().alloc(bytes, stream)?;
-        let dst = parent.pool().alloc(bytes, stream)?;
+        let src = parent
+            .pool()
+            .alloc(bytes, stream)
+            .with_context(|| format!("allocating {} from the pool", human(bytes)))?;
+        let dst = parent
+            .pool()
+            .alloc(bytes, stream)
+            .with_context(|| format!("allocating {} from the pool", human(bytes)))?;
         d.stream_synchronize(stream)?;
         let mut host = vec![0u8; usize::try_from(bytes)?];
         let mut copies = Vec::new();
@@ -351,11 +413,16 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     // limit by lowering it; larger ones are above the real one.
     let mut copy_rows = Vec::new();
     for bytes in RESULT_SIZES {
-        if bytes > args.copy_max_mib * MIB {
+        if bytes > args.copy_max_mib(sim) * MIB
+            || !fits(&*d, "arena copy", bytes, 2 * bytes, &mut skipped)?
+        {
             continue;
         }
         let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
-        let ptr = parent.pool().alloc(bytes, stream)?;
+        let ptr = parent
+            .pool()
+            .alloc(bytes, stream)
+            .with_context(|| format!("allocating {} from the pool", human(bytes)))?;
         d.stream_synchronize(stream)?;
         let input = Input { ptr, desc };
         let pointer_limit = parent.options().limit;
@@ -390,7 +457,9 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     // writing its first 4 KiB; the block goes back (stream-ordered) when the result drops.
     let mut arena_rows = Vec::new();
     for bytes in RESULT_SIZES {
-        if bytes > args.result_max_mib * MIB {
+        if bytes > args.result_max_mib(sim) * MIB
+            || !fits(&*d, "arena result", bytes, bytes, &mut skipped)?
+        {
             continue;
         }
         let mut cmd = Command::new(std::env::current_exe()?);
@@ -501,6 +570,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         "driver": d.kind().to_string(),
         "mps_client": mps_client,
         "round_trip": json_rows,
+        "skipped": skipped,
         "batch": {
             "tensors": n,
             "tensor_bytes": 4096,
@@ -669,6 +739,9 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         batch_s * 1e3
     );
     println!("  {cache}");
+    for why in &skipped {
+        println!("  skipped: {why}");
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -681,14 +754,14 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
         let mut c = Command::new(std::env::current_exe()?);
         c.arg("bench").arg("--device").arg(args.device.to_string());
         c.arg("--max-mib").arg(max_mib.to_string());
-        let results = if max_mib < args.max_mib {
+        let results = if max_mib < args.max_mib(false) {
             max_mib
         } else {
-            args.result_max_mib
+            args.result_max_mib(false)
         };
         c.arg("--result-max-mib").arg(results.to_string());
         c.arg("--copy-max-mib")
-            .arg(results.min(args.copy_max_mib).to_string());
+            .arg(results.min(args.copy_max_mib(false)).to_string());
         if let Some(n) = args.iterations {
             c.arg("--iterations").arg(n.to_string());
         }
@@ -707,7 +780,7 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
     let plain_json = dir.join("plain.json");
     let mps_json = dir.join("mps.json");
     println!("== poolipc bench, plain (no MPS)");
-    let status = child(&plain_json, args.max_mib)?
+    let status = child(&plain_json, args.max_mib(false))?
         .env_remove(poolipc_driver::mps_env::PIPE_DIRECTORY_ENV)
         .status()?;
     anyhow::ensure!(status.success(), "the plain bench failed: {status}");
@@ -721,13 +794,15 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
         "== poolipc bench under a private MPS daemon ({})",
         mps.pipe_directory().display()
     );
-    let status = child(&mps_json, args.max_mib)?.envs(mps.env()).status()?;
+    let status = child(&mps_json, args.max_mib(false))?
+        .envs(mps.env())
+        .status()?;
     anyhow::ensure!(status.success(), "the bench under MPS failed: {status}");
     // A parent under MPS with a worker outside it: pool IPC crosses, the turn-taking returns.
     let mixed_json = dir.join("mixed.json");
     println!();
     println!("== poolipc bench, the parent under MPS, its worker outside it (no peers)");
-    let mut mixed = child(&mixed_json, args.max_mib.min(64))?;
+    let mut mixed = child(&mixed_json, args.max_mib(false).min(64))?;
     mixed.arg("--worker-outside-mps");
     let mixed_ok = mixed.envs(mps.env()).status()?.success();
     mps.shutdown(std::time::Duration::from_secs(30));

@@ -51,7 +51,8 @@ pub use error::Error;
 pub use handshake::identity;
 pub use parent::{
     ArenaStats, DEFAULT_ARENA_COPY_VRAM_MARGIN, Input, JobHandle, JobOutput, Parent, ParentOptions,
-    ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV, WorkerInfo,
+    ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV, SPIN_IN_FLIGHT_ENV,
+    WorkerInfo,
 };
 pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};

@@ -47,12 +47,21 @@ pub struct ParentOptions {
     pub stop_timeout: Duration,
     /// How long a frame that has begun to arrive may take to complete.
     pub frame_timeout: Duration,
-    /// How long the IO loop (while jobs are in flight) and a thread waiting on a
-    /// [`JobHandle`] look again before they sleep: each saves a thread wake-up per handoff
-    /// (tens of microseconds) for at most this much CPU. Zero turns it off. By default
-    /// `POOLIPC_SPIN_US` if set, else 50 µs where the machine has four or more CPUs, else
-    /// zero.
+    /// How long the IO loop looks again, without sleeping, after its last activity (a job
+    /// finished, a command came) when no job is in flight: a caller's next submit then finds
+    /// it awake. Zero turns it off. By default `POOLIPC_SPIN_US` if set, else 50 µs where the
+    /// machine has four or more CPUs, else zero.
     pub spin: Duration,
+    /// How long, counted from a job's submit and from each frame a worker sends, the IO loop
+    /// and a thread waiting on the job's [`JobHandle`] look again before they sleep. A
+    /// sleeping thread costs a wake-up when the answer comes (tens of microseconds each on
+    /// a busy host, two per handoff: the loop's and the waiter's); without MPS a handoff
+    /// takes ≈ 330 µs of GPU turn-taking, far past [`spin`](ParentOptions::spin), so this
+    /// is what keeps those wake-ups out of it. At most this much CPU per job on each of the
+    /// two threads; a long job sleeps after it. Zero turns it off. By default
+    /// `POOLIPC_SPIN_IN_FLIGHT_US` if set, else 1 ms where the machine has four or more
+    /// CPUs, else zero.
+    pub spin_in_flight: Duration,
     /// Run the canary battery on each new worker before it takes jobs.
     pub canary: bool,
     /// The host-staging rung's buffer and waits.
@@ -127,7 +136,8 @@ impl Default for ParentOptions {
             handshake_timeout: Duration::from_secs(60),
             stop_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(5),
-            spin: default_spin(),
+            spin: default_spin(SPIN_ENV, Duration::from_micros(50)),
+            spin_in_flight: default_spin(SPIN_IN_FLIGHT_ENV, Duration::from_millis(1)),
             canary: true,
             staging: StagingConfig::default(),
             results: ResultMemory::Pool,
@@ -143,17 +153,18 @@ pub const DEFAULT_ARENA_COPY_VRAM_MARGIN: u64 = 256 << 20;
 /// The environment variable that sets [`ParentOptions::spin`]'s default, in microseconds.
 pub const SPIN_ENV: &str = "POOLIPC_SPIN_US";
 
-/// `POOLIPC_SPIN_US` if set to a number; else 50 µs where there are CPUs to spare for
+/// The environment variable that sets [`ParentOptions::spin_in_flight`]'s default, in
+/// microseconds.
+pub const SPIN_IN_FLIGHT_ENV: &str = "POOLIPC_SPIN_IN_FLIGHT_US";
+
+/// `env` if set to a number of microseconds; else `spin` where there are CPUs to spare for
 /// spinning (four or more), none otherwise.
-fn default_spin() -> Duration {
-    if let Some(us) = std::env::var(SPIN_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-    {
+fn default_spin(env: &str, spin: Duration) -> Duration {
+    if let Some(us) = std::env::var(env).ok().and_then(|v| v.trim().parse().ok()) {
         return Duration::from_micros(us);
     }
     match std::thread::available_parallelism() {
-        Ok(n) if n.get() >= 4 => Duration::from_micros(50),
+        Ok(n) if n.get() >= 4 => spin,
         _ => Duration::ZERO,
     }
 }
@@ -532,13 +543,9 @@ impl Completion {
         self.cond.notify_all();
     }
 
-    /// Spins at most `spin` for the result to be set.
-    fn spin(&self, spin: Duration) {
-        if spin.is_zero() {
-            return;
-        }
-        let started = Instant::now();
-        while !self.finished.load(Ordering::Acquire) && started.elapsed() < spin {
+    /// Spins until the result is set or `until` passes (not at all once it has).
+    fn spin_until(&self, until: Instant) {
+        while !self.finished.load(Ordering::Acquire) && Instant::now() < until {
             std::hint::spin_loop();
         }
     }
@@ -550,7 +557,9 @@ pub struct JobHandle {
     worker: WorkerId,
     job: JobId,
     done: Arc<Completion>,
-    spin: Duration,
+    /// Until when a waiter spins before it sleeps: the submit plus
+    /// [`ParentOptions::spin_in_flight`], whichever wait (or how many) comes.
+    spin_until: Instant,
 }
 
 impl std::fmt::Debug for JobHandle {
@@ -582,7 +591,7 @@ impl JobHandle {
     /// Waits until the job ends. A worker lost mid-job ends it with [`Error::JobFailed`] once
     /// the worker is reaped; the handoff deadline bounds the wait.
     pub fn wait(self) -> Result<JobOutput, Error> {
-        self.done.spin(self.spin);
+        self.done.spin_until(self.spin_until);
         let mut slot = lock(&self.done.result);
         loop {
             if let Some(r) = slot.take() {
@@ -599,6 +608,7 @@ impl JobHandle {
     /// Waits at most `timeout`: `Err(self)` if the job is still running.
     pub fn wait_timeout(self, timeout: Duration) -> Result<Result<JobOutput, Error>, JobHandle> {
         let deadline = Instant::now() + timeout;
+        self.done.spin_until(self.spin_until.min(deadline));
         {
             let mut slot = lock(&self.done.result);
             loop {
@@ -1079,7 +1089,7 @@ impl Parent {
             worker,
             job,
             done,
-            spin: self.shared.options.spin,
+            spin_until: Instant::now() + self.shared.options.spin_in_flight,
         })
     }
 
