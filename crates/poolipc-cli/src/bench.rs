@@ -107,6 +107,8 @@ struct Peer {
     us: f64,
     /// The floor's round trip without its export (`us_median - export_us`).
     no_export_us: Option<f64>,
+    /// The floor's wait, after its child's reply, for the child's DONE on the GPU.
+    gate_us: Option<f64>,
 }
 
 /// Runs `cmd` and gives the round trip of every line `parse` understands, or why not.
@@ -139,6 +141,7 @@ fn floor_line(line: &str) -> Option<Peer> {
         bytes: json_number(line, "bytes")? as u64,
         us,
         no_export_us: json_number(line, "export_us").map(|e| us - e),
+        gate_us: json_number(line, "parent_gate_us"),
     })
 }
 
@@ -157,6 +160,7 @@ fn torchmp_line(line: &str) -> Option<Peer> {
         bytes,
         us: json_number(line, "round_trip_ms_median")? * 1e3,
         no_export_us: None,
+        gate_us: None,
     })
 }
 
@@ -180,6 +184,9 @@ struct Row {
     recycled_us: f64,
     /// The 90th percentile of the recycled round trips: how much the median can be trusted.
     recycled_p90_us: f64,
+    /// Of the recycled round trip, the wait after the job returned (its DONE frame handled)
+    /// until the caller's stream is done: the GPU's part, like the floor's gate.
+    recycled_gpu_wait_us: f64,
     /// The same live allocation lent again: the export cache's hit.
     relend_us: f64,
     staging_us: f64,
@@ -237,10 +244,27 @@ fn round_trip(
     input: &Input,
     stream: poolipc::StreamHandle,
 ) -> Result<(f64, poolipc::JobOutput)> {
+    let (us, _wait, out) = round_trip_split(parent, d, worker, input, stream)?;
+    Ok((us, out))
+}
+
+/// [`round_trip`], and of it the wait after the job returned until the stream is done.
+fn round_trip_split(
+    parent: &Parent,
+    d: &dyn Driver,
+    worker: poolipc::WorkerId,
+    input: &Input,
+    stream: poolipc::StreamHandle,
+) -> Result<(f64, f64, poolipc::JobOutput)> {
     let t = Instant::now();
     let out = parent.run_job(worker, std::slice::from_ref(input), stream)?;
+    let returned = Instant::now();
     d.stream_synchronize(stream)?;
-    Ok((t.elapsed().as_secs_f64() * 1e6, out))
+    Ok((
+        t.elapsed().as_secs_f64() * 1e6,
+        returned.elapsed().as_secs_f64() * 1e6,
+        out,
+    ))
 }
 
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
@@ -319,6 +343,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
         let mut times = Vec::with_capacity(iterations);
         let mut first = f64::NAN;
+        let mut waits = Vec::with_capacity(iterations);
         for i in 0..=iterations {
             // The same size allocated and freed each time: the first is fresh pool memory,
             // the rest recycled (a new allocation at the same address: exported again).
@@ -331,11 +356,12 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
                 ptr,
                 desc: desc.clone(),
             };
-            let (us, _) = round_trip(&parent, &*d, worker, &input, stream)?;
+            let (us, wait, _) = round_trip_split(&parent, &*d, worker, &input, stream)?;
             if i == 0 {
                 first = us;
             } else {
                 times.push(us);
+                waits.push(wait);
             }
             parent.pool().free(ptr, stream)?;
             d.stream_synchronize(stream)?;
@@ -403,6 +429,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             first_us: first,
             recycled_us: median(&mut times),
             recycled_p90_us: percentile(&mut times, 0.9),
+            recycled_gpu_wait_us: median(&mut waits),
             relend_us: median(&mut relends),
             staging_us: median(&mut staged),
             host_copy_us: median(&mut copies),
@@ -544,6 +571,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
                 "first_us": r.first_us,
                 "recycled_median_us": r.recycled_us,
                 "recycled_p90_us": r.recycled_p90_us,
+                "recycled_gpu_wait_us": r.recycled_gpu_wait_us,
                 "relend_median_us": r.relend_us,
                 "host_staging_median_us": r.staging_us,
                 "host_copy_median_us": r.host_copy_us,
@@ -683,6 +711,22 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
                 cell(t.map(|t| t.us)),
                 ratio(r.recycled_us.min(r.relend_us), t.map(|t| t.us))
             );
+        }
+        // Where the time goes: up to the worker's answer (CPU, socket, driver calls) and
+        // after it (the GPU finishing the worker's work: without MPS, its turn-taking).
+        for r in rows.iter().filter(|r| r.bytes <= MIB) {
+            if let Some(f) = find(&floor, r.bytes)
+                && let Some(gate) = f.gate_us
+            {
+                println!(
+                    "  {} recycled, split: ours {:.1} µs to the job's answer + {:.1} µs GPU wait; floor {:.1} + {:.1} (gate)",
+                    human(r.bytes),
+                    r.recycled_us - r.recycled_gpu_wait_us,
+                    r.recycled_gpu_wait_us,
+                    f.us - gate,
+                    gate
+                );
+            }
         }
         for (name, runs) in [("floor", &floor), ("torch.multiprocessing", &torchmp)] {
             if let Some(Err(why)) = runs {

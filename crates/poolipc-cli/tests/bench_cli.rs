@@ -15,10 +15,18 @@ fn bench_on_the_simulated_driver_runs_to_the_end_within_its_memory() {
     assert!(out.status.success(), "exit {}:\n{text}\n{err}", out.status);
     assert!(text.contains("on the SIMULATED driver"), "{text}");
     // Every part of the table ran, on the simulated driver's smaller default sizes.
-    for part in ["64 MiB", "arena copy", "through the arena", "batch: 1000 tensors"] {
+    for part in [
+        "64 MiB",
+        "arena copy",
+        "through the arena",
+        "batch: 1000 tensors",
+    ] {
         assert!(text.contains(part), "no {part:?} in:\n{text}");
     }
-    assert!(!text.contains("1 GiB"), "sizes past the simulated default:\n{text}");
+    assert!(
+        !text.contains("1 GiB"),
+        "sizes past the simulated default:\n{text}"
+    );
 }
 
 #[test]
