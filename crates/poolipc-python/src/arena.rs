@@ -339,8 +339,8 @@ impl ArenaResult {
 
     /// `__cuda_array_interface__` version 3: contiguous, writable, with the job's stream as
     /// `stream`. Not offered for bfloat16 and float8 (numpy has no type string for them): use
-    /// DLPack there. The object must outlive what is made this way (the interface holds no
-    /// reference); DLPack has no such rule.
+    /// DLPack there. The interface carries no ownership: the block stays out of the arena as
+    /// long as this object lives (CuPy and Numba keep it alive with the arrays they make).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let typestr = dtype::typestr(self.dtype).ok_or_else(|| {

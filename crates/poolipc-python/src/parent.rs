@@ -48,6 +48,7 @@ fn installed() -> PyResult<Arc<Global>> {
 /// `Parent`, with other deadlines or result memory is a `ValueError` naming the clash. The checks around torch
 /// and `PYTORCH_CUDA_ALLOC_CONF` live in the Python wrapper, `poolipc.install_pool`.
 #[pyfunction]
+#[allow(clippy::too_many_arguments)] // one per Python keyword argument, as Python spells them
 #[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None, results = None, arena_bytes = None, arena_max_bytes = None))]
 pub(crate) fn _install(
     py: Python<'_>,
@@ -653,6 +654,7 @@ impl NativeParent {
     /// `arena_bytes`, `arena_max_bytes`) apply when this call creates the process's parent; a
     /// value that differs from the parent's is a `ValueError` naming the clash.
     #[new]
+    #[allow(clippy::too_many_arguments)] // one per Python keyword argument, as Python spells them
     #[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None, results = None, arena_bytes = None, arena_max_bytes = None))]
     fn new(
         py: Python<'_>,
@@ -840,6 +842,9 @@ impl NativeParent {
     /// A tensor refused before anything is lent raises `ValueError` here; one refused by the
     /// IO thread (past its allocation) raises it from `wait`. `UnknownWorkerError` for a
     /// worker this parent does not serve.
+    ///
+    /// Without `alloc`, results go where the process parent's `results` says: the shared
+    /// pool (`DeviceBuffer`s, the default) or the result arena (`ArenaResult`s).
     #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, keep = None))]
     fn submit(
         &self,
@@ -855,11 +860,13 @@ impl NativeParent {
 
     /// `submit` then `wait`: returns `(results, input_rungs)` once the worker acknowledged,
     /// `stream` having waited on DONE. Each result is `(ptr, nbytes, dtype, shape, rung,
-    /// owner)`: `owner` is what the allocator returned, or a [`DeviceBuffer`] from the pool.
+    /// owner)`: `owner` is what the allocator returned, a [`DeviceBuffer`] from the pool, or
+    /// an [`ArenaResult`] (a parent made with `results="arena"`, no allocator).
     ///
     /// Raises `ValueError` (an input cannot be lent), `UnknownWorkerError`, `JobFailedError`
     /// (the worker was lost, or the allocator raised: its exception is the `__cause__`),
-    /// `WorkerError` (the worker reported an error for the job).
+    /// `WorkerError` (the worker reported an error for the job), `ArenaFullError` (a result
+    /// would pass the result arena's cap).
     #[pyo3(signature = (worker, inputs, stream = 0, alloc = None))]
     fn run(
         &self,

@@ -207,7 +207,10 @@ class NativeParent:
         arena_bytes: int | None = None,
         arena_max_bytes: int | None = None,
     ) -> NativeParent:
-        """The process's parent, made (and the pool installed) if nothing did."""
+        """The process's parent, made (and the pool installed) if nothing did. ``results``:
+        where results of a job without an allocator go, ``"pool"`` (the default) or
+        ``"arena"`` (``ArenaResult`` objects; ``arena_bytes`` first chunk, 256 MiB by default,
+        ``arena_max_bytes`` cap, none by default). Set once per process."""
     @property
     def device(self) -> int:
         """The pool's device ordinal."""
@@ -239,7 +242,8 @@ class NativeParent:
         alloc: NativeAllocator | None = None,
         keep: object | None = None,
     ) -> NativeJobHandle:
-        """Lends ``inputs`` to ``worker`` and returns a handle at once."""
+        """Lends ``inputs`` to ``worker`` and returns a handle at once. Without ``alloc``,
+        results go to the process parent's result memory (pool or arena)."""
     def run(
         self,
         worker: int,
