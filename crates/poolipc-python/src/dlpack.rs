@@ -1,12 +1,14 @@
-//! DLPack capsules over job views: the one place in this crate with `unsafe`.
+//! DLPack capsules over job views (worker side) and arena results (parent side): the one
+//! place in this crate with `unsafe`.
 //!
 //! A DLPack consumer (torch, CuPy, JAX) takes a `PyCapsule` named `dltensor` (or
 //! `dltensor_versioned`) whose pointer is a `DLManagedTensor` (or `DLManagedTensorVersioned`),
 //! renames it `used_dltensor` (`used_dltensor_versioned`) and later calls the struct's
 //! `deleter`. A capsule nobody consumed is cleaned up by its destructor, which calls the
 //! deleter itself. Both are C callbacks over raw pointers; the layouts follow dlpack.h (v1.0).
-//! The managed struct owns Rust data only (shape, strides, an `Arc` of the job's life), never
-//! a Python object, so the deleter may run on any thread without the GIL.
+//! The managed struct owns Rust data only (shape, strides, an `Arc` of the job's life or of an
+//! arena result), never a Python object, so the deleter may run on any thread without the
+//! GIL. Deleters never unwind into C: what they drop runs under `catch_unwind`.
 #![allow(unsafe_code)] // FFI of the DLPack protocol; every block says why it holds.
 
 use std::ffi::{CStr, c_void};
@@ -19,7 +21,36 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
 
+use crate::arena::ArenaHold;
 use crate::worker::JobLife;
+
+/// What a capsule keeps alive until its deleter runs.
+pub(crate) enum Keep {
+    /// A worker's job: counted in its `live_exports`, so DONE waits for the deleter.
+    Job(Arc<JobLife>),
+    /// A parent's arena result: one strong reference; the last one gives the block back.
+    Arena(Arc<ArenaHold>),
+}
+
+impl Keep {
+    fn acquire(&self) {
+        match self {
+            Keep::Job(life) => {
+                life.live_exports.fetch_add(1, Ordering::AcqRel);
+            }
+            Keep::Arena(hold) => hold.export_made(),
+        }
+    }
+
+    fn release(self) {
+        match self {
+            Keep::Job(life) => {
+                life.live_exports.fetch_sub(1, Ordering::AcqRel);
+            }
+            Keep::Arena(hold) => hold.export_deleted(),
+        }
+    }
+}
 
 /// `kDLCUDA`.
 pub(crate) const DL_CUDA: i32 = 2;
@@ -94,7 +125,7 @@ pub(crate) struct Export {
     pub(crate) strides: Vec<i64>,
     /// Sets `DLPACK_FLAG_BITMASK_READ_ONLY` in a versioned capsule (a legacy one has no flags).
     pub(crate) read_only: bool,
-    pub(crate) life: Arc<JobLife>,
+    pub(crate) life: Keep,
 }
 
 /// The managed struct first (so a pointer to the holder is a pointer to it), then what its
@@ -104,7 +135,7 @@ struct Holder<M> {
     managed: M,
     shape: Vec<i64>,
     strides: Vec<i64>,
-    life: Arc<JobLife>,
+    life: Keep,
 }
 
 fn tensor(e: &mut Export) -> DLTensor {
@@ -132,7 +163,7 @@ pub(crate) fn capsule(
     mut e: Export,
     versioned: bool,
 ) -> PyResult<Bound<'_, PyAny>> {
-    e.life.live_exports.fetch_add(1, Ordering::AcqRel);
+    e.life.acquire();
     // The Vecs' heap buffers do not move when the Vecs move into the holder, so the pointers
     // taken here stay valid for the holder's life.
     let t = tensor(&mut e);
@@ -187,8 +218,16 @@ pub(crate) fn capsule(
     }
 }
 
-fn release(life: &JobLife) {
-    life.live_exports.fetch_sub(1, Ordering::AcqRel);
+/// Frees a holder: its `Keep` is released (an arena result's last reference gives the block
+/// back, which calls the driver). Never unwinds: the deleters are called from C.
+fn release<M>(h: Box<Holder<M>>) {
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        let Holder { life, .. } = *h;
+        life.release();
+    }));
+    if dropped.is_err() {
+        eprintln!("poolipc: a DLPack deleter panicked; the panic was stopped at the C boundary");
+    }
 }
 
 /// The legacy deleter.
@@ -203,7 +242,7 @@ unsafe extern "C" fn delete_legacy(m: *mut DLManagedTensor) {
     // SAFETY: by the contract above, `m` came from `Box::into_raw` of this holder type, whose
     // first field (repr(C)) is the managed struct, and is deleted once.
     let h = unsafe { Box::from_raw(m.cast::<Holder<DLManagedTensor>>()) };
-    release(&h.life);
+    release(h);
 }
 
 /// The versioned deleter.
@@ -216,7 +255,7 @@ unsafe extern "C" fn delete_versioned(m: *mut DLManagedTensorVersioned) {
     }
     // SAFETY: as in `delete_legacy`.
     let h = unsafe { Box::from_raw(m.cast::<Holder<DLManagedTensorVersioned>>()) };
-    release(&h.life);
+    release(h);
 }
 
 /// The capsule destructor (legacy): deletes the tensor unless a consumer took it.

@@ -6,6 +6,7 @@
 //! | `Config` (options that cannot work, a clash with the process's parent) | `ValueError` |
 //! | `JobFailed` (the worker was lost: died, hung up, missed a deadline, stopped) | `JobFailedError` (`.worker`, `.reason`, `.detail`) |
 //! | `Worker` (the worker reported an error for the job) | `WorkerError` (`.worker`, `.message`), a `JobFailedError` |
+//! | `Worker`, failing because the parent's result arena refused a result over its cap | `ArenaFullError`: a `WorkerError` and a `MemoryError` |
 //! | `UnknownWorker`                    | `UnknownWorkerError`: a `PoolipcError` and a `KeyError` |
 //! | `ContextLost` (this process's CUDA context is gone; under MPS, after a worker's GPU fault) | `ContextLostError` |
 //! | `poolipc::mps::MpsError` (`start_mps` refused or failed) | `MpsError` |
@@ -108,6 +109,47 @@ pub(crate) fn unknown_worker_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>
         .map(|t| t.bind(py))
 }
 
+/// `ArenaFullError(WorkerError, MemoryError)`: made at import, as `UnknownWorkerError` is.
+static ARENA_FULL: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// What the facade says when the result arena refuses a request over its cap
+/// (`poolipc_pool::arena::ArenaError::Exhausted`); the parent's refusal reaches the worker,
+/// whose failure of the job carries it back. `arena_full_is_recognised` in the Python suite
+/// pins it.
+const ARENA_FULL_WORDS: &str = "the arena cannot hold";
+
+/// The `ArenaFullError` class: a job whose worker failed because the parent's result arena
+/// would pass its cap (`arena_max_bytes`) to hold a result. Both a `WorkerError` (the worker
+/// is alive and serves the next job) and a `MemoryError`; the message names the bytes asked
+/// for, the arena's size and its cap.
+pub(crate) fn arena_full_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    ARENA_FULL
+        .get_or_try_init(py, || {
+            let bases = PyTuple::new(
+                py,
+                [
+                    py.get_type::<WorkerError>().into_any(),
+                    py.get_type::<pyo3::exceptions::PyMemoryError>().into_any(),
+                ],
+            )?;
+            let ns = PyDict::new(py);
+            ns.set_item("__module__", "poolipc")?;
+            ns.set_item(
+                "__doc__",
+                "A result was refused because the parent's result arena would pass its cap \
+                 (arena_max_bytes) to hold it; the message names the bytes asked for, the \
+                 arena's size and its cap. A WorkerError (the worker failed the job and serves \
+                 the next one) and a MemoryError. Attributes as WorkerError's; `reason` is \
+                 `arena_full`.",
+            )?;
+            let ty = py
+                .get_type::<PyType>()
+                .call1(("ArenaFullError", bases, ns))?;
+            Ok::<_, PyErr>(ty.cast_into::<PyType>()?.unbind())
+        })
+        .map(|t| t.bind(py))
+}
+
 /// Sets attributes on an exception's value (best effort: an exception without them is still
 /// the right exception).
 fn with_attrs(py: Python<'_>, e: PyErr, attrs: &[(&str, Py<PyAny>)]) -> PyErr {
@@ -159,16 +201,24 @@ pub(crate) fn to_py_for(py: Python<'_>, e: poolipc::Error, worker: Option<u32>) 
                 ("detail", s(&detail).unwrap_or_else(none)),
             ],
         ),
-        poolipc::Error::Worker { message, .. } => with_attrs(
-            py,
-            WorkerError::new_err(text),
-            &[
-                ("worker", worker.and_then(int).unwrap_or_else(none)),
-                ("reason", s("worker_error").unwrap_or_else(none)),
-                ("message", s(&message).unwrap_or_else(none)),
-                ("detail", s(&message).unwrap_or_else(none)),
-            ],
-        ),
+        poolipc::Error::Worker { message, .. } => {
+            let full = message.contains(ARENA_FULL_WORDS);
+            let e = match arena_full_type(py) {
+                Ok(ty) if full => PyErr::from_type(ty.clone(), (text,)),
+                _ => WorkerError::new_err(text),
+            };
+            let reason = if full { "arena_full" } else { "worker_error" };
+            with_attrs(
+                py,
+                e,
+                &[
+                    ("worker", worker.and_then(int).unwrap_or_else(none)),
+                    ("reason", s(reason).unwrap_or_else(none)),
+                    ("message", s(&message).unwrap_or_else(none)),
+                    ("detail", s(&message).unwrap_or_else(none)),
+                ],
+            )
+        }
         poolipc::Error::InvalidTensor(_) | poolipc::Error::Config(_) => PyValueError::new_err(text),
         poolipc::Error::UnknownWorker(w) => unknown_worker(py, w.0, text),
         poolipc::Error::ContextLost { .. } => ContextLostError::new_err(text),

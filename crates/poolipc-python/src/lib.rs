@@ -12,6 +12,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod arena;
 mod dlpack;
 mod dtype;
 mod errors;
@@ -32,6 +33,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parent::memory_stats, m)?)?;
     m.add_class::<parent::NativeParent>()?;
     m.add_class::<parent::DeviceBuffer>()?;
+    m.add_class::<arena::ArenaResult>()?;
     m.add_class::<parent::NativeJobHandle>()?;
     m.add_class::<worker::NativeWorker>()?;
     m.add_class::<worker::Job>()?;
@@ -40,6 +42,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("JobFailedError", py.get_type::<errors::JobFailedError>())?;
     m.add("WorkerError", py.get_type::<errors::WorkerError>())?;
     m.add("UnknownWorkerError", errors::unknown_worker_type(py)?)?;
+    m.add("ArenaFullError", errors::arena_full_type(py)?)?;
     m.add(
         "ExpiredViewError",
         py.get_type::<errors::ExpiredViewError>(),

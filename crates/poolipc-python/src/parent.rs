@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use poolipc::{
-    DType, DevicePtr, Input, JobHandle, JobOutput, ResultAllocator, ResultShape, StreamHandle,
-    TensorDesc,
+    DType, DevicePtr, Input, JobHandle, JobOutput, ResultAllocator, ResultMemory, ResultShape,
+    StreamHandle, TensorDesc,
 };
 use poolipc_contract::WorkerId;
 use poolipc_pool::PoolStats;
@@ -21,6 +21,7 @@ use pyo3::exceptions::{PyMemoryError, PyTimeoutError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use crate::arena::{ArenaHold, ArenaResult};
 use crate::dtype;
 use crate::errors::{ExpiredViewError, JobFailedError, err, to_py, to_py_for, value_err};
 use crate::state::{self, Global, Requested};
@@ -39,12 +40,16 @@ fn installed() -> PyResult<Arc<Global>> {
 }
 
 /// Installs the shared pool on `device` (the driver `POOLIPC_DRIVER` picks) by creating the
-/// process's parent with these deadlines (seconds; None: the default). Returns a dict:
+/// process's parent with these deadlines (seconds; None: the default) and result memory
+/// (`results`: `"pool"`, the default, or `"arena"`, with `arena_bytes` for its first chunk
+/// and growth step, 256 MiB by default, and `arena_max_bytes` for its cap, none by default).
+/// Returns a dict:
 /// `installed` (False when it already was), `driver` (in words), `device`. A later call, or a
-/// `Parent`, with other deadlines is a `ValueError` naming the clash. The checks around torch
+/// `Parent`, with other deadlines or result memory is a `ValueError` naming the clash. The checks around torch
 /// and `PYTORCH_CUDA_ALLOC_CONF` live in the Python wrapper, `poolipc.install_pool`.
 #[pyfunction]
-#[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None))]
+#[allow(clippy::too_many_arguments)] // one per Python keyword argument, as Python spells them
+#[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None, results = None, arena_bytes = None, arena_max_bytes = None))]
 pub(crate) fn _install(
     py: Python<'_>,
     device: u32,
@@ -52,12 +57,18 @@ pub(crate) fn _install(
     stop_timeout: Option<f64>,
     handshake_timeout: Option<f64>,
     frame_timeout: Option<f64>,
+    results: Option<String>,
+    arena_bytes: Option<u64>,
+    arena_max_bytes: Option<u64>,
 ) -> PyResult<Bound<'_, PyDict>> {
     let requested = Requested {
         handoff_timeout,
         stop_timeout,
         handshake_timeout,
         frame_timeout,
+        results,
+        arena_bytes,
+        arena_max_bytes,
     };
     let (g, installed) = py
         .detach(|| state::ensure(device, &requested, "install_pool"))
@@ -325,6 +336,8 @@ pub(crate) struct NativeJobHandle {
     outcome: Mutex<Option<Result<Py<PyAny>, PyErr>>>,
     log: Arc<Mutex<AllocLog>>,
     caller_alloc: bool,
+    /// The job's stream (arena results go back on it).
+    stream: u64,
     /// What the caller's inputs are (torch tensors): alive until the job ended.
     keep: Mutex<Option<Py<PyAny>>>,
 }
@@ -441,6 +454,27 @@ impl NativeJobHandle {
         }
         let mut results = Vec::with_capacity(output.results.len());
         for r in output.results {
+            if r.is_arena() {
+                let (ptr, bytes, dt, shape) =
+                    (r.ptr.0, r.bytes, r.shape.dtype, r.shape.shape.clone());
+                let hold = ArenaHold::new(
+                    r,
+                    Arc::clone(&self.g.driver),
+                    self.g.device,
+                    state::is_sim(&*self.g.driver),
+                    self.stream,
+                );
+                let owner = Py::new(py, ArenaResult::new(hold, ptr, bytes, dt, shape.clone()))?;
+                results.push((
+                    ptr,
+                    bytes,
+                    dtype::name(dt),
+                    shape,
+                    "arena".to_owned(),
+                    owner.into_any(),
+                ));
+                continue;
+            }
             let owner = if self.caller_alloc {
                 by_ptr
                     .remove(&r.ptr.0)
@@ -531,7 +565,10 @@ impl Drop for NativeJobHandle {
                     && g.use_device().is_ok()
                 {
                     for r in out.results {
-                        let _ = g.driver.mem_free_async(r.ptr, StreamHandle::NULL);
+                        // An arena result goes back to the arena when dropped here.
+                        if !r.is_arena() {
+                            let _ = g.driver.mem_free_async(r.ptr, StreamHandle::NULL);
+                        }
                     }
                 }
                 // The inputs and the allocator's objects go only now (their references are
@@ -550,13 +587,17 @@ impl Drop for NativeJobHandle {
 /// `poolipc.Parent` turns torch tensors into input descriptions and back.
 ///
 /// `NativeParent(device=0, handoff_timeout=None, stop_timeout=None, handshake_timeout=None,
-/// frame_timeout=None)`: `device` is the pool's device; the deadlines are in seconds (None:
-/// the process parent's; 30, 5, 60 and 5 by default) and apply when this call creates the
-/// process's parent.
+/// frame_timeout=None, results=None, arena_bytes=None, arena_max_bytes=None)`: `device` is the
+/// pool's device; the deadlines are in seconds (None: the process parent's; 30, 5, 60 and 5
+/// by default); `results` is where results of a job without an allocator go (`"pool"`, the
+/// default, or `"arena"`: the result arena, `ArenaResult`s), `arena_bytes` the arena's first
+/// chunk and growth step (256 MiB by default), `arena_max_bytes` its cap (None: none). All
+/// apply when this call creates the process's parent.
 ///
-/// Raises `ValueError` for a deadline that is not more than 0 seconds, a device other than
-/// the process parent's, or a deadline that differs from the process parent's (the message
-/// names the clash); `PoolipcError` when no driver can be opened or the pool cannot be
+/// Raises `ValueError` for a deadline that is not more than 0 seconds, an unknown `results`,
+/// arena sizes without `results="arena"` (at creation) or a cap below the first chunk, a
+/// device other than the process parent's, or an option that differs from the process
+/// parent's (the message names the clash); `PoolipcError` when no driver can be opened or the pool cannot be
 /// installed.
 #[pyclass(module = "poolipc", name = "NativeParent", frozen)]
 pub(crate) struct NativeParent {
@@ -600,6 +641,7 @@ impl NativeParent {
             outcome: Mutex::new(None),
             log,
             caller_alloc,
+            stream: stream.0,
             keep: Mutex::new(keep),
         })
     }
@@ -608,11 +650,12 @@ impl NativeParent {
 #[pymethods]
 impl NativeParent {
     /// See the class: `device` is the pool's device; the deadlines (seconds; None: the process
-    /// parent's, 30 s, 5 s, 60 s and 5 s by default) apply when this call creates the
-    /// process's parent; a value that differs from the parent's is a `ValueError` naming the
-    /// clash.
+    /// parent's, 30 s, 5 s, 60 s and 5 s by default) and the result memory (`results`,
+    /// `arena_bytes`, `arena_max_bytes`) apply when this call creates the process's parent; a
+    /// value that differs from the parent's is a `ValueError` naming the clash.
     #[new]
-    #[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None))]
+    #[allow(clippy::too_many_arguments)] // one per Python keyword argument, as Python spells them
+    #[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None, results = None, arena_bytes = None, arena_max_bytes = None))]
     fn new(
         py: Python<'_>,
         device: u32,
@@ -620,12 +663,18 @@ impl NativeParent {
         stop_timeout: Option<f64>,
         handshake_timeout: Option<f64>,
         frame_timeout: Option<f64>,
+        results: Option<String>,
+        arena_bytes: Option<u64>,
+        arena_max_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let requested = Requested {
             handoff_timeout,
             stop_timeout,
             handshake_timeout,
             frame_timeout,
+            results,
+            arena_bytes,
+            arena_max_bytes,
         };
         let (g, _) = py
             .detach(|| state::ensure(device, &requested, "Parent"))
@@ -645,8 +694,9 @@ impl NativeParent {
         state::is_sim(&*self.g.driver)
     }
 
-    /// The process parent's options: `device`, the deadlines in seconds, `canary`, and
-    /// `made_by` (`install_pool` or `Parent`).
+    /// The process parent's options: `device`, the deadlines in seconds, `canary`, `results`
+    /// (`pool` or `arena`), `arena_bytes` and `arena_max_bytes` (None without an arena, or
+    /// without a cap), and `made_by` (`install_pool` or `Parent`).
     fn options<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let o = self.g.parent.options();
         let d = PyDict::new(py);
@@ -656,6 +706,16 @@ impl NativeParent {
         d.set_item("handshake_timeout", o.handshake_timeout.as_secs_f64())?;
         d.set_item("frame_timeout", o.frame_timeout.as_secs_f64())?;
         d.set_item("canary", o.canary)?;
+        let (first, max) = match o.results {
+            ResultMemory::Arena {
+                initial_bytes,
+                max_bytes,
+            } => (Some(initial_bytes), max_bytes),
+            _ => (None, None),
+        };
+        d.set_item("results", state::Results::of(&o.results).name())?;
+        d.set_item("arena_bytes", first)?;
+        d.set_item("arena_max_bytes", max)?;
         d.set_item("made_by", self.g.made_by)?;
         Ok(d)
     }
@@ -732,6 +792,44 @@ impl NativeParent {
         d.set_item("jobs_failed", s.jobs_failed)?;
         d.set_item("pool_pointer_tensors", s.pool_pointer_tensors)?;
         d.set_item("host_staged_tensors", s.host_staged_tensors)?;
+        d.set_item("arena_results", s.arena_results)?;
+        d.set_item("arena_copied_inputs", s.arena_copied_inputs)?;
+        Ok(d)
+    }
+
+    /// The result arena's figures (a dict), after freeing the blocks given back whose event
+    /// completed: `enabled` (the process parent has `results="arena"`), `created` (the arena
+    /// exists: it is made at the first result, or input copy, that goes to it), `capacity`,
+    /// `used` and `largest_free` in bytes, `live_blocks` (blocks out, including those given
+    /// back whose event has not completed), `pending_frees`, `chunks`, `max_bytes` (None: no
+    /// cap), and `results_out`: arena results handed to Python whose block has not gone back
+    /// (the objects and the DLPack tensors made from them; it never goes below 0 unless a
+    /// block went back twice). `PoolipcError` when the driver cannot be reached.
+    fn arena_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = Arc::clone(&self.g);
+        let stats = py
+            .detach(move || {
+                g.use_device()?;
+                g.parent.reclaim_arena();
+                Ok::<_, poolipc::Error>((g.parent.arena_stats(), g.parent.arena()))
+            })
+            .map_err(|e| to_py_for(py, e, None))?;
+        let (stats, arena) = stats;
+        let a = stats.map(|s| s.alloc).unwrap_or_default();
+        let d = PyDict::new(py);
+        d.set_item(
+            "enabled",
+            state::Results::of(&self.g.parent.options().results) == state::Results::Arena,
+        )?;
+        d.set_item("created", arena.is_some())?;
+        d.set_item("capacity", a.capacity)?;
+        d.set_item("used", a.used)?;
+        d.set_item("largest_free", a.largest_free)?;
+        d.set_item("live_blocks", a.live_blocks)?;
+        d.set_item("pending_frees", stats.map_or(0, |s| s.pending_frees))?;
+        d.set_item("chunks", a.chunks)?;
+        d.set_item("max_bytes", arena.and_then(|x| x.max_bytes()))?;
+        d.set_item("results_out", crate::arena::results_out())?;
         Ok(d)
     }
 
@@ -744,6 +842,9 @@ impl NativeParent {
     /// A tensor refused before anything is lent raises `ValueError` here; one refused by the
     /// IO thread (past its allocation) raises it from `wait`. `UnknownWorkerError` for a
     /// worker this parent does not serve.
+    ///
+    /// Without `alloc`, results go where the process parent's `results` says: the shared
+    /// pool (`DeviceBuffer`s, the default) or the result arena (`ArenaResult`s).
     #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, keep = None))]
     fn submit(
         &self,
@@ -759,11 +860,13 @@ impl NativeParent {
 
     /// `submit` then `wait`: returns `(results, input_rungs)` once the worker acknowledged,
     /// `stream` having waited on DONE. Each result is `(ptr, nbytes, dtype, shape, rung,
-    /// owner)`: `owner` is what the allocator returned, or a [`DeviceBuffer`] from the pool.
+    /// owner)`: `owner` is what the allocator returned, a [`DeviceBuffer`] from the pool, or
+    /// an [`ArenaResult`] (a parent made with `results="arena"`, no allocator).
     ///
     /// Raises `ValueError` (an input cannot be lent), `UnknownWorkerError`, `JobFailedError`
     /// (the worker was lost, or the allocator raised: its exception is the `__cause__`),
-    /// `WorkerError` (the worker reported an error for the job).
+    /// `WorkerError` (the worker reported an error for the job), `ArenaFullError` (a result
+    /// would pass the result arena's cap).
     #[pyo3(signature = (worker, inputs, stream = 0, alloc = None))]
     fn run(
         &self,

@@ -12,7 +12,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use poolipc::{Driver, Parent, ParentOptions};
+use poolipc::{Driver, Parent, ParentOptions, ResultMemory};
 use poolipc_driver::sim::{SimConfig, SimDriver};
 use poolipc_driver::{CudaDriver, DriverKind, PoolHandle};
 
@@ -56,12 +56,55 @@ pub(crate) fn installed() -> Option<Arc<Global>> {
 
 /// Deadlines asked for from Python, in seconds; `None`: not given (the default on first
 /// creation, whatever the process's parent has afterwards).
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Requested {
     pub(crate) handoff_timeout: Option<f64>,
     pub(crate) stop_timeout: Option<f64>,
     pub(crate) handshake_timeout: Option<f64>,
     pub(crate) frame_timeout: Option<f64>,
+    /// Where results go when a job names no allocator: `"pool"` or `"arena"`.
+    pub(crate) results: Option<String>,
+    /// The result arena's first chunk (and growth step), in bytes.
+    pub(crate) arena_bytes: Option<u64>,
+    /// The result arena's cap, in bytes.
+    pub(crate) arena_max_bytes: Option<u64>,
+}
+
+/// [`Requested::arena_bytes`]' default: the arena's first chunk, and its growth step.
+pub(crate) const DEFAULT_ARENA_BYTES: u64 = 256 << 20;
+
+/// What `results=` names: the shared pool or the result arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Results {
+    Pool,
+    Arena,
+}
+
+impl Results {
+    pub(crate) fn parse(s: &str) -> Result<Results, String> {
+        match s {
+            "pool" => Ok(Results::Pool),
+            "arena" => Ok(Results::Arena),
+            other => Err(format!(
+                "poolipc: results={other:?} is not a result memory; use \"pool\" or \"arena\""
+            )),
+        }
+    }
+
+    /// Which of the two a parent's options pick.
+    pub(crate) fn of(memory: &ResultMemory) -> Results {
+        match memory {
+            ResultMemory::Arena { .. } => Results::Arena,
+            _ => Results::Pool,
+        }
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Results::Pool => "pool",
+            Results::Arena => "arena",
+        }
+    }
 }
 
 /// A deadline's name, its requested value, and its field of [`ParentOptions`].
@@ -88,7 +131,8 @@ impl Requested {
         ]
     }
 
-    /// The facade's options: the defaults, with what was asked for.
+    /// The facade's options: the defaults, with what was asked for. Checks every value,
+    /// whether or not this call creates the process's parent.
     fn options(&self, device: u32) -> Result<ParentOptions, String> {
         let mut o = ParentOptions {
             device,
@@ -99,7 +143,48 @@ impl Requested {
                 *field(&mut o) = seconds(name, secs)?;
             }
         }
+        let results = self.results.as_deref().map(Results::parse).transpose()?;
+        if self.arena_bytes == Some(0) {
+            return Err(
+                "poolipc: arena_bytes=0: the arena needs a first chunk of more than 0 \
+                        bytes"
+                    .into(),
+            );
+        }
+        if let (Some(first), Some(max)) = (self.arena_bytes, self.arena_max_bytes)
+            && max < first
+        {
+            return Err(format!(
+                "poolipc: arena_max_bytes={max} is less than arena_bytes={first}: the cap must \
+                 hold the first chunk"
+            ));
+        }
+        if results == Some(Results::Arena) {
+            o.results = ResultMemory::Arena {
+                initial_bytes: self
+                    .arena_bytes
+                    .unwrap_or(match self.arena_max_bytes {
+                        Some(max) => DEFAULT_ARENA_BYTES.min(max),
+                        None => DEFAULT_ARENA_BYTES,
+                    })
+                    .max(1),
+                max_bytes: self.arena_max_bytes,
+            };
+        }
         Ok(o)
+    }
+
+    /// On creation: arena sizes mean nothing without `results="arena"`.
+    fn check_creation(&self) -> Result<(), String> {
+        let arena = self.results.as_deref() == Some("arena");
+        if !arena && (self.arena_bytes.is_some() || self.arena_max_bytes.is_some()) {
+            return Err(
+                "poolipc: arena_bytes and arena_max_bytes size the result arena: pass \
+                 results=\"arena\" with them"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     /// What in `self` differs from the options the process's parent was made with.
@@ -119,6 +204,42 @@ impl Requested {
                     ));
                 }
             }
+        }
+        let (have, first, max) = match made.results {
+            ResultMemory::Arena {
+                initial_bytes,
+                max_bytes,
+            } => (Results::Arena, Some(initial_bytes), max_bytes),
+            _ => (Results::Pool, None, None),
+        };
+        if let Some(want) = self.results.as_deref().and_then(|r| Results::parse(r).ok())
+            && want != have
+        {
+            out.push(format!(
+                "results={:?} (the process's parent has {:?})",
+                want.name(),
+                have.name()
+            ));
+        }
+        if let Some(b) = self.arena_bytes
+            && Some(b) != first
+        {
+            out.push(format!(
+                "arena_bytes={b} (the process's parent has {})",
+                first.map_or("no arena".to_owned(), |f| f.to_string())
+            ));
+        }
+        if let Some(m) = self.arena_max_bytes
+            && (have != Results::Arena || Some(m) != max)
+        {
+            out.push(format!(
+                "arena_max_bytes={m} (the process's parent has {})",
+                match (have, max) {
+                    (Results::Pool, _) => "no arena".to_owned(),
+                    (Results::Arena, None) => "no cap".to_owned(),
+                    (Results::Arena, Some(x)) => x.to_string(),
+                }
+            ));
         }
         out
     }
@@ -230,14 +351,15 @@ pub(crate) fn ensure(
         if !clashes.is_empty() {
             return Err(EnsureError::Config(format!(
                 "poolipc: {by}({}) clashes with the process's parent, made by {} with other \
-                 deadlines; there is one parent per process and the first creation sets them \
-                 (pass the deadlines there, or leave them out here)",
+                 options; there is one parent per process and the first creation sets them \
+                 (pass the deadlines and the result memory there, or leave them out here)",
                 clashes.join(", "),
                 g.made_by
             )));
         }
         return Ok((Arc::clone(g), false));
     }
+    requested.check_creation().map_err(EnsureError::Config)?;
     let (driver, child_env, which) = open_driver().map_err(EnsureError::Driver)?;
     let parent = Parent::new(Arc::clone(&driver), options).map_err(|e| match e {
         poolipc::Error::Config(m) => EnsureError::Config(format!("poolipc: {m}")),

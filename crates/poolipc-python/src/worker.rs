@@ -832,7 +832,7 @@ impl View {
             shape: self.info.shape.iter().map(|&d| d as i64).collect(),
             strides: self.info.strides.clone(),
             read_only: self.info.read_only,
-            life: Arc::clone(&self.life),
+            life: dlpack::Keep::Job(Arc::clone(&self.life)),
         };
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
         dlpack::capsule(py, tensor, versioned)

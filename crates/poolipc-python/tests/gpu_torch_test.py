@@ -1,7 +1,8 @@
 """The binding on the H200 with real torch under cudaMallocAsync: the swap, torch tensors lent
 to a Python worker (DLPack into torch, CuPy by __cuda_array_interface__) and to a Rust worker,
-results from torch.empty, dtypes, odd sizes, views with offsets, a worker killed mid-job, and
-the ComfyUI prestartup script in fresh interpreters.
+results from torch.empty, dtypes, odd sizes, views with offsets, a worker killed mid-job, the
+ComfyUI prestartup script in fresh interpreters, and results through the result arena
+(torch.from_dlpack over arena memory, in fresh interpreters whose parent has the arena).
 
 Not collected by a plain `pytest tests/` (the name does not start with test_): it must run in
 its own process, since install_pool() has to come before `import torch`:
@@ -244,6 +245,34 @@ def fresh(argv, extra_env=None):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     return p.stdout, p.stderr
+
+
+# --- results through the result arena (each in a fresh interpreter: the process's parent sets
+# the result memory once, and this module's is a pool parent) --------------------------------
+
+ARENA_PARENT = os.path.join(HERE, "workers", "torch_arena_parent.py")
+
+
+def arena_case(case):
+    p = subprocess.run([sys.executable, ARENA_PARENT, case], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ))
+    assert p.returncode == 0 and f"OK {case}" in p.stdout, p.stdout + p.stderr
+
+
+def test_an_arena_result_is_a_torch_tensor_by_dlpack_and_deleting_it_gives_the_block_back():
+    arena_case("dlpack")
+
+
+def test_arena_results_of_one_byte_and_of_three_gib_arrive_intact():
+    arena_case("sizes")
+
+
+def test_one_parent_gives_arena_results_and_per_job_pool_results():
+    arena_case("per-job")
+
+
+def test_an_arena_result_over_the_cap_is_arena_full_error_and_the_next_job_works():
+    arena_case("cap")
 
 
 def test_prestartup_in_a_fresh_interpreter_swaps_torchs_pool():

@@ -602,6 +602,24 @@ def test_deadlines_are_set_once_per_process_and_a_clash_is_a_value_error(parent)
         poolipc.Parent(3)
 
 
+def test_a_pool_parent_refuses_arena_results_per_job_and_a_clash_names_the_result_memory(parent):
+    o = parent.options
+    assert (o["results"], o["arena_bytes"], o["arena_max_bytes"]) == ("pool", None, None)
+    assert parent.arena_stats()["enabled"] is False
+    with pytest.raises(ValueError, match=r'results="arena" \(the process\'s parent has "pool"\)'):
+        poolipc.Parent(0, results="arena")
+    with pytest.raises(ValueError, match=r"arena_max_bytes=1024 \(the process's parent has no arena\)"):
+        poolipc.Parent(0, arena_max_bytes=1024)
+    w = spawn(parent)
+    f = f32_buffer(parent, [1.0] * 4)
+    ref = poolipc.TensorRef(f.ptr, "float32", [4])
+    with pytest.raises(ValueError, match="needs the process's parent made with results=\"arena\""):
+        parent.run(w, [ref], results="arena")
+    (res,) = parent.run(w, [ref], results="pool")
+    assert isinstance(res, poolipc.DeviceBuffer) and parent.last_result_rungs == ["pool pointer"]
+    parent.stop(w)
+
+
 def test_a_staged_input_is_read_only_on_the_worker_and_a_pool_pointer_one_is_writable(
         parent, report):
     w = spawn(parent, "probe", report.env)

@@ -8,6 +8,9 @@ while the parent keeps PyTorch's stream-ordered allocator (``backend:cudaMallocA
 - ``Parent``: spawn workers, lend them torch tensors, get results back as torch tensors.
   One ``Parent`` may be shared by many threads: ``submit`` returns a ``JobHandle`` at once,
   jobs on different workers run at the same time, and every wait releases the GIL.
+  Results come from the shared pool (``torch.empty``, the default) or, with
+  ``results="arena"``, from the result arena: no export, no import limit; each comes back as
+  a torch tensor over an ``ArenaResult`` (DLPack) whose block goes back when torch frees it.
 - ``Worker``: in a worker process, take jobs; views and result buffers go into torch, CuPy or
   JAX by DLPack or ``__cuda_array_interface__`` without a copy.
 
@@ -17,13 +20,14 @@ while the parent keeps PyTorch's stream-ordered allocator (``backend:cudaMallocA
 ``ASYNC_BACKEND`` the value that picks the stream-ordered allocator
 (``backend:cudaMallocAsync``). ``Allocator`` is the type of ``Parent.run``'s ``alloc``
 callable. The dicts the module returns are typed: ``InstallInfo``,
-``MemoryStats``, ``ParentOptions``, ``ParentStats`` (``TypedDict``\\ s).
+``MemoryStats``, ``ParentOptions``, ``ParentStats``, ``ArenaStats`` (``TypedDict``\\ s).
 
 Errors: ``PoolipcError`` (a ``RuntimeError``) for anything of poolipc's;
 ``JobFailedError`` when a job's worker was lost (``.worker``, ``.reason``, ``.detail``);
 ``WorkerError``, a ``JobFailedError``, when the worker reported an error for the job;
 ``UnknownWorkerError``, a ``PoolipcError`` and a ``KeyError``, for a worker id the parent does
-not serve; ``ValueError`` for a tensor that cannot be lent (naming which input and why) and
+not serve; ``ArenaFullError``, a ``WorkerError`` and a ``MemoryError``, when a result would pass
+the result arena's cap; ``ValueError`` for a tensor that cannot be lent (naming which input and why) and
 for options that cannot work; ``ExpiredViewError`` for a view used after its job.
 """
 
@@ -37,6 +41,8 @@ from typing import Any, Final, Protocol
 
 from . import _native
 from ._native import (
+    ArenaFullError,
+    ArenaResult,
     ContextLostError,
     DeviceBuffer,
     ExpiredViewError,
@@ -51,6 +57,7 @@ from ._native import (
     mps_status,
 )
 from ._types import (
+    ArenaStats,
     InputSpec,
     InstallInfo,
     MemoryStats,
@@ -68,11 +75,13 @@ __all__ = [
     "Job",
     "View",
     "DeviceBuffer",
+    "ArenaResult",
     "TensorRef",
     "PoolipcError",
     "JobFailedError",
     "WorkerError",
     "UnknownWorkerError",
+    "ArenaFullError",
     "ExpiredViewError",
     "ContextLostError",
     "MpsError",
@@ -84,6 +93,7 @@ __all__ = [
     "MemoryStats",
     "ParentOptions",
     "ParentStats",
+    "ArenaStats",
     "MpsStatus",
     "Allocator",
 ]
@@ -93,6 +103,7 @@ log = logging.getLogger("poolipc")
 ALLOC_CONF: Final = "PYTORCH_CUDA_ALLOC_CONF"
 ASYNC_BACKEND: Final = "backend:cudaMallocAsync"
 _DISABLE_FLAG: Final = "--disable-cuda-malloc"
+_RESULTS: Final = ("pool", "arena")
 
 Allocator = Callable[[str, tuple[int, ...], int], Any]
 """What ``Parent.run``/``submit`` take as ``alloc``: ``alloc(dtype, shape, nbytes)`` returns the
@@ -181,12 +192,17 @@ def install_pool(
     stop_timeout: float | None = None,
     handshake_timeout: float | None = None,
     frame_timeout: float | None = None,
+    results: str | None = None,
+    arena_bytes: int | None = None,
+    arena_max_bytes: int | None = None,
 ) -> InstallInfo:
     """Swap the device's current memory pool for poolipc's shareable one. Call it before
     ``import torch`` (ComfyUI: from the pack's ``prestartup_script.py``).
 
-    This creates the process's one parent; the deadlines (seconds, see ``Parent``) are set
-    here when given, and a later ``Parent`` with other values is a ``ValueError``.
+    This creates the process's one parent; the deadlines (seconds, see ``Parent``) and the
+    result memory (``results="pool"``, the default, or ``"arena"``, sized by ``arena_bytes``
+    and capped by ``arena_max_bytes``: see ``Parent``) are set here when given, and a later
+    ``Parent`` with other values is a ``ValueError``.
 
     Refuses (``PoolipcError``) when torch is already imported: torch picks its allocator once.
     Puts ``backend:cudaMallocAsync`` into ``PYTORCH_CUDA_ALLOC_CONF`` unless the user chose
@@ -197,8 +213,9 @@ def install_pool(
     ``reason`` (why not).
 
     Raises ``PoolipcError`` (torch already imported, no usable driver, the pool cannot be
-    installed) and ``ValueError`` (a deadline not more than 0, another device or other
-    deadlines than the process's parent has).
+    installed) and ``ValueError`` (a deadline not more than 0, an unknown ``results``, arena
+    sizes without ``results="arena"``, another device or other options than the process's
+    parent has).
     """
     device = _ordinal(device)
     if "torch" in sys.modules:
@@ -211,7 +228,14 @@ def install_pool(
     if new_conf is not None:
         os.environ[ALLOC_CONF] = new_conf
     native = _native._install(
-        device, handoff_timeout, stop_timeout, handshake_timeout, frame_timeout
+        device,
+        handoff_timeout,
+        stop_timeout,
+        handshake_timeout,
+        frame_timeout,
+        results,
+        arena_bytes,
+        arena_max_bytes,
     )
     info = InstallInfo(
         installed=native["installed"],
@@ -309,15 +333,21 @@ class JobHandle:
         "input_rungs": "How each input crossed (``pool pointer``, ``host staging``), once the "
         "job ended; None before.",
         "result_rungs": "How each result crossed, once the job ended; None before.",
+        "_torch": "Whether arena results become torch tensors (torch.from_dlpack).",
+        "_results": "The results once converted, so that waiting again gives the same objects.",
     }
 
     input_rungs: list[str] | None
     result_rungs: list[str] | None
 
-    def __init__(self, native: _native.NativeJobHandle, inputs: list[Any]) -> None:
+    def __init__(
+        self, native: _native.NativeJobHandle, inputs: list[Any], torch_results: bool = False
+    ) -> None:
         """Made by ``Parent.submit``, not by hand."""
         self._native = native
         self._inputs: list[Any] | None = inputs
+        self._torch = torch_results
+        self._results: list[Any] | None = None
         self.input_rungs = None
         self.result_rungs = None
 
@@ -338,20 +368,28 @@ class JobHandle:
 
     def wait(self, timeout: float | None = None) -> list[Any]:
         """The job's results, in the order the worker requested them: torch tensors (or what
-        ``alloc`` made, or ``DeviceBuffer``\\ s). Releases the GIL while it waits.
+        ``alloc`` made, or ``DeviceBuffer``\\ s, or ``ArenaResult``\\ s without torch). Releases
+        the GIL while it waits.
 
         Raises ``TimeoutError`` (still running after ``timeout`` seconds; wait again later),
         ``ValueError`` (an input was refused: negative strides, past its allocation),
         ``JobFailedError`` (the worker was lost, or ``alloc`` raised: its exception is the
         ``__cause__``), ``WorkerError`` (the worker reported an error for the job),
+        ``ArenaFullError`` (a result would pass the result arena's cap; a ``WorkerError``),
         ``UnknownWorkerError`` (the worker is not served); ``ValueError`` also for a negative
         ``timeout``.
         """
         results, rungs = self._native.wait(timeout)
+        if self._results is None:
+            owners = [r[5] for r in results]
+            if self._torch:
+                torch: Any = sys.modules["torch"]
+                owners = [torch.from_dlpack(o) if isinstance(o, ArenaResult) else o for o in owners]
+            self._results = owners
         self.input_rungs = list(rungs)
         self.result_rungs = [r[4] for r in results]
         self._inputs = None
-        return [r[5] for r in results]
+        return list(self._results)
 
     def __repr__(self) -> str:
         return f"JobHandle(id={self.id}, worker={self.worker}, done={self.done})"
@@ -373,6 +411,24 @@ class Parent:
     comes first in the process; a later value that differs is a ``ValueError`` naming the
     clash (``options`` says what is in force).
 
+    Result memory, also set by the first creation in the process (a later different value is
+    a ``ValueError``): ``results="pool"`` (the default, the seed's way: each result is
+    allocated in the shared pool, by ``torch.empty`` when torch tensors are lent, and
+    exported to the worker; above the import limit it takes host staging) or
+    ``results="arena"``: the result arena, parent-owned memory each worker maps once, so a
+    result is an offset, with no export and no import limit (a result may be as large as the
+    arena). ``arena_bytes`` is its first chunk and growth step (256 MiB by default, or the
+    cap if smaller), ``arena_max_bytes`` its cap (None: none); the arena is made at the first
+    result that goes to it. A result that would pass the cap fails its job with
+    ``ArenaFullError`` naming the size and the cap; the parent and the worker go on. Arena
+    results come back as torch tensors over an ``ArenaResult`` (``torch.from_dlpack``;
+    without torch, the ``ArenaResult`` itself); the block goes back to the arena, ordered
+    after the job's stream, once torch frees the tensor's storage (and every other tensor
+    made from the same result). ``run``/``submit`` take ``results=`` per job: ``"pool"`` (or
+    an ``alloc``) keeps the pool way for that job under an arena parent. The default stays
+    the pool so that existing callers, which may keep results past a free on another stream
+    or hold many at once, see no change.
+
     Thread-safe: share one ``Parent`` between threads. Jobs on different workers run at the
     same time; ``spawn``, ``stop``, ``pid``, ``canary_report`` and ``stats`` never wait for
     another thread's job; every wait releases the GIL.
@@ -386,17 +442,30 @@ class Parent:
         stop_timeout: float | None = None,
         handshake_timeout: float | None = None,
         frame_timeout: float | None = None,
+        results: str | None = None,
+        arena_bytes: int | None = None,
+        arena_max_bytes: int | None = None,
     ) -> None:
-        """``device``: the pool's device ordinal. The deadlines: see the class.
+        """``device``: the pool's device ordinal. The deadlines and the result memory
+        (``results``, ``arena_bytes``, ``arena_max_bytes``): see the class.
 
-        Raises ``ValueError`` (a deadline not more than 0; another device, or other deadlines,
-        than the process's parent has) and ``PoolipcError`` (no usable driver: set
+        Raises ``ValueError`` (a deadline not more than 0; an unknown ``results``; arena sizes
+        without ``results="arena"``; a cap below ``arena_bytes``; another device, or other
+        options, than the process's parent has) and ``PoolipcError`` (no usable driver: set
         ``POOLIPC_DRIVER=sim`` for the simulation; the pool cannot be installed).
         """
         self.device = _ordinal(device)
         self._native = _native.NativeParent(
-            device, handoff_timeout, stop_timeout, handshake_timeout, frame_timeout
+            device,
+            handoff_timeout,
+            stop_timeout,
+            handshake_timeout,
+            frame_timeout,
+            results,
+            arena_bytes,
+            arena_max_bytes,
         )
+        self._results: str = self._native.options()["results"]
         self.last_input_rungs: list[str] = []
         self.last_result_rungs: list[str] = []
 
@@ -414,6 +483,7 @@ class Parent:
     @property
     def options(self) -> ParentOptions:
         """The process parent's options: ``device``, the deadlines in seconds, ``canary``,
+        ``results`` (``pool`` or ``arena``), ``arena_bytes``, ``arena_max_bytes``,
         ``made_by``."""
         return self._native.options()
 
@@ -458,8 +528,17 @@ class Parent:
 
     def stats(self) -> ParentStats:
         """Counters: workers connected and lost, jobs submitted, completed and failed, tensors
-        by pool pointer and by host staging. Never waits for a job."""
+        by pool pointer and by host staging, results in the arena and inputs copied into it.
+        Never waits for a job."""
         return self._native.stats()
+
+    def arena_stats(self) -> ArenaStats:
+        """The result arena's figures, after freeing the blocks given back whose work is done:
+        ``enabled``, ``created``, ``capacity``, ``used``, ``largest_free``, ``live_blocks``,
+        ``pending_frees``, ``chunks``, ``max_bytes`` and ``results_out`` (arena results whose
+        block has not gone back: the ``ArenaResult`` objects and the tensors made from them).
+        ``PoolipcError`` when the driver cannot be reached."""
+        return self._native.arena_stats()
 
     def submit(
         self,
@@ -468,6 +547,7 @@ class Parent:
         *,
         stream: int | _HasCudaStream | None = None,
         alloc: Allocator | None = None,
+        results: str | None = None,
     ) -> JobHandle:
         """Lend ``inputs`` to ``worker`` and return at once; the ``JobHandle``'s ``wait()``
         gives the results. Arguments as for ``run``. The inputs must not be written until the
@@ -476,8 +556,20 @@ class Parent:
         A tensor that cannot be lent (negative strides, a wrong dtype, a CPU tensor) raises
         ``ValueError`` here; one that runs past its allocation raises it from ``wait``. Either
         way the worker is untouched. An object that is no tensor raises ``TypeError``; a
-        worker this parent does not serve, ``UnknownWorkerError``.
+        worker this parent does not serve, ``UnknownWorkerError``; ``results`` that is not
+        ``"pool"`` or ``"arena"``, ``"arena"`` with an ``alloc``, or ``"arena"`` when the
+        process's parent was made without the arena, ``ValueError``.
         """
+        if results is not None and results not in _RESULTS:
+            raise ValueError(f'poolipc: results={results!r} is not a result memory; use "pool" or "arena"')
+        if results == "arena" and alloc is not None:
+            raise ValueError('poolipc: results="arena" takes no alloc (an allocator makes pool results)')
+        if results == "arena" and self._results != "arena":
+            raise ValueError(
+                'poolipc: results="arena" needs the process\'s parent made with results="arena" '
+                "(pass it to install_pool() or the first Parent(); the arena is set once per process)"
+            )
+        to_arena = alloc is None and (results or self._results) == "arena"
         inputs = list(inputs)
         specs = [_describe(x) for x in inputs]
         torch_mode = any(_is_torch_tensor(x) for x in inputs) or (
@@ -511,7 +603,15 @@ class Parent:
                     else torch.cuda.ExternalStream(raw_stream, device=dev)
                 )
         native_alloc: Callable[[str, list[int], int, int], tuple[int, object]] | None = None
-        if alloc is None and torch_mode:
+        if alloc is None and not to_arena and not torch_mode and self._results == "arena":
+            # Pool results for this job under an arena parent: DeviceBuffers from the pool.
+            native = self._native
+
+            def pool_alloc(dtype: str, shape: tuple[int, ...], nbytes: int) -> DeviceBuffer:
+                return native.alloc(nbytes, raw_stream, dtype, list(shape))
+
+            alloc = pool_alloc
+        if alloc is None and torch_mode and not to_arena:
             dev = torch.device("cuda", self.device)
 
             # nbytes is for other allocators.
@@ -536,8 +636,8 @@ class Parent:
                 ptr = t.data_ptr() if callable(getattr(t, "data_ptr", None)) else int(t.ptr)
                 return (int(ptr), t)
 
-        native = self._native.submit(worker, specs, raw_stream, native_alloc, inputs)
-        return JobHandle(native, inputs)
+        native_handle = self._native.submit(worker, specs, raw_stream, native_alloc, inputs)
+        return JobHandle(native_handle, inputs, torch_results=to_arena and torch_mode)
 
     def run(
         self,
@@ -546,6 +646,7 @@ class Parent:
         *,
         stream: int | _HasCudaStream | None = None,
         alloc: Allocator | None = None,
+        results: str | None = None,
     ) -> list[Any]:
         """Lend ``inputs`` to ``worker``, serve its result requests, return its results:
         ``submit(...).wait()``.
@@ -569,15 +670,22 @@ class Parent:
         torch tensors from the pool; torch's stream has waited on DONE, so they may be used at
         once on it.
 
+        ``results``: where this job's results go when no ``alloc`` is given: ``"pool"`` (as
+        above) or ``"arena"`` (the result arena: torch tensors made by ``torch.from_dlpack``
+        over ``ArenaResult``\\ s, or the ``ArenaResult``\\ s without torch; see the class);
+        None: the process parent's ``results`` (``options["results"]``, ``"pool"`` unless it
+        was made with ``"arena"``). An ``alloc`` always means pool results.
+
         ``last_input_rungs``/``last_result_rungs`` say how the last job of this object
         crossed; with several threads, use ``submit`` and the handle's ``input_rungs``.
 
         Raises what ``submit`` and ``JobHandle.wait`` raise: ``ValueError`` (an input that
         cannot be lent), ``TypeError`` (an object that is no tensor), ``UnknownWorkerError``,
         ``JobFailedError`` (the worker was lost, or ``alloc`` raised), ``WorkerError`` (the
-        worker reported an error for the job).
+        worker reported an error for the job), ``ArenaFullError`` (a result would pass the
+        arena's cap; the parent and the worker go on), ``ValueError`` (a bad ``results``).
         """
-        handle = self.submit(worker, inputs, stream=stream, alloc=alloc)
+        handle = self.submit(worker, inputs, stream=stream, alloc=alloc, results=results)
         out = handle.wait()
         self.last_input_rungs = handle.input_rungs or []
         self.last_result_rungs = handle.result_rungs or []

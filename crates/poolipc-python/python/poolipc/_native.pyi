@@ -8,6 +8,7 @@ from types import TracebackType
 from typing import Any, Final, final
 
 from ._types import (
+    ArenaStats,
     InputSpec,
     MemoryStats,
     MpsStatus,
@@ -24,6 +25,7 @@ __all__ = [
     "memory_stats",
     "NativeParent",
     "DeviceBuffer",
+    "ArenaResult",
     "NativeJobHandle",
     "NativeWorker",
     "Job",
@@ -32,6 +34,7 @@ __all__ = [
     "JobFailedError",
     "WorkerError",
     "UnknownWorkerError",
+    "ArenaFullError",
     "ExpiredViewError",
     "ContextLostError",
     "MpsError",
@@ -63,6 +66,9 @@ class UnknownWorkerError(PoolipcError, KeyError):
 
     worker: int
 
+class ArenaFullError(WorkerError, MemoryError):
+    """A result would pass the result arena's cap; the message names the size and the cap."""
+
 class ExpiredViewError(PoolipcError):
     """A view, a result buffer or a freed DeviceBuffer was used after its memory went back."""
 
@@ -88,6 +94,9 @@ def _install(
     stop_timeout: float | None = None,
     handshake_timeout: float | None = None,
     frame_timeout: float | None = None,
+    results: str | None = None,
+    arena_bytes: int | None = None,
+    arena_max_bytes: int | None = None,
 ) -> NativeInstallInfo:
     """Installs the shared pool by creating the process's parent (see ``install_pool``)."""
 
@@ -122,6 +131,52 @@ class DeviceBuffer:
         """Frees the memory now."""
 
 @final
+class ArenaResult:
+    """A result in the parent's result arena; its block goes back once it and every DLPack
+    tensor made from it are gone."""
+
+    @property
+    def ptr(self) -> int:
+        """The device address of element 0."""
+    @property
+    def nbytes(self) -> int:
+        """Its size in bytes."""
+    @property
+    def dtype(self) -> str:
+        """The dtype's name."""
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape."""
+    @property
+    def rung(self) -> str:
+        """How it crossed: ``arena``."""
+    @property
+    def device(self) -> int:
+        """The device ordinal."""
+    @property
+    def stream(self) -> int:
+        """The job's stream."""
+    @property
+    def live_exports(self) -> int:
+        """DLPack tensors made from it that are still alive."""
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """``__cuda_array_interface__`` version 3."""
+    def data_ptr(self) -> int:
+        """Same as ``ptr``."""
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCUDA, device)``."""
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> object:
+        """A DLPack capsule over the result (no copy) that shares its block."""
+
+@final
 class NativeJobHandle:
     """A job submitted with ``NativeParent.submit``."""
 
@@ -148,8 +203,14 @@ class NativeParent:
         stop_timeout: float | None = None,
         handshake_timeout: float | None = None,
         frame_timeout: float | None = None,
+        results: str | None = None,
+        arena_bytes: int | None = None,
+        arena_max_bytes: int | None = None,
     ) -> NativeParent:
-        """The process's parent, made (and the pool installed) if nothing did."""
+        """The process's parent, made (and the pool installed) if nothing did. ``results``:
+        where results of a job without an allocator go, ``"pool"`` (the default) or
+        ``"arena"`` (``ArenaResult`` objects; ``arena_bytes`` first chunk, 256 MiB by default,
+        ``arena_max_bytes`` cap, none by default). Set once per process."""
     @property
     def device(self) -> int:
         """The pool's device ordinal."""
@@ -171,6 +232,8 @@ class NativeParent:
         """The canary battery's report on the worker, in words."""
     def stats(self) -> ParentStats:
         """The parent's counters."""
+    def arena_stats(self) -> ArenaStats:
+        """The result arena's figures, after freeing blocks whose work is done."""
     def submit(
         self,
         worker: int,
@@ -179,7 +242,8 @@ class NativeParent:
         alloc: NativeAllocator | None = None,
         keep: object | None = None,
     ) -> NativeJobHandle:
-        """Lends ``inputs`` to ``worker`` and returns a handle at once."""
+        """Lends ``inputs`` to ``worker`` and returns a handle at once. Without ``alloc``,
+        results go to the process parent's result memory (pool or arena)."""
     def run(
         self,
         worker: int,

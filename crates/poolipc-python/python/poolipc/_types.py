@@ -15,7 +15,7 @@ elements or None for contiguous)``."""
 
 NativeResult = tuple[int, int, str, list[int], str, Any]
 """One result as ``NativeJobHandle.wait`` gives it: ``(ptr, nbytes, dtype, shape, rung,
-owner)``; ``owner`` is what the allocator returned, or a ``DeviceBuffer``."""
+owner)``; ``owner`` is what the allocator returned, a ``DeviceBuffer``, or an ``ArenaResult``."""
 
 NativeAllocator = Callable[[str, list[int], int, int], tuple[int, object]]
 """The allocator ``NativeParent.submit`` calls: ``alloc(dtype, shape, nbytes, stream) -> (ptr,
@@ -54,7 +54,9 @@ class MemoryStats(TypedDict):
 
 class ParentOptions(TypedDict):
     """``Parent.options``: the process parent's device, its deadlines in seconds, whether it
-    runs the canary battery, and who made it (``install_pool`` or ``Parent``)."""
+    runs the canary battery, its result memory (``results``: ``pool`` or ``arena``; the
+    arena's first chunk and cap in bytes, None without an arena or a cap), and who made it
+    (``install_pool`` or ``Parent``)."""
 
     device: int
     handoff_timeout: float
@@ -62,6 +64,9 @@ class ParentOptions(TypedDict):
     handshake_timeout: float
     frame_timeout: float
     canary: bool
+    results: str
+    arena_bytes: int | None
+    arena_max_bytes: int | None
     made_by: str
 
 
@@ -75,6 +80,27 @@ class ParentStats(TypedDict):
     jobs_failed: int
     pool_pointer_tensors: int
     host_staged_tensors: int
+    arena_results: int
+    arena_copied_inputs: int
+
+
+class ArenaStats(TypedDict):
+    """``Parent.arena_stats()``: whether the process parent has ``results="arena"``
+    (``enabled``) and the arena exists yet (``created``); its bytes (``capacity``, ``used``,
+    ``largest_free``), blocks out (``live_blocks``, counting those given back whose work is
+    not done), ``pending_frees``, ``chunks``, the cap (``max_bytes``, None: none), and
+    ``results_out``: arena results handed to Python whose block has not gone back."""
+
+    enabled: bool
+    created: bool
+    capacity: int
+    used: int
+    largest_free: int
+    live_blocks: int
+    pending_frees: int
+    chunks: int
+    max_bytes: int | None
+    results_out: int
 
 
 class MpsStatus(TypedDict):

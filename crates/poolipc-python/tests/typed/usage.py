@@ -69,6 +69,38 @@ def parent_side(script: str) -> None:
     buf.free()
 
 
+def arena_side(script: str) -> None:
+    poolipc.install_pool(0, results="arena", arena_bytes=1 << 26, arena_max_bytes=1 << 30)
+    parent = poolipc.Parent(0, results="arena", arena_max_bytes=1 << 30)
+    assert_type(parent.options["results"], str)
+    assert_type(parent.options["arena_max_bytes"], int | None)
+    assert_type(parent.stats()["arena_results"], int)
+    s = parent.arena_stats()
+    assert_type(s, poolipc.ArenaStats)
+    assert_type(s["live_blocks"], int)
+    assert_type(s["results_out"], int)
+    assert_type(s["max_bytes"], int | None)
+    w = parent.spawn_python(script)
+    src = parent.alloc(16)
+    ref = poolipc.TensorRef(src.ptr, "uint8", [16])
+    try:
+        (r,) = parent.run(w, [ref], results="arena")
+    except poolipc.ArenaFullError as e:
+        assert_type(e.reason, str | None)
+        assert_type(e.message, str)
+        return
+    if isinstance(r, poolipc.ArenaResult):
+        assert_type(r.rung, str)
+        assert_type(r.nbytes, int)
+        assert_type(r.shape, tuple[int, ...])
+        assert_type(r.live_exports, int)
+        assert_type(r.__dlpack_device__(), tuple[int, int])
+        assert_type(r.__cuda_array_interface__, dict[str, Any])
+        r.__dlpack__(stream=-1, max_version=(1, 0))
+    pool = parent.submit(w, [ref], results="pool").wait()
+    assert_type(pool, list[Any])
+
+
 def worker_side() -> None:
     worker = poolipc.Worker("any:0")
     assert_type(worker.device, int)
