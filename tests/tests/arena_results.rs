@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use poolipc::{
-    DType, DevicePtr, Error, Input, JobOutput, Parent, ParentOptions, ResultMemory, Rung,
-    StreamHandle, TensorDesc, WorkerId, echo,
+    DType, DevicePtr, Error, Input, JobOutput, Parent, ParentOptions, ResultMemory, ResultRefusal,
+    Rung, StreamHandle, TensorDesc, WorkerId, echo,
 };
 use poolipc_contract::FailReason;
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
@@ -151,6 +151,36 @@ both_drivers!(
         ensure!(p.arena_stats().context("no arena")?.alloc.live_blocks == 3);
         drop(out);
         ensure!(settle(&p, stream)? == 0, "blocks left after the results were dropped");
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_result_past_the_arena_cap_fails_its_job_with_a_typed_refusal_and_the_worker_goes_on(env) {
+        let p = parent(env, 8 * MIB, Some(8 * MIB))?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        match echo_job(&p, w, &[16 * MIB], 0x5150_0001, stream) {
+            Err(e) => match e.downcast_ref::<Error>() {
+                Some(Error::Worker {
+                    refused: Some(ResultRefusal::ArenaFull { requested, max, .. }),
+                    message,
+                    ..
+                }) => {
+                    println!("refused: {message}");
+                    ensure!(*requested >= 16 * MIB && *max == 8 * MIB, "{requested} {max}");
+                }
+                _ => bail!("not a typed arena refusal: {e:?}"),
+            },
+            Ok(out) => bail!("a 16 MiB result in an 8 MiB arena: {:?}", out.results),
+        }
+        // The worker is alive and the arena still serves what fits.
+        let out = echo_job(&p, w, &[MIB], 0x5150_0002, stream)?;
+        ensure!(out.results[0].rung == Rung::Arena, "{:?}", out.results[0].rung);
+        check_exact(&p, &out, 0, MIB, 0x5150_0002)?;
+        drop(out);
+        ensure!(settle(&p, stream)? == 0, "blocks left out");
         p.stop_worker(w)?;
         Ok(())
     }

@@ -112,12 +112,6 @@ pub(crate) fn unknown_worker_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>
 /// `ArenaFullError(WorkerError, MemoryError)`: made at import, as `UnknownWorkerError` is.
 static ARENA_FULL: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
-/// What the facade says when the result arena refuses a request over its cap
-/// (`poolipc_pool::arena::ArenaError::Exhausted`); the parent's refusal reaches the worker,
-/// whose failure of the job carries it back. `arena_full_is_recognised` in the Python suite
-/// pins it.
-const ARENA_FULL_WORDS: &str = "the arena cannot hold";
-
 /// The `ArenaFullError` class: a job whose worker failed because the parent's result arena
 /// would pass its cap (`arena_max_bytes`) to hold a result. Both a `WorkerError` (the worker
 /// is alive and serves the next job) and a `MemoryError`; the message names the bytes asked
@@ -201,8 +195,17 @@ pub(crate) fn to_py_for(py: Python<'_>, e: poolipc::Error, worker: Option<u32>) 
                 ("detail", s(&detail).unwrap_or_else(none)),
             ],
         ),
-        poolipc::Error::Worker { message, .. } => {
-            let full = message.contains(ARENA_FULL_WORDS);
+        poolipc::Error::Worker {
+            message, refused, ..
+        } => {
+            // The parent's own record of what it refused this job, not the worker's words.
+            let full = matches!(refused, Some(poolipc::ResultRefusal::ArenaFull { .. }));
+            let text = match &refused {
+                Some(r) if !message.contains(&r.to_string()) => {
+                    format!("{text} (the parent refused a result of the job: {r})")
+                }
+                _ => text,
+            };
             let e = match arena_full_type(py) {
                 Ok(ty) if full => PyErr::from_type(ty.clone(), (text,)),
                 _ => WorkerError::new_err(text),

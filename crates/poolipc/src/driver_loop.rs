@@ -165,6 +165,8 @@ struct JobState {
     orphans: Vec<DevicePtr>,
     /// Input allocations lent by pointer: their entries in `Loop::lent` are dropped at release.
     lent_bases: Vec<u64>,
+    /// The first result request the parent refused, for the job's error.
+    refused: Option<crate::ResultRefusal>,
 }
 
 impl JobState {
@@ -1131,6 +1133,7 @@ impl Loop {
                 requests_by_handoff: HashMap::new(),
                 orphans: Vec::new(),
                 lent_bases,
+                refused: None,
             },
         );
         self.drive();
@@ -1518,6 +1521,10 @@ impl Loop {
             Ok(e) => e,
             Err(e) => {
                 tracing::warn!(worker = %worker, job = job.0, error = %e, "result allocation failed");
+                if let Some(st) = self.jobs.get_mut(&(worker, job)) {
+                    st.refused
+                        .get_or_insert_with(|| crate::ResultRefusal::of(&e));
+                }
                 ParentEvent::ResultDeclined {
                     worker,
                     request,
@@ -1789,7 +1796,11 @@ impl Loop {
             }
             JobOutcome::WorkerError(message) => {
                 let results = self.give_back_results(&mut st);
-                Err(Error::Worker { message, results })
+                Err(Error::Worker {
+                    message,
+                    results,
+                    refused: st.refused.take(),
+                })
             }
             JobOutcome::Failed { reason, detail } => {
                 let results = self.give_back_results(&mut st);

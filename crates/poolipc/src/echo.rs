@@ -170,8 +170,10 @@ pub fn produce(job: &mut Job<'_>, bytes: u64) -> Result<(), Error> {
 pub fn serve_produce(worker: &mut Worker, bytes: u64) -> Result<usize, Error> {
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
-        produce(&mut job, bytes)?;
-        job.finish()?;
+        match produce(&mut job, bytes) {
+            Ok(()) => job.finish()?,
+            Err(e) => job.fail(&e.to_string())?,
+        }
         served += 1;
     }
     Ok(served)
@@ -181,8 +183,10 @@ pub fn serve_produce(worker: &mut Worker, bytes: u64) -> Result<usize, Error> {
 pub fn serve_touch(worker: &mut Worker) -> Result<usize, Error> {
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
-        touch(&mut job)?;
-        job.finish()?;
+        match touch(&mut job) {
+            Ok(()) => job.finish()?,
+            Err(e) => job.fail(&e.to_string())?,
+        }
         served += 1;
     }
     Ok(served)
@@ -192,8 +196,12 @@ pub fn serve_touch(worker: &mut Worker) -> Result<usize, Error> {
 pub fn serve(worker: &mut Worker, die_at: Option<DieAt>) -> Result<usize, Error> {
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
-        answer(&mut job, die_at)?;
-        job.finish()?;
+        // A job that fails (a result the parent refused, say) fails alone: the parent is
+        // told why, and the worker goes on to the next.
+        match answer(&mut job, die_at) {
+            Ok(()) => job.finish()?,
+            Err(e) => job.fail(&e.to_string())?,
+        }
         served += 1;
     }
     Ok(served)

@@ -60,6 +60,9 @@ pub enum Error {
         message: String,
         /// As for [`Error::JobFailed`].
         results: Vec<poolipc_driver::DevicePtr>,
+        /// The first result request of this job the parent refused, if any: what the worker
+        /// most likely failed of (its message usually quotes it), typed.
+        refused: Option<ResultRefusal>,
     },
     /// The parent refused a result request (allocation failed, over the limit, shutdown).
     #[error("result request refused: {0}")]
@@ -115,6 +118,60 @@ impl Error {
             | Error::Arena(ArenaError::Driver(e))
             | Error::Staging(crate::staging::StagingError::Driver(e)) => e.is_context_lost(),
             _ => false,
+        }
+    }
+}
+
+/// Why the parent refused a worker's result request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResultRefusal {
+    /// The result arena would pass its cap ([`ResultMemory::Arena`]'s `max_bytes`) to hold
+    /// the result.
+    ///
+    /// [`ResultMemory::Arena`]: crate::ResultMemory::Arena
+    ArenaFull {
+        /// The bytes asked for.
+        requested: u64,
+        /// The arena's bytes when it refused.
+        capacity: u64,
+        /// Its cap.
+        max: u64,
+    },
+    /// Any other refusal (the allocator failed, the device is out of memory, ...), in words.
+    Other(String),
+}
+
+impl std::fmt::Display for ResultRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ResultRefusal::ArenaFull {
+                requested,
+                capacity,
+                max,
+            } => write!(
+                f,
+                "the result arena cannot hold {requested} more bytes: it has {capacity} and may grow to {max} at most"
+            ),
+            ResultRefusal::Other(why) => f.write_str(why),
+        }
+    }
+}
+
+impl ResultRefusal {
+    /// The refusal an allocation error amounts to.
+    pub(crate) fn of(e: &Error) -> Self {
+        match e {
+            Error::Arena(ArenaError::Exhausted {
+                requested,
+                capacity,
+                max,
+            }) => ResultRefusal::ArenaFull {
+                requested: *requested,
+                capacity: *capacity,
+                max: *max,
+            },
+            other => ResultRefusal::Other(other.to_string()),
         }
     }
 }

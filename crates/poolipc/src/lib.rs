@@ -47,7 +47,7 @@ mod tensor;
 mod worker;
 
 pub use canary::CanaryReport;
-pub use error::Error;
+pub use error::{Error, ResultRefusal};
 pub use handshake::identity;
 pub use parent::{
     ArenaStats, DEFAULT_ARENA_COPY_VRAM_MARGIN, Input, JobHandle, JobOutput, Parent, ParentOptions,

@@ -376,8 +376,8 @@ impl Worker {
             })
     }
 
-    /// The job as user code sees it. Should a view fail to build, the job is finished on
-    /// drop all the same.
+    /// The job as user code sees it. Should a view fail to build, the job is reported failed
+    /// with the reason and finished (what it holds is given back), and the error returned.
     fn job(&mut self, started: Started) -> Result<Job<'_>, Error> {
         let Started { job: id, inputs } = started;
         let mut job = Job {
@@ -388,8 +388,16 @@ impl Worker {
             finished: false,
         };
         for t in inputs {
-            let view = job.worker.input_view(t)?;
-            job.inputs.push(view);
+            match job.worker.input_view(t) {
+                Ok(view) => job.inputs.push(view),
+                Err(e) => {
+                    let why = format!("a tensor of the job could not be viewed: {e}");
+                    if let Err(f) = job.fail(&why) {
+                        tracing::warn!(job = id.0, error = %f, "failing a job failed");
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(job)
     }

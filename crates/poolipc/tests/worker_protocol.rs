@@ -62,6 +62,11 @@ fn serve() -> ! {
             .map(poolipc::InputView::read_only)
             .collect();
         lines.push_str(&format!("{} {flags:?}\n", job.id().0));
+        if job.inputs().first().is_some_and(|i| i.byte_len() == 13) {
+            // The worker's code returns early without finishing the job.
+            drop(job);
+            continue;
+        }
         match poolipc::echo::answer(&mut job, None) {
             Ok(()) => job.finish().unwrap(),
             Err(e) => job.fail(&e.to_string()).unwrap(),
@@ -452,13 +457,23 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
         arena: Some(poolipc_transport::ArenaLocation { chunk, offset }),
     };
     // Past the chunk's end, then a chunk never announced: the job's view cannot be built;
-    // it is finished (Done, Ack) and the worker goes on.
+    // it is reported failed (JobError naming why), finished (Done, Ack), and the worker
+    // goes on.
     for (job, (c, offset)) in [(0, chunk.len - 512), (7, 0)].into_iter().enumerate() {
         let job = job as u64 + 1;
         s.send(Message::Lend(Lend {
             job: JobId(job),
             tensors: vec![copy(job, c, offset, s.ready_blob)],
         }));
+        let Message::JobError {
+            job: failed,
+            message,
+        } = s.recv()
+        else {
+            panic!("job {job} was not reported failed")
+        };
+        assert_eq!(failed, JobId(job));
+        assert!(message.contains("could not be viewed"), "{message}");
         let done = s.recv();
         assert_eq!(handles(&done), [HandoffId(job)]);
         assert_eq!(handles(&s.recv()), [HandoffId(job)], "the Ack");
@@ -507,4 +522,49 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
     );
     assert_eq!(lines[2], "3 [true]", "an arena copy is read-only: {report}");
     drop(arena);
+}
+
+#[test]
+fn a_job_dropped_unfinished_is_reported_failed_then_finished_and_the_next_job_is_served() {
+    let mut s = Script::start(
+        "a_job_dropped_unfinished_is_reported_failed_then_finished_and_the_next_job_is_served",
+    );
+    let (_, odd) = s.pooled(13, 0x0D0D_0D0D);
+    s.send(Message::Lend(Lend {
+        job: JobId(1),
+        tensors: vec![s.pointer(1, 1, odd, 13)],
+    }));
+    // Not a Done that looks like success: the parent hears why first.
+    let Message::JobError { job, message } = s.recv() else {
+        panic!("a dropped job was not reported failed")
+    };
+    assert_eq!(job, JobId(1));
+    assert!(message.contains("without finishing"), "{message}");
+    let done = s.recv();
+    assert_eq!(handles(&done), [HandoffId(1)], "job 1's Done");
+    assert_eq!(handles(&s.recv()), [HandoffId(1)], "job 1's Ack");
+    s.wait_done(&done);
+    // The worker goes on.
+    let (_, input) = s.pooled(4096, 0x5566_7788);
+    s.send(Message::Lend(Lend {
+        job: JobId(2),
+        tensors: vec![s.pointer(2, 2, input, 4096)],
+    }));
+    let Message::ResultRequest(request) = s.recv() else {
+        panic!("job 2 was not served")
+    };
+    assert_eq!(request.job, JobId(2));
+    s.send(Message::AllocationGrant(AllocationGrant {
+        job: JobId(2),
+        results: vec![ResultGrant::Refused {
+            code: ErrorCode::CANCELLED,
+            message: "not now".into(),
+        }],
+    }));
+    let Message::JobError { .. } = s.recv() else {
+        panic!("no JobError for job 2")
+    };
+    assert_eq!(handles(&s.recv()), [HandoffId(2)], "job 2's Done");
+    assert_eq!(handles(&s.recv()), [HandoffId(2)], "job 2's Ack");
+    assert_eq!(s.end(), "1 [false]\n2 [false]\n");
 }

@@ -253,7 +253,29 @@ impl Job<'_> {
 }
 
 impl Drop for Job<'_> {
+    /// A job dropped without [`finish`](Job::finish) or [`fail`](Job::fail) (the worker's
+    /// code returned early with an error, or panicked) is reported as failed, then finished:
+    /// what it held is given back as usual, and the parent's caller gets an error instead of
+    /// a job that seems to have succeeded with results missing.
     fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        let why = if std::thread::panicking() {
+            "the worker's code panicked during the job"
+        } else {
+            "the worker's code dropped the job without finishing it (it returned early, most \
+             likely with an error)"
+        };
+        let w = &mut *self.worker;
+        if let Err(e) = w
+            .machine
+            .fail_job(self.id, why.to_owned())
+            .map_err(Error::from)
+            .and_then(|()| w.drain())
+        {
+            tracing::warn!(job = self.id.0, error = %e, "reporting a dropped job failed");
+        }
         if let Err(e) = self.finish_inner() {
             tracing::warn!(job = self.id.0, error = %e, "finishing a dropped job failed");
         }
