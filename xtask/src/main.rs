@@ -462,9 +462,9 @@ mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
 plot=""; "$here/poolipc" bench --help | grep -q -- --plot && plot="--plot $out/bench.svg"
 RUST_LOG=warn timeout 900 "$here/poolipc" bench $mps $peers --json-out "$out/bench.json" $plot > "$out/bench.log" 2>&1; echo "bench exit: $?" >> "$summary"
 cat "$out/bench.log" >> "$summary"
-echo "--- same run, plain, the in-flight spin off (POOLIPC_SPIN_IN_FLIGHT_US=0): what it saves" >> "$summary"
-POOLIPC_SPIN_IN_FLIGHT_US=0 RUST_LOG=warn timeout 300 "$here/poolipc" bench $peers --max-mib 64 > "$out/bench-nospin.log" 2>&1; echo "bench (spin off) exit: $?" >> "$summary"
-sed -n '1,/^$/p' "$out/bench-nospin.log" | head -12 >> "$summary"
+echo "--- same run, plain, with the old spin (POOLIPC_SPIN_US=50 POOLIPC_SPIN_IN_FLIGHT_US=0): what the spin saves" >> "$summary"
+POOLIPC_SPIN_US=50 POOLIPC_SPIN_IN_FLIGHT_US=0 RUST_LOG=warn timeout 300 "$here/poolipc" bench $peers --max-mib 64 --copy-max-mib 0 --result-max-mib 64 > "$out/bench-oldspin.log" 2>&1; echo "bench (old spin) exit: $?" >> "$summary"
+grep -E "^ +(4 KiB|1 MiB|64 MiB) .*[0-9]\.[0-9][0-9] |split" "$out/bench-oldspin.log" >> "$summary"
 fi
 want python && echo "--- python: the binding under torch (cudaMallocAsync), then on SimDriver" >> "$summary"
 wheel=$(ls "$here"/poolipc-*.whl 2>/dev/null | head -1)
