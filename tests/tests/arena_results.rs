@@ -187,6 +187,44 @@ both_drivers!(
 );
 
 both_drivers!(
+    fn a_worker_that_dies_of_a_refused_result_fails_its_job_naming_the_refusal(env) {
+        let p = parent(env, 8 * MIB, Some(8 * MIB))?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, Some("after-refusal"))?)?;
+        match echo_job(&p, w, &[16 * MIB], 0x5150_0003, stream) {
+            Err(e) => {
+                let text = e.to_string();
+                println!("failed: {text}");
+                match e.downcast_ref::<Error>() {
+                    // The worker died of the refusal: the error names both.
+                    Some(Error::JobFailed { detail, .. }) => ensure!(
+                        detail.contains("the parent refused its results")
+                            && detail.contains("cannot hold"),
+                        "the refusal is not named: {detail}"
+                    ),
+                    // Or its report of the refusal won the race with its death.
+                    Some(Error::Worker {
+                        refused: Some(ResultRefusal::ArenaFull { .. }),
+                        ..
+                    }) => {}
+                    _ => bail!("neither a failed job naming the refusal nor a typed refusal: {e:?}"),
+                }
+            }
+            Ok(out) => bail!("a 16 MiB result in an 8 MiB arena: {:?}", out.results),
+        }
+        // Nothing is lost, and the parent serves a new worker.
+        ensure!(settle(&p, stream)? == 0, "blocks left out");
+        let w2 = p.spawn_worker(worker_command(env, None)?)?;
+        let out = echo_job(&p, w2, &[MIB], 0x5150_0004, stream)?;
+        check_exact(&p, &out, 0, MIB, 0x5150_0004)?;
+        drop(out);
+        ensure!(settle(&p, stream)? == 0, "blocks left out");
+        p.stop_worker(w2)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
     fn many_jobs_reuse_the_same_block_without_growing_the_arena(env) {
         let p = parent(env, 4 * MIB, Some(4 * MIB))?;
         let stream = p.driver().stream_create()?;

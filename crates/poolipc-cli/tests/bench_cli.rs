@@ -1,11 +1,19 @@
 //! `poolipc bench` as a newcomer runs it on a machine without a GPU: the real binary on the
 //! simulated driver, to the end.
 
+use std::path::PathBuf;
 use std::process::Command;
+
+/// The binary under test: the bundle's on the GPU machine (`POOLIPC_BIN`), else cargo's.
+fn poolipc() -> Command {
+    let bin = std::env::var_os("POOLIPC_BIN")
+        .map_or_else(|| env!("CARGO_BIN_EXE_poolipc").into(), PathBuf::from);
+    Command::new(bin)
+}
 
 #[test]
 fn bench_on_the_simulated_driver_runs_to_the_end_within_its_memory() {
-    let out = Command::new(env!("CARGO_BIN_EXE_poolipc"))
+    let out = poolipc()
         .args(["bench", "--sim", "--iterations", "3"])
         .env("RUST_LOG", "warn")
         .output()
@@ -32,7 +40,7 @@ fn bench_on_the_simulated_driver_runs_to_the_end_within_its_memory() {
 #[test]
 fn bench_skips_a_size_the_device_cannot_hold_and_says_so() {
     // The simulated device has far less than 2 × 16 GiB: the row is skipped, not fatal.
-    let out = Command::new(env!("CARGO_BIN_EXE_poolipc"))
+    let out = poolipc()
         .args([
             "bench",
             "--sim",

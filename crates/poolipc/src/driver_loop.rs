@@ -1810,6 +1810,12 @@ impl Loop {
                 } else {
                     format!("{detail}; worker {status}")
                 };
+                // A worker that went away after the parent refused its results most likely
+                // died of the refusal: name it, it is the cause the caller can act on.
+                let detail = match st.refused.take() {
+                    Some(r) => format!("{detail}; before that the parent refused its results: {r}"),
+                    None => detail,
+                };
                 Err(Error::JobFailed {
                     worker,
                     reason,

@@ -79,6 +79,8 @@ pub enum DieAt {
     AfterGrant,
     /// After writing, before finishing (no DONE, no ACK).
     AfterWrite,
+    /// When the parent refused the results (a worker that cannot go on without them).
+    AfterRefusal,
 }
 
 impl std::str::FromStr for DieAt {
@@ -88,6 +90,7 @@ impl std::str::FromStr for DieAt {
             "after-import" => DieAt::AfterImport,
             "after-grant" => DieAt::AfterGrant,
             "after-write" => DieAt::AfterWrite,
+            "after-refusal" => DieAt::AfterRefusal,
             other => return Err(format!("unknown step {other:?}")),
         })
     }
@@ -102,6 +105,7 @@ fn die_here(at: Option<DieAt>, here: DieAt) {
         DieAt::AfterImport => "after-import",
         DieAt::AfterGrant => "after-grant",
         DieAt::AfterWrite => "after-write",
+        DieAt::AfterRefusal => "after-refusal",
     });
 }
 
@@ -119,7 +123,10 @@ pub fn answer(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
         .map(|i| (i.ptr(), i.byte_len()))
         .collect();
     if !shapes.is_empty() {
-        job.request_results(&shapes)?;
+        if let Err(e) = job.request_results(&shapes) {
+            die_here(die_at, DieAt::AfterRefusal);
+            return Err(e);
+        }
     }
     die_here(die_at, DieAt::AfterGrant);
     let driver = job.driver().clone();

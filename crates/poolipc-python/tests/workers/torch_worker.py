@@ -17,23 +17,32 @@ def main():
     for job in worker:
         if MODE == "die-after-import":
             os.kill(os.getpid(), signal.SIGKILL)
-        with job:
-            if MODE == "cupy":
-                import cupy
+        try:
+            serve(job)
+        except poolipc.JobFailedError as e:
+            # The parent refused this job's results (an arena cap, say): `with job` has
+            # reported the job failed; the worker goes on with the next one.
+            print(f"torch worker: {job!r} failed: {e}", flush=True)
 
-                with cupy.cuda.ExternalStream(job.stream):
-                    xs = [cupy.asarray(v) for v in job.inputs]
-                    outs = job.request_results([(v.dtype, tuple(v.shape)) for v in job.inputs])
-                    for x, o in zip(xs, outs):
-                        cupy.asarray(o)[...] = x * 2 + 1
-                continue
-            xs = [torch.from_dlpack(v) for v in job.inputs]
-            outs = job.request_results([(str(x.dtype).removeprefix("torch."), tuple(x.shape)) for x in xs])
-            if MODE == "die-after-grant":
-                os.kill(os.getpid(), signal.SIGKILL)
-            for x, o in zip(xs, outs):
-                torch.from_dlpack(o).copy_(x * 2 + 1)
-            del xs
+
+def serve(job):
+    with job:
+        if MODE == "cupy":
+            import cupy
+
+            with cupy.cuda.ExternalStream(job.stream):
+                xs = [cupy.asarray(v) for v in job.inputs]
+                outs = job.request_results([(v.dtype, tuple(v.shape)) for v in job.inputs])
+                for x, o in zip(xs, outs):
+                    cupy.asarray(o)[...] = x * 2 + 1
+            return
+        xs = [torch.from_dlpack(v) for v in job.inputs]
+        outs = job.request_results([(str(x.dtype).removeprefix("torch."), tuple(x.shape)) for x in xs])
+        if MODE == "die-after-grant":
+            os.kill(os.getpid(), signal.SIGKILL)
+        for x, o in zip(xs, outs):
+            torch.from_dlpack(o).copy_(x * 2 + 1)
+        del xs
 
 
 if __name__ == "__main__":
