@@ -122,11 +122,11 @@ pub fn answer(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
         .iter()
         .map(|i| (i.ptr(), i.byte_len()))
         .collect();
-    if !shapes.is_empty() {
-        if let Err(e) = job.request_results(&shapes) {
-            die_here(die_at, DieAt::AfterRefusal);
-            return Err(e);
-        }
+    if !shapes.is_empty()
+        && let Err(e) = job.request_results(&shapes)
+    {
+        die_here(die_at, DieAt::AfterRefusal);
+        return Err(e);
     }
     die_here(die_at, DieAt::AfterGrant);
     let driver = job.driver().clone();
