@@ -515,8 +515,27 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             }
             drop(out);
         }
+        // The same result, its shape learned late, with an arena slice of its size lent with
+        // each job: the worker carves it and skips the ResultRequest round trip.
+        parent.set_arena_slice_bytes(bytes);
+        let carved_before = parent.stats().arena_results_carved;
+        let mut sliced = Vec::with_capacity(iterations);
+        for i in 0..=iterations {
+            let t = Instant::now();
+            let out = parent.run_job(producer, &[], stream)?;
+            d.stream_synchronize(stream)?;
+            let us = t.elapsed().as_secs_f64() * 1e6;
+            anyhow::ensure!(out.results.len() == 1, "{} results", out.results.len());
+            anyhow::ensure!(out.results[0].bytes >= bytes, "a short result");
+            if i > 0 {
+                sliced.push(us);
+            }
+            drop(out);
+        }
+        parent.set_arena_slice_bytes(0);
+        let carved = parent.stats().arena_results_carved - carved_before;
         parent.stop_worker(producer)?;
-        arena_rows.push((bytes, median(&mut times), rung));
+        arena_rows.push((bytes, median(&mut times), rung, median(&mut sliced), carved));
     }
     // A batch of 1000 small tensors, each its own allocation, in one job: fresh exports the
     // first time, the export cache's hits after.
@@ -611,10 +630,17 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "rung": rung.map(|r| r.to_string()),
             "host_staging_median_us": if staged.is_nan() { None } else { Some(*staged) },
         })).collect::<Vec<_>>(),
-        "arena_results": arena_rows.iter().map(|(b, us, rung)| serde_json::json!({
+        "arena_results": arena_rows.iter().map(|(b, us, rung, _, _)| serde_json::json!({
             "bytes": b,
             "median_us": us,
             "rung": rung.map(|r| r.to_string()),
+        })).collect::<Vec<_>>(),
+        "arena_results_late_with_slice": arena_rows.iter().map(|(b, us, _, sliced, carved)| serde_json::json!({
+            "bytes": b,
+            "median_us": sliced,
+            "round_trip_median_us": us,
+            "ratio": sliced / us,
+            "carved": carved,
         })).collect::<Vec<_>>(),
         "export_cache": {
             "hits": cache.hits,
@@ -769,12 +795,30 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "  one result through the arena: worker writes its first 4 KiB, DONE, ACK, block back (medians):"
         );
         println!("  {:>10} {:>12} {:>14}", "size", "round µs", "rung");
-        for (b, us, rung) in &arena_rows {
+        for (b, us, rung, _, _) in &arena_rows {
             println!(
                 "  {:>10} {:>12.1} {:>14}",
                 human(*b),
                 us,
                 rung.map_or_else(|| "-".to_owned(), |r| r.to_string())
+            );
+        }
+        println!();
+        println!(
+            "  arena result, shape learned late: carved out of the job's arena slice vs asked for (round trip), medians:"
+        );
+        println!(
+            "  {:>10} {:>12} {:>12} {:>8} {:>8}",
+            "size", "slice µs", "request µs", "ratio", "carved"
+        );
+        for (b, us, _, sliced, carved) in &arena_rows {
+            println!(
+                "  {:>10} {:>12.1} {:>12.1} {:>7.2}× {:>8}",
+                human(*b),
+                sliced,
+                us,
+                sliced / us,
+                carved
             );
         }
     }

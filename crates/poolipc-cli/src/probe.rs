@@ -114,6 +114,7 @@ fn probe_once(
                         },
                         arena: None,
                     }],
+                    slice: None,
                 };
                 conn.send(&Message::Lend(lend), &[], deadline)?;
                 Ok(conn.recv(deadline)?.0)

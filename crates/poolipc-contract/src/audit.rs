@@ -274,6 +274,20 @@ impl Auditor {
                         &mut found,
                     );
                 }
+                // The slice: a block of the arena, like an arena result (no READY).
+                if let Some(slice) = &lend.slice {
+                    self.sent(
+                        *worker,
+                        lend.job,
+                        slice.handle,
+                        slice.alloc,
+                        Rung::Arena,
+                        EventBlob([0; 64]),
+                        ready,
+                        false,
+                        &mut found,
+                    );
+                }
             }
             ParentAction::Send {
                 worker,
@@ -344,6 +358,31 @@ impl Auditor {
                 outcome,
                 ..
             } => self.on_release(*worker, *handoff, *alloc, *outcome, &mut found),
+            ParentAction::ReleaseSlice {
+                worker,
+                handoff,
+                alloc,
+                outcome,
+                carved,
+                ..
+            } => {
+                if !carved.is_empty() {
+                    if *outcome != Outcome::Completed {
+                        violation(
+                            &mut found,
+                            Invariant::ReleaseAfterAckAndDone,
+                            format!(
+                                "slice {handoff} delivers carved results with outcome {outcome:?}"
+                            ),
+                        );
+                    }
+                    // Its carves are results the caller holds now.
+                    if let Some(loan) = self.loans.get_mut(handoff) {
+                        loan.result = true;
+                    }
+                }
+                self.on_release(*worker, *handoff, *alloc, *outcome, &mut found);
+            }
             ParentAction::FreeResult { alloc, .. } => {
                 match self.allocs.get_mut(alloc) {
                     Some(rec) if rec.loans.is_empty() => rec.caller_holds = false,
@@ -588,9 +627,12 @@ impl Auditor {
                     .or_default()
                     .push((*job, *ready_event));
             }
-            WorkerAction::JobStarted { job, inputs } => {
+            WorkerAction::JobStarted { job, inputs, slice } => {
                 for t in inputs {
                     self.usable(worker, *job, t.handle, &mut found);
+                }
+                if let Some(slice) = slice {
+                    self.usable(worker, *job, slice.handle, &mut found);
                 }
                 self.waited.remove(&worker);
             }

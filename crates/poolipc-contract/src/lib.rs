@@ -62,17 +62,17 @@ mod tests;
 pub use error::ContractError;
 pub use invariant::{Invariant, Violation};
 pub use message::{
-    Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, Chunk, DeviceEntry, Done,
-    ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES,
-    MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec,
-    StagingBuffer, TensorMeta,
+    Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
+    DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice, LentTensor,
+    MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
+    ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
 pub use parent::{
-    FailReason, InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent,
+    FailReason, InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent, SliceLoan,
 };
 pub use poolipc_types::{
-    AllocId, CHUNK_BYTES, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, ImportLimit, JobId,
-    MAX_CHUNKS, RequestId, Rung, Span, WorkerId,
+    ARENA_ALIGN, AllocId, CHUNK_BYTES, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId,
+    ImportLimit, JobId, MAX_CHUNKS, RequestId, Rung, Span, WorkerId,
 };
 pub use types::{Outcome, Purpose, Timestamp, dense_bytes};
 pub use worker::{Worker, WorkerAction};

@@ -118,6 +118,28 @@ pub struct LentTensor {
     pub arena: Option<ArenaLocation>,
 }
 
+/// A block of the parent's result arena lent with a job (protocol 6): the job's **arena
+/// slice**, out of which the worker may carve results whose shapes it learns late, without a
+/// `ResultRequest` round trip.
+///
+/// Like an arena result block: no export, no import, no READY (the parent hands a block out
+/// only once every earlier use of it completed); the worker never touches it after its DONE
+/// for the job. What it carved it names in its [`Done`]'s `carved`; the parent then owns each
+/// carve as a result of the job and takes the rest back after its wait on that DONE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LentSlice {
+    /// The handoff the slice opens (named in the job's `Done` and `Ack` like any other).
+    pub handle: HandoffId,
+    /// The allocation id the parent gave the block.
+    pub alloc: AllocId,
+    /// The arena chunk's index (announced by an [`ArenaChunk`] before the `Lend`).
+    pub chunk: u32,
+    /// Bytes from the chunk's start.
+    pub offset: u64,
+    /// Bytes of the slice.
+    pub bytes: u64,
+}
+
 /// Parent → worker: tensors lent for a job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Lend {
@@ -125,6 +147,25 @@ pub struct Lend {
     pub job: JobId,
     /// The tensors, in argument order.
     pub tensors: Vec<LentTensor>,
+    /// The job's arena slice, if the parent granted one (protocol 6).
+    pub slice: Option<LentSlice>,
+}
+
+/// Worker → parent, in a [`Done`]: one result the worker carved out of the job's
+/// [`LentSlice`] instead of asking for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CarvedResult {
+    /// Its place among the job's results, counting carved and granted results together in
+    /// the order the worker asked for them (from 0).
+    pub index: u32,
+    /// Bytes from the slice's start: a multiple of [`poolipc_types::ARENA_ALIGN`].
+    pub offset: u64,
+    /// Its size: the dense size of `shape` and `dtype`, non-zero.
+    pub bytes: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// Size of each dimension (at most [`MAX_DIMS`]); carved results are contiguous.
+    pub shape: Vec<u64>,
 }
 
 /// The shape of one result, announced before the parent allocates it.
@@ -212,6 +253,9 @@ pub struct Done {
     pub done_event: EventBlob,
     /// The allocations it covers.
     pub handles: Vec<HandoffId>,
+    /// The results carved out of the job's slice (protocol 6), in carve order; empty when
+    /// the job had no slice or carved nothing.
+    pub carved: Vec<CarvedResult>,
 }
 
 /// Acknowledges handles: from the worker, "unimported, you may release"; from the parent,

@@ -36,4 +36,8 @@ pub(crate) enum Mutation {
     /// worker's ACK without making its stream wait on DONE ("the worker only reads a private
     /// copy"), while the worker's reads may still be queued on the GPU.
     ReturnArenaCopyBeforeDone,
+    /// Invariant 4, arena slice: the parent gives a slice's unused tail (with the rest of the
+    /// slice) back at the worker's ACK before making its stream wait on DONE, while the
+    /// worker's writes into the slice may still be queued on the GPU.
+    ReturnSliceTailBeforeDone,
 }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use crate::error::ContractError;
 use crate::message::{
-    Ack, AllocationGrant, ArenaLocation, Done, ErrorCode, Lend, LentTensor, Message, ResultGrant,
-    ResultRequest, ResultSpec, TensorMeta,
+    Ack, AllocationGrant, ArenaLocation, CarvedResult, Done, ErrorCode, Lend, LentSlice,
+    LentTensor, Message, ResultGrant, ResultRequest, ResultSpec, TensorMeta,
 };
 use crate::mutation::Mutation;
 use crate::types::{
@@ -19,7 +19,7 @@ use crate::types::{
     Timestamp, WorkerId, ZERO_EVENT, ZERO_EXPORT, by_pointer, dense_bytes, done_gated, in_arena,
     ready_gated, staged,
 };
-use poolipc_types::ImportLimit;
+use poolipc_types::{ARENA_ALIGN, ImportLimit};
 
 /// How the parent side behaves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +63,20 @@ pub struct InputLoan {
     /// gives the block back only at the input's [`ParentAction::Release`] (after a
     /// [`ParentAction::WaitDone`] on the worker's DONE, or once the worker was reaped).
     pub arena: Option<ArenaLocation>,
+}
+
+/// A job's arena slice, as the facade allocated it (protocol 6): a block of the result arena
+/// the worker may carve results out of without asking. See [`Parent::start_job_with_slice`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SliceLoan {
+    /// A fresh id for the block.
+    pub alloc: AllocId,
+    /// The block in the parent's address space: `[ptr, ptr + bytes)`; `bytes` non-zero.
+    pub span: Span,
+    /// The arena chunk's index (announced to the worker before the `Lend` goes out).
+    pub chunk: u32,
+    /// Bytes from the chunk's start.
+    pub offset: u64,
 }
 
 /// Why a job failed.
@@ -273,6 +287,28 @@ pub enum ParentAction {
         /// How it ended.
         outcome: Outcome,
     },
+    /// The job's arena slice is over (after a [`ParentAction::WaitDone`] on the worker's
+    /// DONE, or once the worker was reaped). On [`Outcome::Completed`] each entry of
+    /// `carved` is a result of the job, the caller's: `bytes` at `offset` in the slice, at
+    /// place `index` among the job's results (granted results fill the other places, in
+    /// request order); the contract checked every carve (inside the slice, aligned to
+    /// [`ARENA_ALIGN`], no overlap, the dense size of its shape). Everything of the slice
+    /// not carved goes back to the arena, ordered after the stream's wait on DONE. On any
+    /// other outcome `carved` is empty and the whole slice goes back.
+    ReleaseSlice {
+        /// The worker it was lent to.
+        worker: WorkerId,
+        /// Its job.
+        job: JobId,
+        /// The slice's handoff.
+        handoff: HandoffId,
+        /// The block.
+        alloc: AllocId,
+        /// How it ended.
+        outcome: Outcome,
+        /// The results carved out of it, in the worker's carve order.
+        carved: Vec<CarvedResult>,
+    },
     /// An allocation made for a request and never offered to the worker (declined by the
     /// contract, over the limit, job cancelled or failed): the caller's to free. No import
     /// of it exists.
@@ -373,6 +409,8 @@ struct Job {
     done_seen: bool,
     error: Option<String>,
     batch: Option<Batch>,
+    /// The job's arena slice: its handoff and length.
+    slice: Option<(HandoffId, u64)>,
 }
 
 #[derive(Clone, Debug)]
@@ -383,6 +421,8 @@ struct Loan {
     rung: Rung,
     purpose: Purpose,
     done: Option<EventBlob>,
+    /// A slice's carves, checked, from the worker's `Done`.
+    carved: Vec<CarvedResult>,
 }
 
 #[derive(Clone, Debug)]
@@ -604,6 +644,33 @@ impl Parent {
         inputs: Vec<InputLoan>,
         now: Timestamp,
     ) -> Result<Vec<HandoffId>, ContractError> {
+        self.start_job_with_slice(worker, job, ready_event, inputs, None, now)
+            .map(|(inputs, _)| inputs)
+    }
+
+    /// [`Parent::start_job`], with the job's arena slice (protocol 6) when `slice` is given:
+    /// one more handoff, after the inputs, carried in the `Lend`'s `slice`. Like an arena
+    /// result it needs no READY and is DONE-gated: it comes back with
+    /// [`ParentAction::ReleaseSlice`] after the job's `Ack` and a wait on its DONE, or once
+    /// the worker was reaped. The worker names what it carved in its `Done`; a carve outside
+    /// the slice, not aligned to [`ARENA_ALIGN`], overlapping another, of zero bytes or not
+    /// the dense size of its shape, or one whose place among the results is out of range or
+    /// taken, condemns that worker (a protocol violation), like a lying `ResultSpec`.
+    ///
+    /// Returns the handles of the inputs, in order, and the slice's.
+    ///
+    /// # Errors
+    /// Those of [`Parent::start_job`]; and [`ContractError::AllocationMismatch`] for a slice
+    /// of zero bytes or whose allocation id is in use (lent, or an input of this job).
+    pub fn start_job_with_slice(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        ready_event: EventBlob,
+        inputs: Vec<InputLoan>,
+        slice: Option<SliceLoan>,
+        now: Timestamp,
+    ) -> Result<(Vec<HandoffId>, Option<HandoffId>), ContractError> {
         self.check_takes_work(worker)?;
         if self.jobs.contains_key(&(worker, job)) {
             return Err(ContractError::JobExists(job));
@@ -643,6 +710,14 @@ impl Parent {
             }
             spans.insert(alloc, span);
         }
+        if let Some(sl) = &slice
+            && (sl.span.bytes == 0
+                || self.lent.contains_key(&sl.alloc)
+                || self.unoffered.contains(&sl.alloc)
+                || spans.contains_key(&sl.alloc))
+        {
+            return Err(ContractError::AllocationMismatch { alloc: sl.alloc });
+        }
         let mut handoffs = Vec::with_capacity(inputs.len());
         let mut tensors = Vec::with_capacity(inputs.len());
         let mut staged_inputs = Vec::new();
@@ -662,6 +737,7 @@ impl Parent {
                     rung: input.rung,
                     purpose: Purpose::Input,
                     done: None,
+                    carved: Vec::new(),
                 },
             );
             if staged(input.rung) {
@@ -679,16 +755,44 @@ impl Parent {
                 arena: input.arena,
             });
         }
+        let inputs_handles = handoffs.clone();
+        let lent_slice = slice.map(|sl| {
+            let handle = self.fresh_handoff();
+            // No READY: like an arena result, the facade hands out a block only once every
+            // earlier use of it completed on the GPU.
+            self.open_loan(
+                handle,
+                sl.span,
+                Loan {
+                    worker,
+                    job,
+                    alloc: sl.alloc,
+                    rung: Rung::Arena,
+                    purpose: Purpose::Slice,
+                    done: None,
+                    carved: Vec::new(),
+                },
+            );
+            handoffs.push(handle);
+            LentSlice {
+                handle,
+                alloc: sl.alloc,
+                chunk: sl.chunk,
+                offset: sl.offset,
+                bytes: sl.span.bytes,
+            }
+        });
         self.jobs.insert(
             (worker, job),
             Job {
                 ready_event,
-                handoffs: handoffs.clone(),
+                handoffs,
                 deadline: now.saturating_add(self.config.handoff_timeout),
                 cancelled: false,
                 done_seen: false,
                 error: None,
                 batch: None,
+                slice: lent_slice.map(|s| (s.handle, s.bytes)),
             },
         );
         if let Some(peer) = self.workers.get_mut(&worker) {
@@ -700,7 +804,11 @@ impl Parent {
         }
         self.actions.push_back(ParentAction::Send {
             worker,
-            message: Message::Lend(Lend { job, tensors }),
+            message: Message::Lend(Lend {
+                job,
+                tensors,
+                slice: lent_slice,
+            }),
         });
         for handoff in staged_inputs {
             self.actions.push_back(ParentAction::SendStaged {
@@ -709,7 +817,7 @@ impl Parent {
                 handoff,
             });
         }
-        Ok(handoffs)
+        Ok((inputs_handles, lent_slice.map(|s| s.handle)))
     }
 
     /// The answers already given to `job`'s pending result request become cancelled
@@ -1215,6 +1323,7 @@ impl Parent {
                             rung,
                             purpose: Purpose::Result { request },
                             done: None,
+                            carved: Vec::new(),
                         },
                     );
                     if let Some(j) = self.jobs.get_mut(&(worker, job)) {
@@ -1261,10 +1370,12 @@ impl Parent {
             job,
             done_event,
             handles,
+            carved,
         } = done;
-        if !self.jobs.contains_key(&(worker, job)) {
+        let Some(j) = self.jobs.get(&(worker, job)) else {
             return self.violation(worker, format!("a Done for {job}, which is not open"));
-        }
+        };
+        let slice = j.slice;
         let mut seen = BTreeSet::new();
         for h in &handles {
             if let Err(fault) = self.check_handle(worker, job, *h) {
@@ -1275,6 +1386,30 @@ impl Parent {
                     worker,
                     format!("the Done for {job} names {h}, which is DONE already"),
                 );
+            }
+        }
+        if !carved.is_empty() {
+            let granted = self
+                .loans
+                .values()
+                .filter(|l| {
+                    l.worker == worker
+                        && l.job == job
+                        && matches!(l.purpose, Purpose::Result { .. })
+                })
+                .count();
+            let checked = match slice {
+                None => Err("carves, but the job has no slice".to_owned()),
+                Some((handle, _)) if !seen.contains(&handle) => {
+                    Err(format!("carves, but not its slice {handle}"))
+                }
+                Some((_, bytes)) => check_carves(&carved, bytes, granted),
+            };
+            if let Err(fault) = checked {
+                return self.violation(worker, format!("the Done for {job} names {fault}"));
+            }
+            if let Some(loan) = slice.and_then(|(h, _)| self.loans.get_mut(&h)) {
+                loan.carved = carved;
             }
         }
         if let Some(j) = self.jobs.get_mut(&(worker, job)) {
@@ -1353,6 +1488,23 @@ impl Parent {
             let Some(loan) = self.loans.get(&h) else {
                 continue;
             };
+            let tail_first =
+                loan.purpose == Purpose::Slice && self.mutated(Mutation::ReturnSliceTailBeforeDone);
+            if tail_first {
+                // Test-only bug: the slice's unused tail (and the rest) goes back at the ACK,
+                // before the stream waits on the worker's DONE.
+                let done = loan.done;
+                self.release(h, outcome);
+                if let Some(done_event) = done {
+                    self.actions.push_back(ParentAction::WaitDone {
+                        worker,
+                        job,
+                        handoff: h,
+                        done_event,
+                    });
+                }
+                continue;
+            }
             if done_gated(loan.rung)
                 && let Some(done_event) = loan.done
                 && !self.mutated(Mutation::ReleaseWithoutWaitingDone)
@@ -1394,6 +1546,21 @@ impl Parent {
             if entry.1 == 0 {
                 self.lent.remove(&loan.alloc);
             }
+        }
+        if loan.purpose == Purpose::Slice {
+            self.actions.push_back(ParentAction::ReleaseSlice {
+                worker: loan.worker,
+                job: loan.job,
+                handoff,
+                alloc: loan.alloc,
+                outcome,
+                carved: if outcome == Outcome::Completed {
+                    loan.carved
+                } else {
+                    Vec::new()
+                },
+            });
+            return;
         }
         self.actions.push_back(ParentAction::Release {
             worker: loan.worker,
@@ -1526,4 +1693,68 @@ fn cancelled_refusal() -> Answer {
         code: ErrorCode::CANCELLED,
         message: "the job was cancelled".into(),
     }
+}
+
+/// Checks a worker's carves out of a slice of `slice_bytes`, for a job with `granted` granted
+/// results: each non-empty, the dense size of its shape, at an offset aligned to
+/// [`ARENA_ALIGN`], inside the slice, overlapping no other, at a place among the job's
+/// results that is in range and not taken. Returns what is wrong, for the violation.
+fn check_carves(carved: &[CarvedResult], slice_bytes: u64, granted: usize) -> Result<(), String> {
+    let places = carved.len().saturating_add(granted);
+    let mut taken = BTreeSet::new();
+    let mut ranges = Vec::with_capacity(carved.len());
+    for (i, c) in carved.iter().enumerate() {
+        match dense_bytes(c.dtype, &c.shape) {
+            Some(dense) if dense == c.bytes => {}
+            Some(dense) => {
+                return Err(format!(
+                    "carve {i} of {} bytes, but {:?} of {:?} takes {dense}",
+                    c.bytes, c.shape, c.dtype
+                ));
+            }
+            None => {
+                return Err(format!(
+                    "carve {i}: the size of {:?} of {:?} overflows",
+                    c.shape, c.dtype
+                ));
+            }
+        }
+        if c.bytes == 0 {
+            return Err(format!(
+                "carve {i} of 0 bytes (an empty result needs no memory)"
+            ));
+        }
+        if !c.offset.is_multiple_of(ARENA_ALIGN) {
+            return Err(format!(
+                "carve {i} at offset {}, not a multiple of {ARENA_ALIGN}",
+                c.offset
+            ));
+        }
+        let end = c.offset.checked_add(c.bytes).filter(|e| *e <= slice_bytes);
+        let Some(end) = end else {
+            return Err(format!(
+                "carve {i} of {} bytes at offset {}, past the slice's {slice_bytes} bytes",
+                c.bytes, c.offset
+            ));
+        };
+        if usize::try_from(c.index).map_or(true, |x| x >= places) {
+            return Err(format!(
+                "carve {i} at place {} among {places} results",
+                c.index
+            ));
+        }
+        if !taken.insert(c.index) {
+            return Err(format!("carve {i} at place {}, which is taken", c.index));
+        }
+        ranges.push((c.offset, end, i));
+    }
+    ranges.sort_unstable();
+    for pair in ranges.windows(2) {
+        if let [(_, end, a), (start, _, b)] = pair
+            && start < end
+        {
+            return Err(format!("carves {a} and {b}, which overlap"));
+        }
+    }
+    Ok(())
 }

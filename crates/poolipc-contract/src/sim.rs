@@ -14,10 +14,12 @@ use std::time::Duration;
 use crate::audit::Auditor;
 use crate::invariant::Violation;
 use crate::message::{
-    Ack, AllocationGrant, ArenaLocation, Done, ErrorCode, Lend, Message, ResultGrant,
+    Ack, AllocationGrant, ArenaLocation, CarvedResult, Done, ErrorCode, Lend, Message, ResultGrant,
     ResultRequest, ResultSpec, TensorMeta,
 };
-use crate::parent::{InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent};
+use crate::parent::{
+    InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent, SliceLoan,
+};
 use crate::types::{
     AllocId, DType, EventBlob, ExportBlob, HandoffId, JobId, Outcome, Purpose, RequestId, Rung,
     Span, Timestamp, WorkerId,
@@ -67,6 +69,9 @@ pub enum Fault {
     ErrorMessage,
     /// A message only the parent sends (`Lend`, `Bye`, ...).
     Unexpected,
+    /// A `Done` naming a carve out of the job's slice that lies past the slice's end (or a
+    /// carve of a job with no slice).
+    LyingCarve,
 }
 
 /// The simulation's chunk size.
@@ -91,7 +96,8 @@ pub enum Op {
     /// The caller starts a job of `inputs % 4` tensors on a worker. `plan` holds four bits per
     /// input: bit 0 lends a tensor the caller holds (else a new one of `size`), bits 1 and 2
     /// both set send it by host staging, as does a tensor above the limit unless bit 3 forces
-    /// the pool pointer (which must be refused); bits 2 and 3 pick the held tensor.
+    /// the pool pointer (which must be refused); bits 2 and 3 pick the held tensor. Bit 14
+    /// gives the job an arena slice; bit 15 lets the job go to any worker.
     StartJob {
         /// Worker index.
         worker: u8,
@@ -580,9 +586,22 @@ impl World {
             .all(|l| l.rung != Rung::PoolPointer || sim_limit().admits(l.span));
         let job = JobId(self.next_job);
         self.next_job += 1;
+        // The facade allocates the slice in the arena as it would an arena result, and holds
+        // it only through its loan, like an arena copy's block.
+        let slice = (plan & 0x4000 != 0).then(|| {
+            let (alloc, span) = self.fresh_alloc(SizeClass::AtLimit);
+            blocks.push(alloc);
+            SliceLoan {
+                alloc,
+                span,
+                chunk: u32::try_from(alloc.0 % 3).unwrap_or(0),
+                offset: alloc.0 * 512,
+            }
+        });
         let got = self
             .parent
-            .start_job(id, job, ready_blob(id, job), loans, self.now);
+            .start_job_with_slice(id, job, ready_blob(id, job), loans, slice, self.now)
+            .map(|(inputs, _)| inputs);
         // The facade owns an arena-copy block only through its loan: it drops its own hold
         // once the Lend lends the block (then the block goes back to the arena when the loan
         // is released), or at once if the job was refused.
@@ -666,8 +685,11 @@ impl World {
                         .filter(|j| !w.requested.contains(j) || count == 0)
                         .collect();
                     if let Some(job) = pick(&free, p) {
-                        let specs = (0..count % 3).map(|_| result_spec(size)).collect();
-                        if w.machine.request_results(job, specs).is_ok() {
+                        let specs: Vec<ResultSpec> =
+                            (0..count % 3).map(|_| result_spec(size)).collect();
+                        if let Ok(Some(_)) = w.machine.carve_results(job, &specs) {
+                            self.count("slice carved");
+                        } else if w.machine.request_results(job, specs).is_ok() {
                             w.requested.insert(job);
                         } else {
                             self.count("worker: second request refused");
@@ -1028,6 +1050,7 @@ impl World {
                     job,
                     done_event: done_blob(id, job),
                     handles: vec![handle],
+                    carved: Vec::new(),
                 })
             }
             Fault::AckBeforeDone => {
@@ -1056,6 +1079,18 @@ impl World {
                     results: vec![spec],
                 })
             }
+            Fault::LyingCarve => Message::Done(Done {
+                job,
+                done_event: done_blob(id, job),
+                handles: handoffs(self, job),
+                carved: vec![CarvedResult {
+                    index: 0,
+                    offset: 1 << 40,
+                    bytes: 256,
+                    dtype: DType::F32,
+                    shape: vec![64],
+                }],
+            }),
             Fault::ErrorMessage => Message::Error {
                 code: ErrorCode::INTERNAL,
                 message: "garbage".into(),
@@ -1066,6 +1101,7 @@ impl World {
                 2 => Message::Lend(Lend {
                     job,
                     tensors: Vec::new(),
+                    slice: None,
                 }),
                 _ => Message::AllocationGrant(AllocationGrant {
                     job,
@@ -1223,14 +1259,18 @@ impl World {
                     w.to_parent.push(msg);
                 }
             }
-            WorkerAction::JobStarted { job, inputs } => {
+            WorkerAction::JobStarted { job, inputs, slice } => {
                 w.started.push(job);
                 w.usable.extend(inputs.iter().map(|t| (job, t.handle)));
+                w.usable.extend(slice.map(|s| (job, s.handle)));
                 // The worker's code asks for its results at once in one job of two (and
-                // later, by `Op::RequestResults`, in others).
+                // later, by `Op::RequestResults`, in others): carved out of the slice when
+                // they fit, else by a request.
                 if job.0 % 2 == 0 {
                     let specs = vec![result_spec(SizeClass::Small); 1 + (job.0 % 3) as usize];
-                    if w.machine.request_results(job, specs).is_ok() {
+                    if let Ok(Some(_)) = w.machine.carve_results(job, &specs) {
+                        self.count("slice carved");
+                    } else if w.machine.request_results(job, specs).is_ok() {
                         w.requested.insert(job);
                     }
                 }
@@ -1262,7 +1302,9 @@ impl World {
                 message: Message::Lend(l),
                 ..
             } => {
-                if l.tensors.iter().any(|t| t.rung == Rung::ArenaCopy) {
+                if l.slice.is_some() {
+                    "lend with a slice"
+                } else if l.tensors.iter().any(|t| t.rung == Rung::ArenaCopy) {
                     "lend with an arena copy"
                 } else if l.tensors.iter().any(|t| t.rung == Rung::HostStaging) {
                     "lend with a staged input"
@@ -1316,6 +1358,10 @@ impl World {
                 ..
             } => "release cancelled",
             ParentAction::Release { .. } => "release failed",
+            ParentAction::ReleaseSlice { carved, .. } if !carved.is_empty() => {
+                "release a carved slice"
+            }
+            ParentAction::ReleaseSlice { .. } => "release a slice whole",
             ParentAction::KillWorker { .. } => "kill worker",
             ParentAction::JobFinished {
                 outcome: JobOutcome::Completed,
@@ -1334,11 +1380,22 @@ impl World {
                 match &message {
                     Message::Lend(l) => {
                         if let Some(j) = self.open_jobs.get_mut(&(worker, l.job)) {
-                            j.handoffs.extend(l.tensors.iter().map(|t| t.handle));
+                            j.handoffs.extend(
+                                l.tensors
+                                    .iter()
+                                    .map(|t| t.handle)
+                                    .chain(l.slice.map(|s| s.handle)),
+                            );
                         }
-                        for t in l.tensors.iter().filter(|t| t.rung == Rung::ArenaCopy) {
-                            if self.unoffered.remove(&t.alloc) {
-                                let checked = self.auditor.caller_dropped(t.alloc);
+                        let blocks = l
+                            .tensors
+                            .iter()
+                            .filter(|t| t.rung == Rung::ArenaCopy)
+                            .map(|t| t.alloc)
+                            .chain(l.slice.map(|s| s.alloc));
+                        for alloc in blocks.collect::<Vec<_>>() {
+                            if self.unoffered.remove(&alloc) {
+                                let checked = self.auditor.caller_dropped(alloc);
                                 self.note(checked);
                             }
                         }
@@ -1408,6 +1465,17 @@ impl World {
                     self.held_tensors.push((alloc, *span));
                 }
             }
+            ParentAction::ReleaseSlice {
+                alloc,
+                outcome: Outcome::Completed,
+                carved,
+                ..
+            } if !carved.is_empty() => {
+                // The carved results are the caller's (the slice's block, in this model).
+                if let Some(span) = self.spans.get(&alloc) {
+                    self.held_tensors.push((alloc, *span));
+                }
+            }
             ParentAction::JobFinished { worker, job, .. } => {
                 if self.open_jobs.remove(&(worker, job)).is_none() {
                     self.mismatch(format!("{job} of {worker} finished twice or never started"));
@@ -1430,6 +1498,7 @@ impl World {
             | ParentAction::ReceiveStaged { .. }
             | ParentAction::WaitDone { .. }
             | ParentAction::Release { .. }
+            | ParentAction::ReleaseSlice { .. }
             | ParentAction::ShutdownComplete => {}
         }
     }

@@ -97,4 +97,8 @@ pub enum Purpose {
         /// The request this allocation answers.
         request: RequestId,
     },
+    /// A job's arena slice (protocol 6): a block of the result arena the worker may carve
+    /// results out of. Released with [`crate::ParentAction::ReleaseSlice`], never
+    /// [`crate::ParentAction::Release`].
+    Slice,
 }

@@ -7,8 +7,8 @@ use std::collections::{BTreeMap, VecDeque};
 
 use crate::error::ContractError;
 use crate::message::{
-    Ack, AllocationGrant, Done, Lend, LentTensor, MAX_TEXT_LEN, Message, ResultGrant,
-    ResultRequest, ResultSpec, TensorMeta,
+    Ack, AllocationGrant, CarvedResult, Done, Lend, LentSlice, LentTensor, MAX_TEXT_LEN, Message,
+    ResultGrant, ResultRequest, ResultSpec, TensorMeta,
 };
 use crate::mutation::Mutation;
 use crate::types::{
@@ -61,6 +61,10 @@ pub enum WorkerAction {
         job: JobId,
         /// Its inputs, as lent.
         inputs: Vec<LentTensor>,
+        /// Its arena slice, if the parent lent one: results may be carved out of it
+        /// ([`Worker::carve_results`]). Writable without a wait (no READY, like an arena
+        /// result).
+        slice: Option<LentSlice>,
     },
     /// The granted results are writable (after their imports and wait).
     ResultsGranted {
@@ -109,11 +113,17 @@ struct Held {
 
 #[derive(Clone, Debug, Default)]
 struct OpenJob {
-    /// Inputs in `Lend` order, then results in grant order.
+    /// Inputs in `Lend` order, the slice, then results in grant order.
     held: Vec<Held>,
     /// Results requested and not granted yet.
     pending: Option<usize>,
     cancelled: bool,
+    /// The slice's length and where its free tail starts.
+    slice: Option<(u64, u64)>,
+    /// What was carved out of the slice, in carve order.
+    carved: Vec<CarvedResult>,
+    /// Results carved or granted so far: the next result's place.
+    results: u32,
 }
 
 /// The worker's side of the ownership contract.
@@ -272,7 +282,11 @@ impl Worker {
     }
 
     fn on_lend(&mut self, lend: Lend) -> Result<(), ContractError> {
-        let Lend { job, tensors } = lend;
+        let Lend {
+            job,
+            tensors,
+            slice,
+        } = lend;
         if self.jobs.contains_key(&job) {
             return Err(ContractError::JobExists(job));
         }
@@ -295,11 +309,20 @@ impl Worker {
                 },
             });
         }
-        self.check_fresh(tensors.iter().map(|t| t.handle))?;
+        self.check_fresh(
+            tensors
+                .iter()
+                .map(|t| t.handle)
+                .chain(slice.map(|s| s.handle)),
+        )?;
         if let Some(last) = tensors.last() {
             self.newest = Some(last.handle);
         }
         let mut open = OpenJob::default();
+        if let Some(sl) = &slice {
+            self.newest = Some(sl.handle);
+            open.slice = Some((sl.bytes, 0));
+        }
         let mut events = Vec::new();
         for t in &tensors {
             if by_pointer(t.rung) {
@@ -312,6 +335,14 @@ impl Worker {
                 handoff: t.handle,
                 alloc: t.alloc,
                 rung: t.rung,
+                result: false,
+            });
+        }
+        if let Some(sl) = &slice {
+            open.held.push(Held {
+                handoff: sl.handle,
+                alloc: sl.alloc,
+                rung: Rung::Arena,
                 result: false,
             });
         }
@@ -329,6 +360,7 @@ impl Worker {
         self.actions.push_back(WorkerAction::JobStarted {
             job,
             inputs: tensors,
+            slice,
         });
         Ok(())
     }
@@ -408,6 +440,8 @@ impl Worker {
         self.wait_ready(job, events);
         if let Some(j) = self.jobs.get_mut(&job) {
             j.pending = None;
+            let granted = u32::try_from(held.len()).unwrap_or(u32::MAX);
+            j.results = j.results.saturating_add(granted);
             j.held.extend(held);
         }
         self.actions
@@ -450,6 +484,74 @@ impl Worker {
                 results: specs,
             })));
         Ok(())
+    }
+
+    /// Carves every result of `specs` out of the job's arena slice, if they all fit in its
+    /// free tail (bump allocation, each at an offset aligned to [`poolipc_types::ARENA_ALIGN`]):
+    /// returns their offsets in the slice, in order, and they will be named in the job's
+    /// `Done`. Carved results need no round trip and no wait: the slice is writable from the
+    /// job's start. Returns `None`, changing nothing, when the job has no slice, was
+    /// cancelled, or some result does not fit or is empty: ask with
+    /// [`Worker::request_results`] then (a batch is carved whole or not at all, so results
+    /// keep the order they were asked in).
+    ///
+    /// # Errors
+    /// The job is not open; a request of it is not answered yet; a spec's `byte_len` is not
+    /// the dense size of its shape and dtype.
+    pub fn carve_results(
+        &mut self,
+        job: JobId,
+        specs: &[ResultSpec],
+    ) -> Result<Option<Vec<u64>>, ContractError> {
+        let Some(j) = self.jobs.get(&job) else {
+            return Err(ContractError::UnknownJob(job));
+        };
+        if j.pending.is_some() {
+            return Err(ContractError::RequestPending(job));
+        }
+        for (index, spec) in specs.iter().enumerate() {
+            if crate::types::dense_bytes(spec.dtype, &spec.shape) != Some(spec.byte_len) {
+                return Err(ContractError::MalformedResult {
+                    job,
+                    index,
+                    byte_len: spec.byte_len,
+                });
+            }
+        }
+        let Some((len, mut next)) = j.slice else {
+            return Ok(None);
+        };
+        if j.cancelled || specs.is_empty() {
+            return Ok(None);
+        }
+        let mut offsets = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let Some(start) = next.checked_next_multiple_of(poolipc_types::ARENA_ALIGN) else {
+                return Ok(None);
+            };
+            match start.checked_add(spec.byte_len) {
+                Some(end) if spec.byte_len > 0 && end <= len => {
+                    offsets.push(start);
+                    next = end;
+                }
+                _ => return Ok(None),
+            }
+        }
+        let Some(j) = self.jobs.get_mut(&job) else {
+            return Err(ContractError::UnknownJob(job));
+        };
+        for (spec, &offset) in specs.iter().zip(&offsets) {
+            j.carved.push(CarvedResult {
+                index: j.results,
+                offset,
+                bytes: spec.byte_len,
+                dtype: spec.dtype,
+                shape: spec.shape.clone(),
+            });
+            j.results = j.results.saturating_add(1);
+        }
+        j.slice = Some((len, next));
+        Ok(Some(offsets))
     }
 
     /// The worker's code failed on the job: `Send(JobError)` (the text cut to
@@ -514,6 +616,7 @@ impl Worker {
                 job,
                 done_event,
                 handles: handles.clone(),
+                carved: open.carved.clone(),
             })));
         for h in open.held.iter().filter(|h| h.result && staged(h.rung)) {
             self.actions.push_back(WorkerAction::SendStaged {

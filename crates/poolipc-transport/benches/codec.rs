@@ -33,6 +33,7 @@ fn lend(n: u64) -> Message {
                 arena: None,
             })
             .collect(),
+        slice: None,
     })
 }
 

@@ -21,14 +21,18 @@
 //! - `Lend`: job u64, `list<tensor>`; tensor: handle u64, alloc u64, rung u8, pool u8, export `[64]`,
 //!   ready event `[64]`, then on the arena-copy rung (4) only: arena chunk u32, arena offset
 //!   u64; then dtype u8, ndim u8, shape `u64 × ndim`, strides `i64 × ndim`, byte offset u64,
-//!   byte length u64.
+//!   byte length u64; then (protocol 6) the job's arena slice: presence u8 (0 none, 1 one;
+//!   anything else is an error), and if 1: handle u64, alloc u64, chunk u32, offset u64,
+//!   bytes u64.
 //! - `ResultRequest`: job u64, `list<spec>`; spec: dtype u8, ndim u8, shape `u64 × ndim`,
 //!   byte length u64.
 //! - `AllocationGrant`: job u64, `list<grant>`; grant: kind u8 (1 granted, 2 refused, 3
 //!   arena); granted: handle u64, alloc u64, rung u8, pool u8, export `[64]`, ready event
 //!   `[64]`; refused: code u16, text; arena: handle u64, alloc u64, chunk u32, offset u64,
 //!   bytes u64.
-//! - `Done`: job u64, done event `[64]`, `list<u64 handle>`.
+//! - `Done`: job u64, done event `[64]`, `list<u64 handle>`, then (protocol 6)
+//!   `list<carve>`; carve: index u32, offset u64, bytes u64, dtype u8, ndim u8,
+//!   shape `u64 × ndim`.
 //! - `Ack`: job u64, `list<u64 handle>`.
 //! - `Cancel`: job u64. `Heartbeat`: seq u64. `Bye`: nothing. `JobError`: job u64, text.
 //! - `StagingBuffer`: bytes u64, chunk u64, filled events `[64] × 2`, drained events
@@ -49,10 +53,10 @@
 //! decoder allocate more than a small multiple of `n`, and `n` is capped by [`FrameLimits`].
 
 use crate::message::{
-    Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, Chunk, DeviceEntry, Done,
-    ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentTensor, MAX_BATCH, MAX_DEVICES,
-    MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec,
-    StagingBuffer, TensorMeta,
+    Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
+    DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice, LentTensor,
+    MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
+    ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
 use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 
@@ -61,7 +65,9 @@ use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId
 ///
 /// 4: the result arena (`ArenaChunk`, and the arena grant form of `AllocationGrant`).
 /// 5: the arena-copy rung (a `Lend` tensor on rung 4 carries its arena chunk and offset).
-pub const PROTOCOL_VERSION: u8 = 5;
+/// 6: arena slices (a `Lend` may carry the job's slice of the arena; a `Done` names the
+/// results carved out of it).
+pub const PROTOCOL_VERSION: u8 = 6;
 
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
@@ -508,6 +514,17 @@ impl Writer<'_> {
                     self.u64(m.byte_len);
                     self.check()?;
                 }
+                match &lend.slice {
+                    None => self.u8(0),
+                    Some(slice) => {
+                        self.u8(1);
+                        self.u64(slice.handle.0);
+                        self.u64(slice.alloc.0);
+                        self.u32(slice.chunk);
+                        self.u64(slice.offset);
+                        self.u64(slice.bytes);
+                    }
+                }
             }
             Message::ResultRequest(req) => {
                 self.u64(req.job.0);
@@ -570,6 +587,18 @@ impl Writer<'_> {
                 self.u64(done.job.0);
                 self.bytes(&done.done_event.0);
                 self.handles(&done.handles)?;
+                self.count("carved", done.carved.len())?;
+                for c in &done.carved {
+                    self.u32(c.index);
+                    self.u64(c.offset);
+                    self.u64(c.bytes);
+                    self.u8(c.dtype as u8);
+                    self.ndim(c.shape.len())?;
+                    for d in &c.shape {
+                        self.u64(*d);
+                    }
+                    self.check()?;
+                }
             }
             Message::Ack(ack) => {
                 self.u64(ack.job.0);
@@ -689,6 +718,7 @@ struct Reader<'a> {
 const MIN_TENSOR_WIRE: usize = 8 + 8 + 1 + 1 + 64 + 64 + 1 + 1 + 8 + 8;
 const MIN_SPEC_WIRE: usize = 1 + 1 + 8;
 const MIN_GRANT_WIRE: usize = 1 + 2 + 2;
+const MIN_CARVE_WIRE: usize = 4 + 8 + 8 + 1 + 1;
 const DEVICE_WIRE: usize = 16 + 4;
 
 impl Reader<'_> {
@@ -825,6 +855,20 @@ impl Reader<'_> {
         }
         Ok(handles)
     }
+    fn carved(&mut self) -> Result<Vec<CarvedResult>, DecodeError> {
+        let n = self.list_count("carved", MIN_CARVE_WIRE)?;
+        let mut carved = Vec::with_capacity(n);
+        for _ in 0..n {
+            carved.push(CarvedResult {
+                index: self.u32("carved.index")?,
+                offset: self.u64("carved.offset")?,
+                bytes: self.u64("carved.bytes")?,
+                dtype: self.dtype()?,
+                shape: self.shape()?,
+            });
+        }
+        Ok(carved)
+    }
     fn tensor(&mut self) -> Result<LentTensor, DecodeError> {
         let handle = HandoffId(self.u64("handle")?);
         let alloc = AllocId(self.u64("alloc")?);
@@ -920,7 +964,22 @@ impl Reader<'_> {
                 for _ in 0..n {
                     tensors.push(self.tensor()?);
                 }
-                Message::Lend(Lend { job, tensors })
+                let slice = if self.bool("slice")? {
+                    Some(LentSlice {
+                        handle: HandoffId(self.u64("slice.handle")?),
+                        alloc: AllocId(self.u64("slice.alloc")?),
+                        chunk: self.u32("slice.chunk")?,
+                        offset: self.u64("slice.offset")?,
+                        bytes: self.u64("slice.bytes")?,
+                    })
+                } else {
+                    None
+                };
+                Message::Lend(Lend {
+                    job,
+                    tensors,
+                    slice,
+                })
             }
             MessageKind::ResultRequest => {
                 let job = JobId(self.u64("job")?);
@@ -948,6 +1007,7 @@ impl Reader<'_> {
                 job: JobId(self.u64("job")?),
                 done_event: EventBlob(self.take("done_event")?),
                 handles: self.handles()?,
+                carved: self.carved()?,
             }),
             MessageKind::Ack => Message::Ack(Ack {
                 job: JobId(self.u64("job")?),

@@ -4,11 +4,11 @@ mod common;
 
 use poolipc_transport::codec::{HEADER_LEN, decode, encode};
 use poolipc_transport::{
-    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, Chunk, DType,
-    DecodeError, DeviceEntry, DeviceUuid, Done, EncodeError, ErrorCode, EventBlob, ExportBlob,
-    ExtraPool, ExtraPoolReply, FrameLimits, HandoffId, Identity, JobId, Lend, LentTensor, MAX_DIMS,
-    MAX_FRAME_LEN, MAX_TEXT_LEN, Message, MessageKind, PROTOCOL_VERSION, ResultGrant,
-    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
+    DType, DecodeError, DeviceEntry, DeviceUuid, Done, EncodeError, ErrorCode, EventBlob,
+    ExportBlob, ExtraPool, ExtraPoolReply, FrameLimits, HandoffId, Identity, JobId, Lend,
+    LentSlice, LentTensor, MAX_BATCH, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message, MessageKind,
+    PROTOCOL_VERSION, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -130,6 +130,40 @@ fn grant() -> impl Strategy<Value = ResultGrant> {
     ]
 }
 
+fn slice() -> impl Strategy<Value = LentSlice> {
+    (
+        any::<u64>(),
+        any::<u64>(),
+        any::<u32>(),
+        any::<u64>(),
+        any::<u64>(),
+    )
+        .prop_map(|(h, a, chunk, offset, bytes)| LentSlice {
+            handle: HandoffId(h),
+            alloc: AllocId(a),
+            chunk,
+            offset,
+            bytes,
+        })
+}
+
+fn carve() -> impl Strategy<Value = CarvedResult> {
+    (
+        any::<u32>(),
+        any::<u64>(),
+        any::<u64>(),
+        dtype(),
+        prop::collection::vec(any::<u64>(), 0..=MAX_DIMS),
+    )
+        .prop_map(|(index, offset, bytes, dtype, shape)| CarvedResult {
+            index,
+            offset,
+            bytes,
+            dtype,
+            shape,
+        })
+}
+
 fn handles() -> impl Strategy<Value = Vec<HandoffId>> {
     prop::collection::vec(any::<u64>().prop_map(HandoffId), 0..50)
 }
@@ -142,12 +176,18 @@ fn message() -> impl Strategy<Value = Message> {
             code: ErrorCode(c),
             message: m
         }),
-        (any::<u64>(), prop::collection::vec(tensor(), 0..20)).prop_map(|(j, tensors)| {
-            Message::Lend(Lend {
-                job: JobId(j),
-                tensors,
-            })
-        }),
+        (
+            any::<u64>(),
+            prop::collection::vec(tensor(), 0..20),
+            prop::option::of(slice())
+        )
+            .prop_map(|(j, tensors, slice)| {
+                Message::Lend(Lend {
+                    job: JobId(j),
+                    tensors,
+                    slice,
+                })
+            }),
         (
             any::<u64>(),
             prop::collection::vec(
@@ -176,11 +216,18 @@ fn message() -> impl Strategy<Value = Message> {
                 results,
             })
         }),
-        (any::<u64>(), blob(), handles()).prop_map(|(j, e, handles)| Message::Done(Done {
-            job: JobId(j),
-            done_event: EventBlob(e),
-            handles,
-        })),
+        (
+            any::<u64>(),
+            blob(),
+            handles(),
+            prop::collection::vec(carve(), 0..20)
+        )
+            .prop_map(|(j, e, handles, carved)| Message::Done(Done {
+                job: JobId(j),
+                done_event: EventBlob(e),
+                handles,
+                carved,
+            })),
         (any::<u64>(), handles()).prop_map(|(j, handles)| Message::Ack(Ack {
             job: JobId(j),
             handles
@@ -326,6 +373,15 @@ fn heartbeat() -> Vec<u8> {
 #[case::arena_chunk_cut_in_len(frame(MessageKind::ArenaChunk, &[1; 8]), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::ArenaChunk, field: "len" }))]
 #[case::arena_grant_cut_in_bytes(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(3); p.extend_from_slice(&[0; 8 + 8 + 4 + 8 + 4]); p }), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::AllocationGrant, field: "bytes" }))]
 #[case::unknown_grant_kind(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(7); p.extend_from_slice(&[0; 16]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "grant", value: 7, .. }))]
+#[case::lend_slice_presence_two(frame(MessageKind::Lend, &{ let mut p = vec![0; 8]; p.extend_from_slice(&0u32.to_le_bytes()); p.push(2); p.extend_from_slice(&[0; 36]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { kind: MessageKind::Lend, field: "slice", value: 2 }))]
+#[case::lend_without_its_slice_byte(frame(MessageKind::Lend, &{ let mut p = vec![0; 8]; p.extend_from_slice(&0u32.to_le_bytes()); p }), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::Lend, field: "slice" }))]
+#[case::lend_slice_cut_in_bytes(frame(MessageKind::Lend, &{ let mut p = vec![0; 8]; p.extend_from_slice(&0u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 8 + 8 + 4 + 8 + 4]); p }), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::Lend, field: "slice.bytes" }))]
+#[case::lend_no_slice_then_trailing_bytes(frame(MessageKind::Lend, &{ let mut p = vec![0; 8]; p.extend_from_slice(&0u32.to_le_bytes()); p.push(0); p.extend_from_slice(&[0; 36]); p }), |e: &DecodeError| matches!(e, DecodeError::TrailingBytes { kind: MessageKind::Lend, count: 36 }))]
+#[case::done_carved_count_larger_than_the_frame(frame(MessageKind::Done, &{ let mut p = vec![0; 8 + 64]; p.extend_from_slice(&0u32.to_le_bytes()); p.extend_from_slice(&3u32.to_le_bytes()); p.extend_from_slice(&[0; 22 * 2]); p }), |e: &DecodeError| matches!(e, DecodeError::BadCount { kind: MessageKind::Done, field: "carved", count: 3, max: 2 }))]
+#[case::done_carved_count_over_the_batch_limit(frame(MessageKind::Done, &{ let mut p = vec![0; 8 + 64]; p.extend_from_slice(&0u32.to_le_bytes()); p.extend_from_slice(&(MAX_BATCH as u32 + 1).to_le_bytes()); p.extend_from_slice(&vec![0; 22 * (MAX_BATCH + 1)]); p }), |e: &DecodeError| matches!(e, DecodeError::BadCount { kind: MessageKind::Done, field: "carved", max: MAX_BATCH, .. }))]
+#[case::done_carve_unknown_dtype(frame(MessageKind::Done, &{ let mut p = vec![0; 8 + 64]; p.extend_from_slice(&0u32.to_le_bytes()); p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0; 20]); p.extend_from_slice(&[0xee, 0]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { kind: MessageKind::Done, field: "dtype", value: 0xee }))]
+#[case::done_carve_too_many_dims(frame(MessageKind::Done, &{ let mut p = vec![0; 8 + 64]; p.extend_from_slice(&0u32.to_le_bytes()); p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0; 20]); p.extend_from_slice(&[DType::F32 as u8, 33]); p.extend_from_slice(&[0; 33 * 8]); p }), |e: &DecodeError| matches!(e, DecodeError::BadCount { kind: MessageKind::Done, field: "shape", count: 33, max: MAX_DIMS }))]
+#[case::done_without_its_carved_list(frame(MessageKind::Done, &{ let mut p = vec![0; 8 + 64]; p.extend_from_slice(&0u32.to_le_bytes()); p }), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::Done, field: "carved" }))]
 fn malformed_bytes_give_a_typed_decode_error(
     #[case] bytes: Vec<u8>,
     #[case] expected: fn(&DecodeError) -> bool,
@@ -368,6 +424,7 @@ fn a_batch_of_a_thousand_tensors_fits_one_frame() {
     let msg = Message::Lend(Lend {
         job: JobId(1),
         tensors: vec![t; 1000],
+        slice: None,
     });
     let bytes = encode(&msg, FrameLimits::default()).expect("1000 tensors fit");
     assert_eq!(decode(&bytes, FrameLimits::default()), Ok(msg));
@@ -431,6 +488,7 @@ fn the_pool_byte_follows_the_rung_byte() {
             pool: 0xab,
             ..lend_sample_tensor()
         }],
+        slice: None,
     });
     let bytes = encode(&lend, FrameLimits::default()).expect("encodes");
     let at = HEADER_LEN + 8 + 4 + 8 + 8;
@@ -475,6 +533,7 @@ fn an_arena_copy_tensor_carries_its_chunk_and_offset_right_after_its_ready_event
     let lend = Message::Lend(Lend {
         job: JobId(1),
         tensors: vec![t.clone()],
+        slice: None,
     });
     let bytes = encode(&lend, FrameLimits::default()).expect("encodes");
     // Header, job, count, handle, alloc, rung, pool, export, ready event.
@@ -493,6 +552,7 @@ fn an_arena_copy_tensor_carries_its_chunk_and_offset_right_after_its_ready_event
                 arena: None,
                 ..t
             }],
+            slice: None,
         }),
         FrameLimits::default(),
     )
@@ -523,6 +583,7 @@ fn encoding_refuses_an_arena_location_that_does_not_go_with_the_rung() {
                 arena,
                 ..lend_sample_tensor()
             }],
+            slice: None,
         });
         assert!(
             matches!(
@@ -546,6 +607,7 @@ fn an_arena_copy_tensor_cut_inside_its_location_is_a_typed_error() {
             }),
             ..lend_sample_tensor()
         }],
+        slice: None,
     });
     let mut bytes = encode(&lend, FrameLimits::default()).expect("encodes");
     // Keep the header, job, count, the tensor up to its ready event and 6 of the 12 bytes of

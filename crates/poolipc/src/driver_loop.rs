@@ -20,12 +20,13 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use poolipc_contract::{
-    self as contract, ArenaLocation, FailReason, InputLoan, JobOutcome, Message, Outcome,
-    ParentAction, ParentEvent, Purpose, ResultGrant, ResultSpec, Timestamp,
+    self as contract, ArenaLocation, CarvedResult, FailReason, InputLoan, JobOutcome, Message,
+    Outcome, ParentAction, ParentEvent, Purpose, ResultGrant, ResultSpec, SliceLoan, Timestamp,
 };
 use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
 use poolipc_pool::Arena;
 use poolipc_transport::{ArenaChunk, Capabilities, Connection, ErrorCode, TransportError};
+use poolipc_types::ARENA_ALIGN as ALIGN;
 use poolipc_types::{
     AllocId, EventBlob, ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId,
 };
@@ -167,6 +168,13 @@ struct JobState {
     lent_bases: Vec<u64>,
     /// The first result request the parent refused, for the job's error.
     refused: Option<crate::ResultRefusal>,
+    /// The job's arena slice: given back whole when dropped, or split at its release into
+    /// the carved results and the rest.
+    slice: Option<ArenaLease>,
+    /// Results carved out of the slice, by their place among the job's results.
+    carved: BTreeMap<u32, ResultTensor>,
+    /// Why the slice could not be split into its carves, for the job's error.
+    slice_error: Option<String>,
 }
 
 impl JobState {
@@ -1064,12 +1072,18 @@ impl Loop {
                 return;
             }
         };
+        let slice = self.make_slice(&sub);
         let now = self.now();
-        let handoffs = match self
-            .machine
-            .start_job(worker, job, ready.1, placed.loans.clone(), now)
-        {
-            Ok(h) => h,
+        let started = self.machine.start_job_with_slice(
+            worker,
+            job,
+            ready.1,
+            placed.loans.clone(),
+            slice.as_ref().map(|(loan, _)| *loan),
+            now,
+        );
+        let handoffs = match started {
+            Ok((h, _)) => h,
             Err(e) => {
                 self.give_ready(worker, ready);
                 Stats::bump(&self.shared.stats.jobs_failed);
@@ -1134,9 +1148,150 @@ impl Loop {
                 orphans: Vec::new(),
                 lent_bases,
                 refused: None,
+                slice: slice.map(|(loan, lease)| {
+                    Stats::bump(&self.shared.stats.arena_slices_lent);
+                    tracing::trace!(worker = %worker, job = job.0, bytes = loan.span.bytes, "arena slice lent");
+                    lease
+                }),
+                carved: BTreeMap::new(),
+                slice_error: None,
             },
         );
         self.drive();
+    }
+
+    /// The job's arena slice ([`crate::ParentOptions::arena_slice_bytes`]), when slices are
+    /// on, the job's results go to the arena (the default allocator,
+    /// [`ResultMemory::Arena`]), the worker maps the arena, the arena has a free range that
+    /// large without growing, and the chunk reached the worker. Otherwise none, silently: the
+    /// worker asks for its results as it always could.
+    fn make_slice(&mut self, sub: &Submission) -> Option<(SliceLoan, ArenaLease)> {
+        let bytes = self.shared.arena_slice_bytes.load(Ordering::Relaxed);
+        if bytes == 0
+            || sub.alloc.is_some()
+            || !matches!(self.shared.options.results, ResultMemory::Arena { .. })
+            || !self.workers.get(&sub.worker).is_some_and(|s| s.maps_arena)
+        {
+            return None;
+        }
+        let arena = match self.ensure_arena(bytes) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!(worker = %sub.worker, job = sub.job.0, error = %e, "no arena slice: no arena");
+                return None;
+            }
+        };
+        // Blocks given back whose work completed count as free; a slice never grows the arena.
+        arena.reclaim();
+        let len = bytes.checked_next_multiple_of(ALIGN)?;
+        if arena.stats().largest_free < len {
+            tracing::trace!(worker = %sub.worker, job = sub.job.0, bytes, "no arena slice: no room");
+            return None;
+        }
+        let block = arena.alloc(bytes).ok()?;
+        // Owned from here: dropped on any path below, the block goes back stream-ordered.
+        let lease = ArenaLease::new(Arc::clone(&arena), block, sub.stream);
+        self.announce_chunks(Some(sub.worker));
+        let sent = self
+            .workers
+            .get(&sub.worker)
+            .is_some_and(|s| s.maps_arena && s.arena_chunks_sent > block.chunk);
+        if !sent {
+            return None;
+        }
+        let alloc = AllocId(self.next_alloc);
+        self.next_alloc += 1;
+        let loan = SliceLoan {
+            alloc,
+            span: Span {
+                ptr: block.ptr.0,
+                bytes: block.len,
+            },
+            chunk: block.chunk,
+            offset: block.offset,
+        };
+        Some((loan, lease))
+    }
+
+    /// The contract released the job's slice (after the stream's wait on DONE, or once the
+    /// worker was reaped): on completion each carve becomes a result owning its part of the
+    /// slice; everything else goes back to the arena, stream-ordered on the job's stream.
+    fn release_slice(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        outcome: Outcome,
+        mut carved: Vec<CarvedResult>,
+    ) {
+        let Some(st) = self.jobs.get_mut(&(worker, job)) else {
+            return;
+        };
+        let Some(mut lease) = st.slice.take() else {
+            return;
+        };
+        if outcome != Outcome::Completed || carved.is_empty() {
+            // The whole slice goes back (dropping the lease), ordered after the DONE wait.
+            return;
+        }
+        let Some((arena, whole)) = lease.take() else {
+            return;
+        };
+        let stream = st.stream;
+        let count = carved.len();
+        carved.sort_unstable_by_key(|c| c.offset);
+        // What of the slice is not handed out yet: from `rest.offset` to its end.
+        let mut rest = Some(whole);
+        for c in carved {
+            let Some(block) = rest.take() else {
+                break;
+            };
+            let split = |b: poolipc_pool::arena::ArenaBlock, at: u64| {
+                if at == 0 {
+                    Ok((None, Some(b)))
+                } else if at >= b.len {
+                    Ok((Some(b), None))
+                } else {
+                    arena.split(b, at).map(|(x, y)| (Some(x), Some(y)))
+                }
+            };
+            let gap = (whole.offset + c.offset).saturating_sub(block.offset);
+            let len = c.bytes.checked_next_multiple_of(ALIGN).unwrap_or(u64::MAX);
+            let pieces = split(block, gap).and_then(|(gap, after)| match after {
+                Some(after) => split(after, len).map(|(piece, tail)| (gap, piece, tail)),
+                None => Ok((gap, None, None)),
+            });
+            match pieces {
+                Ok((gap, Some(piece), tail)) => {
+                    drop(gap.map(|g| ArenaLease::new(Arc::clone(&arena), g, stream)));
+                    let shape = ResultShape {
+                        dtype: c.dtype,
+                        shape: c.shape,
+                    };
+                    let result =
+                        ResultTensor::in_arena(Arc::clone(&arena), piece, c.bytes, shape, stream);
+                    st.carved.insert(c.index, result);
+                    rest = tail;
+                }
+                Ok((gap, None, _)) => {
+                    drop(gap.map(|g| ArenaLease::new(Arc::clone(&arena), g, stream)));
+                    st.slice_error.get_or_insert_with(|| {
+                        format!("carve {} of {} bytes lies past its slice", c.index, c.bytes)
+                    });
+                }
+                Err(e) => {
+                    // The block is unchanged by a refused split: it goes back whole below.
+                    rest = Some(block);
+                    st.slice_error
+                        .get_or_insert_with(|| format!("splitting the job's slice failed: {e}"));
+                    break;
+                }
+            }
+        }
+        drop(rest.map(|r| ArenaLease::new(Arc::clone(&arena), r, stream)));
+        for _ in 0..count {
+            Stats::bump(&self.shared.stats.arena_results_carved);
+            Stats::bump(&self.shared.stats.arena_results);
+        }
     }
 
     fn take_ready(&mut self, worker: WorkerId) -> Result<(OwnedEvent, EventBlob), Error> {
@@ -1398,6 +1553,14 @@ impl Loop {
                 rung,
                 outcome,
             } => self.release(worker, job, handoff, purpose, rung, outcome),
+            ParentAction::ReleaseSlice {
+                worker,
+                job,
+                handoff: _,
+                alloc: _,
+                outcome,
+                carved,
+            } => self.release_slice(worker, job, outcome, carved),
             ParentAction::FreeResult {
                 worker,
                 job,
@@ -1786,10 +1949,29 @@ impl Loop {
             self.announce_chunks(None);
         }
         let result = match outcome {
+            JobOutcome::Completed if st.slice_error.is_some() => {
+                let why = st.slice_error.take().unwrap_or_default();
+                let results = self.give_back_results(&mut st);
+                Err(Error::JobFailed {
+                    worker,
+                    reason: FailReason::ProtocolViolation,
+                    detail: why,
+                    results,
+                })
+            }
             JobOutcome::Completed => {
                 self.free_orphans(&mut st);
+                // Carved results at their places, granted ones in request order in the others.
+                let mut granted = std::mem::take(&mut st.results).into_values();
+                let mut carved = std::mem::take(&mut st.carved);
+                let total = carved.len() + granted.len();
+                let mut results = Vec::with_capacity(total);
+                for place in 0..total {
+                    let carve = u32::try_from(place).ok().and_then(|p| carved.remove(&p));
+                    results.extend(carve.or_else(|| granted.next()));
+                }
                 Ok(JobOutput {
-                    results: st.results.into_values().collect(),
+                    results,
                     input_rungs: std::mem::take(&mut st.input_rungs),
                     input_reasons: std::mem::take(&mut st.input_reasons),
                 })
@@ -1847,6 +2029,9 @@ impl Loop {
         for r in std::mem::take(&mut st.results).into_values() {
             st.discard(r);
         }
+        // Carved results and an unreleased slice: arena blocks, back stream-ordered.
+        st.carved.clear();
+        drop(st.slice.take());
         let all = std::mem::take(&mut st.orphans);
         if st.alloc.is_none() {
             st.orphans = all;

@@ -141,6 +141,52 @@ pub fn answer(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
     Ok(())
 }
 
+/// Answers one job as [`answer`] does, but as a worker that learns its results' shapes one
+/// at a time (a sampler, a variable-length decoder): one result request per input, each
+/// written before the next is asked for. With an arena slice
+/// ([`ParentOptions::arena_slice_bytes`](crate::ParentOptions::arena_slice_bytes)) the
+/// results that fit are carved out of it without a round trip; the others are asked for.
+pub fn answer_late(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
+    let inputs: Vec<_> = job
+        .inputs()
+        .iter()
+        .map(|i| {
+            (
+                ResultShape::new(i.desc().dtype, &i.desc().shape),
+                i.ptr(),
+                i.byte_len(),
+            )
+        })
+        .collect();
+    die_here(die_at, DieAt::AfterImport);
+    let driver = job.driver().clone();
+    let stream = job.stream();
+    for (i, (shape, src, bytes)) in inputs.into_iter().enumerate() {
+        let dst = &job.request_results(std::slice::from_ref(&shape))?[0];
+        let (ptr, len) = (dst.ptr(), dst.bytes());
+        driver.memcpy_dtod_async(ptr, src, bytes.min(len), stream)?;
+        if len >= 4 {
+            driver.memset_d32_async(ptr, marker(i), 1, stream)?;
+        }
+    }
+    die_here(die_at, DieAt::AfterGrant);
+    die_here(die_at, DieAt::AfterWrite);
+    Ok(())
+}
+
+/// Serves jobs with [`answer_late`] until the parent says goodbye.
+pub fn serve_late(worker: &mut Worker, die_at: Option<DieAt>) -> Result<usize, Error> {
+    let mut served = 0;
+    while let Some(mut job) = worker.next_job()? {
+        match answer_late(&mut job, die_at) {
+            Ok(()) => job.finish()?,
+            Err(e) => job.fail(&e.to_string())?,
+        }
+        served += 1;
+    }
+    Ok(served)
+}
+
 /// Answers one job by writing in place: the first 4 KiB of every input (or all of a smaller
 /// one) set to the input's marker, no results. What `poolipc bench` measures. Read-only
 /// inputs (host-staged: a write would never reach the parent) are left alone.
@@ -161,7 +207,8 @@ pub fn touch(job: &mut Job<'_>) -> Result<(), Error> {
 
 /// Answers one job with one result of `bytes` bytes (`u8`), its first 4 KiB (or all of a
 /// smaller one) set to a marker on the job's stream; inputs are left alone. What `poolipc
-/// bench` measures for results (the arena's round trip).
+/// bench` measures for results (the arena's round trip; with an arena slice, the result is
+/// carved out of it when it fits, and the job costs no round trip for it).
 pub fn produce(job: &mut Job<'_>, bytes: u64) -> Result<(), Error> {
     let results = job.request_results(&[ResultShape::new(DType::U8, &[bytes])])?;
     let (ptr, len) = (results[0].ptr(), results[0].bytes());

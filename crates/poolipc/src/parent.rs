@@ -95,6 +95,23 @@ pub struct ParentOptions {
     /// plus this much free (256 MiB by default). A copy that fits in the arena as it is
     /// needs no new memory and is not checked.
     pub arena_copy_vram_margin: u64,
+    /// Bytes of the result arena lent with each job as its **arena slice** (protocol 6), out
+    /// of which the worker carves results whose shapes it learns late without a round trip
+    /// per request; 0 (the default) turns slices off. Changed later with
+    /// [`Parent::set_arena_slice_bytes`].
+    ///
+    /// A slice is lent only to a worker that maps the arena, for a job whose results go to
+    /// the arena ([`ResultMemory::Arena`] with [`submit`](Parent::submit)'s default
+    /// allocator), and only when the arena has a free range that large already: a slice
+    /// never grows the arena, and one that does not fit is silently not lent (the worker
+    /// then asks for its results as before). The worker carves a batch of results out of
+    /// the slice's free tail (512-byte aligned) when the whole batch fits, else asks the
+    /// parent. Carved results arrive in [`JobOutput::results`] in the order the worker asked
+    /// for them, mixed with granted ones, as [`ResultTensor`]s that own their part of the
+    /// slice; the rest of the slice goes back to the arena once the job's stream waited on
+    /// the worker's DONE (the whole slice, if the job failed or was cancelled, or once a dead
+    /// worker was reaped). While a job runs, its slice is arena memory no one else can use.
+    pub arena_slice_bytes: u64,
 }
 
 /// Where the parent puts a job's results when the caller gives no allocator.
@@ -146,6 +163,7 @@ impl Default for ParentOptions {
             results: ResultMemory::Pool,
             arena_copy: true,
             arena_copy_vram_margin: DEFAULT_ARENA_COPY_VRAM_MARGIN,
+            arena_slice_bytes: 0,
         }
     }
 }
@@ -287,6 +305,13 @@ impl ArenaLease {
     }
 }
 
+impl ArenaLease {
+    /// The block, no longer given back on drop: the caller owns it now.
+    pub(crate) fn take(&mut self) -> Option<(Arc<Arena<dyn Driver>>, ArenaBlock)> {
+        self.held.take()
+    }
+}
+
 impl std::fmt::Debug for ArenaLease {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ArenaLease")
@@ -348,7 +373,8 @@ pub struct ArenaStats {
 /// What a job gave back.
 #[derive(Debug, Default)]
 pub struct JobOutput {
-    /// The results, in the order the worker requested them.
+    /// The results, in the order the worker asked for them: granted results and results
+    /// carved out of the job's arena slice ([`ParentOptions::arena_slice_bytes`]) together.
     pub results: Vec<ResultTensor>,
     /// The rung each input took, in argument order.
     pub input_rungs: Vec<Rung>,
@@ -396,6 +422,11 @@ pub struct ParentStats {
     pub arena_results: u64,
     /// Inputs copied into the arena and lent from there ([`Rung::ArenaCopy`]).
     pub arena_copied_inputs: u64,
+    /// Jobs lent an arena slice ([`ParentOptions::arena_slice_bytes`]).
+    pub arena_slices_lent: u64,
+    /// Results the workers carved out of arena slices (no round trip each); also counted in
+    /// [`arena_results`](ParentStats::arena_results).
+    pub arena_results_carved: u64,
 }
 
 /// Allocates a job's result memory: `(shape, bytes, stream)` to an allocation of at least
@@ -415,6 +446,8 @@ pub(crate) struct Stats {
     pub(crate) host_staged_tensors: AtomicU64,
     pub(crate) arena_results: AtomicU64,
     pub(crate) arena_copied_inputs: AtomicU64,
+    pub(crate) arena_slices_lent: AtomicU64,
+    pub(crate) arena_results_carved: AtomicU64,
 }
 
 impl Stats {
@@ -454,6 +487,10 @@ pub(crate) struct Shared {
     /// Whether the arena-copy rung may be chosen now ([`ParentOptions::arena_copy`] at
     /// first, then [`Parent::set_arena_copy`]).
     pub(crate) arena_copy_on: std::sync::atomic::AtomicBool,
+    /// The bytes of each job's arena slice now, 0 for none
+    /// ([`ParentOptions::arena_slice_bytes`] at first, then
+    /// [`Parent::set_arena_slice_bytes`]).
+    pub(crate) arena_slice_bytes: AtomicU64,
     /// Set by [`Shared::post`] before it decides whether to wake the loop; cleared by the
     /// loop when it takes the commands.
     pub(crate) pending: std::sync::atomic::AtomicBool,
@@ -717,6 +754,7 @@ impl Parent {
             );
         }
         let arena_copy = options.arena_copy;
+        let arena_slice_bytes = options.arena_slice_bytes;
         let shared = Arc::new(Shared {
             arena: Mutex::new(None),
             mps_client,
@@ -729,6 +767,7 @@ impl Parent {
             waker,
             pending: std::sync::atomic::AtomicBool::new(false),
             arena_copy_on: std::sync::atomic::AtomicBool::new(arena_copy),
+            arena_slice_bytes: AtomicU64::new(arena_slice_bytes),
             io_spinning: std::sync::atomic::AtomicBool::new(false),
             registry: Mutex::new(BTreeMap::new()),
             next_worker: AtomicU32::new(1),
@@ -837,6 +876,14 @@ impl Parent {
         self.shared.arena_copy_on.store(on, Ordering::Relaxed);
     }
 
+    /// Sets the bytes of the arena slice lent with each job from now on (0: none); see
+    /// [`ParentOptions::arena_slice_bytes`]. Jobs already placed keep what they got.
+    pub fn set_arena_slice_bytes(&self, bytes: u64) {
+        self.shared
+            .arena_slice_bytes
+            .store(bytes, Ordering::Relaxed);
+    }
+
     /// Counters, read without waiting for any job.
     pub fn stats(&self) -> ParentStats {
         let s = &self.shared.stats;
@@ -851,6 +898,8 @@ impl Parent {
             host_staged_tensors: get(&s.host_staged_tensors),
             arena_results: get(&s.arena_results),
             arena_copied_inputs: get(&s.arena_copied_inputs),
+            arena_slices_lent: get(&s.arena_slices_lent),
+            arena_results_carved: get(&s.arena_results_carved),
         }
     }
 

@@ -30,7 +30,7 @@ use poolipc_driver::{DevicePtr, Driver, ExportBlob, OwnedEvent, OwnedStream, Str
 use poolipc_pool::{ArenaError, ArenaMapping, AttachedPool, ImportCache};
 use poolipc_transport::{
     ArenaChunk, Capabilities, Connection, EventBlob, ExtraPool, ExtraPoolReply, HandshakeConfig,
-    JobId, LentTensor, Message, ResultGrant, TransportError,
+    JobId, LentSlice, LentTensor, Message, ResultGrant, TransportError,
 };
 
 pub use device::WorkerDevice;
@@ -117,6 +117,7 @@ struct StagedCopy {
 struct Started {
     job: JobId,
     inputs: Vec<LentTensor>,
+    slice: Option<LentSlice>,
 }
 
 /// The worker side of poolipc.
@@ -379,12 +380,26 @@ impl Worker {
     /// The job as user code sees it. Should a view fail to build, the job is reported failed
     /// with the reason and finished (what it holds is given back), and the error returned.
     fn job(&mut self, started: Started) -> Result<Job<'_>, Error> {
-        let Started { job: id, inputs } = started;
+        let Started {
+            job: id,
+            inputs,
+            slice,
+        } = started;
+        // The slice's address here; one this worker cannot resolve is left alone (its
+        // results are asked for instead), never an error: a slice is an optimisation.
+        let slice_base = slice.and_then(|s| {
+            self.arena_memory(s.chunk, s.offset, s.bytes, s.bytes)
+                .inspect_err(|e| {
+                    tracing::debug!(job = id.0, error = %e, "the job's arena slice is not usable here");
+                })
+                .ok()
+        });
         let mut job = Job {
             worker: self,
             id,
             inputs: Vec::with_capacity(inputs.len()),
             results: Vec::new(),
+            slice: slice_base,
             finished: false,
         };
         for t in inputs {
@@ -643,8 +658,8 @@ impl Worker {
                 self.backlog.extend(ch.take_backlog());
                 received?;
             }
-            WorkerAction::JobStarted { job, inputs } => {
-                self.started.push_back(Started { job, inputs });
+            WorkerAction::JobStarted { job, inputs, slice } => {
+                self.started.push_back(Started { job, inputs, slice });
             }
             WorkerAction::ResultsGranted { job, results } => {
                 if self.granted.insert(job, results).is_some() {

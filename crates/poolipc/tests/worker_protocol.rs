@@ -210,6 +210,7 @@ fn a_lend_arriving_while_a_job_waits_for_its_grant_is_served_after_that_job_acks
         Message::Lend(Lend {
             job: JobId(job),
             tensors: vec![s.pointer(handle, 1, input, 4096)],
+            slice: None,
         })
     };
     s.send(lend(&s, 1, 1));
@@ -292,6 +293,7 @@ fn staged_inputs_are_read_only_and_a_staged_result_follows_the_done_that_names_i
     s.send(Message::Lend(Lend {
         job: JobId(7),
         tensors: lent,
+        slice: None,
     }));
     ch.send_tensor(&mut s.conn, JobId(7), HandoffId(1), src, bytes, s.stream)
         .unwrap();
@@ -375,6 +377,7 @@ fn an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_jo
         s.send(Message::Lend(Lend {
             job: JobId(job),
             tensors: vec![s.pointer(handle - 1, 1, input, 4096)],
+            slice: None,
         }));
         let Message::ResultRequest(_) = s.recv() else {
             panic!("no result request")
@@ -403,6 +406,7 @@ fn an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_jo
     s.send(Message::Lend(Lend {
         job: JobId(3),
         tensors: vec![s.pointer(5, 1, input, 4096)],
+        slice: None,
     }));
     let Message::ResultRequest(_) = s.recv() else {
         panic!("no result request")
@@ -464,6 +468,7 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
         s.send(Message::Lend(Lend {
             job: JobId(job),
             tensors: vec![copy(job, c, offset, s.ready_blob)],
+            slice: None,
         }));
         let Message::JobError {
             job: failed,
@@ -489,6 +494,7 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
     s.send(Message::Lend(Lend {
         job: JobId(3),
         tensors: vec![copy(3, block.chunk, block.offset, s.ready_blob)],
+        slice: None,
     }));
     let Message::ResultRequest(_) = s.recv() else {
         panic!("no result request")
@@ -533,6 +539,7 @@ fn a_job_dropped_unfinished_is_reported_failed_then_finished_and_the_next_job_is
     s.send(Message::Lend(Lend {
         job: JobId(1),
         tensors: vec![s.pointer(1, 1, odd, 13)],
+        slice: None,
     }));
     // Not a Done that looks like success: the parent hears why first.
     let Message::JobError { job, message } = s.recv() else {
@@ -549,6 +556,7 @@ fn a_job_dropped_unfinished_is_reported_failed_then_finished_and_the_next_job_is
     s.send(Message::Lend(Lend {
         job: JobId(2),
         tensors: vec![s.pointer(2, 2, input, 4096)],
+        slice: None,
     }));
     let Message::ResultRequest(request) = s.recv() else {
         panic!("job 2 was not served")

@@ -14,6 +14,9 @@
 //! - `arena-ack-before-done`: announces the result arena, asks for one result, takes the
 //!   arena grant, then ACKs the job with no DONE before it (it maps nothing: it never
 //!   writes).
+//! - `arena-carve-out-of-bounds`, `arena-carve-overlap`, `arena-carve-misaligned`: takes the
+//!   job's arena slice (the parent must lend one) and sends a `Done` naming carves out of it
+//!   that lie past its end, overlap, or start off the 512-byte alignment.
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -21,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use poolipc::Driver;
-use poolipc_contract::{Ack, Done, Message, ResultRequest, ResultSpec};
+use poolipc_contract::{Ack, CarvedResult, Done, Message, ResultRequest, ResultSpec};
 use poolipc_transport::{Capabilities, HandshakeConfig};
 use poolipc_types::{DType, EventBlob, JobId};
 
@@ -72,12 +75,38 @@ fn run() -> anyhow::Result<()> {
             job: JobId(lend.job.0 + 1000),
             done_event: EventBlob([7; 64]),
             handles,
+            carved: Vec::new(),
         }),
         "ack-before-done" => Message::Ack(Ack {
             job: lend.job,
             handles,
         }),
         "second-hello-ack" => Message::HelloAck(config.identity.clone()),
+        lie @ ("arena-carve-out-of-bounds" | "arena-carve-overlap" | "arena-carve-misaligned") => {
+            let Some(slice) = lend.slice else {
+                anyhow::bail!("rogue: {lie} needs an arena slice, and the Lend had none");
+            };
+            let carve = |index: u32, offset: u64| CarvedResult {
+                index,
+                offset,
+                bytes: 1024,
+                dtype: DType::U8,
+                shape: vec![1024],
+            };
+            let carved = match lie {
+                "arena-carve-out-of-bounds" => vec![carve(0, slice.bytes)],
+                "arena-carve-overlap" => vec![carve(0, 0), carve(1, 512)],
+                _ => vec![carve(0, 100)],
+            };
+            let mut handles = handles;
+            handles.push(slice.handle);
+            Message::Done(Done {
+                job: lend.job,
+                done_event: EventBlob([7; 64]),
+                handles,
+                carved,
+            })
+        }
         "arena-ack-before-done" => {
             conn.send(
                 &Message::ResultRequest(ResultRequest {

@@ -9,6 +9,9 @@
 //! `DIR/started-<pid>-<job>` when a job starts and waits for `DIR/go` before answering it;
 //! with `POOLIPC_TEST_REPORT=FILE` it appends one line per input, `<job> <rung> <read-only>`.
 //!
+//! With `POOLIPC_TEST_LATE=1` it answers as `poolipc::echo::answer_late` does: one result
+//! request per input (results carved out of the job's arena slice when they fit).
+//!
 //! With `POOLIPC_TEST_GPU_FAULT=1` its first job's kernel faults: a store through an address
 //! nothing maps (`Driver::launch_store_kernel`); the job fails with the driver's error and
 //! the worker, its context gone, goes on answering as a real worker whose code raised would.
@@ -47,6 +50,9 @@ fn run() -> anyhow::Result<usize> {
     let gate = std::env::var_os("POOLIPC_TEST_GATE").map(std::path::PathBuf::from);
     let report = std::env::var_os("POOLIPC_TEST_REPORT").map(std::path::PathBuf::from);
     let mut fault = std::env::var_os("POOLIPC_TEST_GPU_FAULT").is_some();
+    if std::env::var_os("POOLIPC_TEST_LATE").is_some() {
+        return Ok(poolipc::echo::serve_late(&mut worker, None)?);
+    }
     if gate.is_none() && report.is_none() && !fault {
         return Ok(poolipc::echo::serve(&mut worker, None)?);
     }

@@ -106,3 +106,8 @@ fn property_catches_arena_blocks_returned_before_the_worker_is_reaped() {
 fn property_catches_an_arena_copy_block_returned_before_done() {
     assert_names(&caught::<10>(), 4);
 }
+
+#[test]
+fn property_catches_a_slices_unused_tail_returned_before_done() {
+    assert_names(&caught::<11>(), 4);
+}

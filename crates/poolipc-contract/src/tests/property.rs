@@ -31,6 +31,7 @@ fn fault() -> impl Strategy<Value = Fault> {
         Just(Fault::LyingByteLen),
         Just(Fault::ErrorMessage),
         Just(Fault::Unexpected),
+        Just(Fault::LyingCarve),
     ]
 }
 
@@ -236,7 +237,8 @@ fn transitions_for(state: &Model) -> BoxedStrategy<Op> {
 /// The system under test: the simulated world, with mutation `M` switched on
 /// (`0` is none; `1..=8` break the invariant of that number, `9` returns arena blocks before
 /// the worker is reaped, which breaks invariant 5, `10` returns arena-copy input blocks
-/// without waiting on DONE, which breaks invariant 4; see [`mutation_for`]).
+/// without waiting on DONE, which breaks invariant 4, `11` returns an arena slice's unused
+/// tail before waiting on DONE, which breaks invariant 4; see [`mutation_for`]).
 pub(crate) struct Contract<const M: u8>;
 
 pub(crate) fn mutation_for(m: u8) -> Option<Mutation> {
@@ -251,6 +253,7 @@ pub(crate) fn mutation_for(m: u8) -> Option<Mutation> {
         8 => Some(Mutation::ForgetDeadWorkersLoans),
         9 => Some(Mutation::ReleaseArenaAtHangUp),
         10 => Some(Mutation::ReturnArenaCopyBeforeDone),
+        11 => Some(Mutation::ReturnSliceTailBeforeDone),
         _ => None,
     }
 }
@@ -302,7 +305,7 @@ prop_state_machine! {
 }
 
 /// The paths a sequence must be able to reach, or the property above would hold vacuously.
-const PATHS: [&str; 30] = [
+const PATHS: [&str; 33] = [
     "deadline expired",
     "parent ignored a late message",
     "worker refused a stale message",
@@ -310,6 +313,9 @@ const PATHS: [&str; 30] = [
     "lend",
     "lend with a staged input",
     "lend with an arena copy",
+    "lend with a slice",
+    "slice carved",
+    "release a carved slice",
     "send staged",
     "grant a pointer result",
     "grant a staged result",

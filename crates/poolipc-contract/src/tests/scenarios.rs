@@ -349,7 +349,8 @@ fn a_job_without_inputs_sends_an_empty_lend_and_records_no_ready() {
             worker: W0,
             message: Message::Lend(Lend {
                 job: JOB,
-                tensors: Vec::new()
+                tensors: Vec::new(),
+                slice: None,
             }),
         }]
     );
@@ -471,7 +472,9 @@ fn a_pointer_job_goes_lend_import_ready_request_grant_unimport_done_ack_and_rele
             ready_event: ready(1)
         }
     );
-    assert!(matches!(&wlog[3], WorkerAction::JobStarted { job: JOB, inputs } if inputs.len() == 3));
+    assert!(
+        matches!(&wlog[3], WorkerAction::JobStarted { job: JOB, inputs, slice: None } if inputs.len() == 3)
+    );
     assert_eq!(wlog.len(), 4);
 
     pair.w
@@ -545,7 +548,8 @@ fn a_pointer_job_goes_lend_import_ready_request_grant_unimport_done_ack_and_rele
             WorkerAction::Send(Message::Done(Done {
                 job: JOB,
                 done_event: done_event(1),
-                handles: all.clone()
+                handles: all.clone(),
+                carved: Vec::new(),
             })),
             WorkerAction::Send(Message::Ack(Ack {
                 job: JOB,
@@ -960,6 +964,7 @@ fn a_done_of_another_job_condemns_the_worker() {
         job: JOB,
         done_event: done_event(1),
         handles: vec![HandoffId(1)], // W1's
+        carved: Vec::new(),
     }));
     assert_condemned(&mut p, &actions, "another worker's");
 }
@@ -1099,6 +1104,7 @@ fn messages_from_a_condemned_worker_are_ignored() {
                 job: JOB,
                 done_event: done_event(1),
                 handles: vec![HandoffId(0)],
+                carved: Vec::new(),
             }),
         ),
         T0,
@@ -1295,6 +1301,7 @@ fn a_cancelled_job_declines_its_pending_request_and_releases_as_cancelled() {
                 job: JOB,
                 done_event: done_event(1),
                 handles: vec![HandoffId(0)],
+                carved: Vec::new(),
             }),
         ),
         T0,
@@ -1597,6 +1604,7 @@ fn lend(job: u64, tensors: Vec<(u64, u64, Rung)>) -> Message {
                 arena: None,
             })
             .collect(),
+        slice: None,
     })
 }
 
@@ -1625,6 +1633,7 @@ fn the_worker_refuses_messages_the_parent_does_not_send() {
         job: JOB,
         done_event: done_event(1),
         handles: Vec::new(),
+        carved: Vec::new(),
     });
     assert_eq!(
         w.handle(done, T0),

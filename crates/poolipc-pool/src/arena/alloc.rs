@@ -10,14 +10,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// The alignment of every block's offset and length, in bytes.
+/// The alignment of every block's offset and length, in bytes: [`poolipc_types::ARENA_ALIGN`]
+/// (which says why 512).
 ///
-/// CUDA's allocators hand out 256-byte aligned pointers and torch assumes at least that (its
-/// vectorised kernels want 16 bytes, cuBLAS/cuDNN 256 for their fast paths). 512 keeps a
-/// margin for anything that assumes "more than cudaMalloc's documented 256" and costs at most
-/// 511 bytes per block. Chunk bases are VMM-granularity aligned (2 MiB and up), so an offset
-/// aligned to `ALIGN` is a device address aligned to `ALIGN`.
-pub const ALIGN: u64 = 512;
+/// Chunk bases are VMM-granularity aligned (2 MiB and up), so an offset aligned to `ALIGN` is
+/// a device address aligned to `ALIGN`.
+pub const ALIGN: u64 = poolipc_types::ARENA_ALIGN;
 
 /// A range the allocator handed out: `len` bytes at `offset` in chunk `chunk`.
 ///
@@ -96,6 +94,21 @@ pub enum AllocError {
         offset: u64,
         /// The block's length.
         len: u64,
+    },
+    /// A split point that is not strictly inside the block or not a multiple of [`ALIGN`].
+    #[error(
+        "block (chunk {chunk}, offset {offset}, len {len}) cannot be split at {at}: the point \
+         must be a multiple of {ALIGN} strictly inside the block"
+    )]
+    BadSplit {
+        /// The block's chunk.
+        chunk: u32,
+        /// The block's offset.
+        offset: u64,
+        /// The block's length.
+        len: u64,
+        /// The split point asked for, in bytes from the block's start.
+        at: u64,
     },
     /// A block whose offset is live but whose length is not the live block's.
     #[error("block (chunk {chunk}, offset {offset}) is live with {live_len} bytes, not {len}")]
@@ -258,6 +271,55 @@ impl ArenaAllocator {
         }
         self.insert_free(chunk, start, end - start);
         Ok(())
+    }
+
+    /// Splits the live `block` in two at `at` bytes from its start: the first piece is
+    /// `[offset, offset + at)`, the second `[offset + at, end)`. The allocator then keeps two
+    /// live blocks where it kept one (live blocks are kept by position), and each piece is
+    /// freed on its own; freeing both gives back exactly what freeing `block` would have.
+    ///
+    /// `at` must be a non-zero multiple of [`ALIGN`] below `block.len`
+    /// ([`AllocError::BadSplit`]); a block not live here exactly as given is refused as
+    /// [`free`](ArenaAllocator::free) refuses it. Nothing changes on error.
+    pub fn split(&mut self, block: Block, at: u64) -> Result<(Block, Block), AllocError> {
+        let Block { chunk, offset, len } = block;
+        if chunk as usize >= self.chunks.len() {
+            return Err(AllocError::UnknownChunk { chunk });
+        }
+        match self.live.get(&(chunk, offset)) {
+            None => return Err(AllocError::NotLive { chunk, offset, len }),
+            Some(&live_len) if live_len != len => {
+                return Err(AllocError::WrongLen {
+                    chunk,
+                    offset,
+                    len,
+                    live_len,
+                });
+            }
+            Some(_) => {}
+        }
+        if at == 0 || at >= len || !at.is_multiple_of(ALIGN) {
+            return Err(AllocError::BadSplit {
+                chunk,
+                offset,
+                len,
+                at,
+            });
+        }
+        let first = Block {
+            chunk,
+            offset,
+            len: at,
+        };
+        let second = Block {
+            chunk,
+            offset: offset + at,
+            len: len - at,
+        };
+        self.live.insert((chunk, offset), first.len);
+        self.live.insert((chunk, second.offset), second.len);
+        tracing::trace!(chunk, offset, len, at, "arena block split");
+        Ok((first, second))
     }
 
     /// Whether `block` is live exactly as given.

@@ -111,9 +111,21 @@ fn check(a: &ArenaAllocator, live: &[Block]) -> Result<(), String> {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { bytes: u64, align: u64 },
-    Free { pick: usize },
-    AddChunk { len: u64 },
+    Alloc {
+        bytes: u64,
+        align: u64,
+    },
+    Free {
+        pick: usize,
+    },
+    AddChunk {
+        len: u64,
+    },
+    /// Split a live block at `units` of [`ALIGN`] (modulo its length in units).
+    Split {
+        pick: usize,
+        units: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -121,6 +133,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (1u64..=6 * ALIGN, 0u32..=13).prop_map(|(bytes, p)| Op::Alloc { bytes, align: 1 << p }),
         3 => any::<usize>().prop_map(|pick| Op::Free { pick }),
         1 => (1u64..=32).prop_map(|units| Op::AddChunk { len: units * ALIGN }),
+        2 => (any::<usize>(), 1u64..=6).prop_map(|(pick, units)| Op::Split { pick, units }),
     ]
 }
 
@@ -164,6 +177,28 @@ fn run(mut a: ArenaAllocator, chunks: &[u64], ops: &[Op]) -> Result<(), String> 
             Op::AddChunk { len } => {
                 a.add_chunk(len).map_err(|e| e.to_string())?;
             }
+            Op::Split { pick, units } => {
+                if !live.is_empty() {
+                    let i = pick % live.len();
+                    let b = live[i];
+                    let n = b.len / ALIGN;
+                    if n > 1 {
+                        let at = (1 + units % (n - 1)) * ALIGN;
+                        let (x, y) = a.split(b, at).map_err(|e| e.to_string())?;
+                        if x.offset != b.offset || x.end() != y.offset || y.end() != b.end() {
+                            return Err(format!("{b:?} split at {at} into {x:?} and {y:?}"));
+                        }
+                        if a.free(b).is_ok() {
+                            return Err(format!("the whole of split {b:?} was freed"));
+                        }
+                        live.swap_remove(i);
+                        live.push(x);
+                        live.push(y);
+                    } else if a.split(b, ALIGN).is_ok() {
+                        return Err(format!("{b:?} split at its end"));
+                    }
+                }
+            }
         }
         check(&a, &live)?;
     }
@@ -193,6 +228,96 @@ proptest! {
             return Err(TestCaseError::fail(e));
         }
     }
+}
+
+/// Splits `whole` at each of `cuts` (offsets in units of [`ALIGN`] from its start, any
+/// order, duplicates and out-of-range ones skipped), then frees the pieces in the order
+/// `order` gives; returns the pieces as split.
+fn split_and_free(
+    a: &mut ArenaAllocator,
+    whole: Block,
+    cuts: &[u64],
+    order: &[usize],
+) -> Result<Vec<Block>, String> {
+    let mut pieces = vec![whole];
+    for &cut in cuts {
+        let at = whole.offset + cut * ALIGN;
+        let Some(i) = pieces.iter().position(|p| p.offset < at && at < p.end()) else {
+            continue;
+        };
+        let p = pieces[i];
+        let (x, y) = a.split(p, at - p.offset).map_err(|e| e.to_string())?;
+        pieces[i] = x;
+        pieces.push(y);
+        check(a, &pieces)?;
+    }
+    let mut left = pieces.clone();
+    for &o in order {
+        if left.is_empty() {
+            break;
+        }
+        let b = left.swap_remove(o % left.len());
+        a.free(b).map_err(|e| e.to_string())?;
+        check(a, &left)?;
+    }
+    for b in left.drain(..) {
+        a.free(b).map_err(|e| e.to_string())?;
+    }
+    check(a, &[])?;
+    Ok(pieces)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn split_pieces_freed_in_any_order_coalesce_back_to_the_whole_arena(
+        units in 1u64..=64,
+        cuts in prop::collection::vec(1u64..64, 0..16),
+        order in prop::collection::vec(any::<usize>(), 0..20),
+    ) {
+        let mut a = ArenaAllocator::new();
+        a.add_chunk(units * ALIGN).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let whole = a.alloc(units * ALIGN, ALIGN).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let pieces = split_and_free(&mut a, whole, &cuts, &order).map_err(TestCaseError::fail)?;
+        let total: u64 = pieces.iter().map(|p| p.len).sum();
+        prop_assert_eq!(total, whole.len);
+        let s = a.stats();
+        prop_assert_eq!(s.free_ranges, 1);
+        prop_assert_eq!(s.largest_free, units * ALIGN);
+        prop_assert_eq!(s.live_blocks, 0);
+    }
+}
+
+#[test]
+fn a_split_point_outside_the_block_or_unaligned_is_refused_and_changes_nothing() {
+    let mut a = with_chunks(&[8 * ALIGN]);
+    let b = a.alloc(4 * ALIGN, ALIGN).unwrap();
+    for at in [0, 4 * ALIGN, 5 * ALIGN, ALIGN + 1] {
+        assert!(
+            matches!(a.split(b, at), Err(AllocError::BadSplit { .. })),
+            "split at {at}"
+        );
+    }
+    assert!(a.is_live(&b));
+    assert_eq!(a.stats().live_blocks, 1);
+}
+
+#[test]
+fn a_block_that_is_not_live_cannot_be_split() {
+    let mut a = with_chunks(&[8 * ALIGN]);
+    let b = a.alloc(4 * ALIGN, ALIGN).unwrap();
+    a.free(b).unwrap();
+    assert!(matches!(a.split(b, ALIGN), Err(AllocError::NotLive { .. })));
+    let c = a.alloc(4 * ALIGN, ALIGN).unwrap();
+    let wrong = Block {
+        len: 2 * ALIGN,
+        ..c
+    };
+    assert!(matches!(
+        a.split(wrong, ALIGN),
+        Err(AllocError::WrongLen { .. })
+    ));
 }
 
 /// The checker is worth something only if it catches a broken allocator: the same property

@@ -201,6 +201,47 @@ impl<D: Driver + ?Sized> Arena<D> {
         Ok(())
     }
 
+    /// Splits the live `block` at `at` bytes from its start into two blocks that are given
+    /// back independently (an arena slice whose carved results and unused tail go separate
+    /// ways). `at` must be a non-zero multiple of [`ALIGN`] below `block.len`. Makes no
+    /// driver call.
+    ///
+    /// A block that is not live here exactly as given, of another arena, or already given
+    /// back with [`free_after`](Arena::free_after) is refused and nothing changes.
+    pub fn split(
+        &self,
+        block: ArenaBlock,
+        at: u64,
+    ) -> Result<(ArenaBlock, ArenaBlock), ArenaError> {
+        let mut st = self.lock();
+        let Some(chunk) = st.chunks.get(block.chunk as usize) else {
+            return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
+        };
+        if chunk.base.offset(block.offset) != block.ptr {
+            return Err(ArenaError::ForeignBlock {
+                chunk: block.chunk,
+                offset: block.offset,
+            });
+        }
+        let b = block.block();
+        if st.pending.iter().any(|(p, _)| *p == block) {
+            return Err(AllocError::NotLive {
+                chunk: b.chunk,
+                offset: b.offset,
+                len: b.len,
+            }
+            .into());
+        }
+        let (x, y) = st.alloc.split(b, at)?;
+        let piece = |p: Block| ArenaBlock {
+            chunk: p.chunk,
+            offset: p.offset,
+            len: p.len,
+            ptr: block.ptr.offset(p.offset - b.offset),
+        };
+        Ok((piece(x), piece(y)))
+    }
+
     /// Gives `block` back once `event` completed: the caller recorded `event` on the stream
     /// of the block's last use (after it). Makes no driver call: any thread may call it.
     /// The block stays live (and counted as used) until a later [`alloc`](Arena::alloc) or

@@ -374,3 +374,31 @@ fn alloc_reclaims_completed_stream_ordered_frees_first() {
     assert_eq!(arena.pending_frees(), 0);
     assert_no_violations(&d);
 }
+
+#[test]
+fn a_split_block_gives_pieces_at_the_parents_addresses_that_free_back_to_the_whole() {
+    let d = sim();
+    let arena = Arena::new(Arc::clone(&d), 0, 4 * MIB).unwrap();
+    let before = arena.stats();
+    let b = arena.alloc(8 * ALIGN).unwrap();
+    let (x, y) = arena.split(b, 3 * ALIGN).unwrap();
+    assert_eq!((x.ptr, x.len), (b.ptr, 3 * ALIGN));
+    assert_eq!(
+        (y.ptr, y.offset, y.len),
+        (b.ptr.offset(3 * ALIGN), b.offset + 3 * ALIGN, 5 * ALIGN)
+    );
+    assert!(arena.free(b).is_err(), "the whole block is no longer live");
+    arena.free(y).unwrap();
+    arena.free(x).unwrap();
+    assert_eq!(arena.stats(), before);
+}
+
+#[test]
+fn a_block_given_back_stream_ordered_cannot_be_split() {
+    let d = sim();
+    let arena = Arena::new(Arc::clone(&d), 0, 4 * MIB).unwrap();
+    let b = arena.alloc(4 * ALIGN).unwrap();
+    let event = OwnedEvent::new(Arc::clone(&d) as Arc<dyn Driver>, false).unwrap();
+    arena.free_after(b, event).unwrap();
+    assert!(arena.split(b, ALIGN).is_err());
+}

@@ -2,10 +2,10 @@
 #![allow(dead_code)] // each test file uses part of this
 
 use poolipc_transport::{
-    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, Chunk, DType,
-    DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob, ExportBlob, ExtraPool, ExtraPoolReply,
-    HandoffId, Identity, JobId, Lend, LentTensor, Message, ResultGrant, ResultRequest, ResultSpec,
-    Rung, StagingBuffer, TensorMeta,
+    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
+    DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob, ExportBlob, ExtraPool,
+    ExtraPoolReply, HandoffId, Identity, JobId, Lend, LentSlice, LentTensor, Message, ResultGrant,
+    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 
 /// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
@@ -96,6 +96,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                         arena: None,
                     },
                 ],
+                slice: None,
             }),
         ),
         (
@@ -142,6 +143,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                 job: JobId(7),
                 done_event: EventBlob(blob64(0xc0)),
                 handles: vec![HandoffId(1), HandoffId(2), HandoffId(3)],
+                carved: Vec::new(),
             }),
         ),
         (
@@ -254,6 +256,60 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                             byte_len: 16,
                         },
                         arena: None,
+                    },
+                ],
+                slice: None,
+            }),
+        ),
+        (
+            "lend_slice",
+            Message::Lend(Lend {
+                job: JobId(9),
+                tensors: vec![LentTensor {
+                    handle: HandoffId(5),
+                    alloc: AllocId(14),
+                    rung: Rung::PoolPointer,
+                    pool: 0,
+                    export: ExportBlob(blob64(0x30)),
+                    ready_event: EventBlob(blob64(0xb0)),
+                    meta: TensorMeta {
+                        dtype: DType::F16,
+                        shape: vec![8],
+                        strides: vec![1],
+                        byte_offset: 0,
+                        byte_len: 16,
+                    },
+                    arena: None,
+                }],
+                slice: Some(LentSlice {
+                    handle: HandoffId(6),
+                    alloc: AllocId(15),
+                    chunk: 1,
+                    offset: 0x40_0000,
+                    bytes: 64 << 20,
+                }),
+            }),
+        ),
+        (
+            "done_carved",
+            Message::Done(Done {
+                job: JobId(9),
+                done_event: EventBlob(blob64(0xd0)),
+                handles: vec![HandoffId(5), HandoffId(6), HandoffId(7)],
+                carved: vec![
+                    CarvedResult {
+                        index: 0,
+                        offset: 0,
+                        bytes: 24,
+                        dtype: DType::F32,
+                        shape: vec![2, 3],
+                    },
+                    CarvedResult {
+                        index: 2,
+                        offset: 512,
+                        bytes: 4096,
+                        dtype: DType::BF16,
+                        shape: vec![2048],
                     },
                 ],
             }),

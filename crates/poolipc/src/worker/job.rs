@@ -102,6 +102,9 @@ pub struct Job<'w> {
     pub(super) id: JobId,
     pub(super) inputs: Vec<InputView>,
     pub(super) results: Vec<ResultView>,
+    /// The job's arena slice, at its address here, when the parent lent one this worker can
+    /// use: results are carved out of it before any request.
+    pub(super) slice: Option<DevicePtr>,
     pub(super) finished: bool,
 }
 
@@ -146,6 +149,12 @@ impl Job<'_> {
     /// Asks the parent for result memory, shape first; returns the new result views, once
     /// the parent granted them and they are writable on [`stream`](Job::stream).
     ///
+    /// When the parent lent the job an arena slice
+    /// ([`ParentOptions::arena_slice_bytes`](crate::ParentOptions::arena_slice_bytes)) and
+    /// every result asked for fits in what is left of it, they are carved out of it instead
+    /// ([`Rung::Arena`] views, 512-byte aligned): no message, no wait. A batch that does not
+    /// fit whole goes to the parent as usual, so results keep the order they were asked in.
+    ///
     /// Lends of later jobs that arrive meanwhile are queued for
     /// [`Worker::next_job`]. If the parent refused any of the results, this returns
     /// [`Error::ResultRefused`]; the ones it granted are in [`results`](Job::results) all
@@ -165,6 +174,25 @@ impl Job<'_> {
             })
             .collect::<Result<Vec<_>, Error>>()?;
         let w = &mut *self.worker;
+        let first = self.results.len();
+        if let Some(base) = self.slice
+            && let Some(offsets) = w.machine.carve_results(self.id, &specs)?
+        {
+            for ((shape, spec), offset) in shapes.iter().zip(&specs).zip(offsets) {
+                self.results.push(ResultView {
+                    ptr: base.offset(offset),
+                    shape: shape.clone(),
+                    bytes: spec.byte_len,
+                    rung: Rung::Arena,
+                });
+            }
+            tracing::trace!(
+                job = self.id.0,
+                count = specs.len(),
+                "results carved out of the slice"
+            );
+            return Ok(&self.results[first..]);
+        }
         w.machine.request_results(self.id, specs.clone())?;
         w.drain()?;
         let grants = w.wait_for_grants(self.id)?;
@@ -176,7 +204,6 @@ impl Job<'_> {
                 self.id.0
             )));
         }
-        let first = self.results.len();
         let mut refused = None;
         for (grant, (shape, spec)) in grants.into_iter().zip(shapes.iter().zip(&specs)) {
             match grant {
