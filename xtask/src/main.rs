@@ -345,6 +345,18 @@ fn gpu_bundle(root: &Path) -> Result<PathBuf> {
             .to_string_lossy();
         // `foundation-0123abcd` -> `foundation`
         let short = name.rsplit_once('-').map_or(name.as_ref(), |(a, _)| a);
+        // A harness with no tests (a binary target's) only takes room in the carry (64 MiB).
+        let listed = Command::new(exe)
+            .args(["--list", "--format", "terse"])
+            .output()
+            .with_context(|| format!("listing the tests of {}", exe.display()))?;
+        if !String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .any(|l| l.ends_with(": test"))
+        {
+            eprintln!("gpu bundle: {short} has no tests; left out");
+            continue;
+        }
         copy(exe, &bundle.join("tests").join(short))?;
     }
     // The Python wheel (abi3), when maturin is here: `pip install maturin`.
