@@ -499,6 +499,10 @@ else
 fi
 pass=$(awk '{p+=$1} END {print p+0}' "$out/counts"); fail=$(awk '{f+=$2} END {print f+0}' "$out/counts")
 echo "--- tests: $pass passed, $fail failed" >> "$summary"
+# The device machine gives back only a few files from $OUT: the summary, the chart and one
+# archive of every log.
+( cd "$out" && logs=$(ls | grep -vxE 'summary.txt|bench.svg|logs.tar.gz') \
+  && [ -n "$logs" ] && tar czf logs.tar.gz $logs && rm -f $logs )
 cat "$summary"
 [ "$fail" -eq 0 ]
 "#;
