@@ -13,9 +13,11 @@ use poolipc::{
     Rung, StreamHandle, TensorDesc, WorkerId, echo,
 };
 use poolipc_contract::FailReason;
+use poolipc_driver::DriverKind;
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
 const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
 
 fn parent(env: &Env, initial_bytes: u64, max_bytes: Option<u64>) -> Result<Parent> {
     let options = ParentOptions {
@@ -151,6 +153,60 @@ both_drivers!(
         ensure!(p.arena_stats().context("no arena")?.alloc.live_blocks == 3);
         drop(out);
         ensure!(settle(&p, stream)? == 0, "blocks left after the results were dropped");
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_16_gib_result_crosses_through_the_arena_byte_for_byte(env) {
+        // The worker copies a 16 GiB input (itself over the import limit: an arena copy)
+        // into a 16 GiB arena result; every byte of it is read back and checked. Only on
+        // hardware with room for the input, its copy and the result (48 GiB).
+        if env.kind() != DriverKind::Cuda {
+            println!("NOT RUN on {}: 48 GiB of simulated device memory is host memory", env.kind());
+            return Ok(());
+        }
+        let (free, _) = env.driver.mem_get_info()?;
+        if free < 52 * GIB {
+            println!("NOT RUN: {} GiB of VRAM free, 52 GiB needed", free / GIB);
+            return Ok(());
+        }
+        let bytes = 16 * GIB;
+        let p = parent(env, 2 * bytes + GIB, None)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let pattern = 0x1600_C0DE;
+        let t = std::time::Instant::now();
+        let out = echo_job(&p, w, &[bytes], pattern, stream)?;
+        println!("16 GiB echo job: {:?}, input {:?}", t.elapsed(), out.input_rungs);
+        let r = &out.results[0];
+        ensure!(r.rung == Rung::Arena && r.bytes == bytes, "{:?}, {} bytes", r.rung, r.bytes);
+        // Read back in 256 MiB pieces against the pattern (the marker in the first 4 bytes).
+        let piece = 256 * MIB;
+        let mut got = vec![0u8; usize::try_from(piece)?];
+        let want: Vec<u8> = pattern.to_le_bytes().iter().copied().cycle().take(got.len()).collect();
+        for k in 0..bytes / piece {
+            p.driver().memcpy_dtoh(&mut got, r.ptr.offset(k * piece))?;
+            let skip = if k == 0 {
+                ensure!(got[..4] == echo::marker(0).to_le_bytes(), "the marker is not there");
+                4
+            } else {
+                0
+            };
+            if let Some(at) = got[skip..].iter().zip(&want[skip..]).position(|(g, w)| g != w) {
+                let at = skip + at;
+                bail!(
+                    "byte {} of the 16 GiB result is {:#04x}, expected {:#04x}",
+                    k * piece + at as u64,
+                    got[at],
+                    want[at]
+                );
+            }
+        }
+        println!("16 GiB result checked byte for byte: {:?}", t.elapsed());
+        drop(out);
+        ensure!(settle(&p, stream)? == 0, "blocks left after the result was dropped");
         p.stop_worker(w)?;
         Ok(())
     }
