@@ -794,7 +794,25 @@ impl NativeParent {
         d.set_item("host_staged_tensors", s.host_staged_tensors)?;
         d.set_item("arena_results", s.arena_results)?;
         d.set_item("arena_copied_inputs", s.arena_copied_inputs)?;
+        d.set_item("arena_slices_lent", s.arena_slices_lent)?;
+        d.set_item("arena_results_carved", s.arena_results_carved)?;
         Ok(d)
+    }
+
+    /// Lends every job placed from now on a slice of the result arena of `nbytes` (0: none),
+    /// out of which its worker carves the results it asks for without a round trip. Needs
+    /// the parent's results in the arena (`results="arena"`): a `ValueError` otherwise.
+    fn set_arena_slice_bytes(&self, nbytes: u64) -> PyResult<()> {
+        if nbytes > 0
+            && state::Results::of(&self.g.parent.options().results) != state::Results::Arena
+        {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "poolipc: arena slices of {nbytes} bytes need the parent's results in the arena: \
+                 this process's parent was made with results=\"pool\""
+            )));
+        }
+        self.g.parent.set_arena_slice_bytes(nbytes);
+        Ok(())
     }
 
     /// The result arena's figures (a dict), after freeing the blocks given back whose event

@@ -361,6 +361,41 @@ def test_a_result_over_the_cap_is_arena_full_error_and_the_next_job_works(parent
 
 
 @own_process
+def test_a_python_worker_carves_its_results_out_of_an_arena_slice_without_asking(parent, request):
+    w = spawn(parent)
+    data = pattern(300)
+    src = buffer_of(parent, data)
+    ref = poolipc.TensorRef(src.ptr, "uint8", [300])
+    base = live(parent)
+    before = parent.stats()
+    parent.set_arena_slice_bytes(MIB)
+    try:
+        (a,) = parent.run(w, [ref])
+        after = parent.stats()
+        assert after["arena_slices_lent"] == before["arena_slices_lent"] + 1, after
+        assert after["arena_results_carved"] == before["arena_results_carved"] + 1, after
+        assert isinstance(a, poolipc.ArenaResult) and parent.last_result_rungs == ["arena"]
+        assert parent.read(a.ptr, 300) == echoed(data)
+        # A slice too small for the result: the worker asks as before, and still gets it.
+        big = pattern(4096, seed=3)
+        big_src = buffer_of(parent, big)
+        parent.set_arena_slice_bytes(512)
+        (b,) = parent.run(w, [poolipc.TensorRef(big_src.ptr, "uint8", [4096])])
+        late = parent.stats()
+        assert late["arena_slices_lent"] == after["arena_slices_lent"] + 1, late
+        assert late["arena_results_carved"] == after["arena_results_carved"], late
+        assert parent.read(b.ptr, 4096) == echoed(big)
+    finally:
+        parent.set_arena_slice_bytes(0)
+    (c,) = parent.run(w, [ref])
+    assert parent.stats()["arena_slices_lent"] == late["arena_slices_lent"]
+    del a, b, c
+    # The carved result's block and every slice's unused rest went back.
+    assert settled(parent, base) == base
+    parent.stop(w)
+
+
+@own_process
 def test_one_parent_runs_arena_jobs_and_pool_jobs_side_by_side(parent, request):
     w = spawn(parent)
     data = pattern(300)

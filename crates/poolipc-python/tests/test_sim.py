@@ -610,6 +610,9 @@ def test_a_pool_parent_refuses_arena_results_per_job_and_a_clash_names_the_resul
         poolipc.Parent(0, results="arena")
     with pytest.raises(ValueError, match=r"arena_max_bytes=1024 \(the process's parent has no arena\)"):
         poolipc.Parent(0, arena_max_bytes=1024)
+    with pytest.raises(ValueError, match=r"arena slices of 4096 bytes need the parent's results in the arena"):
+        parent.set_arena_slice_bytes(4096)
+    parent.set_arena_slice_bytes(0)  # none: nothing to refuse
     w = spawn(parent)
     f = f32_buffer(parent, [1.0] * 4)
     ref = poolipc.TensorRef(f.ptr, "float32", [4])

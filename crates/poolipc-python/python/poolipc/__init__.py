@@ -528,9 +528,18 @@ class Parent:
 
     def stats(self) -> ParentStats:
         """Counters: workers connected and lost, jobs submitted, completed and failed, tensors
-        by pool pointer and by host staging, results in the arena and inputs copied into it.
-        Never waits for a job."""
+        by pool pointer and by host staging, results in the arena and inputs copied into it,
+        arena slices lent and results carved out of them. Never waits for a job."""
         return self._native.stats()
+
+    def set_arena_slice_bytes(self, nbytes: int) -> None:
+        """Lends every job submitted from now on a slice of ``nbytes`` of the result arena
+        (0, the default: none). A worker that learns its results' shapes late then carves
+        them out of the slice with no round trip to the parent (``request_results`` does it
+        by itself, and asks as before when they do not fit); the unused rest goes back when
+        the job ends. Needs ``results="arena"``: ``ValueError`` otherwise. The counters are in
+        ``stats()`` (``arena_slices_lent``, ``arena_results_carved``)."""
+        self._native.set_arena_slice_bytes(nbytes)
 
     def arena_stats(self) -> ArenaStats:
         """The result arena's figures, after freeing the blocks given back whose work is done:

@@ -232,6 +232,8 @@ class NativeParent:
         """The canary battery's report on the worker, in words."""
     def stats(self) -> ParentStats:
         """The parent's counters."""
+    def set_arena_slice_bytes(self, nbytes: int) -> None:
+        """Lends each job placed from now on an arena slice of ``nbytes`` (0: none)."""
     def arena_stats(self) -> ArenaStats:
         """The result arena's figures, after freeing blocks whose work is done."""
     def submit(

@@ -82,6 +82,8 @@ class ParentStats(TypedDict):
     host_staged_tensors: int
     arena_results: int
     arena_copied_inputs: int
+    arena_slices_lent: int
+    arena_results_carved: int
 
 
 class ArenaStats(TypedDict):
