@@ -275,6 +275,10 @@ def test_an_arena_result_over_the_cap_is_arena_full_error_and_the_next_job_works
     arena_case("cap")
 
 
+def test_a_torch_worker_carves_its_results_out_of_an_arena_slice():
+    arena_case("slice")
+
+
 def test_prestartup_in_a_fresh_interpreter_swaps_torchs_pool():
     out, err = fresh(["main.py"])
     (line,) = [x for x in err.splitlines() if x.startswith("poolipc:")]

@@ -10,6 +10,8 @@ sizes      results of 1 byte and of 3 GiB arrive intact
 per-job    results="pool" gives a torch.empty tensor of the shared pool, by pool pointer,
            next to an arena result from the same parent
 cap        a result over arena_max_bytes fails its job with ArenaFullError; the next job works
+slice      with set_arena_slice_bytes the torch worker's results are carved out of the job's
+           arena slice (no round trip), intact, 4 KiB and 64 MiB; a slice too small asks
 """
 
 import os
@@ -99,6 +101,25 @@ elif CASE == "cap":
     (y,) = parent.run(w, [x])
     assert torch.equal(y, x * 2 + 1)
     del y
+    assert settled(base) == base, live()
+elif CASE == "slice":
+    parent.set_arena_slice_bytes(128 * MIB)
+    s0 = parent.stats()
+    xs = [random_bytes(4096), random_bytes(64 * MIB)]
+    ys = parent.run(w, xs)
+    s1 = parent.stats()
+    assert s1["arena_results_carved"] == s0["arena_results_carved"] + 2, s1
+    assert parent.last_result_rungs == ["arena", "arena"], parent.last_result_rungs
+    for x, y in zip(xs, ys):
+        assert torch.equal(y, x * 2 + 1)
+    parent.set_arena_slice_bytes(4096)
+    (z,) = parent.run(w, [xs[1]])  # 64 MiB does not fit a 4 KiB slice: asked for
+    s2 = parent.stats()
+    assert s2["arena_results_carved"] == s1["arena_results_carved"], s2
+    assert s2["arena_slices_lent"] == s1["arena_slices_lent"] + 1, s2
+    assert torch.equal(z, xs[1] * 2 + 1)
+    parent.set_arena_slice_bytes(0)
+    del ys, z
     assert settled(base) == base, live()
 else:
     raise SystemExit(f"unknown case {CASE!r}")
