@@ -119,7 +119,7 @@ elif CASE == "slice":
     assert s2["arena_slices_lent"] == s1["arena_slices_lent"] + 1, s2
     assert torch.equal(z, xs[1] * 2 + 1)
     parent.set_arena_slice_bytes(0)
-    del ys, z
+    del ys, z, y  # y: the loop's last result
     assert settled(base) == base, live()
 else:
     raise SystemExit(f"unknown case {CASE!r}")
