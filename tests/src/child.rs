@@ -27,7 +27,7 @@
 //! - `arena_unmap <chunk>`: `ArenaMapping::unmap_chunk`.
 //! - `exit`.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read as _, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -239,7 +239,10 @@ pub fn main() -> Result<()> {
     let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
     let pool = AttachedPool::attach(&*driver, pool_fd.as_fd(), device)?;
     let stream = driver.stream_create()?;
-    let sock = UnixStream::from(conn.into_fd());
+    // What the handshake read past its last frame (the parent's first command may have
+    // come with it) is read before the socket.
+    let (sock, unread) = conn.into_parts();
+    let sock = UnixStream::from(sock);
     let fds = Connection::new(OwnedFd::from(sock.try_clone()?));
     let mut worker = Worker {
         arena: ArenaMapping::new(Arc::clone(&driver), device),
@@ -250,7 +253,7 @@ pub fn main() -> Result<()> {
         fds,
     };
 
-    let mut reader = BufReader::new(sock.try_clone()?);
+    let mut reader = BufReader::new(std::io::Cursor::new(unread).chain(sock.try_clone()?));
     let mut writer = sock;
     let mut line = String::new();
     loop {

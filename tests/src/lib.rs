@@ -19,7 +19,7 @@ use std::process::{Command, ExitStatus};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 use poolipc_driver::sim::{SimConfig, SimDriver};
 use poolipc_driver::{CudaDriver, Driver, DriverKind};
 use poolipc_transport::{
@@ -280,7 +280,14 @@ pub fn spawn_child(env: &Env, pool_fd: BorrowedFd<'_>) -> Result<Child> {
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     poolipc_transport::parent_handshake(&mut conn, &config, pool_fd, deadline)?;
-    let link = ChildLink::new(UnixStream::from(conn.into_fd()), Duration::from_secs(120))?;
+    let (sock, unread) = conn.into_parts();
+    // The child answers only commands: nothing can have come past the handshake.
+    ensure!(
+        unread.is_empty(),
+        "the child sent {} bytes past its handshake",
+        unread.len()
+    );
+    let link = ChildLink::new(UnixStream::from(sock), Duration::from_secs(120))?;
     Ok(Child { process, link })
 }
 

@@ -256,10 +256,12 @@ fn round_trip_split(
     input: &Input,
     stream: poolipc::StreamHandle,
 ) -> Result<(f64, f64, poolipc::JobOutput)> {
+    poolipc::probe::mark("rt.begin");
     let t = Instant::now();
     let out = parent.run_job(worker, std::slice::from_ref(input), stream)?;
     let returned = Instant::now();
     d.stream_synchronize(stream)?;
+    poolipc::probe::mark("rt.synced");
     Ok((
         t.elapsed().as_secs_f64() * 1e6,
         returned.elapsed().as_secs_f64() * 1e6,

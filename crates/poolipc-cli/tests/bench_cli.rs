@@ -64,3 +64,79 @@ fn bench_skips_a_size_the_device_cannot_hold_and_says_so() {
         "{text}"
     );
 }
+
+#[test]
+fn bench_with_the_probe_on_leaves_parent_and_worker_marks_that_the_report_reads() {
+    let dir = std::env::temp_dir().join(format!("poolipc-probe-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = poolipc()
+        .args([
+            "bench",
+            "--sim",
+            "--iterations",
+            "4",
+            "--max-mib",
+            "1",
+            "--copy-max-mib",
+            "1",
+            "--result-max-mib",
+            "1",
+        ])
+        .env("RUST_LOG", "warn")
+        .env("POOLIPC_PROBE", &dir)
+        .output()
+        .expect("run poolipc bench");
+    assert!(
+        out.status.success(),
+        "exit {}:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut labels = std::collections::BTreeSet::new();
+    let files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("the probe's directory")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    assert!(
+        files.len() >= 2,
+        "one file per process, parent and worker: {files:?}"
+    );
+    for f in &files {
+        for line in std::fs::read_to_string(f).expect("marks").lines() {
+            let (ns, label) = line.split_once(' ').expect("<ns> <label>");
+            assert!(ns.parse::<u64>().is_ok_and(|t| t > 0), "{line}");
+            labels.insert(label.to_owned());
+        }
+    }
+    for want in [
+        "rt.begin",
+        "c.submit",
+        "io.send_lend",
+        "w.recv",
+        "w.send_done",
+        "io.wait_done",
+        "rt.synced",
+    ] {
+        assert!(labels.contains(want), "no {want:?} among {labels:?}");
+    }
+    // The report merges them: the first round trips (4 KiB, recycled) share one sequence.
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/probe_report.py");
+    let report = Command::new("python3")
+        .arg(&script)
+        .arg(&dir)
+        .args(["--skip", "1", "--count", "4"])
+        .output();
+    if let Ok(report) = report {
+        let text = String::from_utf8_lossy(&report.stdout);
+        assert!(
+            report.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&report.stderr)
+        );
+        assert!(
+            text.contains("io.send_lend → w.recv") && text.contains("total"),
+            "{text}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -175,6 +175,13 @@ impl Worker {
         self.actions.pop_front()
     }
 
+    /// The action [`poll_action`](Worker::poll_action) would return next, left queued (a
+    /// worker that sends DONE looks whether the ACK follows, to write both at once).
+    #[must_use]
+    pub fn peek_action(&self) -> Option<&WorkerAction> {
+        self.actions.front()
+    }
+
     /// Handoffs held: of open jobs, inputs and granted results.
     #[must_use]
     pub fn held(&self) -> usize {

@@ -138,8 +138,117 @@ pub struct Connection {
     sock: OwnedFd,
     limits: FrameLimits,
     send_buf: Vec<u8>,
+    recv: RecvBuf,
     recv_broken: Option<String>,
     send_broken: Option<String>,
+}
+
+/// What has been read from the socket and not yet returned as a frame.
+///
+/// A read takes whatever the socket holds (up to the buffer's room), so frames that arrive
+/// together (a worker's DONE and ACK) cost one system call, and a frame's header and payload
+/// one, not two. Descriptors (`SCM_RIGHTS`) need care then: Linux ends a `recvmsg` on a
+/// stream socket right after the first message that carried descriptors
+/// (`unix_stream_read_generic`), and a sender attaches them to a frame's first byte
+/// ([`Connection::send`]), so the descriptors that come with a read belong to the frame its
+/// last byte is part of. They are kept with that frame's stream offset until it is returned.
+struct RecvBuf {
+    buf: Vec<u8>,
+    /// `buf[start..end]` is unread.
+    start: usize,
+    end: usize,
+    /// The stream offset of `buf[start]`: bytes returned as frames so far.
+    offset: u64,
+    /// Descriptors that came, by the stream offset of the frame they came with.
+    fds: Vec<(u64, Vec<OwnedFd>)>,
+}
+
+/// The least a read asks the socket for.
+const RECV_CHUNK: usize = 64 * 1024;
+
+impl RecvBuf {
+    fn new() -> Self {
+        Self {
+            buf: Vec::new(),
+            start: 0,
+            end: 0,
+            offset: 0,
+            fds: Vec::new(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Room for at least `need` unread bytes from `start` and a read of [`RECV_CHUNK`].
+    fn make_room(&mut self, need: usize) {
+        if self.start > 0 && (self.start == self.end || self.buf.len() - self.start < need) {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let want = need.max(self.end + RECV_CHUNK);
+        if self.buf.len() < want {
+            self.buf.resize(want, 0);
+        }
+    }
+
+    /// The stream offset of the frame that the unread byte at stream offset `at` is part
+    /// of, walking frame headers from `start`. A header not all here, or one that does not
+    /// parse, ends the walk there: that frame is the one (its error comes when it is read).
+    fn frame_containing(&self, at: u64, limits: FrameLimits) -> u64 {
+        let mut pos = self.start;
+        loop {
+            let frame_at = self.offset + (pos - self.start) as u64;
+            let Some(header) = self
+                .buf
+                .get(pos..pos + HEADER_LEN)
+                .filter(|_| pos + HEADER_LEN <= self.end)
+            else {
+                return frame_at;
+            };
+            let mut h = [0u8; HEADER_LEN];
+            h.copy_from_slice(header);
+            let Ok(header) = FrameHeader::parse(&h, limits) else {
+                return frame_at;
+            };
+            let len = HEADER_LEN + header.payload_len;
+            if frame_at + len as u64 > at {
+                return frame_at;
+            }
+            pos += len;
+        }
+    }
+
+    /// Drops `n` unread bytes (a frame returned).
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        self.offset += n as u64;
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+            // A frame far larger than usual left a large buffer: let it go.
+            if self.buf.len() > 4 * RECV_CHUNK {
+                self.buf = Vec::new();
+            }
+        }
+    }
+
+    /// The descriptors that came with the frame at stream offset `frame_at`, and any (sent
+    /// out of step by a broken peer) that came with frames before it.
+    fn take_fds(&mut self, frame_at: u64) -> Vec<OwnedFd> {
+        let mut taken = Vec::new();
+        self.fds.retain_mut(|(at, fds)| {
+            if *at <= frame_at {
+                taken.append(fds);
+                false
+            } else {
+                true
+            }
+        });
+        taken
+    }
 }
 
 impl Connection {
@@ -149,6 +258,7 @@ impl Connection {
             sock,
             limits: FrameLimits::default(),
             send_buf: Vec::new(),
+            recv: RecvBuf::new(),
             recv_broken: None,
             send_broken: None,
         }
@@ -180,9 +290,41 @@ impl Connection {
         self.limits
     }
 
-    /// The socket.
+    /// The socket. Bytes already read from it and not yet returned as a frame (see
+    /// [`Connection::buffered`]) are lost with the connection: to read on after the
+    /// frames, take them with [`Connection::into_parts`].
     pub fn into_fd(self) -> OwnedFd {
         self.sock
+    }
+
+    /// The socket, and the bytes already read from it that no frame returned (they come
+    /// before anything read from the socket from now on).
+    pub fn into_parts(self) -> (OwnedFd, Vec<u8>) {
+        let unread = self.recv.buf[self.recv.start..self.recv.end].to_vec();
+        (self.sock, unread)
+    }
+
+    /// Whether bytes have been read from the socket that no frame returned yet: a wait for
+    /// the socket to become readable would then miss them. [`Connection::frame_buffered`]
+    /// says whether a whole frame is among them.
+    pub fn buffered(&self) -> bool {
+        self.recv.len() > 0
+    }
+
+    /// Whether a whole frame (or a header that will not parse) has been read from the
+    /// socket already: [`Connection::recv`] returns it without a system call. Someone who
+    /// polls the socket for frames reads these first.
+    pub fn frame_buffered(&self) -> bool {
+        let r = &self.recv;
+        if r.len() < HEADER_LEN {
+            return false;
+        }
+        let mut h = [0u8; HEADER_LEN];
+        h.copy_from_slice(&r.buf[r.start..r.start + HEADER_LEN]);
+        match FrameHeader::parse(&h, self.limits) {
+            Ok(header) => r.len() >= HEADER_LEN + header.payload_len,
+            Err(_) => true,
+        }
     }
 
     /// Sends `msg` with exactly the file descriptors it carries ([`Message::expected_fds`]),
@@ -212,6 +354,42 @@ impl Connection {
             fds = fds.len(),
             ok = result.is_ok(),
             "send frame"
+        );
+        self.send_buf = buf;
+        result
+    }
+
+    /// Sends several messages that carry no file descriptors in one write (one system call
+    /// where the socket takes them all), in order, by `deadline`. A message that must carry
+    /// descriptors is refused before anything is sent.
+    pub fn send_many(
+        &mut self,
+        msgs: &[&Message],
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        if let Some(kind) = msgs
+            .iter()
+            .map(|m| m.kind())
+            .find(|k| k.expected_fds() != 0)
+        {
+            return Err(TransportError::WrongFdCount {
+                kind,
+                expected: kind.expected_fds(),
+                given: 0,
+            });
+        }
+        let mut buf = std::mem::take(&mut self.send_buf);
+        buf.clear();
+        let result = msgs
+            .iter()
+            .try_for_each(|m| codec::encode_into(m, self.limits, &mut buf))
+            .map_err(TransportError::from)
+            .and_then(|()| self.send_frame(&buf, &[], deadline));
+        trace!(
+            frames = msgs.len(),
+            len = buf.len(),
+            ok = result.is_ok(),
+            "send frames"
         );
         self.send_buf = buf;
         result
@@ -283,28 +461,29 @@ impl Connection {
                 reason: reason.clone(),
             });
         }
-        let mut fds = Vec::new();
-        let mut header = [0u8; HEADER_LEN];
-        if let Err(e) = self.read_exact(&mut header, &mut fds, deadline, false) {
+        if let Err(e) = self.fill(HEADER_LEN, deadline) {
             return Err(self.recv_failed(e));
         }
+        let mut header = [0u8; HEADER_LEN];
+        header.copy_from_slice(&self.recv.buf[self.recv.start..self.recv.start + HEADER_LEN]);
         let header = match FrameHeader::parse(&header, self.limits) {
             Ok(h) => h,
             Err(e) => return Err(self.recv_failed(e.into())),
         };
-        let mut payload = vec![0u8; header.payload_len];
-        if let Err(e) = self.read_exact(&mut payload, &mut fds, deadline, true) {
+        let len = HEADER_LEN + header.payload_len;
+        if let Err(e) = self.fill(len, deadline) {
             return Err(self.recv_failed(e));
         }
-        let msg = codec::decode_payload(header.tag, &payload)?;
+        let at = self.recv.offset;
+        let payload = &self.recv.buf[self.recv.start + HEADER_LEN..self.recv.start + len];
+        let decoded = codec::decode_payload(header.tag, payload);
+        self.recv.consume(len);
+        // Taken (and so closed on every error below) whether or not the frame decodes.
+        let fds = self.recv.take_fds(at);
+        let msg = decoded?;
         let kind = msg.kind();
         let expected = kind.expected_fds();
-        trace!(
-            ?kind,
-            len = HEADER_LEN + payload.len(),
-            fds = fds.len(),
-            "recv frame"
-        );
+        trace!(?kind, len, fds = fds.len(), "recv frame");
         if fds.len() > expected {
             return Err(TransportError::UnexpectedFds {
                 kind,
@@ -330,33 +509,35 @@ impl Connection {
         };
         if breaks {
             self.recv_broken = Some(err.to_string());
+            // Nothing more will be read: close every descriptor that came.
+            self.recv.fds.clear();
         }
         err
     }
 
-    /// Fills `buf`, collecting descriptors. `in_frame`: bytes of this frame were read before.
-    fn read_exact(
-        &mut self,
-        buf: &mut [u8],
-        fds: &mut Vec<OwnedFd>,
-        deadline: Instant,
-        in_frame: bool,
-    ) -> Result<(), TransportError> {
-        let mut got = 0;
-        while got < buf.len() {
-            let partial = in_frame || got > 0;
-            match scm::recv(self.sock.as_fd(), &mut buf[got..]) {
+    /// Reads until at least `need` unread bytes are buffered, taking whatever more the socket
+    /// holds; descriptors are filed under the frame they came with (see [`RecvBuf`]).
+    fn fill(&mut self, need: usize, deadline: Instant) -> Result<(), TransportError> {
+        while self.recv.len() < need {
+            // Bytes of the frame being read are here: an EOF or deadline now cuts it.
+            let partial = self.recv.len() > 0;
+            self.recv.make_room(need);
+            let end = self.recv.end;
+            match scm::recv(self.sock.as_fd(), &mut self.recv.buf[end..]) {
                 Ok(r) => {
-                    fds.extend(r.fds);
                     if r.truncated {
-                        let received = fds.len();
-                        fds.clear();
+                        let received = r.fds.len();
                         return Err(TransportError::FdsTruncated { received });
                     }
                     if r.bytes == 0 {
                         return Err(TransportError::PeerClosed { mid_frame: partial });
                     }
-                    got += r.bytes;
+                    self.recv.end += r.bytes;
+                    if !r.fds.is_empty() {
+                        let last = self.recv.offset + (self.recv.end - self.recv.start) as u64 - 1;
+                        let frame_at = self.recv.frame_containing(last, self.limits);
+                        self.recv.fds.push((frame_at, r.fds));
+                    }
                 }
                 Err(Errno::EAGAIN) => match wait(self.sock.as_fd(), PollFlags::POLLIN, deadline) {
                     Ok(()) => {}

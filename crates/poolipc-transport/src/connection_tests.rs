@@ -283,3 +283,161 @@ fn an_extra_pool_arrives_with_its_fd_and_its_reply_without() {
     let (m, fds) = tx.recv(soon()).expect("recv reply");
     assert_eq!((m, fds.len()), (reply, 0));
 }
+
+/// The inode of a descriptor: which pipe a received descriptor is.
+fn inode(fd: BorrowedFd<'_>) -> u64 {
+    nix::sys::stat::fstat(fd).expect("fstat").st_ino
+}
+
+#[test]
+fn descriptors_of_frames_sent_back_to_back_go_each_with_its_own_frame() {
+    let (mut tx, mut rx) = Connection::pair().expect("socketpair");
+    let (readers, _writers) = pipes(3);
+    tx.send(&Message::Heartbeat { seq: 1 }, &[], soon())
+        .expect("send");
+    tx.send_frame(&hello(), &[readers[0].as_fd()], soon())
+        .expect("send hello");
+    tx.send_frame(&extra_pool(), &[readers[1].as_fd()], soon())
+        .expect("send extra pool");
+    tx.send(&Message::Heartbeat { seq: 2 }, &[], soon())
+        .expect("send");
+    tx.send_frame(&extra_pool(), &[readers[2].as_fd()], soon())
+        .expect("send extra pool");
+    let mut got = Vec::new();
+    for _ in 0..5 {
+        let (m, fds) = rx.recv(soon()).expect("recv");
+        got.push((
+            m.kind(),
+            fds.iter().map(|f| inode(f.as_fd())).collect::<Vec<_>>(),
+        ));
+    }
+    let ino = |i: usize| inode(readers[i].as_fd());
+    assert_eq!(
+        got,
+        vec![
+            (MessageKind::Heartbeat, vec![]),
+            (MessageKind::Hello, vec![ino(0)]),
+            (MessageKind::ExtraPool, vec![ino(1)]),
+            (MessageKind::Heartbeat, vec![]),
+            (MessageKind::ExtraPool, vec![ino(2)]),
+        ]
+    );
+    assert!(!rx.buffered());
+}
+
+#[test]
+fn frames_written_at_once_are_read_one_at_a_time_without_the_socket() {
+    let (mut tx, mut rx) = Connection::pair().expect("socketpair");
+    let msgs = [
+        Message::Heartbeat { seq: 1 },
+        Message::Heartbeat { seq: 2 },
+        Message::Bye,
+    ];
+    tx.send_many(&msgs.iter().collect::<Vec<_>>(), soon())
+        .expect("send_many");
+    assert!(!rx.frame_buffered());
+    assert_eq!(rx.recv(soon()).expect("1").0, msgs[0]);
+    // The rest came with the first read: buffered, not waiting in the socket.
+    assert!(rx.frame_buffered());
+    let mut poll = [nix::poll::PollFd::new(
+        rx.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    assert_eq!(
+        nix::poll::poll(&mut poll, nix::poll::PollTimeout::ZERO).expect("poll"),
+        0,
+        "the socket still had bytes"
+    );
+    assert_eq!(rx.recv(soon()).expect("2").0, msgs[1]);
+    assert_eq!(rx.recv(soon()).expect("3").0, msgs[2]);
+    assert!(!rx.buffered());
+    assert!(matches!(
+        rx.recv(Instant::now() + Duration::from_millis(20)),
+        Err(TransportError::Timeout { partial: false, .. })
+    ));
+}
+
+#[test]
+fn send_many_refuses_a_message_that_carries_descriptors_and_sends_nothing() {
+    let (mut tx, mut rx) = Connection::pair().expect("socketpair");
+    let offer = Message::ExtraPool(ExtraPool {
+        index: 1,
+        device: DeviceUuid([8; 16]),
+    });
+    let err = tx
+        .send_many(&[&Message::Heartbeat { seq: 1 }, &offer], soon())
+        .expect_err("a frame without its fd went out");
+    assert!(
+        matches!(
+            err,
+            TransportError::WrongFdCount {
+                kind: MessageKind::ExtraPool,
+                expected: 1,
+                given: 0
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(matches!(
+        rx.recv(Instant::now() + Duration::from_millis(20)),
+        Err(TransportError::Timeout { partial: false, .. })
+    ));
+}
+
+#[test]
+fn a_frame_longer_than_a_read_arrives_whole_between_two_short_ones() {
+    let (mut tx, mut rx) = Connection::pair().expect("socketpair");
+    // A lend of 2000 tensors: about 400 KiB, several reads' worth.
+    let big = Message::Lend(crate::Lend {
+        job: crate::JobId(7),
+        tensors: (0..2000u64)
+            .map(|i| crate::LentTensor {
+                handle: crate::HandoffId(i),
+                alloc: crate::AllocId(i),
+                rung: crate::Rung::PoolPointer,
+                pool: 0,
+                export: crate::ExportBlob([i as u8; 64]),
+                ready_event: crate::EventBlob([!(i as u8); 64]),
+                meta: crate::TensorMeta {
+                    dtype: crate::DType::F32,
+                    shape: vec![1, 4, 32, 32],
+                    strides: vec![4096, 1024, 32, 1],
+                    byte_offset: 0,
+                    byte_len: 16_384,
+                },
+                arena: None,
+            })
+            .collect(),
+        slice: None,
+    });
+    assert!(frame(&big).len() > 4 * 64 * 1024);
+    let writer = std::thread::spawn(move || {
+        tx.send(&Message::Heartbeat { seq: 1 }, &[], soon())
+            .expect("send");
+        tx.send(&big, &[], soon()).expect("send big");
+        tx.send(&Message::Heartbeat { seq: 2 }, &[], soon())
+            .expect("send");
+        big
+    });
+    assert_eq!(rx.recv(soon()).expect("1").0, Message::Heartbeat { seq: 1 });
+    let (m, _) = rx.recv(soon()).expect("big");
+    assert_eq!(rx.recv(soon()).expect("3").0, Message::Heartbeat { seq: 2 });
+    assert_eq!(m, writer.join().expect("writer"));
+}
+
+#[test]
+fn a_frame_cut_by_eof_after_a_whole_one_is_reported_mid_frame() {
+    let (mut tx, mut rx) = Connection::pair().expect("socketpair");
+    let mut bytes = frame(&Message::Heartbeat { seq: 1 });
+    let second = frame(&Message::Heartbeat { seq: 2 });
+    bytes.extend_from_slice(&second[..second.len() - 1]);
+    tx.send_frame(&bytes, &[], soon()).expect("raw send");
+    drop(tx);
+    assert_eq!(rx.recv(soon()).expect("1").0, Message::Heartbeat { seq: 1 });
+    assert!(rx.buffered());
+    assert!(!rx.frame_buffered());
+    assert!(matches!(
+        rx.recv(soon()),
+        Err(TransportError::PeerClosed { mid_frame: true })
+    ));
+}

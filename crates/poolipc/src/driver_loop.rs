@@ -299,6 +299,17 @@ impl Loop {
             .filter(|(_, s)| s.lost.is_none())
             .map(|(id, _)| *id)
             .collect();
+        // Frames already read from a socket (behind another frame, or while a staged
+        // transfer read the socket) wake no poll: take them first, without sleeping.
+        let buffered: Vec<bool> = ids
+            .iter()
+            .map(|id| {
+                self.workers
+                    .get(id)
+                    .is_some_and(|s| s.conn.frame_buffered())
+            })
+            .collect();
+        let any_buffered = buffered.iter().any(|&b| b);
         let readable: Vec<(WorkerId, bool)> = {
             let mut fds = Vec::with_capacity(ids.len() + 1);
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
@@ -340,13 +351,13 @@ impl Loop {
                     spinning_flag.store(false, Ordering::SeqCst);
                     break Ok(0);
                 }
-                let wait = if spinning {
+                let wait = if spinning || any_buffered {
                     PollTimeout::from(0u16)
                 } else {
                     PollTimeout::from(ms)
                 };
                 match poll(&mut fds, wait) {
-                    Ok(0) if spinning => std::hint::spin_loop(),
+                    Ok(0) if spinning && !any_buffered => std::hint::spin_loop(),
                     other => {
                         spinning_flag.store(false, Ordering::SeqCst);
                         break other;
@@ -369,7 +380,8 @@ impl Loop {
             }
             ids.iter()
                 .zip(&fds[1..])
-                .map(|(id, fd)| (*id, fd.revents().is_some_and(|r| !r.is_empty())))
+                .zip(&buffered)
+                .map(|((id, fd), &b)| (*id, b || fd.revents().is_some_and(|r| !r.is_empty())))
                 .collect()
         };
         for (id, ready) in readable {
@@ -380,15 +392,31 @@ impl Loop {
         }
     }
 
-    /// Reads one frame from a readable worker socket and hands it to the contract.
+    /// Reads a frame from a readable worker socket and hands it to the contract, then the
+    /// frames that came with it in the same read (a worker's DONE and ACK come together).
     fn read_one(&mut self, worker: WorkerId) {
-        let deadline = Instant::now() + self.shared.options.frame_timeout;
-        let Some(slot) = self.workers.get_mut(&worker) else {
-            return;
-        };
-        match slot.conn.recv(deadline) {
-            Ok((message, _fds)) => self.received(worker, message),
-            Err(e) => self.hung_up(worker, &e),
+        loop {
+            let deadline = Instant::now() + self.shared.options.frame_timeout;
+            let Some(slot) = self.workers.get_mut(&worker) else {
+                return;
+            };
+            match slot.conn.recv(deadline) {
+                Ok((message, _fds)) => {
+                    crate::probe::mark("io.recv");
+                    self.received(worker, message);
+                }
+                Err(e) => {
+                    self.hung_up(worker, &e);
+                    return;
+                }
+            }
+            let more = self
+                .workers
+                .get(&worker)
+                .is_some_and(|s| s.lost.is_none() && s.conn.frame_buffered());
+            if !more {
+                return;
+            }
         }
     }
 
@@ -401,6 +429,7 @@ impl Loop {
         {
             tracing::warn!(worker = %worker, error = %e, "the contract refused an event");
         }
+        crate::probe::mark("io.contract");
         self.drive();
     }
 
@@ -444,7 +473,10 @@ impl Loop {
                 let r = self.adopt(worker, *conn, child);
                 let _ = reply.send(r);
             }
-            Command::Submit(sub) => self.submit(sub),
+            Command::Submit(sub) => {
+                crate::probe::mark("io.cmd");
+                self.submit(sub);
+            }
             Command::Stop { worker, reply } => self.stop(worker, Some(reply)),
             Command::Shutdown => {
                 self.shutting_down = true;
@@ -786,6 +818,7 @@ impl Loop {
                 Some(placed) => Ok(placed),
                 None => self.place(&sub),
             };
+            crate::probe::mark("io.placed");
             match placement {
                 Ok(placed) => {
                     let slot = match self.workers.get_mut(&worker) {
@@ -1072,6 +1105,7 @@ impl Loop {
                 return;
             }
         };
+        crate::probe::mark("io.ready_taken");
         let slice = self.make_slice(&sub);
         let now = self.now();
         let started = self.machine.start_job_with_slice(
@@ -1091,6 +1125,7 @@ impl Loop {
                 return;
             }
         };
+        crate::probe::mark("io.started");
         let mut staged_inputs = HashMap::new();
         let mut lent_bases = Vec::new();
         let mut arena_inputs = HashMap::new();
@@ -1468,6 +1503,18 @@ impl Loop {
     }
 
     fn act(&mut self, action: ParentAction) {
+        let label = if crate::probe::enabled() {
+            action_label(&action)
+        } else {
+            ""
+        };
+        self.act_inner(action);
+        if !label.is_empty() {
+            crate::probe::mark(label);
+        }
+    }
+
+    fn act_inner(&mut self, action: ParentAction) {
         match action {
             ParentAction::RecordReady { worker, job } => {
                 let driver = Arc::clone(&self.shared.driver);
@@ -2107,6 +2154,29 @@ enum NoCopy {
 }
 
 /// `bytes` for a person: `16 GiB`, `3.5 GiB`, `64 MiB`, `12 KiB`, `100 bytes`.
+/// The probe's name for an action, marked when it was carried out.
+fn action_label(action: &ParentAction) -> &'static str {
+    match action {
+        ParentAction::RecordReady { .. } => "io.record_ready",
+        ParentAction::Send { message, .. } => match message {
+            Message::Lend(_) => "io.send_lend",
+            Message::Ack(_) => "io.send_ack",
+            _ => "io.send",
+        },
+        ParentAction::SendStaged { .. } => "io.send_staged",
+        ParentAction::AllocateResult { .. } => "io.allocate_result",
+        ParentAction::ReceiveStaged { .. } => "io.receive_staged",
+        ParentAction::WaitDone { .. } => "io.wait_done",
+        ParentAction::Release { .. } => "io.release",
+        ParentAction::ReleaseSlice { .. } => "io.release_slice",
+        ParentAction::FreeResult { .. } => "io.free_result",
+        ParentAction::KillWorker { .. } => "io.kill",
+        ParentAction::JobFinished { .. } => "io.finished",
+        ParentAction::WorkerRemoved { .. } => "io.removed",
+        ParentAction::ShutdownComplete => "io.shutdown",
+    }
+}
+
 fn human_bytes(bytes: u64) -> String {
     const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
     for (unit, name) in UNITS {

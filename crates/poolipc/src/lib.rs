@@ -42,6 +42,7 @@ mod error;
 mod handshake;
 pub mod mps;
 mod parent;
+pub mod probe;
 pub mod staging;
 mod tensor;
 mod worker;
@@ -58,7 +59,9 @@ pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_transport::{DType, JobId};
 pub use tensor::{ResultShape, Rung, TensorDesc};
-pub use worker::{FAILPOINT_ENV, InputView, Job, ResultView, Worker, WorkerDevice, failpoint};
+pub use worker::{
+    FAILPOINT_ENV, InputView, Job, ResultView, WORKER_SPIN_ENV, Worker, WorkerDevice, failpoint,
+};
 
 /// Results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -635,6 +635,7 @@ impl JobHandle {
         let mut slot = lock(&self.done.result);
         loop {
             if let Some(r) = slot.take() {
+                crate::probe::mark("c.woke");
                 return r;
             }
             slot = self
@@ -1112,6 +1113,7 @@ impl Parent {
         stream: StreamHandle,
         alloc: Option<ResultAllocator>,
     ) -> Result<JobHandle, Error> {
+        crate::probe::mark("c.submit");
         // What needs no driver is checked here, so a bad tensor fails at the caller.
         for (i, input) in inputs.iter().enumerate() {
             input
@@ -1137,6 +1139,7 @@ impl Parent {
                 done: Arc::clone(&done),
                 placed: None,
             })));
+        crate::probe::mark("c.posted");
         Ok(JobHandle {
             worker,
             job,
@@ -1192,5 +1195,6 @@ impl Drop for Parent {
         {
             tracing::error!("the parent's IO thread panicked");
         }
+        crate::probe::dump();
     }
 }

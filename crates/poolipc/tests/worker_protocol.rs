@@ -52,6 +52,7 @@ fn serve() -> ! {
             // A job whose views cannot be built (a malformed Lend) was finished already:
             // report it and take the next, as user code may.
             Err(e) => {
+                eprintln!("worker: refused: {e}");
                 lines.push_str(&format!("refused: {e}\n"));
                 continue;
             }
@@ -92,6 +93,11 @@ struct Script {
 impl Script {
     /// Starts the worker running `test` (or, in the worker, serves and exits).
     fn start(test: &str) -> Script {
+        Script::start_with_env(test, &[])
+    }
+
+    /// [`Script::start`], the worker's environment with `env` added.
+    fn start_with_env(test: &str, env: &[(&str, &str)]) -> Script {
         if std::env::var_os(ROLE).is_some() {
             serve();
         }
@@ -113,6 +119,7 @@ impl Script {
         cmd.args([test, "--exact", "--nocapture"]);
         let (k, v) = sim.child_env();
         cmd.env(k, v).env(ROLE, "worker").env(REPORT, &report);
+        cmd.envs(env.iter().copied());
         let (child, mut conn) = spawn_worker(cmd).unwrap();
         let caps =
             Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS | Capabilities::HOST_STAGING;
@@ -574,5 +581,57 @@ fn a_job_dropped_unfinished_is_reported_failed_then_finished_and_the_next_job_is
     };
     assert_eq!(handles(&s.recv()), [HandoffId(2)], "job 2's Done");
     assert_eq!(handles(&s.recv()), [HandoffId(2)], "job 2's Ack");
+    assert_eq!(s.end(), "1 [false]\n2 [false]\n");
+}
+
+#[test]
+fn a_spinning_worker_serves_lends_inside_and_after_its_window_and_writes_done_with_its_ack() {
+    // 20 ms of spin: the first lend comes inside it, the second after a 100 ms pause (the
+    // worker asleep in its read by then).
+    let mut s = Script::start_with_env(
+        "a_spinning_worker_serves_lends_inside_and_after_its_window_and_writes_done_with_its_ack",
+        &[(poolipc::WORKER_SPIN_ENV, "20000")],
+    );
+    let (_, input) = s.pooled(4096, 0x5566_7788);
+    for (job, pause) in [(1u64, 0u64), (2, 100)] {
+        std::thread::sleep(Duration::from_millis(pause));
+        s.send(Message::Lend(Lend {
+            job: JobId(job),
+            tensors: vec![s.pointer(10 * job, job, input, 4096)],
+            slice: None,
+        }));
+        let Message::ResultRequest(request) = s.recv() else {
+            panic!("job {job}: no result request")
+        };
+        let (result, export) = s.pooled(4096, 0);
+        s.send(Message::AllocationGrant(AllocationGrant {
+            job: JobId(job),
+            results: vec![ResultGrant::Granted {
+                handle: HandoffId(10 * job + 1),
+                alloc: AllocId(100 + job),
+                rung: Rung::PoolPointer,
+                pool: 0,
+                export,
+                ready_event: s.ready_blob,
+            }],
+        }));
+        assert_eq!(request.job, JobId(job));
+        let done = s.recv();
+        assert_eq!(
+            handles(&done),
+            [HandoffId(10 * job), HandoffId(10 * job + 1)]
+        );
+        // The ACK was written with DONE: it came in the same read.
+        assert!(
+            s.conn.frame_buffered(),
+            "job {job}: the Ack was not read with the Done"
+        );
+        let Message::Ack(ack) = s.recv() else {
+            panic!("job {job}: no Ack after the Done")
+        };
+        assert_eq!(ack.job, JobId(job));
+        s.wait_done(&done);
+        poolipc::echo::verify_echo(&*s.driver, result, 4096, 0, 0x5566_7788, 0).unwrap();
+    }
     assert_eq!(s.end(), "1 [false]\n2 [false]\n");
 }
