@@ -7,7 +7,7 @@ bin=$1; out=$2; repo=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 nvcc -O2 -o /tmp/poolipc-floor "$repo/bench/floor.c" -lcuda > "$out/floor-build.txt" 2>&1 || echo "floor did not build"
 small="--max-mib 1 --copy-max-mib 1 --result-max-mib 1 --floor /tmp/poolipc-floor"
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   echo "=== round $round: plain, probe off"; RUST_LOG=warn "$bin" bench $small 2>&1 | sed -n '/against the peers/,/split/p'
   echo "=== round $round: MPS, probe off"; "$bin" mps --accept-shared-gpu-faults -- env RUST_LOG=warn "$bin" bench $small 2>&1 | sed -n '/against the peers/,/split/p'
   rm -rf "$out/mps-$round"; mkdir -p "$out/mps-$round"
