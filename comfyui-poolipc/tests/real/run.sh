@@ -191,7 +191,7 @@ cd "$work" || exit 1
 pack_lines() { grep -E '^poolipc[-: ]' "$1" | cut -c1-300 | sed 's/^/    /' | head -"${2:-8}"; }
 # loaded FILE: the pack is among the imported custom nodes, not IMPORT FAILED.
 loaded() {
-  grep -E 'custom_nodes/comfyui-poolipc$' "$1" | grep -vq 'IMPORT FAILED' \
+  awk '/Import times for custom nodes/ { on = 1; next } on && /custom_nodes\/comfyui-poolipc$/ && !/IMPORT FAILED/ { ok = 1 } END { exit !ok }' "$1" \
     && ! grep -qE 'IMPORT FAILED.*comfyui-poolipc|Cannot import .*comfyui-poolipc' "$1"
 }
 device_line() { grep -m1 -E '^Device: ' "$1" | cut -c1-120; }
