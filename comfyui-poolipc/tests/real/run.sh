@@ -77,7 +77,7 @@ cleanup() {
   local left_over
   left_over=$(worker_pids)
   if [ -n "$left_over" ]; then
-    note "cleanup: worker processes still running at the end: $left_over (killed)"
+    row FAIL "cleanup: workers left" "example_worker.py still running at the end: $left_over (killed now)"
     for p in $left_over; do kill -KILL "$p" 2>/dev/null; done
   fi
   [ -n "${POOLIPC_COMFY_KEEP:-}" ] || rm -rf "$work"
