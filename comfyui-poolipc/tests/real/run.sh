@@ -43,7 +43,7 @@ done
 note() { echo "$*" >> "$summary"; }
 # row STATUS NAME DETAIL: one line of the table (PASS, FAIL, WARN, SKIP, INFO).
 row() {
-  printf '%-5s %-34s %s\n' "$1" "$2" "$3" >> "$table"
+  printf '%-5s %-40s %s\n' "$1" "$2" "$3" >> "$table"
   case $1 in FAIL) fails=$((fails + 1)) ;; PASS) passes=$((passes + 1)) ;; esac
 }
 left() { echo $((budget - SECONDS)); }
