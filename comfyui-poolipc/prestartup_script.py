@@ -34,8 +34,12 @@ def _poolipc_prestartup():
     log = logging.getLogger("poolipc")
 
     def say(msg, level=logging.WARNING):
-        log.log(level, msg)
-        if not logging.getLogger().hasHandlers() and not log.handlers:
+        # Before ComfyUI configures logging (the mid-2024 main.py runs prestartup scripts
+        # first), a log call drops INFO and logging's last-resort handler prints WARNING:
+        # print it ourselves instead, once.
+        if logging.getLogger().hasHandlers() or log.handlers:
+            log.log(level, msg)
+        else:
             print(msg, file=sys.stderr, flush=True)
 
     # What the nodes read: mode is one of "off", "installed", "host-staging", "cpu", "failed".

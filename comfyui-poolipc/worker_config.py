@@ -63,10 +63,15 @@ def _user_directory():
         except ImportError:
             return None
     get = getattr(fp, "get_user_directory", None)
-    try:
-        return get() if get is not None else None
-    except Exception:  # noqa: BLE001 - an odd folder_paths: use the pack folder
-        return None
+    if get is not None:
+        try:
+            return get()
+        except Exception:  # noqa: BLE001 - an odd folder_paths: use the pack folder
+            return None
+    # ComfyUI before its --user-directory flag (mid-2024 and older) has no getter, only the
+    # module's variable, ComfyUI/user.
+    named = getattr(fp, "user_directory", None)
+    return named if isinstance(named, str) and named else None
 
 
 def config_path():

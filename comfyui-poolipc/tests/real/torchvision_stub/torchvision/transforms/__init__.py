@@ -1,0 +1,3 @@
+"""Stand-in: see the package's docstring."""
+
+from . import functional  # noqa: F401
