@@ -907,6 +907,8 @@ def test_prestartup_with_disable_cuda_malloc_says_the_swap_has_no_effect():
         {"POOLIPC_ENABLE": "1", "POOLIPC_DRIVER": "sim"}, argv=("main.py", "--disable-cuda-malloc")
     )
     assert "the swap has no effect" in err and "--disable-cuda-malloc" in err
+    # Once: before logging is configured, logging's last-resort handler would print it too.
+    assert err.count("the swap has no effect") == 1, err
     assert out.strip().endswith("None")  # the user's choice stands: no backend was set
 
 

@@ -120,8 +120,11 @@ class _HasCudaStream(Protocol):
 def _say(msg: str, level: int = logging.INFO) -> None:
     """One log line on the ``poolipc`` logger; on stderr too when nothing handles logging yet
     (a prestartup script runs before some ComfyUI versions configure logging)."""
-    log.log(level, msg)
-    if not logging.getLogger().hasHandlers() and not log.handlers:
+    # Before logging is configured a log call drops INFO and logging's last-resort handler
+    # prints WARNING: print it ourselves instead, once.
+    if logging.getLogger().hasHandlers() or log.handlers:
+        log.log(level, msg)
+    else:
         print(msg, file=sys.stderr, flush=True)
 
 
