@@ -336,7 +336,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
 fn mps_meaning(client: Option<bool>) -> &'static str {
     match client {
         Some(true) => {
-            "yes — processes share one GPU context: a handoff skips the GPU's turn-taking (about 60 µs round trip instead of 330 µs on an H200), and a GPU fault in any client ends every client's context, this one's too"
+            "yes — processes share one GPU context: a handoff skips the GPU's turn-taking (about 40 µs round trip instead of 320 µs on an H200), and a GPU fault in any client ends every client's context, this one's too"
         }
         Some(false) => {
             "no — each handoff waits while two processes take turns on the GPU (about 260 µs of a 330 µs round trip on an H200); for trusted workers, `poolipc mps --accept-shared-gpu-faults -- CMD` or poolipc.start_mps(accept_shared_gpu_faults=True) removes it (README: MPS)"

@@ -2,7 +2,7 @@
 //!
 //! Without MPS, every handoff pays two processes taking turns on the GPU (about 260 µs of a
 //! 330 µs round trip on the H200). Under an MPS server the processes share one GPU context
-//! and the round trip falls to about 60 µs. The price: **a GPU fault in any client (a
+//! and the round trip falls to about 40 µs. The price: **a GPU fault in any client (a
 //! worker's kernel writing through a bad pointer) ends every client's context**, the
 //! parent's included; measured on the H200 (driver 580), and NVIDIA documents the same for
 //! Volta and later MPS. Process isolation no longer contains a faulty worker's GPU code.

@@ -161,8 +161,8 @@ def start_mps(
 ) -> str:
     """Start a private CUDA MPS daemon for this process and the workers it starts from now on.
 
-    Under MPS a handoff skips the GPU's turn-taking between processes (about 60 µs round
-    trip instead of 330 µs on an H200). The price: **a GPU fault in any worker ends the CUDA
+    Under MPS a handoff skips the GPU's turn-taking between processes (about 40 µs round
+    trip instead of 320 µs on an H200). The price: **a GPU fault in any worker ends the CUDA
     context of every client, this process included** (``ContextLostError`` from then on; the
     process must restart). So it refuses unless ``accept_shared_gpu_faults=True``: use it only
     for workers you trust.
