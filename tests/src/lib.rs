@@ -27,6 +27,7 @@ use poolipc_transport::{
 };
 
 pub mod child;
+pub mod echo_jobs;
 
 /// Which driver a test body runs on.
 #[derive(Clone)]

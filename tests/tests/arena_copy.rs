@@ -12,12 +12,10 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{
-    DType, DevicePtr, Error, Input, JobOutput, Parent, ParentOptions, ResultMemory, Rung,
-    StreamHandle, TensorDesc, echo,
-};
+use poolipc::{Error, JobOutput, Parent, ParentOptions, ResultMemory, Rung, StreamHandle, echo};
 use poolipc_contract::FailReason;
 use poolipc_driver::DriverKind;
+use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 use poolipc_types::ImportLimit;
 
@@ -36,63 +34,6 @@ fn parent(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<Parent> {
     let limit = p.import_limit();
     p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
     Ok(p)
-}
-
-/// A pool allocation of `bytes` filled with `pattern`.
-fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<DevicePtr> {
-    let ptr = p.pool().alloc(bytes, stream)?;
-    echo::fill_pattern(&**p.driver(), ptr, bytes, pattern, stream)?;
-    Ok(ptr)
-}
-
-fn bytes_input(ptr: DevicePtr, bytes: u64) -> Input {
-    Input {
-        ptr,
-        desc: TensorDesc::contiguous(DType::U8, &[bytes]),
-    }
-}
-
-/// Every byte of result `i` is the echo of an input of `bytes` filled with `pattern`: the
-/// worker read the input, all of it.
-fn check_exact(p: &Parent, out: &JobOutput, i: usize, bytes: u64, pattern: u32) -> Result<()> {
-    let r = out
-        .results
-        .get(i)
-        .with_context(|| format!("no result {i}"))?;
-    ensure!(
-        r.bytes == bytes,
-        "result {i}: {} bytes, not {bytes}",
-        r.bytes
-    );
-    let mut got = vec![0u8; usize::try_from(bytes)?];
-    p.driver().memcpy_dtoh(&mut got, r.ptr)?;
-    let mut want: Vec<u8> = pattern
-        .to_le_bytes()
-        .iter()
-        .copied()
-        .cycle()
-        .take(got.len())
-        .collect();
-    if want.len() >= 4 {
-        want[..4].copy_from_slice(&echo::marker(i).to_le_bytes());
-    }
-    if let Some(at) = got.iter().zip(&want).position(|(g, w)| g != w) {
-        bail!(
-            "byte {at} of result {i} is {:#04x}, expected {:#04x}",
-            got[at],
-            want[at]
-        );
-    }
-    Ok(())
-}
-
-/// Lets the arena's returned blocks complete and be reclaimed; returns the live blocks left.
-fn settle(p: &Parent, stream: StreamHandle) -> Result<usize> {
-    p.driver().stream_synchronize(stream)?;
-    p.reclaim_arena();
-    let stats = p.arena_stats().context("no arena")?;
-    ensure!(stats.pending_frees == 0, "{stats:?}");
-    Ok(stats.alloc.live_blocks)
 }
 
 /// Frees the results of the shared pool (the default allocator's).

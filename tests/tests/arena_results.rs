@@ -8,12 +8,10 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{
-    DType, DevicePtr, Error, Input, JobOutput, Parent, ParentOptions, ResultMemory, ResultRefusal,
-    Rung, StreamHandle, TensorDesc, WorkerId, echo,
-};
+use poolipc::{DevicePtr, Error, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, echo};
 use poolipc_contract::FailReason;
 use poolipc_driver::DriverKind;
+use poolipc_tests::echo_jobs::{bytes_input, check_exact, echo_job, filled, settle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -32,87 +30,6 @@ fn parent(env: &Env, initial_bytes: u64, max_bytes: Option<u64>) -> Result<Paren
     Ok(Parent::new(Arc::clone(&env.driver), options)?)
 }
 
-/// A pool allocation of `bytes` filled with `pattern`.
-fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<DevicePtr> {
-    let ptr = p.pool().alloc(bytes, stream)?;
-    echo::fill_pattern(&**p.driver(), ptr, bytes, pattern, stream)?;
-    Ok(ptr)
-}
-
-fn bytes_input(ptr: DevicePtr, bytes: u64) -> Input {
-    Input {
-        ptr,
-        desc: TensorDesc::contiguous(DType::U8, &[bytes]),
-    }
-}
-
-/// What the echo worker makes of input `i` of `bytes` filled with `pattern`: the pattern,
-/// its first word replaced by the marker where the result has one.
-fn echoed(i: usize, bytes: u64, pattern: u32) -> Result<Vec<u8>> {
-    let n = usize::try_from(bytes)?;
-    let mut want: Vec<u8> = pattern
-        .to_le_bytes()
-        .iter()
-        .copied()
-        .cycle()
-        .take(n)
-        .collect();
-    if n >= 4 {
-        want[..4].copy_from_slice(&echo::marker(i).to_le_bytes());
-    }
-    Ok(want)
-}
-
-/// Every byte of result `i` is what the echo worker wrote.
-fn check_exact(p: &Parent, out: &JobOutput, i: usize, bytes: u64, pattern: u32) -> Result<()> {
-    let r = out
-        .results
-        .get(i)
-        .with_context(|| format!("no result {i}"))?;
-    ensure!(
-        r.bytes == bytes,
-        "result {i} has {} bytes, not {bytes}",
-        r.bytes
-    );
-    let mut got = vec![0u8; usize::try_from(bytes)?];
-    p.driver().memcpy_dtoh(&mut got, r.ptr)?;
-    let want = echoed(i, bytes, pattern)?;
-    if let Some(at) = got.iter().zip(&want).position(|(g, w)| g != w) {
-        bail!(
-            "byte {at} of result {i} ({bytes} bytes) is {:#04x}, expected {:#04x}",
-            got[at],
-            want[at]
-        );
-    }
-    Ok(())
-}
-
-/// Echo job of one input per size on `worker`; the inputs are freed before returning.
-fn echo_job(
-    p: &Parent,
-    worker: WorkerId,
-    sizes: &[u64],
-    pattern: u32,
-    stream: StreamHandle,
-) -> Result<JobOutput> {
-    let mut ptrs = Vec::new();
-    for &n in sizes {
-        ptrs.push(filled(p, n, pattern, stream)?);
-    }
-    let inputs: Vec<Input> = ptrs
-        .iter()
-        .zip(sizes)
-        .map(|(&ptr, &n)| bytes_input(ptr, n))
-        .collect();
-    let out = p.run_job(worker, &inputs, stream);
-    p.driver().stream_synchronize(stream)?;
-    for ptr in ptrs {
-        p.pool().free(ptr, stream)?;
-    }
-    p.driver().stream_synchronize(stream)?;
-    Ok(out?)
-}
-
 /// The index of the arena chunk `ptr` lies in.
 fn chunk_of(p: &Parent, ptr: DevicePtr) -> Result<u32> {
     let arena = p.arena().context("no arena")?;
@@ -121,16 +38,6 @@ fn chunk_of(p: &Parent, ptr: DevicePtr) -> Result<u32> {
         .find(|c| c.ptr.0 <= ptr.0 && ptr.0 < c.ptr.0 + c.len)
         .map(|c| c.index)
         .with_context(|| format!("{ptr:?} is in no arena chunk"))
-}
-
-/// Lets the returned blocks' events complete and the arena reclaim them; returns the live
-/// blocks left.
-fn settle(p: &Parent, stream: StreamHandle) -> Result<usize> {
-    p.driver().stream_synchronize(stream)?;
-    p.reclaim_arena();
-    let stats = p.arena_stats().context("no arena")?;
-    ensure!(stats.pending_frees == 0, "{stats:?}");
-    Ok(stats.alloc.live_blocks)
 }
 
 both_drivers!(

@@ -9,10 +9,10 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use poolipc::{
-    DType, DevicePtr, Error, Input, JobOutput, Parent, ParentOptions, ResultMemory, Rung,
-    StreamHandle, TensorDesc, WorkerId, echo,
+    Error, JobOutput, Parent, ParentOptions, ResultMemory, Rung, StreamHandle, WorkerId,
 };
 use poolipc_contract::FailReason;
+use poolipc_tests::echo_jobs::{self, echo_job, settle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -40,86 +40,17 @@ fn late_worker(env: &Env, die_at: Option<&str>) -> Result<std::process::Command>
     Ok(cmd)
 }
 
-fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<DevicePtr> {
-    let ptr = p.pool().alloc(bytes, stream)?;
-    echo::fill_pattern(&**p.driver(), ptr, bytes, pattern, stream)?;
-    Ok(ptr)
-}
-
-/// An echo job of one `u8` input per size; the inputs are freed before returning.
-fn echo_job(
-    p: &Parent,
-    worker: WorkerId,
-    sizes: &[u64],
-    pattern: u32,
-    stream: StreamHandle,
-) -> Result<JobOutput> {
-    let mut ptrs = Vec::new();
-    for &n in sizes {
-        ptrs.push(filled(p, n, pattern, stream)?);
-    }
-    let inputs: Vec<Input> = ptrs
-        .iter()
-        .zip(sizes)
-        .map(|(&ptr, &n)| Input {
-            ptr,
-            desc: TensorDesc::contiguous(DType::U8, &[n]),
-        })
-        .collect();
-    let out = p.run_job(worker, &inputs, stream);
-    p.driver().stream_synchronize(stream)?;
-    for ptr in ptrs {
-        p.pool().free(ptr, stream)?;
-    }
-    p.driver().stream_synchronize(stream)?;
-    Ok(out?)
-}
-
-/// Every byte of result `i` is what the echo worker made of input `i`.
+/// Every byte of result `i` is what the echo worker made of input `i`, in a block of the
+/// arena.
 fn check_exact(p: &Parent, out: &JobOutput, i: usize, bytes: u64, pattern: u32) -> Result<()> {
-    let r = out
-        .results
-        .get(i)
-        .with_context(|| format!("no result {i}"))?;
-    ensure!(
-        r.bytes == bytes,
-        "result {i} has {} bytes, not {bytes}",
-        r.bytes
-    );
+    echo_jobs::check_exact(p, out, i, bytes, pattern)?;
+    let r = &out.results[i];
     ensure!(
         r.rung == Rung::Arena && r.is_arena(),
         "result {i}: {:?}",
         r.rung
     );
-    let mut got = vec![0u8; usize::try_from(bytes)?];
-    p.driver().memcpy_dtoh(&mut got, r.ptr)?;
-    let mut want: Vec<u8> = pattern
-        .to_le_bytes()
-        .iter()
-        .copied()
-        .cycle()
-        .take(got.len())
-        .collect();
-    if want.len() >= 4 {
-        want[..4].copy_from_slice(&echo::marker(i).to_le_bytes());
-    }
-    if let Some(at) = got.iter().zip(&want).position(|(g, w)| g != w) {
-        bail!(
-            "byte {at} of result {i} ({bytes} bytes) is {:#04x}, expected {:#04x}",
-            got[at],
-            want[at]
-        );
-    }
     Ok(())
-}
-
-/// Lets returned blocks' events complete and the arena reclaim them; returns the live blocks.
-fn settle(p: &Parent, stream: StreamHandle) -> Result<usize> {
-    p.driver().stream_synchronize(stream)?;
-    p.reclaim_arena();
-    let stats = p.arena_stats().context("no arena")?;
-    ensure!(stats.pending_frees == 0, "{stats:?}");
-    Ok(stats.alloc.live_blocks)
 }
 
 /// Fills every chunk of the arena with [`POISON`] (nothing may be live): a result the worker
