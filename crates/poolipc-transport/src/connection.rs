@@ -343,20 +343,7 @@ impl Connection {
                 given: fds.len(),
             });
         }
-        let mut buf = std::mem::take(&mut self.send_buf);
-        buf.clear();
-        let result = codec::encode_into(msg, self.limits, &mut buf)
-            .map_err(TransportError::from)
-            .and_then(|()| self.send_frame(&buf, fds, deadline));
-        trace!(
-            ?kind,
-            len = buf.len(),
-            fds = fds.len(),
-            ok = result.is_ok(),
-            "send frame"
-        );
-        self.send_buf = buf;
-        result
+        self.send_frames(&[msg], fds, deadline)
     }
 
     /// Sends several messages that carry no file descriptors in one write (one system call
@@ -378,18 +365,30 @@ impl Connection {
                 given: 0,
             });
         }
+        self.send_frames(msgs, &[], deadline)
+    }
+
+    /// Encodes `msgs` one after the other and writes them at once, `fds` with the first byte.
+    fn send_frames(
+        &mut self,
+        msgs: &[&Message],
+        fds: &[BorrowedFd<'_>],
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
         let mut buf = std::mem::take(&mut self.send_buf);
         buf.clear();
         let result = msgs
             .iter()
             .try_for_each(|m| codec::encode_into(m, self.limits, &mut buf))
             .map_err(TransportError::from)
-            .and_then(|()| self.send_frame(&buf, &[], deadline));
+            .and_then(|()| self.send_frame(&buf, fds, deadline));
         trace!(
+            kind = ?msgs.first().map(|m| m.kind()),
             frames = msgs.len(),
             len = buf.len(),
+            fds = fds.len(),
             ok = result.is_ok(),
-            "send frames"
+            "send"
         );
         self.send_buf = buf;
         result
