@@ -181,9 +181,12 @@ impl RecvBuf {
         self.end - self.start
     }
 
-    /// Room for at least `need` unread bytes from `start` and a read of [`RECV_CHUNK`].
+    /// The unread bytes at the front, and room behind them for `need` unread bytes in all
+    /// and a read of [`RECV_CHUNK`]. The buffer so never holds more than the largest frame
+    /// and a read, however long the stream.
     fn make_room(&mut self, need: usize) {
-        if self.start > 0 && (self.start == self.end || self.buf.len() - self.start < need) {
+        if self.start > 0 {
+            // At most the part of one frame read so far: usually a few bytes, or none.
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
@@ -309,6 +312,12 @@ impl Connection {
     /// says whether a whole frame is among them.
     pub fn buffered(&self) -> bool {
         self.recv.len() > 0
+    }
+
+    /// How many bytes the receive buffer holds room for (tests: it stays bounded).
+    #[cfg(test)]
+    pub(crate) fn recv_capacity(&self) -> usize {
+        self.recv.buf.len()
     }
 
     /// Whether a whole frame (or a header that will not parse) has been read from the

@@ -441,3 +441,31 @@ fn a_frame_cut_by_eof_after_a_whole_one_is_reported_mid_frame() {
         Err(TransportError::PeerClosed { mid_frame: true })
     ));
 }
+
+#[test]
+fn a_long_stream_with_a_partial_frame_behind_every_read_keeps_the_buffer_small() {
+    // The writer sends frames in pieces that end mid-frame, so every read leaves part of a
+    // frame unread; 20 MB go by, and the buffer must not grow with them.
+    let (mut tx, mut rx) = Connection::pair().expect("socketpair");
+    let one = frame(&Message::Heartbeat { seq: 1 });
+    let n = 20_000_000 / one.len();
+    let writer = std::thread::spawn(move || {
+        let mut bytes = Vec::with_capacity(n * one.len());
+        for _ in 0..n {
+            bytes.extend_from_slice(&one);
+        }
+        for piece in bytes.chunks(one.len() * 1000 + 7) {
+            tx.send_frame(piece, &[], soon()).expect("send");
+        }
+    });
+    for i in 0..n {
+        let (m, _) = rx.recv(soon()).unwrap_or_else(|e| panic!("frame {i}: {e}"));
+        assert_eq!(m, Message::Heartbeat { seq: 1 });
+        assert!(
+            rx.recv_capacity() <= 2 * 64 * 1024,
+            "the buffer grew to {} bytes after frame {i}",
+            rx.recv_capacity()
+        );
+    }
+    writer.join().expect("writer");
+}
