@@ -154,9 +154,19 @@ fn ensure_tool(name: &str) -> Result<()> {
     if has_subcommand(name) {
         return Ok(());
     }
-    eprintln!("cargo-{name} is not installed: installing it (cargo install --locked cargo-{name})");
+    // nextest without its self-updater, as its docs recommend for CI builds: fewer crates
+    // to build on a fresh machine (the self-updater is of no use to a CI install).
+    let features: &[&str] = match name {
+        "nextest" => &["--no-default-features", "--features", "default-no-update"],
+        _ => &[],
+    };
+    let krate = format!("cargo-{name}");
+    eprintln!(
+        "cargo-{name} is not installed: installing it (cargo install --locked {krate} {})",
+        features.join(" ")
+    );
     let mut c = cargo();
-    c.args(["install", "--locked", &format!("cargo-{name}")]);
+    c.args(["install", "--locked", &krate]).args(features);
     run(c)
 }
 
