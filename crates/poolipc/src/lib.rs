@@ -58,7 +58,9 @@ pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_transport::{DType, JobId};
 pub use tensor::{ResultShape, Rung, TensorDesc};
-pub use worker::{FAILPOINT_ENV, InputView, Job, ResultView, Worker, WorkerDevice, failpoint};
+pub use worker::{
+    FAILPOINT_ENV, HeldJob, InputView, Job, ResultView, Worker, WorkerDevice, failpoint,
+};
 
 /// Results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

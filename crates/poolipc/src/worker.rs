@@ -34,7 +34,7 @@ use poolipc_transport::{
 };
 
 pub use device::WorkerDevice;
-pub use job::{InputView, Job, ResultView};
+pub use job::{HeldJob, InputView, Job, ResultView};
 
 use crate::error::Error;
 use crate::staging::{StagingChannel, StagingConfig};
