@@ -35,6 +35,8 @@ enum Cmd {
     Write(DevicePtr, Vec<u8>),
     Finish(u64),
     Fail(u64, String),
+    /// From now on take jobs as they come, between commands (`take` hands them out).
+    AutoTake,
 }
 
 /// A view as the thread describes it.
@@ -82,6 +84,7 @@ fn thread_main(
     device: poolipc::WorkerDevice,
     rx: Receiver<Envelope>,
     ready: Sender<Result<Started, String>>,
+    arrived: Arc<Arrived>,
 ) {
     // A listener is reached first: a wrong path says so, whatever the driver.
     let conn = match &source {
@@ -164,29 +167,59 @@ fn thread_main(
     };
     // Open jobs, set aside between commands: several may be open at once (leases).
     let mut held: HashMap<u64, poolipc::HeldJob> = HashMap::new();
-    while let Ok((cmd, reply)) = rx.recv() {
+    // Taking jobs as they come (`auto_take`): between commands, the socket is polled.
+    let mut auto = false;
+    loop {
+        let next = if auto {
+            match rx.try_recv() {
+                Ok(m) => Some(m),
+                Err(std::sync::mpsc::TryRecvError::Empty) => None,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
+            }
+        } else {
+            match rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => break,
+            }
+        };
+        let Some((cmd, reply)) = next else {
+            match worker.next_job_within(AUTO_POLL) {
+                Ok(poolipc::NextJob::Job(job)) => {
+                    let id = job.id().0;
+                    let inputs = input_infos(&job);
+                    held.insert(id, job.hold());
+                    arrived.push(id, inputs);
+                }
+                Ok(poolipc::NextJob::Idle) => {}
+                Ok(poolipc::NextJob::Gone) => {
+                    auto = false;
+                    arrived.end(None);
+                }
+                Err(e) => {
+                    auto = false;
+                    arrived.end(Some(format!("poolipc: waiting for a job: {e}")));
+                }
+            }
+            continue;
+        };
         let answer = match cmd {
+            Cmd::AutoTake => {
+                auto = true;
+                Ok(Reply::Ok)
+            }
             Cmd::StreamWait { waiter, on } => stream_wait(waiter, on),
             c @ (Cmd::Read(..) | Cmd::Write(..)) => copy(c),
             Cmd::NextJob { concurrent } if !concurrent && !held.is_empty() => {
                 Err("poolipc: the previous job is still open; finish it first".into())
             }
+            Cmd::NextJob { .. } if auto => Err(
+                "poolipc: this worker takes its jobs in the background (auto_take); use take()"
+                    .into(),
+            ),
             Cmd::NextJob { .. } => match worker.next_job() {
                 Ok(Some(job)) => {
                     let id = job.id().0;
-                    let inputs = job
-                        .inputs()
-                        .iter()
-                        .map(|v| ViewInfo {
-                            ptr: v.ptr(),
-                            dtype: v.desc().dtype,
-                            shape: v.desc().shape.clone(),
-                            strides: v.desc().strides_or_contiguous(),
-                            nbytes: v.byte_len(),
-                            rung: v.rung().to_string(),
-                            read_only: v.read_only(),
-                        })
-                        .collect();
+                    let inputs = input_infos(&job);
                     held.insert(id, job.hold());
                     Ok(Reply::Job(Some((id, inputs))))
                 }
@@ -232,12 +265,66 @@ fn thread_main(
         };
         let _ = reply.send(answer);
     }
+    arrived.end(None);
     // The Python side is gone: every job still open is taken up and dropped, which reports
     // it failed and finishes it, so the parent is not left waiting.
     for (_, h) in held.drain() {
         if let Ok(job) = worker.resume(h) {
             drop(job);
         }
+    }
+}
+
+/// How long the thread, taking jobs in the background, waits for the parent's next frame
+/// before it looks at its commands again: the most a command waits behind that poll.
+const AUTO_POLL: std::time::Duration = std::time::Duration::from_micros(500);
+
+fn input_infos(job: &poolipc::Job<'_>) -> Vec<ViewInfo> {
+    job.inputs()
+        .iter()
+        .map(|v| ViewInfo {
+            ptr: v.ptr(),
+            dtype: v.desc().dtype,
+            shape: v.desc().shape.clone(),
+            strides: v.desc().strides_or_contiguous(),
+            nbytes: v.byte_len(),
+            rung: v.rung().to_string(),
+            read_only: v.read_only(),
+        })
+        .collect()
+}
+
+/// Jobs the thread took in the background, for `NativeWorker.take`.
+#[derive(Default)]
+pub(crate) struct Arrived {
+    queue: Mutex<ArrivedQueue>,
+    changed: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct ArrivedQueue {
+    jobs: std::collections::VecDeque<(u64, Vec<ViewInfo>)>,
+    /// No more will come: the parent said goodbye or went away (None), or an error.
+    ended: Option<Option<String>>,
+}
+
+impl Arrived {
+    fn push(&self, id: u64, inputs: Vec<ViewInfo>) {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .jobs
+            .push_back((id, inputs));
+        self.changed.notify_all();
+    }
+
+    fn end(&self, why: Option<String>) {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .ended
+            .get_or_insert(why);
+        self.changed.notify_all();
     }
 }
 
@@ -361,6 +448,7 @@ pub(crate) struct NativeWorker {
     /// Whether the worker is on the simulated driver (its parent was).
     #[pyo3(get)]
     simulated: bool,
+    arrived: Arc<Arrived>,
 }
 
 impl NativeWorker {
@@ -372,9 +460,13 @@ impl NativeWorker {
         };
         let (tx, rx) = channel::<Envelope>();
         let (rtx, rrx) = channel();
+        let arrived = Arc::new(Arrived::default());
         let thread = std::thread::Builder::new()
             .name("poolipc-worker".into())
-            .spawn(move || thread_main(source, device, rx, rtx))
+            .spawn({
+                let arrived = Arc::clone(&arrived);
+                move || thread_main(source, device, rx, rtx, arrived)
+            })
             .map_err(|e| err(format!("poolipc: starting the worker thread: {e}")))?;
         let started = py
             .detach(move || rrx.recv())
@@ -397,6 +489,38 @@ impl NativeWorker {
             stream,
             device,
             simulated,
+            arrived,
+        })
+    }
+
+    /// A Python `Job` over what the thread reported of a job it took.
+    fn make_job(&self, py: Python<'_>, id: u64, inputs: Vec<ViewInfo>) -> PyResult<Job> {
+        let life = Arc::new(JobLife {
+            id,
+            open: AtomicBool::new(true),
+            live_exports: AtomicUsize::new(0),
+            consumer_streams: Mutex::new(Vec::new()),
+            release_on_drop: AtomicBool::new(false),
+            link: Arc::clone(&self.link),
+            job_stream: self.stream,
+        });
+        let views = inputs
+            .into_iter()
+            .map(|info| {
+                Py::new(
+                    py,
+                    View::new(info, false, &life, &self.link, self.stream, self.device),
+                )
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(Job {
+            id,
+            link: Arc::clone(&self.link),
+            life,
+            stream: self.stream,
+            device: self.device,
+            inputs: views,
+            results: Mutex::new(Vec::new()),
         })
     }
 }
@@ -433,36 +557,87 @@ impl NativeWorker {
     fn next_job(&self, py: Python<'_>, concurrent: bool) -> PyResult<Option<Job>> {
         match self.link.call(py, Cmd::NextJob { concurrent })? {
             Reply::Job(None) => Ok(None),
-            Reply::Job(Some((id, inputs))) => {
-                let life = Arc::new(JobLife {
-                    id,
-                    open: AtomicBool::new(true),
-                    live_exports: AtomicUsize::new(0),
-                    consumer_streams: Mutex::new(Vec::new()),
-                    release_on_drop: AtomicBool::new(false),
-                    link: Arc::clone(&self.link),
-                    job_stream: self.stream,
-                });
-                let views = inputs
-                    .into_iter()
-                    .map(|info| {
-                        Py::new(
-                            py,
-                            View::new(info, false, &life, &self.link, self.stream, self.device),
-                        )
-                    })
-                    .collect::<PyResult<Vec<_>>>()?;
-                Ok(Some(Job {
-                    id,
-                    link: Arc::clone(&self.link),
-                    life,
-                    stream: self.stream,
-                    device: self.device,
-                    inputs: views,
-                    results: Mutex::new(Vec::new()),
-                }))
-            }
+            Reply::Job(Some((id, inputs))) => self.make_job(py, id, inputs).map(Some),
             _ => Err(err("poolipc: unexpected answer from the worker thread")),
+        }
+    }
+
+    /// From now on the worker's thread takes jobs as they come, between the commands of
+    /// the jobs it holds (several may be open at once); `take` hands them out. Needed where
+    /// nothing else waits for jobs: the parent's canary battery is answered as it arrives.
+    /// `next_job` is refused from then on.
+    fn auto_take(&self, py: Python<'_>) -> PyResult<()> {
+        self.link.call(py, Cmd::AutoTake).map(|_| ())
+    }
+
+    /// A job taken in the background (`auto_take`): the one with id `job`, or the first to
+    /// arrive when `job` is None; others stay queued. Waits at most `timeout` seconds (None:
+    /// until it comes), the GIL released. None when the parent said goodbye or went away
+    /// and no such job is queued. Raises `TimeoutError` when it did not come in time,
+    /// `PoolipcError` when taking jobs failed (the message says why), `ValueError` for a
+    /// negative timeout.
+    #[pyo3(signature = (job = None, timeout = None))]
+    fn take(
+        &self,
+        py: Python<'_>,
+        job: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<Job>> {
+        let deadline = match timeout {
+            None => None,
+            Some(t) if t.is_finite() && t >= 0.0 => Some(
+                std::time::Instant::now()
+                    + std::time::Duration::try_from_secs_f64(t).unwrap_or(std::time::Duration::MAX),
+            ),
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "poolipc: timeout={t} is not a timeout: give seconds, 0 or more, or None"
+                )));
+            }
+        };
+        let slice = std::time::Duration::from_millis(50);
+        loop {
+            let arrived = &self.arrived;
+            let got = py.detach(move || {
+                let pick = |q: &mut ArrivedQueue| {
+                    let at = match job {
+                        Some(id) => q.jobs.iter().position(|(j, _)| *j == id),
+                        None => (!q.jobs.is_empty()).then_some(0),
+                    };
+                    at.and_then(|i| q.jobs.remove(i))
+                };
+                let mut q = arrived
+                    .queue
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if let Some(found) = pick(&mut q) {
+                    return Some(Ok(found));
+                }
+                if let Some(why) = &q.ended {
+                    return Some(Err(why.clone()));
+                }
+                let wait = deadline.map_or(slice, |d| {
+                    slice.min(d.saturating_duration_since(std::time::Instant::now()))
+                });
+                let (mut q, _) = arrived
+                    .changed
+                    .wait_timeout(q, wait)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                pick(&mut q).map(Ok)
+            });
+            match got {
+                Some(Ok((id, inputs))) => return self.make_job(py, id, inputs).map(Some),
+                Some(Err(None)) => return Ok(None),
+                Some(Err(Some(why))) => return Err(err(why)),
+                None => {}
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return Err(pyo3::exceptions::PyTimeoutError::new_err(match job {
+                    Some(id) => format!("poolipc: job {id} did not arrive in time"),
+                    None => "poolipc: no job arrived in time".to_owned(),
+                }));
+            }
         }
     }
 

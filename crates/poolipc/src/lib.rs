@@ -59,7 +59,7 @@ pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_transport::{DType, JobId};
 pub use tensor::{ResultShape, Rung, TensorDesc};
 pub use worker::{
-    FAILPOINT_ENV, HeldJob, InputView, Job, ResultView, Worker, WorkerDevice, failpoint,
+    FAILPOINT_ENV, HeldJob, InputView, Job, NextJob, ResultView, Worker, WorkerDevice, failpoint,
 };
 
 /// Results of this crate.

@@ -877,6 +877,22 @@ class Worker:
         pyisolate child does, whose tensors arrive one RPC message at a time."""
         return self._native.next_job(concurrent)
 
+    def auto_take(self) -> None:
+        """From now on the worker's thread takes jobs as they arrive, between the commands of
+        the jobs it holds open, and ``take`` hands them out (``next_job`` is refused after
+        this). For a worker whose code does not sit in a job loop (a pyisolate child, which
+        learns of a job from an RPC message): the parent's canary battery, which runs while
+        the parent accepts the worker, is answered as it arrives."""
+        self._native.auto_take()
+
+    def take(self, job: int | None = None, timeout: float | None = None) -> Job | None:
+        """A job taken in the background (after ``auto_take``): the one with id ``job``, or
+        the first to arrive when None; others stay queued. Waits at most ``timeout`` seconds
+        (None: until it comes). None when the parent said goodbye or went away. Raises
+        ``TimeoutError`` when it did not come in time, ``PoolipcError`` when taking jobs
+        failed, ``ValueError`` for a negative timeout."""
+        return self._native.take(job, timeout)
+
     def __iter__(self) -> Iterator[Job]:
         """The jobs, until the parent says goodbye."""
         while True:

@@ -398,6 +398,10 @@ class NativeWorker:
         """Connects to a parent's listening socket."""
     def next_job(self, concurrent: bool = False) -> Job | None:
         """Waits for the next job; None when the parent said goodbye."""
+    def auto_take(self) -> None:
+        """From now on the worker's thread takes jobs as they come."""
+    def take(self, job: int | None = None, timeout: float | None = None) -> Job | None:
+        """A job taken in the background (``auto_take``)."""
     def close(self) -> None:
         """Stops the worker thread."""
 
