@@ -21,14 +21,26 @@ if str(WORKERS) not in sys.path:
     sys.path.insert(0, str(WORKERS))
 
 
-def uv_dir():
-    """The directory of the `uv` pyisolate will find, put on the PATH; None when there is none."""
+def uv_dir(shim_dir=None):
+    """The directory of the `uv` pyisolate will find, put on the PATH. With `shim_dir`, where
+    there is no uv (the GPU machine, which has no package index), a `uv` that fails loudly if
+    it is ever run is put there: pyisolate only looks for it when there is nothing to
+    install, and a test whose extension made it run fails. None when there is no uv."""
     here = pathlib.Path(sys.executable).parent
     if (here / "uv").exists():
         os.environ["PATH"] = f"{here}{os.pathsep}{os.environ.get('PATH', '')}"
         return str(here)
     found = shutil.which("uv")
-    return os.path.dirname(found) if found else None
+    if found:
+        return os.path.dirname(found)
+    if shim_dir is None:
+        return None
+    shim = pathlib.Path(shim_dir) / "uv"
+    shim.write_text("#!/bin/sh\necho \"uv was run ($*), but this machine has none: the test expected "
+                    "pyisolate to install nothing\" >&2\nexit 97\n")
+    shim.chmod(0o755)
+    os.environ["PATH"] = f"{shim_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    return str(shim_dir)
 
 
 def make_venv(venv_root, name):
@@ -41,6 +53,9 @@ def make_venv(venv_root, name):
     vi = sys.version_info
     child_site = venv / "lib" / f"python{vi.major}.{vi.minor}" / "site-packages"
     parents = [p for p in site.getsitepackages() if p.startswith(sys.prefix)] or site.getsitepackages()
+    user = site.getusersitepackages()
+    if isinstance(user, str) and os.path.isdir(user):
+        parents.append(user)
     lines = "".join(f"import site; site.addsitedir(r'{p}')\n" for p in parents)
     extra = os.environ.get("PYTHONPATH")
     if extra:

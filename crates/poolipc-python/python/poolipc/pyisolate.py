@@ -760,7 +760,7 @@ def _forget_cached_serializers() -> None:
     (``rpc_serialization._SERIALIZER_BY_TYPE``, never cleared): drop torch's entries so that
     ours is found."""
     try:
-        from pyisolate._internal import rpc_serialization
+        from pyisolate._internal import rpc_serialization  # type: ignore[import-untyped, import-not-found, unused-ignore]
     except ImportError:
         return
     cache = getattr(rpc_serialization, "_SERIALIZER_BY_TYPE", None)
@@ -788,7 +788,7 @@ def register(registry: Any = None, *, child: bool | None = None) -> None:
     """
     check_pyisolate()
     if registry is None:
-        from pyisolate._internal.serialization_registry import SerializerRegistry
+        from pyisolate._internal.serialization_registry import SerializerRegistry  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
         registry = SerializerRegistry.get_instance()
     if child is None:
