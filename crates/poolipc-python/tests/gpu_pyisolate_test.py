@@ -106,7 +106,10 @@ def test_the_pool_is_torchs_and_the_extension_connected(loaded):
     x = torch.ones(16, device=DEV)
     assert pool_of(x.data_ptr()) == current_pool()
     assert loaded.call("channel_stats")["token"] == loaded.channel.token
-    assert loaded.channel.worker is not None
+    # The extension connected when pyisolate registered its serializers; the host takes the
+    # connection at its first tensor, or here.
+    w = loaded.channel.connect(timeout=30)
+    assert w in loaded.parent.workers() and loaded.parent.canary_report(w) is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
@@ -174,3 +177,28 @@ def test_a_cuda_tensor_no_channel_serves_takes_pyisolates_path_and_says_so_once(
             assert loaded.call("describe", x)["sum"] == 8.0
     finally:
         other.close()
+
+
+def test_round_trip_times_beside_pyisolates_cpu_path(loaded):
+    """Not a benchmark: medians of a call that sends one tensor and gets its sum back, by
+    pool pointer and, for comparison, as a CPU tensor (what pyisolate does with a CUDA
+    tensor when its CUDA IPC is off, as it must be under cudaMallocAsync). Printed."""
+    rows = []
+    for mib in (0, 64, 1024):
+        n = max(1024, mib * MIB // 4)
+        x = torch.rand(n, device=DEV)
+        by_pointer, by_cpu = [], []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loaded.call("describe", x)
+            by_pointer.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            loaded.call("describe", x.cpu())
+            by_cpu.append(time.perf_counter() - t0)
+        med = lambda v: sorted(v)[len(v) // 2] * 1e3  # noqa: E731
+        rows.append((n * 4, med(by_pointer), med(by_cpu)))
+    for nbytes, p, c in rows:
+        print(f"pyisolate call with {nbytes / MIB:8.2f} MiB: by pool pointer {p:8.2f} ms, "
+              f"as a CPU tensor {c:8.2f} ms")
+    assert all(p > 0 and c > 0 for _, p, c in rows)
