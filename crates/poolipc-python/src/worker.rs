@@ -169,7 +169,14 @@ fn thread_main(
     let mut held: HashMap<u64, poolipc::HeldJob> = HashMap::new();
     // Taking jobs as they come (`auto_take`): between commands, the socket is polled.
     let mut auto = false;
+    // The parent said goodbye while jobs were taken in the background: once the last held
+    // job is finished the thread ends, dropping the worker, which closes the socket: the
+    // parent's `stop` of a worker it did not start waits for that.
+    let mut parting = false;
     loop {
+        if parting && held.is_empty() {
+            break;
+        }
         let next = if auto {
             match rx.try_recv() {
                 Ok(m) => Some(m),
@@ -183,21 +190,32 @@ fn thread_main(
             }
         };
         let Some((cmd, reply)) = next else {
-            match worker.next_job_within(AUTO_POLL) {
+            let gone = match worker.next_job_within(AUTO_POLL) {
                 Ok(poolipc::NextJob::Job(job)) => {
                     let id = job.id().0;
                     let inputs = input_infos(&job);
                     held.insert(id, job.hold());
                     arrived.push(id, inputs);
+                    false
                 }
-                Ok(poolipc::NextJob::Idle) => {}
-                Ok(poolipc::NextJob::Gone) => {
-                    auto = false;
-                    arrived.end(None);
-                }
+                Ok(poolipc::NextJob::Idle) => false,
+                Ok(poolipc::NextJob::Gone) => true,
                 Err(e) => {
                     auto = false;
                     arrived.end(Some(format!("poolipc: waiting for a job: {e}")));
+                    false
+                }
+            };
+            if gone {
+                auto = false;
+                parting = true;
+                // Jobs that arrived but were never handed out: nobody will finish them.
+                for id in arrived.end_and_drain(None) {
+                    if let Some(h) = held.remove(&id)
+                        && let Ok(job) = worker.resume(h)
+                    {
+                        let _ = job.fail("the parent said goodbye before this job was taken");
+                    }
                 }
             }
             continue;
@@ -316,6 +334,19 @@ impl Arrived {
             .jobs
             .push_back((id, inputs));
         self.changed.notify_all();
+    }
+
+    /// Ends the queue and gives back the ids of the jobs still in it.
+    fn end_and_drain(&self, why: Option<String>) -> Vec<u64> {
+        let mut q = self
+            .queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        q.ended.get_or_insert(why);
+        let ids = q.jobs.drain(..).map(|(id, _)| id).collect();
+        drop(q);
+        self.changed.notify_all();
+        ids
     }
 
     fn end(&self, why: Option<String>) {

@@ -89,7 +89,17 @@ class Loaded:
         return self.loop.run_until_complete(go())
 
     def close(self):
+        # The extension's pyisolate receive thread holds the last message's arguments until
+        # the next one arrives: one more call, then every lease has ended.
+        self.call("channel_stats")
+        deadline = time.monotonic() + 30
+        while self.channel.leases_out() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        lost = self.parent.stats()["workers_lost"]
+        t0 = time.monotonic()
         self.channel.close()
+        assert time.monotonic() - t0 < 2.0, "the extension closed its side at the goodbye"
+        assert self.parent.stats()["workers_lost"] == lost
         self.manager.stop_all_extensions()
         self.loop.close()
 

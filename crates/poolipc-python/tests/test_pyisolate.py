@@ -96,13 +96,24 @@ def run_with_extension(parent, tmp_path, body):
     pyisolate.register_adapter(pp.PoolipcAdapter())
     channel = pp.HostChannel(parent)
 
+    lost = parent.stats()["workers_lost"]
+
     async def main():
         manager, ext = pyiso_harness.load_extension(channel, tmp_path / "venvs")
         try:
             return await body(ext, channel)
         finally:
+            # pyisolate's receive thread in the extension holds the last message it received
+            # (its arguments, so their leases) until the next one arrives: send one more.
+            await ext.channel_stats()
+            assert wait_until(lambda: channel.leases_out() == 0, 10), "every lease ended"
+            t0 = time.monotonic()
             channel.close()
+            closed_in = time.monotonic() - t0
             manager.stop_all_extensions()
+            # The extension closed its side at the goodbye: no deadline ran out, nothing lost.
+            assert closed_in < 1.5, f"closing the channel took {closed_in:.2f} s"
+            assert parent.stats()["workers_lost"] == lost
 
     return asyncio.run(main())
 

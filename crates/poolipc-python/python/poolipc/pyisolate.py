@@ -338,13 +338,24 @@ class HostChannel:
         return _Bound(extension, self)
 
     def close(self) -> None:
-        """Stops the extension's poolipc worker (its leases fail; pyisolate's own connection
-        is untouched), closes the listener, forgets the channel."""
+        """Stops the extension's poolipc worker (pyisolate's own connection is untouched):
+        the parent says goodbye, the extension finishes the leases it holds and closes its
+        side (at most the parent's ``stop_timeout`` later the parent stops waiting and takes
+        back what is still lent). Then closes the listener and forgets the channel. Close a
+        channel when the extension no longer holds tensors of it."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             w = self._worker
+        out = self.leases_out()
+        if out:
+            log.warning(
+                "poolipc.pyisolate: closing channel %s while the extension holds %d leases: the "
+                "parent waits for them at most its stop_timeout, then takes the memory back",
+                self.token,
+                out,
+            )
         if w is not None:
             with contextlib.suppress(PoolipcError):
                 self.parent.stop(w)
@@ -537,8 +548,6 @@ class ChildChannel:
         self.refresh = refresh
         self._lock = threading.RLock()
         self._stash: dict[int, Job] = {}
-        self._return: Job | None = None
-        self._return_since = 0.0
         self._closed = False
         self.leases_taken = 0
         self.tensors_sent = 0
@@ -549,11 +558,17 @@ class ChildChannel:
             self._refresher.start()
 
     def _take(self, job: int | None, timeout: float) -> Job | None:
-        """A job from the worker's queue (by id, or the first), or None when none came."""
+        """A job from the worker's queue (by id, or the first), or None when none came in
+        ``timeout``. ``PoolipcError`` once the host closed the channel (its parent said
+        goodbye) or went away."""
         try:
-            return self.worker.take(job, timeout)
+            got = self.worker.take(job, timeout)
         except TimeoutError:
             return None
+        if got is None:
+            self._closed = True
+            raise PoolipcError("poolipc.pyisolate: the host closed this extension's channel")
+        return got
 
     def lease(self, job: int, timeout: float = 120.0) -> Job:
         """The lent job ``job``, taken when it arrives (the RPC message and the job travel on
@@ -598,20 +613,15 @@ class ChildChannel:
             hold.release()
 
     def _return_job(self, timeout: float) -> Job:
-        """The open return lease (an empty job), taken when it arrives; lent jobs that arrive
-        first are kept for ``lease``."""
-        if self._return is not None and self._return.open:
-            return self._return
+        """The next return lease (an empty job), taken when it arrives; lent jobs that arrive
+        first are kept for ``lease``. Called with ``_lock`` held."""
         deadline = time.monotonic() + timeout
         while True:
             got = self._take(None, min(0.05, max(0.0, deadline - time.monotonic())))
             if got is not None:
                 if got.inputs:
-                    with self._lock:
-                        self._stash[got.id] = got
+                    self._stash[got.id] = got
                     continue
-                self._return = got
-                self._return_since = time.monotonic()
                 return got
             if time.monotonic() > deadline:
                 raise TimeoutError("poolipc.pyisolate: no return lease from the host in time")
@@ -622,7 +632,6 @@ class ChildChannel:
         finished. Returns the payload."""
         with self._lock:
             job = self._return_job(120.0)
-            self._return = None
             try:
                 (out,) = job.request_results([(dtype, list(shape))])
                 fill(out, job)
@@ -654,22 +663,24 @@ class ChildChannel:
         return self.send_with(v.dtype, tuple(v.shape), fill)
 
     def _refresh_loop(self) -> None:
-        """Finishes an unused return lease older than ``refresh`` seconds, so the host's
-        deadline (``handoff_timeout``) never sees an idle extension as hung."""
+        """Every half ``refresh`` seconds, finishes the return lease waiting in the worker's
+        queue (the host lends the next at once), so that the host's deadline
+        (``handoff_timeout``) never sees an idle extension as hung. A return lease is taken
+        out of the queue only to be used or renewed, so when the host says goodbye none is
+        held here and the worker closes its side at once."""
         assert self.refresh is not None
         while not self._closed:
-            time.sleep(min(self.refresh / 4, 1.0))
+            time.sleep(self.refresh / 2)
             if not self._lock.acquire(timeout=0.1):
                 continue
             try:
-                if self._return is None:
-                    with contextlib.suppress(TimeoutError, PoolipcError):
-                        self._return_job(0.0)
-                elif time.monotonic() - self._return_since > self.refresh and self._return.open:
-                    self._return.finish()
-                    self._return = None
+                job = self._return_job(0.0)
+                job.finish()
+            except TimeoutError:
+                pass
             except PoolipcError as e:
-                log.warning("poolipc.pyisolate: renewing the return lease failed: %s", e)
+                if not self._closed:
+                    log.warning("poolipc.pyisolate: renewing the return lease failed: %s", e)
             finally:
                 self._lock.release()
 
