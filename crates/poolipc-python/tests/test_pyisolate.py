@@ -235,3 +235,37 @@ def test_registering_without_the_right_pyisolate_is_a_clear_error(monkeypatch):
         pp.register(child=False)
     monkeypatch.setattr(importlib.metadata, "version", real)
     assert pp.check_pyisolate().startswith("0.10.")
+
+
+def test_the_host_serializer_wraps_pyisolates_and_survives_its_re_registration():
+    from pyisolate._internal.serialization_registry import SerializerRegistry
+
+    reg = SerializerRegistry()  # a fresh one, not the process's
+
+    class Tensor:  # what the registry keys torch tensors by: the class name
+        is_cuda = False
+
+    sent = []
+
+    def pyisolates(obj):
+        sent.append(obj)
+        return {"__type__": "TensorValue"}
+
+    reg.register("Tensor", pyisolates)
+    pp.register(reg, child=False)
+    ours = reg.get_serializer("Tensor")
+    assert ours is not pyisolates and ours.__poolipc_delegate__ is pyisolates
+    t = Tensor()
+    assert ours(t) == {"__type__": "TensorValue"} and sent == [t], "a CPU tensor goes to pyisolate's"
+    # pyisolate registers its own again at every extension start (host.py:238), then the
+    # adapter's register runs again: ours wraps the new one.
+    def pyisolates_again(obj):
+        return {"__type__": "TensorValue", "again": True}
+
+    reg.register("Tensor", pyisolates_again)
+    pp.register(reg, child=False)
+    assert reg.get_serializer("Tensor").__poolipc_delegate__ is pyisolates_again
+    pp.register(reg, child=False)
+    assert reg.get_serializer("Tensor").__poolipc_delegate__ is pyisolates_again, "idempotent"
+    assert reg.get_serializer("Parameter").__poolipc_delegate__ is pyisolates_again
+    assert reg.get_deserializer(pp.RETURNED) is not None and reg.get_serializer("DeviceBuffer") is not None

@@ -25,9 +25,12 @@ word when the other side drops what it received. So poolipc brings both:
   the next return lease. One GPU copy, no trip through host memory.
 
 Everything else takes pyisolate's own path: CPU tensors, tensors when no channel serves the
-message, tensors not from poolipc's pool (torch not under ``cudaMallocAsync``, or the pool not
-installed), a tensor poolipc refuses (negative strides). Each reason is logged once, on the
-``poolipc.pyisolate`` logger, at WARNING for CUDA tensors.
+message, tensors not from poolipc's pool (torch not under ``cudaMallocAsync``), a tensor on
+another device, a tensor poolipc refuses. Each reason for a CUDA tensor is logged once, on the
+``poolipc.pyisolate`` logger, at WARNING. Under ``cudaMallocAsync`` pyisolate's CUDA path
+(torch's legacy ``reduce_tensor``) cannot share the tensor, so such a tensor goes as a CPU copy
+(what pyisolate itself does with CUDA tensors when its CUDA IPC is off) and arrives as a CPU
+tensor; under torch's native allocator it goes by pyisolate's CUDA IPC as before.
 
 Recipe (host)::
 
@@ -157,6 +160,37 @@ def _torch() -> Any:
 def _is_torch_tensor(x: object) -> bool:
     torch = _torch()
     return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _allocator_backend() -> str:
+    torch = _torch()
+    try:
+        return str(torch.cuda.get_allocator_backend())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+def _fallback(t: Any, delegate: Callable[[Any], Any] | None, why: str, side: str) -> Any:
+    """Sends ``t`` by pyisolate's own serializer, saying why once (for CUDA tensors). Under
+    ``cudaMallocAsync`` pyisolate's CUDA path (torch's legacy ``reduce_tensor``) cannot share
+    the tensor, so it goes as a CPU copy, as pyisolate itself sends CUDA tensors when its CUDA
+    IPC is off (``rpc_serialization._prepare_for_rpc_impl``); the other side gets a CPU tensor."""
+    if delegate is None:
+        raise TypeError(
+            f"poolipc.pyisolate: cannot send a {type(t).__name__} ({why or 'CPU tensor'}) and "
+            "pyisolate registered no tensor serializer (is torch importable in this process?)"
+        )
+    if not getattr(t, "is_cuda", False):
+        return delegate(t)
+    if _allocator_backend() == "cudaMallocAsync":
+        _once(
+            f"{side}:{why.split(':')[0]}",
+            f"poolipc.pyisolate: a CUDA tensor goes as a CPU copy by pyisolate's own path: {why} "
+            "(pyisolate's CUDA IPC cannot share cudaMallocAsync memory)",
+        )
+        return delegate(t.cpu())
+    _once(f"{side}:{why.split(':')[0]}", f"poolipc.pyisolate: a CUDA tensor takes pyisolate's own path: {why}")
+    return delegate(t)
 
 
 # --- host side ------------------------------------------------------------------------------
@@ -407,20 +441,14 @@ def _channel_for_send() -> tuple[HostChannel | None, str]:
 
 
 def _pool_tensor_why_not(t: Any, channel: HostChannel) -> str | None:
-    """Why poolipc cannot lend torch tensor ``t`` by pool pointer, or None."""
-    torch = _torch()
-    if not t.is_cuda:
-        return "cpu"
+    """Why poolipc cannot lend CUDA tensor ``t`` by pool pointer, or None."""
     if t.device.index != channel.parent.device:
         return f"a tensor on cuda:{t.device.index}, not on the pool's device cuda:{channel.parent.device}"
-    try:
-        backend = torch.cuda.get_allocator_backend()
-    except (AttributeError, RuntimeError):
-        backend = "unknown"
+    backend = _allocator_backend()
     if backend != "cudaMallocAsync":
         return (
             f"torch's CUDA allocator is {backend!r}, not cudaMallocAsync, so its tensors are not "
-            "from poolipc's pool (pyisolate's own CUDA IPC path works there)"
+            "from poolipc's pool"
         )
     return None
 
@@ -430,6 +458,8 @@ def _host_serializer(delegate: Callable[[Any], Any] | None) -> Callable[[Any], A
     else to ``delegate`` (pyisolate's own serializer, as registered before ours)."""
 
     def serialize(t: Any) -> Any:
+        if not t.is_cuda:
+            return _fallback(t, delegate, "", "host")
         channel, why = _channel_for_send()
         if channel is not None:
             why_not = _pool_tensor_why_not(t, channel)
@@ -438,21 +468,9 @@ def _host_serializer(delegate: Callable[[Any], Any] | None) -> Callable[[Any], A
                     return channel.lend(t)
                 except (ValueError, PoolipcError) as e:
                     why = f"poolipc refused it: {e}"
-            elif why_not == "cpu":
-                why = ""
             else:
                 why = why_not
-        if why:
-            _once(
-                f"host:{why.split(':')[0]}",
-                f"poolipc.pyisolate: a CUDA tensor takes pyisolate's own path: {why}",
-            )
-        if delegate is None:
-            raise TypeError(
-                f"poolipc.pyisolate: cannot send a {type(t).__name__} ({why or 'CPU tensor'}) and "
-                "pyisolate registered no tensor serializer (is torch importable in this process?)"
-            )
-        return delegate(t)
+        return _fallback(t, delegate, why, "host")
 
     serialize.__poolipc__ = True  # type: ignore[attr-defined]
     return serialize
@@ -714,12 +732,11 @@ def _child_serializer(delegate: Callable[[Any], Any] | None) -> Callable[[Any], 
     goes back through the return lease, everything else to ``delegate``."""
 
     def serialize(t: Any) -> Any:
+        if not t.is_cuda:
+            return _fallback(t, delegate, "", "child")
         channel = child_channel()
-        why = ""
         if channel is None:
             why = "the host gave this extension no poolipc channel"
-        elif not t.is_cuda:
-            why = ""
         elif t.device.index != channel.worker.device:
             why = f"a tensor on cuda:{t.device.index}, not on the worker's device cuda:{channel.worker.device}"
         else:
@@ -727,11 +744,7 @@ def _child_serializer(delegate: Callable[[Any], Any] | None) -> Callable[[Any], 
                 return channel.send_torch(t)
             except (PoolipcError, TimeoutError, ValueError) as e:
                 why = f"poolipc could not send it: {e}"
-        if why and t.is_cuda:
-            _once(f"child:{why.split(':')[0]}", f"poolipc.pyisolate: a CUDA tensor takes pyisolate's own path: {why}")
-        if delegate is None:
-            raise TypeError(f"poolipc.pyisolate: cannot send a {type(t).__name__} and pyisolate registered no tensor serializer")
-        return delegate(t)
+        return _fallback(t, delegate, why, "child")
 
     serialize.__poolipc__ = True  # type: ignore[attr-defined]
     return serialize
@@ -760,9 +773,10 @@ def _child_receive(payload: Mapping[str, Any]) -> Any:
 def _delegate_of(registry: Any, name: str) -> Callable[[Any], Any] | None:
     """The serializer registered under ``name`` before ours (pyisolate's), remembered across
     re-registrations (pyisolate registers its own again at every extension start, host.py)."""
-    current = registry.get_serializer(name)
+    current: Callable[[Any], Any] | None = registry.get_serializer(name)
     if current is not None and getattr(current, "__poolipc__", False):
-        return getattr(current, "__poolipc_delegate__", None)
+        remembered: Callable[[Any], Any] | None = getattr(current, "__poolipc_delegate__", None)
+        return remembered
     return current
 
 
@@ -805,10 +819,13 @@ def register(registry: Any = None, *, child: bool | None = None) -> None:
     if child is None:
         child = os.environ.get("PYISOLATE_CHILD") == "1"
     make = _child_serializer if child else _host_serializer
+    tensor_delegate = _delegate_of(registry, "Tensor")
     for name in _TENSOR_TYPES:
-        delegate = _delegate_of(registry, name)
-        if delegate is None and name == "Parameter":
-            delegate = _delegate_of(registry, "Tensor")
+        delegate = tensor_delegate
+        current = registry.get_serializer(name)
+        if name != "Tensor" and current is not None and not getattr(current, "__poolipc__", False):
+            # Someone registered a serializer of their own for this subclass: keep it.
+            delegate = current
         ser = make(delegate)
         ser.__poolipc_delegate__ = delegate  # type: ignore[attr-defined]
         previous_deserializer = registry.get_deserializer(name)
