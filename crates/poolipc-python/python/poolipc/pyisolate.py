@@ -58,7 +58,7 @@ used for every message.
 ``handoff_timeout``: the parent kills a worker that holds a job longer than this without a
 word, and a lease is a job. Give the process's parent a deadline at least as long as an
 extension may keep a lent tensor (600 s above); the extension's channel finishes an unused
-return lease every third of it, so an idle extension is not killed.
+return lease every sixth of it, so an idle extension is not killed.
 
 Without torch (tests on the simulated driver), ``poolipc.DeviceBuffer`` s are lent the same
 way, the extension receives a ``LentView`` (DLPack, ``__cuda_array_interface__``,
@@ -113,7 +113,8 @@ RETURNED: Final = "PoolipcResult"
 CHANNEL_ENV: Final = "POOLIPC_PYISOLATE_CHANNEL"
 """The channel's token, in the extension's environment (``HostChannel.env()``)."""
 REFRESH_ENV: Final = "POOLIPC_PYISOLATE_REFRESH_S"
-"""How long the extension keeps an unused return lease before it finishes it (seconds)."""
+"""A third of the parent's ``handoff_timeout`` (seconds): the extension renews the return
+lease waiting for it every half of this."""
 REQUIREMENT: Final = "pyisolate>=0.10,<0.11"
 """The pyisolate versions this module was written against (it reads their wire format)."""
 
@@ -238,7 +239,7 @@ class HostChannel:
         """What the extension's process needs in its environment: the listener
         (``POOLIPC_CONNECT``, the simulated machine on ``POOLIPC_DRIVER=sim``), the device
         (``POOLIPC_DEVICE``, the parent's), this channel's token, and how often to renew an
-        unused return lease (a third of the parent's ``handoff_timeout``)."""
+        unused return lease (every sixth of the parent's ``handoff_timeout``)."""
         env = dict(self.listener.env())
         env.setdefault("POOLIPC_DEVICE", str(self.parent.device))
         env[CHANNEL_ENV] = self.token
