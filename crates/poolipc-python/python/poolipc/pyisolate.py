@@ -14,15 +14,18 @@ word when the other side drops what it received. So poolipc brings both:
   memory (``torch.from_dlpack``, no copy). The job is a *lease*: it ends (DONE after the
   consumer's stream, imports freed, ACK) when the extension frees the last tensor made from
   it, whenever that is; the host keeps the tensor alive until then. Do not write a lent
-  tensor in the host until the call returned (the extension sees the parent's memory).
+  tensor in the host while its lease is out (``channel.leases_out()``): the extension sees
+  the parent's memory. pyisolate's receive thread in the extension keeps the last message it
+  received until the next one arrives, so a lease ends at the earliest then.
 - **A return lease** (extension to host). A tensor the extension returns (or passes to a host
   API) lives in the extension's own allocator, which no parent can import. The host keeps one
   empty job open on the extension's worker; the extension's serializer asks it for result
   memory of the tensor's shape (from the parent's pool, ``torch.empty``, or the result arena
   when the parent was made with ``results="arena"``), copies into it on the GPU, finishes the
   job and sends ``{"__type__": "PoolipcResult", "job": id}``. The host's deserializer waits
-  for that job and hands over the result, memory the host owns outright. The host then lends
-  the next return lease. One GPU copy, no trip through host memory.
+  for that job and hands over the result, memory the host owns outright, ordered after the
+  extension's copy on the legacy default stream (order work on other streams after it). The
+  host then lends the next return lease. One GPU copy, no trip through host memory.
 
 Everything else takes pyisolate's own path: CPU tensors, tensors when no channel serves the
 message, tensors not from poolipc's pool (torch not under ``cudaMallocAsync``), a tensor on
