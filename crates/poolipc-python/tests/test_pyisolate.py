@@ -269,3 +269,38 @@ def test_the_host_serializer_wraps_pyisolates_and_survives_its_re_registration()
     assert reg.get_serializer("Tensor").__poolipc_delegate__ is pyisolates_again, "idempotent"
     assert reg.get_serializer("Parameter").__poolipc_delegate__ is pyisolates_again
     assert reg.get_deserializer(pp.RETURNED) is not None and reg.get_serializer("DeviceBuffer") is not None
+
+
+@own_process
+def test_closing_while_the_extension_keeps_a_tensor_warns_and_the_parent_stops_waiting(parent, request, tmp_path, caplog):
+    import pyiso_harness
+
+    pyiso_harness.uv_dir()
+    pyisolate.register_adapter(pp.PoolipcAdapter())
+    channel = pp.HostChannel(parent)
+    lost = parent.stats()["workers_lost"]
+
+    async def main():
+        manager, ext = pyiso_harness.load_extension(channel, tmp_path / "venvs")
+        try:
+            kept = buffer(parent, b"k" * 64)
+            assert await ext.keep(kept) == 1
+            await ext.channel_stats()
+            assert channel.leases_out() == 1
+            t0 = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="poolipc.pyisolate"):
+                channel.close()
+            waited = time.monotonic() - t0
+            said = [r.getMessage() for r in caplog.records if "holds 1 leases" in r.getMessage()]
+            assert said, [r.getMessage() for r in caplog.records]
+            # The extension kept its side open for the lease; the parent waited its stop
+            # deadline (2 s here), then stopped waiting and took the memory back.
+            assert 1.5 < waited < 10, waited
+            assert parent.stats()["workers_lost"] == lost + 1
+            # The extension goes on serving pyisolate's RPC; dropping the tensor is harmless.
+            assert await ext.drop_kept() == 1
+            assert (await ext.channel_stats())["leases_taken"] == 1
+        finally:
+            manager.stop_all_extensions()
+
+    asyncio.run(main())
