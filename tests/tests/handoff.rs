@@ -295,6 +295,38 @@ both_drivers!(
 );
 
 both_drivers!(
+    fn a_worker_holding_two_jobs_finishes_the_later_first_and_both_complete(env) {
+        let p = parent(env, ImportLimit::default())?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let mut cmd = worker_command(env, None)?;
+        cmd.env("POOLIPC_TEST_HOLD", "1");
+        let worker = p.spawn_worker(cmd)?;
+        for round in 0..3u32 {
+            let a = filled(&p, MIB, 0xA000 + round, stream)?;
+            let b = filled(&p, 4096, 0xB000 + round, stream)?;
+            let first = p.submit(worker, &[Input { ptr: a, desc: TensorDesc::contiguous(DType::U8, &[MIB]) }], stream)?;
+            let second = p.submit(worker, &[Input { ptr: b, desc: TensorDesc::contiguous(DType::U8, &[4096]) }], stream)?;
+            // The worker finishes `second` before `first`, which it held open meanwhile.
+            let out_b = second.wait()?;
+            let out_a = first.wait()?;
+            d.stream_synchronize(stream)?;
+            ensure!(read(&*d, out_a.results[0].ptr, 8)?[4..] == (0xA000 + round).to_le_bytes(), "first job's result");
+            ensure!(read(&*d, out_b.results[0].ptr, 8)?[4..] == (0xB000 + round).to_le_bytes(), "second job's result");
+            for r in out_a.results.iter().chain(&out_b.results) {
+                p.pool().free(r.ptr, stream)?;
+            }
+            p.pool().free(a, stream)?;
+            p.pool().free(b, stream)?;
+        }
+        d.stream_synchronize(stream)?;
+        ensure!(p.stats().jobs_failed == 0, "no job failed");
+        p.stop_worker(worker)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
     fn a_worker_started_by_someone_else_connects_to_a_private_socket(env) {
         let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());

@@ -79,6 +79,8 @@ fn python_suite() -> Result<()> {
         "maturin>=1.5,<2",
         "pytest",
         "mypy",
+        // poolipc.pyisolate's tests run the real pyisolate (it brings uv and packaging).
+        "pyisolate>=0.10,<0.11",
     ]);
     run(c)?;
     let wheels = root.join("target/wheels");
@@ -386,6 +388,28 @@ fn gpu_bundle(root: &Path) -> Result<PathBuf> {
             eprintln!("maturin not found: the bundle carries no Python wheel (pip install maturin)")
         }
     }
+    // pyisolate (pure Python) and packaging, for poolipc.pyisolate's GPU test: the GPU
+    // machine has no package index. uv, its other dependency, is a 20 MB binary and is left
+    // out (the test puts a uv that fails if run on the PATH; pyisolate only looks for it).
+    let pywheels = bundle.join("pywheels");
+    let _ = std::fs::remove_dir_all(&pywheels);
+    let mut c = Command::new("python3");
+    c.args([
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "pyisolate==0.10.2",
+        "packaging",
+        "-d",
+    ])
+    .arg(&pywheels);
+    if let Err(e) = run(c) {
+        eprintln!("gpu bundle: no pyisolate wheel ({e}); the pyisolate GPU test will skip");
+    }
     let script = bundle.join("run.sh");
     std::fs::write(&script, RUN_SH)?;
     let mut perms = std::fs::metadata(&script)?.permissions();
@@ -492,13 +516,16 @@ want python && echo "--- python: the binding under torch (cudaMallocAsync), then
 wheel=$(ls "$here"/poolipc-*.whl 2>/dev/null | head -1)
 if ! want python; then :
 elif [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" > "$out/python.log" 2>&1
+  python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/python.log" 2>&1
   ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site python3 -m pytest -v -rs tests/gpu_torch_test.py ) >> "$out/python.log" 2>&1
   r1=$?
+  # poolipc.pyisolate with the real pyisolate (its wheel in the bundle), in its own process.
+  ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site python3 -m pytest -v -rs tests/gpu_pyisolate_test.py ) >> "$out/python.log" 2>&1
+  r1=$(( r1 | $? ))
   ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site POOLIPC_DRIVER=sim python3 -m pytest -q tests/test_sim.py tests/test_mps.py ) >> "$out/python.log" 2>&1
   r2=$?
   echo "python torch suite exit: $r1, sim suite exit: $r2" >> "$summary"
-  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/python.log" | sed 's/^tests\/gpu_torch_test.py:://' | tail -40 >> "$summary"
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/python.log" | sed 's/^tests\/gpu_\(torch\|pyisolate\)_test.py:://' | tail -60 >> "$summary"
   [ "$r1" -eq 0 ] && [ "$r2" -eq 0 ] || echo "0 1" >> "$out/counts"
   echo "--- bench/pybench.py: the Python binding against torch.multiprocessing, same run" >> "$summary"
   ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 900 python3 bench/pybench.py --json ) > "$out/pybench.log" 2>&1

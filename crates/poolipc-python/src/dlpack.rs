@@ -44,9 +44,7 @@ impl Keep {
 
     fn release(self) {
         match self {
-            Keep::Job(life) => {
-                life.live_exports.fetch_sub(1, Ordering::AcqRel);
-            }
+            Keep::Job(life) => life.export_released(),
             Keep::Arena(hold) => hold.export_deleted(),
         }
     }

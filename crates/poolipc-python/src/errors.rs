@@ -55,6 +55,14 @@ create_exception!(
 
 create_exception!(
     poolipc,
+    ConnectError,
+    PoolipcError,
+    "A worker could not reach a parent's listening socket (`Worker.connect`): nothing listens \
+     at the path (no such socket, the listener was closed, the parent is gone), or the \
+     listener runs as another user. The message names the path and the reason."
+);
+create_exception!(
+    poolipc,
     ContextLostError,
     PoolipcError,
     "This process's CUDA context is lost: a GPU fault (under MPS, possibly a worker's: under \

@@ -16,6 +16,7 @@ mod arena;
 mod dlpack;
 mod dtype;
 mod errors;
+mod listen;
 mod mps;
 mod parent;
 mod state;
@@ -38,6 +39,10 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::NativeWorker>()?;
     m.add_class::<worker::Job>()?;
     m.add_class::<worker::View>()?;
+    m.add_class::<worker::LeaseHold>()?;
+    m.add_class::<listen::NativeListener>()?;
+    m.add("ConnectError", py.get_type::<errors::ConnectError>())?;
+    m.add("CONNECT_ENV", listen::CONNECT_ENV)?;
     m.add("PoolipcError", py.get_type::<errors::PoolipcError>())?;
     m.add("JobFailedError", py.get_type::<errors::JobFailedError>())?;
     m.add("WorkerError", py.get_type::<errors::WorkerError>())?;

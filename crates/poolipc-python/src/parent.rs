@@ -758,6 +758,23 @@ impl NativeParent {
         .map_err(|e| to_py_for(py, e, None))
     }
 
+    /// Listens for workers this parent does not start (pyisolate's children, say): a socket
+    /// in `directory` (which must be ours and mode 0700; None: a fresh private directory
+    /// under `$XDG_RUNTIME_DIR` or the temporary directory). Returns a `NativeListener`: its
+    /// `path` and `env()` go to the worker process, which calls `Worker.connect(path)`;
+    /// `accept(timeout)` gives each accepted worker's id.
+    ///
+    /// Raises `ValueError` for a directory that is not private (another owner, group or
+    /// other bits) or a socket path that is not free; `PoolipcError` when the socket cannot
+    /// be made.
+    #[pyo3(signature = (directory = None))]
+    fn listen(
+        &self,
+        directory: Option<std::path::PathBuf>,
+    ) -> PyResult<crate::listen::NativeListener> {
+        crate::listen::NativeListener::open(Arc::clone(&self.g), directory)
+    }
+
     /// The worker's process id; None for a worker this parent does not serve (stopped, lost)
     /// or did not spawn. Never waits for a job.
     fn pid(&self, py: Python<'_>, worker: u32) -> Option<u32> {

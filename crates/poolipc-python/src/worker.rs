@@ -2,6 +2,8 @@
 //! it, which a Python object cannot hold) and carries out the commands Python objects send it.
 //! Every CUDA call of the worker happens on that thread, where the context is current.
 
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -14,13 +16,16 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::dlpack;
 use crate::dtype;
-use crate::errors::{ExpiredViewError, JobFailedError, err};
+use crate::errors::{ConnectError, ExpiredViewError, JobFailedError, err};
 use crate::state;
 
 /// What Python asks the worker thread to do.
 enum Cmd {
-    NextJob,
-    Request(Vec<ResultShape>),
+    /// Take the next job; with `concurrent`, also while others are held open.
+    NextJob {
+        concurrent: bool,
+    },
+    Request(u64, Vec<ResultShape>),
     /// Make `waiter` wait for the work queued so far on `on`.
     StreamWait {
         waiter: StreamHandle,
@@ -28,8 +33,10 @@ enum Cmd {
     },
     Read(DevicePtr, usize),
     Write(DevicePtr, Vec<u8>),
-    Finish,
-    Fail(String),
+    Finish(u64),
+    Fail(u64, String),
+    /// From now on take jobs as they come, between commands (`take` hands them out).
+    AutoTake,
 }
 
 /// A view as the thread describes it.
@@ -58,16 +65,53 @@ type Envelope = (Cmd, Sender<Result<Reply, String>>);
 /// What a started worker thread reports: its stream, whether simulated, its device.
 type Started = (u64, bool, u32);
 
+/// Where the worker's connection to its parent comes from.
+enum Source {
+    /// The socket the parent's `spawn` left (`POOLIPC_FD`).
+    Inherited,
+    /// The parent's listening socket (`Parent.listen`), connected to by path.
+    Listener(PathBuf),
+}
+
+/// How a failed connect to a listener's path starts: the error becomes `ConnectError`.
+const CONNECT_REFUSED: &str = "poolipc: cannot connect";
+
+/// How long connecting to a listener may take (a listener's backlog is short-lived).
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 fn thread_main(
+    source: Source,
     device: poolipc::WorkerDevice,
     rx: Receiver<Envelope>,
     ready: Sender<Result<Started, String>>,
+    arrived: Arc<Arrived>,
 ) {
-    let opened = state::open_worker_driver().and_then(|driver| {
+    // A listener is reached first: a wrong path says so, whatever the driver.
+    let conn = match &source {
+        Source::Inherited => Ok(None),
+        Source::Listener(path) => {
+            let deadline = std::time::Instant::now() + CONNECT_TIMEOUT;
+            poolipc_transport::connect_private(path, deadline)
+                .map(Some)
+                .map_err(|e| {
+                    format!(
+                        "{CONNECT_REFUSED}: no poolipc parent listens at {}: {e}",
+                        path.display()
+                    )
+                })
+        }
+    };
+    let opened = conn.and_then(|conn| {
+        let driver = state::open_worker_driver()?;
         let sim = state::is_sim(&*driver);
-        poolipc::Worker::from_env_with(driver, device)
-            .map(|w| (w, sim))
-            .map_err(|e| format!("poolipc: starting the worker: {e}"))
+        let worker = match conn {
+            None => poolipc::Worker::from_env_with(driver, device)
+                .map_err(|e| format!("poolipc: starting the worker: {e}")),
+            Some(conn) => poolipc::Worker::connect_with(driver, device, conn).map_err(|e| {
+                format!("poolipc: the parent's listener did not take this worker: {e}")
+            }),
+        };
+        worker.map(|w| (w, sim))
     });
     let (mut worker, sim) = match opened {
         Ok(w) => w,
@@ -121,96 +165,212 @@ fn thread_main(
             _ => Err("poolipc: not a copy".into()),
         }
     };
-    while let Ok((cmd, reply)) = rx.recv() {
-        match cmd {
-            Cmd::NextJob => {}
-            Cmd::StreamWait { waiter, on } => {
-                let _ = reply.send(stream_wait(waiter, on));
-                continue;
-            }
-            c @ (Cmd::Read(..) | Cmd::Write(..)) => {
-                let _ = reply.send(copy(c));
-                continue;
-            }
-            _ => {
-                let _ = reply.send(Err("poolipc: no job is open".into()));
-                continue;
-            }
+    // Open jobs, set aside between commands: several may be open at once (leases).
+    let mut held: HashMap<u64, poolipc::HeldJob> = HashMap::new();
+    // Taking jobs as they come (`auto_take`): between commands, the socket is polled.
+    let mut auto = false;
+    // The parent said goodbye while jobs were taken in the background: once the last held
+    // job is finished the thread ends, dropping the worker, which closes the socket: the
+    // parent's `stop` of a worker it did not start waits for that.
+    let mut parting = false;
+    loop {
+        if parting && held.is_empty() {
+            break;
         }
-        let mut job = match worker.next_job() {
-            Ok(Some(job)) => job,
-            Ok(None) => {
-                let _ = reply.send(Ok(Reply::Job(None)));
-                continue;
+        let next = if auto {
+            match rx.try_recv() {
+                Ok(m) => Some(m),
+                Err(std::sync::mpsc::TryRecvError::Empty) => None,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
             }
-            Err(e) => {
-                let _ = reply.send(Err(format!("poolipc: waiting for a job: {e}")));
-                continue;
+        } else {
+            match rx.recv() {
+                Ok(m) => Some(m),
+                Err(_) => break,
             }
         };
-        let inputs = job
-            .inputs()
-            .iter()
-            .map(|v| ViewInfo {
-                ptr: v.ptr(),
-                dtype: v.desc().dtype,
-                shape: v.desc().shape.clone(),
-                strides: v.desc().strides_or_contiguous(),
-                nbytes: v.byte_len(),
-                rung: v.rung().to_string(),
-                read_only: v.read_only(),
-            })
-            .collect();
-        let _ = reply.send(Ok(Reply::Job(Some((job.id().0, inputs)))));
-        // The job is open: serve its commands until it is finished, failed, or dropped.
-        loop {
-            let Ok((cmd, reply)) = rx.recv() else {
-                // The Python side is gone: the drop of `job` finishes it.
-                return;
-            };
-            let answer = match cmd {
-                Cmd::Request(shapes) => match job.request_results(&shapes) {
-                    Ok(views) => Ok(Reply::Results(
-                        views
-                            .iter()
-                            .map(|v| ViewInfo {
-                                ptr: v.ptr(),
-                                dtype: v.shape().dtype,
-                                shape: v.shape().shape.clone(),
-                                strides: poolipc::TensorDesc::contiguous_strides(&v.shape().shape),
-                                nbytes: v.bytes(),
-                                rung: v.rung().to_string(),
-                                read_only: false,
-                            })
-                            .collect(),
-                    )),
-                    Err(e) => Err(format!("poolipc: requesting results: {e}")),
-                },
-                Cmd::StreamWait { waiter, on } => stream_wait(waiter, on),
-                c @ (Cmd::Read(..) | Cmd::Write(..)) => copy(c),
-                Cmd::Finish => {
-                    let r = job
-                        .finish()
-                        .map(|()| Reply::Ok)
-                        .map_err(|e| format!("poolipc: finishing the job: {e}"));
-                    let _ = reply.send(r);
-                    break;
+        let Some((cmd, reply)) = next else {
+            let gone = match worker.next_job_within(AUTO_POLL) {
+                Ok(poolipc::NextJob::Job(job)) => {
+                    let id = job.id().0;
+                    let inputs = input_infos(&job);
+                    held.insert(id, job.hold());
+                    arrived.push(id, inputs);
+                    false
                 }
-                Cmd::Fail(msg) => {
-                    let r = job
-                        .fail(&msg)
-                        .map(|()| Reply::Ok)
-                        .map_err(|e| format!("poolipc: failing the job: {e}"));
-                    let _ = reply.send(r);
-                    break;
-                }
-                Cmd::NextJob => {
-                    Err("poolipc: the previous job is still open; finish it first".into())
+                Ok(poolipc::NextJob::Idle) => false,
+                Ok(poolipc::NextJob::Gone) => true,
+                Err(e) => {
+                    auto = false;
+                    arrived.end(Some(format!("poolipc: waiting for a job: {e}")));
+                    false
                 }
             };
-            let _ = reply.send(answer);
+            if gone {
+                auto = false;
+                parting = true;
+                // Jobs that arrived but were never handed out: nobody will finish them.
+                for id in arrived.end_and_drain(None) {
+                    if let Some(h) = held.remove(&id)
+                        && let Ok(job) = worker.resume(h)
+                    {
+                        let _ = job.fail("the parent said goodbye before this job was taken");
+                    }
+                }
+            }
+            continue;
+        };
+        let answer = match cmd {
+            Cmd::AutoTake => {
+                auto = true;
+                Ok(Reply::Ok)
+            }
+            Cmd::StreamWait { waiter, on } => stream_wait(waiter, on),
+            c @ (Cmd::Read(..) | Cmd::Write(..)) => copy(c),
+            Cmd::NextJob { concurrent } if !concurrent && !held.is_empty() => {
+                Err("poolipc: the previous job is still open; finish it first".into())
+            }
+            Cmd::NextJob { .. } if auto => Err(
+                "poolipc: this worker takes its jobs in the background (auto_take); use take()"
+                    .into(),
+            ),
+            Cmd::NextJob { .. } => match worker.next_job() {
+                Ok(Some(job)) => {
+                    let id = job.id().0;
+                    let inputs = input_infos(&job);
+                    held.insert(id, job.hold());
+                    Ok(Reply::Job(Some((id, inputs))))
+                }
+                Ok(None) => Ok(Reply::Job(None)),
+                Err(e) => Err(format!("poolipc: waiting for a job: {e}")),
+            },
+            Cmd::Request(id, shapes) => match take_up(&mut worker, &mut held, id) {
+                Err(e) => Err(e),
+                Ok(mut job) => {
+                    let answer = match job.request_results(&shapes) {
+                        Ok(views) => Ok(Reply::Results(
+                            views
+                                .iter()
+                                .map(|v| ViewInfo {
+                                    ptr: v.ptr(),
+                                    dtype: v.shape().dtype,
+                                    shape: v.shape().shape.clone(),
+                                    strides: poolipc::TensorDesc::contiguous_strides(
+                                        &v.shape().shape,
+                                    ),
+                                    nbytes: v.bytes(),
+                                    rung: v.rung().to_string(),
+                                    read_only: false,
+                                })
+                                .collect(),
+                        )),
+                        Err(e) => Err(format!("poolipc: requesting results: {e}")),
+                    };
+                    held.insert(id, job.hold());
+                    answer
+                }
+            },
+            Cmd::Finish(id) => take_up(&mut worker, &mut held, id).and_then(|job| {
+                job.finish()
+                    .map(|()| Reply::Ok)
+                    .map_err(|e| format!("poolipc: finishing the job: {e}"))
+            }),
+            Cmd::Fail(id, msg) => take_up(&mut worker, &mut held, id).and_then(|job| {
+                job.fail(&msg)
+                    .map(|()| Reply::Ok)
+                    .map_err(|e| format!("poolipc: failing the job: {e}"))
+            }),
+        };
+        let _ = reply.send(answer);
+    }
+    arrived.end(None);
+    // The Python side is gone: every job still open is taken up and dropped, which reports
+    // it failed and finishes it, so the parent is not left waiting.
+    for (_, h) in held.drain() {
+        if let Ok(job) = worker.resume(h) {
+            drop(job);
         }
     }
+}
+
+/// How long the thread, taking jobs in the background, waits for the parent's next frame
+/// before it looks at its commands again: the most a command waits behind that poll.
+const AUTO_POLL: std::time::Duration = std::time::Duration::from_micros(500);
+
+fn input_infos(job: &poolipc::Job<'_>) -> Vec<ViewInfo> {
+    job.inputs()
+        .iter()
+        .map(|v| ViewInfo {
+            ptr: v.ptr(),
+            dtype: v.desc().dtype,
+            shape: v.desc().shape.clone(),
+            strides: v.desc().strides_or_contiguous(),
+            nbytes: v.byte_len(),
+            rung: v.rung().to_string(),
+            read_only: v.read_only(),
+        })
+        .collect()
+}
+
+/// Jobs the thread took in the background, for `NativeWorker.take`.
+#[derive(Default)]
+pub(crate) struct Arrived {
+    queue: Mutex<ArrivedQueue>,
+    changed: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct ArrivedQueue {
+    jobs: std::collections::VecDeque<(u64, Vec<ViewInfo>)>,
+    /// No more will come: the parent said goodbye or went away (None), or an error.
+    ended: Option<Option<String>>,
+}
+
+impl Arrived {
+    fn push(&self, id: u64, inputs: Vec<ViewInfo>) {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .jobs
+            .push_back((id, inputs));
+        self.changed.notify_all();
+    }
+
+    /// Ends the queue and gives back the ids of the jobs still in it.
+    fn end_and_drain(&self, why: Option<String>) -> Vec<u64> {
+        let mut q = self
+            .queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        q.ended.get_or_insert(why);
+        let ids = q.jobs.drain(..).map(|(id, _)| id).collect();
+        drop(q);
+        self.changed.notify_all();
+        ids
+    }
+
+    fn end(&self, why: Option<String>) {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .ended
+            .get_or_insert(why);
+        self.changed.notify_all();
+    }
+}
+
+/// The held job `id`, taken up again on `worker`.
+fn take_up<'w>(
+    worker: &'w mut poolipc::Worker,
+    held: &mut HashMap<u64, poolipc::HeldJob>,
+    id: u64,
+) -> Result<poolipc::Job<'w>, String> {
+    let h = held
+        .remove(&id)
+        .ok_or_else(|| format!("poolipc: job {id} is not open on this worker"))?;
+    worker
+        .resume(h)
+        .map_err(|e| format!("poolipc: taking up job {id}: {e}"))
 }
 
 /// The channel to the worker thread.
@@ -253,9 +413,47 @@ impl Link {
 /// What every view of a job shares: whether the job is still open, how many DLPack tensors
 /// made from its views are alive, and the consumer streams DONE must come after.
 pub(crate) struct JobLife {
+    id: u64,
     open: AtomicBool,
     pub(crate) live_exports: AtomicUsize,
     consumer_streams: Mutex<Vec<u64>>,
+    /// Set by `Job.lease()`: the job ends when the last export (or lease hold) is dropped.
+    release_on_drop: AtomicBool,
+    link: Arc<Link>,
+    job_stream: u64,
+}
+
+impl JobLife {
+    /// One export (a DLPack tensor, or a lease's hold) is gone. The last one of a leased job
+    /// ends it: DONE after every consumer stream, imports freed, ACK, posted to the worker
+    /// thread without waiting (this runs in a DLPack deleter, on whatever thread frees the
+    /// tensor, with or without the GIL).
+    pub(crate) fn export_released(&self) {
+        let before = self.live_exports.fetch_sub(1, Ordering::AcqRel);
+        if before == 1 && self.release_on_drop.load(Ordering::Acquire) {
+            self.end_posted();
+        }
+    }
+
+    /// Ends the job from any thread, without waiting for the worker thread: once.
+    fn end_posted(&self) {
+        if !self.open.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let streams = std::mem::take(
+            &mut *self
+                .consumer_streams
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for s in streams {
+            self.link.post(Cmd::StreamWait {
+                waiter: StreamHandle(self.job_stream),
+                on: StreamHandle(s),
+            });
+        }
+        self.link.post(Cmd::Finish(self.id));
+    }
 }
 
 /// A worker process's side of poolipc. Made from the environment its parent set
@@ -281,17 +479,11 @@ pub(crate) struct NativeWorker {
     /// Whether the worker is on the simulated driver (its parent was).
     #[pyo3(get)]
     simulated: bool,
+    arrived: Arc<Arrived>,
 }
 
-#[pymethods]
 impl NativeWorker {
-    /// `device`: this process's ordinal of the parent's device; `None` for whichever device
-    /// has the parent's UUID (ordinals differ when the processes' `CUDA_VISIBLE_DEVICES`
-    /// differ); with `any=True`, the ordinal to work on wherever the parent's pool is (peer
-    /// access, else host staging). See `poolipc::WorkerDevice`.
-    #[new]
-    #[pyo3(signature = (device = Some(0), any = false), text_signature = "(device=0, any=False)")]
-    fn new(py: Python<'_>, device: Option<u32>, any: bool) -> PyResult<Self> {
+    fn start(py: Python<'_>, source: Source, device: Option<u32>, any: bool) -> PyResult<Self> {
         let device = match (device, any) {
             (Some(n), false) => poolipc::WorkerDevice::Exactly(n),
             (Some(n), true) => poolipc::WorkerDevice::Any(n),
@@ -299,9 +491,13 @@ impl NativeWorker {
         };
         let (tx, rx) = channel::<Envelope>();
         let (rtx, rrx) = channel();
+        let arrived = Arc::new(Arrived::default());
         let thread = std::thread::Builder::new()
             .name("poolipc-worker".into())
-            .spawn(move || thread_main(device, rx, rtx))
+            .spawn({
+                let arrived = Arc::clone(&arrived);
+                move || thread_main(source, device, rx, rtx, arrived)
+            })
             .map_err(|e| err(format!("poolipc: starting the worker thread: {e}")))?;
         let started = py
             .detach(move || rrx.recv())
@@ -310,6 +506,9 @@ impl NativeWorker {
             Ok(s) => s,
             Err(e) => {
                 let _ = thread.join();
+                if e.starts_with(CONNECT_REFUSED) {
+                    return Err(ConnectError::new_err(e));
+                }
                 return Err(err(e));
             }
         };
@@ -321,39 +520,155 @@ impl NativeWorker {
             stream,
             device,
             simulated,
+            arrived,
         })
     }
 
-    /// Waits for the next job; None when the parent said goodbye or went away.
-    fn next_job(&self, py: Python<'_>) -> PyResult<Option<Job>> {
-        match self.link.call(py, Cmd::NextJob)? {
+    /// A Python `Job` over what the thread reported of a job it took.
+    fn make_job(&self, py: Python<'_>, id: u64, inputs: Vec<ViewInfo>) -> PyResult<Job> {
+        let life = Arc::new(JobLife {
+            id,
+            open: AtomicBool::new(true),
+            live_exports: AtomicUsize::new(0),
+            consumer_streams: Mutex::new(Vec::new()),
+            release_on_drop: AtomicBool::new(false),
+            link: Arc::clone(&self.link),
+            job_stream: self.stream,
+        });
+        let views = inputs
+            .into_iter()
+            .map(|info| {
+                Py::new(
+                    py,
+                    View::new(info, false, &life, &self.link, self.stream, self.device),
+                )
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(Job {
+            id,
+            link: Arc::clone(&self.link),
+            life,
+            stream: self.stream,
+            device: self.device,
+            inputs: views,
+            results: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+#[pymethods]
+impl NativeWorker {
+    /// `device`: this process's ordinal of the parent's device; `None` for whichever device
+    /// has the parent's UUID (ordinals differ when the processes' `CUDA_VISIBLE_DEVICES`
+    /// differ); with `any=True`, the ordinal to work on wherever the parent's pool is (peer
+    /// access, else host staging). See `poolipc::WorkerDevice`.
+    #[new]
+    #[pyo3(signature = (device = Some(0), any = false), text_signature = "(device=0, any=False)")]
+    fn new(py: Python<'_>, device: Option<u32>, any: bool) -> PyResult<Self> {
+        NativeWorker::start(py, Source::Inherited, device, any)
+    }
+
+    /// Connects to a parent's listening socket at `path` (`Parent.listen`): the worker of a
+    /// process the parent did not start. `device` and `any` as for the constructor.
+    ///
+    /// Raises `ConnectError` when nothing listens at `path` (no such socket, the listener is
+    /// closed, the parent is gone) or the listener runs as another user; `PoolipcError` when
+    /// the handshake fails or no device fits.
+    #[staticmethod]
+    #[pyo3(signature = (path, device = Some(0), any = false), text_signature = "(path, device=0, any=False)")]
+    fn connect(py: Python<'_>, path: PathBuf, device: Option<u32>, any: bool) -> PyResult<Self> {
+        crate::listen::check_socket_path(&path)?;
+        NativeWorker::start(py, Source::Listener(path), device, any)
+    }
+
+    /// Waits for the next job; None when the parent said goodbye or went away. With
+    /// `concurrent=True` it takes the next job also while others are open (leases: each is
+    /// finished on its own, in any order); otherwise a job still open is a `PoolipcError`.
+    #[pyo3(signature = (concurrent = false))]
+    fn next_job(&self, py: Python<'_>, concurrent: bool) -> PyResult<Option<Job>> {
+        match self.link.call(py, Cmd::NextJob { concurrent })? {
             Reply::Job(None) => Ok(None),
-            Reply::Job(Some((id, inputs))) => {
-                let life = Arc::new(JobLife {
-                    open: AtomicBool::new(true),
-                    live_exports: AtomicUsize::new(0),
-                    consumer_streams: Mutex::new(Vec::new()),
-                });
-                let views = inputs
-                    .into_iter()
-                    .map(|info| {
-                        Py::new(
-                            py,
-                            View::new(info, false, &life, &self.link, self.stream, self.device),
-                        )
-                    })
-                    .collect::<PyResult<Vec<_>>>()?;
-                Ok(Some(Job {
-                    id,
-                    link: Arc::clone(&self.link),
-                    life,
-                    stream: self.stream,
-                    device: self.device,
-                    inputs: views,
-                    results: Mutex::new(Vec::new()),
-                }))
-            }
+            Reply::Job(Some((id, inputs))) => self.make_job(py, id, inputs).map(Some),
             _ => Err(err("poolipc: unexpected answer from the worker thread")),
+        }
+    }
+
+    /// From now on the worker's thread takes jobs as they come, between the commands of
+    /// the jobs it holds (several may be open at once); `take` hands them out. Needed where
+    /// nothing else waits for jobs: the parent's canary battery is answered as it arrives.
+    /// `next_job` is refused from then on.
+    fn auto_take(&self, py: Python<'_>) -> PyResult<()> {
+        self.link.call(py, Cmd::AutoTake).map(|_| ())
+    }
+
+    /// A job taken in the background (`auto_take`): the one with id `job`, or the first to
+    /// arrive when `job` is None; others stay queued. Waits at most `timeout` seconds (None:
+    /// until it comes), the GIL released. None when the parent said goodbye or went away
+    /// and no such job is queued. Raises `TimeoutError` when it did not come in time,
+    /// `PoolipcError` when taking jobs failed (the message says why), `ValueError` for a
+    /// negative timeout.
+    #[pyo3(signature = (job = None, timeout = None))]
+    fn take(
+        &self,
+        py: Python<'_>,
+        job: Option<u64>,
+        timeout: Option<f64>,
+    ) -> PyResult<Option<Job>> {
+        let deadline = match timeout {
+            None => None,
+            Some(t) if t.is_finite() && t >= 0.0 => Some(
+                std::time::Instant::now()
+                    + std::time::Duration::try_from_secs_f64(t).unwrap_or(std::time::Duration::MAX),
+            ),
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "poolipc: timeout={t} is not a timeout: give seconds, 0 or more, or None"
+                )));
+            }
+        };
+        let slice = std::time::Duration::from_millis(50);
+        loop {
+            let arrived = &self.arrived;
+            let got = py.detach(move || {
+                let pick = |q: &mut ArrivedQueue| {
+                    let at = match job {
+                        Some(id) => q.jobs.iter().position(|(j, _)| *j == id),
+                        None => (!q.jobs.is_empty()).then_some(0),
+                    };
+                    at.and_then(|i| q.jobs.remove(i))
+                };
+                let mut q = arrived
+                    .queue
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if let Some(found) = pick(&mut q) {
+                    return Some(Ok(found));
+                }
+                if let Some(why) = &q.ended {
+                    return Some(Err(why.clone()));
+                }
+                let wait = deadline.map_or(slice, |d| {
+                    slice.min(d.saturating_duration_since(std::time::Instant::now()))
+                });
+                let (mut q, _) = arrived
+                    .changed
+                    .wait_timeout(q, wait)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                pick(&mut q).map(Ok)
+            });
+            match got {
+                Some(Ok((id, inputs))) => return self.make_job(py, id, inputs).map(Some),
+                Some(Err(None)) => return Ok(None),
+                Some(Err(Some(why))) => return Err(err(why)),
+                None => {}
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return Err(pyo3::exceptions::PyTimeoutError::new_err(match job {
+                    Some(id) => format!("poolipc: job {id} did not arrive in time"),
+                    None => "poolipc: no job arrived in time".to_owned(),
+                }));
+            }
         }
     }
 
@@ -474,6 +789,27 @@ impl Job {
         self.life.live_exports.load(Ordering::Acquire)
     }
 
+    /// Makes the job a lease: instead of `finish`, it ends by itself once every tensor made
+    /// from its views by DLPack has been freed and the returned `LeaseHold` released
+    /// (`release()`, or dropped). Ending it is what `finish` does: DONE after every consumer
+    /// stream that took a view, imports freed, ACK; it is posted to the worker's thread from
+    /// whichever thread frees the last tensor. The `Job` object may be dropped meanwhile.
+    /// Views themselves hold nothing: take the tensors you need before releasing the hold.
+    ///
+    /// Raises `ExpiredViewError` once the job ended.
+    fn lease(&self) -> PyResult<LeaseHold> {
+        if !self.life.open.load(Ordering::Acquire) {
+            return Err(ExpiredViewError::new_err(
+                "poolipc: this job has already ended",
+            ));
+        }
+        self.life.live_exports.fetch_add(1, Ordering::AcqRel);
+        self.life.release_on_drop.store(true, Ordering::Release);
+        Ok(LeaseHold {
+            life: Mutex::new(Some(Arc::clone(&self.life))),
+        })
+    }
+
     /// Asks the parent for result memory, shape first: `shapes` is a list of
     /// `(dtype, shape)`. Returns the new result buffers (contiguous).
     ///
@@ -503,7 +839,7 @@ impl Job {
                 Ok(shape)
             })
             .collect::<PyResult<Vec<_>>>()?;
-        match self.link.call(py, Cmd::Request(shapes)) {
+        match self.link.call(py, Cmd::Request(self.id, shapes)) {
             Ok(Reply::Results(infos)) => {
                 let mut new = Vec::with_capacity(infos.len());
                 for info in infos {
@@ -535,13 +871,13 @@ impl Job {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .extend(s);
         }
-        self.end(py, Cmd::Finish)
+        self.end(py, Cmd::Finish(self.id))
     }
 
     /// Reports the job as failed to the parent (its `run` raises `JobFailedError` with
     /// `message`), then ends it like `finish`.
     fn fail(&self, py: Python<'_>, message: String) -> PyResult<()> {
-        self.end(py, Cmd::Fail(message))
+        self.end(py, Cmd::Fail(self.id, message))
     }
 
     /// Returns the job itself; leaving the `with` block finishes or fails it (`__exit__`).
@@ -590,9 +926,77 @@ impl Job {
 
 impl Drop for Job {
     fn drop(&mut self) {
+        if self.life.release_on_drop.load(Ordering::Acquire) {
+            // A lease: its last export or hold ends it.
+            return;
+        }
         if self.life.open.swap(false, Ordering::AcqRel) {
             // Dropped without finish: finish it, so the parent is not left waiting.
-            self.link.post(Cmd::Finish);
+            self.link.post(Cmd::Finish(self.id));
+        }
+    }
+}
+
+/// What `Job.lease()` returns: while it is held, the leased job stays open even with no
+/// tensor made from it alive. `release()` (or dropping it) lets the job end once its last
+/// tensor is freed.
+#[pyclass(module = "poolipc", frozen)]
+pub(crate) struct LeaseHold {
+    life: Mutex<Option<Arc<JobLife>>>,
+}
+
+#[pymethods]
+impl LeaseHold {
+    /// Releases the hold (once; later calls do nothing). The job ends now if no tensor
+    /// made from it is alive, else when the last one is freed.
+    fn release(&self) {
+        let life = self
+            .life
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(l) = life {
+            l.export_released();
+        }
+    }
+
+    /// The leased job's id.
+    #[getter]
+    fn job(&self) -> Option<u64> {
+        self.life
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(|l| l.id)
+    }
+
+    /// Whether the leased job is still open (a released hold says False).
+    #[getter]
+    fn open(&self) -> bool {
+        self.life
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .is_some_and(|l| l.open.load(Ordering::Acquire))
+    }
+
+    fn __repr__(&self) -> String {
+        match self.job() {
+            Some(id) => format!("LeaseHold(job={id}, open={})", self.open()),
+            None => "LeaseHold(released)".into(),
+        }
+    }
+}
+
+impl Drop for LeaseHold {
+    fn drop(&mut self) {
+        if let Some(l) = self
+            .life
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            l.export_released();
         }
     }
 }

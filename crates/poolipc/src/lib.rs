@@ -60,7 +60,8 @@ pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_transport::{DType, JobId};
 pub use tensor::{ResultShape, Rung, TensorDesc};
 pub use worker::{
-    FAILPOINT_ENV, InputView, Job, ResultView, WORKER_SPIN_ENV, Worker, WorkerDevice, failpoint,
+    FAILPOINT_ENV, HeldJob, InputView, Job, NextJob, ResultView, WORKER_SPIN_ENV, Worker,
+    WorkerDevice, failpoint,
 };
 
 /// Results of this crate.

@@ -36,7 +36,7 @@ use poolipc_transport::{
 };
 
 pub use device::WorkerDevice;
-pub use job::{InputView, Job, ResultView};
+pub use job::{HeldJob, InputView, Job, ResultView};
 
 use crate::error::Error;
 use crate::staging::{StagingChannel, StagingConfig};
@@ -142,6 +142,17 @@ struct Started {
     job: JobId,
     inputs: Vec<LentTensor>,
     slice: Option<LentSlice>,
+}
+
+/// What [`Worker::next_job_within`] found.
+#[derive(Debug)]
+pub enum NextJob<'w> {
+    /// A job.
+    Job(Job<'w>),
+    /// Nothing began to arrive in the time given: ask again.
+    Idle,
+    /// The parent said goodbye (after the jobs it lent before that) or went away.
+    Gone,
 }
 
 /// The worker side of poolipc.
@@ -389,6 +400,22 @@ impl Worker {
     /// The parent's canary jobs are answered in here; user code never sees them. A job the
     /// parent cancelled before it was handed out is finished at once, untouched.
     pub fn next_job(&mut self) -> Result<Option<Job<'_>>, Error> {
+        match self.next_job_by(None)? {
+            NextJob::Job(job) => Ok(Some(job)),
+            NextJob::Idle | NextJob::Gone => Ok(None),
+        }
+    }
+
+    /// Like [`next_job`](Worker::next_job), waiting at most `wait` for the parent's next
+    /// frame: [`NextJob::Idle`] when none began to arrive by then. A frame that began to
+    /// arrive is read whole (its own deadline bounds it), so nothing is cut off. For a worker
+    /// whose thread has other things to do between jobs (the Python binding's, which serves
+    /// the commands of jobs it holds open while it looks for the next one).
+    pub fn next_job_within(&mut self, wait: Duration) -> Result<NextJob<'_>, Error> {
+        self.next_job_by(Some(Instant::now() + wait))
+    }
+
+    fn next_job_by(&mut self, idle_by: Option<Instant>) -> Result<NextJob<'_>, Error> {
         loop {
             if let Some(started) = self.started.pop_front() {
                 if self.cancelled.contains(&started.job) {
@@ -400,20 +427,61 @@ impl Worker {
                     self.answer_canary(started)?;
                     continue;
                 }
-                let job = self.job(started).map(Some);
+                let job = self.job(started).map(NextJob::Job);
                 crate::probe::mark("w.job");
                 return job;
             }
             if self.stopping {
-                return Ok(None);
+                return Ok(NextJob::Gone);
+            }
+            if let Some(by) = idle_by
+                && self.backlog.is_empty()
+                && !self.readable_by(by)?
+            {
+                return Ok(NextJob::Idle);
             }
             match self.next_frame() {
                 Ok((message, fds)) => {
                     crate::probe::mark("w.recv");
                     self.take(message, fds)?;
                 }
-                Err(e) if e.is_peer_gone() => return Ok(None),
+                Err(e) if e.is_peer_gone() => return Ok(NextJob::Gone),
                 Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Whether the parent's socket has something to read (or hung up) by `by`.
+    ///
+    /// Bytes the connection read already count (a poll would not see them); within the
+    /// worker's [spin](Worker::set_spin) it polls without sleeping.
+    fn readable_by(&self, by: Instant) -> Result<bool, Error> {
+        if self.conn.buffered() {
+            return Ok(true);
+        }
+        let spin_until = (self.last_frame + self.spin).min(by);
+        loop {
+            let now = Instant::now();
+            let spinning = now < spin_until;
+            let ms =
+                u16::try_from(by.saturating_duration_since(now).as_millis()).unwrap_or(u16::MAX);
+            let timeout = if spinning {
+                PollTimeout::ZERO
+            } else {
+                PollTimeout::from(ms)
+            };
+            let mut pfd = [PollFd::new(self.conn.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut pfd, timeout) {
+                Ok(0) if spinning => std::hint::spin_loop(),
+                Ok(0) if Instant::now() < by => continue,
+                Ok(0) => return Ok(false),
+                Ok(_) => return Ok(true),
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(errno) => {
+                    return Err(Error::Protocol(format!(
+                        "poll on the parent's socket failed: {errno}"
+                    )));
+                }
             }
         }
     }

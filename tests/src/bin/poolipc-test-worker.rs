@@ -12,6 +12,11 @@
 //! With `POOLIPC_TEST_LATE=1` it answers as `poolipc::echo::answer_late` does: one result
 //! request per input (results carved out of the job's arena slice when they fit).
 //!
+//! With `POOLIPC_TEST_HOLD=1` it holds jobs open, two at a time (`Job::hold`): it looks for
+//! jobs with `Worker::next_job_within`, answers each, sets it aside, and once it holds two it
+//! finishes the later one first, then takes the earlier up again (`Worker::resume`) and
+//! finishes it; it prints how many times it found no job (`idle <n>`) on stderr.
+//!
 //! With `POOLIPC_TEST_GPU_FAULT=1` its first job's kernel faults: a store through an address
 //! nothing maps (`Driver::launch_store_kernel`); the job fails with the driver's error and
 //! the worker, its context gone, goes on answering as a real worker whose code raised would.
@@ -50,6 +55,9 @@ fn run() -> anyhow::Result<usize> {
     let gate = std::env::var_os("POOLIPC_TEST_GATE").map(std::path::PathBuf::from);
     let report = std::env::var_os("POOLIPC_TEST_REPORT").map(std::path::PathBuf::from);
     let mut fault = std::env::var_os("POOLIPC_TEST_GPU_FAULT").is_some();
+    if std::env::var_os("POOLIPC_TEST_HOLD").is_some() {
+        return serve_holding(&mut worker);
+    }
     if std::env::var_os("POOLIPC_TEST_LATE").is_some() {
         return Ok(poolipc::echo::serve_late(&mut worker, None)?);
     }
@@ -99,6 +107,40 @@ fn run() -> anyhow::Result<usize> {
         job.finish()?;
         served += 1;
     }
+    Ok(served)
+}
+
+/// `POOLIPC_TEST_HOLD`: two jobs open at once, finished in the reverse of their order.
+fn serve_holding(worker: &mut poolipc::Worker) -> anyhow::Result<usize> {
+    let mut held: Vec<poolipc::HeldJob> = Vec::new();
+    let (mut served, mut idle) = (0, 0usize);
+    loop {
+        let mut job = match worker.next_job_within(std::time::Duration::from_millis(20))? {
+            poolipc::NextJob::Idle => {
+                idle += 1;
+                continue;
+            }
+            poolipc::NextJob::Gone => break,
+            poolipc::NextJob::Job(job) => job,
+        };
+        poolipc::echo::answer(&mut job, None)?;
+        if held.is_empty() {
+            held.push(job.hold());
+            continue;
+        }
+        // The later job first, then the earlier one, taken up again.
+        job.finish()?;
+        for h in held.drain(..) {
+            worker.resume(h)?.finish()?;
+        }
+        served += 2;
+    }
+    anyhow::ensure!(
+        held.is_empty(),
+        "{} jobs still held when the parent left",
+        held.len()
+    );
+    eprintln!("poolipc-test-worker: idle {idle}");
     Ok(served)
 }
 

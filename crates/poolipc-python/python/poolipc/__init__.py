@@ -28,7 +28,13 @@ Errors: ``PoolipcError`` (a ``RuntimeError``) for anything of poolipc's;
 ``UnknownWorkerError``, a ``PoolipcError`` and a ``KeyError``, for a worker id the parent does
 not serve; ``ArenaFullError``, a ``WorkerError`` and a ``MemoryError``, when a result would pass
 the result arena's cap; ``ValueError`` for a tensor that cannot be lent (naming which input and why) and
-for options that cannot work; ``ExpiredViewError`` for a view used after its job.
+for options that cannot work; ``ExpiredViewError`` for a view used after its job; ``ConnectError``, a ``PoolipcError``, when
+``Worker.connect`` finds no parent listening at the path.
+
+Workers someone else starts (pyisolate's children): ``Parent.listen()`` gives a ``Listener``
+whose ``env()`` (``POOLIPC_CONNECT``) goes to the child, which calls ``Worker.connect()``; the
+host learns the worker's id from ``listener.accept(timeout)``. ``poolipc.pyisolate`` builds
+pyisolate's tensor transport on it.
 """
 
 from __future__ import annotations
@@ -43,12 +49,15 @@ from . import _native
 from ._native import (
     ArenaFullError,
     ArenaResult,
+    ConnectError,
+    LeaseHold,
     ContextLostError,
     DeviceBuffer,
     ExpiredViewError,
     Job,
     JobFailedError,
     MpsError,
+    NativeListener,
     PoolipcError,
     UnknownWorkerError,
     View,
@@ -76,6 +85,8 @@ __all__ = [
     "View",
     "DeviceBuffer",
     "ArenaResult",
+    "Listener",
+    "LeaseHold",
     "TensorRef",
     "PoolipcError",
     "JobFailedError",
@@ -84,6 +95,7 @@ __all__ = [
     "ArenaFullError",
     "ExpiredViewError",
     "ContextLostError",
+    "ConnectError",
     "MpsError",
     "start_mps",
     "mps_status",
@@ -99,6 +111,13 @@ __all__ = [
 ]
 
 log = logging.getLogger("poolipc")
+
+Listener = NativeListener
+"""What ``Parent.listen`` returns: ``path``, ``env()``, ``accept(timeout)``, ``refused``,
+``close()``."""
+
+CONNECT_ENV: Final = _native.CONNECT_ENV
+"""``POOLIPC_CONNECT``: where a worker started by someone else finds its parent's listener."""
 
 ALLOC_CONF: Final = "PYTORCH_CUDA_ALLOC_CONF"
 ASYNC_BACKEND: Final = "backend:cudaMallocAsync"
@@ -516,6 +535,25 @@ class Parent:
         """Start ``python script args...`` with this interpreter as a worker (see ``spawn``)."""
         return self.spawn([sys.executable, script, *args], env)
 
+    def listen(self, directory: str | os.PathLike[str] | None = None) -> NativeListener:
+        """Listen for workers this process does not start (pyisolate's children, a service
+        manager's): returns a ``Listener`` on a Unix socket in ``directory`` (it must be ours
+        and mode 0700; None: a fresh private directory under ``$XDG_RUNTIME_DIR`` or the
+        temporary directory). Give the worker process ``listener.env()`` (``POOLIPC_CONNECT``
+        = ``listener.path``, plus the simulated machine on ``POOLIPC_DRIVER=sim``); it calls
+        ``poolipc.Worker.connect()``. A background thread accepts each connection, checks that
+        the peer runs as our uid (others are refused before the handshake and listed in
+        ``listener.refused``), shakes hands and runs the canary battery; ``listener.accept(
+        timeout=None)`` returns the next accepted worker's id, for ``run``/``submit``/``stop``
+        as with ``spawn``. ``listener.close()`` stops accepting (workers taken go on).
+
+        Raises ``ValueError`` for a directory that is not private or a socket path that is
+        taken by something else, ``PoolipcError`` when the socket cannot be made.
+        ``accept`` raises ``TimeoutError`` when no worker came in time and ``PoolipcError``
+        for one that connected but was not taken (its handshake or canaries failed).
+        """
+        return self._native.listen(None if directory is None else os.fspath(directory))
+
     def pid(self, worker: int) -> int | None:
         """The worker's process id (None once it is stopped or lost); never waits for a job."""
         return self._native.pid(worker)
@@ -746,6 +784,20 @@ class Parent:
         self._native.synchronize(stream)
 
 
+def _worker_device(device: int | str | None) -> tuple[int | None, bool]:
+    """``Worker``'s ``device`` as the native worker takes it: ``(ordinal or None for the
+    parent's device, any)``. Unset: ``POOLIPC_DEVICE``, else 0."""
+    if device is None:
+        device = os.environ.get("POOLIPC_DEVICE", "0")
+    text = str(device)
+    if text == "parent":
+        return None, False
+    try:
+        return _ordinal(int(text.removeprefix("any:"))), text.startswith("any:")
+    except (ValueError, TypeError):
+        raise ValueError(f"poolipc: device {device!r} is not an ordinal, 'parent' or 'any:N'") from None
+
+
 class Worker:
     """A worker process's side. Iterate it for jobs; use each job as a context manager::
 
@@ -779,19 +831,36 @@ class Worker:
         ``"any:N"``; ``PoolipcError`` when this process was not spawned by a poolipc parent,
         the handshake fails, or no device fits (the message says why).
         """
-        if device is None:
-            device = os.environ.get("POOLIPC_DEVICE", "0")
-        text = str(device)
-        ordinal: int | None = None
-        if text != "parent":
-            try:
-                ordinal = _ordinal(int(text.removeprefix("any:")))
-            except ValueError:
-                raise ValueError(
-                    f"poolipc: device {device!r} is not an ordinal, 'parent' or 'any:N'"
-                ) from None
-        self._native = _native.NativeWorker(ordinal, any=text.startswith("any:"))
+        ordinal, any_device = _worker_device(device)
+        self._native = _native.NativeWorker(ordinal, any=any_device)
         self.device = self._native.device
+
+    @classmethod
+    def connect(
+        cls, path: str | os.PathLike[str] | None = None, device: int | str | None = None
+    ) -> Worker:
+        """The worker side of a process its parent did not start: connect to the parent's
+        listening socket at ``path`` (``Parent.listen``; None: ``POOLIPC_CONNECT`` from the
+        environment, which ``listener.env()`` sets), shake hands, and take jobs as any
+        worker does. ``device`` as for ``Worker()``.
+
+        Raises ``ValueError`` for no path (none given and ``POOLIPC_CONNECT`` unset), a path
+        too long for a Unix socket, or a bad ``device``; ``ConnectError`` when nothing
+        listens there (no such socket, the listener closed, the parent gone) or the listener
+        runs as another user; ``PoolipcError`` when the handshake fails or no device fits.
+        """
+        if path is None:
+            path = os.environ.get(CONNECT_ENV)
+            if not path:
+                raise ValueError(
+                    f"poolipc: Worker.connect() without a path needs {CONNECT_ENV} in the "
+                    "environment (the parent's listener.env() sets it)"
+                )
+        ordinal, any_device = _worker_device(device)
+        self = cls.__new__(cls)
+        self._native = _native.NativeWorker.connect(os.fspath(path), ordinal, any_device)
+        self.device = self._native.device
+        return self
 
     @property
     def stream(self) -> int:
@@ -803,10 +872,29 @@ class Worker:
         """Whether this worker is on the simulated driver (its parent was)."""
         return self._native.simulated
 
-    def next_job(self) -> Job | None:
+    def next_job(self, *, concurrent: bool = False) -> Job | None:
         """The next job (waits for it), or None when the parent said goodbye or went away.
-        ``PoolipcError`` when the worker was closed or a job is still open."""
-        return self._native.next_job()
+        ``PoolipcError`` when the worker was closed, or a job is still open and
+        ``concurrent`` is False. With ``concurrent=True`` several jobs may be open at once,
+        each finished (or leased, ``Job.lease()``) on its own, in any order: what a
+        pyisolate child does, whose tensors arrive one RPC message at a time."""
+        return self._native.next_job(concurrent)
+
+    def auto_take(self) -> None:
+        """From now on the worker's thread takes jobs as they arrive, between the commands of
+        the jobs it holds open, and ``take`` hands them out (``next_job`` is refused after
+        this). For a worker whose code does not sit in a job loop (a pyisolate child, which
+        learns of a job from an RPC message): the parent's canary battery, which runs while
+        the parent accepts the worker, is answered as it arrives."""
+        self._native.auto_take()
+
+    def take(self, job: int | None = None, timeout: float | None = None) -> Job | None:
+        """A job taken in the background (after ``auto_take``): the one with id ``job``, or
+        the first to arrive when None; others stay queued. Waits at most ``timeout`` seconds
+        (None: until it comes). None when the parent said goodbye or went away. Raises
+        ``TimeoutError`` when it did not come in time, ``PoolipcError`` when taking jobs
+        failed, ``ValueError`` for a negative timeout."""
+        return self._native.take(job, timeout)
 
     def __iter__(self) -> Iterator[Job]:
         """The jobs, until the parent says goodbye."""

@@ -30,7 +30,10 @@ __all__ = [
     "NativeWorker",
     "Job",
     "View",
+    "LeaseHold",
+    "NativeListener",
     "PoolipcError",
+    "ConnectError",
     "JobFailedError",
     "WorkerError",
     "UnknownWorkerError",
@@ -41,10 +44,13 @@ __all__ = [
     "start_mps",
     "mps_status",
     "DRIVER_ENV",
+    "CONNECT_ENV",
 ]
 
 DRIVER_ENV: Final[str]
 """The environment variable that picks the driver: ``sim`` or ``cuda`` (the default)."""
+CONNECT_ENV: Final[str]
+"""The environment variable a worker reads a listener's path from (``POOLIPC_CONNECT``)."""
 
 class PoolipcError(RuntimeError):
     """A poolipc operation failed; the message names the call and the reason."""
@@ -71,6 +77,9 @@ class ArenaFullError(WorkerError, MemoryError):
 
 class ExpiredViewError(PoolipcError):
     """A view, a result buffer or a freed DeviceBuffer was used after its memory went back."""
+
+class ConnectError(PoolipcError):
+    """A worker could not reach a parent's listening socket (``Worker.connect``)."""
 
 class ContextLostError(PoolipcError):
     """This process's CUDA context is lost (under MPS, possibly a worker's GPU fault); the
@@ -224,6 +233,8 @@ class NativeParent:
         """The process parent's options."""
     def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
         """Spawns ``argv`` as a worker; returns its id."""
+    def listen(self, directory: str | os.PathLike[str] | None = None) -> NativeListener:
+        """Listens for workers this parent does not start."""
     def pid(self, worker: int) -> int | None:
         """The worker's process id, or None."""
     def workers(self) -> list[int]:
@@ -347,6 +358,8 @@ class Job:
     @property
     def live_exports(self) -> int:
         """How many DLPack tensors made from this job's views are still alive."""
+    def lease(self) -> LeaseHold:
+        """Makes the job a lease: it ends once its last tensor and the hold are gone."""
     def request_results(self, shapes: Sequence[tuple[str, Sequence[int]]]) -> list[View]:
         """Asks the parent for result memory: ``(dtype, shape)`` each."""
     def finish(self, streams: Sequence[int] | None = None) -> None:
@@ -378,7 +391,49 @@ class NativeWorker:
     @property
     def simulated(self) -> bool:
         """Whether the worker is on the simulated driver."""
-    def next_job(self) -> Job | None:
+    @staticmethod
+    def connect(
+        path: str | os.PathLike[str], device: int | None = 0, any: bool = False
+    ) -> NativeWorker:
+        """Connects to a parent's listening socket."""
+    def next_job(self, concurrent: bool = False) -> Job | None:
         """Waits for the next job; None when the parent said goodbye."""
+    def auto_take(self) -> None:
+        """From now on the worker's thread takes jobs as they come."""
+    def take(self, job: int | None = None, timeout: float | None = None) -> Job | None:
+        """A job taken in the background (``auto_take``)."""
     def close(self) -> None:
         """Stops the worker thread."""
+
+@final
+class LeaseHold:
+    """Keeps a leased job open while held (``Job.lease()``)."""
+
+    @property
+    def job(self) -> int | None:
+        """The leased job's id (None once released)."""
+    @property
+    def open(self) -> bool:
+        """Whether the leased job is still open."""
+    def release(self) -> None:
+        """Releases the hold; the job ends when its last tensor is freed."""
+
+@final
+class NativeListener:
+    """A private listening socket of the process's parent (``Parent.listen``)."""
+
+    @property
+    def path(self) -> str:
+        """The socket's path."""
+    @property
+    def refused(self) -> list[str]:
+        """Peers refused before the handshake (another uid), in words."""
+    @property
+    def closed(self) -> bool:
+        """Whether the listener is closed."""
+    def accept(self, timeout: float | None = None) -> int:
+        """The next accepted worker's id."""
+    def env(self) -> dict[str, str]:
+        """What a worker process needs in its environment to connect."""
+    def close(self) -> None:
+        """Stops accepting and removes the socket."""

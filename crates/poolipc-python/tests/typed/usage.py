@@ -152,3 +152,45 @@ def mps_side() -> None:
         pass
     except poolipc.ContextLostError as e:
         assert_type(e, poolipc.ContextLostError)
+
+
+def listener_and_leases(parent: poolipc.Parent) -> None:
+    listener = parent.listen()
+    assert_type(listener, poolipc.Listener)
+    assert_type(listener.path, str)
+    assert_type(listener.env(), dict[str, str])
+    assert_type(listener.accept(timeout=1.0), int)
+    assert_type(listener.refused, list[str])
+    listener.close()
+    worker = poolipc.Worker.connect(listener.path, device="parent")
+    assert_type(worker, poolipc.Worker)
+    worker.auto_take()
+    job = worker.take(None, timeout=1.0)
+    assert_type(job, poolipc.Job | None)
+    if job is not None:
+        hold = job.lease()
+        assert_type(hold, poolipc.LeaseHold)
+        assert_type(hold.job, int | None)
+        hold.release()
+    assert_type(worker.next_job(concurrent=True), poolipc.Job | None)
+    try:
+        poolipc.Worker.connect("/nowhere")
+    except poolipc.ConnectError as e:
+        assert_type(e, poolipc.ConnectError)
+
+
+def pyisolate_side(parent: poolipc.Parent) -> None:
+    import poolipc.pyisolate as pp
+
+    channel = pp.HostChannel(parent, accept_timeout=5.0)
+    assert_type(channel.env(), dict[str, str])
+    assert_type(channel.connect(1.0), int)
+    assert_type(channel.worker, int | None)
+    assert_type(channel.leases_out(), int)
+    with channel.sending() as c:
+        assert_type(c, pp.HostChannel)
+    channel.close()
+    pp.register(None, child=False)
+    assert_type(pp.child_channel(), pp.ChildChannel | None)
+    assert_type(pp.PoolipcAdapter().identifier, str)
+    assert pp.LENT == "PoolipcTensor" and pp.RETURNED == "PoolipcResult"

@@ -1,4 +1,6 @@
 """A Python worker for the test suites, torch-free: POOLIPC_TEST_MODE picks its behaviour.
+With POOLIPC_CONNECT set (a parent's listener.env()) it connects by path instead of taking
+the socket its parent's spawn left.
 
 echo              a result per input, same dtype and shape, holding the input's elements
                   (gathered by strides), its first 32-bit word replaced by 0xEC40_0000 | i
@@ -216,7 +218,8 @@ def probe(job):
 
 
 def main():
-    worker = poolipc.Worker()
+    # Started by someone else (a listener's env): connect by path; spawned: the inherited socket.
+    worker = poolipc.Worker.connect() if os.environ.get(poolipc.CONNECT_ENV) else poolipc.Worker()
     with open(REPORT, "a") if REPORT else open(os.devnull, "w") as f:
         f.write(json.dumps({"started": True, "simulated": worker.simulated, "stream": worker.stream}) + "\n")
     for job in worker:

@@ -279,6 +279,80 @@ impl Job<'_> {
     }
 }
 
+/// A job set aside with [`Job::hold`] so that the worker can take the next one while this
+/// one stays open: what it holds (imports, staged copies, granted results) stays held, and
+/// the parent keeps waiting for its DONE. Take it up again with [`Worker::resume`] to ask for
+/// results, finish or fail it.
+///
+/// A worker can so hold several jobs at once and end them in any order (each has its own
+/// Done and Ack; the parent matches them by job). The parent's handoff deadline runs for a
+/// held job as for any other: one held longer than `ParentOptions::handoff_timeout` without
+/// a word costs the worker its connection.
+///
+/// Dropped without being resumed and finished, it is not finished: the parent then sees a
+/// silent job until its deadline. Finish what you hold.
+#[derive(Debug)]
+#[must_use = "a held job stays open until it is resumed and finished"]
+pub struct HeldJob {
+    id: JobId,
+    inputs: Vec<InputView>,
+    results: Vec<ResultView>,
+    slice: Option<DevicePtr>,
+}
+
+impl HeldJob {
+    /// The job's id.
+    pub fn id(&self) -> JobId {
+        self.id
+    }
+    /// The inputs, in argument order (as [`Job::inputs`]).
+    pub fn inputs(&self) -> &[InputView] {
+        &self.inputs
+    }
+    /// The results granted so far (as [`Job::results`]).
+    pub fn results(&self) -> &[ResultView] {
+        &self.results
+    }
+}
+
+impl Job<'_> {
+    /// Sets the job aside, still open, and gives the worker back: see [`HeldJob`].
+    pub fn hold(mut self) -> HeldJob {
+        // Not finished: the drop below must leave it open.
+        self.finished = true;
+        HeldJob {
+            id: self.id,
+            inputs: std::mem::take(&mut self.inputs),
+            results: std::mem::take(&mut self.results),
+            slice: self.slice,
+        }
+    }
+}
+
+impl Worker {
+    /// Takes up a job set aside with [`Job::hold`].
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] when the job is not open on this worker (it was held by another
+    /// worker, or the worker lost its parent meanwhile): the held job is dropped.
+    pub fn resume(&mut self, held: HeldJob) -> Result<Job<'_>, Error> {
+        if !self.machine.jobs().any(|j| j == held.id) {
+            return Err(Error::Protocol(format!(
+                "job {} is not open on this worker",
+                held.id.0
+            )));
+        }
+        Ok(Job {
+            worker: self,
+            id: held.id,
+            inputs: held.inputs,
+            results: held.results,
+            slice: held.slice,
+            finished: false,
+        })
+    }
+}
+
 impl Drop for Job<'_> {
     /// A job dropped without [`finish`](Job::finish) or [`fail`](Job::fail) (the worker's
     /// code returned early with an error, or panicked) is reported as failed, then finished:

@@ -1,0 +1,297 @@
+//! Workers the parent did not start: a listening socket in a private directory, whose
+//! connections a background thread hands to the facade's `Parent::accept_worker` (handshake,
+//! extra pools, canary battery). The host learns each accepted worker's id from
+//! `NativeListener.accept`.
+//!
+//! The transport's `PrivateListener` keeps other users out twice: the directory is mode 0700
+//! and ours, and every peer's `SO_PEERCRED` uid must be ours. A refused peer never reaches
+//! the handshake; it is counted and named in `refused`.
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use poolipc_transport::{PrivateListener, SetupError};
+use pyo3::exceptions::{PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{err, to_py_for};
+use crate::state::Global;
+
+/// The variable a worker started by someone else reads the listener's path from
+/// (`poolipc.Worker.connect()` without a path).
+pub(crate) const CONNECT_ENV: &str = "POOLIPC_CONNECT";
+
+/// How often the accept thread looks at its stop flag.
+const ACCEPT_SLICE: Duration = Duration::from_millis(100);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What the accept thread found, for `accept` to hand out in order.
+enum Accepted {
+    Worker(u32),
+    /// A peer of our uid that did not become a worker (handshake refused, canary failed).
+    Failed(poolipc::Error),
+}
+
+#[derive(Default)]
+struct Queue {
+    accepted: VecDeque<Accepted>,
+    /// Peers dropped before the handshake (another uid), in words.
+    refused: Vec<String>,
+    /// The thread ended (closed, or the socket failed): why, when it was not `close`.
+    ended: Option<Option<String>>,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    changed: Condvar,
+    stop: AtomicBool,
+}
+
+/// A private listening socket of the process's parent (`Parent.listen`). Its path goes to
+/// the worker process (`POOLIPC_CONNECT`, see `env`), which connects with
+/// `Worker.connect(path)`; a thread accepts, checks the peer's uid, shakes hands and runs the
+/// canary battery. `accept(timeout)` returns the next accepted worker's id.
+#[pyclass(module = "poolipc", name = "NativeListener", frozen)]
+pub(crate) struct NativeListener {
+    path: PathBuf,
+    g: Arc<Global>,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// The directory we made for it (removed at close), if we made one.
+    made_dir: Option<PathBuf>,
+}
+
+/// A fresh private directory under the runtime or temporary directory.
+fn fresh_dir() -> Result<PathBuf, String> {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let base = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_dir())
+        .unwrap_or_else(std::env::temp_dir);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let dir = base.join(format!("poolipc-{}-{n}", std::process::id()));
+    // A leftover of a process that had our pid is replaced only if it is ours and private.
+    poolipc_transport::ensure_private_dir(&dir)
+        .map_err(|e| format!("poolipc: making a private socket directory: {e}"))?;
+    Ok(dir)
+}
+
+impl NativeListener {
+    pub(crate) fn open(g: Arc<Global>, directory: Option<PathBuf>) -> PyResult<NativeListener> {
+        let (dir, made_dir) = match directory {
+            Some(d) => (d, None),
+            None => {
+                let d = fresh_dir().map_err(err)?;
+                (d.clone(), Some(d))
+            }
+        };
+        let listener = PrivateListener::bind(&dir, "worker.sock").map_err(|e| match e {
+            SetupError::InsecureDir { .. } | SetupError::PathOccupied { .. } => {
+                PyValueError::new_err(format!("poolipc: cannot listen in {}: {e}", dir.display()))
+            }
+            e => err(format!("poolipc: cannot listen in {}: {e}", dir.display())),
+        })?;
+        let path = listener.path().to_owned();
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let thread = {
+            let (g, shared) = (Arc::clone(&g), Arc::clone(&shared));
+            std::thread::Builder::new()
+                .name("poolipc-listener".into())
+                .spawn(move || accept_loop(&listener, &g, &shared))
+                .map_err(|e| err(format!("poolipc: starting the accept thread: {e}")))?
+        };
+        Ok(NativeListener {
+            path,
+            g,
+            shared,
+            thread: Mutex::new(Some(thread)),
+            made_dir,
+        })
+    }
+
+    fn stop(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+        if let Some(d) = &self.made_dir {
+            // The socket file went with the listener; the directory is ours and empty.
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+fn accept_loop(listener: &PrivateListener, g: &Arc<Global>, shared: &Shared) {
+    let end = |why: Option<String>| {
+        lock(&shared.queue).ended = Some(why);
+        shared.changed.notify_all();
+    };
+    while !shared.stop.load(Ordering::Acquire) {
+        let conn = match listener.accept(Instant::now() + ACCEPT_SLICE) {
+            Ok((conn, _peer)) => conn,
+            Err(SetupError::Timeout { .. }) => continue,
+            Err(e @ SetupError::PeerUidMismatch { .. }) => {
+                tracing::warn!(error = %e, path = %listener.path().display(), "refused a connection");
+                lock(&shared.queue).refused.push(e.to_string());
+                shared.changed.notify_all();
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the listening socket failed");
+                return end(Some(format!("the listening socket failed: {e}")));
+            }
+        };
+        let accepted = g.use_device().and_then(|()| g.parent.accept_worker(conn));
+        let item = match accepted {
+            Ok(id) => Accepted::Worker(id.0),
+            Err(e) => {
+                tracing::warn!(error = %e, "a connected worker was not taken");
+                Accepted::Failed(e)
+            }
+        };
+        lock(&shared.queue).accepted.push_back(item);
+        shared.changed.notify_all();
+    }
+    end(None);
+}
+
+#[pymethods]
+impl NativeListener {
+    /// The socket's path.
+    #[getter]
+    fn path(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    /// The next accepted worker's id, waiting at most `timeout` seconds (None: until one
+    /// comes or the listener is closed). Workers are handed out in the order they were
+    /// taken. Raises `TimeoutError` when none came in time, `PoolipcError` for a peer that
+    /// connected but was not taken (its handshake or canary battery failed: the message says
+    /// why) or a listener that is closed, `ValueError` for a negative timeout. The GIL is
+    /// released while it waits.
+    #[pyo3(signature = (timeout = None))]
+    fn accept(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u32> {
+        let deadline = match timeout {
+            None => None,
+            Some(t) if t.is_finite() && t >= 0.0 => {
+                Some(Instant::now() + Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX))
+            }
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "poolipc: timeout={t} is not a timeout: give seconds, 0 or more, or None"
+                )));
+            }
+        };
+        loop {
+            let shared = &self.shared;
+            let got = py.detach(move || {
+                let mut q = lock(&shared.queue);
+                if let Some(a) = q.accepted.pop_front() {
+                    return Some(Ok(a));
+                }
+                if let Some(why) = &q.ended {
+                    return Some(Err(why.clone()));
+                }
+                let slice = deadline.map_or(ACCEPT_SLICE, |d| {
+                    ACCEPT_SLICE.min(d.saturating_duration_since(Instant::now()))
+                });
+                let (mut q, _) = shared
+                    .changed
+                    .wait_timeout(q, slice)
+                    .unwrap_or_else(PoisonError::into_inner);
+                q.accepted.pop_front().map(Ok)
+            });
+            match got {
+                Some(Ok(Accepted::Worker(id))) => return Ok(id),
+                Some(Ok(Accepted::Failed(e))) => return Err(to_py_for(py, e, None)),
+                Some(Err(why)) => {
+                    return Err(err(format!(
+                        "poolipc: the listener at {} is closed{}",
+                        self.path.display(),
+                        why.map(|w| format!(": {w}")).unwrap_or_default()
+                    )));
+                }
+                None => {}
+            }
+            py.check_signals()?;
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(PyTimeoutError::new_err(format!(
+                    "poolipc: no worker connected to {} in time",
+                    self.path.display()
+                )));
+            }
+        }
+    }
+
+    /// What a worker process needs in its environment to connect: `POOLIPC_CONNECT` (the
+    /// path) and, on the simulated driver, the simulated machine. Pass it to whatever starts
+    /// the worker (pyisolate: the extension config's `env`).
+    fn env<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item(CONNECT_ENV, self.path.as_os_str())?;
+        if let Some((k, v)) = &self.g.child_env {
+            d.set_item(*k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// The peers refused before the handshake (another uid), in words.
+    #[getter]
+    fn refused(&self) -> Vec<String> {
+        lock(&self.shared.queue).refused.clone()
+    }
+
+    /// Whether the listener is closed.
+    #[getter]
+    fn closed(&self) -> bool {
+        lock(&self.shared.queue).ended.is_some()
+    }
+
+    /// Stops accepting and removes the socket (and the directory `listen` made). Workers
+    /// already taken go on. A handshake under way is let finish first (the parent's
+    /// `handshake_timeout` bounds it); `accept` then raises `PoolipcError`.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.stop());
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Listener(path={:?}, closed={})",
+            self.path.display().to_string(),
+            self.closed()
+        )
+    }
+}
+
+impl Drop for NativeListener {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Whether `path` could be a listener's socket path (for early, clear errors).
+pub(crate) fn check_socket_path(path: &Path) -> PyResult<()> {
+    if path.as_os_str().is_empty() {
+        return Err(PyValueError::new_err("poolipc: an empty socket path"));
+    }
+    // sun_path holds 108 bytes with the terminating NUL.
+    if path.as_os_str().len() > 107 {
+        return Err(PyValueError::new_err(format!(
+            "poolipc: socket path {} is longer than a Unix socket path may be (107 bytes)",
+            path.display()
+        )));
+    }
+    Ok(())
+}
