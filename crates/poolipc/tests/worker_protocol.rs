@@ -22,6 +22,8 @@ use poolipc_transport::{
 
 const ROLE: &str = "POOLIPC_WORKER_PROTOCOL_TEST_ROLE";
 const REPORT: &str = "POOLIPC_WORKER_PROTOCOL_TEST_REPORT";
+/// Set: the worker waits with `next_job_within` (60 s at a time) instead of `next_job`.
+const WITHIN: &str = "POOLIPC_WORKER_PROTOCOL_TEST_WITHIN";
 
 fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(30)
@@ -45,8 +47,19 @@ fn serve() -> ! {
     let mut worker = poolipc::Worker::from_env(Arc::new(sim), 0).unwrap();
     let report = PathBuf::from(std::env::var_os(REPORT).unwrap());
     let mut lines = String::new();
+    let within = std::env::var_os(WITHIN).is_some();
     loop {
-        let mut job = match worker.next_job() {
+        let next = if within {
+            match worker.next_job_within(Duration::from_secs(60)) {
+                Ok(poolipc::NextJob::Job(job)) => Ok(Some(job)),
+                Ok(poolipc::NextJob::Idle) => continue,
+                Ok(poolipc::NextJob::Gone) => Ok(None),
+                Err(e) => Err(e),
+            }
+        } else {
+            worker.next_job()
+        };
+        let mut job = match next {
             Ok(Some(job)) => job,
             Ok(None) => break,
             // A job whose views cannot be built (a malformed Lend) was finished already:
@@ -632,6 +645,43 @@ fn a_spinning_worker_serves_lends_inside_and_after_its_window_and_writes_done_wi
         assert_eq!(ack.job, JobId(job));
         s.wait_done(&done);
         poolipc::echo::verify_echo(&*s.driver, result, 4096, 0, 0x5566_7788, 0).unwrap();
+    }
+    assert_eq!(s.end(), "1 [false]\n2 [false]\n");
+}
+
+#[test]
+fn a_worker_waiting_within_a_deadline_takes_a_lend_that_came_in_the_same_read_as_the_last() {
+    // Two lends in one write: the worker reads both at once, serves the first (its code drops
+    // it: no round trip), then must find the second among the bytes it read already, not
+    // wait on the socket for it (nothing more will come: the parent waits for the answer).
+    let mut s = Script::start_with_env(
+        "a_worker_waiting_within_a_deadline_takes_a_lend_that_came_in_the_same_read_as_the_last",
+        &[(WITHIN, "1")],
+    );
+    let (_, first) = s.pooled(13, 0x0D0D_0D0D);
+    let (_, second) = s.pooled(13, 0x0E0E_0E0E);
+    let lends: Vec<Message> = [(1u64, first), (2, second)]
+        .into_iter()
+        .map(|(job, export)| {
+            Message::Lend(Lend {
+                job: JobId(job),
+                tensors: vec![s.pointer(job, job, export, 13)],
+                slice: None,
+            })
+        })
+        .collect();
+    s.conn
+        .send_many(&lends.iter().collect::<Vec<_>>(), deadline())
+        .unwrap();
+    for job in [1u64, 2] {
+        let Message::JobError { job: failed, .. } = s.recv() else {
+            panic!("job {job} was not reported failed")
+        };
+        assert_eq!(failed, JobId(job));
+        let done = s.recv();
+        assert_eq!(handles(&done), [HandoffId(job)], "job {job}'s Done");
+        assert_eq!(handles(&s.recv()), [HandoffId(job)], "job {job}'s Ack");
+        s.wait_done(&done);
     }
     assert_eq!(s.end(), "1 [false]\n2 [false]\n");
 }
