@@ -47,3 +47,19 @@ def poolipc_binary():
         return str(max(built, key=lambda p: p.stat().st_mtime))
     bundle = REPO / "target" / "gpu-bundle" / "poolipc"
     return str(bundle) if bundle.exists() else None
+
+
+def run_in_child_pytest(test_file, request, env_extra):
+    """Runs the calling test alone in a child pytest of `test_file` (a fresh interpreter, so a
+    fresh process-wide parent), on SimDriver, with `env_extra` added to its environment;
+    fails with the child's output unless exactly that one test passed."""
+    import subprocess
+
+    env = dict(os.environ, POOLIPC_DRIVER="sim", **env_extra)
+    nodeid = f"{os.path.basename(test_file)}::{request.node.name}"
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid],
+        cwd=HERE, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert p.returncode == 0, f"the child run of {nodeid} failed:\n{p.stdout}\n{p.stderr}"
+    assert "1 passed" in p.stdout, p.stdout

@@ -24,7 +24,7 @@ if "torch" in sys.modules:
 
 import poolipc  # noqa: E402
 
-from conftest import HERE, py_worker_argv  # noqa: E402
+from conftest import py_worker_argv, run_in_child_pytest  # noqa: E402
 
 CHILD = os.environ.get("POOLIPC_LISTEN_CHILD") == "1"
 
@@ -36,15 +36,7 @@ def own_process(test):
     def run(*args, **kwargs):
         if CHILD:
             return test(*args, **kwargs)
-        request = kwargs["request"]
-        env = dict(os.environ, POOLIPC_LISTEN_CHILD="1", POOLIPC_DRIVER="sim")
-        nodeid = f"{os.path.basename(__file__)}::{request.node.name}"
-        p = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid],
-            cwd=HERE, env=env, capture_output=True, text=True, timeout=300,
-        )
-        assert p.returncode == 0, f"the child run of {nodeid} failed:\n{p.stdout}\n{p.stderr}"
-        assert "1 passed" in p.stdout, p.stdout
+        run_in_child_pytest(__file__, kwargs["request"], {"POOLIPC_LISTEN_CHILD": "1"})
 
     return run
 

@@ -16,7 +16,6 @@ import functools
 import logging
 import os
 import struct
-import subprocess
 import sys
 import time
 
@@ -33,7 +32,7 @@ pyisolate = pytest.importorskip("pyisolate")
 import poolipc  # noqa: E402
 import poolipc.pyisolate as pp  # noqa: E402
 
-from conftest import HERE  # noqa: E402
+from conftest import run_in_child_pytest  # noqa: E402
 
 CHILD = os.environ.get("POOLIPC_PYISO_CHILD") == "1"
 
@@ -47,17 +46,10 @@ def own_process(test=None, *, handoff_timeout=None):
     def run(*args, **kwargs):
         if CHILD:
             return test(*args, **kwargs)
-        request = kwargs["request"]
-        env = dict(os.environ, POOLIPC_PYISO_CHILD="1", POOLIPC_DRIVER="sim")
+        extra = {"POOLIPC_PYISO_CHILD": "1"}
         if handoff_timeout is not None:
-            env["POOLIPC_PYISO_HANDOFF"] = str(handoff_timeout)
-        nodeid = f"{os.path.basename(__file__)}::{request.node.name}"
-        p = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid],
-            cwd=HERE, env=env, capture_output=True, text=True, timeout=300,
-        )
-        assert p.returncode == 0, f"the child run of {nodeid} failed:\n{p.stdout}\n{p.stderr}"
-        assert "1 passed" in p.stdout, p.stdout
+            extra["POOLIPC_PYISO_HANDOFF"] = str(handoff_timeout)
+        run_in_child_pytest(__file__, kwargs["request"], extra)
 
     return run
 
