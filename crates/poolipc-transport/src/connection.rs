@@ -204,16 +204,7 @@ impl RecvBuf {
         let mut pos = self.start;
         loop {
             let frame_at = self.offset + (pos - self.start) as u64;
-            let Some(header) = self
-                .buf
-                .get(pos..pos + HEADER_LEN)
-                .filter(|_| pos + HEADER_LEN <= self.end)
-            else {
-                return frame_at;
-            };
-            let mut h = [0u8; HEADER_LEN];
-            h.copy_from_slice(header);
-            let Ok(header) = FrameHeader::parse(&h, limits) else {
+            let Ok(header) = self.header_at(pos, limits) else {
                 return frame_at;
             };
             let len = HEADER_LEN + header.payload_len;
@@ -222,6 +213,21 @@ impl RecvBuf {
             }
             pos += len;
         }
+    }
+
+    /// The frame header at `buf[pos..]`: `DecodeError::Truncated` when not all of it has
+    /// been read yet, else what [`FrameHeader::parse`] makes of it.
+    fn header_at(&self, pos: usize, limits: FrameLimits) -> Result<FrameHeader, DecodeError> {
+        let bytes: [u8; HEADER_LEN] = self
+            .buf
+            .get(pos..pos + HEADER_LEN)
+            .filter(|_| pos + HEADER_LEN <= self.end)
+            .and_then(|b| b.try_into().ok())
+            .ok_or(DecodeError::Truncated {
+                needed: HEADER_LEN,
+                available: self.end.saturating_sub(pos),
+            })?;
+        FrameHeader::parse(&bytes, limits)
     }
 
     /// Drops `n` unread bytes (a frame returned).
@@ -324,14 +330,9 @@ impl Connection {
     /// socket already: [`Connection::recv`] returns it without a system call. Someone who
     /// polls the socket for frames reads these first.
     pub fn frame_buffered(&self) -> bool {
-        let r = &self.recv;
-        if r.len() < HEADER_LEN {
-            return false;
-        }
-        let mut h = [0u8; HEADER_LEN];
-        h.copy_from_slice(&r.buf[r.start..r.start + HEADER_LEN]);
-        match FrameHeader::parse(&h, self.limits) {
-            Ok(header) => r.len() >= HEADER_LEN + header.payload_len,
+        match self.recv.header_at(self.recv.start, self.limits) {
+            Ok(header) => self.recv.len() >= HEADER_LEN + header.payload_len,
+            Err(DecodeError::Truncated { .. }) => false,
             Err(_) => true,
         }
     }
@@ -472,9 +473,7 @@ impl Connection {
         if let Err(e) = self.fill(HEADER_LEN, deadline) {
             return Err(self.recv_failed(e));
         }
-        let mut header = [0u8; HEADER_LEN];
-        header.copy_from_slice(&self.recv.buf[self.recv.start..self.recv.start + HEADER_LEN]);
-        let header = match FrameHeader::parse(&header, self.limits) {
+        let header = match self.recv.header_at(self.recv.start, self.limits) {
             Ok(h) => h,
             Err(e) => return Err(self.recv_failed(e.into())),
         };

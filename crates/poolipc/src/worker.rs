@@ -21,11 +21,11 @@ mod device;
 mod job;
 
 use std::collections::{HashMap, HashSet, VecDeque};
-
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use poolipc_contract::{self as contract, AllocId, HandoffId, Timestamp, WorkerAction};
 use poolipc_driver::{DevicePtr, Driver, ExportBlob, OwnedEvent, OwnedStream, StreamHandle};
@@ -680,16 +680,9 @@ impl Worker {
     /// finds the frame there instead of paying a wake-up.
     fn spin_for_frame(&self) {
         let until = self.last_frame + self.spin;
-        if self.conn.buffered() {
-            return;
-        }
-        while Instant::now() < until {
-            let mut fds = [PollFd::new(self.conn.as_fd(), PollFlags::POLLIN)];
-            match poll(&mut fds, PollTimeout::ZERO) {
-                Ok(0) => std::hint::spin_loop(),
-                // Readable, hung up or an error: the read says which.
-                _ => return,
-            }
+        if Instant::now() < until {
+            // A poll error shows again in the read, which says what it is.
+            let _ = self.readable_by(until);
         }
     }
 
