@@ -63,3 +63,37 @@ def run_in_child_pytest(test_file, request, env_extra):
     )
     assert p.returncode == 0, f"the child run of {nodeid} failed:\n{p.stdout}\n{p.stderr}"
     assert "1 passed" in p.stdout, p.stdout
+
+
+def _libcuda():
+    """libcuda through ctypes, loaded at first use (the GPU tests' only: SimDriver runs have
+    none)."""
+    import ctypes
+
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        _LIBCUDA = ctypes.CDLL("libcuda.so.1")
+    return _LIBCUDA
+
+
+_LIBCUDA = None
+CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE = 17
+
+
+def pool_of(ptr):
+    """The memory pool a device pointer was allocated from (cuPointerGetAttribute)."""
+    import ctypes
+
+    h = ctypes.c_void_p()
+    assert _libcuda().cuPointerGetAttribute(ctypes.byref(h), CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ctypes.c_uint64(ptr)) == 0
+    return h.value
+
+
+def device_pools(device=0):
+    """(current pool, default pool) of `device`."""
+    import ctypes
+
+    cur, dflt = ctypes.c_void_p(), ctypes.c_void_p()
+    assert _libcuda().cuDeviceGetMemPool(ctypes.byref(cur), device) == 0
+    assert _libcuda().cuDeviceGetDefaultMemPool(ctypes.byref(dflt), device) == 0
+    return cur.value, dflt.value

@@ -14,7 +14,6 @@ fails if run is put on the PATH (pyiso_harness.uv_dir).
 """
 
 import asyncio
-import ctypes
 import importlib.util
 import logging
 import os
@@ -50,23 +49,14 @@ import pyisolate  # noqa: E402
 
 import poolipc.pyisolate as pp  # noqa: E402
 import pyiso_harness  # noqa: E402
+from conftest import device_pools, pool_of  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 MIB = 1 << 20
-_cu = ctypes.CDLL("libcuda.so.1")
-CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE = 17
-
-
-def pool_of(ptr):
-    h = ctypes.c_void_p()
-    assert _cu.cuPointerGetAttribute(ctypes.byref(h), CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ctypes.c_uint64(ptr)) == 0
-    return h.value
 
 
 def current_pool():
-    cur = ctypes.c_void_p()
-    assert _cu.cuDeviceGetMemPool(ctypes.byref(cur), 0) == 0
-    return cur.value
+    return device_pools()[0]
 
 
 class Loaded:

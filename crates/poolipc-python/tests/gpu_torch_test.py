@@ -12,7 +12,6 @@ its own process, since install_pool() has to come before `import torch`:
 Skips, saying why, without torch, without a CUDA driver or GPU, or on POOLIPC_DRIVER=sim.
 """
 
-import ctypes
 import importlib.util
 import os
 import struct
@@ -42,30 +41,13 @@ import torch  # noqa: E402  (after install_pool, as in ComfyUI)
 if not torch.cuda.is_available():
     pytest.skip("torch sees no CUDA device", allow_module_level=True)
 
-from conftest import poolipc_binary  # noqa: E402
+from conftest import device_pools, pool_of, poolipc_binary  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TORCH_WORKER = os.path.join(HERE, "workers", "torch_worker.py")
 PRESTARTUP = os.path.join(HERE, "..", "..", "..", "comfyui-poolipc", "prestartup_script.py")
 DEV = torch.device("cuda", 0)
 MIB = 1 << 20
-
-_cu = ctypes.CDLL("libcuda.so.1")
-CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE = 17
-
-
-def pool_of(ptr):
-    h = ctypes.c_void_p()
-    assert _cu.cuPointerGetAttribute(ctypes.byref(h), CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ctypes.c_uint64(ptr)) == 0
-    return h.value
-
-
-def device_pools():
-    cur, dflt = ctypes.c_void_p(), ctypes.c_void_p()
-    assert _cu.cuDeviceGetMemPool(ctypes.byref(cur), 0) == 0
-    assert _cu.cuDeviceGetDefaultMemPool(ctypes.byref(dflt), 0) == 0
-    return cur.value, dflt.value
-
 
 @pytest.fixture(scope="module")
 def parent():
