@@ -47,8 +47,30 @@
 //! [`SimConfig::import_crash`] off, every import over 128 chunks fails with
 //! [`crate::DriverError::ImportOverLimit`] instead.
 //!
-//! Streams are synchronous: work runs when it is issued, events complete when recorded.
+//! # Streams run asynchronously
+//!
+//! As on a GPU, a call that queues work returns before the work runs: each simulated process
+//! has an engine (`exec`) that runs every stream's queue in order, after the events it waits
+//! on, at a random moment (bounded by [`DELAY_ENV`], seeded by [`SEED_ENV`]), interleaving
+//! streams at random. Events complete when the engine reaches their record;
+//! `cuEventQuery` says so, `cuEventSynchronize` and `cuStreamSynchronize` block until then,
+//! and the synchronous copies (`cuMemcpyDtoH`, `cuMemcpyHtoD`) run on the process's legacy
+//! stream (which, as on hardware, does not wait for the non-blocking streams
+//! [`Driver::stream_create`] makes) and wait for their own completion only. A missing wait
+//! therefore shows up as wrong bytes, as it does on hardware.
+//!
+//! # The race detector
+//!
+//! Every access to memory (a memset, a copy's source and destination, a kernel's store, an
+//! allocation, a free, a copy into or out of registered host memory) is checked, when it is
+//! issued, against every earlier access to the same bytes by any stream of any live process
+//! (whether or not it ran yet): unless one of the two only reads, the earlier one must be
+//! ordered before it (its stream's clock, carried by events, waits and host synchronizes, is
+//! known to the accessing stream), else an [`ViolationKind::UnorderedAccess`] is recorded,
+//! naming both calls, both processes and the allocation. An access that runs after the
+//! allocation it touched was freed is an [`ViolationKind::UnmappedAccess`] when it runs.
 
+mod exec;
 mod machine;
 mod shm;
 mod state;
@@ -57,6 +79,7 @@ mod violation;
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use machine::Machine;
 use shm::{Mapping, backing_file, my_pid, punch_hole, sparse_memfd};
@@ -64,7 +87,9 @@ use state::{
     BLOCK_CACHED, BLOCK_LIVE, CHUNK, Clock, GRANULE, IMPORT_CHUNK_LIMIT, MAX_STREAMS, MemoryWork,
     POOL_DYING, POOL_LIVE, State, chunks_spanned, merge,
 };
-use state::{HostAccessRec, MAX_HOST_ACCESSES};
+use exec::{Engine, Step};
+pub use exec::{DELAY_ENV, SEED_ENV};
+use state::{AccessRec, MAX_ACCESSES, POOL_DEV};
 pub use violation::{Violation, ViolationKind};
 
 use crate::api::Driver;
@@ -142,7 +167,8 @@ pub struct SimDriver {
     visible: Vec<u32>,
     agent: u64,
     pid: u32,
-    local: Mutex<Local>,
+    local: Arc<Mutex<Local>>,
+    engine: Engine,
 }
 
 impl std::fmt::Debug for SimDriver {
@@ -200,6 +226,8 @@ struct VmmMap {
     access: Access,
     /// `CU_POINTER_ATTRIBUTE_BUFFER_ID` of the mapping.
     buffer_id: u64,
+    /// (device, inode) of the memfd behind the handle: how the race detector names it.
+    file: (u64, u64),
 }
 
 #[derive(Debug)]
@@ -246,8 +274,59 @@ struct HostRegistration {
     file: Option<(u64, u64, u64)>,
 }
 
-/// Bytes of a shared host file one asynchronous copy touches: (device, inode, start, end).
-type HostRange = (u64, u64, u64, u64);
+/// Host bytes a queued copy reads or writes.
+enum HostBuf {
+    /// The caller's memory, `(address, length)`, which the caller keeps valid and untouched
+    /// until the copy ran (the asynchronous copies' contract).
+    Raw(usize, usize),
+    /// A buffer of the simulation's own: a synchronous copy waits for its copy to run, then
+    /// moves the bytes between it and the caller's slice.
+    Owned(Arc<Mutex<Vec<u8>>>),
+}
+
+impl HostBuf {
+    fn len(&self) -> usize {
+        match self {
+            HostBuf::Raw(_, n) => *n,
+            HostBuf::Owned(b) => b.lock().map_or(0, |v| v.len()),
+        }
+    }
+
+    /// Device to host: `self.len()` bytes of `map` from `off` into the host bytes.
+    fn fill_from(&self, map: &Mapping, off: usize) {
+        match self {
+            HostBuf::Raw(p, n) => {
+                // SAFETY: the asynchronous copy's caller promised `[p, p + n)` is valid for
+                // writes and not touched by anyone else until the copy completed, which is
+                // now (this runs as the copy).
+                let dst = unsafe { std::slice::from_raw_parts_mut(*p as *mut u8, *n) };
+                map.read(off, dst);
+            }
+            HostBuf::Owned(b) => {
+                if let Ok(mut v) = b.lock() {
+                    map.read(off, &mut v);
+                }
+            }
+        }
+    }
+
+    /// Host to device: the host bytes into `map` from `off`.
+    fn store_into(&self, map: &Mapping, off: usize) {
+        match self {
+            HostBuf::Raw(p, n) => {
+                // SAFETY: the asynchronous copy's caller promised `[p, p + n)` is valid for
+                // reads and not written until the copy completed, which is now.
+                let src = unsafe { std::slice::from_raw_parts(*p as *const u8, *n) };
+                map.write(off, src);
+            }
+            HostBuf::Owned(b) => {
+                if let Ok(v) = b.lock() {
+                    map.write(off, &v);
+                }
+            }
+        }
+    }
+}
 
 /// The UUID of device `index` of machine `machine`.
 fn sim_uuid(machine: u64, index: u32) -> DeviceUuid {
@@ -289,9 +368,34 @@ fn pool_handle(slot: usize, generation: u64) -> PoolHandle {
 }
 
 /// Where a device address points in this process.
+#[derive(Clone, Copy, Debug)]
 enum Place {
     Pool(usize, u64),
     Vmm(u64, u64),
+}
+
+/// The bytes an access touches, as the race detector names them: (device, inode) of the file
+/// behind them (pool memory: [`POOL_DEV`] and the pool's slot), a range of file offsets, and
+/// the pool allocation `(block, generation)` where the memory is one.
+#[derive(Clone, Copy, Debug)]
+struct Mem {
+    dev: u64,
+    ino: u64,
+    start: u64,
+    end: u64,
+    alloc: Option<(usize, u64)>,
+}
+
+impl Mem {
+    fn pool(slot: usize, off: u64, len: u64, alloc: Option<(usize, u64)>) -> Mem {
+        Mem {
+            dev: POOL_DEV,
+            ino: slot as u64,
+            start: off,
+            end: off.saturating_add(len),
+            alloc,
+        }
+    }
 }
 
 impl SimDriver {
@@ -394,6 +498,8 @@ impl SimDriver {
                         pid: v.pid,
                         other_pid: (v.other_pid != 0).then_some(v.other_pid),
                         generation: (v.generation != 0).then_some(v.generation),
+                        other_call: (v.other_call != 0)
+                            .then(|| violation::call_name(v.other_call)),
                         detail: (v.a, v.b),
                     })
                 })
@@ -429,7 +535,8 @@ impl SimDriver {
             visible,
             agent,
             pid: my_pid(),
-            local: Mutex::new(Local {
+            engine: Engine::new(agent),
+            local: Arc::new(Mutex::new(Local {
                 device: None,
                 pools: HashMap::new(),
                 current_pool: HashMap::new(),
@@ -448,7 +555,7 @@ impl SimDriver {
                 context_lost: false,
                 last_buffer_id: 0,
                 buffer_ids: HashMap::new(),
-            }),
+            })),
         }
     }
 
@@ -600,6 +707,14 @@ impl SimDriver {
         }
     }
 
+    /// Applies the releases (not the poisoning) that a state change left to do.
+    fn apply_release(l: &Local, pool: usize, work: &MemoryWork) {
+        let Some(p) = l.pools.get(&pool) else { return };
+        for &(off, len) in &work.release {
+            punch_hole(&p.fd, POOL_HEADER + off, len);
+        }
+    }
+
     /// Applies poisoning and releases that a state change left to do.
     fn apply(l: &Local, pool: usize, work: &MemoryWork) {
         let Some(p) = l.pools.get(&pool) else { return };
@@ -628,8 +743,9 @@ impl SimDriver {
         }
     }
 
-    /// Resolves `[ptr, ptr + len)` for an access by stream `stream`, checking every rule;
-    /// stamps a write. Violations are recorded; an unmapped range is also an error.
+    /// Resolves `[ptr, ptr + len)` for an access, checking every rule but ordering (which
+    /// [`access`](Self::access) checks once the operation has its sequence number).
+    /// Violations are recorded; an unmapped range is also an error.
     #[allow(clippy::too_many_arguments)] // one call site per kind of access; a struct would only rename them
     fn touch(
         &self,
@@ -638,9 +754,8 @@ impl SimDriver {
         call: &'static str,
         ptr: DevicePtr,
         len: u64,
-        stream: usize,
         write: bool,
-    ) -> Result<Place> {
+    ) -> Result<(Place, Mem)> {
         let p = ptr.0;
         let unmapped = |st: &mut State| {
             st.violation(ViolationKind::UnmappedAccess, call, self.pid)
@@ -681,12 +796,14 @@ impl SimDriver {
                         .block(b, generation_)
                         .values(p, len)
                         .log();
-                    return Ok(Place::Pool(slot, off));
+                    return Ok((Place::Pool(slot, off), Mem::pool(slot, off, len, None)));
                 }
                 _ => return Err(unmapped(st)),
             }
-            self.order(st, call, b, stream, write);
-            return Ok(Place::Pool(slot, off));
+            return Ok((
+                Place::Pool(slot, off),
+                Mem::pool(slot, off, len, Some((b, generation_))),
+            ));
         }
         // Imports.
         if (IMPORT_BASE..VMM_BASE).contains(&p) {
@@ -729,10 +846,15 @@ impl SimDriver {
                     .block(imp.block, imp.generation)
                     .values(imp.generation, now)
                     .log();
-                return Ok(Place::Pool(imp.pool, off));
+                return Ok((
+                    Place::Pool(imp.pool, off),
+                    Mem::pool(imp.pool, off, len, None),
+                ));
             }
-            self.order(st, call, imp.block, stream, write);
-            return Ok(Place::Pool(imp.pool, off));
+            return Ok((
+                Place::Pool(imp.pool, off),
+                Mem::pool(imp.pool, off, len, Some((imp.block, imp.generation))),
+            ));
         }
         // VMM mappings.
         if let Some((&base, m)) = l.maps.range(..=p).next_back()
@@ -749,43 +871,157 @@ impl SimDriver {
                     .log();
                 return Err(fail(call, CuCode::ILLEGAL_ADDRESS));
             }
-            return Ok(Place::Vmm(base, p - base));
+            let rel = p - base;
+            return Ok((
+                Place::Vmm(base, rel),
+                Mem {
+                    dev: m.file.0,
+                    ino: m.file.1,
+                    start: rel,
+                    end: rel + len,
+                    alloc: None,
+                },
+            ));
         }
         Err(unmapped(st))
     }
 
-    /// The happens-before check of an access to live block `b`, and the stamp of a write.
-    fn order(&self, st: &mut State, call: &'static str, b: usize, stream: usize, write: bool) {
-        let (w_agent, w_stream, w_seq, w_pid, generation_) = {
-            let r = &st.blocks[b];
-            (
-                r.write_agent,
-                r.write_stream as usize,
-                r.write_seq,
-                r.write_pid,
-                r.generation,
-            )
+    /// The race detector: operation `seq` of stream slot `s` (already ticked) reads or writes
+    /// `mem`. Every earlier access to overlapping bytes by any stream of any live simulated
+    /// process, where one of the two writes, must be ordered before this one by
+    /// happens-before (stream order, events recorded and waited on, host synchronizes); else
+    /// an [`ViolationKind::UnorderedAccess`] naming both. Whether the earlier access happened
+    /// to have run already does not matter: the order must be guaranteed, not lucky. Then
+    /// this access is remembered until a write covering it supersedes it, or its process
+    /// goes away.
+    #[allow(clippy::too_many_arguments)] // the access's identity: one call per kind of access
+    fn access(
+        &self,
+        st: &mut State,
+        call: &'static str,
+        s: usize,
+        seq: u64,
+        mem: &Mem,
+        write: bool,
+    ) {
+        let mut unordered: Option<(u32, u32, u64, u64)> = None;
+        for i in 0..MAX_ACCESSES {
+            let r = &st.accesses[i];
+            if r.live != 1 {
+                continue;
+            }
+            let (rs, rseq) = (r.stream as usize, r.seq);
+            if r.dev != mem.dev || r.ino != mem.ino || r.end <= mem.start || mem.end <= r.start
+            {
+                continue;
+            }
+            if r.write == 0 && !write {
+                continue;
+            }
+            let known = st.streams[s].clock[rs];
+            if known >= rseq {
+                continue;
+            }
+            if r.pid != self.pid && !Machine::alive(r.pid) {
+                // Its process is gone, and its queued work with it.
+                st.accesses[i].live = 0;
+                continue;
+            }
+            if unordered.is_none() {
+                unordered = Some((r.pid, r.call, rseq, known));
+            }
+        }
+        if let Some((pid, other_call, seq_other, known)) = unordered {
+            let mut v = st
+                .violation(ViolationKind::UnorderedAccess, call, self.pid)
+                .other_pid(pid)
+                .other_call(other_call)
+                .values(seq_other, known);
+            if let Some((b, g)) = mem.alloc {
+                v = v.block(b, g);
+            }
+            v.log();
+        }
+        // What this access covers is superseded: a write supersedes every earlier access
+        // (ordered before it, or reported just now), a read this stream's earlier reads.
+        let agent = self.agent;
+        for r in st.accesses.iter_mut().filter(|r| {
+            r.live == 1
+                && r.dev == mem.dev
+                && r.ino == mem.ino
+                && mem.start <= r.start
+                && r.end <= mem.end
+                && (write || (r.write == 0 && r.agent == agent && r.stream as usize == s))
+        }) {
+            r.live = 0;
+        }
+        let slot = match st.accesses.iter().position(|r| r.live == 0).or_else(|| {
+            // Full: forget an access that already ran first.
+            st.accesses
+                .iter()
+                .position(|r| st.streams[r.stream as usize].executed >= r.seq)
+        }) {
+            Some(i) => i,
+            None => {
+                // Full: forget one. A forgotten access can only hide a violation, never
+                // invent one.
+                st.access_cursor = st.access_cursor.wrapping_add(1);
+                (st.access_cursor % MAX_ACCESSES as u64) as usize
+            }
         };
-        let known = st.streams[stream].clock[w_stream];
-        if w_agent != 0 && w_agent != self.agent && known < w_seq {
-            st.violation(ViolationKind::UnorderedAccess, call, self.pid)
-                .block(b, generation_)
-                .other_pid(w_pid)
-                .values(w_seq, known)
-                .log();
-        }
-        if write {
-            self.stamp(st, b, stream);
-        }
+        st.accesses[slot] = AccessRec {
+            live: 1,
+            write: u32::from(write),
+            pid: self.pid,
+            stream: s as u32,
+            call: violation::call_code(call),
+            _pad: 0,
+            dev: mem.dev,
+            ino: mem.ino,
+            start: mem.start,
+            end: mem.end,
+            agent,
+            seq,
+            generation: mem.alloc.map_or(0, |(_, g)| g),
+        };
     }
 
-    fn stamp(&self, st: &mut State, b: usize, stream: usize) {
-        let seq = st.tick(stream);
-        let r = &mut st.blocks[b];
-        r.write_agent = self.agent;
-        r.write_pid = self.pid;
-        r.write_stream = stream as u32;
-        r.write_seq = seq;
+    /// Queues `step` as operation `seq` of stream slot `s` on this process's engine.
+    fn issue(&self, s: usize, seq: u64, step: Step) {
+        self.engine.push(s, seq, step, &self.local, &self.machine);
+    }
+
+    /// When a queued access runs: the mapping and offset of `place`, if the memory is still
+    /// there; an access that runs after its allocation was freed (or recycled), or after its
+    /// mapping went, is an [`ViolationKind::UnmappedAccess`] and touches nothing.
+    fn at_run<'l>(
+        l: &'l Local,
+        st: &mut State,
+        call: &'static str,
+        pid: u32,
+        place: &Place,
+        mem: &Mem,
+    ) -> Option<(&'l Mapping, usize)> {
+        if let Some((b, g)) = mem.alloc
+            && st.freed_ran(g)
+        {
+            {
+                st.violation(ViolationKind::UnmappedAccess, call, pid)
+                    .block(b, g)
+                    .values(mem.start, mem.end - mem.start)
+                    .other_call(violation::call_code("(executed)"))
+                    .log();
+                return None;
+            }
+        }
+        let found = Self::mapping(l, place);
+        if found.is_none() {
+            st.violation(ViolationKind::UnmappedAccess, call, pid)
+                .values(mem.start, mem.end - mem.start)
+                .other_call(violation::call_code("(executed)"))
+                .log();
+        }
+        found
     }
 
     fn mapping<'l>(l: &'l Local, place: &Place) -> Option<(&'l Mapping, usize)> {
@@ -799,12 +1035,12 @@ impl SimDriver {
         const CALL: &str = "cuMemFreeAsync";
         let mut l = self.local();
         let l = &mut *l;
-        self.machine.with(|st| {
+        let (s, seq, step) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, CALL, stream)?;
             if let Some(imp) = l.imports.remove(&ptr.0) {
                 // Both aliases of a doubled import share this one record: both are gone.
                 st.imports[imp.record].live = 0;
-                return Ok(());
+                return Ok((s, st.tick(s), Step::Mark));
             }
             if !(OWN_BASE..IMPORT_BASE).contains(&ptr.0) {
                 return Err(fail(CALL, CuCode::INVALID_VALUE));
@@ -825,13 +1061,32 @@ impl SimDriver {
                     .other_pid(pid)
                     .log();
             }
-            // The free is stream-ordered: it counts as the stream's last use.
-            let _ = st.tick(s);
+            // The free is stream-ordered: it is the allocation's last use, and any access
+            // not ordered before it races with whoever gets the memory next. The pool may
+            // hand the memory out again at once: on this stream after the free, on another
+            // after waiting for it (the pool's internal dependency, see `alloc`).
+            let seq = st.tick(s);
+            let size = st.blocks[b].size;
+            self.access(st, CALL, s, seq, &Mem::pool(slot, off, size, Some((b, generation_))), true);
             let mut work = MemoryWork::default();
             st.free(b, &mut work);
-            Self::apply(l, slot, &work);
-            Ok(())
-        })
+            Self::apply_release(l, slot, &work);
+            if let Some(c) = st.block_containing(slot, off) {
+                st.blocks[c].free_stream = s as u32;
+                st.blocks[c].free_seq = seq;
+            }
+            let poison = work.poison;
+            let step = Step::Run(Box::new(move |l: &mut Local, st: &mut State| {
+                st.note_freed(generation_);
+                // Poisoned when the free runs: memory handed out again on this stream meanwhile
+                // gets its new owner's work after (stream order), memory handed out on another
+                // stream waited for this free.
+                Self::apply(l, slot, &MemoryWork { poison, release: vec![] });
+            }));
+            Ok((s, seq, step))
+        })?;
+        self.issue(s, seq, step);
+        Ok(())
     }
 
     fn memset(
@@ -848,103 +1103,143 @@ impl SimDriver {
         if bytes == 0 {
             return Ok(());
         }
+        let n = usize::try_from(bytes).map_err(|_| fail(call, CuCode::INVALID_VALUE))?;
         let mut l = self.local();
         let l = &mut *l;
-        self.machine.with(|st| {
+        let (s, seq, place, mem) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
-            let place = self.touch(l, st, call, ptr, bytes, s, true)?;
-            let (map, off) = Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
-            let n = usize::try_from(bytes).map_err(|_| fail(call, CuCode::INVALID_VALUE))?;
-            if pattern.iter().all(|b| *b == pattern[0]) {
-                map.fill(off, pattern[0], n);
-            } else {
-                let chunk: Vec<u8> = pattern
-                    .iter()
-                    .copied()
-                    .cycle()
-                    .take(pattern.len() * 4096)
-                    .collect();
-                let mut done = 0;
-                while done < n {
-                    let k = chunk.len().min(n - done);
-                    map.write(off + done, &chunk[..k]);
-                    done += k;
+            let (place, mem) = self.touch(l, st, call, ptr, bytes, true)?;
+            Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
+            let seq = st.tick(s);
+            self.access(st, call, s, seq, &mem, true);
+            Ok((s, seq, place, mem))
+        })?;
+        let pattern = pattern.to_vec();
+        let pid = self.pid;
+        self.issue(
+            s,
+            seq,
+            Step::Run(Box::new(move |l: &mut Local, st: &mut State| {
+                let Some((map, off)) = Self::at_run(l, st, call, pid, &place, &mem) else {
+                    return;
+                };
+                if pattern.iter().all(|b| *b == pattern[0]) {
+                    map.fill(off, pattern[0], n);
+                } else {
+                    let chunk: Vec<u8> = pattern
+                        .iter()
+                        .copied()
+                        .cycle()
+                        .take(pattern.len() * 4096)
+                        .collect();
+                    let mut done = 0;
+                    while done < n {
+                        let k = chunk.len().min(n - done);
+                        map.write(off + done, &chunk[..k]);
+                        done += k;
+                    }
                 }
-            }
-            Ok(())
-        })
+            })),
+        );
+        Ok(())
     }
 
-    /// Device to host on `stream`; `sync`: the legacy stream, host waits.
+    /// Device to host on `stream` into the host bytes at `dst` (`len` of them): queued, and,
+    /// for a registered shared host range, checked as a write of those host bytes. Returns
+    /// the stream slot and the operation's sequence number.
     fn copy_out(
         &self,
         call: &'static str,
-        dst: &mut [u8],
+        dst: HostBuf,
         src: DevicePtr,
         stream: StreamHandle,
-        sync: bool,
-    ) -> Result<()> {
-        if dst.is_empty() {
-            return Ok(());
-        }
+    ) -> Result<(usize, u64)> {
         let mut l = self.local();
         let l = &mut *l;
-        let host = if sync {
-            None
-        } else {
-            Self::host_range(l, dst.as_ptr() as usize, dst.len())
+        let host = match &dst {
+            HostBuf::Raw(p, n) => Self::host_range(l, *p, *n),
+            HostBuf::Owned(_) => None,
         };
-        self.machine.with(|st| {
+        let len = dst.len() as u64;
+        let (s, seq, place, mem) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
-            let place = self.touch(l, st, call, src, dst.len() as u64, s, false)?;
-            let (map, off) = Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
+            let (place, mem) = self.touch(l, st, call, src, len, false)?;
+            Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
+            let seq = st.tick(s);
+            self.access(st, call, s, seq, &mem, false);
             if let Some(h) = host {
-                self.host_access(st, call, s, h, true);
+                self.access(st, call, s, seq, &h, true);
             }
-            map.read(off, dst);
-            if sync {
-                merge(&mut l.host_clock, &st.streams[s].clock);
-            }
-            Ok(())
-        })
+            Ok((s, seq, place, mem))
+        })?;
+        let pid = self.pid;
+        self.issue(
+            s,
+            seq,
+            Step::Run(Box::new(move |l: &mut Local, st: &mut State| {
+                let Some((map, off)) = Self::at_run(l, st, call, pid, &place, &mem) else {
+                    return;
+                };
+                dst.fill_from(map, off);
+            })),
+        );
+        Ok((s, seq))
     }
 
+    /// Host to device on `stream` from `src`: queued, and, for a registered shared host
+    /// range, checked as a read of those host bytes.
     fn copy_in(
         &self,
         call: &'static str,
         dst: DevicePtr,
-        src: &[u8],
+        src: HostBuf,
         stream: StreamHandle,
-        sync: bool,
-    ) -> Result<()> {
-        if src.is_empty() {
-            return Ok(());
-        }
+    ) -> Result<(usize, u64)> {
         let mut l = self.local();
         let l = &mut *l;
-        let host = if sync {
-            None
-        } else {
-            Self::host_range(l, src.as_ptr() as usize, src.len())
+        let host = match &src {
+            HostBuf::Raw(p, n) => Self::host_range(l, *p, *n),
+            HostBuf::Owned(_) => None,
         };
-        self.machine.with(|st| {
+        let len = src.len() as u64;
+        let (s, seq, place, mem) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
+            let (place, mem) = self.touch(l, st, call, dst, len, true)?;
+            Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
+            let seq = st.tick(s);
             if let Some(h) = host {
-                self.host_access(st, call, s, h, false);
+                self.access(st, call, s, seq, &h, false);
             }
-            let place = self.touch(l, st, call, dst, src.len() as u64, s, true)?;
-            let (map, off) = Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
-            map.write(off, src);
-            if sync {
-                merge(&mut l.host_clock, &st.streams[s].clock);
-            }
-            Ok(())
-        })
+            self.access(st, call, s, seq, &mem, true);
+            Ok((s, seq, place, mem))
+        })?;
+        let pid = self.pid;
+        self.issue(
+            s,
+            seq,
+            Step::Run(Box::new(move |l: &mut Local, st: &mut State| {
+                let Some((map, off)) = Self::at_run(l, st, call, pid, &place, &mem) else {
+                    return;
+                };
+                src.store_into(map, off);
+            })),
+        );
+        Ok((s, seq))
+    }
+
+    /// A synchronous copy on the legacy stream: queued, then waited for (that copy alone:
+    /// the legacy stream does not wait for the non-blocking streams); what the host learned
+    /// flows into its clock.
+    fn sync_on_legacy(&self, s: usize, seq: u64) {
+        self.engine.wait_executed(s, seq);
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| merge(&mut l.host_clock, &st.streams[s].clock));
     }
 
     /// The shared file bytes behind `[ptr, ptr + len)`, when that lies in one registered,
-    /// file-backed range.
-    fn host_range(l: &Local, ptr: usize, len: usize) -> Option<HostRange> {
+    /// file-backed range, as the race detector names them.
+    fn host_range(l: &Local, ptr: usize, len: usize) -> Option<Mem> {
         let (&base, reg) = l.host_registered.range(..=ptr).next_back()?;
         let (dev, ino, file_off) = reg.file?;
         let rel = ptr - base;
@@ -952,73 +1247,13 @@ impl SimDriver {
             return None;
         }
         let start = file_off + rel as u64;
-        Some((dev, ino, start, start + len as u64))
-    }
-
-    /// An asynchronous copy on stream slot `s` writes (device to host) or reads (host to
-    /// device) shared host bytes: it must be ordered after the other processes' last write to
-    /// them and, when it writes, after their last read. Then it becomes the last access.
-    fn host_access(
-        &self,
-        st: &mut State,
-        call: &'static str,
-        s: usize,
-        (dev, ino, start, end): HostRange,
-        write: bool,
-    ) {
-        let mut unordered = None;
-        for r in st.host_accesses.iter().filter(|r| {
-            r.live == 1 && r.dev == dev && r.ino == ino && r.start < end && start < r.end
-        }) {
-            if r.agent == self.agent || (r.write == 0 && !write) {
-                continue;
-            }
-            let known = st.streams[s].clock[r.stream as usize];
-            if known < r.seq {
-                unordered = Some((r.pid, r.seq, known));
-            }
-        }
-        if let Some((pid, seq, known)) = unordered {
-            st.violation(ViolationKind::UnorderedAccess, call, self.pid)
-                .other_pid(pid)
-                .values(seq, known)
-                .log();
-        }
-        // What this access covers is superseded: a write by anyone's earlier access, a read
-        // by this process's earlier reads.
-        let agent = self.agent;
-        for r in st.host_accesses.iter_mut().filter(|r| {
-            r.live == 1
-                && r.dev == dev
-                && r.ino == ino
-                && start <= r.start
-                && r.end <= end
-                && (write || (r.write == 0 && r.agent == agent))
-        }) {
-            r.live = 0;
-        }
-        let seq = st.tick(s);
-        let slot = match st.host_accesses.iter().position(|r| r.live == 0) {
-            Some(i) => i,
-            None => {
-                // Full: forget one. A forgotten access can only hide a violation, never
-                // invent one.
-                st.host_cursor = st.host_cursor.wrapping_add(1);
-                (st.host_cursor % MAX_HOST_ACCESSES as u64) as usize
-            }
-        };
-        st.host_accesses[slot] = HostAccessRec {
-            live: 1,
-            write: u32::from(write),
-            pid: self.pid,
-            stream: s as u32,
+        Some(Mem {
             dev,
             ino,
             start,
-            end,
-            agent,
-            seq,
-        };
+            end: start + len as u64,
+            alloc: None,
+        })
     }
 
     fn host_len(call: &'static str, bytes: u64) -> Result<usize> {
@@ -1039,6 +1274,9 @@ impl Drop for SimDriver {
     /// This simulated process exits: the machine drops its imports, pools, streams and its
     /// side of events, as the real driver does when a process exits.
     fn drop(&mut self) {
+        // The process exits: its queued GPU work runs first (bounded), as a context's
+        // destruction waits for it.
+        self.engine.shut_down();
         let agent = self.agent;
         let mut work = Vec::new();
         self.machine
@@ -1726,37 +1964,77 @@ impl Driver for SimDriver {
         const CALL: &str = "cuEventRecord";
         let mut l = self.local();
         let l = &mut *l;
-        self.machine.with(|st| {
+        let (s, seq, step) = self.machine.with(|st| {
             let slot = Self::event(l, st, CALL, event)?.slot;
             let s = self.stream_slot(l, st, CALL, stream)?;
-            let _ = st.tick(s);
+            let seq = st.tick(s);
             let clock = st.streams[s].clock;
             let e = &mut st.events[slot];
             e.clock = clock;
             e.records += 1;
-            Ok(())
-        })
+            let step = Step::Record {
+                event: slot,
+                generation: e.generation,
+                n: e.records,
+            };
+            Ok((s, seq, step))
+        })?;
+        self.issue(s, seq, step);
+        Ok(())
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {
         self.check_context("cuEventQuery")?;
-        let l = self.local();
-        self.machine
-            .with(|st| Self::event(&l, st, "cuEventQuery", event).map(|_| true))
+        let mut l = self.local();
+        self.machine.with(|st| {
+            let slot = Self::event(&l, st, "cuEventQuery", event)?.slot;
+            let e = &st.events[slot];
+            let done = e.completed >= e.records || !Machine::alive(e.owner_pid);
+            if done {
+                // A query that says complete orders the host after the event, as a
+                // synchronize does.
+                let clock = e.clock;
+                merge(&mut l.host_clock, &clock);
+            }
+            Ok(done)
+        })
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
         self.check_context("cuEventSynchronize")?;
         const CALL: &str = "cuEventSynchronize";
+        let (slot, generation, n) = {
+            let l = self.local();
+            self.machine.with(|st| {
+                let slot = Self::event(&l, st, CALL, event)?.slot;
+                let e = &st.events[slot];
+                Ok((slot, e.generation, e.records))
+            })?
+        };
+        // Another process's record runs on that process's engine: look until it has.
+        let mut pause = Duration::from_micros(20);
+        loop {
+            let done = self.machine.with(|st| {
+                let e = &st.events[slot];
+                e.live == 0
+                    || e.generation != generation
+                    || e.completed >= n
+                    || !Machine::alive(e.owner_pid)
+            });
+            if done {
+                break;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(2));
+        }
         let mut l = self.local();
         let l = &mut *l;
         self.machine.with(|st| {
-            let slot = Self::event(l, st, CALL, event)?.slot;
             let clock = st.events[slot].clock;
             merge(&mut l.host_clock, &clock);
             self.release_at_sync(l, st);
-            Ok(())
-        })
+        });
+        Ok(())
     }
 
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
@@ -1764,13 +2042,24 @@ impl Driver for SimDriver {
         const CALL: &str = "cuStreamWaitEvent";
         let mut l = self.local();
         let l = &mut *l;
-        self.machine.with(|st| {
+        let wait = self.machine.with(|st| {
             let slot = Self::event(l, st, CALL, event)?.slot;
             let s = self.stream_slot(l, st, CALL, stream)?;
             let clock = st.events[slot].clock;
             merge(&mut st.streams[s].clock, &clock);
-            Ok(())
-        })
+            let e = &st.events[slot];
+            // Waiting on an event never recorded waits for nothing, as on hardware.
+            let step = (e.records > 0).then_some(Step::Wait {
+                event: slot,
+                generation: e.generation,
+                n: e.records,
+            });
+            Ok(step.map(|step| (s, st.tick(s), step)))
+        })?;
+        if let Some((s, seq, step)) = wait {
+            self.issue(s, seq, step);
+        }
+        Ok(())
     }
 
     fn stream_create(&self) -> Result<StreamHandle> {
@@ -1807,15 +2096,23 @@ impl Driver for SimDriver {
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
         self.check_context("cuStreamSynchronize")?;
         const CALL: &str = "cuStreamSynchronize";
+        let (s, last) = {
+            let mut l = self.local();
+            let l = &mut *l;
+            self.machine.with(|st| {
+                let s = self.stream_slot(l, st, CALL, stream)?;
+                Ok((s, st.streams[s].clock[s]))
+            })?
+        };
+        self.engine.wait_executed(s, last);
         let mut l = self.local();
         let l = &mut *l;
         self.machine.with(|st| {
-            let s = self.stream_slot(l, st, CALL, stream)?;
             let clock = st.streams[s].clock;
             merge(&mut l.host_clock, &clock);
             self.release_at_sync(l, st);
-            Ok(())
-        })
+        });
+        Ok(())
     }
 
     fn memset_d8_async(
@@ -1888,12 +2185,31 @@ impl Driver for SimDriver {
 
     fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {
         self.check_context("cuMemcpyDtoH")?;
-        self.copy_out("cuMemcpyDtoH", dst, src, StreamHandle::NULL, true)
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let buf = Arc::new(Mutex::new(vec![0u8; dst.len()]));
+        let (s, seq) = self.copy_out(
+            "cuMemcpyDtoH",
+            HostBuf::Owned(Arc::clone(&buf)),
+            src,
+            StreamHandle::NULL,
+        )?;
+        self.sync_on_legacy(s, seq);
+        let got = buf.lock().map_err(|_| fail("cuMemcpyDtoH", CuCode::UNKNOWN))?;
+        dst.copy_from_slice(&got);
+        Ok(())
     }
 
     fn memcpy_htod(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
         self.check_context("cuMemcpyHtoD")?;
-        self.copy_in("cuMemcpyHtoD", dst, src, StreamHandle::NULL, true)
+        if src.is_empty() {
+            return Ok(());
+        }
+        let buf = HostBuf::Owned(Arc::new(Mutex::new(src.to_vec())));
+        let (s, seq) = self.copy_in("cuMemcpyHtoD", dst, buf, StreamHandle::NULL)?;
+        self.sync_on_legacy(s, seq);
+        Ok(())
     }
 
     fn memcpy_dtod_async(
@@ -1911,23 +2227,41 @@ impl Driver for SimDriver {
         let n = Self::host_len(CALL, bytes)?;
         let mut l = self.local();
         let l = &mut *l;
-        self.machine.with(|st| {
+        let (s, seq, from, to) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, CALL, stream)?;
-            let from = self.touch(l, st, CALL, src, bytes, s, false)?;
-            let to = self.touch(l, st, CALL, dst, bytes, s, true)?;
-            let (fm, fo) = Self::mapping(l, &from).ok_or(fail(CALL, CuCode::ILLEGAL_ADDRESS))?;
-            let (tm, to) = Self::mapping(l, &to).ok_or(fail(CALL, CuCode::ILLEGAL_ADDRESS))?;
-            // Through a bounce buffer: the two ranges may be two mappings of the same bytes.
-            let mut buf = vec![0u8; n.min(8 << 20)];
-            let mut done = 0;
-            while done < n {
-                let k = buf.len().min(n - done);
-                fm.read(fo + done, &mut buf[..k]);
-                tm.write(to + done, &buf[..k]);
-                done += k;
-            }
-            Ok(())
-        })
+            let from = self.touch(l, st, CALL, src, bytes, false)?;
+            let to = self.touch(l, st, CALL, dst, bytes, true)?;
+            Self::mapping(l, &from.0).ok_or(fail(CALL, CuCode::ILLEGAL_ADDRESS))?;
+            Self::mapping(l, &to.0).ok_or(fail(CALL, CuCode::ILLEGAL_ADDRESS))?;
+            let seq = st.tick(s);
+            self.access(st, CALL, s, seq, &from.1, false);
+            self.access(st, CALL, s, seq, &to.1, true);
+            Ok((s, seq, from, to))
+        })?;
+        let pid = self.pid;
+        self.issue(
+            s,
+            seq,
+            Step::Run(Box::new(move |l: &mut Local, st: &mut State| {
+                let Some((fm, fo)) = Self::at_run(l, st, CALL, pid, &from.0, &from.1) else {
+                    return;
+                };
+                let Some((tm, to)) = Self::at_run(l, st, CALL, pid, &to.0, &to.1) else {
+                    return;
+                };
+                // Through a bounce buffer: the two ranges may be two mappings of the same
+                // bytes.
+                let mut buf = vec![0u8; n.min(8 << 20)];
+                let mut done = 0;
+                while done < n {
+                    let k = buf.len().min(n - done);
+                    fm.read(fo + done, &mut buf[..k]);
+                    tm.write(to + done, &buf[..k]);
+                    done += k;
+                }
+            })),
+        );
+        Ok(())
     }
 
     unsafe fn memcpy_dtoh_async(
@@ -1942,10 +2276,13 @@ impl Driver for SimDriver {
         if dst.is_null() {
             return Err(fail(CALL, CuCode::INVALID_VALUE));
         }
-        // SAFETY: the caller promises `dst` is valid for `bytes` writes and untouched by
-        // anything else until the copy completed, which in the simulation is now.
-        let dst = unsafe { std::slice::from_raw_parts_mut(dst, n) };
-        self.copy_out(CALL, dst, src, stream, false)
+        if n == 0 {
+            return Ok(());
+        }
+        // The caller promises `dst` is valid for `bytes` writes and untouched by anything
+        // else until the copy completed: the engine writes it when the copy runs.
+        self.copy_out(CALL, HostBuf::Raw(dst as usize, n), src, stream)
+            .map(drop)
     }
 
     unsafe fn memcpy_htod_async(
@@ -1960,10 +2297,13 @@ impl Driver for SimDriver {
         if src.is_null() {
             return Err(fail(CALL, CuCode::INVALID_VALUE));
         }
-        // SAFETY: the caller promises `src` is valid for `bytes` reads and not written until
-        // the copy completed, which in the simulation is now.
-        let src = unsafe { std::slice::from_raw_parts(src, n) };
-        self.copy_in(CALL, dst, src, stream, false)
+        if n == 0 {
+            return Ok(());
+        }
+        // The caller promises `src` is valid for `bytes` reads and not written until the copy
+        // completed: the engine reads it when the copy runs.
+        self.copy_in(CALL, dst, HostBuf::Raw(src as usize, n), stream)
+            .map(drop)
     }
 
     unsafe fn host_register(&self, ptr: *mut u8, bytes: usize) -> Result<()> {
@@ -2125,6 +2465,8 @@ impl Driver for SimDriver {
             return Err(fail(CALL, CuCode::ALREADY_MAPPED));
         }
         let map = Mapping::new(&v.fd, 0, bytes)?;
+        let st = nix::sys::stat::fstat(&v.fd).map_err(|e| shm::os("fstat", e))?;
+        let file = (st.st_dev, st.st_ino);
         let buffer_id = l.new_buffer_id();
         l.maps.insert(
             ptr.0,
@@ -2133,6 +2475,7 @@ impl Driver for SimDriver {
                 bytes,
                 access: Access::None,
                 buffer_id,
+                file,
             },
         );
         Ok(())
@@ -2222,21 +2565,35 @@ impl SimDriver {
         let mut l = self.local();
         let slot = Self::own_pool_slot(&l, call, pool)?;
         let l = &mut *l;
-        self.machine.with(|st| {
+        let (s, seq, dependency, ptr) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
             let mut work = MemoryWork::default();
             let r = st.alloc(slot, bytes, &mut work);
             Self::apply(l, slot, &work);
             let b = r.map_err(|code| fail(call, code))?;
-            // The allocation is stream-ordered: it is the stream's write, which another
-            // process must be ordered after before it touches the memory.
-            self.stamp(st, b, s);
+            // Memory whose free on another stream has not run yet: this stream waits for
+            // that free (the pool's internal dependency) and is ordered after it.
+            let (fs, fseq) = (st.blocks[b].free_stream as usize, st.blocks[b].free_seq);
+            st.blocks[b].free_seq = 0;
+            let dependency = (fseq != 0 && fs != s && st.streams[fs].executed < fseq).then(|| {
+                let mut upto = st.streams[fs].clock;
+                upto[fs] = fseq;
+                merge(&mut st.streams[s].clock, &upto);
+                (st.tick(s), Step::AfterStream { slot: fs, seq: fseq })
+            });
+            // The allocation itself touches nothing: memory recycled from a free is guarded
+            // by the free's record, which an access must be ordered after.
+            let seq = st.tick(s);
+            let (off, g) = (st.blocks[b].offset, st.blocks[b].generation);
             let id = l.new_buffer_id();
-            l.buffer_ids.insert((b, st.blocks[b].generation), id);
-            Ok(DevicePtr(
-                OWN_BASE + slot as u64 * POOL_SPAN + st.blocks[b].offset,
-            ))
-        })
+            l.buffer_ids.insert((b, g), id);
+            Ok((s, seq, dependency, DevicePtr(OWN_BASE + slot as u64 * POOL_SPAN + off)))
+        })?;
+        if let Some((dseq, step)) = dependency {
+            self.issue(s, dseq, step);
+        }
+        self.issue(s, seq, Step::Mark);
+        Ok(ptr)
     }
 }
 

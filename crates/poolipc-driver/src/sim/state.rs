@@ -9,7 +9,7 @@ use crate::error::CuCode;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
-pub(super) const LAYOUT: u64 = 4;
+pub(super) const LAYOUT: u64 = 5;
 
 pub(super) const MAX_DEVICES: usize = 8;
 /// [`State::mps`]: the machine runs an MPS server that every process is a client of.
@@ -22,8 +22,8 @@ pub(super) const MAX_IMPORTS: usize = 4096;
 pub(super) const MAX_STREAMS: usize = 256;
 pub(super) const MAX_EVENTS: usize = 1024;
 pub(super) const MAX_VIOLATIONS: usize = 1024;
-/// Accesses to registered, file-backed host memory remembered at once (see [`HostAccessRec`]).
-pub(super) const MAX_HOST_ACCESSES: usize = 512;
+/// Accesses not yet known complete remembered at once (see [`AccessRec`]).
+pub(super) const MAX_ACCESSES: usize = 4096;
 
 /// Pool allocations are rounded up to this (the real pool's granularity for pinned memory).
 pub(super) const GRANULE: u64 = 2 << 20;
@@ -97,18 +97,22 @@ pub(super) const BLOCK_HOLE: u32 = 3;
 pub(super) struct BlockRec {
     pub(super) state: u32,
     pub(super) pool: u32,
-    /// Stream slot of the last write (alloc, memset, copy in).
-    pub(super) write_stream: u32,
-    pub(super) write_pid: u32,
+    /// The stream slot and operation of the `cuMemFreeAsync` that made the block cached: an
+    /// allocation on another stream reusing it before that free ran waits for it (the pool's
+    /// internal dependency).
+    pub(super) free_stream: u32,
+    pub(super) _pad: u32,
     pub(super) offset: u64,
     pub(super) size: u64,
     /// What the caller asked for (the allocation's size as the driver reports it).
     pub(super) bytes: u64,
     /// Machine-unique, new at every allocation: recycled memory has a new one.
     pub(super) generation: u64,
-    pub(super) write_seq: u64,
-    pub(super) write_agent: u64,
+    pub(super) free_seq: u64,
 }
+
+/// Generations whose free the GPU executed, remembered at once (a ring).
+pub(super) const FREED_RING: usize = 4096;
 
 #[repr(C)]
 #[derive(Debug)]
@@ -129,6 +133,9 @@ pub(super) struct StreamRec {
     /// What this stream's work is ordered after; `clock[own slot]` counts its own operations
     /// and survives slot reuse, so old knowledge never covers new work.
     pub(super) clock: Clock,
+    /// The sequence number of the last of this stream's operations the GPU executed (kept
+    /// across slot reuse, like `clock[own slot]`).
+    pub(super) executed: u64,
 }
 
 #[repr(C)]
@@ -144,6 +151,8 @@ pub(super) struct EventRec {
     pub(super) owner_agent: u64,
     pub(super) generation: u64,
     pub(super) records: u64,
+    /// How many of those records the GPU has executed (the event completed up to there).
+    pub(super) completed: u64,
     /// The recording stream's clock at the last record.
     pub(super) clock: Clock,
 }
@@ -159,29 +168,41 @@ pub(super) struct ViolationRec {
     pub(super) generation: u64,
     pub(super) a: u64,
     pub(super) b: u64,
+    /// The other access's call ([`super::violation::call_code`]), where there is one.
+    pub(super) other_call: u32,
+    pub(super) _pad: u32,
 }
 
-/// The last asynchronous copy that wrote, or read, a byte range of a file mapped into host
-/// memory and registered with `cuMemHostRegister` (a memfd two processes share). Files are
-/// named by device and inode, ranges by file offset, so two processes mapping the same
-/// memfd at different addresses meet here.
+/// One access to memory that the GPU has not yet been seen to complete: a kernel, memset or
+/// copy reading or writing device memory (a pool's memfd, a VMM allocation's memfd) or
+/// registered, file-backed host memory. Memory is named by device and inode of the file behind
+/// it and ranges by file offset, so every process's mapping of the same bytes meets here.
+/// Pool memory is named by a synthetic device ([`POOL_DEV`]) and the pool's slot.
 #[repr(C)]
 #[derive(Debug)]
-pub(super) struct HostAccessRec {
+pub(super) struct AccessRec {
     pub(super) live: u32,
-    /// 1: a device-to-host copy wrote the range; 0: a host-to-device copy read it.
+    /// 1: the access writes the range; 0: it reads it.
     pub(super) write: u32,
     pub(super) pid: u32,
-    /// Stream slot of the copy.
+    /// Stream slot of the access.
     pub(super) stream: u32,
+    /// The call ([`super::violation::call_code`]).
+    pub(super) call: u32,
+    pub(super) _pad: u32,
     pub(super) dev: u64,
     pub(super) ino: u64,
     pub(super) start: u64,
     pub(super) end: u64,
     pub(super) agent: u64,
-    /// The copy's tick on its stream.
+    /// The access's operation on its stream (complete once the stream executed it).
     pub(super) seq: u64,
+    /// The pool allocation's generation, where the memory is one.
+    pub(super) generation: u64,
 }
+
+/// The device number [`AccessRec`]s use for pool memory (its inode is the pool's slot).
+pub(super) const POOL_DEV: u64 = u64::MAX;
 
 /// The whole machine. Lives in shared memory only (it is megabytes: never on a stack).
 #[repr(C)]
@@ -207,9 +228,13 @@ pub(super) struct State {
     pub(super) streams: [StreamRec; MAX_STREAMS],
     pub(super) events: [EventRec; MAX_EVENTS],
     pub(super) violations: [ViolationRec; MAX_VIOLATIONS],
-    /// Where the next host access record goes when no slot is free (oldest first, roughly).
-    pub(super) host_cursor: u64,
-    pub(super) host_accesses: [HostAccessRec; MAX_HOST_ACCESSES],
+    /// Where the next access record goes when no slot is free (oldest first, roughly).
+    pub(super) access_cursor: u64,
+    pub(super) accesses: [AccessRec; MAX_ACCESSES],
+    /// Allocation generations whose stream-ordered free has run: queued work touching one of
+    /// them runs after the memory went back to the pool.
+    pub(super) freed_cursor: u64,
+    pub(super) freed: [u64; FREED_RING],
 }
 
 /// Work left to the caller after a state change: byte ranges of a pool's memfd.
@@ -254,6 +279,8 @@ impl State {
                 generation: 0,
                 a: 0,
                 b: 0,
+                other_call: 0,
+                _pad: 0,
             },
         }
     }
@@ -394,10 +421,6 @@ impl State {
         b.state = BLOCK_LIVE;
         b.bytes = bytes;
         b.generation = generation;
-        b.write_seq = 0;
-        b.write_agent = 0;
-        b.write_pid = 0;
-        b.write_stream = 0;
         let p = &mut self.pools[pool];
         p.used += size;
         p.used_high = p.used_high.max(p.used);
@@ -425,6 +448,18 @@ impl State {
                 && b.offset <= offset
                 && offset < b.offset + b.size
         })
+    }
+
+    /// Whether the free of allocation `generation` has run.
+    pub(super) fn freed_ran(&self, generation: u64) -> bool {
+        generation != 0 && self.freed.contains(&generation)
+    }
+
+    /// Notes that the free of allocation `generation` ran.
+    pub(super) fn note_freed(&mut self, generation: u64) {
+        let i = (self.freed_cursor % FREED_RING as u64) as usize;
+        self.freed[i] = generation;
+        self.freed_cursor = self.freed_cursor.wrapping_add(1);
     }
 
     /// Frees live block `i`: it stays reserved, poisoned.
@@ -565,6 +600,7 @@ impl State {
         e.owner_agent = agent;
         e.generation = generation;
         e.records = 0;
+        e.completed = 0;
         e.clock = [0; MAX_STREAMS];
         Some((slot, generation))
     }
@@ -583,7 +619,7 @@ impl State {
                 imp.live = 0;
             }
         }
-        for h in self.host_accesses.iter_mut().filter(|h| h.live == 1) {
+        for h in self.accesses.iter_mut().filter(|h| h.live == 1) {
             if gone(h.agent, h.pid) {
                 h.live = 0;
             }
@@ -623,6 +659,11 @@ impl ViolationBuilder<'_> {
         self.rec.generation = generation;
         self
     }
+    pub(super) fn other_call(mut self, code: u32) -> Self {
+        self.rec.other_call = code;
+        self
+    }
+
     pub(super) fn other_pid(mut self, pid: u32) -> Self {
         self.rec.other_pid = pid;
         self
@@ -641,14 +682,13 @@ fn empty_block() -> BlockRec {
     BlockRec {
         state: BLOCK_EMPTY,
         pool: 0,
-        write_stream: 0,
-        write_pid: 0,
+        free_stream: 0,
+        _pad: 0,
         offset: 0,
         size: 0,
         bytes: 0,
         generation: 0,
-        write_seq: 0,
-        write_agent: 0,
+        free_seq: 0,
     }
 }
 

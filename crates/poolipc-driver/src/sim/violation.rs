@@ -63,6 +63,9 @@ pub struct Violation {
     pub other_pid: Option<u32>,
     /// The allocation's generation (machine-unique per allocation), where one is involved.
     pub generation: Option<u64>,
+    /// The other access's call, where the violation is between two accesses
+    /// ([`UnorderedAccess`](ViolationKind::UnorderedAccess)).
+    pub other_call: Option<&'static str>,
     /// Kind-specific numbers: the chunks spanned and the limit (`ImportOverLimit`), the stale
     /// and the current generation (`StaleGeneration`), the address (`UnmappedAccess`).
     pub detail: (u64, u64),
@@ -73,6 +76,9 @@ impl fmt::Display for Violation {
         write!(f, "{:?} in {} by pid {}", self.kind, self.call, self.pid)?;
         if let Some(o) = self.other_pid {
             write!(f, " (other pid {o})")?;
+        }
+        if let Some(c) = self.other_call {
+            write!(f, " against {c}")?;
         }
         if let Some(g) = self.generation {
             write!(f, ", allocation generation {g}")?;
@@ -93,6 +99,10 @@ const CALLS: &[&str] = &[
     "cuMemcpyDtoDAsync",
     "cuMemcpyDtoHAsync",
     "cuMemcpyHtoDAsync",
+    "cuMemAllocAsync",
+    "cuMemAllocFromPoolAsync",
+    "cuLaunchKernel",
+    "(executed)",
 ];
 
 pub(super) fn call_code(call: &'static str) -> u32 {
