@@ -170,6 +170,33 @@ pub trait Driver: Send + Sync {
     fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()>;
     /// `cuMemcpyHtoD` (synchronous).
     fn memcpy_htod(&self, dst: DevicePtr, src: &[u8]) -> Result<()>;
+    /// Device to host **on `stream`**, then waits for the stream: the copy is ordered after
+    /// everything queued on `stream` before it (a READY wait, the kernel that produced the
+    /// bytes), which [`memcpy_dtoh`](Driver::memcpy_dtoh) on the legacy stream is not when
+    /// `stream` is non-blocking. Use it wherever the bytes come from stream-ordered work.
+    fn memcpy_dtoh_on(&self, dst: &mut [u8], src: DevicePtr, stream: StreamHandle) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` is borrowed mutably for this whole call, and the call returns only
+        // after the stream (so the copy) completed or failed: nothing else reads or writes it
+        // meanwhile, and it stays valid until the copy is over.
+        unsafe { self.memcpy_dtoh_async(dst.as_mut_ptr(), src, dst.len() as u64, stream)? };
+        self.stream_synchronize(stream)
+    }
+    /// Host to device **on `stream`**, then waits for the stream: ordered after what was
+    /// queued on `stream` before it, and complete (so `src` may be reused) when it returns.
+    /// The write is on `stream`: work on other streams sees it once ordered after `stream`.
+    fn memcpy_htod_on(&self, dst: DevicePtr, src: &[u8], stream: StreamHandle) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src` is borrowed for this whole call, which returns only after the stream
+        // (so the copy) completed or failed: it stays valid and unwritten until the copy is
+        // over.
+        unsafe { self.memcpy_htod_async(dst, src.as_ptr(), src.len() as u64, stream)? };
+        self.stream_synchronize(stream)
+    }
     /// `cuMemcpyDtoDAsync`.
     fn memcpy_dtod_async(
         &self,

@@ -149,17 +149,22 @@ fn thread_main(
             .map(|()| Reply::Ok)
             .map_err(|e| format!("poolipc: ordering streams: {e}"))
     };
+    // The views' reads and writes go on the worker's stream, where the job's READY wait sits
+    // and where its DONE is recorded later: a read sees the parent's bytes (not what was there
+    // before the parent's kernel ran), a write lands before DONE. A synchronous copy on the
+    // legacy stream would be ordered after neither (the worker's stream is non-blocking).
+    let job_stream = worker.stream();
     let copy = |cmd: Cmd| -> Result<Reply, String> {
         match cmd {
             Cmd::Read(p, n) => {
                 let mut buf = vec![0u8; n];
                 driver
-                    .memcpy_dtoh(&mut buf, p)
+                    .memcpy_dtoh_on(&mut buf, p, job_stream)
                     .map(|()| Reply::Bytes(buf))
                     .map_err(|e| format!("poolipc: reading device memory: {e}"))
             }
             Cmd::Write(p, data) => driver
-                .memcpy_htod(p, &data)
+                .memcpy_htod_on(p, &data, job_stream)
                 .map(|()| Reply::Ok)
                 .map_err(|e| format!("poolipc: writing device memory: {e}")),
             _ => Err("poolipc: not a copy".into()),

@@ -175,6 +175,10 @@ struct JobState {
     carved: BTreeMap<u32, ResultTensor>,
     /// Why the slice could not be split into its carves, for the job's error.
     slice_error: Option<String>,
+    /// The wait on the worker's DONE could not be queued (its event would not open, say):
+    /// nothing orders the caller after the worker's writes, so the job fails whatever the
+    /// contract concludes, and its results are not handed out.
+    done_failed: Option<String>,
 }
 
 impl JobState {
@@ -1190,6 +1194,7 @@ impl Loop {
                 }),
                 carved: BTreeMap::new(),
                 slice_error: None,
+                done_failed: None,
             },
         );
         self.drive();
@@ -1585,10 +1590,14 @@ impl Loop {
                 handoff: _,
                 done_event,
             } => {
-                if let Err(e) = self.wait_done(worker, job, done_event)
-                    && !self.escalate("waiting on DONE", &e)
-                {
-                    self.lose(worker, &format!("waiting on DONE failed: {e}"));
+                if let Err(e) = self.wait_done(worker, job, done_event) {
+                    let why = format!("waiting on the worker's DONE failed: {e}");
+                    if let Some(st) = self.jobs.get_mut(&(worker, job)) {
+                        st.done_failed = Some(why.clone());
+                    }
+                    if !self.escalate("waiting on DONE", &e) {
+                        self.lose(worker, &why);
+                    }
                 }
             }
             ParentAction::Release {
@@ -1782,7 +1791,28 @@ impl Loop {
         })?;
         let stream = st.stream;
         let ptr = match st.alloc.as_mut() {
-            Some(f) => f(&shape, bytes, stream)?,
+            Some(f) => {
+                let ptr = f(&shape, bytes, stream)?;
+                // The caller's allocator is trusted with the memory, not with its size: a
+                // result smaller than asked would let the worker write past it.
+                let room = self
+                    .shared
+                    .driver
+                    .pointer_info(ptr)
+                    .ok()
+                    .and_then(|i| (i.base.0 + i.size).checked_sub(ptr.0));
+                if room.is_none_or(|r| r < bytes) {
+                    st.orphans.push(ptr);
+                    return Err(Error::InvalidTensor(format!(
+                        "the job's result allocator returned {:#x}, which has {} of the {bytes} \
+                         bytes asked for result {} of its allocation",
+                        ptr.0,
+                        room.map_or_else(|| "none".to_owned(), |r| format!("{r} bytes")),
+                        request.0,
+                    )));
+                }
+                ptr
+            }
             None => self.shared.pools[0].alloc(bytes, stream)?,
         };
         let alloc = AllocId(self.next_alloc);
@@ -1996,6 +2026,16 @@ impl Loop {
             self.announce_chunks(None);
         }
         let result = match outcome {
+            JobOutcome::Completed if st.done_failed.is_some() => {
+                let why = st.done_failed.take().unwrap_or_default();
+                let results = self.give_back_results(&mut st);
+                Err(Error::JobFailed {
+                    worker,
+                    reason: FailReason::ProtocolViolation,
+                    detail: why,
+                    results,
+                })
+            }
             JobOutcome::Completed if st.slice_error.is_some() => {
                 let why = st.slice_error.take().unwrap_or_default();
                 let results = self.give_back_results(&mut st);

@@ -292,6 +292,12 @@ impl StagingChannel {
         }
     }
 
+    /// Whether this channel was configured to skip one of its waits (a test's mutation).
+    #[must_use]
+    pub fn skips_a_wait(&self) -> bool {
+        self.config.skip_wait != SkipWait::None
+    }
+
     /// The frames of the peer that arrived while this channel waited for its own (setup,
     /// chunks, acks), in order; empty after. Call it after every call that may receive, and
     /// handle them next.

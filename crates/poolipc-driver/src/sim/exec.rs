@@ -43,9 +43,17 @@ pub(super) enum Step {
     /// Memory work: a memset, a copy, a kernel's store, a free.
     Run(Work),
     /// `cuEventRecord`: the event completes up to its record `n`.
-    Record { event: usize, generation: u64, n: u64 },
+    Record {
+        event: usize,
+        generation: u64,
+        n: u64,
+    },
     /// `cuStreamWaitEvent`: the stream goes on once the event's record `n` completed.
-    Wait { event: usize, generation: u64, n: u64 },
+    Wait {
+        event: usize,
+        generation: u64,
+        n: u64,
+    },
     /// A point in the stream that does nothing (an allocation, an import's free).
     Mark,
     /// The stream goes on once stream `slot` executed operation `seq` (a pool's internal
@@ -176,7 +184,10 @@ impl Engine {
                 Err(e) => tracing::error!(error = %e, "the simulated GPU's thread did not start"),
             }
         }
-        q.streams.entry(slot).or_default().push_back(Op { seq, step });
+        q.streams
+            .entry(slot)
+            .or_default()
+            .push_back(Op { seq, step });
         q.pending += 1;
         self.shared.cv.notify_all();
     }
@@ -252,7 +263,7 @@ fn runnable(step: &Step, machine: &Machine) -> bool {
                 || e.generation != generation
                 || e.completed >= n
                 // The recorder died: its queued work is gone, the wait is over.
-                || !Machine::alive(e.owner_pid)
+                || !Machine::alive(e.rec_pid)
         }),
         Step::AfterStream { slot, seq } => machine.with(|st| st.streams[slot].executed >= seq),
         _ => true,

@@ -81,15 +81,15 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+pub use exec::{DELAY_ENV, SEED_ENV};
+use exec::{Engine, Step};
 use machine::Machine;
 use shm::{Mapping, backing_file, my_pid, punch_hole, sparse_memfd};
+use state::{AccessRec, MAX_ACCESSES, POOL_DEV};
 use state::{
     BLOCK_CACHED, BLOCK_LIVE, CHUNK, Clock, GRANULE, IMPORT_CHUNK_LIMIT, MAX_STREAMS, MemoryWork,
     POOL_DYING, POOL_LIVE, State, chunks_spanned, merge,
 };
-use exec::{Engine, Step};
-pub use exec::{DELAY_ENV, SEED_ENV};
-use state::{AccessRec, MAX_ACCESSES, POOL_DEV};
 pub use violation::{Violation, ViolationKind};
 
 use crate::api::Driver;
@@ -498,8 +498,7 @@ impl SimDriver {
                         pid: v.pid,
                         other_pid: (v.other_pid != 0).then_some(v.other_pid),
                         generation: (v.generation != 0).then_some(v.generation),
-                        other_call: (v.other_call != 0)
-                            .then(|| violation::call_name(v.other_call)),
+                        other_call: (v.other_call != 0).then(|| violation::call_name(v.other_call)),
                         detail: (v.a, v.b),
                     })
                 })
@@ -893,7 +892,8 @@ impl SimDriver {
     /// an [`ViolationKind::UnorderedAccess`] naming both. Whether the earlier access happened
     /// to have run already does not matter: the order must be guaranteed, not lucky. Then
     /// this access is remembered until a write covering it supersedes it, or its process
-    /// goes away.
+    /// goes away. An earlier access some host has seen complete (`State::observed`) is
+    /// ordered before everything issued later, as on hardware.
     #[allow(clippy::too_many_arguments)] // the access's identity: one call per kind of access
     fn access(
         &self,
@@ -911,15 +911,14 @@ impl SimDriver {
                 continue;
             }
             let (rs, rseq) = (r.stream as usize, r.seq);
-            if r.dev != mem.dev || r.ino != mem.ino || r.end <= mem.start || mem.end <= r.start
-            {
+            if r.dev != mem.dev || r.ino != mem.ino || r.end <= mem.start || mem.end <= r.start {
                 continue;
             }
             if r.write == 0 && !write {
                 continue;
             }
             let known = st.streams[s].clock[rs];
-            if known >= rseq {
+            if known >= rseq || st.observed[rs] >= rseq {
                 continue;
             }
             if r.pid != self.pid && !Machine::alive(r.pid) {
@@ -1067,7 +1066,14 @@ impl SimDriver {
             // after waiting for it (the pool's internal dependency, see `alloc`).
             let seq = st.tick(s);
             let size = st.blocks[b].size;
-            self.access(st, CALL, s, seq, &Mem::pool(slot, off, size, Some((b, generation_))), true);
+            self.access(
+                st,
+                CALL,
+                s,
+                seq,
+                &Mem::pool(slot, off, size, Some((b, generation_))),
+                true,
+            );
             let mut work = MemoryWork::default();
             st.free(b, &mut work);
             Self::apply_release(l, slot, &work);
@@ -1081,7 +1087,14 @@ impl SimDriver {
                 // Poisoned when the free runs: memory handed out again on this stream meanwhile
                 // gets its new owner's work after (stream order), memory handed out on another
                 // stream waited for this free.
-                Self::apply(l, slot, &MemoryWork { poison, release: vec![] });
+                Self::apply(
+                    l,
+                    slot,
+                    &MemoryWork {
+                        poison,
+                        release: vec![],
+                    },
+                );
             }));
             Ok((s, seq, step))
         })?;
@@ -1234,7 +1247,11 @@ impl SimDriver {
         self.engine.wait_executed(s, seq);
         let mut l = self.local();
         let l = &mut *l;
-        self.machine.with(|st| merge(&mut l.host_clock, &st.streams[s].clock));
+        self.machine.with(|st| {
+            let clock = st.streams[s].clock;
+            merge(&mut l.host_clock, &clock);
+            merge(&mut st.observed, &clock);
+        });
     }
 
     /// The shared file bytes behind `[ptr, ptr + len)`, when that lies in one registered,
@@ -1972,6 +1989,7 @@ impl Driver for SimDriver {
             let e = &mut st.events[slot];
             e.clock = clock;
             e.records += 1;
+            e.rec_pid = self.pid;
             let step = Step::Record {
                 event: slot,
                 generation: e.generation,
@@ -1989,12 +2007,13 @@ impl Driver for SimDriver {
         self.machine.with(|st| {
             let slot = Self::event(&l, st, "cuEventQuery", event)?.slot;
             let e = &st.events[slot];
-            let done = e.completed >= e.records || !Machine::alive(e.owner_pid);
+            let done = e.completed >= e.records || !Machine::alive(e.rec_pid);
             if done {
                 // A query that says complete orders the host after the event, as a
                 // synchronize does.
                 let clock = e.clock;
                 merge(&mut l.host_clock, &clock);
+                merge(&mut st.observed, &clock);
             }
             Ok(done)
         })
@@ -2019,7 +2038,7 @@ impl Driver for SimDriver {
                 e.live == 0
                     || e.generation != generation
                     || e.completed >= n
-                    || !Machine::alive(e.owner_pid)
+                    || !Machine::alive(e.rec_pid)
             });
             if done {
                 break;
@@ -2032,6 +2051,7 @@ impl Driver for SimDriver {
         self.machine.with(|st| {
             let clock = st.events[slot].clock;
             merge(&mut l.host_clock, &clock);
+            merge(&mut st.observed, &clock);
             self.release_at_sync(l, st);
         });
         Ok(())
@@ -2110,6 +2130,7 @@ impl Driver for SimDriver {
         self.machine.with(|st| {
             let clock = st.streams[s].clock;
             merge(&mut l.host_clock, &clock);
+            merge(&mut st.observed, &clock);
             self.release_at_sync(l, st);
         });
         Ok(())
@@ -2196,7 +2217,9 @@ impl Driver for SimDriver {
             StreamHandle::NULL,
         )?;
         self.sync_on_legacy(s, seq);
-        let got = buf.lock().map_err(|_| fail("cuMemcpyDtoH", CuCode::UNKNOWN))?;
+        let got = buf
+            .lock()
+            .map_err(|_| fail("cuMemcpyDtoH", CuCode::UNKNOWN))?;
         dst.copy_from_slice(&got);
         Ok(())
     }
@@ -2579,15 +2602,42 @@ impl SimDriver {
                 let mut upto = st.streams[fs].clock;
                 upto[fs] = fseq;
                 merge(&mut st.streams[s].clock, &upto);
-                (st.tick(s), Step::AfterStream { slot: fs, seq: fseq })
+                (
+                    st.tick(s),
+                    Step::AfterStream {
+                        slot: fs,
+                        seq: fseq,
+                    },
+                )
             });
-            // The allocation itself touches nothing: memory recycled from a free is guarded
-            // by the free's record, which an access must be ordered after.
+            // The allocation touches nothing. Memory recycled from a free is ordered after
+            // that free by the pool (it waited for it, or knew it complete): the frees'
+            // records over it are done with.
             let seq = st.tick(s);
-            let (off, g) = (st.blocks[b].offset, st.blocks[b].generation);
+            let (off, size, g) = (
+                st.blocks[b].offset,
+                st.blocks[b].size,
+                st.blocks[b].generation,
+            );
+            let free_call = violation::call_code("cuMemFreeAsync");
+            for r in st.accesses.iter_mut().filter(|r| {
+                r.live == 1
+                    && r.dev == POOL_DEV
+                    && r.ino == slot as u64
+                    && r.call == free_call
+                    && r.start < off + size
+                    && off < r.end
+            }) {
+                r.live = 0;
+            }
             let id = l.new_buffer_id();
             l.buffer_ids.insert((b, g), id);
-            Ok((s, seq, dependency, DevicePtr(OWN_BASE + slot as u64 * POOL_SPAN + off)))
+            Ok((
+                s,
+                seq,
+                dependency,
+                DevicePtr(OWN_BASE + slot as u64 * POOL_SPAN + off),
+            ))
         })?;
         if let Some((dseq, step)) = dependency {
             self.issue(s, dseq, step);

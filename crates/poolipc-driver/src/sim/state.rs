@@ -147,7 +147,9 @@ pub(super) struct EventRec {
     /// Opens by other processes still holding it.
     pub(super) opens: u32,
     pub(super) owner_alive: u32,
-    pub(super) _pad: u32,
+    /// The process of the last record (an interprocess event may be recorded by a process
+    /// that opened it): once it is gone, so is its queued work, and a wait is over.
+    pub(super) rec_pid: u32,
     pub(super) owner_agent: u64,
     pub(super) generation: u64,
     pub(super) records: u64,
@@ -233,6 +235,11 @@ pub(super) struct State {
     pub(super) accesses: [AccessRec; MAX_ACCESSES],
     /// Allocation generations whose stream-ordered free has run: queued work touching one of
     /// them runs after the memory went back to the pool.
+    /// What some host has seen complete (a stream or event synchronize, a query that said
+    /// complete, a synchronous copy): the merge of every process's host clock. Work covered
+    /// by it is ordered before anything any process issues afterwards, since that host may
+    /// have told it so (a socket, a pipe) without the driver seeing.
+    pub(super) observed: Clock,
     pub(super) freed_cursor: u64,
     pub(super) freed: [u64; FREED_RING],
 }
@@ -601,6 +608,7 @@ impl State {
         e.generation = generation;
         e.records = 0;
         e.completed = 0;
+        e.rec_pid = pid;
         e.clock = [0; MAX_STREAMS];
         Some((slot, generation))
     }

@@ -368,6 +368,8 @@ fn alloc_reclaims_completed_stream_ordered_frees_first() {
     let as_dyn: Arc<dyn Driver> = d.clone();
     let event = OwnedEvent::new(as_dyn, false).unwrap();
     d.event_record(event.handle(), StreamHandle::NULL).unwrap();
+    // Completed: the GPU ran the record (streams run asynchronously).
+    d.event_synchronize(event.handle()).unwrap();
     arena.free_after(block, event).unwrap();
     // At the cap: only the reclaimed block can serve this.
     assert_eq!(arena.alloc(g).unwrap(), block);

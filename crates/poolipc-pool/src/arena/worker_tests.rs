@@ -28,6 +28,8 @@ fn a_chunk_mapped_from_the_parents_fd_reads_what_the_parent_wrote() {
     let block = arena.alloc(8192).unwrap();
     p.memset_d32_async(block.ptr, 0xfeed_beef, 2048, StreamHandle::NULL)
         .unwrap();
+    // The other process reads once this one saw the memset complete.
+    p.stream_synchronize(StreamHandle::NULL).unwrap();
     let chunk = arena.chunks().next().unwrap();
     let fd = arena.export_fd(chunk.index).unwrap();
 
