@@ -813,3 +813,142 @@ fn a_memset_past_the_size_asked_for_is_invalid_value_as_on_the_h200() {
     p.memset_d8_async(ptr.offset(24_688), 1, 2, S).unwrap();
     assert_eq!(kinds(&p), vec![]);
 }
+
+// --- the asynchronous GPU and the race detector: the handoff's mutations --------------------
+
+/// The worker's DONE: an interprocess event recorded on `ws`, opened by the parent.
+fn done_event(p: &SimDriver, w: &SimDriver, ws: StreamHandle) -> crate::EventHandle {
+    let done = w.event_create(true).unwrap();
+    w.event_record(done, ws).unwrap();
+    p.ipc_open_event_handle(&w.ipc_get_event_handle(done).unwrap())
+        .unwrap()
+}
+
+#[test]
+fn the_handoff_done_right_records_nothing_and_the_parent_reads_the_workers_bytes() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, imported, ws) = handoff(&p, &fd, MIB);
+    w.memset_d8_async(imported, 0x5A, MIB, ws).unwrap();
+    let done = done_event(&p, &w, ws);
+    let caller = p.stream_create().unwrap();
+    p.stream_wait_event(caller, done).unwrap();
+    let mut buf = [0u8; 16];
+    p.memcpy_dtoh_on(&mut buf, ptr.offset(MIB - 16), caller)
+        .unwrap();
+    assert_eq!(buf, [0x5A; 16]);
+    assert_eq!(kinds(&p), vec![]);
+}
+
+#[test]
+fn mutation_done_recorded_before_the_last_write_is_caught() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, imported, ws) = handoff(&p, &fd, MIB);
+    let done = done_event(&p, &w, ws);
+    w.memset_d8_async(imported, 0x5A, MIB, ws).unwrap(); // after DONE
+    let caller = p.stream_create().unwrap();
+    p.stream_wait_event(caller, done).unwrap();
+    let mut buf = [0u8; 16];
+    p.memcpy_dtoh_on(&mut buf, ptr, caller).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+    let v = &p.violations()[0];
+    assert_eq!(
+        (v.call, v.other_call),
+        ("cuMemcpyDtoHAsync", Some("cuMemsetD8Async"))
+    );
+}
+
+#[test]
+fn mutation_the_consumer_streams_done_wait_removed_is_caught() {
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, ptr, imported, ws) = handoff(&p, &fd, MIB);
+    w.memset_d8_async(imported, 0x5A, MIB, ws).unwrap();
+    let done = done_event(&p, &w, ws);
+    let job = p.stream_create().unwrap();
+    p.stream_wait_event(job, done).unwrap();
+    // The caller's own stream never waited on the job's stream.
+    let caller = p.stream_create().unwrap();
+    p.memset_d8_async(ptr, 0, 16, caller).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+}
+
+#[test]
+fn mutation_an_arena_block_reused_before_done_is_caught() {
+    let p = sim();
+    let g = p.vmm_granularity(0, Granularity::Minimum).unwrap();
+    let h = p.vmm_create(0, g).unwrap();
+    let va = p.vmm_reserve(g, 0).unwrap();
+    p.vmm_map(va, g, h).unwrap();
+    p.vmm_set_access(va, g, 0, Access::ReadWrite).unwrap();
+    let fd = p.vmm_export_fd(h).unwrap();
+    let w = p.peer();
+    w.use_device(0).unwrap();
+    let wh = w.vmm_import_fd(fd.as_fd()).unwrap();
+    let wva = w.vmm_reserve(g, 0).unwrap();
+    w.vmm_map(wva, g, wh).unwrap();
+    w.vmm_set_access(wva, g, 0, Access::ReadWrite).unwrap();
+    // The parent fills the block, READY; the worker reads it after READY, then DONE.
+    p.memset_d8_async(va, 1, g, S).unwrap();
+    let ready = p.event_create(true).unwrap();
+    p.event_record(ready, S).unwrap();
+    let r = w
+        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
+        .unwrap();
+    let ws = w.stream_create().unwrap();
+    w.stream_wait_event(ws, r).unwrap();
+    // A kernel's read (a device copy out of the block), asynchronous: nobody waits for it
+    // on the host.
+    let own = w.mem_alloc_async(64, ws).unwrap();
+    w.memcpy_dtod_async(own, wva, 64, ws).unwrap();
+    let _done = done_event(&p, &w, ws);
+    assert_eq!(kinds(&p), vec![]);
+    // The block goes to the next job without waiting on DONE: its fill races the read.
+    let next = p.stream_create().unwrap();
+    p.memset_d8_async(va, 2, 64, next).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+}
+
+#[test]
+fn a_missing_ready_wait_reads_stale_bytes_on_the_asynchronous_gpu() {
+    // The parent's fill is queued with a delay; the worker's legacy-stream read is not
+    // ordered after it. Over a few rounds the read sees the bytes from before the fill at
+    // least once, and every round is reported.
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let (w, _wpool) = worker(&p, &fd);
+    let wpool = _wpool;
+    let mut stale = 0;
+    let rounds = 40;
+    for round in 0..rounds {
+        let s = p.stream_create().unwrap();
+        let ptr = p.mem_alloc_async(MIB, s).unwrap();
+        p.memset_d8_async(ptr, 0, 16, s).unwrap();
+        p.stream_synchronize(s).unwrap();
+        p.memset_d8_async(ptr, 0x77, 16, s).unwrap();
+        let blob = p.mem_pool_export_pointer(ptr).unwrap();
+        let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+        let mut buf = [0u8; 16];
+        w.memcpy_dtoh(&mut buf, imported).unwrap();
+        if buf != [0x77; 16] {
+            stale += 1;
+        }
+        w.mem_pool_free_import(imported, S).unwrap();
+        w.stream_synchronize(S).unwrap();
+        p.stream_synchronize(s).unwrap();
+        p.mem_free_async(ptr, s).unwrap();
+        p.stream_synchronize(s).unwrap();
+        p.stream_destroy(s).unwrap();
+        let _ = round;
+    }
+    let unordered = kinds(&p)
+        .iter()
+        .filter(|k| **k == ViolationKind::UnorderedAccess)
+        .count();
+    assert_eq!(unordered, rounds, "every unordered read is reported");
+    assert!(
+        stale > 0,
+        "the asynchronous GPU never ran the read before the fill"
+    );
+}
