@@ -162,8 +162,7 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             uuid = %info.uuid,
             ?pool,
             "poolipc: installed a shareable memory pool as device {device}'s current pool; \
-             torch.cuda.memory_allocated() and memory_reserved() now read 0, \
-             poolipc's pool statistics (PoolStats, poolipc.memory_stats()) hold the true figures"
+             its statistics (PoolStats) hold the true figures of what is allocated from it"
         );
         Ok(SharedPool {
             driver,
