@@ -3,7 +3,7 @@
 //! - `cargo xtask ci`: what CI runs (fmt, clippy, tests, doc tests, rustdoc, cargo-deny, fuzz
 //!   build).
 //! - `cargo xtask gpu-bundle`: release builds of the hardware tests and the `poolipc` binary,
-//!   with a `run.sh`, into `target/gpu-bundle/` (see `../shared/GPU.md`).
+//!   with a `run.sh`, into `target/gpu-bundle/` (see `docs/gpu.md`).
 //! - `cargo xtask gpu-test`: the bundle, then its `run.sh`, on this machine's GPU.
 //! - `cargo xtask fuzz [seconds]`: each fuzz target for a bounded time.
 

@@ -30,8 +30,8 @@
 //! The facade holds the driver as `Arc<dyn Driver>`, not as a type parameter the way
 //! wgpu-hal's `Api` is: the CUDA driver, the simulated driver, mockall's mock and the Python
 //! binding then share one object (and one `Parent` type), and a driver call costs one indirect
-//! call next to microseconds of CUDA. The choice is deliberate (DESIGN.md, "The facade is the
-//! contract's driver loop").
+//! call next to microseconds of CUDA. The choice is deliberate (docs/design.md, "The ownership
+//! contract").
 //!
 //! # A parent and a worker
 //!

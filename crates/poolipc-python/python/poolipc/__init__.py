@@ -47,6 +47,7 @@ from typing import Any, Final, Protocol
 
 from . import _native
 from ._native import (
+    __version__,
     ArenaFullError,
     ArenaResult,
     ConnectError,
@@ -76,6 +77,7 @@ from ._types import (
 )
 
 __all__ = [
+    "__version__",
     "install_pool",
     "memory_stats",
     "Parent",
