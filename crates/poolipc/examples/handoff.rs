@@ -12,10 +12,18 @@ use poolipc::{DType, Input, Parent, ParentOptions, ResultShape, TensorDesc, Work
 const ROLE: &str = "HANDOFF_EXAMPLE_ROLE";
 const ANSWER: u32 = 0xC0FFEE;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    if std::env::var_os(ROLE).is_some() {
-        return worker();
+fn main() -> std::process::ExitCode {
+    let role = std::env::var_os(ROLE);
+    let done = if role.is_some() { worker() } else { parent() };
+    if let Err(e) = done {
+        // The error's words (Display), not its structure.
+        eprintln!("handoff: {e}");
+        return std::process::ExitCode::FAILURE;
     }
+    std::process::ExitCode::SUCCESS
+}
+
+fn parent() -> Result<(), Box<dyn std::error::Error>> {
     // The parent: the driver POOLIPC_DRIVER names (here: the GPU if usable, else SimDriver).
     let parent = Parent::on(driver::open_or(Choice::Auto)?, ParentOptions::default())?;
     let mut cmd = Command::new(std::env::current_exe()?);

@@ -35,8 +35,10 @@ pub enum Error {
     /// The handshake failed; the message says which side refused what.
     #[error(transparent)]
     Handshake(#[from] HandshakeError),
-    /// A spawned worker exited before its handshake was through: its exit status, the last
-    /// lines of its stderr (an import error, a missing library) and what the parent saw.
+    /// A spawned worker hung up and exited before its handshake was through: its exit
+    /// status, the last lines of its stderr (an import error, a missing library) and what the
+    /// parent saw. (A worker that refused the handshake is [`Error::Handshake`]: its refusal
+    /// says why.)
     #[error(
         "the worker exited before its handshake ({status}): {during}\n--- the worker's last lines on stderr:\n{stderr}"
     )]

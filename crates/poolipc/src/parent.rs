@@ -994,8 +994,14 @@ impl Parent {
                     }
                 });
                 kill(&mut child);
+                // A refusal says why by itself (and callers match on it); a hang-up does not.
+                let hung_up = matches!(
+                    e,
+                    Error::Transport(_)
+                        | Error::Handshake(poolipc_transport::HandshakeError::Transport(_))
+                );
                 return Err(match (exited, tail) {
-                    (Some(status), Some(tail)) => Error::WorkerExited {
+                    (Some(status), Some(tail)) if hung_up => Error::WorkerExited {
                         status: status.to_string(),
                         stderr: tail.last_lines(Duration::from_millis(500)),
                         during: Box::new(e),
