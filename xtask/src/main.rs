@@ -330,8 +330,12 @@ fn ci() -> Result<()> {
             "  {} test bodies NOT RUN on this machine (they passed without running their body; a GPU machine runs them: docs/gpu.md):",
             not_run.len()
         );
-        for (test, why) in &not_run {
-            eprintln!("    {test}: {why}");
+        for (test, _) in &not_run {
+            eprintln!("    {test}");
+        }
+        eprintln!("  why:");
+        for (why, n) in not_run_reasons(&not_run) {
+            eprintln!("    {n} × {why}");
         }
         warnings.push(format!(
             "{} test bodies NOT RUN (listed above)",
@@ -384,6 +388,17 @@ fn not_run_tests(junit: &str) -> Vec<(String, String)> {
         out.push((format!("{class}::{name}"), why.trim().to_string()));
     }
     out
+}
+
+/// How many NOT RUN bodies gave each reason: "NOT RUN on hardware: <test> (why)" counts under
+/// "(why)", which many share; a line without brackets counts as it is.
+fn not_run_reasons(not_run: &[(String, String)]) -> std::collections::BTreeMap<&str, usize> {
+    let mut reasons = std::collections::BTreeMap::new();
+    for (_, why) in not_run {
+        let why = why.find(" (").map_or(why.as_str(), |i| &why[i + 1..]);
+        *reasons.entry(why).or_default() += 1;
+    }
+    reasons
 }
 
 fn unescape(s: &str) -> String {
@@ -686,6 +701,24 @@ cat "$summary"
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn not_run_reasons_are_counted_without_the_tests_names() {
+        let lines = [
+            ("a", "NOT RUN on hardware: a (no usable GPU: none)"),
+            ("b", "NOT RUN on hardware: b (no usable GPU: none)"),
+            ("c", "NOT RUN on sim: 15 GiB is host memory"),
+        ]
+        .map(|(t, w)| (t.to_string(), w.to_string()));
+        let got: Vec<_> = not_run_reasons(&lines).into_iter().collect();
+        assert_eq!(
+            got,
+            [
+                ("(no usable GPU: none)", 2),
+                ("NOT RUN on sim: 15 GiB is host memory", 1)
+            ]
+        );
+    }
 
     #[test]
     fn not_run_bodies_are_read_from_nextests_junit_report() {
