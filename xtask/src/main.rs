@@ -390,8 +390,8 @@ fn not_run_tests(junit: &str) -> Vec<(String, String)> {
     out
 }
 
-/// How many NOT RUN bodies gave each reason: "NOT RUN on hardware: <test> (why)" counts under
-/// "(why)", which many share; a line without brackets counts as it is.
+/// How many NOT RUN bodies gave each reason: `NOT RUN on hardware: <test> (why)` counts under
+/// `(why)`, which many share; a line without brackets counts as it is.
 fn not_run_reasons(not_run: &[(String, String)]) -> std::collections::BTreeMap<&str, usize> {
     let mut reasons = std::collections::BTreeMap::new();
     for (_, why) in not_run {
