@@ -1,4 +1,4 @@
-// Copied unchanged from ../shared/probes/floor.c (the CEO's probe): the bare-driver floor of one
+// Copied unchanged from the project's first probe (floor.c): the bare-driver floor of one
 // pool-IPC handoff, run by `poolipc bench --floor` beside our own round trip.
 // CEO probe: the physical floor of one pool-IPC handoff round trip, in C on the driver API.
 // Parent: pool (POSIX FD, release threshold max) -> alloc -> READY event -> send export blob.

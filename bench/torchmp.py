@@ -1,4 +1,4 @@
-# Copied unchanged from ../shared/probes/torchmp.py: torch.multiprocessing's round trip (native
+# Copied unchanged from the project's first probes (torchmp.py): torch.multiprocessing's round trip (native
 # allocator, legacy CUDA IPC), run by `poolipc bench --torchmp` beside our own round trip.
 """Peer anchor: round trip of a GPU tensor through torch.multiprocessing (legacy CUDA IPC, native allocator).
 Parent puts a tensor, worker maps it, writes a value in place, records nothing more, replies; parent checks."""

@@ -2,7 +2,7 @@
 when a worker faults or is killed under MPS, whether the device attribute MPS_ENABLED tells a
 client, whether PTX loads through the driver's JIT, and how the control daemon's quit behaves."""
 import ctypes as C, json, os, signal, subprocess, sys, time
-sys.path.insert(0, os.environ.get("CU_PY_DIR", "/work/shared/probes"))
+sys.path.insert(0, os.environ.get("CU_PY_DIR", os.path.dirname(os.path.abspath(__file__))))
 import cu  # noqa: E402
 
 PTX = b"""

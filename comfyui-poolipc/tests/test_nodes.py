@@ -4,6 +4,7 @@ respected, and the rung each tensor took is shown."""
 import json
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -316,10 +317,24 @@ def test_without_rungs_from_the_binding_the_node_says_so(comfy):
 def test_the_pack_follows_the_registry_conventions(comfy):
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11+")
     meta = tomllib.loads((PACK / "pyproject.toml").read_text())
-    assert meta["project"]["name"] == "comfyui-poolipc"
+    name = meta["project"]["name"]
+    # The Registry's node id: letters, digits, -_. without two in a row, no "ComfyUI" in it.
+    assert re.fullmatch(r"[A-Za-z](?:[A-Za-z0-9]|[-_.](?=[A-Za-z0-9]))*", name), name
+    assert "comfyui" not in name.lower()
     assert {"PublisherId", "DisplayName", "Icon"} <= set(meta["tool"]["comfy"])
-    reqs = [line.strip() for line in (PACK / "requirements.txt").read_text().splitlines()]
-    assert "poolipc" in reqs
+    assert (PACK / "icon.svg").is_file() and meta["tool"]["comfy"]["Icon"].endswith("/icon.svg")
+    assert meta["project"]["urls"]["Repository"]
+    # poolipc by direct reference, in both places a Manager or Registry install reads: never
+    # a bare name a package index would resolve to whoever holds it.
+    reqs = [
+        line.strip()
+        for line in (PACK / "requirements.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for req in (reqs, meta["project"]["dependencies"]):
+        assert req == [
+            "poolipc @ git+https://github.com/poolipc/poolipc#subdirectory=crates/poolipc-python"
+        ], req
     assert set(comfy.NODE_DISPLAY_NAME_MAPPINGS) == set(comfy.NODE_CLASS_MAPPINGS)
     assert all(c.CATEGORY.startswith("poolipc/") for c in comfy.NODE_CLASS_MAPPINGS.values())
     assert (PACK / comfy.WEB_DIRECTORY / "poolipc.js").is_file()

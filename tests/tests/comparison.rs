@@ -127,7 +127,7 @@ both_drivers!(
     }
 );
 
-// `CU_POINTER_ATTRIBUTE_BUFFER_ID`, which the export cache relies on (FACTS.md, second round:
+// `CU_POINTER_ATTRIBUTE_BUFFER_ID`, which the export cache relies on (docs/facts.md:
 // 917 then 918 at the same address on the H200). Not here: `cuMemRetainAllocationHandle` on
 // pool memory (INVALID_VALUE on the H200), because the `Driver` trait has no retain call.
 

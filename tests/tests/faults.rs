@@ -364,7 +364,14 @@ both_drivers!(
         for _ in 0..5 {
             kill_one(&p)?;
         }
-        let after = open_fds()?;
+        // The thread that copies a worker's stderr closes its end when it reads EOF, just
+        // after the worker died: give it a moment, then nothing may be left open.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        let mut after = open_fds()?;
+        while after > before && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            after = open_fds()?;
+        }
         ensure!(after <= before, "{before} descriptors before 5 killed workers, {after} after");
         p.pool().free(input, stream)?;
         p.driver().stream_synchronize(stream)?;

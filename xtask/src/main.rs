@@ -3,7 +3,7 @@
 //! - `cargo xtask ci`: what CI runs (fmt, clippy, tests, doc tests, rustdoc, cargo-deny, fuzz
 //!   build).
 //! - `cargo xtask gpu-bundle`: release builds of the hardware tests and the `poolipc` binary,
-//!   with a `run.sh`, into `target/gpu-bundle/` (see `../shared/GPU.md`).
+//!   with a `run.sh`, into `target/gpu-bundle/` (see `docs/gpu.md`).
 //! - `cargo xtask gpu-test`: the bundle, then its `run.sh`, on this machine's GPU.
 //! - `cargo xtask fuzz [seconds]`: each fuzz target for a bounded time.
 
@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
+
+mod tidy;
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -58,11 +60,11 @@ fn run(mut cmd: Command) -> Result<()> {
     Ok(())
 }
 
-/// The Python binding: a venv under `target/pyenv` with maturin, pytest and mypy (from PyPI),
-/// the abi3 wheel built and installed there, and the pytest suite run on SimDriver (mypy checks
-/// the stubs against the module and a typed use of it).
-fn python_suite() -> Result<()> {
-    let root = root()?;
+/// The Python tools, from PyPI into the venv `target/pyenv`: maturin builds the wheel and the
+/// sdist, `ziglang` is the linker that lets it target glibc 2.17 (manylinux2014) from any
+/// machine, auditwheel says which manylinux policy the wheel meets, twine checks the metadata
+/// PyPI will read; pytest, mypy and pyisolate run the suites. Returns the venv's Python.
+fn python_env(root: &Path) -> Result<PathBuf> {
     let venv = root.join("target/pyenv");
     let py = venv.join("bin/python");
     if !py.exists() {
@@ -77,28 +79,92 @@ fn python_suite() -> Result<()> {
         "install",
         "-q",
         "maturin>=1.5,<2",
+        "ziglang",
+        "auditwheel",
+        "twine",
         "pytest",
         "mypy",
         // poolipc.pyisolate's tests run the real pyisolate (it brings uv and packaging).
         "pyisolate>=0.10,<0.11",
     ]);
     run(c)?;
-    let wheels = root.join("target/wheels");
-    let _ = std::fs::remove_dir_all(&wheels);
-    let mut c = Command::new(venv.join("bin/maturin"));
+    Ok(py)
+}
+
+/// The wheel as released: abi3 (Python 3.10 and later), linked by zig against glibc 2.17 and
+/// tagged manylinux2014 (Ubuntu 20.04 and RHEL 8 install it, not only glibc 2.34 and newer).
+/// Built into `out`, which holds nothing else afterwards; returns the wheel's path.
+fn build_wheel(root: &Path, py: &Path, out: &Path) -> Result<PathBuf> {
+    let _ = std::fs::remove_dir_all(out);
+    let mut c = Command::new(py.with_file_name("maturin"));
     c.args([
         "build",
         "--release",
+        "--zig",
+        "--compatibility",
+        "manylinux2014",
         "-m",
         "crates/poolipc-python/Cargo.toml",
         "-o",
     ])
-    .arg(&wheels);
+    .arg(out)
+    // maturin finds zig as `python -m ziglang` through the venv's Python on the PATH.
+    .env(
+        "PATH",
+        path_with(py.parent().context("the venv has no bin")?),
+    )
+    .current_dir(root);
     run(c)?;
-    let wheel = std::fs::read_dir(&wheels)?
+    std::fs::read_dir(out)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .context("maturin built no wheel")?;
+        .context("maturin built no wheel")
+}
+
+/// `PATH` with `dir` first.
+fn path_with(dir: &Path) -> std::ffi::OsString {
+    let mut paths = vec![dir.to_path_buf()];
+    paths.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    std::env::join_paths(paths).unwrap_or_default()
+}
+
+/// The Python binding: the release wheel built (manylinux2014, [`build_wheel`]), its policy
+/// shown by auditwheel (CI fails unless it is manylinux_2_17), an sdist beside it, both
+/// checked by `twine check`; the wheel installed in `target/pyenv` and the pytest suite run on
+/// SimDriver (mypy checks the stubs against the module and a typed use of it), then the
+/// ComfyUI pack's tests.
+fn python_suite() -> Result<()> {
+    let root = root()?;
+    let py = python_env(&root)?;
+    let wheels = root.join("target/wheels");
+    let wheel = build_wheel(&root, &py, &wheels)?;
+    eprintln!("$ auditwheel show {}", wheel.display());
+    let out = Command::new(&py)
+        .args(["-m", "auditwheel", "show"])
+        .arg(&wheel)
+        .output()
+        .context("auditwheel show")?;
+    let shown = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{shown}");
+    if !out.status.success() || !shown.contains("manylinux_2_17") {
+        bail!(
+            "auditwheel does not place the wheel under manylinux_2_17 (manylinux2014):\n{shown}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut c = Command::new(py.with_file_name("maturin"));
+    c.args(["sdist", "-m", "crates/poolipc-python/Cargo.toml", "-o"])
+        .arg(&wheels)
+        .current_dir(&root);
+    run(c)?;
+    let mut c = Command::new(&py);
+    c.args(["-m", "twine", "check", "--strict"]);
+    for e in std::fs::read_dir(&wheels)? {
+        c.arg(e?.path());
+    }
+    run(c)?;
     let mut c = Command::new(&py);
     c.args([
         "-m",
@@ -123,26 +189,6 @@ fn python_suite() -> Result<()> {
     run(c)
 }
 
-/// `maturin` on the PATH, or as a Python module.
-fn maturin() -> Option<Command> {
-    let works = |c: &mut Command| {
-        c.arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    if works(&mut Command::new("maturin")) {
-        return Some(Command::new("maturin"));
-    }
-    let mut m = Command::new("python3");
-    m.args(["-m", "maturin"]);
-    if works(&mut m) {
-        let mut m = Command::new("python3");
-        m.args(["-m", "maturin"]);
-        return Some(m);
-    }
-    None
-}
-
 fn has_subcommand(name: &str) -> bool {
     cargo()
         .args([name, "--version"])
@@ -150,40 +196,60 @@ fn has_subcommand(name: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// Installs `cargo-<name>` (from crates.io, `--locked`) when this machine lacks it, so the
-/// README's test command works on a fresh machine with only Rust and Python.
+/// The tools the test command installs where they are missing, each pinned to a version whose
+/// `rust-version` is at most the workspace's (1.88), so that they build on the oldest toolchain
+/// poolipc claims: cargo-nextest 0.9.114 is the last needing 1.88 (0.9.115 needs 1.89),
+/// cargo-deny 0.20.2 needs 1.88, cargo-fuzz 0.13.2 says nothing and builds on 1.95. nextest
+/// is built without its self-updater, as its docs recommend for CI: fewer crates to build on a
+/// fresh machine, and a CI install has no use for it. `.ci/run` installs through this too.
+const TOOLS: &[(&str, &str, &[&str])] = &[
+    (
+        "nextest",
+        "0.9.114",
+        &["--no-default-features", "--features", "default-no-update"],
+    ),
+    ("deny", "0.20.2", &[]),
+    ("fuzz", "0.13.2", &[]),
+];
+
+/// Installs `cargo-<name>` (from crates.io, `--locked`, the version [`TOOLS`] pins) when this
+/// machine lacks it, so the README's test command works on a fresh machine with only Rust and
+/// Python. A tool already installed is used whatever its version.
 fn ensure_tool(name: &str) -> Result<()> {
     if has_subcommand(name) {
         return Ok(());
     }
-    // nextest without its self-updater, as its docs recommend for CI builds: fewer crates
-    // to build on a fresh machine (the self-updater is of no use to a CI install).
-    let features: &[&str] = match name {
-        "nextest" => &["--no-default-features", "--features", "default-no-update"],
-        _ => &[],
-    };
+    let (_, version, features) = TOOLS
+        .iter()
+        .find(|(n, _, _)| *n == name)
+        .with_context(|| format!("cargo-{name} is not one of the tools xtask installs"))?;
     let krate = format!("cargo-{name}");
     eprintln!(
-        "cargo-{name} is not installed: installing it (cargo install --locked {krate} {})",
+        "cargo-{name} is not installed: installing it (cargo install --locked {krate} --version {version} {})",
         features.join(" ")
     );
     let mut c = cargo();
-    c.args(["install", "--locked", &krate]).args(features);
+    c.args(["install", "--locked", &krate, "--version", version])
+        .args(*features);
     run(c)
 }
 
 fn ci() -> Result<()> {
+    // What the final summary says besides "green": checks that could not run here.
+    let mut warnings: Vec<String> = Vec::new();
     let mut c = Command::new("rustup");
     c.args(["component", "add", "rustfmt", "clippy"]);
     if let Err(e) = run(c) {
         eprintln!("rustup component add rustfmt clippy: {e} (going on with what is installed)");
     }
-    for tool in ["nextest", "deny", "fuzz"] {
+    for (tool, _, _) in TOOLS {
         ensure_tool(tool)?;
     }
+    tidy::check(&root()?)?;
     let mut c = cargo();
     c.args(["fmt", "--all", "--check"]);
     run(c)?;
+    // Clippy with the workspace's lints, `incompatible_msrv` among them (rust-version 1.88).
     let mut c = cargo();
     c.args([
         "clippy",
@@ -195,24 +261,33 @@ fn ci() -> Result<()> {
         "warnings",
     ]);
     run(c)?;
-    if has_subcommand("nextest") {
-        let mut c = cargo();
-        c.args(["nextest", "run", "--workspace", "--no-fail-fast"]);
-        run(c)?;
-    } else {
-        eprintln!(
-            "cargo-nextest not found: running cargo test (install it: cargo install cargo-nextest)"
-        );
-        let mut c = cargo();
-        c.args(["test", "--workspace", "--lib", "--bins", "--tests"]);
-        run(c)?;
-    }
+    // nextest's JUnit report keeps every test's output (.config/nextest.toml, profile `ci`):
+    // the bodies that printed NOT RUN are read back from it, counted and listed below.
+    let mut c = cargo();
+    c.args([
+        "nextest",
+        "run",
+        "--workspace",
+        "--no-fail-fast",
+        "--profile",
+        "ci",
+    ]);
+    run(c)?;
+    let junit = root()?.join("target/nextest/ci/junit.xml");
+    let not_run = not_run_tests(
+        &std::fs::read_to_string(&junit)
+            .with_context(|| format!("reading nextest's report {}", junit.display()))?,
+    );
     let mut c = cargo();
     c.args(["test", "--workspace", "--doc"]);
     run(c)?;
     let mut c = cargo();
     c.args(["doc", "--workspace", "--no-deps"])
         .env("RUSTDOCFLAGS", "-D warnings");
+    run(c)?;
+    // The Rust example, as a user runs it (SimDriver here: no GPU).
+    let mut c = cargo();
+    c.args(["run", "-p", "poolipc", "--example", "handoff"]);
     run(c)?;
     let mut c = cargo();
     c.args([
@@ -226,7 +301,8 @@ fn ci() -> Result<()> {
     ]);
     run(c)?;
     // The advisory database comes from GitHub; where that is unreachable the check says so
-    // and CI goes on, rather than failing on a network it does not have.
+    // and CI goes on, rather than failing on a network it does not have, and the summary
+    // says it was not checked.
     eprintln!("$ cargo deny check advisories");
     let out = cargo()
         .args(["deny", "--log-level", "error", "check", "advisories"])
@@ -235,14 +311,102 @@ fn ci() -> Result<()> {
     if out.status.success() {
         eprintln!("advisories ok");
     } else if text.contains("failed to fetch advisory database") {
-        eprintln!("advisories: NOT CHECKED, the RustSec database is unreachable from this machine");
+        warnings.push(
+            "advisories NOT CHECKED: cargo-deny could not fetch the RustSec database from here"
+                .into(),
+        );
     } else {
         bail!("cargo deny check advisories failed:\n{text}");
     }
+    publish_dry_run()?;
     fuzz_build()?;
     python_suite()?;
-    eprintln!("xtask ci: all green");
+    eprintln!();
+    eprintln!("xtask ci: summary");
+    if not_run.is_empty() {
+        eprintln!("  every test body ran");
+    } else {
+        eprintln!(
+            "  {} test bodies NOT RUN on this machine (they passed without running their body; a GPU machine runs them: docs/gpu.md):",
+            not_run.len()
+        );
+        for (test, _) in &not_run {
+            eprintln!("    {test}");
+        }
+        eprintln!("  why:");
+        for (why, n) in not_run_reasons(&not_run) {
+            eprintln!("    {n} × {why}");
+        }
+        warnings.push(format!(
+            "{} test bodies NOT RUN (listed above)",
+            not_run.len()
+        ));
+    }
+    if warnings.is_empty() {
+        eprintln!("xtask ci: all green");
+    } else {
+        for w in &warnings {
+            eprintln!("  WARNING: {w}");
+        }
+        eprintln!(
+            "xtask ci: passed, with {} warning(s) above: not all green",
+            warnings.len()
+        );
+    }
     Ok(())
+}
+
+/// `cargo publish --dry-run --workspace`: every publishable crate packaged and its package
+/// built, in dependency order, against the others' packages (a local registry under
+/// `target/package`), which is how path-and-version dependencies between unpublished crates
+/// can be checked at all: `cargo publish --dry-run -p poolipc` alone looks for
+/// `poolipc-types` on crates.io. `--allow-dirty`: a dry run of a working tree.
+fn publish_dry_run() -> Result<()> {
+    let mut c = cargo();
+    c.args(["publish", "--dry-run", "--workspace", "--allow-dirty"]);
+    run(c)
+}
+
+/// The tests whose output in nextest's JUnit report says `NOT RUN`, with the line that says
+/// why: `binary::test` and the reason, in the report's order.
+fn not_run_tests(junit: &str) -> Vec<(String, String)> {
+    let attr = |tag: &str, name: &str| -> Option<String> {
+        let start = tag.find(&format!(" {name}=\""))? + name.len() + 3;
+        let end = start + tag[start..].find('"')?;
+        Some(unescape(&tag[start..end]))
+    };
+    let mut out = Vec::new();
+    for case in junit.split("<testcase").skip(1) {
+        let body = case.split("</testcase>").next().unwrap_or(case);
+        let Some(line) = body.lines().find(|l| l.contains("NOT RUN")) else {
+            continue;
+        };
+        let tag = body.split('>').next().unwrap_or("");
+        let name = attr(tag, "name").unwrap_or_default();
+        let class = attr(tag, "classname").unwrap_or_default();
+        let why = unescape(&line[line.find("NOT RUN").unwrap_or(0)..]);
+        out.push((format!("{class}::{name}"), why.trim().to_string()));
+    }
+    out
+}
+
+/// How many NOT RUN bodies gave each reason: `NOT RUN on hardware: <test> (why)` counts under
+/// `(why)`, which many share; a line without brackets counts as it is.
+fn not_run_reasons(not_run: &[(String, String)]) -> std::collections::BTreeMap<&str, usize> {
+    let mut reasons = std::collections::BTreeMap::new();
+    for (_, why) in not_run {
+        let why = why.find(" (").map_or(why.as_str(), |i| &why[i + 1..]);
+        *reasons.entry(why).or_default() += 1;
+    }
+    reasons
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("&quot;", "\"")
+        .replace("&apos;", "'")
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&amp;", "&")
 }
 
 /// The fuzz targets, built with cargo-fuzz on the stable toolchain (RUSTC_BOOTSTRAP lets it
@@ -371,23 +535,13 @@ fn gpu_bundle(root: &Path) -> Result<PathBuf> {
         }
         copy(exe, &bundle.join("tests").join(short))?;
     }
-    // The Python wheel (abi3), when maturin is here: `pip install maturin`.
-    match maturin() {
-        Some(mut m) => {
-            m.args([
-                "build",
-                "--release",
-                "-m",
-                "crates/poolipc-python/Cargo.toml",
-                "-o",
-            ])
-            .arg(&bundle);
-            run(m)?;
-        }
-        None => {
-            eprintln!("maturin not found: the bundle carries no Python wheel (pip install maturin)")
-        }
-    }
+    // The Python wheel as released (abi3, manylinux2014), built as CI builds it.
+    let py = python_env(root)?;
+    let wheel = build_wheel(root, &py, &root.join("target/wheels"))?;
+    copy(
+        &wheel,
+        &bundle.join(wheel.file_name().context("the wheel has no name")?),
+    )?;
     // pyisolate (pure Python) and packaging, for poolipc.pyisolate's GPU test: the GPU
     // machine has no package index. uv, its other dependency, is a 20 MB binary and is left
     // out (the test puts a uv that fails if run on the PATH; pyisolate only looks for it).
@@ -543,3 +697,45 @@ echo "--- tests: $pass passed, $fail failed" >> "$summary"
 cat "$summary"
 [ "$fail" -eq 0 ]
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn not_run_reasons_are_counted_without_the_tests_names() {
+        let lines = [
+            ("a", "NOT RUN on hardware: a (no usable GPU: none)"),
+            ("b", "NOT RUN on hardware: b (no usable GPU: none)"),
+            ("c", "NOT RUN on sim: 15 GiB is host memory"),
+        ]
+        .map(|(t, w)| (t.to_string(), w.to_string()));
+        let got: Vec<_> = not_run_reasons(&lines).into_iter().collect();
+        assert_eq!(
+            got,
+            [
+                ("(no usable GPU: none)", 2),
+                ("NOT RUN on sim: 15 GiB is host memory", 1)
+            ]
+        );
+    }
+
+    #[test]
+    fn not_run_bodies_are_read_from_nextests_junit_report() {
+        let junit = r#"<testsuites><testsuite name="poolipc-tests::handoff">
+<testcase name="a::on_cuda_driver" classname="poolipc-tests::handoff" timestamp="x" time="0.1">
+<system-out>running 1 test
+NOT RUN on hardware: a (no usable GPU: cudarc&apos;s candidates)
+test a::on_cuda_driver ... ok
+</system-out></testcase>
+<testcase name="a::on_sim_driver" classname="poolipc-tests::handoff" time="0.1"><system-out>ok</system-out></testcase>
+</testsuite></testsuites>"#;
+        assert_eq!(
+            not_run_tests(junit),
+            vec![(
+                "poolipc-tests::handoff::a::on_cuda_driver".to_string(),
+                "NOT RUN on hardware: a (no usable GPU: cudarc's candidates)".to_string()
+            )]
+        );
+    }
+}

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use poolipc::driver::{Choice, MACHINE_ENV};
 use poolipc::{DType, Input, Parent, ParentOptions, TensorDesc, echo};
-use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{CudaDriver, Driver};
+use poolipc_driver::Driver;
 
 /// Options of `poolipc demo`.
 #[derive(Debug, clap::Args)]
@@ -80,37 +80,25 @@ pub(crate) fn open_driver(sim: bool, device: u32) -> Result<Opened> {
 }
 
 fn open(args: &Args) -> Result<Opened> {
-    if !args.sim {
-        match CudaDriver::new() {
-            Ok(d) => {
-                let name = d
-                    .device_info(args.device)
-                    .map(|i| i.name)
-                    .unwrap_or_default();
-                return Ok((
-                    Arc::new(d),
-                    None,
-                    format!("on the GPU: {name} (CudaDriver)"),
-                ));
-            }
-            Err(e) => {
-                let sim = SimDriver::new(SimConfig::default())?;
-                let env = sim.child_env();
-                return Ok((
-                    Arc::new(sim),
-                    Some(env),
-                    format!("on the SIMULATED driver: no usable GPU here ({e})"),
-                ));
-            }
-        }
-    }
-    let sim = SimDriver::new(SimConfig::default())?;
-    let env = sim.child_env();
-    Ok((
-        Arc::new(sim),
-        Some(env),
-        "on the SIMULATED driver (--sim)".into(),
-    ))
+    let choice = if args.sim { Choice::Sim } else { Choice::Auto };
+    let o = poolipc::driver::open_choice(choice)?;
+    let which = if o.driver.kind() == poolipc_driver::DriverKind::Cuda {
+        let name = o
+            .driver
+            .device_info(args.device)
+            .map(|i| i.name)
+            .unwrap_or_default();
+        format!("on the GPU: {name} (CudaDriver)")
+    } else if args.sim {
+        "on the SIMULATED driver (--sim)".into()
+    } else {
+        format!("on {}", o.which)
+    };
+    let env = o
+        .worker_env
+        .first()
+        .map(|(_, v)| (MACHINE_ENV, v.to_string_lossy().into_owned()));
+    Ok((o.driver, env, which))
 }
 
 pub(crate) fn run(args: &Args) -> Result<ExitCode> {
@@ -221,10 +209,7 @@ pub(crate) fn worker_main() -> Result<ExitCode> {
     let device: u32 = std::env::var("POOLIPC_DEMO_DEVICE")
         .unwrap_or_else(|_| "0".into())
         .parse()?;
-    let driver: Arc<dyn Driver> = match SimDriver::from_env() {
-        Some(sim) => Arc::new(sim?),
-        None => Arc::new(CudaDriver::new()?),
-    };
+    let driver = poolipc::driver::open_worker()?;
     let mut worker = poolipc::Worker::from_env(driver, device)?;
     let mode = std::env::var("POOLIPC_WORKER_MODE").unwrap_or_default();
     if mode == "touch" {

@@ -1,9 +1,9 @@
-//! The eight invariants of the ownership contract (DESIGN.md, "The ownership contract"),
+//! The eight invariants of the ownership contract (docs/design.md, "The ownership contract"),
 //! named so that code, tests and reports speak of the same thing.
 
 use std::fmt;
 
-/// One invariant of the ownership contract. The number is DESIGN.md's.
+/// One invariant of the ownership contract. The number is its place in docs/design.md's list.
 ///
 /// [`crate::audit::Auditor`] checks each of them on what the two state machines *do* (their
 /// actions and the messages delivered), not on what they believe.
@@ -46,7 +46,7 @@ pub enum Invariant {
 }
 
 impl Invariant {
-    /// All eight, in DESIGN.md's order.
+    /// All eight, in docs/design.md's order.
     pub const ALL: [Invariant; 8] = [
         Invariant::ParentOwnsAllocations,
         Invariant::ReadyBeforeAccess,
@@ -58,7 +58,7 @@ impl Invariant {
         Invariant::DeathFailsOnlyItsJobs,
     ];
 
-    /// DESIGN.md's number for it.
+    /// docs/design.md's number for it.
     #[must_use]
     pub fn number(self) -> u8 {
         self as u8

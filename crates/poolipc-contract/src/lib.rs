@@ -23,7 +23,7 @@
 //!   and then `Ack`.
 //! - [`typestate`] gives the facade handles whose methods consume `self`, so the order is
 //!   checked by the compiler where it can be.
-//! - [`Invariant`] names DESIGN.md's eight invariants; [`audit::Auditor`] checks them on what
+//! - [`Invariant`] names docs/design.md's eight invariants; [`audit::Auditor`] checks them on what
 //!   the machines do; [`sim::World`] is the simulated world the property tests and the fuzz
 //!   target drive.
 //!

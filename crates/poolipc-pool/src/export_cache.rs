@@ -1,7 +1,7 @@
 //! `ExportCache`: the parent's pointer exports, kept while their allocation lives.
 //!
 //! `cuMemPoolExportPointer` costs about 0.43 ms/GiB every time, also for an allocation it
-//! exported before; the driver caches nothing (FACTS.md). The 64-byte blob of a live
+//! exported before; the driver caches nothing (docs/facts.md). The 64-byte blob of a live
 //! allocation does not change, so it can be kept. What can change is the allocation behind an
 //! address: torch frees through `cudaFreeAsync` without telling us, and the pool hands the
 //! address out again. `CU_POINTER_ATTRIBUTE_BUFFER_ID` tells the two apart: it is new for

@@ -14,7 +14,7 @@
 //! # The export cache
 //!
 //! `cuMemPoolExportPointer` costs about 0.43 ms/GiB every time, on an allocation it exported
-//! before too (FACTS.md). [`SharedPool::export`] therefore keeps each allocation's blob, keyed
+//! before too (docs/facts.md). [`SharedPool::export`] therefore keeps each allocation's blob, keyed
 //! by its base address with its `CU_POINTER_ATTRIBUTE_BUFFER_ID`, which the driver makes new for
 //! every allocation: an address the pool hands out again (torch freed and reallocated, without
 //! telling us) has a new id, so its old blob is never served. A repeated export costs one

@@ -74,7 +74,7 @@ fn installed() -> std::sync::MutexGuard<'static, Option<HashSet<InstallKey>>> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The attributes torch gives its own pool (FACTS.md): without the release threshold every
+/// The attributes torch gives its own pool (docs/facts.md): without the release threshold every
 /// handoff re-maps its memory (2.5 ms/GiB) and torch loses its cache.
 pub const TORCH_POOL_ATTRIBUTES: [PoolAttribute; 4] = [
     PoolAttribute::ReleaseThreshold(u64::MAX),
@@ -162,8 +162,7 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             uuid = %info.uuid,
             ?pool,
             "poolipc: installed a shareable memory pool as device {device}'s current pool; \
-             torch.cuda.memory_allocated() and memory_reserved() now read 0, \
-             poolipc's pool statistics (PoolStats, poolipc.memory_stats()) hold the true figures"
+             its statistics (PoolStats) hold the true figures of what is allocated from it"
         );
         Ok(SharedPool {
             driver,

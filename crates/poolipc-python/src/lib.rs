@@ -60,5 +60,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(mps::start_mps, m)?)?;
     m.add_function(wrap_pyfunction!(mps::mps_status, m)?)?;
     m.add("DRIVER_ENV", state::DRIVER_ENV)?;
+    // The crate's version is the package's (maturin takes it from Cargo.toml).
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -12,14 +12,14 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use poolipc::driver::MACHINE_ENV;
 use poolipc::{Driver, Parent, ParentOptions, ResultMemory};
-use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{CudaDriver, DriverKind, PoolHandle};
+use poolipc_driver::{DriverKind, PoolHandle};
 
 /// The environment variable that picks the driver: `sim` for the simulated driver (tests,
-/// machines without a GPU), `cuda` or unset for the GPU. Nothing falls back to the simulation
-/// silently.
-pub(crate) const DRIVER_ENV: &str = "POOLIPC_DRIVER";
+/// machines without a GPU), `cuda` or unset for the GPU, `auto` for the GPU when usable and
+/// the simulation otherwise. Nothing falls back to the simulation unless asked to.
+pub(crate) use poolipc::driver::DRIVER_ENV;
 
 /// The installed pool and the parent that owns it.
 pub(crate) struct Global {
@@ -259,51 +259,24 @@ fn seconds(name: &str, secs: f64) -> Result<Duration, String> {
 /// A driver, the environment a child needs to reach it (the simulated machine), and words.
 pub(crate) type Opened = (Arc<dyn Driver>, Option<(&'static str, String)>, String);
 
-/// The driver `POOLIPC_DRIVER` asks for.
+/// The driver `POOLIPC_DRIVER` asks for (`cuda` when unset, `sim`, `auto`): the facade's
+/// [`poolipc::driver::open`], whose simulated machine a child reaches through one variable.
 pub(crate) fn open_driver() -> Result<Opened, String> {
-    let choice = std::env::var(DRIVER_ENV).unwrap_or_default();
-    match choice.as_str() {
-        "sim" => {
-            let sim = SimDriver::new(SimConfig::default())
-                .map_err(|e| format!("poolipc: starting the simulated driver: {e}"))?;
-            let env = sim.child_env();
-            Ok((
-                Arc::new(sim),
-                Some(env),
-                format!("the SIMULATED driver ({DRIVER_ENV}=sim)"),
-            ))
-        }
-        "" | "cuda" => {
-            let d = CudaDriver::new().map_err(|e| {
-                format!(
-                    "poolipc: no usable CUDA driver: {e} (set {DRIVER_ENV}=sim for the simulation)"
-                )
-            })?;
-            Ok((Arc::new(d), None, "the CUDA driver".into()))
-        }
-        other => Err(format!(
-            "poolipc: {DRIVER_ENV}={other:?} is not a driver; use \"cuda\" (default) or \"sim\""
-        )),
-    }
+    let o = poolipc::driver::open().map_err(|e| {
+        format!("poolipc: opening the driver: {e} (set {DRIVER_ENV}=sim for the simulation)")
+    })?;
+    let child_env = o
+        .worker_env
+        .iter()
+        .find(|(k, _)| k == MACHINE_ENV)
+        .map(|(_, v)| (MACHINE_ENV, v.to_string_lossy().into_owned()));
+    Ok((o.driver, child_env, o.which))
 }
 
 /// The driver a worker process uses: the parent's simulated machine when the parent passed
-/// one, the CUDA driver otherwise.
+/// one, the CUDA driver otherwise ([`poolipc::driver::open_worker`]).
 pub(crate) fn open_worker_driver() -> Result<Arc<dyn Driver>, String> {
-    if let Some(sim) = SimDriver::from_env() {
-        return sim
-            .map(|s| Arc::new(s) as Arc<dyn Driver>)
-            .map_err(|e| format!("poolipc: attaching to the parent's simulated machine: {e}"));
-    }
-    if std::env::var(DRIVER_ENV).as_deref() == Ok("sim") {
-        return Err(format!(
-            "poolipc: {DRIVER_ENV}=sim but no simulated machine was passed; a simulated worker \
-             must be spawned by a simulated parent"
-        ));
-    }
-    CudaDriver::new()
-        .map(|d| Arc::new(d) as Arc<dyn Driver>)
-        .map_err(|e| format!("poolipc: no usable CUDA driver: {e}"))
+    poolipc::driver::open_worker().map_err(|e| format!("poolipc: opening the worker's driver: {e}"))
 }
 
 /// Why [`ensure`] failed.

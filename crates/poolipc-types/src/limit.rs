@@ -1,7 +1,7 @@
 //! The import limit: which allocations may be offered for pointer import at all.
 //!
 //! libcuda's `cuMemPoolImportPointer` copies the allocation's whole list of 32 MiB chunk
-//! objects into an on-stack array of 128 entries (FACTS.md, "The import crash"). An
+//! objects into an on-stack array of 128 entries (docs/facts.md, "The import limit"). An
 //! allocation touching more than 128 chunks overwrites the importer's stack: silently up to
 //! 164 chunks, with a crash above. The safe rule: the 32 MiB chunks that `[ptr, ptr + size)`
 //! touches must number at most 128. Chunks are counted from the pointer, not the size alone:

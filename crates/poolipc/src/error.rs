@@ -35,6 +35,21 @@ pub enum Error {
     /// The handshake failed; the message says which side refused what.
     #[error(transparent)]
     Handshake(#[from] HandshakeError),
+    /// A spawned worker hung up and exited before its handshake was through: its exit
+    /// status, the last lines of its stderr (an import error, a missing library) and what the
+    /// parent saw. (A worker that refused the handshake is [`Error::Handshake`]: its refusal
+    /// says why.)
+    #[error(
+        "the worker exited before its handshake ({status}): {during}\n--- the worker's last lines on stderr:\n{stderr}"
+    )]
+    WorkerExited {
+        /// How it exited (`exit status: 1`, `signal: 9 (SIGKILL)`).
+        status: String,
+        /// Its last lines on stderr (it goes on reaching the parent's stderr as well).
+        stderr: String,
+        /// What the parent saw of it (usually the transport's "peer is gone").
+        during: Box<Error>,
+    },
     /// The ownership contract refused an operation (a bug in the caller or the peer).
     #[error("the ownership contract refused it: {0}")]
     Contract(#[from] ContractError),

@@ -30,12 +30,26 @@
 //! The facade holds the driver as `Arc<dyn Driver>`, not as a type parameter the way
 //! wgpu-hal's `Api` is: the CUDA driver, the simulated driver, mockall's mock and the Python
 //! binding then share one object (and one `Parent` type), and a driver call costs one indirect
-//! call next to microseconds of CUDA. The choice is deliberate (DESIGN.md, "The facade is the
-//! contract's driver loop").
+//! call next to microseconds of CUDA. The choice is deliberate (docs/design.md, "The ownership
+//! contract").
+//!
+//! # A parent and a worker
+//!
+//! One program, both parts: the parent opens the driver ([`driver`]: `POOLIPC_DRIVER` picks
+//! `cuda`, `sim` or `auto`), spawns this same executable as its worker, lends it a tensor of
+//! its shared pool and checks the result the worker wrote; the worker attaches to the
+//! parent's driver with [`driver::open_worker`] (on the simulated driver, the machine whose
+//! locator [`Parent::spawn_worker`] passed it). It runs as a doc test on the simulated driver
+//! and is `cargo run -p poolipc --example handoff`. With the crate as a dependency
+//! (`poolipc = { git = "https://github.com/poolipc/poolipc" }`, or a `path`), it is a whole
+//! `main.rs`:
+//!
+#![doc = concat!("```rust,standalone_crate\n", include_str!("../examples/handoff.rs"), "```")]
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod canary;
+pub mod driver;
 mod driver_loop;
 pub mod echo;
 mod error;

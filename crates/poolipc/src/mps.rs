@@ -122,7 +122,7 @@ pub enum MpsError {
     },
     /// CUDA is already initialised in this process, which would stay outside the server.
     #[error(
-        "MPS not started: CUDA is already initialised in this process, which would stay outside the MPS server; start MPS first thing, before anything touches the GPU (before torch initialises CUDA, before CudaDriver::new)"
+        "MPS not started: CUDA is already initialised in this process, which would stay outside the MPS server; start MPS first thing, before anything touches the GPU (before CudaDriver::new, before a framework initialises CUDA)"
     )]
     TooLate,
     /// Another MPS daemon is reachable: this process's CUDA would already use it.

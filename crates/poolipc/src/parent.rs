@@ -677,6 +677,9 @@ impl JobHandle {
 pub struct Parent {
     shared: Arc<Shared>,
     io: Option<std::thread::JoinHandle<()>>,
+    /// Set on every command [`spawn_worker`](Parent::spawn_worker) runs (the simulated
+    /// machine's locator, from [`Parent::on`]).
+    worker_env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
 }
 
 impl std::fmt::Debug for Parent {
@@ -779,7 +782,24 @@ impl Parent {
         Ok(Parent {
             shared,
             io: Some(io),
+            worker_env: Vec::new(),
         })
+    }
+
+    /// Opens the driver `POOLIPC_DRIVER` names ([`driver::open`](crate::driver::open): `cuda`
+    /// when unset, `sim`, `auto`) and makes the parent on it, as [`Parent::on`] does.
+    pub fn open(options: ParentOptions) -> Result<Parent, Error> {
+        Parent::on(crate::driver::open()?, options)
+    }
+
+    /// Makes the parent on an opened driver: as [`Parent::new`], and every worker
+    /// [`spawn_worker`](Parent::spawn_worker) starts gets `opened.worker_env` (on the
+    /// simulated driver, what lets [`driver::open_worker`](crate::driver::open_worker) attach
+    /// to this process's machine).
+    pub fn on(opened: crate::driver::Opened, options: ParentOptions) -> Result<Parent, Error> {
+        let mut parent = Parent::new(opened.driver, options)?;
+        parent.worker_env = opened.worker_env;
+        Ok(parent)
     }
 
     /// Sets the import limit from here on (tensors over it take host staging), at most the
@@ -906,18 +926,31 @@ impl Parent {
 
     /// Spawns `cmd` as a worker on an inherited socketpair, shakes hands with it and runs the
     /// canary battery. The worker gets an id only if all of that got through: a worker that
-    /// dies on the way is reaped and the error says what happened.
-    pub fn spawn_worker(&self, cmd: Command) -> Result<WorkerId, Error> {
-        let (child, conn) = poolipc_transport::spawn_worker(cmd)?;
-        self.adopt(Some(child), conn)
+    /// dies on the way is reaped and the error says what happened; one that exits before its
+    /// handshake is [`Error::WorkerExited`], with its exit status and last lines on stderr.
+    ///
+    /// The worker's stderr is a pipe read by a thread of this process, which copies it to
+    /// this process's stderr as it comes and keeps its last few KiB for that report. The
+    /// variables of [`Parent::on`]'s driver are set on `cmd`.
+    pub fn spawn_worker(&self, mut cmd: Command) -> Result<WorkerId, Error> {
+        cmd.envs(self.worker_env.iter().map(|(k, v)| (k, v)))
+            .stderr(std::process::Stdio::piped());
+        let (mut child, conn) = poolipc_transport::spawn_worker(cmd)?;
+        let tail = child.stderr.take().map(crate::handshake::StderrTail::start);
+        self.adopt(Some(child), conn, tail)
     }
 
     /// Takes a worker connected by other means (a listening socket), and shakes hands.
     pub fn accept_worker(&self, conn: Connection) -> Result<WorkerId, Error> {
-        self.adopt(None, conn)
+        self.adopt(None, conn, None)
     }
 
-    fn adopt(&self, mut child: Option<Child>, mut conn: Connection) -> Result<WorkerId, Error> {
+    fn adopt(
+        &self,
+        mut child: Option<Child>,
+        mut conn: Connection,
+        tail: Option<crate::handshake::StderrTail>,
+    ) -> Result<WorkerId, Error> {
         let kill = |child: &mut Option<Child>| {
             if let Some(c) = child.as_mut() {
                 let _ = c.kill();
@@ -946,8 +979,35 @@ impl Parent {
         let (peer, more) = match setup {
             Ok(s) => s,
             Err(e) => {
+                // A worker that hung up has most likely exited, or is about to: its status
+                // and its last words say why, where "peer is gone" does not.
+                let exited = child.as_mut().and_then(|c| {
+                    let until = Instant::now() + Duration::from_millis(300);
+                    loop {
+                        match c.try_wait() {
+                            Ok(Some(status)) => return Some(status),
+                            Ok(None) if Instant::now() < until => {
+                                std::thread::sleep(Duration::from_millis(5));
+                            }
+                            _ => return None,
+                        }
+                    }
+                });
                 kill(&mut child);
-                return Err(e);
+                // A refusal says why by itself (and callers match on it); a hang-up does not.
+                let hung_up = matches!(
+                    e,
+                    Error::Transport(_)
+                        | Error::Handshake(poolipc_transport::HandshakeError::Transport(_))
+                );
+                return Err(match (exited, tail) {
+                    (Some(status), Some(tail)) if hung_up => Error::WorkerExited {
+                        status: status.to_string(),
+                        stderr: tail.last_lines(Duration::from_millis(500)),
+                        during: Box::new(e),
+                    },
+                    _ => e,
+                });
             }
         };
         let id = WorkerId(self.shared.next_worker.fetch_add(1, Ordering::Relaxed));

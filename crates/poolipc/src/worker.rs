@@ -15,7 +15,7 @@
 //! ([`InputView::read_only`]): they are this worker's private copy.
 //!
 //! Nothing here synchronizes with the host: a synchronize after freeing an import unmaps it
-//! (FACTS.md), and the contract orders everything on the GPU timeline through READY and DONE.
+//! (docs/facts.md), and the contract orders everything on the GPU timeline through READY and DONE.
 
 mod device;
 mod job;

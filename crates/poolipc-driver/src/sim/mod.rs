@@ -1826,7 +1826,7 @@ impl Driver for SimDriver {
                     shm::die_by_sigsegv();
                 }
                 // 129..=164 chunks: driver 580 overwrites dead stack bytes and the import
-                // "works" (FACTS.md). So does this one, with the violation recorded above.
+                // "works" (docs/facts.md). So does this one, with the violation recorded above.
                 tracing::warn!(chunks, "sim: pointer import over the 128-chunk limit overwrote the importer's stack (silently, as on driver 580)");
             }
             if let Some(imp) = l.imports.get(&ptr)
@@ -2654,5 +2654,5 @@ mod tests;
 const _: () = assert!(CHUNK == 32 * MIB);
 
 /// Above this many chunks libcuda's overflow reaches saved registers and the return address:
-/// the importer dies (FACTS.md: 5248 MiB imports, 5264 MiB crashes, on driver 580).
+/// the importer dies (docs/facts.md: 5248 MiB imports, 5264 MiB crashes, on driver 580).
 const IMPORT_CRASH_CHUNKS: u64 = 164;

@@ -29,7 +29,7 @@ pub(super) const MAX_ACCESSES: usize = 4096;
 pub(super) const GRANULE: u64 = 2 << 20;
 /// The physical chunk a pool allocation is made of; pointer import handles at most 128.
 pub(super) const CHUNK: u64 = 32 << 20;
-/// libcuda's on-stack array of chunk handles (FACTS.md, "The import crash").
+/// libcuda's on-stack array of chunk handles (docs/facts.md, "The import limit").
 pub(super) const IMPORT_CHUNK_LIMIT: u64 = 128;
 
 /// The 32 MiB chunks that `[start, start + len)` touches.

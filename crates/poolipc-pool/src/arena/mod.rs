@@ -7,7 +7,7 @@
 //! 0.43 ms/GiB, every time, recycled memory included) and an import in the worker. The arena
 //! pays the sharing cost once: the parent creates VMM memory (`cuMemCreate`, shareable by
 //! POSIX FD) in a few large chunks, exports each chunk's FD once, and each worker imports and
-//! maps each chunk once (8 GiB as one chunk maps in about 0.38 ms on the H200, FACTS.md).
+//! maps each chunk once (8 GiB as one chunk maps in about 0.38 ms on the H200, docs/facts.md).
 //! After that, granting a result is choosing a [`Block`] and sending `(chunk, offset, len)`.
 //! VMM memory also has no pointer-import size limit (the 128-chunk rule of the pool path).
 //!

@@ -14,7 +14,9 @@ while the parent keeps PyTorch's stream-ordered allocator (``backend:cudaMallocA
 - ``Worker``: in a worker process, take jobs; views and result buffers go into torch, CuPy or
   JAX by DLPack or ``__cuda_array_interface__`` without a copy.
 
-``POOLIPC_DRIVER=sim`` runs all of it on the simulated driver (no GPU, no torch needed).
+``POOLIPC_DRIVER=sim`` runs all of it on the simulated driver (no GPU, no torch needed);
+``POOLIPC_DRIVER=auto`` uses the GPU when one is usable and the simulation otherwise.
+``__version__`` is the package's version.
 
 ``ALLOC_CONF`` is the name of torch's allocator setting (``PYTORCH_CUDA_ALLOC_CONF``) and
 ``ASYNC_BACKEND`` the value that picks the stream-ordered allocator
@@ -47,6 +49,7 @@ from typing import Any, Final, Protocol
 
 from . import _native
 from ._native import (
+    __version__,
     ArenaFullError,
     ArenaResult,
     ConnectError,
@@ -76,6 +79,7 @@ from ._types import (
 )
 
 __all__ = [
+    "__version__",
     "install_pool",
     "memory_stats",
     "Parent",

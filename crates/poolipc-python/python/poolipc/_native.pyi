@@ -45,10 +45,13 @@ __all__ = [
     "mps_status",
     "DRIVER_ENV",
     "CONNECT_ENV",
+    "__version__",
 ]
 
 DRIVER_ENV: Final[str]
-"""The environment variable that picks the driver: ``sim`` or ``cuda`` (the default)."""
+"""The environment variable that picks the driver: ``sim``, ``auto`` or ``cuda`` (the default)."""
+__version__: Final[str]
+"""The package's version (the Rust crate's)."""
 CONNECT_ENV: Final[str]
 """The environment variable a worker reads a listener's path from (``POOLIPC_CONNECT``)."""
 

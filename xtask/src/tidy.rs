@@ -1,0 +1,129 @@
+//! Tidy rules over the tracked files (the model: rust-analyzer's `xtask/src/tidy.rs`), run by
+//! `cargo xtask ci` and as this crate's test.
+//!
+//! - Nothing links outside the repository: no `../shared` or `/work/shared` path, and no
+//!   mention of the design notes that lived there (`DESIGN.md`, `FACTS.md`, `GPU.md`); the
+//!   project's own words are in `docs/`. Recorded run output (`bench/probes/results/`) is
+//!   exempt: it quotes the machines it ran on.
+//! - Every relative link of a Markdown file names a file or folder that exists.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+/// What no tracked file may contain.
+const OUTSIDE: &[&str] = &[
+    "../shared",
+    "/work/shared",
+    "DESIGN.md",
+    "FACTS.md",
+    "GPU.md",
+];
+
+/// Tracked paths the rules leave alone: recorded output of runs elsewhere, and this file
+/// (which names what it forbids).
+const EXEMPT: &[&str] = &["bench/probes/results/", "xtask/src/tidy.rs"];
+
+/// Checks the tracked files under `root`; the error lists every offence.
+pub(crate) fn check(root: &Path) -> Result<()> {
+    let out = Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(root)
+        .output()
+        .context("git ls-files")?;
+    if !out.status.success() {
+        bail!(
+            "git ls-files failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut offences = Vec::new();
+    for path in String::from_utf8_lossy(&out.stdout).split('\0') {
+        if path.is_empty() || EXEMPT.iter().any(|e| path.starts_with(e)) {
+            continue;
+        }
+        let full = root.join(path);
+        // Binary files, symlinks to folders and files deleted but not yet staged: skipped.
+        let Ok(text) = std::fs::read_to_string(&full) else {
+            continue;
+        };
+        offences.extend(offences_in(path, &text, |target| {
+            full_exists(root, path, target)
+        }));
+    }
+    if !offences.is_empty() {
+        bail!(
+            "tidy: {} offence(s):\n{}",
+            offences.len(),
+            offences.join("\n")
+        );
+    }
+    eprintln!("tidy: no link leaves the repository; every Markdown link resolves");
+    Ok(())
+}
+
+fn full_exists(root: &Path, from: &str, target: &str) -> bool {
+    let dir = Path::new(from).parent().unwrap_or(Path::new(""));
+    root.join(dir).join(target).exists()
+}
+
+/// The offences in one file's text; `exists` says whether a relative link target exists.
+fn offences_in(path: &str, text: &str, exists: impl Fn(&str) -> bool) -> Vec<String> {
+    let mut found = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        for bad in OUTSIDE {
+            if line.contains(bad) {
+                found.push(format!(
+                    "{path}:{}: `{bad}` is outside the repository (see docs/)",
+                    n + 1
+                ));
+            }
+        }
+        if !path.ends_with(".md") {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(at) = rest.find("](") {
+            rest = &rest[at + 2..];
+            let Some(end) = rest.find(')') else { break };
+            let target = rest[..end].split('#').next().unwrap_or("");
+            rest = &rest[end..];
+            if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            if !exists(target) {
+                found.push(format!(
+                    "{path}:{}: the link `{target}` names nothing in the repository",
+                    n + 1
+                ));
+            }
+        }
+    }
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_repository_is_tidy() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("the workspace root");
+        check(root).expect("tidy");
+    }
+
+    #[test]
+    fn links_outside_and_dangling_links_are_offences() {
+        let text = "see ../shared/DESIGN.md\n[ok](docs/design.md) [gone](docs/nothing.md#x) [web](https://x.org/a)\n";
+        let found = offences_in("README.md", text, |t| t == "docs/design.md");
+        assert_eq!(found.len(), 3, "{found:?}");
+        assert!(found[0].starts_with("README.md:1: `../shared`"));
+        assert!(found[1].starts_with("README.md:1: `DESIGN.md`"));
+        assert!(found[2].contains("`docs/nothing.md`"));
+        // Outside Markdown only the paths count.
+        assert!(offences_in("src/lib.rs", "// [gone](nothing.md)\n", |_| false).is_empty());
+    }
+}
