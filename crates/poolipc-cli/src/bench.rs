@@ -357,6 +357,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             let input = Input {
                 ptr,
                 desc: desc.clone(),
+                read_only: false,
             };
             let (us, wait, _) = round_trip_split(&parent, &*d, worker, &input, stream)?;
             if i == 0 {
@@ -377,6 +378,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         let input = Input {
             ptr,
             desc: desc.clone(),
+            read_only: false,
         };
         let mut relends = Vec::with_capacity(iterations);
         for i in 0..=iterations {
@@ -453,7 +455,11 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             .alloc(bytes, stream)
             .with_context(|| format!("allocating {} from the pool", human(bytes)))?;
         d.stream_synchronize(stream)?;
-        let input = Input { ptr, desc };
+        let input = Input {
+            ptr,
+            desc,
+            read_only: false,
+        };
         let pointer_limit = parent.options().limit;
         parent.lower_import_limit(
             ImportLimit::new(pointer_limit.chunk_bytes(), 0).context("limit")?,
@@ -551,6 +557,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         .map(|&ptr| Input {
             ptr,
             desc: TensorDesc::contiguous(DType::U8, &[4 * KIB]),
+            read_only: false,
         })
         .collect();
     let mut batch = Vec::new();

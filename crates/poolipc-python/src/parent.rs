@@ -245,6 +245,7 @@ fn parse_inputs(specs: Vec<InputSpec>) -> PyResult<Vec<Input>> {
                     shape,
                     strides: strides.unwrap_or_default(),
                 },
+                read_only: false,
             })
         })
         .collect()
