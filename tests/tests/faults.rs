@@ -189,7 +189,8 @@ both_drivers!(
         let desc = TensorDesc::contiguous(DType::F32, &[MIB / 4]);
         let out = p.run_job(
             worker,
-            &[Input { ptr: foreign, desc: desc.clone(), read_only: false }, Input { ptr: ours, desc, read_only: false }],
+            // The foreign one lent read-only: the worker's view says so.
+            &[Input { ptr: foreign, desc: desc.clone(), read_only: true }, Input { ptr: ours, desc, read_only: false }],
             stream,
         )?;
         d.stream_synchronize(stream)?;
