@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail, ensure};
 use poolipc::{
     DevicePtr, Error, Input, Parent, ParentOptions, Rung, StreamHandle, TensorDesc, echo,
 };
-use poolipc_driver::{Driver, PoolSharing};
+use poolipc_driver::PoolSharing;
 use poolipc_tests::echo_jobs::{filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 use poolipc_types::{DType, ImportLimit};
