@@ -19,6 +19,7 @@ pub fn bytes_input(ptr: DevicePtr, bytes: u64) -> Input {
     Input {
         ptr,
         desc: TensorDesc::contiguous(DType::U8, &[bytes]),
+        read_only: false,
     }
 }
 

@@ -77,8 +77,8 @@ both_drivers!(
         ensure!(p.stats().arena_results == 0, "results stay in the pool: {:?}", p.stats());
         let views = std::fs::read_to_string(&report)?;
         ensure!(
-            views.lines().last().is_some_and(|l| l.ends_with("ArenaCopy true")),
-            "the worker's view of the copy is read-only: {views:?}"
+            views.lines().last().is_some_and(|l| l.ends_with("ArenaCopy false")),
+            "the worker's view of the copy is writable (lent so; copied back): {views:?}"
         );
         // The block went back after the worker's DONE: nothing is left out.
         ensure!(settle(&p, stream)? == 0, "the copy's block is still out");

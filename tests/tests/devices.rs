@@ -226,6 +226,7 @@ fn cross_job(
         &[Input {
             ptr: input,
             desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+            read_only: false,
         }],
         stream,
         Box::new(alloc),

@@ -43,6 +43,7 @@ fn echo_job(p: &Parent, worker: poolipc::WorkerId, stream: StreamHandle) -> Resu
         &[Input {
             ptr: input,
             desc: TensorDesc::contiguous(DType::F32, &[MIB / 4]),
+            read_only: false,
         }],
         stream,
     )?;
@@ -64,6 +65,7 @@ fn violation(env: &Env, mode: &str, want: FailReason) -> Result<()> {
     let tensor = Input {
         ptr: input,
         desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+        read_only: false,
     };
     match p.run_job(rogue, std::slice::from_ref(&tensor), stream) {
         Err(Error::JobFailed {
@@ -141,7 +143,7 @@ both_drivers!(
         let good = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "silent")?)?;
         let input = filled(&p, MIB, 1, stream)?;
-        let got = p.run_job(rogue, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]) }], stream);
+        let got = p.run_job(rogue, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }], stream);
         ensure!(
             matches!(got, Err(Error::JobFailed { reason: FailReason::DeadlineExpired, .. })),
             "{got:?}"
@@ -187,7 +189,8 @@ both_drivers!(
         let desc = TensorDesc::contiguous(DType::F32, &[MIB / 4]);
         let out = p.run_job(
             worker,
-            &[Input { ptr: foreign, desc: desc.clone() }, Input { ptr: ours, desc }],
+            // The foreign one lent read-only: the worker's view says so.
+            &[Input { ptr: foreign, desc: desc.clone(), read_only: true }, Input { ptr: ours, desc, read_only: false }],
             stream,
         )?;
         d.stream_synchronize(stream)?;
@@ -227,12 +230,14 @@ both_drivers!(
         let negative = Input {
             ptr: base.offset(MIB - 4),
             desc: TensorDesc { dtype: DType::F32, shape: vec![16], strides: vec![-1] },
+            read_only: false,
         };
         let got = p.run_job(worker, &[negative], stream);
         ensure!(matches!(got, Err(Error::InvalidTensor(_))), "negative strides: {got:?}");
         let past = Input {
             ptr: base.offset(MIB / 2),
             desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+            read_only: false,
         };
         let got = p.run_job(worker, &[past], stream);
         match &got {
@@ -313,7 +318,7 @@ both_drivers!(
         for k in 0..4u32 {
             let ptr = filled(&p, MIB, 0x1000_0000 + k, stream)?;
             inputs.push(ptr);
-            let input = Input { ptr, desc: TensorDesc::contiguous(DType::U8, &[MIB]) };
+            let input = Input { ptr, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false };
             handles.push(p.submit(worker, &[input], stream)?);
         }
         for (k, h) in handles.into_iter().enumerate() {
@@ -351,7 +356,7 @@ both_drivers!(
         let p = parent(env, |o| o.canary = false)?;
         let stream = p.driver().stream_create()?;
         let input = filled(&p, MIB, 9, stream)?;
-        let tensor = Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]) };
+        let tensor = Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false };
         // One round first, so that whatever is opened once per process is open.
         let kill_one = |p: &Parent| -> Result<()> {
             let w = p.spawn_worker(worker_command(env, Some("after-import"))?)?;
@@ -411,6 +416,7 @@ fn gpu_fault(env: &Env) -> Result<()> {
     let tensor = Input {
         ptr: input,
         desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+        read_only: false,
     };
     let got = p.run_job(faulty, std::slice::from_ref(&tensor), stream);
     let mps = p.mps_client() == Some(true);

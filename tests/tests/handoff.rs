@@ -86,7 +86,7 @@ both_drivers!(
         for c in &cases {
             let base = filled(&p, c.alloc, c.pattern, stream)?;
             allocs.push(base);
-            inputs.push(Input { ptr: base.offset(c.offset), desc: c.desc.clone() });
+            inputs.push(Input { ptr: base.offset(c.offset), desc: c.desc.clone(), read_only: false });
         }
         for round in 0..2 {
             let out = p.run_job(worker, &inputs, stream)?;
@@ -129,6 +129,7 @@ fn killed_at(env: &Env, step: &str) -> Result<()> {
     let inputs = [Input {
         ptr: input,
         desc: TensorDesc::contiguous(DType::F32, &[MIB]),
+        read_only: false,
     }];
     for attempt in 0..2 {
         let doomed = p.spawn_worker(worker_command(env, Some(step))?)?;
@@ -246,8 +247,8 @@ both_drivers!(
         let big = filled(&p, bytes, 0x1357_9BDF, stream)?;
         let small = filled(&p, MIB / 2, 0x2468_ACE0, stream)?;
         let inputs = [
-            Input { ptr: big, desc: TensorDesc::contiguous(DType::U8, &[bytes]) },
-            Input { ptr: small, desc: TensorDesc::contiguous(DType::U8, &[MIB / 2]) },
+            Input { ptr: big, desc: TensorDesc::contiguous(DType::U8, &[bytes]), read_only: false },
+            Input { ptr: small, desc: TensorDesc::contiguous(DType::U8, &[MIB / 2]), read_only: false },
         ];
         let out = p.run_job(worker, &inputs, stream)?;
         ensure!(out.input_rungs == vec![Rung::HostStaging, Rung::PoolPointer], "{:?}", out.input_rungs);
@@ -283,7 +284,7 @@ both_drivers!(
         println!("{:?}: rogue peer: {err}", env.kind());
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let input = filled(&p, MIB, 3, stream)?;
-        let out = p.run_job(worker, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]) }], stream)?;
+        let out = p.run_job(worker, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
         d.stream_synchronize(stream)?;
         for r in out.results {
             p.pool().free(r.ptr, stream)?;
@@ -305,8 +306,8 @@ both_drivers!(
         for round in 0..3u32 {
             let a = filled(&p, MIB, 0xA000 + round, stream)?;
             let b = filled(&p, 4096, 0xB000 + round, stream)?;
-            let first = p.submit(worker, &[Input { ptr: a, desc: TensorDesc::contiguous(DType::U8, &[MIB]) }], stream)?;
-            let second = p.submit(worker, &[Input { ptr: b, desc: TensorDesc::contiguous(DType::U8, &[4096]) }], stream)?;
+            let first = p.submit(worker, &[Input { ptr: a, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
+            let second = p.submit(worker, &[Input { ptr: b, desc: TensorDesc::contiguous(DType::U8, &[4096]), read_only: false }], stream)?;
             // The worker finishes `second` before `first`, which it held open meanwhile.
             let out_b = second.wait()?;
             let out_a = first.wait()?;
@@ -342,7 +343,7 @@ both_drivers!(
         ensure!(cred.pid == child.id() as i32, "peer credentials: {cred:?}");
         let worker = p.accept_worker(conn)?;
         let input = filled(&p, MIB, 0x0BAD_F00D, stream)?;
-        let out = p.run_job(worker, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]) }], stream)?;
+        let out = p.run_job(worker, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
         d.stream_synchronize(stream)?;
         ensure!(read(&*d, out.results[0].ptr, 8)?[4..] == 0x0BAD_F00Du32.to_le_bytes(), "result content");
         p.pool().free(out.results[0].ptr, stream)?;

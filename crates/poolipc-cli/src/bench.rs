@@ -357,6 +357,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             let input = Input {
                 ptr,
                 desc: desc.clone(),
+                read_only: false,
             };
             let (us, wait, _) = round_trip_split(&parent, &*d, worker, &input, stream)?;
             if i == 0 {
@@ -377,6 +378,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         let input = Input {
             ptr,
             desc: desc.clone(),
+            read_only: false,
         };
         let mut relends = Vec::with_capacity(iterations);
         for i in 0..=iterations {
@@ -453,18 +455,28 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             .alloc(bytes, stream)
             .with_context(|| format!("allocating {} from the pool", human(bytes)))?;
         d.stream_synchronize(stream)?;
-        let input = Input { ptr, desc };
+        // Read-only: the worker's view is mapped read-only and nothing is copied back (what
+        // this row measured before copy-back existed). The writable lend below adds the copy
+        // back into the tensor after the job (one more device-to-device copy of `bytes`).
+        let input = Input::new(ptr, desc).read_only();
+        let writable = Input {
+            read_only: false,
+            ..input.clone()
+        };
         let pointer_limit = parent.options().limit;
         parent.lower_import_limit(
             ImportLimit::new(pointer_limit.chunk_bytes(), 0).context("limit")?,
         )?;
         let mut copied = Vec::new();
+        let mut copied_back = Vec::new();
         let mut rung = None;
         for i in 0..=iterations_for(args, bytes).min(50) {
             let (us, out) = round_trip(&parent, &*d, worker, &input, stream)?;
             rung = out.input_rungs.first().copied();
+            let (back_us, _) = round_trip(&parent, &*d, worker, &writable, stream)?;
             if i > 0 {
                 copied.push(us);
+                copied_back.push(back_us);
             }
         }
         // Host staging of the same tensor, for the sizes the main table does not have.
@@ -480,7 +492,13 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         parent.pool().free(ptr, stream)?;
         d.stream_synchronize(stream)?;
         parent.reclaim_arena();
-        copy_rows.push((bytes, median(&mut copied), rung, median(&mut staged)));
+        copy_rows.push(CopyRow {
+            bytes,
+            read_only_us: median(&mut copied),
+            copy_back_us: median(&mut copied_back),
+            rung,
+            staged_us: median(&mut staged),
+        });
     }
     // Results through the arena: a worker answering each job with one result of the size,
     // writing its first 4 KiB; the block goes back (stream-ordered) when the result drops.
@@ -551,6 +569,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         .map(|&ptr| Input {
             ptr,
             desc: TensorDesc::contiguous(DType::U8, &[4 * KIB]),
+            read_only: false,
         })
         .collect();
     let mut batch = Vec::new();
@@ -626,11 +645,12 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "median_s": batch_s,
             "tensors_per_s": tensors_per_s,
         },
-        "above_limit_inputs": copy_rows.iter().map(|(b, us, rung, staged)| serde_json::json!({
-            "bytes": b,
-            "median_us": us,
-            "rung": rung.map(|r| r.to_string()),
-            "host_staging_median_us": if staged.is_nan() { None } else { Some(*staged) },
+        "above_limit_inputs": copy_rows.iter().map(|r| serde_json::json!({
+            "bytes": r.bytes,
+            "median_us": r.read_only_us,
+            "copy_back_median_us": r.copy_back_us,
+            "rung": r.rung.map(|r| r.to_string()),
+            "host_staging_median_us": if r.staged_us.is_nan() { None } else { Some(r.staged_us) },
         })).collect::<Vec<_>>(),
         "arena_results": arena_rows.iter().map(|(b, us, rung, _, _)| serde_json::json!({
             "bytes": b,
@@ -774,19 +794,25 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "  one input above the import limit (limit lowered to 0 up to 4 GiB; the real one above), medians:"
         );
         println!(
-            "  {:>10} {:>12} {:>14} {:>16}",
-            "size", "round µs", "rung", "host staging µs"
+            "  (read-only: lent read_only, mapped read-only, nothing copied back; copy-back: lent \
+             writable, the worker writes its first 4 KiB, the block is copied back after DONE)"
         );
-        for (b, us, rung, staged) in &copy_rows {
+        println!(
+            "  {:>10} {:>14} {:>14} {:>8} {:>14} {:>16}",
+            "size", "read-only µs", "copy-back µs", "ratio", "rung", "host staging µs"
+        );
+        for r in &copy_rows {
             println!(
-                "  {:>10} {:>12.1} {:>14} {:>16}",
-                human(*b),
-                us,
-                rung.map_or_else(|| "-".to_owned(), |r| r.to_string()),
-                if staged.is_nan() {
+                "  {:>10} {:>14.1} {:>14.1} {:>7.2}x {:>14} {:>16}",
+                human(r.bytes),
+                r.read_only_us,
+                r.copy_back_us,
+                r.copy_back_us / r.read_only_us,
+                r.rung.map_or_else(|| "-".to_owned(), |r| r.to_string()),
+                if r.staged_us.is_nan() {
                     "see table".to_owned()
                 } else {
-                    format!("{staged:.1}")
+                    format!("{:.1}", r.staged_us)
                 }
             );
         }
@@ -1004,6 +1030,19 @@ fn series_from_json(prefix: &str, run: &serde_json::Value) -> Vec<crate::plot::S
     out.push(line("above the limit: arena copy", "median_us", &copies));
     out.retain(|s| !s.points.is_empty());
     out
+}
+
+/// One size of the above-the-limit table: an input lent by arena copy, read-only and with
+/// copy-back, and (above 4 GiB) host staging of the same tensor.
+struct CopyRow {
+    bytes: u64,
+    /// Median round trip lent read-only (no copy-back).
+    read_only_us: f64,
+    /// Median round trip lent writable: the block copied back after DONE.
+    copy_back_us: f64,
+    rung: Option<Rung>,
+    /// Median round trip by host staging; NaN where the main table has it.
+    staged_us: f64,
 }
 
 fn human(bytes: u64) -> String {

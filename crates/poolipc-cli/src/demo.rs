@@ -150,6 +150,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         let inputs = [Input {
             ptr: base.offset(c.offset),
             desc: c.desc.clone(),
+            read_only: false,
         }];
         let mut times = Vec::new();
         let mut verdict = String::from("yes");

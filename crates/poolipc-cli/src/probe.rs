@@ -112,6 +112,7 @@ fn probe_once(
                             byte_offset: 0,
                             byte_len: bytes,
                         },
+                        read_only: false,
                         arena: None,
                     }],
                     slice: None,

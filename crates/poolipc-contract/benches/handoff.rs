@@ -39,6 +39,7 @@ fn inputs(n: u64) -> Vec<InputLoan> {
                 byte_len: 4096,
             },
             arena: None,
+            read_only: false,
         })
         .collect()
 }

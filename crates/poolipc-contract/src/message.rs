@@ -116,6 +116,12 @@ pub struct LentTensor {
     /// worker resolves it through its arena mapping and refuses a block outside a mapped
     /// chunk. `pool` and `export` are zero then.
     pub arena: Option<ArenaLocation>,
+    /// The caller said the worker only reads this tensor (protocol 7). The worker hands it
+    /// out read-only (and maps an arena-copy block read-only); the parent copies nothing
+    /// back. When false, an input that crossed by a copy comes back: an arena-copy block is
+    /// copied into the caller's tensor after the parent's wait on DONE, and a host-staged
+    /// input's bytes follow the worker's `Done` like a staged result's.
+    pub read_only: bool,
 }
 
 /// A block of the parent's result arena lent with a job (protocol 6): the job's **arena

@@ -63,6 +63,12 @@ pub struct InputLoan {
     /// gives the block back only at the input's [`ParentAction::Release`] (after a
     /// [`ParentAction::WaitDone`] on the worker's DONE, or once the worker was reaped).
     pub arena: Option<ArenaLocation>,
+    /// The caller said the worker only reads it (carried in the `Lend`). When false and the
+    /// input crossed by a copy, its bytes come back: host staging by a
+    /// [`ParentAction::ReceiveStaged`] after the worker's `Done`; arena copy by the facade's
+    /// copy out of the block at the input's [`ParentAction::Release`] with
+    /// [`Outcome::Completed`] or [`Outcome::Cancelled`].
+    pub read_only: bool,
 }
 
 /// A job's arena slice, as the facade allocated it (protocol 6): a block of the result arena
@@ -246,14 +252,15 @@ pub enum ParentAction {
         /// What it asked for.
         spec: ResultSpec,
     },
-    /// A host-staged result named in the worker's `Done`: its bytes follow the `Done` on the
-    /// wire; pull them now.
+    /// A host-staged result named in the worker's `Done`, or a host-staged input lent
+    /// writable (copy-back, protocol 7): its bytes follow the `Done` on the wire, in the
+    /// `Done`'s order; pull them now (an input's into the caller's tensor).
     ReceiveStaged {
         /// The worker.
         worker: WorkerId,
         /// The job.
         job: JobId,
-        /// The staged result.
+        /// The staged result or writable staged input.
         handoff: HandoffId,
     },
     /// Make the job's stream wait on the worker's DONE event. Comes right before the
@@ -423,6 +430,8 @@ struct Loan {
     done: Option<EventBlob>,
     /// A slice's carves, checked, from the worker's `Done`.
     carved: Vec<CarvedResult>,
+    /// An input the caller lent read-only: a staged one's bytes do not come back.
+    read_only: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -738,6 +747,7 @@ impl Parent {
                     purpose: Purpose::Input,
                     done: None,
                     carved: Vec::new(),
+                    read_only: input.read_only,
                 },
             );
             if staged(input.rung) {
@@ -753,6 +763,7 @@ impl Parent {
                 ready_event: if ready { ready_event } else { ZERO_EVENT },
                 meta: input.meta,
                 arena: input.arena,
+                read_only: input.read_only,
             });
         }
         let inputs_handles = handoffs.clone();
@@ -771,6 +782,7 @@ impl Parent {
                     purpose: Purpose::Slice,
                     done: None,
                     carved: Vec::new(),
+                    read_only: false,
                 },
             );
             handoffs.push(handle);
@@ -1324,6 +1336,7 @@ impl Parent {
                             purpose: Purpose::Result { request },
                             done: None,
                             carved: Vec::new(),
+                            read_only: false,
                         },
                     );
                     if let Some(j) = self.jobs.get_mut(&(worker, job)) {
@@ -1421,7 +1434,13 @@ impl Parent {
                 continue;
             };
             loan.done = Some(done_event);
-            if matches!(loan.purpose, Purpose::Result { .. }) && staged(loan.rung) {
+            // A staged result's bytes, and a writable staged input's (copy-back), follow.
+            let comes_back = match loan.purpose {
+                Purpose::Result { .. } => true,
+                Purpose::Input => !loan.read_only,
+                Purpose::Slice => false,
+            };
+            if comes_back && staged(loan.rung) {
                 self.actions.push_back(ParentAction::ReceiveStaged {
                     worker,
                     job,

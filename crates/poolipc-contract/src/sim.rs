@@ -96,8 +96,10 @@ pub enum Op {
     /// The caller starts a job of `inputs % 4` tensors on a worker. `plan` holds four bits per
     /// input: bit 0 lends a tensor the caller holds (else a new one of `size`), bits 1 and 2
     /// both set send it by host staging, as does a tensor above the limit unless bit 3 forces
-    /// the pool pointer (which must be refused); bits 2 and 3 pick the held tensor. Bit 14
-    /// gives the job an arena slice; bit 15 lets the job go to any worker.
+    /// the pool pointer (which must be refused); bits 2 and 3 pick the held tensor. Bit 12
+    /// lends the job's even-numbered inputs read-only, bit 13 its odd-numbered ones (a
+    /// writable staged input's bytes come back after the `Done`). Bit 14 gives the job an
+    /// arena slice; bit 15 lets the job go to any worker.
     StartJob {
         /// Worker index.
         worker: u8,
@@ -510,6 +512,7 @@ impl World {
         let mut blocks = Vec::new();
         for n in 0..usize::from(inputs % 4) {
             let bits = (plan >> (4 * n)) & 0xf;
+            let read_only = (plan >> (12 + n % 2)) & 1 == 1;
             let held = if bits & 1 == 1 {
                 pick(&self.held_tensors, u8::try_from(bits >> 2).unwrap_or(0))
             } else {
@@ -559,6 +562,7 @@ impl World {
                         chunk: u32::try_from(block.0 % 3).unwrap_or(0),
                         offset: block.0 * 512,
                     }),
+                    read_only,
                 });
                 continue;
             }
@@ -574,6 +578,7 @@ impl World {
                 },
                 meta,
                 arena: None,
+                read_only,
             });
         }
         let w = &self.workers[i];

@@ -87,11 +87,12 @@ pub enum WorkerAction {
     },
     /// Send this message to the parent, unchanged.
     Send(Message),
-    /// A host-staged result's bytes: push them now, right after the `Done` that names it.
+    /// A host-staged result's bytes, or a host-staged input's lent writable (copy-back,
+    /// protocol 7): push them now, right after the `Done` that names it, in its order.
     SendStaged {
         /// The job.
         job: JobId,
-        /// The staged result.
+        /// The staged result or writable staged input.
         handoff: HandoffId,
     },
     /// The parent cancelled the job: stop, and finish it ([`Worker::finish_job`]).
@@ -108,7 +109,9 @@ struct Held {
     handoff: HandoffId,
     alloc: AllocId,
     rung: Rung,
-    result: bool,
+    /// Whether its bytes go back to the parent after the `Done` when it is host-staged: a
+    /// result, or an input not lent read-only (copy-back, protocol 7).
+    sent_back: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -342,7 +345,7 @@ impl Worker {
                 handoff: t.handle,
                 alloc: t.alloc,
                 rung: t.rung,
-                result: false,
+                sent_back: !t.read_only,
             });
         }
         if let Some(sl) = &slice {
@@ -350,7 +353,7 @@ impl Worker {
                 handoff: sl.handle,
                 alloc: sl.alloc,
                 rung: Rung::Arena,
-                result: false,
+                sent_back: false,
             });
         }
         self.wait_ready(job, events);
@@ -441,7 +444,7 @@ impl Worker {
                 handoff,
                 alloc,
                 rung,
-                result: true,
+                sent_back: true,
             });
         }
         self.wait_ready(job, events);
@@ -589,7 +592,7 @@ impl Worker {
     /// (stream-ordered frees), [`WorkerAction::RecordDone`] (so the parent's wait on DONE
     /// covers the frees on the GPU timeline), `Send(Done)` naming every handoff of the job
     /// (inputs, then results; pointer and staged), [`WorkerAction::SendStaged`] for each
-    /// staged result in order, then `Send(Ack)` with the same handles.
+    /// staged input lent writable and each staged result, in that order, then `Send(Ack)` with the same handles.
     ///
     /// # Errors
     /// The job is not open, or its result request is not answered yet.
@@ -625,7 +628,7 @@ impl Worker {
                 handles: handles.clone(),
                 carved: open.carved.clone(),
             })));
-        for h in open.held.iter().filter(|h| h.result && staged(h.rung)) {
+        for h in open.held.iter().filter(|h| h.sent_back && staged(h.rung)) {
             self.actions.push_back(WorkerAction::SendStaged {
                 job,
                 handoff: h.handoff,

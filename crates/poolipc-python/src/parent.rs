@@ -216,11 +216,25 @@ fn buffer_shape(nbytes: u64, dtype: DType, shape: Option<Vec<u64>>) -> PyResult<
 /// One input as the Python wrapper describes it: `(ptr, dtype, shape, strides or None)`.
 type InputSpec = (u64, String, Vec<u64>, Option<Vec<i64>>);
 
-fn parse_inputs(specs: Vec<InputSpec>) -> PyResult<Vec<Input>> {
+/// The inputs, each lent read-only where `read_only` says so (None: all writable; else one
+/// flag per input, a `ValueError` when the counts differ).
+fn parse_inputs(specs: Vec<InputSpec>, read_only: Option<Vec<bool>>) -> PyResult<Vec<Input>> {
+    let flags = match read_only {
+        None => vec![false; specs.len()],
+        Some(f) if f.len() == specs.len() => f,
+        Some(f) => {
+            return Err(value_err(format!(
+                "poolipc: read_only has {} flags for {} inputs",
+                f.len(),
+                specs.len()
+            )));
+        }
+    };
     specs
         .into_iter()
+        .zip(flags)
         .enumerate()
-        .map(|(i, (ptr, dt, shape, strides))| {
+        .map(|(i, ((ptr, dt, shape, strides), read_only))| {
             let dtype = dtype::parse(&dt)
                 .map_err(|e| value_err(format!("poolipc: input {i}: {}", e_text(&e))))?;
             if let Some(s) = &strides {
@@ -245,6 +259,7 @@ fn parse_inputs(specs: Vec<InputSpec>) -> PyResult<Vec<Input>> {
                     shape,
                     strides: strides.unwrap_or_default(),
                 },
+                read_only,
             })
         })
         .collect()
@@ -608,6 +623,7 @@ pub(crate) struct NativeParent {
 }
 
 impl NativeParent {
+    #[allow(clippy::too_many_arguments)] // submit's Python arguments, passed on
     fn submit_inner(
         &self,
         py: Python<'_>,
@@ -616,8 +632,9 @@ impl NativeParent {
         stream: u64,
         alloc: Option<Py<PyAny>>,
         keep: Option<Py<PyAny>>,
+        read_only: Option<Vec<bool>>,
     ) -> PyResult<NativeJobHandle> {
-        let inputs = parse_inputs(inputs)?;
+        let inputs = parse_inputs(inputs, read_only)?;
         let log = Arc::new(Mutex::new(AllocLog::default()));
         let caller_alloc = alloc.is_some();
         let alloc = alloc.map(|f| python_allocator(f, Arc::clone(&log)));
@@ -880,7 +897,13 @@ impl NativeParent {
     ///
     /// Without `alloc`, results go where the process parent's `results` says: the shared
     /// pool (`DeviceBuffer`s, the default) or the result arena (`ArenaResult`s).
-    #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, keep = None))]
+    ///
+    /// `read_only`: one flag per input (None: all writable). A writable input that crossed
+    /// by a copy (arena copy, host staging) is copied back after the job, so a write of the
+    /// worker's reaches it; a read-only one is not, and the worker's view of it is read-only.
+    /// A count that differs from the inputs' is a `ValueError`.
+    #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, keep = None, read_only = None))]
+    #[allow(clippy::too_many_arguments)] // one per Python keyword argument, as Python spells them
     fn submit(
         &self,
         py: Python<'_>,
@@ -889,8 +912,9 @@ impl NativeParent {
         stream: u64,
         alloc: Option<Py<PyAny>>,
         keep: Option<Py<PyAny>>,
+        read_only: Option<Vec<bool>>,
     ) -> PyResult<NativeJobHandle> {
-        self.submit_inner(py, worker, inputs, stream, alloc, keep)
+        self.submit_inner(py, worker, inputs, stream, alloc, keep, read_only)
     }
 
     /// `submit` then `wait`: returns `(results, input_rungs)` once the worker acknowledged,
@@ -902,7 +926,7 @@ impl NativeParent {
     /// (the worker was lost, or the allocator raised: its exception is the `__cause__`),
     /// `WorkerError` (the worker reported an error for the job), `ArenaFullError` (a result
     /// would pass the result arena's cap).
-    #[pyo3(signature = (worker, inputs, stream = 0, alloc = None))]
+    #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, read_only = None))]
     fn run(
         &self,
         py: Python<'_>,
@@ -910,8 +934,9 @@ impl NativeParent {
         inputs: Vec<InputSpec>,
         stream: u64,
         alloc: Option<Py<PyAny>>,
+        read_only: Option<Vec<bool>>,
     ) -> PyResult<Py<PyAny>> {
-        self.submit_inner(py, worker, inputs, stream, alloc, None)?
+        self.submit_inner(py, worker, inputs, stream, alloc, None, read_only)?
             .wait_inner(py, None)
     }
 

@@ -1010,14 +1010,14 @@ impl Drop for LeaseHold {
 /// torch, CuPy and JAX without a copy (`__dlpack__`, `__cuda_array_interface__`) until the
 /// job ends; any use after that raises `ExpiredViewError`.
 ///
-/// Read-only inputs. An input that crossed by host staging (`rung == "host staging"`: memory
-/// not from the shared pool, or over the import limit) is this worker's private copy, and the
-/// copy goes one way only: a write would change the copy and vanish when the job ends. Such a
-/// view says `read_only == True`, and says so to consumers: `__cuda_array_interface__`'s
-/// `data` is `(ptr, True)`; the DLPack capsule a consumer asking for `max_version >= (1, 0)`
-/// gets is versioned with `DLPACK_FLAG_BITMASK_READ_ONLY` set (a legacy consumer gets the
-/// unversioned capsule, which cannot carry the flag); `write_bytes` raises `ValueError`.
-/// Pool-pointer inputs are the parent's own memory: writable, and the parent sees a write.
+/// Read-only inputs. A write to an input reaches the parent's tensor on every rung (an arena
+/// copy or a host-staged copy is copied back after the job) unless the parent lent it
+/// read-only (`Parent.submit(..., read_only=True)`). Such a view says `read_only == True`,
+/// and says so to consumers: `__cuda_array_interface__`'s `data` is `(ptr, True)`; the DLPack
+/// capsule a consumer asking for `max_version >= (1, 0)` gets is versioned with
+/// `DLPACK_FLAG_BITMASK_READ_ONLY` set (a legacy consumer gets the unversioned capsule, which
+/// cannot carry the flag); `write_bytes` raises `ValueError`; an arena-copy input is mapped
+/// read-only, so a kernel's write faults.
 ///
 /// What consumers do with the flag differs. NumPy and CuPy read it. torch (2.9 to 2.11:
 /// `torch.from_dlpack` asks for `max_version=(1, 0)`, `at::fromDLPackImpl` never looks at
@@ -1161,9 +1161,8 @@ impl View {
         self.check_open()?;
         if self.info.read_only {
             return Err(PyValueError::new_err(
-                "poolipc: this input view is read-only: it crossed by host staging, so it is \
-                 this worker's private copy and a write would never reach the parent (clone it \
-                 to work on it in place)",
+                "poolipc: this input view is read-only: the parent lent it with read_only=True, \
+                 so a write would not reach its tensor (clone it to work on it in place)",
             ));
         }
         if data.len() as u64 > self.info.nbytes {

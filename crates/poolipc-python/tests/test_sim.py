@@ -623,14 +623,14 @@ def test_a_pool_parent_refuses_arena_results_per_job_and_a_clash_names_the_resul
     parent.stop(w)
 
 
-def test_a_staged_input_is_read_only_on_the_worker_and_a_pool_pointer_one_is_writable(
+def test_an_input_lent_read_only_is_read_only_on_the_worker_and_a_writable_one_is_not(
         parent, report):
     w = spawn(parent, "probe", report.env)
     pooled = f32_buffer(parent, [1.5] * 4)
     staged = parent.alloc(16, dtype="float32", shape=[4], shared=False)
     parent.write(staged.ptr, struct.pack("<4f", 7.0, 8.0, 9.0, 10.0))
     out = parent.run(w, [poolipc.TensorRef(pooled.ptr, "float32", [4]),
-                         poolipc.TensorRef(staged.ptr, "float32", [4])])
+                         poolipc.TensorRef(staged.ptr, "float32", [4])], read_only=[False, True])
     assert parent.last_input_rungs == ["pool pointer", "host staging"]
     # the staged input's bytes crossed
     assert struct.unpack("<3f", parent.read(out[1].ptr + 4, 12)) == (8.0, 9.0, 10.0)
@@ -638,32 +638,47 @@ def test_a_staged_input_is_read_only_on_the_worker_and_a_pool_pointer_one_is_wri
     (rep,) = [x for x in report.lines() if "inputs" in x]
     p, s = rep["inputs"]
     assert p["rung"] == "pool pointer" and s["rung"] == "host staging"
-    # pool pointer: the parent's own memory, writable
+    # lent writable: the parent's own memory here, writable
     assert p["read_only"] is False and p["cai"]["data"][1] is False
     assert p["capsule_versioned"]["flags"] & 1 == 0
-    # host staging: the worker's private copy, read-only wherever a consumer can be told
+    # lent read-only: read-only wherever a consumer can be told
     assert s["read_only"] is True and s["cai"]["data"] == [s["ptr"], True]
     assert s["capsule_versioned"]["flags"] & 1 == 1  # DLPACK_FLAG_BITMASK_READ_ONLY
     assert s["write_error"].startswith("ValueError") and "read-only" in s["write_error"]
     assert "read_only=True" in s["repr"]
 
 
-def test_a_write_into_an_input_is_seen_by_the_parent_or_raises(parent, report):
+@pytest.mark.parametrize("read_only", [False, True], ids=["writable", "read_only"])
+def test_a_write_into_an_input_is_seen_by_the_parent_on_every_rung_or_raises(
+        parent, report, read_only):
     w = spawn(parent, "write-inputs", report.env)
     pooled = f32_buffer(parent, [1.0] * 4)
     staged = parent.alloc(16, dtype="float32", shape=[4], shared=False)
     parent.write(staged.ptr, struct.pack("<4f", 1.0, 2.0, 3.0, 4.0))
     parent.run(w, [poolipc.TensorRef(pooled.ptr, "float32", [4]),
-                   poolipc.TensorRef(staged.ptr, "float32", [4])])
+                   poolipc.TensorRef(staged.ptr, "float32", [4])], read_only=read_only)
     (rep,) = [x["writes"] for x in report.lines() if "writes" in x]
     assert [r["rung"] for r in rep] == ["pool pointer", "host staging"]
-    # pool pointer: the write went through and the parent sees it
-    assert rep[0]["write_error"] is None and parent.read(pooled.ptr, 4) == b"\xab" * 4
-    # host staging: the write raised, and the parent's tensor is as it was
-    assert rep[1]["write_error"].startswith("ValueError")
-    assert parent.read(staged.ptr, 16) == struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+    assert [r["read_only"] for r in rep] == [read_only, read_only]
+    if not read_only:
+        # the writes went through, in place (pool pointer) and copied back (host staging)
+        assert [r["write_error"] for r in rep] == [None, None]
+        assert parent.read(pooled.ptr, 4) == b"\xab" * 4
+        assert parent.read(staged.ptr, 16) == b"\xab" * 4 + struct.pack("<3f", 2.0, 3.0, 4.0)
+    else:
+        # read-only: every write raised, and the parent's tensors are as they were
+        assert all(r["write_error"].startswith("ValueError") for r in rep)
+        assert parent.read(pooled.ptr, 4) == struct.pack("<f", 1.0)
+        assert parent.read(staged.ptr, 16) == struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
     assert parent.stop(w) == 0
 
+
+def test_read_only_flags_must_match_the_inputs(parent):
+    w = spawn(parent)
+    f = f32_buffer(parent, [1.0] * 4)
+    with pytest.raises(ValueError, match="read_only has 2 flags for 1 inputs"):
+        parent.submit(w, [poolipc.TensorRef(f.ptr, "float32", [4])], read_only=[True, False])
+    parent.stop(w)
 
 
 # --- every error typed ----------------------------------------------------------------------

@@ -30,6 +30,7 @@ fn lend(n: u64) -> Message {
                     byte_offset: 0,
                     byte_len: 16_384,
                 },
+                read_only: false,
                 arena: None,
             })
             .collect(),

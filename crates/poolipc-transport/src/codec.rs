@@ -18,7 +18,8 @@
 //! - `Hello`, `HelloAck`: device uuid `[16]`, driver version i32, capabilities u64,
 //!   devices `u16 count × (uuid [16], ordinal u32)`.
 //! - `Refuse`, `Error`: code u16, message text.
-//! - `Lend`: job u64, `list<tensor>`; tensor: handle u64, alloc u64, rung u8, pool u8, export `[64]`,
+//! - `Lend`: job u64, `list<tensor>`; tensor: handle u64, alloc u64, rung u8, pool u8,
+//!   read-only u8 (protocol 7: 0 or 1, anything else is an error), export `[64]`,
 //!   ready event `[64]`, then on the arena-copy rung (4) only: arena chunk u32, arena offset
 //!   u64; then dtype u8, ndim u8, shape `u64 × ndim`, strides `i64 × ndim`, byte offset u64,
 //!   byte length u64; then (protocol 6) the job's arena slice: presence u8 (0 none, 1 one;
@@ -67,7 +68,9 @@ use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId
 /// 5: the arena-copy rung (a `Lend` tensor on rung 4 carries its arena chunk and offset).
 /// 6: arena slices (a `Lend` may carry the job's slice of the arena; a `Done` names the
 /// results carved out of it).
-pub const PROTOCOL_VERSION: u8 = 6;
+/// 7: a `Lend` tensor says whether it is read-only; a writable host-staged input's bytes
+/// come back after the worker's `Done`, like a staged result's.
+pub const PROTOCOL_VERSION: u8 = 7;
 
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
@@ -471,6 +474,7 @@ impl Writer<'_> {
                     self.u64(t.alloc.0);
                     self.u8(t.rung as u8);
                     self.u8(t.pool);
+                    self.u8(u8::from(t.read_only));
                     self.bytes(&t.export.0);
                     self.bytes(&t.ready_event.0);
                     match (t.rung == Rung::ArenaCopy, t.arena) {
@@ -715,7 +719,7 @@ struct Reader<'a> {
 }
 
 /// Wire bytes of the smallest item of each list, for the count check.
-const MIN_TENSOR_WIRE: usize = 8 + 8 + 1 + 1 + 64 + 64 + 1 + 1 + 8 + 8;
+const MIN_TENSOR_WIRE: usize = 8 + 8 + 1 + 1 + 1 + 64 + 64 + 1 + 1 + 8 + 8;
 const MIN_SPEC_WIRE: usize = 1 + 1 + 8;
 const MIN_GRANT_WIRE: usize = 1 + 2 + 2;
 const MIN_CARVE_WIRE: usize = 4 + 8 + 8 + 1 + 1;
@@ -874,6 +878,7 @@ impl Reader<'_> {
         let alloc = AllocId(self.u64("alloc")?);
         let rung = self.rung()?;
         let pool = self.u8("pool")?;
+        let read_only = self.bool("read_only")?;
         let export = ExportBlob(self.take("export")?);
         let ready_event = EventBlob(self.take("ready_event")?);
         let arena = if rung == Rung::ArenaCopy {
@@ -910,6 +915,7 @@ impl Reader<'_> {
                 byte_len: self.u64("byte_len")?,
             },
             arena,
+            read_only,
         })
     }
     fn grant(&mut self) -> Result<ResultGrant, DecodeError> {

@@ -405,6 +405,7 @@ fn a_frame_longer_than_a_read_arrives_whole_between_two_short_ones() {
                     byte_offset: 0,
                     byte_len: 16_384,
                 },
+                read_only: false,
                 arena: None,
             })
             .collect(),

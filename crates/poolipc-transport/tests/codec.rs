@@ -85,6 +85,7 @@ fn tensor() -> impl Strategy<Value = LentTensor> {
                     byte_offset: off,
                     byte_len: len,
                 },
+                read_only: h % 2 == 1,
                 // The wire carries a location exactly on the arena-copy rung.
                 arena: (rung == Rung::ArenaCopy).then_some(ArenaLocation { chunk, offset }),
             },
@@ -524,6 +525,7 @@ fn an_arena_copy_tensor_carries_its_chunk_and_offset_right_after_its_ready_event
         rung: Rung::ArenaCopy,
         pool: 0,
         export: ExportBlob([0; 64]),
+        read_only: false,
         arena: Some(ArenaLocation {
             chunk: 0x0102_0304,
             offset: 0x1112_1314_1516_1718,
@@ -549,6 +551,7 @@ fn an_arena_copy_tensor_carries_its_chunk_and_offset_right_after_its_ready_event
             job: JobId(1),
             tensors: vec![LentTensor {
                 rung: Rung::HostStaging,
+                read_only: false,
                 arena: None,
                 ..t
             }],
@@ -601,6 +604,7 @@ fn an_arena_copy_tensor_cut_inside_its_location_is_a_typed_error() {
         job: JobId(1),
         tensors: vec![LentTensor {
             rung: Rung::ArenaCopy,
+            read_only: false,
             arena: Some(ArenaLocation {
                 chunk: 1,
                 offset: 512,

@@ -137,6 +137,7 @@ impl Battery<'_> {
             inputs.push(Input {
                 ptr: base.offset(p.offset),
                 desc: p.desc.clone(),
+                read_only: false,
             });
         }
         let job = JobId(CANARY_BIT | self.next);

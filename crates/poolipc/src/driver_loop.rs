@@ -151,10 +151,14 @@ struct JobState {
     ready: Option<(OwnedEvent, EventBlob)>,
     input_rungs: Vec<Rung>,
     input_reasons: Vec<Option<String>>,
-    /// Arena-copy inputs: their blocks, given back (stream-ordered, on the job's stream) at
-    /// the input's release, which comes after the stream's wait on the worker's DONE or once
-    /// the worker was reaped.
-    arena_inputs: HashMap<HandoffId, ArenaLease>,
+    /// Arena-copy inputs: their blocks, copied back into the caller's tensors (unless lent
+    /// read-only) and given back (stream-ordered, on the job's stream) at the input's
+    /// release, which comes after the stream's wait on the worker's DONE or once the worker
+    /// was reaped.
+    arena_inputs: HashMap<HandoffId, ArenaInput>,
+    /// The first copy-back that failed, for the job's error: a write of the worker's that
+    /// could not reach the caller's tensor is never dropped silently.
+    copy_back_error: Option<String>,
     staged: bool,
     /// Staged inputs: where their bytes are.
     staged_inputs: HashMap<HandoffId, (DevicePtr, u64)>,
@@ -916,6 +920,7 @@ impl Loop {
                     export,
                     meta: input.desc.meta(offset, extent),
                     arena: None,
+                    read_only: input.read_only,
                 });
                 placed.rungs.push(Rung::PoolPointer);
                 placed.reasons.push(None);
@@ -942,6 +947,7 @@ impl Loop {
                         export: ExportBlob([0; 64]),
                         meta: input.desc.meta(0, extent),
                         arena: Some(copy.location),
+                        read_only: input.read_only,
                     });
                     placed.rungs.push(Rung::ArenaCopy);
                     placed.reasons.push(Some(reason));
@@ -973,6 +979,7 @@ impl Loop {
                 export: ExportBlob([0; 64]),
                 meta: input.desc.meta(0, extent),
                 arena: None,
+                read_only: input.read_only,
             });
             placed.rungs.push(Rung::HostStaging);
             placed.reasons.push(Some(reason));
@@ -1148,7 +1155,16 @@ impl Loop {
                 }
                 Rung::ArenaCopy => {
                     if let Some(lease) = copy {
-                        arena_inputs.insert(*h, lease);
+                        arena_inputs.insert(
+                            *h,
+                            ArenaInput {
+                                lease,
+                                block: DevicePtr(loan.span.ptr),
+                                src: input.ptr,
+                                bytes: loan.meta.byte_len,
+                                read_only: loan.read_only,
+                            },
+                        );
                     }
                     Stats::bump(&self.shared.stats.arena_copied_inputs);
                 }
@@ -1179,6 +1195,7 @@ impl Loop {
                 input_rungs: rungs,
                 input_reasons: reasons,
                 arena_inputs,
+                copy_back_error: None,
                 staged,
                 staged_inputs,
                 results: BTreeMap::new(),
@@ -1567,21 +1584,33 @@ impl Loop {
                 let Some(st) = self.jobs.get(&(worker, job)) else {
                     return;
                 };
-                let Some(r) = st
+                // A staged result, or a writable staged input coming back into the caller's
+                // tensor (copy-back): the bytes that went out, at the place they came from.
+                let result = st
                     .requests_by_handoff
                     .get(&handoff)
                     .and_then(|req| st.results.get(req))
-                else {
-                    return;
+                    .map(|r| (r.ptr, r.bytes));
+                let (what, target) = match result {
+                    Some(t) => ("a staged result", t),
+                    None => match st.staged_inputs.get(&handoff) {
+                        Some(&t) => ("a staged input's copy-back", t),
+                        None => return,
+                    },
                 };
-                let (dst, bytes, stream) = (r.ptr, r.bytes, st.stream);
+                let ((dst, bytes), stream) = (target, st.stream);
                 let r = self.with_staging(worker, |ch, conn| {
                     ch.recv_tensor(conn, job, handoff, dst, bytes, stream)
                 });
-                if let Err(e) = r
-                    && !self.escalate("receiving a staged result", &e)
-                {
-                    self.lose(worker, &format!("receiving a staged result failed: {e}"));
+                match r {
+                    Ok(()) if result.is_none() => {
+                        Stats::bump(&self.shared.stats.inputs_copied_back);
+                    }
+                    Ok(()) => {}
+                    Err(e) if !self.escalate(&format!("receiving {what}"), &e) => {
+                        self.lose(worker, &format!("receiving {what} failed: {e}"));
+                    }
+                    Err(_) => {}
                 }
             }
             ParentAction::WaitDone {
@@ -1944,7 +1973,36 @@ impl Loop {
         if purpose == Purpose::Input && rung == Rung::ArenaCopy {
             // The contract releases it after the job's stream waited on the worker's DONE,
             // or once the worker was reaped: the block goes back ordered after both.
-            drop(st.arena_inputs.remove(&handoff));
+            let Some(input) = st.arena_inputs.remove(&handoff) else {
+                return;
+            };
+            // Copy-back: what the worker wrote into the block reaches the caller's tensor,
+            // on the job's stream after its wait on DONE and before the block goes back (the
+            // lease's return is recorded after it). The worker acknowledged after DONE
+            // (completed or cancelled); a worker reaped before that leaves the tensor as it
+            // was, since nothing orders its writes.
+            let acked = matches!(outcome, Outcome::Completed | Outcome::Cancelled);
+            if acked && !input.read_only {
+                let copied = self.shared.driver.memcpy_dtod_async(
+                    input.src,
+                    input.block,
+                    input.bytes,
+                    st.stream,
+                );
+                match copied {
+                    Ok(()) => {
+                        Stats::bump(&self.shared.stats.inputs_copied_back);
+                        tracing::trace!(worker = %worker, job = job.0, bytes = input.bytes, "arena-copy input copied back");
+                    }
+                    Err(e) => {
+                        tracing::warn!(worker = %worker, job = job.0, error = %e, "copying an arena-copy input back failed");
+                        st.copy_back_error.get_or_insert(format!(
+                            "copying the worker's writes to an input back from the arena                              failed: {e}"
+                        ));
+                    }
+                }
+            }
+            drop(input.lease);
             return;
         }
         // Inputs stay the caller's; a result that did not complete goes back.
@@ -2036,8 +2094,12 @@ impl Loop {
                     results,
                 })
             }
-            JobOutcome::Completed if st.slice_error.is_some() => {
-                let why = st.slice_error.take().unwrap_or_default();
+            JobOutcome::Completed if st.slice_error.is_some() || st.copy_back_error.is_some() => {
+                let why = st
+                    .slice_error
+                    .take()
+                    .or_else(|| st.copy_back_error.take())
+                    .unwrap_or_default();
                 let results = self.give_back_results(&mut st);
                 Err(Error::JobFailed {
                     worker,
@@ -2173,6 +2235,21 @@ pub(crate) struct Placed {
     /// lent (a later input refused), a block goes back stream-ordered after its copy.
     copies: Vec<Option<ArenaLease>>,
     staged: bool,
+}
+
+/// An arena-copy input of a job in flight: the block holding the copy and where to copy it
+/// back.
+struct ArenaInput {
+    /// The block: given back (stream-ordered) when dropped.
+    lease: ArenaLease,
+    /// The block in this process.
+    block: DevicePtr,
+    /// The caller's tensor (element 0).
+    src: DevicePtr,
+    /// Bytes copied in, from element 0 to the end of the last element: copied back as many.
+    bytes: u64,
+    /// Lent read-only: nothing is copied back.
+    read_only: bool,
 }
 
 /// An input copied into the arena, its copy queued on the job's stream.

@@ -200,12 +200,59 @@ fn default_spin(env: &str, spin: Duration) -> Duration {
 /// the caller queued on that stream before submitting (the kernels that wrote the tensor) is
 /// copied after it, and work the caller queues on it after [`JobHandle::wait`] (a write, a
 /// free) runs after the copy. The worker reads only the copy.
+///
+/// # Writes by the worker
+///
+/// No write is lost silently. Unless `read_only` is set, a write the worker makes to its view
+/// reaches this tensor on every rung: in place on the pool pointer; on arena copy the block
+/// is copied back into the tensor on the job's stream after its wait on the worker's DONE
+/// (before the block goes back to the arena); on host staging the worker's copy comes back
+/// through the staging buffer after its `Done`, copied in on the job's stream. Either way,
+/// work queued on the job's stream after [`JobHandle::wait`] sees the worker's writes. The
+/// copy-back covers the tensor's whole extent (element 0 to its last element, gaps of a
+/// strided view included: the bytes the worker was sent). It happens when the worker
+/// finished the job (Done and Ack: completed, cancelled, or its code reported an error, as a
+/// pool-pointer write would have landed too); a job whose worker died or was killed before
+/// that leaves the tensor as it was: no DONE orders the worker's writes.
+///
+/// With `read_only` ([`Input::read_only`]) nothing is copied back, and the worker learns
+/// the flag (its view says so, DLPack exports it read-only). A write then fails loudly where
+/// the hardware allows: an arena-copy block is mapped read-only in the worker, so a kernel's
+/// write faults and a copy into it fails. On the pool pointer the worker writes the caller's
+/// memory itself (the import cannot be made read-only for one tensor of a pool): the flag is
+/// advice the worker's views enforce, and such a write is seen by the parent, not lost. On
+/// host staging the worker's copy is private device memory: the views refuse a write, but a
+/// kernel that writes it anyway changes only that copy, which is freed after the job.
 #[derive(Clone, Debug)]
 pub struct Input {
     /// The address of element 0.
     pub ptr: DevicePtr,
     /// The layout.
     pub desc: TensorDesc,
+    /// The worker only reads it: no copy-back, and a write fails where the hardware allows
+    /// (see above).
+    pub read_only: bool,
+}
+
+impl Input {
+    /// A writable input: what the worker writes reaches the tensor.
+    #[must_use]
+    pub fn new(ptr: DevicePtr, desc: TensorDesc) -> Input {
+        Input {
+            ptr,
+            desc,
+            read_only: false,
+        }
+    }
+
+    /// The same input, lent read-only: nothing comes back, the worker's view is read-only.
+    #[must_use]
+    pub fn read_only(self) -> Input {
+        Input {
+            read_only: true,
+            ..self
+        }
+    }
 }
 
 /// A result the worker wrote, in memory the parent allocated.
@@ -427,6 +474,9 @@ pub struct ParentStats {
     /// Results the workers carved out of arena slices (no round trip each); also counted in
     /// [`arena_results`](ParentStats::arena_results).
     pub arena_results_carved: u64,
+    /// Inputs that crossed by a copy (arena copy, host staging), lent writable, whose bytes
+    /// were copied back into the caller's tensor after the job.
+    pub inputs_copied_back: u64,
 }
 
 /// Allocates a job's result memory: `(shape, bytes, stream)` to an allocation of at least
@@ -448,6 +498,7 @@ pub(crate) struct Stats {
     pub(crate) arena_copied_inputs: AtomicU64,
     pub(crate) arena_slices_lent: AtomicU64,
     pub(crate) arena_results_carved: AtomicU64,
+    pub(crate) inputs_copied_back: AtomicU64,
 }
 
 impl Stats {
@@ -921,6 +972,7 @@ impl Parent {
             arena_copied_inputs: get(&s.arena_copied_inputs),
             arena_slices_lent: get(&s.arena_slices_lent),
             arena_results_carved: get(&s.arena_results_carved),
+            inputs_copied_back: get(&s.inputs_copied_back),
         }
     }
 

@@ -11,8 +11,9 @@
 //!
 //! The worker runs one job at a time, but the parent may lend later jobs while a job waits
 //! for its results' grant: their imports are made as the machine asks, and
-//! [`Worker::next_job`] hands them out in order. Host-staged inputs are read-only
-//! ([`InputView::read_only`]): they are this worker's private copy.
+//! [`Worker::next_job`] hands them out in order. An input is read-only
+//! ([`InputView::read_only`]) when the parent lent it so; otherwise a write reaches the
+//! parent's tensor on every rung (copies come back after the job).
 //!
 //! Nothing here synchronizes with the host: a synchronize after freeing an import unmaps it
 //! (docs/facts.md), and the contract orders everything on the GPU timeline through READY and DONE.
@@ -539,7 +540,7 @@ impl Worker {
     /// The view of one lent tensor: the import at its offset (pool pointer), the parent's
     /// copy in the arena through this worker's mapping (arena copy, read-only), or this
     /// process's copy (host staging, read-only).
-    fn input_view(&self, t: LentTensor) -> Result<InputView, Error> {
+    fn input_view(&mut self, t: LentTensor) -> Result<InputView, Error> {
         let ptr = match t.rung {
             Rung::PoolPointer => self
                 .imports
@@ -575,11 +576,15 @@ impl Worker {
                     })?;
                 let mapping = self
                     .arena
-                    .as_ref()
+                    .as_mut()
                     .ok_or(Error::Arena(ArenaError::UnknownChunk { chunk: at.chunk }))?;
-                mapping
-                    .resolve(at.chunk, at.offset, len)?
-                    .offset(t.meta.byte_offset)
+                // Lent read-only: through the chunk's read-only mapping, so a write faults.
+                let block = if t.read_only {
+                    mapping.resolve_read_only(at.chunk, at.offset, len)?
+                } else {
+                    mapping.resolve(at.chunk, at.offset, len)?
+                };
+                block.offset(t.meta.byte_offset)
             }
             other => {
                 return Err(Error::Protocol(format!(
@@ -593,6 +598,7 @@ impl Worker {
             desc: TensorDesc::from_meta(&t.meta),
             byte_len: t.meta.byte_len,
             rung: t.rung,
+            read_only: t.read_only,
         })
     }
 
@@ -854,7 +860,7 @@ impl Worker {
             WorkerAction::SendStaged { job, handoff } => {
                 let Some(copy) = self.staged.remove(&handoff) else {
                     return Err(Error::Protocol(format!(
-                        "staged result {handoff:?} of job {} has no memory here",
+                        "staged tensor {handoff:?} of job {} has no memory here",
                         job.0
                     )));
                 };

@@ -171,6 +171,7 @@ impl Script {
             export,
             ready_event: self.ready_blob,
             meta: bytes_meta(bytes),
+            read_only: false,
             arena: None,
         }
     }
@@ -306,6 +307,7 @@ fn staged_inputs_are_read_only_and_a_staged_result_follows_the_done_that_names_i
             export: ExportBlob([0; 64]),
             ready_event: EventBlob([0; 64]),
             meta: bytes_meta(bytes),
+            read_only: false,
             arena: None,
         },
         s.pointer(2, 2, pointer, 64),
@@ -478,6 +480,7 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
         export: ExportBlob([0; 64]),
         ready_event: ready,
         meta: bytes_meta(4096),
+        read_only: false,
         arena: Some(poolipc_transport::ArenaLocation { chunk, offset }),
     };
     // Past the chunk's end, then a chunk never announced: the job's view cannot be built;

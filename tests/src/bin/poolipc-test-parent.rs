@@ -28,6 +28,7 @@ fn run() -> anyhow::Result<()> {
         &[Input {
             ptr: input,
             desc: TensorDesc::contiguous(DType::U8, &[1 << 20]),
+            read_only: false,
         }],
         stream,
     )?;

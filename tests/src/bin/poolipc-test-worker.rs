@@ -61,6 +61,9 @@ fn run() -> anyhow::Result<usize> {
     if std::env::var_os("POOLIPC_TEST_LATE").is_some() {
         return Ok(poolipc::echo::serve_late(&mut worker, None)?);
     }
+    if std::env::var_os("POOLIPC_TEST_WRITE_INPUTS").is_some() {
+        return serve_writing_inputs(&mut worker);
+    }
     if gate.is_none() && report.is_none() && !fault {
         return Ok(poolipc::echo::serve(&mut worker, None)?);
     }
@@ -105,6 +108,54 @@ fn run() -> anyhow::Result<usize> {
         }
         poolipc::echo::answer(&mut job, None)?;
         job.finish()?;
+        served += 1;
+    }
+    Ok(served)
+}
+
+/// `POOLIPC_TEST_WRITE_INPUTS`: every job writes the first 4 KiB of every input (all of a
+/// smaller one) with the input's marker ([`poolipc::echo::marker`]), **whether or not it was
+/// lent read-only** (a worker that ignores the flag), then waits for its stream so that a
+/// write the hardware refused (a read-only mapping) surfaces in this job; a failed write
+/// fails the job with the error. `POOLIPC_TEST_REPORT` gets `<job> <rung> <read_only>` per
+/// input.
+fn serve_writing_inputs(worker: &mut poolipc::Worker) -> anyhow::Result<usize> {
+    let report = std::env::var_os("POOLIPC_TEST_REPORT").map(std::path::PathBuf::from);
+    let mut served = 0;
+    while let Some(job) = worker.next_job()? {
+        if let Some(file) = &report {
+            use std::io::Write as _;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(file)?;
+            for input in job.inputs() {
+                writeln!(f, "{} {:?} {}", job.id().0, input.rung(), input.read_only())?;
+            }
+        }
+        let (driver, stream) = (job.driver().clone(), job.stream());
+        let wrote = job
+            .inputs()
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, input)| {
+                let words = input.byte_len().min(4096) / 4;
+                driver
+                    .memset_d32_async(input.ptr(), poolipc::echo::marker(i), words, stream)
+                    .map_err(|e| format!("writing input {i} failed: {e}"))
+            })
+            .and_then(|()| {
+                driver
+                    .stream_synchronize(stream)
+                    .map_err(|e| format!("the writes failed: {e}"))
+            });
+        match wrote {
+            Ok(()) => job.finish()?,
+            Err(why) => {
+                eprintln!("poolipc-test-worker: {why}");
+                job.fail(&why)?;
+            }
+        }
         served += 1;
     }
     Ok(served)

@@ -86,6 +86,7 @@ fn pointer(alloc: u64) -> InputLoan {
         export: ExportBlob(blob(3, alloc)),
         meta: meta(4096),
         arena: None,
+        read_only: false,
     }
 }
 
@@ -98,6 +99,14 @@ fn staged(alloc: u64, bytes: u64) -> InputLoan {
         export: ExportBlob([0; 64]),
         meta: meta(bytes),
         arena: None,
+        read_only: false,
+    }
+}
+
+fn read_only(loan: InputLoan) -> InputLoan {
+    InputLoan {
+        read_only: true,
+        ..loan
     }
 }
 
@@ -606,9 +615,16 @@ fn a_pointer_job_goes_lend_import_ready_request_grant_unimport_done_ack_and_rele
 fn staged_inputs_and_results_are_ordinary_loans_moved_by_send_and_receive_staged() {
     let mut pair = Pair::new();
     pair.result_rung = Rung::HostStaging;
+    // Read-only: its bytes do not come back (see the copy-back test below).
     let handles = pair
         .p
-        .start_job(W0, JOB, ready(1), vec![staged(1, 64), pointer(2)], T0)
+        .start_job(
+            W0,
+            JOB,
+            ready(1),
+            vec![read_only(staged(1, 64)), pointer(2)],
+            T0,
+        )
         .expect("start");
     pair.pump();
     let (log, wlog) = pair.take_logs();
@@ -719,6 +735,73 @@ fn staged_inputs_and_results_are_ordinary_loans_moved_by_send_and_receive_staged
         .collect();
     assert_eq!(waits, vec![handles[1]]);
     assert_eq!(releases(&log).len(), 4);
+    assert_eq!(job_finished(&log, JOB), JobOutcome::Completed);
+}
+
+#[test]
+fn a_writable_staged_input_comes_back_after_the_done_before_the_staged_results() {
+    let mut pair = Pair::new();
+    pair.result_rung = Rung::HostStaging;
+    let handles = pair
+        .p
+        .start_job(
+            W0,
+            JOB,
+            ready(1),
+            vec![staged(1, 64), read_only(staged(2, 64)), staged(3, 32)],
+            T0,
+        )
+        .expect("start");
+    pair.pump();
+    let (_, wlog) = pair.take_logs();
+    let Some(WorkerAction::JobStarted { inputs, .. }) = wlog
+        .iter()
+        .find(|a| matches!(a, WorkerAction::JobStarted { .. }))
+    else {
+        panic!("no JobStarted: {wlog:#?}");
+    };
+    let flags: Vec<bool> = inputs.iter().map(|t| t.read_only).collect();
+    assert_eq!(
+        flags,
+        [false, true, false],
+        "the Lend carries each input's flag"
+    );
+    pair.w.request_results(JOB, vec![spec(4)]).expect("request");
+    pair.pump();
+    let (_, wlog) = pair.take_logs();
+    let Some(WorkerAction::ResultsGranted { results, .. }) = wlog
+        .iter()
+        .find(|a| matches!(a, WorkerAction::ResultsGranted { .. }))
+    else {
+        panic!("no grant: {wlog:#?}");
+    };
+    let ResultGrant::Granted { handle: result, .. } = results[0] else {
+        panic!("a staged grant, not {:?}", results[0]);
+    };
+
+    pair.w.finish_job(JOB, done_event(1)).expect("finish");
+    pair.pump();
+    let (log, wlog) = pair.take_logs();
+    let sent: Vec<HandoffId> = wlog
+        .iter()
+        .filter_map(|a| match a {
+            WorkerAction::SendStaged { handoff, .. } => Some(*handoff),
+            _ => None,
+        })
+        .collect();
+    let pulled: Vec<HandoffId> = log
+        .iter()
+        .filter_map(|a| match a {
+            ParentAction::ReceiveStaged { handoff, .. } => Some(*handoff),
+            _ => None,
+        })
+        .collect();
+    let expected = vec![handles[0], handles[2], result];
+    assert_eq!(
+        sent, expected,
+        "writable inputs in Lend order, then the result"
+    );
+    assert_eq!(pulled, expected, "the parent pulls them in the same order");
     assert_eq!(job_finished(&log, JOB), JobOutcome::Completed);
 }
 
@@ -1602,6 +1685,7 @@ fn lend(job: u64, tensors: Vec<(u64, u64, Rung)>) -> Message {
                 ready_event: ready(job),
                 meta: meta(16),
                 arena: None,
+                read_only: false,
             })
             .collect(),
         slice: None,

@@ -140,12 +140,31 @@ fn map_handle<D: poolipc_driver::Driver + ?Sized>(
     handle: poolipc_driver::VmmHandle,
     len: u64,
 ) -> Result<poolipc_driver::DevicePtr, DriverError> {
+    map_handle_with(
+        driver,
+        device,
+        handle,
+        len,
+        poolipc_driver::Access::ReadWrite,
+    )
+}
+
+/// [`map_handle`] with the access `device` gets: the worker's read-only alias of a chunk
+/// (`cuMemMap`'s offset must be 0, so a read-only view of one block is a second mapping of
+/// the whole chunk, granted [`Access::Read`](poolipc_driver::Access::Read)).
+fn map_handle_with<D: poolipc_driver::Driver + ?Sized>(
+    driver: &D,
+    device: u32,
+    handle: poolipc_driver::VmmHandle,
+    len: u64,
+    access: poolipc_driver::Access,
+) -> Result<poolipc_driver::DevicePtr, DriverError> {
     let base = driver.vmm_reserve(len, 0)?;
     if let Err(e) = driver.vmm_map(base, len, handle) {
         let _ = logged("cuMemAddressFree", driver.vmm_address_free(base, len));
         return Err(e);
     }
-    if let Err(e) = driver.vmm_set_access(base, len, device, poolipc_driver::Access::ReadWrite) {
+    if let Err(e) = driver.vmm_set_access(base, len, device, access) {
         if logged("cuMemUnmap", driver.vmm_unmap(base, len)).is_ok() {
             let _ = logged("cuMemAddressFree", driver.vmm_address_free(base, len));
         }
@@ -172,6 +191,17 @@ fn unmap<D: poolipc_driver::Driver + ?Sized>(
     };
     let released = logged("cuMemRelease", driver.vmm_release(chunk.handle));
     unmapped.and(freed).and(released)
+}
+
+/// Unmaps a second mapping of a chunk (a read-only alias) and frees its address range; the
+/// handle stays the chunk's. Failures are logged; the first one is returned.
+fn unmap_alias<D: poolipc_driver::Driver + ?Sized>(
+    driver: &D,
+    base: poolipc_driver::DevicePtr,
+    len: u64,
+) -> Result<(), DriverError> {
+    logged("cuMemUnmap", driver.vmm_unmap(base, len))?;
+    logged("cuMemAddressFree", driver.vmm_address_free(base, len))
 }
 
 fn logged(call: &'static str, r: Result<(), DriverError>) -> Result<(), DriverError> {

@@ -4,9 +4,9 @@ use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
-use poolipc_driver::{DevicePtr, Driver, Granularity};
+use poolipc_driver::{Access, DevicePtr, Driver, Granularity};
 
-use super::{ArenaError, MappedChunk, map_handle, unmap};
+use super::{ArenaError, MappedChunk, map_handle, map_handle_with, unmap, unmap_alias};
 
 /// The arena chunks a worker has mapped, and the bounds check between the wire and a device
 /// pointer.
@@ -15,10 +15,20 @@ use super::{ArenaError, MappedChunk, map_handle, unmap};
 /// mapped read-write for the worker's device, once per worker. A grant names a block as
 /// `(chunk, offset, len)`; [`resolve`](ArenaMapping::resolve) turns that into a pointer only
 /// when the range lies inside a mapped chunk. `Drop` unmaps every chunk.
+///
+/// A block lent read-only ([`resolve_read_only`](ArenaMapping::resolve_read_only)) is read
+/// through a second mapping of its chunk granted read access only, made the first time a
+/// read-only block of that chunk is asked for: `cuMemSetAccess` must cover whole mappings and
+/// `cuMemMap`'s offset must be 0, so one block cannot be made read-only inside the read-write
+/// mapping. The alias costs an address range and page-table entries the size of the chunk,
+/// no memory; a write through it faults on the GPU (`CUDA_ERROR_ILLEGAL_ADDRESS`) or fails
+/// the copy that tried it, instead of vanishing.
 pub struct ArenaMapping<D: Driver + ?Sized> {
     driver: Arc<D>,
     device: u32,
     chunks: BTreeMap<u32, MappedChunk>,
+    /// Read-only aliases of chunks, by index: their base address.
+    read_only: BTreeMap<u32, DevicePtr>,
 }
 
 impl<D: Driver + ?Sized> std::fmt::Debug for ArenaMapping<D> {
@@ -38,6 +48,7 @@ impl<D: Driver + ?Sized> ArenaMapping<D> {
             driver,
             device,
             chunks: BTreeMap::new(),
+            read_only: BTreeMap::new(),
         }
     }
 
@@ -102,14 +113,49 @@ impl<D: Driver + ?Sized> ArenaMapping<D> {
         }
     }
 
-    /// Unmaps chunk `index`, frees its address range and releases the import. Every step is
-    /// tried; the first failure is returned. The chunk is forgotten either way.
+    /// [`resolve`](Self::resolve) through the chunk's read-only alias, mapped (read access
+    /// only, for this worker's device) the first time it is asked for. The same bounds
+    /// checks; a driver call that fails while mapping the alias is an error and leaves no
+    /// alias behind.
+    pub fn resolve_read_only(
+        &mut self,
+        chunk: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<DevicePtr, ArenaError> {
+        let rw = self.resolve(chunk, offset, len)?;
+        let base = match self.read_only.get(&chunk) {
+            Some(&base) => base,
+            None => {
+                let c = self
+                    .chunks
+                    .get(&chunk)
+                    .ok_or(ArenaError::UnknownChunk { chunk })?;
+                let base =
+                    map_handle_with(&*self.driver, self.device, c.handle, c.len, Access::Read)?;
+                tracing::debug!(chunk, len = c.len, ?base, "arena chunk mapped read-only");
+                self.read_only.insert(chunk, base);
+                base
+            }
+        };
+        let c_base = self.chunks.get(&chunk).map_or(rw, |c| c.base);
+        Ok(base.offset(rw.0 - c_base.0))
+    }
+
+    /// Unmaps chunk `index` (and its read-only alias), frees its address range and releases
+    /// the import. Every step is tried; the first failure is returned. The chunk is forgotten
+    /// either way.
     pub fn unmap_chunk(&mut self, index: u32) -> Result<(), ArenaError> {
         let chunk = self
             .chunks
             .remove(&index)
             .ok_or(ArenaError::UnknownChunk { chunk: index })?;
-        Ok(unmap(&*self.driver, chunk)?)
+        let alias = match self.read_only.remove(&index) {
+            Some(base) => unmap_alias(&*self.driver, base, chunk.len),
+            None => Ok(()),
+        };
+        let unmapped = unmap(&*self.driver, chunk);
+        Ok(alias.and(unmapped)?)
     }
 
     /// The length of chunk `index`, if mapped.
@@ -139,8 +185,11 @@ impl<D: Driver + ?Sized> ArenaMapping<D> {
 
 impl<D: Driver + ?Sized> Drop for ArenaMapping<D> {
     fn drop(&mut self) {
-        for (_, chunk) in std::mem::take(&mut self.chunks) {
+        for (index, chunk) in std::mem::take(&mut self.chunks) {
             // Failures are logged inside; a destructor has no one to return them to.
+            if let Some(base) = self.read_only.remove(&index) {
+                let _ = unmap_alias(&*self.driver, base, chunk.len);
+            }
             let _ = unmap(&*self.driver, chunk);
         }
     }

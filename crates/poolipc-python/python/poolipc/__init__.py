@@ -340,6 +340,16 @@ def _describe(x: Any) -> InputSpec:
     return (int(ptr), str(x.dtype), list(x.shape), None if strides is None else list(strides))
 
 
+def _read_only_flags(read_only: bool | Iterable[bool], n: int) -> list[bool]:
+    """One read-only flag per input: ``read_only`` for all of them, or one each."""
+    if isinstance(read_only, bool):
+        return [read_only] * n
+    flags = [bool(f) for f in read_only]
+    if len(flags) != n:
+        raise ValueError(f"poolipc: read_only has {len(flags)} flags for {n} inputs")
+    return flags
+
+
 class JobHandle:
     """A job submitted with ``Parent.submit``: ``wait()`` for its results from any thread.
 
@@ -602,6 +612,7 @@ class Parent:
         stream: int | _HasCudaStream | None = None,
         alloc: Allocator | None = None,
         results: str | None = None,
+        read_only: bool | Iterable[bool] = False,
     ) -> JobHandle:
         """Lend ``inputs`` to ``worker`` and return at once; the ``JobHandle``'s ``wait()``
         gives the results. Arguments as for ``run``. The inputs must not be written until the
@@ -626,6 +637,7 @@ class Parent:
         to_arena = alloc is None and (results or self._results) == "arena"
         inputs = list(inputs)
         specs = [_describe(x) for x in inputs]
+        flags = _read_only_flags(read_only, len(inputs))
         torch_mode = any(_is_torch_tensor(x) for x in inputs) or (
             alloc is None and not inputs and "torch" in sys.modules
         )
@@ -690,7 +702,7 @@ class Parent:
                 ptr = t.data_ptr() if callable(getattr(t, "data_ptr", None)) else int(t.ptr)
                 return (int(ptr), t)
 
-        native_handle = self._native.submit(worker, specs, raw_stream, native_alloc, inputs)
+        native_handle = self._native.submit(worker, specs, raw_stream, native_alloc, inputs, flags)
         return JobHandle(native_handle, inputs, torch_results=to_arena and torch_mode)
 
     def run(
@@ -701,6 +713,7 @@ class Parent:
         stream: int | _HasCudaStream | None = None,
         alloc: Allocator | None = None,
         results: str | None = None,
+        read_only: bool | Iterable[bool] = False,
     ) -> list[Any]:
         """Lend ``inputs`` to ``worker``, serve its result requests, return its results:
         ``submit(...).wait()``.
@@ -708,8 +721,18 @@ class Parent:
         ``inputs``: torch CUDA tensors (pointer, dtype, shape and strides are taken from
         them; views with offsets and non-contiguous tensors go as they are, described by
         their strides; negative strides are refused) or ``TensorRef``\\ s. Tensors of the
-        shared pool go by pool pointer; any other device memory by host staging (the worker
-        sees those read-only).
+        shared pool go by pool pointer; any other device memory by host staging.
+
+        ``read_only``: True when the worker only reads every input, or one flag per input.
+        By default (False) no write of the worker's is lost: an input that crossed by a copy
+        (arena copy, host staging) is copied back into the tensor after the job, on
+        ``stream`` after its wait on DONE. A read-only input is not copied back, and the
+        worker sees it read-only: its ``View.read_only`` is True, ``write_bytes`` raises,
+        DLPack exports it read-only (torch ignores that flag), and an arena-copy input is
+        mapped read-only in the worker, so a kernel that writes it faults and fails the job.
+        A read-only input on the pool pointer is the tensor itself: a write the worker makes
+        anyway lands in it; on host staging it changes only the worker's private copy.
+        A flag count that differs from the inputs' is a ``ValueError``.
 
         ``stream``: the stream READY is recorded on and which waits on the worker's DONE;
         default: torch's current stream when torch tensors are lent, else the legacy default
@@ -739,7 +762,9 @@ class Parent:
         worker reported an error for the job), ``ArenaFullError`` (a result would pass the
         arena's cap; the parent and the worker go on), ``ValueError`` (a bad ``results``).
         """
-        handle = self.submit(worker, inputs, stream=stream, alloc=alloc, results=results)
+        handle = self.submit(
+            worker, inputs, stream=stream, alloc=alloc, results=results, read_only=read_only
+        )
         out = handle.wait()
         self.last_input_rungs = handle.input_rungs or []
         self.last_result_rungs = handle.result_rungs or []
@@ -817,10 +842,12 @@ class Worker:
     and tensors made from them must not be used after that: the views raise
     ``ExpiredViewError``; tensors made from them point at memory the parent owns again.
 
-    Inputs that crossed by host staging are this worker's private copy: ``view.read_only`` is
-    True, ``__cuda_array_interface__`` and the versioned DLPack capsule say read-only, and a
-    write would never reach the parent. torch ignores DLPack's read-only flag (it has no
-    read-only tensors), so with torch check ``read_only`` and clone before writing in place.
+    A write to an input reaches the parent's tensor on every rung (copies come back after the
+    job) unless the parent lent it read-only: then ``view.read_only`` is True,
+    ``write_bytes`` raises, ``__cuda_array_interface__`` and the versioned DLPack capsule say
+    read-only, and an arena-copy input is mapped read-only (a kernel's write faults). torch
+    ignores DLPack's read-only flag (it has no read-only tensors), so with torch check
+    ``read_only`` and clone before writing in place.
     """
 
     def __init__(self, device: int | str | None = None) -> None:

@@ -257,15 +257,18 @@ class NativeParent:
         stream: int = 0,
         alloc: NativeAllocator | None = None,
         keep: object | None = None,
+        read_only: Sequence[bool] | None = None,
     ) -> NativeJobHandle:
         """Lends ``inputs`` to ``worker`` and returns a handle at once. Without ``alloc``,
-        results go to the process parent's result memory (pool or arena)."""
+        results go to the process parent's result memory (pool or arena). ``read_only``: one
+        flag per input (None: all writable; writable copies come back after the job)."""
     def run(
         self,
         worker: int,
         inputs: Sequence[InputSpec],
         stream: int = 0,
         alloc: NativeAllocator | None = None,
+        read_only: Sequence[bool] | None = None,
     ) -> tuple[list[NativeResult], list[str]]:
         """``submit`` then ``wait``."""
     def stop(self, worker: int) -> int | None:
@@ -310,7 +313,8 @@ class View:
         """The rung it crossed on."""
     @property
     def read_only(self) -> bool:
-        """Whether the view must not be written (a host-staged input)."""
+        """Whether the parent lent the input read-only: it must not be written (``write_bytes``
+        raises) and nothing written would reach the parent."""
     @property
     def stream(self) -> int:
         """The job's stream."""

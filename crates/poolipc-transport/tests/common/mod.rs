@@ -77,6 +77,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                             byte_offset: 0,
                             byte_len: 48,
                         },
+                        read_only: false,
                         arena: None,
                     },
                     LentTensor {
@@ -93,6 +94,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                             byte_offset: 16,
                             byte_len: 20,
                         },
+                        read_only: true,
                         arena: None,
                     },
                 ],
@@ -236,6 +238,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                             byte_offset: 0,
                             byte_len: 6 << 30,
                         },
+                        read_only: false,
                         arena: Some(ArenaLocation {
                             chunk: 2,
                             offset: 0x20_0000,
@@ -255,6 +258,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                             byte_offset: 0,
                             byte_len: 16,
                         },
+                        read_only: false,
                         arena: None,
                     },
                 ],
@@ -279,6 +283,7 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                         byte_offset: 0,
                         byte_len: 16,
                     },
+                    read_only: false,
                     arena: None,
                 }],
                 slice: Some(LentSlice {

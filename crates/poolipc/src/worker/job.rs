@@ -12,25 +12,26 @@ use crate::tensor::{ResultShape, Rung, TensorDesc};
 
 /// An input of a job: readable on the job's stream, valid until the job finishes.
 ///
-/// How it crossed decides whether a write to it reaches the parent:
-/// - [`Rung::PoolPointer`]: the view is the parent's own memory, imported. Writable; the
-///   parent sees a write (ordered by the job's DONE event).
+/// A write to it reaches the parent's tensor on every rung unless the parent lent it
+/// read-only ([`read_only`](InputView::read_only)):
+/// - [`Rung::PoolPointer`]: the view is the parent's own memory, imported; the parent sees a
+///   write (ordered by the job's DONE event).
 /// - [`Rung::ArenaCopy`]: the view is a copy the parent made for this job in a block of its
-///   arena, read through this worker's mapping (no import). The parent never reads the copy
-///   back, so a write would vanish like one to a staged copy: it is handed out
-///   **read-only** too. (Writing it would harm nothing else: the block is this job's alone
-///   until the parent's wait on DONE.)
-/// - [`Rung::HostStaging`]: the view is this worker's private copy of the tensor, which goes
-///   one way only. It is handed out **read-only** ([`read_only`](InputView::read_only) is
-///   true): a write would change only the copy and vanish when the job finishes. The Python
-///   binding marks such tensors read-only (DLPack's flag, `__cuda_array_interface__`'s
-///   `data[1]`), so a write raises instead of vanishing; Rust code must check the flag.
+///   arena, read through this worker's mapping (no import); the parent copies the block back
+///   after its wait on DONE. Lent read-only, the view is a read-only mapping of the block: a
+///   write faults (a kernel) or fails (a copy) instead of vanishing.
+/// - [`Rung::HostStaging`]: the view is this worker's private copy; its bytes go back to the
+///   parent after the job's `Done`. Lent read-only, nothing goes back: the Python binding
+///   marks the tensor read-only (DLPack's flag, `__cuda_array_interface__`'s `data[1]`) and
+///   refuses `View.write_bytes`; Rust code must check the flag, since a kernel's write to
+///   the private copy cannot be stopped and is dropped with the copy.
 #[derive(Debug)]
 pub struct InputView {
     pub(super) ptr: DevicePtr,
     pub(super) desc: TensorDesc,
     pub(super) byte_len: u64,
     pub(super) rung: Rung,
+    pub(super) read_only: bool,
 }
 
 impl InputView {
@@ -50,12 +51,11 @@ impl InputView {
     pub fn rung(&self) -> Rung {
         self.rung
     }
-    /// Whether the view must not be written: true exactly when a write would never reach the
-    /// parent's tensor, i.e. for copies (host-staged inputs: this worker's private copy;
-    /// arena-copy inputs: the parent's copy, which it never reads back). Pool-pointer inputs
-    /// are the parent's memory: writable, and a write is seen by the parent.
+    /// Whether the parent lent it read-only (the caller's `Input::read_only`): it must not
+    /// be written, and nothing written would reach the parent. Otherwise a write reaches the
+    /// parent's tensor on every rung (see above).
     pub fn read_only(&self) -> bool {
-        matches!(self.rung, Rung::HostStaging | Rung::ArenaCopy)
+        self.read_only
     }
 }
 

@@ -1,0 +1,238 @@
+//! No write into a lent input is lost silently (issue 21): a worker writes the first 4 KiB of
+//! its input in place, on each rung. Lent writable, the parent's tensor shows the write after
+//! the job (pool pointer: in place; arena copy: the block copied back after the wait on DONE;
+//! host staging: the worker's copy sent back after its Done). Lent read-only, nothing comes
+//! back, and on the arena-copy rung the worker's write fails (its block is mapped read-only):
+//! the job fails instead of the write vanishing. A read-only input on host staging is the
+//! worker's private copy; the test worker ignores the flag and writes it, and the parent's
+//! tensor stays as it was (what `Input`'s documentation says happens there).
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail, ensure};
+use poolipc::{
+    DevicePtr, Error, Input, Parent, ParentOptions, Rung, StreamHandle, TensorDesc, echo,
+};
+use poolipc_driver::PoolSharing;
+use poolipc_tests::echo_jobs::{filled, settle};
+use poolipc_tests::{Env, both_drivers, worker_command};
+use poolipc_types::{DType, ImportLimit};
+
+const MIB: u64 = 1 << 20;
+/// Not a multiple of anything: the copy-back must cover every byte.
+const BYTES: u64 = MIB + 3;
+const PATTERN: u32 = 0x1357_9BDF;
+
+/// How the test makes an input take each rung.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Via {
+    /// Memory of the shared pool, within the limit.
+    PoolPointer,
+    /// Memory of the shared pool over a lowered (0-chunk) import limit, arena copy on.
+    ArenaCopy,
+    /// Memory of a private pool, which no worker can import.
+    HostStaging,
+}
+
+impl Via {
+    fn rung(self) -> Rung {
+        match self {
+            Via::PoolPointer => Rung::PoolPointer,
+            Via::ArenaCopy => Rung::ArenaCopy,
+            Via::HostStaging => Rung::HostStaging,
+        }
+    }
+}
+
+struct Setup {
+    p: Parent,
+    stream: StreamHandle,
+    src: DevicePtr,
+    /// The private pool of a host-staged input, destroyed at the end.
+    private: Option<poolipc_driver::PoolHandle>,
+    dir: std::path::PathBuf,
+}
+
+fn setup(env: &Env, via: Via, tag: &str) -> Result<Setup> {
+    let options = ParentOptions {
+        device: env.device,
+        canary: false,
+        ..ParentOptions::default()
+    };
+    let p = Parent::new(Arc::clone(&env.driver), options)?;
+    if via == Via::ArenaCopy {
+        let limit = p.import_limit();
+        p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
+    }
+    let stream = p.driver().stream_create()?;
+    let (src, private) = if via == Via::HostStaging {
+        let d = p.driver();
+        let pool = d.mem_pool_create(env.device, PoolSharing::None)?;
+        let ptr = d.mem_alloc_from_pool_async(BYTES, pool, stream)?;
+        echo::fill_pattern(&**d, ptr, BYTES, PATTERN, stream)?;
+        (ptr, Some(pool))
+    } else {
+        (filled(&p, BYTES, PATTERN, stream)?, None)
+    };
+    let dir = std::env::temp_dir().join(format!("poolipc-copy-back-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(Setup {
+        p,
+        stream,
+        src,
+        private,
+        dir,
+    })
+}
+
+/// What the parent's tensor should hold: the pattern, with the worker's marker over the
+/// first 4 KiB when its write came back.
+fn expected(written: bool) -> Result<Vec<u8>> {
+    let mut want: Vec<u8> = PATTERN
+        .to_le_bytes()
+        .iter()
+        .copied()
+        .cycle()
+        .take(usize::try_from(BYTES)?)
+        .collect();
+    if written {
+        for w in want[..4096].chunks_exact_mut(4) {
+            w.copy_from_slice(&echo::marker(0).to_le_bytes());
+        }
+    }
+    Ok(want)
+}
+
+fn check_tensor(s: &Setup, written: bool) -> Result<()> {
+    s.p.driver().stream_synchronize(s.stream)?;
+    let mut got = vec![0u8; usize::try_from(BYTES)?];
+    s.p.driver().memcpy_dtoh(&mut got, s.src)?;
+    let want = expected(written)?;
+    if let Some(at) = got.iter().zip(&want).position(|(g, w)| g != w) {
+        bail!(
+            "the parent's tensor at byte {at}: {:#04x}, expected {:#04x} ({})",
+            got[at],
+            want[at],
+            if written {
+                "the worker's write should have come back"
+            } else {
+                "it should be as lent"
+            }
+        );
+    }
+    Ok(())
+}
+
+fn finish(s: Setup, worker: poolipc::WorkerId) -> Result<()> {
+    if s.p.arena_stats().is_some() {
+        ensure!(settle(&s.p, s.stream)? == 0, "arena blocks still out");
+    }
+    let d = Arc::clone(s.p.driver());
+    match s.private {
+        Some(pool) => {
+            d.mem_free_async(s.src, s.stream)?;
+            d.stream_synchronize(s.stream)?;
+            d.mem_pool_destroy(pool)?;
+        }
+        None => s.p.pool().free(s.src, s.stream)?,
+    }
+    d.stream_synchronize(s.stream)?;
+    let _ = s.p.stop_worker(worker);
+    let _ = std::fs::remove_dir_all(&s.dir);
+    Ok(())
+}
+
+/// A worker that writes its inputs whatever their flag, reporting each view's flag.
+fn writer(env: &Env, s: &Setup) -> Result<(poolipc::WorkerId, std::path::PathBuf)> {
+    let report = s.dir.join("report");
+    let _ = std::fs::remove_file(&report);
+    let mut cmd = worker_command(env, None)?;
+    cmd.env("POOLIPC_TEST_WRITE_INPUTS", "1")
+        .env("POOLIPC_TEST_REPORT", &report);
+    Ok((s.p.spawn_worker(cmd)?, report))
+}
+
+/// Lent writable on `via`: the job succeeds and the parent's tensor shows the write.
+fn a_write_comes_back(env: &Env, via: Via) -> Result<()> {
+    let s = setup(env, via, &format!("{via:?}-rw"))?;
+    let (w, report) = writer(env, &s)?;
+    let input = Input::new(s.src, TensorDesc::contiguous(DType::U8, &[BYTES]));
+    let out = s.p.run_job(w, &[input], s.stream)?;
+    ensure!(out.input_rungs == [via.rung()], "{:?}", out.input_rungs);
+    let views = std::fs::read_to_string(&report)?;
+    ensure!(
+        views
+            .trim_end()
+            .ends_with(&format!("{:?} false", via.rung())),
+        "the worker's view: {views:?}"
+    );
+    check_tensor(&s, true)?;
+    let copied_back = s.p.stats().inputs_copied_back;
+    let want = u64::from(via != Via::PoolPointer);
+    ensure!(
+        copied_back == want,
+        "{copied_back} inputs copied back, expected {want}"
+    );
+    finish(s, w)
+}
+
+both_drivers!(
+    fn a_write_into_a_pool_pointer_input_is_seen_by_the_parent(env) {
+        a_write_comes_back(env, Via::PoolPointer)
+    }
+);
+
+both_drivers!(
+    fn a_write_into_an_arena_copied_input_is_copied_back_to_the_parent(env) {
+        a_write_comes_back(env, Via::ArenaCopy)
+    }
+);
+
+both_drivers!(
+    fn a_write_into_a_host_staged_input_comes_back_to_the_parent(env) {
+        a_write_comes_back(env, Via::HostStaging)
+    }
+);
+
+both_drivers!(
+    fn a_write_into_a_read_only_arena_copied_input_fails_the_job_and_the_tensor_is_as_lent(env) {
+        let s = setup(env, Via::ArenaCopy, "ro-arena")?;
+        let (w, report) = writer(env, &s)?;
+        let input = Input::new(s.src, TensorDesc::contiguous(DType::U8, &[BYTES])).read_only();
+        match s.p.run_job(w, &[input], s.stream) {
+            Err(e @ (Error::Worker { .. } | Error::JobFailed { .. })) => println!("{:?}: {e}", env.kind()),
+            Ok(out) => bail!("the write into a read-only block went through silently: {:?}", out.input_rungs),
+            Err(other) => bail!("an unexpected error: {other}"),
+        }
+        let views = std::fs::read_to_string(&report)?;
+        ensure!(views.trim_end().ends_with("ArenaCopy true"), "the worker's view: {views:?}");
+        check_tensor(&s, false)?;
+        ensure!(s.p.stats().inputs_copied_back == 0, "{:?}", s.p.stats());
+        if let Some(sim) = &env.sim {
+            // The simulation refused the write as the hardware does, and logged it: expected.
+            let v = sim.violations();
+            ensure!(
+                !v.is_empty() && v.iter().all(|v| format!("{:?}", v.kind) == "NoAccess"),
+                "the refused write should be logged as NoAccess, and only it: {v:#?}"
+            );
+            sim.clear_violations();
+        }
+        finish(s, w)
+    }
+);
+
+both_drivers!(
+    fn a_read_only_host_staged_input_is_not_copied_back_and_the_worker_is_told(env) {
+        let s = setup(env, Via::HostStaging, "ro-staged")?;
+        let (w, report) = writer(env, &s)?;
+        let input = Input::new(s.src, TensorDesc::contiguous(DType::U8, &[BYTES])).read_only();
+        let out = s.p.run_job(w, &[input], s.stream)?;
+        ensure!(out.input_rungs == [Rung::HostStaging], "{:?}", out.input_rungs);
+        let views = std::fs::read_to_string(&report)?;
+        ensure!(views.trim_end().ends_with("HostStaging true"), "the worker's view: {views:?}");
+        // The write the worker made anyway changed only its private copy.
+        check_tensor(&s, false)?;
+        ensure!(s.p.stats().inputs_copied_back == 0, "{:?}", s.p.stats());
+        finish(s, w)
+    }
+);
