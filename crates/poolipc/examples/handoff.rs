@@ -38,15 +38,13 @@ fn parent() -> Result<(), Box<dyn std::error::Error>> {
     d.memset_d32_async(input, 7, n, stream)?;
     let out = parent.run_job(
         worker,
-        &[Input {
-            ptr: input,
-            desc: TensorDesc::contiguous(DType::U32, &[n]),
-        }],
+        &[Input::new(input, TensorDesc::contiguous(DType::U32, &[n]))],
         stream,
     )?;
     let result = &out.results[0];
     let mut bytes = vec![0u8; 4 * n as usize];
-    d.memcpy_dtoh(&mut bytes, result.ptr)?;
+    // On the job's stream: the result is ordered after the worker's DONE there.
+    d.memcpy_dtoh_on(&mut bytes, result.ptr, stream)?;
     let words: Vec<u32> = bytes
         .chunks_exact(4)
         .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))

@@ -1981,7 +1981,9 @@ impl Loop {
             // lease's return is recorded after it). The worker acknowledged after DONE
             // (completed or cancelled); a worker reaped before that leaves the tensor as it
             // was, since nothing orders its writes.
-            let acked = matches!(outcome, Outcome::Completed | Outcome::Cancelled);
+            // Not after a DONE wait that failed: nothing orders the copy after the worker.
+            let acked = matches!(outcome, Outcome::Completed | Outcome::Cancelled)
+                && st.done_failed.is_none();
             if acked && !input.read_only {
                 let copied = self.shared.driver.memcpy_dtod_async(
                     input.src,
@@ -1997,7 +1999,7 @@ impl Loop {
                     Err(e) => {
                         tracing::warn!(worker = %worker, job = job.0, error = %e, "copying an arena-copy input back failed");
                         st.copy_back_error.get_or_insert(format!(
-                            "copying the worker's writes to an input back from the arena                              failed: {e}"
+                            "copying the worker's writes to an input back from the arena failed: {e}"
                         ));
                     }
                 }

@@ -1077,10 +1077,6 @@ impl SimDriver {
             let mut work = MemoryWork::default();
             st.free(b, &mut work);
             Self::apply_release(l, slot, &work);
-            if let Some(c) = st.block_containing(slot, off) {
-                st.blocks[c].free_stream = s as u32;
-                st.blocks[c].free_seq = seq;
-            }
             let poison = work.poison;
             let step = Step::Run(Box::new(move |l: &mut Local, st: &mut State| {
                 st.note_freed(generation_);
@@ -2588,58 +2584,60 @@ impl SimDriver {
         let mut l = self.local();
         let slot = Self::own_pool_slot(&l, call, pool)?;
         let l = &mut *l;
-        let (s, seq, dependency, ptr) = self.machine.with(|st| {
+        let (s, seq, dependencies, ptr) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
             let mut work = MemoryWork::default();
             let r = st.alloc(slot, bytes, &mut work);
             Self::apply(l, slot, &work);
             let b = r.map_err(|code| fail(call, code))?;
-            // Memory whose free on another stream has not run yet: this stream waits for
-            // that free (the pool's internal dependency) and is ordered after it.
-            let (fs, fseq) = (st.blocks[b].free_stream as usize, st.blocks[b].free_seq);
-            st.blocks[b].free_seq = 0;
-            let dependency = (fseq != 0 && fs != s && st.streams[fs].executed < fseq).then(|| {
-                let mut upto = st.streams[fs].clock;
-                upto[fs] = fseq;
-                merge(&mut st.streams[s].clock, &upto);
-                (
-                    st.tick(s),
-                    Step::AfterStream {
-                        slot: fs,
-                        seq: fseq,
-                    },
-                )
-            });
             // The allocation touches nothing. Memory recycled from a free is ordered after
-            // that free by the pool (it waited for it, or knew it complete): the frees'
-            // records over it are done with.
-            let seq = st.tick(s);
+            // that free by the pool: a free on this stream by stream order, one on another
+            // stream that has not run yet by a dependency of this stream on it (the pool's
+            // internal dependency). The frees' records over it are then done with.
             let (off, size, g) = (
                 st.blocks[b].offset,
                 st.blocks[b].size,
                 st.blocks[b].generation,
             );
             let free_call = violation::call_code("cuMemFreeAsync");
-            for r in st.accesses.iter_mut().filter(|r| {
-                r.live == 1
-                    && r.dev == POOL_DEV
-                    && r.ino == slot as u64
-                    && r.call == free_call
-                    && r.start < off + size
-                    && off < r.end
-            }) {
-                r.live = 0;
+            let mut dependencies = Vec::new();
+            for i in 0..MAX_ACCESSES {
+                let r = &st.accesses[i];
+                if r.live != 1
+                    || r.dev != POOL_DEV
+                    || r.ino != slot as u64
+                    || r.call != free_call
+                    || r.end <= off
+                    || off + size <= r.start
+                {
+                    continue;
+                }
+                let (fs, fseq) = (r.stream as usize, r.seq);
+                st.accesses[i].live = 0;
+                if fs != s && st.streams[fs].executed < fseq {
+                    let mut upto = st.streams[fs].clock;
+                    upto[fs] = fseq;
+                    merge(&mut st.streams[s].clock, &upto);
+                    dependencies.push((
+                        st.tick(s),
+                        Step::AfterStream {
+                            slot: fs,
+                            seq: fseq,
+                        },
+                    ));
+                }
             }
+            let seq = st.tick(s);
             let id = l.new_buffer_id();
             l.buffer_ids.insert((b, g), id);
             Ok((
                 s,
                 seq,
-                dependency,
+                dependencies,
                 DevicePtr(OWN_BASE + slot as u64 * POOL_SPAN + off),
             ))
         })?;
-        if let Some((dseq, step)) = dependency {
+        for (dseq, step) in dependencies {
             self.issue(s, dseq, step);
         }
         self.issue(s, seq, Step::Mark);

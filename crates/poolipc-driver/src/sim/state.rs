@@ -97,18 +97,13 @@ pub(super) const BLOCK_HOLE: u32 = 3;
 pub(super) struct BlockRec {
     pub(super) state: u32,
     pub(super) pool: u32,
-    /// The stream slot and operation of the `cuMemFreeAsync` that made the block cached: an
-    /// allocation on another stream reusing it before that free ran waits for it (the pool's
-    /// internal dependency).
-    pub(super) free_stream: u32,
-    pub(super) _pad: u32,
+    pub(super) _pad: [u32; 2],
     pub(super) offset: u64,
     pub(super) size: u64,
     /// What the caller asked for (the allocation's size as the driver reports it).
     pub(super) bytes: u64,
     /// Machine-unique, new at every allocation: recycled memory has a new one.
     pub(super) generation: u64,
-    pub(super) free_seq: u64,
 }
 
 /// Generations whose free the GPU executed, remembered at once (a ring).
@@ -690,13 +685,11 @@ fn empty_block() -> BlockRec {
     BlockRec {
         state: BLOCK_EMPTY,
         pool: 0,
-        free_stream: 0,
-        _pad: 0,
+        _pad: [0; 2],
         offset: 0,
         size: 0,
         bytes: 0,
         generation: 0,
-        free_seq: 0,
     }
 }
 
