@@ -136,6 +136,12 @@ pub trait Driver: Send + Sync {
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()>;
     /// `cuStreamSynchronize`.
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()>;
+    /// Whether `stream`, a handle from outside (a Python int, torch's `cuda_stream`), names a
+    /// stream of this process: the legacy (0, 1) and per-thread (2) default streams do; any
+    /// other handle must point at readable memory of this process and be a stream the driver
+    /// answers for (`cuStreamQuery`). An error names what is wrong, before the handle reaches
+    /// any other call.
+    fn stream_check(&self, stream: StreamHandle) -> Result<()>;
 
     // --- memset and copies -------------------------------------------------------------
 

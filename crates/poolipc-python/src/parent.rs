@@ -30,6 +30,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// A stream handle from Python, checked before it reaches any other driver call: the
+/// simulation's default stream stands for `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD`
+/// (2); any handle the driver does not know is a `ValueError` naming it.
+fn checked_stream(driver: &dyn poolipc::Driver, raw: u64) -> PyResult<StreamHandle> {
+    let s = if state::is_sim(driver) && (raw == 1 || raw == 2) {
+        StreamHandle::NULL
+    } else {
+        StreamHandle(raw)
+    };
+    driver.stream_check(s).map_err(|e| {
+        pyo3::exceptions::PyValueError::new_err(format!(
+            "poolipc: stream {raw:#x} is not a CUDA stream of this process: {e}"
+        ))
+    })?;
+    Ok(s)
+}
+
 fn driver_err(e: poolipc_driver::DriverError) -> PyErr {
     to_py(e.into())
 }
@@ -639,7 +656,8 @@ impl NativeParent {
         let caller_alloc = alloc.is_some();
         let alloc = alloc.map(|f| python_allocator(f, Arc::clone(&log)));
         let g = Arc::clone(&self.g);
-        let stream = StreamHandle(stream);
+        g.driver.use_device(g.device).map_err(driver_err)?;
+        let stream = checked_stream(&*g.driver, stream)?;
         let handle = py
             .detach(move || {
                 g.use_device()?;
@@ -972,16 +990,16 @@ impl NativeParent {
         let dt = dtype::parse(dtype)?;
         let shape = buffer_shape(nbytes, dt, shape)?;
         let g = Arc::clone(&self.g);
+        g.driver.use_device(g.device).map_err(driver_err)?;
+        let stream = checked_stream(&*g.driver, stream)?;
         let ptr = py
             .detach(move || {
-                g.driver.use_device(g.device)?;
                 let pool = if shared {
                     g.pool
                 } else {
                     g.driver.device_get_default_mem_pool(g.device)?
                 };
-                g.driver
-                    .mem_alloc_from_pool_async(nbytes, pool, StreamHandle(stream))
+                g.driver.mem_alloc_from_pool_async(nbytes, pool, stream)
             })
             .map_err(driver_err)?;
         Ok(DeviceBuffer {
@@ -994,21 +1012,50 @@ impl NativeParent {
         })
     }
 
-    /// Copies `data` to device address `ptr` (synchronous). `PoolipcError` when the driver
-    /// refuses (an address that is not device memory).
-    fn write(&self, py: Python<'_>, ptr: u64, data: Vec<u8>) -> PyResult<()> {
+    /// Copies `data` to device address `ptr` and waits for it. Without `stream`, on the
+    /// legacy stream (ordered after nothing on non-blocking streams); with it, on `stream`,
+    /// after the work queued there. `PoolipcError` when the driver refuses (an address that
+    /// is not device memory), `ValueError` for a `stream` that is none of this process.
+    #[pyo3(signature = (ptr, data, stream = None))]
+    fn write(&self, py: Python<'_>, ptr: u64, data: Vec<u8>, stream: Option<u64>) -> PyResult<()> {
         let g = Arc::clone(&self.g);
-        py.detach(move || {
-            g.driver.use_device(g.device)?;
-            g.driver.memcpy_htod(DevicePtr(ptr), &data)
+        g.driver.use_device(g.device).map_err(driver_err)?;
+        let stream = stream.map(|s| checked_stream(&*g.driver, s)).transpose()?;
+        py.detach(move || match stream {
+            Some(s) => g.driver.memcpy_htod_on(DevicePtr(ptr), &data, s),
+            None => g.driver.memcpy_htod(DevicePtr(ptr), &data),
         })
         .map_err(driver_err)
     }
 
-    /// Reads `nbytes` from device address `ptr` (synchronous). `PoolipcError` when the driver
-    /// refuses (an address that is not device memory), `MemoryError` when no host buffer of
-    /// `nbytes` can be had.
-    fn read(&self, py: Python<'_>, ptr: u64, nbytes: usize) -> PyResult<Vec<u8>> {
+    /// Sets `nbytes` bytes at device address `ptr` to `value`, queued on `stream` (GPU work:
+    /// it returns before the bytes are set). `PoolipcError` when the driver refuses,
+    /// `ValueError` for a `stream` that is none of this process.
+    #[pyo3(signature = (ptr, nbytes, value, stream = 0))]
+    fn fill(&self, py: Python<'_>, ptr: u64, nbytes: u64, value: u8, stream: u64) -> PyResult<()> {
+        let g = Arc::clone(&self.g);
+        g.driver.use_device(g.device).map_err(driver_err)?;
+        let stream = checked_stream(&*g.driver, stream)?;
+        py.detach(move || {
+            g.driver
+                .memset_d8_async(DevicePtr(ptr), value, nbytes, stream)
+        })
+        .map_err(driver_err)
+    }
+
+    /// Reads `nbytes` from device address `ptr` and waits for it: without `stream` on the
+    /// legacy stream, with it on `stream` (after the work queued there: a job's results on
+    /// the stream the job was submitted on). `PoolipcError` when the driver refuses (an
+    /// address that is not device memory), `MemoryError` when no host buffer of `nbytes` can
+    /// be had, `ValueError` for a `stream` that is none of this process.
+    #[pyo3(signature = (ptr, nbytes, stream = None))]
+    fn read(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        nbytes: usize,
+        stream: Option<u64>,
+    ) -> PyResult<Vec<u8>> {
         let mut buf = Vec::new();
         buf.try_reserve_exact(nbytes).map_err(|e| {
             PyMemoryError::new_err(format!(
@@ -1017,9 +1064,13 @@ impl NativeParent {
         })?;
         buf.resize(nbytes, 0);
         let g = Arc::clone(&self.g);
+        g.driver.use_device(g.device).map_err(driver_err)?;
+        let stream = stream.map(|s| checked_stream(&*g.driver, s)).transpose()?;
         py.detach(move || {
-            g.driver.use_device(g.device)?;
-            g.driver.memcpy_dtoh(&mut buf, DevicePtr(ptr))?;
+            match stream {
+                Some(s) => g.driver.memcpy_dtoh_on(&mut buf, DevicePtr(ptr), s)?,
+                None => g.driver.memcpy_dtoh(&mut buf, DevicePtr(ptr))?,
+            }
             Ok(buf)
         })
         .map_err(driver_err)
@@ -1030,10 +1081,9 @@ impl NativeParent {
     #[pyo3(signature = (stream = 0))]
     fn synchronize(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         let g = Arc::clone(&self.g);
-        py.detach(move || {
-            g.driver.use_device(g.device)?;
-            g.driver.stream_synchronize(StreamHandle(stream))
-        })
-        .map_err(driver_err)
+        g.driver.use_device(g.device).map_err(driver_err)?;
+        let stream = checked_stream(&*g.driver, stream)?;
+        py.detach(move || g.driver.stream_synchronize(stream))
+            .map_err(driver_err)
     }
 }

@@ -954,3 +954,113 @@ def test_prestartup_without_the_module_is_logged_and_startup_goes_on():
         before="sys.modules['poolipc'] = None  # as if the wheel were not installed",
     )
     assert "poolipc: not enabled" in err and "pip install" in err
+
+
+# --- the storm: threads, fresh inputs made by GPU work, every byte checked ---------------------
+
+STORM_WORKER = REPO / "bench" / "storm_worker.py"
+
+
+def _storm(jobs, kill_one_in=None, threads=4):
+    """``threads`` threads, each with its own ``poolipc.Parent`` object and torch-free worker,
+    ``jobs`` jobs in all: each lends a fresh pool allocation filled by GPU work (``fill``,
+    queued on the stream the job is submitted on) just before the lend, and checks that the
+    worker's answer is the input XOR 0xA5, read on that stream. Returns the tally."""
+    import random
+
+    tally = {"ok": 0, "wrong": 0, "killed": 0, "errors": []}
+    lock = threading.Lock()
+
+    def run(t):
+        rng = random.Random(1000 + t)
+        p = poolipc.Parent(0)
+        env = {"STORM_WORKER": "bytes"}
+        w = p.spawn([sys.executable, str(STORM_WORKER)], env)
+        for _ in range(jobs // threads):
+            n = rng.randint(4096, 64 * 1024)
+            value = rng.randrange(256)
+            buf = p.alloc(n)
+            p.fill(buf.ptr, n, value)  # GPU work on stream 0, still queued when lent
+            kill = kill_one_in is not None and rng.randrange(kill_one_in) == 0
+            try:
+                h = p.submit(w, [poolipc.TensorRef(buf.ptr, "uint8", [n])])
+                if kill:
+                    time.sleep(rng.random() * 0.002)
+                    pid = p.pid(w)
+                    if pid:
+                        os.kill(pid, signal.SIGKILL)
+                (r,) = h.wait()
+                got = p.read(r.ptr, n, stream=0)
+                good = r.nbytes == n and got == bytes([value ^ 0xA5]) * n
+                with lock:
+                    if good:
+                        tally["ok"] += 1
+                    elif kill:
+                        # Killed after its DONE: the simulation drops a dead process's
+                        # queued GPU work (see tests/tests/storm.rs).
+                        tally["killed"] += 1
+                    else:
+                        tally["wrong"] += 1
+                del r
+            except poolipc.PoolipcError as e:
+                with lock:
+                    if kill:
+                        tally["killed"] += 1
+                    else:
+                        tally["errors"].append(repr(e))
+            except Exception as e:  # noqa: BLE001  (an untyped error is what the storm counts)
+                with lock:
+                    tally["errors"].append("untyped: " + repr(e))
+            del buf
+            if kill:
+                try:
+                    p.stop(w)
+                except poolipc.UnknownWorkerError:
+                    pass  # already reaped: the kill was seen first
+                w = p.spawn([sys.executable, str(STORM_WORKER)], env)
+        p.stop(w)
+
+    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return tally
+
+
+def _used():
+    gc.collect()
+    return poolipc.memory_stats()["used_current"]
+
+
+def test_a_storm_of_fresh_inputs_over_four_torch_free_workers_gets_every_byte_right(parent):
+    base = _used()
+    t = _storm(1000)
+    assert t["wrong"] == 0 and not t["errors"], t
+    assert t["ok"] == 1000, t
+    assert wait_until(lambda: _used() == base), (base, _used())
+
+
+def test_a_storm_with_random_kills_gets_every_surviving_byte_right_and_leaves_nothing(parent):
+    base = _used()
+    t = _storm(200, kill_one_in=20)
+    assert t["wrong"] == 0 and not t["errors"], t
+    assert t["ok"] + t["killed"] == 200, t
+    assert wait_until(lambda: _used() == base), (base, _used())
+
+
+def test_a_stream_that_is_none_of_this_process_is_a_value_error(parent):
+    buf = parent.alloc(64)
+    for call in (
+        lambda: parent.read(buf.ptr, 8, stream=0xDEAD0),
+        lambda: parent.write(buf.ptr, b"x", stream=0xDEAD0),
+        lambda: parent.fill(buf.ptr, 8, 1, stream=0xDEAD0),
+        lambda: parent.synchronize(0xDEAD0),
+        lambda: parent.alloc(64, stream=0xDEAD0),
+        lambda: parent.submit(0, [poolipc.TensorRef(buf.ptr, "uint8", [64])], stream=0xDEAD0),
+    ):
+        with pytest.raises(ValueError, match="not a CUDA stream of this process"):
+            call()
+    # And the parent goes on working.
+    parent.fill(buf.ptr, 8, 7)
+    assert parent.read(buf.ptr, 8, stream=0) == b"\x07" * 8

@@ -362,7 +362,7 @@ fn heartbeat() -> Vec<u8> {
 #[case::text_not_utf8(frame(MessageKind::Error, &[0, 0, 2, 0, 0xc3, 0x28]), |e: &DecodeError| matches!(e, DecodeError::InvalidUtf8 { field: "message", .. }))]
 #[case::unknown_dtype(frame(MessageKind::ResultRequest, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0xee, 0]); p.extend_from_slice(&[0; 8]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "dtype", value: 0xee, .. }))]
 #[case::unknown_rung(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 16]); p.push(9); p.extend_from_slice(&[0; 128]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { field: "rung", value: 9, .. }))]
-#[case::lend_unknown_rung(frame(MessageKind::Lend, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0; 16]); p.push(9); p.push(0); p.extend_from_slice(&[0; 128 + 2 + 16]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { kind: MessageKind::Lend, field: "rung", value: 9 }))]
+#[case::lend_unknown_rung(frame(MessageKind::Lend, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.extend_from_slice(&[0; 16]); p.push(9); p.push(0); p.extend_from_slice(&[0; 1 + 128 + 2 + 16]); p }), |e: &DecodeError| matches!(e, DecodeError::UnknownValue { kind: MessageKind::Lend, field: "rung", value: 9 }))]
 #[case::grant_cut_in_pool(frame(MessageKind::AllocationGrant, &{ let mut p = vec![0; 8]; p.extend_from_slice(&1u32.to_le_bytes()); p.push(1); p.extend_from_slice(&[0; 16]); p.push(Rung::PoolPointer as u8); p }), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::AllocationGrant, field: "pool" }))]
 #[case::extra_pool_index_zero(frame(MessageKind::ExtraPool, &[0; 17]), |e: &DecodeError| matches!(e, DecodeError::OutOfRange { kind: MessageKind::ExtraPool, field: "index", value: 0, min: 1, max: 255 }))]
 #[case::extra_pool_cut_in_device(frame(MessageKind::ExtraPool, &[1; 16]), |e: &DecodeError| matches!(e, DecodeError::PayloadTruncated { kind: MessageKind::ExtraPool, field: "device" }))]
@@ -538,8 +538,8 @@ fn an_arena_copy_tensor_carries_its_chunk_and_offset_right_after_its_ready_event
         slice: None,
     });
     let bytes = encode(&lend, FrameLimits::default()).expect("encodes");
-    // Header, job, count, handle, alloc, rung, pool, export, ready event.
-    let at = HEADER_LEN + 8 + 4 + 8 + 8 + 1 + 1 + 64 + 64;
+    // Header, job, count, handle, alloc, rung, pool, read-only, export, ready event.
+    let at = HEADER_LEN + 8 + 4 + 8 + 8 + 1 + 1 + 1 + 64 + 64;
     assert_eq!(&bytes[at..at + 4], &0x0102_0304u32.to_le_bytes());
     assert_eq!(
         &bytes[at + 4..at + 12],

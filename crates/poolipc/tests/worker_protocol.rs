@@ -284,9 +284,9 @@ fn a_lend_arriving_while_a_job_waits_for_its_grant_is_served_after_that_job_acks
 }
 
 #[test]
-fn staged_inputs_are_read_only_and_a_staged_result_follows_the_done_that_names_it() {
+fn a_read_only_staged_input_stays_and_a_staged_result_follows_the_done_that_names_it() {
     let mut s = Script::start(
-        "staged_inputs_are_read_only_and_a_staged_result_follows_the_done_that_names_it",
+        "a_read_only_staged_input_stays_and_a_staged_result_follows_the_done_that_names_it",
     );
     let config = StagingConfig {
         chunk: 4096,
@@ -307,7 +307,8 @@ fn staged_inputs_are_read_only_and_a_staged_result_follows_the_done_that_names_i
             export: ExportBlob([0; 64]),
             ready_event: EventBlob([0; 64]),
             meta: bytes_meta(bytes),
-            read_only: false,
+            // Read-only: nothing comes back (a writable one would follow the DONE first).
+            read_only: true,
             arena: None,
         },
         s.pointer(2, 2, pointer, 64),
@@ -549,7 +550,11 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
         lines[1].starts_with("refused: ") && lines[1].contains("chunk 7 is not mapped"),
         "{report}"
     );
-    assert_eq!(lines[2], "3 [true]", "an arena copy is read-only: {report}");
+    // Lent writable (the copy comes back to the caller's tensor), so the view is writable.
+    assert_eq!(
+        lines[2], "3 [false]",
+        "an arena copy lent writable: {report}"
+    );
     drop(arena);
 }
 

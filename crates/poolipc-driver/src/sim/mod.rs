@@ -2109,6 +2109,16 @@ impl Driver for SimDriver {
         Ok(())
     }
 
+    fn stream_check(&self, stream: StreamHandle) -> Result<()> {
+        // The simulation's default stream is 0; 1 and 2 (CU_STREAM_LEGACY,
+        // CU_STREAM_PER_THREAD) are not its handles (callers map them to 0).
+        if stream == StreamHandle::NULL || self.local().streams.contains_key(&stream.0) {
+            Ok(())
+        } else {
+            Err(fail("cuStreamQuery", CuCode::INVALID_HANDLE))
+        }
+    }
+
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
         self.check_context("cuStreamSynchronize")?;
         const CALL: &str = "cuStreamSynchronize";

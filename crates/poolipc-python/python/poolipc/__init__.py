@@ -797,19 +797,30 @@ class Parent:
         """
         return self._native.alloc(nbytes, stream, dtype, None if shape is None else list(shape), shared)
 
-    def write(self, ptr: int, data: bytes) -> None:
-        """Copy ``data`` to device address ``ptr`` (synchronous; for tools and tests).
-        ``PoolipcError`` when the driver refuses."""
-        self._native.write(int(ptr), bytes(data))
+    def write(self, ptr: int, data: bytes, *, stream: int | None = None) -> None:
+        """Copy ``data`` to device address ``ptr`` and wait for it: without ``stream`` on the
+        legacy stream, with it on ``stream``, after the work queued there. ``PoolipcError``
+        when the driver refuses, ``ValueError`` for a ``stream`` that is none of this
+        process."""
+        self._native.write(int(ptr), bytes(data), stream)
 
-    def read(self, ptr: int, nbytes: int) -> bytes:
-        """Copy ``nbytes`` from device address ``ptr`` (synchronous; for tools and tests).
-        ``PoolipcError`` when the driver refuses, ``MemoryError`` when no host buffer of that
-        size can be had."""
-        return bytes(self._native.read(int(ptr), int(nbytes)))
+    def fill(self, ptr: int, nbytes: int, value: int, *, stream: int = 0) -> None:
+        """Set ``nbytes`` bytes at device address ``ptr`` to ``value``, queued on ``stream``
+        (GPU work, torch-free: it returns before the bytes are set). ``PoolipcError`` when
+        the driver refuses, ``ValueError`` for a ``stream`` that is none of this process."""
+        self._native.fill(int(ptr), int(nbytes), int(value), stream)
+
+    def read(self, ptr: int, nbytes: int, *, stream: int | None = None) -> bytes:
+        """Copy ``nbytes`` from device address ``ptr`` and wait for it: without ``stream`` on
+        the legacy stream, with it on ``stream``, after the work queued there (a job's
+        results: the stream the job was submitted on). ``PoolipcError`` when the driver
+        refuses, ``MemoryError`` when no host buffer of that size can be had, ``ValueError``
+        for a ``stream`` that is none of this process."""
+        return bytes(self._native.read(int(ptr), int(nbytes), stream))
 
     def synchronize(self, stream: int = 0) -> None:
-        """Wait on the host for ``stream``'s work. ``PoolipcError`` when the driver refuses."""
+        """Wait on the host for ``stream``'s work. ``PoolipcError`` when the driver refuses,
+        ``ValueError`` for a ``stream`` that is none of this process."""
         self._native.synchronize(stream)
 
 

@@ -282,10 +282,12 @@ class NativeParent:
         shared: bool = True,
     ) -> DeviceBuffer:
         """``nbytes`` of device memory from the shared pool (or the default pool)."""
-    def write(self, ptr: int, data: bytes) -> None:
-        """Copies ``data`` to device address ``ptr``."""
-    def read(self, ptr: int, nbytes: int) -> bytes:
-        """Reads ``nbytes`` from device address ``ptr``."""
+    def write(self, ptr: int, data: bytes, stream: int | None = None) -> None:
+        """Copies ``data`` to device address ``ptr`` (on ``stream`` if given) and waits."""
+    def fill(self, ptr: int, nbytes: int, value: int, stream: int = 0) -> None:
+        """Sets ``nbytes`` bytes at ``ptr`` to ``value``, queued on ``stream``."""
+    def read(self, ptr: int, nbytes: int, stream: int | None = None) -> bytes:
+        """Reads ``nbytes`` from device address ``ptr`` (on ``stream`` if given) and waits."""
     def synchronize(self, stream: int = 0) -> None:
         """Waits for ``stream`` on the host."""
 
