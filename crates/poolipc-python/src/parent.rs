@@ -374,11 +374,26 @@ pub(crate) struct NativeJobHandle {
     keep: Mutex<Option<Py<PyAny>>>,
 }
 
+/// A copy of a stored job error to raise: the stored one is never raised itself. Raising
+/// attaches a traceback to the exception, whose frames hold the caller's locals (the handle,
+/// its results, their device memory); kept in this handle, that would be a cycle through a
+/// native object the garbage collector cannot see, and the memory would never go back.
+fn fresh_error(py: Python<'_>, e: &PyErr) -> PyErr {
+    let copied = (|| -> PyResult<PyErr> {
+        let v = e.value(py);
+        let c = py.import("copy")?.call_method1("copy", (v,))?;
+        c.setattr("__cause__", v.getattr("__cause__")?)?;
+        c.setattr("__traceback__", py.None())?;
+        Ok(PyErr::from_value(c))
+    })();
+    copied.unwrap_or_else(|_| e.clone_ref(py))
+}
+
 impl NativeJobHandle {
     fn cached(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
         lock(&self.outcome).as_ref().map(|r| match r {
             Ok(v) => Ok(v.clone_ref(py)),
-            Err(e) => Err(e.clone_ref(py)),
+            Err(e) => Err(fresh_error(py, e)),
         })
     }
 
@@ -423,9 +438,12 @@ impl NativeJobHandle {
             });
             if let Some(raw) = raw {
                 let out = self.convert(py, raw);
-                let stored = match &out {
-                    Ok(v) => Ok(v.clone_ref(py)),
-                    Err(e) => Err(e.clone_ref(py)),
+                let (stored, out) = match out {
+                    Ok(v) => (Ok(v.clone_ref(py)), Ok(v)),
+                    Err(e) => {
+                        let raised = fresh_error(py, &e);
+                        (Err(e), Err(raised))
+                    }
                 };
                 *lock(&self.outcome) = Some(stored);
                 // The job ended: the inputs are the caller's again.

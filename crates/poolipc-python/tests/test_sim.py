@@ -1029,7 +1029,8 @@ def _storm(jobs, kill_one_in=None, threads=4):
 
 
 def _used():
-    gc.collect()
+    # No gc.collect(): what the storm held must go back by reference counting alone (a
+    # failed job's stored error once kept its caller's frame, and so its buffers, alive).
     return poolipc.memory_stats()["used_current"]
 
 
