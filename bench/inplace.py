@@ -54,6 +54,28 @@ def main():
                 except poolipc.PoolipcError:
                     pass
                 w = p.spawn_python(os.path.join(HERE, "inplace_worker.py"))
+    # Host staging: memory of the device's default pool, which no worker can import (as
+    # under --disable-cuda-malloc); the torch worker writes its private copy, which comes back.
+    for read_only in (False, True):
+        n = 16 << 20
+        buf = p.alloc(n, shared=False)
+        p.fill(buf.ptr, n, 3)
+        h = p.submit(w, [poolipc.TensorRef(buf.ptr, "uint8", [n])], read_only=read_only)
+        try:
+            h.wait()
+            outcome = "completed"
+        except poolipc.PoolipcError as e:
+            outcome = f"raised {type(e).__name__}: {str(e)[:160]}"
+        got = p.read(buf.ptr, n, stream=0)
+        seen = got[0], got[-1]
+        if not read_only:
+            verdict = "OK: the parent sees the write" if seen == (4, 4) else "LOST"
+        else:
+            verdict = "not copied back (read_only; the worker's private copy, documented)" if seen == (3, 3) else f"tensor {seen}"
+        if verdict == "LOST":
+            bad += 1
+        print(f"host staging  read_only={read_only!s:5} rungs={h.input_rungs} {outcome}; first/last byte {seen}: {verdict}", flush=True)
+        del buf
     p.stop(w)
     sys.exit(1 if bad else 0)
 

@@ -51,6 +51,8 @@ fn thread_jobs(
     tally: &Tally,
 ) -> Result<()> {
     let d = p.driver();
+    // Each thread makes the device's context current for itself, as any CUDA thread must.
+    d.use_device(env.device)?;
     let stream = d.stream_create()?;
     let mut rng = seed.max(1);
     let mut worker = p.spawn_worker(worker_command(env, None)?)?;
