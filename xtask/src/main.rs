@@ -470,6 +470,21 @@ fn gpu_bundle(root: &Path) -> Result<PathBuf> {
     run(c)?;
     let release = root.join("target/release");
     copy(&release.join("poolipc"), &bundle.join("poolipc"))?;
+    // The crate docs' parent-and-worker example, run on the GPU as a user would run it.
+    let mut c = cargo();
+    c.args([
+        "build",
+        "--release",
+        "-p",
+        "poolipc",
+        "--example",
+        "handoff",
+    ]);
+    run(c)?;
+    copy(
+        &release.join("examples/handoff"),
+        &bundle.join("example-handoff"),
+    )?;
     copy(
         &release.join("poolipc-test-child"),
         &bundle.join("tests/poolipc-test-child"),
@@ -640,6 +655,12 @@ cat "$out/doctor.log" >> "$summary"
 echo "--- poolipc demo" >> "$summary"
 "$here/poolipc" demo > "$out/demo.log" 2>&1; echo "demo exit: $?" >> "$summary"
 grep -v ' INFO ' "$out/demo.log" >> "$summary"
+if [ -x "$here/example-handoff" ]; then
+  echo "--- examples/handoff.rs (POOLIPC_DRIVER=auto)" >> "$summary"
+  POOLIPC_DRIVER=auto "$here/example-handoff" > "$out/example.log" 2>&1; r=$?; echo "example exit: $r" >> "$summary"
+  grep -v ' INFO ' "$out/example.log" >> "$summary"
+  [ "$r" -eq 0 ] || echo "0 1" >> "$out/counts"
+fi
 fi
 if ! want mps; then :
 elif command -v nvidia-cuda-mps-control >/dev/null; then

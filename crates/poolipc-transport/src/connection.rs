@@ -299,6 +299,14 @@ impl Connection {
         self.limits
     }
 
+    /// Shuts both directions of the socket down: the peer reads end-of-stream at once, as
+    /// if this process had exited, while the descriptor stays open. For a side that can no
+    /// longer keep its word on this connection (a worker whose GPU context is lost).
+    pub fn hang_up(&self) {
+        // A socket already shut down or reset answers with an error: nothing more to do.
+        let _ = nix::sys::socket::shutdown(self.sock.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+    }
+
     /// The socket. Bytes already read from it and not yet returned as a frame (see
     /// [`Connection::buffered`]) are lost with the connection: to read on after the
     /// frames, take them with [`Connection::into_parts`].

@@ -828,7 +828,15 @@ impl Worker {
             WorkerAction::RecordDone { job } => {
                 failpoint("before-done");
                 tracing::trace!(job = job.0, "recording DONE");
-                self.driver.event_record(self.done.handle(), stream)?;
+                if let Err(e) = self.driver.event_record(self.done.handle(), stream) {
+                    // Without DONE the parent can never be ordered after this job's work:
+                    // the context is most likely lost (a GPU fault, a write into read-only
+                    // memory). Hang up so the parent fails the job now, as a lost worker's,
+                    // rather than at its deadline.
+                    tracing::error!(job = job.0, error = %e, "DONE cannot be recorded: hanging up");
+                    self.conn.hang_up();
+                    return Err(e.into());
+                }
             }
             WorkerAction::Send(message) => {
                 // DONE and the ACK right behind it (nothing staged between) go in one write:
