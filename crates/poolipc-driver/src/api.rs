@@ -142,6 +142,8 @@ pub trait Driver: Send + Sync {
     /// answers for (`cuStreamQuery`). An error names what is wrong, before the handle reaches
     /// any other call.
     fn stream_check(&self, stream: StreamHandle) -> Result<()>;
+    /// `cuCtxSynchronize`: waits for all work of this process's context, on every stream.
+    fn ctx_synchronize(&self) -> Result<()>;
 
     // --- memset and copies -------------------------------------------------------------
 

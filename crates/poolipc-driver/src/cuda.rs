@@ -889,6 +889,11 @@ impl Driver for CudaDriver {
         })
     }
 
+    fn ctx_synchronize(&self) -> Result<()> {
+        // SAFETY: plain call on the current context.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
     fn stream_check(&self, stream: StreamHandle) -> Result<()> {
         const CALL: &str = "cuStreamQuery";
         if stream.0 <= 2 {

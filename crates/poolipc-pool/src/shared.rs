@@ -341,6 +341,21 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         Ok(PoolStats::read(&*self.driver, self.pool)?)
     }
 
+    /// Gives the pool's unused memory back to the device, as `torch.cuda.empty_cache()` does
+    /// for torch's own pool: waits for all of this process's GPU work (so that frees queued on
+    /// any stream have run), then `cuMemPoolTrimTo(pool, 0)`. Returns the bytes the pool
+    /// held before and after. What it costs: the synchronize, and the next allocations map
+    /// memory again instead of reusing the pool's.
+    pub fn trim(&self) -> Result<(u64, u64), PoolError> {
+        self.driver.use_device(self.device)?;
+        self.driver.ctx_synchronize()?;
+        let before = PoolStats::read(&*self.driver, self.pool)?.reserved_current;
+        self.driver.mem_pool_trim_to(self.pool, 0)?;
+        let after = PoolStats::read(&*self.driver, self.pool)?.reserved_current;
+        tracing::debug!(before, after, "poolipc: pool trimmed");
+        Ok((before, after))
+    }
+
     /// Put the default pool back and destroy ours. Refused while bytes are in use.
     pub fn uninstall(self) -> Result<(), PoolError> {
         let used = self

@@ -127,6 +127,24 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// Gives the shared pool's unused memory back to the device (what `torch.cuda.empty_cache()`
+/// does for torch's own pool, and with the pool installed, `torch.cuda.empty_cache()` calls
+/// this too): waits for all of this process's GPU work, then trims the pool to nothing.
+/// Returns the bytes given back. `PoolipcError` when the driver refuses.
+#[pyfunction]
+pub(crate) fn empty_cache(py: Python<'_>) -> PyResult<u64> {
+    let g = installed()?;
+    py.detach(move || {
+        g.driver.use_device(g.device)?;
+        g.driver.ctx_synchronize()?;
+        let before = PoolStats::read(&*g.driver, g.pool)?.reserved_current;
+        g.driver.mem_pool_trim_to(g.pool, 0)?;
+        let after = PoolStats::read(&*g.driver, g.pool)?.reserved_current;
+        Ok(before.saturating_sub(after))
+    })
+    .map_err(driver_err)
+}
+
 /// Device memory, freed (stream-ordered on the legacy stream) when the object dies or
 /// [`free`](DeviceBuffer::free) is called. What `Parent.run` returns as results when no
 /// allocator is given, and what `Parent.alloc` gives; mostly for tests and tools without torch.

@@ -1065,3 +1065,33 @@ def test_a_stream_that_is_none_of_this_process_is_a_value_error(parent):
     # And the parent goes on working.
     parent.fill(buf.ptr, 8, 7)
     assert parent.read(buf.ptr, 8, stream=0) == b"\x07" * 8
+
+
+# --- VRAM goes back: empty_cache trims the pool ---------------------------------------------
+
+
+def test_empty_cache_gives_the_pools_unused_memory_back(parent):
+    big = parent.alloc(256 << 20)
+    parent.fill(big.ptr, 256 << 20, 1)
+    held = poolipc.memory_stats()
+    assert held["reserved_current"] >= 256 << 20
+    del big  # freed stream-ordered: the pool keeps the memory (its release threshold)
+    assert poolipc.memory_stats()["reserved_current"] >= 256 << 20
+    released = poolipc.empty_cache()
+    after = poolipc.memory_stats()
+    assert released >= 256 << 20, (released, held, after)
+    # What is left is what live allocations use (rounded to the pool's granule).
+    assert after["reserved_current"] - after["used_current"] < 256 << 20, after
+
+
+def test_torch_empty_cache_also_trims_the_pool_once_patched(parent):
+    calls = []
+    fake_cuda = types.SimpleNamespace(empty_cache=lambda: calls.append("torch"))
+    poolipc._patch_torch_empty_cache(fake_cuda)
+    poolipc._patch_torch_empty_cache(fake_cuda)  # once only
+    buf = parent.alloc(64 << 20)
+    del buf
+    before = poolipc.memory_stats()["reserved_current"]
+    fake_cuda.empty_cache()
+    assert calls == ["torch"]
+    assert poolipc.memory_stats()["reserved_current"] <= before - (64 << 20)

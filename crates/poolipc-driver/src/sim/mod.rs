@@ -2109,6 +2109,32 @@ impl Driver for SimDriver {
         Ok(())
     }
 
+    fn ctx_synchronize(&self) -> Result<()> {
+        self.check_context("cuCtxSynchronize")?;
+        // Every stream this process issued to, up to its last operation.
+        let lasts: Vec<(usize, u64)> = {
+            let l = self.local();
+            let mut slots: Vec<usize> = l.streams.values().copied().collect();
+            slots.extend(l.null_stream);
+            self.machine
+                .with(|st| slots.iter().map(|&s| (s, st.streams[s].clock[s])).collect())
+        };
+        for &(s, last) in &lasts {
+            self.engine.wait_executed(s, last);
+        }
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            for &(s, _) in &lasts {
+                let clock = st.streams[s].clock;
+                merge(&mut l.host_clock, &clock);
+                merge(&mut st.observed, &clock);
+            }
+            self.release_at_sync(l, st);
+        });
+        Ok(())
+    }
+
     fn stream_check(&self, stream: StreamHandle) -> Result<()> {
         // The simulation's default stream is 0; 1 and 2 (CU_STREAM_LEGACY,
         // CU_STREAM_PER_THREAD) are not its handles (callers map them to 0).

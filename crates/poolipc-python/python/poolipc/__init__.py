@@ -68,6 +68,7 @@ from ._native import (
     memory_stats,
     mps_status,
 )
+from ._native import empty_cache as _native_empty_cache
 from ._types import (
     ArenaStats,
     InputSpec,
@@ -82,6 +83,7 @@ __all__ = [
     "__version__",
     "install_pool",
     "memory_stats",
+    "empty_cache",
     "Parent",
     "JobHandle",
     "Worker",
@@ -284,7 +286,70 @@ def install_pool(
             "cannot go by pool pointer (they take the copy rung)",
             logging.WARNING,
         )
+    _hook_torch_empty_cache()
     return info
+
+
+def empty_cache() -> int:
+    """Give the shared pool's unused memory back to the device: what
+    ``torch.cuda.empty_cache()`` does for torch's own pool. Waits for all of this process's
+    GPU work (so that frees queued on any stream have run), then trims the pool to nothing.
+    Returns the bytes given back. With the pool installed, ``torch.cuda.empty_cache()`` calls
+    it too (after torch's own). Costs the synchronize, and the next allocations map memory
+    again rather than reuse the pool's. ``PoolipcError`` before ``install_pool`` or when the
+    driver refuses."""
+    return int(_native_empty_cache())
+
+
+def _patch_torch_empty_cache(cuda: Any) -> None:
+    """Make ``torch.cuda.empty_cache()`` trim poolipc's pool too (once)."""
+    original = getattr(cuda, "empty_cache", None)
+    if original is None or getattr(original, "_poolipc", False):
+        return
+
+    def empty_cache_and_pool() -> None:
+        original()
+        if _native.is_installed():
+            _native_empty_cache()
+
+    empty_cache_and_pool._poolipc = True  # type: ignore[attr-defined]
+    empty_cache_and_pool.__doc__ = original.__doc__
+    cuda.empty_cache = empty_cache_and_pool
+
+
+class _TorchCudaHook:
+    """A meta-path finder that patches ``torch.cuda.empty_cache`` once ``torch.cuda`` has
+    loaded: the pool is installed before torch is imported, so torch is not there yet."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "torch.cuda":
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            _patch_torch_empty_cache(module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def _hook_torch_empty_cache() -> None:
+    if os.environ.get("POOLIPC_TORCH_EMPTY_CACHE", "1") == "0":
+        return
+    cuda = sys.modules.get("torch.cuda")
+    if cuda is not None:
+        _patch_torch_empty_cache(cuda)
+    elif not any(isinstance(f, _TorchCudaHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _TorchCudaHook())
 
 
 class TensorRef:

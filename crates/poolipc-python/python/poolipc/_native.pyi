@@ -115,6 +115,9 @@ def _install(
 def is_installed() -> bool:
     """Whether a pool is installed in this process."""
 
+def empty_cache() -> int:
+    """Trims the shared pool after a context synchronize; the bytes given back."""
+
 def memory_stats() -> MemoryStats:
     """The shared pool's true figures; ``PoolipcError`` when no pool is installed."""
 
