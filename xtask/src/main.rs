@@ -361,11 +361,49 @@ fn ci() -> Result<()> {
 /// `target/package`), which is how path-and-version dependencies between unpublished crates
 /// can be checked at all: `cargo publish --dry-run -p poolipc` alone looks for
 /// `poolipc-types` on crates.io. `--allow-dirty`: a dry run of a working tree.
+///
+/// Cargo unpacks each package of that local registry into `$CARGO_HOME/registry/src/<hash>/`
+/// and reuses an unpacked `name-version` on the next run: with the version unchanged, a second
+/// dry run would build against the first run's sources (a trait method added since is then
+/// "not found"). So the unpacked copies of this workspace's packages go first.
 fn publish_dry_run() -> Result<()> {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
+    if let Some(src) = home.map(|h| h.join("registry/src"))
+        && let Ok(registries) = std::fs::read_dir(&src)
+    {
+        for reg in registries.flatten() {
+            for pkg in std::fs::read_dir(reg.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let name = pkg.file_name().to_string_lossy().into_owned();
+                let ours = name.starts_with("poolipc-0.")
+                    || WORKSPACE_PACKAGES
+                        .iter()
+                        .any(|p| name.starts_with(&format!("{p}-")));
+                if ours {
+                    let _ = std::fs::remove_dir_all(pkg.path());
+                }
+            }
+        }
+    }
     let mut c = cargo();
     c.args(["publish", "--dry-run", "--workspace", "--allow-dirty"]);
     run(c)
 }
+
+/// The workspace's publishable packages (their unpacked dry-run copies are removed first).
+const WORKSPACE_PACKAGES: &[&str] = &[
+    "poolipc-types",
+    "poolipc-driver",
+    "poolipc-pool",
+    "poolipc-contract",
+    "poolipc-transport",
+    "poolipc-cli",
+];
 
 /// The tests whose output in nextest's JUnit report says `NOT RUN`, with the line that says
 /// why: `binary::test` and the reason, in the report's order.
