@@ -363,9 +363,10 @@ fn ci() -> Result<()> {
 /// `poolipc-types` on crates.io. `--allow-dirty`: a dry run of a working tree.
 ///
 /// Cargo unpacks each package of that local registry into `$CARGO_HOME/registry/src/<hash>/`
-/// and reuses an unpacked `name-version` on the next run: with the version unchanged, a second
-/// dry run would build against the first run's sources (a trait method added since is then
-/// "not found"). So the unpacked copies of this workspace's packages go first.
+/// and reuses an unpacked `name-version` on the next run, and it keeps registry builds: with
+/// the version unchanged, a second dry run would build against the first run's sources (a
+/// trait method added since is then "not found"). So the unpacked copies and the builds of
+/// this workspace's packages go first.
 fn publish_dry_run() -> Result<()> {
     let home = std::env::var_os("CARGO_HOME")
         .map(PathBuf::from)
@@ -390,8 +391,36 @@ fn publish_dry_run() -> Result<()> {
             }
         }
     }
+    // Cargo takes registry packages as immutable: a build of `poolipc-driver 0.1.0` from the
+    // last dry run counts as up to date whatever the package holds now. The dry run builds in
+    // a target directory of its own, and this workspace's packages are rebuilt there every
+    // time (their fingerprints and outputs go; third-party builds stay).
+    let check = root()?.join("target/publish-check");
+    for profile in ["debug", "release"] {
+        for sub in [".fingerprint", "deps", "build"] {
+            let dir = check.join(profile).join(sub);
+            for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with("poolipc") || name.starts_with("libpoolipc") {
+                    let path = e.path();
+                    let _ = if path.is_dir() {
+                        std::fs::remove_dir_all(&path)
+                    } else {
+                        std::fs::remove_file(&path)
+                    };
+                }
+            }
+        }
+    }
     let mut c = cargo();
-    c.args(["publish", "--dry-run", "--workspace", "--allow-dirty"]);
+    c.args([
+        "publish",
+        "--dry-run",
+        "--workspace",
+        "--allow-dirty",
+        "--target-dir",
+    ]);
+    c.arg(&check);
     run(c)
 }
 
