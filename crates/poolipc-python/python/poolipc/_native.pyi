@@ -22,6 +22,7 @@ from ._types import (
 __all__ = [
     "_install",
     "is_installed",
+    "empty_cache",
     "memory_stats",
     "NativeParent",
     "DeviceBuffer",
