@@ -2086,20 +2086,15 @@ impl Loop {
             self.announce_chunks(None);
         }
         let result = match outcome {
-            JobOutcome::Completed if st.done_failed.is_some() => {
-                let why = st.done_failed.take().unwrap_or_default();
-                let results = self.give_back_results(&mut st);
-                Err(Error::JobFailed {
-                    worker,
-                    reason: FailReason::ProtocolViolation,
-                    detail: why,
-                    results,
-                })
-            }
-            JobOutcome::Completed if st.slice_error.is_some() || st.copy_back_error.is_some() => {
+            JobOutcome::Completed
+                if st.done_failed.is_some()
+                    || st.slice_error.is_some()
+                    || st.copy_back_error.is_some() =>
+            {
                 let why = st
-                    .slice_error
+                    .done_failed
                     .take()
+                    .or_else(|| st.slice_error.take())
                     .or_else(|| st.copy_back_error.take())
                     .unwrap_or_default();
                 let results = self.give_back_results(&mut st);

@@ -1153,31 +1153,33 @@ impl SimDriver {
         Ok(())
     }
 
-    /// Device to host on `stream` into the host bytes at `dst` (`len` of them): queued, and,
-    /// for a registered shared host range, checked as a write of those host bytes. Returns
-    /// the stream slot and the operation's sequence number.
-    fn copy_out(
+    /// A copy between device memory at `dev` and the host bytes `host` on `stream`, device
+    /// to host when `to_host`: queued, and, for a registered shared host range, checked as an
+    /// access of those host bytes too (written by a copy out, read by a copy in). Returns the
+    /// stream slot and the operation's sequence number.
+    fn host_copy(
         &self,
         call: &'static str,
-        dst: HostBuf,
-        src: DevicePtr,
+        dev: DevicePtr,
+        host: HostBuf,
+        to_host: bool,
         stream: StreamHandle,
     ) -> Result<(usize, u64)> {
         let mut l = self.local();
         let l = &mut *l;
-        let host = match &dst {
+        let shared = match &host {
             HostBuf::Raw(p, n) => Self::host_range(l, *p, *n),
             HostBuf::Owned(_) => None,
         };
-        let len = dst.len() as u64;
+        let len = host.len() as u64;
         let (s, seq, place, mem) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
-            let (place, mem) = self.touch(l, st, call, src, len, false)?;
+            let (place, mem) = self.touch(l, st, call, dev, len, !to_host)?;
             Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
             let seq = st.tick(s);
-            self.access(st, call, s, seq, &mem, false);
-            if let Some(h) = host {
-                self.access(st, call, s, seq, &h, true);
+            self.access(st, call, s, seq, &mem, !to_host);
+            if let Some(h) = shared {
+                self.access(st, call, s, seq, &h, to_host);
             }
             Ok((s, seq, place, mem))
         })?;
@@ -1189,48 +1191,11 @@ impl SimDriver {
                 let Some((map, off)) = Self::at_run(l, st, call, pid, &place, &mem) else {
                     return;
                 };
-                dst.fill_from(map, off);
-            })),
-        );
-        Ok((s, seq))
-    }
-
-    /// Host to device on `stream` from `src`: queued, and, for a registered shared host
-    /// range, checked as a read of those host bytes.
-    fn copy_in(
-        &self,
-        call: &'static str,
-        dst: DevicePtr,
-        src: HostBuf,
-        stream: StreamHandle,
-    ) -> Result<(usize, u64)> {
-        let mut l = self.local();
-        let l = &mut *l;
-        let host = match &src {
-            HostBuf::Raw(p, n) => Self::host_range(l, *p, *n),
-            HostBuf::Owned(_) => None,
-        };
-        let len = src.len() as u64;
-        let (s, seq, place, mem) = self.machine.with(|st| {
-            let s = self.stream_slot(l, st, call, stream)?;
-            let (place, mem) = self.touch(l, st, call, dst, len, true)?;
-            Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
-            let seq = st.tick(s);
-            if let Some(h) = host {
-                self.access(st, call, s, seq, &h, false);
-            }
-            self.access(st, call, s, seq, &mem, true);
-            Ok((s, seq, place, mem))
-        })?;
-        let pid = self.pid;
-        self.issue(
-            s,
-            seq,
-            Step::Run(Box::new(move |l: &mut Local, st: &mut State| {
-                let Some((map, off)) = Self::at_run(l, st, call, pid, &place, &mem) else {
-                    return;
-                };
-                src.store_into(map, off);
+                if to_host {
+                    host.fill_from(map, off);
+                } else {
+                    host.store_into(map, off);
+                }
             })),
         );
         Ok((s, seq))
@@ -2242,10 +2207,11 @@ impl Driver for SimDriver {
             return Ok(());
         }
         let buf = Arc::new(Mutex::new(vec![0u8; dst.len()]));
-        let (s, seq) = self.copy_out(
+        let (s, seq) = self.host_copy(
             "cuMemcpyDtoH",
-            HostBuf::Owned(Arc::clone(&buf)),
             src,
+            HostBuf::Owned(Arc::clone(&buf)),
+            true,
             StreamHandle::NULL,
         )?;
         self.sync_on_legacy(s, seq);
@@ -2262,7 +2228,7 @@ impl Driver for SimDriver {
             return Ok(());
         }
         let buf = HostBuf::Owned(Arc::new(Mutex::new(src.to_vec())));
-        let (s, seq) = self.copy_in("cuMemcpyHtoD", dst, buf, StreamHandle::NULL)?;
+        let (s, seq) = self.host_copy("cuMemcpyHtoD", dst, buf, false, StreamHandle::NULL)?;
         self.sync_on_legacy(s, seq);
         Ok(())
     }
@@ -2336,7 +2302,7 @@ impl Driver for SimDriver {
         }
         // The caller promises `dst` is valid for `bytes` writes and untouched by anything
         // else until the copy completed: the engine writes it when the copy runs.
-        self.copy_out(CALL, HostBuf::Raw(dst as usize, n), src, stream)
+        self.host_copy(CALL, src, HostBuf::Raw(dst as usize, n), true, stream)
             .map(drop)
     }
 
@@ -2357,7 +2323,7 @@ impl Driver for SimDriver {
         }
         // The caller promises `src` is valid for `bytes` reads and not written until the copy
         // completed: the engine reads it when the copy runs.
-        self.copy_in(CALL, dst, HostBuf::Raw(src as usize, n), stream)
+        self.host_copy(CALL, dst, HostBuf::Raw(src as usize, n), false, stream)
             .map(drop)
     }
 
