@@ -56,6 +56,9 @@ def main():
     print(f"a 4 GiB tensor lent by pool pointer, freed, empty_cache: {back2:.2f} GiB free; {start - back2:.3f} GiB short (the worker still runs)")
     ok = ok and start - back2 < 0.25  # the worker's own context, allocations of the canary
     p.stop(w)
+    torch.cuda.empty_cache()
+    back3 = free_gib()
+    print(f"the worker stopped, empty_cache: {back3:.2f} GiB free; {start - back3:.3f} GiB short")
 
     # Another process takes what was given back.
     want = int((free_gib() - 4) * GIB)
