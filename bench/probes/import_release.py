@@ -45,6 +45,7 @@ def child():
     say("ready")
     blob = bytes.fromhex(sys.stdin.readline().strip())
     pool, _ = cu.import_pool_fd(fd, dev)
+    os.close(fd)  # as a poolipc worker does once the pool is imported
     ptr = cu.import_ptr(pool, blob)
     v = cu.read_u32(ptr)[0]
     say(f"imported {v:#x}")

@@ -62,9 +62,9 @@ mod tests;
 pub use error::ContractError;
 pub use invariant::{Invariant, Violation};
 pub use message::{
-    Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
-    DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice, LentTensor,
-    MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
+    Ack, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities, CarvedResult,
+    Chunk, DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice,
+    LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
     ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
 pub use parent::{

@@ -374,6 +374,20 @@ pub struct ArenaChunk {
     pub len: u64,
 }
 
+/// Parent → worker: chunk `index` of the result arena was given back to the device (protocol
+/// 8). No block in it is lent or granted, and its index is never used again. The worker
+/// unmaps the chunk (and its read-only alias) and answers [`Message::ArenaReleased`] with the
+/// same index, also for a chunk it never mapped; the memory goes back to the device once
+/// every worker that mapped it did.
+///
+/// A worker that does not answer only keeps that chunk's memory from the device: the parent
+/// never names the index again either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArenaRelease {
+    /// The chunk's index.
+    pub index: u32,
+}
+
 /// A numeric reason on the wire. Unknown codes decode fine (a newer peer may send one); the
 /// names below are the ones this version knows.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -510,6 +524,10 @@ pub enum Message {
     /// Parent → worker, with exactly one FD (the chunk's): a chunk of the result arena. See
     /// [`ArenaChunk`].
     ArenaChunk(ArenaChunk),
+    /// Parent → worker: an arena chunk was released; unmap it. See [`ArenaRelease`].
+    ArenaRelease(ArenaRelease),
+    /// Worker → parent: the chunk of that [`ArenaRelease`] is unmapped here (or never was).
+    ArenaReleased(ArenaRelease),
 }
 
 /// The kind of a [`Message`], with its wire tag.
@@ -536,11 +554,13 @@ pub enum MessageKind {
     ExtraPoolReply = 17,
     JobError = 18,
     ArenaChunk = 19,
+    ArenaRelease = 20,
+    ArenaReleased = 21,
 }
 
 impl MessageKind {
     /// Every kind, in tag order.
-    pub const ALL: [MessageKind; 19] = [
+    pub const ALL: [MessageKind; 21] = [
         MessageKind::Hello,
         MessageKind::HelloAck,
         MessageKind::Refuse,
@@ -560,6 +580,8 @@ impl MessageKind {
         MessageKind::ExtraPoolReply,
         MessageKind::JobError,
         MessageKind::ArenaChunk,
+        MessageKind::ArenaRelease,
+        MessageKind::ArenaReleased,
     ];
 
     /// The kind with this wire tag.
@@ -612,6 +634,8 @@ impl Message {
             Message::ExtraPoolReply(_) => MessageKind::ExtraPoolReply,
             Message::JobError { .. } => MessageKind::JobError,
             Message::ArenaChunk(_) => MessageKind::ArenaChunk,
+            Message::ArenaRelease(_) => MessageKind::ArenaRelease,
+            Message::ArenaReleased(_) => MessageKind::ArenaReleased,
         }
     }
 

@@ -127,22 +127,21 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
-/// Gives the shared pool's unused memory back to the device (what `torch.cuda.empty_cache()`
-/// does for torch's own pool, and with the pool installed, `torch.cuda.empty_cache()` calls
-/// this too): waits for all of this process's GPU work, then trims the pool to nothing.
-/// Returns the bytes given back. `PoolipcError` when the driver refuses.
+/// Gives memory the process parent does not use back to the device (what
+/// `torch.cuda.empty_cache()` does for torch's own pool, and with the pool installed,
+/// `torch.cuda.empty_cache()` calls this too): the result arena's chunks with nothing in them
+/// (each worker unmaps them; a busy worker's share follows when it answers), then the shared
+/// pool, trimmed after waiting for all of this process's GPU work. Returns the bytes given
+/// back. `PoolipcError` when the driver refuses.
 #[pyfunction]
 pub(crate) fn empty_cache(py: Python<'_>) -> PyResult<u64> {
     let g = installed()?;
     py.detach(move || {
-        g.driver.use_device(g.device)?;
-        g.driver.ctx_synchronize()?;
-        let before = PoolStats::read(&*g.driver, g.pool)?.reserved_current;
-        g.driver.mem_pool_trim_to(g.pool, 0)?;
-        let after = PoolStats::read(&*g.driver, g.pool)?.reserved_current;
-        Ok(before.saturating_sub(after))
+        g.use_device()?;
+        let out = g.parent.empty_cache()?;
+        Ok::<_, poolipc::Error>(out.arena_bytes + out.pool_bytes)
     })
-    .map_err(driver_err)
+    .map_err(|e| to_py_for(py, e, None))
 }
 
 /// Device memory, freed (stream-ordered on the legacy stream) when the object dies or
@@ -907,8 +906,10 @@ impl NativeParent {
     /// completed: `enabled` (the process parent has `results="arena"`), `created` (the arena
     /// exists: it is made at the first result, or input copy, that goes to it), `capacity`,
     /// `used` and `largest_free` in bytes, `live_blocks` (blocks out, including those given
-    /// back whose event has not completed), `pending_frees`, `chunks`, `max_bytes` (None: no
-    /// cap), and `results_out`: arena results handed to Python whose block has not gone back
+    /// back whose event has not completed), `pending_frees`, `chunks`, `max_bytes` (the cap:
+    /// half the device unless `arena_max_bytes` says otherwise), `released_chunks` and
+    /// `released_bytes` (chunks given back to the device: idle for 10 s, or by
+    /// `empty_cache`), and `results_out`: arena results handed to Python whose block has not gone back
     /// (the objects and the DLPack tensors made from them; it never goes below 0 unless a
     /// block went back twice). `PoolipcError` when the driver cannot be reached.
     fn arena_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -935,6 +936,8 @@ impl NativeParent {
         d.set_item("pending_frees", stats.map_or(0, |s| s.pending_frees))?;
         d.set_item("chunks", a.chunks)?;
         d.set_item("max_bytes", arena.and_then(|x| x.max_bytes()))?;
+        d.set_item("released_chunks", stats.map_or(0, |s| s.released_chunks))?;
+        d.set_item("released_bytes", stats.map_or(0, |s| s.released_bytes))?;
         d.set_item("results_out", crate::arena::results_out())?;
         Ok(d)
     }

@@ -44,6 +44,7 @@
 //! - `ExtraPoolReply`: index u8, reachable u8 (0 false, 1 true; anything else is an error),
 //!   reason text.
 //! - `ArenaChunk`: index u32, len u64 (non-zero; and one FD beside the frame).
+//! - `ArenaRelease`, `ArenaReleased`: index u32.
 //!
 //! A payload must be consumed exactly: trailing bytes are an error.
 //!
@@ -54,9 +55,9 @@
 //! decoder allocate more than a small multiple of `n`, and `n` is capped by [`FrameLimits`].
 
 use crate::message::{
-    Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
-    DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice, LentTensor,
-    MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
+    Ack, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities, CarvedResult,
+    Chunk, DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice,
+    LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
     ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
 use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
@@ -70,7 +71,8 @@ use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId
 /// results carved out of it).
 /// 7: a `Lend` tensor says whether it is read-only; a writable host-staged input's bytes
 /// come back after the worker's `Done`, like a staged result's.
-pub const PROTOCOL_VERSION: u8 = 7;
+/// 8: arena chunks are given back (`ArenaRelease`, answered by `ArenaReleased`).
+pub const PROTOCOL_VERSION: u8 = 8;
 
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
@@ -661,6 +663,7 @@ impl Writer<'_> {
                 self.u32(c.index);
                 self.u64(c.len);
             }
+            Message::ArenaRelease(r) | Message::ArenaReleased(r) => self.u32(r.index),
         }
         Ok(())
     }
@@ -1078,6 +1081,12 @@ impl Reader<'_> {
                 }
                 Message::ArenaChunk(ArenaChunk { index, len })
             }
+            MessageKind::ArenaRelease => Message::ArenaRelease(ArenaRelease {
+                index: self.u32("index")?,
+            }),
+            MessageKind::ArenaReleased => Message::ArenaReleased(ArenaRelease {
+                index: self.u32("index")?,
+            }),
             MessageKind::ExtraPoolReply => Message::ExtraPoolReply(ExtraPoolReply {
                 index: self.u8("index")?,
                 reachable: self.bool("reachable")?,

@@ -60,9 +60,9 @@ pub use listener::{
     PeerCred, PrivateListener, check_peer_uid, connect_private, ensure_private_dir,
 };
 pub use message::{
-    Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
-    DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice, LentTensor,
-    MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
+    Ack, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities, CarvedResult,
+    Chunk, DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice,
+    LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
     ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
 };
 pub use poolipc_types::AllocId;

@@ -4,11 +4,12 @@ mod common;
 
 use poolipc_transport::codec::{HEADER_LEN, decode, encode};
 use poolipc_transport::{
-    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
-    DType, DecodeError, DeviceEntry, DeviceUuid, Done, EncodeError, ErrorCode, EventBlob,
-    ExportBlob, ExtraPool, ExtraPoolReply, FrameLimits, HandoffId, Identity, JobId, Lend,
-    LentSlice, LentTensor, MAX_BATCH, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message, MessageKind,
-    PROTOCOL_VERSION, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities,
+    CarvedResult, Chunk, DType, DecodeError, DeviceEntry, DeviceUuid, Done, EncodeError, ErrorCode,
+    EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, FrameLimits, HandoffId, Identity, JobId,
+    Lend, LentSlice, LentTensor, MAX_BATCH, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message,
+    MessageKind, PROTOCOL_VERSION, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer,
+    TensorMeta,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -286,6 +287,8 @@ fn message() -> impl Strategy<Value = Message> {
         }),
         (any::<u32>(), 1u64..)
             .prop_map(|(index, len)| Message::ArenaChunk(ArenaChunk { index, len })),
+        any::<u32>().prop_map(|index| Message::ArenaRelease(ArenaRelease { index })),
+        any::<u32>().prop_map(|index| Message::ArenaReleased(ArenaRelease { index })),
     ]
 }
 

@@ -8,7 +8,7 @@
 //! it, the contract releases its loans and fails its jobs, and nothing of it touches another
 //! worker.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io::Read as _;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
@@ -25,7 +25,9 @@ use poolipc_contract::{
 };
 use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
 use poolipc_pool::Arena;
-use poolipc_transport::{ArenaChunk, Capabilities, Connection, ErrorCode, TransportError};
+use poolipc_transport::{
+    ArenaChunk, ArenaRelease, Capabilities, Connection, ErrorCode, TransportError,
+};
 use poolipc_types::ARENA_ALIGN as ALIGN;
 use poolipc_types::{
     AllocId, EventBlob, ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId,
@@ -33,8 +35,8 @@ use poolipc_types::{
 
 use crate::error::Error;
 use crate::parent::{
-    ArenaLease, Completion, Input, JobOutput, ResultAllocator, ResultMemory, ResultTensor, Shared,
-    Stats, lock,
+    ArenaLease, Completion, EmptyCache, Input, JobOutput, ResultAllocator, ResultMemory,
+    ResultTensor, Shared, Stats, lock,
 };
 use crate::staging::StagingChannel;
 use crate::tensor::ResultShape;
@@ -55,9 +57,24 @@ pub(crate) enum Command {
         worker: WorkerId,
         reply: Sender<Result<Option<ExitStatus>, Error>>,
     },
+    /// `Parent::empty_cache`: give every idle arena chunk back, tell the workers that mapped
+    /// them, reply once they answered (or after `EMPTY_CACHE_WAIT`).
+    ReleaseArena { reply: Sender<EmptyCache> },
     /// The parent is dropped: stop every worker, fail every job, end the thread.
     Shutdown,
 }
+
+/// An `empty_cache` waiting for workers to unmap the chunks it released.
+struct ReleaseWaiter {
+    reply: Sender<EmptyCache>,
+    report: EmptyCache,
+    /// (worker, chunk) answers still awaited.
+    awaited: HashSet<(WorkerId, u32)>,
+    deadline: Instant,
+}
+
+/// How often the IO thread looks for arena chunks idle long enough to give back.
+const IDLE_RELEASE_CHECK: Duration = Duration::from_secs(1);
 
 /// A job as submitted.
 pub(crate) struct Submission {
@@ -128,7 +145,8 @@ struct Slot {
     ///
     /// [`ParentOptions::arena_copy`]: crate::ParentOptions::arena_copy
     maps_arena: bool,
-    /// How many of the arena's chunks (by index, from 0) were sent to it.
+    /// One past the highest arena chunk index sent to it: every chunk below was sent (or
+    /// released before it could be).
     arena_chunks_sent: u32,
     /// Set when the worker is being stopped: when to kill it if it has not exited.
     exit_deadline: Option<Instant>,
@@ -216,6 +234,11 @@ struct Loop {
     /// loop keeps spinning for `options.spin` after it (`options.spin_in_flight` while jobs
     /// are in flight), so that the next frame or submit finds it awake.
     last_activity: Instant,
+    /// `ArenaReleased` answers awaited, by (worker, chunk).
+    release_acks: HashSet<(WorkerId, u32)>,
+    release_waiters: Vec<ReleaseWaiter>,
+    /// When the loop last looked for idle arena chunks.
+    last_idle_check: Instant,
 }
 
 /// Under MPS, how long a failed job's context check keeps asking whether the failure ended
@@ -265,6 +288,9 @@ impl Loop {
             shutting_down: false,
             suspect: None,
             last_activity: Instant::now(),
+            release_acks: HashSet::new(),
+            release_waiters: Vec::new(),
+            last_idle_check: Instant::now(),
         }
     }
 
@@ -280,6 +306,8 @@ impl Loop {
             self.drain_backlogs();
             self.check_exits();
             self.drive();
+            self.release_idle_arena();
+            self.answer_release_waiters();
             if self.shutting_down && self.workers.is_empty() {
                 break;
             }
@@ -299,6 +327,9 @@ impl Loop {
             timeout = timeout.min(Duration::from_nanos(t.0.saturating_sub(now.0)));
         }
         if self.workers.values().any(|s| s.exit_deadline.is_some()) {
+            timeout = timeout.min(EXIT_POLL);
+        }
+        if !self.release_waiters.is_empty() {
             timeout = timeout.min(EXIT_POLL);
         }
         let ids: Vec<WorkerId> = self
@@ -430,6 +461,13 @@ impl Loop {
 
     fn received(&mut self, worker: WorkerId, message: Message) {
         tracing::trace!(worker = %worker, kind = ?message.kind(), "received");
+        // The arena's bookkeeping, not the contract's: a chunk unmapped.
+        if let Message::ArenaReleased(r) = message {
+            if !self.release_acks.remove(&(worker, r.index)) {
+                tracing::debug!(worker = %worker, chunk = r.index, "an ArenaReleased not asked for");
+            }
+            return;
+        }
         let now = self.now();
         if let Err(e) = self
             .machine
@@ -486,6 +524,7 @@ impl Loop {
                 self.submit(sub);
             }
             Command::Stop { worker, reply } => self.stop(worker, Some(reply)),
+            Command::ReleaseArena { reply } => self.release_arena_now(reply),
             Command::Shutdown => {
                 self.shutting_down = true;
                 let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
@@ -575,6 +614,20 @@ impl Loop {
                 return Err(Error::Config("the arena is not enabled".into()));
             }
         };
+        // No cap given: a fraction of the device (ParentOptions::arena_cap_fraction).
+        let max_bytes = match max_bytes {
+            Some(m) => Some(m),
+            None => {
+                let (_, total) = self.shared.driver.mem_get_info()?;
+                #[allow(
+                    clippy::cast_possible_truncation,
+                    clippy::cast_sign_loss,
+                    clippy::cast_precision_loss
+                )]
+                let cap = (total as f64 * self.shared.options.arena_cap_fraction) as u64;
+                Some(cap)
+            }
+        };
         let arena = Arc::new(Arena::with_max_bytes(
             Arc::clone(&self.shared.driver),
             self.shared.options.device,
@@ -611,7 +664,7 @@ impl Loop {
                 s.maps_arena
                     && s.lost.is_none()
                     && (!s.staged_in_flight || target == Some(**id))
-                    && (s.arena_chunks_sent as usize) < chunks.len()
+                    && chunks.iter().any(|c| c.index >= s.arena_chunks_sent)
             })
             .map(|(id, _)| *id)
             .collect();
@@ -620,7 +673,9 @@ impl Loop {
             let Some(slot) = self.workers.get_mut(&id) else {
                 continue;
             };
-            for c in chunks.iter().skip(slot.arena_chunks_sent as usize) {
+            // Chunk indices only grow (a released one is never listed or used again).
+            let from = slot.arena_chunks_sent;
+            for c in chunks.iter().filter(|c| c.index >= from) {
                 let fd = match arena.export_fd(c.index) {
                     Ok(fd) => fd,
                     Err(e) => {
@@ -642,6 +697,107 @@ impl Loop {
                 slot.arena_chunks_sent = c.index + 1;
             }
         }
+    }
+
+    /// Gives back arena chunks idle for [`ParentOptions::arena_idle_release`], looking at
+    /// most once per [`IDLE_RELEASE_CHECK`].
+    ///
+    /// [`ParentOptions::arena_idle_release`]: crate::ParentOptions::arena_idle_release
+    fn release_idle_arena(&mut self) {
+        let Some(idle) = self.shared.options.arena_idle_release else {
+            return;
+        };
+        let now = Instant::now();
+        if now.saturating_duration_since(self.last_idle_check) < IDLE_RELEASE_CHECK {
+            return;
+        }
+        self.last_idle_check = now;
+        let Some(arena) = lock(&self.shared.arena).clone() else {
+            return;
+        };
+        let released = arena.release_idle(now, idle, 0);
+        if !released.is_empty() {
+            self.tell_released(&released);
+        }
+    }
+
+    /// `empty_cache`: every idle chunk now; the reply waits for the workers' answers.
+    fn release_arena_now(&mut self, reply: Sender<EmptyCache>) {
+        let mut report = EmptyCache::default();
+        let released = match lock(&self.shared.arena).clone() {
+            Some(arena) => arena.release_idle(Instant::now(), Duration::ZERO, 0),
+            None => Vec::new(),
+        };
+        report.arena_chunks = released.len() as u64;
+        report.arena_bytes = released.iter().map(|c| c.len).sum();
+        let awaited = self.tell_released(&released);
+        self.release_waiters.push(ReleaseWaiter {
+            reply,
+            report,
+            awaited,
+            deadline: Instant::now() + crate::parent::EMPTY_CACHE_WAIT,
+        });
+        self.answer_release_waiters();
+    }
+
+    /// Tells every worker that was sent one of `chunks` to unmap it; returns the answers
+    /// now awaited. A worker lost meanwhile never answers and is not waited for.
+    fn tell_released(
+        &mut self,
+        chunks: &[poolipc_pool::arena::ChunkInfo],
+    ) -> HashSet<(WorkerId, u32)> {
+        let mut awaited = HashSet::new();
+        let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
+        for id in ids {
+            for c in chunks {
+                let sent = self
+                    .workers
+                    .get(&id)
+                    .is_some_and(|s| s.lost.is_none() && s.arena_chunks_sent > c.index);
+                if !sent {
+                    continue;
+                }
+                self.send(id, &Message::ArenaRelease(ArenaRelease { index: c.index }));
+                if self.workers.get(&id).is_some_and(|s| s.lost.is_none()) {
+                    awaited.insert((id, c.index));
+                    self.release_acks.insert((id, c.index));
+                }
+            }
+        }
+        awaited
+    }
+
+    /// Replies to each `empty_cache` whose workers all answered, or whose wait is over.
+    fn answer_release_waiters(&mut self) {
+        if self.release_waiters.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let acks = &self.release_acks;
+        let workers = &self.workers;
+        let mut keep = Vec::with_capacity(self.release_waiters.len());
+        for mut w in std::mem::take(&mut self.release_waiters) {
+            // Answered, or the worker is gone (its mapping went with it).
+            w.awaited.retain(|k| {
+                acks.contains(k) && workers.get(&k.0).is_some_and(|s| s.lost.is_none())
+            });
+            if w.awaited.is_empty() || now >= w.deadline {
+                let mut missing: Vec<WorkerId> = w.awaited.iter().map(|k| k.0).collect();
+                missing.sort_unstable();
+                missing.dedup();
+                w.report.workers_not_answered = missing.len();
+                if !missing.is_empty() {
+                    tracing::warn!(
+                        ?missing,
+                        "workers did not unmap released arena chunks in time: their memory comes back when they do"
+                    );
+                }
+                let _ = w.reply.send(w.report);
+            } else {
+                keep.push(w);
+            }
+        }
+        self.release_waiters = keep;
     }
 
     fn stop(&mut self, worker: WorkerId, reply: Option<Sender<Result<Option<ExitStatus>, Error>>>) {
@@ -703,6 +859,7 @@ impl Loop {
     /// worker held and fails its jobs. The jobs end after the slot is gone, so a caller that
     /// sees its job fail finds nothing of the worker left open.
     fn reap(&mut self, worker: WorkerId, kill: bool) {
+        self.release_acks.retain(|k| k.0 != worker);
         let Some(mut slot) = self.workers.remove(&worker) else {
             return;
         };

@@ -65,9 +65,10 @@ pub use canary::CanaryReport;
 pub use error::{Error, ResultRefusal};
 pub use handshake::identity;
 pub use parent::{
-    ArenaStats, DEFAULT_ARENA_COPY_VRAM_MARGIN, Input, JobHandle, JobOutput, Parent, ParentOptions,
-    ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV, SPIN_IN_FLIGHT_ENV,
-    WorkerInfo,
+    ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
+    DEFAULT_ARENA_IDLE_RELEASE, EMPTY_CACHE_WAIT, EmptyCache, Input, JobHandle, JobOutput, Parent,
+    ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
+    SPIN_IN_FLIGHT_ENV, WorkerInfo,
 };
 pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};

@@ -112,6 +112,18 @@ pub struct ParentOptions {
     /// the worker's DONE (the whole slice, if the job failed or was cancelled, or once a dead
     /// worker was reaped). While a job runs, its slice is arena memory no one else can use.
     pub arena_slice_bytes: u64,
+    /// The arena's cap when none is given ([`ResultMemory::Arena`] with `max_bytes: None`,
+    /// and the arena made for arena copies under [`ResultMemory::Pool`]): this fraction of
+    /// the device's total memory, read when the arena is made (0.5 by default). A result
+    /// that would pass the cap is refused with out-of-memory; an input copy that would pass
+    /// it takes host staging. Must lie in `(0, 1]`.
+    pub arena_cap_fraction: f64,
+    /// How long an arena chunk with nothing in it stays mapped before the IO thread gives
+    /// it back to the device (10 s by default); `None`: only [`Parent::empty_cache`] gives
+    /// chunks back. A chunk with a block lent, granted or still in use on the GPU is never
+    /// given back. Each worker that mapped it is told to unmap it; the memory is back once
+    /// all have.
+    pub arena_idle_release: Option<Duration>,
 }
 
 /// Where the parent puts a job's results when the caller gives no allocator.
@@ -164,9 +176,21 @@ impl Default for ParentOptions {
             arena_copy: true,
             arena_copy_vram_margin: DEFAULT_ARENA_COPY_VRAM_MARGIN,
             arena_slice_bytes: 0,
+            arena_cap_fraction: DEFAULT_ARENA_CAP_FRACTION,
+            arena_idle_release: Some(DEFAULT_ARENA_IDLE_RELEASE),
         }
     }
 }
+
+/// [`ParentOptions::arena_cap_fraction`]'s default: half the device.
+pub const DEFAULT_ARENA_CAP_FRACTION: f64 = 0.5;
+
+/// [`ParentOptions::arena_idle_release`]'s default: 10 s.
+pub const DEFAULT_ARENA_IDLE_RELEASE: Duration = Duration::from_secs(10);
+
+/// How long [`Parent::empty_cache`] waits for the workers to unmap the arena chunks it gave
+/// back: a worker busy in a long job answers after it; its chunks' memory follows then.
+pub const EMPTY_CACHE_WAIT: Duration = Duration::from_secs(2);
 
 /// [`ParentOptions::arena_copy_vram_margin`]'s default: 256 MiB.
 pub const DEFAULT_ARENA_COPY_VRAM_MARGIN: u64 = 256 << 20;
@@ -415,6 +439,30 @@ pub struct ArenaStats {
     /// Blocks given back, waiting for their event (reclaimed at the next arena result, or by
     /// [`Parent::reclaim_arena`]).
     pub pending_frees: usize,
+    /// The cap on the arena's capacity (see [`ParentOptions::arena_cap_fraction`]).
+    pub max_bytes: Option<u64>,
+    /// Chunks given back to the device so far (idle, or by [`Parent::empty_cache`]).
+    pub released_chunks: u64,
+    /// Their bytes.
+    pub released_bytes: u64,
+}
+
+/// What [`Parent::empty_cache`] gave back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EmptyCache {
+    /// Arena chunks given back (every chunk with nothing in it).
+    pub arena_chunks: u64,
+    /// Their bytes: back on the device once every worker that mapped them unmapped them.
+    pub arena_bytes: u64,
+    /// Workers told to unmap a chunk that had not answered within [`EMPTY_CACHE_WAIT`]
+    /// (busy in a job, or not reading): the memory of those chunks comes back when they do.
+    pub workers_not_answered: usize,
+    /// Bytes the shared pools held and gave back (`cuMemPoolTrimTo`), summed over pools.
+    /// Pool allocations that were exported to a worker are not among them: the driver keeps
+    /// an exported allocation's memory after its free until the pool is destroyed (measured,
+    /// `bench/results/2026-12-04-h200-export-limbo/`).
+    pub pool_bytes: u64,
 }
 
 /// What a job gave back.
@@ -778,6 +826,12 @@ impl Parent {
                 u8::MAX
             )));
         }
+        if !(options.arena_cap_fraction > 0.0 && options.arena_cap_fraction <= 1.0) {
+            return Err(Error::Config(format!(
+                "arena_cap_fraction {} must lie in (0, 1]",
+                options.arena_cap_fraction
+            )));
+        }
         if options.handoff_timeout.is_zero() || options.stop_timeout.is_zero() {
             return Err(Error::Config(
                 "handoff_timeout and stop_timeout must be longer than zero".into(),
@@ -927,9 +981,15 @@ impl Parent {
     /// What the result arena holds (`None` before it is created). Makes no driver call:
     /// blocks given back whose event completed still count as live until reclaimed.
     pub fn arena_stats(&self) -> Option<ArenaStats> {
-        self.arena().map(|a| ArenaStats {
-            alloc: a.stats(),
-            pending_frees: a.pending_frees(),
+        self.arena().map(|a| {
+            let (released_chunks, released_bytes) = a.released();
+            ArenaStats {
+                alloc: a.stats(),
+                pending_frees: a.pending_frees(),
+                max_bytes: a.max_bytes(),
+                released_chunks,
+                released_bytes,
+            }
         })
     }
 
@@ -1280,6 +1340,29 @@ impl Parent {
         alloc: ResultAllocator,
     ) -> Result<JobOutput, Error> {
         self.submit_with(worker, inputs, stream, alloc)?.wait()
+    }
+
+    /// Gives memory the parent does not use back to the device, as `torch.cuda.empty_cache()`
+    /// does for torch's pool: every arena chunk with nothing in it (each worker that mapped
+    /// one is told to unmap it; waits up to [`EMPTY_CACHE_WAIT`] for their answers), then
+    /// each shared pool is trimmed ([`SharedPool::trim`]: waits for this process's GPU work,
+    /// then `cuMemPoolTrimTo(pool, 0)`).
+    ///
+    /// What it costs: the synchronize, and the next allocations and arena results map memory
+    /// again instead of reusing it. A chunk with a block lent, granted or still in use on
+    /// the GPU stays. See [`EmptyCache::pool_bytes`] for what the driver keeps regardless.
+    pub fn empty_cache(&self) -> Result<EmptyCache, Error> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.shared.post(LoopCommand::ReleaseArena { reply: tx });
+        let mut out = rx
+            .recv()
+            .map_err(|_| Error::Protocol("the parent's IO thread has stopped".into()))?;
+        for pool in &self.shared.pools {
+            let (before, after) = pool.trim()?;
+            out.pool_bytes += before.saturating_sub(after);
+        }
+        tracing::debug!(?out, "empty_cache");
+        Ok(out)
     }
 
     /// Tells the worker to stop (Bye), waits for it to exit at most `options.stop_timeout`,

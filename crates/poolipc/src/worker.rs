@@ -32,8 +32,8 @@ use poolipc_contract::{self as contract, AllocId, HandoffId, Timestamp, WorkerAc
 use poolipc_driver::{DevicePtr, Driver, ExportBlob, OwnedEvent, OwnedStream, StreamHandle};
 use poolipc_pool::{ArenaError, ArenaMapping, AttachedPool, ImportCache};
 use poolipc_transport::{
-    ArenaChunk, Capabilities, Connection, EventBlob, ExtraPool, ExtraPoolReply, HandshakeConfig,
-    JobId, LentSlice, LentTensor, Message, ResultGrant, TransportError,
+    ArenaChunk, ArenaRelease, Capabilities, Connection, EventBlob, ExtraPool, ExtraPoolReply,
+    HandshakeConfig, JobId, LentSlice, LentTensor, Message, ResultGrant, TransportError,
 };
 
 pub use device::WorkerDevice;
@@ -670,6 +670,32 @@ impl Worker {
         Ok(())
     }
 
+    /// Unmaps a chunk of the parent's arena that the parent gave back to the device, and says
+    /// so. No block in it is lent or granted (the parent releases only idle chunks), so no
+    /// work of this worker's can still reach it. A chunk never mapped here is answered too.
+    fn release_arena_chunk(&mut self, r: ArenaRelease) -> Result<(), Error> {
+        match self.arena.as_mut().map(|m| m.unmap_chunk(r.index)) {
+            Some(Ok(())) => tracing::debug!(chunk = r.index, "arena chunk unmapped"),
+            None | Some(Err(ArenaError::UnknownChunk { .. })) => {
+                tracing::debug!(
+                    chunk = r.index,
+                    "a released arena chunk that was not mapped here"
+                );
+            }
+            // The chunk is forgotten either way; what could not be undone is logged inside.
+            Some(Err(e)) => {
+                tracing::warn!(chunk = r.index, error = %e, "unmapping a released arena chunk failed")
+            }
+        }
+        self.conn.send(
+            &Message::ArenaReleased(r),
+            &[],
+            Instant::now() + SEND_TIMEOUT,
+        )?;
+        self.last_frame = Instant::now();
+        Ok(())
+    }
+
     /// The next frame from the parent: the backlog first, then the socket.
     fn next_frame(&mut self) -> Result<(Message, Vec<OwnedFd>), TransportError> {
         if let Some(message) = self.backlog.pop_front() {
@@ -716,6 +742,7 @@ impl Worker {
                 self.take_extra_pool(offer, fd)
             }
             Message::ArenaChunk(c) => self.take_arena_chunk(c, fds),
+            Message::ArenaRelease(r) => self.release_arena_chunk(r),
             Message::Chunk(c) => Err(Error::Protocol(format!(
                 "a Chunk of job {} outside a host-staging transfer",
                 c.job.0

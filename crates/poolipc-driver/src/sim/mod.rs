@@ -215,8 +215,6 @@ struct LocalEvent {
 struct VmmAlloc {
     fd: OwnedFd,
     bytes: u64,
-    /// Created here (counts against device memory) rather than imported.
-    created_on: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -1330,6 +1328,8 @@ impl Driver for SimDriver {
     fn mem_get_info(&self) -> Result<(u64, u64)> {
         let dev = Self::context(&self.local(), "cuMemGetInfo_v2")?;
         Ok(self.machine.with(|st| {
+            // VMM memory of processes that ended without releasing it.
+            st.vmm_sweep(Machine::alive);
             let d = &st.devices[dev as usize];
             (d.total.saturating_sub(d.reserved), d.total)
         }))
@@ -2381,7 +2381,19 @@ impl Driver for SimDriver {
             d.reserved += bytes;
             Ok(())
         })?;
-        let fd = match sparse_memfd("poolipc-sim-vmm", bytes) {
+        let made = sparse_memfd("poolipc-sim-vmm", bytes).and_then(|fd| {
+            let file = file_of(&fd)?;
+            let pid = self.pid;
+            if self
+                .machine
+                .with(|st| st.vmm_create(ordinal, bytes, file, pid))
+            {
+                Ok(fd)
+            } else {
+                Err(fail(CALL, CuCode::OUT_OF_MEMORY))
+            }
+        });
+        let fd = match made {
             Ok(fd) => fd,
             Err(e) => {
                 self.machine
@@ -2392,14 +2404,7 @@ impl Driver for SimDriver {
         let mut l = self.local();
         l.next_handle += 1;
         let h = l.next_handle;
-        l.vmm.insert(
-            h,
-            VmmAlloc {
-                fd,
-                bytes,
-                created_on: Some(ordinal),
-            },
-        );
+        l.vmm.insert(h, VmmAlloc { fd, bytes });
         Ok(VmmHandle(h))
     }
 
@@ -2427,17 +2432,13 @@ impl Driver for SimDriver {
             call: "dup",
             source,
         })?;
+        let file = (st.st_dev, st.st_ino);
+        let pid = self.pid;
+        self.machine.with(|s| s.vmm_hold(file, pid, true));
         let mut l = self.local();
         l.next_handle += 1;
         let h = l.next_handle;
-        l.vmm.insert(
-            h,
-            VmmAlloc {
-                fd: own,
-                bytes,
-                created_on: None,
-            },
-        );
+        l.vmm.insert(h, VmmAlloc { fd: own, bytes });
         Ok(VmmHandle(h))
     }
 
@@ -2486,8 +2487,9 @@ impl Driver for SimDriver {
             return Err(fail(CALL, CuCode::ALREADY_MAPPED));
         }
         let map = Mapping::new(&v.fd, 0, bytes)?;
-        let st = nix::sys::stat::fstat(&v.fd).map_err(|e| shm::os("fstat", e))?;
-        let file = (st.st_dev, st.st_ino);
+        let file = file_of(&v.fd)?;
+        let pid = self.pid;
+        self.machine.with(|s| s.vmm_hold(file, pid, true));
         let buffer_id = l.new_buffer_id();
         l.maps.insert(
             ptr.0,
@@ -2535,9 +2537,20 @@ impl Driver for SimDriver {
         if starts.first() != Some(&ptr.0) {
             return Err(fail(CALL, CuCode::INVALID_VALUE));
         }
+        let mut files = Vec::with_capacity(starts.len());
         for s in starts {
-            l.maps.remove(&s);
+            if let Some(m) = l.maps.remove(&s) {
+                files.push(m.file);
+            }
         }
+        drop(l);
+        let pid = self.pid;
+        self.machine.with(|st| {
+            for file in files {
+                st.vmm_hold(file, pid, false);
+            }
+            st.vmm_sweep(Machine::alive);
+        });
         Ok(())
     }
 
@@ -2560,16 +2573,22 @@ impl Driver for SimDriver {
             .vmm
             .remove(&handle.0)
             .ok_or(fail("cuMemRelease", CuCode::INVALID_VALUE))?;
-        if let Some(dev) = v.created_on {
-            // Memory goes back when the handle is released; mappings keep their bytes alive
-            // in this simulation (the real driver defers the release until they are unmapped).
-            self.machine.with(|st| {
-                let d = &mut st.devices[dev as usize];
-                d.reserved = d.reserved.saturating_sub(v.bytes);
-            });
-        }
+        // The memory goes back when no live process holds a handle or a mapping (the real
+        // driver defers the release until the last unmap, in any process).
+        let file = file_of(&v.fd)?;
+        let pid = self.pid;
+        self.machine.with(|st| {
+            st.vmm_hold(file, pid, false);
+            st.vmm_sweep(Machine::alive);
+        });
         Ok(())
     }
+}
+
+/// The (device, inode) of the file behind `fd`: what names a VMM allocation across processes.
+fn file_of(fd: &impl std::os::fd::AsFd) -> Result<(u64, u64)> {
+    let st = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| shm::os("fstat", e))?;
+    Ok((st.st_dev, st.st_ino))
 }
 
 impl SimDriver {

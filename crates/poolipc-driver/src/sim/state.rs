@@ -9,7 +9,7 @@ use crate::error::CuCode;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
-pub(super) const LAYOUT: u64 = 5;
+pub(super) const LAYOUT: u64 = 6;
 
 pub(super) const MAX_DEVICES: usize = 8;
 /// [`State::mps`]: the machine runs an MPS server that every process is a client of.
@@ -24,6 +24,11 @@ pub(super) const MAX_EVENTS: usize = 1024;
 pub(super) const MAX_VIOLATIONS: usize = 1024;
 /// Accesses not yet known complete remembered at once (see [`AccessRec`]).
 pub(super) const MAX_ACCESSES: usize = 4096;
+
+/// VMM allocations (`cuMemCreate`) alive at once, all processes.
+pub(super) const MAX_VMM: usize = 1024;
+/// Processes that may hold one VMM allocation (a handle or a mapping) at once.
+pub(super) const VMM_HOLDERS: usize = 16;
 
 /// Pool allocations are rounded up to this (the real pool's granularity for pinned memory).
 pub(super) const GRANULE: u64 = 2 << 20;
@@ -108,6 +113,28 @@ pub(super) struct BlockRec {
 
 /// Generations whose free the GPU executed, remembered at once (a ring).
 pub(super) const FREED_RING: usize = 4096;
+
+/// One process's handles and mappings of a VMM allocation.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct VmmHolder {
+    pub(super) pid: u32,
+    pub(super) count: u32,
+}
+
+/// A VMM allocation (`cuMemCreate`), known by the file behind it: its memory counts against
+/// the device until no live process holds a handle to it or maps it (the driver defers the
+/// release to the last unmap).
+#[repr(C)]
+#[derive(Debug)]
+pub(super) struct VmmRec {
+    pub(super) live: u32,
+    pub(super) device: u32,
+    pub(super) bytes: u64,
+    pub(super) file_dev: u64,
+    pub(super) file_ino: u64,
+    pub(super) holders: [VmmHolder; VMM_HOLDERS],
+}
 
 #[repr(C)]
 #[derive(Debug)]
@@ -237,6 +264,7 @@ pub(super) struct State {
     pub(super) observed: Clock,
     pub(super) freed_cursor: u64,
     pub(super) freed: [u64; FREED_RING],
+    pub(super) vmm: [VmmRec; MAX_VMM],
 }
 
 /// Work left to the caller after a state change: byte ranges of a pool's memfd.
@@ -250,6 +278,59 @@ pub(super) struct MemoryWork {
 }
 
 impl State {
+    /// Records a VMM allocation made by `pid` (holding its handle) on `device`. `false` when
+    /// the table is full.
+    pub(super) fn vmm_create(
+        &mut self,
+        device: u32,
+        bytes: u64,
+        file: (u64, u64),
+        pid: u32,
+    ) -> bool {
+        let Some(r) = self.vmm.iter_mut().find(|r| r.live == 0) else {
+            return false;
+        };
+        r.live = 1;
+        r.device = device;
+        r.bytes = bytes;
+        (r.file_dev, r.file_ino) = file;
+        r.holders = [VmmHolder { pid: 0, count: 0 }; VMM_HOLDERS];
+        r.holders[0] = VmmHolder { pid, count: 1 };
+        true
+    }
+
+    /// `pid` took (`up`) or let go of a handle or a mapping of the VMM allocation behind
+    /// `file`. Unknown files (not made by `cuMemCreate` here) are ignored.
+    pub(super) fn vmm_hold(&mut self, file: (u64, u64), pid: u32, up: bool) {
+        let Some(r) = self
+            .vmm
+            .iter_mut()
+            .find(|r| r.live != 0 && (r.file_dev, r.file_ino) == file)
+        else {
+            return;
+        };
+        if let Some(h) = r.holders.iter_mut().find(|h| h.count > 0 && h.pid == pid) {
+            h.count = if up { h.count + 1 } else { h.count - 1 };
+        } else if up && let Some(h) = r.holders.iter_mut().find(|h| h.count == 0) {
+            *h = VmmHolder { pid, count: 1 };
+        }
+    }
+
+    /// Gives back the memory of every VMM allocation no live process holds.
+    pub(super) fn vmm_sweep(&mut self, alive: impl Fn(u32) -> bool) {
+        for i in 0..MAX_VMM {
+            let r = &mut self.vmm[i];
+            if r.live == 0 || r.holders.iter().any(|h| h.count > 0 && alive(h.pid)) {
+                continue;
+            }
+            r.live = 0;
+            let (device, bytes) = (r.device as usize, r.bytes);
+            if let Some(d) = self.devices.get_mut(device) {
+                d.reserved = d.reserved.saturating_sub(bytes);
+            }
+        }
+    }
+
     pub(super) fn next_id(&mut self) -> u64 {
         self.next_id += 1;
         self.next_id

@@ -77,10 +77,18 @@ pub enum AllocError {
     #[error("the arena already has the most chunks it can number")]
     TooManyChunks,
     /// A block naming a chunk this allocator does not have.
-    #[error("chunk {chunk} does not exist in this arena")]
+    #[error("chunk {chunk} does not exist in this arena (never added, or released)")]
     UnknownChunk {
         /// The chunk named.
         chunk: u32,
+    },
+    /// A chunk asked to be removed still has live blocks (or free space split by them).
+    #[error("chunk {chunk} cannot be released: {used} bytes of it are live")]
+    ChunkInUse {
+        /// The chunk named.
+        chunk: u32,
+        /// Its bytes in live blocks.
+        used: u64,
     },
     /// A block that is not live here: freed already, or never handed out by this allocator.
     #[error(
@@ -146,7 +154,10 @@ pub struct AllocStats {
 /// Best-fit allocation of byte ranges across chunks, with coalescing on free.
 #[derive(Clone, Debug, Default)]
 pub struct ArenaAllocator {
-    /// Length of each chunk, by index.
+    /// Length of each chunk, by index; 0 for a chunk removed ([`remove_chunk`]): indices
+    /// are never reused, so a stale block can never name a later chunk.
+    ///
+    /// [`remove_chunk`]: ArenaAllocator::remove_chunk
     chunks: Vec<u64>,
     /// Free ranges by position: `(chunk, offset) → len`.
     free_by_pos: BTreeMap<(u32, u64), u64>,
@@ -177,6 +188,44 @@ impl ArenaAllocator {
         self.chunks.push(len);
         self.insert_free(index, 0, len);
         Ok(index)
+    }
+
+    /// Removes chunk `chunk`, which must be entirely free (no live block in it), and returns
+    /// its length. Its index is never used again; blocks naming it are refused as
+    /// [`AllocError::UnknownChunk`] from then on. Nothing changes on error.
+    pub fn remove_chunk(&mut self, chunk: u32) -> Result<u64, AllocError> {
+        let len = self
+            .chunk_len(chunk)
+            .ok_or(AllocError::UnknownChunk { chunk })?;
+        if !self.is_idle(chunk) {
+            let used = self
+                .live
+                .range((chunk, 0)..=(chunk, u64::MAX))
+                .map(|(_, &l)| l)
+                .sum();
+            return Err(AllocError::ChunkInUse { chunk, used });
+        }
+        self.remove_free(chunk, 0, len);
+        self.chunks[chunk as usize] = 0;
+        tracing::trace!(chunk, len, "arena chunk removed");
+        Ok(len)
+    }
+
+    /// Whether chunk `chunk` exists and is one free range: no live block in it.
+    #[must_use]
+    pub fn is_idle(&self, chunk: u32) -> bool {
+        self.chunk_len(chunk)
+            .is_some_and(|len| self.free_by_pos.get(&(chunk, 0)) == Some(&len))
+    }
+
+    /// The indices of the chunks that exist (not removed), in order.
+    pub fn chunk_indices(&self) -> impl Iterator<Item = u32> + '_ {
+        self.chunks
+            .iter()
+            .enumerate()
+            .filter(|(_, len)| **len > 0)
+            // Indices fit: add_chunk numbers chunks with u32 and refuses more.
+            .map(|(i, _)| u32::try_from(i).unwrap_or(u32::MAX))
     }
 
     /// The smallest free range that holds `bytes` (rounded up to [`ALIGN`]) at an offset
@@ -232,7 +281,7 @@ impl ArenaAllocator {
     /// is refused and nothing changes.
     pub fn free(&mut self, block: Block) -> Result<(), AllocError> {
         let Block { chunk, offset, len } = block;
-        if chunk as usize >= self.chunks.len() {
+        if self.chunk_len(chunk).is_none() {
             return Err(AllocError::UnknownChunk { chunk });
         }
         match self.live.get(&(chunk, offset)) {
@@ -283,7 +332,7 @@ impl ArenaAllocator {
     /// [`free`](ArenaAllocator::free) refuses it. Nothing changes on error.
     pub fn split(&mut self, block: Block, at: u64) -> Result<(Block, Block), AllocError> {
         let Block { chunk, offset, len } = block;
-        if chunk as usize >= self.chunks.len() {
+        if self.chunk_len(chunk).is_none() {
             return Err(AllocError::UnknownChunk { chunk });
         }
         match self.live.get(&(chunk, offset)) {
@@ -328,10 +377,10 @@ impl ArenaAllocator {
         self.live.get(&(block.chunk, block.offset)) == Some(&block.len)
     }
 
-    /// The length of chunk `chunk`, if it exists.
+    /// The length of chunk `chunk`, if it exists (not for a removed one).
     #[must_use]
     pub fn chunk_len(&self, chunk: u32) -> Option<u64> {
-        self.chunks.get(chunk as usize).copied()
+        self.chunks.get(chunk as usize).copied().filter(|&l| l > 0)
     }
 
     /// Bytes of all chunks.
@@ -351,7 +400,7 @@ impl ArenaAllocator {
             largest_free: self.free_by_size.last().map_or(0, |&(len, _, _)| len),
             live_blocks: self.live.len(),
             free_ranges: self.free_by_pos.len(),
-            chunks: self.chunks.len(),
+            chunks: self.chunks.iter().filter(|&&l| l > 0).count(),
         }
     }
 

@@ -1,7 +1,9 @@
 //! `Arena`: the parent's chunks of VMM memory and the allocator over them.
 
+use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
 use poolipc_driver::{DevicePtr, Driver, Granularity, OwnedEvent};
 
@@ -50,8 +52,14 @@ pub struct ChunkInfo {
 #[derive(Debug, Default)]
 struct State {
     alloc: ArenaAllocator,
-    /// By chunk index (the allocator's indices: pushed together).
-    chunks: Vec<MappedChunk>,
+    /// By chunk index (the allocator's indices: pushed together); `None` once released.
+    chunks: Vec<Option<MappedChunk>>,
+    /// Chunks seen idle (no live block, no pending free) by [`Arena::release_idle`], since
+    /// when; a chunk an allocation lands in leaves this map.
+    idle_since: HashMap<u32, Instant>,
+    /// Chunks released so far, and their bytes.
+    released_chunks: u64,
+    released_bytes: u64,
     /// Blocks given back with [`Arena::free_after`], live in the allocator until their event
     /// completed.
     pending: Vec<(ArenaBlock, OwnedEvent)>,
@@ -172,7 +180,12 @@ impl<D: Driver + ?Sized> Arena<D> {
             }
             Err(e) => return Err(e.into()),
         };
-        let ptr = st.chunks[block.chunk as usize].base.offset(block.offset);
+        st.idle_since.remove(&block.chunk);
+        let Some(Some(chunk)) = st.chunks.get(block.chunk as usize) else {
+            // The allocator hands out blocks only in chunks that exist, pushed together.
+            return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
+        };
+        let ptr = chunk.base.offset(block.offset);
         Ok(ArenaBlock {
             chunk: block.chunk,
             offset: block.offset,
@@ -188,7 +201,7 @@ impl<D: Driver + ?Sized> Arena<D> {
     /// changes nothing.
     pub fn free(&self, block: ArenaBlock) -> Result<(), ArenaError> {
         let mut st = self.lock();
-        let Some(chunk) = st.chunks.get(block.chunk as usize) else {
+        let Some(Some(chunk)) = st.chunks.get(block.chunk as usize) else {
             return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
         };
         if chunk.base.offset(block.offset) != block.ptr {
@@ -214,7 +227,7 @@ impl<D: Driver + ?Sized> Arena<D> {
         at: u64,
     ) -> Result<(ArenaBlock, ArenaBlock), ArenaError> {
         let mut st = self.lock();
-        let Some(chunk) = st.chunks.get(block.chunk as usize) else {
+        let Some(Some(chunk)) = st.chunks.get(block.chunk as usize) else {
             return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
         };
         if chunk.base.offset(block.offset) != block.ptr {
@@ -251,7 +264,7 @@ impl<D: Driver + ?Sized> Arena<D> {
     /// nothing (`event` is dropped).
     pub fn free_after(&self, block: ArenaBlock, event: OwnedEvent) -> Result<(), ArenaError> {
         let mut st = self.lock();
-        let Some(chunk) = st.chunks.get(block.chunk as usize) else {
+        let Some(Some(chunk)) = st.chunks.get(block.chunk as usize) else {
             return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
         };
         if chunk.base.offset(block.offset) != block.ptr {
@@ -318,18 +331,21 @@ impl<D: Driver + ?Sized> Arena<D> {
         freed
     }
 
-    /// The chunks, in index order (a snapshot: growth after the call is not seen).
+    /// The chunks, in index order (a snapshot: growth after the call is not seen). Released
+    /// chunks are not listed; their indices are never used again.
     pub fn chunks(&self) -> impl Iterator<Item = ChunkInfo> + use<D> {
         let st = self.lock();
         let list: Vec<ChunkInfo> = st
             .chunks
             .iter()
             .enumerate()
-            .map(|(i, c)| ChunkInfo {
-                // Indices fit: the allocator numbers chunks with u32 and refuses more.
-                index: u32::try_from(i).unwrap_or(u32::MAX),
-                len: c.len,
-                ptr: c.base,
+            .filter_map(|(i, c)| {
+                c.map(|c| ChunkInfo {
+                    // Indices fit: the allocator numbers chunks with u32 and refuses more.
+                    index: u32::try_from(i).unwrap_or(u32::MAX),
+                    len: c.len,
+                    ptr: c.base,
+                })
             })
             .collect();
         list.into_iter()
@@ -342,10 +358,82 @@ impl<D: Driver + ?Sized> Arena<D> {
             let st = self.lock();
             st.chunks
                 .get(index as usize)
+                .copied()
+                .flatten()
                 .ok_or(ArenaError::UnknownChunk { chunk: index })?
                 .handle
         };
         Ok(self.driver.vmm_export_fd(handle)?)
+    }
+
+    /// Gives idle chunks back to the device: every chunk with no live block and no block
+    /// waiting for its free event, seen idle by an earlier call at least `min_idle` ago (at
+    /// once for `Duration::ZERO`), while the arena keeps at least `keep_bytes` (its floor).
+    /// Frees the completed pending blocks first (one `cuEventQuery` each) and makes driver
+    /// calls (unmap, address free, release): call it on a thread with the device current.
+    ///
+    /// A chunk with a live block, or with a block given back whose event has not completed,
+    /// is never released. The parent's mapping goes at once; the memory goes back to the
+    /// device when the last worker that mapped the chunk unmapped it too: tell each one
+    /// (the returned chunks). Their indices are never used again.
+    pub fn release_idle(
+        &self,
+        now: Instant,
+        min_idle: Duration,
+        keep_bytes: u64,
+    ) -> Vec<ChunkInfo> {
+        let mut st = self.lock();
+        self.reclaim_locked(&mut st);
+        let pending: Vec<u32> = st.pending.iter().map(|(b, _)| b.chunk).collect();
+        let indices: Vec<u32> = st.alloc.chunk_indices().collect();
+        let mut released = Vec::new();
+        for index in indices {
+            if !st.alloc.is_idle(index) || pending.contains(&index) {
+                st.idle_since.remove(&index);
+                continue;
+            }
+            let since = *st.idle_since.entry(index).or_insert(now);
+            let len = st.alloc.chunk_len(index).unwrap_or(0);
+            if now.saturating_duration_since(since) < min_idle
+                || st.alloc.capacity().saturating_sub(len) < keep_bytes
+            {
+                continue;
+            }
+            let Some(chunk) = st.chunks.get_mut(index as usize).and_then(Option::take) else {
+                continue;
+            };
+            if let Err(e) = st.alloc.remove_chunk(index) {
+                // Checked idle above, under the same lock: cannot happen; keep the chunk.
+                tracing::error!(error = %e, index, "an idle arena chunk could not be removed");
+                st.chunks[index as usize] = Some(chunk);
+                continue;
+            }
+            st.idle_since.remove(&index);
+            // Failures are logged inside; the chunk is gone from the arena either way.
+            let _ = unmap(&*self.driver, chunk);
+            st.released_chunks += 1;
+            st.released_bytes += chunk.len;
+            tracing::debug!(
+                device = self.device,
+                index,
+                len = chunk.len,
+                capacity = st.alloc.capacity(),
+                "arena chunk released"
+            );
+            released.push(ChunkInfo {
+                index,
+                len: chunk.len,
+                ptr: chunk.base,
+            });
+        }
+        released
+    }
+
+    /// Chunks released by [`release_idle`](Arena::release_idle) so far, and their bytes.
+    #[must_use]
+    pub fn released(&self) -> (u64, u64) {
+        let st = self.lock();
+        (st.released_chunks, st.released_bytes)
     }
 
     /// The allocator's figures: capacity, use, the largest free range, live blocks.
@@ -420,7 +508,7 @@ impl<D: Driver + ?Sized> Arena<D> {
                 return Err(e.into());
             }
         };
-        st.chunks.push(chunk);
+        st.chunks.push(Some(chunk));
         tracing::debug!(
             device = self.device,
             index,
@@ -452,7 +540,7 @@ impl<D: Driver + ?Sized> Drop for Arena<D> {
                  unmap it"
             );
         }
-        for chunk in st.chunks.drain(..) {
+        for chunk in st.chunks.drain(..).flatten() {
             // Failures are logged inside; a destructor has no one to return them to.
             let _ = unmap(&*self.driver, chunk);
         }

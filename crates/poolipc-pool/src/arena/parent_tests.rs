@@ -1,6 +1,7 @@
 use super::*;
 use poolipc_driver::sim::{SimConfig, SimDriver};
 use poolipc_driver::{CuCode, DriverError, MockDriver, StreamHandle, VmmHandle};
+use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
 
@@ -403,4 +404,179 @@ fn a_block_given_back_stream_ordered_cannot_be_split() {
     let event = OwnedEvent::new(Arc::clone(&d) as Arc<dyn Driver>, false).unwrap();
     arena.free_after(b, event).unwrap();
     assert!(arena.split(b, ALIGN).is_err());
+}
+
+fn free_bytes(d: &SimDriver) -> u64 {
+    d.mem_get_info().unwrap().0
+}
+
+#[test]
+fn release_idle_gives_free_chunks_back_to_the_device_and_never_reuses_their_indices() {
+    let d = sim();
+    let g = granule(&d);
+    let start = free_bytes(&d);
+    let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
+    let a = arena.alloc(g).unwrap();
+    let b = arena.alloc(g).unwrap();
+    assert_eq!((a.chunk, b.chunk), (0, 1));
+    assert_eq!(free_bytes(&d), start - 2 * g);
+    arena.free(a).unwrap();
+    let now = Instant::now();
+    let released = arena.release_idle(now, Duration::ZERO, 0);
+    assert_eq!(released.iter().map(|c| c.index).collect::<Vec<_>>(), [0]);
+    assert_eq!(
+        free_bytes(&d),
+        start - g,
+        "the released chunk's memory is back"
+    );
+    assert_eq!(arena.capacity(), g);
+    assert_eq!(arena.released(), (1, g));
+    assert_eq!(arena.chunks().map(|c| c.index).collect::<Vec<_>>(), [1]);
+    // A block of the released chunk is refused, not reused.
+    assert!(matches!(
+        arena.free(a),
+        Err(ArenaError::Alloc(AllocError::UnknownChunk { chunk: 0 }))
+    ));
+    assert!(arena.export_fd(0).is_err());
+    // The live chunk stays; once free it goes too, and the next block grows a new index.
+    assert!(arena.release_idle(now, Duration::ZERO, 0).is_empty());
+    arena.free(b).unwrap();
+    assert_eq!(arena.release_idle(now, Duration::ZERO, 0).len(), 1);
+    assert_eq!(arena.capacity(), 0);
+    assert_eq!(free_bytes(&d), start);
+    let c = arena.alloc(4096).unwrap();
+    assert_eq!(c.chunk, 2);
+    assert_eq!(arena.capacity(), g);
+    assert_no_violations(&d);
+}
+
+#[test]
+fn release_idle_waits_min_idle_from_when_it_first_saw_the_chunk_idle_and_keeps_the_floor() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
+    let a = arena.alloc(g).unwrap();
+    let b = arena.alloc(g).unwrap();
+    arena.free(a).unwrap();
+    arena.free(b).unwrap();
+    let t0 = Instant::now();
+    let idle = Duration::from_secs(30);
+    assert!(
+        arena.release_idle(t0, idle, 0).is_empty(),
+        "first seen idle now"
+    );
+    assert!(arena.release_idle(t0 + idle / 2, idle, 0).is_empty());
+    // An allocation in chunk 1 restarts its clock.
+    let c = arena.alloc(g).unwrap();
+    arena.free(c).unwrap();
+    let t1 = t0 + idle / 2;
+    assert!(arena.release_idle(t1, idle, 0).is_empty());
+    // Chunk 0 has been idle for `idle`, chunk 1 only since t1; the floor keeps one chunk.
+    let released = arena.release_idle(t0 + idle, idle, g);
+    assert_eq!(
+        released.iter().map(|c| c.index).collect::<Vec<_>>(),
+        [c.chunk ^ 1]
+    );
+    assert!(
+        arena.release_idle(t1 + idle, idle, g).is_empty(),
+        "the floor"
+    );
+    assert_eq!(arena.release_idle(t1 + idle, idle, 0).len(), 1);
+    assert_eq!(arena.capacity(), 0);
+}
+
+#[test]
+fn a_chunk_with_a_block_waiting_for_its_event_is_not_released_until_the_event_completed() {
+    let d = sim();
+    let g = granule(&d);
+    let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
+    let a = arena.alloc(g).unwrap();
+    let as_dyn: Arc<dyn Driver> = Arc::clone(&d) as Arc<dyn Driver>;
+    let stream = d.stream_create().unwrap();
+    d.memset_d8_async(a.ptr, 1, a.len, stream).unwrap();
+    let event = OwnedEvent::new(Arc::clone(&as_dyn), false).unwrap();
+    d.event_record(event.handle(), stream).unwrap();
+    arena.free_after(a, event).unwrap();
+    // Until the event is seen complete the chunk is not idle.
+    loop {
+        let released = arena.release_idle(Instant::now(), Duration::ZERO, 0);
+        if !released.is_empty() {
+            assert_eq!(arena.pending_frees(), 0, "released only once reclaimed");
+            break;
+        }
+        assert_eq!(arena.pending_frees(), 1);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    d.stream_synchronize(stream).unwrap();
+    d.stream_destroy(stream).unwrap();
+    assert_no_violations(&d);
+}
+
+mod release_property {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Alloc(u64),
+        Free(usize),
+        Release { keep_chunks: u64 },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (1u64..=3 * 2 * MIB).prop_map(Op::Alloc),
+            3 => any::<usize>().prop_map(Op::Free),
+            2 => (0u64..3).prop_map(|keep_chunks| Op::Release { keep_chunks }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+
+        /// Over any sequence of allocations, frees and releases: a released chunk never held
+        /// a live block, every live block stays in a listed chunk and stays writable, the
+        /// floor holds, and the device gets back exactly the released bytes.
+        #[test]
+        fn a_chunk_with_a_live_block_is_never_released(ops in proptest::collection::vec(op(), 1..40)) {
+            let d = sim();
+            let g = granule(&d);
+            let start = free_bytes(&d);
+            let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
+            let mut live: Vec<ArenaBlock> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc(bytes) => live.push(arena.alloc(bytes).unwrap()),
+                    Op::Free(i) if !live.is_empty() => {
+                        let b = live.swap_remove(i % live.len());
+                        arena.free(b).unwrap();
+                    }
+                    Op::Free(_) => {}
+                    Op::Release { keep_chunks } => {
+                        let before = arena.capacity();
+                        let released = arena.release_idle(Instant::now(), Duration::ZERO, keep_chunks * g);
+                        for c in &released {
+                            prop_assert!(live.iter().all(|b| b.chunk != c.index), "chunk {} released with a live block", c.index);
+                        }
+                        let gone: u64 = released.iter().map(|c| c.len).sum();
+                        prop_assert_eq!(arena.capacity(), before - gone);
+                        if gone > 0 {
+                            prop_assert!(arena.capacity() >= keep_chunks * g);
+                        }
+                    }
+                }
+                let chunks: Vec<u32> = arena.chunks().map(|c| c.index).collect();
+                for b in &live {
+                    prop_assert!(chunks.contains(&b.chunk));
+                    d.memset_d8_async(b.ptr, 7, b.len, StreamHandle::NULL).unwrap();
+                }
+                // A block is freed only after its last use completed (the arena's rule: after
+                // the worker's DONE, or stream-ordered with `free_after`).
+                d.ctx_synchronize().unwrap();
+                prop_assert_eq!(arena.stats().used, live.iter().map(|b| b.len).sum::<u64>());
+                prop_assert_eq!(free_bytes(&d), start - arena.capacity());
+            }
+            assert_no_violations(&d);
+        }
+    }
 }

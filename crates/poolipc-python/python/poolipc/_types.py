@@ -90,8 +90,10 @@ class ArenaStats(TypedDict):
     """``Parent.arena_stats()``: whether the process parent has ``results="arena"``
     (``enabled``) and the arena exists yet (``created``); its bytes (``capacity``, ``used``,
     ``largest_free``), blocks out (``live_blocks``, counting those given back whose work is
-    not done), ``pending_frees``, ``chunks``, the cap (``max_bytes``, None: none), and
-    ``results_out``: arena results handed to Python whose block has not gone back."""
+    not done), ``pending_frees``, ``chunks``, the cap (``max_bytes``: half the device unless
+    ``arena_max_bytes`` says otherwise), chunks given back to the device (``released_chunks``,
+    ``released_bytes``: idle for 10 s, or by ``empty_cache``), and ``results_out``: arena
+    results handed to Python whose block has not gone back."""
 
     enabled: bool
     created: bool
@@ -102,6 +104,8 @@ class ArenaStats(TypedDict):
     pending_frees: int
     chunks: int
     max_bytes: int | None
+    released_chunks: int
+    released_bytes: int
     results_out: int
 
 

@@ -2,10 +2,10 @@
 #![allow(dead_code)] // each test file uses part of this
 
 use poolipc_transport::{
-    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
-    DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob, ExportBlob, ExtraPool,
-    ExtraPoolReply, HandoffId, Identity, JobId, Lend, LentSlice, LentTensor, Message, ResultGrant,
-    ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities,
+    CarvedResult, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob, ExportBlob,
+    ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId, Lend, LentSlice, LentTensor, Message,
+    ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
 };
 
 /// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
@@ -218,6 +218,14 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                 index: 1,
                 len: 2 << 30,
             }),
+        ),
+        (
+            "arena_release",
+            Message::ArenaRelease(ArenaRelease { index: 3 }),
+        ),
+        (
+            "arena_released",
+            Message::ArenaReleased(ArenaRelease { index: 3 }),
         ),
         (
             "lend_arena_copy",

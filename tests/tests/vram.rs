@@ -1,0 +1,216 @@
+//! VRAM goes back (issue 23): the result arena gives chunks with nothing in them back to the
+//! device, on `Parent::empty_cache` and after `arena_idle_release`, the workers unmap them
+//! when told, and a chunk with a live block is never given back; the arena's default cap is
+//! a fraction of the device.
+//!
+//! Free device memory is compared around each release (the released bytes must come back
+//! within 64 MiB), not against the process's start: pool allocations that were exported to
+//! a worker keep their memory after their free until the pool is destroyed (a driver fact,
+//! `bench/results/2026-12-04-h200-export-limbo/`), and the echo jobs' inputs are such.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use poolipc::{Parent, ParentOptions, ResultMemory, Rung, StreamHandle};
+use poolipc_tests::echo_jobs::{bytes_input, check_exact, echo_job, filled, settle};
+use poolipc_tests::{Env, both_drivers, worker_command};
+use poolipc_types::ImportLimit;
+
+const MIB: u64 = 1 << 20;
+/// What a release may fall short of the released bytes (the issue's bound).
+const SLACK: u64 = 64 * MIB;
+
+fn parent(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<Parent> {
+    let mut options = ParentOptions {
+        device: env.device,
+        canary: false,
+        results: ResultMemory::Arena {
+            initial_bytes: 256 * MIB,
+            max_bytes: None,
+        },
+        arena_idle_release: None,
+        ..ParentOptions::default()
+    };
+    tweak(&mut options);
+    Ok(Parent::new(Arc::clone(&env.driver), options)?)
+}
+
+fn free_vram(p: &Parent) -> Result<u64> {
+    p.driver().ctx_synchronize()?;
+    Ok(p.driver().mem_get_info()?.0)
+}
+
+fn results_job(
+    p: &Parent,
+    w: poolipc::WorkerId,
+    bytes: u64,
+    stream: StreamHandle,
+) -> Result<poolipc::JobOutput> {
+    let out = echo_job(p, w, &[bytes], 0x2323_0101, stream)?;
+    ensure!(
+        out.results[0].rung == Rung::Arena,
+        "{:?}",
+        out.results[0].rung
+    );
+    check_exact(p, &out, 0, bytes, 0x2323_0101)?;
+    Ok(out)
+}
+
+both_drivers!(
+    fn empty_cache_gives_idle_arena_chunks_back_and_every_worker_unmaps_them(env) {
+        let p = parent(env, |_| {})?;
+        let stream = p.driver().stream_create()?;
+        let a = p.spawn_worker(worker_command(env, None)?)?;
+        let b = p.spawn_worker(worker_command(env, None)?)?;
+        let bytes = 256 * MIB;
+        // Both workers map the chunk; one of them wrote a result into it.
+        let out = results_job(&p, a, bytes, stream)?;
+        drop(results_job(&p, b, MIB, stream)?);
+        drop(out);
+        ensure!(settle(&p, stream)? == 0, "blocks left");
+        let stats = p.arena_stats().context("no arena")?;
+        let capacity = stats.alloc.capacity;
+        ensure!(capacity >= bytes, "{stats:?}");
+        let before = free_vram(&p)?;
+        let t = Instant::now();
+        let report = p.empty_cache()?;
+        println!("empty_cache: {report:?} in {:?}", t.elapsed());
+        ensure!(report.arena_bytes == capacity, "{report:?} of {capacity}");
+        ensure!(report.workers_not_answered == 0, "{report:?}");
+        let after = free_vram(&p)?;
+        println!(
+            "free VRAM {:.3} -> {:.3} GiB ({} MiB released)",
+            before as f64 / f64::from(1u32 << 30),
+            after as f64 / f64::from(1u32 << 30),
+            capacity / MIB
+        );
+        ensure!(
+            after + SLACK >= before + capacity,
+            "only {} of {} MiB came back",
+            after.saturating_sub(before) / MIB,
+            capacity / MIB
+        );
+        let stats = p.arena_stats().context("no arena")?;
+        ensure!(stats.alloc.capacity == 0 && stats.released_bytes == capacity, "{stats:?}");
+        // The arena grows again, under a new chunk index both workers map.
+        for w in [a, b] {
+            drop(results_job(&p, w, 2 * MIB, stream)?);
+        }
+        ensure!(settle(&p, stream)? == 0, "blocks left");
+        p.stop_worker(a)?;
+        p.stop_worker(b)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_chunk_with_a_live_result_is_not_given_back_and_its_bytes_stay(env) {
+        let p = parent(env, |_| {})?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let out = results_job(&p, w, 64 * MIB, stream)?;
+        let report = p.empty_cache()?;
+        ensure!(report.arena_chunks == 0, "a chunk with a live result went: {report:?}");
+        // Still the worker's bytes, and still writable by another job.
+        check_exact(&p, &out, 0, 64 * MIB, 0x2323_0101)?;
+        drop(results_job(&p, w, MIB, stream)?);
+        drop(out);
+        ensure!(settle(&p, stream)? == 0, "blocks left");
+        let report = p.empty_cache()?;
+        ensure!(report.arena_chunks >= 1 && report.workers_not_answered == 0, "{report:?}");
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn idle_arena_chunks_go_back_after_arena_idle_release(env) {
+        let p = parent(env, |o| o.arena_idle_release = Some(Duration::from_millis(100)))?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        drop(results_job(&p, w, 128 * MIB, stream)?);
+        ensure!(settle(&p, stream)? == 0, "blocks left");
+        let capacity = p.arena_stats().context("no arena")?.alloc.capacity;
+        let before = free_vram(&p)?;
+        let t = Instant::now();
+        while p.arena_stats().context("no arena")?.alloc.capacity > 0 {
+            ensure!(t.elapsed() < Duration::from_secs(10), "the idle chunk stayed for 10 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        println!("idle chunk given back after {:?}", t.elapsed());
+        // The worker unmaps it when its answer arrives; wait for the memory.
+        let t = Instant::now();
+        loop {
+            let after = free_vram(&p)?;
+            if after + SLACK >= before + capacity {
+                break;
+            }
+            ensure!(
+                t.elapsed() < Duration::from_secs(5),
+                "only {} of {} MiB came back",
+                after.saturating_sub(before) / MIB,
+                capacity / MIB
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(results_job(&p, w, MIB, stream)?);
+        ensure!(settle(&p, stream)? == 0, "blocks left");
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn an_arena_copied_input_gives_its_chunk_back_after_the_job(env) {
+        // Pool results (the default), every input over the import limit: the input crosses
+        // by arena copy, into an arena made for copies.
+        let p = parent(env, |o| o.results = ResultMemory::Pool)?;
+        let limit = p.import_limit();
+        p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let bytes = 128 * MIB;
+        let input = filled(&p, bytes, 0x0C0C_0C0C, stream)?;
+        let out = p.submit(w, &[bytes_input(input, bytes)], stream)?.wait()?;
+        ensure!(out.input_rungs == [Rung::ArenaCopy], "{:?}", out.input_rungs);
+        for r in out.results {
+            p.pool().free(r.ptr, stream)?;
+        }
+        p.driver().stream_synchronize(stream)?;
+        let capacity = p.arena_stats().context("no arena")?.alloc.capacity;
+        let before = free_vram(&p)?;
+        let report = p.empty_cache()?;
+        ensure!(report.arena_bytes == capacity && report.workers_not_answered == 0, "{report:?}");
+        let after = free_vram(&p)?;
+        ensure!(
+            after + SLACK >= before + capacity,
+            "only {} of {} MiB came back",
+            after.saturating_sub(before) / MIB,
+            capacity / MIB
+        );
+        p.pool().free(input, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn the_arena_is_capped_at_a_fraction_of_the_device_by_default(env) {
+        let p = parent(env, |o| o.arena_cap_fraction = 0.25)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        drop(results_job(&p, w, MIB, stream)?);
+        let (_, total) = p.driver().mem_get_info()?;
+        let stats = p.arena_stats().context("no arena")?;
+        ensure!(stats.max_bytes == Some(total / 4), "{stats:?}, device {total}");
+        ensure!(settle(&p, stream)? == 0, "blocks left");
+        p.stop_worker(w)?;
+        for bad in [0.0, -1.0, 1.5, f64::NAN] {
+            let e = parent(env, |o| o.arena_cap_fraction = bad).err().context("accepted")?;
+            ensure!(e.to_string().contains("arena_cap_fraction"), "{e}");
+        }
+        Ok(())
+    }
+);
