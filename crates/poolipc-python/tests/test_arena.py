@@ -449,3 +449,30 @@ def test_the_arena_options_are_set_once_per_process_and_a_clash_is_a_value_error
         poolipc.Parent(0, results="heap")
     with pytest.raises(ValueError, match="less than arena_bytes"):
         poolipc.Parent(0, arena_bytes=2 * MIB, arena_max_bytes=MIB)
+
+
+@own_process
+def test_empty_cache_gives_the_arenas_idle_chunks_back_and_the_next_result_grows_it_again(parent, request):
+    w = spawn(parent)
+    data = pattern(1 << 20)
+    src = buffer_of(parent, data)
+    (r,) = parent.run(w, [poolipc.TensorRef(src.ptr, "uint8", [len(data)])])
+    # A live result keeps its chunk (other chunks, idle, may go).
+    poolipc.empty_cache()
+    s = parent.arena_stats()
+    assert s["capacity"] > 0 and s["live_blocks"] == 1, s
+    assert parent.read(r.ptr, r.nbytes) == echoed(data)
+    del r
+    assert settled(parent, (0, 0)) == (0, 0)
+    capacity = parent.arena_stats()["capacity"]
+    released = poolipc.empty_cache()
+    s = parent.arena_stats()
+    assert released >= capacity, (released, capacity)
+    assert s["capacity"] == 0 and s["chunks"] == 0, s
+    assert s["released_bytes"] >= capacity and s["released_chunks"] >= 1, s
+    # The worker unmapped it and maps the next chunk, under a new index.
+    (r,) = parent.run(w, [poolipc.TensorRef(src.ptr, "uint8", [len(data)])])
+    assert parent.read(r.ptr, r.nbytes) == echoed(data)
+    del r
+    assert settled(parent, (0, 0)) == (0, 0)
+    parent.stop(w)
