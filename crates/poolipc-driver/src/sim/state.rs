@@ -9,7 +9,7 @@ use crate::error::CuCode;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
-pub(super) const LAYOUT: u64 = 5;
+pub(super) const LAYOUT: u64 = 6;
 
 pub(super) const MAX_DEVICES: usize = 8;
 /// [`State::mps`]: the machine runs an MPS server that every process is a client of.
@@ -216,6 +216,11 @@ pub(super) struct State {
     /// [`MPS_ON`] when every process is an MPS client; [`MPS_FAULTED`] once one of them
     /// faulted, which ends every client's context.
     pub(super) mps: u32,
+    /// 1 when each allocation's pointer export names the allocation (see
+    /// `SimConfig::blob_per_allocation`); 0: the export of an address and size is the same
+    /// every time, as on driver 580.
+    pub(super) blob_per_allocation: u32,
+    pub(super) _pad_config: u32,
     pub(super) next_id: u64,
     pub(super) violation_count: u64,
     pub(super) devices: [DeviceRec; MAX_DEVICES],
