@@ -434,7 +434,8 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     /// Begins the startup check of export reuse (the canary battery's), unless one ran or
     /// runs already (then `None`). See [`ReuseCheck`].
     pub fn begin_export_reuse_check(&self) -> Option<ReuseCheck<'_, D>> {
-        self.exports.begin_check().then_some(ReuseCheck {
+        // Built only when begun: a check dropped unfinished resets the verdict.
+        self.exports.begin_check().then(|| ReuseCheck {
             pool: self,
             finished: false,
         })
