@@ -132,8 +132,10 @@ pub struct ReuseCheck<'p, D: Driver + ?Sized> {
 }
 
 impl<D: Driver + ?Sized> ReuseCheck<'_, D> {
-    /// Lets the allocation of `bytes` at `base` reuse its cached blob: set it before the
-    /// earlier allocation there is freed, so that its entry stays.
+    /// Lets the allocation of `bytes` at `base` reuse its cached blob. Set it once the
+    /// checker's own new allocation holds `base`, so that nothing else is lent on trial;
+    /// free the earlier allocation there as torch does (not through
+    /// [`SharedPool::free`], which drops the entry of an address that may not reuse it).
     pub fn trial(&self, base: DevicePtr, bytes: u64) {
         self.pool.exports.set_trial(base.0, bytes);
     }

@@ -291,10 +291,9 @@ impl Battery<'_> {
         };
         let mut held = Vec::new();
         let trial = self.reuse_trial(&check, &mut held);
-        for p in held {
-            let _ = parent.pool().free(p, self.stream);
-        }
-        let _ = parent.driver().stream_synchronize(self.stream);
+        // The verdict first, which ends the trial: once the check's allocation is freed,
+        // another thread's allocation may take its address, and must not be lent with the
+        // old blob on trial.
         match trial {
             Trial::Proven => check.finish(Ok(())),
             Trial::NotProven(why) => check.finish(Err(why)),
@@ -304,6 +303,10 @@ impl Battery<'_> {
                 drop(check);
             }
         }
+        for p in held {
+            let _ = parent.pool().free(p, self.stream);
+        }
+        let _ = parent.driver().stream_synchronize(self.stream);
     }
 
     /// The check's steps (see the module docs); what it allocates goes into `held`, for
@@ -345,10 +348,14 @@ impl Battery<'_> {
             }
             Err(e) => return Trial::Inconclusive(format!("lending the first allocation: {e}")),
         }
-        // Freed after the job (its DONE waited on by this stream); the trial keeps its entry.
-        check.trial(a, size);
+        // Freed after the job (its DONE waited on by this stream), as torch frees: the
+        // cache is not told, so A's entry stays.
         held.retain(|&p| p != a);
-        if let Err(e) = pool.free(a, s) {
+        // Waited for, so that the pool may hand the memory out on any stream.
+        if let Err(e) = d
+            .mem_free_async(a, s)
+            .and_then(|()| d.stream_synchronize(s))
+        {
             return setup(&e);
         }
         // B: the same size until the pool hands A's address back, each miss held.
@@ -371,6 +378,8 @@ impl Battery<'_> {
                  of the same size: nothing to prove reuse on"
             ));
         };
+        // Only now, with B (ours) at the address, may the address reuse its blob on trial.
+        check.trial(b, size);
         if let Err(e) = echo::fill_pattern(&*d, b, bytes, AFTER, s) {
             return setup(&e);
         }
