@@ -716,6 +716,59 @@ mod tests {
     }
 
     #[test]
+    fn a_second_reuse_check_is_refused_and_leaves_the_first_running() {
+        let pool = exporting(4096, 0, |_| Ok(1));
+        let first = pool.begin_export_reuse_check().expect("the first check");
+        assert!(pool.begin_export_reuse_check().is_none());
+        assert_eq!(pool.export_reuse().0, ExportReuse::Checking);
+        first.finish(Ok(()));
+        assert!(pool.begin_export_reuse_check().is_none());
+        assert_eq!(pool.export_reuse(), (ExportReuse::Proven, None));
+        assert_eq!(pool.export_cache_stats().reuse, ExportReuse::Proven);
+    }
+
+    #[test]
+    fn a_reuse_check_dropped_unfinished_can_be_made_again() {
+        let pool = exporting(4096, 0, |_| Ok(1));
+        drop(pool.begin_export_reuse_check());
+        assert_eq!(pool.export_reuse().0, ExportReuse::Unchecked);
+        pool.begin_export_reuse_check()
+            .expect("a second try")
+            .finish(Err("no".into()));
+        assert_eq!(
+            pool.export_reuse(),
+            (ExportReuse::NotProven, Some("no".into()))
+        );
+    }
+
+    #[test]
+    fn once_proven_a_recycled_address_of_the_same_size_is_not_exported_again() {
+        let gib = 1u64 << 30;
+        let pool = exporting(gib, 2, |_| Ok(0));
+        pool.begin_export_reuse_check()
+            .expect("check")
+            .finish(Ok(()));
+        let base = DevicePtr(0x1000);
+        let first = pool.export_known(base, gib, Some(917)).unwrap();
+        // A new allocation there (buffer id 918), same size: the cached blob, no export.
+        assert_eq!(pool.export_known(base, gib, Some(918)).unwrap(), first);
+        // Another size there: exported (the driver's second blob).
+        assert_ne!(pool.export_known(base, gib / 2, Some(919)).unwrap(), first);
+        let s = pool.export_cache_stats();
+        assert_eq!((s.reused, s.reused_bytes, s.misses, s.stale), (1, gib, 1, 1));
+    }
+
+    #[test]
+    fn unproven_a_recycled_address_of_the_same_size_is_exported_again() {
+        let pool = exporting(4096, 2, |_| Ok(0));
+        let base = DevicePtr(0x1000);
+        pool.export_known(base, 4096, Some(1)).unwrap();
+        pool.export_known(base, 4096, Some(2)).unwrap();
+        let s = pool.export_cache_stats();
+        assert_eq!((s.reused, s.stale), (0, 1));
+    }
+
+    #[test]
     fn without_a_buffer_id_every_export_goes_to_the_driver() {
         let pool = exporting(4096, 2, |_| {
             Err(DriverError::Call {
