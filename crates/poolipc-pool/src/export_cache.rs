@@ -24,6 +24,13 @@
 //! different size never reuses a blob, proven or not: the worker's mapping would not be the
 //! live allocation's range (larger: it would reach past it).
 //!
+//! Ordering is unchanged by reuse: the blob names an address range, and the contract orders
+//! every access to it (the parent frees the old allocation only after the worker's ACK, behind
+//! its DONE; the pool hands the address out again after that free; the worker touches the new
+//! allocation only after the READY recorded after it was written). The worker's side of this,
+//! and why its import cache keyed by blob stays sound, is written down at its `Import` action
+//! (`poolipc`'s `worker.rs`).
+//!
 //! Security: nothing new. A worker holding the pool's FD and any blob of the pool reaches that
 //! range of the pool, whatever lives there now, with or without this cache: the pool FD is a
 //! capability to the pool, not to one tensor (docs/facts.md). Reusing blobs hands a worker no
@@ -532,6 +539,21 @@ mod tests {
         c.insert(9, 9, blob(1), 1);
         assert_eq!(c.stats().entries, 0);
         assert_eq!(c.stats().evictions, 4);
+    }
+
+    #[test]
+    fn cleared_entries_are_misses_and_a_reusable_entry_outlives_a_free_only_once_proven() {
+        let c = ExportCache::new(4);
+        c.insert(0xa, 1, blob(1), 1);
+        c.forget_unless_reusable(0xa);
+        assert_eq!(c.lookup(0xa, 1, None), Lookup::Miss, "unproven: dropped");
+        c.set_reuse(ExportReuse::Proven);
+        c.insert(0xa, 1, blob(1), 1);
+        c.forget_unless_reusable(0xa);
+        assert_eq!(c.lookup(0xa, 2, Some(1)), Lookup::Reused(blob(1)), "proven: kept");
+        c.clear();
+        assert_eq!(c.lookup(0xa, 2, Some(1)), Lookup::Miss);
+        assert_eq!(c.stats().entries, 0);
     }
 
     #[test]
