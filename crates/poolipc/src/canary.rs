@@ -333,8 +333,9 @@ impl Battery<'_> {
             Err(e) => return setup(&e),
         };
         held.push(a);
-        let size = match d.pointer_get_range(a) {
-            Ok((_, size)) => size,
+        // The size as the lend path reads it (one `cuPointerGetAttributes`).
+        let size = match d.pointer_info(a) {
+            Ok(info) => info.size,
             Err(e) => return setup(&e),
         };
         if let Err(e) = echo::fill_pattern(&*d, a, bytes, BEFORE, s) {
@@ -378,6 +379,16 @@ impl Battery<'_> {
                  of the same size: nothing to prove reuse on"
             ));
         };
+        match d.pointer_info(b) {
+            Ok(info) if info.size == size => {}
+            Ok(info) => {
+                return Trial::NotProven(format!(
+                    "the new allocation at the address reports {} bytes, the old {size}",
+                    info.size
+                ));
+            }
+            Err(e) => return setup(&e),
+        }
         // Only now, with B (ours) at the address, may the address reuse its blob on trial.
         check.trial(b, size);
         if let Err(e) = echo::fill_pattern(&*d, b, bytes, AFTER, s) {
