@@ -1017,6 +1017,22 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
             cell(ratio(num(m, "torch_mp_us"), mu), 1),
         );
     }
+    println!(
+        "  export reuse: plain {}, MPS {} (recycled / re-lend, and recycled lends that reused the blob):",
+        plain["export_reuse"]["verdict"], under["export_reuse"]["verdict"]
+    );
+    for (p, m) in rows(&plain).iter().zip(rows(&under).iter()) {
+        println!(
+            "  {:>10}  plain {}× ({}/{}), MPS {}× ({}/{})",
+            human(p["bytes"].as_u64().unwrap_or(0)),
+            cell(num(p, "recycled_to_relend"), 2),
+            p["recycled_blob_reused"],
+            p["recycled_lends"],
+            cell(num(m, "recycled_to_relend"), 2),
+            m["recycled_blob_reused"],
+            m["recycled_lends"],
+        );
+    }
     match &mixed {
         Some(m) => {
             for r in rows(m) {
