@@ -397,7 +397,14 @@ impl Battery<'_> {
         // Lent with A's blob: never exported since B was allocated.
         let out = match self.job(&[input(b)], true) {
             Ok(out) => out,
-            Err(e) if self.lost => return Trial::Inconclusive(format!("the worker was lost: {e}")),
+            // Lost here, most likely to the old blob: not proven, for good, so that no later
+            // worker is lost to the same check.
+            Err(e) if self.lost => {
+                return Trial::NotProven(format!(
+                    "the worker was lost in the job lending the new allocation with the old \
+                     blob: {e}"
+                ));
+            }
             Err(e) => {
                 return Trial::NotProven(format!(
                     "the job lending the new allocation with the old blob failed: {e}"
