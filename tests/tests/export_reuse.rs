@@ -77,7 +77,11 @@ fn lend_and_echo(
     let d = Arc::clone(p.driver());
     echo::fill_pattern(&*d, ptr, BYTES, pattern, stream)?;
     let out = p.run_job(w, &[input(ptr)], stream)?;
-    ensure!(out.input_rungs == [Rung::PoolPointer], "{:?}", out.input_rungs);
+    ensure!(
+        out.input_rungs == [Rung::PoolPointer],
+        "{:?}",
+        out.input_rungs
+    );
     d.stream_synchronize(stream)?;
     let r = &out.results[0];
     let check = echo::verify_echo(&*d, r.ptr, r.bytes, 0, pattern, 0);
@@ -98,7 +102,11 @@ fn lend_for_write(
     let d = Arc::clone(p.driver());
     echo::fill_pattern(&*d, ptr, BYTES, 0x5555_5555, stream)?;
     let out = p.run_job(w, &[input(ptr)], stream)?;
-    ensure!(out.input_rungs == [Rung::PoolPointer], "{:?}", out.input_rungs);
+    ensure!(
+        out.input_rungs == [Rung::PoolPointer],
+        "{:?}",
+        out.input_rungs
+    );
     d.stream_synchronize(stream)?;
     let mut word = [0u8; 8];
     d.memcpy_dtoh(&mut word, ptr)?;
@@ -172,8 +180,7 @@ both_drivers!(
 /// new allocation. The check must fail without costing the worker its rung, and every
 /// recycled lend must be exported again, and still be right.
 #[test]
-fn where_old_blobs_do_not_reach_new_allocations_the_check_fails_and_every_allocation_is_exported()
-{
+fn where_old_blobs_do_not_reach_new_allocations_the_check_fails_and_every_allocation_is_exported() {
     poolipc_tests::init_tracing();
     let env = Env::sim_with(SimConfig {
         blob_per_allocation: true,

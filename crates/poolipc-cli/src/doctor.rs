@@ -306,7 +306,9 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let reuse = if t.failures.is_empty() {
         export_reuse_check(&driver, dev, reuse_env)
     } else {
-        Err(anyhow::anyhow!("not checked: pool pointers do not work here"))
+        Err(anyhow::anyhow!(
+            "not checked: pool pointers do not work here"
+        ))
     };
     let reuse_json = match &reuse {
         Ok((verdict, why)) => serde_json::json!({

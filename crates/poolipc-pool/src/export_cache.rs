@@ -534,7 +534,11 @@ mod tests {
         }
         c.set_capacity(1);
         assert_eq!(c.stats().entries, 1);
-        assert_eq!(c.lookup(3, 3, None), Lookup::Hit(blob(1)), "the newest stays");
+        assert_eq!(
+            c.lookup(3, 3, None),
+            Lookup::Hit(blob(1)),
+            "the newest stays"
+        );
         c.set_capacity(0);
         c.insert(9, 9, blob(1), 1);
         assert_eq!(c.stats().entries, 0);
@@ -550,7 +554,11 @@ mod tests {
         c.set_reuse(ExportReuse::Proven);
         c.insert(0xa, 1, blob(1), 1);
         c.forget_unless_reusable(0xa);
-        assert_eq!(c.lookup(0xa, 2, Some(1)), Lookup::Reused(blob(1)), "proven: kept");
+        assert_eq!(
+            c.lookup(0xa, 2, Some(1)),
+            Lookup::Reused(blob(1)),
+            "proven: kept"
+        );
         c.clear();
         assert_eq!(c.lookup(0xa, 2, Some(1)), Lookup::Miss);
         assert_eq!(c.stats().entries, 0);

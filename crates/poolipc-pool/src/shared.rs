@@ -755,7 +755,10 @@ mod tests {
         // Another size there: exported (the driver's second blob).
         assert_ne!(pool.export_known(base, gib / 2, Some(919)).unwrap(), first);
         let s = pool.export_cache_stats();
-        assert_eq!((s.reused, s.reused_bytes, s.misses, s.stale), (1, gib, 1, 1));
+        assert_eq!(
+            (s.reused, s.reused_bytes, s.misses, s.stale),
+            (1, gib, 1, 1)
+        );
     }
 
     #[test]

@@ -270,9 +270,7 @@ impl Battery<'_> {
     /// Checks the echo of `out`'s first result against `pattern`, then gives `out` back.
     fn echoed(&self, out: JobOutput, pattern: u32) -> Result<(), String> {
         let check = match out.results.first() {
-            Some(r) => {
-                echo::verify_echo(&**self.parent.driver(), r.ptr, r.bytes, 0, pattern, 0)
-            }
+            Some(r) => echo::verify_echo(&**self.parent.driver(), r.ptr, r.bytes, 0, pattern, 0),
             None => Err("the job gave no result".into()),
         };
         self.give_back(out);
@@ -414,8 +412,7 @@ impl Battery<'_> {
         if !check.trial_used() {
             self.give_back(out);
             return Trial::NotProven(
-                "the export cache did not hold the old blob (is it off?): nothing was tried"
-                    .into(),
+                "the export cache did not hold the old blob (is it off?): nothing was tried".into(),
             );
         }
         if let Err(why) = self.echoed(out, AFTER) {

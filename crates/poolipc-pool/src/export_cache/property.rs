@@ -94,7 +94,8 @@ fn check(ops: &[Op], capacity: usize, setup: Setup) -> Result<Seen, String> {
     let pool = SharedPool::install(Arc::clone(&d), 0).map_err(|e| e.to_string())?;
     pool.set_export_cache_capacity(capacity);
     pool.export_cache().set_skip_id_check(setup.skip_id_check);
-    pool.export_cache().set_skip_size_check(setup.skip_size_check);
+    pool.export_cache()
+        .set_skip_size_check(setup.skip_size_check);
     pool.export_cache().set_reuse(setup.reuse);
     let proven = setup.reuse == ExportReuse::Proven;
     let mut live: Vec<Live> = Vec::new();
