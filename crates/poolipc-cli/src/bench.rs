@@ -187,6 +187,10 @@ struct Row {
     /// Of the recycled round trip, the wait after the job returned (its DONE frame handled)
     /// until the caller's stream is done: the GPU's part, like the floor's gate.
     recycled_gpu_wait_us: f64,
+    /// Recycled lends (after the first) served with the cached blob: no export (export
+    /// reuse proven), out of `recycled_lends`.
+    recycled_reused: u64,
+    recycled_lends: u64,
     /// The same live allocation lent again: the export cache's hit.
     relend_us: f64,
     staging_us: f64,
@@ -330,6 +334,17 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         );
     }
     let worker = parent.spawn_worker(cmd).context("starting the worker")?;
+    // No canary battery here, so the export reuse check is made on its own: recycled
+    // allocations of the same size are then lent with their cached blob.
+    let (reuse, reuse_why) = parent
+        .check_export_reuse(worker)
+        .context("the export reuse check")?;
+    if !args.json {
+        match &reuse_why {
+            Some(why) => println!("  export reuse: {reuse}: {why}"),
+            None => println!("  export reuse: {reuse}"),
+        }
+    }
     let d: Arc<dyn Driver> = Arc::clone(&driver);
     let stream = d.stream_create()?;
     let mut rows = Vec::new();
@@ -346,9 +361,12 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         let mut times = Vec::with_capacity(iterations);
         let mut first = f64::NAN;
         let mut waits = Vec::with_capacity(iterations);
+        let mut recycled_reused = 0;
         for i in 0..=iterations {
             // The same size allocated and freed each time: the first is fresh pool memory,
-            // the rest recycled (a new allocation at the same address: exported again).
+            // the rest recycled (a new allocation at the same address: its cached blob
+            // reused once export reuse is proven, else exported again).
+            let reused_before = parent.pool().export_cache_stats().reused;
             let ptr = parent
                 .pool()
                 .alloc(bytes, stream)
@@ -365,6 +383,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             } else {
                 times.push(us);
                 waits.push(wait);
+                recycled_reused += parent.pool().export_cache_stats().reused - reused_before;
             }
             parent.pool().free(ptr, stream)?;
             d.stream_synchronize(stream)?;
@@ -434,6 +453,8 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             recycled_us: median(&mut times),
             recycled_p90_us: percentile(&mut times, 0.9),
             recycled_gpu_wait_us: median(&mut waits),
+            recycled_reused,
+            recycled_lends: iterations as u64,
             relend_us: median(&mut relends),
             staging_us: median(&mut staged),
             host_copy_us: median(&mut copies),
@@ -613,6 +634,9 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
                 "recycled_p90_us": r.recycled_p90_us,
                 "recycled_gpu_wait_us": r.recycled_gpu_wait_us,
                 "relend_median_us": r.relend_us,
+                "recycled_to_relend": r.recycled_us / r.relend_us,
+                "recycled_blob_reused": r.recycled_reused,
+                "recycled_lends": r.recycled_lends,
                 "host_staging_median_us": r.staging_us,
                 "host_copy_median_us": r.host_copy_us,
                 "speedup_vs_host_staging": r.staging_us / r.recycled_us,
@@ -669,6 +693,12 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "misses": cache.misses,
             "stale": cache.stale,
             "bytes_saved": cache.bytes_saved,
+            "reused": cache.reused,
+            "reused_bytes": cache.reused_bytes,
+        },
+        "export_reuse": {
+            "verdict": format!("{reuse:?}"),
+            "why_not": reuse_why,
         },
     });
     if let Some(path) = &args.json_out {
@@ -717,7 +747,26 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             r.host_copy_us / r.recycled_us
         );
     }
-    println!("  recycled: a new allocation at a recycled address each time (exported again)");
+    if reuse == poolipc::ExportReuse::Proven {
+        println!(
+            "  recycled: a new allocation at a recycled address each time (export reuse proven: \
+             its cached blob is lent, no new export)"
+        );
+    } else {
+        println!(
+            "  recycled: a new allocation at a recycled address each time (export reuse {reuse}: \
+             exported again)"
+        );
+    }
+    for r in &rows {
+        println!(
+            "    {:>10}: recycled / re-lend {:.2}×; {} of {} recycled lends reused the blob",
+            human(r.bytes),
+            r.recycled_us / r.relend_us,
+            r.recycled_reused,
+            r.recycled_lends
+        );
+    }
     println!("  re-lend: the same live allocation lent again (its export comes from the cache)");
     println!(
         "  staging: the same round trip on the host-staging rung (pinned shared memory, double-buffered)"
@@ -966,6 +1015,22 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
             cell(num(m, "relend_median_us"), 1),
             cell(num(m, "torch_mp_us"), 1),
             cell(ratio(num(m, "torch_mp_us"), mu), 1),
+        );
+    }
+    println!(
+        "  export reuse: plain {}, MPS {} (recycled / re-lend, and recycled lends that reused the blob):",
+        plain["export_reuse"]["verdict"], under["export_reuse"]["verdict"]
+    );
+    for (p, m) in rows(&plain).iter().zip(rows(&under).iter()) {
+        println!(
+            "  {:>10}  plain {}× ({}/{}), MPS {}× ({}/{})",
+            human(p["bytes"].as_u64().unwrap_or(0)),
+            cell(num(p, "recycled_to_relend"), 2),
+            p["recycled_blob_reused"],
+            p["recycled_lends"],
+            cell(num(m, "recycled_to_relend"), 2),
+            m["recycled_blob_reused"],
+            m["recycled_lends"],
         );
     }
     match &mixed {

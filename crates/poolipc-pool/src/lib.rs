@@ -17,11 +17,24 @@
 //! before too (docs/facts.md). [`SharedPool::export`] therefore keeps each allocation's blob, keyed
 //! by its base address with its `CU_POINTER_ATTRIBUTE_BUFFER_ID`, which the driver makes new for
 //! every allocation: an address the pool hands out again (torch freed and reallocated, without
-//! telling us) has a new id, so its old blob is never served. A repeated export costs one
-//! attribute query instead of the export. The cache is bounded
+//! telling us) has a new id, so its old blob is not served for it as a hit. A repeated export
+//! costs one attribute query instead of the export. The cache is bounded
 //! ([`DEFAULT_EXPORT_CACHE_ENTRIES`], least recently used out first,
 //! [`SharedPool::set_export_cache_capacity`]) and counts its hits, misses, stale entries,
 //! evictions and the bytes it saved ([`SharedPool::export_cache_stats`]).
+//!
+//! # Export reuse at a recycled address
+//!
+//! On driver 580 the blob of an address is the same every time, and an import of an old blob
+//! maps the blob's range at that address, whatever allocation lives there now (docs/facts.md,
+//! 2026-12-04). So a new allocation at a cached address **with the cached size** may be lent
+//! with the cached blob, saving the export (0.35–0.43 ms/GiB). Undocumented, so only once a
+//! startup check with a real worker proved it on this driver ([`ExportReuse`],
+//! [`SharedPool::begin_export_reuse_check`], run by the facade's canary battery); otherwise,
+//! and always for a different size, the allocation is exported again. Security: a worker
+//! holding the pool FD and any blob reaches that range of the pool whatever lives there, with
+//! or without reuse; the pool FD is a capability to the whole pool (the hostile-worker issue
+//! handles that).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -33,7 +46,7 @@ mod stats;
 
 pub use arena::{Arena, ArenaAllocator, ArenaBlock, ArenaError, ArenaMapping};
 pub use cache::{CacheError, ImportCache, Released};
-pub use export_cache::{DEFAULT_EXPORT_CACHE_ENTRIES, ExportCacheStats};
+pub use export_cache::{DEFAULT_EXPORT_CACHE_ENTRIES, ExportCacheStats, ExportReuse};
 pub use poolipc_types::{CHUNK_BYTES, ImportLimit, LimitExceeded, MAX_CHUNKS};
-pub use shared::{AttachedPool, PoolError, SharedPool, TORCH_POOL_ATTRIBUTES};
+pub use shared::{AttachedPool, PoolError, ReuseCheck, SharedPool, TORCH_POOL_ATTRIBUTES};
 pub use stats::PoolStats;

@@ -10,7 +10,9 @@ use poolipc_driver::{
     PoolHandle, PoolSharing, StreamHandle,
 };
 
-use crate::export_cache::{DEFAULT_EXPORT_CACHE_ENTRIES, ExportCache, ExportCacheStats, Lookup};
+use crate::export_cache::{
+    DEFAULT_EXPORT_CACHE_ENTRIES, ExportCache, ExportCacheStats, ExportReuse, Lookup,
+};
 use crate::stats::PoolStats;
 
 /// Errors of installing, attaching or using the shared pool.
@@ -111,8 +113,69 @@ pub struct SharedPool<D: Driver + ?Sized> {
 pub(crate) enum Served {
     /// From the cache, for the allocation of this buffer id.
     Cached { buffer_id: u64 },
+    /// From the cache, the blob of an earlier allocation at this address of the same size,
+    /// reused for the allocation of this buffer id (reuse proven or on trial).
+    Reused { buffer_id: u64 },
     /// From `cuMemPoolExportPointer`.
     Exported,
+}
+
+/// The startup check of export reuse, begun with
+/// [`SharedPool::begin_export_reuse_check`]: while it is held, the one address and size
+/// given to [`trial`](ReuseCheck::trial) may reuse its cached blob. Dropped without
+/// [`finish`](ReuseCheck::finish), the check counts as not made (a later one may run).
+#[derive(Debug)]
+#[must_use = "a dropped check counts as not made"]
+pub struct ReuseCheck<'p, D: Driver + ?Sized> {
+    pool: &'p SharedPool<D>,
+    finished: bool,
+}
+
+impl<D: Driver + ?Sized> ReuseCheck<'_, D> {
+    /// Lets the allocation of `bytes` at `base` reuse its cached blob. Set it once the
+    /// checker's own new allocation holds `base`, so that nothing else is lent on trial;
+    /// free the earlier allocation there as torch does (not through
+    /// [`SharedPool::free`], which drops the entry of an address that may not reuse it).
+    pub fn trial(&self, base: DevicePtr, bytes: u64) {
+        self.pool.exports.set_trial(base.0, bytes);
+    }
+
+    /// Whether an export since [`trial`](ReuseCheck::trial) reused the cached blob (if not,
+    /// the check has tested nothing: the entry was evicted, or the export cache is off).
+    #[must_use]
+    pub fn trial_used(&self) -> bool {
+        self.pool.exports.trial_used()
+    }
+
+    /// Records the verdict: `Ok` proven (a recycled address of the same size reuses its blob
+    /// from now on), `Err(why)` not proven (every new allocation is exported, for good).
+    pub fn finish(mut self, verdict: Result<(), String>) {
+        self.finished = true;
+        match &verdict {
+            Ok(()) => tracing::info!(
+                pool = ?self.pool.pool,
+                "poolipc: export reuse proven on this driver: a worker imported an old \
+                 allocation's blob and reached the new allocation of the same size at its \
+                 address; recycled addresses of the same size are not exported again"
+            ),
+            Err(why) => tracing::warn!(
+                pool = ?self.pool.pool,
+                %why,
+                "poolipc: export reuse not proven on this driver; every new allocation is \
+                 exported (cuMemPoolExportPointer, about 0.4 ms/GiB)"
+            ),
+        }
+        self.pool.exports.end_check(Some(verdict));
+    }
+}
+
+impl<D: Driver + ?Sized> Drop for ReuseCheck<'_, D> {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::debug!("poolipc: the export reuse check was not made; it may run again");
+            self.pool.exports.end_check(None);
+        }
+    }
 }
 
 impl<D: Driver + ?Sized> SharedPool<D> {
@@ -209,10 +272,11 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             .mem_alloc_from_pool_async(bytes, self.pool, stream)?)
     }
 
-    /// Free an allocation of this pool, stream-ordered, and drop its cached export.
+    /// Free an allocation of this pool, stream-ordered, and drop its cached export (kept
+    /// when reuse is proven: a later allocation of the same size there reuses it).
     pub fn free(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), PoolError> {
         self.driver.mem_free_async(ptr, stream)?;
-        self.exports.forget(ptr.0);
+        self.exports.forget_unless_reusable(ptr.0);
         Ok(())
     }
 
@@ -230,6 +294,11 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     /// later one the pool handed out there (the export is made again and replaces the entry).
     /// Only exports of this pool's allocations are cached, so a hit needs no pool check. When
     /// the buffer id cannot be read, the export is made as without a cache.
+    ///
+    /// Once [export reuse](SharedPool::export_reuse) is proven, a new allocation at a cached
+    /// address whose size is the cached one reuses the cached blob: the driver's blob of an
+    /// address maps that range, whatever lives there now (see the export cache's module
+    /// docs). A different size is exported again.
     pub fn export(&self, ptr: DevicePtr) -> Result<ExportBlob, PoolError> {
         self.export_traced(ptr).map(|(blob, _)| blob)
     }
@@ -244,10 +313,32 @@ impl<D: Driver + ?Sized> SharedPool<D> {
                 return Ok((self.export_uncached(ptr)?, Served::Exported));
             }
         };
-        match self.exports.lookup(ptr.0, buffer_id) {
+        // The live allocation's size, for a reuse: only where one may happen (one query
+        // more), and only for an allocation's base in this pool.
+        let bytes = if self.exports.may_reuse() {
+            match (
+                self.driver.pointer_get_range(ptr),
+                self.driver.pointer_get_mempool(ptr),
+            ) {
+                (Ok((base, bytes)), Ok(pool)) if base == ptr && pool == self.pool => Some(bytes),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        match self.exports.lookup(ptr.0, buffer_id, bytes) {
             Lookup::Hit(blob) => {
                 tracing::trace!(?ptr, buffer_id, "export cache hit");
                 return Ok((blob, Served::Cached { buffer_id }));
+            }
+            Lookup::Reused(blob) => {
+                tracing::trace!(
+                    ?ptr,
+                    buffer_id,
+                    ?bytes,
+                    "export cache: a recycled address of the same size reuses its blob"
+                );
+                return Ok((blob, Served::Reused { buffer_id }));
             }
             Lookup::Stale => {
                 tracing::trace!(
@@ -285,7 +376,8 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     /// then costs no driver call at all, a miss only the export. An entry is keyed by the
     /// buffer id read before the export, so even if the allocation died meanwhile (the
     /// caller's misuse), the entry can only be found by that id again, which no later
-    /// allocation has.
+    /// allocation has; or, once reuse is proven, by a later allocation of the same `size`
+    /// there, which the blob reaches (the pool check is the caller's: `base` is this pool's).
     pub fn export_known(
         &self,
         base: DevicePtr,
@@ -296,9 +388,21 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             self.exports.count_uncached();
             return Ok(self.driver.mem_pool_export_pointer(base)?);
         };
-        if let Lookup::Hit(blob) = self.exports.lookup(base.0, id) {
-            tracing::trace!(?base, buffer_id = id, "export cache hit");
-            return Ok(blob);
+        match self.exports.lookup(base.0, id, Some(size)) {
+            Lookup::Hit(blob) => {
+                tracing::trace!(?base, buffer_id = id, "export cache hit");
+                return Ok(blob);
+            }
+            Lookup::Reused(blob) => {
+                tracing::trace!(
+                    ?base,
+                    buffer_id = id,
+                    size,
+                    "export cache: a recycled address of the same size reuses its blob"
+                );
+                return Ok(blob);
+            }
+            Lookup::Miss | Lookup::Stale => {}
         }
         let blob = self.driver.mem_pool_export_pointer(base)?;
         self.exports.insert(base.0, id, blob, size);
@@ -321,6 +425,22 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     /// the bytes whose export hits saved.
     pub fn export_cache_stats(&self) -> ExportCacheStats {
         self.exports.stats()
+    }
+
+    /// Whether a new allocation at a recycled address, of the same size, reuses the cached
+    /// blob (proven by the startup check), and why not where the check said so.
+    pub fn export_reuse(&self) -> (ExportReuse, Option<String>) {
+        self.exports.reuse()
+    }
+
+    /// Begins the startup check of export reuse (the canary battery's), unless one ran or
+    /// runs already (then `None`). See [`ReuseCheck`].
+    pub fn begin_export_reuse_check(&self) -> Option<ReuseCheck<'_, D>> {
+        // Built only when begun: a check dropped unfinished resets the verdict.
+        self.exports.begin_check().then(|| ReuseCheck {
+            pool: self,
+            finished: false,
+        })
     }
 
     /// Keep at most `entries` exports from now on (default
@@ -350,6 +470,8 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         self.driver.use_device(self.device)?;
         self.driver.ctx_synchronize()?;
         let before = PoolStats::read(&*self.driver, self.pool)?.reserved_current;
+        // Memory given back and mapped again later is not what the reuse check proved.
+        self.exports.clear();
         self.driver.mem_pool_trim_to(self.pool, 0)?;
         let after = PoolStats::read(&*self.driver, self.pool)?.reserved_current;
         tracing::debug!(before, after, "poolipc: pool trimmed");
@@ -591,6 +713,62 @@ mod tests {
         assert_eq!(pool.export(DevicePtr(0x1000)).unwrap(), second);
         let s = pool.export_cache_stats();
         assert_eq!((s.hits, s.misses, s.stale, s.entries), (1, 1, 1, 1));
+    }
+
+    #[test]
+    fn a_second_reuse_check_is_refused_and_leaves_the_first_running() {
+        let pool = exporting(4096, 0, |_| Ok(1));
+        let first = pool.begin_export_reuse_check().expect("the first check");
+        assert!(pool.begin_export_reuse_check().is_none());
+        assert_eq!(pool.export_reuse().0, ExportReuse::Checking);
+        first.finish(Ok(()));
+        assert!(pool.begin_export_reuse_check().is_none());
+        assert_eq!(pool.export_reuse(), (ExportReuse::Proven, None));
+        assert_eq!(pool.export_cache_stats().reuse, ExportReuse::Proven);
+    }
+
+    #[test]
+    fn a_reuse_check_dropped_unfinished_can_be_made_again() {
+        let pool = exporting(4096, 0, |_| Ok(1));
+        drop(pool.begin_export_reuse_check());
+        assert_eq!(pool.export_reuse().0, ExportReuse::Unchecked);
+        pool.begin_export_reuse_check()
+            .expect("a second try")
+            .finish(Err("no".into()));
+        assert_eq!(
+            pool.export_reuse(),
+            (ExportReuse::NotProven, Some("no".into()))
+        );
+    }
+
+    #[test]
+    fn once_proven_a_recycled_address_of_the_same_size_is_not_exported_again() {
+        let gib = 1u64 << 30;
+        let pool = exporting(gib, 2, |_| Ok(0));
+        pool.begin_export_reuse_check()
+            .expect("check")
+            .finish(Ok(()));
+        let base = DevicePtr(0x1000);
+        let first = pool.export_known(base, gib, Some(917)).unwrap();
+        // A new allocation there (buffer id 918), same size: the cached blob, no export.
+        assert_eq!(pool.export_known(base, gib, Some(918)).unwrap(), first);
+        // Another size there: exported (the driver's second blob).
+        assert_ne!(pool.export_known(base, gib / 2, Some(919)).unwrap(), first);
+        let s = pool.export_cache_stats();
+        assert_eq!(
+            (s.reused, s.reused_bytes, s.misses, s.stale),
+            (1, gib, 1, 1)
+        );
+    }
+
+    #[test]
+    fn unproven_a_recycled_address_of_the_same_size_is_exported_again() {
+        let pool = exporting(4096, 2, |_| Ok(0));
+        let base = DevicePtr(0x1000);
+        pool.export_known(base, 4096, Some(1)).unwrap();
+        pool.export_known(base, 4096, Some(2)).unwrap();
+        let s = pool.export_cache_stats();
+        assert_eq!((s.reused, s.stale), (0, 1));
     }
 
     #[test]

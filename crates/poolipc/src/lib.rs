@@ -72,6 +72,7 @@ pub use parent::{
 };
 pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
+pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId};
 pub use tensor::{ResultShape, Rung, TensorDesc};
 pub use worker::{

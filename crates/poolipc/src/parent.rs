@@ -525,6 +525,11 @@ pub struct ParentStats {
     /// Inputs that crossed by a copy (arena copy, host staging), lent writable, whose bytes
     /// were copied back into the caller's tensor after the job.
     pub inputs_copied_back: u64,
+    /// Whether a new allocation at a recycled address of the first pool, of the same size,
+    /// is lent with its cached blob (proven by the canary battery's check) or exported
+    /// again; the counts are in the pool's
+    /// [`export_cache_stats`](poolipc_pool::SharedPool::export_cache_stats).
+    pub export_reuse: poolipc_pool::ExportReuse,
 }
 
 /// Allocates a job's result memory: `(shape, bytes, stream)` to an allocation of at least
@@ -1033,7 +1038,19 @@ impl Parent {
             arena_slices_lent: get(&s.arena_slices_lent),
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),
+            export_reuse: self.pool().export_reuse().0,
         }
+    }
+
+    /// Runs the export reuse check with `worker` unless the first pool has a verdict
+    /// already, and returns the verdict with why not proven (see [`crate::canary`]). The
+    /// canary battery does this on its own; a parent without it (`canary: false`) calls this
+    /// to stop exporting recycled allocations of the same size.
+    pub fn check_export_reuse(
+        &self,
+        worker: WorkerId,
+    ) -> Result<(poolipc_pool::ExportReuse, Option<String>), Error> {
+        crate::canary::check_export_reuse(self, worker)
     }
 
     /// Spawns `cmd` as a worker on an inherited socketpair, shakes hands with it and runs the

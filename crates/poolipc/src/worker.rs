@@ -172,6 +172,10 @@ pub struct Worker {
     cache: ImportCache,
     /// Live imports by allocation, as the machine asked for them.
     imports: HashMap<AllocId, Import>,
+    /// Imports of canary jobs the driver refused, by allocation, with why: the job fails
+    /// with that reason instead of the worker (the export reuse check lends an old blob on
+    /// purpose, and a driver that does not map it must not cost the worker).
+    failed_imports: HashMap<AllocId, String>,
     /// This process's copies of host-staged tensors, by handoff.
     staged: HashMap<HandoffId, StagedCopy>,
     /// READY events opened, by blob (the parent has a small ring of them per worker).
@@ -342,6 +346,7 @@ impl Worker {
             machine: contract::Worker::new(),
             cache: ImportCache::new(),
             imports: HashMap::new(),
+            failed_imports: HashMap::new(),
             staged: HashMap::new(),
             ready_events: HashMap::new(),
             done,
@@ -487,14 +492,39 @@ impl Worker {
         }
     }
 
-    /// Answers one job of the parent's canary battery as the echo worker does.
+    /// Answers one job of the parent's canary battery as the echo worker does; a job whose
+    /// id carries [`CANARY_IN_PLACE_BIT`](crate::canary::CANARY_IN_PLACE_BIT) also writes
+    /// [`echo::marker`](crate::echo::marker)`(i)` into the first word of each writable
+    /// pool-pointer input `i`, after the copy, for the parent to read back. A job whose
+    /// tensors cannot be viewed (an import the driver refused) was failed with the reason
+    /// already: the worker goes on.
     fn answer_canary(&mut self, started: Started) -> Result<(), Error> {
         let _canary = CanaryScope::enter();
-        self.job(started)
-            .and_then(|mut job| match crate::echo::answer(&mut job, None) {
-                Ok(()) => job.finish(),
-                Err(e) => job.fail(&e.to_string()),
-            })
+        let in_place = started.job.0 & crate::canary::CANARY_IN_PLACE_BIT != 0;
+        let mut job = match self.job(started) {
+            Ok(job) => job,
+            Err(e) => {
+                tracing::warn!(error = %e, "a canary job failed before it started");
+                return Ok(());
+            }
+        };
+        let answered = crate::echo::answer(&mut job, None).and_then(|()| {
+            if !in_place {
+                return Ok(());
+            }
+            let (driver, stream) = (job.driver().clone(), job.stream());
+            for (i, input) in job.inputs().iter().enumerate() {
+                if input.rung() == Rung::PoolPointer && !input.read_only() && input.byte_len() >= 4
+                {
+                    driver.memset_d32_async(input.ptr(), crate::echo::marker(i), 1, stream)?;
+                }
+            }
+            Ok(())
+        });
+        match answered {
+            Ok(()) => job.finish(),
+            Err(e) => job.fail(&e.to_string()),
+        }
     }
 
     /// The job as user code sees it. Should a view fail to build, the job is reported failed
@@ -542,16 +572,21 @@ impl Worker {
     /// process's copy (host staging, read-only).
     fn input_view(&mut self, t: LentTensor) -> Result<InputView, Error> {
         let ptr = match t.rung {
-            Rung::PoolPointer => self
-                .imports
-                .get(&t.alloc)
-                .map(|i| i.ptr.offset(t.meta.byte_offset))
-                .ok_or_else(|| {
-                    Error::Protocol(format!(
-                        "input {:?}: allocation {:?} is not imported",
-                        t.handle, t.alloc
-                    ))
-                })?,
+            Rung::PoolPointer => match self.imports.get(&t.alloc) {
+                Some(i) => i.ptr.offset(t.meta.byte_offset),
+                None => {
+                    return Err(match self.failed_imports.get(&t.alloc) {
+                        Some(why) => Error::InvalidTensor(format!(
+                            "input {:?}: the import of allocation {:?} failed: {why}",
+                            t.handle, t.alloc
+                        )),
+                        None => Error::Protocol(format!(
+                            "input {:?}: allocation {:?} is not imported",
+                            t.handle, t.alloc
+                        )),
+                    });
+                }
+            },
             Rung::HostStaging => self.staged.get(&t.handle).map(|c| c.ptr).ok_or_else(|| {
                 Error::Protocol(format!("staged input {:?} was never received", t.handle))
             })?,
@@ -797,7 +832,31 @@ impl Worker {
                     )));
                 }
                 let pool = self.pool_handle(pool)?;
-                let ptr = self.cache.acquire(&*self.driver, pool, &export)?;
+                // The cache is keyed by blob, and since export reuse a blob may name a new
+                // allocation at an old one's address: the parent lends a recycled address
+                // of the same size with the blob it exported for the earlier allocation (the
+                // driver's blob of an address and size is the same bytes anyway). That is
+                // sound here: an entry lives only while a handoff of this worker uses it
+                // (freed at the last Unimport, before DONE), so a blob found in the cache
+                // names the allocation lent now, whose range it maps, and nothing here ties
+                // a blob to one allocation beyond that. Ordering is unchanged: the parent
+                // frees the old allocation only after our ACK, its consumer stream waiting
+                // on our DONE first; the pool hands the address out again only after that
+                // free (stream order on that stream, the free's completion or its event
+                // dependency on another); the parent records READY after it allocated and
+                // wrote the new one; we touch it only after waiting on that READY. So even
+                // with the old allocation's DONE not yet complete on the GPU when the
+                // address is reused, every access of ours through the old blob is ordered
+                // after it.
+                let ptr = match self.cache.acquire(&*self.driver, pool, &export) {
+                    Ok(ptr) => ptr,
+                    Err(e) if crate::canary::is_canary(job) => {
+                        tracing::warn!(job = job.0, ?alloc, error = %e, "a canary's import failed");
+                        self.failed_imports.insert(alloc, e.to_string());
+                        return Ok(());
+                    }
+                    Err(e) => return Err(e.into()),
+                };
                 tracing::trace!(job = job.0, ?handoff, ?alloc, ?ptr, "imported");
                 self.imports.insert(alloc, Import { ptr, export });
             }
@@ -845,6 +904,9 @@ impl Worker {
                 }
             }
             WorkerAction::Unimport { alloc } => {
+                if self.failed_imports.remove(&alloc).is_some() {
+                    return Ok(());
+                }
                 let Some(import) = self.imports.remove(&alloc) else {
                     return Err(Error::Protocol(format!(
                         "the contract freed allocation {alloc:?}, which is not imported"

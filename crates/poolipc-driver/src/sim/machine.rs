@@ -20,6 +20,7 @@ pub(super) struct Machine {
     pub(super) memory: u64,
     pub(super) import_crash: bool,
     pub(super) peer_access: bool,
+    pub(super) blob_per_allocation: bool,
 }
 
 fn map_len() -> u64 {
@@ -51,6 +52,7 @@ impl Machine {
             memory,
             import_crash,
             peer_access: config.peer_access,
+            blob_per_allocation: config.blob_per_allocation,
         };
         m.with(|st| {
             st.magic = MAGIC;
@@ -61,6 +63,7 @@ impl Machine {
             st.import_crash = u32::from(import_crash);
             st.peer_access = u32::from(config.peer_access);
             st.mps = if config.mps { super::state::MPS_ON } else { 0 };
+            st.blob_per_allocation = u32::from(config.blob_per_allocation);
             for d in st.devices.iter_mut().take(devices as usize) {
                 d.total = memory;
             }
@@ -98,8 +101,9 @@ impl Machine {
             memory: 0,
             import_crash: true,
             peer_access: true,
+            blob_per_allocation: false,
         };
-        let (magic, layout, found, devices, memory, crash, peer) = m.with(|st| {
+        let (magic, layout, found, devices, memory, crash, peer, per_alloc) = m.with(|st| {
             (
                 st.magic,
                 st.layout,
@@ -108,6 +112,7 @@ impl Machine {
                 st.devices[0].total,
                 st.import_crash,
                 st.peer_access,
+                st.blob_per_allocation,
             )
         });
         if magic != MAGIC || layout != LAYOUT || found != id {
@@ -119,6 +124,7 @@ impl Machine {
         m.memory = memory;
         m.import_crash = crash != 0;
         m.peer_access = peer != 0;
+        m.blob_per_allocation = per_alloc != 0;
         Ok(m)
     }
 

@@ -13,7 +13,16 @@
 //! Every memory pool is a sparse memfd whose first page names the machine and the pool; its
 //! shareable handle ([`Driver::mem_pool_export_fd`]) is that memfd, a real FD that travels by
 //! SCM_RIGHTS. A pointer import maps it, so two processes share real bytes. Pointer export
-//! data is 64 bytes naming the machine, the pool, the allocation and its generation.
+//! data is 64 bytes naming the machine, the pool and the allocation's range (address and
+//! size): as on driver 580 (`reuse_blob.py`, docs/facts.md), the export of an address is the
+//! same bytes every time for the same size, and an import maps the range the blob names at
+//! that address, whatever allocation lives there now (its reads see the new allocation's
+//! bytes, its writes reach it, and the race detector sees its accesses as accesses to that
+//! pool memory). An import whose range is larger than the live allocation there is a
+//! recorded [`ViolationKind::ImportBeyondAllocation`]. With [`SimConfig::blob_per_allocation`]
+//! the simulated driver behaves the other way: the blob names the allocation and its
+//! generation, and an old allocation's blob does not import once the address holds a new
+//! allocation, so a reuse of old blobs fails as it would on such a driver.
 //!
 //! Device addresses are not host addresses: each process sees its own pools at
 //! `0x1_0000_0000_0000 + slot * 128 GiB`, imported pools at `0x2_...`, VMM reservations at
@@ -145,6 +154,13 @@ pub struct SimConfig {
     /// GPU fault in one process ([`Driver::launch_store_kernel`] through a bad address) ends
     /// every process's context, as on the H200 under MPS. Off: only the faulting process's.
     pub mps: bool,
+    /// Each allocation's pointer export names that allocation (its generation), so an old
+    /// allocation's export does not import once the pool handed its address out again, and
+    /// the new allocation's export differs from the old. Off (the default): driver 580's
+    /// behaviour, the export of an address and size is the same bytes every time and maps
+    /// whatever lives there (see the [module docs](self)). On: a driver on which poolipc's
+    /// startup check of export reuse must fail, so that its fallback is tested.
+    pub blob_per_allocation: bool,
 }
 
 impl Default for SimConfig {
@@ -156,6 +172,7 @@ impl Default for SimConfig {
             import_crash: true,
             peer_access: true,
             mps: false,
+            blob_per_allocation: false,
         }
     }
 }
@@ -1284,6 +1301,9 @@ fn blob_fields(b: &[u8; 64]) -> [u64; 8] {
 
 const BLOB_POINTER: u64 = 1;
 const BLOB_EVENT: u64 = 2;
+/// The block field of a pointer blob that names an address and size, not an allocation
+/// (driver 580's behaviour; see [`SimConfig::blob_per_allocation`]).
+const BLOB_BY_ADDRESS: u64 = u64::MAX;
 
 impl Driver for SimDriver {
     fn kind(&self) -> DriverKind {
@@ -1707,13 +1727,20 @@ impl Driver for SimDriver {
                 .live_block_at(slot, off)
                 .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
             let r = &st.blocks[b];
+            // Driver 580: the same bytes for the same address and size, whatever the
+            // allocation; the other way, the allocation and its generation.
+            let (block, generation) = if self.machine.blob_per_allocation {
+                (b as u64, r.generation)
+            } else {
+                (BLOB_BY_ADDRESS, 0)
+            };
             Ok(ExportBlob(export_blob([
                 state::MAGIC,
                 self.machine.id,
                 BLOB_POINTER,
                 slot as u64 | (st.pools[slot].generation << 8),
-                b as u64,
-                r.generation,
+                block,
+                generation,
                 r.offset,
                 r.bytes,
             ])))
@@ -1740,19 +1767,41 @@ impl Driver for SimDriver {
             || kind != BLOB_POINTER
             || !l.pools[&slot].imported
             || pool_id != (slot as u64 | (l.pools[&slot].generation << 8))
-            || block >= state::MAX_BLOCKS as u64
+            || (block >= state::MAX_BLOCKS as u64 && block != BLOB_BY_ADDRESS)
+            || (block == BLOB_BY_ADDRESS) == self.machine.blob_per_allocation
         {
             return Err(fail(CALL, CuCode::INVALID_VALUE));
         }
         let ptr = IMPORT_BASE + slot as u64 * POOL_SPAN + offset;
         let l = &mut *l;
         self.machine.with(|st| {
-            let (mut block, mut generation) = (block as usize, generation);
-            let b = &st.blocks[block];
-            let live = b.state == BLOCK_LIVE
-                && b.generation == generation
-                && b.pool as usize == slot
-                && b.offset == offset;
+            let (mut block, mut generation) = if block == BLOB_BY_ADDRESS {
+                // Driver 580: the blob names a range; it maps whatever allocation starts
+                // there now. Its range, not the allocation's: one larger than the live
+                // allocation reaches past it (measured on the H200), a violation here.
+                match st.live_block_at(slot, offset) {
+                    Some(b) => {
+                        let (live_bytes, g) = (st.blocks[b].bytes, st.blocks[b].generation);
+                        if live_bytes < bytes {
+                            st.violation(ViolationKind::ImportBeyondAllocation, CALL, self.pid)
+                                .block(b, g)
+                                .values(bytes, live_bytes)
+                                .log();
+                        }
+                        (b, g)
+                    }
+                    // No allocation starts there: the freed-memory path below decides.
+                    None => (usize::MAX, 0),
+                }
+            } else {
+                (block as usize, generation)
+            };
+            let live = st.blocks.get(block).is_some_and(|b| {
+                b.state == BLOCK_LIVE
+                    && b.generation == generation
+                    && b.pool as usize == slot
+                    && b.offset == offset
+            });
             if !live {
                 // The export of an allocation the exporter has freed. While the pool still
                 // holds the memory, driver 580 imports it without complaint (measured on the

@@ -243,6 +243,11 @@ pub(super) struct State {
     /// [`MPS_ON`] when every process is an MPS client; [`MPS_FAULTED`] once one of them
     /// faulted, which ends every client's context.
     pub(super) mps: u32,
+    /// 1 when each allocation's pointer export names the allocation (see
+    /// `SimConfig::blob_per_allocation`); 0: the export of an address and size is the same
+    /// every time, as on driver 580.
+    pub(super) blob_per_allocation: u32,
+    pub(super) _pad_config: u32,
     pub(super) next_id: u64,
     pub(super) violation_count: u64,
     pub(super) devices: [DeviceRec; MAX_DEVICES],

@@ -321,8 +321,11 @@ fn freed_memory_is_poisoned() {
 }
 
 #[test]
-fn a_stale_blob_does_not_import() {
-    let p = sim();
+fn with_a_blob_per_allocation_a_stale_blob_does_not_import() {
+    let p = sim_with(SimConfig {
+        blob_per_allocation: true,
+        ..SimConfig::default()
+    });
     let (_pool, fd) = shared_pool(&p);
     let ptr = p.mem_alloc_async(MIB, S).unwrap();
     let stale = p.mem_pool_export_pointer(ptr).unwrap();
@@ -338,6 +341,138 @@ fn a_stale_blob_does_not_import() {
         "{e}"
     );
     w.mem_pool_import_pointer(wpool, &fresh).unwrap();
+}
+
+#[test]
+fn the_export_of_an_address_is_the_same_for_a_new_allocation_of_the_same_size() {
+    let p = sim();
+    let (_pool, _fd) = shared_pool(&p);
+    let a = p.mem_alloc_async(MIB, S).unwrap();
+    let first = p.mem_pool_export_pointer(a).unwrap();
+    assert_eq!(p.mem_pool_export_pointer(a).unwrap(), first);
+    p.mem_free_async(a, S).unwrap();
+    let b = p.mem_alloc_async(MIB, S).unwrap();
+    assert_eq!(b, a, "the pool hands the address out again");
+    assert_ne!(p.pointer_get_buffer_id(b).unwrap(), 0);
+    assert_eq!(p.mem_pool_export_pointer(b).unwrap(), first);
+    p.mem_free_async(b, S).unwrap();
+    let c = p.mem_alloc_async(MIB / 2, S).unwrap();
+    assert_eq!(c, a);
+    assert_ne!(
+        p.mem_pool_export_pointer(c).unwrap(),
+        first,
+        "another size, another range"
+    );
+}
+
+#[test]
+fn an_old_blob_reaches_the_new_allocation_at_its_address_both_ways() {
+    let p = sim();
+    let (pool, fd) = shared_pool(&p);
+    p.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
+        .unwrap();
+    let a = p.mem_alloc_async(MIB, S).unwrap();
+    let old = p.mem_pool_export_pointer(a).unwrap();
+    p.mem_free_async(a, S).unwrap();
+    let b = p.mem_alloc_async(MIB, S).unwrap();
+    assert_eq!(b, a);
+    p.memset_d8_async(b, 0x22, MIB, S).unwrap();
+    let ready = p.event_create(true).unwrap();
+    p.event_record(ready, S).unwrap();
+    // Never exported since B was allocated: the worker imports A's blob.
+    let (w, wpool) = worker(&p, &fd);
+    let imported = w.mem_pool_import_pointer(wpool, &old).unwrap();
+    assert_eq!(w.pointer_get_range(imported).unwrap(), (imported, MIB));
+    let ws = w.stream_create().unwrap();
+    let r = w
+        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
+        .unwrap();
+    w.stream_wait_event(ws, r).unwrap();
+    w.stream_synchronize(ws).unwrap();
+    let mut seen = [0u8; 4];
+    w.memcpy_dtoh(&mut seen, imported).unwrap();
+    assert_eq!(seen, [0x22; 4], "the worker reads B's bytes");
+    w.memset_d8_async(imported, 0x33, 4, ws).unwrap();
+    let done = w.event_create(true).unwrap();
+    w.event_record(done, ws).unwrap();
+    w.mem_pool_free_import(imported, ws).unwrap();
+    w.stream_synchronize(ws).unwrap();
+    let d = p
+        .ipc_open_event_handle(&w.ipc_get_event_handle(done).unwrap())
+        .unwrap();
+    p.stream_wait_event(S, d).unwrap();
+    p.stream_synchronize(S).unwrap();
+    let mut back = [0u8; 4];
+    p.memcpy_dtoh(&mut back, b).unwrap();
+    assert_eq!(back, [0x33; 4], "the worker's write reaches B");
+    assert_eq!(kinds(&p), vec![]);
+}
+
+#[test]
+fn an_access_through_an_old_blob_is_raced_against_the_new_allocations_writes() {
+    // The race detector sees the import as the pool memory at that address: a worker
+    // touching B through A's blob without waiting for the parent's write to B is caught.
+    let p = sim();
+    let (pool, fd) = shared_pool(&p);
+    p.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
+        .unwrap();
+    let a = p.mem_alloc_async(MIB, S).unwrap();
+    let old = p.mem_pool_export_pointer(a).unwrap();
+    p.mem_free_async(a, S).unwrap();
+    let b = p.mem_alloc_async(MIB, S).unwrap();
+    assert_eq!(b, a);
+    p.memset_d8_async(b, 0x22, MIB, S).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    let imported = w.mem_pool_import_pointer(wpool, &old).unwrap();
+    let ws = w.stream_create().unwrap();
+    w.memset_d8_async(imported, 0x33, 4, ws).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+    p.clear_violations();
+    w.mem_pool_free_import(imported, ws).unwrap();
+    w.stream_synchronize(ws).unwrap();
+}
+
+#[test]
+fn an_old_blob_over_a_smaller_allocation_maps_its_own_range_and_is_a_violation() {
+    let p = sim();
+    let (pool, fd) = shared_pool(&p);
+    p.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
+        .unwrap();
+    let a = p.mem_alloc_async(2 * MIB, S).unwrap();
+    let old = p.mem_pool_export_pointer(a).unwrap();
+    p.mem_free_async(a, S).unwrap();
+    let c = p.mem_alloc_async(MIB, S).unwrap();
+    assert_eq!(c, a);
+    let (w, wpool) = worker(&p, &fd);
+    let imported = w.mem_pool_import_pointer(wpool, &old).unwrap();
+    assert_eq!(w.pointer_get_range(imported).unwrap(), (imported, 2 * MIB));
+    assert_eq!(kinds(&p), vec![ViolationKind::ImportBeyondAllocation]);
+    p.clear_violations();
+    w.mem_pool_free_import(imported, S).unwrap();
+}
+
+#[test]
+fn with_a_blob_per_allocation_a_new_allocation_exports_other_bytes_and_the_old_blob_fails() {
+    let p = sim_with(SimConfig {
+        blob_per_allocation: true,
+        ..SimConfig::default()
+    });
+    let (pool, fd) = shared_pool(&p);
+    p.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
+        .unwrap();
+    let a = p.mem_alloc_async(MIB, S).unwrap();
+    let old = p.mem_pool_export_pointer(a).unwrap();
+    p.mem_free_async(a, S).unwrap();
+    let b = p.mem_alloc_async(MIB, S).unwrap();
+    assert_eq!(b, a);
+    assert_ne!(p.mem_pool_export_pointer(b).unwrap(), old);
+    // A process attached through the environment sees the machine's setting too.
+    let (w, wpool) = worker(&p, &fd);
+    let e = w.mem_pool_import_pointer(wpool, &old).unwrap_err();
+    assert!(
+        e.is_call("cuMemPoolImportPointer", CuCode::INVALID_VALUE),
+        "{e}"
+    );
 }
 
 #[test]

@@ -30,6 +30,11 @@ pub enum ViolationKind {
     /// still held the memory, so the real driver maps it; the import reads memory the pool
     /// may hand out again).
     ImportOfFreed = 7,
+    /// An export was imported while the address held an allocation smaller than the range
+    /// the export names: the import maps the export's range (driver 580, measured on the
+    /// H200), so the importer reaches past the live allocation into whatever the pool keeps
+    /// there.
+    ImportBeyondAllocation = 8,
 }
 
 impl ViolationKind {
@@ -42,6 +47,7 @@ impl ViolationKind {
             5 => ViolationKind::ImportOverLimit,
             6 => ViolationKind::NoAccess,
             7 => ViolationKind::ImportOfFreed,
+            8 => ViolationKind::ImportBeyondAllocation,
             _ => return None,
         })
     }

@@ -6,7 +6,15 @@
 //! (which tells the cache) or straight to the driver, as torch's `cudaFreeAsync` does (which
 //! does not): only the buffer id can catch the second kind. The checker is itself checked: with
 //! the cache's mutation switch on (serve an entry whatever its buffer id) it must fail.
+//!
+//! Export reuse (a recycled address of the same size served with the cached blob) is run in
+//! every state of the startup check: proven, it must reuse wherever the cache holds a blob of
+//! that address and size, and never for another size (the sim's blob names the range, so a
+//! wrong size shows as a blob that is not the fresh export); not proven, never. Its checkers
+//! are checked too: reuse whatever the size must fail, and so must reuse on a simulated
+//! driver whose blobs name the allocation (`SimConfig::blob_per_allocation`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use poolipc_driver::sim::{SimConfig, SimDriver};
@@ -15,8 +23,8 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-use crate::SharedPool;
 use crate::shared::Served;
+use crate::{ExportReuse, SharedPool};
 
 const MIB: u64 = 1 << 20;
 const SIZES: [u64; 3] = [MIB, 2 * MIB, 5 * MIB];
@@ -38,6 +46,8 @@ enum Op {
 #[derive(Debug)]
 struct Live {
     ptr: DevicePtr,
+    /// The allocation's size, as the driver reports it.
+    size: u64,
     /// Read from the driver right after the allocation.
     buffer_id: u64,
     /// Exported since it was allocated.
@@ -50,17 +60,49 @@ struct Seen {
     /// Exports of an address an earlier, exported allocation had.
     recycled_exports: u32,
     hits: u64,
+    reused: u64,
 }
 
+/// How a run is set up: the check's verdict, the simulated driver, the mutation switches.
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    /// What the startup check found (the cache is told so; the checker expects it).
+    reuse: ExportReuse,
+    /// The simulated driver's blobs name the allocation: old blobs do not reach new ones.
+    blob_per_allocation: bool,
+    skip_id_check: bool,
+    skip_size_check: bool,
+}
+
+const PLAIN: Setup = Setup {
+    reuse: ExportReuse::Unchecked,
+    blob_per_allocation: false,
+    skip_id_check: false,
+    skip_size_check: false,
+};
+
 /// Runs `ops` against a fresh simulated machine; `Err` names the first broken step.
-fn check(ops: &[Op], capacity: usize, skip_id_check: bool) -> Result<Seen, String> {
-    let d = Arc::new(SimDriver::new(SimConfig::default()).map_err(|e| e.to_string())?);
+fn check(ops: &[Op], capacity: usize, setup: Setup) -> Result<Seen, String> {
+    let d = Arc::new(
+        SimDriver::new(SimConfig {
+            blob_per_allocation: setup.blob_per_allocation,
+            ..SimConfig::default()
+        })
+        .map_err(|e| e.to_string())?,
+    );
     d.use_device(0).map_err(|e| e.to_string())?;
     let pool = SharedPool::install(Arc::clone(&d), 0).map_err(|e| e.to_string())?;
     pool.set_export_cache_capacity(capacity);
-    pool.export_cache().set_skip_id_check(skip_id_check);
+    pool.export_cache().set_skip_id_check(setup.skip_id_check);
+    pool.export_cache()
+        .set_skip_size_check(setup.skip_size_check);
+    pool.export_cache().set_reuse(setup.reuse);
+    let proven = setup.reuse == ExportReuse::Proven;
     let mut live: Vec<Live> = Vec::new();
     let mut exported_at: Vec<DevicePtr> = Vec::new();
+    // The size of the last export at each address that the cache still holds (as the
+    // model sees it): what a reuse there must match.
+    let mut cached_size: HashMap<DevicePtr, u64> = HashMap::new();
     let mut seen = Seen::default();
     for (step, &op) in ops.iter().enumerate() {
         let at = |e: &dyn std::fmt::Display| format!("step {step} ({op:?}): {e}");
@@ -68,8 +110,10 @@ fn check(ops: &[Op], capacity: usize, skip_id_check: bool) -> Result<Seen, Strin
             Op::Alloc(s) => {
                 let ptr = pool.alloc(SIZES[s % SIZES.len()], S).map_err(|e| at(&e))?;
                 let buffer_id = d.pointer_get_buffer_id(ptr).map_err(|e| at(&e))?;
+                let (_, size) = d.pointer_get_range(ptr).map_err(|e| at(&e))?;
                 live.push(Live {
                     ptr,
+                    size,
                     buffer_id,
                     exported: false,
                 });
@@ -80,6 +124,9 @@ fn check(ops: &[Op], capacity: usize, skip_id_check: bool) -> Result<Seen, Strin
                     d.mem_free_async(l.ptr, S).map_err(|e| at(&e))?;
                 } else {
                     pool.free(l.ptr, S).map_err(|e| at(&e))?;
+                    if !proven {
+                        cached_size.remove(&l.ptr);
+                    }
                 }
             }
             Op::Export(i) if !live.is_empty() => {
@@ -107,12 +154,49 @@ fn check(ops: &[Op], capacity: usize, skip_id_check: bool) -> Result<Seen, Strin
                             return Err(at(&"served from the cache before any export"));
                         }
                     }
+                    Served::Reused { buffer_id } => {
+                        seen.reused += 1;
+                        if !proven {
+                            return Err(at(&format!(
+                                "reused a blob at {:?} although reuse is {:?}",
+                                l.ptr, setup.reuse
+                            )));
+                        }
+                        if buffer_id != l.buffer_id {
+                            return Err(at(&format!(
+                                "reused for buffer {buffer_id}, the allocation is buffer {}",
+                                l.buffer_id
+                            )));
+                        }
+                        if cached_size.get(&l.ptr) != Some(&l.size) {
+                            return Err(at(&format!(
+                                "reused the blob of a {:?}-byte allocation for one of {} at {:?}",
+                                cached_size.get(&l.ptr),
+                                l.size,
+                                l.ptr
+                            )));
+                        }
+                    }
                     Served::Exported => {
                         let evicted = pool.export_cache_stats().evictions > 0;
                         if l.exported && capacity > 0 && !evicted {
                             return Err(at(&"exported again although the cache held it"));
                         }
+                        if proven
+                            && capacity > 0
+                            && !evicted
+                            && cached_size.get(&l.ptr) == Some(&l.size)
+                        {
+                            return Err(at(&format!(
+                                "exported again although the cache held a blob of the same \
+                                 size at {:?} and reuse is proven",
+                                l.ptr
+                            )));
+                        }
                     }
+                }
+                if capacity > 0 {
+                    cached_size.insert(l.ptr, l.size);
                 }
                 if !l.exported && exported_at.contains(&l.ptr) {
                     seen.recycled_exports += 1;
@@ -157,10 +241,18 @@ fn capacity() -> impl Strategy<Value = usize> {
     ]
 }
 
-fn property(ops: &[Op], capacity: usize, skip_id_check: bool) -> Result<(), TestCaseError> {
-    check(ops, capacity, skip_id_check)
+fn property(ops: &[Op], capacity: usize, setup: Setup) -> Result<(), TestCaseError> {
+    check(ops, capacity, setup)
         .map(drop)
         .map_err(TestCaseError::fail)
+}
+
+fn verdict() -> impl Strategy<Value = ExportReuse> {
+    prop_oneof![
+        Just(ExportReuse::Unchecked),
+        Just(ExportReuse::NotProven),
+        Just(ExportReuse::Proven),
+    ]
 }
 
 proptest! {
@@ -170,8 +262,22 @@ proptest! {
     fn every_export_is_the_current_allocations_and_no_entry_outlives_its_allocation(
         ops in vec(op(), 1..60),
         capacity in capacity(),
+        reuse in verdict(),
     ) {
-        property(&ops, capacity, false)?;
+        property(&ops, capacity, Setup { reuse, ..PLAIN })?;
+    }
+
+    #[test]
+    fn unproven_reuse_never_happens_so_a_driver_whose_blobs_name_the_allocation_gets_fresh_exports(
+        ops in vec(op(), 1..60),
+        capacity in capacity(),
+    ) {
+        let setup = Setup {
+            reuse: ExportReuse::NotProven,
+            blob_per_allocation: true,
+            ..PLAIN
+        };
+        property(&ops, capacity, setup)?;
     }
 }
 
@@ -184,23 +290,91 @@ const RECYCLES: [Op; 5] = [
     Op::Export(0),
 ];
 
+/// Export, free behind the cache's back, allocate another size there (the same address),
+/// export.
+const RESIZES: [Op; 5] = [
+    Op::Alloc(1),
+    Op::Export(0),
+    Op::FreeByDriver(0),
+    Op::Alloc(0),
+    Op::Export(0),
+];
+
+const PROVEN: Setup = Setup {
+    reuse: ExportReuse::Proven,
+    ..PLAIN
+};
+
 #[test]
 fn the_checker_passes_a_recycling_sequence_with_the_id_check() {
-    let seen = check(&RECYCLES, 16, false).unwrap();
+    let seen = check(&RECYCLES, 16, PLAIN).unwrap();
     assert_eq!(
         seen.recycled_exports, 1,
         "the pool should have recycled the address"
+    );
+    assert_eq!(seen.reused, 0, "reuse unchecked");
+}
+
+#[test]
+fn once_proven_a_recycled_address_of_the_same_size_reuses_its_blob() {
+    let seen = check(&RECYCLES, 16, PROVEN).unwrap();
+    assert_eq!((seen.reused, seen.recycled_exports), (1, 1));
+}
+
+#[test]
+fn proven_or_not_a_recycled_address_of_another_size_is_exported_again() {
+    let seen = check(&RESIZES, 16, PROVEN).unwrap();
+    assert_eq!(
+        (seen.reused, seen.recycled_exports),
+        (0, 1),
+        "the pool should have recycled the address for the smaller size"
     );
 }
 
 #[test]
 fn the_checker_catches_a_cache_that_skips_the_id_check() {
-    let e = check(&RECYCLES, 16, true).unwrap_err();
+    let e = check(
+        &RECYCLES,
+        16,
+        Setup {
+            skip_id_check: true,
+            ..PLAIN
+        },
+    )
+    .unwrap_err();
     assert!(e.starts_with("step 4 "), "{e}");
 }
 
 #[test]
-fn the_property_fails_when_the_cache_skips_the_id_check() {
+fn the_checker_catches_a_reuse_of_another_sizes_blob() {
+    let e = check(
+        &RESIZES,
+        16,
+        Setup {
+            skip_size_check: true,
+            ..PROVEN
+        },
+    )
+    .unwrap_err();
+    assert!(e.starts_with("step 4 "), "{e}");
+}
+
+#[test]
+fn the_checker_catches_reuse_on_a_driver_whose_blobs_name_the_allocation() {
+    let e = check(
+        &RECYCLES,
+        16,
+        Setup {
+            blob_per_allocation: true,
+            ..PROVEN
+        },
+    )
+    .unwrap_err();
+    assert!(e.starts_with("step 4 "), "{e}");
+}
+
+/// Whether 64 random sequences (deterministic) pass under `setup`.
+fn mutant_survives(setup: Setup) -> bool {
     let mut runner = TestRunner::new_with_rng(
         Config {
             cases: 64,
@@ -211,8 +385,42 @@ fn the_property_fails_when_the_cache_skips_the_id_check() {
             proptest::test_runner::RngAlgorithm::ChaCha,
         ),
     );
-    let r = runner.run(&(vec(op(), 1..60), Just(16usize)), |(ops, capacity)| {
-        property(&ops, capacity, true)
-    });
-    assert!(r.is_err(), "the mutant passed 64 random sequences");
+    runner
+        .run(&(vec(op(), 1..60), Just(16usize)), |(ops, capacity)| {
+            property(&ops, capacity, setup)
+        })
+        .is_ok()
+}
+
+#[test]
+fn the_property_fails_when_the_cache_skips_the_id_check() {
+    assert!(
+        !mutant_survives(Setup {
+            skip_id_check: true,
+            ..PLAIN
+        }),
+        "the mutant passed 64 random sequences"
+    );
+}
+
+#[test]
+fn the_property_fails_when_the_cache_reuses_a_blob_whatever_the_size() {
+    assert!(
+        !mutant_survives(Setup {
+            skip_size_check: true,
+            ..PROVEN
+        }),
+        "the mutant passed 64 random sequences"
+    );
+}
+
+#[test]
+fn the_property_fails_when_reuse_is_assumed_on_a_driver_whose_blobs_name_the_allocation() {
+    assert!(
+        !mutant_survives(Setup {
+            blob_per_allocation: true,
+            ..PROVEN
+        }),
+        "the mutant passed 64 random sequences"
+    );
 }
