@@ -127,6 +127,20 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// Restarts the shared pool's high-water marks (`used_high`, `reserved_high`) from the
+/// current figures: what `torch.cuda.reset_peak_memory_stats()` does for torch's own pool,
+/// and with the pool installed, that call does this too. `PoolipcError` before
+/// `install_pool` or when the driver refuses.
+#[pyfunction]
+pub(crate) fn reset_peak_memory_stats(py: Python<'_>) -> PyResult<()> {
+    let g = installed()?;
+    py.detach(move || {
+        g.driver.use_device(g.device)?;
+        PoolStats::reset_high(&*g.driver, g.pool)
+    })
+    .map_err(driver_err)
+}
+
 /// Gives the shared pool's unused memory back to the device (what `torch.cuda.empty_cache()`
 /// does for torch's own pool, and with the pool installed, `torch.cuda.empty_cache()` calls
 /// this too): waits for all of this process's GPU work, then trims the pool to nothing.
