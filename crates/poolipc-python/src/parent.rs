@@ -103,8 +103,8 @@ pub(crate) fn is_installed() -> bool {
     state::installed().is_some()
 }
 
-/// The shared pool's true figures (torch's `memory_allocated()`/`memory_reserved()` read 0
-/// after the swap): a dict of `used_current`, `used_high`, `reserved_current`,
+/// The shared pool's true figures (torch's own `memory_allocated()`/`memory_reserved()` read 0
+/// after the swap; `install_pool` makes them report these): a dict of `used_current`, `used_high`, `reserved_current`,
 /// `reserved_high` in bytes, plus `device` and `driver`.
 #[pyfunction]
 pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
