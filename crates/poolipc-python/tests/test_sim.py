@@ -1256,6 +1256,14 @@ def test_the_figures_are_patched_once(parent):
     assert not getattr(wrapper.__wrapped__, "_poolipc", False)
 
 
+def test_a_torch_without_the_wrapped_functions_is_left_alone_and_said_so(parent, caplog):
+    cuda = types.SimpleNamespace(memory=types.SimpleNamespace(memory_stats=lambda device=None: {}))
+    with caplog.at_level("WARNING", logger="poolipc"):
+        poolipc._patch_torch_memory_stats(cuda, 0)
+    assert "memory figures stay its own" in caplog.text
+    assert vars(cuda.memory).keys() == {"memory_stats"}
+
+
 def test_a_torch_cuda_already_loaded_is_patched_at_once(parent, monkeypatch):
     cuda = fake_torch_cuda()
     monkeypatch.setitem(sys.modules, "torch.cuda", cuda)
