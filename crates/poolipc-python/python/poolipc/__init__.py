@@ -379,16 +379,20 @@ def _patch_torch_memory_stats(cuda: Any, pool_device: int) -> None:
     ``pool_device`` current (``torch.cuda.device``), so a caller's current device stays its own.
     """
     memory: Any = getattr(cuda, "memory", None)
-    nested = getattr(memory, "memory_stats_as_nested_dict", None)
-    reset = getattr(memory, "reset_peak_memory_stats", None)
-    if nested is None or reset is None:
+    needed = ("memory_stats_as_nested_dict", "reset_peak_memory_stats", "is_initialized",
+              "_get_device_index")
+    missing = [name for name in needed if not callable(getattr(memory, name, None))]
+    if missing:
         _say(
-            "poolipc: this torch has no torch.cuda.memory.memory_stats_as_nested_dict or "
-            "reset_peak_memory_stats, so its memory figures stay its own (0 for the pool); "
-            "the pool's are in poolipc.memory_stats()",
+            f"poolipc: this torch's torch.cuda.memory has no {', '.join(missing)}, so its memory "
+            "figures stay its own (0 for the pool); the pool's are in poolipc.memory_stats()",
             logging.WARNING,
         )
         return
+    nested = memory.memory_stats_as_nested_dict
+    reset = memory.reset_peak_memory_stats
+    is_initialized = memory.is_initialized
+    device_index = memory._get_device_index
     if getattr(nested, "_poolipc", False):
         return
 
@@ -396,9 +400,9 @@ def _patch_torch_memory_stats(cuda: Any, pool_device: int) -> None:
         """Whether ``which`` (a device as torch takes it) is the pool's device; False until
         torch has started CUDA (torch's answer is then ``{}``, and naming the current device
         would start it)."""
-        if not _native.is_installed() or not memory.is_initialized():
+        if not _native.is_installed() or not is_initialized():
             return False
-        return bool(memory._get_device_index(which, optional=True) == pool_device)
+        return bool(device_index(which, optional=True) == pool_device)
 
     @functools.wraps(nested)
     def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
