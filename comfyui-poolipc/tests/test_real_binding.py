@@ -2,13 +2,14 @@
 no torch), each case in a fresh interpreter. Skipped when the binding is not importable
 (build it: `maturin build -m crates/poolipc-python/Cargo.toml` and pip install the wheel, or
 `cargo xtask ci`, which installs it into target/pyenv)."""
+import inspect
 import json
 import subprocess
 import sys
 
 import pytest
 
-from conftest import FAKES, PACK, TESTS, process_gone, subprocess_env
+from conftest import FAKE_TORCH, FAKES, PACK, TESTS, process_gone, subprocess_env
 from test_prestartup import comfy_start, installs
 
 
@@ -75,3 +76,65 @@ def test_on_the_real_binding_workers_are_replaced_respawned_and_freed(tmp_path):
     assert all(process_gone(x) for x in (first, second, third))
     assert running == {}
     assert "had died; started a new one" in p.stderr
+
+
+def comfy_cuda_free_memory(torch, dev):
+    """ComfyUI's free-VRAM figure: `get_free_memory(dev, torch_free_too=True)` of
+    `comfy/model_management.py`, its CUDA branch (the one cudaMallocAsync takes), copied
+    unchanged from comfyanonymous/ComfyUI at commit 00184d155ba67ba6e9579bd7ef2ede93217a3520."""
+    # --- ComfyUI's lines ---
+    stats = torch.cuda.memory_stats(dev)
+    mem_active = stats['active_bytes.all.current']
+    mem_reserved = stats['reserved_bytes.all.current']
+    mem_free_cuda, _ = torch.cuda.mem_get_info(dev)
+    mem_free_torch = mem_reserved - mem_active
+    mem_free_total = mem_free_cuda + mem_free_torch
+    # --- end of ComfyUI's lines ---
+    return (mem_free_total, mem_free_torch)
+
+
+# The real binding on SimDriver installs the pool, then the fake torch (torch 2.11's wiring of
+# the memory figures; its device-level free memory fixed at 40 GiB) is imported, the pool keeps
+# 512 MiB freed and 256 MiB live, and ComfyUI's lines run on ComfyUI's device.
+FREE_MEMORY = """
+import json, sys
+sys.path[:0] = [{fakes!r}, {fake_torch!r}]
+import poolipc
+poolipc.install_pool(0)
+import torch.cuda
+import comfy.model_management as mm
+{formula}
+parent = poolipc.Parent(0)
+live = parent.alloc(256 << 20)
+freed = parent.alloc(512 << 20)
+del freed
+parent.synchronize(0)
+free_total, free_torch = comfy_cuda_free_memory(torch, mm.get_torch_device())
+pool = poolipc.memory_stats()
+print("FREE " + json.dumps({{"total": free_total, "torch": free_torch, "pool": pool,
+                             "cuda": torch.cuda.mem_get_info(0)[0]}}))
+"""
+
+
+def comfy_free_memory(tmp_path, **env):
+    code = FREE_MEMORY.format(fakes=str(FAKES), fake_torch=str(FAKE_TORCH),
+                              formula=inspect.getsource(comfy_cuda_free_memory))
+    p = subprocess.run([sys.executable, "-c", code], env=subprocess_env(**SIM, **env),
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(p.stdout.split("FREE ", 1)[1])
+
+
+def test_comfyuis_free_memory_counts_the_pools_unused_reserve(tmp_path):
+    got = comfy_free_memory(tmp_path)
+    pool = got["pool"]
+    unused = pool["reserved_current"] - pool["used_current"]
+    assert unused >= 512 << 20, pool
+    assert got["torch"] == unused
+    assert got["total"] == got["cuda"] + unused
+
+
+def test_with_POOLIPC_TORCH_STATS_0_comfyuis_free_memory_misses_the_pools_reserve(tmp_path):
+    got = comfy_free_memory(tmp_path, POOLIPC_TORCH_STATS="0")
+    assert got["pool"]["reserved_current"] - got["pool"]["used_current"] >= 512 << 20
+    assert got["torch"] == 0 and got["total"] == got["cuda"]

@@ -514,6 +514,10 @@ impl Driver for CudaDriver {
                 c_int::from(b),
                 false,
             ),
+            // The high-water marks are cuuint64_t and take 0 only: the driver restarts them
+            // from the current figure (what torch's resetPeakStats does to its own pool).
+            PoolAttribute::ResetReservedHigh => (A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0, 0, true),
+            PoolAttribute::ResetUsedHigh => (A::CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0, 0, true),
         };
         let value: *mut c_void = if is_wide {
             (&raw mut wide).cast()

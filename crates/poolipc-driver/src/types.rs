@@ -113,6 +113,12 @@ pub enum PoolAttribute {
     ReuseAllowOpportunistic(bool),
     /// `CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES`.
     ReuseAllowInternalDependencies(bool),
+    /// `CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH` set to 0, the only value the driver takes: the
+    /// high-water mark of reserved memory starts again from the current reserve.
+    ResetReservedHigh,
+    /// `CU_MEMPOOL_ATTR_USED_MEM_HIGH` set to 0, the only value the driver takes: the
+    /// high-water mark of used memory starts again from what is in use now.
+    ResetUsedHigh,
 }
 
 /// Readable pool attributes that are counters (`CUmemPool_attribute`).

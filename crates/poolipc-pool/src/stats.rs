@@ -1,6 +1,6 @@
 //! `PoolStats`: the figures torch's statistics stop showing once its pool is swapped.
 
-use poolipc_driver::{Driver, DriverError, PoolCounter, PoolHandle};
+use poolipc_driver::{Driver, DriverError, PoolAttribute, PoolCounter, PoolHandle};
 
 /// Used and reserved bytes of a pool, current and high-water.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,6 +28,14 @@ impl PoolStats {
             reserved_high: driver.mem_pool_get_attribute(pool, PoolCounter::ReservedHigh)?,
         })
     }
+
+    /// Restart both high-water marks of `pool` from the current figures: each HIGH attribute
+    /// set to 0, the only value the driver takes (what torch's `resetPeakStats` does to its
+    /// own pool, `c10/cuda/CUDAMallocAsyncAllocator.cpp`).
+    pub fn reset_high<D: Driver + ?Sized>(driver: &D, pool: PoolHandle) -> Result<(), DriverError> {
+        driver.mem_pool_set_attribute(pool, PoolAttribute::ResetReservedHigh)?;
+        driver.mem_pool_set_attribute(pool, PoolAttribute::ResetUsedHigh)
+    }
 }
 
 impl std::fmt::Display for PoolStats {
@@ -41,5 +49,28 @@ impl std::fmt::Display for PoolStats {
             self.reserved_current as f64 / MIB,
             self.reserved_high as f64 / MIB
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use poolipc_driver::MockDriver;
+
+    #[test]
+    fn reset_high_sets_both_high_marks_of_that_pool_and_nothing_else() {
+        let mut d = MockDriver::new();
+        let mut seq = mockall::Sequence::new();
+        for attr in [
+            PoolAttribute::ResetReservedHigh,
+            PoolAttribute::ResetUsedHigh,
+        ] {
+            d.expect_mem_pool_set_attribute()
+                .withf(move |p, a| *p == PoolHandle(0x77) && *a == attr)
+                .times(1)
+                .in_sequence(&mut seq)
+                .returning(|_, _| Ok(()));
+        }
+        PoolStats::reset_high(&d, PoolHandle(0x77)).unwrap();
     }
 }

@@ -32,6 +32,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parent::_install, m)?)?;
     m.add_function(wrap_pyfunction!(parent::is_installed, m)?)?;
     m.add_function(wrap_pyfunction!(parent::memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(parent::reset_peak_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(parent::empty_cache, m)?)?;
     m.add_class::<parent::NativeParent>()?;
     m.add_class::<parent::DeviceBuffer>()?;

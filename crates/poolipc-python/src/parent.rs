@@ -103,8 +103,8 @@ pub(crate) fn is_installed() -> bool {
     state::installed().is_some()
 }
 
-/// The shared pool's true figures (torch's `memory_allocated()`/`memory_reserved()` read 0
-/// after the swap): a dict of `used_current`, `used_high`, `reserved_current`,
+/// The shared pool's true figures (torch's own `memory_allocated()`/`memory_reserved()` read 0
+/// after the swap; `install_pool` makes them report these): a dict of `used_current`, `used_high`, `reserved_current`,
 /// `reserved_high` in bytes, plus `device` and `driver`.
 #[pyfunction]
 pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -125,6 +125,20 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("device", g.device)?;
     d.set_item("driver", g.which.clone())?;
     Ok(d)
+}
+
+/// Restarts the shared pool's high-water marks (`used_high`, `reserved_high`) from the
+/// current figures: what `torch.cuda.reset_peak_memory_stats()` does for torch's own pool,
+/// and with the pool installed, that call does this too. `PoolipcError` before
+/// `install_pool` or when the driver refuses.
+#[pyfunction]
+pub(crate) fn reset_peak_memory_stats(py: Python<'_>) -> PyResult<()> {
+    let g = installed()?;
+    py.detach(move || {
+        g.driver.use_device(g.device)?;
+        PoolStats::reset_high(&*g.driver, g.pool)
+    })
+    .map_err(driver_err)
 }
 
 /// Gives memory the process parent does not use back to the device (what

@@ -1,4 +1,5 @@
-"""The binding on the H200 with real torch under cudaMallocAsync: the swap, torch tensors lent
+"""The binding on the H200 with real torch under cudaMallocAsync: the swap, torch's memory
+figures reporting the pool (and ComfyUI's free-memory lines counting its reserve), torch tensors lent
 to a Python worker (DLPack into torch, CuPy by __cuda_array_interface__) and to a Rust worker,
 results from torch.empty, dtypes, odd sizes, views with offsets, a worker killed mid-job, the
 ComfyUI prestartup script in fresh interpreters, and results through the result arena
@@ -79,19 +80,109 @@ def test_install_pool_swapped_torchs_pool_and_said_so():
     assert torch.cuda.get_allocator_backend() == "cudaMallocAsync"
 
 
-def test_torch_tensors_come_from_our_pool_and_torch_statistics_read_zero():
+def test_torch_tensors_come_from_our_pool_and_torchs_default_pool_reads_zero():
     before = poolipc.memory_stats()["used_current"]
     x = torch.empty(64 * MIB, dtype=torch.uint8, device=DEV)
     torch.cuda.synchronize()
     cur, dflt = device_pools()
     assert cur != dflt, "the device's current pool is still the default pool"
     assert pool_of(x.data_ptr()) == cur
-    assert torch.cuda.memory_allocated(DEV) == 0
-    assert torch.cuda.memory_reserved(DEV) == 0
+    # torch's own figures (its native call, which poolipc does not wrap) ask the default pool.
+    own = torch._C._cuda_memoryStats(0)
+    assert own["allocated_bytes"]["all"]["current"] == 0
+    assert own["reserved_bytes"]["all"]["current"] == 0
     stats = poolipc.memory_stats()
     assert stats["used_current"] >= before + 64 * MIB
     assert stats["reserved_current"] >= stats["used_current"]
     del x
+
+
+# --- torch's figures report the pool (placed before any test lends a tensor: no allocation of
+# this process has been exported yet, so empty_cache can give all of the pool's reserve back) --
+
+GIB = 1 << 30
+
+
+def torch_matches_the_pool():
+    """torch's reserved and allocated bytes for the pool's device, each within 2 MiB of the
+    pool's; returns the pool's figures."""
+    reserved, allocated = torch.cuda.memory_reserved(DEV), torch.cuda.memory_allocated(DEV)
+    pool = poolipc.memory_stats()
+    assert abs(reserved - pool["reserved_current"]) <= 2 * MIB, (reserved, pool)
+    assert abs(allocated - pool["used_current"]) <= 2 * MIB, (allocated, pool)
+    stats = torch.cuda.memory_stats(DEV)
+    assert stats["active_bytes.all.current"] == stats["allocated_bytes.all.current"]
+    return pool
+
+
+def comfy_free_memory(dev):
+    """ComfyUI's free-VRAM figure: get_free_memory's CUDA branch (the one cudaMallocAsync
+    takes), copied unchanged from comfy/model_management.py of comfyanonymous/ComfyUI at
+    commit 00184d155ba67ba6e9579bd7ef2ede93217a3520; (mem_free_total, mem_free_torch)."""
+    # --- ComfyUI's lines ---
+    stats = torch.cuda.memory_stats(dev)
+    mem_active = stats['active_bytes.all.current']
+    mem_reserved = stats['reserved_bytes.all.current']
+    mem_free_cuda, _ = torch.cuda.mem_get_info(dev)
+    mem_free_torch = mem_reserved - mem_active
+    mem_free_total = mem_free_cuda + mem_free_torch
+    # --- end of ComfyUI's lines ---
+    return (mem_free_total, mem_free_torch)
+
+
+def test_torchs_figures_match_the_pool_while_a_gib_tensor_lives_and_after_it_dies():
+    torch.cuda.synchronize()
+    x = torch.empty(GIB, dtype=torch.uint8, device=DEV)
+    x.fill_(7)
+    torch.cuda.synchronize()
+    living = torch_matches_the_pool()
+    assert living["used_current"] >= GIB, living
+    assert torch.cuda.max_memory_allocated(DEV) == poolipc.memory_stats()["used_high"] >= GIB
+    del x
+    torch.cuda.synchronize()
+    dead = torch_matches_the_pool()
+    assert dead["used_current"] <= living["used_current"] - GIB + 2 * MIB, (living, dead)
+    # The pool keeps what was freed (torch's release threshold): reserved, not used.
+    assert dead["reserved_current"] - dead["used_current"] >= GIB - 2 * MIB, dead
+
+
+def test_comfyuis_free_memory_counts_the_pools_unused_reserve():
+    x = torch.empty(GIB, dtype=torch.uint8, device=DEV)
+    x.fill_(7)
+    del x
+    torch.cuda.synchronize()
+    total, from_torch = comfy_free_memory(DEV)
+    pool = poolipc.memory_stats()
+    predicted = torch.cuda.mem_get_info(DEV)[0] + pool["reserved_current"] - pool["used_current"]
+    assert abs(total - predicted) <= 64 * MIB, (total, predicted, pool)
+    assert from_torch >= GIB - 2 * MIB, (from_torch, pool)
+
+
+def test_the_reserve_comfyui_counts_as_free_comes_back_with_empty_cache():
+    x = torch.empty(GIB, dtype=torch.uint8, device=DEV)
+    x.fill_(7)
+    del x
+    torch.cuda.synchronize()
+    counted, _ = comfy_free_memory(DEV)
+    torch.cuda.empty_cache()  # trims the pool too
+    pool = poolipc.memory_stats()
+    free_now = torch.cuda.mem_get_info(DEV)[0]
+    assert pool["reserved_current"] - pool["used_current"] < GIB, pool
+    assert abs(free_now + pool["reserved_current"] - pool["used_current"] - counted) <= 64 * MIB, (
+        free_now, counted, pool)
+
+
+def test_torchs_reset_peak_memory_stats_restarts_the_pools_peaks():
+    x = torch.empty(GIB, dtype=torch.uint8, device=DEV)
+    del x
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated(DEV) >= torch.cuda.memory_allocated(DEV) + GIB
+    torch.cuda.reset_peak_memory_stats(DEV)
+    pool = poolipc.memory_stats()
+    assert pool["used_high"] == pool["used_current"], pool
+    assert pool["reserved_high"] == pool["reserved_current"], pool
+    assert torch.cuda.max_memory_allocated(DEV) == torch.cuda.memory_allocated(DEV)
+    assert torch.cuda.max_memory_reserved(DEV) == torch.cuda.memory_reserved(DEV)
 
 
 # --- torch tensors to a Python worker, results from torch.empty ----------------------------
@@ -217,6 +308,8 @@ FRESH = textwrap.dedent("""
     torch.cuda.synchronize()
     print("BACKEND", torch.cuda.get_allocator_backend())
     print("ALLOCATED", torch.cuda.memory_allocated(0))
+    import poolipc
+    print("POOL_USED", poolipc.memory_stats()["used_current"] if poolipc._native.is_installed() else None)
 """)
 
 
@@ -264,8 +357,16 @@ def test_a_torch_worker_carves_its_results_out_of_an_arena_slice():
 def test_prestartup_in_a_fresh_interpreter_swaps_torchs_pool():
     out, err = fresh(["main.py"])
     (line,) = [x for x in err.splitlines() if x.startswith("poolipc:")]
-    assert "current pool" in line and "memory_allocated() and memory_reserved() will read 0" in line
-    assert "BACKEND cudaMallocAsync" in out and "ALLOCATED 0" in out
+    assert "current pool" in line and "memory_allocated() and memory_reserved() will report the pool" in line
+    assert "BACKEND cudaMallocAsync" in out
+    # torch's figure is the pool's (the 64 MiB tensor), not the default pool's 0.
+    allocated = int(out.split("ALLOCATED ", 1)[1].split()[0])
+    assert allocated >= 64 << 20 and f"POOL_USED {allocated}" in out, out
+
+
+def test_prestartup_with_POOLIPC_TORCH_STATS_0_leaves_torchs_figures_reading_zero():
+    out, err = fresh(["main.py"], {"POOLIPC_TORCH_STATS": "0"})
+    assert "BACKEND cudaMallocAsync" in out and "ALLOCATED 0" in out, out
 
 
 def test_prestartup_with_disable_cuda_malloc_says_the_swap_has_no_effect():

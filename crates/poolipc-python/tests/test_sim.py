@@ -5,6 +5,9 @@ Run: POOLIPC_DRIVER=sim python -m pytest crates/poolipc-python/tests (the module
 """
 
 import gc
+import importlib.util
+import itertools
+import json
 import os
 import pathlib
 import signal
@@ -15,6 +18,7 @@ import textwrap
 import threading
 import time
 import types
+import warnings
 
 import pytest
 
@@ -904,8 +908,8 @@ def test_prestartup_swaps_the_pool_and_says_what_torch_will_show():
     lines = [x for x in err.splitlines() if x.startswith("poolipc:")]
     assert len(lines) == 1, err
     assert "installed a shareable CUDA memory pool as device 0's current pool" in lines[0]
-    assert "memory_allocated() and memory_reserved() will read 0" in lines[0]
-    assert "poolipc.memory_stats()" in lines[0]
+    assert "memory_stats(), memory_allocated() and memory_reserved() will report the pool" in lines[0]
+    assert "POOLIPC_TORCH_STATS=0" in lines[0] and "poolipc.memory_stats()" in lines[0]
     assert out.strip().endswith("backend:cudaMallocAsync")
 
 
@@ -1095,3 +1099,224 @@ def test_torch_empty_cache_also_trims_the_pool_once_patched(parent):
     fake_cuda.empty_cache()
     assert calls == ["torch"]
     assert poolipc.memory_stats()["reserved_current"] <= before - (64 << 20)
+
+
+# --- torch's memory figures report the pool -------------------------------------------------
+
+# The pack's stand-in for torch.cuda: torch 2.11's wiring of the memory figures, its own
+# figures (the default pool's) set by the test.
+FAKE_TORCH = REPO / "comfyui-poolipc" / "tests" / "fake_torch"
+_fake_cudas = itertools.count()
+MIB = 1 << 20
+
+
+def fake_torch_cuda():
+    """A fresh copy of the fake torch.cuda under a name of its own: this process never
+    imports a module called torch."""
+    name = f"fake_torch_cuda_{next(_fake_cudas)}"
+    where = FAKE_TORCH / "torch" / "cuda"
+    spec = importlib.util.spec_from_file_location(
+        name, where / "__init__.py", submodule_search_locations=[str(where)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def patched_cuda():
+    cuda = fake_torch_cuda()
+    poolipc._patch_torch_memory_stats(cuda, 0)
+    return cuda
+
+
+def torch_figures(cuda, device):
+    return (cuda.memory_allocated(device), cuda.memory_reserved(device),
+            cuda.max_memory_allocated(device), cuda.max_memory_reserved(device))
+
+
+def pool_figures():
+    s = poolipc.memory_stats()
+    return (s["used_current"], s["reserved_current"], s["used_high"], s["reserved_high"])
+
+
+def test_torchs_figures_are_the_pools_while_a_tensor_lives_and_after_it_dies(parent):
+    cuda = patched_cuda()
+    big = parent.alloc(96 * MIB)
+    parent.fill(big.ptr, 96 * MIB, 3)
+    living = pool_figures()
+    assert living[0] >= 96 * MIB and living[1] >= living[0], living
+    for device in (None, 0, "cuda:0", "cuda"):
+        assert torch_figures(cuda, device) == living, device
+    stats = cuda.memory_stats(0)
+    assert stats["active_bytes.all.current"] == stats["allocated_bytes.all.current"] == living[0]
+    del big
+    parent.synchronize(0)
+    dead = pool_figures()
+    assert dead[0] <= living[0] - 96 * MIB, (living, dead)
+    assert dead[1] >= living[1], (living, dead)  # the pool keeps freed memory (its threshold)
+    assert torch_figures(cuda, 0) == dead
+
+
+def flat(nested, prefix=""):
+    """torch's nested statistics as memory_stats() keys them."""
+    out = {}
+    for k, v in nested.items():
+        key = f"{prefix}.{k}" if prefix else k
+        out.update(flat(v, key) if isinstance(v, dict) else {key: v})
+    return out
+
+
+def test_torchs_statistics_get_the_pools_bytes_and_keep_every_other_key(parent):
+    cuda = patched_cuda()
+    cuda._C.own[0] = (5 * MIB, 9 * MIB)  # what torch's default pool says: replaced, not added
+    buf = parent.alloc(8 * MIB)
+    pool = poolipc.memory_stats()
+    stats = cuda.memory_stats(0)
+    ours = {
+        "allocated_bytes.all.current": pool["used_current"],
+        "allocated_bytes.all.peak": pool["used_high"],
+        "active_bytes.all.current": pool["used_current"],
+        "active_bytes.all.peak": pool["used_high"],
+        "reserved_bytes.all.current": pool["reserved_current"],
+        "reserved_bytes.all.peak": pool["reserved_high"],
+    }
+    assert {k: stats[k] for k in ours} == ours
+    own = flat(cuda._C._cuda_memoryStats(0))
+    assert set(stats) == set(own)
+    assert {k: v for k, v in stats.items() if k not in ours} == {
+        k: v for k, v in own.items() if k not in ours
+    }
+    assert stats["allocated_bytes.large_pool.current"] == 5 * MIB  # torch's, kept
+    del buf
+
+
+def test_torchs_figures_for_another_device_are_torchs_own(parent):
+    cuda = patched_cuda()
+    cuda._C.own[1] = (5 * MIB, 8 * MIB)
+    assert torch_figures(cuda, 1) == (5 * MIB, 8 * MIB, 5 * MIB, 8 * MIB)
+    assert cuda.memory_allocated("cuda:1") == 5 * MIB
+    assert dict(cuda.memory_stats(1)) == flat(cuda._C._cuda_memoryStats(1))
+    with cuda.device(1):
+        assert cuda.memory_reserved() == 8 * MIB  # None: the current device
+
+
+def test_until_torch_starts_cuda_its_answer_stands(parent):
+    cuda = patched_cuda()
+    cuda._C.initialized = False
+    buf = parent.alloc(4 * MIB)
+    assert cuda.memory_stats(0) == {} and cuda.memory_allocated(0) == 0
+    del buf
+
+
+def test_the_pools_peaks_restart_from_the_current_figures(parent):
+    big = parent.alloc(128 * MIB)
+    del big
+    parent.synchronize(0)
+    used, reserved, used_high, reserved_high = pool_figures()
+    assert used_high >= used + 128 * MIB
+    poolipc.reset_peak_memory_stats()
+    assert pool_figures() == (used, reserved, used, reserved)
+
+
+def test_torchs_reset_peak_memory_stats_restarts_the_pools_peaks_and_torchs_own(parent):
+    cuda = patched_cuda()
+    for reset in (cuda.reset_peak_memory_stats, cuda.memory.reset_peak_memory_stats,
+                  cuda.reset_max_memory_allocated):
+        big = parent.alloc(64 * MIB)
+        del big
+        parent.synchronize(0)
+        used, reserved, used_high, _ = pool_figures()
+        assert cuda.max_memory_allocated(0) == used_high >= used + 64 * MIB
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # reset_max_memory_allocated's
+            reset(0)
+        assert pool_figures() == (used, reserved, used, reserved), reset
+        assert cuda.max_memory_allocated(0) == used and cuda.max_memory_reserved(0) == reserved
+    assert cuda._C.peak_resets == [0, 0, 0]  # torch's own reset ran each time
+
+
+def test_torchs_reset_for_another_device_leaves_the_pools_peaks(parent):
+    cuda = patched_cuda()
+    big = parent.alloc(64 * MIB)
+    del big
+    parent.synchronize(0)
+    before = pool_figures()
+    assert before[2] > before[0]
+    cuda.reset_peak_memory_stats(1)
+    assert pool_figures() == before
+    assert cuda._C.peak_resets == [1]
+
+
+def test_the_figures_are_patched_once(parent):
+    cuda = patched_cuda()
+    wrapper = cuda.memory_stats_as_nested_dict
+    poolipc._patch_torch_memory_stats(cuda, 0)
+    assert cuda.memory_stats_as_nested_dict is wrapper is cuda.memory.memory_stats_as_nested_dict
+    assert not getattr(wrapper.__wrapped__, "_poolipc", False)
+
+
+def test_a_torch_without_the_wrapped_functions_is_left_alone_and_said_so(parent, caplog):
+    cuda = types.SimpleNamespace(memory=types.SimpleNamespace(memory_stats=lambda device=None: {}))
+    with caplog.at_level("WARNING", logger="poolipc"):
+        poolipc._patch_torch_memory_stats(cuda, 0)
+    assert "has no memory_stats_as_nested_dict, reset_peak_memory_stats, is_initialized" in caplog.text
+    assert vars(cuda.memory).keys() == {"memory_stats"}
+
+
+def test_a_torch_cuda_already_loaded_is_patched_at_once(parent, monkeypatch):
+    cuda = fake_torch_cuda()
+    monkeypatch.setitem(sys.modules, "torch.cuda", cuda)
+    monkeypatch.delenv("POOLIPC_TORCH_STATS", raising=False)
+    poolipc._hook_torch(0, effective=True)
+    assert getattr(cuda.memory_stats_as_nested_dict, "_poolipc", False)
+    assert getattr(cuda.memory.reset_peak_memory_stats, "_poolipc", False)
+
+
+# install_pool, then `import torch.cuda` (the fake, first on sys.path) in a fresh interpreter.
+FIGURES = textwrap.dedent("""
+    import json, sys
+    sys.argv = {argv!r}
+    import poolipc
+    info = poolipc.install_pool(0)
+    sys.path.insert(0, {fake!r})
+    import torch.cuda
+    buf = poolipc.Parent(0).alloc(64 << 20)
+    pool = poolipc.memory_stats()
+    print("FIGURES " + json.dumps({{
+        "torch": [torch.cuda.memory_allocated(0), torch.cuda.memory_reserved(0)],
+        "pool": [pool["used_current"], pool["reserved_current"]],
+        "patched": getattr(torch.cuda.memory_stats_as_nested_dict, "_poolipc", False),
+        "empty_cache_patched": getattr(torch.cuda.empty_cache, "_poolipc", False),
+    }}))
+""")
+
+
+def figures_after_import(env=None, argv=("main.py",)):
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("POOLIPC_", "PYTORCH_"))}
+    full.update({"POOLIPC_DRIVER": "sim"}, **(env or {}))
+    code = FIGURES.format(argv=list(argv), fake=str(FAKE_TORCH))
+    p = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads(p.stdout.split("FIGURES ", 1)[1]), p.stderr
+
+
+def test_after_install_pool_importing_torch_cuda_makes_its_figures_the_pools():
+    got, err = figures_after_import()
+    assert got["patched"] and got["empty_cache_patched"]
+    assert got["torch"] == got["pool"] and got["pool"][0] >= 64 << 20, got
+    assert "will report the pool (POOLIPC_TORCH_STATS=0: they read 0)" in err
+
+
+def test_POOLIPC_TORCH_STATS_0_leaves_torchs_figures_alone():
+    got, err = figures_after_import({"POOLIPC_TORCH_STATS": "0"})
+    assert not got["patched"] and got["empty_cache_patched"]
+    assert got["torch"] == [0, 0] and got["pool"][0] >= 64 << 20, got
+    assert "memory_allocated() and memory_reserved() will read 0" in err
+
+
+def test_when_the_swap_does_not_reach_torch_its_figures_stay_its_own():
+    got, err = figures_after_import(argv=("main.py", "--disable-cuda-malloc"))
+    assert not got["patched"] and got["torch"] == [0, 0], got
+    assert "the swap has no effect" in err

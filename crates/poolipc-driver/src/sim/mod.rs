@@ -1406,6 +1406,9 @@ impl Driver for SimDriver {
                 PoolAttribute::ReuseFollowEventDependencies(b) => p.reuse_follow = u32::from(b),
                 PoolAttribute::ReuseAllowOpportunistic(b) => p.reuse_opportunistic = u32::from(b),
                 PoolAttribute::ReuseAllowInternalDependencies(b) => p.reuse_internal = u32::from(b),
+                // Setting a high-water mark to 0 restarts it from the current figure.
+                PoolAttribute::ResetReservedHigh => p.reserved_high = p.reserved,
+                PoolAttribute::ResetUsedHigh => p.used_high = p.used,
             }
         });
         Ok(())

@@ -9,7 +9,7 @@ use crate::error::CuCode;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
-pub(super) const LAYOUT: u64 = 6;
+pub(super) const LAYOUT: u64 = 7;
 
 pub(super) const MAX_DEVICES: usize = 8;
 /// [`State::mps`]: the machine runs an MPS server that every process is a client of.

@@ -549,6 +549,34 @@ fn used_and_reserved_follow_allocations_and_their_high_marks_stay() {
 }
 
 #[test]
+fn resetting_the_high_marks_restarts_them_from_the_current_figures() {
+    let d = sim();
+    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    d.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
+        .unwrap();
+    let a = d.mem_alloc_from_pool_async(8 * MIB, pool, S).unwrap();
+    let b = d.mem_alloc_from_pool_async(2 * MIB, pool, S).unwrap();
+    d.mem_free_async(a, S).unwrap();
+    d.mem_pool_trim_to(pool, 0).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::UsedHigh), 10 * MIB);
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedHigh), 10 * MIB);
+    d.mem_pool_set_attribute(pool, PoolAttribute::ResetUsedHigh)
+        .unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::UsedHigh), 2 * MIB);
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedHigh), 10 * MIB);
+    d.mem_pool_set_attribute(pool, PoolAttribute::ResetReservedHigh)
+        .unwrap();
+    let reserved = counter(&d, pool, PoolCounter::ReservedCurrent);
+    assert!(reserved < 10 * MIB, "{reserved}");
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedHigh), reserved);
+    // And they climb again from there.
+    let c = d.mem_alloc_from_pool_async(4 * MIB, pool, S).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::UsedHigh), 6 * MIB);
+    d.mem_free_async(b, S).unwrap();
+    d.mem_free_async(c, S).unwrap();
+}
+
+#[test]
 fn with_threshold_zero_freed_memory_is_released_at_a_synchronize() {
     let d = sim();
     let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();

@@ -3,8 +3,18 @@ while the parent keeps PyTorch's stream-ordered allocator (``backend:cudaMallocA
 
 - ``install_pool(device=0)``: before ``import torch``, make a shareable memory pool the device's
   current pool, so that torch allocates from it (ComfyUI: the pack's prestartup script).
-- ``memory_stats()``: the pool's true figures (torch's ``memory_allocated()`` and
-  ``memory_reserved()`` read 0 after the swap).
+- ``memory_stats()``: the pool's figures (used and reserved bytes, current and high);
+  ``reset_peak_memory_stats()`` restarts the high marks from the current figures.
+- torch's figures: after the swap torch asks the device's *default* pool, which no longer
+  serves it, and would read 0. So once ``torch.cuda`` loads, ``torch.cuda.memory_stats()``
+  (and ``memory_stats_as_nested_dict()``, ``memory_allocated()``, ``memory_reserved()``,
+  ``max_memory_allocated()``, ``max_memory_reserved()``, ``reset_peak_memory_stats()``,
+  ``reset_max_memory_allocated()``) report the pool for the pool's device: allocated and
+  active bytes = the pool's used bytes, reserved bytes = its reserved bytes, ``peak`` = their
+  high marks; torch's other keys and other devices stay torch's. ComfyUI's free-VRAM figure
+  (``mem_get_info()`` free + reserved - active) then counts the pool's unused reserve.
+  ``POOLIPC_TORCH_STATS=0`` leaves torch's functions alone; ``torch.cuda.empty_cache()``
+  trims the pool too (``POOLIPC_TORCH_EMPTY_CACHE=0`` leaves it alone).
 - ``Parent``: spawn workers, lend them torch tensors, get results back as torch tensors.
   One ``Parent`` may be shared by many threads: ``submit`` returns a ``JobHandle`` at once,
   jobs on different workers run at the same time, and every wait releases the GIL.
@@ -41,6 +51,7 @@ pyisolate's tensor transport on it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -67,6 +78,7 @@ from ._native import (
     WorkerError,
     memory_stats,
     mps_status,
+    reset_peak_memory_stats,
 )
 from ._native import empty_cache as _native_empty_cache
 from ._types import (
@@ -83,6 +95,7 @@ __all__ = [
     "__version__",
     "install_pool",
     "memory_stats",
+    "reset_peak_memory_stats",
     "empty_cache",
     "Parent",
     "JobHandle",
@@ -273,11 +286,20 @@ def install_pool(
         reason=reason,
     )
     if reason is None:
+        if _torch_stats_wanted():
+            figures = (
+                "torch.cuda.memory_stats(), memory_allocated() and memory_reserved() will report "
+                f"the pool ({_STATS_ENV}=0: they read 0), as poolipc.memory_stats() and "
+                "`poolipc doctor` do"
+            )
+        else:
+            figures = (
+                "torch.cuda.memory_allocated() and memory_reserved() will read 0 - the true "
+                "figures are in poolipc.memory_stats() and `poolipc doctor`"
+            )
         _say(
             f"poolipc: installed a shareable CUDA memory pool as device {device}'s current pool "
-            f"({info['driver']}, {ALLOC_CONF}={os.environ.get(ALLOC_CONF)}); "
-            "torch.cuda.memory_allocated() and memory_reserved() will read 0 - the true figures "
-            "are in poolipc.memory_stats() and `poolipc doctor`"
+            f"({info['driver']}, {ALLOC_CONF}={os.environ.get(ALLOC_CONF)}); {figures}"
         )
     else:
         _say(
@@ -286,7 +308,7 @@ def install_pool(
             "cannot go by pool pointer (they take the copy rung)",
             logging.WARNING,
         )
-    _hook_torch_empty_cache()
+    _hook_torch(device, effective=reason is None)
     return info
 
 
@@ -317,9 +339,104 @@ def _patch_torch_empty_cache(cuda: Any) -> None:
     cuda.empty_cache = empty_cache_and_pool
 
 
+_EMPTY_CACHE_ENV: Final = "POOLIPC_TORCH_EMPTY_CACHE"
+_STATS_ENV: Final = "POOLIPC_TORCH_STATS"
+
+# torch's keys that get the pool's figures, from which of them: torch's cudaMallocAsync
+# backend itself reports allocated = active = the pool's used bytes (getDeviceStats).
+_POOL_KEYS: Final = (
+    ("allocated_bytes", "used_current", "used_high"),
+    ("active_bytes", "used_current", "used_high"),
+    ("reserved_bytes", "reserved_current", "reserved_high"),
+)
+
+
+def _torch_stats_wanted() -> bool:
+    return os.environ.get(_STATS_ENV, "1") != "0"
+
+
+def _with_pool_figures(stats: Mapping[str, Any], pool: MemoryStats) -> dict[str, Any]:
+    """torch's nested statistics with ``{allocated,active,reserved}_bytes.all.{current,peak}``
+    replaced by (or set to) the pool's figures; every other key as torch gave it."""
+    out = dict(stats)
+    for key, current, high in _POOL_KEYS:
+        kinds = dict(out.get(key) or {})
+        everything = dict(kinds.get("all") or {})
+        everything["current"] = pool[current]  # type: ignore[literal-required]
+        everything["peak"] = pool[high]  # type: ignore[literal-required]
+        kinds["all"] = everything
+        out[key] = kinds
+    return out
+
+
+def _patch_torch_memory_stats(cuda: Any, pool_device: int) -> None:
+    """Make torch's memory statistics for ``pool_device`` report the pool (once).
+
+    torch's ``memory_stats``, ``memory_allocated``, ``memory_reserved`` and their ``max_``
+    read ``torch.cuda.memory.memory_stats_as_nested_dict``, and ``reset_max_memory_allocated``
+    calls ``torch.cuda.memory.reset_peak_memory_stats``: those two are wrapped, in
+    ``torch.cuda.memory`` and where ``torch.cuda`` re-exports them. The driver is asked with
+    ``pool_device`` current (``torch.cuda.device``), so a caller's current device stays its own.
+    """
+    memory: Any = getattr(cuda, "memory", None)
+    needed = ("memory_stats_as_nested_dict", "reset_peak_memory_stats", "is_initialized",
+              "_get_device_index")
+    missing = [name for name in needed if not callable(getattr(memory, name, None))]
+    if missing:
+        _say(
+            f"poolipc: this torch's torch.cuda.memory has no {', '.join(missing)}, so its memory "
+            "figures stay its own (0 for the pool); the pool's are in poolipc.memory_stats()",
+            logging.WARNING,
+        )
+        return
+    nested = memory.memory_stats_as_nested_dict
+    reset = memory.reset_peak_memory_stats
+    is_initialized = memory.is_initialized
+    device_index = memory._get_device_index
+    if getattr(nested, "_poolipc", False):
+        return
+
+    def ours(which: Any) -> bool:
+        """Whether ``which`` (a device as torch takes it) is the pool's device; False until
+        torch has started CUDA (torch's answer is then ``{}``, and naming the current device
+        would start it)."""
+        if not _native.is_installed() or not is_initialized():
+            return False
+        return bool(device_index(which, optional=True) == pool_device)
+
+    @functools.wraps(nested)
+    def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+        stats = nested(device=device)
+        if not ours(device):
+            return stats  # type: ignore[no-any-return]
+        with cuda.device(pool_device):
+            pool = memory_stats()
+        return _with_pool_figures(stats, pool)
+
+    @functools.wraps(reset)
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        reset(device=device)
+        if ours(device):
+            with cuda.device(pool_device):
+                _native.reset_peak_memory_stats()
+
+    patched: tuple[tuple[str, Any, Any], ...] = (
+        ("memory_stats_as_nested_dict", memory_stats_as_nested_dict, nested),
+        ("reset_peak_memory_stats", reset_peak_memory_stats, reset),
+    )
+    for name, new, original in patched:
+        new._poolipc = True
+        setattr(memory, name, new)
+        if getattr(cuda, name, None) is original:
+            setattr(cuda, name, new)
+
+
 class _TorchCudaHook:
-    """A meta-path finder that patches ``torch.cuda.empty_cache`` once ``torch.cuda`` has
-    loaded: the pool is installed before torch is imported, so torch is not there yet."""
+    """A meta-path finder that patches ``torch.cuda`` once it has loaded: the pool is
+    installed before torch is imported, so torch is not there yet."""
+
+    def __init__(self, patches: Sequence[Callable[[Any], None]]) -> None:
+        self.patches = list(patches)
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != "torch.cuda":
@@ -333,23 +450,34 @@ class _TorchCudaHook:
         exec_module = getattr(loader, "exec_module", None)
         if exec_module is None:
             return spec
+        patches = self.patches
 
         def exec_and_patch(module: Any) -> None:
             exec_module(module)
-            _patch_torch_empty_cache(module)
+            for patch in patches:
+                patch(module)
 
         loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
 
 
-def _hook_torch_empty_cache() -> None:
-    if os.environ.get("POOLIPC_TORCH_EMPTY_CACHE", "1") == "0":
+def _hook_torch(device: int, *, effective: bool) -> None:
+    """Patch ``torch.cuda`` now if it is loaded, else when it loads: ``empty_cache`` unless
+    ``POOLIPC_TORCH_EMPTY_CACHE=0``; the memory statistics when the swap reaches torch
+    (``effective``: else torch's tensors are not the pool's) unless ``POOLIPC_TORCH_STATS=0``."""
+    patches: list[Callable[[Any], None]] = []
+    if os.environ.get(_EMPTY_CACHE_ENV, "1") != "0":
+        patches.append(_patch_torch_empty_cache)
+    if effective and _torch_stats_wanted():
+        patches.append(functools.partial(_patch_torch_memory_stats, pool_device=device))
+    if not patches:
         return
     cuda = sys.modules.get("torch.cuda")
     if cuda is not None:
-        _patch_torch_empty_cache(cuda)
+        for patch in patches:
+            patch(cuda)
     elif not any(isinstance(f, _TorchCudaHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TorchCudaHook())
+        sys.meta_path.insert(0, _TorchCudaHook(patches))
 
 
 class TensorRef:

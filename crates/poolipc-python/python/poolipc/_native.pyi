@@ -24,6 +24,7 @@ __all__ = [
     "is_installed",
     "empty_cache",
     "memory_stats",
+    "reset_peak_memory_stats",
     "NativeParent",
     "DeviceBuffer",
     "ArenaResult",
@@ -121,6 +122,10 @@ def empty_cache() -> int:
 
 def memory_stats() -> MemoryStats:
     """The shared pool's true figures; ``PoolipcError`` when no pool is installed."""
+
+def reset_peak_memory_stats() -> None:
+    """Restarts the shared pool's high marks (``used_high``, ``reserved_high``) from the
+    current figures; ``PoolipcError`` when no pool is installed or the driver refuses."""
 
 @final
 class DeviceBuffer:

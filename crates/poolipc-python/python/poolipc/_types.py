@@ -40,9 +40,9 @@ class InstallInfo(NativeInstallInfo):
 
 
 class MemoryStats(TypedDict):
-    """What ``poolipc.memory_stats`` returns: the shared pool's true figures in bytes
-    (torch's ``memory_allocated()``/``memory_reserved()`` read 0 after the swap), its device
-    and the driver in words."""
+    """What ``poolipc.memory_stats`` returns: the shared pool's true figures in bytes (what
+    torch's ``memory_allocated()``/``memory_reserved()`` report after ``install_pool``; torch's
+    own read 0 after the swap), its device and the driver in words."""
 
     used_current: int
     used_high: int

@@ -21,6 +21,7 @@ def parent_side(script: str) -> None:
     stats = poolipc.memory_stats()
     assert_type(stats, poolipc.MemoryStats)
     assert_type(stats["used_high"], int)
+    poolipc.reset_peak_memory_stats()
 
     parent = poolipc.Parent(0, handoff_timeout=30.0)
     assert_type(parent.driver, str)
