@@ -310,6 +310,11 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             initial_bytes: 1 << 30,
             max_bytes: None,
         },
+        // The bench sizes its rows to the device itself (a row that does not fit is
+        // skipped) and keeps its arena between rows: no cap below the device, no idle
+        // release in the middle of a measurement.
+        arena_cap_fraction: 1.0,
+        arena_idle_release: None,
         ..ParentOptions::default()
     };
     let parent = Parent::new(Arc::clone(&driver), options).context("starting the parent")?;

@@ -59,7 +59,7 @@ fn installed() -> PyResult<Arc<Global>> {
 /// Installs the shared pool on `device` (the driver `POOLIPC_DRIVER` picks) by creating the
 /// process's parent with these deadlines (seconds; None: the default) and result memory
 /// (`results`: `"pool"`, the default, or `"arena"`, with `arena_bytes` for its first chunk
-/// and growth step, 256 MiB by default, and `arena_max_bytes` for its cap, none by default).
+/// and growth step, 256 MiB by default, and `arena_max_bytes` for its cap, half the device by default).
 /// Returns a dict:
 /// `installed` (False when it already was), `driver` (in words), `device`. A later call, or a
 /// `Parent`, with other deadlines or result memory is a `ValueError` naming the clash. The checks around torch
@@ -672,7 +672,7 @@ impl Drop for NativeJobHandle {
 /// pool's device; the deadlines are in seconds (None: the process parent's; 30, 5, 60 and 5
 /// by default); `results` is where results of a job without an allocator go (`"pool"`, the
 /// default, or `"arena"`: the result arena, `ArenaResult`s), `arena_bytes` the arena's first
-/// chunk and growth step (256 MiB by default), `arena_max_bytes` its cap (None: none). All
+/// chunk and growth step (256 MiB by default), `arena_max_bytes` its cap (None: half the device). All
 /// apply when this call creates the process's parent.
 ///
 /// Raises `ValueError` for a deadline that is not more than 0 seconds, an unknown `results`,

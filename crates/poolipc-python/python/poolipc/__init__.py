@@ -647,7 +647,7 @@ class Parent:
     ``results="arena"``: the result arena, parent-owned memory each worker maps once, so a
     result is an offset, with no export and no import limit (a result may be as large as the
     arena). ``arena_bytes`` is its first chunk and growth step (256 MiB by default, or the
-    cap if smaller), ``arena_max_bytes`` its cap (None: none); the arena is made at the first
+    cap if smaller), ``arena_max_bytes`` its cap (None: half the device); the arena is made at the first
     result that goes to it. A result that would pass the cap fails its job with
     ``ArenaFullError`` naming the size and the cap; the parent and the worker go on. Arena
     results come back as torch tensors over an ``ArenaResult`` (``torch.from_dlpack``;

@@ -231,7 +231,7 @@ class NativeParent:
         """The process's parent, made (and the pool installed) if nothing did. ``results``:
         where results of a job without an allocator go, ``"pool"`` (the default) or
         ``"arena"`` (``ArenaResult`` objects; ``arena_bytes`` first chunk, 256 MiB by default,
-        ``arena_max_bytes`` cap, none by default). Set once per process."""
+        ``arena_max_bytes`` cap, half the device by default). Set once per process."""
     @property
     def device(self) -> int:
         """The pool's device ordinal."""
