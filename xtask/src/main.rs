@@ -753,6 +753,9 @@ cat "$out/bench.log" >> "$summary"
 echo "--- same run, plain, with the old spin (POOLIPC_SPIN_US=50 POOLIPC_SPIN_IN_FLIGHT_US=0): what the spin saves" >> "$summary"
 POOLIPC_SPIN_US=50 POOLIPC_SPIN_IN_FLIGHT_US=0 RUST_LOG=warn timeout 300 "$here/poolipc" bench $peers --max-mib 64 --copy-max-mib 0 --result-max-mib 64 > "$out/bench-oldspin.log" 2>&1; echo "bench (old spin) exit: $?" >> "$summary"
 grep -E "^ +(4 KiB|1 MiB|64 MiB) .*[0-9]\.[0-9][0-9] |split" "$out/bench-oldspin.log" >> "$summary"
+echo "--- poolipc bench --workers 8 $mps (jobs/s with 1..8 workers at once, one parent)" >> "$summary"
+RUST_LOG=warn timeout 600 "$here/poolipc" bench --workers 8 $mps > "$out/bench-workers.log" 2>&1; echo "bench --workers exit: $?" >> "$summary"
+grep -vE " (INFO|WARN|DEBUG) " "$out/bench-workers.log" >> "$summary"
 fi
 want python && echo "--- python: the binding under torch (cudaMallocAsync), then on SimDriver" >> "$summary"
 wheel=$(ls "$here"/poolipc-*.whl 2>/dev/null | head -1)
@@ -773,6 +776,10 @@ elif [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 900 python3 bench/pybench.py --json ) > "$out/pybench.log" 2>&1
   echo "pybench exit: $?" >> "$summary"
   grep -v '^{' "$out/pybench.log" | grep -v ' INFO ' | tail -12 >> "$summary"
+  echo "--- bench/vram.py: VRAM back after empty_cache (never lent, arena copy, pool pointer)" >> "$summary"
+  ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 300 python3 bench/vram.py --gib 24 ) > "$out/vram.log" 2>&1
+  echo "vram.py exit: $?" >> "$summary"
+  grep -v ' INFO ' "$out/vram.log" | tail -20 >> "$summary"
 else
   echo "python: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi

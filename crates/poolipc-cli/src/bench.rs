@@ -14,14 +14,14 @@ use poolipc_pool::ImportLimit;
 pub(crate) struct Args {
     /// Use the simulated driver even when a GPU is present.
     #[arg(long)]
-    sim: bool,
+    pub(crate) sim: bool,
     /// The device to use.
     #[arg(long, default_value_t = 0)]
-    device: u32,
+    pub(crate) device: u32,
     /// Round trips per size (the median is reported); by default 400 up to 1 MiB, 200 at
     /// 64 MiB, 50 at 1 GiB and 20 above, so that the medians hold still from run to run.
     #[arg(long)]
-    iterations: Option<usize>,
+    pub(crate) iterations: Option<usize>,
     /// The largest size to measure, in MiB (default 4096; 64 on the simulated driver, whose
     /// memory is host memory).
     #[arg(long)]
@@ -39,7 +39,7 @@ pub(crate) struct Args {
     json: bool,
     /// Also write the JSON object to this file (the table still goes to stdout).
     #[arg(long)]
-    json_out: Option<std::path::PathBuf>,
+    pub(crate) json_out: Option<std::path::PathBuf>,
     /// Draw the round trips as an SVG chart (log–log, one line per rung and per peer; with
     /// `--mps`, both runs).
     #[arg(long)]
@@ -53,7 +53,7 @@ pub(crate) struct Args {
     /// print both with the ratios. The peers run under the same daemon. The bench's own
     /// processes are the only clients, so the daemon's fault sharing is accepted for them.
     #[arg(long)]
-    mps: bool,
+    pub(crate) mps: bool,
     /// (with a parent under MPS) Start the worker outside the MPS server: what a worker that
     /// is not a client costs. Used by `--mps`.
     #[arg(long, hide = true)]
@@ -66,6 +66,11 @@ pub(crate) struct Args {
     /// `python3` after ours and reported beside it.
     #[arg(long)]
     torchmp: Option<std::path::PathBuf>,
+    /// Measure jobs per second with 1, 2, 4, ... up to N workers served at once (4 KiB and
+    /// 64 MiB, lent again), instead of the round-trip table; with `--mps`, plainly and under
+    /// MPS.
+    #[arg(long, value_name = "N")]
+    pub(crate) workers: Option<usize>,
 }
 
 impl Args {
@@ -293,6 +298,9 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         );
         crate::plot::plot_round_trips(to, "poolipc bench: round trip against size", &series)?;
         return Ok(ExitCode::SUCCESS);
+    }
+    if let Some(n) = args.workers {
+        return crate::throughput::run(args, n);
     }
     if args.mps {
         return run_plain_and_mps(args);

@@ -12,6 +12,7 @@ mod doctor;
 mod mps;
 mod plot;
 mod probe;
+mod throughput;
 
 /// Zero-copy handoff of GPU tensors between processes under the stream-ordered allocator.
 #[derive(Debug, Parser)]

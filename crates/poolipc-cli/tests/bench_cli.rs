@@ -145,3 +145,34 @@ fn bench_with_the_probe_on_leaves_parent_and_worker_marks_that_the_report_reads(
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
+    let out = poolipc()
+        .args(["bench", "--sim", "--workers", "3", "--iterations", "10"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run poolipc bench --workers");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {}:\n{text}\n{err}", out.status);
+    for size in ["4 KiB", "64 MiB"] {
+        for n in 1..=3 {
+            // A row per size and worker count: "  4 KiB  2  <jobs/s>  <ratio>×  <µs>".
+            let row = text.lines().any(|l| {
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                cols.len() == 6
+                    && format!("{} {}", cols[0], cols[1]) == size
+                    && cols[2] == n.to_string()
+                    && cols[3].parse::<f64>().is_ok_and(|r| r > 0.0)
+            });
+            assert!(row, "no row for {size} with {n} workers:\n{text}");
+        }
+    }
+    let bad = poolipc()
+        .args(["bench", "--sim", "--workers", "0"])
+        .output()
+        .expect("run poolipc bench --workers 0");
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--workers 0: give 1 to 64"));
+}

@@ -1,0 +1,226 @@
+//! `poolipc bench --workers N`: jobs per second with N workers served at once by one parent,
+//! beside one worker, in the same run (issue 24: more workers must give more, not less).
+//!
+//! Each of `n` threads owns a worker, a stream and one live pool allocation, and runs jobs on
+//! it back to back (the allocation lent again each time: no export after the first). The
+//! figure is all threads' jobs over the wall time from the first submit to the last job's
+//! stream done. With `--mps` the same table is made plainly and under a private MPS daemon.
+
+use std::process::{Command, ExitCode};
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use poolipc::{DType, Input, Parent, ParentOptions, TensorDesc, WorkerId};
+use poolipc_driver::Driver;
+
+use crate::bench::Args;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+/// The sizes measured: a small tensor (the per-job overhead) and a mid-sized one.
+const SIZES: [u64; 2] = [4 * KIB, 64 * MIB];
+
+/// Jobs per thread for a size (after a warm-up of a tenth as many).
+fn jobs_for(args: &Args, bytes: u64) -> usize {
+    args.iterations
+        .unwrap_or(if bytes <= MIB { 400 } else { 100 })
+        .max(1)
+}
+
+/// The worker counts measured up to `max`: 1, 2, 4, ... and `max` itself.
+fn counts(max: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = std::iter::successors(Some(1usize), |n| n.checked_mul(2))
+        .take_while(|&n| n < max)
+        .collect();
+    v.push(max);
+    v
+}
+
+/// One measurement: `n` threads, each on its own worker, `jobs` jobs of `bytes` each.
+fn jobs_per_second(
+    parent: &Parent,
+    d: &Arc<dyn Driver>,
+    workers: &[WorkerId],
+    n: usize,
+    bytes: u64,
+    jobs: usize,
+) -> Result<f64> {
+    let barrier = Barrier::new(n + 1);
+    let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
+    std::thread::scope(|s| -> Result<f64> {
+        let mut handles = Vec::with_capacity(n);
+        for &w in &workers[..n] {
+            let (barrier, desc) = (&barrier, desc.clone());
+            handles.push(s.spawn(move || -> Result<()> {
+                d.use_device(parent.options().device)?;
+                let stream = d.stream_create()?;
+                let ptr = parent.pool().alloc(bytes, stream)?;
+                d.stream_synchronize(stream)?;
+                let input = Input {
+                    ptr,
+                    desc,
+                    read_only: false,
+                };
+                let run = |count: usize| -> Result<()> {
+                    for _ in 0..count {
+                        parent.run_job(w, std::slice::from_ref(&input), stream)?;
+                    }
+                    d.stream_synchronize(stream)?;
+                    Ok(())
+                };
+                run((jobs / 10).max(1))?;
+                barrier.wait();
+                let measured = run(jobs);
+                barrier.wait();
+                parent.pool().free(ptr, stream)?;
+                d.stream_synchronize(stream)?;
+                d.stream_destroy(stream)?;
+                measured
+            }));
+        }
+        barrier.wait();
+        let t = Instant::now();
+        barrier.wait();
+        let secs = t.elapsed().as_secs_f64();
+        for h in handles {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a bench thread panicked"))??;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        Ok((n * jobs) as f64 / secs)
+    })
+}
+
+/// `poolipc bench --workers N`.
+pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
+    anyhow::ensure!(
+        (1..=64).contains(&max_workers),
+        "--workers {max_workers}: give 1 to 64"
+    );
+    if args.mps {
+        return run_plain_and_mps(args, max_workers);
+    }
+    let (driver, child_env, which) = crate::demo::open_driver(args.sim, args.device)?;
+    let options = ParentOptions {
+        device: args.device,
+        canary: false,
+        ..ParentOptions::default()
+    };
+    let parent = Parent::new(Arc::clone(&driver), options).context("starting the parent")?;
+    let mps = parent.mps_client() == Some(true);
+    println!(
+        "poolipc bench --workers {max_workers} {which}{}",
+        if mps { ", an MPS client" } else { "" }
+    );
+    let mut workers = Vec::with_capacity(max_workers);
+    for i in 0..max_workers {
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.arg("__demo-worker")
+            .env("POOLIPC_DEMO_DEVICE", args.device.to_string())
+            .env("POOLIPC_WORKER_MODE", "touch");
+        if let Some((k, v)) = &child_env {
+            cmd.env(k, v);
+        }
+        workers.push(
+            parent
+                .spawn_worker(cmd)
+                .with_context(|| format!("starting worker {i}"))?,
+        );
+    }
+    println!(
+        "  {:>8} {:>8} {:>12} {:>10} {:>12}",
+        "size", "workers", "jobs/s", "× one", "µs/job/wkr"
+    );
+    let mut rows = Vec::new();
+    for bytes in SIZES {
+        let jobs = jobs_for(args, bytes);
+        let mut one = f64::NAN;
+        for n in counts(max_workers) {
+            let rate = jobs_per_second(&parent, &driver, &workers, n, bytes, jobs)
+                .with_context(|| format!("{n} workers, {bytes} bytes"))?;
+            if n == 1 {
+                one = rate;
+            }
+            #[allow(clippy::cast_precision_loss)]
+            let per = 1e6 * n as f64 / rate;
+            println!(
+                "  {:>8} {:>8} {:>12.0} {:>9.2}× {:>12.1}",
+                human(bytes),
+                n,
+                rate,
+                rate / one,
+                per
+            );
+            rows.push(serde_json::json!({
+                "bytes": bytes, "workers": n, "jobs_per_s": rate, "vs_one": rate / one,
+            }));
+        }
+    }
+    if let Some(path) = &args.json_out {
+        let v = serde_json::json!({ "mps_client": mps, "which": which, "rows": rows });
+        std::fs::write(path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    for w in workers {
+        parent.stop_worker(w)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The table plainly, then under a private MPS daemon this command starts and stops.
+fn run_plain_and_mps(args: &Args, max_workers: usize) -> Result<ExitCode> {
+    let child = || -> Result<Command> {
+        let mut c = Command::new(std::env::current_exe()?);
+        c.arg("bench")
+            .arg("--device")
+            .arg(args.device.to_string())
+            .arg("--workers")
+            .arg(max_workers.to_string());
+        if let Some(n) = args.iterations {
+            c.arg("--iterations").arg(n.to_string());
+        }
+        if args.sim {
+            c.arg("--sim");
+        }
+        Ok(c)
+    };
+    println!("== poolipc bench --workers {max_workers}, plain (no MPS)");
+    let status = child()?
+        .env_remove(poolipc_driver::mps_env::PIPE_DIRECTORY_ENV)
+        .status()?;
+    anyhow::ensure!(status.success(), "the plain run failed: {status}");
+    let mps = poolipc::mps::PrivateMps::start(&poolipc::mps::MpsOptions {
+        accept_shared_gpu_faults: true,
+        ..Default::default()
+    })?;
+    println!();
+    println!("== poolipc bench --workers {max_workers} under a private MPS daemon");
+    let status = child()?.envs(mps.env()).status();
+    mps.shutdown(std::time::Duration::from_secs(30));
+    let status = status?;
+    anyhow::ensure!(status.success(), "the run under MPS failed: {status}");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn human(bytes: u64) -> String {
+    if bytes >= MIB {
+        format!("{} MiB", bytes / MIB)
+    } else {
+        format!("{} KiB", bytes / KIB)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::counts;
+
+    #[test]
+    fn worker_counts_double_up_to_the_maximum() {
+        assert_eq!(counts(1), [1]);
+        assert_eq!(counts(4), [1, 2, 4]);
+        assert_eq!(counts(6), [1, 2, 4, 6]);
+        assert_eq!(counts(8), [1, 2, 4, 8]);
+    }
+}
