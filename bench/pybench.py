@@ -7,6 +7,11 @@ pool memory: exported again) and the same live tensor lent again (the export cac
 then torchmp.py runs as a child and its medians are printed beside ours.
 
     PYTHONPATH=/tmp/site python3 bench/pybench.py [--json]
+    PYTHONPATH=/tmp/site python3 bench/pybench.py --workers N [--json]
+
+With ``--workers N``: jobs per second with 1, 2, 4 .. N torch workers served at once by one
+parent (N threads, each with its own worker, stream and live tensor, lent again), 4 KiB and
+64 MiB, beside one worker, in the same run (issue 24).
 """
 import json
 import os
@@ -34,8 +39,76 @@ SIZES = [("4KiB", 1 << 10, 400), ("1MiB", 1 << 18, 400), ("64MiB", 1 << 24, 100)
          ("1GiB", 1 << 28, 30), ("4GiB", 1 << 30, 15)]
 
 
+def counts(n):
+    out, k = [], 1
+    while k < n:
+        out.append(k)
+        k *= 2
+    return out + [n]
+
+
+def throughput(max_workers, as_json):
+    import threading
+
+    parent = poolipc.Parent(0)
+    workers = [parent.spawn([sys.executable, "-c", WORKER]) for _ in range(max_workers)]
+    print(f"  jobs/s with N torch workers at once (one parent, each thread its own worker, stream, tensor):")
+    print(f"  {'size':>6} {'workers':>8} {'jobs/s':>10} {'x one':>7}")
+    rows = []
+    for label, numel, jobs in [("4KiB", 1 << 10, 400), ("64MiB", 1 << 24, 100)]:
+        one = None
+        for n in counts(max_workers):
+            start = threading.Barrier(n + 1)
+            end = threading.Barrier(n + 1)
+            errors = []
+
+            def serve(w):
+                try:
+                    s = torch.cuda.Stream()
+                    with torch.cuda.stream(s):
+                        t = torch.zeros(numel, dtype=torch.float32, device="cuda")
+                        for _ in range(max(jobs // 10, 1)):
+                            parent.run(w, [t], stream=s)
+                        s.synchronize()
+                        start.wait()
+                        for _ in range(jobs):
+                            parent.run(w, [t], stream=s)
+                        s.synchronize()
+                        end.wait()
+                        assert t[0].item() == 42.0
+                except BaseException as e:  # noqa: BLE001  (reported after the barrier)
+                    errors.append(e)
+                    start.abort()
+                    end.abort()
+
+            threads = [threading.Thread(target=serve, args=(w,)) for w in workers[:n]]
+            for th in threads:
+                th.start()
+            try:
+                start.wait()
+                t0 = time.perf_counter()
+                end.wait()
+                secs = time.perf_counter() - t0
+            except threading.BrokenBarrierError:
+                secs = float("nan")
+            for th in threads:
+                th.join()
+            if errors:
+                raise errors[0]
+            rate = n * jobs / secs
+            one = rate if n == 1 else one
+            print(f"  {label:>6} {n:>8} {rate:>10.0f} {rate / one:>6.2f}x")
+            rows.append({"size": label, "workers": n, "jobs_per_s": rate, "vs_one": rate / one})
+    for w in workers:
+        parent.stop(w)
+    if as_json:
+        print(json.dumps({"event": "python_workers", "rows": rows}))
+
+
 def main():
     as_json = "--json" in sys.argv
+    if "--workers" in sys.argv:
+        return throughput(int(sys.argv[sys.argv.index("--workers") + 1]), as_json)
     parent = poolipc.Parent(0)
     worker = parent.spawn([sys.executable, "-c", WORKER])
     dev = torch.device("cuda", 0)

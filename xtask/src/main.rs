@@ -776,6 +776,16 @@ elif [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 900 python3 bench/pybench.py --json ) > "$out/pybench.log" 2>&1
   echo "pybench exit: $?" >> "$summary"
   grep -v '^{' "$out/pybench.log" | grep -v ' INFO ' | tail -12 >> "$summary"
+  echo "--- bench/pybench.py --workers 8 (jobs/s, torch workers, plain)" >> "$summary"
+  ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 300 python3 bench/pybench.py --workers 8 ) > "$out/pybench-workers.log" 2>&1
+  echo "pybench --workers exit: $?" >> "$summary"
+  grep -v ' INFO ' "$out/pybench-workers.log" | tail -12 >> "$summary"
+  if command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "--- bench/pybench.py --workers 8 under a private MPS daemon" >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 300 "$here/poolipc" mps --accept-shared-gpu-faults -- python3 bench/pybench.py --workers 8 ) > "$out/pybench-workers-mps.log" 2>&1
+    echo "pybench --workers (MPS) exit: $?" >> "$summary"
+    grep -v ' INFO ' "$out/pybench-workers-mps.log" | tail -12 >> "$summary"
+  fi
   echo "--- bench/vram.py: VRAM back after empty_cache (never lent, arena copy, pool pointer)" >> "$summary"
   ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 300 python3 bench/vram.py --gib 24 ) > "$out/vram.log" 2>&1
   echo "vram.py exit: $?" >> "$summary"
