@@ -26,7 +26,8 @@ pub enum Rung {
     Arena = 3,
     /// An input the parent copied device-to-device into a block of its result arena (on the
     /// job's stream, before READY), for device memory of the parent's device that cannot go
-    /// by pool pointer (over the import limit, or a pool the worker cannot import). Named on
+    /// by pool pointer (over the import limit, a pool the worker cannot import, or memory of
+    /// no pool of the parent's: `cuMemAlloc`, another library's pool, a VMM mapping). Named on
     /// the wire by `(chunk, offset)` and the tensor's layout; the worker waits on READY and
     /// reads the copy through its arena mapping: no export, no import, nothing to free. The
     /// block goes back to the arena only after the worker's DONE (stream-ordered) or after the

@@ -933,7 +933,7 @@ impl Loop {
                 pool,
                 limit.check(base.0, size).err(),
             );
-            let no_copy = match self.arena_copy(sub, pool, input.ptr, extent) {
+            let no_copy = match self.arena_copy(sub, pool, info.device, input.ptr, extent) {
                 Ok(copy) => {
                     let reason = format!("input {i}: {why_not}: arena copy ({})", copy.why);
                     tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
@@ -991,8 +991,9 @@ impl Loop {
 
     /// Copies an input (`bytes` from element 0 at `src`) into a block of the arena, queued on
     /// the job's stream now, before the job's READY is recorded, when the arena-copy rung may
-    /// carry it: the option is on, the memory is the parent's shared pool's (so on the
-    /// parent's device), the worker maps the arena, the arena has room (or VRAM is free for
+    /// carry it: the option is on, the memory is device memory of the parent's device (its
+    /// shared pool's, or any other kind the pointer's attributes place there: `cuMemAlloc`,
+    /// another pool, a VMM mapping), the worker maps the arena, the arena has room (or VRAM is free for
     /// more, with the margin to spare) and the chunk reached the worker. Otherwise says why
     /// not, and the input takes host staging; a driver call that fails on the way fails the
     /// job.
@@ -1000,6 +1001,7 @@ impl Loop {
         &mut self,
         sub: &Submission,
         pool: Option<usize>,
+        device: Option<u32>,
         src: DevicePtr,
         bytes: u64,
     ) -> Result<ArenaCopy, NoCopy> {
@@ -1012,9 +1014,22 @@ impl Loop {
         if bytes == 0 {
             return Err(NoCopy::Declined("an empty tensor needs no copy".into()));
         }
-        if pool != Some(0) {
+        // Pool 0 is the parent's device's; another of the parent's pools is another device's.
+        // Memory of no pool of ours is copied when its attributes place it on the parent's
+        // device: the copy is then device-to-device on one GPU.
+        let on_parent_device = match pool {
+            Some(p) => p == 0,
+            None => device == Some(options.device),
+        };
+        if !on_parent_device {
+            let found = match (pool, device) {
+                (Some(p), _) => format!("memory of the parent's pool {p}"),
+                (None, Some(d)) => format!("device memory of device {d}"),
+                (None, None) => "not device memory (host or managed memory)".to_owned(),
+            };
             return Err(NoCopy::Declined(format!(
-                "only memory of the parent's shared pool on device {} is copied into the arena",
+                "only device memory of the parent's device {} is copied into the arena, this \
+                 is {found}",
                 options.device
             )));
         }

@@ -73,9 +73,10 @@ pub struct ParentOptions {
     /// [`ResultMemory::Pool`] by default, [`ResultMemory::Arena`] for the fast path.
     /// [`submit_with`](Parent::submit_with) always uses the caller's allocator.
     pub results: ResultMemory,
-    /// Whether an input that cannot go by pool pointer but is memory of the parent's shared
-    /// pool (over the import limit, or a worker that may not import it) is copied
-    /// device-to-device into a block of the arena and lent from there ([`Rung::ArenaCopy`])
+    /// Whether an input that cannot go by pool pointer but is device memory of the parent's
+    /// device (the shared pool's over the import limit or for a worker that may not import
+    /// it, or any other kind: `cuMemAlloc` memory, another library's pool, a VMM mapping) is
+    /// copied device-to-device into a block of the arena and lent from there ([`Rung::ArenaCopy`])
     /// rather than through host staging. True by default. It needs a worker with the arena
     /// capability and enough free VRAM (see
     /// [`arena_copy_vram_margin`](ParentOptions::arena_copy_vram_margin)); otherwise, or
