@@ -3,8 +3,11 @@
 //! made with `cuMemCreate` + `cuMemMap` as ComfyUI makes its model weights — is copied
 //! device-to-device into the parent's arena (the arena-copy rung) rather than staged through
 //! host memory, and a write the worker makes into it comes back to the parent as it does for
-//! pool memory on that rung. A pointer into nothing is refused with an error that says so,
-//! and the parent goes on serving.
+//! pool memory on that rung. A VMM allocation made with the POSIX FD handle type is lent by
+//! its handle instead (the VMM-handle rung): no copy, the worker's write lands in the
+//! parent's memory itself, and the worker keeps its mapping, so lending it again sends
+//! nothing but the job. A pointer into nothing is refused with an error that says so, and
+//! the parent goes on serving.
 
 use std::sync::Arc;
 
@@ -27,6 +30,8 @@ enum Kind {
     MemAlloc,
     /// `cuMemCreate` without a shareable handle type, mapped with `cuMemMap`.
     VmmUnshared,
+    /// `cuMemCreate` with the POSIX FD handle type, mapped with `cuMemMap`.
+    VmmShared,
 }
 
 /// A device allocation of one [`Kind`], freed by [`Foreign::free`].
@@ -45,10 +50,14 @@ impl Foreign {
                 let base = d.mem_alloc(bytes)?;
                 Ok(Foreign { driver: d, base, len: bytes, vmm: None })
             }
-            Kind::VmmUnshared => {
+            Kind::VmmUnshared | Kind::VmmShared => {
                 let g = d.vmm_granularity(env.device, Granularity::Minimum)?;
                 let len = bytes.next_multiple_of(g);
-                let h = d.vmm_create_unshared(env.device, len)?;
+                let h = if kind == Kind::VmmShared {
+                    d.vmm_create(env.device, len)?
+                } else {
+                    d.vmm_create_unshared(env.device, len)?
+                };
                 let base = d.vmm_reserve(len, 0)?;
                 d.vmm_map(base, len, h)?;
                 d.vmm_set_access(base, len, env.device, Access::ReadWrite)?;
@@ -250,6 +259,123 @@ both_drivers!(
         p.pool().free(ok, stream)?;
         p.driver().stream_synchronize(stream)?;
         p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+/// A parent whose VMM-handle rung is on (the default) or off.
+fn parent_with_vmm_handles(env: &Env, on: bool) -> Result<Parent> {
+    let options = ParentOptions {
+        device: env.device,
+        canary: false,
+        vmm_handles: on,
+        ..ParentOptions::default()
+    };
+    Ok(Parent::new(Arc::clone(&env.driver), options)?)
+}
+
+both_drivers!(
+    fn a_vmm_tensor_with_a_posix_fd_handle_is_lent_by_handle_and_lent_again_without_a_share(env) {
+        let p = parent(env)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let mem = Foreign::new(env, Kind::VmmShared, OFFSET + BYTES)?;
+        let src = mem.base.offset(OFFSET);
+        for (round, pattern) in [0x1111_2222u32, 0x3333_4444, 0x5555_6666].into_iter().enumerate() {
+            echo::fill_pattern(&**p.driver(), src, BYTES, pattern, stream)?;
+            let out = p.run_job(w, &[bytes_input(src, BYTES)], stream)?;
+            p.driver().stream_synchronize(stream)?;
+            ensure!(out.input_rungs == [Rung::VmmHandle], "round {round}: {:?}", out.input_rungs);
+            let reason = out.input_reasons[0].as_deref().context("no reason")?;
+            println!("round {round}: {reason}");
+            let how = if round == 0 { "handle sent" } else { "mapped by the worker already" };
+            ensure!(reason.contains(&format!(": vmm handle ({how})")), "round {round}: {reason}");
+            // Every byte the worker read is this round's: it reads the parent's memory
+            // through its mapping, after READY.
+            check_exact(&p, &out, 0, BYTES, pattern)?;
+            for r in out.results {
+                p.pool().free(r.ptr, stream)?;
+            }
+        }
+        let stats = p.stats();
+        ensure!(stats.vmm_handle_tensors == 3, "{stats:?}");
+        ensure!(stats.vmm_handles_shared == 1, "the handle went more than once: {stats:?}");
+        ensure!(stats.arena_copied_inputs == 0 && stats.host_staged_tensors == 0, "{stats:?}");
+        p.driver().stream_synchronize(stream)?;
+        p.stop_worker(w)?;
+        mem.free()?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_write_into_a_vmm_tensor_lent_by_handle_lands_in_the_parent_memory_itself(env) {
+        let p = parent(env)?;
+        let stream = p.driver().stream_create()?;
+        let mut cmd = worker_command(env, None)?;
+        cmd.env("POOLIPC_TEST_WRITE_INPUTS", "1");
+        let w = p.spawn_worker(cmd)?;
+        let mem = Foreign::new(env, Kind::VmmShared, OFFSET + BYTES)?;
+        let src = mem.base.offset(OFFSET);
+        let pattern = 0x0BAD_F00D;
+        echo::fill_pattern(&**p.driver(), src, BYTES, pattern, stream)?;
+        let out = p.run_job(w, &[bytes_input(src, BYTES)], stream)?;
+        p.driver().stream_synchronize(stream)?;
+        ensure!(out.input_rungs == [Rung::VmmHandle], "{:?}", out.input_rungs);
+        check_tensor(&p, src, pattern, true)?;
+        // Nothing was copied: the write is in the parent's memory.
+        ensure!(p.stats().inputs_copied_back == 0, "{:?}", p.stats());
+        drop(out);
+        p.stop_worker(w)?;
+        mem.free()?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn with_vmm_handles_off_a_shareable_vmm_tensor_takes_the_arena_copy_and_says_why(env) {
+        // The mutation check of the handle rung: off, the same tensor is copied.
+        let p = parent_with_vmm_handles(env, false)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let mem = Foreign::new(env, Kind::VmmShared, BYTES)?;
+        echo::fill_pattern(&**p.driver(), mem.base, BYTES, 0x2468_1357, stream)?;
+        let out = p.run_job(w, &[bytes_input(mem.base, BYTES)], stream)?;
+        p.driver().stream_synchronize(stream)?;
+        ensure!(out.input_rungs == [Rung::ArenaCopy], "{:?}", out.input_rungs);
+        let reason = out.input_reasons[0].as_deref().context("no reason")?;
+        ensure!(reason.contains("lending by VMM handle is off"), "{reason}");
+        check_exact(&p, &out, 0, BYTES, 0x2468_1357)?;
+        ensure!(p.stats().vmm_handles_shared == 0, "{:?}", p.stats());
+        for r in out.results {
+            p.pool().free(r.ptr, stream)?;
+        }
+        ensure!(settle(&p, stream)? == 0, "the copy's block is still out");
+        p.stop_worker(w)?;
+        mem.free()?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn an_unshareable_vmm_tensor_says_why_it_was_not_lent_by_handle(env) {
+        let p = parent(env)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let mem = Foreign::new(env, Kind::VmmUnshared, BYTES)?;
+        echo::fill_pattern(&**p.driver(), mem.base, BYTES, 0x1357_2468, stream)?;
+        let out = p.run_job(w, &[bytes_input(mem.base, BYTES)], stream)?;
+        p.driver().stream_synchronize(stream)?;
+        ensure!(out.input_rungs == [Rung::ArenaCopy], "{:?}", out.input_rungs);
+        let reason = out.input_reasons[0].as_deref().context("no reason")?;
+        println!("{:?}: {reason}", env.kind());
+        ensure!(reason.contains("without the POSIX FD handle type"), "{reason}");
+        for r in out.results {
+            p.pool().free(r.ptr, stream)?;
+        }
+        ensure!(settle(&p, stream)? == 0, "the copy's block is still out");
+        p.stop_worker(w)?;
+        mem.free()?;
         Ok(())
     }
 );

@@ -884,6 +884,8 @@ impl NativeParent {
         d.set_item("arena_copied_inputs", s.arena_copied_inputs)?;
         d.set_item("arena_slices_lent", s.arena_slices_lent)?;
         d.set_item("arena_results_carved", s.arena_results_carved)?;
+        d.set_item("vmm_handle_tensors", s.vmm_handle_tensors)?;
+        d.set_item("vmm_handles_shared", s.vmm_handles_shared)?;
         Ok(d)
     }
 

@@ -44,6 +44,8 @@
 //! - `ExtraPoolReply`: index u8, reachable u8 (0 false, 1 true; anything else is an error),
 //!   reason text.
 //! - `ArenaChunk`: index u32, len u64 (non-zero; and one FD beside the frame).
+//! - `VmmShare` (protocol 8): alloc u64, base u64, len u64 (non-zero; and one FD beside the
+//!   frame). A `Lend` tensor on the VMM-handle rung (5) names the allocation by `alloc`.
 //!
 //! A payload must be consumed exactly: trailing bytes are an error.
 //!
@@ -57,7 +59,7 @@ use crate::message::{
     Ack, AllocationGrant, ArenaChunk, ArenaLocation, Capabilities, CarvedResult, Chunk,
     DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice, LentTensor,
     MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
-    ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
+    ResultRequest, ResultSpec, StagingBuffer, TensorMeta, VmmShare,
 };
 use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 
@@ -70,7 +72,8 @@ use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId
 /// results carved out of it).
 /// 7: a `Lend` tensor says whether it is read-only; a writable host-staged input's bytes
 /// come back after the worker's `Done`, like a staged result's.
-pub const PROTOCOL_VERSION: u8 = 7;
+/// 8: the VMM-handle rung (5) and `VmmShare`, which hands a VMM allocation's FD over once.
+pub const PROTOCOL_VERSION: u8 = 8;
 
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 8;
@@ -661,6 +664,20 @@ impl Writer<'_> {
                 self.u32(c.index);
                 self.u64(c.len);
             }
+            Message::VmmShare(v) => {
+                if v.len == 0 {
+                    return Err(EncodeError::OutOfRange {
+                        kind: self.kind,
+                        field: "len",
+                        value: 0,
+                        min: 1,
+                        max: u64::MAX,
+                    });
+                }
+                self.u64(v.alloc.0);
+                self.u64(v.base);
+                self.u64(v.len);
+            }
         }
         Ok(())
     }
@@ -1077,6 +1094,21 @@ impl Reader<'_> {
                     });
                 }
                 Message::ArenaChunk(ArenaChunk { index, len })
+            }
+            MessageKind::VmmShare => {
+                let alloc = AllocId(self.u64("alloc")?);
+                let base = self.u64("base")?;
+                let len = self.u64("len")?;
+                if len == 0 {
+                    return Err(DecodeError::OutOfRange {
+                        kind: self.kind,
+                        field: "len",
+                        value: 0,
+                        min: 1,
+                        max: u64::MAX,
+                    });
+                }
+                Message::VmmShare(VmmShare { alloc, base, len })
             }
             MessageKind::ExtraPoolReply => Message::ExtraPoolReply(ExtraPoolReply {
                 index: self.u8("index")?,

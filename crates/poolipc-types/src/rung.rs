@@ -34,15 +34,26 @@ pub enum Rung {
     /// worker was reaped. Costs one device-to-device copy (hundreds of GB/s) where host
     /// staging costs two trips over PCIe.
     ArenaCopy = 4,
+    /// A VMM allocation of the parent's device (`cuMemCreate` + `cuMemMap`, as ComfyUI maps
+    /// its model weights) made with the POSIX FD handle type, lent by its handle: no copy.
+    /// The parent retains the handle (`cuMemRetainAllocationHandle`), exports its FD and
+    /// sends it once per worker in a `VmmShare` frame naming the allocation by an id it
+    /// assigns (the `alloc` of the lent tensor, tied to the allocation's address, size and
+    /// buffer id); the worker imports, maps and keeps the mapping across jobs until the
+    /// parent says to drop it. The tensor is named on the wire by that id and its layout over
+    /// the allocation. READY before the worker touches it, DONE before the parent reuses it,
+    /// as for a pool pointer; nothing to free per job.
+    VmmHandle = 5,
 }
 
 impl Rung {
     /// Every rung, in wire order.
-    pub const ALL: [Rung; 4] = [
+    pub const ALL: [Rung; 5] = [
         Rung::PoolPointer,
         Rung::HostStaging,
         Rung::Arena,
         Rung::ArenaCopy,
+        Rung::VmmHandle,
     ];
 
     /// The rung with this wire value.
@@ -58,6 +69,7 @@ impl fmt::Display for Rung {
             Rung::HostStaging => "host staging",
             Rung::Arena => "arena",
             Rung::ArenaCopy => "arena copy",
+            Rung::VmmHandle => "vmm handle",
         })
     }
 }
@@ -72,7 +84,7 @@ mod tests {
             assert_eq!(Rung::from_wire(r as u8), Some(r));
         }
         assert_eq!(Rung::from_wire(0), None);
-        assert_eq!(Rung::from_wire(5), None);
+        assert_eq!(Rung::from_wire(6), None);
     }
 
     #[test]
@@ -81,5 +93,6 @@ mod tests {
         assert_eq!(Rung::HostStaging.to_string(), "host staging");
         assert_eq!(Rung::Arena.to_string(), "arena");
         assert_eq!(Rung::ArenaCopy.to_string(), "arena copy");
+        assert_eq!(Rung::VmmHandle.to_string(), "vmm handle");
     }
 }

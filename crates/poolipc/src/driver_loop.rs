@@ -8,9 +8,9 @@
 //! it, the contract releases its loans and fails its jobs, and nothing of it touches another
 //! worker.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io::Read as _;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, ExitStatus};
 use std::sync::Arc;
@@ -25,7 +25,9 @@ use poolipc_contract::{
 };
 use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
 use poolipc_pool::Arena;
-use poolipc_transport::{ArenaChunk, Capabilities, Connection, ErrorCode, TransportError};
+use poolipc_transport::{
+    ArenaChunk, Capabilities, Connection, ErrorCode, TransportError, VmmShare,
+};
 use poolipc_types::ARENA_ALIGN as ALIGN;
 use poolipc_types::{
     AllocId, EventBlob, ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId,
@@ -130,6 +132,9 @@ struct Slot {
     maps_arena: bool,
     /// How many of the arena's chunks (by index, from 0) were sent to it.
     arena_chunks_sent: u32,
+    /// Whether it takes VMM allocations by handle ([`Rung::VmmHandle`]): it announced
+    /// [`Capabilities::VMM_HANDLE`] and reaches the parent's device.
+    takes_vmm: bool,
     /// Set when the worker is being stopped: when to kill it if it has not exited.
     exit_deadline: Option<Instant>,
     stop_replies: Vec<Sender<Result<Option<ExitStatus>, Error>>>,
@@ -204,6 +209,9 @@ struct Loop {
     jobs: HashMap<(WorkerId, JobId), JobState>,
     /// Input allocations currently lent by pointer: base address to (id, loans).
     lent: HashMap<u64, (AllocId, u32)>,
+    /// VMM allocations lent by handle, by base address: their id and the workers that
+    /// mapped them ([`Rung::VmmHandle`]).
+    vmm_shared: HashMap<u64, VmmShared>,
     /// Exit statuses of workers being reaped, for the errors of their jobs.
     reaped: HashMap<WorkerId, String>,
     next_alloc: u64,
@@ -259,6 +267,7 @@ impl Loop {
             workers: BTreeMap::new(),
             jobs: HashMap::new(),
             lent: HashMap::new(),
+            vmm_shared: HashMap::new(),
             reaped: HashMap::new(),
             next_alloc: 1,
             epoch: Instant::now(),
@@ -532,6 +541,13 @@ impl Loop {
                     .contains(Capabilities::VMM_ARENA)
                     && r.pools.first() == Some(&true)
             });
+        let takes_vmm = registered.as_ref().is_some_and(|r| {
+            r.info
+                .identity
+                .capabilities
+                .contains(Capabilities::VMM_HANDLE)
+                && r.pools.first() == Some(&true)
+        });
         self.workers.insert(
             worker,
             Slot {
@@ -544,6 +560,7 @@ impl Loop {
                 takes_staging,
                 maps_arena,
                 arena_chunks_sent: 0,
+                takes_vmm,
                 exit_deadline: None,
                 stop_replies: Vec::new(),
                 queued: VecDeque::new(),
@@ -730,6 +747,7 @@ impl Loop {
         let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
         let replies: Vec<_> = slot.stop_replies.drain(..).collect();
         drop(slot);
+        self.forget_vmm_shares(worker);
         self.reaped.insert(worker, text);
         if let Some(r) = lock(&self.shared.registry).get_mut(&worker) {
             r.gone = true;
@@ -927,12 +945,43 @@ impl Loop {
                 placed.copies.push(None);
                 continue;
             }
-            let why_not = why_not_pointer(
+            let mut why_not = why_not_pointer(
                 &self.shared,
                 sub.worker,
                 pool,
                 limit.check(base.0, size).err(),
             );
+            // Memory of no pool of ours on the parent's device may be a VMM allocation whose
+            // handle can be lent: no copy.
+            if pool.is_none() && info.device == Some(self.shared.options.device) {
+                match self.vmm_handle(sub, base, size, info.buffer_id) {
+                    Ok((alloc, how)) => {
+                        let reason = format!("input {i}: {why_not}: vmm handle ({how})");
+                        tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
+                        placed.loans.push(InputLoan {
+                            alloc,
+                            span: Span {
+                                ptr: base.0,
+                                bytes: size,
+                            },
+                            rung: Rung::VmmHandle,
+                            pool: 0,
+                            export: ExportBlob([0; 64]),
+                            meta: input.desc.meta(offset, extent),
+                            arena: None,
+                            read_only: input.read_only,
+                        });
+                        placed.rungs.push(Rung::VmmHandle);
+                        placed.reasons.push(Some(reason));
+                        placed.copies.push(None);
+                        continue;
+                    }
+                    Err(NoCopy::Failed(e)) => return Err(e),
+                    Err(NoCopy::Declined(why)) => {
+                        why_not = format!("{why_not}, and no VMM handle to lend ({why})");
+                    }
+                }
+            }
             let no_copy = match self.arena_copy(sub, pool, info.device, input.ptr, extent) {
                 Ok(copy) => {
                     let reason = format!("input {i}: {why_not}: arena copy ({})", copy.why);
@@ -987,6 +1036,138 @@ impl Loop {
             placed.staged = true;
         }
         Ok(placed)
+    }
+
+    /// Lends the VMM allocation `[base, base + size)` by handle to the job's worker, when
+    /// the rung may carry it: the option is on, the worker takes VMM handles, the driver
+    /// gives the allocation a buffer id (how a later lend knows it is the same allocation,
+    /// not a new one at the same address), and the allocation is a VMM mapping made with the
+    /// POSIX FD handle type. A worker that mapped this allocation already (same address,
+    /// size and buffer id) gets nothing: no driver call, no frame. Otherwise the handle is
+    /// retained (`cuMemRetainAllocationHandle`), exported as an FD, released again, and the
+    /// FD sent in a `VmmShare` frame ahead of the job's `Lend`. Returns the allocation's id
+    /// and how, or why not (the input then takes the arena copy); a lost send fails the job.
+    fn vmm_handle(
+        &mut self,
+        sub: &Submission,
+        base: DevicePtr,
+        size: u64,
+        buffer_id: Option<u64>,
+    ) -> Result<(AllocId, String), NoCopy> {
+        if !self.shared.options.vmm_handles {
+            return Err(NoCopy::Declined(
+                "lending by VMM handle is off (ParentOptions::vmm_handles)".into(),
+            ));
+        }
+        if !self.workers.get(&sub.worker).is_some_and(|s| s.takes_vmm) {
+            return Err(NoCopy::Declined(format!(
+                "{} takes no VMM handles (no VMM by POSIX FD, or not on the parent's device)",
+                sub.worker
+            )));
+        }
+        let Some(buffer_id) = buffer_id else {
+            return Err(NoCopy::Declined(
+                "the driver gives it no buffer id, so a worker's mapping could not be told \
+                 from a new allocation at its address"
+                    .into(),
+            ));
+        };
+        let same = |e: &VmmShared| e.size == size && e.buffer_id == buffer_id;
+        if let Some(e) = self.vmm_shared.get(&base.0)
+            && same(e)
+            && e.sent_to.contains(&sub.worker)
+        {
+            return Ok((e.alloc, "mapped by the worker already".into()));
+        }
+        let fd = self.export_vmm(base)?;
+        let alloc = match self.vmm_shared.get(&base.0) {
+            Some(e) if same(e) => e.alloc,
+            _ => {
+                // A new allocation at this address (or the first): a new id, so that no
+                // worker's mapping of the old one is taken for it.
+                let alloc = AllocId(self.next_alloc);
+                self.next_alloc += 1;
+                self.vmm_shared.insert(
+                    base.0,
+                    VmmShared {
+                        alloc,
+                        size,
+                        buffer_id,
+                        sent_to: HashSet::new(),
+                    },
+                );
+                alloc
+            }
+        };
+        let Some(slot) = self.workers.get_mut(&sub.worker) else {
+            return Err(NoCopy::Failed(Error::UnknownWorker(sub.worker)));
+        };
+        let message = Message::VmmShare(VmmShare {
+            alloc,
+            base: base.0,
+            len: size,
+        });
+        let deadline = Instant::now() + self.shared.options.frame_timeout;
+        if let Err(e) = slot.conn.send(&message, &[fd.as_fd()], deadline) {
+            let why = format!("sending a VMM handle failed: {e}");
+            self.lose(sub.worker, &why);
+            return Err(NoCopy::Failed(Error::JobFailed {
+                worker: sub.worker,
+                reason: FailReason::HungUp,
+                detail: why,
+                results: Vec::new(),
+            }));
+        }
+        Stats::bump(&self.shared.stats.vmm_handles_shared);
+        if let Some(e) = self.vmm_shared.get_mut(&base.0) {
+            e.sent_to.insert(sub.worker);
+        }
+        tracing::debug!(worker = %sub.worker, ?alloc, size, "VMM handle sent");
+        Ok((alloc, "handle sent".into()))
+    }
+
+    /// The POSIX FD of the VMM allocation mapped at `base`: its handle retained, checked for
+    /// the POSIX FD handle type, exported, and released again (the FD and the worker's import
+    /// keep what they need). Memory that is no VMM mapping, or one made without that handle
+    /// type, is declined with the reason; a lost context fails the job.
+    fn export_vmm(&self, base: DevicePtr) -> Result<OwnedFd, NoCopy> {
+        let d = &*self.shared.driver;
+        let declined = |what: &str, e: poolipc_driver::DriverError| {
+            if e.is_context_lost() {
+                NoCopy::Failed(e.into())
+            } else {
+                NoCopy::Declined(format!("{what}: {e}"))
+            }
+        };
+        let handle = d
+            .vmm_retain(base)
+            .map_err(|e| declined("not a VMM allocation", e))?;
+        let fd = match d.vmm_exports_fd(handle) {
+            Ok(true) => d
+                .vmm_export_fd(handle)
+                .map_err(|e| declined("its handle could not be exported", e)),
+            Ok(false) => Err(NoCopy::Declined(
+                "a VMM allocation made without the POSIX FD handle type, which cannot be shared"
+                    .into(),
+            )),
+            Err(e) => Err(declined("its handle's properties could not be read", e)),
+        };
+        // The retained reference only served the export.
+        if let Err(e) = d.vmm_release(handle) {
+            tracing::warn!(error = %e, "releasing a retained VMM handle failed");
+        }
+        fd
+    }
+
+    /// Forgets which VMM allocations `worker` mapped: it was reaped, or it was told to drop
+    /// its cached mappings (`Worker::release_cached_mappings`). An allocation lent to it
+    /// again is sent again first. Whoever sends the worker that order calls this at the
+    /// same time.
+    pub(crate) fn forget_vmm_shares(&mut self, worker: WorkerId) {
+        self.vmm_shared.retain(|_, e| {
+            e.sent_to.remove(&worker);
+            !e.sent_to.is_empty()
+        });
     }
 
     /// Copies an input (`bytes` from element 0 at `src`) into a block of the arena, queued on
@@ -1183,11 +1364,18 @@ impl Loop {
                     }
                     Stats::bump(&self.shared.stats.arena_copied_inputs);
                 }
-                _ => {
+                Rung::VmmHandle => {
+                    // The caller's memory, mapped by the worker: nothing to give back.
+                    Stats::bump(&self.shared.stats.vmm_handle_tensors);
+                }
+                Rung::PoolPointer => {
                     self.lent.entry(loan.span.ptr).or_insert((loan.alloc, 0)).1 += 1;
                     lent_bases.push(loan.span.ptr);
                     Stats::bump(&self.shared.stats.pool_pointer_tensors);
                 }
+                // `Rung::Arena` (results only: the contract refused it for an input) and any
+                // rung of a later version of the types crate (`Rung` is non-exhaustive).
+                _ => {}
             }
         }
         if let Some(s) = self.workers.get_mut(&worker) {
@@ -2274,7 +2462,20 @@ struct ArenaCopy {
     why: String,
 }
 
-/// Why an input is not copied into the arena.
+/// A VMM allocation of the caller's lent by handle ([`Rung::VmmHandle`]), as the parent
+/// knows it: kept while some worker holds a mapping of it.
+struct VmmShared {
+    /// The id lent tensors name it by.
+    alloc: AllocId,
+    /// Its size and `CU_POINTER_ATTRIBUTE_BUFFER_ID` when it was shared: an allocation at
+    /// the same address with another of either is another allocation.
+    size: u64,
+    buffer_id: u64,
+    /// The workers it was sent to that have not dropped their mappings.
+    sent_to: HashSet<WorkerId>,
+}
+
+/// Why an input is not copied into the arena (or lent by VMM handle).
 enum NoCopy {
     /// Not for this input, worker or machine, in words: it takes host staging.
     Declined(String),

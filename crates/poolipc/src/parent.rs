@@ -96,6 +96,13 @@ pub struct ParentOptions {
     /// plus this much free (256 MiB by default). A copy that fits in the arena as it is
     /// needs no new memory and is not checked.
     pub arena_copy_vram_margin: u64,
+    /// Whether an input that is a VMM allocation of the parent's device (`cuMemCreate` +
+    /// `cuMemMap`, as ComfyUI maps model weights) made with the POSIX FD handle type is lent
+    /// by its handle ([`Rung::VmmHandle`]): no copy; each worker maps it once and keeps the
+    /// mapping (and so the memory behind it) until told to drop it. True by default. Needs
+    /// a worker that takes VMM handles on the parent's device and a driver that gives the
+    /// allocation a buffer id; otherwise, or when false, such inputs take the arena copy.
+    pub vmm_handles: bool,
     /// Bytes of the result arena lent with each job as its **arena slice** (protocol 6), out
     /// of which the worker carves results whose shapes it learns late without a round trip
     /// per request; 0 (the default) turns slices off. Changed later with
@@ -164,6 +171,7 @@ impl Default for ParentOptions {
             results: ResultMemory::Pool,
             arena_copy: true,
             arena_copy_vram_margin: DEFAULT_ARENA_COPY_VRAM_MARGIN,
+            vmm_handles: true,
             arena_slice_bytes: 0,
         }
     }
@@ -478,6 +486,11 @@ pub struct ParentStats {
     /// Inputs that crossed by a copy (arena copy, host staging), lent writable, whose bytes
     /// were copied back into the caller's tensor after the job.
     pub inputs_copied_back: u64,
+    /// Inputs lent by VMM handle ([`Rung::VmmHandle`]).
+    pub vmm_handle_tensors: u64,
+    /// VMM allocations whose handle was exported and sent to a worker (once per allocation
+    /// and worker; a tensor lent again to a worker that mapped it costs none).
+    pub vmm_handles_shared: u64,
 }
 
 /// Allocates a job's result memory: `(shape, bytes, stream)` to an allocation of at least
@@ -500,6 +513,8 @@ pub(crate) struct Stats {
     pub(crate) arena_slices_lent: AtomicU64,
     pub(crate) arena_results_carved: AtomicU64,
     pub(crate) inputs_copied_back: AtomicU64,
+    pub(crate) vmm_handle_tensors: AtomicU64,
+    pub(crate) vmm_handles_shared: AtomicU64,
 }
 
 impl Stats {
@@ -750,10 +765,13 @@ pub(crate) const CAPABILITIES: Capabilities = Capabilities(
 );
 
 /// What this side can do on `device`: [`CAPABILITIES`], and the result arena
-/// ([`Capabilities::VMM_ARENA`]) where the device has VMM with POSIX FD handles.
+/// ([`Capabilities::VMM_ARENA`]) and VMM allocations lent by handle
+/// ([`Capabilities::VMM_HANDLE`]) where the device has VMM with POSIX FD handles.
 pub(crate) fn capabilities(driver: &dyn Driver, device: u32) -> Capabilities {
     match driver.device_info(device) {
-        Ok(info) if info.vmm && info.vmm_posix_fd => CAPABILITIES | Capabilities::VMM_ARENA,
+        Ok(info) if info.vmm && info.vmm_posix_fd => {
+            CAPABILITIES | Capabilities::VMM_ARENA | Capabilities::VMM_HANDLE
+        }
         _ => CAPABILITIES,
     }
 }
@@ -974,6 +992,8 @@ impl Parent {
             arena_slices_lent: get(&s.arena_slices_lent),
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),
+            vmm_handle_tensors: get(&s.vmm_handle_tensors),
+            vmm_handles_shared: get(&s.vmm_handles_shared),
         }
     }
 

@@ -1,0 +1,321 @@
+//! The worker's side of the VMM-handle rung: the parent's VMM allocations (memory it made
+//! with `cuMemCreate` + `cuMemMap`, such as ComfyUI's model weights), imported from the FD
+//! the parent sent once and mapped once, kept across jobs under the id the parent gave.
+//!
+//! A mapping keeps the physical memory alive: while this worker holds it, the VRAM stays
+//! allocated even after the parent unmapped and released its own allocation. So the cache is
+//! not a free lunch: [`VmmMappings::release_unused`] drops every mapping no running job
+//! uses, and a share for a new allocation at an address where an older one was mapped
+//! retires the older mapping as soon as no job uses it. The parent decides when to call
+//! the first (its `Release` message); the worker never drops a mapping the parent still
+//! believes it holds, or the parent's next lend of it would name nothing.
+
+use std::collections::HashMap;
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+
+use poolipc_driver::{Access, DevicePtr, Driver, DriverError, Granularity, VmmHandle};
+use poolipc_types::{AllocId, JobId};
+
+/// What went wrong with a shared VMM allocation. Malformed input from the parent is a typed
+/// error, never a panic; nothing is mapped or touched on an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum VmmShareError {
+    /// A driver call failed.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// A tensor named an allocation the parent never shared with this worker (or one this
+    /// worker dropped when told to).
+    #[error("VMM allocation {alloc:?} was never shared with this worker")]
+    Unknown {
+        /// The id named.
+        alloc: AllocId,
+    },
+    /// A tensor's bytes do not lie inside the mapping.
+    #[error(
+        "a tensor of {len} bytes at offset {offset} lies outside VMM allocation {alloc:?} \
+         ({mapped} bytes mapped)"
+    )]
+    OutOfBounds {
+        /// The allocation.
+        alloc: AllocId,
+        /// The tensor's offset in it.
+        offset: u64,
+        /// The tensor's length.
+        len: u64,
+        /// The mapping's length.
+        mapped: u64,
+    },
+    /// A share's length is 0 or not a multiple of the driver's granularity.
+    #[error(
+        "VMM allocation {alloc:?} shared with a length of {len} bytes, not a non-zero multiple \
+         of the granularity ({granularity} bytes)"
+    )]
+    BadLen {
+        /// The allocation.
+        alloc: AllocId,
+        /// The length sent.
+        len: u64,
+        /// The driver's granularity.
+        granularity: u64,
+    },
+    /// The same id shared twice while its first mapping is in use by a job.
+    #[error("VMM allocation {alloc:?} shared again while a job uses its mapping")]
+    InUse {
+        /// The allocation.
+        alloc: AllocId,
+    },
+}
+
+#[derive(Debug)]
+struct Mapped {
+    handle: VmmHandle,
+    ptr: DevicePtr,
+    len: u64,
+    /// Where the parent has it: a later share at the same place replaces it.
+    parent_base: u64,
+    /// Jobs using it (started, DONE not yet recorded).
+    users: u32,
+    /// Replaced by a newer share at the same parent address: unmapped when unused.
+    stale: bool,
+}
+
+/// How often the cache was used, for statistics and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmmShareStats {
+    /// Allocations imported and mapped (one per share received).
+    pub mapped: u64,
+    /// Tensors resolved through a mapping (first use and reuse alike).
+    pub resolved: u64,
+    /// Mappings dropped (released, stale, or replaced).
+    pub unmapped: u64,
+    /// Mappings held now.
+    pub held: u64,
+}
+
+/// The parent's VMM allocations this worker mapped, by the id the parent gave them.
+pub struct VmmMappings {
+    driver: Arc<dyn Driver>,
+    device: u32,
+    maps: HashMap<AllocId, Mapped>,
+    /// Ids each running job resolved, to give back when its DONE is recorded.
+    jobs: HashMap<JobId, Vec<AllocId>>,
+    stats: VmmShareStats,
+}
+
+impl std::fmt::Debug for VmmMappings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmmMappings")
+            .field("device", &self.device)
+            .field("held", &self.maps.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl VmmMappings {
+    /// No mappings yet, on `device`.
+    pub fn new(driver: Arc<dyn Driver>, device: u32) -> VmmMappings {
+        VmmMappings {
+            driver,
+            device,
+            maps: HashMap::new(),
+            jobs: HashMap::new(),
+            stats: VmmShareStats::default(),
+        }
+    }
+
+    /// Imports the allocation behind `fd` (`cuMemImportFromShareableHandle`), reserves and
+    /// maps `len` bytes of it read-write for this worker's device, and keeps it as `alloc`.
+    /// A mapping held for another id at the same `parent_base` is stale from now on (the
+    /// parent's allocation there was replaced) and goes as soon as no job uses it. The same
+    /// id shared again (after a release the parent asked for, or a replaced handle) replaces
+    /// its mapping unless a job uses it.
+    pub fn share(
+        &mut self,
+        alloc: AllocId,
+        parent_base: u64,
+        len: u64,
+        fd: BorrowedFd<'_>,
+    ) -> Result<DevicePtr, VmmShareError> {
+        let granularity = self
+            .driver
+            .vmm_granularity(self.device, Granularity::Minimum)?;
+        if len == 0 || granularity == 0 || !len.is_multiple_of(granularity) {
+            return Err(VmmShareError::BadLen {
+                alloc,
+                len,
+                granularity,
+            });
+        }
+        if self.maps.get(&alloc).is_some_and(|m| m.users > 0) {
+            return Err(VmmShareError::InUse { alloc });
+        }
+        if let Some(old) = self.maps.remove(&alloc) {
+            self.unmap(old);
+        }
+        let handle = self.driver.vmm_import_fd(fd)?;
+        let ptr = match self.map(handle, len) {
+            Ok(p) => p,
+            Err(e) => {
+                if let Err(r) = self.driver.vmm_release(handle) {
+                    tracing::warn!(error = %r, "releasing a VMM import that failed to map");
+                }
+                return Err(e.into());
+            }
+        };
+        for m in self.maps.values_mut() {
+            if m.parent_base == parent_base {
+                m.stale = true;
+            }
+        }
+        self.maps.insert(
+            alloc,
+            Mapped {
+                handle,
+                ptr,
+                len,
+                parent_base,
+                users: 0,
+                stale: false,
+            },
+        );
+        self.stats.mapped += 1;
+        self.drop_stale();
+        tracing::debug!(?alloc, len, ?ptr, "VMM allocation of the parent mapped");
+        Ok(ptr)
+    }
+
+    /// The address of `len` bytes at `offset` of `alloc`'s mapping, used by `job` until
+    /// [`job_done`](VmmMappings::job_done): the mapping stays while a job uses it.
+    pub fn resolve(
+        &mut self,
+        job: JobId,
+        alloc: AllocId,
+        offset: u64,
+        len: u64,
+    ) -> Result<DevicePtr, VmmShareError> {
+        let m = self
+            .maps
+            .get_mut(&alloc)
+            .filter(|m| !m.stale)
+            .ok_or(VmmShareError::Unknown { alloc })?;
+        match offset.checked_add(len) {
+            Some(end) if end <= m.len => {}
+            _ => {
+                return Err(VmmShareError::OutOfBounds {
+                    alloc,
+                    offset,
+                    len,
+                    mapped: m.len,
+                });
+            }
+        }
+        m.users += 1;
+        self.jobs.entry(job).or_default().push(alloc);
+        self.stats.resolved += 1;
+        Ok(m.ptr.offset(offset))
+    }
+
+    /// `job` recorded its DONE: every access it made through a mapping is ordered before it,
+    /// so its mappings are free to go (when released, or stale).
+    pub fn job_done(&mut self, job: JobId) {
+        for alloc in self.jobs.remove(&job).unwrap_or_default() {
+            if let Some(m) = self.maps.get_mut(&alloc) {
+                m.users = m.users.saturating_sub(1);
+            }
+        }
+        self.drop_stale();
+    }
+
+    /// Drops every mapping no running job uses (unmap, free the address range, release the
+    /// import), so the VRAM behind the parent's freed allocations goes back. The caller
+    /// makes sure the GPU work of finished jobs completed first (their DONE was recorded on
+    /// the stream it synchronizes). Returns how many mappings were dropped.
+    pub fn release_unused(&mut self) -> usize {
+        let unused: Vec<AllocId> = self
+            .maps
+            .iter()
+            .filter(|(_, m)| m.users == 0)
+            .map(|(a, _)| *a)
+            .collect();
+        for alloc in &unused {
+            if let Some(m) = self.maps.remove(alloc) {
+                self.unmap(m);
+            }
+        }
+        unused.len()
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> VmmShareStats {
+        VmmShareStats {
+            held: self.maps.len() as u64,
+            ..self.stats
+        }
+    }
+
+    fn drop_stale(&mut self) {
+        let stale: Vec<AllocId> = self
+            .maps
+            .iter()
+            .filter(|(_, m)| m.stale && m.users == 0)
+            .map(|(a, _)| *a)
+            .collect();
+        for alloc in stale {
+            if let Some(m) = self.maps.remove(&alloc) {
+                self.unmap(m);
+            }
+        }
+    }
+
+    fn map(&self, handle: VmmHandle, len: u64) -> Result<DevicePtr, DriverError> {
+        let d = &*self.driver;
+        let ptr = d.vmm_reserve(len, 0)?;
+        if let Err(e) = d.vmm_map(ptr, len, handle) {
+            if let Err(f) = d.vmm_address_free(ptr, len) {
+                tracing::warn!(error = %f, "freeing a VMM reservation that failed to map");
+            }
+            return Err(e);
+        }
+        if let Err(e) = d.vmm_set_access(ptr, len, self.device, Access::ReadWrite) {
+            if d.vmm_unmap(ptr, len).is_ok()
+                && let Err(f) = d.vmm_address_free(ptr, len)
+            {
+                tracing::warn!(error = %f, "freeing a VMM reservation that got no access");
+            }
+            return Err(e);
+        }
+        Ok(ptr)
+    }
+
+    /// Unmaps, frees the address range, releases the import: each step tried, failures
+    /// logged, never a panic.
+    fn unmap(&mut self, m: Mapped) {
+        let d = &*self.driver;
+        let unmapped = d.vmm_unmap(m.ptr, m.len);
+        if let Err(e) = &unmapped {
+            tracing::warn!(error = %e, "unmapping a VMM allocation of the parent failed");
+        }
+        if unmapped.is_ok()
+            && let Err(e) = d.vmm_address_free(m.ptr, m.len)
+        {
+            tracing::warn!(error = %e, "freeing a VMM mapping's address range failed");
+        }
+        if let Err(e) = d.vmm_release(m.handle) {
+            tracing::warn!(error = %e, "releasing a VMM import failed");
+        }
+        self.stats.unmapped += 1;
+    }
+}
+
+impl Drop for VmmMappings {
+    fn drop(&mut self) {
+        let all: Vec<AllocId> = self.maps.keys().copied().collect();
+        for alloc in all {
+            if let Some(m) = self.maps.remove(&alloc) {
+                self.unmap(m);
+            }
+        }
+    }
+}
