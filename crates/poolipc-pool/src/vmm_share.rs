@@ -319,3 +319,94 @@ impl Drop for VmmMappings {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use std::os::fd::{AsFd, OwnedFd};
+
+    use poolipc_driver::sim::{SimConfig, SimDriver};
+
+    use super::*;
+
+    /// A simulated process with a VMM allocation (POSIX FD) of one granule, mapped, and the
+    /// FD the parent would send.
+    fn setup() -> (Arc<dyn Driver>, u64, DevicePtr, OwnedFd) {
+        let d: Arc<dyn Driver> = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
+        d.use_device(0).unwrap();
+        let g = d.vmm_granularity(0, Granularity::Minimum).unwrap();
+        let h = d.vmm_create(0, g).unwrap();
+        let va = d.vmm_reserve(g, 0).unwrap();
+        d.vmm_map(va, g, h).unwrap();
+        d.vmm_set_access(va, g, 0, Access::ReadWrite).unwrap();
+        let fd = d.vmm_export_fd(h).unwrap();
+        (d, g, va, fd)
+    }
+
+    #[test]
+    fn a_mapping_serves_every_job_and_goes_only_when_released_unused() {
+        let (d, g, va, fd) = setup();
+        let mut m = VmmMappings::new(Arc::clone(&d), 0);
+        let p = m.share(AllocId(1), va.0, g, fd.as_fd()).unwrap();
+        assert_eq!(m.resolve(JobId(1), AllocId(1), 16, 64).unwrap(), p.offset(16));
+        assert_eq!(m.resolve(JobId(2), AllocId(1), 0, g).unwrap(), p);
+        // Job 1 still runs: its mapping stays.
+        m.job_done(JobId(2));
+        assert_eq!(m.release_unused(), 0);
+        m.job_done(JobId(1));
+        assert_eq!(m.release_unused(), 1);
+        let s = m.stats();
+        assert_eq!((s.mapped, s.resolved, s.unmapped, s.held), (1, 2, 1, 0));
+        assert!(matches!(
+            m.resolve(JobId(3), AllocId(1), 0, 64),
+            Err(VmmShareError::Unknown { .. })
+        ));
+    }
+
+    #[test]
+    fn a_new_share_at_the_same_parent_address_retires_the_old_mapping_once_unused() {
+        let (d, g, va, fd) = setup();
+        let mut m = VmmMappings::new(Arc::clone(&d), 0);
+        m.share(AllocId(1), va.0, g, fd.as_fd()).unwrap();
+        m.resolve(JobId(1), AllocId(1), 0, 64).unwrap();
+        // The parent's allocation at `va` was replaced: a new id for the same address.
+        m.share(AllocId(2), va.0, g, fd.as_fd()).unwrap();
+        assert!(
+            m.resolve(JobId(2), AllocId(1), 0, 64).is_err(),
+            "a stale mapping serves no new job"
+        );
+        assert_eq!(m.stats().held, 2, "job 1 still uses the old one");
+        m.job_done(JobId(1));
+        let s = m.stats();
+        assert_eq!((s.held, s.unmapped), (1, 1));
+        m.resolve(JobId(2), AllocId(2), 0, 64).unwrap();
+    }
+
+    #[test]
+    fn malformed_shares_and_tensors_are_typed_errors_and_touch_nothing() {
+        let (d, g, va, fd) = setup();
+        let mut m = VmmMappings::new(Arc::clone(&d), 0);
+        for len in [0, g - 1, g + 1] {
+            assert!(matches!(
+                m.share(AllocId(1), va.0, len, fd.as_fd()),
+                Err(VmmShareError::BadLen { .. })
+            ));
+        }
+        assert_eq!(m.stats().mapped, 0);
+        m.share(AllocId(1), va.0, g, fd.as_fd()).unwrap();
+        for (offset, len) in [(g, 1), (g - 8, 16), (u64::MAX, 2)] {
+            assert!(matches!(
+                m.resolve(JobId(1), AllocId(1), offset, len),
+                Err(VmmShareError::OutOfBounds { .. })
+            ));
+        }
+        m.resolve(JobId(1), AllocId(1), 0, 8).unwrap();
+        assert!(matches!(
+            m.share(AllocId(1), va.0, g, fd.as_fd()),
+            Err(VmmShareError::InUse { .. })
+        ));
+        // Nothing held is lost by the refusals: the mapping still serves.
+        m.resolve(JobId(2), AllocId(1), 8, 8).unwrap();
+    }
+}
