@@ -480,7 +480,18 @@ fn vmm_kind(d: &dyn Driver, dev: u32, exportable: bool) -> Result<Result<(), Str
                 Err(e) => Err(e.to_string()),
             };
             d.vmm_release(retained)?;
-            Ok(fd.and_then(|()| match info.buffer_id {
+            // The parent sends the pointer's range as the length the worker maps: it must be
+            // the mapping, from its first byte.
+            let range = if info.base == va && info.size == g {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the driver's range of the mapping is {} bytes at {:#x}, not the {g} \
+                     mapped at {:#x}",
+                    info.size, info.base.0, va.0
+                ))
+            };
+            Ok(fd.and(range).and_then(|()| match info.buffer_id {
                 Some(_) => Ok(()),
                 None => Err("the driver gives it no buffer id".to_owned()),
             }))
