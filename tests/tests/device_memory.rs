@@ -379,3 +379,40 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    fn a_write_into_a_vmm_tensor_lent_read_only_by_handle_fails_the_job_and_the_memory_is_as_lent(env) {
+        // Lent by handle there is no copy to protect the parent's memory: the worker views
+        // a read-only input through a read-only mapping, so its write faults and the job
+        // fails instead of changing the caller's tensor (model weights, say).
+        let p = parent(env)?;
+        let stream = p.driver().stream_create()?;
+        let mut cmd = worker_command(env, None)?;
+        cmd.env("POOLIPC_TEST_WRITE_INPUTS", "1");
+        let w = p.spawn_worker(cmd)?;
+        let mem = Foreign::new(env, Kind::VmmShared, BYTES)?;
+        let pattern = 0x600D_CAFE;
+        echo::fill_pattern(&**p.driver(), mem.base, BYTES, pattern, stream)?;
+        let input = bytes_input(mem.base, BYTES).read_only();
+        match p.run_job(w, &[input], stream) {
+            Err(e @ (Error::Worker { .. } | Error::JobFailed { .. })) => println!("{:?}: {e}", env.kind()),
+            Ok(out) => bail!("the write into a read-only VMM tensor went through silently: {:?}", out.input_rungs),
+            Err(other) => bail!("an unexpected error: {other}"),
+        }
+        p.driver().stream_synchronize(stream)?;
+        check_tensor(&p, mem.base, pattern, false)?;
+        ensure!(p.stats().vmm_handle_tensors == 1, "{:?}", p.stats());
+        if let Some(sim) = &env.sim {
+            // The simulation refused the write as the hardware does, and logged it: expected.
+            let v = sim.violations();
+            ensure!(
+                !v.is_empty() && v.iter().all(|v| format!("{:?}", v.kind) == "NoAccess"),
+                "the refused write should be logged as NoAccess, and only it: {v:#?}"
+            );
+            sim.clear_violations();
+        }
+        let _ = p.stop_worker(w);
+        mem.free()?;
+        Ok(())
+    }
+);

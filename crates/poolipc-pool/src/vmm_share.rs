@@ -1,6 +1,9 @@
 //! The worker's side of the VMM-handle rung: the parent's VMM allocations (memory it made
 //! with `cuMemCreate` + `cuMemMap`, such as ComfyUI's model weights), imported from the FD
-//! the parent sent once and mapped once, kept across jobs under the id the parent gave.
+//! the parent sent once and mapped once, kept across jobs under the id the parent gave. A
+//! tensor lent read-only is viewed through a second, read-only mapping of the same handle
+//! (made at the first such lend, kept with the first): lent by handle there is no copy
+//! between the worker and the parent's memory, so a write must fault rather than land.
 //!
 //! A mapping keeps the physical memory alive: while this worker holds it, the VRAM stays
 //! allocated even after the parent unmapped and released its own allocation. So the cache is
@@ -73,6 +76,10 @@ struct Mapped {
     handle: VmmHandle,
     ptr: DevicePtr,
     len: u64,
+    /// A second mapping of the handle, read-only, made at the first read-only lend: a tensor
+    /// lent read-only is viewed through it, so a write faults instead of changing the
+    /// parent's memory (`cuMemMap` maps whole handles, so it cannot be a range of `ptr`).
+    read_only: Option<DevicePtr>,
     /// Where the parent has it: a later share at the same place replaces it.
     parent_base: u64,
     /// Jobs using it (started, DONE not yet recorded).
@@ -155,7 +162,7 @@ impl VmmMappings {
             self.unmap(old);
         }
         let handle = self.driver.vmm_import_fd(fd)?;
-        let ptr = match self.map(handle, len) {
+        let ptr = match self.map(handle, len, Access::ReadWrite) {
             Ok(p) => p,
             Err(e) => {
                 if let Err(r) = self.driver.vmm_release(handle) {
@@ -175,6 +182,7 @@ impl VmmMappings {
                 handle,
                 ptr,
                 len,
+                read_only: None,
                 parent_base,
                 users: 0,
                 stale: false,
@@ -186,7 +194,8 @@ impl VmmMappings {
         Ok(ptr)
     }
 
-    /// The address of `len` bytes at `offset` of `alloc`'s mapping, used by `job` until
+    /// The address of `len` bytes at `offset` of `alloc`'s mapping (`read_only`: of its
+    /// read-only mapping, made now if it is the first), used by `job` until
     /// [`job_done`](VmmMappings::job_done): the mapping stays while a job uses it.
     pub fn resolve(
         &mut self,
@@ -194,27 +203,42 @@ impl VmmMappings {
         alloc: AllocId,
         offset: u64,
         len: u64,
+        read_only: bool,
     ) -> Result<DevicePtr, VmmShareError> {
-        let m = self
+        let (handle, mapped, ro) = self
             .maps
-            .get_mut(&alloc)
+            .get(&alloc)
             .filter(|m| !m.stale)
+            .map(|m| (m.handle, m.len, m.read_only))
             .ok_or(VmmShareError::Unknown { alloc })?;
         match offset.checked_add(len) {
-            Some(end) if end <= m.len => {}
+            Some(end) if end <= mapped => {}
             _ => {
                 return Err(VmmShareError::OutOfBounds {
                     alloc,
                     offset,
                     len,
-                    mapped: m.len,
+                    mapped,
                 });
             }
         }
+        let ro = match (read_only, ro) {
+            (true, None) => Some(self.map(handle, mapped, Access::Read)?),
+            (_, ro) => ro,
+        };
+        let m = self
+            .maps
+            .get_mut(&alloc)
+            .ok_or(VmmShareError::Unknown { alloc })?;
+        m.read_only = ro;
         m.users += 1;
+        let base = match (read_only, m.read_only) {
+            (true, Some(ro)) => ro,
+            _ => m.ptr,
+        };
         self.jobs.entry(job).or_default().push(alloc);
         self.stats.resolved += 1;
-        Ok(m.ptr.offset(offset))
+        Ok(base.offset(offset))
     }
 
     /// `job` recorded its DONE: every access it made through a mapping is ordered before it,
@@ -269,7 +293,7 @@ impl VmmMappings {
         }
     }
 
-    fn map(&self, handle: VmmHandle, len: u64) -> Result<DevicePtr, DriverError> {
+    fn map(&self, handle: VmmHandle, len: u64, access: Access) -> Result<DevicePtr, DriverError> {
         let d = &*self.driver;
         let ptr = d.vmm_reserve(len, 0)?;
         if let Err(e) = d.vmm_map(ptr, len, handle) {
@@ -278,7 +302,7 @@ impl VmmMappings {
             }
             return Err(e);
         }
-        if let Err(e) = d.vmm_set_access(ptr, len, self.device, Access::ReadWrite) {
+        if let Err(e) = d.vmm_set_access(ptr, len, self.device, access) {
             if d.vmm_unmap(ptr, len).is_ok()
                 && let Err(f) = d.vmm_address_free(ptr, len)
             {
@@ -293,6 +317,17 @@ impl VmmMappings {
     /// logged, never a panic.
     fn unmap(&mut self, m: Mapped) {
         let d = &*self.driver;
+        if let Some(ro) = m.read_only {
+            let unmapped = d.vmm_unmap(ro, m.len);
+            if let Err(e) = &unmapped {
+                tracing::warn!(error = %e, "unmapping a read-only VMM mapping failed");
+            }
+            if unmapped.is_ok()
+                && let Err(e) = d.vmm_address_free(ro, m.len)
+            {
+                tracing::warn!(error = %e, "freeing a read-only VMM mapping's range failed");
+            }
+        }
         let unmapped = d.vmm_unmap(m.ptr, m.len);
         if let Err(e) = &unmapped {
             tracing::warn!(error = %e, "unmapping a VMM allocation of the parent failed");
@@ -332,8 +367,8 @@ mod tests {
 
     /// A simulated process with a VMM allocation (POSIX FD) of one granule, mapped, and the
     /// FD the parent would send.
-    fn setup() -> (Arc<dyn Driver>, u64, DevicePtr, OwnedFd) {
-        let d: Arc<dyn Driver> = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
+    fn setup() -> (Arc<SimDriver>, u64, DevicePtr, OwnedFd) {
+        let d = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
         d.use_device(0).unwrap();
         let g = d.vmm_granularity(0, Granularity::Minimum).unwrap();
         let h = d.vmm_create(0, g).unwrap();
@@ -347,10 +382,10 @@ mod tests {
     #[test]
     fn a_mapping_serves_every_job_and_goes_only_when_released_unused() {
         let (d, g, va, fd) = setup();
-        let mut m = VmmMappings::new(Arc::clone(&d), 0);
+        let mut m = VmmMappings::new(Arc::clone(&d) as Arc<dyn Driver>, 0);
         let p = m.share(AllocId(1), va.0, g, fd.as_fd()).unwrap();
-        assert_eq!(m.resolve(JobId(1), AllocId(1), 16, 64).unwrap(), p.offset(16));
-        assert_eq!(m.resolve(JobId(2), AllocId(1), 0, g).unwrap(), p);
+        assert_eq!(m.resolve(JobId(1), AllocId(1), 16, 64, false).unwrap(), p.offset(16));
+        assert_eq!(m.resolve(JobId(2), AllocId(1), 0, g, false).unwrap(), p);
         // Job 1 still runs: its mapping stays.
         m.job_done(JobId(2));
         assert_eq!(m.release_unused(), 0);
@@ -359,7 +394,7 @@ mod tests {
         let s = m.stats();
         assert_eq!((s.mapped, s.resolved, s.unmapped, s.held), (1, 2, 1, 0));
         assert!(matches!(
-            m.resolve(JobId(3), AllocId(1), 0, 64),
+            m.resolve(JobId(3), AllocId(1), 0, 64, false),
             Err(VmmShareError::Unknown { .. })
         ));
     }
@@ -367,26 +402,26 @@ mod tests {
     #[test]
     fn a_new_share_at_the_same_parent_address_retires_the_old_mapping_once_unused() {
         let (d, g, va, fd) = setup();
-        let mut m = VmmMappings::new(Arc::clone(&d), 0);
+        let mut m = VmmMappings::new(Arc::clone(&d) as Arc<dyn Driver>, 0);
         m.share(AllocId(1), va.0, g, fd.as_fd()).unwrap();
-        m.resolve(JobId(1), AllocId(1), 0, 64).unwrap();
+        m.resolve(JobId(1), AllocId(1), 0, 64, false).unwrap();
         // The parent's allocation at `va` was replaced: a new id for the same address.
         m.share(AllocId(2), va.0, g, fd.as_fd()).unwrap();
         assert!(
-            m.resolve(JobId(2), AllocId(1), 0, 64).is_err(),
+            m.resolve(JobId(2), AllocId(1), 0, 64, false).is_err(),
             "a stale mapping serves no new job"
         );
         assert_eq!(m.stats().held, 2, "job 1 still uses the old one");
         m.job_done(JobId(1));
         let s = m.stats();
         assert_eq!((s.held, s.unmapped), (1, 1));
-        m.resolve(JobId(2), AllocId(2), 0, 64).unwrap();
+        m.resolve(JobId(2), AllocId(2), 0, 64, false).unwrap();
     }
 
     #[test]
     fn malformed_shares_and_tensors_are_typed_errors_and_touch_nothing() {
         let (d, g, va, fd) = setup();
-        let mut m = VmmMappings::new(Arc::clone(&d), 0);
+        let mut m = VmmMappings::new(Arc::clone(&d) as Arc<dyn Driver>, 0);
         for len in [0, g - 1, g + 1] {
             assert!(matches!(
                 m.share(AllocId(1), va.0, len, fd.as_fd()),
@@ -397,16 +432,36 @@ mod tests {
         m.share(AllocId(1), va.0, g, fd.as_fd()).unwrap();
         for (offset, len) in [(g, 1), (g - 8, 16), (u64::MAX, 2)] {
             assert!(matches!(
-                m.resolve(JobId(1), AllocId(1), offset, len),
+                m.resolve(JobId(1), AllocId(1), offset, len, false),
                 Err(VmmShareError::OutOfBounds { .. })
             ));
         }
-        m.resolve(JobId(1), AllocId(1), 0, 8).unwrap();
+        m.resolve(JobId(1), AllocId(1), 0, 8, false).unwrap();
         assert!(matches!(
             m.share(AllocId(1), va.0, g, fd.as_fd()),
             Err(VmmShareError::InUse { .. })
         ));
         // Nothing held is lost by the refusals: the mapping still serves.
-        m.resolve(JobId(2), AllocId(1), 8, 8).unwrap();
+        m.resolve(JobId(2), AllocId(1), 8, 8, false).unwrap();
+    }
+
+    #[test]
+    fn a_tensor_lent_read_only_is_viewed_through_a_read_only_mapping_made_once() {
+        let (d, g, va, fd) = setup();
+        let mut m = VmmMappings::new(Arc::clone(&d) as Arc<dyn Driver>, 0);
+        let rw = m.share(AllocId(1), va.0, g, fd.as_fd()).unwrap();
+        let ro = m.resolve(JobId(1), AllocId(1), 64, 64, true).unwrap();
+        assert_ne!(ro, rw.offset(64), "a second mapping");
+        let base = DevicePtr(ro.0 - 64);
+        assert_eq!(m.resolve(JobId(2), AllocId(1), 0, 64, true).unwrap(), base, "made once");
+        assert_eq!(m.resolve(JobId(3), AllocId(1), 0, 64, false).unwrap(), rw);
+        // Through it, a write is refused (the simulation records it, as the GPU faults).
+        let before = d.violation_count();
+        let _ = d.memset_d8_async(ro, 1, 4, poolipc_driver::StreamHandle::NULL);
+        assert!(d.violation_count() > before, "a write through the read-only mapping");
+        for job in 1..=3 {
+            m.job_done(JobId(job));
+        }
+        assert_eq!(m.release_unused(), 1);
     }
 }

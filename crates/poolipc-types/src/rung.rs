@@ -40,7 +40,7 @@ pub enum Rung {
     /// sends it once per worker in a `VmmShare` frame naming the allocation by an id it
     /// assigns (the `alloc` of the lent tensor, tied to the allocation's address, size and
     /// buffer id); the worker imports, maps and keeps the mapping across jobs until the
-    /// parent says to drop it. The tensor is named on the wire by that id and its layout over
+    /// parent says to drop it (a tensor lent read-only: through a read-only mapping). The tensor is named on the wire by that id and its layout over
     /// the allocation. READY before the worker touches it, DONE before the parent reuses it,
     /// as for a pool pointer; nothing to free per job.
     VmmHandle = 5,

@@ -620,7 +620,7 @@ impl Worker {
             // ago): held for this job until its DONE is recorded.
             Rung::VmmHandle => {
                 self.vmm
-                    .resolve(job, t.alloc, t.meta.byte_offset, t.meta.byte_len)?
+                    .resolve(job, t.alloc, t.meta.byte_offset, t.meta.byte_len, t.read_only)?
             }
             other => {
                 return Err(Error::Protocol(format!(
