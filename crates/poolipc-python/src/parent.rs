@@ -1010,7 +1010,8 @@ impl NativeParent {
 
     /// Allocates `nbytes` (stream-ordered on `stream`): from the shared pool (lent by pool
     /// pointer), or with `shared=False` from the device's default pool, which no worker can
-    /// import (lent by host staging, like memory of `--disable-cuda-malloc`). `shape`
+    /// import (lent by arena copy, or host staging where the worker has no arena, like memory
+    /// of `--disable-cuda-malloc`). `shape`
     /// (default: `nbytes` over the dtype's size) must cover `nbytes` exactly.
     ///
     /// Raises `ValueError` for an unknown dtype, `nbytes` of 0, or a shape whose elements do
