@@ -30,7 +30,8 @@ enum Via {
     PoolPointer,
     /// Memory of the shared pool over a lowered (0-chunk) import limit, arena copy on.
     ArenaCopy,
-    /// Memory of a private pool, which no worker can import.
+    /// Memory of a private pool, which no worker can import, with the arena copy off (on,
+    /// device memory of the parent's device takes the arena copy, whatever its kind).
     HostStaging,
 }
 
@@ -57,6 +58,7 @@ fn setup(env: &Env, via: Via, tag: &str) -> Result<Setup> {
     let options = ParentOptions {
         device: env.device,
         canary: false,
+        arena_copy: via != Via::HostStaging,
         ..ParentOptions::default()
     };
     let p = Parent::new(Arc::clone(&env.driver), options)?;

@@ -173,7 +173,9 @@ both_drivers!(
 
 both_drivers!(
     fn memory_of_another_pool_takes_host_staging_read_only_and_arrives_intact(env) {
-        let p = parent(env, |_| {})?;
+        // With the arena copy on, memory of another pool on the parent's device is copied
+        // into the arena (tests/device_memory.rs); off, it takes host staging.
+        let p = parent(env, |o| o.arena_copy = false)?;
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
         let dir = tempdir("staged-views")?;

@@ -534,6 +534,82 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             staged_us: median(&mut staged),
         });
     }
+    // Device memory outside the pool (issue 23): a cuMemAlloc tensor (the arena copy) and a
+    // VMM allocation made with the POSIX FD handle type (lent by handle, the worker's mapping
+    // cached after the first job; writable, as the pool pointer's re-lend of the same size
+    // from the table above that it is compared with). The cuMemAlloc tensor is lent
+    // read-only: one device-to-device copy, none back.
+    let mut devmem_rows = Vec::new();
+    for bytes in [4 * KIB, 64 * MIB, 4096 * MIB] {
+        if bytes > args.max_mib(sim) * MIB
+            || !fits(
+                &*d,
+                "device memory outside the pool",
+                bytes,
+                2 * bytes,
+                &mut skipped,
+            )?
+        {
+            continue;
+        }
+        let iterations = iterations_for(args, bytes).min(50);
+        let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
+        let plain = d
+            .mem_alloc(bytes)
+            .with_context(|| format!("cuMemAlloc of {}", human(bytes)))?;
+        let mut copied = Vec::new();
+        let mut copy_rung = None;
+        let lent = (|| -> Result<()> {
+            let input = Input::new(plain, desc.clone()).read_only();
+            for i in 0..=iterations {
+                let (us, out) = round_trip(&parent, &*d, worker, &input, stream)?;
+                copy_rung = out.input_rungs.first().copied();
+                if i > 0 {
+                    copied.push(us);
+                }
+            }
+            Ok(())
+        })();
+        d.ctx_synchronize()?;
+        d.mem_free(plain)?;
+        lent?;
+        parent.reclaim_arena();
+        let vmm = VmmTensor::new(&*d, args.device, bytes)?;
+        let mut by_handle = Vec::new();
+        let mut first_handle = f64::NAN;
+        let mut handle_rung = None;
+        let lent = (|| -> Result<()> {
+            // Writable, as the pool pointer's re-lend it is compared with: the worker writes
+            // its 4 KiB into the parent's memory itself, nothing is copied back.
+            let input = Input::new(vmm.ptr, desc.clone());
+            for i in 0..=iterations {
+                let (us, out) = round_trip(&parent, &*d, worker, &input, stream)?;
+                handle_rung = out.input_rungs.first().copied();
+                if i == 0 {
+                    first_handle = us;
+                } else {
+                    by_handle.push(us);
+                }
+            }
+            Ok(())
+        })();
+        d.ctx_synchronize()?;
+        vmm.free(&*d)?;
+        lent?;
+        let pointer_us = rows
+            .iter()
+            .find(|r| r.bytes == bytes)
+            .map_or(f64::NAN, |r| r.relend_us);
+        devmem_rows.push(DevMemRow {
+            bytes,
+            copy_us: median(&mut copied),
+            copy_rung,
+            handle_first_us: first_handle,
+            handle_us: median(&mut by_handle),
+            handle_rung,
+            pointer_us,
+        });
+    }
     // Results through the arena: a worker answering each job with one result of the size,
     // writing its first 4 KiB; the block goes back (stream-ordered) when the result drops.
     let mut arena_rows = Vec::new();
@@ -688,6 +764,16 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "copy_back_median_us": r.copy_back_us,
             "rung": r.rung.map(|r| r.to_string()),
             "host_staging_median_us": if r.staged_us.is_nan() { None } else { Some(r.staged_us) },
+        })).collect::<Vec<_>>(),
+        "device_memory": devmem_rows.iter().map(|r| serde_json::json!({
+            "bytes": r.bytes,
+            "cu_mem_alloc_median_us": r.copy_us,
+            "cu_mem_alloc_rung": r.copy_rung.map(|r| r.to_string()),
+            "vmm_handle_first_us": r.handle_first_us,
+            "vmm_handle_median_us": r.handle_us,
+            "vmm_handle_rung": r.handle_rung.map(|r| r.to_string()),
+            "pool_pointer_relend_median_us": if r.pointer_us.is_nan() { None } else { Some(r.pointer_us) },
+            "vmm_handle_vs_pool_pointer": if r.pointer_us.is_nan() { None } else { Some(r.handle_us / r.pointer_us) },
         })).collect::<Vec<_>>(),
         "arena_results": arena_rows.iter().map(|(b, us, rung, _, _)| serde_json::json!({
             "bytes": b,
@@ -878,6 +964,43 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
                 }
             );
         }
+    }
+    if !devmem_rows.is_empty() {
+        println!();
+        println!(
+            "  one input of device memory outside the pool (medians; cuMemAlloc lent read-only; \
+             VMM lent writable like the pool pointer; first: the VMM handle's first lend, FD \
+             sent and mapped):"
+        );
+        println!(
+            "  {:>10} {:>14} {:>12} {:>14} {:>14} {:>12} {:>14} {:>9}",
+            "size",
+            "cuMemAlloc µs",
+            "rung",
+            "VMM first µs",
+            "VMM again µs",
+            "rung",
+            "pool ptr µs",
+            "VMM/ptr"
+        );
+        for r in &devmem_rows {
+            println!(
+                "  {:>10} {:>14.1} {:>12} {:>14.1} {:>14.1} {:>12} {:>14.1} {:>8.2}×",
+                human(r.bytes),
+                r.copy_us,
+                r.copy_rung
+                    .map_or_else(|| "-".to_owned(), |r| r.to_string()),
+                r.handle_first_us,
+                r.handle_us,
+                r.handle_rung
+                    .map_or_else(|| "-".to_owned(), |r| r.to_string()),
+                r.pointer_us,
+                r.handle_us / r.pointer_us
+            );
+        }
+        println!(
+            "  targets: cuMemAlloc 4 GiB ≤ 5 ms (arena copy); VMM again ≤ 1.1× the pool pointer's re-lend (same size, same run)"
+        );
     }
     if !arena_rows.is_empty() {
         println!();
@@ -1121,6 +1244,63 @@ struct CopyRow {
     rung: Option<Rung>,
     /// Median round trip by host staging; NaN where the main table has it.
     staged_us: f64,
+}
+
+/// One size of the device-memory table: a `cuMemAlloc` tensor and a VMM tensor with an
+/// exportable handle, each lent read-only again and again.
+struct DevMemRow {
+    bytes: u64,
+    /// Median round trip of the `cuMemAlloc` tensor.
+    copy_us: f64,
+    copy_rung: Option<Rung>,
+    /// The VMM tensor's first round trip (its FD sent, imported and mapped).
+    handle_first_us: f64,
+    /// Median round trip of the VMM tensor lent again (the worker's mapping cached).
+    handle_us: f64,
+    handle_rung: Option<Rung>,
+    /// The pool pointer's re-lend of the same size in this run; NaN where the table lacks it.
+    pointer_us: f64,
+}
+
+/// A VMM allocation made with the POSIX FD handle type and mapped read-write here, as a
+/// library that maps its own memory (ComfyUI's weights) makes one.
+struct VmmTensor {
+    handle: poolipc_driver::VmmHandle,
+    ptr: poolipc::DevicePtr,
+    len: u64,
+}
+
+impl VmmTensor {
+    fn new(d: &dyn Driver, device: u32, bytes: u64) -> Result<VmmTensor> {
+        let g = d.vmm_granularity(device, poolipc_driver::Granularity::Minimum)?;
+        let len = bytes.next_multiple_of(g.max(1));
+        let handle = d.vmm_create(device, len).context("cuMemCreate")?;
+        let ptr = match d.vmm_reserve(len, 0) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = d.vmm_release(handle);
+                return Err(e.into());
+            }
+        };
+        let t = VmmTensor { handle, ptr, len };
+        let mapped = d
+            .vmm_map(ptr, len, handle)
+            .and_then(|()| d.vmm_set_access(ptr, len, device, poolipc_driver::Access::ReadWrite));
+        if let Err(e) = mapped {
+            let _ = d.vmm_unmap(ptr, len);
+            let _ = d.vmm_address_free(ptr, len);
+            let _ = d.vmm_release(handle);
+            return Err(e.into());
+        }
+        Ok(t)
+    }
+
+    fn free(self, d: &dyn Driver) -> Result<()> {
+        d.vmm_unmap(self.ptr, self.len)?;
+        d.vmm_address_free(self.ptr, self.len)?;
+        d.vmm_release(self.handle)?;
+        Ok(())
+    }
 }
 
 fn human(bytes: u64) -> String {

@@ -268,12 +268,23 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     });
     t.check("interprocess events", events_check(d), |s| s.clone());
     let vmm = vmm_check(d, dev, info.vmm && info.vmm_posix_fd);
+    let arena = vmm.is_ok();
     match vmm {
         Ok(s) => t.row("VMM (for the arena)", format!("yes — {s}")),
         Err(e) => t.row(
             "VMM (for the arena)",
             format!("no — {e:#} (the arena rung is unavailable)"),
         ),
+    }
+    t.say("  how each kind of device memory is lent from here (each made and asked once):");
+    let pointer = if t.failures.is_empty() {
+        "pool pointer (no copy), within the import limit; above it: arena copy"
+    } else {
+        "not by pool pointer (see the failures): arena copy or host staging"
+    };
+    t.row("lend: pool memory", pointer);
+    for (what, how) in memory_kinds(d, dev, arena) {
+        t.row(what, how);
     }
     let limit = ImportLimit::default();
     t.row(
@@ -462,6 +473,109 @@ fn events_check(d: &dyn Driver) -> Result<String> {
     d.event_destroy(ev)?;
     h?;
     Ok("cuIpcGetEventHandle works".into())
+}
+
+/// How a tensor of each kind of device memory outside the shared pool would be lent from this
+/// process, found by making one of each (2 MiB or a granule) and asking the driver what the
+/// parent asks at a lend: the pointer's device and pool, whether a VMM handle can be retained,
+/// whether it has the POSIX FD handle type and exports, whether it has a buffer id.
+fn memory_kinds(d: &dyn Driver, dev: u32, arena: bool) -> Vec<(&'static str, String)> {
+    let copy = if arena {
+        "arena copy (one device-to-device copy)"
+    } else {
+        "host staging (no arena on this device)"
+    };
+    let mut rows = Vec::new();
+    let plain = d
+        .mem_alloc(2 << 20)
+        .map_err(anyhow::Error::from)
+        .and_then(|p| {
+            let info = d.pointer_info(p);
+            let retained = d.vmm_retain(p);
+            if let Ok(h) = &retained {
+                let _ = d.vmm_release(*h);
+            }
+            d.mem_free(p)?;
+            let info = info?;
+            anyhow::ensure!(
+                info.device == Some(dev) && info.pool.is_none(),
+                "the driver places it on {:?}, pool {:?}",
+                info.device,
+                info.pool
+            );
+            Ok(if retained.is_ok() {
+                "arena copy (a handle was retained from it, unexpectedly)".to_owned()
+            } else {
+                copy.to_owned()
+            })
+        });
+    rows.push((
+        "lend: cuMemAlloc memory",
+        plain.unwrap_or_else(|e| format!("host staging ({e:#})")),
+    ));
+    for (what, exportable) in [
+        ("lend: VMM with POSIX FD", true),
+        ("lend: VMM without", false),
+    ] {
+        let how = vmm_kind(d, dev, exportable).map(|by_handle| match by_handle {
+            Ok(()) => "VMM handle (no copy; mapped once per worker)".to_owned(),
+            Err(why) => format!("{copy}: {why}"),
+        });
+        rows.push((what, how.unwrap_or_else(|e| format!("{copy} ({e:#})"))));
+    }
+    rows
+}
+
+/// Makes a VMM allocation of one granule with or without the POSIX FD handle type, maps it,
+/// and says whether the parent could lend it by handle (`Ok(Ok(()))`) or why not.
+fn vmm_kind(d: &dyn Driver, dev: u32, exportable: bool) -> Result<Result<(), String>> {
+    let g = d.vmm_granularity(dev, Granularity::Minimum)?;
+    let h = if exportable {
+        d.vmm_create(dev, g)?
+    } else {
+        d.vmm_create_unshared(dev, g)?
+    };
+    let answer = (|| -> Result<Result<(), String>> {
+        let va = d.vmm_reserve(g, 0)?;
+        let asked = (|| -> Result<Result<(), String>> {
+            d.vmm_map(va, g, h)?;
+            d.vmm_set_access(va, g, dev, poolipc_driver::Access::ReadWrite)?;
+            let info = d.pointer_info(va)?;
+            let retained = match d.vmm_retain(va) {
+                Ok(r) => r,
+                Err(e) => return Ok(Err(format!("no handle retained: {e}"))),
+            };
+            let fd = match d.vmm_exports_fd(retained) {
+                Ok(true) => d
+                    .vmm_export_fd(retained)
+                    .map(drop)
+                    .map_err(|e| e.to_string()),
+                Ok(false) => Err("made without the POSIX FD handle type".to_owned()),
+                Err(e) => Err(e.to_string()),
+            };
+            d.vmm_release(retained)?;
+            // The parent sends the pointer's range as the length the worker maps: it must be
+            // the mapping, from its first byte.
+            let range = if info.base == va && info.size == g {
+                Ok(())
+            } else {
+                Err(format!(
+                    "the driver's range of the mapping is {} bytes at {:#x}, not the {g} \
+                     mapped at {:#x}",
+                    info.size, info.base.0, va.0
+                ))
+            };
+            Ok(fd.and(range).and_then(|()| match info.buffer_id {
+                Some(_) => Ok(()),
+                None => Err("the driver gives it no buffer id".to_owned()),
+            }))
+        })();
+        let _ = d.vmm_unmap(va, g);
+        d.vmm_address_free(va, g)?;
+        asked
+    })();
+    d.vmm_release(h)?;
+    answer
 }
 
 fn vmm_check(d: &dyn Driver, dev: u32, supported: bool) -> Result<String> {

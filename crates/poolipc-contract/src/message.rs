@@ -39,6 +39,8 @@ impl Capabilities {
     pub const VMM_ARENA: Self = Self(1 << 2);
     /// Host staging through pinned shared memory.
     pub const HOST_STAGING: Self = Self(1 << 3);
+    /// VMM allocations lent by handle (`VmmShare`, the VMM-handle rung; protocol 8).
+    pub const VMM_HANDLE: Self = Self(1 << 4);
 
     /// Whether every bit of `other` is set in `self`.
     pub fn contains(self, other: Self) -> bool {
@@ -388,6 +390,27 @@ pub struct ArenaRelease {
     pub index: u32,
 }
 
+/// Parent → worker, with exactly one FD (the allocation's `cuMemExportToShareableHandle`): a
+/// VMM allocation of the parent's that tensors on [`Rung::VmmHandle`] will name by `alloc`
+/// (protocol 8).
+///
+/// Sent before the first `Lend` that names `alloc` to this worker, and again only after the
+/// parent told the worker to drop its cached mappings. The worker imports the handle, maps
+/// `len` bytes of it, and keeps the mapping (so that lending the allocation again costs no
+/// driver call) until the parent says to drop it; a mapping it holds for another `alloc` at
+/// the same parent `base` is stale (the parent's allocation there was replaced) and goes
+/// when no job uses it. A handle it cannot map makes the jobs that name `alloc` fail on its
+/// side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmmShare {
+    /// The parent's id for the allocation: what lent tensors name it by.
+    pub alloc: AllocId,
+    /// Where the allocation is mapped in the parent (identifies it across shares).
+    pub base: u64,
+    /// The mapping's length in bytes (non-zero).
+    pub len: u64,
+}
+
 /// A numeric reason on the wire. Unknown codes decode fine (a newer peer may send one); the
 /// names below are the ones this version knows.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -524,10 +547,24 @@ pub enum Message {
     /// Parent → worker, with exactly one FD (the chunk's): a chunk of the result arena. See
     /// [`ArenaChunk`].
     ArenaChunk(ArenaChunk),
+    /// Parent → worker, with exactly one FD (the allocation's): a VMM allocation lent by
+    /// handle. See [`VmmShare`].
+    VmmShare(VmmShare),
     /// Parent → worker: an arena chunk was released; unmap it. See [`ArenaRelease`].
     ArenaRelease(ArenaRelease),
     /// Worker → parent: the chunk of that [`ArenaRelease`] is unmapped here (or never was).
     ArenaReleased(ArenaRelease),
+    /// Parent → worker (protocol 8): drop every cached mapping of the parent's VMM
+    /// allocations that no running job uses (`Worker::release_cached_mappings`); the parent
+    /// sends an allocation again before it names it next. A cached mapping keeps the memory
+    /// behind it alive after the parent freed it.
+    ReleaseMappings,
+    /// Worker → parent: the answer to [`Message::ReleaseMappings`], with how many mappings
+    /// went.
+    MappingsReleased {
+        /// Mappings dropped.
+        dropped: u32,
+    },
 }
 
 /// The kind of a [`Message`], with its wire tag.
@@ -554,13 +591,16 @@ pub enum MessageKind {
     ExtraPoolReply = 17,
     JobError = 18,
     ArenaChunk = 19,
-    ArenaRelease = 20,
-    ArenaReleased = 21,
+    VmmShare = 20,
+    ArenaRelease = 21,
+    ArenaReleased = 22,
+    ReleaseMappings = 23,
+    MappingsReleased = 24,
 }
 
 impl MessageKind {
     /// Every kind, in tag order.
-    pub const ALL: [MessageKind; 21] = [
+    pub const ALL: [MessageKind; 24] = [
         MessageKind::Hello,
         MessageKind::HelloAck,
         MessageKind::Refuse,
@@ -580,8 +620,11 @@ impl MessageKind {
         MessageKind::ExtraPoolReply,
         MessageKind::JobError,
         MessageKind::ArenaChunk,
+        MessageKind::VmmShare,
         MessageKind::ArenaRelease,
         MessageKind::ArenaReleased,
+        MessageKind::ReleaseMappings,
+        MessageKind::MappingsReleased,
     ];
 
     /// The kind with this wire tag.
@@ -592,14 +635,15 @@ impl MessageKind {
     /// How many file descriptors a frame of this kind carries: the only count accepted.
     ///
     /// `Hello` and `ExtraPool` carry a pool's FD, `StagingBuffer` the host-staging memfd,
-    /// `ArenaChunk` an arena chunk's; nothing else carries any. New rungs that need FDs add
+    /// `ArenaChunk` an arena chunk's, `VmmShare` a VMM allocation's; nothing else carries any. New rungs that need FDs add
     /// kinds here, never relax the check.
     pub fn expected_fds(self) -> usize {
         match self {
             MessageKind::Hello
             | MessageKind::StagingBuffer
             | MessageKind::ExtraPool
-            | MessageKind::ArenaChunk => 1,
+            | MessageKind::ArenaChunk
+            | MessageKind::VmmShare => 1,
             _ => 0,
         }
     }
@@ -634,8 +678,11 @@ impl Message {
             Message::ExtraPoolReply(_) => MessageKind::ExtraPoolReply,
             Message::JobError { .. } => MessageKind::JobError,
             Message::ArenaChunk(_) => MessageKind::ArenaChunk,
+            Message::VmmShare(_) => MessageKind::VmmShare,
             Message::ArenaRelease(_) => MessageKind::ArenaRelease,
             Message::ArenaReleased(_) => MessageKind::ArenaReleased,
+            Message::ReleaseMappings => MessageKind::ReleaseMappings,
+            Message::MappingsReleased { .. } => MessageKind::MappingsReleased,
         }
     }
 

@@ -528,7 +528,8 @@ impl World {
             };
             // As the facade does: staging when asked; when the pointer rung is not allowed,
             // an arena copy (bit 2) or staging, unless bit 3 forces the pointer (which
-            // start_job must refuse).
+            // start_job must refuse); within the limit, bit 1 alone lends the tensor as a VMM
+            // allocation by handle (the caller's memory, no import, READY and DONE gated).
             let over = !sim_limit().admits(span) && bits & 0b1000 == 0;
             let rung = if bits & 0b110 == 0b110 {
                 Rung::HostStaging
@@ -536,6 +537,8 @@ impl World {
                 Rung::ArenaCopy
             } else if over {
                 Rung::HostStaging
+            } else if bits & 0b110 == 0b010 {
+                Rung::VmmHandle
             } else {
                 Rung::PoolPointer
             };
@@ -1313,6 +1316,8 @@ impl World {
                     "lend with an arena copy"
                 } else if l.tensors.iter().any(|t| t.rung == Rung::HostStaging) {
                     "lend with a staged input"
+                } else if l.tensors.iter().any(|t| t.rung == Rung::VmmHandle) {
+                    "lend by VMM handle"
                 } else {
                     "lend"
                 }

@@ -42,23 +42,27 @@ pub(crate) const ZERO_EVENT: EventBlob = EventBlob([0; 64]);
 /// Whether a rung hands memory over by pointer import (and so needs READY, DONE, the
 /// import limit and an import on the worker). Every other rung moves bytes.
 pub(crate) fn by_pointer(rung: Rung) -> bool {
-    rung == Rung::PoolPointer
+    matches!(rung, Rung::PoolPointer)
 }
 
 /// Whether the worker must wait on the job's READY before it touches a handoff on this rung:
 /// the parent queued work on the memory (the caller's writes to a pool-pointer input, the
-/// parent's copy into an arena-copy block) on the job's stream. Arena result blocks need
-/// none: the arena hands a block out only once every earlier use of it completed.
+/// parent's copy into an arena-copy block, the caller's writes to a VMM allocation) on the
+/// job's stream. Arena result blocks need none: the arena hands a block out only once every
+/// earlier use of it completed.
 pub(crate) fn ready_gated(rung: Rung) -> bool {
-    matches!(rung, Rung::PoolPointer | Rung::ArenaCopy)
+    matches!(rung, Rung::PoolPointer | Rung::ArenaCopy | Rung::VmmHandle)
 }
 
 /// Whether the parent must make its stream wait on the worker's DONE before it releases a
 /// handoff on this rung: the worker touched the parent's own memory (pool pointer, arena,
-/// arena copy). Host-staged handoffs are the worker's copies, moved inside the parent's own
-/// transfers.
+/// arena copy, VMM handle). Host-staged handoffs are the worker's copies, moved inside the
+/// parent's own transfers.
 pub(crate) fn done_gated(rung: Rung) -> bool {
-    matches!(rung, Rung::PoolPointer | Rung::Arena | Rung::ArenaCopy)
+    matches!(
+        rung,
+        Rung::PoolPointer | Rung::Arena | Rung::ArenaCopy | Rung::VmmHandle
+    )
 }
 
 /// Whether a handoff on this rung is a block of the parent's result arena: no import
@@ -69,7 +73,7 @@ pub(crate) fn in_arena(rung: Rung) -> bool {
 
 /// Whether a rung moves bytes through the host-staging buffer.
 pub(crate) fn staged(rung: Rung) -> bool {
-    rung == Rung::HostStaging
+    matches!(rung, Rung::HostStaging)
 }
 
 /// How a handoff ended: the parent says it in [`crate::ParentAction::Release`].

@@ -89,8 +89,14 @@ pub trait Driver: Send + Sync {
             size,
             pool: self.pointer_get_mempool(ptr).ok(),
             buffer_id: self.pointer_get_buffer_id(ptr).ok(),
+            device: self.pointer_get_device(ptr).ok(),
         })
     }
+    /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE)`, then
+    /// `(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)`: the ordinal of the device whose memory `ptr`
+    /// points into. Host memory (registered or not) fails with `INVALID_VALUE`, as does a
+    /// pointer the driver does not know.
+    fn pointer_get_device(&self, ptr: DevicePtr) -> Result<u32>;
     /// `cuMemGetAddressRange`: the allocation `ptr` lies in, as (base, size).
     fn pointer_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)>;
     /// `cuMemAllocAsync`: from the device's current pool.
@@ -102,6 +108,11 @@ pub trait Driver: Send + Sync {
         pool: PoolHandle,
         stream: StreamHandle,
     ) -> Result<DevicePtr>;
+    /// `cuMemAlloc_v2`: plain device memory on the current device, outside every pool (what
+    /// torch's native allocator and many libraries use). Not exportable by pool pointer.
+    fn mem_alloc(&self, bytes: u64) -> Result<DevicePtr>;
+    /// `cuMemFree_v2` of memory from [`mem_alloc`](Driver::mem_alloc).
+    fn mem_free(&self, ptr: DevicePtr) -> Result<()>;
     /// `cuMemFreeAsync` of an allocation this process made.
     fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
     /// `cuMemPoolExportPointer`.
@@ -259,6 +270,19 @@ pub trait Driver: Send + Sync {
     fn vmm_granularity(&self, ordinal: u32, which: Granularity) -> Result<u64>;
     /// `cuMemCreate` of pinned device memory shareable by POSIX FD.
     fn vmm_create(&self, ordinal: u32, bytes: u64) -> Result<VmmHandle>;
+    /// `cuMemCreate` of pinned device memory with no shareable handle type
+    /// (`requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE`): VMM memory that cannot be exported,
+    /// as many libraries make it.
+    fn vmm_create_unshared(&self, ordinal: u32, bytes: u64) -> Result<VmmHandle>;
+    /// `cuMemRetainAllocationHandle`: a new reference to the VMM allocation mapped at `ptr`
+    /// (any address inside the mapping), to be given back with
+    /// [`vmm_release`](Driver::vmm_release). Memory that is not a VMM mapping (pool memory,
+    /// `cuMemAlloc` memory) fails with `INVALID_VALUE` (measured on the H200 for pool memory).
+    fn vmm_retain(&self, ptr: DevicePtr) -> Result<VmmHandle>;
+    /// `cuMemGetAllocationPropertiesFromHandle`: whether the allocation was created with
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` among its `requestedHandleTypes`, so that
+    /// [`vmm_export_fd`](Driver::vmm_export_fd) can share it.
+    fn vmm_exports_fd(&self, handle: VmmHandle) -> Result<bool>;
     /// `cuMemExportToShareableHandle` (POSIX FD).
     fn vmm_export_fd(&self, handle: VmmHandle) -> Result<OwnedFd>;
     /// `cuMemImportFromShareableHandle` (POSIX FD). The caller keeps `fd`.

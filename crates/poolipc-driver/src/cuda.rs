@@ -669,22 +669,29 @@ impl Driver for CudaDriver {
         let mut size: usize = 0;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         let mut buffer_id: u64 = 0;
+        let mut memory_type: std::ffi::c_uint = 0;
+        let mut ordinal: c_int = -1;
         let mut attrs = [
             A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
             A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
             A::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
             A::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+            A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
         ];
-        let mut data: [*mut c_void; 4] = [
+        let mut data: [*mut c_void; 6] = [
             (&raw mut base).cast(),
             (&raw mut size).cast(),
             (&raw mut pool).cast(),
             (&raw mut buffer_id).cast(),
+            (&raw mut memory_type).cast(),
+            (&raw mut ordinal).cast(),
         ];
-        // SAFETY: four attributes, four pointers, each to a live value of the type its
-        // attribute writes (CUdeviceptr, size_t, CUmemoryPool, unsigned long long).
+        // SAFETY: six attributes, six pointers, each to a live value of the type its
+        // attribute writes (CUdeviceptr, size_t, CUmemoryPool, unsigned long long,
+        // CUmemorytype as unsigned int, int).
         check("cuPointerGetAttributes", unsafe {
-            sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr.0)
+            sys::cuPointerGetAttributes(6, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr.0)
         })?;
         // Not a pointer of this process: the driver answers with zeros rather than an error.
         if size == 0 || base == 0 {
@@ -693,11 +700,44 @@ impl Driver for CudaDriver {
                 code: CuCode::INVALID_VALUE,
             });
         }
+        let device_memory = memory_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32;
         Ok(PointerInfo {
             base: DevicePtr(base),
             size: size as u64,
             pool: (!pool.is_null()).then(|| pool_handle(pool)),
             buffer_id: (buffer_id != 0).then_some(buffer_id),
+            device: u32::try_from(ordinal).ok().filter(|_| device_memory),
+        })
+    }
+
+    fn pointer_get_device(&self, ptr: DevicePtr) -> Result<u32> {
+        let mut memory_type: std::ffi::c_uint = 0;
+        // SAFETY: MEMORY_TYPE writes one CUmemorytype (an unsigned int) into `memory_type`.
+        check("cuPointerGetAttribute", unsafe {
+            sys::cuPointerGetAttribute(
+                (&raw mut memory_type).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                ptr.0,
+            )
+        })?;
+        if memory_type != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(DriverError::Call {
+                call: "cuPointerGetAttribute",
+                code: CuCode::INVALID_VALUE,
+            });
+        }
+        let mut ordinal: c_int = -1;
+        // SAFETY: DEVICE_ORDINAL writes one int into `ordinal`.
+        check("cuPointerGetAttribute", unsafe {
+            sys::cuPointerGetAttribute(
+                (&raw mut ordinal).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr.0,
+            )
+        })?;
+        u32::try_from(ordinal).map_err(|_| DriverError::Call {
+            call: "cuPointerGetAttribute",
+            code: CuCode::INVALID_VALUE,
         })
     }
 
@@ -734,6 +774,21 @@ impl Driver for CudaDriver {
             sys::cuMemGetAddressRange_v2(&raw mut base, &raw mut len, ptr.0)
         })?;
         Ok((DevicePtr(base), len as u64))
+    }
+
+    fn mem_alloc(&self, bytes: u64) -> Result<DevicePtr> {
+        let n = size("cuMemAlloc_v2", bytes)?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: `p` is a valid place to write.
+        check("cuMemAlloc_v2", unsafe {
+            sys::cuMemAlloc_v2(&raw mut p, n)
+        })?;
+        Ok(DevicePtr(p))
+    }
+
+    fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        // SAFETY: the driver validates the pointer (not from cuMemAlloc: an error).
+        check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(ptr.0) })
     }
 
     fn mem_alloc_async(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr> {
@@ -1094,6 +1149,40 @@ impl Driver for CudaDriver {
             sys::cuMemCreate(&raw mut h, n, &raw const prop, 0)
         })?;
         Ok(VmmHandle(h))
+    }
+
+    fn vmm_create_unshared(&self, ordinal: u32, bytes: u64) -> Result<VmmHandle> {
+        let n = size("cuMemCreate", bytes)?;
+        let mut prop = vmm_prop(ordinal);
+        prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: `h` is a valid place to write; `prop` is initialised.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&raw mut h, n, &raw const prop, 0)
+        })?;
+        Ok(VmmHandle(h))
+    }
+
+    fn vmm_retain(&self, ptr: DevicePtr) -> Result<VmmHandle> {
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        let addr: *mut c_void = std::ptr::without_provenance_mut(ptr.0 as usize);
+        // SAFETY: `h` is a valid place to write; the address is only a key for the driver,
+        // never dereferenced on the host.
+        check("cuMemRetainAllocationHandle", unsafe {
+            sys::cuMemRetainAllocationHandle(&raw mut h, addr)
+        })?;
+        Ok(VmmHandle(h))
+    }
+
+    fn vmm_exports_fd(&self, handle: VmmHandle) -> Result<bool> {
+        let mut prop = vmm_prop(0);
+        prop.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        // SAFETY: `prop` is a live, initialised CUmemAllocationProp the driver overwrites.
+        check("cuMemGetAllocationPropertiesFromHandle", unsafe {
+            sys::cuMemGetAllocationPropertiesFromHandle(&raw mut prop, handle.0)
+        })?;
+        let fd = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
+        Ok(prop.requestedHandleTypes.0 & fd == fd)
     }
 
     fn vmm_export_fd(&self, handle: VmmHandle) -> Result<OwnedFd> {

@@ -100,6 +100,11 @@ pub struct PointerInfo {
     pub pool: Option<PoolHandle>,
     /// `CU_POINTER_ATTRIBUTE_BUFFER_ID`; `None` where the driver gives none.
     pub buffer_id: Option<u64>,
+    /// The ordinal (in this process) of the device whose memory it is
+    /// (`CU_POINTER_ATTRIBUTE_MEMORY_TYPE` is device, then `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`);
+    /// `None` for host memory or where the driver does not say. Any kind of device memory has
+    /// one: pool memory, `cuMemAlloc` memory, a VMM mapping.
+    pub device: Option<u32>,
 }
 
 /// Settable pool attributes (`CUmemPool_attribute`), with their values.

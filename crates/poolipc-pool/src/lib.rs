@@ -43,6 +43,7 @@ mod cache;
 mod export_cache;
 mod shared;
 mod stats;
+mod vmm_share;
 
 pub use arena::{Arena, ArenaAllocator, ArenaBlock, ArenaError, ArenaMapping};
 pub use cache::{CacheError, ImportCache, Released};
@@ -50,3 +51,4 @@ pub use export_cache::{DEFAULT_EXPORT_CACHE_ENTRIES, ExportCacheStats, ExportReu
 pub use poolipc_types::{CHUNK_BYTES, ImportLimit, LimitExceeded, MAX_CHUNKS};
 pub use shared::{AttachedPool, PoolError, ReuseCheck, SharedPool, TORCH_POOL_ATTRIBUTES};
 pub use stats::PoolStats;
+pub use vmm_share::{VmmMappings, VmmShareError, VmmShareStats};

@@ -897,6 +897,8 @@ impl NativeParent {
         d.set_item("arena_copied_inputs", s.arena_copied_inputs)?;
         d.set_item("arena_slices_lent", s.arena_slices_lent)?;
         d.set_item("arena_results_carved", s.arena_results_carved)?;
+        d.set_item("vmm_handle_tensors", s.vmm_handle_tensors)?;
+        d.set_item("vmm_handles_shared", s.vmm_handles_shared)?;
         Ok(d)
     }
 
@@ -1025,7 +1027,8 @@ impl NativeParent {
 
     /// Allocates `nbytes` (stream-ordered on `stream`): from the shared pool (lent by pool
     /// pointer), or with `shared=False` from the device's default pool, which no worker can
-    /// import (lent by host staging, like memory of `--disable-cuda-malloc`). `shape`
+    /// import (lent by arena copy, or host staging where the worker has no arena, like memory
+    /// of `--disable-cuda-malloc`). `shape`
     /// (default: `nbytes` over the dtype's size) must cover `nbytes` exactly.
     ///
     /// Raises `ValueError` for an unknown dtype, `nbytes` of 0, or a shape whose elements do

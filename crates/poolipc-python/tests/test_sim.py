@@ -631,17 +631,18 @@ def test_an_input_lent_read_only_is_read_only_on_the_worker_and_a_writable_one_i
         parent, report):
     w = spawn(parent, "probe", report.env)
     pooled = f32_buffer(parent, [1.5] * 4)
+    # outside the shared pool, on the parent's device: copied into the arena (issue 23)
     staged = parent.alloc(16, dtype="float32", shape=[4], shared=False)
     parent.write(staged.ptr, struct.pack("<4f", 7.0, 8.0, 9.0, 10.0))
     out = parent.run(w, [poolipc.TensorRef(pooled.ptr, "float32", [4]),
                          poolipc.TensorRef(staged.ptr, "float32", [4])], read_only=[False, True])
-    assert parent.last_input_rungs == ["pool pointer", "host staging"]
-    # the staged input's bytes crossed
+    assert parent.last_input_rungs == ["pool pointer", "arena copy"]
+    # the copied input's bytes crossed
     assert struct.unpack("<3f", parent.read(out[1].ptr + 4, 12)) == (8.0, 9.0, 10.0)
     parent.stop(w)  # the worker writes its report after the job ended
     (rep,) = [x for x in report.lines() if "inputs" in x]
     p, s = rep["inputs"]
-    assert p["rung"] == "pool pointer" and s["rung"] == "host staging"
+    assert p["rung"] == "pool pointer" and s["rung"] == "arena copy"
     # lent writable: the parent's own memory here, writable
     assert p["read_only"] is False and p["cai"]["data"][1] is False
     assert p["capsule_versioned"]["flags"] & 1 == 0
@@ -657,15 +658,16 @@ def test_a_write_into_an_input_is_seen_by_the_parent_on_every_rung_or_raises(
         parent, report, read_only):
     w = spawn(parent, "write-inputs", report.env)
     pooled = f32_buffer(parent, [1.0] * 4)
+    # outside the shared pool, on the parent's device: copied into the arena (issue 23)
     staged = parent.alloc(16, dtype="float32", shape=[4], shared=False)
     parent.write(staged.ptr, struct.pack("<4f", 1.0, 2.0, 3.0, 4.0))
     parent.run(w, [poolipc.TensorRef(pooled.ptr, "float32", [4]),
                    poolipc.TensorRef(staged.ptr, "float32", [4])], read_only=read_only)
     (rep,) = [x["writes"] for x in report.lines() if "writes" in x]
-    assert [r["rung"] for r in rep] == ["pool pointer", "host staging"]
+    assert [r["rung"] for r in rep] == ["pool pointer", "arena copy"]
     assert [r["read_only"] for r in rep] == [read_only, read_only]
     if not read_only:
-        # the writes went through, in place (pool pointer) and copied back (host staging)
+        # the writes went through, in place (pool pointer) and copied back (arena copy)
         assert [r["write_error"] for r in rep] == [None, None]
         assert parent.read(pooled.ptr, 4) == b"\xab" * 4
         assert parent.read(staged.ptr, 16) == b"\xab" * 4 + struct.pack("<3f", 2.0, 3.0, 4.0)

@@ -44,7 +44,10 @@
 //! - `ExtraPoolReply`: index u8, reachable u8 (0 false, 1 true; anything else is an error),
 //!   reason text.
 //! - `ArenaChunk`: index u32, len u64 (non-zero; and one FD beside the frame).
+//! - `VmmShare` (protocol 8): alloc u64, base u64, len u64 (non-zero; and one FD beside the
+//!   frame). A `Lend` tensor on the VMM-handle rung (5) names the allocation by `alloc`.
 //! - `ArenaRelease`, `ArenaReleased`: index u32.
+//! - `ReleaseMappings`: empty. `MappingsReleased`: dropped u32.
 //!
 //! A payload must be consumed exactly: trailing bytes are an error.
 //!
@@ -58,7 +61,7 @@ use crate::message::{
     Ack, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities, CarvedResult,
     Chunk, DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice,
     LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
-    ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
+    ResultRequest, ResultSpec, StagingBuffer, TensorMeta, VmmShare,
 };
 use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 
@@ -71,7 +74,8 @@ use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId
 /// results carved out of it).
 /// 7: a `Lend` tensor says whether it is read-only; a writable host-staged input's bytes
 /// come back after the worker's `Done`, like a staged result's.
-/// 8: arena chunks are given back (`ArenaRelease`, answered by `ArenaReleased`).
+/// 8: the VMM-handle rung (5) and `VmmShare`, which hands a VMM allocation's FD over once;
+/// arena chunks are given back (`ArenaRelease`, answered by `ArenaReleased`).
 pub const PROTOCOL_VERSION: u8 = 8;
 
 /// Bytes of a frame header.
@@ -663,7 +667,23 @@ impl Writer<'_> {
                 self.u32(c.index);
                 self.u64(c.len);
             }
+            Message::VmmShare(v) => {
+                if v.len == 0 {
+                    return Err(EncodeError::OutOfRange {
+                        kind: self.kind,
+                        field: "len",
+                        value: 0,
+                        min: 1,
+                        max: u64::MAX,
+                    });
+                }
+                self.u64(v.alloc.0);
+                self.u64(v.base);
+                self.u64(v.len);
+            }
             Message::ArenaRelease(r) | Message::ArenaReleased(r) => self.u32(r.index),
+            Message::ReleaseMappings => {}
+            Message::MappingsReleased { dropped } => self.u32(*dropped),
         }
         Ok(())
     }
@@ -1081,12 +1101,31 @@ impl Reader<'_> {
                 }
                 Message::ArenaChunk(ArenaChunk { index, len })
             }
+            MessageKind::VmmShare => {
+                let alloc = AllocId(self.u64("alloc")?);
+                let base = self.u64("base")?;
+                let len = self.u64("len")?;
+                if len == 0 {
+                    return Err(DecodeError::OutOfRange {
+                        kind: self.kind,
+                        field: "len",
+                        value: 0,
+                        min: 1,
+                        max: u64::MAX,
+                    });
+                }
+                Message::VmmShare(VmmShare { alloc, base, len })
+            }
             MessageKind::ArenaRelease => Message::ArenaRelease(ArenaRelease {
                 index: self.u32("index")?,
             }),
             MessageKind::ArenaReleased => Message::ArenaReleased(ArenaRelease {
                 index: self.u32("index")?,
             }),
+            MessageKind::ReleaseMappings => Message::ReleaseMappings,
+            MessageKind::MappingsReleased => Message::MappingsReleased {
+                dropped: self.u32("dropped")?,
+            },
             MessageKind::ExtraPoolReply => Message::ExtraPoolReply(ExtraPoolReply {
                 index: self.u8("index")?,
                 reachable: self.bool("reachable")?,

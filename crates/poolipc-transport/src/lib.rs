@@ -31,6 +31,8 @@
 //! | `Chunk` | either: the data's sender, then the receiver's echo | 0 |
 //! | `ExtraPool` | parent → worker, once per further pool (a pool per device) | exactly 1: that pool |
 //! | `ExtraPoolReply` | worker → parent, the answer | 0 |
+//! | `ArenaChunk` | parent → worker, once per arena chunk | exactly 1: the chunk |
+//! | `VmmShare` | parent → worker, once per VMM allocation lent by handle (protocol 8) | exactly 1: the allocation |
 //!
 //! A frame that arrives with other FDs than its kind carries is an error, and every FD that
 //! came with it is closed before the error is returned.
@@ -63,7 +65,7 @@ pub use message::{
     Ack, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities, CarvedResult,
     Chunk, DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice,
     LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
-    ResultRequest, ResultSpec, StagingBuffer, TensorMeta,
+    ResultRequest, ResultSpec, StagingBuffer, TensorMeta, VmmShare,
 };
 pub use poolipc_types::AllocId;
 pub use poolipc_types::{DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};

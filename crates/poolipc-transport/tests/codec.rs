@@ -289,6 +289,8 @@ fn message() -> impl Strategy<Value = Message> {
             .prop_map(|(index, len)| Message::ArenaChunk(ArenaChunk { index, len })),
         any::<u32>().prop_map(|index| Message::ArenaRelease(ArenaRelease { index })),
         any::<u32>().prop_map(|index| Message::ArenaReleased(ArenaRelease { index })),
+        Just(Message::ReleaseMappings),
+        any::<u32>().prop_map(|dropped| Message::MappingsReleased { dropped }),
     ]
 }
 

@@ -26,22 +26,34 @@ pub enum Rung {
     Arena = 3,
     /// An input the parent copied device-to-device into a block of its result arena (on the
     /// job's stream, before READY), for device memory of the parent's device that cannot go
-    /// by pool pointer (over the import limit, or a pool the worker cannot import). Named on
+    /// by pool pointer (over the import limit, a pool the worker cannot import, or memory of
+    /// no pool of the parent's: `cuMemAlloc`, another library's pool, a VMM mapping). Named on
     /// the wire by `(chunk, offset)` and the tensor's layout; the worker waits on READY and
     /// reads the copy through its arena mapping: no export, no import, nothing to free. The
     /// block goes back to the arena only after the worker's DONE (stream-ordered) or after the
     /// worker was reaped. Costs one device-to-device copy (hundreds of GB/s) where host
     /// staging costs two trips over PCIe.
     ArenaCopy = 4,
+    /// A VMM allocation of the parent's device (`cuMemCreate` + `cuMemMap`, as ComfyUI maps
+    /// its model weights) made with the POSIX FD handle type, lent by its handle: no copy.
+    /// The parent retains the handle (`cuMemRetainAllocationHandle`), exports its FD and
+    /// sends it once per worker in a `VmmShare` frame naming the allocation by an id it
+    /// assigns (the `alloc` of the lent tensor, tied to the allocation's address, size and
+    /// buffer id); the worker imports, maps and keeps the mapping across jobs until the
+    /// parent says to drop it (a tensor lent read-only: through a read-only mapping). The tensor is named on the wire by that id and its layout over
+    /// the allocation. READY before the worker touches it, DONE before the parent reuses it,
+    /// as for a pool pointer; nothing to free per job.
+    VmmHandle = 5,
 }
 
 impl Rung {
     /// Every rung, in wire order.
-    pub const ALL: [Rung; 4] = [
+    pub const ALL: [Rung; 5] = [
         Rung::PoolPointer,
         Rung::HostStaging,
         Rung::Arena,
         Rung::ArenaCopy,
+        Rung::VmmHandle,
     ];
 
     /// The rung with this wire value.
@@ -57,6 +69,7 @@ impl fmt::Display for Rung {
             Rung::HostStaging => "host staging",
             Rung::Arena => "arena",
             Rung::ArenaCopy => "arena copy",
+            Rung::VmmHandle => "vmm handle",
         })
     }
 }
@@ -71,7 +84,7 @@ mod tests {
             assert_eq!(Rung::from_wire(r as u8), Some(r));
         }
         assert_eq!(Rung::from_wire(0), None);
-        assert_eq!(Rung::from_wire(5), None);
+        assert_eq!(Rung::from_wire(6), None);
     }
 
     #[test]
@@ -80,5 +93,6 @@ mod tests {
         assert_eq!(Rung::HostStaging.to_string(), "host staging");
         assert_eq!(Rung::Arena.to_string(), "arena");
         assert_eq!(Rung::ArenaCopy.to_string(), "arena copy");
+        assert_eq!(Rung::VmmHandle.to_string(), "vmm handle");
     }
 }

@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::io::Read as _;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, ExitStatus};
 use std::sync::Arc;
@@ -26,7 +26,7 @@ use poolipc_contract::{
 use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
 use poolipc_pool::Arena;
 use poolipc_transport::{
-    ArenaChunk, ArenaRelease, Capabilities, Connection, ErrorCode, TransportError,
+    ArenaChunk, ArenaRelease, Capabilities, Connection, ErrorCode, TransportError, VmmShare,
 };
 use poolipc_types::ARENA_ALIGN as ALIGN;
 use poolipc_types::{
@@ -72,6 +72,10 @@ struct ReleaseWaiter {
     awaited: HashSet<(WorkerId, u32)>,
     deadline: Instant,
 }
+
+/// The key of a `ReleaseMappings` answer among the awaited (worker, chunk) answers: no chunk
+/// has this index (indices count up from 0 and a `u32` runs out long before).
+const MAPPINGS_ACK: u32 = u32::MAX;
 
 /// How often the IO thread looks for arena chunks idle long enough to give back.
 const IDLE_RELEASE_CHECK: Duration = Duration::from_secs(1);
@@ -148,6 +152,9 @@ struct Slot {
     /// One past the highest arena chunk index sent to it: every chunk below was sent (or
     /// released before it could be).
     arena_chunks_sent: u32,
+    /// Whether it takes VMM allocations by handle ([`Rung::VmmHandle`]): it announced
+    /// [`Capabilities::VMM_HANDLE`] and reaches the parent's device.
+    takes_vmm: bool,
     /// Set when the worker is being stopped: when to kill it if it has not exited.
     exit_deadline: Option<Instant>,
     stop_replies: Vec<Sender<Result<Option<ExitStatus>, Error>>>,
@@ -222,6 +229,9 @@ struct Loop {
     jobs: HashMap<(WorkerId, JobId), JobState>,
     /// Input allocations currently lent by pointer: base address to (id, loans).
     lent: HashMap<u64, (AllocId, u32)>,
+    /// VMM allocations lent by handle, by base address: their id and the workers that
+    /// mapped them ([`Rung::VmmHandle`]).
+    vmm_shared: HashMap<u64, VmmShared>,
     /// Exit statuses of workers being reaped, for the errors of their jobs.
     reaped: HashMap<WorkerId, String>,
     next_alloc: u64,
@@ -282,6 +292,7 @@ impl Loop {
             workers: BTreeMap::new(),
             jobs: HashMap::new(),
             lent: HashMap::new(),
+            vmm_shared: HashMap::new(),
             reaped: HashMap::new(),
             next_alloc: 1,
             epoch: Instant::now(),
@@ -461,10 +472,19 @@ impl Loop {
 
     fn received(&mut self, worker: WorkerId, message: Message) {
         tracing::trace!(worker = %worker, kind = ?message.kind(), "received");
-        // The arena's bookkeeping, not the contract's: a chunk unmapped.
-        if let Message::ArenaReleased(r) = message {
-            if !self.release_acks.remove(&(worker, r.index)) {
-                tracing::debug!(worker = %worker, chunk = r.index, "an ArenaReleased not asked for");
+        // What empty_cache asked, not the contract's: a chunk unmapped, cached mappings
+        // dropped.
+        let answered = match message {
+            Message::ArenaReleased(r) => Some(r.index),
+            Message::MappingsReleased { dropped } => {
+                tracing::debug!(worker = %worker, dropped, "cached VMM mappings dropped");
+                Some(MAPPINGS_ACK)
+            }
+            _ => None,
+        };
+        if let Some(key) = answered {
+            if !self.release_acks.remove(&(worker, key)) {
+                tracing::debug!(worker = %worker, key, "a release answer not asked for");
             }
             return;
         }
@@ -571,6 +591,13 @@ impl Loop {
                     .contains(Capabilities::VMM_ARENA)
                     && r.pools.first() == Some(&true)
             });
+        let takes_vmm = registered.as_ref().is_some_and(|r| {
+            r.info
+                .identity
+                .capabilities
+                .contains(Capabilities::VMM_HANDLE)
+                && r.pools.first() == Some(&true)
+        });
         self.workers.insert(
             worker,
             Slot {
@@ -583,6 +610,7 @@ impl Loop {
                 takes_staging,
                 maps_arena,
                 arena_chunks_sent: 0,
+                takes_vmm,
                 exit_deadline: None,
                 stop_replies: Vec::new(),
                 queued: VecDeque::new(),
@@ -730,7 +758,25 @@ impl Loop {
         };
         report.arena_chunks = released.len() as u64;
         report.arena_bytes = released.iter().map(|c| c.len).sum();
-        let awaited = self.tell_released(&released);
+        let mut awaited = self.tell_released(&released);
+        // Workers drop the VMM mappings they cache (each keeps the memory behind it alive).
+        let holders: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(id, s)| {
+                s.lost.is_none() && self.vmm_shared.values().any(|e| e.sent_to.contains(id))
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for id in holders {
+            self.forget_vmm_shares(id);
+            self.send(id, &Message::ReleaseMappings);
+            if self.workers.get(&id).is_some_and(|s| s.lost.is_none()) {
+                awaited.insert((id, MAPPINGS_ACK));
+                self.release_acks.insert((id, MAPPINGS_ACK));
+                report.vmm_workers += 1;
+            }
+        }
         self.release_waiters.push(ReleaseWaiter {
             reply,
             report,
@@ -887,6 +933,7 @@ impl Loop {
         let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
         let replies: Vec<_> = slot.stop_replies.drain(..).collect();
         drop(slot);
+        self.forget_vmm_shares(worker);
         self.reaped.insert(worker, text);
         if let Some(r) = lock(&self.shared.registry).get_mut(&worker) {
             r.gone = true;
@@ -1084,13 +1131,44 @@ impl Loop {
                 placed.copies.push(None);
                 continue;
             }
-            let why_not = why_not_pointer(
+            let mut why_not = why_not_pointer(
                 &self.shared,
                 sub.worker,
                 pool,
                 limit.check(base.0, size).err(),
             );
-            let no_copy = match self.arena_copy(sub, pool, input.ptr, extent) {
+            // Memory of no pool of ours on the parent's device may be a VMM allocation whose
+            // handle can be lent: no copy.
+            if pool.is_none() && info.device == Some(self.shared.options.device) {
+                match self.vmm_handle(sub, base, size, info.buffer_id) {
+                    Ok((alloc, how)) => {
+                        let reason = format!("input {i}: {why_not}: vmm handle ({how})");
+                        tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
+                        placed.loans.push(InputLoan {
+                            alloc,
+                            span: Span {
+                                ptr: base.0,
+                                bytes: size,
+                            },
+                            rung: Rung::VmmHandle,
+                            pool: 0,
+                            export: ExportBlob([0; 64]),
+                            meta: input.desc.meta(offset, extent),
+                            arena: None,
+                            read_only: input.read_only,
+                        });
+                        placed.rungs.push(Rung::VmmHandle);
+                        placed.reasons.push(Some(reason));
+                        placed.copies.push(None);
+                        continue;
+                    }
+                    Err(NoCopy::Failed(e)) => return Err(e),
+                    Err(NoCopy::Declined(why)) => {
+                        why_not = format!("{why_not}, and no VMM handle to lend ({why})");
+                    }
+                }
+            }
+            let no_copy = match self.arena_copy(sub, pool, info.device, input.ptr, extent) {
                 Ok(copy) => {
                     let reason = format!("input {i}: {why_not}: arena copy ({})", copy.why);
                     tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
@@ -1146,10 +1224,143 @@ impl Loop {
         Ok(placed)
     }
 
+    /// Lends the VMM allocation `[base, base + size)` by handle to the job's worker, when
+    /// the rung may carry it: the option is on, the worker takes VMM handles, the driver
+    /// gives the allocation a buffer id (how a later lend knows it is the same allocation,
+    /// not a new one at the same address), and the allocation is a VMM mapping made with the
+    /// POSIX FD handle type. A worker that mapped this allocation already (same address,
+    /// size and buffer id) gets nothing: no driver call, no frame. Otherwise the handle is
+    /// retained (`cuMemRetainAllocationHandle`), exported as an FD, released again, and the
+    /// FD sent in a `VmmShare` frame ahead of the job's `Lend`. Returns the allocation's id
+    /// and how, or why not (the input then takes the arena copy); a lost send fails the job.
+    fn vmm_handle(
+        &mut self,
+        sub: &Submission,
+        base: DevicePtr,
+        size: u64,
+        buffer_id: Option<u64>,
+    ) -> Result<(AllocId, String), NoCopy> {
+        if !self.shared.options.vmm_handles {
+            return Err(NoCopy::Declined(
+                "lending by VMM handle is off (ParentOptions::vmm_handles)".into(),
+            ));
+        }
+        if !self.workers.get(&sub.worker).is_some_and(|s| s.takes_vmm) {
+            return Err(NoCopy::Declined(format!(
+                "{} takes no VMM handles (no VMM by POSIX FD, or not on the parent's device)",
+                sub.worker
+            )));
+        }
+        let Some(buffer_id) = buffer_id else {
+            return Err(NoCopy::Declined(
+                "the driver gives it no buffer id, so a worker's mapping could not be told \
+                 from a new allocation at its address"
+                    .into(),
+            ));
+        };
+        let same = |e: &VmmShared| e.size == size && e.buffer_id == buffer_id;
+        if let Some(e) = self.vmm_shared.get(&base.0)
+            && same(e)
+            && e.sent_to.contains(&sub.worker)
+        {
+            return Ok((e.alloc, "mapped by the worker already".into()));
+        }
+        let fd = self.export_vmm(base)?;
+        let alloc = match self.vmm_shared.get(&base.0) {
+            Some(e) if same(e) => e.alloc,
+            _ => {
+                // A new allocation at this address (or the first): a new id, so that no
+                // worker's mapping of the old one is taken for it.
+                let alloc = AllocId(self.next_alloc);
+                self.next_alloc += 1;
+                self.vmm_shared.insert(
+                    base.0,
+                    VmmShared {
+                        alloc,
+                        size,
+                        buffer_id,
+                        sent_to: HashSet::new(),
+                    },
+                );
+                alloc
+            }
+        };
+        let Some(slot) = self.workers.get_mut(&sub.worker) else {
+            return Err(NoCopy::Failed(Error::UnknownWorker(sub.worker)));
+        };
+        let message = Message::VmmShare(VmmShare {
+            alloc,
+            base: base.0,
+            len: size,
+        });
+        let deadline = Instant::now() + self.shared.options.frame_timeout;
+        if let Err(e) = slot.conn.send(&message, &[fd.as_fd()], deadline) {
+            let why = format!("sending a VMM handle failed: {e}");
+            self.lose(sub.worker, &why);
+            return Err(NoCopy::Failed(Error::JobFailed {
+                worker: sub.worker,
+                reason: FailReason::HungUp,
+                detail: why,
+                results: Vec::new(),
+            }));
+        }
+        Stats::bump(&self.shared.stats.vmm_handles_shared);
+        if let Some(e) = self.vmm_shared.get_mut(&base.0) {
+            e.sent_to.insert(sub.worker);
+        }
+        tracing::debug!(worker = %sub.worker, ?alloc, size, "VMM handle sent");
+        Ok((alloc, "handle sent".into()))
+    }
+
+    /// The POSIX FD of the VMM allocation mapped at `base`: its handle retained, checked for
+    /// the POSIX FD handle type, exported, and released again (the FD and the worker's import
+    /// keep what they need). Memory that is no VMM mapping, or one made without that handle
+    /// type, is declined with the reason; a lost context fails the job.
+    fn export_vmm(&self, base: DevicePtr) -> Result<OwnedFd, NoCopy> {
+        let d = &*self.shared.driver;
+        let declined = |what: &str, e: poolipc_driver::DriverError| {
+            if e.is_context_lost() {
+                NoCopy::Failed(e.into())
+            } else {
+                NoCopy::Declined(format!("{what}: {e}"))
+            }
+        };
+        let handle = d
+            .vmm_retain(base)
+            .map_err(|e| declined("not a VMM allocation", e))?;
+        let fd = match d.vmm_exports_fd(handle) {
+            Ok(true) => d
+                .vmm_export_fd(handle)
+                .map_err(|e| declined("its handle could not be exported", e)),
+            Ok(false) => Err(NoCopy::Declined(
+                "a VMM allocation made without the POSIX FD handle type, which cannot be shared"
+                    .into(),
+            )),
+            Err(e) => Err(declined("its handle's properties could not be read", e)),
+        };
+        // The retained reference only served the export.
+        if let Err(e) = d.vmm_release(handle) {
+            tracing::warn!(error = %e, "releasing a retained VMM handle failed");
+        }
+        fd
+    }
+
+    /// Forgets which VMM allocations `worker` mapped: it was reaped, or it was told to drop
+    /// its cached mappings (`Worker::release_cached_mappings`). An allocation lent to it
+    /// again is sent again first. Whoever sends the worker that order calls this at the
+    /// same time.
+    pub(crate) fn forget_vmm_shares(&mut self, worker: WorkerId) {
+        self.vmm_shared.retain(|_, e| {
+            e.sent_to.remove(&worker);
+            !e.sent_to.is_empty()
+        });
+    }
+
     /// Copies an input (`bytes` from element 0 at `src`) into a block of the arena, queued on
     /// the job's stream now, before the job's READY is recorded, when the arena-copy rung may
-    /// carry it: the option is on, the memory is the parent's shared pool's (so on the
-    /// parent's device), the worker maps the arena, the arena has room (or VRAM is free for
+    /// carry it: the option is on, the memory is device memory of the parent's device (its
+    /// shared pool's, or any other kind the pointer's attributes place there: `cuMemAlloc`,
+    /// another pool, a VMM mapping), the worker maps the arena, the arena has room (or VRAM is free for
     /// more, with the margin to spare) and the chunk reached the worker. Otherwise says why
     /// not, and the input takes host staging; a driver call that fails on the way fails the
     /// job.
@@ -1157,6 +1368,7 @@ impl Loop {
         &mut self,
         sub: &Submission,
         pool: Option<usize>,
+        device: Option<u32>,
         src: DevicePtr,
         bytes: u64,
     ) -> Result<ArenaCopy, NoCopy> {
@@ -1169,9 +1381,22 @@ impl Loop {
         if bytes == 0 {
             return Err(NoCopy::Declined("an empty tensor needs no copy".into()));
         }
-        if pool != Some(0) {
+        // Pool 0 is the parent's device's; another of the parent's pools is another device's.
+        // Memory of no pool of ours is copied when its attributes place it on the parent's
+        // device: the copy is then device-to-device on one GPU.
+        let on_parent_device = match pool {
+            Some(p) => p == 0,
+            None => device == Some(options.device),
+        };
+        if !on_parent_device {
+            let found = match (pool, device) {
+                (Some(p), _) => format!("memory of the parent's pool {p}"),
+                (None, Some(d)) => format!("device memory of device {d}"),
+                (None, None) => "not device memory (host or managed memory)".to_owned(),
+            };
             return Err(NoCopy::Declined(format!(
-                "only memory of the parent's shared pool on device {} is copied into the arena",
+                "only device memory of the parent's device {} is copied into the arena, this \
+                 is {found}",
                 options.device
             )));
         }
@@ -1325,11 +1550,18 @@ impl Loop {
                     }
                     Stats::bump(&self.shared.stats.arena_copied_inputs);
                 }
-                _ => {
+                Rung::VmmHandle => {
+                    // The caller's memory, mapped by the worker: nothing to give back.
+                    Stats::bump(&self.shared.stats.vmm_handle_tensors);
+                }
+                Rung::PoolPointer => {
                     self.lent.entry(loan.span.ptr).or_insert((loan.alloc, 0)).1 += 1;
                     lent_bases.push(loan.span.ptr);
                     Stats::bump(&self.shared.stats.pool_pointer_tensors);
                 }
+                // `Rung::Arena` (results only: the contract refused it for an input) and any
+                // rung of a later version of the types crate (`Rung` is non-exhaustive).
+                _ => {}
             }
         }
         if let Some(s) = self.workers.get_mut(&worker) {
@@ -2416,7 +2648,20 @@ struct ArenaCopy {
     why: String,
 }
 
-/// Why an input is not copied into the arena.
+/// A VMM allocation of the caller's lent by handle ([`Rung::VmmHandle`]), as the parent
+/// knows it: kept while some worker holds a mapping of it.
+struct VmmShared {
+    /// The id lent tensors name it by.
+    alloc: AllocId,
+    /// Its size and `CU_POINTER_ATTRIBUTE_BUFFER_ID` when it was shared: an allocation at
+    /// the same address with another of either is another allocation.
+    size: u64,
+    buffer_id: u64,
+    /// The workers it was sent to that have not dropped their mappings.
+    sent_to: HashSet<WorkerId>,
+}
+
+/// Why an input is not copied into the arena (or lent by VMM handle).
 enum NoCopy {
     /// Not for this input, worker or machine, in words: it takes host staging.
     Declined(String),

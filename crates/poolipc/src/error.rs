@@ -2,7 +2,7 @@
 
 use poolipc_contract::{ContractError, FailReason, WorkerId};
 use poolipc_driver::DriverError;
-use poolipc_pool::{ArenaError, CacheError, PoolError};
+use poolipc_pool::{ArenaError, CacheError, PoolError, VmmShareError};
 use poolipc_transport::{HandshakeError, SetupError, TransportError};
 
 /// Why a poolipc operation failed.
@@ -26,6 +26,11 @@ pub enum Error {
     /// its chunk (malformed input: nothing was touched).
     #[error(transparent)]
     Arena(#[from] ArenaError),
+    /// A VMM allocation lent by handle: its FD could not be imported or mapped, or, on a
+    /// worker, a tensor named one the parent never shared or lay outside it (malformed
+    /// input: nothing was touched).
+    #[error(transparent)]
+    VmmShare(#[from] VmmShareError),
     /// The connection failed: malformed frame, wrong FDs, deadline, peer gone.
     #[error(transparent)]
     Transport(#[from] TransportError),
@@ -131,6 +136,7 @@ impl Error {
             | Error::Pool(PoolError::Driver(e))
             | Error::Import(CacheError::Driver(e))
             | Error::Arena(ArenaError::Driver(e))
+            | Error::VmmShare(VmmShareError::Driver(e))
             | Error::Staging(crate::staging::StagingError::Driver(e)) => e.is_context_lost(),
             _ => false,
         }

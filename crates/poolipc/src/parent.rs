@@ -73,9 +73,10 @@ pub struct ParentOptions {
     /// [`ResultMemory::Pool`] by default, [`ResultMemory::Arena`] for the fast path.
     /// [`submit_with`](Parent::submit_with) always uses the caller's allocator.
     pub results: ResultMemory,
-    /// Whether an input that cannot go by pool pointer but is memory of the parent's shared
-    /// pool (over the import limit, or a worker that may not import it) is copied
-    /// device-to-device into a block of the arena and lent from there ([`Rung::ArenaCopy`])
+    /// Whether an input that cannot go by pool pointer but is device memory of the parent's
+    /// device (the shared pool's over the import limit or for a worker that may not import
+    /// it, or any other kind: `cuMemAlloc` memory, another library's pool, a VMM mapping) is
+    /// copied device-to-device into a block of the arena and lent from there ([`Rung::ArenaCopy`])
     /// rather than through host staging. True by default. It needs a worker with the arena
     /// capability and enough free VRAM (see
     /// [`arena_copy_vram_margin`](ParentOptions::arena_copy_vram_margin)); otherwise, or
@@ -95,6 +96,13 @@ pub struct ParentOptions {
     /// plus this much free (256 MiB by default). A copy that fits in the arena as it is
     /// needs no new memory and is not checked.
     pub arena_copy_vram_margin: u64,
+    /// Whether an input that is a VMM allocation of the parent's device (`cuMemCreate` +
+    /// `cuMemMap`, as ComfyUI maps model weights) made with the POSIX FD handle type is lent
+    /// by its handle ([`Rung::VmmHandle`]): no copy; each worker maps it once and keeps the
+    /// mapping (and so the memory behind it) until told to drop it. True by default. Needs
+    /// a worker that takes VMM handles on the parent's device and a driver that gives the
+    /// allocation a buffer id; otherwise, or when false, such inputs take the arena copy.
+    pub vmm_handles: bool,
     /// Bytes of the result arena lent with each job as its **arena slice** (protocol 6), out
     /// of which the worker carves results whose shapes it learns late without a round trip
     /// per request; 0 (the default) turns slices off. Changed later with
@@ -175,6 +183,7 @@ impl Default for ParentOptions {
             results: ResultMemory::Pool,
             arena_copy: true,
             arena_copy_vram_margin: DEFAULT_ARENA_COPY_VRAM_MARGIN,
+            vmm_handles: true,
             arena_slice_bytes: 0,
             arena_cap_fraction: DEFAULT_ARENA_CAP_FRACTION,
             arena_idle_release: Some(DEFAULT_ARENA_IDLE_RELEASE),
@@ -458,6 +467,9 @@ pub struct EmptyCache {
     /// Workers told to unmap a chunk that had not answered within [`EMPTY_CACHE_WAIT`]
     /// (busy in a job, or not reading): the memory of those chunks comes back when they do.
     pub workers_not_answered: usize,
+    /// Workers told to drop their cached mappings of the parent's VMM allocations (the
+    /// VMM-handle rung): each keeps the memory behind it alive after the parent freed it.
+    pub vmm_workers: usize,
     /// Bytes the shared pools held and gave back (`cuMemPoolTrimTo`), summed over pools.
     /// Pool allocations that were exported to a worker are not among them: the driver keeps
     /// an exported allocation's memory after its free until the pool is destroyed (measured,
@@ -530,6 +542,11 @@ pub struct ParentStats {
     /// again; the counts are in the pool's
     /// [`export_cache_stats`](poolipc_pool::SharedPool::export_cache_stats).
     pub export_reuse: poolipc_pool::ExportReuse,
+    /// Inputs lent by VMM handle ([`Rung::VmmHandle`]).
+    pub vmm_handle_tensors: u64,
+    /// VMM allocations whose handle was exported and sent to a worker (once per allocation
+    /// and worker; a tensor lent again to a worker that mapped it costs none).
+    pub vmm_handles_shared: u64,
 }
 
 /// Allocates a job's result memory: `(shape, bytes, stream)` to an allocation of at least
@@ -552,6 +569,8 @@ pub(crate) struct Stats {
     pub(crate) arena_slices_lent: AtomicU64,
     pub(crate) arena_results_carved: AtomicU64,
     pub(crate) inputs_copied_back: AtomicU64,
+    pub(crate) vmm_handle_tensors: AtomicU64,
+    pub(crate) vmm_handles_shared: AtomicU64,
 }
 
 impl Stats {
@@ -802,10 +821,13 @@ pub(crate) const CAPABILITIES: Capabilities = Capabilities(
 );
 
 /// What this side can do on `device`: [`CAPABILITIES`], and the result arena
-/// ([`Capabilities::VMM_ARENA`]) where the device has VMM with POSIX FD handles.
+/// ([`Capabilities::VMM_ARENA`]) and VMM allocations lent by handle
+/// ([`Capabilities::VMM_HANDLE`]) where the device has VMM with POSIX FD handles.
 pub(crate) fn capabilities(driver: &dyn Driver, device: u32) -> Capabilities {
     match driver.device_info(device) {
-        Ok(info) if info.vmm && info.vmm_posix_fd => CAPABILITIES | Capabilities::VMM_ARENA,
+        Ok(info) if info.vmm && info.vmm_posix_fd => {
+            CAPABILITIES | Capabilities::VMM_ARENA | Capabilities::VMM_HANDLE
+        }
         _ => CAPABILITIES,
     }
 }
@@ -1039,6 +1061,8 @@ impl Parent {
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),
             export_reuse: self.pool().export_reuse().0,
+            vmm_handle_tensors: get(&s.vmm_handle_tensors),
+            vmm_handles_shared: get(&s.vmm_handles_shared),
         }
     }
 

@@ -30,7 +30,9 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use poolipc_contract::{self as contract, AllocId, HandoffId, Timestamp, WorkerAction};
 use poolipc_driver::{DevicePtr, Driver, ExportBlob, OwnedEvent, OwnedStream, StreamHandle};
-use poolipc_pool::{ArenaError, ArenaMapping, AttachedPool, ImportCache};
+use poolipc_pool::{
+    ArenaError, ArenaMapping, AttachedPool, ImportCache, VmmMappings, VmmShareStats,
+};
 use poolipc_transport::{
     ArenaChunk, ArenaRelease, Capabilities, Connection, EventBlob, ExtraPool, ExtraPoolReply,
     HandshakeConfig, JobId, LentSlice, LentTensor, Message, ResultGrant, TransportError,
@@ -185,6 +187,9 @@ pub struct Worker {
     staging: Option<StagingChannel>,
     /// The parent's result arena chunks, mapped as they are announced.
     arena: Option<ArenaMapping<dyn Driver>>,
+    /// The parent's VMM allocations lent by handle, mapped once each and kept across jobs
+    /// until the parent says to drop them ([`Worker::release_cached_mappings`]).
+    vmm: VmmMappings,
     /// Frames that arrived while a staging transfer waited for its chunks: handled before
     /// the socket is read again.
     backlog: VecDeque<Message>,
@@ -337,6 +342,7 @@ impl Worker {
         let stream = OwnedStream::new(Arc::clone(&driver))?;
         let done = OwnedEvent::new(Arc::clone(&driver), true)?;
         let done_blob = done.ipc_handle()?;
+        let vmm = VmmMappings::new(Arc::clone(&driver), device);
         Ok(Worker {
             device,
             more_pools: Vec::new(),
@@ -353,6 +359,7 @@ impl Worker {
             done_blob,
             staging: None,
             arena: None,
+            vmm,
             backlog: VecDeque::new(),
             started: VecDeque::new(),
             granted: HashMap::new(),
@@ -363,6 +370,29 @@ impl Worker {
             last_frame: Instant::now(),
             stream,
         })
+    }
+
+    /// Drops every mapping of the parent's VMM allocations (the VMM-handle rung) that no
+    /// running job uses, after the work of finished jobs completed on this worker's stream:
+    /// unmapped, address range freed, import released. Returns how many went.
+    ///
+    /// A cached mapping keeps the physical memory behind it alive, so VRAM the parent freed
+    /// stays held here until this runs. Call it when the parent asks (its `Release`
+    /// message): the parent keeps track of what each worker holds and sends the allocation
+    /// again before naming it, which it does only after it told the worker to drop its
+    /// mappings. Dropping mappings on the worker's own initiative would leave the parent
+    /// naming allocations the worker no longer has (those jobs would fail).
+    pub fn release_cached_mappings(&mut self) -> Result<usize, Error> {
+        self.driver.stream_synchronize(self.stream.handle())?;
+        let n = self.vmm.release_unused();
+        tracing::debug!(dropped = n, "cached VMM mappings released");
+        Ok(n)
+    }
+
+    /// How often the parent's VMM allocations were mapped and reused here (the VMM-handle
+    /// rung), and how many mappings are held now.
+    pub fn vmm_share_stats(&self) -> VmmShareStats {
+        self.vmm.stats()
     }
 
     /// How long, after each frame it sent or received, the worker looks for the parent's
@@ -553,7 +583,7 @@ impl Worker {
             finished: false,
         };
         for t in inputs {
-            match job.worker.input_view(t) {
+            match job.worker.input_view(id, t) {
                 Ok(view) => job.inputs.push(view),
                 Err(e) => {
                     let why = format!("a tensor of the job could not be viewed: {e}");
@@ -570,7 +600,7 @@ impl Worker {
     /// The view of one lent tensor: the import at its offset (pool pointer), the parent's
     /// copy in the arena through this worker's mapping (arena copy, read-only), or this
     /// process's copy (host staging, read-only).
-    fn input_view(&mut self, t: LentTensor) -> Result<InputView, Error> {
+    fn input_view(&mut self, job: contract::JobId, t: LentTensor) -> Result<InputView, Error> {
         let ptr = match t.rung {
             Rung::PoolPointer => match self.imports.get(&t.alloc) {
                 Some(i) => i.ptr.offset(t.meta.byte_offset),
@@ -621,6 +651,15 @@ impl Worker {
                 };
                 block.offset(t.meta.byte_offset)
             }
+            // The parent's VMM allocation through the mapping its share made (once, or long
+            // ago): held for this job until its DONE is recorded.
+            Rung::VmmHandle => self.vmm.resolve(
+                job,
+                t.alloc,
+                t.meta.byte_offset,
+                t.meta.byte_len,
+                t.read_only,
+            )?,
             other => {
                 return Err(Error::Protocol(format!(
                     "input {:?} on rung {other}, which this worker does not take",
@@ -778,6 +817,32 @@ impl Worker {
             }
             Message::ArenaChunk(c) => self.take_arena_chunk(c, fds),
             Message::ArenaRelease(r) => self.release_arena_chunk(r),
+            Message::ReleaseMappings => {
+                let dropped = self.release_cached_mappings()?;
+                self.conn.send(
+                    &Message::MappingsReleased {
+                        dropped: u32::try_from(dropped).unwrap_or(u32::MAX),
+                    },
+                    &[],
+                    Instant::now() + SEND_TIMEOUT,
+                )?;
+                self.last_frame = Instant::now();
+                Ok(())
+            }
+            Message::VmmShare(s) => {
+                let Some(fd) = fds.into_iter().next() else {
+                    return Err(Error::Protocol("a VmmShare without its FD".into()));
+                };
+                // A share that cannot be mapped fails the jobs that name it, not the worker.
+                if let Err(e) = self.vmm.share(s.alloc, s.base, s.len, fd.as_fd()) {
+                    let e = Error::from(e);
+                    if e.is_context_lost() {
+                        return Err(e);
+                    }
+                    tracing::warn!(alloc = ?s.alloc, len = s.len, error = %e, "a VMM allocation of the parent could not be mapped");
+                }
+                Ok(())
+            }
             Message::Chunk(c) => Err(Error::Protocol(format!(
                 "a Chunk of job {} outside a host-staging transfer",
                 c.job.0
@@ -926,6 +991,8 @@ impl Worker {
                     self.conn.hang_up();
                     return Err(e.into());
                 }
+                // Its accesses through the parent's VMM allocations are ordered before DONE.
+                self.vmm.job_done(job);
             }
             WorkerAction::Send(message) => {
                 // DONE and the ACK right behind it (nothing staged between) go in one write:

@@ -48,7 +48,16 @@ fn serve() -> ! {
     let report = PathBuf::from(std::env::var_os(REPORT).unwrap());
     let mut lines = String::new();
     let within = std::env::var_os(WITHIN).is_some();
+    let mut release_next = false;
     loop {
+        if std::mem::take(&mut release_next) {
+            let before = worker.vmm_share_stats();
+            let n = worker.release_cached_mappings().unwrap();
+            lines.push_str(&format!(
+                "released {n} of {} (mapped {}, resolved {})\n",
+                before.held, before.mapped, before.resolved
+            ));
+        }
         let next = if within {
             match worker.next_job_within(Duration::from_secs(60)) {
                 Ok(poolipc::NextJob::Job(job)) => Ok(Some(job)),
@@ -81,10 +90,14 @@ fn serve() -> ! {
             drop(job);
             continue;
         }
+        // An input of 8192 bytes: once the job is finished, the parent (this script) wants
+        // the cached VMM mappings dropped, as its `Release` will ask.
+        let release = job.inputs().first().is_some_and(|i| i.byte_len() == 8192);
         match poolipc::echo::answer(&mut job, None) {
             Ok(()) => job.finish().unwrap(),
             Err(e) => job.fail(&e.to_string()).unwrap(),
         }
+        release_next = release;
     }
     std::fs::write(report, lines).unwrap();
     std::process::exit(0);
@@ -692,4 +705,148 @@ fn a_worker_waiting_within_a_deadline_takes_a_lend_that_came_in_the_same_read_as
         s.wait_done(&done);
     }
     assert_eq!(s.end(), "1 [false]\n2 [false]\n");
+}
+
+#[test]
+fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_only_their_job() {
+    use std::os::fd::AsFd as _;
+    let mut s = Script::start(
+        "a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_only_their_job",
+    );
+    // Results go to the arena: one chunk, announced.
+    let arena = poolipc_pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
+    let chunk = arena.chunks().next().unwrap();
+    let fd = arena.export_fd(0).unwrap();
+    s.conn
+        .send(
+            &Message::ArenaChunk(poolipc_transport::ArenaChunk {
+                index: 0,
+                len: chunk.len,
+            }),
+            &[fd.as_fd()],
+            deadline(),
+        )
+        .unwrap();
+    // The caller's VMM allocation (POSIX FD), filled, READY after; shared once, as the
+    // parent does: retained from an interior address, exported, released.
+    let d = Arc::clone(&s.driver);
+    let g = d
+        .vmm_granularity(0, poolipc_driver::Granularity::Minimum)
+        .unwrap();
+    let h = d.vmm_create(0, g).unwrap();
+    let va = d.vmm_reserve(g, 0).unwrap();
+    d.vmm_map(va, g, h).unwrap();
+    d.vmm_set_access(va, g, 0, poolipc_driver::Access::ReadWrite)
+        .unwrap();
+    poolipc::echo::fill_pattern(&*d, va, g, 0x5A5A_A5A5, s.stream).unwrap();
+    d.event_record(s.ready, s.stream).unwrap();
+    let retained = d.vmm_retain(va.offset(4096)).unwrap();
+    let share_fd = d.vmm_export_fd(retained).unwrap();
+    d.vmm_release(retained).unwrap();
+    s.conn
+        .send(
+            &Message::VmmShare(poolipc_transport::VmmShare {
+                alloc: AllocId(50),
+                base: va.0,
+                len: g,
+            }),
+            &[share_fd.as_fd()],
+            deadline(),
+        )
+        .unwrap();
+    drop(share_fd);
+    let by_handle = |handle: u64, alloc: u64, offset: u64, bytes: u64, ready: EventBlob| {
+        let mut meta = bytes_meta(bytes);
+        meta.byte_offset = offset;
+        LentTensor {
+            handle: HandoffId(handle),
+            alloc: AllocId(alloc),
+            rung: Rung::VmmHandle,
+            pool: 0,
+            export: ExportBlob([0; 64]),
+            ready_event: ready,
+            meta,
+            read_only: true,
+            arena: None,
+        }
+    };
+    // A served job: the echo reads the input through the mapping and writes its result.
+    let serve = |s: &mut Script, job: u64, tensor: LentTensor, bytes: u64| {
+        s.send(Message::Lend(Lend {
+            job: JobId(job),
+            tensors: vec![tensor],
+            slice: None,
+        }));
+        let Message::ResultRequest(_) = s.recv() else {
+            panic!("job {job}: no result request")
+        };
+        let out = arena.alloc(bytes).unwrap();
+        s.send(Message::AllocationGrant(AllocationGrant {
+            job: JobId(job),
+            results: vec![ResultGrant::Arena {
+                handle: HandoffId(2 * job),
+                alloc: AllocId(1000 + job),
+                chunk: out.chunk,
+                offset: out.offset,
+                bytes: out.len,
+            }],
+        }));
+        let done = s.recv();
+        assert_eq!(handles(&done).len(), 2, "job {job}");
+        assert_eq!(handles(&s.recv()).len(), 2, "job {job}: the Ack");
+        s.wait_done(&done);
+        poolipc::echo::verify_echo(&*s.driver, out.ptr, bytes, 0, 0x5A5A_A5A5, 0).unwrap();
+    };
+    // A refused job: its view cannot be built; reported, finished, and the worker goes on.
+    let refuse = |s: &mut Script, job: u64, tensor: LentTensor| {
+        s.send(Message::Lend(Lend {
+            job: JobId(job),
+            tensors: vec![tensor],
+            slice: None,
+        }));
+        let Message::JobError { job: failed, .. } = s.recv() else {
+            panic!("job {job} was not reported failed")
+        };
+        assert_eq!(failed, JobId(job));
+        let done = s.recv();
+        assert_eq!(handles(&done).len(), 1);
+        assert_eq!(handles(&s.recv()).len(), 1, "the Ack");
+        s.wait_done(&done);
+    };
+    let ready = s.ready_blob;
+    serve(&mut s, 1, by_handle(1, 50, 0, 4096, ready), 4096);
+    // The same allocation again, no share: the worker's mapping serves it.
+    serve(&mut s, 2, by_handle(3, 50, 4096, 4096, ready), 4096);
+    refuse(&mut s, 3, by_handle(5, 50, g - 512, 4096, ready));
+    refuse(&mut s, 4, by_handle(7, 51, 0, 4096, ready));
+    // 8192 bytes: the worker drops its mappings after this job.
+    serve(&mut s, 5, by_handle(9, 50, 0, 8192, ready), 8192);
+    // Dropped: named again without a new share, it is unknown.
+    refuse(&mut s, 6, by_handle(11, 50, 0, 4096, ready));
+    let report = s.end();
+    let lines: Vec<&str> = report.lines().collect();
+    assert_eq!(lines.len(), 7, "{report}");
+    assert_eq!(lines[0], "1 [true]", "{report}");
+    assert_eq!(lines[1], "2 [true]", "{report}");
+    assert!(
+        lines[2].starts_with("refused: ") && lines[2].contains("lies outside VMM allocation"),
+        "{report}"
+    );
+    assert!(
+        lines[3].starts_with("refused: ") && lines[3].contains("never shared"),
+        "{report}"
+    );
+    assert_eq!(lines[4], "5 [true]", "{report}");
+    assert_eq!(
+        lines[5], "released 1 of 1 (mapped 1, resolved 3)",
+        "one share, one mapping, three views through it: {report}"
+    );
+    assert!(
+        lines[6].starts_with("refused: ") && lines[6].contains("never shared"),
+        "{report}"
+    );
+    drop(arena);
+    d.vmm_unmap(va, g).unwrap();
+    d.vmm_address_free(va, g).unwrap();
+    d.vmm_release(h).unwrap();
 }

@@ -305,7 +305,7 @@ prop_state_machine! {
 }
 
 /// The paths a sequence must be able to reach, or the property above would hold vacuously.
-const PATHS: [&str; 33] = [
+const PATHS: [&str; 34] = [
     "deadline expired",
     "parent ignored a late message",
     "worker refused a stale message",
@@ -313,6 +313,7 @@ const PATHS: [&str; 33] = [
     "lend",
     "lend with a staged input",
     "lend with an arena copy",
+    "lend by VMM handle",
     "lend with a slice",
     "slice carved",
     "release a carved slice",

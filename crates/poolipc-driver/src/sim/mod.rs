@@ -232,6 +232,10 @@ struct LocalEvent {
 struct VmmAlloc {
     fd: OwnedFd,
     bytes: u64,
+    /// The device the memory is on (an import's: the importing context's device).
+    device: u32,
+    /// Created with the POSIX FD handle type: `cuMemExportToShareableHandle` works.
+    exportable: bool,
 }
 
 #[derive(Debug)]
@@ -243,6 +247,16 @@ struct VmmMap {
     buffer_id: u64,
     /// (device, inode) of the memfd behind the handle: how the race detector names it.
     file: (u64, u64),
+    /// The memfd behind the handle, for `cuMemRetainAllocationHandle`.
+    fd: OwnedFd,
+    /// The device the memory is on.
+    device: u32,
+    /// The handle was made with the POSIX FD handle type.
+    exportable: bool,
+    /// `cuMemAlloc` memory, which this simulation keeps as a mapping of an unexportable
+    /// handle (so the race detector covers it as it covers VMM memory): no handle can be
+    /// retained from it.
+    plain: bool,
 }
 
 #[derive(Debug)]
@@ -262,6 +276,8 @@ struct Local {
     vmm: HashMap<u64, VmmAlloc>,
     reservations: BTreeMap<u64, u64>,
     maps: BTreeMap<u64, VmmMap>,
+    /// `cuMemAlloc` allocations by address: the handle and reservation behind each.
+    plain: HashMap<u64, (VmmHandle, u64)>,
     next_va: u64,
     host_registered: BTreeMap<usize, HostRegistration>,
     /// This process's context faulted (a store through a bad address): every call that
@@ -564,6 +580,7 @@ impl SimDriver {
                 vmm: HashMap::new(),
                 reservations: BTreeMap::new(),
                 maps: BTreeMap::new(),
+                plain: HashMap::new(),
                 next_va: VMM_BASE,
                 host_registered: BTreeMap::new(),
                 context_lost: false,
@@ -1650,6 +1667,39 @@ impl Driver for SimDriver {
         Err(fail(CALL, CuCode::INVALID_VALUE))
     }
 
+    fn pointer_get_device(&self, ptr: DevicePtr) -> Result<u32> {
+        // Found as `pointer_get_mempool` finds pool memory, and through the mappings for VMM
+        // and cuMemAlloc memory.
+        const CALL: &str = "cuPointerGetAttribute";
+        let l = self.local();
+        let p = ptr.0;
+        if (OWN_BASE..IMPORT_BASE).contains(&p) {
+            let slot = ((p - OWN_BASE) / POOL_SPAN) as usize;
+            let off = (p - OWN_BASE) % POOL_SPAN;
+            if let Some(lp) = l.pools.get(&slot).filter(|lp| !lp.imported) {
+                let live = self.machine.with(|st| {
+                    st.block_containing(slot, off)
+                        .is_some_and(|b| st.blocks[b].state == BLOCK_LIVE)
+                });
+                if live {
+                    return Ok(lp.device);
+                }
+            }
+        } else if (IMPORT_BASE..VMM_BASE).contains(&p) {
+            if let Some((&base, imp)) = l.imports.range(..=p).next_back()
+                && p < base + imp.bytes.max(1)
+                && let Some(lp) = l.pools.get(&imp.pool)
+            {
+                return Ok(lp.device);
+            }
+        } else if let Some((&base, m)) = l.maps.range(..=p).next_back()
+            && p < base + m.bytes
+        {
+            return Ok(m.device);
+        }
+        Err(fail(CALL, CuCode::INVALID_VALUE))
+    }
+
     fn pointer_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, u64)> {
         const CALL: &str = "cuMemGetAddressRange_v2";
         let l = self.local();
@@ -1682,6 +1732,55 @@ impl Driver for SimDriver {
             return Ok((DevicePtr(base), m.bytes));
         }
         Err(fail(CALL, CuCode::NOT_FOUND))
+    }
+
+    fn mem_alloc(&self, bytes: u64) -> Result<DevicePtr> {
+        // Kept as a mapping of an unexportable handle, so every access to it goes through the
+        // race detector as VMM memory does; flagged plain, so no handle can be retained.
+        const CALL: &str = "cuMemAlloc_v2";
+        self.check_context(CALL)?;
+        if bytes == 0 {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        let ordinal = Self::context(&self.local(), CALL)?;
+        let len = bytes
+            .checked_next_multiple_of(GRANULE)
+            .ok_or(fail(CALL, CuCode::OUT_OF_MEMORY))?;
+        let handle = self.create_vmm(ordinal, len, false)?;
+        let mapped = self.vmm_reserve(len, 0).and_then(|ptr| {
+            self.vmm_map(ptr, len, handle)
+                .and_then(|()| self.vmm_set_access(ptr, len, ordinal, Access::ReadWrite))
+                .map(|()| ptr)
+                .inspect_err(|_| {
+                    let _ = self.vmm_unmap(ptr, len);
+                    let _ = self.vmm_address_free(ptr, len);
+                })
+        });
+        let ptr = match mapped {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = self.vmm_release(handle);
+                return Err(e);
+            }
+        };
+        let mut l = self.local();
+        if let Some(m) = l.maps.get_mut(&ptr.0) {
+            m.plain = true;
+        }
+        l.plain.insert(ptr.0, (handle, len));
+        Ok(ptr)
+    }
+
+    fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        const CALL: &str = "cuMemFree_v2";
+        let (handle, len) = self
+            .local()
+            .plain
+            .remove(&ptr.0)
+            .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+        self.vmm_unmap(ptr, len)?;
+        self.vmm_address_free(ptr, len)?;
+        self.vmm_release(handle)
     }
 
     fn mem_alloc_async(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr> {
@@ -2420,44 +2519,55 @@ impl Driver for SimDriver {
     }
 
     fn vmm_create(&self, ordinal: u32, bytes: u64) -> Result<VmmHandle> {
-        const CALL: &str = "cuMemCreate";
-        let ordinal = self.device_check(CALL, ordinal)?;
-        if bytes == 0 || !bytes.is_multiple_of(GRANULE) {
-            return Err(fail(CALL, CuCode::INVALID_VALUE));
-        }
-        self.machine.with(|st| {
-            let d = &mut st.devices[ordinal as usize];
-            if d.reserved.saturating_add(bytes) > d.total {
-                return Err(fail(CALL, CuCode::OUT_OF_MEMORY));
-            }
-            d.reserved += bytes;
-            Ok(())
-        })?;
-        let made = sparse_memfd("poolipc-sim-vmm", bytes).and_then(|fd| {
-            let file = file_of(&fd)?;
-            let pid = self.pid;
-            if self
-                .machine
-                .with(|st| st.vmm_create(ordinal, bytes, file, pid))
-            {
-                Ok(fd)
-            } else {
-                Err(fail(CALL, CuCode::OUT_OF_MEMORY))
-            }
-        });
-        let fd = match made {
-            Ok(fd) => fd,
-            Err(e) => {
-                self.machine
-                    .with(|st| st.devices[ordinal as usize].reserved -= bytes);
-                return Err(e);
-            }
-        };
+        self.create_vmm(ordinal, bytes, true)
+    }
+
+    fn vmm_create_unshared(&self, ordinal: u32, bytes: u64) -> Result<VmmHandle> {
+        self.create_vmm(ordinal, bytes, false)
+    }
+
+    fn vmm_retain(&self, ptr: DevicePtr) -> Result<VmmHandle> {
+        const CALL: &str = "cuMemRetainAllocationHandle";
         let mut l = self.local();
+        let p = ptr.0;
+        let Some((_, m)) = l
+            .maps
+            .range(..=p)
+            .next_back()
+            .filter(|(base, m)| p < **base + m.bytes && !m.plain)
+        else {
+            // Pool memory, cuMemAlloc memory, nothing: INVALID_VALUE, as on the H200.
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        };
+        let fd = m.fd.try_clone().map_err(|source| DriverError::Os {
+            call: "dup",
+            source,
+        })?;
+        let alloc = VmmAlloc {
+            fd,
+            bytes: m.bytes,
+            device: m.device,
+            exportable: m.exportable,
+        };
+        // A retained handle holds the memory as any handle does.
+        let file = m.file;
+        let pid = self.pid;
+        self.machine.with(|st| st.vmm_hold(file, pid, true));
         l.next_handle += 1;
         let h = l.next_handle;
-        l.vmm.insert(h, VmmAlloc { fd, bytes });
+        l.vmm.insert(h, alloc);
         Ok(VmmHandle(h))
+    }
+
+    fn vmm_exports_fd(&self, handle: VmmHandle) -> Result<bool> {
+        self.local()
+            .vmm
+            .get(&handle.0)
+            .map(|v| v.exportable)
+            .ok_or(fail(
+                "cuMemGetAllocationPropertiesFromHandle",
+                CuCode::INVALID_VALUE,
+            ))
     }
 
     fn vmm_export_fd(&self, handle: VmmHandle) -> Result<OwnedFd> {
@@ -2467,6 +2577,10 @@ impl Driver for SimDriver {
             .vmm
             .get(&handle.0)
             .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+        if !v.exportable {
+            // Made without the POSIX FD handle type.
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
         v.fd.try_clone().map_err(|source| DriverError::Os {
             call: "dup",
             source,
@@ -2486,11 +2600,20 @@ impl Driver for SimDriver {
         })?;
         let file = (st.st_dev, st.st_ino);
         let pid = self.pid;
-        self.machine.with(|s| s.vmm_hold(file, pid, true));
         let mut l = self.local();
+        let device = Self::context(&l, CALL)?;
+        self.machine.with(|s| s.vmm_hold(file, pid, true));
         l.next_handle += 1;
         let h = l.next_handle;
-        l.vmm.insert(h, VmmAlloc { fd: own, bytes });
+        l.vmm.insert(
+            h,
+            VmmAlloc {
+                fd: own,
+                bytes,
+                device,
+                exportable: true,
+            },
+        );
         Ok(VmmHandle(h))
     }
 
@@ -2539,7 +2662,14 @@ impl Driver for SimDriver {
             return Err(fail(CALL, CuCode::ALREADY_MAPPED));
         }
         let map = Mapping::new(&v.fd, 0, bytes)?;
-        let file = file_of(&v.fd)?;
+        let st = nix::sys::stat::fstat(&v.fd).map_err(|e| shm::os("fstat", e))?;
+        let file = (st.st_dev, st.st_ino);
+        let fd = v.fd.try_clone().map_err(|source| DriverError::Os {
+            call: "dup",
+            source,
+        })?;
+        let (device, exportable) = (v.device, v.exportable);
+        // A mapping holds the memory as a handle does, until it is unmapped.
         let pid = self.pid;
         self.machine.with(|s| s.vmm_hold(file, pid, true));
         let buffer_id = l.new_buffer_id();
@@ -2551,6 +2681,10 @@ impl Driver for SimDriver {
                 access: Access::None,
                 buffer_id,
                 file,
+                fd,
+                device,
+                exportable,
+                plain: false,
             },
         );
         Ok(())
@@ -2644,6 +2778,58 @@ fn file_of(fd: &impl std::os::fd::AsFd) -> Result<(u64, u64)> {
 }
 
 impl SimDriver {
+    /// `cuMemCreate`, with or without the POSIX FD handle type.
+    fn create_vmm(&self, ordinal: u32, bytes: u64, exportable: bool) -> Result<VmmHandle> {
+        const CALL: &str = "cuMemCreate";
+        let ordinal = self.device_check(CALL, ordinal)?;
+        if bytes == 0 || !bytes.is_multiple_of(GRANULE) {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        self.machine.with(|st| {
+            let d = &mut st.devices[ordinal as usize];
+            if d.reserved.saturating_add(bytes) > d.total {
+                return Err(fail(CALL, CuCode::OUT_OF_MEMORY));
+            }
+            d.reserved += bytes;
+            Ok(())
+        })?;
+        // The memory counts against the device until no live process holds a handle to it
+        // or maps it (the machine's VMM table, by the file behind it).
+        let made = sparse_memfd("poolipc-sim-vmm", bytes).and_then(|fd| {
+            let file = file_of(&fd)?;
+            let pid = self.pid;
+            if self
+                .machine
+                .with(|st| st.vmm_create(ordinal, bytes, file, pid))
+            {
+                Ok(fd)
+            } else {
+                Err(fail(CALL, CuCode::OUT_OF_MEMORY))
+            }
+        });
+        let fd = match made {
+            Ok(fd) => fd,
+            Err(e) => {
+                self.machine
+                    .with(|st| st.devices[ordinal as usize].reserved -= bytes);
+                return Err(e);
+            }
+        };
+        let mut l = self.local();
+        l.next_handle += 1;
+        let h = l.next_handle;
+        l.vmm.insert(
+            h,
+            VmmAlloc {
+                fd,
+                bytes,
+                device: ordinal,
+                exportable,
+            },
+        );
+        Ok(VmmHandle(h))
+    }
+
     fn alloc(
         &self,
         call: &'static str,

@@ -1115,3 +1115,132 @@ fn a_missing_ready_wait_reads_stale_bytes_on_the_asynchronous_gpu() {
         "the asynchronous GPU never ran the read before the fill"
     );
 }
+
+// --- memory outside the pool: cuMemAlloc and VMM allocations lent by handle (issue 23) ---
+
+/// A VMM allocation of the parent's, mapped read-write at its own address: (handle, va, len).
+fn parent_vmm(p: &SimDriver, exportable: bool) -> (VmmHandle, DevicePtr, u64) {
+    let g = p.vmm_granularity(0, Granularity::Minimum).unwrap();
+    let h = if exportable {
+        p.vmm_create(0, g).unwrap()
+    } else {
+        p.vmm_create_unshared(0, g).unwrap()
+    };
+    let va = p.vmm_reserve(g, 0).unwrap();
+    p.vmm_map(va, g, h).unwrap();
+    p.vmm_set_access(va, g, 0, Access::ReadWrite).unwrap();
+    (h, va, g)
+}
+
+/// What the parent does to lend a VMM allocation by handle: retain from an interior
+/// address, check the handle type, export, release the retained reference.
+fn lend_by_handle(p: &SimDriver, interior: DevicePtr) -> OwnedFd {
+    let retained = p.vmm_retain(interior).unwrap();
+    assert!(p.vmm_exports_fd(retained).unwrap());
+    let fd = p.vmm_export_fd(retained).unwrap();
+    p.vmm_release(retained).unwrap();
+    fd
+}
+
+#[test]
+fn every_kind_of_device_memory_names_its_device_and_host_memory_none() {
+    let p = sim();
+    let _pool = shared_pool(&p);
+    let pooled = p.mem_alloc_async(MIB, S).unwrap();
+    let plain = p.mem_alloc(MIB).unwrap();
+    let (_h, va, _) = parent_vmm(&p, false);
+    for ptr in [pooled, plain.offset(100), va.offset(4096)] {
+        assert_eq!(p.pointer_get_device(ptr).unwrap(), 0, "{ptr:?}");
+        assert_eq!(p.pointer_info(ptr).unwrap().device, Some(0), "{ptr:?}");
+    }
+    assert_eq!(p.pointer_info(plain).unwrap().pool, None);
+    let host = [0u8; 64];
+    let on_host = DevicePtr(host.as_ptr() as u64);
+    assert!(p.pointer_get_device(on_host).is_err());
+    p.mem_free(plain).unwrap();
+    assert!(p.pointer_get_device(plain).is_err(), "freed: no device");
+    assert_eq!(kinds(&p), vec![]);
+}
+
+#[test]
+fn only_vmm_mappings_can_be_retained_and_only_posix_fd_handles_exported() {
+    let p = sim();
+    let _pool = shared_pool(&p);
+    let pooled = p.mem_alloc_async(MIB, S).unwrap();
+    let plain = p.mem_alloc(MIB).unwrap();
+    // Pool memory: INVALID_VALUE (measured on the H200); cuMemAlloc memory likewise.
+    for ptr in [pooled, plain] {
+        let e = p.vmm_retain(ptr).unwrap_err();
+        assert!(e.to_string().contains("cuMemRetainAllocationHandle"), "{e}");
+    }
+    let (_h, va, _) = parent_vmm(&p, false);
+    let retained = p.vmm_retain(va.offset(8)).unwrap();
+    assert!(!p.vmm_exports_fd(retained).unwrap());
+    assert!(
+        p.vmm_export_fd(retained).is_err(),
+        "no POSIX FD handle type, no FD"
+    );
+    p.vmm_release(retained).unwrap();
+    let (_h2, va2, _) = parent_vmm(&p, true);
+    drop(lend_by_handle(&p, va2.offset(8)));
+    p.mem_free(plain).unwrap();
+}
+
+#[test]
+fn a_worker_touching_a_vmm_allocation_lent_by_handle_before_ready_is_recorded() {
+    let p = sim();
+    let (_h, va, g) = parent_vmm(&p, true);
+    p.memset_d8_async(va, 1, g, S).unwrap();
+    let fd = lend_by_handle(&p, va.offset(64));
+    let w = p.peer();
+    w.use_device(0).unwrap();
+    let wh = w.vmm_import_fd(fd.as_fd()).unwrap();
+    let wva = w.vmm_reserve(g, 0).unwrap();
+    w.vmm_map(wva, g, wh).unwrap();
+    w.vmm_set_access(wva, g, 0, Access::ReadWrite).unwrap();
+    let ws = w.stream_create().unwrap();
+    w.memset_d8_async(wva, 2, 16, ws).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+}
+
+#[test]
+fn a_worker_waiting_on_ready_before_touching_a_vmm_allocation_lent_by_handle_is_clean() {
+    let p = sim();
+    let (_h, va, g) = parent_vmm(&p, true);
+    p.memset_d8_async(va, 1, g, S).unwrap();
+    let ready = p.event_create(true).unwrap();
+    p.event_record(ready, S).unwrap();
+    let fd = lend_by_handle(&p, va);
+    let w = p.peer();
+    w.use_device(0).unwrap();
+    let wh = w.vmm_import_fd(fd.as_fd()).unwrap();
+    let wva = w.vmm_reserve(g, 0).unwrap();
+    w.vmm_map(wva, g, wh).unwrap();
+    w.vmm_set_access(wva, g, 0, Access::ReadWrite).unwrap();
+    let r = w
+        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
+        .unwrap();
+    let ws = w.stream_create().unwrap();
+    w.stream_wait_event(ws, r).unwrap();
+    w.memset_d8_async(wva, 2, 16, ws).unwrap();
+    w.stream_synchronize(ws).unwrap();
+    let mut got = [0u8; 32];
+    p.memcpy_dtoh(&mut got, va).unwrap();
+    assert_eq!(
+        &got[..16],
+        &[2; 16],
+        "the worker's write is in the parent's memory"
+    );
+    assert_eq!(&got[16..], &[1; 16]);
+    assert_eq!(kinds(&p), vec![]);
+}
+
+#[test]
+fn unordered_writes_to_cu_mem_alloc_memory_on_two_streams_are_recorded() {
+    let p = sim();
+    let plain = p.mem_alloc(MIB).unwrap();
+    p.memset_d8_async(plain, 1, MIB, S).unwrap();
+    let other = p.stream_create().unwrap();
+    p.memset_d8_async(plain, 2, 16, other).unwrap();
+    assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
+}

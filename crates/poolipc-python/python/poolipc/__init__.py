@@ -914,7 +914,10 @@ class Parent:
         ``inputs``: torch CUDA tensors (pointer, dtype, shape and strides are taken from
         them; views with offsets and non-contiguous tensors go as they are, described by
         their strides; negative strides are refused) or ``TensorRef``\\ s. Tensors of the
-        shared pool go by pool pointer; any other device memory by host staging.
+        shared pool go by pool pointer; a VMM allocation made with the POSIX FD handle type
+        by its handle (``vmm handle``: no copy, mapped once per worker); any other device
+        memory of the parent's device by arena copy (one device-to-device copy), host
+        staging when that cannot be made.
 
         ``read_only``: True when the worker only reads every input, or one flag per input.
         By default (False) no write of the worker's is lost: an input that crossed by a copy
@@ -924,7 +927,8 @@ class Parent:
         DLPack exports it read-only (torch ignores that flag), and an arena-copy input is
         mapped read-only in the worker, so a kernel that writes it faults and fails the job.
         A read-only input on the pool pointer is the tensor itself: a write the worker makes
-        anyway lands in it; on host staging it changes only the worker's private copy.
+        anyway lands in it; by VMM handle the worker views it through a read-only mapping
+        (a write faults); on host staging it changes only the worker's private copy.
         A flag count that differs from the inputs' is a ``ValueError``.
 
         ``stream``: the stream READY is recorded on and which waits on the worker's DONE;
@@ -981,7 +985,8 @@ class Parent:
         shared: bool = True,
     ) -> DeviceBuffer:
         """``nbytes`` of device memory: from the shared pool (lent by pool pointer), or with
-        ``shared=False`` from the device's default pool (lent by host staging). ``shape``
+        ``shared=False`` from the device's default pool (lent by arena copy, or host staging
+        where the worker has no arena). ``shape``
         (default: ``nbytes`` over the dtype's size, in one dimension) must cover ``nbytes``
         exactly.
 

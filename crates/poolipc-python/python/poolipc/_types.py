@@ -84,6 +84,8 @@ class ParentStats(TypedDict):
     arena_copied_inputs: int
     arena_slices_lent: int
     arena_results_carved: int
+    vmm_handle_tensors: int
+    vmm_handles_shared: int
 
 
 class ArenaStats(TypedDict):

@@ -5,7 +5,7 @@ use poolipc_transport::{
     Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities,
     CarvedResult, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob, ExportBlob,
     ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId, Lend, LentSlice, LentTensor, Message,
-    ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta,
+    ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta, VmmShare,
 };
 
 /// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
@@ -226,6 +226,43 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
         (
             "arena_released",
             Message::ArenaReleased(ArenaRelease { index: 3 }),
+        ),
+        ("release_mappings", Message::ReleaseMappings),
+        (
+            "mappings_released",
+            Message::MappingsReleased { dropped: 2 },
+        ),
+        (
+            "vmm_share",
+            Message::VmmShare(VmmShare {
+                alloc: AllocId(21),
+                base: 0x7f00_0000_0000,
+                len: 6 << 30,
+            }),
+        ),
+        (
+            "lend_vmm_handle",
+            Message::Lend(Lend {
+                job: JobId(9),
+                tensors: vec![LentTensor {
+                    handle: HandoffId(5),
+                    alloc: AllocId(21),
+                    rung: Rung::VmmHandle,
+                    pool: 0,
+                    export: ExportBlob([0; 64]),
+                    ready_event: EventBlob(blob64(0xb0)),
+                    meta: TensorMeta {
+                        dtype: DType::BF16,
+                        shape: vec![1024, 4096],
+                        strides: vec![4096, 1],
+                        byte_offset: 0x10_0000,
+                        byte_len: 8 << 20,
+                    },
+                    read_only: true,
+                    arena: None,
+                }],
+                slice: None,
+            }),
         ),
         (
             "lend_arena_copy",
