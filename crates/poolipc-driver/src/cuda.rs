@@ -89,8 +89,11 @@ const SYMBOLS: &[&str] = &[
     "cuLaunchKernel",
 ];
 
-/// The kernel of [`Driver::launch_store_kernel`], as PTX the driver compiles for the device
-/// (no nvrtc, no toolkit): one thread stores a 32-bit value through a pointer.
+/// The kernels of [`Driver::launch_store_kernel`] and [`Driver::launch_hang_kernel`], as PTX
+/// the driver compiles for the device (no nvrtc, no toolkit): one thread stores a 32-bit
+/// value through a pointer; one thread spins while the clock reads nonzero (for ever: the
+/// clock is a special register, so the compiler can neither hoist the read nor prove the
+/// loop ends).
 const STORE_KERNEL_PTX: &[u8] = b".version 7.0
 .target sm_50
 .address_size 64
@@ -101,6 +104,16 @@ const STORE_KERNEL_PTX: &[u8] = b".version 7.0
   ld.param.u64 %rd1, [p];
   ld.param.u32 %r1, [v];
   st.global.u32 [%rd1], %r1;
+  ret;
+}
+.visible .entry poolipc_hang()
+{
+  .reg .u64 %rd<2>;
+  .reg .pred %p<2>;
+$spin:
+  mov.u64 %rd1, %clock64;
+  setp.ne.u64 %p1, %rd1, 0;
+  @%p1 bra $spin;
   ret;
 }
 \0";
@@ -216,8 +229,9 @@ struct Retained {
 #[derive(Debug)]
 pub struct CudaDriver {
     retained: Mutex<HashMap<u32, Retained>>,
-    /// The store kernel's function, by the context it was loaded in (addresses).
-    store_kernels: Mutex<HashMap<usize, usize>>,
+    /// The test kernels' functions, by the context they were loaded in (its address) and
+    /// their name.
+    store_kernels: Mutex<HashMap<(usize, &'static std::ffi::CStr), usize>>,
 }
 
 impl CudaDriver {
@@ -271,8 +285,9 @@ impl CudaDriver {
         unsafe { sys::is_culib_present() }
     }
 
-    /// The store kernel in the current context, loaded from PTX the first time.
-    fn store_kernel(&self) -> Result<sys::CUfunction> {
+    /// The kernel `name` of [`STORE_KERNEL_PTX`] in the current context, loaded from PTX the
+    /// first time.
+    fn kernel(&self, name: &'static std::ffi::CStr) -> Result<sys::CUfunction> {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid place to write.
         check("cuCtxGetCurrent", unsafe {
@@ -282,7 +297,8 @@ impl CudaDriver {
             .store_kernels
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(&f) = kernels.get(&ctx.expose_provenance()) {
+        let key = (ctx.expose_provenance(), name);
+        if let Some(&f) = kernels.get(&key) {
             return Ok(std::ptr::with_exposed_provenance_mut(f));
         }
         let mut module: sys::CUmodule = std::ptr::null_mut();
@@ -295,9 +311,9 @@ impl CudaDriver {
         // SAFETY: `module` was just loaded; the name is NUL-terminated; `function` is a
         // valid place to write.
         check("cuModuleGetFunction", unsafe {
-            sys::cuModuleGetFunction(&raw mut function, module, c"poolipc_store".as_ptr())
+            sys::cuModuleGetFunction(&raw mut function, module, name.as_ptr())
         })?;
-        kernels.insert(ctx.expose_provenance(), function.expose_provenance());
+        kernels.insert(key, function.expose_provenance());
         Ok(function)
     }
 
@@ -971,7 +987,7 @@ impl Driver for CudaDriver {
         value: u32,
         stream: StreamHandle,
     ) -> Result<()> {
-        let function = self.store_kernel()?;
+        let function = self.kernel(c"poolipc_store")?;
         let mut p = address.0;
         let mut v = value;
         let mut params = [(&raw mut p).cast::<c_void>(), (&raw mut v).cast::<c_void>()];
@@ -994,6 +1010,27 @@ impl Driver for CudaDriver {
             )
         })?;
         self.stream_synchronize(stream)
+    }
+
+    fn launch_hang_kernel(&self, stream: StreamHandle) -> Result<()> {
+        let function = self.kernel(c"poolipc_hang")?;
+        // SAFETY: `function` is the loaded `poolipc_hang()`, which takes no parameters: an
+        // empty parameter list and no extra arguments.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                function,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                stream_raw(stream),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        })
     }
 
     fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {

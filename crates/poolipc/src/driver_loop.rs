@@ -23,7 +23,7 @@ use poolipc_contract::{
     self as contract, ArenaLocation, CarvedResult, FailReason, InputLoan, JobOutcome, Message,
     Outcome, ParentAction, ParentEvent, Purpose, ResultGrant, ResultSpec, SliceLoan, Timestamp,
 };
-use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, EventHandle, OwnedEvent, StreamHandle};
 use poolipc_pool::Arena;
 use poolipc_transport::{
     ArenaChunk, ArenaRelease, Capabilities, Connection, ErrorCode, TransportError,
@@ -214,6 +214,23 @@ impl JobState {
     }
 }
 
+/// A job whose worker acknowledged it while its DONE had not completed on the GPU yet: the
+/// loop never makes a stream of its own wait on a worker's event (a worker that hangs on the
+/// GPU, or means to, would block that stream for good, beyond its death: FACTS.md,
+/// `stuck_event.py`). It queries the DONE on the host until it completed and holds the
+/// contract's later actions for the job (its releases, its JobFinished) until then. At the
+/// deadline the worker is condemned and the job fails; its memory is then released as a lost
+/// worker's, once the process is reaped.
+struct DoneGate {
+    /// The worker's DONE events still to complete (owned by its slot's `done_events`).
+    events: Vec<EventHandle>,
+    /// The contract's actions for the job after the first incomplete DONE, in order.
+    held: VecDeque<ParentAction>,
+    deadline: Instant,
+    /// Set at the deadline: the job's error.
+    expired: Option<String>,
+}
+
 struct Loop {
     shared: Arc<Shared>,
     wake: UnixStream,
@@ -239,6 +256,8 @@ struct Loop {
     release_waiters: Vec<ReleaseWaiter>,
     /// When the loop last looked for idle arena chunks.
     last_idle_check: Instant,
+    /// Jobs acknowledged whose DONE has not completed on the GPU yet.
+    gates: BTreeMap<(WorkerId, JobId), DoneGate>,
 }
 
 /// Under MPS, how long a failed job's context check keeps asking whether the failure ended
@@ -267,6 +286,8 @@ fn names_gpu_fault(message: &str) -> bool {
 const IDLE_POLL: Duration = Duration::from_millis(500);
 /// While a worker is exiting, how often to look whether it has.
 const EXIT_POLL: Duration = Duration::from_millis(2);
+/// While a job's DONE is queried on the host and the loop does not spin, how often to ask.
+const GATE_POLL: Duration = Duration::from_millis(1);
 
 impl Loop {
     fn new(shared: Arc<Shared>, wake: UnixStream) -> Loop {
@@ -291,6 +312,7 @@ impl Loop {
             release_acks: HashSet::new(),
             release_waiters: Vec::new(),
             last_idle_check: Instant::now(),
+            gates: BTreeMap::new(),
         }
     }
 
@@ -314,6 +336,7 @@ impl Loop {
             self.wait_for_io();
             self.machine.handle_timeout(self.now());
             self.drive();
+            self.check_gates();
         }
         self.fail_leftover_jobs();
     }
@@ -332,6 +355,13 @@ impl Loop {
         if !self.release_waiters.is_empty() {
             timeout = timeout.min(EXIT_POLL);
         }
+        if let Some(first) = self.gates.values().map(|g| g.deadline).min() {
+            // A DONE is queried on the host: look again soon (spinning while the loop spins).
+            let left = first.saturating_duration_since(Instant::now());
+            timeout = timeout.min(GATE_POLL).min(left);
+        }
+        let gate_events: Vec<Vec<EventHandle>> =
+            self.gates.values().map(|g| g.events.clone()).collect();
         let ids: Vec<WorkerId> = self
             .workers
             .iter()
@@ -380,10 +410,20 @@ impl Loop {
             if spin_until.is_some() {
                 spinning_flag.store(true, Ordering::SeqCst);
             }
+            let driver = &self.shared.driver;
             let polled = loop {
                 let spinning = spin_until.is_some_and(|t| Instant::now() < t);
                 if !spinning {
                     spinning_flag.store(false, Ordering::SeqCst);
+                }
+                if spinning
+                    && gate_events
+                        .iter()
+                        .any(|evs| evs.iter().all(|e| !matches!(driver.event_query(*e), Ok(false))))
+                {
+                    // A held job's DONE completed (or its query failed): see to it now.
+                    spinning_flag.store(false, Ordering::SeqCst);
+                    break Ok(0);
                 }
                 if pending.load(Ordering::SeqCst) {
                     // A command came (while spinning, without a wake-up byte): take it now.
@@ -863,6 +903,13 @@ impl Loop {
         let Some(mut slot) = self.workers.remove(&worker) else {
             return;
         };
+        // Its held jobs: their DONE events close with the slot, and will never be asked again.
+        let held: Vec<((WorkerId, JobId), DoneGate)> = {
+            let keys: Vec<_> = self.gates.keys().filter(|k| k.0 == worker).copied().collect();
+            keys.into_iter()
+                .filter_map(|k| self.gates.remove(&k).map(|g| (k, g)))
+                .collect()
+        };
         let status = match slot.child.as_mut() {
             Some(c) => {
                 if kill {
@@ -910,6 +957,9 @@ impl Loop {
             tracing::warn!(worker = %worker, error = %e, "the contract refused a reaping");
         }
         self.drive();
+        for (key, gate) in held {
+            self.fail_gate(key, gate, &why);
+        }
         for q in queued {
             Stats::bump(&self.shared.stats.jobs_failed);
             q.done.complete(Err(Error::JobFailed {
@@ -1682,6 +1732,12 @@ impl Loop {
     }
 
     fn act(&mut self, action: ParentAction) {
+        if let Some(key) = job_of(&action)
+            && let Some(gate) = self.gates.get_mut(&key)
+        {
+            gate.held.push_back(action);
+            return;
+        }
         let label = if crate::probe::enabled() {
             action_label(&action)
         } else {
@@ -1892,13 +1948,13 @@ impl Loop {
         Ok(r?)
     }
 
+    /// The worker's DONE of `job`: complete already (the usual case under MPS: it completes
+    /// before its frame arrives), or the job is held ([`DoneGate`]) until it is.
     fn wait_done(&mut self, worker: WorkerId, job: JobId, blob: EventBlob) -> Result<(), Error> {
         let driver = Arc::clone(&self.shared.driver);
-        let stream = self
-            .jobs
-            .get(&(worker, job))
-            .map(|s| s.stream)
-            .ok_or_else(|| Error::Protocol("DONE for a job the loop does not hold".into()))?;
+        if !self.jobs.contains_key(&(worker, job)) {
+            return Err(Error::Protocol("DONE for a job the loop does not hold".into()));
+        }
         let slot = self
             .workers
             .get_mut(&worker)
@@ -1910,8 +1966,163 @@ impl Loop {
                 slot.done_events.entry(blob).or_insert(e)
             }
         };
-        driver.stream_wait_event(stream, event.handle())?;
+        let event = event.handle();
+        // Never `cuStreamWaitEvent(stream, DONE)`: the host learns that the worker's work
+        // completed, and only then does the loop queue anything more of the job on `stream`
+        // (copy-backs, returns, frees) or hand the job's results to the caller: all of it,
+        // and all the caller queues later, comes after the worker's writes.
+        if driver.event_query(event)? {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.shared.options.handoff_timeout;
+        tracing::trace!(worker = %worker, job = job.0, "DONE not complete yet: held until it is");
+        self.gates
+            .entry((worker, job))
+            .or_insert_with(|| DoneGate {
+                events: Vec::new(),
+                held: VecDeque::new(),
+                deadline,
+                expired: None,
+            })
+            .events
+            .push(event);
         Ok(())
+    }
+
+    /// Held jobs: those whose DONE completed go on (their held actions run, in order); a
+    /// failed query fails the job as a failed DONE wait did; one past its deadline condemns
+    /// its worker (the job fails at the reaping, see [`reap`](Self::reap)).
+    fn check_gates(&mut self) {
+        if self.gates.is_empty() {
+            return;
+        }
+        let driver = Arc::clone(&self.shared.driver);
+        let now = Instant::now();
+        let keys: Vec<(WorkerId, JobId)> = self.gates.keys().copied().collect();
+        for key in keys {
+            let (worker, job) = key;
+            let Some(gate) = self.gates.get_mut(&key) else {
+                continue;
+            };
+            if gate.expired.is_some() {
+                continue;
+            }
+            let mut failed = None;
+            gate.events.retain(|e| match driver.event_query(*e) {
+                Ok(done) => !done,
+                Err(err) => {
+                    failed.get_or_insert(err);
+                    false
+                }
+            });
+            if let Some(e) = failed {
+                let e = Error::from(e);
+                let why = format!("querying the worker's DONE failed: {e}");
+                if let Some(st) = self.jobs.get_mut(&key) {
+                    st.done_failed = Some(why.clone());
+                }
+                self.open_gate(key);
+                if !self.escalate("querying DONE", &e) {
+                    self.lose(worker, &why);
+                }
+                self.drive();
+                continue;
+            }
+            if gate.events.is_empty() {
+                self.last_activity = Instant::now();
+                self.open_gate(key);
+                continue;
+            }
+            if now >= gate.deadline {
+                let timeout = self.shared.options.handoff_timeout;
+                let why = format!(
+                    "{worker}'s DONE for {job} did not complete on the GPU within the handoff timeout ({timeout:?}): its GPU work hangs"
+                );
+                gate.expired = Some(why.clone());
+                match self.workers.get_mut(&worker) {
+                    // Being stopped: kill it now rather than at its stop deadline.
+                    Some(slot) if slot.exit_deadline.is_some() => {
+                        slot.lost.get_or_insert_with(|| why.clone());
+                        slot.exit_deadline = Some(now);
+                    }
+                    _ => self.lose(worker, &why),
+                }
+                self.drive();
+            }
+        }
+    }
+
+    /// A held job whose worker was reaped before its DONE completed: the job fails (naming
+    /// the deadline if that was why), and its held releases run as a lost worker's do, now
+    /// that the process is gone: nothing is copied back, no result is handed out.
+    fn fail_gate(&mut self, key: (WorkerId, JobId), gate: DoneGate, why: &str) {
+        let (reason, detail) = match gate.expired {
+            Some(d) => (FailReason::DeadlineExpired, d),
+            None => (
+                FailReason::HungUp,
+                format!("the worker was lost before its DONE completed on the GPU ({why})"),
+            ),
+        };
+        if let Some(st) = self.jobs.get_mut(&key) {
+            st.done_failed.get_or_insert_with(|| detail.clone());
+        }
+        for action in gate.held {
+            let action = match action {
+                ParentAction::WaitDone { .. } => continue,
+                ParentAction::Release {
+                    worker,
+                    job,
+                    handoff,
+                    alloc,
+                    purpose,
+                    rung,
+                    outcome: _,
+                } => ParentAction::Release {
+                    worker,
+                    job,
+                    handoff,
+                    alloc,
+                    purpose,
+                    rung,
+                    outcome: Outcome::Failed,
+                },
+                ParentAction::ReleaseSlice {
+                    worker,
+                    job,
+                    handoff,
+                    alloc,
+                    outcome: _,
+                    carved: _,
+                } => ParentAction::ReleaseSlice {
+                    worker,
+                    job,
+                    handoff,
+                    alloc,
+                    outcome: Outcome::Failed,
+                    carved: Vec::new(),
+                },
+                ParentAction::JobFinished { worker, job, .. } => ParentAction::JobFinished {
+                    worker,
+                    job,
+                    outcome: JobOutcome::Failed {
+                        reason,
+                        detail: detail.clone(),
+                    },
+                },
+                other => other,
+            };
+            self.act(action);
+        }
+    }
+
+    /// The job's DONE completed (or will never be waited on): its held actions run now.
+    fn open_gate(&mut self, key: (WorkerId, JobId)) {
+        let Some(gate) = self.gates.remove(&key) else {
+            return;
+        };
+        for action in gate.held {
+            self.act(action);
+        }
     }
 
     fn allocate_result(
@@ -2422,6 +2633,25 @@ enum NoCopy {
     Declined(String),
     /// A driver call failed on the way: the job fails.
     Failed(Error),
+}
+
+/// The job an action is about, where it names one.
+fn job_of(action: &ParentAction) -> Option<(WorkerId, JobId)> {
+    match action {
+        ParentAction::RecordReady { worker, job }
+        | ParentAction::SendStaged { worker, job, .. }
+        | ParentAction::AllocateResult { worker, job, .. }
+        | ParentAction::ReceiveStaged { worker, job, .. }
+        | ParentAction::WaitDone { worker, job, .. }
+        | ParentAction::Release { worker, job, .. }
+        | ParentAction::ReleaseSlice { worker, job, .. }
+        | ParentAction::FreeResult { worker, job, .. }
+        | ParentAction::JobFinished { worker, job, .. } => Some((*worker, *job)),
+        ParentAction::Send { .. }
+        | ParentAction::KillWorker { .. }
+        | ParentAction::WorkerRemoved { .. }
+        | ParentAction::ShutdownComplete => None,
+    }
 }
 
 /// `bytes` for a person: `16 GiB`, `3.5 GiB`, `64 MiB`, `12 KiB`, `100 bytes`.
