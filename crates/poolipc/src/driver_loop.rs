@@ -935,9 +935,9 @@ impl Loop {
         let replies: Vec<_> = slot.stop_replies.drain(..).collect();
         drop(slot);
         self.reaped.insert(worker, text);
-        if let Some(r) = lock(&self.shared.registry).get_mut(&worker) {
-            r.gone = true;
-        }
+        // Reaped, it leaves the registry: `Parent::workers` lists the living only, and a
+        // parent whose workers come and go keeps no trace of each.
+        lock(&self.shared.registry).remove(&worker);
         let now = self.now();
         // The contract learns that the connection is gone (if it has not yet), then that the
         // process is: only now may what the worker imported be reused.

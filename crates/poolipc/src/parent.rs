@@ -567,8 +567,6 @@ pub(crate) struct Registered {
     pub(crate) canary: Option<CanaryReport>,
     /// Which of the parent's pools it may take pool pointers from (index 0 first).
     pub(crate) pools: Vec<bool>,
-    /// Set once the IO loop lost or stopped it.
-    pub(crate) gone: bool,
 }
 
 impl Registered {
@@ -1158,7 +1156,6 @@ impl Parent {
                 info,
                 canary: None,
                 pools,
-                gone: false,
             },
         );
         let (tx, rx) = std::sync::mpsc::channel();
@@ -1194,7 +1191,7 @@ impl Parent {
                 r.canary = Some(report);
             }
         }
-        if self.shared.registered(id).is_none_or(|r| r.gone) {
+        if self.shared.registered(id).is_none() {
             let _ = self.stop_worker(id);
             return Err(Error::Protocol(format!(
                 "{id} was lost during its canary battery"
@@ -1244,17 +1241,13 @@ impl Parent {
 
     /// What the parent knows of a worker (never waits for a job).
     pub fn worker(&self, id: WorkerId) -> Option<WorkerInfo> {
-        self.shared
-            .registered(id)
-            .filter(|r| !r.gone)
-            .map(|r| r.info)
+        self.shared.registered(id).map(|r| r.info)
     }
 
     /// Every live worker.
     pub fn workers(&self) -> Vec<WorkerInfo> {
         lock(&self.shared.registry)
             .values()
-            .filter(|r| !r.gone)
             .map(|r| r.info.clone())
             .collect()
     }
@@ -1311,10 +1304,8 @@ impl Parent {
                 .map_err(|e| Error::InvalidTensor(format!("input {i}: {e}")))?;
         }
         self.shared.check_context()?;
-        match self.shared.registered(worker) {
-            None => return Err(Error::UnknownWorker(worker)),
-            Some(r) if r.gone => return Err(Error::UnknownWorker(worker)),
-            Some(_) => {}
+        if self.shared.registered(worker).is_none() {
+            return Err(Error::UnknownWorker(worker));
         }
         Stats::bump(&self.shared.stats.jobs_submitted);
         let done = Arc::new(Completion::default());
