@@ -35,7 +35,7 @@ use poolipc_types::{
 
 use crate::error::Error;
 use crate::parent::{
-    ArenaLease, Completion, EmptyCache, Input, JobOutput, ResultAllocator, ResultMemory,
+    Answer, ArenaLease, EmptyCache, Input, JobOutput, ResultAllocator, ResultMemory,
     ResultTensor, Shared, Stats, lock,
 };
 use crate::staging::StagingChannel;
@@ -62,6 +62,31 @@ pub(crate) enum Command {
     ReleaseArena { reply: Sender<EmptyCache> },
     /// The parent is dropped: stop every worker, fail every job, end the thread.
     Shutdown,
+    /// Test-only ([`Parent::panic_io_thread`](crate::Parent::panic_io_thread)): the loop
+    /// panics, as a bug of its own would.
+    Panic,
+}
+
+impl Command {
+    /// Answers the command with `e` without the loop (which cannot take it).
+    pub(crate) fn refuse(self, e: Error) {
+        match self {
+            Command::Adopt { reply, child, .. } => {
+                if let Some(mut c) = child {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                let _ = reply.send(Err(e));
+            }
+            Command::Submit(sub) => sub.done.complete(Err(e)),
+            Command::Stop { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+            // Its caller maps the closed channel to the loop's error.
+            Command::ReleaseArena { reply } => drop(reply),
+            Command::Shutdown | Command::Panic => {}
+        }
+    }
 }
 
 /// An `empty_cache` waiting for workers to unmap the chunks it released.
@@ -84,7 +109,7 @@ pub(crate) struct Submission {
     pub(crate) stream: StreamHandle,
     /// `None`: the shared pool, and a failed job's results are freed by the loop.
     pub(crate) alloc: Option<ResultAllocator>,
-    pub(crate) done: Arc<Completion>,
+    pub(crate) done: Answer,
     /// Set while a placed job waits for its worker's other jobs (a staged job runs alone).
     pub(crate) placed: Option<Placed>,
 }
@@ -104,7 +129,26 @@ pub(crate) fn start(
                 return;
             }
             let _ = tx.send(Ok(()));
-            Loop::new(shared, wake).run();
+            let io = Arc::clone(&shared);
+            // A panic here is a bug of the loop's; still, nobody may wait for ever on it:
+            // unwinding drops the loop's jobs (each `Answer` answers its handle), its reply
+            // channels (each caller maps the closed channel to the error) and its workers
+            // (killed and reaped), and from now on every command is refused.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                Loop::new(io, wake).run();
+            }));
+            if let Err(payload) = ran {
+                let detail = panic_text(payload.as_ref());
+                tracing::error!(%detail, "the parent's IO thread panicked: every waiter gets an error");
+                let inbox = {
+                    let mut inbox = lock(&shared.inbox);
+                    *lock(&shared.io_stopped) = Some(format!("it panicked: {detail}"));
+                    std::mem::take(&mut *inbox)
+                };
+                for command in inbox {
+                    command.refuse(shared.loop_gone());
+                }
+            }
         })
         .map_err(|source| Error::Os {
             call: "pthread_create",
@@ -123,6 +167,15 @@ pub(crate) fn start(
             ))
         }
     }
+}
+
+/// A panic's message, where it carries one.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// A worker as the loop holds it.
@@ -165,7 +218,7 @@ struct Slot {
 struct JobState {
     stream: StreamHandle,
     alloc: Option<ResultAllocator>,
-    done: Arc<Completion>,
+    done: Answer,
     ready: Option<(OwnedEvent, EventBlob)>,
     input_rungs: Vec<Rung>,
     input_reasons: Vec<Option<String>>,
@@ -258,6 +311,20 @@ struct Loop {
     last_idle_check: Instant,
     /// Jobs acknowledged whose DONE has not completed on the GPU yet.
     gates: BTreeMap<(WorkerId, JobId), DoneGate>,
+}
+
+impl Drop for Loop {
+    /// Workers are left only when the loop unwinds from a panic: nothing can serve them any
+    /// more, so they are killed and reaped (their jobs' handles are answered as the jobs drop).
+    fn drop(&mut self) {
+        for (id, slot) in &mut self.workers {
+            if let Some(c) = slot.child.as_mut() {
+                tracing::warn!(worker = %id, "the IO loop is gone: killing the worker");
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
 }
 
 /// Under MPS, how long a failed job's context check keeps asking whether the failure ended
@@ -565,6 +632,13 @@ impl Loop {
             }
             Command::Stop { worker, reply } => self.stop(worker, Some(reply)),
             Command::ReleaseArena { reply } => self.release_arena_now(reply),
+            Command::Panic => {
+                // The test hook's whole point: stand in for a bug of the loop's.
+                #[allow(clippy::panic)] // asked for by `Parent::panic_io_thread`, tests only
+                {
+                    panic!("Parent::panic_io_thread asked the IO thread to panic");
+                }
+            }
             Command::Shutdown => {
                 self.shutting_down = true;
                 let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
@@ -1893,6 +1967,7 @@ impl Loop {
             ParentAction::ShutdownComplete => {}
         }
     }
+
 
     /// Sends what the contract emitted, unchanged; notes result grants for later.
     fn send(&mut self, worker: WorkerId, message: &Message) {

@@ -584,7 +584,7 @@ pub(crate) struct Shared {
     pub(crate) pools: Vec<SharedPool<dyn Driver>>,
     pub(crate) options: ParentOptions,
     limit: Mutex<ImportLimit>,
-    inbox: Mutex<VecDeque<LoopCommand>>,
+    pub(crate) inbox: Mutex<VecDeque<LoopCommand>>,
     waker: UnixStream,
     /// Whether the arena-copy rung may be chosen now ([`ParentOptions::arena_copy`] at
     /// first, then [`Parent::set_arena_copy`]).
@@ -600,6 +600,12 @@ pub(crate) struct Shared {
     /// byte then (a system call and a wake-up saved per submit).
     pub(crate) io_spinning: std::sync::atomic::AtomicBool,
     pub(crate) registry: Mutex<BTreeMap<WorkerId, Registered>>,
+    /// The process that made the parent: a call from another (a forked child, where the IO
+    /// thread does not exist) fails with [`Error::Forked`].
+    creator: u32,
+    /// Set (with the inbox locked) once the IO thread stopped on a panic: why. Commands are
+    /// refused from then on.
+    pub(crate) io_stopped: Mutex<Option<String>>,
     next_worker: AtomicU32,
     next_job: AtomicU64,
     pub(crate) stats: Stats,
@@ -622,9 +628,44 @@ impl Shared {
         *lock(&self.limit)
     }
 
-    /// Hands a command to the IO loop and wakes it.
+    /// `Err` when the IO loop cannot answer: this is a forked child of the process that
+    /// made the parent ([`Error::Forked`]), or the loop stopped ([`Error::IoThreadStopped`]).
+    pub(crate) fn check_loop(&self) -> Result<(), Error> {
+        let this = std::process::id();
+        if this != self.creator {
+            return Err(Error::Forked {
+                creator: self.creator,
+                this,
+            });
+        }
+        match lock(&self.io_stopped).as_ref() {
+            Some(detail) => Err(Error::IoThreadStopped {
+                detail: detail.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The error of a caller whose answer channel the loop dropped.
+    pub(crate) fn loop_gone(&self) -> Error {
+        self.check_loop()
+            .err()
+            .unwrap_or_else(|| Error::IoThreadStopped {
+                detail: "it dropped a command without an answer".into(),
+            })
+    }
+
+    /// Hands a command to the IO loop and wakes it; answers it with the error at once when
+    /// the loop cannot ([`check_loop`](Self::check_loop)).
     pub(crate) fn post(&self, command: LoopCommand) {
-        lock(&self.inbox).push_back(command);
+        let mut inbox = lock(&self.inbox);
+        if let Err(e) = self.check_loop() {
+            drop(inbox);
+            command.refuse(e);
+            return;
+        }
+        inbox.push_back(command);
+        drop(inbox);
         // Dekker with the loop's `io_spinning.store(false)` then `pending.load()`: either the
         // loop sees `pending` before it sleeps, or we see it is not spinning and wake it.
         self.pending.store(true, Ordering::SeqCst);
@@ -663,6 +704,27 @@ impl Shared {
                 .map(|p| r.takes_pointers_from(p))
                 .collect(),
         )
+    }
+}
+
+/// The IO thread's end of a job's [`Completion`]: dropped without an answer (the thread
+/// unwinding from a panic, a command refused), it answers [`Error::IoThreadStopped`], so
+/// that no [`JobHandle`] waits for ever.
+pub(crate) struct Answer(Arc<Completion>);
+
+impl Answer {
+    pub(crate) fn complete(&self, result: Result<JobOutput, Error>) {
+        self.0.complete(result);
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        if !self.0.finished.load(Ordering::Acquire) {
+            self.0.complete(Err(Error::IoThreadStopped {
+                detail: "it let go of the job without an answer".into(),
+            }));
+        }
     }
 }
 
@@ -882,6 +944,8 @@ impl Parent {
             arena_slice_bytes: AtomicU64::new(arena_slice_bytes),
             io_spinning: std::sync::atomic::AtomicBool::new(false),
             registry: Mutex::new(BTreeMap::new()),
+            creator: std::process::id(),
+            io_stopped: Mutex::new(None),
             next_worker: AtomicU32::new(1),
             next_job: AtomicU64::new(1),
             stats: Stats::default(),
@@ -1084,7 +1148,7 @@ impl Parent {
                 let _ = c.wait();
             }
         };
-        if let Err(e) = self.shared.check_context() {
+        if let Err(e) = self.shared.check_loop().and_then(|()| self.shared.check_context()) {
             kill(&mut child);
             return Err(e);
         }
@@ -1167,7 +1231,7 @@ impl Parent {
         });
         let adopted = rx
             .recv()
-            .map_err(|_| Error::Protocol("the parent's IO thread has stopped".into()))
+            .map_err(|_| self.shared.loop_gone())
             .and_then(|r| r);
         if let Err(e) = adopted {
             lock(&self.shared.registry).remove(&id);
@@ -1303,6 +1367,7 @@ impl Parent {
                 .extent_bytes()
                 .map_err(|e| Error::InvalidTensor(format!("input {i}: {e}")))?;
         }
+        self.shared.check_loop()?;
         self.shared.check_context()?;
         if self.shared.registered(worker).is_none() {
             return Err(Error::UnknownWorker(worker));
@@ -1316,7 +1381,7 @@ impl Parent {
                 inputs: inputs.to_vec(),
                 stream,
                 alloc,
-                done: Arc::clone(&done),
+                done: Answer(Arc::clone(&done)),
                 placed: None,
             })));
         crate::probe::mark("c.posted");
@@ -1360,11 +1425,10 @@ impl Parent {
     /// again instead of reusing it. A chunk with a block lent, granted or still in use on
     /// the GPU stays. See [`EmptyCache::pool_bytes`] for what the driver keeps regardless.
     pub fn empty_cache(&self) -> Result<EmptyCache, Error> {
+        self.shared.check_loop()?;
         let (tx, rx) = std::sync::mpsc::channel();
         self.shared.post(LoopCommand::ReleaseArena { reply: tx });
-        let mut out = rx
-            .recv()
-            .map_err(|_| Error::Protocol("the parent's IO thread has stopped".into()))?;
+        let mut out = rx.recv().map_err(|_| self.shared.loop_gone())?;
         for pool in &self.shared.pools {
             let (before, after) = pool.trim()?;
             out.pool_bytes += before.saturating_sub(after);
@@ -1373,18 +1437,25 @@ impl Parent {
         Ok(out)
     }
 
+    /// Test-only: makes the parent's IO thread panic, as a bug of its own would, to check
+    /// that every waiter then gets [`Error::IoThreadStopped`] rather than hanging. Never call
+    /// it otherwise: the parent can do nothing after it.
+    #[doc(hidden)]
+    pub fn panic_io_thread(&self) {
+        self.shared.post(LoopCommand::Panic);
+    }
+
     /// Tells the worker to stop (Bye), waits for it to exit at most `options.stop_timeout`,
     /// then kills it, and reaps it. Jobs it still held fail. Never waits for other workers'
     /// jobs.
     pub fn stop_worker(&self, worker: WorkerId) -> Result<Option<ExitStatus>, Error> {
+        self.shared.check_loop()?;
         if self.shared.registered(worker).is_none() {
             return Err(Error::UnknownWorker(worker));
         }
         let (tx, rx) = std::sync::mpsc::channel();
         self.shared.post(LoopCommand::Stop { worker, reply: tx });
-        let status = rx
-            .recv()
-            .map_err(|_| Error::Protocol("the parent's IO thread has stopped".into()))?;
+        let status = rx.recv().map_err(|_| self.shared.loop_gone())?;
         lock(&self.shared.registry).remove(&worker);
         status
     }
@@ -1392,6 +1463,13 @@ impl Parent {
 
 impl Drop for Parent {
     fn drop(&mut self) {
+        if std::process::id() != self.shared.creator {
+            // A forked child: the IO thread is the parent process's; there is none to join.
+            if let Some(io) = self.io.take() {
+                std::mem::forget(io);
+            }
+            return;
+        }
         self.shared.post(LoopCommand::Shutdown);
         if let Some(io) = self.io.take()
             && io.join().is_err()
