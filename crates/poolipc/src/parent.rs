@@ -1124,6 +1124,7 @@ impl Parent {
     /// this process's stderr as it comes and keeps its last few KiB for that report. The
     /// variables of [`Parent::on`]'s driver are set on `cmd`.
     pub fn spawn_worker(&self, mut cmd: Command) -> Result<WorkerId, Error> {
+        self.shared.check_loop()?;
         cmd.envs(self.worker_env.iter().map(|(k, v)| (k, v)))
             .stderr(std::process::Stdio::piped());
         let (mut child, conn) = poolipc_transport::spawn_worker(cmd)?;
@@ -1133,6 +1134,7 @@ impl Parent {
 
     /// Takes a worker connected by other means (a listening socket), and shakes hands.
     pub fn accept_worker(&self, conn: Connection) -> Result<WorkerId, Error> {
+        self.shared.check_loop()?;
         self.adopt(None, conn, None)
     }
 
