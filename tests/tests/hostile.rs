@@ -39,7 +39,12 @@ fn input(ptr: DevicePtr) -> [Input; 1] {
 }
 
 /// A honest job on `worker` on `stream`: it succeeds; its results are freed.
-fn honest_job(p: &Parent, worker: poolipc::WorkerId, x: DevicePtr, stream: StreamHandle) -> Result<()> {
+fn honest_job(
+    p: &Parent,
+    worker: poolipc::WorkerId,
+    x: DevicePtr,
+    stream: StreamHandle,
+) -> Result<()> {
     let out = p.run_job(worker, &input(x), stream)?;
     ensure!(!out.results.is_empty(), "the honest job returned no result");
     for r in &out.results {

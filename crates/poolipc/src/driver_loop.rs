@@ -35,8 +35,8 @@ use poolipc_types::{
 
 use crate::error::Error;
 use crate::parent::{
-    Answer, ArenaLease, EmptyCache, Input, JobOutput, ResultAllocator, ResultMemory,
-    ResultTensor, Shared, Stats, lock,
+    Answer, ArenaLease, EmptyCache, Input, JobOutput, ResultAllocator, ResultMemory, ResultTensor,
+    Shared, Stats, lock,
 };
 use crate::staging::StagingChannel;
 use crate::tensor::ResultShape;
@@ -484,9 +484,10 @@ impl Loop {
                     spinning_flag.store(false, Ordering::SeqCst);
                 }
                 if spinning
-                    && gate_events
-                        .iter()
-                        .any(|evs| evs.iter().all(|e| !matches!(driver.event_query(*e), Ok(false))))
+                    && gate_events.iter().any(|evs| {
+                        evs.iter()
+                            .all(|e| !matches!(driver.event_query(*e), Ok(false)))
+                    })
                 {
                     // A held job's DONE completed (or its query failed): see to it now.
                     spinning_flag.store(false, Ordering::SeqCst);
@@ -979,7 +980,12 @@ impl Loop {
         };
         // Its held jobs: their DONE events close with the slot, and will never be asked again.
         let held: Vec<((WorkerId, JobId), DoneGate)> = {
-            let keys: Vec<_> = self.gates.keys().filter(|k| k.0 == worker).copied().collect();
+            let keys: Vec<_> = self
+                .gates
+                .keys()
+                .filter(|k| k.0 == worker)
+                .copied()
+                .collect();
             keys.into_iter()
                 .filter_map(|k| self.gates.remove(&k).map(|g| (k, g)))
                 .collect()
@@ -1968,7 +1974,6 @@ impl Loop {
         }
     }
 
-
     /// Sends what the contract emitted, unchanged; notes result grants for later.
     fn send(&mut self, worker: WorkerId, message: &Message) {
         if let Message::AllocationGrant(g) = message
@@ -2028,7 +2033,9 @@ impl Loop {
     fn wait_done(&mut self, worker: WorkerId, job: JobId, blob: EventBlob) -> Result<(), Error> {
         let driver = Arc::clone(&self.shared.driver);
         if !self.jobs.contains_key(&(worker, job)) {
-            return Err(Error::Protocol("DONE for a job the loop does not hold".into()));
+            return Err(Error::Protocol(
+                "DONE for a job the loop does not hold".into(),
+            ));
         }
         let slot = self
             .workers

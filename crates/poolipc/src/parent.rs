@@ -1150,7 +1150,11 @@ impl Parent {
                 let _ = c.wait();
             }
         };
-        if let Err(e) = self.shared.check_loop().and_then(|()| self.shared.check_context()) {
+        if let Err(e) = self
+            .shared
+            .check_loop()
+            .and_then(|()| self.shared.check_context())
+        {
             kill(&mut child);
             return Err(e);
         }

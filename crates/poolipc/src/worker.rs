@@ -922,7 +922,10 @@ impl Worker {
             WorkerAction::RecordDone { job } => {
                 failpoint("before-done");
                 if failpoint_armed("hang-before-done") {
-                    tracing::warn!(job = job.0, "failpoint reached: DONE goes behind a kernel that never ends");
+                    tracing::warn!(
+                        job = job.0,
+                        "failpoint reached: DONE goes behind a kernel that never ends"
+                    );
                     self.driver.launch_hang_kernel(stream)?;
                 }
                 tracing::trace!(job = job.0, "recording DONE");
