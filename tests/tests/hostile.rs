@@ -127,6 +127,69 @@ both_drivers!(
 );
 
 both_drivers!(
+    /// A worker that sends a host-staged result from behind a kernel that never ends: the
+    /// parent waits for its `filled` record on the host, not on the caller's stream, so at
+    /// the staging timeout the worker is condemned, the job fails, and the caller's stream
+    /// takes new work; a honest worker goes on.
+    fn a_worker_whose_staged_chunks_never_fill_is_condemned_and_leaves_the_callers_stream_free(env) {
+        let p = Parent::new(
+            Arc::clone(&env.driver),
+            ParentOptions {
+                device: env.device,
+                // 2 chunks of 1 MiB stand in for the 128 x 32 MiB rule; no arena copies:
+                // a 5 MiB tensor takes host staging both ways.
+                limit: poolipc_pool::ImportLimit::new(MIB, 2).expect("limit"),
+                arena_copy: false,
+                staging: poolipc::staging::StagingConfig {
+                    timeout: Duration::from_secs(3),
+                    ..poolipc::staging::StagingConfig::default()
+                },
+                ..ParentOptions::default()
+            },
+        )?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let other = d.stream_create()?;
+        let bytes = 5 * MIB;
+        let big = filled(&p, bytes, 0x1357_9BDF, stream)?;
+        let y = filled(&p, MIB, 0x0BAD_F00D, other)?;
+        d.stream_synchronize(stream)?;
+        d.stream_synchronize(other)?;
+        let honest = p.spawn_worker(worker_command(env, None)?)?;
+        let hung = p.spawn_worker(worker_command(env, Some("hang-before-staged-send"))?)?;
+        let inputs = [Input {
+            ptr: big,
+            desc: TensorDesc::contiguous(DType::U8, &[bytes]),
+            read_only: true,
+        }];
+        let before = p.pool().stats()?.used_current;
+        match p.run_job(hung, &inputs, stream) {
+            Err(Error::JobFailed { worker, detail, .. }) => {
+                ensure!(worker == hung, "the failure names {worker}, not {hung}");
+                ensure!(
+                    detail.contains("did not complete on the GPU"),
+                    "the error does not say the staged chunk never completed: {detail}"
+                );
+            }
+            other => bail!("expected the staged job to fail, got {other:?}"),
+        }
+        ensure!(p.worker(hung).is_none(), "the condemned worker is still listed");
+        d.memset_d32_async(big, 0x5A5A_5A5A, bytes / 4, stream)?;
+        d.stream_synchronize(stream)?;
+        honest_job(&p, honest, y, other)?;
+        d.stream_synchronize(stream)?;
+        let used = p.pool().stats()?.used_current;
+        ensure!(used == before, "{used} bytes in use after the failed job, {before} before it");
+        p.stop_worker(honest)?;
+        p.pool().free(big, stream)?;
+        p.pool().free(y, other)?;
+        d.stream_synchronize(stream)?;
+        d.stream_synchronize(other)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
     /// A panic on the IO thread (a bug of the loop's, here asked for by the test hook): the
     /// job handle waiting, a stop in flight, and every later call get
     /// `Error::IoThreadStopped` instead of hanging, and dropping the parent returns.

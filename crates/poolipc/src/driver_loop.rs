@@ -2058,13 +2058,17 @@ impl Loop {
         }
         let deadline = Instant::now() + self.shared.options.handoff_timeout;
         tracing::trace!(worker = %worker, job = job.0, "DONE not complete yet: held until it is");
+        let stats = &self.shared.stats;
         self.gates
             .entry((worker, job))
-            .or_insert_with(|| DoneGate {
-                events: Vec::new(),
-                held: VecDeque::new(),
-                deadline,
-                expired: None,
+            .or_insert_with(|| {
+                Stats::bump(&stats.jobs_held_for_done);
+                DoneGate {
+                    events: Vec::new(),
+                    held: VecDeque::new(),
+                    deadline,
+                    expired: None,
+                }
             })
             .events
             .push(event);

@@ -525,6 +525,11 @@ pub struct ParentStats {
     /// Inputs that crossed by a copy (arena copy, host staging), lent writable, whose bytes
     /// were copied back into the caller's tensor after the job.
     pub inputs_copied_back: u64,
+    /// Jobs whose worker acknowledged them before their DONE had completed on the GPU: the
+    /// IO thread held them, querying DONE on the host, until it had (the parent never makes
+    /// a stream of its own wait on a worker's event). The others' DONE had completed when
+    /// their frames arrived (the usual case under MPS) and cost one query.
+    pub jobs_held_for_done: u64,
     /// Whether a new allocation at a recycled address of the first pool, of the same size,
     /// is lent with its cached blob (proven by the canary battery's check) or exported
     /// again; the counts are in the pool's
@@ -552,6 +557,7 @@ pub(crate) struct Stats {
     pub(crate) arena_slices_lent: AtomicU64,
     pub(crate) arena_results_carved: AtomicU64,
     pub(crate) inputs_copied_back: AtomicU64,
+    pub(crate) jobs_held_for_done: AtomicU64,
 }
 
 impl Stats {
@@ -1100,6 +1106,7 @@ impl Parent {
             arena_slices_lent: get(&s.arena_slices_lent),
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),
+            jobs_held_for_done: get(&s.jobs_held_for_done),
             export_reuse: self.pool().export_reuse().0,
         }
     }
