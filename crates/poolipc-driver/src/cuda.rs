@@ -89,11 +89,8 @@ const SYMBOLS: &[&str] = &[
     "cuLaunchKernel",
 ];
 
-/// The kernels of [`Driver::launch_store_kernel`] and [`Driver::launch_hang_kernel`], as PTX
-/// the driver compiles for the device (no nvrtc, no toolkit): one thread stores a 32-bit
-/// value through a pointer; one thread spins while the clock reads nonzero (for ever: the
-/// clock is a special register, so the compiler can neither hoist the read nor prove the
-/// loop ends).
+/// The kernel of [`Driver::launch_store_kernel`], as PTX the driver compiles for the device
+/// (no nvrtc, no toolkit): one thread stores a 32-bit value through a pointer.
 const STORE_KERNEL_PTX: &[u8] = b".version 7.0
 .target sm_50
 .address_size 64
@@ -106,6 +103,15 @@ const STORE_KERNEL_PTX: &[u8] = b".version 7.0
   st.global.u32 [%rd1], %r1;
   ret;
 }
+\0";
+
+/// The kernel of [`Driver::launch_hang_kernel`]: one thread spins while the clock reads
+/// nonzero, for ever (the clock is a special register: the compiler can neither hoist the
+/// read nor prove that the loop ends). In a module of its own (a fault in it leaves
+/// the store kernel's loading alone).
+const HANG_KERNEL_PTX: &[u8] = b".version 7.0
+.target sm_50
+.address_size 64
 .visible .entry poolipc_hang()
 {
   .reg .u64 %rd<2>;
@@ -285,9 +291,12 @@ impl CudaDriver {
         unsafe { sys::is_culib_present() }
     }
 
-    /// The kernel `name` of [`STORE_KERNEL_PTX`] in the current context, loaded from PTX the
-    /// first time.
-    fn kernel(&self, name: &'static std::ffi::CStr) -> Result<sys::CUfunction> {
+    /// The kernel `name` of the PTX `image` in the current context, loaded the first time.
+    fn kernel(
+        &self,
+        image: &'static [u8],
+        name: &'static std::ffi::CStr,
+    ) -> Result<sys::CUfunction> {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid place to write.
         check("cuCtxGetCurrent", unsafe {
@@ -301,11 +310,17 @@ impl CudaDriver {
         if let Some(&f) = kernels.get(&key) {
             return Ok(std::ptr::with_exposed_provenance_mut(f));
         }
+        if image.last() != Some(&0) {
+            return Err(DriverError::InvalidArgument {
+                call: "cuModuleLoadData",
+                reason: "the PTX image is not NUL-terminated".into(),
+            });
+        }
         let mut module: sys::CUmodule = std::ptr::null_mut();
-        // SAFETY: the image is NUL-terminated PTX text that lives for the whole program;
+        // SAFETY: the image is NUL-terminated (checked above) PTX text, static;
         // `module` is a valid place to write. The module stays loaded while the context lives.
         check("cuModuleLoadData", unsafe {
-            sys::cuModuleLoadData(&raw mut module, STORE_KERNEL_PTX.as_ptr().cast())
+            sys::cuModuleLoadData(&raw mut module, image.as_ptr().cast())
         })?;
         let mut function: sys::CUfunction = std::ptr::null_mut();
         // SAFETY: `module` was just loaded; the name is NUL-terminated; `function` is a
@@ -987,7 +1002,7 @@ impl Driver for CudaDriver {
         value: u32,
         stream: StreamHandle,
     ) -> Result<()> {
-        let function = self.kernel(c"poolipc_store")?;
+        let function = self.kernel(STORE_KERNEL_PTX, c"poolipc_store")?;
         let mut p = address.0;
         let mut v = value;
         let mut params = [(&raw mut p).cast::<c_void>(), (&raw mut v).cast::<c_void>()];
@@ -1013,7 +1028,7 @@ impl Driver for CudaDriver {
     }
 
     fn launch_hang_kernel(&self, stream: StreamHandle) -> Result<()> {
-        let function = self.kernel(c"poolipc_hang")?;
+        let function = self.kernel(HANG_KERNEL_PTX, c"poolipc_hang")?;
         // SAFETY: `function` is the loaded `poolipc_hang()`, which takes no parameters: an
         // empty parameter list and no extra arguments.
         check("cuLaunchKernel", unsafe {

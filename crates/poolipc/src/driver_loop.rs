@@ -224,7 +224,7 @@ struct JobState {
     input_reasons: Vec<Option<String>>,
     /// Arena-copy inputs: their blocks, copied back into the caller's tensors (unless lent
     /// read-only) and given back (stream-ordered, on the job's stream) at the input's
-    /// release, which comes after the stream's wait on the worker's DONE or once the worker
+    /// release, which comes once the host saw the worker's DONE complete or once the worker
     /// was reaped.
     arena_inputs: HashMap<HandoffId, ArenaInput>,
     /// The first copy-back that failed, for the job's error: a write of the worker's that
@@ -250,7 +250,7 @@ struct JobState {
     carved: BTreeMap<u32, ResultTensor>,
     /// Why the slice could not be split into its carves, for the job's error.
     slice_error: Option<String>,
-    /// The wait on the worker's DONE could not be queued (its event would not open, say):
+    /// The worker's DONE could not be asked about (its event would not open, say):
     /// nothing orders the caller after the worker's writes, so the job fails whatever the
     /// contract concludes, and its results are not handed out.
     done_failed: Option<String>,
@@ -1557,7 +1557,7 @@ impl Loop {
         Some((loan, lease))
     }
 
-    /// The contract released the job's slice (after the stream's wait on DONE, or once the
+    /// The contract released the job's slice (once the host saw DONE complete, or once the
     /// worker was reaped): on completion each carve becomes a result owning its part of the
     /// slice; everything else goes back to the arena, stream-ordered on the job's stream.
     fn release_slice(
@@ -2425,13 +2425,14 @@ impl Loop {
             return;
         };
         if purpose == Purpose::Input && rung == Rung::ArenaCopy {
-            // The contract releases it after the job's stream waited on the worker's DONE,
-            // or once the worker was reaped: the block goes back ordered after both.
+            // The contract releases it once the host saw the worker's DONE complete (the loop
+            // holds the release until then), or once the worker was reaped: the block goes
+            // back ordered after both.
             let Some(input) = st.arena_inputs.remove(&handoff) else {
                 return;
             };
             // Copy-back: what the worker wrote into the block reaches the caller's tensor,
-            // on the job's stream after its wait on DONE and before the block goes back (the
+            // on the job's stream after DONE completed and before the block goes back (the
             // lease's return is recorded after it). The worker acknowledged after DONE
             // (completed or cancelled); a worker reaped before that leaves the tensor as it
             // was, since nothing orders its writes.

@@ -229,7 +229,7 @@ fn default_spin(env: &str, spin: Duration) -> Duration {
 ///
 /// No write is lost silently. Unless `read_only` is set, a write the worker makes to its view
 /// reaches this tensor on every rung: in place on the pool pointer; on arena copy the block
-/// is copied back into the tensor on the job's stream after its wait on the worker's DONE
+/// is copied back into the tensor on the job's stream once the worker's DONE completed
 /// (before the block goes back to the arena); on host staging the worker's copy comes back
 /// through the staging buffer after its `Done`, copied in on the job's stream. Either way,
 /// work queued on the job's stream after [`JobHandle::wait`] sees the worker's writes. The
@@ -285,7 +285,7 @@ impl Input {
 ///   ([`ResultMemory::Pool`]): an ordinary allocation, the caller's to keep and free.
 /// - From the result arena ([`ResultMemory::Arena`], [`Rung::Arena`]): a block of the
 ///   parent's arena that this value owns. Dropping it gives the block back **stream-ordered**:
-///   an event is recorded on the job's stream (which waited on the worker's DONE) and the
+///   an event is recorded on the job's stream (after the worker's DONE completed) and the
 ///   arena reuses the block only once that event completed, so work the caller queued on
 ///   that stream before the drop finishes first. Work on another stream must be ordered
 ///   before the drop by the caller, or the block given back on that stream with
@@ -1336,8 +1336,11 @@ impl Parent {
 
     /// Submits a job: lends `inputs` to `worker` (READY recorded on `stream`) and answers its
     /// result requests from the shared pool (allocated on `stream`). Returns at once; the
-    /// handle's [`wait`](JobHandle::wait) gives the results, `stream` having waited on the
-    /// worker's DONE. A tensor that cannot be lent (negative strides, past its allocation)
+    /// handle's [`wait`](JobHandle::wait) gives the results once the worker's DONE completed
+    /// on the GPU (the IO thread asks on the host; `stream` never waits on a worker's event),
+    /// so work queued on `stream` after `wait` comes after the worker's writes. A DONE that
+    /// does not complete within `handoff_timeout` fails the job
+    /// ([`FailReason::DeadlineExpired`](poolipc_contract::FailReason)) and kills the worker. A tensor that cannot be lent (negative strides, past its allocation)
     /// fails the job with [`Error::InvalidTensor`] before anything reaches the worker.
     pub fn submit(
         &self,
