@@ -177,7 +177,7 @@ pub trait Driver: Send + Sync {
     /// A kernel of one thread that never ends (it spins reading the clock), launched on
     /// `stream` without waiting: everything queued on `stream` after it, an event recorded
     /// behind it included, never runs, and the event never completes, not even after the
-    /// process is killed (FACTS.md, `stuck_event.py`). For tests of a worker that hangs on the
+    /// process is killed (docs/facts.md). For tests of a worker that hangs on the
     /// GPU; no handoff calls it.
     fn launch_hang_kernel(&self, stream: StreamHandle) -> Result<()>;
     /// `cuMemcpyDtoH` (synchronous).

@@ -269,8 +269,8 @@ impl JobState {
 
 /// A job whose worker acknowledged it while its DONE had not completed on the GPU yet: the
 /// loop never makes a stream of its own wait on a worker's event (a worker that hangs on the
-/// GPU, or means to, would block that stream for good, beyond its death: FACTS.md,
-/// `stuck_event.py`). It queries the DONE on the host until it completed and holds the
+/// GPU, or means to, would block that stream for good, beyond its death:
+/// docs/facts.md). It queries the DONE on the host until it completed and holds the
 /// contract's later actions for the job (its releases, its JobFinished) until then. At the
 /// deadline the worker is condemned and the job fails; its memory is then released as a lost
 /// worker's, once the process is reaped.

@@ -140,7 +140,7 @@ pub struct StagingChannel {
     /// The parent's side: the peer's records (`filled` of what comes in, `drained` of what
     /// goes out) are waited for on the host, each against the channel's deadline, never by
     /// the stream: a worker's record behind a kernel that never ends would block a stream
-    /// of the parent's for good (FACTS.md, `stuck_event.py`).
+    /// of the parent's for good (docs/facts.md).
     peer_on_host: bool,
 }
 
