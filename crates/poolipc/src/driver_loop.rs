@@ -315,8 +315,16 @@ struct Loop {
 
 impl Drop for Loop {
     /// Workers are left only when the loop unwinds from a panic: nothing can serve them any
-    /// more, so they are killed and reaped (their jobs' handles are answered as the jobs drop).
+    /// more, so they are killed and reaped (their jobs' handles are answered as the jobs drop),
+    /// and the parent refuses every later command.
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // Before the jobs' `Answer`s drop (this runs before the fields do): a caller
+            // woken by one finds every later call refused. The thread's catch names the panic.
+            let _inbox = lock(&self.shared.inbox);
+            lock(&self.shared.io_stopped)
+                .get_or_insert_with(|| "it panicked (the log has the panic's message)".into());
+        }
         for (id, slot) in &mut self.workers {
             if let Some(c) = slot.child.as_mut() {
                 tracing::warn!(worker = %id, "the IO loop is gone: killing the worker");
