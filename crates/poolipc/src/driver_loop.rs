@@ -275,14 +275,22 @@ impl JobState {
 /// deadline the worker is condemned and the job fails; its memory is then released as a lost
 /// worker's, once the process is reaped.
 struct DoneGate {
-    /// The worker's DONE events still to complete (owned by its slot's `done_events`).
+    /// The worker's DONE events still to complete (owned by its slot's `done_events`, or,
+    /// once the worker is reaped, by `Loop::dead_events`).
     events: Vec<EventHandle>,
     /// The contract's actions for the job after the first incomplete DONE, in order.
     held: VecDeque<ParentAction>,
     deadline: Instant,
     /// Set at the deadline: the job's error.
     expired: Option<String>,
+    /// Set when the worker was reaped (why) before its DONE completed. A record the worker
+    /// queued before it died may still complete as the driver tears its context down: the
+    /// job waits for it until [`REAP_GRACE`] after the reaping, then fails.
+    lost: Option<String>,
 }
+
+/// How long a job whose worker was reaped with its DONE not complete yet still waits for it.
+const REAP_GRACE: Duration = Duration::from_secs(1);
 
 struct Loop {
     shared: Arc<Shared>,
@@ -311,6 +319,8 @@ struct Loop {
     last_idle_check: Instant,
     /// Jobs acknowledged whose DONE has not completed on the GPU yet.
     gates: BTreeMap<(WorkerId, JobId), DoneGate>,
+    /// Reaped workers' opened DONE events, kept while a job of theirs waits on one.
+    dead_events: HashMap<WorkerId, HashMap<EventBlob, OwnedEvent>>,
 }
 
 impl Drop for Loop {
@@ -388,6 +398,7 @@ impl Loop {
             release_waiters: Vec::new(),
             last_idle_check: Instant::now(),
             gates: BTreeMap::new(),
+            dead_events: HashMap::new(),
         }
     }
 
@@ -405,7 +416,7 @@ impl Loop {
             self.drive();
             self.release_idle_arena();
             self.answer_release_waiters();
-            if self.shutting_down && self.workers.is_empty() {
+            if self.shutting_down && self.workers.is_empty() && self.gates.is_empty() {
                 break;
             }
             self.wait_for_io();
@@ -986,18 +997,6 @@ impl Loop {
         let Some(mut slot) = self.workers.remove(&worker) else {
             return;
         };
-        // Its held jobs: their DONE events close with the slot, and will never be asked again.
-        let held: Vec<((WorkerId, JobId), DoneGate)> = {
-            let keys: Vec<_> = self
-                .gates
-                .keys()
-                .filter(|k| k.0 == worker)
-                .copied()
-                .collect();
-            keys.into_iter()
-                .filter_map(|k| self.gates.remove(&k).map(|g| (k, g)))
-                .collect()
-        };
         let status = match slot.child.as_mut() {
             Some(c) => {
                 if kill {
@@ -1021,6 +1020,7 @@ impl Loop {
             .unwrap_or_else(|| "the worker was stopped".into());
         let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
         let replies: Vec<_> = slot.stop_replies.drain(..).collect();
+        let held = self.outlive_worker(worker, &mut slot, &why);
         drop(slot);
         self.reaped.insert(worker, text);
         // Reaped, it leaves the registry: `Parent::workers` lists the living only, and a
@@ -1048,6 +1048,7 @@ impl Loop {
         for (key, gate) in held {
             self.fail_gate(key, gate, &why);
         }
+        self.forget_dead_events();
         for q in queued {
             Stats::bump(&self.shared.stats.jobs_failed);
             q.done.complete(Err(Error::JobFailed {
@@ -1059,10 +1060,11 @@ impl Loop {
         }
         // Jobs the contract has not finished (it finishes them after an allocation answer it
         // still waits for, which this loop gives at once) fail here rather than hang.
+        // (Jobs held for their DONE are not: they end with it, or at their grace's end.)
         let orphaned: Vec<JobId> = self
             .jobs
             .keys()
-            .filter(|(w, _)| *w == worker)
+            .filter(|k| k.0 == worker && !self.gates.contains_key(k))
             .map(|(_, j)| *j)
             .collect();
         for job in orphaned {
@@ -2076,6 +2078,7 @@ impl Loop {
                     held: VecDeque::new(),
                     deadline,
                     expired: None,
+                    lost: None,
                 }
             })
             .events
@@ -2116,6 +2119,7 @@ impl Loop {
                     st.done_failed = Some(why.clone());
                 }
                 self.open_gate(key);
+                self.forget_dead_events();
                 if !self.escalate("querying DONE", &e) {
                     self.lose(worker, &why);
                 }
@@ -2125,6 +2129,16 @@ impl Loop {
             if gate.events.is_empty() {
                 self.last_activity = Instant::now();
                 self.open_gate(key);
+                self.forget_dead_events();
+                continue;
+            }
+            if now >= gate.deadline
+                && let Some(why) = gate.lost.clone()
+            {
+                if let Some(gate) = self.gates.remove(&key) {
+                    self.fail_gate(key, gate, &why);
+                }
+                self.forget_dead_events();
                 continue;
             }
             if now >= gate.deadline {
@@ -2207,6 +2221,67 @@ impl Loop {
             };
             self.act(action);
         }
+    }
+
+    /// The worker is being reaped (its slot about to close) with jobs held for their DONE.
+    /// Those past their deadline are returned, to fail now. The others wait on for
+    /// [`REAP_GRACE`]: their held `WaitDone`s become events of the gate, and the worker's
+    /// opened events move to `dead_events` so that they stay open meanwhile.
+    fn outlive_worker(
+        &mut self,
+        worker: WorkerId,
+        slot: &mut Slot,
+        why: &str,
+    ) -> Vec<((WorkerId, JobId), DoneGate)> {
+        let keys: Vec<_> = self
+            .gates
+            .keys()
+            .filter(|k| k.0 == worker)
+            .copied()
+            .collect();
+        let mut fail_now = Vec::new();
+        let grace_end = Instant::now() + REAP_GRACE;
+        for key in keys {
+            let Some(mut gate) = self.gates.remove(&key) else {
+                continue;
+            };
+            let mut known = gate.expired.is_none();
+            let mut rest = VecDeque::with_capacity(gate.held.len());
+            for action in gate.held.drain(..) {
+                if let ParentAction::WaitDone { done_event, .. } = &action {
+                    match slot.done_events.get(done_event) {
+                        Some(e) if !gate.events.contains(&e.handle()) => {
+                            gate.events.push(e.handle());
+                        }
+                        Some(_) => {}
+                        // Never opened: nothing can tell whether it completed.
+                        None => known = false,
+                    }
+                    continue;
+                }
+                rest.push_back(action);
+            }
+            gate.held = rest;
+            if known {
+                gate.lost = Some(why.to_owned());
+                gate.deadline = gate.deadline.min(grace_end);
+                self.gates.insert(key, gate);
+            } else {
+                fail_now.push((key, gate));
+            }
+        }
+        if self.gates.keys().any(|k| k.0 == worker) {
+            self.dead_events
+                .insert(worker, std::mem::take(&mut slot.done_events));
+        }
+        fail_now
+    }
+
+    /// Closes the DONE events of reaped workers no held job waits on any more.
+    fn forget_dead_events(&mut self) {
+        let gates = &self.gates;
+        self.dead_events
+            .retain(|w, _| gates.keys().any(|k| k.0 == *w));
     }
 
     /// The job's DONE completed (or will never be waited on): its held actions run now.
@@ -2673,6 +2748,8 @@ impl Loop {
 
     /// At the end of the thread: whatever job is left fails.
     fn fail_leftover_jobs(&mut self) {
+        self.gates.clear();
+        self.dead_events.clear();
         for ((worker, _), mut st) in std::mem::take(&mut self.jobs) {
             let results = self.give_back_results(&mut st);
             st.done.complete(Err(Error::JobFailed {
