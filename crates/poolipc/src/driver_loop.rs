@@ -18,7 +18,8 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll, ppoll};
+use nix::sys::time::TimeSpec;
 use poolipc_contract::{
     self as contract, ArenaLocation, CarvedResult, FailReason, InputLoan, JobOutcome, Message,
     Outcome, ParentAction, ParentEvent, Purpose, ResultGrant, ResultSpec, SliceLoan, Timestamp,
@@ -283,6 +284,8 @@ struct DoneGate {
     deadline: Instant,
     /// Set at the deadline: the job's error.
     expired: Option<String>,
+    /// When the job was first held.
+    since: Instant,
     /// Set when the worker was reaped (why) before its DONE completed. A record the worker
     /// queued before it died may still complete as the driver tears its context down: the
     /// job waits for it until [`REAP_GRACE`] after the reaping, then fails.
@@ -371,8 +374,10 @@ fn names_gpu_fault(message: &str) -> bool {
 const IDLE_POLL: Duration = Duration::from_millis(500);
 /// While a worker is exiting, how often to look whether it has.
 const EXIT_POLL: Duration = Duration::from_millis(2);
-/// While a job's DONE is queried on the host and the loop does not spin, how often to ask.
+/// While a job's DONE is queried on the host and the loop does not spin, how often to ask at
+/// least and at most.
 const GATE_POLL: Duration = Duration::from_millis(1);
+const GATE_POLL_MIN: Duration = Duration::from_micros(20);
 
 impl Loop {
     fn new(shared: Arc<Shared>, wake: UnixStream) -> Loop {
@@ -441,10 +446,15 @@ impl Loop {
         if !self.release_waiters.is_empty() {
             timeout = timeout.min(EXIT_POLL);
         }
-        if let Some(first) = self.gates.values().map(|g| g.deadline).min() {
-            // A DONE is queried on the host: look again soon (spinning while the loop spins).
-            let left = first.saturating_duration_since(Instant::now());
-            timeout = timeout.min(GATE_POLL).min(left);
+        let now = Instant::now();
+        for gate in self.gates.values() {
+            // A DONE is queried on the host: look again soon (at once while the loop spins),
+            // the sooner the younger the job's wait: a quarter of it, from 20 µs to 1 ms, so
+            // a short wait costs little latency and a long one few wake-ups.
+            let left = gate.deadline.saturating_duration_since(now);
+            let next =
+                (now.saturating_duration_since(gate.since) / 4).clamp(GATE_POLL_MIN, GATE_POLL);
+            timeout = timeout.min(next).min(left);
         }
         let gate_events: Vec<Vec<EventHandle>> =
             self.gates.values().map(|g| g.events.clone()).collect();
@@ -517,12 +527,15 @@ impl Loop {
                     spinning_flag.store(false, Ordering::SeqCst);
                     break Ok(0);
                 }
-                let wait = if spinning || any_buffered {
-                    PollTimeout::from(0u16)
+                let polled = if spinning || any_buffered {
+                    poll(&mut fds, PollTimeout::from(0u16))
+                } else if timeout < Duration::from_millis(1) {
+                    // `poll` counts in milliseconds: a held job's next look is sooner.
+                    ppoll(&mut fds, Some(TimeSpec::from(timeout)), None)
                 } else {
-                    PollTimeout::from(ms)
+                    poll(&mut fds, PollTimeout::from(ms))
                 };
-                match poll(&mut fds, wait) {
+                match polled {
                     Ok(0) if spinning && !any_buffered => std::hint::spin_loop(),
                     other => {
                         spinning_flag.store(false, Ordering::SeqCst);
@@ -2079,6 +2092,7 @@ impl Loop {
                     deadline,
                     expired: None,
                     lost: None,
+                    since: Instant::now(),
                 }
             })
             .events
