@@ -695,6 +695,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     }
     d.stream_synchronize(stream)?;
     let cache = parent.pool().export_cache_stats();
+    let counts = parent.stats();
     parent.stop_worker(worker)?;
 
     let tensors_per_s = n as f64 / batch_s;
@@ -787,6 +788,10 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             "ratio": sliced / us,
             "carved": carved,
         })).collect::<Vec<_>>(),
+        "done_on_host": {
+            "jobs_held": counts.jobs_held_for_done,
+            "jobs_completed": counts.jobs_completed,
+        },
         "export_cache": {
             "hits": cache.hits,
             "misses": cache.misses,
@@ -1040,6 +1045,10 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         batch_s * 1e3
     );
     println!("  {cache}");
+    println!(
+        "  DONE on the host: {} of {} jobs were held until their DONE completed (the others' had when their frames came)",
+        counts.jobs_held_for_done, counts.jobs_completed
+    );
     for why in &skipped {
         println!("  skipped: {why}");
     }

@@ -263,7 +263,8 @@ pub enum ParentAction {
         /// The staged result or writable staged input.
         handoff: HandoffId,
     },
-    /// Make the job's stream wait on the worker's DONE event. Comes right before the
+    /// Order the job's consumers after the worker's DONE event (the facade learns on the host
+    /// that it completed, and holds the actions after this one until then). Comes right before the
     /// [`ParentAction::Release`] of each acknowledged pool-pointer or arena handoff.
     WaitDone {
         /// The worker.

@@ -185,6 +185,12 @@ pub trait Driver: Send + Sync {
         value: u32,
         stream: StreamHandle,
     ) -> Result<()>;
+    /// A kernel of one thread that never ends (it spins reading the clock), launched on
+    /// `stream` without waiting: everything queued on `stream` after it, an event recorded
+    /// behind it included, never runs, and the event never completes, not even after the
+    /// process is killed (docs/facts.md). For tests of a worker that hangs on the
+    /// GPU; no handoff calls it.
+    fn launch_hang_kernel(&self, stream: StreamHandle) -> Result<()>;
     /// `cuMemcpyDtoH` (synchronous).
     fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()>;
     /// `cuMemcpyHtoD` (synchronous).

@@ -105,6 +105,25 @@ const STORE_KERNEL_PTX: &[u8] = b".version 7.0
 }
 \0";
 
+/// The kernel of [`Driver::launch_hang_kernel`]: one thread spins while the clock reads
+/// nonzero, for ever (the clock is a special register: the compiler can neither hoist the
+/// read nor prove that the loop ends). In a module of its own (a fault in it leaves
+/// the store kernel's loading alone).
+const HANG_KERNEL_PTX: &[u8] = b".version 7.0
+.target sm_50
+.address_size 64
+.visible .entry poolipc_hang()
+{
+  .reg .u64 %rd<2>;
+  .reg .pred %p<2>;
+$spin:
+  mov.u64 %rd1, %clock64;
+  setp.ne.u64 %p1, %rd1, 0;
+  @%p1 bra $spin;
+  ret;
+}
+\0";
+
 fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
@@ -216,8 +235,9 @@ struct Retained {
 #[derive(Debug)]
 pub struct CudaDriver {
     retained: Mutex<HashMap<u32, Retained>>,
-    /// The store kernel's function, by the context it was loaded in (addresses).
-    store_kernels: Mutex<HashMap<usize, usize>>,
+    /// The test kernels' functions, by the context they were loaded in (its address) and
+    /// their name.
+    store_kernels: Mutex<HashMap<(usize, &'static std::ffi::CStr), usize>>,
 }
 
 impl CudaDriver {
@@ -271,8 +291,12 @@ impl CudaDriver {
         unsafe { sys::is_culib_present() }
     }
 
-    /// The store kernel in the current context, loaded from PTX the first time.
-    fn store_kernel(&self) -> Result<sys::CUfunction> {
+    /// The kernel `name` of the PTX `image` in the current context, loaded the first time.
+    fn kernel(
+        &self,
+        image: &'static [u8],
+        name: &'static std::ffi::CStr,
+    ) -> Result<sys::CUfunction> {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `ctx` is a valid place to write.
         check("cuCtxGetCurrent", unsafe {
@@ -282,22 +306,29 @@ impl CudaDriver {
             .store_kernels
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(&f) = kernels.get(&ctx.expose_provenance()) {
+        let key = (ctx.expose_provenance(), name);
+        if let Some(&f) = kernels.get(&key) {
             return Ok(std::ptr::with_exposed_provenance_mut(f));
         }
+        if image.last() != Some(&0) {
+            return Err(DriverError::InvalidArgument {
+                call: "cuModuleLoadData",
+                reason: "the PTX image is not NUL-terminated".into(),
+            });
+        }
         let mut module: sys::CUmodule = std::ptr::null_mut();
-        // SAFETY: the image is NUL-terminated PTX text that lives for the whole program;
+        // SAFETY: the image is NUL-terminated (checked above) PTX text, static;
         // `module` is a valid place to write. The module stays loaded while the context lives.
         check("cuModuleLoadData", unsafe {
-            sys::cuModuleLoadData(&raw mut module, STORE_KERNEL_PTX.as_ptr().cast())
+            sys::cuModuleLoadData(&raw mut module, image.as_ptr().cast())
         })?;
         let mut function: sys::CUfunction = std::ptr::null_mut();
         // SAFETY: `module` was just loaded; the name is NUL-terminated; `function` is a
         // valid place to write.
         check("cuModuleGetFunction", unsafe {
-            sys::cuModuleGetFunction(&raw mut function, module, c"poolipc_store".as_ptr())
+            sys::cuModuleGetFunction(&raw mut function, module, name.as_ptr())
         })?;
-        kernels.insert(ctx.expose_provenance(), function.expose_provenance());
+        kernels.insert(key, function.expose_provenance());
         Ok(function)
     }
 
@@ -1026,7 +1057,7 @@ impl Driver for CudaDriver {
         value: u32,
         stream: StreamHandle,
     ) -> Result<()> {
-        let function = self.store_kernel()?;
+        let function = self.kernel(STORE_KERNEL_PTX, c"poolipc_store")?;
         let mut p = address.0;
         let mut v = value;
         let mut params = [(&raw mut p).cast::<c_void>(), (&raw mut v).cast::<c_void>()];
@@ -1049,6 +1080,27 @@ impl Driver for CudaDriver {
             )
         })?;
         self.stream_synchronize(stream)
+    }
+
+    fn launch_hang_kernel(&self, stream: StreamHandle) -> Result<()> {
+        let function = self.kernel(HANG_KERNEL_PTX, c"poolipc_hang")?;
+        // SAFETY: `function` is the loaded `poolipc_hang()`, which takes no parameters: an
+        // empty parameter list and no extra arguments.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                function,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                stream_raw(stream),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        })
     }
 
     fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()> {

@@ -55,7 +55,8 @@ pub(crate) struct ArenaHold {
     driver: Arc<dyn Driver>,
     device: u32,
     sim: bool,
-    /// The job's stream: it waited on the worker's DONE, and the block goes back on it.
+    /// The job's stream: the block goes back on it (the worker's DONE completed before the
+    /// job ended).
     job_stream: u64,
     /// Streams consumers named in `__dlpack__`: the return waits for their work too.
     consumer_streams: Mutex<Vec<u64>>,

@@ -991,7 +991,7 @@ impl NativeParent {
     }
 
     /// `submit` then `wait`: returns `(results, input_rungs)` once the worker acknowledged,
-    /// `stream` having waited on DONE. Each result is `(ptr, nbytes, dtype, shape, rung,
+    /// the worker's DONE having completed. Each result is `(ptr, nbytes, dtype, shape, rung,
     /// owner)`: `owner` is what the allocator returned, a [`DeviceBuffer`] from the pool, or
     /// an [`ArenaResult`] (a parent made with `results="arena"`, no allocator).
     ///

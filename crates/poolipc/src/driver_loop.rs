@@ -18,12 +18,13 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll, ppoll};
+use nix::sys::time::TimeSpec;
 use poolipc_contract::{
     self as contract, ArenaLocation, CarvedResult, FailReason, InputLoan, JobOutcome, Message,
     Outcome, ParentAction, ParentEvent, Purpose, ResultGrant, ResultSpec, SliceLoan, Timestamp,
 };
-use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, EventHandle, OwnedEvent, StreamHandle};
 use poolipc_pool::Arena;
 use poolipc_transport::{
     ArenaChunk, ArenaRelease, Capabilities, Connection, ErrorCode, TransportError, VmmShare,
@@ -35,8 +36,8 @@ use poolipc_types::{
 
 use crate::error::Error;
 use crate::parent::{
-    ArenaLease, Completion, EmptyCache, Input, JobOutput, ResultAllocator, ResultMemory,
-    ResultTensor, Shared, Stats, lock,
+    Answer, ArenaLease, EmptyCache, Input, JobOutput, ResultAllocator, ResultMemory, ResultTensor,
+    Shared, Stats, lock,
 };
 use crate::staging::StagingChannel;
 use crate::tensor::ResultShape;
@@ -62,6 +63,31 @@ pub(crate) enum Command {
     ReleaseArena { reply: Sender<EmptyCache> },
     /// The parent is dropped: stop every worker, fail every job, end the thread.
     Shutdown,
+    /// Test-only ([`Parent::panic_io_thread`](crate::Parent::panic_io_thread)): the loop
+    /// panics, as a bug of its own would.
+    Panic,
+}
+
+impl Command {
+    /// Answers the command with `e` without the loop (which cannot take it).
+    pub(crate) fn refuse(self, e: Error) {
+        match self {
+            Command::Adopt { reply, child, .. } => {
+                if let Some(mut c) = child {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                let _ = reply.send(Err(e));
+            }
+            Command::Submit(sub) => sub.done.complete(Err(e)),
+            Command::Stop { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+            // Its caller maps the closed channel to the loop's error.
+            Command::ReleaseArena { reply } => drop(reply),
+            Command::Shutdown | Command::Panic => {}
+        }
+    }
 }
 
 /// An `empty_cache` waiting for workers to unmap the chunks it released.
@@ -88,7 +114,7 @@ pub(crate) struct Submission {
     pub(crate) stream: StreamHandle,
     /// `None`: the shared pool, and a failed job's results are freed by the loop.
     pub(crate) alloc: Option<ResultAllocator>,
-    pub(crate) done: Arc<Completion>,
+    pub(crate) done: Answer,
     /// Set while a placed job waits for its worker's other jobs (a staged job runs alone).
     pub(crate) placed: Option<Placed>,
 }
@@ -108,7 +134,26 @@ pub(crate) fn start(
                 return;
             }
             let _ = tx.send(Ok(()));
-            Loop::new(shared, wake).run();
+            let io = Arc::clone(&shared);
+            // A panic here is a bug of the loop's; still, nobody may wait for ever on it:
+            // unwinding drops the loop's jobs (each `Answer` answers its handle), its reply
+            // channels (each caller maps the closed channel to the error) and its workers
+            // (killed and reaped), and from now on every command is refused.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                Loop::new(io, wake).run();
+            }));
+            if let Err(payload) = ran {
+                let detail = panic_text(payload.as_ref());
+                tracing::error!(%detail, "the parent's IO thread panicked: every waiter gets an error");
+                let inbox = {
+                    let mut inbox = lock(&shared.inbox);
+                    *lock(&shared.io_stopped) = Some(format!("it panicked: {detail}"));
+                    std::mem::take(&mut *inbox)
+                };
+                for command in inbox {
+                    command.refuse(shared.loop_gone());
+                }
+            }
         })
         .map_err(|source| Error::Os {
             call: "pthread_create",
@@ -127,6 +172,15 @@ pub(crate) fn start(
             ))
         }
     }
+}
+
+/// A panic's message, where it carries one.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// A worker as the loop holds it.
@@ -172,13 +226,13 @@ struct Slot {
 struct JobState {
     stream: StreamHandle,
     alloc: Option<ResultAllocator>,
-    done: Arc<Completion>,
+    done: Answer,
     ready: Option<(OwnedEvent, EventBlob)>,
     input_rungs: Vec<Rung>,
     input_reasons: Vec<Option<String>>,
     /// Arena-copy inputs: their blocks, copied back into the caller's tensors (unless lent
     /// read-only) and given back (stream-ordered, on the job's stream) at the input's
-    /// release, which comes after the stream's wait on the worker's DONE or once the worker
+    /// release, which comes once the host saw the worker's DONE complete or once the worker
     /// was reaped.
     arena_inputs: HashMap<HandoffId, ArenaInput>,
     /// The first copy-back that failed, for the job's error: a write of the worker's that
@@ -204,7 +258,7 @@ struct JobState {
     carved: BTreeMap<u32, ResultTensor>,
     /// Why the slice could not be split into its carves, for the job's error.
     slice_error: Option<String>,
-    /// The wait on the worker's DONE could not be queued (its event would not open, say):
+    /// The worker's DONE could not be asked about (its event would not open, say):
     /// nothing orders the caller after the worker's writes, so the job fails whatever the
     /// contract concludes, and its results are not handed out.
     done_failed: Option<String>,
@@ -220,6 +274,33 @@ impl JobState {
         }
     }
 }
+
+/// A job whose worker acknowledged it while its DONE had not completed on the GPU yet: the
+/// loop never makes a stream of its own wait on a worker's event (a worker that hangs on the
+/// GPU, or means to, would block that stream for good, beyond its death:
+/// docs/facts.md). It queries the DONE on the host until it completed and holds the
+/// contract's later actions for the job (its releases, its JobFinished) until then. At the
+/// deadline the worker is condemned and the job fails; its memory is then released as a lost
+/// worker's, once the process is reaped.
+struct DoneGate {
+    /// The worker's DONE events still to complete (owned by its slot's `done_events`, or,
+    /// once the worker is reaped, by `Loop::dead_events`).
+    events: Vec<EventHandle>,
+    /// The contract's actions for the job after the first incomplete DONE, in order.
+    held: VecDeque<ParentAction>,
+    deadline: Instant,
+    /// Set at the deadline: the job's error.
+    expired: Option<String>,
+    /// When the job was first held.
+    since: Instant,
+    /// Set when the worker was reaped (why) before its DONE completed. A record the worker
+    /// queued before it died may still complete as the driver tears its context down: the
+    /// job waits for it until [`REAP_GRACE`] after the reaping, then fails.
+    lost: Option<String>,
+}
+
+/// How long a job whose worker was reaped with its DONE not complete yet still waits for it.
+const REAP_GRACE: Duration = Duration::from_secs(1);
 
 struct Loop {
     shared: Arc<Shared>,
@@ -249,6 +330,32 @@ struct Loop {
     release_waiters: Vec<ReleaseWaiter>,
     /// When the loop last looked for idle arena chunks.
     last_idle_check: Instant,
+    /// Jobs acknowledged whose DONE has not completed on the GPU yet.
+    gates: BTreeMap<(WorkerId, JobId), DoneGate>,
+    /// Reaped workers' opened DONE events, kept while a job of theirs waits on one.
+    dead_events: HashMap<WorkerId, HashMap<EventBlob, OwnedEvent>>,
+}
+
+impl Drop for Loop {
+    /// Workers are left only when the loop unwinds from a panic: nothing can serve them any
+    /// more, so they are killed and reaped (their jobs' handles are answered as the jobs drop),
+    /// and the parent refuses every later command.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // Before the jobs' `Answer`s drop (this runs before the fields do): a caller
+            // woken by one finds every later call refused. The thread's catch names the panic.
+            let _inbox = lock(&self.shared.inbox);
+            lock(&self.shared.io_stopped)
+                .get_or_insert_with(|| "it panicked (the log has the panic's message)".into());
+        }
+        for (id, slot) in &mut self.workers {
+            if let Some(c) = slot.child.as_mut() {
+                tracing::warn!(worker = %id, "the IO loop is gone: killing the worker");
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
 }
 
 /// Under MPS, how long a failed job's context check keeps asking whether the failure ended
@@ -277,6 +384,10 @@ fn names_gpu_fault(message: &str) -> bool {
 const IDLE_POLL: Duration = Duration::from_millis(500);
 /// While a worker is exiting, how often to look whether it has.
 const EXIT_POLL: Duration = Duration::from_millis(2);
+/// While a job's DONE is queried on the host and the loop does not spin, how often to ask at
+/// least and at most.
+const GATE_POLL: Duration = Duration::from_millis(1);
+const GATE_POLL_MIN: Duration = Duration::from_micros(20);
 
 impl Loop {
     fn new(shared: Arc<Shared>, wake: UnixStream) -> Loop {
@@ -302,6 +413,8 @@ impl Loop {
             release_acks: HashSet::new(),
             release_waiters: Vec::new(),
             last_idle_check: Instant::now(),
+            gates: BTreeMap::new(),
+            dead_events: HashMap::new(),
         }
     }
 
@@ -319,12 +432,13 @@ impl Loop {
             self.drive();
             self.release_idle_arena();
             self.answer_release_waiters();
-            if self.shutting_down && self.workers.is_empty() {
+            if self.shutting_down && self.workers.is_empty() && self.gates.is_empty() {
                 break;
             }
             self.wait_for_io();
             self.machine.handle_timeout(self.now());
             self.drive();
+            self.check_gates();
         }
         self.fail_leftover_jobs();
     }
@@ -343,6 +457,18 @@ impl Loop {
         if !self.release_waiters.is_empty() {
             timeout = timeout.min(EXIT_POLL);
         }
+        let now = Instant::now();
+        for gate in self.gates.values() {
+            // A DONE is queried on the host: look again soon (at once while the loop spins),
+            // the sooner the younger the job's wait: a quarter of it, from 20 µs to 1 ms, so
+            // a short wait costs little latency and a long one few wake-ups.
+            let left = gate.deadline.saturating_duration_since(now);
+            let next =
+                (now.saturating_duration_since(gate.since) / 4).clamp(GATE_POLL_MIN, GATE_POLL);
+            timeout = timeout.min(next).min(left);
+        }
+        let gate_events: Vec<Vec<EventHandle>> =
+            self.gates.values().map(|g| g.events.clone()).collect();
         let ids: Vec<WorkerId> = self
             .workers
             .iter()
@@ -391,22 +517,36 @@ impl Loop {
             if spin_until.is_some() {
                 spinning_flag.store(true, Ordering::SeqCst);
             }
+            let driver = &self.shared.driver;
             let polled = loop {
                 let spinning = spin_until.is_some_and(|t| Instant::now() < t);
                 if !spinning {
                     spinning_flag.store(false, Ordering::SeqCst);
+                }
+                if spinning
+                    && gate_events.iter().any(|evs| {
+                        evs.iter()
+                            .all(|e| !matches!(driver.event_query(*e), Ok(false)))
+                    })
+                {
+                    // A held job's DONE completed (or its query failed): see to it now.
+                    spinning_flag.store(false, Ordering::SeqCst);
+                    break Ok(0);
                 }
                 if pending.load(Ordering::SeqCst) {
                     // A command came (while spinning, without a wake-up byte): take it now.
                     spinning_flag.store(false, Ordering::SeqCst);
                     break Ok(0);
                 }
-                let wait = if spinning || any_buffered {
-                    PollTimeout::from(0u16)
+                let polled = if spinning || any_buffered {
+                    poll(&mut fds, PollTimeout::from(0u16))
+                } else if timeout < Duration::from_millis(1) {
+                    // `poll` counts in milliseconds: a held job's next look is sooner.
+                    ppoll(&mut fds, Some(TimeSpec::from(timeout)), None)
                 } else {
-                    PollTimeout::from(ms)
+                    poll(&mut fds, PollTimeout::from(ms))
                 };
-                match poll(&mut fds, wait) {
+                match polled {
                     Ok(0) if spinning && !any_buffered => std::hint::spin_loop(),
                     other => {
                         spinning_flag.store(false, Ordering::SeqCst);
@@ -545,6 +685,13 @@ impl Loop {
             }
             Command::Stop { worker, reply } => self.stop(worker, Some(reply)),
             Command::ReleaseArena { reply } => self.release_arena_now(reply),
+            Command::Panic => {
+                // The test hook's whole point: stand in for a bug of the loop's.
+                #[allow(clippy::panic)] // asked for by `Parent::panic_io_thread`, tests only
+                {
+                    panic!("Parent::panic_io_thread asked the IO thread to panic");
+                }
+            }
             Command::Shutdown => {
                 self.shutting_down = true;
                 let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
@@ -932,12 +1079,13 @@ impl Loop {
             .unwrap_or_else(|| "the worker was stopped".into());
         let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
         let replies: Vec<_> = slot.stop_replies.drain(..).collect();
+        let held = self.outlive_worker(worker, &mut slot, &why);
         drop(slot);
         self.forget_vmm_shares(worker);
         self.reaped.insert(worker, text);
-        if let Some(r) = lock(&self.shared.registry).get_mut(&worker) {
-            r.gone = true;
-        }
+        // Reaped, it leaves the registry: `Parent::workers` lists the living only, and a
+        // parent whose workers come and go keeps no trace of each.
+        lock(&self.shared.registry).remove(&worker);
         let now = self.now();
         // The contract learns that the connection is gone (if it has not yet), then that the
         // process is: only now may what the worker imported be reused.
@@ -957,6 +1105,10 @@ impl Loop {
             tracing::warn!(worker = %worker, error = %e, "the contract refused a reaping");
         }
         self.drive();
+        for (key, gate) in held {
+            self.fail_gate(key, gate, &why);
+        }
+        self.forget_dead_events();
         for q in queued {
             Stats::bump(&self.shared.stats.jobs_failed);
             q.done.complete(Err(Error::JobFailed {
@@ -968,10 +1120,11 @@ impl Loop {
         }
         // Jobs the contract has not finished (it finishes them after an allocation answer it
         // still waits for, which this loop gives at once) fail here rather than hang.
+        // (Jobs held for their DONE are not: they end with it, or at their grace's end.)
         let orphaned: Vec<JobId> = self
             .jobs
             .keys()
-            .filter(|(w, _)| *w == worker)
+            .filter(|k| k.0 == worker && !self.gates.contains_key(k))
             .map(|(_, j)| *j)
             .collect();
         for job in orphaned {
@@ -1659,7 +1812,7 @@ impl Loop {
         Some((loan, lease))
     }
 
-    /// The contract released the job's slice (after the stream's wait on DONE, or once the
+    /// The contract released the job's slice (once the host saw DONE complete, or once the
     /// worker was reaped): on completion each carve becomes a result owning its part of the
     /// slice; everything else goes back to the arena, stream-ordered on the job's stream.
     fn release_slice(
@@ -1914,6 +2067,12 @@ impl Loop {
     }
 
     fn act(&mut self, action: ParentAction) {
+        if let Some(key) = job_of(&action)
+            && let Some(gate) = self.gates.get_mut(&key)
+        {
+            gate.held.push_back(action);
+            return;
+        }
         let label = if crate::probe::enabled() {
             action_label(&action)
         } else {
@@ -2124,13 +2283,15 @@ impl Loop {
         Ok(r?)
     }
 
+    /// The worker's DONE of `job`: complete already (the usual case under MPS: it completes
+    /// before its frame arrives), or the job is held ([`DoneGate`]) until it is.
     fn wait_done(&mut self, worker: WorkerId, job: JobId, blob: EventBlob) -> Result<(), Error> {
         let driver = Arc::clone(&self.shared.driver);
-        let stream = self
-            .jobs
-            .get(&(worker, job))
-            .map(|s| s.stream)
-            .ok_or_else(|| Error::Protocol("DONE for a job the loop does not hold".into()))?;
+        if !self.jobs.contains_key(&(worker, job)) {
+            return Err(Error::Protocol(
+                "DONE for a job the loop does not hold".into(),
+            ));
+        }
         let slot = self
             .workers
             .get_mut(&worker)
@@ -2142,8 +2303,241 @@ impl Loop {
                 slot.done_events.entry(blob).or_insert(e)
             }
         };
-        driver.stream_wait_event(stream, event.handle())?;
+        let event = event.handle();
+        // Never `cuStreamWaitEvent(stream, DONE)`: the host learns that the worker's work
+        // completed, and only then does the loop queue anything more of the job on `stream`
+        // (copy-backs, returns, frees) or hand the job's results to the caller: all of it,
+        // and all the caller queues later, comes after the worker's writes.
+        if driver.event_query(event)? {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.shared.options.handoff_timeout;
+        tracing::trace!(worker = %worker, job = job.0, "DONE not complete yet: held until it is");
+        let stats = &self.shared.stats;
+        self.gates
+            .entry((worker, job))
+            .or_insert_with(|| {
+                Stats::bump(&stats.jobs_held_for_done);
+                DoneGate {
+                    events: Vec::new(),
+                    held: VecDeque::new(),
+                    deadline,
+                    expired: None,
+                    lost: None,
+                    since: Instant::now(),
+                }
+            })
+            .events
+            .push(event);
         Ok(())
+    }
+
+    /// Held jobs: those whose DONE completed go on (their held actions run, in order); a
+    /// failed query fails the job as a failed DONE wait did; one past its deadline condemns
+    /// its worker (the job fails at the reaping, see [`reap`](Self::reap)).
+    fn check_gates(&mut self) {
+        if self.gates.is_empty() {
+            return;
+        }
+        let driver = Arc::clone(&self.shared.driver);
+        let now = Instant::now();
+        let keys: Vec<(WorkerId, JobId)> = self.gates.keys().copied().collect();
+        for key in keys {
+            let (worker, job) = key;
+            let Some(gate) = self.gates.get_mut(&key) else {
+                continue;
+            };
+            if gate.expired.is_some() {
+                continue;
+            }
+            let mut failed = None;
+            gate.events.retain(|e| match driver.event_query(*e) {
+                Ok(done) => !done,
+                Err(err) => {
+                    failed.get_or_insert(err);
+                    false
+                }
+            });
+            if let Some(e) = failed {
+                let e = Error::from(e);
+                let why = format!("querying the worker's DONE failed: {e}");
+                if let Some(st) = self.jobs.get_mut(&key) {
+                    st.done_failed = Some(why.clone());
+                }
+                self.open_gate(key);
+                self.forget_dead_events();
+                if !self.escalate("querying DONE", &e) {
+                    self.lose(worker, &why);
+                }
+                self.drive();
+                continue;
+            }
+            if gate.events.is_empty() {
+                self.last_activity = Instant::now();
+                self.open_gate(key);
+                self.forget_dead_events();
+                continue;
+            }
+            if now >= gate.deadline
+                && let Some(why) = gate.lost.clone()
+            {
+                if let Some(gate) = self.gates.remove(&key) {
+                    self.fail_gate(key, gate, &why);
+                }
+                self.forget_dead_events();
+                continue;
+            }
+            if now >= gate.deadline {
+                let timeout = self.shared.options.handoff_timeout;
+                let why = format!(
+                    "{worker}'s DONE for {job} did not complete on the GPU within the handoff timeout ({timeout:?}): its GPU work hangs"
+                );
+                gate.expired = Some(why.clone());
+                match self.workers.get_mut(&worker) {
+                    // Being stopped: kill it now rather than at its stop deadline.
+                    Some(slot) if slot.exit_deadline.is_some() => {
+                        slot.lost.get_or_insert_with(|| why.clone());
+                        slot.exit_deadline = Some(now);
+                    }
+                    _ => self.lose(worker, &why),
+                }
+                self.drive();
+            }
+        }
+    }
+
+    /// A held job whose worker was reaped before its DONE completed: the job fails (naming
+    /// the deadline if that was why), and its held releases run as a lost worker's do, now
+    /// that the process is gone: nothing is copied back, no result is handed out.
+    fn fail_gate(&mut self, key: (WorkerId, JobId), gate: DoneGate, why: &str) {
+        let (reason, detail) = match gate.expired {
+            Some(d) => (FailReason::DeadlineExpired, d),
+            None => (
+                FailReason::HungUp,
+                format!("the worker was lost before its DONE completed on the GPU ({why})"),
+            ),
+        };
+        if let Some(st) = self.jobs.get_mut(&key) {
+            st.done_failed.get_or_insert_with(|| detail.clone());
+        }
+        for action in gate.held {
+            let action = match action {
+                ParentAction::WaitDone { .. } => continue,
+                ParentAction::Release {
+                    worker,
+                    job,
+                    handoff,
+                    alloc,
+                    purpose,
+                    rung,
+                    outcome: _,
+                } => ParentAction::Release {
+                    worker,
+                    job,
+                    handoff,
+                    alloc,
+                    purpose,
+                    rung,
+                    outcome: Outcome::Failed,
+                },
+                ParentAction::ReleaseSlice {
+                    worker,
+                    job,
+                    handoff,
+                    alloc,
+                    outcome: _,
+                    carved: _,
+                } => ParentAction::ReleaseSlice {
+                    worker,
+                    job,
+                    handoff,
+                    alloc,
+                    outcome: Outcome::Failed,
+                    carved: Vec::new(),
+                },
+                ParentAction::JobFinished { worker, job, .. } => ParentAction::JobFinished {
+                    worker,
+                    job,
+                    outcome: JobOutcome::Failed {
+                        reason,
+                        detail: detail.clone(),
+                    },
+                },
+                other => other,
+            };
+            self.act(action);
+        }
+    }
+
+    /// The worker is being reaped (its slot about to close) with jobs held for their DONE.
+    /// Those past their deadline are returned, to fail now. The others wait on for
+    /// [`REAP_GRACE`]: their held `WaitDone`s become events of the gate, and the worker's
+    /// opened events move to `dead_events` so that they stay open meanwhile.
+    fn outlive_worker(
+        &mut self,
+        worker: WorkerId,
+        slot: &mut Slot,
+        why: &str,
+    ) -> Vec<((WorkerId, JobId), DoneGate)> {
+        let keys: Vec<_> = self
+            .gates
+            .keys()
+            .filter(|k| k.0 == worker)
+            .copied()
+            .collect();
+        let mut fail_now = Vec::new();
+        let grace_end = Instant::now() + REAP_GRACE;
+        for key in keys {
+            let Some(mut gate) = self.gates.remove(&key) else {
+                continue;
+            };
+            let mut known = gate.expired.is_none();
+            let mut rest = VecDeque::with_capacity(gate.held.len());
+            for action in gate.held.drain(..) {
+                if let ParentAction::WaitDone { done_event, .. } = &action {
+                    match slot.done_events.get(done_event) {
+                        Some(e) if !gate.events.contains(&e.handle()) => {
+                            gate.events.push(e.handle());
+                        }
+                        Some(_) => {}
+                        // Never opened: nothing can tell whether it completed.
+                        None => known = false,
+                    }
+                    continue;
+                }
+                rest.push_back(action);
+            }
+            gate.held = rest;
+            if known {
+                gate.lost = Some(why.to_owned());
+                gate.deadline = gate.deadline.min(grace_end);
+                self.gates.insert(key, gate);
+            } else {
+                fail_now.push((key, gate));
+            }
+        }
+        if self.gates.keys().any(|k| k.0 == worker) {
+            self.dead_events
+                .insert(worker, std::mem::take(&mut slot.done_events));
+        }
+        fail_now
+    }
+
+    /// Closes the DONE events of reaped workers no held job waits on any more.
+    fn forget_dead_events(&mut self) {
+        let gates = &self.gates;
+        self.dead_events
+            .retain(|w, _| gates.keys().any(|k| k.0 == *w));
+    }
+
+    /// The job's DONE completed (or will never be waited on): its held actions run now.
+    fn open_gate(&mut self, key: (WorkerId, JobId)) {
+        let Some(gate) = self.gates.remove(&key) else {
+            return;
+        };
+        for action in gate.held {
+            self.act(action);
+        }
     }
 
     fn allocate_result(
@@ -2360,13 +2754,14 @@ impl Loop {
             return;
         };
         if purpose == Purpose::Input && rung == Rung::ArenaCopy {
-            // The contract releases it after the job's stream waited on the worker's DONE,
-            // or once the worker was reaped: the block goes back ordered after both.
+            // The contract releases it once the host saw the worker's DONE complete (the loop
+            // holds the release until then), or once the worker was reaped: the block goes
+            // back ordered after both.
             let Some(input) = st.arena_inputs.remove(&handoff) else {
                 return;
             };
             // Copy-back: what the worker wrote into the block reaches the caller's tensor,
-            // on the job's stream after its wait on DONE and before the block goes back (the
+            // on the job's stream after DONE completed and before the block goes back (the
             // lease's return is recorded after it). The worker acknowledged after DONE
             // (completed or cancelled); a worker reaped before that leaves the tensor as it
             // was, since nothing orders its writes.
@@ -2599,6 +2994,8 @@ impl Loop {
 
     /// At the end of the thread: whatever job is left fails.
     fn fail_leftover_jobs(&mut self) {
+        self.gates.clear();
+        self.dead_events.clear();
         for ((worker, _), mut st) in std::mem::take(&mut self.jobs) {
             let results = self.give_back_results(&mut st);
             st.done.complete(Err(Error::JobFailed {
@@ -2667,6 +3064,25 @@ enum NoCopy {
     Declined(String),
     /// A driver call failed on the way: the job fails.
     Failed(Error),
+}
+
+/// The job an action is about, where it names one.
+fn job_of(action: &ParentAction) -> Option<(WorkerId, JobId)> {
+    match action {
+        ParentAction::RecordReady { worker, job }
+        | ParentAction::SendStaged { worker, job, .. }
+        | ParentAction::AllocateResult { worker, job, .. }
+        | ParentAction::ReceiveStaged { worker, job, .. }
+        | ParentAction::WaitDone { worker, job, .. }
+        | ParentAction::Release { worker, job, .. }
+        | ParentAction::ReleaseSlice { worker, job, .. }
+        | ParentAction::FreeResult { worker, job, .. }
+        | ParentAction::JobFinished { worker, job, .. } => Some((*worker, *job)),
+        ParentAction::Send { .. }
+        | ParentAction::KillWorker { .. }
+        | ParentAction::WorkerRemoved { .. }
+        | ParentAction::ShutdownComplete => None,
+    }
 }
 
 /// `bytes` for a person: `16 GiB`, `3.5 GiB`, `64 MiB`, `12 KiB`, `100 bytes`.

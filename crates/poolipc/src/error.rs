@@ -58,6 +58,28 @@ pub enum Error {
     /// The ownership contract refused an operation (a bug in the caller or the peer).
     #[error("the ownership contract refused it: {0}")]
     Contract(#[from] ContractError),
+    /// The parent's IO thread stopped on a bug of its own (a panic): every job, spawn, stop
+    /// and `empty_cache` that waited on it got this error, and so does every later call. The
+    /// parent can do no more; drop it and make a new one.
+    #[error(
+        "the parent's IO thread stopped ({detail}): this Parent can do no more work; drop it and make a new one"
+    )]
+    IoThreadStopped {
+        /// What stopped it (the panic's message).
+        detail: String,
+    },
+    /// A call on a [`Parent`](crate::Parent) from a process forked after the parent was made:
+    /// its IO thread and its workers belong to the process that made it, and do not exist in
+    /// the child. Make a new `Parent` in the child (or fork before making one).
+    #[error(
+        "this Parent was made by process {creator} and cannot be used in process {this}, forked from it: make a new Parent in the child"
+    )]
+    Forked {
+        /// The process that made the parent.
+        creator: u32,
+        /// This process.
+        this: u32,
+    },
     /// The job failed because its worker died, hung up or missed a deadline; what it held
     /// was released once the process was reaped. The parent goes on serving other workers.
     #[error("job failed on worker {worker}: {reason:?} ({detail})")]

@@ -6,7 +6,8 @@
 //!   through one IO thread that drives the ownership contract for every worker at once
 //!   ([`driver_loop`](crate#the-driver-loop)). `Parent` is `Send + Sync`: any thread
 //!   [`submit`](Parent::submit)s and waits on its [`JobHandle`]. Memory is released only after
-//!   the worker's ACK and a wait on its DONE event. Any fault of a worker (EOF, deadline,
+//!   the worker's ACK and once its DONE event completed, as the IO thread sees on the host (no
+//!   stream of the parent's ever waits on a worker's event). Any fault of a worker (EOF, deadline,
 //!   protocol violation) fails its jobs only: it is killed and reaped, its loans cancelled.
 //! - [`Worker`] takes jobs: read views of the inputs after its stream waited on READY, write
 //!   views of the results the parent allocated, DONE, UNIMPORT and ACK handled for the user.
@@ -20,7 +21,7 @@
 //! One thread per [`Parent`] polls every worker's socket and a wake-up socket for callers'
 //! commands. Each frame goes into the contract's parent machine; each action it emits is
 //! carried out in order (record READY, send, push or pull host-staged bytes, allocate a
-//! result, wait on DONE, release, kill and reap). Jobs on different workers run at the same
+//! result, see DONE complete, release, kill and reap). Jobs on different workers run at the same
 //! time and a worker may have several pool-pointer jobs in flight; a job with host-staged
 //! tensors runs alone on its worker, since its bytes share the worker's socket. Staged inputs
 //! are handed to the worker read-only: a write would change only the worker's copy.

@@ -238,7 +238,7 @@ fn default_spin(env: &str, spin: Duration) -> Duration {
 ///
 /// No write is lost silently. Unless `read_only` is set, a write the worker makes to its view
 /// reaches this tensor on every rung: in place on the pool pointer; on arena copy the block
-/// is copied back into the tensor on the job's stream after its wait on the worker's DONE
+/// is copied back into the tensor on the job's stream once the worker's DONE completed
 /// (before the block goes back to the arena); on host staging the worker's copy comes back
 /// through the staging buffer after its `Done`, copied in on the job's stream. Either way,
 /// work queued on the job's stream after [`JobHandle::wait`] sees the worker's writes. The
@@ -294,7 +294,7 @@ impl Input {
 ///   ([`ResultMemory::Pool`]): an ordinary allocation, the caller's to keep and free.
 /// - From the result arena ([`ResultMemory::Arena`], [`Rung::Arena`]): a block of the
 ///   parent's arena that this value owns. Dropping it gives the block back **stream-ordered**:
-///   an event is recorded on the job's stream (which waited on the worker's DONE) and the
+///   an event is recorded on the job's stream (after the worker's DONE completed) and the
 ///   arena reuses the block only once that event completed, so work the caller queued on
 ///   that stream before the drop finishes first. Work on another stream must be ordered
 ///   before the drop by the caller, or the block given back on that stream with
@@ -537,6 +537,11 @@ pub struct ParentStats {
     /// Inputs that crossed by a copy (arena copy, host staging), lent writable, whose bytes
     /// were copied back into the caller's tensor after the job.
     pub inputs_copied_back: u64,
+    /// Jobs whose worker acknowledged them before their DONE had completed on the GPU: the
+    /// IO thread held them, querying DONE on the host, until it had (the parent never makes
+    /// a stream of its own wait on a worker's event). The others' DONE had completed when
+    /// their frames arrived (the usual case under MPS) and cost one query.
+    pub jobs_held_for_done: u64,
     /// Whether a new allocation at a recycled address of the first pool, of the same size,
     /// is lent with its cached blob (proven by the canary battery's check) or exported
     /// again; the counts are in the pool's
@@ -571,6 +576,7 @@ pub(crate) struct Stats {
     pub(crate) inputs_copied_back: AtomicU64,
     pub(crate) vmm_handle_tensors: AtomicU64,
     pub(crate) vmm_handles_shared: AtomicU64,
+    pub(crate) jobs_held_for_done: AtomicU64,
 }
 
 impl Stats {
@@ -586,8 +592,6 @@ pub(crate) struct Registered {
     pub(crate) canary: Option<CanaryReport>,
     /// Which of the parent's pools it may take pool pointers from (index 0 first).
     pub(crate) pools: Vec<bool>,
-    /// Set once the IO loop lost or stopped it.
-    pub(crate) gone: bool,
 }
 
 impl Registered {
@@ -605,7 +609,7 @@ pub(crate) struct Shared {
     pub(crate) pools: Vec<SharedPool<dyn Driver>>,
     pub(crate) options: ParentOptions,
     limit: Mutex<ImportLimit>,
-    inbox: Mutex<VecDeque<LoopCommand>>,
+    pub(crate) inbox: Mutex<VecDeque<LoopCommand>>,
     waker: UnixStream,
     /// Whether the arena-copy rung may be chosen now ([`ParentOptions::arena_copy`] at
     /// first, then [`Parent::set_arena_copy`]).
@@ -621,6 +625,12 @@ pub(crate) struct Shared {
     /// byte then (a system call and a wake-up saved per submit).
     pub(crate) io_spinning: std::sync::atomic::AtomicBool,
     pub(crate) registry: Mutex<BTreeMap<WorkerId, Registered>>,
+    /// The process that made the parent: a call from another (a forked child, where the IO
+    /// thread does not exist) fails with [`Error::Forked`].
+    creator: u32,
+    /// Set (with the inbox locked) once the IO thread stopped on a panic: why. Commands are
+    /// refused from then on.
+    pub(crate) io_stopped: Mutex<Option<String>>,
     next_worker: AtomicU32,
     next_job: AtomicU64,
     pub(crate) stats: Stats,
@@ -643,9 +653,44 @@ impl Shared {
         *lock(&self.limit)
     }
 
-    /// Hands a command to the IO loop and wakes it.
+    /// `Err` when the IO loop cannot answer: this is a forked child of the process that
+    /// made the parent ([`Error::Forked`]), or the loop stopped ([`Error::IoThreadStopped`]).
+    pub(crate) fn check_loop(&self) -> Result<(), Error> {
+        let this = std::process::id();
+        if this != self.creator {
+            return Err(Error::Forked {
+                creator: self.creator,
+                this,
+            });
+        }
+        match lock(&self.io_stopped).as_ref() {
+            Some(detail) => Err(Error::IoThreadStopped {
+                detail: detail.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The error of a caller whose answer channel the loop dropped.
+    pub(crate) fn loop_gone(&self) -> Error {
+        self.check_loop()
+            .err()
+            .unwrap_or_else(|| Error::IoThreadStopped {
+                detail: "it dropped a command without an answer".into(),
+            })
+    }
+
+    /// Hands a command to the IO loop and wakes it; answers it with the error at once when
+    /// the loop cannot ([`check_loop`](Self::check_loop)).
     pub(crate) fn post(&self, command: LoopCommand) {
-        lock(&self.inbox).push_back(command);
+        let mut inbox = lock(&self.inbox);
+        if let Err(e) = self.check_loop() {
+            drop(inbox);
+            command.refuse(e);
+            return;
+        }
+        inbox.push_back(command);
+        drop(inbox);
         // Dekker with the loop's `io_spinning.store(false)` then `pending.load()`: either the
         // loop sees `pending` before it sleeps, or we see it is not spinning and wake it.
         self.pending.store(true, Ordering::SeqCst);
@@ -684,6 +729,27 @@ impl Shared {
                 .map(|p| r.takes_pointers_from(p))
                 .collect(),
         )
+    }
+}
+
+/// The IO thread's end of a job's [`Completion`]: dropped without an answer (the thread
+/// unwinding from a panic, a command refused), it answers [`Error::IoThreadStopped`], so
+/// that no [`JobHandle`] waits for ever.
+pub(crate) struct Answer(Arc<Completion>);
+
+impl Answer {
+    pub(crate) fn complete(&self, result: Result<JobOutput, Error>) {
+        self.0.complete(result);
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        if !self.0.finished.load(Ordering::Acquire) {
+            self.0.complete(Err(Error::IoThreadStopped {
+                detail: "it let go of the job without an answer".into(),
+            }));
+        }
     }
 }
 
@@ -906,6 +972,8 @@ impl Parent {
             arena_slice_bytes: AtomicU64::new(arena_slice_bytes),
             io_spinning: std::sync::atomic::AtomicBool::new(false),
             registry: Mutex::new(BTreeMap::new()),
+            creator: std::process::id(),
+            io_stopped: Mutex::new(None),
             next_worker: AtomicU32::new(1),
             next_job: AtomicU64::new(1),
             stats: Stats::default(),
@@ -1060,6 +1128,7 @@ impl Parent {
             arena_slices_lent: get(&s.arena_slices_lent),
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),
+            jobs_held_for_done: get(&s.jobs_held_for_done),
             export_reuse: self.pool().export_reuse().0,
             vmm_handle_tensors: get(&s.vmm_handle_tensors),
             vmm_handles_shared: get(&s.vmm_handles_shared),
@@ -1086,6 +1155,7 @@ impl Parent {
     /// this process's stderr as it comes and keeps its last few KiB for that report. The
     /// variables of [`Parent::on`]'s driver are set on `cmd`.
     pub fn spawn_worker(&self, mut cmd: Command) -> Result<WorkerId, Error> {
+        self.shared.check_loop()?;
         cmd.envs(self.worker_env.iter().map(|(k, v)| (k, v)))
             .stderr(std::process::Stdio::piped());
         let (mut child, conn) = poolipc_transport::spawn_worker(cmd)?;
@@ -1095,6 +1165,7 @@ impl Parent {
 
     /// Takes a worker connected by other means (a listening socket), and shakes hands.
     pub fn accept_worker(&self, conn: Connection) -> Result<WorkerId, Error> {
+        self.shared.check_loop()?;
         self.adopt(None, conn, None)
     }
 
@@ -1110,7 +1181,11 @@ impl Parent {
                 let _ = c.wait();
             }
         };
-        if let Err(e) = self.shared.check_context() {
+        if let Err(e) = self
+            .shared
+            .check_loop()
+            .and_then(|()| self.shared.check_context())
+        {
             kill(&mut child);
             return Err(e);
         }
@@ -1182,7 +1257,6 @@ impl Parent {
                 info,
                 canary: None,
                 pools,
-                gone: false,
             },
         );
         let (tx, rx) = std::sync::mpsc::channel();
@@ -1194,7 +1268,7 @@ impl Parent {
         });
         let adopted = rx
             .recv()
-            .map_err(|_| Error::Protocol("the parent's IO thread has stopped".into()))
+            .map_err(|_| self.shared.loop_gone())
             .and_then(|r| r);
         if let Err(e) = adopted {
             lock(&self.shared.registry).remove(&id);
@@ -1218,7 +1292,7 @@ impl Parent {
                 r.canary = Some(report);
             }
         }
-        if self.shared.registered(id).is_none_or(|r| r.gone) {
+        if self.shared.registered(id).is_none() {
             let _ = self.stop_worker(id);
             return Err(Error::Protocol(format!(
                 "{id} was lost during its canary battery"
@@ -1268,17 +1342,13 @@ impl Parent {
 
     /// What the parent knows of a worker (never waits for a job).
     pub fn worker(&self, id: WorkerId) -> Option<WorkerInfo> {
-        self.shared
-            .registered(id)
-            .filter(|r| !r.gone)
-            .map(|r| r.info)
+        self.shared.registered(id).map(|r| r.info)
     }
 
     /// Every live worker.
     pub fn workers(&self) -> Vec<WorkerInfo> {
         lock(&self.shared.registry)
             .values()
-            .filter(|r| !r.gone)
             .map(|r| r.info.clone())
             .collect()
     }
@@ -1290,8 +1360,11 @@ impl Parent {
 
     /// Submits a job: lends `inputs` to `worker` (READY recorded on `stream`) and answers its
     /// result requests from the shared pool (allocated on `stream`). Returns at once; the
-    /// handle's [`wait`](JobHandle::wait) gives the results, `stream` having waited on the
-    /// worker's DONE. A tensor that cannot be lent (negative strides, past its allocation)
+    /// handle's [`wait`](JobHandle::wait) gives the results once the worker's DONE completed
+    /// on the GPU (the IO thread asks on the host; `stream` never waits on a worker's event),
+    /// so work queued on `stream` after `wait` comes after the worker's writes. A DONE that
+    /// does not complete within `handoff_timeout` fails the job
+    /// ([`FailReason::DeadlineExpired`](poolipc_contract::FailReason)) and kills the worker. A tensor that cannot be lent (negative strides, past its allocation)
     /// fails the job with [`Error::InvalidTensor`] before anything reaches the worker.
     pub fn submit(
         &self,
@@ -1334,11 +1407,10 @@ impl Parent {
                 .extent_bytes()
                 .map_err(|e| Error::InvalidTensor(format!("input {i}: {e}")))?;
         }
+        self.shared.check_loop()?;
         self.shared.check_context()?;
-        match self.shared.registered(worker) {
-            None => return Err(Error::UnknownWorker(worker)),
-            Some(r) if r.gone => return Err(Error::UnknownWorker(worker)),
-            Some(_) => {}
+        if self.shared.registered(worker).is_none() {
+            return Err(Error::UnknownWorker(worker));
         }
         Stats::bump(&self.shared.stats.jobs_submitted);
         let done = Arc::new(Completion::default());
@@ -1349,7 +1421,7 @@ impl Parent {
                 inputs: inputs.to_vec(),
                 stream,
                 alloc,
-                done: Arc::clone(&done),
+                done: Answer(Arc::clone(&done)),
                 placed: None,
             })));
         crate::probe::mark("c.posted");
@@ -1393,11 +1465,10 @@ impl Parent {
     /// again instead of reusing it. A chunk with a block lent, granted or still in use on
     /// the GPU stays. See [`EmptyCache::pool_bytes`] for what the driver keeps regardless.
     pub fn empty_cache(&self) -> Result<EmptyCache, Error> {
+        self.shared.check_loop()?;
         let (tx, rx) = std::sync::mpsc::channel();
         self.shared.post(LoopCommand::ReleaseArena { reply: tx });
-        let mut out = rx
-            .recv()
-            .map_err(|_| Error::Protocol("the parent's IO thread has stopped".into()))?;
+        let mut out = rx.recv().map_err(|_| self.shared.loop_gone())?;
         for pool in &self.shared.pools {
             let (before, after) = pool.trim()?;
             out.pool_bytes += before.saturating_sub(after);
@@ -1406,18 +1477,25 @@ impl Parent {
         Ok(out)
     }
 
+    /// Test-only: makes the parent's IO thread panic, as a bug of its own would, to check
+    /// that every waiter then gets [`Error::IoThreadStopped`] rather than hanging. Never call
+    /// it otherwise: the parent can do nothing after it.
+    #[doc(hidden)]
+    pub fn panic_io_thread(&self) {
+        self.shared.post(LoopCommand::Panic);
+    }
+
     /// Tells the worker to stop (Bye), waits for it to exit at most `options.stop_timeout`,
     /// then kills it, and reaps it. Jobs it still held fail. Never waits for other workers'
     /// jobs.
     pub fn stop_worker(&self, worker: WorkerId) -> Result<Option<ExitStatus>, Error> {
+        self.shared.check_loop()?;
         if self.shared.registered(worker).is_none() {
             return Err(Error::UnknownWorker(worker));
         }
         let (tx, rx) = std::sync::mpsc::channel();
         self.shared.post(LoopCommand::Stop { worker, reply: tx });
-        let status = rx
-            .recv()
-            .map_err(|_| Error::Protocol("the parent's IO thread has stopped".into()))?;
+        let status = rx.recv().map_err(|_| self.shared.loop_gone())?;
         lock(&self.shared.registry).remove(&worker);
         status
     }
@@ -1425,6 +1503,13 @@ impl Parent {
 
 impl Drop for Parent {
     fn drop(&mut self) {
+        if std::process::id() != self.shared.creator {
+            // A forked child: the IO thread is the parent process's; there is none to join.
+            if let Some(io) = self.io.take() {
+                std::mem::forget(io);
+            }
+            return;
+        }
         self.shared.post(LoopCommand::Shutdown);
         if let Some(io) = self.io.take()
             && io.join().is_err()

@@ -104,6 +104,17 @@ pub enum StagingError {
     /// The peer sent something the staging protocol does not allow here.
     #[error("host staging: {0}")]
     Protocol(String),
+    /// The peer's `filled` or `drained` record did not complete on the GPU within the
+    /// channel's timeout: its GPU work hangs.
+    #[error(
+        "host staging: the worker's `{which}` event did not complete on the GPU within the staging timeout ({timeout:?}): its GPU work hangs"
+    )]
+    PeerStuck {
+        /// Which of the channel's events.
+        which: &'static str,
+        /// The timeout it had.
+        timeout: Duration,
+    },
     /// The peer reported an error instead of going on.
     #[error("host staging: the peer failed: {message} ({code})")]
     Peer {
@@ -126,6 +137,11 @@ pub struct StagingChannel {
     config: StagingConfig,
     /// Frames of the peer that arrived while this channel waited for its own.
     backlog: VecDeque<Message>,
+    /// The parent's side: the peer's records (`filled` of what comes in, `drained` of what
+    /// goes out) are waited for on the host, each against the channel's deadline, never by
+    /// the stream: a worker's record behind a kernel that never ends would block a stream
+    /// of the parent's for good (docs/facts.md).
+    peer_on_host: bool,
 }
 
 impl std::fmt::Debug for StagingChannel {
@@ -185,6 +201,7 @@ impl StagingChannel {
             chunk,
             config,
             backlog: VecDeque::new(),
+            peer_on_host: true,
         };
         let msg = Message::StagingBuffer(StagingBuffer {
             bytes: bytes as u64,
@@ -255,6 +272,7 @@ impl StagingChannel {
             chunk,
             config: StagingConfig { chunk, ..config },
             backlog: VecDeque::new(),
+            peer_on_host: false,
         };
         conn.send(
             &Message::StagingReady {
@@ -336,6 +354,40 @@ impl StagingChannel {
         }
     }
 
+    /// Orders what this side queues on `stream` next after the peer's latest record of
+    /// `event`. The worker's side: `stream` waits on it (the parent's events end). The
+    /// parent's side ([`peer_on_host`](Self::peer_on_host)): the host queries it until it
+    /// completed, for up to the channel's timeout, and then queues the rest; past the
+    /// timeout it fails with [`StagingError::PeerStuck`].
+    fn wait_peer(
+        &self,
+        stream: StreamHandle,
+        event: EventHandle,
+        which: &'static str,
+    ) -> Result<()> {
+        if !self.peer_on_host {
+            return Ok(self.driver.stream_wait_event(stream, event)?);
+        }
+        let deadline = self.deadline();
+        let mut spins = 0u32;
+        while !self.driver.event_query(event)? {
+            if Instant::now() >= deadline {
+                return Err(StagingError::PeerStuck {
+                    which,
+                    timeout: self.config.timeout,
+                });
+            }
+            // A copy of a chunk takes microseconds to milliseconds: spin a little, then nap.
+            if spins < 1000 {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+        Ok(())
+    }
+
     /// The chunk `seq` of a tensor of `bytes`: (offset, length).
     fn span(&self, seq: usize, bytes: usize) -> (usize, usize) {
         let off = seq * self.chunk;
@@ -362,9 +414,10 @@ impl StagingChannel {
         let bytes = self.tensor_len(bytes)?;
         let n = bytes.div_ceil(self.chunk);
         let d = Arc::clone(&self.driver);
+        // Either side may have recorded these last (the peer, if it sent or received last).
         for h in 0..2 {
-            d.stream_wait_event(stream, self.filled[h])?;
-            d.stream_wait_event(stream, self.drained[h])?;
+            self.wait_peer(stream, self.filled[h], "filled")?;
+            self.wait_peer(stream, self.drained[h], "drained")?;
         }
         let mut acked = 0;
         for seq in 0..n {
@@ -375,7 +428,7 @@ impl StagingChannel {
                     acked += 1;
                 }
                 if self.config.skip_wait != SkipWait::Drained {
-                    d.stream_wait_event(stream, self.drained[seq % 2])?;
+                    self.wait_peer(stream, self.drained[seq % 2], "drained")?;
                 }
             }
             self.buffer
@@ -421,7 +474,7 @@ impl StagingChannel {
             let c = self.expect_chunk(conn, job, handle, seq, bytes, "chunk")?;
             let (off, len) = self.span(seq, bytes);
             if self.config.skip_wait != SkipWait::Filled {
-                d.stream_wait_event(stream, self.filled[seq % 2])?;
+                self.wait_peer(stream, self.filled[seq % 2], "filled")?;
             }
             self.buffer
                 .copy_to_device(self.half(seq), dst.offset(off as u64), len, stream)?;

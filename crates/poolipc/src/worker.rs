@@ -60,6 +60,13 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 ///
 /// The steps: `before-import`, `before-ready-wait`, `after-import`, `after-grant`,
 /// `after-write`, `before-done`, `after-done`, `after-ack`, `before-extra-pool-reply`.
+///
+/// One value hangs instead of dying: `hang-before-done` launches a kernel that never ends
+/// ([`Driver::launch_hang_kernel`](poolipc_driver::Driver::launch_hang_kernel)) on the job's
+/// stream right before DONE is recorded, then goes on as usual (Done, Ack): the worker's DONE
+/// never completes on the GPU, for tests of what the parent does about that.
+/// `hang-before-staged-send` does the same before a host-staged tensor goes back: its
+/// `filled` records never complete.
 pub const FAILPOINT_ENV: &str = "POOLIPC_FAILPOINT";
 
 /// Whether [`FAILPOINT_ENV`] names `step` (outside the canary battery).
@@ -981,6 +988,13 @@ impl Worker {
             }
             WorkerAction::RecordDone { job } => {
                 failpoint("before-done");
+                if failpoint_armed("hang-before-done") {
+                    tracing::warn!(
+                        job = job.0,
+                        "failpoint reached: DONE goes behind a kernel that never ends"
+                    );
+                    self.driver.launch_hang_kernel(stream)?;
+                }
                 tracing::trace!(job = job.0, "recording DONE");
                 if let Err(e) = self.driver.event_record(self.done.handle(), stream) {
                     // Without DONE the parent can never be ordered after this job's work:
@@ -1028,6 +1042,13 @@ impl Worker {
                         job.0
                     )));
                 };
+                if failpoint_armed("hang-before-staged-send") {
+                    tracing::warn!(
+                        job = job.0,
+                        "failpoint reached: the staged send goes behind a kernel that never ends"
+                    );
+                    self.driver.launch_hang_kernel(stream)?;
+                }
                 let ch = self.staging.as_mut().ok_or_else(|| {
                     Error::Protocol("a staged result without host staging".into())
                 })?;

@@ -59,6 +59,11 @@ pub(super) enum Step {
     /// The stream goes on once stream `slot` executed operation `seq` (a pool's internal
     /// dependency on a free).
     AfterStream { slot: usize, seq: u64 },
+    /// A kernel that never ends ([`Driver::launch_hang_kernel`]): never runnable, so the
+    /// stream stops here until the process goes away.
+    ///
+    /// [`Driver::launch_hang_kernel`]: crate::Driver::launch_hang_kernel
+    Hang,
 }
 
 struct Op {
@@ -266,6 +271,7 @@ fn runnable(step: &Step, machine: &Machine) -> bool {
                 || !Machine::alive(e.rec_pid)
         }),
         Step::AfterStream { slot, seq } => machine.with(|st| st.streams[slot].executed >= seq),
+        Step::Hang => false,
         _ => true,
     }
 }
@@ -348,7 +354,7 @@ fn run(shared: &Shared, local: &Mutex<Local>, machine: &Machine, delay_us: u64, 
                             e.completed = e.completed.max(n);
                         }
                     }
-                    Step::Wait { .. } | Step::Mark | Step::AfterStream { .. } => {}
+                    Step::Wait { .. } | Step::Mark | Step::AfterStream { .. } | Step::Hang => {}
                 }
                 let s = &mut st.streams[slot];
                 s.executed = s.executed.max(op.seq);

@@ -2309,6 +2309,19 @@ impl Driver for SimDriver {
         self.memset("cuMemsetD32Async", ptr, &value.to_le_bytes(), words, stream)
     }
 
+    fn launch_hang_kernel(&self, stream: StreamHandle) -> Result<()> {
+        const CALL: &str = "cuLaunchKernel";
+        self.check_context(CALL)?;
+        let mut l = self.local();
+        let l = &mut *l;
+        let (s, seq) = self.machine.with(|st| {
+            let s = self.stream_slot(l, st, CALL, stream)?;
+            Ok((s, st.tick(s)))
+        })?;
+        self.issue(s, seq, Step::Hang);
+        Ok(())
+    }
+
     fn launch_store_kernel(
         &self,
         address: DevicePtr,

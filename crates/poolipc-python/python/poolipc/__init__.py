@@ -931,7 +931,8 @@ class Parent:
         (a write faults); on host staging it changes only the worker's private copy.
         A flag count that differs from the inputs' is a ``ValueError``.
 
-        ``stream``: the stream READY is recorded on and which waits on the worker's DONE;
+        ``stream``: the stream READY is recorded on (it never waits on a worker's event: the
+        job ends once the worker's DONE completed, as the parent sees on the host);
         default: torch's current stream when torch tensors are lent, else the legacy default
         stream (0).
 
@@ -941,7 +942,7 @@ class Parent:
         GIL), with ``stream`` as torch's current stream; it must not wait on this parent (no
         ``run``, ``wait``, ``spawn`` or ``stop`` inside it). If it raises, the job fails with
         ``JobFailedError`` whose ``__cause__`` is its exception. Returned tensors are ordinary
-        torch tensors from the pool; torch's stream has waited on DONE, so they may be used at
+        torch tensors from the pool; the worker's DONE has completed, so they may be used at
         once on it.
 
         ``results``: where this job's results go when no ``alloc`` is given: ``"pool"`` (as
