@@ -157,6 +157,34 @@ both_drivers!(
 );
 
 both_drivers!(
+    fn a_worker_truncating_the_staging_memfd_is_refused_and_the_parent_lives(env) {
+        // Before the seals, the rogue's ftruncate made the parent's copy into the buffer a
+        // SIGBUS that killed this test process.
+        let p = parent(env, |o| o.canary = false)?;
+        let stream = p.driver().stream_create()?;
+        let good = p.spawn_worker(worker_command(env, None)?)?;
+        let rogue = p.spawn_worker(rogue_command(env, "staging-ftruncate")?)?;
+        let input = filled(&p, MIB, 0x0102_0304, stream)?;
+        let got = p.run_job(
+            rogue,
+            &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }],
+            stream,
+        );
+        println!("staging-ftruncate: {got:?}");
+        ensure!(
+            matches!(&got, Err(Error::JobFailed { worker, .. }) if *worker == rogue),
+            "{got:?}"
+        );
+        ensure!(p.worker(rogue).is_none(), "the rogue is still registered");
+        ensure!(echo_job(&p, good, stream)? == Rung::PoolPointer);
+        p.pool().free(input, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        p.stop_worker(good)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
     fn stop_kills_a_worker_that_ignores_bye_once_the_stop_timeout_passes(env) {
         let p = parent(env, |o| {
             o.canary = false;

@@ -17,6 +17,10 @@
 //! - `arena-carve-out-of-bounds`, `arena-carve-overlap`, `arena-carve-misaligned`: takes the
 //!   job's arena slice (the parent must lend one) and sends a `Done` naming carves out of it
 //!   that lie past its end, overlap, or start off the 512-byte alignment.
+//! - `staging-ftruncate`: offers no pool pointers (so the parent stages), and when the
+//!   staging buffer arrives tries to `ftruncate` its memfd to 0 bytes, says
+//!   `StagingReady`, waits for the parent's first chunk (which the parent wrote into the
+//!   buffer: a truncated file would have been a `SIGBUS` in the parent), then exits.
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -40,6 +44,9 @@ fn run() -> anyhow::Result<()> {
     if mode.starts_with("arena-") {
         caps = caps | Capabilities::VMM_ARENA;
     }
+    if mode == "staging-ftruncate" {
+        caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
+    }
     let config = HandshakeConfig {
         identity: poolipc::identity(&*driver, 0, caps)?,
         required: Capabilities::NONE,
@@ -51,6 +58,29 @@ fn run() -> anyhow::Result<()> {
             // Read and drop everything, Bye included; never exit.
             if conn.recv(deadline()).is_err() {
                 std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    if mode == "staging-ftruncate" {
+        let (bytes, fd) = loop {
+            match conn.recv(deadline())? {
+                (Message::StagingBuffer(b), mut fds) if fds.len() == 1 => {
+                    break (b.bytes, fds.remove(0));
+                }
+                (Message::Heartbeat { .. } | Message::ArenaChunk(_), _) => {}
+                (other, _) => anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind()),
+            }
+        };
+        match nix::unistd::ftruncate(&fd, 0) {
+            Ok(()) => eprintln!("poolipc-test-rogue: ftruncate of the staging memfd worked"),
+            Err(e) => eprintln!("poolipc-test-rogue: ftruncate of the staging memfd refused: {e}"),
+        }
+        conn.send(&Message::StagingReady { bytes }, &[], deadline())?;
+        loop {
+            match conn.recv(deadline())?.0 {
+                Message::Chunk(_) => std::process::exit(4),
+                Message::Heartbeat { .. } | Message::ArenaChunk(_) | Message::Lend(_) => {}
+                other => anyhow::bail!("rogue: expected a Chunk, got {}", other.kind()),
             }
         }
     }
