@@ -251,6 +251,34 @@ def test_an_exception_in_the_worker_fails_the_job_with_its_text(parent):
     assert parent.stop(w) == 0
 
 
+def _worker_environ(parent, report, **allow):
+    w = parent.spawn(py_worker_argv(), {"POOLIPC_TEST_MODE": "environ", **report.env}, **allow)
+    f = f32_buffer(parent, [1.0] * 4)
+    parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
+    assert parent.stop(w) == 0
+    (names,) = [line["environ"] for line in report.lines() if "environ" in line]
+    return set(names)
+
+
+def test_a_variable_not_on_the_env_allowlist_does_not_reach_the_worker(parent, report, monkeypatch):
+    monkeypatch.setenv("POOLIPC_TEST_ALLOWED", "1")  # POOLIPC_* is always kept
+    monkeypatch.setenv("FAKE_API_KEY_FOR_TEST", "sk-secret")
+    monkeypatch.setenv("HF_HOME_FOR_TEST", "/data/hf")
+    got = _worker_environ(parent, report, env_allowlist=["HF_HOME_FOR_TEST"])
+    assert "FAKE_API_KEY_FOR_TEST" not in got
+    assert {"HF_HOME_FOR_TEST", "POOLIPC_TEST_ALLOWED", "POOLIPC_TEST_MODE", "PATH"} <= got
+
+
+def test_without_an_env_allowlist_the_worker_inherits_the_whole_environment(parent, report, monkeypatch):
+    monkeypatch.setenv("FAKE_API_KEY_FOR_TEST", "sk-secret")
+    assert "FAKE_API_KEY_FOR_TEST" in _worker_environ(parent, report)
+
+
+def test_an_env_allowlist_given_as_a_string_is_a_type_error(parent):
+    with pytest.raises(TypeError, match="env_allowlist"):
+        parent.spawn(py_worker_argv(), env_allowlist="PATH")
+
+
 @pytest.mark.parametrize("mode", ["die-after-import", "die-after-grant"])
 def test_a_worker_killed_mid_job_fails_that_job_only(parent, mode):
     dying = spawn(parent, mode)

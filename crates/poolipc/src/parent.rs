@@ -1061,6 +1061,10 @@ impl Parent {
     /// The worker's stderr is a pipe read by a thread of this process, which copies it to
     /// this process's stderr as it comes and keeps its last few KiB for that report. The
     /// variables of [`Parent::on`]'s driver are set on `cmd`.
+    ///
+    /// The worker inherits this process's whole environment unless `cmd` was restricted
+    /// first with [`worker_env::restrict_env`](crate::worker_env::restrict_env) (an
+    /// allowlist; do that for workers you do not trust with your secrets).
     pub fn spawn_worker(&self, mut cmd: Command) -> Result<WorkerId, Error> {
         cmd.envs(self.worker_env.iter().map(|(k, v)| (k, v)))
             .stderr(std::process::Stdio::piped());

@@ -717,7 +717,10 @@ class Parent:
         return self._native.options()
 
     def spawn(
-        self, argv: Sequence[str | os.PathLike[str]], env: Mapping[str, str] | None = None
+        self,
+        argv: Sequence[str | os.PathLike[str]],
+        env: Mapping[str, str] | None = None,
+        env_allowlist: Iterable[str] | None = None,
     ) -> int:
         """Start ``argv`` as a worker (it inherits the socket; with ``POOLIPC_DRIVER=sim`` also
         the simulated machine) and shake hands; returns the worker id. The worker's
@@ -725,22 +728,41 @@ class Parent:
         ``"parent"`` when the worker's ``CUDA_VISIBLE_DEVICES`` differs, and it finds the
         device by UUID.
 
-        Raises ``TypeError`` for an ``argv`` that is a string (give a list), ``ValueError``
-        for an empty one, ``PoolipcError`` when the program cannot be started, exits, or is
-        refused during the handshake or the canary battery (the message says why).
+        The worker inherits this process's whole environment unless ``env_allowlist`` is
+        given: then it gets only the variables named there, plus ``env``, plus what every
+        worker keeps (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``, ``LD_LIBRARY_PATH``,
+        ``PYTHONPATH`` and every ``POOLIPC_*``, ``CUDA_*`` and ``LC_*``). Give a list (even an
+        empty one) to keep secrets such as API keys from a worker you do not trust.
+
+        Raises ``TypeError`` for an ``argv`` that is a string (give a list), or an
+        ``env_allowlist`` that is one; ``ValueError`` for an empty ``argv``; ``PoolipcError``
+        when the program cannot be started, exits, or is refused during the handshake or the
+        canary battery (the message says why).
         """
         if isinstance(argv, (str, bytes)):
             raise TypeError(
                 f"poolipc: argv must be a list of arguments, not a {type(argv).__name__} "
                 f"({argv!r}); write [{argv!r}]"
             )
-        return self._native.spawn([os.fspath(a) for a in argv], env)
+        allow = None
+        if env_allowlist is not None:
+            if isinstance(env_allowlist, (str, bytes)):
+                raise TypeError(
+                    "poolipc: env_allowlist must be a list of variable names, not a "
+                    f"{type(env_allowlist).__name__} ({env_allowlist!r})"
+                )
+            allow = [str(n) for n in env_allowlist]
+        return self._native.spawn([os.fspath(a) for a in argv], env, allow)
 
     def spawn_python(
-        self, script: str | os.PathLike[str], *args: str, env: Mapping[str, str] | None = None
+        self,
+        script: str | os.PathLike[str],
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        env_allowlist: Iterable[str] | None = None,
     ) -> int:
         """Start ``python script args...`` with this interpreter as a worker (see ``spawn``)."""
-        return self.spawn([sys.executable, script, *args], env)
+        return self.spawn([sys.executable, script, *args], env, env_allowlist)
 
     def listen(self, directory: str | os.PathLike[str] | None = None) -> NativeListener:
         """Listen for workers this process does not start (pyisolate's children, a service

@@ -243,8 +243,14 @@ class NativeParent:
         """Whether the process is on the simulated driver."""
     def options(self) -> ParentOptions:
         """The process parent's options."""
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
-        """Spawns ``argv`` as a worker; returns its id."""
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        env_allowlist: Sequence[str] | None = None,
+    ) -> int:
+        """Spawns ``argv`` as a worker; returns its id. With ``env_allowlist``, the worker
+        inherits only those variables (plus ``env`` and what poolipc keeps)."""
     def listen(self, directory: str | os.PathLike[str] | None = None) -> NativeListener:
         """Listens for workers this parent does not start."""
     def pid(self, worker: int) -> int | None:

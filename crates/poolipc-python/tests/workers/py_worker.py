@@ -18,6 +18,8 @@ linger            like echo, but ignores the parent's goodbye: it neither exits 
                   SIGTERM, so only a kill ends it
 typed-errors      asks for a result too large to count in bytes, then finishes the job from two
                   threads at once; reports what each raised (or "ok"), and echoes nothing
+environ           reports the names of its environment variables ({"environ": [...]}), then
+                  echoes
 write-inputs      writes 0xAB bytes at the start of every input view and reports, per input,
                   its rung, read_only and what the write raised; then echoes
 """
@@ -222,6 +224,8 @@ def main():
     worker = poolipc.Worker.connect() if os.environ.get(poolipc.CONNECT_ENV) else poolipc.Worker()
     with open(REPORT, "a") if REPORT else open(os.devnull, "w") as f:
         f.write(json.dumps({"started": True, "simulated": worker.simulated, "stream": worker.stream}) + "\n")
+    if MODE == "environ":
+        say({"environ": sorted(os.environ)})
     for job in worker:
         if MODE == "die-after-import":
             os.kill(os.getpid(), signal.SIGKILL)
