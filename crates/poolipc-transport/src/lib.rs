@@ -49,7 +49,9 @@ use poolipc_contract::message;
 mod scm;
 mod spawn;
 
-pub use codec::{DecodeError, EncodeError, FrameLimits, MAX_FRAME_LEN, PROTOCOL_VERSION};
+pub use codec::{
+    DecodeError, EncodeError, FrameLimits, MAX_FRAME_LEN, PROTOCOL_VERSION, check_lend,
+};
 pub use connection::{Connection, Direction, TransportError};
 pub use error::SetupError;
 pub use handshake::{

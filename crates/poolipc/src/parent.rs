@@ -1271,8 +1271,10 @@ impl Parent {
     /// Submits a job: lends `inputs` to `worker` (READY recorded on `stream`) and answers its
     /// result requests from the shared pool (allocated on `stream`). Returns at once; the
     /// handle's [`wait`](JobHandle::wait) gives the results, `stream` having waited on the
-    /// worker's DONE. A tensor that cannot be lent (negative strides, past its allocation)
-    /// fails the job with [`Error::InvalidTensor`] before anything reaches the worker.
+    /// worker's DONE. A tensor that cannot be lent (negative strides, past its allocation, a
+    /// dimension above `i64::MAX`), or a job too large for one message (more than 32
+    /// dimensions, more tensors than one frame holds: about 5000 of 2 dimensions) fails with
+    /// [`Error::InvalidTensor`] before anything reaches the worker.
     pub fn submit(
         &self,
         worker: WorkerId,
@@ -1314,6 +1316,13 @@ impl Parent {
                 .extent_bytes()
                 .map_err(|e| Error::InvalidTensor(format!("input {i}: {e}")))?;
         }
+        // A job whose Lend cannot be encoded fails here, not at the send (which would cost
+        // the worker its life).
+        poolipc_transport::check_lend(
+            inputs.iter().map(|input| input.desc.shape.len()),
+            poolipc_transport::FrameLimits::default(),
+        )
+        .map_err(|e| Error::InvalidTensor(format!("the job cannot be lent in one message: {e}")))?;
         self.shared.check_context()?;
         match self.shared.registered(worker) {
             None => return Err(Error::UnknownWorker(worker)),
