@@ -856,15 +856,21 @@ impl NativeParent {
     /// `path` and `env()` go to the worker process, which calls `Worker.connect(path)`;
     /// `accept(timeout)` gives each accepted worker's id.
     ///
+    /// With `token` (32 ASCII characters), every connection must present it before the
+    /// parent sends anything, and is dropped otherwise (`refused`); `env()` carries it to the
+    /// worker. With `once`, the listener takes one worker and closes.
+    ///
     /// Raises `ValueError` for a directory that is not private (another owner, group or
-    /// other bits) or a socket path that is not free; `PoolipcError` when the socket cannot
-    /// be made.
-    #[pyo3(signature = (directory = None))]
+    /// other bits), a socket path that is not free, or a bad token; `PoolipcError` when the
+    /// socket cannot be made.
+    #[pyo3(signature = (directory = None, token = None, once = false))]
     fn listen(
         &self,
         directory: Option<std::path::PathBuf>,
+        token: Option<String>,
+        once: bool,
     ) -> PyResult<crate::listen::NativeListener> {
-        crate::listen::NativeListener::open(Arc::clone(&self.g), directory)
+        crate::listen::NativeListener::open(Arc::clone(&self.g), directory, token, once)
     }
 
     /// The worker's process id; None for a worker this parent does not serve (stopped, lost)

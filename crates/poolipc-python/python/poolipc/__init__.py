@@ -136,6 +136,7 @@ Listener = NativeListener
 ``close()``."""
 
 CONNECT_ENV: Final = _native.CONNECT_ENV
+CONNECT_TOKEN_ENV: Final = _native.CONNECT_TOKEN_ENV
 """``POOLIPC_CONNECT``: where a worker started by someone else finds its parent's listener."""
 
 ALLOC_CONF: Final = "PYTORCH_CUDA_ALLOC_CONF"
@@ -764,7 +765,13 @@ class Parent:
         """Start ``python script args...`` with this interpreter as a worker (see ``spawn``)."""
         return self.spawn([sys.executable, script, *args], env, env_allowlist)
 
-    def listen(self, directory: str | os.PathLike[str] | None = None) -> NativeListener:
+    def listen(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        token: str | None = None,
+        once: bool = False,
+    ) -> NativeListener:
         """Listen for workers this process does not start (pyisolate's children, a service
         manager's): returns a ``Listener`` on a Unix socket in ``directory`` (it must be ours
         and mode 0700; None: a fresh private directory under ``$XDG_RUNTIME_DIR`` or the
@@ -776,12 +783,23 @@ class Parent:
         timeout=None)`` returns the next accepted worker's id, for ``run``/``submit``/``stop``
         as with ``spawn``. ``listener.close()`` stops accepting (workers taken go on).
 
-        Raises ``ValueError`` for a directory that is not private or a socket path that is
-        taken by something else, ``PoolipcError`` when the socket cannot be made.
+        The uid check keeps other users out, not other processes of ours. ``token`` (32 ASCII
+        characters, e.g. ``uuid.uuid4().hex``) makes the listener a capability: every
+        connection must present it first (``listener.env()`` carries it as
+        ``POOLIPC_CONNECT_TOKEN``, which ``Worker.connect()`` sends), or it is dropped before
+        the parent sends anything, the pool FD included (``listener.refused``,
+        ``listener.refused_count``). ``once=True``: the first connection with the token is
+        the only one; the listener then closes.
+
+        Raises ``ValueError`` for a directory that is not private, a socket path that is
+        taken by something else, or a token that is not 32 ASCII characters;
+        ``PoolipcError`` when the socket cannot be made.
         ``accept`` raises ``TimeoutError`` when no worker came in time and ``PoolipcError``
         for one that connected but was not taken (its handshake or canaries failed).
         """
-        return self._native.listen(None if directory is None else os.fspath(directory))
+        return self._native.listen(
+            None if directory is None else os.fspath(directory), token=token, once=once
+        )
 
     def pid(self, worker: int) -> int | None:
         """The worker's process id (None once it is stopped or lost); never waits for a job."""
@@ -1094,12 +1112,16 @@ class Worker:
 
     @classmethod
     def connect(
-        cls, path: str | os.PathLike[str] | None = None, device: int | str | None = None
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        device: int | str | None = None,
+        token: str | None = None,
     ) -> Worker:
         """The worker side of a process its parent did not start: connect to the parent's
         listening socket at ``path`` (``Parent.listen``; None: ``POOLIPC_CONNECT`` from the
         environment, which ``listener.env()`` sets), shake hands, and take jobs as any
-        worker does. ``device`` as for ``Worker()``.
+        worker does. ``device`` as for ``Worker()``. ``token``: the listener's token, sent
+        first (None: ``POOLIPC_CONNECT_TOKEN`` from the environment, if set).
 
         Raises ``ValueError`` for no path (none given and ``POOLIPC_CONNECT`` unset), a path
         too long for a Unix socket, or a bad ``device``; ``ConnectError`` when nothing
@@ -1115,7 +1137,9 @@ class Worker:
                 )
         ordinal, any_device = _worker_device(device)
         self = cls.__new__(cls)
-        self._native = _native.NativeWorker.connect(os.fspath(path), ordinal, any_device)
+        if token is None:
+            token = os.environ.get(CONNECT_TOKEN_ENV) or None
+        self._native = _native.NativeWorker.connect(os.fspath(path), ordinal, any_device, token)
         self.device = self._native.device
         return self
 

@@ -47,6 +47,7 @@ __all__ = [
     "mps_status",
     "DRIVER_ENV",
     "CONNECT_ENV",
+    "CONNECT_TOKEN_ENV",
     "__version__",
 ]
 
@@ -56,6 +57,8 @@ __version__: Final[str]
 """The package's version (the Rust crate's)."""
 CONNECT_ENV: Final[str]
 """The environment variable a worker reads a listener's path from (``POOLIPC_CONNECT``)."""
+CONNECT_TOKEN_ENV: Final[str]
+"""The environment variable a worker reads a listener's token from (``POOLIPC_CONNECT_TOKEN``)."""
 
 class PoolipcError(RuntimeError):
     """A poolipc operation failed; the message names the call and the reason."""
@@ -251,8 +254,14 @@ class NativeParent:
     ) -> int:
         """Spawns ``argv`` as a worker; returns its id. With ``env_allowlist``, the worker
         inherits only those variables (plus ``env`` and what poolipc keeps)."""
-    def listen(self, directory: str | os.PathLike[str] | None = None) -> NativeListener:
-        """Listens for workers this parent does not start."""
+    def listen(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        once: bool = False,
+    ) -> NativeListener:
+        """Listens for workers this parent does not start (with ``token``: only those that
+        present it; with ``once``: one)."""
     def pid(self, worker: int) -> int | None:
         """The worker's process id, or None."""
     def workers(self) -> list[int]:
@@ -417,9 +426,12 @@ class NativeWorker:
         """Whether the worker is on the simulated driver."""
     @staticmethod
     def connect(
-        path: str | os.PathLike[str], device: int | None = 0, any: bool = False
+        path: str | os.PathLike[str],
+        device: int | None = 0,
+        any: bool = False,
+        token: str | None = None,
     ) -> NativeWorker:
-        """Connects to a parent's listening socket."""
+        """Connects to a parent's listening socket (sending ``token`` first, if given)."""
     def next_job(self, concurrent: bool = False) -> Job | None:
         """Waits for the next job; None when the parent said goodbye."""
     def auto_take(self) -> None:
@@ -451,7 +463,10 @@ class NativeListener:
         """The socket's path."""
     @property
     def refused(self) -> list[str]:
-        """Peers refused before the handshake (another uid), in words."""
+        """Peers refused before the handshake (another uid, no token), in words: the first 32."""
+    @property
+    def refused_count(self) -> int:
+        """How many peers were refused before the handshake."""
     @property
     def closed(self) -> bool:
         """Whether the listener is closed."""
