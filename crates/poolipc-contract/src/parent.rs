@@ -11,8 +11,8 @@ use std::time::Duration;
 use crate::error::ContractError;
 use crate::message::{
     Ack, AllocationGrant, ArenaLocation, CarvedResult, Done, ErrorCode, Lend, LentSlice,
-    LentTensor, MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST, Message, ResultGrant,
-    ResultRequest, ResultSpec, TensorMeta,
+    LentTensor, MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST, Message, ResultGrant, ResultRequest,
+    ResultSpec, TensorMeta,
 };
 use crate::mutation::Mutation;
 use crate::types::{
@@ -1085,7 +1085,8 @@ impl Parent {
             Message::Ack(a) => self.on_ack(worker, a),
             Message::JobError { job, message } => match self.jobs.get_mut(&(worker, job)) {
                 Some(j) => {
-                    j.error.get_or_insert_with(|| crate::text::worker_text(&message));
+                    j.error
+                        .get_or_insert_with(|| crate::text::worker_text(&message));
                     j.deadline = now.saturating_add(self.config.handoff_timeout);
                 }
                 None => self.violation(worker, format!("a JobError for {job}, which is not open")),

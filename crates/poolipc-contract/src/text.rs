@@ -59,19 +59,28 @@ mod tests {
 
     #[test]
     fn worker_text_is_marked_as_the_workers() {
-        assert_eq!(worker_text("ValueError: bad"), "worker says: ValueError: bad");
+        assert_eq!(
+            worker_text("ValueError: bad"),
+            "worker says: ValueError: bad"
+        );
     }
 
     #[test]
     fn control_characters_are_replaced_but_tabs_are_kept() {
         let got = worker_text("a\x1b[31mred\x07\tb\u{85}c\u{7f}\r");
-        assert_eq!(got, "worker says: a\u{FFFD}[31mred\u{FFFD}\tb\u{FFFD}c\u{FFFD}\u{FFFD}");
-        assert!(!got.chars().any(|c| is_unsafe_char(c)));
+        assert_eq!(
+            got,
+            "worker says: a\u{FFFD}[31mred\u{FFFD}\tb\u{FFFD}c\u{FFFD}\u{FFFD}"
+        );
+        assert!(!got.chars().any(is_unsafe_char));
     }
 
     #[test]
     fn bidirectional_overrides_are_replaced() {
-        assert_eq!(worker_text("x\u{202E}y\u{2066}z"), "worker says: x\u{FFFD}y\u{FFFD}z");
+        assert_eq!(
+            worker_text("x\u{202E}y\u{2066}z"),
+            "worker says: x\u{FFFD}y\u{FFFD}z"
+        );
     }
 
     #[test]

@@ -132,7 +132,10 @@ fn the_staging_file_is_sealed_so_the_other_side_cannot_resize_it() {
     let buf = SharedHostBuffer::create(8192).unwrap();
     // What a rogue worker holding the received FD would try: the kernel refuses both.
     let fd = buf.fd().try_clone_to_owned().unwrap();
-    assert_eq!(nix::unistd::ftruncate(&fd, 0), Err(nix::errno::Errno::EPERM));
+    assert_eq!(
+        nix::unistd::ftruncate(&fd, 0),
+        Err(nix::errno::Errno::EPERM)
+    );
     assert_eq!(
         nix::unistd::ftruncate(&fd, 1 << 20),
         Err(nix::errno::Errno::EPERM)
@@ -154,11 +157,8 @@ fn the_staging_file_is_sealed_so_the_other_side_cannot_resize_it() {
 
 #[test]
 fn from_fd_refuses_a_file_not_sealed_against_resizing() {
-    let fd = nix::sys::memfd::memfd_create(
-        "unsealed",
-        nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
-    )
-    .unwrap();
+    let fd =
+        nix::sys::memfd::memfd_create("unsealed", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
     nix::unistd::ftruncate(&fd, 4096).unwrap();
     let err = SharedHostBuffer::from_fd(fd, 4096).unwrap_err();
     assert!(

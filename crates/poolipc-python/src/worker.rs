@@ -101,7 +101,10 @@ fn thread_main(
                 })
                 .and_then(|mut conn| match token {
                     Some(t) => conn.send_token(t, deadline).map(|()| conn).map_err(|e| {
-                        format!("{CONNECT_REFUSED}: sending the token to {}: {e}", path.display())
+                        format!(
+                            "{CONNECT_REFUSED}: sending the token to {}: {e}",
+                            path.display()
+                        )
                     }),
                     None => Ok(conn),
                 })

@@ -1196,9 +1196,14 @@ mod bound_tests {
                     bytes: 5,
                 }),
             });
-            let len = encode(&lend, FrameLimits::default()).expect("encodes").len();
+            let len = encode(&lend, FrameLimits::default())
+                .expect("encodes")
+                .len();
             let bound = LEND_FIXED_WIRE_MAX
-                + ndims.iter().map(|&d| lent_tensor_wire_max(d)).sum::<usize>();
+                + ndims
+                    .iter()
+                    .map(|&d| lent_tensor_wire_max(d))
+                    .sum::<usize>();
             assert_eq!(len, bound, "{ndims:?}");
             check_lend(ndims.iter().copied(), FrameLimits::default()).expect("fits");
         }
@@ -1209,10 +1214,25 @@ mod bound_tests {
         let err = check_lend(std::iter::repeat_n(2, 7000), FrameLimits::default()).unwrap_err();
         assert!(matches!(err, EncodeError::TooLarge { .. }), "{err}");
         let err = check_lend([MAX_DIMS + 1].into_iter(), FrameLimits::default()).unwrap_err();
-        assert!(matches!(err, EncodeError::FieldTooLong { field: "shape", .. }), "{err}");
-        let err =
-            check_lend(std::iter::repeat_n(0, MAX_BATCH + 1), FrameLimits::default()).unwrap_err();
-        assert!(matches!(err, EncodeError::FieldTooLong { field: "tensors", .. }), "{err}");
+        assert!(
+            matches!(err, EncodeError::FieldTooLong { field: "shape", .. }),
+            "{err}"
+        );
+        let err = check_lend(
+            std::iter::repeat_n(0, MAX_BATCH + 1),
+            FrameLimits::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EncodeError::FieldTooLong {
+                    field: "tensors",
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 
     #[test]

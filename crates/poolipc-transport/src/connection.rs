@@ -601,7 +601,12 @@ impl Connection {
                 Err(errno @ (Errno::EPIPE | Errno::ECONNRESET)) => {
                     return Err(TransportError::PeerGone { errno });
                 }
-                Err(errno) => return Err(TransportError::Io { op: "sendmsg", errno }),
+                Err(errno) => {
+                    return Err(TransportError::Io {
+                        op: "sendmsg",
+                        errno,
+                    });
+                }
             }
         }
         Ok(())
@@ -635,7 +640,12 @@ impl Connection {
                 Ok(r) => have += r.bytes,
                 Err(Errno::EAGAIN) => wait(self.sock.as_fd(), PollFlags::POLLIN, deadline)?,
                 Err(errno @ Errno::ECONNRESET) => return Err(TransportError::PeerGone { errno }),
-                Err(errno) => return Err(TransportError::Io { op: "recvmsg", errno }),
+                Err(errno) => {
+                    return Err(TransportError::Io {
+                        op: "recvmsg",
+                        errno,
+                    });
+                }
             }
         }
         let diff = got

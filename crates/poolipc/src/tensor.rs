@@ -64,7 +64,12 @@ impl TensorDesc {
             )));
         }
         // Frameworks hold sizes as i64 (torch, DLPack): a larger one cannot be described.
-        if let Some((k, d)) = self.shape.iter().enumerate().find(|(_, d)| **d > i64::MAX as u64) {
+        if let Some((k, d)) = self
+            .shape
+            .iter()
+            .enumerate()
+            .find(|(_, d)| **d > i64::MAX as u64)
+        {
             return Err(Error::InvalidTensor(format!(
                 "dimension {k} is {d}, above i64::MAX"
             )));

@@ -72,7 +72,9 @@ fn run() -> anyhow::Result<()> {
                     break (b.bytes, fds.remove(0));
                 }
                 (Message::Heartbeat { .. } | Message::ArenaChunk(_), _) => {}
-                (other, _) => anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind()),
+                (other, _) => {
+                    anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind())
+                }
             }
         };
         match nix::unistd::ftruncate(&fd, 0) {

@@ -887,9 +887,10 @@ fn a_request_for_more_results_than_a_grant_can_carry_is_refused_whole_and_the_wo
     .expect("request");
     let actions = drain_parent(&mut p);
     assert!(
-        !actions
-            .iter()
-            .any(|a| matches!(a, ParentAction::AllocateResult { .. } | ParentAction::KillWorker { .. })),
+        !actions.iter().any(|a| matches!(
+            a,
+            ParentAction::AllocateResult { .. } | ParentAction::KillWorker { .. }
+        )),
         "nothing allocated, nobody killed"
     );
     let Some(Message::AllocationGrant(g)) = sent_messages(&actions).pop() else {
