@@ -28,7 +28,7 @@ pub fn worker_text(raw: &str) -> String {
     out.push_str(WORKER_SAYS);
     const ELLIPSIS: &str = "…";
     let budget = MAX_SHOWN_LEN - ELLIPSIS.len();
-    let raw = raw.strip_suffix('\n').unwrap_or(raw);
+    let raw = raw.trim_end_matches(['\n', '\r']);
     let mut chars = raw.chars().peekable();
     while let Some(c) = chars.next() {
         let piece: &str = match c {
@@ -86,7 +86,7 @@ mod tests {
     #[test]
     fn continuation_lines_are_indented_so_they_cannot_pass_for_the_parents() {
         assert_eq!(
-            worker_text("Traceback:\r\nERROR poolipc: forged\n"),
+            worker_text("Traceback:\r\nERROR poolipc: forged\r\n"),
             "worker says: Traceback:\n    ERROR poolipc: forged"
         );
     }

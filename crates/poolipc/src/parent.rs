@@ -1229,7 +1229,7 @@ impl Parent {
                     if !r.reachable {
                         tracing::info!(
                             pool_device = pool.device(),
-                            reason = %r.reason,
+                            reason = %poolipc_contract::worker_text(&r.reason),
                             "the worker cannot use this pool: its tensors go by host staging"
                         );
                     }
