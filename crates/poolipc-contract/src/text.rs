@@ -67,10 +67,10 @@ mod tests {
 
     #[test]
     fn control_characters_are_replaced_but_tabs_are_kept() {
-        let got = worker_text("a\x1b[31mred\x07\tb\u{85}c\u{7f}\r");
+        let got = worker_text("a\x1b[31mred\x07\tb\u{85}c\u{7f}\rd");
         assert_eq!(
             got,
-            "worker says: a\u{FFFD}[31mred\u{FFFD}\tb\u{FFFD}c\u{FFFD}\u{FFFD}"
+            "worker says: a\u{FFFD}[31mred\u{FFFD}\tb\u{FFFD}c\u{FFFD}\u{FFFD}d"
         );
         assert!(!got.chars().any(is_unsafe_char));
     }

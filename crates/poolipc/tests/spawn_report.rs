@@ -60,14 +60,19 @@ fn a_dead_workers_last_words_reach_the_error_without_control_characters() {
     )
     .expect("parent");
     let mut cmd = Command::new("sh");
-    cmd.args(["-c", "printf 'fine\\033[2J\\033]0;title\\007\\rover\\n' >&2; exit 1"]);
+    cmd.args([
+        "-c",
+        "printf 'fine\\033[2J\\033]0;title\\007\\rover\\n' >&2; exit 1",
+    ]);
     let e = parent.spawn_worker(cmd).expect_err("the worker exits");
     let Error::WorkerExited { stderr, .. } = e else {
         panic!("expected WorkerExited, got {e:?}");
     };
     assert!(stderr.starts_with("worker says: fine"), "{stderr:?}");
     assert!(
-        !stderr.chars().any(|c| c.is_control() && c != '\n' && c != '\t'),
+        !stderr
+            .chars()
+            .any(|c| c.is_control() && c != '\n' && c != '\t'),
         "{stderr:?}"
     );
 }
