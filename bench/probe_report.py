@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where a round trip's time goes: merges the marks that `POOLIPC_PROBE=DIR` made processes
-write (`DIR/probe-<pid>.txt`, `<ns> <label>` lines, one clock for all processes) into one
+write (`DIR/probe-<pid>-<n>.txt`, `<ns> <label>` lines, one clock for all processes) into one
 timeline, cuts it into round trips (`rt.begin` … `rt.synced`, marked by `poolipc bench`), and
 prints, for the round trips [--skip, --skip + --count) that share the most common sequence of
 marks, the median time of each step (the time from the mark before to this one).

@@ -12,11 +12,17 @@ Format (see ``poolipc_workers.example.json``)::
 
     {"workers": {
         "example": ["{python}", "{pack}/example_worker.py"],
-        "upscale": {"argv": ["/opt/esrgan/bin/python", "/srv/upscale.py"], "env": {"OMP_NUM_THREADS": "4"}}
+        "upscale": {"argv": ["/opt/esrgan/bin/python", "/srv/upscale.py"], "env": {"OMP_NUM_THREADS": "4"},
+                    "env_allowlist": ["HF_HOME"]}
     }}
 
 ``{python}`` is ComfyUI's interpreter, ``{pack}`` this folder. The shipped example worker is
 always available as ``example`` unless the file defines that name itself.
+
+A worker does not inherit ComfyUI's environment (which may hold API keys): it gets ``env``,
+the variables its ``env_allowlist`` names, and what every worker keeps (``PATH``, ``HOME``,
+``TMPDIR``, ``LANG``, ``LD_LIBRARY_PATH``, ``PYTHONPATH``, ``POOLIPC_*``, ``CUDA_*``, ``LC_*``).
+``"env_allowlist": "*"`` gives it the whole environment, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import sys
 from dataclasses import dataclass, field
 
 ENV_FILE = "POOLIPC_WORKERS_FILE"
+INHERIT_ALL = "*"
 FILE_NAME = "poolipc_workers.json"
 DEFAULT_NAME = "example"
 PACK_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -38,13 +45,15 @@ class WorkerConfigError(RuntimeError):
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """A configured worker: its name, command line and extra environment, and where it came
-    from (a file path, or ``built-in``)."""
+    """A configured worker: its name, command line, extra environment, the names of
+    ComfyUI's variables it inherits (``None``: all of them), and where it came from (a file
+    path, or ``built-in``)."""
 
     name: str
     argv: tuple
     env: dict = field(default_factory=dict)
     source: str = "built-in"
+    env_allowlist: tuple | None = ()
 
 
 def _builtin() -> dict:
@@ -98,19 +107,30 @@ def _parse_entry(path: str, name, entry) -> WorkerSpec:
     where = f"poolipc: {path}: worker {name!r}"
     if not isinstance(name, str) or not name.strip():
         raise WorkerConfigError(f"{where}: a worker name must be a non-empty string")
-    env = {}
+    env, allow = {}, []
     if isinstance(entry, dict):
-        unknown = set(entry) - {"argv", "env"}
+        unknown = set(entry) - {"argv", "env", "env_allowlist"}
         if unknown:
-            raise WorkerConfigError(f"{where}: unknown keys {sorted(unknown)} (allowed: argv, env)")
+            raise WorkerConfigError(
+                f"{where}: unknown keys {sorted(unknown)} (allowed: argv, env, env_allowlist)"
+            )
         argv, env = entry.get("argv"), entry.get("env") or {}
+        allow = entry.get("env_allowlist", [])
     else:
         argv = entry
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
         raise WorkerConfigError(f"{where}: argv must be a non-empty list of non-empty strings")
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise WorkerConfigError(f"{where}: env must map strings to strings")
-    return WorkerSpec(name, tuple(_expand(a) for a in argv), dict(env), path)
+    if allow == INHERIT_ALL:
+        allow = None
+    elif not isinstance(allow, list) or not all(isinstance(a, str) and a for a in allow):
+        raise WorkerConfigError(
+            f'{where}: env_allowlist must be a list of variable names, or "{INHERIT_ALL}" for all'
+        )
+    else:
+        allow = tuple(allow)
+    return WorkerSpec(name, tuple(_expand(a) for a in argv), dict(env), path, allow)
 
 
 def load() -> dict:

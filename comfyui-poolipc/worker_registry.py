@@ -126,7 +126,8 @@ class Registry:
     def _spawn(self, spec, device):
         parent = self._parent_for(device)
         env = dict(spec.env) if spec.env else None
-        worker = parent.spawn(list(spec.argv), env=env)
+        allow = None if spec.env_allowlist is None else list(spec.env_allowlist)
+        worker = parent.spawn(list(spec.argv), env=env, env_allowlist=allow)
         try:
             pid = parent.pid(worker)
         except Exception:  # noqa: BLE001 - for the log only

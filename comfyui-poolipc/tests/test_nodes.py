@@ -104,6 +104,7 @@ def test_the_worker_file_is_found_in_a_comfyui_without_get_user_directory(comfy,
         (json.dumps({"workers": {"x": "/bin/sh -c id"}}), "argv must be a non-empty list"),
         (json.dumps({"workers": {"x": {"argv": ["a"], "shell": True}}}), "unknown keys"),
         (json.dumps(["a"]), "expected"),
+        (json.dumps({"workers": {"x": {"argv": ["a"], "env_allowlist": "HF_HOME"}}}), "env_allowlist must be"),
     ],
 )
 def test_a_broken_worker_file_refuses_every_start_naming_the_file(comfy, tmp_path, content, fault):
@@ -112,6 +113,20 @@ def test_a_broken_worker_file_refuses_every_start_naming_the_file(comfy, tmp_pat
         start("example")
     assert str(tmp_path / "workers.json") in str(e.value)
     assert spawned() == []
+
+
+def test_a_configured_worker_inherits_only_its_allowlist_by_default(comfy, tmp_path):
+    import poolipc
+
+    (tmp_path / "workers.json").write_text(json.dumps({"workers": {
+        "sleeper": SLEEPER,
+        "hf": {"argv": SLEEPER, "env_allowlist": ["HF_HOME"]},
+        "all": {"argv": SLEEPER, "env_allowlist": "*"},
+    }}))
+    start("sleeper", node="1")
+    start("hf", node="2")
+    start("all", node="3")
+    assert [a for p in poolipc.Parent.instances for a in p.allowlists] == [[], ["HF_HOME"], None]
 
 
 def test_a_missing_POOLIPC_WORKERS_FILE_is_an_error_not_a_fallback(comfy, monkeypatch, tmp_path):

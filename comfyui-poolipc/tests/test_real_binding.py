@@ -78,6 +78,53 @@ def test_on_the_real_binding_workers_are_replaced_respawned_and_freed(tmp_path):
     assert "had died; started a new one" in p.stderr
 
 
+ENVIRON = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO)
+sys.path[:0] = [{fakes!r}, {tests!r}]
+import poolipc
+poolipc.install_pool(0)
+from conftest import load_pack, set_startup
+set_startup("installed", 0)
+load_pack()
+nodes = sys.modules["comfyui-poolipc.nodes"]
+import comfy.model_management as mm
+for i, name in enumerate(["plain", "hf", "all"]):
+    h = nodes.PoolipcStartWorker().start(name, unique_id=str(i))[0]
+    h.registry.acquire(h)
+mm.unload_all_models()
+print("DONE")
+"""
+
+ENV_WORKER = (
+    "import json, os, poolipc; "
+    "open(os.environ['ENV_REPORT'], 'w').write(json.dumps(sorted(os.environ))); "
+    "[j.finish() for j in poolipc.Worker()]"
+)
+
+
+def test_on_the_real_binding_comfyuis_api_keys_do_not_reach_a_worker(tmp_path):
+    def worker(name, **extra):
+        return {"argv": ["{python}", "-c", ENV_WORKER], "env": {"ENV_REPORT": str(tmp_path / name)}, **extra}
+
+    (tmp_path / "w.json").write_text(json.dumps({"workers": {
+        "plain": worker("plain"),
+        "hf": worker("hf", env_allowlist=["HF_TOKEN_FOR_TEST"]),
+        "all": worker("all", env_allowlist="*"),
+    }}))
+    (tmp_path / "user").mkdir()
+    env = subprocess_env(**SIM, POOLIPC_WORKERS_FILE=tmp_path / "w.json", FAKE_COMFY_USER_DIR=tmp_path / "user",
+                         FAKE_API_KEY_FOR_TEST="sk-secret", HF_TOKEN_FOR_TEST="hf-token")
+    code = ENVIRON.format(fakes=str(FAKES), tests=str(TESTS))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "DONE" in p.stdout, p.stdout + p.stderr
+    got = {n: set(json.loads((tmp_path / n).read_text())) for n in ("plain", "hf", "all")}
+    assert "FAKE_API_KEY_FOR_TEST" not in got["plain"] and "HF_TOKEN_FOR_TEST" not in got["plain"]
+    assert "FAKE_API_KEY_FOR_TEST" not in got["hf"] and "HF_TOKEN_FOR_TEST" in got["hf"]
+    assert {"FAKE_API_KEY_FOR_TEST", "HF_TOKEN_FOR_TEST"} <= got["all"]
+    assert {"PATH", "ENV_REPORT", "POOLIPC_DRIVER"} <= got["plain"]
+
+
 def comfy_cuda_free_memory(torch, dev):
     """ComfyUI's free-VRAM figure: `get_free_memory(dev, torch_free_too=True)` of
     `comfy/model_management.py`, its CUDA branch (the one cudaMallocAsync takes), copied

@@ -157,6 +157,100 @@ both_drivers!(
 );
 
 both_drivers!(
+    fn a_worker_truncating_the_staging_memfd_is_refused_and_the_parent_lives(env) {
+        // Before the seals, the rogue's ftruncate made the parent's copy into the buffer a
+        // SIGBUS that killed this test process.
+        let p = parent(env, |o| o.canary = false)?;
+        let stream = p.driver().stream_create()?;
+        let good = p.spawn_worker(worker_command(env, None)?)?;
+        let rogue = p.spawn_worker(rogue_command(env, "staging-ftruncate")?)?;
+        let input = filled(&p, MIB, 0x0102_0304, stream)?;
+        let got = p.run_job(
+            rogue,
+            &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }],
+            stream,
+        );
+        println!("staging-ftruncate: {got:?}");
+        ensure!(
+            matches!(&got, Err(Error::JobFailed { worker, .. }) if *worker == rogue),
+            "{got:?}"
+        );
+        ensure!(p.worker(rogue).is_none(), "the rogue is still registered");
+        ensure!(echo_job(&p, good, stream)? == Rung::PoolPointer);
+        p.pool().free(input, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        p.stop_worker(good)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_job_too_large_to_lend_is_refused_at_submit_and_the_worker_takes_the_next(env) {
+        let p = parent(env, |o| o.canary = false)?;
+        let stream = p.driver().stream_create()?;
+        let worker = p.spawn_worker(worker_command(env, None)?)?;
+        let input = filled(&p, MIB, 0x0102_0304, stream)?;
+        let one = |shape: &[u64]| Input {
+            ptr: input,
+            desc: TensorDesc::contiguous(DType::U8, shape),
+            read_only: true,
+        };
+        let many = vec![one(&[4]); 7000];
+        let too_many_dims = [one(&[1; 33])];
+        let huge_dim = [one(&[1u64 << 63, 0])];
+        for (what, inputs) in [
+            ("7000 inputs", &many[..]),
+            ("33 dimensions", &too_many_dims[..]),
+            ("a dimension above i64::MAX", &huge_dim[..]),
+        ] {
+            match p.submit(worker, inputs, stream) {
+                Err(Error::InvalidTensor(why)) => println!("{what}: {why}"),
+                Err(e) => bail!("{what}: {e}"),
+                Ok(_) => bail!("{what}: submitted"),
+            }
+        }
+        ensure!(p.stats().workers_lost == 0, "{:?}", p.stats());
+        ensure!(echo_job(&p, worker, stream)? == Rung::PoolPointer);
+        p.pool().free(input, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        let status = p.stop_worker(worker)?;
+        ensure!(status.is_some_and(|s| s.success()), "worker exit: {status:?}");
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_result_request_too_large_to_grant_is_refused_and_the_worker_lives(env) {
+        let p = parent(env, |o| o.canary = false)?;
+        let stream = p.driver().stream_create()?;
+        let good = p.spawn_worker(worker_command(env, None)?)?;
+        let rogue = p.spawn_worker(rogue_command(env, "results-too-many")?)?;
+        let input = filled(&p, MIB, 0x0102_0304, stream)?;
+        let got = p.run_job(
+            rogue,
+            &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }],
+            stream,
+        );
+        // The rogue reports the refusal as its job's error: it got the grant, alive.
+        match got {
+            Err(Error::Worker { message, .. }) => ensure!(
+                message.contains("refused with limit exceeded") && message.contains("at most 4096"),
+                "{message}"
+            ),
+            other => bail!("the rogue's job gave {other:?}"),
+        }
+        ensure!(p.stats().workers_lost == 0, "{:?}", p.stats());
+        ensure!(echo_job(&p, good, stream)? == Rung::PoolPointer);
+        p.pool().free(input, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        p.stop_worker(good)?;
+        let status = p.stop_worker(rogue)?;
+        ensure!(status.is_some_and(|s| s.success()), "rogue exit: {status:?}");
+        Ok(())
+    }
+);
+
+both_drivers!(
     fn stop_kills_a_worker_that_ignores_bye_once_the_stop_timeout_passes(env) {
         let p = parent(env, |o| {
             o.canary = false;

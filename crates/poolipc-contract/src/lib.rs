@@ -52,6 +52,7 @@ pub mod message;
 mod mutation;
 mod parent;
 pub mod sim;
+pub mod text;
 mod types;
 pub mod typestate;
 mod worker;
@@ -64,8 +65,9 @@ pub use invariant::{Invariant, Violation};
 pub use message::{
     Ack, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities, CarvedResult,
     Chunk, DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice,
-    LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
-    ResultRequest, ResultSpec, StagingBuffer, TensorMeta, VmmShare,
+    LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST,
+    MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer,
+    TensorMeta, VmmShare,
 };
 pub use parent::{
     FailReason, InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent, SliceLoan,
@@ -74,5 +76,6 @@ pub use poolipc_types::{
     ARENA_ALIGN, AllocId, CHUNK_BYTES, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId,
     ImportLimit, JobId, MAX_CHUNKS, RequestId, Rung, Span, WorkerId,
 };
+pub use text::worker_text;
 pub use types::{Outcome, Purpose, Timestamp, dense_bytes};
 pub use worker::{Worker, WorkerAction};

@@ -21,6 +21,17 @@ pub const MAX_TEXT_LEN: usize = 1024;
 /// can be larger than its wire form (a refused grant is 5 bytes on the wire, ~150 in memory).
 pub const MAX_BATCH: usize = 8192;
 
+/// The most results one [`ResultRequest`] may ask for. The parent refuses every result of a
+/// longer request ([`ErrorCode::LIMIT`]) instead of granting it: its answer, an
+/// [`AllocationGrant`] of one entry per result, must fit one frame (the transport's cap, 1 MiB):
+/// 4096 entries of at most 205 bytes each (a pool-pointer grant is 147, a refusal 5 plus its
+/// text of at most [`MAX_REFUSAL_TEXT_LEN`]) take 840 KB. The transport's tests check it.
+pub const MAX_RESULTS_PER_REQUEST: usize = 4096;
+
+/// The longest refusal text in an [`AllocationGrant`], in bytes: longer ones are cut (on a
+/// character boundary), so that a grant of [`MAX_RESULTS_PER_REQUEST`] refusals fits a frame.
+pub const MAX_REFUSAL_TEXT_LEN: usize = 200;
+
 /// The most devices an [`Identity`] may list.
 pub const MAX_DEVICES: usize = 64;
 
@@ -439,6 +450,8 @@ impl ErrorCode {
     pub const CANCELLED: Self = Self(9);
     /// An internal failure of the sender.
     pub const INTERNAL: Self = Self(10);
+    /// A limit of the protocol was exceeded (too many results in one request).
+    pub const LIMIT: Self = Self(11);
 
     /// The known name, if any.
     pub fn name(self) -> Option<&'static str> {
@@ -454,6 +467,7 @@ impl ErrorCode {
             Self::OVER_IMPORT_LIMIT => "over import limit",
             Self::CANCELLED => "cancelled",
             Self::INTERNAL => "internal",
+            Self::LIMIT => "limit exceeded",
             _ => return None,
         })
     }

@@ -11,7 +11,8 @@ use std::time::Duration;
 use crate::error::ContractError;
 use crate::message::{
     Ack, AllocationGrant, ArenaLocation, CarvedResult, Done, ErrorCode, Lend, LentSlice,
-    LentTensor, Message, ResultGrant, ResultRequest, ResultSpec, TensorMeta,
+    LentTensor, MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST, Message, ResultGrant, ResultRequest,
+    ResultSpec, TensorMeta,
 };
 use crate::mutation::Mutation;
 use crate::types::{
@@ -1085,13 +1086,15 @@ impl Parent {
             Message::Ack(a) => self.on_ack(worker, a),
             Message::JobError { job, message } => match self.jobs.get_mut(&(worker, job)) {
                 Some(j) => {
-                    j.error.get_or_insert(message);
+                    j.error
+                        .get_or_insert_with(|| crate::text::worker_text(&message));
                     j.deadline = now.saturating_add(self.config.handoff_timeout);
                 }
                 None => self.violation(worker, format!("a JobError for {job}, which is not open")),
             },
             Message::Heartbeat { .. } => {}
             Message::Error { code, message } => {
+                let message = crate::text::worker_text(&message);
                 self.violation(worker, format!("the worker reported: {code}: {message}"));
             }
             other => {
@@ -1144,6 +1147,16 @@ impl Parent {
             }
         }
         let cancelled = j.cancelled;
+        // A grant for more results than this would not fit a frame: refuse them all (the
+        // refusals are short), and the worker goes on.
+        let too_many = (results.len() > MAX_RESULTS_PER_REQUEST).then(|| Answer::Refused {
+            code: ErrorCode::LIMIT,
+            message: format!(
+                "a request may ask for at most {MAX_RESULTS_PER_REQUEST} results; this one asked \
+                 for {}",
+                results.len()
+            ),
+        });
         let mut batch = Batch {
             requests: Vec::with_capacity(results.len()),
             answers: vec![None; results.len()],
@@ -1154,6 +1167,8 @@ impl Parent {
             batch.requests.push(request);
             if cancelled {
                 batch.answers[index] = Some(cancelled_refusal());
+            } else if let Some(refusal) = &too_many {
+                batch.answers[index] = Some(refusal.clone());
             } else if self.mutated(Mutation::GrantBeforeAllocation) {
                 // Test-only bug: grant memory nobody allocated.
                 batch.answers[index] = Some(Answer::Allocated {
@@ -1363,7 +1378,8 @@ impl Parent {
                         },
                     });
                 }
-                Some(Answer::Refused { code, message }) => {
+                Some(Answer::Refused { code, mut message }) => {
+                    cut_text(&mut message, MAX_REFUSAL_TEXT_LEN);
                     results.push(ResultGrant::Refused { code, message });
                 }
                 None => {}
@@ -1705,6 +1721,17 @@ impl Parent {
             self.actions
                 .push_back(ParentAction::WorkerRemoved { worker });
         }
+    }
+}
+
+/// Cuts `text` to at most `max` bytes, on a character boundary.
+fn cut_text(text: &mut String, max: usize) {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
     }
 }
 

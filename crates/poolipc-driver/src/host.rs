@@ -16,6 +16,14 @@
 //! records `filled` / `drained` events for that). The host accessors
 //! ([`read_at`](SharedHostBuffer::read_at), [`write_at`](SharedHostBuffer::write_at)) are not
 //! ordered with stream work at all: synchronize first.
+//!
+//! # Seals
+//!
+//! The creator seals the memfd at its size (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`)
+//! before it maps it, and [`from_fd`](SharedHostBuffer::from_fd) refuses a file without the
+//! shrink and grow seals. So the other process, however it behaves, cannot `ftruncate` the
+//! file under a mapping (which would make every access past the new end a `SIGBUS` in the
+//! process that reads it): the kernel refuses the call with `EPERM`.
 
 use std::ffi::c_void;
 use std::num::NonZeroUsize;
@@ -23,6 +31,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use nix::fcntl::{FcntlArg, SealFlag, fcntl};
 use nix::sys::memfd::{MFdFlags, memfd_create};
 use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
 
@@ -36,6 +45,11 @@ fn os(call: &'static str, e: nix::Error) -> DriverError {
         source: std::io::Error::from_raw_os_error(e as i32),
     }
 }
+
+/// The seals the creator adds: the size is fixed and no further seal can be added or removed.
+const SEALS: SealFlag = SealFlag::F_SEAL_SHRINK
+    .union(SealFlag::F_SEAL_GROW)
+    .union(SealFlag::F_SEAL_SEAL);
 
 /// What the buffer tracks once registered.
 struct Registration {
@@ -75,20 +89,37 @@ impl SharedHostBuffer {
     /// A new memfd (`MFD_CLOEXEC`) of `len` bytes, mapped `MAP_SHARED`.
     pub fn create(len: usize) -> Result<SharedHostBuffer> {
         let n = Self::nonzero("memfd_create", len)?;
-        let fd = memfd_create("poolipc-staging", MFdFlags::MFD_CLOEXEC)
-            .map_err(|e| os("memfd_create", e))?;
+        let fd = memfd_create(
+            "poolipc-staging",
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .map_err(|e| os("memfd_create", e))?;
         let size = libc::off_t::try_from(len).map_err(|_| DriverError::InvalidArgument {
             call: "ftruncate",
             reason: format!("{len} bytes do not fit off_t"),
         })?;
         nix::unistd::ftruncate(&fd, size).map_err(|e| os("ftruncate", e))?;
+        fcntl(&fd, FcntlArg::F_ADD_SEALS(SEALS)).map_err(|e| os("fcntl(F_ADD_SEALS)", e))?;
         Self::map(fd, n)
     }
 
     /// Maps a buffer another process created, from its FD (received by `SCM_RIGHTS` or
-    /// inherited). `len` must be the file's size exactly (checked with `fstat`).
+    /// inherited). `len` must be the file's size exactly (checked with `fstat`), and the file
+    /// must be sealed against shrinking and growing (checked with `F_GET_SEALS`): see
+    /// [Seals](self#seals).
     pub fn from_fd(fd: OwnedFd, len: usize) -> Result<SharedHostBuffer> {
         let n = Self::nonzero("mmap", len)?;
+        let seals = fcntl(&fd, FcntlArg::F_GET_SEALS).map_err(|e| os("fcntl(F_GET_SEALS)", e))?;
+        let needed = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW;
+        if !SealFlag::from_bits_truncate(seals).contains(needed) {
+            return Err(DriverError::InvalidArgument {
+                call: "SharedHostBuffer::from_fd",
+                reason: format!(
+                    "the file is not sealed against resizing (seals {seals:#x}; \
+                     F_SEAL_SHRINK | F_SEAL_GROW needed)"
+                ),
+            });
+        }
         let st = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| os("fstat", e))?;
         if u64::try_from(st.st_size).ok() != Some(len as u64) {
             return Err(DriverError::InvalidArgument {

@@ -128,6 +128,46 @@ fn a_copy_out_of_the_buffer_not_ordered_after_the_other_process_copy_in_is_a_vio
 }
 
 #[test]
+fn the_staging_file_is_sealed_so_the_other_side_cannot_resize_it() {
+    let buf = SharedHostBuffer::create(8192).unwrap();
+    // What a rogue worker holding the received FD would try: the kernel refuses both.
+    let fd = buf.fd().try_clone_to_owned().unwrap();
+    assert_eq!(
+        nix::unistd::ftruncate(&fd, 0),
+        Err(nix::errno::Errno::EPERM)
+    );
+    assert_eq!(
+        nix::unistd::ftruncate(&fd, 1 << 20),
+        Err(nix::errno::Errno::EPERM)
+    );
+    // Nor can the seals be taken off or the file be resealed differently.
+    assert!(
+        nix::fcntl::fcntl(
+            &fd,
+            nix::fcntl::FcntlArg::F_ADD_SEALS(nix::fcntl::SealFlag::F_SEAL_WRITE)
+        )
+        .is_err()
+    );
+    // The mapping is intact.
+    buf.write_at(8000, &[9; 8]).unwrap();
+    let mut back = [0u8; 8];
+    buf.read_at(8000, &mut back).unwrap();
+    assert_eq!(back, [9; 8]);
+}
+
+#[test]
+fn from_fd_refuses_a_file_not_sealed_against_resizing() {
+    let fd =
+        nix::sys::memfd::memfd_create("unsealed", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
+    nix::unistd::ftruncate(&fd, 4096).unwrap();
+    let err = SharedHostBuffer::from_fd(fd, 4096).unwrap_err();
+    assert!(
+        matches!(&err, DriverError::InvalidArgument { reason, .. } if reason.contains("sealed")),
+        "{err}"
+    );
+}
+
+#[test]
 fn from_fd_refuses_a_size_the_file_does_not_have() {
     let buf = SharedHostBuffer::create(8192).unwrap();
     let fd = buf.fd().try_clone_to_owned().unwrap();

@@ -45,6 +45,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<listen::NativeListener>()?;
     m.add("ConnectError", py.get_type::<errors::ConnectError>())?;
     m.add("CONNECT_ENV", listen::CONNECT_ENV)?;
+    m.add("CONNECT_TOKEN_ENV", listen::TOKEN_ENV)?;
     m.add("PoolipcError", py.get_type::<errors::PoolipcError>())?;
     m.add("JobFailedError", py.get_type::<errors::JobFailedError>())?;
     m.add("WorkerError", py.get_type::<errors::WorkerError>())?;

@@ -6,6 +6,13 @@
 //! The transport's `PrivateListener` keeps other users out twice: the directory is mode 0700
 //! and ours, and every peer's `SO_PEERCRED` uid must be ours. A refused peer never reaches
 //! the handshake; it is counted and named in `refused`.
+//!
+//! A listener made with a token (pyisolate's channels) also keeps out processes of our own
+//! uid that were not given it: each connection must send the token first, raw, within
+//! [`TOKEN_TIMEOUT`]; one that does not is dropped before the parent sends anything (the
+//! pool FD travels in the handshake's first frame). With `once`, the first connection that
+//! presents the token is the only one: the listener then stops accepting and its socket file
+//! goes, so the channel serves one worker.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -26,6 +33,36 @@ use crate::state::Global;
 /// (`poolipc.Worker.connect()` without a path).
 pub(crate) const CONNECT_ENV: &str = "POOLIPC_CONNECT";
 
+/// The variable a worker reads the listener's token from (`poolipc.Worker.connect()`
+/// without a token), set by `env()` when the listener demands one.
+pub(crate) const TOKEN_ENV: &str = "POOLIPC_CONNECT_TOKEN";
+
+/// How long a connection to a listener with a token may take to present it. Connections are
+/// taken one at a time, so this bounds how long a silent one holds up the next.
+const TOKEN_TIMEOUT: Duration = Duration::from_secs(2);
+
+type Token = [u8; poolipc_transport::TOKEN_LEN];
+
+/// A token given as text: exactly [`poolipc_transport::TOKEN_LEN`] ASCII characters (a
+/// `uuid4().hex`, say).
+pub(crate) fn parse_token(text: &str) -> PyResult<Token> {
+    if !text.is_ascii() {
+        return Err(PyValueError::new_err(
+            "poolipc: a connect token must be ASCII text",
+        ));
+    }
+    text.as_bytes().try_into().map_err(|_| {
+        PyValueError::new_err(format!(
+            "poolipc: a connect token has {} characters, not {} (uuid.uuid4().hex has that many)",
+            text.len(),
+            poolipc_transport::TOKEN_LEN
+        ))
+    })
+}
+
+/// How many refusals `refused` keeps in words (the count goes on).
+const MAX_REFUSED_KEPT: usize = 32;
+
 /// How often the accept thread looks at its stop flag.
 const ACCEPT_SLICE: Duration = Duration::from_millis(100);
 
@@ -43,8 +80,11 @@ enum Accepted {
 #[derive(Default)]
 struct Queue {
     accepted: VecDeque<Accepted>,
-    /// Peers dropped before the handshake (another uid), in words.
+    /// Peers dropped before the handshake (another uid, no token), in words: the first
+    /// [`MAX_REFUSED_KEPT`].
     refused: Vec<String>,
+    /// How many peers were dropped before the handshake.
+    refused_count: u64,
     /// The thread ended (closed, or the socket failed): why, when it was not `close`.
     ended: Option<Option<String>>,
 }
@@ -67,6 +107,8 @@ pub(crate) struct NativeListener {
     thread: Mutex<Option<JoinHandle<()>>>,
     /// The directory we made for it (removed at close), if we made one.
     made_dir: Option<PathBuf>,
+    /// The token each connection must present first, if any.
+    token: Option<String>,
 }
 
 /// A fresh private directory under the runtime or temporary directory.
@@ -85,7 +127,13 @@ fn fresh_dir() -> Result<PathBuf, String> {
 }
 
 impl NativeListener {
-    pub(crate) fn open(g: Arc<Global>, directory: Option<PathBuf>) -> PyResult<NativeListener> {
+    pub(crate) fn open(
+        g: Arc<Global>,
+        directory: Option<PathBuf>,
+        token: Option<String>,
+        once: bool,
+    ) -> PyResult<NativeListener> {
+        let wanted = token.as_deref().map(parse_token).transpose()?;
         let (dir, made_dir) = match directory {
             Some(d) => (d, None),
             None => {
@@ -109,7 +157,7 @@ impl NativeListener {
             let (g, shared) = (Arc::clone(&g), Arc::clone(&shared));
             std::thread::Builder::new()
                 .name("poolipc-listener".into())
-                .spawn(move || accept_loop(&listener, &g, &shared))
+                .spawn(move || accept_loop(&listener, &g, &shared, wanted, once))
                 .map_err(|e| err(format!("poolipc: starting the accept thread: {e}")))?
         };
         Ok(NativeListener {
@@ -118,6 +166,7 @@ impl NativeListener {
             shared,
             thread: Mutex::new(Some(thread)),
             made_dir,
+            token,
         })
     }
 
@@ -133,7 +182,13 @@ impl NativeListener {
     }
 }
 
-fn accept_loop(listener: &PrivateListener, g: &Arc<Global>, shared: &Shared) {
+fn accept_loop(
+    listener: &PrivateListener,
+    g: &Arc<Global>,
+    shared: &Shared,
+    token: Option<Token>,
+    once: bool,
+) {
     let end = |why: Option<String>| {
         lock(&shared.queue).ended = Some(why);
         shared.changed.notify_all();
@@ -144,7 +199,12 @@ fn accept_loop(listener: &PrivateListener, g: &Arc<Global>, shared: &Shared) {
             Err(SetupError::Timeout { .. }) => continue,
             Err(e @ SetupError::PeerUidMismatch { .. }) => {
                 tracing::warn!(error = %e, path = %listener.path().display(), "refused a connection");
-                lock(&shared.queue).refused.push(e.to_string());
+                let mut q = lock(&shared.queue);
+                if q.refused.len() < MAX_REFUSED_KEPT {
+                    q.refused.push(e.to_string());
+                }
+                q.refused_count += 1;
+                drop(q);
                 shared.changed.notify_all();
                 continue;
             }
@@ -153,6 +213,23 @@ fn accept_loop(listener: &PrivateListener, g: &Arc<Global>, shared: &Shared) {
                 return end(Some(format!("the listening socket failed: {e}")));
             }
         };
+        let mut conn = conn;
+        if let Some(t) = &token
+            && let Err(e) = conn.expect_token(t, Instant::now() + TOKEN_TIMEOUT)
+        {
+            // Dropped here, before the parent sent anything: no handshake, no pool FD.
+            let why = format!("a connection without this listener's token: {e}");
+            tracing::warn!(path = %listener.path().display(), "{why}");
+            let mut q = lock(&shared.queue);
+            // Bounded: a flood of connections keeps the first entries and a count.
+            if q.refused.len() < MAX_REFUSED_KEPT {
+                q.refused.push(why);
+            }
+            q.refused_count += 1;
+            drop(q);
+            shared.changed.notify_all();
+            continue;
+        }
         let accepted = g.use_device().and_then(|()| g.parent.accept_worker(conn));
         let item = match accepted {
             Ok(id) => Accepted::Worker(id.0),
@@ -163,6 +240,12 @@ fn accept_loop(listener: &PrivateListener, g: &Arc<Global>, shared: &Shared) {
         };
         lock(&shared.queue).accepted.push_back(item);
         shared.changed.notify_all();
+        if once {
+            // One worker per listener: the socket goes with `listener` when this returns.
+            return end(Some(
+                "it serves one worker, and one connected (a listener made with once=True)".into(),
+            ));
+        }
     }
     end(None);
 }
@@ -236,21 +319,32 @@ impl NativeListener {
     }
 
     /// What a worker process needs in its environment to connect: `POOLIPC_CONNECT` (the
-    /// path) and, on the simulated driver, the simulated machine. Pass it to whatever starts
+    /// path), `POOLIPC_CONNECT_TOKEN` when the listener demands a token, and, on the
+    /// simulated driver, the simulated machine. Pass it to whatever starts
     /// the worker (pyisolate: the extension config's `env`).
     fn env<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         d.set_item(CONNECT_ENV, self.path.as_os_str())?;
+        if let Some(t) = &self.token {
+            d.set_item(TOKEN_ENV, t)?;
+        }
         if let Some((k, v)) = &self.g.child_env {
             d.set_item(*k, v)?;
         }
         Ok(d)
     }
 
-    /// The peers refused before the handshake (another uid), in words.
+    /// The peers refused before the handshake (another uid, no token), in words: the first
+    /// 32 of them (`refused_count` counts them all).
     #[getter]
     fn refused(&self) -> Vec<String> {
         lock(&self.shared.queue).refused.clone()
+    }
+
+    /// How many peers were refused before the handshake.
+    #[getter]
+    fn refused_count(&self) -> u64 {
+        lock(&self.shared.queue).refused_count
     }
 
     /// Whether the listener is closed.

@@ -809,14 +809,19 @@ impl NativeParent {
     /// to `parent` for a worker whose `CUDA_VISIBLE_DEVICES` differs), shakes hands, runs the
     /// canary battery. Returns the worker's id. Other threads' jobs go on meanwhile.
     ///
+    /// With `env_allowlist`, the worker inherits only the variables named there from this
+    /// process's environment, plus `env` and what poolipc keeps
+    /// ([`poolipc::worker_env::restrict_env`]); without it, all of them.
+    ///
     /// Raises `ValueError` for an empty `argv`; `PoolipcError` when the program cannot be
     /// started, exits or is refused during the handshake (the message says why).
-    #[pyo3(signature = (argv, env = None))]
+    #[pyo3(signature = (argv, env = None, env_allowlist = None))]
     fn spawn(
         &self,
         py: Python<'_>,
         argv: Vec<String>,
         env: Option<HashMap<String, String>>,
+        env_allowlist: Option<Vec<String>>,
     ) -> PyResult<u32> {
         let (prog, args) = argv
             .split_first()
@@ -829,6 +834,9 @@ impl NativeParent {
         }
         for (k, v) in env {
             cmd.env(k, v);
+        }
+        if let Some(allow) = env_allowlist {
+            poolipc::worker_env::restrict_env(&mut cmd, allow);
         }
         if let Some((k, v)) = &self.g.child_env {
             cmd.env(k, v);
@@ -848,15 +856,21 @@ impl NativeParent {
     /// `path` and `env()` go to the worker process, which calls `Worker.connect(path)`;
     /// `accept(timeout)` gives each accepted worker's id.
     ///
+    /// With `token` (32 ASCII characters), every connection must present it before the
+    /// parent sends anything, and is dropped otherwise (`refused`); `env()` carries it to the
+    /// worker. With `once`, the listener takes one worker and closes.
+    ///
     /// Raises `ValueError` for a directory that is not private (another owner, group or
-    /// other bits) or a socket path that is not free; `PoolipcError` when the socket cannot
-    /// be made.
-    #[pyo3(signature = (directory = None))]
+    /// other bits), a socket path that is not free, or a bad token; `PoolipcError` when the
+    /// socket cannot be made.
+    #[pyo3(signature = (directory = None, token = None, once = false))]
     fn listen(
         &self,
         directory: Option<std::path::PathBuf>,
+        token: Option<String>,
+        once: bool,
     ) -> PyResult<crate::listen::NativeListener> {
-        crate::listen::NativeListener::open(Arc::clone(&self.g), directory)
+        crate::listen::NativeListener::open(Arc::clone(&self.g), directory, token, once)
     }
 
     /// The worker's process id; None for a worker this parent does not serve (stopped, lost)

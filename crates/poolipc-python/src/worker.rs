@@ -69,8 +69,9 @@ type Started = (u64, bool, u32);
 enum Source {
     /// The socket the parent's `spawn` left (`POOLIPC_FD`).
     Inherited,
-    /// The parent's listening socket (`Parent.listen`), connected to by path.
-    Listener(PathBuf),
+    /// The parent's listening socket (`Parent.listen`), connected to by path, with the
+    /// token the listener demands, if it demands one.
+    Listener(PathBuf, Option<[u8; poolipc_transport::TOKEN_LEN]>),
 }
 
 /// How a failed connect to a listener's path starts: the error becomes `ConnectError`.
@@ -89,16 +90,25 @@ fn thread_main(
     // A listener is reached first: a wrong path says so, whatever the driver.
     let conn = match &source {
         Source::Inherited => Ok(None),
-        Source::Listener(path) => {
+        Source::Listener(path, token) => {
             let deadline = std::time::Instant::now() + CONNECT_TIMEOUT;
             poolipc_transport::connect_private(path, deadline)
-                .map(Some)
                 .map_err(|e| {
                     format!(
                         "{CONNECT_REFUSED}: no poolipc parent listens at {}: {e}",
                         path.display()
                     )
                 })
+                .and_then(|mut conn| match token {
+                    Some(t) => conn.send_token(t, deadline).map(|()| conn).map_err(|e| {
+                        format!(
+                            "{CONNECT_REFUSED}: sending the token to {}: {e}",
+                            path.display()
+                        )
+                    }),
+                    None => Ok(conn),
+                })
+                .map(Some)
         }
     };
     let opened = conn.and_then(|conn| {
@@ -574,16 +584,25 @@ impl NativeWorker {
     }
 
     /// Connects to a parent's listening socket at `path` (`Parent.listen`): the worker of a
-    /// process the parent did not start. `device` and `any` as for the constructor.
+    /// process the parent did not start. `device` and `any` as for the constructor; `token`
+    /// the listener's token when it demands one (sent before anything else).
     ///
-    /// Raises `ConnectError` when nothing listens at `path` (no such socket, the listener is
-    /// closed, the parent is gone) or the listener runs as another user; `PoolipcError` when
-    /// the handshake fails or no device fits.
+    /// Raises `ValueError` for a token that is not 32 ASCII characters; `ConnectError` when
+    /// nothing listens at `path` (no such socket, the listener is closed, the parent is gone)
+    /// or the listener runs as another user; `PoolipcError` when the handshake fails (a
+    /// wrong token: the listener hangs up) or no device fits.
     #[staticmethod]
-    #[pyo3(signature = (path, device = Some(0), any = false), text_signature = "(path, device=0, any=False)")]
-    fn connect(py: Python<'_>, path: PathBuf, device: Option<u32>, any: bool) -> PyResult<Self> {
+    #[pyo3(signature = (path, device = Some(0), any = false, token = None), text_signature = "(path, device=0, any=False, token=None)")]
+    fn connect(
+        py: Python<'_>,
+        path: PathBuf,
+        device: Option<u32>,
+        any: bool,
+        token: Option<String>,
+    ) -> PyResult<Self> {
         crate::listen::check_socket_path(&path)?;
-        NativeWorker::start(py, Source::Listener(path), device, any)
+        let token = token.map(|t| crate::listen::parse_token(&t)).transpose()?;
+        NativeWorker::start(py, Source::Listener(path, token), device, any)
     }
 
     /// Waits for the next job; None when the parent said goodbye or went away. With

@@ -296,3 +296,127 @@ def test_closing_while_the_extension_keeps_a_tensor_warns_and_the_parent_stops_w
             manager.stop_all_extensions()
 
     asyncio.run(main())
+
+
+# --- a channel is a capability: its token, one worker, its own directory -------------------
+
+
+def raw_peer(path, send):
+    """Connects to `path` as a process of our uid that was not given the token, sends `send`
+    and half-closes; returns what the host sent back before hanging up (bytes, descriptors)."""
+    import array
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    data, fds = b"", []
+    try:
+        s.connect(path)
+        if send:
+            s.sendall(send)
+        s.shutdown(socket.SHUT_WR)
+        while not data:  # the pool FD would come with the host's first bytes (its Hello)
+            msg, anc, _flags, _addr = s.recvmsg(1 << 16, socket.CMSG_SPACE(16 * 4))
+            for level, kind, cdata in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds += array.array("i", cdata[: len(cdata) - len(cdata) % 4])
+            if not msg:
+                break
+            data += msg
+    except (ConnectionRefusedError, ConnectionResetError, FileNotFoundError):
+        pass
+    finally:
+        s.close()
+        for fd in fds:
+            os.close(fd)
+    return data, len(fds)
+
+
+def start_extension_worker(channel):
+    """The extension's side without pyisolate: a worker process connecting with the
+    environment the channel gives its extension (`Worker.connect()` sends the token)."""
+    import subprocess
+
+    from conftest import py_worker_argv
+
+    env = dict(os.environ)
+    env.pop("POOLIPC_FD", None)
+    env.update(channel.env())
+    env["POOLIPC_TEST_MODE"] = "echo"
+    return subprocess.Popen(py_worker_argv(), env=env)
+
+
+@own_process
+def test_a_channel_connection_without_the_token_is_refused_before_the_pool_fd_is_sent(parent, request):
+    channel = pp.HostChannel(parent)
+    try:
+        for send in (b"", b"not the token", b"y" * 32, channel.token.upper().encode()):
+            assert raw_peer(channel.listener.path, send) == (b"", 0), send
+        assert channel.listener.refused_count == 4
+        assert all("token" in r for r in channel.listener.refused)
+        assert parent.workers() == []
+        # the extension, with the token, still gets in
+        proc = start_extension_worker(channel)
+        w = channel.connect(timeout=60)
+        assert parent.workers() == [w]
+    finally:
+        channel.close()
+    assert proc.wait(30) == 0
+
+
+@own_process
+def test_a_second_connection_on_a_used_channel_is_refused(parent, request):
+    channel = pp.HostChannel(parent)
+    try:
+        proc = start_extension_worker(channel)
+        w = channel.connect(timeout=60)
+        assert wait_until(lambda: channel.listener.closed)
+        # even with the token: the channel served its one worker
+        assert raw_peer(channel.listener.path, channel.token.encode()) == (b"", 0)
+        assert not os.path.exists(channel.listener.path)
+        assert parent.workers() == [w]
+    finally:
+        channel.close()
+    assert proc.wait(30) == 0
+
+
+@own_process
+def test_a_flood_of_200_connections_leaves_workers_and_fds_bounded(parent, request):
+    channel = pp.HostChannel(parent)
+    try:
+        fds_before = len(os.listdir("/proc/self/fd"))
+        for i in range(200):
+            assert raw_peer(channel.listener.path, b"%032d" % i) == (b"", 0), i
+        assert channel.listener.refused_count == 200
+        assert len(channel.listener.refused) <= 32
+        assert parent.workers() == []
+        assert len(os.listdir("/proc/self/fd")) <= fds_before + 16
+        proc = start_extension_worker(channel)
+        w = channel.connect(timeout=60)
+        assert parent.workers() == [w]
+    finally:
+        channel.close()
+    assert proc.wait(30) == 0
+
+
+@own_process
+def test_each_sandbox_is_given_only_its_own_channels_directory(parent, request):
+    adapter = pp.PoolipcAdapter()
+    a, b = pp.HostChannel(parent), pp.HostChannel(parent)
+    dir_a, dir_b = (os.path.dirname(c.listener.path) for c in (a, b))
+    try:
+        assert adapter.get_sandbox_system_paths() is None  # two wait, none chosen
+        with a.sending():
+            assert adapter.get_sandbox_system_paths() == [dir_a]
+        with b.sending():
+            assert adapter.get_sandbox_system_paths() == [dir_b]
+        b.close()
+        assert adapter.get_sandbox_system_paths() == [dir_a]  # the one still waiting
+        proc = start_extension_worker(a)
+        a.connect(timeout=60)
+        assert wait_until(lambda: a.listener.closed)
+        assert adapter.get_sandbox_system_paths() is None  # connected: nothing to reach
+    finally:
+        a.close()
+        b.close()
+    assert proc.wait(30) == 0

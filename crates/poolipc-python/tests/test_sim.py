@@ -251,6 +251,73 @@ def test_an_exception_in_the_worker_fails_the_job_with_its_text(parent):
     assert parent.stop(w) == 0
 
 
+def test_a_workers_error_text_is_marked_as_its_own_and_stripped_of_control_characters(parent):
+    w = spawn(parent, "fail-escape")
+    f = f32_buffer(parent, [1.0] * 4)
+    with pytest.raises(poolipc.WorkerError) as e:
+        parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
+    for text in (str(e.value), e.value.message):
+        assert text.startswith("worker says: ") or "worker says: " in text, text
+        assert not any(c in text for c in "\x1b\x07\r"), repr(text)
+        # a line break stays, indented: the worker cannot forge a line of the parent's log
+        assert "\n    ERROR poolipc: forged" in text and "\nERROR" not in text, repr(text)
+    assert parent.pid(w) is not None
+    assert parent.stop(w) == 0
+
+
+def test_a_job_too_large_to_lend_is_a_value_error_at_submit_and_the_worker_takes_the_next(parent):
+    w = spawn(parent)
+    f = f32_buffer(parent, [1.0] * 4)
+    with pytest.raises(ValueError, match="cannot be lent in one message"):
+        parent.submit(w, [poolipc.TensorRef(f.ptr, "float32", [4])] * 7000)
+    with pytest.raises(ValueError, match="shape.*at most 32"):
+        parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [1] * 33)])
+    with pytest.raises(ValueError, match="above i64::MAX"):
+        parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [2**63, 0])])
+    (res,) = parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
+    assert struct.unpack("<I", parent.read(res.ptr, 4))[0] == marker(0)
+    assert parent.stop(w) == 0
+
+
+def test_a_result_request_too_large_to_grant_is_refused_and_the_worker_goes_on(parent, report):
+    w = spawn(parent, "too-many-results", report.env)
+    f = f32_buffer(parent, [1.0] * 4)
+    with pytest.raises(poolipc.WorkerError, match="at most 4096"):
+        parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
+    (rep,) = [x["too_many"] for x in report.lines() if "too_many" in x]
+    assert "at most 4096" in rep, rep
+    assert parent.pid(w) is not None
+    assert parent.stop(w) == 0
+
+
+def _worker_environ(parent, report, **allow):
+    w = parent.spawn(py_worker_argv(), {"POOLIPC_TEST_MODE": "environ", **report.env}, **allow)
+    f = f32_buffer(parent, [1.0] * 4)
+    parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [4])])
+    assert parent.stop(w) == 0
+    (names,) = [line["environ"] for line in report.lines() if "environ" in line]
+    return set(names)
+
+
+def test_a_variable_not_on_the_env_allowlist_does_not_reach_the_worker(parent, report, monkeypatch):
+    monkeypatch.setenv("POOLIPC_TEST_ALLOWED", "1")  # POOLIPC_* is always kept
+    monkeypatch.setenv("FAKE_API_KEY_FOR_TEST", "sk-secret")
+    monkeypatch.setenv("HF_HOME_FOR_TEST", "/data/hf")
+    got = _worker_environ(parent, report, env_allowlist=["HF_HOME_FOR_TEST"])
+    assert "FAKE_API_KEY_FOR_TEST" not in got
+    assert {"HF_HOME_FOR_TEST", "POOLIPC_TEST_ALLOWED", "POOLIPC_TEST_MODE", "PATH"} <= got
+
+
+def test_without_an_env_allowlist_the_worker_inherits_the_whole_environment(parent, report, monkeypatch):
+    monkeypatch.setenv("FAKE_API_KEY_FOR_TEST", "sk-secret")
+    assert "FAKE_API_KEY_FOR_TEST" in _worker_environ(parent, report)
+
+
+def test_an_env_allowlist_given_as_a_string_is_a_type_error(parent):
+    with pytest.raises(TypeError, match="env_allowlist"):
+        parent.spawn(py_worker_argv(), env_allowlist="PATH")
+
+
 @pytest.mark.parametrize("mode", ["die-after-import", "die-after-grant"])
 def test_a_worker_killed_mid_job_fails_that_job_only(parent, mode):
     dying = spawn(parent, mode)

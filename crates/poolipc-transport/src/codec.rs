@@ -319,6 +319,60 @@ impl FrameHeader {
     }
 }
 
+/// The most bytes one tensor with `ndim` dimensions takes in a [`Message::Lend`] frame
+/// (whatever its rung: the arena-copy rung's location included).
+#[must_use]
+pub const fn lent_tensor_wire_max(ndim: usize) -> usize {
+    // handle, alloc, rung, pool, read_only, export, ready event, arena location (chunk,
+    // offset), dtype, ndim, byte_offset, byte_len; then a u64 size and an i64 stride a dim.
+    8 + 8 + 1 + 1 + 1 + 64 + 64 + 4 + 8 + 1 + 1 + 8 + 8 + 16 * ndim
+}
+
+/// The most bytes of a [`Message::Lend`] frame besides its tensors: the header, the job, the
+/// tensor count and the arena slice.
+pub const LEND_FIXED_WIRE_MAX: usize = HEADER_LEN + 8 + 4 + 1 + 8 + 8 + 4 + 8 + 8;
+
+/// Whether a `Lend` of tensors with these numbers of dimensions can be encoded under
+/// `limits`, checked before anything is lent (so that a caller's job too large for one frame
+/// fails at its submission, not at the send, where it would cost the worker): at most
+/// [`MAX_BATCH`] tensors, at most [`MAX_DIMS`] dimensions each, and a frame within the cap
+/// (bounded with [`lent_tensor_wire_max`], which the encoder's tests hold it to).
+pub fn check_lend(
+    ndims: impl ExactSizeIterator<Item = usize>,
+    limits: FrameLimits,
+) -> Result<(), EncodeError> {
+    let kind = MessageKind::Lend;
+    let n = ndims.len();
+    if n > MAX_BATCH {
+        return Err(EncodeError::FieldTooLong {
+            kind,
+            field: "tensors",
+            len: n,
+            max: MAX_BATCH,
+        });
+    }
+    let mut len = LEND_FIXED_WIRE_MAX;
+    for ndim in ndims {
+        if ndim > MAX_DIMS {
+            return Err(EncodeError::FieldTooLong {
+                kind,
+                field: "shape",
+                len: ndim,
+                max: MAX_DIMS,
+            });
+        }
+        len = len.saturating_add(lent_tensor_wire_max(ndim));
+    }
+    if len > limits.max_frame_len() {
+        return Err(EncodeError::TooLarge {
+            kind,
+            len,
+            max: limits.max_frame_len(),
+        });
+    }
+    Ok(())
+}
+
 /// Encodes `msg` as one frame appended to `out`. On error `out` is left as it was.
 pub fn encode_into(
     msg: &Message,
@@ -1132,5 +1186,114 @@ impl Reader<'_> {
                 reason: self.text("reason")?,
             }),
         })
+    }
+}
+
+#[cfg(test)]
+mod bound_tests {
+    use super::*;
+    use poolipc_contract::{
+        AllocationGrant, ArenaLocation, ErrorCode, Lend, LentSlice, LentTensor,
+        MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST, TensorMeta,
+    };
+    use poolipc_types::{AllocId, DType, EventBlob, ExportBlob, HandoffId, JobId, Rung};
+
+    fn worst_tensor(ndim: usize) -> LentTensor {
+        LentTensor {
+            handle: HandoffId(u64::MAX),
+            alloc: AllocId(u64::MAX),
+            rung: Rung::ArenaCopy,
+            pool: 255,
+            export: ExportBlob([0xFF; 64]),
+            ready_event: EventBlob([0xFF; 64]),
+            meta: TensorMeta {
+                dtype: DType::F64,
+                shape: vec![u64::MAX; ndim],
+                strides: vec![i64::MAX; ndim],
+                byte_offset: u64::MAX,
+                byte_len: u64::MAX,
+            },
+            arena: Some(ArenaLocation {
+                chunk: u32::MAX,
+                offset: u64::MAX,
+            }),
+            read_only: true,
+        }
+    }
+
+    #[test]
+    fn the_lend_bound_is_the_encoded_size_of_the_largest_lend() {
+        for ndims in [vec![], vec![0], vec![3, 0, MAX_DIMS], vec![MAX_DIMS; 17]] {
+            let lend = Message::Lend(Lend {
+                job: JobId(u64::MAX),
+                tensors: ndims.iter().map(|&d| worst_tensor(d)).collect(),
+                slice: Some(LentSlice {
+                    handle: HandoffId(1),
+                    alloc: AllocId(2),
+                    chunk: 3,
+                    offset: 4,
+                    bytes: 5,
+                }),
+            });
+            let len = encode(&lend, FrameLimits::default())
+                .expect("encodes")
+                .len();
+            let bound = LEND_FIXED_WIRE_MAX
+                + ndims
+                    .iter()
+                    .map(|&d| lent_tensor_wire_max(d))
+                    .sum::<usize>();
+            assert_eq!(len, bound, "{ndims:?}");
+            check_lend(ndims.iter().copied(), FrameLimits::default()).expect("fits");
+        }
+    }
+
+    #[test]
+    fn a_lend_too_large_for_a_frame_is_refused_by_the_check() {
+        let err = check_lend(std::iter::repeat_n(2, 7000), FrameLimits::default()).unwrap_err();
+        assert!(matches!(err, EncodeError::TooLarge { .. }), "{err}");
+        let err = check_lend([MAX_DIMS + 1].into_iter(), FrameLimits::default()).unwrap_err();
+        assert!(
+            matches!(err, EncodeError::FieldTooLong { field: "shape", .. }),
+            "{err}"
+        );
+        let err = check_lend(
+            std::iter::repeat_n(0, MAX_BATCH + 1),
+            FrameLimits::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EncodeError::FieldTooLong {
+                    field: "tensors",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_grant_of_the_most_results_a_request_may_ask_fits_a_frame() {
+        let refused = ResultGrant::Refused {
+            code: ErrorCode::LIMIT,
+            message: "x".repeat(MAX_REFUSAL_TEXT_LEN),
+        };
+        let granted = ResultGrant::Granted {
+            handle: HandoffId(u64::MAX),
+            alloc: AllocId(u64::MAX),
+            rung: Rung::PoolPointer,
+            pool: 255,
+            export: ExportBlob([0xFF; 64]),
+            ready_event: EventBlob([0xFF; 64]),
+        };
+        for entry in [refused, granted] {
+            let grant = Message::AllocationGrant(AllocationGrant {
+                job: JobId(u64::MAX),
+                results: vec![entry; MAX_RESULTS_PER_REQUEST],
+            });
+            encode(&grant, FrameLimits::default()).expect("a full grant fits one frame");
+        }
     }
 }

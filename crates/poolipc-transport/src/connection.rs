@@ -50,6 +50,9 @@ pub enum TransportError {
         /// Whether part of a frame had arrived.
         mid_frame: bool,
     },
+    /// A peer of a listener that demands a token sent another one.
+    #[error("the peer presented the wrong connect token")]
+    WrongToken,
     /// The peer is gone (`EPIPE`, `ECONNRESET`): it died or closed while we wrote.
     #[error("peer is gone ({errno})")]
     PeerGone {
@@ -573,6 +576,84 @@ impl Connection {
                     });
                 }
             }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of a connect token: what a worker connecting to a listener that demands one sends,
+/// raw, before anything else ([`Connection::send_token`], [`Connection::expect_token`]).
+pub const TOKEN_LEN: usize = 32;
+
+impl Connection {
+    /// Connecting side, before the handshake: sends the listener's token, raw, by
+    /// `deadline`. Nothing may have been sent on the connection before.
+    pub fn send_token(
+        &mut self,
+        token: &[u8; TOKEN_LEN],
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        let mut sent = 0;
+        while sent < TOKEN_LEN {
+            match scm::send(self.sock.as_fd(), &token[sent..], &[]) {
+                Ok(n) => sent += n,
+                Err(Errno::EAGAIN) => wait(self.sock.as_fd(), PollFlags::POLLOUT, deadline)?,
+                Err(errno @ (Errno::EPIPE | Errno::ECONNRESET)) => {
+                    return Err(TransportError::PeerGone { errno });
+                }
+                Err(errno) => {
+                    return Err(TransportError::Io {
+                        op: "sendmsg",
+                        errno,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Listening side, before anything is sent: reads exactly [`TOKEN_LEN`] raw bytes by
+    /// `deadline` (never more: what follows is the handshake's) and compares them with
+    /// `expected` in constant time. A peer that sends descriptors, closes, is late or sends
+    /// another token is refused ([`TransportError::WrongToken`] for the last); the caller then
+    /// drops the connection, having sent nothing.
+    pub fn expect_token(
+        &mut self,
+        expected: &[u8; TOKEN_LEN],
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
+        let mut got = [0u8; TOKEN_LEN];
+        let mut have = 0;
+        while have < TOKEN_LEN {
+            match scm::recv(self.sock.as_fd(), &mut got[have..]) {
+                Ok(r) if r.truncated || !r.fds.is_empty() => {
+                    // The descriptors drop (close) here.
+                    return Err(TransportError::FdsTruncated {
+                        received: r.fds.len(),
+                    });
+                }
+                Ok(r) if r.bytes == 0 => {
+                    return Err(TransportError::PeerClosed {
+                        mid_frame: have > 0,
+                    });
+                }
+                Ok(r) => have += r.bytes,
+                Err(Errno::EAGAIN) => wait(self.sock.as_fd(), PollFlags::POLLIN, deadline)?,
+                Err(errno @ Errno::ECONNRESET) => return Err(TransportError::PeerGone { errno }),
+                Err(errno) => {
+                    return Err(TransportError::Io {
+                        op: "recvmsg",
+                        errno,
+                    });
+                }
+            }
+        }
+        let diff = got
+            .iter()
+            .zip(expected)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        if diff != 0 {
+            return Err(TransportError::WrongToken);
         }
         Ok(())
     }

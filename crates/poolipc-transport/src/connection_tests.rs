@@ -470,3 +470,49 @@ fn a_long_stream_with_a_partial_frame_behind_every_read_keeps_the_buffer_small()
     }
     writer.join().expect("writer");
 }
+
+#[test]
+fn the_right_token_is_taken_and_the_handshake_follows_unread() {
+    let (mut tx, mut rx) = Connection::pair().expect("socketpair");
+    let token = [b'a'; crate::TOKEN_LEN];
+    tx.send_token(&token, soon()).expect("send token");
+    tx.send(&Message::Heartbeat { seq: 7 }, &[], soon())
+        .expect("send frame");
+    rx.expect_token(&token, soon()).expect("the token");
+    // Nothing past the token was read: the frame after it arrives whole.
+    assert_eq!(
+        rx.recv(soon()).expect("frame").0,
+        Message::Heartbeat { seq: 7 }
+    );
+}
+
+#[test]
+fn a_wrong_or_missing_token_is_refused() {
+    let token = [b'a'; crate::TOKEN_LEN];
+    let (mut tx, mut rx) = Connection::pair().expect("socketpair");
+    tx.send_token(&[b'b'; crate::TOKEN_LEN], soon())
+        .expect("send");
+    assert!(matches!(
+        rx.expect_token(&token, soon()),
+        Err(TransportError::WrongToken)
+    ));
+    let (tx, mut rx) = Connection::pair().expect("socketpair");
+    drop(tx);
+    assert!(matches!(
+        rx.expect_token(&token, soon()),
+        Err(TransportError::PeerClosed { .. })
+    ));
+}
+
+#[test]
+fn descriptors_sent_with_a_token_are_refused_and_closed() {
+    let (tx, mut rx) = Connection::pair().expect("socketpair");
+    let extra = std::fs::File::open("/dev/null").expect("open");
+    let n =
+        crate::scm::send(tx.as_fd(), &[b'a'; crate::TOKEN_LEN], &[extra.as_fd()]).expect("sendmsg");
+    assert_eq!(n, crate::TOKEN_LEN);
+    assert!(matches!(
+        rx.expect_token(&[b'a'; crate::TOKEN_LEN], soon()),
+        Err(TransportError::FdsTruncated { received: 1 })
+    ));
+}

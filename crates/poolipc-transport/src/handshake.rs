@@ -212,7 +212,11 @@ pub fn parent_handshake(
             conn.send(&Message::HelloAck(local.identity.clone()), &[], deadline)?;
             Ok(peer)
         }
-        Message::Refuse { code, message } => Err(HandshakeError::Refused { code, message }),
+        // The worker's words: marked as such and made safe to print.
+        Message::Refuse { code, message } => Err(HandshakeError::Refused {
+            code,
+            message: poolipc_contract::worker_text(&message),
+        }),
         other => Err(refuse(
             conn,
             HandshakeError::UnexpectedMessage {

@@ -51,8 +51,10 @@ use poolipc_contract::message;
 mod scm;
 mod spawn;
 
-pub use codec::{DecodeError, EncodeError, FrameLimits, MAX_FRAME_LEN, PROTOCOL_VERSION};
-pub use connection::{Connection, Direction, TransportError};
+pub use codec::{
+    DecodeError, EncodeError, FrameLimits, MAX_FRAME_LEN, PROTOCOL_VERSION, check_lend,
+};
+pub use connection::{Connection, Direction, TOKEN_LEN, TransportError};
 pub use error::SetupError;
 pub use handshake::{
     HandshakeConfig, HandshakeError, Peer, parent_handshake, worker_handshake,

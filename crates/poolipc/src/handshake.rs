@@ -28,6 +28,20 @@ const TAIL_BYTES: usize = 4096;
 /// How many of those lines the report quotes.
 const TAIL_LINES: usize = 20;
 
+/// The worker's last words as [`poolipc_contract::worker_text`] shows them: marked as the
+/// worker's, control characters replaced, bounded. The bound keeps the end (the last lines
+/// say why it died), so the start is dropped first.
+fn shown_tail(tail: &str) -> String {
+    // Room for the marker and a few indents and replacement characters; a tail made mostly
+    // of control characters loses its end to the bound instead, which is its writer's loss.
+    let keep = poolipc_contract::text::MAX_SHOWN_LEN * 3 / 4;
+    let mut start = tail.len().saturating_sub(keep);
+    while !tail.is_char_boundary(start) {
+        start += 1;
+    }
+    poolipc_contract::worker_text(&tail[start..])
+}
+
 /// A spawned worker's stderr, copied to ours as it comes, its last bytes kept: what a worker
 /// that dies before its handshake said (an import error, a missing library) goes into the
 /// parent's error instead of a bare "peer is gone".
@@ -80,7 +94,8 @@ impl StderrTail {
             if g.1 || std::time::Instant::now() >= until {
                 let text = String::from_utf8_lossy(&g.0);
                 let lines: Vec<&str> = text.lines().collect();
-                return lines[lines.len().saturating_sub(TAIL_LINES)..].join("\n");
+                let tail = lines[lines.len().saturating_sub(TAIL_LINES)..].join("\n");
+                return shown_tail(&tail);
             }
             drop(g);
             std::thread::sleep(std::time::Duration::from_millis(5));

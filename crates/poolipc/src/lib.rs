@@ -61,6 +61,7 @@ pub mod probe;
 pub mod staging;
 mod tensor;
 mod worker;
+pub mod worker_env;
 
 pub use canary::CanaryReport;
 pub use error::{Error, ResultRefusal};

@@ -1154,6 +1154,10 @@ impl Parent {
     /// The worker's stderr is a pipe read by a thread of this process, which copies it to
     /// this process's stderr as it comes and keeps its last few KiB for that report. The
     /// variables of [`Parent::on`]'s driver are set on `cmd`.
+    ///
+    /// The worker inherits this process's whole environment unless `cmd` was restricted
+    /// first with [`worker_env::restrict_env`](crate::worker_env::restrict_env) (an
+    /// allowlist; do that for workers you do not trust with your secrets).
     pub fn spawn_worker(&self, mut cmd: Command) -> Result<WorkerId, Error> {
         self.shared.check_loop()?;
         cmd.envs(self.worker_env.iter().map(|(k, v)| (k, v)))
@@ -1323,7 +1327,7 @@ impl Parent {
                     if !r.reachable {
                         tracing::info!(
                             pool_device = pool.device(),
-                            reason = %r.reason,
+                            reason = %poolipc_contract::worker_text(&r.reason),
                             "the worker cannot use this pool: its tensors go by host staging"
                         );
                     }
@@ -1364,8 +1368,11 @@ impl Parent {
     /// on the GPU (the IO thread asks on the host; `stream` never waits on a worker's event),
     /// so work queued on `stream` after `wait` comes after the worker's writes. A DONE that
     /// does not complete within `handoff_timeout` fails the job
-    /// ([`FailReason::DeadlineExpired`](poolipc_contract::FailReason)) and kills the worker. A tensor that cannot be lent (negative strides, past its allocation)
-    /// fails the job with [`Error::InvalidTensor`] before anything reaches the worker.
+    /// ([`FailReason::DeadlineExpired`](poolipc_contract::FailReason)) and kills the worker.
+    /// A tensor that cannot be lent (negative strides, past its allocation, a dimension above
+    /// `i64::MAX`), or a job too large for one message (more than 32 dimensions, more tensors
+    /// than one frame holds: about 5000 of 2 dimensions) fails with [`Error::InvalidTensor`]
+    /// before anything reaches the worker.
     pub fn submit(
         &self,
         worker: WorkerId,
@@ -1408,6 +1415,13 @@ impl Parent {
                 .map_err(|e| Error::InvalidTensor(format!("input {i}: {e}")))?;
         }
         self.shared.check_loop()?;
+        // A job whose Lend cannot be encoded fails here, not at the send (which would cost
+        // the worker its life).
+        poolipc_transport::check_lend(
+            inputs.iter().map(|input| input.desc.shape.len()),
+            poolipc_transport::FrameLimits::default(),
+        )
+        .map_err(|e| Error::InvalidTensor(format!("the job cannot be lent in one message: {e}")))?;
         self.shared.check_context()?;
         if self.shared.registered(worker).is_none() {
             return Err(Error::UnknownWorker(worker));

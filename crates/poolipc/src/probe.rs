@@ -3,9 +3,14 @@
 //! Off unless `POOLIPC_PROBE=DIR` is set (read once per process): then every [`mark`] records
 //! the monotonic clock (`CLOCK_MONOTONIC`, the same clock in every process of the machine)
 //! with a static label, and [`dump`] (called when a [`Parent`](crate::Parent) or
-//! [`Worker`](crate::Worker) is dropped) writes them to `DIR/probe-<pid>.txt`, one
+//! [`Worker`](crate::Worker) is dropped) writes them to a new file `DIR/probe-<pid>-<n>.txt`
+//! (`n` counts the dumps of this process), one
 //! `<nanoseconds> <label>` line each. Parent and worker files merge into one timeline by
 //! time; `bench/probe_report.py DIR` prints the median of each step between marks.
+//!
+//! Each file is created with `O_CREAT | O_EXCL | O_NOFOLLOW` (mode 0600): a file or symlink
+//! already at that path is never followed nor written to; the marks are dropped with a
+//! warning instead.
 //!
 //! Off, a mark costs one relaxed atomic load. On, about 50 ns (the clock and an uncontended
 //! lock); at most [`CAPACITY`] marks are kept per process, later ones are dropped and counted.
@@ -26,6 +31,7 @@ static STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
 static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
 static MARKS: Mutex<Vec<(u64, &'static str)>> = Mutex::new(Vec::new());
 static DROPPED: AtomicU64 = AtomicU64::new(0);
+static DUMPS: AtomicU64 = AtomicU64::new(0);
 
 fn dir() -> Option<&'static PathBuf> {
     DIR.get_or_init(|| {
@@ -76,7 +82,7 @@ pub fn mark(label: &'static str) {
     }
 }
 
-/// Appends the marks recorded so far to `DIR/probe-<pid>.txt` and forgets them. Does nothing
+/// Writes the marks recorded so far to a new `DIR/probe-<pid>-<n>.txt` and forgets them. Does nothing
 /// when probing is off; a file that cannot be written is logged, never an error.
 pub fn dump() {
     if !enabled() {
@@ -92,12 +98,10 @@ pub fn dump() {
     if marks.is_empty() && dropped == 0 {
         return;
     }
-    let path = dir.join(format!("probe-{}.txt", std::process::id()));
+    let n = DUMPS.fetch_add(1, Ordering::Relaxed);
+    let path = dir.join(format!("probe-{}-{n}.txt", std::process::id()));
     let written = std::fs::create_dir_all(dir).and_then(|()| {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)?;
+        let file = open_new(&path)?;
         let mut out = std::io::BufWriter::new(file);
         for (t, label) in &marks {
             writeln!(out, "{t} {label}")?;
@@ -112,9 +116,50 @@ pub fn dump() {
     }
 }
 
+/// Creates `path` for writing, refusing anything already there, a symlink included.
+fn open_new(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .mode(0o600)
+        .open(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_symlink_planted_at_the_probe_path_is_not_followed() {
+        let dir = std::env::temp_dir().join(format!("poolipc-probe-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let target = dir.join("target.txt");
+        std::fs::write(&target, b"keep").unwrap();
+        let link = dir.join("probe-link.txt");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let err = open_new(&link).expect_err("a symlink must not be opened");
+        assert_eq!(err.kind(), std::io::ErrorKind::AlreadyExists, "{err}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        // A dangling symlink is not followed either (O_EXCL refuses it; no file appears).
+        std::fs::remove_file(&target).unwrap();
+        assert!(open_new(&link).is_err());
+        assert!(!target.exists(), "the dangling link's target was created");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_fresh_probe_path_is_created() {
+        let dir = std::env::temp_dir().join(format!("poolipc-probe-new-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("probe.txt");
+        let _ = std::fs::remove_file(&path);
+        drop(open_new(&path).unwrap());
+        assert!(path.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn the_clock_moves_forward_in_nanoseconds() {

@@ -52,7 +52,8 @@ impl TensorDesc {
     }
 
     /// Bytes from the first element to one past the last one the tensor touches, or an error
-    /// for negative strides, overflow, or a stride list of the wrong length.
+    /// for a dimension above `i64::MAX`, negative strides, overflow, or a stride list of the
+    /// wrong length.
     pub fn extent_bytes(&self) -> Result<u64, Error> {
         let strides = self.strides_or_contiguous();
         if strides.len() != self.shape.len() {
@@ -60,6 +61,17 @@ impl TensorDesc {
                 "{} strides for {} dimensions",
                 strides.len(),
                 self.shape.len()
+            )));
+        }
+        // Frameworks hold sizes as i64 (torch, DLPack): a larger one cannot be described.
+        if let Some((k, d)) = self
+            .shape
+            .iter()
+            .enumerate()
+            .find(|(_, d)| **d > i64::MAX as u64)
+        {
+            return Err(Error::InvalidTensor(format!(
+                "dimension {k} is {d}, above i64::MAX"
             )));
         }
         if self.shape.contains(&0) {

@@ -21,11 +21,12 @@ fn a_worker_that_exits_before_its_handshake_is_reported_with_its_status_and_stde
     match &e {
         Error::WorkerExited { status, stderr, .. } => {
             assert!(status.contains('3'), "{status}");
+            // Marked as the worker's words; its second line indented under the first.
             assert!(
-                stderr.ends_with("ModuleNotFoundError: no module named nodes"),
+                stderr.ends_with("\n    ModuleNotFoundError: no module named nodes"),
                 "{stderr}"
             );
-            assert!(stderr.starts_with("Traceback"), "{stderr}");
+            assert!(stderr.starts_with("worker says: Traceback"), "{stderr}");
         }
         other => panic!("expected WorkerExited, got {other:?}"),
     }
@@ -48,5 +49,30 @@ fn spawned_workers_get_the_simulated_machine_from_the_parent() {
     let Error::WorkerExited { stderr, .. } = e else {
         panic!("expected WorkerExited, got {e:?}");
     };
-    assert_eq!(stderr, value.to_string_lossy());
+    assert_eq!(stderr, format!("worker says: {}", value.to_string_lossy()));
+}
+
+#[test]
+fn a_dead_workers_last_words_reach_the_error_without_control_characters() {
+    let parent = Parent::on(
+        driver::open_choice(Choice::Sim).expect("SimDriver"),
+        ParentOptions::default(),
+    )
+    .expect("parent");
+    let mut cmd = Command::new("sh");
+    cmd.args([
+        "-c",
+        "printf 'fine\\033[2J\\033]0;title\\007\\rover\\n' >&2; exit 1",
+    ]);
+    let e = parent.spawn_worker(cmd).expect_err("the worker exits");
+    let Error::WorkerExited { stderr, .. } = e else {
+        panic!("expected WorkerExited, got {e:?}");
+    };
+    assert!(stderr.starts_with("worker says: fine"), "{stderr:?}");
+    assert!(
+        !stderr
+            .chars()
+            .any(|c| c.is_control() && c != '\n' && c != '\t'),
+        "{stderr:?}"
+    );
 }

@@ -17,6 +17,14 @@
 //! - `arena-carve-out-of-bounds`, `arena-carve-overlap`, `arena-carve-misaligned`: takes the
 //!   job's arena slice (the parent must lend one) and sends a `Done` naming carves out of it
 //!   that lie past its end, overlap, or start off the 512-byte alignment.
+//! - `results-too-many`: asks for 5000 results in one request (more than a grant may carry);
+//!   checks that every one is refused with `ErrorCode::LIMIT`, then fails the job with that
+//!   refusal's text and finishes it properly (a DONE event of its own, then the ACK); exits
+//!   at the parent's `Bye`.
+//! - `staging-ftruncate`: offers no pool pointers (so the parent stages), and when the
+//!   staging buffer arrives tries to `ftruncate` its memfd to 0 bytes, says
+//!   `StagingReady`, waits for the parent's first chunk (which the parent wrote into the
+//!   buffer: a truncated file would have been a `SIGBUS` in the parent), then exits.
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -40,6 +48,9 @@ fn run() -> anyhow::Result<()> {
     if mode.starts_with("arena-") {
         caps = caps | Capabilities::VMM_ARENA;
     }
+    if mode == "staging-ftruncate" {
+        caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
+    }
     let config = HandshakeConfig {
         identity: poolipc::identity(&*driver, 0, caps)?,
         required: Capabilities::NONE,
@@ -51,6 +62,31 @@ fn run() -> anyhow::Result<()> {
             // Read and drop everything, Bye included; never exit.
             if conn.recv(deadline()).is_err() {
                 std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    if mode == "staging-ftruncate" {
+        let (bytes, fd) = loop {
+            match conn.recv(deadline())? {
+                (Message::StagingBuffer(b), mut fds) if fds.len() == 1 => {
+                    break (b.bytes, fds.remove(0));
+                }
+                (Message::Heartbeat { .. } | Message::ArenaChunk(_), _) => {}
+                (other, _) => {
+                    anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind())
+                }
+            }
+        };
+        match nix::unistd::ftruncate(&fd, 0) {
+            Ok(()) => eprintln!("poolipc-test-rogue: ftruncate of the staging memfd worked"),
+            Err(e) => eprintln!("poolipc-test-rogue: ftruncate of the staging memfd refused: {e}"),
+        }
+        conn.send(&Message::StagingReady { bytes }, &[], deadline())?;
+        loop {
+            match conn.recv(deadline())?.0 {
+                Message::Chunk(_) => std::process::exit(4),
+                Message::Heartbeat { .. } | Message::ArenaChunk(_) | Message::Lend(_) => {}
+                other => anyhow::bail!("rogue: expected a Chunk, got {}", other.kind()),
             }
         }
     }
@@ -82,6 +118,76 @@ fn run() -> anyhow::Result<()> {
             handles,
         }),
         "second-hello-ack" => Message::HelloAck(config.identity.clone()),
+        "results-too-many" => {
+            let spec = ResultSpec {
+                dtype: DType::U8,
+                shape: vec![1],
+                byte_len: 1,
+            };
+            conn.send(
+                &Message::ResultRequest(ResultRequest {
+                    job: lend.job,
+                    results: vec![spec; 5000],
+                }),
+                &[],
+                deadline(),
+            )?;
+            let grant = loop {
+                match conn.recv(deadline())?.0 {
+                    Message::AllocationGrant(g) => break g,
+                    Message::Heartbeat { .. } | Message::ArenaChunk(_) => {}
+                    other => anyhow::bail!("rogue: expected a grant, got {}", other.kind()),
+                }
+            };
+            let mut said = None;
+            for g in &grant.results {
+                match g {
+                    poolipc_contract::ResultGrant::Refused { code, message }
+                        if *code == poolipc_contract::ErrorCode::LIMIT =>
+                    {
+                        said.get_or_insert_with(|| format!("refused with {code}: {message}"));
+                    }
+                    other => anyhow::bail!("rogue: expected a LIMIT refusal, got {other:?}"),
+                }
+            }
+            let said = said.unwrap_or_default();
+            conn.send(
+                &Message::JobError {
+                    job: lend.job,
+                    message: said,
+                },
+                &[],
+                deadline(),
+            )?;
+            driver.use_device(0)?;
+            let event = driver.event_create(true)?;
+            driver.event_record(event, poolipc::StreamHandle::NULL)?;
+            let done_event = driver.ipc_get_event_handle(event)?;
+            conn.send(
+                &Message::Done(Done {
+                    job: lend.job,
+                    done_event,
+                    handles: handles.clone(),
+                    carved: Vec::new(),
+                }),
+                &[],
+                deadline(),
+            )?;
+            conn.send(
+                &Message::Ack(Ack {
+                    job: lend.job,
+                    handles,
+                }),
+                &[],
+                deadline(),
+            )?;
+            // Alive and well: leave when the parent says goodbye.
+            loop {
+                if let Message::Bye = conn.recv(Instant::now() + Duration::from_secs(600))?.0 {
+                    return Ok(());
+                }
+            }
+        }
         lie @ ("arena-carve-out-of-bounds" | "arena-carve-overlap" | "arena-carve-misaligned") => {
             let Some(slice) = lend.slice else {
                 anyhow::bail!("rogue: {lie} needs an arena slice, and the Lend had none");

@@ -85,12 +85,21 @@ class Parent:
     def __init__(self, device=0):
         self.device = device
         self.procs, self.spawned, self.stopped = {}, [], []
+        self.allowlists = []
         self._next = 1
         Parent.instances.append(self)
 
-    def spawn(self, argv, env=None):
+    def spawn(self, argv, env=None, env_allowlist=None):
         argv = [str(a) for a in argv]
-        proc = subprocess.Popen(argv, env={**os.environ, **(env or {})})
+        inherited = dict(os.environ)
+        if env_allowlist is not None:  # what the binding keeps (poolipc.worker_env)
+            keep = set(env_allowlist) | {"PATH", "HOME", "TMPDIR", "LANG", "LD_LIBRARY_PATH", "PYTHONPATH"}
+            inherited = {
+                k: v for k, v in inherited.items()
+                if k in keep or k.startswith(("POOLIPC_", "CUDA_", "LC_"))
+            }
+        self.allowlists.append(env_allowlist)
+        proc = subprocess.Popen(argv, env={**inherited, **(env or {})})
         worker, self._next = self._next, self._next + 1
         self.procs[worker] = proc
         self.spawned.append((worker, argv, env))

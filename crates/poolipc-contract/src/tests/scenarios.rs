@@ -868,6 +868,80 @@ fn a_pointer_result_above_the_limit_is_refused_and_freed() {
 }
 
 #[test]
+fn a_request_for_more_results_than_a_grant_can_carry_is_refused_whole_and_the_worker_lives() {
+    let mut p = parent();
+    p.start_job(W0, JOB, ready(1), Vec::new(), T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    let n = crate::MAX_RESULTS_PER_REQUEST + 1;
+    p.handle(
+        received(
+            W0,
+            Message::ResultRequest(ResultRequest {
+                job: JOB,
+                results: vec![spec(4); n],
+            }),
+        ),
+        T0,
+    )
+    .expect("request");
+    let actions = drain_parent(&mut p);
+    assert!(
+        !actions.iter().any(|a| matches!(
+            a,
+            ParentAction::AllocateResult { .. } | ParentAction::KillWorker { .. }
+        )),
+        "nothing allocated, nobody killed"
+    );
+    let Some(Message::AllocationGrant(g)) = sent_messages(&actions).pop() else {
+        panic!("a grant");
+    };
+    assert_eq!(g.results.len(), n);
+    assert!(g.results.iter().all(|r| matches!(
+        r,
+        ResultGrant::Refused { code: ErrorCode::LIMIT, message } if message.contains("at most 4096")
+    )));
+    assert!(p.is_live(W0));
+}
+
+#[test]
+fn a_long_refusal_text_is_cut_so_a_full_grant_fits_a_frame() {
+    let mut p = parent();
+    p.start_job(W0, JOB, ready(1), Vec::new(), T0)
+        .expect("start");
+    p.handle(
+        received(
+            W0,
+            Message::ResultRequest(ResultRequest {
+                job: JOB,
+                results: vec![spec(4)],
+            }),
+        ),
+        T0,
+    )
+    .expect("request");
+    let _ = drain_parent(&mut p);
+    p.handle(
+        ParentEvent::ResultDeclined {
+            worker: W0,
+            request: RequestId(0),
+            code: ErrorCode::OUT_OF_MEMORY,
+            message: "é".repeat(600),
+        },
+        T0,
+    )
+    .expect("answer");
+    let actions = drain_parent(&mut p);
+    let Some(Message::AllocationGrant(g)) = sent_messages(&actions).pop() else {
+        panic!("a grant");
+    };
+    let ResultGrant::Refused { message, .. } = &g.results[0] else {
+        panic!("a refusal");
+    };
+    assert_eq!(message.len(), crate::MAX_REFUSAL_TEXT_LEN);
+}
+
+#[test]
 fn a_declined_result_is_refused_with_the_facades_code_in_request_order() {
     let mut p = parent();
     p.start_job(W0, JOB, ready(1), Vec::new(), T0)
@@ -1123,7 +1197,11 @@ fn an_error_from_the_worker_condemns_it_and_says_what_it_reported() {
         code: ErrorCode::INTERNAL,
         message: "oops".into(),
     });
-    assert_condemned(&mut p, &actions, "the worker reported: internal: oops");
+    assert_condemned(
+        &mut p,
+        &actions,
+        "the worker reported: internal: worker says: oops",
+    );
 }
 
 #[test]
@@ -1226,7 +1304,7 @@ fn a_job_error_then_ack_finishes_the_job_with_the_workers_error() {
     assert_eq!(releases(&log), vec![(HandoffId(0), Outcome::Completed)]);
     assert_eq!(
         job_finished(&log, JOB),
-        JobOutcome::WorkerError("division by zero".into())
+        JobOutcome::WorkerError("worker says: division by zero".into())
     );
     assert!(pair.p.is_live(W0));
 }

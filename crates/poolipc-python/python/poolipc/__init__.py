@@ -136,6 +136,7 @@ Listener = NativeListener
 ``close()``."""
 
 CONNECT_ENV: Final = _native.CONNECT_ENV
+CONNECT_TOKEN_ENV: Final = _native.CONNECT_TOKEN_ENV
 """``POOLIPC_CONNECT``: where a worker started by someone else finds its parent's listener."""
 
 ALLOC_CONF: Final = "PYTORCH_CUDA_ALLOC_CONF"
@@ -717,7 +718,10 @@ class Parent:
         return self._native.options()
 
     def spawn(
-        self, argv: Sequence[str | os.PathLike[str]], env: Mapping[str, str] | None = None
+        self,
+        argv: Sequence[str | os.PathLike[str]],
+        env: Mapping[str, str] | None = None,
+        env_allowlist: Iterable[str] | None = None,
     ) -> int:
         """Start ``argv`` as a worker (it inherits the socket; with ``POOLIPC_DRIVER=sim`` also
         the simulated machine) and shake hands; returns the worker id. The worker's
@@ -725,24 +729,49 @@ class Parent:
         ``"parent"`` when the worker's ``CUDA_VISIBLE_DEVICES`` differs, and it finds the
         device by UUID.
 
-        Raises ``TypeError`` for an ``argv`` that is a string (give a list), ``ValueError``
-        for an empty one, ``PoolipcError`` when the program cannot be started, exits, or is
-        refused during the handshake or the canary battery (the message says why).
+        The worker inherits this process's whole environment unless ``env_allowlist`` is
+        given: then it gets only the variables named there, plus ``env``, plus what every
+        worker keeps (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``, ``LD_LIBRARY_PATH``,
+        ``PYTHONPATH`` and every ``POOLIPC_*``, ``CUDA_*`` and ``LC_*``). Give a list (even an
+        empty one) to keep secrets such as API keys from a worker you do not trust.
+
+        Raises ``TypeError`` for an ``argv`` that is a string (give a list), or an
+        ``env_allowlist`` that is one; ``ValueError`` for an empty ``argv``; ``PoolipcError``
+        when the program cannot be started, exits, or is refused during the handshake or the
+        canary battery (the message says why).
         """
         if isinstance(argv, (str, bytes)):
             raise TypeError(
                 f"poolipc: argv must be a list of arguments, not a {type(argv).__name__} "
                 f"({argv!r}); write [{argv!r}]"
             )
-        return self._native.spawn([os.fspath(a) for a in argv], env)
+        allow = None
+        if env_allowlist is not None:
+            if isinstance(env_allowlist, (str, bytes)):
+                raise TypeError(
+                    "poolipc: env_allowlist must be a list of variable names, not a "
+                    f"{type(env_allowlist).__name__} ({env_allowlist!r})"
+                )
+            allow = [str(n) for n in env_allowlist]
+        return self._native.spawn([os.fspath(a) for a in argv], env, allow)
 
     def spawn_python(
-        self, script: str | os.PathLike[str], *args: str, env: Mapping[str, str] | None = None
+        self,
+        script: str | os.PathLike[str],
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        env_allowlist: Iterable[str] | None = None,
     ) -> int:
         """Start ``python script args...`` with this interpreter as a worker (see ``spawn``)."""
-        return self.spawn([sys.executable, script, *args], env)
+        return self.spawn([sys.executable, script, *args], env, env_allowlist)
 
-    def listen(self, directory: str | os.PathLike[str] | None = None) -> NativeListener:
+    def listen(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        token: str | None = None,
+        once: bool = False,
+    ) -> NativeListener:
         """Listen for workers this process does not start (pyisolate's children, a service
         manager's): returns a ``Listener`` on a Unix socket in ``directory`` (it must be ours
         and mode 0700; None: a fresh private directory under ``$XDG_RUNTIME_DIR`` or the
@@ -754,12 +783,23 @@ class Parent:
         timeout=None)`` returns the next accepted worker's id, for ``run``/``submit``/``stop``
         as with ``spawn``. ``listener.close()`` stops accepting (workers taken go on).
 
-        Raises ``ValueError`` for a directory that is not private or a socket path that is
-        taken by something else, ``PoolipcError`` when the socket cannot be made.
+        The uid check keeps other users out, not other processes of ours. ``token`` (32 ASCII
+        characters, e.g. ``uuid.uuid4().hex``) makes the listener a capability: every
+        connection must present it first (``listener.env()`` carries it as
+        ``POOLIPC_CONNECT_TOKEN``, which ``Worker.connect()`` sends), or it is dropped before
+        the parent sends anything, the pool FD included (``listener.refused``,
+        ``listener.refused_count``). ``once=True``: the first connection with the token is
+        the only one; the listener then closes.
+
+        Raises ``ValueError`` for a directory that is not private, a socket path that is
+        taken by something else, or a token that is not 32 ASCII characters;
+        ``PoolipcError`` when the socket cannot be made.
         ``accept`` raises ``TimeoutError`` when no worker came in time and ``PoolipcError``
         for one that connected but was not taken (its handshake or canaries failed).
         """
-        return self._native.listen(None if directory is None else os.fspath(directory))
+        return self._native.listen(
+            None if directory is None else os.fspath(directory), token=token, once=once
+        )
 
     def pid(self, worker: int) -> int | None:
         """The worker's process id (None once it is stopped or lost); never waits for a job."""
@@ -1078,12 +1118,16 @@ class Worker:
 
     @classmethod
     def connect(
-        cls, path: str | os.PathLike[str] | None = None, device: int | str | None = None
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        device: int | str | None = None,
+        token: str | None = None,
     ) -> Worker:
         """The worker side of a process its parent did not start: connect to the parent's
         listening socket at ``path`` (``Parent.listen``; None: ``POOLIPC_CONNECT`` from the
         environment, which ``listener.env()`` sets), shake hands, and take jobs as any
-        worker does. ``device`` as for ``Worker()``.
+        worker does. ``device`` as for ``Worker()``. ``token``: the listener's token, sent
+        first (None: ``POOLIPC_CONNECT_TOKEN`` from the environment, if set).
 
         Raises ``ValueError`` for no path (none given and ``POOLIPC_CONNECT`` unset), a path
         too long for a Unix socket, or a bad ``device``; ``ConnectError`` when nothing
@@ -1099,7 +1143,9 @@ class Worker:
                 )
         ordinal, any_device = _worker_device(device)
         self = cls.__new__(cls)
-        self._native = _native.NativeWorker.connect(os.fspath(path), ordinal, any_device)
+        if token is None:
+            token = os.environ.get(CONNECT_TOKEN_ENV) or None
+        self._native = _native.NativeWorker.connect(os.fspath(path), ordinal, any_device, token)
         self.device = self._native.device
         return self
 

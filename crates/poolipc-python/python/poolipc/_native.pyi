@@ -47,6 +47,7 @@ __all__ = [
     "mps_status",
     "DRIVER_ENV",
     "CONNECT_ENV",
+    "CONNECT_TOKEN_ENV",
     "__version__",
 ]
 
@@ -56,6 +57,8 @@ __version__: Final[str]
 """The package's version (the Rust crate's)."""
 CONNECT_ENV: Final[str]
 """The environment variable a worker reads a listener's path from (``POOLIPC_CONNECT``)."""
+CONNECT_TOKEN_ENV: Final[str]
+"""The environment variable a worker reads a listener's token from (``POOLIPC_CONNECT_TOKEN``)."""
 
 class PoolipcError(RuntimeError):
     """A poolipc operation failed; the message names the call and the reason."""
@@ -243,10 +246,22 @@ class NativeParent:
         """Whether the process is on the simulated driver."""
     def options(self) -> ParentOptions:
         """The process parent's options."""
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
-        """Spawns ``argv`` as a worker; returns its id."""
-    def listen(self, directory: str | os.PathLike[str] | None = None) -> NativeListener:
-        """Listens for workers this parent does not start."""
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        env_allowlist: Sequence[str] | None = None,
+    ) -> int:
+        """Spawns ``argv`` as a worker; returns its id. With ``env_allowlist``, the worker
+        inherits only those variables (plus ``env`` and what poolipc keeps)."""
+    def listen(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        once: bool = False,
+    ) -> NativeListener:
+        """Listens for workers this parent does not start (with ``token``: only those that
+        present it; with ``once``: one)."""
     def pid(self, worker: int) -> int | None:
         """The worker's process id, or None."""
     def workers(self) -> list[int]:
@@ -411,9 +426,12 @@ class NativeWorker:
         """Whether the worker is on the simulated driver."""
     @staticmethod
     def connect(
-        path: str | os.PathLike[str], device: int | None = 0, any: bool = False
+        path: str | os.PathLike[str],
+        device: int | None = 0,
+        any: bool = False,
+        token: str | None = None,
     ) -> NativeWorker:
-        """Connects to a parent's listening socket."""
+        """Connects to a parent's listening socket (sending ``token`` first, if given)."""
     def next_job(self, concurrent: bool = False) -> Job | None:
         """Waits for the next job; None when the parent said goodbye."""
     def auto_take(self) -> None:
@@ -445,7 +463,10 @@ class NativeListener:
         """The socket's path."""
     @property
     def refused(self) -> list[str]:
-        """Peers refused before the handshake (another uid), in words."""
+        """Peers refused before the handshake (another uid, no token), in words: the first 32."""
+    @property
+    def refused_count(self) -> int:
+        """How many peers were refused before the handshake."""
     @property
     def closed(self) -> bool:
         """Whether the listener is closed."""

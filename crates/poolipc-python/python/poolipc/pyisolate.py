@@ -216,6 +216,11 @@ class HostChannel:
     its ``ExtensionConfig["env"]``). The extension connects when pyisolate registers its
     serializers there; the host takes the connection at the first tensor it sends, or with
     ``connect()``.
+
+    The channel's token (in ``env()``) is a capability: a process of the host's user that
+    connects to the listener without it is dropped before the host sends anything, the pool
+    FD included (``listener.refused_count``). A channel serves one worker: its listener
+    closes once the extension connected, and a second connection finds nothing there.
     """
 
     def __init__(
@@ -223,7 +228,9 @@ class HostChannel:
     ) -> None:
         self.parent = parent
         self.token = uuid.uuid4().hex
-        self.listener = parent.listen(directory)
+        # The token is the capability: the listener drops a connection that does not present
+        # it before sending anything (the pool FD included), and takes one worker only.
+        self.listener = parent.listen(directory, token=self.token, once=True)
         self.accept_timeout = accept_timeout
         self._worker: int | None = None
         self._lock = threading.RLock()
@@ -425,6 +432,27 @@ class _Bound:
                 return await attr(*args, **kwargs)
 
         return call
+
+
+def _sandbox_paths() -> list[str] | None:
+    """See ``PoolipcAdapter.get_sandbox_system_paths``."""
+    chosen = _SENDING.get()
+    with _HOST_LOCK:
+        if chosen is not None:
+            waiting = [chosen]
+        else:
+            waiting = [c for c in _HOST_CHANNELS.values() if not c.listener.closed]
+    waiting = [c for c in waiting if not c.listener.closed]
+    if len(waiting) != 1:
+        if waiting:
+            _once(
+                "sandbox-paths",
+                f"poolipc.pyisolate: {len(waiting)} channels wait for their extensions and none "
+                "was chosen: no sandbox is given a channel's directory (start each extension "
+                "inside `with channel.sending():` or through channel.bind(extension))",
+            )
+        return None
+    return [os.path.dirname(waiting[0].listener.path)]
 
 
 def _channel_for_send() -> tuple[HostChannel | None, str]:
@@ -725,7 +753,7 @@ def child_channel() -> ChildChannel | None:
             return None
         refresh_s = os.environ.get(REFRESH_ENV)
         refresh = float(refresh_s) if refresh_s else None
-        worker = Worker.connect()
+        worker = Worker.connect(token=token)
         _CHILD = ChildChannel(worker, token, refresh)
         log.info("poolipc.pyisolate: extension connected to its host's channel %s", token)
         return _CHILD
@@ -885,10 +913,14 @@ class PoolipcAdapter:
         return None
 
     def get_sandbox_system_paths(self) -> list[str] | None:
-        """The listeners' directories, which a sandboxed extension must reach (not tried: the
-        tests run with pyisolate's sandbox disabled)."""
-        with _HOST_LOCK:
-            return [os.path.dirname(c.listener.path) for c in _HOST_CHANNELS.values()] or None
+        """The directory of the one channel the extension being started is given, which its
+        sandbox must reach, and no other channel's (not tried in a sandbox: the tests run
+        with pyisolate's sandbox disabled). pyisolate does not say which extension it starts,
+        so: the channel chosen in the calling context (``channel.sending()`` or
+        ``channel.bind(ext)``: pyisolate starts an extension's process at its first call),
+        else the only channel still waiting for its extension. None when that is not one
+        channel (start each extension inside its channel's ``sending()``)."""
+        return _sandbox_paths()
 
     def get_sandbox_gpu_patterns(self) -> list[str] | None:
         return None

@@ -8,6 +8,8 @@ probe             like echo, and writes a JSON report (POOLIPC_TEST_REPORT) of w
                   say: layout, __cuda_array_interface__, the DLPack capsules' structure read
                   with ctypes, and what every use after the job raised
 fail              raises inside the job: the parent's run() must raise with the text
+fail-escape       like fail, with terminal escapes, a carriage return and a forged log line
+                  in the text
 die-after-import  killed (SIGKILL) after the inputs arrived
 die-after-grant   killed after the results were granted
 bad-dtype         asks for a result of a dtype that does not exist, reports the error
@@ -18,6 +20,10 @@ linger            like echo, but ignores the parent's goodbye: it neither exits 
                   SIGTERM, so only a kill ends it
 typed-errors      asks for a result too large to count in bytes, then finishes the job from two
                   threads at once; reports what each raised (or "ok"), and echoes nothing
+too-many-results  asks for 5000 results in one request, reports what that raised
+                  ({"too_many": ...}), and fails the job with it
+environ           reports the names of its environment variables ({"environ": [...]}), then
+                  echoes
 write-inputs      writes 0xAB bytes at the start of every input view and reports, per input,
                   its rung, read_only and what the write raised; then echoes
 """
@@ -222,6 +228,8 @@ def main():
     worker = poolipc.Worker.connect() if os.environ.get(poolipc.CONNECT_ENV) else poolipc.Worker()
     with open(REPORT, "a") if REPORT else open(os.devnull, "w") as f:
         f.write(json.dumps({"started": True, "simulated": worker.simulated, "stream": worker.stream}) + "\n")
+    if MODE == "environ":
+        say({"environ": sorted(os.environ)})
     for job in worker:
         if MODE == "die-after-import":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -260,6 +268,11 @@ def main():
                 t.join()
             say({"too_large": too_large, "finish_twice": sorted(o.split(":")[0] for o in outcomes)})
             continue
+        if MODE == "too-many-results":
+            err = raises(lambda: job.request_results([("uint8", [1])] * 5000))
+            say({"too_many": err})
+            job.fail(f"too many results: {err}")
+            continue
         if MODE == "bad-dtype":
             err = raises(lambda: job.request_results([("float33", [4])]))
             job.fail(f"bad dtype said: {err}")
@@ -268,9 +281,11 @@ def main():
             with job:  # an exception inside fails the job with its text, then propagates
                 if MODE == "fail":
                     raise ValueError("the worker failed on purpose")
+                if MODE == "fail-escape":
+                    raise ValueError("\x1b[2J\x1b[31mred\x07 text\rover\nERROR poolipc: forged")
                 echo(job)
         except (ValueError, poolipc.PoolipcError) as e:
-            if MODE != "fail" and not isinstance(e, poolipc.PoolipcError):
+            if not MODE.startswith("fail") and not isinstance(e, poolipc.PoolipcError):
                 raise
             # the job failed (on purpose, or the parent refused its results): the `with`
             # reported it to the parent, and the worker goes on to the next job
