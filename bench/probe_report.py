@@ -20,7 +20,8 @@ import sys
 def load(directory: pathlib.Path) -> list[tuple[int, str, int]]:
     marks = []
     for f in sorted(directory.glob("probe-*.txt")):
-        pid = int(f.stem.split("-", 1)[1])
+        # probe-<pid>.txt, or probe-<pid>-<n>.txt (one file per dump).
+        pid = int(f.stem.split("-")[1])
         for line in f.read_text().splitlines():
             if not line or line.startswith("#"):
                 continue
