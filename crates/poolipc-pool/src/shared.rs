@@ -652,9 +652,11 @@ impl<D: Driver + ?Sized> SharedPool<D> {
                 return Err(e);
             }
         };
-        installed()
-            .get_or_insert_with(HashSet::new)
-            .insert((self.driver.kind(), self.device, pool));
+        installed().get_or_insert_with(HashSet::new).insert((
+            self.driver.kind(),
+            self.device,
+            pool,
+        ));
         self.generations().push(Arc::new(Generation {
             pool,
             fd: Arc::new(fd),
@@ -703,7 +705,9 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let retired = {
             let g = self.generations();
-            g.iter().take(g.len().saturating_sub(1)).any(|g| g.pool == pool)
+            g.iter()
+                .take(g.len().saturating_sub(1))
+                .any(|g| g.pool == pool)
         };
         if !retired {
             return Err(PoolError::NotRetired {
@@ -1316,7 +1320,9 @@ mod generation_tests {
             PoolCounter::ReuseAllowOpportunistic,
         ] {
             assert_eq!(
-                pool.driver().mem_pool_get_attribute(r.current, attr).unwrap(),
+                pool.driver()
+                    .mem_pool_get_attribute(r.current, attr)
+                    .unwrap(),
                 pool.driver().mem_pool_get_attribute(old, attr).unwrap()
             );
         }
@@ -1406,10 +1412,7 @@ mod generation_tests {
         pool.export(p).unwrap();
         let r = pool.rotate().unwrap().unwrap();
         let second = pool.fd();
-        assert_ne!(
-            ino(first.as_fd()),
-            ino(second.as_fd())
-        );
+        assert_ne!(ino(first.as_fd()), ino(second.as_fd()));
         assert!(pool.fd_of(r.retired).is_some());
         pool.free(p, S).unwrap();
     }

@@ -153,7 +153,13 @@ impl Script {
             identity: poolipc::identity(&*driver, 0, caps).unwrap(),
             required: Capabilities::NONE,
         };
-        parent_handshake(&mut conn, &config, pool.fd(), deadline()).unwrap();
+        parent_handshake(
+            &mut conn,
+            &config,
+            std::os::fd::AsFd::as_fd(&*pool.fd()),
+            deadline(),
+        )
+        .unwrap();
         Script {
             sim,
             driver,

@@ -608,10 +608,7 @@ impl State {
                 self.blocks[i].offset,
                 self.blocks[i].offset + self.blocks[i].size,
             );
-            let next = self
-                .blocks
-                .iter()
-                .position(|b| same(b) && b.offset == end);
+            let next = self.blocks.iter().position(|b| same(b) && b.offset == end);
             let prev = self
                 .blocks
                 .iter()
