@@ -93,34 +93,34 @@ fn probe_once(
             identity: identity(d, pool.device())?,
             required: Capabilities::NONE,
         };
-        let answer =
-            poolipc_transport::parent_handshake(&mut conn, &config, pool.fd().as_fd(), deadline)
-                .map_err(anyhow::Error::from)
-                .and_then(|_| {
-                    let lend = Lend {
-                        job: JobId(1),
-                        tensors: vec![LentTensor {
-                            handle: HandoffId(1),
-                            alloc: poolipc_transport::AllocId(1),
-                            rung: Rung::PoolPointer,
-                            pool: 0,
-                            export: blob,
-                            ready_event: EventBlob([0; 64]),
-                            meta: TensorMeta {
-                                dtype: DType::U8,
-                                shape: vec![bytes],
-                                strides: vec![1],
-                                byte_offset: 0,
-                                byte_len: bytes,
-                            },
-                            read_only: false,
-                            arena: None,
-                        }],
-                        slice: None,
-                    };
-                    conn.send(&Message::Lend(lend), &[], deadline)?;
-                    Ok(conn.recv(deadline)?.0)
-                });
+        let fd = pool.fd();
+        let answer = poolipc_transport::parent_handshake(&mut conn, &config, fd.as_fd(), deadline)
+            .map_err(anyhow::Error::from)
+            .and_then(|_| {
+                let lend = Lend {
+                    job: JobId(1),
+                    tensors: vec![LentTensor {
+                        handle: HandoffId(1),
+                        alloc: poolipc_transport::AllocId(1),
+                        rung: Rung::PoolPointer,
+                        pool: 0,
+                        export: blob,
+                        ready_event: EventBlob([0; 64]),
+                        meta: TensorMeta {
+                            dtype: DType::U8,
+                            shape: vec![bytes],
+                            strides: vec![1],
+                            byte_offset: 0,
+                            byte_len: bytes,
+                        },
+                        read_only: false,
+                        arena: None,
+                    }],
+                    slice: None,
+                };
+                conn.send(&Message::Lend(lend), &[], deadline)?;
+                Ok(conn.recv(deadline)?.0)
+            });
         let status = child.wait()?;
         if let Some(sig) = status.signal() {
             return Ok(Outcome::Crashed(sig));
