@@ -1509,8 +1509,12 @@ impl Parent {
                 let retired = self.ask_loop(|reply| LoopCommand::RetirePool { handle, reply })?;
                 out.workers_not_answered =
                     out.workers_not_answered.max(retired.workers_not_answered);
-                pool.destroy_retired(handle)?;
-                out.pools_retired += 1;
+                match pool.destroy_retired(handle) {
+                    Ok(()) => out.pools_retired += 1,
+                    // Another thread's empty_cache destroyed it meanwhile.
+                    Err(poolipc_pool::PoolError::NotRetired { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
             }
         }
         if let (Some(before), Some(after)) = (free_before, device_free()) {
