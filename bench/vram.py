@@ -6,8 +6,10 @@ to trim.
 
     python3 bench/vram.py [--gib 24]
 
-Exits 1 when a figure misses its bound, except the pool-pointer case, which is reported: the
-driver keeps an exported allocation's memory until the pool is destroyed (docs/facts.md).
+Exits 1 when a figure misses its bound. The pool-pointer case counts too: the driver keeps an
+exported allocation's memory until its pool is destroyed (bench/results/2026-12-04-h200-export-limbo),
+so ``empty_cache`` rotates the pool (a new one becomes current, the worker is given it) and
+destroys the old one in the worker and the parent; the worker must keep serving afterwards.
 """
 
 import argparse
@@ -89,15 +91,32 @@ def main():
           f"(released {s['released_bytes'] / GIB:.3f}); {back:.3f} GiB free, {(base - back) * 1024:.0f} MiB short of before the lend")
     ok = ok and rung == ["arena copy"] and base - back < 64 / 1024
 
-    # By pool pointer: exported, so the driver keeps it after the free (reported, not failed).
-    x = torch.full((4 * GIB,), 3, dtype=torch.uint8, device="cuda")
+    # By pool pointer: exported, so the driver keeps it after the free until the pool is
+    # destroyed: empty_cache rotates the pool and destroys the old one (worker first).
+    base = free_gib()
+    x = torch.full((2 * GIB,), 3, dtype=torch.uint8, device="cuda")
     p.run(w, [x])
     rung = p.last_input_rungs
+    assert int(x[0]) == 4 and int(x[-1]) == 4, "the worker's in-place write did not come back"
     del x
-    poolipc.empty_cache()
+    held = free_gib()
+    print(f"2 GiB lent ({rung}), written in place, freed: {held:.3f} GiB free, {(base - held) * 1024:.0f} MiB held "
+          f"(exported: the driver keeps it); {figures()}")
+    t0 = time.perf_counter()
+    torch.cuda.empty_cache()
+    ms = (time.perf_counter() - t0) * 1e3
     back = free_gib()
-    print(f"4 GiB lent ({rung}), freed, empty_cache: {back:.3f} GiB free; {(base - back) * 1024:.0f} MiB short "
-          "(an exported allocation's memory stays with the pool until it is destroyed)")
+    print(f"torch.cuda.empty_cache() (pool rotated, old one destroyed): {back:.3f} GiB free ({ms:.1f} ms); "
+          f"{(base - back) * 1024:.0f} MiB short of before the lend; {figures()}")
+    ok = ok and rung == ["pool pointer"] and base - back < 64 / 1024
+    # The worker keeps serving from the new pool: a new tensor, by pool pointer again.
+    y = torch.full((64 * MIB,), 5, dtype=torch.uint8, device="cuda")
+    p.run(w, [y])
+    rung = p.last_input_rungs
+    served = int(y[0]) == 6 and int(y[-1]) == 6
+    print(f"after the rotation: 64 MiB lent ({rung}), written in place: {'ok' if served else 'WRONG BYTES'}")
+    ok = ok and served and rung == ["pool pointer"]
+    del y
     p.stop(w)
     torch.cuda.empty_cache()
     back3 = free_gib()

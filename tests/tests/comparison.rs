@@ -29,7 +29,7 @@ fn expect_code(
 both_drivers!(
     fn an_imported_pool_starts_read_write_and_refuses_attributes(env) {
         let pool = install(env)?;
-        let mut child = spawn_child(env, pool.fd())?;
+        let mut child = spawn_child(env, std::os::fd::AsFd::as_fd(&*pool.fd()))?;
         let got = child.call("pool")?.join(" ");
         ensure!(got.contains("access_before=ReadWrite"), "worker's imported pool: {got}");
         ensure!(got.contains("threshold_before=None"), "worker's imported pool: {got}");
@@ -48,7 +48,7 @@ both_drivers!(
         let ptr = pool.alloc(MIB, stream)?;
         d.stream_synchronize(stream)?;
         let blob = hex(&pool.export(ptr)?.0);
-        let mut child = spawn_child(env, pool.fd())?;
+        let mut child = spawn_child(env, std::os::fd::AsFd::as_fd(&*pool.fd()))?;
         let a = child.call(&format!("import {blob}"))?;
         let b = child.call(&format!("import {blob}"))?;
         ensure!(a[0] == b[0], "two imports of one export: {} and {}", a[0], b[0]);
@@ -72,7 +72,7 @@ both_drivers!(
         let blob = hex(&pool.export(ptr)?.0);
         pool.free(ptr, stream)?;
         d.stream_synchronize(stream)?;
-        let mut child = spawn_child(env, pool.fd())?;
+        let mut child = spawn_child(env, std::os::fd::AsFd::as_fd(&*pool.fd()))?;
         let got = child.call(&format!("import {blob}"))?;
         child.call(&format!("free {}", got[0]))?;
         ensure!(child.finish()?.success(), "child failed");

@@ -89,7 +89,7 @@ fn child_reads_and_writes_in_place(env: &Env, bytes: u64) -> Result<()> {
     let ptr = pool.alloc(bytes, stream)?;
     fill_then_record(d, ptr, bytes, 0xA5A5_0001, stream, ready)?;
     let blob = pool.export(ptr)?;
-    let mut child = spawn_child(env, pool.fd())?;
+    let mut child = spawn_child(env, std::os::fd::AsFd::as_fd(&*pool.fd()))?;
     let ev = child.call(&format!("open {}", hex(&d.ipc_get_event_handle(ready)?.0)))?;
     child.call(&format!("wait {}", ev[0]))?;
     let imported = child.call(&format!("import {}", hex(&blob.0)))?;
@@ -158,7 +158,7 @@ both_drivers!(
         // Parent → child: READY is recorded right after the fill, nothing is synchronized.
         fill_then_record(d, ptr, bytes, 0x1111_1111, stream, ready)?;
         let blob = pool.export(ptr)?;
-        let mut child = spawn_child(env, pool.fd())?;
+        let mut child = spawn_child(env, std::os::fd::AsFd::as_fd(&*pool.fd()))?;
         let ev = child.call(&format!("open {}", hex(&d.ipc_get_event_handle(ready)?.0)))?;
         child.call(&format!("wait {}", ev[0]))?;
         let theirs = child.call(&format!("import {}", hex(&blob.0)))?[0].clone();
@@ -191,7 +191,7 @@ both_drivers!(
         let pool = install(env)?;
         let d = &*env.driver;
         let stream = d.stream_create()?;
-        let mut child = spawn_child(env, pool.fd())?;
+        let mut child = spawn_child(env, std::os::fd::AsFd::as_fd(&*pool.fd()))?;
         let attached = child.call("pool")?;
         println!("{:?}: worker's imported pool: {}", env.kind(), attached.join(" "));
         // Rounds 0-2: the worker frees each import and synchronizes its stream; rounds 3-5:

@@ -214,3 +214,166 @@ both_drivers!(
         Ok(())
     }
 );
+
+// --- pool pointers: the pool is rotated and its retired generation destroyed --------------
+
+/// A parent whose results go to the shared pool (by pool pointer, exported like the inputs).
+fn pool_parent(env: &Env) -> Result<Parent> {
+    parent(env, |o| o.results = ResultMemory::Pool)
+}
+
+/// Lends `input` (`bytes`) by pool pointer to `w`, checks the echo, frees the results.
+fn lend_by_pointer(
+    p: &Parent,
+    w: poolipc::WorkerId,
+    input: poolipc::DevicePtr,
+    bytes: u64,
+    pattern: u32,
+    stream: StreamHandle,
+) -> Result<()> {
+    let out = p.submit(w, &[bytes_input(input, bytes)], stream)?.wait()?;
+    ensure!(
+        out.input_rungs == [Rung::PoolPointer],
+        "{:?} {:?}",
+        out.input_rungs,
+        out.input_reasons
+    );
+    // The results are read on the host: after the stream's wait on the worker's DONE.
+    p.driver().stream_synchronize(stream)?;
+    check_exact(p, &out, 0, bytes, pattern)?;
+    for r in out.results {
+        ensure!(r.rung == Rung::PoolPointer, "result by {:?}", r.rung);
+        p.pool().free(r.ptr, stream)?;
+    }
+    p.driver().stream_synchronize(stream)?;
+    Ok(())
+}
+
+both_drivers!(
+    fn a_tensor_lent_by_pool_pointer_and_freed_comes_back_at_empty_cache(env) {
+        let p = pool_parent(env)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let before = free_vram(&p)?;
+        let bytes = 256 * MIB;
+        let input = filled(&p, bytes, 0x5151_0000, stream)?;
+        lend_by_pointer(&p, w, input, bytes, 0x5151_0000, stream)?;
+        p.pool().free(input, stream)?;
+        let held = free_vram(&p)?;
+        println!(
+            "lent and freed: {} MiB still held",
+            before.saturating_sub(held) / MIB
+        );
+        let t = Instant::now();
+        let report = p.empty_cache()?;
+        println!("empty_cache: {report:?} in {:?}", t.elapsed());
+        ensure!(
+            report.pools_rotated == 1 && report.pools_retired == 1,
+            "{report:?}"
+        );
+        ensure!(report.workers_not_answered == 0, "{report:?}");
+        let after = free_vram(&p)?;
+        println!(
+            "free VRAM before the lend {:.3}, after empty_cache {:.3} GiB",
+            before as f64 / f64::from(1u32 << 30),
+            after as f64 / f64::from(1u32 << 30)
+        );
+        ensure!(
+            after + SLACK >= before,
+            "{} MiB short of before the lend",
+            (before - after) / MIB
+        );
+        // The worker keeps serving, from the new generation.
+        let again = filled(&p, 4 * MIB, 0x5151_0001, stream)?;
+        lend_by_pointer(&p, w, again, 4 * MIB, 0x5151_0001, stream)?;
+        p.pool().free(again, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_retired_generation_with_a_live_tensor_stays_until_it_is_freed_and_still_lends(env) {
+        let p = pool_parent(env)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        // Allocated before the rotation, lent only after it.
+        let old = filled(&p, 8 * MIB, 0x5252_0000, stream)?;
+        let lent = filled(&p, 4 * MIB, 0x5252_0001, stream)?;
+        lend_by_pointer(&p, w, lent, 4 * MIB, 0x5252_0001, stream)?;
+        p.pool().free(lent, stream)?;
+        let first = p.pool().handle();
+        let report = p.empty_cache()?;
+        ensure!(
+            report.pools_rotated == 1 && report.pools_retired == 0,
+            "the generation of a live tensor was destroyed: {report:?}"
+        );
+        ensure!(
+            p.pool().handles().contains(&first) && p.pool().handle() != first,
+            "{:?}",
+            p.pool().handles()
+        );
+        // The old generation's tensor still goes by pointer, under its old index.
+        lend_by_pointer(&p, w, old, 8 * MIB, 0x5252_0000, stream)?;
+        // (The job's results were the new generation's: it rotates and retires, not the old.)
+        let report = p.empty_cache()?;
+        ensure!(p.pool().handles().contains(&first), "{report:?}");
+        p.pool().free(old, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        let report = p.empty_cache()?;
+        ensure!(report.pools_retired >= 1, "{report:?}");
+        ensure!(!p.pool().handles().contains(&first), "{:?}", p.pool().handles());
+        ensure!(report.workers_not_answered == 0, "{report:?}");
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_worker_spawned_after_a_rotation_takes_pool_pointers(env) {
+        let p = pool_parent(env)?;
+        let stream = p.driver().stream_create()?;
+        let a = p.spawn_worker(worker_command(env, None)?)?;
+        let t = filled(&p, 4 * MIB, 0x5353_0000, stream)?;
+        lend_by_pointer(&p, a, t, 4 * MIB, 0x5353_0000, stream)?;
+        p.pool().free(t, stream)?;
+        let report = p.empty_cache()?;
+        ensure!(report.pools_rotated == 1, "{report:?}");
+        let b = p.spawn_worker(worker_command(env, None)?)?;
+        for w in [a, b] {
+            let t = filled(&p, 4 * MIB, 0x5353_0001, stream)?;
+            lend_by_pointer(&p, w, t, 4 * MIB, 0x5353_0001, stream)?;
+            p.pool().free(t, stream)?;
+        }
+        // Both hold the second generation now: a second rotation retires it in both.
+        let report = p.empty_cache()?;
+        ensure!(
+            report.pools_rotated == 1 && report.pools_retired == 1,
+            "{report:?}"
+        );
+        ensure!(report.workers_not_answered == 0, "{report:?}");
+        p.stop_worker(a)?;
+        p.stop_worker(b)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn empty_cache_with_nothing_exported_does_not_rotate(env) {
+        let p = pool_parent(env)?;
+        let stream = p.driver().stream_create()?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let t = filled(&p, 4 * MIB, 0x5454_0000, stream)?;
+        p.pool().free(t, stream)?;
+        let first = p.pool().handle();
+        let report = p.empty_cache()?;
+        ensure!(
+            report.pools_rotated == 0 && report.pools_retired == 0,
+            "{report:?}"
+        );
+        ensure!(p.pool().handles() == [first], "{:?}", p.pool().handles());
+        p.stop_worker(w)?;
+        Ok(())
+    }
+);

@@ -93,7 +93,8 @@ fn probe_once(
             identity: identity(d, pool.device())?,
             required: Capabilities::NONE,
         };
-        let answer = poolipc_transport::parent_handshake(&mut conn, &config, pool.fd(), deadline)
+        let fd = pool.fd();
+        let answer = poolipc_transport::parent_handshake(&mut conn, &config, fd.as_fd(), deadline)
             .map_err(anyhow::Error::from)
             .and_then(|_| {
                 let lend = Lend {

@@ -66,8 +66,8 @@ pub use message::{
     Ack, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities, CarvedResult,
     Chunk, DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice,
     LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST,
-    MAX_TEXT_LEN, Message, MessageKind, ResultGrant, ResultRequest, ResultSpec, StagingBuffer,
-    TensorMeta, VmmShare,
+    MAX_TEXT_LEN, Message, MessageKind, PoolRetire, ResultGrant, ResultRequest, ResultSpec,
+    StagingBuffer, TensorMeta, VmmShare,
 };
 pub use parent::{
     FailReason, InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent, SliceLoan,

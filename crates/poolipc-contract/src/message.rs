@@ -401,6 +401,19 @@ pub struct ArenaRelease {
     pub index: u32,
 }
 
+/// Parent → worker: the parent's pool this worker knows by wire `index` (an `ExtraPool` it
+/// took, a generation of a pool the parent rotated on `empty_cache`) was retired and has
+/// nothing in use any more (protocol 8). The worker destroys its imported handle of the
+/// pool (no import of it can be live) and answers [`Message::PoolRetired`] with the same
+/// index; the pool's exported memory goes back to the device once the parent and every
+/// worker that imported it did. The index may then be offered again by a later `ExtraPool`.
+/// Index 0 (the Hello pool) is retired like any other once the parent rotated it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolRetire {
+    /// The pool's wire index in this worker's table.
+    pub index: u8,
+}
+
 /// Parent → worker, with exactly one FD (the allocation's `cuMemExportToShareableHandle`): a
 /// VMM allocation of the parent's that tensors on [`Rung::VmmHandle`] will name by `alloc`
 /// (protocol 8).
@@ -579,6 +592,11 @@ pub enum Message {
         /// Mappings dropped.
         dropped: u32,
     },
+    /// Parent → worker: destroy your import of the pool of this index. See [`PoolRetire`].
+    PoolRetire(PoolRetire),
+    /// Worker → parent: the import of that [`PoolRetire`]'s pool is destroyed here (or never
+    /// was made).
+    PoolRetired(PoolRetire),
 }
 
 /// The kind of a [`Message`], with its wire tag.
@@ -610,11 +628,13 @@ pub enum MessageKind {
     ArenaReleased = 22,
     ReleaseMappings = 23,
     MappingsReleased = 24,
+    PoolRetire = 25,
+    PoolRetired = 26,
 }
 
 impl MessageKind {
     /// Every kind, in tag order.
-    pub const ALL: [MessageKind; 24] = [
+    pub const ALL: [MessageKind; 26] = [
         MessageKind::Hello,
         MessageKind::HelloAck,
         MessageKind::Refuse,
@@ -639,6 +659,8 @@ impl MessageKind {
         MessageKind::ArenaReleased,
         MessageKind::ReleaseMappings,
         MessageKind::MappingsReleased,
+        MessageKind::PoolRetire,
+        MessageKind::PoolRetired,
     ];
 
     /// The kind with this wire tag.
@@ -697,6 +719,8 @@ impl Message {
             Message::ArenaReleased(_) => MessageKind::ArenaReleased,
             Message::ReleaseMappings => MessageKind::ReleaseMappings,
             Message::MappingsReleased { .. } => MessageKind::MappingsReleased,
+            Message::PoolRetire(_) => MessageKind::PoolRetire,
+            Message::PoolRetired(_) => MessageKind::PoolRetired,
         }
     }
 

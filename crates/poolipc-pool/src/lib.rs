@@ -49,6 +49,8 @@ pub use arena::{Arena, ArenaAllocator, ArenaBlock, ArenaError, ArenaMapping};
 pub use cache::{CacheError, ImportCache, Released};
 pub use export_cache::{DEFAULT_EXPORT_CACHE_ENTRIES, ExportCacheStats, ExportReuse};
 pub use poolipc_types::{CHUNK_BYTES, ImportLimit, LimitExceeded, MAX_CHUNKS};
-pub use shared::{AttachedPool, PoolError, ReuseCheck, SharedPool, TORCH_POOL_ATTRIBUTES};
+pub use shared::{
+    AttachedPool, PoolError, ReuseCheck, Rotation, SharedPool, TORCH_POOL_ATTRIBUTES,
+};
 pub use stats::PoolStats;
 pub use vmm_share::{VmmMappings, VmmShareError, VmmShareStats};

@@ -2,7 +2,8 @@
 //! `AttachedPool`, the same pool imported by a worker.
 
 use std::collections::HashSet;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use poolipc_driver::{
@@ -53,6 +54,28 @@ pub enum PoolError {
         /// The pool it belongs to.
         found: PoolHandle,
     },
+    /// A rotation found another pool current on the device: something swapped ours out, and
+    /// poolipc will not swap it back over theirs.
+    #[error(
+        "device {device}'s current memory pool is {found:?}, not poolipc's {ours:?}: something \
+         else made its own pool current, so poolipc will not rotate its pool over it"
+    )]
+    CurrentPoolChanged {
+        /// The device ordinal.
+        device: u32,
+        /// The pool current now.
+        found: PoolHandle,
+        /// Our current generation.
+        ours: PoolHandle,
+    },
+    /// The pool named is not a retired generation of this shared pool.
+    #[error("{pool:?} is not a retired generation of poolipc's pool on device {device}")]
+    NotRetired {
+        /// The device ordinal.
+        device: u32,
+        /// The pool named.
+        pool: PoolHandle,
+    },
     /// Uninstalling while memory is still allocated from the pool.
     #[error("the shared pool still has {used} bytes in use; free them before uninstalling")]
     InUse {
@@ -97,15 +120,53 @@ pub const TORCH_POOL_ATTRIBUTES: [PoolAttribute; 4] = [
 /// behind a lock held only for its bookkeeping, never across a driver call, so threads
 /// sharing a `SharedPool` may all export from it.
 ///
+/// # Generations
+///
+/// An allocation that was exported keeps its physical memory after its free until its pool
+/// is destroyed (and every worker destroyed its import of the pool): trimming does nothing
+/// for it (bench/results/2026-12-04-h200-export-limbo). So the pool has generations:
+/// [`rotate`] makes a new pool with the same attributes the device's current one and keeps
+/// the old one *retired* (its live allocations stay valid, are exported and freed as before;
+/// it makes no new ones), and [`destroy_retired`] destroys a retired generation once nothing
+/// of it is in use. [`handle`] is the current generation; [`owns`], [`export`],
+/// [`stats`], [`trim`] and [`uninstall`] cover every live one.
+///
 /// [`uninstall`]: SharedPool::uninstall
 /// [`export`]: SharedPool::export
+/// [`rotate`]: SharedPool::rotate
+/// [`destroy_retired`]: SharedPool::destroy_retired
+/// [`handle`]: SharedPool::handle
+/// [`owns`]: SharedPool::owns
+/// [`stats`]: SharedPool::stats
+/// [`trim`]: SharedPool::trim
 #[derive(Debug)]
 pub struct SharedPool<D: Driver + ?Sized> {
     driver: Arc<D>,
     device: u32,
-    pool: PoolHandle,
-    fd: OwnedFd,
+    /// Live generations, oldest first; the last is current. Locked for bookkeeping only.
+    generations: Mutex<Vec<Arc<Generation>>>,
+    /// Held across a rotation or a retirement (driver calls included), so that two never
+    /// interleave.
+    rotating: Mutex<()>,
     exports: ExportCache,
+}
+
+/// One generation of the shared pool: a pool made with torch's attributes and its FD.
+#[derive(Debug)]
+struct Generation {
+    pool: PoolHandle,
+    fd: Arc<OwnedFd>,
+    /// Whether a pointer of this generation was exported since it was made.
+    exported: AtomicBool,
+}
+
+/// What [`SharedPool::rotate`] did: the generation it retired and the one current now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rotation {
+    /// The generation retired (still valid for its live allocations).
+    pub retired: PoolHandle,
+    /// The new current generation.
+    pub current: PoolHandle,
 }
 
 /// How [`SharedPool::export_traced`] got its blob (tests check what the cache served).
@@ -153,13 +214,13 @@ impl<D: Driver + ?Sized> ReuseCheck<'_, D> {
         self.finished = true;
         match &verdict {
             Ok(()) => tracing::info!(
-                pool = ?self.pool.pool,
+                pool = ?self.pool.handle(),
                 "poolipc: export reuse proven on this driver: a worker imported an old \
                  allocation's blob and reached the new allocation of the same size at its \
                  address; recycled addresses of the same size are not exported again"
             ),
             Err(why) => tracing::warn!(
-                pool = ?self.pool.pool,
+                pool = ?self.pool.handle(),
                 %why,
                 "poolipc: export reuse not proven on this driver; every new allocation is \
                  exported (cuMemPoolExportPointer, about 0.4 ms/GiB)"
@@ -230,10 +291,40 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         Ok(SharedPool {
             driver,
             device,
-            pool,
-            fd,
+            generations: Mutex::new(vec![Arc::new(Generation {
+                pool,
+                fd: Arc::new(fd),
+                exported: AtomicBool::new(false),
+            })]),
+            rotating: Mutex::new(()),
             exports: ExportCache::new(DEFAULT_EXPORT_CACHE_ENTRIES),
         })
+    }
+
+    fn generations(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Generation>>> {
+        self.generations
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn current(&self) -> Arc<Generation> {
+        let g = self.generations();
+        // Never empty: install makes the first, rotate adds before it retires, and only
+        // retired (never the last) generations are removed.
+        Arc::clone(&g[g.len() - 1])
+    }
+
+    /// Notes that a pointer of `pool` was exported (what makes its generation worth rotating).
+    fn note_export(&self, pool: PoolHandle) {
+        if let Some(g) = self.generations().iter().find(|g| g.pool == pool) {
+            g.exported.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the current generation exported nothing yet (so the miss path must ask which
+    /// pool an exported pointer belongs to).
+    fn current_unexported(&self) -> bool {
+        !self.current().exported.load(Ordering::Relaxed)
     }
 
     fn configure(driver: &D, device: u32, pool: PoolHandle) -> Result<OwnedFd, PoolError> {
@@ -255,21 +346,34 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         self.device
     }
 
-    /// The pool handle.
+    /// The current generation's pool handle (the device's current pool).
     pub fn handle(&self) -> PoolHandle {
-        self.pool
+        self.current().pool
     }
 
-    /// The pool's FD, to send to workers (SCM_RIGHTS duplicates it in transit).
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+    /// Every live generation's pool handle, oldest first, the current one last.
+    pub fn handles(&self) -> Vec<PoolHandle> {
+        self.generations().iter().map(|g| g.pool).collect()
     }
 
-    /// A stream-ordered allocation from this pool.
+    /// The current generation's FD, to send to workers (SCM_RIGHTS duplicates it in transit).
+    pub fn fd(&self) -> Arc<OwnedFd> {
+        Arc::clone(&self.current().fd)
+    }
+
+    /// The FD of live generation `pool`, if it is one.
+    pub fn fd_of(&self, pool: PoolHandle) -> Option<Arc<OwnedFd>> {
+        self.generations()
+            .iter()
+            .find(|g| g.pool == pool)
+            .map(|g| Arc::clone(&g.fd))
+    }
+
+    /// A stream-ordered allocation from the current generation.
     pub fn alloc(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr, PoolError> {
         Ok(self
             .driver
-            .mem_alloc_from_pool_async(bytes, self.pool, stream)?)
+            .mem_alloc_from_pool_async(bytes, self.handle(), stream)?)
     }
 
     /// Free an allocation of this pool, stream-ordered, and drop its cached export (kept
@@ -280,9 +384,15 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         Ok(())
     }
 
-    /// Whether `ptr` was allocated from this pool.
+    /// Whether `ptr` was allocated from a live generation of this pool.
     pub fn owns(&self, ptr: DevicePtr) -> Result<bool, PoolError> {
-        Ok(self.driver.pointer_get_mempool(ptr)? == self.pool)
+        let found = self.driver.pointer_get_mempool(ptr)?;
+        Ok(self.is_generation(found))
+    }
+
+    /// Whether `pool` is a live generation of this pool (current or retired).
+    pub fn is_generation(&self, pool: PoolHandle) -> bool {
+        self.generations().iter().any(|g| g.pool == pool)
     }
 
     /// Export `ptr` for import by a worker, refusing pointers of other pools.
@@ -320,7 +430,9 @@ impl<D: Driver + ?Sized> SharedPool<D> {
                 self.driver.pointer_get_range(ptr),
                 self.driver.pointer_get_mempool(ptr),
             ) {
-                (Ok((base, bytes)), Ok(pool)) if base == ptr && pool == self.pool => Some(bytes),
+                (Ok((base, bytes)), Ok(pool)) if base == ptr && self.is_generation(pool) => {
+                    Some(bytes)
+                }
                 _ => None,
             }
         } else {
@@ -386,7 +498,7 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     ) -> Result<ExportBlob, PoolError> {
         let Some(id) = buffer_id else {
             self.exports.count_uncached();
-            return Ok(self.driver.mem_pool_export_pointer(base)?);
+            return self.export_noted(base);
         };
         match self.exports.lookup(base.0, id, Some(size)) {
             Lookup::Hit(blob) => {
@@ -404,20 +516,33 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             }
             Lookup::Miss | Lookup::Stale => {}
         }
-        let blob = self.driver.mem_pool_export_pointer(base)?;
+        let blob = self.export_noted(base)?;
         self.exports.insert(base.0, id, blob, size);
         Ok(blob)
     }
 
+    /// `cuMemPoolExportPointer` of a pointer the caller knows is ours, noting the export on
+    /// its generation: while the current generation has exported nothing, one query says
+    /// whether the pointer is the current generation's (a retired one's export does not make
+    /// the current one worth rotating).
+    fn export_noted(&self, ptr: DevicePtr) -> Result<ExportBlob, PoolError> {
+        if self.current_unexported() {
+            let pool = self.driver.pointer_get_mempool(ptr)?;
+            self.note_export(pool);
+        }
+        Ok(self.driver.mem_pool_export_pointer(ptr)?)
+    }
+
     fn export_uncached(&self, ptr: DevicePtr) -> Result<ExportBlob, PoolError> {
         let found = self.driver.pointer_get_mempool(ptr)?;
-        if found != self.pool {
+        if !self.is_generation(found) {
             return Err(PoolError::ForeignPointer {
                 ptr,
-                pool: self.pool,
+                pool: self.handle(),
                 found,
             });
         }
+        self.note_export(found);
         Ok(self.driver.mem_pool_export_pointer(ptr)?)
     }
 
@@ -456,9 +581,159 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         &self.exports
     }
 
-    /// Used and reserved bytes of this pool, current and high.
+    /// Used and reserved bytes of this pool, current and high, summed over its live
+    /// generations (the high marks are the sum of each generation's: an upper bound of the
+    /// whole pool's).
     pub fn stats(&self) -> Result<PoolStats, PoolError> {
-        Ok(PoolStats::read(&*self.driver, self.pool)?)
+        let mut sum = PoolStats::default();
+        for pool in self.handles() {
+            let s = PoolStats::read(&*self.driver, pool)?;
+            sum.used_current += s.used_current;
+            sum.used_high += s.used_high;
+            sum.reserved_current += s.reserved_current;
+            sum.reserved_high += s.reserved_high;
+        }
+        Ok(sum)
+    }
+
+    /// Restarts the high-water marks of every live generation from the current figures
+    /// ([`PoolStats::reset_high`]).
+    pub fn reset_high(&self) -> Result<(), PoolError> {
+        for pool in self.handles() {
+            PoolStats::reset_high(&*self.driver, pool)?;
+        }
+        Ok(())
+    }
+
+    /// Whether the current generation exported a pointer since it was made (what
+    /// [`rotate`](SharedPool::rotate) needs to act).
+    pub fn current_exported(&self) -> bool {
+        !self.current_unexported()
+    }
+
+    /// Makes a new generation the device's current pool and retires the current one, if the
+    /// current one exported anything since it was made (`None`: nothing to do).
+    ///
+    /// The new pool gets torch's attributes and its FD exported once, as at
+    /// [`install`](SharedPool::install). The retired one stays valid for its live
+    /// allocations: they are exported and freed as before (`cudaFreeAsync` finds their pool
+    /// by itself), and no new allocation comes from it. The export cache is cleared (its
+    /// entries are the old generation's); a proven reuse verdict carries over (same driver).
+    ///
+    /// Refused with [`PoolError::CurrentPoolChanged`] when the device's current pool is not
+    /// ours any more. Workers must learn the new generation (its [`fd`](SharedPool::fd))
+    /// before any lend names it.
+    pub fn rotate(&self) -> Result<Option<Rotation>, PoolError> {
+        let _rotating = self
+            .rotating
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let old = self.current();
+        if !old.exported.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let found = self.driver.device_get_mem_pool(self.device)?;
+        if found != old.pool {
+            return Err(PoolError::CurrentPoolChanged {
+                device: self.device,
+                found,
+                ours: old.pool,
+            });
+        }
+        let pool = self
+            .driver
+            .mem_pool_create(self.device, PoolSharing::PosixFd)?;
+        let fd = match Self::configure(&*self.driver, self.device, pool) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // Put our old generation back as the current pool; report the first error.
+                let _ = self.driver.device_set_mem_pool(self.device, old.pool);
+                let _ = self.driver.mem_pool_destroy(pool);
+                return Err(e);
+            }
+        };
+        installed().get_or_insert_with(HashSet::new).insert((
+            self.driver.kind(),
+            self.device,
+            pool,
+        ));
+        self.generations().push(Arc::new(Generation {
+            pool,
+            fd: Arc::new(fd),
+            exported: AtomicBool::new(false),
+        }));
+        self.exports.clear();
+        tracing::info!(
+            device = self.device,
+            retired = ?old.pool,
+            current = ?pool,
+            "poolipc: rotated the shared pool: a new generation is the device's current pool; \
+             the old one is retired until its allocations are freed"
+        );
+        Ok(Some(Rotation {
+            retired: old.pool,
+            current: pool,
+        }))
+    }
+
+    /// Retired generations with no bytes in use (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT` 0; the
+    /// caller synchronizes first, as [`trim`](SharedPool::trim) does, so that queued frees
+    /// have run): those [`destroy_retired`](SharedPool::destroy_retired) may destroy.
+    pub fn idle_retired(&self) -> Result<Vec<PoolHandle>, PoolError> {
+        let handles = self.handles();
+        let mut idle = Vec::new();
+        for &pool in &handles[..handles.len().saturating_sub(1)] {
+            if self
+                .driver
+                .mem_pool_get_attribute(pool, PoolCounter::UsedCurrent)?
+                == 0
+            {
+                idle.push(pool);
+            }
+        }
+        Ok(idle)
+    }
+
+    /// Destroys retired generation `pool` and drops its FD. Refused for the current
+    /// generation or an unknown pool ([`PoolError::NotRetired`]) and while bytes of it are in
+    /// use ([`PoolError::InUse`]). Its exported memory goes back to the device once every
+    /// worker that imported it destroyed its import (or exited): tell them first.
+    pub fn destroy_retired(&self, pool: PoolHandle) -> Result<(), PoolError> {
+        let _rotating = self
+            .rotating
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let retired = {
+            let g = self.generations();
+            g.iter()
+                .take(g.len().saturating_sub(1))
+                .any(|g| g.pool == pool)
+        };
+        if !retired {
+            return Err(PoolError::NotRetired {
+                device: self.device,
+                pool,
+            });
+        }
+        let used = self
+            .driver
+            .mem_pool_get_attribute(pool, PoolCounter::UsedCurrent)?;
+        if used > 0 {
+            return Err(PoolError::InUse { used });
+        }
+        self.driver.mem_pool_destroy(pool)?;
+        self.generations().retain(|g| g.pool != pool);
+        if let Some(s) = installed().as_mut() {
+            s.remove(&(self.driver.kind(), self.device, pool));
+        }
+        // Its addresses may come back in a new pool: no cached blob of them may be served.
+        self.exports.clear();
+        tracing::info!(
+            device = self.device,
+            ?pool,
+            "poolipc: destroyed a retired generation of the shared pool"
+        );
+        Ok(())
     }
 
     /// Gives the pool's unused memory back to the device, as `torch.cuda.empty_cache()` does
@@ -469,28 +744,37 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     pub fn trim(&self) -> Result<(u64, u64), PoolError> {
         self.driver.use_device(self.device)?;
         self.driver.ctx_synchronize()?;
-        let before = PoolStats::read(&*self.driver, self.pool)?.reserved_current;
+        let before = self.stats()?.reserved_current;
         // Memory given back and mapped again later is not what the reuse check proved.
         self.exports.clear();
-        self.driver.mem_pool_trim_to(self.pool, 0)?;
-        let after = PoolStats::read(&*self.driver, self.pool)?.reserved_current;
+        for pool in self.handles() {
+            self.driver.mem_pool_trim_to(pool, 0)?;
+        }
+        let after = self.stats()?.reserved_current;
         tracing::debug!(before, after, "poolipc: pool trimmed");
         Ok((before, after))
     }
 
-    /// Put the default pool back and destroy ours. Refused while bytes are in use.
+    /// Put the default pool back and destroy ours, every generation. Refused while bytes are
+    /// in use.
     pub fn uninstall(self) -> Result<(), PoolError> {
-        let used = self
-            .driver
-            .mem_pool_get_attribute(self.pool, PoolCounter::UsedCurrent)?;
+        let handles = self.handles();
+        let mut used = 0;
+        for &pool in &handles {
+            used += self
+                .driver
+                .mem_pool_get_attribute(pool, PoolCounter::UsedCurrent)?;
+        }
         if used > 0 {
             return Err(PoolError::InUse { used });
         }
         let default = self.driver.device_get_default_mem_pool(self.device)?;
         self.driver.device_set_mem_pool(self.device, default)?;
-        self.driver.mem_pool_destroy(self.pool)?;
-        if let Some(s) = installed().as_mut() {
-            s.remove(&(self.driver.kind(), self.device, self.pool));
+        for &pool in &handles {
+            self.driver.mem_pool_destroy(pool)?;
+            if let Some(s) = installed().as_mut() {
+                s.remove(&(self.driver.kind(), self.device, pool));
+            }
         }
         tracing::info!(device = self.device, "poolipc: uninstalled the shared pool");
         Ok(())
@@ -567,7 +851,7 @@ mod tests {
     use super::*;
     use mockall::Sequence;
     use poolipc_driver::{CuCode, DeviceInfo, DeviceUuid, DriverKind, MockDriver};
-    use std::os::fd::OwnedFd;
+    use std::os::fd::{AsFd, OwnedFd};
 
     const DEFAULT: PoolHandle = PoolHandle(0xd0);
     const OURS: PoolHandle = PoolHandle(0xa1);
@@ -981,5 +1265,163 @@ mod tests {
             ),
             (1, 2, 3, 4)
         );
+    }
+}
+
+#[cfg(test)]
+mod generation_tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use std::os::fd::AsFd;
+
+    use poolipc_driver::sim::{SimConfig, SimDriver};
+
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    const S: StreamHandle = StreamHandle::NULL;
+
+    fn installed_sim() -> SharedPool<SimDriver> {
+        let d = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
+        d.use_device(0).unwrap();
+        SharedPool::install(d, 0).unwrap()
+    }
+
+    fn held(pool: &SharedPool<SimDriver>) -> u64 {
+        let (free, total) = pool.driver().mem_get_info().unwrap();
+        total - free
+    }
+
+    #[test]
+    fn a_pool_that_exported_nothing_does_not_rotate() {
+        let pool = installed_sim();
+        let p = pool.alloc(4 * MIB, S).unwrap();
+        pool.free(p, S).unwrap();
+        assert_eq!(pool.rotate().unwrap(), None);
+        assert_eq!(pool.handles().len(), 1);
+    }
+
+    #[test]
+    fn a_rotation_makes_a_new_current_pool_and_keeps_the_old_one_for_its_live_allocations() {
+        let pool = installed_sim();
+        let old = pool.handle();
+        let live = pool.alloc(4 * MIB, S).unwrap();
+        pool.export(live).unwrap();
+        let r = pool.rotate().unwrap().expect("exported: rotates");
+        assert_eq!(r.retired, old);
+        assert_eq!(pool.handle(), r.current);
+        assert_eq!(
+            pool.driver().device_get_mem_pool(0).unwrap(),
+            r.current,
+            "the new generation is the device's current pool"
+        );
+        for attr in [
+            PoolCounter::ReleaseThreshold,
+            PoolCounter::ReuseAllowOpportunistic,
+        ] {
+            assert_eq!(
+                pool.driver()
+                    .mem_pool_get_attribute(r.current, attr)
+                    .unwrap(),
+                pool.driver().mem_pool_get_attribute(old, attr).unwrap()
+            );
+        }
+        // New allocations come from the new generation; the old one's pointer is still ours.
+        let fresh = pool.driver().mem_alloc_async(2 * MIB, S).unwrap();
+        assert_eq!(pool.driver().pointer_get_mempool(fresh).unwrap(), r.current);
+        assert!(pool.owns(live).unwrap() && pool.owns(fresh).unwrap());
+        pool.export(live).unwrap();
+        pool.export(fresh).unwrap();
+        assert_eq!(pool.stats().unwrap().used_current, 6 * MIB);
+        // In use: not destroyed.
+        assert_eq!(pool.idle_retired().unwrap(), Vec::<PoolHandle>::new());
+        assert!(matches!(
+            pool.destroy_retired(old),
+            Err(PoolError::InUse { .. })
+        ));
+        pool.free(live, S).unwrap();
+        pool.driver().ctx_synchronize().unwrap();
+        assert_eq!(pool.idle_retired().unwrap(), vec![old]);
+        pool.destroy_retired(old).unwrap();
+        assert_eq!(pool.handles(), vec![r.current]);
+        assert!(matches!(
+            pool.destroy_retired(r.current),
+            Err(PoolError::NotRetired { .. })
+        ));
+        pool.free(fresh, S).unwrap();
+    }
+
+    #[test]
+    fn the_current_generation_rotates_only_for_its_own_exports() {
+        let pool = installed_sim();
+        let old_live = pool.alloc(4 * MIB, S).unwrap();
+        pool.export(old_live).unwrap();
+        pool.rotate().unwrap().unwrap();
+        // Exporting the retired generation's allocation again: the new one exported nothing.
+        pool.export(old_live).unwrap();
+        assert!(!pool.current_exported());
+        assert_eq!(pool.rotate().unwrap(), None);
+        pool.free(old_live, S).unwrap();
+    }
+
+    #[test]
+    fn destroying_the_retired_generation_gives_exported_freed_memory_back() {
+        let pool = installed_sim();
+        let start = held(&pool);
+        let p = pool.alloc(64 * MIB, S).unwrap();
+        pool.export(p).unwrap();
+        pool.free(p, S).unwrap();
+        pool.trim().unwrap();
+        assert_eq!(held(&pool), start + 64 * MIB, "trim does not give it back");
+        let r = pool.rotate().unwrap().unwrap();
+        pool.trim().unwrap();
+        assert_eq!(pool.idle_retired().unwrap(), vec![r.retired]);
+        pool.destroy_retired(r.retired).unwrap();
+        assert_eq!(held(&pool), start);
+    }
+
+    #[test]
+    fn a_rotation_refuses_when_something_else_made_its_pool_current() {
+        let pool = installed_sim();
+        let p = pool.alloc(4 * MIB, S).unwrap();
+        pool.export(p).unwrap();
+        let default = pool.driver().device_get_default_mem_pool(0).unwrap();
+        pool.driver().device_set_mem_pool(0, default).unwrap();
+        let e = pool.rotate().unwrap_err();
+        assert!(matches!(e, PoolError::CurrentPoolChanged { .. }), "{e}");
+        assert_eq!(pool.handles().len(), 1);
+        pool.free(p, S).unwrap();
+    }
+
+    #[test]
+    fn the_export_cache_serves_no_blob_across_a_rotation() {
+        let pool = installed_sim();
+        let p = pool.alloc(4 * MIB, S).unwrap();
+        pool.export(p).unwrap();
+        assert_eq!(pool.export_cache_stats().entries, 1);
+        pool.rotate().unwrap().unwrap();
+        assert_eq!(pool.export_cache_stats().entries, 0);
+        pool.free(p, S).unwrap();
+    }
+
+    #[test]
+    fn each_generation_has_its_own_fd() {
+        let pool = installed_sim();
+        let first = pool.fd();
+        let p = pool.alloc(4 * MIB, S).unwrap();
+        pool.export(p).unwrap();
+        let r = pool.rotate().unwrap().unwrap();
+        let second = pool.fd();
+        assert_ne!(ino(first.as_fd()), ino(second.as_fd()));
+        assert!(pool.fd_of(r.retired).is_some());
+        pool.free(p, S).unwrap();
+    }
+
+    fn ino(fd: BorrowedFd<'_>) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::File::from(fd.try_clone_to_owned().unwrap())
+            .metadata()
+            .unwrap()
+            .ino()
     }
 }

@@ -34,6 +34,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parent::memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(parent::reset_peak_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(parent::empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(parent::mem_get_info, m)?)?;
     m.add_class::<parent::NativeParent>()?;
     m.add_class::<parent::DeviceBuffer>()?;
     m.add_class::<arena::ArenaResult>()?;

@@ -16,7 +16,6 @@ use poolipc::{
     StreamHandle, TensorDesc,
 };
 use poolipc_contract::WorkerId;
-use poolipc_pool::PoolStats;
 use pyo3::exceptions::{PyMemoryError, PyTimeoutError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -109,13 +108,15 @@ pub(crate) fn is_installed() -> bool {
 #[pyfunction]
 pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let g = installed()?;
+    // Every live generation of the pool, summed: after `empty_cache` rotated it, the handle
+    // captured at install may be destroyed.
     let s = {
         let g = Arc::clone(&g);
         py.detach(move || {
-            g.driver.use_device(g.device)?;
-            PoolStats::read(&*g.driver, g.pool)
+            g.use_device()?;
+            Ok::<_, poolipc::Error>(g.parent.pool().stats()?)
         })
-        .map_err(driver_err)?
+        .map_err(|e| to_py_for(py, e, None))?
     };
     let d = PyDict::new(py);
     d.set_item("used_current", s.used_current)?;
@@ -127,6 +128,20 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// The device's free and total memory in bytes (`cuMemGetInfo`, what
+/// `torch.cuda.mem_get_info()` reads): what `empty_cache` gives back shows here, including
+/// memory lent by pool pointer, which the pool's own figures stop counting at its free.
+/// `PoolipcError` before `install_pool` or when the driver refuses.
+#[pyfunction]
+pub(crate) fn mem_get_info(py: Python<'_>) -> PyResult<(u64, u64)> {
+    let g = installed()?;
+    py.detach(move || {
+        g.use_device()?;
+        Ok::<_, poolipc::Error>(g.driver.mem_get_info()?)
+    })
+    .map_err(|e| to_py_for(py, e, None))
+}
+
 /// Restarts the shared pool's high-water marks (`used_high`, `reserved_high`) from the
 /// current figures: what `torch.cuda.reset_peak_memory_stats()` does for torch's own pool,
 /// and with the pool installed, that call does this too. `PoolipcError` before
@@ -135,10 +150,10 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 pub(crate) fn reset_peak_memory_stats(py: Python<'_>) -> PyResult<()> {
     let g = installed()?;
     py.detach(move || {
-        g.driver.use_device(g.device)?;
-        PoolStats::reset_high(&*g.driver, g.pool)
+        g.use_device()?;
+        Ok::<_, poolipc::Error>(g.parent.pool().reset_high()?)
     })
-    .map_err(driver_err)
+    .map_err(|e| to_py_for(py, e, None))
 }
 
 /// Gives memory the process parent does not use back to the device (what
@@ -1065,7 +1080,7 @@ impl NativeParent {
         let ptr = py
             .detach(move || {
                 let pool = if shared {
-                    g.pool
+                    g.parent.pool().handle()
                 } else {
                     g.driver.device_get_default_mem_pool(g.device)?
                 };

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use poolipc::driver::MACHINE_ENV;
 use poolipc::{Driver, Parent, ParentOptions, ResultMemory};
-use poolipc_driver::{DriverKind, PoolHandle};
+use poolipc_driver::DriverKind;
 
 /// The environment variable that picks the driver: `sim` for the simulated driver (tests,
 /// machines without a GPU), `cuda` or unset for the GPU, `auto` for the GPU when usable and
@@ -25,8 +25,6 @@ pub(crate) use poolipc::driver::DRIVER_ENV;
 pub(crate) struct Global {
     pub(crate) driver: Arc<dyn Driver>,
     pub(crate) parent: Parent,
-    /// The pool's handle, for raw allocations that need no facade.
-    pub(crate) pool: PoolHandle,
     /// What a worker needs in its environment to reach the simulated machine.
     pub(crate) child_env: Option<(&'static str, String)>,
     pub(crate) device: u32,
@@ -339,7 +337,6 @@ pub(crate) fn ensure(
         e => EnsureError::Facade(e),
     })?;
     let g = Arc::new(Global {
-        pool: parent.pool().handle(),
         driver,
         parent,
         child_env,

@@ -1157,6 +1157,36 @@ def test_empty_cache_gives_the_pools_unused_memory_back(parent):
     assert after["reserved_current"] - after["used_current"] < 256 << 20, after
 
 
+def test_empty_cache_gives_memory_lent_by_pool_pointer_back_and_the_figures_stay_right(parent):
+    w = spawn(parent)
+    s0 = poolipc.memory_stats()
+    free0, _ = poolipc.mem_get_info()
+    n = 128 << 20
+    buf = parent.alloc(n, dtype="float32", shape=[n // 4])
+    parent.fill(buf.ptr, n, 3)
+    (res,) = parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [n // 4])])
+    assert parent.last_input_rungs == ["pool pointer"]
+    del res, buf
+    parent.synchronize()
+    # Lent (exported) and freed: the pool's figures drop, the device's free memory does not.
+    held = free0 - poolipc.mem_get_info()[0]
+    poolipc.empty_cache()
+    free1, _ = poolipc.mem_get_info()
+    assert free1 + (64 << 20) >= free0, (free0, free1, held)
+    after = poolipc.memory_stats()
+    assert after["used_current"] == s0["used_current"], (s0, after)
+    assert after["reserved_current"] - after["used_current"] < n, after
+    # The worker keeps serving from the new pool generation; the figures follow it.
+    vals = [1.5] * 64
+    f = f32_buffer(parent, vals)
+    assert poolipc.memory_stats()["used_current"] >= after["used_current"] + 256
+    (res,) = parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [64])])
+    assert parent.last_input_rungs == ["pool pointer"]
+    got = parent.read(res.ptr, 256)
+    assert struct.unpack("<63f", got[4:]) == tuple(vals[1:])
+    assert parent.stop(w) == 0
+
+
 def test_torch_empty_cache_also_trims_the_pool_once_patched(parent):
     calls = []
     fake_cuda = types.SimpleNamespace(empty_cache=lambda: calls.append("torch"))

@@ -48,6 +48,7 @@
 //!   frame). A `Lend` tensor on the VMM-handle rung (5) names the allocation by `alloc`.
 //! - `ArenaRelease`, `ArenaReleased`: index u32.
 //! - `ReleaseMappings`: empty. `MappingsReleased`: dropped u32.
+//! - `PoolRetire`, `PoolRetired`: index u8.
 //!
 //! A payload must be consumed exactly: trailing bytes are an error.
 //!
@@ -60,8 +61,8 @@
 use crate::message::{
     Ack, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities, CarvedResult,
     Chunk, DeviceEntry, Done, ErrorCode, ExtraPool, ExtraPoolReply, Identity, Lend, LentSlice,
-    LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, ResultGrant,
-    ResultRequest, ResultSpec, StagingBuffer, TensorMeta, VmmShare,
+    LentTensor, MAX_BATCH, MAX_DEVICES, MAX_DIMS, MAX_TEXT_LEN, Message, MessageKind, PoolRetire,
+    ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta, VmmShare,
 };
 use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 
@@ -75,7 +76,9 @@ use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId
 /// 7: a `Lend` tensor says whether it is read-only; a writable host-staged input's bytes
 /// come back after the worker's `Done`, like a staged result's.
 /// 8: the VMM-handle rung (5) and `VmmShare`, which hands a VMM allocation's FD over once;
-/// arena chunks are given back (`ArenaRelease`, answered by `ArenaReleased`).
+/// arena chunks are given back (`ArenaRelease`, answered by `ArenaReleased`); a rotated
+/// pool's retired generation is given back (`PoolRetire`, answered by `PoolRetired`), and an
+/// `ExtraPool` may come at any time, at any free index.
 pub const PROTOCOL_VERSION: u8 = 8;
 
 /// Bytes of a frame header.
@@ -738,6 +741,7 @@ impl Writer<'_> {
             Message::ArenaRelease(r) | Message::ArenaReleased(r) => self.u32(r.index),
             Message::ReleaseMappings => {}
             Message::MappingsReleased { dropped } => self.u32(*dropped),
+            Message::PoolRetire(r) | Message::PoolRetired(r) => self.u8(r.index),
         }
         Ok(())
     }
@@ -1180,6 +1184,12 @@ impl Reader<'_> {
             MessageKind::MappingsReleased => Message::MappingsReleased {
                 dropped: self.u32("dropped")?,
             },
+            MessageKind::PoolRetire => Message::PoolRetire(PoolRetire {
+                index: self.u8("index")?,
+            }),
+            MessageKind::PoolRetired => Message::PoolRetired(PoolRetire {
+                index: self.u8("index")?,
+            }),
             MessageKind::ExtraPoolReply => Message::ExtraPoolReply(ExtraPoolReply {
                 index: self.u8("index")?,
                 reachable: self.bool("reachable")?,

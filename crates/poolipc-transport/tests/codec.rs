@@ -8,8 +8,8 @@ use poolipc_transport::{
     CarvedResult, Chunk, DType, DecodeError, DeviceEntry, DeviceUuid, Done, EncodeError, ErrorCode,
     EventBlob, ExportBlob, ExtraPool, ExtraPoolReply, FrameLimits, HandoffId, Identity, JobId,
     Lend, LentSlice, LentTensor, MAX_BATCH, MAX_DIMS, MAX_FRAME_LEN, MAX_TEXT_LEN, Message,
-    MessageKind, PROTOCOL_VERSION, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer,
-    TensorMeta,
+    MessageKind, PROTOCOL_VERSION, PoolRetire, ResultGrant, ResultRequest, ResultSpec, Rung,
+    StagingBuffer, TensorMeta,
 };
 use proptest::prelude::*;
 use rstest::rstest;
@@ -290,6 +290,8 @@ fn message() -> impl Strategy<Value = Message> {
         any::<u32>().prop_map(|index| Message::ArenaRelease(ArenaRelease { index })),
         any::<u32>().prop_map(|index| Message::ArenaReleased(ArenaRelease { index })),
         Just(Message::ReleaseMappings),
+        any::<u8>().prop_map(|index| Message::PoolRetire(PoolRetire { index })),
+        any::<u8>().prop_map(|index| Message::PoolRetired(PoolRetire { index })),
         any::<u32>().prop_map(|dropped| Message::MappingsReleased { dropped }),
     ]
 }

@@ -42,6 +42,8 @@ use crate::parent::{
 use crate::staging::StagingChannel;
 use crate::tensor::ResultShape;
 
+mod pool_rotation;
+
 /// What a caller's thread asks of the IO loop.
 pub(crate) enum Command {
     /// A worker that shook hands: the loop owns its socket and process from now on.
@@ -61,6 +63,19 @@ pub(crate) enum Command {
     /// `Parent::empty_cache`: give every idle arena chunk back, tell the workers that mapped
     /// them, reply once they answered (or after `EMPTY_CACHE_WAIT`).
     ReleaseArena { reply: Sender<EmptyCache> },
+    /// `Parent::empty_cache` rotated pool `pool`: offer its new generation `handle` to every
+    /// live worker (an `ExtraPool` at a free index), reply once they answered.
+    OfferPool {
+        pool: usize,
+        handle: poolipc_driver::PoolHandle,
+        reply: Sender<EmptyCache>,
+    },
+    /// `Parent::empty_cache` found retired generation `handle` unused: every worker that has
+    /// it destroys its import (`PoolRetire`), reply once they answered.
+    RetirePool {
+        handle: poolipc_driver::PoolHandle,
+        reply: Sender<EmptyCache>,
+    },
     /// The parent is dropped: stop every worker, fail every job, end the thread.
     Shutdown,
     /// Test-only ([`Parent::panic_io_thread`](crate::Parent::panic_io_thread)): the loop
@@ -84,7 +99,9 @@ impl Command {
                 let _ = reply.send(Err(e));
             }
             // Its caller maps the closed channel to the loop's error.
-            Command::ReleaseArena { reply } => drop(reply),
+            Command::ReleaseArena { reply }
+            | Command::OfferPool { reply, .. }
+            | Command::RetirePool { reply, .. } => drop(reply),
             Command::Shutdown | Command::Panic => {}
         }
     }
@@ -620,6 +637,8 @@ impl Loop {
                 tracing::debug!(worker = %worker, dropped, "cached VMM mappings dropped");
                 Some(MAPPINGS_ACK)
             }
+            Message::ExtraPoolReply(ref r) => Some(self.pool_offer_answered(worker, r)),
+            Message::PoolRetired(r) => Some(self.pool_retire_answered(worker, r.index)),
             _ => None,
         };
         if let Some(key) = answered {
@@ -692,6 +711,12 @@ impl Loop {
                     panic!("Parent::panic_io_thread asked the IO thread to panic");
                 }
             }
+            Command::OfferPool {
+                pool,
+                handle,
+                reply,
+            } => self.offer_pool_now(pool, handle, reply),
+            Command::RetirePool { handle, reply } => self.retire_pool_now(handle, reply),
             Command::Shutdown => {
                 self.shutting_down = true;
                 let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
@@ -736,14 +761,14 @@ impl Loop {
                     .identity
                     .capabilities
                     .contains(Capabilities::VMM_ARENA)
-                    && r.pools.first() == Some(&true)
+                    && r.reaches_first
             });
         let takes_vmm = registered.as_ref().is_some_and(|r| {
             r.info
                 .identity
                 .capabilities
                 .contains(Capabilities::VMM_HANDLE)
-                && r.pools.first() == Some(&true)
+                && r.reaches_first
         });
         self.workers.insert(
             worker,
@@ -1250,13 +1275,16 @@ impl Loop {
                     offset + extent - size
                 )));
             }
-            let pool = info
-                .pool
-                .and_then(|h| self.shared.pools.iter().position(|p| p.handle() == h));
-            let by_pointer = pool.is_some_and(|p| pointer_pools.get(p) == Some(&true))
-                && limit.allows(base.0, size);
-            if by_pointer {
-                let p = pool.unwrap_or(0);
+            let pool = info.pool.and_then(|h| self.shared.pool_of(h));
+            // The worker's index of the pointer's pool (generation), if it takes pointers of it.
+            let wire = info.pool.and_then(|h| {
+                pointer_pools
+                    .iter()
+                    .find(|(ph, _)| *ph == h)
+                    .map(|(_, i)| *i)
+            });
+            let by_pointer = wire.is_some() && limit.allows(base.0, size);
+            if let (true, Some(p), Some(wire)) = (by_pointer, pool, wire) {
                 let export = self.shared.pools[p].export_known(base, size, info.buffer_id)?;
                 let alloc = match self.lent.get(&base.0) {
                     Some((a, _)) => *a,
@@ -1273,7 +1301,7 @@ impl Loop {
                         bytes: size,
                     },
                     rung: Rung::PoolPointer,
-                    pool: u8::try_from(p).unwrap_or(0),
+                    pool: wire,
                     export,
                     meta: input.desc.meta(offset, extent),
                     arena: None,
@@ -1287,7 +1315,7 @@ impl Loop {
             let mut why_not = why_not_pointer(
                 &self.shared,
                 sub.worker,
-                pool,
+                pool.zip(info.pool),
                 limit.check(base.0, size).err(),
             );
             // Memory of no pool of ours on the parent's device may be a VMM allocation whose
@@ -2629,14 +2657,17 @@ impl Loop {
         };
         let alloc = AllocId(self.next_alloc);
         self.next_alloc += 1;
-        let pool = self
-            .shared
-            .pools
-            .iter()
-            .position(|p| p.owns(ptr).unwrap_or(false));
+        let handle = self.shared.driver.pointer_get_mempool(ptr).ok();
+        let pool = handle.and_then(|h| self.shared.pool_of(h));
+        // The worker's index of the result's pool (generation), if it takes pointers of it.
+        let wire = handle.and_then(|h| {
+            pointer_pools
+                .iter()
+                .find(|(ph, _)| *ph == h)
+                .map(|(_, i)| *i)
+        });
         let limit = self.shared.limit();
-        let by_pointer =
-            pool.is_some_and(|p| pointer_pools.get(p) == Some(&true)) && limit.allows(ptr.0, bytes);
+        let by_pointer = pool.is_some() && wire.is_some() && limit.allows(ptr.0, bytes);
         let rung = if by_pointer {
             Rung::PoolPointer
         } else if takes_staging {
@@ -2682,7 +2713,11 @@ impl Loop {
             alloc,
             span: Span { ptr: ptr.0, bytes },
             rung,
-            pool: pool.and_then(|p| u8::try_from(p).ok()).unwrap_or(0),
+            pool: if rung == Rung::PoolPointer {
+                wire.unwrap_or(0)
+            } else {
+                0
+            },
             export,
         })
     }
@@ -3128,7 +3163,7 @@ fn human_bytes(bytes: u64) -> String {
 fn why_not_pointer(
     shared: &Shared,
     worker: WorkerId,
-    pool: Option<usize>,
+    pool: Option<(usize, poolipc_driver::PoolHandle)>,
     limit: Option<poolipc_types::LimitExceeded>,
 ) -> String {
     if let Some(e) = limit {
@@ -3141,17 +3176,32 @@ fn why_not_pointer(
             e.max_chunks
         );
     }
-    let reaches = |p: usize| {
-        lock(&shared.registry)
-            .get(&worker)
-            .is_some_and(|r| r.pools.get(p) == Some(&true))
+    // The worker's table entry of the pool's generation: (reachable, being retired).
+    let entry = |h: poolipc_driver::PoolHandle| {
+        lock(&shared.registry).get(&worker).and_then(|r| {
+            r.pools
+                .values()
+                .find(|p| p.handle == h)
+                .map(|p| (p.reachable, p.retiring))
+        })
     };
     match pool {
         None => "it is not memory of this parent's pools".into(),
-        Some(p) if !reaches(p) => {
-            format!("{worker} cannot reach the parent's pool {p} from its device")
-        }
-        Some(_) => format!("{worker} was demoted by its canary battery"),
+        Some((p, h)) => match entry(h) {
+            None => format!(
+                "{worker} has not been given this generation of the parent's pool {p} (it was \
+                 made by a rotation after the worker started, or was offered and refused)"
+            ),
+            Some((false, true)) | Some((true, true)) => {
+                format!("this generation of the parent's pool {p} is being retired")
+            }
+            Some((false, false)) => {
+                format!(
+                    "{worker} cannot reach the parent's pool {p} from its device (or has not answered its offer yet)"
+                )
+            }
+            Some((true, false)) => format!("{worker} was demoted by its canary battery"),
+        },
     }
 }
 

@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io::Write as _;
+use std::os::fd::AsFd as _;
 use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -15,7 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use poolipc_contract::{ExtraPool, Identity, Message};
-use poolipc_driver::{DevicePtr, Driver, OwnedEvent, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, OwnedEvent, PoolHandle, StreamHandle};
 use poolipc_pool::arena::{AllocStats, ArenaBlock};
 use poolipc_pool::{Arena, SharedPool};
 use poolipc_transport::{Capabilities, Connection, HandshakeConfig};
@@ -473,8 +474,17 @@ pub struct EmptyCache {
     /// Bytes the shared pools held and gave back (`cuMemPoolTrimTo`), summed over pools.
     /// Pool allocations that were exported to a worker are not among them: the driver keeps
     /// an exported allocation's memory after its free until the pool is destroyed (measured,
-    /// `bench/results/2026-12-04-h200-export-limbo/`).
+    /// `bench/results/2026-12-04-h200-export-limbo/`); that is what the rotation is for.
     pub pool_bytes: u64,
+    /// Pools rotated: a pool whose current generation exported anything got a new
+    /// generation, the old one retired ([`SharedPool::rotate`]).
+    pub pools_rotated: usize,
+    /// Retired generations destroyed (nothing of them in use any more), in the parent and
+    /// in every worker that had them.
+    pub pools_retired: usize,
+    /// Device memory free after the call less before it (`cuMemGetInfo`, all processes: other
+    /// work on the device moves it too), 0 when it did not grow.
+    pub device_bytes_back: u64,
 }
 
 /// What a job gave back.
@@ -590,15 +600,42 @@ impl Stats {
 pub(crate) struct Registered {
     pub(crate) info: WorkerInfo,
     pub(crate) canary: Option<CanaryReport>,
-    /// Which of the parent's pools it may take pool pointers from (index 0 first).
-    pub(crate) pools: Vec<bool>,
+    /// Its pool table: the wire index each of the parent's pools (each live generation of
+    /// one) has for this worker. Index 0 is the Hello pool; the others came by `ExtraPool`,
+    /// at spawn or at a rotation.
+    pub(crate) pools: BTreeMap<u8, WorkerPool>,
+    /// Whether it reached the Hello pool (the parent's device) at spawn.
+    pub(crate) reaches_first: bool,
+}
+
+/// One entry of a worker's pool table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WorkerPool {
+    /// The parent's pool (generation) it names.
+    pub(crate) handle: PoolHandle,
+    /// Whether the worker attached it and can use it (its `ExtraPoolReply` said so; false
+    /// while the answer is awaited).
+    pub(crate) reachable: bool,
+    /// Set once `PoolRetire` went out: never named again; the index is free once answered.
+    pub(crate) retiring: bool,
 }
 
 impl Registered {
-    /// Whether memory of the parent's pool `index` may go to it by pool pointer: it reaches
-    /// the pool and no canary failed.
-    pub(crate) fn takes_pointers_from(&self, index: usize) -> bool {
-        self.canary.as_ref().is_none_or(CanaryReport::ok) && self.pools.get(index) == Some(&true)
+    /// The wire index under which memory of the parent's pool `handle` may go to it by pool
+    /// pointer: it attached the pool, the pool is not being retired, and no canary failed.
+    pub(crate) fn pointer_index(&self, handle: PoolHandle) -> Option<u8> {
+        if !self.canary.as_ref().is_none_or(CanaryReport::ok) {
+            return None;
+        }
+        self.pools
+            .iter()
+            .find(|(_, p)| p.handle == handle && p.reachable && !p.retiring)
+            .map(|(i, _)| *i)
+    }
+
+    /// The lowest index of its table that is free (1..=255), for a new `ExtraPool`.
+    pub(crate) fn free_index(&self) -> Option<u8> {
+        (1..=u8::MAX).find(|i| !self.pools.contains_key(i))
     }
 }
 
@@ -719,16 +756,23 @@ impl Shared {
         lock(&self.registry).get(&id).cloned()
     }
 
-    /// For each of the parent's pools, whether `id` takes pool pointers from it; `None` for
-    /// a worker the parent does not know. On every job and result: copies no more than this.
-    pub(crate) fn pointer_pools(&self, id: WorkerId) -> Option<Vec<bool>> {
+    /// The pools (generations) `id` takes pool pointers from, each with its wire index for
+    /// `id`; `None` for a worker the parent does not know. On every job and result: copies
+    /// no more than this.
+    pub(crate) fn pointer_pools(&self, id: WorkerId) -> Option<Vec<(PoolHandle, u8)>> {
         let registry = lock(&self.registry);
         let r = registry.get(&id)?;
         Some(
-            (0..self.pools.len())
-                .map(|p| r.takes_pointers_from(p))
+            r.pools
+                .values()
+                .filter_map(|p| r.pointer_index(p.handle).map(|i| (p.handle, i)))
                 .collect(),
         )
+    }
+
+    /// The parent's pool (index into [`Shared::pools`]) that generation `handle` is of.
+    pub(crate) fn pool_of(&self, handle: PoolHandle) -> Option<usize> {
+        self.pools.iter().position(|p| p.is_generation(handle))
     }
 }
 
@@ -1199,16 +1243,16 @@ impl Parent {
                 identity,
                 required: Capabilities::NONE,
             };
-            let peer = poolipc_transport::parent_handshake(
-                &mut conn,
-                &config,
-                self.shared.pools[0].fd(),
-                deadline,
-            )?;
-            let more = self.offer_more_pools(&mut conn, deadline)?;
-            Ok((peer, more))
+            let first = self.shared.pools[0].handle();
+            let fd = self.shared.pools[0]
+                .fd_of(first)
+                .ok_or_else(|| Error::Protocol("the parent's pool has no FD".into()))?;
+            let peer =
+                poolipc_transport::parent_handshake(&mut conn, &config, fd.as_fd(), deadline)?;
+            let more = self.offer_more_pools(&mut conn, first, deadline)?;
+            Ok((peer, first, more))
         });
-        let (peer, more) = match setup {
+        let (peer, first, more) = match setup {
             Ok(s) => s,
             Err(e) => {
                 // A worker that hung up has most likely exited, or is about to: its status
@@ -1248,7 +1292,15 @@ impl Parent {
             .identity
             .capabilities
             .contains(Capabilities::POOL_POINTER);
-        let mut pools = vec![reaches_first];
+        let mut pools = BTreeMap::new();
+        pools.insert(
+            0,
+            WorkerPool {
+                handle: first,
+                reachable: reaches_first,
+                retiring: false,
+            },
+        );
         pools.extend(more);
         let info = WorkerInfo {
             id,
@@ -1261,6 +1313,7 @@ impl Parent {
                 info,
                 canary: None,
                 pools,
+                reaches_first,
             },
         );
         let (tx, rx) = std::sync::mpsc::channel();
@@ -1306,20 +1359,32 @@ impl Parent {
         Ok(id)
     }
 
-    /// Offers a new worker the pools after the first, one `ExtraPool` each, and returns which
-    /// it can use.
+    /// Offers a new worker every live pool generation but `first` (the Hello pool), one
+    /// `ExtraPool` each at indices 1, 2, ..., and returns its table entries.
     fn offer_more_pools(
         &self,
         conn: &mut Connection,
+        first: PoolHandle,
         deadline: Instant,
-    ) -> Result<Vec<bool>, Error> {
-        let mut reachable = Vec::new();
-        for (i, pool) in self.shared.pools.iter().enumerate().skip(1) {
-            let index = u8::try_from(i).map_err(|_| Error::Config("more than 255 pools".into()))?;
+    ) -> Result<Vec<(u8, WorkerPool)>, Error> {
+        let mut table = Vec::new();
+        let generations = self.shared.pools.iter().flat_map(|pool| {
+            pool.handles()
+                .into_iter()
+                .filter(|h| *h != first)
+                .map(move |h| (pool, h))
+        });
+        for (i, (pool, handle)) in generations.enumerate() {
+            let index = u8::try_from(i + 1)
+                .map_err(|_| Error::Config("more than 255 pool generations".into()))?;
             let device = self.shared.driver.device_info(pool.device())?.uuid;
+            // Retired meanwhile and destroyed: nothing of it can be lent any more.
+            let Some(fd) = pool.fd_of(handle) else {
+                continue;
+            };
             conn.send(
                 &Message::ExtraPool(ExtraPool { index, device }),
-                &[pool.fd()],
+                &[fd.as_fd()],
                 deadline,
             )?;
             match conn.recv(deadline)? {
@@ -1331,7 +1396,14 @@ impl Parent {
                             "the worker cannot use this pool: its tensors go by host staging"
                         );
                     }
-                    reachable.push(r.reachable);
+                    table.push((
+                        index,
+                        WorkerPool {
+                            handle,
+                            reachable: r.reachable,
+                            retiring: false,
+                        },
+                    ));
                 }
                 (other, _) => {
                     return Err(Error::Protocol(format!(
@@ -1341,7 +1413,7 @@ impl Parent {
                 }
             }
         }
-        Ok(reachable)
+        Ok(table)
     }
 
     /// What the parent knows of a worker (never waits for a job).
@@ -1475,17 +1547,65 @@ impl Parent {
     /// each shared pool is trimmed ([`SharedPool::trim`]: waits for this process's GPU work,
     /// then `cuMemPoolTrimTo(pool, 0)`).
     ///
+    /// Memory lent by pool pointer and freed is not given back by a trim: the driver keeps an
+    /// exported allocation's memory until its pool is destroyed. So each shared pool whose
+    /// current generation exported anything is *rotated* ([`SharedPool::rotate`]): a new pool
+    /// becomes the device's current one, every live worker is given it (an `ExtraPool`; waits
+    /// up to [`EMPTY_CACHE_WAIT`] for their answers), and the old one is retired. A retired
+    /// generation with nothing in use is destroyed: every worker that imported it destroys its
+    /// import first (`PoolRetire`, waited for the same way), then the parent. One still in use
+    /// (a tensor allocated before and not freed) stays, valid for that tensor, until a later
+    /// `empty_cache` finds it unused.
+    ///
     /// What it costs: the synchronize, and the next allocations and arena results map memory
-    /// again instead of reusing it. A chunk with a block lent, granted or still in use on
-    /// the GPU stays. See [`EmptyCache::pool_bytes`] for what the driver keeps regardless.
+    /// again instead of reusing it; after a rotation the new pool maps all its memory afresh,
+    /// and the first lend of each new allocation exports it again (about 0.4 ms/GiB). A chunk
+    /// with a block lent, granted or still in use on the GPU stays. See
+    /// [`EmptyCache::pool_bytes`] for what the driver keeps regardless.
+    ///
+    /// Refused with [`poolipc_pool::PoolError::CurrentPoolChanged`] when something else made
+    /// its own pool the device's current pool.
     pub fn empty_cache(&self) -> Result<EmptyCache, Error> {
         self.shared.check_loop()?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.shared.post(LoopCommand::ReleaseArena { reply: tx });
-        let mut out = rx.recv().map_err(|_| self.shared.loop_gone())?;
+        let device_free = || {
+            self.shared
+                .driver
+                .use_device(self.shared.options.device)
+                .and_then(|()| self.shared.driver.mem_get_info())
+                .map(|(free, _)| free)
+                .ok()
+        };
+        let free_before = device_free();
+        let mut out = self.ask_loop(|reply| LoopCommand::ReleaseArena { reply })?;
+        for (i, pool) in self.shared.pools.iter().enumerate() {
+            if let Some(r) = pool.rotate()? {
+                out.pools_rotated += 1;
+                let offered = self.ask_loop(|reply| LoopCommand::OfferPool {
+                    pool: i,
+                    handle: r.current,
+                    reply,
+                })?;
+                out.workers_not_answered =
+                    out.workers_not_answered.max(offered.workers_not_answered);
+            }
+        }
         for pool in &self.shared.pools {
             let (before, after) = pool.trim()?;
             out.pool_bytes += before.saturating_sub(after);
+            for handle in pool.idle_retired()? {
+                let retired = self.ask_loop(|reply| LoopCommand::RetirePool { handle, reply })?;
+                out.workers_not_answered =
+                    out.workers_not_answered.max(retired.workers_not_answered);
+                match pool.destroy_retired(handle) {
+                    Ok(()) => out.pools_retired += 1,
+                    // Another thread's empty_cache destroyed it meanwhile.
+                    Err(poolipc_pool::PoolError::NotRetired { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        if let (Some(before), Some(after)) = (free_before, device_free()) {
+            out.device_bytes_back = after.saturating_sub(before);
         }
         tracing::debug!(?out, "empty_cache");
         Ok(out)
@@ -1497,6 +1617,16 @@ impl Parent {
     #[doc(hidden)]
     pub fn panic_io_thread(&self) {
         self.shared.post(LoopCommand::Panic);
+    }
+
+    /// Posts the command `make` builds to the IO loop and waits for its `EmptyCache` reply.
+    fn ask_loop(
+        &self,
+        make: impl FnOnce(std::sync::mpsc::Sender<EmptyCache>) -> LoopCommand,
+    ) -> Result<EmptyCache, Error> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.shared.post(make(tx));
+        rx.recv().map_err(|_| self.shared.loop_gone())
     }
 
     /// Tells the worker to stop (Bye), waits for it to exit at most `options.stop_timeout`,

@@ -21,7 +21,7 @@
 mod device;
 mod job;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,7 +35,8 @@ use poolipc_pool::{
 };
 use poolipc_transport::{
     ArenaChunk, ArenaRelease, Capabilities, Connection, EventBlob, ExtraPool, ExtraPoolReply,
-    HandshakeConfig, JobId, LentSlice, LentTensor, Message, ResultGrant, TransportError,
+    HandshakeConfig, JobId, LentSlice, LentTensor, Message, PoolRetire, ResultGrant,
+    TransportError,
 };
 
 pub use device::WorkerDevice;
@@ -173,9 +174,10 @@ pub struct Worker {
     driver: Arc<dyn Driver>,
     /// The device this worker works on (see [`Worker::device`]).
     device: u32,
-    pool: AttachedPool,
-    /// The parent's other pools (`ExtraPool` index 1, 2, ...): attached, or why not.
-    more_pools: Vec<Result<AttachedPool, String>>,
+    /// The parent's pools by wire index: 0 the Hello pool, the others by `ExtraPool` (at
+    /// spawn, or a new generation after the parent rotated its pool): attached, or why not.
+    /// `PoolRetire` takes an entry out (its index may come again).
+    pools: BTreeMap<u8, Result<AttachedPool, String>>,
     conn: Connection,
     machine: contract::Worker,
     cache: ImportCache,
@@ -352,9 +354,8 @@ impl Worker {
         let vmm = VmmMappings::new(Arc::clone(&driver), device);
         Ok(Worker {
             device,
-            more_pools: Vec::new(),
+            pools: BTreeMap::from([(0, Ok(pool))]),
             driver,
-            pool,
             conn,
             machine: contract::Worker::new(),
             cache: ImportCache::new(),
@@ -824,6 +825,7 @@ impl Worker {
             }
             Message::ArenaChunk(c) => self.take_arena_chunk(c, fds),
             Message::ArenaRelease(r) => self.release_arena_chunk(r),
+            Message::PoolRetire(r) => self.retire_pool(r),
             Message::ReleaseMappings => {
                 let dropped = self.release_cached_mappings()?;
                 self.conn.send(
@@ -1117,10 +1119,9 @@ impl Worker {
 
     /// Attaches another of the parent's pools if this worker's device can use it, and says so.
     fn take_extra_pool(&mut self, offer: ExtraPool, fd: OwnedFd) -> Result<(), Error> {
-        let expected = self.more_pools.len() + 1;
-        if usize::from(offer.index) != expected {
+        if offer.index == 0 || self.pools.contains_key(&offer.index) {
             return Err(Error::Protocol(format!(
-                "ExtraPool {} where {expected} was next",
+                "ExtraPool {} where that index is taken (free indices are 1..=255 not in use)",
                 offer.index
             )));
         }
@@ -1140,7 +1141,7 @@ impl Worker {
                 tracing::info!(index = offer.index, %why, "cannot use one of the parent's pools")
             }
         }
-        self.more_pools.push(attached);
+        self.pools.insert(offer.index, attached);
         self.conn.send(
             &Message::ExtraPoolReply(reply),
             &[],
@@ -1168,18 +1169,42 @@ impl Worker {
 
     /// The imported handle of the parent's pool `index`.
     fn pool_handle(&self, index: u8) -> Result<poolipc_driver::PoolHandle, Error> {
-        if index == 0 {
-            return Ok(self.pool.pool);
-        }
-        match self.more_pools.get(usize::from(index) - 1) {
+        match self.pools.get(&index) {
             Some(Ok(p)) => Ok(p.pool),
             Some(Err(why)) => Err(Error::Protocol(format!(
                 "a tensor by pointer from the parent's pool {index}, which this worker cannot use ({why})"
             ))),
             None => Err(Error::Protocol(format!(
-                "a tensor by pointer from the parent's pool {index}, never offered"
+                "a tensor by pointer from the parent's pool {index}, never offered (or retired)"
             ))),
         }
+    }
+
+    /// Destroys this worker's import of the parent's pool `index`, which the parent retired
+    /// (nothing of it is in use: no import of it can be live here), and says so. An index not
+    /// in the table is answered too. The pool's exported memory goes back to the device once
+    /// the parent and every worker that imported it destroyed theirs.
+    fn retire_pool(&mut self, r: PoolRetire) -> Result<(), Error> {
+        match self.pools.remove(&r.index) {
+            Some(Ok(p)) => {
+                if let Err(e) = self.driver.mem_pool_destroy(p.pool) {
+                    let e = Error::from(e);
+                    if e.is_context_lost() {
+                        return Err(e);
+                    }
+                    tracing::warn!(index = r.index, error = %e, "destroying a retired pool's import failed");
+                } else {
+                    tracing::debug!(index = r.index, "retired pool's import destroyed");
+                }
+            }
+            Some(Err(_)) | None => {
+                tracing::debug!(index = r.index, "a retired pool that was not attached here");
+            }
+        }
+        self.conn
+            .send(&Message::PoolRetired(r), &[], Instant::now() + SEND_TIMEOUT)?;
+        self.last_frame = Instant::now();
+        Ok(())
     }
 }
 

@@ -153,7 +153,13 @@ impl Script {
             identity: poolipc::identity(&*driver, 0, caps).unwrap(),
             required: Capabilities::NONE,
         };
-        parent_handshake(&mut conn, &config, pool.fd(), deadline()).unwrap();
+        parent_handshake(
+            &mut conn,
+            &config,
+            std::os::fd::AsFd::as_fd(&*pool.fd()),
+            deadline(),
+        )
+        .unwrap();
         Script {
             sim,
             driver,
@@ -849,4 +855,50 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
     d.vmm_unmap(va, g).unwrap();
     d.vmm_address_free(va, g).unwrap();
     d.vmm_release(h).unwrap();
+}
+
+#[test]
+fn a_worker_takes_a_pool_generation_at_any_free_index_and_destroys_a_retired_ones_import() {
+    use std::os::fd::AsFd as _;
+    let mut s = Script::start(
+        "a_worker_takes_a_pool_generation_at_any_free_index_and_destroys_a_retired_ones_import",
+    );
+    let free = |s: &Script| s.driver.mem_get_info().unwrap().0;
+    let before = free(&s);
+    // Exported and freed: held on the device until the pool is gone in both processes.
+    let bytes = 64 << 20;
+    let (ptr, _) = s.pooled(bytes, 0x0707_0707);
+    s.pool.free(ptr, s.stream).unwrap();
+    s.driver.stream_synchronize(s.stream).unwrap();
+    s.pool.trim().unwrap();
+    assert_eq!(
+        before - free(&s),
+        bytes,
+        "exported, freed, trimmed: still held"
+    );
+    let r = s.pool.rotate().unwrap().expect("exported: rotates");
+    let device = s.driver.device_info(0).unwrap().uuid;
+    let fd = s.pool.fd();
+    s.conn
+        .send(
+            &Message::ExtraPool(poolipc_transport::ExtraPool { index: 7, device }),
+            &[fd.as_fd()],
+            deadline(),
+        )
+        .unwrap();
+    match s.recv() {
+        Message::ExtraPoolReply(a) => assert!(a.index == 7 && a.reachable, "{a:?}"),
+        m => panic!("expected the answer to ExtraPool 7, got {m:?}"),
+    }
+    // The Hello pool (index 0) is retired; an index never given is answered too.
+    for index in [0, 9] {
+        s.send(Message::PoolRetire(poolipc_transport::PoolRetire { index }));
+        assert_eq!(
+            s.recv(),
+            Message::PoolRetired(poolipc_transport::PoolRetire { index })
+        );
+    }
+    s.pool.destroy_retired(r.retired).unwrap();
+    assert_eq!(free(&s), before, "the retired pool's memory came back");
+    s.end();
 }

@@ -1367,6 +1367,8 @@ impl Driver for SimDriver {
         Ok(self.machine.with(|st| {
             // VMM memory of processes that ended without releasing it.
             st.vmm_sweep(Machine::alive);
+            // Exported pool memory of destroyed pools nobody imports any more.
+            st.pool_sweep(Machine::alive);
             let d = &st.devices[dev as usize];
             (d.total.saturating_sub(d.reserved), d.total)
         }))
@@ -1385,6 +1387,12 @@ impl Driver for SimDriver {
         let slot = Self::pool_slot(&l, CALL, pool)?;
         if l.pools[&slot].imported {
             l.pools.remove(&slot);
+            // The exporter's memory in limbo goes back once no process imports the pool.
+            let pid = self.pid;
+            self.machine.with(|st| {
+                st.pool_hold(slot, pid, false);
+                st.pool_sweep(Machine::alive);
+            });
             return Ok(());
         }
         let device = l.pools[&slot].device;
@@ -1407,6 +1415,7 @@ impl Driver for SimDriver {
                 // Freed with its last allocation, as the real driver defers it.
                 st.pools[slot].state = POOL_DYING;
             }
+            st.pool_sweep(Machine::alive);
             Self::apply(l, slot, &work);
         });
         Ok(())
@@ -1555,6 +1564,8 @@ impl Driver for SimDriver {
             source,
         })?;
         let map = Mapping::new(&own, POOL_HEADER, self.machine.memory)?;
+        let pid = self.pid;
+        self.machine.with(|st| st.pool_hold(slot, pid, true));
         let mut access = vec![Access::None; self.machine.devices as usize];
         // The imported pool starts with read-write access from its own device, as the
         // exporter's pool does; other devices need cuMemPoolSetAccess.
@@ -1828,6 +1839,8 @@ impl Driver for SimDriver {
             let b = st
                 .live_block_at(slot, off)
                 .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+            // The range's memory stays on the device after its free until the pool is gone.
+            st.blocks[b].exported = 1;
             let r = &st.blocks[b];
             // Driver 580: the same bytes for the same address and size, whatever the
             // allocation; the other way, the allocation and its generation.

@@ -9,7 +9,7 @@ use crate::error::CuCode;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
-pub(super) const LAYOUT: u64 = 7;
+pub(super) const LAYOUT: u64 = 8;
 
 pub(super) const MAX_DEVICES: usize = 8;
 /// [`State::mps`]: the machine runs an MPS server that every process is a client of.
@@ -67,6 +67,13 @@ pub(super) const POOL_FREE: u32 = 0;
 pub(super) const POOL_LIVE: u32 = 1;
 /// Destroyed while allocations were live: goes away with the last of them.
 pub(super) const POOL_DYING: u32 = 2;
+/// Destroyed by its owner with exported memory in limbo ([`PoolRec::limbo`]): the slot stays
+/// taken, and the bytes counted against the device, until no live process holds an import of
+/// the pool ([`PoolRec::importers`]). Measured on the H200 (driver 580,
+/// bench/results/2026-12-04-h200-export-limbo).
+pub(super) const POOL_LIMBO: u32 = 3;
+/// Processes that may hold an import of one pool at once (more are not counted).
+pub(super) const POOL_IMPORTERS: usize = 16;
 
 #[repr(C)]
 #[derive(Debug)]
@@ -88,6 +95,11 @@ pub(super) struct PoolRec {
     pub(super) reserved_high: u64,
     pub(super) used: u64,
     pub(super) used_high: u64,
+    /// Bytes of exported allocations that were freed and then released by the pool: gone
+    /// from its reserved figure, still held on the device ([`BLOCK_LIMBO`] blocks).
+    pub(super) limbo: u64,
+    /// Processes holding an import of this pool (`cuMemPoolImportFromShareableHandle`).
+    pub(super) importers: [VmmHolder; POOL_IMPORTERS],
 }
 
 pub(super) const BLOCK_EMPTY: u32 = 0;
@@ -96,13 +108,20 @@ pub(super) const BLOCK_LIVE: u32 = 1;
 pub(super) const BLOCK_CACHED: u32 = 2;
 /// Address range of the pool whose memory went back to the device.
 pub(super) const BLOCK_HOLE: u32 = 3;
+/// Range of an exported allocation that was freed and released by the pool: not reserved by
+/// the pool any more, but its memory stays on the device until the pool is gone (the real
+/// driver: "trim has no effect on IPC export pools"). A new allocation there takes it again.
+pub(super) const BLOCK_LIMBO: u32 = 4;
 
 #[repr(C)]
 #[derive(Debug)]
 pub(super) struct BlockRec {
     pub(super) state: u32,
     pub(super) pool: u32,
-    pub(super) _pad: [u32; 2],
+    /// 1 once an allocation of this range was exported (`cuMemPoolExportPointer`): kept
+    /// while the range is cached or in limbo, by the memory rather than the allocation.
+    pub(super) exported: u32,
+    pub(super) _pad: u32,
     pub(super) offset: u64,
     pub(super) size: u64,
     /// What the caller asked for (the allocation's size as the driver reports it).
@@ -403,6 +422,8 @@ impl State {
             reserved_high: 0,
             used: 0,
             used_high: 0,
+            limbo: 0,
+            importers: [VmmHolder { pid: 0, count: 0 }; POOL_IMPORTERS],
         };
         Some(slot)
     }
@@ -428,10 +449,12 @@ impl State {
             return Ok(());
         }
         let rest = self.free_block_slot().ok_or(CuCode::OUT_OF_MEMORY)?;
-        let (state, pool, offset, total) = (b.state, b.pool, b.offset, b.size);
+        let (state, pool, offset, total, exported) =
+            (b.state, b.pool, b.offset, b.size, b.exported);
         self.blocks[rest] = BlockRec {
             state,
             pool,
+            exported,
             offset: offset + size,
             size: total - size,
             ..empty_block()
@@ -466,6 +489,14 @@ impl State {
             .ok_or(CuCode::OUT_OF_MEMORY)?;
         let i = if let Some(i) = self.best_fit(pool, BLOCK_CACHED, size) {
             self.split(i, size)?;
+            i
+        } else if let Some(i) = self.best_fit(pool, BLOCK_LIMBO, size) {
+            // Memory the device still holds for this pool: the pool reserves it again.
+            self.split(i, size)?;
+            let p = &mut self.pools[pool];
+            p.limbo = p.limbo.saturating_sub(size);
+            p.reserved += size;
+            p.reserved_high = p.reserved_high.max(p.reserved);
             i
         } else {
             if self.reserve(pool, size).is_err() {
@@ -566,20 +597,22 @@ impl State {
 
     /// Merges block `i` with free neighbours in the same state.
     fn coalesce(&mut self, i: usize) {
-        let (pool, state) = (self.blocks[i].pool, self.blocks[i].state);
+        let (pool, state, exported) = (
+            self.blocks[i].pool,
+            self.blocks[i].state,
+            self.blocks[i].exported,
+        );
+        let same = |b: &BlockRec| b.state == state && b.pool == pool && b.exported == exported;
         loop {
             let (off, end) = (
                 self.blocks[i].offset,
                 self.blocks[i].offset + self.blocks[i].size,
             );
-            let next = self
-                .blocks
-                .iter()
-                .position(|b| b.state == state && b.pool == pool && b.offset == end);
+            let next = self.blocks.iter().position(|b| same(b) && b.offset == end);
             let prev = self
                 .blocks
                 .iter()
-                .position(|b| b.state == state && b.pool == pool && b.offset + b.size == off);
+                .position(|b| same(b) && b.offset + b.size == off);
             if let Some(n) = next {
                 self.blocks[i].size += self.blocks[n].size;
                 self.blocks[n] = empty_block();
@@ -608,14 +641,23 @@ impl State {
                 return;
             };
             let (offset, size) = (self.blocks[i].offset, self.blocks[i].size);
-            self.blocks[i].state = BLOCK_HOLE;
-            self.unreserve(pool, size);
-            work.release.push((offset, size));
+            if self.blocks[i].exported == 1 {
+                // Exported once: the pool lets go of it, the device does not.
+                self.blocks[i].state = BLOCK_LIMBO;
+                let p = &mut self.pools[pool];
+                p.reserved = p.reserved.saturating_sub(size);
+                p.limbo += size;
+            } else {
+                self.blocks[i].state = BLOCK_HOLE;
+                self.unreserve(pool, size);
+                work.release.push((offset, size));
+            }
             self.coalesce(i);
         }
     }
 
-    /// Forgets pool `slot` and its blocks; its reserved memory goes back to the device.
+    /// Forgets pool `slot` and its blocks; its reserved memory goes back to the device, its
+    /// memory in limbo once no live process holds an import of it ([`State::pool_sweep`]).
     pub(super) fn pool_drop(&mut self, pool: usize, work: &mut MemoryWork) {
         let reserved = self.pools[pool].reserved;
         self.unreserve(pool, reserved);
@@ -627,7 +669,37 @@ impl State {
             work.release.push((b.offset, b.size));
             *b = empty_block();
         }
-        self.pools[pool].state = POOL_FREE;
+        let p = &mut self.pools[pool];
+        p.reserved = 0;
+        p.used = 0;
+        p.state = if p.limbo > 0 { POOL_LIMBO } else { POOL_FREE };
+    }
+
+    /// `pid` imported (`up`) or destroyed its import of pool `slot`.
+    pub(super) fn pool_hold(&mut self, slot: usize, pid: u32, up: bool) {
+        let r = &mut self.pools[slot];
+        if let Some(h) = r.importers.iter_mut().find(|h| h.count > 0 && h.pid == pid) {
+            h.count = if up { h.count + 1 } else { h.count - 1 };
+        } else if up && let Some(h) = r.importers.iter_mut().find(|h| h.count == 0) {
+            *h = VmmHolder { pid, count: 1 };
+        }
+    }
+
+    /// Gives back the memory in limbo of every destroyed pool no live process holds an
+    /// import of.
+    pub(super) fn pool_sweep(&mut self, alive: impl Fn(u32) -> bool) {
+        for i in 0..MAX_POOLS {
+            let r = &mut self.pools[i];
+            if r.state != POOL_LIMBO || r.importers.iter().any(|h| h.count > 0 && alive(h.pid)) {
+                continue;
+            }
+            let (device, limbo) = (r.device as usize, r.limbo);
+            r.limbo = 0;
+            r.state = POOL_FREE;
+            if let Some(d) = self.devices.get_mut(device) {
+                d.reserved = d.reserved.saturating_sub(limbo);
+            }
+        }
     }
 
     /// Live imports of block `i` at `generation`, after dropping those of dead processes.
@@ -715,7 +787,9 @@ impl State {
         }
         for p in 0..MAX_POOLS {
             let rec = &self.pools[p];
-            if rec.state != POOL_FREE && gone(rec.owner_agent, rec.owner_pid) {
+            if (rec.state == POOL_LIVE || rec.state == POOL_DYING)
+                && gone(rec.owner_agent, rec.owner_pid)
+            {
                 let mut w = MemoryWork::default();
                 self.pool_drop(p, &mut w);
                 work.push((p, w));
@@ -771,7 +845,8 @@ fn empty_block() -> BlockRec {
     BlockRec {
         state: BLOCK_EMPTY,
         pool: 0,
-        _pad: [0; 2],
+        exported: 0,
+        _pad: 0,
         offset: 0,
         size: 0,
         bytes: 0,

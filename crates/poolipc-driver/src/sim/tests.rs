@@ -1244,3 +1244,64 @@ fn unordered_writes_to_cu_mem_alloc_memory_on_two_streams_are_recorded() {
     p.memset_d8_async(plain, 2, 16, other).unwrap();
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
 }
+
+// --- exported memory in limbo (bench/results/2026-12-04-h200-export-limbo) ------------------
+
+fn held(d: &SimDriver) -> u64 {
+    let (free, total) = d.mem_get_info().unwrap();
+    total - free
+}
+
+#[test]
+fn freed_memory_never_exported_goes_back_at_a_trim() {
+    let d = sim();
+    let (pool, _fd) = shared_pool(&d);
+    let start = held(&d);
+    let ptr = d.mem_alloc_async(64 * MIB, S).unwrap();
+    d.mem_free_async(ptr, S).unwrap();
+    d.mem_pool_trim_to(pool, 0).unwrap();
+    assert_eq!(held(&d), start);
+}
+
+#[test]
+fn exported_freed_memory_stays_on_the_device_after_a_trim_and_is_taken_again_not_twice() {
+    let d = sim();
+    let (pool, _fd) = shared_pool(&d);
+    let start = held(&d);
+    let ptr = d.mem_alloc_async(64 * MIB, S).unwrap();
+    d.mem_pool_export_pointer(ptr).unwrap();
+    d.mem_free_async(ptr, S).unwrap();
+    d.mem_pool_trim_to(pool, 0).unwrap();
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 0);
+    assert_eq!(held(&d), start + 64 * MIB);
+    // A new allocation there takes the same memory: the device holds the high-water mark.
+    let again = d.mem_alloc_async(64 * MIB, S).unwrap();
+    assert_eq!(held(&d), start + 64 * MIB);
+    assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 64 * MIB);
+    d.mem_free_async(again, S).unwrap();
+    d.mem_pool_trim_to(pool, 0).unwrap();
+    assert_eq!(held(&d), start + 64 * MIB);
+}
+
+#[test]
+fn exported_freed_memory_goes_back_when_the_pool_is_destroyed_and_no_import_of_it_is_left() {
+    let p = sim();
+    let (pool, fd) = shared_pool(&p);
+    let start = held(&p);
+    let (w, ptr, imported, _ws) = handoff(&p, &fd, 64 * MIB);
+    let wpool = w.mem_pool_import_fd(fd.as_fd()).unwrap();
+    w.mem_free_async(imported, StreamHandle::NULL).unwrap();
+    w.ctx_synchronize().unwrap();
+    p.mem_free_async(ptr, S).unwrap();
+    p.mem_pool_trim_to(pool, 0).unwrap();
+    let default = p.device_get_default_mem_pool(0).unwrap();
+    p.device_set_mem_pool(0, default).unwrap();
+    p.mem_pool_destroy(pool).unwrap();
+    assert_eq!(
+        held(&p),
+        start + 64 * MIB,
+        "the worker still holds its import of the pool"
+    );
+    w.mem_pool_destroy(wpool).unwrap();
+    assert_eq!(held(&p), start);
+}

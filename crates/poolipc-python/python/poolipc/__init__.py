@@ -76,6 +76,7 @@ from ._native import (
     UnknownWorkerError,
     View,
     WorkerError,
+    mem_get_info,
     memory_stats,
     mps_status,
     reset_peak_memory_stats,
@@ -95,6 +96,7 @@ __all__ = [
     "__version__",
     "install_pool",
     "memory_stats",
+    "mem_get_info",
     "reset_peak_memory_stats",
     "empty_cache",
     "Parent",
@@ -319,8 +321,16 @@ def empty_cache() -> int:
     GPU work (so that frees queued on any stream have run), then trims the pool to nothing.
     Returns the bytes given back. With the pool installed, ``torch.cuda.empty_cache()`` calls
     it too (after torch's own). Costs the synchronize, and the next allocations map memory
-    again rather than reuse the pool's. ``PoolipcError`` before ``install_pool`` or when the
-    driver refuses."""
+    again rather than reuse the pool's.
+
+    Memory lent to a worker by pool pointer and freed is not given back by a trim (the driver
+    keeps an exported allocation's memory until its pool is destroyed): a pool that lent
+    anything is rotated (a new pool becomes the device's current one, every worker is given
+    it) and the old one destroyed, in the workers and here, once nothing of it is in use.
+    Costs more then: the new pool maps its memory afresh, and the first lend of each new
+    allocation exports it again. ``memory_stats()`` sums the pool's generations;
+    ``mem_get_info()`` shows the device memory that came back. ``PoolipcError`` before
+    ``install_pool`` or when the driver refuses."""
     return int(_native_empty_cache())
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "_install",
     "is_installed",
     "empty_cache",
+    "mem_get_info",
     "memory_stats",
     "reset_peak_memory_stats",
     "NativeParent",
@@ -122,6 +123,9 @@ def is_installed() -> bool:
 
 def empty_cache() -> int:
     """Trims the shared pool after a context synchronize; the bytes given back."""
+
+def mem_get_info() -> tuple[int, int]:
+    """The device's free and total memory in bytes (``cuMemGetInfo``)."""
 
 def memory_stats() -> MemoryStats:
     """The shared pool's true figures; ``PoolipcError`` when no pool is installed."""

@@ -5,7 +5,7 @@ use poolipc_transport::{
     Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities,
     CarvedResult, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob, ExportBlob,
     ExtraPool, ExtraPoolReply, HandoffId, Identity, JobId, Lend, LentSlice, LentTensor, Message,
-    ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta, VmmShare,
+    PoolRetire, ResultGrant, ResultRequest, ResultSpec, Rung, StagingBuffer, TensorMeta, VmmShare,
 };
 
 /// 64 bytes counting up from `start`, so every byte of a blob is visible in a hex dump.
@@ -228,6 +228,11 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
             Message::ArenaReleased(ArenaRelease { index: 3 }),
         ),
         ("release_mappings", Message::ReleaseMappings),
+        ("pool_retire", Message::PoolRetire(PoolRetire { index: 2 })),
+        (
+            "pool_retired",
+            Message::PoolRetired(PoolRetire { index: 2 }),
+        ),
         (
             "mappings_released",
             Message::MappingsReleased { dropped: 2 },
