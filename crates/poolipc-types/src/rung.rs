@@ -9,7 +9,6 @@ use std::fmt;
 /// tensor: host staging sets its buffer up once per connection (the transport's
 /// `StagingBuffer` message, one FD), and the tensors that travel on it only name the rung.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 #[repr(u8)]
 pub enum Rung {
     /// A pointer export from the shared pool, imported by the worker: no copy. The export

@@ -1740,9 +1740,8 @@ impl Loop {
                     lent_bases.push(loan.span.ptr);
                     Stats::bump(&self.shared.stats.pool_pointer_tensors);
                 }
-                // `Rung::Arena` (results only: the contract refused it for an input) and any
-                // rung of a later version of the types crate (`Rung` is non-exhaustive).
-                _ => {}
+                // Results only: the contract refuses it for an input before this point.
+                Rung::Arena => {}
             }
         }
         if let Some(s) = self.workers.get_mut(&worker) {
@@ -2692,9 +2691,13 @@ impl Loop {
         st.results
             .insert(request, ResultTensor::new(ptr, bytes, shape, rung));
         st.requests_by_alloc.insert(alloc, request);
+        // The rungs a result allocated here can take (the arena's go through
+        // make_arena_result; VMM handles and arena copies are for inputs).
         let counter = match rung {
             Rung::HostStaging => &self.shared.stats.host_staged_tensors,
-            _ => &self.shared.stats.pool_pointer_tensors,
+            Rung::PoolPointer | Rung::Arena | Rung::ArenaCopy | Rung::VmmHandle => {
+                &self.shared.stats.pool_pointer_tensors
+            }
         };
         Stats::bump(counter);
         if rung == Rung::HostStaging {
