@@ -54,7 +54,9 @@ mod spawn;
 pub use codec::{
     DecodeError, EncodeError, FrameLimits, MAX_FRAME_LEN, PROTOCOL_VERSION, check_lend,
 };
-pub use connection::{Connection, Direction, TOKEN_LEN, TransportError};
+pub use connection::{
+    Connection, Direction, PARTIAL_FD_SLACK, SendQueueLimits, TOKEN_LEN, TransportError,
+};
 pub use error::SetupError;
 pub use handshake::{
     HandshakeConfig, HandshakeError, Peer, parent_handshake, worker_handshake,
