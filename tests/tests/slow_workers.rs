@@ -207,7 +207,7 @@ both_drivers!(
                 }
                 Err(e) => bail!("submitting to the rogue failed otherwise: {e}"),
             }
-            if i % 200 == 0 {
+            if i % 50 == 0 {
                 worst = worst.max(round_trip(&p, honest, x, stream)?);
             }
         }
