@@ -78,4 +78,6 @@ pub use spawn::{FD_ENV, connection_from_env, parse_fd_var, spawn_worker};
 #[cfg(test)]
 mod connection_tests;
 #[cfg(test)]
+mod incremental_tests;
+#[cfg(test)]
 mod setup_tests;
