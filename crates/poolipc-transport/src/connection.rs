@@ -733,10 +733,42 @@ impl Connection {
                 given: fds.len(),
             });
         }
-        let mut bytes = Vec::new();
-        codec::encode_into(msg, self.limits, &mut bytes)?;
+        let mut buf = std::mem::take(&mut self.send_buf);
+        buf.clear();
+        if let Err(e) = codec::encode_into(msg, self.limits, &mut buf) {
+            self.send_buf = buf;
+            return Err(e.into());
+        }
+        // Nothing waits (the usual case): write now, and queue only what the socket does not
+        // take, so a peer that reads costs no copy and no descriptor duplicate.
+        let mut sent = 0;
+        if self.queue.is_empty() {
+            match scm::send(self.sock.as_fd(), &buf, fds) {
+                Ok(n) => sent = n,
+                Err(Errno::EAGAIN) => {}
+                Err(errno) => {
+                    self.send_buf = buf;
+                    let e = if matches!(errno, Errno::EPIPE | Errno::ECONNRESET) {
+                        TransportError::PeerGone { errno }
+                    } else {
+                        TransportError::Io {
+                            op: "sendmsg",
+                            errno,
+                        }
+                    };
+                    self.send_broken = Some(e.to_string());
+                    return Err(e);
+                }
+            }
+        }
+        let rest = buf.get(sent..).map(<[u8]>::to_vec).unwrap_or_default();
+        self.send_buf = buf;
+        if rest.is_empty() {
+            trace!(?kind, len = sent, fds = fds.len(), "sent");
+            return Ok(());
+        }
         let frames = self.queue.len() + 1;
-        let total = self.queued_bytes + bytes.len();
+        let total = self.queued_bytes + rest.len();
         if frames > self.queue_limits.max_frames || total > self.queue_limits.max_bytes {
             let e = TransportError::SendQueueFull {
                 frames,
@@ -747,24 +779,29 @@ impl Connection {
             self.drop_queue();
             return Err(e);
         }
-        let fds = fds
-            .iter()
-            .map(|fd| {
-                fd.try_clone_to_owned().map_err(|e| TransportError::Io {
-                    op: "fcntl(F_DUPFD_CLOEXEC)",
-                    errno: Errno::from_raw(e.raw_os_error().unwrap_or(0)),
+        // Descriptors go with the frame's first byte: queued (duplicated) only if it has not
+        // gone yet.
+        let fds = if sent == 0 {
+            fds.iter()
+                .map(|fd| {
+                    fd.try_clone_to_owned().map_err(|e| TransportError::Io {
+                        op: "fcntl(F_DUPFD_CLOEXEC)",
+                        errno: Errno::from_raw(e.raw_os_error().unwrap_or(0)),
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        trace!(?kind, len = bytes.len(), fds = fds.len(), queued = frames, "enqueue");
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            Vec::new()
+        };
+        trace!(?kind, sent, queued_len = rest.len(), fds = fds.len(), queued = frames, "enqueue");
         self.queued_bytes = total;
         self.queue.push_back(Outgoing {
-            bytes,
+            bytes: rest,
             sent: 0,
             fds,
             queued_at: Instant::now(),
         });
-        self.flush()
+        Ok(())
     }
 
     /// Whether frames wait in the send queue (the socket's writability is then of interest).
