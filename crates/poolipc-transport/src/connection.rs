@@ -1,7 +1,8 @@
 //! [`Connection`]: frames and file descriptors over one Unix stream socket, with deadlines.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -113,6 +114,42 @@ pub enum TransportError {
         /// What broke it.
         reason: String,
     },
+    /// More descriptors came with a frame not yet complete than that frame may carry (its
+    /// kind's, and [`PARTIAL_FD_SLACK`] more): a peer dripping descriptors onto a slow frame.
+    /// All that came were closed; nothing more is read.
+    #[error(
+        "{held} file descriptors came with a frame not yet complete, more than the {bound} it may carry; all closed"
+    )]
+    TooManyFds {
+        /// How many were held.
+        held: usize,
+        /// How many the frame may carry with the slack.
+        bound: usize,
+    },
+    /// A frame did not move to its end within the frame deadline, counted from its first
+    /// byte (receiving) or from when it was queued (sending): a peer that sends a frame
+    /// slowly, or does not read. Nothing more moves that way.
+    #[error("{direction} of a frame not done within {after:?} of its start")]
+    FrameTooSlow {
+        /// Which way.
+        direction: Direction,
+        /// The frame deadline.
+        after: Duration,
+    },
+    /// The frames queued for a peer that does not read passed the queue's bound
+    /// ([`SendQueueLimits`]). Nothing more is sent.
+    #[error(
+        "the send queue is full: {frames} frames and {bytes} bytes queued, at most {} frames and {} bytes allowed",
+        limits.max_frames, limits.max_bytes
+    )]
+    SendQueueFull {
+        /// Frames queued, the refused one included.
+        frames: usize,
+        /// Bytes queued, the refused frame included.
+        bytes: usize,
+        /// The bound.
+        limits: SendQueueLimits,
+    },
     /// A system call failed.
     #[error("{op} failed: {errno}")]
     Io {
@@ -133,10 +170,45 @@ impl TransportError {
     }
 }
 
+/// Descriptors a frame not yet complete may hold beyond what its kind carries (see
+/// [`TransportError::TooManyFds`]).
+pub const PARTIAL_FD_SLACK: usize = 4;
+
+/// How much [`Connection::enqueue`] keeps for a peer that does not read before it refuses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendQueueLimits {
+    /// Frames queued at most.
+    pub max_frames: usize,
+    /// Bytes queued at most (at least one largest frame, or large frames are refused).
+    pub max_bytes: usize,
+}
+
+impl Default for SendQueueLimits {
+    /// 1024 frames, 16 MiB: far more than a worker that reads ever has queued (its frames
+    /// are taken as they come), and little memory for one that does not.
+    fn default() -> Self {
+        Self {
+            max_frames: 1024,
+            max_bytes: 16 << 20,
+        }
+    }
+}
+
+/// A frame queued for sending, with the descriptors that go with its first byte.
+struct Outgoing {
+    bytes: Vec<u8>,
+    sent: usize,
+    fds: Vec<OwnedFd>,
+    queued_at: Instant,
+}
+
 /// One end of a Unix stream socket that speaks the protocol.
 ///
 /// `send` and `recv` take `&mut self`: one frame at a time in each direction. Every wait is
-/// bounded by the deadline passed in.
+/// bounded by the deadline passed in. Beside them, for a loop that serves many peers and
+/// waits on none: [`Connection::poll_recv`] (reads what is there, returns whole frames only)
+/// and [`Connection::enqueue`] / [`Connection::flush`] (frames queued and written as the
+/// socket takes them), with [`Connection::check_deadlines`] for the frame deadline.
 pub struct Connection {
     sock: OwnedFd,
     limits: FrameLimits,
@@ -144,6 +216,14 @@ pub struct Connection {
     recv: RecvBuf,
     recv_broken: Option<String>,
     send_broken: Option<String>,
+    /// When the first byte of the frame at the front of `recv` arrived (none: nothing
+    /// unread). A read that finds the buffer empty sets it; a frame returned with bytes
+    /// left behind it sets it to the last read's time (those bytes came by then).
+    partial_since: Option<Instant>,
+    last_read: Option<Instant>,
+    queue: VecDeque<Outgoing>,
+    queued_bytes: usize,
+    queue_limits: SendQueueLimits,
 }
 
 /// What has been read from the socket and not yet returned as a frame.
@@ -273,7 +353,24 @@ impl Connection {
             recv: RecvBuf::new(),
             recv_broken: None,
             send_broken: None,
+            partial_since: None,
+            last_read: None,
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            queue_limits: SendQueueLimits::default(),
         }
+    }
+
+    /// Sets the bound on frames queued by [`Connection::enqueue`].
+    pub fn with_queue_limits(mut self, limits: SendQueueLimits) -> Self {
+        self.queue_limits = limits;
+        self
+    }
+
+    /// Sets the bound on frames queued by [`Connection::enqueue`] (a connection already
+    /// made).
+    pub fn set_queue_limits(&mut self, limits: SendQueueLimits) {
+        self.queue_limits = limits;
     }
 
     /// Two connected ends (`socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC)`).
@@ -428,6 +525,8 @@ impl Connection {
                 reason: reason.clone(),
             });
         }
+        // Frames queued before go first: the order on the wire is the order of the calls.
+        self.flush_by(deadline)?;
         let mut sent = 0;
         while sent < frame.len() {
             let attach = if sent == 0 { fds } else { &[] };
@@ -496,6 +595,11 @@ impl Connection {
         let payload = &self.recv.buf[self.recv.start + HEADER_LEN..self.recv.start + len];
         let decoded = codec::decode_payload(header.tag, payload);
         self.recv.consume(len);
+        self.partial_since = if self.recv.len() > 0 {
+            self.last_read
+        } else {
+            None
+        };
         // Taken (and so closed on every error below) whether or not the frame decodes.
         let fds = self.recv.take_fds(at);
         let msg = decoded?;
@@ -519,6 +623,248 @@ impl Connection {
         Ok((msg, fds))
     }
 
+    /// Returns a whole frame if one has arrived, reading (without waiting) what the socket
+    /// holds first when none is buffered; `Ok(None)` when the frame at the front is not all
+    /// here yet: its bytes and descriptors stay in the connection until it is. The rules of
+    /// [`Connection::recv`] apply to the frame returned; a header that does not parse fails at
+    /// once, and so do descriptors past what the partial frame may carry
+    /// ([`TransportError::TooManyFds`]). The partial frame's deadline is the caller's
+    /// ([`Connection::check_deadlines`]).
+    pub fn poll_recv(&mut self) -> Result<Option<(Message, Vec<OwnedFd>)>, TransportError> {
+        if let Some(reason) = &self.recv_broken {
+            return Err(TransportError::Broken {
+                direction: Direction::Recv,
+                reason: reason.clone(),
+            });
+        }
+        if !self.frame_buffered() {
+            let need = match self.recv.header_at(self.recv.start, self.limits) {
+                Ok(header) => HEADER_LEN + header.payload_len,
+                Err(_) => HEADER_LEN,
+            };
+            match self.read_some(need) {
+                Ok(_) => {}
+                Err(e) => return Err(self.recv_failed(e)),
+            }
+            if !self.frame_buffered() {
+                return Ok(None);
+            }
+        }
+        // A whole frame (or a header that will not parse) is buffered: `recv` takes it
+        // without a system call, so the deadline is never waited on.
+        self.recv(Instant::now()).map(Some)
+    }
+
+    /// When the frame at the front of the receive buffer began to arrive, if one has begun
+    /// and is not all here (for the frame deadline; [`Connection::check_deadlines`]).
+    pub fn partial_frame_since(&self) -> Option<Instant> {
+        if self.recv.len() == 0 || self.frame_buffered() {
+            return None;
+        }
+        self.partial_since
+    }
+
+    /// The next instant at which [`Connection::check_deadlines`] fails, if a frame is on its
+    /// way in either direction.
+    pub fn next_deadline(&self, frame_timeout: Duration) -> Option<Instant> {
+        let recv = self.partial_frame_since();
+        let send = self.queue.front().map(|o| o.queued_at);
+        [recv, send]
+            .into_iter()
+            .flatten()
+            .min()
+            .map(|t| t + frame_timeout)
+    }
+
+    /// Fails with [`TransportError::FrameTooSlow`] (breaking that direction and closing
+    /// the descriptors held for it) when a frame began to arrive `frame_timeout` or longer
+    /// before `now` and is not all here, or a frame queued that long ago is not all sent.
+    pub fn check_deadlines(
+        &mut self,
+        now: Instant,
+        frame_timeout: Duration,
+    ) -> Result<(), TransportError> {
+        if self.recv_broken.is_none()
+            && self
+                .partial_frame_since()
+                .is_some_and(|t| now.saturating_duration_since(t) >= frame_timeout)
+        {
+            let e = TransportError::FrameTooSlow {
+                direction: Direction::Recv,
+                after: frame_timeout,
+            };
+            return Err(self.recv_failed(e));
+        }
+        if self.send_broken.is_none()
+            && self
+                .queue
+                .front()
+                .is_some_and(|o| now.saturating_duration_since(o.queued_at) >= frame_timeout)
+        {
+            let e = TransportError::FrameTooSlow {
+                direction: Direction::Send,
+                after: frame_timeout,
+            };
+            self.send_broken = Some(e.to_string());
+            self.drop_queue();
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Queues `msg` with exactly the descriptors it carries (duplicated: the caller's stay
+    /// open) and writes what the socket takes now, without waiting; the rest goes out with
+    /// [`Connection::flush`] when the socket is writable. Frames go out in the order queued,
+    /// after any queued before, and before anything [`Connection::send`] sends later. Past
+    /// the queue's bound ([`SendQueueLimits`]) the frame is refused and the connection's
+    /// send direction is broken.
+    pub fn enqueue(&mut self, msg: &Message, fds: &[BorrowedFd<'_>]) -> Result<(), TransportError> {
+        if let Some(reason) = &self.send_broken {
+            return Err(TransportError::Broken {
+                direction: Direction::Send,
+                reason: reason.clone(),
+            });
+        }
+        let kind = msg.kind();
+        if fds.len() != kind.expected_fds() {
+            return Err(TransportError::WrongFdCount {
+                kind,
+                expected: kind.expected_fds(),
+                given: fds.len(),
+            });
+        }
+        let mut buf = std::mem::take(&mut self.send_buf);
+        buf.clear();
+        if let Err(e) = codec::encode_into(msg, self.limits, &mut buf) {
+            self.send_buf = buf;
+            return Err(e.into());
+        }
+        // Nothing waits (the usual case): write now, and queue only what the socket does not
+        // take, so a peer that reads costs no copy and no descriptor duplicate.
+        let mut sent = 0;
+        if self.queue.is_empty() {
+            match scm::send(self.sock.as_fd(), &buf, fds) {
+                Ok(n) => sent = n,
+                Err(Errno::EAGAIN) => {}
+                Err(errno) => {
+                    self.send_buf = buf;
+                    let e = if matches!(errno, Errno::EPIPE | Errno::ECONNRESET) {
+                        TransportError::PeerGone { errno }
+                    } else {
+                        TransportError::Io {
+                            op: "sendmsg",
+                            errno,
+                        }
+                    };
+                    self.send_broken = Some(e.to_string());
+                    return Err(e);
+                }
+            }
+        }
+        let rest = buf.get(sent..).map(<[u8]>::to_vec).unwrap_or_default();
+        self.send_buf = buf;
+        if rest.is_empty() {
+            trace!(?kind, len = sent, fds = fds.len(), "sent");
+            return Ok(());
+        }
+        let frames = self.queue.len() + 1;
+        let total = self.queued_bytes + rest.len();
+        if frames > self.queue_limits.max_frames || total > self.queue_limits.max_bytes {
+            let e = TransportError::SendQueueFull {
+                frames,
+                bytes: total,
+                limits: self.queue_limits,
+            };
+            self.send_broken = Some(e.to_string());
+            self.drop_queue();
+            return Err(e);
+        }
+        // Descriptors go with the frame's first byte: queued (duplicated) only if it has not
+        // gone yet.
+        let fds = if sent == 0 {
+            fds.iter()
+                .map(|fd| {
+                    fd.try_clone_to_owned().map_err(|e| TransportError::Io {
+                        op: "fcntl(F_DUPFD_CLOEXEC)",
+                        errno: Errno::from_raw(e.raw_os_error().unwrap_or(0)),
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            Vec::new()
+        };
+        trace!(?kind, sent, queued_len = rest.len(), fds = fds.len(), queued = frames, "enqueue");
+        self.queued_bytes = total;
+        self.queue.push_back(Outgoing {
+            bytes: rest,
+            sent: 0,
+            fds,
+            queued_at: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// Whether frames wait in the send queue (the socket's writability is then of interest).
+    pub fn send_queued(&self) -> bool {
+        !self.queue.is_empty()
+    }
+
+    /// Writes queued frames until the queue is empty or the socket takes no more, without
+    /// waiting.
+    pub fn flush(&mut self) -> Result<(), TransportError> {
+        while let Some(head) = self.queue.front_mut() {
+            let attach: Vec<BorrowedFd<'_>> = if head.sent == 0 {
+                head.fds.iter().map(|f| f.as_fd()).collect()
+            } else {
+                Vec::new()
+            };
+            match scm::send(self.sock.as_fd(), &head.bytes[head.sent..], &attach) {
+                Ok(n) => {
+                    head.sent += n;
+                    if head.sent == head.bytes.len() {
+                        self.queued_bytes -= head.bytes.len();
+                        // The descriptors are the peer's now: ours close here.
+                        self.queue.pop_front();
+                    }
+                }
+                Err(Errno::EAGAIN) => return Ok(()),
+                Err(errno) => {
+                    let e = if matches!(errno, Errno::EPIPE | Errno::ECONNRESET) {
+                        TransportError::PeerGone { errno }
+                    } else {
+                        TransportError::Io {
+                            op: "sendmsg",
+                            errno,
+                        }
+                    };
+                    self.send_broken = Some(e.to_string());
+                    self.drop_queue();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Flushes the queue, waiting for the socket up to `deadline`.
+    fn flush_by(&mut self, deadline: Instant) -> Result<(), TransportError> {
+        loop {
+            self.flush()?;
+            if self.queue.is_empty() {
+                return Ok(());
+            }
+            if let Err(e) = wait(self.sock.as_fd(), PollFlags::POLLOUT, deadline) {
+                let partial = self.queue.front().is_some_and(|o| o.sent > 0);
+                return Err(self.send_failed(e, partial));
+            }
+        }
+    }
+
+    fn drop_queue(&mut self) {
+        self.queue.clear();
+        self.queued_bytes = 0;
+    }
+
     fn recv_failed(&mut self, err: TransportError) -> TransportError {
         let breaks = match &err {
             TransportError::Timeout { partial, .. } => *partial,
@@ -539,47 +885,90 @@ impl Connection {
         while self.recv.len() < need {
             // Bytes of the frame being read are here: an EOF or deadline now cuts it.
             let partial = self.recv.len() > 0;
-            self.recv.make_room(need);
-            let end = self.recv.end;
-            match scm::recv(self.sock.as_fd(), &mut self.recv.buf[end..]) {
-                Ok(r) => {
-                    if r.truncated {
-                        let received = r.fds.len();
-                        return Err(TransportError::FdsTruncated { received });
-                    }
-                    if r.bytes == 0 {
-                        return Err(TransportError::PeerClosed { mid_frame: partial });
-                    }
-                    self.recv.end += r.bytes;
-                    if !r.fds.is_empty() {
-                        let last = self.recv.offset + (self.recv.end - self.recv.start) as u64 - 1;
-                        let frame_at = self.recv.frame_containing(last, self.limits);
-                        self.recv.fds.push((frame_at, r.fds));
-                    }
-                }
-                Err(Errno::EAGAIN) => match wait(self.sock.as_fd(), PollFlags::POLLIN, deadline) {
+            if !self.read_some(need)? {
+                match wait(self.sock.as_fd(), PollFlags::POLLIN, deadline) {
                     Ok(()) => {}
                     Err(TransportError::Timeout { direction, .. }) => {
                         return Err(TransportError::Timeout { direction, partial });
                     }
                     Err(e) => return Err(e),
-                },
-                Err(Errno::ECONNRESET) => {
-                    return Err(TransportError::PeerGone {
-                        errno: Errno::ECONNRESET,
-                    });
-                }
-                Err(errno) => {
-                    return Err(TransportError::Io {
-                        op: "recvmsg",
-                        errno,
-                    });
                 }
             }
         }
         Ok(())
     }
+
+    /// One read of what the socket holds, without waiting: `Ok(false)` when it holds
+    /// nothing. Descriptors are filed under the frame they came with, and counted against
+    /// what the frame not yet complete may carry.
+    fn read_some(&mut self, need: usize) -> Result<bool, TransportError> {
+        let partial = self.recv.len() > 0;
+        self.recv.make_room(need);
+        let end = self.recv.end;
+        match scm::recv(self.sock.as_fd(), &mut self.recv.buf[end..]) {
+            Ok(r) => {
+                if r.truncated {
+                    let received = r.fds.len();
+                    return Err(TransportError::FdsTruncated { received });
+                }
+                if r.bytes == 0 {
+                    return Err(TransportError::PeerClosed { mid_frame: partial });
+                }
+                let now = Instant::now();
+                self.last_read = Some(now);
+                if !partial {
+                    self.partial_since = Some(now);
+                }
+                self.recv.end += r.bytes;
+                if !r.fds.is_empty() {
+                    let last = self.recv.offset + (self.recv.end - self.recv.start) as u64 - 1;
+                    let frame_at = self.recv.frame_containing(last, self.limits);
+                    self.recv.fds.push((frame_at, r.fds));
+                    self.check_partial_fds()?;
+                }
+                Ok(true)
+            }
+            Err(Errno::EAGAIN) => Ok(false),
+            Err(Errno::ECONNRESET) => Err(TransportError::PeerGone {
+                errno: Errno::ECONNRESET,
+            }),
+            Err(errno) => Err(TransportError::Io {
+                op: "recvmsg",
+                errno,
+            }),
+        }
+    }
+
+    /// Fails when the frame not yet complete holds more descriptors than its kind carries
+    /// plus [`PARTIAL_FD_SLACK`] (a frame whose header is not here yet: the most any kind
+    /// carries).
+    fn check_partial_fds(&self) -> Result<(), TransportError> {
+        let end = self.recv.offset + self.recv.len() as u64;
+        let partial_at = self.recv.frame_containing(end, self.limits);
+        let held: usize = self
+            .recv
+            .fds
+            .iter()
+            .filter(|(at, _)| *at >= partial_at)
+            .map(|(_, fds)| fds.len())
+            .sum();
+        let pos = self.recv.start + (partial_at - self.recv.offset) as usize;
+        let carries = self
+            .recv
+            .header_at(pos, self.limits)
+            .ok()
+            .and_then(|h| MessageKind::from_tag(h.tag))
+            .map_or(MAX_FDS_OF_ANY_KIND, MessageKind::expected_fds);
+        let bound = carries + PARTIAL_FD_SLACK;
+        if held > bound {
+            return Err(TransportError::TooManyFds { held, bound });
+        }
+        Ok(())
+    }
 }
+
+/// The most descriptors any one frame carries ([`MessageKind::expected_fds`]).
+const MAX_FDS_OF_ANY_KIND: usize = 1;
 
 /// Bytes of a connect token: what a worker connecting to a listener that demands one sends,
 /// raw, before anything else ([`Connection::send_token`], [`Connection::expect_token`]).

@@ -54,7 +54,9 @@ mod spawn;
 pub use codec::{
     DecodeError, EncodeError, FrameLimits, MAX_FRAME_LEN, PROTOCOL_VERSION, check_lend,
 };
-pub use connection::{Connection, Direction, TOKEN_LEN, TransportError};
+pub use connection::{
+    Connection, Direction, PARTIAL_FD_SLACK, SendQueueLimits, TOKEN_LEN, TransportError,
+};
 pub use error::SetupError;
 pub use handshake::{
     HandshakeConfig, HandshakeError, Peer, parent_handshake, worker_handshake,
@@ -75,5 +77,7 @@ pub use spawn::{FD_ENV, connection_from_env, parse_fd_var, spawn_worker};
 
 #[cfg(test)]
 mod connection_tests;
+#[cfg(test)]
+mod incremental_tests;
 #[cfg(test)]
 mod setup_tests;

@@ -397,6 +397,8 @@ fn names_gpu_fault(message: &str) -> bool {
     .any(|needle| message.contains(needle))
 }
 
+/// Frames the loop takes from one worker before it looks at the others again.
+const FRAMES_PER_TURN: usize = 64;
 /// How long the loop sleeps when nothing is due: commands and frames wake it earlier.
 const IDLE_POLL: Duration = Duration::from_millis(500);
 /// While a worker is exiting, how often to look whether it has.
@@ -475,6 +477,12 @@ impl Loop {
             timeout = timeout.min(EXIT_POLL);
         }
         let now = Instant::now();
+        let frame_timeout = self.shared.options.frame_timeout;
+        for s in self.workers.values().filter(|s| s.lost.is_none()) {
+            if let Some(t) = s.conn.next_deadline(frame_timeout) {
+                timeout = timeout.min(t.saturating_duration_since(now));
+            }
+        }
         for gate in self.gates.values() {
             // A DONE is queried on the host: look again soon (at once while the loop spins),
             // the sooner the younger the job's wait: a quarter of it, from 20 µs to 1 ms, so
@@ -508,7 +516,13 @@ impl Loop {
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
             for id in &ids {
                 if let Some(s) = self.workers.get(id) {
-                    fds.push(PollFd::new(s.conn.as_fd(), PollFlags::POLLIN));
+                    // Writability too while frames wait in its send queue.
+                    let events = if s.conn.send_queued() {
+                        PollFlags::POLLIN | PollFlags::POLLOUT
+                    } else {
+                        PollFlags::POLLIN
+                    };
+                    fds.push(PollFd::new(s.conn.as_fd(), events));
                 }
             }
             let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
@@ -588,42 +602,82 @@ impl Loop {
             ids.iter()
                 .zip(&fds[1..])
                 .zip(&buffered)
-                .map(|((id, fd), &b)| (*id, b || fd.revents().is_some_and(|r| !r.is_empty())))
+                .map(|((id, fd), &b)| {
+                    let revents = fd.revents().unwrap_or(PollFlags::empty());
+                    // Readable, or hung up / in error (the read says which).
+                    let readable = !(revents - PollFlags::POLLOUT).is_empty();
+                    (*id, b || readable)
+                })
                 .collect()
         };
+        self.flush_sends();
         for (id, ready) in readable {
             if ready {
                 self.last_activity = Instant::now();
                 self.read_one(id);
             }
         }
+        self.check_frame_deadlines();
     }
 
-    /// Reads a frame from a readable worker socket and hands it to the contract, then the
-    /// frames that came with it in the same read (a worker's DONE and ACK come together).
+    /// Reads what a readable worker socket holds, without waiting, and hands each whole frame
+    /// to the contract (a worker's DONE and ACK come together), at most
+    /// [`FRAMES_PER_TURN`] before the other workers get their turn. A frame not all here
+    /// stays in the connection, with its descriptors, until it is (or its deadline passes:
+    /// [`Loop::check_frame_deadlines`]).
     fn read_one(&mut self, worker: WorkerId) {
-        loop {
-            let deadline = Instant::now() + self.shared.options.frame_timeout;
+        for _ in 0..FRAMES_PER_TURN {
             let Some(slot) = self.workers.get_mut(&worker) else {
                 return;
             };
-            match slot.conn.recv(deadline) {
-                Ok((message, _fds)) => {
+            if slot.lost.is_some() {
+                return;
+            }
+            match slot.conn.poll_recv() {
+                Ok(Some((message, _fds))) => {
                     crate::probe::mark("io.recv");
                     self.received(worker, message);
                 }
+                Ok(None) => return,
                 Err(e) => {
                     self.hung_up(worker, &e);
                     return;
                 }
             }
-            let more = self
-                .workers
-                .get(&worker)
-                .is_some_and(|s| s.lost.is_none() && s.conn.frame_buffered());
-            if !more {
-                return;
+        }
+    }
+
+    /// Writes what the socket of each worker with queued frames takes now.
+    fn flush_sends(&mut self) {
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, s)| s.lost.is_none() && s.conn.send_queued())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            let Some(slot) = self.workers.get_mut(&id) else {
+                continue;
+            };
+            if let Err(e) = slot.conn.flush() {
+                self.hung_up(id, &e);
             }
+        }
+    }
+
+    /// Condemns each worker whose frame began to arrive, or was queued for it, a frame
+    /// timeout ago or more and is not all there.
+    fn check_frame_deadlines(&mut self) {
+        let now = Instant::now();
+        let timeout = self.shared.options.frame_timeout;
+        let late: Vec<(WorkerId, TransportError)> = self
+            .workers
+            .iter_mut()
+            .filter(|(_, s)| s.lost.is_none())
+            .filter_map(|(id, s)| s.conn.check_deadlines(now, timeout).err().map(|e| (*id, e)))
+            .collect();
+        for (id, e) in late {
+            self.hung_up(id, &e);
         }
     }
 
@@ -770,6 +824,8 @@ impl Loop {
                 .contains(Capabilities::VMM_HANDLE)
                 && r.reaches_first
         });
+        let mut conn = conn;
+        conn.set_queue_limits(self.shared.options.send_queue);
         self.workers.insert(
             worker,
             Slot {
@@ -869,7 +925,6 @@ impl Loop {
             .map(|(id, _)| *id)
             .collect();
         for id in ids {
-            let deadline = Instant::now() + self.shared.options.frame_timeout;
             let Some(slot) = self.workers.get_mut(&id) else {
                 continue;
             };
@@ -888,7 +943,7 @@ impl Loop {
                     index: c.index,
                     len: c.len,
                 });
-                if let Err(e) = slot.conn.send(&message, &[fd.as_fd()], deadline) {
+                if let Err(e) = slot.conn.enqueue(&message, &[fd.as_fd()]) {
                     slot.maps_arena = false;
                     self.lose(id, &format!("sending arena chunk {} failed: {e}", c.index));
                     break;
@@ -1474,8 +1529,7 @@ impl Loop {
             base: base.0,
             len: size,
         });
-        let deadline = Instant::now() + self.shared.options.frame_timeout;
-        if let Err(e) = slot.conn.send(&message, &[fd.as_fd()], deadline) {
+        if let Err(e) = slot.conn.enqueue(&message, &[fd.as_fd()]) {
             let why = format!("sending a VMM handle failed: {e}");
             self.lose(sub.worker, &why);
             return Err(NoCopy::Failed(Error::JobFailed {
@@ -2270,14 +2324,15 @@ impl Loop {
                 }
             }
         }
-        let deadline = Instant::now() + self.shared.options.frame_timeout;
         let Some(slot) = self.workers.get_mut(&worker) else {
             return;
         };
         if slot.lost.is_some() {
             return;
         }
-        if let Err(e) = slot.conn.send(message, &[], deadline) {
+        // Queued, written as the socket takes it: a worker that does not read blocks no one
+        // (its queue's bound and the frame deadline condemn it).
+        if let Err(e) = slot.conn.enqueue(message, &[]) {
             if matches!(message, Message::Bye) {
                 // A worker that already left needs no goodbye.
                 slot.lost = Some(format!("sending Bye failed: {e}"));

@@ -75,7 +75,7 @@ pub use parent::{
 pub use poolipc_contract::WorkerId;
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_pool::ExportReuse;
-pub use poolipc_transport::{DType, JobId};
+pub use poolipc_transport::{DType, JobId, SendQueueLimits};
 pub use tensor::{ResultShape, Rung, TensorDesc};
 pub use worker::{
     FAILPOINT_ENV, HeldJob, InputView, Job, NextJob, ResultView, WORKER_SPIN_ENV, Worker,

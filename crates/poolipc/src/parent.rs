@@ -19,7 +19,7 @@ use poolipc_contract::{ExtraPool, Identity, Message};
 use poolipc_driver::{DevicePtr, Driver, OwnedEvent, PoolHandle, StreamHandle};
 use poolipc_pool::arena::{AllocStats, ArenaBlock};
 use poolipc_pool::{Arena, SharedPool};
-use poolipc_transport::{Capabilities, Connection, HandshakeConfig};
+use poolipc_transport::{Capabilities, Connection, HandshakeConfig, SendQueueLimits};
 use poolipc_types::{ImportLimit, JobId, Rung, WorkerId};
 
 use crate::canary::CanaryReport;
@@ -46,8 +46,14 @@ pub struct ParentOptions {
     pub handshake_timeout: Duration,
     /// How long [`Parent::stop_worker`] waits for a worker to exit after Bye before it kills it.
     pub stop_timeout: Duration,
-    /// How long a frame that has begun to arrive may take to complete.
+    /// How long a frame that has begun to arrive may take to complete, and how long a frame
+    /// queued for a worker may wait to be all sent. The IO loop waits on neither: it reads
+    /// what has come and writes what the socket takes, and a worker past this deadline is
+    /// condemned alone.
     pub frame_timeout: Duration,
+    /// How many frames (and bytes) the IO loop keeps queued for a worker that does not read
+    /// before it condemns that worker (1024 frames, 16 MiB by default).
+    pub send_queue: SendQueueLimits,
     /// How long the IO loop looks again, without sleeping, after its last activity (a job
     /// finished, a command came) when no job is in flight: a caller's next submit then finds
     /// it awake instead of paying its wake-up (≈ 40 µs on the H200's host, measured: with
@@ -177,6 +183,7 @@ impl Default for ParentOptions {
             handshake_timeout: Duration::from_secs(60),
             stop_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(5),
+            send_queue: SendQueueLimits::default(),
             spin: default_spin(SPIN_ENV, Duration::from_micros(400)),
             spin_in_flight: default_spin(SPIN_IN_FLIGHT_ENV, Duration::from_millis(1)),
             canary: true,

@@ -25,6 +25,12 @@
 //!   staging buffer arrives tries to `ftruncate` its memfd to 0 bytes, says
 //!   `StagingReady`, waits for the parent's first chunk (which the parent wrote into the
 //!   buffer: a truncated file would have been a `SIGBUS` in the parent), then exits.
+//! - `slow-frames`: 200 ms after the handshake, valid `Heartbeat` frames, each one's header
+//!   now and the rest `POOLIPC_TEST_ROGUE_DELAY_MS` later (1000 by default), one after
+//!   another, forever; it never reads.
+//! - `never-read`: reads nothing after the handshake (the parent's frames pile up).
+//! - `fd-drip`: 200 ms after the handshake, a valid 1 KiB `JobError` frame one byte at a
+//!   time, 1 ms apart, each byte carrying a descriptor (of `/dev/null`); it never reads.
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -57,6 +63,15 @@ fn run() -> anyhow::Result<()> {
     };
     let deadline = || Instant::now() + Duration::from_secs(30);
     let (_peer, _pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline())?;
+    match mode.as_str() {
+        "slow-frames" => return slow_frames(conn),
+        "never-read" => {
+            std::thread::sleep(Duration::from_secs(600));
+            return Ok(());
+        }
+        "fd-drip" => return fd_drip(conn),
+        _ => {}
+    }
     if mode == "ignore-bye" {
         loop {
             // Read and drop everything, Bye included; never exit.
@@ -260,6 +275,60 @@ fn run() -> anyhow::Result<()> {
     };
     conn.send(&bad, &[], deadline())?;
     // Stay alive: the parent must kill it.
+    std::thread::sleep(Duration::from_secs(600));
+    Ok(())
+}
+
+/// `slow-frames`: each frame's header now, its payload a delay later, forever (until the
+/// parent closes the connection).
+fn slow_frames(conn: poolipc_transport::Connection) -> anyhow::Result<()> {
+    let delay = std::env::var("POOLIPC_TEST_ROGUE_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut raw = std::fs::File::from(conn.into_fd());
+    for seq in 0.. {
+        let frame = poolipc_transport::codec::encode(
+            &Message::Heartbeat { seq },
+            poolipc_transport::FrameLimits::default(),
+        )?;
+        let (header, rest) = frame.split_at(poolipc_transport::codec::HEADER_LEN);
+        if raw.write_all(header).is_err() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(delay));
+        if raw.write_all(rest).is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// `fd-drip`: a valid frame one byte at a time, a descriptor on every byte.
+fn fd_drip(conn: poolipc_transport::Connection) -> anyhow::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    use std::os::fd::AsRawFd as _;
+    std::thread::sleep(Duration::from_millis(200));
+    let sock = conn.into_fd();
+    let null = std::fs::File::open("/dev/null")?;
+    let frame = poolipc_transport::codec::encode(
+        &Message::JobError {
+            job: JobId(1),
+            message: "x".repeat(1000),
+        },
+        poolipc_transport::FrameLimits::default(),
+    )?;
+    let fds = [null.as_raw_fd()];
+    for byte in frame.chunks(1) {
+        let iov = [std::io::IoSlice::new(byte)];
+        let cmsg = [ControlMessage::ScmRights(&fds)];
+        if sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None).is_err() {
+            // The parent let go of us: done.
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
     std::thread::sleep(Duration::from_secs(600));
     Ok(())
 }

@@ -69,12 +69,11 @@ impl Loop {
                     );
                     index
                 };
-                let deadline = Instant::now() + self.shared.options.frame_timeout;
                 let Some(slot) = self.workers.get_mut(&id) else {
                     continue;
                 };
                 let message = Message::ExtraPool(ExtraPool { index, device });
-                if let Err(e) = slot.conn.send(&message, &[fd.as_fd()], deadline) {
+                if let Err(e) = slot.conn.enqueue(&message, &[fd.as_fd()]) {
                     self.lose(id, &format!("sending pool generation {index} failed: {e}"));
                     continue;
                 }

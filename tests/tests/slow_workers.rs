@@ -1,0 +1,277 @@
+//! A worker that is slow on its socket, or hostile there, harms only itself (issue 22, "the IO
+//! loop never waits on one worker"): the parent's one IO thread reads what has come and
+//! writes what a socket takes, so frames sent a piece at a time, a worker that never reads
+//! and descriptors dripped onto a slow frame stall no other worker, `spawn` or `submit`, hold
+//! no more than a bound, and condemn that worker alone.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail, ensure};
+use poolipc::{DType, Error, Input, Parent, ParentOptions, SendQueueLimits, TensorDesc, echo};
+use poolipc_driver::{DevicePtr, StreamHandle};
+use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
+
+const KIB: u64 = 1 << 10;
+
+/// The bound on an honest worker's round trip while a rogue misbehaves beside it (a bound,
+/// not a benchmark: a stalled loop takes a second or more).
+const ROUND_TRIP_BOUND: Duration = Duration::from_millis(100);
+
+fn parent(env: &Env, options: ParentOptions) -> Result<Parent> {
+    // No canary battery: the rogues here never answer its job.
+    let options = ParentOptions {
+        device: env.device,
+        canary: false,
+        ..options
+    };
+    Ok(Parent::new(Arc::clone(&env.driver), options)?)
+}
+
+fn filled(p: &Parent, bytes: u64, stream: StreamHandle) -> Result<DevicePtr> {
+    let ptr = p.pool().alloc(bytes, stream)?;
+    echo::fill_pattern(&**p.driver(), ptr, bytes, 0x5151_7777, stream)?;
+    p.driver().stream_synchronize(stream)?;
+    Ok(ptr)
+}
+
+fn input(ptr: DevicePtr) -> [Input; 1] {
+    [Input {
+        ptr,
+        desc: TensorDesc::contiguous(DType::F32, &[KIB]),
+        read_only: false,
+    }]
+}
+
+/// One honest job's round trip: submit to results back (freed).
+fn round_trip(
+    p: &Parent,
+    worker: poolipc::WorkerId,
+    x: DevicePtr,
+    stream: StreamHandle,
+) -> Result<Duration> {
+    let t = Instant::now();
+    let out = p.run_job(worker, &input(x), stream)?;
+    let took = t.elapsed();
+    ensure!(!out.results.is_empty(), "the honest job returned no result");
+    for r in &out.results {
+        p.pool().free(r.ptr, stream)?;
+    }
+    p.driver().stream_synchronize(stream)?;
+    Ok(took)
+}
+
+/// Waits until `worker` left the registry (condemned and reaped), up to `within`; how long it
+/// took.
+fn gone_within(p: &Parent, worker: poolipc::WorkerId, within: Duration) -> Result<Duration> {
+    let t = Instant::now();
+    while p.worker(worker).is_some() {
+        if t.elapsed() > within {
+            bail!("{worker} is still registered {within:?} on");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(t.elapsed())
+}
+
+/// The job `handle` failed as its worker's, with a detail that contains `needle`.
+fn failed_naming(
+    result: Result<poolipc::JobOutput, Error>,
+    worker: poolipc::WorkerId,
+    needle: &str,
+) -> Result<String> {
+    match result {
+        Err(Error::JobFailed { worker: w, detail, .. }) if w == worker => {
+            ensure!(detail.contains(needle), "the rogue's job failed, but not naming {needle:?}: {detail}");
+            Ok(detail)
+        }
+        Err(e) => bail!("the rogue's job failed otherwise: {e}"),
+        Ok(_) => bail!("the rogue's job succeeded"),
+    }
+}
+
+fn open_fds() -> Result<usize> {
+    Ok(std::fs::read_dir("/proc/self/fd")?.count())
+}
+
+both_drivers!(
+    /// A rogue sends valid frames a header now and the rest a second later, one after the
+    /// other, never past the frame deadline (5 s). Meanwhile an honest worker's round trips
+    /// stay under [`ROUND_TRIP_BOUND`], a new worker is spawned and serves, and the rogue,
+    /// which broke no rule, stays registered.
+    fn an_honest_workers_round_trips_stay_short_while_a_rogue_sends_slow_frames(env) {
+        let p = parent(env, ParentOptions::default())?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let x = filled(&p, 4 * KIB, stream)?;
+        let honest = p.spawn_worker(worker_command(env, None)?)?;
+        round_trip(&p, honest, x, stream)?;
+        let mut rogue_cmd = rogue_command(env, "slow-frames")?;
+        rogue_cmd.env("POOLIPC_TEST_ROGUE_DELAY_MS", "1000");
+        let rogue = p.spawn_worker(rogue_cmd)?;
+        let start = Instant::now();
+        let mut worst = Duration::ZERO;
+        let mut trips = 0;
+        while start.elapsed() < Duration::from_millis(3500) {
+            worst = worst.max(round_trip(&p, honest, x, stream)?);
+            trips += 1;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let spawned = Instant::now();
+        let second = p.spawn_worker(worker_command(env, None)?)?;
+        let spawn_took = spawned.elapsed();
+        round_trip(&p, second, x, stream)?;
+        println!("{trips} honest round trips beside the slow rogue, the longest {worst:?}; a spawn took {spawn_took:?}");
+        ensure!(
+            worst < ROUND_TRIP_BOUND,
+            "an honest round trip took {worst:?} beside the slow rogue (bound {ROUND_TRIP_BOUND:?})"
+        );
+        ensure!(p.worker(rogue).is_some(), "the rogue, which sent valid frames in time, was condemned");
+        p.stop_worker(honest)?;
+        p.stop_worker(second)?;
+        p.pool().free(x, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    /// A rogue whose frame takes longer than the frame deadline (300 ms here; its payload
+    /// follows its header a second later) is condemned at that deadline: its job fails naming
+    /// it, it leaves the registry, and the honest worker beside it goes on.
+    fn a_rogue_whose_frame_outlasts_the_frame_deadline_is_condemned_alone(env) {
+        let frame_timeout = Duration::from_millis(300);
+        let p = parent(env, ParentOptions { frame_timeout, ..ParentOptions::default() })?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let x = filled(&p, 4 * KIB, stream)?;
+        let honest = p.spawn_worker(worker_command(env, None)?)?;
+        let mut rogue_cmd = rogue_command(env, "slow-frames")?;
+        rogue_cmd.env("POOLIPC_TEST_ROGUE_DELAY_MS", "1000");
+        let rogue = p.spawn_worker(rogue_cmd)?;
+        let spawned = Instant::now();
+        // Sent before the rogue's first header (it waits 200 ms): the job is the rogue's when
+        // it is condemned.
+        let job = p.submit(rogue, &input(x), stream)?;
+        let mut worst = Duration::ZERO;
+        while p.worker(rogue).is_some() && spawned.elapsed() < Duration::from_secs(3) {
+            worst = worst.max(round_trip(&p, honest, x, stream)?);
+        }
+        let took = gone_within(&p, rogue, Duration::from_secs(3))?;
+        let detail = failed_naming(job.wait(), rogue, "not done within")?;
+        println!("the rogue was gone {:?} after its spawn: {detail}", spawned.elapsed());
+        let _ = took;
+        ensure!(
+            spawned.elapsed() >= frame_timeout,
+            "the rogue was condemned before its frame deadline"
+        );
+        ensure!(worst < ROUND_TRIP_BOUND, "an honest round trip took {worst:?}");
+        round_trip(&p, honest, x, stream)?;
+        p.stop_worker(honest)?;
+        p.pool().free(x, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    /// A worker that never reads: the parent's frames to it (a `Lend` per job) queue once its
+    /// socket is full, and it is condemned when its queue passes the bound (64 frames here).
+    /// Meanwhile the honest worker's round trips stay short and `spawn` works: the IO thread
+    /// never waits on the rogue.
+    fn a_worker_that_never_reads_is_condemned_at_its_send_queue_bound_and_blocks_no_one(env) {
+        let options = ParentOptions {
+            send_queue: SendQueueLimits {
+                max_frames: 64,
+                ..SendQueueLimits::default()
+            },
+            ..ParentOptions::default()
+        };
+        let p = parent(env, options)?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let x = filled(&p, 4 * KIB, stream)?;
+        let honest = p.spawn_worker(worker_command(env, None)?)?;
+        round_trip(&p, honest, x, stream)?;
+        let rogue = p.spawn_worker(rogue_command(env, "never-read")?)?;
+        let start = Instant::now();
+        let mut jobs = Vec::new();
+        let mut worst = Duration::ZERO;
+        let mut refused = false;
+        for i in 0..20_000 {
+            match p.submit(rogue, &input(x), stream) {
+                Ok(job) => jobs.push(job),
+                Err(Error::UnknownWorker(w)) if w == rogue => {
+                    refused = true;
+                    break;
+                }
+                Err(e) => bail!("submitting to the rogue failed otherwise: {e}"),
+            }
+            if i % 50 == 0 {
+                worst = worst.max(round_trip(&p, honest, x, stream)?);
+            }
+        }
+        ensure!(refused, "20 000 jobs were queued for a worker that never reads");
+        let submitted = jobs.len();
+        println!("{submitted} jobs submitted to the rogue before it was gone ({:?})", start.elapsed());
+        let spawned = Instant::now();
+        let second = p.spawn_worker(worker_command(env, None)?)?;
+        let spawn_took = spawned.elapsed();
+        round_trip(&p, second, x, stream)?;
+        gone_within(&p, rogue, Duration::from_secs(5))?;
+        let mut named = None;
+        for job in jobs {
+            if let Ok(detail) = failed_naming(job.wait(), rogue, "send queue is full") {
+                named.get_or_insert(detail);
+            }
+        }
+        let Some(detail) = named else {
+            bail!("no job of the rogue's failed naming its full send queue");
+        };
+        println!("the rogue: {detail}; honest round trips at most {worst:?}; a spawn took {spawn_took:?}");
+        ensure!(worst < ROUND_TRIP_BOUND, "an honest round trip took {worst:?}");
+        p.stop_worker(honest)?;
+        p.stop_worker(second)?;
+        p.pool().free(x, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    /// A rogue drips a valid 1 KiB frame one byte a millisecond, a descriptor on each byte:
+    /// the parent holds at most [`poolipc_transport::PARTIAL_FD_SLACK`] more than the frame
+    /// carries (the process's descriptors stay within 16 of the baseline) and condemns the
+    /// rogue at once, closing them.
+    fn descriptors_dripped_onto_a_slow_frame_stay_bounded_and_condemn_the_worker(env) {
+        let p = parent(env, ParentOptions::default())?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let x = filled(&p, 4 * KIB, stream)?;
+        let honest = p.spawn_worker(worker_command(env, None)?)?;
+        round_trip(&p, honest, x, stream)?;
+        let rogue = p.spawn_worker(rogue_command(env, "fd-drip")?)?;
+        // The rogue waits 200 ms before its first byte.
+        let baseline = open_fds()?;
+        let start = Instant::now();
+        let mut most = baseline;
+        while p.worker(rogue).is_some() && start.elapsed() < Duration::from_secs(6) {
+            most = most.max(open_fds()?);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        most = most.max(open_fds()?);
+        println!("descriptors: baseline {baseline}, most {most}; the rogue gone after {:?}", start.elapsed());
+        ensure!(most <= baseline + 16, "the parent held {} descriptors over its baseline", most - baseline);
+        gone_within(&p, rogue, Duration::from_secs(1))?;
+        ensure!(
+            start.elapsed() < Duration::from_secs(2),
+            "the rogue dripped for {:?} before it was condemned",
+            start.elapsed()
+        );
+        round_trip(&p, honest, x, stream)?;
+        p.stop_worker(honest)?;
+        p.pool().free(x, stream)?;
+        d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
