@@ -55,6 +55,10 @@ pub(crate) enum Command {
     },
     /// A job to run.
     Submit(Box<Submission>),
+    /// `Parent::cancel` / `JobHandle::cancel`: a job still queued fails at once; one sent
+    /// is cancelled in the contract (the worker is told and still finishes it; it then fails
+    /// with `FailReason::Cancelled`). A job that ended already is left alone.
+    Cancel { worker: WorkerId, job: JobId },
     /// Bye, a bounded wait, then SIGKILL; reply with the exit status once reaped.
     Stop {
         worker: WorkerId,
@@ -102,7 +106,7 @@ impl Command {
             Command::ReleaseArena { reply }
             | Command::OfferPool { reply, .. }
             | Command::RetirePool { reply, .. } => drop(reply),
-            Command::Shutdown | Command::Panic => {}
+            Command::Cancel { .. } | Command::Shutdown | Command::Panic => {}
         }
     }
 }
@@ -412,6 +416,10 @@ impl Loop {
         let machine = contract::Parent::new(contract::ParentConfig {
             limit,
             handoff_timeout: shared.options.handoff_timeout,
+            max_results_per_job: shared.options.max_results_per_job,
+            max_result_bytes_per_job: shared.options.max_result_bytes_per_job,
+            max_result_bytes_per_worker: shared.options.max_result_bytes_per_worker,
+            max_job_lifetime: shared.options.max_job_lifetime,
         });
         Loop {
             shared,
@@ -703,6 +711,7 @@ impl Loop {
                 self.submit(sub);
             }
             Command::Stop { worker, reply } => self.stop(worker, Some(reply)),
+            Command::Cancel { worker, job } => self.cancel(worker, job),
             Command::ReleaseArena { reply } => self.release_arena_now(reply),
             Command::Panic => {
                 // The test hook's whole point: stand in for a bug of the loop's.
@@ -1043,6 +1052,33 @@ impl Loop {
         }
         if let Err(e) = self.machine.stop_worker(worker) {
             tracing::debug!(worker = %worker, error = %e, "stopping a worker the contract has let go");
+        }
+        self.drive();
+    }
+
+    /// A job the caller cancelled: failed at once while still queued; else the contract
+    /// sends the worker `Cancel` and fails the job once the worker finished it (nothing of
+    /// it is reused before the worker's DONE, or its death).
+    fn cancel(&mut self, worker: WorkerId, job: JobId) {
+        if let Some(slot) = self.workers.get_mut(&worker)
+            && let Some(at) = slot.queued.iter().position(|s| s.job == job)
+            && let Some(sub) = slot.queued.remove(at)
+        {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            sub.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::Cancelled,
+                detail: format!("{job} was cancelled before it was sent to {worker}"),
+                results: Vec::new(),
+            }));
+            return;
+        }
+        if !self.jobs.contains_key(&(worker, job)) {
+            return;
+        }
+        if let Err(e) = self.machine.cancel(worker, job) {
+            // Its worker is gone or the job ended meanwhile: it fails or ended on its own.
+            tracing::debug!(worker = %worker, job = job.0, error = %e, "cancel after the fact");
         }
         self.drive();
     }

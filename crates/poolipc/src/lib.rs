@@ -72,7 +72,10 @@ pub use parent::{
     ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
     SPIN_IN_FLIGHT_ENV, WorkerInfo,
 };
-pub use poolipc_contract::WorkerId;
+pub use poolipc_contract::{
+    Bound, DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
+    DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB, FailReason, WorkerId,
+};
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId};

@@ -30,6 +30,7 @@ fn parent() -> Parent {
     let mut p = Parent::new(ParentConfig {
         limit: ImportLimit::default(),
         handoff_timeout: Duration::from_millis(10),
+        ..ParentConfig::default()
     });
     for w in [W0, W1] {
         p.add_worker(w).expect("fresh worker ids");
