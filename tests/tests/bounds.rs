@@ -308,3 +308,35 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    /// 10 000 jobs, each finished properly with a new DONE event: the parent keeps at most
+    /// `max_open_done_events` of the worker's events open (the oldest are closed as new ones
+    /// come), every job succeeds, and once the worker is gone none is open.
+    fn a_worker_churning_done_events_has_at_most_the_bound_open(env) {
+        const MAX: usize = 8;
+        let p = parent(env, |o| o.max_open_done_events = MAX)?;
+        let stream = p.driver().stream_create()?;
+        let x = p.pool().alloc(4096, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        let churn = p.spawn_worker(rogue_command(env, "done-churn")?)?;
+        let one = [Input::new(x, TensorDesc::contiguous(DType::U8, &[4096])).read_only()];
+        let mut most = 0;
+        for i in 0..10_000 {
+            match bounded(p.submit(churn, &one, stream)?)? {
+                Ok(out) => ensure!(out.results.is_empty(), "job {i} returned results"),
+                Err(e) => bail!("job {i} failed: {e}"),
+            }
+            let open = p.stats().done_events_open;
+            most = most.max(open);
+            ensure!(open <= MAX as u64, "{open} DONE events open after job {i}, at most {MAX} allowed");
+        }
+        ensure!(most >= MAX as u64, "at most {most} events were ever open: the churn never reached the bound");
+        p.stop_worker(churn)?;
+        let open = p.stats().done_events_open;
+        ensure!(open == 0, "{open} DONE events still open after the worker was reaped");
+        p.pool().free(x, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        Ok(())
+    }
+);

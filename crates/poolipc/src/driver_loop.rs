@@ -42,7 +42,10 @@ use crate::parent::{
 use crate::staging::StagingChannel;
 use crate::tensor::ResultShape;
 
+mod done_events;
 mod pool_rotation;
+
+use done_events::{DoneEvents, Room};
 
 /// What a caller's thread asks of the IO loop.
 pub(crate) enum Command {
@@ -211,8 +214,9 @@ struct Slot {
     /// READY events not in use by a job (a job takes one and gives it back when it ends: a
     /// worker's wait captures an event's latest record, so two jobs in flight never share one).
     ready_free: Vec<(OwnedEvent, EventBlob)>,
-    /// The worker's DONE events, opened once each.
-    done_events: HashMap<EventBlob, OwnedEvent>,
+    /// The worker's DONE events, opened once each, at most
+    /// `options.max_open_done_events` (least recently used closed first).
+    done_events: DoneEvents,
     staging: Option<StagingChannel>,
     /// Frames that arrived while the loop waited for another (host staging's): handled next.
     backlog: VecDeque<Message>,
@@ -283,6 +287,9 @@ struct JobState {
     /// nothing orders the caller after the worker's writes, so the job fails whatever the
     /// contract concludes, and its results are not handed out.
     done_failed: Option<String>,
+    /// Why the job fails when `done_failed` is set (a protocol violation unless a bound was
+    /// passed).
+    failed_as: Option<FailReason>,
 }
 
 impl JobState {
@@ -354,7 +361,7 @@ struct Loop {
     /// Jobs acknowledged whose DONE has not completed on the GPU yet.
     gates: BTreeMap<(WorkerId, JobId), DoneGate>,
     /// Reaped workers' opened DONE events, kept while a job of theirs waits on one.
-    dead_events: HashMap<WorkerId, HashMap<EventBlob, OwnedEvent>>,
+    dead_events: HashMap<WorkerId, DoneEvents>,
 }
 
 impl Drop for Loop {
@@ -785,7 +792,7 @@ impl Loop {
                 conn,
                 child,
                 ready_free: Vec::new(),
-                done_events: HashMap::new(),
+                done_events: DoneEvents::default(),
                 staging: None,
                 backlog: VecDeque::new(),
                 takes_staging,
@@ -1818,6 +1825,7 @@ impl Loop {
                 carved: BTreeMap::new(),
                 slice_error: None,
                 done_failed: None,
+                failed_as: None,
             },
         );
         self.drive();
@@ -2356,18 +2364,33 @@ impl Loop {
                 "DONE for a job the loop does not hold".into(),
             ));
         }
+        let max = self.shared.options.max_open_done_events;
+        let gates = &self.gates;
         let slot = self
             .workers
             .get_mut(&worker)
             .ok_or(Error::UnknownWorker(worker))?;
-        let event = match slot.done_events.get(&blob) {
+        let event = match slot.done_events.use_open(&blob) {
             Some(e) => e,
             None => {
+                let held = |e: EventHandle| {
+                    gates
+                        .iter()
+                        .any(|(k, g)| k.0 == worker && g.events.contains(&e))
+                };
+                if slot.done_events.make_room(&blob, max, held) == Room::Full {
+                    let why = format!(
+                        "{worker} sent a new DONE event for {job} while all {max} of its open DONE events are waited on by its held jobs"
+                    );
+                    self.condemn_for_bound(worker, job, contract::Bound::OpenDoneEvents, why);
+                    return Ok(());
+                }
                 let e = OwnedEvent::open_ipc(Arc::clone(&driver), &blob)?;
-                slot.done_events.entry(blob).or_insert(e)
+                let handle = slot.done_events.insert(blob, e);
+                self.count_done_events();
+                handle
             }
         };
-        let event = event.handle();
         // Never `cuStreamWaitEvent(stream, DONE)`: the host learns that the worker's work
         // completed, and only then does the loop queue anything more of the job on `stream`
         // (copy-backs, returns, frees) or hand the job's results to the caller: all of it,
@@ -2592,6 +2615,41 @@ impl Loop {
         let gates = &self.gates;
         self.dead_events
             .retain(|w, _| gates.keys().any(|k| k.0 == *w));
+        self.count_done_events();
+    }
+
+    /// `ParentStats::done_events_open`: the DONE events the parent holds open now.
+    fn count_done_events(&self) {
+        let open: usize = self
+            .workers
+            .values()
+            .map(|s| s.done_events.len())
+            .chain(self.dead_events.values().map(DoneEvents::len))
+            .sum();
+        self.shared
+            .stats
+            .done_events_open
+            .store(u64::try_from(open).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// `worker` went past `bound` while the loop carried out `job`'s actions: the contract
+    /// condemns it (kills it; its jobs fail naming the bound), and `job`, whose later
+    /// actions may already be queued as a success, fails too.
+    fn condemn_for_bound(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        bound: contract::Bound,
+        why: String,
+    ) {
+        tracing::warn!(worker = %worker, job = job.0, %bound, "{why}");
+        if let Some(st) = self.jobs.get_mut(&(worker, job)) {
+            st.done_failed.get_or_insert_with(|| why.clone());
+            st.failed_as.get_or_insert(FailReason::BoundExceeded(bound));
+        }
+        if let Err(e) = self.machine.condemn_for(worker, bound, why) {
+            tracing::debug!(worker = %worker, error = %e, "condemning a worker the contract has let go");
+        }
     }
 
     /// The job's DONE completed (or will never be waited on): its held actions run now.
@@ -2955,7 +3013,7 @@ impl Loop {
                 let results = self.give_back_results(&mut st);
                 Err(Error::JobFailed {
                     worker,
-                    reason: FailReason::ProtocolViolation,
+                    reason: st.failed_as.take().unwrap_or(FailReason::ProtocolViolation),
                     detail: why,
                     results,
                 })

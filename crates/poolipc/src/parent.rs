@@ -159,7 +159,17 @@ pub struct ParentOptions {
     /// sooner). Past it the job fails and the worker is condemned
     /// ([`Bound::JobLifetime`](poolipc_contract::Bound)).
     pub max_job_lifetime: Duration,
+    /// The most DONE events of one worker the parent keeps open
+    /// ([`DEFAULT_MAX_OPEN_DONE_EVENTS`]: 64). A worker that records every DONE on one
+    /// event (as poolipc's does) holds one; one that sends a new event with each job has the
+    /// least recently used closed as it sends more (reopened if it sends one again). Only
+    /// when every one of them is waited on by a job held for its DONE is the worker
+    /// condemned ([`Bound::OpenDoneEvents`](poolipc_contract::Bound)). Zero is taken as one.
+    pub max_open_done_events: usize,
 }
+
+/// [`ParentOptions::max_open_done_events`]'s default.
+pub const DEFAULT_MAX_OPEN_DONE_EVENTS: usize = 64;
 
 /// Where the parent puts a job's results when the caller gives no allocator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -218,6 +228,7 @@ impl Default for ParentOptions {
             max_result_bytes_per_job: DEFAULT_MAX_RESULT_BYTES_PER_JOB,
             max_result_bytes_per_worker: DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
             max_job_lifetime: DEFAULT_MAX_JOB_LIFETIME,
+            max_open_done_events: DEFAULT_MAX_OPEN_DONE_EVENTS,
         }
     }
 }
@@ -597,6 +608,9 @@ pub struct ParentStats {
     /// a stream of its own wait on a worker's event). The others' DONE had completed when
     /// their frames arrived (the usual case under MPS) and cost one query.
     pub jobs_held_for_done: u64,
+    /// The workers' DONE events the parent holds open now (as the IO thread last counted
+    /// them): at most [`ParentOptions::max_open_done_events`] per worker.
+    pub done_events_open: u64,
     /// Whether a new allocation at a recycled address of the first pool, of the same size,
     /// is lent with its cached blob (proven by the canary battery's check) or exported
     /// again; the counts are in the pool's
@@ -632,6 +646,7 @@ pub(crate) struct Stats {
     pub(crate) vmm_handle_tensors: AtomicU64,
     pub(crate) vmm_handles_shared: AtomicU64,
     pub(crate) jobs_held_for_done: AtomicU64,
+    pub(crate) done_events_open: AtomicU64,
 }
 
 impl Stats {
@@ -1235,6 +1250,7 @@ impl Parent {
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),
             jobs_held_for_done: get(&s.jobs_held_for_done),
+            done_events_open: get(&s.done_events_open),
             export_reuse: self.pool().export_reuse().0,
             vmm_handle_tensors: get(&s.vmm_handle_tensors),
             vmm_handles_shared: get(&s.vmm_handles_shared),

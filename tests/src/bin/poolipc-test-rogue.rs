@@ -29,6 +29,9 @@
 //!   exits with an error (the parent must refuse, or condemn it first).
 //! - `keep-alive`: answers the job with an empty result request every 100 ms, forever: each
 //!   one is a valid message about the job (the job lifetime must end it).
+//! - `done-churn`: serves every job properly but with a DONE event of its own each time
+//!   (created, recorded, its blob sent; destroyed when the next job arrives): the parent
+//!   must not keep every blob it was sent open. Exits at the parent's `Bye`.
 //! - `staging-ftruncate`: offers no pool pointers (so the parent stages), and when the
 //!   staging buffer arrives tries to `ftruncate` its memfd to 0 bytes, says
 //!   `StagingReady`, waits for the parent's first chunk (which the parent wrote into the
@@ -96,6 +99,42 @@ fn run() -> anyhow::Result<()> {
                 Message::Heartbeat { .. } | Message::ArenaChunk(_) | Message::Lend(_) => {}
                 other => anyhow::bail!("rogue: expected a Chunk, got {}", other.kind()),
             }
+        }
+    }
+    if mode == "done-churn" {
+        driver.use_device(0)?;
+        let mut previous = None;
+        loop {
+            let lend = match conn.recv(Instant::now() + Duration::from_secs(600))?.0 {
+                Message::Lend(l) => l,
+                Message::Bye => return Ok(()),
+                _ => continue,
+            };
+            if let Some(old) = previous.take() {
+                driver.event_destroy(old)?;
+            }
+            let event = driver.event_create(true)?;
+            driver.event_record(event, poolipc::StreamHandle::NULL)?;
+            previous = Some(event);
+            let handles: Vec<_> = lend.tensors.iter().map(|t| t.handle).collect();
+            conn.send(
+                &Message::Done(Done {
+                    job: lend.job,
+                    done_event: driver.ipc_get_event_handle(event)?,
+                    handles: handles.clone(),
+                    carved: Vec::new(),
+                }),
+                &[],
+                deadline(),
+            )?;
+            conn.send(
+                &Message::Ack(Ack {
+                    job: lend.job,
+                    handles,
+                }),
+                &[],
+                deadline(),
+            )?;
         }
     }
     let lend = loop {
