@@ -340,3 +340,34 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    /// A worker that floods the parent with frames while the parent waits for its staging
+    /// setup (4096-result requests, as fast as it can) is condemned at the staging backlog's
+    /// bound: its job fails naming the bound, the parent's resident set grew by less than
+    /// 64 MiB, and a honest worker beside it serves jobs before and after.
+    fn a_worker_flooding_frames_during_staging_is_condemned_at_the_backlog_bound(env) {
+        let p = parent(env, |o| {
+            // Long enough that a parent without the bound keeps frames past 64 MiB.
+            o.staging.timeout = Duration::from_secs(20);
+        })?;
+        let stream = p.driver().stream_create()?;
+        let x = filled(&p, MIB, 0x5555_6666, stream)?;
+        let honest = p.spawn_worker(worker_command(env, None)?)?;
+        let rogue = p.spawn_worker(rogue_command(env, "staging-flood")?)?;
+        honest_job(&p, honest, x, stream)?;
+        let rss_before = rss()?;
+
+        let r = bounded(p.submit(rogue, &input(x), stream)?)?;
+        let grown = rss()?.saturating_sub(rss_before);
+        ensure!(grown < 64 * MIB, "the parent's resident set grew by {grown} bytes");
+        let detail = expect_bound(r, rogue, Bound::StagingBacklog)?;
+        ensure!(detail.contains("backlog"), "the detail does not name the backlog: {detail}");
+        ensure!(p.worker(rogue).is_none(), "the condemned worker is still listed");
+        honest_job(&p, honest, x, stream)?;
+        p.stop_worker(honest)?;
+        p.pool().free(x, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        Ok(())
+    }
+);

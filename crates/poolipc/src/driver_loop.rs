@@ -42,6 +42,14 @@ use crate::parent::{
 use crate::staging::StagingChannel;
 use crate::tensor::ResultShape;
 
+/// Whether `e` is the worker overflowing the staging backlog (a bound, not a hang-up).
+fn backlog_full(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Staging(crate::staging::StagingError::BacklogFull { .. })
+    )
+}
+
 mod done_events;
 mod pool_rotation;
 
@@ -1699,12 +1707,26 @@ impl Loop {
         if placed.staged
             && let Err(e) = self.ensure_staging(worker)
         {
-            self.lose(worker, &format!("setting host staging up failed: {e}"));
+            let detail = format!("setting host staging up failed: {e}");
+            let reason = if backlog_full(&e) {
+                let bound = contract::Bound::StagingBacklog;
+                tracing::warn!(worker = %worker, job = job.0, %bound, "{detail}");
+                if let Err(c) = self.machine.condemn_for(worker, bound, detail.clone()) {
+                    tracing::debug!(worker = %worker, error = %c, "condemning a worker the contract has let go");
+                }
+                FailReason::BoundExceeded(bound)
+            } else {
+                self.lose(worker, &detail);
+                FailReason::HungUp
+            };
+            // The kill and the reaping first: a caller that sees its job fail finds nothing
+            // of the worker left.
+            self.drive();
             Stats::bump(&self.shared.stats.jobs_failed);
             sub.done.complete(Err(Error::JobFailed {
                 worker,
-                reason: FailReason::HungUp,
-                detail: format!("setting host staging up failed: {e}"),
+                reason,
+                detail,
                 results: Vec::new(),
             }));
             return;
@@ -2184,10 +2206,13 @@ impl Loop {
                 let r = self.with_staging(worker, |ch, conn| {
                     ch.send_tensor(conn, job, handoff, src, bytes, stream)
                 });
-                if let Err(e) = r
-                    && !self.escalate("sending a staged input", &e)
-                {
-                    self.lose(worker, &format!("sending a staged input failed: {e}"));
+                if let Err(e) = r {
+                    let why = format!("sending a staged input failed: {e}");
+                    if backlog_full(&e) {
+                        self.condemn_for_bound(worker, job, contract::Bound::StagingBacklog, why);
+                    } else if !self.escalate("sending a staged input", &e) {
+                        self.lose(worker, &why);
+                    }
                 }
             }
             ParentAction::AllocateResult {
@@ -2227,6 +2252,10 @@ impl Loop {
                         Stats::bump(&self.shared.stats.inputs_copied_back);
                     }
                     Ok(()) => {}
+                    Err(e) if backlog_full(&e) => {
+                        let why = format!("receiving {what} failed: {e}");
+                        self.condemn_for_bound(worker, job, contract::Bound::StagingBacklog, why);
+                    }
                     Err(e) if !self.escalate(&format!("receiving {what}"), &e) => {
                         self.lose(worker, &format!("receiving {what} failed: {e}"));
                     }
@@ -2674,6 +2703,10 @@ impl Loop {
             Ok(e) => e,
             Err(e) => {
                 tracing::warn!(worker = %worker, job = job.0, error = %e, "result allocation failed");
+                if backlog_full(&e) {
+                    let why = format!("setting host staging up for a result failed: {e}");
+                    self.condemn_for_bound(worker, job, contract::Bound::StagingBacklog, why);
+                }
                 if let Some(st) = self.jobs.get_mut(&(worker, job)) {
                     st.refused
                         .get_or_insert_with(|| crate::ResultRefusal::of(&e));

@@ -32,6 +32,10 @@
 //! - `done-churn`: serves every job properly but with a DONE event of its own each time
 //!   (created, recorded, its blob sent; destroyed when the next job arrives): the parent
 //!   must not keep every blob it was sent open. Exits at the parent's `Bye`.
+//! - `staging-flood`: offers no pool pointers (so the parent stages); when the staging
+//!   buffer arrives it never says `StagingReady` but sends result requests of 4096 results
+//!   each, as fast as it can, until the parent closes the connection (the staging backlog's
+//!   bound must end it).
 //! - `staging-ftruncate`: offers no pool pointers (so the parent stages), and when the
 //!   staging buffer arrives tries to `ftruncate` its memfd to 0 bytes, says
 //!   `StagingReady`, waits for the parent's first chunk (which the parent wrote into the
@@ -59,7 +63,7 @@ fn run() -> anyhow::Result<()> {
     if mode.starts_with("arena-") || mode == "results-flood" {
         caps = caps | Capabilities::VMM_ARENA;
     }
-    if mode == "staging-ftruncate" {
+    if mode == "staging-ftruncate" || mode == "staging-flood" {
         caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
     }
     let config = HandshakeConfig {
@@ -74,6 +78,36 @@ fn run() -> anyhow::Result<()> {
             if conn.recv(deadline()).is_err() {
                 std::thread::sleep(Duration::from_millis(50));
             }
+        }
+    }
+    if mode == "staging-flood" {
+        loop {
+            match conn.recv(deadline())?.0 {
+                Message::StagingBuffer(_) => break,
+                Message::Heartbeat { .. } | Message::ArenaChunk(_) => {}
+                other => anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind()),
+            }
+        }
+        let flood = Message::ResultRequest(ResultRequest {
+            job: JobId(1),
+            results: vec![
+                ResultSpec {
+                    dtype: DType::U8,
+                    shape: vec![1],
+                    byte_len: 1,
+                };
+                poolipc_contract::MAX_RESULTS_PER_REQUEST
+            ],
+        });
+        let mut sent = 0u64;
+        loop {
+            if let Err(e) = conn.send(&flood, &[], deadline()) {
+                eprintln!(
+                    "poolipc-test-rogue: the parent stopped reading after {sent} frames: {e}"
+                );
+                return Ok(());
+            }
+            sent += 1;
         }
     }
     if mode == "staging-ftruncate" {
