@@ -119,7 +119,8 @@ const ARENA_CAP: u64 = 64 * MIB;
 
 both_drivers!(
     /// A worker that asks for 4096 results, then 4096 more after each grant, is condemned at
-    /// the results-per-job bound (the second request): its job fails naming the bound, the
+    /// the results-per-job bound (the third request, past 8192): its job fails naming the
+    /// bound, the
     /// parent's memory grew by less than 64 MiB, the arena is back to what the honest worker
     /// left in it (no block of the rogue's stays) and under its cap, and a honest worker
     /// beside it serves jobs before and after.

@@ -11,8 +11,8 @@ use std::time::Duration;
 use crate::error::ContractError;
 use crate::message::{
     Ack, AllocationGrant, ArenaLocation, CarvedResult, Done, ErrorCode, Lend, LentSlice,
-    LentTensor, MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST, Message, ResultGrant, ResultRequest,
-    ResultSpec, TensorMeta,
+    LentTensor, MAX_BATCH, MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST, Message, ResultGrant,
+    ResultRequest, ResultSpec, TensorMeta,
 };
 use crate::mutation::Mutation;
 use crate::types::{
@@ -49,8 +49,9 @@ pub struct ParentConfig {
     pub max_job_lifetime: Duration,
 }
 
-/// [`ParentConfig::max_results_per_job`]'s default: one full request's worth.
-pub const DEFAULT_MAX_RESULTS_PER_JOB: u64 = MAX_RESULTS_PER_REQUEST as u64;
+/// [`ParentConfig::max_results_per_job`]'s default: as many as a `Lend` may carry inputs
+/// ([`MAX_BATCH`]), so that a worker answering each input with a result fits.
+pub const DEFAULT_MAX_RESULTS_PER_JOB: u64 = MAX_BATCH as u64;
 /// [`ParentConfig::max_result_bytes_per_job`]'s default: 32 GiB.
 pub const DEFAULT_MAX_RESULT_BYTES_PER_JOB: u64 = 32 << 30;
 /// [`ParentConfig::max_result_bytes_per_worker`]'s default: 48 GiB.

@@ -137,7 +137,8 @@ pub struct ParentOptions {
     /// all have.
     pub arena_idle_release: Option<Duration>,
     /// The most results one job may ask for, over all its result requests
-    /// ([`DEFAULT_MAX_RESULTS_PER_JOB`]: 4096, one full request). A worker that asks for
+    /// ([`DEFAULT_MAX_RESULTS_PER_JOB`]: 8192, as many as a job may have inputs). A worker
+    /// that asks for
     /// more is condemned: killed, its jobs failed with [`Error::JobFailed`] and
     /// [`FailReason::BoundExceeded`](poolipc_contract::FailReason)`(`[`Bound::ResultsPerJob`](poolipc_contract::Bound)`)`;
     /// the parent and the other workers go on.
