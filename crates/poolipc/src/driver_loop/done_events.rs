@@ -90,3 +90,87 @@ impl DoneEvents {
         self.open.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use poolipc_driver::sim::{SimConfig, SimDriver};
+    use poolipc_driver::{Driver, EventHandle, OwnedEvent};
+    use poolipc_types::EventBlob;
+
+    use super::{DoneEvents, Room};
+
+    fn driver() -> Arc<dyn Driver> {
+        let d = SimDriver::new(SimConfig::default()).expect("SimDriver");
+        d.use_device(0).expect("device 0");
+        Arc::new(d)
+    }
+
+    fn blob(n: u8) -> EventBlob {
+        EventBlob([n; 64])
+    }
+
+    /// Opens `n` in `events` as the loop does: room first, then the event.
+    fn open(
+        events: &mut DoneEvents,
+        d: &Arc<dyn Driver>,
+        n: u8,
+        max: usize,
+        held: &[EventHandle],
+    ) -> Room {
+        let room = events.make_room(&blob(n), max, |e| held.contains(&e));
+        if room == Room::Ready && events.use_open(&blob(n)).is_none() {
+            let e = OwnedEvent::new(Arc::clone(d), false).expect("event");
+            events.insert(blob(n), e);
+        }
+        room
+    }
+
+    #[test]
+    fn the_least_recently_used_event_is_closed_when_a_new_one_comes_at_the_bound() {
+        let d = driver();
+        let mut events = DoneEvents::default();
+        for n in 1..=3 {
+            assert_eq!(open(&mut events, &d, n, 3, &[]), Room::Ready);
+        }
+        // 1 used again: 2 is now the oldest.
+        assert!(events.use_open(&blob(1)).is_some());
+        assert_eq!(open(&mut events, &d, 4, 3, &[]), Room::Ready);
+        assert_eq!(events.len(), 3);
+        assert!(events.get(&blob(2)).is_none());
+        for n in [1, 3, 4] {
+            assert!(events.get(&blob(n)).is_some(), "event {n} was closed");
+        }
+    }
+
+    #[test]
+    fn an_event_a_held_job_waits_on_is_never_closed_and_all_held_is_full() {
+        let d = driver();
+        let mut events = DoneEvents::default();
+        for n in 1..=2 {
+            assert_eq!(open(&mut events, &d, n, 2, &[]), Room::Ready);
+        }
+        let first = events
+            .get(&blob(1))
+            .map(OwnedEvent::handle)
+            .expect("1 open");
+        let second = events
+            .get(&blob(2))
+            .map(OwnedEvent::handle)
+            .expect("2 open");
+        // 1 is the oldest but held: 2 goes.
+        assert_eq!(open(&mut events, &d, 3, 2, &[first]), Room::Ready);
+        assert!(events.get(&blob(1)).is_some());
+        assert!(events.get(&blob(2)).is_none());
+        let third = events
+            .get(&blob(3))
+            .map(OwnedEvent::handle)
+            .expect("3 open");
+        // Both held: nothing may go.
+        assert_eq!(open(&mut events, &d, 4, 2, &[first, third]), Room::Full);
+        assert_eq!(events.len(), 2);
+        // A blob already open needs no room, held or not.
+        assert_eq!(events.make_room(&blob(3), 2, |_| true), Room::Ready);
+    }
+}
