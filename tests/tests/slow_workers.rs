@@ -81,8 +81,13 @@ fn failed_naming(
     needle: &str,
 ) -> Result<String> {
     match result {
-        Err(Error::JobFailed { worker: w, detail, .. }) if w == worker => {
-            ensure!(detail.contains(needle), "the rogue's job failed, but not naming {needle:?}: {detail}");
+        Err(Error::JobFailed {
+            worker: w, detail, ..
+        }) if w == worker => {
+            ensure!(
+                detail.contains(needle),
+                "the rogue's job failed, but not naming {needle:?}: {detail}"
+            );
             Ok(detail)
         }
         Err(e) => bail!("the rogue's job failed otherwise: {e}"),

@@ -89,6 +89,7 @@ fn handoff(c: &mut Criterion) {
             let mut p = Parent::new(ParentConfig {
                 limit: ImportLimit::default(),
                 handoff_timeout: Duration::from_secs(30),
+                ..ParentConfig::default()
             });
             p.add_worker(W).expect("worker");
             let mut w = Worker::new();

@@ -11,8 +11,8 @@ use std::time::Duration;
 use crate::error::ContractError;
 use crate::message::{
     Ack, AllocationGrant, ArenaLocation, CarvedResult, Done, ErrorCode, Lend, LentSlice,
-    LentTensor, MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST, Message, ResultGrant, ResultRequest,
-    ResultSpec, TensorMeta,
+    LentTensor, MAX_BATCH, MAX_REFUSAL_TEXT_LEN, MAX_RESULTS_PER_REQUEST, Message, ResultGrant,
+    ResultRequest, ResultSpec, TensorMeta,
 };
 use crate::mutation::Mutation;
 use crate::types::{
@@ -31,14 +31,78 @@ pub struct ParentConfig {
     /// it, the worker is killed, its jobs fail, and what it held is released once it is
     /// reaped.
     pub handoff_timeout: Duration,
+    /// The most results one job may ask for, over all its result requests (those a request
+    /// over [`MAX_RESULTS_PER_REQUEST`] asks for are refused and not counted). Past it the
+    /// worker is condemned: [`FailReason::BoundExceeded`] with [`Bound::ResultsPerJob`].
+    pub max_results_per_job: u64,
+    /// The most result bytes one job may ask for, over all its result requests (counted as
+    /// asked, whether the facade then allocates or refuses them). Past it the worker is
+    /// condemned ([`Bound::ResultBytesPerJob`]).
+    pub max_result_bytes_per_job: u64,
+    /// The most result bytes a worker may have asked for in its open jobs together: a job's
+    /// results count until the job finished (its results handed to the caller, or freed).
+    /// Past it the worker is condemned ([`Bound::ResultBytesPerWorker`]).
+    pub max_result_bytes_per_worker: u64,
+    /// The longest a job may stay open from its start, however busy its worker keeps it
+    /// (every message about a job restarts its `handoff_timeout`, not this). Past it the
+    /// worker is condemned ([`Bound::JobLifetime`]) and killed.
+    pub max_job_lifetime: Duration,
 }
+
+/// [`ParentConfig::max_results_per_job`]'s default: as many as a `Lend` may carry inputs
+/// ([`MAX_BATCH`]), so that a worker answering each input with a result fits.
+pub const DEFAULT_MAX_RESULTS_PER_JOB: u64 = MAX_BATCH as u64;
+/// [`ParentConfig::max_result_bytes_per_job`]'s default: 32 GiB.
+pub const DEFAULT_MAX_RESULT_BYTES_PER_JOB: u64 = 32 << 30;
+/// [`ParentConfig::max_result_bytes_per_worker`]'s default: 48 GiB.
+pub const DEFAULT_MAX_RESULT_BYTES_PER_WORKER: u64 = 48 << 30;
+/// [`ParentConfig::max_job_lifetime`]'s default: 4 hours.
+pub const DEFAULT_MAX_JOB_LIFETIME: Duration = Duration::from_secs(4 * 3600);
 
 impl Default for ParentConfig {
     fn default() -> Self {
         ParentConfig {
             limit: ImportLimit::default(),
             handoff_timeout: Duration::from_secs(30),
+            max_results_per_job: DEFAULT_MAX_RESULTS_PER_JOB,
+            max_result_bytes_per_job: DEFAULT_MAX_RESULT_BYTES_PER_JOB,
+            max_result_bytes_per_worker: DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
+            max_job_lifetime: DEFAULT_MAX_JOB_LIFETIME,
         }
+    }
+}
+
+/// A bound on what one worker may make the parent hold ([`FailReason::BoundExceeded`]).
+/// Exceeding one condemns that worker alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Bound {
+    /// [`ParentConfig::max_results_per_job`].
+    ResultsPerJob,
+    /// [`ParentConfig::max_result_bytes_per_job`].
+    ResultBytesPerJob,
+    /// [`ParentConfig::max_result_bytes_per_worker`].
+    ResultBytesPerWorker,
+    /// [`ParentConfig::max_job_lifetime`].
+    JobLifetime,
+    /// The facade's bound on DONE events a worker holds open (its own, enforced outside the
+    /// contract: [`Parent::condemn_for`]).
+    OpenDoneEvents,
+    /// The facade's bound on the frames it keeps aside while host staging waits (enforced
+    /// outside the contract: [`Parent::condemn_for`]).
+    StagingBacklog,
+}
+
+impl fmt::Display for Bound {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Bound::ResultsPerJob => "results per job",
+            Bound::ResultBytesPerJob => "result bytes per job",
+            Bound::ResultBytesPerWorker => "result bytes per worker",
+            Bound::JobLifetime => "job lifetime",
+            Bound::OpenDoneEvents => "open DONE events per worker",
+            Bound::StagingBacklog => "staging backlog",
+        })
     }
 }
 
@@ -102,6 +166,8 @@ pub enum FailReason {
     /// The job was cancelled ([`Parent::cancel`]); the worker finished it (Done, Ack), so
     /// what it held is released as [`Outcome::Cancelled`].
     Cancelled,
+    /// The worker went past a bound (the detail says by how much); it was killed.
+    BoundExceeded(Bound),
 }
 
 impl fmt::Display for FailReason {
@@ -112,6 +178,18 @@ impl fmt::Display for FailReason {
             FailReason::ProtocolViolation => "protocol violation",
             FailReason::Stopped => "the worker was stopped",
             FailReason::Cancelled => "cancelled",
+            FailReason::BoundExceeded(Bound::ResultsPerJob) => "bound exceeded: results per job",
+            FailReason::BoundExceeded(Bound::ResultBytesPerJob) => {
+                "bound exceeded: result bytes per job"
+            }
+            FailReason::BoundExceeded(Bound::ResultBytesPerWorker) => {
+                "bound exceeded: result bytes per worker"
+            }
+            FailReason::BoundExceeded(Bound::JobLifetime) => "bound exceeded: job lifetime",
+            FailReason::BoundExceeded(Bound::OpenDoneEvents) => {
+                "bound exceeded: open DONE events per worker"
+            }
+            FailReason::BoundExceeded(Bound::StagingBacklog) => "bound exceeded: staging backlog",
         })
     }
 }
@@ -414,6 +492,12 @@ struct Job {
     /// Inputs in `Lend` order, then results in grant order.
     handoffs: Vec<HandoffId>,
     deadline: Timestamp,
+    /// Its start plus [`ParentConfig::max_job_lifetime`].
+    expires: Timestamp,
+    /// Results asked for so far (counted against [`ParentConfig::max_results_per_job`]).
+    results_asked: u64,
+    /// Result bytes asked for so far.
+    result_bytes: u64,
     cancelled: bool,
     done_seen: bool,
     error: Option<String>,
@@ -528,13 +612,17 @@ impl Parent {
     }
 
     /// The earliest deadline of a job of a live worker: call [`Parent::handle_timeout`]
-    /// then. A job waiting for the facade's answer to its result request has none.
+    /// then. A job waiting for the facade's answer to its result request has no handoff
+    /// deadline, but its lifetime still ends.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Timestamp> {
         self.jobs
             .iter()
-            .filter(|((w, _), j)| self.connected(*w) && j.batch.is_none())
-            .map(|(_, j)| j.deadline)
+            .filter(|((w, _), _)| self.connected(*w))
+            .map(|(_, j)| match j.batch {
+                None => j.deadline.min(j.expires),
+                Some(_) => j.expires,
+            })
             .min()
     }
 
@@ -802,6 +890,9 @@ impl Parent {
                 ready_event,
                 handoffs,
                 deadline: now.saturating_add(self.config.handoff_timeout),
+                expires: now.saturating_add(self.config.max_job_lifetime),
+                results_asked: 0,
+                result_bytes: 0,
                 cancelled: false,
                 done_seen: false,
                 error: None,
@@ -947,6 +1038,21 @@ impl Parent {
     /// Deadlines: every live worker with a job past its deadline is condemned
     /// ([`FailReason::DeadlineExpired`], [`ParentAction::KillWorker`]).
     pub fn handle_timeout(&mut self, now: Timestamp) {
+        let expired: BTreeMap<WorkerId, JobId> = self
+            .jobs
+            .iter()
+            .filter(|((w, _), j)| j.expires <= now && self.connected(*w))
+            .map(|((w, job), _)| (*w, *job))
+            .collect();
+        let lifetime = self.config.max_job_lifetime;
+        for (worker, job) in expired {
+            self.condemn(
+                worker,
+                FailReason::BoundExceeded(Bound::JobLifetime),
+                format!("{job} on {worker} was still open at its lifetime ({lifetime:?})"),
+                true,
+            );
+        }
         let late: BTreeMap<WorkerId, JobId> = self
             .jobs
             .iter()
@@ -979,6 +1085,26 @@ impl Parent {
         if kill {
             self.actions.push_back(ParentAction::KillWorker { worker });
         }
+    }
+
+    /// Condemns `worker` for going past a bound the facade enforces itself
+    /// ([`Bound::OpenDoneEvents`], [`Bound::StagingBacklog`]): [`ParentAction::KillWorker`],
+    /// its jobs fail with [`FailReason::BoundExceeded`] and `detail` once it is reaped. A
+    /// worker condemned already keeps its first reason.
+    ///
+    /// # Errors
+    /// The worker is unknown.
+    pub fn condemn_for(
+        &mut self,
+        worker: WorkerId,
+        bound: Bound,
+        detail: String,
+    ) -> Result<(), ContractError> {
+        if !self.workers.contains_key(&worker) {
+            return Err(ContractError::UnknownWorker(worker));
+        }
+        self.condemn(worker, FailReason::BoundExceeded(bound), detail, true);
+        Ok(())
     }
 
     fn violation(&mut self, worker: WorkerId, detail: String) {
@@ -1147,6 +1273,26 @@ impl Parent {
             }
         }
         let cancelled = j.cancelled;
+        if results.len() <= MAX_RESULTS_PER_REQUEST
+            && let Some((bound, detail)) = self.over_result_bounds(worker, j, &results)
+        {
+            return self.condemn(
+                worker,
+                FailReason::BoundExceeded(bound),
+                format!("{worker}'s result request for {job} goes past the {bound}: {detail}"),
+                true,
+            );
+        }
+        let asked = u64::try_from(results.len()).unwrap_or(u64::MAX);
+        let bytes = results
+            .iter()
+            .fold(0u64, |acc, r| acc.saturating_add(r.byte_len));
+        if results.len() <= MAX_RESULTS_PER_REQUEST
+            && let Some(j) = self.jobs.get_mut(&(worker, job))
+        {
+            j.results_asked = j.results_asked.saturating_add(asked);
+            j.result_bytes = j.result_bytes.saturating_add(bytes);
+        }
         // A grant for more results than this would not fit a frame: refuse them all (the
         // refusals are short), and the worker goes on.
         let too_many = (results.len() > MAX_RESULTS_PER_REQUEST).then(|| Answer::Refused {
@@ -1205,6 +1351,57 @@ impl Parent {
             j.batch = Some(batch);
         }
         self.grant_if_answered(worker, job, now);
+    }
+
+    /// Which result bound `job` (of `worker`) would pass by asking for `results` as well,
+    /// and by how much.
+    fn over_result_bounds(
+        &self,
+        worker: WorkerId,
+        job: &Job,
+        results: &[ResultSpec],
+    ) -> Option<(Bound, String)> {
+        let asked = u64::try_from(results.len()).unwrap_or(u64::MAX);
+        let bytes = results
+            .iter()
+            .fold(0u64, |acc, r| acc.saturating_add(r.byte_len));
+        let count = job.results_asked.saturating_add(asked);
+        if count > self.config.max_results_per_job {
+            return Some((
+                Bound::ResultsPerJob,
+                format!(
+                    "{count} results asked for, at most {} allowed",
+                    self.config.max_results_per_job
+                ),
+            ));
+        }
+        let job_bytes = job.result_bytes.saturating_add(bytes);
+        if job_bytes > self.config.max_result_bytes_per_job {
+            return Some((
+                Bound::ResultBytesPerJob,
+                format!(
+                    "{job_bytes} bytes asked for, at most {} allowed",
+                    self.config.max_result_bytes_per_job
+                ),
+            ));
+        }
+        let open: u64 = self.workers.get(&worker).map_or(0, |peer| {
+            peer.jobs
+                .iter()
+                .filter_map(|j| self.jobs.get(&(worker, *j)))
+                .fold(0u64, |acc, j| acc.saturating_add(j.result_bytes))
+        });
+        let worker_bytes = open.saturating_add(bytes);
+        if worker_bytes > self.config.max_result_bytes_per_worker {
+            return Some((
+                Bound::ResultBytesPerWorker,
+                format!(
+                    "{worker_bytes} bytes asked for in its open jobs, at most {} allowed",
+                    self.config.max_result_bytes_per_worker
+                ),
+            ));
+        }
+        None
     }
 
     fn on_answer(

@@ -379,6 +379,7 @@ impl World {
         let config = ParentConfig {
             limit: sim_limit(),
             handoff_timeout: World::HANDOFF_TIMEOUT,
+            ..ParentConfig::default()
         };
         World {
             parent: Parent::new(config),

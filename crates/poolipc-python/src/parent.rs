@@ -614,6 +614,22 @@ impl NativeJobHandle {
         self.wait_inner(py, timeout)
     }
 
+    /// Cancels the job: the worker is told and still finishes it; the job then fails with
+    /// `JobFailedError` (`reason == "cancelled"`), and nothing it held is reused before the
+    /// worker's DONE or its death. A job that ended already is left as it is. Holds no GIL
+    /// while it waits for a waiting thread's slice.
+    fn cancel(&self, py: Python<'_>) -> PyResult<()> {
+        if lock(&self.outcome).is_some() {
+            return Ok(());
+        }
+        let pending = &self.pending;
+        py.detach(move || match lock(pending).as_ref() {
+            Some(h) => h.cancel(),
+            None => Ok(()),
+        })
+        .map_err(to_py)
+    }
+
     /// Whether the job has ended (its results or its error are ready).
     #[getter]
     fn done(&self, py: Python<'_>) -> bool {

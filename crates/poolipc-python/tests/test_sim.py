@@ -1419,3 +1419,23 @@ def test_when_the_swap_does_not_reach_torch_its_figures_stay_its_own():
     got, err = figures_after_import(argv=("main.py", "--disable-cuda-malloc"))
     assert not got["patched"] and got["torch"] == [0, 0], got
     assert "the swap has no effect" in err
+
+
+def test_a_job_cancelled_mid_flight_fails_with_cancelled_and_the_worker_takes_the_next(
+    parent, report, tmp_path
+):
+    gate, env = gate_env(report, tmp_path)
+    w = spawn(parent, "gate", env)
+    f = f32_buffer(parent, [3.5] * 8)
+    h = parent.submit(w, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    assert wait_until(lambda: entered(report) == {parent.pid(w)})
+    h.cancel()
+    h.cancel()  # twice is once
+    gate.touch()
+    with pytest.raises(poolipc.JobFailedError) as e:
+        h.wait(timeout=60)
+    assert e.value.reason == "cancelled" and e.value.worker == w
+    h.cancel()  # after the end: left as it is
+    (res,) = parent.run(w, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 3.5)
+    assert parent.stop(w) == 0

@@ -793,7 +793,14 @@ impl Connection {
         } else {
             Vec::new()
         };
-        trace!(?kind, sent, queued_len = rest.len(), fds = fds.len(), queued = frames, "enqueue");
+        trace!(
+            ?kind,
+            sent,
+            queued_len = rest.len(),
+            fds = fds.len(),
+            queued = frames,
+            "enqueue"
+        );
         self.queued_bytes = total;
         self.queue.push_back(Outgoing {
             bytes: rest,

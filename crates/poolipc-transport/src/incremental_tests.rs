@@ -120,7 +120,10 @@ fn a_frame_cut_midway_waits_until_its_last_byte_arrives() {
     let bytes = frame(&sample(3 + 5 * 4));
     write_raw(&peer, &bytes[..HEADER_LEN + 3], &[]);
     assert!(conn.poll_recv().expect("waits").is_none());
-    assert!(conn.partial_frame_since().is_some(), "the partial frame's start is known");
+    assert!(
+        conn.partial_frame_since().is_some(),
+        "the partial frame's start is known"
+    );
     assert!(conn.next_deadline(Duration::from_secs(1)).is_some());
     write_raw(&peer, &bytes[HEADER_LEN + 3..bytes.len() - 1], &[]);
     assert!(conn.poll_recv().expect("waits").is_none());
@@ -138,11 +141,19 @@ fn garbage_fails_at_once_without_waiting_for_more() {
     write_raw(&peer, b"\xffGARBAGE", &[]);
     let t = Instant::now();
     match conn.poll_recv() {
-        Err(TransportError::Decode(DecodeError::UnknownVersion { .. } | DecodeError::TooLarge { .. })) => {}
+        Err(TransportError::Decode(
+            DecodeError::UnknownVersion { .. } | DecodeError::TooLarge { .. },
+        )) => {}
         other => panic!("expected a decode error, got {other:?}"),
     }
     assert!(t.elapsed() < Duration::from_millis(100));
-    assert!(matches!(conn.poll_recv(), Err(TransportError::Broken { direction: Direction::Recv, .. })));
+    assert!(matches!(
+        conn.poll_recv(),
+        Err(TransportError::Broken {
+            direction: Direction::Recv,
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -153,15 +164,22 @@ fn a_partial_frame_past_the_frame_deadline_fails_as_too_slow() {
     write_raw(&peer, &bytes[..2], &[&null]);
     assert!(conn.poll_recv().expect("waits").is_none());
     let timeout = Duration::from_millis(50);
-    conn.check_deadlines(Instant::now(), timeout).expect("not yet");
+    conn.check_deadlines(Instant::now(), timeout)
+        .expect("not yet");
     let late = Instant::now() + timeout;
     match conn.check_deadlines(late, timeout) {
-        Err(TransportError::FrameTooSlow { direction: Direction::Recv, after }) => {
+        Err(TransportError::FrameTooSlow {
+            direction: Direction::Recv,
+            after,
+        }) => {
             assert_eq!(after, timeout);
         }
         other => panic!("expected FrameTooSlow, got {other:?}"),
     }
-    assert!(matches!(conn.poll_recv(), Err(TransportError::Broken { .. })));
+    assert!(matches!(
+        conn.poll_recv(),
+        Err(TransportError::Broken { .. })
+    ));
 }
 
 #[test]
@@ -215,15 +233,23 @@ fn a_peer_that_does_not_read_fills_the_queue_to_its_bound_and_no_further() {
     fill_socket(&mut conn);
     // One is queued already.
     for seq in 0..7 {
-        conn.enqueue(&Message::Heartbeat { seq }, &[]).expect("under the bound");
+        conn.enqueue(&Message::Heartbeat { seq }, &[])
+            .expect("under the bound");
     }
     match conn.enqueue(&Message::Bye, &[]) {
-        Err(TransportError::SendQueueFull { frames: 9, limits: l, .. }) => assert_eq!(l, limits),
+        Err(TransportError::SendQueueFull {
+            frames: 9,
+            limits: l,
+            ..
+        }) => assert_eq!(l, limits),
         other => panic!("expected SendQueueFull, got {other:?}"),
     }
     assert!(matches!(
         conn.enqueue(&Message::Bye, &[]),
-        Err(TransportError::Broken { direction: Direction::Send, .. })
+        Err(TransportError::Broken {
+            direction: Direction::Send,
+            ..
+        })
     ));
 }
 
@@ -232,7 +258,8 @@ fn queued_frames_arrive_in_order_with_their_descriptors_once_the_peer_reads() {
     let (mut peer, mut conn) = Connection::pair().expect("pair");
     let filler = fill_socket(&mut conn);
     let null = devnull();
-    conn.enqueue(&sample(4), &[null.as_fd()]).expect("queued with its fd");
+    conn.enqueue(&sample(4), &[null.as_fd()])
+        .expect("queued with its fd");
     conn.enqueue(&Message::Bye, &[]).expect("queued");
     let mut got = Vec::new();
     while got.len() < filler + 2 {
@@ -259,7 +286,8 @@ fn a_blocking_send_goes_after_the_queued_frames() {
         }
         last
     });
-    conn.send(&Message::Bye, &[], soon()).expect("sent after the queue");
+    conn.send(&Message::Bye, &[], soon())
+        .expect("sent after the queue");
     assert!(!conn.send_queued());
     assert_eq!(reader.join().expect("reader"), Some(Message::Bye));
 }
@@ -269,9 +297,13 @@ fn a_send_queue_stuck_past_the_frame_deadline_fails_as_too_slow() {
     let (_peer, mut conn) = Connection::pair().expect("pair");
     fill_socket(&mut conn);
     let timeout = Duration::from_millis(50);
-    conn.check_deadlines(Instant::now(), timeout).expect("not yet");
+    conn.check_deadlines(Instant::now(), timeout)
+        .expect("not yet");
     match conn.check_deadlines(Instant::now() + timeout, timeout) {
-        Err(TransportError::FrameTooSlow { direction: Direction::Send, .. }) => {}
+        Err(TransportError::FrameTooSlow {
+            direction: Direction::Send,
+            ..
+        }) => {}
         other => panic!("expected FrameTooSlow, got {other:?}"),
     }
     assert!(!conn.send_queued(), "the queue was dropped");

@@ -42,7 +42,18 @@ use crate::parent::{
 use crate::staging::StagingChannel;
 use crate::tensor::ResultShape;
 
+/// Whether `e` is the worker overflowing the staging backlog (a bound, not a hang-up).
+fn backlog_full(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Staging(crate::staging::StagingError::BacklogFull { .. })
+    )
+}
+
+mod done_events;
 mod pool_rotation;
+
+use done_events::{DoneEvents, Room};
 
 /// What a caller's thread asks of the IO loop.
 pub(crate) enum Command {
@@ -55,6 +66,10 @@ pub(crate) enum Command {
     },
     /// A job to run.
     Submit(Box<Submission>),
+    /// `Parent::cancel` / `JobHandle::cancel`: a job still queued fails at once; one sent
+    /// is cancelled in the contract (the worker is told and still finishes it; it then fails
+    /// with `FailReason::Cancelled`). A job that ended already is left alone.
+    Cancel { worker: WorkerId, job: JobId },
     /// Bye, a bounded wait, then SIGKILL; reply with the exit status once reaped.
     Stop {
         worker: WorkerId,
@@ -102,7 +117,7 @@ impl Command {
             Command::ReleaseArena { reply }
             | Command::OfferPool { reply, .. }
             | Command::RetirePool { reply, .. } => drop(reply),
-            Command::Shutdown | Command::Panic => {}
+            Command::Cancel { .. } | Command::Shutdown | Command::Panic => {}
         }
     }
 }
@@ -207,8 +222,9 @@ struct Slot {
     /// READY events not in use by a job (a job takes one and gives it back when it ends: a
     /// worker's wait captures an event's latest record, so two jobs in flight never share one).
     ready_free: Vec<(OwnedEvent, EventBlob)>,
-    /// The worker's DONE events, opened once each.
-    done_events: HashMap<EventBlob, OwnedEvent>,
+    /// The worker's DONE events, opened once each, at most
+    /// `options.max_open_done_events` (least recently used closed first).
+    done_events: DoneEvents,
     staging: Option<StagingChannel>,
     /// Frames that arrived while the loop waited for another (host staging's): handled next.
     backlog: VecDeque<Message>,
@@ -279,6 +295,9 @@ struct JobState {
     /// nothing orders the caller after the worker's writes, so the job fails whatever the
     /// contract concludes, and its results are not handed out.
     done_failed: Option<String>,
+    /// Why the job fails when `done_failed` is set (a protocol violation unless a bound was
+    /// passed).
+    failed_as: Option<FailReason>,
 }
 
 impl JobState {
@@ -350,7 +369,7 @@ struct Loop {
     /// Jobs acknowledged whose DONE has not completed on the GPU yet.
     gates: BTreeMap<(WorkerId, JobId), DoneGate>,
     /// Reaped workers' opened DONE events, kept while a job of theirs waits on one.
-    dead_events: HashMap<WorkerId, HashMap<EventBlob, OwnedEvent>>,
+    dead_events: HashMap<WorkerId, DoneEvents>,
 }
 
 impl Drop for Loop {
@@ -414,6 +433,10 @@ impl Loop {
         let machine = contract::Parent::new(contract::ParentConfig {
             limit,
             handoff_timeout: shared.options.handoff_timeout,
+            max_results_per_job: shared.options.max_results_per_job,
+            max_result_bytes_per_job: shared.options.max_result_bytes_per_job,
+            max_result_bytes_per_worker: shared.options.max_result_bytes_per_worker,
+            max_job_lifetime: shared.options.max_job_lifetime,
         });
         Loop {
             shared,
@@ -757,6 +780,7 @@ impl Loop {
                 self.submit(sub);
             }
             Command::Stop { worker, reply } => self.stop(worker, Some(reply)),
+            Command::Cancel { worker, job } => self.cancel(worker, job),
             Command::ReleaseArena { reply } => self.release_arena_now(reply),
             Command::Panic => {
                 // The test hook's whole point: stand in for a bug of the loop's.
@@ -832,7 +856,7 @@ impl Loop {
                 conn,
                 child,
                 ready_free: Vec::new(),
-                done_events: HashMap::new(),
+                done_events: DoneEvents::default(),
                 staging: None,
                 backlog: VecDeque::new(),
                 takes_staging,
@@ -1098,6 +1122,33 @@ impl Loop {
         }
         if let Err(e) = self.machine.stop_worker(worker) {
             tracing::debug!(worker = %worker, error = %e, "stopping a worker the contract has let go");
+        }
+        self.drive();
+    }
+
+    /// A job the caller cancelled: failed at once while still queued; else the contract
+    /// sends the worker `Cancel` and fails the job once the worker finished it (nothing of
+    /// it is reused before the worker's DONE, or its death).
+    fn cancel(&mut self, worker: WorkerId, job: JobId) {
+        if let Some(slot) = self.workers.get_mut(&worker)
+            && let Some(at) = slot.queued.iter().position(|s| s.job == job)
+            && let Some(sub) = slot.queued.remove(at)
+        {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            sub.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::Cancelled,
+                detail: format!("{job} was cancelled before it was sent to {worker}"),
+                results: Vec::new(),
+            }));
+            return;
+        }
+        if !self.jobs.contains_key(&(worker, job)) {
+            return;
+        }
+        if let Err(e) = self.machine.cancel(worker, job) {
+            // Its worker is gone or the job ended meanwhile: it fails or ended on its own.
+            tracing::debug!(worker = %worker, job = job.0, error = %e, "cancel after the fact");
         }
         self.drive();
     }
@@ -1710,12 +1761,26 @@ impl Loop {
         if placed.staged
             && let Err(e) = self.ensure_staging(worker)
         {
-            self.lose(worker, &format!("setting host staging up failed: {e}"));
+            let detail = format!("setting host staging up failed: {e}");
+            let reason = if backlog_full(&e) {
+                let bound = contract::Bound::StagingBacklog;
+                tracing::warn!(worker = %worker, job = job.0, %bound, "{detail}");
+                if let Err(c) = self.machine.condemn_for(worker, bound, detail.clone()) {
+                    tracing::debug!(worker = %worker, error = %c, "condemning a worker the contract has let go");
+                }
+                FailReason::BoundExceeded(bound)
+            } else {
+                self.lose(worker, &detail);
+                FailReason::HungUp
+            };
+            // The kill and the reaping first: a caller that sees its job fail finds nothing
+            // of the worker left.
+            self.drive();
             Stats::bump(&self.shared.stats.jobs_failed);
             sub.done.complete(Err(Error::JobFailed {
                 worker,
-                reason: FailReason::HungUp,
-                detail: format!("setting host staging up failed: {e}"),
+                reason,
+                detail,
                 results: Vec::new(),
             }));
             return;
@@ -1835,6 +1900,7 @@ impl Loop {
                 carved: BTreeMap::new(),
                 slice_error: None,
                 done_failed: None,
+                failed_as: None,
             },
         );
         self.drive();
@@ -2193,10 +2259,13 @@ impl Loop {
                 let r = self.with_staging(worker, |ch, conn| {
                     ch.send_tensor(conn, job, handoff, src, bytes, stream)
                 });
-                if let Err(e) = r
-                    && !self.escalate("sending a staged input", &e)
-                {
-                    self.lose(worker, &format!("sending a staged input failed: {e}"));
+                if let Err(e) = r {
+                    let why = format!("sending a staged input failed: {e}");
+                    if backlog_full(&e) {
+                        self.condemn_for_bound(worker, job, contract::Bound::StagingBacklog, why);
+                    } else if !self.escalate("sending a staged input", &e) {
+                        self.lose(worker, &why);
+                    }
                 }
             }
             ParentAction::AllocateResult {
@@ -2236,6 +2305,10 @@ impl Loop {
                         Stats::bump(&self.shared.stats.inputs_copied_back);
                     }
                     Ok(()) => {}
+                    Err(e) if backlog_full(&e) => {
+                        let why = format!("receiving {what} failed: {e}");
+                        self.condemn_for_bound(worker, job, contract::Bound::StagingBacklog, why);
+                    }
                     Err(e) if !self.escalate(&format!("receiving {what}"), &e) => {
                         self.lose(worker, &format!("receiving {what} failed: {e}"));
                     }
@@ -2374,18 +2447,33 @@ impl Loop {
                 "DONE for a job the loop does not hold".into(),
             ));
         }
+        let max = self.shared.options.max_open_done_events;
+        let gates = &self.gates;
         let slot = self
             .workers
             .get_mut(&worker)
             .ok_or(Error::UnknownWorker(worker))?;
-        let event = match slot.done_events.get(&blob) {
+        let event = match slot.done_events.use_open(&blob) {
             Some(e) => e,
             None => {
+                let held = |e: EventHandle| {
+                    gates
+                        .iter()
+                        .any(|(k, g)| k.0 == worker && g.events.contains(&e))
+                };
+                if slot.done_events.make_room(&blob, max, held) == Room::Full {
+                    let why = format!(
+                        "{worker} sent a new DONE event for {job} while all {max} of its open DONE events are waited on by its held jobs"
+                    );
+                    self.condemn_for_bound(worker, job, contract::Bound::OpenDoneEvents, why);
+                    return Ok(());
+                }
                 let e = OwnedEvent::open_ipc(Arc::clone(&driver), &blob)?;
-                slot.done_events.entry(blob).or_insert(e)
+                let handle = slot.done_events.insert(blob, e);
+                self.count_done_events();
+                handle
             }
         };
-        let event = event.handle();
         // Never `cuStreamWaitEvent(stream, DONE)`: the host learns that the worker's work
         // completed, and only then does the loop queue anything more of the job on `stream`
         // (copy-backs, returns, frees) or hand the job's results to the caller: all of it,
@@ -2610,6 +2698,41 @@ impl Loop {
         let gates = &self.gates;
         self.dead_events
             .retain(|w, _| gates.keys().any(|k| k.0 == *w));
+        self.count_done_events();
+    }
+
+    /// `ParentStats::done_events_open`: the DONE events the parent holds open now.
+    fn count_done_events(&self) {
+        let open: usize = self
+            .workers
+            .values()
+            .map(|s| s.done_events.len())
+            .chain(self.dead_events.values().map(DoneEvents::len))
+            .sum();
+        self.shared
+            .stats
+            .done_events_open
+            .store(u64::try_from(open).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// `worker` went past `bound` while the loop carried out `job`'s actions: the contract
+    /// condemns it (kills it; its jobs fail naming the bound), and `job`, whose later
+    /// actions may already be queued as a success, fails too.
+    fn condemn_for_bound(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        bound: contract::Bound,
+        why: String,
+    ) {
+        tracing::warn!(worker = %worker, job = job.0, %bound, "{why}");
+        if let Some(st) = self.jobs.get_mut(&(worker, job)) {
+            st.done_failed.get_or_insert_with(|| why.clone());
+            st.failed_as.get_or_insert(FailReason::BoundExceeded(bound));
+        }
+        if let Err(e) = self.machine.condemn_for(worker, bound, why) {
+            tracing::debug!(worker = %worker, error = %e, "condemning a worker the contract has let go");
+        }
     }
 
     /// The job's DONE completed (or will never be waited on): its held actions run now.
@@ -2634,6 +2757,10 @@ impl Loop {
             Ok(e) => e,
             Err(e) => {
                 tracing::warn!(worker = %worker, job = job.0, error = %e, "result allocation failed");
+                if backlog_full(&e) {
+                    let why = format!("setting host staging up for a result failed: {e}");
+                    self.condemn_for_bound(worker, job, contract::Bound::StagingBacklog, why);
+                }
                 if let Some(st) = self.jobs.get_mut(&(worker, job)) {
                     st.refused
                         .get_or_insert_with(|| crate::ResultRefusal::of(&e));
@@ -2977,7 +3104,7 @@ impl Loop {
                 let results = self.give_back_results(&mut st);
                 Err(Error::JobFailed {
                     worker,
-                    reason: FailReason::ProtocolViolation,
+                    reason: st.failed_as.take().unwrap_or(FailReason::ProtocolViolation),
                     detail: why,
                     results,
                 })

@@ -68,11 +68,14 @@ pub use error::{Error, ResultRefusal};
 pub use handshake::identity;
 pub use parent::{
     ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
-    DEFAULT_ARENA_IDLE_RELEASE, EMPTY_CACHE_WAIT, EmptyCache, Input, JobHandle, JobOutput, Parent,
-    ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
-    SPIN_IN_FLIGHT_ENV, WorkerInfo,
+    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, EmptyCache, Input,
+    JobHandle, JobOutput, Parent, ParentOptions, ParentStats, ResultAllocator, ResultMemory,
+    ResultTensor, SPIN_ENV, SPIN_IN_FLIGHT_ENV, WorkerInfo,
 };
-pub use poolipc_contract::WorkerId;
+pub use poolipc_contract::{
+    Bound, DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
+    DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB, FailReason, WorkerId,
+};
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId, SendQueueLimits};

@@ -15,7 +15,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use poolipc_contract::{ExtraPool, Identity, Message};
+use poolipc_contract::{
+    DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
+    DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB, ExtraPool, Identity, Message,
+};
 use poolipc_driver::{DevicePtr, Driver, OwnedEvent, PoolHandle, StreamHandle};
 use poolipc_pool::arena::{AllocStats, ArenaBlock};
 use poolipc_pool::{Arena, SharedPool};
@@ -139,7 +142,41 @@ pub struct ParentOptions {
     /// given back. Each worker that mapped it is told to unmap it; the memory is back once
     /// all have.
     pub arena_idle_release: Option<Duration>,
+    /// The most results one job may ask for, over all its result requests
+    /// ([`DEFAULT_MAX_RESULTS_PER_JOB`]: 8192, as many as a job may have inputs). A worker
+    /// that asks for
+    /// more is condemned: killed, its jobs failed with [`Error::JobFailed`] and
+    /// [`FailReason::BoundExceeded`](poolipc_contract::FailReason)`(`[`Bound::ResultsPerJob`](poolipc_contract::Bound)`)`;
+    /// the parent and the other workers go on.
+    pub max_results_per_job: u64,
+    /// The most result bytes one job may ask for, over all its requests (counted as asked,
+    /// allocated or refused; [`DEFAULT_MAX_RESULT_BYTES_PER_JOB`]: 32 GiB). Past it the
+    /// worker is condemned ([`Bound::ResultBytesPerJob`](poolipc_contract::Bound)). The
+    /// arena's cap and the pool's own out-of-memory refuse earlier on a smaller device;
+    /// this bound ends a worker that keeps asking.
+    pub max_result_bytes_per_job: u64,
+    /// The most result bytes a worker's open jobs may have asked for together (a job's
+    /// results count until it finished; [`DEFAULT_MAX_RESULT_BYTES_PER_WORKER`]: 48 GiB).
+    /// Past it the worker is condemned
+    /// ([`Bound::ResultBytesPerWorker`](poolipc_contract::Bound)).
+    pub max_result_bytes_per_worker: u64,
+    /// The longest a job may stay open from its submit, however often its worker speaks
+    /// about it ([`DEFAULT_MAX_JOB_LIFETIME`]: 4 h, above any ComfyUI node run we know of;
+    /// [`handoff_timeout`](ParentOptions::handoff_timeout) catches a silent worker much
+    /// sooner). Past it the job fails and the worker is condemned
+    /// ([`Bound::JobLifetime`](poolipc_contract::Bound)).
+    pub max_job_lifetime: Duration,
+    /// The most DONE events of one worker the parent keeps open
+    /// ([`DEFAULT_MAX_OPEN_DONE_EVENTS`]: 64). A worker that records every DONE on one
+    /// event (as poolipc's does) holds one; one that sends a new event with each job has the
+    /// least recently used closed as it sends more (reopened if it sends one again). Only
+    /// when every one of them is waited on by a job held for its DONE is the worker
+    /// condemned ([`Bound::OpenDoneEvents`](poolipc_contract::Bound)). Zero is taken as one.
+    pub max_open_done_events: usize,
 }
+
+/// [`ParentOptions::max_open_done_events`]'s default.
+pub const DEFAULT_MAX_OPEN_DONE_EVENTS: usize = 64;
 
 /// Where the parent puts a job's results when the caller gives no allocator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -195,6 +232,11 @@ impl Default for ParentOptions {
             arena_slice_bytes: 0,
             arena_cap_fraction: DEFAULT_ARENA_CAP_FRACTION,
             arena_idle_release: Some(DEFAULT_ARENA_IDLE_RELEASE),
+            max_results_per_job: DEFAULT_MAX_RESULTS_PER_JOB,
+            max_result_bytes_per_job: DEFAULT_MAX_RESULT_BYTES_PER_JOB,
+            max_result_bytes_per_worker: DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
+            max_job_lifetime: DEFAULT_MAX_JOB_LIFETIME,
+            max_open_done_events: DEFAULT_MAX_OPEN_DONE_EVENTS,
         }
     }
 }
@@ -438,7 +480,22 @@ fn give_back(
         Err(first) => {
             tracing::debug!(error = %first, "recording an arena return failed; retrying on the arena's device");
             driver.use_device(arena.device())?;
-            record()?
+            // The returns already pending hold an event each: a job that gave back thousands
+            // of blocks at once (a worker condemned after a results flood) can exhaust the
+            // driver's events (SimDriver has 1024). Those that completed free theirs; if
+            // none had, wait for `stream` (the caller's own work, never a worker's event:
+            // the loop orders nothing after one) and free them then. Rare: only when the
+            // driver had no event to give.
+            arena.reclaim();
+            match record() {
+                Ok(e) => e,
+                Err(again) => {
+                    tracing::debug!(error = %again, "no event for an arena return; waiting for its stream to free the pending ones");
+                    driver.stream_synchronize(stream)?;
+                    arena.reclaim();
+                    record()?
+                }
+            }
         }
     };
     arena.free_after(block, event)?;
@@ -559,6 +616,9 @@ pub struct ParentStats {
     /// a stream of its own wait on a worker's event). The others' DONE had completed when
     /// their frames arrived (the usual case under MPS) and cost one query.
     pub jobs_held_for_done: u64,
+    /// The workers' DONE events the parent holds open now (as the IO thread last counted
+    /// them): at most [`ParentOptions::max_open_done_events`] per worker.
+    pub done_events_open: u64,
     /// Whether a new allocation at a recycled address of the first pool, of the same size,
     /// is lent with its cached blob (proven by the canary battery's check) or exported
     /// again; the counts are in the pool's
@@ -594,6 +654,7 @@ pub(crate) struct Stats {
     pub(crate) vmm_handle_tensors: AtomicU64,
     pub(crate) vmm_handles_shared: AtomicU64,
     pub(crate) jobs_held_for_done: AtomicU64,
+    pub(crate) done_events_open: AtomicU64,
 }
 
 impl Stats {
@@ -837,6 +898,9 @@ pub struct JobHandle {
     worker: WorkerId,
     job: JobId,
     done: Arc<Completion>,
+    /// The parent's loop, for [`cancel`](JobHandle::cancel) (weak: a handle does not keep a
+    /// dropped parent alive; its job was failed then).
+    shared: std::sync::Weak<Shared>,
     /// Until when a waiter spins before it sleeps: the submit plus
     /// [`ParentOptions::spin_in_flight`], whichever wait (or how many) comes.
     spin_until: Instant,
@@ -861,6 +925,20 @@ impl JobHandle {
     /// The worker it runs on.
     pub fn worker(&self) -> WorkerId {
         self.worker
+    }
+
+    /// Cancels the job ([`Parent::cancel`]): it ends with [`Error::JobFailed`] and
+    /// [`FailReason::Cancelled`](poolipc_contract::FailReason) once its worker finished it
+    /// (at once if it was not sent yet). A job that ended already, or whose parent is gone,
+    /// is left as it is.
+    ///
+    /// # Errors
+    /// [`Error::Forked`] from a forked child; [`Error::IoThreadStopped`].
+    pub fn cancel(&self) -> Result<(), Error> {
+        match self.shared.upgrade() {
+            Some(shared) => cancel_on(&shared, self.worker, self.job),
+            None => Ok(()),
+        }
     }
 
     /// Whether the job has ended (successfully or not).
@@ -1180,6 +1258,7 @@ impl Parent {
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),
             jobs_held_for_done: get(&s.jobs_held_for_done),
+            done_events_open: get(&s.done_events_open),
             export_reuse: self.pool().export_reuse().0,
             vmm_handle_tensors: get(&s.vmm_handle_tensors),
             vmm_handles_shared: get(&s.vmm_handles_shared),
@@ -1522,6 +1601,7 @@ impl Parent {
             worker,
             job,
             done,
+            shared: Arc::downgrade(&self.shared),
             spin_until: Instant::now() + self.shared.options.spin_in_flight,
         })
     }
@@ -1636,6 +1716,21 @@ impl Parent {
         rx.recv().map_err(|_| self.shared.loop_gone())
     }
 
+    /// Cancels `job`: the worker is sent `Cancel`; its result requests from now on are
+    /// refused with `CANCELLED`; it still finishes the job (DONE, ACK), and only then is
+    /// anything the job held reused (or once the worker was reaped, if it dies first). The
+    /// job ends with [`Error::JobFailed`] and
+    /// [`FailReason::Cancelled`](poolipc_contract::FailReason); a job not sent yet ends so at
+    /// once. The worker goes on taking jobs. A job that ended already is left as it is;
+    /// cancelling twice is cancelling once. A worker that never finishes a cancelled job
+    /// meets the handoff deadline and the job lifetime as any other.
+    ///
+    /// # Errors
+    /// [`Error::Forked`] from a forked child; [`Error::IoThreadStopped`].
+    pub fn cancel(&self, job: &JobHandle) -> Result<(), Error> {
+        cancel_on(&self.shared, job.worker, job.job)
+    }
+
     /// Tells the worker to stop (Bye), waits for it to exit at most `options.stop_timeout`,
     /// then kills it, and reaps it. Jobs it still held fail. Never waits for other workers'
     /// jobs.
@@ -1650,6 +1745,13 @@ impl Parent {
         lock(&self.shared.registry).remove(&worker);
         status
     }
+}
+
+/// Posts `Cancel` for `job` of `worker` to `shared`'s loop.
+fn cancel_on(shared: &Shared, worker: WorkerId, job: JobId) -> Result<(), Error> {
+    shared.check_loop()?;
+    shared.post(LoopCommand::Cancel { worker, job });
+    Ok(())
 }
 
 impl Drop for Parent {

@@ -36,7 +36,10 @@
 //! them, in order, in a backlog that [`StagingChannel::take_backlog`] hands to the caller,
 //! who handles them next. Heartbeats are dropped; a peer's `Error` ends the wait
 //! ([`StagingError::Peer`]); a frame that came with FDs cannot wait in the backlog (they
-//! would be lost) and fails the transfer.
+//! would be lost) and fails the transfer. On the parent's side the backlog is bounded
+//! ([`StagingConfig::max_backlog_frames`], [`StagingConfig::max_backlog_bytes`]): a frame
+//! past either bound fails the wait ([`StagingError::BacklogFull`]) and the parent condemns
+//! the worker. The worker's side trusts its parent and keeps what comes.
 //!
 //! `#![forbid(unsafe_code)]` holds here: the copies are [`SharedHostBuffer`]'s safe methods.
 
@@ -76,6 +79,14 @@ pub struct StagingConfig {
     pub chunk: usize,
     /// How long each wait for the peer's next message may take.
     pub timeout: Duration,
+    /// The parent's side: the most frames of the worker kept aside during one of the
+    /// channel's waits ([`DEFAULT_MAX_BACKLOG_FRAMES`]). One more is
+    /// [`StagingError::BacklogFull`], which condemns the worker.
+    pub max_backlog_frames: usize,
+    /// The parent's side: the most bytes those frames may take, counted as the size of a
+    /// message plus its frame's length on the wire ([`DEFAULT_MAX_BACKLOG_BYTES`]). One
+    /// more frame past it is [`StagingError::BacklogFull`].
+    pub max_backlog_bytes: usize,
     /// Test-only: leave out one of the waits. Never set it elsewhere.
     #[doc(hidden)]
     pub skip_wait: SkipWait,
@@ -86,10 +97,19 @@ impl Default for StagingConfig {
         StagingConfig {
             chunk: DEFAULT_CHUNK,
             timeout: Duration::from_secs(30),
+            max_backlog_frames: DEFAULT_MAX_BACKLOG_FRAMES,
+            max_backlog_bytes: DEFAULT_MAX_BACKLOG_BYTES,
             skip_wait: SkipWait::None,
         }
     }
 }
+
+/// [`StagingConfig::max_backlog_frames`]'s default: far more than a worker has reason to send
+/// while the parent stages (its other jobs' frames).
+pub const DEFAULT_MAX_BACKLOG_FRAMES: usize = 256;
+
+/// [`StagingConfig::max_backlog_bytes`]'s default: 4 MiB.
+pub const DEFAULT_MAX_BACKLOG_BYTES: usize = 4 << 20;
 
 /// Why staging failed.
 #[derive(Debug, thiserror::Error)]
@@ -115,6 +135,22 @@ pub enum StagingError {
         /// The timeout it had.
         timeout: Duration,
     },
+    /// The worker sent more frames (or bytes of frames) than the parent keeps aside while a
+    /// staging wait runs ([`StagingConfig::max_backlog_frames`],
+    /// [`StagingConfig::max_backlog_bytes`]): a violation that condemns it.
+    #[error(
+        "host staging: the worker sent {frames} frames ({bytes} bytes) during one staging wait, past the backlog's bound ({max_frames} frames, {max_bytes} bytes)"
+    )]
+    BacklogFull {
+        /// Frames kept when it overflowed, the one over included.
+        frames: usize,
+        /// Their bytes.
+        bytes: usize,
+        /// The bound on frames.
+        max_frames: usize,
+        /// The bound on bytes.
+        max_bytes: usize,
+    },
     /// The peer reported an error instead of going on.
     #[error("host staging: the peer failed: {message} ({code})")]
     Peer {
@@ -137,6 +173,8 @@ pub struct StagingChannel {
     config: StagingConfig,
     /// Frames of the peer that arrived while this channel waited for its own.
     backlog: VecDeque<Message>,
+    /// Their bytes (see [`StagingConfig::max_backlog_bytes`]).
+    backlog_bytes: usize,
     /// The parent's side: the peer's records (`filled` of what comes in, `drained` of what
     /// goes out) are waited for on the host, each against the channel's deadline, never by
     /// the stream: a worker's record behind a kernel that never ends would block a stream
@@ -201,6 +239,7 @@ impl StagingChannel {
             chunk,
             config,
             backlog: VecDeque::new(),
+            backlog_bytes: 0,
             peer_on_host: true,
         };
         let msg = Message::StagingBuffer(StagingBuffer {
@@ -272,6 +311,7 @@ impl StagingChannel {
             chunk,
             config: StagingConfig { chunk, ..config },
             backlog: VecDeque::new(),
+            backlog_bytes: 0,
             peer_on_host: false,
         };
         conn.send(
@@ -305,7 +345,7 @@ impl StagingChannel {
                     channel.backlog = skipped;
                     return Ok(channel);
                 }
-                other => keep(&mut skipped, other, &fds)?,
+                other => keep(&mut skipped, other, &fds, None)?,
             }
         }
     }
@@ -320,6 +360,7 @@ impl StagingChannel {
     /// chunks, acks), in order; empty after. Call it after every call that may receive, and
     /// handle them next.
     pub fn take_backlog(&mut self) -> VecDeque<Message> {
+        self.backlog_bytes = 0;
         std::mem::take(&mut self.backlog)
     }
 
@@ -350,7 +391,12 @@ impl StagingChannel {
             if wanted(&msg) && fds.is_empty() {
                 return Ok(msg);
             }
-            keep(&mut self.backlog, msg, &fds)?;
+            let bound = self.peer_on_host.then_some(Bound {
+                bytes: &mut self.backlog_bytes,
+                max_frames: self.config.max_backlog_frames,
+                max_bytes: self.config.max_backlog_bytes,
+            });
+            keep(&mut self.backlog, msg, &fds, bound)?;
         }
     }
 
@@ -529,9 +575,31 @@ fn chunk_msg(job: JobId, handle: HandoffId, seq: usize, off: usize, len: usize) 
     }
 }
 
+/// The parent's bound on a channel's backlog, and the bytes it holds.
+struct Bound<'a> {
+    bytes: &'a mut usize,
+    max_frames: usize,
+    max_bytes: usize,
+}
+
+/// What a kept frame counts against [`StagingConfig::max_backlog_bytes`]: the message's size
+/// plus its frame's length on the wire (what its heap parts take, roughly).
+fn backlog_bytes(msg: &Message) -> usize {
+    let wire =
+        poolipc_transport::codec::encode(msg, poolipc_transport::codec::FrameLimits::default())
+            .map_or(poolipc_transport::codec::MAX_FRAME_LEN, |f| f.len());
+    std::mem::size_of::<Message>().saturating_add(wire)
+}
+
 /// Keeps a frame that is not the one waited for: heartbeats are dropped, a peer's error ends
-/// the wait, a frame with FDs fails it (its FDs cannot wait), any other goes to `backlog`.
-fn keep(backlog: &mut VecDeque<Message>, msg: Message, fds: &[OwnedFd]) -> Result<()> {
+/// the wait, a frame with FDs fails it (its FDs cannot wait), one past `bound` fails it
+/// ([`StagingError::BacklogFull`]), any other goes to `backlog`.
+fn keep(
+    backlog: &mut VecDeque<Message>,
+    msg: Message,
+    fds: &[OwnedFd],
+    bound: Option<Bound<'_>>,
+) -> Result<()> {
     match msg {
         Message::Heartbeat { .. } => Ok(()),
         Message::Error { code, message } => Err(StagingError::Peer { code, message }),
@@ -541,6 +609,19 @@ fn keep(backlog: &mut VecDeque<Message>, msg: Message, fds: &[OwnedFd]) -> Resul
             fds.len()
         ))),
         other => {
+            if let Some(b) = bound {
+                let bytes = b.bytes.saturating_add(backlog_bytes(&other));
+                let frames = backlog.len().saturating_add(1);
+                if frames > b.max_frames || bytes > b.max_bytes {
+                    return Err(StagingError::BacklogFull {
+                        frames,
+                        bytes,
+                        max_frames: b.max_frames,
+                        max_bytes: b.max_bytes,
+                    });
+                }
+                *b.bytes = bytes;
+            }
             trace!(kind = %other.kind(), "host staging: a frame kept for later");
             backlog.push_back(other);
             Ok(())

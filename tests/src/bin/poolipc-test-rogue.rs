@@ -21,6 +21,21 @@
 //!   checks that every one is refused with `ErrorCode::LIMIT`, then fails the job with that
 //!   refusal's text and finishes it properly (a DONE event of its own, then the ACK); exits
 //!   at the parent's `Bye`.
+//! - `results-flood`: asks for 4096 one-byte results per request, again after each grant,
+//!   never finishing the job (the results-per-job bound must end it).
+//! - `giant-result`, `arena-giant-result` (the latter announces the arena): asks for one
+//!   result of `POOLIPC_TEST_ROGUE_BYTES` bytes (1 TiB by default). Refused, it fails the job
+//!   with the refusal's text and finishes it properly, then waits for `Bye`; granted, it
+//!   exits with an error (the parent must refuse, or condemn it first).
+//! - `keep-alive`: answers the job with an empty result request every 100 ms, forever: each
+//!   one is a valid message about the job (the job lifetime must end it).
+//! - `done-churn`: serves every job properly but with a DONE event of its own each time
+//!   (created, recorded, its blob sent; destroyed when the next job arrives): the parent
+//!   must not keep every blob it was sent open. Exits at the parent's `Bye`.
+//! - `staging-flood`: offers no pool pointers (so the parent stages); when the staging
+//!   buffer arrives it never says `StagingReady` but sends result requests of 4096 results
+//!   each, as fast as it can, until the parent closes the connection (the staging backlog's
+//!   bound must end it).
 //! - `staging-ftruncate`: offers no pool pointers (so the parent stages), and when the
 //!   staging buffer arrives tries to `ftruncate` its memfd to 0 bytes, says
 //!   `StagingReady`, waits for the parent's first chunk (which the parent wrote into the
@@ -51,10 +66,10 @@ fn run() -> anyhow::Result<()> {
     };
     let mut conn = poolipc_transport::connection_from_env()?;
     let mut caps = Capabilities(Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0);
-    if mode.starts_with("arena-") {
+    if mode.starts_with("arena-") || mode == "results-flood" {
         caps = caps | Capabilities::VMM_ARENA;
     }
-    if mode == "staging-ftruncate" {
+    if mode == "staging-ftruncate" || mode == "staging-flood" {
         caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
     }
     let config = HandshakeConfig {
@@ -80,6 +95,36 @@ fn run() -> anyhow::Result<()> {
             }
         }
     }
+    if mode == "staging-flood" {
+        loop {
+            match conn.recv(deadline())?.0 {
+                Message::StagingBuffer(_) => break,
+                Message::Heartbeat { .. } | Message::ArenaChunk(_) => {}
+                other => anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind()),
+            }
+        }
+        let flood = Message::ResultRequest(ResultRequest {
+            job: JobId(1),
+            results: vec![
+                ResultSpec {
+                    dtype: DType::U8,
+                    shape: vec![1],
+                    byte_len: 1,
+                };
+                poolipc_contract::MAX_RESULTS_PER_REQUEST
+            ],
+        });
+        let mut sent = 0u64;
+        loop {
+            if let Err(e) = conn.send(&flood, &[], deadline()) {
+                eprintln!(
+                    "poolipc-test-rogue: the parent stopped reading after {sent} frames: {e}"
+                );
+                return Ok(());
+            }
+            sent += 1;
+        }
+    }
     if mode == "staging-ftruncate" {
         let (bytes, fd) = loop {
             match conn.recv(deadline())? {
@@ -103,6 +148,42 @@ fn run() -> anyhow::Result<()> {
                 Message::Heartbeat { .. } | Message::ArenaChunk(_) | Message::Lend(_) => {}
                 other => anyhow::bail!("rogue: expected a Chunk, got {}", other.kind()),
             }
+        }
+    }
+    if mode == "done-churn" {
+        driver.use_device(0)?;
+        let mut previous = None;
+        loop {
+            let lend = match conn.recv(Instant::now() + Duration::from_secs(600))?.0 {
+                Message::Lend(l) => l,
+                Message::Bye => return Ok(()),
+                _ => continue,
+            };
+            if let Some(old) = previous.take() {
+                driver.event_destroy(old)?;
+            }
+            let event = driver.event_create(true)?;
+            driver.event_record(event, poolipc::StreamHandle::NULL)?;
+            previous = Some(event);
+            let handles: Vec<_> = lend.tensors.iter().map(|t| t.handle).collect();
+            conn.send(
+                &Message::Done(Done {
+                    job: lend.job,
+                    done_event: driver.ipc_get_event_handle(event)?,
+                    handles: handles.clone(),
+                    carved: Vec::new(),
+                }),
+                &[],
+                deadline(),
+            )?;
+            conn.send(
+                &Message::Ack(Ack {
+                    job: lend.job,
+                    handles,
+                }),
+                &[],
+                deadline(),
+            )?;
         }
     }
     let lend = loop {
@@ -133,6 +214,62 @@ fn run() -> anyhow::Result<()> {
             handles,
         }),
         "second-hello-ack" => Message::HelloAck(config.identity.clone()),
+        "results-flood" => {
+            let spec = ResultSpec {
+                dtype: DType::U8,
+                shape: vec![1],
+                byte_len: 1,
+            };
+            loop {
+                conn.send(
+                    &Message::ResultRequest(ResultRequest {
+                        job: lend.job,
+                        results: vec![spec.clone(); poolipc_contract::MAX_RESULTS_PER_REQUEST],
+                    }),
+                    &[],
+                    deadline(),
+                )?;
+                recv_grant(&mut conn)?;
+            }
+        }
+        "giant-result" | "arena-giant-result" => {
+            let bytes: u64 = match std::env::var("POOLIPC_TEST_ROGUE_BYTES") {
+                Ok(v) => v.parse()?,
+                Err(_) => 1 << 40,
+            };
+            conn.send(
+                &Message::ResultRequest(ResultRequest {
+                    job: lend.job,
+                    results: vec![ResultSpec {
+                        dtype: DType::U8,
+                        shape: vec![bytes],
+                        byte_len: bytes,
+                    }],
+                }),
+                &[],
+                deadline(),
+            )?;
+            let grant = recv_grant(&mut conn)?;
+            let said = match grant.results.as_slice() {
+                [poolipc_contract::ResultGrant::Refused { code, message }] => {
+                    format!("refused with {code}: {message}")
+                }
+                other => anyhow::bail!("rogue: a result of {bytes} bytes was granted: {other:?}"),
+            };
+            return finish_failed(&mut conn, &*driver, lend.job, handles, said);
+        }
+        "keep-alive" => loop {
+            conn.send(
+                &Message::ResultRequest(ResultRequest {
+                    job: lend.job,
+                    results: Vec::new(),
+                }),
+                &[],
+                deadline(),
+            )?;
+            recv_grant(&mut conn)?;
+            std::thread::sleep(Duration::from_millis(100));
+        },
         "results-too-many" => {
             let spec = ResultSpec {
                 dtype: DType::U8,
@@ -166,42 +303,7 @@ fn run() -> anyhow::Result<()> {
                 }
             }
             let said = said.unwrap_or_default();
-            conn.send(
-                &Message::JobError {
-                    job: lend.job,
-                    message: said,
-                },
-                &[],
-                deadline(),
-            )?;
-            driver.use_device(0)?;
-            let event = driver.event_create(true)?;
-            driver.event_record(event, poolipc::StreamHandle::NULL)?;
-            let done_event = driver.ipc_get_event_handle(event)?;
-            conn.send(
-                &Message::Done(Done {
-                    job: lend.job,
-                    done_event,
-                    handles: handles.clone(),
-                    carved: Vec::new(),
-                }),
-                &[],
-                deadline(),
-            )?;
-            conn.send(
-                &Message::Ack(Ack {
-                    job: lend.job,
-                    handles,
-                }),
-                &[],
-                deadline(),
-            )?;
-            // Alive and well: leave when the parent says goodbye.
-            loop {
-                if let Message::Bye = conn.recv(Instant::now() + Duration::from_secs(600))?.0 {
-                    return Ok(());
-                }
-            }
+            return finish_failed(&mut conn, &*driver, lend.job, handles, said);
         }
         lie @ ("arena-carve-out-of-bounds" | "arena-carve-overlap" | "arena-carve-misaligned") => {
             let Some(slice) = lend.slice else {
@@ -331,6 +433,53 @@ fn fd_drip(conn: poolipc_transport::Connection) -> anyhow::Result<()> {
     }
     std::thread::sleep(Duration::from_secs(600));
     Ok(())
+}
+
+/// The next `AllocationGrant`, skipping what a worker may be sent meanwhile.
+fn recv_grant(
+    conn: &mut poolipc_transport::Connection,
+) -> anyhow::Result<poolipc_contract::AllocationGrant> {
+    loop {
+        match conn.recv(Instant::now() + Duration::from_secs(30))?.0 {
+            Message::AllocationGrant(g) => return Ok(g),
+            Message::Heartbeat { .. } | Message::ArenaChunk(_) => {}
+            other => anyhow::bail!("rogue: expected a grant, got {}", other.kind()),
+        }
+    }
+}
+
+/// Fails `job` with `said` and finishes it properly (a DONE event of its own, then the
+/// ACK), then stays until the parent's `Bye`.
+fn finish_failed(
+    conn: &mut poolipc_transport::Connection,
+    driver: &dyn Driver,
+    job: JobId,
+    handles: Vec<poolipc_types::HandoffId>,
+    said: String,
+) -> anyhow::Result<()> {
+    let deadline = || Instant::now() + Duration::from_secs(30);
+    conn.send(&Message::JobError { job, message: said }, &[], deadline())?;
+    driver.use_device(0)?;
+    let event = driver.event_create(true)?;
+    driver.event_record(event, poolipc::StreamHandle::NULL)?;
+    let done_event = driver.ipc_get_event_handle(event)?;
+    conn.send(
+        &Message::Done(Done {
+            job,
+            done_event,
+            handles: handles.clone(),
+            carved: Vec::new(),
+        }),
+        &[],
+        deadline(),
+    )?;
+    conn.send(&Message::Ack(Ack { job, handles }), &[], deadline())?;
+    // Alive and well: leave when the parent says goodbye.
+    loop {
+        if let Message::Bye = conn.recv(Instant::now() + Duration::from_secs(600))?.0 {
+            return Ok(());
+        }
+    }
 }
 
 fn main() -> ExitCode {

@@ -106,8 +106,12 @@ fn run() -> anyhow::Result<usize> {
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
         }
-        poolipc::echo::answer(&mut job, None)?;
-        job.finish()?;
+        // A job that fails (a result refused, a cancelled job's) fails alone, as in
+        // `echo::serve`: the worker goes on to the next.
+        match poolipc::echo::answer(&mut job, None) {
+            Ok(()) => job.finish()?,
+            Err(e) => job.fail(&e.to_string())?,
+        }
         served += 1;
     }
     Ok(served)

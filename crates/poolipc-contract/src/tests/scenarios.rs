@@ -6,7 +6,7 @@ use crate::message::{
     Ack, Done, ErrorCode, Lend, Message, ResultGrant, ResultRequest, ResultSpec, TensorMeta,
 };
 use crate::parent::{
-    FailReason, InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent,
+    Bound, FailReason, InputLoan, JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent,
 };
 use crate::types::{
     AllocId, DType, EventBlob, ExportBlob, HandoffId, JobId, Outcome, Purpose, RequestId, Rung,
@@ -30,6 +30,7 @@ fn parent() -> Parent {
     let mut p = Parent::new(ParentConfig {
         limit: ImportLimit::default(),
         handoff_timeout: Duration::from_millis(10),
+        ..ParentConfig::default()
     });
     for w in [W0, W1] {
         p.add_worker(w).expect("fresh worker ids");
@@ -2208,4 +2209,179 @@ fn a_worker_refuses_an_arena_copy_without_its_location() {
         "{got:?}"
     );
     assert!(w.poll_action().is_none());
+}
+
+fn bounded_parent(tweak: impl FnOnce(&mut ParentConfig)) -> Parent {
+    let mut config = ParentConfig {
+        handoff_timeout: Duration::from_millis(10),
+        ..ParentConfig::default()
+    };
+    tweak(&mut config);
+    let mut p = Parent::new(config);
+    for w in [W0, W1] {
+        p.add_worker(w).expect("fresh worker ids");
+    }
+    p
+}
+
+/// Asks for `specs` in one request of `job` on `worker`, and declines every allocation the
+/// parent asks the facade for (what is asked is counted either way).
+fn ask_and_decline(
+    p: &mut Parent,
+    worker: WorkerId,
+    job: JobId,
+    specs: Vec<ResultSpec>,
+    now: Timestamp,
+) -> Vec<ParentAction> {
+    p.handle(
+        received(
+            worker,
+            Message::ResultRequest(ResultRequest {
+                job,
+                results: specs,
+            }),
+        ),
+        now,
+    )
+    .expect("request");
+    let actions = drain_parent(p);
+    for a in &actions {
+        if let ParentAction::AllocateResult {
+            worker, request, ..
+        } = a
+        {
+            p.handle(
+                ParentEvent::ResultDeclined {
+                    worker: *worker,
+                    request: *request,
+                    code: ErrorCode::OUT_OF_MEMORY,
+                    message: "declined".into(),
+                },
+                now,
+            )
+            .expect("declined");
+        }
+    }
+    actions.into_iter().chain(drain_parent(p)).collect()
+}
+
+fn failed_with(p: &mut Parent, worker: WorkerId, job: JobId, now: Timestamp) -> FailReason {
+    p.handle(ParentEvent::WorkerReaped { worker }, now)
+        .expect("reaped");
+    match job_finished(&drain_parent(p), job) {
+        JobOutcome::Failed { reason, .. } => reason,
+        other => panic!("the job ended {other:?}"),
+    }
+}
+
+#[test]
+fn a_job_asking_past_its_results_per_job_bound_condemns_only_its_worker() {
+    let mut p = bounded_parent(|c| c.max_results_per_job = 3);
+    p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
+        .expect("start");
+    p.start_job(W1, JobId(2), ready(2), vec![pointer(2)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    let first = ask_and_decline(&mut p, W0, JOB, vec![spec(1), spec(1)], T0);
+    assert!(!first.contains(&ParentAction::KillWorker { worker: W0 }));
+    let second = ask_and_decline(&mut p, W0, JOB, vec![spec(1), spec(1)], T0);
+    assert!(
+        second.contains(&ParentAction::KillWorker { worker: W0 }),
+        "{second:?}"
+    );
+    assert!(
+        !second
+            .iter()
+            .any(|a| matches!(a, ParentAction::AllocateResult { .. }))
+    );
+    assert!(p.is_live(W1));
+    assert_eq!(
+        failed_with(&mut p, W0, JOB, at(1)),
+        FailReason::BoundExceeded(Bound::ResultsPerJob)
+    );
+}
+
+#[test]
+fn a_single_request_past_the_result_bytes_per_job_bound_is_never_allocated() {
+    let mut p = bounded_parent(|c| c.max_result_bytes_per_job = 1 << 20);
+    p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    let actions = ask_and_decline(&mut p, W0, JOB, vec![spec((1 << 18) + 1)], T0);
+    assert_eq!(actions, [ParentAction::KillWorker { worker: W0 }]);
+    assert_eq!(
+        failed_with(&mut p, W0, JOB, at(1)),
+        FailReason::BoundExceeded(Bound::ResultBytesPerJob)
+    );
+}
+
+#[test]
+fn the_result_bytes_of_a_workers_open_jobs_together_are_bounded() {
+    let mut p = bounded_parent(|c| {
+        c.max_result_bytes_per_job = 80;
+        c.max_result_bytes_per_worker = 100;
+    });
+    p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
+        .expect("start");
+    p.start_job(W0, JobId(2), ready(2), vec![pointer(2)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    let first = ask_and_decline(&mut p, W0, JOB, vec![spec(15)], T0);
+    assert!(!first.contains(&ParentAction::KillWorker { worker: W0 }));
+    let second = ask_and_decline(&mut p, W0, JobId(2), vec![spec(15)], T0);
+    assert_eq!(second, [ParentAction::KillWorker { worker: W0 }]);
+    assert_eq!(
+        failed_with(&mut p, W0, JOB, at(1)),
+        FailReason::BoundExceeded(Bound::ResultBytesPerWorker)
+    );
+}
+
+#[test]
+fn a_job_kept_busy_still_ends_at_its_lifetime() {
+    let mut p = bounded_parent(|c| c.max_job_lifetime = Duration::from_millis(25));
+    p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    // An empty request every 5 ms: the handoff deadline (10 ms) never passes.
+    for ms in (5..25).step_by(5) {
+        let _ = ask_and_decline(&mut p, W0, JOB, Vec::new(), at(ms));
+        p.handle_timeout(at(ms));
+        assert!(p.is_live(W0), "condemned at {ms} ms");
+    }
+    assert_eq!(p.poll_timeout(), Some(at(25)));
+    p.handle_timeout(at(25));
+    assert_eq!(
+        drain_parent(&mut p),
+        [ParentAction::KillWorker { worker: W0 }]
+    );
+    assert_eq!(
+        failed_with(&mut p, W0, JOB, at(26)),
+        FailReason::BoundExceeded(Bound::JobLifetime)
+    );
+}
+
+#[test]
+fn a_job_waiting_for_the_facades_answer_still_meets_its_lifetime() {
+    let mut p = bounded_parent(|c| c.max_job_lifetime = Duration::from_millis(25));
+    p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    p.handle(
+        received(
+            W0,
+            Message::ResultRequest(ResultRequest {
+                job: JOB,
+                results: vec![spec(1)],
+            }),
+        ),
+        T0,
+    )
+    .expect("request");
+    let _ = drain_parent(&mut p);
+    assert_eq!(p.poll_timeout(), Some(at(25)));
+    p.handle_timeout(at(25));
+    assert_eq!(
+        drain_parent(&mut p),
+        [ParentAction::KillWorker { worker: W0 }]
+    );
 }

@@ -631,6 +631,15 @@ class JobHandle:
         self._inputs = None
         return list(self._results)
 
+    def cancel(self) -> None:
+        """Cancels the job. The worker is told (its result requests from now on are refused)
+        and still finishes the job; ``wait`` then raises ``JobFailedError`` with ``reason ==
+        "cancelled"``. Nothing the job held is reused before the worker finished it (its DONE
+        completed) or died. The worker goes on taking jobs. A job that ended already is left
+        as it is; cancelling twice is cancelling once.
+        """
+        self._native.cancel()
+
     def __repr__(self) -> str:
         return f"JobHandle(id={self.id}, worker={self.worker}, done={self.done})"
 

@@ -219,6 +219,8 @@ class NativeJobHandle:
         """Whether the job has ended."""
     def wait(self, timeout: float | None = None) -> tuple[list[NativeResult], list[str]]:
         """Waits for the job: ``(results, input_rungs)`` or its typed error."""
+    def cancel(self) -> None:
+        """Cancels the job: it fails with ``JobFailedError`` (``reason == "cancelled"``)."""
 
 @final
 class NativeParent:
