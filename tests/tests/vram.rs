@@ -377,3 +377,74 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    fn empty_cache_does_not_wait_for_a_worker_busy_in_a_job_and_its_share_comes_back_after(env) {
+        // The worker stops at a gate inside its second job (a custom node running long):
+        // it reads no frame until the job ends. empty_cache gives the idle chunk back at
+        // once, without waiting out EMPTY_CACHE_WAIT for that worker; the worker unmaps the
+        // chunk once its job is over.
+        let p = parent(env, |_| {})?;
+        let stream = p.driver().stream_create()?;
+        let gate = std::env::temp_dir().join(format!("poolipc-vram-gate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&gate);
+        std::fs::create_dir_all(&gate)?;
+        let go = gate.join("go");
+        std::fs::write(&go, b"")?;
+        let mut cmd = worker_command(env, None)?;
+        cmd.env("POOLIPC_TEST_GATE", &gate);
+        let w = p.spawn_worker(cmd)?;
+        drop(results_job(&p, w, 64 * MIB, stream)?);
+        ensure!(settle(&p, stream)? == 0, "blocks left");
+        let capacity = p.arena_stats().context("no arena")?.alloc.capacity;
+        let before = free_vram(&p)?;
+        // The second job waits at the gate.
+        std::fs::remove_file(&go)?;
+        let input = filled(&p, MIB, 0x0B05_0B05, stream)?;
+        let job = p.submit(w, &[bytes_input(input, MIB)], stream)?;
+        let t = Instant::now();
+        while !std::fs::read_dir(&gate)?.any(|e| {
+            e.is_ok_and(|e| e.file_name().to_string_lossy().starts_with("started-"))
+        }) {
+            ensure!(t.elapsed() < Duration::from_secs(30), "the second job never started");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let t = Instant::now();
+        let report = p.empty_cache()?;
+        let took = t.elapsed();
+        println!("empty_cache beside a busy worker: {report:?} in {took:?}");
+        ensure!(report.arena_bytes == capacity, "{report:?}");
+        ensure!(report.workers_not_answered == 1, "{report:?}");
+        ensure!(
+            took < poolipc::EMPTY_CACHE_WAIT,
+            "empty_cache waited {took:?} for a worker busy in a job"
+        );
+        // The job goes on; after it the worker unmaps the chunk and the memory is back.
+        std::fs::write(&go, b"")?;
+        let out = job.wait()?;
+        drop(out);
+        ensure!(settle(&p, stream)? == 0, "blocks left");
+        // The job's own result grew the arena again (a new chunk): that much stays taken.
+        let grown = p.arena_stats().context("no arena")?.alloc.capacity;
+        let t = Instant::now();
+        loop {
+            let after = free_vram(&p)?;
+            if after + SLACK + grown >= before + capacity {
+                break;
+            }
+            ensure!(
+                t.elapsed() < Duration::from_secs(10),
+                "only {} of {} MiB came back after the job ({} MiB grown since)",
+                (after + grown).saturating_sub(before) / MIB,
+                capacity / MIB,
+                grown / MIB
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        p.pool().free(input, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        p.stop_worker(w)?;
+        let _ = std::fs::remove_dir_all(&gate);
+        Ok(())
+    }
+);

@@ -529,8 +529,10 @@ pub struct EmptyCache {
     pub arena_chunks: u64,
     /// Their bytes: back on the device once every worker that mapped them unmapped them.
     pub arena_bytes: u64,
-    /// Workers told to unmap a chunk that had not answered within [`EMPTY_CACHE_WAIT`]
-    /// (busy in a job, or not reading): the memory of those chunks comes back when they do.
+    /// Workers told to give something back (unmap a chunk, drop mappings, take or drop a
+    /// pool generation) that had not answered: busy in a job (not waited for at all: a job
+    /// may run for seconds) or silent for [`EMPTY_CACHE_WAIT`]. What they hold comes back
+    /// when they answer.
     pub workers_not_answered: usize,
     /// Workers told to drop their cached mappings of the parent's VMM allocations (the
     /// VMM-handle rung): each keeps the memory behind it alive after the parent freed it.
