@@ -3312,7 +3312,6 @@ fn job_of(action: &ParentAction) -> Option<(WorkerId, JobId)> {
     }
 }
 
-/// `bytes` for a person: `16 GiB`, `3.5 GiB`, `64 MiB`, `12 KiB`, `100 bytes`.
 /// The probe's name for an action, marked when it was carried out.
 fn action_label(action: &ParentAction) -> &'static str {
     match action {
@@ -3336,6 +3335,7 @@ fn action_label(action: &ParentAction) -> &'static str {
     }
 }
 
+/// `bytes` for a person: `16 GiB`, `3.5 GiB`, `64 MiB`, `12 KiB`, `100 bytes`.
 fn human_bytes(bytes: u64) -> String {
     const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
     for (unit, name) in UNITS {
