@@ -458,6 +458,20 @@ impl Writer<'_> {
     fn u64(&mut self, v: u64) {
         self.out.extend_from_slice(&v.to_le_bytes());
     }
+    /// A length that must not be 0 (an arena chunk's, a VMM mapping's).
+    fn nonzero_u64(&mut self, field: &'static str, v: u64) -> Result<(), EncodeError> {
+        if v == 0 {
+            return Err(EncodeError::OutOfRange {
+                kind: self.kind,
+                field,
+                value: 0,
+                min: 1,
+                max: u64::MAX,
+            });
+        }
+        self.u64(v);
+        Ok(())
+    }
     fn i32(&mut self, v: i32) {
         self.out.extend_from_slice(&v.to_le_bytes());
     }
@@ -712,31 +726,13 @@ impl Writer<'_> {
                 self.text("reason", &reply.reason)?;
             }
             Message::ArenaChunk(c) => {
-                if c.len == 0 {
-                    return Err(EncodeError::OutOfRange {
-                        kind: self.kind,
-                        field: "len",
-                        value: 0,
-                        min: 1,
-                        max: u64::MAX,
-                    });
-                }
                 self.u32(c.index);
-                self.u64(c.len);
+                self.nonzero_u64("len", c.len)?;
             }
             Message::VmmShare(v) => {
-                if v.len == 0 {
-                    return Err(EncodeError::OutOfRange {
-                        kind: self.kind,
-                        field: "len",
-                        value: 0,
-                        min: 1,
-                        max: u64::MAX,
-                    });
-                }
                 self.u64(v.alloc.0);
                 self.u64(v.base);
-                self.u64(v.len);
+                self.nonzero_u64("len", v.len)?;
             }
             Message::ArenaRelease(r) | Message::ArenaReleased(r) => self.u32(r.index),
             Message::ReleaseMappings => {}
@@ -828,6 +824,20 @@ impl Reader<'_> {
     }
     fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
         Ok(u64::from_le_bytes(self.take(field)?))
+    }
+    /// A length that must not be 0 (an arena chunk's, a VMM mapping's).
+    fn nonzero_u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
+        let v = self.u64(field)?;
+        if v == 0 {
+            return Err(DecodeError::OutOfRange {
+                kind: self.kind,
+                field,
+                value: 0,
+                min: 1,
+                max: u64::MAX,
+            });
+        }
+        Ok(v)
     }
     fn i32(&mut self, field: &'static str) -> Result<i32, DecodeError> {
         Ok(i32::from_le_bytes(self.take(field)?))
@@ -1145,35 +1155,15 @@ impl Reader<'_> {
                     device: DeviceUuid(self.take("device")?),
                 })
             }
-            MessageKind::ArenaChunk => {
-                let index = self.u32("index")?;
-                let len = self.u64("len")?;
-                if len == 0 {
-                    return Err(DecodeError::OutOfRange {
-                        kind: self.kind,
-                        field: "len",
-                        value: 0,
-                        min: 1,
-                        max: u64::MAX,
-                    });
-                }
-                Message::ArenaChunk(ArenaChunk { index, len })
-            }
-            MessageKind::VmmShare => {
-                let alloc = AllocId(self.u64("alloc")?);
-                let base = self.u64("base")?;
-                let len = self.u64("len")?;
-                if len == 0 {
-                    return Err(DecodeError::OutOfRange {
-                        kind: self.kind,
-                        field: "len",
-                        value: 0,
-                        min: 1,
-                        max: u64::MAX,
-                    });
-                }
-                Message::VmmShare(VmmShare { alloc, base, len })
-            }
+            MessageKind::ArenaChunk => Message::ArenaChunk(ArenaChunk {
+                index: self.u32("index")?,
+                len: self.nonzero_u64("len")?,
+            }),
+            MessageKind::VmmShare => Message::VmmShare(VmmShare {
+                alloc: AllocId(self.u64("alloc")?),
+                base: self.u64("base")?,
+                len: self.nonzero_u64("len")?,
+            }),
             MessageKind::ArenaRelease => Message::ArenaRelease(ArenaRelease {
                 index: self.u32("index")?,
             }),

@@ -1021,13 +1021,51 @@ impl Loop {
             .collect();
         for id in holders {
             self.forget_vmm_shares(id);
-            self.send(id, &Message::ReleaseMappings);
-            if self.workers.get(&id).is_some_and(|s| s.lost.is_none()) {
-                awaited.insert((id, MAPPINGS_ACK));
-                self.release_acks.insert((id, MAPPINGS_ACK));
+            if self.send_awaiting(id, &Message::ReleaseMappings, MAPPINGS_ACK, &mut awaited) {
                 report.vmm_workers += 1;
             }
         }
+        self.wait_for_answers(reply, report, awaited);
+    }
+
+    /// Sends `message` to `worker` and, if the worker is still there after, awaits its
+    /// answer under `key` ([`await_answer`](Loop::await_answer)). Returns whether it does.
+    fn send_awaiting(
+        &mut self,
+        worker: WorkerId,
+        message: &Message,
+        key: u32,
+        awaited: &mut HashSet<(WorkerId, u32)>,
+    ) -> bool {
+        self.send(worker, message);
+        self.await_answer(worker, key, awaited)
+    }
+
+    /// Records that `worker`'s answer under `key` is awaited (in `awaited`, for one
+    /// `empty_cache`, and in the loop's set, which `received` clears). A worker lost meanwhile
+    /// never answers and is not waited for: `false`.
+    fn await_answer(
+        &mut self,
+        worker: WorkerId,
+        key: u32,
+        awaited: &mut HashSet<(WorkerId, u32)>,
+    ) -> bool {
+        if self.workers.get(&worker).is_none_or(|s| s.lost.is_some()) {
+            return false;
+        }
+        awaited.insert((worker, key));
+        self.release_acks.insert((worker, key));
+        true
+    }
+
+    /// Replies `report` to an `empty_cache` once the `awaited` answers came (or as
+    /// [`answer_release_waiters`](Loop::answer_release_waiters) decides otherwise).
+    fn wait_for_answers(
+        &mut self,
+        reply: Sender<EmptyCache>,
+        report: EmptyCache,
+        awaited: HashSet<(WorkerId, u32)>,
+    ) {
         self.release_waiters.push(ReleaseWaiter {
             reply,
             report,
@@ -1054,11 +1092,8 @@ impl Loop {
                 if !sent {
                     continue;
                 }
-                self.send(id, &Message::ArenaRelease(ArenaRelease { index: c.index }));
-                if self.workers.get(&id).is_some_and(|s| s.lost.is_none()) {
-                    awaited.insert((id, c.index));
-                    self.release_acks.insert((id, c.index));
-                }
+                let message = Message::ArenaRelease(ArenaRelease { index: c.index });
+                self.send_awaiting(id, &message, c.index, &mut awaited);
             }
         }
         awaited

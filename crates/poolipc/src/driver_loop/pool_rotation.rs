@@ -2,18 +2,17 @@
 //! gets the new generation at a free index of its pool table before a lend names it, and a
 //! retired generation is destroyed in the workers (`PoolRetire`) before the parent destroys
 //! it. The answers (`ExtraPoolReply`, `PoolRetired`) are awaited as `empty_cache`'s other
-//! answers are ([`ReleaseWaiter`]).
+//! answers are ([`ReleaseWaiter`](super::ReleaseWaiter)).
 
 use std::collections::HashSet;
 use std::os::fd::AsFd;
 use std::sync::mpsc::Sender;
-use std::time::Instant;
 
 use poolipc_contract::{ExtraPool, ExtraPoolReply, Message, PoolRetire};
 use poolipc_driver::PoolHandle;
 use poolipc_types::WorkerId;
 
-use super::{Loop, ReleaseWaiter};
+use super::Loop;
 use crate::parent::{EmptyCache, WorkerPool, lock};
 
 /// The key of an `ExtraPoolReply` for index `i` among the awaited (worker, key) answers is
@@ -78,9 +77,7 @@ impl Loop {
                     continue;
                 }
                 tracing::debug!(worker = %id, index, ?handle, "new pool generation offered");
-                let key = POOL_OFFER_ACK + u32::from(index);
-                awaited.insert((id, key));
-                self.release_acks.insert((id, key));
+                self.await_answer(id, POOL_OFFER_ACK + u32::from(index), &mut awaited);
             }
         } else {
             tracing::warn!(
@@ -89,13 +86,7 @@ impl Loop {
                 "a rotated pool generation vanished before it was offered"
             );
         }
-        self.release_waiters.push(ReleaseWaiter {
-            reply,
-            report: EmptyCache::default(),
-            awaited,
-            deadline: Instant::now() + crate::parent::EMPTY_CACHE_WAIT,
-        });
-        self.answer_release_waiters();
+        self.wait_for_answers(reply, EmptyCache::default(), awaited);
     }
 
     /// Tells every worker whose table holds retired generation `handle` to destroy its import
@@ -128,20 +119,15 @@ impl Loop {
             holders
         };
         for (id, index) in holders {
-            self.send(id, &Message::PoolRetire(PoolRetire { index }));
-            if self.workers.get(&id).is_some_and(|s| s.lost.is_none()) {
-                let key = POOL_RETIRE_ACK + u32::from(index);
-                awaited.insert((id, key));
-                self.release_acks.insert((id, key));
-            }
+            let message = Message::PoolRetire(PoolRetire { index });
+            self.send_awaiting(
+                id,
+                &message,
+                POOL_RETIRE_ACK + u32::from(index),
+                &mut awaited,
+            );
         }
-        self.release_waiters.push(ReleaseWaiter {
-            reply,
-            report: EmptyCache::default(),
-            awaited,
-            deadline: Instant::now() + crate::parent::EMPTY_CACHE_WAIT,
-        });
-        self.answer_release_waiters();
+        self.wait_for_answers(reply, EmptyCache::default(), awaited);
     }
 
     /// A worker's `ExtraPoolReply` after its handshake: the entry it answers becomes usable
