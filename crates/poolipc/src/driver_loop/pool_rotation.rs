@@ -141,7 +141,7 @@ impl Loop {
             p.reachable = r.reachable;
         }
         if !r.reachable {
-            tracing::info!(worker = %worker, index = r.index, reason = %r.reason, "the worker cannot use a new pool generation: its tensors take another rung");
+            tracing::info!(worker = %worker, index = r.index, reason = %poolipc_contract::worker_text(&r.reason), "the worker cannot use a new pool generation: its tensors take another rung");
         }
         POOL_OFFER_ACK + u32::from(r.index)
     }
