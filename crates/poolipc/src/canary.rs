@@ -29,25 +29,25 @@ use crate::parent::{Input, JobOutput, Parent};
 use crate::tensor::TensorDesc;
 
 /// Job ids with this bit set are canary jobs.
-pub const CANARY_BIT: u64 = 1 << 63;
+pub(crate) const CANARY_BIT: u64 = 1 << 63;
 
 /// A canary job whose id also has this bit: the worker writes
 /// [`echo::marker`]`(i)` into the first word of each writable pool-pointer input `i` after
 /// its echo, for the parent to read back (the export reuse check's write through an old
 /// blob).
-pub const CANARY_IN_PLACE_BIT: u64 = 1 << 62;
+pub(crate) const CANARY_IN_PLACE_BIT: u64 = 1 << 62;
 
 /// The size the export reuse check recycles: two 32 MiB chunks (64 MiB was measured on the
 /// H200, with 1 GiB and 4 GiB).
-pub const REUSE_CHECK_BYTES: u64 = 64 * MIB;
+pub(crate) const REUSE_CHECK_BYTES: u64 = 64 * MIB;
 
 /// How many allocations of [`REUSE_CHECK_BYTES`] the check makes, each held, before it stops
 /// waiting for the pool to hand the freed address back.
-pub const REUSE_CHECK_TRIES: usize = 8;
+pub(crate) const REUSE_CHECK_TRIES: usize = 8;
 
 /// Whether a job is part of the canary battery.
 #[must_use]
-pub fn is_canary(job: JobId) -> bool {
+pub(crate) fn is_canary(job: JobId) -> bool {
     job.0 & CANARY_BIT != 0
 }
 
@@ -438,7 +438,7 @@ impl Battery<'_> {
 /// Runs the export reuse check with `worker` if the parent's pool has no verdict yet (see
 /// the module docs), and returns the pool's verdict. For a parent that runs no canary
 /// battery (`ParentOptions::canary` off), which otherwise keeps exporting every allocation.
-pub fn check_export_reuse(
+pub(crate) fn check_export_reuse(
     parent: &Parent,
     worker: poolipc_contract::WorkerId,
 ) -> Result<(ExportReuse, Option<String>), Error> {
@@ -463,7 +463,7 @@ pub fn check_export_reuse(
 }
 
 /// Runs the battery on `worker`.
-pub fn run(parent: &Parent, worker: poolipc_contract::WorkerId) -> Result<CanaryReport, Error> {
+pub(crate) fn run(parent: &Parent, worker: poolipc_contract::WorkerId) -> Result<CanaryReport, Error> {
     // The battery allocates and checks on this thread: the device must be current here.
     parent.driver().use_device(parent.options().device)?;
     let stream = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(parent.driver()))?;

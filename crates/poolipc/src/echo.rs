@@ -72,6 +72,7 @@ pub fn verify_echo(
 
 /// A point in a job at which [`serve`] can be told to die, to test what the parent does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(clippy::enum_variant_names)] // each names the moment after which the worker dies
 pub enum DieAt {
     /// After the inputs were imported, before asking for results.
     AfterImport,

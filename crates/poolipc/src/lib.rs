@@ -49,16 +49,26 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod canary;
+mod canary;
 pub mod driver;
 mod driver_loop;
+// The canary battery answers with it; public for the demo and the tests under `echo`.
+#[cfg(feature = "echo")]
 pub mod echo;
+#[cfg(not(feature = "echo"))]
+#[allow(unreachable_pub, dead_code)]
+mod echo;
 mod error;
 mod handshake;
 pub mod mps;
 mod parent;
 pub mod probe;
+// Its channel is public to the tests under the `testing` feature, the crate's own otherwise.
+#[cfg(feature = "testing")]
 pub mod staging;
+#[cfg(not(feature = "testing"))]
+#[allow(unreachable_pub)]
+mod staging;
 mod tensor;
 mod worker;
 pub mod worker_env;
@@ -80,9 +90,14 @@ pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId, SendQueueLimits};
 pub use tensor::{ResultShape, Rung, TensorDesc};
+pub use staging::{
+    DEFAULT_CHUNK as DEFAULT_STAGING_CHUNK, DEFAULT_MAX_BACKLOG_BYTES, DEFAULT_MAX_BACKLOG_FRAMES,
+    StagingConfig, StagingError,
+};
+#[cfg(feature = "testing")]
+pub use worker::FAILPOINT_ENV;
 pub use worker::{
-    FAILPOINT_ENV, HeldJob, InputView, Job, NextJob, ResultView, WORKER_SPIN_ENV, Worker,
-    WorkerDevice, failpoint,
+    HeldJob, InputView, Job, NextJob, ResultView, WORKER_SPIN_ENV, Worker, WorkerDevice,
 };
 
 /// Results of this crate.

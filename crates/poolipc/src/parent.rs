@@ -1268,7 +1268,7 @@ impl Parent {
     }
 
     /// Runs the export reuse check with `worker` unless the first pool has a verdict
-    /// already, and returns the verdict with why not proven (see [`crate::canary`]). The
+    /// already, and returns the verdict with why not proven (the canary battery's check). The
     /// canary battery does this on its own; a parent without it (`canary: false`) calls this
     /// to stop exporting recycled allocations of the same size.
     pub fn check_export_reuse(

@@ -59,8 +59,9 @@ use tracing::{debug, trace};
 /// Bytes of one half of the buffer unless configured: 64 MiB (the buffer is twice that).
 pub const DEFAULT_CHUNK: usize = 64 << 20;
 
-/// Which wait to leave out, for the tests that prove the simulation catches a missing one.
-#[doc(hidden)]
+/// Which wait to leave out, for the tests that prove the simulation catches a missing one
+/// (the `testing` feature).
+#[cfg(feature = "testing")]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SkipWait {
     /// Skip nothing (always, outside those tests).
@@ -72,7 +73,8 @@ pub enum SkipWait {
     Drained,
 }
 
-/// How a [`StagingChannel`] is set up and how long it waits.
+/// How host staging's channel (the shared buffer a tensor crosses in chunks) is set up and how
+/// long it waits.
 #[derive(Clone, Debug)]
 pub struct StagingConfig {
     /// Bytes of each half of the shared buffer, i.e. of one chunk (the buffer is twice this).
@@ -87,8 +89,9 @@ pub struct StagingConfig {
     /// message plus its frame's length on the wire ([`DEFAULT_MAX_BACKLOG_BYTES`]). One
     /// more frame past it is [`StagingError::BacklogFull`].
     pub max_backlog_bytes: usize,
-    /// Test-only: leave out one of the waits. Never set it elsewhere.
-    #[doc(hidden)]
+    /// Leave out one of the waits: for the tests that prove the simulation catches it (the
+    /// `testing` feature).
+    #[cfg(feature = "testing")]
     pub skip_wait: SkipWait,
 }
 
@@ -99,6 +102,7 @@ impl Default for StagingConfig {
             timeout: Duration::from_secs(30),
             max_backlog_frames: DEFAULT_MAX_BACKLOG_FRAMES,
             max_backlog_bytes: DEFAULT_MAX_BACKLOG_BYTES,
+            #[cfg(feature = "testing")]
             skip_wait: SkipWait::None,
         }
     }
@@ -328,6 +332,7 @@ impl StagingChannel {
     /// Worker side, receiving the [`Message::StagingBuffer`] itself first (for a worker that
     /// knows staging setup comes next). Frames before it wait in the
     /// [backlog](Self::take_backlog).
+    #[cfg(feature = "testing")]
     pub fn accept_worker(
         driver: Arc<dyn Driver>,
         conn: &mut Connection,
@@ -351,9 +356,26 @@ impl StagingChannel {
     }
 
     /// Whether this channel was configured to skip one of its waits (a test's mutation).
+    #[cfg(feature = "testing")]
     #[must_use]
     pub fn skips_a_wait(&self) -> bool {
         self.config.skip_wait != SkipWait::None
+    }
+
+    /// Whether the `filled` wait is left out (a test's mutation, under `testing`).
+    fn skips_filled(&self) -> bool {
+        #[cfg(feature = "testing")]
+        return self.config.skip_wait == SkipWait::Filled;
+        #[cfg(not(feature = "testing"))]
+        false
+    }
+
+    /// Whether the `drained` wait is left out (a test's mutation, under `testing`).
+    fn skips_drained(&self) -> bool {
+        #[cfg(feature = "testing")]
+        return self.config.skip_wait == SkipWait::Drained;
+        #[cfg(not(feature = "testing"))]
+        false
     }
 
     /// The frames of the peer that arrived while this channel waited for its own (setup,
@@ -370,6 +392,7 @@ impl StagingChannel {
     }
 
     /// The shared buffer.
+    #[cfg(feature = "testing")]
     pub fn buffer(&self) -> &SharedHostBuffer {
         &self.buffer
     }
@@ -473,7 +496,7 @@ impl StagingChannel {
                     self.expect_chunk(conn, job, handle, acked, bytes, "ack")?;
                     acked += 1;
                 }
-                if self.config.skip_wait != SkipWait::Drained {
+                if !self.skips_drained() {
                     self.wait_peer(stream, self.drained[seq % 2], "drained")?;
                 }
             }
@@ -519,7 +542,7 @@ impl StagingChannel {
         for seq in 0..n {
             let c = self.expect_chunk(conn, job, handle, seq, bytes, "chunk")?;
             let (off, len) = self.span(seq, bytes);
-            if self.config.skip_wait != SkipWait::Filled {
+            if !self.skips_filled() {
                 self.wait_peer(stream, self.filled[seq % 2], "filled")?;
             }
             self.buffer

@@ -55,9 +55,10 @@ const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The environment variable naming a failpoint: the worker kills itself with SIGKILL when it
-/// reaches that step. For tests of what the parent does when a worker dies mid-handoff;
-/// unset, it costs one lookup per process.
+/// The environment variable naming a failpoint (the `testing` feature): the worker kills itself
+/// with SIGKILL when it reaches that step. For tests of what the parent does when a worker dies
+/// mid-handoff; unset, it costs one lookup per process. Without the `testing` feature no
+/// failpoint exists and the variable means nothing.
 ///
 /// The steps: `before-import`, `before-ready-wait`, `after-import`, `after-grant`,
 /// `after-write`, `before-done`, `after-done`, `after-ack`, `before-extra-pool-reply`.
@@ -68,9 +69,12 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 /// never completes on the GPU, for tests of what the parent does about that.
 /// `hang-before-staged-send` does the same before a host-staged tensor goes back: its
 /// `filled` records never complete.
+#[cfg(feature = "testing")]
 pub const FAILPOINT_ENV: &str = "POOLIPC_FAILPOINT";
 
-/// Whether [`FAILPOINT_ENV`] names `step` (outside the canary battery).
+/// Whether [`FAILPOINT_ENV`] names `step` (outside the canary battery); never without the
+/// `testing` feature.
+#[cfg(feature = "testing")]
 fn failpoint_armed(step: &str) -> bool {
     if IN_CANARY.with(std::cell::Cell::get) {
         return false;
@@ -81,8 +85,16 @@ fn failpoint_armed(step: &str) -> bool {
         == Some(step)
 }
 
-/// Dies here (SIGKILL) if [`FAILPOINT_ENV`] names `step`. Canary jobs pass failpoints by.
-pub fn failpoint(step: &str) {
+/// Without the `testing` feature no failpoint is ever armed.
+#[cfg(not(feature = "testing"))]
+#[inline(always)]
+fn failpoint_armed(_step: &str) -> bool {
+    false
+}
+
+/// Dies here (SIGKILL) if [`FAILPOINT_ENV`] names `step` (the `testing` feature). Canary jobs
+/// pass failpoints by.
+pub(crate) fn failpoint(step: &str) {
     if failpoint_armed(step) {
         tracing::warn!(step, "failpoint reached: the worker kills itself");
         let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
