@@ -6,6 +6,8 @@
 //!   project's own words are in `docs/`. Recorded run output (`bench/probes/results/`) is
 //!   exempt: it quotes the machines it ran on.
 //! - Every relative link of a Markdown file names a file or folder that exists.
+//! - The Rust rules of [`crate::rust_rules`]: where `unsafe` may be and what it must say, no
+//!   wildcard arm on the contract's actions or the rungs, no long file without its reason.
 
 use std::path::Path;
 use std::process::Command;
@@ -39,6 +41,12 @@ pub(crate) fn check(root: &Path) -> Result<()> {
         );
     }
     let mut offences = Vec::new();
+    let listing = String::from_utf8_lossy(&out.stdout);
+    let tracked: Vec<&str> = listing
+        .split('\0')
+        .filter(|p| !p.is_empty() && !EXEMPT.iter().any(|e| p.starts_with(e)))
+        .collect();
+    offences.extend(crate::rust_rules::check(root, &tracked));
     for path in String::from_utf8_lossy(&out.stdout).split('\0') {
         if path.is_empty() || EXEMPT.iter().any(|e| path.starts_with(e)) {
             continue;
@@ -59,7 +67,9 @@ pub(crate) fn check(root: &Path) -> Result<()> {
             offences.join("\n")
         );
     }
-    eprintln!("tidy: no link leaves the repository; every Markdown link resolves");
+    eprintln!(
+        "tidy: no link leaves the repository; every Markdown link resolves; unsafe only where allowed and each block said safe; no wildcard on actions or rungs; no long file without its reason"
+    );
     Ok(())
 }
 
