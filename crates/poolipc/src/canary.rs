@@ -463,7 +463,10 @@ pub(crate) fn check_export_reuse(
 }
 
 /// Runs the battery on `worker`.
-pub(crate) fn run(parent: &Parent, worker: poolipc_contract::WorkerId) -> Result<CanaryReport, Error> {
+pub(crate) fn run(
+    parent: &Parent,
+    worker: poolipc_contract::WorkerId,
+) -> Result<CanaryReport, Error> {
     // The battery allocates and checks on this thread: the device must be current here.
     parent.driver().use_device(parent.options().device)?;
     let stream = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(parent.driver()))?;

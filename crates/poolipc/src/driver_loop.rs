@@ -705,7 +705,9 @@ impl Loop {
     }
 
     fn received(&mut self, worker: WorkerId, message: Message) {
-        tracing::trace!(worker = %worker, kind = ?message.kind(), "received");
+        let span = tracing::debug_span!("received", %worker);
+        let _in_span = span.enter();
+        tracing::trace!(kind = ?message.kind(), "received");
         // What empty_cache asked, not the contract's: a chunk unmapped, cached mappings
         // dropped.
         let answered = match message {
@@ -2267,6 +2269,8 @@ impl Loop {
         } else {
             ""
         };
+        let span = action_span(&action);
+        let _in_span = span.enter();
         self.act_inner(action);
         if !label.is_empty() {
             crate::probe::mark(label);
@@ -3344,6 +3348,30 @@ fn job_of(action: &ParentAction) -> Option<(WorkerId, JobId)> {
         | ParentAction::KillWorker { .. }
         | ParentAction::WorkerRemoved { .. }
         | ParentAction::ShutdownComplete => None,
+    }
+}
+
+/// The span an action is carried out in, named for its worker and job: with a subscriber at
+/// debug, every event logged while carrying it out says which worker and job it was for.
+/// Without one, a span costs a check of a cached interest.
+fn action_span(action: &ParentAction) -> tracing::Span {
+    if let Some((worker, job)) = job_of(action) {
+        return tracing::debug_span!("job", %worker, %job);
+    }
+    match action {
+        ParentAction::Send { worker, .. }
+        | ParentAction::KillWorker { worker }
+        | ParentAction::WorkerRemoved { worker } => tracing::debug_span!("worker", %worker),
+        ParentAction::RecordReady { .. }
+        | ParentAction::SendStaged { .. }
+        | ParentAction::AllocateResult { .. }
+        | ParentAction::ReceiveStaged { .. }
+        | ParentAction::WaitDone { .. }
+        | ParentAction::Release { .. }
+        | ParentAction::ReleaseSlice { .. }
+        | ParentAction::FreeResult { .. }
+        | ParentAction::JobFinished { .. }
+        | ParentAction::ShutdownComplete => tracing::Span::none(),
     }
 }
 

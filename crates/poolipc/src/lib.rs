@@ -89,11 +89,11 @@ pub use poolipc_contract::{
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId, SendQueueLimits};
-pub use tensor::{ResultShape, Rung, TensorDesc};
 pub use staging::{
     DEFAULT_CHUNK as DEFAULT_STAGING_CHUNK, DEFAULT_MAX_BACKLOG_BYTES, DEFAULT_MAX_BACKLOG_FRAMES,
     StagingConfig, StagingError,
 };
+pub use tensor::{ResultShape, Rung, TensorDesc};
 #[cfg(feature = "testing")]
 pub use worker::FAILPOINT_ENV;
 pub use worker::{

@@ -902,6 +902,8 @@ impl Worker {
     }
 
     fn act(&mut self, action: WorkerAction) -> Result<(), Error> {
+        let span = action_span(&action);
+        let _in_span = span.enter();
         let stream = self.stream.handle();
         match action {
             WorkerAction::Import {
@@ -1249,6 +1251,24 @@ impl Drop for Worker {
                 freed,
                 "imports still live when the worker was dropped: freed"
             );
+        }
+    }
+}
+
+/// The span an action is carried out in, named for its job: with a subscriber at debug, every
+/// event logged while carrying it out says which job it was for.
+fn action_span(action: &WorkerAction) -> tracing::Span {
+    match action {
+        WorkerAction::Import { job, .. }
+        | WorkerAction::WaitReady { job, .. }
+        | WorkerAction::ReceiveStaged { job, .. }
+        | WorkerAction::JobStarted { job, .. }
+        | WorkerAction::ResultsGranted { job, .. }
+        | WorkerAction::RecordDone { job }
+        | WorkerAction::SendStaged { job, .. }
+        | WorkerAction::Cancelled { job } => tracing::debug_span!("job", %job),
+        WorkerAction::Unimport { .. } | WorkerAction::Send(_) | WorkerAction::Stop => {
+            tracing::Span::none()
         }
     }
 }
