@@ -1,0 +1,268 @@
+//! `poolipc bench`: the handoff's round trip against the copy it replaces, in one run.
+//!
+//! [`run`] picks the mode; a run of the table starts a parent and its worker, measures each
+//! section in turn (`scenarios`), then the peers and the other processes (`peers`), and
+//! reports (`report`).
+
+mod peers;
+mod report;
+mod scenarios;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use poolipc_driver::Driver;
+
+use peers::Peers;
+use report::Measured;
+use scenarios::Bench;
+
+/// Options of `poolipc bench`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct Args {
+    /// Use the simulated driver even when a GPU is present.
+    #[arg(long)]
+    pub(crate) sim: bool,
+    /// The device to use.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) device: u32,
+    /// Round trips per size (the median is reported); by default 400 up to 1 MiB, 200 at
+    /// 64 MiB, 50 at 1 GiB and 20 above, so that the medians hold still from run to run.
+    #[arg(long)]
+    pub(crate) iterations: Option<usize>,
+    /// The largest size to measure, in MiB (default 4096; 64 on the simulated driver, whose
+    /// memory is host memory).
+    #[arg(long)]
+    max_mib: Option<u64>,
+    /// The largest input to measure above the import limit (arena copy), in MiB (default
+    /// 16384; 64 on the simulated driver).
+    #[arg(long)]
+    copy_max_mib: Option<u64>,
+    /// The largest result to measure through the arena, in MiB (default 16384; 64 on the
+    /// simulated driver).
+    #[arg(long)]
+    result_max_mib: Option<u64>,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
+    /// Also write the JSON object to this file (the table still goes to stdout).
+    #[arg(long)]
+    pub(crate) json_out: Option<std::path::PathBuf>,
+    /// Draw the round trips as an SVG chart (log–log, one line per rung and per peer; with
+    /// `--mps`, both runs).
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+    /// With --plot: draw the chart from a JSON file an earlier run wrote with --json-out
+    /// (plain or --mps), measuring nothing.
+    #[arg(long, requires = "plot")]
+    from_json: Option<std::path::PathBuf>,
+    /// Run the table twice, plainly and then under a private CUDA MPS daemon this command
+    /// starts and stops (its own pipe and log directories; nothing system-wide changes), and
+    /// print both with the ratios. The peers run under the same daemon. The bench's own
+    /// processes are the only clients, so the daemon's fault sharing is accepted for them.
+    #[arg(long)]
+    pub(crate) mps: bool,
+    /// (with a parent under MPS) Start the worker outside the MPS server: what a worker that
+    /// is not a client costs. Used by `--mps`.
+    #[arg(long, hide = true)]
+    worker_outside_mps: bool,
+    /// A build of `bench/floor.c` (the bare-driver handoff, `nvcc -O2 -o floor bench/floor.c
+    /// -lcuda`), run after ours and reported beside it.
+    #[arg(long)]
+    floor: Option<std::path::PathBuf>,
+    /// `bench/torchmp.py` (torch.multiprocessing's round trip, needs torch), run with
+    /// `python3` after ours and reported beside it.
+    #[arg(long)]
+    torchmp: Option<std::path::PathBuf>,
+    /// Measure jobs per second with 1, 2, 4, ... up to N workers served at once (4 KiB and
+    /// 64 MiB, lent again), instead of the round-trip table; with `--mps`, plainly and under
+    /// MPS.
+    #[arg(long, value_name = "N")]
+    pub(crate) workers: Option<usize>,
+}
+
+impl Args {
+    /// `--max-mib`, or its default on this driver.
+    fn max_mib(&self, sim: bool) -> u64 {
+        self.max_mib.unwrap_or(if sim { 64 } else { 4096 })
+    }
+
+    /// `--copy-max-mib`, or its default on this driver.
+    fn copy_max_mib(&self, sim: bool) -> u64 {
+        self.copy_max_mib.unwrap_or(if sim { 64 } else { 16384 })
+    }
+
+    /// `--result-max-mib`, or its default on this driver.
+    fn result_max_mib(&self, sim: bool) -> u64 {
+        self.result_max_mib.unwrap_or(if sim { 64 } else { 16384 })
+    }
+}
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+/// `bytes` in KiB, MiB or GiB, rounded down.
+fn human(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{} GiB", bytes >> 30)
+    } else if bytes >= MIB {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
+
+pub(crate) fn run(args: &Args) -> Result<ExitCode> {
+    if let (Some(from), Some(to)) = (&args.from_json, &args.plot) {
+        return report::plot_from_json(from, to);
+    }
+    if let Some(n) = args.workers {
+        return crate::throughput::run(args, n);
+    }
+    if args.mps {
+        return run_plain_and_mps(args);
+    }
+    run_table(args)
+}
+
+/// The round-trip table and the sections after it, on one parent and its worker.
+fn run_table(args: &Args) -> Result<ExitCode> {
+    let (driver, child_env, which) = crate::demo::open_driver(args.sim, args.device)?;
+    // The simulated driver's device memory is this machine's memory: smaller sizes by default.
+    let sim = child_env.is_some();
+    if !args.json {
+        println!("poolipc bench {which}");
+    }
+    let parent = scenarios::parent(&driver, args.device)?;
+    let mps_client = parent.mps_client();
+    if !args.json && mps_client == Some(true) {
+        println!(
+            "  (this process is an MPS client: the GPU's turn-taking between processes is gone)"
+        );
+    }
+    let cmd = peers::touch_worker(args, &child_env)?;
+    let worker = parent.spawn_worker(cmd).context("starting the worker")?;
+    // No canary battery here, so the export reuse check is made on its own: recycled
+    // allocations of the same size are then lent with their cached blob.
+    let (reuse, reuse_why) = parent
+        .check_export_reuse(worker)
+        .context("the export reuse check")?;
+    if !args.json {
+        match &reuse_why {
+            Some(why) => println!("  export reuse: {reuse}: {why}"),
+            None => println!("  export reuse: {reuse}"),
+        }
+    }
+    let d: Arc<dyn Driver> = Arc::clone(&driver);
+    let stream = d.stream_create()?;
+    // Rows the device cannot hold are skipped, and said so, instead of ending the run.
+    let mut skipped = Vec::new();
+    let b = Bench {
+        args,
+        sim,
+        parent: &parent,
+        d: &*d,
+        worker,
+        stream,
+        child_env: &child_env,
+    };
+    let rows = scenarios::round_trips(&b, &mut skipped)?;
+    let copy_rows = scenarios::arena_copies(&b, &mut skipped)?;
+    let devmem_rows = scenarios::device_memory(&b, &rows, &mut skipped)?;
+    let arena_rows = scenarios::arena_results(&b, &mut skipped)?;
+    let batch = scenarios::batch(&b)?;
+    let cache = parent.pool().export_cache_stats();
+    let counts = parent.stats();
+    parent.stop_worker(worker)?;
+    // The peers, measured in the same run, after ours (they need the GPU too).
+    let peers = Peers::run(args);
+    let measured = Measured {
+        driver: d.kind().to_string(),
+        mps_client,
+        reuse,
+        reuse_why,
+        rows,
+        copy_rows,
+        devmem_rows,
+        arena_rows,
+        batch,
+        cache,
+        counts,
+        skipped,
+    };
+    let json = report::json(&measured, &peers);
+    if let Some(path) = &args.json_out {
+        std::fs::write(path, json.to_string())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        let title = format!("poolipc bench ({}): round trip against size", d.kind());
+        crate::plot::plot_round_trips(path, &title, &report::series_from_json("", &json))?;
+    }
+    if args.json {
+        println!("{json}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    report::print(&measured, &peers, args.iterations);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--mps`: the table plainly, then under a private MPS daemon, each in a child of ours (a
+/// process joins MPS when it initialises CUDA, so this one never does), then the ratios.
+fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
+    let dir = std::env::temp_dir().join(format!("poolipc-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let plain_json = dir.join("plain.json");
+    let mps_json = dir.join("mps.json");
+    println!("== poolipc bench, plain (no MPS)");
+    let status = peers::bench_child(args, &plain_json, args.max_mib(false))?
+        .env_remove(poolipc_driver::mps_env::PIPE_DIRECTORY_ENV)
+        .status()?;
+    anyhow::ensure!(status.success(), "the plain bench failed: {status}");
+    let mps = poolipc::mps::PrivateMps::start(&poolipc::mps::MpsOptions {
+        // Only this bench's own processes (ours, the worker, the peers) are its clients.
+        accept_shared_gpu_faults: true,
+        ..Default::default()
+    })?;
+    println!();
+    println!(
+        "== poolipc bench under a private MPS daemon ({})",
+        mps.pipe_directory().display()
+    );
+    let status = peers::bench_child(args, &mps_json, args.max_mib(false))?
+        .envs(mps.env())
+        .status()?;
+    anyhow::ensure!(status.success(), "the bench under MPS failed: {status}");
+    // A parent under MPS with a worker outside it: pool IPC crosses, the turn-taking returns.
+    let mixed_json = dir.join("mixed.json");
+    println!();
+    println!("== poolipc bench, the parent under MPS, its worker outside it (no peers)");
+    let mut mixed = peers::bench_child(args, &mixed_json, args.max_mib(false).min(64))?;
+    mixed.arg("--worker-outside-mps");
+    let mixed_ok = mixed.envs(mps.env()).status()?.success();
+    mps.shutdown(std::time::Duration::from_secs(30));
+    let read = |p: &std::path::Path| -> Result<serde_json::Value> {
+        Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
+    };
+    let (plain, under) = (read(&plain_json)?, read(&mps_json)?);
+    let mixed = if mixed_ok {
+        read(&mixed_json).ok()
+    } else {
+        None
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    report::print_plain_against_mps(&plain, &under, &mixed);
+    if let Some(path) = &args.plot {
+        let mut series = report::series_from_json("", &plain);
+        series.extend(report::series_from_json("MPS: ", &under));
+        crate::plot::plot_round_trips(path, "poolipc bench: plain and under MPS", &series)?;
+    }
+    if let Some(path) = &args.json_out {
+        let both =
+            serde_json::json!({"plain": plain, "mps": under, "mps_parent_worker_outside": mixed});
+        std::fs::write(path, both.to_string())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
