@@ -27,6 +27,7 @@
 //! - `arena_unmap <chunk>`: `ArenaMapping::unmap_chunk`.
 //! - `exit`.
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read as _, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -34,7 +35,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use poolipc_driver::{DevicePtr, Driver, EventBlob, EventHandle, ExportBlob, StreamHandle};
+use poolipc_driver::{
+    DevicePtr, Driver, EventBlob, EventHandle, ExportBlob, ImportedPointer, OwnedEvent,
+    StreamHandle,
+};
 use poolipc_pool::{ArenaMapping, AttachedPool};
 use poolipc_transport::{Capabilities, Connection, HandshakeConfig, Message};
 
@@ -54,6 +58,11 @@ struct Worker {
     pool: AttachedPool,
     stream: StreamHandle,
     event: Option<(EventHandle, EventBlob)>,
+    /// Imports made by `import`, by address, until `free` frees them (two imports of one
+    /// export share an address: `free` frees the latest).
+    imports: HashMap<u64, Vec<ImportedPointer>>,
+    /// Events opened by `open`, by the handle answered, which `wait` and `query` name.
+    opened: HashMap<u64, OwnedEvent>,
     arena: ArenaMapping<dyn Driver>,
     /// The command socket again, as a transport connection: FDs arrive on it in frames.
     fds: Connection,
@@ -72,6 +81,24 @@ impl Worker {
             );
         }
         fds.pop().ok_or_else(|| anyhow!("no FD"))
+    }
+
+    /// The import at the address `word` names, taken out of the table (to be freed).
+    fn import(&mut self, word: Option<&str>) -> Result<ImportedPointer> {
+        let ptr = parse(word)?;
+        self.imports
+            .get_mut(&ptr)
+            .and_then(Vec::pop)
+            .ok_or_else(|| anyhow!("{ptr:#x} is not a live import of this child"))
+    }
+
+    /// The event `open` answered `word` for.
+    fn opened(&self, word: Option<&str>) -> Result<EventHandle> {
+        let raw = parse(word)?;
+        self.opened
+            .get(&raw)
+            .map(OwnedEvent::handle)
+            .ok_or_else(|| anyhow!("{raw:#x} is not an event this child opened"))
     }
 
     /// `(chunk, offset, len)` from the command's words, resolved in the arena mapping.
@@ -123,29 +150,37 @@ impl Worker {
             "import" => {
                 let data = ExportBlob(unhex::<64>(w.next().unwrap_or(""))?);
                 let t = Instant::now();
-                let ptr = d.mem_pool_import_pointer(self.pool.pool, &data)?;
+                let import = ImportedPointer::import(
+                    Arc::clone(&self.driver),
+                    self.pool.pool.handle(),
+                    &data,
+                )?;
                 let micros = t.elapsed().as_secs_f64() * 1e6;
+                let ptr = import.ptr();
+                self.imports.entry(ptr.0).or_default().push(import);
                 Ok(format!("{:#x} {micros:.1}", ptr.0))
             }
             "free" => {
-                let ptr = DevicePtr(parse(w.next())?);
-                d.mem_pool_free_import(ptr, self.stream)?;
-                d.stream_synchronize(self.stream)?;
+                self.import(w.next())?.free(self.stream)?;
+                self.driver.stream_synchronize(self.stream)?;
                 Ok(String::new())
             }
             "free_nosync" => {
-                d.mem_pool_free_import(DevicePtr(parse(w.next())?), self.stream)?;
+                self.import(w.next())?.free(self.stream)?;
                 Ok(String::new())
             }
             "open" => {
                 let h = EventBlob(unhex::<64>(w.next().unwrap_or(""))?);
-                Ok(format!("{:#x}", d.ipc_open_event_handle(&h)?.0))
+                let event = OwnedEvent::open_ipc(Arc::clone(&self.driver), &h)?;
+                let raw = event.handle().as_raw();
+                self.opened.insert(raw, event);
+                Ok(format!("{raw:#x}"))
             }
             "wait" => {
-                d.stream_wait_event(self.stream, EventHandle(parse(w.next())?))?;
+                d.stream_wait_event(self.stream, self.opened(w.next())?)?;
                 Ok(String::new())
             }
-            "query" => Ok(u8::from(d.event_query(EventHandle(parse(w.next())?))?).to_string()),
+            "query" => Ok(u8::from(d.event_query(self.opened(w.next())?)?).to_string()),
             "check" => {
                 let ptr = DevicePtr(parse(w.next())?);
                 let offset = parse(w.next())?;
@@ -186,7 +221,7 @@ impl Worker {
             )),
             "set_threshold" => {
                 d.mem_pool_set_attribute(
-                    self.pool.pool,
+                    self.pool.pool.handle(),
                     poolipc_driver::PoolAttribute::ReleaseThreshold(u64::MAX),
                 )?;
                 Ok(String::new())
@@ -237,7 +272,7 @@ pub fn main() -> Result<()> {
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
-    let pool = AttachedPool::attach(&*driver, pool_fd.as_fd(), device)?;
+    let pool = AttachedPool::attach(Arc::clone(&driver), pool_fd.as_fd(), device)?;
     let stream = driver.stream_create()?;
     // What the handshake read past its last frame (the parent's first command may have
     // come with it) is read before the socket.
@@ -250,6 +285,8 @@ pub fn main() -> Result<()> {
         pool,
         stream,
         event: None,
+        imports: HashMap::new(),
+        opened: HashMap::new(),
         fds,
     };
 

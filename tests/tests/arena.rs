@@ -10,28 +10,26 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
-use poolipc_driver::{Driver, PoolHandle, PoolSharing, StreamHandle};
+use poolipc_driver::{Driver, OwnedPool, PoolSharing, StreamHandle};
 use poolipc_pool::{Arena, ArenaBlock};
 use poolipc_tests::{Child, Env, both_drivers, num, spawn_child};
 
 const KIB: u64 = 1 << 10;
 
 /// A shareable pool for the handshake (not made current), its FD, and the child.
-fn start(env: &Env) -> Result<(PoolHandle, OwnedFd, Child)> {
-    let pool = env
-        .driver
-        .mem_pool_create(env.device, PoolSharing::PosixFd)?;
-    let fd = env.driver.mem_pool_export_fd(pool)?;
+fn start(env: &Env) -> Result<(OwnedPool, OwnedFd, Child)> {
+    let pool = OwnedPool::create(Arc::clone(&env.driver), env.device, PoolSharing::PosixFd)?;
+    let fd = env.driver.mem_pool_export_fd(pool.handle())?;
     let child = spawn_child(env, fd.as_fd())?;
     Ok((pool, fd, child))
 }
 
 /// Lets the child exit, then tears down the arena and the pool, in that order.
-fn finish(env: &Env, child: Child, arena: Arena<dyn Driver>, pool: PoolHandle) -> Result<()> {
+fn finish(_env: &Env, child: Child, arena: Arena<dyn Driver>, pool: OwnedPool) -> Result<()> {
     let status = child.finish()?;
     ensure!(status.success(), "child ended with {status}");
     drop(arena);
-    env.driver.mem_pool_destroy(pool)?;
+    pool.close()?;
     Ok(())
 }
 

@@ -91,9 +91,9 @@ both_drivers!(
 both_drivers!(
     fn an_event_without_the_interprocess_flag_has_no_ipc_handle(env) {
         let d = &*env.driver;
-        let ev = d.event_create(false)?;
-        expect_code(d.ipc_get_event_handle(ev), "cuIpcGetEventHandle", CuCode::INVALID_HANDLE)?;
-        d.event_destroy(ev)?;
+        let ev = poolipc_driver::OwnedEvent::new(d, false)?;
+        expect_code(ev.ipc_handle(), "cuIpcGetEventHandle", CuCode::INVALID_HANDLE)?;
+        ev.close()?;
         Ok(())
     }
 );
@@ -101,11 +101,11 @@ both_drivers!(
 both_drivers!(
     fn a_pool_shared_by_nothing_cannot_export_its_fd(env) {
         let d = &*env.driver;
-        let pool = d.mem_pool_create(env.device, PoolSharing::None)?;
-        let r = d.mem_pool_export_fd(pool);
+        let pool = poolipc_driver::OwnedPool::create(d, env.device, PoolSharing::None)?;
+        let r = d.mem_pool_export_fd(pool.handle());
         ensure!(r.is_err(), "a pool with handleTypes NONE exported an FD");
         println!("{:?}: {}", env.kind(), r.err().map(|e| e.to_string()).unwrap_or_default());
-        d.mem_pool_destroy(pool)?;
+        pool.close()?;
         Ok(())
     }
 );

@@ -13,7 +13,7 @@ use anyhow::{Context, Result, bail, ensure};
 use poolipc::{
     DevicePtr, Error, Input, Parent, ParentOptions, Rung, StreamHandle, TensorDesc, echo,
 };
-use poolipc_driver::PoolSharing;
+use poolipc_driver::{OwnedPool, PoolAllocation, PoolSharing};
 use poolipc_tests::echo_jobs::{filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 use poolipc_types::{DType, ImportLimit};
@@ -49,8 +49,9 @@ struct Setup {
     p: Parent,
     stream: StreamHandle,
     src: DevicePtr,
-    /// The private pool of a host-staged input, destroyed at the end.
-    private: Option<poolipc_driver::PoolHandle>,
+    /// The private pool of a host-staged input and `src`'s allocation in it, freed and
+    /// destroyed at the end (in that order).
+    private: Option<(PoolAllocation, OwnedPool)>,
     dir: std::path::PathBuf,
 }
 
@@ -69,10 +70,11 @@ fn setup(env: &Env, via: Via, tag: &str) -> Result<Setup> {
     let stream = p.driver().stream_create()?;
     let (src, private) = if via == Via::HostStaging {
         let d = p.driver();
-        let pool = d.mem_pool_create(env.device, PoolSharing::None)?;
-        let ptr = d.mem_alloc_from_pool_async(BYTES, pool, stream)?;
+        let pool = OwnedPool::create(Arc::clone(d), env.device, PoolSharing::None)?;
+        let alloc = PoolAllocation::from_pool(Arc::clone(d), BYTES, pool.handle(), stream)?;
+        let ptr = alloc.ptr();
         echo::fill_pattern(&**d, ptr, BYTES, PATTERN, stream)?;
-        (ptr, Some(pool))
+        (ptr, Some((alloc, pool)))
     } else {
         (filled(&p, BYTES, PATTERN, stream)?, None)
     };
@@ -131,10 +133,10 @@ fn finish(s: Setup, worker: poolipc::WorkerId) -> Result<()> {
     }
     let d = Arc::clone(s.p.driver());
     match s.private {
-        Some(pool) => {
-            d.mem_free_async(s.src, s.stream)?;
+        Some((alloc, pool)) => {
+            alloc.free(s.stream)?;
             d.stream_synchronize(s.stream)?;
-            d.mem_pool_destroy(pool)?;
+            pool.close()?;
         }
         None => s.p.pool().free(s.src, s.stream)?,
     }

@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
 use poolipc::{DevicePtr, Error, Parent, ParentOptions, Rung, echo};
-use poolipc_driver::{Access, Driver, Granularity, VmmHandle};
+use poolipc_driver::{
+    Access, DeviceAllocation, Driver, Granularity, VmmAllocation, VmmMapping, VmmReservation,
+};
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 
@@ -39,7 +41,17 @@ struct Foreign {
     driver: Arc<dyn Driver>,
     base: DevicePtr,
     len: u64,
-    vmm: Option<VmmHandle>,
+    owner: Owner,
+}
+
+/// What owns a [`Foreign`]'s memory.
+enum Owner {
+    Plain(DeviceAllocation),
+    /// Unmapped (and its range freed) before the handle is released: the fields' order.
+    Vmm {
+        mapping: VmmMapping,
+        handle: VmmAllocation,
+    },
 }
 
 impl Foreign {
@@ -47,44 +59,42 @@ impl Foreign {
         let d = Arc::clone(&env.driver);
         match kind {
             Kind::MemAlloc => {
-                let base = d.mem_alloc(bytes)?;
+                let mem = DeviceAllocation::new(Arc::clone(&d), bytes)?;
                 Ok(Foreign {
                     driver: d,
-                    base,
+                    base: mem.ptr(),
                     len: bytes,
-                    vmm: None,
+                    owner: Owner::Plain(mem),
                 })
             }
             Kind::VmmUnshared | Kind::VmmShared => {
                 let g = d.vmm_granularity(env.device, Granularity::Minimum)?;
                 let len = bytes.next_multiple_of(g);
-                let h = if kind == Kind::VmmShared {
-                    d.vmm_create(env.device, len)?
+                let handle = if kind == Kind::VmmShared {
+                    VmmAllocation::create(Arc::clone(&d), env.device, len)?
                 } else {
-                    d.vmm_create_unshared(env.device, len)?
+                    VmmAllocation::create_unshared(Arc::clone(&d), env.device, len)?
                 };
-                let base = d.vmm_reserve(len, 0)?;
-                d.vmm_map(base, len, h)?;
-                d.vmm_set_access(base, len, env.device, Access::ReadWrite)?;
+                let range = VmmReservation::reserve(Arc::clone(&d), len, 0)?;
+                let mapping = VmmMapping::map(range, handle.handle())?;
+                mapping.set_access(env.device, Access::ReadWrite)?;
                 Ok(Foreign {
                     driver: d,
-                    base,
+                    base: mapping.ptr(),
                     len,
-                    vmm: Some(h),
+                    owner: Owner::Vmm { mapping, handle },
                 })
             }
         }
     }
 
     fn free(self) -> Result<()> {
-        let d = &self.driver;
-        d.ctx_synchronize()?;
-        match self.vmm {
-            None => d.mem_free(self.base)?,
-            Some(h) => {
-                d.vmm_unmap(self.base, self.len)?;
-                d.vmm_address_free(self.base, self.len)?;
-                d.vmm_release(h)?;
+        self.driver.ctx_synchronize()?;
+        match self.owner {
+            Owner::Plain(mem) => mem.close()?,
+            Owner::Vmm { mapping, handle } => {
+                mapping.close()?;
+                handle.close()?;
             }
         }
         Ok(())

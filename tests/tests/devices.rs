@@ -194,11 +194,12 @@ fn cross_job(
 ) -> Result<(Rung, Rung)> {
     let d = Arc::clone(p.driver());
     let first = p.options().device;
-    let on = |device: u32| -> Result<StreamHandle> {
+    let on = |device: u32| -> Result<poolipc_driver::OwnedStream> {
         d.use_device(device)?;
-        Ok(d.stream_create()?)
+        Ok(poolipc_driver::OwnedStream::new(Arc::clone(&d))?)
     };
-    let (in_stream, out_stream) = (on(input_on)?, on(result_on)?);
+    let (in_owned, out_owned) = (on(input_on)?, on(result_on)?);
+    let (in_stream, out_stream) = (in_owned.handle(), out_owned.handle());
     d.use_device(input_on)?;
     let input = p
         .pool_on(input_on)
@@ -220,7 +221,8 @@ fn cross_job(
         Ok::<_, Error>(ptr?)
     };
     d.use_device(first)?;
-    let stream = d.stream_create()?;
+    let owned = poolipc_driver::OwnedStream::new(Arc::clone(&d))?;
+    let stream = owned.handle();
     let out = p.run_job_with(
         worker,
         &[Input {
@@ -240,14 +242,14 @@ fn cross_job(
         "the result lives where the allocator put it"
     );
     d.use_device(result_on)?;
-    d.mem_free_async(out.results[0].ptr, out_stream)?;
+    poolipc_driver::PoolAllocation::claim(&*d, out.results[0].ptr)?.free(out_stream)?;
     d.stream_synchronize(out_stream)?;
     d.use_device(input_on)?;
-    d.mem_free_async(input, in_stream)?;
+    poolipc_driver::PoolAllocation::claim(&*d, input)?.free(in_stream)?;
     d.stream_synchronize(in_stream)?;
     d.use_device(first)?;
-    for s in [stream, in_stream, out_stream] {
-        d.stream_destroy(s)?;
+    for s in [owned, in_owned, out_owned] {
+        s.close()?;
     }
     Ok((out.input_rungs[0], out.results[0].rung))
 }

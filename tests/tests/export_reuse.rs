@@ -39,7 +39,7 @@ fn exports(s: &ExportCacheStats) -> u64 {
 /// until the pool hands `ptr`'s address back (each miss held, then freed).
 fn recycle(p: &Parent, ptr: DevicePtr, stream: StreamHandle) -> Result<DevicePtr> {
     let d = p.driver();
-    d.mem_free_async(ptr, stream)?;
+    poolipc_driver::PoolAllocation::claim(&**d, ptr)?.free(stream)?;
     let mut misses = Vec::new();
     let mut found = None;
     for _ in 0..8 {
@@ -123,7 +123,8 @@ fn lend_for_write(
 /// recycling and after.
 fn recycled_lends(env: &Env, p: &Parent) -> Result<(ExportCacheStats, ExportCacheStats)> {
     let d = Arc::clone(p.driver());
-    let stream = d.stream_create()?;
+    let owned_stream = poolipc_driver::OwnedStream::new(Arc::clone(&d))?;
+    let stream = owned_stream.handle();
     let reader = p.spawn_worker(worker_command(env, None)?)?;
     let mut cmd = worker_command(env, None)?;
     cmd.env("POOLIPC_TEST_WRITE_INPUTS", "1");
@@ -152,7 +153,7 @@ fn recycled_lends(env: &Env, p: &Parent) -> Result<(ExportCacheStats, ExportCach
     d.stream_synchronize(stream)?;
     p.stop_worker(reader)?;
     p.stop_worker(writer)?;
-    d.stream_destroy(stream)?;
+    owned_stream.close()?;
     Ok((before, after))
 }
 

@@ -278,8 +278,10 @@ both_drivers!(
         cmd.env("POOLIPC_TEST_REPORT", &report);
         let worker = p.spawn_worker(cmd)?;
         // Memory the parent's pool never saw: a private pool's, as cuda.core's own would be.
-        let other = d.mem_pool_create(env.device, PoolSharing::None)?;
-        let foreign = d.mem_alloc_from_pool_async(MIB, other, stream)?;
+        let other = poolipc_driver::OwnedPool::create(&*d, env.device, PoolSharing::None)?;
+        let foreign_alloc =
+            poolipc_driver::PoolAllocation::from_pool(&*d, MIB, other.handle(), stream)?;
+        let foreign = foreign_alloc.ptr();
         echo::fill_pattern(&*d, foreign, MIB, 0x5A5A_0101, stream)?;
         let ours = filled(&p, MIB, 0x0F0F_0F0F, stream)?;
         let desc = TensorDesc::contiguous(DType::F32, &[MIB / 4]);
@@ -309,9 +311,9 @@ both_drivers!(
             p.pool().free(r.ptr, stream)?;
         }
         p.pool().free(ours, stream)?;
-        d.mem_free_async(foreign, stream)?;
+        foreign_alloc.free(stream)?;
         d.stream_synchronize(stream)?;
-        d.mem_pool_destroy(other)?;
+        other.close()?;
         p.stop_worker(worker)?;
         Ok(())
     }

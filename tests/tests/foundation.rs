@@ -50,9 +50,9 @@ both_drivers!(
         let stream = d.stream_create()?;
         let current = d.device_get_mem_pool(env.device)?;
         ensure!(current == pool.handle(), "the device's current pool is not ours");
-        let ptr = d.mem_alloc_async(MIB, stream)?;
-        ensure!(d.pointer_get_mempool(ptr)? == pool.handle(), "allocation came from another pool");
-        d.mem_free_async(ptr, stream)?;
+        let alloc = poolipc_driver::PoolAllocation::new(d, MIB, stream)?;
+        ensure!(d.pointer_get_mempool(alloc.ptr())? == pool.handle(), "allocation came from another pool");
+        alloc.free(stream)?;
         d.stream_synchronize(stream)?;
         Ok(())
     }
@@ -62,8 +62,10 @@ both_drivers!(
     fn pointer_export_fails_before_the_pool_fd_export_and_succeeds_after(env) {
         let d = &*env.driver;
         let stream = d.stream_create()?;
-        let pool = d.mem_pool_create(env.device, PoolSharing::PosixFd)?;
-        let ptr = d.mem_alloc_from_pool_async(MIB, pool, stream)?;
+        let owned_pool = poolipc_driver::OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
+        let pool = owned_pool.handle();
+        let alloc = poolipc_driver::PoolAllocation::from_pool(d, MIB, pool, stream)?;
+        let ptr = alloc.ptr();
         d.stream_synchronize(stream)?;
         let err = d.mem_pool_export_pointer(ptr).expect_err("export before the FD export");
         ensure!(
@@ -72,9 +74,9 @@ both_drivers!(
         );
         let _fd = d.mem_pool_export_fd(pool)?;
         d.mem_pool_export_pointer(ptr)?;
-        d.mem_free_async(ptr, stream)?;
+        alloc.free(stream)?;
         d.stream_synchronize(stream)?;
-        d.mem_pool_destroy(pool)?;
+        owned_pool.close()?;
         Ok(())
     }
 );

@@ -53,7 +53,8 @@ fn thread_jobs(
     let d = p.driver();
     // Each thread makes the device's context current for itself, as any CUDA thread must.
     d.use_device(env.device)?;
-    let stream = d.stream_create()?;
+    let owned_stream = poolipc_driver::OwnedStream::new(&**d)?;
+    let stream = owned_stream.handle();
     let mut rng = seed.max(1);
     let mut worker = p.spawn_worker(worker_command(env, None)?)?;
     for _ in 0..jobs {
@@ -125,7 +126,7 @@ fn thread_jobs(
     }
     p.stop_worker(worker)?;
     d.stream_synchronize(stream)?;
-    d.stream_destroy(stream)?;
+    owned_stream.close()?;
     Ok(())
 }
 

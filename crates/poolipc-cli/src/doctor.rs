@@ -5,7 +5,10 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{CuCode, CudaDriver, Driver, Granularity, PoolSharing, platform};
+use poolipc_driver::{
+    CuCode, CudaDriver, DeviceAllocation, Driver, Granularity, OwnedEvent, OwnedPool, OwnedStream,
+    PoolAllocation, PoolSharing, VmmAllocation, VmmMapping, VmmReservation, platform,
+};
 use poolipc_pool::{ImportLimit, SharedPool};
 
 use crate::probe;
@@ -431,12 +434,12 @@ fn yes_no(b: bool) -> &'static str {
 fn swap_check(driver: &Arc<dyn Driver>, dev: u32) -> Result<String> {
     let pool = SharedPool::install(Arc::clone(driver), dev)?;
     let d = &**driver;
-    let stream = d.stream_create()?;
-    let ptr = d.mem_alloc_async(1 << 20, stream)?;
-    let ours = d.pointer_get_mempool(ptr)? == pool.handle();
-    d.mem_free_async(ptr, stream)?;
-    d.stream_synchronize(stream)?;
-    d.stream_destroy(stream)?;
+    let stream = OwnedStream::new(d)?;
+    let alloc = PoolAllocation::new(d, 1 << 20, stream.handle())?;
+    let ours = d.pointer_get_mempool(alloc.ptr())? == pool.handle();
+    alloc.free(stream.handle())?;
+    d.stream_synchronize(stream.handle())?;
+    stream.close()?;
     pool.uninstall()?;
     anyhow::ensure!(
         ours,
@@ -446,17 +449,19 @@ fn swap_check(driver: &Arc<dyn Driver>, dev: u32) -> Result<String> {
 }
 
 fn export_order_check(d: &dyn Driver, dev: u32) -> Result<String> {
-    let stream = d.stream_create()?;
-    let pool = d.mem_pool_create(dev, PoolSharing::PosixFd)?;
-    let ptr = d.mem_alloc_from_pool_async(1 << 20, pool, stream)?;
-    d.stream_synchronize(stream)?;
+    // Torn down in this order below: the allocation, then its pool, then the stream.
+    let stream = OwnedStream::new(d)?;
+    let pool = OwnedPool::create(d, dev, PoolSharing::PosixFd)?;
+    let alloc = PoolAllocation::from_pool(d, 1 << 20, pool.handle(), stream.handle())?;
+    let ptr = alloc.ptr();
+    d.stream_synchronize(stream.handle())?;
     let before = d.mem_pool_export_pointer(ptr);
-    let _fd = d.mem_pool_export_fd(pool)?;
+    let _fd = d.mem_pool_export_fd(pool.handle())?;
     let after = d.mem_pool_export_pointer(ptr);
-    d.mem_free_async(ptr, stream)?;
-    d.stream_synchronize(stream)?;
-    d.mem_pool_destroy(pool)?;
-    d.stream_destroy(stream)?;
+    alloc.free(stream.handle())?;
+    d.stream_synchronize(stream.handle())?;
+    pool.close()?;
+    stream.close()?;
     after?;
     Ok(match before {
         Err(e) if e.code() == Some(CuCode::INVALID_VALUE) => {
@@ -468,9 +473,9 @@ fn export_order_check(d: &dyn Driver, dev: u32) -> Result<String> {
 }
 
 fn events_check(d: &dyn Driver) -> Result<String> {
-    let ev = d.event_create(true)?;
-    let h = d.ipc_get_event_handle(ev);
-    d.event_destroy(ev)?;
+    let ev = OwnedEvent::new(d, true)?;
+    let h = ev.ipc_handle();
+    ev.close()?;
     h?;
     Ok("cuIpcGetEventHandle works".into())
 }
@@ -486,16 +491,14 @@ fn memory_kinds(d: &dyn Driver, dev: u32, arena: bool) -> Vec<(&'static str, Str
         "host staging (no arena on this device)"
     };
     let mut rows = Vec::new();
-    let plain = d
-        .mem_alloc(2 << 20)
+    let plain = DeviceAllocation::new(d, 2 << 20)
         .map_err(anyhow::Error::from)
-        .and_then(|p| {
+        .and_then(|mem| {
+            let p = mem.ptr();
             let info = d.pointer_info(p);
-            let retained = d.vmm_retain(p);
-            if let Ok(h) = &retained {
-                let _ = d.vmm_release(*h);
-            }
-            d.mem_free(p)?;
+            // A retained handle (unexpected) is released when dropped here.
+            let retained = VmmAllocation::retain(d, p).map(drop);
+            mem.close()?;
             let info = info?;
             anyhow::ensure!(
                 info.device == Some(dev) && info.pool.is_none(),
@@ -531,29 +534,31 @@ fn memory_kinds(d: &dyn Driver, dev: u32, arena: bool) -> Vec<(&'static str, Str
 fn vmm_kind(d: &dyn Driver, dev: u32, exportable: bool) -> Result<Result<(), String>> {
     let g = d.vmm_granularity(dev, Granularity::Minimum)?;
     let h = if exportable {
-        d.vmm_create(dev, g)?
+        VmmAllocation::create(d, dev, g)?
     } else {
-        d.vmm_create_unshared(dev, g)?
+        VmmAllocation::create_unshared(d, dev, g)?
     };
     let answer = (|| -> Result<Result<(), String>> {
-        let va = d.vmm_reserve(g, 0)?;
+        let range = VmmReservation::reserve(d, g, 0)?;
+        let va = range.ptr();
+        // Unmapped (then its range freed) before the handle is released below.
+        let mapping = VmmMapping::map(range, h.handle())?;
         let asked = (|| -> Result<Result<(), String>> {
-            d.vmm_map(va, g, h)?;
-            d.vmm_set_access(va, g, dev, poolipc_driver::Access::ReadWrite)?;
+            mapping.set_access(dev, poolipc_driver::Access::ReadWrite)?;
             let info = d.pointer_info(va)?;
-            let retained = match d.vmm_retain(va) {
+            let retained = match VmmAllocation::retain(d, va) {
                 Ok(r) => r,
                 Err(e) => return Ok(Err(format!("no handle retained: {e}"))),
             };
-            let fd = match d.vmm_exports_fd(retained) {
+            let fd = match d.vmm_exports_fd(retained.handle()) {
                 Ok(true) => d
-                    .vmm_export_fd(retained)
+                    .vmm_export_fd(retained.handle())
                     .map(drop)
                     .map_err(|e| e.to_string()),
                 Ok(false) => Err("made without the POSIX FD handle type".to_owned()),
                 Err(e) => Err(e.to_string()),
             };
-            d.vmm_release(retained)?;
+            retained.close()?;
             // The parent sends the pointer's range as the length the worker maps: it must be
             // the mapping, from its first byte.
             let range = if info.base == va && info.size == g {
@@ -570,11 +575,10 @@ fn vmm_kind(d: &dyn Driver, dev: u32, exportable: bool) -> Result<Result<(), Str
                 None => Err("the driver gives it no buffer id".to_owned()),
             }))
         })();
-        let _ = d.vmm_unmap(va, g);
-        d.vmm_address_free(va, g)?;
+        mapping.close()?;
         asked
     })();
-    d.vmm_release(h)?;
+    h.close()?;
     answer
 }
 
@@ -584,9 +588,9 @@ fn vmm_check(d: &dyn Driver, dev: u32, supported: bool) -> Result<String> {
         "the device does not report VMM with POSIX FD handles"
     );
     let g = d.vmm_granularity(dev, Granularity::Minimum)?;
-    let h = d.vmm_create(dev, g)?;
-    let fd = d.vmm_export_fd(h);
-    d.vmm_release(h)?;
+    let h = VmmAllocation::create(d, dev, g)?;
+    let fd = d.vmm_export_fd(h.handle());
+    h.close()?;
     fd?;
     Ok(format!(
         "cuMemCreate + FD export work, granularity {} KiB",

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use poolipc_driver::{DevicePtr, Driver, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, ImportedPointer, StreamHandle};
 use poolipc_pool::{AttachedPool, ImportLimit, SharedPool};
 use poolipc_transport::{
     Ack, Capabilities, DType, EventBlob, HandoffId, HandshakeConfig, JobId, Lend, LentTensor,
@@ -222,10 +222,10 @@ pub(crate) fn child_main() -> Result<ExitCode> {
     };
     let data = t.export;
     // This is the call that may not return.
-    let ptr = driver.mem_pool_import_pointer(pool.pool, &data)?;
+    let import = ImportedPointer::import(&*driver, pool.pool.handle(), &data)?;
     let mut word = [0u8; 4];
-    driver.memcpy_dtoh(&mut word, ptr)?;
-    driver.mem_pool_free_import(ptr, StreamHandle::NULL)?;
+    driver.memcpy_dtoh(&mut word, import.ptr())?;
+    import.free(StreamHandle::NULL)?;
     driver.stream_synchronize(StreamHandle::NULL)?;
     let answer = if u32::from_le_bytes(word) == PATTERN {
         Message::Ack(Ack {

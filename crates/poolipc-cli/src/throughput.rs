@@ -55,7 +55,8 @@ fn jobs_per_second(
             let (barrier, desc) = (&barrier, desc.clone());
             handles.push(s.spawn(move || -> Result<()> {
                 d.use_device(parent.options().device)?;
-                let stream = d.stream_create()?;
+                let owned_stream = poolipc_driver::OwnedStream::new(&**d)?;
+                let stream = owned_stream.handle();
                 let ptr = parent.pool().alloc(bytes, stream)?;
                 d.stream_synchronize(stream)?;
                 let input = Input {
@@ -76,7 +77,7 @@ fn jobs_per_second(
                 barrier.wait();
                 parent.pool().free(ptr, stream)?;
                 d.stream_synchronize(stream)?;
-                d.stream_destroy(stream)?;
+                owned_stream.close()?;
                 measured
             }));
         }

@@ -43,8 +43,16 @@ pub trait Driver: Send + Sync {
 
     /// `cuMemPoolCreate` of a pinned device pool. Needs no current context.
     fn mem_pool_create(&self, ordinal: u32, sharing: PoolSharing) -> Result<PoolHandle>;
-    /// `cuMemPoolDestroy`.
-    fn mem_pool_destroy(&self, pool: PoolHandle) -> Result<()>;
+    /// `cuMemPoolDestroy`. Safe code destroys a pool by dropping its
+    /// [`OwnedPool`](crate::OwnedPool).
+    ///
+    /// # Safety
+    /// 1. `pool` was made by [`mem_pool_create`](Driver::mem_pool_create) or
+    ///    [`mem_pool_import_fd`](Driver::mem_pool_import_fd) of this driver and is not
+    ///    destroyed yet (the handle is the address of libcuda's object: a second destroy is a
+    ///    use after free inside libcuda).
+    /// 2. Nothing uses `pool` after this call (it is not the device's current pool either).
+    unsafe fn mem_pool_destroy(&self, pool: PoolHandle) -> Result<()>;
     /// `cuMemPoolSetAttribute`.
     fn mem_pool_set_attribute(&self, pool: PoolHandle, attr: PoolAttribute) -> Result<()>;
     /// `cuMemPoolGetAttribute`.
@@ -111,24 +119,54 @@ pub trait Driver: Send + Sync {
     /// `cuMemAlloc_v2`: plain device memory on the current device, outside every pool (what
     /// torch's native allocator and many libraries use). Not exportable by pool pointer.
     fn mem_alloc(&self, bytes: u64) -> Result<DevicePtr>;
-    /// `cuMemFree_v2` of memory from [`mem_alloc`](Driver::mem_alloc).
-    fn mem_free(&self, ptr: DevicePtr) -> Result<()>;
-    /// `cuMemFreeAsync` of an allocation this process made.
-    fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
+    /// `cuMemFree_v2` of memory from [`mem_alloc`](Driver::mem_alloc). Safe code frees it by
+    /// dropping its [`DeviceAllocation`](crate::DeviceAllocation).
+    ///
+    /// # Safety
+    /// 1. `ptr` is the start of memory [`mem_alloc`](Driver::mem_alloc) of this driver gave
+    ///    out, not freed yet.
+    /// 2. Nothing (no queued work either) uses the memory after this call.
+    unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()>;
+    /// `cuMemFreeAsync` of an allocation this process made. Safe code frees one through its
+    /// [`PoolAllocation`](crate::PoolAllocation).
+    ///
+    /// # Safety
+    /// 1. `ptr` is the start of a live stream-ordered allocation of this process (from
+    ///    [`mem_alloc_async`](Driver::mem_alloc_async),
+    ///    [`mem_alloc_from_pool_async`](Driver::mem_alloc_from_pool_async), or torch's
+    ///    allocator), not freed yet, and the caller owns it: no one else frees it.
+    /// 2. The caller does not use `ptr` after this call. (Work that uses the memory must be
+    ///    ordered before the free on `stream`, or it races the next owner on the device.)
+    unsafe fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
     /// `cuMemPoolExportPointer`.
     fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportBlob>;
     /// `cuMemPoolImportPointer`. On real hardware an allocation spanning more than 128
     /// 32 MiB chunks kills the calling process; see `ImportLimit` in `poolipc-types`.
     fn mem_pool_import_pointer(&self, pool: PoolHandle, data: &ExportBlob) -> Result<DevicePtr>;
-    /// `cuMemFreeAsync` of an imported pointer (the import, not the allocation).
-    fn mem_pool_free_import(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
+    /// `cuMemFreeAsync` of an imported pointer (the import, not the allocation). Safe code
+    /// frees an import through its [`ImportedPointer`](crate::ImportedPointer).
+    ///
+    /// # Safety
+    /// 1. `ptr` is a live import [`mem_pool_import_pointer`](Driver::mem_pool_import_pointer)
+    ///    of this driver gave out, not freed yet (the first free of an alias unmaps both:
+    ///    NVIDIA bug 5570902).
+    /// 2. The caller does not use `ptr` after this call. (Work that uses the import must be
+    ///    ordered before the free on `stream`.)
+    unsafe fn mem_pool_free_import(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()>;
 
     // --- events and streams ------------------------------------------------------------
 
     /// `cuEventCreate`; `interprocess` adds `CU_EVENT_INTERPROCESS` (timing is always off).
     fn event_create(&self, interprocess: bool) -> Result<EventHandle>;
-    /// `cuEventDestroy`.
-    fn event_destroy(&self, event: EventHandle) -> Result<()>;
+    /// `cuEventDestroy`. Safe code destroys an event by dropping its
+    /// [`OwnedEvent`](crate::OwnedEvent).
+    ///
+    /// # Safety
+    /// 1. `event` was made by [`event_create`](Driver::event_create) or
+    ///    [`ipc_open_event_handle`](Driver::ipc_open_event_handle) of this driver and is not
+    ///    destroyed yet (the handle is the address of libcuda's object).
+    /// 2. Nothing uses `event` after this call.
+    unsafe fn event_destroy(&self, event: EventHandle) -> Result<()>;
     /// `cuIpcGetEventHandle`.
     fn ipc_get_event_handle(&self, event: EventHandle) -> Result<EventBlob>;
     /// `cuIpcOpenEventHandle`.
@@ -143,8 +181,14 @@ pub trait Driver: Send + Sync {
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()>;
     /// `cuStreamCreate` with `CU_STREAM_NON_BLOCKING`.
     fn stream_create(&self) -> Result<StreamHandle>;
-    /// `cuStreamDestroy`.
-    fn stream_destroy(&self, stream: StreamHandle) -> Result<()>;
+    /// `cuStreamDestroy`. Safe code destroys a stream by dropping its
+    /// [`OwnedStream`](crate::OwnedStream).
+    ///
+    /// # Safety
+    /// 1. `stream` was made by [`stream_create`](Driver::stream_create) of this driver and is
+    ///    not destroyed yet (the handle is the address of libcuda's object).
+    /// 2. Nothing uses `stream` after this call (work already queued on it still runs).
+    unsafe fn stream_destroy(&self, stream: StreamHandle) -> Result<()>;
     /// `cuStreamSynchronize`.
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()>;
     /// Whether `stream`, a handle from outside (a Python int, torch's `cuda_stream`), names a
@@ -305,10 +349,30 @@ pub trait Driver: Send + Sync {
         ordinal: u32,
         access: Access,
     ) -> Result<()>;
-    /// `cuMemUnmap`.
-    fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<()>;
-    /// `cuMemAddressFree`.
-    fn vmm_address_free(&self, ptr: DevicePtr, bytes: u64) -> Result<()>;
-    /// `cuMemRelease`.
-    fn vmm_release(&self, handle: VmmHandle) -> Result<()>;
+    /// `cuMemUnmap`. Safe code unmaps through a [`VmmMapping`](crate::VmmMapping).
+    ///
+    /// # Safety
+    /// 1. `ptr..ptr + bytes` is a mapping [`vmm_map`](Driver::vmm_map) of this driver made,
+    ///    not unmapped yet.
+    /// 2. Nothing (no queued work either) uses the range after this call.
+    unsafe fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<()>;
+    /// `cuMemAddressFree`. Safe code frees a range by dropping its
+    /// [`VmmReservation`](crate::VmmReservation).
+    ///
+    /// # Safety
+    /// 1. `ptr..ptr + bytes` is a range [`vmm_reserve`](Driver::vmm_reserve) of this driver
+    ///    gave out, not freed yet, and nothing is mapped in it any more.
+    /// 2. Nothing uses the range after this call.
+    unsafe fn vmm_address_free(&self, ptr: DevicePtr, bytes: u64) -> Result<()>;
+    /// `cuMemRelease`. Safe code releases a handle by dropping its
+    /// [`VmmAllocation`](crate::VmmAllocation).
+    ///
+    /// # Safety
+    /// 1. `handle` came from [`vmm_create`](Driver::vmm_create),
+    ///    [`vmm_create_unshared`](Driver::vmm_create_unshared),
+    ///    [`vmm_retain`](Driver::vmm_retain) or [`vmm_import_fd`](Driver::vmm_import_fd) of
+    ///    this driver, and this reference is not released yet (each of those calls makes one
+    ///    reference; the memory lives on while it is mapped).
+    /// 2. Nothing uses `handle` after this call.
+    unsafe fn vmm_release(&self, handle: VmmHandle) -> Result<()>;
 }

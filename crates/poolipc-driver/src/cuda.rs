@@ -1,5 +1,17 @@
 //! `CudaDriver`: the [`Driver`] trait on libcuda, through cudarc's `driver::sys` with dynamic
 //! loading. Driver API only.
+//!
+//! # Handles, and what the safety comments rest on
+//!
+//! A [`PoolHandle`], [`StreamHandle`], [`EventHandle`] or [`VmmHandle`] carries what libcuda
+//! gave out, for the host-side ones the address of its object in this process, which libcuda
+//! dereferences without checking. The handle types make passing one sound (*the handle
+//! contract*): a handle is made by this driver, or by `from_raw`, whose caller vouches that
+//! it is live; destroying one is an `unsafe fn` whose caller promises it is not used after,
+//! and safe code destroys only through the owning types (`OwnedPool`, ...), which hand the
+//! handle out while they live. A device address ([`DevicePtr`]) is different: libcuda looks
+//! it up in its own tables, and a wrong one is an error or a fault on the device, never an
+//! access to host memory.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -513,8 +525,9 @@ impl Driver for CudaDriver {
         Ok(pool_handle(pool))
     }
 
-    fn mem_pool_destroy(&self, pool: PoolHandle) -> Result<()> {
-        // SAFETY: a pool handle the caller got from this driver; the driver checks it.
+    unsafe fn mem_pool_destroy(&self, pool: PoolHandle) -> Result<()> {
+        // SAFETY: the caller promises (the trait's `# Safety`) that `pool` is a live pool of
+        // this driver, destroyed once, and not used after.
         check("cuMemPoolDestroy", unsafe {
             sys::cuMemPoolDestroy(pool_raw(pool))
         })
@@ -598,7 +611,7 @@ impl Driver for CudaDriver {
 
     fn mem_pool_trim_to(&self, pool: PoolHandle, keep_bytes: u64) -> Result<()> {
         let keep = size("cuMemPoolTrimTo", keep_bytes)?;
-        // SAFETY: plain call on a pool handle the driver validates.
+        // SAFETY: `pool` is live (the handle contract, module docs).
         check("cuMemPoolTrimTo", unsafe {
             sys::cuMemPoolTrimTo(pool_raw(pool), keep)
         })
@@ -626,7 +639,7 @@ impl Driver for CudaDriver {
 
     fn device_set_mem_pool(&self, ordinal: u32, pool: PoolHandle) -> Result<()> {
         let dev = self.device(ordinal)?;
-        // SAFETY: plain call; the driver validates the pool handle.
+        // SAFETY: `dev` came from cuDeviceGet; `pool` is live (the handle contract).
         check("cuDeviceSetMemPool", unsafe {
             sys::cuDeviceSetMemPool(dev, pool_raw(pool))
         })
@@ -817,8 +830,9 @@ impl Driver for CudaDriver {
         Ok(DevicePtr(p))
     }
 
-    fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
-        // SAFETY: the driver validates the pointer (not from cuMemAlloc: an error).
+    unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        // SAFETY: the caller promises (the trait's `# Safety`) that `ptr` is memory of
+        // cuMemAlloc it owns, freed once and not used after.
         check("cuMemFree_v2", unsafe { sys::cuMemFree_v2(ptr.0) })
     }
 
@@ -847,8 +861,9 @@ impl Driver for CudaDriver {
         Ok(DevicePtr(p))
     }
 
-    fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
-        // SAFETY: plain call; the driver validates the pointer.
+    unsafe fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        // SAFETY: the caller promises (the trait's `# Safety`) that `ptr` is a live allocation
+        // it owns, freed once and not used after; `stream` is live (the handle contract).
         check("cuMemFreeAsync", unsafe {
             sys::cuMemFreeAsync(ptr.0, stream_raw(stream))
         })
@@ -874,8 +889,10 @@ impl Driver for CudaDriver {
         Ok(DevicePtr(p))
     }
 
-    fn mem_pool_free_import(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
-        // SAFETY: plain call; imports are freed with cuMemFreeAsync like allocations.
+    unsafe fn mem_pool_free_import(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        // SAFETY: the caller promises (the trait's `# Safety`) that `ptr` is a live import,
+        // freed once and not used after; `stream` is live (the handle contract). Imports are
+        // freed with cuMemFreeAsync like allocations.
         check("cuMemFreeAsync", unsafe {
             sys::cuMemFreeAsync(ptr.0, stream_raw(stream))
         })
@@ -894,8 +911,9 @@ impl Driver for CudaDriver {
         Ok(EventHandle(ev.expose_provenance() as u64))
     }
 
-    fn event_destroy(&self, event: EventHandle) -> Result<()> {
-        // SAFETY: plain call; the driver validates the handle.
+    unsafe fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        // SAFETY: the caller promises (the trait's `# Safety`) that `event` is a live event of
+        // this driver, destroyed once, and not used after.
         check("cuEventDestroy_v2", unsafe {
             sys::cuEventDestroy_v2(event_raw(event))
         })
@@ -923,14 +941,14 @@ impl Driver for CudaDriver {
     }
 
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
-        // SAFETY: plain call; the driver validates both handles.
+        // SAFETY: `event` and `stream` are live (the handle contract, module docs).
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(event_raw(event), stream_raw(stream))
         })
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {
-        // SAFETY: plain call; the driver validates the handle.
+        // SAFETY: `event` is live (the handle contract, module docs).
         let r = unsafe { sys::cuEventQuery(event_raw(event)) };
         if r == sys::CUresult::CUDA_ERROR_NOT_READY {
             return Ok(false);
@@ -940,14 +958,14 @@ impl Driver for CudaDriver {
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
-        // SAFETY: plain call; the driver validates the handle.
+        // SAFETY: `event` is live (the handle contract, module docs).
         check("cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(event_raw(event))
         })
     }
 
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
-        // SAFETY: plain call; the driver validates both handles.
+        // SAFETY: `event` and `stream` are live (the handle contract, module docs).
         check("cuStreamWaitEvent", unsafe {
             sys::cuStreamWaitEvent(stream_raw(stream), event_raw(event), 0)
         })
@@ -965,15 +983,16 @@ impl Driver for CudaDriver {
         Ok(StreamHandle(s.expose_provenance() as u64))
     }
 
-    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
-        // SAFETY: plain call; the driver validates the handle.
+    unsafe fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        // SAFETY: the caller promises (the trait's `# Safety`) that `stream` is a live stream
+        // of this driver, destroyed once, and not used after.
         check("cuStreamDestroy_v2", unsafe {
             sys::cuStreamDestroy_v2(stream_raw(stream))
         })
     }
 
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
-        // SAFETY: plain call; the driver validates the handle.
+        // SAFETY: `stream` is live (the handle contract, module docs).
         check("cuStreamSynchronize", unsafe {
             sys::cuStreamSynchronize(stream_raw(stream))
         })
@@ -1031,7 +1050,8 @@ impl Driver for CudaDriver {
         stream: StreamHandle,
     ) -> Result<()> {
         let n = size("cuMemsetD8Async", bytes)?;
-        // SAFETY: device-side call; the driver validates the range.
+        // SAFETY: `stream` is live (the handle contract); `ptr` is a device address, which
+        // libcuda looks up itself (a wrong one is an error or a device fault).
         check("cuMemsetD8Async", unsafe {
             sys::cuMemsetD8Async(ptr.0, value, n, stream_raw(stream))
         })
@@ -1045,7 +1065,8 @@ impl Driver for CudaDriver {
         stream: StreamHandle,
     ) -> Result<()> {
         let n = size("cuMemsetD32Async", words)?;
-        // SAFETY: device-side call; the driver validates the range.
+        // SAFETY: `stream` is live (the handle contract); `ptr` is a device address, which
+        // libcuda looks up itself (a wrong one is an error or a device fault).
         check("cuMemsetD32Async", unsafe {
             sys::cuMemsetD32Async(ptr.0, value, n, stream_raw(stream))
         })
@@ -1125,7 +1146,8 @@ impl Driver for CudaDriver {
         stream: StreamHandle,
     ) -> Result<()> {
         let n = size("cuMemcpyDtoDAsync_v2", bytes)?;
-        // SAFETY: device-side copy; the driver validates both ranges.
+        // SAFETY: `stream` is live (the handle contract); both addresses are device addresses,
+        // which libcuda looks up itself.
         check("cuMemcpyDtoDAsync_v2", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, n, stream_raw(stream))
         })
@@ -1285,7 +1307,8 @@ impl Driver for CudaDriver {
 
     fn vmm_map(&self, ptr: DevicePtr, bytes: u64, handle: VmmHandle) -> Result<()> {
         let n = size("cuMemMap", bytes)?;
-        // SAFETY: device-side mapping; the driver validates the range and handle.
+        // SAFETY: `handle` is live (the handle contract); `ptr` is a device address, which
+        // libcuda looks up in its reservations itself.
         check("cuMemMap", unsafe {
             sys::cuMemMap(ptr.0, n, 0, handle.0, 0)
         })
@@ -1309,22 +1332,25 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
+    unsafe fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
         let n = size("cuMemUnmap", bytes)?;
-        // SAFETY: the driver validates the range.
+        // SAFETY: the caller promises (the trait's `# Safety`) that the range is a mapping of
+        // this driver, unmapped once and not used after.
         check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr.0, n) })
     }
 
-    fn vmm_address_free(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
+    unsafe fn vmm_address_free(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
         let n = size("cuMemAddressFree", bytes)?;
-        // SAFETY: the driver validates the range.
+        // SAFETY: the caller promises (the trait's `# Safety`) that the range is an unmapped
+        // reservation of this driver, freed once and not used after.
         check("cuMemAddressFree", unsafe {
             sys::cuMemAddressFree(ptr.0, n)
         })
     }
 
-    fn vmm_release(&self, handle: VmmHandle) -> Result<()> {
-        // SAFETY: the driver validates the handle.
+    unsafe fn vmm_release(&self, handle: VmmHandle) -> Result<()> {
+        // SAFETY: the caller promises (the trait's `# Safety`) that `handle` is a reference of
+        // this driver, released once and not used after.
         check("cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })
     }
 }

@@ -37,7 +37,8 @@ use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
 
 use crate::api::Driver;
 use crate::error::{DriverError, Result};
-use crate::types::{DevicePtr, EventHandle, StreamHandle};
+use crate::owned::{HostRegistration, OwnedEvent};
+use crate::types::{DevicePtr, StreamHandle};
 
 fn os(call: &'static str, e: nix::Error) -> DriverError {
     DriverError::Os {
@@ -53,9 +54,11 @@ const SEALS: SealFlag = SealFlag::F_SEAL_SHRINK
 
 /// What the buffer tracks once registered.
 struct Registration {
-    driver: Arc<dyn Driver>,
+    /// The pages' registration (it holds the driver). Unregistered by `Drop` of the buffer
+    /// once the events below completed, or leaked.
+    host: HostRegistration,
     /// Each stream a copy was issued on, with an event recorded after its latest copy.
-    streams: Vec<(StreamHandle, EventHandle)>,
+    streams: Vec<(StreamHandle, OwnedEvent)>,
 }
 
 /// A memfd of `len` bytes mapped read-write and shared; see the [module docs](self).
@@ -191,11 +194,13 @@ impl SharedHostBuffer {
                 reason: "the shared host buffer is already registered".into(),
             });
         }
-        // SAFETY: `ptr` points to `len` mapped bytes that stay mapped until `Drop`, which
-        // unregisters before it unmaps.
-        unsafe { driver.host_register(self.ptr.as_ptr(), self.len) }?;
+        // SAFETY: (1) `ptr` points to `len` mapped bytes that stay mapped until `Drop`, which
+        // unregisters (or leaks the registration) before it unmaps; (2) `Drop` unregisters
+        // only once every copy's event completed.
+        let host =
+            unsafe { HostRegistration::new(Arc::clone(driver), self.ptr.as_ptr(), self.len) }?;
         *reg = Some(Registration {
-            driver: Arc::clone(driver),
+            host,
             streams: Vec::new(),
         });
         Ok(())
@@ -295,17 +300,19 @@ impl SharedHostBuffer {
                 reason: "the shared host buffer is not registered".into(),
             });
         };
+        let driver = Arc::clone(reg.host.driver());
         let event = match reg.streams.iter().find(|(s, _)| *s == stream) {
-            Some((_, e)) => *e,
+            Some((_, e)) => e.handle(),
             None => {
-                let e = reg.driver.event_create(false)?;
+                let e = OwnedEvent::new(Arc::clone(&driver), false)?;
+                let handle = e.handle();
                 reg.streams.push((stream, e));
-                e
+                handle
             }
         };
         // Record even when the copy failed part-way: whatever it issued is then covered.
-        let copied = copy(reg.driver.as_ref());
-        let recorded = reg.driver.event_record(event, stream);
+        let copied = copy(driver.as_ref());
+        let recorded = driver.event_record(event, stream);
         copied.and(recorded)
     }
 }
@@ -321,26 +328,29 @@ impl Drop for SharedHostBuffer {
             .take();
         if let Some(reg) = reg {
             let mut in_flight = false;
-            for (stream, event) in &reg.streams {
-                if let Err(e) = reg.driver.event_synchronize(*event) {
+            let Registration { host, streams } = reg;
+            for (stream, event) in streams {
+                if let Err(e) = host.driver().event_synchronize(event.handle()) {
                     tracing::error!(?stream, error = %e, "shared host buffer: waiting for copies failed");
                     in_flight = true;
                 }
-                if let Err(e) = reg.driver.event_destroy(*event) {
+                if let Err(e) = event.close() {
                     tracing::warn!(?stream, error = %e, "shared host buffer: event destroy failed");
                 }
             }
             if in_flight {
-                // A copy may still use the pages: leaking the mapping is the safe failure.
+                // A copy may still use the pages: leaking the mapping (and keeping it
+                // registered) is the safe failure.
+                host.leak();
                 tracing::error!(
                     len = self.len,
                     "shared host buffer leaked: copies may still be in flight"
                 );
                 return;
             }
-            // SAFETY: registered by `register` with this pointer; every copy through it
-            // completed (the events above were synchronized).
-            if let Err(e) = unsafe { reg.driver.host_unregister(self.ptr.as_ptr()) } {
+            // Every copy through the registration completed (the events above were
+            // synchronized): `HostRegistration`'s condition for unregistering holds.
+            if let Err(e) = host.close() {
                 tracing::warn!(error = %e, "shared host buffer: cuMemHostUnregister failed");
             }
         }

@@ -6,6 +6,10 @@
 //! - `sim::SimDriver`: a simulation for machines without a GPU, chosen explicitly, never a
 //!   silent fallback.
 //! - `MockDriver` (feature `mock`): mockall's mock of the trait.
+//! - Owning types ([`OwnedPool`], [`PoolAllocation`], [`ImportedPointer`], [`OwnedEvent`],
+//!   [`OwnedStream`], [`DeviceAllocation`], [`VmmAllocation`], [`VmmReservation`],
+//!   [`VmmMapping`], [`HostRegistration`]): the only way safe code destroys what the driver
+//!   made; the trait's destroying calls are `unsafe fn`s.
 //! - [`host::SharedHostBuffer`]: pinned host memory two processes share, for host staging.
 //!
 //! Raw FFI lives here and in the transport's FD handling, nowhere else in the workspace.
@@ -26,7 +30,10 @@ pub use api::Driver;
 pub use api::MockDriver;
 pub use cuda::CudaDriver;
 pub use error::{CuCode, DriverError, Result};
-pub use owned::{OwnedEvent, OwnedStream};
+pub use owned::{
+    DeviceAllocation, HostRegistration, ImportedPointer, OwnedEvent, OwnedPool, OwnedStream,
+    PoolAllocation, VmmAllocation, VmmMapping, VmmReservation,
+};
 pub use poolipc_types::{DeviceUuid, EventBlob, ExportBlob};
 pub use types::{
     Access, DeviceInfo, DevicePtr, DriverKind, EventHandle, Granularity, PointerInfo,

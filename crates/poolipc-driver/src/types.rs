@@ -5,16 +5,50 @@
 //! Handles are opaque `u64` newtypes rather than associated types: each driver gives them
 //! meaning (`CudaDriver` stores the CUDA handle's address, `SimDriver` an index), they are
 //! `Copy`, and mockall can name them. A handle from one driver means nothing to another.
+//!
+//! A handle is made by a driver: its field is private, a number from outside (a stream from
+//! Python, torch's `cuda_stream`) becomes one only through the handle's `unsafe fn from_raw`,
+//! whose caller vouches for it. Destroying one is the owning types' job
+//! ([`OwnedPool`](crate::OwnedPool), [`OwnedEvent`](crate::OwnedEvent), ...): the trait's
+//! destroying calls are `unsafe fn`s.
 
 use std::fmt;
 
 pub(crate) use poolipc_types::{DeviceUuid, EventBlob, ExportBlob};
 
 macro_rules! handle {
-    ($(#[$m:meta])* $name:ident) => {
+    ($(#[$m:meta])* $name:ident, $what:literal) => {
         $(#[$m])*
         #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-        pub struct $name(pub u64);
+        pub struct $name(pub(crate) u64);
+
+        impl $name {
+            #[doc = concat!("The ", $what, " `raw` names, as a driver of this process gave it out.")]
+            ///
+            /// # Safety
+            #[doc = concat!("1. `raw` is ", $what, " that the driver this value will be given to")]
+            ///    made (or opened) in this process, or a value that driver documents as valid.
+            /// 2. It stays live (not destroyed, by this process or another library) for as long
+            ///    as this value, or a copy of it, is given to a driver call.
+            #[must_use]
+            pub const unsafe fn from_raw(raw: u64) -> $name {
+                $name(raw)
+            }
+
+            /// The raw value, as the driver gave it out (for logs, wire formats and Python).
+            #[must_use]
+            pub const fn as_raw(self) -> u64 {
+                self.0
+            }
+
+            #[doc = concat!("A made-up ", $what, " for mockall expectations and unit tests")]
+            /// that never reach a real driver. Only with the `mock` feature.
+            #[cfg(any(test, feature = "mock"))]
+            #[must_use]
+            pub const fn mock(raw: u64) -> $name {
+                $name(raw)
+            }
+        }
 
         impl fmt::Debug for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -26,27 +60,41 @@ macro_rules! handle {
 
 handle!(
     /// A memory pool (`CUmemoryPool`), created here or imported from another process.
-    PoolHandle
+    PoolHandle,
+    "a memory pool (`CUmemoryPool`)"
 );
 handle!(
     /// A stream (`CUstream`). `StreamHandle::NULL` is the legacy default stream.
-    StreamHandle
+    StreamHandle,
+    "a stream (`CUstream`)"
 );
 handle!(
     /// An event (`CUevent`), local or opened from another process's handle.
-    EventHandle
+    EventHandle,
+    "an event (`CUevent`)"
 );
 handle!(
     /// A physical allocation of the virtual memory management API (`CUmemGenericAllocationHandle`).
-    VmmHandle
+    VmmHandle,
+    "a VMM allocation handle (`CUmemGenericAllocationHandle`)"
 );
 
 impl StreamHandle {
     /// The legacy default stream.
     pub const NULL: StreamHandle = StreamHandle(0);
+    /// `CU_STREAM_LEGACY`: the legacy default stream, by the handle the driver API gives it.
+    pub const LEGACY: StreamHandle = StreamHandle(1);
+    /// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
+    pub const PER_THREAD: StreamHandle = StreamHandle(2);
 }
 
 /// A device address (`CUdeviceptr`).
+///
+/// Unlike the handles, an address is plain data (tensors' `data_ptr()`, offsets into an
+/// allocation): the driver looks every address it is given up in its own tables and answers
+/// an error for one it does not know, so a made-up address cannot reach host memory. Freeing
+/// or unmapping the memory behind one is the owning types' job (the trait's calls that do it
+/// are `unsafe fn`s).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct DevicePtr(pub u64);
 

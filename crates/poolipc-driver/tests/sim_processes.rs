@@ -136,7 +136,8 @@ fn a_worker_process_reads_the_parents_bytes_and_writes_in_place() {
         w.memset_d8_async(ptr, 0xCD, 64, s).unwrap();
         let done = w.event_create(true).unwrap();
         w.event_record(done, s).unwrap();
-        w.mem_pool_free_import(ptr, s).unwrap();
+        // SAFETY: `ptr` is the live import made above, freed once and not used after.
+        unsafe { w.mem_pool_free_import(ptr, s) }.unwrap();
         send64(&mut o.sock, &w.ipc_get_event_handle(done).unwrap().0);
         // The DONE event lives as long as this process: wait until the parent waited on it.
         let mut ack = [0u8; 1];
@@ -159,7 +160,8 @@ fn a_worker_process_reads_the_parents_bytes_and_writes_in_place() {
     p.memcpy_dtoh(&mut buf, ptr).unwrap();
     assert_eq!(buf, [0xCD; 64]);
     assert!(w.process.wait().unwrap().success());
-    p.mem_free_async(ptr, S).unwrap();
+    // SAFETY: `ptr` is the live allocation made above, freed once and not used after.
+    unsafe { p.mem_free_async(ptr, S) }.unwrap();
     assert_eq!(p.violations(), vec![]);
 }
 
@@ -171,7 +173,8 @@ fn a_worker_process_touching_memory_before_ready_is_recorded_for_the_parent() {
         let ptr = w.mem_pool_import_pointer(o.pool, &o.blob).unwrap();
         let s = w.stream_create().unwrap();
         w.memset_d8_async(ptr, 0xCD, 64, s).unwrap(); // no wait on READY
-        w.mem_pool_free_import(ptr, s).unwrap();
+        // SAFETY: `ptr` is the live import made above, freed once and not used after.
+        unsafe { w.mem_pool_free_import(ptr, s) }.unwrap();
         return;
     }
     let (p, pool) = parent_sim(1 << 30);
@@ -193,7 +196,8 @@ fn a_worker_process_touching_memory_before_ready_is_recorded_for_the_parent() {
 fn import_and_exit() {
     let o = worker_receive();
     let ptr = o.sim.mem_pool_import_pointer(o.pool, &o.blob).unwrap();
-    o.sim.mem_pool_free_import(ptr, S).unwrap();
+    // SAFETY: `ptr` is the live import made above, freed once and not used after.
+    unsafe { o.sim.mem_pool_free_import(ptr, S) }.unwrap();
 }
 
 #[test]
@@ -262,7 +266,8 @@ fn import_and_hold() {
     o.sock.write_all(b"I").unwrap();
     let mut b = [0u8; 1];
     let _ = o.sock.read(&mut b);
-    o.sim.mem_pool_free_import(ptr, S).unwrap();
+    // SAFETY: `ptr` is the live import made above, freed once and not used after.
+    unsafe { o.sim.mem_pool_free_import(ptr, S) }.unwrap();
 }
 
 #[test]
@@ -278,7 +283,8 @@ fn freeing_while_a_live_worker_holds_an_import_is_recorded() {
     let ptr = parent_offer(&p, &mut w, pool, MIB);
     let mut b = [0u8; 1];
     w.sock.read_exact(&mut b).unwrap();
-    p.mem_free_async(ptr, S).unwrap();
+    // SAFETY: `ptr` is the live allocation made above, freed once and not used after.
+    unsafe { p.mem_free_async(ptr, S) }.unwrap();
     let v = p.violations();
     assert_eq!(v.len(), 1, "{v:?}");
     assert_eq!(v[0].kind, ViolationKind::FreedWhileImported);
@@ -303,6 +309,7 @@ fn a_killed_workers_imports_are_dropped_so_the_parent_may_free() {
     w.process.kill().unwrap(); // SIGKILL
     let status = w.process.wait().unwrap();
     assert_eq!(status.signal(), Some(libc::SIGKILL));
-    p.mem_free_async(ptr, S).unwrap();
+    // SAFETY: `ptr` is the live allocation made above, freed once and not used after.
+    unsafe { p.mem_free_async(ptr, S) }.unwrap();
     assert_eq!(p.violations(), vec![]);
 }

@@ -6,8 +6,12 @@
 //! the import when the last one lets go.
 
 use std::collections::HashMap;
+use std::ops::Deref;
+use std::sync::Arc;
 
-use poolipc_driver::{DevicePtr, Driver, DriverError, ExportBlob, PoolHandle, StreamHandle};
+use poolipc_driver::{
+    DevicePtr, Driver, DriverError, ExportBlob, ImportedPointer, PoolHandle, StreamHandle,
+};
 
 /// Errors of the import cache.
 #[derive(Debug, thiserror::Error)]
@@ -21,10 +25,18 @@ pub enum CacheError {
     Driver(#[from] DriverError),
 }
 
-#[derive(Debug)]
-struct Entry {
-    ptr: DevicePtr,
+struct Entry<R: Deref<Target: Driver>> {
+    import: ImportedPointer<R>,
     users: u32,
+}
+
+impl<R: Deref<Target: Driver>> std::fmt::Debug for Entry<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Entry")
+            .field("ptr", &self.import.ptr())
+            .field("users", &self.users)
+            .finish()
+    }
 }
 
 /// What [`ImportCache::release`] did.
@@ -39,16 +51,33 @@ pub enum Released {
     Freed(DevicePtr),
 }
 
-/// One import per exported allocation, shared by refcount (worker side).
-#[derive(Debug, Default)]
-pub struct ImportCache {
-    entries: HashMap<ExportBlob, Entry>,
+/// One import per exported allocation, shared by refcount (worker side). Dropped, it frees
+/// the imports it still holds on the legacy default stream ([`ImportedPointer`]'s drop);
+/// [`free_all`](ImportCache::free_all) frees them on a stream of the caller's choice.
+pub struct ImportCache<R: Deref<Target: Driver> = Arc<dyn Driver>> {
+    entries: HashMap<ExportBlob, Entry<R>>,
 }
 
-impl ImportCache {
+impl<R: Deref<Target: Driver>> std::fmt::Debug for ImportCache<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImportCache")
+            .field("entries", &self.entries)
+            .finish()
+    }
+}
+
+impl<R: Deref<Target: Driver>> Default for ImportCache<R> {
+    fn default() -> Self {
+        ImportCache {
+            entries: HashMap::new(),
+        }
+    }
+}
+
+impl<R: Deref<Target: Driver>> ImportCache<R> {
     /// An empty cache.
     #[must_use]
-    pub fn new() -> ImportCache {
+    pub fn new() -> ImportCache<R> {
         ImportCache::default()
     }
 
@@ -56,15 +85,16 @@ impl ImportCache {
     pub fn acquire_with<E>(
         &mut self,
         data: &ExportBlob,
-        import: impl FnOnce(&ExportBlob) -> Result<DevicePtr, E>,
+        import: impl FnOnce(&ExportBlob) -> Result<ImportedPointer<R>, E>,
     ) -> Result<DevicePtr, E> {
         if let Some(e) = self.entries.get_mut(data) {
             e.users += 1;
-            tracing::trace!(ptr = ?e.ptr, users = e.users, "import shared");
-            return Ok(e.ptr);
+            tracing::trace!(ptr = ?e.import.ptr(), users = e.users, "import shared");
+            return Ok(e.import.ptr());
         }
-        let ptr = import(data)?;
-        self.entries.insert(*data, Entry { ptr, users: 1 });
+        let import = import(data)?;
+        let ptr = import.ptr();
+        self.entries.insert(*data, Entry { import, users: 1 });
         tracing::trace!(?ptr, "import made");
         Ok(ptr)
     }
@@ -74,7 +104,7 @@ impl ImportCache {
     pub fn release_with<E: From<CacheError>>(
         &mut self,
         data: &ExportBlob,
-        free: impl FnOnce(DevicePtr) -> Result<(), E>,
+        free: impl FnOnce(ImportedPointer<R>) -> Result<(), E>,
     ) -> Result<Released, E> {
         let Some(e) = self.entries.get_mut(data) else {
             return Err(CacheError::NotHeld(*data).into());
@@ -83,34 +113,31 @@ impl ImportCache {
         if e.users > 0 {
             return Ok(Released::StillHeld { users: e.users });
         }
-        let ptr = e.ptr;
-        self.entries.remove(data);
-        free(ptr)?;
+        let Some(e) = self.entries.remove(data) else {
+            return Err(CacheError::NotHeld(*data).into());
+        };
+        let ptr = e.import.ptr();
+        free(e.import)?;
         Ok(Released::Freed(ptr))
     }
 
     /// [`acquire_with`](ImportCache::acquire_with) through a driver's `cuMemPoolImportPointer`.
-    pub fn acquire<D: Driver + ?Sized>(
+    pub fn acquire(
         &mut self,
-        driver: &D,
+        driver: R,
         pool: PoolHandle,
         data: &ExportBlob,
     ) -> Result<DevicePtr, CacheError> {
-        Ok(self.acquire_with(data, |d| driver.mem_pool_import_pointer(pool, d))?)
+        Ok(self.acquire_with(data, |d| ImportedPointer::import(driver, pool, d))?)
     }
 
     /// [`release_with`](ImportCache::release_with) through the driver's stream-ordered free.
-    pub fn release<D: Driver + ?Sized>(
+    pub fn release(
         &mut self,
-        driver: &D,
         data: &ExportBlob,
         stream: StreamHandle,
     ) -> Result<Released, CacheError> {
-        self.release_with(data, |ptr| {
-            driver
-                .mem_pool_free_import(ptr, stream)
-                .map_err(CacheError::from)
-        })
+        self.release_with(data, |import| import.free(stream).map_err(CacheError::from))
     }
 
     /// Users of `data`'s import, 0 when not held.
@@ -132,11 +159,12 @@ impl ImportCache {
     }
 
     /// Free every live import regardless of users (worker shutdown), returning how many.
-    pub fn free_all<D: Driver + ?Sized>(&mut self, driver: &D, stream: StreamHandle) -> usize {
+    pub fn free_all(&mut self, stream: StreamHandle) -> usize {
         let mut n = 0;
         for (_, e) in self.entries.drain() {
-            if let Err(err) = driver.mem_pool_free_import(e.ptr, stream) {
-                tracing::warn!(ptr = ?e.ptr, error = %err, "freeing an import at shutdown failed");
+            let ptr = e.import.ptr();
+            if let Err(err) = e.import.free(stream) {
+                tracing::warn!(?ptr, error = %err, "freeing an import at shutdown failed");
             }
             n += 1;
         }
@@ -159,9 +187,13 @@ mod tests {
         d.expect_mem_pool_import_pointer()
             .times(1)
             .returning(|_, _| Ok(DevicePtr(0x1000)));
+        // Dropped, the cache frees what it still holds: once.
+        d.expect_mem_pool_free_import()
+            .times(1)
+            .returning(|_, _| Ok(()));
         let mut cache = ImportCache::new();
-        let a = cache.acquire(&d, PoolHandle(1), &blob(1)).unwrap();
-        let b = cache.acquire(&d, PoolHandle(1), &blob(1)).unwrap();
+        let a = cache.acquire(&d, PoolHandle::mock(1), &blob(1)).unwrap();
+        let b = cache.acquire(&d, PoolHandle::mock(1), &blob(1)).unwrap();
         assert_eq!(a, b);
         assert_eq!(cache.users(&blob(1)), 2);
         assert_eq!(cache.len(), 1);
@@ -177,9 +209,13 @@ mod tests {
                 next += 0x1000;
                 Ok(DevicePtr(next))
             });
+        // Dropped, the cache frees what it still holds: each import once.
+        d.expect_mem_pool_free_import()
+            .times(2)
+            .returning(|_, _| Ok(()));
         let mut cache = ImportCache::new();
-        let a = cache.acquire(&d, PoolHandle(1), &blob(1)).unwrap();
-        let b = cache.acquire(&d, PoolHandle(1), &blob(2)).unwrap();
+        let a = cache.acquire(&d, PoolHandle::mock(1), &blob(1)).unwrap();
+        let b = cache.acquire(&d, PoolHandle::mock(1), &blob(2)).unwrap();
         assert_ne!(a, b);
         assert_eq!(cache.len(), 2);
     }
@@ -190,21 +226,21 @@ mod tests {
         d.expect_mem_pool_import_pointer()
             .times(1)
             .returning(|_, _| Ok(DevicePtr(0x1000)));
-        let mut cache = ImportCache::new();
-        cache.acquire(&d, PoolHandle(1), &blob(1)).unwrap();
-        cache.acquire(&d, PoolHandle(1), &blob(1)).unwrap();
-        // No free is expected yet: mockall fails the test on an unexpected call.
-        assert_eq!(
-            cache.release(&d, &blob(1), StreamHandle::NULL).unwrap(),
-            Released::StillHeld { users: 1 }
-        );
-        d.checkpoint();
+        // One free in all: a free at the first release would leave none for the last, and
+        // mockall fails the test on a call past `times`.
         d.expect_mem_pool_free_import()
             .withf(|p, _| *p == DevicePtr(0x1000))
             .times(1)
             .returning(|_, _| Ok(()));
+        let mut cache = ImportCache::new();
+        cache.acquire(&d, PoolHandle::mock(1), &blob(1)).unwrap();
+        cache.acquire(&d, PoolHandle::mock(1), &blob(1)).unwrap();
         assert_eq!(
-            cache.release(&d, &blob(1), StreamHandle::NULL).unwrap(),
+            cache.release(&blob(1), StreamHandle::NULL).unwrap(),
+            Released::StillHeld { users: 1 }
+        );
+        assert_eq!(
+            cache.release(&blob(1), StreamHandle::NULL).unwrap(),
             Released::Freed(DevicePtr(0x1000))
         );
         assert!(cache.is_empty());
@@ -216,21 +252,21 @@ mod tests {
         d.expect_mem_pool_import_pointer()
             .times(2)
             .returning(|_, _| Ok(DevicePtr(0x2000)));
+        // The release's free, and the drop's of the second import.
         d.expect_mem_pool_free_import()
-            .times(1)
+            .times(2)
             .returning(|_, _| Ok(()));
         let mut cache = ImportCache::new();
-        cache.acquire(&d, PoolHandle(1), &blob(3)).unwrap();
-        cache.release(&d, &blob(3), StreamHandle::NULL).unwrap();
-        cache.acquire(&d, PoolHandle(1), &blob(3)).unwrap();
+        cache.acquire(&d, PoolHandle::mock(1), &blob(3)).unwrap();
+        cache.release(&blob(3), StreamHandle::NULL).unwrap();
+        cache.acquire(&d, PoolHandle::mock(1), &blob(3)).unwrap();
         assert_eq!(cache.users(&blob(3)), 1);
     }
 
     #[test]
     fn releasing_what_is_not_held_is_an_error() {
-        let d = MockDriver::new();
-        let mut cache = ImportCache::new();
-        let e = cache.release(&d, &blob(9), StreamHandle::NULL).unwrap_err();
+        let mut cache: ImportCache<&MockDriver> = ImportCache::new();
+        let e = cache.release(&blob(9), StreamHandle::NULL).unwrap_err();
         assert!(matches!(e, CacheError::NotHeld(_)), "{e}");
     }
 
@@ -248,11 +284,15 @@ mod tests {
         d.expect_mem_pool_import_pointer()
             .times(1)
             .returning(|_, _| Ok(DevicePtr(0x3000)));
+        // Dropped, the cache frees the import it holds.
+        d.expect_mem_pool_free_import()
+            .times(1)
+            .returning(|_, _| Ok(()));
         let mut cache = ImportCache::new();
-        assert!(cache.acquire(&d, PoolHandle(1), &blob(4)).is_err());
+        assert!(cache.acquire(&d, PoolHandle::mock(1), &blob(4)).is_err());
         assert_eq!(cache.users(&blob(4)), 0);
         assert_eq!(
-            cache.acquire(&d, PoolHandle(1), &blob(4)).unwrap(),
+            cache.acquire(&d, PoolHandle::mock(1), &blob(4)).unwrap(),
             DevicePtr(0x3000)
         );
     }
@@ -272,10 +312,10 @@ mod tests {
             .returning(|_, _| Ok(()));
         let mut cache = ImportCache::new();
         for n in 1..=3 {
-            cache.acquire(&d, PoolHandle(1), &blob(n)).unwrap();
-            cache.acquire(&d, PoolHandle(1), &blob(n)).unwrap();
+            cache.acquire(&d, PoolHandle::mock(1), &blob(n)).unwrap();
+            cache.acquire(&d, PoolHandle::mock(1), &blob(n)).unwrap();
         }
-        assert_eq!(cache.free_all(&d, StreamHandle::NULL), 3);
+        assert_eq!(cache.free_all(StreamHandle::NULL), 3);
         assert!(cache.is_empty());
     }
 }

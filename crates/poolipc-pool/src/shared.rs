@@ -2,13 +2,14 @@
 //! `AttachedPool`, the same pool imported by a worker.
 
 use std::collections::HashSet;
+use std::ops::Deref;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use poolipc_driver::{
-    Access, DevicePtr, Driver, DriverError, DriverKind, ExportBlob, PoolAttribute, PoolCounter,
-    PoolHandle, PoolSharing, StreamHandle,
+    Access, DevicePtr, Driver, DriverError, DriverKind, ExportBlob, OwnedPool, PoolAllocation,
+    PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle,
 };
 
 use crate::export_cache::{
@@ -149,6 +150,24 @@ pub struct SharedPool<D: Driver + ?Sized> {
     /// interleave.
     rotating: Mutex<()>,
     exports: ExportCache,
+    /// The pools of the live generations, owned: destroyed by
+    /// [`destroy_retired`](SharedPool::destroy_retired) and
+    /// [`uninstall`](SharedPool::uninstall) only. Dropped with the `SharedPool`, they are
+    /// kept (the current one is the device's current pool, which torch allocates from).
+    owned: Mutex<Vec<OwnedPool<Arc<D>>>>,
+}
+
+impl<D: Driver + ?Sized> Drop for SharedPool<D> {
+    fn drop(&mut self) {
+        let owned = self
+            .owned
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for pool in owned.drain(..) {
+            // Kept on purpose: memory torch allocated from it outlives this value.
+            let _ = pool.into_raw();
+        }
+    }
 }
 
 /// One generation of the shared pool: a pool made with torch's attributes and its FD.
@@ -268,13 +287,15 @@ impl<D: Driver + ?Sized> SharedPool<D> {
                 PoolError::CurrentPoolNotDefault { device }
             });
         }
-        let pool = driver.mem_pool_create(device, PoolSharing::PosixFd)?;
+        let owned = OwnedPool::create(Arc::clone(&driver), device, PoolSharing::PosixFd)?;
+        let pool = owned.handle();
         let fd = match Self::configure(&*driver, device, pool) {
             Ok(fd) => fd,
             Err(e) => {
-                // Put the device back as we found it; report the first error.
+                // Put the device back as we found it (before the pool goes: it may be
+                // current); report the first error. The pool is destroyed when dropped here.
                 let _ = driver.device_set_mem_pool(device, default);
-                let _ = driver.mem_pool_destroy(pool);
+                drop(owned);
                 return Err(e);
             }
         };
@@ -298,7 +319,21 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             })]),
             rotating: Mutex::new(()),
             exports: ExportCache::new(DEFAULT_EXPORT_CACHE_ENTRIES),
+            owned: Mutex::new(vec![owned]),
         })
+    }
+
+    fn owned_pools(&self) -> std::sync::MutexGuard<'_, Vec<OwnedPool<Arc<D>>>> {
+        self.owned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The owning value of live generation `pool`, taken out of the pool's keeping.
+    fn take_owned(&self, pool: PoolHandle) -> Option<OwnedPool<Arc<D>>> {
+        let mut owned = self.owned_pools();
+        let i = owned.iter().position(|o| o.handle() == pool)?;
+        Some(owned.swap_remove(i))
     }
 
     fn generations(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Generation>>> {
@@ -369,7 +404,8 @@ impl<D: Driver + ?Sized> SharedPool<D> {
             .map(|g| Arc::clone(&g.fd))
     }
 
-    /// A stream-ordered allocation from the current generation.
+    /// A stream-ordered allocation from the current generation; give it back with
+    /// [`free`](SharedPool::free) (or hand its address on: whoever frees it next).
     pub fn alloc(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr, PoolError> {
         Ok(self
             .driver
@@ -378,8 +414,11 @@ impl<D: Driver + ?Sized> SharedPool<D> {
 
     /// Free an allocation of this pool, stream-ordered, and drop its cached export (kept
     /// when reuse is proven: a later allocation of the same size there reuses it).
+    ///
+    /// `ptr` is checked with the driver first ([`PoolAllocation::claim`]: the start of a live
+    /// pool allocation, else an error and nothing freed); the caller answers for owning it.
     pub fn free(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<(), PoolError> {
-        self.driver.mem_free_async(ptr, stream)?;
+        PoolAllocation::claim(&*self.driver, ptr)?.free(stream)?;
         self.exports.forget_unless_reusable(ptr.0);
         Ok(())
     }
@@ -640,18 +679,20 @@ impl<D: Driver + ?Sized> SharedPool<D> {
                 ours: old.pool,
             });
         }
-        let pool = self
-            .driver
-            .mem_pool_create(self.device, PoolSharing::PosixFd)?;
+        let owned = OwnedPool::create(Arc::clone(&self.driver), self.device, PoolSharing::PosixFd)?;
+        let pool = owned.handle();
         let fd = match Self::configure(&*self.driver, self.device, pool) {
             Ok(fd) => fd,
             Err(e) => {
-                // Put our old generation back as the current pool; report the first error.
+                // Put our old generation back as the current pool (before the new one goes:
+                // it may be current); report the first error. The new pool is destroyed when
+                // dropped here.
                 let _ = self.driver.device_set_mem_pool(self.device, old.pool);
-                let _ = self.driver.mem_pool_destroy(pool);
+                drop(owned);
                 return Err(e);
             }
         };
+        self.owned_pools().push(owned);
         installed().get_or_insert_with(HashSet::new).insert((
             self.driver.kind(),
             self.device,
@@ -721,7 +762,11 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         if used > 0 {
             return Err(PoolError::InUse { used });
         }
-        self.driver.mem_pool_destroy(pool)?;
+        // Taken out before the destroy: a pool the driver refused to destroy is not
+        // destroyed twice (a later call drops the generation).
+        if let Some(owned) = self.take_owned(pool) {
+            owned.close()?;
+        }
         self.generations().retain(|g| g.pool != pool);
         if let Some(s) = installed().as_mut() {
             s.remove(&(self.driver.kind(), self.device, pool));
@@ -771,7 +816,9 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         let default = self.driver.device_get_default_mem_pool(self.device)?;
         self.driver.device_set_mem_pool(self.device, default)?;
         for &pool in &handles {
-            self.driver.mem_pool_destroy(pool)?;
+            if let Some(owned) = self.take_owned(pool) {
+                owned.close()?;
+            }
             if let Some(s) = installed().as_mut() {
                 s.remove(&(self.driver.kind(), self.device, pool));
             }
@@ -782,10 +829,10 @@ impl<D: Driver + ?Sized> SharedPool<D> {
 }
 
 /// The parent's pool as a worker sees it: imported from the FD, with read-write access.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttachedPool {
-    /// The imported pool's handle in this process.
-    pub pool: PoolHandle,
+/// Dropped, the import is destroyed (`cuMemPoolDestroy`).
+pub struct AttachedPool<R: Deref<Target: Driver> = Arc<dyn Driver>> {
+    /// The imported pool in this process.
+    pub pool: OwnedPool<R>,
     /// The device the worker uses it from.
     pub device: u32,
     /// The access the import had before we set it.
@@ -798,16 +845,31 @@ pub struct AttachedPool {
     pub keeps_mappings: bool,
 }
 
-impl AttachedPool {
+impl<R: Deref<Target: Driver>> std::fmt::Debug for AttachedPool<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AttachedPool")
+            .field("pool", &self.pool)
+            .field("device", &self.device)
+            .field("initial_access", &self.initial_access)
+            .field("initial_release_threshold", &self.initial_release_threshold)
+            .field("keeps_mappings", &self.keeps_mappings)
+            .finish()
+    }
+}
+
+impl<R: Deref<Target: Driver>> AttachedPool<R> {
     /// Import the parent's pool FD, make sure `device` may read and write it, and try to raise
     /// the imported pool's release threshold as the parent's is (driver 580 refuses that on an
-    /// imported pool; [`AttachedPool::keeps_mappings`] says what happened).
-    pub fn attach<D: Driver + ?Sized>(
-        driver: &D,
+    /// imported pool; [`AttachedPool::keeps_mappings`] says what happened). On failure the
+    /// import is destroyed again.
+    pub fn attach(
+        driver: R,
         fd: BorrowedFd<'_>,
         device: u32,
-    ) -> Result<AttachedPool, PoolError> {
-        let pool = driver.mem_pool_import_fd(fd)?;
+    ) -> Result<AttachedPool<R>, PoolError> {
+        let owned = OwnedPool::import_fd(driver, fd)?;
+        let pool = owned.handle();
+        let driver = &**owned.driver();
         let initial_access = driver.mem_pool_get_access(pool, device)?;
         if initial_access != Access::ReadWrite {
             driver.mem_pool_set_access(pool, device, Access::ReadWrite)?;
@@ -837,7 +899,7 @@ impl AttachedPool {
             "attached the parent's pool"
         );
         Ok(AttachedPool {
-            pool,
+            pool: owned,
             device,
             initial_access,
             initial_release_threshold,
@@ -853,8 +915,8 @@ mod tests {
     use poolipc_driver::{CuCode, DeviceInfo, DeviceUuid, DriverKind, MockDriver};
     use std::os::fd::{AsFd, OwnedFd};
 
-    const DEFAULT: PoolHandle = PoolHandle(0xd0);
-    const OURS: PoolHandle = PoolHandle(0xa1);
+    const DEFAULT: PoolHandle = PoolHandle::mock(0xd0);
+    const OURS: PoolHandle = PoolHandle::mock(0xa1);
 
     fn info(pool_fd: bool) -> DeviceInfo {
         DeviceInfo {
@@ -1097,6 +1159,16 @@ mod tests {
             .times(1)
             .returning(|_| Ok(ExportBlob([1; 64])));
         d.expect_pointer_get_range().returning(|p| Ok((p, 4096)));
+        // The free checks that the address starts a live pool allocation first.
+        d.expect_pointer_info().returning(|p| {
+            Ok(poolipc_driver::PointerInfo {
+                base: p,
+                size: 4096,
+                pool: Some(OURS),
+                buffer_id: Some(3),
+                device: Some(0),
+            })
+        });
         d.expect_mem_free_async().times(1).returning(|_, _| Ok(()));
         let pool = SharedPool::install(Arc::new(d), 0).unwrap();
         pool.export(DevicePtr(0x1000)).unwrap();
@@ -1110,7 +1182,7 @@ mod tests {
         d.expect_kind().return_const(DriverKind::Mock);
         d.expect_device_info().returning(|_| Ok(info(true)));
         d.expect_device_get_mem_pool()
-            .returning(|_| Ok(PoolHandle(0xbeef)));
+            .returning(|_| Ok(PoolHandle::mock(0xbeef)));
         d.expect_device_get_default_mem_pool()
             .returning(|_| Ok(DEFAULT));
         d.expect_mem_pool_create().never();
@@ -1187,16 +1259,23 @@ mod tests {
     fn attach_grants_read_write_when_the_import_lacks_it() {
         let mut d = MockDriver::new();
         d.expect_mem_pool_import_fd()
-            .returning(|_| Ok(PoolHandle(0x55)));
+            .returning(|_| Ok(PoolHandle::mock(0x55)));
+        // Dropped, the attached pool destroys its import.
+        d.expect_mem_pool_destroy()
+            .withf(|p| *p == PoolHandle::mock(0x55))
+            .times(1)
+            .returning(|_| Ok(()));
         d.expect_mem_pool_get_access()
             .returning(|_, _| Ok(Access::None));
         d.expect_mem_pool_get_attribute().returning(|_, _| Ok(0));
         d.expect_mem_pool_set_attribute()
-            .withf(|p, a| *p == PoolHandle(0x55) && *a == PoolAttribute::ReleaseThreshold(u64::MAX))
+            .withf(|p, a| {
+                *p == PoolHandle::mock(0x55) && *a == PoolAttribute::ReleaseThreshold(u64::MAX)
+            })
             .times(1)
             .returning(|_, _| Ok(()));
         d.expect_mem_pool_set_access()
-            .withf(|p, dev, a| *p == PoolHandle(0x55) && *dev == 0 && *a == Access::ReadWrite)
+            .withf(|p, dev, a| *p == PoolHandle::mock(0x55) && *dev == 0 && *a == Access::ReadWrite)
             .times(1)
             .returning(|_, _, _| Ok(()));
         let fd = some_fd();
@@ -1208,7 +1287,12 @@ mod tests {
     fn attach_leaves_read_write_access_alone() {
         let mut d = MockDriver::new();
         d.expect_mem_pool_import_fd()
-            .returning(|_| Ok(PoolHandle(0x55)));
+            .returning(|_| Ok(PoolHandle::mock(0x55)));
+        // Dropped, the attached pool destroys its import.
+        d.expect_mem_pool_destroy()
+            .withf(|p| *p == PoolHandle::mock(0x55))
+            .times(1)
+            .returning(|_| Ok(()));
         d.expect_mem_pool_get_access()
             .returning(|_, _| Ok(Access::ReadWrite));
         d.expect_mem_pool_get_attribute()
@@ -1223,7 +1307,12 @@ mod tests {
     fn attach_tries_to_raise_the_imported_pools_release_threshold_and_says_if_it_could_not() {
         let mut d = MockDriver::new();
         d.expect_mem_pool_import_fd()
-            .returning(|_| Ok(PoolHandle(0x55)));
+            .returning(|_| Ok(PoolHandle::mock(0x55)));
+        // Dropped, the attached pool destroys its import.
+        d.expect_mem_pool_destroy()
+            .withf(|p| *p == PoolHandle::mock(0x55))
+            .times(1)
+            .returning(|_| Ok(()));
         d.expect_mem_pool_get_access()
             .returning(|_, _| Ok(Access::ReadWrite));
         d.expect_mem_pool_get_attribute().returning(|_, _| Ok(0));

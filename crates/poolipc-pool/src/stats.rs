@@ -66,11 +66,11 @@ mod tests {
             PoolAttribute::ResetUsedHigh,
         ] {
             d.expect_mem_pool_set_attribute()
-                .withf(move |p, a| *p == PoolHandle(0x77) && *a == attr)
+                .withf(move |p, a| *p == PoolHandle::mock(0x77) && *a == attr)
                 .times(1)
                 .in_sequence(&mut seq)
                 .returning(|_, _| Ok(()));
         }
-        PoolStats::reset_high(&d, PoolHandle(0x77)).unwrap();
+        PoolStats::reset_high(&d, PoolHandle::mock(0x77)).unwrap();
     }
 }

@@ -17,7 +17,10 @@ use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
-use poolipc_driver::{Access, DevicePtr, Driver, DriverError, Granularity, VmmHandle};
+use poolipc_driver::{
+    Access, DevicePtr, Driver, DriverError, Granularity, VmmAllocation, VmmHandle, VmmMapping,
+    VmmReservation,
+};
 use poolipc_types::{AllocId, JobId};
 
 /// What went wrong with a shared VMM allocation. Malformed input from the parent is a typed
@@ -71,15 +74,17 @@ pub enum VmmShareError {
     },
 }
 
+/// One import and its mappings. Dropped (or `unmap`ped), the read-only mapping goes first,
+/// then the read-write one, then the handle: the fields' order.
 #[derive(Debug)]
 struct Mapped {
-    handle: VmmHandle,
-    ptr: DevicePtr,
-    len: u64,
     /// A second mapping of the handle, read-only, made at the first read-only lend: a tensor
     /// lent read-only is viewed through it, so a write faults instead of changing the
     /// parent's memory (`cuMemMap` maps whole handles, so it cannot be a range of `ptr`).
-    read_only: Option<DevicePtr>,
+    read_only: Option<VmmMapping>,
+    mapping: VmmMapping,
+    handle: VmmAllocation,
+    len: u64,
     /// Where the parent has it: a later share at the same place replaces it.
     parent_base: u64,
     /// Jobs using it (started, DONE not yet recorded).
@@ -161,16 +166,10 @@ impl VmmMappings {
         if let Some(old) = self.maps.remove(&alloc) {
             self.unmap(old);
         }
-        let handle = self.driver.vmm_import_fd(fd)?;
-        let ptr = match self.map(handle, len, Access::ReadWrite) {
-            Ok(p) => p,
-            Err(e) => {
-                if let Err(r) = self.driver.vmm_release(handle) {
-                    tracing::warn!(error = %r, "releasing a VMM import that failed to map");
-                }
-                return Err(e.into());
-            }
-        };
+        let handle = VmmAllocation::import_fd(Arc::clone(&self.driver), fd)?;
+        // A failed mapping releases the import (dropped here, logged).
+        let mapping = self.map(handle.handle(), len, Access::ReadWrite)?;
+        let ptr = mapping.ptr();
         for m in self.maps.values_mut() {
             if m.parent_base == parent_base {
                 m.stale = true;
@@ -179,10 +178,10 @@ impl VmmMappings {
         self.maps.insert(
             alloc,
             Mapped {
-                handle,
-                ptr,
-                len,
                 read_only: None,
+                mapping,
+                handle,
+                len,
                 parent_base,
                 users: 0,
                 stale: false,
@@ -205,11 +204,11 @@ impl VmmMappings {
         len: u64,
         read_only: bool,
     ) -> Result<DevicePtr, VmmShareError> {
-        let (handle, mapped, ro) = self
+        let (handle, mapped, has_ro) = self
             .maps
             .get(&alloc)
             .filter(|m| !m.stale)
-            .map(|m| (m.handle, m.len, m.read_only))
+            .map(|m| (m.handle.handle(), m.len, m.read_only.is_some()))
             .ok_or(VmmShareError::Unknown { alloc })?;
         match offset.checked_add(len) {
             Some(end) if end <= mapped => {}
@@ -222,19 +221,21 @@ impl VmmMappings {
                 });
             }
         }
-        let ro = match (read_only, ro) {
-            (true, None) => Some(self.map(handle, mapped, Access::Read)?),
-            (_, ro) => ro,
+        let ro = match (read_only, has_ro) {
+            (true, false) => Some(self.map(handle, mapped, Access::Read)?),
+            _ => None,
         };
         let m = self
             .maps
             .get_mut(&alloc)
             .ok_or(VmmShareError::Unknown { alloc })?;
-        m.read_only = ro;
+        if ro.is_some() {
+            m.read_only = ro;
+        }
         m.users += 1;
-        let base = match (read_only, m.read_only) {
-            (true, Some(ro)) => ro,
-            _ => m.ptr,
+        let base = match (read_only, &m.read_only) {
+            (true, Some(ro)) => ro.ptr(),
+            _ => m.mapping.ptr(),
         };
         self.jobs.entry(job).or_default().push(alloc);
         self.stats.resolved += 1;
@@ -293,51 +294,34 @@ impl VmmMappings {
         }
     }
 
-    fn map(&self, handle: VmmHandle, len: u64, access: Access) -> Result<DevicePtr, DriverError> {
-        let d = &*self.driver;
-        let ptr = d.vmm_reserve(len, 0)?;
-        if let Err(e) = d.vmm_map(ptr, len, handle) {
-            if let Err(f) = d.vmm_address_free(ptr, len) {
-                tracing::warn!(error = %f, "freeing a VMM reservation that failed to map");
-            }
-            return Err(e);
-        }
-        if let Err(e) = d.vmm_set_access(ptr, len, self.device, access) {
-            if d.vmm_unmap(ptr, len).is_ok()
-                && let Err(f) = d.vmm_address_free(ptr, len)
-            {
-                tracing::warn!(error = %f, "freeing a VMM reservation that got no access");
-            }
-            return Err(e);
-        }
-        Ok(ptr)
+    /// Reserves `len` bytes, maps `handle` there and grants this worker's device `access`.
+    /// On failure the range is unmapped and freed again (the owning types' drops, which log
+    /// what fails).
+    fn map(&self, handle: VmmHandle, len: u64, access: Access) -> Result<VmmMapping, DriverError> {
+        let range = VmmReservation::reserve(Arc::clone(&self.driver), len, 0)?;
+        let mapping = VmmMapping::map(range, handle)?;
+        mapping.set_access(self.device, access)?;
+        Ok(mapping)
     }
 
-    /// Unmaps, frees the address range, releases the import: each step tried, failures
-    /// logged, never a panic.
+    /// Unmaps (the read-only mapping first), frees the address ranges, releases the import:
+    /// each step tried (a range only once unmapped), failures logged, never a panic.
     fn unmap(&mut self, m: Mapped) {
-        let d = &*self.driver;
-        if let Some(ro) = m.read_only {
-            let unmapped = d.vmm_unmap(ro, m.len);
-            if let Err(e) = &unmapped {
-                tracing::warn!(error = %e, "unmapping a read-only VMM mapping failed");
-            }
-            if unmapped.is_ok()
-                && let Err(e) = d.vmm_address_free(ro, m.len)
-            {
-                tracing::warn!(error = %e, "freeing a read-only VMM mapping's range failed");
-            }
+        let Mapped {
+            read_only,
+            mapping,
+            handle,
+            ..
+        } = m;
+        if let Some(ro) = read_only
+            && let Err(e) = ro.close()
+        {
+            tracing::warn!(error = %e, "unmapping a read-only VMM mapping failed");
         }
-        let unmapped = d.vmm_unmap(m.ptr, m.len);
-        if let Err(e) = &unmapped {
+        if let Err(e) = mapping.close() {
             tracing::warn!(error = %e, "unmapping a VMM allocation of the parent failed");
         }
-        if unmapped.is_ok()
-            && let Err(e) = d.vmm_address_free(m.ptr, m.len)
-        {
-            tracing::warn!(error = %e, "freeing a VMM mapping's address range failed");
-        }
-        if let Err(e) = d.vmm_release(m.handle) {
+        if let Err(e) = handle.close() {
             tracing::warn!(error = %e, "releasing a VMM import failed");
         }
         self.stats.unmapped += 1;

@@ -37,7 +37,7 @@ fn driver_stream(sim: bool, s: u64) -> StreamHandle {
     if sim && (s == 1 || s == 2) {
         StreamHandle::NULL
     } else {
-        StreamHandle(s)
+        crate::dlpack::python_stream(s)
     }
 }
 

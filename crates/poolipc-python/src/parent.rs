@@ -36,7 +36,7 @@ fn checked_stream(driver: &dyn poolipc::Driver, raw: u64) -> PyResult<StreamHand
     let s = if state::is_sim(driver) && (raw == 1 || raw == 2) {
         StreamHandle::NULL
     } else {
-        StreamHandle(raw)
+        crate::dlpack::python_stream(raw)
     };
     driver.stream_check(s).map_err(|e| {
         pyo3::exceptions::PyValueError::new_err(format!(
@@ -197,7 +197,7 @@ impl DeviceBuffer {
     fn free_now(&self) -> Result<(), poolipc_driver::DriverError> {
         if let Some(p) = lock(&self.ptr).take() {
             self.g.driver.use_device(self.g.device)?;
-            self.g.driver.mem_free_async(p, StreamHandle::NULL)?;
+            poolipc_driver::PoolAllocation::claim(&*self.g.driver, p)?.free(StreamHandle::NULL)?;
         }
         Ok(())
     }
@@ -363,7 +363,7 @@ fn python_allocator(f: Py<PyAny>, log: Arc<Mutex<AllocLog>>) -> ResultAllocator 
                         dtype::name(shape.dtype),
                         shape.shape.clone(),
                         bytes,
-                        stream.0,
+                        stream.as_raw(),
                     ),
                 )
                 .and_then(|r| r.extract::<(u64, Py<PyAny>)>(py));
@@ -679,7 +679,8 @@ impl Drop for NativeJobHandle {
                     for r in out.results {
                         // An arena result goes back to the arena when dropped here.
                         if !r.is_arena() {
-                            let _ = g.driver.mem_free_async(r.ptr, StreamHandle::NULL);
+                            let _ = poolipc_driver::PoolAllocation::claim(&*g.driver, r.ptr)
+                                .and_then(|a| a.free(StreamHandle::NULL));
                         }
                     }
                 }
@@ -756,7 +757,7 @@ impl NativeParent {
             outcome: Mutex::new(None),
             log,
             caller_alloc,
-            stream: stream.0,
+            stream: stream.as_raw(),
             keep: Mutex::new(keep),
         })
     }

@@ -138,12 +138,12 @@ fn thread_main(
             return;
         }
     };
-    let _ = ready.send(Ok((worker.stream().0, sim, worker.device())));
+    let _ = ready.send(Ok((worker.stream().as_raw(), sim, worker.device())));
     let stream_wait = |waiter: StreamHandle, on: StreamHandle| -> Result<Reply, String> {
         // The simulation knows no CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2): its
         // default stream is 0.
         let sim_default = |s: StreamHandle| {
-            if sim && (s.0 == 1 || s.0 == 2) {
+            if sim && (s.as_raw() == 1 || s.as_raw() == 2) {
                 StreamHandle::NULL
             } else {
                 s
@@ -463,8 +463,8 @@ impl JobLife {
         );
         for s in streams {
             self.link.post(Cmd::StreamWait {
-                waiter: StreamHandle(self.job_stream),
-                on: StreamHandle(s),
+                waiter: crate::dlpack::python_stream(self.job_stream),
+                on: crate::dlpack::python_stream(s),
             });
         }
         self.link.post(Cmd::Finish(self.id));
@@ -766,8 +766,8 @@ impl Job {
             if let Err(e) = self.link.call(
                 py,
                 Cmd::StreamWait {
-                    waiter: StreamHandle(self.stream),
-                    on: StreamHandle(s),
+                    waiter: crate::dlpack::python_stream(self.stream),
+                    on: crate::dlpack::python_stream(s),
                 },
             ) {
                 first_err.get_or_insert(e);
@@ -1099,8 +1099,8 @@ impl View {
             ))),
             // CU_STREAM_LEGACY is the handle 1, CU_STREAM_PER_THREAD the handle 2 in the driver
             // API, so the DLPack numbers are the driver's handles.
-            Some(s) => Ok(Some(StreamHandle(s as u64))),
-            None => Ok(Some(StreamHandle(1))),
+            Some(s) => Ok(Some(crate::dlpack::python_stream(s as u64))),
+            None => Ok(Some(StreamHandle::LEGACY)),
         }
     }
 }
@@ -1239,7 +1239,7 @@ impl View {
                 py,
                 Cmd::StreamWait {
                     waiter: s,
-                    on: StreamHandle(self.job_stream),
+                    on: crate::dlpack::python_stream(self.job_stream),
                 },
             )?;
             let mut cs = self
@@ -1247,8 +1247,8 @@ impl View {
                 .consumer_streams
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if !cs.contains(&s.0) && s.0 != self.job_stream {
-                cs.push(s.0);
+            if !cs.contains(&s.as_raw()) && s.as_raw() != self.job_stream {
+                cs.push(s.as_raw());
             }
         }
         let tensor = dlpack::Export {

@@ -351,8 +351,8 @@ impl Battery<'_> {
         // cache is not told, so A's entry stays.
         held.retain(|&p| p != a);
         // Waited for, so that the pool may hand the memory out on any stream.
-        if let Err(e) = d
-            .mem_free_async(a, s)
+        if let Err(e) = poolipc_driver::PoolAllocation::claim(&*d, a)
+            .and_then(|a| a.free(s))
             .and_then(|()| d.stream_synchronize(s))
         {
             return setup(&e);

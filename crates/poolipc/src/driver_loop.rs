@@ -1655,9 +1655,10 @@ impl Loop {
                 NoCopy::Declined(format!("{what}: {e}"))
             }
         };
-        let handle = d
-            .vmm_retain(base)
+        // The retained reference only serves the export: released when dropped below.
+        let retained = poolipc_driver::VmmAllocation::retain(d, base)
             .map_err(|e| declined("not a VMM allocation", e))?;
+        let handle = retained.handle();
         let fd = match d.vmm_exports_fd(handle) {
             Ok(true) => d
                 .vmm_export_fd(handle)
@@ -1668,8 +1669,7 @@ impl Loop {
             )),
             Err(e) => Err(declined("its handle's properties could not be read", e)),
         };
-        // The retained reference only served the export.
-        if let Err(e) = d.vmm_release(handle) {
+        if let Err(e) = retained.close() {
             tracing::warn!(error = %e, "releasing a retained VMM handle failed");
         }
         fd
@@ -2197,9 +2197,9 @@ impl Loop {
         ) {
             return None;
         }
-        match self.shared.driver.event_create(false) {
+        match poolipc_driver::OwnedEvent::new(&*self.shared.driver, false) {
             Ok(ev) => {
-                if let Err(d) = self.shared.driver.event_destroy(ev) {
+                if let Err(d) = ev.close() {
                     tracing::debug!(error = %d, "destroying the probe event");
                 }
                 None
@@ -3105,11 +3105,8 @@ impl Loop {
             };
             let started = Instant::now();
             while self.shared.check_context().is_ok() {
-                let probe = self
-                    .shared
-                    .driver
-                    .event_create(false)
-                    .and_then(|ev| self.shared.driver.event_destroy(ev));
+                let probe = poolipc_driver::OwnedEvent::new(&*self.shared.driver, false)
+                    .and_then(poolipc_driver::OwnedEvent::close);
                 match probe {
                     Err(e) => {
                         self.escalate("checking the context after a failed job", &e.into());

@@ -49,7 +49,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use poolipc_driver::host::SharedHostBuffer;
-use poolipc_driver::{DevicePtr, Driver, DriverError, EventHandle, StreamHandle};
+use poolipc_driver::{DevicePtr, Driver, DriverError, EventHandle, OwnedEvent, StreamHandle};
 use poolipc_transport::{
     Chunk, Connection, ErrorCode, HandoffId, JobId, Message, MessageKind, StagingBuffer,
     TransportError,
@@ -174,6 +174,9 @@ pub struct StagingChannel {
     chunk: usize,
     filled: [EventHandle; 2],
     drained: [EventHandle; 2],
+    /// The four events `filled` and `drained` name, owned: destroyed first when the channel
+    /// is dropped.
+    events: Vec<OwnedEvent>,
     config: StagingConfig,
     /// Frames of the peer that arrived while this channel waited for its own.
     backlog: VecDeque<Message>,
@@ -195,15 +198,6 @@ impl std::fmt::Debug for StagingChannel {
     }
 }
 
-/// Destroys events made so far when setup fails half-way.
-fn destroy_all(driver: &dyn Driver, events: &[EventHandle]) {
-    for e in events {
-        if let Err(err) = driver.event_destroy(*e) {
-            tracing::warn!(event = ?e, error = %err, "host staging: event destroy failed");
-        }
-    }
-}
-
 impl StagingChannel {
     /// Parent side: creates the buffer (two halves of `config.chunk` bytes) and the four
     /// events, sends [`Message::StagingBuffer`] with the memfd, and waits for the worker's
@@ -220,24 +214,18 @@ impl StagingChannel {
             .ok_or_else(|| StagingError::Protocol(format!("invalid chunk size {chunk}")))?;
         let buffer = SharedHostBuffer::create(bytes)?;
         buffer.register(&driver)?;
+        // Events made so far are destroyed (dropped) when setup fails half-way.
         let mut events = Vec::with_capacity(4);
         let mut blobs = Vec::with_capacity(4);
         for _ in 0..4 {
-            let made = driver.event_create(true).and_then(|e| {
-                events.push(e);
-                driver.ipc_get_event_handle(e)
-            });
-            match made {
-                Ok(h) => blobs.push(h),
-                Err(e) => {
-                    destroy_all(driver.as_ref(), &events);
-                    return Err(e.into());
-                }
-            }
+            let e = OwnedEvent::new(Arc::clone(&driver), true)?;
+            blobs.push(e.ipc_handle()?);
+            events.push(e);
         }
         let mut channel = StagingChannel {
-            filled: [events[0], events[1]],
-            drained: [events[2], events[3]],
+            filled: [events[0].handle(), events[1].handle()],
+            drained: [events[2].handle(), events[3].handle()],
+            events,
             driver,
             buffer,
             chunk,
@@ -297,19 +285,15 @@ impl StagingChannel {
         }
         let buffer = SharedHostBuffer::from_fd(fd, bytes)?;
         buffer.register(&driver)?;
+        // Events opened so far are destroyed (dropped) when setup fails half-way.
         let mut events = Vec::with_capacity(4);
         for blob in setup.filled_event.iter().chain(&setup.drained_event) {
-            match driver.ipc_open_event_handle(blob) {
-                Ok(e) => events.push(e),
-                Err(e) => {
-                    destroy_all(driver.as_ref(), &events);
-                    return Err(e.into());
-                }
-            }
+            events.push(OwnedEvent::open_ipc(Arc::clone(&driver), blob)?);
         }
         let channel = StagingChannel {
-            filled: [events[0], events[1]],
-            drained: [events[2], events[3]],
+            filled: [events[0].handle(), events[1].handle()],
+            drained: [events[2].handle(), events[3].handle()],
+            events,
             driver,
             buffer,
             chunk,
@@ -660,14 +644,7 @@ fn unexpected(msg: &Message, wanted: &str) -> StagingError {
 impl Drop for StagingChannel {
     /// Destroys the four events; the buffer then waits for its copies, unregisters, unmaps.
     fn drop(&mut self) {
-        destroy_all(
-            self.driver.as_ref(),
-            &[
-                self.filled[0],
-                self.filled[1],
-                self.drained[0],
-                self.drained[1],
-            ],
-        );
+        // Failures are logged by `OwnedEvent`'s drop.
+        self.events.clear();
     }
 }

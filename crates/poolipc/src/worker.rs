@@ -29,7 +29,9 @@ use std::time::{Duration, Instant};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use poolipc_contract::{self as contract, AllocId, HandoffId, Timestamp, WorkerAction};
-use poolipc_driver::{DevicePtr, Driver, ExportBlob, OwnedEvent, OwnedStream, StreamHandle};
+use poolipc_driver::{
+    DevicePtr, Driver, ExportBlob, OwnedEvent, OwnedStream, PoolAllocation, StreamHandle,
+};
 use poolipc_pool::{
     ArenaError, ArenaMapping, AttachedPool, ImportCache, VmmMappings, VmmShareStats,
 };
@@ -155,8 +157,14 @@ struct Import {
 #[derive(Debug)]
 struct StagedCopy {
     job: JobId,
-    ptr: DevicePtr,
+    alloc: PoolAllocation,
     bytes: u64,
+}
+
+impl StagedCopy {
+    fn ptr(&self) -> DevicePtr {
+        self.alloc.ptr()
+    }
 }
 
 /// A job the machine started (its inputs usable), not yet handed out.
@@ -359,7 +367,7 @@ impl Worker {
         conn: Connection,
         pool_fd: std::os::fd::BorrowedFd<'_>,
     ) -> Result<Worker, Error> {
-        let pool = AttachedPool::attach(&*driver, pool_fd, device)?;
+        let pool = AttachedPool::attach(Arc::clone(&driver), pool_fd, device)?;
         let stream = OwnedStream::new(Arc::clone(&driver))?;
         let done = OwnedEvent::new(Arc::clone(&driver), true)?;
         let done_blob = done.ipc_handle()?;
@@ -637,9 +645,14 @@ impl Worker {
                     });
                 }
             },
-            Rung::HostStaging => self.staged.get(&t.handle).map(|c| c.ptr).ok_or_else(|| {
-                Error::Protocol(format!("staged input {:?} was never received", t.handle))
-            })?,
+            Rung::HostStaging => {
+                self.staged
+                    .get(&t.handle)
+                    .map(StagedCopy::ptr)
+                    .ok_or_else(|| {
+                        Error::Protocol(format!("staged input {:?} was never received", t.handle))
+                    })?
+            }
             Rung::ArenaCopy => {
                 let Some(at) = t.arena else {
                     return Err(Error::Protocol(format!(
@@ -714,10 +727,13 @@ impl Worker {
                 ))
             }),
             Rung::HostStaging => {
-                let ptr = self
-                    .driver
-                    .mem_alloc_async(bytes.max(1), self.stream.handle())?;
-                self.staged.insert(handle, StagedCopy { job, ptr, bytes });
+                let alloc = PoolAllocation::new(
+                    Arc::clone(&self.driver),
+                    bytes.max(1),
+                    self.stream.handle(),
+                )?;
+                let ptr = alloc.ptr();
+                self.staged.insert(handle, StagedCopy { job, alloc, bytes });
                 Ok(ptr)
             }
             other => Err(Error::Protocol(format!(
@@ -936,7 +952,7 @@ impl Worker {
                 // with the old allocation's DONE not yet complete on the GPU when the
                 // address is reused, every access of ours through the old blob is ordered
                 // after it.
-                let ptr = match self.cache.acquire(&*self.driver, pool, &export) {
+                let ptr = match self.cache.acquire(Arc::clone(&self.driver), pool, &export) {
                     Ok(ptr) => ptr,
                     Err(e) if crate::canary::is_canary(job) => {
                         tracing::warn!(job = job.0, ?alloc, error = %e, "a canary's import failed");
@@ -964,15 +980,10 @@ impl Worker {
             }
             WorkerAction::ReceiveStaged { job, handoff, meta } => {
                 let bytes = meta.byte_len;
-                let dst = self.driver.mem_alloc_async(bytes.max(1), stream)?;
-                self.staged.insert(
-                    handoff,
-                    StagedCopy {
-                        job,
-                        ptr: dst,
-                        bytes,
-                    },
-                );
+                let alloc = PoolAllocation::new(Arc::clone(&self.driver), bytes.max(1), stream)?;
+                let dst = alloc.ptr();
+                self.staged
+                    .insert(handoff, StagedCopy { job, alloc, bytes });
                 let ch = self.staging.as_mut().ok_or_else(|| {
                     Error::Protocol("a staged input before host staging was set up".into())
                 })?;
@@ -1000,7 +1011,7 @@ impl Worker {
                         "the contract freed allocation {alloc:?}, which is not imported"
                     )));
                 };
-                self.cache.release(&*self.driver, &import.export, stream)?;
+                self.cache.release(&import.export, stream)?;
             }
             WorkerAction::RecordDone { job } => {
                 failpoint("before-done");
@@ -1069,10 +1080,10 @@ impl Worker {
                     Error::Protocol("a staged result without host staging".into())
                 })?;
                 let sent =
-                    ch.send_tensor(&mut self.conn, job, handoff, copy.ptr, copy.bytes, stream);
+                    ch.send_tensor(&mut self.conn, job, handoff, copy.ptr(), copy.bytes, stream);
                 self.backlog.extend(ch.take_backlog());
                 // Stream-ordered after the copies out of it.
-                self.free_copy(&copy);
+                self.free_copy(copy);
                 sent?;
             }
             WorkerAction::Cancelled { job } => {
@@ -1116,7 +1127,7 @@ impl Worker {
             .collect();
         for h in copies {
             if let Some(copy) = self.staged.remove(&h) {
-                self.free_copy(&copy);
+                self.free_copy(copy);
             }
         }
         self.cancelled.remove(&job);
@@ -1125,9 +1136,10 @@ impl Worker {
     }
 
     /// Frees a staged copy, stream-ordered; a failure is logged (the memory is ours).
-    fn free_copy(&self, copy: &StagedCopy) {
-        if let Err(e) = self.driver.mem_free_async(copy.ptr, self.stream.handle()) {
-            tracing::warn!(job = copy.job.0, ptr = ?copy.ptr, error = %e, "freeing a staged copy failed");
+    fn free_copy(&self, copy: StagedCopy) {
+        let (job, ptr) = (copy.job, copy.ptr());
+        if let Err(e) = copy.alloc.free(self.stream.handle()) {
+            tracing::warn!(job = job.0, ?ptr, error = %e, "freeing a staged copy failed");
         }
     }
 
@@ -1178,13 +1190,14 @@ impl Worker {
             ));
         }
         // Access from the device this worker works on (a peer grant when it is another).
-        AttachedPool::attach(d, fd.as_fd(), self.device).map_err(|e| e.to_string())
+        AttachedPool::attach(Arc::clone(&self.driver), fd.as_fd(), self.device)
+            .map_err(|e| e.to_string())
     }
 
     /// The imported handle of the parent's pool `index`.
     fn pool_handle(&self, index: u8) -> Result<poolipc_driver::PoolHandle, Error> {
         match self.pools.get(&index) {
-            Some(Ok(p)) => Ok(p.pool),
+            Some(Ok(p)) => Ok(p.pool.handle()),
             Some(Err(why)) => Err(Error::Protocol(format!(
                 "a tensor by pointer from the parent's pool {index}, which this worker cannot use ({why})"
             ))),
@@ -1201,7 +1214,7 @@ impl Worker {
     fn retire_pool(&mut self, r: PoolRetire) -> Result<(), Error> {
         match self.pools.remove(&r.index) {
             Some(Ok(p)) => {
-                if let Err(e) = self.driver.mem_pool_destroy(p.pool) {
+                if let Err(e) = p.pool.close() {
                     let e = Error::from(e);
                     if e.is_context_lost() {
                         return Err(e);
@@ -1240,12 +1253,13 @@ impl Drop for Worker {
             drop(mapping);
         }
         for (_, copy) in self.staged.drain() {
-            if let Err(e) = self.driver.mem_free_async(copy.ptr, stream) {
-                tracing::warn!(ptr = ?copy.ptr, error = %e, "freeing a staged copy failed");
+            let ptr = copy.ptr();
+            if let Err(e) = copy.alloc.free(stream) {
+                tracing::warn!(?ptr, error = %e, "freeing a staged copy failed");
             }
         }
         self.imports.clear();
-        let freed = self.cache.free_all(&*self.driver, stream);
+        let freed = self.cache.free_all(stream);
         if freed > 0 {
             tracing::debug!(
                 freed,

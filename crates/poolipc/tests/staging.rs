@@ -59,10 +59,14 @@ impl Side {
         }
     }
 
-    fn alloc(&self, bytes: u64) -> DevicePtr {
-        self.driver
-            .mem_alloc_from_pool_async(bytes, self.pool, self.stream)
-            .unwrap()
+    fn alloc(&self, bytes: u64) -> poolipc_driver::PoolAllocation {
+        poolipc_driver::PoolAllocation::from_pool(
+            Arc::clone(&self.driver),
+            bytes,
+            self.pool,
+            self.stream,
+        )
+        .unwrap()
     }
 
     fn fill(&self, ptr: DevicePtr, bytes: u64, seed: u64) {
@@ -101,14 +105,22 @@ impl Side {
 
     fn send(&self, ch: &mut StagingChannel, conn: &mut Connection, bytes: u64, seed: u64) {
         let src = self.alloc(bytes);
-        self.fill(src, bytes, seed);
-        ch.send_tensor(conn, JobId(seed), HandoffId(seed), src, bytes, self.stream)
-            .unwrap();
-        self.driver.mem_free_async(src, self.stream).unwrap();
+        self.fill(src.ptr(), bytes, seed);
+        ch.send_tensor(
+            conn,
+            JobId(seed),
+            HandoffId(seed),
+            src.ptr(),
+            bytes,
+            self.stream,
+        )
+        .unwrap();
+        src.free(self.stream).unwrap();
     }
 
     fn recv(&self, ch: &mut StagingChannel, conn: &mut Connection, bytes: u64, seed: u64) {
-        let dst = self.alloc(bytes);
+        let alloc = self.alloc(bytes);
+        let dst = alloc.ptr();
         ch.recv_tensor(conn, JobId(seed), HandoffId(seed), dst, bytes, self.stream)
             .unwrap();
         if ch.skips_a_wait() {
@@ -118,7 +130,7 @@ impl Side {
         } else {
             self.verify(dst, bytes, seed);
         }
-        self.driver.mem_free_async(dst, self.stream).unwrap();
+        alloc.free(self.stream).unwrap();
     }
 
     /// With `chatter`, each side sends [`chatter`] before each transfer, and then finds the

@@ -214,10 +214,14 @@ impl Script {
         let Message::Done(done) = message else {
             panic!("expected a Done, got {message:?}");
         };
-        let event = self.driver.ipc_open_event_handle(&done.done_event).unwrap();
-        self.driver.stream_wait_event(self.stream, event).unwrap();
+        let event =
+            poolipc_driver::OwnedEvent::open_ipc(Arc::clone(&self.driver), &done.done_event)
+                .unwrap();
+        self.driver
+            .stream_wait_event(self.stream, event.handle())
+            .unwrap();
         self.driver.stream_synchronize(self.stream).unwrap();
-        self.driver.event_destroy(event).unwrap();
+        event.close().unwrap();
     }
 
     /// Bye; the worker exits; its report, and no violation recorded.
@@ -739,16 +743,19 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
     let g = d
         .vmm_granularity(0, poolipc_driver::Granularity::Minimum)
         .unwrap();
-    let h = d.vmm_create(0, g).unwrap();
-    let va = d.vmm_reserve(g, 0).unwrap();
-    d.vmm_map(va, g, h).unwrap();
-    d.vmm_set_access(va, g, 0, poolipc_driver::Access::ReadWrite)
+    // Unmapped (and its range freed) before the handle is released, at the end.
+    let h = poolipc_driver::VmmAllocation::create(Arc::clone(&d), 0, g).unwrap();
+    let range = poolipc_driver::VmmReservation::reserve(Arc::clone(&d), g, 0).unwrap();
+    let mapping = poolipc_driver::VmmMapping::map(range, h.handle()).unwrap();
+    let va = mapping.ptr();
+    mapping
+        .set_access(0, poolipc_driver::Access::ReadWrite)
         .unwrap();
     poolipc::echo::fill_pattern(&*d, va, g, 0x5A5A_A5A5, s.stream).unwrap();
     d.event_record(s.ready, s.stream).unwrap();
-    let retained = d.vmm_retain(va.offset(4096)).unwrap();
-    let share_fd = d.vmm_export_fd(retained).unwrap();
-    d.vmm_release(retained).unwrap();
+    let retained = poolipc_driver::VmmAllocation::retain(Arc::clone(&d), va.offset(4096)).unwrap();
+    let share_fd = d.vmm_export_fd(retained.handle()).unwrap();
+    retained.close().unwrap();
     s.conn
         .send(
             &Message::VmmShare(poolipc_transport::VmmShare {
@@ -852,9 +859,8 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
         "{report}"
     );
     drop(arena);
-    d.vmm_unmap(va, g).unwrap();
-    d.vmm_address_free(va, g).unwrap();
-    d.vmm_release(h).unwrap();
+    mapping.close().unwrap();
+    h.close().unwrap();
 }
 
 #[test]

@@ -160,11 +160,12 @@ fn run() -> anyhow::Result<()> {
                 _ => continue,
             };
             if let Some(old) = previous.take() {
-                driver.event_destroy(old)?;
+                poolipc_driver::OwnedEvent::close(old)?;
             }
-            let event = driver.event_create(true)?;
+            let owned = poolipc_driver::OwnedEvent::new(&*driver, true)?;
+            let event = owned.handle();
             driver.event_record(event, poolipc::StreamHandle::NULL)?;
-            previous = Some(event);
+            previous = Some(owned);
             let handles: Vec<_> = lend.tensors.iter().map(|t| t.handle).collect();
             conn.send(
                 &Message::Done(Done {

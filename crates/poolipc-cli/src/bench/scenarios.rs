@@ -390,13 +390,12 @@ pub(super) fn device_memory(
         }
         let iterations = iterations_for(args, bytes).min(50);
         let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
-        let plain = d
-            .mem_alloc(bytes)
+        let plain = poolipc_driver::DeviceAllocation::new(d, bytes)
             .with_context(|| format!("cuMemAlloc of {}", human(bytes)))?;
         let mut copied = Vec::new();
         let mut copy_rung = None;
         let lent = (|| -> Result<()> {
-            let input = Input::new(plain, desc.clone()).read_only();
+            let input = Input::new(plain.ptr(), desc.clone()).read_only();
             for i in 0..=iterations {
                 let (us, out) = round_trip(parent, d, worker, &input, stream)?;
                 copy_rung = out.input_rungs.first().copied();
@@ -407,7 +406,7 @@ pub(super) fn device_memory(
             Ok(())
         })();
         d.ctx_synchronize()?;
-        d.mem_free(plain)?;
+        plain.close()?;
         lent?;
         parent.reclaim_arena();
         let vmm = VmmTensor::new(d, args.device, bytes)?;
@@ -430,7 +429,7 @@ pub(super) fn device_memory(
             Ok(())
         })();
         d.ctx_synchronize()?;
-        vmm.free(d)?;
+        vmm.free()?;
         lent?;
         let pointer_us = rows
             .iter()
@@ -604,41 +603,35 @@ pub(super) struct DevMemRow {
 
 /// A VMM allocation made with the POSIX FD handle type and mapped read-write here, as a
 /// library that maps its own memory (ComfyUI's weights) makes one.
-struct VmmTensor {
-    handle: poolipc_driver::VmmHandle,
+/// Dropped, or [`free`](VmmTensor::free)d, it unmaps (and frees the range) before it
+/// releases the handle: the fields' order.
+struct VmmTensor<'d> {
+    mapping: poolipc_driver::VmmMapping<&'d dyn Driver>,
+    handle: poolipc_driver::VmmAllocation<&'d dyn Driver>,
     ptr: poolipc::DevicePtr,
-    len: u64,
 }
 
-impl VmmTensor {
-    fn new(d: &dyn Driver, device: u32, bytes: u64) -> Result<VmmTensor> {
+impl<'d> VmmTensor<'d> {
+    fn new(d: &'d dyn Driver, device: u32, bytes: u64) -> Result<VmmTensor<'d>> {
         let g = d.vmm_granularity(device, poolipc_driver::Granularity::Minimum)?;
         let len = bytes.next_multiple_of(g.max(1));
-        let handle = d.vmm_create(device, len).context("cuMemCreate")?;
-        let ptr = match d.vmm_reserve(len, 0) {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = d.vmm_release(handle);
-                return Err(e.into());
-            }
-        };
-        let t = VmmTensor { handle, ptr, len };
-        let mapped = d
-            .vmm_map(ptr, len, handle)
-            .and_then(|()| d.vmm_set_access(ptr, len, device, poolipc_driver::Access::ReadWrite));
-        if let Err(e) = mapped {
-            let _ = d.vmm_unmap(ptr, len);
-            let _ = d.vmm_address_free(ptr, len);
-            let _ = d.vmm_release(handle);
-            return Err(e.into());
-        }
-        Ok(t)
+        // What fails below undoes what succeeded: the owning values' drops.
+        let handle =
+            poolipc_driver::VmmAllocation::create(d, device, len).context("cuMemCreate")?;
+        let range = poolipc_driver::VmmReservation::reserve(d, len, 0)?;
+        let mapping = poolipc_driver::VmmMapping::map(range, handle.handle())?;
+        mapping.set_access(device, poolipc_driver::Access::ReadWrite)?;
+        let ptr = mapping.ptr();
+        Ok(VmmTensor {
+            mapping,
+            handle,
+            ptr,
+        })
     }
 
-    fn free(self, d: &dyn Driver) -> Result<()> {
-        d.vmm_unmap(self.ptr, self.len)?;
-        d.vmm_address_free(self.ptr, self.len)?;
-        d.vmm_release(self.handle)?;
+    fn free(self) -> Result<()> {
+        self.mapping.close()?;
+        self.handle.close()?;
         Ok(())
     }
 }

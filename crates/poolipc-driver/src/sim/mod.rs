@@ -1381,44 +1381,8 @@ impl Driver for SimDriver {
         Ok(pool_handle(slot, l.pools[&slot].generation))
     }
 
-    fn mem_pool_destroy(&self, pool: PoolHandle) -> Result<()> {
-        const CALL: &str = "cuMemPoolDestroy";
-        let mut l = self.local();
-        let slot = Self::pool_slot(&l, CALL, pool)?;
-        if l.pools[&slot].imported {
-            l.pools.remove(&slot);
-            // The exporter's memory in limbo goes back once no process imports the pool.
-            let pid = self.pid;
-            self.machine.with(|st| {
-                st.pool_hold(slot, pid, false);
-                st.pool_sweep(Machine::alive);
-            });
-            return Ok(());
-        }
-        let device = l.pools[&slot].device;
-        if l.default_pool.get(&device) == Some(&slot) {
-            return Err(fail(CALL, CuCode::INVALID_VALUE));
-        }
-        if l.current_pool.get(&device) == Some(&slot) {
-            // Destroying the current pool makes the default pool current again.
-            l.current_pool.remove(&device);
-        }
-        if let Some(p) = l.pools.get_mut(&slot) {
-            p.destroyed = true;
-        }
-        let l = &*l;
-        self.machine.with(|st| {
-            let mut work = MemoryWork::default();
-            if st.pools[slot].used == 0 {
-                st.pool_drop(slot, &mut work);
-            } else {
-                // Freed with its last allocation, as the real driver defers it.
-                st.pools[slot].state = POOL_DYING;
-            }
-            st.pool_sweep(Machine::alive);
-            Self::apply(l, slot, &work);
-        });
-        Ok(())
+    unsafe fn mem_pool_destroy(&self, pool: PoolHandle) -> Result<()> {
+        self.mem_pool_destroy_checked(pool)
     }
 
     fn mem_pool_set_attribute(&self, pool: PoolHandle, attr: PoolAttribute) -> Result<()> {
@@ -1763,14 +1727,14 @@ impl Driver for SimDriver {
                 .and_then(|()| self.vmm_set_access(ptr, len, ordinal, Access::ReadWrite))
                 .map(|()| ptr)
                 .inspect_err(|_| {
-                    let _ = self.vmm_unmap(ptr, len);
-                    let _ = self.vmm_address_free(ptr, len);
+                    let _ = self.vmm_unmap_checked(ptr, len);
+                    let _ = self.vmm_address_free_checked(ptr, len);
                 })
         });
         let ptr = match mapped {
             Ok(p) => p,
             Err(e) => {
-                let _ = self.vmm_release(handle);
+                let _ = self.vmm_release_checked(handle);
                 return Err(e);
             }
         };
@@ -1782,16 +1746,8 @@ impl Driver for SimDriver {
         Ok(ptr)
     }
 
-    fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
-        const CALL: &str = "cuMemFree_v2";
-        let (handle, len) = self
-            .local()
-            .plain
-            .remove(&ptr.0)
-            .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
-        self.vmm_unmap(ptr, len)?;
-        self.vmm_address_free(ptr, len)?;
-        self.vmm_release(handle)
+    unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        self.mem_free_checked(ptr)
     }
 
     fn mem_alloc_async(&self, bytes: u64, stream: StreamHandle) -> Result<DevicePtr> {
@@ -1814,8 +1770,8 @@ impl Driver for SimDriver {
         self.alloc("cuMemAllocFromPoolAsync", bytes, pool, stream)
     }
 
-    fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
-        self.free(ptr, stream)
+    unsafe fn mem_free_async(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        self.mem_free_async_checked(ptr, stream)
     }
 
     fn mem_pool_export_pointer(&self, ptr: DevicePtr) -> Result<ExportBlob> {
@@ -1989,8 +1945,8 @@ impl Driver for SimDriver {
         })
     }
 
-    fn mem_pool_free_import(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
-        self.free(ptr, stream)
+    unsafe fn mem_pool_free_import(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        self.mem_pool_free_import_checked(ptr, stream)
     }
 
     fn event_create(&self, interprocess: bool) -> Result<EventHandle> {
@@ -2021,28 +1977,8 @@ impl Driver for SimDriver {
         Ok(EventHandle(h))
     }
 
-    fn event_destroy(&self, event: EventHandle) -> Result<()> {
-        const CALL: &str = "cuEventDestroy_v2";
-        let mut l = self.local();
-        let ev = l
-            .events
-            .remove(&event.0)
-            .ok_or(fail(CALL, CuCode::INVALID_HANDLE))?;
-        self.machine.with(|st| {
-            let e = &mut st.events[ev.slot];
-            if e.live != 1 || e.generation != ev.generation {
-                return;
-            }
-            if ev.owner {
-                e.owner_alive = 0;
-            } else {
-                e.opens = e.opens.saturating_sub(1);
-            }
-            if e.owner_alive == 0 && e.opens == 0 {
-                e.live = 0;
-            }
-        });
-        Ok(())
+    unsafe fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        self.event_destroy_checked(event)
     }
 
     fn ipc_get_event_handle(&self, event: EventHandle) -> Result<EventBlob> {
@@ -2227,15 +2163,8 @@ impl Driver for SimDriver {
         Ok(StreamHandle(h))
     }
 
-    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
-        const CALL: &str = "cuStreamDestroy_v2";
-        let slot = self
-            .local()
-            .streams
-            .remove(&stream.0)
-            .ok_or(fail(CALL, CuCode::INVALID_HANDLE))?;
-        self.machine.with(|st| st.streams[slot].live = 0);
-        Ok(())
+    unsafe fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        self.stream_destroy_checked(stream)
     }
 
     fn ctx_synchronize(&self) -> Result<()> {
@@ -2741,7 +2670,137 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
+    // The simulation looks every handle and address up in its tables and answers an error
+    // for one it does not know: its destroying calls are sound whatever they are given
+    // (they are `unsafe fn`s because the trait's are).
+    unsafe fn vmm_unmap(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
+        self.vmm_unmap_checked(ptr, bytes)
+    }
+
+    unsafe fn vmm_address_free(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
+        self.vmm_address_free_checked(ptr, bytes)
+    }
+
+    unsafe fn vmm_release(&self, handle: VmmHandle) -> Result<()> {
+        self.vmm_release_checked(handle)
+    }
+}
+
+/// The destroying calls, safe here: the simulation looks every handle and address up in its
+/// own tables and answers an error for one it does not know (the trait's `unsafe fn`s call
+/// these; the simulation's own tests call them directly to check that).
+impl SimDriver {
+    /// `mem_pool_destroy` of the trait, checked against the simulation's tables (so safe).
+    pub(crate) fn mem_pool_destroy_checked(&self, pool: PoolHandle) -> Result<()> {
+        const CALL: &str = "cuMemPoolDestroy";
+        let mut l = self.local();
+        let slot = Self::pool_slot(&l, CALL, pool)?;
+        if l.pools[&slot].imported {
+            l.pools.remove(&slot);
+            // The exporter's memory in limbo goes back once no process imports the pool.
+            let pid = self.pid;
+            self.machine.with(|st| {
+                st.pool_hold(slot, pid, false);
+                st.pool_sweep(Machine::alive);
+            });
+            return Ok(());
+        }
+        let device = l.pools[&slot].device;
+        if l.default_pool.get(&device) == Some(&slot) {
+            return Err(fail(CALL, CuCode::INVALID_VALUE));
+        }
+        if l.current_pool.get(&device) == Some(&slot) {
+            // Destroying the current pool makes the default pool current again.
+            l.current_pool.remove(&device);
+        }
+        if let Some(p) = l.pools.get_mut(&slot) {
+            p.destroyed = true;
+        }
+        let l = &*l;
+        self.machine.with(|st| {
+            let mut work = MemoryWork::default();
+            if st.pools[slot].used == 0 {
+                st.pool_drop(slot, &mut work);
+            } else {
+                // Freed with its last allocation, as the real driver defers it.
+                st.pools[slot].state = POOL_DYING;
+            }
+            st.pool_sweep(Machine::alive);
+            Self::apply(l, slot, &work);
+        });
+        Ok(())
+    }
+
+    /// `mem_free` of the trait, checked against the simulation's tables (so safe).
+    pub(crate) fn mem_free_checked(&self, ptr: DevicePtr) -> Result<()> {
+        const CALL: &str = "cuMemFree_v2";
+        let (handle, len) = self
+            .local()
+            .plain
+            .remove(&ptr.0)
+            .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
+        self.vmm_unmap_checked(ptr, len)?;
+        self.vmm_address_free_checked(ptr, len)?;
+        self.vmm_release_checked(handle)
+    }
+
+    /// `mem_free_async` of the trait, checked against the simulation's tables (so safe).
+    pub(crate) fn mem_free_async_checked(
+        &self,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.free(ptr, stream)
+    }
+
+    /// `mem_pool_free_import` of the trait, checked against the simulation's tables (so safe).
+    pub(crate) fn mem_pool_free_import_checked(
+        &self,
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.free(ptr, stream)
+    }
+
+    /// `event_destroy` of the trait, checked against the simulation's tables (so safe).
+    pub(crate) fn event_destroy_checked(&self, event: EventHandle) -> Result<()> {
+        const CALL: &str = "cuEventDestroy_v2";
+        let mut l = self.local();
+        let ev = l
+            .events
+            .remove(&event.0)
+            .ok_or(fail(CALL, CuCode::INVALID_HANDLE))?;
+        self.machine.with(|st| {
+            let e = &mut st.events[ev.slot];
+            if e.live != 1 || e.generation != ev.generation {
+                return;
+            }
+            if ev.owner {
+                e.owner_alive = 0;
+            } else {
+                e.opens = e.opens.saturating_sub(1);
+            }
+            if e.owner_alive == 0 && e.opens == 0 {
+                e.live = 0;
+            }
+        });
+        Ok(())
+    }
+
+    /// `stream_destroy` of the trait, checked against the simulation's tables (so safe).
+    pub(crate) fn stream_destroy_checked(&self, stream: StreamHandle) -> Result<()> {
+        const CALL: &str = "cuStreamDestroy_v2";
+        let slot = self
+            .local()
+            .streams
+            .remove(&stream.0)
+            .ok_or(fail(CALL, CuCode::INVALID_HANDLE))?;
+        self.machine.with(|st| st.streams[slot].live = 0);
+        Ok(())
+    }
+
+    /// `cuMemUnmap`, for the trait and for `cuMemFree_v2` of plain memory.
+    pub(crate) fn vmm_unmap_checked(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
         const CALL: &str = "cuMemUnmap";
         let mut l = self.local();
         let end = ptr.0.saturating_add(bytes);
@@ -2766,7 +2825,8 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn vmm_address_free(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
+    /// `cuMemAddressFree`.
+    pub(crate) fn vmm_address_free_checked(&self, ptr: DevicePtr, bytes: u64) -> Result<()> {
         const CALL: &str = "cuMemAddressFree";
         let mut l = self.local();
         if l.reservations.get(&ptr.0) != Some(&bytes) {
@@ -2779,7 +2839,8 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn vmm_release(&self, handle: VmmHandle) -> Result<()> {
+    /// `cuMemRelease`.
+    pub(crate) fn vmm_release_checked(&self, handle: VmmHandle) -> Result<()> {
         let v = self
             .local()
             .vmm

@@ -108,14 +108,14 @@ fn a_worker_sees_the_parents_bytes_and_the_parent_sees_the_workers_write() {
     w.memset_d32_async(imported, 0x0102_0304, 16, ws).unwrap();
     let done = w.event_create(true).unwrap();
     w.event_record(done, ws).unwrap();
-    w.mem_pool_free_import(imported, ws).unwrap();
+    w.mem_pool_free_import_checked(imported, ws).unwrap();
     let d = p
         .ipc_open_event_handle(&w.ipc_get_event_handle(done).unwrap())
         .unwrap();
     p.event_synchronize(d).unwrap();
     p.memcpy_dtoh(&mut buf[..8], ptr).unwrap();
     assert_eq!(&buf[..8], &[4, 3, 2, 1, 4, 3, 2, 1]);
-    p.mem_free_async(ptr, S).unwrap();
+    p.mem_free_async_checked(ptr, S).unwrap();
     assert_eq!(p.violations(), vec![]);
 }
 
@@ -124,7 +124,7 @@ fn the_exporter_freeing_while_an_import_is_live_is_recorded() {
     let p = sim();
     let (_pool, fd) = shared_pool(&p);
     let (w, ptr, _imported, _ws) = handoff(&p, &fd, MIB);
-    p.mem_free_async(ptr, S).unwrap();
+    p.mem_free_async_checked(ptr, S).unwrap();
     let v = p.violations();
     assert_eq!(kinds(&p), vec![ViolationKind::FreedWhileImported]);
     assert_eq!(v[0].call, "cuMemFreeAsync");
@@ -136,8 +136,8 @@ fn the_exporter_freeing_after_the_import_was_freed_is_clean() {
     let p = sim();
     let (_pool, fd) = shared_pool(&p);
     let (w, ptr, imported, ws) = handoff(&p, &fd, MIB);
-    w.mem_pool_free_import(imported, ws).unwrap();
-    p.mem_free_async(ptr, S).unwrap();
+    w.mem_pool_free_import_checked(imported, ws).unwrap();
+    p.mem_free_async_checked(ptr, S).unwrap();
     assert_eq!(kinds(&p), vec![]);
 }
 
@@ -147,7 +147,7 @@ fn an_exiting_importer_drops_its_imports() {
     let (_pool, fd) = shared_pool(&p);
     let (w, ptr, _imported, _ws) = handoff(&p, &fd, MIB);
     drop(w); // the simulated process exits without freeing its import
-    p.mem_free_async(ptr, S).unwrap();
+    p.mem_free_async_checked(ptr, S).unwrap();
     assert_eq!(kinds(&p), vec![]);
 }
 
@@ -281,11 +281,11 @@ fn importing_the_same_pointer_twice_aliases_and_the_first_free_unmaps_both() {
     let wpool = w.pointer_get_mempool(a).unwrap();
     let b = w.mem_pool_import_pointer(wpool, &blob).unwrap();
     assert_eq!(a, b);
-    w.mem_pool_free_import(a, ws).unwrap();
+    w.mem_pool_free_import_checked(a, ws).unwrap();
     let e = w.memset_d8_async(b, 0, 16, ws).unwrap_err();
     assert!(e.is_call("cuMemsetD8Async", CuCode::ILLEGAL_ADDRESS), "{e}");
     assert_eq!(kinds(&p), vec![ViolationKind::UnmappedAccess]);
-    let e = w.mem_pool_free_import(b, ws).unwrap_err();
+    let e = w.mem_pool_free_import_checked(b, ws).unwrap_err();
     assert!(e.is_call("cuMemFreeAsync", CuCode::INVALID_VALUE), "{e}");
 }
 
@@ -295,7 +295,7 @@ fn a_single_import_used_then_freed_is_clean() {
     let (_pool, fd) = shared_pool(&p);
     let (w, _ptr, a, ws) = handoff(&p, &fd, MIB);
     w.memset_d8_async(a, 0, 16, ws).unwrap();
-    w.mem_pool_free_import(a, ws).unwrap();
+    w.mem_pool_free_import_checked(a, ws).unwrap();
     assert_eq!(kinds(&p), vec![]);
 }
 
@@ -310,8 +310,8 @@ fn freed_memory_is_poisoned() {
     let mut before = [0u8; 8];
     w.memcpy_dtoh(&mut before, a).unwrap();
     assert_eq!(before, [0xAB; 8]);
-    w.mem_pool_free_import(a, ws).unwrap();
-    p.mem_free_async(ptr, S).unwrap();
+    w.mem_pool_free_import_checked(a, ws).unwrap();
+    p.mem_free_async_checked(ptr, S).unwrap();
     // Same address again from the pool: what a reader of recycled memory would see.
     let again = p.mem_alloc_async(MIB, S).unwrap();
     assert_eq!(again, ptr);
@@ -329,7 +329,7 @@ fn with_a_blob_per_allocation_a_stale_blob_does_not_import() {
     let (_pool, fd) = shared_pool(&p);
     let ptr = p.mem_alloc_async(MIB, S).unwrap();
     let stale = p.mem_pool_export_pointer(ptr).unwrap();
-    p.mem_free_async(ptr, S).unwrap();
+    p.mem_free_async_checked(ptr, S).unwrap();
     let again = p.mem_alloc_async(MIB, S).unwrap();
     assert_eq!(again, ptr);
     let fresh = p.mem_pool_export_pointer(again).unwrap();
@@ -350,12 +350,12 @@ fn the_export_of_an_address_is_the_same_for_a_new_allocation_of_the_same_size() 
     let a = p.mem_alloc_async(MIB, S).unwrap();
     let first = p.mem_pool_export_pointer(a).unwrap();
     assert_eq!(p.mem_pool_export_pointer(a).unwrap(), first);
-    p.mem_free_async(a, S).unwrap();
+    p.mem_free_async_checked(a, S).unwrap();
     let b = p.mem_alloc_async(MIB, S).unwrap();
     assert_eq!(b, a, "the pool hands the address out again");
     assert_ne!(p.pointer_get_buffer_id(b).unwrap(), 0);
     assert_eq!(p.mem_pool_export_pointer(b).unwrap(), first);
-    p.mem_free_async(b, S).unwrap();
+    p.mem_free_async_checked(b, S).unwrap();
     let c = p.mem_alloc_async(MIB / 2, S).unwrap();
     assert_eq!(c, a);
     assert_ne!(
@@ -373,7 +373,7 @@ fn an_old_blob_reaches_the_new_allocation_at_its_address_both_ways() {
         .unwrap();
     let a = p.mem_alloc_async(MIB, S).unwrap();
     let old = p.mem_pool_export_pointer(a).unwrap();
-    p.mem_free_async(a, S).unwrap();
+    p.mem_free_async_checked(a, S).unwrap();
     let b = p.mem_alloc_async(MIB, S).unwrap();
     assert_eq!(b, a);
     p.memset_d8_async(b, 0x22, MIB, S).unwrap();
@@ -395,7 +395,7 @@ fn an_old_blob_reaches_the_new_allocation_at_its_address_both_ways() {
     w.memset_d8_async(imported, 0x33, 4, ws).unwrap();
     let done = w.event_create(true).unwrap();
     w.event_record(done, ws).unwrap();
-    w.mem_pool_free_import(imported, ws).unwrap();
+    w.mem_pool_free_import_checked(imported, ws).unwrap();
     w.stream_synchronize(ws).unwrap();
     let d = p
         .ipc_open_event_handle(&w.ipc_get_event_handle(done).unwrap())
@@ -418,7 +418,7 @@ fn an_access_through_an_old_blob_is_raced_against_the_new_allocations_writes() {
         .unwrap();
     let a = p.mem_alloc_async(MIB, S).unwrap();
     let old = p.mem_pool_export_pointer(a).unwrap();
-    p.mem_free_async(a, S).unwrap();
+    p.mem_free_async_checked(a, S).unwrap();
     let b = p.mem_alloc_async(MIB, S).unwrap();
     assert_eq!(b, a);
     p.memset_d8_async(b, 0x22, MIB, S).unwrap();
@@ -428,7 +428,7 @@ fn an_access_through_an_old_blob_is_raced_against_the_new_allocations_writes() {
     w.memset_d8_async(imported, 0x33, 4, ws).unwrap();
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
     p.clear_violations();
-    w.mem_pool_free_import(imported, ws).unwrap();
+    w.mem_pool_free_import_checked(imported, ws).unwrap();
     w.stream_synchronize(ws).unwrap();
 }
 
@@ -440,7 +440,7 @@ fn an_old_blob_over_a_smaller_allocation_maps_its_own_range_and_is_a_violation()
         .unwrap();
     let a = p.mem_alloc_async(2 * MIB, S).unwrap();
     let old = p.mem_pool_export_pointer(a).unwrap();
-    p.mem_free_async(a, S).unwrap();
+    p.mem_free_async_checked(a, S).unwrap();
     let c = p.mem_alloc_async(MIB, S).unwrap();
     assert_eq!(c, a);
     let (w, wpool) = worker(&p, &fd);
@@ -448,7 +448,7 @@ fn an_old_blob_over_a_smaller_allocation_maps_its_own_range_and_is_a_violation()
     assert_eq!(w.pointer_get_range(imported).unwrap(), (imported, 2 * MIB));
     assert_eq!(kinds(&p), vec![ViolationKind::ImportBeyondAllocation]);
     p.clear_violations();
-    w.mem_pool_free_import(imported, S).unwrap();
+    w.mem_pool_free_import_checked(imported, S).unwrap();
 }
 
 #[test]
@@ -462,7 +462,7 @@ fn with_a_blob_per_allocation_a_new_allocation_exports_other_bytes_and_the_old_b
         .unwrap();
     let a = p.mem_alloc_async(MIB, S).unwrap();
     let old = p.mem_pool_export_pointer(a).unwrap();
-    p.mem_free_async(a, S).unwrap();
+    p.mem_free_async_checked(a, S).unwrap();
     let b = p.mem_alloc_async(MIB, S).unwrap();
     assert_eq!(b, a);
     assert_ne!(p.mem_pool_export_pointer(b).unwrap(), old);
@@ -485,7 +485,7 @@ fn the_export_of_freed_memory_still_held_by_the_pool_imports_with_a_recorded_vio
         .unwrap();
     let ptr = p.mem_alloc_async(MIB, S).unwrap();
     let stale = p.mem_pool_export_pointer(ptr).unwrap();
-    p.mem_free_async(ptr, S).unwrap();
+    p.mem_free_async_checked(ptr, S).unwrap();
     p.stream_synchronize(S).unwrap();
     let (w, wpool) = worker(&p, &fd);
     w.mem_pool_import_pointer(wpool, &stale).unwrap();
@@ -498,7 +498,7 @@ fn the_export_of_freed_memory_the_pool_gave_back_does_not_import() {
     let (_pool, fd) = shared_pool(&p); // release threshold 0: given back at the synchronize
     let ptr = p.mem_alloc_async(MIB, S).unwrap();
     let stale = p.mem_pool_export_pointer(ptr).unwrap();
-    p.mem_free_async(ptr, S).unwrap();
+    p.mem_free_async_checked(ptr, S).unwrap();
     p.stream_synchronize(S).unwrap();
     let (w, wpool) = worker(&p, &fd);
     let e = w.mem_pool_import_pointer(wpool, &stale).unwrap_err();
@@ -513,7 +513,7 @@ fn an_import_used_after_its_memory_was_recycled_is_caught() {
     let p = sim();
     let (_pool, fd) = shared_pool(&p);
     let (w, ptr, a, ws) = handoff(&p, &fd, MIB);
-    p.mem_free_async(ptr, S).unwrap(); // violation 1: freed while imported
+    p.mem_free_async_checked(ptr, S).unwrap(); // violation 1: freed while imported
     let _again = p.mem_alloc_async(MIB, S).unwrap();
     w.memset_d8_async(a, 0, 16, ws).unwrap(); // violation 2: stale generation
     assert_eq!(
@@ -539,11 +539,11 @@ fn used_and_reserved_follow_allocations_and_their_high_marks_stay() {
     let b = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::UsedCurrent), 6 * MIB);
     assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 6 * MIB);
-    d.mem_free_async(a, S).unwrap();
+    d.mem_free_async_checked(a, S).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::UsedCurrent), 2 * MIB);
     assert_eq!(counter(&d, pool, PoolCounter::UsedHigh), 6 * MIB);
     assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 6 * MIB);
-    d.mem_free_async(b, S).unwrap();
+    d.mem_free_async_checked(b, S).unwrap();
     let (free, total) = d.mem_get_info().unwrap();
     assert_eq!(total - free, 6 * MIB);
 }
@@ -556,7 +556,7 @@ fn resetting_the_high_marks_restarts_them_from_the_current_figures() {
         .unwrap();
     let a = d.mem_alloc_from_pool_async(8 * MIB, pool, S).unwrap();
     let b = d.mem_alloc_from_pool_async(2 * MIB, pool, S).unwrap();
-    d.mem_free_async(a, S).unwrap();
+    d.mem_free_async_checked(a, S).unwrap();
     d.mem_pool_trim_to(pool, 0).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::UsedHigh), 10 * MIB);
     assert_eq!(counter(&d, pool, PoolCounter::ReservedHigh), 10 * MIB);
@@ -572,8 +572,8 @@ fn resetting_the_high_marks_restarts_them_from_the_current_figures() {
     // And they climb again from there.
     let c = d.mem_alloc_from_pool_async(4 * MIB, pool, S).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::UsedHigh), 6 * MIB);
-    d.mem_free_async(b, S).unwrap();
-    d.mem_free_async(c, S).unwrap();
+    d.mem_free_async_checked(b, S).unwrap();
+    d.mem_free_async_checked(c, S).unwrap();
 }
 
 #[test]
@@ -581,7 +581,7 @@ fn with_threshold_zero_freed_memory_is_released_at_a_synchronize() {
     let d = sim();
     let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
     let a = d.mem_alloc_from_pool_async(8 * MIB, pool, S).unwrap();
-    d.mem_free_async(a, S).unwrap();
+    d.mem_free_async_checked(a, S).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 8 * MIB);
     d.stream_synchronize(S).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 0);
@@ -595,7 +595,7 @@ fn with_threshold_max_freed_memory_stays_reserved_until_trimmed() {
     d.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
         .unwrap();
     let a = d.mem_alloc_from_pool_async(8 * MIB, pool, S).unwrap();
-    d.mem_free_async(a, S).unwrap();
+    d.mem_free_async_checked(a, S).unwrap();
     d.stream_synchronize(S).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 8 * MIB);
     d.mem_pool_trim_to(pool, 0).unwrap();
@@ -642,8 +642,8 @@ fn the_current_pool_is_the_default_until_set_and_allocations_come_from_it() {
     let ptr = d.mem_alloc_async(MIB, S).unwrap();
     assert_eq!(d.pointer_get_mempool(ptr).unwrap(), pool);
     assert_eq!(d.pointer_get_range(ptr.offset(100)).unwrap(), (ptr, MIB));
-    d.mem_free_async(ptr, S).unwrap();
-    d.mem_pool_destroy(pool).unwrap();
+    d.mem_free_async_checked(ptr, S).unwrap();
+    d.mem_pool_destroy_checked(pool).unwrap();
     assert_eq!(d.device_get_mem_pool(0).unwrap(), default);
 }
 
@@ -671,7 +671,7 @@ fn an_address_the_pool_hands_out_again_has_a_new_buffer_id() {
     let (pool, _fd) = shared_pool(&d);
     let a = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
     let first = d.pointer_get_buffer_id(a).unwrap();
-    d.mem_free_async(a, S).unwrap();
+    d.mem_free_async_checked(a, S).unwrap();
     let b = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
     assert_eq!(a, b, "the pool should recycle the address");
     let second = d.pointer_get_buffer_id(b).unwrap();
@@ -693,7 +693,7 @@ fn a_live_allocation_keeps_its_buffer_id_and_interior_pointers_share_it() {
 fn a_freed_or_unknown_pointer_has_no_buffer_id() {
     let d = sim();
     let a = d.mem_alloc_async(MIB, S).unwrap();
-    d.mem_free_async(a, S).unwrap();
+    d.mem_free_async_checked(a, S).unwrap();
     for p in [a, DevicePtr(0x1234)] {
         let e = d.pointer_get_buffer_id(p).unwrap_err();
         assert!(
@@ -715,7 +715,7 @@ fn an_import_has_a_buffer_id_of_the_importing_process() {
     assert_eq!(w.pointer_get_buffer_id(imported.offset(100)).unwrap(), id);
     // The exporter's pointer means nothing in the importer.
     assert!(w.pointer_get_buffer_id(ptr).is_err());
-    w.mem_pool_free_import(imported, S).unwrap();
+    w.mem_pool_free_import_checked(imported, S).unwrap();
     assert!(w.pointer_get_buffer_id(imported).is_err());
 }
 
@@ -828,7 +828,7 @@ fn a_pool_is_shared_by_uuid_whatever_ordinal_each_process_gives_its_device() {
     let mut got = [0u8; 4];
     w.memcpy_dtoh(&mut got, a).unwrap();
     assert_eq!(got, [0x5A; 4]);
-    w.mem_pool_free_import(a, S).unwrap();
+    w.mem_pool_free_import_checked(a, S).unwrap();
     assert!(kinds(&p).is_empty(), "{:?}", p.violations());
 }
 
@@ -872,7 +872,7 @@ fn an_event_handle_opens_in_another_process_and_a_plain_event_has_none() {
     let a = w.ipc_open_event_handle(&h).unwrap();
     let b = w.ipc_open_event_handle(&h).unwrap();
     assert!(w.event_query(a).unwrap());
-    w.event_destroy(a).unwrap();
+    w.event_destroy_checked(a).unwrap();
     w.event_synchronize(b).unwrap();
     let plain = p.event_create(false).unwrap();
     assert!(p.ipc_get_event_handle(plain).is_err());
@@ -904,10 +904,10 @@ fn vmm_memory_maps_in_another_process_and_needs_access() {
     let mut buf = [0u8; 4];
     w.memcpy_dtoh(&mut buf, wva.offset(g)).unwrap();
     assert_eq!(buf, [0x5A; 4]);
-    w.vmm_unmap(wva, 2 * g).unwrap();
+    w.vmm_unmap_checked(wva, 2 * g).unwrap();
     assert!(w.memcpy_dtoh(&mut buf, wva).is_err());
-    w.vmm_address_free(wva, 2 * g).unwrap();
-    w.vmm_release(wh).unwrap();
+    w.vmm_address_free_checked(wva, 2 * g).unwrap();
+    w.vmm_release_checked(wh).unwrap();
     assert_eq!(
         kinds(&p),
         vec![ViolationKind::NoAccess, ViolationKind::UnmappedAccess]
@@ -1097,12 +1097,12 @@ fn a_missing_ready_wait_reads_stale_bytes_on_the_asynchronous_gpu() {
         if buf != [0x77; 16] {
             stale += 1;
         }
-        w.mem_pool_free_import(imported, S).unwrap();
+        w.mem_pool_free_import_checked(imported, S).unwrap();
         w.stream_synchronize(S).unwrap();
         p.stream_synchronize(s).unwrap();
-        p.mem_free_async(ptr, s).unwrap();
+        p.mem_free_async_checked(ptr, s).unwrap();
         p.stream_synchronize(s).unwrap();
-        p.stream_destroy(s).unwrap();
+        p.stream_destroy_checked(s).unwrap();
         let _ = round;
     }
     let unordered = kinds(&p)
@@ -1138,7 +1138,7 @@ fn lend_by_handle(p: &SimDriver, interior: DevicePtr) -> OwnedFd {
     let retained = p.vmm_retain(interior).unwrap();
     assert!(p.vmm_exports_fd(retained).unwrap());
     let fd = p.vmm_export_fd(retained).unwrap();
-    p.vmm_release(retained).unwrap();
+    p.vmm_release_checked(retained).unwrap();
     fd
 }
 
@@ -1157,7 +1157,7 @@ fn every_kind_of_device_memory_names_its_device_and_host_memory_none() {
     let host = [0u8; 64];
     let on_host = DevicePtr(host.as_ptr() as u64);
     assert!(p.pointer_get_device(on_host).is_err());
-    p.mem_free(plain).unwrap();
+    p.mem_free_checked(plain).unwrap();
     assert!(p.pointer_get_device(plain).is_err(), "freed: no device");
     assert_eq!(kinds(&p), vec![]);
 }
@@ -1180,10 +1180,10 @@ fn only_vmm_mappings_can_be_retained_and_only_posix_fd_handles_exported() {
         p.vmm_export_fd(retained).is_err(),
         "no POSIX FD handle type, no FD"
     );
-    p.vmm_release(retained).unwrap();
+    p.vmm_release_checked(retained).unwrap();
     let (_h2, va2, _) = parent_vmm(&p, true);
     drop(lend_by_handle(&p, va2.offset(8)));
-    p.mem_free(plain).unwrap();
+    p.mem_free_checked(plain).unwrap();
 }
 
 #[test]
@@ -1258,7 +1258,7 @@ fn freed_memory_never_exported_goes_back_at_a_trim() {
     let (pool, _fd) = shared_pool(&d);
     let start = held(&d);
     let ptr = d.mem_alloc_async(64 * MIB, S).unwrap();
-    d.mem_free_async(ptr, S).unwrap();
+    d.mem_free_async_checked(ptr, S).unwrap();
     d.mem_pool_trim_to(pool, 0).unwrap();
     assert_eq!(held(&d), start);
 }
@@ -1270,7 +1270,7 @@ fn exported_freed_memory_stays_on_the_device_after_a_trim_and_is_taken_again_not
     let start = held(&d);
     let ptr = d.mem_alloc_async(64 * MIB, S).unwrap();
     d.mem_pool_export_pointer(ptr).unwrap();
-    d.mem_free_async(ptr, S).unwrap();
+    d.mem_free_async_checked(ptr, S).unwrap();
     d.mem_pool_trim_to(pool, 0).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 0);
     assert_eq!(held(&d), start + 64 * MIB);
@@ -1278,7 +1278,7 @@ fn exported_freed_memory_stays_on_the_device_after_a_trim_and_is_taken_again_not
     let again = d.mem_alloc_async(64 * MIB, S).unwrap();
     assert_eq!(held(&d), start + 64 * MIB);
     assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 64 * MIB);
-    d.mem_free_async(again, S).unwrap();
+    d.mem_free_async_checked(again, S).unwrap();
     d.mem_pool_trim_to(pool, 0).unwrap();
     assert_eq!(held(&d), start + 64 * MIB);
 }
@@ -1290,18 +1290,19 @@ fn exported_freed_memory_goes_back_when_the_pool_is_destroyed_and_no_import_of_i
     let start = held(&p);
     let (w, ptr, imported, _ws) = handoff(&p, &fd, 64 * MIB);
     let wpool = w.mem_pool_import_fd(fd.as_fd()).unwrap();
-    w.mem_free_async(imported, StreamHandle::NULL).unwrap();
+    w.mem_free_async_checked(imported, StreamHandle::NULL)
+        .unwrap();
     w.ctx_synchronize().unwrap();
-    p.mem_free_async(ptr, S).unwrap();
+    p.mem_free_async_checked(ptr, S).unwrap();
     p.mem_pool_trim_to(pool, 0).unwrap();
     let default = p.device_get_default_mem_pool(0).unwrap();
     p.device_set_mem_pool(0, default).unwrap();
-    p.mem_pool_destroy(pool).unwrap();
+    p.mem_pool_destroy_checked(pool).unwrap();
     assert_eq!(
         held(&p),
         start + 64 * MIB,
         "the worker still holds its import of the pool"
     );
-    w.mem_pool_destroy(wpool).unwrap();
+    w.mem_pool_destroy_checked(wpool).unwrap();
     assert_eq!(held(&p), start);
 }

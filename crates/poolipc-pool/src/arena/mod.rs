@@ -38,7 +38,9 @@ pub use alloc::{ALIGN, AllocError, AllocStats, ArenaAllocator, Block};
 pub use parent::{Arena, ArenaBlock, ChunkInfo};
 pub use worker::ArenaMapping;
 
-use poolipc_driver::DriverError;
+use std::sync::Arc;
+
+use poolipc_driver::{DriverError, VmmAllocation, VmmMapping, VmmReservation};
 
 /// Errors of the arena, on either side.
 #[derive(Debug, thiserror::Error)]
@@ -121,87 +123,90 @@ pub enum ArenaError {
     Driver(#[from] DriverError),
 }
 
-/// A chunk of VMM memory mapped into this process: the handle, where it is, how long.
+/// A chunk of VMM memory mapped into this process: the handle and its mapping.
 ///
-/// Mapped by `map_handle`, torn down by `unmap`; both sides hold these.
-#[derive(Debug, Clone, Copy)]
-struct MappedChunk {
-    handle: poolipc_driver::VmmHandle,
-    base: poolipc_driver::DevicePtr,
-    len: u64,
+/// Made by `map_handle`, torn down by `unmap` (or dropped); both sides hold these. The
+/// fields' order is the teardown's when dropped: unmap (and free the range) first, then
+/// release the handle.
+struct MappedChunk<D: poolipc_driver::Driver + ?Sized> {
+    mapping: VmmMapping<Arc<D>>,
+    handle: VmmAllocation<Arc<D>>,
+}
+
+impl<D: poolipc_driver::Driver + ?Sized> std::fmt::Debug for MappedChunk<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedChunk")
+            .field("mapping", &self.mapping)
+            .field("handle", &self.handle)
+            .finish()
+    }
+}
+
+impl<D: poolipc_driver::Driver + ?Sized> MappedChunk<D> {
+    fn base(&self) -> poolipc_driver::DevicePtr {
+        self.mapping.ptr()
+    }
+
+    fn len(&self) -> u64 {
+        self.mapping.len()
+    }
 }
 
 /// Reserves address space for `handle` (`len` bytes), maps it and grants `device` read-write
-/// access. On failure, undoes what it did (and logs what could not be undone); the handle is
-/// the caller's either way.
+/// access. On failure, undoes what it did (and logs what could not be undone), the handle's
+/// release included.
 fn map_handle<D: poolipc_driver::Driver + ?Sized>(
-    driver: &D,
+    driver: &Arc<D>,
     device: u32,
-    handle: poolipc_driver::VmmHandle,
+    handle: VmmAllocation<Arc<D>>,
     len: u64,
-) -> Result<poolipc_driver::DevicePtr, DriverError> {
-    map_handle_with(
+) -> Result<MappedChunk<D>, DriverError> {
+    let mapping = map_handle_with(
         driver,
         device,
-        handle,
+        handle.handle(),
         len,
         poolipc_driver::Access::ReadWrite,
-    )
+    )?;
+    Ok(MappedChunk { mapping, handle })
 }
 
-/// [`map_handle`] with the access `device` gets: the worker's read-only alias of a chunk
-/// (`cuMemMap`'s offset must be 0, so a read-only view of one block is a second mapping of
-/// the whole chunk, granted [`Access::Read`](poolipc_driver::Access::Read)).
+/// [`map_handle`] of a handle the caller keeps, with the access `device` gets: the worker's
+/// read-only alias of a chunk (`cuMemMap`'s offset must be 0, so a read-only view of one
+/// block is a second mapping of the whole chunk, granted
+/// [`Access::Read`](poolipc_driver::Access::Read)). On failure the range is unmapped and
+/// freed again (the owning types' drops, which log what fails).
 fn map_handle_with<D: poolipc_driver::Driver + ?Sized>(
-    driver: &D,
+    driver: &Arc<D>,
     device: u32,
     handle: poolipc_driver::VmmHandle,
     len: u64,
     access: poolipc_driver::Access,
-) -> Result<poolipc_driver::DevicePtr, DriverError> {
-    let base = driver.vmm_reserve(len, 0)?;
-    if let Err(e) = driver.vmm_map(base, len, handle) {
-        let _ = logged("cuMemAddressFree", driver.vmm_address_free(base, len));
-        return Err(e);
-    }
-    if let Err(e) = driver.vmm_set_access(base, len, device, access) {
-        if logged("cuMemUnmap", driver.vmm_unmap(base, len)).is_ok() {
-            let _ = logged("cuMemAddressFree", driver.vmm_address_free(base, len));
-        }
-        return Err(e);
-    }
-    Ok(base)
+) -> Result<VmmMapping<Arc<D>>, DriverError> {
+    let range = VmmReservation::reserve(Arc::clone(driver), len, 0)?;
+    let mapping = VmmMapping::map(range, handle)?;
+    mapping.set_access(device, access)?;
+    Ok(mapping)
 }
 
 /// Unmaps a chunk, frees its address range and releases its handle. Every step is tried
 /// (the address range only once unmapped); failures are logged, never a panic, and the first
 /// one is returned.
-fn unmap<D: poolipc_driver::Driver + ?Sized>(
-    driver: &D,
-    chunk: MappedChunk,
-) -> Result<(), DriverError> {
-    let unmapped = logged("cuMemUnmap", driver.vmm_unmap(chunk.base, chunk.len));
-    // An address range that is still mapped cannot be freed; try only after the unmap.
-    let freed = match unmapped {
-        Ok(()) => logged(
-            "cuMemAddressFree",
-            driver.vmm_address_free(chunk.base, chunk.len),
-        ),
-        Err(_) => Ok(()),
-    };
-    let released = logged("cuMemRelease", driver.vmm_release(chunk.handle));
-    unmapped.and(freed).and(released)
+fn unmap<D: poolipc_driver::Driver + ?Sized>(chunk: MappedChunk<D>) -> Result<(), DriverError> {
+    let MappedChunk { mapping, handle } = chunk;
+    // An address range that is still mapped cannot be freed: `close` frees it only after the
+    // unmap, and the handle goes after both.
+    let unmapped = logged("cuMemUnmap", mapping.close());
+    let released = logged("cuMemRelease", handle.close());
+    unmapped.and(released)
 }
 
 /// Unmaps a second mapping of a chunk (a read-only alias) and frees its address range; the
 /// handle stays the chunk's. Failures are logged; the first one is returned.
 fn unmap_alias<D: poolipc_driver::Driver + ?Sized>(
-    driver: &D,
-    base: poolipc_driver::DevicePtr,
-    len: u64,
+    alias: VmmMapping<Arc<D>>,
 ) -> Result<(), DriverError> {
-    logged("cuMemUnmap", driver.vmm_unmap(base, len))?;
-    logged("cuMemAddressFree", driver.vmm_address_free(base, len))
+    logged("cuMemUnmap", alias.close())
 }
 
 fn logged(call: &'static str, r: Result<(), DriverError>) -> Result<(), DriverError> {

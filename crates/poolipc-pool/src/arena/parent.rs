@@ -5,7 +5,7 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use poolipc_driver::{DevicePtr, Driver, Granularity, OwnedEvent};
+use poolipc_driver::{DevicePtr, Driver, Granularity, OwnedEvent, VmmAllocation};
 
 use super::alloc::{ALIGN, AllocError, AllocStats, ArenaAllocator, Block};
 use super::{ArenaError, MappedChunk, map_handle, unmap};
@@ -49,11 +49,11 @@ pub struct ChunkInfo {
     pub ptr: DevicePtr,
 }
 
-#[derive(Debug, Default)]
-struct State {
+#[derive(Debug)]
+struct State<D: Driver + ?Sized> {
     alloc: ArenaAllocator,
     /// By chunk index (the allocator's indices: pushed together); `None` once released.
-    chunks: Vec<Option<MappedChunk>>,
+    chunks: Vec<Option<MappedChunk<D>>>,
     /// Chunks seen idle (no live block, no pending free) by [`Arena::release_idle`], since
     /// when; a chunk an allocation lands in leaves this map.
     idle_since: HashMap<u32, Instant>,
@@ -63,6 +63,19 @@ struct State {
     /// Blocks given back with [`Arena::free_after`], live in the allocator until their event
     /// completed.
     pending: Vec<(ArenaBlock, OwnedEvent)>,
+}
+
+impl<D: Driver + ?Sized> Default for State<D> {
+    fn default() -> Self {
+        State {
+            alloc: ArenaAllocator::default(),
+            chunks: Vec::new(),
+            idle_since: HashMap::new(),
+            released_chunks: 0,
+            released_bytes: 0,
+            pending: Vec::new(),
+        }
+    }
 }
 
 /// The parent's result arena: chunks of device memory shareable by POSIX FD, mapped
@@ -96,7 +109,7 @@ pub struct Arena<D: Driver + ?Sized> {
     /// The size of a chunk added by growth, unless the request needs more.
     growth: u64,
     max_bytes: Option<u64>,
-    state: Mutex<State>,
+    state: Mutex<State<D>>,
 }
 
 impl<D: Driver + ?Sized> std::fmt::Debug for Arena<D> {
@@ -185,7 +198,7 @@ impl<D: Driver + ?Sized> Arena<D> {
             // The allocator hands out blocks only in chunks that exist, pushed together.
             return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
         };
-        let ptr = chunk.base.offset(block.offset);
+        let ptr = chunk.base().offset(block.offset);
         Ok(ArenaBlock {
             chunk: block.chunk,
             offset: block.offset,
@@ -204,7 +217,7 @@ impl<D: Driver + ?Sized> Arena<D> {
         let Some(Some(chunk)) = st.chunks.get(block.chunk as usize) else {
             return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
         };
-        if chunk.base.offset(block.offset) != block.ptr {
+        if chunk.base().offset(block.offset) != block.ptr {
             return Err(ArenaError::ForeignBlock {
                 chunk: block.chunk,
                 offset: block.offset,
@@ -230,7 +243,7 @@ impl<D: Driver + ?Sized> Arena<D> {
         let Some(Some(chunk)) = st.chunks.get(block.chunk as usize) else {
             return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
         };
-        if chunk.base.offset(block.offset) != block.ptr {
+        if chunk.base().offset(block.offset) != block.ptr {
             return Err(ArenaError::ForeignBlock {
                 chunk: block.chunk,
                 offset: block.offset,
@@ -267,7 +280,7 @@ impl<D: Driver + ?Sized> Arena<D> {
         let Some(Some(chunk)) = st.chunks.get(block.chunk as usize) else {
             return Err(AllocError::UnknownChunk { chunk: block.chunk }.into());
         };
-        if chunk.base.offset(block.offset) != block.ptr {
+        if chunk.base().offset(block.offset) != block.ptr {
             return Err(ArenaError::ForeignBlock {
                 chunk: block.chunk,
                 offset: block.offset,
@@ -306,7 +319,7 @@ impl<D: Driver + ?Sized> Arena<D> {
         self.lock().pending.len()
     }
 
-    fn reclaim_locked(&self, st: &mut State) -> usize {
+    fn reclaim_locked(&self, st: &mut State<D>) -> usize {
         if st.pending.is_empty() {
             return 0;
         }
@@ -340,11 +353,11 @@ impl<D: Driver + ?Sized> Arena<D> {
             .iter()
             .enumerate()
             .filter_map(|(i, c)| {
-                c.map(|c| ChunkInfo {
+                c.as_ref().map(|c| ChunkInfo {
                     // Indices fit: the allocator numbers chunks with u32 and refuses more.
                     index: u32::try_from(i).unwrap_or(u32::MAX),
-                    len: c.len,
-                    ptr: c.base,
+                    len: c.len(),
+                    ptr: c.base(),
                 })
             })
             .collect();
@@ -358,10 +371,10 @@ impl<D: Driver + ?Sized> Arena<D> {
             let st = self.lock();
             st.chunks
                 .get(index as usize)
-                .copied()
-                .flatten()
+                .and_then(Option::as_ref)
                 .ok_or(ArenaError::UnknownChunk { chunk: index })?
                 .handle
+                .handle()
         };
         Ok(self.driver.vmm_export_fd(handle)?)
     }
@@ -409,22 +422,23 @@ impl<D: Driver + ?Sized> Arena<D> {
                 continue;
             }
             st.idle_since.remove(&index);
+            let info = ChunkInfo {
+                index,
+                len: chunk.len(),
+                ptr: chunk.base(),
+            };
             // Failures are logged inside; the chunk is gone from the arena either way.
-            let _ = unmap(&*self.driver, chunk);
+            let _ = unmap(chunk);
             st.released_chunks += 1;
-            st.released_bytes += chunk.len;
+            st.released_bytes += info.len;
             tracing::debug!(
                 device = self.device,
                 index,
-                len = chunk.len,
+                len = info.len,
                 capacity = st.alloc.capacity(),
                 "arena chunk released"
             );
-            released.push(ChunkInfo {
-                index,
-                len: chunk.len,
-                ptr: chunk.base,
-            });
+            released.push(info);
         }
         released
     }
@@ -472,14 +486,14 @@ impl<D: Driver + ?Sized> Arena<D> {
         &self.driver
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, State<D>> {
         // The state is consistent between statements that can panic (none do on input).
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Creates, maps and registers a chunk of `len` bytes (a granularity multiple) for a
     /// request of `requested` bytes, within the cap.
-    fn add_chunk(&self, st: &mut State, requested: u64, len: u64) -> Result<u32, ArenaError> {
+    fn add_chunk(&self, st: &mut State<D>, requested: u64, len: u64) -> Result<u32, ArenaError> {
         let capacity = st.alloc.capacity();
         if let Some(max) = self.max_bytes
             && capacity.checked_add(len).is_none_or(|total| total > max)
@@ -490,21 +504,14 @@ impl<D: Driver + ?Sized> Arena<D> {
                 max,
             });
         }
-        let handle = self.driver.vmm_create(self.device, len)?;
-        let base = match map_handle(&*self.driver, self.device, handle, len) {
-            Ok(base) => base,
-            Err(e) => {
-                if let Err(r) = self.driver.vmm_release(handle) {
-                    tracing::warn!(error = %r, "releasing a chunk that failed to map");
-                }
-                return Err(e.into());
-            }
-        };
-        let chunk = MappedChunk { handle, base, len };
+        let handle = VmmAllocation::create(Arc::clone(&self.driver), self.device, len)?;
+        // A failed mapping releases the handle (dropped inside, logged).
+        let chunk = map_handle(&self.driver, self.device, handle, len)?;
+        let base = chunk.base();
         let index = match st.alloc.add_chunk(len) {
             Ok(i) => i,
             Err(e) => {
-                let _ = unmap(&*self.driver, chunk);
+                let _ = unmap(chunk);
                 return Err(e.into());
             }
         };
@@ -542,7 +549,7 @@ impl<D: Driver + ?Sized> Drop for Arena<D> {
         }
         for chunk in st.chunks.drain(..).flatten() {
             // Failures are logged inside; a destructor has no one to return them to.
-            let _ = unmap(&*self.driver, chunk);
+            let _ = unmap(chunk);
         }
     }
 }

@@ -260,7 +260,7 @@ fn a_chunk_whose_access_cannot_be_set_is_unmapped_freed_and_released() {
     d.expect_vmm_granularity().returning(|_, _| Ok(2 * MIB));
     d.expect_vmm_create()
         .times(1)
-        .returning(|_, _| Ok(VmmHandle(7)));
+        .returning(|_, _| Ok(VmmHandle::mock(7)));
     d.expect_vmm_reserve()
         .times(1)
         .returning(|_, _| Ok(DevicePtr(0x1000_0000)));
@@ -276,7 +276,7 @@ fn a_chunk_whose_access_cannot_be_set_is_unmapped_freed_and_released() {
         .times(1)
         .returning(|_, _| Ok(()));
     d.expect_vmm_release()
-        .withf(|h| *h == VmmHandle(7))
+        .withf(|h| *h == VmmHandle::mock(7))
         .times(1)
         .returning(|_| Ok(()));
     let e = Arena::new(Arc::new(d), 0, 1).unwrap_err();
@@ -287,7 +287,8 @@ fn a_chunk_whose_access_cannot_be_set_is_unmapped_freed_and_released() {
 fn a_chunk_that_cannot_be_mapped_frees_its_address_range_and_releases_its_handle() {
     let mut d = MockDriver::new();
     d.expect_vmm_granularity().returning(|_, _| Ok(2 * MIB));
-    d.expect_vmm_create().returning(|_, _| Ok(VmmHandle(7)));
+    d.expect_vmm_create()
+        .returning(|_, _| Ok(VmmHandle::mock(7)));
     d.expect_vmm_reserve()
         .returning(|_, _| Ok(DevicePtr(0x1000_0000)));
     d.expect_vmm_map()
@@ -305,7 +306,8 @@ fn a_chunk_that_cannot_be_mapped_frees_its_address_range_and_releases_its_handle
 fn a_failing_teardown_step_is_logged_and_the_rest_still_runs() {
     let mut d = MockDriver::new();
     d.expect_vmm_granularity().returning(|_, _| Ok(2 * MIB));
-    d.expect_vmm_create().returning(|_, _| Ok(VmmHandle(7)));
+    d.expect_vmm_create()
+        .returning(|_, _| Ok(VmmHandle::mock(7)));
     d.expect_vmm_reserve()
         .returning(|_, _| Ok(DevicePtr(0x1000_0000)));
     d.expect_vmm_map().returning(|_, _, _| Ok(()));
@@ -326,13 +328,14 @@ fn a_block_freed_after_an_event_is_reused_once_the_event_completed_and_not_befor
     let done = Arc::new(AtomicBool::new(false));
     let mut d = MockDriver::new();
     d.expect_vmm_granularity().returning(|_, _| Ok(2 * MIB));
-    d.expect_vmm_create().returning(|_, _| Ok(VmmHandle(7)));
+    d.expect_vmm_create()
+        .returning(|_, _| Ok(VmmHandle::mock(7)));
     d.expect_vmm_reserve()
         .returning(|_, _| Ok(DevicePtr(0x1000_0000)));
     d.expect_vmm_map().returning(|_, _, _| Ok(()));
     d.expect_vmm_set_access().returning(|_, _, _, _| Ok(()));
     d.expect_event_create()
-        .returning(|_| Ok(poolipc_driver::EventHandle(42)));
+        .returning(|_| Ok(poolipc_driver::EventHandle::mock(42)));
     let flag = Arc::clone(&done);
     d.expect_event_query()
         .returning(move |_| Ok(flag.load(Ordering::SeqCst)));
@@ -492,7 +495,8 @@ fn a_chunk_with_a_block_waiting_for_its_event_is_not_released_until_the_event_co
     let arena = Arena::new(Arc::clone(&d), 0, g).unwrap();
     let a = arena.alloc(g).unwrap();
     let as_dyn: Arc<dyn Driver> = Arc::clone(&d) as Arc<dyn Driver>;
-    let stream = d.stream_create().unwrap();
+    let owned_stream = poolipc_driver::OwnedStream::new(Arc::clone(&d)).unwrap();
+    let stream = owned_stream.handle();
     d.memset_d8_async(a.ptr, 1, a.len, stream).unwrap();
     let event = OwnedEvent::new(Arc::clone(&as_dyn), false).unwrap();
     d.event_record(event.handle(), stream).unwrap();
@@ -508,7 +512,7 @@ fn a_chunk_with_a_block_waiting_for_its_event_is_not_released_until_the_event_co
         std::thread::sleep(Duration::from_millis(1));
     }
     d.stream_synchronize(stream).unwrap();
-    d.stream_destroy(stream).unwrap();
+    owned_stream.close().unwrap();
     assert_no_violations(&d);
 }
 

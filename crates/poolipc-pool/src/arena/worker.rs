@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
-use poolipc_driver::{Access, DevicePtr, Driver, Granularity};
+use poolipc_driver::{Access, DevicePtr, Driver, Granularity, VmmAllocation, VmmMapping};
 
 use super::{ArenaError, MappedChunk, map_handle, map_handle_with, unmap, unmap_alias};
 
@@ -26,9 +26,9 @@ use super::{ArenaError, MappedChunk, map_handle, map_handle_with, unmap, unmap_a
 pub struct ArenaMapping<D: Driver + ?Sized> {
     driver: Arc<D>,
     device: u32,
-    chunks: BTreeMap<u32, MappedChunk>,
-    /// Read-only aliases of chunks, by index: their base address.
-    read_only: BTreeMap<u32, DevicePtr>,
+    chunks: BTreeMap<u32, MappedChunk<D>>,
+    /// Read-only aliases of chunks, by index. Each is unmapped before its chunk.
+    read_only: BTreeMap<u32, VmmMapping<Arc<D>>>,
 }
 
 impl<D: Driver + ?Sized> std::fmt::Debug for ArenaMapping<D> {
@@ -79,17 +79,11 @@ impl<D: Driver + ?Sized> ArenaMapping<D> {
                 granularity,
             });
         }
-        let handle = self.driver.vmm_import_fd(fd)?;
-        let base = match map_handle(&*self.driver, self.device, handle, len) {
-            Ok(base) => base,
-            Err(e) => {
-                if let Err(r) = self.driver.vmm_release(handle) {
-                    tracing::warn!(error = %r, "releasing an arena import that failed to map");
-                }
-                return Err(e.into());
-            }
-        };
-        self.chunks.insert(index, MappedChunk { handle, base, len });
+        let handle = VmmAllocation::import_fd(Arc::clone(&self.driver), fd)?;
+        // A failed mapping releases the import (dropped inside, logged).
+        let chunk = map_handle(&self.driver, self.device, handle, len)?;
+        let base = chunk.base();
+        self.chunks.insert(index, chunk);
         tracing::debug!(index, len, ?base, "arena chunk mapped");
         Ok(base)
     }
@@ -103,12 +97,12 @@ impl<D: Driver + ?Sized> ArenaMapping<D> {
             .get(&chunk)
             .ok_or(ArenaError::UnknownChunk { chunk })?;
         match offset.checked_add(len) {
-            Some(end) if len > 0 && end <= c.len => Ok(c.base.offset(offset)),
+            Some(end) if len > 0 && end <= c.len() => Ok(c.base().offset(offset)),
             _ => Err(ArenaError::OutOfBounds {
                 chunk,
                 offset,
                 len,
-                chunk_len: c.len,
+                chunk_len: c.len(),
             }),
         }
     }
@@ -125,20 +119,26 @@ impl<D: Driver + ?Sized> ArenaMapping<D> {
     ) -> Result<DevicePtr, ArenaError> {
         let rw = self.resolve(chunk, offset, len)?;
         let base = match self.read_only.get(&chunk) {
-            Some(&base) => base,
+            Some(alias) => alias.ptr(),
             None => {
                 let c = self
                     .chunks
                     .get(&chunk)
                     .ok_or(ArenaError::UnknownChunk { chunk })?;
-                let base =
-                    map_handle_with(&*self.driver, self.device, c.handle, c.len, Access::Read)?;
-                tracing::debug!(chunk, len = c.len, ?base, "arena chunk mapped read-only");
-                self.read_only.insert(chunk, base);
+                let alias = map_handle_with(
+                    &self.driver,
+                    self.device,
+                    c.handle.handle(),
+                    c.len(),
+                    Access::Read,
+                )?;
+                let base = alias.ptr();
+                tracing::debug!(chunk, len = c.len(), ?base, "arena chunk mapped read-only");
+                self.read_only.insert(chunk, alias);
                 base
             }
         };
-        let c_base = self.chunks.get(&chunk).map_or(rw, |c| c.base);
+        let c_base = self.chunks.get(&chunk).map_or(rw, |c| c.base());
         Ok(base.offset(rw.0 - c_base.0))
     }
 
@@ -151,17 +151,17 @@ impl<D: Driver + ?Sized> ArenaMapping<D> {
             .remove(&index)
             .ok_or(ArenaError::UnknownChunk { chunk: index })?;
         let alias = match self.read_only.remove(&index) {
-            Some(base) => unmap_alias(&*self.driver, base, chunk.len),
+            Some(alias) => unmap_alias(alias),
             None => Ok(()),
         };
-        let unmapped = unmap(&*self.driver, chunk);
+        let unmapped = unmap(chunk);
         Ok(alias.and(unmapped)?)
     }
 
     /// The length of chunk `index`, if mapped.
     #[must_use]
     pub fn chunk_len(&self, index: u32) -> Option<u64> {
-        self.chunks.get(&index).map(|c| c.len)
+        self.chunks.get(&index).map(MappedChunk::len)
     }
 
     /// How many chunks are mapped.
@@ -187,10 +187,10 @@ impl<D: Driver + ?Sized> Drop for ArenaMapping<D> {
     fn drop(&mut self) {
         for (index, chunk) in std::mem::take(&mut self.chunks) {
             // Failures are logged inside; a destructor has no one to return them to.
-            if let Some(base) = self.read_only.remove(&index) {
-                let _ = unmap_alias(&*self.driver, base, chunk.len);
+            if let Some(alias) = self.read_only.remove(&index) {
+                let _ = unmap_alias(alias);
             }
-            let _ = unmap(&*self.driver, chunk);
+            let _ = unmap(chunk);
         }
     }
 }

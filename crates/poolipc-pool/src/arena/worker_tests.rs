@@ -123,7 +123,8 @@ fn a_chunk_length_off_the_granularity_is_refused_before_any_import() {
 fn a_chunk_whose_map_fails_releases_the_import() {
     let mut d = MockDriver::new();
     d.expect_vmm_granularity().returning(|_, _| Ok(2 << 20));
-    d.expect_vmm_import_fd().returning(|_| Ok(VmmHandle(4)));
+    d.expect_vmm_import_fd()
+        .returning(|_| Ok(VmmHandle::mock(4)));
     d.expect_vmm_reserve()
         .returning(|_, _| Ok(DevicePtr(0x2000_0000)));
     d.expect_vmm_map().returning(|_, _, _| {
@@ -136,7 +137,7 @@ fn a_chunk_whose_map_fails_releases_the_import() {
         .times(1)
         .returning(|_, _| Ok(()));
     d.expect_vmm_release()
-        .withf(|h| *h == VmmHandle(4))
+        .withf(|h| *h == VmmHandle::mock(4))
         .times(1)
         .returning(|_| Ok(()));
     let mut m = ArenaMapping::new(Arc::new(d), 0);
@@ -152,7 +153,7 @@ fn drop_unmaps_frees_and_releases_every_mapped_chunk() {
     let mut next = 0;
     d.expect_vmm_import_fd().times(2).returning(move |_| {
         next += 1;
-        Ok(VmmHandle(next))
+        Ok(VmmHandle::mock(next))
     });
     let mut va = 0;
     d.expect_vmm_reserve().times(2).returning(move |n, _| {

@@ -121,7 +121,10 @@ fn check(ops: &[Op], capacity: usize, setup: Setup) -> Result<Seen, String> {
             Op::FreeByDriver(i) | Op::FreeByPool(i) if !live.is_empty() => {
                 let l = live.swap_remove(i % live.len());
                 if matches!(op, Op::FreeByDriver(_)) {
-                    d.mem_free_async(l.ptr, S).map_err(|e| at(&e))?;
+                    // As torch frees: through the driver, not the pool.
+                    poolipc_driver::PoolAllocation::claim(&*d, l.ptr)
+                        .and_then(|a| a.free(S))
+                        .map_err(|e| at(&e))?;
                 } else {
                     pool.free(l.ptr, S).map_err(|e| at(&e))?;
                     if !proven {
