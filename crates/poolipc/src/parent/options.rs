@@ -1,0 +1,255 @@
+//! How a [`Parent`](super::Parent) is set up: [`ParentOptions`], its defaults and the
+//! environment variables that change them.
+
+use std::time::Duration;
+
+use poolipc_contract::{
+    DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
+    DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB,
+};
+use poolipc_transport::SendQueueLimits;
+use poolipc_types::ImportLimit;
+
+use crate::staging::StagingConfig;
+
+/// How a [`Parent`](crate::Parent) behaves.
+#[derive(Clone, Debug)]
+pub struct ParentOptions {
+    /// The device whose pool is shared.
+    pub device: u32,
+    /// More devices to share a pool of, one each (empty by default). A worker is offered them
+    /// after the handshake and says which it can use from its own device; tensors from a pool
+    /// it cannot use go to it by host staging.
+    pub more_devices: Vec<u32>,
+    /// Which allocations may go by pool pointer (the 128-chunk rule by default).
+    pub limit: ImportLimit,
+    /// How long a worker may stay silent about a job it holds before the parent kills it
+    /// (every message about the job starts the wait again).
+    pub handoff_timeout: Duration,
+    /// How long a worker may take to start and shake hands.
+    pub handshake_timeout: Duration,
+    /// How long [`Parent::stop_worker`](crate::Parent::stop_worker) waits for a worker to exit after Bye before it kills it.
+    pub stop_timeout: Duration,
+    /// How long a frame that has begun to arrive may take to complete, and how long a frame
+    /// queued for a worker may wait to be all sent. The IO loop waits on neither: it reads
+    /// what has come and writes what the socket takes, and a worker past this deadline is
+    /// condemned alone.
+    pub frame_timeout: Duration,
+    /// How many frames (and bytes) the IO loop keeps queued for a worker that does not read
+    /// before it condemns that worker (1024 frames, 16 MiB by default).
+    pub send_queue: SendQueueLimits,
+    /// How long the IO loop looks again, without sleeping, after its last activity (a job
+    /// finished, a command came) when no job is in flight: a caller's next submit then finds
+    /// it awake instead of paying its wake-up (≈ 40 µs on the H200's host, measured: with
+    /// 50 µs a 4 KiB round trip was 1.13× the bare-driver floor, with 400 µs 1.03–1.06×, the
+    /// GPU's part unchanged). At most this much CPU after each job. Zero turns it off. By
+    /// default `POOLIPC_SPIN_US` if set, else 400 µs where the machine has four or more
+    /// CPUs, else zero.
+    pub spin: Duration,
+    /// How long, counted from a job's submit and from each frame a worker sends, the IO loop
+    /// and a thread waiting on the job's [`JobHandle`](crate::JobHandle) look again before they sleep. A
+    /// sleeping thread costs a wake-up when the answer comes (tens of microseconds each on
+    /// a busy host, two per handoff: the loop's and the waiter's); without MPS a handoff
+    /// takes ≈ 330 µs of GPU turn-taking, far past [`spin`](ParentOptions::spin), so this
+    /// is what keeps those wake-ups out of it. At most this much CPU per job on each of the
+    /// two threads; a long job sleeps after it. Zero turns it off. By default
+    /// `POOLIPC_SPIN_IN_FLIGHT_US` if set, else 1 ms where the machine has four or more
+    /// CPUs, else zero.
+    pub spin_in_flight: Duration,
+    /// Run the canary battery on each new worker before it takes jobs.
+    pub canary: bool,
+    /// The host-staging rung's buffer and waits.
+    pub staging: StagingConfig,
+    /// Where results of [`submit`](crate::Parent::submit) (the default allocator) live:
+    /// [`ResultMemory::Pool`] by default, [`ResultMemory::Arena`] for the fast path.
+    /// [`submit_with`](crate::Parent::submit_with) always uses the caller's allocator.
+    pub results: ResultMemory,
+    /// Whether an input that cannot go by pool pointer but is device memory of the parent's
+    /// device (the shared pool's over the import limit or for a worker that may not import
+    /// it, or any other kind: `cuMemAlloc` memory, another library's pool, a VMM mapping) is
+    /// copied device-to-device into a block of the arena and lent from there ([`Rung::ArenaCopy`](crate::Rung::ArenaCopy))
+    /// rather than through host staging. True by default. It needs a worker with the arena
+    /// capability and enough free VRAM (see
+    /// [`arena_copy_vram_margin`](ParentOptions::arena_copy_vram_margin)); otherwise, or
+    /// when false, such inputs take host staging as before.
+    ///
+    /// With [`ResultMemory::Arena`] the copies share the result arena and its cap: a copy
+    /// is made only when it fits under the cap, but it may then leave too little for the
+    /// job's own results, which are refused (out of memory) rather than sent to the pool;
+    /// give a capped arena room for both, or turn this off. With
+    /// [`ResultMemory::Pool`] an arena is made for them alone at the first copy, as large as
+    /// that copy (and grown by chunks of that size, with no cap). The arena keeps its chunks
+    /// until the parent is dropped: after a 16 GiB copy, 16 GiB of VRAM stay reserved for
+    /// the next one.
+    pub arena_copy: bool,
+    /// The VRAM that must stay free after an arena copy that needs new arena memory: an
+    /// input takes the arena-copy rung only when `cuMemGetInfo` reports at least its size
+    /// plus this much free (256 MiB by default). A copy that fits in the arena as it is
+    /// needs no new memory and is not checked.
+    pub arena_copy_vram_margin: u64,
+    /// Whether an input that is a VMM allocation of the parent's device (`cuMemCreate` +
+    /// `cuMemMap`, as ComfyUI maps model weights) made with the POSIX FD handle type is lent
+    /// by its handle ([`Rung::VmmHandle`](crate::Rung::VmmHandle)): no copy; each worker maps it once and keeps the
+    /// mapping (and so the memory behind it) until told to drop it. True by default. Needs
+    /// a worker that takes VMM handles on the parent's device and a driver that gives the
+    /// allocation a buffer id; otherwise, or when false, such inputs take the arena copy.
+    pub vmm_handles: bool,
+    /// Bytes of the result arena lent with each job as its **arena slice** (protocol 6), out
+    /// of which the worker carves results whose shapes it learns late without a round trip
+    /// per request; 0 (the default) turns slices off. Changed later with
+    /// [`Parent::set_arena_slice_bytes`](crate::Parent::set_arena_slice_bytes).
+    ///
+    /// A slice is lent only to a worker that maps the arena, for a job whose results go to
+    /// the arena ([`ResultMemory::Arena`] with [`submit`](crate::Parent::submit)'s default
+    /// allocator), and only when the arena has a free range that large already: a slice
+    /// never grows the arena, and one that does not fit is silently not lent (the worker
+    /// then asks for its results as before). The worker carves a batch of results out of
+    /// the slice's free tail (512-byte aligned) when the whole batch fits, else asks the
+    /// parent. Carved results arrive in [`JobOutput::results`](crate::JobOutput::results) in the order the worker asked
+    /// for them, mixed with granted ones, as [`ResultTensor`](crate::ResultTensor)s that own their part of the
+    /// slice; the rest of the slice goes back to the arena once the job's stream waited on
+    /// the worker's DONE (the whole slice, if the job failed or was cancelled, or once a dead
+    /// worker was reaped). While a job runs, its slice is arena memory no one else can use.
+    pub arena_slice_bytes: u64,
+    /// The arena's cap when none is given ([`ResultMemory::Arena`] with `max_bytes: None`,
+    /// and the arena made for arena copies under [`ResultMemory::Pool`]): this fraction of
+    /// the device's total memory, read when the arena is made (0.5 by default). A result
+    /// that would pass the cap is refused with out-of-memory; an input copy that would pass
+    /// it takes host staging. Must lie in `(0, 1]`.
+    pub arena_cap_fraction: f64,
+    /// How long an arena chunk with nothing in it stays mapped before the IO thread gives
+    /// it back to the device (10 s by default); `None`: only [`Parent::empty_cache`](crate::Parent::empty_cache) gives
+    /// chunks back. A chunk with a block lent, granted or still in use on the GPU is never
+    /// given back. Each worker that mapped it is told to unmap it; the memory is back once
+    /// all have.
+    pub arena_idle_release: Option<Duration>,
+    /// The most results one job may ask for, over all its result requests
+    /// ([`DEFAULT_MAX_RESULTS_PER_JOB`]: 8192, as many as a job may have inputs). A worker
+    /// that asks for
+    /// more is condemned: killed, its jobs failed with [`Error::JobFailed`](crate::Error::JobFailed) and
+    /// [`FailReason::BoundExceeded`](poolipc_contract::FailReason)`(`[`Bound::ResultsPerJob`](poolipc_contract::Bound)`)`;
+    /// the parent and the other workers go on.
+    pub max_results_per_job: u64,
+    /// The most result bytes one job may ask for, over all its requests (counted as asked,
+    /// allocated or refused; [`DEFAULT_MAX_RESULT_BYTES_PER_JOB`]: 32 GiB). Past it the
+    /// worker is condemned ([`Bound::ResultBytesPerJob`](poolipc_contract::Bound)). The
+    /// arena's cap and the pool's own out-of-memory refuse earlier on a smaller device;
+    /// this bound ends a worker that keeps asking.
+    pub max_result_bytes_per_job: u64,
+    /// The most result bytes a worker's open jobs may have asked for together (a job's
+    /// results count until it finished; [`DEFAULT_MAX_RESULT_BYTES_PER_WORKER`]: 48 GiB).
+    /// Past it the worker is condemned
+    /// ([`Bound::ResultBytesPerWorker`](poolipc_contract::Bound)).
+    pub max_result_bytes_per_worker: u64,
+    /// The longest a job may stay open from its submit, however often its worker speaks
+    /// about it ([`DEFAULT_MAX_JOB_LIFETIME`]: 4 h, above any ComfyUI node run we know of;
+    /// [`handoff_timeout`](ParentOptions::handoff_timeout) catches a silent worker much
+    /// sooner). Past it the job fails and the worker is condemned
+    /// ([`Bound::JobLifetime`](poolipc_contract::Bound)).
+    pub max_job_lifetime: Duration,
+    /// The most DONE events of one worker the parent keeps open
+    /// ([`DEFAULT_MAX_OPEN_DONE_EVENTS`]: 64). A worker that records every DONE on one
+    /// event (as poolipc's does) holds one; one that sends a new event with each job has the
+    /// least recently used closed as it sends more (reopened if it sends one again). Only
+    /// when every one of them is waited on by a job held for its DONE is the worker
+    /// condemned ([`Bound::OpenDoneEvents`](poolipc_contract::Bound)). Zero is taken as one.
+    pub max_open_done_events: usize,
+}
+
+/// [`ParentOptions::max_open_done_events`]'s default.
+pub const DEFAULT_MAX_OPEN_DONE_EVENTS: usize = 64;
+
+/// Where the parent puts a job's results when the caller gives no allocator.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ResultMemory {
+    /// The shared pool (the seed's way): each result is allocated from the pool, its pointer
+    /// exported (about 0.43 ms/GiB, every time) and imported by the worker; results above
+    /// the import limit take host staging. The caller gets an ordinary pool allocation and
+    /// frees it through [`Parent::pool`](crate::Parent::pool). The default, so that existing callers keep these
+    /// semantics.
+    #[default]
+    Pool,
+    /// The result arena: the fast path. Parent-owned VMM memory (`cuMemCreate` chunks) that
+    /// each worker maps once; a result handoff is then an offset: no export, no import, no
+    /// import limit (a result may be as large as the arena). The caller gets a
+    /// [`ResultTensor`](crate::ResultTensor) that gives its block back, stream-ordered, when dropped (or with
+    /// [`ResultTensor::return_to_arena`](crate::ResultTensor::return_to_arena)).
+    ///
+    /// The arena is created lazily, on the parent's IO thread, at the first result that goes
+    /// to it: a parent whose workers never return results reserves no device memory for it.
+    /// It starts with one chunk of `initial_bytes` (rounded up to the driver's granularity)
+    /// and grows by chunks of that size (or of the request, if larger) up to `max_bytes`
+    /// (`None`: no cap); a result that would pass the cap is refused with out-of-memory.
+    /// Workers whose driver or device has no VMM by POSIX FD, or that cannot reach the
+    /// parent's device, get pool results as before.
+    Arena {
+        /// The first chunk's size, and the size of chunks added by growth.
+        initial_bytes: u64,
+        /// The most the arena may hold in total; `None` for no cap.
+        max_bytes: Option<u64>,
+    },
+}
+
+impl Default for ParentOptions {
+    fn default() -> Self {
+        ParentOptions {
+            device: 0,
+            more_devices: Vec::new(),
+            limit: ImportLimit::default(),
+            handoff_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(60),
+            stop_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(5),
+            send_queue: SendQueueLimits::default(),
+            spin: default_spin(SPIN_ENV, Duration::from_micros(400)),
+            spin_in_flight: default_spin(SPIN_IN_FLIGHT_ENV, Duration::from_millis(1)),
+            canary: true,
+            staging: StagingConfig::default(),
+            results: ResultMemory::Pool,
+            arena_copy: true,
+            arena_copy_vram_margin: DEFAULT_ARENA_COPY_VRAM_MARGIN,
+            vmm_handles: true,
+            arena_slice_bytes: 0,
+            arena_cap_fraction: DEFAULT_ARENA_CAP_FRACTION,
+            arena_idle_release: Some(DEFAULT_ARENA_IDLE_RELEASE),
+            max_results_per_job: DEFAULT_MAX_RESULTS_PER_JOB,
+            max_result_bytes_per_job: DEFAULT_MAX_RESULT_BYTES_PER_JOB,
+            max_result_bytes_per_worker: DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
+            max_job_lifetime: DEFAULT_MAX_JOB_LIFETIME,
+            max_open_done_events: DEFAULT_MAX_OPEN_DONE_EVENTS,
+        }
+    }
+}
+
+/// [`ParentOptions::arena_cap_fraction`]'s default: half the device.
+pub const DEFAULT_ARENA_CAP_FRACTION: f64 = 0.5;
+
+/// [`ParentOptions::arena_idle_release`]'s default: 10 s.
+pub const DEFAULT_ARENA_IDLE_RELEASE: Duration = Duration::from_secs(10);
+
+/// How long [`Parent::empty_cache`](crate::Parent::empty_cache) waits for the workers to unmap the arena chunks it gave
+/// back: a worker busy in a long job answers after it; its chunks' memory follows then.
+pub const EMPTY_CACHE_WAIT: Duration = Duration::from_secs(2);
+
+/// [`ParentOptions::arena_copy_vram_margin`]'s default: 256 MiB.
+pub const DEFAULT_ARENA_COPY_VRAM_MARGIN: u64 = 256 << 20;
+
+/// The environment variable that sets [`ParentOptions::spin`]'s default, in microseconds.
+pub const SPIN_ENV: &str = "POOLIPC_SPIN_US";
+
+/// The environment variable that sets [`ParentOptions::spin_in_flight`]'s default, in
+/// microseconds.
+pub const SPIN_IN_FLIGHT_ENV: &str = "POOLIPC_SPIN_IN_FLIGHT_US";
+
+/// `env` if set to a number of microseconds; else `spin` where there are CPUs to spare for
+/// spinning (four or more), none otherwise.
+pub(super) fn default_spin(env: &str, spin: Duration) -> Duration {
+    if let Some(us) = std::env::var(env).ok().and_then(|v| v.trim().parse().ok()) {
+        return Duration::from_micros(us);
+    }
+    match std::thread::available_parallelism() {
+        Ok(n) if n.get() >= 4 => spin,
+        _ => Duration::ZERO,
+    }
+}

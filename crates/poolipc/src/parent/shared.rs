@@ -1,0 +1,198 @@
+//! The state the callers' threads share with the IO thread: the worker registry, the pools each
+//! worker attached, the counters, and the lock every access goes through.
+
+use super::{ParentOptions, Stats, WorkerInfo};
+use std::collections::{BTreeMap, VecDeque};
+use std::io::Write as _;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use poolipc_driver::{Driver, PoolHandle};
+use poolipc_pool::{Arena, SharedPool};
+use poolipc_types::{ImportLimit, WorkerId};
+
+use crate::canary::CanaryReport;
+use crate::driver_loop::Command as LoopCommand;
+use crate::error::Error;
+
+/// A worker as every thread sees it: readable without the IO loop.
+#[derive(Clone, Debug)]
+pub(crate) struct Registered {
+    pub(crate) info: WorkerInfo,
+    pub(crate) canary: Option<CanaryReport>,
+    /// Its pool table: the wire index each of the parent's pools (each live generation of
+    /// one) has for this worker. Index 0 is the Hello pool; the others came by `ExtraPool`,
+    /// at spawn or at a rotation.
+    pub(crate) pools: BTreeMap<u8, WorkerPool>,
+    /// Whether it reached the Hello pool (the parent's device) at spawn.
+    pub(crate) reaches_first: bool,
+}
+
+/// One entry of a worker's pool table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WorkerPool {
+    /// The parent's pool (generation) it names.
+    pub(crate) handle: PoolHandle,
+    /// Whether the worker attached it and can use it (its `ExtraPoolReply` said so; false
+    /// while the answer is awaited).
+    pub(crate) reachable: bool,
+    /// Set once `PoolRetire` went out: never named again; the index is free once answered.
+    pub(crate) retiring: bool,
+}
+
+impl Registered {
+    /// The wire index under which memory of the parent's pool `handle` may go to it by pool
+    /// pointer: it attached the pool, the pool is not being retired, and no canary failed.
+    pub(crate) fn pointer_index(&self, handle: PoolHandle) -> Option<u8> {
+        if !self.canary.as_ref().is_none_or(CanaryReport::ok) {
+            return None;
+        }
+        self.pools
+            .iter()
+            .find(|(_, p)| p.handle == handle && p.reachable && !p.retiring)
+            .map(|(i, _)| *i)
+    }
+
+    /// The lowest index of its table that is free (1..=255), for a new `ExtraPool`.
+    pub(crate) fn free_index(&self) -> Option<u8> {
+        (1..=u8::MAX).find(|i| !self.pools.contains_key(i))
+    }
+}
+
+/// What the IO thread and the callers share.
+pub(crate) struct Shared {
+    pub(crate) driver: Arc<dyn Driver>,
+    /// Index 0: `options.device`; then `options.more_devices` in order.
+    pub(crate) pools: Vec<SharedPool<dyn Driver>>,
+    pub(crate) options: ParentOptions,
+    pub(crate) limit: Mutex<ImportLimit>,
+    pub(crate) inbox: Mutex<VecDeque<LoopCommand>>,
+    pub(crate) waker: UnixStream,
+    /// Whether the arena-copy rung may be chosen now ([`ParentOptions::arena_copy`] at
+    /// first, then [`Parent::set_arena_copy`]).
+    pub(crate) arena_copy_on: std::sync::atomic::AtomicBool,
+    /// The bytes of each job's arena slice now, 0 for none
+    /// ([`ParentOptions::arena_slice_bytes`] at first, then
+    /// [`Parent::set_arena_slice_bytes`]).
+    pub(crate) arena_slice_bytes: AtomicU64,
+    /// Set by [`Shared::post`] before it decides whether to wake the loop; cleared by the
+    /// loop when it takes the commands.
+    pub(crate) pending: std::sync::atomic::AtomicBool,
+    /// Set while the IO loop spins instead of sleeping: a post need not write the wake-up
+    /// byte then (a system call and a wake-up saved per submit).
+    pub(crate) io_spinning: std::sync::atomic::AtomicBool,
+    pub(crate) registry: Mutex<BTreeMap<WorkerId, Registered>>,
+    /// The process that made the parent: a call from another (a forked child, where the IO
+    /// thread does not exist) fails with [`Error::Forked`].
+    pub(crate) creator: u32,
+    /// Set (with the inbox locked) once the IO thread stopped on a panic: why. Commands are
+    /// refused from then on.
+    pub(crate) io_stopped: Mutex<Option<String>>,
+    pub(crate) next_worker: AtomicU32,
+    pub(crate) next_job: AtomicU64,
+    pub(crate) stats: Stats,
+    /// Whether this process is an MPS client on the parent's device (`None`: not reported).
+    pub(crate) mps_client: Option<bool>,
+    /// Set once the process's CUDA context is lost: why, for every later refusal.
+    pub(crate) context_lost: Mutex<Option<String>>,
+    /// The result arena, once the IO thread created it ([`ResultMemory::Arena`]).
+    pub(crate) arena: Mutex<Option<Arc<Arena<dyn Driver>>>>,
+}
+
+/// Locks a mutex, taking the data back if a thread panicked while holding it (the data of
+/// these mutexes stays consistent at every unlock).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Shared {
+    pub(crate) fn limit(&self) -> ImportLimit {
+        *lock(&self.limit)
+    }
+
+    /// `Err` when the IO loop cannot answer: this is a forked child of the process that
+    /// made the parent ([`Error::Forked`]), or the loop stopped ([`Error::IoThreadStopped`]).
+    pub(crate) fn check_loop(&self) -> Result<(), Error> {
+        let this = std::process::id();
+        if this != self.creator {
+            return Err(Error::Forked {
+                creator: self.creator,
+                this,
+            });
+        }
+        match lock(&self.io_stopped).as_ref() {
+            Some(detail) => Err(Error::IoThreadStopped {
+                detail: detail.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The error of a caller whose answer channel the loop dropped.
+    pub(crate) fn loop_gone(&self) -> Error {
+        self.check_loop()
+            .err()
+            .unwrap_or_else(|| Error::IoThreadStopped {
+                detail: "it dropped a command without an answer".into(),
+            })
+    }
+
+    /// Hands a command to the IO loop and wakes it; answers it with the error at once when
+    /// the loop cannot ([`check_loop`](Self::check_loop)).
+    pub(crate) fn post(&self, command: LoopCommand) {
+        let mut inbox = lock(&self.inbox);
+        if let Err(e) = self.check_loop() {
+            drop(inbox);
+            command.refuse(e);
+            return;
+        }
+        inbox.push_back(command);
+        drop(inbox);
+        // Dekker with the loop's `io_spinning.store(false)` then `pending.load()`: either the
+        // loop sees `pending` before it sleeps, or we see it is not spinning and wake it.
+        self.pending.store(true, Ordering::SeqCst);
+        if !self.io_spinning.load(Ordering::SeqCst) {
+            // A full socket buffer means a wake-up is pending anyway.
+            let _ = (&self.waker).write(&[1]);
+        }
+    }
+
+    pub(crate) fn take_commands(&self) -> VecDeque<LoopCommand> {
+        self.pending.store(false, Ordering::SeqCst);
+        std::mem::take(&mut *lock(&self.inbox))
+    }
+
+    /// `Err(ContextLost)` once the process's CUDA context is lost: nothing more is done.
+    pub(crate) fn check_context(&self) -> Result<(), Error> {
+        match lock(&self.context_lost).as_ref() {
+            Some(detail) => Err(Error::ContextLost {
+                detail: detail.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn registered(&self, id: WorkerId) -> Option<Registered> {
+        lock(&self.registry).get(&id).cloned()
+    }
+
+    /// The pools (generations) `id` takes pool pointers from, each with its wire index for
+    /// `id`; `None` for a worker the parent does not know. On every job and result: copies
+    /// no more than this.
+    pub(crate) fn pointer_pools(&self, id: WorkerId) -> Option<Vec<(PoolHandle, u8)>> {
+        let registry = lock(&self.registry);
+        let r = registry.get(&id)?;
+        Some(
+            r.pools
+                .values()
+                .filter_map(|p| r.pointer_index(p.handle).map(|i| (p.handle, i)))
+                .collect(),
+        )
+    }
+
+    /// The parent's pool (index into [`Shared::pools`]) that generation `handle` is of.
+    pub(crate) fn pool_of(&self, handle: PoolHandle) -> Option<usize> {
+        self.pools.iter().position(|p| p.is_generation(handle))
+    }
+}

@@ -1,0 +1,146 @@
+//! What a [`Parent`](super::Parent) reports of itself: its workers, its counters, its arena and
+//! what `empty_cache` gave back.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use poolipc_contract::Identity;
+use poolipc_pool::arena::AllocStats;
+use poolipc_types::WorkerId;
+
+/// What the result arena holds: [`Parent::arena_stats`](crate::Parent::arena_stats).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ArenaStats {
+    /// The allocator's figures. Blocks given back but whose event has not been seen complete
+    /// yet still count as live.
+    pub alloc: AllocStats,
+    /// Blocks given back, waiting for their event (reclaimed at the next arena result, or by
+    /// [`Parent::reclaim_arena`](crate::Parent::reclaim_arena)).
+    pub pending_frees: usize,
+    /// The cap on the arena's capacity (see [`ParentOptions::arena_cap_fraction`](crate::ParentOptions::arena_cap_fraction)).
+    pub max_bytes: Option<u64>,
+    /// Chunks given back to the device so far (idle, or by [`Parent::empty_cache`](crate::Parent::empty_cache)).
+    pub released_chunks: u64,
+    /// Their bytes.
+    pub released_bytes: u64,
+}
+
+/// What [`Parent::empty_cache`](crate::Parent::empty_cache) gave back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EmptyCache {
+    /// Arena chunks given back (every chunk with nothing in it).
+    pub arena_chunks: u64,
+    /// Their bytes: back on the device once every worker that mapped them unmapped them.
+    pub arena_bytes: u64,
+    /// Workers told to give something back (unmap a chunk, drop mappings, take or drop a
+    /// pool generation) that had not answered: busy in a job (not waited for at all: a job
+    /// may run for seconds) or silent for [`EMPTY_CACHE_WAIT`](crate::EMPTY_CACHE_WAIT). What they hold comes back
+    /// when they answer.
+    pub workers_not_answered: usize,
+    /// Workers told to drop their cached mappings of the parent's VMM allocations (the
+    /// VMM-handle rung): each keeps the memory behind it alive after the parent freed it.
+    pub vmm_workers: usize,
+    /// Bytes the shared pools held and gave back (`cuMemPoolTrimTo`), summed over pools.
+    /// Pool allocations that were exported to a worker are not among them: the driver keeps
+    /// an exported allocation's memory after its free until the pool is destroyed (measured,
+    /// `bench/results/2026-12-04-h200-export-limbo/`); that is what the rotation is for.
+    pub pool_bytes: u64,
+    /// Pools rotated: a pool whose current generation exported anything got a new
+    /// generation, the old one retired ([`SharedPool::rotate`](super::SharedPool::rotate)).
+    pub pools_rotated: usize,
+    /// Retired generations destroyed (nothing of them in use any more), in the parent and
+    /// in every worker that had them.
+    pub pools_retired: usize,
+    /// Device memory free after the call less before it (`cuMemGetInfo`, all processes: other
+    /// work on the device moves it too), 0 when it did not grow.
+    pub device_bytes_back: u64,
+}
+
+/// What the parent knows of a worker.
+#[derive(Clone, Debug)]
+pub struct WorkerInfo {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its process id, if the parent spawned it.
+    pub pid: Option<u32>,
+    /// What it said in the handshake.
+    pub identity: Identity,
+}
+
+/// Counters of a [`Parent`](crate::Parent), read without waiting for anything.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ParentStats {
+    /// Workers connected (canary battery passed or not run).
+    pub workers_connected: u64,
+    /// Workers lost: killed after a fault (EOF, deadline, protocol violation) or a stop that
+    /// had to kill.
+    pub workers_lost: u64,
+    /// Jobs submitted.
+    pub jobs_submitted: u64,
+    /// Jobs that completed (the worker's own error included).
+    pub jobs_completed: u64,
+    /// Jobs that failed (the worker lost, the tensor refused).
+    pub jobs_failed: u64,
+    /// Tensors (inputs and results) that went by pool pointer.
+    pub pool_pointer_tensors: u64,
+    /// Tensors (inputs and results) that went by host staging.
+    pub host_staged_tensors: u64,
+    /// Results that went by the result arena.
+    pub arena_results: u64,
+    /// Inputs copied into the arena and lent from there ([`Rung::ArenaCopy`](crate::Rung::ArenaCopy)).
+    pub arena_copied_inputs: u64,
+    /// Jobs lent an arena slice ([`ParentOptions::arena_slice_bytes`](crate::ParentOptions::arena_slice_bytes)).
+    pub arena_slices_lent: u64,
+    /// Results the workers carved out of arena slices (no round trip each); also counted in
+    /// [`arena_results`](ParentStats::arena_results).
+    pub arena_results_carved: u64,
+    /// Inputs that crossed by a copy (arena copy, host staging), lent writable, whose bytes
+    /// were copied back into the caller's tensor after the job.
+    pub inputs_copied_back: u64,
+    /// Jobs whose worker acknowledged them before their DONE had completed on the GPU: the
+    /// IO thread held them, querying DONE on the host, until it had (the parent never makes
+    /// a stream of its own wait on a worker's event). The others' DONE had completed when
+    /// their frames arrived (the usual case under MPS) and cost one query.
+    pub jobs_held_for_done: u64,
+    /// The workers' DONE events the parent holds open now (as the IO thread last counted
+    /// them): at most [`ParentOptions::max_open_done_events`](crate::ParentOptions::max_open_done_events) per worker.
+    pub done_events_open: u64,
+    /// Whether a new allocation at a recycled address of the first pool, of the same size,
+    /// is lent with its cached blob (proven by the canary battery's check) or exported
+    /// again; the counts are in the pool's
+    /// [`export_cache_stats`](poolipc_pool::SharedPool::export_cache_stats).
+    pub export_reuse: poolipc_pool::ExportReuse,
+    /// Inputs lent by VMM handle ([`Rung::VmmHandle`](crate::Rung::VmmHandle)).
+    pub vmm_handle_tensors: u64,
+    /// VMM allocations whose handle was exported and sent to a worker (once per allocation
+    /// and worker; a tensor lent again to a worker that mapped it costs none).
+    pub vmm_handles_shared: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Stats {
+    pub(crate) workers_connected: AtomicU64,
+    pub(crate) workers_lost: AtomicU64,
+    pub(crate) jobs_submitted: AtomicU64,
+    pub(crate) jobs_completed: AtomicU64,
+    pub(crate) jobs_failed: AtomicU64,
+    pub(crate) pool_pointer_tensors: AtomicU64,
+    pub(crate) host_staged_tensors: AtomicU64,
+    pub(crate) arena_results: AtomicU64,
+    pub(crate) arena_copied_inputs: AtomicU64,
+    pub(crate) arena_slices_lent: AtomicU64,
+    pub(crate) arena_results_carved: AtomicU64,
+    pub(crate) inputs_copied_back: AtomicU64,
+    pub(crate) vmm_handle_tensors: AtomicU64,
+    pub(crate) vmm_handles_shared: AtomicU64,
+    pub(crate) jobs_held_for_done: AtomicU64,
+    pub(crate) done_events_open: AtomicU64,
+}
+
+impl Stats {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
