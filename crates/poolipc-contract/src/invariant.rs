@@ -82,7 +82,6 @@ pub struct Violation {
 }
 
 impl Violation {
-    #[cfg(any(test, feature = "testing"))] // the audit's, behind `testing`
     pub(crate) fn new(invariant: Invariant, detail: impl Into<String>) -> Violation {
         Violation {
             invariant,

@@ -433,7 +433,8 @@ impl World {
         &self.parent
     }
 
-    /// Apply one op, carry out every action it causes, and check every invariant.
+    /// Apply one op, carry out every action it causes, and check every invariant (and the
+    /// parent's ledger).
     ///
     /// # Errors
     /// The violations and model disagreements found in this step.
@@ -441,6 +442,8 @@ impl World {
         self.apply(op);
         self.drain();
         self.settle();
+        let ledger = self.parent.check_ledger().map_err(|v| vec![v]);
+        self.note(ledger);
         let failure = std::mem::take(&mut self.failure);
         if failure.violations.is_empty() && failure.mismatches.is_empty() {
             Ok(())
