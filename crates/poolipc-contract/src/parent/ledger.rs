@@ -734,3 +734,6 @@ impl Ledger {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;
