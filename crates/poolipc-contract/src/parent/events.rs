@@ -164,7 +164,7 @@ impl Parent {
             ParentEvent::WorkerReaped { worker } => self.on_reaped(worker),
         };
         self.check_shutdown_complete();
-        self.debug_check();
+        self.check_in_tests();
         handled
     }
 

@@ -91,7 +91,7 @@ impl Parent {
             );
         }
         self.check_shutdown_complete();
-        self.debug_check();
+        self.check_in_tests();
     }
 
     /// Marks `worker` condemned: its messages are ignored from now on, its jobs fail with
@@ -125,7 +125,7 @@ impl Parent {
             return Err(ContractError::UnknownWorker(worker));
         }
         self.condemn(worker, FailReason::BoundExceeded(bound), detail, true);
-        self.debug_check();
+        self.check_in_tests();
         Ok(())
     }
 

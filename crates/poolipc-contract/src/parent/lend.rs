@@ -255,7 +255,7 @@ impl Parent {
                 handoff,
             });
         }
-        self.debug_check();
+        self.check_in_tests();
         Ok((handoffs, lent_slice.map(|s| s.handle)))
     }
 
@@ -286,7 +286,7 @@ impl Parent {
             message: Message::Cancel { job },
         });
         self.refuse_answered(worker, job);
-        self.debug_check();
+        self.check_in_tests();
         Ok(())
     }
 }
