@@ -7,6 +7,8 @@
 //! imports vanish when the driver drops them (UNIMPORT, or the process being reaped).
 //! Host-staged handoffs have no import and no READY or DONE gate: the worker works on its
 //! own copy, and the parent's bytes move inside its own SendStaged and ReceiveStaged.
+//!
+//! Over 800 lines: one `Auditor` checks every action and message of both machines on one model.
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -5,7 +5,7 @@ use std::fmt;
 
 /// One invariant of the ownership contract. The number is its place in docs/design.md's list.
 ///
-/// [`crate::audit::Auditor`] checks each of them on what the two state machines *do* (their
+/// `audit::Auditor` (feature `testing`) checks each of them on what the two state machines *do* (their
 /// actions and the messages delivered), not on what they believe.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[non_exhaustive]

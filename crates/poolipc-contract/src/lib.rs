@@ -21,11 +21,14 @@
 //! - [`Worker`] imports each allocation once and refcounts it, waits on READY before a job
 //!   is usable, and on [`Worker::finish_job`] frees its imports, records DONE, sends `Done`
 //!   and then `Ack`.
-//! - [`typestate`] gives the facade handles whose methods consume `self`, so the order is
-//!   checked by the compiler where it can be.
-//! - [`Invariant`] names docs/design.md's eight invariants; [`audit::Auditor`] checks them on what
-//!   the machines do; [`sim::World`] is the simulated world the property tests and the fuzz
-//!   target drive.
+//! - [`Invariant`] names docs/design.md's eight invariants.
+//!
+//! # Feature `testing`
+//!
+//! Off by default: the scaffolding of the crate's own tests and of the fuzz target. `typestate`
+//! gives handles whose methods consume `self`, so the order of one handoff is checked by the
+//! compiler; `audit::Auditor` checks the eight invariants on what the machines do;
+//! `sim::World` is the simulated world the property tests and the fuzz target drive.
 //!
 //! # Wiring a facade
 //!
@@ -45,15 +48,18 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(any(test, feature = "testing"))]
 pub mod audit;
 mod error;
 mod invariant;
 pub mod message;
 mod mutation;
 mod parent;
+#[cfg(any(test, feature = "testing"))]
 pub mod sim;
 pub mod text;
 mod types;
+#[cfg(any(test, feature = "testing"))]
 pub mod typestate;
 mod worker;
 
