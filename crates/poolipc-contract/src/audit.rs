@@ -8,7 +8,7 @@
 //! Host-staged handoffs have no import and no READY or DONE gate: the worker works on its
 //! own copy, and the parent's bytes move inside its own SendStaged and ReceiveStaged.
 //!
-//! Over 800 lines: one `Auditor` checks every action and message of both machines on one model.
+//! Why this file is long: one `Auditor` checks every action and message of both machines on one model.
 
 use std::collections::{BTreeMap, BTreeSet};
 

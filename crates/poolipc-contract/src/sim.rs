@@ -7,7 +7,7 @@
 //! Host-staged bytes are not modelled as frames: a [`ParentAction::SendStaged`] or
 //! [`WorkerAction::SendStaged`] stands for bytes that arrive with the message before it.
 //!
-//! Over 800 lines: one `World` takes every `Op` and carries out every action of both machines.
+//! Why this file is long: one `World` takes every `Op` and carries out every action of both machines.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -1254,14 +1254,13 @@ impl World {
             WorkerAction::Cancelled { .. } => "worker: cancelled",
             WorkerAction::Stop => "worker: stop",
         });
-        let shared = match &action {
-            WorkerAction::JobStarted { inputs, .. } => {
-                let machine = &self.workers[i].machine;
-                inputs
-                    .iter()
-                    .any(|t| machine.imports().any(|(a, n)| a == t.alloc && n > 1))
-            }
-            _ => false,
+        let shared = if let WorkerAction::JobStarted { inputs, .. } = &action {
+            let machine = &self.workers[i].machine;
+            inputs
+                .iter()
+                .any(|t| machine.imports().any(|(a, n)| a == t.alloc && n > 1))
+        } else {
+            false
         };
         if shared {
             self.count("import shared by two handoffs");
