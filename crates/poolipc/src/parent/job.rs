@@ -328,7 +328,7 @@ pub struct JobHandle {
     /// dropped parent alive; its job was failed then).
     shared: std::sync::Weak<Shared>,
     /// Until when a waiter spins before it sleeps: the submit plus
-    /// [`ParentOptions::spin_in_flight`], whichever wait (or how many) comes.
+    /// [`ParentOptions::spin_in_flight`](crate::ParentOptions::spin_in_flight), whichever wait (or how many) comes.
     spin_until: Instant,
 }
 

@@ -70,11 +70,11 @@ pub(crate) struct Shared {
     pub(crate) inbox: Mutex<VecDeque<LoopCommand>>,
     pub(crate) waker: UnixStream,
     /// Whether the arena-copy rung may be chosen now ([`ParentOptions::arena_copy`] at
-    /// first, then [`Parent::set_arena_copy`]).
+    /// first, then [`Parent::set_arena_copy`](crate::Parent::set_arena_copy)).
     pub(crate) arena_copy_on: std::sync::atomic::AtomicBool,
     /// The bytes of each job's arena slice now, 0 for none
     /// ([`ParentOptions::arena_slice_bytes`] at first, then
-    /// [`Parent::set_arena_slice_bytes`]).
+    /// [`Parent::set_arena_slice_bytes`](crate::Parent::set_arena_slice_bytes)).
     pub(crate) arena_slice_bytes: AtomicU64,
     /// Set by [`Shared::post`] before it decides whether to wake the loop; cleared by the
     /// loop when it takes the commands.
@@ -96,7 +96,7 @@ pub(crate) struct Shared {
     pub(crate) mps_client: Option<bool>,
     /// Set once the process's CUDA context is lost: why, for every later refusal.
     pub(crate) context_lost: Mutex<Option<String>>,
-    /// The result arena, once the IO thread created it ([`ResultMemory::Arena`]).
+    /// The result arena, once the IO thread created it ([`ResultMemory::Arena`](crate::ResultMemory::Arena)).
     pub(crate) arena: Mutex<Option<Arc<Arena<dyn Driver>>>>,
 }
 

@@ -23,7 +23,7 @@ thread_local! {
 #[cfg(feature = "testing")]
 pub const FAILPOINT_ENV: &str = "POOLIPC_FAILPOINT";
 
-/// Whether [`FAILPOINT_ENV`] names `step` (outside the canary battery); never without the
+/// Whether `POOLIPC_FAILPOINT` names `step` (outside the canary battery); never without the
 /// `testing` feature.
 #[cfg(feature = "testing")]
 pub(super) fn failpoint_armed(step: &str) -> bool {
@@ -43,7 +43,7 @@ pub(super) fn failpoint_armed(_step: &str) -> bool {
     false
 }
 
-/// Dies here (SIGKILL) if [`FAILPOINT_ENV`] names `step` (the `testing` feature). Canary jobs
+/// Dies here (SIGKILL) if `POOLIPC_FAILPOINT` names `step` (the `testing` feature). Canary jobs
 /// pass failpoints by.
 pub(crate) fn failpoint(step: &str) {
     if failpoint_armed(step) {

@@ -1,0 +1,417 @@
+//! The loop's IO: waiting for sockets, commands and deadlines; frames read and handed to
+//! the contract; frames sent, queued or through the staging channel.
+
+use std::io::Read as _;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll, ppoll};
+use nix::sys::time::TimeSpec;
+use poolipc_contract::{Message, ParentEvent, ResultGrant};
+use poolipc_driver::EventHandle;
+use poolipc_transport::{Connection, TransportError};
+use poolipc_types::WorkerId;
+
+use super::{
+    Command, EXIT_POLL, FRAMES_PER_TURN, GATE_POLL, GATE_POLL_MIN, IDLE_POLL, Loop, MAPPINGS_ACK,
+    Slot,
+};
+use crate::error::Error;
+use crate::staging::StagingChannel;
+
+impl Loop {
+    /// Sleeps in `poll` until a worker's socket is readable, a command arrives, or the next
+    /// deadline; reads one frame from each readable socket.
+    pub(super) fn wait_for_io(&mut self) {
+        let mut timeout = IDLE_POLL;
+        if let Some(t) = self.machine.poll_timeout() {
+            let now = self.now();
+            timeout = timeout.min(Duration::from_nanos(t.0.saturating_sub(now.0)));
+        }
+        if self.workers.values().any(|s| s.exit_deadline.is_some()) {
+            timeout = timeout.min(EXIT_POLL);
+        }
+        if !self.release_waiters.is_empty() {
+            timeout = timeout.min(EXIT_POLL);
+        }
+        let now = Instant::now();
+        let frame_timeout = self.shared.options.frame_timeout;
+        for s in self.workers.values().filter(|s| s.lost.is_none()) {
+            if let Some(t) = s.conn.next_deadline(frame_timeout) {
+                timeout = timeout.min(t.saturating_duration_since(now));
+            }
+        }
+        for gate in self.gates.values() {
+            // A DONE is queried on the host: look again soon (at once while the loop spins),
+            // the sooner the younger the job's wait: a quarter of it, from 20 µs to 1 ms, so
+            // a short wait costs little latency and a long one few wake-ups.
+            let left = gate.deadline.saturating_duration_since(now);
+            let next =
+                (now.saturating_duration_since(gate.since) / 4).clamp(GATE_POLL_MIN, GATE_POLL);
+            timeout = timeout.min(next).min(left);
+        }
+        let gate_events: Vec<Vec<EventHandle>> =
+            self.gates.values().map(|g| g.events.clone()).collect();
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, s)| s.lost.is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        // Frames already read from a socket (behind another frame, or while a staged
+        // transfer read the socket) wake no poll: take them first, without sleeping.
+        let buffered: Vec<bool> = ids
+            .iter()
+            .map(|id| {
+                self.workers
+                    .get(id)
+                    .is_some_and(|s| s.conn.frame_buffered())
+            })
+            .collect();
+        let any_buffered = buffered.iter().any(|&b| b);
+        let readable: Vec<(WorkerId, bool)> = {
+            let mut fds = Vec::with_capacity(ids.len() + 1);
+            fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
+            for id in &ids {
+                if let Some(s) = self.workers.get(id) {
+                    // Writability too while frames wait in its send queue.
+                    let events = if s.conn.send_queued() {
+                        PollFlags::POLLIN | PollFlags::POLLOUT
+                    } else {
+                        PollFlags::POLLIN
+                    };
+                    fds.push(PollFd::new(s.conn.as_fd(), events));
+                }
+            }
+            let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
+            // While jobs are in flight a frame is due soon (≈ 330 µs without MPS, ≈ 50 µs
+            // with), and just after one finished the caller's next submit often is: look
+            // again without sleeping for up to `options.spin_in_flight` after the last
+            // activity (`options.spin` when idle), which saves a wake-up per frame and per
+            // submit.
+            let options = &self.shared.options;
+            let started = Instant::now();
+            let busy = !self.jobs.is_empty();
+            let window = if busy {
+                options.spin_in_flight.max(options.spin)
+            } else {
+                options.spin
+            };
+            let spin_until = self
+                .last_activity
+                .checked_add(window)
+                .filter(|&t| t > started);
+            let pending = &self.shared.pending;
+            let spinning_flag = &self.shared.io_spinning;
+            if spin_until.is_some() {
+                spinning_flag.store(true, Ordering::SeqCst);
+            }
+            let driver = &self.shared.driver;
+            let polled = loop {
+                let spinning = spin_until.is_some_and(|t| Instant::now() < t);
+                if !spinning {
+                    spinning_flag.store(false, Ordering::SeqCst);
+                }
+                if spinning
+                    && gate_events.iter().any(|evs| {
+                        evs.iter()
+                            .all(|e| !matches!(driver.event_query(*e), Ok(false)))
+                    })
+                {
+                    // A held job's DONE completed (or its query failed): see to it now.
+                    spinning_flag.store(false, Ordering::SeqCst);
+                    break Ok(0);
+                }
+                if pending.load(Ordering::SeqCst) {
+                    // A command came (while spinning, without a wake-up byte): take it now.
+                    spinning_flag.store(false, Ordering::SeqCst);
+                    break Ok(0);
+                }
+                let polled = if spinning || any_buffered {
+                    poll(&mut fds, PollTimeout::from(0u16))
+                } else if timeout < Duration::from_millis(1) {
+                    // `poll` counts in milliseconds: a held job's next look is sooner.
+                    ppoll(&mut fds, Some(TimeSpec::from(timeout)), None)
+                } else {
+                    poll(&mut fds, PollTimeout::from(ms))
+                };
+                match polled {
+                    Ok(0) if spinning && !any_buffered => std::hint::spin_loop(),
+                    other => {
+                        spinning_flag.store(false, Ordering::SeqCst);
+                        break other;
+                    }
+                }
+            };
+            match polled {
+                Ok(_) => {}
+                Err(nix::errno::Errno::EINTR) => return,
+                Err(e) => {
+                    tracing::error!(error = %e, "poll failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                    return;
+                }
+            }
+            let woke = fds[0].revents().is_some_and(|r| !r.is_empty());
+            if woke {
+                let mut buf = [0u8; 256];
+                while matches!((&self.wake).read(&mut buf), Ok(n) if n > 0) {}
+            }
+            ids.iter()
+                .zip(&fds[1..])
+                .zip(&buffered)
+                .map(|((id, fd), &b)| {
+                    let revents = fd.revents().unwrap_or(PollFlags::empty());
+                    // Readable, or hung up / in error (the read says which).
+                    let readable = !(revents - PollFlags::POLLOUT).is_empty();
+                    (*id, b || readable)
+                })
+                .collect()
+        };
+        self.flush_sends();
+        for (id, ready) in readable {
+            if ready {
+                self.last_activity = Instant::now();
+                self.read_one(id);
+            }
+        }
+        self.check_frame_deadlines();
+    }
+
+    /// Reads what a readable worker socket holds, without waiting, and hands each whole frame
+    /// to the contract (a worker's DONE and ACK come together), at most
+    /// [`FRAMES_PER_TURN`] before the other workers get their turn. A frame not all here
+    /// stays in the connection, with its descriptors, until it is (or its deadline passes:
+    /// [`Loop::check_frame_deadlines`]).
+    pub(super) fn read_one(&mut self, worker: WorkerId) {
+        for _ in 0..FRAMES_PER_TURN {
+            let Some(slot) = self.workers.get_mut(&worker) else {
+                return;
+            };
+            if slot.lost.is_some() {
+                return;
+            }
+            match slot.conn.poll_recv() {
+                Ok(Some((message, _fds))) => {
+                    crate::probe::mark("io.recv");
+                    self.received(worker, message);
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    self.hung_up(worker, &e);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Writes what the socket of each worker with queued frames takes now.
+    pub(super) fn flush_sends(&mut self) {
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, s)| s.lost.is_none() && s.conn.send_queued())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            let Some(slot) = self.workers.get_mut(&id) else {
+                continue;
+            };
+            if let Err(e) = slot.conn.flush() {
+                self.hung_up(id, &e);
+            }
+        }
+    }
+
+    /// Condemns each worker whose frame began to arrive, or was queued for it, a frame
+    /// timeout ago or more and is not all there.
+    pub(super) fn check_frame_deadlines(&mut self) {
+        let now = Instant::now();
+        let timeout = self.shared.options.frame_timeout;
+        let late: Vec<(WorkerId, TransportError)> = self
+            .workers
+            .iter_mut()
+            .filter(|(_, s)| s.lost.is_none())
+            .filter_map(|(id, s)| s.conn.check_deadlines(now, timeout).err().map(|e| (*id, e)))
+            .collect();
+        for (id, e) in late {
+            self.hung_up(id, &e);
+        }
+    }
+
+    pub(super) fn received(&mut self, worker: WorkerId, message: Message) {
+        let span = tracing::debug_span!("received", %worker);
+        let _in_span = span.enter();
+        tracing::trace!(kind = ?message.kind(), "received");
+        // What empty_cache asked, not the contract's: a chunk unmapped, cached mappings
+        // dropped.
+        let answered = match message {
+            Message::ArenaReleased(r) => Some(r.index),
+            Message::MappingsReleased { dropped } => {
+                tracing::debug!(worker = %worker, dropped, "cached VMM mappings dropped");
+                Some(MAPPINGS_ACK)
+            }
+            Message::ExtraPoolReply(ref r) => Some(self.pool_offer_answered(worker, r)),
+            Message::PoolRetired(r) => Some(self.pool_retire_answered(worker, r.index)),
+            _ => None,
+        };
+        if let Some(key) = answered {
+            if !self.release_acks.remove(&(worker, key)) {
+                tracing::debug!(worker = %worker, key, "a release answer not asked for");
+            }
+            return;
+        }
+        let now = self.now();
+        if let Err(e) = self
+            .machine
+            .handle(ParentEvent::Received { worker, message }, now)
+        {
+            tracing::warn!(worker = %worker, error = %e, "the contract refused an event");
+        }
+        crate::probe::mark("io.contract");
+        self.drive();
+    }
+
+    pub(super) fn hung_up(&mut self, worker: WorkerId, e: &TransportError) {
+        let why = if e.is_peer_gone() {
+            format!("the worker closed its connection ({e})")
+        } else {
+            format!("the worker's connection broke: {e}")
+        };
+        self.lose(worker, &why);
+        self.drive();
+    }
+
+    pub(super) fn drain_backlogs(&mut self) {
+        let ids: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, s)| !s.backlog.is_empty())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            while let Some(m) = self
+                .workers
+                .get_mut(&id)
+                .and_then(|s| s.backlog.pop_front())
+            {
+                self.received(id, m);
+            }
+        }
+    }
+
+    pub(super) fn command(&mut self, command: Command) {
+        self.last_activity = Instant::now();
+        match command {
+            Command::Adopt {
+                worker,
+                conn,
+                child,
+                reply,
+            } => {
+                let r = self.adopt(worker, *conn, child);
+                let _ = reply.send(r);
+            }
+            Command::Submit(sub) => {
+                crate::probe::mark("io.cmd");
+                self.submit(sub);
+            }
+            Command::Stop { worker, reply } => self.stop(worker, Some(reply)),
+            Command::Cancel { worker, job } => self.cancel(worker, job),
+            Command::ReleaseArena { reply } => self.release_arena_now(reply),
+            Command::Panic => {
+                // The test hook's whole point: stand in for a bug of the loop's.
+                #[allow(clippy::panic)] // asked for by `Parent::panic_io_thread`, tests only
+                {
+                    panic!("Parent::panic_io_thread asked the IO thread to panic");
+                }
+            }
+            Command::OfferPool {
+                pool,
+                handle,
+                reply,
+            } => self.offer_pool_now(pool, handle, reply),
+            Command::RetirePool { handle, reply } => self.retire_pool_now(handle, reply),
+            Command::Shutdown => {
+                self.shutting_down = true;
+                let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
+                for id in ids {
+                    self.stop(id, None);
+                }
+            }
+        }
+    }
+
+    /// Sets host staging up with `worker` the first time one of its tensors needs it.
+    pub(super) fn ensure_staging(&mut self, worker: WorkerId) -> Result<(), Error> {
+        let driver = Arc::clone(&self.shared.driver);
+        let config = self.shared.options.staging.clone();
+        let slot = self
+            .workers
+            .get_mut(&worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        if slot.staging.is_none() {
+            let mut ch = StagingChannel::setup_parent(driver, &mut slot.conn, config)?;
+            slot.backlog.extend(ch.take_backlog());
+            slot.staging = Some(ch);
+        }
+        Ok(())
+    }
+
+    /// Sends what the contract emitted, unchanged; notes result grants for later.
+    pub(super) fn send(&mut self, worker: WorkerId, message: &Message) {
+        if let Message::AllocationGrant(g) = message
+            && let Some(st) = self.jobs.get_mut(&(worker, g.job))
+        {
+            for grant in &g.results {
+                if let ResultGrant::Granted { handle, alloc, .. }
+                | ResultGrant::Arena { handle, alloc, .. } = grant
+                    && let Some(&req) = st.requests_by_alloc.get(alloc)
+                {
+                    st.requests_by_handoff.insert(*handle, req);
+                }
+            }
+        }
+        let Some(slot) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        if slot.lost.is_some() {
+            return;
+        }
+        // Queued, written as the socket takes it: a worker that does not read blocks no one
+        // (its queue's bound and the frame deadline condemn it).
+        if let Err(e) = slot.conn.enqueue(message, &[]) {
+            if matches!(message, Message::Bye) {
+                // A worker that already left needs no goodbye.
+                slot.lost = Some(format!("sending Bye failed: {e}"));
+                return;
+            }
+            self.lose(worker, &format!("sending {} failed: {e}", message.kind()));
+        }
+    }
+
+    pub(super) fn with_staging(
+        &mut self,
+        worker: WorkerId,
+        f: impl FnOnce(&mut StagingChannel, &mut Connection) -> Result<(), crate::staging::StagingError>,
+    ) -> Result<(), Error> {
+        let slot = self
+            .workers
+            .get_mut(&worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        let Slot {
+            staging,
+            conn,
+            backlog,
+            ..
+        } = slot;
+        let ch = staging
+            .as_mut()
+            .ok_or_else(|| Error::Protocol("host staging is not set up".into()))?;
+        let r = f(ch, conn);
+        backlog.extend(ch.take_backlog());
+        Ok(r?)
+    }
+}

@@ -1,0 +1,510 @@
+//! The parent's IO loop: one thread per [`Parent`](crate::Parent) that polls every worker's
+//! socket, feeds what arrives into the ownership contract's machine and carries out every
+//! action the machine emits, matched exhaustively. What goes on the wire is what the contract
+//! emitted; the loop adds nothing and drops nothing.
+//!
+//! Every fault (EOF, a broken or malformed frame, a protocol violation the contract names, a
+//! deadline) takes the same path: the contract condemns the worker, the loop kills and reaps
+//! it, the contract releases its loans and fails its jobs, and nothing of it touches another
+//! worker.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::os::unix::net::UnixStream;
+use std::process::{Child, ExitStatus};
+use std::sync::Arc;
+use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
+
+use poolipc_contract::{self as contract, FailReason, Message, ParentAction, Timestamp};
+use poolipc_driver::{DevicePtr, EventHandle, OwnedEvent, StreamHandle};
+use poolipc_transport::Connection;
+use poolipc_types::{AllocId, EventBlob, HandoffId, JobId, RequestId, Rung, WorkerId};
+
+use crate::error::Error;
+use crate::parent::{
+    Answer, ArenaLease, EmptyCache, Input, ResultAllocator, ResultTensor, Shared, lock,
+};
+use crate::staging::StagingChannel;
+
+mod actions;
+mod arena;
+mod done;
+mod io;
+mod lend;
+mod place;
+mod results;
+mod workers;
+
+/// Whether `e` is the worker overflowing the staging backlog (a bound, not a hang-up).
+fn backlog_full(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::Staging(crate::staging::StagingError::BacklogFull { .. })
+    )
+}
+
+mod done_events;
+mod pool_rotation;
+
+use done_events::{DoneEvents, Room};
+use place::{ArenaInput, Placed, VmmShared};
+
+/// What a caller's thread asks of the IO loop.
+pub(crate) enum Command {
+    /// A worker that shook hands: the loop owns its socket and process from now on.
+    Adopt {
+        worker: WorkerId,
+        conn: Box<Connection>,
+        child: Option<Child>,
+        reply: Sender<Result<(), Error>>,
+    },
+    /// A job to run.
+    Submit(Box<Submission>),
+    /// `Parent::cancel` / `JobHandle::cancel`: a job still queued fails at once; one sent
+    /// is cancelled in the contract (the worker is told and still finishes it; it then fails
+    /// with `FailReason::Cancelled`). A job that ended already is left alone.
+    Cancel { worker: WorkerId, job: JobId },
+    /// Bye, a bounded wait, then SIGKILL; reply with the exit status once reaped.
+    Stop {
+        worker: WorkerId,
+        reply: Sender<Result<Option<ExitStatus>, Error>>,
+    },
+    /// `Parent::empty_cache`: give every idle arena chunk back, tell the workers that mapped
+    /// them, reply once they answered (or after `EMPTY_CACHE_WAIT`).
+    ReleaseArena { reply: Sender<EmptyCache> },
+    /// `Parent::empty_cache` rotated pool `pool`: offer its new generation `handle` to every
+    /// live worker (an `ExtraPool` at a free index), reply once they answered.
+    OfferPool {
+        pool: usize,
+        handle: poolipc_driver::PoolHandle,
+        reply: Sender<EmptyCache>,
+    },
+    /// `Parent::empty_cache` found retired generation `handle` unused: every worker that has
+    /// it destroys its import (`PoolRetire`), reply once they answered.
+    RetirePool {
+        handle: poolipc_driver::PoolHandle,
+        reply: Sender<EmptyCache>,
+    },
+    /// The parent is dropped: stop every worker, fail every job, end the thread.
+    Shutdown,
+    /// Test-only ([`Parent::panic_io_thread`](crate::Parent::panic_io_thread)): the loop
+    /// panics, as a bug of its own would.
+    Panic,
+}
+
+impl Command {
+    /// Answers the command with `e` without the loop (which cannot take it).
+    pub(crate) fn refuse(self, e: Error) {
+        match self {
+            Command::Adopt { reply, child, .. } => {
+                if let Some(mut c) = child {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                let _ = reply.send(Err(e));
+            }
+            Command::Submit(sub) => sub.done.complete(Err(e)),
+            Command::Stop { reply, .. } => {
+                let _ = reply.send(Err(e));
+            }
+            // Its caller maps the closed channel to the loop's error.
+            Command::ReleaseArena { reply }
+            | Command::OfferPool { reply, .. }
+            | Command::RetirePool { reply, .. } => drop(reply),
+            Command::Cancel { .. } | Command::Shutdown | Command::Panic => {}
+        }
+    }
+}
+
+/// An `empty_cache` waiting for workers to unmap the chunks it released.
+struct ReleaseWaiter {
+    reply: Sender<EmptyCache>,
+    report: EmptyCache,
+    /// (worker, chunk) answers still awaited.
+    awaited: HashSet<(WorkerId, u32)>,
+    deadline: Instant,
+}
+
+/// The key of a `ReleaseMappings` answer among the awaited (worker, chunk) answers: no chunk
+/// has this index (indices count up from 0 and a `u32` runs out long before).
+const MAPPINGS_ACK: u32 = u32::MAX;
+
+/// How often the IO thread looks for arena chunks idle long enough to give back.
+const IDLE_RELEASE_CHECK: Duration = Duration::from_secs(1);
+
+/// A job as submitted.
+pub(crate) struct Submission {
+    pub(crate) worker: WorkerId,
+    pub(crate) job: JobId,
+    pub(crate) inputs: Vec<Input>,
+    pub(crate) stream: StreamHandle,
+    /// `None`: the shared pool, and a failed job's results are freed by the loop.
+    pub(crate) alloc: Option<ResultAllocator>,
+    pub(crate) done: Answer,
+    /// Set while a placed job waits for its worker's other jobs (a staged job runs alone).
+    pub(crate) placed: Option<Placed>,
+}
+
+/// Starts the IO thread; returns once it made the device current (or failed to).
+pub(crate) fn start(
+    shared: Arc<Shared>,
+    wake: UnixStream,
+) -> Result<std::thread::JoinHandle<()>, Error> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = std::thread::Builder::new()
+        .name("poolipc-parent-io".into())
+        .spawn(move || {
+            // CUDA contexts are per thread: every driver call of the loop needs this one.
+            if let Err(e) = shared.driver.use_device(shared.options.device) {
+                let _ = tx.send(Err(Error::from(e)));
+                return;
+            }
+            let _ = tx.send(Ok(()));
+            let io = Arc::clone(&shared);
+            // A panic here is a bug of the loop's; still, nobody may wait for ever on it:
+            // unwinding drops the loop's jobs (each `Answer` answers its handle), its reply
+            // channels (each caller maps the closed channel to the error) and its workers
+            // (killed and reaped), and from now on every command is refused.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                Loop::new(io, wake).run();
+            }));
+            if let Err(payload) = ran {
+                let detail = panic_text(payload.as_ref());
+                tracing::error!(%detail, "the parent's IO thread panicked: every waiter gets an error");
+                let inbox = {
+                    let mut inbox = lock(&shared.inbox);
+                    *lock(&shared.io_stopped) = Some(format!("it panicked: {detail}"));
+                    std::mem::take(&mut *inbox)
+                };
+                for command in inbox {
+                    command.refuse(shared.loop_gone());
+                }
+            }
+        })
+        .map_err(|source| Error::Os {
+            call: "pthread_create",
+            source,
+        })?;
+    match rx.recv() {
+        Ok(Ok(())) => Ok(handle),
+        Ok(Err(e)) => {
+            let _ = handle.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = handle.join();
+            Err(Error::Protocol(
+                "the parent's IO thread ended at its start".into(),
+            ))
+        }
+    }
+}
+
+/// A panic's message, where it carries one.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// A worker as the loop holds it.
+struct Slot {
+    conn: Connection,
+    child: Option<Child>,
+    /// READY events not in use by a job (a job takes one and gives it back when it ends: a
+    /// worker's wait captures an event's latest record, so two jobs in flight never share one).
+    ready_free: Vec<(OwnedEvent, EventBlob)>,
+    /// The worker's DONE events, opened once each, at most
+    /// `options.max_open_done_events` (least recently used closed first).
+    done_events: DoneEvents,
+    staging: Option<StagingChannel>,
+    /// Frames that arrived while the loop waited for another (host staging's): handled next.
+    backlog: VecDeque<Message>,
+    takes_staging: bool,
+    /// Whether it maps the parent's arena (results in the arena, inputs copied into it): an
+    /// arena is enabled ([`ResultMemory::Arena`](crate::ResultMemory::Arena) or [`ParentOptions::arena_copy`]), it
+    /// announced VMM, reaches the parent's device, and every chunk announced so far went
+    /// out.
+    ///
+    /// [`ParentOptions::arena_copy`]: crate::ParentOptions::arena_copy
+    maps_arena: bool,
+    /// One past the highest arena chunk index sent to it: every chunk below was sent (or
+    /// released before it could be).
+    arena_chunks_sent: u32,
+    /// Whether it takes VMM allocations by handle ([`Rung::VmmHandle`]): it announced
+    /// [`Capabilities::VMM_HANDLE`](poolipc_transport::Capabilities::VMM_HANDLE) and reaches the parent's device.
+    takes_vmm: bool,
+    /// Set when the worker is being stopped: when to kill it if it has not exited.
+    exit_deadline: Option<Instant>,
+    stop_replies: Vec<Sender<Result<Option<ExitStatus>, Error>>>,
+    /// Jobs waiting for this worker (staged jobs run alone on their worker).
+    queued: VecDeque<Box<Submission>>,
+    /// Jobs sent to it and not finished.
+    in_flight: usize,
+    /// Whether one of the jobs in flight takes host staging.
+    staged_in_flight: bool,
+    /// Why it was lost, for the jobs that fail with it.
+    lost: Option<String>,
+}
+
+/// A job as the loop holds it, from its Lend to its JobFinished.
+struct JobState {
+    stream: StreamHandle,
+    alloc: Option<ResultAllocator>,
+    done: Answer,
+    ready: Option<(OwnedEvent, EventBlob)>,
+    input_rungs: Vec<Rung>,
+    input_reasons: Vec<Option<String>>,
+    /// Arena-copy inputs: their blocks, copied back into the caller's tensors (unless lent
+    /// read-only) and given back (stream-ordered, on the job's stream) at the input's
+    /// release, which comes once the host saw the worker's DONE complete or once the worker
+    /// was reaped.
+    arena_inputs: HashMap<HandoffId, ArenaInput>,
+    /// The first copy-back that failed, for the job's error: a write of the worker's that
+    /// could not reach the caller's tensor is never dropped silently.
+    copy_back_error: Option<String>,
+    staged: bool,
+    /// Staged inputs: where their bytes are.
+    staged_inputs: HashMap<HandoffId, (DevicePtr, u64)>,
+    /// Results, by the contract's request id (increasing: the worker's order).
+    results: BTreeMap<RequestId, ResultTensor>,
+    requests_by_alloc: HashMap<AllocId, RequestId>,
+    requests_by_handoff: HashMap<HandoffId, RequestId>,
+    /// Result memory that will not be handed out: freed (default allocator) or returned.
+    orphans: Vec<DevicePtr>,
+    /// Input allocations lent by pointer: their entries in `Loop::lent` are dropped at release.
+    lent_bases: Vec<u64>,
+    /// The first result request the parent refused, for the job's error.
+    refused: Option<crate::ResultRefusal>,
+    /// The job's arena slice: given back whole when dropped, or split at its release into
+    /// the carved results and the rest.
+    slice: Option<ArenaLease>,
+    /// Results carved out of the slice, by their place among the job's results.
+    carved: BTreeMap<u32, ResultTensor>,
+    /// Why the slice could not be split into its carves, for the job's error.
+    slice_error: Option<String>,
+    /// The worker's DONE could not be asked about (its event would not open, say):
+    /// nothing orders the caller after the worker's writes, so the job fails whatever the
+    /// contract concludes, and its results are not handed out.
+    done_failed: Option<String>,
+    /// Why the job fails when `done_failed` is set (a protocol violation unless a bound was
+    /// passed).
+    failed_as: Option<FailReason>,
+}
+
+impl JobState {
+    /// A result that will not be handed out: an arena block goes back to the arena now
+    /// (stream-ordered on the job's stream, by dropping it); other memory waits in `orphans`
+    /// to be freed or returned.
+    fn discard(&mut self, r: ResultTensor) {
+        if !r.is_arena() {
+            self.orphans.push(r.ptr);
+        }
+    }
+}
+
+/// A job whose worker acknowledged it while its DONE had not completed on the GPU yet: the
+/// loop never makes a stream of its own wait on a worker's event (a worker that hangs on the
+/// GPU, or means to, would block that stream for good, beyond its death:
+/// docs/facts.md). It queries the DONE on the host until it completed and holds the
+/// contract's later actions for the job (its releases, its JobFinished) until then. At the
+/// deadline the worker is condemned and the job fails; its memory is then released as a lost
+/// worker's, once the process is reaped.
+struct DoneGate {
+    /// The worker's DONE events still to complete (owned by its slot's `done_events`, or,
+    /// once the worker is reaped, by `Loop::dead_events`).
+    events: Vec<EventHandle>,
+    /// The contract's actions for the job after the first incomplete DONE, in order.
+    held: VecDeque<ParentAction>,
+    deadline: Instant,
+    /// Set at the deadline: the job's error.
+    expired: Option<String>,
+    /// When the job was first held.
+    since: Instant,
+    /// Set when the worker was reaped (why) before its DONE completed. A record the worker
+    /// queued before it died may still complete as the driver tears its context down: the
+    /// job waits for it until [`REAP_GRACE`] after the reaping, then fails.
+    lost: Option<String>,
+}
+
+/// How long a job whose worker was reaped with its DONE not complete yet still waits for it.
+const REAP_GRACE: Duration = Duration::from_secs(1);
+
+struct Loop {
+    shared: Arc<Shared>,
+    wake: UnixStream,
+    machine: contract::Parent,
+    workers: BTreeMap<WorkerId, Slot>,
+    jobs: HashMap<(WorkerId, JobId), JobState>,
+    /// Input allocations currently lent by pointer: base address to (id, loans).
+    lent: HashMap<u64, (AllocId, u32)>,
+    /// VMM allocations lent by handle, by base address: their id and the workers that
+    /// mapped them ([`Rung::VmmHandle`]).
+    vmm_shared: HashMap<u64, VmmShared>,
+    /// Exit statuses of workers being reaped, for the errors of their jobs.
+    reaped: HashMap<WorkerId, String>,
+    next_alloc: u64,
+    epoch: Instant,
+    shutting_down: bool,
+    /// The last worker that failed or reported an error, and what it said: named when the
+    /// process's context turns out lost (under MPS, a worker's GPU fault ends it).
+    suspect: Option<(WorkerId, String)>,
+    /// When a job last finished, a command last came or a worker last sent a frame: the
+    /// loop keeps spinning for `options.spin` after it (`options.spin_in_flight` while jobs
+    /// are in flight), so that the next frame or submit finds it awake.
+    last_activity: Instant,
+    /// `ArenaReleased` answers awaited, by (worker, chunk).
+    release_acks: HashSet<(WorkerId, u32)>,
+    release_waiters: Vec<ReleaseWaiter>,
+    /// When the loop last looked for idle arena chunks.
+    last_idle_check: Instant,
+    /// Jobs acknowledged whose DONE has not completed on the GPU yet.
+    gates: BTreeMap<(WorkerId, JobId), DoneGate>,
+    /// Reaped workers' opened DONE events, kept while a job of theirs waits on one.
+    dead_events: HashMap<WorkerId, DoneEvents>,
+}
+
+impl Drop for Loop {
+    /// Workers are left only when the loop unwinds from a panic: nothing can serve them any
+    /// more, so they are killed and reaped (their jobs' handles are answered as the jobs drop),
+    /// and the parent refuses every later command.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // Before the jobs' `Answer`s drop (this runs before the fields do): a caller
+            // woken by one finds every later call refused. The thread's catch names the panic.
+            let _inbox = lock(&self.shared.inbox);
+            lock(&self.shared.io_stopped)
+                .get_or_insert_with(|| "it panicked (the log has the panic's message)".into());
+        }
+        for (id, slot) in &mut self.workers {
+            if let Some(c) = slot.child.as_mut() {
+                tracing::warn!(worker = %id, "the IO loop is gone: killing the worker");
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+/// Under MPS, how long a failed job's context check keeps asking whether the failure ended
+/// this process's context too (the server marks the other clients shortly after the fault).
+const MPS_FAULT_GRACE: Duration = Duration::from_millis(250);
+
+/// Whether a worker's error text names a GPU fault (a sticky CUDA error).
+fn names_gpu_fault(message: &str) -> bool {
+    [
+        "ILLEGAL_ADDRESS",
+        "ILLEGAL_INSTRUCTION",
+        "MISALIGNED_ADDRESS",
+        "INVALID_ADDRESS_SPACE",
+        "INVALID_PC",
+        "LAUNCH_FAILED",
+        "HARDWARE_STACK_ERROR",
+        "ECC_UNCORRECTABLE",
+        "MPS_CLIENT_TERMINATED",
+        "illegal memory access",
+    ]
+    .iter()
+    .any(|needle| message.contains(needle))
+}
+
+/// Frames the loop takes from one worker before it looks at the others again.
+const FRAMES_PER_TURN: usize = 64;
+/// How long the loop sleeps when nothing is due: commands and frames wake it earlier.
+const IDLE_POLL: Duration = Duration::from_millis(500);
+/// While a worker is exiting, how often to look whether it has.
+const EXIT_POLL: Duration = Duration::from_millis(2);
+/// While a job's DONE is queried on the host and the loop does not spin, how often to ask at
+/// least and at most.
+const GATE_POLL: Duration = Duration::from_millis(1);
+const GATE_POLL_MIN: Duration = Duration::from_micros(20);
+
+impl Loop {
+    fn new(shared: Arc<Shared>, wake: UnixStream) -> Loop {
+        let limit = shared.options.limit;
+        let machine = contract::Parent::new(contract::ParentConfig {
+            limit,
+            handoff_timeout: shared.options.handoff_timeout,
+            max_results_per_job: shared.options.max_results_per_job,
+            max_result_bytes_per_job: shared.options.max_result_bytes_per_job,
+            max_result_bytes_per_worker: shared.options.max_result_bytes_per_worker,
+            max_job_lifetime: shared.options.max_job_lifetime,
+        });
+        Loop {
+            shared,
+            wake,
+            machine,
+            workers: BTreeMap::new(),
+            jobs: HashMap::new(),
+            lent: HashMap::new(),
+            vmm_shared: HashMap::new(),
+            reaped: HashMap::new(),
+            next_alloc: 1,
+            epoch: Instant::now(),
+            shutting_down: false,
+            suspect: None,
+            last_activity: Instant::now(),
+            release_acks: HashSet::new(),
+            release_waiters: Vec::new(),
+            last_idle_check: Instant::now(),
+            gates: BTreeMap::new(),
+            dead_events: HashMap::new(),
+        }
+    }
+
+    fn now(&self) -> Timestamp {
+        Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    fn run(mut self) {
+        loop {
+            for command in self.shared.take_commands() {
+                self.command(command);
+            }
+            self.drain_backlogs();
+            self.check_exits();
+            self.drive();
+            self.release_idle_arena();
+            self.answer_release_waiters();
+            if self.shutting_down && self.workers.is_empty() && self.gates.is_empty() {
+                break;
+            }
+            self.wait_for_io();
+            self.machine.handle_timeout(self.now());
+            self.drive();
+            self.check_gates();
+        }
+        self.fail_leftover_jobs();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_gpu_fault;
+    use super::place::human_bytes;
+
+    #[test]
+    fn a_worker_error_naming_a_sticky_cuda_error_counts_as_a_gpu_fault() {
+        assert!(names_gpu_fault(
+            "the job's kernel faulted: cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)"
+        ));
+        assert!(names_gpu_fault(
+            "RuntimeError: CUDA error: an illegal memory access was encountered"
+        ));
+        assert!(!names_gpu_fault("ValueError: shapes (3,) and (4,) differ"));
+        assert!(!names_gpu_fault("CUDA_ERROR_OUT_OF_MEMORY"));
+    }
+
+    #[test]
+    fn sizes_read_in_the_largest_unit_with_one_decimal_at_most() {
+        assert_eq!(human_bytes(16 << 30), "16 GiB");
+        assert_eq!(human_bytes((7 << 29) + 5), "3.5 GiB");
+        assert_eq!(human_bytes(64 << 20), "64 MiB");
+        assert_eq!(human_bytes((1 << 20) + 3), "1.0 MiB");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(100), "100 bytes");
+        assert_eq!(human_bytes(u64::MAX), "17179869183.9 GiB");
+    }
+}

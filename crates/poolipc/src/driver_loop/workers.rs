@@ -1,0 +1,489 @@
+//! Workers coming and going on the IO thread: adopted after their handshake, stopped,
+//! cancelled jobs, exits noticed and reaped, faults escalated and condemned.
+
+use std::collections::VecDeque;
+use std::process::{Child, ExitStatus};
+use std::sync::mpsc::Sender;
+use std::time::Instant;
+
+use poolipc_contract::{self as contract, FailReason, JobOutcome, ParentAction, ParentEvent};
+use poolipc_transport::{Capabilities, Connection};
+use poolipc_types::{JobId, WorkerId};
+
+use super::{DoneEvents, DoneGate, Loop, REAP_GRACE, Slot, Submission};
+use crate::error::Error;
+use crate::parent::{ResultMemory, Stats, lock};
+
+impl Loop {
+    pub(super) fn adopt(
+        &mut self,
+        worker: WorkerId,
+        conn: Connection,
+        mut child: Option<Child>,
+    ) -> Result<(), Error> {
+        if self.shutting_down {
+            if let Some(c) = child.as_mut() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            return Err(Error::Protocol("the parent is shutting down".into()));
+        }
+        if let Err(e) = self.machine.add_worker(worker) {
+            if let Some(c) = child.as_mut() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            return Err(e.into());
+        }
+        let registered = self.shared.registered(worker);
+        let takes_staging = registered.as_ref().is_some_and(|r| {
+            r.info
+                .identity
+                .capabilities
+                .contains(Capabilities::HOST_STAGING)
+        });
+        let maps_arena = (matches!(self.shared.options.results, ResultMemory::Arena { .. })
+            || self.shared.options.arena_copy)
+            && registered.as_ref().is_some_and(|r| {
+                r.info
+                    .identity
+                    .capabilities
+                    .contains(Capabilities::VMM_ARENA)
+                    && r.reaches_first
+            });
+        let takes_vmm = registered.as_ref().is_some_and(|r| {
+            r.info
+                .identity
+                .capabilities
+                .contains(Capabilities::VMM_HANDLE)
+                && r.reaches_first
+        });
+        let mut conn = conn;
+        conn.set_queue_limits(self.shared.options.send_queue);
+        self.workers.insert(
+            worker,
+            Slot {
+                conn,
+                child,
+                ready_free: Vec::new(),
+                done_events: DoneEvents::default(),
+                staging: None,
+                backlog: VecDeque::new(),
+                takes_staging,
+                maps_arena,
+                arena_chunks_sent: 0,
+                takes_vmm,
+                exit_deadline: None,
+                stop_replies: Vec::new(),
+                queued: VecDeque::new(),
+                in_flight: 0,
+                staged_in_flight: false,
+                lost: None,
+            },
+        );
+        // The arena's chunks so far, before any grant can name one.
+        self.announce_chunks(Some(worker));
+        Ok(())
+    }
+
+    pub(super) fn stop(
+        &mut self,
+        worker: WorkerId,
+        reply: Option<Sender<Result<Option<ExitStatus>, Error>>>,
+    ) {
+        let Some(slot) = self.workers.get_mut(&worker) else {
+            if let Some(r) = reply {
+                let _ = r.send(Err(Error::UnknownWorker(worker)));
+            }
+            return;
+        };
+        slot.stop_replies.extend(reply);
+        if slot.exit_deadline.is_some() {
+            return;
+        }
+        slot.exit_deadline = Some(Instant::now() + self.shared.options.stop_timeout);
+        // Jobs not yet sent fail at once; jobs in flight fail when it is reaped.
+        let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
+        for sub in queued {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            sub.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::Stopped,
+                detail: "the worker was stopped before the job was sent".into(),
+                results: Vec::new(),
+            }));
+        }
+        if let Err(e) = self.machine.stop_worker(worker) {
+            tracing::debug!(worker = %worker, error = %e, "stopping a worker the contract has let go");
+        }
+        self.drive();
+    }
+
+    /// A job the caller cancelled: failed at once while still queued; else the contract
+    /// sends the worker `Cancel` and fails the job once the worker finished it (nothing of
+    /// it is reused before the worker's DONE, or its death).
+    pub(super) fn cancel(&mut self, worker: WorkerId, job: JobId) {
+        if let Some(slot) = self.workers.get_mut(&worker)
+            && let Some(at) = slot.queued.iter().position(|s| s.job == job)
+            && let Some(sub) = slot.queued.remove(at)
+        {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            sub.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::Cancelled,
+                detail: format!("{job} was cancelled before it was sent to {worker}"),
+                results: Vec::new(),
+            }));
+            return;
+        }
+        if !self.jobs.contains_key(&(worker, job)) {
+            return;
+        }
+        if let Err(e) = self.machine.cancel(worker, job) {
+            // Its worker is gone or the job ended meanwhile: it fails or ended on its own.
+            tracing::debug!(worker = %worker, job = job.0, error = %e, "cancel after the fact");
+        }
+        self.drive();
+    }
+
+    /// Workers being stopped: reaped once they exit, killed at their deadline.
+    pub(super) fn check_exits(&mut self) {
+        let now = Instant::now();
+        let due: Vec<(WorkerId, bool)> = self
+            .workers
+            .iter_mut()
+            .filter_map(|(id, s)| {
+                let deadline = s.exit_deadline?;
+                let exited = match s.child.as_mut() {
+                    Some(c) => matches!(c.try_wait(), Ok(Some(_))),
+                    // Not ours to reap: its closing the socket is its exit.
+                    None => s.lost.is_some(),
+                };
+                (exited || now >= deadline).then_some((*id, exited))
+            })
+            .collect();
+        for (id, exited) in due {
+            if !exited {
+                tracing::warn!(worker = %id, "the worker did not exit after Bye in time: killing it");
+                Stats::bump(&self.shared.stats.workers_lost);
+            }
+            self.reap(id, !exited);
+        }
+    }
+
+    /// Kills (if asked) and waits for the worker, closes everything the loop held of it
+    /// (socket, events, staging buffer), then tells the contract, which releases what the
+    /// worker held and fails its jobs. The jobs end after the slot is gone, so a caller that
+    /// sees its job fail finds nothing of the worker left open.
+    pub(super) fn reap(&mut self, worker: WorkerId, kill: bool) {
+        self.release_acks.retain(|k| k.0 != worker);
+        let Some(mut slot) = self.workers.remove(&worker) else {
+            return;
+        };
+        let status = match slot.child.as_mut() {
+            Some(c) => {
+                if kill {
+                    let _ = c.kill();
+                }
+                match c.wait() {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::error!(worker = %worker, error = %e, "waitpid failed");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
+        tracing::info!(worker = %worker, status = %text, "worker reaped");
+        let why = slot
+            .lost
+            .clone()
+            .unwrap_or_else(|| "the worker was stopped".into());
+        let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
+        let replies: Vec<_> = slot.stop_replies.drain(..).collect();
+        let held = self.outlive_worker(worker, &mut slot, &why);
+        drop(slot);
+        self.forget_vmm_shares(worker);
+        self.reaped.insert(worker, text);
+        // Reaped, it leaves the registry: `Parent::workers` lists the living only, and a
+        // parent whose workers come and go keeps no trace of each.
+        lock(&self.shared.registry).remove(&worker);
+        let now = self.now();
+        // The contract learns that the connection is gone (if it has not yet), then that the
+        // process is: only now may what the worker imported be reused.
+        if let Err(e) = self.machine.handle(
+            ParentEvent::WorkerHungUp {
+                worker,
+                why: why.clone(),
+            },
+            now,
+        ) {
+            tracing::debug!(worker = %worker, error = %e, "hang-up of a worker the contract let go");
+        }
+        if let Err(e) = self
+            .machine
+            .handle(ParentEvent::WorkerReaped { worker }, now)
+        {
+            tracing::warn!(worker = %worker, error = %e, "the contract refused a reaping");
+        }
+        self.drive();
+        for (key, gate) in held {
+            self.fail_gate(key, gate, &why);
+        }
+        self.forget_dead_events();
+        for q in queued {
+            Stats::bump(&self.shared.stats.jobs_failed);
+            q.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::HungUp,
+                detail: format!("the worker was lost before the job was sent ({why})"),
+                results: Vec::new(),
+            }));
+        }
+        // Jobs the contract has not finished (it finishes them after an allocation answer it
+        // still waits for, which this loop gives at once) fail here rather than hang.
+        // (Jobs held for their DONE are not: they end with it, or at their grace's end.)
+        let orphaned: Vec<JobId> = self
+            .jobs
+            .keys()
+            .filter(|k| k.0 == worker && !self.gates.contains_key(k))
+            .map(|(_, j)| *j)
+            .collect();
+        for job in orphaned {
+            tracing::error!(worker = %worker, job = job.0, "a job outlived its worker's reaping");
+            self.finish(
+                worker,
+                job,
+                JobOutcome::Failed {
+                    reason: FailReason::HungUp,
+                    detail: why.clone(),
+                },
+            );
+        }
+        self.reaped.remove(&worker);
+        for r in replies {
+            let _ = r.send(Ok(status));
+        }
+    }
+
+    /// A driver error in the loop: if it says this process's CUDA context is lost, nothing
+    /// on the GPU can be trusted any more. Then the parent records why (naming MPS and the
+    /// worker most likely at fault), condemns every worker, and refuses all later work;
+    /// returns whether that happened. The actions it queues run at the next `drive`.
+    pub(super) fn escalate(&mut self, what: &str, e: &Error) -> bool {
+        let e = match self.lost_context(e) {
+            Some(e) => e,
+            None => return false,
+        };
+        if self.shared.check_context().is_ok() {
+            let suspect = match &self.suspect {
+                Some((w, said)) => format!(" The worker most likely at fault: {w} ({said})."),
+                None => {
+                    let busy: Vec<String> = self
+                        .workers
+                        .iter()
+                        .filter(|(_, s)| s.in_flight > 0)
+                        .map(|(w, _)| w.to_string())
+                        .collect();
+                    if busy.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" Workers with jobs on the GPU then: {}.", busy.join(", "))
+                    }
+                }
+            };
+            let cause = match self.shared.mps_client {
+                Some(true) => format!(
+                    "this process is an MPS client, and under MPS a GPU fault in any client (a worker's kernel) ends every client's context.{suspect}"
+                ),
+                _ => format!(
+                    "a GPU fault in this process (a kernel of its own), or the GPU itself; a worker's fault does not reach the parent without MPS.{suspect}"
+                ),
+            };
+            let detail = format!(
+                "the GPU context of this process is lost ({what}: {e}): {cause} Every later CUDA call here fails and nothing computed since can be trusted, so this parent refuses all further work; restart the process{}",
+                if self.shared.mps_client == Some(true) {
+                    ", and run workers you do not trust without MPS."
+                } else {
+                    "."
+                }
+            );
+            tracing::error!("{detail}");
+            *crate::parent::lock(&self.shared.context_lost) = Some(detail.clone());
+            let workers: Vec<WorkerId> = self.workers.keys().copied().collect();
+            for w in workers {
+                self.lose(w, "the parent's GPU context is lost");
+            }
+            // Jobs still waiting for a worker will never run.
+            let queued: Vec<Box<Submission>> = self
+                .workers
+                .values_mut()
+                .flat_map(|s| s.queued.drain(..))
+                .collect();
+            for sub in queued {
+                Stats::bump(&self.shared.stats.jobs_failed);
+                sub.done.complete(Err(Error::ContextLost {
+                    detail: detail.clone(),
+                }));
+            }
+        }
+        true
+    }
+
+    /// Whether `e` means the context is lost, and the error that says so. Under MPS, calls on
+    /// handles made before another client's fault fail with `CUDA_ERROR_INVALID_HANDLE`
+    /// while new work fails with the sticky code (H200, driver 580): so after any driver
+    /// error, one event creation asks the context itself.
+    pub(super) fn lost_context(&self, e: &Error) -> Option<String> {
+        if e.is_context_lost() {
+            return Some(e.to_string());
+        }
+        if !matches!(
+            e,
+            Error::Driver(_) | Error::Pool(_) | Error::Import(_) | Error::Staging(_)
+        ) {
+            return None;
+        }
+        match poolipc_driver::OwnedEvent::new(&*self.shared.driver, false) {
+            Ok(ev) => {
+                if let Err(d) = ev.close() {
+                    tracing::debug!(error = %d, "destroying the probe event");
+                }
+                None
+            }
+            Err(p) if p.is_context_lost() => Some(format!("{e}; then {p}")),
+            Err(_) => None,
+        }
+    }
+
+    /// The error every job gets once the context is lost.
+    pub(super) fn context_error(&self) -> Error {
+        match self.shared.check_context() {
+            Err(e) => e,
+            Ok(()) => Error::ContextLost {
+                detail: "the GPU context of this process is lost".into(),
+            },
+        }
+    }
+
+    /// The worker is lost outside the contract's view (a send failed, staging broke): tell the
+    /// contract it hung up; it condemns the worker, and the actions do the rest.
+    pub(super) fn lose(&mut self, worker: WorkerId, why: &str) {
+        if let Some(s) = self.workers.get_mut(&worker) {
+            if s.lost.is_some() {
+                return;
+            }
+            s.lost = Some(why.to_owned());
+            if s.exit_deadline.is_some() {
+                // Bye was sent: the worker closing is how it says goodbye. Its exit (or its
+                // stop deadline) reaps it.
+                return;
+            }
+        }
+        tracing::warn!(worker = %worker, "{why}");
+        if self.shared.check_context().is_ok() {
+            self.suspect = Some((worker, why.to_owned()));
+        }
+        let now = self.now();
+        if let Err(e) = self.machine.handle(
+            ParentEvent::WorkerHungUp {
+                worker,
+                why: why.to_owned(),
+            },
+            now,
+        ) {
+            tracing::warn!(worker = %worker, error = %e, "the contract refused a hang-up");
+        }
+    }
+
+    /// The worker is being reaped (its slot about to close) with jobs held for their DONE.
+    /// Those past their deadline are returned, to fail now. The others wait on for
+    /// [`REAP_GRACE`]: their held `WaitDone`s become events of the gate, and the worker's
+    /// opened events move to `dead_events` so that they stay open meanwhile.
+    pub(super) fn outlive_worker(
+        &mut self,
+        worker: WorkerId,
+        slot: &mut Slot,
+        why: &str,
+    ) -> Vec<((WorkerId, JobId), DoneGate)> {
+        let keys: Vec<_> = self
+            .gates
+            .keys()
+            .filter(|k| k.0 == worker)
+            .copied()
+            .collect();
+        let mut fail_now = Vec::new();
+        let grace_end = Instant::now() + REAP_GRACE;
+        for key in keys {
+            let Some(mut gate) = self.gates.remove(&key) else {
+                continue;
+            };
+            let mut known = gate.expired.is_none();
+            let mut rest = VecDeque::with_capacity(gate.held.len());
+            for action in gate.held.drain(..) {
+                if let ParentAction::WaitDone { done_event, .. } = &action {
+                    match slot.done_events.get(done_event) {
+                        Some(e) if !gate.events.contains(&e.handle()) => {
+                            gate.events.push(e.handle());
+                        }
+                        Some(_) => {}
+                        // Never opened: nothing can tell whether it completed.
+                        None => known = false,
+                    }
+                    continue;
+                }
+                rest.push_back(action);
+            }
+            gate.held = rest;
+            if known {
+                gate.lost = Some(why.to_owned());
+                gate.deadline = gate.deadline.min(grace_end);
+                self.gates.insert(key, gate);
+            } else {
+                fail_now.push((key, gate));
+            }
+        }
+        if self.gates.keys().any(|k| k.0 == worker) {
+            self.dead_events
+                .insert(worker, std::mem::take(&mut slot.done_events));
+        }
+        fail_now
+    }
+
+    /// `worker` went past `bound` while the loop carried out `job`'s actions: the contract
+    /// condemns it (kills it; its jobs fail naming the bound), and `job`, whose later
+    /// actions may already be queued as a success, fails too.
+    pub(super) fn condemn_for_bound(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        bound: contract::Bound,
+        why: String,
+    ) {
+        tracing::warn!(worker = %worker, job = job.0, %bound, "{why}");
+        if let Some(st) = self.jobs.get_mut(&(worker, job)) {
+            st.done_failed.get_or_insert_with(|| why.clone());
+            st.failed_as.get_or_insert(FailReason::BoundExceeded(bound));
+        }
+        if let Err(e) = self.machine.condemn_for(worker, bound, why) {
+            tracing::debug!(worker = %worker, error = %e, "condemning a worker the contract has let go");
+        }
+    }
+
+    /// At the end of the thread: whatever job is left fails.
+    pub(super) fn fail_leftover_jobs(&mut self) {
+        self.gates.clear();
+        self.dead_events.clear();
+        for ((worker, _), mut st) in std::mem::take(&mut self.jobs) {
+            let results = self.give_back_results(&mut st);
+            st.done.complete(Err(Error::JobFailed {
+                worker,
+                reason: FailReason::Stopped,
+                detail: "the parent shut down".into(),
+                results,
+            }));
+        }
+    }
+}
