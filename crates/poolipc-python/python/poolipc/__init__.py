@@ -31,8 +31,9 @@ while the parent keeps PyTorch's stream-ordered allocator (``backend:cudaMallocA
 ``ALLOC_CONF`` is the name of torch's allocator setting (``PYTORCH_CUDA_ALLOC_CONF``) and
 ``ASYNC_BACKEND`` the value that picks the stream-ordered allocator
 (``backend:cudaMallocAsync``). ``Allocator`` is the type of ``Parent.run``'s ``alloc``
-callable. The dicts the module returns are typed: ``InstallInfo``,
-``MemoryStats``, ``ParentOptions``, ``ParentStats``, ``ArenaStats`` (``TypedDict``\\ s).
+callable. The dicts the module takes and returns are typed: ``ParentConfig`` (the options of
+``install_pool`` and ``Parent``), ``InstallInfo``, ``MemoryStats``, ``ParentOptions``,
+``ParentStats``, ``ArenaStats`` (``TypedDict``\\ s).
 
 Errors: ``PoolipcError`` (a ``RuntimeError``) for anything of poolipc's;
 ``JobFailedError`` when a job's worker was lost (``.worker``, ``.reason``, ``.detail``);
@@ -56,7 +57,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from . import _native
 from ._native import (
@@ -88,9 +89,14 @@ from ._types import (
     InstallInfo,
     MemoryStats,
     MpsStatus,
+    ParentConfig,
     ParentOptions,
     ParentStats,
+    parent_config,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "__version__",
@@ -124,6 +130,7 @@ __all__ = [
     "ASYNC_BACKEND",
     "InstallInfo",
     "MemoryStats",
+    "ParentConfig",
     "ParentOptions",
     "ParentStats",
     "ArenaStats",
@@ -229,23 +236,13 @@ def start_mps(
     return pipe
 
 
-def install_pool(
-    device: int = 0,
-    *,
-    handoff_timeout: float | None = None,
-    stop_timeout: float | None = None,
-    handshake_timeout: float | None = None,
-    frame_timeout: float | None = None,
-    results: str | None = None,
-    arena_bytes: int | None = None,
-    arena_max_bytes: int | None = None,
-) -> InstallInfo:
+def install_pool(device: int = 0, **options: Unpack[ParentConfig]) -> InstallInfo:
     """Swap the device's current memory pool for poolipc's shareable one. Call it before
     ``import torch`` (ComfyUI: from the pack's ``prestartup_script.py``).
 
-    This creates the process's one parent; the deadlines (seconds, see ``Parent``) and the
-    result memory (``results="pool"``, the default, or ``"arena"``, sized by ``arena_bytes``
-    and capped by ``arena_max_bytes``: see ``Parent``) are set here when given, and a later
+    This creates the process's one parent; its ``options`` (``ParentConfig``: the deadlines
+    in seconds and the result memory, ``results="pool"``, the default, or ``"arena"``, sized
+    by ``arena_bytes`` and capped by ``arena_max_bytes``) are set here when given, and a later
     ``Parent`` with other values is a ``ValueError``.
 
     Refuses (``PoolipcError``) when torch is already imported: torch picks its allocator once.
@@ -261,6 +258,7 @@ def install_pool(
     sizes without ``results="arena"``, another device or other options than the process's
     parent has).
     """
+    config = parent_config(options, "install_pool")
     device = _ordinal(device)
     if "torch" in sys.modules:
         raise PoolipcError(
@@ -271,16 +269,7 @@ def install_pool(
     new_conf, reason = _backend_choice(os.environ.get(ALLOC_CONF), sys.argv)
     if new_conf is not None:
         os.environ[ALLOC_CONF] = new_conf
-    native = _native._install(
-        device,
-        handoff_timeout,
-        stop_timeout,
-        handshake_timeout,
-        frame_timeout,
-        results,
-        arena_bytes,
-        arena_max_bytes,
-    )
+    native = _native._install(device, config)
     info = InstallInfo(
         installed=native["installed"],
         driver=native["driver"],
@@ -651,14 +640,12 @@ class Parent:
     ``install_pool`` made (or this makes, if nothing did: tensors torch allocated before
     cannot then be lent by pool pointer).
 
-    Deadlines, in seconds (``None``: the process parent's; the defaults are 30, 5, 60, 5):
-    ``handoff_timeout``, how long a worker may stay silent about a job it holds before it is
-    killed (the job raises ``JobFailedError``); ``stop_timeout``, how long ``stop`` waits for a
-    worker to exit after saying goodbye before it kills it; ``handshake_timeout``, how long a
-    new worker may take to start and shake hands; ``frame_timeout``, how long a message that
-    began to arrive may take. They are set by whichever of ``install_pool`` and ``Parent``
-    comes first in the process; a later value that differs is a ``ValueError`` naming the
-    clash (``options`` says what is in force).
+    Options (``ParentConfig``, which says what each means): the deadlines
+    ``handoff_timeout``, ``stop_timeout``, ``handshake_timeout`` and ``frame_timeout``, in
+    seconds (``None``: the process parent's; the defaults are 30, 5, 60, 5), and the result
+    memory below. They are set by whichever of ``install_pool`` and ``Parent`` comes first in
+    the process; a later value that differs is a ``ValueError`` naming the clash (``options``
+    says what is in force).
 
     Result memory, also set by the first creation in the process (a later different value is
     a ``ValueError``): ``results="pool"`` (the default, the seed's way: each result is
@@ -683,37 +670,18 @@ class Parent:
     another thread's job; every wait releases the GIL.
     """
 
-    def __init__(
-        self,
-        device: int = 0,
-        *,
-        handoff_timeout: float | None = None,
-        stop_timeout: float | None = None,
-        handshake_timeout: float | None = None,
-        frame_timeout: float | None = None,
-        results: str | None = None,
-        arena_bytes: int | None = None,
-        arena_max_bytes: int | None = None,
-    ) -> None:
-        """``device``: the pool's device ordinal. The deadlines and the result memory
-        (``results``, ``arena_bytes``, ``arena_max_bytes``): see the class.
+    def __init__(self, device: int = 0, **options: Unpack[ParentConfig]) -> None:
+        """``device``: the pool's device ordinal. ``options``: the deadlines and the result
+        memory (``results``, ``arena_bytes``, ``arena_max_bytes``), see ``ParentConfig``.
 
         Raises ``ValueError`` (a deadline not more than 0; an unknown ``results``; arena sizes
         without ``results="arena"``; a cap below ``arena_bytes``; another device, or other
         options, than the process's parent has) and ``PoolipcError`` (no usable driver: set
         ``POOLIPC_DRIVER=sim`` for the simulation; the pool cannot be installed).
         """
+        config = parent_config(options, "Parent")
         self.device = _ordinal(device)
-        self._native = _native.NativeParent(
-            device,
-            handoff_timeout,
-            stop_timeout,
-            handshake_timeout,
-            frame_timeout,
-            results,
-            arena_bytes,
-            arena_max_bytes,
-        )
+        self._native = _native.NativeParent(device, config)
         self._results: str = self._native.options()["results"]
         self.last_input_rungs: list[str] = []
         self.last_result_rungs: list[str] = []
