@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use poolipc::{DType, Driver, ResultTensor, StreamHandle};
 use poolipc_driver::{DriverError, OwnedEvent};
-use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -175,6 +174,8 @@ pub(crate) struct ArenaResult {
     nbytes: u64,
     dtype: DType,
     shape: Vec<u64>,
+    /// Contiguous, in elements.
+    strides: Vec<i64>,
 }
 
 impl ArenaResult {
@@ -190,33 +191,22 @@ impl ArenaResult {
             ptr,
             nbytes,
             dtype,
+            strides: poolipc::TensorDesc::contiguous_strides(&shape),
             shape,
         }
     }
 
-    /// Contiguous strides, in elements.
-    fn strides(&self) -> Vec<i64> {
-        let mut out = vec![1i64; self.shape.len()];
-        for i in (0..self.shape.len().saturating_sub(1)).rev() {
-            out[i] = out[i + 1].saturating_mul(self.shape[i + 1] as i64);
-        }
-        out
-    }
-
-    /// DLPack's stream argument as a stream handle, or None for "no synchronisation".
-    fn consumer_stream(stream: Option<i64>) -> PyResult<Option<u64>> {
-        match stream {
-            Some(-1) => Ok(None),
-            Some(0) => Err(PyValueError::new_err(
-                "poolipc: stream 0 is ambiguous in DLPack; pass 1 (legacy default), 2 \
-                 (per-thread default) or a stream handle",
-            )),
-            Some(s) if s < -1 => Err(PyValueError::new_err(format!(
-                "poolipc: {s} is not a stream"
-            ))),
-            // CU_STREAM_LEGACY is the handle 1 and CU_STREAM_PER_THREAD 2 in the driver API.
-            Some(s) => Ok(Some(s as u64)),
-            None => Ok(Some(1)),
+    /// The result as the exchange protocols describe it: contiguous, writable, on the job's
+    /// stream.
+    fn tensor(&self) -> dlpack::Tensor<'_> {
+        dlpack::Tensor {
+            ptr: self.ptr,
+            device: self.hold.device,
+            dtype: self.dtype,
+            shape: &self.shape,
+            strides: &self.strides,
+            read_only: false,
+            stream: self.hold.job_stream,
         }
     }
 }
@@ -272,7 +262,7 @@ impl ArenaResult {
 
     /// `(kDLCUDA, device)`.
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (dlpack::DL_CUDA, self.hold.device as i32)
+        dlpack::device(self.hold.device)
     }
 
     /// A DLPack capsule over the result (no copy) that shares the block: the block goes back
@@ -292,28 +282,15 @@ impl ArenaResult {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if copy == Some(true) {
-            return Err(PyBufferError::new_err(
-                "poolipc: arena results are handed out without a copy (copy=True is not \
-                 supported)",
-            ));
-        }
-        if let Some(d) = dl_device
-            && d != self.__dlpack_device__()
-        {
-            return Err(PyBufferError::new_err(format!(
-                "poolipc: the result lives on {:?}, not {d:?}",
-                self.__dlpack_device__()
-            )));
-        }
-        let (code, bits) = dlpack::code_of(self.dtype).ok_or_else(|| {
-            PyBufferError::new_err(format!(
-                "poolipc: {} has no DLPack type code here",
-                dtype::name(self.dtype)
-            ))
-        })?;
-        if let Some(s) = Self::consumer_stream(stream)? {
-            let hold = &self.hold;
+        let request = dlpack::Request {
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        };
+        let hold = &self.hold;
+        let order = |s: StreamHandle| {
+            let s = s.as_raw();
             py.detach(|| hold.order(s, hold.job_stream))
                 .map_err(|e| crate::errors::err(format!("poolipc: ordering streams: {e}")))?;
             let mut cs = hold
@@ -323,19 +300,10 @@ impl ArenaResult {
             if !same_stream(s, hold.job_stream) && !cs.contains(&s) {
                 cs.push(s);
             }
-        }
-        let tensor = dlpack::Export {
-            data: self.ptr,
-            device_id: self.hold.device as i32,
-            code,
-            bits,
-            shape: self.shape.iter().map(|&d| d as i64).collect(),
-            strides: self.strides(),
-            read_only: false,
-            life: dlpack::Keep::Arena(Arc::clone(&self.hold)),
+            Ok(())
         };
-        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        dlpack::capsule(py, tensor, versioned)
+        let keep = dlpack::Keep::Arena(Arc::clone(&self.hold));
+        dlpack::export(py, &self.tensor(), request, order, keep)
     }
 
     /// `__cuda_array_interface__` version 3: contiguous, writable, with the job's stream as
@@ -344,24 +312,7 @@ impl ArenaResult {
     /// long as this object lives (CuPy and Numba keep it alive with the arrays they make).
     #[getter]
     fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let typestr = dtype::typestr(self.dtype).ok_or_else(|| {
-            pyo3::exceptions::PyAttributeError::new_err(format!(
-                "poolipc: {} has no __cuda_array_interface__ type string; use __dlpack__",
-                dtype::name(self.dtype)
-            ))
-        })?;
-        let elem = self.dtype.size_bytes() as i64;
-        let d = PyDict::new(py);
-        d.set_item("shape", PyTuple::new(py, &self.shape)?)?;
-        d.set_item("typestr", typestr)?;
-        d.set_item("data", (self.ptr, false))?;
-        let strides: Vec<i64> = self.strides().iter().map(|s| s * elem).collect();
-        d.set_item("strides", PyTuple::new(py, strides)?)?;
-        d.set_item("version", 3)?;
-        // Stream 0 is not allowed in the interface; the simulation may number a stream so.
-        let s = self.hold.job_stream;
-        d.set_item("stream", (s != 0).then_some(s))?;
-        Ok(d)
+        dlpack::cuda_array_interface(py, &self.tensor())
     }
 
     fn __repr__(&self) -> String {

@@ -1,5 +1,8 @@
-//! DLPack capsules over job views (worker side) and arena results (parent side): the one
-//! place in this crate with `unsafe`.
+//! How consumers take device memory without a copy: DLPack capsules (and
+//! `__cuda_array_interface__`) over job views (worker side) and arena results (parent side).
+//! [`export`] is the one `__dlpack__` of both: it checks the consumer's request, orders the
+//! consumer's stream after the producer's, and makes the capsule. This is the one place in this
+//! crate with `unsafe`.
 //!
 //! A DLPack consumer (torch, CuPy, JAX) takes a `PyCapsule` named `dltensor` (or
 //! `dltensor_versioned`) whose pointer is a `DLManagedTensor` (or `DLManagedTensorVersioned`),
@@ -16,10 +19,11 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use poolipc::DType;
+use poolipc::{DType, StreamHandle};
+use pyo3::exceptions::{PyAttributeError, PyBufferError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::PyCapsule;
+use pyo3::types::{PyCapsule, PyDict, PyTuple};
 
 use crate::arena::ArenaHold;
 use crate::worker::JobLife;
@@ -61,10 +65,146 @@ impl Keep {
             Keep::Arena(hold) => hold.export_deleted(),
         }
     }
+
+    /// What the exported thing is called in errors: `(plural, the one)`.
+    fn names(&self) -> (&'static str, &'static str) {
+        match self {
+            Keep::Job(_) => ("views", "the view"),
+            Keep::Arena(_) => ("arena results", "the result"),
+        }
+    }
+}
+
+/// Device memory as the exchange protocols describe it.
+pub(crate) struct Tensor<'a> {
+    /// The device address of element 0.
+    pub(crate) ptr: u64,
+    /// The device ordinal.
+    pub(crate) device: u32,
+    pub(crate) dtype: DType,
+    pub(crate) shape: &'a [u64],
+    /// In elements.
+    pub(crate) strides: &'a [i64],
+    /// Sets `DLPACK_FLAG_BITMASK_READ_ONLY` in a versioned capsule, and `data[1]` in the
+    /// `__cuda_array_interface__`.
+    pub(crate) read_only: bool,
+    /// The producer's stream: consumers are ordered after it.
+    pub(crate) stream: u64,
+}
+
+/// What a consumer passes to `__dlpack__`.
+pub(crate) struct Request {
+    /// DLPack's numbering: None for the legacy default stream, -1 for none, 1 legacy,
+    /// 2 per-thread, else a handle.
+    pub(crate) stream: Option<i64>,
+    pub(crate) max_version: Option<(u32, u32)>,
+    pub(crate) dl_device: Option<(i32, i32)>,
+    pub(crate) copy: Option<bool>,
+}
+
+/// `(kDLCUDA, device)`: what `__dlpack_device__` returns.
+pub(crate) fn device(ordinal: u32) -> (i32, i32) {
+    (DL_CUDA, ordinal as i32)
+}
+
+/// The DLPack `stream` argument as a stream handle: None means the legacy default stream
+/// (1 in CUDA's numbering); -1 means no ordering wanted.
+fn consumer_stream(stream: Option<i64>) -> PyResult<Option<StreamHandle>> {
+    match stream {
+        Some(-1) => Ok(None),
+        Some(0) => Err(PyValueError::new_err(
+            "poolipc: stream 0 is ambiguous in DLPack; pass 1 (legacy default), 2 \
+             (per-thread default) or a stream handle",
+        )),
+        Some(s) if s < -1 => Err(PyValueError::new_err(format!(
+            "poolipc: {s} is not a stream"
+        ))),
+        // CU_STREAM_LEGACY is the handle 1, CU_STREAM_PER_THREAD the handle 2 in the driver
+        // API, so the DLPack numbers are the driver's handles.
+        Some(s) => Ok(Some(crate::dlpack::python_stream(s as u64))),
+        None => Ok(Some(StreamHandle::LEGACY)),
+    }
+}
+
+/// `__dlpack__` over `t` (no copy): checks the request (`BufferError` for `copy=True`,
+/// another `dl_device`, or a dtype DLPack cannot name; `ValueError` for a stream that is
+/// none), has `order` make the consumer's stream wait on `t.stream` (and remember it for
+/// whatever must wait on the consumer later), then makes the capsule, which holds `keep`
+/// until its deleter runs. A versioned capsule (`dltensor_versioned`) when `max_version` is
+/// at least (1, 0), a legacy one otherwise. Nothing is counted before the capsule is made:
+/// on an error `keep` is only dropped.
+pub(crate) fn export<'py>(
+    py: Python<'py>,
+    t: &Tensor<'_>,
+    request: Request,
+    order: impl FnOnce(StreamHandle) -> PyResult<()>,
+    keep: Keep,
+) -> PyResult<Bound<'py, PyAny>> {
+    let (plural, one) = keep.names();
+    if request.copy == Some(true) {
+        return Err(PyBufferError::new_err(format!(
+            "poolipc: {plural} are handed out without a copy (copy=True is not supported)"
+        )));
+    }
+    let here = device(t.device);
+    if let Some(d) = request.dl_device
+        && d != here
+    {
+        return Err(PyBufferError::new_err(format!(
+            "poolipc: {one} lives on {here:?}, not {d:?}"
+        )));
+    }
+    let (code, bits) = code_of(t.dtype).ok_or_else(|| {
+        PyBufferError::new_err(format!(
+            "poolipc: {} has no DLPack type code here",
+            crate::dtype::name(t.dtype)
+        ))
+    })?;
+    if let Some(s) = consumer_stream(request.stream)? {
+        order(s)?;
+    }
+    let export = Export {
+        data: t.ptr,
+        device_id: t.device as i32,
+        code,
+        bits,
+        shape: t.shape.iter().map(|&d| d as i64).collect(),
+        strides: t.strides.to_vec(),
+        read_only: t.read_only,
+        life: keep,
+    };
+    let versioned = request.max_version.is_some_and(|(major, _)| major >= 1);
+    capsule(py, export, versioned)
+}
+
+/// `__cuda_array_interface__` version 3 over `t`, with its stream as `stream` (consumers
+/// order their work after it) and `data == (ptr, read_only)`. `AttributeError` for bfloat16
+/// and float8 (numpy has no type string for them): DLPack serves those.
+pub(crate) fn cuda_array_interface<'py>(
+    py: Python<'py>,
+    t: &Tensor<'_>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let typestr = crate::dtype::typestr(t.dtype).ok_or_else(|| {
+        PyAttributeError::new_err(format!(
+            "poolipc: {} has no __cuda_array_interface__ type string; use __dlpack__",
+            crate::dtype::name(t.dtype)
+        ))
+    })?;
+    let elem = t.dtype.size_bytes() as i64;
+    let d = PyDict::new(py);
+    d.set_item("shape", PyTuple::new(py, t.shape)?)?;
+    d.set_item("typestr", typestr)?;
+    d.set_item("data", (t.ptr, t.read_only))?;
+    let strides: Vec<i64> = t.strides.iter().map(|s| s * elem).collect();
+    d.set_item("strides", PyTuple::new(py, strides)?)?;
+    d.set_item("version", 3)?;
+    // Stream 0 is not allowed in the interface; the simulation may number a stream so.
+    d.set_item("stream", (t.stream != 0).then_some(t.stream))?;
+    Ok(d)
 }
 
 /// `kDLCUDA`.
-pub(crate) const DL_CUDA: i32 = 2;
+const DL_CUDA: i32 = 2;
 
 const LEGACY_NAME: &CStr = c"dltensor";
 const VERSIONED_NAME: &CStr = c"dltensor_versioned";
@@ -73,7 +213,7 @@ const VERSIONED_NAME: &CStr = c"dltensor_versioned";
 pub(crate) const FLAG_READ_ONLY: u64 = 1 << 0;
 
 /// `(code, bits)` of a dtype in DLPack.
-pub(crate) fn code_of(d: DType) -> Option<(u8, u8)> {
+fn code_of(d: DType) -> Option<(u8, u8)> {
     crate::dtype::dlpack(d)
 }
 
@@ -126,17 +266,17 @@ struct DLManagedTensorVersioned {
 }
 
 /// What a capsule describes.
-pub(crate) struct Export {
-    pub(crate) data: u64,
-    pub(crate) device_id: i32,
-    pub(crate) code: u8,
-    pub(crate) bits: u8,
-    pub(crate) shape: Vec<i64>,
+struct Export {
+    data: u64,
+    device_id: i32,
+    code: u8,
+    bits: u8,
+    shape: Vec<i64>,
     /// In elements.
-    pub(crate) strides: Vec<i64>,
+    strides: Vec<i64>,
     /// Sets `DLPACK_FLAG_BITMASK_READ_ONLY` in a versioned capsule (a legacy one has no flags).
-    pub(crate) read_only: bool,
-    pub(crate) life: Keep,
+    read_only: bool,
+    life: Keep,
 }
 
 /// The managed struct first (so a pointer to the holder is a pointer to it), then what its
@@ -169,11 +309,7 @@ fn tensor(e: &mut Export) -> DLTensor {
 }
 
 /// A capsule over `e`; counts as one live export of the job until its deleter runs.
-pub(crate) fn capsule(
-    py: Python<'_>,
-    mut e: Export,
-    versioned: bool,
-) -> PyResult<Bound<'_, PyAny>> {
+fn capsule(py: Python<'_>, mut e: Export, versioned: bool) -> PyResult<Bound<'_, PyAny>> {
     e.life.acquire();
     // The Vecs' heap buffers do not move when the Vecs move into the holder, so the pointers
     // taken here stay valid for the holder's life.

@@ -18,7 +18,9 @@ mod dtype;
 mod errors;
 mod listen;
 mod mps;
+mod options;
 mod parent;
+mod pool;
 mod state;
 mod worker;
 
@@ -29,12 +31,12 @@ use pyo3::prelude::*;
 #[pyo3(name = "_native")]
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    m.add_function(wrap_pyfunction!(parent::_install, m)?)?;
-    m.add_function(wrap_pyfunction!(parent::is_installed, m)?)?;
-    m.add_function(wrap_pyfunction!(parent::memory_stats, m)?)?;
-    m.add_function(wrap_pyfunction!(parent::reset_peak_memory_stats, m)?)?;
-    m.add_function(wrap_pyfunction!(parent::empty_cache, m)?)?;
-    m.add_function(wrap_pyfunction!(parent::mem_get_info, m)?)?;
+    m.add_function(wrap_pyfunction!(pool::_install, m)?)?;
+    m.add_function(wrap_pyfunction!(pool::is_installed, m)?)?;
+    m.add_function(wrap_pyfunction!(pool::memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(pool::reset_peak_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(pool::empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(pool::mem_get_info, m)?)?;
     m.add_class::<parent::NativeParent>()?;
     m.add_class::<parent::DeviceBuffer>()?;
     m.add_class::<arena::ArenaResult>()?;

@@ -1,5 +1,6 @@
-//! The parent side for Python: the pool swap, pool statistics, spawning workers and running
-//! jobs whose results a Python allocator (torch.empty) provides.
+//! The parent side for Python: spawning workers, lending them tensors, and running jobs whose
+//! results a Python allocator (torch.empty) provides ([`allocator`]) or the facade does
+//! ([`DeviceBuffer`], arena results); the inputs are checked in [`inputs`].
 //!
 //! Every Python `Parent` of a process shares the one facade [`poolipc::Parent`] (see
 //! [`crate::state`]), which is `Send + Sync`: nothing here holds a lock while a job, a spawn
@@ -9,21 +10,24 @@
 use std::collections::HashMap;
 use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
 
-use poolipc::{
-    DType, DevicePtr, Input, JobHandle, JobOutput, ResultAllocator, ResultMemory, ResultShape,
-    StreamHandle, TensorDesc,
-};
+use poolipc::{DevicePtr, JobHandle, ResultMemory, StreamHandle};
 use poolipc_contract::WorkerId;
-use pyo3::exceptions::{PyMemoryError, PyTimeoutError};
+use pyo3::exceptions::PyMemoryError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::arena::{ArenaHold, ArenaResult};
 use crate::dtype;
-use crate::errors::{ExpiredViewError, JobFailedError, err, to_py, to_py_for, value_err};
-use crate::state::{self, Global, Requested};
+use crate::errors::{ExpiredViewError, to_py, to_py_for, value_err};
+use crate::options::{ParentConfig, Results};
+use crate::state::{self, Global};
+
+mod allocator;
+mod inputs;
+mod outcome;
+
+use allocator::{AllocLog, python_allocator};
+use inputs::{InputSpec, buffer_shape, parse_inputs};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -48,129 +52,6 @@ fn checked_stream(driver: &dyn poolipc::Driver, raw: u64) -> PyResult<StreamHand
 
 fn driver_err(e: poolipc_driver::DriverError) -> PyErr {
     to_py(e.into())
-}
-
-fn installed() -> PyResult<Arc<Global>> {
-    state::installed()
-        .ok_or_else(|| err("poolipc: no pool is installed (call poolipc.install_pool() first)"))
-}
-
-/// Installs the shared pool on `device` (the driver `POOLIPC_DRIVER` picks) by creating the
-/// process's parent with these deadlines (seconds; None: the default) and result memory
-/// (`results`: `"pool"`, the default, or `"arena"`, with `arena_bytes` for its first chunk
-/// and growth step, 256 MiB by default, and `arena_max_bytes` for its cap, half the device by default).
-/// Returns a dict:
-/// `installed` (False when it already was), `driver` (in words), `device`. A later call, or a
-/// `Parent`, with other deadlines or result memory is a `ValueError` naming the clash. The checks around torch
-/// and `PYTORCH_CUDA_ALLOC_CONF` live in the Python wrapper, `poolipc.install_pool`.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)] // one per Python keyword argument, as Python spells them
-#[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None, results = None, arena_bytes = None, arena_max_bytes = None))]
-pub(crate) fn _install(
-    py: Python<'_>,
-    device: u32,
-    handoff_timeout: Option<f64>,
-    stop_timeout: Option<f64>,
-    handshake_timeout: Option<f64>,
-    frame_timeout: Option<f64>,
-    results: Option<String>,
-    arena_bytes: Option<u64>,
-    arena_max_bytes: Option<u64>,
-) -> PyResult<Bound<'_, PyDict>> {
-    let requested = Requested {
-        handoff_timeout,
-        stop_timeout,
-        handshake_timeout,
-        frame_timeout,
-        results,
-        arena_bytes,
-        arena_max_bytes,
-    };
-    let (g, installed) = py
-        .detach(|| state::ensure(device, &requested, "install_pool"))
-        .map_err(state::EnsureError::into_py)?;
-    let d = PyDict::new(py);
-    d.set_item("installed", installed)?;
-    d.set_item("driver", g.which.clone())?;
-    d.set_item("device", device)?;
-    Ok(d)
-}
-
-/// Whether a pool is installed in this process.
-#[pyfunction]
-pub(crate) fn is_installed() -> bool {
-    state::installed().is_some()
-}
-
-/// The shared pool's true figures (torch's own `memory_allocated()`/`memory_reserved()` read 0
-/// after the swap; `install_pool` makes them report these): a dict of `used_current`, `used_high`, `reserved_current`,
-/// `reserved_high` in bytes, plus `device` and `driver`.
-#[pyfunction]
-pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let g = installed()?;
-    // Every live generation of the pool, summed: after `empty_cache` rotated it, the handle
-    // captured at install may be destroyed.
-    let s = {
-        let g = Arc::clone(&g);
-        py.detach(move || {
-            g.use_device()?;
-            Ok::<_, poolipc::Error>(g.parent.pool().stats()?)
-        })
-        .map_err(|e| to_py_for(py, e, None))?
-    };
-    let d = PyDict::new(py);
-    d.set_item("used_current", s.used_current)?;
-    d.set_item("used_high", s.used_high)?;
-    d.set_item("reserved_current", s.reserved_current)?;
-    d.set_item("reserved_high", s.reserved_high)?;
-    d.set_item("device", g.device)?;
-    d.set_item("driver", g.which.clone())?;
-    Ok(d)
-}
-
-/// The device's free and total memory in bytes (`cuMemGetInfo`, what
-/// `torch.cuda.mem_get_info()` reads): what `empty_cache` gives back shows here, including
-/// memory lent by pool pointer, which the pool's own figures stop counting at its free.
-/// `PoolipcError` before `install_pool` or when the driver refuses.
-#[pyfunction]
-pub(crate) fn mem_get_info(py: Python<'_>) -> PyResult<(u64, u64)> {
-    let g = installed()?;
-    py.detach(move || {
-        g.use_device()?;
-        Ok::<_, poolipc::Error>(g.driver.mem_get_info()?)
-    })
-    .map_err(|e| to_py_for(py, e, None))
-}
-
-/// Restarts the shared pool's high-water marks (`used_high`, `reserved_high`) from the
-/// current figures: what `torch.cuda.reset_peak_memory_stats()` does for torch's own pool,
-/// and with the pool installed, that call does this too. `PoolipcError` before
-/// `install_pool` or when the driver refuses.
-#[pyfunction]
-pub(crate) fn reset_peak_memory_stats(py: Python<'_>) -> PyResult<()> {
-    let g = installed()?;
-    py.detach(move || {
-        g.use_device()?;
-        Ok::<_, poolipc::Error>(g.parent.pool().reset_high()?)
-    })
-    .map_err(|e| to_py_for(py, e, None))
-}
-
-/// Gives memory the process parent does not use back to the device (what
-/// `torch.cuda.empty_cache()` does for torch's own pool, and with the pool installed,
-/// `torch.cuda.empty_cache()` calls this too): the result arena's chunks with nothing in them
-/// (each worker unmaps them; a busy worker's share follows when it answers), then the shared
-/// pool, trimmed after waiting for all of this process's GPU work. Returns the bytes given
-/// back. `PoolipcError` when the driver refuses.
-#[pyfunction]
-pub(crate) fn empty_cache(py: Python<'_>) -> PyResult<u64> {
-    let g = installed()?;
-    py.detach(move || {
-        g.use_device()?;
-        let out = g.parent.empty_cache()?;
-        Ok::<_, poolipc::Error>(out.arena_bytes + out.pool_bytes)
-    })
-    .map_err(|e| to_py_for(py, e, None))
 }
 
 /// Device memory, freed (stream-ordered on the legacy stream) when the object dies or
@@ -250,149 +131,6 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// The shape of a buffer of `nbytes` of `dtype`: `shape` when its elements take exactly
-/// `nbytes`, one dimension when none is given; a `ValueError` otherwise.
-fn buffer_shape(nbytes: u64, dtype: DType, shape: Option<Vec<u64>>) -> PyResult<Vec<u64>> {
-    let elem = dtype.size_bytes() as u64;
-    let name = dtype::name(dtype);
-    if nbytes == 0 {
-        return Err(value_err("poolipc: nbytes=0: nothing to allocate"));
-    }
-    match shape {
-        None if nbytes.is_multiple_of(elem) => Ok(vec![nbytes / elem]),
-        None => Err(value_err(format!(
-            "poolipc: {nbytes} bytes are no whole number of {name} elements ({elem} bytes each)"
-        ))),
-        Some(shape) => {
-            let covers = ResultShape::new(dtype, &shape).bytes().ok() == Some(nbytes);
-            if covers {
-                Ok(shape)
-            } else {
-                Err(value_err(format!(
-                    "poolipc: shape {shape:?} of {name} does not take {nbytes} bytes"
-                )))
-            }
-        }
-    }
-}
-
-/// One input as the Python wrapper describes it: `(ptr, dtype, shape, strides or None)`.
-type InputSpec = (u64, String, Vec<u64>, Option<Vec<i64>>);
-
-/// The inputs, each lent read-only where `read_only` says so (None: all writable; else one
-/// flag per input, a `ValueError` when the counts differ).
-fn parse_inputs(specs: Vec<InputSpec>, read_only: Option<Vec<bool>>) -> PyResult<Vec<Input>> {
-    let flags = match read_only {
-        None => vec![false; specs.len()],
-        Some(f) if f.len() == specs.len() => f,
-        Some(f) => {
-            return Err(value_err(format!(
-                "poolipc: read_only has {} flags for {} inputs",
-                f.len(),
-                specs.len()
-            )));
-        }
-    };
-    specs
-        .into_iter()
-        .zip(flags)
-        .enumerate()
-        .map(|(i, ((ptr, dt, shape, strides), read_only))| {
-            let dtype = dtype::parse(&dt)
-                .map_err(|e| value_err(format!("poolipc: input {i}: {}", e_text(&e))))?;
-            if let Some(s) = &strides {
-                if s.len() != shape.len() {
-                    return Err(value_err(format!(
-                        "poolipc: input {i}: {} strides for {} dimensions",
-                        s.len(),
-                        shape.len()
-                    )));
-                }
-                if s.iter().any(|&x| x < 0) {
-                    return Err(value_err(format!(
-                        "poolipc: input {i}: negative strides are not supported (a flip() \
-                         view, strides {s:?}); pass a .contiguous() copy"
-                    )));
-                }
-            }
-            Ok(Input {
-                ptr: DevicePtr(ptr),
-                desc: TensorDesc {
-                    dtype,
-                    shape,
-                    strides: strides.unwrap_or_default(),
-                },
-                read_only,
-            })
-        })
-        .collect()
-}
-
-/// An exception's text without the `poolipc: ` its message starts with.
-fn e_text(e: &PyErr) -> String {
-    Python::attach(|py| {
-        let s = e.value(py).to_string();
-        s.strip_prefix("poolipc: ").map(str::to_owned).unwrap_or(s)
-    })
-}
-
-/// What the allocator callback gave for one result: the pointer and the object that owns it.
-struct Allocated {
-    ptr: u64,
-    keep: Py<PyAny>,
-}
-
-/// What the Python allocator left for the thread that waits on the job.
-#[derive(Default)]
-struct AllocLog {
-    made: Vec<Allocated>,
-    /// The first exception it raised.
-    raised: Option<PyErr>,
-}
-
-/// The facade's allocator over a Python callable `f(dtype, shape, nbytes, stream) -> (ptr,
-/// owner)`. It runs on the parent's IO thread, which takes the GIL for it: the thread that
-/// waits on the job has released the GIL, so the two never wait on each other.
-fn python_allocator(f: Py<PyAny>, log: Arc<Mutex<AllocLog>>) -> ResultAllocator {
-    Box::new(move |shape, bytes, stream| {
-        let attached = Python::try_attach(|py| {
-            let r = f
-                .call1(
-                    py,
-                    (
-                        dtype::name(shape.dtype),
-                        shape.shape.clone(),
-                        bytes,
-                        stream.as_raw(),
-                    ),
-                )
-                .and_then(|r| r.extract::<(u64, Py<PyAny>)>(py));
-            match r {
-                Ok((ptr, keep)) => {
-                    lock(&log).made.push(Allocated { ptr, keep });
-                    Ok(DevicePtr(ptr))
-                }
-                Err(e) => {
-                    let text = e.to_string();
-                    lock(&log).raised.get_or_insert(e);
-                    Err(poolipc::Error::ResultRefused(format!(
-                        "the result allocator raised {text}"
-                    )))
-                }
-            }
-        });
-        attached.unwrap_or_else(|| {
-            Err(poolipc::Error::ResultRefused(
-                "the Python interpreter is shutting down: no result allocator can run".into(),
-            ))
-        })
-    })
-}
-
-/// How long one wait of [`NativeJobHandle::wait`] lasts before it looks at signals
-/// (KeyboardInterrupt) and the caller's timeout. A finished job ends the wait at once.
-const WAIT_SLICE: Duration = Duration::from_millis(50);
-
 /// A job submitted with `NativeParent.submit`: wait for it from any thread, with the GIL
 /// released. Waiting twice (or from two threads) gives the same results.
 ///
@@ -418,189 +156,6 @@ pub(crate) struct NativeJobHandle {
     stream: u64,
     /// What the caller's inputs are (torch tensors): alive until the job ended.
     keep: Mutex<Option<Py<PyAny>>>,
-}
-
-/// A copy of a stored job error to raise: the stored one is never raised itself. Raising
-/// attaches a traceback to the exception, whose frames hold the caller's locals (the handle,
-/// its results, their device memory); kept in this handle, that would be a cycle through a
-/// native object the garbage collector cannot see, and the memory would never go back.
-fn fresh_error(py: Python<'_>, e: &PyErr) -> PyErr {
-    let copied = (|| -> PyResult<PyErr> {
-        let v = e.value(py);
-        let c = py.import("copy")?.call_method1("copy", (v,))?;
-        c.setattr("__cause__", v.getattr("__cause__")?)?;
-        c.setattr("__traceback__", py.None())?;
-        Ok(PyErr::from_value(c))
-    })();
-    copied.unwrap_or_else(|_| e.clone_ref(py))
-}
-
-impl NativeJobHandle {
-    fn cached(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
-        lock(&self.outcome).as_ref().map(|r| match r {
-            Ok(v) => Ok(v.clone_ref(py)),
-            Err(e) => Err(fresh_error(py, e)),
-        })
-    }
-
-    fn wait_inner(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        let deadline = match timeout {
-            None => None,
-            Some(t) if t.is_finite() && t >= 0.0 => {
-                Some(Instant::now() + Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX))
-            }
-            Some(t) => {
-                return Err(value_err(format!(
-                    "poolipc: timeout={t} is not a timeout: give seconds, 0 or more, or None"
-                )));
-            }
-        };
-        loop {
-            if let Some(r) = self.cached(py) {
-                return r;
-            }
-            let slice = deadline.map_or(WAIT_SLICE, |d| {
-                WAIT_SLICE.min(d.saturating_duration_since(Instant::now()))
-            });
-            let pending = &self.pending;
-            let raw = py.detach(move || {
-                let mut p = lock(pending);
-                match p.take() {
-                    Some(h) => match h.wait_timeout(slice) {
-                        Ok(r) => Some(r),
-                        Err(h) => {
-                            *p = Some(h);
-                            None
-                        }
-                    },
-                    None => {
-                        // Another thread took the answer and is turning it into Python
-                        // objects: it stores them in a moment.
-                        drop(p);
-                        std::thread::sleep(Duration::from_millis(1));
-                        None
-                    }
-                }
-            });
-            if let Some(raw) = raw {
-                let out = self.convert(py, raw);
-                let (stored, out) = match out {
-                    Ok(v) => (Ok(v.clone_ref(py)), Ok(v)),
-                    Err(e) => {
-                        let raised = fresh_error(py, &e);
-                        (Err(e), Err(raised))
-                    }
-                };
-                *lock(&self.outcome) = Some(stored);
-                // The job ended: the inputs are the caller's again.
-                lock(&self.keep).take();
-                return out;
-            }
-            py.check_signals()?;
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(PyTimeoutError::new_err(format!(
-                    "poolipc: job {} on worker {} is still running",
-                    self.id, self.worker
-                )));
-            }
-        }
-    }
-
-    /// The facade's answer as `(results, input_rungs)`: each result `(ptr, nbytes, dtype,
-    /// shape, rung, owner)`, or the typed exception.
-    fn convert(
-        &self,
-        py: Python<'_>,
-        raw: Result<JobOutput, poolipc::Error>,
-    ) -> PyResult<Py<PyAny>> {
-        let log = std::mem::take(&mut *lock(&self.log));
-        let output = match raw {
-            Ok(o) => o,
-            Err(e) => {
-                // A failed job's results are nobody's: the allocator's objects are dropped
-                // here (torch frees its tensors); the facade freed the default allocator's.
-                drop(log.made);
-                let pe = to_py_for(py, e, Some(self.worker));
-                return Err(match log.raised {
-                    None => pe,
-                    Some(raised) => {
-                        let text = format!(
-                            "{} (the result allocator raised {})",
-                            pe.value(py),
-                            raised
-                                .value(py)
-                                .repr()
-                                .map(|r| r.to_string())
-                                .unwrap_or_default()
-                        );
-                        let e = JobFailedError::new_err(text.clone());
-                        let v = e.value(py);
-                        let _ = v.setattr("worker", self.worker);
-                        let _ = v.setattr("reason", "allocator_raised");
-                        let _ = v.setattr("detail", text);
-                        e.set_cause(py, Some(raised));
-                        e
-                    }
-                });
-            }
-        };
-        let mut by_ptr: HashMap<u64, Py<PyAny>> = HashMap::new();
-        for a in log.made {
-            by_ptr.insert(a.ptr, a.keep);
-        }
-        let mut results = Vec::with_capacity(output.results.len());
-        for r in output.results {
-            if r.is_arena() {
-                let (ptr, bytes, dt, shape) =
-                    (r.ptr.0, r.bytes, r.shape.dtype, r.shape.shape.clone());
-                let hold = ArenaHold::new(
-                    r,
-                    Arc::clone(&self.g.driver),
-                    self.g.device,
-                    state::is_sim(&*self.g.driver),
-                    self.stream,
-                );
-                let owner = Py::new(py, ArenaResult::new(hold, ptr, bytes, dt, shape.clone()))?;
-                results.push((
-                    ptr,
-                    bytes,
-                    dtype::name(dt),
-                    shape,
-                    "arena".to_owned(),
-                    owner.into_any(),
-                ));
-                continue;
-            }
-            let owner = if self.caller_alloc {
-                by_ptr
-                    .remove(&r.ptr.0)
-                    .ok_or_else(|| err("poolipc: a result the allocator did not make"))?
-            } else {
-                Py::new(
-                    py,
-                    DeviceBuffer {
-                        g: Arc::clone(&self.g),
-                        ptr: Mutex::new(Some(r.ptr)),
-                        nbytes: r.bytes,
-                        dtype: dtype::name(r.shape.dtype),
-                        shape: r.shape.shape.clone(),
-                        shared: true,
-                    },
-                )?
-                .into_any()
-            };
-            results.push((
-                r.ptr.0,
-                r.bytes,
-                dtype::name(r.shape.dtype),
-                r.shape.shape,
-                r.rung.to_string(),
-                owner,
-            ));
-        }
-        let rungs: Vec<String> = output.input_rungs.iter().map(ToString::to_string).collect();
-        Ok((results, rungs).into_pyobject(py)?.into_any().unbind())
-    }
 }
 
 #[pymethods]
@@ -699,13 +254,10 @@ impl Drop for NativeJobHandle {
 /// process parent (made here if `install_pool` did not already). The Python wrapper
 /// `poolipc.Parent` turns torch tensors into input descriptions and back.
 ///
-/// `NativeParent(device=0, handoff_timeout=None, stop_timeout=None, handshake_timeout=None,
-/// frame_timeout=None, results=None, arena_bytes=None, arena_max_bytes=None)`: `device` is the
-/// pool's device; the deadlines are in seconds (None: the process parent's; 30, 5, 60 and 5
-/// by default); `results` is where results of a job without an allocator go (`"pool"`, the
-/// default, or `"arena"`: the result arena, `ArenaResult`s), `arena_bytes` the arena's first
-/// chunk and growth step (256 MiB by default), `arena_max_bytes` its cap (None: half the device). All
-/// apply when this call creates the process's parent.
+/// `NativeParent(device=0, options=None)`: `device` is the pool's device; `options` the
+/// package's `ParentConfig` with every key (the deadlines in seconds and the result memory,
+/// each None for the process parent's, or the default: see `poolipc.ParentConfig`), None for
+/// all defaults. They apply when this call creates the process's parent.
 ///
 /// Raises `ValueError` for a deadline that is not more than 0 seconds, an unknown `results`,
 /// arena sizes without `results="arena"` (at creation) or a cap below the first chunk, a
@@ -765,33 +317,13 @@ impl NativeParent {
 
 #[pymethods]
 impl NativeParent {
-    /// See the class: `device` is the pool's device; the deadlines (seconds; None: the process
-    /// parent's, 30 s, 5 s, 60 s and 5 s by default) and the result memory (`results`,
-    /// `arena_bytes`, `arena_max_bytes`) apply when this call creates the process's parent; a
-    /// value that differs from the parent's is a `ValueError` naming the clash.
+    /// See the class: `device` is the pool's device; `options` (a `ParentConfig` with every
+    /// key; None: all defaults) apply when this call creates the process's parent; a value
+    /// that differs from the parent's is a `ValueError` naming the clash.
     #[new]
-    #[allow(clippy::too_many_arguments)] // one per Python keyword argument, as Python spells them
-    #[pyo3(signature = (device = 0, handoff_timeout = None, stop_timeout = None, handshake_timeout = None, frame_timeout = None, results = None, arena_bytes = None, arena_max_bytes = None))]
-    fn new(
-        py: Python<'_>,
-        device: u32,
-        handoff_timeout: Option<f64>,
-        stop_timeout: Option<f64>,
-        handshake_timeout: Option<f64>,
-        frame_timeout: Option<f64>,
-        results: Option<String>,
-        arena_bytes: Option<u64>,
-        arena_max_bytes: Option<u64>,
-    ) -> PyResult<Self> {
-        let requested = Requested {
-            handoff_timeout,
-            stop_timeout,
-            handshake_timeout,
-            frame_timeout,
-            results,
-            arena_bytes,
-            arena_max_bytes,
-        };
+    #[pyo3(signature = (device = 0, options = None))]
+    fn new(py: Python<'_>, device: u32, options: Option<ParentConfig>) -> PyResult<Self> {
+        let requested = options.unwrap_or_default();
         let (g, _) = py
             .detach(|| state::ensure(device, &requested, "Parent"))
             .map_err(state::EnsureError::into_py)?;
@@ -817,10 +349,9 @@ impl NativeParent {
         let o = self.g.parent.options();
         let d = PyDict::new(py);
         d.set_item("device", o.device)?;
-        d.set_item("handoff_timeout", o.handoff_timeout.as_secs_f64())?;
-        d.set_item("stop_timeout", o.stop_timeout.as_secs_f64())?;
-        d.set_item("handshake_timeout", o.handshake_timeout.as_secs_f64())?;
-        d.set_item("frame_timeout", o.frame_timeout.as_secs_f64())?;
+        for (name, secs) in ParentConfig::deadlines(o) {
+            d.set_item(name, secs)?;
+        }
         d.set_item("canary", o.canary)?;
         let (first, max) = match o.results {
             ResultMemory::Arena {
@@ -829,7 +360,7 @@ impl NativeParent {
             } => (Some(initial_bytes), max_bytes),
             _ => (None, None),
         };
-        d.set_item("results", state::Results::of(&o.results).name())?;
+        d.set_item("results", Results::of(&o.results).name())?;
         d.set_item("arena_bytes", first)?;
         d.set_item("arena_max_bytes", max)?;
         d.set_item("made_by", self.g.made_by)?;
@@ -952,9 +483,7 @@ impl NativeParent {
     /// out of which its worker carves the results it asks for without a round trip. Needs
     /// the parent's results in the arena (`results="arena"`): a `ValueError` otherwise.
     fn set_arena_slice_bytes(&self, nbytes: u64) -> PyResult<()> {
-        if nbytes > 0
-            && state::Results::of(&self.g.parent.options().results) != state::Results::Arena
-        {
+        if nbytes > 0 && Results::of(&self.g.parent.options().results) != Results::Arena {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "poolipc: arena slices of {nbytes} bytes need the parent's results in the arena: \
                  this process's parent was made with results=\"pool\""
@@ -988,7 +517,7 @@ impl NativeParent {
         let d = PyDict::new(py);
         d.set_item(
             "enabled",
-            state::Results::of(&self.g.parent.options().results) == state::Results::Arena,
+            Results::of(&self.g.parent.options().results) == Results::Arena,
         )?;
         d.set_item("created", arena.is_some())?;
         d.set_item("capacity", a.capacity)?;

@@ -10,11 +10,12 @@
 //! job, a spawn or a stop runs. Jobs on different workers run at the same time.
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use poolipc::driver::MACHINE_ENV;
-use poolipc::{Driver, Parent, ParentOptions, ResultMemory};
+use poolipc::{Driver, Parent};
 use poolipc_driver::DriverKind;
+
+use crate::options::ParentConfig;
 
 /// The environment variable that picks the driver: `sim` for the simulated driver (tests,
 /// machines without a GPU), `cuda` or unset for the GPU, `auto` for the GPU when usable and
@@ -50,208 +51,6 @@ pub(crate) fn installed() -> Option<Arc<Global>> {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone()
-}
-
-/// Deadlines asked for from Python, in seconds; `None`: not given (the default on first
-/// creation, whatever the process's parent has afterwards).
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Requested {
-    pub(crate) handoff_timeout: Option<f64>,
-    pub(crate) stop_timeout: Option<f64>,
-    pub(crate) handshake_timeout: Option<f64>,
-    pub(crate) frame_timeout: Option<f64>,
-    /// Where results go when a job names no allocator: `"pool"` or `"arena"`.
-    pub(crate) results: Option<String>,
-    /// The result arena's first chunk (and growth step), in bytes.
-    pub(crate) arena_bytes: Option<u64>,
-    /// The result arena's cap, in bytes.
-    pub(crate) arena_max_bytes: Option<u64>,
-}
-
-/// [`Requested::arena_bytes`]' default: the arena's first chunk, and its growth step.
-pub(crate) const DEFAULT_ARENA_BYTES: u64 = 256 << 20;
-
-/// What `results=` names: the shared pool or the result arena.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Results {
-    Pool,
-    Arena,
-}
-
-impl Results {
-    pub(crate) fn parse(s: &str) -> Result<Results, String> {
-        match s {
-            "pool" => Ok(Results::Pool),
-            "arena" => Ok(Results::Arena),
-            other => Err(format!(
-                "poolipc: results={other:?} is not a result memory; use \"pool\" or \"arena\""
-            )),
-        }
-    }
-
-    /// Which of the two a parent's options pick.
-    pub(crate) fn of(memory: &ResultMemory) -> Results {
-        match memory {
-            ResultMemory::Arena { .. } => Results::Arena,
-            _ => Results::Pool,
-        }
-    }
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Results::Pool => "pool",
-            Results::Arena => "arena",
-        }
-    }
-}
-
-/// A deadline's name, its requested value, and its field of [`ParentOptions`].
-type Field = (
-    &'static str,
-    Option<f64>,
-    fn(&mut ParentOptions) -> &mut Duration,
-);
-
-impl Requested {
-    /// Each option with its name, the requested value and the field of [`ParentOptions`].
-    fn fields(&self) -> [Field; 4] {
-        [
-            ("handoff_timeout", self.handoff_timeout, |o| {
-                &mut o.handoff_timeout
-            }),
-            ("stop_timeout", self.stop_timeout, |o| &mut o.stop_timeout),
-            ("handshake_timeout", self.handshake_timeout, |o| {
-                &mut o.handshake_timeout
-            }),
-            ("frame_timeout", self.frame_timeout, |o| {
-                &mut o.frame_timeout
-            }),
-        ]
-    }
-
-    /// The facade's options: the defaults, with what was asked for. Checks every value,
-    /// whether or not this call creates the process's parent.
-    fn options(&self, device: u32) -> Result<ParentOptions, String> {
-        let mut o = ParentOptions {
-            device,
-            ..ParentOptions::default()
-        };
-        for (name, value, field) in self.fields() {
-            if let Some(secs) = value {
-                *field(&mut o) = seconds(name, secs)?;
-            }
-        }
-        let results = self.results.as_deref().map(Results::parse).transpose()?;
-        if self.arena_bytes == Some(0) {
-            return Err(
-                "poolipc: arena_bytes=0: the arena needs a first chunk of more than 0 \
-                        bytes"
-                    .into(),
-            );
-        }
-        if let (Some(first), Some(max)) = (self.arena_bytes, self.arena_max_bytes)
-            && max < first
-        {
-            return Err(format!(
-                "poolipc: arena_max_bytes={max} is less than arena_bytes={first}: the cap must \
-                 hold the first chunk"
-            ));
-        }
-        if results == Some(Results::Arena) {
-            o.results = ResultMemory::Arena {
-                initial_bytes: self
-                    .arena_bytes
-                    .unwrap_or(match self.arena_max_bytes {
-                        Some(max) => DEFAULT_ARENA_BYTES.min(max),
-                        None => DEFAULT_ARENA_BYTES,
-                    })
-                    .max(1),
-                max_bytes: self.arena_max_bytes,
-            };
-        }
-        Ok(o)
-    }
-
-    /// On creation: arena sizes mean nothing without `results="arena"`.
-    fn check_creation(&self) -> Result<(), String> {
-        let arena = self.results.as_deref() == Some("arena");
-        if !arena && (self.arena_bytes.is_some() || self.arena_max_bytes.is_some()) {
-            return Err(
-                "poolipc: arena_bytes and arena_max_bytes size the result arena: pass \
-                 results=\"arena\" with them"
-                    .into(),
-            );
-        }
-        Ok(())
-    }
-
-    /// What in `self` differs from the options the process's parent was made with.
-    fn clashes(&self, made: &ParentOptions) -> Vec<String> {
-        let mut made = made.clone();
-        let mut out = Vec::new();
-        for (name, value, field) in self.fields() {
-            if let Some(secs) = value {
-                let have = *field(&mut made);
-                let want = seconds(name, secs).unwrap_or(Duration::MAX);
-                // Compared in the units Python gave them (a float of seconds round-trips
-                // through Duration to within a nanosecond).
-                if want.abs_diff(have) > Duration::from_micros(1) {
-                    out.push(format!(
-                        "{name}={secs:?} (the process's parent has {:?})",
-                        have.as_secs_f64()
-                    ));
-                }
-            }
-        }
-        let (have, first, max) = match made.results {
-            ResultMemory::Arena {
-                initial_bytes,
-                max_bytes,
-            } => (Results::Arena, Some(initial_bytes), max_bytes),
-            _ => (Results::Pool, None, None),
-        };
-        if let Some(want) = self.results.as_deref().and_then(|r| Results::parse(r).ok())
-            && want != have
-        {
-            out.push(format!(
-                "results={:?} (the process's parent has {:?})",
-                want.name(),
-                have.name()
-            ));
-        }
-        if let Some(b) = self.arena_bytes
-            && Some(b) != first
-        {
-            out.push(format!(
-                "arena_bytes={b} (the process's parent has {})",
-                first.map_or("no arena".to_owned(), |f| f.to_string())
-            ));
-        }
-        if let Some(m) = self.arena_max_bytes
-            && (have != Results::Arena || Some(m) != max)
-        {
-            out.push(format!(
-                "arena_max_bytes={m} (the process's parent has {})",
-                match (have, max) {
-                    (Results::Pool, _) => "no arena".to_owned(),
-                    (Results::Arena, None) => "no cap".to_owned(),
-                    (Results::Arena, Some(x)) => x.to_string(),
-                }
-            ));
-        }
-        out
-    }
-}
-
-/// A deadline in seconds as a `Duration`: finite and more than zero.
-fn seconds(name: &str, secs: f64) -> Result<Duration, String> {
-    if !(secs.is_finite() && secs > 0.0) {
-        return Err(format!(
-            "poolipc: {name}={secs:?} is not a deadline: give seconds, more than 0"
-        ));
-    }
-    Duration::try_from_secs_f64(secs)
-        .map_err(|e| format!("poolipc: {name}={secs:?} is not a deadline: {e}"))
 }
 
 /// A driver, the environment a child needs to reach it (the simulated machine), and words.
@@ -303,7 +102,7 @@ impl EnsureError {
 /// its IO thread and installs the pool.
 pub(crate) fn ensure(
     device: u32,
-    requested: &Requested,
+    requested: &ParentConfig,
     by: &'static str,
 ) -> Result<(Arc<Global>, bool), EnsureError> {
     let options = requested.options(device).map_err(EnsureError::Config)?;

@@ -15,6 +15,7 @@ from ._types import (
     NativeAllocator,
     NativeInstallInfo,
     NativeResult,
+    ParentConfig,
     ParentOptions,
     ParentStats,
 )
@@ -106,17 +107,9 @@ def start_mps(
 def mps_status() -> MpsStatus:
     """What this machine and process say about MPS, without touching CUDA."""
 
-def _install(
-    device: int = 0,
-    handoff_timeout: float | None = None,
-    stop_timeout: float | None = None,
-    handshake_timeout: float | None = None,
-    frame_timeout: float | None = None,
-    results: str | None = None,
-    arena_bytes: int | None = None,
-    arena_max_bytes: int | None = None,
-) -> NativeInstallInfo:
-    """Installs the shared pool by creating the process's parent (see ``install_pool``)."""
+def _install(device: int = 0, options: ParentConfig | None = None) -> NativeInstallInfo:
+    """Installs the shared pool by creating the process's parent (see ``install_pool``);
+    ``options`` has every key of ``ParentConfig`` (``poolipc._types.parent_config``)."""
 
 def is_installed() -> bool:
     """Whether a pool is installed in this process."""
@@ -226,21 +219,10 @@ class NativeJobHandle:
 class NativeParent:
     """The parent side of poolipc for Python (the process's one parent, shared)."""
 
-    def __new__(
-        cls,
-        device: int = 0,
-        handoff_timeout: float | None = None,
-        stop_timeout: float | None = None,
-        handshake_timeout: float | None = None,
-        frame_timeout: float | None = None,
-        results: str | None = None,
-        arena_bytes: int | None = None,
-        arena_max_bytes: int | None = None,
-    ) -> NativeParent:
-        """The process's parent, made (and the pool installed) if nothing did. ``results``:
-        where results of a job without an allocator go, ``"pool"`` (the default) or
-        ``"arena"`` (``ArenaResult`` objects; ``arena_bytes`` first chunk, 256 MiB by default,
-        ``arena_max_bytes`` cap, half the device by default). Set once per process."""
+    def __new__(cls, device: int = 0, options: ParentConfig | None = None) -> NativeParent:
+        """The process's parent, made (and the pool installed) if nothing did, with
+        ``options`` (every key of ``ParentConfig``; None: the defaults). Set once per
+        process."""
     @property
     def device(self) -> int:
         """The pool's device ordinal."""

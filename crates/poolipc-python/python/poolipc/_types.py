@@ -1,4 +1,4 @@
-"""The shapes of the dicts the binding returns, as ``TypedDict``\\ s (plain dicts at run time).
+"""The shapes of the dicts the binding takes and returns, as ``TypedDict``\\ s (plain dicts at run time).
 
 Re-exported by ``poolipc``, so that callers can annotate with them:
 ``stats: poolipc.MemoryStats = poolipc.memory_stats()``.
@@ -6,8 +6,8 @@ Re-exported by ``poolipc``, so that callers can annotate with them:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict, cast
 
 InputSpec = tuple[int, str, Sequence[int], Sequence[int] | None]
 """One input as ``NativeParent.submit`` takes it: ``(ptr, dtype name, shape, strides in
@@ -50,6 +50,43 @@ class MemoryStats(TypedDict):
     reserved_high: int
     device: int
     driver: str
+
+
+class ParentConfig(TypedDict, total=False):
+    """The process parent's options, the keyword arguments of ``install_pool`` and ``Parent``
+    (each may be left out; None is the same as leaving it out). They are set by whichever of
+    ``install_pool`` and ``Parent`` comes first in the process; a later value that differs is
+    a ``ValueError`` naming the clash (``Parent.options`` says what is in force).
+
+    Deadlines, in seconds (more than 0; the defaults are 30, 5, 60, 5): ``handoff_timeout``,
+    how long a worker may stay silent about a job it holds before it is killed (the job
+    raises ``JobFailedError``); ``stop_timeout``, how long ``Parent.stop`` waits for a worker
+    to exit after saying goodbye before it kills it; ``handshake_timeout``, how long a new
+    worker may take to start and shake hands; ``frame_timeout``, how long a message that
+    began to arrive may take.
+
+    Result memory: ``results``, ``"pool"`` (the default) or ``"arena"`` (see ``Parent``);
+    ``arena_bytes``, the result arena's first chunk and growth step in bytes (256 MiB by
+    default, or the cap if smaller); ``arena_max_bytes``, its cap (None: half the device).
+    Arena sizes need ``results="arena"``, and the cap must hold the first chunk."""
+
+    handoff_timeout: float | None
+    stop_timeout: float | None
+    handshake_timeout: float | None
+    frame_timeout: float | None
+    results: str | None
+    arena_bytes: int | None
+    arena_max_bytes: int | None
+
+
+def parent_config(options: Mapping[str, object], caller: str) -> ParentConfig:
+    """``options`` as the native module takes them: every key of ``ParentConfig``, None where
+    not given. ``TypeError`` for a keyword that is none of them, as Python says it."""
+    keys = ParentConfig.__optional_keys__
+    for name in options:
+        if name not in keys:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    return cast(ParentConfig, {k: options.get(k) for k in sorted(keys)})
 
 
 class ParentOptions(TypedDict):

@@ -1,0 +1,523 @@
+//! The worker's thread: it owns the facade [`poolipc::Worker`] (its `Job` borrows it, which a
+//! Python object cannot hold) and carries out, one function per command, what the Python
+//! objects send it over a [`Link`]. Every CUDA call of the worker happens here, where the
+//! context is current. Between commands it may take jobs in the background (`auto_take`)
+//! and queue them in [`Arrived`] for `NativeWorker.take`.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use poolipc::{DevicePtr, Driver, ResultShape, StreamHandle};
+use poolipc_driver::EventHandle;
+use poolipc_transport::{Connection, TOKEN_LEN};
+use pyo3::prelude::*;
+
+use super::view::ViewInfo;
+use crate::errors::err;
+use crate::state;
+
+/// What Python asks the worker thread to do.
+pub(super) enum Cmd {
+    /// Take the next job; with `concurrent`, also while others are held open.
+    NextJob {
+        concurrent: bool,
+    },
+    Request(u64, Vec<ResultShape>),
+    /// Make `waiter` wait for the work queued so far on `on`.
+    StreamWait {
+        waiter: StreamHandle,
+        on: StreamHandle,
+    },
+    Read(DevicePtr, usize),
+    Write(DevicePtr, Vec<u8>),
+    Finish(u64),
+    Fail(u64, String),
+    /// From now on take jobs as they come, between commands (`take` hands them out).
+    AutoTake,
+}
+
+/// The thread's answer to a [`Cmd`].
+pub(super) enum Reply {
+    Job(Option<(u64, Vec<ViewInfo>)>),
+    Results(Vec<ViewInfo>),
+    Bytes(Vec<u8>),
+    Ok,
+}
+
+type Envelope = (Cmd, Sender<Result<Reply, String>>);
+
+/// What a started worker thread reports: its stream, whether simulated, its device.
+type Started = (u64, bool, u32);
+
+/// Where the worker's connection to its parent comes from.
+pub(super) enum Source {
+    /// The socket the parent's `spawn` left (`POOLIPC_FD`).
+    Inherited,
+    /// The parent's listening socket (`Parent.listen`), connected to by path, with the
+    /// token the listener demands, if it demands one.
+    Listener(PathBuf, Option<[u8; TOKEN_LEN]>),
+}
+
+/// How a failed connect to a listener's path starts: the error becomes `ConnectError`.
+pub(super) const CONNECT_REFUSED: &str = "poolipc: cannot connect";
+
+/// How long connecting to a listener may take (a listener's backlog is short-lived).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the thread, taking jobs in the background, waits for the parent's next frame
+/// before it looks at its commands again: the most a command waits behind that poll.
+const AUTO_POLL: Duration = Duration::from_micros(500);
+
+/// Starts the worker's thread. Returns its link, its handle and what it reported once
+/// started (its stream, whether simulated, its device), or why it did not start.
+pub(super) fn spawn(
+    py: Python<'_>,
+    source: Source,
+    device: poolipc::WorkerDevice,
+    arrived: &Arc<Arrived>,
+) -> PyResult<(Link, std::thread::JoinHandle<()>, Result<Started, String>)> {
+    let (tx, rx) = channel::<Envelope>();
+    let (rtx, rrx) = channel();
+    let thread = std::thread::Builder::new()
+        .name("poolipc-worker".into())
+        .spawn({
+            let arrived = Arc::clone(arrived);
+            move || thread_main(source, device, rx, rtx, arrived)
+        })
+        .map_err(|e| err(format!("poolipc: starting the worker thread: {e}")))?;
+    let started = py
+        .detach(move || rrx.recv())
+        .map_err(|_| err("poolipc: the worker thread ended before it started"))?;
+    let link = Link {
+        tx: Mutex::new(Some(tx)),
+    };
+    Ok((link, thread, started))
+}
+
+fn thread_main(
+    source: Source,
+    device: poolipc::WorkerDevice,
+    rx: Receiver<Envelope>,
+    ready: Sender<Result<Started, String>>,
+    arrived: Arc<Arrived>,
+) {
+    let mut thread = match WorkerThread::open(&source, device, arrived) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let _ = ready.send(Ok((
+        thread.worker.stream().as_raw(),
+        thread.sim,
+        thread.worker.device(),
+    )));
+    thread.serve(&rx);
+    thread.close();
+}
+
+/// The connection to a listener, or None for the inherited socket. A listener is reached
+/// first: a wrong path says so, whatever the driver.
+fn connect(source: &Source) -> Result<Option<Connection>, String> {
+    let Source::Listener(path, token) = source else {
+        return Ok(None);
+    };
+    let deadline = Instant::now() + CONNECT_TIMEOUT;
+    let mut conn = poolipc_transport::connect_private(path, deadline).map_err(|e| {
+        format!(
+            "{CONNECT_REFUSED}: no poolipc parent listens at {}: {e}",
+            path.display()
+        )
+    })?;
+    if let Some(t) = token {
+        conn.send_token(t, deadline).map_err(|e| {
+            format!(
+                "{CONNECT_REFUSED}: sending the token to {}: {e}",
+                path.display()
+            )
+        })?;
+    }
+    Ok(Some(conn))
+}
+
+/// What the thread owns: the facade worker, the jobs it holds open, how it takes jobs.
+struct WorkerThread {
+    worker: poolipc::Worker,
+    driver: Arc<dyn Driver>,
+    sim: bool,
+    /// Recorded to order one stream after another (`Cmd::StreamWait`).
+    sync_event: EventHandle,
+    /// Open jobs, set aside between commands: several may be open at once (leases).
+    held: HashMap<u64, poolipc::HeldJob>,
+    /// Taking jobs as they come (`auto_take`): between commands, the socket is polled.
+    auto: bool,
+    /// The parent said goodbye while jobs were taken in the background: once the last held
+    /// job is finished the thread ends, dropping the worker, which closes the socket: the
+    /// parent's `stop` of a worker it did not start waits for that.
+    parting: bool,
+    arrived: Arc<Arrived>,
+}
+
+impl WorkerThread {
+    /// Connects, opens the driver, shakes hands with the parent.
+    fn open(
+        source: &Source,
+        device: poolipc::WorkerDevice,
+        arrived: Arc<Arrived>,
+    ) -> Result<WorkerThread, String> {
+        let conn = connect(source)?;
+        let driver = state::open_worker_driver()?;
+        let sim = state::is_sim(&*driver);
+        let worker = match conn {
+            None => poolipc::Worker::from_env_with(driver, device)
+                .map_err(|e| format!("poolipc: starting the worker: {e}")),
+            Some(conn) => poolipc::Worker::connect_with(driver, device, conn).map_err(|e| {
+                format!("poolipc: the parent's listener did not take this worker: {e}")
+            }),
+        }?;
+        let driver = Arc::clone(worker.driver());
+        let sync_event = driver
+            .event_create(false)
+            .map_err(|e| format!("poolipc: cuEventCreate: {e}"))?;
+        Ok(WorkerThread {
+            worker,
+            driver,
+            sim,
+            sync_event,
+            held: HashMap::new(),
+            auto: false,
+            parting: false,
+            arrived,
+        })
+    }
+
+    /// Answers commands until the Python side is gone (or, parting, the last job ended);
+    /// taking jobs in the background, between commands.
+    fn serve(&mut self, rx: &Receiver<Envelope>) {
+        loop {
+            if self.parting && self.held.is_empty() {
+                break;
+            }
+            let next = if self.auto {
+                match rx.try_recv() {
+                    Ok(m) => Some(m),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => break,
+                }
+            } else {
+                match rx.recv() {
+                    Ok(m) => Some(m),
+                    Err(_) => break,
+                }
+            };
+            match next {
+                Some((cmd, reply)) => {
+                    let _ = reply.send(self.answer(cmd));
+                }
+                None => self.take_in_background(),
+            }
+        }
+    }
+
+    fn answer(&mut self, cmd: Cmd) -> Result<Reply, String> {
+        match cmd {
+            Cmd::AutoTake => {
+                self.auto = true;
+                Ok(Reply::Ok)
+            }
+            Cmd::StreamWait { waiter, on } => self.stream_wait(waiter, on),
+            Cmd::Read(p, n) => self.read(p, n),
+            Cmd::Write(p, data) => self.write(p, &data),
+            Cmd::NextJob { concurrent } => self.next_job(concurrent),
+            Cmd::Request(id, shapes) => self.request(id, &shapes),
+            Cmd::Finish(id) => self.finish(id),
+            Cmd::Fail(id, msg) => self.fail(id, &msg),
+        }
+    }
+
+    /// Makes `waiter` wait for the work queued so far on `on`.
+    fn stream_wait(&self, waiter: StreamHandle, on: StreamHandle) -> Result<Reply, String> {
+        // The simulation knows no CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2): its
+        // default stream is 0.
+        let sim_default = |s: StreamHandle| {
+            if self.sim && (s.as_raw() == 1 || s.as_raw() == 2) {
+                StreamHandle::NULL
+            } else {
+                s
+            }
+        };
+        let (waiter, on) = (sim_default(waiter), sim_default(on));
+        if waiter == on {
+            return Ok(Reply::Ok);
+        }
+        self.driver
+            .event_record(self.sync_event, on)
+            .and_then(|()| self.driver.stream_wait_event(waiter, self.sync_event))
+            .map(|()| Reply::Ok)
+            .map_err(|e| format!("poolipc: ordering streams: {e}"))
+    }
+
+    // The views' reads and writes go on the worker's stream, where the job's READY wait sits
+    // and where its DONE is recorded later: a read sees the parent's bytes (not what was there
+    // before the parent's kernel ran), a write lands before DONE. A synchronous copy on the
+    // legacy stream would be ordered after neither (the worker's stream is non-blocking).
+
+    /// Copies `n` bytes at `p` to the host, on the worker's stream.
+    fn read(&self, p: DevicePtr, n: usize) -> Result<Reply, String> {
+        let mut buf = vec![0u8; n];
+        self.driver
+            .memcpy_dtoh_on(&mut buf, p, self.worker.stream())
+            .map(|()| Reply::Bytes(buf))
+            .map_err(|e| format!("poolipc: reading device memory: {e}"))
+    }
+
+    /// Copies `data` to `p`, on the worker's stream.
+    fn write(&self, p: DevicePtr, data: &[u8]) -> Result<Reply, String> {
+        self.driver
+            .memcpy_htod_on(p, data, self.worker.stream())
+            .map(|()| Reply::Ok)
+            .map_err(|e| format!("poolipc: writing device memory: {e}"))
+    }
+
+    /// Waits for the next job and holds it open.
+    fn next_job(&mut self, concurrent: bool) -> Result<Reply, String> {
+        if !concurrent && !self.held.is_empty() {
+            return Err("poolipc: the previous job is still open; finish it first".into());
+        }
+        if self.auto {
+            return Err(
+                "poolipc: this worker takes its jobs in the background (auto_take); use take()"
+                    .into(),
+            );
+        }
+        match self.worker.next_job() {
+            Ok(Some(job)) => {
+                let id = job.id().0;
+                let inputs = ViewInfo::inputs_of(&job);
+                self.held.insert(id, job.hold());
+                Ok(Reply::Job(Some((id, inputs))))
+            }
+            Ok(None) => Ok(Reply::Job(None)),
+            Err(e) => Err(format!("poolipc: waiting for a job: {e}")),
+        }
+    }
+
+    /// Asks the parent for job `id`'s result memory; the job stays held either way.
+    fn request(&mut self, id: u64, shapes: &[ResultShape]) -> Result<Reply, String> {
+        let mut job = take_up(&mut self.worker, &mut self.held, id)?;
+        let answer = match job.request_results(shapes) {
+            Ok(views) => Ok(Reply::Results(
+                views.iter().map(ViewInfo::of_result).collect(),
+            )),
+            Err(e) => Err(format!("poolipc: requesting results: {e}")),
+        };
+        self.held.insert(id, job.hold());
+        answer
+    }
+
+    fn finish(&mut self, id: u64) -> Result<Reply, String> {
+        let job = take_up(&mut self.worker, &mut self.held, id)?;
+        job.finish()
+            .map(|()| Reply::Ok)
+            .map_err(|e| format!("poolipc: finishing the job: {e}"))
+    }
+
+    fn fail(&mut self, id: u64, msg: &str) -> Result<Reply, String> {
+        let job = take_up(&mut self.worker, &mut self.held, id)?;
+        job.fail(msg)
+            .map(|()| Reply::Ok)
+            .map_err(|e| format!("poolipc: failing the job: {e}"))
+    }
+
+    /// No command waits: take a job if one comes within [`AUTO_POLL`], queue it for `take`.
+    fn take_in_background(&mut self) {
+        let gone = match self.worker.next_job_within(AUTO_POLL) {
+            Ok(poolipc::NextJob::Job(job)) => {
+                let id = job.id().0;
+                let inputs = ViewInfo::inputs_of(&job);
+                self.held.insert(id, job.hold());
+                self.arrived.push(id, inputs);
+                false
+            }
+            Ok(poolipc::NextJob::Idle) => false,
+            Ok(poolipc::NextJob::Gone) => true,
+            Err(e) => {
+                self.auto = false;
+                self.arrived
+                    .end(Some(format!("poolipc: waiting for a job: {e}")));
+                false
+            }
+        };
+        if gone {
+            self.part();
+        }
+    }
+
+    /// The parent said goodbye: no more jobs; those that arrived but were never handed out
+    /// fail (nobody will finish them), and the thread ends once the rest are finished.
+    fn part(&mut self) {
+        self.auto = false;
+        self.parting = true;
+        for id in self.arrived.end_and_drain(None) {
+            if let Some(h) = self.held.remove(&id)
+                && let Ok(job) = self.worker.resume(h)
+            {
+                let _ = job.fail("the parent said goodbye before this job was taken");
+            }
+        }
+    }
+
+    /// The Python side is gone: every job still open is taken up and dropped, which reports
+    /// it failed and finishes it, so the parent is not left waiting.
+    fn close(mut self) {
+        self.arrived.end(None);
+        for (_, h) in self.held.drain() {
+            if let Ok(job) = self.worker.resume(h) {
+                drop(job);
+            }
+        }
+    }
+}
+
+/// The held job `id`, taken up again on `worker`.
+fn take_up<'w>(
+    worker: &'w mut poolipc::Worker,
+    held: &mut HashMap<u64, poolipc::HeldJob>,
+    id: u64,
+) -> Result<poolipc::Job<'w>, String> {
+    let h = held
+        .remove(&id)
+        .ok_or_else(|| format!("poolipc: job {id} is not open on this worker"))?;
+    worker
+        .resume(h)
+        .map_err(|e| format!("poolipc: taking up job {id}: {e}"))
+}
+
+/// The channel to the worker thread.
+pub(super) struct Link {
+    tx: Mutex<Option<Sender<Envelope>>>,
+}
+
+impl Link {
+    /// Sends `cmd` and waits for the answer, the GIL released.
+    pub(super) fn call(&self, py: Python<'_>, cmd: Cmd) -> PyResult<Reply> {
+        let (rtx, rrx) = channel();
+        {
+            let guard = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
+            let tx = guard
+                .as_ref()
+                .ok_or_else(|| err("poolipc: this worker was closed"))?;
+            tx.send((cmd, rtx))
+                .map_err(|_| err("poolipc: the worker thread is gone"))?;
+        }
+        py.detach(move || rrx.recv())
+            .map_err(|_| err("poolipc: the worker thread is gone"))?
+            .map_err(err)
+    }
+
+    /// Sends without waiting for the answer (used at drop).
+    pub(super) fn post(&self, cmd: Cmd) {
+        let guard = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(tx) = guard.as_ref() {
+            let (rtx, _) = channel();
+            let _ = tx.send((cmd, rtx));
+        }
+    }
+
+    /// Closes the channel: the thread ends once it sees that.
+    pub(super) fn close(&self) {
+        self.tx
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+    }
+}
+
+/// Jobs the thread took in the background, for `NativeWorker.take`.
+#[derive(Default)]
+pub(super) struct Arrived {
+    queue: Mutex<ArrivedQueue>,
+    changed: Condvar,
+}
+
+/// A job that arrived: its id and its inputs.
+pub(super) type ArrivedJob = (u64, Vec<ViewInfo>);
+
+#[derive(Default)]
+struct ArrivedQueue {
+    jobs: VecDeque<ArrivedJob>,
+    /// No more will come: the parent said goodbye or went away (None), or an error.
+    ended: Option<Option<String>>,
+}
+
+impl ArrivedQueue {
+    /// Takes job `job` out of the queue, or the first one when `job` is None.
+    fn pick(&mut self, job: Option<u64>) -> Option<ArrivedJob> {
+        let at = match job {
+            Some(id) => self.jobs.iter().position(|(j, _)| *j == id),
+            None => (!self.jobs.is_empty()).then_some(0),
+        };
+        at.and_then(|i| self.jobs.remove(i))
+    }
+}
+
+impl Arrived {
+    fn push(&self, id: u64, inputs: Vec<ViewInfo>) {
+        self.queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .jobs
+            .push_back((id, inputs));
+        self.changed.notify_all();
+    }
+
+    /// Ends the queue and gives back the ids of the jobs still in it.
+    fn end_and_drain(&self, why: Option<String>) -> Vec<u64> {
+        let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        q.ended.get_or_insert(why);
+        let ids = q.jobs.drain(..).map(|(id, _)| id).collect();
+        drop(q);
+        self.changed.notify_all();
+        ids
+    }
+
+    fn end(&self, why: Option<String>) {
+        self.queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .ended
+            .get_or_insert(why);
+        self.changed.notify_all();
+    }
+
+    /// Job `job` (or the first to arrive, when None) if it is queued or comes within `slice`
+    /// (and before `deadline`): `Some(Ok(job))`; `Some(Err(why))` when the queue ended
+    /// without it (None: the parent said goodbye or went away; else the error); None when it
+    /// has not come yet.
+    pub(super) fn wait_for(
+        &self,
+        job: Option<u64>,
+        slice: Duration,
+        deadline: Option<Instant>,
+    ) -> Option<Result<ArrivedJob, Option<String>>> {
+        let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(found) = q.pick(job) {
+            return Some(Ok(found));
+        }
+        if let Some(why) = &q.ended {
+            return Some(Err(why.clone()));
+        }
+        let wait = deadline.map_or(slice, |d| {
+            slice.min(d.saturating_duration_since(Instant::now()))
+        });
+        let (mut q, _) = self
+            .changed
+            .wait_timeout(q, wait)
+            .unwrap_or_else(PoisonError::into_inner);
+        q.pick(job).map(Ok)
+    }
+}

@@ -1,0 +1,307 @@
+//! A job's views for Python: an input view or a result buffer, device memory the parent owns
+//! that torch, CuPy and JAX take without a copy (DLPack, `__cuda_array_interface__`) while
+//! the job is open.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use poolipc::{DType, DevicePtr, StreamHandle};
+use pyo3::exceptions::{PyAttributeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use super::job::JobLife;
+use super::thread::{Cmd, Link, Reply};
+use crate::dlpack;
+use crate::dtype;
+use crate::errors::{ExpiredViewError, err};
+
+/// A view as the thread describes it.
+#[derive(Clone)]
+pub(super) struct ViewInfo {
+    ptr: DevicePtr,
+    dtype: DType,
+    shape: Vec<u64>,
+    /// In elements, filled in when contiguous.
+    strides: Vec<i64>,
+    nbytes: u64,
+    rung: String,
+    /// A host-staged input: this worker's private copy, which goes one way only.
+    read_only: bool,
+}
+
+impl ViewInfo {
+    /// The input views of a job the thread took.
+    pub(super) fn inputs_of(job: &poolipc::Job<'_>) -> Vec<ViewInfo> {
+        job.inputs()
+            .iter()
+            .map(|v| ViewInfo {
+                ptr: v.ptr(),
+                dtype: v.desc().dtype,
+                shape: v.desc().shape.clone(),
+                strides: v.desc().strides_or_contiguous(),
+                nbytes: v.byte_len(),
+                rung: v.rung().to_string(),
+                read_only: v.read_only(),
+            })
+            .collect()
+    }
+
+    /// A result buffer the parent granted (contiguous, writable).
+    pub(super) fn of_result(v: &poolipc::ResultView) -> ViewInfo {
+        ViewInfo {
+            ptr: v.ptr(),
+            dtype: v.shape().dtype,
+            shape: v.shape().shape.clone(),
+            strides: poolipc::TensorDesc::contiguous_strides(&v.shape().shape),
+            nbytes: v.bytes(),
+            rung: v.rung().to_string(),
+            read_only: false,
+        }
+    }
+}
+
+/// An input view or a result buffer of a job: device memory the parent owns, usable by
+/// torch, CuPy and JAX without a copy (`__dlpack__`, `__cuda_array_interface__`) until the
+/// job ends; any use after that raises `ExpiredViewError`.
+///
+/// Read-only inputs. A write to an input reaches the parent's tensor on every rung (an arena
+/// copy or a host-staged copy is copied back after the job) unless the parent lent it
+/// read-only (`Parent.submit(..., read_only=True)`). Such a view says `read_only == True`,
+/// and says so to consumers: `__cuda_array_interface__`'s `data` is `(ptr, True)`; the DLPack
+/// capsule a consumer asking for `max_version >= (1, 0)` gets is versioned with
+/// `DLPACK_FLAG_BITMASK_READ_ONLY` set (a legacy consumer gets the unversioned capsule, which
+/// cannot carry the flag); `write_bytes` raises `ValueError`; an arena-copy input is mapped
+/// read-only, so a kernel's write faults.
+///
+/// What consumers do with the flag differs. NumPy and CuPy read it. torch (2.9 to 2.11:
+/// `torch.from_dlpack` asks for `max_version=(1, 0)`, `at::fromDLPackImpl` never looks at
+/// `flags`) has no read-only tensors: it makes an ordinary, writable tensor of a read-only
+/// capsule, without a warning. So with torch, check `view.read_only` (or `view.rung`) and
+/// `.clone()` a staged input before writing to it in place; the write does not raise.
+#[pyclass(module = "poolipc", frozen)]
+pub(crate) struct View {
+    info: ViewInfo,
+    /// A result buffer (written by the worker) rather than an input.
+    #[pyo3(get)]
+    is_result: bool,
+    life: Arc<JobLife>,
+    link: Arc<Link>,
+    job_stream: u64,
+    device: u32,
+}
+
+impl View {
+    pub(super) fn new(
+        info: ViewInfo,
+        is_result: bool,
+        life: &Arc<JobLife>,
+        link: &Arc<Link>,
+        job_stream: u64,
+        device: u32,
+    ) -> View {
+        View {
+            info,
+            is_result,
+            life: Arc::clone(life),
+            link: Arc::clone(link),
+            job_stream,
+            device,
+        }
+    }
+
+    fn check_open(&self) -> PyResult<()> {
+        if self.life.open.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(ExpiredViewError::new_err(
+                "poolipc: this view's job has ended; its memory belongs to the parent again \
+                 (use views, and tensors made from them, only inside the job)",
+            ))
+        }
+    }
+
+    /// The view as the exchange protocols describe it.
+    fn tensor(&self) -> dlpack::Tensor<'_> {
+        dlpack::Tensor {
+            ptr: self.info.ptr.0,
+            device: self.device,
+            dtype: self.info.dtype,
+            shape: &self.info.shape,
+            strides: &self.info.strides,
+            read_only: self.info.read_only,
+            stream: self.job_stream,
+        }
+    }
+}
+
+#[pymethods]
+impl View {
+    /// The device address of element 0 in this process.
+    #[getter]
+    fn ptr(&self) -> PyResult<u64> {
+        self.check_open()?;
+        Ok(self.info.ptr.0)
+    }
+
+    /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        dtype::name(self.info.dtype)
+    }
+
+    /// The shape.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.info.shape)
+    }
+
+    /// The strides, in elements.
+    #[getter]
+    fn strides<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.info.strides)
+    }
+
+    /// Bytes from element 0 to the end of the last element.
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.info.nbytes
+    }
+
+    /// The rung it crossed on.
+    #[getter]
+    fn rung(&self) -> &str {
+        &self.info.rung
+    }
+
+    /// Whether the view must not be written: True for an input that crossed by host staging
+    /// (a write would change only this worker's copy, never the parent's tensor). False for
+    /// pool-pointer inputs and for result buffers.
+    #[getter]
+    fn read_only(&self) -> bool {
+        self.info.read_only
+    }
+
+    /// The job's stream (it waited on READY).
+    #[getter]
+    fn stream(&self) -> u64 {
+        self.job_stream
+    }
+
+    /// Whether its job is still open.
+    #[getter]
+    fn valid(&self) -> bool {
+        self.life.open.load(Ordering::Acquire)
+    }
+
+    /// A copy of the bytes `[ptr, ptr + nbytes)` (synchronous; for tests and debugging).
+    fn read_bytes(&self, py: Python<'_>) -> PyResult<Vec<u8>> {
+        self.check_open()?;
+        let n = usize::try_from(self.info.nbytes)
+            .map_err(|_| PyValueError::new_err("poolipc: too large to read"))?;
+        match self.link.call(py, Cmd::Read(self.info.ptr, n))? {
+            Reply::Bytes(b) => Ok(b),
+            _ => Err(err("poolipc: unexpected answer from the worker thread")),
+        }
+    }
+
+    /// Writes `data` at the start of the view (synchronous; for tests and debugging).
+    fn write_bytes(&self, py: Python<'_>, data: Vec<u8>) -> PyResult<()> {
+        self.check_open()?;
+        if self.info.read_only {
+            return Err(PyValueError::new_err(
+                "poolipc: this input view is read-only: the parent lent it with read_only=True, \
+                 so a write would not reach its tensor (clone it to work on it in place)",
+            ));
+        }
+        if data.len() as u64 > self.info.nbytes {
+            return Err(PyValueError::new_err(format!(
+                "poolipc: {} bytes do not fit in a view of {} bytes",
+                data.len(),
+                self.info.nbytes
+            )));
+        }
+        self.link.call(py, Cmd::Write(self.info.ptr, data))?;
+        Ok(())
+    }
+
+    /// `(kDLCUDA, device)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        dlpack::device(self.device)
+    }
+
+    /// A DLPack capsule over the view (no copy). `stream` is the consumer's stream: it is made
+    /// to wait on the job's stream, and DONE will wait on it. A versioned capsule
+    /// (`dltensor_versioned`) when `max_version` is at least (1, 0), a legacy one otherwise.
+    /// A read-only view's versioned capsule has `DLPACK_FLAG_BITMASK_READ_ONLY` set; torch
+    /// ignores the flag (see the class docs), NumPy and CuPy honour it.
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<i64>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.check_open()?;
+        let request = dlpack::Request {
+            stream,
+            max_version,
+            dl_device,
+            copy,
+        };
+        let order = |s: StreamHandle| {
+            self.link.call(
+                py,
+                Cmd::StreamWait {
+                    waiter: s,
+                    on: crate::dlpack::python_stream(self.job_stream),
+                },
+            )?;
+            let mut cs = self
+                .life
+                .consumer_streams
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !cs.contains(&s.as_raw()) && s.as_raw() != self.job_stream {
+                cs.push(s.as_raw());
+            }
+            Ok(())
+        };
+        let keep = dlpack::Keep::Job(Arc::clone(&self.life));
+        dlpack::export(py, &self.tensor(), request, order, keep)
+    }
+
+    /// `__cuda_array_interface__` version 3, with the job's stream as `stream` (consumers
+    /// order their work after it) and `data == (ptr, read_only)`. Not offered for bfloat16 and float8 (numpy has no type
+    /// string for them): use DLPack there.
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.check_open()
+            .map_err(|e| PyAttributeError::new_err(e.value(py).to_string()))?;
+        dlpack::cuda_array_interface(py, &self.tensor())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "{}(ptr={:#x}, dtype={}, shape={:?}, strides={:?}, rung={}, read_only={}, valid={})",
+            if self.is_result {
+                "ResultBuffer"
+            } else {
+                "InputView"
+            },
+            self.info.ptr.0,
+            dtype::name(self.info.dtype),
+            self.info.shape,
+            self.info.strides,
+            self.info.rung,
+            if self.info.read_only { "True" } else { "False" },
+            if self.life.open.load(Ordering::Acquire) {
+                "True"
+            } else {
+                "False"
+            }
+        )
+    }
+}
