@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use poolipc::{ResultShape, StreamHandle};
+use poolipc::ResultShape;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
