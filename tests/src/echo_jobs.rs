@@ -3,9 +3,7 @@
 //! [`poolipc::echo`] writes.
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{
-    DType, DevicePtr, Input, JobOutput, Parent, StreamHandle, TensorDesc, WorkerId, echo,
-};
+use poolipc::{DType, DevicePtr, Input, JobOutput, Layout, Parent, StreamHandle, WorkerId, echo};
 
 /// A pool allocation of `bytes` filled with `pattern`.
 pub fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<DevicePtr> {
@@ -18,7 +16,7 @@ pub fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Res
 pub fn bytes_input(ptr: DevicePtr, bytes: u64) -> Input {
     Input {
         ptr,
-        desc: TensorDesc::contiguous(DType::U8, &[bytes]),
+        desc: Layout::contiguous(DType::U8, &[bytes]),
         read_only: false,
     }
 }

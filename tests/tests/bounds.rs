@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use poolipc::{
-    Bound, DType, Error, FailReason, Input, Parent, ParentOptions, ResultMemory, TensorDesc,
-    WorkerId, echo,
+    Bound, DType, Error, FailReason, Input, Layout, Parent, ParentOptions, ResultMemory, WorkerId,
+    echo,
 };
 use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
@@ -34,10 +34,7 @@ fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<
 }
 
 fn input(ptr: DevicePtr) -> [Input; 1] {
-    [Input::new(
-        ptr,
-        TensorDesc::contiguous(DType::F32, &[MIB / 4]),
-    )]
+    [Input::new(ptr, Layout::contiguous(DType::F32, &[MIB / 4]))]
 }
 
 /// A honest job on `worker`: it succeeds; its results are given back.
@@ -321,7 +318,7 @@ both_drivers!(
         let x = p.pool().alloc(4096, stream)?;
         p.driver().stream_synchronize(stream)?;
         let churn = p.spawn_worker(rogue_command(env, "done-churn")?)?;
-        let one = [Input::new(x, TensorDesc::contiguous(DType::U8, &[4096])).read_only()];
+        let one = [Input::new(x, Layout::contiguous(DType::U8, &[4096])).read_only()];
         let mut most = 0;
         for i in 0..10_000 {
             match bounded(p.submit(churn, &one, stream)?)? {

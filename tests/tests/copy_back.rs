@@ -10,9 +10,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{
-    DevicePtr, Error, Input, Parent, ParentOptions, Rung, StreamHandle, TensorDesc, echo,
-};
+use poolipc::{DevicePtr, Error, Input, Layout, Parent, ParentOptions, Rung, StreamHandle, echo};
 use poolipc_driver::{OwnedPool, PoolAllocation, PoolSharing};
 use poolipc_tests::echo_jobs::{filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
@@ -160,7 +158,7 @@ fn writer(env: &Env, s: &Setup) -> Result<(poolipc::WorkerId, std::path::PathBuf
 fn a_write_comes_back(env: &Env, via: Via) -> Result<()> {
     let s = setup(env, via, &format!("{via:?}-rw"))?;
     let (w, report) = writer(env, &s)?;
-    let input = Input::new(s.src, TensorDesc::contiguous(DType::U8, &[BYTES]));
+    let input = Input::new(s.src, Layout::contiguous(DType::U8, &[BYTES]));
     let out = s.p.run_job(w, &[input], s.stream)?;
     ensure!(out.input_rungs == [via.rung()], "{:?}", out.input_rungs);
     let views = std::fs::read_to_string(&report)?;
@@ -202,7 +200,7 @@ both_drivers!(
     fn a_write_into_a_read_only_arena_copied_input_fails_the_job_and_the_tensor_is_as_lent(env) {
         let s = setup(env, Via::ArenaCopy, "ro-arena")?;
         let (w, report) = writer(env, &s)?;
-        let input = Input::new(s.src, TensorDesc::contiguous(DType::U8, &[BYTES])).read_only();
+        let input = Input::new(s.src, Layout::contiguous(DType::U8, &[BYTES])).read_only();
         match s.p.run_job(w, &[input], s.stream) {
             Err(e @ (Error::Worker { .. } | Error::JobFailed { .. })) => println!("{:?}: {e}", env.kind()),
             Ok(out) => bail!("the write into a read-only block went through silently: {:?}", out.input_rungs),
@@ -229,7 +227,7 @@ both_drivers!(
     fn a_read_only_host_staged_input_is_not_copied_back_and_the_worker_is_told(env) {
         let s = setup(env, Via::HostStaging, "ro-staged")?;
         let (w, report) = writer(env, &s)?;
-        let input = Input::new(s.src, TensorDesc::contiguous(DType::U8, &[BYTES])).read_only();
+        let input = Input::new(s.src, Layout::contiguous(DType::U8, &[BYTES])).read_only();
         let out = s.p.run_job(w, &[input], s.stream)?;
         ensure!(out.input_rungs == [Rung::HostStaging], "{:?}", out.input_rungs);
         let views = std::fs::read_to_string(&report)?;

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc::{DType, Error, Input, Parent, ParentOptions, Rung, TensorDesc, echo};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
 use poolipc_driver::sim::{SimConfig, SimDriver, VISIBLE_ENV};
 use poolipc_driver::{CudaDriver, Driver, StreamHandle};
 use poolipc_tests::{Env, worker_command};
@@ -227,7 +227,7 @@ fn cross_job(
         worker,
         &[Input {
             ptr: input,
-            desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+            desc: Layout::contiguous(DType::U8, &[MIB]),
             read_only: false,
         }],
         stream,

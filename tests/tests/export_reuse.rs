@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc::{DType, ExportReuse, Input, Parent, ParentOptions, Rung, TensorDesc, echo};
+use poolipc::{DType, ExportReuse, Input, Layout, Parent, ParentOptions, Rung, echo};
 use poolipc_driver::sim::SimConfig;
 use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_pool::ExportCacheStats;
@@ -60,7 +60,7 @@ fn recycle(p: &Parent, ptr: DevicePtr, stream: StreamHandle) -> Result<DevicePtr
 fn input(ptr: DevicePtr) -> Input {
     Input {
         ptr,
-        desc: TensorDesc::contiguous(DType::U8, &[BYTES]),
+        desc: Layout::contiguous(DType::U8, &[BYTES]),
         read_only: false,
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{DType, Error, Input, Parent, ParentOptions, Rung, TensorDesc, echo};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
 use poolipc_contract::FailReason;
 use poolipc_driver::{DevicePtr, PoolSharing, StreamHandle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
@@ -42,7 +42,7 @@ fn echo_job(p: &Parent, worker: poolipc::WorkerId, stream: StreamHandle) -> Resu
         worker,
         &[Input {
             ptr: input,
-            desc: TensorDesc::contiguous(DType::F32, &[MIB / 4]),
+            desc: Layout::contiguous(DType::F32, &[MIB / 4]),
             read_only: false,
         }],
         stream,
@@ -64,7 +64,7 @@ fn violation(env: &Env, mode: &str, want: FailReason) -> Result<()> {
     let input = filled(&p, MIB, 0x0102_0304, stream)?;
     let tensor = Input {
         ptr: input,
-        desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+        desc: Layout::contiguous(DType::U8, &[MIB]),
         read_only: false,
     };
     match p.run_job(rogue, std::slice::from_ref(&tensor), stream) {
@@ -143,7 +143,7 @@ both_drivers!(
         let good = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "silent")?)?;
         let input = filled(&p, MIB, 1, stream)?;
-        let got = p.run_job(rogue, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }], stream);
+        let got = p.run_job(rogue, &[Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false }], stream);
         ensure!(
             matches!(got, Err(Error::JobFailed { reason: FailReason::DeadlineExpired, .. })),
             "{got:?}"
@@ -167,7 +167,7 @@ both_drivers!(
         let input = filled(&p, MIB, 0x0102_0304, stream)?;
         let got = p.run_job(
             rogue,
-            &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }],
+            &[Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false }],
             stream,
         );
         println!("staging-ftruncate: {got:?}");
@@ -192,7 +192,7 @@ both_drivers!(
         let input = filled(&p, MIB, 0x0102_0304, stream)?;
         let one = |shape: &[u64]| Input {
             ptr: input,
-            desc: TensorDesc::contiguous(DType::U8, shape),
+            desc: Layout::contiguous(DType::U8, shape),
             read_only: true,
         };
         let many = vec![one(&[4]); 7000];
@@ -228,7 +228,7 @@ both_drivers!(
         let input = filled(&p, MIB, 0x0102_0304, stream)?;
         let got = p.run_job(
             rogue,
-            &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }],
+            &[Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false }],
             stream,
         );
         // The rogue reports the refusal as its job's error: it got the grant, alive.
@@ -284,7 +284,7 @@ both_drivers!(
         let foreign = foreign_alloc.ptr();
         echo::fill_pattern(&*d, foreign, MIB, 0x5A5A_0101, stream)?;
         let ours = filled(&p, MIB, 0x0F0F_0F0F, stream)?;
-        let desc = TensorDesc::contiguous(DType::F32, &[MIB / 4]);
+        let desc = Layout::contiguous(DType::F32, &[MIB / 4]);
         let out = p.run_job(
             worker,
             // The foreign one lent read-only: the worker's view says so.
@@ -327,14 +327,14 @@ both_drivers!(
         let base = filled(&p, MIB, 3, stream)?;
         let negative = Input {
             ptr: base.offset(MIB - 4),
-            desc: TensorDesc { dtype: DType::F32, shape: vec![16], strides: vec![-1] },
+            desc: Layout { dtype: DType::F32, shape: vec![16], strides: vec![-1] },
             read_only: false,
         };
         let got = p.run_job(worker, &[negative], stream);
         ensure!(matches!(got, Err(Error::InvalidTensor(_))), "negative strides: {got:?}");
         let past = Input {
             ptr: base.offset(MIB / 2),
-            desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+            desc: Layout::contiguous(DType::U8, &[MIB]),
             read_only: false,
         };
         let got = p.run_job(worker, &[past], stream);
@@ -416,7 +416,7 @@ both_drivers!(
         for k in 0..4u32 {
             let ptr = filled(&p, MIB, 0x1000_0000 + k, stream)?;
             inputs.push(ptr);
-            let input = Input { ptr, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false };
+            let input = Input { ptr, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false };
             handles.push(p.submit(worker, &[input], stream)?);
         }
         for (k, h) in handles.into_iter().enumerate() {
@@ -454,7 +454,7 @@ both_drivers!(
         let p = parent(env, |o| o.canary = false)?;
         let stream = p.driver().stream_create()?;
         let input = filled(&p, MIB, 9, stream)?;
-        let tensor = Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false };
+        let tensor = Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false };
         // One round first, so that whatever is opened once per process is open.
         let kill_one = |p: &Parent| -> Result<()> {
             let w = p.spawn_worker(worker_command(env, Some("after-import"))?)?;
@@ -513,7 +513,7 @@ fn gpu_fault(env: &Env) -> Result<()> {
     let input = filled(&p, MIB, 0x0102_0304, stream)?;
     let tensor = Input {
         ptr: input,
-        desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+        desc: Layout::contiguous(DType::U8, &[MIB]),
         read_only: false,
     };
     let got = p.run_job(faulty, std::slice::from_ref(&tensor), stream);

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc::{DType, Error, Input, Parent, ParentOptions, Rung, TensorDesc, echo};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
 use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 use poolipc_pool::ImportLimit;
 use poolipc_tests::{Env, both_drivers, worker_command};
@@ -36,7 +36,7 @@ struct Case {
     name: &'static str,
     alloc: u64,
     offset: u64,
-    desc: TensorDesc,
+    desc: Layout,
     pattern: u32,
 }
 
@@ -46,28 +46,28 @@ fn cases() -> Vec<Case> {
             name: "f32 1 MiB",
             alloc: MIB,
             offset: 0,
-            desc: TensorDesc::contiguous(DType::F32, &[256, 1024]),
+            desc: Layout::contiguous(DType::F32, &[256, 1024]),
             pattern: 0x3F80_0000,
         },
         Case {
             name: "bf16 odd size",
             alloc: 24_690,
             offset: 0,
-            desc: TensorDesc::contiguous(DType::BF16, &[12_345]),
+            desc: Layout::contiguous(DType::BF16, &[12_345]),
             pattern: 0x3F80_3F80,
         },
         Case {
             name: "i64 view at an offset",
             alloc: 3 * MIB,
             offset: MIB + 8,
-            desc: TensorDesc::contiguous(DType::I64, &[1000]),
+            desc: Layout::contiguous(DType::I64, &[1000]),
             pattern: 7,
         },
         Case {
             name: "u8 13 bytes",
             alloc: 13,
             offset: 0,
-            desc: TensorDesc::contiguous(DType::U8, &[13]),
+            desc: Layout::contiguous(DType::U8, &[13]),
             pattern: 0x0101_0101,
         },
     ]
@@ -128,7 +128,7 @@ fn killed_at(env: &Env, step: &str) -> Result<()> {
     let input = filled(&p, 4 * MIB, 0x1234_5678, stream)?;
     let inputs = [Input {
         ptr: input,
-        desc: TensorDesc::contiguous(DType::F32, &[MIB]),
+        desc: Layout::contiguous(DType::F32, &[MIB]),
         read_only: false,
     }];
     for attempt in 0..2 {
@@ -247,8 +247,8 @@ both_drivers!(
         let big = filled(&p, bytes, 0x1357_9BDF, stream)?;
         let small = filled(&p, MIB / 2, 0x2468_ACE0, stream)?;
         let inputs = [
-            Input { ptr: big, desc: TensorDesc::contiguous(DType::U8, &[bytes]), read_only: false },
-            Input { ptr: small, desc: TensorDesc::contiguous(DType::U8, &[MIB / 2]), read_only: false },
+            Input { ptr: big, desc: Layout::contiguous(DType::U8, &[bytes]), read_only: false },
+            Input { ptr: small, desc: Layout::contiguous(DType::U8, &[MIB / 2]), read_only: false },
         ];
         let out = p.run_job(worker, &inputs, stream)?;
         ensure!(out.input_rungs == vec![Rung::HostStaging, Rung::PoolPointer], "{:?}", out.input_rungs);
@@ -284,7 +284,7 @@ both_drivers!(
         println!("{:?}: rogue peer: {err}", env.kind());
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let input = filled(&p, MIB, 3, stream)?;
-        let out = p.run_job(worker, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
+        let out = p.run_job(worker, &[Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
         d.stream_synchronize(stream)?;
         for r in out.results {
             p.pool().free(r.ptr, stream)?;
@@ -306,8 +306,8 @@ both_drivers!(
         for round in 0..3u32 {
             let a = filled(&p, MIB, 0xA000 + round, stream)?;
             let b = filled(&p, 4096, 0xB000 + round, stream)?;
-            let first = p.submit(worker, &[Input { ptr: a, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
-            let second = p.submit(worker, &[Input { ptr: b, desc: TensorDesc::contiguous(DType::U8, &[4096]), read_only: false }], stream)?;
+            let first = p.submit(worker, &[Input { ptr: a, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
+            let second = p.submit(worker, &[Input { ptr: b, desc: Layout::contiguous(DType::U8, &[4096]), read_only: false }], stream)?;
             // The worker finishes `second` before `first`, which it held open meanwhile.
             let out_b = second.wait()?;
             let out_a = first.wait()?;
@@ -343,7 +343,7 @@ both_drivers!(
         ensure!(cred.pid == child.id() as i32, "peer credentials: {cred:?}");
         let worker = p.accept_worker(conn)?;
         let input = filled(&p, MIB, 0x0BAD_F00D, stream)?;
-        let out = p.run_job(worker, &[Input { ptr: input, desc: TensorDesc::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
+        let out = p.run_job(worker, &[Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
         d.stream_synchronize(stream)?;
         ensure!(read(&*d, out.results[0].ptr, 8)?[4..] == 0x0BAD_F00Du32.to_le_bytes(), "result content");
         p.pool().free(out.results[0].ptr, stream)?;

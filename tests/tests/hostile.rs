@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use poolipc::{DType, Error, Input, Parent, ParentOptions, TensorDesc, echo};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, echo};
 use poolipc_contract::FailReason;
 use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_tests::{Env, both_drivers, worker_command};
@@ -33,7 +33,7 @@ fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<
 fn input(ptr: DevicePtr) -> [Input; 1] {
     [Input {
         ptr,
-        desc: TensorDesc::contiguous(DType::F32, &[MIB / 4]),
+        desc: Layout::contiguous(DType::F32, &[MIB / 4]),
         read_only: false,
     }]
 }
@@ -159,7 +159,7 @@ both_drivers!(
         let hung = p.spawn_worker(worker_command(env, Some("hang-before-staged-send"))?)?;
         let inputs = [Input {
             ptr: big,
-            desc: TensorDesc::contiguous(DType::U8, &[bytes]),
+            desc: Layout::contiguous(DType::U8, &[bytes]),
             read_only: true,
         }];
         let before = p.pool().stats()?.used_current;

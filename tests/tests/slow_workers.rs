@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use poolipc::{DType, Error, Input, Parent, ParentOptions, SendQueueLimits, TensorDesc, echo};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, echo};
 use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
@@ -38,7 +38,7 @@ fn filled(p: &Parent, bytes: u64, stream: StreamHandle) -> Result<DevicePtr> {
 fn input(ptr: DevicePtr) -> [Input; 1] {
     [Input {
         ptr,
-        desc: TensorDesc::contiguous(DType::F32, &[KIB]),
+        desc: Layout::contiguous(DType::F32, &[KIB]),
         read_only: false,
     }]
 }

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Result, ensure};
-use poolipc::{DType, Input, Parent, ParentOptions, TensorDesc};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions};
 use poolipc_tests::{Env, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -40,7 +40,7 @@ fn one_job(env: &Env) -> Result<(poolipc::WorkerId, poolipc::JobId)> {
     let worker = p.spawn_worker(worker_command(env, None)?)?;
     let input = [Input {
         ptr: x,
-        desc: TensorDesc::contiguous(DType::F32, &[MIB / 4]),
+        desc: Layout::contiguous(DType::F32, &[MIB / 4]),
         read_only: true,
     }];
     let handle = p.submit(worker, &input, stream)?;

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use poolipc::driver::{Choice, MACHINE_ENV};
-use poolipc::{DType, Input, Parent, ParentOptions, TensorDesc, echo};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions, echo};
 use poolipc_driver::Driver;
 
 /// Options of `poolipc demo`.
@@ -26,7 +26,7 @@ struct Case {
     name: &'static str,
     alloc: u64,
     offset: u64,
-    desc: TensorDesc,
+    desc: Layout,
     pattern: u32,
 }
 
@@ -36,35 +36,35 @@ fn cases() -> Vec<Case> {
             name: "f32 4 KiB",
             alloc: 4096,
             offset: 0,
-            desc: TensorDesc::contiguous(DType::F32, &[1024]),
+            desc: Layout::contiguous(DType::F32, &[1024]),
             pattern: 0x3F80_0000,
         },
         Case {
             name: "bf16 odd size",
             alloc: 24_690,
             offset: 0,
-            desc: TensorDesc::contiguous(DType::BF16, &[12_345]),
+            desc: Layout::contiguous(DType::BF16, &[12_345]),
             pattern: 0x3F80_3F80,
         },
         Case {
             name: "i64 view at +1 MiB+8",
             alloc: 3 * MIB,
             offset: MIB + 8,
-            desc: TensorDesc::contiguous(DType::I64, &[1000]),
+            desc: Layout::contiguous(DType::I64, &[1000]),
             pattern: 7,
         },
         Case {
             name: "f32 64 MiB",
             alloc: 64 * MIB,
             offset: 0,
-            desc: TensorDesc::contiguous(DType::F32, &[4096, 4096]),
+            desc: Layout::contiguous(DType::F32, &[4096, 4096]),
             pattern: 0x4040_0000,
         },
         Case {
             name: "u8 1 GiB",
             alloc: 1024 * MIB,
             offset: 0,
-            desc: TensorDesc::contiguous(DType::U8, &[1024 * MIB]),
+            desc: Layout::contiguous(DType::U8, &[1024 * MIB]),
             pattern: 0x0102_0304,
         },
     ]
@@ -140,7 +140,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             name: "u8 5 GiB (staged)",
             alloc: 5 * 1024 * MIB,
             offset: 0,
-            desc: TensorDesc::contiguous(DType::U8, &[5 * 1024 * MIB]),
+            desc: Layout::contiguous(DType::U8, &[5 * 1024 * MIB]),
             pattern: 0x5555_AAAA,
         });
     }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use poolipc_driver::{DevicePtr, Driver, ImportedPointer, StreamHandle};
 use poolipc_pool::{AttachedPool, ImportLimit, SharedPool};
+use poolipc_transport::Layout;
 use poolipc_transport::{
     Ack, Capabilities, DType, EventBlob, HandoffId, HandshakeConfig, JobId, Lend, LentTensor,
     Message, Rung, TensorMeta,
@@ -107,9 +108,11 @@ fn probe_once(
                         export: blob,
                         ready_event: EventBlob([0; 64]),
                         meta: TensorMeta {
-                            dtype: DType::U8,
-                            shape: vec![bytes],
-                            strides: vec![1],
+                            layout: Layout {
+                                dtype: DType::U8,
+                                shape: vec![bytes],
+                                strides: vec![1],
+                            },
                             byte_offset: 0,
                             byte_len: bytes,
                         },

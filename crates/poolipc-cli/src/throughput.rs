@@ -11,7 +11,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use poolipc::{DType, Input, Parent, ParentOptions, TensorDesc, WorkerId};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions, WorkerId};
 use poolipc_driver::Driver;
 
 use crate::bench::Args;
@@ -48,7 +48,7 @@ fn jobs_per_second(
     jobs: usize,
 ) -> Result<f64> {
     let barrier = Barrier::new(n + 1);
-    let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
+    let desc = Layout::contiguous(DType::U8, &[bytes]);
     std::thread::scope(|s| -> Result<f64> {
         let mut handles = Vec::with_capacity(n);
         for &w in &workers[..n] {

@@ -9,6 +9,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use poolipc_contract::Layout;
 use poolipc_contract::{
     AllocId, DType, EventBlob, ExportBlob, ImportLimit, InputLoan, JobId, JobOutcome, Parent,
     ParentAction, ParentConfig, ParentEvent, Rung, Span, TensorMeta, Timestamp, Worker,
@@ -32,9 +33,11 @@ fn inputs(n: u64) -> Vec<InputLoan> {
             pool: 0,
             export: ExportBlob([3; 64]),
             meta: TensorMeta {
-                dtype: DType::F32,
-                shape: vec![1024],
-                strides: vec![1],
+                layout: Layout {
+                    dtype: DType::F32,
+                    shape: vec![1024],
+                    strides: vec![1],
+                },
                 byte_offset: 0,
                 byte_len: 4096,
             },

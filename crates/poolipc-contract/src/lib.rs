@@ -82,7 +82,7 @@ pub use parent::{
 };
 pub use poolipc_types::{
     ARENA_ALIGN, AllocId, CHUNK_BYTES, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId,
-    ImportLimit, JobId, MAX_CHUNKS, RequestId, Rung, Span, WorkerId,
+    ImportLimit, JobId, Layout, LayoutError, MAX_CHUNKS, RequestId, Rung, Span, WorkerId,
 };
 pub use text::worker_text;
 pub use types::{Outcome, Purpose, Timestamp, dense_bytes};

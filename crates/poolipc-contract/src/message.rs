@@ -7,7 +7,9 @@
 
 use std::fmt;
 
-use poolipc_types::{AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
+use poolipc_types::{
+    AllocId, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Layout, Rung,
+};
 
 /// The most dimensions a tensor may have on the wire.
 pub const MAX_DIMS: usize = 32;
@@ -76,15 +78,13 @@ impl std::ops::BitOr for Capabilities {
     }
 }
 
-/// A tensor's layout over an allocation.
+/// A tensor's place in an allocation: its [`Layout`] (on the wire at most [`MAX_DIMS`]
+/// dimensions, strides always one per dimension, in elements, possibly negative or zero), and
+/// where in the allocation it lies.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorMeta {
-    /// Element type.
-    pub dtype: DType,
-    /// Size of each dimension (at most [`MAX_DIMS`]).
-    pub shape: Vec<u64>,
-    /// Stride of each dimension, in elements (may be negative or zero); as many as `shape`.
-    pub strides: Vec<i64>,
+    /// The caller's layout, as the worker's view will have it.
+    pub layout: Layout,
     /// Offset of element 0 from the start of the allocation, in bytes.
     pub byte_offset: u64,
     /// Bytes of the allocation the tensor may touch.

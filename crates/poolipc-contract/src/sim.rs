@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
+use crate::Layout;
 use crate::audit::Auditor;
 use crate::invariant::Violation;
 use crate::message::{
@@ -549,9 +550,11 @@ impl World {
                 Rung::PoolPointer
             };
             let meta = TensorMeta {
-                dtype: DType::U8,
-                shape: vec![span.bytes],
-                strides: vec![1],
+                layout: Layout {
+                    dtype: DType::U8,
+                    shape: vec![span.bytes],
+                    strides: vec![1],
+                },
                 byte_offset: 0,
                 byte_len: span.bytes,
             };

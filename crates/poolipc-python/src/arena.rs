@@ -191,7 +191,7 @@ impl ArenaResult {
             ptr,
             nbytes,
             dtype,
-            strides: poolipc::TensorDesc::contiguous_strides(&shape),
+            strides: poolipc::Layout::contiguous_strides(&shape),
             shape,
         }
     }

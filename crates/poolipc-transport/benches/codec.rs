@@ -6,6 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use poolipc_transport::Layout;
 use poolipc_transport::codec::{decode, encode};
 use poolipc_transport::{
     AllocId, DType, EventBlob, ExportBlob, FrameLimits, HandoffId, JobId, Lend, LentTensor,
@@ -24,9 +25,11 @@ fn lend(n: u64) -> Message {
                 export: ExportBlob([i as u8; 64]),
                 ready_event: EventBlob([!(i as u8); 64]),
                 meta: TensorMeta {
-                    dtype: DType::F32,
-                    shape: vec![1, 4, 32, 32],
-                    strides: vec![4096, 1024, 32, 1],
+                    layout: Layout {
+                        dtype: DType::F32,
+                        shape: vec![1, 4, 32, 32],
+                        strides: vec![4096, 1024, 32, 1],
+                    },
                     byte_offset: 0,
                     byte_len: 16_384,
                 },

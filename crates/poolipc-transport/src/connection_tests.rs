@@ -399,9 +399,11 @@ fn a_frame_longer_than_a_read_arrives_whole_between_two_short_ones() {
                 export: crate::ExportBlob([i as u8; 64]),
                 ready_event: crate::EventBlob([!(i as u8); 64]),
                 meta: crate::TensorMeta {
-                    dtype: crate::DType::F32,
-                    shape: vec![1, 4, 32, 32],
-                    strides: vec![4096, 1024, 32, 1],
+                    layout: crate::Layout {
+                        dtype: crate::DType::F32,
+                        shape: vec![1, 4, 32, 32],
+                        strides: vec![4096, 1024, 32, 1],
+                    },
                     byte_offset: 0,
                     byte_len: 16_384,
                 },

@@ -72,7 +72,9 @@ pub use message::{
     ResultGrant, ResultRequest, ResultSpec, StagingBuffer, TensorMeta, VmmShare,
 };
 pub use poolipc_types::AllocId;
-pub use poolipc_types::{DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Rung};
+pub use poolipc_types::{
+    DType, DeviceUuid, EventBlob, ExportBlob, HandoffId, JobId, Layout, LayoutError, Rung,
+};
 pub use spawn::{FD_ENV, connection_from_env, parse_fd_var, spawn_worker};
 
 #[cfg(test)]

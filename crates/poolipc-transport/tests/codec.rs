@@ -2,6 +2,7 @@
 
 mod common;
 
+use poolipc_transport::Layout;
 use poolipc_transport::codec::{HEADER_LEN, decode, encode};
 use poolipc_transport::{
     Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities,
@@ -80,9 +81,11 @@ fn tensor() -> impl Strategy<Value = LentTensor> {
                 export: ExportBlob(e),
                 ready_event: EventBlob(r),
                 meta: TensorMeta {
-                    dtype,
-                    shape: dims.iter().map(|d| d.0).collect(),
-                    strides: dims.iter().map(|d| d.1).collect(),
+                    layout: Layout {
+                        dtype,
+                        shape: dims.iter().map(|d| d.0).collect(),
+                        strides: dims.iter().map(|d| d.1).collect(),
+                    },
                     byte_offset: off,
                     byte_len: len,
                 },
@@ -442,7 +445,7 @@ fn a_batch_of_a_thousand_tensors_fits_one_frame() {
 fn encoding_refuses_shape_and_strides_of_different_lengths() {
     let mut msg = common::samples()[3].1.clone();
     if let Message::Lend(l) = &mut msg {
-        l.tensors[0].meta.strides.pop();
+        l.tensors[0].meta.layout.strides.pop();
     }
     assert!(matches!(
         encode(&msg, FrameLimits::default()),

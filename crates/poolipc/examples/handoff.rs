@@ -7,7 +7,7 @@
 use std::process::Command;
 
 use poolipc::driver::{self, Choice};
-use poolipc::{DType, Input, Parent, ParentOptions, ResultShape, TensorDesc, Worker};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions, ResultShape, Worker};
 
 const ROLE: &str = "HANDOFF_EXAMPLE_ROLE";
 const ANSWER: u32 = 0xC0FFEE;
@@ -38,7 +38,7 @@ fn parent() -> Result<(), Box<dyn std::error::Error>> {
     d.memset_d32_async(input, 7, n, stream)?;
     let out = parent.run_job(
         worker,
-        &[Input::new(input, TensorDesc::contiguous(DType::U32, &[n]))],
+        &[Input::new(input, Layout::contiguous(DType::U32, &[n]))],
         stream,
     )?;
     let result = &out.results[0];

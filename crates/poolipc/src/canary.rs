@@ -26,7 +26,7 @@ use poolipc_transport::{DType, JobId};
 use crate::echo;
 use crate::error::Error;
 use crate::parent::{Input, JobOutput, Parent};
-use crate::tensor::TensorDesc;
+use crate::tensor::Layout;
 
 /// Job ids with this bit set are canary jobs.
 pub(crate) const CANARY_BIT: u64 = 1 << 63;
@@ -104,7 +104,7 @@ const MIB: u64 = 1 << 20;
 struct Piece {
     alloc: u64,
     offset: u64,
-    desc: TensorDesc,
+    desc: Layout,
     pattern: u32,
 }
 
@@ -112,7 +112,7 @@ fn piece(alloc: u64, offset: u64, dtype: DType, shape: &[u64], pattern: u32) -> 
     Piece {
         alloc,
         offset,
-        desc: TensorDesc::contiguous(dtype, shape),
+        desc: Layout::contiguous(dtype, shape),
         pattern,
     }
 }
@@ -321,7 +321,7 @@ impl Battery<'_> {
         }
         let input = |ptr| Input {
             ptr,
-            desc: TensorDesc::contiguous(DType::U8, &[bytes]),
+            desc: Layout::contiguous(DType::U8, &[bytes]),
             read_only: false,
         };
         let setup = |e: &dyn std::fmt::Display| Trial::Inconclusive(format!("setup: {e}"));
@@ -505,7 +505,7 @@ pub(crate) fn run(
             Piece {
                 alloc: 0,
                 offset: MIB,
-                desc: TensorDesc::contiguous(DType::U8, &[MIB]),
+                desc: Layout::contiguous(DType::U8, &[MIB]),
                 pattern: 0x0102_0304,
             },
         ],

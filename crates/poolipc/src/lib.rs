@@ -93,7 +93,7 @@ pub use staging::{
     DEFAULT_CHUNK as DEFAULT_STAGING_CHUNK, DEFAULT_MAX_BACKLOG_BYTES, DEFAULT_MAX_BACKLOG_FRAMES,
     StagingConfig, StagingError,
 };
-pub use tensor::{ResultShape, Rung, TensorDesc};
+pub use tensor::{Layout, ResultShape, Rung};
 #[cfg(feature = "testing")]
 pub use worker::FAILPOINT_ENV;
 pub use worker::{

@@ -14,6 +14,7 @@ use poolipc::staging::{StagingChannel, StagingConfig};
 use poolipc_driver::sim::{SimConfig, SimDriver};
 use poolipc_driver::{DevicePtr, Driver, EventHandle, StreamHandle};
 use poolipc_pool::SharedPool;
+use poolipc_transport::Layout;
 use poolipc_transport::{
     AllocId, AllocationGrant, Capabilities, Connection, DType, ErrorCode, EventBlob, ExportBlob,
     HandoffId, HandshakeConfig, JobId, Lend, LentTensor, Message, ResultGrant, Rung, TensorMeta,
@@ -31,9 +32,11 @@ fn deadline() -> Instant {
 
 fn bytes_meta(bytes: u64) -> TensorMeta {
     TensorMeta {
-        dtype: DType::U8,
-        shape: vec![bytes],
-        strides: vec![1],
+        layout: Layout {
+            dtype: DType::U8,
+            shape: vec![bytes],
+            strides: vec![1],
+        },
         byte_offset: 0,
         byte_len: bytes,
     }

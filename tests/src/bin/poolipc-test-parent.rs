@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use poolipc::{DType, Driver, Input, Parent, ParentOptions, TensorDesc};
+use poolipc::{DType, Driver, Input, Layout, Parent, ParentOptions};
 
 fn run() -> anyhow::Result<()> {
     poolipc_tests::init_tracing();
@@ -27,7 +27,7 @@ fn run() -> anyhow::Result<()> {
         worker,
         &[Input {
             ptr: input,
-            desc: TensorDesc::contiguous(DType::U8, &[1 << 20]),
+            desc: Layout::contiguous(DType::U8, &[1 << 20]),
             read_only: false,
         }],
         stream,

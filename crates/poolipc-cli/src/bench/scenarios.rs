@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use poolipc::{DType, Input, Parent, ParentOptions, Rung, TensorDesc};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung};
 use poolipc_driver::Driver;
 use poolipc_pool::ImportLimit;
 
@@ -172,7 +172,7 @@ pub(super) fn round_trips(b: &Bench<'_>, skipped: &mut Vec<String>) -> Result<Ve
             continue;
         }
         let iterations = iterations_for(args, bytes);
-        let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
+        let desc = Layout::contiguous(DType::U8, &[bytes]);
         let mut times = Vec::with_capacity(iterations);
         let mut first = f64::NAN;
         let mut waits = Vec::with_capacity(iterations);
@@ -300,7 +300,7 @@ pub(super) fn arena_copies(b: &Bench<'_>, skipped: &mut Vec<String>) -> Result<V
         {
             continue;
         }
-        let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
+        let desc = Layout::contiguous(DType::U8, &[bytes]);
         let ptr = parent
             .pool()
             .alloc(bytes, stream)
@@ -389,7 +389,7 @@ pub(super) fn device_memory(
             continue;
         }
         let iterations = iterations_for(args, bytes).min(50);
-        let desc = TensorDesc::contiguous(DType::U8, &[bytes]);
+        let desc = Layout::contiguous(DType::U8, &[bytes]);
         let plain = poolipc_driver::DeviceAllocation::new(d, bytes)
             .with_context(|| format!("cuMemAlloc of {}", human(bytes)))?;
         let mut copied = Vec::new();
@@ -548,7 +548,7 @@ pub(super) fn batch(b: &Bench<'_>) -> Result<Batch> {
         .iter()
         .map(|&ptr| Input {
             ptr,
-            desc: TensorDesc::contiguous(DType::U8, &[4 * KIB]),
+            desc: Layout::contiguous(DType::U8, &[4 * KIB]),
             read_only: false,
         })
         .collect();

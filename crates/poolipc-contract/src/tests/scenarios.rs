@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::Layout;
 use crate::message::{
     Ack, Done, ErrorCode, Lend, Message, ResultGrant, ResultRequest, ResultSpec, TensorMeta,
 };
@@ -63,9 +64,11 @@ fn done_event(n: u64) -> EventBlob {
 
 fn meta(bytes: u64) -> TensorMeta {
     TensorMeta {
-        dtype: DType::U8,
-        shape: vec![bytes],
-        strides: vec![1],
+        layout: Layout {
+            dtype: DType::U8,
+            shape: vec![bytes],
+            strides: vec![1],
+        },
         byte_offset: 0,
         byte_len: bytes,
     }

@@ -1,7 +1,7 @@
 //! What `NativeParent` takes from Python to lend or to allocate: the inputs as the Python
 //! wrapper describes them, checked into the facade's [`Input`]s, and the shape of a buffer.
 
-use poolipc::{DType, DevicePtr, Input, ResultShape, TensorDesc};
+use poolipc::{DType, DevicePtr, Input, Layout, ResultShape};
 use pyo3::prelude::*;
 
 use crate::dtype;
@@ -81,7 +81,7 @@ pub(super) fn parse_inputs(
             }
             Ok(Input {
                 ptr: DevicePtr(ptr),
-                desc: TensorDesc {
+                desc: Layout {
                     dtype,
                     shape,
                     strides: strides.unwrap_or_default(),

@@ -53,7 +53,7 @@ impl ViewInfo {
             ptr: v.ptr(),
             dtype: v.shape().dtype,
             shape: v.shape().shape.clone(),
-            strides: poolipc::TensorDesc::contiguous_strides(&v.shape().shape),
+            strides: poolipc::Layout::contiguous_strides(&v.shape().shape),
             nbytes: v.bytes(),
             rung: v.rung().to_string(),
             read_only: false,

@@ -6,6 +6,7 @@ use poolipc_types::{AllocId, EventBlob, ExportBlob, HandoffId, JobId, Rung};
 
 use super::wire::{Reader, Writer};
 use super::{DecodeError, EncodeError, FrameLimits, HEADER_LEN};
+use crate::Layout;
 use crate::message::{
     ArenaLocation, Lend, LentSlice, LentTensor, MAX_BATCH, MAX_DIMS, MessageKind, TensorMeta,
 };
@@ -144,19 +145,19 @@ fn encode_tensor(w: &mut Writer<'_>, t: &LentTensor) -> Result<(), EncodeError> 
         }
     }
     let m = &t.meta;
-    if m.shape.len() != m.strides.len() {
+    if m.layout.shape.len() != m.layout.strides.len() {
         return Err(EncodeError::StridesMismatch {
             kind: w.kind,
-            shape: m.shape.len(),
-            strides: m.strides.len(),
+            shape: m.layout.shape.len(),
+            strides: m.layout.strides.len(),
         });
     }
-    w.u8(m.dtype as u8);
-    w.ndim(m.shape.len())?;
-    for d in &m.shape {
+    w.u8(m.layout.dtype as u8);
+    w.ndim(m.layout.shape.len())?;
+    for d in &m.layout.shape {
         w.u64(*d);
     }
-    for s in &m.strides {
+    for s in &m.layout.strides {
         w.i64(*s);
     }
     w.u64(m.byte_offset);
@@ -199,9 +200,11 @@ fn decode_tensor(r: &mut Reader<'_>) -> Result<LentTensor, DecodeError> {
         export,
         ready_event,
         meta: TensorMeta {
-            dtype,
-            shape,
-            strides,
+            layout: Layout {
+                dtype,
+                shape,
+                strides,
+            },
             byte_offset: r.u64("byte_offset")?,
             byte_len: r.u64("byte_len")?,
         },
@@ -226,9 +229,11 @@ mod tests {
             export: ExportBlob([0xFF; 64]),
             ready_event: EventBlob([0xFF; 64]),
             meta: TensorMeta {
-                dtype: DType::F64,
-                shape: vec![u64::MAX; ndim],
-                strides: vec![i64::MAX; ndim],
+                layout: Layout {
+                    dtype: DType::F64,
+                    shape: vec![u64::MAX; ndim],
+                    strides: vec![i64::MAX; ndim],
+                },
                 byte_offset: u64::MAX,
                 byte_len: u64::MAX,
             },

@@ -1,6 +1,7 @@
 //! Shared by the integration tests: one sample of every message, with fixed values.
 #![allow(dead_code)] // each test file uses part of this
 
+use poolipc_transport::Layout;
 use poolipc_transport::{
     Ack, AllocId, AllocationGrant, ArenaChunk, ArenaLocation, ArenaRelease, Capabilities,
     CarvedResult, Chunk, DType, DeviceEntry, DeviceUuid, Done, ErrorCode, EventBlob, ExportBlob,
@@ -71,9 +72,11 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                         export: ExportBlob(blob64(0x10)),
                         ready_event: EventBlob(blob64(0x80)),
                         meta: TensorMeta {
-                            dtype: DType::BF16,
-                            shape: vec![2, 3, 4],
-                            strides: vec![12, 4, 1],
+                            layout: Layout {
+                                dtype: DType::BF16,
+                                shape: vec![2, 3, 4],
+                                strides: vec![12, 4, 1],
+                            },
                             byte_offset: 0,
                             byte_len: 48,
                         },
@@ -88,9 +91,11 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                         export: ExportBlob(blob64(0x20)),
                         ready_event: EventBlob(blob64(0x90)),
                         meta: TensorMeta {
-                            dtype: DType::F32,
-                            shape: vec![5],
-                            strides: vec![-1],
+                            layout: Layout {
+                                dtype: DType::F32,
+                                shape: vec![5],
+                                strides: vec![-1],
+                            },
                             byte_offset: 16,
                             byte_len: 20,
                         },
@@ -257,9 +262,11 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                     export: ExportBlob([0; 64]),
                     ready_event: EventBlob(blob64(0xb0)),
                     meta: TensorMeta {
-                        dtype: DType::BF16,
-                        shape: vec![1024, 4096],
-                        strides: vec![4096, 1],
+                        layout: Layout {
+                            dtype: DType::BF16,
+                            shape: vec![1024, 4096],
+                            strides: vec![4096, 1],
+                        },
                         byte_offset: 0x10_0000,
                         byte_len: 8 << 20,
                     },
@@ -282,9 +289,11 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                         export: ExportBlob([0; 64]),
                         ready_event: EventBlob(blob64(0xa0)),
                         meta: TensorMeta {
-                            dtype: DType::U8,
-                            shape: vec![6 << 30],
-                            strides: vec![1],
+                            layout: Layout {
+                                dtype: DType::U8,
+                                shape: vec![6 << 30],
+                                strides: vec![1],
+                            },
                             byte_offset: 0,
                             byte_len: 6 << 30,
                         },
@@ -302,9 +311,11 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                         export: ExportBlob([0; 64]),
                         ready_event: EventBlob([0; 64]),
                         meta: TensorMeta {
-                            dtype: DType::F32,
-                            shape: vec![4],
-                            strides: vec![1],
+                            layout: Layout {
+                                dtype: DType::F32,
+                                shape: vec![4],
+                                strides: vec![1],
+                            },
                             byte_offset: 0,
                             byte_len: 16,
                         },
@@ -327,9 +338,11 @@ pub(crate) fn samples() -> Vec<(&'static str, Message)> {
                     export: ExportBlob(blob64(0x30)),
                     ready_event: EventBlob(blob64(0xb0)),
                     meta: TensorMeta {
-                        dtype: DType::F16,
-                        shape: vec![8],
-                        strides: vec![1],
+                        layout: Layout {
+                            dtype: DType::F16,
+                            shape: vec![8],
+                            strides: vec![1],
+                        },
                         byte_offset: 0,
                         byte_len: 16,
                     },

@@ -10,7 +10,7 @@ use poolipc_driver::{DevicePtr, OwnedEvent};
 use poolipc_types::ARENA_ALIGN as ALIGN;
 use poolipc_types::{AllocId, EventBlob, JobId, Rung, Span, WorkerId};
 
-use super::place::{ArenaInput, Placed};
+use super::place::{ArenaInput, Placed, Placement};
 use super::{JobState, Loop, Submission, backlog_full};
 use crate::error::Error;
 use crate::parent::{ArenaLease, ResultMemory, ResultTensor, Stats};
@@ -138,7 +138,7 @@ impl Loop {
             worker,
             job,
             ready.1,
-            placed.loans.clone(),
+            placed.inputs.iter().map(|p| p.loan.clone()).collect(),
             slice.as_ref().map(|(loan, _)| *loan),
             now,
         );
@@ -155,14 +155,13 @@ impl Loop {
         let mut staged_inputs = HashMap::new();
         let mut lent_bases = Vec::new();
         let mut arena_inputs = HashMap::new();
-        let Placed {
-            loans,
-            rungs,
-            reasons,
-            copies,
-            staged,
-        } = placed;
-        for (((h, loan), input), copy) in handoffs.iter().zip(&loans).zip(&sub.inputs).zip(copies) {
+        let Placed { inputs, staged } = placed;
+        let mut rungs = Vec::with_capacity(inputs.len());
+        let mut reasons = Vec::with_capacity(inputs.len());
+        for ((h, placement), input) in handoffs.iter().zip(inputs).zip(&sub.inputs) {
+            let Placement { loan, reason, copy } = placement;
+            rungs.push(loan.rung);
+            reasons.push(reason);
             match loan.rung {
                 Rung::HostStaging => {
                     staged_inputs.insert(*h, (input.ptr, loan.span.bytes));

@@ -71,22 +71,23 @@ impl Loop {
                         a
                     }
                 };
-                placed.loans.push(InputLoan {
-                    alloc,
-                    span: Span {
-                        ptr: base.0,
-                        bytes: size,
+                placed.inputs.push(Placement {
+                    loan: InputLoan {
+                        alloc,
+                        span: Span {
+                            ptr: base.0,
+                            bytes: size,
+                        },
+                        rung: Rung::PoolPointer,
+                        pool: wire,
+                        export,
+                        meta: crate::tensor::meta(&input.desc, offset, extent),
+                        arena: None,
+                        read_only: input.read_only,
                     },
-                    rung: Rung::PoolPointer,
-                    pool: wire,
-                    export,
-                    meta: input.desc.meta(offset, extent),
-                    arena: None,
-                    read_only: input.read_only,
+                    reason: None,
+                    copy: None,
                 });
-                placed.rungs.push(Rung::PoolPointer);
-                placed.reasons.push(None);
-                placed.copies.push(None);
                 continue;
             }
             let mut why_not = why_not_pointer(
@@ -102,22 +103,23 @@ impl Loop {
                     Ok((alloc, how)) => {
                         let reason = format!("input {i}: {why_not}: vmm handle ({how})");
                         tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
-                        placed.loans.push(InputLoan {
-                            alloc,
-                            span: Span {
-                                ptr: base.0,
-                                bytes: size,
+                        placed.inputs.push(Placement {
+                            loan: InputLoan {
+                                alloc,
+                                span: Span {
+                                    ptr: base.0,
+                                    bytes: size,
+                                },
+                                rung: Rung::VmmHandle,
+                                pool: 0,
+                                export: ExportBlob([0; 64]),
+                                meta: crate::tensor::meta(&input.desc, offset, extent),
+                                arena: None,
+                                read_only: input.read_only,
                             },
-                            rung: Rung::VmmHandle,
-                            pool: 0,
-                            export: ExportBlob([0; 64]),
-                            meta: input.desc.meta(offset, extent),
-                            arena: None,
-                            read_only: input.read_only,
+                            reason: Some(reason),
+                            copy: None,
                         });
-                        placed.rungs.push(Rung::VmmHandle);
-                        placed.reasons.push(Some(reason));
-                        placed.copies.push(None);
                         continue;
                     }
                     Err(NoCopy::Failed(e)) => return Err(e),
@@ -132,19 +134,20 @@ impl Loop {
                     tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
                     let alloc = AllocId(self.next_alloc);
                     self.next_alloc += 1;
-                    placed.loans.push(InputLoan {
-                        alloc,
-                        span: copy.span,
-                        rung: Rung::ArenaCopy,
-                        pool: 0,
-                        export: ExportBlob([0; 64]),
-                        meta: input.desc.meta(0, extent),
-                        arena: Some(copy.location),
-                        read_only: input.read_only,
+                    placed.inputs.push(Placement {
+                        loan: InputLoan {
+                            alloc,
+                            span: copy.span,
+                            rung: Rung::ArenaCopy,
+                            pool: 0,
+                            export: ExportBlob([0; 64]),
+                            meta: crate::tensor::meta(&input.desc, 0, extent),
+                            arena: Some(copy.location),
+                            read_only: input.read_only,
+                        },
+                        reason: Some(reason),
+                        copy: Some(copy.lease),
                     });
-                    placed.rungs.push(Rung::ArenaCopy);
-                    placed.reasons.push(Some(reason));
-                    placed.copies.push(Some(copy.lease));
                     continue;
                 }
                 Err(NoCopy::Failed(e)) => return Err(e),
@@ -161,22 +164,23 @@ impl Loop {
             tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
             let alloc = AllocId(self.next_alloc);
             self.next_alloc += 1;
-            placed.loans.push(InputLoan {
-                alloc,
-                span: Span {
-                    ptr: input.ptr.0,
-                    bytes: extent,
+            placed.inputs.push(Placement {
+                loan: InputLoan {
+                    alloc,
+                    span: Span {
+                        ptr: input.ptr.0,
+                        bytes: extent,
+                    },
+                    rung: Rung::HostStaging,
+                    pool: 0,
+                    export: ExportBlob([0; 64]),
+                    meta: crate::tensor::meta(&input.desc, 0, extent),
+                    arena: None,
+                    read_only: input.read_only,
                 },
-                rung: Rung::HostStaging,
-                pool: 0,
-                export: ExportBlob([0; 64]),
-                meta: input.desc.meta(0, extent),
-                arena: None,
-                read_only: input.read_only,
+                reason: Some(reason),
+                copy: None,
             });
-            placed.rungs.push(Rung::HostStaging);
-            placed.reasons.push(Some(reason));
-            placed.copies.push(None);
             placed.staged = true;
         }
         Ok(placed)
@@ -426,16 +430,21 @@ impl Loop {
     }
 }
 
+/// Where each input of a job goes, in the caller's order, and whether any takes host staging
+/// (the job then runs alone on its worker).
 #[derive(Default)]
 pub(crate) struct Placed {
-    pub(super) loans: Vec<InputLoan>,
-    pub(super) rungs: Vec<Rung>,
-    /// Per input: why it did not go by pool pointer.
-    pub(super) reasons: Vec<Option<String>>,
-    /// Per input: the arena block holding its copy (arena copy). Dropped before the job is
-    /// lent (a later input refused), a block goes back stream-ordered after its copy.
-    pub(super) copies: Vec<Option<ArenaLease>>,
+    pub(super) inputs: Vec<Placement>,
     pub(super) staged: bool,
+}
+
+/// One input's place: its loan (the rung is the loan's), why it did not go by pool pointer,
+/// and the arena block holding its copy (arena copy). Dropped before the job is lent (a later
+/// input refused), a block goes back stream-ordered after its copy.
+pub(crate) struct Placement {
+    pub(super) loan: InputLoan,
+    pub(super) reason: Option<String>,
+    pub(super) copy: Option<ArenaLease>,
 }
 
 /// An arena-copy input of a job in flight: the block holding the copy and where to copy it

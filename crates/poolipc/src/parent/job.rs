@@ -14,7 +14,7 @@ use poolipc_types::{JobId, Rung, WorkerId};
 
 use crate::driver_loop::{self, Command as LoopCommand};
 use crate::error::Error;
-use crate::tensor::{ResultShape, TensorDesc};
+use crate::tensor::{Layout, ResultShape};
 
 /// An input tensor to lend: where its first element is, and its layout. It must stay alive
 /// (and unwritten by the caller) until its job returns. Memory of the shared pool goes by pool
@@ -54,7 +54,7 @@ pub struct Input {
     /// The address of element 0.
     pub ptr: DevicePtr,
     /// The layout.
-    pub desc: TensorDesc,
+    pub desc: Layout,
     /// The worker only reads it: no copy-back, and a write fails where the hardware allows
     /// (see above).
     pub read_only: bool,
@@ -63,7 +63,7 @@ pub struct Input {
 impl Input {
     /// A writable input: what the worker writes reaches the tensor.
     #[must_use]
-    pub fn new(ptr: DevicePtr, desc: TensorDesc) -> Input {
+    pub fn new(ptr: DevicePtr, desc: Layout) -> Input {
         Input {
             ptr,
             desc,

@@ -8,7 +8,7 @@ use poolipc_transport::{JobId, ResultGrant, ResultSpec};
 
 use super::Worker;
 use crate::error::Error;
-use crate::tensor::{ResultShape, Rung, TensorDesc};
+use crate::tensor::{Layout, ResultShape, Rung};
 
 /// An input of a job: readable on the job's stream, valid until the job finishes.
 ///
@@ -28,7 +28,7 @@ use crate::tensor::{ResultShape, Rung, TensorDesc};
 #[derive(Debug)]
 pub struct InputView {
     pub(super) ptr: DevicePtr,
-    pub(super) desc: TensorDesc,
+    pub(super) desc: Layout,
     pub(super) byte_len: u64,
     pub(super) rung: Rung,
     pub(super) read_only: bool,
@@ -40,7 +40,7 @@ impl InputView {
         self.ptr
     }
     /// The layout.
-    pub fn desc(&self) -> &TensorDesc {
+    pub fn desc(&self) -> &Layout {
         &self.desc
     }
     /// Bytes from element 0 to the end of the last element.

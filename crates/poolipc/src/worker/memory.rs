@@ -14,7 +14,7 @@ use poolipc_transport::{
 
 use super::device::{find_device, reaches};
 use crate::error::Error;
-use crate::tensor::{Rung, TensorDesc};
+use crate::tensor::Rung;
 
 use super::{InputView, SEND_TIMEOUT, StagedCopy, Worker, failpoint};
 
@@ -100,7 +100,7 @@ impl Worker {
         };
         Ok(InputView {
             ptr,
-            desc: TensorDesc::from_meta(&t.meta),
+            desc: t.meta.layout,
             byte_len: t.meta.byte_len,
             rung: t.rung,
             read_only: t.read_only,
