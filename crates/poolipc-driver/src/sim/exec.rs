@@ -18,7 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::Local;
+use super::local::Local;
 use super::machine::Machine;
 use super::shm::my_pid;
 use super::state::State;

@@ -3,7 +3,12 @@
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 use super::*;
-use std::os::fd::AsFd;
+use crate::api::Driver;
+use crate::types::{
+    Access, DevicePtr, Granularity, PoolAttribute, PoolCounter, PoolHandle, PoolSharing,
+    StreamHandle, VmmHandle,
+};
+use std::os::fd::{AsFd, OwnedFd};
 
 const MIB: u64 = 1 << 20;
 const S: StreamHandle = StreamHandle::NULL;
