@@ -24,6 +24,8 @@ pub(crate) struct ParentConfig {
     arena_bytes: Option<u64>,
     /// The result arena's cap, in bytes.
     arena_max_bytes: Option<u64>,
+    /// Whether workers get no handle on the parent's pool ([`ParentOptions::isolated`]).
+    isolated: Option<bool>,
 }
 
 /// [`ParentConfig::arena_bytes`]' default: the arena's first chunk, and its growth step.
@@ -124,6 +126,9 @@ impl ParentConfig {
             }
         }
         let results = self.results.as_deref().map(Results::parse).transpose()?;
+        if let Some(isolated) = self.isolated {
+            o.isolated = isolated;
+        }
         if self.arena_bytes == Some(0) {
             return Err(
                 "poolipc: arena_bytes=0: the arena needs a first chunk of more than 0 \
@@ -183,6 +188,15 @@ impl ParentConfig {
                     ));
                 }
             }
+        }
+        if let Some(want) = self.isolated
+            && want != made.isolated
+        {
+            out.push(format!(
+                "isolated={} (the process's parent has {})",
+                if want { "True" } else { "False" },
+                if made.isolated { "True" } else { "False" }
+            ));
         }
         let (have, first, max) = match made.results {
             ResultMemory::Arena {

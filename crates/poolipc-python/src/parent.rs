@@ -344,7 +344,7 @@ impl NativeParent {
 
     /// The process parent's options: `device`, the deadlines in seconds, `canary`, `results`
     /// (`pool` or `arena`), `arena_bytes` and `arena_max_bytes` (None without an arena, or
-    /// without a cap), and `made_by` (`install_pool` or `Parent`).
+    /// without a cap), `isolated`, and `made_by` (`install_pool` or `Parent`).
     fn options<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let o = self.g.parent.options();
         let d = PyDict::new(py);
@@ -363,6 +363,7 @@ impl NativeParent {
         d.set_item("results", Results::of(&o.results).name())?;
         d.set_item("arena_bytes", first)?;
         d.set_item("arena_max_bytes", max)?;
+        d.set_item("isolated", o.isolated)?;
         d.set_item("made_by", self.g.made_by)?;
         Ok(d)
     }

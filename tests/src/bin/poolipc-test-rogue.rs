@@ -44,6 +44,12 @@
 //!   now and the rest `POOLIPC_TEST_ROGUE_DELAY_MS` later (1000 by default), one after
 //!   another, forever; it never reads.
 //! - `never-read`: reads nothing after the handshake (the parent's frames pile up).
+//! - `pool-thief`: claims pool pointers, then takes the descriptor the parent's `Hello`
+//!   carried for the pool and imports it as a pool (`cuMemPoolImportFromShareableHandle`);
+//!   with a pool, imports the export of every tensor of the first `Lend` through it. Writes
+//!   what happened to `POOLIPC_TEST_REPORT` (`pool: imported`, or `pool: refused: <why>`, and
+//!   `pointers: <n> imported`), then exits. An isolated worker's parent must give it nothing
+//!   to import.
 //! - `fd-drip`: 200 ms after the handshake, a valid 1 KiB `JobError` frame one byte at a
 //!   time, 1 ms apart, each byte carrying a descriptor (of `/dev/null`); it never reads.
 
@@ -77,7 +83,10 @@ fn run() -> anyhow::Result<()> {
         required: Capabilities::NONE,
     };
     let deadline = || Instant::now() + Duration::from_secs(30);
-    let (_peer, _pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline())?;
+    let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline())?;
+    if mode == "pool-thief" {
+        return pool_thief(&driver, conn, &pool_fd);
+    }
     match mode.as_str() {
         "slow-frames" => return slow_frames(conn),
         "never-read" => {
@@ -491,4 +500,43 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `pool-thief`: imports the Hello's descriptor as a pool, and with it every tensor of the
+/// first `Lend`; reports to `POOLIPC_TEST_REPORT`.
+fn pool_thief(
+    driver: &Arc<dyn Driver>,
+    mut conn: poolipc_transport::Connection,
+    pool_fd: &std::os::fd::OwnedFd,
+) -> anyhow::Result<()> {
+    use std::os::fd::AsFd as _;
+    let report_path = std::env::var("POOLIPC_TEST_REPORT")?;
+    let mut report = std::fs::File::create(&report_path)?;
+    driver.use_device(0)?;
+    let pool = match poolipc_driver::OwnedPool::import_fd(&**driver, pool_fd.as_fd()) {
+        Ok(p) => {
+            writeln!(report, "pool: imported")?;
+            p
+        }
+        Err(e) => {
+            writeln!(report, "pool: refused: {e}")?;
+            return Ok(());
+        }
+    };
+    let lend = loop {
+        match conn.recv(Instant::now() + Duration::from_secs(30))?.0 {
+            Message::Lend(l) => break l,
+            _ => continue,
+        }
+    };
+    let mut imported = 0;
+    for t in &lend.tensors {
+        if let Ok(p) = driver.mem_pool_import_pointer(pool.handle(), &t.export) {
+            imported += 1;
+            // SAFETY: `p` was imported just now through `pool` and is used by nothing else.
+            let _ = unsafe { driver.mem_pool_free_import(p, poolipc::StreamHandle::NULL) };
+        }
+    }
+    writeln!(report, "pointers: {imported} imported")?;
+    Ok(())
 }

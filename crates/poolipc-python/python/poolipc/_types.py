@@ -68,7 +68,13 @@ class ParentConfig(TypedDict, total=False):
     Result memory: ``results``, ``"pool"`` (the default) or ``"arena"`` (see ``Parent``);
     ``arena_bytes``, the result arena's first chunk and growth step in bytes (256 MiB by
     default, or the cap if smaller); ``arena_max_bytes``, its cap (None: half the device).
-    Arena sizes need ``results="arena"``, and the cap must hold the first chunk."""
+    Arena sizes need ``results="arena"``, and the cap must hold the first chunk.
+
+    ``isolated``: True to give workers no handle on the parent's memory (False by default):
+    no pool FD, no VMM allocation by handle; their inputs cross by a copy into the arena
+    (one device-to-device copy) and their results come from the arena, so a worker running
+    untrusted code reaches the tensors lent to it, in their copies, and nothing else of the
+    parent's."""
 
     handoff_timeout: float | None
     stop_timeout: float | None
@@ -77,6 +83,7 @@ class ParentConfig(TypedDict, total=False):
     results: str | None
     arena_bytes: int | None
     arena_max_bytes: int | None
+    isolated: bool | None
 
 
 def parent_config(options: Mapping[str, object], caller: str) -> ParentConfig:
@@ -92,7 +99,8 @@ def parent_config(options: Mapping[str, object], caller: str) -> ParentConfig:
 class ParentOptions(TypedDict):
     """``Parent.options``: the process parent's device, its deadlines in seconds, whether it
     runs the canary battery, its result memory (``results``: ``pool`` or ``arena``; the
-    arena's first chunk and cap in bytes, None without an arena or a cap), and who made it
+    arena's first chunk and cap in bytes, None without an arena or a cap), whether workers
+    are ``isolated``, and who made it
     (``install_pool`` or ``Parent``)."""
 
     device: int
@@ -104,6 +112,7 @@ class ParentOptions(TypedDict):
     results: str
     arena_bytes: int | None
     arena_max_bytes: int | None
+    isolated: bool
     made_by: str
 
 

@@ -537,6 +537,9 @@ pub(super) fn why_not_pointer(
     };
     match pool {
         None => "it is not memory of this parent's pools".into(),
+        Some(_) if shared.options.isolated => {
+            format!("{worker} is isolated (ParentOptions::isolated): it has no handle on the pool")
+        }
         Some((p, h)) => match entry(h) {
             None => format!(
                 "{worker} has not been given this generation of the parent's pool {p} (it was \

@@ -38,7 +38,8 @@ impl Loop {
             let device = self.shared.driver.device_info(p.device()).ok()?.uuid;
             Some((fd, device))
         });
-        if let Some((fd, device)) = offer {
+        // Isolated workers get no pool, old or new.
+        if let (Some((fd, device)), false) = (offer, self.shared.options.isolated) {
             let ids: Vec<WorkerId> = self
                 .workers
                 .iter()

@@ -69,8 +69,11 @@ impl Loop {
             shape: spec.shape.clone(),
         };
         let bytes = spec.byte_len;
+        // The arena when the parent keeps results there, and for a worker that takes no pool
+        // pointer (isolated) whenever it maps the arena: better than host staging.
         let to_arena = bytes > 0
-            && matches!(self.shared.options.results, ResultMemory::Arena { .. })
+            && (matches!(self.shared.options.results, ResultMemory::Arena { .. })
+                || pointer_pools.is_empty())
             && self.workers.get(&worker).is_some_and(|s| s.maps_arena)
             && self
                 .jobs

@@ -49,7 +49,9 @@ impl Loop {
                     .identity
                     .capabilities
                     .contains(Capabilities::VMM_ARENA)
-                    && r.reaches_first
+                    // An isolated worker reaches the device (its capabilities say VMM_ARENA
+                    // only then) but not the pool.
+                    && (r.reaches_first || self.shared.options.isolated)
             });
         let takes_vmm = registered.as_ref().is_some_and(|r| {
             r.info

@@ -82,6 +82,18 @@ pub struct ParentOptions {
     /// until the parent is dropped: after a 16 GiB copy, 16 GiB of VRAM stay reserved for
     /// the next one.
     pub arena_copy: bool,
+    /// Whether workers are isolated from the parent's memory (false by default): a worker
+    /// gets no handle on the parent's pool (its `Hello` carries an empty sealed memfd where
+    /// the pool's FD would be, and the parent's capabilities leave pool pointers and VMM
+    /// handles out), no extra pool, and no VMM allocation by handle. Its inputs cross by a
+    /// copy into the result arena ([`Rung::ArenaCopy`](crate::Rung::ArenaCopy), one
+    /// device-to-device copy; host staging where no arena copy can be made) and its results
+    /// come from the arena ([`Rung::Arena`](crate::Rung::Arena)), in chunks only it maps.
+    /// So a worker running code the parent does not trust can read and write the tensors
+    /// lent to it, in their copies, and nothing else of the parent's: not a tensor it was
+    /// lent before (an export blob kept after its job), not another worker's. The copies
+    /// cost device-to-device bandwidth and arena memory; trusted workers are faster without.
+    pub isolated: bool,
     /// The VRAM that must stay free after an arena copy that needs new arena memory: an
     /// input takes the arena-copy rung only when `cuMemGetInfo` reports at least its size
     /// plus this much free (256 MiB by default). A copy that fits in the arena as it is
@@ -208,6 +220,7 @@ impl Default for ParentOptions {
             staging: StagingConfig::default(),
             results: ResultMemory::Pool,
             arena_copy: true,
+            isolated: false,
             arena_copy_vram_margin: DEFAULT_ARENA_COPY_VRAM_MARGIN,
             vmm_handles: true,
             arena_slice_bytes: 0,

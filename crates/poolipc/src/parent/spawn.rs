@@ -66,12 +66,33 @@ impl Parent {
             return Err(e);
         }
         let deadline = Instant::now() + self.shared.options.handshake_timeout;
-        let setup = self.identity().and_then(|identity| {
+        let isolated = self.shared.options.isolated;
+        let setup = self.identity().and_then(|mut identity| {
+            let first = self.shared.pools[0].handle();
+            if isolated {
+                // No handle on the pool: pointers and VMM handles are not on offer, and the
+                // descriptor Hello carries is an empty sealed memfd, not the pool's FD.
+                identity.capabilities = Capabilities(
+                    identity.capabilities.0
+                        & !(Capabilities::POOL_POINTER.0 | Capabilities::VMM_HANDLE.0),
+                );
+                let config = HandshakeConfig {
+                    identity,
+                    required: Capabilities::NONE,
+                };
+                let stand_in = no_pool_fd()?;
+                let peer = poolipc_transport::parent_handshake(
+                    &mut conn,
+                    &config,
+                    stand_in.as_fd(),
+                    deadline,
+                )?;
+                return Ok((peer, first, Vec::new()));
+            }
             let config = HandshakeConfig {
                 identity,
                 required: Capabilities::NONE,
             };
-            let first = self.shared.pools[0].handle();
             let fd = self.shared.pools[0]
                 .fd_of(first)
                 .ok_or_else(|| Error::Protocol("the parent's pool has no FD".into()))?;
@@ -116,10 +137,11 @@ impl Parent {
         };
         let id = WorkerId(self.shared.next_worker.fetch_add(1, Ordering::Relaxed));
         let pid = child.as_ref().map(Child::id);
-        let reaches_first = peer
-            .identity
-            .capabilities
-            .contains(Capabilities::POOL_POINTER);
+        let reaches_first = !isolated
+            && peer
+                .identity
+                .capabilities
+                .contains(Capabilities::POOL_POINTER);
         let mut pools = BTreeMap::new();
         pools.insert(
             0,
@@ -160,7 +182,12 @@ impl Parent {
             return Err(e);
         }
         tracing::info!(worker = %id, ?pid, "worker connected");
-        if !reaches_first {
+        if isolated {
+            tracing::info!(
+                worker = %id,
+                "the worker is isolated: its tensors cross by arena copy, its results come from its own arena chunks"
+            );
+        } else if !reaches_first {
             tracing::warn!(
                 worker = %id,
                 "the worker cannot reach the pool from its device: its tensors take host staging"
@@ -276,4 +303,35 @@ impl Parent {
         lock(&self.shared.registry).remove(&worker);
         status
     }
+}
+
+/// What an isolated worker's `Hello` carries where the pool's FD would be: an empty memfd,
+/// sealed against growing, so that the frame keeps its one descriptor and the worker gets no
+/// handle on the parent's memory.
+fn no_pool_fd() -> Result<std::os::fd::OwnedFd, Error> {
+    use nix::sys::memfd::{MFdFlags, memfd_create};
+    let fd = memfd_create(
+        c"poolipc-no-pool",
+        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+    )
+    .map_err(|e| {
+        Error::Protocol(format!(
+            "creating the isolated worker's stand-in descriptor: {e}"
+        ))
+    })?;
+    nix::fcntl::fcntl(
+        &fd,
+        nix::fcntl::FcntlArg::F_ADD_SEALS(
+            nix::fcntl::SealFlag::F_SEAL_GROW
+                | nix::fcntl::SealFlag::F_SEAL_SHRINK
+                | nix::fcntl::SealFlag::F_SEAL_WRITE
+                | nix::fcntl::SealFlag::F_SEAL_SEAL,
+        ),
+    )
+    .map_err(|e| {
+        Error::Protocol(format!(
+            "sealing the isolated worker's stand-in descriptor: {e}"
+        ))
+    })?;
+    Ok(fd)
 }

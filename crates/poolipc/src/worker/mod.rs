@@ -218,13 +218,27 @@ impl Worker {
             device,
             crate::parent::capabilities(&*driver, device),
         )?;
-        let config = HandshakeConfig {
-            identity,
-            required: Capabilities::NONE,
-        };
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-        let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
-        Worker::attach(driver, device, conn, pool_fd.as_fd())
+        let (peer, pool_fd, _config) = poolipc_transport::worker_handshake_choosing(
+            &mut conn,
+            |parent| {
+                let mut identity = identity;
+                if !lends_pointers(parent) {
+                    // An isolated worker: say so, as the parent offers nothing of the kind.
+                    identity.capabilities = Capabilities(
+                        identity.capabilities.0
+                            & !(Capabilities::POOL_POINTER.0 | Capabilities::VMM_HANDLE.0),
+                    );
+                }
+                Ok(HandshakeConfig {
+                    identity,
+                    required: Capabilities::NONE,
+                })
+            },
+            deadline,
+        )?;
+        let pool_fd = lends_pointers(&peer.identity).then(|| pool_fd.as_fd());
+        Worker::attach(driver, device, conn, pool_fd)
     }
 
     /// Shakes hands over `conn` on the device the parent's pool lives on, found by its UUID
@@ -253,10 +267,17 @@ impl Worker {
         };
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let mut chosen = None;
-        let (_peer, pool_fd, _config) = poolipc_transport::worker_handshake_choosing(
+        let (peer, pool_fd, _config) = poolipc_transport::worker_handshake_choosing(
             &mut conn,
             |parent| {
-                let placed = place(&*driver, parent.device, compute)?;
+                let mut placed = place(&*driver, parent.device, compute)?;
+                if !lends_pointers(parent) {
+                    // An isolated worker: say so, as the parent offers nothing of the kind.
+                    placed.identity.capabilities = Capabilities(
+                        placed.identity.capabilities.0
+                            & !(Capabilities::POOL_POINTER.0 | Capabilities::VMM_HANDLE.0),
+                    );
+                }
                 let identity = placed.identity.clone();
                 chosen = Some(placed);
                 Ok(HandshakeConfig {
@@ -290,7 +311,8 @@ impl Worker {
         } else {
             placed.pool_device
         };
-        let mut worker = Worker::attach(driver, attach_on, conn, pool_fd.as_fd())?;
+        let pool_fd = lends_pointers(&peer.identity).then(|| pool_fd.as_fd());
+        let mut worker = Worker::attach(driver, attach_on, conn, pool_fd)?;
         worker.device = placed.compute;
         Ok(worker)
     }
@@ -299,16 +321,21 @@ impl Worker {
         driver: Arc<dyn Driver>,
         device: u32,
         conn: Connection,
-        pool_fd: std::os::fd::BorrowedFd<'_>,
+        pool_fd: Option<std::os::fd::BorrowedFd<'_>>,
     ) -> Result<Worker, Error> {
-        let pool = AttachedPool::attach(Arc::clone(&driver), pool_fd, device)?;
+        // An isolated worker's Hello carries no pool (a sealed empty memfd stands in for it):
+        // nothing to attach, and no pointer of the parent's will be lent.
+        let pool = match pool_fd {
+            Some(fd) => Ok(AttachedPool::attach(Arc::clone(&driver), fd, device)?),
+            None => Err("the parent isolates this worker: it lends no pool".to_owned()),
+        };
         let stream = OwnedStream::new(Arc::clone(&driver))?;
         let done = OwnedEvent::new(Arc::clone(&driver), true)?;
         let done_blob = done.ipc_handle()?;
         let vmm = VmmMappings::new(Arc::clone(&driver), device);
         Ok(Worker {
             device,
-            pools: BTreeMap::from([(0, Ok(pool))]),
+            pools: BTreeMap::from([(0, pool)]),
             driver,
             conn,
             machine: contract::Worker::new(),
@@ -558,6 +585,12 @@ impl Worker {
         }
         Ok(job)
     }
+}
+
+/// Whether the parent whose identity this is lends pool pointers (an isolated worker's parent
+/// does not: its Hello's descriptor is no pool).
+fn lends_pointers(parent: &poolipc_transport::Identity) -> bool {
+    parent.capabilities.contains(Capabilities::POOL_POINTER)
 }
 
 impl Drop for Worker {
