@@ -30,7 +30,7 @@ def test_an_isolated_worker_takes_a_pool_tensor_by_arena_copy_and_answers_from_t
     if not CHILD:
         return run_in_child_pytest(__file__, request, {"POOLIPC_ISOLATED_CHILD": "1"})
     p = poolipc.Parent(0, isolated=True)
-    assert p.options()["isolated"] is True
+    assert p.options["isolated"] is True
     w = p.spawn(py_worker_argv(), {"POOLIPC_TEST_MODE": "echo"})
     vals = [float(i) + 0.25 for i in range(256)]
     buf = p.alloc(4 * len(vals), dtype="float32", shape=[len(vals)])
