@@ -208,7 +208,13 @@ def _poolipc_prestartup():
                     state.mps = pipe
                 except poolipc.MpsError as e:
                     say(f"poolipc: MPS not started ({e}); handoffs go on without it")
-        info = poolipc.install_pool(device)  # logs its own line
+        # POOLIPC_ISOLATED=1: workers get no handle on ComfyUI's memory (README: threat model):
+        # their tensors cross by a device-to-device copy into their own arena chunks.
+        isolated = os.environ.get("POOLIPC_ISOLATED", "").strip().lower() in ("1", "true", "yes", "on")
+        if isolated:
+            info = poolipc.install_pool(device, isolated=True)  # logs its own line
+        else:
+            info = poolipc.install_pool(device)  # logs its own line
         effective = not isinstance(info, dict) or info.get("effective", True)
         record("installed" if effective else "host-staging", device=device,
                reason=None if effective else (info.get("reason") if isinstance(info, dict) else None))

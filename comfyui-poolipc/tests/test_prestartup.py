@@ -66,6 +66,16 @@ def test_a_plain_start_installs_on_device_0_before_torch(tmp_path, order):
 
 
 @pytest.mark.parametrize("order", ORDERS)
+def test_POOLIPC_ISOLATED_installs_a_parent_whose_workers_get_no_handle_on_its_memory(tmp_path, order):
+    out, err, state = comfy_start(tmp_path, order, env={**ON, "POOLIPC_ISOLATED": "1"})
+    (line,) = installs(err)
+    assert "isolated=True" in line, line
+    assert state["mode"] == "installed"
+    _, err, _ = comfy_start(tmp_path, order, env=ON)
+    assert "isolated" not in installs(err)[0]
+
+
+@pytest.mark.parametrize("order", ORDERS)
 def test_cuda_device_sets_CUDA_VISIBLE_DEVICES_before_the_pool_and_torch(tmp_path, order):
     out, err, state = comfy_start(tmp_path, order, "--cuda-device", "1", env={**ON, "POOLIPC_DEVICE": "3"})
     # the pool: on device 0 of what ComfyUI makes visible, CUDA initialised after the variable

@@ -40,7 +40,7 @@ def start_mps(*, accept_shared_gpu_faults=False, control=None):
     return pipe
 
 
-def install_pool(device=0):
+def install_pool(device=0, **options):
     if "torch" in sys.modules:
         raise PoolipcError("poolipc.install_pool: torch is already imported")
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
@@ -49,7 +49,8 @@ def install_pool(device=0):
     INSTALLS.append(device)
     print(
         f"poolipc: installed a shareable CUDA memory pool as device {device}'s current pool "
-        f"(stub, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})",
+        f"(stub, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}"
+        + "".join(f", {k}={v!r}" for k, v in sorted(options.items())) + ")",
         file=sys.stderr,
         flush=True,
     )
