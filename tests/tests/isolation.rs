@@ -101,6 +101,27 @@ both_drivers!(
         drop(out);
         p.pool().free(x, stream)?;
         d.stream_synchronize(stream)?;
+        // empty_cache rotates the pool (it exported nothing: the canary is off and the worker
+        // took no pointer) and gives the arena back; the isolated worker serves on after it.
+        let back = p.empty_cache()?;
+        ensure!(back.workers_not_answered == 0, "{back:?}");
+        let y = p.pool().alloc(MIB, stream)?;
+        echo::fill_pattern(&*d, y, MIB, 0x2468_ACE0, stream)?;
+        let out = p.run_job(
+            w,
+            &[Input {
+                ptr: y,
+                desc: Layout::contiguous(DType::F32, &[MIB / 4]),
+                read_only: false,
+            }],
+            stream,
+        )?;
+        ensure!(out.input_rungs == [Rung::ArenaCopy], "after empty_cache: {:?}", out.input_rungs);
+        d.stream_synchronize(stream)?;
+        echo::verify_echo(&*d, out.results[0].ptr, MIB, 0, 0x2468_ACE0, 0).map_err(anyhow::Error::msg)?;
+        drop(out);
+        p.pool().free(y, stream)?;
+        d.stream_synchronize(stream)?;
         ensure!(p.stop_worker(w)?.is_some_and(|s| s.success()), "the worker did not exit cleanly");
         Ok(())
     }
