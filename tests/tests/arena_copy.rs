@@ -134,7 +134,7 @@ both_drivers!(
             "{reason}"
         );
         check_exact(&p, &out, 0, MIB, 0x2468_ACE0)?;
-        ensure!(p.arena().is_none(), "an arena was made for a copy that did not happen");
+        ensure!(p.arena_stats().is_none(), "an arena was made for a copy that did not happen");
         ensure!(p.stats().arena_copied_inputs == 0, "{:?}", p.stats());
         free_results(&p, out, stream)?;
         p.pool().free(src, stream)?;
@@ -156,7 +156,7 @@ both_drivers!(
         let reason = out.input_reasons[0].as_deref().context("no reason")?;
         ensure!(reason.contains("host staging: arena copy is off"), "{reason}");
         check_exact(&p, &out, 0, MIB, 0x0F0F_1E1E)?;
-        ensure!(p.arena().is_none(), "an arena was made with the rung off");
+        ensure!(p.arena_stats().is_none(), "an arena was made with the rung off");
         free_results(&p, out, stream)?;
         p.pool().free(src, stream)?;
         p.driver().stream_synchronize(stream)?;
@@ -179,14 +179,14 @@ both_drivers!(
         ensure!(p.stats().arena_copied_inputs == 1, "the input was not copied: {:?}", p.stats());
         ensure!(p.worker(doomed).is_none(), "the doomed worker is still registered");
         ensure!(settle(&p, stream)? == 0, "the reaped worker's block is still out");
-        // Another worker takes the same input, in the same block.
+        // Another worker takes the same input, in a block of its own arena.
         let good = p.spawn_worker(worker_command(env, None)?)?;
         let out = p.run_job(good, &[bytes_input(src, MIB)], stream)?;
         p.driver().stream_synchronize(stream)?;
         ensure!(out.input_rungs == [Rung::ArenaCopy], "{:?}", out.input_rungs);
         check_exact(&p, &out, 0, MIB, 0xDEAD_0001)?;
         ensure!(settle(&p, stream)? == 0);
-        ensure!(p.arena_stats().context("no arena")?.alloc.chunks == 1);
+        ensure!(p.arena_stats_of(good).context("no arena")?.alloc.chunks == 1);
         free_results(&p, out, stream)?;
         p.pool().free(src, stream)?;
         p.driver().stream_synchronize(stream)?;

@@ -8,7 +8,9 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{DevicePtr, Error, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, echo};
+use poolipc::{
+    DevicePtr, Error, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, WorkerId, echo,
+};
 use poolipc_contract::FailReason;
 use poolipc_driver::DriverKind;
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, echo_job, filled, settle};
@@ -30,14 +32,14 @@ fn parent(env: &Env, initial_bytes: u64, max_bytes: Option<u64>) -> Result<Paren
     Ok(Parent::new(Arc::clone(&env.driver), options)?)
 }
 
-/// The index of the arena chunk `ptr` lies in.
-fn chunk_of(p: &Parent, ptr: DevicePtr) -> Result<u32> {
-    let arena = p.arena().context("no arena")?;
+/// The index of the chunk of `worker`'s arena that `ptr` lies in.
+fn chunk_of(p: &Parent, worker: WorkerId, ptr: DevicePtr) -> Result<u32> {
+    let arena = p.arena_of(worker).context("no arena")?;
     arena
         .chunks()
         .find(|c| c.ptr.0 <= ptr.0 && ptr.0 < c.ptr.0 + c.len)
         .map(|c| c.index)
-        .with_context(|| format!("{ptr:?} is in no arena chunk"))
+        .with_context(|| format!("{ptr:?} is in no chunk of {worker}'s arena"))
 }
 
 both_drivers!(
@@ -45,14 +47,14 @@ both_drivers!(
         let p = parent(env, 64 * MIB, None)?;
         let stream = p.driver().stream_create()?;
         let w = p.spawn_worker(worker_command(env, None)?)?;
-        ensure!(p.arena().is_none(), "the arena is made at the first result, not before");
+        ensure!(p.arena_stats().is_none(), "the arena is made at the first result, not before");
         let sizes = [1, MIB, 64 * MIB];
         let out = echo_job(&p, w, &sizes, 0x0403_0201, stream)?;
         ensure!(out.results.len() == 3, "{} results", out.results.len());
         for (i, &n) in sizes.iter().enumerate() {
             let r = &out.results[i];
             ensure!(r.rung == Rung::Arena && r.is_arena(), "result {i}: {:?}", r.rung);
-            chunk_of(&p, r.ptr)?;
+            chunk_of(&p, w, r.ptr)?;
             check_exact(&p, &out, i, n, 0x0403_0201)?;
         }
         ensure!(p.stats().arena_results == 3, "{:?}", p.stats());
@@ -211,29 +213,32 @@ both_drivers!(
 );
 
 both_drivers!(
-    fn the_arena_grows_while_two_workers_are_attached_and_both_map_the_new_chunk(env) {
+    fn each_worker_attached_has_its_own_arena_which_grows_for_it_alone(env) {
         let p = parent(env, 4 * MIB, None)?;
         let stream = p.driver().stream_create()?;
         let a = p.spawn_worker(worker_command(env, None)?)?;
         let b = p.spawn_worker(worker_command(env, None)?)?;
         let size = 3 * MIB;
         let first = echo_job(&p, a, &[size], 0xA1A1_A1A1, stream)?;
-        ensure!(chunk_of(&p, first.results[0].ptr)? == 0);
-        // Chunk 0 cannot hold a second one: the arena grows, and both workers are sent the
-        // new chunk, B before its grant.
+        ensure!(chunk_of(&p, a, first.results[0].ptr)? == 0);
+        // B's result goes to B's own arena, made for it: A's chunk 0 is not B's.
         let second = echo_job(&p, b, &[size], 0xB2B2_B2B2, stream)?;
-        ensure!(chunk_of(&p, second.results[0].ptr)? == 1, "no growth");
+        ensure!(chunk_of(&p, b, second.results[0].ptr)? == 0, "not in B's first chunk");
+        ensure!(chunk_of(&p, a, second.results[0].ptr).is_err(), "B's result lies in A's arena");
         check_exact(&p, &second, 0, size, 0xB2B2_B2B2)?;
         drop(second);
         p.driver().stream_synchronize(stream)?;
-        // A never had a result in chunk 1 before; it writes there now without being sent
-        // anything more: it mapped the chunk when the arena grew.
+        // A's chunk 0 cannot hold a second one while the first is live: A's arena grows, and
+        // A is sent the new chunk before its grant.
         let third = echo_job(&p, a, &[size], 0xC3C3_C3C3, stream)?;
-        ensure!(chunk_of(&p, third.results[0].ptr)? == 1, "not in the new chunk");
+        ensure!(chunk_of(&p, a, third.results[0].ptr)? == 1, "not in A's new chunk");
         check_exact(&p, &third, 0, size, 0xC3C3_C3C3)?;
         check_exact(&p, &first, 0, size, 0xA1A1_A1A1)?;
         let stats = p.arena_stats().context("no arena")?;
-        ensure!(stats.alloc.chunks == 2, "{stats:?}");
+        ensure!(stats.alloc.chunks == 3 && stats.arenas == 2, "{stats:?}");
+        let of_a = p.arena_stats_of(a).context("no arena of A")?;
+        let of_b = p.arena_stats_of(b).context("no arena of B")?;
+        ensure!(of_a.alloc.chunks == 2 && of_b.alloc.chunks == 1, "{of_a:?} {of_b:?}");
         drop((first, third));
         ensure!(settle(&p, stream)? == 0);
         for w in [a, b] {
@@ -262,12 +267,12 @@ both_drivers!(
         ensure!(p.stats().arena_results == 2, "the blocks were not granted: {:?}", p.stats());
         ensure!(p.worker(doomed).is_none(), "the doomed worker is still registered");
         ensure!(settle(&p, stream)? == 0, "blocks of the reaped worker are still out");
-        // The other worker goes on, in the same blocks.
+        // The other worker goes on, in its own arena.
         let out = echo_job(&p, good, &[MIB], 0x600D_600D, stream)?;
         check_exact(&p, &out, 0, MIB, 0x600D_600D)?;
         drop(out);
         ensure!(settle(&p, stream)? == 0);
-        let stats = p.arena_stats().context("no arena")?;
+        let stats = p.arena_stats_of(good).context("no arena")?;
         ensure!(stats.alloc.chunks == 1, "{stats:?}");
         p.stop_worker(good)?;
         Ok(())
@@ -310,7 +315,7 @@ both_drivers!(
         let stream = p.driver().stream_create()?;
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let mut out = echo_job(&p, w, &[MIB, MIB], 0x1234_5678, stream)?;
-        let arena = p.arena().context("no arena")?;
+        let arena = p.arena_of(w).context("no arena")?;
         ensure!(arena.stats().live_blocks == 2);
         // Given back explicitly: once now, and not again when the value is gone.
         let first = out.results.remove(0);
@@ -344,7 +349,7 @@ both_drivers!(
         let r = &out.results[0];
         ensure!(r.rung == Rung::PoolPointer && !r.is_arena(), "{:?}", r.rung);
         check_exact(&p, &out, 0, MIB, 0x7777_0001)?;
-        ensure!(p.arena().is_none(), "the arena was made for a caller's allocator");
+        ensure!(p.arena_stats().is_none(), "the arena was made for a caller's allocator");
         p.pool().free(r.ptr, stream)?;
         p.pool().free(input, stream)?;
         p.driver().stream_synchronize(stream)?;

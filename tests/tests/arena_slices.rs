@@ -53,11 +53,11 @@ fn check_exact(p: &Parent, out: &JobOutput, i: usize, bytes: u64, pattern: u32) 
     Ok(())
 }
 
-/// Fills every chunk of the arena with [`POISON`] (nothing may be live): a result the worker
-/// did not write shows it.
-fn poison_arena(p: &Parent, stream: StreamHandle) -> Result<()> {
+/// Fills every chunk of `w`'s arena with [`POISON`] (nothing may be live): a result the
+/// worker did not write shows it.
+fn poison_arena(p: &Parent, w: WorkerId, stream: StreamHandle) -> Result<()> {
     ensure!(settle(p, stream)? == 0, "blocks live before poisoning");
-    let arena = p.arena().context("no arena")?;
+    let arena = p.arena_of(w).context("no arena")?;
     for c in arena.chunks() {
         p.driver().memset_d8_async(c.ptr, POISON, c.len, stream)?;
     }
@@ -65,10 +65,10 @@ fn poison_arena(p: &Parent, stream: StreamHandle) -> Result<()> {
     Ok(())
 }
 
-/// Makes the arena (a first job) and poisons it.
+/// Makes `w`'s arena (a first job) and poisons it.
 fn warm_and_poison(p: &Parent, w: WorkerId, stream: StreamHandle) -> Result<()> {
     drop(echo_job(p, w, &[4096], 0x0101_0101, stream)?);
-    poison_arena(p, stream)
+    poison_arena(p, w, stream)
 }
 
 fn expect_failed(r: Result<JobOutput>, who: WorkerId, want: FailReason) -> Result<String> {
@@ -184,7 +184,7 @@ both_drivers!(
         let stream = p.driver().stream_create()?;
         let good = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, good, stream)?;
-        let free = p.arena_stats().context("no arena")?.alloc.free;
+        let free = p.arena_stats_of(good).context("no arena")?.alloc.free;
         // Dies (SIGKILL) after carving one result and being granted the other.
         let doomed = p.spawn_worker(late_worker(env, Some("after-grant"))?)?;
         let before = p.stats();
@@ -195,7 +195,7 @@ both_drivers!(
         ensure!(after.arena_results == before.arena_results + 1, "the grant: {after:?}");
         ensure!(p.worker(doomed).is_none(), "the doomed worker is still registered");
         ensure!(settle(&p, stream)? == 0, "blocks of the reaped worker are still out");
-        let stats = p.arena_stats().context("no arena")?;
+        let stats = p.arena_stats_of(good).context("no arena")?;
         ensure!(stats.alloc.free == free, "arena free {} != {free} at the start", stats.alloc.free);
         let out = echo_job(&p, good, &[MIB], 0x600D_600D, stream)?;
         check_exact(&p, &out, 0, MIB, 0x600D_600D)?;
@@ -212,7 +212,7 @@ both_drivers!(
         let stream = p.driver().stream_create()?;
         let good = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, good, stream)?;
-        let free = p.arena_stats().context("no arena")?.alloc.free;
+        let free = p.arena_stats_of(good).context("no arena")?.alloc.free;
         for (k, lie) in ["arena-carve-out-of-bounds", "arena-carve-overlap", "arena-carve-misaligned"]
             .into_iter()
             .enumerate()
@@ -225,7 +225,7 @@ both_drivers!(
             ensure!(p.worker(rogue).is_none(), "{lie}: the rogue is still registered");
             ensure!(p.stats().workers_lost == k as u64 + 1, "{:?}", p.stats());
             ensure!(settle(&p, stream)? == 0, "{lie}: the rogue's slice is still out");
-            ensure!(p.arena_stats().context("no arena")?.alloc.free == free, "{lie}");
+            ensure!(p.arena_stats_of(good).context("no arena")?.alloc.free == free, "{lie}");
             // The good worker never noticed.
             let out = echo_job(&p, good, &[4096], 0x600D_0000 + k as u32, stream)?;
             check_exact(&p, &out, 0, 4096, 0x600D_0000 + k as u32)?;

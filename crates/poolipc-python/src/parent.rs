@@ -494,9 +494,10 @@ impl NativeParent {
         Ok(())
     }
 
-    /// The result arena's figures (a dict), after freeing the blocks given back whose event
-    /// completed: `enabled` (the process parent has `results="arena"`), `created` (the arena
-    /// exists: it is made at the first result, or input copy, that goes to it), `capacity`,
+    /// The result arena's figures (a dict), every worker's arena together, after freeing the
+    /// blocks given back whose event completed: `enabled` (the process parent has
+    /// `results="arena"`), `created` (an arena was made: each worker's is made at its first
+    /// result, or input copy, that goes to it), `capacity`,
     /// `used` and `largest_free` in bytes, `live_blocks` (blocks out, including those given
     /// back whose event has not completed), `pending_frees`, `chunks`, `max_bytes` (the cap:
     /// half the device unless `arena_max_bytes` says otherwise), `released_chunks` and
@@ -510,24 +511,23 @@ impl NativeParent {
             .detach(move || {
                 g.use_device()?;
                 g.parent.reclaim_arena();
-                Ok::<_, poolipc::Error>((g.parent.arena_stats(), g.parent.arena()))
+                Ok::<_, poolipc::Error>(g.parent.arena_stats())
             })
             .map_err(|e| to_py_for(py, e, None))?;
-        let (stats, arena) = stats;
         let a = stats.map(|s| s.alloc).unwrap_or_default();
         let d = PyDict::new(py);
         d.set_item(
             "enabled",
             Results::of(&self.g.parent.options().results) == Results::Arena,
         )?;
-        d.set_item("created", arena.is_some())?;
+        d.set_item("created", stats.is_some())?;
         d.set_item("capacity", a.capacity)?;
         d.set_item("used", a.used)?;
         d.set_item("largest_free", a.largest_free)?;
         d.set_item("live_blocks", a.live_blocks)?;
         d.set_item("pending_frees", stats.map_or(0, |s| s.pending_frees))?;
         d.set_item("chunks", a.chunks)?;
-        d.set_item("max_bytes", arena.and_then(|x| x.max_bytes()))?;
+        d.set_item("max_bytes", stats.and_then(|s| s.max_bytes))?;
         d.set_item("released_chunks", stats.map_or(0, |s| s.released_chunks))?;
         d.set_item("released_bytes", stats.map_or(0, |s| s.released_bytes))?;
         d.set_item("results_out", crate::arena::results_out())?;

@@ -52,6 +52,13 @@
 //!   to import.
 //! - `fd-drip`: 200 ms after the handshake, a valid 1 KiB `JobError` frame one byte at a
 //!   time, 1 ms apart, each byte carrying a descriptor (of `/dev/null`); it never reads.
+//! - `arena-snoop`: announces the arena and maps every arena chunk it is sent, read-write,
+//!   as a worker does. At its first job it waits on the job's READY events, reads every
+//!   chunk it mapped through its own mappings, counting the 4-byte words equal to each
+//!   pattern of `POOLIPC_TEST_ROGUE_PATTERNS` (hex, comma-separated), then overwrites every
+//!   chunk with `0xEE`. It fails the job with a report,
+//!   `arena-snoop: chunks <index>:<len>,...; found <pattern>=<words>,...; overwrote <bytes>`,
+//!   finishes it properly (its DONE after the overwrite) and waits for `Bye`.
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -94,6 +101,7 @@ fn run() -> anyhow::Result<()> {
             return Ok(());
         }
         "fd-drip" => return fd_drip(conn),
+        "arena-snoop" => return arena_snoop(conn, driver),
         _ => {}
     }
     if mode == "ignore-bye" {
@@ -445,6 +453,80 @@ fn fd_drip(conn: poolipc_transport::Connection) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `arena-snoop`: everything the arena chunks it was sent hold, read and overwritten through
+/// its own mappings, reported as the job's error.
+fn arena_snoop(
+    mut conn: poolipc_transport::Connection,
+    driver: Arc<dyn Driver>,
+) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use std::os::fd::AsFd as _;
+    let deadline = || Instant::now() + Duration::from_secs(30);
+    let patterns = std::env::var("POOLIPC_TEST_ROGUE_PATTERNS").unwrap_or_default();
+    let patterns = patterns
+        .split(',')
+        .filter(|p| !p.is_empty())
+        .map(|p| u32::from_str_radix(p.trim_start_matches("0x"), 16))
+        .collect::<Result<Vec<u32>, _>>()?;
+    driver.use_device(0)?;
+    let mut mapping = poolipc_pool::ArenaMapping::new(Arc::clone(&driver), 0);
+    let mut chunks = Vec::new();
+    let lend = loop {
+        match conn.recv(deadline())? {
+            (Message::ArenaChunk(c), fds) => {
+                let fd = fds
+                    .into_iter()
+                    .next()
+                    .context("an ArenaChunk without its FD")?;
+                let base = mapping.map_chunk(c.index, c.len, fd.as_fd())?;
+                chunks.push((c.index, c.len, base));
+            }
+            (Message::Lend(l), _) => break l,
+            (Message::Heartbeat { .. }, _) => {}
+            (other, _) => anyhow::bail!("rogue: expected a Lend, got {}", other.kind()),
+        }
+    };
+    let stream = driver.stream_create()?;
+    let mut ready = Vec::new();
+    for t in &lend.tensors {
+        if t.ready_event != EventBlob([0; 64]) && !ready.contains(&t.ready_event) {
+            let event = driver.ipc_open_event_handle(&t.ready_event)?;
+            driver.stream_wait_event(stream, event)?;
+            ready.push(t.ready_event);
+        }
+    }
+    let mut found = vec![0u64; patterns.len()];
+    let mut overwrote = 0u64;
+    for &(_, len, base) in &chunks {
+        let mut bytes = vec![0u8; usize::try_from(len)?];
+        driver.memcpy_dtoh_on(&mut bytes, base, stream)?;
+        for word in bytes.chunks_exact(4) {
+            let w = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+            for (n, p) in found.iter_mut().zip(&patterns) {
+                *n += u64::from(w == *p);
+            }
+        }
+        driver.memset_d8_async(base, 0xEE, len, stream)?;
+        overwrote += len;
+    }
+    driver.stream_synchronize(stream)?;
+    let listed: Vec<String> = chunks.iter().map(|(i, l, _)| format!("{i}:{l}")).collect();
+    let counts: Vec<String> = patterns
+        .iter()
+        .zip(&found)
+        .map(|(p, n)| format!("{p:#010x}={n}"))
+        .collect();
+    let said = format!(
+        "arena-snoop: chunks {}; found {}; overwrote {overwrote}",
+        listed.join(","),
+        counts.join(",")
+    );
+    let handles = lend.tensors.iter().map(|t| t.handle).collect();
+    let result = finish_failed_on(&mut conn, &*driver, lend.job, handles, said, stream);
+    drop(mapping);
+    result
+}
+
 /// The next `AllocationGrant`, skipping what a worker may be sent meanwhile.
 fn recv_grant(
     conn: &mut poolipc_transport::Connection,
@@ -467,11 +549,30 @@ fn finish_failed(
     handles: Vec<poolipc_types::HandoffId>,
     said: String,
 ) -> anyhow::Result<()> {
+    driver.use_device(0)?;
+    finish_failed_on(
+        conn,
+        driver,
+        job,
+        handles,
+        said,
+        poolipc::StreamHandle::NULL,
+    )
+}
+
+/// [`finish_failed`] with the DONE recorded on `stream` (after the work queued there).
+fn finish_failed_on(
+    conn: &mut poolipc_transport::Connection,
+    driver: &dyn Driver,
+    job: JobId,
+    handles: Vec<poolipc_types::HandoffId>,
+    said: String,
+    stream: poolipc::StreamHandle,
+) -> anyhow::Result<()> {
     let deadline = || Instant::now() + Duration::from_secs(30);
     conn.send(&Message::JobError { job, message: said }, &[], deadline())?;
-    driver.use_device(0)?;
     let event = driver.event_create(true)?;
-    driver.event_record(event, poolipc::StreamHandle::NULL)?;
+    driver.event_record(event, stream)?;
     let done_event = driver.ipc_get_event_handle(event)?;
     conn.send(
         &Message::Done(Done {

@@ -16,6 +16,8 @@
 //! - [`ArenaAllocator`]: best-fit byte ranges over chunks, pure (no driver), property-tested.
 //! - [`Arena`]: the parent's side: chunks of VMM memory, their FDs, the allocator behind a
 //!   mutex so that a block can be freed from any thread.
+//! - [`ArenaBudget`]: a cap several arenas share (the facade keeps one arena per worker, so
+//!   that a worker maps only chunks holding its own blocks, under one cap for the parent).
 //! - [`ArenaMapping`]: a worker's side: the chunks it mapped, and bounds-checked resolution of
 //!   `(chunk, offset, len)` from the wire into a device pointer.
 //!
@@ -31,10 +33,12 @@
 //! safe for the worker (the memory goes away when the last mapping does).
 
 mod alloc;
+mod budget;
 mod parent;
 mod worker;
 
 pub use alloc::{ALIGN, AllocError, AllocStats, ArenaAllocator, Block};
+pub use budget::ArenaBudget;
 pub use parent::{Arena, ArenaBlock, ChunkInfo};
 pub use worker::ArenaMapping;
 
@@ -58,7 +62,8 @@ pub enum ArenaError {
     Exhausted {
         /// The bytes asked for.
         requested: u64,
-        /// The arena's bytes now.
+        /// The bytes held now: the arena's, with those of every arena sharing its
+        /// [`ArenaBudget`].
         capacity: u64,
         /// The cap.
         max: u64,

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use poolipc_driver::{DevicePtr, Driver, Granularity, OwnedEvent, VmmAllocation};
 
 use super::alloc::{ALIGN, AllocError, AllocStats, ArenaAllocator, Block};
+use super::budget::ArenaBudget;
 use super::{ArenaError, MappedChunk, map_handle, unmap};
 
 /// A block of the arena, as the parent hands it out: where it is in the arena (what goes on
@@ -99,8 +100,9 @@ impl<D: Driver + ?Sized> Default for State<D> {
 ///
 /// Each chunk gets its own address range; a block never spans two chunks. When an `alloc`
 /// finds no room it adds a chunk as large as the first one (or as large as the request, if
-/// that is larger), never passing the cap given to [`with_max_bytes`](Arena::with_max_bytes).
-/// A worker must map each new chunk (see [`ChunkInfo`] and [`export_fd`](Arena::export_fd))
+/// that is larger), never passing its [`ArenaBudget`]: the cap given to
+/// [`with_max_bytes`](Arena::with_max_bytes), or one shared with other arenas
+/// ([`with_budget`](Arena::with_budget)). A worker must map each new chunk (see [`ChunkInfo`] and [`export_fd`](Arena::export_fd))
 /// before it is granted a block in it.
 pub struct Arena<D: Driver + ?Sized> {
     driver: Arc<D>,
@@ -108,7 +110,8 @@ pub struct Arena<D: Driver + ?Sized> {
     granularity: u64,
     /// The size of a chunk added by growth, unless the request needs more.
     growth: u64,
-    max_bytes: Option<u64>,
+    /// The cap this arena's chunks count against, maybe with other arenas' chunks.
+    budget: Arc<ArenaBudget>,
     state: Mutex<State<D>>,
 }
 
@@ -117,7 +120,7 @@ impl<D: Driver + ?Sized> std::fmt::Debug for Arena<D> {
         f.debug_struct("Arena")
             .field("device", &self.device)
             .field("granularity", &self.granularity)
-            .field("max_bytes", &self.max_bytes)
+            .field("budget", &self.budget)
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
@@ -137,22 +140,38 @@ impl<D: Driver + ?Sized> Arena<D> {
         initial_bytes: u64,
         max_bytes: Option<u64>,
     ) -> Result<Arena<D>, ArenaError> {
+        let budget = Arc::new(ArenaBudget::new(max_bytes));
+        let arena = Arena::with_budget(driver, device, initial_bytes, budget)?;
+        {
+            let mut st = arena.lock();
+            arena.add_chunk(&mut st, initial_bytes, arena.growth)?;
+        }
+        tracing::debug!(device, bytes = arena.growth, "arena created");
+        Ok(arena)
+    }
+
+    /// An arena with no chunk yet on `device`, whose chunks count against `budget` (a cap
+    /// shared with every other arena made with it). It grows at its first
+    /// [`alloc`](Arena::alloc) (or [`grow`](Arena::grow)) by chunks of `chunk_bytes` (rounded
+    /// up to the driver's recommended granularity), or of the request if larger, or only of
+    /// what the request needs when the budget has no room for more. Makes no chunk, so the
+    /// calling thread needs no current device; one that grows it does.
+    pub fn with_budget(
+        driver: Arc<D>,
+        device: u32,
+        chunk_bytes: u64,
+        budget: Arc<ArenaBudget>,
+    ) -> Result<Arena<D>, ArenaError> {
         let granularity = driver.vmm_granularity(device, Granularity::Recommended)?;
-        let growth = round_up(initial_bytes, granularity)?;
-        let arena = Arena {
+        let growth = round_up(chunk_bytes, granularity)?;
+        Ok(Arena {
             driver,
             device,
             granularity,
             growth,
-            max_bytes,
+            budget,
             state: Mutex::new(State::default()),
-        };
-        {
-            let mut st = arena.lock();
-            arena.add_chunk(&mut st, initial_bytes, growth)?;
-        }
-        tracing::debug!(device, bytes = growth, granularity, "arena created");
-        Ok(arena)
+        })
     }
 
     /// Adds a chunk of at least `min_bytes` (rounded up to the granularity) and returns its
@@ -178,10 +197,7 @@ impl<D: Driver + ?Sized> Arena<D> {
             Ok(b) => b,
             Err(AllocError::NoSpace { len, .. }) => {
                 let needed = round_up(len, self.granularity)?;
-                let capacity = st.alloc.capacity();
-                let room = self
-                    .max_bytes
-                    .map_or(u64::MAX, |m| m.saturating_sub(capacity));
+                let room = self.budget.room();
                 // A chunk of the usual size if the cap leaves room for it, else just enough.
                 let chunk_len = if needed.max(self.growth) <= room {
                     needed.max(self.growth)
@@ -429,6 +445,7 @@ impl<D: Driver + ?Sized> Arena<D> {
             };
             // Failures are logged inside; the chunk is gone from the arena either way.
             let _ = unmap(chunk);
+            self.budget.give(info.len);
             st.released_chunks += 1;
             st.released_bytes += info.len;
             tracing::debug!(
@@ -462,10 +479,17 @@ impl<D: Driver + ?Sized> Arena<D> {
         self.lock().alloc.capacity()
     }
 
-    /// The cap on [`capacity`](Arena::capacity), if any.
+    /// The cap on [`capacity`](Arena::capacity), if any: its budget's, which counts the
+    /// chunks of every arena sharing it.
     #[must_use]
     pub fn max_bytes(&self) -> Option<u64> {
-        self.max_bytes
+        self.budget.max_bytes()
+    }
+
+    /// The budget its chunks count against.
+    #[must_use]
+    pub fn budget(&self) -> &Arc<ArenaBudget> {
+        &self.budget
     }
 
     /// The driver's recommended granularity: every chunk's length is a multiple of it.
@@ -492,26 +516,32 @@ impl<D: Driver + ?Sized> Arena<D> {
     }
 
     /// Creates, maps and registers a chunk of `len` bytes (a granularity multiple) for a
-    /// request of `requested` bytes, within the cap.
+    /// request of `requested` bytes, within the budget.
     fn add_chunk(&self, st: &mut State<D>, requested: u64, len: u64) -> Result<u32, ArenaError> {
         let capacity = st.alloc.capacity();
-        if let Some(max) = self.max_bytes
-            && capacity.checked_add(len).is_none_or(|total| total > max)
-        {
-            return Err(ArenaError::Exhausted {
+        self.budget
+            .take(len)
+            .map_err(|(held, max)| ArenaError::Exhausted {
                 requested,
-                capacity,
+                capacity: held,
                 max,
-            });
-        }
-        let handle = VmmAllocation::create(Arc::clone(&self.driver), self.device, len)?;
-        // A failed mapping releases the handle (dropped inside, logged).
-        let chunk = map_handle(&self.driver, self.device, handle, len)?;
+            })?;
+        let made = VmmAllocation::create(Arc::clone(&self.driver), self.device, len)
+            // A failed mapping releases the handle (dropped inside, logged).
+            .and_then(|handle| map_handle(&self.driver, self.device, handle, len));
+        let chunk = match made {
+            Ok(c) => c,
+            Err(e) => {
+                self.budget.give(len);
+                return Err(e.into());
+            }
+        };
         let base = chunk.base();
         let index = match st.alloc.add_chunk(len) {
             Ok(i) => i,
             Err(e) => {
                 let _ = unmap(chunk);
+                self.budget.give(len);
                 return Err(e.into());
             }
         };
@@ -548,8 +578,10 @@ impl<D: Driver + ?Sized> Drop for Arena<D> {
             );
         }
         for chunk in st.chunks.drain(..).flatten() {
+            let len = chunk.len();
             // Failures are logged inside; a destructor has no one to return them to.
             let _ = unmap(chunk);
+            self.budget.give(len);
         }
     }
 }

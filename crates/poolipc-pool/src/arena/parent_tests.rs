@@ -128,6 +128,67 @@ fn an_initial_size_over_the_cap_is_refused() {
 }
 
 #[test]
+fn an_arena_with_a_budget_starts_empty_and_grows_by_its_chunk_size_at_its_first_block() {
+    let d = sim();
+    let g = granule(&d);
+    let start = free_bytes(&d);
+    let budget = Arc::new(ArenaBudget::new(None));
+    let arena = Arena::with_budget(Arc::clone(&d), 0, 2 * g, Arc::clone(&budget)).unwrap();
+    assert_eq!((arena.capacity(), arena.chunks().count()), (0, 0));
+    assert_eq!(free_bytes(&d), start, "no chunk before the first block");
+    let b = arena.alloc(4096).unwrap();
+    assert_eq!((b.chunk, arena.capacity()), (0, 2 * g));
+    assert_eq!(budget.used(), 2 * g);
+    assert_no_violations(&d);
+}
+
+#[test]
+fn arenas_sharing_a_budget_never_hold_more_than_its_cap_together() {
+    let d = sim();
+    let g = granule(&d);
+    let budget = Arc::new(ArenaBudget::new(Some(3 * g)));
+    let first = Arena::with_budget(Arc::clone(&d), 0, 2 * g, Arc::clone(&budget)).unwrap();
+    let second = Arena::with_budget(Arc::clone(&d), 0, 2 * g, Arc::clone(&budget)).unwrap();
+    let a = first.alloc(g).unwrap();
+    assert_eq!(budget.used(), 2 * g);
+    // Room for one granule only: the second arena's chunk shrinks to what the block needs.
+    let b = second.alloc(g).unwrap();
+    assert_eq!(second.capacity(), g);
+    assert_eq!(budget.used(), 3 * g);
+    let e = second.alloc(1).unwrap_err();
+    assert!(
+        matches!(e, ArenaError::Exhausted { requested: 1, capacity, max } if capacity == 3 * g && max == 3 * g),
+        "{e}"
+    );
+    assert!(matches!(first.grow(1), Err(ArenaError::Exhausted { .. })));
+    assert_eq!(second.max_bytes(), Some(3 * g));
+    // A chunk released gives its bytes back to the budget, for any arena sharing it.
+    second.free(b).unwrap();
+    assert_eq!(
+        second.release_idle(Instant::now(), Duration::ZERO, 0).len(),
+        1
+    );
+    assert_eq!(budget.used(), 2 * g);
+    let c = first.alloc(g).unwrap();
+    assert_eq!(
+        (c.chunk, first.capacity()),
+        (0, 2 * g),
+        "room in its own chunk"
+    );
+    let big = second.alloc(g).unwrap();
+    assert_eq!(budget.used(), 3 * g);
+    // A dropped arena gives back every chunk it held.
+    second.free(big).unwrap();
+    drop(second);
+    assert_eq!(budget.used(), 2 * g);
+    first.free(a).unwrap();
+    first.free(c).unwrap();
+    drop(first);
+    assert_eq!(budget.used(), 0);
+    assert_no_violations(&d);
+}
+
+#[test]
 fn zero_bytes_are_refused_for_the_arena_and_for_a_block() {
     let d = sim();
     assert!(matches!(

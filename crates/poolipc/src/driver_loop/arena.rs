@@ -1,5 +1,6 @@
-//! The result arena on the IO thread: chunks grown and announced to the workers, idle ones
-//! released (asking each worker to unmap first), and the answers awaited.
+//! The arenas on the IO thread: each worker's made at its first need, its chunks grown and
+//! announced to that worker alone, idle ones released (asking the worker to unmap first), a
+//! reaped worker's emptied, and the answers awaited.
 
 use std::collections::HashSet;
 use std::os::fd::AsFd;
@@ -8,23 +9,31 @@ use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use poolipc_contract::Message;
-use poolipc_driver::Driver;
 use poolipc_pool::Arena;
+use poolipc_pool::arena::{ArenaBudget, ArenaError};
 use poolipc_transport::{ArenaChunk, ArenaRelease};
 use poolipc_types::WorkerId;
 
 use super::{IDLE_RELEASE_CHECK, Loop, MAPPINGS_ACK, ReleaseWaiter};
 use crate::error::Error;
-use crate::parent::{EmptyCache, ResultMemory, lock};
+use crate::parent::{EmptyCache, ResultMemory, SharedArena, lock};
 
 impl Loop {
-    /// The arena, created on this thread (the device is current here) at its first use:
-    /// with the [`ResultMemory::Arena`] sizes, or (arena copies only) one chunk of
-    /// `first_bytes` and no cap.
-    pub(super) fn ensure_arena(&self, first_bytes: u64) -> Result<Arc<Arena<dyn Driver>>, Error> {
-        let mut slot = lock(&self.shared.arena);
-        if let Some(a) = slot.as_ref() {
-            return Ok(Arc::clone(a));
+    /// `worker`'s arena, made on this thread (the device is current here) at its first use:
+    /// with the [`ResultMemory::Arena`] sizes, or (arena copies only) chunks of
+    /// `first_bytes`; the cap is the one every arena shares (made with the first arena).
+    /// Refused for a worker the loop does not hold (reaped: its arena is retired).
+    pub(super) fn ensure_arena(
+        &self,
+        worker: WorkerId,
+        first_bytes: u64,
+    ) -> Result<SharedArena, Error> {
+        if !self.workers.contains_key(&worker) {
+            return Err(Error::UnknownWorker(worker));
+        }
+        let mut arenas = lock(&self.shared.arenas);
+        if let Some(a) = arenas.live(worker) {
+            return Ok(a);
         }
         let (initial_bytes, max_bytes) = match self.shared.options.results {
             ResultMemory::Arena {
@@ -36,67 +45,85 @@ impl Loop {
                 return Err(Error::Config("the arena is not enabled".into()));
             }
         };
-        // No cap given: a fraction of the device (ParentOptions::arena_cap_fraction).
-        let max_bytes = match max_bytes {
-            Some(m) => Some(m),
-            None => {
-                let (_, total) = self.shared.driver.mem_get_info()?;
-                #[allow(
-                    clippy::cast_possible_truncation,
-                    clippy::cast_sign_loss,
-                    clippy::cast_precision_loss
-                )]
-                let cap = (total as f64 * self.shared.options.arena_cap_fraction) as u64;
-                Some(cap)
-            }
+        let budget = match arenas.budget() {
+            Some(b) => b,
+            None => Arc::new(ArenaBudget::new(Some(self.arena_cap(max_bytes)?))),
         };
-        let arena = Arc::new(Arena::with_max_bytes(
+        let arena = Arc::new(Arena::with_budget(
             Arc::clone(&self.shared.driver),
             self.shared.options.device,
             initial_bytes,
-            max_bytes,
+            Arc::clone(&budget),
         )?);
+        // Its first chunk at once, as large as its growth step, when the first need fits in
+        // it and the shared cap leaves room for it (a slice never grows an arena: it fits
+        // there). Otherwise the arena starts empty and its first block adds the chunk it
+        // needs, or is refused at the cap without anything made for it.
+        if first_bytes <= initial_bytes {
+            match arena.grow(initial_bytes) {
+                Ok(_) => {}
+                Err(e @ ArenaError::Exhausted { .. }) => {
+                    tracing::debug!(worker = %worker, error = %e, "a worker's arena starts with no chunk");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         tracing::info!(
+            worker = %worker,
             device = self.shared.options.device,
             bytes = arena.capacity(),
-            ?max_bytes,
-            "result arena created"
+            max_bytes = ?budget.max_bytes(),
+            held = budget.used(),
+            "arena created"
         );
-        *slot = Some(Arc::clone(&arena));
+        arenas.insert(worker, budget, Arc::clone(&arena));
         Ok(arena)
     }
 
-    /// Sends every arena chunk a worker that takes arena results has not been sent yet, in
-    /// index order, one `ArenaChunk` (with the chunk's FD) each. A worker a chunk cannot be
-    /// sent to takes no more arena results (a failed send loses it, as any send does).
+    /// The cap of every arena together: `max_bytes`, or when none is given a fraction of
+    /// the device ([`ParentOptions::arena_cap_fraction`]).
+    ///
+    /// [`ParentOptions::arena_cap_fraction`]: crate::ParentOptions::arena_cap_fraction
+    fn arena_cap(&self, max_bytes: Option<u64>) -> Result<u64, Error> {
+        if let Some(m) = max_bytes {
+            return Ok(m);
+        }
+        let (_, total) = self.shared.driver.mem_get_info()?;
+        // A fraction in (0, 1] of the device's bytes: non-negative, within u64, and a byte
+        // more or less does not matter.
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            clippy::cast_precision_loss
+        )]
+        let cap = (total as f64 * self.shared.options.arena_cap_fraction) as u64;
+        Ok(cap)
+    }
+
+    /// Sends each worker that maps the arena every chunk of its own arena it has not been
+    /// sent yet, in index order, one `ArenaChunk` (with the chunk's FD) each: a worker is sent
+    /// its own chunks and no other's. A worker a chunk cannot be sent to takes no more arena
+    /// results (a failed send loses it, as any send does).
     ///
     /// A worker with a host-staged job in flight is skipped unless it is `target` (whose
     /// result is being allocated: it waits for its grant, not inside a transfer): a frame
     /// with an FD cannot wait in a staging transfer's backlog. It catches up when that job
     /// finishes, and always before a grant names the chunk.
     pub(super) fn announce_chunks(&mut self, target: Option<WorkerId>) {
-        let Some(arena) = lock(&self.shared.arena).clone() else {
-            return;
-        };
-        let chunks: Vec<_> = arena.chunks().collect();
-        let ids: Vec<WorkerId> = self
-            .workers
-            .iter()
-            .filter(|(id, s)| {
-                s.maps_arena
-                    && s.lost.is_none()
-                    && (!s.staged_in_flight || target == Some(**id))
-                    && chunks.iter().any(|c| c.index >= s.arena_chunks_sent)
-            })
-            .map(|(id, _)| *id)
-            .collect();
-        for id in ids {
+        let arenas = lock(&self.shared.arenas).live_arenas();
+        for (id, arena) in arenas {
             let Some(slot) = self.workers.get_mut(&id) else {
                 continue;
             };
+            if !slot.maps_arena
+                || slot.lost.is_some()
+                || (slot.staged_in_flight && target != Some(id))
+            {
+                continue;
+            }
             // Chunk indices only grow (a released one is never listed or used again).
             let from = slot.arena_chunks_sent;
-            for c in chunks.iter().filter(|c| c.index >= from) {
+            for c in arena.chunks().filter(|c| c.index >= from) {
                 let fd = match arena.export_fd(c.index) {
                     Ok(fd) => fd,
                     Err(e) => {
@@ -120,38 +147,67 @@ impl Loop {
         }
     }
 
-    /// Gives back arena chunks idle for [`ParentOptions::arena_idle_release`], looking at
-    /// most once per [`IDLE_RELEASE_CHECK`].
+    /// Gives back arena chunks idle for [`ParentOptions::arena_idle_release`] (each worker
+    /// told of its own), and every empty chunk of a reaped worker's arena, looking at most
+    /// once per [`IDLE_RELEASE_CHECK`].
     ///
     /// [`ParentOptions::arena_idle_release`]: crate::ParentOptions::arena_idle_release
     pub(super) fn release_idle_arena(&mut self) {
-        let Some(idle) = self.shared.options.arena_idle_release else {
-            return;
-        };
         let now = Instant::now();
         if now.saturating_duration_since(self.last_idle_check) < IDLE_RELEASE_CHECK {
             return;
         }
         self.last_idle_check = now;
-        let Some(arena) = lock(&self.shared.arena).clone() else {
+        self.empty_retired_arenas();
+        let Some(idle) = self.shared.options.arena_idle_release else {
             return;
         };
-        let released = arena.release_idle(now, idle, 0);
-        if !released.is_empty() {
-            self.tell_released(&released);
+        let arenas = lock(&self.shared.arenas).live_arenas();
+        for (id, arena) in arenas {
+            let released = arena.release_idle(now, idle, 0);
+            if !released.is_empty() {
+                self.tell_released(id, &released);
+            }
         }
+    }
+
+    /// Gives every empty chunk of the reaped workers' arenas back to the device at once (no
+    /// worker maps them: the driver dropped the dead process's mappings), and forgets the
+    /// arenas left with none. Returns the chunks and bytes given back.
+    pub(super) fn empty_retired_arenas(&mut self) -> (u64, u64) {
+        let retired = lock(&self.shared.arenas).retired_arenas();
+        let (mut chunks, mut bytes) = (0, 0);
+        for arena in retired {
+            for c in arena.release_idle(Instant::now(), Duration::ZERO, 0) {
+                chunks += 1;
+                bytes += c.len;
+            }
+        }
+        lock(&self.shared.arenas).forget_empty();
+        (chunks, bytes)
+    }
+
+    /// `worker` was reaped: its arena grants nothing more, and gives its chunks back to the
+    /// device as they empty.
+    pub(super) fn retire_arena(&mut self, worker: WorkerId) {
+        lock(&self.shared.arenas).retire(worker);
+        self.empty_retired_arenas();
     }
 
     /// `empty_cache`: every idle chunk now; the reply waits for the workers' answers.
     pub(super) fn release_arena_now(&mut self, reply: Sender<EmptyCache>) {
         let mut report = EmptyCache::default();
-        let released = match lock(&self.shared.arena).clone() {
-            Some(arena) => arena.release_idle(Instant::now(), Duration::ZERO, 0),
-            None => Vec::new(),
-        };
-        report.arena_chunks = released.len() as u64;
-        report.arena_bytes = released.iter().map(|c| c.len).sum();
-        let mut awaited = self.tell_released(&released);
+        let mut awaited = HashSet::new();
+        let arenas = lock(&self.shared.arenas).live_arenas();
+        for (id, arena) in arenas {
+            let released = arena.release_idle(Instant::now(), Duration::ZERO, 0);
+            report.arena_chunks += released.len() as u64;
+            report.arena_bytes += released.iter().map(|c| c.len).sum::<u64>();
+            awaited.extend(self.tell_released(id, &released));
+        }
+        let (chunks, bytes) = self.empty_retired_arenas();
+        report.arena_chunks += chunks;
+        report.arena_bytes += bytes;
         // Workers drop the VMM mappings they cache (each keeps the memory behind it alive).
         let holders: Vec<WorkerId> = self
             .workers
@@ -217,26 +273,24 @@ impl Loop {
         self.answer_release_waiters();
     }
 
-    /// Tells every worker that was sent one of `chunks` to unmap it; returns the answers
-    /// now awaited. A worker lost meanwhile never answers and is not waited for.
+    /// Tells `worker`, if it was sent any of `chunks` (of its arena), to unmap them; returns
+    /// the answers now awaited. A worker lost meanwhile never answers and is not waited for.
     pub(super) fn tell_released(
         &mut self,
+        worker: WorkerId,
         chunks: &[poolipc_pool::arena::ChunkInfo],
     ) -> HashSet<(WorkerId, u32)> {
         let mut awaited = HashSet::new();
-        let ids: Vec<WorkerId> = self.workers.keys().copied().collect();
-        for id in ids {
-            for c in chunks {
-                let sent = self
-                    .workers
-                    .get(&id)
-                    .is_some_and(|s| s.lost.is_none() && s.arena_chunks_sent > c.index);
-                if !sent {
-                    continue;
-                }
-                let message = Message::ArenaRelease(ArenaRelease { index: c.index });
-                self.send_awaiting(id, &message, c.index, &mut awaited);
+        for c in chunks {
+            let sent = self
+                .workers
+                .get(&worker)
+                .is_some_and(|s| s.lost.is_none() && s.arena_chunks_sent > c.index);
+            if !sent {
+                continue;
             }
+            let message = Message::ArenaRelease(ArenaRelease { index: c.index });
+            self.send_awaiting(worker, &message, c.index, &mut awaited);
         }
         awaited
     }

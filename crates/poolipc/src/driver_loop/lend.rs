@@ -252,7 +252,7 @@ impl Loop {
         {
             return None;
         }
-        let arena = match self.ensure_arena(bytes) {
+        let arena = match self.ensure_arena(sub.worker, bytes) {
             Ok(a) => a,
             Err(e) => {
                 tracing::debug!(worker = %sub.worker, job = sub.job.0, error = %e, "no arena slice: no arena");

@@ -223,15 +223,15 @@ struct Slot {
     /// Frames that arrived while the loop waited for another (host staging's): handled next.
     backlog: VecDeque<Message>,
     takes_staging: bool,
-    /// Whether it maps the parent's arena (results in the arena, inputs copied into it): an
-    /// arena is enabled ([`ResultMemory::Arena`](crate::ResultMemory::Arena) or [`ParentOptions::arena_copy`]), it
-    /// announced VMM, reaches the parent's device, and every chunk announced so far went
-    /// out.
+    /// Whether it maps its arena (results in the arena, inputs copied into it): an arena is
+    /// enabled ([`ResultMemory::Arena`](crate::ResultMemory::Arena) or [`ParentOptions::arena_copy`]), it
+    /// announced VMM, reaches the parent's device, and every chunk of its arena announced so
+    /// far went out.
     ///
     /// [`ParentOptions::arena_copy`]: crate::ParentOptions::arena_copy
     maps_arena: bool,
-    /// One past the highest arena chunk index sent to it: every chunk below was sent (or
-    /// released before it could be).
+    /// One past the highest chunk index of its arena sent to it: every chunk of its arena
+    /// below was sent (or released before it could be). It is sent no other arena's chunk.
     arena_chunks_sent: u32,
     /// Whether it takes VMM allocations by handle ([`Rung::VmmHandle`]): it announced
     /// [`Capabilities::VMM_HANDLE`](poolipc_transport::Capabilities::VMM_HANDLE) and reaches the parent's device.

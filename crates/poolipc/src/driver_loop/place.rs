@@ -367,7 +367,7 @@ impl Loop {
                 sub.worker
             )));
         }
-        let room = lock(&self.shared.arena).clone().is_some_and(|a| {
+        let room = lock(&self.shared.arenas).live(sub.worker).is_some_and(|a| {
             // Blocks given back whose work completed count as free.
             a.reclaim();
             a.stats().largest_free >= bytes
@@ -392,7 +392,7 @@ impl Loop {
             format!("VRAM free {}", human_bytes(free))
         };
         let arena = self
-            .ensure_arena(bytes)
+            .ensure_arena(sub.worker, bytes)
             .map_err(|e| NoCopy::Declined(format!("the arena could not be made: {e}")))?;
         let block = arena
             .alloc(bytes)

@@ -182,8 +182,8 @@ impl Loop {
         })
     }
 
-    /// A result in a block of the arena: the chunk it lies in is sent to every worker that
-    /// has not got it (to this one before its grant), then the contract hears where it is.
+    /// A result in a block of the worker's arena: the chunk it lies in is sent to the worker
+    /// if it has not got it (before its grant), then the contract hears where it is.
     pub(super) fn make_arena_result(
         &mut self,
         worker: WorkerId,
@@ -192,7 +192,7 @@ impl Loop {
         shape: ResultShape,
         bytes: u64,
     ) -> Result<ParentEvent, Error> {
-        let arena = self.ensure_arena(bytes)?;
+        let arena = self.ensure_arena(worker, bytes)?;
         let stream = self
             .jobs
             .get(&(worker, job))

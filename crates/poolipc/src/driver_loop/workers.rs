@@ -265,6 +265,9 @@ impl Loop {
             );
         }
         self.reaped.remove(&worker);
+        // Its arena's blocks came back with its loans (or come back with the jobs held for
+        // their DONE, and the results the caller holds): its chunks go back as they empty.
+        self.retire_arena(worker);
         for r in replies {
             let _ = r.send(Ok(status));
         }

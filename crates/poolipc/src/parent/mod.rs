@@ -20,12 +20,14 @@ use poolipc_types::{ImportLimit, WorkerId};
 use crate::driver_loop::{self, Command as LoopCommand};
 use crate::error::Error;
 
+mod arenas;
 mod job;
 mod options;
 mod shared;
 mod spawn;
 mod stats;
 
+pub(crate) use arenas::SharedArena;
 pub(crate) use job::{Answer, ArenaLease};
 pub use job::{Input, JobHandle, JobOutput, ResultAllocator, ResultTensor};
 pub use options::{
@@ -134,7 +136,7 @@ impl Parent {
         let arena_copy = options.arena_copy;
         let arena_slice_bytes = options.arena_slice_bytes;
         let shared = Arc::new(Shared {
-            arena: Mutex::new(None),
+            arenas: Mutex::new(arenas::Arenas::default()),
             mps_client,
             context_lost: Mutex::new(None),
             driver,
@@ -242,33 +244,34 @@ impl Parent {
         lock(&self.shared.context_lost).clone()
     }
 
-    /// The result arena, once created (see [`ResultMemory::Arena`]: lazily, at the first
-    /// result that goes to it). Blocks a caller allocates from it directly are the caller's
-    /// to give back; the parent never grants them.
-    pub fn arena(&self) -> Option<Arc<Arena<dyn Driver>>> {
-        lock(&self.shared.arena).clone()
+    /// `worker`'s arena, once made (see [`ResultMemory::Arena`]: lazily, at the first
+    /// result, arena copy or arena slice of that worker's that goes to it), until it is
+    /// empty after the worker was reaped. Each worker has its own: every chunk of it is
+    /// mapped by that worker alone, and holds only blocks lent or granted to it. Blocks a
+    /// caller allocates from it directly are the caller's to give back; the parent never
+    /// grants them (a reaped worker's arena is still the caller's to allocate from, but the
+    /// parent gives its empty chunks back to the device).
+    pub fn arena_of(&self, worker: WorkerId) -> Option<Arc<Arena<dyn Driver>>> {
+        lock(&self.shared.arenas).of(worker)
     }
 
-    /// What the result arena holds (`None` before it is created). Makes no driver call:
-    /// blocks given back whose event completed still count as live until reclaimed.
+    /// What the arenas hold together (`None` before the first one is made); `max_bytes` is
+    /// the cap they share. Makes no driver call: blocks given back whose event completed
+    /// still count as live until reclaimed.
     pub fn arena_stats(&self) -> Option<ArenaStats> {
-        self.arena().map(|a| {
-            let (released_chunks, released_bytes) = a.released();
-            ArenaStats {
-                alloc: a.stats(),
-                pending_frees: a.pending_frees(),
-                max_bytes: a.max_bytes(),
-                released_chunks,
-                released_bytes,
-            }
-        })
+        lock(&self.shared.arenas).stats()
     }
 
-    /// Frees the arena blocks given back whose event completed (the next arena result does
-    /// this too); returns how many. Queries events: the calling thread must have the
-    /// parent's device current ([`Driver::use_device`]).
+    /// What `worker`'s arena holds (`None` while it has none): see [`arena_of`](Parent::arena_of).
+    pub fn arena_stats_of(&self, worker: WorkerId) -> Option<ArenaStats> {
+        self.arena_of(worker).map(|a| ArenaStats::of(&a))
+    }
+
+    /// Frees the arena blocks given back whose event completed, in every arena (the next
+    /// arena result does this too); returns how many. Queries events: the calling thread
+    /// must have the parent's device current ([`Driver::use_device`]).
     pub fn reclaim_arena(&self) -> usize {
-        self.arena().map_or(0, |a| a.reclaim())
+        lock(&self.shared.arenas).reclaim()
     }
 
     /// Turns the arena-copy rung on or off for jobs placed from now on (it starts as

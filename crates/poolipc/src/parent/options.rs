@@ -73,14 +73,16 @@ pub struct ParentOptions {
     /// [`arena_copy_vram_margin`](ParentOptions::arena_copy_vram_margin)); otherwise, or
     /// when false, such inputs take host staging as before.
     ///
-    /// With [`ResultMemory::Arena`] the copies share the result arena and its cap: a copy
-    /// is made only when it fits under the cap, but it may then leave too little for the
-    /// job's own results, which are refused (out of memory) rather than sent to the pool;
-    /// give a capped arena room for both, or turn this off. With
-    /// [`ResultMemory::Pool`] an arena is made for them alone at the first copy, as large as
-    /// that copy (and grown by chunks of that size, with no cap). The arena keeps its chunks
-    /// until the parent is dropped: after a 16 GiB copy, 16 GiB of VRAM stay reserved for
-    /// the next one.
+    /// A copy goes to the worker's own arena (each worker has one, mapped by it alone: see
+    /// [`ResultMemory::Arena`]). With [`ResultMemory::Arena`] the copies share the result
+    /// arenas and their cap: a copy is made only when it fits under the cap, but it may then
+    /// leave too little for the job's own results, which are refused (out of memory) rather
+    /// than sent to the pool; give a capped arena room for both, or turn this off. With
+    /// [`ResultMemory::Pool`] a worker's arena is made for them alone at its first copy, as
+    /// large as that copy (and grown by chunks of that size), under
+    /// [`arena_cap_fraction`](ParentOptions::arena_cap_fraction). An arena keeps its empty
+    /// chunks for [`arena_idle_release`](ParentOptions::arena_idle_release): after a 16 GiB
+    /// copy, 16 GiB of VRAM stay reserved for that worker's next one until then.
     pub arena_copy: bool,
     /// Whether workers are isolated from the parent's memory (false by default): a worker
     /// gets no handle on the parent's pool (its `Hello` carries an empty sealed memfd where
@@ -113,7 +115,8 @@ pub struct ParentOptions {
     ///
     /// A slice is lent only to a worker that maps the arena, for a job whose results go to
     /// the arena ([`ResultMemory::Arena`] with [`submit`](crate::Parent::submit)'s default
-    /// allocator), and only when the arena has a free range that large already: a slice
+    /// allocator), and only when the worker's arena has a free range that large already (its
+    /// first chunk, made at its first need, is `initial_bytes`): a slice
     /// never grows the arena, and one that does not fit is silently not lent (the worker
     /// then asks for its results as before). The worker carves a batch of results out of
     /// the slice's free tail (512-byte aligned) when the whole batch fits, else asks the
@@ -123,17 +126,19 @@ pub struct ParentOptions {
     /// the worker's DONE (the whole slice, if the job failed or was cancelled, or once a dead
     /// worker was reaped). While a job runs, its slice is arena memory no one else can use.
     pub arena_slice_bytes: u64,
-    /// The arena's cap when none is given ([`ResultMemory::Arena`] with `max_bytes: None`,
-    /// and the arena made for arena copies under [`ResultMemory::Pool`]): this fraction of
-    /// the device's total memory, read when the arena is made (0.5 by default). A result
+    /// The arenas' cap when none is given ([`ResultMemory::Arena`] with `max_bytes: None`,
+    /// and the arenas made for arena copies under [`ResultMemory::Pool`]): this fraction of
+    /// the device's total memory, read when the first arena is made (0.5 by default), shared
+    /// by every worker's arena. A result
     /// that would pass the cap is refused with out-of-memory; an input copy that would pass
     /// it takes host staging. Must lie in `(0, 1]`.
     pub arena_cap_fraction: f64,
     /// How long an arena chunk with nothing in it stays mapped before the IO thread gives
     /// it back to the device (10 s by default); `None`: only [`Parent::empty_cache`](crate::Parent::empty_cache) gives
     /// chunks back. A chunk with a block lent, granted or still in use on the GPU is never
-    /// given back. Each worker that mapped it is told to unmap it; the memory is back once
-    /// all have.
+    /// given back. The worker whose arena it is (the only one that mapped it) is told to
+    /// unmap it; the memory is back once it has. A reaped worker's arena gives each chunk
+    /// back as soon as nothing in it is live, whatever this says.
     pub arena_idle_release: Option<Duration>,
     /// The most results one job may ask for, over all its result requests
     /// ([`DEFAULT_MAX_RESULTS_PER_JOB`]: 8192, as many as a job may have inputs). A worker
@@ -188,17 +193,24 @@ pub enum ResultMemory {
     /// [`ResultTensor`](crate::ResultTensor) that gives its block back, stream-ordered, when dropped (or with
     /// [`ResultTensor::return_to_arena`](crate::ResultTensor::return_to_arena)).
     ///
-    /// The arena is created lazily, on the parent's IO thread, at the first result that goes
-    /// to it: a parent whose workers never return results reserves no device memory for it.
-    /// It starts with one chunk of `initial_bytes` (rounded up to the driver's granularity)
-    /// and grows by chunks of that size (or of the request, if larger) up to `max_bytes`
-    /// (`None`: no cap); a result that would pass the cap is refused with out-of-memory.
+    /// Each worker has an arena of its own, and every chunk of it is mapped by that worker
+    /// alone: a worker's blocks (its results, its arena-copied inputs, its slices) lie where
+    /// no other worker can read or write them. A worker's arena is created lazily, on the
+    /// parent's IO thread, at the first result (or arena copy, or slice) of that worker's
+    /// that goes to it: a parent whose workers never return results reserves no device
+    /// memory for it. It starts with one chunk of `initial_bytes` (rounded up to the
+    /// driver's granularity) and grows by chunks of that size (or of the request, if larger).
+    /// `max_bytes` (`None`: no cap) caps every worker's arena together: a worker whose first
+    /// chunk no longer fits under it starts with none and grows by what each request needs,
+    /// and a result that would pass the cap is refused with out-of-memory. When a worker is
+    /// reaped, each chunk of its arena goes back to the device once nothing in it is live
+    /// (a result the caller holds keeps its chunk).
     /// Workers whose driver or device has no VMM by POSIX FD, or that cannot reach the
     /// parent's device, get pool results as before.
     Arena {
-        /// The first chunk's size, and the size of chunks added by growth.
+        /// The first chunk's size of each worker's arena, and the size of chunks added by growth.
         initial_bytes: u64,
-        /// The most the arena may hold in total; `None` for no cap.
+        /// The most every worker's arena together may hold; `None` for no cap.
         max_bytes: Option<u64>,
     },
 }

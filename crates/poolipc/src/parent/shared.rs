@@ -1,6 +1,7 @@
 //! The state the callers' threads share with the IO thread: the worker registry, the pools each
 //! worker attached, the counters, and the lock every access goes through.
 
+use super::arenas::Arenas;
 use super::{ParentOptions, Stats, WorkerInfo};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::Write as _;
@@ -9,7 +10,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use poolipc_driver::{Driver, PoolHandle};
-use poolipc_pool::{Arena, SharedPool};
+use poolipc_pool::SharedPool;
 use poolipc_types::{ImportLimit, WorkerId};
 
 use crate::canary::CanaryReport;
@@ -96,8 +97,9 @@ pub(crate) struct Shared {
     pub(crate) mps_client: Option<bool>,
     /// Set once the process's CUDA context is lost: why, for every later refusal.
     pub(crate) context_lost: Mutex<Option<String>>,
-    /// The result arena, once the IO thread created it ([`ResultMemory::Arena`](crate::ResultMemory::Arena)).
-    pub(crate) arena: Mutex<Option<Arc<Arena<dyn Driver>>>>,
+    /// The arenas, one per worker, each made by the IO thread at its worker's first need
+    /// ([`ResultMemory::Arena`](crate::ResultMemory::Arena), [`ParentOptions::arena_copy`]).
+    pub(crate) arenas: Mutex<Arenas>,
 }
 
 /// Locks a mutex, taking the data back if a thread panicked while holding it (the data of

@@ -7,22 +7,29 @@ use poolipc_contract::Identity;
 use poolipc_pool::arena::AllocStats;
 use poolipc_types::WorkerId;
 
-/// What the result arena holds: [`Parent::arena_stats`](crate::Parent::arena_stats).
+/// What the result arena holds: every worker's arena together
+/// ([`Parent::arena_stats`](crate::Parent::arena_stats)), or one worker's
+/// ([`Parent::arena_stats_of`](crate::Parent::arena_stats_of)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ArenaStats {
-    /// The allocator's figures. Blocks given back but whose event has not been seen complete
-    /// yet still count as live.
+    /// The allocator's figures, summed over the arenas (`largest_free`: the largest of any
+    /// one arena, the largest block one worker could be given without growing). Blocks given
+    /// back but whose event has not been seen complete yet still count as live.
     pub alloc: AllocStats,
     /// Blocks given back, waiting for their event (reclaimed at the next arena result, or by
     /// [`Parent::reclaim_arena`](crate::Parent::reclaim_arena)).
     pub pending_frees: usize,
-    /// The cap on the arena's capacity (see [`ParentOptions::arena_cap_fraction`](crate::ParentOptions::arena_cap_fraction)).
+    /// The cap on the capacity of every arena together (see [`ParentOptions::arena_cap_fraction`](crate::ParentOptions::arena_cap_fraction)).
     pub max_bytes: Option<u64>,
-    /// Chunks given back to the device so far (idle, or by [`Parent::empty_cache`](crate::Parent::empty_cache)).
+    /// Chunks given back to the device so far (idle, by [`Parent::empty_cache`](crate::Parent::empty_cache), or
+    /// emptied after their worker was reaped).
     pub released_chunks: u64,
     /// Their bytes.
     pub released_bytes: u64,
+    /// The arenas counted: one per worker that needed one, and those of reaped workers
+    /// that still hold chunks.
+    pub arenas: usize,
 }
 
 /// What [`Parent::empty_cache`](crate::Parent::empty_cache) gave back.
