@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use poolipc::{DType, DevicePtr, StreamHandle};
+use poolipc::{DevicePtr, Layout, StreamHandle};
 use pyo3::exceptions::{PyAttributeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -20,10 +20,9 @@ use crate::errors::{ExpiredViewError, err};
 #[derive(Clone)]
 pub(super) struct ViewInfo {
     ptr: DevicePtr,
-    dtype: DType,
-    shape: Vec<u64>,
-    /// In elements, filled in when contiguous.
-    strides: Vec<i64>,
+    /// The input's `Layout` as the parent's caller gave it (the same value the contract and
+    /// the wire carried), strides filled in; a result's, contiguous.
+    layout: Layout,
     nbytes: u64,
     rung: String,
     /// A host-staged input: this worker's private copy, which goes one way only.
@@ -37,9 +36,7 @@ impl ViewInfo {
             .iter()
             .map(|v| ViewInfo {
                 ptr: v.ptr(),
-                dtype: v.desc().dtype,
-                shape: v.desc().shape.clone(),
-                strides: v.desc().strides_or_contiguous(),
+                layout: v.desc().clone().with_strides(),
                 nbytes: v.byte_len(),
                 rung: v.rung().to_string(),
                 read_only: v.read_only(),
@@ -51,9 +48,7 @@ impl ViewInfo {
     pub(super) fn of_result(v: &poolipc::ResultView) -> ViewInfo {
         ViewInfo {
             ptr: v.ptr(),
-            dtype: v.shape().dtype,
-            shape: v.shape().shape.clone(),
-            strides: poolipc::Layout::contiguous_strides(&v.shape().shape),
+            layout: Layout::contiguous(v.shape().dtype, &v.shape().shape).with_strides(),
             nbytes: v.bytes(),
             rung: v.rung().to_string(),
             read_only: false,
@@ -126,9 +121,9 @@ impl View {
         dlpack::Tensor {
             ptr: self.info.ptr.0,
             device: self.device,
-            dtype: self.info.dtype,
-            shape: &self.info.shape,
-            strides: &self.info.strides,
+            dtype: self.info.layout.dtype,
+            shape: &self.info.layout.shape,
+            strides: &self.info.layout.strides,
             read_only: self.info.read_only,
             stream: self.job_stream,
         }
@@ -147,19 +142,19 @@ impl View {
     /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...).
     #[getter]
     fn dtype(&self) -> &'static str {
-        dtype::name(self.info.dtype)
+        dtype::name(self.info.layout.dtype)
     }
 
     /// The shape.
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, &self.info.shape)
+        PyTuple::new(py, &self.info.layout.shape)
     }
 
     /// The strides, in elements.
     #[getter]
     fn strides<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, &self.info.strides)
+        PyTuple::new(py, &self.info.layout.strides)
     }
 
     /// Bytes from element 0 to the end of the last element.
@@ -292,9 +287,9 @@ impl View {
                 "InputView"
             },
             self.info.ptr.0,
-            dtype::name(self.info.dtype),
-            self.info.shape,
-            self.info.strides,
+            dtype::name(self.info.layout.dtype),
+            self.info.layout.shape,
+            self.info.layout.strides,
             self.info.rung,
             if self.info.read_only { "True" } else { "False" },
             if self.life.open.load(Ordering::Acquire) {
