@@ -224,10 +224,10 @@ impl ArenaResult {
         self.ptr
     }
 
-    /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...).
+    /// The dtype: a `poolipc.DType` (a `str` enum: `result.dtype == "float32"`).
     #[getter]
-    fn dtype(&self) -> &'static str {
-        dtype::name(self.dtype)
+    fn dtype<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        dtype::value(py, self.dtype)
     }
 
     /// The shape (a tuple).

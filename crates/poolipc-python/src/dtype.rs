@@ -41,6 +41,15 @@ pub(crate) fn parse(name: &str) -> PyResult<DType> {
         })
 }
 
+/// A dtype as Python gets it: the member of `poolipc.DType` (a `str` enum: equal to its name,
+/// printed and `json.dumps`ed as it).
+pub(crate) fn value(py: pyo3::Python<'_>, d: DType) -> PyResult<pyo3::Bound<'_, pyo3::PyAny>> {
+    use pyo3::types::PyAnyMethods as _;
+    py.import("poolipc._types")?
+        .getattr("DType")?
+        .call1((name(d),))
+}
+
 /// The Python name of a dtype.
 pub(crate) fn name(d: DType) -> &'static str {
     NAMES

@@ -64,8 +64,8 @@ pub(crate) struct DeviceBuffer {
     /// Its size in bytes.
     #[pyo3(get)]
     nbytes: u64,
-    /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...).
-    #[pyo3(get)]
+    /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...); Python gets it as a
+    /// `poolipc.DType`.
     dtype: &'static str,
     shape: Vec<u64>,
     /// From the shared pool (lends by pool pointer) or the device's default pool (lends by
@@ -86,6 +86,12 @@ impl DeviceBuffer {
 
 #[pymethods]
 impl DeviceBuffer {
+    /// The dtype: a `poolipc.DType` (a `str` enum: `buffer.dtype == "float32"`).
+    #[getter]
+    fn dtype<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        crate::dtype::value(py, crate::dtype::parse(self.dtype)?)
+    }
+
     /// The device address. `ExpiredViewError` once the buffer was freed.
     #[getter]
     fn ptr(&self) -> PyResult<u64> {

@@ -79,6 +79,7 @@ from ._native import (
 )
 from ._types import (
     ArenaStats,
+    DType,
     InputSpec,
     InstallInfo,
     MemoryStats,
@@ -119,6 +120,7 @@ __all__ = [
     "Listener",
     "LeaseHold",
     "TensorRef",
+    "DType",
     "PoolipcError",
     "JobFailedError",
     "WorkerError",

@@ -9,6 +9,7 @@ from typing import Any, Final, final
 
 from ._types import (
     ArenaStats,
+    DType,
     InputSpec,
     MemoryStats,
     MpsStatus,
@@ -138,8 +139,8 @@ class DeviceBuffer:
     def nbytes(self) -> int:
         """Its size in bytes."""
     @property
-    def dtype(self) -> str:
-        """The dtype's name."""
+    def dtype(self) -> DType:
+        """The dtype: a ``DType`` (a ``str`` enum, equal to its name)."""
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape."""
@@ -163,8 +164,8 @@ class ArenaResult:
     def nbytes(self) -> int:
         """Its size in bytes."""
     @property
-    def dtype(self) -> str:
-        """The dtype's name."""
+    def dtype(self) -> DType:
+        """The dtype: a ``DType`` (a ``str`` enum, equal to its name)."""
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape."""
@@ -311,8 +312,8 @@ class View:
     def ptr(self) -> int:
         """The device address of element 0 in this process."""
     @property
-    def dtype(self) -> str:
-        """The dtype's name."""
+    def dtype(self) -> DType:
+        """The dtype: a ``DType`` (a ``str`` enum, equal to its name)."""
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape."""

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 _RESULTS: Final = ("pool", "arena")
 
 Allocator = Callable[[str, tuple[int, ...], int], Any]
-"""What ``Parent.run``/``submit`` take as ``alloc``: ``alloc(dtype, shape, nbytes)`` returns the
-result's owner, an object with ``data_ptr()`` (a torch tensor) or ``ptr`` (a ``DeviceBuffer``)."""
+"""What ``Parent.run``/``submit`` take as ``alloc``: ``alloc(dtype, shape, nbytes)`` (``dtype`` a
+``DType``, which is a ``str``) returns the result's owner, an object with ``data_ptr()`` (a torch tensor) or ``ptr`` (a ``DeviceBuffer``)."""
 
 
 class _HasCudaStream(Protocol):

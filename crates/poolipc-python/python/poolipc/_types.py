@@ -6,6 +6,7 @@ Re-exported by ``poolipc``, so that callers can annotate with them:
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict, cast
 
@@ -19,8 +20,47 @@ owner)``; ``owner`` is what the allocator returned, a ``DeviceBuffer``, or an ``
 
 NativeAllocator = Callable[[str, list[int], int, int], tuple[int, object]]
 """The allocator ``NativeParent.submit`` calls: ``alloc(dtype, shape, nbytes, stream) -> (ptr,
-owner)``."""
+owner)``; ``dtype`` is a ``DType`` (a ``str``)."""
 
+
+
+class DType(str, enum.Enum):
+    """An element type as torch spells it (``float32``, ``bfloat16``, ...): what a view, a
+    result or an allocator call says of a tensor's elements. A ``str``: it equals its name
+    (``DType.float32 == "float32"``), prints and ``json.dumps`` as it, and goes wherever a
+    name went; ``DType("torch.float32")`` and ``DType(torch.float32)`` are accepted too."""
+
+    bool = "bool"
+    uint8 = "uint8"
+    int8 = "int8"
+    int16 = "int16"
+    uint16 = "uint16"
+    int32 = "int32"
+    uint32 = "uint32"
+    int64 = "int64"
+    uint64 = "uint64"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+    float64 = "float64"
+    float8_e4m3fn = "float8_e4m3fn"
+    float8_e5m2 = "float8_e5m2"
+    complex64 = "complex64"
+    complex128 = "complex128"
+
+    @classmethod
+    def _missing_(cls, value: object) -> DType | None:
+        name = str(value).removeprefix("torch.")
+        return cls.__members__.get(name)
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(str(self), spec)
+
+    def __repr__(self) -> str:
+        return f"poolipc.DType.{self.value}"
 
 class NativeInstallInfo(TypedDict):
     """What ``poolipc._native._install`` returns: whether this call installed the pool

@@ -30,16 +30,8 @@ pub(super) struct AllocLog {
 pub(super) fn python_allocator(f: Py<PyAny>, log: Arc<Mutex<AllocLog>>) -> ResultAllocator {
     Box::new(move |shape, bytes, stream| {
         let attached = Python::try_attach(|py| {
-            let r = f
-                .call1(
-                    py,
-                    (
-                        dtype::name(shape.dtype),
-                        shape.shape.clone(),
-                        bytes,
-                        stream.as_raw(),
-                    ),
-                )
+            let r = dtype::value(py, shape.dtype)
+                .and_then(|dt| f.call1(py, (dt, shape.shape.clone(), bytes, stream.as_raw())))
                 .and_then(|r| r.extract::<(u64, Py<PyAny>)>(py));
             match r {
                 Ok((ptr, keep)) => {

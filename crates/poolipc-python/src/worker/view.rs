@@ -139,10 +139,10 @@ impl View {
         Ok(self.info.ptr.0)
     }
 
-    /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...).
+    /// The dtype: a `poolipc.DType` (a `str` enum: `view.dtype == "float32"`).
     #[getter]
-    fn dtype(&self) -> &'static str {
-        dtype::name(self.info.layout.dtype)
+    fn dtype<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        dtype::value(py, self.info.layout.dtype)
     }
 
     /// The shape.

@@ -38,6 +38,8 @@ def parent_side(script: str) -> None:
     assert_type(parent.canary_report(w), str | None)
 
     buf = parent.alloc(16, dtype="float32", shape=[4])
+    kind: poolipc.DType = buf.dtype
+    assert kind == poolipc.DType("torch.float32") and isinstance(kind, str)
     assert_type(buf, poolipc.DeviceBuffer)
     assert_type(buf.ptr, int)
     assert_type(buf.shape, tuple[int, ...])
