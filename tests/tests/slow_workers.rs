@@ -8,11 +8,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, echo};
+use poolipc::{
+    DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, StagingConfig, echo,
+};
 use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
 const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+/// The staging rogue's tensor: 1 MiB in 64 KiB chunks, 16 chunks acked 300 ms apart each,
+/// so its transfer lasts about 4.8 s.
+const STAGED_BYTES: u64 = MIB;
+const STAGING_CHUNK: u64 = 64 * KIB;
+const ACK_DELAY: Duration = Duration::from_millis(300);
 
 /// The bound on an honest worker's round trip while a rogue misbehaves beside it (a bound,
 /// not a benchmark: a stalled loop takes a second or more, the rogue's delay). 500 ms, half
@@ -279,6 +288,190 @@ both_drivers!(
         p.stop_worker(honest)?;
         p.pool().free(x, stream)?;
         d.stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+/// A parent whose host staging moves [`STAGING_CHUNK`]-byte chunks, with a rogue beside an
+/// honest worker; the rogue's 1 MiB job submitted (it stages) and its transfer started.
+struct StagingRogue {
+    p: Parent,
+    stream: StreamHandle,
+    x: DevicePtr,
+    big: DevicePtr,
+    honest: poolipc::WorkerId,
+    rogue: poolipc::WorkerId,
+    job: poolipc::JobHandle,
+    /// When the rogue's job was submitted.
+    submitted: Instant,
+}
+
+fn staging_rogue(env: &Env, options: ParentOptions) -> Result<StagingRogue> {
+    let options = ParentOptions {
+        staging: StagingConfig {
+            chunk: usize::try_from(STAGING_CHUNK)?,
+            ..StagingConfig::default()
+        },
+        ..options
+    };
+    let p = parent(env, options)?;
+    let stream = p.driver().stream_create()?;
+    let x = filled(&p, 4 * KIB, stream)?;
+    let big = filled(&p, STAGED_BYTES, stream)?;
+    let honest = p.spawn_worker(worker_command(env, None)?)?;
+    round_trip(&p, honest, x, stream)?;
+    let mut rogue_cmd = rogue_command(env, "staging-slow")?;
+    rogue_cmd.env(
+        "POOLIPC_TEST_ROGUE_DELAY_MS",
+        ACK_DELAY.as_millis().to_string(),
+    );
+    let rogue = p.spawn_worker(rogue_cmd)?;
+    let submitted = Instant::now();
+    let staged = [Input {
+        ptr: big,
+        desc: Layout::contiguous(DType::F32, &[STAGED_BYTES / 4]),
+        read_only: true,
+    }];
+    let job = p.submit(rogue, &staged, stream)?;
+    Ok(StagingRogue {
+        p,
+        stream,
+        x,
+        big,
+        honest,
+        rogue,
+        job,
+        submitted,
+    })
+}
+
+/// The whole staged transfer's length at the rogue's pace.
+fn staged_transfer_time() -> Duration {
+    ACK_DELAY * u32::try_from(STAGED_BYTES / STAGING_CHUNK).unwrap_or(u32::MAX)
+}
+
+both_drivers!(
+    /// A rogue takes host staging (it offers no pool pointers) and acks each 64 KiB chunk of
+    /// its 1 MiB input 300 ms after it came: its transfer lasts about 4.8 s. Meanwhile an
+    /// honest worker's round trips stay under [`ROUND_TRIP_BOUND`] and a new worker is
+    /// spawned and serves: the transfer runs off the IO thread.
+    fn an_honest_workers_round_trips_stay_short_while_a_rogue_acks_staged_chunks_slowly(env) {
+        let s = staging_rogue(env, ParentOptions::default())?;
+        let p = &s.p;
+        let transfer = staged_transfer_time();
+        // The bound (500 ms) is under a tenth of the transfer (4.8 s): a loop that ran the
+        // transfer itself holds the first honest round trip for the rest of it, seconds.
+        ensure!(ROUND_TRIP_BOUND < transfer / 2, "the transfer is too short to tell");
+        let mut worst = Duration::ZERO;
+        let mut trips = 0;
+        while s.submitted.elapsed() < Duration::from_millis(2000) {
+            worst = worst.max(round_trip(p, s.honest, s.x, s.stream)?);
+            trips += 1;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let spawned = Instant::now();
+        let second = p.spawn_worker(worker_command(env, None)?)?;
+        let spawn_took = spawned.elapsed();
+        round_trip(p, second, s.x, s.stream)?;
+        let during = s.submitted.elapsed();
+        println!("{trips} honest round trips beside the staging rogue, the longest {worst:?}; a spawn took {spawn_took:?}; {during:?} into a {transfer:?} transfer");
+        ensure!(
+            worst < ROUND_TRIP_BOUND,
+            "an honest round trip took {worst:?} beside the staging rogue (bound {ROUND_TRIP_BOUND:?})"
+        );
+        ensure!(
+            spawn_took < ROUND_TRIP_BOUND,
+            "a spawn took {spawn_took:?} beside the staging rogue"
+        );
+        ensure!(during < transfer, "the round trips did not all run during the transfer");
+        ensure!(p.worker(s.rogue).is_some(), "the rogue, which broke no rule, was condemned");
+        p.stop_worker(s.honest)?;
+        p.stop_worker(second)?;
+        p.stop_worker(s.rogue)?;
+        let _ = s.job.wait();
+        p.pool().free(s.x, s.stream)?;
+        p.pool().free(s.big, s.stream)?;
+        p.driver().stream_synchronize(s.stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    /// A worker stopped while its staged transfer runs (slowly: 4.8 s) is killed at its stop
+    /// deadline (300 ms here) rather than after the transfer: `stop_worker` returns within a
+    /// second, the worker's job fails, and the honest worker beside it serves on.
+    fn a_worker_stopped_during_its_staged_transfer_is_killed_at_its_stop_deadline(env) {
+        let options = ParentOptions {
+            stop_timeout: Duration::from_millis(300),
+            ..ParentOptions::default()
+        };
+        let s = staging_rogue(env, options)?;
+        let p = &s.p;
+        // Well into the transfer: a few chunks acked.
+        std::thread::sleep(Duration::from_millis(700));
+        let stopping = Instant::now();
+        p.stop_worker(s.rogue)?;
+        let took = stopping.elapsed();
+        let r = s.job.wait();
+        println!("the rogue stopped {took:?} after stop_worker, {:?} into its transfer: {:?}", s.submitted.elapsed(), r.as_ref().err());
+        ensure!(took < Duration::from_secs(1), "stopping the rogue took {took:?}");
+        ensure!(r.is_err(), "the stopped worker's staged job succeeded");
+        ensure!(p.worker(s.rogue).is_none(), "the stopped worker is still listed");
+        round_trip(p, s.honest, s.x, s.stream)?;
+        p.stop_worker(s.honest)?;
+        p.pool().free(s.x, s.stream)?;
+        p.pool().free(s.big, s.stream)?;
+        p.driver().stream_synchronize(s.stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    /// A parent dropped while a worker's staged transfer runs (slowly: 4.8 s) does not wait
+    /// it out: the worker is killed at the stop deadline (300 ms here), the drop returns
+    /// within a second and the worker's job fails.
+    fn a_parent_dropped_during_a_staged_transfer_ends_it_at_the_stop_deadline(env) {
+        let options = ParentOptions {
+            stop_timeout: Duration::from_millis(300),
+            ..ParentOptions::default()
+        };
+        let s = staging_rogue(env, options)?;
+        std::thread::sleep(Duration::from_millis(700));
+        let StagingRogue { p, job, .. } = s;
+        let dropping = Instant::now();
+        drop(p);
+        let took = dropping.elapsed();
+        let r = job.wait();
+        println!("the parent dropped in {took:?}: {:?}", r.as_ref().err());
+        ensure!(took < Duration::from_secs(1), "dropping the parent took {took:?}");
+        ensure!(r.is_err(), "the staged job succeeded though its parent was dropped");
+        Ok(())
+    }
+);
+
+both_drivers!(
+    /// A worker silent about its job past the handoff timeout (1 s here) while its staged
+    /// transfer runs (slowly: 4.8 s; chunk acks are the channel's, not the job's) is
+    /// condemned at that timeout, not after the transfer: it leaves the registry well before
+    /// the transfer's end, its job fails, and the honest worker serves on.
+    fn a_worker_condemned_during_its_staged_transfer_is_killed_then(env) {
+        let options = ParentOptions {
+            handoff_timeout: Duration::from_secs(1),
+            ..ParentOptions::default()
+        };
+        let s = staging_rogue(env, options)?;
+        let p = &s.p;
+        gone_within(p, s.rogue, Duration::from_secs(3))?;
+        let gone = s.submitted.elapsed();
+        let r = s.job.wait();
+        println!("the rogue was gone {gone:?} after its submit: {:?}", r.as_ref().err());
+        ensure!(gone < staged_transfer_time() / 2, "the rogue was gone only {gone:?} after its submit");
+        ensure!(r.is_err(), "the condemned worker's staged job succeeded");
+        round_trip(p, s.honest, s.x, s.stream)?;
+        p.stop_worker(s.honest)?;
+        p.pool().free(s.x, s.stream)?;
+        p.pool().free(s.big, s.stream)?;
+        p.driver().stream_synchronize(s.stream)?;
         Ok(())
     }
 );

@@ -40,6 +40,10 @@
 //!   staging buffer arrives tries to `ftruncate` its memfd to 0 bytes, says
 //!   `StagingReady`, waits for the parent's first chunk (which the parent wrote into the
 //!   buffer: a truncated file would have been a `SIGBUS` in the parent), then exits.
+//! - `staging-slow`: offers no pool pointers (so the parent stages); says `StagingReady`
+//!   when the staging buffer arrives, then acks each chunk of the parent's
+//!   `POOLIPC_TEST_ROGUE_DELAY_MS` after it came (300 by default), without copying it out;
+//!   it never runs a job. Exits at the parent's `Bye`.
 //! - `slow-frames`: 200 ms after the handshake, valid `Heartbeat` frames, each one's header
 //!   now and the rest `POOLIPC_TEST_ROGUE_DELAY_MS` later (1000 by default), one after
 //!   another, forever; it never reads.
@@ -82,7 +86,7 @@ fn run() -> anyhow::Result<()> {
     if mode.starts_with("arena-") || mode == "results-flood" {
         caps = caps | Capabilities::VMM_ARENA;
     }
-    if mode == "staging-ftruncate" || mode == "staging-flood" {
+    if mode == "staging-ftruncate" || mode == "staging-flood" || mode == "staging-slow" {
         caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
     }
     let config = HandshakeConfig {
@@ -141,6 +145,9 @@ fn run() -> anyhow::Result<()> {
             }
             sent += 1;
         }
+    }
+    if mode == "staging-slow" {
+        return staging_slow(conn);
     }
     if mode == "staging-ftruncate" {
         let (bytes, fd) = loop {
@@ -589,6 +596,43 @@ fn finish_failed_on(
     loop {
         if let Message::Bye = conn.recv(Instant::now() + Duration::from_secs(600))?.0 {
             return Ok(());
+        }
+    }
+}
+
+/// `staging-slow`: see the module docs.
+fn staging_slow(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
+    let delay = Duration::from_millis(
+        std::env::var("POOLIPC_TEST_ROGUE_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(300),
+    );
+    let long = || Instant::now() + Duration::from_secs(600);
+    let bytes = loop {
+        match conn.recv(long())?.0 {
+            Message::StagingBuffer(b) => break b.bytes,
+            Message::Heartbeat { .. } | Message::ArenaChunk(_) | Message::Lend(_) => {}
+            other => anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind()),
+        }
+    };
+    conn.send(
+        &Message::StagingReady { bytes },
+        &[],
+        Instant::now() + Duration::from_secs(30),
+    )?;
+    loop {
+        match conn.recv(long())?.0 {
+            Message::Chunk(c) => {
+                std::thread::sleep(delay);
+                conn.send(
+                    &Message::Chunk(c),
+                    &[],
+                    Instant::now() + Duration::from_secs(30),
+                )?;
+            }
+            Message::Bye => return Ok(()),
+            _ => {}
         }
     }
 }

@@ -2,10 +2,11 @@
 
 use std::sync::Arc;
 
-use poolipc_contract::{self as contract, Message, ParentAction};
+use poolipc_contract::{Message, ParentAction};
 use poolipc_types::{JobId, WorkerId};
 
-use super::{Loop, backlog_full};
+use super::Loop;
+use super::transfer::{Direction, Held, Transfer};
 use crate::parent::Stats;
 
 impl Loop {
@@ -18,6 +19,24 @@ impl Loop {
     }
 
     pub(super) fn act(&mut self, action: ParentAction) {
+        // A worker whose staging transfer runs gets its actions in order once it ends.
+        if let Some(worker) = worker_of(&action)
+            && let Some(slot) = self.workers.get_mut(&worker)
+            && slot.holds()
+        {
+            let kill = matches!(action, ParentAction::KillWorker { .. });
+            slot.held.push_back(Held::Action(action));
+            if kill {
+                // Condemned: its transfer must not run on for its timeouts' length.
+                self.abort_transfer(worker);
+            }
+            return;
+        }
+        self.act_now(action);
+    }
+
+    /// Carries `action` out now, unless its job waits for its DONE.
+    pub(super) fn act_now(&mut self, action: ParentAction) {
         if let Some(key) = job_of(&action)
             && let Some(gate) = self.gates.get_mut(&key)
         {
@@ -61,18 +80,15 @@ impl Loop {
                 let Some(&(src, bytes)) = st.staged_inputs.get(&handoff) else {
                     return;
                 };
-                let stream = st.stream;
-                let r = self.with_staging(worker, |ch, conn| {
-                    ch.send_tensor(conn, job, handoff, src, bytes, stream)
+                self.start_transfer(Transfer {
+                    worker,
+                    job,
+                    handoff,
+                    ptr: src,
+                    bytes,
+                    stream: st.stream,
+                    direction: Direction::Send,
                 });
-                if let Err(e) = r {
-                    let why = format!("sending a staged input failed: {e}");
-                    if backlog_full(&e) {
-                        self.condemn_for_bound(worker, job, contract::Bound::StagingBacklog, why);
-                    } else if !self.escalate("sending a staged input", &e) {
-                        self.lose(worker, &why);
-                    }
-                }
             }
             ParentAction::AllocateResult {
                 worker,
@@ -103,23 +119,18 @@ impl Loop {
                     },
                 };
                 let ((dst, bytes), stream) = (target, st.stream);
-                let r = self.with_staging(worker, |ch, conn| {
-                    ch.recv_tensor(conn, job, handoff, dst, bytes, stream)
+                self.start_transfer(Transfer {
+                    worker,
+                    job,
+                    handoff,
+                    ptr: dst,
+                    bytes,
+                    stream,
+                    direction: Direction::Receive {
+                        what,
+                        copy_back: result.is_none(),
+                    },
                 });
-                match r {
-                    Ok(()) if result.is_none() => {
-                        Stats::bump(&self.shared.stats.inputs_copied_back);
-                    }
-                    Ok(()) => {}
-                    Err(e) if backlog_full(&e) => {
-                        let why = format!("receiving {what} failed: {e}");
-                        self.condemn_for_bound(worker, job, contract::Bound::StagingBacklog, why);
-                    }
-                    Err(e) if !self.escalate(&format!("receiving {what}"), &e) => {
-                        self.lose(worker, &format!("receiving {what} failed: {e}"));
-                    }
-                    Err(_) => {}
-                }
             }
             ParentAction::WaitDone {
                 worker,
@@ -206,6 +217,25 @@ pub(super) fn job_of(action: &ParentAction) -> Option<(WorkerId, JobId)> {
         | ParentAction::KillWorker { .. }
         | ParentAction::WorkerRemoved { .. }
         | ParentAction::ShutdownComplete => None,
+    }
+}
+
+/// The worker an action is about, where it names one.
+pub(super) fn worker_of(action: &ParentAction) -> Option<WorkerId> {
+    match action {
+        ParentAction::Send { worker, .. }
+        | ParentAction::KillWorker { worker }
+        | ParentAction::WorkerRemoved { worker } => Some(*worker),
+        ParentAction::RecordReady { worker, .. }
+        | ParentAction::SendStaged { worker, .. }
+        | ParentAction::AllocateResult { worker, .. }
+        | ParentAction::ReceiveStaged { worker, .. }
+        | ParentAction::WaitDone { worker, .. }
+        | ParentAction::Release { worker, .. }
+        | ParentAction::ReleaseSlice { worker, .. }
+        | ParentAction::FreeResult { worker, .. }
+        | ParentAction::JobFinished { worker, .. } => Some(*worker),
+        ParentAction::ShutdownComplete => None,
     }
 }
 

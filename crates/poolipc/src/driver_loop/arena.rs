@@ -121,6 +121,10 @@ impl Loop {
             {
                 continue;
             }
+            // A staged job's transfer has its socket (and it is `staged_in_flight`).
+            let Some(conn) = slot.conn.as_mut() else {
+                continue;
+            };
             // Chunk indices only grow (a released one is never listed or used again).
             let from = slot.arena_chunks_sent;
             for c in arena.chunks().filter(|c| c.index >= from) {
@@ -136,7 +140,7 @@ impl Loop {
                     index: c.index,
                     len: c.len,
                 });
-                if let Err(e) = slot.conn.enqueue(&message, &[fd.as_fd()]) {
+                if let Err(e) = conn.enqueue(&message, &[fd.as_fd()]) {
                     slot.maps_arena = false;
                     self.lose(id, &format!("sending arena chunk {} failed: {e}", c.index));
                     break;

@@ -14,9 +14,9 @@ use poolipc_driver::EventHandle;
 use poolipc_transport::{Connection, TransportError};
 use poolipc_types::WorkerId;
 
+use super::transfer::Held;
 use super::{
     Command, EXIT_POLL, FRAMES_PER_TURN, GATE_POLL, GATE_POLL_MIN, IDLE_POLL, Loop, MAPPINGS_ACK,
-    Slot,
 };
 use crate::error::Error;
 use crate::staging::StagingChannel;
@@ -39,7 +39,7 @@ impl Loop {
         let now = Instant::now();
         let frame_timeout = self.shared.options.frame_timeout;
         for s in self.workers.values().filter(|s| s.lost.is_none()) {
-            if let Some(t) = s.conn.next_deadline(frame_timeout) {
+            if let Some(t) = s.conn.as_ref().and_then(|c| c.next_deadline(frame_timeout)) {
                 timeout = timeout.min(t.saturating_duration_since(now));
             }
         }
@@ -57,7 +57,7 @@ impl Loop {
         let ids: Vec<WorkerId> = self
             .workers
             .iter()
-            .filter(|(_, s)| s.lost.is_none())
+            .filter(|(_, s)| s.lost.is_none() && s.conn.is_some())
             .map(|(id, _)| *id)
             .collect();
         // Frames already read from a socket (behind another frame, or while a staged
@@ -67,7 +67,8 @@ impl Loop {
             .map(|id| {
                 self.workers
                     .get(id)
-                    .is_some_and(|s| s.conn.frame_buffered())
+                    .and_then(|s| s.conn.as_ref())
+                    .is_some_and(Connection::frame_buffered)
             })
             .collect();
         let any_buffered = buffered.iter().any(|&b| b);
@@ -75,14 +76,14 @@ impl Loop {
             let mut fds = Vec::with_capacity(ids.len() + 1);
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
             for id in &ids {
-                if let Some(s) = self.workers.get(id) {
+                if let Some(conn) = self.workers.get(id).and_then(|s| s.conn.as_ref()) {
                     // Writability too while frames wait in its send queue.
-                    let events = if s.conn.send_queued() {
+                    let events = if conn.send_queued() {
                         PollFlags::POLLIN | PollFlags::POLLOUT
                     } else {
                         PollFlags::POLLIN
                     };
-                    fds.push(PollFd::new(s.conn.as_fd(), events));
+                    fds.push(PollFd::new(conn.as_fd(), events));
                 }
             }
             let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
@@ -190,10 +191,10 @@ impl Loop {
             let Some(slot) = self.workers.get_mut(&worker) else {
                 return;
             };
-            if slot.lost.is_some() {
+            let Some(conn) = slot.conn.as_mut().filter(|_| slot.lost.is_none()) else {
                 return;
-            }
-            match slot.conn.poll_recv() {
+            };
+            match conn.poll_recv() {
                 Ok(Some((message, _fds))) => {
                     crate::probe::mark("io.recv");
                     self.received(worker, message);
@@ -212,14 +213,16 @@ impl Loop {
         let ids: Vec<WorkerId> = self
             .workers
             .iter()
-            .filter(|(_, s)| s.lost.is_none() && s.conn.send_queued())
+            .filter(|(_, s)| {
+                s.lost.is_none() && s.conn.as_ref().is_some_and(Connection::send_queued)
+            })
             .map(|(id, _)| *id)
             .collect();
         for id in ids {
-            let Some(slot) = self.workers.get_mut(&id) else {
+            let Some(conn) = self.workers.get_mut(&id).and_then(|s| s.conn.as_mut()) else {
                 continue;
             };
-            if let Err(e) = slot.conn.flush() {
+            if let Err(e) = conn.flush() {
                 self.hung_up(id, &e);
             }
         }
@@ -234,7 +237,10 @@ impl Loop {
             .workers
             .iter_mut()
             .filter(|(_, s)| s.lost.is_none())
-            .filter_map(|(id, s)| s.conn.check_deadlines(now, timeout).err().map(|e| (*id, e)))
+            .filter_map(|(id, s)| {
+                let e = s.conn.as_mut()?.check_deadlines(now, timeout).err()?;
+                Some((*id, e))
+            })
             .collect();
         for (id, e) in late {
             self.hung_up(id, &e);
@@ -321,6 +327,7 @@ impl Loop {
             Command::Stop { worker, reply } => self.stop(worker, Some(reply)),
             Command::Cancel { worker, job } => self.cancel(worker, job),
             Command::ReleaseArena { reply } => self.release_arena_now(reply),
+            Command::Staged(done) => self.transfer_done(*done),
             Command::Panic => {
                 // The test hook's whole point: stand in for a bug of the loop's.
                 #[allow(clippy::panic)] // asked for by `Parent::panic_io_thread`, tests only
@@ -353,7 +360,12 @@ impl Loop {
             .get_mut(&worker)
             .ok_or(Error::UnknownWorker(worker))?;
         if slot.staging.is_none() {
-            let mut ch = StagingChannel::setup_parent(driver, &mut slot.conn, config)?;
+            // A transfer runs only once the channel is set up (and keeps the channel).
+            let conn = slot
+                .conn
+                .as_mut()
+                .ok_or_else(|| Error::Protocol("a staging transfer has the connection".into()))?;
+            let mut ch = StagingChannel::setup_parent(driver, conn, config)?;
             slot.backlog.extend(ch.take_backlog());
             slot.staging = Some(ch);
         }
@@ -380,9 +392,14 @@ impl Loop {
         if slot.lost.is_some() {
             return;
         }
+        let Some(conn) = slot.conn.as_mut() else {
+            // Its transfer has the socket: the frame goes after it, in order.
+            slot.held.push_back(Held::Frame(message.clone(), None));
+            return;
+        };
         // Queued, written as the socket takes it: a worker that does not read blocks no one
         // (its queue's bound and the frame deadline condemn it).
-        if let Err(e) = slot.conn.enqueue(message, &[]) {
+        if let Err(e) = conn.enqueue(message, &[]) {
             if matches!(message, Message::Bye) {
                 // A worker that already left needs no goodbye.
                 slot.lost = Some(format!("sending Bye failed: {e}"));
@@ -392,26 +409,27 @@ impl Loop {
         }
     }
 
-    pub(super) fn with_staging(
+    /// Queues a frame of the loop's own (with its FD, if it has one) for `worker`, or holds
+    /// it while the worker's transfer has its socket.
+    pub(super) fn enqueue_frame(
         &mut self,
         worker: WorkerId,
-        f: impl FnOnce(&mut StagingChannel, &mut Connection) -> Result<(), crate::staging::StagingError>,
-    ) -> Result<(), Error> {
-        let slot = self
-            .workers
-            .get_mut(&worker)
-            .ok_or(Error::UnknownWorker(worker))?;
-        let Slot {
-            staging,
-            conn,
-            backlog,
-            ..
-        } = slot;
-        let ch = staging
-            .as_mut()
-            .ok_or_else(|| Error::Protocol("host staging is not set up".into()))?;
-        let r = f(ch, conn);
-        backlog.extend(ch.take_backlog());
-        Ok(r?)
+        message: &Message,
+        fd: Option<std::os::fd::OwnedFd>,
+    ) {
+        let Some(slot) = self.workers.get_mut(&worker) else {
+            return;
+        };
+        if slot.lost.is_some() {
+            return;
+        }
+        let Some(conn) = slot.conn.as_mut() else {
+            slot.held.push_back(Held::Frame(message.clone(), fd));
+            return;
+        };
+        let fds: Vec<std::os::fd::BorrowedFd<'_>> = fd.iter().map(AsFd::as_fd).collect();
+        if let Err(e) = conn.enqueue(message, &fds) {
+            self.lose(worker, &format!("sending {} failed: {e}", message.kind()));
+        }
     }
 }

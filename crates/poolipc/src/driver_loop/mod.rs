@@ -7,6 +7,11 @@
 //! deadline) takes the same path: the contract condemns the worker, the loop kills and reaps
 //! it, the contract releases its loans and fails its jobs, and nothing of it touches another
 //! worker.
+//!
+//! One kind of action runs elsewhere: a host-staged tensor's transfer, which waits on its
+//! worker chunk by chunk, runs on a thread of its own with that worker's connection, and the
+//! loop holds the worker's later actions until it ends ([`transfer`]). A worker that stages
+//! slowly stalls only itself.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::unix::net::UnixStream;
@@ -33,6 +38,7 @@ mod io;
 mod lend;
 mod place;
 mod results;
+mod transfer;
 mod workers;
 
 /// Whether `e` is the worker overflowing the staging backlog (a bound, not a hang-up).
@@ -87,6 +93,8 @@ pub(crate) enum Command {
     },
     /// The parent is dropped: stop every worker, fail every job, end the thread.
     Shutdown,
+    /// A staging transfer's thread hands the worker's connection back, with the result.
+    Staged(Box<transfer::TransferDone>),
     /// Test-only ([`Parent::panic_io_thread`](crate::Parent::panic_io_thread)): the loop
     /// panics, as a bug of its own would.
     Panic,
@@ -111,6 +119,8 @@ impl Command {
             Command::ReleaseArena { reply }
             | Command::OfferPool { reply, .. }
             | Command::RetirePool { reply, .. } => drop(reply),
+            // The loop is gone: the worker's socket closes with it.
+            Command::Staged(_) => {}
             Command::Cancel { .. } | Command::Shutdown | Command::Panic => {}
         }
     }
@@ -211,7 +221,12 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 
 /// A worker as the loop holds it.
 struct Slot {
-    conn: Connection,
+    /// `None` while a staging transfer's thread has it ([`Slot::away`]).
+    conn: Option<Connection>,
+    /// Set while a staging transfer runs on its own thread with the connection and `staging`.
+    away: Option<transfer::Away>,
+    /// What came for the worker while its transfer ran, carried out once it ends.
+    held: VecDeque<transfer::Held>,
     child: Option<Child>,
     /// READY events not in use by a job (a job takes one and gives it back when it ends: a
     /// worker's wait captures an event's latest record, so two jobs in flight never share one).

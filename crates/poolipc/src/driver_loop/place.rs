@@ -255,7 +255,15 @@ impl Loop {
             base: base.0,
             len: size,
         });
-        if let Err(e) = slot.conn.enqueue(&message, &[fd.as_fd()]) {
+        // A job is placed on a worker only once its staged job (whose transfer may have the
+        // socket) has ended.
+        let sent = match slot.conn.as_mut() {
+            Some(conn) => conn
+                .enqueue(&message, &[fd.as_fd()])
+                .map_err(|e| e.to_string()),
+            None => Err("a staging transfer has the worker's socket".into()),
+        };
+        if let Err(e) = sent {
             let why = format!("sending a VMM handle failed: {e}");
             self.lose(sub.worker, &why);
             return Err(NoCopy::Failed(Error::JobFailed {

@@ -13,6 +13,7 @@ use poolipc_driver::PoolHandle;
 use poolipc_types::WorkerId;
 
 use super::Loop;
+use super::transfer::Held;
 use crate::parent::{EmptyCache, WorkerPool, lock};
 
 /// The key of an `ExtraPoolReply` for index `i` among the awaited (worker, key) answers is
@@ -73,7 +74,20 @@ impl Loop {
                     continue;
                 };
                 let message = Message::ExtraPool(ExtraPool { index, device });
-                if let Err(e) = slot.conn.enqueue(&message, &[fd.as_fd()]) {
+                let Some(conn) = slot.conn.as_mut() else {
+                    // Its staging transfer has the socket: the offer goes after it.
+                    match fd.as_fd().try_clone_to_owned() {
+                        Ok(dup) => slot.held.push_back(Held::Frame(message, Some(dup))),
+                        Err(e) => {
+                            tracing::warn!(worker = %id, index, error = %e, "duplicating the pool's FD failed: the offer is not sent");
+                            continue;
+                        }
+                    }
+                    tracing::debug!(worker = %id, index, ?handle, "new pool generation offered once its transfer ends");
+                    self.await_answer(id, POOL_OFFER_ACK + u32::from(index), &mut awaited);
+                    continue;
+                };
+                if let Err(e) = conn.enqueue(&message, &[fd.as_fd()]) {
                     self.lose(id, &format!("sending pool generation {index} failed: {e}"));
                     continue;
                 }

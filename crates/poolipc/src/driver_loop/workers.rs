@@ -65,7 +65,9 @@ impl Loop {
         self.workers.insert(
             worker,
             Slot {
-                conn,
+                conn: Some(conn),
+                away: None,
+                held: VecDeque::new(),
                 child,
                 ready_free: Vec::new(),
                 done_events: DoneEvents::default(),
@@ -154,6 +156,7 @@ impl Loop {
         let due: Vec<(WorkerId, bool)> = self
             .workers
             .iter_mut()
+            .filter(|(_, s)| s.away.is_none())
             .filter_map(|(id, s)| {
                 let deadline = s.exit_deadline?;
                 let exited = match s.child.as_mut() {
@@ -164,6 +167,20 @@ impl Loop {
                 (exited || now >= deadline).then_some((*id, exited))
             })
             .collect();
+        // One whose transfer runs is reaped once the transfer handed its socket back; past
+        // its deadline it is killed, which ends the transfer.
+        let late: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, s)| s.away.as_ref().is_some_and(|a| !a.aborted()))
+            .filter(|(_, s)| s.exit_deadline.is_some_and(|d| now >= d))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            tracing::warn!(worker = %id, "the worker's staging transfer outlasted its stop deadline: killing it");
+            Stats::bump(&self.shared.stats.workers_lost);
+            self.abort_transfer(id);
+        }
         for (id, exited) in due {
             if !exited {
                 tracing::warn!(worker = %id, "the worker did not exit after Bye in time: killing it");
@@ -197,6 +214,13 @@ impl Loop {
             }
             None => None,
         };
+        // What was held for it while a transfer ran (the transfer ended: the loop reaps no
+        // worker whose transfer runs), in the contract's order, before its hang-up.
+        for held in std::mem::take(&mut slot.held) {
+            if let super::transfer::Held::Action(action) = held {
+                self.act_now(action);
+            }
+        }
         let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
         tracing::info!(worker = %worker, status = %text, "worker reaped");
         let why = slot
@@ -381,6 +405,11 @@ impl Loop {
                 return;
             }
             s.lost = Some(why.to_owned());
+            // Its transfer, if one runs, is not waited out.
+            self.abort_transfer(worker);
+            let Some(s) = self.workers.get_mut(&worker) else {
+                return;
+            };
             if s.exit_deadline.is_some() {
                 // Bye was sent: the worker closing is how it says goodbye. Its exit (or its
                 // stop deadline) reaps it.
