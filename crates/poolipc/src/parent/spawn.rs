@@ -314,10 +314,9 @@ fn no_pool_fd() -> Result<std::os::fd::OwnedFd, Error> {
         c"poolipc-no-pool",
         MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
     )
-    .map_err(|e| {
-        Error::Protocol(format!(
-            "creating the isolated worker's stand-in descriptor: {e}"
-        ))
+    .map_err(|e| Error::Os {
+        call: "memfd_create (an isolated worker's stand-in for the pool FD)",
+        source: e.into(),
     })?;
     nix::fcntl::fcntl(
         &fd,
@@ -328,10 +327,9 @@ fn no_pool_fd() -> Result<std::os::fd::OwnedFd, Error> {
                 | nix::fcntl::SealFlag::F_SEAL_SEAL,
         ),
     )
-    .map_err(|e| {
-        Error::Protocol(format!(
-            "sealing the isolated worker's stand-in descriptor: {e}"
-        ))
+    .map_err(|e| Error::Os {
+        call: "fcntl(F_ADD_SEALS) of an isolated worker's stand-in for the pool FD",
+        source: e.into(),
     })?;
     Ok(fd)
 }
