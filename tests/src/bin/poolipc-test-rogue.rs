@@ -665,6 +665,13 @@ fn pool_thief(
         }
         Err(e) => {
             writeln!(report, "pool: refused: {e}")?;
+            // Stay until the parent says goodbye, as a worker does (an exit now could race
+            // the parent's spawn).
+            while let Ok((msg, _)) = conn.recv(Instant::now() + Duration::from_secs(60)) {
+                if matches!(msg, Message::Bye) {
+                    break;
+                }
+            }
             return Ok(());
         }
     };

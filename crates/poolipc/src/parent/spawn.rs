@@ -206,9 +206,12 @@ impl Parent {
         }
         if self.shared.registered(id).is_none() {
             let _ = self.stop_worker(id);
-            return Err(Error::Protocol(format!(
-                "{id} was lost during its canary battery"
-            )));
+            let when = if reaches_first && self.shared.options.canary {
+                "during its canary battery"
+            } else {
+                "right after its handshake"
+            };
+            return Err(Error::Protocol(format!("{id} was lost {when}")));
         }
         Stats::bump(&self.shared.stats.workers_connected);
         Ok(id)
