@@ -41,10 +41,14 @@ impl Loop {
         });
         // Isolated workers get no pool, old or new.
         if let (Some((fd, device)), false) = (offer, self.shared.options.isolated) {
+            // Not to a worker with a host-staged job in flight: a frame with a descriptor
+            // arriving between its staged transfers would fail the transfer. It is left out
+            // of this generation (its tensors of it take another rung, and the reason says
+            // it was not given the generation), as a worker whose table is full is.
             let ids: Vec<WorkerId> = self
                 .workers
                 .iter()
-                .filter(|(_, s)| s.lost.is_none())
+                .filter(|(_, s)| s.lost.is_none() && !s.staged_in_flight)
                 .map(|(id, _)| *id)
                 .collect();
             for id in ids {
