@@ -307,20 +307,23 @@ struct StagingRogue {
 }
 
 fn staging_rogue(env: &Env, options: ParentOptions) -> Result<StagingRogue> {
-    let options = ParentOptions {
-        staging: StagingConfig {
-            chunk: usize::try_from(STAGING_CHUNK)?,
-            ..StagingConfig::default()
-        },
-        ..options
+    staging_rogue_in(env, options, "staging-slow")
+}
+
+/// [`staging_rogue`] with the rogue of `mode`; the options' staging config but for its chunk.
+fn staging_rogue_in(env: &Env, options: ParentOptions, mode: &str) -> Result<StagingRogue> {
+    let staging = StagingConfig {
+        chunk: usize::try_from(STAGING_CHUNK)?,
+        ..options.staging.clone()
     };
+    let options = ParentOptions { staging, ..options };
     let p = parent(env, options)?;
     let stream = p.driver().stream_create()?;
     let x = filled(&p, 4 * KIB, stream)?;
     let big = filled(&p, STAGED_BYTES, stream)?;
     let honest = p.spawn_worker(worker_command(env, None)?)?;
     round_trip(&p, honest, x, stream)?;
-    let mut rogue_cmd = rogue_command(env, "staging-slow")?;
+    let mut rogue_cmd = rogue_command(env, mode)?;
     rogue_cmd.env(
         "POOLIPC_TEST_ROGUE_DELAY_MS",
         ACK_DELAY.as_millis().to_string(),
@@ -472,6 +475,74 @@ both_drivers!(
         p.pool().free(s.x, s.stream)?;
         p.pool().free(s.big, s.stream)?;
         p.driver().stream_synchronize(s.stream)?;
+        Ok(())
+    }
+);
+
+/// The staging timeout of the tests of a worker whose GPU work hangs under its transfer: 10 s,
+/// the time a transfer waiting on that work took to end before the loop could abort it; the
+/// tests' bound on their stop or drop is [`ABORT_BOUND`], far below it.
+const HUNG_STAGING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a stop or a drop may take when a transfer waits on a worker's hung GPU work: the
+/// stop deadline (300 ms) and the reaping, with room for a loaded two-core machine; a fifth of
+/// [`HUNG_STAGING_TIMEOUT`], so a stop that waited the transfer's wait out cannot pass.
+const ABORT_BOUND: Duration = Duration::from_secs(2);
+
+fn hung_options() -> ParentOptions {
+    ParentOptions {
+        stop_timeout: Duration::from_millis(300),
+        staging: StagingConfig {
+            timeout: HUNG_STAGING_TIMEOUT,
+            ..StagingConfig::default()
+        },
+        ..ParentOptions::default()
+    }
+}
+
+both_drivers!(
+    /// A rogue acks its staged chunks at once but records each half's `drained` event behind
+    /// a kernel that never ends: the transfer's thread polls that event on the host, where
+    /// shutting the socket down does not reach it. Stopped then, the worker is killed at its
+    /// stop deadline (300 ms) and the wait aborted: `stop_worker` returns within
+    /// [`ABORT_BOUND`] (2 s), not at the staging timeout (10 s here), the job fails, and the
+    /// honest worker beside it serves on.
+    fn a_worker_stopped_while_its_transfer_waits_on_its_hung_gpu_work_stops_at_its_deadline(env) {
+        let s = staging_rogue_in(env, hung_options(), "staging-gpu-hang")?;
+        let p = &s.p;
+        // The transfer is in its wait for the first half's `drained` by now.
+        std::thread::sleep(Duration::from_millis(500));
+        let stopping = Instant::now();
+        p.stop_worker(s.rogue)?;
+        let took = stopping.elapsed();
+        let r = s.job.wait();
+        println!("the rogue stopped {took:?} after stop_worker: {:?}", r.as_ref().err());
+        ensure!(took < ABORT_BOUND, "stopping the rogue took {took:?}");
+        ensure!(r.is_err(), "the stopped worker's staged job succeeded");
+        ensure!(p.worker(s.rogue).is_none(), "the stopped worker is still listed");
+        round_trip(p, s.honest, s.x, s.stream)?;
+        p.stop_worker(s.honest)?;
+        p.pool().free(s.x, s.stream)?;
+        p.pool().free(s.big, s.stream)?;
+        p.driver().stream_synchronize(s.stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    /// As above, the parent dropped instead: the drop returns within [`ABORT_BOUND`] (2 s),
+    /// not at the staging timeout (10 s here), and the job fails.
+    fn a_parent_dropped_while_a_transfer_waits_on_hung_gpu_work_ends_it_at_the_stop_deadline(env) {
+        let s = staging_rogue_in(env, hung_options(), "staging-gpu-hang")?;
+        std::thread::sleep(Duration::from_millis(500));
+        let StagingRogue { p, job, .. } = s;
+        let dropping = Instant::now();
+        drop(p);
+        let took = dropping.elapsed();
+        let r = job.wait();
+        println!("the parent dropped in {took:?}: {:?}", r.as_ref().err());
+        ensure!(took < ABORT_BOUND, "dropping the parent took {took:?}");
+        ensure!(r.is_err(), "the staged job succeeded though its parent was dropped");
         Ok(())
     }
 );

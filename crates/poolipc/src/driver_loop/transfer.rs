@@ -11,12 +11,17 @@
 //!
 //! The loop never lets the worker go (reaps it) while its transfer runs: the thread copies
 //! into and out of memory that the reaping releases. To end a transfer early (the worker is
-//! condemned, lost, or past its stop deadline) the loop kills the process and shuts the
-//! socket down: the thread's next read or write fails at once and it hands everything back.
+//! condemned, lost, or past its stop deadline) the loop kills the process, shuts the socket
+//! down (the thread's next read or write fails at once) and sets the channel's abort flag
+//! ([`StagingChannel::abort_flag`]: a wait for the worker's GPU work, polled on the host,
+//! fails at its next poll; shutting the socket does not reach it, and the event it polls may
+//! never complete, not even once the worker is killed). The thread then hands everything
+//! back.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use poolipc_contract::{self as contract, Message, ParentAction};
 use poolipc_driver::{DevicePtr, StreamHandle};
@@ -67,6 +72,9 @@ pub(super) struct Away {
     /// ([`Loop::abort_transfer`]); `None` if it could not be duplicated (then only killing
     /// the process ends the transfer early).
     socket: Option<OwnedFd>,
+    /// The channel's abort flag ([`StagingChannel::abort_flag`]), set to end the
+    /// transfer's waits for the worker's GPU work early.
+    abort: Arc<AtomicBool>,
     /// Whether the loop ended the transfer early already.
     aborted: bool,
 }
@@ -126,6 +134,7 @@ impl Loop {
                 None
             }
         };
+        let abort = channel.abort_flag();
         let (tx, rx) = std::sync::mpsc::channel::<Payload>();
         let shared = Arc::clone(&self.shared);
         let spawned = std::thread::Builder::new()
@@ -169,6 +178,7 @@ impl Loop {
             None => {
                 slot.away = Some(Away {
                     socket,
+                    abort,
                     aborted: false,
                 });
             }
@@ -260,8 +270,8 @@ impl Loop {
     }
 
     /// Ends `worker`'s transfer early, where one runs: the process is killed (reaped later,
-    /// once the transfer handed its connection back) and its socket shut down under the
-    /// transfer's thread.
+    /// once the transfer handed its connection back), its socket shut down under the
+    /// transfer's thread and the channel's abort flag set (see the module docs).
     pub(super) fn abort_transfer(&mut self, worker: WorkerId) {
         let Some(slot) = self.workers.get_mut(&worker) else {
             return;
@@ -270,6 +280,7 @@ impl Loop {
             return;
         };
         away.aborted = true;
+        away.abort.store(true, Ordering::Relaxed);
         if let Some(c) = slot.child.as_mut() {
             let _ = c.kill();
         }
