@@ -44,6 +44,9 @@
 //!   when the staging buffer arrives, then acks each chunk of the parent's
 //!   `POOLIPC_TEST_ROGUE_DELAY_MS` after it came (300 by default), without copying it out;
 //!   it never runs a job. Exits at the parent's `Bye`.
+//! - `staging-late-ready`: as `staging-slow`, but it says `StagingReady`
+//!   `POOLIPC_TEST_ROGUE_DELAY_MS` after the staging buffer came (300 by default) and acks
+//!   each chunk at once.
 //! - `staging-gpu-hang`: offers no pool pointers (so the parent stages); when the staging
 //!   buffer arrives it starts a helper process of its own (`staging-hang-recorder`, stdio
 //!   not inherited) that records the first half's `drained` event behind a kernel that never
@@ -157,8 +160,8 @@ fn run() -> anyhow::Result<()> {
             sent += 1;
         }
     }
-    if mode == "staging-slow" {
-        return staging_slow(conn);
+    if mode == "staging-slow" || mode == "staging-late-ready" {
+        return staging_slow(conn, mode == "staging-late-ready");
     }
     if mode == "staging-gpu-hang" {
         return staging_gpu_hang(conn);
@@ -614,8 +617,8 @@ fn finish_failed_on(
     }
 }
 
-/// `staging-slow`: see the module docs.
-fn staging_slow(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
+/// `staging-slow`, or with `late_ready` `staging-late-ready`: see the module docs.
+fn staging_slow(mut conn: poolipc_transport::Connection, late_ready: bool) -> anyhow::Result<()> {
     let delay = Duration::from_millis(
         std::env::var("POOLIPC_TEST_ROGUE_DELAY_MS")
             .ok()
@@ -630,6 +633,12 @@ fn staging_slow(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
             other => anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind()),
         }
     };
+    let (ready_delay, ack_delay) = if late_ready {
+        (delay, Duration::ZERO)
+    } else {
+        (Duration::ZERO, delay)
+    };
+    std::thread::sleep(ready_delay);
     conn.send(
         &Message::StagingReady { bytes },
         &[],
@@ -638,7 +647,7 @@ fn staging_slow(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
     loop {
         match conn.recv(long())?.0 {
             Message::Chunk(c) => {
-                std::thread::sleep(delay);
+                std::thread::sleep(ack_delay);
                 conn.send(
                     &Message::Chunk(c),
                     &[],
