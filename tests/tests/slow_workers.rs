@@ -307,24 +307,30 @@ struct StagingRogue {
 }
 
 fn staging_rogue(env: &Env, options: ParentOptions) -> Result<StagingRogue> {
-    let options = ParentOptions {
-        staging: StagingConfig {
-            chunk: usize::try_from(STAGING_CHUNK)?,
-            ..StagingConfig::default()
-        },
-        ..options
+    staging_rogue_in(env, options, "staging-slow", ACK_DELAY)
+}
+
+/// [`staging_rogue`] with the rogue of `mode` and its `POOLIPC_TEST_ROGUE_DELAY_MS` of
+/// `delay`; the options' staging config but for its chunk.
+fn staging_rogue_in(
+    env: &Env,
+    options: ParentOptions,
+    mode: &str,
+    delay: Duration,
+) -> Result<StagingRogue> {
+    let staging = StagingConfig {
+        chunk: usize::try_from(STAGING_CHUNK)?,
+        ..options.staging.clone()
     };
+    let options = ParentOptions { staging, ..options };
     let p = parent(env, options)?;
     let stream = p.driver().stream_create()?;
     let x = filled(&p, 4 * KIB, stream)?;
     let big = filled(&p, STAGED_BYTES, stream)?;
     let honest = p.spawn_worker(worker_command(env, None)?)?;
     round_trip(&p, honest, x, stream)?;
-    let mut rogue_cmd = rogue_command(env, "staging-slow")?;
-    rogue_cmd.env(
-        "POOLIPC_TEST_ROGUE_DELAY_MS",
-        ACK_DELAY.as_millis().to_string(),
-    );
+    let mut rogue_cmd = rogue_command(env, mode)?;
+    rogue_cmd.env("POOLIPC_TEST_ROGUE_DELAY_MS", delay.as_millis().to_string());
     let rogue = p.spawn_worker(rogue_cmd)?;
     let submitted = Instant::now();
     let staged = [Input {
@@ -469,6 +475,118 @@ both_drivers!(
         ensure!(r.is_err(), "the condemned worker's staged job succeeded");
         round_trip(p, s.honest, s.x, s.stream)?;
         p.stop_worker(s.honest)?;
+        p.pool().free(s.x, s.stream)?;
+        p.pool().free(s.big, s.stream)?;
+        p.driver().stream_synchronize(s.stream)?;
+        Ok(())
+    }
+);
+
+/// The staging timeout of the tests of a worker whose GPU work hangs under its transfer: 10 s,
+/// the time a transfer waiting on that work took to end before the loop could abort it; the
+/// tests' bound on their stop or drop is [`ABORT_BOUND`], far below it.
+const HUNG_STAGING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a stop or a drop may take when a transfer waits on a worker's hung GPU work: the
+/// stop deadline (300 ms) and the reaping, with room for a loaded two-core machine; a fifth of
+/// [`HUNG_STAGING_TIMEOUT`], so a stop that waited the transfer's wait out cannot pass.
+const ABORT_BOUND: Duration = Duration::from_secs(2);
+
+fn hung_options() -> ParentOptions {
+    ParentOptions {
+        stop_timeout: Duration::from_millis(300),
+        staging: StagingConfig {
+            timeout: HUNG_STAGING_TIMEOUT,
+            ..StagingConfig::default()
+        },
+        ..ParentOptions::default()
+    }
+}
+
+both_drivers!(
+    /// A rogue acks its staged chunks at once but records each half's `drained` event behind
+    /// a kernel that never ends: the transfer's thread polls that event on the host, where
+    /// shutting the socket down does not reach it. Stopped then, the worker is killed at its
+    /// stop deadline (300 ms) and the wait aborted: `stop_worker` returns within
+    /// [`ABORT_BOUND`] (2 s), not at the staging timeout (10 s here), the job fails, and the
+    /// honest worker beside it serves on.
+    fn a_worker_stopped_while_its_transfer_waits_on_its_hung_gpu_work_stops_at_its_deadline(env) {
+        let s = staging_rogue_in(env, hung_options(), "staging-gpu-hang", ACK_DELAY)?;
+        let p = &s.p;
+        // The transfer is in its wait for the first half's `drained` by now.
+        std::thread::sleep(Duration::from_millis(500));
+        let stopping = Instant::now();
+        p.stop_worker(s.rogue)?;
+        let took = stopping.elapsed();
+        let r = s.job.wait();
+        println!("the rogue stopped {took:?} after stop_worker: {:?}", r.as_ref().err());
+        ensure!(took < ABORT_BOUND, "stopping the rogue took {took:?}");
+        ensure!(r.is_err(), "the stopped worker's staged job succeeded");
+        ensure!(p.worker(s.rogue).is_none(), "the stopped worker is still listed");
+        round_trip(p, s.honest, s.x, s.stream)?;
+        p.stop_worker(s.honest)?;
+        p.pool().free(s.x, s.stream)?;
+        p.pool().free(s.big, s.stream)?;
+        p.driver().stream_synchronize(s.stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    /// As above, the parent dropped instead: the drop returns within [`ABORT_BOUND`] (2 s),
+    /// not at the staging timeout (10 s here), and the job fails.
+    fn a_parent_dropped_while_a_transfer_waits_on_hung_gpu_work_ends_it_at_the_stop_deadline(env) {
+        let s = staging_rogue_in(env, hung_options(), "staging-gpu-hang", ACK_DELAY)?;
+        std::thread::sleep(Duration::from_millis(500));
+        let StagingRogue { p, job, .. } = s;
+        let dropping = Instant::now();
+        drop(p);
+        let took = dropping.elapsed();
+        let r = job.wait();
+        println!("the parent dropped in {took:?}: {:?}", r.as_ref().err());
+        ensure!(took < ABORT_BOUND, "dropping the parent took {took:?}");
+        ensure!(r.is_err(), "the staged job succeeded though its parent was dropped");
+        Ok(())
+    }
+);
+
+/// How late the `staging-late-ready` rogue answers the staging setup: 2 s.
+const READY_DELAY: Duration = Duration::from_secs(2);
+
+both_drivers!(
+    /// A rogue answers the staging setup ([`poolipc::StagingConfig`]'s buffer) only
+    /// [`READY_DELAY`] (2 s) after it came. Meanwhile an honest worker's round trips stay
+    /// under [`ROUND_TRIP_BOUND`] (500 ms, a quarter of the delay: a loop that waited for
+    /// the answer itself holds the first round trip for the rest of it). The late answer is
+    /// within the staging timeout: the setup succeeds and the rogue's job goes on (lent, its
+    /// input sent; the rogue never finishes it), its worker listed.
+    fn an_honest_workers_round_trips_stay_short_while_a_rogue_answers_the_staging_setup_late(env) {
+        let s = staging_rogue_in(env, ParentOptions::default(), "staging-late-ready", READY_DELAY)?;
+        let p = &s.p;
+        ensure!(ROUND_TRIP_BOUND < READY_DELAY / 2, "the delay is too short to tell");
+        let mut worst = Duration::ZERO;
+        let mut trips = 0;
+        while s.submitted.elapsed() < READY_DELAY - Duration::from_millis(300) {
+            worst = worst.max(round_trip(p, s.honest, s.x, s.stream)?);
+            trips += 1;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let during = s.submitted.elapsed();
+        println!("{trips} honest round trips while the rogue's staging setup waited, the longest {worst:?}; {during:?} into a {READY_DELAY:?} delay");
+        ensure!(
+            worst < ROUND_TRIP_BOUND,
+            "an honest round trip took {worst:?} while the rogue's staging setup waited (bound {ROUND_TRIP_BOUND:?})"
+        );
+        ensure!(trips > 1, "only {trips} round trips ran during the delay");
+        // Past the answer: a failed setup would have failed the job and let the worker go.
+        while s.submitted.elapsed() < READY_DELAY + Duration::from_millis(500) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        ensure!(!s.job.is_finished(), "the rogue's job ended: {:?}", s.job.wait().err());
+        ensure!(p.worker(s.rogue).is_some(), "the rogue, which broke no rule, was condemned");
+        p.stop_worker(s.honest)?;
+        p.stop_worker(s.rogue)?;
+        let _ = s.job.wait();
         p.pool().free(s.x, s.stream)?;
         p.pool().free(s.big, s.stream)?;
         p.driver().stream_synchronize(s.stream)?;

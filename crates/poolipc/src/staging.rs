@@ -46,6 +46,7 @@
 use std::collections::VecDeque;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use poolipc_driver::host::SharedHostBuffer;
@@ -155,6 +156,10 @@ pub enum StagingError {
         /// The bound on bytes.
         max_bytes: usize,
     },
+    /// The parent ended the transfer early (the worker was stopped, condemned or lost, or the
+    /// parent dropped) while the channel waited on the host for the worker's GPU work.
+    #[error("host staging: the transfer was aborted")]
+    Aborted,
     /// The peer reported an error instead of going on.
     #[error("host staging: the peer failed: {message} ({code})")]
     Peer {
@@ -187,6 +192,9 @@ pub struct StagingChannel {
     /// the stream: a worker's record behind a kernel that never ends would block a stream
     /// of the parent's for good (docs/facts.md).
     peer_on_host: bool,
+    /// Set from another thread to end a host-side wait for the peer early
+    /// ([`abort_flag`](Self::abort_flag)).
+    abort: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for StagingChannel {
@@ -233,6 +241,7 @@ impl StagingChannel {
             backlog: VecDeque::new(),
             backlog_bytes: 0,
             peer_on_host: true,
+            abort: Arc::new(AtomicBool::new(false)),
         };
         let msg = Message::StagingBuffer(StagingBuffer {
             bytes: bytes as u64,
@@ -301,6 +310,7 @@ impl StagingChannel {
             backlog: VecDeque::new(),
             backlog_bytes: 0,
             peer_on_host: false,
+            abort: Arc::new(AtomicBool::new(false)),
         };
         conn.send(
             &Message::StagingReady {
@@ -370,6 +380,15 @@ impl StagingChannel {
         std::mem::take(&mut self.backlog)
     }
 
+    /// The channel's abort flag: set (from any thread), every wait of the parent's side for
+    /// the peer's GPU work (polled on the host) that runs or comes next fails with
+    /// [`StagingError::Aborted`] at its next poll instead of at the channel's timeout. It
+    /// stays set: the channel is done with. Socket reads and writes do not look at it (shut
+    /// the socket down to end those).
+    pub(crate) fn abort_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.abort)
+    }
+
     /// Bytes of one chunk (one half of the buffer).
     pub fn chunk(&self) -> usize {
         self.chunk
@@ -411,7 +430,8 @@ impl StagingChannel {
     /// `event`. The worker's side: `stream` waits on it (the parent's events end). The
     /// parent's side ([`peer_on_host`](Self::peer_on_host)): the host queries it until it
     /// completed, for up to the channel's timeout, and then queues the rest; past the
-    /// timeout it fails with [`StagingError::PeerStuck`].
+    /// timeout it fails with [`StagingError::PeerStuck`], and once the
+    /// [abort flag](Self::abort_flag) is set with [`StagingError::Aborted`].
     fn wait_peer(
         &self,
         stream: StreamHandle,
@@ -424,6 +444,9 @@ impl StagingChannel {
         let deadline = self.deadline();
         let mut spins = 0u32;
         while !self.driver.event_query(event)? {
+            if self.abort.load(Ordering::Relaxed) {
+                return Err(StagingError::Aborted);
+            }
             if Instant::now() >= deadline {
                 return Err(StagingError::PeerStuck {
                     which,

@@ -44,6 +44,17 @@
 //!   when the staging buffer arrives, then acks each chunk of the parent's
 //!   `POOLIPC_TEST_ROGUE_DELAY_MS` after it came (300 by default), without copying it out;
 //!   it never runs a job. Exits at the parent's `Bye`.
+//! - `staging-late-ready`: as `staging-slow`, but it says `StagingReady`
+//!   `POOLIPC_TEST_ROGUE_DELAY_MS` after the staging buffer came (300 by default) and acks
+//!   each chunk at once.
+//! - `staging-gpu-hang`: offers no pool pointers (so the parent stages); when the staging
+//!   buffer arrives it starts a helper process of its own (`staging-hang-recorder`, stdio
+//!   not inherited) that records the first half's `drained` event behind a kernel that never
+//!   ends (`launch_hang_kernel`), then says `StagingReady` and acks chunks at once: the
+//!   parent's transfer waits on the host for that record, which does not complete even once
+//!   this process is killed (the helper lives on 5 s after it, as a CUDA record behind a
+//!   hung kernel never completes; the simulation ends a dead process's records). Exits at
+//!   the parent's `Bye`.
 //! - `slow-frames`: 200 ms after the handshake, valid `Heartbeat` frames, each one's header
 //!   now and the rest `POOLIPC_TEST_ROGUE_DELAY_MS` later (1000 by default), one after
 //!   another, forever; it never reads.
@@ -81,12 +92,15 @@ fn run() -> anyhow::Result<()> {
         Some(sim) => Arc::new(sim?),
         None => Arc::new(poolipc_driver::CudaDriver::new()?),
     };
+    if mode == "staging-hang-recorder" {
+        return staging_hang_recorder(&driver);
+    }
     let mut conn = poolipc_transport::connection_from_env()?;
     let mut caps = Capabilities(Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0);
     if mode.starts_with("arena-") || mode == "results-flood" {
         caps = caps | Capabilities::VMM_ARENA;
     }
-    if mode == "staging-ftruncate" || mode == "staging-flood" || mode == "staging-slow" {
+    if mode.starts_with("staging-") {
         caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
     }
     let config = HandshakeConfig {
@@ -146,8 +160,11 @@ fn run() -> anyhow::Result<()> {
             sent += 1;
         }
     }
-    if mode == "staging-slow" {
-        return staging_slow(conn);
+    if mode == "staging-slow" || mode == "staging-late-ready" {
+        return staging_slow(conn, mode == "staging-late-ready");
+    }
+    if mode == "staging-gpu-hang" {
+        return staging_gpu_hang(conn);
     }
     if mode == "staging-ftruncate" {
         let (bytes, fd) = loop {
@@ -600,8 +617,8 @@ fn finish_failed_on(
     }
 }
 
-/// `staging-slow`: see the module docs.
-fn staging_slow(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
+/// `staging-slow`, or with `late_ready` `staging-late-ready`: see the module docs.
+fn staging_slow(mut conn: poolipc_transport::Connection, late_ready: bool) -> anyhow::Result<()> {
     let delay = Duration::from_millis(
         std::env::var("POOLIPC_TEST_ROGUE_DELAY_MS")
             .ok()
@@ -616,6 +633,12 @@ fn staging_slow(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
             other => anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind()),
         }
     };
+    let (ready_delay, ack_delay) = if late_ready {
+        (delay, Duration::ZERO)
+    } else {
+        (Duration::ZERO, delay)
+    };
+    std::thread::sleep(ready_delay);
     conn.send(
         &Message::StagingReady { bytes },
         &[],
@@ -624,7 +647,7 @@ fn staging_slow(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
     loop {
         match conn.recv(long())?.0 {
             Message::Chunk(c) => {
-                std::thread::sleep(delay);
+                std::thread::sleep(ack_delay);
                 conn.send(
                     &Message::Chunk(c),
                     &[],
@@ -635,6 +658,79 @@ fn staging_slow(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
             _ => {}
         }
     }
+}
+
+/// `staging-gpu-hang`: see the module docs.
+fn staging_gpu_hang(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use std::io::BufRead as _;
+    let long = || Instant::now() + Duration::from_secs(600);
+    let setup = loop {
+        match conn.recv(long())?.0 {
+            Message::StagingBuffer(b) => break b,
+            Message::Heartbeat { .. } | Message::ArenaChunk(_) | Message::Lend(_) => {}
+            other => anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind()),
+        }
+    };
+    let hex: String = setup.drained_event[0]
+        .0
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let mut recorder = std::process::Command::new(std::env::current_exe()?)
+        .env("POOLIPC_TEST_ROGUE", "staging-hang-recorder")
+        .env("POOLIPC_TEST_ROGUE_EVENT", hex)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufReader::new(recorder.stdout.take().context("the recorder's stdout")?)
+        .read_line(&mut line)?;
+    anyhow::ensure!(line.trim() == "recorded", "the recorder said {line:?}");
+    // The recorder's stdin stays open for as long as this process lives (see its docs).
+    let _alive = recorder.stdin.take();
+    conn.send(
+        &Message::StagingReady { bytes: setup.bytes },
+        &[],
+        Instant::now() + Duration::from_secs(30),
+    )?;
+    loop {
+        match conn.recv(long())?.0 {
+            Message::Chunk(c) => conn.send(
+                &Message::Chunk(c),
+                &[],
+                Instant::now() + Duration::from_secs(30),
+            )?,
+            Message::Bye => return Ok(()),
+            _ => {}
+        }
+    }
+}
+
+/// `staging-gpu-hang`'s helper process (not a worker): opens the event whose blob
+/// `POOLIPC_TEST_ROGUE_EVENT` holds (hex), records it behind a kernel that never ends, says
+/// `recorded` on stdout, and exits 5 s after its stdin closed (the rogue died).
+fn staging_hang_recorder(driver: &Arc<dyn Driver>) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use std::io::Read as _;
+    let hex = std::env::var("POOLIPC_TEST_ROGUE_EVENT")?;
+    let mut blob = [0u8; 64];
+    for (i, b) in blob.iter_mut().enumerate() {
+        let digits = hex.get(2 * i..2 * i + 2).context("a short event blob")?;
+        *b = u8::from_str_radix(digits, 16)?;
+    }
+    driver.use_device(0)?;
+    let event = poolipc_driver::OwnedEvent::open_ipc(Arc::clone(driver), &EventBlob(blob))?;
+    let stream = driver.stream_create()?;
+    driver.launch_hang_kernel(stream)?;
+    driver.event_record(event.handle(), stream)?;
+    let mut out = std::io::stdout();
+    writeln!(out, "recorded")?;
+    out.flush()?;
+    let _ = std::io::stdin().read_to_end(&mut Vec::new());
+    std::thread::sleep(Duration::from_secs(5));
+    Ok(())
 }
 
 fn main() -> ExitCode {

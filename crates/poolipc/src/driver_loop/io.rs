@@ -328,6 +328,7 @@ impl Loop {
             Command::Cancel { worker, job } => self.cancel(worker, job),
             Command::ReleaseArena { reply } => self.release_arena_now(reply),
             Command::Staged(done) => self.transfer_done(*done),
+            Command::StagingSetUp(done) => self.setup_done(*done),
             Command::Panic => {
                 // The test hook's whole point: stand in for a bug of the loop's.
                 #[allow(clippy::panic)] // asked for by `Parent::panic_io_thread`, tests only
@@ -351,7 +352,8 @@ impl Loop {
         }
     }
 
-    /// Sets host staging up with `worker` the first time one of its tensors needs it.
+    /// Sets host staging up with `worker` the first time one of its results needs it, on the
+    /// loop (a staged input's job sets it up off the loop: [`Loop::start_setup`]).
     pub(super) fn ensure_staging(&mut self, worker: WorkerId) -> Result<(), Error> {
         let driver = Arc::clone(&self.shared.driver);
         let config = self.shared.options.staging.clone();

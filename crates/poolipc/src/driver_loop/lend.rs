@@ -46,7 +46,12 @@ impl Loop {
             let Some(slot) = self.workers.get_mut(&worker) else {
                 return;
             };
-            if slot.staged_in_flight || slot.lost.is_some() || slot.exit_deadline.is_some() {
+            // `away`: the staging setup runs; the job that waits for it is first in the queue.
+            if slot.staged_in_flight
+                || slot.away.is_some()
+                || slot.lost.is_some()
+                || slot.exit_deadline.is_some()
+            {
                 return;
             }
             let Some(mut sub) = slot.queued.pop_front() else {
@@ -87,35 +92,57 @@ impl Loop {
         }
     }
 
+    /// Host staging could not be set up for `sub`, a job with staged inputs: a worker past
+    /// the backlog's bound is condemned, any other failure loses it; then the job fails.
+    pub(super) fn staging_setup_failed(&mut self, sub: Submission, e: &Error) {
+        let (worker, job) = (sub.worker, sub.job);
+        let detail = format!("setting host staging up failed: {e}");
+        let reason = if backlog_full(e) {
+            let bound = contract::Bound::StagingBacklog;
+            tracing::warn!(worker = %worker, job = job.0, %bound, "{detail}");
+            if let Err(c) = self.machine.condemn_for(worker, bound, detail.clone()) {
+                tracing::debug!(worker = %worker, error = %c, "condemning a worker the contract has let go");
+            }
+            FailReason::BoundExceeded(bound)
+        } else {
+            self.lose(worker, &detail);
+            FailReason::HungUp
+        };
+        // The kill and the reaping first: a caller that sees its job fail finds nothing
+        // of the worker left.
+        self.drive();
+        Stats::bump(&self.shared.stats.jobs_failed);
+        sub.done.complete(Err(Error::JobFailed {
+            worker,
+            reason,
+            detail,
+            results: Vec::new(),
+        }));
+    }
+
     /// Starts a placed job in the contract and carries out what it asks.
     pub(super) fn lend(&mut self, sub: Submission, placed: Placed) {
         let worker = sub.worker;
         let job = sub.job;
         if placed.staged
-            && let Err(e) = self.ensure_staging(worker)
+            && self
+                .workers
+                .get(&worker)
+                .is_none_or(|s| s.staging.is_none())
         {
-            let detail = format!("setting host staging up failed: {e}");
-            let reason = if backlog_full(&e) {
-                let bound = contract::Bound::StagingBacklog;
-                tracing::warn!(worker = %worker, job = job.0, %bound, "{detail}");
-                if let Err(c) = self.machine.condemn_for(worker, bound, detail.clone()) {
-                    tracing::debug!(worker = %worker, error = %c, "condemning a worker the contract has let go");
+            // Host staging is set up first, off the loop (the worker's answer may take up to
+            // the staging timeout); the job waits first in the queue, placed, and is lent
+            // once the setup is done ([`Loop::setup_done`]).
+            match self.start_setup(worker) {
+                Ok(()) => {
+                    if let Some(slot) = self.workers.get_mut(&worker) {
+                        let mut sub = Box::new(sub);
+                        sub.placed = Some(placed);
+                        slot.queued.push_front(sub);
+                    }
                 }
-                FailReason::BoundExceeded(bound)
-            } else {
-                self.lose(worker, &detail);
-                FailReason::HungUp
-            };
-            // The kill and the reaping first: a caller that sees its job fail finds nothing
-            // of the worker left.
-            self.drive();
-            Stats::bump(&self.shared.stats.jobs_failed);
-            sub.done.complete(Err(Error::JobFailed {
-                worker,
-                reason,
-                detail,
-                results: Vec::new(),
-            }));
+                Err(e) => self.staging_setup_failed(sub, &e),
+            }
             return;
         }
         let ready = match self.take_ready(worker) {

@@ -95,6 +95,8 @@ pub(crate) enum Command {
     Shutdown,
     /// A staging transfer's thread hands the worker's connection back, with the result.
     Staged(Box<transfer::TransferDone>),
+    /// A staging setup's thread hands the worker's connection back, with the channel.
+    StagingSetUp(Box<transfer::SetupDone>),
     /// Test-only ([`Parent::panic_io_thread`](crate::Parent::panic_io_thread)): the loop
     /// panics, as a bug of its own would.
     Panic,
@@ -120,7 +122,7 @@ impl Command {
             | Command::OfferPool { reply, .. }
             | Command::RetirePool { reply, .. } => drop(reply),
             // The loop is gone: the worker's socket closes with it.
-            Command::Staged(_) => {}
+            Command::Staged(_) | Command::StagingSetUp(_) => {}
             Command::Cancel { .. } | Command::Shutdown | Command::Panic => {}
         }
     }
@@ -221,9 +223,10 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 
 /// A worker as the loop holds it.
 struct Slot {
-    /// `None` while a staging transfer's thread has it ([`Slot::away`]).
+    /// `None` while a staging transfer's (or setup's) thread has it ([`Slot::away`]).
     conn: Option<Connection>,
-    /// Set while a staging transfer runs on its own thread with the connection and `staging`.
+    /// Set while a staging transfer runs on its own thread with the connection and `staging`,
+    /// or the staging setup with the connection.
     away: Option<transfer::Away>,
     /// What came for the worker while its transfer ran, carried out once it ends.
     held: VecDeque<transfer::Held>,

@@ -9,14 +9,24 @@
 //! that came meanwhile ([`StagingChannel::take_backlog`]); the loop then handles the result
 //! as it handled a transfer it ran itself, and replays what it held.
 //!
+//! The staging setup with a worker (its `StagingReady` may take up to the staging timeout)
+//! runs the same way ([`Loop::start_setup`]): the thread has the connection, the loop holds
+//! what comes for the worker, and the job that needs the setup waits first in the worker's
+//! queue, placed, until [`Command::StagingSetUp`] brings the channel (or the failure).
+//!
 //! The loop never lets the worker go (reaps it) while its transfer runs: the thread copies
 //! into and out of memory that the reaping releases. To end a transfer early (the worker is
-//! condemned, lost, or past its stop deadline) the loop kills the process and shuts the
-//! socket down: the thread's next read or write fails at once and it hands everything back.
+//! condemned, lost, or past its stop deadline) the loop kills the process, shuts the socket
+//! down (the thread's next read or write fails at once) and sets the channel's abort flag
+//! ([`StagingChannel::abort_flag`]: a wait for the worker's GPU work, polled on the host,
+//! fails at its next poll; shutting the socket does not reach it, and the event it polls may
+//! never complete, not even once the worker is killed). The thread then hands everything
+//! back.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use poolipc_contract::{self as contract, Message, ParentAction};
 use poolipc_driver::{DevicePtr, StreamHandle};
@@ -27,6 +37,14 @@ use super::{Command, Loop, Slot, backlog_full};
 use crate::error::Error;
 use crate::parent::Stats;
 use crate::staging::{StagingChannel, StagingError};
+
+/// A staging setup that ended on its thread ([`Loop::start_setup`]): the worker's
+/// connection, and its channel or why there is none.
+pub(crate) struct SetupDone {
+    worker: WorkerId,
+    conn: Connection,
+    result: Result<StagingChannel, StagingError>,
+}
 
 /// Which way a staged tensor goes.
 #[derive(Clone, Copy, Debug)]
@@ -67,6 +85,9 @@ pub(super) struct Away {
     /// ([`Loop::abort_transfer`]); `None` if it could not be duplicated (then only killing
     /// the process ends the transfer early).
     socket: Option<OwnedFd>,
+    /// The channel's abort flag ([`StagingChannel::abort_flag`]), set to end the
+    /// transfer's waits for the worker's GPU work early.
+    abort: Arc<AtomicBool>,
     /// Whether the loop ended the transfer early already.
     aborted: bool,
 }
@@ -126,6 +147,7 @@ impl Loop {
                 None
             }
         };
+        let abort = channel.abort_flag();
         let (tx, rx) = std::sync::mpsc::channel::<Payload>();
         let shared = Arc::clone(&self.shared);
         let spawned = std::thread::Builder::new()
@@ -169,6 +191,7 @@ impl Loop {
             None => {
                 slot.away = Some(Away {
                     socket,
+                    abort,
                     aborted: false,
                 });
             }
@@ -241,6 +264,123 @@ impl Loop {
         }
     }
 
+    /// Starts setting host staging up with `worker` on a thread of its own, as a transfer
+    /// runs (see the module docs): the worker's answer ([`StagingChannel::setup_parent`]
+    /// waits for its `StagingReady`) may take up to the staging timeout. The connection comes
+    /// back as [`Command::StagingSetUp`]; meanwhile what comes for the worker is held.
+    pub(super) fn start_setup(&mut self, worker: WorkerId) -> Result<(), Error> {
+        let slot = self
+            .workers
+            .get_mut(&worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        let conn = slot
+            .conn
+            .take()
+            .ok_or_else(|| Error::Protocol("a staging transfer has the connection".into()))?;
+        let socket = match conn.as_fd().try_clone_to_owned() {
+            Ok(fd) => Some(fd),
+            Err(e) => {
+                tracing::warn!(worker = %worker, error = %e, "duplicating the worker's socket failed: only killing it ends its staging setup early");
+                None
+            }
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<Connection>();
+        let shared = Arc::clone(&self.shared);
+        let spawned = std::thread::Builder::new()
+            .name("poolipc-staging".into())
+            .spawn(move || {
+                let Ok(mut conn) = rx.recv() else {
+                    return;
+                };
+                let driver = Arc::clone(&shared.driver);
+                // CUDA contexts are per thread: the setup's buffer and events need the device's.
+                let result = driver
+                    .use_device(shared.options.device)
+                    .map_err(StagingError::from)
+                    .and_then(|()| {
+                        StagingChannel::setup_parent(
+                            driver,
+                            &mut conn,
+                            shared.options.staging.clone(),
+                        )
+                    });
+                // The loop wakes for it; a loop already gone drops it, closing the socket.
+                shared.post(Command::StagingSetUp(Box::new(SetupDone {
+                    worker,
+                    conn,
+                    result,
+                })));
+            });
+        let refused = match spawned {
+            Ok(_) => match tx.send(conn) {
+                Ok(()) => None,
+                Err(back) => Some((back.0, "the staging thread ended at its start".to_owned())),
+            },
+            Err(e) => Some((conn, format!("starting a staging thread failed: {e}"))),
+        };
+        let slot = self
+            .workers
+            .get_mut(&worker)
+            .ok_or(Error::UnknownWorker(worker))?;
+        match refused {
+            None => {
+                slot.away = Some(Away {
+                    socket,
+                    // The setup waits only on the socket, which the shutdown reaches.
+                    abort: Arc::new(AtomicBool::new(false)),
+                    aborted: false,
+                });
+                Ok(())
+            }
+            Some((conn, why)) => {
+                slot.conn = Some(conn);
+                Err(Error::Protocol(why))
+            }
+        }
+    }
+
+    /// A staging setup's thread handed the worker's connection back: what was held for the
+    /// worker runs, then its jobs, first the one that waited for the setup (lent now, or
+    /// failed with the setup).
+    pub(super) fn setup_done(&mut self, done: SetupDone) {
+        let SetupDone {
+            worker,
+            conn,
+            result,
+        } = done;
+        let Some(slot) = self.workers.get_mut(&worker) else {
+            tracing::error!(worker = %worker, "a staging setup ended for a worker the loop let go");
+            return;
+        };
+        slot.conn = Some(conn);
+        slot.away = None;
+        match result {
+            Ok(mut channel) => {
+                slot.backlog.extend(channel.take_backlog());
+                slot.staging = Some(channel);
+                self.replay_held(worker);
+                self.dispatch(worker);
+            }
+            Err(e) => {
+                let waiting = slot
+                    .queued
+                    .front()
+                    .is_some_and(|s| s.placed.as_ref().is_some_and(|p| p.staged));
+                let sub = if waiting {
+                    slot.queued.pop_front()
+                } else {
+                    None
+                };
+                self.replay_held(worker);
+                let e = Error::from(e);
+                match sub {
+                    Some(sub) => self.staging_setup_failed(*sub, &e),
+                    None => self.lose(worker, &format!("setting host staging up failed: {e}")),
+                }
+            }
+        }
+    }
+
     /// Carries out, in order, what was held for `worker` while its transfer ran, until all
     /// ran or one of them started another transfer (the rest then waits for that one).
     pub(super) fn replay_held(&mut self, worker: WorkerId) {
@@ -260,8 +400,8 @@ impl Loop {
     }
 
     /// Ends `worker`'s transfer early, where one runs: the process is killed (reaped later,
-    /// once the transfer handed its connection back) and its socket shut down under the
-    /// transfer's thread.
+    /// once the transfer handed its connection back), its socket shut down under the
+    /// transfer's thread and the channel's abort flag set (see the module docs).
     pub(super) fn abort_transfer(&mut self, worker: WorkerId) {
         let Some(slot) = self.workers.get_mut(&worker) else {
             return;
@@ -270,6 +410,7 @@ impl Loop {
             return;
         };
         away.aborted = true;
+        away.abort.store(true, Ordering::Relaxed);
         if let Some(c) = slot.child.as_mut() {
             let _ = c.kill();
         }
