@@ -64,6 +64,12 @@ pub(crate) const CAPABILITIES: Capabilities = Capabilities(
     Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0,
 );
 
+/// What an isolated worker (`ParentOptions::isolated`) is not offered and does not claim:
+/// pool pointers and VMM handles, each a handle on the parent's memory beyond the tensors
+/// lent.
+pub(crate) const PARENT_MEMORY_HANDLES: Capabilities =
+    Capabilities(Capabilities::POOL_POINTER.0 | Capabilities::VMM_HANDLE.0);
+
 /// What this side can do on `device`: [`CAPABILITIES`], and the result arena
 /// ([`Capabilities::VMM_ARENA`]) and VMM allocations lent by handle
 /// ([`Capabilities::VMM_HANDLE`]) where the device has VMM with POSIX FD handles.

@@ -72,10 +72,9 @@ impl Parent {
             if isolated {
                 // No handle on the pool: pointers and VMM handles are not on offer, and the
                 // descriptor Hello carries is an empty sealed memfd, not the pool's FD.
-                identity.capabilities = Capabilities(
-                    identity.capabilities.0
-                        & !(Capabilities::POOL_POINTER.0 | Capabilities::VMM_HANDLE.0),
-                );
+                identity.capabilities = identity
+                    .capabilities
+                    .missing_from(super::PARENT_MEMORY_HANDLES);
                 let config = HandshakeConfig {
                     identity,
                     required: Capabilities::NONE,

@@ -225,10 +225,9 @@ impl Worker {
                 let mut identity = identity;
                 if !lends_pointers(parent) {
                     // An isolated worker: say so, as the parent offers nothing of the kind.
-                    identity.capabilities = Capabilities(
-                        identity.capabilities.0
-                            & !(Capabilities::POOL_POINTER.0 | Capabilities::VMM_HANDLE.0),
-                    );
+                    identity.capabilities = identity
+                        .capabilities
+                        .missing_from(crate::parent::PARENT_MEMORY_HANDLES);
                 }
                 Ok(HandshakeConfig {
                     identity,
@@ -273,10 +272,10 @@ impl Worker {
                 let mut placed = place(&*driver, parent.device, compute)?;
                 if !lends_pointers(parent) {
                     // An isolated worker: say so, as the parent offers nothing of the kind.
-                    placed.identity.capabilities = Capabilities(
-                        placed.identity.capabilities.0
-                            & !(Capabilities::POOL_POINTER.0 | Capabilities::VMM_HANDLE.0),
-                    );
+                    placed.identity.capabilities = placed
+                        .identity
+                        .capabilities
+                        .missing_from(crate::parent::PARENT_MEMORY_HANDLES);
                 }
                 let identity = placed.identity.clone();
                 chosen = Some(placed);
