@@ -201,17 +201,18 @@ impl Walk {
                         continue;
                     };
                     for ii in &i.items {
-                        let entry = match ii {
-                            syn::ImplItem::Fn(f) if is_pub(&f.vis) && gate(&f.attrs).is_ok() => {
-                                let g = gate(&f.attrs).ok().flatten().or_else(|| feature.clone());
-                                with_feature(format!("{} (fn)", f.sig.ident), g.as_deref())
+                        let (attrs, label) = match ii {
+                            syn::ImplItem::Fn(f) if is_pub(&f.vis) => {
+                                (&f.attrs, format!("{} (fn)", f.sig.ident))
                             }
-                            syn::ImplItem::Const(c) if is_pub(&c.vis) && gate(&c.attrs).is_ok() => {
-                                let g = gate(&c.attrs).ok().flatten().or_else(|| feature.clone());
-                                with_feature(format!("{} (const)", c.ident), g.as_deref())
+                            syn::ImplItem::Const(c) if is_pub(&c.vis) => {
+                                (&c.attrs, format!("{} (const)", c.ident))
                             }
                             _ => continue,
                         };
+                        let Ok(gated) = gate(attrs) else { continue };
+                        let g = gated.or_else(|| feature.clone());
+                        let entry = with_feature(label, g.as_deref());
                         self.impls.push((ty.clone(), entry));
                     }
                     continue;

@@ -13,8 +13,6 @@
 //! - no file over [`MAX_LINES`] lines outside the tests without the reason written at its top
 //!   (a `//!` line starting `Why this file is long:`).
 
-use std::path::Path;
-
 use syn::visit_mut::VisitMut;
 
 /// Where `unsafe` may appear: paths starting with these.
@@ -341,18 +339,6 @@ fn exhaustive_enum(p: &syn::Pat) -> Option<&'static str> {
     }
     let owner = path.segments[n - 2].ident.to_string();
     EXHAUSTIVE.iter().copied().find(|e| owner == *e)
-}
-
-/// Checks every tracked `.rs` file under `root` (the paths `git ls-files` gave).
-pub(crate) fn check(root: &Path, paths: &[&str]) -> Vec<String> {
-    let mut found = Vec::new();
-    for path in paths.iter().filter(|p| p.ends_with(".rs")) {
-        let Ok(text) = std::fs::read_to_string(root.join(path)) else {
-            continue;
-        };
-        found.extend(offences_in(path, &text));
-    }
-    found
 }
 
 #[cfg(test)]

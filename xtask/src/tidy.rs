@@ -41,12 +41,6 @@ pub(crate) fn check(root: &Path) -> Result<()> {
         );
     }
     let mut offences = Vec::new();
-    let listing = String::from_utf8_lossy(&out.stdout);
-    let tracked: Vec<&str> = listing
-        .split('\0')
-        .filter(|p| !p.is_empty() && !EXEMPT.iter().any(|e| p.starts_with(e)))
-        .collect();
-    offences.extend(crate::rust_rules::check(root, &tracked));
     for path in String::from_utf8_lossy(&out.stdout).split('\0') {
         if path.is_empty() || EXEMPT.iter().any(|e| path.starts_with(e)) {
             continue;
@@ -59,6 +53,9 @@ pub(crate) fn check(root: &Path) -> Result<()> {
         offences.extend(offences_in(path, &text, |target| {
             full_exists(root, path, target)
         }));
+        if path.ends_with(".rs") {
+            offences.extend(crate::rust_rules::offences_in(path, &text));
+        }
     }
     if !offences.is_empty() {
         bail!(
