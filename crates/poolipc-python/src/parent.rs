@@ -64,9 +64,8 @@ pub(crate) struct DeviceBuffer {
     /// Its size in bytes.
     #[pyo3(get)]
     nbytes: u64,
-    /// The dtype's name (torch's spelling: `float32`, `bfloat16`, ...); Python gets it as a
-    /// `poolipc.DType`.
-    dtype: &'static str,
+    /// The element type; Python gets it as a `poolipc.DType`.
+    dtype: poolipc::DType,
     shape: Vec<u64>,
     /// From the shared pool (lends by pool pointer) or the device's default pool (lends by
     /// host staging).
@@ -89,7 +88,7 @@ impl DeviceBuffer {
     /// The dtype: a `poolipc.DType` (a `str` enum: `buffer.dtype == "float32"`).
     #[getter]
     fn dtype<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        crate::dtype::value(py, crate::dtype::parse(self.dtype)?)
+        crate::dtype::value(py, self.dtype)
     }
 
     /// The device address. `ExpiredViewError` once the buffer was freed.
@@ -123,7 +122,11 @@ impl DeviceBuffer {
         match *lock(&self.ptr) {
             Some(p) => format!(
                 "DeviceBuffer(ptr={:#x}, dtype={}, shape={:?}, nbytes={}, shared={})",
-                p.0, self.dtype, self.shape, self.nbytes, self.shared
+                p.0,
+                crate::dtype::name(self.dtype),
+                self.shape,
+                self.nbytes,
+                self.shared
             ),
             None => "DeviceBuffer(freed)".into(),
         }
@@ -644,7 +647,7 @@ impl NativeParent {
             g: Arc::clone(&self.g),
             ptr: Mutex::new(Some(ptr)),
             nbytes,
-            dtype: dtype::name(dt),
+            dtype: dt,
             shape,
             shared,
         })

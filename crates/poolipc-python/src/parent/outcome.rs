@@ -183,7 +183,7 @@ impl NativeJobHandle {
                         g: Arc::clone(&self.g),
                         ptr: Mutex::new(Some(r.ptr)),
                         nbytes: r.bytes,
-                        dtype: dtype::name(r.shape.dtype),
+                        dtype: r.shape.dtype,
                         shape: r.shape.shape.clone(),
                         shared: true,
                     },
