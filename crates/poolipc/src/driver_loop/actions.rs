@@ -243,23 +243,10 @@ pub(super) fn worker_of(action: &ParentAction) -> Option<WorkerId> {
 /// debug, every event logged while carrying it out says which worker and job it was for.
 /// Without one, a span costs a check of a cached interest.
 pub(super) fn action_span(action: &ParentAction) -> tracing::Span {
-    if let Some((worker, job)) = job_of(action) {
-        return tracing::debug_span!("job", %worker, %job);
-    }
-    match action {
-        ParentAction::Send { worker, .. }
-        | ParentAction::KillWorker { worker }
-        | ParentAction::WorkerRemoved { worker } => tracing::debug_span!("worker", %worker),
-        ParentAction::RecordReady { .. }
-        | ParentAction::SendStaged { .. }
-        | ParentAction::AllocateResult { .. }
-        | ParentAction::ReceiveStaged { .. }
-        | ParentAction::WaitDone { .. }
-        | ParentAction::Release { .. }
-        | ParentAction::ReleaseSlice { .. }
-        | ParentAction::FreeResult { .. }
-        | ParentAction::JobFinished { .. }
-        | ParentAction::ShutdownComplete => tracing::Span::none(),
+    match (job_of(action), worker_of(action)) {
+        (Some((worker, job)), _) => tracing::debug_span!("job", %worker, %job),
+        (None, Some(worker)) => tracing::debug_span!("worker", %worker),
+        (None, None) => tracing::Span::none(),
     }
 }
 
