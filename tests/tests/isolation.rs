@@ -12,6 +12,11 @@ use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
 const MIB: u64 = 1 << 20;
 
+/// One MiB of f32, the layout of every tensor lent here.
+fn f32_mib() -> Layout {
+    Layout::contiguous(DType::F32, &[MIB / 4])
+}
+
 fn parent(env: &Env, isolated: bool) -> Result<Parent> {
     let options = ParentOptions {
         device: env.device,
@@ -39,15 +44,7 @@ fn thief_report(env: &Env, p: &Parent, x: poolipc::DevicePtr) -> Result<String> 
     let stream = p.driver().stream_create()?;
     // The job fails, or is refused (the rogue answers nothing, and may have exited already):
     // what counts is what it imported.
-    let job = p.submit(
-        w,
-        &[Input {
-            ptr: x,
-            desc: Layout::contiguous(DType::F32, &[MIB / 4]),
-            read_only: true,
-        }],
-        stream,
-    );
+    let job = p.submit(w, &[Input::new(x, f32_mib()).read_only()], stream);
     if let Ok(h) = job {
         let _ = h.wait();
     }
@@ -83,11 +80,7 @@ both_drivers!(
         );
         let out = p.run_job(
             w,
-            &[Input {
-                ptr: x,
-                desc: Layout::contiguous(DType::F32, &[MIB / 4]),
-                read_only: true,
-            }],
+            &[Input::new(x, f32_mib()).read_only()],
             stream,
         )?;
         ensure!(out.input_rungs == [Rung::ArenaCopy], "input rungs {:?}", out.input_rungs);
@@ -109,11 +102,7 @@ both_drivers!(
         echo::fill_pattern(&*d, y, MIB, 0x2468_ACE0, stream)?;
         let out = p.run_job(
             w,
-            &[Input {
-                ptr: y,
-                desc: Layout::contiguous(DType::F32, &[MIB / 4]),
-                read_only: false,
-            }],
+            &[Input::new(y, f32_mib())],
             stream,
         )?;
         ensure!(out.input_rungs == [Rung::ArenaCopy], "after empty_cache: {:?}", out.input_rungs);
