@@ -81,6 +81,33 @@ both_drivers!(
     }
 );
 
+both_drivers!(
+    /// The descriptors the driver exports for a pool and for a VMM allocation are
+    /// close-on-exec: a process the parent starts afterwards (a worker, or anything else)
+    /// must not inherit a copy it never learns of, which would keep the pool's or the
+    /// allocation's memory from the device until that process exits.
+    fn exported_pool_and_vmm_descriptors_are_close_on_exec(env) {
+        use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+        let d = &*env.driver;
+        let cloexec = |fd: &std::os::fd::OwnedFd| -> Result<bool> {
+            let flags = FdFlag::from_bits_truncate(fcntl(fd, FcntlArg::F_GETFD)?);
+            Ok(flags.contains(FdFlag::FD_CLOEXEC))
+        };
+        let owned_pool = poolipc_driver::OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
+        let fd = d.mem_pool_export_fd(owned_pool.handle())?;
+        ensure!(cloexec(&fd)?, "the pool's exported descriptor is inherited by children");
+        drop(fd);
+        owned_pool.close()?;
+        let granularity = d.vmm_granularity(env.device, poolipc_driver::Granularity::Minimum)?;
+        let vmm = poolipc_driver::VmmAllocation::create(d, env.device, granularity)?;
+        let fd = d.vmm_export_fd(vmm.handle())?;
+        ensure!(cloexec(&fd)?, "a VMM allocation's exported descriptor is inherited by children");
+        drop(fd);
+        vmm.close()?;
+        Ok(())
+    }
+);
+
 /// The child imports `bytes` from the parent, reads the parent's pattern at both ends, writes
 /// its own pattern in place at both ends; the parent sees the writes and its pattern between.
 fn child_reads_and_writes_in_place(env: &Env, bytes: u64) -> Result<()> {

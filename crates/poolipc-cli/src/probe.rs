@@ -149,14 +149,33 @@ pub(crate) fn probe_limit(
     child_env: Option<(&'static str, String)>,
     stdout_is_data: bool,
 ) -> Result<ProbeReport> {
-    let (lo_start, hi_start, step) = (4096 * MIB, 8192 * MIB, 16 * MIB);
     let pool = SharedPool::install(driver, device).context("installing the shared pool")?;
     let d = Arc::clone(pool.driver());
-    let stream = d.stream_create()?;
+    let stream = poolipc_driver::OwnedStream::new(d)?;
+    let report = search(&pool, stream.handle(), child_env.as_ref(), stdout_is_data);
+    // Put the device's own pool back: a parent started after the probes (the export reuse
+    // check) installs a pool of its own, and one already installed here refuses it.
+    let closed = stream.close().map_err(anyhow::Error::from).and_then(|()| {
+        pool.uninstall()
+            .context("uninstalling the shared pool after the probes")
+    });
+    let report = report?;
+    closed?;
+    Ok(report)
+}
+
+/// The binary search of [`probe_limit`], on `pool` and `stream`.
+fn search(
+    pool: &SharedPool<dyn Driver>,
+    stream: StreamHandle,
+    child_env: Option<&(&'static str, String)>,
+    stdout_is_data: bool,
+) -> Result<ProbeReport> {
+    let (lo_start, hi_start, step) = (4096 * MIB, 8192 * MIB, 16 * MIB);
     let limit = ImportLimit::default();
     let run = |bytes: u64| -> Result<Outcome> {
         let t = Instant::now();
-        let (outcome, ptr) = probe_once(&pool, stream, child_env.as_ref(), bytes)?;
+        let (outcome, ptr) = probe_once(pool, stream, child_env, bytes)?;
         let line = format!(
             "  probe {:>6} MiB at {:#x} ({} chunks of 32 MiB): {outcome} [{:.1} s]",
             bytes / MIB,

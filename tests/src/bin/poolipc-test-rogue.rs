@@ -30,8 +30,9 @@
 //! - `keep-alive`: answers the job with an empty result request every 100 ms, forever: each
 //!   one is a valid message about the job (the job lifetime must end it).
 //! - `done-churn`: serves every job properly but with a DONE event of its own each time
-//!   (created, recorded, its blob sent; destroyed when the next job arrives): the parent
-//!   must not keep every blob it was sent open. Exits at the parent's `Bye`.
+//!   (created, recorded, its blob sent; destroyed 64 jobs later, since libcuda hands a new
+//!   event the blob of one just destroyed): the parent must not keep every blob it was
+//!   sent open. Exits at the parent's `Bye`.
 //! - `staging-flood`: offers no pool pointers (so the parent stages); when the staging
 //!   buffer arrives it never says `StagingReady` but sends result requests of 4096 results
 //!   each, as fast as it can, until the parent closes the connection (the staging backlog's
@@ -193,20 +194,27 @@ fn run() -> anyhow::Result<()> {
     }
     if mode == "done-churn" {
         driver.use_device(0)?;
-        let mut previous = None;
+        // Events kept alive, oldest first: libcuda gives a new event the interprocess handle
+        // of one just destroyed (measured on the H200: destroying each before the next made
+        // every DONE carry the same blob), so the churn keeps a ring of live events larger
+        // than any bound a test sets, and the parent sees DONE_CHURN_RING distinct blobs.
+        const DONE_CHURN_RING: usize = 64;
+        let mut live = std::collections::VecDeque::new();
         loop {
             let lend = match conn.recv(Instant::now() + Duration::from_secs(600))?.0 {
                 Message::Lend(l) => l,
                 Message::Bye => return Ok(()),
                 _ => continue,
             };
-            if let Some(old) = previous.take() {
+            if live.len() == DONE_CHURN_RING
+                && let Some(old) = live.pop_front()
+            {
                 poolipc_driver::OwnedEvent::close(old)?;
             }
             let owned = poolipc_driver::OwnedEvent::new(&*driver, true)?;
             let event = owned.handle();
             driver.event_record(event, poolipc::StreamHandle::NULL)?;
-            previous = Some(owned);
+            live.push_back(owned);
             let handles: Vec<_> = lend.tensors.iter().map(|t| t.handle).collect();
             conn.send(
                 &Message::Done(Done {

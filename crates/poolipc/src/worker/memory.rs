@@ -279,7 +279,15 @@ impl Worker {
     pub(super) fn retire_pool(&mut self, r: PoolRetire) -> Result<(), Error> {
         match self.pools.remove(&r.index) {
             Some(Ok(p)) => {
-                if let Err(e) = p.pool.close() {
+                // The stream-ordered frees of this pool's imports have run before the destroy,
+                // and the context is synchronized after it, as in the probe that measured the
+                // memory coming back (`bench/probes/export_destroy.py`).
+                self.driver.stream_synchronize(self.stream.handle())?;
+                let closed = p.pool.close();
+                if closed.is_ok() {
+                    self.driver.ctx_synchronize()?;
+                }
+                if let Err(e) = closed {
                     let e = Error::from(e);
                     if e.is_context_lost() {
                         return Err(e);

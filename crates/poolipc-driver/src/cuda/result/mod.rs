@@ -27,8 +27,10 @@ pub(crate) mod stream;
 pub(crate) mod vmm;
 
 use std::ffi::c_int;
+use std::os::fd::{FromRawFd, OwnedFd};
 
 use cudarc::driver::sys;
+use nix::fcntl::{FcntlArg, FdFlag, fcntl};
 
 use crate::error::{CuCode, DriverError, Result};
 
@@ -42,6 +44,41 @@ pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
             code: CuCode(r as u32),
         })
     }
+}
+
+/// The descriptor `fd` a shareable-handle export (`call`) just returned, owned, and marked
+/// close-on-exec.
+///
+/// Without `FD_CLOEXEC` every process the parent starts afterwards (a worker, or anything torch or ComfyUI
+/// runs) would inherit a copy it never learns of, and a pool or VMM allocation keeps its
+/// memory while any descriptor of it is open, so memory given back by the parent and its
+/// workers would stay held until that process exits.
+pub(crate) fn exported_fd(call: &'static str, fd: c_int) -> Result<OwnedFd> {
+    if fd < 0 {
+        return Err(DriverError::Call {
+            call,
+            code: CuCode::UNKNOWN,
+        });
+    }
+    // SAFETY: the driver just created this descriptor for us; we are its only owner.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    let os = |call| {
+        move |e: nix::Error| DriverError::Os {
+            call,
+            source: std::io::Error::from(e),
+        }
+    };
+    let flags =
+        FdFlag::from_bits_truncate(fcntl(&owned, FcntlArg::F_GETFD).map_err(os("fcntl(F_GETFD)"))?);
+    if !flags.contains(FdFlag::FD_CLOEXEC) {
+        fcntl(&owned, FcntlArg::F_SETFD(flags | FdFlag::FD_CLOEXEC))
+            .map_err(os("fcntl(F_SETFD, FD_CLOEXEC)"))?;
+        tracing::debug!(
+            call,
+            "marked the driver's exported descriptor close-on-exec"
+        );
+    }
+    Ok(owned)
 }
 
 /// The location of device `ordinal`, as pools and VMM allocations name it.

@@ -4,12 +4,12 @@
 //! that takes one is an `unsafe fn` whose caller guarantees the pool is live.
 
 use std::ffi::{c_int, c_void};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
 use cudarc::driver::sys;
 
 use super::check;
-use crate::error::{CuCode, DriverError, Result};
+use crate::error::Result;
 
 /// `cuMemPoolCreate` of a pool of pinned memory at `location`, shareable as `handle_types`.
 pub(crate) fn create(
@@ -178,14 +178,7 @@ pub(crate) unsafe fn export_fd(pool: sys::CUmemoryPool) -> Result<OwnedFd> {
             0,
         )
     })?;
-    if fd < 0 {
-        return Err(DriverError::Call {
-            call: CALL,
-            code: CuCode::UNKNOWN,
-        });
-    }
-    // SAFETY: the driver just created this descriptor for us; we are its only owner.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    super::exported_fd(CALL, fd)
 }
 
 /// `cuMemPoolImportFromShareableHandle` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`. The

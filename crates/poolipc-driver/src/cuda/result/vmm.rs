@@ -6,12 +6,12 @@
 //! looked up by libcuda itself.
 
 use std::ffi::{c_int, c_void};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
 use cudarc::driver::sys;
 
 use super::{check, device_location};
-use crate::error::{CuCode, DriverError, Result};
+use crate::error::Result;
 
 /// Pinned device memory at `location`, shareable as `handle_types`. Its one pointer (the
 /// Windows handle metadata) is null.
@@ -119,14 +119,7 @@ pub(crate) unsafe fn export_fd(handle: sys::CUmemGenericAllocationHandle) -> Res
             0,
         )
     })?;
-    if fd < 0 {
-        return Err(DriverError::Call {
-            call: CALL,
-            code: CuCode::UNKNOWN,
-        });
-    }
-    // SAFETY: the driver just created this descriptor for us; we are its only owner.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    super::exported_fd(CALL, fd)
 }
 
 /// `cuMemImportFromShareableHandle` of a POSIX file descriptor. The caller keeps `fd`.
