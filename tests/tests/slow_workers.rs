@@ -593,3 +593,105 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    /// As above, but what needs host staging is a result: the rogue (no pool pointers, no
+    /// arena) asks for a 4 KiB result in a job without inputs, and answers the staging setup
+    /// that result needs [`READY_DELAY`] late. The setup runs off the loop, as an input's
+    /// does: an honest worker's round trips meanwhile stay under [`ROUND_TRIP_BOUND`] (a loop
+    /// that waited for the answer itself held one for the rest of the delay: 2.0 s before
+    /// this test's change), and once the answer came the result was allocated, by host
+    /// staging, and granted.
+    fn an_honest_workers_round_trips_stay_short_while_a_rogue_answers_a_results_staging_setup_late(
+        env
+    ) {
+        let p = parent(env, ParentOptions::default())?;
+        let stream = p.driver().stream_create()?;
+        let x = filled(&p, 4 * KIB, stream)?;
+        let honest = p.spawn_worker(worker_command(env, None)?)?;
+        round_trip(&p, honest, x, stream)?;
+        let mut rogue_cmd = rogue_command(env, "staging-late-result")?;
+        rogue_cmd.env("POOLIPC_TEST_ROGUE_DELAY_MS", READY_DELAY.as_millis().to_string());
+        let rogue = p.spawn_worker(rogue_cmd)?;
+        let staged_before = p.stats().host_staged_tensors;
+        let submitted = Instant::now();
+        let job = p.submit(rogue, &[], stream)?;
+        let mut worst = Duration::ZERO;
+        let mut trips = 0;
+        while submitted.elapsed() < READY_DELAY - Duration::from_millis(300) {
+            worst = worst.max(round_trip(&p, honest, x, stream)?);
+            trips += 1;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        println!(
+            "{trips} honest round trips while the rogue's result waited for its staging setup, the longest {worst:?}"
+        );
+        ensure!(
+            worst < ROUND_TRIP_BOUND,
+            "an honest round trip took {worst:?} while the rogue's staging setup waited (bound {ROUND_TRIP_BOUND:?})"
+        );
+        ensure!(trips > 1, "only {trips} round trips ran during the delay");
+        ensure!(
+            p.stats().host_staged_tensors == staged_before,
+            "the result was allocated before its staging setup was answered"
+        );
+        // Past the answer: the result is allocated by host staging and granted.
+        let until = Instant::now() + Duration::from_secs(5);
+        while p.stats().host_staged_tensors == staged_before && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        ensure!(
+            p.stats().host_staged_tensors == staged_before + 1,
+            "no host-staged result after the setup was answered ({} before, {} now)",
+            staged_before,
+            p.stats().host_staged_tensors
+        );
+        ensure!(!job.is_finished(), "the rogue's job ended: {:?}", job.wait().err());
+        ensure!(p.worker(rogue).is_some(), "the rogue, which broke no rule, was condemned");
+        p.stop_worker(honest)?;
+        p.stop_worker(rogue)?;
+        let _ = job.wait();
+        p.pool().free(x, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
+    /// The same rogue answering past the staging timeout (1 s here, its answer 2 s late):
+    /// the setup fails off the loop, the result it was for is refused rather than set up
+    /// again, the rogue's job fails and the rogue is let go, and the honest worker serves on.
+    fn a_results_staging_setup_past_its_timeout_fails_that_job_alone(env) {
+        let options = ParentOptions {
+            staging: StagingConfig {
+                timeout: Duration::from_secs(1),
+                ..StagingConfig::default()
+            },
+            ..ParentOptions::default()
+        };
+        let p = parent(env, options)?;
+        let stream = p.driver().stream_create()?;
+        let x = filled(&p, 4 * KIB, stream)?;
+        let honest = p.spawn_worker(worker_command(env, None)?)?;
+        let mut rogue_cmd = rogue_command(env, "staging-late-result")?;
+        rogue_cmd.env("POOLIPC_TEST_ROGUE_DELAY_MS", READY_DELAY.as_millis().to_string());
+        let rogue = p.spawn_worker(rogue_cmd)?;
+        let t = Instant::now();
+        let job = p.submit(rogue, &[], stream)?;
+        match job.wait() {
+            Ok(_) => bail!("the rogue's job succeeded without a staging setup"),
+            Err(e) => println!("the rogue's job failed after {:?}: {e}", t.elapsed()),
+        }
+        ensure!(
+            t.elapsed() < READY_DELAY + Duration::from_secs(3),
+            "the job took {:?} to fail",
+            t.elapsed()
+        );
+        round_trip(&p, honest, x, stream)?;
+        p.stop_worker(honest)?;
+        let _ = p.stop_worker(rogue);
+        p.pool().free(x, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        Ok(())
+    }
+);

@@ -48,6 +48,10 @@
 //! - `staging-late-ready`: as `staging-slow`, but it says `StagingReady`
 //!   `POOLIPC_TEST_ROGUE_DELAY_MS` after the staging buffer came (300 by default) and acks
 //!   each chunk at once.
+//! - `staging-late-result`: as `staging-late-ready`, but what needs host staging is a result:
+//!   at its first `Lend` (a job without staged inputs) it asks for one 4 KiB result, which
+//!   the parent can only give by host staging (no pool pointers, no arena); it then answers
+//!   the staging setup late as `staging-late-ready` does, and never finishes the job.
 //! - `staging-gpu-hang`: offers no pool pointers (so the parent stages); when the staging
 //!   buffer arrives it starts a helper process of its own (`staging-hang-recorder`, stdio
 //!   not inherited) that records the first half's `drained` event behind a kernel that never
@@ -161,8 +165,8 @@ fn run() -> anyhow::Result<()> {
             sent += 1;
         }
     }
-    if mode == "staging-slow" || mode == "staging-late-ready" {
-        return staging_slow(conn, mode == "staging-late-ready");
+    if mode == "staging-slow" || mode == "staging-late-ready" || mode == "staging-late-result" {
+        return staging_slow(conn, mode != "staging-slow", mode == "staging-late-result");
     }
     if mode == "staging-gpu-hang" {
         return staging_gpu_hang(conn);
@@ -625,8 +629,13 @@ fn finish_failed_on(
     }
 }
 
-/// `staging-slow`, or with `late_ready` `staging-late-ready`: see the module docs.
-fn staging_slow(mut conn: poolipc_transport::Connection, late_ready: bool) -> anyhow::Result<()> {
+/// `staging-slow`, with `late_ready` `staging-late-ready`, with `ask_result` too
+/// `staging-late-result`: see the module docs.
+fn staging_slow(
+    mut conn: poolipc_transport::Connection,
+    late_ready: bool,
+    ask_result: bool,
+) -> anyhow::Result<()> {
     let delay = Duration::from_millis(
         std::env::var("POOLIPC_TEST_ROGUE_DELAY_MS")
             .ok()
@@ -637,6 +646,18 @@ fn staging_slow(mut conn: poolipc_transport::Connection, late_ready: bool) -> an
     let bytes = loop {
         match conn.recv(long())?.0 {
             Message::StagingBuffer(b) => break b.bytes,
+            Message::Lend(l) if ask_result => conn.send(
+                &Message::ResultRequest(ResultRequest {
+                    job: l.job,
+                    results: vec![ResultSpec {
+                        dtype: DType::U8,
+                        shape: vec![4096],
+                        byte_len: 4096,
+                    }],
+                }),
+                &[],
+                Instant::now() + Duration::from_secs(30),
+            )?,
             Message::Heartbeat { .. } | Message::ArenaChunk(_) | Message::Lend(_) => {}
             other => anyhow::bail!("rogue: expected a StagingBuffer, got {}", other.kind()),
         }

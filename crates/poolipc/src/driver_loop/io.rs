@@ -3,7 +3,6 @@
 
 use std::io::Read as _;
 use std::os::fd::AsFd;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -18,8 +17,6 @@ use super::transfer::Held;
 use super::{
     Command, EXIT_POLL, FRAMES_PER_TURN, GATE_POLL, GATE_POLL_MIN, IDLE_POLL, Loop, MAPPINGS_ACK,
 };
-use crate::error::Error;
-use crate::staging::StagingChannel;
 
 impl Loop {
     /// Sleeps in `poll` until a worker's socket is readable, a command arrives, or the next
@@ -350,28 +347,6 @@ impl Loop {
                 }
             }
         }
-    }
-
-    /// Sets host staging up with `worker` the first time one of its results needs it, on the
-    /// loop (a staged input's job sets it up off the loop: [`Loop::start_setup`]).
-    pub(super) fn ensure_staging(&mut self, worker: WorkerId) -> Result<(), Error> {
-        let driver = Arc::clone(&self.shared.driver);
-        let config = self.shared.options.staging.clone();
-        let slot = self
-            .workers
-            .get_mut(&worker)
-            .ok_or(Error::UnknownWorker(worker))?;
-        if slot.staging.is_none() {
-            // A transfer runs only once the channel is set up (and keeps the channel).
-            let conn = slot
-                .conn
-                .as_mut()
-                .ok_or_else(|| Error::Protocol("a staging transfer has the connection".into()))?;
-            let mut ch = StagingChannel::setup_parent(driver, conn, config)?;
-            slot.backlog.extend(ch.take_backlog());
-            slot.staging = Some(ch);
-        }
-        Ok(())
     }
 
     /// Sends what the contract emitted, unchanged; notes result grants for later.

@@ -238,6 +238,9 @@ struct Slot {
     /// `options.max_open_done_events` (least recently used closed first).
     done_events: DoneEvents,
     staging: Option<StagingChannel>,
+    /// Why setting host staging up with the worker failed, once it did: a result that needs
+    /// it is refused instead of setting it up again.
+    staging_failed: Option<String>,
     /// Frames that arrived while the loop waited for another (host staging's): handled next.
     backlog: VecDeque<Message>,
     takes_staging: bool,

@@ -5,12 +5,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use poolipc_contract::{
-    self as contract, FailReason, JobOutcome, Outcome, ParentEvent, Purpose, ResultSpec,
+    self as contract, FailReason, JobOutcome, Outcome, ParentAction, ParentEvent, Purpose,
+    ResultSpec,
 };
 use poolipc_driver::DevicePtr;
 use poolipc_transport::ErrorCode;
 use poolipc_types::{AllocId, ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId};
 
+use super::transfer::Held;
 use super::{JobState, Loop, MPS_FAULT_GRACE, backlog_full, names_gpu_fault};
 use crate::error::Error;
 use crate::parent::{JobOutput, ResultMemory, ResultTensor, Stats};
@@ -25,8 +27,29 @@ impl Loop {
         spec: &ResultSpec,
     ) {
         let now = self.now();
-        let event = match self.make_result(worker, job, request, spec) {
-            Ok(e) => e,
+        let made = self
+            .make_result(worker, job, request, spec)
+            .and_then(|made| match made {
+                Some(event) => Ok(Some(event)),
+                // Host staging is set up first, off the loop (the worker's answer may take up to
+                // the staging timeout), and this allocation is asked for again, first among what
+                // is held for the worker, once the setup is done ([`Loop::setup_done`]).
+                None => self.start_setup(worker).map(|()| None),
+            });
+        let event = match made {
+            Ok(Some(e)) => e,
+            Ok(None) => {
+                if let Some(slot) = self.workers.get_mut(&worker) {
+                    slot.held
+                        .push_front(Held::Action(ParentAction::AllocateResult {
+                            worker,
+                            job,
+                            request,
+                            spec: spec.clone(),
+                        }));
+                }
+                return;
+            }
             Err(e) => {
                 tracing::warn!(worker = %worker, job = job.0, error = %e, "result allocation failed");
                 if backlog_full(&e) {
@@ -51,14 +74,16 @@ impl Loop {
     }
 
     /// Allocates a result and chooses its rung: pool pointer for memory of a pool the worker
-    /// takes pointers from, within the limit; host staging otherwise.
+    /// takes pointers from, within the limit; host staging otherwise. `None`: the result
+    /// takes host staging, which is not set up with the worker yet (the memory was given
+    /// back): set it up, then ask again.
     pub(super) fn make_result(
         &mut self,
         worker: WorkerId,
         job: JobId,
         request: RequestId,
         spec: &ResultSpec,
-    ) -> Result<ParentEvent, Error> {
+    ) -> Result<Option<ParentEvent>, Error> {
         let pointer_pools = self
             .shared
             .pointer_pools(worker)
@@ -80,7 +105,9 @@ impl Loop {
                 .get(&(worker, job))
                 .is_some_and(|st| st.alloc.is_none());
         if to_arena {
-            return self.make_arena_result(worker, job, request, shape, bytes);
+            return self
+                .make_arena_result(worker, job, request, shape, bytes)
+                .map(Some);
         }
         let st = self.jobs.get_mut(&(worker, job)).ok_or_else(|| {
             Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
@@ -135,6 +162,26 @@ impl Loop {
                 "a result of {bytes} bytes cannot go by pool pointer and {worker} has no host staging"
             )));
         };
+        if rung == Rung::HostStaging
+            && let Some(slot) = self.workers.get(&worker)
+            && slot.staging.is_none()
+        {
+            if let Some(why) = &slot.staging_failed {
+                let e = Error::NoRung(format!(
+                    "a result of {bytes} bytes takes host staging, which could not be set up with {worker}: {why}"
+                ));
+                st.orphans.push(ptr);
+                return Err(e);
+            }
+            // Given back now, or once the job ends for memory of the caller's allocator; the
+            // allocation is made again once the setup is done.
+            if st.alloc.is_none() {
+                self.shared.pools[0].free(ptr, stream)?;
+            } else {
+                st.orphans.push(ptr);
+            }
+            return Ok(None);
+        }
         let export = match (rung, pool) {
             (Rung::PoolPointer, Some(p)) => match self.shared.pools[p].export(ptr) {
                 Ok(e) => e,
@@ -158,8 +205,8 @@ impl Loop {
         };
         Stats::bump(counter);
         if rung == Rung::HostStaging {
-            // Set up before the grant goes out: the worker sends the bytes after its Done.
-            self.ensure_staging(worker)?;
+            // Set up before the grant goes out (above): the worker sends the bytes after its
+            // Done.
             if let Some(s) = self.workers.get_mut(&worker) {
                 s.staged_in_flight = true;
             }
@@ -167,7 +214,7 @@ impl Loop {
                 st.staged = true;
             }
         }
-        Ok(ParentEvent::ResultAllocated {
+        Ok(Some(ParentEvent::ResultAllocated {
             worker,
             request,
             alloc,
@@ -179,7 +226,7 @@ impl Loop {
                 0
             },
             export,
-        })
+        }))
     }
 
     /// A result in a block of the worker's arena: the chunk it lies in is sent to the worker

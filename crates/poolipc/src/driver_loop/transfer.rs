@@ -362,6 +362,7 @@ impl Loop {
                 self.dispatch(worker);
             }
             Err(e) => {
+                slot.staging_failed = Some(e.to_string());
                 let waiting = slot
                     .queued
                     .front()

@@ -72,6 +72,7 @@ impl Loop {
                 ready_free: Vec::new(),
                 done_events: DoneEvents::default(),
                 staging: None,
+                staging_failed: None,
                 backlog: VecDeque::new(),
                 takes_staging,
                 maps_arena,
