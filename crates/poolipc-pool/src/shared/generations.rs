@@ -138,7 +138,7 @@ impl<D: Driver + ?Sized> SharedPool<D> {
     /// Destroys retired generation `pool` and drops its FD. Refused for the current
     /// generation or an unknown pool ([`PoolError::NotRetired`]) and while bytes of it are in
     /// use ([`PoolError::InUse`]). Its exported memory goes back to the device once every
-    /// worker that imported it destroyed its import (or exited): tell them first.
+    /// worker that imported it destroyed its import (or exited) too: tell them after.
     pub fn destroy_retired(&self, pool: PoolHandle) -> Result<(), PoolError> {
         let _rotating = self
             .rotating

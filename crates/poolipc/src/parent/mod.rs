@@ -343,8 +343,9 @@ impl Parent {
     /// current generation exported anything is *rotated* ([`SharedPool::rotate`]): a new pool
     /// becomes the device's current one, every live worker is given it (an `ExtraPool`; waits
     /// up to [`EMPTY_CACHE_WAIT`] for their answers), and the old one is retired. A retired
-    /// generation with nothing in use is destroyed: every worker that imported it destroys its
-    /// import first (`PoolRetire`, waited for the same way), then the parent. One still in use
+    /// generation with nothing in use is destroyed: by the parent first, then by every worker
+    /// that imported it (`PoolRetire`, waited for the same way; the worker synchronizes
+    /// around its destroy). Its memory goes back once the last of them did. One still in use
     /// (a tensor allocated before and not freed) stays, valid for that tensor, until a later
     /// `empty_cache` finds it unused.
     ///
@@ -384,15 +385,18 @@ impl Parent {
             let (before, after) = pool.trim()?;
             out.pool_bytes += before.saturating_sub(after);
             for handle in pool.idle_retired()? {
+                // The parent's pool first, then the workers' imports of it: the order in
+                // which the memory was measured coming back (bench/probes/export_destroy.py).
+                match pool.destroy_retired(handle) {
+                    Ok(()) => out.pools_retired += 1,
+                    // Another thread's empty_cache destroyed it meanwhile, and tells the
+                    // workers.
+                    Err(poolipc_pool::PoolError::NotRetired { .. }) => continue,
+                    Err(e) => return Err(e.into()),
+                }
                 let retired = self.ask_loop(|reply| LoopCommand::RetirePool { handle, reply })?;
                 out.workers_not_answered =
                     out.workers_not_answered.max(retired.workers_not_answered);
-                match pool.destroy_retired(handle) {
-                    Ok(()) => out.pools_retired += 1,
-                    // Another thread's empty_cache destroyed it meanwhile.
-                    Err(poolipc_pool::PoolError::NotRetired { .. }) => {}
-                    Err(e) => return Err(e.into()),
-                }
             }
         }
         if let (Some(before), Some(after)) = (free_before, device_free()) {
