@@ -27,6 +27,7 @@ fn bench_on_the_simulated_driver_runs_to_the_end_within_its_memory() {
         "64 MiB",
         "arena copy",
         "through the arena",
+        "isolation's cost",
         "batch: 1000 tensors",
     ] {
         assert!(text.contains(part), "no {part:?} in:\n{text}");

@@ -24,7 +24,8 @@ pub(crate) struct ParentConfig {
     arena_bytes: Option<u64>,
     /// The result arena's cap, in bytes.
     arena_max_bytes: Option<u64>,
-    /// Whether workers get no handle on the parent's pool ([`ParentOptions::isolated`]).
+    /// Whether workers get no handle on the parent's pool by default ([`ParentOptions::isolated`];
+    /// `spawn(..., isolated=)` chooses per worker).
     isolated: Option<bool>,
 }
 

@@ -386,15 +386,20 @@ impl NativeParent {
     /// process's environment, plus `env` and what poolipc keeps
     /// ([`poolipc::worker_env::restrict_env`]); without it, all of them.
     ///
+    /// With `isolated` True the worker gets no handle on the parent's memory
+    /// ([`poolipc::Trust::Isolated`]), False it is trusted with the pool; None (the default)
+    /// takes the parent's `isolated` option.
+    ///
     /// Raises `ValueError` for an empty `argv`; `PoolipcError` when the program cannot be
     /// started, exits or is refused during the handshake (the message says why).
-    #[pyo3(signature = (argv, env = None, env_allowlist = None))]
+    #[pyo3(signature = (argv, env = None, env_allowlist = None, isolated = None))]
     fn spawn(
         &self,
         py: Python<'_>,
         argv: Vec<String>,
         env: Option<HashMap<String, String>>,
         env_allowlist: Option<Vec<String>>,
+        isolated: Option<bool>,
     ) -> PyResult<u32> {
         let (prog, args) = argv
             .split_first()
@@ -414,10 +419,15 @@ impl NativeParent {
         if let Some((k, v)) = &self.g.child_env {
             cmd.env(k, v);
         }
+        let trust = match isolated {
+            None => self.g.parent.default_trust(),
+            Some(true) => poolipc::Trust::Isolated,
+            Some(false) => poolipc::Trust::Trusted,
+        };
         let g = Arc::clone(&self.g);
         py.detach(move || {
             g.use_device()?;
-            g.parent.spawn_worker(cmd)
+            g.parent.spawn_worker_with(cmd, trust)
         })
         .map(|id| id.0)
         .map_err(|e| to_py_for(py, e, None))

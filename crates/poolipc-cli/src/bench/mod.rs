@@ -171,6 +171,7 @@ fn run_table(args: &Args) -> Result<ExitCode> {
     let copy_rows = scenarios::arena_copies(&b, &mut skipped)?;
     let devmem_rows = scenarios::device_memory(&b, &rows, &mut skipped)?;
     let arena_rows = scenarios::arena_results(&b, &mut skipped)?;
+    let isolation_rows = scenarios::isolation(&b, &rows, &mut skipped)?;
     let batch = scenarios::batch(&b)?;
     let cache = parent.pool().export_cache_stats();
     let counts = parent.stats();
@@ -186,6 +187,7 @@ fn run_table(args: &Args) -> Result<ExitCode> {
         copy_rows,
         devmem_rows,
         arena_rows,
+        isolation_rows,
         batch,
         cache,
         counts,

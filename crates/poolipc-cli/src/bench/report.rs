@@ -9,7 +9,7 @@ use poolipc::ExportReuse;
 use poolipc_pool::ExportCacheStats;
 
 use super::peers::{Peers, find};
-use super::scenarios::{ArenaRow, Batch, CopyRow, DevMemRow, Row};
+use super::scenarios::{ArenaRow, Batch, CopyRow, DevMemRow, IsolationRow, Row};
 use super::{MIB, human};
 
 /// Everything one run of the table measured, for the report.
@@ -24,6 +24,7 @@ pub(super) struct Measured {
     pub(super) copy_rows: Vec<CopyRow>,
     pub(super) devmem_rows: Vec<DevMemRow>,
     pub(super) arena_rows: Vec<ArenaRow>,
+    pub(super) isolation_rows: Vec<IsolationRow>,
     pub(super) batch: Batch,
     pub(super) cache: ExportCacheStats,
     pub(super) counts: poolipc::ParentStats,
@@ -42,6 +43,7 @@ pub(super) fn json(m: &Measured, peers: &Peers) -> serde_json::Value {
         copy_rows,
         devmem_rows,
         arena_rows,
+        isolation_rows,
         batch,
         cache,
         counts,
@@ -127,6 +129,18 @@ pub(super) fn json(m: &Measured, peers: &Peers) -> serde_json::Value {
             "ratio": sliced / us,
             "carved": carved,
         })).collect::<Vec<_>>(),
+        "isolation_cost": isolation_rows.iter().map(|r| {
+            let vs = |us: f64| if r.pointer_us.is_nan() { None } else { Some(us / r.pointer_us) };
+            serde_json::json!({
+                "bytes": r.bytes,
+                "isolated_writable_median_us": r.writable_us,
+                "isolated_read_only_median_us": r.read_only_us,
+                "isolated_rung": r.rung.map(|r| r.to_string()),
+                "pool_pointer_relend_median_us": if r.pointer_us.is_nan() { None } else { Some(r.pointer_us) },
+                "writable_vs_pool_pointer": vs(r.writable_us),
+                "read_only_vs_pool_pointer": vs(r.read_only_us),
+            })
+        }).collect::<Vec<_>>(),
         "done_on_host": {
             "jobs_held": counts.jobs_held_for_done,
             "jobs_completed": counts.jobs_completed,
@@ -154,6 +168,7 @@ pub(super) fn print(m: &Measured, peers: &Peers, iterations: Option<usize>) {
     print_arena_copies(&m.copy_rows);
     print_device_memory(&m.devmem_rows);
     print_arena_results(&m.arena_rows);
+    print_isolation(&m.isolation_rows);
     print_totals(m);
 }
 
@@ -397,6 +412,35 @@ fn print_arena_results(arena_rows: &[ArenaRow]) {
                 us,
                 sliced / us,
                 carved
+            );
+        }
+    }
+}
+
+/// Isolation's cost, where it was measured.
+fn print_isolation(isolation_rows: &[IsolationRow]) {
+    if !isolation_rows.is_empty() {
+        println!();
+        println!("  isolation's cost (medians):");
+        println!(
+            "  (one live pool tensor lent to a second touch worker spawned Trust::Isolated: arena \
+             copy in; writable: the worker writes its 4 KiB, the block is copied back after DONE; \
+             against the trusted worker's pool-pointer re-lend of the same size, writable, no copy)"
+        );
+        println!(
+            "  {:>10} {:>16} {:>16} {:>12} {:>14} {:>9} {:>9}",
+            "size", "isolated rw µs", "isolated ro µs", "rung", "pool ptr µs", "rw/ptr", "ro/ptr"
+        );
+        for r in isolation_rows {
+            println!(
+                "  {:>10} {:>16.1} {:>16.1} {:>12} {:>14.1} {:>8.2}× {:>8.2}×",
+                human(r.bytes),
+                r.writable_us,
+                r.read_only_us,
+                r.rung.map_or_else(|| "-".to_owned(), |r| r.to_string()),
+                r.pointer_us,
+                r.writable_us / r.pointer_us,
+                r.read_only_us / r.pointer_us
             );
         }
     }

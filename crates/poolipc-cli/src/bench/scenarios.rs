@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, Trust};
 use poolipc_driver::Driver;
 use poolipc_pool::ImportLimit;
 
@@ -446,6 +446,105 @@ pub(super) fn device_memory(
         });
     }
     Ok(devmem_rows)
+}
+
+/// One size of the isolation table: one live pool tensor lent again and again to a worker
+/// spawned [`Trust::Isolated`], against the trusted worker's pool-pointer re-lend.
+pub(super) struct IsolationRow {
+    pub(super) bytes: u64,
+    /// Median round trip lent writable: arena copy in, the touch worker writes its 4 KiB, the
+    /// block copied back after DONE.
+    pub(super) writable_us: f64,
+    /// Median round trip lent read-only: arena copy in, nothing back.
+    pub(super) read_only_us: f64,
+    /// The rung the isolated worker's input took (the arena copy, unless it could not be
+    /// made).
+    pub(super) rung: Option<Rung>,
+    /// The trusted worker's pool-pointer re-lend of the same size in this run (writable, no
+    /// copy); NaN where the table lacks it.
+    pub(super) pointer_us: f64,
+}
+
+/// Isolation's cost: a second touch worker, spawned isolated beside the trusted one, lent
+/// one live pool tensor of each size writable and read-only, compared with the trusted
+/// worker's pool-pointer re-lend of the same size from `rows`.
+pub(super) fn isolation(
+    b: &Bench<'_>,
+    rows: &[Row],
+    skipped: &mut Vec<String>,
+) -> Result<Vec<IsolationRow>> {
+    let &Bench {
+        args,
+        sim,
+        parent,
+        d,
+        stream,
+        child_env,
+        ..
+    } = b;
+    let sizes: Vec<u64> = [4 * KIB, MIB, 64 * MIB, 1024 * MIB]
+        .into_iter()
+        .filter(|&bytes| bytes <= args.max_mib(sim) * MIB)
+        .collect();
+    if sizes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let cmd = peers::touch_worker(args, child_env)?;
+    let worker = parent
+        .spawn_worker_with(cmd, Trust::Isolated)
+        .context("starting the isolated worker")?;
+    let measured = (|| -> Result<Vec<IsolationRow>> {
+        let mut out = Vec::new();
+        for bytes in sizes {
+            // The pool tensor and its copy in the isolated worker's arena.
+            if !fits(d, "isolated lend", bytes, 2 * bytes, skipped)? {
+                continue;
+            }
+            let desc = Layout::contiguous(DType::U8, &[bytes]);
+            let ptr = parent
+                .pool()
+                .alloc(bytes, stream)
+                .with_context(|| format!("allocating {} from the pool", human(bytes)))?;
+            d.stream_synchronize(stream)?;
+            let writable = Input::new(ptr, desc);
+            let read_only = writable.clone().read_only();
+            let mut written = Vec::new();
+            let mut read = Vec::new();
+            let mut rung = None;
+            let lent = (|| -> Result<()> {
+                for i in 0..=iterations_for(args, bytes).min(50) {
+                    let (w_us, out) = round_trip(parent, d, worker, &writable, stream)?;
+                    rung = out.input_rungs.first().copied();
+                    let (r_us, _) = round_trip(parent, d, worker, &read_only, stream)?;
+                    if i > 0 {
+                        written.push(w_us);
+                        read.push(r_us);
+                    }
+                }
+                Ok(())
+            })();
+            parent.pool().free(ptr, stream)?;
+            d.stream_synchronize(stream)?;
+            lent?;
+            parent.reclaim_arena();
+            let pointer_us = rows
+                .iter()
+                .find(|r| r.bytes == bytes)
+                .map_or(f64::NAN, |r| r.relend_us);
+            out.push(IsolationRow {
+                bytes,
+                writable_us: median(&mut written),
+                read_only_us: median(&mut read),
+                rung,
+                pointer_us,
+            });
+        }
+        Ok(out)
+    })();
+    let stopped = parent.stop_worker(worker);
+    let out = measured?;
+    stopped.context("stopping the isolated worker")?;
+    Ok(out)
 }
 
 /// One size of the arena-result tables: the size, its median round trip asking for the

@@ -240,9 +240,11 @@ class NativeParent:
         argv: Sequence[str],
         env: Mapping[str, str] | None = None,
         env_allowlist: Sequence[str] | None = None,
+        isolated: bool | None = None,
     ) -> int:
         """Spawns ``argv`` as a worker; returns its id. With ``env_allowlist``, the worker
-        inherits only those variables (plus ``env`` and what poolipc keeps)."""
+        inherits only those variables (plus ``env`` and what poolipc keeps); ``isolated``
+        chooses its trust (None: the parent's ``isolated`` option)."""
     def listen(
         self,
         directory: str | os.PathLike[str] | None = None,

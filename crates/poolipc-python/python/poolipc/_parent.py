@@ -259,6 +259,8 @@ class Parent:
         argv: Sequence[str | os.PathLike[str]],
         env: Mapping[str, str] | None = None,
         env_allowlist: Iterable[str] | None = None,
+        *,
+        isolated: bool | None = None,
     ) -> int:
         """Start ``argv`` as a worker (it inherits the socket; with ``POOLIPC_DRIVER=sim`` also
         the simulated machine) and shake hands; returns the worker id. The worker's
@@ -271,6 +273,11 @@ class Parent:
         worker keeps (``PATH``, ``HOME``, ``TMPDIR``, ``LANG``, ``LD_LIBRARY_PATH``,
         ``PYTHONPATH`` and every ``POOLIPC_*``, ``CUDA_*`` and ``LC_*``). Give a list (even an
         empty one) to keep secrets such as API keys from a worker you do not trust.
+
+        ``isolated`` chooses this worker's trust: True gives it no handle on the parent's
+        memory (its tensors cross by arena copy, its results come from its own arena), False
+        trusts it with the pool (pool pointers, no copy); None, the default, takes the
+        parent's ``isolated`` option. A trusted and an isolated worker may serve one parent.
 
         Raises ``TypeError`` for an ``argv`` that is a string (give a list), or an
         ``env_allowlist`` that is one; ``ValueError`` for an empty ``argv``; ``PoolipcError``
@@ -290,7 +297,11 @@ class Parent:
                     f"{type(env_allowlist).__name__} ({env_allowlist!r})"
                 )
             allow = [str(n) for n in env_allowlist]
-        return self._native.spawn([os.fspath(a) for a in argv], env, allow)
+        if isolated is not None and not isinstance(isolated, bool):
+            raise TypeError(
+                f"poolipc: isolated must be True, False or None, not {isolated!r}"
+            )
+        return self._native.spawn([os.fspath(a) for a in argv], env, allow, isolated)
 
     def spawn_python(
         self,
@@ -298,9 +309,10 @@ class Parent:
         *args: str,
         env: Mapping[str, str] | None = None,
         env_allowlist: Iterable[str] | None = None,
+        isolated: bool | None = None,
     ) -> int:
         """Start ``python script args...`` with this interpreter as a worker (see ``spawn``)."""
-        return self.spawn([sys.executable, script, *args], env, env_allowlist)
+        return self.spawn([sys.executable, script, *args], env, env_allowlist, isolated=isolated)
 
     def listen(
         self,

@@ -114,7 +114,8 @@ class ParentConfig(TypedDict, total=False):
     no pool FD, no VMM allocation by handle; their inputs cross by a copy into the arena
     (one device-to-device copy) and their results come from the arena, so a worker running
     untrusted code reaches the tensors lent to it, in their copies, and nothing else of the
-    parent's."""
+    parent's. It is the default for each worker: ``Parent.spawn(..., isolated=True/False)``
+    chooses one worker's trust."""
 
     handoff_timeout: float | None
     stop_timeout: float | None

@@ -543,10 +543,13 @@ pub(super) fn why_not_pointer(
                 .map(|p| (p.reachable, p.retiring))
         })
     };
+    let isolated = lock(&shared.registry)
+        .get(&worker)
+        .is_some_and(|r| r.info.trust.is_isolated());
     match pool {
         None => "it is not memory of this parent's pools".into(),
-        Some(_) if shared.options.isolated => {
-            format!("{worker} is isolated (ParentOptions::isolated): it has no handle on the pool")
+        Some(_) if isolated => {
+            format!("{worker} is isolated (Trust::Isolated): it has no handle on the pool")
         }
         Some((p, h)) => match entry(h) {
             None => format!(

@@ -39,8 +39,7 @@ impl Loop {
             let device = self.shared.driver.device_info(p.device()).ok()?.uuid;
             Some((fd, device))
         });
-        // Isolated workers get no pool, old or new.
-        if let (Some((fd, device)), false) = (offer, self.shared.options.isolated) {
+        if let Some((fd, device)) = offer {
             // Not to a worker with a host-staged job in flight: a frame with a descriptor
             // arriving between its staged transfers would fail the transfer. It is left out
             // of this generation (its tensors of it take another rung, and the reason says
@@ -57,7 +56,8 @@ impl Loop {
                     let Some(r) = registry.get_mut(&id) else {
                         continue;
                     };
-                    if r.pools.values().any(|p| p.handle == handle) {
+                    // An isolated worker gets no pool, old or new.
+                    if r.info.trust.is_isolated() || r.pools.values().any(|p| p.handle == handle) {
                         continue;
                     }
                     let Some(index) = r.free_index() else {

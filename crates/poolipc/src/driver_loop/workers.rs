@@ -51,7 +51,7 @@ impl Loop {
                     .contains(Capabilities::VMM_ARENA)
                     // An isolated worker reaches the device (its capabilities say VMM_ARENA
                     // only then) but not the pool.
-                    && (r.reaches_first || self.shared.options.isolated)
+                    && (r.reaches_first || r.info.trust.is_isolated())
             });
         let takes_vmm = registered.as_ref().is_some_and(|r| {
             r.info

@@ -26,6 +26,7 @@ mod options;
 mod shared;
 mod spawn;
 mod stats;
+mod trust;
 
 pub(crate) use arenas::SharedArena;
 pub(crate) use job::{Answer, ArenaLease};
@@ -38,6 +39,7 @@ pub use options::{
 pub(crate) use shared::{Registered, Shared, WorkerPool, lock};
 pub(crate) use stats::Stats;
 pub use stats::{ArenaStats, EmptyCache, ParentStats, WorkerInfo};
+pub use trust::Trust;
 
 /// The parent side: the shared pools, the workers, the jobs. `Send + Sync`: share it in an
 /// `Arc` and submit from any thread.
@@ -64,7 +66,7 @@ pub(crate) const CAPABILITIES: Capabilities = Capabilities(
     Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0,
 );
 
-/// What an isolated worker (`ParentOptions::isolated`) is not offered and does not claim:
+/// What an isolated worker ([`Trust::Isolated`]) is not offered and does not claim:
 /// pool pointers and VMM handles, each a handle on the parent's memory beyond the tensors
 /// lent.
 pub(crate) const PARENT_MEMORY_HANDLES: Capabilities =

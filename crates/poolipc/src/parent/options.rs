@@ -84,7 +84,10 @@ pub struct ParentOptions {
     /// chunks for [`arena_idle_release`](ParentOptions::arena_idle_release): after a 16 GiB
     /// copy, 16 GiB of VRAM stay reserved for that worker's next one until then.
     pub arena_copy: bool,
-    /// Whether workers are isolated from the parent's memory (false by default): a worker
+    /// Whether workers are isolated from the parent's memory by default (false by default):
+    /// the [`Trust`](crate::Trust) of every worker spawned or accepted without one of its own
+    /// ([`Parent::spawn_worker`](crate::Parent::spawn_worker)); trust is chosen per worker with
+    /// [`Parent::spawn_worker_with`](crate::Parent::spawn_worker_with). An isolated worker
     /// gets no handle on the parent's pool (its `Hello` carries an empty sealed memfd where
     /// the pool's FD would be, and the parent's capabilities leave pool pointers and VMM
     /// handles out), no extra pool, and no VMM allocation by handle. Its inputs cross by a

@@ -1,7 +1,7 @@
 //! Workers coming and going: spawning or accepting one (the handshake, the canary battery,
 //! the pools offered), listing them, and stopping one.
 
-use super::{Parent, Registered, Stats, WorkerInfo, WorkerPool, lock};
+use super::{Parent, Registered, Stats, Trust, WorkerInfo, WorkerPool, lock};
 use std::collections::BTreeMap;
 use std::os::fd::AsFd as _;
 use std::process::{Child, Command, ExitStatus};
@@ -30,19 +30,45 @@ impl Parent {
     /// The worker inherits this process's whole environment unless `cmd` was restricted
     /// first with [`worker_env::restrict_env`](crate::worker_env::restrict_env) (an
     /// allowlist; do that for workers you do not trust with your secrets).
-    pub fn spawn_worker(&self, mut cmd: Command) -> Result<WorkerId, Error> {
+    ///
+    /// The worker gets the parent's default trust, [`ParentOptions::isolated`]
+    /// (see [`Trust::default_of`]); [`spawn_worker_with`](Parent::spawn_worker_with) chooses
+    /// it for this worker alone.
+    ///
+    /// [`ParentOptions::isolated`]: crate::ParentOptions::isolated
+    pub fn spawn_worker(&self, cmd: Command) -> Result<WorkerId, Error> {
+        self.spawn_worker_with(cmd, self.default_trust())
+    }
+
+    /// As [`spawn_worker`](Parent::spawn_worker), with the worker's [`Trust`] chosen here
+    /// instead of by [`ParentOptions::isolated`](crate::ParentOptions::isolated): an isolated
+    /// and a trusted worker may serve one parent side by side. [`Parent::worker`] says which
+    /// a worker is.
+    pub fn spawn_worker_with(&self, mut cmd: Command, trust: Trust) -> Result<WorkerId, Error> {
         self.shared.check_loop()?;
         cmd.envs(self.worker_env.iter().map(|(k, v)| (k, v)))
             .stderr(std::process::Stdio::piped());
         let (mut child, conn) = poolipc_transport::spawn_worker(cmd)?;
         let tail = child.stderr.take().map(crate::handshake::StderrTail::start);
-        self.adopt(Some(child), conn, tail)
+        self.adopt(Some(child), conn, tail, trust)
     }
 
-    /// Takes a worker connected by other means (a listening socket), and shakes hands.
+    /// Takes a worker connected by other means (a listening socket), and shakes hands; it
+    /// gets the parent's default trust, as [`spawn_worker`](Parent::spawn_worker)'s do.
     pub fn accept_worker(&self, conn: Connection) -> Result<WorkerId, Error> {
+        self.accept_worker_with(conn, self.default_trust())
+    }
+
+    /// As [`accept_worker`](Parent::accept_worker), with the worker's [`Trust`] chosen here.
+    pub fn accept_worker_with(&self, conn: Connection, trust: Trust) -> Result<WorkerId, Error> {
         self.shared.check_loop()?;
-        self.adopt(None, conn, None)
+        self.adopt(None, conn, None, trust)
+    }
+
+    /// The trust a worker spawned or accepted without a choice of its own gets:
+    /// [`ParentOptions::isolated`](crate::ParentOptions::isolated)'s.
+    pub fn default_trust(&self) -> Trust {
+        Trust::default_of(self.shared.options.isolated)
     }
 
     fn adopt(
@@ -50,6 +76,7 @@ impl Parent {
         mut child: Option<Child>,
         mut conn: Connection,
         tail: Option<crate::handshake::StderrTail>,
+        trust: Trust,
     ) -> Result<WorkerId, Error> {
         let kill = |child: &mut Option<Child>| {
             if let Some(c) = child.as_mut() {
@@ -66,7 +93,7 @@ impl Parent {
             return Err(e);
         }
         let deadline = Instant::now() + self.shared.options.handshake_timeout;
-        let isolated = self.shared.options.isolated;
+        let isolated = trust.is_isolated();
         let setup = self.identity().and_then(|mut identity| {
             let first = self.shared.pools[0].handle();
             if isolated {
@@ -155,6 +182,7 @@ impl Parent {
             id,
             pid,
             identity: peer.identity,
+            trust,
         };
         lock(&self.shared.registry).insert(
             id,
@@ -180,7 +208,7 @@ impl Parent {
             lock(&self.shared.registry).remove(&id);
             return Err(e);
         }
-        tracing::info!(worker = %id, ?pid, "worker connected");
+        tracing::info!(worker = %id, ?pid, %trust, "worker connected");
         if isolated {
             tracing::info!(
                 worker = %id,

@@ -7,6 +7,8 @@ use poolipc_contract::Identity;
 use poolipc_pool::arena::AllocStats;
 use poolipc_types::WorkerId;
 
+use super::Trust;
+
 /// What the result arena holds: every worker's arena together
 /// ([`Parent::arena_stats`](crate::Parent::arena_stats)), or one worker's
 /// ([`Parent::arena_stats_of`](crate::Parent::arena_stats_of)).
@@ -73,6 +75,9 @@ pub struct WorkerInfo {
     pub pid: Option<u32>,
     /// What it said in the handshake.
     pub identity: Identity,
+    /// The trust it was spawned (or accepted) with: [`Trust::Isolated`] keeps it from the
+    /// parent's memory beyond its inputs' copies.
+    pub trust: Trust,
 }
 
 /// Counters of a [`Parent`](crate::Parent), read without waiting for anything.
