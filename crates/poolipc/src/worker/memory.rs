@@ -281,7 +281,9 @@ impl Worker {
             Some(Ok(p)) => {
                 // The stream-ordered frees of this pool's imports have run before the destroy,
                 // and the context is synchronized after it, as in the probe that measured the
-                // memory coming back (`bench/probes/export_destroy.py`).
+                // memory coming back (`bench/probes/export_destroy.py`). Without these (and
+                // with the parent destroying its pool after the workers) the memory stayed
+                // held on the H200 until this process exited (docs/facts.md).
                 self.driver.stream_synchronize(self.stream.handle())?;
                 let closed = p.pool.close();
                 if closed.is_ok() {
