@@ -13,7 +13,7 @@ Format (see ``poolipc_workers.example.json``)::
     {"workers": {
         "example": ["{python}", "{pack}/example_worker.py"],
         "upscale": {"argv": ["/opt/esrgan/bin/python", "/srv/upscale.py"], "env": {"OMP_NUM_THREADS": "4"},
-                    "env_allowlist": ["HF_HOME"]}
+                    "env_allowlist": ["HF_HOME"], "isolated": true}
     }}
 
 ``{python}`` is ComfyUI's interpreter, ``{pack}`` this folder. The shipped example worker is
@@ -23,6 +23,10 @@ A worker does not inherit ComfyUI's environment (which may hold API keys): it ge
 the variables its ``env_allowlist`` names, and what every worker keeps (``PATH``, ``HOME``,
 ``TMPDIR``, ``LANG``, ``LD_LIBRARY_PATH``, ``PYTHONPATH``, ``POOLIPC_*``, ``CUDA_*``, ``LC_*``).
 ``"env_allowlist": "*"`` gives it the whole environment, as before.
+
+``"isolated"`` chooses the worker's trust (README: threat model): ``true`` gives it no handle
+on ComfyUI's memory (its tensors cross by a copy into an arena only it maps), ``false``
+trusts it with the pool (no copy); left out, ``POOLIPC_ISOLATED`` decides for it.
 """
 
 from __future__ import annotations
@@ -46,14 +50,16 @@ class WorkerConfigError(RuntimeError):
 @dataclass(frozen=True)
 class WorkerSpec:
     """A configured worker: its name, command line, extra environment, the names of
-    ComfyUI's variables it inherits (``None``: all of them), and where it came from (a file
-    path, or ``built-in``)."""
+    ComfyUI's variables it inherits (``None``: all of them), where it came from (a file
+    path, or ``built-in``), and its trust (``isolated``: True, no handle on ComfyUI's memory;
+    False, trusted with the pool; None, ``POOLIPC_ISOLATED`` decides)."""
 
     name: str
     argv: tuple
     env: dict = field(default_factory=dict)
     source: str = "built-in"
     env_allowlist: tuple | None = ()
+    isolated: bool | None = None
 
 
 def _builtin() -> dict:
@@ -107,15 +113,18 @@ def _parse_entry(path: str, name, entry) -> WorkerSpec:
     where = f"poolipc: {path}: worker {name!r}"
     if not isinstance(name, str) or not name.strip():
         raise WorkerConfigError(f"{where}: a worker name must be a non-empty string")
-    env, allow = {}, []
+    env, allow, isolated = {}, [], None
     if isinstance(entry, dict):
-        unknown = set(entry) - {"argv", "env", "env_allowlist"}
+        unknown = set(entry) - {"argv", "env", "env_allowlist", "isolated"}
         if unknown:
             raise WorkerConfigError(
-                f"{where}: unknown keys {sorted(unknown)} (allowed: argv, env, env_allowlist)"
+                f"{where}: unknown keys {sorted(unknown)} (allowed: argv, env, env_allowlist, isolated)"
             )
         argv, env = entry.get("argv"), entry.get("env") or {}
         allow = entry.get("env_allowlist", [])
+        isolated = entry.get("isolated")
+        if isolated is not None and not isinstance(isolated, bool):
+            raise WorkerConfigError(f"{where}: isolated must be true or false, not {isolated!r}")
     else:
         argv = entry
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
@@ -130,7 +139,7 @@ def _parse_entry(path: str, name, entry) -> WorkerSpec:
         )
     else:
         allow = tuple(allow)
-    return WorkerSpec(name, tuple(_expand(a) for a in argv), dict(env), path, allow)
+    return WorkerSpec(name, tuple(_expand(a) for a in argv), dict(env), path, allow, isolated)
 
 
 def load() -> dict:

@@ -127,7 +127,7 @@ class Registry:
         parent = self._parent_for(device)
         env = dict(spec.env) if spec.env else None
         allow = None if spec.env_allowlist is None else list(spec.env_allowlist)
-        worker = parent.spawn(list(spec.argv), env=env, env_allowlist=allow)
+        worker = parent.spawn(list(spec.argv), env=env, env_allowlist=allow, isolated=spec.isolated)
         try:
             pid = parent.pid(worker)
         except Exception:  # noqa: BLE001 - for the log only

@@ -105,6 +105,7 @@ def test_the_worker_file_is_found_in_a_comfyui_without_get_user_directory(comfy,
         (json.dumps({"workers": {"x": {"argv": ["a"], "shell": True}}}), "unknown keys"),
         (json.dumps(["a"]), "expected"),
         (json.dumps({"workers": {"x": {"argv": ["a"], "env_allowlist": "HF_HOME"}}}), "env_allowlist must be"),
+        (json.dumps({"workers": {"x": {"argv": ["a"], "isolated": "yes"}}}), "isolated must be true or false"),
     ],
 )
 def test_a_broken_worker_file_refuses_every_start_naming_the_file(comfy, tmp_path, content, fault):
@@ -127,6 +128,21 @@ def test_a_configured_worker_inherits_only_its_allowlist_by_default(comfy, tmp_p
     start("hf", node="2")
     start("all", node="3")
     assert [a for p in poolipc.Parent.instances for a in p.allowlists] == [[], ["HF_HOME"], None]
+
+
+def test_a_configured_worker_is_spawned_with_its_own_trust(comfy, tmp_path):
+    import poolipc
+
+    (tmp_path / "workers.json").write_text(json.dumps({"workers": {
+        "default": SLEEPER,
+        "isolated": {"argv": SLEEPER, "isolated": True},
+        "trusted": {"argv": SLEEPER, "isolated": False},
+    }}))
+    start("default", node="1")
+    start("isolated", node="2")
+    start("trusted", node="3")
+    # None: the parent's own default (POOLIPC_ISOLATED) decides.
+    assert [t for p in poolipc.Parent.instances for t in p.trusts] == [None, True, False]
 
 
 def test_a_missing_POOLIPC_WORKERS_FILE_is_an_error_not_a_fallback(comfy, monkeypatch, tmp_path):

@@ -87,11 +87,13 @@ class Parent:
         self.device = device
         self.procs, self.spawned, self.stopped = {}, [], []
         self.allowlists = []
+        self.trusts = []
         self._next = 1
         Parent.instances.append(self)
 
-    def spawn(self, argv, env=None, env_allowlist=None):
+    def spawn(self, argv, env=None, env_allowlist=None, *, isolated=None):
         argv = [str(a) for a in argv]
+        self.trusts.append(isolated)
         inherited = dict(os.environ)
         if env_allowlist is not None:  # what the binding keeps (poolipc.worker_env)
             keep = set(env_allowlist) | {"PATH", "HOME", "TMPDIR", "LANG", "LD_LIBRARY_PATH", "PYTHONPATH"}
