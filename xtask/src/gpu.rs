@@ -1,6 +1,7 @@
 //! `cargo xtask gpu-bundle`: the hardware tests, the `poolipc` binary and the example, built for
 //! release into `target/gpu-bundle/` with a `run.sh` that runs them all on a GPU machine and
-//! writes a summary and the logs under `$OUT` (see `docs/gpu.md`).
+//! writes a summary and the logs under `$OUT` (see `docs/gpu.md`). With `--baseline REV`, the
+//! `poolipc` binary of each such revision as well, for run.sh's `regress` part.
 
 use std::path::{Path, PathBuf};
 
@@ -28,12 +29,139 @@ fn copy(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn gpu_bundle(root: &Path) -> Result<PathBuf> {
+/// The device machine's carry: the packed bundle must fit in it.
+const CARRY_LIMIT: u64 = 64 << 20;
+
+/// The folder of a baseline's binary in the bundle; run.sh's `regress` part finds it by this
+/// name.
+fn baseline_dir_name(short_rev: &str) -> String {
+    format!("baseline-{short_rev}")
+}
+
+/// `REV`'s commit, full and short (seven hex digits), or a clear error for a name git does not
+/// know.
+fn resolve_rev(root: &Path, rev: &str) -> Result<(String, String)> {
+    let parse = |args: &[&str]| -> Result<String> {
+        let out = Command::new("git")
+            .arg("-C")
+            .arg(root)
+            .args(args)
+            .output()
+            .context("running git rev-parse")?;
+        if !out.status.success() {
+            let why = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+            bail!(
+                "baseline {rev}: no such commit in this repository{}",
+                if why.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({why})")
+                }
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    };
+    let commit = format!("{rev}^{{commit}}");
+    let full = parse(&["rev-parse", "--verify", "--quiet", &commit])?;
+    let short = parse(&["rev-parse", "--short=7", &full])?;
+    Ok((full, short))
+}
+
+/// Builds `rev`'s `poolipc` (release, stripped) in a detached worktree under
+/// `target/baselines/<short rev>` with its own target folder there, reusing both when present,
+/// and copies it into the bundle as `baseline-<short rev>/poolipc`. Returns the short rev.
+fn build_baseline(root: &Path, bundle: &Path, rev: &str) -> Result<String> {
+    let (full, short) = resolve_rev(root, rev)?;
+    let tree = root.join("target/baselines").join(&short);
+    if tree.join(".git").exists() {
+        eprintln!("gpu bundle: baseline {short}: reusing {}", tree.display());
+        // A reused folder may have been moved to another commit by hand.
+        let mut c = Command::new("git");
+        c.arg("-C")
+            .arg(&tree)
+            .args(["checkout", "--quiet", "--detach", &full]);
+        run(c).with_context(|| format!("baseline {rev}: checking out {full}"))?;
+    } else {
+        eprintln!(
+            "gpu bundle: baseline {short}: a worktree at {}",
+            tree.display()
+        );
+        std::fs::create_dir_all(root.join("target/baselines"))?;
+        let mut c = Command::new("git");
+        c.arg("-C")
+            .arg(root)
+            .args(["worktree", "add", "--detach"])
+            .arg(&tree)
+            .arg(&full);
+        run(c).with_context(|| format!("baseline {rev}: adding a worktree"))?;
+    }
+    eprintln!("gpu bundle: baseline {short}: building poolipc (release)");
+    let target = tree.join("target");
+    let mut c = cargo();
+    // Stripped whatever that revision's release profile says: the bundle must stay small.
+    c.current_dir(&tree).env("CARGO_TARGET_DIR", &target).args([
+        "build",
+        "--release",
+        "--config",
+        "profile.release.strip=true",
+        "-p",
+        "poolipc-cli",
+    ]);
+    run(c).with_context(|| format!("baseline {rev} ({short}) does not build"))?;
+    let dir = bundle.join(baseline_dir_name(&short));
+    std::fs::create_dir_all(&dir)?;
+    copy(&target.join("release/poolipc"), &dir.join("poolipc"))?;
+    let bytes = std::fs::metadata(dir.join("poolipc"))?.len();
+    eprintln!(
+        "gpu bundle: baseline {short}: {} ({:.1} MiB)",
+        dir.join("poolipc").display(),
+        mib(bytes)
+    );
+    Ok(short)
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1u32 << 20)
+}
+
+/// The revisions of `--baseline REV` (repeatable) in `gpu-bundle`'s arguments; anything else
+/// is an error.
+pub(crate) fn baseline_args(args: &[String]) -> Result<Vec<String>> {
+    let mut revs = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--baseline" => revs.push(
+                it.next()
+                    .filter(|r| !r.starts_with("--"))
+                    .context("--baseline needs a revision (--baseline REV)")?
+                    .clone(),
+            ),
+            other => bail!(
+                "gpu-bundle: unknown argument {other} (usage: gpu-bundle [--baseline REV]...)"
+            ),
+        }
+    }
+    Ok(revs)
+}
+
+/// `cargo xtask gpu-bundle [--baseline REV]...`: the bundle, with each baseline's `poolipc`.
+pub(crate) fn gpu_bundle(root: &Path, baselines: &[String]) -> Result<PathBuf> {
     let bundle = root.join("target/gpu-bundle");
     if bundle.exists() {
         std::fs::remove_dir_all(&bundle)?;
     }
     std::fs::create_dir_all(bundle.join("tests"))?;
+    // The baselines first: a revision that does not build fails the command before the long
+    // part.
+    let mut shorts = Vec::new();
+    for rev in baselines {
+        let short = build_baseline(root, &bundle, rev)?;
+        if shorts.contains(&short) {
+            bail!("baseline {rev} ({short}) is given twice");
+        }
+        shorts.push(short);
+    }
     let mut c = cargo();
     c.args([
         "build",
@@ -182,23 +310,39 @@ pub(crate) fn gpu_bundle(root: &Path) -> Result<PathBuf> {
     run(c).context("packing the bundle")?;
     let packed = std::fs::metadata(pack.join("gpu-bundle.tar.xz"))?.len();
     eprintln!(
-        "gpu bundle packed: {} ({:.1} MiB): carry target/gpu-pack, run \
+        "gpu bundle packed: {} ({:.1} MiB of the carry's {:.0} MiB{}): carry target/gpu-pack, run \
          `tar xJf target/gpu-pack/gpu-bundle.tar.xz -C target && target/gpu-bundle/run.sh`",
         pack.join("gpu-bundle.tar.xz").display(),
-        packed as f64 / f64::from(1u32 << 20)
+        mib(packed),
+        mib(CARRY_LIMIT),
+        if shorts.is_empty() {
+            String::new()
+        } else {
+            format!(", with baseline {}", shorts.join(", "))
+        }
     );
+    if packed > CARRY_LIMIT {
+        bail!(
+            "the packed bundle ({:.1} MiB) does not fit the device's carry ({:.0} MiB): give fewer \
+             --baseline revisions",
+            mib(packed),
+            mib(CARRY_LIMIT)
+        );
+    }
     Ok(bundle)
 }
 
 /// Runs every test of every binary in its own process (the shared pool is per process, as it
-/// is for nextest), then `poolipc doctor --probe-limit`, `poolipc demo` and `poolipc bench`;
+/// is for nextest), then `poolipc doctor --probe-limit`, `poolipc demo` and `poolipc bench`,
+/// and, when asked, `bench/regress.py` over alternated pairs of benches against each baseline;
 /// logs under $OUT, a table last.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Generated by `cargo xtask gpu-bundle`. Runs the hardware tests and the doctor; logs in $OUT.
 # `run.sh --mps-pass` (run by run.sh itself inside `poolipc mps`) runs the handoff and facade
 # suites again as clients of a private MPS daemon. POOLIPC_PARTS picks parts (default
-# "tests,tools,mps,bench,python"); POOLIPC_TEST_BINS names test binaries (default all), so
-# that one machine call stays within its time limit.
+# "tests,tools,mps,bench,python"; "regress", this tree's bench against each baseline-*/poolipc
+# in alternated pairs, runs only when named); POOLIPC_TEST_BINS names test binaries (default
+# all), so that one machine call stays within its time limit.
 set -u
 parts=${POOLIPC_PARTS:-tests,tools,mps,bench,python}
 want() { case ",$parts," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
@@ -288,6 +432,40 @@ echo "--- poolipc bench --workers 8 $mps (jobs/s with 1..8 workers at once, one 
 RUST_LOG=warn timeout 600 "$here/poolipc" bench --workers 8 $mps > "$out/bench-workers.log" 2>&1; echo "bench --workers exit: $?" >> "$summary"
 grep -vE " (INFO|WARN|DEBUG) " "$out/bench-workers.log" >> "$summary"
 fi
+if want regress; then
+# This tree's bench against each baseline in the bundle (gpu-bundle --baseline REV), in
+# alternated pairs in this one call: the card's run-to-run spread hides a 5% criterion in a
+# single pair. POOLIPC_REGRESS_ARGS adds arguments to both (--sim tries it without a GPU).
+npairs=${POOLIPC_REGRESS_PAIRS:-3}
+found=0
+for base in "$here"/baseline-*/poolipc; do
+  [ -x "$base" ] || continue
+  found=1
+  rev=$(basename "$(dirname "$base")"); rev=${rev#baseline-}
+  echo "--- regress: poolipc bench --max-mib 64 --copy-max-mib 64 --result-max-mib 64 --iterations 100 ${POOLIPC_REGRESS_ARGS:-}, this tree then $rev, $npairs pair(s)" >> "$summary"
+  pairs=()
+  for i in $(seq 1 "$npairs"); do
+    ok=1
+    for side in main "$rev"; do
+      bin="$here/poolipc"; [ "$side" = main ] || bin="$base"
+      f="$out/regress-$rev-$i-$side.json"
+      start=$(date +%s)
+      RUST_LOG=warn timeout "${POOLIPC_REGRESS_TIMEOUT_S:-150}" "$bin" bench --max-mib 64 --copy-max-mib 64 --result-max-mib 64 --iterations 100 ${POOLIPC_REGRESS_ARGS:-} --json-out "$f" > "$out/regress-$rev-$i-$side.log" 2>&1
+      r=$?
+      echo "regress pair $i, $side: exit $r ($(( $(date +%s) - start )) s)" >> "$summary"
+      [ "$r" -eq 0 ] && [ -s "$f" ] || ok=0
+    done
+    if [ "$ok" -eq 1 ]; then pairs+=(--pair "$out/regress-$rev-$i-main.json" "$out/regress-$rev-$i-$rev.json"); else echo "regress pair $i: left out" >> "$summary"; fi
+  done
+  if [ ${#pairs[@]} -gt 0 ]; then
+    python3 "$repo/bench/regress.py" --labels main "$rev" "${pairs[@]}" >> "$summary" 2>&1
+    echo "regress.py exit: $? (0: no regression, 2: a regression)" >> "$summary"
+  else
+    echo "regress: no pair completed against $rev" >> "$summary"
+  fi
+done
+[ "$found" -eq 1 ] || echo "regress: NOT RUN (no baseline in the bundle: cargo xtask gpu-bundle --baseline REV)" >> "$summary"
+fi
 want python && echo "--- python: the binding under torch (cudaMallocAsync), then on SimDriver" >> "$summary"
 wheel=$(ls "$here"/poolipc-*.whl 2>/dev/null | head -1)
 if ! want python; then :
@@ -333,3 +511,133 @@ echo "--- tests: $pass passed, $fail failed" >> "$summary"
 cat "$summary"
 [ "$fail" -eq 0 ]
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn baseline_is_repeatable() {
+        let revs = baseline_args(&strings(&["--baseline", "57719ac", "--baseline", "HEAD~3"]));
+        assert_eq!(revs.unwrap(), strings(&["57719ac", "HEAD~3"]));
+        assert!(baseline_args(&[]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn baseline_without_a_revision_or_an_unknown_argument_is_refused() {
+        assert!(baseline_args(&strings(&["--baseline"])).is_err());
+        assert!(baseline_args(&strings(&["--baseline", "--baseline", "x"])).is_err());
+        assert!(baseline_args(&strings(&["--base", "x"])).is_err());
+    }
+
+    #[test]
+    fn run_sh_parses_as_bash() {
+        let out = Command::new("bash")
+            .args(["-n", "-c", RUN_SH])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    #[test]
+    fn regress_is_not_a_default_part() {
+        let line = RUN_SH
+            .lines()
+            .find(|l| l.starts_with("parts=${POOLIPC_PARTS:-"))
+            .expect("run.sh sets its parts");
+        assert!(!line.contains("regress"), "{line}");
+        assert!(RUN_SH.contains("if want regress; then"));
+    }
+
+    #[test]
+    fn regress_py_self_test_passes() {
+        let py = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/regress.py");
+        let out = Command::new("python3")
+            .arg(py)
+            .arg("--self-test")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// A `poolipc` that writes a bench report whose 4 KiB recycled round trip takes `us`.
+    fn fake_poolipc(path: &Path, us: &str) {
+        let script = format!(
+            "#!/usr/bin/env bash\n\
+             out=\"\"\n\
+             while [ $# -gt 0 ]; do [ \"$1\" = --json-out ] && out=$2; shift; done\n\
+             echo '{{\"round_trip\":[{{\"bytes\":4096,\"recycled_median_us\":{us},\"relend_median_us\":9.0}}],\
+             \"batch\":{{\"tensors\":8,\"tensor_bytes\":4096,\"median_s\":0.001}}}}' > \"$out\"\n"
+        );
+        std::fs::write(path, script).unwrap();
+        let mut perms = std::fs::metadata(path).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+        std::fs::set_permissions(path, perms).unwrap();
+    }
+
+    #[test]
+    fn regress_part_alternates_pairs_and_flags_a_row_slower_in_every_pair() {
+        // The layout of a checkout with its bundle: <repo>/target/gpu-bundle, <repo>/bench.
+        let repo = std::env::temp_dir().join(format!("xtask-regress-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&repo);
+        let bundle = repo.join("target/gpu-bundle");
+        std::fs::create_dir_all(bundle.join(baseline_dir_name("abc1234"))).unwrap();
+        std::fs::create_dir_all(repo.join("bench")).unwrap();
+        std::fs::copy(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/regress.py"),
+            repo.join("bench/regress.py"),
+        )
+        .unwrap();
+        std::fs::write(bundle.join("run.sh"), RUN_SH).unwrap();
+        fake_poolipc(&bundle.join("poolipc"), "11.0");
+        fake_poolipc(&bundle.join("baseline-abc1234/poolipc"), "10.0");
+        let out = repo.join("out");
+        let status = Command::new("bash")
+            .arg(bundle.join("run.sh"))
+            .env("POOLIPC_PARTS", "regress")
+            .env("POOLIPC_REGRESS_PAIRS", "2")
+            .env("OUT", &out)
+            .output()
+            .unwrap();
+        let summary = std::fs::read_to_string(out.join("summary.txt")).unwrap();
+        let _ = std::fs::remove_dir_all(&repo);
+        assert!(status.status.success(), "{summary}");
+        for want in [
+            "regress pair 1, main: exit 0",
+            "regress pair 1, abc1234: exit 0",
+            "regress pair 2, main: exit 0",
+            "regress pair 2, abc1234: exit 0",
+            "medians over 2 alternated pair(s)",
+            "regress.py exit: 2",
+        ] {
+            assert!(summary.contains(want), "no {want:?} in:\n{summary}");
+        }
+        let row = |name: &str| {
+            summary
+                .lines()
+                .find(|l| l.trim_start().starts_with(name))
+                .unwrap_or_else(|| panic!("no {name} row in:\n{summary}"))
+                .to_owned()
+        };
+        let recycled = row("round trip, recycled");
+        assert!(
+            recycled.contains("1.10x") && recycled.ends_with("REGRESSION"),
+            "{recycled}"
+        );
+        assert!(row("round trip, re-lend").ends_with(" ok"));
+        assert!(row("batch, 8 tensors").ends_with(" ok"));
+    }
+}

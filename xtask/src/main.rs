@@ -3,7 +3,8 @@
 //! - `cargo xtask ci`: what CI runs (fmt, clippy, tests, doc tests, rustdoc, cargo-deny, fuzz
 //!   build).
 //! - `cargo xtask gpu-bundle`: release builds of the hardware tests and the `poolipc` binary,
-//!   with a `run.sh`, into `target/gpu-bundle/` (see `docs/gpu.md`).
+//!   with a `run.sh`, into `target/gpu-bundle/` (see `docs/gpu.md`). `--baseline REV`
+//!   (repeatable) adds that revision's `poolipc`, for run.sh's `regress` part.
 //! - `cargo xtask gpu-test`: the bundle, then its `run.sh`, on this machine's GPU.
 //! - `cargo xtask public-api [--bless]`: each library crate's public items against the
 //!   snapshot in `xtask/public-api/` (the counts; `--bless` writes the snapshots again).
@@ -25,9 +26,9 @@ fn main() -> Result<()> {
     std::env::set_current_dir(&root)?;
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
-        Some("gpu-bundle") => gpu::gpu_bundle(&root).map(|_| ()),
+        Some("gpu-bundle") => gpu::gpu_bundle(&root, &gpu::baseline_args(&args[1..])?).map(|_| ()),
         Some("gpu-test") => {
-            let bundle = gpu::gpu_bundle(&root)?;
+            let bundle = gpu::gpu_bundle(&root, &gpu::baseline_args(&args[1..])?)?;
             run(Command::new(bundle.join("run.sh")))
         }
         Some("public-api") if args.get(1).map(String::as_str) == Some("--count") => {
@@ -55,7 +56,7 @@ fn main() -> Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | gpu-bundle | gpu-test | public-api [--bless | --count DIR] | fuzz [seconds]>"
+                "usage: cargo xtask <ci | gpu-bundle [--baseline REV]... | gpu-test [--baseline REV]... | public-api [--bless | --count DIR] | fuzz [seconds]>"
             );
             std::process::exit(2);
         }
