@@ -1,8 +1,12 @@
-//! What `NativeParent` takes from Python to lend or to allocate: the inputs as the Python
-//! wrapper describes them, checked into the facade's [`Input`]s, and the shape of a buffer.
+//! What `NativeParent` takes from Python to lend or to allocate: the objects lent, read
+//! into the facade's [`Input`]s, and the shape of a buffer.
 
 use poolipc::{DType, DevicePtr, Input, Layout, ResultShape};
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyType};
 
 use crate::dtype;
 use crate::errors::value_err;
@@ -37,59 +41,150 @@ pub(super) fn buffer_shape(
     }
 }
 
-/// One input as the Python wrapper describes it: `(ptr, dtype, shape, strides or None)`.
-pub(super) type InputSpec = (u64, String, Vec<u64>, Option<Vec<i64>>);
-
-/// The inputs, each lent read-only where `read_only` says so (None: all writable; else one
-/// flag per input, a `ValueError` when the counts differ).
-pub(super) fn parse_inputs(
-    specs: Vec<InputSpec>,
+/// The inputs the caller lends, each read once from its object into the facade's [`Input`],
+/// lent read-only where `read_only` says so (None: all writable; else one flag per input, a
+/// `ValueError` when the counts differ).
+///
+/// An input is a torch tensor (a CUDA one: `data_ptr()`, which counts the storage offset,
+/// `dtype`, `shape`, `stride()` in elements), or any object with `ptr` or `data_ptr()`,
+/// `dtype`, `shape` and `strides` (None or absent: contiguous), such as a `poolipc.TensorRef`
+/// or a `View`. `dtype` is a `poolipc.DType`, a torch dtype or a name: whatever `str()` makes
+/// a name of. Raises `TypeError` for an object that is none of these, `ValueError` for a CPU
+/// tensor, an unknown dtype, strides that do not match the shape or are negative.
+pub(super) fn read_inputs(
+    objects: &[Bound<'_, PyAny>],
     read_only: Option<Vec<bool>>,
 ) -> PyResult<Vec<Input>> {
     let flags = match read_only {
-        None => vec![false; specs.len()],
-        Some(f) if f.len() == specs.len() => f,
+        None => vec![false; objects.len()],
+        Some(f) if f.len() == objects.len() => f,
         Some(f) => {
             return Err(value_err(format!(
                 "poolipc: read_only has {} flags for {} inputs",
                 f.len(),
-                specs.len()
+                objects.len()
             )));
         }
     };
-    specs
-        .into_iter()
+    let torch_tensor = torch_tensor_type(objects.first().map(Bound::py))?;
+    objects
+        .iter()
         .zip(flags)
         .enumerate()
-        .map(|(i, ((ptr, dt, shape, strides), read_only))| {
-            let dtype = dtype::parse(&dt)
-                .map_err(|e| value_err(format!("poolipc: input {i}: {}", e_text(&e))))?;
-            if let Some(s) = &strides {
-                if s.len() != shape.len() {
-                    return Err(value_err(format!(
-                        "poolipc: input {i}: {} strides for {} dimensions",
-                        s.len(),
-                        shape.len()
-                    )));
-                }
-                if s.iter().any(|&x| x < 0) {
-                    return Err(value_err(format!(
-                        "poolipc: input {i}: negative strides are not supported (a flip() \
-                         view, strides {s:?}); pass a .contiguous() copy"
-                    )));
-                }
-            }
-            Ok(Input {
-                ptr: DevicePtr(ptr),
-                desc: Layout {
-                    dtype,
-                    shape,
-                    strides: strides.unwrap_or_default(),
-                },
-                read_only,
-            })
-        })
+        .map(|(i, (x, read_only))| read_input(i, x, torch_tensor.as_ref(), read_only))
         .collect()
+}
+
+/// `torch.Tensor` once torch is imported (None before: then no input can be a torch tensor).
+/// Looked up in `sys.modules`, never imported here; kept once found.
+fn torch_tensor_type<'py>(py: Option<Python<'py>>) -> PyResult<Option<Bound<'py, PyType>>> {
+    static TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    let Some(py) = py else { return Ok(None) };
+    if let Some(t) = TENSOR.get(py) {
+        return Ok(Some(t.bind(py).clone()));
+    }
+    let modules = py
+        .import(intern!(py, "sys"))?
+        .getattr(intern!(py, "modules"))?;
+    let Some(torch) = modules
+        .cast_into::<PyDict>()?
+        .get_item(intern!(py, "torch"))?
+    else {
+        return Ok(None);
+    };
+    // A torch still being imported has no `Tensor` yet: nothing is a tensor then.
+    let Some(tensor) = torch.getattr_opt(intern!(py, "Tensor"))? else {
+        return Ok(None);
+    };
+    let tensor = tensor.cast_into::<PyType>()?;
+    Ok(Some(
+        TENSOR.get_or_init(py, || tensor.unbind()).bind(py).clone(),
+    ))
+}
+
+/// Input `i`: its object read into an [`Input`] (see [`read_inputs`]).
+fn read_input(
+    i: usize,
+    x: &Bound<'_, PyAny>,
+    torch_tensor: Option<&Bound<'_, PyType>>,
+    read_only: bool,
+) -> PyResult<Input> {
+    let py = x.py();
+    let is_tensor = match torch_tensor {
+        Some(t) => x.is_instance(t)?,
+        None => false,
+    };
+    let (ptr, dtype, shape, strides) = if is_tensor {
+        if !x.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
+            let device = x.getattr(intern!(py, "device"))?;
+            return Err(value_err(format!(
+                "poolipc: a {device} tensor cannot be lent; lend CUDA tensors"
+            )));
+        }
+        let name = x.getattr(intern!(py, "dtype"))?.str()?;
+        let name = name.to_cow()?;
+        (
+            x.call_method0(intern!(py, "data_ptr"))?.extract::<u64>()?,
+            dtype_of(i, name.strip_prefix("torch.").unwrap_or(&name))?,
+            x.getattr(intern!(py, "shape"))?.extract::<Vec<u64>>()?,
+            Some(
+                x.call_method0(intern!(py, "stride"))?
+                    .extract::<Vec<i64>>()?,
+            ),
+        )
+    } else {
+        let ptr = match x.getattr_opt(intern!(py, "data_ptr"))? {
+            Some(f) if f.is_callable() => Some(f.call0()?),
+            _ => x.getattr_opt(intern!(py, "ptr"))?,
+        };
+        let Some(ptr) = ptr.filter(|p| !p.is_none()) else {
+            return Err(PyTypeError::new_err(format!(
+                "poolipc: cannot lend {}: give a torch tensor or a TensorRef",
+                x.get_type().name()?
+            )));
+        };
+        let name = x.getattr(intern!(py, "dtype"))?.str()?;
+        let strides = x
+            .getattr_opt(intern!(py, "strides"))?
+            .filter(|s| !s.is_none())
+            .map(|s| s.extract::<Vec<i64>>())
+            .transpose()?;
+        (
+            ptr.extract::<u64>()?,
+            dtype_of(i, &name.to_cow()?)?,
+            x.getattr(intern!(py, "shape"))?.extract::<Vec<u64>>()?,
+            strides,
+        )
+    };
+    if let Some(s) = &strides {
+        if s.len() != shape.len() {
+            return Err(value_err(format!(
+                "poolipc: input {i}: {} strides for {} dimensions",
+                s.len(),
+                shape.len()
+            )));
+        }
+        if s.iter().any(|&x| x < 0) {
+            return Err(value_err(format!(
+                "poolipc: input {i}: negative strides are not supported (a flip() \
+                 view, strides {s:?}); pass a .contiguous() copy"
+            )));
+        }
+    }
+    Ok(Input {
+        ptr: DevicePtr(ptr),
+        desc: Layout {
+            dtype,
+            shape,
+            strides: strides.unwrap_or_default(),
+        },
+        read_only,
+    })
+}
+
+/// The dtype input `i` names.
+fn dtype_of(i: usize, name: &str) -> PyResult<DType> {
+    dtype::parse(name).map_err(|e| value_err(format!("poolipc: input {i}: {}", e_text(&e))))
 }
 
 /// An exception's text without the `poolipc: ` its message starts with.
