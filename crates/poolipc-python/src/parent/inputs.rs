@@ -66,39 +66,62 @@ pub(super) fn read_inputs(
             )));
         }
     };
-    let torch_tensor = torch_tensor_type(objects.first().map(Bound::py))?;
+    let Some(py) = objects.first().map(Bound::py) else {
+        return Ok(Vec::new());
+    };
+    let known = Known {
+        tensor: imported_class(py, &TORCH_TENSOR, "torch", "Tensor")?,
+        tensor_ref: imported_class(py, &TENSOR_REF, "poolipc._parent", "TensorRef")?,
+    };
     objects
         .iter()
         .zip(flags)
         .enumerate()
-        .map(|(i, (x, read_only))| read_input(i, x, torch_tensor.as_ref(), read_only))
+        .map(|(i, (x, read_only))| read_input(i, x, &known, read_only))
         .collect()
 }
 
-/// `torch.Tensor` once torch is imported (None before: then no input can be a torch tensor).
-/// Looked up in `sys.modules`, never imported here; kept once found.
-fn torch_tensor_type<'py>(py: Option<Python<'py>>) -> PyResult<Option<Bound<'py, PyType>>> {
-    static TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-    let Some(py) = py else { return Ok(None) };
-    if let Some(t) = TENSOR.get(py) {
+/// The classes an input is told apart by, where their modules are imported (an input cannot
+/// be an instance of a class whose module is not).
+struct Known<'py> {
+    /// `torch.Tensor`: read by `data_ptr()`, `stride()`, `is_cuda`.
+    tensor: Option<Bound<'py, PyType>>,
+    /// `poolipc.TensorRef`: read by its attributes, without looking for a `data_ptr`.
+    tensor_ref: Option<Bound<'py, PyType>>,
+}
+
+static TORCH_TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static TENSOR_REF: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `module.name`, a class, once `module` is imported (None before); looked up in
+/// `sys.modules`, never imported here, and kept in `cache` once found.
+fn imported_class<'py>(
+    py: Python<'py>,
+    cache: &PyOnceLock<Py<PyType>>,
+    module: &str,
+    name: &str,
+) -> PyResult<Option<Bound<'py, PyType>>> {
+    if let Some(t) = cache.get(py) {
         return Ok(Some(t.bind(py).clone()));
     }
-    let modules = py
-        .import(intern!(py, "sys"))?
-        .getattr(intern!(py, "modules"))?;
-    let Some(torch) = modules
-        .cast_into::<PyDict>()?
-        .get_item(intern!(py, "torch"))?
-    else {
+    // `sys.modules` itself, kept: importing `sys` on every call costs more than the lookup.
+    static MODULES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
+    let modules = MODULES.get_or_try_init(py, || {
+        let m = py
+            .import(intern!(py, "sys"))?
+            .getattr(intern!(py, "modules"))?;
+        Ok::<_, PyErr>(m.cast_into::<PyDict>()?.unbind())
+    })?;
+    let Some(m) = modules.bind(py).get_item(module)? else {
         return Ok(None);
     };
-    // A torch still being imported has no `Tensor` yet: nothing is a tensor then.
-    let Some(tensor) = torch.getattr_opt(intern!(py, "Tensor"))? else {
+    // A module still being imported may not have the class yet: nothing is one then.
+    let Some(class) = m.getattr_opt(name)? else {
         return Ok(None);
     };
-    let tensor = tensor.cast_into::<PyType>()?;
+    let class = class.cast_into::<PyType>()?;
     Ok(Some(
-        TENSOR.get_or_init(py, || tensor.unbind()).bind(py).clone(),
+        cache.get_or_init(py, || class.unbind()).bind(py).clone(),
     ))
 }
 
@@ -106,14 +129,15 @@ fn torch_tensor_type<'py>(py: Option<Python<'py>>) -> PyResult<Option<Bound<'py,
 fn read_input(
     i: usize,
     x: &Bound<'_, PyAny>,
-    torch_tensor: Option<&Bound<'_, PyType>>,
+    known: &Known<'_>,
     read_only: bool,
 ) -> PyResult<Input> {
     let py = x.py();
-    let is_tensor = match torch_tensor {
-        Some(t) => x.is_instance(t)?,
-        None => false,
+    let is_a = |class: &Option<Bound<'_, PyType>>| match class {
+        Some(c) => x.is_instance(c),
+        None => Ok(false),
     };
+    let is_tensor = is_a(&known.tensor)?;
     let (ptr, dtype, shape, strides) = if is_tensor {
         if !x.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
             let device = x.getattr(intern!(py, "device"))?;
@@ -133,9 +157,13 @@ fn read_input(
             ),
         )
     } else {
-        let ptr = match x.getattr_opt(intern!(py, "data_ptr"))? {
-            Some(f) if f.is_callable() => Some(f.call0()?),
-            _ => x.getattr_opt(intern!(py, "ptr"))?,
+        let ptr = if is_a(&known.tensor_ref)? {
+            Some(x.getattr(intern!(py, "ptr"))?)
+        } else {
+            match x.getattr_opt(intern!(py, "data_ptr"))? {
+                Some(f) if f.is_callable() => Some(f.call0()?),
+                _ => x.getattr_opt(intern!(py, "ptr"))?,
+            }
         };
         let Some(ptr) = ptr.filter(|p| !p.is_none()) else {
             return Err(PyTypeError::new_err(format!(
