@@ -27,7 +27,7 @@ mod inputs;
 mod outcome;
 
 use allocator::{AllocLog, python_allocator};
-use inputs::{InputSpec, buffer_shape, parse_inputs};
+use inputs::{buffer_shape, read_inputs};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -287,13 +287,13 @@ impl NativeParent {
         &self,
         py: Python<'_>,
         worker: u32,
-        inputs: Vec<InputSpec>,
+        inputs: Vec<Bound<'_, PyAny>>,
         stream: u64,
         alloc: Option<Py<PyAny>>,
         keep: Option<Py<PyAny>>,
         read_only: Option<Vec<bool>>,
     ) -> PyResult<NativeJobHandle> {
-        let inputs = parse_inputs(inputs, read_only)?;
+        let inputs = read_inputs(&inputs, read_only)?;
         let log = Arc::new(Mutex::new(AllocLog::default()));
         let caller_alloc = alloc.is_some();
         let alloc = alloc.map(|f| python_allocator(f, Arc::clone(&log)));
@@ -553,14 +553,15 @@ impl NativeParent {
         Ok(d)
     }
 
-    /// Lends `inputs` (`(ptr, dtype, shape, strides or None)` each) to `worker`, READY
+    /// Lends `inputs` (torch tensors, `TensorRef`s, view-like objects: each read once, see
+    /// `inputs::read_inputs`) to `worker`, READY
     /// recorded on `stream`, and returns a `NativeJobHandle` at once. `alloc(dtype, shape,
     /// nbytes, stream) -> (ptr, owner)` makes each result (torch.empty); it runs on the
     /// parent's IO thread, holding the GIL, and must not wait on the parent (no `run`,
     /// `wait`, `spawn` or `stop` inside it). None: results from the shared pool, as
     /// `DeviceBuffer`s. `keep`: objects kept alive until the job ended (the input tensors).
-    /// A tensor refused before anything is lent raises `ValueError` here; one refused by the
-    /// IO thread (past its allocation) raises it from `wait`. `UnknownWorkerError` for a
+    /// A tensor refused before anything is lent raises `ValueError` here (`TypeError` for an
+    /// object that is no tensor); one refused by the IO thread (past its allocation) raises it from `wait`. `UnknownWorkerError` for a
     /// worker this parent does not serve.
     ///
     /// Without `alloc`, results go where the process parent's `results` says: the shared
@@ -576,7 +577,7 @@ impl NativeParent {
         &self,
         py: Python<'_>,
         worker: u32,
-        inputs: Vec<InputSpec>,
+        inputs: Vec<Bound<'_, PyAny>>,
         stream: u64,
         alloc: Option<Py<PyAny>>,
         keep: Option<Py<PyAny>>,
@@ -599,7 +600,7 @@ impl NativeParent {
         &self,
         py: Python<'_>,
         worker: u32,
-        inputs: Vec<InputSpec>,
+        inputs: Vec<Bound<'_, PyAny>>,
         stream: u64,
         alloc: Option<Py<PyAny>>,
         read_only: Option<Vec<bool>>,

@@ -142,6 +142,74 @@ def test_views_with_offsets_and_strides_arrive_as_described(parent, report):
     assert a["capsule"]["strides"] == [8, 1] and a["capsule"]["data"] == a["ptr"]
 
 
+def test_a_view_like_object_with_data_ptr_and_a_dtype_value_is_lent_as_described(parent, report):
+    class ViewLike:
+        def __init__(self, ptr):
+            self._ptr = ptr
+            self.dtype = poolipc.DType.float32
+            self.shape = (3, 4)
+            self.strides = (1, 8)
+
+        def data_ptr(self):
+            return self._ptr
+
+    w = spawn(parent, "probe", report.env)
+    base = f32_buffer(parent, [float(i) for i in range(64)])
+    out = parent.run(w, [ViewLike(base.ptr + 4 * 17)])
+    assert parent.read(out[0].ptr, 48)[4:8] == struct.pack("<f", float(8 * 3 + 1))
+    parent.stop(w)
+    (rep,) = [x for x in report.lines() if "inputs" in x]
+    (a,) = rep["inputs"]
+    assert a["shape"] == [3, 4] and a["strides"] == [1, 8] and a["dtype"] == "float32"
+
+
+def test_an_object_that_is_no_tensor_is_a_type_error_naming_its_type(parent):
+    with pytest.raises(TypeError, match="cannot lend int: give a torch tensor or a TensorRef"):
+        parent.run(1, [3])
+    with pytest.raises(TypeError, match="cannot lend SimpleNamespace"):
+        parent.run(1, [types.SimpleNamespace(ptr=None, dtype="float32", shape=[4])])
+
+
+def test_strides_that_do_not_match_the_shape_are_refused_with_the_input_named(parent):
+    ok = poolipc.TensorRef(0x1000, "float32", [4])
+    with pytest.raises(ValueError, match="input 1: 1 strides for 2 dimensions"):
+        parent.run(1, [ok, poolipc.TensorRef(0x1000, "float32", [4, 3], [1])])
+
+
+def test_a_torch_tensor_is_read_by_data_ptr_stride_and_is_cuda():
+    # A stand-in torch (the suite runs without torch), in a child interpreter so that this one
+    # never sees a module named torch: the binding reads tensors by isinstance(torch.Tensor).
+    script = textwrap.dedent("""
+        import sys, types
+        torch = types.ModuleType("torch")
+        class Tensor:
+            def __init__(self, is_cuda, dtype):
+                self.is_cuda, self.dtype, self.shape = is_cuda, dtype, (2, 3)
+                self.device = "cuda:0" if is_cuda else "cpu"
+            def data_ptr(self):
+                return 0x2000
+            def stride(self):
+                return (3, -1)
+        torch.Tensor = Tensor
+        sys.modules["torch"] = torch
+        from poolipc import _native
+        p = _native.NativeParent(0)
+        for t in (Tensor(False, "torch.float32"), Tensor(True, "torch.float33"), Tensor(True, "torch.float32")):
+            try:
+                p.submit(999, [t])
+            except Exception as e:
+                print(type(e).__name__, e)
+    """)
+    env = dict(os.environ, POOLIPC_DRIVER="sim")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, out.stdout + out.stderr
+    assert lines[0] == "ValueError poolipc: a cpu tensor cannot be lent; lend CUDA tensors"
+    assert lines[1].startswith('ValueError poolipc: input 0: unknown dtype "float33"')
+    # read with stride(): its negative stride is what refuses it
+    assert lines[2].startswith("ValueError poolipc: input 0: negative strides are not supported"), lines[2]
+
+
 def test_a_negative_stride_is_refused_before_anything_is_lent(parent):
     w = spawn(parent)
     buf = f32_buffer(parent, [1.0] * 8)

@@ -80,7 +80,6 @@ from ._native import (
 from ._types import (
     ArenaStats,
     DType,
-    InputSpec,
     InstallInfo,
     MemoryStats,
     MpsStatus,

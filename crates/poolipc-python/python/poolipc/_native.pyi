@@ -10,7 +10,6 @@ from typing import Any, Final, final
 from ._types import (
     ArenaStats,
     DType,
-    InputSpec,
     MemoryStats,
     MpsStatus,
     NativeAllocator,
@@ -268,19 +267,21 @@ class NativeParent:
     def submit(
         self,
         worker: int,
-        inputs: Sequence[InputSpec],
+        inputs: Sequence[object],
         stream: int = 0,
         alloc: NativeAllocator | None = None,
         keep: object | None = None,
         read_only: Sequence[bool] | None = None,
     ) -> NativeJobHandle:
-        """Lends ``inputs`` to ``worker`` and returns a handle at once. Without ``alloc``,
-        results go to the process parent's result memory (pool or arena). ``read_only``: one
-        flag per input (None: all writable; writable copies come back after the job)."""
+        """Lends ``inputs`` (CUDA torch tensors, ``TensorRef``\\ s, objects with ``ptr`` or
+        ``data_ptr()``, ``dtype``, ``shape``, ``strides``) to ``worker`` and returns a handle
+        at once. Without ``alloc``, results go to the process parent's result memory (pool or
+        arena). ``read_only``: one flag per input (None: all writable; writable copies come
+        back after the job)."""
     def run(
         self,
         worker: int,
-        inputs: Sequence[InputSpec],
+        inputs: Sequence[object],
         stream: int = 0,
         alloc: NativeAllocator | None = None,
         read_only: Sequence[bool] | None = None,

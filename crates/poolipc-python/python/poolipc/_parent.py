@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from . import _native
 from ._native import ArenaResult, DeviceBuffer, NativeListener
 from ._pool import _ordinal
-from ._types import ArenaStats, InputSpec, ParentConfig, ParentOptions, ParentStats, parent_config
+from ._types import ArenaStats, ParentConfig, ParentOptions, ParentStats, parent_config
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -64,23 +64,6 @@ class TensorRef:
 def _is_torch_tensor(x: object) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _describe(x: Any) -> InputSpec:
-    """``(ptr, dtype, shape, strides)`` of a torch tensor, a TensorRef, or a view-like object
-    (``ptr``/``data_ptr()``, ``dtype``, ``shape``, ``strides``)."""
-    if _is_torch_tensor(x):
-        if not x.is_cuda:
-            raise ValueError(f"poolipc: a {x.device} tensor cannot be lent; lend CUDA tensors")
-        # data_ptr() already counts the storage offset; strides are in elements.
-        return (x.data_ptr(), str(x.dtype).removeprefix("torch."), list(x.shape), list(x.stride()))
-    if isinstance(x, TensorRef):
-        return (x.ptr, x.dtype, list(x.shape), None if x.strides is None else list(x.strides))
-    ptr = x.data_ptr() if callable(getattr(x, "data_ptr", None)) else getattr(x, "ptr", None)
-    if ptr is None:
-        raise TypeError(f"poolipc: cannot lend {type(x).__name__}: give a torch tensor or a TensorRef")
-    strides = getattr(x, "strides", None)
-    return (int(ptr), str(x.dtype), list(x.shape), None if strides is None else list(strides))
 
 
 def _read_only_flags(read_only: bool | Iterable[bool], n: int) -> list[bool]:
@@ -418,7 +401,6 @@ class Parent:
             )
         to_arena = alloc is None and (results or self._results) == "arena"
         inputs = list(inputs)
-        specs = [_describe(x) for x in inputs]
         flags = _read_only_flags(read_only, len(inputs))
         torch_mode = any(_is_torch_tensor(x) for x in inputs) or (
             alloc is None and not inputs and "torch" in sys.modules
@@ -484,7 +466,7 @@ class Parent:
                 ptr = t.data_ptr() if callable(getattr(t, "data_ptr", None)) else int(t.ptr)
                 return (int(ptr), t)
 
-        native_handle = self._native.submit(worker, specs, raw_stream, native_alloc, inputs, flags)
+        native_handle = self._native.submit(worker, inputs, raw_stream, native_alloc, inputs, flags)
         return JobHandle(native_handle, inputs, torch_results=to_arena and torch_mode)
 
     def run(

@@ -7,12 +7,8 @@ Re-exported by ``poolipc``, so that callers can annotate with them:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TypedDict, cast
-
-InputSpec = tuple[int, str, Sequence[int], Sequence[int] | None]
-"""One input as ``NativeParent.submit`` takes it: ``(ptr, dtype name, shape, strides in
-elements or None for contiguous)``."""
 
 NativeResult = tuple[int, int, str, list[int], str, Any]
 """One result as ``NativeJobHandle.wait`` gives it: ``(ptr, nbytes, dtype, shape, rung,

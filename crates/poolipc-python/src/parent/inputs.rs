@@ -1,8 +1,12 @@
-//! What `NativeParent` takes from Python to lend or to allocate: the inputs as the Python
-//! wrapper describes them, checked into the facade's [`Input`]s, and the shape of a buffer.
+//! What `NativeParent` takes from Python to lend or to allocate: the objects lent, read
+//! into the facade's [`Input`]s, and the shape of a buffer.
 
 use poolipc::{DType, DevicePtr, Input, Layout, ResultShape};
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyType};
 
 use crate::dtype;
 use crate::errors::value_err;
@@ -37,59 +41,178 @@ pub(super) fn buffer_shape(
     }
 }
 
-/// One input as the Python wrapper describes it: `(ptr, dtype, shape, strides or None)`.
-pub(super) type InputSpec = (u64, String, Vec<u64>, Option<Vec<i64>>);
-
-/// The inputs, each lent read-only where `read_only` says so (None: all writable; else one
-/// flag per input, a `ValueError` when the counts differ).
-pub(super) fn parse_inputs(
-    specs: Vec<InputSpec>,
+/// The inputs the caller lends, each read once from its object into the facade's [`Input`],
+/// lent read-only where `read_only` says so (None: all writable; else one flag per input, a
+/// `ValueError` when the counts differ).
+///
+/// An input is a torch tensor (a CUDA one: `data_ptr()`, which counts the storage offset,
+/// `dtype`, `shape`, `stride()` in elements), or any object with `ptr` or `data_ptr()`,
+/// `dtype`, `shape` and `strides` (None or absent: contiguous), such as a `poolipc.TensorRef`
+/// or a `View`. `dtype` is a `poolipc.DType`, a torch dtype or a name: whatever `str()` makes
+/// a name of. Raises `TypeError` for an object that is none of these, `ValueError` for a CPU
+/// tensor, an unknown dtype, strides that do not match the shape or are negative.
+pub(super) fn read_inputs(
+    objects: &[Bound<'_, PyAny>],
     read_only: Option<Vec<bool>>,
 ) -> PyResult<Vec<Input>> {
     let flags = match read_only {
-        None => vec![false; specs.len()],
-        Some(f) if f.len() == specs.len() => f,
+        None => vec![false; objects.len()],
+        Some(f) if f.len() == objects.len() => f,
         Some(f) => {
             return Err(value_err(format!(
                 "poolipc: read_only has {} flags for {} inputs",
                 f.len(),
-                specs.len()
+                objects.len()
             )));
         }
     };
-    specs
-        .into_iter()
+    let Some(py) = objects.first().map(Bound::py) else {
+        return Ok(Vec::new());
+    };
+    let known = Known {
+        tensor: imported_class(py, &TORCH_TENSOR, "torch", "Tensor")?,
+        tensor_ref: imported_class(py, &TENSOR_REF, "poolipc._parent", "TensorRef")?,
+    };
+    objects
+        .iter()
         .zip(flags)
         .enumerate()
-        .map(|(i, ((ptr, dt, shape, strides), read_only))| {
-            let dtype = dtype::parse(&dt)
-                .map_err(|e| value_err(format!("poolipc: input {i}: {}", e_text(&e))))?;
-            if let Some(s) = &strides {
-                if s.len() != shape.len() {
-                    return Err(value_err(format!(
-                        "poolipc: input {i}: {} strides for {} dimensions",
-                        s.len(),
-                        shape.len()
-                    )));
-                }
-                if s.iter().any(|&x| x < 0) {
-                    return Err(value_err(format!(
-                        "poolipc: input {i}: negative strides are not supported (a flip() \
-                         view, strides {s:?}); pass a .contiguous() copy"
-                    )));
-                }
-            }
-            Ok(Input {
-                ptr: DevicePtr(ptr),
-                desc: Layout {
-                    dtype,
-                    shape,
-                    strides: strides.unwrap_or_default(),
-                },
-                read_only,
-            })
-        })
+        .map(|(i, (x, read_only))| read_input(i, x, &known, read_only))
         .collect()
+}
+
+/// The classes an input is told apart by, where their modules are imported (an input cannot
+/// be an instance of a class whose module is not).
+struct Known<'py> {
+    /// `torch.Tensor`: read by `data_ptr()`, `stride()`, `is_cuda`.
+    tensor: Option<Bound<'py, PyType>>,
+    /// `poolipc.TensorRef`: read by its attributes, without looking for a `data_ptr`.
+    tensor_ref: Option<Bound<'py, PyType>>,
+}
+
+static TORCH_TENSOR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static TENSOR_REF: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `module.name`, a class, once `module` is imported (None before); looked up in
+/// `sys.modules`, never imported here, and kept in `cache` once found.
+fn imported_class<'py>(
+    py: Python<'py>,
+    cache: &PyOnceLock<Py<PyType>>,
+    module: &str,
+    name: &str,
+) -> PyResult<Option<Bound<'py, PyType>>> {
+    if let Some(t) = cache.get(py) {
+        return Ok(Some(t.bind(py).clone()));
+    }
+    // `sys.modules` itself, kept: importing `sys` on every call costs more than the lookup.
+    static MODULES: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
+    let modules = MODULES.get_or_try_init(py, || {
+        let m = py
+            .import(intern!(py, "sys"))?
+            .getattr(intern!(py, "modules"))?;
+        Ok::<_, PyErr>(m.cast_into::<PyDict>()?.unbind())
+    })?;
+    let Some(m) = modules.bind(py).get_item(module)? else {
+        return Ok(None);
+    };
+    // A module still being imported may not have the class yet: nothing is one then.
+    let Some(class) = m.getattr_opt(name)? else {
+        return Ok(None);
+    };
+    let class = class.cast_into::<PyType>()?;
+    Ok(Some(
+        cache.get_or_init(py, || class.unbind()).bind(py).clone(),
+    ))
+}
+
+/// Input `i`: its object read into an [`Input`] (see [`read_inputs`]).
+fn read_input(
+    i: usize,
+    x: &Bound<'_, PyAny>,
+    known: &Known<'_>,
+    read_only: bool,
+) -> PyResult<Input> {
+    let py = x.py();
+    let is_a = |class: &Option<Bound<'_, PyType>>| match class {
+        Some(c) => x.is_instance(c),
+        None => Ok(false),
+    };
+    let is_tensor = is_a(&known.tensor)?;
+    let (ptr, dtype, shape, strides) = if is_tensor {
+        if !x.getattr(intern!(py, "is_cuda"))?.is_truthy()? {
+            let device = x.getattr(intern!(py, "device"))?;
+            return Err(value_err(format!(
+                "poolipc: a {device} tensor cannot be lent; lend CUDA tensors"
+            )));
+        }
+        let name = x.getattr(intern!(py, "dtype"))?.str()?;
+        let name = name.to_cow()?;
+        (
+            x.call_method0(intern!(py, "data_ptr"))?.extract::<u64>()?,
+            dtype_of(i, name.strip_prefix("torch.").unwrap_or(&name))?,
+            x.getattr(intern!(py, "shape"))?.extract::<Vec<u64>>()?,
+            Some(
+                x.call_method0(intern!(py, "stride"))?
+                    .extract::<Vec<i64>>()?,
+            ),
+        )
+    } else {
+        let ptr = if is_a(&known.tensor_ref)? {
+            Some(x.getattr(intern!(py, "ptr"))?)
+        } else {
+            match x.getattr_opt(intern!(py, "data_ptr"))? {
+                Some(f) if f.is_callable() => Some(f.call0()?),
+                _ => x.getattr_opt(intern!(py, "ptr"))?,
+            }
+        };
+        let Some(ptr) = ptr.filter(|p| !p.is_none()) else {
+            return Err(PyTypeError::new_err(format!(
+                "poolipc: cannot lend {}: give a torch tensor or a TensorRef",
+                x.get_type().name()?
+            )));
+        };
+        let name = x.getattr(intern!(py, "dtype"))?.str()?;
+        let strides = x
+            .getattr_opt(intern!(py, "strides"))?
+            .filter(|s| !s.is_none())
+            .map(|s| s.extract::<Vec<i64>>())
+            .transpose()?;
+        (
+            ptr.extract::<u64>()?,
+            dtype_of(i, &name.to_cow()?)?,
+            x.getattr(intern!(py, "shape"))?.extract::<Vec<u64>>()?,
+            strides,
+        )
+    };
+    if let Some(s) = &strides {
+        if s.len() != shape.len() {
+            return Err(value_err(format!(
+                "poolipc: input {i}: {} strides for {} dimensions",
+                s.len(),
+                shape.len()
+            )));
+        }
+        if s.iter().any(|&x| x < 0) {
+            return Err(value_err(format!(
+                "poolipc: input {i}: negative strides are not supported (a flip() \
+                 view, strides {s:?}); pass a .contiguous() copy"
+            )));
+        }
+    }
+    Ok(Input {
+        ptr: DevicePtr(ptr),
+        desc: Layout {
+            dtype,
+            shape,
+            strides: strides.unwrap_or_default(),
+        },
+        read_only,
+    })
+}
+
+/// The dtype input `i` names.
+fn dtype_of(i: usize, name: &str) -> PyResult<DType> {
+    dtype::parse(name).map_err(|e| value_err(format!("poolipc: input {i}: {}", e_text(&e))))
 }
 
 /// An exception's text without the `poolipc: ` its message starts with.

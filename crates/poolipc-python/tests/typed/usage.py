@@ -130,7 +130,7 @@ def native_side() -> None:
     assert_type(_native.DRIVER_ENV, str)
     assert_type(_native.is_installed(), bool)
     p = _native.NativeParent(0)
-    h = p.submit(1, [(0x1000, "float32", [4], None)])
+    h = p.submit(1, [poolipc.TensorRef(0x1000, "float32", [4])])
     assert_type(h, _native.NativeJobHandle)
     results, rungs = h.wait(None)
     assert_type(rungs, list[str])
