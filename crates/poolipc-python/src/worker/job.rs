@@ -10,7 +10,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::thread::{Cmd, Link, Reply};
-use super::view::{View, ViewInfo};
+use super::view::{Shown, View};
 use crate::dtype;
 use crate::errors::{ExpiredViewError, JobFailedError, err};
 
@@ -83,7 +83,7 @@ impl Job {
     pub(super) fn new(
         py: Python<'_>,
         id: u64,
-        inputs: Vec<ViewInfo>,
+        inputs: Vec<Shown>,
         link: &Arc<Link>,
         stream: u64,
         device: u32,
@@ -99,7 +99,7 @@ impl Job {
         });
         let views = inputs
             .into_iter()
-            .map(|info| Py::new(py, View::new(info, false, &life, link, stream, device)))
+            .map(|shown| Py::new(py, View::new(shown, &life, link, stream, device)))
             .collect::<PyResult<Vec<_>>>()?;
         Ok(Job {
             id,
@@ -230,12 +230,12 @@ impl Job {
             })
             .collect::<PyResult<Vec<_>>>()?;
         match self.link.call(py, Cmd::Request(self.id, shapes)) {
-            Ok(Reply::Results(infos)) => {
-                let mut new = Vec::with_capacity(infos.len());
-                for info in infos {
+            Ok(Reply::Results(shown)) => {
+                let mut new = Vec::with_capacity(shown.len());
+                for one in shown {
                     let v = Py::new(
                         py,
-                        View::new(info, true, &self.life, &self.link, self.stream, self.device),
+                        View::new(one, &self.life, &self.link, self.stream, self.device),
                     )?;
                     self.results
                         .lock()

@@ -16,8 +16,8 @@ use pyo3::prelude::*;
 
 pub(crate) use job::{Job, JobLife, LeaseHold};
 use thread::{Arrived, CONNECT_REFUSED, Cmd, Link, Reply, Source};
+use view::Shown;
 pub(crate) use view::View;
-use view::ViewInfo;
 
 use crate::errors::{ConnectError, err};
 
@@ -77,7 +77,7 @@ impl NativeWorker {
     }
 
     /// A Python `Job` over what the thread reported of a job it took.
-    fn make_job(&self, py: Python<'_>, id: u64, inputs: Vec<ViewInfo>) -> PyResult<Job> {
+    fn make_job(&self, py: Python<'_>, id: u64, inputs: Vec<Shown>) -> PyResult<Job> {
         Job::new(py, id, inputs, &self.link, self.stream, self.device)
     }
 }

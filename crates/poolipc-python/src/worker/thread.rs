@@ -15,7 +15,7 @@ use poolipc_driver::EventHandle;
 use poolipc_transport::{Connection, TOKEN_LEN};
 use pyo3::prelude::*;
 
-use super::view::ViewInfo;
+use super::view::Shown;
 use crate::errors::err;
 use crate::state;
 
@@ -41,8 +41,8 @@ pub(super) enum Cmd {
 
 /// The thread's answer to a [`Cmd`].
 pub(super) enum Reply {
-    Job(Option<(u64, Vec<ViewInfo>)>),
-    Results(Vec<ViewInfo>),
+    Job(Option<(u64, Vec<Shown>)>),
+    Results(Vec<Shown>),
     Bytes(Vec<u8>),
     Ok,
 }
@@ -297,7 +297,7 @@ impl WorkerThread {
         match self.worker.next_job() {
             Ok(Some(job)) => {
                 let id = job.id().0;
-                let inputs = ViewInfo::inputs_of(&job);
+                let inputs = Shown::inputs_of(&job);
                 self.held.insert(id, job.hold());
                 Ok(Reply::Job(Some((id, inputs))))
             }
@@ -311,7 +311,7 @@ impl WorkerThread {
         let mut job = take_up(&mut self.worker, &mut self.held, id)?;
         let answer = match job.request_results(shapes) {
             Ok(views) => Ok(Reply::Results(
-                views.iter().map(ViewInfo::of_result).collect(),
+                views.iter().cloned().map(Shown::Result).collect(),
             )),
             Err(e) => Err(format!("poolipc: requesting results: {e}")),
         };
@@ -338,7 +338,7 @@ impl WorkerThread {
         let gone = match self.worker.next_job_within(AUTO_POLL) {
             Ok(poolipc::NextJob::Job(job)) => {
                 let id = job.id().0;
-                let inputs = ViewInfo::inputs_of(&job);
+                let inputs = Shown::inputs_of(&job);
                 self.held.insert(id, job.hold());
                 self.arrived.push(id, inputs);
                 false
@@ -445,7 +445,7 @@ pub(super) struct Arrived {
 }
 
 /// A job that arrived: its id and its inputs.
-pub(super) type ArrivedJob = (u64, Vec<ViewInfo>);
+pub(super) type ArrivedJob = (u64, Vec<Shown>);
 
 #[derive(Default)]
 struct ArrivedQueue {
@@ -466,7 +466,7 @@ impl ArrivedQueue {
 }
 
 impl Arrived {
-    fn push(&self, id: u64, inputs: Vec<ViewInfo>) {
+    fn push(&self, id: u64, inputs: Vec<Shown>) {
         self.queue
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

@@ -16,43 +16,20 @@ use crate::dlpack;
 use crate::dtype;
 use crate::errors::{ExpiredViewError, err};
 
-/// A view as the thread describes it.
+/// What a [`View`] shows: the facade's view of a job's input or result, as the worker
+/// thread cloned it out of the job (the same value, not a description of it).
 #[derive(Clone)]
-pub(super) struct ViewInfo {
-    ptr: DevicePtr,
-    /// The input's `Layout` as the parent's caller gave it (the same value the contract and
-    /// the wire carried), strides filled in; a result's, contiguous.
-    layout: Layout,
-    nbytes: u64,
-    rung: String,
-    /// A host-staged input: this worker's private copy, which goes one way only.
-    read_only: bool,
+pub(super) enum Shown {
+    /// An input view.
+    Input(poolipc::InputView),
+    /// A result buffer the parent granted (contiguous, writable).
+    Result(poolipc::ResultView),
 }
 
-impl ViewInfo {
+impl Shown {
     /// The input views of a job the thread took.
-    pub(super) fn inputs_of(job: &poolipc::Job<'_>) -> Vec<ViewInfo> {
-        job.inputs()
-            .iter()
-            .map(|v| ViewInfo {
-                ptr: v.ptr(),
-                layout: v.desc().clone().with_strides(),
-                nbytes: v.byte_len(),
-                rung: v.rung().to_string(),
-                read_only: v.read_only(),
-            })
-            .collect()
-    }
-
-    /// A result buffer the parent granted (contiguous, writable).
-    pub(super) fn of_result(v: &poolipc::ResultView) -> ViewInfo {
-        ViewInfo {
-            ptr: v.ptr(),
-            layout: Layout::contiguous(v.shape().dtype, &v.shape().shape).with_strides(),
-            nbytes: v.bytes(),
-            rung: v.rung().to_string(),
-            read_only: false,
-        }
+    pub(super) fn inputs_of(job: &poolipc::Job<'_>) -> Vec<Shown> {
+        job.inputs().iter().cloned().map(Shown::Input).collect()
     }
 }
 
@@ -76,7 +53,10 @@ impl ViewInfo {
 /// `.clone()` a staged input before writing to it in place; the write does not raise.
 #[pyclass(module = "poolipc", frozen)]
 pub(crate) struct View {
-    info: ViewInfo,
+    shown: Shown,
+    /// The strides in elements (a result's, and an input's given without, contiguous):
+    /// what `strides`, DLPack and `__cuda_array_interface__` report.
+    strides: Vec<i64>,
     /// A result buffer (written by the worker) rather than an input.
     #[pyo3(get)]
     is_result: bool,
@@ -88,20 +68,67 @@ pub(crate) struct View {
 
 impl View {
     pub(super) fn new(
-        info: ViewInfo,
-        is_result: bool,
+        shown: Shown,
         life: &Arc<JobLife>,
         link: &Arc<Link>,
         job_stream: u64,
         device: u32,
     ) -> View {
+        let (strides, is_result) = match &shown {
+            Shown::Input(v) => (v.desc().strides_or_contiguous(), false),
+            Shown::Result(v) => (Layout::contiguous_strides(&v.shape().shape), true),
+        };
         View {
-            info,
+            shown,
+            strides,
             is_result,
             life: Arc::clone(life),
             link: Arc::clone(link),
             job_stream,
             device,
+        }
+    }
+
+    fn ptr_(&self) -> DevicePtr {
+        match &self.shown {
+            Shown::Input(v) => v.ptr(),
+            Shown::Result(v) => v.ptr(),
+        }
+    }
+
+    fn dtype_(&self) -> poolipc::DType {
+        match &self.shown {
+            Shown::Input(v) => v.desc().dtype,
+            Shown::Result(v) => v.shape().dtype,
+        }
+    }
+
+    fn shape_(&self) -> &[u64] {
+        match &self.shown {
+            Shown::Input(v) => &v.desc().shape,
+            Shown::Result(v) => &v.shape().shape,
+        }
+    }
+
+    fn nbytes_(&self) -> u64 {
+        match &self.shown {
+            Shown::Input(v) => v.byte_len(),
+            Shown::Result(v) => v.bytes(),
+        }
+    }
+
+    fn rung_(&self) -> poolipc::Rung {
+        match &self.shown {
+            Shown::Input(v) => v.rung(),
+            Shown::Result(v) => v.rung(),
+        }
+    }
+
+    /// An input the parent lent read-only; never a result.
+    fn read_only_(&self) -> bool {
+        match &self.shown {
+            Shown::Input(v) => v.read_only(),
+            Shown::Result(_) => false,
         }
     }
 
@@ -119,12 +146,12 @@ impl View {
     /// The view as the exchange protocols describe it.
     fn tensor(&self) -> dlpack::Tensor<'_> {
         dlpack::Tensor {
-            ptr: self.info.ptr.0,
+            ptr: self.ptr_().0,
             device: self.device,
-            dtype: self.info.layout.dtype,
-            shape: &self.info.layout.shape,
-            strides: &self.info.layout.strides,
-            read_only: self.info.read_only,
+            dtype: self.dtype_(),
+            shape: self.shape_(),
+            strides: &self.strides,
+            read_only: self.read_only_(),
             stream: self.job_stream,
         }
     }
@@ -136,37 +163,37 @@ impl View {
     #[getter]
     fn ptr(&self) -> PyResult<u64> {
         self.check_open()?;
-        Ok(self.info.ptr.0)
+        Ok(self.ptr_().0)
     }
 
     /// The dtype: a `poolipc.DType` (a `str` enum: `view.dtype == "float32"`).
     #[getter]
     fn dtype<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        dtype::value(py, self.info.layout.dtype)
+        dtype::value(py, self.dtype_())
     }
 
     /// The shape.
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, &self.info.layout.shape)
+        PyTuple::new(py, self.shape_())
     }
 
     /// The strides, in elements.
     #[getter]
     fn strides<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, &self.info.layout.strides)
+        PyTuple::new(py, &self.strides)
     }
 
     /// Bytes from element 0 to the end of the last element.
     #[getter]
     fn nbytes(&self) -> u64 {
-        self.info.nbytes
+        self.nbytes_()
     }
 
     /// The rung it crossed on.
     #[getter]
-    fn rung(&self) -> &str {
-        &self.info.rung
+    fn rung(&self) -> String {
+        self.rung_().to_string()
     }
 
     /// Whether the view must not be written: True for an input that crossed by host staging
@@ -174,7 +201,7 @@ impl View {
     /// pool-pointer inputs and for result buffers.
     #[getter]
     fn read_only(&self) -> bool {
-        self.info.read_only
+        self.read_only_()
     }
 
     /// The job's stream (it waited on READY).
@@ -192,9 +219,9 @@ impl View {
     /// A copy of the bytes `[ptr, ptr + nbytes)` (synchronous; for tests and debugging).
     fn read_bytes(&self, py: Python<'_>) -> PyResult<Vec<u8>> {
         self.check_open()?;
-        let n = usize::try_from(self.info.nbytes)
+        let n = usize::try_from(self.nbytes_())
             .map_err(|_| PyValueError::new_err("poolipc: too large to read"))?;
-        match self.link.call(py, Cmd::Read(self.info.ptr, n))? {
+        match self.link.call(py, Cmd::Read(self.ptr_(), n))? {
             Reply::Bytes(b) => Ok(b),
             _ => Err(err("poolipc: unexpected answer from the worker thread")),
         }
@@ -203,20 +230,20 @@ impl View {
     /// Writes `data` at the start of the view (synchronous; for tests and debugging).
     fn write_bytes(&self, py: Python<'_>, data: Vec<u8>) -> PyResult<()> {
         self.check_open()?;
-        if self.info.read_only {
+        if self.read_only_() {
             return Err(PyValueError::new_err(
                 "poolipc: this input view is read-only: the parent lent it with read_only=True, \
                  so a write would not reach its tensor (clone it to work on it in place)",
             ));
         }
-        if data.len() as u64 > self.info.nbytes {
+        if data.len() as u64 > self.nbytes_() {
             return Err(PyValueError::new_err(format!(
                 "poolipc: {} bytes do not fit in a view of {} bytes",
                 data.len(),
-                self.info.nbytes
+                self.nbytes_()
             )));
         }
-        self.link.call(py, Cmd::Write(self.info.ptr, data))?;
+        self.link.call(py, Cmd::Write(self.ptr_(), data))?;
         Ok(())
     }
 
@@ -286,12 +313,12 @@ impl View {
             } else {
                 "InputView"
             },
-            self.info.ptr.0,
-            dtype::name(self.info.layout.dtype),
-            self.info.layout.shape,
-            self.info.layout.strides,
-            self.info.rung,
-            if self.info.read_only { "True" } else { "False" },
+            self.ptr_().0,
+            dtype::name(self.dtype_()),
+            self.shape_(),
+            self.strides,
+            self.rung_(),
+            if self.read_only_() { "True" } else { "False" },
             if self.life.open.load(Ordering::Acquire) {
                 "True"
             } else {

@@ -25,7 +25,7 @@ use crate::tensor::{Layout, ResultShape, Rung};
 ///   marks the tensor read-only (DLPack's flag, `__cuda_array_interface__`'s `data[1]`) and
 ///   refuses `View.write_bytes`; Rust code must check the flag, since a kernel's write to
 ///   the private copy cannot be stopped and is dropped with the copy.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct InputView {
     pub(super) ptr: DevicePtr,
     pub(super) desc: Layout,
@@ -66,7 +66,7 @@ impl InputView {
 /// to free); on [`Rung::HostStaging`] it is memory of this worker whose bytes are sent to the
 /// parent's allocation when the job finishes. Either way the parent sees what was written,
 /// and the view must not be touched after the job finishes.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct ResultView {
     pub(super) ptr: DevicePtr,
     pub(super) shape: ResultShape,
