@@ -490,6 +490,12 @@ elif [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   echo "pybench --workers exit: $?" >> "$summary"
   grep -v ' INFO ' "$out/pybench-workers.log" | tail -12 >> "$summary"
   if command -v nvidia-cuda-mps-control >/dev/null; then
+    # The Python round trip under MPS, beside the Rust bench's MPS table: issue 24's
+    # "Python within 15 us of Rust" is read under MPS, where the turn-taking is gone.
+    echo "--- bench/pybench.py under a private MPS daemon" >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 600 "$here/poolipc" mps --accept-shared-gpu-faults -- python3 bench/pybench.py --json ) > "$out/pybench-mps.log" 2>&1
+    echo "pybench (MPS) exit: $?" >> "$summary"
+    grep -v '^{' "$out/pybench-mps.log" | grep -v ' INFO ' | tail -12 >> "$summary"
     echo "--- bench/pybench.py --workers 8 under a private MPS daemon" >> "$summary"
     ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 300 "$here/poolipc" mps --accept-shared-gpu-faults -- python3 bench/pybench.py --workers 8 ) > "$out/pybench-workers-mps.log" 2>&1
     echo "pybench --workers (MPS) exit: $?" >> "$summary"
