@@ -132,6 +132,35 @@ fn round_trip(
     Ok((us, out))
 }
 
+/// `first` and `second` lent to `worker` one after the other, `iterations` + 1 times (the
+/// first pair a warm-up): each one's round trips, and the rung `first` took.
+fn alternate(
+    b: &Bench<'_>,
+    worker: poolipc::WorkerId,
+    first: &Input,
+    second: &Input,
+    iterations: usize,
+) -> Result<(Vec<f64>, Vec<f64>, Option<Rung>)> {
+    let (mut a, mut z, mut rung) = (Vec::new(), Vec::new(), None);
+    for i in 0..=iterations {
+        let (a_us, out) = round_trip(b.parent, b.d, worker, first, b.stream)?;
+        rung = out.input_rungs.first().copied();
+        let (z_us, _) = round_trip(b.parent, b.d, worker, second, b.stream)?;
+        if i > 0 {
+            a.push(a_us);
+            z.push(z_us);
+        }
+    }
+    Ok((a, z, rung))
+}
+
+/// The pool pointer's re-lend of `bytes` in `rows`, NaN where the table lacks that size.
+fn relend_of(rows: &[Row], bytes: u64) -> f64 {
+    rows.iter()
+        .find(|r| r.bytes == bytes)
+        .map_or(f64::NAN, |r| r.relend_us)
+}
+
 /// [`round_trip`], and of it the wait after the job returned until the stream is done.
 fn round_trip_split(
     parent: &Parent,
@@ -318,18 +347,13 @@ pub(super) fn arena_copies(b: &Bench<'_>, skipped: &mut Vec<String>) -> Result<V
         parent.lower_import_limit(
             ImportLimit::new(pointer_limit.chunk_bytes(), 0).context("limit")?,
         )?;
-        let mut copied = Vec::new();
-        let mut copied_back = Vec::new();
-        let mut rung = None;
-        for i in 0..=iterations_for(args, bytes).min(50) {
-            let (us, out) = round_trip(parent, d, worker, &input, stream)?;
-            rung = out.input_rungs.first().copied();
-            let (back_us, _) = round_trip(parent, d, worker, &writable, stream)?;
-            if i > 0 {
-                copied.push(us);
-                copied_back.push(back_us);
-            }
-        }
+        let (mut copied, mut copied_back, rung) = alternate(
+            b,
+            worker,
+            &input,
+            &writable,
+            iterations_for(args, bytes).min(50),
+        )?;
         // Host staging of the same tensor, for the sizes the main table does not have.
         let mut staged = Vec::new();
         if bytes > 4096 * MIB {
@@ -431,10 +455,7 @@ pub(super) fn device_memory(
         d.ctx_synchronize()?;
         vmm.free()?;
         lent?;
-        let pointer_us = rows
-            .iter()
-            .find(|r| r.bytes == bytes)
-            .map_or(f64::NAN, |r| r.relend_us);
+        let pointer_us = relend_of(rows, bytes);
         devmem_rows.push(DevMemRow {
             bytes,
             copy_us: median(&mut copied),
@@ -508,29 +529,18 @@ pub(super) fn isolation(
             d.stream_synchronize(stream)?;
             let writable = Input::new(ptr, desc);
             let read_only = writable.clone().read_only();
-            let mut written = Vec::new();
-            let mut read = Vec::new();
-            let mut rung = None;
-            let lent = (|| -> Result<()> {
-                for i in 0..=iterations_for(args, bytes).min(50) {
-                    let (w_us, out) = round_trip(parent, d, worker, &writable, stream)?;
-                    rung = out.input_rungs.first().copied();
-                    let (r_us, _) = round_trip(parent, d, worker, &read_only, stream)?;
-                    if i > 0 {
-                        written.push(w_us);
-                        read.push(r_us);
-                    }
-                }
-                Ok(())
-            })();
+            let lent = alternate(
+                b,
+                worker,
+                &writable,
+                &read_only,
+                iterations_for(args, bytes).min(50),
+            );
             parent.pool().free(ptr, stream)?;
             d.stream_synchronize(stream)?;
-            lent?;
+            let (mut written, mut read, rung) = lent?;
             parent.reclaim_arena();
-            let pointer_us = rows
-                .iter()
-                .find(|r| r.bytes == bytes)
-                .map_or(f64::NAN, |r| r.relend_us);
+            let pointer_us = relend_of(rows, bytes);
             out.push(IsolationRow {
                 bytes,
                 writable_us: median(&mut written),
