@@ -45,8 +45,11 @@ pub(crate) fn parse(name: &str) -> PyResult<DType> {
 /// printed and `json.dumps`ed as it).
 pub(crate) fn value(py: pyo3::Python<'_>, d: DType) -> PyResult<pyo3::Bound<'_, pyo3::PyAny>> {
     use pyo3::types::PyAnyMethods as _;
-    py.import("poolipc._types")?
-        .getattr("DType")?
+    // The class, imported once (every view's `dtype` asks for it).
+    static CLASS: pyo3::sync::PyOnceLock<pyo3::Py<pyo3::types::PyType>> =
+        pyo3::sync::PyOnceLock::new();
+    CLASS
+        .import(py, "poolipc._types", "DType")?
         .call1((name(d),))
 }
 
