@@ -215,6 +215,12 @@ pub(crate) fn worker_main() -> Result<ExitCode> {
     let mode = std::env::var("POOLIPC_WORKER_MODE").unwrap_or_default();
     if mode == "touch" {
         echo::serve_touch(&mut worker)?;
+    } else if mode == "noop" {
+        // Takes each job and finishes it: what a worker costs with no work of its own
+        // (`bench/pysplit.py`'s Rust side).
+        while let Some(job) = worker.next_job()? {
+            job.finish()?;
+        }
     } else if let Some(bytes) = mode.strip_prefix("result:") {
         let bytes: u64 = bytes
             .parse()

@@ -120,7 +120,7 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.arg("__demo-worker")
             .env("POOLIPC_DEMO_DEVICE", args.device.to_string())
-            .env("POOLIPC_WORKER_MODE", "touch");
+            .env("POOLIPC_WORKER_MODE", &args.worker_mode);
         if let Some((k, v)) = &child_env {
             cmd.env(k, v);
         }
@@ -178,7 +178,9 @@ fn run_plain_and_mps(args: &Args, max_workers: usize) -> Result<ExitCode> {
             .arg("--device")
             .arg(args.device.to_string())
             .arg("--workers")
-            .arg(max_workers.to_string());
+            .arg(max_workers.to_string())
+            .arg("--worker-mode")
+            .arg(&args.worker_mode);
         if let Some(n) = args.iterations {
             c.arg("--iterations").arg(n.to_string());
         }

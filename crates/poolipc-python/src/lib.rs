@@ -21,6 +21,7 @@ mod mps;
 mod options;
 mod parent;
 mod pool;
+mod probe;
 mod state;
 mod worker;
 
@@ -37,6 +38,8 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pool::reset_peak_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(pool::empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(pool::mem_get_info, m)?)?;
+    m.add_function(wrap_pyfunction!(probe::probe_mark, m)?)?;
+    m.add_function(wrap_pyfunction!(probe::probe_dump, m)?)?;
     m.add_class::<parent::NativeParent>()?;
     m.add_class::<parent::DeviceBuffer>()?;
     m.add_class::<arena::ArenaResult>()?;

@@ -293,6 +293,7 @@ impl NativeParent {
         keep: Option<Py<PyAny>>,
         read_only: Option<Vec<bool>>,
     ) -> PyResult<NativeJobHandle> {
+        poolipc::probe::mark("py.submit");
         let inputs = read_inputs(&inputs, read_only)?;
         let log = Arc::new(Mutex::new(AllocLog::default()));
         let caller_alloc = alloc.is_some();
@@ -302,7 +303,7 @@ impl NativeParent {
         let stream = checked_stream(&*g.driver, stream)?;
         let handle = py
             .detach(move || {
-                g.use_device()?;
+                // The device was made current on this thread above.
                 let w = WorkerId(worker);
                 match alloc {
                     Some(a) => g.parent.submit_with(w, &inputs, stream, a),
@@ -310,6 +311,7 @@ impl NativeParent {
                 }
             })
             .map_err(|e| to_py_for(py, e, Some(worker)))?;
+        poolipc::probe::mark("py.submitted");
         Ok(NativeJobHandle {
             id: handle.id().0,
             worker,

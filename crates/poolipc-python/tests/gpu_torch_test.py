@@ -208,6 +208,16 @@ def test_a_python_worker_takes_torch_tensors_by_dlpack(parent, py_worker, dtype,
     assert parent.last_input_rungs == ["pool pointer"]
 
 
+def test_a_worker_serving_each_job_on_a_new_thread_gets_them_right(parent):
+    # The worker's calls run on the calling thread, which may never have had a CUDA context.
+    w = parent.spawn([sys.executable, TORCH_WORKER], {"POOLIPC_TEST_MODE": "fresh-threads"})
+    for n in (1, 4099, 1 << 20):
+        x = poisoned((n,), torch.float32)
+        (y,) = parent.run(w, [x])
+        torch.testing.assert_close(y, x * 2 + 1)
+    assert parent.stop(w) == 0
+
+
 def test_views_with_offsets_and_strides_cross_as_they_are(parent, py_worker):
     m = poisoned((256, 300), torch.float32)
     views = [m[5:], m[3:9, 7:111], m.t(), m[::2, 1::3], m.view(-1)[17:17 + 4099]]

@@ -100,6 +100,21 @@ def test_a_python_worker_echoes_a_float32_tensor_through_the_binding(parent):
     assert parent.stop(w) == 0
 
 
+@pytest.mark.parametrize("mode", ["drop-unfinished", "any-thread"])
+def test_a_worker_that_drops_its_jobs_or_takes_them_on_any_thread_serves_them_all(parent, mode):
+    # A worker's calls run on the thread that makes them; what a drop posts runs before the
+    # next call waits (else the next job never comes: the parent waits for this one's DONE).
+    w = spawn(parent, mode)
+    for k in range(5):
+        vals = [float(i + k) for i in range(16)]
+        buf = f32_buffer(parent, vals)
+        (res,) = parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [16])])
+        got = parent.read(res.ptr, 64)
+        assert struct.unpack("<I", got[:4])[0] == marker(0)
+        assert list(struct.unpack("<15f", got[4:])) == vals[1:]
+    assert parent.stop(w) == 0
+
+
 @pytest.mark.parametrize(
     "dtype,elem,count",
     [("float32", 4, 7), ("bfloat16", 2, 1001), ("int64", 8, 13), ("uint8", 1, 4099)],

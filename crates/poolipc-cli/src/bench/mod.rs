@@ -80,6 +80,10 @@ pub(crate) struct Args {
     /// MPS.
     #[arg(long, value_name = "N")]
     pub(crate) workers: Option<usize>,
+    /// (with --workers) What each worker does with a job: `touch` (a one-byte write on the
+    /// job's stream, the default) or `noop` (finish it at once: `bench/pysplit.py`).
+    #[arg(long, hide = true, default_value = "touch", value_parser = ["touch", "noop"])]
+    pub(crate) worker_mode: String,
 }
 
 impl Args {

@@ -26,6 +26,8 @@ __all__ = [
     "empty_cache",
     "mem_get_info",
     "memory_stats",
+    "probe_dump",
+    "probe_mark",
     "reset_peak_memory_stats",
     "NativeParent",
     "DeviceBuffer",
@@ -119,6 +121,13 @@ def empty_cache() -> int:
 
 def mem_get_info() -> tuple[int, int]:
     """The device's free and total memory in bytes (``cuMemGetInfo``)."""
+
+def probe_mark(label: str) -> None:
+    """Records ``label`` (``rt.begin``, ``rt.synced``, ``user.begin``, ``user.end``) when
+    ``POOLIPC_PROBE`` is set; ``ValueError`` for another label."""
+
+def probe_dump() -> None:
+    """Writes this process's probe marks so far to a new file under ``POOLIPC_PROBE``."""
 
 def memory_stats() -> MemoryStats:
     """The shared pool's true figures; ``PoolipcError`` when no pool is installed."""

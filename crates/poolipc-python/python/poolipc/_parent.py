@@ -61,19 +61,27 @@ class TensorRef:
         return f"TensorRef(ptr={self.ptr:#x}, dtype={self.dtype}, shape={self.shape}, strides={self.strides})"
 
 
-def _is_torch_tensor(x: object) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _read_only_flags(read_only: bool | Iterable[bool], n: int) -> list[bool]:
-    """One read-only flag per input: ``read_only`` for all of them, or one each."""
+def _read_only_flags(read_only: bool | Iterable[bool], n: int) -> list[bool] | None:
+    """One read-only flag per input: ``read_only`` for all of them, or one each; None for
+    all writable (the native default, no list to build)."""
+    if read_only is False:
+        return None
     if isinstance(read_only, bool):
         return [read_only] * n
     flags = [bool(f) for f in read_only]
     if len(flags) != n:
         raise ValueError(f"poolipc: read_only has {len(flags)} flags for {n} inputs")
     return flags
+
+
+def _owners(results: list[Any], torch_results: bool) -> list[Any]:
+    """What a job's results are to its caller: what the allocator made, or (arena results
+    of a torch job) torch tensors over the ``ArenaResult``\\ s."""
+    owners = [r[5] for r in results]
+    if torch_results:
+        torch: Any = sys.modules["torch"]
+        owners = [torch.from_dlpack(o) if isinstance(o, ArenaResult) else o for o in owners]
+    return owners
 
 
 class JobHandle:
@@ -143,11 +151,7 @@ class JobHandle:
         """
         results, rungs = self._native.wait(timeout)
         if self._results is None:
-            owners = [r[5] for r in results]
-            if self._torch:
-                torch: Any = sys.modules["torch"]
-                owners = [torch.from_dlpack(o) if isinstance(o, ArenaResult) else o for o in owners]
-            self._results = owners
+            self._results = _owners(results, self._torch)
         self.input_rungs = list(rungs)
         self.result_rungs = [r[4] for r in results]
         self._inputs = None
@@ -390,6 +394,20 @@ class Parent:
         ``"pool"`` or ``"arena"``, ``"arena"`` with an ``alloc``, or ``"arena"`` when the
         process's parent was made without the arena, ``ValueError``.
         """
+        native, inputs, torch_results = self._submit(worker, inputs, stream, alloc, results, read_only)
+        return JobHandle(native, inputs, torch_results=torch_results)
+
+    def _submit(
+        self,
+        worker: int,
+        inputs: Iterable[Any],
+        stream: int | _HasCudaStream | None,
+        alloc: Allocator | None,
+        results: str | None,
+        read_only: bool | Iterable[bool],
+    ) -> tuple[_native.NativeJobHandle, list[Any], bool]:
+        """``submit``'s work: the native handle, the inputs (kept alive until the job ended)
+        and whether its results are torch tensors over arena results."""
         if results is not None and results not in _RESULTS:
             raise ValueError(f'poolipc: results={results!r} is not a result memory; use "pool" or "arena"')
         if results == "arena" and alloc is not None:
@@ -402,10 +420,10 @@ class Parent:
         to_arena = alloc is None and (results or self._results) == "arena"
         inputs = list(inputs)
         flags = _read_only_flags(read_only, len(inputs))
-        torch_mode = any(_is_torch_tensor(x) for x in inputs) or (
-            alloc is None and not inputs and "torch" in sys.modules
-        )
         torch: Any = sys.modules.get("torch")
+        torch_mode = torch is not None and (
+            any(isinstance(x, torch.Tensor) for x in inputs) or (alloc is None and not inputs)
+        )
         torch_stream: Any = None
         raw_stream: int
         if stream is None:
@@ -467,7 +485,7 @@ class Parent:
                 return (int(ptr), t)
 
         native_handle = self._native.submit(worker, inputs, raw_stream, native_alloc, inputs, flags)
-        return JobHandle(native_handle, inputs, torch_results=to_arena and torch_mode)
+        return native_handle, inputs, to_arena and torch_mode
 
     def run(
         self,
@@ -531,13 +549,12 @@ class Parent:
         worker reported an error for the job), ``ArenaFullError`` (a result would pass the
         arena's cap; the parent and the worker go on), ``ValueError`` (a bad ``results``).
         """
-        handle = self.submit(
-            worker, inputs, stream=stream, alloc=alloc, results=results, read_only=read_only
-        )
-        out = handle.wait()
-        self.last_input_rungs = handle.input_rungs or []
-        self.last_result_rungs = handle.result_rungs or []
-        return out
+        # submit(...).wait() without the JobHandle between them (a round trip's microseconds).
+        native, inputs, torch_results = self._submit(worker, inputs, stream, alloc, results, read_only)
+        out, rungs = native.wait(None)
+        self.last_input_rungs = list(rungs)
+        self.last_result_rungs = [r[4] for r in out]
+        return _owners(out, torch_results)
 
     def stop(self, worker: int) -> int | None:
         """Tell the worker to stop; wait for it at most ``stop_timeout``, then kill it; reap

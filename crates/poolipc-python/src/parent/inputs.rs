@@ -133,6 +133,15 @@ fn read_input(
     read_only: bool,
 ) -> PyResult<Input> {
     let py = x.py();
+    if let Ok(buffer) = x.cast::<super::DeviceBuffer>() {
+        // Our own buffer: its fields, without a Python call.
+        let b = buffer.get();
+        return Ok(Input {
+            ptr: DevicePtr(b.ptr()?),
+            desc: Layout::contiguous(b.dtype, &b.shape),
+            read_only,
+        });
+    }
     let is_a = |class: &Option<Bound<'_, PyType>>| match class {
         Some(c) => x.is_instance(c),
         None => Ok(false),
@@ -145,11 +154,9 @@ fn read_input(
                 "poolipc: a {device} tensor cannot be lent; lend CUDA tensors"
             )));
         }
-        let name = x.getattr(intern!(py, "dtype"))?.str()?;
-        let name = name.to_cow()?;
         (
             x.call_method0(intern!(py, "data_ptr"))?.extract::<u64>()?,
-            dtype_of(i, name.strip_prefix("torch.").unwrap_or(&name))?,
+            dtype_of(i, &x.getattr(intern!(py, "dtype"))?)?,
             x.getattr(intern!(py, "shape"))?.extract::<Vec<u64>>()?,
             Some(
                 x.call_method0(intern!(py, "stride"))?
@@ -171,7 +178,7 @@ fn read_input(
                 x.get_type().name()?
             )));
         };
-        let name = x.getattr(intern!(py, "dtype"))?.str()?;
+        let dtype = x.getattr(intern!(py, "dtype"))?;
         let strides = x
             .getattr_opt(intern!(py, "strides"))?
             .filter(|s| !s.is_none())
@@ -179,7 +186,7 @@ fn read_input(
             .transpose()?;
         (
             ptr.extract::<u64>()?,
-            dtype_of(i, &name.to_cow()?)?,
+            dtype_of(i, &dtype)?,
             x.getattr(intern!(py, "shape"))?.extract::<Vec<u64>>()?,
             strides,
         )
@@ -210,10 +217,35 @@ fn read_input(
     })
 }
 
-/// The dtype input `i` names.
-fn dtype_of(i: usize, name: &str) -> PyResult<DType> {
-    dtype::parse(name).map_err(|e| value_err(format!("poolipc: input {i}: {}", e_text(&e))))
+/// The dtype object `dtype` of input `i` names (whatever `str()` makes a name of).
+///
+/// torch's dtypes and `poolipc.DType`'s members are singletons: each is read by name once
+/// and then known by identity ([`DTYPE_OBJECTS`]), which saves building and parsing its
+/// string for every tensor lent (a microsecond of a round trip's).
+fn dtype_of(i: usize, dtype: &Bound<'_, PyAny>) -> PyResult<DType> {
+    let mut known = DTYPE_OBJECTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((_, d)) = known.iter().find(|(o, _)| dtype.is(o)) {
+        return Ok(*d);
+    }
+    let name = dtype.str()?;
+    let name = name.to_cow()?;
+    let d = dtype::parse(name.strip_prefix("torch.").unwrap_or(&name))
+        .map_err(|e| value_err(format!("poolipc: input {i}: {}", e_text(&e))))?;
+    // Kept alive by the cache, so no other object can take its address. Strings (a name
+    // given as `"float32"`) are not kept: a new one each time would fill it.
+    if known.len() < DTYPE_OBJECTS_MAX && !dtype.is_instance_of::<pyo3::types::PyString>() {
+        known.push((dtype.clone().unbind(), d));
+    }
+    Ok(d)
 }
+
+/// dtype objects already read (see [`dtype_of`]), at most [`DTYPE_OBJECTS_MAX`].
+static DTYPE_OBJECTS: std::sync::Mutex<Vec<(Py<PyAny>, DType)>> = std::sync::Mutex::new(Vec::new());
+
+/// Room for torch's dtypes and `poolipc.DType`'s members with plenty to spare.
+const DTYPE_OBJECTS_MAX: usize = 64;
 
 /// An exception's text without the `poolipc: ` its message starts with.
 fn e_text(e: &PyErr) -> String {

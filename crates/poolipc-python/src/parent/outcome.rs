@@ -56,6 +56,7 @@ impl NativeJobHandle {
                 )));
             }
         };
+        poolipc::probe::mark("py.wait");
         loop {
             if let Some(r) = self.cached(py) {
                 return r;
@@ -95,6 +96,7 @@ impl NativeJobHandle {
                 *lock(&self.outcome) = Some(stored);
                 // The job ended: the inputs are the caller's again.
                 lock(&self.keep).take();
+                poolipc::probe::mark("py.waited");
                 return out;
             }
             py.check_signals()?;

@@ -113,6 +113,7 @@ impl Job {
     }
 
     fn end(&self, py: Python<'_>, cmd: Cmd) -> PyResult<()> {
+        poolipc::probe::mark("py.end");
         // Claimed at once, so two threads that end the job at the same time end it once
         // (the views expire from here; only the streams are still to be ordered).
         if !self.life.open.swap(false, Ordering::AcqRel) {
@@ -140,6 +141,7 @@ impl Job {
             }
         }
         self.link.call(py, cmd)?;
+        poolipc::probe::mark("py.ended");
         match first_err {
             Some(e) => Err(e),
             None => Ok(()),

@@ -1,7 +1,7 @@
-//! The worker side for Python: `NativeWorker` starts the worker's [`thread`], which owns the
-//! facade [`poolipc::Worker`] and carries out the commands the Python objects send it; a
-//! taken job becomes a [`Job`] whose views ([`View`]) torch, CuPy and JAX take without a copy.
-//! Every CUDA call of the worker happens on that thread, where the context is current.
+//! The worker side for Python: `NativeWorker` starts the worker's [`thread`], which opens the
+//! facade [`poolipc::Worker`]; the Python objects' commands then run on their own threads,
+//! holding it (no hop to the worker's thread and back). A taken job becomes a [`Job`] whose
+//! views ([`View`]) torch, CuPy and JAX take without a copy.
 
 mod job;
 mod thread;
@@ -67,7 +67,7 @@ impl NativeWorker {
             }
         };
         Ok(NativeWorker {
-            link: Arc::new(link),
+            link,
             thread: Mutex::new(Some(thread)),
             stream,
             device,
@@ -121,9 +121,14 @@ impl NativeWorker {
     /// finished on its own, in any order); otherwise a job still open is a `PoolipcError`.
     #[pyo3(signature = (concurrent = false))]
     fn next_job(&self, py: Python<'_>, concurrent: bool) -> PyResult<Option<Job>> {
+        poolipc::probe::mark("py.take");
         match self.link.call(py, Cmd::NextJob { concurrent })? {
             Reply::Job(None) => Ok(None),
-            Reply::Job(Some((id, inputs))) => self.make_job(py, id, inputs).map(Some),
+            Reply::Job(Some((id, inputs))) => {
+                let job = self.make_job(py, id, inputs).map(Some);
+                poolipc::probe::mark("py.job");
+                job
+            }
             _ => Err(err("poolipc: unexpected answer from the worker thread")),
         }
     }

@@ -1,13 +1,20 @@
-//! The worker's thread: it owns the facade [`poolipc::Worker`] (its `Job` borrows it, which a
-//! Python object cannot hold) and carries out, one function per command, what the Python
-//! objects send it over a [`Link`]. Every CUDA call of the worker happens here, where the
-//! context is current. Between commands it may take jobs in the background (`auto_take`)
-//! and queue them in [`Arrived`] for `NativeWorker.take`.
+//! The worker's state and how Python reaches it. [`WorkerThread`] owns the facade
+//! [`poolipc::Worker`] (its `Job` borrows it, which a Python object cannot hold) and carries
+//! out, one function per command, what the Python objects ask over a [`Link`].
+//!
+//! A command runs on the thread that asks (the GIL released, the worker's device made current
+//! there): taking a job, requesting results, finishing cost no hop to another thread and back
+//! (two wake-ups each, the larger part of what Python added to a round trip). The worker's
+//! own thread, which opened it, does what must not wait for a caller: commands posted from a
+//! DLPack deleter or a dropped job (carried out by whichever of it and the next call holds
+//! the worker first, in the order posted) and, with `auto_take`, taking jobs in the
+//! background between commands, queued in [`Arrived`] for `NativeWorker.take`.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::channel;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use poolipc::{DevicePtr, Driver, ResultShape, StreamHandle};
@@ -47,10 +54,11 @@ pub(super) enum Reply {
     Ok,
 }
 
-type Envelope = (Cmd, Sender<Result<Reply, String>>);
-
 /// What a started worker thread reports: its stream, whether simulated, its device.
 type Started = (u64, bool, u32);
+
+/// What [`spawn`] gives: the link, the thread, and what it reported once started.
+type Spawned = (Arc<Link>, std::thread::JoinHandle<()>, Result<Started, String>);
 
 /// Where the worker's connection to its parent comes from.
 pub(super) enum Source {
@@ -71,53 +79,53 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// before it looks at its commands again: the most a command waits behind that poll.
 const AUTO_POLL: Duration = Duration::from_micros(500);
 
-/// Starts the worker's thread. Returns its link, its handle and what it reported once
-/// started (its stream, whether simulated, its device), or why it did not start.
+/// Starts the worker's thread, which opens the worker. Returns the link to it, the
+/// thread's handle and what it reported once started (its stream, whether simulated, its
+/// device), or why it did not start.
 pub(super) fn spawn(
     py: Python<'_>,
     source: Source,
     device: poolipc::WorkerDevice,
     arrived: &Arc<Arrived>,
-) -> PyResult<(Link, std::thread::JoinHandle<()>, Result<Started, String>)> {
-    let (tx, rx) = channel::<Envelope>();
+) -> PyResult<Spawned> {
+    let link = Arc::new(Link::default());
     let (rtx, rrx) = channel();
     let thread = std::thread::Builder::new()
         .name("poolipc-worker".into())
         .spawn({
             let arrived = Arc::clone(arrived);
-            move || thread_main(source, device, rx, rtx, arrived)
+            let link = Arc::clone(&link);
+            move || thread_main(source, device, &link, &rtx, arrived)
         })
         .map_err(|e| err(format!("poolipc: starting the worker thread: {e}")))?;
     let started = py
         .detach(move || rrx.recv())
         .map_err(|_| err("poolipc: the worker thread ended before it started"))?;
-    let link = Link {
-        tx: Mutex::new(Some(tx)),
-    };
     Ok((link, thread, started))
 }
 
 fn thread_main(
     source: Source,
     device: poolipc::WorkerDevice,
-    rx: Receiver<Envelope>,
-    ready: Sender<Result<Started, String>>,
+    link: &Link,
+    ready: &std::sync::mpsc::Sender<Result<Started, String>>,
     arrived: Arc<Arrived>,
 ) {
-    let mut thread = match WorkerThread::open(&source, device, arrived) {
+    let thread = match WorkerThread::open(&source, device, arrived) {
         Ok(t) => t,
         Err(e) => {
             let _ = ready.send(Err(e));
             return;
         }
     };
-    let _ = ready.send(Ok((
+    let started = (
         thread.worker.stream().as_raw(),
         thread.sim,
         thread.worker.device(),
-    )));
-    thread.serve(&rx);
-    thread.close();
+    );
+    *link.core() = Some(thread);
+    let _ = ready.send(Ok(started));
+    link.serve();
 }
 
 /// The connection to a listener, or None for the inherited socket. A listener is reached
@@ -193,34 +201,6 @@ impl WorkerThread {
             parting: false,
             arrived,
         })
-    }
-
-    /// Answers commands until the Python side is gone (or, parting, the last job ended);
-    /// taking jobs in the background, between commands.
-    fn serve(&mut self, rx: &Receiver<Envelope>) {
-        loop {
-            if self.parting && self.held.is_empty() {
-                break;
-            }
-            let next = if self.auto {
-                match rx.try_recv() {
-                    Ok(m) => Some(m),
-                    Err(TryRecvError::Empty) => None,
-                    Err(TryRecvError::Disconnected) => break,
-                }
-            } else {
-                match rx.recv() {
-                    Ok(m) => Some(m),
-                    Err(_) => break,
-                }
-            };
-            match next {
-                Some((cmd, reply)) => {
-                    let _ = reply.send(self.answer(cmd));
-                }
-                None => self.take_in_background(),
-            }
-        }
     }
 
     fn answer(&mut self, cmd: Cmd) -> Result<Reply, String> {
@@ -397,43 +377,153 @@ fn take_up<'w>(
         .map_err(|e| format!("poolipc: taking up job {id}: {e}"))
 }
 
-/// The channel to the worker thread.
+/// How the Python objects reach the worker: [`call`](Link::call) runs a command on the
+/// calling thread, holding the worker; [`post`](Link::post) leaves one for the worker's
+/// thread (or the next call), without waiting.
+#[derive(Default)]
 pub(super) struct Link {
-    tx: Mutex<Option<Sender<Envelope>>>,
+    /// The worker; None before it opened and once it is closed.
+    core: Mutex<Option<WorkerThread>>,
+    posted: Mutex<Posted>,
+    /// Something was posted, the link closed, or a call let go of the worker (the
+    /// background taking, which gives calls the way, goes on).
+    changed: Condvar,
+    /// Calls waiting for the worker: the background taking lets them have it first.
+    waiting: AtomicUsize,
+    /// Whether the worker takes jobs in the background (`auto_take`), as its thread sees it.
+    auto: AtomicBool,
 }
 
+/// Commands posted and not yet carried out, and whether the link is closed.
+#[derive(Default)]
+struct Posted {
+    cmds: VecDeque<Cmd>,
+    /// `close` was called, or the worker ended (it parted from its parent): no more calls.
+    closed: bool,
+}
+
+/// How long the worker's thread sleeps, with nothing posted, before it looks again.
+const IDLE_WAIT: Duration = Duration::from_millis(50);
+
 impl Link {
-    /// Sends `cmd` and waits for the answer, the GIL released.
+    fn core(&self) -> MutexGuard<'_, Option<WorkerThread>> {
+        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn posted(&self) -> MutexGuard<'_, Posted> {
+        self.posted.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `cmd` on this thread, the GIL released, and returns its answer. Commands posted
+    /// before it run first.
     pub(super) fn call(&self, py: Python<'_>, cmd: Cmd) -> PyResult<Reply> {
-        let (rtx, rrx) = channel();
-        {
-            let guard = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
-            let tx = guard
-                .as_ref()
-                .ok_or_else(|| err("poolipc: this worker was closed"))?;
-            tx.send((cmd, rtx))
-                .map_err(|_| err("poolipc: the worker thread is gone"))?;
-        }
-        py.detach(move || rrx.recv())
-            .map_err(|_| err("poolipc: the worker thread is gone"))?
-            .map_err(err)
+        py.detach(move || self.run(cmd)).map_err(err)
     }
 
-    /// Sends without waiting for the answer (used at drop).
+    fn run(&self, cmd: Cmd) -> Result<Reply, String> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let mut core = self.core();
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        let closed = self.posted().closed;
+        let answer = match core.as_mut() {
+            Some(w) if !closed => {
+                // CUDA contexts are per thread: this one may never have had the worker's.
+                w.driver
+                    .use_device(w.worker.device())
+                    .map_err(|e| format!("poolipc: making the worker's device current: {e}"))
+                    .and_then(|()| {
+                        self.run_posted(w);
+                        w.answer(cmd)
+                    })
+            }
+            _ => Err("poolipc: this worker was closed".into()),
+        };
+        self.settle(&mut core);
+        drop(core);
+        if self.auto.load(Ordering::SeqCst) {
+            self.changed.notify_all();
+        }
+        answer
+    }
+
+    /// Carries out what was posted, in order (the worker held by the caller).
+    fn run_posted(&self, w: &mut WorkerThread) {
+        loop {
+            let Some(cmd) = self.posted().cmds.pop_front() else {
+                return;
+            };
+            if let Err(e) = w.answer(cmd) {
+                tracing::warn!(error = %e, "a posted worker command failed");
+            }
+        }
+    }
+
+    /// After the worker was used: notes whether it takes jobs in the background, and closes
+    /// it once it parted from its parent and its last job ended.
+    fn settle(&self, core: &mut Option<WorkerThread>) {
+        let Some(w) = core.as_ref() else { return };
+        self.auto.store(w.auto, Ordering::SeqCst);
+        if w.parting && w.held.is_empty() {
+            self.posted().closed = true;
+            if let Some(w) = core.take() {
+                w.close();
+            }
+            self.changed.notify_all();
+        }
+    }
+
+    /// Leaves `cmd` for the worker's thread (or the next call), without waiting: what a
+    /// DLPack deleter or a dropped job does, on whatever thread, with or without the GIL.
     pub(super) fn post(&self, cmd: Cmd) {
-        let guard = self.tx.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(tx) = guard.as_ref() {
-            let (rtx, _) = channel();
-            let _ = tx.send((cmd, rtx));
+        let mut p = self.posted();
+        if !p.closed {
+            p.cmds.push_back(cmd);
         }
+        drop(p);
+        self.changed.notify_all();
     }
 
-    /// Closes the channel: the thread ends once it sees that.
+    /// Closes the link: calls are refused from now on, and the worker's thread closes the
+    /// worker (every job still open is failed and finished) and ends.
     pub(super) fn close(&self) {
-        self.tx
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        self.posted().closed = true;
+        self.changed.notify_all();
+    }
+
+    /// The worker's thread: carries out what is posted and, with `auto_take`, takes jobs
+    /// between calls; closes the worker once the link is closed.
+    fn serve(&self) {
+        loop {
+            let closed = {
+                let mut p = self.posted();
+                loop {
+                    let taking = self.auto.load(Ordering::SeqCst)
+                        && self.waiting.load(Ordering::SeqCst) == 0;
+                    if p.closed || !p.cmds.is_empty() || taking {
+                        break;
+                    }
+                    p = self
+                        .changed
+                        .wait_timeout(p, IDLE_WAIT)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
+                }
+                p.closed
+            };
+            let mut core = self.core();
+            let Some(w) = core.as_mut() else { return };
+            self.run_posted(w);
+            if closed {
+                if let Some(w) = core.take() {
+                    w.close();
+                }
+                return;
+            }
+            if w.auto && self.waiting.load(Ordering::SeqCst) == 0 {
+                w.take_in_background();
+            }
+            self.settle(&mut core);
+        }
     }
 }
 

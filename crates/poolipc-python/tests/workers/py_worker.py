@@ -26,6 +26,10 @@ environ           reports the names of its environment variables ({"environ": [.
                   echoes
 write-inputs      writes 0xAB bytes at the start of every input view and reports, per input,
                   its rung, read_only and what the write raised; then echoes
+drop-unfinished   echoes, then drops the job without finishing it and at once asks for the
+                  next: the finish the drop posts must be carried out before that call waits
+any-thread        takes, echoes and finishes each job on a new thread (none of them the one
+                  that made the worker)
 """
 
 import ctypes
@@ -238,6 +242,28 @@ def main():
         f.write(json.dumps({"started": True, "simulated": worker.simulated, "stream": worker.stream}) + "\n")
     if MODE == "environ":
         say({"environ": sorted(os.environ)})
+    if MODE == "drop-unfinished":
+        while (job := worker.next_job()) is not None:
+            echo(job)
+            del job  # the last reference: its drop posts the finish
+        worker.close()
+        return
+    if MODE == "any-thread":
+        taken = []
+
+        def one():
+            job = worker.next_job()
+            taken.append(job is not None)
+            if job is not None:
+                with job:
+                    echo(job)
+
+        while not taken or taken[-1]:
+            t = threading.Thread(target=one)
+            t.start()
+            t.join()
+        worker.close()
+        return
     for job in worker:
         if MODE == "die-after-import":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,10 +1,13 @@
 """A torch worker for the H200 suite: views go into torch by DLPack (no copy); each result is
 ``x * 2 + 1`` in the input's dtype and shape. POOLIPC_TEST_MODE: ``torch`` (default),
 ``cupy`` (reads by __cuda_array_interface__, writes with CuPy on the job's stream),
-``die-after-import``, ``die-after-grant`` (SIGKILL at that step)."""
+``die-after-import``, ``die-after-grant`` (SIGKILL at that step), ``fresh-threads`` (each job
+taken and served on a new thread that touched no CUDA before: the binding makes the worker's
+device current on whichever thread calls it)."""
 
 import os
 import signal
+import threading
 
 import poolipc
 import torch
@@ -14,6 +17,20 @@ MODE = os.environ.get("POOLIPC_TEST_MODE", "torch")
 
 def main():
     worker = poolipc.Worker()
+    if MODE == "fresh-threads":
+        taken = []
+
+        def one():
+            job = worker.next_job()
+            taken.append(job is not None)
+            if job is not None:
+                serve(job)
+
+        while not taken or taken[-1]:
+            t = threading.Thread(target=one)
+            t.start()
+            t.join()
+        return
     for job in worker:
         if MODE == "die-after-import":
             os.kill(os.getpid(), signal.SIGKILL)

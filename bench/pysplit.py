@@ -1,0 +1,144 @@
+"""What Python adds to a round trip, and where: the same 4 KiB handoff, lent again, through
+three pairs in one run, on the GPU when there is one, else on the simulated driver:
+
+  rust -> rust      `poolipc bench --workers 1` (the facade's parent and echo worker)
+  python -> rust    this process's `poolipc.Parent` and the Rust echo worker
+  python -> python  this process's `poolipc.Parent` and a Python `poolipc.Worker`
+
+No torch: the parent lends a `DeviceBuffer` of the pool, the Python worker takes the job and
+finishes it (no work of its own, so what is left above rust -> rust is the binding's). With
+``--probe DIR`` the python -> python round trips are run again with `POOLIPC_PROBE` and
+`bench/probe_report.py` prints the median of each step: the binding's marks (`py.*`) split
+the time into the binding's, the facade's (`c.*`, `io.*`, `w.*`) and the worker's own code
+(`py.job` -> `py.end`, here empty).
+
+    POOLIPC_DRIVER=sim python3 bench/pysplit.py [--jobs 2000] [--probe /tmp/split] [--json]
+
+On the GPU, run it under MPS too (`poolipc mps -- python3 bench/pysplit.py`): issue 24's
+target is python -> python within 15 us of rust -> rust, plainly and under MPS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+
+# Like `__demo-worker` in `noop` mode: take each job, finish it.
+PY_WORKER = """
+import poolipc
+w = poolipc.Worker()
+for job in w:
+    with job:
+        pass
+poolipc._native.probe_dump()
+"""
+
+
+def binary() -> str:
+    """The `poolipc` binary: POOLIPC_BIN, else the newest build of this checkout."""
+    env = os.environ.get("POOLIPC_BIN")
+    if env:
+        return env
+    built = [REPO / "target" / p / "poolipc" for p in ("release", "debug")]
+    built += [REPO / "target" / "gpu-bundle" / "poolipc"]
+    built = [p for p in built if p.exists()]
+    if not built:
+        sys.exit("pysplit: no poolipc binary (cargo build -p poolipc-cli, or set POOLIPC_BIN)")
+    return str(max(built, key=lambda p: p.stat().st_mtime))
+
+
+def rust_pair(bin_: str, jobs: int) -> float | None:
+    """rust -> rust: microseconds per job of `poolipc bench --workers 1 --worker-mode noop`
+    at 4 KiB (one worker, so a job's time is its round trip)."""
+    out_json = pathlib.Path(f"/tmp/pysplit-{os.getpid()}.json")
+    args = [bin_, "bench", "--workers", "1", "--worker-mode", "noop", "--iterations", str(jobs),
+            "--json-out", str(out_json)]
+    if os.environ.get("POOLIPC_DRIVER") == "sim":
+        args.append("--sim")
+    env = {k: v for k, v in os.environ.items() if k != "POOLIPC_PROBE"}
+    out = subprocess.run(args, capture_output=True, text=True, env={**env, "RUST_LOG": "warn"})
+    if out.returncode != 0:
+        print(f"pysplit: {' '.join(args)} failed:\n{out.stdout[-1000:]}{out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    data = json.loads(out_json.read_text())
+    out_json.unlink()
+    for row in data["rows"]:
+        if row["bytes"] == 4096 and row["workers"] == 1:
+            return 1e6 / row["jobs_per_s"]
+    print(f"pysplit: no 4 KiB row with one worker in {data}", file=sys.stderr)
+    return None
+
+
+def python_pair(parent, worker: int, buf, jobs: int, mark: bool) -> float:
+    """Median microseconds of `parent.run(worker, [buf])`, after a warm-up."""
+    import poolipc
+
+    for _ in range(max(jobs // 10, 20)):
+        parent.run(worker, [buf])
+    times = []
+    for _ in range(jobs):
+        if mark:
+            poolipc._native.probe_mark("rt.begin")
+        t0 = time.perf_counter_ns()
+        parent.run(worker, [buf])
+        times.append((time.perf_counter_ns() - t0) / 1000)
+        if mark:
+            poolipc._native.probe_mark("rt.synced")
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=2000, help="round trips per pair (default 2000)")
+    ap.add_argument("--probe", type=pathlib.Path, help="also run python -> python with POOLIPC_PROBE=DIR and print the split")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.probe is not None:
+        # Set before poolipc is imported: the binding reads it once.
+        shutil.rmtree(a.probe, ignore_errors=True)
+        a.probe.mkdir(parents=True)
+        os.environ["POOLIPC_PROBE"] = str(a.probe)
+    bin_ = binary()
+    rust = rust_pair(bin_, a.jobs)
+
+    import poolipc
+
+    parent = poolipc.Parent(0)
+    buf = parent.alloc(4096, dtype="uint8", shape=[4096])
+    rows = {"driver": parent.driver, "rust -> rust": rust}
+    w_rust = parent.spawn([bin_, "__demo-worker"], {"POOLIPC_WORKER_MODE": "noop"})
+    w_py = parent.spawn([sys.executable, "-c", PY_WORKER])
+    rows["python -> rust"] = python_pair(parent, w_rust, buf, a.jobs, False)
+    rows["python -> python"] = python_pair(parent, w_py, buf, a.jobs, a.probe is not None)
+    parent.stop(w_rust)
+    parent.stop(w_py)
+    if a.json:
+        print(json.dumps(rows))
+    else:
+        print(f"4 KiB lent again, {a.jobs} round trips each, {rows['driver']}:")
+        print(f"  {'pair':18} {'median us':>10} {'- rust':>8}")
+        for k in ("rust -> rust", "python -> rust", "python -> python"):
+            v = rows[k]
+            extra = "" if v is None or rust is None else f"{v - rust:+8.1f}"
+            print(f"  {k:18} {'' if v is None else f'{v:10.1f}'} {extra}")
+    if a.probe is not None:
+        poolipc._native.probe_dump()
+        # The worker dumps when its loop ends (stop's Bye): give the file a moment.
+        time.sleep(0.5)
+        subprocess.run([sys.executable, str(HERE / "probe_report.py"), str(a.probe),
+                        "--skip", "1", "--count", str(a.jobs), "--title", "python -> python, 4 KiB lent again"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
