@@ -53,7 +53,7 @@ def throughput(max_workers, as_json):
     parent = poolipc.Parent(0)
     workers = [parent.spawn([sys.executable, "-c", WORKER]) for _ in range(max_workers)]
     print(f"  jobs/s with N torch workers at once (one parent, each thread its own worker, stream, tensor):")
-    print(f"  {'size':>6} {'workers':>8} {'jobs/s':>10} {'x one':>7}")
+    print(f"  {'size':>6} {'workers':>8} {'jobs/s':>10} {'x one':>7} {'IO busy':>8} {'IO us/job':>9}")
     rows = []
     for label, numel, jobs in [("4KiB", 1 << 10, 400), ("64MiB", 1 << 24, 100)]:
         one = None
@@ -87,8 +87,10 @@ def throughput(max_workers, as_json):
             try:
                 start.wait()
                 t0 = time.perf_counter()
+                busy0 = parent.stats()["io_busy_ns"]
                 end.wait()
                 secs = time.perf_counter() - t0
+                busy = (parent.stats()["io_busy_ns"] - busy0) / 1e9
             except threading.BrokenBarrierError:
                 secs = float("nan")
             for th in threads:
@@ -97,8 +99,12 @@ def throughput(max_workers, as_json):
                 raise errors[0]
             rate = n * jobs / secs
             one = rate if n == 1 else one
-            print(f"  {label:>6} {n:>8} {rate:>10.0f} {rate / one:>6.2f}x")
-            rows.append({"size": label, "workers": n, "jobs_per_s": rate, "vs_one": rate / one})
+            # The parent's IO thread's busy share of the time (near 100 %: it limits the rate).
+            io_busy = busy / secs
+            io_us = busy * 1e6 / (n * jobs)
+            print(f"  {label:>6} {n:>8} {rate:>10.0f} {rate / one:>6.2f}x {100 * io_busy:>7.0f}% {io_us:>9.2f}")
+            rows.append({"size": label, "workers": n, "jobs_per_s": rate, "vs_one": rate / one,
+                         "io_busy": io_busy, "io_us_per_job": io_us})
     for w in workers:
         parent.stop(w)
     if as_json:

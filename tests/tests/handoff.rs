@@ -395,3 +395,39 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    fn the_io_threads_busy_time_grows_with_jobs_and_stays_within_the_wall_time(env) {
+        // `ParentStats::io_busy_ns` is what `bench --workers` reads to say whether the one IO
+        // thread limits the rate: it must count the work of jobs, and never more than the
+        // time that passed.
+        let started = std::time::Instant::now();
+        let p = parent(env, ImportLimit::default())?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let worker = p.spawn_worker(worker_command(env, None)?)?;
+        let input = filled(&p, MIB, 3, stream)?;
+        let tensor = Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: true };
+        let before = p.stats().io_busy_ns;
+        for _ in 0..20 {
+            let out = p.run_job(worker, std::slice::from_ref(&tensor), stream)?;
+            for r in out.results {
+                p.pool().free(r.ptr, stream)?;
+            }
+        }
+        let after = p.stats().io_busy_ns;
+        let wall = started.elapsed().as_nanos();
+        println!("{:?}: IO busy {} ns over 20 jobs, {wall} ns since the parent started", env.kind(), after - before);
+        ensure!(after > before, "20 jobs took no IO time: {before} -> {after}");
+        ensure!(u128::from(after) <= wall, "busy {after} ns is more than the {wall} ns that passed");
+        // Idle, the loop waits (spinning counts as waiting): little of 300 ms is busy.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let idle = p.stats().io_busy_ns - after;
+        println!("{:?}: IO busy {idle} ns over 300 ms idle", env.kind());
+        ensure!(idle < 50_000_000, "idle, the IO thread counted {idle} ns busy in 300 ms");
+        p.pool().free(input, stream)?;
+        d.stream_synchronize(stream)?;
+        p.stop_worker(worker)?;
+        Ok(())
+    }
+);

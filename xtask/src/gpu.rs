@@ -489,7 +489,18 @@ elif [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 300 python3 bench/pybench.py --workers 8 ) > "$out/pybench-workers.log" 2>&1
   echo "pybench --workers exit: $?" >> "$summary"
   grep -v ' INFO ' "$out/pybench-workers.log" | tail -12 >> "$summary"
+  # Where Python's share of a round trip goes (issue 24: within 15 us of Rust's), torch-free.
+  echo "--- bench/pysplit.py: rust->rust, python->rust, python->python and the binding's split (plain)" >> "$summary"
+  ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" timeout 300 python3 bench/pysplit.py --probe "$out/pysplit-probe" ) > "$out/pysplit.log" 2>&1
+  echo "pysplit exit: $?" >> "$summary"
+  grep -v ' INFO ' "$out/pysplit.log" | tail -45 >> "$summary"
+  rm -rf "$out/pysplit-probe"
   if command -v nvidia-cuda-mps-control >/dev/null; then
+    echo "--- bench/pysplit.py under a private MPS daemon" >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" timeout 300 "$here/poolipc" mps --accept-shared-gpu-faults -- python3 bench/pysplit.py --probe "$out/pysplit-probe-mps" ) > "$out/pysplit-mps.log" 2>&1
+    echo "pysplit (MPS) exit: $?" >> "$summary"
+    grep -v ' INFO ' "$out/pysplit-mps.log" | tail -45 >> "$summary"
+    rm -rf "$out/pysplit-probe-mps"
     # The Python round trip under MPS, beside the Rust bench's MPS table: issue 24's
     # "Python within 15 us of Rust" is read under MPS, where the turn-taking is gone.
     echo "--- bench/pybench.py under a private MPS daemon" >> "$summary"

@@ -4,7 +4,10 @@
 //! Each of `n` threads owns a worker, a stream and one live pool allocation, and runs jobs on
 //! it back to back (the allocation lent again each time: no export after the first). The
 //! figure is all threads' jobs over the wall time from the first submit to the last job's
-//! stream done. With `--mps` the same table is made plainly and under a private MPS daemon.
+//! stream done. Beside it, the parent's IO thread's busy share of that time
+//! (`ParentStats::io_busy_ns`) and its busy microseconds per job: near 100 % the one IO thread
+//! is what limits the rate. With `--mps` the same table is made plainly and under a private
+//! MPS daemon.
 
 use std::process::{Command, ExitCode};
 use std::sync::{Arc, Barrier};
@@ -38,6 +41,15 @@ fn counts(max: usize) -> Vec<usize> {
     v
 }
 
+/// What one measurement gives.
+struct Rate {
+    jobs_per_s: f64,
+    /// The IO thread's busy share of the measured time.
+    io_busy: f64,
+    /// Its busy microseconds per job.
+    io_us_per_job: f64,
+}
+
 /// One measurement: `n` threads, each on its own worker, `jobs` jobs of `bytes` each.
 fn jobs_per_second(
     parent: &Parent,
@@ -46,10 +58,10 @@ fn jobs_per_second(
     n: usize,
     bytes: u64,
     jobs: usize,
-) -> Result<f64> {
+) -> Result<Rate> {
     let barrier = Barrier::new(n + 1);
     let desc = Layout::contiguous(DType::U8, &[bytes]);
-    std::thread::scope(|s| -> Result<f64> {
+    std::thread::scope(|s| -> Result<Rate> {
         let mut handles = Vec::with_capacity(n);
         for &w in &workers[..n] {
             let (barrier, desc) = (&barrier, desc.clone());
@@ -83,14 +95,21 @@ fn jobs_per_second(
         }
         barrier.wait();
         let t = Instant::now();
+        let busy_before = parent.stats().io_busy_ns;
         barrier.wait();
         let secs = t.elapsed().as_secs_f64();
+        let busy_ns = parent.stats().io_busy_ns.saturating_sub(busy_before);
         for h in handles {
             h.join()
                 .map_err(|_| anyhow::anyhow!("a bench thread panicked"))??;
         }
         #[allow(clippy::cast_precision_loss)]
-        Ok((n * jobs) as f64 / secs)
+        let (all, busy) = ((n * jobs) as f64, busy_ns as f64);
+        Ok(Rate {
+            jobs_per_s: all / secs,
+            io_busy: busy / 1e9 / secs,
+            io_us_per_job: busy / 1e3 / all,
+        })
     })
 }
 
@@ -131,31 +150,35 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
         );
     }
     println!(
-        "  {:>8} {:>8} {:>12} {:>10} {:>12}",
-        "size", "workers", "jobs/s", "× one", "µs/job/wkr"
+        "  {:>8} {:>8} {:>12} {:>10} {:>12} {:>8} {:>10}",
+        "size", "workers", "jobs/s", "× one", "µs/job/wkr", "IO busy", "IO µs/job"
     );
     let mut rows = Vec::new();
     for bytes in SIZES {
         let jobs = jobs_for(args, bytes);
         let mut one = f64::NAN;
         for n in counts(max_workers) {
-            let rate = jobs_per_second(&parent, &driver, &workers, n, bytes, jobs)
+            let r = jobs_per_second(&parent, &driver, &workers, n, bytes, jobs)
                 .with_context(|| format!("{n} workers, {bytes} bytes"))?;
+            let rate = r.jobs_per_s;
             if n == 1 {
                 one = rate;
             }
             #[allow(clippy::cast_precision_loss)]
             let per = 1e6 * n as f64 / rate;
             println!(
-                "  {:>8} {:>8} {:>12.0} {:>9.2}× {:>12.1}",
+                "  {:>8} {:>8} {:>12.0} {:>9.2}× {:>12.1} {:>7.0}% {:>10.2}",
                 human(bytes),
                 n,
                 rate,
                 rate / one,
-                per
+                per,
+                100.0 * r.io_busy,
+                r.io_us_per_job
             );
             rows.push(serde_json::json!({
                 "bytes": bytes, "workers": n, "jobs_per_s": rate, "vs_one": rate / one,
+                "io_busy": r.io_busy, "io_us_per_job": r.io_us_per_job,
             }));
         }
     }

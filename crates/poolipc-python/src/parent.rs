@@ -498,6 +498,7 @@ impl NativeParent {
         d.set_item("arena_results_carved", s.arena_results_carved)?;
         d.set_item("vmm_handle_tensors", s.vmm_handle_tensors)?;
         d.set_item("vmm_handles_shared", s.vmm_handles_shared)?;
+        d.set_item("io_busy_ns", s.io_busy_ns)?;
         Ok(d)
     }
 

@@ -169,6 +169,9 @@ class ParentStats(TypedDict):
     arena_results_carved: int
     vmm_handle_tensors: int
     vmm_handles_shared: int
+    io_busy_ns: int
+    """Nanoseconds the parent's IO thread spent working (not waiting) since it started: its
+    growth over the wall time near 1 means the one IO thread limits the jobs per second."""
 
 
 class ArenaStats(TypedDict):

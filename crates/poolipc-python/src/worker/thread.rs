@@ -58,7 +58,11 @@ pub(super) enum Reply {
 type Started = (u64, bool, u32);
 
 /// What [`spawn`] gives: the link, the thread, and what it reported once started.
-type Spawned = (Arc<Link>, std::thread::JoinHandle<()>, Result<Started, String>);
+type Spawned = (
+    Arc<Link>,
+    std::thread::JoinHandle<()>,
+    Result<Started, String>,
+);
 
 /// Where the worker's connection to its parent comes from.
 pub(super) enum Source {

@@ -143,6 +143,7 @@ impl Loop {
                     }
                 }
             };
+            self.waited = started.elapsed();
             match polled {
                 Ok(_) => {}
                 Err(nix::errno::Errno::EINTR) => return,

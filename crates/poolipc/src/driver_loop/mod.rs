@@ -376,6 +376,8 @@ struct Loop {
     /// loop keeps spinning for `options.spin` after it (`options.spin_in_flight` while jobs
     /// are in flight), so that the next frame or submit finds it awake.
     last_activity: Instant,
+    /// How long this turn of the loop waited in `wait_for_io` (for `ParentStats::io_busy_ns`).
+    waited: Duration,
     /// `ArenaReleased` answers awaited, by (worker, chunk).
     release_acks: HashSet<(WorkerId, u32)>,
     release_waiters: Vec<ReleaseWaiter>,
@@ -467,6 +469,7 @@ impl Loop {
             shutting_down: false,
             suspect: None,
             last_activity: Instant::now(),
+            waited: Duration::ZERO,
             release_acks: HashSet::new(),
             release_waiters: Vec::new(),
             last_idle_check: Instant::now(),
@@ -481,6 +484,7 @@ impl Loop {
 
     fn run(mut self) {
         loop {
+            let turn = Instant::now();
             for command in self.shared.take_commands() {
                 self.command(command);
             }
@@ -496,6 +500,13 @@ impl Loop {
             self.machine.handle_timeout(self.now());
             self.drive();
             self.check_gates();
+            let busy = turn
+                .elapsed()
+                .saturating_sub(std::mem::take(&mut self.waited));
+            self.shared.stats.io_busy_ns.fetch_add(
+                u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX),
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
         self.fail_leftover_jobs();
     }

@@ -320,6 +320,7 @@ impl Parent {
             export_reuse: self.pool().export_reuse().0,
             vmm_handle_tensors: get(&s.vmm_handle_tensors),
             vmm_handles_shared: get(&s.vmm_handles_shared),
+            io_busy_ns: get(&s.io_busy_ns),
         }
     }
 

@@ -129,6 +129,12 @@ pub struct ParentStats {
     /// VMM allocations whose handle was exported and sent to a worker (once per allocation
     /// and worker; a tensor lent again to a worker that mapped it costs none).
     pub vmm_handles_shared: u64,
+    /// Nanoseconds the IO thread has spent working since the parent started: everything
+    /// but waiting for sockets, commands and deadlines (its spinning, and the DONE queries
+    /// made while it spins, count as waiting). One IO thread serves every worker: the
+    /// busy share of a stretch of time (this figure's growth over the wall time) near 1
+    /// means it is what limits the jobs per second; `poolipc bench --workers N` prints it.
+    pub io_busy_ns: u64,
 }
 
 #[derive(Default)]
@@ -149,6 +155,7 @@ pub(crate) struct Stats {
     pub(crate) vmm_handles_shared: AtomicU64,
     pub(crate) jobs_held_for_done: AtomicU64,
     pub(crate) done_events_open: AtomicU64,
+    pub(crate) io_busy_ns: AtomicU64,
 }
 
 impl Stats {
