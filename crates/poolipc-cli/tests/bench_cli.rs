@@ -159,13 +159,19 @@ fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
     assert!(out.status.success(), "exit {}:\n{text}\n{err}", out.status);
     for size in ["4 KiB", "64 MiB"] {
         for n in 1..=3 {
-            // A row per size and worker count: "  4 KiB  2  <jobs/s>  <ratio>×  <µs>".
+            // A row per size and worker count:
+            // "  4 KiB  2  <jobs/s>  <ratio>×  <µs>  <IO busy>%  <IO µs/job>".
             let row = text.lines().any(|l| {
                 let cols: Vec<&str> = l.split_whitespace().collect();
-                cols.len() == 6
+                cols.len() == 8
                     && format!("{} {}", cols[0], cols[1]) == size
                     && cols[2] == n.to_string()
                     && cols[3].parse::<f64>().is_ok_and(|r| r > 0.0)
+                    && cols[6]
+                        .strip_suffix('%')
+                        .and_then(|b| b.parse::<f64>().ok())
+                        .is_some_and(|b| b >= 0.0)
+                    && cols[7].parse::<f64>().is_ok_and(|us| us > 0.0)
             });
             assert!(row, "no row for {size} with {n} workers:\n{text}");
         }
