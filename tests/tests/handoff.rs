@@ -431,3 +431,92 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    fn two_io_rooms_serve_four_workers_at_once_and_empty_cache_asks_both(env) {
+        // `ParentOptions::io_threads`: each room (IO thread) serves its own workers with its
+        // own contract; every byte must still be right, the counters add up, and
+        // `empty_cache` hears from both rooms.
+        let options = ParentOptions {
+            device: env.device,
+            io_threads: 2,
+            ..ParentOptions::default()
+        };
+        let p = Parent::new(Arc::clone(&env.driver), options)?;
+        let workers = (0..4)
+            .map(|_| p.spawn_worker(worker_command(env, None)?).map_err(anyhow::Error::from))
+            .collect::<Result<Vec<_>>>()?;
+        let rooms: std::collections::BTreeSet<usize> = workers.iter().map(|w| w.0 as usize % 2).collect();
+        ensure!(rooms.len() == 2, "the four workers are not in both rooms: {workers:?}");
+        std::thread::scope(|s| -> Result<()> {
+            let handles: Vec<_> = workers
+                .iter()
+                .enumerate()
+                .map(|(t, &w)| {
+                    let p = &p;
+                    s.spawn(move || -> Result<()> {
+                        let d = Arc::clone(p.driver());
+                        d.use_device(env.device)?;
+                        let stream = d.stream_create()?;
+                        let pattern = 0x0101_0101 * (t as u32 + 1);
+                        let input = filled(p, 64 * 1024, pattern, stream)?;
+                        let tensor = Input { ptr: input, desc: Layout::contiguous(DType::U8, &[64 * 1024]), read_only: false };
+                        for round in 0..10 {
+                            let out = p.run_job(w, std::slice::from_ref(&tensor), stream)?;
+                            d.stream_synchronize(stream)?;
+                            let r = &out.results[0];
+                            let got = read(&*d, r.ptr, 64 * 1024)?;
+                            ensure!(got[..4] == echo::marker(0).to_le_bytes(), "worker {w} round {round}: no marker");
+                            ensure!(got[4..].iter().all(|b| *b == pattern.to_le_bytes()[0]), "worker {w} round {round}: wrong bytes");
+                            p.pool().free(r.ptr, stream)?;
+                        }
+                        p.pool().free(input, stream)?;
+                        d.stream_synchronize(stream)?;
+                        Ok(())
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join().map_err(|_| anyhow::anyhow!("a job thread panicked"))??;
+            }
+            Ok(())
+        })?;
+        let stats = p.stats();
+        ensure!(stats.jobs_completed >= 40 && stats.jobs_failed == 0, "{stats:?}");
+        // A tensor lent by pool pointer to a worker of the second room, then freed: its
+        // memory comes back only once that worker destroyed its import of the retired pool
+        // generation, which only its own room may tell it to (another room must not forget
+        // it for it).
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let free_now = || -> Result<u64> {
+            d.ctx_synchronize()?;
+            Ok(d.mem_get_info()?.0)
+        };
+        p.empty_cache()?;
+        let before = free_now()?;
+        let big = 64 * MIB;
+        let input = filled(&p, big, 7, stream)?;
+        let odd = *workers.iter().find(|w| w.0 % 2 == 1).expect("a worker of room 1");
+        let out = p.run_job(odd, &[Input { ptr: input, desc: Layout::contiguous(DType::U8, &[big]), read_only: true }], stream)?;
+        ensure!(out.input_rungs == [Rung::PoolPointer], "{:?}", out.input_rungs);
+        for r in out.results {
+            p.pool().free(r.ptr, stream)?;
+        }
+        p.pool().free(input, stream)?;
+        d.stream_synchronize(stream)?;
+        let report = p.empty_cache()?;
+        ensure!(report.workers_not_answered == 0 && report.pools_retired >= 1, "{report:?}");
+        let after = free_now()?;
+        ensure!(
+            after + 8 * MIB >= before,
+            "{} MiB still held after empty_cache ({report:?})",
+            before.saturating_sub(after) / MIB
+        );
+        for w in workers {
+            let status = p.stop_worker(w)?;
+            ensure!(status.is_some_and(|s| s.success()), "worker {w} exit: {status:?}");
+        }
+        Ok(())
+    }
+);

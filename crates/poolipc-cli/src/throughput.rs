@@ -119,20 +119,95 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
         (1..=64).contains(&max_workers),
         "--workers {max_workers}: give 1 to 64"
     );
+    anyhow::ensure!(
+        args.io_threads
+            .iter()
+            .all(|n| (1..=poolipc::MAX_IO_THREADS).contains(n)),
+        "--io-threads {:?}: give counts from 1 to {}",
+        args.io_threads,
+        poolipc::MAX_IO_THREADS
+    );
     if args.mps {
         return run_plain_and_mps(args, max_workers);
     }
+    if let [_, _, ..] = args.io_threads[..] {
+        // A process has one parent's pool for good: each count runs in a process of its own.
+        return run_each_io_threads(args, max_workers);
+    }
     let (driver, child_env, which) = crate::demo::open_driver(args.sim, args.device)?;
+    let mut rows = Vec::new();
+    let io_threads = args.io_threads.first().copied().unwrap_or(1);
+    let mps = table(
+        args,
+        max_workers,
+        io_threads,
+        (&driver, &child_env, &which),
+        &mut rows,
+    )?;
+    if let Some(path) = &args.json_out {
+        let v = serde_json::json!({ "mps_client": mps, "which": which, "rows": rows });
+        std::fs::write(path, serde_json::to_string_pretty(&v)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One table per `--io-threads` count, each from a child `poolipc bench` of its own (the
+/// shared pool, once installed, stays with its process).
+fn run_each_io_threads(args: &Args, max_workers: usize) -> Result<ExitCode> {
+    for &n in &args.io_threads {
+        let mut c = Command::new(std::env::current_exe()?);
+        c.arg("bench")
+            .arg("--device")
+            .arg(args.device.to_string())
+            .arg("--workers")
+            .arg(max_workers.to_string())
+            .arg("--worker-mode")
+            .arg(&args.worker_mode)
+            .arg("--io-threads")
+            .arg(n.to_string());
+        if let Some(k) = args.iterations {
+            c.arg("--iterations").arg(k.to_string());
+        }
+        if args.sim {
+            c.arg("--sim");
+        }
+        if let Some(path) = &args.json_out {
+            let mut p = path.clone().into_os_string();
+            p.push(format!(".io{n}"));
+            c.arg("--json-out").arg(p);
+        }
+        let status = c.status()?;
+        anyhow::ensure!(
+            status.success(),
+            "the run with {n} IO threads failed: {status}"
+        );
+        println!();
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The table for one parent with `io_threads` rooms: its rows printed and added to `rows`.
+/// Returns whether the parent is an MPS client.
+fn table(
+    args: &Args,
+    max_workers: usize,
+    io_threads: usize,
+    (driver, child_env, which): (&Arc<dyn Driver>, &Option<(&'static str, String)>, &str),
+    rows: &mut Vec<serde_json::Value>,
+) -> Result<bool> {
     let options = ParentOptions {
         device: args.device,
         canary: false,
+        io_threads,
         ..ParentOptions::default()
     };
-    let parent = Parent::new(Arc::clone(&driver), options).context("starting the parent")?;
+    let parent = Parent::new(Arc::clone(driver), options).context("starting the parent")?;
     let mps = parent.mps_client() == Some(true);
     println!(
-        "poolipc bench --workers {max_workers} {which}{}",
-        if mps { ", an MPS client" } else { "" }
+        "poolipc bench --workers {max_workers} {which}{}, {io_threads} IO thread{}",
+        if mps { ", an MPS client" } else { "" },
+        if io_threads == 1 { "" } else { "s" }
     );
     let mut workers = Vec::with_capacity(max_workers);
     for i in 0..max_workers {
@@ -140,7 +215,7 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
         cmd.arg("__demo-worker")
             .env("POOLIPC_DEMO_DEVICE", args.device.to_string())
             .env("POOLIPC_WORKER_MODE", &args.worker_mode);
-        if let Some((k, v)) = &child_env {
+        if let Some((k, v)) = child_env {
             cmd.env(k, v);
         }
         workers.push(
@@ -149,23 +224,24 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
                 .with_context(|| format!("starting worker {i}"))?,
         );
     }
+    // IO busy: the IO threads' working share of the time, per thread (their sum over the
+    // threads); near 100 % they limit the rate.
     println!(
         "  {:>8} {:>8} {:>12} {:>10} {:>12} {:>8} {:>10}",
         "size", "workers", "jobs/s", "× one", "µs/job/wkr", "IO busy", "IO µs/job"
     );
-    let mut rows = Vec::new();
     for bytes in SIZES {
         let jobs = jobs_for(args, bytes);
         let mut one = f64::NAN;
         for n in counts(max_workers) {
-            let r = jobs_per_second(&parent, &driver, &workers, n, bytes, jobs)
+            let r = jobs_per_second(&parent, driver, &workers, n, bytes, jobs)
                 .with_context(|| format!("{n} workers, {bytes} bytes"))?;
             let rate = r.jobs_per_s;
             if n == 1 {
                 one = rate;
             }
             #[allow(clippy::cast_precision_loss)]
-            let per = 1e6 * n as f64 / rate;
+            let (per, busy) = (1e6 * n as f64 / rate, r.io_busy / io_threads as f64);
             println!(
                 "  {:>8} {:>8} {:>12.0} {:>9.2}× {:>12.1} {:>7.0}% {:>10.2}",
                 human(bytes),
@@ -173,24 +249,19 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
                 rate,
                 rate / one,
                 per,
-                100.0 * r.io_busy,
+                100.0 * busy,
                 r.io_us_per_job
             );
             rows.push(serde_json::json!({
                 "bytes": bytes, "workers": n, "jobs_per_s": rate, "vs_one": rate / one,
-                "io_busy": r.io_busy, "io_us_per_job": r.io_us_per_job,
+                "io_threads": io_threads, "io_busy": busy, "io_us_per_job": r.io_us_per_job,
             }));
         }
-    }
-    if let Some(path) = &args.json_out {
-        let v = serde_json::json!({ "mps_client": mps, "which": which, "rows": rows });
-        std::fs::write(path, serde_json::to_string_pretty(&v)?)
-            .with_context(|| format!("writing {}", path.display()))?;
     }
     for w in workers {
         parent.stop_worker(w)?;
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(mps)
 }
 
 /// The table plainly, then under a private MPS daemon this command starts and stops.
@@ -203,7 +274,15 @@ fn run_plain_and_mps(args: &Args, max_workers: usize) -> Result<ExitCode> {
             .arg("--workers")
             .arg(max_workers.to_string())
             .arg("--worker-mode")
-            .arg(&args.worker_mode);
+            .arg(&args.worker_mode)
+            .arg("--io-threads")
+            .arg(
+                args.io_threads
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+            );
         if let Some(n) = args.iterations {
             c.arg("--iterations").arg(n.to_string());
         }

@@ -176,6 +176,32 @@ fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
             assert!(row, "no row for {size} with {n} workers:\n{text}");
         }
     }
+    // One table per IO-thread count, in the same run.
+    let two = poolipc()
+        .args([
+            "bench",
+            "--sim",
+            "--workers",
+            "2",
+            "--iterations",
+            "5",
+            "--io-threads",
+            "1,2",
+        ])
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run poolipc bench --workers --io-threads");
+    let text = String::from_utf8_lossy(&two.stdout);
+    assert!(two.status.success(), "exit {}:\n{text}", two.status);
+    assert!(
+        text.contains(", 1 IO thread\n") && text.contains(", 2 IO threads\n"),
+        "{text}"
+    );
+    let rows = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("4 KiB"))
+        .count();
+    assert_eq!(rows, 4, "two rows of 4 KiB per table:\n{text}");
     let bad = poolipc()
         .args(["bench", "--sim", "--workers", "0"])
         .output()

@@ -84,6 +84,11 @@ pub(crate) struct Args {
     /// job's stream, the default) or `noop` (finish it at once: `bench/pysplit.py`).
     #[arg(long, hide = true, default_value = "touch", value_parser = ["touch", "noop"])]
     pub(crate) worker_mode: String,
+    /// (with --workers) The parent's IO threads (`ParentOptions::io_threads`), one table
+    /// each, in the same run (each from a process of its own): `--io-threads 1,2,4`.
+    /// Default: 1. With `--json-out PATH` and several counts, each writes `PATH.io<n>`.
+    #[arg(long, value_delimiter = ',', default_value = "1", value_name = "N,..")]
+    pub(crate) io_threads: Vec<usize>,
 }
 
 impl Args {

@@ -166,8 +166,12 @@ impl Loop {
         let Some(idle) = self.shared.options.arena_idle_release else {
             return;
         };
+        // This room's workers' arenas: another room tells its own workers.
         let arenas = lock(&self.shared.arenas).live_arenas();
         for (id, arena) in arenas {
+            if !self.workers.contains_key(&id) {
+                continue;
+            }
             let released = arena.release_idle(now, idle, 0);
             if !released.is_empty() {
                 self.tell_released(id, &released);
@@ -204,6 +208,10 @@ impl Loop {
         let mut awaited = HashSet::new();
         let arenas = lock(&self.shared.arenas).live_arenas();
         for (id, arena) in arenas {
+            // Another room's worker: that room releases it (empty_cache asks every room).
+            if !self.workers.contains_key(&id) {
+                continue;
+            }
             let released = arena.release_idle(Instant::now(), Duration::ZERO, 0);
             report.arena_chunks += released.len() as u64;
             report.arena_bytes += released.iter().map(|c| c.len).sum::<u64>();

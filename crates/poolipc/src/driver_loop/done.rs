@@ -238,8 +238,7 @@ impl Loop {
             .map(|s| s.done_events.len())
             .chain(self.dead_events.values().map(DoneEvents::len))
             .sum();
-        self.shared
-            .stats
+        self.shared.rooms[self.room]
             .done_events_open
             .store(u64::try_from(open).unwrap_or(u64::MAX), Ordering::Relaxed);
     }

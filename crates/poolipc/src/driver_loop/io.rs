@@ -101,8 +101,9 @@ impl Loop {
                 .last_activity
                 .checked_add(window)
                 .filter(|&t| t > started);
-            let pending = &self.shared.pending;
-            let spinning_flag = &self.shared.io_spinning;
+            let room = &self.shared.rooms[self.room];
+            let pending = &room.pending;
+            let spinning_flag = &room.io_spinning;
             if spin_until.is_some() {
                 spinning_flag.store(true, Ordering::SeqCst);
             }

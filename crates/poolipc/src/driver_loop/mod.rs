@@ -103,6 +103,25 @@ pub(crate) enum Command {
 }
 
 impl Command {
+    /// The worker the command is for, which decides the room (IO thread) that takes it;
+    /// None for a command every room takes (`Shutdown`) or that the caller addresses
+    /// itself (`empty_cache`'s, asked of every room).
+    pub(crate) fn worker(&self) -> Option<WorkerId> {
+        match self {
+            Command::Adopt { worker, .. }
+            | Command::Cancel { worker, .. }
+            | Command::Stop { worker, .. } => Some(*worker),
+            Command::Submit(sub) => Some(sub.worker),
+            Command::Staged(done) => Some(done.worker()),
+            Command::StagingSetUp(done) => Some(done.worker()),
+            Command::ReleaseArena { .. }
+            | Command::OfferPool { .. }
+            | Command::RetirePool { .. }
+            | Command::Shutdown
+            | Command::Panic => None,
+        }
+    }
+
     /// Answers the command with `e` without the loop (which cannot take it).
     pub(crate) fn refuse(self, e: Error) {
         match self {
@@ -157,14 +176,21 @@ pub(crate) struct Submission {
     pub(crate) placed: Option<Placed>,
 }
 
-/// Starts the IO thread; returns once it made the device current (or failed to).
+/// Starts room `room`'s IO thread; returns once it made the device current (or failed to).
 pub(crate) fn start(
     shared: Arc<Shared>,
+    room: usize,
     wake: UnixStream,
 ) -> Result<std::thread::JoinHandle<()>, Error> {
     let (tx, rx) = std::sync::mpsc::channel();
+    // The first room's name is the one thread's of a parent with one room (as before).
+    let name = if room == 0 {
+        "poolipc-parent-io".to_owned()
+    } else {
+        format!("poolipc-io-{room}")
+    };
     let handle = std::thread::Builder::new()
-        .name("poolipc-parent-io".into())
+        .name(name)
         .spawn(move || {
             // CUDA contexts are per thread: every driver call of the loop needs this one.
             if let Err(e) = shared.driver.use_device(shared.options.device) {
@@ -178,18 +204,21 @@ pub(crate) fn start(
             // channels (each caller maps the closed channel to the error) and its workers
             // (killed and reaped), and from now on every command is refused.
             let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-                Loop::new(io, wake).run();
+                Loop::new(io, room, wake).run();
             }));
             if let Err(payload) = ran {
                 let detail = panic_text(payload.as_ref());
-                tracing::error!(%detail, "the parent's IO thread panicked: every waiter gets an error");
-                let inbox = {
-                    let mut inbox = lock(&shared.inbox);
-                    *lock(&shared.io_stopped) = Some(format!("it panicked: {detail}"));
-                    std::mem::take(&mut *inbox)
-                };
-                for command in inbox {
+                tracing::error!(%detail, room, "the parent's IO thread panicked: every waiter gets an error");
+                // Every room's inbox: the parent refuses every command from now on (the
+                // other rooms finish what they hold, then their shutdown comes).
+                *lock(&shared.io_stopped) = Some(format!("it panicked: {detail}"));
+                let mine = std::mem::take(&mut *lock(&shared.rooms[room].inbox));
+                for command in mine {
                     command.refuse(shared.loop_gone());
+                }
+                // The other rooms see it at their next turn: wake them for it.
+                for r in &shared.rooms {
+                    let _ = std::io::Write::write(&mut &r.waker, &[1]);
                 }
             }
         })
@@ -355,6 +384,9 @@ const REAP_GRACE: Duration = Duration::from_secs(1);
 
 struct Loop {
     shared: Arc<Shared>,
+    /// Which of the parent's rooms this loop is: it serves the workers `Shared::room_of`
+    /// gives it, and only them.
+    room: usize,
     wake: UnixStream,
     machine: contract::Parent,
     workers: BTreeMap<WorkerId, Slot>,
@@ -397,7 +429,7 @@ impl Drop for Loop {
         if std::thread::panicking() {
             // Before the jobs' `Answer`s drop (this runs before the fields do): a caller
             // woken by one finds every later call refused. The thread's catch names the panic.
-            let _inbox = lock(&self.shared.inbox);
+            let _inbox = lock(&self.shared.rooms[self.room].inbox);
             lock(&self.shared.io_stopped)
                 .get_or_insert_with(|| "it panicked (the log has the panic's message)".into());
         }
@@ -445,7 +477,7 @@ const GATE_POLL: Duration = Duration::from_millis(1);
 const GATE_POLL_MIN: Duration = Duration::from_micros(20);
 
 impl Loop {
-    fn new(shared: Arc<Shared>, wake: UnixStream) -> Loop {
+    fn new(shared: Arc<Shared>, room: usize, wake: UnixStream) -> Loop {
         let limit = shared.options.limit;
         let machine = contract::Parent::new(contract::ParentConfig {
             limit,
@@ -457,6 +489,7 @@ impl Loop {
         });
         Loop {
             shared,
+            room,
             wake,
             machine,
             workers: BTreeMap::new(),
@@ -484,8 +517,13 @@ impl Loop {
 
     fn run(mut self) {
         loop {
+            if lock(&self.shared.io_stopped).is_some() {
+                // Another room's thread panicked: the parent can do nothing more.
+                self.abandon();
+                return;
+            }
             let turn = Instant::now();
-            for command in self.shared.take_commands() {
+            for command in self.shared.take_commands(self.room) {
                 self.command(command);
             }
             self.drain_backlogs();
@@ -509,6 +547,21 @@ impl Loop {
             );
         }
         self.fail_leftover_jobs();
+    }
+
+    /// Another room panicked: kills and reaps this room's workers and refuses its commands;
+    /// its jobs are answered with [`Error::IoThreadStopped`] as the loop drops them.
+    fn abandon(&mut self) {
+        for command in self.shared.take_commands(self.room) {
+            command.refuse(self.shared.loop_gone());
+        }
+        for (id, slot) in &mut self.workers {
+            if let Some(c) = slot.child.as_mut() {
+                tracing::warn!(worker = %id, "another IO thread panicked: killing the worker");
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
     }
 }
 

@@ -117,6 +117,10 @@ impl Loop {
             let mut registry = lock(&self.shared.registry);
             let mut holders = Vec::new();
             for (id, r) in registry.iter_mut() {
+                // Another room's worker: that room tells it (empty_cache asks every room).
+                if self.shared.room_of(*id) != self.room {
+                    continue;
+                }
                 let live = self.workers.get(id).is_some_and(|s| s.lost.is_none());
                 let indices: Vec<u8> = r
                     .pools

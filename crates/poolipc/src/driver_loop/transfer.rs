@@ -46,6 +46,13 @@ pub(crate) struct SetupDone {
     result: Result<StagingChannel, StagingError>,
 }
 
+impl SetupDone {
+    /// The worker whose staging was set up.
+    pub(crate) fn worker(&self) -> WorkerId {
+        self.worker
+    }
+}
+
 /// Which way a staged tensor goes.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Direction {
@@ -77,6 +84,13 @@ pub(crate) struct TransferDone {
     result: Result<(), StagingError>,
     /// The worker's frames that arrived while the transfer waited for its own.
     backlog: VecDeque<Message>,
+}
+
+impl TransferDone {
+    /// The worker whose tensor was transferred.
+    pub(crate) fn worker(&self) -> WorkerId {
+        self.transfer.worker
+    }
 }
 
 /// A worker's connection while a transfer has it.

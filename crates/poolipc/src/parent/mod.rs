@@ -6,7 +6,7 @@
 //! worker may have several jobs in flight. `spawn_worker`, `stop_worker`, `worker` and `stats`
 //! never wait for a running job.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,8 +33,8 @@ pub(crate) use job::{Answer, ArenaLease};
 pub use job::{Input, JobHandle, JobOutput, ResultAllocator, ResultTensor};
 pub use options::{
     DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
-    DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, ParentOptions, ResultMemory, SPIN_ENV,
-    SPIN_IN_FLIGHT_ENV,
+    DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, IO_THREADS_ENV, MAX_IO_THREADS, ParentOptions,
+    ResultMemory, SPIN_ENV, SPIN_IN_FLIGHT_ENV,
 };
 pub(crate) use shared::{Registered, Shared, WorkerPool, lock};
 pub(crate) use stats::Stats;
@@ -45,7 +45,8 @@ pub use trust::Trust;
 /// `Arc` and submit from any thread.
 pub struct Parent {
     shared: Arc<Shared>,
-    io: Option<std::thread::JoinHandle<()>>,
+    /// The IO threads, one per room ([`ParentOptions::io_threads`]).
+    io: Vec<std::thread::JoinHandle<()>>,
     /// Set on every command [`spawn_worker`](Parent::spawn_worker) runs (the simulated
     /// machine's locator, from [`Parent::on`]).
     worker_env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
@@ -111,6 +112,12 @@ impl Parent {
                 options.arena_cap_fraction
             )));
         }
+        if !(1..=MAX_IO_THREADS).contains(&options.io_threads) {
+            return Err(Error::Config(format!(
+                "io_threads {} must lie in 1..={MAX_IO_THREADS}",
+                options.io_threads
+            )));
+        }
         if options.handoff_timeout.is_zero() || options.stop_timeout.is_zero() {
             return Err(Error::Config(
                 "handoff_timeout and stop_timeout must be longer than zero".into(),
@@ -124,15 +131,22 @@ impl Parent {
         }
         driver.use_device(options.device)?;
         pools.insert(0, SharedPool::install(Arc::clone(&driver), options.device)?);
-        let (waker, wake_read) = UnixStream::pair().map_err(|source| Error::Os {
-            call: "socketpair",
-            source,
-        })?;
-        for s in [&waker, &wake_read] {
-            s.set_nonblocking(true).map_err(|source| Error::Os {
-                call: "fcntl(O_NONBLOCK)",
+        // One socket pair per room: a post writes a byte to wake that room's IO thread.
+        let mut rooms = Vec::with_capacity(options.io_threads);
+        let mut wake_reads = Vec::with_capacity(options.io_threads);
+        for _ in 0..options.io_threads {
+            let (waker, wake_read) = UnixStream::pair().map_err(|source| Error::Os {
+                call: "socketpair",
                 source,
             })?;
+            for s in [&waker, &wake_read] {
+                s.set_nonblocking(true).map_err(|source| Error::Os {
+                    call: "fcntl(O_NONBLOCK)",
+                    source,
+                })?;
+            }
+            rooms.push(shared::Room::new(waker));
+            wake_reads.push(wake_read);
         }
         let mps_client = driver.device_info(options.device)?.mps_client;
         if mps_client == Some(true) {
@@ -151,12 +165,9 @@ impl Parent {
             pools,
             limit: Mutex::new(options.limit),
             options,
-            inbox: Mutex::new(VecDeque::new()),
-            waker,
-            pending: std::sync::atomic::AtomicBool::new(false),
+            rooms,
             arena_copy_on: std::sync::atomic::AtomicBool::new(arena_copy),
             arena_slice_bytes: AtomicU64::new(arena_slice_bytes),
-            io_spinning: std::sync::atomic::AtomicBool::new(false),
             registry: Mutex::new(BTreeMap::new()),
             creator: std::process::id(),
             io_stopped: Mutex::new(None),
@@ -164,10 +175,25 @@ impl Parent {
             next_job: AtomicU64::new(1),
             stats: Stats::default(),
         });
-        let io = driver_loop::start(Arc::clone(&shared), wake_read)?;
+        let mut io = Vec::with_capacity(wake_reads.len());
+        for (room, wake_read) in wake_reads.into_iter().enumerate() {
+            match driver_loop::start(Arc::clone(&shared), room, wake_read) {
+                Ok(thread) => io.push(thread),
+                Err(e) => {
+                    // The rooms started so far end with their shutdown.
+                    let parent = Parent {
+                        shared,
+                        io,
+                        worker_env: Vec::new(),
+                    };
+                    drop(parent);
+                    return Err(e);
+                }
+            }
+        }
         Ok(Parent {
             shared,
-            io: Some(io),
+            io,
             worker_env: Vec::new(),
         })
     }
@@ -316,7 +342,12 @@ impl Parent {
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),
             jobs_held_for_done: get(&s.jobs_held_for_done),
-            done_events_open: get(&s.done_events_open),
+            done_events_open: self
+                .shared
+                .rooms
+                .iter()
+                .map(|r| get(&r.done_events_open))
+                .sum(),
             export_reuse: self.pool().export_reuse().0,
             vmm_handle_tensors: get(&s.vmm_handle_tensors),
             vmm_handles_shared: get(&s.vmm_handles_shared),
@@ -411,37 +442,52 @@ impl Parent {
 
     /// Test-only: makes the parent's IO thread panic, as a bug of its own would, to check
     /// that every waiter then gets [`Error::IoThreadStopped`] rather than hanging. Never call
-    /// it otherwise: the parent can do nothing after it.
+    /// it otherwise: the parent can do nothing after it. Returns once the panic is recorded
+    /// (at most 10 s), so that every later call is refused whichever room it goes to.
     #[doc(hidden)]
     pub fn panic_io_thread(&self) {
         self.shared.post(LoopCommand::Panic);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while lock(&self.shared.io_stopped).is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
 
     /// Posts the command `make` builds to the IO loop and waits for its `EmptyCache` reply.
     fn ask_loop(
         &self,
-        make: impl FnOnce(std::sync::mpsc::Sender<EmptyCache>) -> LoopCommand,
+        make: impl Fn(std::sync::mpsc::Sender<EmptyCache>) -> LoopCommand,
     ) -> Result<EmptyCache, Error> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.shared.post(make(tx));
-        rx.recv().map_err(|_| self.shared.loop_gone())
+        // Every room serves its own workers: each is asked, and the answers add up.
+        let mut out = EmptyCache::default();
+        let answers: Vec<_> = (0..self.shared.rooms.len())
+            .map(|room| {
+                let (tx, rx) = std::sync::mpsc::channel();
+                self.shared.post_to(room, make(tx));
+                rx
+            })
+            .collect();
+        for rx in answers {
+            out.add(&rx.recv().map_err(|_| self.shared.loop_gone())?);
+        }
+        Ok(out)
     }
 }
 
 impl Drop for Parent {
     fn drop(&mut self) {
         if std::process::id() != self.shared.creator {
-            // A forked child: the IO thread is the parent process's; there is none to join.
-            if let Some(io) = self.io.take() {
+            // A forked child: the IO threads are the parent process's; there is none to join.
+            for io in self.io.drain(..) {
                 std::mem::forget(io);
             }
             return;
         }
         self.shared.post(LoopCommand::Shutdown);
-        if let Some(io) = self.io.take()
-            && io.join().is_err()
-        {
-            tracing::error!("the parent's IO thread panicked");
+        for io in self.io.drain(..) {
+            if io.join().is_err() {
+                tracing::error!("the parent's IO thread panicked");
+            }
         }
         crate::probe::dump();
     }

@@ -56,6 +56,14 @@ pub struct ParentOptions {
     /// `POOLIPC_SPIN_IN_FLIGHT_US` if set, else 1 ms where the machine has four or more
     /// CPUs, else zero.
     pub spin_in_flight: Duration,
+    /// How many IO threads (rooms) serve the workers, each its own share of them (worker `id`
+    /// goes to room `id % io_threads`) with its own copy of the ownership contract's
+    /// machine: one thread's work per job (a frame read and written, the contract, the
+    /// driver calls of a lend and of its DONE) then limits the rate of only its workers.
+    /// `ParentStats::io_busy_ns` (printed by `poolipc bench --workers N`) says whether one
+    /// is the limit. Each room spins as [`spin`](ParentOptions::spin) says, so more rooms
+    /// spin more CPUs. 1 to 64; by default `POOLIPC_IO_THREADS` if set, else 1.
+    pub io_threads: usize,
     /// Run the canary battery on each new worker before it takes jobs.
     pub canary: bool,
     /// The host-staging rung's buffer and waits.
@@ -231,6 +239,7 @@ impl Default for ParentOptions {
             send_queue: SendQueueLimits::default(),
             spin: default_spin(SPIN_ENV, Duration::from_micros(400)),
             spin_in_flight: default_spin(SPIN_IN_FLIGHT_ENV, Duration::from_millis(1)),
+            io_threads: default_io_threads(),
             canary: true,
             staging: StagingConfig::default(),
             results: ResultMemory::Pool,
@@ -269,6 +278,21 @@ pub const SPIN_ENV: &str = "POOLIPC_SPIN_US";
 /// The environment variable that sets [`ParentOptions::spin_in_flight`]'s default, in
 /// microseconds.
 pub const SPIN_IN_FLIGHT_ENV: &str = "POOLIPC_SPIN_IN_FLIGHT_US";
+
+/// The environment variable that sets [`ParentOptions::io_threads`]'s default.
+pub const IO_THREADS_ENV: &str = "POOLIPC_IO_THREADS";
+
+/// The most [`ParentOptions::io_threads`] may be.
+pub const MAX_IO_THREADS: usize = 64;
+
+/// [`IO_THREADS_ENV`] if set to a number (checked by [`Parent::new`](crate::Parent::new)),
+/// else 1.
+fn default_io_threads() -> usize {
+    std::env::var(IO_THREADS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(1)
+}
 
 /// `env` if set to a number of microseconds; else `spin` where there are CPUs to spare for
 /// spinning (four or more), none otherwise.

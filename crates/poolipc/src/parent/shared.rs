@@ -68,8 +68,9 @@ pub(crate) struct Shared {
     pub(crate) pools: Vec<SharedPool<dyn Driver>>,
     pub(crate) options: ParentOptions,
     pub(crate) limit: Mutex<ImportLimit>,
-    pub(crate) inbox: Mutex<VecDeque<LoopCommand>>,
-    pub(crate) waker: UnixStream,
+    /// The IO loop's rooms, one IO thread each ([`ParentOptions::io_threads`]); a worker is
+    /// served by room `id % rooms.len()` for its whole life ([`Shared::room_of`]).
+    pub(crate) rooms: Vec<Room>,
     /// Whether the arena-copy rung may be chosen now ([`ParentOptions::arena_copy`] at
     /// first, then [`Parent::set_arena_copy`](crate::Parent::set_arena_copy)).
     pub(crate) arena_copy_on: std::sync::atomic::AtomicBool,
@@ -77,12 +78,6 @@ pub(crate) struct Shared {
     /// ([`ParentOptions::arena_slice_bytes`] at first, then
     /// [`Parent::set_arena_slice_bytes`](crate::Parent::set_arena_slice_bytes)).
     pub(crate) arena_slice_bytes: AtomicU64,
-    /// Set by [`Shared::post`] before it decides whether to wake the loop; cleared by the
-    /// loop when it takes the commands.
-    pub(crate) pending: std::sync::atomic::AtomicBool,
-    /// Set while the IO loop spins instead of sleeping: a post need not write the wake-up
-    /// byte then (a system call and a wake-up saved per submit).
-    pub(crate) io_spinning: std::sync::atomic::AtomicBool,
     pub(crate) registry: Mutex<BTreeMap<WorkerId, Registered>>,
     /// The process that made the parent: a call from another (a forked child, where the IO
     /// thread does not exist) fails with [`Error::Forked`].
@@ -100,6 +95,34 @@ pub(crate) struct Shared {
     /// The arenas, one per worker, each made by the IO thread at its worker's first need
     /// ([`ResultMemory::Arena`](crate::ResultMemory::Arena), [`ParentOptions::arena_copy`]).
     pub(crate) arenas: Mutex<Arenas>,
+}
+
+/// One room of the IO loop: its thread's inbox and how it is woken.
+pub(crate) struct Room {
+    pub(crate) inbox: Mutex<VecDeque<LoopCommand>>,
+    pub(crate) waker: UnixStream,
+    /// Set by [`Shared::post`] before it decides whether to wake the loop; cleared by the
+    /// loop when it takes the commands.
+    pub(crate) pending: std::sync::atomic::AtomicBool,
+    /// Set while the IO loop spins instead of sleeping: a post need not write the wake-up
+    /// byte then (a system call and a wake-up saved per submit).
+    pub(crate) io_spinning: std::sync::atomic::AtomicBool,
+    /// The DONE events this room holds open now (its part of
+    /// [`ParentStats::done_events_open`](crate::ParentStats::done_events_open)).
+    pub(crate) done_events_open: AtomicU64,
+}
+
+impl Room {
+    /// A room woken through `waker` (the write end of its thread's socket pair).
+    pub(crate) fn new(waker: UnixStream) -> Room {
+        Room {
+            inbox: Mutex::new(VecDeque::new()),
+            waker,
+            pending: std::sync::atomic::AtomicBool::new(false),
+            io_spinning: std::sync::atomic::AtomicBool::new(false),
+            done_events_open: AtomicU64::new(0),
+        }
+    }
 }
 
 /// Locks a mutex, taking the data back if a thread panicked while holding it (the data of
@@ -140,10 +163,33 @@ impl Shared {
             })
     }
 
-    /// Hands a command to the IO loop and wakes it; answers it with the error at once when
-    /// the loop cannot ([`check_loop`](Self::check_loop)).
+    /// The room (IO thread) that serves `worker`.
+    pub(crate) fn room_of(&self, worker: WorkerId) -> usize {
+        usize::try_from(worker.0).unwrap_or(0) % self.rooms.len()
+    }
+
+    /// Hands a command to the IO loop and wakes it: to the room of the worker it is for;
+    /// `Shutdown` to every room; anything else to the first (`empty_cache` asks every room
+    /// itself, with [`post_to`](Self::post_to)). Answers it with the error at once when the
+    /// loop cannot ([`check_loop`](Self::check_loop)).
     pub(crate) fn post(&self, command: LoopCommand) {
-        let mut inbox = lock(&self.inbox);
+        if matches!(command, LoopCommand::Shutdown) {
+            for room in 0..self.rooms.len() {
+                self.post_to(room, LoopCommand::Shutdown);
+            }
+            return;
+        }
+        let room = command.worker().map_or(0, |w| self.room_of(w));
+        self.post_to(room, command);
+    }
+
+    /// Hands a command to room `room`'s IO thread and wakes it (see [`post`](Self::post)).
+    pub(crate) fn post_to(&self, room: usize, command: LoopCommand) {
+        let Some(r) = self.rooms.get(room) else {
+            command.refuse(Error::Protocol(format!("no IO room {room}")));
+            return;
+        };
+        let mut inbox = lock(&r.inbox);
         if let Err(e) = self.check_loop() {
             drop(inbox);
             command.refuse(e);
@@ -153,16 +199,18 @@ impl Shared {
         drop(inbox);
         // Dekker with the loop's `io_spinning.store(false)` then `pending.load()`: either the
         // loop sees `pending` before it sleeps, or we see it is not spinning and wake it.
-        self.pending.store(true, Ordering::SeqCst);
-        if !self.io_spinning.load(Ordering::SeqCst) {
+        r.pending.store(true, Ordering::SeqCst);
+        if !r.io_spinning.load(Ordering::SeqCst) {
             // A full socket buffer means a wake-up is pending anyway.
-            let _ = (&self.waker).write(&[1]);
+            let _ = (&r.waker).write(&[1]);
         }
     }
 
-    pub(crate) fn take_commands(&self) -> VecDeque<LoopCommand> {
-        self.pending.store(false, Ordering::SeqCst);
-        std::mem::take(&mut *lock(&self.inbox))
+    /// Room `room`'s commands, taken by its IO thread.
+    pub(crate) fn take_commands(&self, room: usize) -> VecDeque<LoopCommand> {
+        let r = &self.rooms[room];
+        r.pending.store(false, Ordering::SeqCst);
+        std::mem::take(&mut *lock(&r.inbox))
     }
 
     /// `Err(ContextLost)` once the process's CUDA context is lost: nothing more is done.

@@ -66,6 +66,21 @@ pub struct EmptyCache {
     pub device_bytes_back: u64,
 }
 
+impl EmptyCache {
+    /// Adds what another part of the parent gave back (each IO room answers for its own
+    /// workers).
+    pub(crate) fn add(&mut self, other: &EmptyCache) {
+        self.arena_chunks += other.arena_chunks;
+        self.arena_bytes += other.arena_bytes;
+        self.workers_not_answered += other.workers_not_answered;
+        self.vmm_workers += other.vmm_workers;
+        self.pool_bytes += other.pool_bytes;
+        self.pools_rotated += other.pools_rotated;
+        self.pools_retired += other.pools_retired;
+        self.device_bytes_back += other.device_bytes_back;
+    }
+}
+
 /// What the parent knows of a worker.
 #[derive(Clone, Debug)]
 pub struct WorkerInfo {
@@ -154,7 +169,6 @@ pub(crate) struct Stats {
     pub(crate) vmm_handle_tensors: AtomicU64,
     pub(crate) vmm_handles_shared: AtomicU64,
     pub(crate) jobs_held_for_done: AtomicU64,
-    pub(crate) done_events_open: AtomicU64,
     pub(crate) io_busy_ns: AtomicU64,
 }
 
