@@ -341,8 +341,9 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # `run.sh --mps-pass` (run by run.sh itself inside `poolipc mps`) runs the handoff and facade
 # suites again as clients of a private MPS daemon. POOLIPC_PARTS picks parts (default
 # "tests,tools,mps,bench,python"; "regress", this tree's bench against each baseline-*/poolipc
-# in alternated pairs, runs only when named); POOLIPC_TEST_BINS names test binaries (default
-# all), so that one machine call stays within its time limit.
+# in alternated pairs, and "scaling", several workers at once with 1, 2 and 4 IO threads and
+# Python's split, run only when named); POOLIPC_TEST_BINS names test binaries (default all),
+# so that one machine call stays within its time limit.
 set -u
 parts=${POOLIPC_PARTS:-tests,tools,mps,bench,python}
 want() { case ",$parts," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
@@ -519,6 +520,33 @@ elif [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
 else
   echo "python: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi
+if want scaling; then
+# Issue 24: what stops several workers at once (the IO threads' busy share, 1, 2 and 4 IO
+# threads) and Python's share of a round trip, plainly and under MPS. Only when named.
+mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
+echo "--- poolipc bench --workers 8 --io-threads 1,2,4 $mps (jobs/s, IO busy per thread, IO us per job)" >> "$summary"
+RUST_LOG=warn timeout 420 "$here/poolipc" bench --workers 8 --io-threads 1,2,4 $mps > "$out/scaling-workers.log" 2>&1; echo "bench --workers --io-threads exit: $?" >> "$summary"
+grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-workers.log" >> "$summary"
+if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
+  [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/scaling-pip.log" 2>&1
+  for m in plain mps; do
+    run=""; [ "$m" = mps ] && { [ -n "$mps" ] || continue; run="$here/poolipc mps --accept-shared-gpu-faults --"; }
+    echo "--- bench/pysplit.py ($m)" >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" timeout 240 $run python3 bench/pysplit.py --probe "$out/pysplit-$m" ) > "$out/scaling-pysplit-$m.log" 2>&1
+    echo "pysplit ($m) exit: $?" >> "$summary"
+    grep -v ' INFO ' "$out/scaling-pysplit-$m.log" | tail -45 >> "$summary"
+    rm -rf "$out/pysplit-$m"
+    for n in 1 4; do
+      echo "--- bench/pybench.py --workers 8 ($m, POOLIPC_IO_THREADS=$n)" >> "$summary"
+      ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_IO_THREADS=$n timeout 240 $run python3 bench/pybench.py --workers 8 ) > "$out/scaling-pybench-$m-$n.log" 2>&1
+      echo "pybench --workers ($m, $n IO threads) exit: $?" >> "$summary"
+      grep -v ' INFO ' "$out/scaling-pybench-$m-$n.log" | tail -12 >> "$summary"
+    done
+  done
+else
+  echo "scaling: the Python rows NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
+fi
+fi
 pass=$(awk '{p+=$1} END {print p+0}' "$out/counts"); fail=$(awk '{f+=$2} END {print f+0}' "$out/counts")
 echo "--- tests: $pass passed, $fail failed" >> "$summary"
 # The device machine gives back only a few files from $OUT: the summary, the chart and one
@@ -572,6 +600,9 @@ mod tests {
             .expect("run.sh sets its parts");
         assert!(!line.contains("regress"), "{line}");
         assert!(RUN_SH.contains("if want regress; then"));
+        // The scaling part (issue 24's tables) is asked for by name too.
+        assert!(!line.contains("scaling"), "{line}");
+        assert!(RUN_SH.contains("if want scaling; then"));
     }
 
     #[test]
