@@ -27,6 +27,8 @@ pub(crate) struct ParentConfig {
     /// Whether workers get no handle on the parent's pool by default ([`ParentOptions::isolated`];
     /// `spawn(..., isolated=)` chooses per worker).
     isolated: Option<bool>,
+    /// The IO threads that serve the workers ([`ParentOptions::io_threads`]).
+    io_threads: Option<usize>,
 }
 
 /// [`ParentConfig::arena_bytes`]' default: the arena's first chunk, and its growth step.
@@ -130,6 +132,15 @@ impl ParentConfig {
         if let Some(isolated) = self.isolated {
             o.isolated = isolated;
         }
+        if let Some(n) = self.io_threads {
+            if !(1..=poolipc::MAX_IO_THREADS).contains(&n) {
+                return Err(format!(
+                    "poolipc: io_threads={n} is not a count of IO threads: give 1 to {}",
+                    poolipc::MAX_IO_THREADS
+                ));
+            }
+            o.io_threads = n;
+        }
         if self.arena_bytes == Some(0) {
             return Err(
                 "poolipc: arena_bytes=0: the arena needs a first chunk of more than 0 \
@@ -197,6 +208,14 @@ impl ParentConfig {
                 "isolated={} (the process's parent has {})",
                 if want { "True" } else { "False" },
                 if made.isolated { "True" } else { "False" }
+            ));
+        }
+        if let Some(n) = self.io_threads
+            && n != made.io_threads
+        {
+            out.push(format!(
+                "io_threads={n} (the process's parent has {})",
+                made.io_threads
             ));
         }
         let (have, first, max) = match made.results {

@@ -757,6 +757,44 @@ def test_deadlines_are_set_once_per_process_and_a_clash_is_a_value_error(parent)
         poolipc.Parent(3)
 
 
+def test_io_threads_is_set_once_per_process_and_its_rooms_serve_workers():
+    # A fresh process: the module's parent has one IO thread.
+    code = textwrap.dedent("""
+        import os, struct, sys
+        import poolipc
+        try:
+            poolipc.install_pool(0, io_threads=0)
+        except ValueError as e:
+            print("ZERO", e)
+        poolipc.install_pool(0, io_threads=2)
+        p = poolipc.Parent(0)
+        print("OPTIONS", p.options["io_threads"])
+        try:
+            poolipc.Parent(0, io_threads=3)
+        except ValueError as e:
+            print("CLASH", e)
+        argv = [sys.executable, os.environ["PY_WORKER"]]
+        ws = [p.spawn(argv, {"POOLIPC_TEST_MODE": "echo"}) for _ in range(3)]
+        buf = p.alloc(64, dtype="float32", shape=[16])
+        p.write(buf.ptr, struct.pack("<16f", *range(16)))
+        for w in ws:
+            (r,) = p.run(w, [poolipc.TensorRef(buf.ptr, "float32", [16])])
+            got = p.read(r.ptr, 64)
+            assert struct.unpack("<15f", got[4:]) == tuple(float(i) for i in range(1, 16)), got
+        print("BUSY", p.stats()["io_busy_ns"] > 0)
+        print("STOPPED", [p.stop(w) for w in ws])
+    """)
+    env = dict(os.environ, POOLIPC_DRIVER="sim", PY_WORKER=py_worker_argv()[1])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert "io_threads=0 is not a count of IO threads" in lines["ZERO"]
+    assert lines["OPTIONS"] == "2"
+    assert "io_threads=3 (the process's parent has 2)" in lines["CLASH"]
+    assert lines["BUSY"] == "True"
+    assert lines["STOPPED"] == "[0, 0, 0]"
+
+
 def test_a_pool_parent_refuses_arena_results_per_job_and_a_clash_names_the_result_memory(parent):
     o = parent.options
     assert (o["results"], o["arena_bytes"], o["arena_max_bytes"]) == ("pool", None, None)

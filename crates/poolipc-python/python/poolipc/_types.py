@@ -111,7 +111,13 @@ class ParentConfig(TypedDict, total=False):
     (one device-to-device copy) and their results come from the arena, so a worker running
     untrusted code reaches the tensors lent to it, in their copies, and nothing else of the
     parent's. It is the default for each worker: ``Parent.spawn(..., isolated=True/False)``
-    chooses one worker's trust."""
+    chooses one worker's trust.
+
+    ``io_threads``: how many IO threads serve the workers, each its own share of them (1 to
+    64; by default ``POOLIPC_IO_THREADS``, else 1). One IO thread serves every worker by
+    default; ``stats()["io_busy_ns"]`` growing near the wall time says it limits several
+    workers at once, and more threads then lift that limit (each spins its own CPU while jobs
+    run)."""
 
     handoff_timeout: float | None
     stop_timeout: float | None
@@ -121,6 +127,7 @@ class ParentConfig(TypedDict, total=False):
     arena_bytes: int | None
     arena_max_bytes: int | None
     isolated: bool | None
+    io_threads: int | None
 
 
 def parent_config(options: Mapping[str, object], caller: str) -> ParentConfig:
@@ -137,7 +144,7 @@ class ParentOptions(TypedDict):
     """``Parent.options``: the process parent's device, its deadlines in seconds, whether it
     runs the canary battery, its result memory (``results``: ``pool`` or ``arena``; the
     arena's first chunk and cap in bytes, None without an arena or a cap), whether workers
-    are ``isolated``, and who made it
+    are ``isolated``, its ``io_threads``, and who made it
     (``install_pool`` or ``Parent``)."""
 
     device: int
@@ -150,6 +157,7 @@ class ParentOptions(TypedDict):
     arena_bytes: int | None
     arena_max_bytes: int | None
     isolated: bool
+    io_threads: int
     made_by: str
 
 
