@@ -270,3 +270,37 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    fn a_pushed_device_is_current_until_popped_and_the_threads_context_before_comes_back(env) {
+        // What a Python worker's call does on the caller's thread: push the worker's device,
+        // work, pop. On a fresh thread (no context on CUDA) the work runs, and after the pop
+        // the thread has no context again: a caller's torch keeps its own.
+        let d = Arc::clone(&env.driver);
+        let (device, kind) = (env.device, env.kind());
+        std::thread::spawn(move || -> Result<()> {
+            if kind == DriverKind::Cuda {
+                ensure!(d.mem_get_info().is_err(), "a fresh thread already has a context");
+            }
+            d.push_device(device)?;
+            let (free, total) = d.mem_get_info()?;
+            ensure!(total > 0 && free <= total, "mem_get_info: {free} of {total}");
+            let stream = d.stream_create()?;
+            d.stream_synchronize(stream)?;
+            d.pop_device()?;
+            if kind == DriverKind::Cuda {
+                ensure!(d.mem_get_info().is_err(), "a context is still current after the pop");
+                // Pushed twice, popped once: the first push's context is current still.
+                d.push_device(device)?;
+                d.push_device(device)?;
+                d.pop_device()?;
+                ensure!(d.mem_get_info().is_ok(), "the pop took both pushes");
+                d.pop_device()?;
+            }
+            Ok(())
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread panicked"))??;
+        Ok(())
+    }
+);

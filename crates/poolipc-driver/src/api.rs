@@ -36,6 +36,13 @@ pub trait Driver: Send + Sync {
     fn device_can_access_peer(&self, ordinal: u32, peer: u32) -> Result<bool>;
     /// `cuDevicePrimaryCtxRetain` (once per device) and `cuCtxSetCurrent` on this thread.
     fn use_device(&self, ordinal: u32) -> Result<()>;
+    /// `cuDevicePrimaryCtxRetain` (once per device) and `cuCtxPushCurrent`: `ordinal`'s
+    /// device is current on this thread until [`pop_device`](Driver::pop_device) makes the
+    /// context current before it current again. For a call made on a thread that is not
+    /// poolipc's (a Python caller's, whose torch may be on another device).
+    fn push_device(&self, ordinal: u32) -> Result<()>;
+    /// `cuCtxPopCurrent`: undoes this thread's last [`push_device`](Driver::push_device).
+    fn pop_device(&self) -> Result<()>;
     /// `cuMemGetInfo` for the current device: (free, total) bytes.
     fn mem_get_info(&self) -> Result<(u64, u64)>;
 

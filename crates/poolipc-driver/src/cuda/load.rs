@@ -21,6 +21,8 @@ const SYMBOLS: &[&str] = &[
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
     "cuMemGetInfo_v2",
     "cuMemPoolCreate",
     "cuMemPoolDestroy",

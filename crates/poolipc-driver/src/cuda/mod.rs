@@ -94,6 +94,31 @@ pub struct CudaDriver {
 }
 
 impl CudaDriver {
+    /// `ordinal`'s primary context, retained the first time (released when the driver is
+    /// dropped).
+    fn primary_context(&self, ordinal: u32) -> Result<sys::CUcontext> {
+        let mut map = self
+            .retained
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let r = match map.get(&ordinal) {
+            Some(r) => *r,
+            None => {
+                let device = self.device(ordinal)?;
+                // Released in Drop.
+                let ctx = result::device::primary_ctx_retain(device)?;
+                let r = Retained {
+                    device,
+                    context: ctx.expose_provenance(),
+                };
+                map.insert(ordinal, r);
+                r
+            }
+        };
+        drop(map);
+        Ok(std::ptr::with_exposed_provenance_mut(r.context))
+    }
+
     /// Load libcuda, check it, and initialise the driver API.
     pub fn new() -> Result<CudaDriver> {
         load::load()?;
@@ -189,29 +214,20 @@ impl Driver for CudaDriver {
     }
 
     fn use_device(&self, ordinal: u32) -> Result<()> {
-        let mut map = self
-            .retained
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let r = match map.get(&ordinal) {
-            Some(r) => *r,
-            None => {
-                let device = self.device(ordinal)?;
-                // Released in Drop.
-                let ctx = result::device::primary_ctx_retain(device)?;
-                let r = Retained {
-                    device,
-                    context: ctx.expose_provenance(),
-                };
-                map.insert(ordinal, r);
-                r
-            }
-        };
-        drop(map);
-        let ctx: sys::CUcontext = std::ptr::with_exposed_provenance_mut(r.context);
-        // SAFETY: the context is retained (above, once per device) and released only when
-        // this driver is dropped, so it is live for as long as the driver lives.
+        let ctx = self.primary_context(ordinal)?;
+        // SAFETY: the context is retained (once per device) and released only when this
+        // driver is dropped, so it is live for as long as the driver lives.
         unsafe { result::device::ctx_set_current(ctx) }
+    }
+
+    fn push_device(&self, ordinal: u32) -> Result<()> {
+        let ctx = self.primary_context(ordinal)?;
+        // SAFETY: as in `use_device`: retained until this driver is dropped.
+        unsafe { result::device::ctx_push_current(ctx) }
+    }
+
+    fn pop_device(&self) -> Result<()> {
+        result::device::ctx_pop_current()
     }
 
     fn mem_get_info(&self) -> Result<(u64, u64)> {

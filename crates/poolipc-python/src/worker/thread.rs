@@ -2,8 +2,8 @@
 //! [`poolipc::Worker`] (its `Job` borrows it, which a Python object cannot hold) and carries
 //! out, one function per command, what the Python objects ask over a [`Link`].
 //!
-//! A command runs on the thread that asks (the GIL released, the worker's device made current
-//! there): taking a job, requesting results, finishing cost no hop to another thread and back
+//! A command runs on the thread that asks (the GIL released, the worker's device pushed as
+//! that thread's current context and popped after): taking a job, requesting results, finishing cost no hop to another thread and back
 //! (two wake-ups each, the larger part of what Python added to a round trip). The worker's
 //! own thread, which opened it, does what must not wait for a caller: commands posted from a
 //! DLPack deleter or a dropped job (carried out by whichever of it and the next call holds
@@ -431,14 +431,19 @@ impl Link {
         let closed = self.posted().closed;
         let answer = match core.as_mut() {
             Some(w) if !closed => {
-                // CUDA contexts are per thread: this one may never have had the worker's.
-                w.driver
-                    .use_device(w.worker.device())
-                    .map_err(|e| format!("poolipc: making the worker's device current: {e}"))
-                    .and_then(|()| {
+                // CUDA contexts are per thread: this one may never have had the worker's,
+                // or have torch's on another device, which it gets back after.
+                match w.driver.push_device(w.worker.device()) {
+                    Ok(()) => {
                         self.run_posted(w);
-                        w.answer(cmd)
-                    })
+                        let answer = w.answer(cmd);
+                        if let Err(e) = w.driver.pop_device() {
+                            tracing::warn!(error = %e, "restoring the caller's CUDA context failed");
+                        }
+                        answer
+                    }
+                    Err(e) => Err(format!("poolipc: making the worker's device current: {e}")),
+                }
             }
             _ => Err("poolipc: this worker was closed".into()),
         };

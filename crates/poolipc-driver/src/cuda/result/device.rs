@@ -140,6 +140,29 @@ pub(crate) unsafe fn ctx_set_current(ctx: sys::CUcontext) -> Result<()> {
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
 }
 
+/// `cuCtxPushCurrent_v2` on the calling thread: `ctx` current until the matching pop.
+///
+/// # Safety
+/// 1. `ctx` is a context of this process, live (retained, not released) for as long as it is
+///    on this thread's context stack: libcuda dereferences it without checking.
+pub(crate) unsafe fn ctx_push_current(ctx: sys::CUcontext) -> Result<()> {
+    // SAFETY: the caller guarantees (1) that `ctx` is a live context of this process.
+    check("cuCtxPushCurrent_v2", unsafe {
+        sys::cuCtxPushCurrent_v2(ctx)
+    })
+}
+
+/// `cuCtxPopCurrent_v2` on the calling thread: the context pushed last leaves the stack and
+/// the one before it is current again (an error when the stack is empty).
+pub(crate) fn ctx_pop_current() -> Result<()> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `ctx` is a live local, a valid place for the one CUcontext the driver writes;
+    // popping touches only this thread's stack (an empty one is the driver's error).
+    check("cuCtxPopCurrent_v2", unsafe {
+        sys::cuCtxPopCurrent_v2(&raw mut ctx)
+    })
+}
+
 /// `cuCtxGetCurrent`: the calling thread's current context (null when none is).
 pub(crate) fn ctx_get_current() -> Result<sys::CUcontext> {
     let mut ctx: sys::CUcontext = std::ptr::null_mut();

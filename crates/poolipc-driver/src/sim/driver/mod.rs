@@ -51,6 +51,16 @@ impl Driver for SimDriver {
         device::use_device(self, ordinal)
     }
 
+    /// The simulation has one current device per process, not a stack per thread: a push is
+    /// `use_device`, a pop leaves it.
+    fn push_device(&self, ordinal: u32) -> Result<()> {
+        device::use_device(self, ordinal)
+    }
+
+    fn pop_device(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn mem_get_info(&self) -> Result<(u64, u64)> {
         device::mem_get_info(self)
     }
