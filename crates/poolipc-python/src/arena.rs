@@ -94,17 +94,15 @@ impl ArenaHold {
         drop(self);
     }
 
-    /// Runs `f` with the device current, once as the thread is and, if that fails, once
-    /// more after making the parent's device current (a thread torch frees on may have no
-    /// context).
+    /// Runs `f` with the parent's device pushed as this thread's current context, popped
+    /// after (a thread torch frees on may have no context, or torch's on another device).
     fn on_device<T>(&self, f: impl Fn() -> Result<T, DriverError>) -> Result<T, DriverError> {
-        match f() {
-            Ok(v) => Ok(v),
-            Err(_) => {
-                self.driver.use_device(self.device)?;
-                f()
-            }
+        self.driver.push_device(self.device)?;
+        let out = f();
+        if let Err(e) = self.driver.pop_device() {
+            tracing::warn!(error = %e, "restoring the caller's CUDA context failed");
         }
+        out
     }
 
     /// Makes `waiter` wait for the work queued on `on` so far.

@@ -76,7 +76,7 @@ pub(crate) struct DeviceBuffer {
 impl DeviceBuffer {
     fn free_now(&self) -> Result<(), poolipc_driver::DriverError> {
         if let Some(p) = lock(&self.ptr).take() {
-            self.g.driver.use_device(self.g.device)?;
+            let _on = self.g.on_device()?;
             poolipc_driver::PoolAllocation::claim(&*self.g.driver, p)?.free(StreamHandle::NULL)?;
         }
         Ok(())
@@ -299,11 +299,11 @@ impl NativeParent {
         let caller_alloc = alloc.is_some();
         let alloc = alloc.map(|f| python_allocator(f, Arc::clone(&log)));
         let g = Arc::clone(&self.g);
-        g.driver.use_device(g.device).map_err(driver_err)?;
+        let _on = self.g.on_device().map_err(driver_err)?;
         let stream = checked_stream(&*g.driver, stream)?;
         let handle = py
             .detach(move || {
-                // The device was made current on this thread above.
+                // The device was pushed on this thread above.
                 let w = WorkerId(worker);
                 match alloc {
                     Some(a) => g.parent.submit_with(w, &inputs, stream, a),
@@ -429,7 +429,7 @@ impl NativeParent {
         };
         let g = Arc::clone(&self.g);
         py.detach(move || {
-            g.use_device()?;
+            let _on = g.on_device()?;
             g.parent.spawn_worker_with(cmd, trust)
         })
         .map(|id| id.0)
@@ -532,7 +532,7 @@ impl NativeParent {
         let g = Arc::clone(&self.g);
         let stats = py
             .detach(move || {
-                g.use_device()?;
+                let _on = g.on_device()?;
                 g.parent.reclaim_arena();
                 Ok::<_, poolipc::Error>(g.parent.arena_stats())
             })
@@ -646,7 +646,7 @@ impl NativeParent {
         let dt = dtype::parse(dtype)?;
         let shape = buffer_shape(nbytes, dt, shape)?;
         let g = Arc::clone(&self.g);
-        g.driver.use_device(g.device).map_err(driver_err)?;
+        let _on = self.g.on_device().map_err(driver_err)?;
         let stream = checked_stream(&*g.driver, stream)?;
         let ptr = py
             .detach(move || {
@@ -675,7 +675,7 @@ impl NativeParent {
     #[pyo3(signature = (ptr, data, stream = None))]
     fn write(&self, py: Python<'_>, ptr: u64, data: Vec<u8>, stream: Option<u64>) -> PyResult<()> {
         let g = Arc::clone(&self.g);
-        g.driver.use_device(g.device).map_err(driver_err)?;
+        let _on = self.g.on_device().map_err(driver_err)?;
         let stream = stream.map(|s| checked_stream(&*g.driver, s)).transpose()?;
         py.detach(move || match stream {
             Some(s) => g.driver.memcpy_htod_on(DevicePtr(ptr), &data, s),
@@ -690,7 +690,7 @@ impl NativeParent {
     #[pyo3(signature = (ptr, nbytes, value, stream = 0))]
     fn fill(&self, py: Python<'_>, ptr: u64, nbytes: u64, value: u8, stream: u64) -> PyResult<()> {
         let g = Arc::clone(&self.g);
-        g.driver.use_device(g.device).map_err(driver_err)?;
+        let _on = self.g.on_device().map_err(driver_err)?;
         let stream = checked_stream(&*g.driver, stream)?;
         py.detach(move || {
             g.driver
@@ -720,7 +720,7 @@ impl NativeParent {
         })?;
         buf.resize(nbytes, 0);
         let g = Arc::clone(&self.g);
-        g.driver.use_device(g.device).map_err(driver_err)?;
+        let _on = self.g.on_device().map_err(driver_err)?;
         let stream = stream.map(|s| checked_stream(&*g.driver, s)).transpose()?;
         py.detach(move || {
             match stream {
@@ -737,7 +737,7 @@ impl NativeParent {
     #[pyo3(signature = (stream = 0))]
     fn synchronize(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         let g = Arc::clone(&self.g);
-        g.driver.use_device(g.device).map_err(driver_err)?;
+        let _on = self.g.on_device().map_err(driver_err)?;
         let stream = checked_stream(&*g.driver, stream)?;
         py.detach(move || g.driver.stream_synchronize(stream))
             .map_err(driver_err)

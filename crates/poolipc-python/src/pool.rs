@@ -58,7 +58,7 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let s = {
         let g = Arc::clone(&g);
         py.detach(move || {
-            g.use_device()?;
+            let _on = g.on_device()?;
             Ok::<_, poolipc::Error>(g.parent.pool().stats()?)
         })
         .map_err(|e| to_py_for(py, e, None))?
@@ -81,7 +81,7 @@ pub(crate) fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 pub(crate) fn mem_get_info(py: Python<'_>) -> PyResult<(u64, u64)> {
     let g = installed()?;
     py.detach(move || {
-        g.use_device()?;
+        let _on = g.on_device()?;
         Ok::<_, poolipc::Error>(g.driver.mem_get_info()?)
     })
     .map_err(|e| to_py_for(py, e, None))
@@ -95,7 +95,7 @@ pub(crate) fn mem_get_info(py: Python<'_>) -> PyResult<(u64, u64)> {
 pub(crate) fn reset_peak_memory_stats(py: Python<'_>) -> PyResult<()> {
     let g = installed()?;
     py.detach(move || {
-        g.use_device()?;
+        let _on = g.on_device()?;
         Ok::<_, poolipc::Error>(g.parent.pool().reset_high()?)
     })
     .map_err(|e| to_py_for(py, e, None))
@@ -111,7 +111,7 @@ pub(crate) fn reset_peak_memory_stats(py: Python<'_>) -> PyResult<()> {
 pub(crate) fn empty_cache(py: Python<'_>) -> PyResult<u64> {
     let g = installed()?;
     py.detach(move || {
-        g.use_device()?;
+        let _on = g.on_device()?;
         let out = g.parent.empty_cache()?;
         Ok::<_, poolipc::Error>(out.arena_bytes + out.pool_bytes)
     })

@@ -36,9 +36,36 @@ pub(crate) struct Global {
 }
 
 impl Global {
-    /// Makes the pool's device current on the calling thread (CUDA contexts are per thread).
+    /// Makes the pool's device current on the calling thread (CUDA contexts are per thread):
+    /// for poolipc's own threads. A Python caller's thread takes [`Global::on_device`].
     pub(crate) fn use_device(&self) -> Result<(), poolipc::Error> {
         self.driver.use_device(self.device).map_err(Into::into)
+    }
+
+    /// Pushes the pool's device as the calling thread's current context until the guard is
+    /// dropped: a call on a Python caller's thread leaves that thread's context (torch's,
+    /// perhaps on another device) as it found it.
+    pub(crate) fn on_device(&self) -> Result<OnDevice<'_>, poolipc_driver::DriverError> {
+        self.driver.push_device(self.device)?;
+        Ok(OnDevice {
+            driver: &*self.driver,
+            _thread: std::marker::PhantomData,
+        })
+    }
+}
+
+/// The pool's device pushed on this thread ([`Global::on_device`]); dropping it pops it.
+/// Not `Send`: it must pop the stack of the thread that pushed.
+pub(crate) struct OnDevice<'a> {
+    driver: &'a dyn Driver,
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for OnDevice<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.driver.pop_device() {
+            tracing::warn!(error = %e, "restoring the caller's CUDA context failed");
+        }
     }
 }
 
