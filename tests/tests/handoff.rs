@@ -465,9 +465,8 @@ both_drivers!(
                             let out = p.run_job(w, std::slice::from_ref(&tensor), stream)?;
                             d.stream_synchronize(stream)?;
                             let r = &out.results[0];
-                            let got = read(&*d, r.ptr, 64 * 1024)?;
-                            ensure!(got[..4] == echo::marker(0).to_le_bytes(), "worker {w} round {round}: no marker");
-                            ensure!(got[4..].iter().all(|b| *b == pattern.to_le_bytes()[0]), "worker {w} round {round}: wrong bytes");
+                            echo::verify_echo(&*d, r.ptr, 64 * 1024, 0, pattern, 0)
+                                .map_err(|e| anyhow::anyhow!("worker {w} round {round}: {e}"))?;
                             p.pool().free(r.ptr, stream)?;
                         }
                         p.pool().free(input, stream)?;

@@ -156,22 +156,7 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
 /// shared pool, once installed, stays with its process).
 fn run_each_io_threads(args: &Args, max_workers: usize) -> Result<ExitCode> {
     for &n in &args.io_threads {
-        let mut c = Command::new(std::env::current_exe()?);
-        c.arg("bench")
-            .arg("--device")
-            .arg(args.device.to_string())
-            .arg("--workers")
-            .arg(max_workers.to_string())
-            .arg("--worker-mode")
-            .arg(&args.worker_mode)
-            .arg("--io-threads")
-            .arg(n.to_string());
-        if let Some(k) = args.iterations {
-            c.arg("--iterations").arg(k.to_string());
-        }
-        if args.sim {
-            c.arg("--sim");
-        }
+        let mut c = bench_child(args, max_workers, &[n])?;
         if let Some(path) = &args.json_out {
             let mut p = path.clone().into_os_string();
             p.push(format!(".io{n}"));
@@ -264,33 +249,36 @@ fn table(
     Ok(mps)
 }
 
+/// A child `poolipc bench --workers max_workers` with this run's options and `io_threads`.
+fn bench_child(args: &Args, max_workers: usize, io_threads: &[usize]) -> Result<Command> {
+    let mut c = Command::new(std::env::current_exe()?);
+    c.arg("bench")
+        .arg("--device")
+        .arg(args.device.to_string())
+        .arg("--workers")
+        .arg(max_workers.to_string())
+        .arg("--worker-mode")
+        .arg(&args.worker_mode)
+        .arg("--io-threads")
+        .arg(
+            io_threads
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+    if let Some(n) = args.iterations {
+        c.arg("--iterations").arg(n.to_string());
+    }
+    if args.sim {
+        c.arg("--sim");
+    }
+    Ok(c)
+}
+
 /// The table plainly, then under a private MPS daemon this command starts and stops.
 fn run_plain_and_mps(args: &Args, max_workers: usize) -> Result<ExitCode> {
-    let child = || -> Result<Command> {
-        let mut c = Command::new(std::env::current_exe()?);
-        c.arg("bench")
-            .arg("--device")
-            .arg(args.device.to_string())
-            .arg("--workers")
-            .arg(max_workers.to_string())
-            .arg("--worker-mode")
-            .arg(&args.worker_mode)
-            .arg("--io-threads")
-            .arg(
-                args.io_threads
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect::<Vec<_>>()
-                    .join(","),
-            );
-        if let Some(n) = args.iterations {
-            c.arg("--iterations").arg(n.to_string());
-        }
-        if args.sim {
-            c.arg("--sim");
-        }
-        Ok(c)
-    };
+    let child = || bench_child(args, max_workers, &args.io_threads);
     println!("== poolipc bench --workers {max_workers}, plain (no MPS)");
     let status = child()?
         .env_remove(poolipc_driver::mps_env::PIPE_DIRECTORY_ENV)

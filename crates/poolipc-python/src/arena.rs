@@ -97,12 +97,8 @@ impl ArenaHold {
     /// Runs `f` with the parent's device pushed as this thread's current context, popped
     /// after (a thread torch frees on may have no context, or torch's on another device).
     fn on_device<T>(&self, f: impl Fn() -> Result<T, DriverError>) -> Result<T, DriverError> {
-        self.driver.push_device(self.device)?;
-        let out = f();
-        if let Err(e) = self.driver.pop_device() {
-            tracing::warn!(error = %e, "restoring the caller's CUDA context failed");
-        }
-        out
+        let _on = crate::state::OnDevice::push(&*self.driver, self.device)?;
+        f()
     }
 
     /// Makes `waiter` wait for the work queued on `on` so far.

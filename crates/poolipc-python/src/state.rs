@@ -46,19 +46,30 @@ impl Global {
     /// dropped: a call on a Python caller's thread leaves that thread's context (torch's,
     /// perhaps on another device) as it found it.
     pub(crate) fn on_device(&self) -> Result<OnDevice<'_>, poolipc_driver::DriverError> {
-        self.driver.push_device(self.device)?;
-        Ok(OnDevice {
-            driver: &*self.driver,
-            _thread: std::marker::PhantomData,
-        })
+        OnDevice::push(&*self.driver, self.device)
     }
 }
 
-/// The pool's device pushed on this thread ([`Global::on_device`]); dropping it pops it.
-/// Not `Send`: it must pop the stack of the thread that pushed.
+/// A device pushed as this thread's current context ([`Global::on_device`], and the
+/// binding's other calls on a Python caller's thread); dropping it pops it. Not `Send`: it
+/// must pop the stack of the thread that pushed.
 pub(crate) struct OnDevice<'a> {
     driver: &'a dyn Driver,
     _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl<'a> OnDevice<'a> {
+    /// Pushes `device` (`Driver::push_device`) until the guard is dropped.
+    pub(crate) fn push(
+        driver: &'a dyn Driver,
+        device: u32,
+    ) -> Result<OnDevice<'a>, poolipc_driver::DriverError> {
+        driver.push_device(device)?;
+        Ok(OnDevice {
+            driver,
+            _thread: std::marker::PhantomData,
+        })
+    }
 }
 
 impl Drop for OnDevice<'_> {

@@ -433,14 +433,11 @@ impl Link {
             Some(w) if !closed => {
                 // CUDA contexts are per thread: this one may never have had the worker's,
                 // or have torch's on another device, which it gets back after.
-                match w.driver.push_device(w.worker.device()) {
-                    Ok(()) => {
+                let driver = Arc::clone(&w.driver);
+                match state::OnDevice::push(&*driver, w.worker.device()) {
+                    Ok(_on) => {
                         self.run_posted(w);
-                        let answer = w.answer(cmd);
-                        if let Err(e) = w.driver.pop_device() {
-                            tracing::warn!(error = %e, "restoring the caller's CUDA context failed");
-                        }
-                        answer
+                        w.answer(cmd)
                     }
                     Err(e) => Err(format!("poolipc: making the worker's device current: {e}")),
                 }
