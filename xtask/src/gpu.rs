@@ -515,13 +515,25 @@ if want scaling; then
 # threads), plainly and under MPS. Only when named.
 mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
 echo "--- poolipc bench --workers 8 --io-threads 1,2,4 $mps (jobs/s, IO busy per thread, IO us per job)" >> "$summary"
-RUST_LOG=warn timeout 330 "$here/poolipc" bench --workers 8 --io-threads 1,2,4 $mps > "$out/scaling-workers.log" 2>&1; echo "bench --workers --io-threads exit: $?" >> "$summary"
+RUST_LOG=warn timeout 270 "$here/poolipc" bench --workers 8 --io-threads 1,2,4 $mps > "$out/scaling-workers.log" 2>&1; echo "bench --workers --io-threads exit: $?" >> "$summary"
 grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-workers.log" >> "$summary"
 # The same with the callers' and the workers' in-flight spinning off: whether 8 workers' worth
 # of spinning threads compete for the machine's cores.
 echo "--- the same, 1 and 4 IO threads, POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_WORKER_SPIN_US=0" >> "$summary"
-POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_WORKER_SPIN_US=0 RUST_LOG=warn timeout 240 "$here/poolipc" bench --workers 8 --io-threads 1,4 $mps > "$out/scaling-nospin.log" 2>&1; echo "bench --workers (no in-flight spin) exit: $?" >> "$summary"
+POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_WORKER_SPIN_US=0 RUST_LOG=warn timeout 150 "$here/poolipc" bench --workers 8 --io-threads 1,4 $mps > "$out/scaling-nospin.log" 2>&1; echo "bench --workers (no in-flight spin) exit: $?" >> "$summary"
 grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-nospin.log" >> "$summary"
+# Where each IO thread's time goes with 1, 2 and 4 workers under MPS (one IO thread, then
+# four): the probe's marks per thread (`probe_report.py --threads`), the whole report in the
+# logs, the IO threads' part in the summary.
+if [ -n "$mps" ]; then
+  rm -rf "$out/scaling-probe"
+  echo "--- POOLIPC_PROBE poolipc bench --workers 4 --io-threads 1,4 --iterations 2000 under MPS: where the IO threads' time goes" >> "$summary"
+  timeout 120 "$here/poolipc" mps --accept-shared-gpu-faults -- env RUST_LOG=warn POOLIPC_PROBE="$out/scaling-probe" "$here/poolipc" bench --workers 4 --io-threads 1,4 --iterations 2000 > "$out/scaling-probe.log" 2>&1; echo "bench --workers (probe) exit: $?" >> "$summary"
+  grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-probe.log" >> "$summary"
+  python3 "$repo/bench/probe_report.py" "$out/scaling-probe" --threads --top 14 > "$out/scaling-probe-threads.txt" 2>&1
+  python3 "$repo/bench/probe_report.py" "$out/scaling-probe" --threads --only io --top 14 >> "$summary" 2>&1
+  rm -rf "$out/scaling-probe"
+fi
 fi
 if want pyscaling; then
 # Python's share of a round trip (pysplit) and torch workers at once with 1 and 4 IO threads,

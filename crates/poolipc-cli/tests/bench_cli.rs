@@ -104,8 +104,12 @@ fn bench_with_the_probe_on_leaves_parent_and_worker_marks_that_the_report_reads(
     );
     for f in &files {
         for line in std::fs::read_to_string(f).expect("marks").lines() {
-            let (ns, label) = line.split_once(' ').expect("<ns> <label>");
+            let fields: Vec<&str> = line.split(' ').collect();
+            let [ns, label, tid] = fields[..] else {
+                panic!("not <ns> <label> <tid>: {line:?}");
+            };
             assert!(ns.parse::<u64>().is_ok_and(|t| t > 0), "{line}");
+            assert!(tid.parse::<u32>().is_ok_and(|t| t > 0), "{line}");
             labels.insert(label.to_owned());
         }
     }
@@ -141,6 +145,27 @@ fn bench_with_the_probe_on_leaves_parent_and_worker_marks_that_the_report_reads(
                 && text.contains(" worker ")
                 && text.contains(" parent ")
                 && text.contains("total"),
+            "{text}"
+        );
+        // Per thread: the IO thread's waiting is told from its work.
+        let threads = Command::new("python3")
+            .arg(&script)
+            .arg(&dir)
+            .arg("--threads")
+            .output()
+            .expect("python3 ran once already");
+        let text = String::from_utf8_lossy(&threads.stdout);
+        assert!(
+            threads.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&threads.stderr)
+        );
+        assert!(
+            text.contains("(IO thread)")
+                && text.contains(", busy ")
+                && text.contains("io.wait → io.woke")
+                && text.contains("(worker)")
+                && text.contains("caller"),
             "{text}"
         );
     }

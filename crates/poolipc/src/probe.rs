@@ -5,8 +5,10 @@
 //! with a static label, and [`dump`] (called when a [`Parent`](crate::Parent) or
 //! [`Worker`](crate::Worker) is dropped) writes them to a new file `DIR/probe-<pid>-<n>.txt`
 //! (`n` counts the dumps of this process), one
-//! `<nanoseconds> <label>` line each. Parent and worker files merge into one timeline by
-//! time; `bench/probe_report.py DIR` prints the median of each step between marks.
+//! `<nanoseconds> <label> <thread id>` line each. Parent and worker files merge into one
+//! timeline by time; `bench/probe_report.py DIR` prints the median of each step between
+//! marks, and `--threads` where each thread's time goes (several workers at once, where one
+//! timeline no longer reads as one round trip).
 //!
 //! Each file is created with `O_CREAT | O_EXCL | O_NOFOLLOW` (mode 0600): a file or symlink
 //! already at that path is never followed nor written to; the marks are dropped with a
@@ -15,6 +17,7 @@
 //! Off, a mark costs one relaxed atomic load. On, about 50 ns (the clock and an uncontended
 //! lock); at most [`CAPACITY`] marks are kept per process, later ones are dropped and counted.
 
+use std::cell::Cell;
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -29,7 +32,7 @@ const ON: u8 = 2;
 
 static STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
 static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
-static MARKS: Mutex<Vec<(u64, &'static str)>> = Mutex::new(Vec::new());
+static MARKS: Mutex<Vec<(u64, &'static str, u32)>> = Mutex::new(Vec::new());
 static DROPPED: AtomicU64 = AtomicU64::new(0);
 static DUMPS: AtomicU64 = AtomicU64::new(0);
 
@@ -65,18 +68,34 @@ fn now_ns() -> u64 {
     }
 }
 
-/// Records `label` at the current time, when probing is on.
+thread_local! {
+    /// This thread's kernel id (`gettid`), read at its first mark: 0 until then.
+    static TID: Cell<u32> = const { Cell::new(0) };
+}
+
+/// The calling thread's kernel thread id, asked of the kernel once per thread.
+fn thread_id() -> u32 {
+    TID.with(|tid| {
+        if tid.get() == 0 {
+            tid.set(u32::try_from(nix::unistd::gettid().as_raw()).unwrap_or(0));
+        }
+        tid.get()
+    })
+}
+
+/// Records `label` at the current time, with the calling thread's id, when probing is on.
 #[inline]
 pub fn mark(label: &'static str) {
     if !enabled() {
         return;
     }
     let t = now_ns();
+    let tid = thread_id();
     let mut marks = MARKS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     if marks.len() < CAPACITY {
-        marks.push((t, label));
+        marks.push((t, label, tid));
     } else {
         DROPPED.fetch_add(1, Ordering::Relaxed);
     }
@@ -103,8 +122,8 @@ pub fn dump() {
     let written = std::fs::create_dir_all(dir).and_then(|()| {
         let file = open_new(&path)?;
         let mut out = std::io::BufWriter::new(file);
-        for (t, label) in &marks {
-            writeln!(out, "{t} {label}")?;
+        for (t, label, tid) in &marks {
+            writeln!(out, "{t} {label} {tid}")?;
         }
         if dropped > 0 {
             writeln!(out, "# dropped {dropped} marks past the capacity")?;
@@ -159,6 +178,16 @@ mod tests {
         drop(open_new(&path).unwrap());
         assert!(path.exists());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn each_thread_is_named_by_its_own_kernel_id() {
+        let here = thread_id();
+        assert_ne!(here, 0);
+        assert_eq!(here, thread_id(), "asked once, kept");
+        let there = std::thread::spawn(thread_id).join().unwrap();
+        assert_ne!(there, 0);
+        assert_ne!(here, there);
     }
 
     #[test]

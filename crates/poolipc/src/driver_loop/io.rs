@@ -90,6 +90,9 @@ impl Loop {
             // activity (`options.spin` when idle), which saves a wake-up per frame and per
             // submit.
             let options = &self.shared.options;
+            // The loop's waiting (spinning or asleep) between these two marks: the rest of
+            // its time is work (`probe_report.py --threads`).
+            crate::probe::mark("io.wait");
             let started = Instant::now();
             let busy = !self.jobs.is_empty();
             let window = if busy {
@@ -145,6 +148,7 @@ impl Loop {
                 }
             };
             self.waited = started.elapsed();
+            crate::probe::mark("io.woke");
             match polled {
                 Ok(_) => {}
                 Err(nix::errno::Errno::EINTR) => return,
