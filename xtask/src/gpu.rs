@@ -341,8 +341,9 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # `run.sh --mps-pass` (run by run.sh itself inside `poolipc mps`) runs the handoff and facade
 # suites again as clients of a private MPS daemon. POOLIPC_PARTS picks parts (default
 # "tests,tools,mps,bench,python"; "regress", this tree's bench against each baseline-*/poolipc
-# in alternated pairs, "scaling", several workers at once with 1, 2 and 4 IO threads, and
-# "pyscaling", Python's split and torch workers at once, run only when named);
+# in alternated pairs, "scaling", several workers at once with 1, 2 and 4 IO threads,
+# "turns", the plain round trip by allocation size, and "pyscaling", Python's split and torch
+# workers at once, run only when named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one machine call stays within
 # its time limit.
 set -u
@@ -535,6 +536,22 @@ if [ -n "$mps" ]; then
   rm -rf "$out/scaling-probe"
 fi
 fi
+if want turns; then
+# Without MPS a 4 KiB or 1 MiB lend took ~290 us and a 64 MiB one ~19 us (the same 4 KiB write
+# by the worker; the floor paid ~300 us at every size): which allocation sizes pay the two
+# processes' GPU turn-taking, and in which step (the probe's split at 4 KiB and at 64 MiB).
+small="--copy-max-mib 0 --result-max-mib 0 --iterations 100"
+echo "--- poolipc bench --sizes 4K,64K,1M,2M,4M,8M,16M,32M,64M,256M (plain): the round trip by allocation size" >> "$summary"
+RUST_LOG=warn timeout 150 "$here/poolipc" bench --sizes 4K,64K,1M,2M,4M,8M,16M,32M,64M,256M $small > "$out/turns.log" 2>&1; echo "bench --sizes exit: $?" >> "$summary"
+sed -n '/one tensor/,/^  re-lend:/p' "$out/turns.log" >> "$summary"
+for size in 4K 64M; do
+  rm -rf "$out/turns-$size"
+  RUST_LOG=warn POOLIPC_PROBE="$out/turns-$size" timeout 90 "$here/poolipc" bench --sizes $size $small > "$out/turns-$size.log" 2>&1; echo "bench --sizes $size (probe) exit: $?" >> "$summary"
+  python3 "$repo/bench/probe_report.py" "$out/turns-$size" --skip 1 --count 100 --title "plain, $size recycled" >> "$summary" 2>&1
+  python3 "$repo/bench/probe_report.py" "$out/turns-$size" --skip 102 --count 100 --title "plain, $size lent again" >> "$summary" 2>&1
+  rm -rf "$out/turns-$size"
+done
+fi
 if want pyscaling; then
 # Python's share of a round trip (pysplit) and torch workers at once with 1 and 4 IO threads,
 # plainly and under MPS. Only when named (with scaling, one call may pass its time limit).
@@ -615,6 +632,8 @@ mod tests {
         // The scaling part (issue 24's tables) is asked for by name too.
         assert!(!line.contains("scaling"), "{line}");
         assert!(RUN_SH.contains("if want scaling; then"));
+        assert!(!line.contains("turns"), "{line}");
+        assert!(RUN_SH.contains("if want turns; then"));
         assert!(RUN_SH.contains("if want pyscaling; then"));
     }
 

@@ -35,6 +35,11 @@ pub(crate) struct Args {
     /// memory is host memory).
     #[arg(long)]
     max_mib: Option<u64>,
+    /// The round-trip table's sizes instead of 4 KiB, 1 MiB, 64 MiB, 1 GiB and 4 GiB, as
+    /// bytes or with K, M or G (KiB, MiB, GiB): `--sizes 4K,64K,1M,2M,8M,32M,64M` (how the
+    /// round trip changes with the allocation's size). `--max-mib` still caps them.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, value_name = "SIZE,..")]
+    pub(crate) sizes: Option<Vec<u64>>,
     /// The largest input to measure above the import limit (arena copy), in MiB (default
     /// 16384; 64 on the simulated driver).
     #[arg(long)]
@@ -92,6 +97,13 @@ pub(crate) struct Args {
 }
 
 impl Args {
+    /// The round-trip table's sizes: `--sizes`, or the five defaults.
+    fn round_trip_sizes(&self) -> Vec<u64> {
+        self.sizes
+            .clone()
+            .unwrap_or_else(|| vec![4 * KIB, MIB, 64 * MIB, 1024 * MIB, 4096 * MIB])
+    }
+
     /// `--max-mib`, or its default on this driver.
     fn max_mib(&self, sim: bool) -> u64 {
         self.max_mib.unwrap_or(if sim { 64 } else { 4096 })
@@ -110,6 +122,32 @@ impl Args {
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
+
+/// The largest size `--sizes` takes: 64 GiB.
+const MAX_SIZE: u64 = 64 << 30;
+
+/// A size of `--sizes`: bytes, or a number with `K`, `M` or `G` (KiB, MiB, GiB; `KiB` and
+/// the like too), from one byte to 64 GiB.
+fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (bytes, or a number with K, M or G)"))?;
+    let shift = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        _ => return Err(format!("{text:?}: the unit {unit:?} is not K, M or G")),
+    };
+    let bytes = n
+        .checked_mul(1 << shift)
+        .filter(|b| (1..=MAX_SIZE).contains(b))
+        .ok_or_else(|| format!("{text:?} is not between one byte and 64 GiB"))?;
+    Ok(bytes)
+}
 
 /// `bytes` in KiB, MiB or GiB, rounded down.
 fn human(bytes: u64) -> String {
@@ -276,4 +314,37 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
             .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_read_as_bytes_or_with_a_binary_unit() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4K"), Ok(4 << 10));
+        assert_eq!(parse_size("64k"), Ok(64 << 10));
+        assert_eq!(parse_size("2M"), Ok(2 << 20));
+        assert_eq!(parse_size("32MiB"), Ok(32 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("64G"), Ok(64 << 30));
+    }
+
+    #[test]
+    fn a_size_that_is_not_one_is_refused_with_its_text() {
+        for bad in [
+            "",
+            "K",
+            "4X",
+            "-4K",
+            "0",
+            "65G",
+            "99999999999999999999",
+            "4 K",
+        ] {
+            let e = parse_size(bad).expect_err(bad);
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+    }
 }

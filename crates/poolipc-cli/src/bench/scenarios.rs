@@ -196,7 +196,7 @@ pub(super) fn round_trips(b: &Bench<'_>, skipped: &mut Vec<String>) -> Result<Ve
         ..
     } = b;
     let mut rows = Vec::new();
-    for bytes in [4 * KIB, MIB, 64 * MIB, 1024 * MIB, 4096 * MIB] {
+    for bytes in args.round_trip_sizes() {
         if bytes > args.max_mib(sim) * MIB || !fits(d, "round trip", bytes, 2 * bytes, skipped)? {
             continue;
         }
