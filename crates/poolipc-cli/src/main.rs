@@ -29,7 +29,7 @@ enum Command {
     Demo(demo::Args),
     /// The handoff's round trip at several sizes and a batch of small tensors, against the
     /// host copy it replaces, measured in the same run.
-    Bench(bench::Args),
+    Bench(Box<bench::Args>),
     /// Print what this machine can do (driver, pool swap, export order, events, VMM, WSL2)
     /// and a verdict.
     Doctor(doctor::Args),
