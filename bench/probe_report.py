@@ -23,6 +23,10 @@ import statistics
 import sys
 
 
+# The IO loop's marks around its waiting, one pair per loop turn.
+WAIT_MARKS = ("io.wait", "io.woke")
+
+
 def load_threads(directory: pathlib.Path) -> list[tuple[int, str, int, int]]:
     """Every mark as (ns, label, pid, tid), by time; tid 0 where a file has none (older
     probes wrote `<ns> <label>`)."""
@@ -111,6 +115,7 @@ def main() -> int:
     ap.add_argument("--title", default="")
     ap.add_argument("--threads", action="store_true", help="where each thread's time goes, for several workers at once")
     ap.add_argument("--top", type=int, default=8, help="with --threads: steps shown per thread (default 8)")
+    ap.add_argument("--keep-waits", action="store_true", help="keep the IO loop's io.wait / io.woke marks in the round trips (left out by default)")
     ap.add_argument("--only", metavar="PREFIX", help="with --threads: only threads with marks of this prefix (io, w, c, py)")
     a = ap.parse_args()
     if a.threads:
@@ -123,6 +128,10 @@ def main() -> int:
     if not marks:
         print(f"no marks under {a.dir}", file=sys.stderr)
         return 1
+    if not a.keep_waits:
+        # The IO loop's turns (how many it takes varies from one round trip to the next)
+        # would split the round trips into many sequences.
+        marks = [m for m in marks if m[1] not in WAIT_MARKS]
     trips = round_trips(marks)[a.skip : a.skip + a.count]
     if not trips:
         print("no round trips (rt.begin … rt.synced) in the marks", file=sys.stderr)

@@ -528,8 +528,8 @@ grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-nospin.log" >> "$summary"
 # logs, the IO threads' part in the summary.
 if [ -n "$mps" ]; then
   rm -rf "$out/scaling-probe"
-  echo "--- POOLIPC_PROBE poolipc bench --workers 4 --io-threads 1,4 --iterations 2000 under MPS: where the IO threads' time goes" >> "$summary"
-  timeout 120 "$here/poolipc" mps --accept-shared-gpu-faults -- env RUST_LOG=warn POOLIPC_PROBE="$out/scaling-probe" "$here/poolipc" bench --workers 4 --io-threads 1,4 --iterations 2000 > "$out/scaling-probe.log" 2>&1; echo "bench --workers (probe) exit: $?" >> "$summary"
+  echo "--- POOLIPC_PROBE poolipc bench --workers 4 --io-threads 1,4 --iterations 1000 under MPS: where the IO threads' time goes" >> "$summary"
+  timeout 120 "$here/poolipc" mps --accept-shared-gpu-faults -- env RUST_LOG=warn POOLIPC_PROBE="$out/scaling-probe" "$here/poolipc" bench --workers 4 --io-threads 1,4 --iterations 1000 > "$out/scaling-probe.log" 2>&1; echo "bench --workers (probe) exit: $?" >> "$summary"
   grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-probe.log" >> "$summary"
   python3 "$repo/bench/probe_report.py" "$out/scaling-probe" --threads --top 14 > "$out/scaling-probe-threads.txt" 2>&1
   python3 "$repo/bench/probe_report.py" "$out/scaling-probe" --threads --only io --top 14 >> "$summary" 2>&1
