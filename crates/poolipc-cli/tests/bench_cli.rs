@@ -39,6 +39,62 @@ fn bench_on_the_simulated_driver_runs_to_the_end_within_its_memory() {
 }
 
 #[test]
+fn bench_sizes_sets_the_round_trip_rows_and_a_noop_worker_is_named_in_the_table() {
+    let out = poolipc()
+        .args([
+            "bench",
+            "--sim",
+            "--sizes",
+            "64K,2M",
+            "--worker-mode",
+            "noop",
+            "--iterations",
+            "2",
+            "--copy-max-mib",
+            "0",
+            "--result-max-mib",
+            "0",
+        ])
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run poolipc bench --sizes");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {}:\n{text}\n{err}", out.status);
+    let table: Vec<&str> = text
+        .lines()
+        .skip_while(|l| !l.contains("one tensor:"))
+        .take_while(|l| !l.contains("recycled: a new allocation"))
+        .collect();
+    assert!(
+        table[0].contains("worker finishes at once"),
+        "{}",
+        table.join("\n")
+    );
+    let sizes: Vec<&str> = table[2..]
+        .iter()
+        .filter_map(|l| l.split_whitespace().take(2).last())
+        .collect();
+    assert_eq!(sizes, ["KiB", "MiB"], "{}", table.join("\n"));
+    assert!(
+        table[2].trim_start().starts_with("64 KiB") && table[3].trim_start().starts_with("2 MiB"),
+        "{}",
+        table.join("\n")
+    );
+    // A size that is not one is refused before anything runs, naming it.
+    let bad = poolipc()
+        .args(["bench", "--sim", "--sizes", "4K,twelve"])
+        .output()
+        .expect("run poolipc bench --sizes twelve");
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("\"twelve\""),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}
+
+#[test]
 fn bench_skips_a_size_the_device_cannot_hold_and_says_so() {
     // The simulated device has far less than 2 × 16 GiB: the row is skipped, not fatal.
     let out = poolipc()

@@ -85,8 +85,9 @@ pub(crate) struct Args {
     /// MPS.
     #[arg(long, value_name = "N")]
     pub(crate) workers: Option<usize>,
-    /// (with --workers) What each worker does with a job: `touch` (a one-byte write on the
-    /// job's stream, the default) or `noop` (finish it at once: `bench/pysplit.py`).
+    /// What the workers do with a job: `touch` (a write of the first 4 KiB of each input on
+    /// the job's stream, the default) or `noop` (finish it at once: `bench/pysplit.py`, and
+    /// what the round trip costs without the worker's GPU work).
     #[arg(long, hide = true, default_value = "touch", value_parser = ["touch", "noop"])]
     pub(crate) worker_mode: String,
     /// (with --workers) The parent's IO threads (`ParentOptions::io_threads`), one table
@@ -253,7 +254,7 @@ fn run_table(args: &Args) -> Result<ExitCode> {
         println!("{json}");
         return Ok(ExitCode::SUCCESS);
     }
-    report::print(&measured, &peers, args.iterations);
+    report::print(&measured, &peers, args.iterations, &args.worker_mode);
     Ok(ExitCode::SUCCESS)
 }
 

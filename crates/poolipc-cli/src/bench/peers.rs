@@ -26,13 +26,13 @@ pub(super) fn demo_worker(
     Ok(cmd)
 }
 
-/// The worker the table lends to (`touch`), outside the MPS server with
-/// `--worker-outside-mps`.
+/// The worker the table lends to (`--worker-mode`: `touch` unless asked), outside the MPS
+/// server with `--worker-outside-mps`.
 pub(super) fn touch_worker(
     args: &Args,
     child_env: &Option<(&'static str, String)>,
 ) -> Result<Command> {
-    let mut cmd = demo_worker(args, child_env, "touch")?;
+    let mut cmd = demo_worker(args, child_env, &args.worker_mode)?;
     if args.worker_outside_mps {
         // No daemon there: the worker's CUDA runs outside the server.
         cmd.env(
@@ -68,6 +68,11 @@ pub(super) fn bench_child(
     if args.sim {
         c.arg("--sim");
     }
+    if let Some(sizes) = &args.sizes {
+        let list: Vec<String> = sizes.iter().map(u64::to_string).collect();
+        c.arg("--sizes").arg(list.join(","));
+    }
+    c.arg("--worker-mode").arg(&args.worker_mode);
     if let Some(p) = &args.floor {
         c.arg("--floor").arg(p);
     }

@@ -162,8 +162,8 @@ pub(super) fn json(m: &Measured, peers: &Peers) -> serde_json::Value {
 }
 
 /// The tables, for people.
-pub(super) fn print(m: &Measured, peers: &Peers, iterations: Option<usize>) {
-    print_round_trips(m, iterations);
+pub(super) fn print(m: &Measured, peers: &Peers, iterations: Option<usize>, worker_mode: &str) {
+    print_round_trips(m, iterations, worker_mode);
     print_peers(&m.rows, peers);
     print_arena_copies(&m.copy_rows);
     print_device_memory(&m.devmem_rows);
@@ -173,11 +173,16 @@ pub(super) fn print(m: &Measured, peers: &Peers, iterations: Option<usize>) {
 }
 
 /// The round-trip table, and how the recycled lends went.
-fn print_round_trips(m: &Measured, iterations: Option<usize>) {
+fn print_round_trips(m: &Measured, iterations: Option<usize>, worker_mode: &str) {
     let Measured { reuse, rows, .. } = m;
+    let work = if worker_mode == "noop" {
+        "worker finishes at once (--worker-mode noop: no GPU work of its own)"
+    } else {
+        "worker writes 4 KiB in place"
+    };
     println!();
     println!(
-        "  one tensor: lend, worker writes 4 KiB in place, DONE, ACK, release (medians; iterations: {}):",
+        "  one tensor: lend, {work}, DONE, ACK, release (medians; iterations: {}):",
         iterations.map_or_else(
             || "400 to 1 MiB, 200 at 64 MiB, 50 at 1 GiB, 20 above".to_owned(),
             |n| n.to_string()
