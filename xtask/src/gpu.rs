@@ -516,20 +516,26 @@ if want scaling; then
 # threads), plainly and under MPS. Only when named.
 mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
 echo "--- poolipc bench --workers 8 --io-threads 1,2,4 $mps (jobs/s, IO busy per thread, IO us per job)" >> "$summary"
-RUST_LOG=warn timeout 270 "$here/poolipc" bench --workers 8 --io-threads 1,2,4 $mps > "$out/scaling-workers.log" 2>&1; echo "bench --workers --io-threads exit: $?" >> "$summary"
+RUST_LOG=warn timeout 240 "$here/poolipc" bench --workers 8 --io-threads 1,2,4 $mps > "$out/scaling-workers.log" 2>&1; echo "bench --workers --io-threads exit: $?" >> "$summary"
 grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-workers.log" >> "$summary"
-# The same with the callers' and the workers' in-flight spinning off: whether 8 workers' worth
-# of spinning threads compete for the machine's cores.
-echo "--- the same, 1 and 4 IO threads, POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_WORKER_SPIN_US=0" >> "$summary"
-POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_WORKER_SPIN_US=0 RUST_LOG=warn timeout 150 "$here/poolipc" bench --workers 8 --io-threads 1,4 $mps > "$out/scaling-nospin.log" 2>&1; echo "bench --workers (no in-flight spin) exit: $?" >> "$summary"
-grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-nospin.log" >> "$summary"
+# Which spinning threads compete for the cores with 8 workers (callers, IO threads, workers):
+# under MPS (where the scaling is asked for), 1 and 4 IO threads, each spin turned off alone
+# and all together.
+inmps=""; [ -n "$mps" ] && inmps="$here/poolipc mps --accept-shared-gpu-faults --"
+for v in "POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_WORKER_SPIN_US=0" "POOLIPC_SPIN_IN_FLIGHT_US=0" "POOLIPC_WORKER_SPIN_US=0"; do
+  echo "--- ${mps:+under MPS: }poolipc bench --workers 8 --io-threads 1,4 with $v" >> "$summary"
+  timeout 80 $inmps env RUST_LOG=warn $v "$here/poolipc" bench --workers 8 --io-threads 1,4 > "$out/scaling-spin.log" 2>&1; echo "bench --workers ($v) exit: $?" >> "$summary"
+  grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-spin.log" >> "$summary"
+  cat "$out/scaling-spin.log" >> "$out/scaling-spin-all.log"
+done
+rm -f "$out/scaling-spin.log"
 # Where each IO thread's time goes with 1, 2 and 4 workers under MPS (one IO thread, then
 # four): the probe's marks per thread (`probe_report.py --threads`), the whole report in the
 # logs, the IO threads' part in the summary.
 if [ -n "$mps" ]; then
   rm -rf "$out/scaling-probe"
   echo "--- POOLIPC_PROBE poolipc bench --workers 4 --io-threads 1,4 --iterations 1000 under MPS: where the IO threads' time goes" >> "$summary"
-  timeout 120 "$here/poolipc" mps --accept-shared-gpu-faults -- env RUST_LOG=warn POOLIPC_PROBE="$out/scaling-probe" "$here/poolipc" bench --workers 4 --io-threads 1,4 --iterations 1000 > "$out/scaling-probe.log" 2>&1; echo "bench --workers (probe) exit: $?" >> "$summary"
+  timeout 90 "$here/poolipc" mps --accept-shared-gpu-faults -- env RUST_LOG=warn POOLIPC_PROBE="$out/scaling-probe" "$here/poolipc" bench --workers 4 --io-threads 1,4 --iterations 1000 > "$out/scaling-probe.log" 2>&1; echo "bench --workers (probe) exit: $?" >> "$summary"
   grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-probe.log" >> "$summary"
   python3 "$repo/bench/probe_report.py" "$out/scaling-probe" --threads --top 14 > "$out/scaling-probe-threads.txt" 2>&1
   python3 "$repo/bench/probe_report.py" "$out/scaling-probe" --threads --only io --top 14 >> "$summary" 2>&1
@@ -561,6 +567,13 @@ if want pyscaling; then
 mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
 if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/scaling-pip.log" 2>&1
+  # The torch suite first: the Python worker's calls on the caller's thread (pushing the
+  # worker's device) under torch, a worker serving each job on a fresh thread among them.
+  echo "--- python: tests/gpu_torch_test.py (the binding under torch, cudaMallocAsync)" >> "$summary"
+  ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site timeout 240 python3 -m pytest -v -rs tests/gpu_torch_test.py ) > "$out/scaling-torch.log" 2>&1
+  r=$?; echo "python torch suite exit: $r" >> "$summary"
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/scaling-torch.log" | sed 's/^tests\/gpu_torch_test.py:://' | tail -45 >> "$summary"
+  [ "$r" -eq 0 ] || echo "0 1" >> "$out/counts"
   for m in plain mps; do
     run=""; [ "$m" = mps ] && { [ -n "$mps" ] || continue; run="$here/poolipc mps --accept-shared-gpu-faults --"; }
     echo "--- bench/pysplit.py ($m)" >> "$summary"
