@@ -553,6 +553,16 @@ sed -n '/one tensor/,/^  re-lend:/p' "$out/turns.log" >> "$summary"
 echo "--- the same at 4K,1M,64M with --worker-mode noop: the worker takes each job and finishes it (no memset of its own)" >> "$summary"
 RUST_LOG=warn timeout 90 "$here/poolipc" bench --sizes 4K,1M,64M --worker-mode noop $small > "$out/turns-noop.log" 2>&1; echo "bench --sizes --worker-mode noop exit: $?" >> "$summary"
 sed -n '/one tensor/,/^  re-lend:/p' "$out/turns-noop.log" >> "$summary"
+# The bare driver's round trip (bench/floor.c) as it is, with the child writing nothing, and
+# with the child freeing its import synchronously: which of its GPU steps the turn-taking is.
+if [ -x /tmp/poolipc-floor ] || nvcc -O2 -o /tmp/poolipc-floor "$repo/bench/floor.c" -lcuda > "$out/turns-floor-build.txt" 2>&1; then
+  for mode in "async stream wait import" "async stream wait skip" "sync stream wait import"; do
+    echo "--- floor.c $mode (free, parent wait, READY, child target)" >> "$summary"
+    timeout 60 /tmp/poolipc-floor $mode 2>&1 | grep handoff_round_trip | sed -E 's/.*"bytes": ([0-9]+).*"us_median": ([0-9.]+), "child_import_us": ([0-9.]+), "child_total_us": ([0-9.]+), "parent_gate_us": ([0-9.]+).*/  bytes \1: round trip \2 us, child import \3, child total \4, parent gate \5/' >> "$summary"
+  done
+else
+  echo "floor.c did not build: $(tail -1 "$out/turns-floor-build.txt")" >> "$summary"
+fi
 for size in 4K 64M; do
   rm -rf "$out/turns-$size"
   RUST_LOG=warn POOLIPC_PROBE="$out/turns-$size" timeout 90 "$here/poolipc" bench --sizes $size $small > "$out/turns-$size.log" 2>&1; echo "bench --sizes $size (probe) exit: $?" >> "$summary"
