@@ -500,6 +500,10 @@ impl NativeParent {
         d.set_item("vmm_handle_tensors", s.vmm_handle_tensors)?;
         d.set_item("vmm_handles_shared", s.vmm_handles_shared)?;
         d.set_item("io_busy_ns", s.io_busy_ns)?;
+        d.set_item("inputs_copied_back", s.inputs_copied_back)?;
+        d.set_item("jobs_held_for_done", s.jobs_held_for_done)?;
+        d.set_item("done_events_open", s.done_events_open)?;
+        d.set_item("export_reuse", export_reuse_name(s.export_reuse))?;
         Ok(d)
     }
 
@@ -741,5 +745,18 @@ impl NativeParent {
         let stream = checked_stream(&*g.driver, stream)?;
         py.detach(move || g.driver.stream_synchronize(stream))
             .map_err(driver_err)
+    }
+}
+
+/// `ParentStats::export_reuse` as `stats()` names it.
+fn export_reuse_name(reuse: poolipc_pool::ExportReuse) -> &'static str {
+    use poolipc_pool::ExportReuse;
+    match reuse {
+        ExportReuse::Unchecked => "unchecked",
+        ExportReuse::Checking => "checking",
+        ExportReuse::Proven => "proven",
+        ExportReuse::NotProven => "not_proven",
+        // A state a later poolipc-pool adds: said as it says it.
+        _ => "unknown",
     }
 }

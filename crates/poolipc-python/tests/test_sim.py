@@ -100,6 +100,23 @@ def test_a_python_worker_echoes_a_float32_tensor_through_the_binding(parent):
     assert parent.stop(w) == 0
 
 
+def test_stats_has_every_counter_its_typed_dict_names_and_says_export_reuse_was_proven(parent):
+    w = spawn(parent)
+    buf = f32_buffer(parent, [1.0] * 4)
+    parent.run(w, [poolipc.TensorRef(buf.ptr, "float32", [4])])
+    stats = parent.stats()
+    assert set(stats) == set(poolipc.ParentStats.__annotations__), set(stats) ^ set(
+        poolipc.ParentStats.__annotations__
+    )
+    counters = {k: v for k, v in stats.items() if k != "export_reuse"}
+    assert all(isinstance(v, int) and v >= 0 for v in counters.values()), counters
+    assert stats["jobs_completed"] >= 1 and stats["pool_pointer_tensors"] >= 1
+    # The canary battery of the pool's first worker ran the check; the simulated driver
+    # behaves as driver 580 does (an old blob reaches a new allocation of its size).
+    assert stats["export_reuse"] == "proven", stats
+    assert parent.stop(w) == 0
+
+
 @pytest.mark.parametrize("mode", ["drop-unfinished", "any-thread"])
 def test_a_worker_that_drops_its_jobs_or_takes_them_on_any_thread_serves_them_all(parent, mode):
     # A worker's calls run on the thread that makes them; what a drop posts runs before the

@@ -352,8 +352,10 @@ class Parent:
 
     def stats(self) -> ParentStats:
         """Counters: workers connected and lost, jobs submitted, completed and failed, tensors
-        by pool pointer and by host staging, results in the arena and inputs copied into it,
-        arena slices lent and results carved out of them. Never waits for a job."""
+        by pool pointer and by host staging, results in the arena and inputs copied into it
+        (and back), arena slices lent and results carved out of them, jobs held for their
+        DONE and DONE events open, the IO threads' busy time, and whether export reuse was
+        proven (``ParentStats`` says each). Never waits for a job."""
         return self._native.stats()
 
     def set_arena_slice_bytes(self, nbytes: int) -> None:

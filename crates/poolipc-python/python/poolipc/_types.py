@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from typing import Any, TypedDict, cast
+from typing import Any, Literal, TypedDict, cast
 
 NativeResult = tuple[int, int, str, list[int], str, Any]
 """One result as ``NativeJobHandle.wait`` gives it: ``(ptr, nbytes, dtype, shape, rung,
@@ -178,8 +178,20 @@ class ParentStats(TypedDict):
     vmm_handle_tensors: int
     vmm_handles_shared: int
     io_busy_ns: int
-    """Nanoseconds the parent's IO thread spent working (not waiting) since it started: its
-    growth over the wall time near 1 means the one IO thread limits the jobs per second."""
+    """Nanoseconds the parent's IO thread(s) spent working (not waiting) since it started: its
+    growth over the wall time near 1 (per IO thread) means the IO threads limit the jobs per
+    second."""
+    inputs_copied_back: int
+    """Inputs that crossed by a copy (arena copy, host staging), lent writable, whose bytes
+    were copied back into the caller's tensor after the job."""
+    jobs_held_for_done: int
+    """Jobs acknowledged before their DONE had completed on the GPU, held by the IO thread
+    (querying DONE on the host) until it had."""
+    done_events_open: int
+    """The workers' DONE events the parent holds open now."""
+    export_reuse: Literal["unchecked", "checking", "proven", "not_proven"]
+    """Whether a new allocation at a recycled address of the same size is lent with its cached
+    export (``"proven"`` by the canary battery's check on this driver) or exported again."""
 
 
 class ArenaStats(TypedDict):
