@@ -31,6 +31,7 @@ mod trust;
 pub(crate) use arenas::SharedArena;
 pub(crate) use job::{Answer, ArenaLease};
 pub use job::{Input, JobHandle, JobOutput, ResultAllocator, ResultTensor};
+pub(crate) use options::env_number;
 pub use options::{
     DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
     DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, IO_THREADS_ENV, MAX_IO_THREADS, ParentOptions,
@@ -114,7 +115,8 @@ impl Parent {
         }
         if !(1..=MAX_IO_THREADS).contains(&options.io_threads) {
             return Err(Error::Config(format!(
-                "io_threads {} must lie in 1..={MAX_IO_THREADS}",
+                "io_threads {} must lie in 1..={MAX_IO_THREADS} (its default comes from \
+                 {IO_THREADS_ENV} when that is set)",
                 options.io_threads
             )));
         }

@@ -68,10 +68,7 @@ pub const WORKER_SPIN_ENV: &str = "POOLIPC_WORKER_SPIN_US";
 /// A worker's spin unless [`WORKER_SPIN_ENV`] says otherwise: 400 µs where the machine has
 /// four or more CPUs, none otherwise (the parent's [`crate::ParentOptions::spin`] rule).
 fn default_worker_spin() -> Duration {
-    if let Some(us) = std::env::var(WORKER_SPIN_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-    {
+    if let Some(us) = crate::parent::env_number(WORKER_SPIN_ENV) {
         return Duration::from_micros(us);
     }
     match std::thread::available_parallelism() {
