@@ -150,6 +150,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
             }
         ),
     );
+    tuning_rows(&mut t);
     let mps_json = |client: Option<bool>| {
         serde_json::json!({
             "control_binary": mps.control_binary.as_ref().map(|p| p.display().to_string()),
@@ -415,6 +416,45 @@ fn export_reuse_check(
 }
 
 /// What being (or not being) an MPS client means for a handoff, in one row.
+/// What a parent made here would use for its IO threads and its spins (the CPU it burns to
+/// save wake-ups), and which environment variable set each.
+fn tuning_rows(t: &mut Table) {
+    let defaults = poolipc::ParentOptions::default();
+    let source = |env: &str, rule: &str| match std::env::var_os(env) {
+        Some(v) if v.to_str().is_some_and(|v| v.trim().parse::<u64>().is_ok()) => {
+            format!("set by {env}")
+        }
+        Some(v) => format!("{rule}: {env}={v:?} is not a whole number"),
+        None => format!("{rule}; {env} sets it"),
+    };
+    t.row(
+        "parent IO threads",
+        format!(
+            "{} ({})",
+            defaults.io_threads,
+            source(poolipc::IO_THREADS_ENV, "the default")
+        ),
+    );
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let rule = format!("the default with {cpus} CPUs: none below 4");
+    t.row(
+        "parent spin when idle",
+        format!(
+            "{} µs ({})",
+            defaults.spin.as_micros(),
+            source(poolipc::SPIN_ENV, &rule)
+        ),
+    );
+    t.row(
+        "parent spin in flight",
+        format!(
+            "{} µs ({})",
+            defaults.spin_in_flight.as_micros(),
+            source(poolipc::SPIN_IN_FLIGHT_ENV, &rule)
+        ),
+    );
+}
+
 fn mps_meaning(client: Option<bool>) -> &'static str {
     match client {
         Some(true) => {

@@ -68,6 +68,42 @@ fn doctor_examines_the_simulated_driver_when_asked() {
     );
 }
 
+#[test]
+fn doctor_says_what_sets_the_parents_io_threads_and_spins_and_warns_of_a_bad_value() {
+    let out = poolipc()
+        .args(["doctor", "--sim"])
+        .env("POOLIPC_IO_THREADS", "3")
+        .env("POOLIPC_SPIN_US", "250")
+        .env("POOLIPC_SPIN_IN_FLIGHT_US", "lots")
+        .output()
+        .expect("run poolipc doctor");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}{err}");
+    assert!(
+        text.contains("parent IO threads        3 (set by POOLIPC_IO_THREADS)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("parent spin when idle    250 µs (set by POOLIPC_SPIN_US)"),
+        "{text}"
+    );
+    // Not a number: the default applies, and the warning names the variable and its value.
+    assert!(
+        text.contains("POOLIPC_SPIN_IN_FLIGHT_US=\"lots\" is not a whole number)"),
+        "{text}"
+    );
+    assert!(
+        err.contains("POOLIPC_SPIN_IN_FLIGHT_US=\"lots\" is not a whole number"),
+        "{err}"
+    );
+    assert_eq!(
+        err.matches("POOLIPC_SPIN_IN_FLIGHT_US=").count(),
+        1,
+        "warned once: {err}"
+    );
+}
+
 fn probe_limit(extra: &[&str]) {
     let mut args = vec!["doctor", "--probe-limit"];
     args.extend_from_slice(extra);
