@@ -1058,6 +1058,30 @@ def test_a_typed_use_of_every_public_name_passes_mypy_strict(tmp_path):
 # --- install_pool ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "option,value,error,says",
+    [
+        ("io_threads", "2", TypeError, "io_threads='2' is not a whole number"),
+        ("io_threads", 2.5, TypeError, "io_threads=2.5 is not a whole number"),
+        ("io_threads", True, TypeError, "io_threads=True is not a whole number"),
+        ("io_threads", -1, ValueError, "io_threads=-1 is negative"),
+        ("arena_bytes", -5, ValueError, "arena_bytes=-5 is negative"),
+        ("handoff_timeout", "5", TypeError, "handoff_timeout='5' is not a number of seconds"),
+        ("isolated", "yes", TypeError, "isolated='yes' is not True or False"),
+        ("results", 1, TypeError, "results=1 is not a string"),
+    ],
+)
+def test_an_option_of_the_wrong_type_is_refused_naming_it_and_its_value(parent, option, value, error, says):
+    # Before anything is made or compared with the process parent's options.
+    for call in (lambda: poolipc.install_pool(0, **{option: value}),
+                 lambda: poolipc.Parent(0, **{option: value})):
+        with pytest.raises(error) as e:
+            call()
+        assert says in str(e.value), str(e.value)
+    # The process parent goes on.
+    assert parent.stats()["workers_lost"] >= 0
+
+
 def test_install_pool_refuses_once_torch_is_imported(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
     with pytest.raises(poolipc.PoolipcError, match=r"torch is already imported.*before `import torch`"):

@@ -7,6 +7,7 @@ Re-exported by ``poolipc``, so that callers can annotate with them:
 from __future__ import annotations
 
 import enum
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypedDict, cast
 
@@ -130,14 +131,43 @@ class ParentConfig(TypedDict, total=False):
     io_threads: int | None
 
 
+_CONFIG_HINTS: dict[str, object] = typing.get_type_hints(ParentConfig)
+"""``ParentConfig``'s type for each key (``X | None``), what ``parent_config`` checks."""
+
+
 def parent_config(options: Mapping[str, object], caller: str) -> ParentConfig:
     """``options`` as the native module takes them: every key of ``ParentConfig``, None where
-    not given. ``TypeError`` for a keyword that is none of them, as Python says it."""
+    not given. ``TypeError`` for a keyword that is none of them, as Python says it, or for a
+    value of the wrong type (as ``ParentConfig`` declares each: a deadline a number of
+    seconds, a count or size a whole number, ``isolated`` True or False, ``results`` a
+    string), and ``ValueError`` for a negative count or size; the message names the option
+    and its value. The values' ranges are the native module's to check."""
     keys = ParentConfig.__optional_keys__
     for name in options:
         if name not in keys:
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+    for name, value in options.items():
+        if value is not None:
+            _check_option(name, value, _CONFIG_HINTS[name])
     return cast(ParentConfig, {k: options.get(k) for k in sorted(keys)})
+
+
+def _check_option(name: str, value: object, hint: object) -> None:
+    """``value`` against ``ParentConfig``'s type for ``name`` (``X | None``)."""
+    wanted = [t for t in typing.get_args(hint) if t is not type(None)]
+    # bool is an int to Python, but True is no deadline, count or size.
+    if bool in wanted:
+        ok, kind = isinstance(value, bool), "True or False"
+    elif float in wanted:
+        ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number of seconds"
+    elif int in wanted:
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+    else:
+        ok, kind = isinstance(value, str), "a string"
+    if not ok:
+        raise TypeError(f"poolipc: {name}={value!r} is not {kind}")
+    if kind == "a whole number" and cast(int, value) < 0:
+        raise ValueError(f"poolipc: {name}={value!r} is negative: a count or a size is 0 or more")
 
 
 class ParentOptions(TypedDict):
