@@ -99,9 +99,10 @@ def throughput(max_workers, as_json):
                 raise errors[0]
             rate = n * jobs / secs
             one = rate if n == 1 else one
-            # The parent's IO threads' busy share of the time, per thread (POOLIPC_IO_THREADS
-            # of them; near 100 %: they limit the rate).
-            io_busy = busy / secs / int(os.environ.get("POOLIPC_IO_THREADS", "1") or 1)
+            # The parent's IO threads' busy share of the time, per thread (as many as the
+            # process parent has: POOLIPC_IO_THREADS or io_threads=; near 100 %: they limit
+            # the rate).
+            io_busy = busy / secs / parent.options["io_threads"]
             io_us = busy * 1e6 / (n * jobs)
             print(f"  {label:>6} {n:>8} {rate:>10.0f} {rate / one:>6.2f}x {100 * io_busy:>7.0f}% {io_us:>9.2f}")
             rows.append({"size": label, "workers": n, "jobs_per_s": rate, "vs_one": rate / one,
