@@ -4,9 +4,9 @@
 //! Each of `n` threads owns a worker, a stream and one live pool allocation, and runs jobs on
 //! it back to back (the allocation lent again each time: no export after the first). The
 //! figure is all threads' jobs over the wall time from the first submit to the last job's
-//! stream done. Beside it, the parent's IO thread's busy share of that time
-//! (`ParentStats::io_busy_ns`) and its busy microseconds per job: near 100 % the one IO thread
-//! is what limits the rate. With `--mps` the same table is made plainly and under a private
+//! stream done. Beside it, the parent's IO threads' busy share of that time, per thread
+//! (`ParentStats::io_busy_ns`), and their busy microseconds per job: near 100 % the IO
+//! threads are what limits the rate (`--io-threads 1,2,4` compares counts). With `--mps` the same table is made plainly and under a private
 //! MPS daemon.
 
 use std::process::{Command, ExitCode};

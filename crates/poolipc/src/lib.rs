@@ -3,7 +3,8 @@
 //!
 //! - [`Parent`] installs the shareable pool ([`poolipc_pool::SharedPool`]), spawns workers over
 //!   an inherited socketpair, shakes hands (the pool FD travels by SCM_RIGHTS) and runs jobs
-//!   through one IO thread that drives the ownership contract for every worker at once
+//!   through an IO thread that drives the ownership contract for every worker at once (or
+//!   [`io_threads`](ParentOptions::io_threads) of them, each for its share of the workers)
 //!   ([`driver_loop`](crate#the-driver-loop)). `Parent` is `Send + Sync`: any thread
 //!   [`submit`](Parent::submit)s and waits on its [`JobHandle`]. Memory is released only after
 //!   the worker's ACK and once its DONE event completed, as the IO thread sees on the host (no

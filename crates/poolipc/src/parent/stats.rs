@@ -144,11 +144,13 @@ pub struct ParentStats {
     /// VMM allocations whose handle was exported and sent to a worker (once per allocation
     /// and worker; a tensor lent again to a worker that mapped it costs none).
     pub vmm_handles_shared: u64,
-    /// Nanoseconds the IO thread has spent working since the parent started: everything
-    /// but waiting for sockets, commands and deadlines (its spinning, and the DONE queries
-    /// made while it spins, count as waiting). One IO thread serves every worker: the
-    /// busy share of a stretch of time (this figure's growth over the wall time) near 1
-    /// means it is what limits the jobs per second; `poolipc bench --workers N` prints it.
+    /// Nanoseconds the IO threads have spent working since the parent started, all
+    /// together: everything but waiting for sockets, commands and deadlines (their
+    /// spinning, and the DONE queries made while they spin, count as waiting). One IO thread
+    /// serves every worker unless [`ParentOptions::io_threads`](crate::ParentOptions::io_threads)
+    /// says more: the busy share of a stretch of time (this figure's growth over the wall
+    /// time, per IO thread) near 1 means they are what limits the jobs per second; `poolipc
+    /// bench --workers N` prints it.
     pub io_busy_ns: u64,
 }
 
