@@ -58,6 +58,7 @@ def role(labels: collections.Counter) -> str:
 
 
 def pct(d: list[float], q: float) -> float:
+    """The `q` quantile of the sorted `d` (its element at int(len * q) - 1, the first at least)."""
     return d[min(len(d) - 1, max(0, int(len(d) * q) - 1))]
 
 
@@ -145,9 +146,9 @@ def main() -> int:
     for i in range(1, len(sig)):
         d = sorted((t[i][0] - t[i - 1][0]) / 1000 for t in chosen)
         who = "parent" if chosen[0][i][2] == parent_pid else "worker"
-        print(f"  {sig[i - 1] + ' → ' + sig[i]:40} {who:7} {statistics.median(d):10.2f} {d[int(len(d) * 0.9) - 1 if len(d) > 1 else 0]:9.2f}")
+        print(f"  {sig[i - 1] + ' → ' + sig[i]:40} {who:7} {statistics.median(d):10.2f} {pct(d, 0.9):9.2f}")
     tot = sorted((t[-1][0] - t[0][0]) / 1000 for t in chosen)
-    print(f"  {'total':40} {'':7} {statistics.median(tot):10.2f} {tot[int(len(tot) * 0.9) - 1 if len(tot) > 1 else 0]:9.2f}")
+    print(f"  {'total':40} {'':7} {statistics.median(tot):10.2f} {pct(tot, 0.9):9.2f}")
     return 0
 
 

@@ -415,46 +415,45 @@ fn export_reuse_check(
     Ok(verdict?)
 }
 
-/// What being (or not being) an MPS client means for a handoff, in one row.
 /// What a parent made here would use for its IO threads and its spins (the CPU it burns to
 /// save wake-ups), and which environment variable set each.
 fn tuning_rows(t: &mut Table) {
     let defaults = poolipc::ParentOptions::default();
-    let source = |env: &str, rule: &str| match std::env::var_os(env) {
-        Some(v) if v.to_str().is_some_and(|v| v.trim().parse::<u64>().is_ok()) => {
-            format!("set by {env}")
-        }
-        Some(v) => format!("{rule}: {env}={v:?} is not a whole number"),
-        None => format!("{rule}; {env} sets it"),
-    };
-    t.row(
-        "parent IO threads",
-        format!(
-            "{} ({})",
-            defaults.io_threads,
-            source(poolipc::IO_THREADS_ENV, "the default")
-        ),
-    );
     let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
-    let rule = format!("the default with {cpus} CPUs: none below 4");
-    t.row(
-        "parent spin when idle",
-        format!(
-            "{} µs ({})",
-            defaults.spin.as_micros(),
-            source(poolipc::SPIN_ENV, &rule)
+    let spin_rule = format!("the default with {cpus} CPUs: none below 4");
+    let rows = [
+        (
+            "parent IO threads",
+            defaults.io_threads.to_string(),
+            poolipc::IO_THREADS_ENV,
+            "the default",
         ),
-    );
-    t.row(
-        "parent spin in flight",
-        format!(
-            "{} µs ({})",
-            defaults.spin_in_flight.as_micros(),
-            source(poolipc::SPIN_IN_FLIGHT_ENV, &rule)
+        (
+            "parent spin when idle",
+            format!("{} µs", defaults.spin.as_micros()),
+            poolipc::SPIN_ENV,
+            spin_rule.as_str(),
         ),
-    );
+        (
+            "parent spin in flight",
+            format!("{} µs", defaults.spin_in_flight.as_micros()),
+            poolipc::SPIN_IN_FLIGHT_ENV,
+            spin_rule.as_str(),
+        ),
+    ];
+    for (what, value, env, rule) in rows {
+        let source = match std::env::var_os(env) {
+            Some(v) if v.to_str().is_some_and(|v| v.trim().parse::<u64>().is_ok()) => {
+                format!("set by {env}")
+            }
+            Some(v) => format!("{rule}: {env}={v:?} is not a whole number"),
+            None => format!("{rule}; {env} sets it"),
+        };
+        t.row(what, format!("{value} ({source})"));
+    }
 }
 
+/// What being (or not being) an MPS client means for a handoff, in one row.
 fn mps_meaning(client: Option<bool>) -> &'static str {
     match client {
         Some(true) => {

@@ -181,19 +181,24 @@ fn bench_with_the_probe_on_leaves_parent_and_worker_marks_that_the_report_reads(
         assert!(labels.contains(want), "no {want:?} among {labels:?}");
     }
     // The report merges them: the first round trips (4 KiB, recycled) share one sequence.
+    // The report (where python3 runs): its output, checked to have succeeded.
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/probe_report.py");
-    let report = Command::new("python3")
-        .arg(&script)
-        .arg(&dir)
-        .args(["--skip", "1", "--count", "4"])
-        .output();
-    if let Ok(report) = report {
-        let text = String::from_utf8_lossy(&report.stdout);
+    let report = |args: &[&str]| -> Option<String> {
+        let out = Command::new("python3")
+            .arg(&script)
+            .arg(&dir)
+            .args(args)
+            .output()
+            .ok()?;
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
         assert!(
-            report.status.success(),
+            out.status.success(),
             "{text}{}",
-            String::from_utf8_lossy(&report.stderr)
+            String::from_utf8_lossy(&out.stderr)
         );
+        Some(text)
+    };
+    if let Some(text) = report(&["--skip", "1", "--count", "4"]) {
         // Steps of both processes on one timeline (their order varies with the machine's
         // load: a mark is taken after its step, and the other process may have moved on).
         assert!(
@@ -204,18 +209,7 @@ fn bench_with_the_probe_on_leaves_parent_and_worker_marks_that_the_report_reads(
             "{text}"
         );
         // Per thread: the IO thread's waiting is told from its work.
-        let threads = Command::new("python3")
-            .arg(&script)
-            .arg(&dir)
-            .arg("--threads")
-            .output()
-            .expect("python3 ran once already");
-        let text = String::from_utf8_lossy(&threads.stdout);
-        assert!(
-            threads.status.success(),
-            "{text}{}",
-            String::from_utf8_lossy(&threads.stderr)
-        );
+        let text = report(&["--threads"]).expect("python3 ran once already");
         assert!(
             text.contains("(IO thread)")
                 && text.contains(", busy ")
