@@ -6,8 +6,8 @@
 //! figure is all threads' jobs over the wall time from the first submit to the last job's
 //! stream done. Beside it, the parent's IO threads' busy share of that time, per thread
 //! (`ParentStats::io_busy_ns`), and their busy microseconds per job: near 100 % the IO
-//! threads are what limits the rate (`--io-threads 1,2,4` compares counts). With `--mps` the same table is made plainly and under a private
-//! MPS daemon.
+//! threads are what limits the rate (`--io-threads 1,2,4` compares counts). With `--mps`
+//! the same table is made plainly and under a private MPS daemon.
 
 use std::process::{Command, ExitCode};
 use std::sync::{Arc, Barrier};
@@ -17,7 +17,7 @@ use anyhow::{Context, Result};
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, WorkerId};
 use poolipc_driver::Driver;
 
-use crate::bench::Args;
+use crate::bench::{Args, human};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -295,14 +295,6 @@ fn run_plain_and_mps(args: &Args, max_workers: usize) -> Result<ExitCode> {
     let status = status?;
     anyhow::ensure!(status.success(), "the run under MPS failed: {status}");
     Ok(ExitCode::SUCCESS)
-}
-
-fn human(bytes: u64) -> String {
-    if bytes >= MIB {
-        format!("{} MiB", bytes / MIB)
-    } else {
-        format!("{} KiB", bytes / KIB)
-    }
 }
 
 #[cfg(test)]

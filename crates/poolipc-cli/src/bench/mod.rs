@@ -151,7 +151,7 @@ fn parse_size(text: &str) -> Result<u64, String> {
 }
 
 /// `bytes` in KiB, MiB or GiB, rounded down.
-fn human(bytes: u64) -> String {
+pub(crate) fn human(bytes: u64) -> String {
     if bytes >= 1 << 30 {
         format!("{} GiB", bytes >> 30)
     } else if bytes >= MIB {
