@@ -26,6 +26,7 @@ use poolipc_transport::{
     Capabilities, Connection, DeviceUuid, ExtraPool, HandshakeConfig, Identity, Message,
 };
 
+pub mod chaos;
 pub mod child;
 pub mod echo_jobs;
 

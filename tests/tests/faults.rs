@@ -266,6 +266,44 @@ both_drivers!(
 );
 
 both_drivers!(
+    /// A job submitted to a worker that is being stopped fails saying so (`Stopped`, "is
+    /// stopping"), not as an unknown worker: the worker is known until it is reaped.
+    fn a_job_for_a_worker_being_stopped_fails_as_stopped_naming_it(env) {
+        let p = parent(env, |o| {
+            o.canary = false;
+            o.stop_timeout = Duration::from_secs(2);
+        })?;
+        let rogue = p.spawn_worker(rogue_command(env, "ignore-bye")?)?;
+        let x = filled(&p, 4096, 0x51, StreamHandle::NULL)?;
+        let input = [Input::new(x, Layout::contiguous(DType::F32, &[1024]))];
+        let detail = std::thread::scope(|s| -> Result<String> {
+            let stopping = s.spawn(|| p.stop_worker(rogue));
+            // The stop is under way (it waits out the rogue's stop timeout) while the job goes.
+            let until = std::time::Instant::now() + Duration::from_secs(1);
+            let outcome = loop {
+                std::thread::sleep(Duration::from_millis(50));
+                let job = p.submit(rogue, &input, StreamHandle::NULL);
+                match job.map(|h| h.wait()) {
+                    Ok(Err(Error::JobFailed { reason, detail, .. })) => break (reason, detail),
+                    other if std::time::Instant::now() > until => {
+                        bail!("no job failed as stopped within a second: {other:?}")
+                    }
+                    _ => {}
+                }
+            };
+            stopping
+                .join()
+                .map_err(|_| anyhow::anyhow!("the stopping thread panicked"))??;
+            ensure!(outcome.0 == FailReason::Stopped, "{outcome:?}");
+            Ok(outcome.1)
+        })?;
+        ensure!(detail.contains("is stopping"), "{detail}");
+        p.pool().free(x, StreamHandle::NULL)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
     fn memory_of_another_pool_takes_host_staging_read_only_and_arrives_intact(env) {
         // With the arena copy on, memory of another pool on the parent's device is copied
         // into the arena (tests/device_memory.rs); off, it takes host staging.

@@ -133,8 +133,9 @@ pub enum Error {
         /// What happened, and what to do.
         detail: String,
     },
-    /// A worker id this parent does not know (or no longer serves).
-    #[error("unknown worker {0}")]
+    /// A worker id this parent does not know (or no longer serves: stopped, or lost and
+    /// reaped).
+    #[error("unknown worker {0}: not spawned by this parent, or already stopped or lost")]
     UnknownWorker(WorkerId),
     /// An operating system call failed.
     #[error("{call}: {source}")]

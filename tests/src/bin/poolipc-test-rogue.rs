@@ -79,6 +79,10 @@
 //!   chunk with `0xEE`. It fails the job with a report,
 //!   `arena-snoop: chunks <index>:<len>,...; found <pattern>=<words>,...; overwrote <bytes>`,
 //!   finishes it properly (its DONE after the overwrite) and waits for `Bye`.
+//! - `chaos`: a seeded random walk over everything a worker can send, mixed with honest
+//!   answers (`poolipc_tests::chaos`): `POOLIPC_TEST_ROGUE_SEED` (0 by default) and
+//!   `POOLIPC_TEST_ROGUE_STEPS` (300); the pool pointer, the arena and host staging each
+//!   offered or not as the seed says. It prints how it ended and exits 0.
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -108,6 +112,23 @@ fn run() -> anyhow::Result<()> {
     if mode.starts_with("staging-") {
         caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
     }
+    let seed: u64 = env_or("POOLIPC_TEST_ROGUE_SEED", 0)?;
+    if mode == "chaos" {
+        // Every seed offers IPC events; the rest as the seed says (at least one rung).
+        caps = Capabilities(
+            Capabilities::IPC_EVENTS.0
+                | match poolipc_tests::chaos::Rng::new(seed ^ 0xC4A05).below(4) {
+                    0 => Capabilities::POOL_POINTER.0,
+                    1 => Capabilities::POOL_POINTER.0 | Capabilities::VMM_ARENA.0,
+                    2 => Capabilities::HOST_STAGING.0,
+                    _ => {
+                        Capabilities::POOL_POINTER.0
+                            | Capabilities::VMM_ARENA.0
+                            | Capabilities::HOST_STAGING.0
+                    }
+                },
+        );
+    }
     let config = HandshakeConfig {
         identity: poolipc::identity(&*driver, 0, caps)?,
         required: Capabilities::NONE,
@@ -116,6 +137,13 @@ fn run() -> anyhow::Result<()> {
     let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline())?;
     if mode == "pool-thief" {
         return pool_thief(&driver, conn, &pool_fd);
+    }
+    if mode == "chaos" {
+        let steps = env_or("POOLIPC_TEST_ROGUE_STEPS", 300)?;
+        let (ending, sent) =
+            poolipc_tests::chaos::run(conn, &*driver, config.identity, seed, steps)?;
+        eprintln!("poolipc-test-rogue: chaos seed {seed}: {ending:?} after {sent} frames");
+        return Ok(());
     }
     match mode.as_str() {
         "slow-frames" => return slow_frames(conn),
@@ -433,6 +461,16 @@ fn run() -> anyhow::Result<()> {
     // Stay alive: the parent must kill it.
     std::thread::sleep(Duration::from_secs(600));
     Ok(())
+}
+
+/// The number in the variable `var`, or `default` where it is not set.
+fn env_or(var: &str, default: u64) -> anyhow::Result<u64> {
+    match std::env::var(var) {
+        Ok(v) => v
+            .parse()
+            .map_err(|e| anyhow::anyhow!("{var}={v:?} is not a whole number: {e}")),
+        Err(_) => Ok(default),
+    }
 }
 
 /// `slow-frames`: each frame's header now, its payload a delay later, forever (until the

@@ -30,9 +30,26 @@ impl Loop {
             sub.done.complete(Err(Error::UnknownWorker(worker)));
             return;
         };
-        if slot.exit_deadline.is_some() || slot.lost.is_some() {
+        // Known, but on its way out: the job fails saying why, not as an unknown worker.
+        let leaving = match (&slot.lost, slot.exit_deadline) {
+            (Some(why), _) => Some((
+                FailReason::HungUp,
+                format!("{worker} was lost before the job was sent: {why}"),
+            )),
+            (None, Some(_)) => Some((
+                FailReason::Stopped,
+                format!("{worker} is stopping; the job was not sent"),
+            )),
+            (None, None) => None,
+        };
+        if let Some((reason, detail)) = leaving {
             Stats::bump(&self.shared.stats.jobs_failed);
-            sub.done.complete(Err(Error::UnknownWorker(worker)));
+            sub.done.complete(Err(Error::JobFailed {
+                worker,
+                reason,
+                detail,
+                results: Vec::new(),
+            }));
             return;
         }
         slot.queued.push_back(sub);

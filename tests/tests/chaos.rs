@@ -1,0 +1,305 @@
+//! Chaos workers harm only themselves. One parent; an honest worker served from its own
+//! thread, every byte of every answer checked; beside it, one after another, rogues that
+//! walk at random over everything a worker can send (`poolipc_tests::chaos`), each given
+//! jobs of its own. Every rogue job must end (succeeded or failed, never hung), every honest
+//! job must succeed with the right bytes, and afterwards the pool holds what it held before,
+//! the parent's descriptors are back, the simulation saw no unordered access, and a new
+//! worker is served.
+//!
+//! `POOLIPC_CHAOS_SEEDS` sets how many rogues (default 12), `POOLIPC_CHAOS_SEED` the first
+//! seed (default 1), `POOLIPC_CHAOS_STEPS` each one's steps (default 300),
+//! `POOLIPC_CHAOS_PARALLEL` how many rogues run at once (default 2).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, anyhow, ensure};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions, Trust, WorkerId};
+use poolipc_tests::echo_jobs::{bytes_input, echoed, filled};
+use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
+
+/// The longest an honest round trip may take beside the rogues (two loaded cores, a debug
+/// build: generous).
+const HONEST_BOUND: Duration = Duration::from_secs(3);
+
+/// Rounds of jobs each rogue is given at most (it is stopped after them).
+const JOBS_PER_ROGUE: u64 = 20;
+
+fn env_u64(var: &str, default: u64) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn open_fds() -> Result<usize> {
+    Ok(std::fs::read_dir("/proc/self/fd")?.count())
+}
+
+/// The honest side: echo jobs on `worker` until `stop`, every byte checked.
+fn honest(
+    p: &Parent,
+    env: &Env,
+    worker: WorkerId,
+    stop: &AtomicBool,
+    ok: &AtomicU64,
+    worst: &AtomicU64,
+    errors: &Mutex<Vec<String>>,
+) -> Result<()> {
+    let d = p.driver();
+    d.use_device(env.device)?;
+    let owned = poolipc_driver::OwnedStream::new(&**d)?;
+    let stream = owned.handle();
+    let mut rng = poolipc_tests::chaos::Rng::new(0x004E_5E57);
+    let fail = |e: String| -> Result<()> {
+        errors.lock().map_err(|_| anyhow!("poisoned"))?.push(e);
+        Ok(())
+    };
+    while !stop.load(Ordering::Relaxed) {
+        let bytes = 4096 + rng.below(124 * 1024);
+        let pattern = rng.bits() as u32;
+        let input = filled(p, bytes, pattern, stream)?;
+        let began = Instant::now();
+        let job = p.run_job(worker, &[bytes_input(input, bytes)], stream);
+        worst.fetch_max(began.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match job {
+            Ok(out) => {
+                ensure!(out.results.len() == 1, "{} results", out.results.len());
+                let r = &out.results[0];
+                let mut got = vec![0u8; usize::try_from(r.bytes)?];
+                d.memcpy_dtoh_on(&mut got, r.ptr, stream)?;
+                if r.bytes == bytes && got == echoed(0, bytes, pattern)? {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    fail(format!(
+                        "wrong bytes: {} of {} asked, rung {:?}",
+                        r.bytes, bytes, out.input_rungs
+                    ))?;
+                }
+                for r in out.results {
+                    if r.rung == poolipc::Rung::Arena {
+                        drop(r);
+                    } else {
+                        p.pool().free(r.ptr, stream)?;
+                    }
+                }
+            }
+            Err(e) => fail(format!("the honest job failed: {e}"))?,
+        }
+        p.pool().free(input, stream)?;
+        d.stream_synchronize(stream)?;
+    }
+    owned.close()?;
+    Ok(())
+}
+
+/// One rogue of `seed`: spawned (trusted or isolated as the seed says), given jobs of its
+/// own, each of which must end; then stopped. Returns a line saying how its jobs ended.
+fn rogue(p: &Parent, env: &Env, seed: u64, steps: u64) -> Result<String> {
+    let d = p.driver();
+    let mut cmd = rogue_command(env, "chaos")?;
+    cmd.env("POOLIPC_TEST_ROGUE_SEED", seed.to_string())
+        .env("POOLIPC_TEST_ROGUE_STEPS", steps.to_string());
+    let trust = if seed.is_multiple_of(3) {
+        Trust::Isolated
+    } else {
+        Trust::Trusted
+    };
+    let w = p
+        .spawn_worker_with(cmd, trust)
+        .with_context(|| format!("spawning chaos seed {seed}"))?;
+    let owned = poolipc_driver::OwnedStream::new(&**d)?;
+    let stream = owned.handle();
+    let mut rng = poolipc_tests::chaos::Rng::new(seed ^ 0x70B5);
+    let mut inputs = Vec::new();
+    let (mut succeeded, mut failed, mut refused) = (0, 0, 0);
+    let mut first_failure = None;
+    // Rounds of one to three jobs at once, until the rogue is gone or has had its share.
+    'rounds: for _ in 0..JOBS_PER_ROGUE {
+        let mut jobs = Vec::new();
+        for _ in 0..1 + rng.below(3) {
+            let bytes = 4 * (1 + rng.below(64 * 1024));
+            let x = filled(p, bytes, rng.bits() as u32, stream)?;
+            inputs.push(x);
+            let mut input = Input::new(x, Layout::contiguous(DType::F32, &[bytes / 4]));
+            if rng.chance(300) {
+                input = input.read_only();
+            }
+            match p.submit(w, &[input], stream) {
+                Ok(h) => jobs.push(h),
+                // The rogue may already be condemned: a refusal is an answer too.
+                Err(_) => refused += 1,
+            }
+        }
+        for h in jobs {
+            match h.wait_timeout(Duration::from_secs(60)) {
+                Ok(Ok(out)) => {
+                    succeeded += 1;
+                    for r in out.results {
+                        if r.rung == poolipc::Rung::Arena {
+                            drop(r);
+                        } else {
+                            p.pool().free(r.ptr, stream)?;
+                        }
+                    }
+                }
+                Ok(Err(e)) => {
+                    failed += 1;
+                    if first_failure.is_none() {
+                        first_failure = Some(e.to_string());
+                    }
+                }
+                Err(_) => anyhow::bail!("a job of chaos seed {seed} did not end within a minute"),
+            }
+        }
+        if p.worker(w).is_none() {
+            break 'rounds;
+        }
+    }
+    let started = Instant::now();
+    let _ = p.stop_worker(w);
+    ensure!(
+        started.elapsed() < Duration::from_secs(30),
+        "stopping chaos seed {seed} took {:?}",
+        started.elapsed()
+    );
+    for x in inputs {
+        p.pool().free(x, stream)?;
+    }
+    d.stream_synchronize(stream)?;
+    owned.close()?;
+    let why = first_failure
+        .map(|f| format!(" (first: {})", f.chars().take(160).collect::<String>()))
+        .unwrap_or_default();
+    Ok(format!(
+        "seed {seed} ({trust:?}): {succeeded} succeeded, {failed} failed, {refused} refused{why}"
+    ))
+}
+
+fn chaos(env: &Env) -> Result<()> {
+    let p = Parent::new(
+        Arc::clone(&env.driver),
+        ParentOptions {
+            device: env.device,
+            canary: false,
+            ..ParentOptions::default()
+        },
+    )?;
+    env.driver.stream_synchronize(poolipc::StreamHandle::NULL)?;
+    let honest_worker = p.spawn_worker(worker_command(env, None)?)?;
+    let fds_before = open_fds()?;
+    let used_before = p.pool().stats()?.used_current;
+    let (seeds, first, steps, parallel) = (
+        env_u64("POOLIPC_CHAOS_SEEDS", 12),
+        env_u64("POOLIPC_CHAOS_SEED", 1),
+        env_u64("POOLIPC_CHAOS_STEPS", 300),
+        env_u64("POOLIPC_CHAOS_PARALLEL", 2),
+    );
+    let stop = AtomicBool::new(false);
+    let next = AtomicU64::new(first);
+    let ok = AtomicU64::new(0);
+    let worst = AtomicU64::new(0);
+    let errors = Mutex::new(Vec::new());
+    let lines = std::thread::scope(|s| -> Result<Vec<String>> {
+        let h = s.spawn(|| honest(&p, env, honest_worker, &stop, &ok, &worst, &errors));
+        // `parallel` threads, each taking the next seed: several rogues at once.
+        let (next, p) = (&next, &p);
+        let rogues: Vec<_> = (0..parallel)
+            .map(|_| {
+                s.spawn(move || -> Result<Vec<String>> {
+                    let mut lines = Vec::new();
+                    loop {
+                        let seed = next.fetch_add(1, Ordering::Relaxed);
+                        if seed >= first + seeds {
+                            return Ok(lines);
+                        }
+                        lines.push(rogue(p, env, seed, steps)?);
+                    }
+                })
+            })
+            .collect();
+        let mut lines = Vec::new();
+        let mut result = Ok(());
+        for r in rogues {
+            match r.join().map_err(|_| anyhow!("a rogue thread panicked"))? {
+                Ok(l) => lines.extend(l),
+                Err(e) => result = Err(e),
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        h.join()
+            .map_err(|_| anyhow!("the honest thread panicked"))??;
+        result.map(|()| lines)
+    })?;
+    for l in &lines {
+        println!("{l}");
+    }
+    let errors = errors.into_inner().map_err(|_| anyhow!("poisoned"))?;
+    let ok = ok.into_inner();
+    let worst = Duration::from_micros(worst.into_inner());
+    println!(
+        "honest jobs beside the chaos: {ok} right, {} wrong or failed, the longest {worst:?}",
+        errors.len()
+    );
+    ensure!(
+        errors.is_empty(),
+        "honest jobs went wrong: {:?}",
+        &errors[..errors.len().min(5)]
+    );
+    ensure!(ok > 0, "no honest job ran beside the chaos");
+    // A bound, not a benchmark: the rogues pause 20 ms at most; a loop they stalled would
+    // keep the honest worker waiting for seconds (its frame deadline, a staging wait).
+    ensure!(
+        worst < HONEST_BOUND,
+        "an honest round trip took {worst:?} beside the chaos (bound {HONEST_BOUND:?})"
+    );
+    // A new worker is served.
+    let fresh = p.spawn_worker(worker_command(env, None)?)?;
+    let stream = poolipc::StreamHandle::NULL;
+    let x = filled(&p, 4096, 0xC0FFEE, stream)?;
+    let out = p.run_job(fresh, &[bytes_input(x, 4096)], stream)?;
+    for r in out.results {
+        if r.rung == poolipc::Rung::Arena {
+            drop(r);
+        } else {
+            p.pool().free(r.ptr, stream)?;
+        }
+    }
+    p.pool().free(x, stream)?;
+    p.stop_worker(fresh)?;
+    env.driver.stream_synchronize(stream)?;
+    // Everything the rogues were lent or granted is back.
+    let mut used = p.pool().stats()?.used_current;
+    let mut fds = open_fds()?;
+    let until = Instant::now() + Duration::from_secs(10);
+    while (used != used_before || fds > fds_before) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+        env.driver.stream_synchronize(stream)?;
+        used = p.pool().stats()?.used_current;
+        fds = open_fds()?;
+    }
+    println!("pool used {used_before} -> {used}; descriptors {fds_before} -> {fds}");
+    ensure!(
+        used == used_before,
+        "the pool holds {} bytes more after the chaos",
+        used.saturating_sub(used_before)
+    );
+    ensure!(
+        fds <= fds_before,
+        "{} descriptors more after the chaos",
+        fds - fds_before
+    );
+    p.stop_worker(honest_worker)?;
+    env.assert_no_violations();
+    Ok(())
+}
+
+both_drivers!(
+    /// Rogues walking at random over the protocol, one after another beside an honest worker:
+    /// each rogue's jobs end, the honest worker's bytes are all right, and nothing is left
+    /// held.
+    fn chaos_workers_harm_only_themselves(env) {
+        chaos(env)
+    }
+);
