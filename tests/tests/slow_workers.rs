@@ -695,3 +695,61 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    /// A caller's result allocator that takes its time (a Python allocator waiting for the
+    /// GIL, torch freeing its cache to find room) holds up only its own job: it runs off the
+    /// IO thread, so another worker's round trips meanwhile stay short, and the slow job
+    /// still gets the memory it made.
+    fn a_slow_result_allocator_holds_up_no_other_worker(env) {
+        let p = parent(env, ParentOptions::default())?;
+        let slow_worker = p.spawn_worker(worker_command(env, None)?)?;
+        let other = p.spawn_worker(worker_command(env, None)?)?;
+        let stream = StreamHandle::NULL;
+        let x = filled(&p, 4 * KIB, stream)?;
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel::<()>();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let (driver, pool) = (Arc::clone(p.driver()), p.pool().handle());
+        let made = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let made_in = Arc::clone(&made);
+        let alloc: poolipc::ResultAllocator = Box::new(move |_shape, bytes, stream| {
+            let _ = entered_tx.send(());
+            // Held until the test has run the other worker's jobs (or two seconds).
+            let _ = release_rx.recv_timeout(Duration::from_secs(2));
+            let ptr = driver.mem_alloc_from_pool_async(bytes, pool, stream)?;
+            made_in
+                .lock()
+                .map_err(|_| Error::Config("poisoned".into()))?
+                .push(ptr);
+            Ok(ptr)
+        });
+        let slow = p.submit_with(slow_worker, &input(x), stream, alloc)?;
+        entered_rx
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|_| anyhow::anyhow!("the slow allocator was never called"))?;
+        // The allocator is inside its wait: the other worker's round trips go on meanwhile.
+        let mut worst = Duration::ZERO;
+        for _ in 0..5 {
+            worst = worst.max(round_trip(&p, other, x, stream)?);
+        }
+        let _ = release_tx.send(());
+        let out = slow.wait()?;
+        println!("the other worker's round trips while the allocator waited: the longest {worst:?}");
+        ensure!(
+            worst < ROUND_TRIP_BOUND,
+            "a round trip on another worker took {worst:?} while one job's allocator waited"
+        );
+        let made = made.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
+        ensure!(
+            out.results.iter().map(|r| r.ptr).eq(made.iter().copied()),
+            "the slow job's results are not what its allocator made: {:?} against {made:?}",
+            out.results.iter().map(|r| r.ptr).collect::<Vec<_>>()
+        );
+        for r in &out.results {
+            p.pool().free(r.ptr, stream)?;
+        }
+        p.pool().free(x, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        Ok(())
+    }
+);

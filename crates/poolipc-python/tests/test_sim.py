@@ -479,7 +479,8 @@ def test_results_from_a_caller_allocator_are_what_run_returns(parent):
     threads = []
 
     def alloc(dtype, shape, nbytes):
-        # Called on the parent's IO thread, which took the GIL while run() waits without it.
+        # Called on the parent's allocator thread, which took the GIL while run() waits
+        # without it.
         threads.append(threading.get_ident())
         b = parent.alloc(nbytes, dtype=dtype, shape=shape)
         made.append((dtype, shape, nbytes))
@@ -491,6 +492,33 @@ def test_results_from_a_caller_allocator_are_what_run_returns(parent):
     assert isinstance(res, poolipc.DeviceBuffer) and res.shape == (2, 4)
     assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 3.0)
     parent.stop(w)
+
+
+def test_an_allocator_that_waits_holds_up_only_its_own_job(parent):
+    # The allocator of one job waits until another worker's job has run to its end: it runs
+    # off the IO thread, so that job is served meanwhile (on the IO thread, both would wait
+    # for the timeout), and the waiting job still gets what its allocator made.
+    slow_w, other_w = spawn(parent), spawn(parent)
+    f = f32_buffer(parent, [5.0] * 8)
+    entered, other_done = threading.Event(), threading.Event()
+
+    def alloc(dtype, shape, nbytes):
+        entered.set()
+        other_done.wait(timeout=10)
+        return parent.alloc(nbytes, dtype=dtype, shape=shape)
+
+    slow = parent.submit(slow_w, [poolipc.TensorRef(f.ptr, "float32", [8])], alloc=alloc)
+    assert entered.wait(timeout=30)
+    t0 = time.monotonic()
+    (res_other,) = parent.run(other_w, [poolipc.TensorRef(f.ptr, "float32", [8])])
+    other_took = time.monotonic() - t0
+    other_done.set()
+    (res_slow,) = slow.wait(timeout=30)
+    assert other_took < 5, f"the other worker's job took {other_took:.1f} s while an allocator waited"
+    assert parent.read(res_other.ptr + 4, 4) == struct.pack("<f", 5.0)
+    assert parent.read(res_slow.ptr + 4, 4) == struct.pack("<f", 5.0)
+    parent.stop(slow_w)
+    parent.stop(other_w)
 
 
 def test_an_allocator_that_raises_fails_the_job_with_its_error(parent):

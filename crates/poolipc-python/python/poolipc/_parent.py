@@ -476,7 +476,7 @@ class Parent:
             def native_alloc(
                 dtype: str, shape: list[int], nbytes: int, _stream: int
             ) -> tuple[int, object]:
-                # Runs on the parent's IO thread (it took the GIL): torch's current stream
+                # Runs on the parent's allocator thread (it took the GIL): torch's current stream
                 # there is the default one, so the job's stream is made current for torch.
                 if torch_stream is not None:
                     with torch.cuda.stream(torch_stream):
@@ -529,8 +529,9 @@ class Parent:
 
         ``alloc(dtype, shape, nbytes) -> tensor``: makes each result; default: ``torch.empty``
         on this device when torch is imported and a torch tensor was lent, else a
-        ``DeviceBuffer`` from the pool. It is called on the parent's IO thread (holding the
-        GIL), with ``stream`` as torch's current stream; it must not wait on this parent (no
+        ``DeviceBuffer`` from the pool. It is called on a thread of the parent's made for it
+        (holding the GIL; a wait for the GIL holds up only this job, never other workers'
+        jobs), with ``stream`` as torch's current stream; it must not wait on this parent (no
         ``run``, ``wait``, ``spawn`` or ``stop`` inside it). If it raises, the job fails with
         ``JobFailedError`` whose ``__cause__`` is its exception. Returned tensors are ordinary
         torch tensors from the pool; the worker's DONE has completed, so they may be used at

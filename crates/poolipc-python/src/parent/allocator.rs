@@ -25,7 +25,8 @@ pub(super) struct AllocLog {
 }
 
 /// The facade's allocator over a Python callable `f(dtype, shape, nbytes, stream) -> (ptr,
-/// owner)`. It runs on the parent's IO thread, which takes the GIL for it: the thread that
+/// owner)`. It runs on the parent's allocator thread (one per IO room, so that a wait for the
+/// GIL stalls only this job), which takes the GIL for it: the thread that
 /// waits on the job has released the GIL, so the two never wait on each other.
 pub(super) fn python_allocator(f: Py<PyAny>, log: Arc<Mutex<AllocLog>>) -> ResultAllocator {
     Box::new(move |shape, bytes, stream| {

@@ -332,6 +332,7 @@ impl Loop {
             Command::ReleaseArena { reply } => self.release_arena_now(reply),
             Command::Staged(done) => self.transfer_done(*done),
             Command::StagingSetUp(done) => self.setup_done(*done),
+            Command::ResultMade(made) => self.result_made(*made),
             Command::Panic => {
                 // The test hook's whole point: stand in for a bug of the loop's.
                 #[allow(clippy::panic)] // asked for by `Parent::panic_io_thread`, tests only

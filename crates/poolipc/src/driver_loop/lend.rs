@@ -253,7 +253,7 @@ impl Loop {
             (worker, job),
             JobState {
                 stream,
-                alloc,
+                alloc: alloc.map(|a| Arc::new(std::sync::Mutex::new(a))),
                 done,
                 ready: Some(ready),
                 input_rungs: rungs,

@@ -11,7 +11,8 @@
 //! One kind of action runs elsewhere: a host-staged tensor's transfer, which waits on its
 //! worker chunk by chunk, runs on a thread of its own with that worker's connection, and the
 //! loop holds the worker's later actions until it ends ([`transfer`]). A worker that stages
-//! slowly stalls only itself.
+//! slowly stalls only itself. A caller's result allocator runs on a thread of the room's too
+//! ([`allocator`]): one that waits (for the GIL, say) stalls only its job.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::unix::net::UnixStream;
@@ -32,6 +33,7 @@ use crate::parent::{
 use crate::staging::StagingChannel;
 
 mod actions;
+mod allocator;
 mod arena;
 mod done;
 mod io;
@@ -97,6 +99,8 @@ pub(crate) enum Command {
     Staged(Box<transfer::TransferDone>),
     /// A staging setup's thread hands the worker's connection back, with the channel.
     StagingSetUp(Box<transfer::SetupDone>),
+    /// The allocator thread answers for a result a caller's allocator made ([`allocator`]).
+    ResultMade(Box<allocator::AllocMade>),
     /// Test-only ([`Parent::panic_io_thread`](crate::Parent::panic_io_thread)): the loop
     /// panics, as a bug of its own would.
     Panic,
@@ -114,6 +118,7 @@ impl Command {
             Command::Submit(sub) => Some(sub.worker),
             Command::Staged(done) => Some(done.worker()),
             Command::StagingSetUp(done) => Some(done.worker()),
+            Command::ResultMade(made) => Some(made.worker()),
             Command::ReleaseArena { .. }
             | Command::OfferPool { .. }
             | Command::RetirePool { .. }
@@ -142,6 +147,8 @@ impl Command {
             | Command::RetirePool { reply, .. } => drop(reply),
             // The loop is gone: the worker's socket closes with it.
             Command::Staged(_) | Command::StagingSetUp(_) => {}
+            // The memory is the caller's; its job failed with the loop.
+            Command::ResultMade(_) => {}
             Command::Cancel { .. } | Command::Shutdown | Command::Panic => {}
         }
     }
@@ -302,7 +309,8 @@ struct Slot {
 /// A job as the loop holds it, from its Lend to its JobFinished.
 struct JobState {
     stream: StreamHandle,
-    alloc: Option<ResultAllocator>,
+    /// The caller's allocator, run on the room's allocator thread ([`allocator`]).
+    alloc: Option<allocator::SharedAllocator>,
     done: Answer,
     ready: Option<(OwnedEvent, EventBlob)>,
     input_rungs: Vec<Rung>,
@@ -399,6 +407,8 @@ struct Loop {
     /// Exit statuses of workers being reaped, for the errors of their jobs.
     reaped: HashMap<WorkerId, String>,
     next_alloc: u64,
+    /// The room's allocator thread for callers' allocators, once one was needed.
+    allocator: Option<Sender<allocator::AllocCall>>,
     epoch: Instant,
     shutting_down: bool,
     /// The last worker that failed or reported an error, and what it said: named when the
@@ -498,6 +508,7 @@ impl Loop {
             vmm_shared: HashMap::new(),
             reaped: HashMap::new(),
             next_alloc: 1,
+            allocator: None,
             epoch: Instant::now(),
             shutting_down: false,
             suspect: None,

@@ -19,6 +19,9 @@ use crate::parent::{JobOutput, ResultMemory, ResultTensor, Stats};
 use crate::tensor::ResultShape;
 
 impl Loop {
+    /// The contract asks for a result's memory: made here (the pool or the arena), or by the
+    /// job's own allocator on the room's allocator thread, whose answer comes back to
+    /// [`Loop::answer_result`] through [`Loop::result_made`].
     pub(super) fn allocate_result(
         &mut self,
         worker: WorkerId,
@@ -26,16 +29,40 @@ impl Loop {
         request: RequestId,
         spec: &ResultSpec,
     ) {
+        if let Some(st) = self.jobs.get(&(worker, job))
+            && let Some(alloc) = st.alloc.clone()
+        {
+            let stream = st.stream;
+            self.call_allocator(worker, job, request, spec, stream, alloc);
+            return;
+        }
+        self.answer_result(worker, job, request, spec, None);
+    }
+
+    /// Goes on with result `request`: its memory is `made` by the job's allocator, or (None)
+    /// made here; the contract hears it was allocated, declined, or (host staging to set up
+    /// first) nothing yet.
+    pub(super) fn answer_result(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        request: RequestId,
+        spec: &ResultSpec,
+        made: Option<Result<DevicePtr, Error>>,
+    ) {
         let now = self.now();
-        let made = self
-            .make_result(worker, job, request, spec)
-            .and_then(|made| match made {
-                Some(event) => Ok(Some(event)),
-                // Host staging is set up first, off the loop (the worker's answer may take up to
-                // the staging timeout), and this allocation is asked for again, first among what
-                // is held for the worker, once the setup is done ([`Loop::setup_done`]).
-                None => self.start_setup(worker).map(|()| None),
-            });
+        let made = match made {
+            None => self.make_result(worker, job, request, spec, None),
+            Some(Ok(ptr)) => self.make_result(worker, job, request, spec, Some(ptr)),
+            Some(Err(e)) => Err(e),
+        };
+        let made = made.and_then(|made| match made {
+            Some(event) => Ok(Some(event)),
+            // Host staging is set up first, off the loop (the worker's answer may take up to
+            // the staging timeout), and this allocation is asked for again, first among what
+            // is held for the worker, once the setup is done ([`Loop::setup_done`]).
+            None => self.start_setup(worker).map(|()| None),
+        });
         let event = match made {
             Ok(Some(e)) => e,
             Ok(None) => {
@@ -70,19 +97,27 @@ impl Loop {
         };
         if let Err(e) = self.machine.handle(event, now) {
             tracing::warn!(worker = %worker, error = %e, "the contract refused a result allocation");
+            // Not granted: never handed out as a result (freed or given back at the job's end).
+            if let Some(st) = self.jobs.get_mut(&(worker, job))
+                && let Some(r) = st.results.remove(&request)
+                && r.rung != Rung::Arena
+            {
+                st.orphans.push(r.ptr);
+            }
         }
     }
 
-    /// Allocates a result and chooses its rung: pool pointer for memory of a pool the worker
-    /// takes pointers from, within the limit; host staging otherwise. `None`: the result
-    /// takes host staging, which is not set up with the worker yet (the memory was given
-    /// back): set it up, then ask again.
+    /// Allocates a result (or takes `made`, what the job's allocator made) and chooses its
+    /// rung: pool pointer for memory of a pool the worker takes pointers from, within the
+    /// limit; host staging otherwise. `None`: the result takes host staging, which is not set
+    /// up with the worker yet (the memory was given back): set it up, then ask again.
     pub(super) fn make_result(
         &mut self,
         worker: WorkerId,
         job: JobId,
         request: RequestId,
         spec: &ResultSpec,
+        made: Option<DevicePtr>,
     ) -> Result<Option<ParentEvent>, Error> {
         let pointer_pools = self
             .shared
@@ -113,9 +148,8 @@ impl Loop {
             Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
         })?;
         let stream = st.stream;
-        let ptr = match st.alloc.as_mut() {
-            Some(f) => {
-                let ptr = f(&shape, bytes, stream)?;
+        let ptr = match made {
+            Some(ptr) => {
                 // The caller's allocator is trusted with the memory, not with its size: a
                 // result smaller than asked would let the worker write past it.
                 let room = self

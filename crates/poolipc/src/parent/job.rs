@@ -265,8 +265,12 @@ pub struct JobOutput {
 }
 
 /// Allocates a job's result memory: `(shape, bytes, stream)` to an allocation of at least
-/// `bytes`. Called on the parent's IO thread. Memory of the shared pool goes back by pool
-/// pointer; any other takes host staging.
+/// `bytes`. Memory of the shared pool goes back by pool pointer; any other takes host staging.
+///
+/// Called on a thread the parent keeps for callers' allocators (one per IO room; one job's
+/// calls in the order its worker asked), not on the IO thread, so one that takes its time
+/// holds up only its own job. A result it makes after its job ended (the worker was lost
+/// meanwhile) is in no job's error: it is logged (`warn`) and the caller's to free.
 pub type ResultAllocator =
     Box<dyn FnMut(&ResultShape, u64, StreamHandle) -> Result<DevicePtr, Error> + Send>;
 
