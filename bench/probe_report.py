@@ -53,7 +53,8 @@ def role(labels: collections.Counter) -> str:
     prefixes = collections.Counter()
     for label, n in labels.items():
         prefixes[label.split(".", 1)[0]] += n
-    names = {"io": "IO thread", "w": "worker", "c": "caller", "py": "Python", "rt": "bench", "user": "user code"}
+    names = {"io": "IO thread", "w": "worker", "c": "caller", "py": "Python", "rt": "bench", "user": "user code",
+             "alloc": "allocator"}
     return "+".join(names.get(p, p) for p, _ in prefixes.most_common(2))
 
 

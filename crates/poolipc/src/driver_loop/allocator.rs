@@ -71,6 +71,7 @@ fn serve(shared: &Shared, calls: &Receiver<AllocCall>) {
             dtype: spec.dtype,
             shape: spec.shape.clone(),
         };
+        crate::probe::mark("alloc.call");
         let made = match alloc.lock() {
             Ok(mut f) => {
                 std::panic::catch_unwind(AssertUnwindSafe(|| (*f)(&shape, spec.byte_len, stream)))
@@ -159,6 +160,7 @@ impl Loop {
             spec,
             made,
         } = made;
+        crate::probe::mark("io.result_made");
         if !self.jobs.contains_key(&(worker, job)) {
             // The job ended while its allocator ran (its worker was lost): the memory is the
             // caller's, as every result of a failed job is; it is in no job's error, so say so.
