@@ -12,6 +12,11 @@ then torchmp.py runs as a child and its medians are printed beside ours.
 With ``--workers N``: jobs per second with 1, 2, 4 .. N torch workers served at once by one
 parent (N threads, each with its own worker, stream and live tensor, lent again), 4 KiB and
 64 MiB, beside one worker, in the same run (issue 24).
+
+With ``--results``: the round trip of a worker that returns a result (``request_results``,
+made by ``torch.empty`` on the parent's allocator thread), lent again, 4 KiB and 64 MiB,
+beside the in-place worker's, with and without a busy Python thread in the parent (each
+side of the job then waits for the GIL: the allocator thread and the caller's return).
 """
 import json
 import os
@@ -34,6 +39,15 @@ for job in w:
         for v in job.inputs:
             t = torch.from_dlpack(v)
             t.view(-1)[0] = 42
+"""
+RESULT_WORKER = r"""
+import poolipc, torch
+w = poolipc.Worker()
+for job in w:
+    with job:
+        x = torch.from_dlpack(job.inputs[0])
+        (r,) = job.request_results([("float32", list(x.shape))])
+        torch.from_dlpack(r).copy_(x).add_(1)
 """
 SIZES = [("4KiB", 1 << 10, 400), ("1MiB", 1 << 18, 400), ("64MiB", 1 << 24, 100),
          ("1GiB", 1 << 28, 30), ("4GiB", 1 << 30, 15)]
@@ -113,8 +127,61 @@ def throughput(max_workers, as_json):
         print(json.dumps({"event": "python_workers", "rows": rows}))
 
 
+def with_results(as_json):
+    """Round trips with a result beside the in-place ones, with and without a busy thread."""
+    import threading
+
+    parent = poolipc.Parent(0)
+    inplace = parent.spawn([sys.executable, "-c", WORKER])
+    result = parent.spawn([sys.executable, "-c", RESULT_WORKER])
+    print("  a worker returning a result (torch.empty on the parent's allocator thread) against one")
+    print("  writing in place, lent again, medians:")
+    print(f"  {'size':>6} {'busy thread':>11} {'in place ms':>12} {'result ms':>10}")
+    rows = []
+    for busy in (False, True):
+        stop = threading.Event()
+
+        def spin():
+            x = 0
+            while not stop.is_set():
+                x += 1
+
+        spinner = threading.Thread(target=spin) if busy else None
+        if spinner:
+            spinner.start()
+        try:
+            for label, numel, reps in [("4KiB", 1 << 10, 200), ("64MiB", 1 << 24, 50)]:
+                t = torch.zeros(numel, dtype=torch.float32, device="cuda")
+                medians = []
+                for w in (inplace, result):
+                    times = []
+                    for i in range(reps + 5):
+                        t0 = time.perf_counter()
+                        out = parent.run(w, [t])
+                        torch.cuda.current_stream().synchronize()
+                        if i >= 5:
+                            times.append(time.perf_counter() - t0)
+                        if w == result:
+                            assert out[0][0].item() == t[0].item() + 1
+                        del out
+                    medians.append(statistics.median(times) * 1e3)
+                print(f"  {label:>6} {str(busy):>11} {medians[0]:>12.3f} {medians[1]:>10.3f}")
+                rows.append({"size": label, "busy_thread": busy, "inplace_ms": medians[0],
+                             "result_ms": medians[1]})
+        finally:
+            stop.set()
+            if spinner:
+                spinner.join()
+    parent.stop(inplace)
+    parent.stop(result)
+    if as_json:
+        print(json.dumps({"event": "python_results", "rows": rows}))
+
+
 def main():
     as_json = "--json" in sys.argv
+    if "--results" in sys.argv:
+        return with_results(as_json)
     if "--workers" in sys.argv:
         return throughput(int(sys.argv[sys.argv.index("--workers") + 1]), as_json)
     parent = poolipc.Parent(0)

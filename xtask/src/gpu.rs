@@ -591,6 +591,10 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
     echo "pysplit ($m) exit: $?" >> "$summary"
     grep -v ' INFO ' "$out/scaling-pysplit-$m.log" | tail -45 >> "$summary"
     rm -rf "$out/pysplit-$m"
+    echo "--- bench/pybench.py --results ($m)" >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 60 $run python3 bench/pybench.py --results ) > "$out/scaling-results-$m.log" 2>&1
+    echo "pybench --results ($m) exit: $?" >> "$summary"
+    grep -v ' INFO ' "$out/scaling-results-$m.log" | tail -8 >> "$summary"
     for n in 1 4; do
       echo "--- bench/pybench.py --workers 8 ($m, POOLIPC_IO_THREADS=$n)" >> "$summary"
       ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_IO_THREADS=$n timeout 110 $run python3 bench/pybench.py --workers 8 ) > "$out/scaling-pybench-$m-$n.log" 2>&1
