@@ -733,3 +733,79 @@ impl<'a> Walk<'a> {
         }))
     }
 }
+
+/// The handshake, lied through as `seed` says, after the parent's `Hello` came: a `HelloAck`
+/// with a random identity (device, driver version, capabilities, a device list up to past its
+/// bound), another message, bytes that are no frame, a refusal with random text, silence past
+/// the parent's deadline, or an exit; or the honest `HelloAck`. Returns the connection where
+/// the parent accepted (the walk goes on), `None` where the handshake ended here.
+pub fn hello(
+    mut conn: Connection,
+    identity: &Identity,
+    seed: u64,
+) -> Result<Option<(Connection, Identity)>> {
+    let mut rng = Rng::new(seed ^ 0x4E11_0000);
+    let Ok((Message::Hello(_), _fds)) = conn.recv(Instant::now() + Duration::from_secs(30)) else {
+        return Ok(None);
+    };
+    let mut ours = identity.clone();
+    let reply = match rng.below(10) {
+        0 => {
+            ours.device = poolipc_types::DeviceUuid(std::array::from_fn(|_| rng.bits() as u8));
+            Some(Message::HelloAck(ours.clone()))
+        }
+        1 => {
+            ours.driver_version = rng.bits() as i32;
+            Some(Message::HelloAck(ours.clone()))
+        }
+        2 => {
+            ours.capabilities = poolipc_transport::Capabilities(rng.bits());
+            Some(Message::HelloAck(ours.clone()))
+        }
+        3 => {
+            let n = rng.below(poolipc_contract::MAX_DEVICES as u64 + 8);
+            ours.devices = (0..n)
+                .map(|i| poolipc_contract::DeviceEntry {
+                    uuid: poolipc_types::DeviceUuid(std::array::from_fn(|_| rng.bits() as u8)),
+                    ordinal: if rng.chance(500) {
+                        i as u32
+                    } else {
+                        rng.bits() as u32
+                    },
+                })
+                .collect();
+            Some(Message::HelloAck(ours.clone()))
+        }
+        4 => Some(Message::Heartbeat { seq: rng.bits() }),
+        5 => Some(Message::Refuse {
+            code: ErrorCode(rng.bits() as u16),
+            message: (0..rng.below(400))
+                .map(|_| char::from(rng.below(128) as u8))
+                .collect(),
+        }),
+        6 => {
+            let raw: Vec<u8> = (0..1 + rng.below(64)).map(|_| rng.bits() as u8).collect();
+            let _ = nix::unistd::write(&conn, &raw);
+            std::thread::sleep(Duration::from_secs(5));
+            return Ok(None);
+        }
+        7 => {
+            // Silent past any deadline a test sets; the parent must give up on its own.
+            std::thread::sleep(Duration::from_secs(5));
+            return Ok(None);
+        }
+        8 => return Ok(None),
+        _ => Some(Message::HelloAck(ours.clone())),
+    };
+    if let Some(m) = reply
+        && conn
+            .send(&m, &[], Instant::now() + Duration::from_secs(5))
+            .is_err()
+    {
+        return Ok(None);
+    }
+    match conn.recv(Instant::now() + Duration::from_secs(10)) {
+        Ok((Message::HelloAck(_), _)) => Ok(Some((conn, ours))),
+        _ => Ok(None),
+    }
+}

@@ -1,7 +1,8 @@
 //! Chaos workers harm only themselves. One parent; an honest worker served from its own
 //! thread, every byte of every answer checked; beside it, a few at a time, rogues that
 //! walk at random over everything a worker can send (`poolipc_tests::chaos`), each given
-//! jobs of its own. Every rogue job must end (succeeded or failed, never hung), every honest
+//! jobs of its own. Every rogue job must end (succeeded or failed, never hung, its error free
+//! of the control characters the rogue sent), every honest
 //! job must succeed with the right bytes, and afterwards the pool holds what it held before,
 //! the parent's descriptors are back, its heap grew by little, the simulation saw no
 //! unordered access, and a new worker is served.
@@ -14,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result, anyhow, ensure};
+use anyhow::{Context as _, Result, anyhow, bail, ensure};
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, Trust, WorkerId};
 use poolipc_tests::echo_jobs::{bytes_input, echoed, filled};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
@@ -47,6 +48,30 @@ fn rss_kib() -> Result<u64> {
         .trim_end_matches("kB")
         .trim()
         .parse()?)
+}
+
+/// A rogue's words reach an error's text only made safe to print: no control character but
+/// tab and line break, no bidirectional override (`poolipc_contract::text`).
+fn shown_safely(text: &str) -> Result<()> {
+    match text
+        .chars()
+        .find(|&c| poolipc_contract::text::is_unsafe_char(c))
+    {
+        Some(c) => bail!("an error shows the character {c:?} a rogue sent: {text:?}"),
+        None => Ok(()),
+    }
+}
+
+/// Gives a job's results back: arena blocks by drop, pool memory to the pool.
+fn free_results(p: &Parent, out: poolipc::JobOutput, stream: poolipc::StreamHandle) -> Result<()> {
+    for r in out.results {
+        if r.rung == poolipc::Rung::Arena {
+            drop(r);
+        } else {
+            p.pool().free(r.ptr, stream)?;
+        }
+    }
+    Ok(())
 }
 
 fn open_fds() -> Result<usize> {
@@ -93,13 +118,7 @@ fn honest(
                         r.bytes, bytes, out.input_rungs
                     ))?;
                 }
-                for r in out.results {
-                    if r.rung == poolipc::Rung::Arena {
-                        drop(r);
-                    } else {
-                        p.pool().free(r.ptr, stream)?;
-                    }
-                }
+                free_results(p, out, stream)?;
             }
             Err(e) => fail(format!("the honest job failed: {e}"))?,
         }
@@ -152,16 +171,11 @@ fn rogue(p: &Parent, env: &Env, seed: u64, steps: u64) -> Result<String> {
             match h.wait_timeout(Duration::from_secs(60)) {
                 Ok(Ok(out)) => {
                     succeeded += 1;
-                    for r in out.results {
-                        if r.rung == poolipc::Rung::Arena {
-                            drop(r);
-                        } else {
-                            p.pool().free(r.ptr, stream)?;
-                        }
-                    }
+                    free_results(p, out, stream)?;
                 }
                 Ok(Err(e)) => {
                     failed += 1;
+                    shown_safely(&e.to_string())?;
                     if first_failure.is_none() {
                         first_failure = Some(e.to_string());
                     }
@@ -276,13 +290,7 @@ fn chaos(env: &Env) -> Result<()> {
     let stream = poolipc::StreamHandle::NULL;
     let x = filled(&p, 4096, 0xC0FFEE, stream)?;
     let out = p.run_job(fresh, &[bytes_input(x, 4096)], stream)?;
-    for r in out.results {
-        if r.rung == poolipc::Rung::Arena {
-            drop(r);
-        } else {
-            p.pool().free(r.ptr, stream)?;
-        }
-    }
+    free_results(&p, out, stream)?;
     p.pool().free(x, stream)?;
     p.stop_worker(fresh)?;
     env.driver.stream_synchronize(stream)?;
@@ -331,5 +339,125 @@ both_drivers!(
     /// held.
     fn chaos_workers_harm_only_themselves(env) {
         chaos(env)
+    }
+);
+
+/// The handshake deadline of [`hellos`]' parent: a rogue silent past it is given up on.
+const HELLO_DEADLINE: Duration = Duration::from_secs(1);
+
+/// Rogues lying through the handshake (`chaos-hello`) beside an honest worker: each spawn
+/// ends within the deadline and a little, as a worker or as an error; a rogue taken as a
+/// worker is given a job, which ends; nothing is left held.
+fn hellos(env: &Env) -> Result<()> {
+    let p = Parent::new(
+        Arc::clone(&env.driver),
+        ParentOptions {
+            device: env.device,
+            canary: false,
+            handshake_timeout: HELLO_DEADLINE,
+            ..ParentOptions::default()
+        },
+    )?;
+    env.driver.stream_synchronize(poolipc::StreamHandle::NULL)?;
+    let honest_worker = p.spawn_worker(worker_command(env, None)?)?;
+    let fds_before = open_fds()?;
+    let used_before = p.pool().stats()?.used_current;
+    let (seeds, first) = (
+        env_u64("POOLIPC_CHAOS_HELLOS", 20),
+        env_u64("POOLIPC_CHAOS_SEED", 1),
+    );
+    let stop = AtomicBool::new(false);
+    let (ok, worst) = (AtomicU64::new(0), AtomicU64::new(0));
+    let errors = Mutex::new(Vec::new());
+    let mut refusals = std::collections::BTreeMap::<String, u32>::new();
+    let mut taken = 0;
+    std::thread::scope(|s| -> Result<()> {
+        let h = s.spawn(|| honest(&p, env, honest_worker, &stop, &ok, &worst, &errors));
+        let result = (|| -> Result<()> {
+            for seed in first..first + seeds {
+                let mut cmd = rogue_command(env, "chaos-hello")?;
+                cmd.env("POOLIPC_TEST_ROGUE_SEED", seed.to_string());
+                let began = Instant::now();
+                let spawned = p.spawn_worker(cmd);
+                let took = began.elapsed();
+                ensure!(
+                    took < HELLO_DEADLINE + Duration::from_secs(2),
+                    "spawning chaos-hello seed {seed} took {took:?} (deadline {HELLO_DEADLINE:?})"
+                );
+                match spawned {
+                    Ok(w) => {
+                        taken += 1;
+                        let x = filled(&p, 4096, seed as u32, poolipc::StreamHandle::NULL)?;
+                        let stream = poolipc::StreamHandle::NULL;
+                        if let Ok(h) = p.submit(w, &[bytes_input(x, 4096)], stream) {
+                            match h.wait_timeout(Duration::from_secs(60)) {
+                                Ok(Ok(out)) => free_results(&p, out, stream)?,
+                                Ok(Err(_)) => {}
+                                Err(_) => bail!(
+                                    "a job of chaos-hello seed {seed} did not end within a minute"
+                                ),
+                            }
+                        }
+                        let _ = p.stop_worker(w);
+                        p.pool().free(x, poolipc::StreamHandle::NULL)?;
+                    }
+                    Err(e) => {
+                        // What kind of refusal, without the parts that vary.
+                        let text = e.to_string();
+                        shown_safely(&text)?;
+                        let kind: String = text.chars().take(48).collect();
+                        *refusals.entry(kind).or_default() += 1;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        stop.store(true, Ordering::Relaxed);
+        h.join()
+            .map_err(|_| anyhow!("the honest thread panicked"))??;
+        result
+    })?;
+    println!("chaos-hello: {taken} taken as workers; refused: {refusals:#?}");
+    let errors = errors.into_inner().map_err(|_| anyhow!("poisoned"))?;
+    println!(
+        "honest jobs beside the handshakes: {}, {} wrong or failed, the longest {:?}",
+        ok.into_inner(),
+        errors.len(),
+        Duration::from_micros(worst.into_inner())
+    );
+    ensure!(
+        errors.is_empty(),
+        "honest jobs went wrong: {:?}",
+        &errors[..errors.len().min(5)]
+    );
+    env.driver.stream_synchronize(poolipc::StreamHandle::NULL)?;
+    let until = Instant::now() + Duration::from_secs(10);
+    let (mut used, mut fds) = (p.pool().stats()?.used_current, open_fds()?);
+    while (used != used_before || fds > fds_before) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(50));
+        used = p.pool().stats()?.used_current;
+        fds = open_fds()?;
+    }
+    ensure!(
+        used == used_before,
+        "the pool holds {} bytes more",
+        used.saturating_sub(used_before)
+    );
+    ensure!(
+        fds <= fds_before,
+        "{} descriptors more after the handshakes",
+        fds - fds_before
+    );
+    p.stop_worker(honest_worker)?;
+    env.assert_no_violations();
+    Ok(())
+}
+
+both_drivers!(
+    /// Rogues lying through the handshake: every spawn ends within the handshake deadline
+    /// (a worker, or an error saying what was wrong), the honest worker beside them is
+    /// served throughout, and nothing is left held.
+    fn chaos_handshakes_end_in_time_and_harm_only_themselves(env) {
+        hellos(env)
     }
 );

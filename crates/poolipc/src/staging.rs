@@ -632,7 +632,16 @@ fn keep(
 ) -> Result<()> {
     match msg {
         Message::Heartbeat { .. } => Ok(()),
-        Message::Error { code, message } => Err(StagingError::Peer { code, message }),
+        // On the parent's side (the bounded one) the peer is a worker: its words are marked
+        // as its own and made safe to print before they reach an error.
+        Message::Error { code, message } => Err(StagingError::Peer {
+            code,
+            message: if bound.is_some() {
+                poolipc_contract::worker_text(&message)
+            } else {
+                message
+            },
+        }),
         other if !fds.is_empty() => Err(StagingError::Protocol(format!(
             "a {} with {} FDs arrived during host staging",
             other.kind(),
@@ -669,5 +678,46 @@ impl Drop for StagingChannel {
     fn drop(&mut self) {
         // Failures are logged by `OwnedEvent`'s drop.
         self.events.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker's error during host staging reaches the parent's error marked as the worker's
+    /// and without its control characters; the worker's side keeps its parent's words as
+    /// they are.
+    #[test]
+    fn a_workers_error_during_staging_is_shown_safely_on_the_parents_side() {
+        let raw = "\u{1b}[2Jwiped\rforged\u{202e}";
+        let error = || Message::Error {
+            code: ErrorCode::OTHER,
+            message: raw.into(),
+        };
+        let mut backlog = VecDeque::new();
+        let mut bytes = 0;
+        let bound = Bound {
+            bytes: &mut bytes,
+            max_frames: 8,
+            max_bytes: 1 << 20,
+        };
+        let parent_side = keep(&mut backlog, error(), &[], Some(bound));
+        let Err(StagingError::Peer { message, .. }) = parent_side else {
+            panic!("expected the peer's error, got {parent_side:?}");
+        };
+        assert!(
+            message.starts_with(poolipc_contract::text::WORKER_SAYS),
+            "{message:?}"
+        );
+        assert!(
+            !message.chars().any(poolipc_contract::text::is_unsafe_char),
+            "{message:?}"
+        );
+        let worker_side = keep(&mut backlog, error(), &[], None);
+        let Err(StagingError::Peer { message, .. }) = worker_side else {
+            panic!("expected the peer's error, got {worker_side:?}");
+        };
+        assert_eq!(message, raw);
     }
 }

@@ -83,6 +83,9 @@
 //!   answers (`poolipc_tests::chaos`): `POOLIPC_TEST_ROGUE_SEED` (0 by default) and
 //!   `POOLIPC_TEST_ROGUE_STEPS` (300); the pool pointer, the arena and host staging each
 //!   offered or not as the seed says. It prints how it ended and exits 0.
+//! - `chaos-hello`: lies through the handshake as the seed says (`chaos::hello`: a random
+//!   identity, another message, no frame, a refusal, silence, an exit, or the truth); where
+//!   the parent accepts, walks on as `chaos` does (100 steps by default).
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -113,7 +116,7 @@ fn run() -> anyhow::Result<()> {
         caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
     }
     let seed: u64 = env_or("POOLIPC_TEST_ROGUE_SEED", 0)?;
-    if mode == "chaos" {
+    if mode == "chaos" || mode == "chaos-hello" {
         // Every seed offers IPC events; the rest as the seed says (at least one rung).
         caps = Capabilities(
             Capabilities::IPC_EVENTS.0
@@ -134,6 +137,17 @@ fn run() -> anyhow::Result<()> {
         required: Capabilities::NONE,
     };
     let deadline = || Instant::now() + Duration::from_secs(30);
+    if mode == "chaos-hello" {
+        let steps = env_or("POOLIPC_TEST_ROGUE_STEPS", 100)?;
+        let Some((conn, identity)) = poolipc_tests::chaos::hello(conn, &config.identity, seed)?
+        else {
+            eprintln!("poolipc-test-rogue: chaos-hello seed {seed}: the handshake ended");
+            return Ok(());
+        };
+        let (ending, sent) = poolipc_tests::chaos::run(conn, &*driver, identity, seed, steps)?;
+        eprintln!("poolipc-test-rogue: chaos-hello seed {seed}: {ending:?} after {sent} frames");
+        return Ok(());
+    }
     let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline())?;
     if mode == "pool-thief" {
         return pool_thief(&driver, conn, &pool_fd);
