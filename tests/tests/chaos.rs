@@ -207,18 +207,18 @@ fn rogue(p: &Parent, env: &Env, seed: u64, steps: u64) -> Result<String> {
     ))
 }
 
-fn chaos(env: &Env) -> Result<()> {
-    let p = Parent::new(
-        Arc::clone(&env.driver),
-        ParentOptions {
-            device: env.device,
-            canary: false,
-            ..ParentOptions::default()
-        },
-    )?;
+fn chaos(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<()> {
+    let mut options = ParentOptions {
+        device: env.device,
+        canary: false,
+        ..ParentOptions::default()
+    };
+    tweak(&mut options);
+    let p = Parent::new(Arc::clone(&env.driver), options)?;
     env.driver.stream_synchronize(poolipc::StreamHandle::NULL)?;
-    let honest_worker = p.spawn_worker(worker_command(env, None)?)?;
+    // Before any worker: the honest one's arena (under an arena parent) is gone once it is.
     let fds_before = open_fds()?;
+    let honest_worker = p.spawn_worker(worker_command(env, None)?)?;
     let used_before = p.pool().stats()?.used_current;
     let rss_before = rss_kib()?;
     let (seeds, first, steps, parallel) = (
@@ -293,6 +293,7 @@ fn chaos(env: &Env) -> Result<()> {
     free_results(&p, out, stream)?;
     p.pool().free(x, stream)?;
     p.stop_worker(fresh)?;
+    p.stop_worker(honest_worker)?;
     env.driver.stream_synchronize(stream)?;
     // Everything the rogues were lent or granted is back.
     let mut used = p.pool().stats()?.used_current;
@@ -328,7 +329,6 @@ fn chaos(env: &Env) -> Result<()> {
         "the parent's heap grew by {} KiB over {seeds} rogues (bound {heap_bound} KiB)",
         rss_after.saturating_sub(rss_before)
     );
-    p.stop_worker(honest_worker)?;
     env.assert_no_violations();
     Ok(())
 }
@@ -338,7 +338,22 @@ both_drivers!(
     /// each rogue's jobs end, the honest worker's bytes are all right, and nothing is left
     /// held.
     fn chaos_workers_harm_only_themselves(env) {
-        chaos(env)
+        chaos(env, |_| {})
+    }
+);
+
+both_drivers!(
+    /// The same beside a parent whose results go to the arena, with an arena slice lent to
+    /// each job (the rogues' carves then lie in and out of a real slice), its arena capped:
+    /// the arena's grants, carves and releases lied about.
+    fn chaos_workers_harm_only_themselves_under_an_arena_parent(env) {
+        chaos(env, |o| {
+            o.results = poolipc::ResultMemory::Arena {
+                initial_bytes: 4 << 20,
+                max_bytes: Some(64 << 20),
+            };
+            o.arena_slice_bytes = 64 << 10;
+        })
     }
 );
 
