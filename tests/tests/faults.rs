@@ -266,6 +266,58 @@ both_drivers!(
 );
 
 both_drivers!(
+    /// A caller's allocator that returns less memory than the result needs: the result is
+    /// refused (the worker would write past it), the job fails naming the shortfall, the
+    /// memory comes back in the job's error as the caller's to free (nothing of it lost),
+    /// and the worker takes the next job.
+    fn an_allocator_returning_too_little_memory_fails_the_job_and_gives_the_memory_back(env) {
+        let p = parent(env, |o| o.canary = false)?;
+        let w = p.spawn_worker(worker_command(env, None)?)?;
+        let stream = StreamHandle::NULL;
+        let input = filled(&p, MIB, 0x3F80_0000, stream)?;
+        let used_before = p.pool().stats()?.used_current;
+        let (driver, pool) = (Arc::clone(p.driver()), p.pool().handle());
+        let alloc: poolipc::ResultAllocator =
+            Box::new(move |_, _bytes, s| Ok(driver.mem_alloc_from_pool_async(4096, pool, s)?));
+        let job = p.run_job_with(
+            w,
+            &[Input::new(input, Layout::contiguous(DType::F32, &[MIB / 4]))],
+            stream,
+            alloc,
+        );
+        let (text, given_back) = match job {
+            Err(e @ (Error::Worker { .. } | Error::JobFailed { .. })) => {
+                let results = match &e {
+                    Error::Worker { results, .. } | Error::JobFailed { results, .. } => {
+                        results.clone()
+                    }
+                    _ => Vec::new(),
+                };
+                (e.to_string(), results)
+            }
+            other => bail!("expected the job to fail, got {other:?}"),
+        };
+        ensure!(
+            given_back.len() == 1,
+            "the error gives back {given_back:?}, not the one allocation ({text})"
+        );
+        for ptr in given_back {
+            p.pool().free(ptr, stream)?;
+        }
+        p.driver().stream_synchronize(stream)?;
+        let used = p.pool().stats()?.used_current;
+        ensure!(
+            used == used_before,
+            "the pool holds {} bytes more after the refused result",
+            used.saturating_sub(used_before)
+        );
+        echo_job(&p, w, stream)?;
+        p.pool().free(input, stream)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
     /// A job submitted to a worker that is being stopped fails saying so (`Stopped`, "is
     /// stopping"), not as an unknown worker: the worker is known until it is reaped.
     fn a_job_for_a_worker_being_stopped_fails_as_stopped_naming_it(env) {

@@ -53,7 +53,15 @@ impl Loop {
         let now = self.now();
         let made = match made {
             None => self.make_result(worker, job, request, spec, None),
-            Some(Ok(ptr)) => self.make_result(worker, job, request, spec, Some(ptr)),
+            Some(Ok(ptr)) => {
+                let made = self.make_result(worker, job, request, spec, Some(ptr));
+                if made.is_err() {
+                    // Made before the checks that refused it: the caller's memory goes back
+                    // with the job's error, as every result of its allocator does.
+                    self.keep_orphan(worker, job, ptr);
+                }
+                made
+            }
             Some(Err(e)) => Err(e),
         };
         let made = made.and_then(|made| match made {
@@ -104,6 +112,17 @@ impl Loop {
             {
                 st.orphans.push(r.ptr);
             }
+        }
+    }
+
+    /// Records `ptr`, memory of the job's allocator that will not be handed out, among the
+    /// job's orphans (given back with its error), unless it is recorded already.
+    fn keep_orphan(&mut self, worker: WorkerId, job: JobId, ptr: DevicePtr) {
+        if let Some(st) = self.jobs.get_mut(&(worker, job))
+            && !st.orphans.contains(&ptr)
+            && !st.results.values().any(|r| r.ptr == ptr)
+        {
+            st.orphans.push(ptr);
         }
     }
 
