@@ -76,7 +76,7 @@ pub mod worker_env;
 
 pub use canary::CanaryReport;
 pub use error::{Error, ResultRefusal};
-pub use handshake::identity;
+pub use handshake::{WORKER_STDERR_ENV, identity};
 pub use parent::{
     ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
     DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, EmptyCache,

@@ -49,7 +49,11 @@ impl Parent {
         cmd.envs(self.worker_env.iter().map(|(k, v)| (k, v)))
             .stderr(std::process::Stdio::piped());
         let (mut child, conn) = poolipc_transport::spawn_worker(cmd)?;
-        let tail = child.stderr.take().map(crate::handshake::StderrTail::start);
+        let pid = child.id();
+        let tail = child
+            .stderr
+            .take()
+            .map(|e| crate::handshake::StderrTail::start(e, pid));
         self.adopt(Some(child), conn, tail, trust)
     }
 
