@@ -753,3 +753,39 @@ both_drivers!(
         Ok(())
     }
 );
+
+both_drivers!(
+    /// A rogue sending valid frames as fast as its socket takes them gets its turn like any
+    /// other worker (a bounded number of frames per turn of the IO loop): an honest worker's
+    /// round trips beside it stay short, and the parent lets the rogue go at its stop.
+    fn an_honest_workers_round_trips_stay_short_while_a_rogue_floods_heartbeats(env) {
+        let p = parent(env, ParentOptions::default())?;
+        let honest = p.spawn_worker(worker_command(env, None)?)?;
+        let rogue = p.spawn_worker(rogue_command(env, "heartbeat-flood")?)?;
+        let stream = StreamHandle::NULL;
+        let x = filled(&p, 4 * KIB, stream)?;
+        // The flood fills the rogue's socket first.
+        std::thread::sleep(Duration::from_millis(200));
+        let (mut worst, started) = (Duration::ZERO, Instant::now());
+        let mut trips = 0;
+        while started.elapsed() < Duration::from_secs(1) {
+            worst = worst.max(round_trip(&p, honest, x, stream)?);
+            trips += 1;
+        }
+        println!("{trips} honest round trips beside the flood, the longest {worst:?}");
+        ensure!(
+            worst < ROUND_TRIP_BOUND,
+            "an honest round trip took {worst:?} beside a heartbeat flood (bound {ROUND_TRIP_BOUND:?})"
+        );
+        let stopped = Instant::now();
+        let _ = p.stop_worker(rogue);
+        ensure!(
+            stopped.elapsed() < Duration::from_secs(10),
+            "stopping the flooding rogue took {:?}",
+            stopped.elapsed()
+        );
+        p.pool().free(x, stream)?;
+        p.stop_worker(honest)?;
+        Ok(())
+    }
+);

@@ -64,6 +64,8 @@
 //!   now and the rest `POOLIPC_TEST_ROGUE_DELAY_MS` later (1000 by default), one after
 //!   another, forever; it never reads.
 //! - `never-read`: reads nothing after the handshake (the parent's frames pile up).
+//! - `heartbeat-flood`: valid `Heartbeat` frames as fast as the socket takes them, forever;
+//!   it never reads.
 //! - `pool-thief`: claims pool pointers, then takes the descriptor the parent's `Hello`
 //!   carried for the pool and imports it as a pool (`cuMemPoolImportFromShareableHandle`);
 //!   with a pool, imports the export of every tensor of the first `Lend` through it. Writes
@@ -166,6 +168,19 @@ fn run() -> anyhow::Result<()> {
             return Ok(());
         }
         "fd-drip" => return fd_drip(conn),
+        "heartbeat-flood" => {
+            // Valid frames as fast as the socket takes them, until the parent lets go.
+            let mut conn = conn;
+            let mut sent = 0u64;
+            while conn
+                .send(&Message::Heartbeat { seq: sent }, &[], deadline())
+                .is_ok()
+            {
+                sent += 1;
+            }
+            eprintln!("poolipc-test-rogue: the parent let go after {sent} heartbeats");
+            return Ok(());
+        }
         "arena-snoop" => return arena_snoop(conn, driver),
         _ => {}
     }
