@@ -540,6 +540,35 @@ both_drivers!(
 );
 
 both_drivers!(
+    /// A worker whose canary battery fails is taken off pool pointers; one that offers no
+    /// other rung (no host staging, no arena) is refused at spawn, naming both, instead of
+    /// being spawned to refuse every job. One that offers host staging is spawned, demoted.
+    fn a_worker_failing_its_canary_with_no_other_rung_is_refused_at_spawn(env) {
+        let p = parent(env, |o| o.arena_copy = false)?;
+        let refused = p.spawn_worker(rogue_command(env, "canary-fail")?);
+        let text = match refused {
+            Err(e @ Error::NoRung(_)) => e.to_string(),
+            other => bail!("expected a NoRung refusal at spawn, got {other:?}"),
+        };
+        println!("spawn refused: {text}");
+        ensure!(
+            text.contains("canary battery") && text.contains("neither host staging nor the arena"),
+            "{text}"
+        );
+        ensure!(p.workers().is_empty(), "{:?}", p.workers());
+        let mut cmd = rogue_command(env, "canary-fail")?;
+        cmd.env("POOLIPC_TEST_ROGUE_STAGING", "1");
+        let demoted = p.spawn_worker(cmd)?;
+        let report = p
+            .canary_report(demoted)
+            .context("the demoted worker has no canary report")?;
+        ensure!(!report.ok(), "the battery passed: {report}");
+        p.stop_worker(demoted)?;
+        Ok(())
+    }
+);
+
+both_drivers!(
     fn killed_workers_leave_no_descriptors_behind(env) {
         let p = parent(env, |o| o.canary = false)?;
         let stream = p.driver().stream_create()?;

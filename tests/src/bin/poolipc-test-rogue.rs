@@ -64,6 +64,9 @@
 //!   now and the rest `POOLIPC_TEST_ROGUE_DELAY_MS` later (1000 by default), one after
 //!   another, forever; it never reads.
 //! - `never-read`: reads nothing after the handshake (the parent's frames pile up).
+//! - `canary-fail`: serves every job by the protocol (results asked for and granted, DONE,
+//!   ACK) but writes nothing, so its canary battery fails; with `POOLIPC_TEST_ROGUE_STAGING`
+//!   set it offers host staging too. Exits at the parent's `Bye`.
 //! - `heartbeat-flood`: valid `Heartbeat` frames as fast as the socket takes them, forever;
 //!   it never reads.
 //! - `pool-thief`: claims pool pointers, then takes the descriptor the parent's `Hello`
@@ -117,6 +120,9 @@ fn run() -> anyhow::Result<()> {
     if mode.starts_with("staging-") {
         caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
     }
+    if mode == "canary-fail" && std::env::var_os("POOLIPC_TEST_ROGUE_STAGING").is_some() {
+        caps = caps | Capabilities::HOST_STAGING;
+    }
     let seed: u64 = env_or("POOLIPC_TEST_ROGUE_SEED", 0)?;
     if mode == "chaos" || mode == "chaos-hello" {
         // Every seed offers IPC events; the rest as the seed says (at least one rung).
@@ -168,6 +174,7 @@ fn run() -> anyhow::Result<()> {
             return Ok(());
         }
         "fd-drip" => return fd_drip(conn),
+        "canary-fail" => return canary_fail(conn, &*driver),
         "heartbeat-flood" => {
             // Valid frames as fast as the socket takes them, until the parent lets go.
             let mut conn = conn;
@@ -490,6 +497,76 @@ fn run() -> anyhow::Result<()> {
     // Stay alive: the parent must kill it.
     std::thread::sleep(Duration::from_secs(600));
     Ok(())
+}
+
+/// `canary-fail`: every job by the protocol, its results asked for and granted, DONE and ACK
+/// in order, but nothing written: the canary battery finds wrong bytes. Exits at `Bye`.
+fn canary_fail(mut conn: poolipc_transport::Connection, driver: &dyn Driver) -> anyhow::Result<()> {
+    driver.use_device(0)?;
+    let long = || Instant::now() + Duration::from_secs(600);
+    let mut events = std::collections::VecDeque::new();
+    loop {
+        let lend = match conn.recv(long())?.0 {
+            Message::Lend(l) => l,
+            Message::Bye => return Ok(()),
+            _ => continue,
+        };
+        let mut handles: Vec<_> = lend.tensors.iter().map(|t| t.handle).collect();
+        handles.extend(lend.slice.map(|s| s.handle));
+        let results: Vec<ResultSpec> = lend
+            .tensors
+            .iter()
+            .map(|t| ResultSpec {
+                dtype: t.meta.layout.dtype,
+                shape: t.meta.layout.shape.clone(),
+                byte_len: t.meta.byte_len,
+            })
+            .collect();
+        if !results.is_empty() {
+            conn.send(
+                &Message::ResultRequest(ResultRequest {
+                    job: lend.job,
+                    results,
+                }),
+                &[],
+                long(),
+            )?;
+            for g in recv_grant(&mut conn)?.results {
+                match g {
+                    poolipc_contract::ResultGrant::Granted { handle, .. }
+                    | poolipc_contract::ResultGrant::Arena { handle, .. } => handles.push(handle),
+                    poolipc_contract::ResultGrant::Refused { .. } => {}
+                }
+            }
+        }
+        let owned = poolipc_driver::OwnedEvent::new(driver, true)?;
+        driver.event_record(owned.handle(), poolipc::StreamHandle::NULL)?;
+        let done_event = driver.ipc_get_event_handle(owned.handle())?;
+        events.push_back(owned);
+        if events.len() > 64
+            && let Some(old) = events.pop_front()
+        {
+            poolipc_driver::OwnedEvent::close(old)?;
+        }
+        conn.send(
+            &Message::Done(Done {
+                job: lend.job,
+                done_event,
+                handles: handles.clone(),
+                carved: Vec::new(),
+            }),
+            &[],
+            long(),
+        )?;
+        conn.send(
+            &Message::Ack(Ack {
+                job: lend.job,
+                handles,
+            }),
+            &[],
+            long(),
+        )?;
+    }
 }
 
 /// The number in the variable `var`, or `default` where it is not set.

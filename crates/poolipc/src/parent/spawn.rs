@@ -22,10 +22,15 @@ impl Parent {
     /// canary battery. The worker gets an id only if all of that got through: a worker that
     /// dies on the way is reaped and the error says what happened; one that exits before its
     /// handshake is [`Error::WorkerExited`], with its exit status and last lines on stderr.
+    /// A worker whose canary battery fails is taken off pool pointers; if it offers no other
+    /// rung (neither host staging nor the arena), it is stopped and the spawn is
+    /// [`Error::NoRung`] with the battery's report.
     ///
     /// The worker's stderr is a pipe read by a thread of this process, which copies it to
-    /// this process's stderr as it comes and keeps its last few KiB for that report. The
-    /// variables of [`Parent::on`]'s driver are set on `cmd`.
+    /// this process's stderr as it comes, a line at a time, each marked `[worker <pid>] `
+    /// with its control characters replaced ([`WORKER_STDERR_ENV`](crate::WORKER_STDERR_ENV)
+    /// `=raw` copies it as it is), and keeps its last few KiB for that report. The variables
+    /// of [`Parent::on`]'s driver are set on `cmd`.
     ///
     /// The worker inherits this process's whole environment unless `cmd` was restricted
     /// first with [`worker_env::restrict_env`](crate::worker_env::restrict_env) (an
@@ -231,6 +236,13 @@ impl Parent {
                     return Err(e);
                 }
             };
+            if !report.ok() && !self.has_another_rung(id) {
+                let _ = self.stop_worker(id);
+                return Err(Error::NoRung(format!(
+                    "none is left for {id}: it failed its canary battery ({report}), which \
+                     takes it off pool pointers, and offers neither host staging nor the arena"
+                )));
+            }
             if let Some(r) = lock(&self.shared.registry).get_mut(&id) {
                 r.canary = Some(report);
             }
@@ -246,6 +258,20 @@ impl Parent {
         }
         Stats::bump(&self.shared.stats.workers_connected);
         Ok(id)
+    }
+
+    /// Whether worker `id` can take a tensor by another rung than the pool pointer: host
+    /// staging, or the arena (results or copies) where this parent keeps one.
+    fn has_another_rung(&self, id: WorkerId) -> bool {
+        let arena_on = matches!(
+            self.shared.options.results,
+            crate::ResultMemory::Arena { .. }
+        ) || self.shared.options.arena_copy;
+        self.shared.registered(id).is_some_and(|r| {
+            let caps = r.info.identity.capabilities;
+            caps.contains(Capabilities::HOST_STAGING)
+                || (arena_on && caps.contains(Capabilities::VMM_ARENA))
+        })
     }
 
     /// Offers a new worker every live pool generation but `first` (the Hello pool), one
