@@ -542,9 +542,13 @@ both_drivers!(
 both_drivers!(
     /// A worker whose canary battery fails is taken off pool pointers; one that offers no
     /// other rung (no host staging, no arena) is refused at spawn, naming both, instead of
-    /// being spawned to refuse every job. One that offers host staging is spawned, demoted.
+    /// being spawned to refuse every job, and what its battery allocated is back in the pool
+    /// (also the results it asked for beyond its inputs). One that offers host staging is
+    /// spawned, demoted.
     fn a_worker_failing_its_canary_with_no_other_rung_is_refused_at_spawn(env) {
         let p = parent(env, |o| o.arena_copy = false)?;
+        p.driver().stream_synchronize(StreamHandle::NULL)?;
+        let used_before = p.pool().stats()?.used_current;
         let refused = p.spawn_worker(rogue_command(env, "canary-fail")?);
         let text = match refused {
             Err(e @ Error::NoRung(_)) => e.to_string(),
@@ -556,6 +560,18 @@ both_drivers!(
             "{text}"
         );
         ensure!(p.workers().is_empty(), "{:?}", p.workers());
+        // One asking for a result more than its canaries' inputs: refused too, and its
+        // results are given back as well (they were left in the pool).
+        let mut cmd = rogue_command(env, "canary-fail")?;
+        cmd.env("POOLIPC_TEST_ROGUE_EXTRA", "1");
+        ensure!(p.spawn_worker(cmd).is_err(), "the rogue with extra results was spawned");
+        p.driver().stream_synchronize(StreamHandle::NULL)?;
+        let used = p.pool().stats()?.used_current;
+        ensure!(
+            used == used_before,
+            "the pool holds {} bytes more after two failed canary batteries",
+            used.saturating_sub(used_before)
+        );
         let mut cmd = rogue_command(env, "canary-fail")?;
         cmd.env("POOLIPC_TEST_ROGUE_STAGING", "1");
         let demoted = p.spawn_worker(cmd)?;

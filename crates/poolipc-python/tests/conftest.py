@@ -49,6 +49,18 @@ def poolipc_binary():
     return str(bundle) if bundle.exists() else None
 
 
+def rogue_binary():
+    """The test crate's rogue worker (`poolipc-test-rogue`, built with the Rust tests), the
+    newest build, or the GPU bundle's; None where none was built."""
+    env = os.environ.get("POOLIPC_TEST_ROGUE_BIN")
+    if env:
+        return env
+    built = [REPO / "target" / profile / "poolipc-test-rogue" for profile in ("release", "debug")]
+    built.append(REPO / "target" / "gpu-bundle" / "tests" / "poolipc-test-rogue")
+    built = [p for p in built if p.exists()]
+    return str(max(built, key=lambda p: p.stat().st_mtime)) if built else None
+
+
 def run_in_child_pytest(test_file, request, env_extra):
     """Runs the calling test alone in a child pytest of `test_file` (a fresh interpreter, so a
     fresh process-wide parent), on SimDriver, with `env_extra` added to its environment;

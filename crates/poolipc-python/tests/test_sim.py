@@ -724,6 +724,96 @@ def test_an_unknown_worker_is_an_unknown_worker_error(parent):
     assert parent.pid(99999) is None
 
 
+def test_chaos_workers_raise_only_typed_errors_and_spare_an_honest_one(parent):
+    # Rogues walking at random over the worker's side of the protocol (the test crate's
+    # `poolipc-test-rogue chaos`), one after another, each given jobs, beside an honest
+    # worker served from another thread: every rogue job ends with its result or a poolipc
+    # exception (never a hang, never an untyped error), every honest answer is right, and
+    # the pool's memory is back after.
+    import random
+
+    from conftest import rogue_binary
+
+    rogue = rogue_binary()
+    if rogue is None:
+        pytest.skip("no poolipc-test-rogue built (cargo build -p poolipc-tests, or set POOLIPC_TEST_ROGUE_BIN)")
+    buf = f32_buffer(parent, [1.5] * 64)
+    gc.collect()
+    parent.synchronize()
+    baseline = poolipc.memory_stats()["used_current"]
+    honest = spawn(parent)
+    stop, wrong, honest_errors, honest_done = threading.Event(), [], [], [0]
+
+    def serve_honestly():
+        while not stop.is_set():
+            try:
+                (res,) = parent.run(honest, [poolipc.TensorRef(buf.ptr, "float32", [64])])
+                if parent.read(res.ptr + 4, 4) != struct.pack("<f", 1.5):
+                    wrong.append(parent.read(res.ptr, 8))
+                del res
+                honest_done[0] += 1
+            except BaseException as e:  # noqa: BLE001 - the test reports them
+                honest_errors.append(repr(e))
+                return
+
+    t = threading.Thread(target=serve_honestly)
+    t.start()
+    outcomes, untyped = {}, []
+
+    def count(what):
+        outcomes[what] = outcomes.get(what, 0) + 1
+
+    try:
+        for seed in range(1, 13):
+            rng = random.Random(seed)
+            try:
+                w = parent.spawn([rogue], {"POOLIPC_TEST_ROGUE": "chaos", "POOLIPC_TEST_ROGUE_SEED": str(seed)})
+            except poolipc.PoolipcError as e:
+                count("spawn refused: " + type(e).__name__)
+                continue
+            for _ in range(5):
+                handles = []
+                for _ in range(rng.randint(1, 3)):
+                    n = rng.randint(1, 4096)
+                    b = parent.alloc(4 * n, dtype="float32", shape=[n])
+                    try:
+                        handles.append((parent.submit(w, [b], read_only=rng.random() < 0.3), b))
+                    except poolipc.PoolipcError as e:
+                        count("submit refused: " + type(e).__name__)
+                for h, _b in handles:
+                    try:
+                        h.wait(timeout=60)
+                        count("succeeded")
+                    except TimeoutError:
+                        pytest.fail(f"a job of chaos seed {seed} did not end within a minute")
+                    except poolipc.PoolipcError as e:
+                        count(type(e).__name__)
+                    except BaseException as e:  # noqa: BLE001 - the test reports them
+                        untyped.append((seed, repr(e)))
+                if w not in parent.workers():
+                    break
+            try:
+                parent.stop(w)
+            except poolipc.UnknownWorkerError:
+                pass  # condemned and reaped already
+    finally:
+        stop.set()
+        t.join(60)
+    print(f"rogue jobs: {outcomes}; honest jobs: {honest_done[0]}")
+    # The last round's handles keep their results (waiting again gives the same) and inputs.
+    handles = h = _b = b = None  # noqa: F841
+    assert not untyped, untyped
+    assert not honest_errors and not wrong, (honest_errors, wrong)
+    assert honest_done[0] > 0
+    parent.stop(honest)
+    gc.collect()
+    parent.synchronize()
+    assert wait_until(lambda: poolipc.memory_stats()["used_current"] == baseline, 10), (
+        poolipc.memory_stats()["used_current"],
+        baseline,
+    )
+
+
 def test_four_threads_share_one_parent_through_random_kills_with_typed_errors_only(parent):
     import random
 

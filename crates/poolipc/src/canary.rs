@@ -187,33 +187,34 @@ impl Battery<'_> {
         if let Err(Error::JobFailed { .. } | Error::UnknownWorker(_)) = &result {
             self.lost = true;
         }
-        let outcome = (|| -> Result<(), String> {
-            let out = result.map_err(e)?;
-            d.stream_synchronize(s).map_err(|e| e.to_string())?;
-            if out.results.len() != pieces.len() {
-                return Err(format!(
-                    "{} results for {} inputs",
-                    out.results.len(),
-                    pieces.len()
-                ));
-            }
-            for (i, (p, r)) in pieces.iter().zip(&out.results).enumerate() {
-                let check = echo::verify_echo(
-                    &**self.parent.driver(),
-                    r.ptr,
-                    r.bytes,
-                    i,
-                    p.pattern,
-                    p.offset,
-                );
-                // Arena results go back when `out` is dropped; pool results are freed here.
-                if !r.is_arena() {
+        let outcome =
+            (|| -> Result<(), String> {
+                let out = result.map_err(e)?;
+                let verdict =
+                    d.stream_synchronize(s)
+                        .map_err(|e| e.to_string())
+                        .and_then(|()| {
+                            if out.results.len() != pieces.len() {
+                                return Err(format!(
+                                    "{} results for {} inputs",
+                                    out.results.len(),
+                                    pieces.len()
+                                ));
+                            }
+                            pieces.iter().zip(&out.results).enumerate().try_for_each(
+                                |(i, (p, r))| {
+                                    echo::verify_echo(&*d, r.ptr, r.bytes, i, p.pattern, p.offset)
+                                },
+                            )
+                        });
+                // Every result back, whatever the verdict (a worker that returns more results
+                // than asked, or wrong bytes, must not leave pool memory behind): arena results
+                // go back when `out` is dropped, pool results are freed here.
+                for r in out.results.iter().filter(|r| !r.is_arena()) {
                     let _ = self.parent.pool().free(r.ptr, s);
                 }
-                check?;
-            }
-            Ok(())
-        })();
+                verdict
+            })();
         for a in allocs {
             let _ = self.parent.pool().free(a, s);
         }

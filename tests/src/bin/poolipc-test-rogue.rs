@@ -66,7 +66,8 @@
 //! - `never-read`: reads nothing after the handshake (the parent's frames pile up).
 //! - `canary-fail`: serves every job by the protocol (results asked for and granted, DONE,
 //!   ACK) but writes nothing, so its canary battery fails; with `POOLIPC_TEST_ROGUE_STAGING`
-//!   set it offers host staging too. Exits at the parent's `Bye`.
+//!   set it offers host staging too, with `POOLIPC_TEST_ROGUE_EXTRA` set it asks for one
+//!   result more than each job has inputs. Exits at the parent's `Bye`.
 //! - `heartbeat-flood`: valid `Heartbeat` frames as fast as the socket takes them, forever;
 //!   it never reads.
 //! - `pool-thief`: claims pool pointers, then takes the descriptor the parent's `Hello`
@@ -503,6 +504,7 @@ fn run() -> anyhow::Result<()> {
 /// in order, but nothing written: the canary battery finds wrong bytes. Exits at `Bye`.
 fn canary_fail(mut conn: poolipc_transport::Connection, driver: &dyn Driver) -> anyhow::Result<()> {
     driver.use_device(0)?;
+    let extra = std::env::var_os("POOLIPC_TEST_ROGUE_EXTRA").is_some();
     let long = || Instant::now() + Duration::from_secs(600);
     let mut events = std::collections::VecDeque::new();
     loop {
@@ -513,7 +515,7 @@ fn canary_fail(mut conn: poolipc_transport::Connection, driver: &dyn Driver) -> 
         };
         let mut handles: Vec<_> = lend.tensors.iter().map(|t| t.handle).collect();
         handles.extend(lend.slice.map(|s| s.handle));
-        let results: Vec<ResultSpec> = lend
+        let mut results: Vec<ResultSpec> = lend
             .tensors
             .iter()
             .map(|t| ResultSpec {
@@ -522,6 +524,14 @@ fn canary_fail(mut conn: poolipc_transport::Connection, driver: &dyn Driver) -> 
                 byte_len: t.meta.byte_len,
             })
             .collect();
+        if extra {
+            // One result more than the job has inputs.
+            results.push(ResultSpec {
+                dtype: DType::U8,
+                shape: vec![4096],
+                byte_len: 4096,
+            });
+        }
         if !results.is_empty() {
             conn.send(
                 &Message::ResultRequest(ResultRequest {
