@@ -372,16 +372,25 @@ both_drivers!(
 /// The handshake deadline of [`hellos`]' parent: a rogue silent past it is given up on.
 const HELLO_DEADLINE: Duration = Duration::from_secs(1);
 
+/// The same on the GPU, where a worker's handshake waits for its CUDA context first (a few
+/// hundred ms on the H200, more on a loaded machine): the honest worker must make it.
+const HELLO_DEADLINE_CUDA: Duration = Duration::from_secs(5);
+
 /// Rogues lying through the handshake (`chaos-hello`) beside an honest worker: each spawn
 /// ends within the deadline and a little, as a worker or as an error; a rogue taken as a
 /// worker is given a job, which ends; nothing is left held.
 fn hellos(env: &Env) -> Result<()> {
+    let deadline = if env.sim.is_some() {
+        HELLO_DEADLINE
+    } else {
+        HELLO_DEADLINE_CUDA
+    };
     let p = Parent::new(
         Arc::clone(&env.driver),
         ParentOptions {
             device: env.device,
             canary: false,
-            handshake_timeout: HELLO_DEADLINE,
+            handshake_timeout: deadline,
             ..ParentOptions::default()
         },
     )?;
@@ -408,8 +417,8 @@ fn hellos(env: &Env) -> Result<()> {
                 let spawned = p.spawn_worker(cmd);
                 let took = began.elapsed();
                 ensure!(
-                    took < HELLO_DEADLINE + Duration::from_secs(2),
-                    "spawning chaos-hello seed {seed} took {took:?} (deadline {HELLO_DEADLINE:?})"
+                    took < deadline + Duration::from_secs(2),
+                    "spawning chaos-hello seed {seed} took {took:?} (deadline {deadline:?})"
                 );
                 match spawned {
                     Ok(w) => {

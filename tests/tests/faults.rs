@@ -330,7 +330,10 @@ both_drivers!(
         let input = [Input::new(x, Layout::contiguous(DType::F32, &[1024]))];
         let detail = std::thread::scope(|s| -> Result<String> {
             let stopping = s.spawn(|| p.stop_worker(rogue));
-            // The stop is under way (it waits out the rogue's stop timeout) while the job goes.
+            // The stop is under way (it waits out the rogue's stop timeout) while the job goes:
+            // 300 ms for the IO thread to take the stop (a job sent before it would wait for
+            // the rogue's kill instead), then a try every 50 ms.
+            std::thread::sleep(Duration::from_millis(250));
             let until = std::time::Instant::now() + Duration::from_secs(1);
             let outcome = loop {
                 std::thread::sleep(Duration::from_millis(50));
