@@ -68,6 +68,70 @@ impl Rng {
     }
 }
 
+/// How many of its own DONE events a rogue keeps alive ([`DoneRing`]).
+pub const DONE_RING: usize = 64;
+
+/// A rogue's own DONE events, each recorded on the null stream when made, the last
+/// [`DONE_RING`] kept alive: libcuda gives a new event the interprocess handle of one just
+/// destroyed (measured on the H200: destroying each before the next made every DONE carry the
+/// same blob), so a ring keeps the blobs distinct.
+pub struct DoneRing<'a> {
+    driver: &'a dyn Driver,
+    live: VecDeque<OwnedEvent<&'a dyn Driver>>,
+}
+
+impl std::fmt::Debug for DoneRing<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DoneRing")
+            .field("live", &self.live.len())
+            .finish()
+    }
+}
+
+impl<'a> DoneRing<'a> {
+    /// An empty ring of `driver`'s events.
+    pub fn new(driver: &'a dyn Driver) -> DoneRing<'a> {
+        DoneRing {
+            driver,
+            live: VecDeque::new(),
+        }
+    }
+
+    /// A new event, recorded now on the null stream; its blob. The oldest beyond the ring is
+    /// destroyed.
+    pub fn record(&mut self) -> Result<EventBlob> {
+        let owned = OwnedEvent::new(self.driver, true)?;
+        self.driver
+            .event_record(owned.handle(), StreamHandle::NULL)?;
+        let blob = self.driver.ipc_get_event_handle(owned.handle())?;
+        self.live.push_back(owned);
+        if self.live.len() > DONE_RING
+            && let Some(old) = self.live.pop_front()
+        {
+            OwnedEvent::close(old)?;
+        }
+        Ok(blob)
+    }
+}
+
+/// An honest worker's finish of `job`: DONE with `done_event` naming `handles`, then the ACK.
+pub fn send_done_and_ack(
+    conn: &mut Connection,
+    job: JobId,
+    done_event: EventBlob,
+    handles: Vec<HandoffId>,
+    deadline: Instant,
+) -> Result<(), poolipc_transport::TransportError> {
+    let done = Done {
+        job,
+        done_event,
+        handles: handles.clone(),
+        carved: Vec::new(),
+    };
+    conn.send(&Message::Done(done), &[], deadline)?;
+    conn.send(&Message::Ack(Ack { job, handles }), &[], deadline)
+}
+
 /// A job as the walk knows it: what the `Lend` and the grants named.
 #[derive(Debug)]
 struct OpenJob {
@@ -93,16 +157,14 @@ struct Seen {
     parent_sent: Vec<Message>,
 }
 
-/// The walk's state: the connection, the driver for its own events, what it saw.
+/// The walk's state: the connection, its own events, what it saw.
 struct Walk<'a> {
     conn: Connection,
-    driver: &'a dyn Driver,
     identity: Identity,
     rng: Rng,
     seen: Seen,
-    /// Its own DONE events, kept alive a while (libcuda gives a new event the blob of one just
-    /// destroyed).
-    own_events: VecDeque<OwnedEvent<&'a dyn Driver>>,
+    /// Its own DONE events.
+    events: DoneRing<'a>,
     sent: u64,
     /// How often a step lies, per thousand (the seed's temper: from a worker with a rare
     /// bug to one that lies at every other step).
@@ -133,11 +195,10 @@ pub fn run(
     let lie_rate = rng.pick(&[3, 10, 30, 100, 300, 600]);
     let mut walk = Walk {
         conn,
-        driver,
         identity,
         rng,
         seen: Seen::default(),
-        own_events: VecDeque::new(),
+        events: DoneRing::new(driver),
         sent: 0,
         lie_rate,
     };
@@ -505,14 +566,7 @@ impl<'a> Walk<'a> {
     /// An event blob: its own (recorded now), one it was sent, random bytes or zeros.
     fn event(&mut self) -> Result<EventBlob> {
         Ok(match self.rng.below(10) {
-            0..=4 => {
-                let owned = OwnedEvent::new(self.driver, true)?;
-                self.driver
-                    .event_record(owned.handle(), StreamHandle::NULL)?;
-                let blob = self.driver.ipc_get_event_handle(owned.handle())?;
-                self.keep(owned)?;
-                blob
-            }
+            0..=4 => self.events.record()?,
             5..=6 if !self.seen.events.is_empty() => {
                 let n = self.seen.events.len() as u64;
                 self.seen.events[self.rng.below(n) as usize]
@@ -526,16 +580,6 @@ impl<'a> Walk<'a> {
                 EventBlob(b)
             }
         })
-    }
-
-    fn keep(&mut self, owned: OwnedEvent<&'a dyn Driver>) -> Result<()> {
-        self.own_events.push_back(owned);
-        if self.own_events.len() > 64
-            && let Some(old) = self.own_events.pop_front()
-        {
-            OwnedEvent::close(old)?;
-        }
-        Ok(())
     }
 
     /// Handles for `job`: its own, a subset, doubled, with strangers, none or many.
@@ -713,11 +757,7 @@ impl<'a> Walk<'a> {
             return Ok(None);
         };
         let open = self.seen.jobs.swap_remove(at);
-        let owned = OwnedEvent::new(self.driver, true)?;
-        self.driver
-            .event_record(owned.handle(), StreamHandle::NULL)?;
-        let done_event = self.driver.ipc_get_event_handle(owned.handle())?;
-        self.keep(owned)?;
+        let done_event = self.events.record()?;
         let done = Message::Done(Done {
             job,
             done_event,

@@ -263,44 +263,22 @@ fn run() -> anyhow::Result<()> {
     }
     if mode == "done-churn" {
         driver.use_device(0)?;
-        // Events kept alive, oldest first: libcuda gives a new event the interprocess handle
-        // of one just destroyed (measured on the H200: destroying each before the next made
-        // every DONE carry the same blob), so the churn keeps a ring of live events larger
-        // than any bound a test sets, and the parent sees DONE_CHURN_RING distinct blobs.
-        const DONE_CHURN_RING: usize = 64;
-        let mut live = std::collections::VecDeque::new();
+        // Its events in a ring larger than any bound a test sets (`DoneRing`): the parent
+        // sees `DONE_RING` distinct blobs.
+        let mut events = poolipc_tests::chaos::DoneRing::new(&*driver);
         loop {
             let lend = match conn.recv(Instant::now() + Duration::from_secs(600))?.0 {
                 Message::Lend(l) => l,
                 Message::Bye => return Ok(()),
                 _ => continue,
             };
-            if live.len() == DONE_CHURN_RING
-                && let Some(old) = live.pop_front()
-            {
-                poolipc_driver::OwnedEvent::close(old)?;
-            }
-            let owned = poolipc_driver::OwnedEvent::new(&*driver, true)?;
-            let event = owned.handle();
-            driver.event_record(event, poolipc::StreamHandle::NULL)?;
-            live.push_back(owned);
             let handles: Vec<_> = lend.tensors.iter().map(|t| t.handle).collect();
-            conn.send(
-                &Message::Done(Done {
-                    job: lend.job,
-                    done_event: driver.ipc_get_event_handle(event)?,
-                    handles: handles.clone(),
-                    carved: Vec::new(),
-                }),
-                &[],
-                deadline(),
-            )?;
-            conn.send(
-                &Message::Ack(Ack {
-                    job: lend.job,
-                    handles,
-                }),
-                &[],
+            let done_event = events.record()?;
+            poolipc_tests::chaos::send_done_and_ack(
+                &mut conn,
+                lend.job,
+                done_event,
+                handles,
                 deadline(),
             )?;
         }
@@ -506,7 +484,7 @@ fn canary_fail(mut conn: poolipc_transport::Connection, driver: &dyn Driver) -> 
     driver.use_device(0)?;
     let extra = std::env::var_os("POOLIPC_TEST_ROGUE_EXTRA").is_some();
     let long = || Instant::now() + Duration::from_secs(600);
-    let mut events = std::collections::VecDeque::new();
+    let mut events = poolipc_tests::chaos::DoneRing::new(driver);
     loop {
         let lend = match conn.recv(long())?.0 {
             Message::Lend(l) => l,
@@ -549,33 +527,8 @@ fn canary_fail(mut conn: poolipc_transport::Connection, driver: &dyn Driver) -> 
                 }
             }
         }
-        let owned = poolipc_driver::OwnedEvent::new(driver, true)?;
-        driver.event_record(owned.handle(), poolipc::StreamHandle::NULL)?;
-        let done_event = driver.ipc_get_event_handle(owned.handle())?;
-        events.push_back(owned);
-        if events.len() > 64
-            && let Some(old) = events.pop_front()
-        {
-            poolipc_driver::OwnedEvent::close(old)?;
-        }
-        conn.send(
-            &Message::Done(Done {
-                job: lend.job,
-                done_event,
-                handles: handles.clone(),
-                carved: Vec::new(),
-            }),
-            &[],
-            long(),
-        )?;
-        conn.send(
-            &Message::Ack(Ack {
-                job: lend.job,
-                handles,
-            }),
-            &[],
-            long(),
-        )?;
+        let done_event = events.record()?;
+        poolipc_tests::chaos::send_done_and_ack(&mut conn, lend.job, done_event, handles, long())?;
     }
 }
 
