@@ -90,6 +90,17 @@ pub fn echo_job(
     Ok(out?)
 }
 
+/// Gives a job's results back: pool memory (the default allocator's) freed on `stream`,
+/// arena blocks when `out` drops.
+pub fn free_results(p: &Parent, out: JobOutput, stream: StreamHandle) -> Result<()> {
+    for r in out.results {
+        if !r.is_arena() {
+            p.pool().free(r.ptr, stream)?;
+        }
+    }
+    Ok(())
+}
+
 /// Lets the arena's returned blocks complete and be reclaimed; the live blocks left.
 pub fn settle(p: &Parent, stream: StreamHandle) -> Result<usize> {
     p.driver().stream_synchronize(stream)?;

@@ -372,6 +372,21 @@ impl Drop for Child {
     }
 }
 
+/// How many descriptors this process has open.
+pub fn open_fds() -> Result<usize> {
+    Ok(std::fs::read_dir("/proc/self/fd")?.count())
+}
+
+/// A `kB` field of `/proc/self/status` (`VmRSS`, `RssAnon`, ...), in KiB.
+pub fn proc_status_kib(field: &str) -> Result<u64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .with_context(|| format!("no {field} in /proc/self/status"))?;
+    Ok(line.trim().trim_end_matches("kB").trim().parse()?)
+}
+
 /// Lower-case hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     let mut s = String::with_capacity(bytes.len() * 2);

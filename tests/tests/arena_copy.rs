@@ -12,10 +12,10 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{Error, JobOutput, Parent, ParentOptions, ResultMemory, Rung, StreamHandle, echo};
+use poolipc::{Error, Parent, ParentOptions, ResultMemory, Rung, echo};
 use poolipc_contract::FailReason;
 use poolipc_driver::DriverKind;
-use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, settle};
+use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, free_results, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 use poolipc_types::ImportLimit;
 
@@ -34,16 +34,6 @@ fn parent(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<Parent> {
     let limit = p.import_limit();
     p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
     Ok(p)
-}
-
-/// Frees the results of the shared pool (the default allocator's).
-fn free_results(p: &Parent, out: JobOutput, stream: StreamHandle) -> Result<()> {
-    for r in out.results {
-        if !r.is_arena() {
-            p.pool().free(r.ptr, stream)?;
-        }
-    }
-    Ok(())
 }
 
 both_drivers!(

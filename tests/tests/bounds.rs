@@ -54,18 +54,7 @@ fn honest_job(p: &Parent, worker: WorkerId, x: DevicePtr, stream: StreamHandle) 
 
 /// The parent's resident set, in bytes.
 fn rss() -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .context("no VmRSS in /proc/self/status")?;
-    let kib: u64 = line
-        .trim_start_matches("VmRSS:")
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()?;
-    Ok(kib * 1024)
+    Ok(poolipc_tests::proc_status_kib("VmRSS")? * 1024)
 }
 
 /// `r` is `JobFailed` on `worker` for going past `bound`; returns the detail.

@@ -15,10 +15,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result, anyhow, bail, ensure};
+use anyhow::{Result, anyhow, bail, ensure};
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, Trust, WorkerId};
-use poolipc_tests::echo_jobs::{bytes_input, echoed, filled};
-use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
+use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, free_results};
+use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, worker_command};
 
 /// The longest an honest round trip may take beside the rogues (two loaded cores, a debug
 /// build: generous).
@@ -34,22 +34,6 @@ fn env_u64(var: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// The process's anonymous resident memory (its heap, not the simulation's shared memory), in
-/// KiB.
-fn rss_kib() -> Result<u64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("RssAnon:"))
-        .context("no RssAnon in /proc/self/status")?;
-    Ok(line
-        .trim_start_matches("RssAnon:")
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()?)
-}
-
 /// A rogue's words reach an error's text only made safe to print: no control character but
 /// tab and line break, no bidirectional override (`poolipc_contract::text`).
 fn shown_safely(text: &str) -> Result<()> {
@@ -60,22 +44,6 @@ fn shown_safely(text: &str) -> Result<()> {
         Some(c) => bail!("an error shows the character {c:?} a rogue sent: {text:?}"),
         None => Ok(()),
     }
-}
-
-/// Gives a job's results back: arena blocks by drop, pool memory to the pool.
-fn free_results(p: &Parent, out: poolipc::JobOutput, stream: poolipc::StreamHandle) -> Result<()> {
-    for r in out.results {
-        if r.rung == poolipc::Rung::Arena {
-            drop(r);
-        } else {
-            p.pool().free(r.ptr, stream)?;
-        }
-    }
-    Ok(())
-}
-
-fn open_fds() -> Result<usize> {
-    Ok(std::fs::read_dir("/proc/self/fd")?.count())
 }
 
 /// The honest side: echo jobs on `worker` until `stop`, every byte checked.
@@ -107,16 +75,11 @@ fn honest(
         match job {
             Ok(out) => {
                 ensure!(out.results.len() == 1, "{} results", out.results.len());
-                let r = &out.results[0];
-                let mut got = vec![0u8; usize::try_from(r.bytes)?];
-                d.memcpy_dtoh_on(&mut got, r.ptr, stream)?;
-                if r.bytes == bytes && got == echoed(0, bytes, pattern)? {
-                    ok.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    fail(format!(
-                        "wrong bytes: {} of {} asked, rung {:?}",
-                        r.bytes, bytes, out.input_rungs
-                    ))?;
+                match check_exact(p, &out, 0, bytes, pattern) {
+                    Ok(()) => {
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => fail(format!("wrong bytes: {e}, rung {:?}", out.input_rungs))?,
                 }
                 free_results(p, out, stream)?;
             }
@@ -217,20 +180,25 @@ fn rogue(p: &Parent, env: &Env, seed: u64, steps: u64) -> Result<String> {
     ))
 }
 
-fn chaos(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<()> {
+/// A parent on `env`'s device without the canary battery, as `tweak` sets it further.
+fn parent(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<Parent> {
     let mut options = ParentOptions {
         device: env.device,
         canary: false,
         ..ParentOptions::default()
     };
     tweak(&mut options);
-    let p = Parent::new(Arc::clone(&env.driver), options)?;
+    Ok(Parent::new(Arc::clone(&env.driver), options)?)
+}
+
+fn chaos(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<()> {
+    let p = parent(env, tweak)?;
     env.driver.stream_synchronize(poolipc::StreamHandle::NULL)?;
     // Before any worker: the honest one's arena (under an arena parent) is gone once it is.
     let fds_before = open_fds()?;
     let honest_worker = p.spawn_worker(worker_command(env, None)?)?;
     let used_before = p.pool().stats()?.used_current;
-    let rss_before = rss_kib()?;
+    let rss_before = poolipc_tests::proc_status_kib("RssAnon")?;
     let (seeds, first, steps, parallel) = (
         env_u64("POOLIPC_CHAOS_SEEDS", 12),
         env_u64("POOLIPC_CHAOS_SEED", 1),
@@ -315,7 +283,7 @@ fn chaos(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<()> {
         used = p.pool().stats()?.used_current;
         fds = open_fds()?;
     }
-    let rss_after = rss_kib()?;
+    let rss_after = poolipc_tests::proc_status_kib("RssAnon")?;
     println!(
         "pool used {used_before} -> {used}; descriptors {fds_before} -> {fds}; anonymous resident {rss_before} KiB -> {rss_after} KiB"
     );
@@ -385,15 +353,7 @@ fn hellos(env: &Env) -> Result<()> {
     } else {
         HELLO_DEADLINE_CUDA
     };
-    let p = Parent::new(
-        Arc::clone(&env.driver),
-        ParentOptions {
-            device: env.device,
-            canary: false,
-            handshake_timeout: deadline,
-            ..ParentOptions::default()
-        },
-    )?;
+    let p = parent(env, |o| o.handshake_timeout = deadline)?;
     env.driver.stream_synchronize(poolipc::StreamHandle::NULL)?;
     let honest_worker = p.spawn_worker(worker_command(env, None)?)?;
     let fds_before = open_fds()?;

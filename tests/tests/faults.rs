@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail, ensure};
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
 use poolipc_contract::FailReason;
 use poolipc_driver::{DevicePtr, PoolSharing, StreamHandle};
-use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
+use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, worker_command};
 
 const MIB: u64 = 1 << 20;
 
@@ -619,10 +619,6 @@ both_drivers!(
         Ok(())
     }
 );
-
-fn open_fds() -> Result<usize> {
-    Ok(std::fs::read_dir("/proc/self/fd")?.count())
-}
 
 /// A fresh directory under the system's temporary directory.
 fn tempdir(what: &str) -> Result<std::path::PathBuf> {

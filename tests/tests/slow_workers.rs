@@ -12,7 +12,7 @@ use poolipc::{
     DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, StagingConfig, echo,
 };
 use poolipc_driver::{DevicePtr, StreamHandle};
-use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
+use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, worker_command};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -104,10 +104,6 @@ fn failed_naming(
         Err(e) => bail!("the rogue's job failed otherwise: {e}"),
         Ok(_) => bail!("the rogue's job succeeded"),
     }
-}
-
-fn open_fds() -> Result<usize> {
-    Ok(std::fs::read_dir("/proc/self/fd")?.count())
 }
 
 both_drivers!(

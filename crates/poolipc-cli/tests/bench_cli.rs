@@ -11,16 +11,28 @@ fn poolipc() -> Command {
     Command::new(bin)
 }
 
-#[test]
-fn bench_on_the_simulated_driver_runs_to_the_end_within_its_memory() {
+/// `poolipc bench` with `args` (warnings only on stderr), which must succeed; its stdout.
+fn bench_ok(args: &[&str]) -> String {
     let out = poolipc()
-        .args(["bench", "--sim", "--iterations", "3"])
+        .arg("bench")
+        .args(args)
         .env("RUST_LOG", "warn")
         .output()
         .expect("run poolipc bench");
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "exit {}:\n{text}\n{err}", out.status);
+    assert!(
+        out.status.success(),
+        "poolipc bench {}: exit {}:\n{text}\n{err}",
+        args.join(" "),
+        out.status
+    );
+    text
+}
+
+#[test]
+fn bench_on_the_simulated_driver_runs_to_the_end_within_its_memory() {
+    let text = bench_ok(&["--sim", "--iterations", "3"]);
     assert!(text.contains("on the SIMULATED driver"), "{text}");
     // Every part of the table ran, on the simulated driver's smaller default sizes.
     for part in [
@@ -40,27 +52,19 @@ fn bench_on_the_simulated_driver_runs_to_the_end_within_its_memory() {
 
 #[test]
 fn bench_sizes_sets_the_round_trip_rows_and_a_noop_worker_is_named_in_the_table() {
-    let out = poolipc()
-        .args([
-            "bench",
-            "--sim",
-            "--sizes",
-            "64K,2M",
-            "--worker-mode",
-            "noop",
-            "--iterations",
-            "2",
-            "--copy-max-mib",
-            "0",
-            "--result-max-mib",
-            "0",
-        ])
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run poolipc bench --sizes");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "exit {}:\n{text}\n{err}", out.status);
+    let text = bench_ok(&[
+        "--sim",
+        "--sizes",
+        "64K,2M",
+        "--worker-mode",
+        "noop",
+        "--iterations",
+        "2",
+        "--copy-max-mib",
+        "0",
+        "--result-max-mib",
+        "0",
+    ]);
     let table: Vec<&str> = text
         .lines()
         .skip_while(|l| !l.contains("one tensor:"))
@@ -97,25 +101,17 @@ fn bench_sizes_sets_the_round_trip_rows_and_a_noop_worker_is_named_in_the_table(
 #[test]
 fn bench_skips_a_size_the_device_cannot_hold_and_says_so() {
     // The simulated device has far less than 2 × 16 GiB: the row is skipped, not fatal.
-    let out = poolipc()
-        .args([
-            "bench",
-            "--sim",
-            "--iterations",
-            "1",
-            "--max-mib",
-            "1",
-            "--copy-max-mib",
-            "1",
-            "--result-max-mib",
-            "16384",
-        ])
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run poolipc bench");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "exit {}:\n{text}\n{err}", out.status);
+    let text = bench_ok(&[
+        "--sim",
+        "--iterations",
+        "1",
+        "--max-mib",
+        "1",
+        "--copy-max-mib",
+        "1",
+        "--result-max-mib",
+        "16384",
+    ]);
     assert!(
         text.contains("skipped: arena result of 16 GiB: needs 16 GiB of device memory"),
         "{text}"
@@ -224,14 +220,7 @@ fn bench_with_the_probe_on_leaves_parent_and_worker_marks_that_the_report_reads(
 
 #[test]
 fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
-    let out = poolipc()
-        .args(["bench", "--sim", "--workers", "3", "--iterations", "10"])
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run poolipc bench --workers");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "exit {}:\n{text}\n{err}", out.status);
+    let text = bench_ok(&["--sim", "--workers", "3", "--iterations", "10"]);
     for size in ["4 KiB", "64 MiB"] {
         for n in 1..=3 {
             // A row per size and worker count:
@@ -252,22 +241,15 @@ fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
         }
     }
     // One table per IO-thread count, in the same run.
-    let two = poolipc()
-        .args([
-            "bench",
-            "--sim",
-            "--workers",
-            "2",
-            "--iterations",
-            "5",
-            "--io-threads",
-            "1,2",
-        ])
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run poolipc bench --workers --io-threads");
-    let text = String::from_utf8_lossy(&two.stdout);
-    assert!(two.status.success(), "exit {}:\n{text}", two.status);
+    let text = bench_ok(&[
+        "--sim",
+        "--workers",
+        "2",
+        "--iterations",
+        "5",
+        "--io-threads",
+        "1,2",
+    ]);
     assert!(
         text.contains(", 1 IO thread\n") && text.contains(", 2 IO threads\n"),
         "{text}"
