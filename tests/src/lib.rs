@@ -377,6 +377,42 @@ pub fn open_fds() -> Result<usize> {
     Ok(std::fs::read_dir("/proc/self/fd")?.count())
 }
 
+/// This process's open descriptors, each with what it refers to (the `readlink` of its
+/// `/proc/self/fd` entry), so that a check finding more open than before can say which.
+pub fn fd_targets() -> Result<std::collections::BTreeMap<i32, String>> {
+    let mut out = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir("/proc/self/fd")? {
+        let entry = entry?;
+        let Some(fd) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        // The directory's own descriptor is gone by the time it is read: say so.
+        let target = std::fs::read_link(entry.path())
+            .map(|t| t.display().to_string())
+            .unwrap_or_else(|e| format!("({e})"));
+        out.insert(fd, target);
+    }
+    Ok(out)
+}
+
+/// The descriptors of `now` that `before` did not have (or had for something else), as
+/// `fd -> target` text: what a check that found more descriptors open prints.
+pub fn fds_added(
+    before: &std::collections::BTreeMap<i32, String>,
+    now: &std::collections::BTreeMap<i32, String>,
+) -> String {
+    let added: Vec<String> = now
+        .iter()
+        .filter(|(fd, t)| before.get(fd) != Some(t))
+        .map(|(fd, t)| format!("{fd} -> {t}"))
+        .collect();
+    if added.is_empty() {
+        "none listed".to_owned()
+    } else {
+        added.join(", ")
+    }
+}
+
 /// A `kB` field of `/proc/self/status` (`VmRSS`, `RssAnon`, ...), in KiB.
 pub fn proc_status_kib(field: &str) -> Result<u64> {
     let status = std::fs::read_to_string("/proc/self/status")?;
