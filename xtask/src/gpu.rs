@@ -392,7 +392,21 @@ for bin in "$here"/tests/*; do
   if [ -n "${POOLIPC_TEST_BINS:-}" ]; then case ",$POOLIPC_TEST_BINS," in *",$name,"*) ;; *) continue ;; esac; fi
   bins+=("$bin")
 done
+# The demo's rows took 13.6-13.9 ms after the test suite (H200 2026-12-05 call 1, H100 stop
+# 33) and 0.6 ms in calls without it, the storm tests twice their time: whether something the
+# suite leaves on the GPU (a killed worker's kernel that never ends, say) slows what follows.
+gpu_state() {
+  echo "GPU $1: $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>&1 | tr '\n' ' ')" >> "$summary"
+  echo "compute processes $1: $(nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>&1 | tr '\n' ';')" >> "$summary"
+}
+if want tests && want tools; then
+  gpu_state "before the tests"
+  "$here/poolipc" demo > "$out/demo-before.log" 2>&1; echo "demo before the tests exit: $?" >> "$summary"
+  grep -E '^  (f32|bf16|i64|u8) ' "$out/demo-before.log" >> "$summary"
+fi
 want tests && suite "" "${bins[@]}"
+want tests && gpu_state "after the tests"
+repo=$(cd "$here/../.." && pwd)
 if want tools; then
 echo "--- poolipc doctor --probe-limit" >> "$summary"
 "$here/poolipc" doctor --probe-limit > "$out/doctor.log" 2>&1; echo "doctor exit: $?" >> "$summary"
@@ -400,6 +414,14 @@ cat "$out/doctor.log" >> "$summary"
 echo "--- poolipc demo" >> "$summary"
 "$here/poolipc" demo > "$out/demo.log" 2>&1; echo "demo exit: $?" >> "$summary"
 grep -v ' INFO ' "$out/demo.log" >> "$summary"
+# Its rows took 13.6-13.9 ms on a fresh machine (H200 2026-12-05 call 1, H100 stop 33) and
+# 0.6 ms elsewhere, the bench's round trips 0.3 ms in the same call: where a row's time goes.
+rm -rf "$out/demo-probe"
+echo "--- poolipc demo again under POOLIPC_PROBE: where its rows' time goes" >> "$summary"
+POOLIPC_PROBE="$out/demo-probe" "$here/poolipc" demo > "$out/demo-probe.log" 2>&1; echo "demo (probe) exit: $?" >> "$summary"
+grep -E '^  (f32|bf16|i64|u8) ' "$out/demo-probe.log" >> "$summary"
+python3 "$repo/bench/probe_report.py" "$out/demo-probe" --skip 0 --count 8 --keep-waits --title "demo, its first rows" >> "$summary" 2>&1
+rm -rf "$out/demo-probe"
 if [ -x "$here/example-handoff" ]; then
   echo "--- examples/handoff.rs (POOLIPC_DRIVER=auto)" >> "$summary"
   POOLIPC_DRIVER=auto "$here/example-handoff" > "$out/example.log" 2>&1; r=$?; echo "example exit: $r" >> "$summary"

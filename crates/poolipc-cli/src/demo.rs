@@ -156,10 +156,14 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         let mut verdict = String::from("yes");
         let mut rung = String::new();
         for _ in 0..2 {
+            // Marked like the bench's round trips, so that `POOLIPC_PROBE=DIR poolipc demo`
+            // and `bench/probe_report.py DIR --skip 0 --count 12` say where a row's time goes.
+            poolipc::probe::mark("rt.begin");
             let t = Instant::now();
             let out = parent.run_job(worker, &inputs, stream)?;
             d.stream_synchronize(stream)?;
             times.push(t.elapsed().as_secs_f64() * 1e3);
+            poolipc::probe::mark("rt.synced");
             rung = out
                 .input_rungs
                 .first()
