@@ -359,6 +359,7 @@ export POOLIPC_TEST_ROGUE_BIN="$here/tests/poolipc-test-rogue"
 export RUST_BACKTRACE=1
 summary="$out/summary.txt"
 log="$out/tests.log"
+smi=$(command -v nvidia-smi || true)
 # suite LABEL BINARY...: every test of each binary in its own process; counts in $out/counts.
 suite() {
   local label=$1; shift
@@ -370,6 +371,13 @@ suite() {
       if "$bin" --exact "$t" --nocapture --test-threads=1 >"$out/one.log" 2>&1; then r=ok; pass=$((pass+1)); else r=FAILED; fail=$((fail+1)); fi
       local ms=$(( ($(date +%s%N) - start) / 1000000 ))
       local note; note=$(grep -hoE 'RAN on CudaDriver|NOT RUN on hardware[^(]*|first [0-9.]+ µs, recycled [0-9.]+ µs, ratio [0-9]+×|keeps_mappings=[a-z]+|mps client: [a-z]+' "$out/one.log" | head -2 | tr '\n' ' ')
+      # A GPU test's processes are gone once it returned: any compute process still on the
+      # GPU is one it left behind (a killed worker's kernel that never ends, say), and
+      # slows every test after it.
+      if [ -n "$smi" ] && [[ "$t" == *on_cuda_driver* || "$note" == *RAN* ]]; then
+        local left; left=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | tr '\n' ';')
+        [ -n "$left" ] && note="$note left on the GPU: $left"
+      fi
       { echo "=== $label$name::$t: $r (${ms} ms)"; cat "$out/one.log"; } >> "$log"
       printf '%-7s %-100s %7d ms %s\n' "$r" "$label$name::$t" "$ms" "$note" >> "$summary"
     done
