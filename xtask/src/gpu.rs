@@ -636,6 +636,28 @@ else
   echo "pyscaling: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi
 fi
+if want hog; then
+# Whether a killed process's kernel that never ends keeps the GPU busy for the others (the
+# hang tests SIGKILL workers spinning in one; the demo after the suite was 20x slower). Only
+# when named.
+echo "--- bench/probes/killed_kernel.py: a tiny GPU job's time before, beside and after a killed never-ending kernel" >> "$summary"
+( cd "$repo" && timeout 90 python3 bench/probes/killed_kernel.py 30 ) > "$out/hog.log" 2>&1; echo "killed_kernel exit: $?" >> "$summary"
+python3 - "$out/hog.log" >> "$summary" 2>&1 <<'PY'
+import json, sys
+lines = open(sys.argv[1]).read().strip().splitlines()
+try:
+    d = json.loads(lines[-1])
+except (IndexError, ValueError):
+    print("  no result; the probe's last lines:")
+    print("\n".join("    " + line for line in lines[-6:]))
+    sys.exit(0)
+print(f"  alone {d['alone_us']} us, beside the spinner {d['beside_spinner_us']} us, child reaped after {d['child_reaped_after_s']} s")
+print(f"  processes beside the spinner: {d['processes_beside_spinner']}")
+for x in d["after_kill"][::4]:
+    print(f"  {x['t']:6.2f} s after the kill: {x['us']:9.1f} us, processes {x['processes']}")
+print(f"  {d['verdict']}")
+PY
+fi
 pass=$(awk '{p+=$1} END {print p+0}' "$out/counts"); fail=$(awk '{f+=$2} END {print f+0}' "$out/counts")
 echo "--- tests: $pass passed, $fail failed" >> "$summary"
 # The device machine gives back only a few files from $OUT: the summary, the chart and one
