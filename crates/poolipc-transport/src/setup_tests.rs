@@ -459,3 +459,53 @@ fn a_silent_worker_times_the_parent_out() {
         "{got:?}"
     );
 }
+
+/// A spawned worker inherits its socket and nothing else of the parent's, not even a
+/// descriptor some library opened without close-on-exec (libcuda's exports come so).
+#[test]
+fn a_spawned_worker_inherits_its_socket_and_no_other_descriptor() {
+    use std::io::Read as _;
+    use std::os::fd::AsRawFd;
+    let leaky = std::fs::File::open("/dev/null").expect("open /dev/null");
+    nix::fcntl::fcntl(
+        &leaky,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+    )
+    .expect("clear FD_CLOEXEC");
+    let n = leaky.as_raw_fd();
+    let mut cmd = std::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(format!(
+            "[ -e /proc/$$/fd/{n} ] && echo leaked || echo closed; \
+             [ -S /proc/$$/fd/${{{}}} ] && echo socket || echo no-socket",
+            crate::FD_ENV
+        ))
+        .stdout(std::process::Stdio::piped());
+    let (mut child, _conn) = crate::spawn_worker(cmd).expect("spawn");
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_to_string(&mut out)
+        .expect("read");
+    child.wait().expect("wait");
+    assert_eq!(
+        out, "closed\nsocket\n",
+        "descriptor {n} in the child: {out:?}"
+    );
+    drop(leaky);
+}
+
+/// The fallback for kernels without `close_range` (before 5.11) marks what it is given.
+#[test]
+fn the_fallback_marks_each_descriptor_close_on_exec() {
+    use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open("/dev/null").expect("open");
+    fcntl(&f, FcntlArg::F_SETFD(FdFlag::empty())).expect("clear");
+    let n = f.as_raw_fd();
+    crate::spawn::cloexec_each(n, n);
+    let flags = fcntl(&f, FcntlArg::F_GETFD).expect("get");
+    assert_eq!(flags, libc::FD_CLOEXEC, "descriptor {n}");
+}

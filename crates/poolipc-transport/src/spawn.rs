@@ -8,6 +8,7 @@ use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+use nix::sys::resource::{Resource, getrlimit};
 use nix::sys::socket::{
     AddressFamily, SockFlag, SockType, SockaddrLike, SockaddrStorage, getsockname, getsockopt,
     socketpair, sockopt,
@@ -22,7 +23,11 @@ use crate::error::{SetupError, io, sys};
 pub const FD_ENV: &str = "POOLIPC_FD";
 
 /// Spawns `cmd` as a worker connected to us: creates a socketpair, lets the child inherit one
-/// end (and only that one: everything of ours is close-on-exec) and names it in [`FD_ENV`].
+/// end and names it in [`FD_ENV`]. Only that one: every other descriptor of this process
+/// above stdio is made close-on-exec in the child before its exec, ours (all opened so) and
+/// those a library opened without the flag (libcuda's exports come without it; a host
+/// application's files and sockets may too): a worker runs someone else's code and gets no
+/// handle of the parent's by inheritance.
 ///
 /// Returns the child and our end. Our copy of the child's end is closed before returning, so
 /// the child's death is seen as EOF.
@@ -45,23 +50,65 @@ pub fn spawn_worker(mut cmd: Command) -> Result<(Child, Connection), SetupError>
     };
     let raw = theirs.as_raw_fd();
     cmd.env(FD_ENV, raw.to_string());
-    let clear_cloexec = move || {
+    let last = highest_fd();
+    let inherit_only_ours = move || {
         // SAFETY: fcntl on an integer descriptor has no memory-safety preconditions.
         if unsafe { libc::fcntl(raw, libc::F_SETFD, 0) } == -1 {
             return Err(std::io::Error::last_os_error());
         }
+        cloexec_all_but(raw, last);
         Ok(())
     };
-    // SAFETY: the closure runs in the child between fork and exec and only calls fcntl, which
-    // is async-signal-safe; it allocates nothing and takes no lock. `raw` is open in the child
-    // because fork copied our table while `theirs` was alive (it lives until after spawn).
+    // SAFETY: the closure runs in the child between fork and exec and only makes system calls
+    // that are async-signal-safe (fcntl, close_range); it allocates nothing and takes no lock.
+    // `raw` is open in the child because fork copied our table while `theirs` was alive (it
+    // lives until after spawn).
     unsafe {
-        cmd.pre_exec(clear_cloexec);
+        cmd.pre_exec(inherit_only_ours);
     }
     let child = cmd.spawn().map_err(io("spawn worker"))?;
     drop(theirs);
     tracing::debug!(pid = child.id(), fd = raw, "spawned worker");
     Ok((child, Connection::new(ours)))
+}
+
+/// The highest descriptor number this process may hold (one below `RLIMIT_NOFILE`'s soft
+/// limit, at most 2^20), read before the fork: the child's fallback walks up to it.
+fn highest_fd() -> RawFd {
+    let soft = getrlimit(Resource::RLIMIT_NOFILE).map_or(1 << 16, |(soft, _)| soft);
+    RawFd::try_from(soft.clamp(4, 1 << 20)).unwrap_or(1 << 16) - 1
+}
+
+/// In the child between fork and exec: marks every descriptor from 3 up except `keep`
+/// close-on-exec, so that the exec closes them. One `close_range(CLOSE_RANGE_CLOEXEC)` for
+/// each side of `keep` (Linux 5.11); on an older kernel `fcntl(F_SETFD, FD_CLOEXEC)` on every
+/// number up to `last` (a closed one answers EBADF, ignored). Both are async-signal-safe.
+/// Nothing is closed before the exec: the pipe on which `std` reports a failed exec to the
+/// parent is close-on-exec already and must stay open until then.
+fn cloexec_all_but(keep: RawFd, last: RawFd) {
+    for (first, end) in [(3, keep - 1), (keep + 1, RawFd::MAX)] {
+        if first > end {
+            continue;
+        }
+        // Both bounds are descriptor numbers from 3 up: they fit an unsigned int.
+        let (lo, hi) = (first.unsigned_abs(), end.unsigned_abs());
+        // SAFETY: close_range takes two numbers and a flag and touches no memory of ours;
+        // with CLOSE_RANGE_CLOEXEC it only sets the close-on-exec flag of open descriptors.
+        let r = unsafe { libc::syscall(libc::SYS_close_range, lo, hi, libc::CLOSE_RANGE_CLOEXEC) };
+        if r != 0 {
+            cloexec_each(first, end.min(last));
+        }
+    }
+}
+
+/// `close_range`'s fallback: `fcntl(F_SETFD, FD_CLOEXEC)` on every number of `first..=last`.
+/// Async-signal-safe.
+pub(crate) fn cloexec_each(first: RawFd, last: RawFd) {
+    for fd in first..=last {
+        // SAFETY: F_SETFD on any integer sets a flag or fails with EBADF; no memory is
+        // touched.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
 }
 
 static TAKEN: AtomicBool = AtomicBool::new(false);
