@@ -202,6 +202,22 @@ fn warm_up(p: &Parent, worker: WorkerId) -> Result<()> {
     Ok(())
 }
 
+/// This process's descriptors once their count stops falling (a stopped worker's stderr
+/// reader closes its pipe just after the worker died), waiting 2 s at most: a count taken
+/// before would be one too high and hide a leak of one.
+fn settled_fds() -> Result<std::collections::BTreeMap<i32, String>> {
+    let until = Instant::now() + Duration::from_secs(2);
+    let mut last = fd_targets()?;
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = fd_targets()?;
+        if now.len() >= last.len() || Instant::now() >= until {
+            return Ok(now);
+        }
+        last = now;
+    }
+}
+
 /// A parent on `env`'s device without the canary battery, as `tweak` sets it further.
 fn parent(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<Parent> {
     let mut options = ParentOptions {
@@ -222,7 +238,7 @@ fn chaos(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<()> {
     let warm = p.spawn_worker(worker_command(env, None)?)?;
     warm_up(&p, warm)?;
     p.stop_worker(warm)?;
-    let fds_before = fd_targets()?;
+    let fds_before = settled_fds()?;
     let honest_worker = p.spawn_worker(worker_command(env, None)?)?;
     let used_before = p.pool().stats()?.used_current;
     let rss_before = poolipc_tests::proc_status_kib("RssAnon")?;
