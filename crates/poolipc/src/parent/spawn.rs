@@ -34,7 +34,9 @@ impl Parent {
     ///
     /// The worker inherits this process's whole environment unless `cmd` was restricted
     /// first with [`worker_env::restrict_env`](crate::worker_env::restrict_env) (an
-    /// allowlist; do that for workers you do not trust with your secrets).
+    /// allowlist; do that for workers you do not trust with your secrets). Of this process's
+    /// descriptors it inherits its socket and its stdio only, whether or not the others were
+    /// opened close-on-exec.
     ///
     /// The worker gets the parent's default trust, [`ParentOptions::isolated`]
     /// (see [`Trust::default_of`]); [`spawn_worker_with`](Parent::spawn_worker_with) chooses
