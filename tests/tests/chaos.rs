@@ -185,17 +185,13 @@ fn rogue(p: &Parent, env: &Env, seed: u64, steps: u64) -> Result<String> {
     ))
 }
 
-/// One honest job on `worker`, its bytes checked, before the tests count descriptors: what
-/// the driver opens once per process at a first job is then open before the count and not
-/// put on the rogues (`faults.rs`' killed-workers test counts after a first round for the
-/// same reason). On the H100 (2026-12-05) both tests found one descriptor more with the
-/// count taken before the first job; which one was not seen, so the checks now name what
-/// each added descriptor refers to. A leak of the rogues' still shows: they come after.
-fn warm_up(p: &Parent, worker: WorkerId) -> Result<()> {
+/// One 4 KiB echo job on `worker` on the null stream, every byte of its result checked
+/// against `pattern`, its memory given back: a worker is served.
+fn one_job(p: &Parent, worker: WorkerId, pattern: u32) -> Result<()> {
     let stream = poolipc::StreamHandle::NULL;
-    let x = filled(p, 4096, 0x5EED, stream)?;
+    let x = filled(p, 4096, pattern, stream)?;
     let out = p.run_job(worker, &[bytes_input(x, 4096)], stream)?;
-    check_exact(p, &out, 0, 4096, 0x5EED)?;
+    check_exact(p, &out, 0, 4096, pattern)?;
     free_results(p, out, stream)?;
     p.pool().free(x, stream)?;
     p.driver().stream_synchronize(stream)?;
@@ -218,7 +214,7 @@ fn chaos(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<()> {
     env.driver.stream_synchronize(poolipc::StreamHandle::NULL)?;
     // Before any worker: the honest one's descriptors (its socket, its stderr pipe, its arena
     // under an arena parent) are gone once it is. Not after a warm-up worker of its own (as
-    // `hellos` warms up): with one spawned, given a job and stopped here, an honest job later
+    // `hellos` counts after a first job): with one spawned, given a job and stopped here, an honest job later
     // read SimDriver's poison in its pool-pointer result in about 1 run of 30 (stop 33's note;
     // not yet explained), so the count stays where it was until that is.
     let fds_before = fd_targets()?;
@@ -292,10 +288,7 @@ fn chaos(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<()> {
     // A new worker is served.
     let fresh = p.spawn_worker(worker_command(env, None)?)?;
     let stream = poolipc::StreamHandle::NULL;
-    let x = filled(&p, 4096, 0xC0FFEE, stream)?;
-    let out = p.run_job(fresh, &[bytes_input(x, 4096)], stream)?;
-    free_results(&p, out, stream)?;
-    p.pool().free(x, stream)?;
+    one_job(&p, fresh, 0xC0FFEE)?;
     p.stop_worker(fresh)?;
     p.stop_worker(honest_worker)?;
     env.driver.stream_synchronize(stream)?;
@@ -384,9 +377,12 @@ fn hellos(env: &Env) -> Result<()> {
     let p = parent(env, |o| o.handshake_timeout = deadline)?;
     env.driver.stream_synchronize(poolipc::StreamHandle::NULL)?;
     let honest_worker = p.spawn_worker(worker_command(env, None)?)?;
-    // Counted after the honest worker's first job (see `warm_up`); it is stopped only after
-    // the check.
-    warm_up(&p, honest_worker)?;
+    // Counted after the honest worker's first job, so that what the driver opens once per
+    // process at a first job is not put on the rogues (`faults.rs`' killed-workers test counts
+    // after a first round for the same reason; on the H100, 2026-12-05, the count taken
+    // before any job found one descriptor more). The honest worker is stopped only after the
+    // check; a leak of the rogues' still shows: they come after.
+    one_job(&p, honest_worker, 0x5EED)?;
     let fds_before = fd_targets()?;
     let used_before = p.pool().stats()?.used_current;
     let (seeds, first) = (
