@@ -212,11 +212,15 @@ fn parent(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<Parent> {
 fn chaos(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<()> {
     let p = parent(env, tweak)?;
     env.driver.stream_synchronize(poolipc::StreamHandle::NULL)?;
-    // Before any worker: the honest one's descriptors (its socket, its stderr pipe, its arena
-    // under an arena parent) are gone once it is. Not after a warm-up worker of its own (as
-    // `hellos` counts after a first job): with one spawned, given a job and stopped here, an honest job later
-    // read SimDriver's poison in its pool-pointer result in about 1 run of 30 (stop 33's note;
-    // not yet explained), so the count stays where it was until that is.
+    // After a warm-up worker, spawned, given a job and stopped: the CUDA driver opens one
+    // shared-memory file of its own per process at its first interprocess event
+    // (`/dev/shm/cuda.shm.0.<pid hex>.1`, measured on the H100: counted before any worker,
+    // the chaos left exactly that one more), and it stays for the process's life. Counted
+    // here, every descriptor a worker brought (its socket, its stderr pipe, its arena under
+    // an arena parent) must be gone with it.
+    let warm = p.spawn_worker(worker_command(env, None)?)?;
+    one_job(&p, warm, 0x5EED)?;
+    p.stop_worker(warm)?;
     let fds_before = fd_targets()?;
     let honest_worker = p.spawn_worker(worker_command(env, None)?)?;
     let used_before = p.pool().stats()?.used_current;

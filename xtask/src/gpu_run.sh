@@ -22,6 +22,10 @@ export RUST_BACKTRACE=1
 summary="$out/summary.txt"
 log="$out/tests.log"
 smi=$(command -v nvidia-smi || true)
+# The GPU's compute processes (pid, name), but MPS's server, one a line.
+gpu_procs() {
+  [ -n "$smi" ] && nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | grep -v 'nvidia-cuda-mps-server' || true
+}
 # suite LABEL BINARY...: every test of each binary in its own process; counts in $out/counts.
 suite() {
   local label=$1; shift
@@ -29,16 +33,23 @@ suite() {
   for bin in "$@"; do
     local name; name=$(basename "$bin")
     for t in $("$bin" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
+      local before_procs; before_procs=$(gpu_procs)
       local start; start=$(date +%s%N)
       if "$bin" --exact "$t" --nocapture --test-threads=1 >"$out/one.log" 2>&1; then r=ok; pass=$((pass+1)); else r=FAILED; fail=$((fail+1)); fi
       local ms=$(( ($(date +%s%N) - start) / 1000000 ))
       local note; note=$(grep -hoE 'RAN on CudaDriver|NOT RUN on hardware[^(]*|first [0-9.]+ µs, recycled [0-9.]+ µs, ratio [0-9]+×|keeps_mappings=[a-z]+|mps client: [a-z]+' "$out/one.log" | head -2 | tr '\n' ' ')
-      # A GPU test's processes are gone once it returned: any compute process still on the
-      # GPU is one it left behind (a killed worker's kernel that never ends, say), and
-      # slows every test after it.
+      # A GPU test's processes are gone once it returned (a helper of its own within 10 s):
+      # a compute process it started that is still on the GPU then (a process spinning
+      # behind a hung kernel, say) slows every test after it, and fails the test.
       if [ -n "$smi" ] && [[ "$t" == *on_cuda_driver* || "$note" == *RAN* ]]; then
-        local left; left=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | tr '\n' ';')
-        [ -n "$left" ] && note="$note left on the GPU: $left"
+        local left waited=0
+        while left=$(gpu_procs | grep -vxFf <(printf '%s\n' "$before_procs") | tr '\n' ';'); [ -n "$left" ] && [ $waited -lt 10 ]; do
+          sleep 1; waited=$((waited+1))
+        done
+        if [ -n "$left" ]; then
+          note="$note left on the GPU after 10 s: $left"
+          [ $r = ok ] && { r=FAILED; pass=$((pass-1)); fail=$((fail+1)); }
+        fi
       fi
       { echo "=== $label$name::$t: $r (${ms} ms)"; cat "$out/one.log"; } >> "$log"
       printf '%-7s %-100s %7d ms %s\n' "$r" "$label$name::$t" "$ms" "$note" >> "$summary"

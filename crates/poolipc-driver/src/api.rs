@@ -236,11 +236,13 @@ pub trait Driver: Send + Sync {
         value: u32,
         stream: StreamHandle,
     ) -> Result<()>;
-    /// A kernel of one thread that never ends (it spins reading the clock), launched on
-    /// `stream` without waiting: everything queued on `stream` after it, an event recorded
-    /// behind it included, never runs, and the event never completes, not even after the
-    /// process is killed (docs/facts.md). For tests of a worker that hangs on the
-    /// GPU; no handoff calls it.
+    /// A kernel of one thread that does not end for 120 s (it spins reading the GPU's
+    /// clock; SimDriver's never ends), launched on `stream` without waiting: everything
+    /// queued on `stream` after it, an event recorded behind it included, waits for it, and
+    /// the event never completes if the process is killed meanwhile (docs/facts.md). Bounded
+    /// so that a process left behind does not spin on the GPU for ever; a process that exits
+    /// normally waits for it at exit, a killed one's kernel goes at once. For tests of a
+    /// worker that hangs on the GPU; no handoff calls it.
     fn launch_hang_kernel(&self, stream: StreamHandle) -> Result<()>;
     /// `cuMemcpyDtoH` (synchronous).
     fn memcpy_dtoh(&self, dst: &mut [u8], src: DevicePtr) -> Result<()>;

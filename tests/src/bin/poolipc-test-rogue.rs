@@ -58,8 +58,9 @@
 //!   ends (`launch_hang_kernel`), then says `StagingReady` and acks chunks at once: the
 //!   parent's transfer waits on the host for that record, which does not complete even once
 //!   this process is killed (the helper lives on 5 s after it, as a CUDA record behind a
-//!   hung kernel never completes; the simulation ends a dead process's records). Exits at
-//!   the parent's `Bye`.
+//!   hung kernel never completes; the simulation ends a dead process's records; it then
+//!   kills itself, as a plain exit would wait for the hung kernel). Exits at the parent's
+//!   `Bye`.
 //! - `slow-frames`: 200 ms after the handshake, valid `Heartbeat` frames, each one's header
 //!   now and the rest `POOLIPC_TEST_ROGUE_DELAY_MS` later (1000 by default), one after
 //!   another, forever; it never reads.
@@ -866,6 +867,12 @@ fn staging_hang_recorder(driver: &Arc<dyn Driver>) -> anyhow::Result<()> {
     out.flush()?;
     let _ = std::io::stdin().read_to_end(&mut Vec::new());
     std::thread::sleep(Duration::from_secs(5));
+    // Not a plain exit: the driver's teardown at exit waits for the hung kernel, so the
+    // process would stay on the GPU, spinning, for every test after this one (on the H100,
+    // 2026-12-05, two such recorders outlived the whole suite and slowed the demo after it
+    // from 0.6 to 13.8 ms a round trip). A killed process's context goes at once
+    // (`bench/probes/killed_kernel.py`).
+    nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL)?;
     Ok(())
 }
 

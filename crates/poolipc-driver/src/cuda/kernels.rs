@@ -29,24 +29,30 @@ pub(super) const STORE_KERNEL_PTX: &[u8] = b".version 7.0
 }
 \0";
 
-/// The kernel of [`Driver::launch_hang_kernel`](crate::Driver::launch_hang_kernel): one thread spins while the clock reads
-/// nonzero, for ever (the clock is a special register: the compiler can neither hoist the
-/// read nor prove that the loop ends). In a module of its own (a fault in it leaves
-/// the store kernel's loading alone).
+/// The kernel of [`Driver::launch_hang_kernel`](crate::Driver::launch_hang_kernel): one
+/// thread spins reading the GPU's nanosecond clock (`%globaltimer`, a special register: the
+/// compiler can neither hoist the read nor prove that the loop ends) until
+/// 120 s have passed (the literal in the PTX, ns): far beyond any deadline a test holds, yet bounded, so that
+/// a process left behind by a test run that was cut short does not spin on the GPU for
+/// ever (a process that exits normally waits for it; a killed one's goes at once). In a
+/// module of its own (a fault in it leaves the store kernel's loading alone).
 pub(super) const HANG_KERNEL_PTX: &[u8] = b".version 7.0
 .target sm_50
 .address_size 64
 .visible .entry poolipc_hang()
 {
-  .reg .u64 %rd<2>;
+  .reg .u64 %rd<4>;
   .reg .pred %p<2>;
+  mov.u64 %rd1, %globaltimer;
+  add.u64 %rd2, %rd1, 120000000000;
 $spin:
-  mov.u64 %rd1, %clock64;
-  setp.ne.u64 %p1, %rd1, 0;
+  mov.u64 %rd3, %globaltimer;
+  setp.lt.u64 %p1, %rd3, %rd2;
   @%p1 bra $spin;
   ret;
 }
 \0";
+
 
 /// The test kernels' functions, by the context they were loaded in (its address) and their
 /// name.

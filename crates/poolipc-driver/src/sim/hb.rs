@@ -200,9 +200,11 @@ pub(super) fn access(
 /// The pool's internal dependency, for a new allocation at `off..off + size` of pool `slot`
 /// issued on stream slot `s`: memory recycled from a free is ordered after that free, a free
 /// on this stream by stream order, one on another stream that has not run yet by a dependency
-/// of this stream on it. The frees' records over the range are done with (forgotten). For
-/// each dependency: (its sequence number on `s`, the freeing stream's slot, the free's
-/// sequence number there), for the caller to queue.
+/// of this stream on it. A free's record is done with (forgotten) once the free ran or an
+/// allocation took all of its range; one not run yet whose range was handed out only in part
+/// stays, so that every allocation of its range waits for it. For each dependency: (its
+/// sequence number on `s`, the freeing stream's slot, the free's sequence number there), for
+/// the caller to queue.
 pub(super) fn pool_dependencies(
     st: &mut State,
     s: usize,
@@ -224,8 +226,14 @@ pub(super) fn pool_dependencies(
             continue;
         }
         let (fs, fseq) = (r.stream as usize, r.seq);
-        st.accesses[i].live = 0;
-        if fs != s && st.streams[fs].executed < fseq {
+        // A free that has not run yet poisons its whole range when it runs: its record is done
+        // with once it ran, or once this allocation takes all of that range. Else the rest of
+        // the range, handed out later (on another stream, say), must wait for it too.
+        let ran = st.streams[fs].executed >= fseq;
+        if ran || (off <= r.start && r.end <= off + size) {
+            st.accesses[i].live = 0;
+        }
+        if fs != s && !ran {
             let mut upto = st.streams[fs].clock;
             upto[fs] = fseq;
             merge(&mut st.streams[s].clock, &upto);

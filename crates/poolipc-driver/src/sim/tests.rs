@@ -326,6 +326,36 @@ fn freed_memory_is_poisoned() {
 }
 
 #[test]
+fn a_free_not_run_yet_orders_every_allocation_of_its_range_not_only_the_first() {
+    // A 4 MiB free on one stream, not run yet (its poisoning still to come), handed out again
+    // as two 2 MiB allocations on two other streams: both wait for the free. The first one
+    // used to forget the free, and the second one's bytes were poisoned after its writes.
+    let p = sim();
+    let slot = 0;
+    p.machine.with(|st| {
+        let [fs, s, t] = [(); 3].map(|()| st.stream_create(p.agent, p.pid).unwrap());
+        let fseq = st.tick(fs);
+        let freed = hb::Mem::pool(slot, 0, 4 * MIB, None);
+        hb::access(st, p.process(), "cuMemFreeAsync", fs, fseq, &freed, true);
+        let first = hb::pool_dependencies(st, s, slot, 0, 2 * MIB);
+        assert_eq!(
+            first.iter().map(|d| (d.1, d.2)).collect::<Vec<_>>(),
+            [(fs, fseq)]
+        );
+        let second = hb::pool_dependencies(st, t, slot, 2 * MIB, 2 * MIB);
+        assert_eq!(
+            second.iter().map(|d| (d.1, d.2)).collect::<Vec<_>>(),
+            [(fs, fseq)]
+        );
+        // Once the free ran, nothing waits for it, and its record is done with.
+        st.streams[fs].executed = fseq;
+        assert!(hb::pool_dependencies(st, s, slot, 0, 2 * MIB).is_empty());
+        st.streams[fs].executed = 0;
+        assert!(hb::pool_dependencies(st, t, slot, 2 * MIB, 2 * MIB).is_empty());
+    });
+}
+
+#[test]
 fn with_a_blob_per_allocation_a_stale_blob_does_not_import() {
     let p = sim_with(SimConfig {
         blob_per_allocation: true,

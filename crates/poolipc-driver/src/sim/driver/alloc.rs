@@ -201,7 +201,8 @@ impl SimDriver {
             // The allocation touches nothing. Memory recycled from a free is ordered after
             // that free by the pool: a free on this stream by stream order, one on another
             // stream that has not run yet by a dependency of this stream on it (the pool's
-            // internal dependency). The frees' records over it are then done with.
+            // internal dependency). The frees' records over it are then done with, but for a
+            // free not run yet of which this allocation takes only part (`pool_dependencies`).
             let (off, size, g) = (
                 st.blocks[b].offset,
                 st.blocks[b].size,
