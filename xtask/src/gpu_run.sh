@@ -26,6 +26,15 @@ smi=$(command -v nvidia-smi || true)
 gpu_procs() {
   [ -n "$smi" ] && nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null | grep -v 'nvidia-cuda-mps-server' || true
 }
+# stash [all]: the logs so far into $out/logs.tar (the machine gives back at most 8 files:
+# called after each part named alone, so that a run cut off by its time limit still brings
+# its summary back); the counts and the tests' log, still written to, only with `all`.
+stash() {
+  local keep='summary.txt|bench.svg|logs.tar|logs.tar.gz'
+  [ "${1:-}" = all ] || keep="$keep|counts|tests.log"
+  ( cd "$out" && logs=$(ls | grep -vxE "$keep") && [ -n "$logs" ] && tar rf logs.tar $logs && rm -rf $logs )
+  return 0
+}
 # suite LABEL BINARY...: every test of each binary in its own process; counts in $out/counts.
 suite() {
   local label=$1; shift
@@ -214,6 +223,7 @@ elif [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
 else
   echo "python: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi
+stash
 if want scaling; then
 # Issue 24: what stops several workers at once (the IO threads' busy share, 1, 2 and 4 IO
 # threads), plainly and under MPS. Only when named.
@@ -245,6 +255,7 @@ if [ -n "$mps" ]; then
   rm -rf "$out/scaling-probe"
 fi
 fi
+stash
 if want turns; then
 # Without MPS a 4 KiB or 1 MiB lend took ~290 us and a 64 MiB one ~19 us (the same 4 KiB write
 # by the worker; the floor paid ~300 us at every size): which allocation sizes pay the two
@@ -274,6 +285,7 @@ for size in 4K 64M; do
   rm -rf "$out/turns-$size"
 done
 fi
+stash
 if want pyscaling; then
 # Python's share of a round trip (pysplit) and torch workers at once with 1 and 4 IO threads,
 # plainly and under MPS. Only when named (with scaling, one call may pass its time limit).
@@ -309,6 +321,7 @@ else
   echo "pyscaling: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi
 fi
+stash
 if want hog; then
 # Whether a killed process's kernel that never ends keeps the GPU busy for the others (the
 # hang tests SIGKILL workers spinning in one; the demo after the suite was 20x slower). Only
@@ -335,7 +348,7 @@ pass=$(awk '{p+=$1} END {print p+0}' "$out/counts"); fail=$(awk '{f+=$2} END {pr
 echo "--- tests: $pass passed, $fail failed" >> "$summary"
 # The device machine gives back only a few files from $OUT: the summary, the chart and one
 # archive of every log.
-( cd "$out" && logs=$(ls | grep -vxE 'summary.txt|bench.svg|logs.tar.gz') \
-  && [ -n "$logs" ] && tar czf logs.tar.gz $logs && rm -f $logs )
+stash all
+( cd "$out" && [ -f logs.tar ] && gzip -c logs.tar > logs.tar.gz && rm -f logs.tar )
 cat "$summary"
 [ "$fail" -eq 0 ]
