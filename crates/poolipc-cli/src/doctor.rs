@@ -440,6 +440,12 @@ fn tuning_rows(t: &mut Table) {
             poolipc::SPIN_IN_FLIGHT_ENV,
             spin_rule.as_str(),
         ),
+        (
+            "spins yield",
+            yes_no(poolipc::spin_yields()).to_owned(),
+            poolipc::SPIN_YIELD_ENV,
+            "no by default",
+        ),
     ];
     for (what, value, env, rule) in rows {
         let source = match std::env::var_os(env) {

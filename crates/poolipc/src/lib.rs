@@ -63,6 +63,8 @@ mod error;
 mod handshake;
 pub mod mps;
 mod parent;
+mod spin;
+pub use spin::{SPIN_YIELD_ENV, yields as spin_yields};
 pub mod probe;
 // Its channel is public to the tests under the `testing` feature, the crate's own otherwise.
 #[cfg(feature = "testing")]

@@ -140,7 +140,7 @@ impl Loop {
                     poll(&mut fds, PollTimeout::from(ms))
                 };
                 match polled {
-                    Ok(0) if spinning && !any_buffered => std::hint::spin_loop(),
+                    Ok(0) if spinning && !any_buffered => crate::spin::pause(),
                     other => {
                         spinning_flag.store(false, Ordering::SeqCst);
                         break other;

@@ -317,7 +317,7 @@ impl Completion {
     /// Spins until the result is set or `until` passes (not at all once it has).
     fn spin_until(&self, until: Instant) {
         while !self.finished.load(Ordering::Acquire) && Instant::now() < until {
-            std::hint::spin_loop();
+            crate::spin::pause();
         }
     }
 }

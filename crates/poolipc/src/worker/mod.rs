@@ -493,7 +493,7 @@ impl Worker {
             };
             let mut pfd = [PollFd::new(self.conn.as_fd(), PollFlags::POLLIN)];
             match poll(&mut pfd, timeout) {
-                Ok(0) if spinning => std::hint::spin_loop(),
+                Ok(0) if spinning => crate::spin::pause(),
                 Ok(0) if Instant::now() < by => continue,
                 Ok(0) => return Ok(false),
                 Ok(_) => return Ok(true),
