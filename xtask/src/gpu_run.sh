@@ -235,7 +235,9 @@ grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-workers.log" >> "$summary"
 # under MPS (where the scaling is asked for), 1 and 4 IO threads, each spin turned off alone
 # and all together.
 inmps=""; [ -n "$mps" ] && inmps="$here/poolipc mps --accept-shared-gpu-faults --"
-for v in "POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_WORKER_SPIN_US=0" "POOLIPC_SPIN_IN_FLIGHT_US=0" "POOLIPC_WORKER_SPIN_US=0"; do
+# And spins that only hint the CPU instead of yielding (the default), twice, alternated with
+# the default, for the yield's effect beside the run-to-run spread.
+for v in "POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_WORKER_SPIN_US=0" "POOLIPC_SPIN_IN_FLIGHT_US=0" "POOLIPC_WORKER_SPIN_US=0" "POOLIPC_SPIN_YIELD=0" "POOLIPC_SPIN_YIELD=1" "POOLIPC_SPIN_YIELD=0" "POOLIPC_SPIN_YIELD=1"; do
   echo "--- ${mps:+under MPS: }poolipc bench --workers 8 --io-threads 1,4 with $v" >> "$summary"
   timeout 80 $inmps env RUST_LOG=warn $v "$here/poolipc" bench --workers 8 --io-threads 1,4 > "$out/scaling-spin.log" 2>&1; echo "bench --workers ($v) exit: $?" >> "$summary"
   grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-spin.log" >> "$summary"

@@ -444,7 +444,7 @@ fn tuning_rows(t: &mut Table) {
             "spins yield",
             yes_no(poolipc::spin_yields()).to_owned(),
             poolipc::SPIN_YIELD_ENV,
-            "no by default",
+            "yes by default",
         ),
     ];
     for (what, value, env, rule) in rows {
