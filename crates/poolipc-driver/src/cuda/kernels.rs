@@ -53,7 +53,6 @@ $spin:
 }
 \0";
 
-
 /// The test kernels' functions, by the context they were loaded in (its address) and their
 /// name.
 #[derive(Debug, Default)]
