@@ -269,6 +269,16 @@ sed -n '/one tensor/,/^  re-lend:/p' "$out/turns.log" >> "$summary"
 echo "--- the same at 4K,1M,64M with --worker-mode noop: the worker takes each job and finishes it (no memset of its own)" >> "$summary"
 RUST_LOG=warn timeout 90 "$here/poolipc" bench --sizes 4K,1M,64M --worker-mode noop $small > "$out/turns-noop.log" 2>&1; echo "bench --sizes --worker-mode noop exit: $?" >> "$summary"
 sed -n '/one tensor/,/^  re-lend:/p' "$out/turns-noop.log" >> "$summary"
+# The callers' stream: pysplit's Python parent (legacy stream) did not pay the turn-taking
+# at 4 KiB where the Rust loop (a stream of its own) did: one worker, noop, each twice.
+echo "--- poolipc bench --workers 1 --worker-mode noop --caller-stream own / legacy, alternated (plain): jobs/s" >> "$summary"
+for cs in own legacy own legacy; do
+  RUST_LOG=warn timeout 60 "$here/poolipc" bench --workers 1 --worker-mode noop --caller-stream $cs --iterations 2000 > "$out/turns-stream.log" 2>&1
+  echo "caller stream $cs exit: $?" >> "$summary"
+  grep -E '^ +(4 KiB|64 MiB) ' "$out/turns-stream.log" >> "$summary"
+  cat "$out/turns-stream.log" >> "$out/turns-stream-all.log"
+done
+rm -f "$out/turns-stream.log"
 # The bare driver's round trip (bench/floor.c) as it is, with the child writing nothing, and
 # with the child freeing its import synchronously: which of its GPU steps the turn-taking is.
 if [ -x /tmp/poolipc-floor ] || nvcc -O2 -o /tmp/poolipc-floor "$repo/bench/floor.c" -lcuda > "$out/turns-floor-build.txt" 2>&1; then

@@ -58,6 +58,7 @@ fn jobs_per_second(
     n: usize,
     bytes: u64,
     jobs: usize,
+    legacy_stream: bool,
 ) -> Result<Rate> {
     let barrier = Barrier::new(n + 1);
     let desc = Layout::contiguous(DType::U8, &[bytes]);
@@ -68,7 +69,11 @@ fn jobs_per_second(
             handles.push(s.spawn(move || -> Result<()> {
                 d.use_device(parent.options().device)?;
                 let owned_stream = poolipc_driver::OwnedStream::new(&**d)?;
-                let stream = owned_stream.handle();
+                let stream = if legacy_stream {
+                    poolipc::StreamHandle::NULL
+                } else {
+                    owned_stream.handle()
+                };
                 let ptr = parent.pool().alloc(bytes, stream)?;
                 d.stream_synchronize(stream)?;
                 let input = Input {
@@ -190,9 +195,14 @@ fn table(
     let parent = Parent::new(Arc::clone(driver), options).context("starting the parent")?;
     let mps = parent.mps_client() == Some(true);
     println!(
-        "poolipc bench --workers {max_workers} {which}{}, {io_threads} IO thread{}",
+        "poolipc bench --workers {max_workers} {which}{}, {io_threads} IO thread{}{}",
         if mps { ", an MPS client" } else { "" },
-        if io_threads == 1 { "" } else { "s" }
+        if io_threads == 1 { "" } else { "s" },
+        if args.caller_stream == "legacy" {
+            ", callers on the legacy stream"
+        } else {
+            ""
+        }
     );
     let mut workers = Vec::with_capacity(max_workers);
     for i in 0..max_workers {
@@ -219,7 +229,8 @@ fn table(
         let jobs = jobs_for(args, bytes);
         let mut one = f64::NAN;
         for n in counts(max_workers) {
-            let r = jobs_per_second(&parent, driver, &workers, n, bytes, jobs)
+            let legacy = args.caller_stream == "legacy";
+            let r = jobs_per_second(&parent, driver, &workers, n, bytes, jobs, legacy)
                 .with_context(|| format!("{n} workers, {bytes} bytes"))?;
             let rate = r.jobs_per_s;
             if n == 1 {
@@ -259,6 +270,8 @@ fn bench_child(args: &Args, max_workers: usize, io_threads: &[usize]) -> Result<
         .arg(max_workers.to_string())
         .arg("--worker-mode")
         .arg(&args.worker_mode)
+        .arg("--caller-stream")
+        .arg(&args.caller_stream)
         .arg("--io-threads")
         .arg(
             io_threads

@@ -265,4 +265,41 @@ fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
         .expect("run poolipc bench --workers 0");
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--workers 0: give 1 to 64"));
+    // The callers on the legacy stream: said in the header, rows as before.
+    let text = bench_ok(&[
+        "--sim",
+        "--workers",
+        "1",
+        "--iterations",
+        "5",
+        "--worker-mode",
+        "noop",
+        "--caller-stream",
+        "legacy",
+    ]);
+    assert!(
+        text.contains(", 1 IO thread, callers on the legacy stream\n"),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|l| l.trim_start().starts_with("4 KiB")),
+        "{text}"
+    );
+    let bad = poolipc()
+        .args([
+            "bench",
+            "--sim",
+            "--workers",
+            "1",
+            "--caller-stream",
+            "mine",
+        ])
+        .output()
+        .expect("run poolipc bench --caller-stream mine");
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("invalid value 'mine' for '--caller-stream"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
 }

@@ -90,6 +90,13 @@ pub(crate) struct Args {
     /// what the round trip costs without the worker's GPU work).
     #[arg(long, hide = true, default_value = "touch", value_parser = ["touch", "noop"])]
     pub(crate) worker_mode: String,
+    /// (with --workers) The stream each caller thread lends on: `own` (a stream of its own,
+    /// the default) or `legacy` (the legacy default stream, which `bench/pysplit.py`'s Python
+    /// parent lends on; shared by every thread, so compare it with one worker). Without MPS
+    /// the Rust loop paid the GPU's turn-taking at 4 KiB (296 µs) where pysplit's Python
+    /// parent did not (27 µs, H100, 2026-12-05): this tells whether the stream is why.
+    #[arg(long, hide = true, default_value = "own", value_parser = ["own", "legacy"])]
+    pub(crate) caller_stream: String,
     /// (with --workers) The parent's IO threads (`ParentOptions::io_threads`), one table
     /// each, in the same run (each from a process of its own): `--io-threads 1,2,4`.
     /// Default: 1. With `--json-out PATH` and several counts, each writes `PATH.io<n>`.
