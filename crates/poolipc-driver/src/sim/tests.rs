@@ -356,6 +356,26 @@ fn a_free_not_run_yet_orders_every_allocation_of_its_range_not_only_the_first() 
 }
 
 #[test]
+fn a_stream_slot_destroyed_with_work_queued_goes_to_no_other_engine_until_it_ran() {
+    let p = sim();
+    p.machine.with(|st| {
+        let s = st.stream_create(p.agent, p.pid).unwrap();
+        // One step queued and not run yet, then the stream destroyed.
+        st.tick(s);
+        st.streams[s].live = 0;
+        let other = st.stream_create(p.agent + 1, p.pid).unwrap();
+        assert_ne!(other, s, "another engine took a slot with a step still queued");
+        st.streams[other].live = 0;
+        // The same engine may take it again (its steps run in order), and any engine once
+        // the step ran.
+        assert_eq!(st.stream_create(p.agent, p.pid), Some(s));
+        st.streams[s].live = 0;
+        st.streams[s].executed = st.streams[s].clock[s];
+        assert_eq!(st.stream_create(p.agent + 1, p.pid), Some(s));
+    });
+}
+
+#[test]
 fn with_a_blob_per_allocation_a_stale_blob_does_not_import() {
     let p = sim_with(SimConfig {
         blob_per_allocation: true,

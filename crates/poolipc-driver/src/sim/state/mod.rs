@@ -392,8 +392,18 @@ impl State {
 
     // --- streams and events --------------------------------------------------------------
 
+    /// A free stream slot for `agent`'s new stream. A slot destroyed with work still queued
+    /// goes only to the same agent (its engine runs a slot's steps in order, the old ones
+    /// first) until that work ran or its process is gone: another engine's steps would
+    /// raise the slot's `executed` past the old steps that have not run (a free not run yet
+    /// taken for done).
     pub(super) fn stream_create(&mut self, agent: u64, pid: u32) -> Option<usize> {
-        let slot = self.streams.iter().position(|s| s.live == 0)?;
+        let slot = self.streams.iter().enumerate().position(|(i, s)| {
+            s.live == 0
+                && (s.agent == agent
+                    || s.executed >= s.clock[i]
+                    || !super::machine::Machine::alive(s.pid))
+        })?;
         let s = &mut self.streams[slot];
         let own = s.clock[slot];
         s.clock = [0; MAX_STREAMS];
