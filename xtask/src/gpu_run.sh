@@ -304,31 +304,43 @@ if want pyscaling; then
 mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
 if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/scaling-pip.log" 2>&1
-  # The torch suite first: the Python worker's calls on the caller's thread (pushing the
-  # worker's device) under torch, a worker serving each job on a fresh thread among them.
+  # What issue 24's targets read first (a call cut off by its time limit loses the least):
+  # under MPS then plainly, pysplit and torch workers at once with one IO thread; then four
+  # IO threads and the results path; the torch suite (also the python part's) last. Each
+  # step's logs stashed at once (the machine gives back eight files).
+  py() { ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" "$@" ); }
+  modes=plain; [ -n "$mps" ] && modes="mps plain"
+  runner() { [ "$1" = mps ] && echo "$here/poolipc mps --accept-shared-gpu-faults --"; }
+  for m in $modes; do
+    echo "--- bench/pysplit.py ($m)" >> "$summary"
+    py timeout 130 $(runner $m) python3 bench/pysplit.py --probe "$out/pysplit-$m" > "$out/scaling-pysplit-$m.log" 2>&1
+    echo "pysplit ($m) exit: $?" >> "$summary"
+    grep -v ' INFO ' "$out/scaling-pysplit-$m.log" | tail -45 >> "$summary"
+    rm -rf "$out/pysplit-$m"
+    echo "--- bench/pybench.py --workers 8 ($m, POOLIPC_IO_THREADS=1)" >> "$summary"
+    POOLIPC_IO_THREADS=1 py timeout 110 $(runner $m) python3 bench/pybench.py --workers 8 > "$out/scaling-pybench-$m-1.log" 2>&1
+    echo "pybench --workers ($m, 1 IO thread) exit: $?" >> "$summary"
+    grep -v ' INFO ' "$out/scaling-pybench-$m-1.log" | tail -12 >> "$summary"
+    stash
+  done
+  for m in $modes; do
+    echo "--- bench/pybench.py --workers 8 ($m, POOLIPC_IO_THREADS=4)" >> "$summary"
+    POOLIPC_IO_THREADS=4 py timeout 110 $(runner $m) python3 bench/pybench.py --workers 8 > "$out/scaling-pybench-$m-4.log" 2>&1
+    echo "pybench --workers ($m, 4 IO threads) exit: $?" >> "$summary"
+    grep -v ' INFO ' "$out/scaling-pybench-$m-4.log" | tail -12 >> "$summary"
+    echo "--- bench/pybench.py --results ($m)" >> "$summary"
+    py timeout 60 $(runner $m) python3 bench/pybench.py --results > "$out/scaling-results-$m.log" 2>&1
+    echo "pybench --results ($m) exit: $?" >> "$summary"
+    grep -v ' INFO ' "$out/scaling-results-$m.log" | tail -8 >> "$summary"
+    stash
+  done
+  # The torch suite: the Python worker's calls on the caller's thread (pushing the worker's
+  # device) under torch, a worker serving each job on a fresh thread among them.
   echo "--- python: tests/gpu_torch_test.py (the binding under torch, cudaMallocAsync)" >> "$summary"
   ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site timeout 240 python3 -m pytest -v -rs tests/gpu_torch_test.py ) > "$out/scaling-torch.log" 2>&1
   r=$?; echo "python torch suite exit: $r" >> "$summary"
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/scaling-torch.log" | sed 's/^tests\/gpu_torch_test.py:://' | tail -45 >> "$summary"
   [ "$r" -eq 0 ] || echo "0 1" >> "$out/counts"
-  for m in plain mps; do
-    run=""; [ "$m" = mps ] && { [ -n "$mps" ] || continue; run="$here/poolipc mps --accept-shared-gpu-faults --"; }
-    echo "--- bench/pysplit.py ($m)" >> "$summary"
-    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" timeout 130 $run python3 bench/pysplit.py --probe "$out/pysplit-$m" ) > "$out/scaling-pysplit-$m.log" 2>&1
-    echo "pysplit ($m) exit: $?" >> "$summary"
-    grep -v ' INFO ' "$out/scaling-pysplit-$m.log" | tail -45 >> "$summary"
-    rm -rf "$out/pysplit-$m"
-    echo "--- bench/pybench.py --results ($m)" >> "$summary"
-    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 60 $run python3 bench/pybench.py --results ) > "$out/scaling-results-$m.log" 2>&1
-    echo "pybench --results ($m) exit: $?" >> "$summary"
-    grep -v ' INFO ' "$out/scaling-results-$m.log" | tail -8 >> "$summary"
-    for n in 1 4; do
-      echo "--- bench/pybench.py --workers 8 ($m, POOLIPC_IO_THREADS=$n)" >> "$summary"
-      ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_IO_THREADS=$n timeout 110 $run python3 bench/pybench.py --workers 8 ) > "$out/scaling-pybench-$m-$n.log" 2>&1
-      echo "pybench --workers ($m, $n IO threads) exit: $?" >> "$summary"
-      grep -v ' INFO ' "$out/scaling-pybench-$m-$n.log" | tail -12 >> "$summary"
-    done
-  done
 else
   echo "pyscaling: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi
