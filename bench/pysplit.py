@@ -1,7 +1,10 @@
-"""What Python adds to a round trip, and where: the same 4 KiB handoff, lent again, through
-three pairs in one run, on the GPU when there is one, else on the simulated driver:
+"""What Python adds to a round trip, and where: the same handoff (4 KiB and 64 MiB, lent
+again) through these pairs in one run, on the GPU when there is one, else on the simulated
+driver:
 
-  rust -> rust      `poolipc bench --workers 1` (the facade's parent and echo worker)
+  rust -> rust      `poolipc bench --workers 1` (the facade's parent and echo worker), its
+                    callers on the legacy stream as this process's parent lends (like for
+                    like), and on a stream of their own (the bench's default)
   python -> rust    this process's `poolipc.Parent` and the Rust echo worker
   python -> python  this process's `poolipc.Parent` and a Python `poolipc.Worker`
 
@@ -57,12 +60,15 @@ def binary() -> str:
     return str(max(built, key=lambda p: p.stat().st_mtime))
 
 
-def rust_pair(bin_: str, jobs: int) -> float | None:
-    """rust -> rust: microseconds per job of `poolipc bench --workers 1 --worker-mode noop`
-    at 4 KiB (one worker, so a job's time is its round trip)."""
+SIZES = (4096, 64 << 20)
+
+
+def rust_pair(bin_: str, jobs: int, stream: str) -> dict[int, float] | None:
+    """rust -> rust: microseconds per job of `poolipc bench --workers 1 --worker-mode noop
+    --caller-stream STREAM` by size (one worker, so a job's time is its round trip)."""
     out_json = pathlib.Path(f"/tmp/pysplit-{os.getpid()}.json")
     args = [bin_, "bench", "--workers", "1", "--worker-mode", "noop", "--iterations", str(jobs),
-            "--json-out", str(out_json)]
+            "--caller-stream", stream, "--json-out", str(out_json)]
     if os.environ.get("POOLIPC_DRIVER") == "sim":
         args.append("--sim")
     env = {k: v for k, v in os.environ.items() if k != "POOLIPC_PROBE"}
@@ -72,11 +78,11 @@ def rust_pair(bin_: str, jobs: int) -> float | None:
         return None
     data = json.loads(out_json.read_text())
     out_json.unlink()
-    for row in data["rows"]:
-        if row["bytes"] == 4096 and row["workers"] == 1:
-            return 1e6 / row["jobs_per_s"]
-    print(f"pysplit: no 4 KiB row with one worker in {data}", file=sys.stderr)
-    return None
+    got = {row["bytes"]: 1e6 / row["jobs_per_s"] for row in data["rows"] if row["workers"] == 1}
+    if any(size not in got for size in SIZES):
+        print(f"pysplit: no row with one worker for each of {SIZES} in {data}", file=sys.stderr)
+        return None
+    return got
 
 
 def python_pair(parent, worker: int, buf, jobs: int, mark: bool) -> float:
@@ -109,28 +115,39 @@ def main() -> int:
         a.probe.mkdir(parents=True)
         os.environ["POOLIPC_PROBE"] = str(a.probe)
     bin_ = binary()
-    rust = rust_pair(bin_, a.jobs)
+    rust = rust_pair(bin_, a.jobs, "legacy")
+    rust_own = rust_pair(bin_, a.jobs, "own")
 
     import poolipc
 
     parent = poolipc.Parent(0)
-    buf = parent.alloc(4096, dtype="uint8", shape=[4096])
-    rows = {"driver": parent.driver, "rust -> rust": rust}
+    rows: dict = {"driver": parent.driver, "sizes": {}}
     w_rust = parent.spawn([bin_, "__demo-worker"], {"POOLIPC_WORKER_MODE": "noop"})
     w_py = parent.spawn([sys.executable, "-c", PY_WORKER])
-    rows["python -> rust"] = python_pair(parent, w_rust, buf, a.jobs, False)
-    rows["python -> python"] = python_pair(parent, w_py, buf, a.jobs, a.probe is not None)
+    for size in SIZES:
+        buf = parent.alloc(size, dtype="uint8", shape=[size])
+        # The probe's split is of the 4 KiB python -> python round trips (the first marked).
+        mark = a.probe is not None and size == SIZES[0]
+        rows["sizes"][size] = {
+            "rust -> rust": None if rust is None else rust[size],
+            "rust -> rust, own stream": None if rust_own is None else rust_own[size],
+            "python -> rust": python_pair(parent, w_rust, buf, a.jobs, False),
+            "python -> python": python_pair(parent, w_py, buf, a.jobs, mark),
+        }
+        del buf
     parent.stop(w_rust)
     parent.stop(w_py)
     if a.json:
         print(json.dumps(rows))
     else:
-        print(f"4 KiB lent again, {a.jobs} round trips each, {rows['driver']}:")
-        print(f"  {'pair':18} {'median us':>10} {'- rust':>8}")
-        for k in ("rust -> rust", "python -> rust", "python -> python"):
-            v = rows[k]
-            extra = "" if v is None or rust is None else f"{v - rust:+8.1f}"
-            print(f"  {k:18} {'' if v is None else f'{v:10.1f}'} {extra}")
+        print(f"lent again, {a.jobs} round trips each, {rows['driver']} (rust -> rust: its callers on the legacy stream, as here):")
+        print(f"  {'pair':26} {'size':>7} {'median us':>10} {'- rust':>8}")
+        for size, got in rows["sizes"].items():
+            base = got["rust -> rust"]
+            for k, v in got.items():
+                extra = "" if v is None or base is None or k.startswith("rust") else f"{v - base:+8.1f}"
+                label = "4 KiB" if size == 4096 else f"{size >> 20} MiB"
+                print(f"  {k:26} {label:>7} {'' if v is None else f'{v:10.1f}'} {extra}")
     if a.probe is not None:
         poolipc._native.probe_dump()
         # The worker dumps when its loop ends (stop's Bye): give the file a moment.
