@@ -283,6 +283,11 @@ pub(crate) struct NativeParent {
 
 impl NativeParent {
     #[allow(clippy::too_many_arguments)] // submit's Python arguments, passed on
+    /// `submit`'s work. With `wait_first`, the job's first wait (one slice) happens in the
+    /// same release of the GIL as the submit, so that a job that ends within it (most do)
+    /// costs one GIL hand-back instead of two: with several Python threads each taking the
+    /// GIL back is a wait of its own. The handle then holds the answer already.
+    #[allow(clippy::too_many_arguments)] // submit's arguments, and wait_first
     fn submit_inner(
         &self,
         py: Python<'_>,
@@ -292,6 +297,7 @@ impl NativeParent {
         alloc: Option<Py<PyAny>>,
         keep: Option<Py<PyAny>>,
         read_only: Option<Vec<bool>>,
+        wait_first: bool,
     ) -> PyResult<NativeJobHandle> {
         poolipc::probe::mark("py.submit");
         let inputs = read_inputs(&inputs, read_only)?;
@@ -301,28 +307,45 @@ impl NativeParent {
         let g = Arc::clone(&self.g);
         let _on = self.g.on_device().map_err(driver_err)?;
         let stream = checked_stream(&*g.driver, stream)?;
-        let handle = py
+        let (id, handle, answer) = py
             .detach(move || {
                 // The device was pushed on this thread above.
                 let w = WorkerId(worker);
-                match alloc {
+                let handle = match alloc {
                     Some(a) => g.parent.submit_with(w, &inputs, stream, a),
                     None => g.parent.submit(w, &inputs, stream),
+                }?;
+                let id = handle.id().0;
+                if !wait_first {
+                    return Ok((id, Some(handle), None));
                 }
+                poolipc::probe::mark("py.submitted");
+                Ok(match handle.wait_timeout(outcome::WAIT_SLICE) {
+                    Ok(answer) => (id, None, Some(answer)),
+                    Err(handle) => (id, Some(handle), None),
+                })
             })
             .map_err(|e| to_py_for(py, e, Some(worker)))?;
-        poolipc::probe::mark("py.submitted");
-        Ok(NativeJobHandle {
-            id: handle.id().0,
+        if !wait_first {
+            poolipc::probe::mark("py.submitted");
+        }
+        let native = NativeJobHandle {
+            id,
             worker,
             g: Arc::clone(&self.g),
-            pending: Mutex::new(Some(handle)),
+            pending: Mutex::new(handle),
             outcome: Mutex::new(None),
             log,
             caller_alloc,
             stream: stream.as_raw(),
             keep: Mutex::new(keep),
-        })
+        };
+        if let Some(answer) = answer {
+            // Stored for the caller's wait, which returns it at once (an error raised there,
+            // as a later wait would).
+            let _ = native.finish(py, answer);
+        }
+        Ok(native)
     }
 }
 
@@ -579,7 +602,12 @@ impl NativeParent {
     /// by a copy (arena copy, host staging) is copied back after the job, so a write of the
     /// worker's reaches it; a read-only one is not, and the worker's view of it is read-only.
     /// A count that differs from the inputs' is a `ValueError`.
-    #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, keep = None, read_only = None))]
+    ///
+    /// `wait_first`: wait for the job once (50 ms at most) before returning, in the same
+    /// release of the GIL as the submit (`Parent.run`'s path: one GIL hand-back per job
+    /// instead of two); the handle then holds the answer if it came, and its `wait` returns
+    /// it (or raises its error) at once.
+    #[pyo3(signature = (worker, inputs, stream = 0, alloc = None, keep = None, read_only = None, wait_first = false))]
     #[allow(clippy::too_many_arguments)] // one per Python keyword argument, as Python spells them
     fn submit(
         &self,
@@ -590,8 +618,11 @@ impl NativeParent {
         alloc: Option<Py<PyAny>>,
         keep: Option<Py<PyAny>>,
         read_only: Option<Vec<bool>>,
+        wait_first: bool,
     ) -> PyResult<NativeJobHandle> {
-        self.submit_inner(py, worker, inputs, stream, alloc, keep, read_only)
+        self.submit_inner(
+            py, worker, inputs, stream, alloc, keep, read_only, wait_first,
+        )
     }
 
     /// `submit` then `wait`: returns `(results, input_rungs)` once the worker acknowledged,
@@ -613,7 +644,7 @@ impl NativeParent {
         alloc: Option<Py<PyAny>>,
         read_only: Option<Vec<bool>>,
     ) -> PyResult<Py<PyAny>> {
-        self.submit_inner(py, worker, inputs, stream, alloc, None, read_only)?
+        self.submit_inner(py, worker, inputs, stream, alloc, None, read_only, true)?
             .wait_inner(py, None)
     }
 

@@ -654,6 +654,40 @@ def test_submit_gives_a_handle_whose_wait_releases_the_gil(parent, report, tmp_p
     assert parent.stop(w) == 0
 
 
+def test_run_waits_for_its_job_in_the_same_release_of_the_gil_that_submits_it(
+        parent, report, tmp_path):
+    # `run`'s submit waits once (50 ms at most) before it takes the GIL back: a job that
+    # ends by then comes back with the handle, answered (one GIL hand-back, not two).
+    w = spawn(parent)
+    f = f32_buffer(parent, [3.5] * 8)
+    ref = poolipc.TensorRef(f.ptr, "float32", [8])
+    answered = []
+    for _ in range(5):  # one at least within 50 ms, on a busy machine too
+        native, _, _ = parent._submit(w, [ref], None, None, None, False, True)
+        answered.append(native.done)
+        out, rungs = native.wait(None)
+        assert list(rungs) == ["pool pointer"]
+        assert parent.read(out[0][0] + 4, 4) == struct.pack("<f", 3.5)
+    assert any(answered), answered
+    # A job longer than that first wait is waited for as before.
+    gate, env = gate_env(report, tmp_path)
+    g = spawn(parent, "gate", env)
+    native, _, _ = parent._submit(g, [ref], None, None, None, False, True)
+    assert not native.done
+    gate.touch()
+    out, rungs = native.wait(30)
+    assert list(rungs) == ["pool pointer"]
+    # A worker's error comes from the wait, not from the submit.
+    bad = spawn(parent, "fail")
+    native, _, _ = parent._submit(bad, [ref], None, None, None, False, True)
+    with pytest.raises(poolipc.WorkerError):
+        native.wait(None)
+    with pytest.raises(poolipc.WorkerError):
+        parent.run(bad, [ref])
+    for x in (w, g, bad):
+        parent.stop(x)
+
+
 def test_a_worker_killed_mid_job_raises_job_failed_error_and_the_next_spawn_works(
         parent, report, tmp_path):
     gate, env = gate_env(report, tmp_path)

@@ -364,7 +364,10 @@ fn a_stream_slot_destroyed_with_work_queued_goes_to_no_other_engine_until_it_ran
         st.tick(s);
         st.streams[s].live = 0;
         let other = st.stream_create(p.agent + 1, p.pid).unwrap();
-        assert_ne!(other, s, "another engine took a slot with a step still queued");
+        assert_ne!(
+            other, s,
+            "another engine took a slot with a step still queued"
+        );
         st.streams[other].live = 0;
         // The same engine may take it again (its steps run in order), and any engine once
         // the step ran.

@@ -281,12 +281,14 @@ class NativeParent:
         alloc: NativeAllocator | None = None,
         keep: object | None = None,
         read_only: Sequence[bool] | None = None,
+        wait_first: bool = False,
     ) -> NativeJobHandle:
         """Lends ``inputs`` (CUDA torch tensors, ``TensorRef``\\ s, objects with ``ptr`` or
         ``data_ptr()``, ``dtype``, ``shape``, ``strides``) to ``worker`` and returns a handle
         at once. Without ``alloc``, results go to the process parent's result memory (pool or
         arena). ``read_only``: one flag per input (None: all writable; writable copies come
-        back after the job)."""
+        back after the job). ``wait_first``: waits for the job once (50 ms at most) in the
+        same release of the GIL as the submit; the handle then holds the answer if it came."""
     def run(
         self,
         worker: int,

@@ -407,9 +407,11 @@ class Parent:
         alloc: Allocator | None,
         results: str | None,
         read_only: bool | Iterable[bool],
+        wait_first: bool = False,
     ) -> tuple[_native.NativeJobHandle, list[Any], bool]:
         """``submit``'s work: the native handle, the inputs (kept alive until the job ended)
-        and whether its results are torch tensors over arena results."""
+        and whether its results are torch tensors over arena results. ``wait_first``: the
+        native submit waits for the job once in the same release of the GIL (``run``)."""
         if results is not None and results not in _RESULTS:
             raise ValueError(f'poolipc: results={results!r} is not a result memory; use "pool" or "arena"')
         if results == "arena" and alloc is not None:
@@ -486,7 +488,7 @@ class Parent:
                 ptr = t.data_ptr() if callable(getattr(t, "data_ptr", None)) else int(t.ptr)
                 return (int(ptr), t)
 
-        native_handle = self._native.submit(worker, inputs, raw_stream, native_alloc, inputs, flags)
+        native_handle = self._native.submit(worker, inputs, raw_stream, native_alloc, inputs, flags, wait_first)
         return native_handle, inputs, to_arena and torch_mode
 
     def run(
@@ -553,7 +555,7 @@ class Parent:
         arena's cap; the parent and the worker go on), ``ValueError`` (a bad ``results``).
         """
         # submit(...).wait() without the JobHandle between them (a round trip's microseconds).
-        native, inputs, torch_results = self._submit(worker, inputs, stream, alloc, results, read_only)
+        native, inputs, torch_results = self._submit(worker, inputs, stream, alloc, results, read_only, True)
         out, rungs = native.wait(None)
         self.last_input_rungs = list(rungs)
         self.last_result_rungs = [r[4] for r in out]

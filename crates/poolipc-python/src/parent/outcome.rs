@@ -19,7 +19,7 @@ use crate::state;
 
 /// How long one wait of [`NativeJobHandle::wait`] lasts before it looks at signals
 /// (KeyboardInterrupt) and the caller's timeout. A finished job ends the wait at once.
-const WAIT_SLICE: Duration = Duration::from_millis(50);
+pub(super) const WAIT_SLICE: Duration = Duration::from_millis(50);
 
 /// A copy of a stored job error to raise: the stored one is never raised itself. Raising
 /// attaches a traceback to the exception, whose frames hold the caller's locals (the handle,
@@ -85,19 +85,7 @@ impl NativeJobHandle {
                 }
             });
             if let Some(raw) = raw {
-                let out = self.convert(py, raw);
-                let (stored, out) = match out {
-                    Ok(v) => (Ok(v.clone_ref(py)), Ok(v)),
-                    Err(e) => {
-                        let raised = fresh_error(py, &e);
-                        (Err(e), Err(raised))
-                    }
-                };
-                *lock(&self.outcome) = Some(stored);
-                // The job ended: the inputs are the caller's again.
-                lock(&self.keep).take();
-                poolipc::probe::mark("py.waited");
-                return out;
+                return self.finish(py, raw);
             }
             py.check_signals()?;
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -107,6 +95,27 @@ impl NativeJobHandle {
                 )));
             }
         }
+    }
+
+    /// The facade's answer turned into Python objects and stored for every later wait; the
+    /// job ended, so the inputs kept for it are the caller's again.
+    pub(super) fn finish(
+        &self,
+        py: Python<'_>,
+        raw: Result<JobOutput, poolipc::Error>,
+    ) -> PyResult<Py<PyAny>> {
+        let out = self.convert(py, raw);
+        let (stored, out) = match out {
+            Ok(v) => (Ok(v.clone_ref(py)), Ok(v)),
+            Err(e) => {
+                let raised = fresh_error(py, &e);
+                (Err(e), Err(raised))
+            }
+        };
+        *lock(&self.outcome) = Some(stored);
+        lock(&self.keep).take();
+        poolipc::probe::mark("py.waited");
+        out
     }
 
     /// The facade's answer as `(results, input_rungs)`: each result `(ptr, nbytes, dtype,
