@@ -247,6 +247,26 @@ rm -f "$out/scaling-spin.log"
 # Where each IO thread's time goes with 1, 2 and 4 workers under MPS (one IO thread, then
 # four): the probe's marks per thread (`probe_report.py --threads`), the whole report in the
 # logs, the IO threads' part in the summary.
+# The bare driver's rate with several handoffs at once under MPS: `floor.c` (a parent and a
+# child each, no poolipc) 1, 4 and 8 copies at once, each copy's 4 KiB median and their sum
+# as handoffs per second. Where poolipc's best plateaus (~140k jobs/s on the H100), this says
+# whether MPS or the GPU stops there too.
+if [ -n "$mps" ] && { [ -x /tmp/poolipc-floor ] || nvcc -O2 -o /tmp/poolipc-floor "$repo/bench/floor.c" -lcuda > "$out/scaling-floor-build.txt" 2>&1; }; then
+  echo "--- floor.c under MPS, 1, 4 and 8 copies at once: 4 KiB round trip per copy, handoffs/s together" >> "$summary"
+  for k in 1 4 8; do
+    rm -f "$out"/scaling-floor-"$k"-*.txt
+    timeout 90 "$here/poolipc" mps --accept-shared-gpu-faults -- bash -c "for i in \$(seq $k); do /tmp/poolipc-floor > '$out'/scaling-floor-$k-\$i.txt 2>&1 & done; wait" > /dev/null 2>&1
+    cat "$out"/scaling-floor-"$k"-*.txt | python3 -c '
+import json, sys
+k = int(sys.argv[1])
+us = [json.loads(l)["us_median"] for l in sys.stdin if "handoff_round_trip" in l and "\"bytes\": 4096," in l]
+if len(us) == k:
+    print(f"  {k} at once: 4 KiB median per copy {min(us):.1f}-{max(us):.1f} us, together {sum(1e6 / u for u in us):.0f} handoffs/s")
+else:
+    print(f"  {k} at once: {len(us)} of {k} copies reported")
+' "$k" >> "$summary"
+  done
+fi
 if [ -n "$mps" ]; then
   rm -rf "$out/scaling-probe"
   echo "--- POOLIPC_PROBE poolipc bench --workers 4 --io-threads 1,4 --iterations 1000 under MPS: where the IO threads' time goes" >> "$summary"
