@@ -16,6 +16,13 @@ the time into the binding's, the facade's (`c.*`, `io.*`, `w.*`) and the worker'
 (`py.job` -> `py.end`, here empty).
 
     POOLIPC_DRIVER=sim python3 bench/pysplit.py [--jobs 2000] [--probe /tmp/split] [--json]
+    python3 bench/pysplit.py --workers 8 [--jobs 2000]
+
+With ``--workers N``: jobs per second with 1, 2, 4 .. N Python threads at once, each with its
+own torch-free Python worker and 4 KiB buffer (the legacy stream, as above), beside
+``poolipc bench --workers N`` with its callers on the legacy stream, in the same run: how the
+binding scales (the GIL) without torch's own cost in the way (``bench/pybench.py --workers``
+has it).
 
 On the GPU, run it under MPS too (`poolipc mps -- python3 bench/pysplit.py`): issue 24's
 target is python -> python within 15 us of rust -> rust, plainly and under MPS.
@@ -103,12 +110,108 @@ def python_pair(parent, worker: int, buf, jobs: int, mark: bool) -> float:
     return statistics.median(times)
 
 
+def counts(n: int) -> list[int]:
+    out, k = [], 1
+    while k < n:
+        out.append(k)
+        k *= 2
+    return out + [n]
+
+
+def rust_rates(bin_: str, workers: int, jobs: int) -> dict[int, float]:
+    """`poolipc bench --workers N --worker-mode noop --caller-stream legacy`: 4 KiB jobs/s by
+    worker count (empty if it failed)."""
+    out_json = pathlib.Path(f"/tmp/pysplit-{os.getpid()}-w.json")
+    args = [bin_, "bench", "--workers", str(workers), "--worker-mode", "noop", "--iterations",
+            str(jobs), "--caller-stream", "legacy", "--json-out", str(out_json)]
+    if os.environ.get("POOLIPC_DRIVER") == "sim":
+        args.append("--sim")
+    env = {k: v for k, v in os.environ.items() if k != "POOLIPC_PROBE"}
+    out = subprocess.run(args, capture_output=True, text=True, env={**env, "RUST_LOG": "warn"})
+    if out.returncode != 0:
+        print(f"pysplit: {' '.join(args)} failed:\n{out.stdout[-1000:]}{out.stderr[-2000:]}", file=sys.stderr)
+        return {}
+    data = json.loads(out_json.read_text())
+    out_json.unlink()
+    return {row["workers"]: row["jobs_per_s"] for row in data["rows"] if row["bytes"] == 4096}
+
+
+def python_rates(parent, workers: list[int], jobs: int) -> dict[int, float]:
+    """4 KiB jobs/s with 1, 2, 4 .. len(workers) threads at once, each on its own worker."""
+    import threading
+
+    rates = {}
+    for n in counts(len(workers)):
+        start, end = threading.Barrier(n + 1), threading.Barrier(n + 1)
+        errors: list[BaseException] = []
+
+        def serve(w: int) -> None:
+            try:
+                buf = parent.alloc(4096, dtype="uint8", shape=[4096])
+                for _ in range(max(jobs // 10, 1)):
+                    parent.run(w, [buf])
+                start.wait()
+                for _ in range(jobs):
+                    parent.run(w, [buf])
+                end.wait()
+            except BaseException as e:  # noqa: BLE001  (reported after the barriers)
+                errors.append(e)
+                start.abort()
+                end.abort()
+
+        threads = [threading.Thread(target=serve, args=(w,)) for w in workers[:n]]
+        for t in threads:
+            t.start()
+        try:
+            start.wait()
+            t0 = time.perf_counter()
+            end.wait()
+            rates[n] = n * jobs / (time.perf_counter() - t0)
+        except threading.BrokenBarrierError:
+            pass
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+    return rates
+
+
+def scaling(workers: int, jobs: int, as_json: bool) -> int:
+    import poolipc
+
+    bin_ = binary()
+    rust = rust_rates(bin_, workers, jobs)
+    parent = poolipc.Parent(0)
+    ws = [parent.spawn([sys.executable, "-c", PY_WORKER]) for _ in range(workers)]
+    try:
+        py = python_rates(parent, ws, jobs)
+    finally:
+        for w in ws:
+            parent.stop(w)
+    if as_json:
+        print(json.dumps({"driver": parent.driver, "python": py, "rust": rust}))
+        return 0
+    print(f"4 KiB lent again, N threads at once each with its own worker, {jobs} jobs each, {parent.driver}:")
+    print(f"  {'workers':>8} {'python jobs/s':>14} {'x one':>7} {'rust jobs/s':>12} {'x one':>7}")
+    for n in counts(workers):
+        p, r = py.get(n), rust.get(n)
+        px = f"{p / py[1]:6.2f}x" if p and py.get(1) else ""
+        rx = f"{r / rust[1]:6.2f}x" if r and rust.get(1) else ""
+        print(f"  {n:>8} {'' if p is None else f'{p:14.0f}'} {px:>7} {'' if r is None else f'{r:12.0f}'} {rx:>7}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=2000, help="round trips per pair (default 2000)")
     ap.add_argument("--probe", type=pathlib.Path, help="also run python -> python with POOLIPC_PROBE=DIR and print the split")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--workers", type=int, help="jobs/s with 1, 2, 4 .. N Python threads at once (no split)")
     a = ap.parse_args()
+    if a.workers is not None:
+        if not 1 <= a.workers <= 64:
+            ap.error(f"--workers {a.workers}: give 1 to 64")
+        return scaling(a.workers, a.jobs, a.json)
     if a.probe is not None:
         # Set before poolipc is imported: the binding reads it once.
         shutil.rmtree(a.probe, ignore_errors=True)

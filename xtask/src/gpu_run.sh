@@ -337,6 +337,10 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
     echo "pysplit ($m) exit: $?" >> "$summary"
     grep -v ' INFO ' "$out/scaling-pysplit-$m.log" | tail -45 >> "$summary"
     rm -rf "$out/pysplit-$m"
+    echo "--- bench/pysplit.py --workers 8 ($m): the binding's scaling without torch, beside Rust's" >> "$summary"
+    py timeout 120 $(runner $m) python3 bench/pysplit.py --workers 8 --jobs 1000 > "$out/scaling-pysplit-workers-$m.log" 2>&1
+    echo "pysplit --workers ($m) exit: $?" >> "$summary"
+    grep -v ' INFO ' "$out/scaling-pysplit-workers-$m.log" | tail -8 >> "$summary"
     echo "--- bench/pybench.py --workers 8 ($m, POOLIPC_IO_THREADS=1)" >> "$summary"
     POOLIPC_IO_THREADS=1 py timeout 110 $(runner $m) python3 bench/pybench.py --workers 8 > "$out/scaling-pybench-$m-1.log" 2>&1
     echo "pybench --workers ($m, 1 IO thread) exit: $?" >> "$summary"
