@@ -17,3 +17,34 @@ def test_the_handoff_example_runs_on_the_simulated_driver():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "got them doubled" in out.stdout
     assert "by pool pointer" in out.stdout
+
+
+def test_pysplit_runs_on_the_simulated_driver_and_prints_every_row():
+    """`bench/pysplit.py` (issue 24's Python split and scaling) runs as its docstring says, on
+    SimDriver, with a handful of jobs: every pair at both sizes, then the --workers table."""
+    import pytest
+
+    from conftest import poolipc_binary
+
+    binary = poolipc_binary()
+    if binary is None:
+        pytest.skip("no poolipc binary built (cargo build -p poolipc-cli)")
+    script = EXAMPLES.parent.parent.parent / "bench" / "pysplit.py"
+    env = dict(os.environ, POOLIPC_DRIVER="sim", POOLIPC_BIN=binary)
+    env.pop("POOLIPC_PROBE", None)
+    out = subprocess.run([sys.executable, str(script), "--jobs", "20"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for pair in ("rust -> rust", "rust -> rust, own stream", "python -> rust", "python -> python"):
+        for size in ("4 KiB", "64 MiB"):
+            assert any(line.split()[:len(pair.split())] == pair.split() and size in line
+                       and line.split()[-1].replace(".", "").lstrip("+-").isdigit()
+                       for line in out.stdout.splitlines()), (pair, size, out.stdout)
+    out = subprocess.run([sys.executable, str(script), "--workers", "2", "--jobs", "10"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert [r[0] for r in rows] == ["1", "2"] and all(len(r) == 5 for r in rows), out.stdout
+    bad = subprocess.run([sys.executable, str(script), "--workers", "0"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--workers 0: give 1 to 64" in bad.stderr
