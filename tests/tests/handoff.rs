@@ -117,6 +117,41 @@ both_drivers!(
     }
 );
 
+both_drivers!(
+    fn a_worker_that_looks_at_ready_on_the_host_first_gets_every_byte_right(env) {
+        // `POOLIPC_WORKER_READY_QUERY=1`: where READY completed already the worker's stream
+        // does not wait on it (the turns experiment); on SimDriver every access is still
+        // checked against happens-before, so a wait skipped wrongly would be recorded.
+        let p = parent(env, ImportLimit::default())?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let mut cmd = worker_command(env, None)?;
+        cmd.env(poolipc::WORKER_READY_QUERY_ENV, "1");
+        let worker = p.spawn_worker(cmd)?;
+        let c = &cases()[0];
+        for round in 0..20u32 {
+            let pattern = c.pattern ^ round;
+            let base = filled(&p, c.alloc, pattern, stream)?;
+            let input = Input { ptr: base, desc: c.desc.clone(), read_only: false };
+            let out = p.run_job(worker, std::slice::from_ref(&input), stream)?;
+            d.stream_synchronize(stream)?;
+            let bytes = c.desc.extent_bytes()?;
+            let got = read(&*d, out.results[0].ptr, bytes as usize)?;
+            ensure!(got[..4] == echo::marker(0).to_le_bytes(), "round {round}: no marker");
+            let pat = pattern.to_le_bytes();
+            for (k, b) in got.iter().enumerate().skip(4) {
+                ensure!(*b == pat[k % 4], "round {round}: byte {k} is {b:#x}");
+            }
+            p.pool().free(out.results[0].ptr, stream)?;
+            p.pool().free(base, stream)?;
+        }
+        d.stream_synchronize(stream)?;
+        let status = p.stop_worker(worker)?;
+        ensure!(status.is_some_and(|s| s.success()), "worker exit: {status:?}");
+        Ok(())
+    }
+);
+
 /// A worker killed (SIGKILL) at `step`, twice: the parent survives, the job errs, the pool's
 /// used bytes return to the baseline, the next job on a fresh worker succeeds. `after-ack`
 /// dies once the job is acknowledged: that job succeeds and the worker's next one fails.

@@ -289,6 +289,16 @@ sed -n '/one tensor/,/^  re-lend:/p' "$out/turns.log" >> "$summary"
 echo "--- the same at 4K,1M,64M with --worker-mode noop: the worker takes each job and finishes it (no memset of its own)" >> "$summary"
 RUST_LOG=warn timeout 90 "$here/poolipc" bench --sizes 4K,1M,64M --worker-mode noop $small > "$out/turns-noop.log" 2>&1; echo "bench --sizes --worker-mode noop exit: $?" >> "$summary"
 sed -n '/one tensor/,/^  re-lend:/p' "$out/turns-noop.log" >> "$summary"
+# The worker's READY wait: on its stream (0, the default) or skipped where the host sees READY
+# complete already (1): whether that GPU-side wait is the step that pays the turn-taking.
+echo "--- poolipc bench --sizes 4K,1M,64M (plain), POOLIPC_WORKER_READY_QUERY 0 / 1 alternated" >> "$summary"
+for q in 0 1 0 1; do
+  POOLIPC_WORKER_READY_QUERY=$q RUST_LOG=warn timeout 90 "$here/poolipc" bench --sizes 4K,1M,64M $small > "$out/turns-ready.log" 2>&1
+  echo "worker ready query $q exit: $?" >> "$summary"
+  sed -n '/one tensor/,/^  re-lend:/p' "$out/turns-ready.log" >> "$summary"
+  cat "$out/turns-ready.log" >> "$out/turns-ready-all.log"
+done
+rm -f "$out/turns-ready.log"
 # The callers' stream: pysplit's Python parent (legacy stream) did not pay the turn-taking
 # at 4 KiB where the Rust loop (a stream of its own) did: one worker, noop, each twice.
 echo "--- poolipc bench --workers 1 --worker-mode noop --caller-stream own / legacy, alternated (plain): jobs/s" >> "$summary"

@@ -101,7 +101,8 @@ pub use tensor::{Layout, ResultShape, Rung};
 #[cfg(feature = "testing")]
 pub use worker::FAILPOINT_ENV;
 pub use worker::{
-    HeldJob, InputView, Job, NextJob, ResultView, WORKER_SPIN_ENV, Worker, WorkerDevice,
+    HeldJob, InputView, Job, NextJob, ResultView, WORKER_READY_QUERY_ENV, WORKER_SPIN_ENV, Worker,
+    WorkerDevice,
 };
 
 /// Results of this crate.

@@ -187,8 +187,15 @@ impl Worker {
                         h
                     }
                 };
-                tracing::trace!(job = job.0, "waiting on READY");
-                self.driver.stream_wait_event(stream, event)?;
+                // Where READY completed already, as seen on the host, the stream is ordered
+                // after it without a wait of its own (a completed query orders this
+                // thread's later work after the record, as a synchronize does).
+                if super::ready_query() && self.driver.event_query(event)? {
+                    tracing::trace!(job = job.0, "READY complete: no stream wait");
+                } else {
+                    tracing::trace!(job = job.0, "waiting on READY");
+                    self.driver.stream_wait_event(stream, event)?;
+                }
             }
             WorkerAction::ReceiveStaged { job, handoff, meta } => {
                 let bytes = meta.byte_len;

@@ -65,6 +65,21 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 /// sleeping after its last one ([`Worker::set_spin`]), in microseconds.
 pub const WORKER_SPIN_ENV: &str = "POOLIPC_WORKER_SPIN_US";
 
+/// The environment variable that makes a worker look at a job's READY event on the host
+/// first (`1`) and skip its stream's wait on it where the event has completed already (`0`,
+/// the default: the stream always waits). An experiment for the GPU's turn-taking between
+/// processes without MPS (which of a round trip's GPU steps pays it); the bundle's `turns`
+/// part measures both.
+pub const WORKER_READY_QUERY_ENV: &str = "POOLIPC_WORKER_READY_QUERY";
+
+/// Whether [`WORKER_READY_QUERY_ENV`] is set to something other than `0` (read once).
+fn ready_query() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        crate::parent::env_number::<u8>(WORKER_READY_QUERY_ENV).is_some_and(|v| v != 0)
+    })
+}
+
 /// A worker's spin unless [`WORKER_SPIN_ENV`] says otherwise: 400 µs where the machine has
 /// four or more CPUs, none otherwise (the parent's [`crate::ParentOptions::spin`] rule).
 fn default_worker_spin() -> Duration {
