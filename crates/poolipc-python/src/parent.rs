@@ -282,12 +282,11 @@ pub(crate) struct NativeParent {
 }
 
 impl NativeParent {
-    #[allow(clippy::too_many_arguments)] // submit's Python arguments, passed on
     /// `submit`'s work. With `wait_first`, the job's first wait (one slice) happens in the
     /// same release of the GIL as the submit, so that a job that ends within it (most do)
     /// costs one GIL hand-back instead of two: with several Python threads each taking the
     /// GIL back is a wait of its own. The handle then holds the answer already.
-    #[allow(clippy::too_many_arguments)] // submit's arguments, and wait_first
+    #[allow(clippy::too_many_arguments)] // submit's Python arguments, passed on
     fn submit_inner(
         &self,
         py: Python<'_>,
