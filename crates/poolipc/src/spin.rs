@@ -13,8 +13,9 @@ use std::sync::OnceLock;
 /// (`1`, the default) or only hint the CPU (`0`).
 pub const SPIN_YIELD_ENV: &str = "POOLIPC_SPIN_YIELD";
 
-/// Whether this process's spin-waits yield ([`SPIN_YIELD_ENV`], read once per process; a value other than
-/// a whole number is ignored with a warning, as the other spin settings are).
+/// Whether this process's spin-waits yield ([`SPIN_YIELD_ENV`], read once per process; a
+/// value other than a whole number is ignored with a warning, as the other spin settings
+/// are).
 pub fn yields() -> bool {
     static YIELDS: OnceLock<bool> = OnceLock::new();
     *YIELDS.get_or_init(|| crate::parent::env_number::<u8>(SPIN_YIELD_ENV).is_none_or(|v| v != 0))
