@@ -73,7 +73,9 @@ def gpu_processes():
 
 
 def parent(seconds):
-    out = {}
+    # Whatever computes on the GPU before this probe does (a process an earlier test left
+    # behind, say) is in every figure below, "alone" too: listed, and said by the verdict.
+    out = {"processes_before": gpu_processes()}
     cu.init_ctx(0)
     s = C.c_void_p()
     cu.call("cuStreamCreate", C.byref(s), 1)
@@ -102,6 +104,9 @@ def parent(seconds):
     out["slow_until_s"] = max(slow) if slow else 0.0
     out["verdict"] = ("the killed kernel slowed the GPU for the others until %.2f s after the kill" % out["slow_until_s"]
                       if slow else "the GPU was free for the others right after the kill")
+    if out["processes_before"]:
+        out["verdict"] += (" (not measured on an idle GPU: %d other compute process(es) before the probe)"
+                           % len(out["processes_before"]))
     print(json.dumps(out), flush=True)
 
 

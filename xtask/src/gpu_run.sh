@@ -396,6 +396,7 @@ except (IndexError, ValueError):
     print("\n".join("    " + line for line in lines[-6:]))
     sys.exit(0)
 print(f"  alone {d['alone_us']} us, beside the spinner {d['beside_spinner_us']} us, child reaped after {d['child_reaped_after_s']} s")
+print(f"  processes before the probe: {d.get('processes_before')}")
 print(f"  processes beside the spinner: {d['processes_beside_spinner']}")
 for x in d["after_kill"][::4]:
     print(f"  {x['t']:6.2f} s after the kill: {x['us']:9.1f} us, processes {x['processes']}")
