@@ -70,12 +70,12 @@ def binary() -> str:
 SIZES = (4096, 64 << 20)
 
 
-def rust_pair(bin_: str, jobs: int, stream: str) -> dict[int, float] | None:
-    """rust -> rust: microseconds per job of `poolipc bench --workers 1 --worker-mode noop
-    --caller-stream STREAM` by size (one worker, so a job's time is its round trip)."""
+def bench_rows(bin_: str, workers: int, jobs: int, stream: str) -> list[dict] | None:
+    """The rows of `poolipc bench --workers N --worker-mode noop --caller-stream STREAM`
+    (None if it failed, said on stderr)."""
     out_json = pathlib.Path(f"/tmp/pysplit-{os.getpid()}.json")
-    args = [bin_, "bench", "--workers", "1", "--worker-mode", "noop", "--iterations", str(jobs),
-            "--caller-stream", stream, "--json-out", str(out_json)]
+    args = [bin_, "bench", "--workers", str(workers), "--worker-mode", "noop", "--iterations",
+            str(jobs), "--caller-stream", stream, "--json-out", str(out_json)]
     if os.environ.get("POOLIPC_DRIVER") == "sim":
         args.append("--sim")
     env = {k: v for k, v in os.environ.items() if k != "POOLIPC_PROBE"}
@@ -85,9 +85,18 @@ def rust_pair(bin_: str, jobs: int, stream: str) -> dict[int, float] | None:
         return None
     data = json.loads(out_json.read_text())
     out_json.unlink()
-    got = {row["bytes"]: 1e6 / row["jobs_per_s"] for row in data["rows"] if row["workers"] == 1}
+    return data["rows"]
+
+
+def rust_pair(bin_: str, jobs: int, stream: str) -> dict[int, float] | None:
+    """rust -> rust: microseconds per job of `bench_rows` with one worker, by size (one
+    worker, so a job's time is its round trip)."""
+    rows = bench_rows(bin_, 1, jobs, stream)
+    if rows is None:
+        return None
+    got = {row["bytes"]: 1e6 / row["jobs_per_s"] for row in rows if row["workers"] == 1}
     if any(size not in got for size in SIZES):
-        print(f"pysplit: no row with one worker for each of {SIZES} in {data}", file=sys.stderr)
+        print(f"pysplit: no row with one worker for each of {SIZES} in {rows}", file=sys.stderr)
         return None
     return got
 
@@ -119,21 +128,10 @@ def counts(n: int) -> list[int]:
 
 
 def rust_rates(bin_: str, workers: int, jobs: int) -> dict[int, float]:
-    """`poolipc bench --workers N --worker-mode noop --caller-stream legacy`: 4 KiB jobs/s by
-    worker count (empty if it failed)."""
-    out_json = pathlib.Path(f"/tmp/pysplit-{os.getpid()}-w.json")
-    args = [bin_, "bench", "--workers", str(workers), "--worker-mode", "noop", "--iterations",
-            str(jobs), "--caller-stream", "legacy", "--json-out", str(out_json)]
-    if os.environ.get("POOLIPC_DRIVER") == "sim":
-        args.append("--sim")
-    env = {k: v for k, v in os.environ.items() if k != "POOLIPC_PROBE"}
-    out = subprocess.run(args, capture_output=True, text=True, env={**env, "RUST_LOG": "warn"})
-    if out.returncode != 0:
-        print(f"pysplit: {' '.join(args)} failed:\n{out.stdout[-1000:]}{out.stderr[-2000:]}", file=sys.stderr)
-        return {}
-    data = json.loads(out_json.read_text())
-    out_json.unlink()
-    return {row["workers"]: row["jobs_per_s"] for row in data["rows"] if row["bytes"] == 4096}
+    """`bench_rows` on the legacy stream: 4 KiB jobs/s by worker count (empty if it
+    failed)."""
+    rows = bench_rows(bin_, workers, jobs, "legacy") or []
+    return {row["workers"]: row["jobs_per_s"] for row in rows if row["bytes"] == 4096}
 
 
 def python_rates(parent, workers: list[int], jobs: int) -> dict[int, float]:

@@ -32,6 +32,19 @@ fn read(d: &dyn Driver, ptr: DevicePtr, bytes: usize) -> Result<Vec<u8>> {
     Ok(v)
 }
 
+/// A result the echo worker made from input `i`: its marker in the first four bytes, then
+/// the input's 32-bit `pattern` as the input had it from `offset` bytes into its allocation.
+fn ensure_echoed(got: &[u8], i: usize, pattern: u32, offset: usize, what: &str) -> Result<()> {
+    let marker = echo::marker(i).to_le_bytes();
+    let n = got.len().min(4);
+    ensure!(got[..n] == marker[..n], "{what}: no marker");
+    let pat = pattern.to_le_bytes();
+    for (k, b) in got.iter().enumerate().skip(4) {
+        ensure!(*b == pat[(k + offset) % 4], "{what}: byte {k} is {b:#x}");
+    }
+    Ok(())
+}
+
 struct Case {
     name: &'static str,
     alloc: u64,
@@ -97,12 +110,7 @@ both_drivers!(
                 let bytes = c.desc.extent_bytes()?;
                 ensure!(r.bytes == bytes && r.shape.shape == c.desc.shape, "{}: result {r:?}", c.name);
                 let got = read(&*d, r.ptr, bytes as usize)?;
-                let want_marker = echo::marker(i).to_le_bytes();
-                ensure!(got[..4] == want_marker[..got.len().min(4)], "{} round {round}: no marker", c.name);
-                let pat = c.pattern.to_le_bytes();
-                for (k, b) in got.iter().enumerate().skip(4) {
-                    ensure!(*b == pat[(k + c.offset as usize) % 4], "{} round {round}: byte {k} is {b:#x}", c.name);
-                }
+                ensure_echoed(&got, i, c.pattern, c.offset as usize, &format!("{} round {round}", c.name))?;
                 p.pool().free(r.ptr, stream)?;
             }
         }
@@ -137,11 +145,7 @@ both_drivers!(
             d.stream_synchronize(stream)?;
             let bytes = c.desc.extent_bytes()?;
             let got = read(&*d, out.results[0].ptr, bytes as usize)?;
-            ensure!(got[..4] == echo::marker(0).to_le_bytes(), "round {round}: no marker");
-            let pat = pattern.to_le_bytes();
-            for (k, b) in got.iter().enumerate().skip(4) {
-                ensure!(*b == pat[k % 4], "round {round}: byte {k} is {b:#x}");
-            }
+            ensure_echoed(&got, 0, pattern, 0, &format!("round {round}"))?;
             p.pool().free(out.results[0].ptr, stream)?;
             p.pool().free(base, stream)?;
         }
@@ -292,11 +296,7 @@ both_drivers!(
         d.stream_synchronize(stream)?;
         for (i, (r, pattern)) in out.results.iter().zip([0x1357_9BDFu32, 0x2468_ACE0]).enumerate() {
             let got = read(&*d, r.ptr, r.bytes as usize)?;
-            ensure!(got[..4] == echo::marker(i).to_le_bytes(), "result {i}: no marker");
-            let pat = pattern.to_le_bytes();
-            for (k, b) in got.iter().enumerate().skip(4) {
-                ensure!(*b == pat[k % 4], "result {i}: byte {k} is {b:#x}");
-            }
+            ensure_echoed(&got, i, pattern, 0, &format!("result {i}"))?;
             p.pool().free(r.ptr, stream)?;
         }
         p.pool().free(big, stream)?;

@@ -35,6 +35,11 @@ stash() {
   ( cd "$out" && logs=$(ls | grep -vxE "$keep") && [ -n "$logs" ] && tar rf logs.tar $logs && rm -rf $logs )
   return 0
 }
+# floor_built LOG: bench/floor.c built as /tmp/poolipc-floor (once a machine), the compiler's
+# output in $out/LOG.
+floor_built() {
+  [ -x /tmp/poolipc-floor ] || nvcc -O2 -o /tmp/poolipc-floor "$repo/bench/floor.c" -lcuda > "$out/$1" 2>&1
+}
 # suite LABEL BINARY...: every test of each binary in its own process; counts in $out/counts.
 suite() {
   local label=$1; shift
@@ -133,7 +138,7 @@ repo=$(cd "$here/../.." && pwd)
 if want bench; then
 echo "--- poolipc bench --mps (plain, then under a private MPS daemon; peers in the same run)" >> "$summary"
 peers=""
-if nvcc -O2 -o /tmp/poolipc-floor "$repo/bench/floor.c" -lcuda > "$out/floor-build.txt" 2>&1; then peers="--floor /tmp/poolipc-floor"; else echo "floor.c did not build: $(tail -1 "$out/floor-build.txt")" >> "$summary"; fi
+if floor_built floor-build.txt; then peers="--floor /tmp/poolipc-floor"; else echo "floor.c did not build: $(tail -1 "$out/floor-build.txt")" >> "$summary"; fi
 python3 -c 'import torch' 2>/dev/null && peers="$peers --torchmp $repo/bench/torchmp.py"
 rm -f "$out/floor-build.txt"
 mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
@@ -251,7 +256,7 @@ rm -f "$out/scaling-spin.log"
 # child each, no poolipc) 1, 4 and 8 copies at once, each copy's 4 KiB median and their sum
 # as handoffs per second. Where poolipc's best plateaus (~140k jobs/s on the H100), this says
 # whether MPS or the GPU stops there too.
-if [ -n "$mps" ] && { [ -x /tmp/poolipc-floor ] || nvcc -O2 -o /tmp/poolipc-floor "$repo/bench/floor.c" -lcuda > "$out/scaling-floor-build.txt" 2>&1; }; then
+if [ -n "$mps" ] && floor_built scaling-floor-build.txt; then
   echo "--- floor.c under MPS, 1, 4 and 8 copies at once: 4 KiB round trip per copy, handoffs/s together" >> "$summary"
   for k in 1 4 8; do
     rm -f "$out"/scaling-floor-"$k"-*.txt
@@ -311,7 +316,7 @@ done
 rm -f "$out/turns-stream.log"
 # The bare driver's round trip (bench/floor.c) as it is, with the child writing nothing, and
 # with the child freeing its import synchronously: which of its GPU steps the turn-taking is.
-if [ -x /tmp/poolipc-floor ] || nvcc -O2 -o /tmp/poolipc-floor "$repo/bench/floor.c" -lcuda > "$out/turns-floor-build.txt" 2>&1; then
+if floor_built turns-floor-build.txt; then
   for mode in "async stream wait import" "async stream wait skip" "sync stream wait import"; do
     echo "--- floor.c $mode (free, parent wait, READY, child target)" >> "$summary"
     timeout 60 /tmp/poolipc-floor $mode 2>&1 | grep handoff_round_trip | sed -E 's/.*"bytes": ([0-9]+).*"us_median": ([0-9.]+), "child_import_us": ([0-9.]+), "child_total_us": ([0-9.]+), "parent_gate_us": ([0-9.]+).*/  bytes \1: round trip \2 us, child import \3, child total \4, parent gate \5/' >> "$summary"
