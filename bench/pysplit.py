@@ -74,8 +74,11 @@ def bench_rows(bin_: str, workers: int, jobs: int, stream: str) -> list[dict] | 
     """The rows of `poolipc bench --workers N --worker-mode noop --caller-stream STREAM`
     (None if it failed, said on stderr)."""
     out_json = pathlib.Path(f"/tmp/pysplit-{os.getpid()}.json")
+    # `--prime canary`: the battery the Python parent runs on each worker by default (without
+    # it, plainly, the Rust parent paid the GPU's turn-taking and the Python one did not:
+    # 286 against 23-25 us a 4 KiB job, H100, 2026-12-05; docs/facts.md).
     args = [bin_, "bench", "--workers", str(workers), "--worker-mode", "noop", "--iterations",
-            str(jobs), "--caller-stream", stream, "--json-out", str(out_json)]
+            str(jobs), "--caller-stream", stream, "--prime", "canary", "--json-out", str(out_json)]
     if os.environ.get("POOLIPC_DRIVER") == "sim":
         args.append("--sim")
     env = {k: v for k, v in os.environ.items() if k != "POOLIPC_PROBE"}

@@ -4,8 +4,9 @@
 # suites again as clients of a private MPS daemon. POOLIPC_PARTS picks parts (default
 # "tests,tools,mps,bench,python"; "regress", this tree's bench against each baseline-*/poolipc
 # in alternated pairs, "scaling", several workers at once with 1, 2 and 4 IO threads,
-# "turns", the plain round trip by allocation size, and "pyscaling", Python's split and torch
-# workers at once, run only when named);
+# "turns", the plain round trip by allocation size, "prime", which step before the jobs ends
+# the plain turn-taking, and "pyscaling", Python's split and torch workers at once, run only
+# when named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one machine call stays within
 # its time limit.
 set -u
@@ -330,6 +331,31 @@ for size in 4K 64M; do
   python3 "$repo/bench/probe_report.py" "$out/turns-$size" --skip 1 --count 100 --title "plain, $size recycled" >> "$summary" 2>&1
   python3 "$repo/bench/probe_report.py" "$out/turns-$size" --skip 102 --count 100 --title "plain, $size lent again" >> "$summary" 2>&1
   rm -rf "$out/turns-$size"
+done
+fi
+stash
+if want prime; then
+# Without MPS a Rust parent without the canary battery paid the GPU's turn-taking (286 us a 4
+# KiB job, noop worker) and one with it did not (21 us), nor a Python parent (its canary on:
+# 23-25 us); staging or a host copy of 4 KiB first changed nothing, and `bench --sizes` rows
+# turned fast only after a 64 MiB row (H100, 2026-12-05). Which step does it, whether the
+# jobs still take the pool pointer (the rungs line), and what it gives with several workers.
+echo "--- poolipc bench --workers 1 --worker-mode noop --caller-stream legacy (plain) with --prime STEP [--prime-bytes N]: 4 KiB jobs/s" >> "$summary"
+for r in 1 2; do
+  for p in "" "canary" "staging 64M" "host-copy 64M" "fill 64M" "fill 1G" "staging,host-copy 64M"; do
+    set -- $p
+    args=""; [ -n "${1:-}" ] && args="--prime $1"; [ -n "${2:-}" ] && args="$args --prime-bytes $2"
+    echo "prime: ${p:-none}" >> "$summary"
+    RUST_LOG=warn timeout 60 "$here/poolipc" bench --workers 1 --worker-mode noop --caller-stream legacy --iterations 1000 $args > "$out/prime.log" 2>&1
+    grep -E " KiB |inputs took|canary battery|rror" "$out/prime.log" >> "$summary"
+  done
+done
+rm -f "$out/prime.log"
+echo "--- poolipc bench --workers 8 --mps (touch workers, own streams) without and with --prime canary" >> "$summary"
+for p in "" "--prime canary"; do
+  echo "prime: ${p:-none}" >> "$summary"
+  RUST_LOG=warn timeout 120 "$here/poolipc" bench --workers 8 --mps --io-threads 4 $p > "$out/prime-workers.log" 2>&1
+  grep -E "^==| KiB | MiB |inputs took|canary battery|rror" "$out/prime-workers.log" >> "$summary"
 done
 fi
 stash

@@ -2,19 +2,21 @@
 //! beside one worker, in the same run (issue 24: more workers must give more, not less).
 //!
 //! Each of `n` threads owns a worker, a stream and one live pool allocation, and runs jobs on
-//! it back to back (the allocation lent again each time: no export after the first). The
-//! figure is all threads' jobs over the wall time from the first submit to the last job's
-//! stream done. Beside it, the parent's IO threads' busy share of that time, per thread
+//! it back to back (the allocation lent again each time: no export after the first), for
+//! 300 ms after a warm-up (`--iterations N`: N jobs each instead). The figure is all threads'
+//! jobs over the wall time from the first submit to the last job's stream done. Beside it, the parent's IO threads' busy share of that time, per thread
 //! (`ParentStats::io_busy_ns`), and their busy microseconds per job: near 100 % the IO
 //! threads are what limits the rate (`--io-threads 1,2,4` compares counts). With `--mps`
 //! the same table is made plainly and under a private MPS daemon.
 
+use std::collections::BTreeSet;
 use std::process::{Command, ExitCode};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use poolipc::{DType, Input, Layout, Parent, ParentOptions, WorkerId};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, WorkerId};
 use poolipc_driver::Driver;
 
 use crate::bench::{Args, human};
@@ -25,11 +27,28 @@ const MIB: u64 = 1 << 20;
 /// The sizes measured: a small tensor (the per-job overhead) and a mid-sized one.
 const SIZES: [u64; 2] = [4 * KIB, 64 * MIB];
 
-/// Jobs per thread for a size (after a warm-up of a tenth as many).
-fn jobs_for(args: &Args, bytes: u64) -> usize {
+/// How long each measurement runs without `--iterations`: long enough that one worker's rate
+/// holds still from run to run (a fixed 400 jobs lasted 10 ms under MPS, and one worker's
+/// jobs/s, the ratios' base, moved between 20k and 47k from table to table: H100,
+/// 2026-12-05).
+const WINDOW: Duration = Duration::from_millis(300);
+
+/// Jobs per thread before each measurement.
+const WARM_UP_JOBS: usize = 40;
+
+/// How much each thread runs in one measurement.
+#[derive(Clone, Copy)]
+enum Span {
+    /// This many jobs each (`--iterations`).
+    Jobs(usize),
+    /// Jobs back to back until this much time passed.
+    Window(Duration),
+}
+
+/// The measurement's span: `--iterations` jobs a thread, else [`WINDOW`].
+fn span_for(args: &Args) -> Span {
     args.iterations
-        .unwrap_or(if bytes <= MIB { 400 } else { 100 })
-        .max(1)
+        .map_or(Span::Window(WINDOW), |n| Span::Jobs(n.max(1)))
 }
 
 /// The worker counts measured up to `max`: 1, 2, 4, ... and `max` itself.
@@ -48,25 +67,28 @@ struct Rate {
     io_busy: f64,
     /// Its busy microseconds per job.
     io_us_per_job: f64,
+    /// The rungs the measured jobs' inputs took (pool pointer, unless a worker was demoted).
+    rungs: BTreeSet<String>,
 }
 
-/// One measurement: `n` threads, each on its own worker, `jobs` jobs of `bytes` each.
+/// One measurement: `n` threads, each on its own worker, jobs of `bytes` for `span`.
 fn jobs_per_second(
     parent: &Parent,
     d: &Arc<dyn Driver>,
     workers: &[WorkerId],
     n: usize,
     bytes: u64,
-    jobs: usize,
+    span: Span,
     legacy_stream: bool,
 ) -> Result<Rate> {
     let barrier = Barrier::new(n + 1);
+    let stop = AtomicBool::new(false);
     let desc = Layout::contiguous(DType::U8, &[bytes]);
     std::thread::scope(|s| -> Result<Rate> {
         let mut handles = Vec::with_capacity(n);
         for &w in &workers[..n] {
-            let (barrier, desc) = (&barrier, desc.clone());
-            handles.push(s.spawn(move || -> Result<()> {
+            let (barrier, desc, stop) = (&barrier, desc.clone(), &stop);
+            handles.push(s.spawn(move || -> Result<(usize, BTreeSet<String>)> {
                 d.use_device(parent.options().device)?;
                 let owned_stream = poolipc_driver::OwnedStream::new(&**d)?;
                 let stream = if legacy_stream {
@@ -81,16 +103,24 @@ fn jobs_per_second(
                     desc,
                     read_only: false,
                 };
-                let run = |count: usize| -> Result<()> {
-                    for _ in 0..count {
-                        parent.run_job(w, std::slice::from_ref(&input), stream)?;
+                // Jobs until `count` or, without one, until `stop`: how many, and the rungs
+                // their inputs took.
+                let run = |count: Option<usize>| -> Result<(usize, BTreeSet<String>)> {
+                    let (mut done, mut rungs) = (0, BTreeSet::new());
+                    while count.map_or(!stop.load(Ordering::Relaxed), |c| done < c) {
+                        let out = parent.run_job(w, std::slice::from_ref(&input), stream)?;
+                        rungs.extend(out.input_rungs.iter().map(ToString::to_string));
+                        done += 1;
                     }
                     d.stream_synchronize(stream)?;
-                    Ok(())
+                    Ok((done, rungs))
                 };
-                run((jobs / 10).max(1))?;
+                run(Some(WARM_UP_JOBS))?;
                 barrier.wait();
-                let measured = run(jobs);
+                let measured = run(match span {
+                    Span::Jobs(n) => Some(n),
+                    Span::Window(_) => None,
+                });
                 barrier.wait();
                 parent.pool().free(ptr, stream)?;
                 d.stream_synchronize(stream)?;
@@ -101,19 +131,28 @@ fn jobs_per_second(
         barrier.wait();
         let t = Instant::now();
         let busy_before = parent.stats().io_busy_ns;
+        if let Span::Window(window) = span {
+            std::thread::sleep(window);
+            stop.store(true, Ordering::Relaxed);
+        }
         barrier.wait();
         let secs = t.elapsed().as_secs_f64();
         let busy_ns = parent.stats().io_busy_ns.saturating_sub(busy_before);
+        let (mut jobs, mut rungs) = (0usize, BTreeSet::new());
         for h in handles {
-            h.join()
+            let (done, took) = h
+                .join()
                 .map_err(|_| anyhow::anyhow!("a bench thread panicked"))??;
+            jobs += done;
+            rungs.extend(took);
         }
         #[allow(clippy::cast_precision_loss)]
-        let (all, busy) = ((n * jobs) as f64, busy_ns as f64);
+        let (all, busy) = (jobs as f64, busy_ns as f64);
         Ok(Rate {
             jobs_per_s: all / secs,
             io_busy: busy / 1e9 / secs,
             io_us_per_job: busy / 1e3 / all,
+            rungs,
         })
     })
 }
@@ -188,7 +227,7 @@ fn table(
 ) -> Result<bool> {
     let options = ParentOptions {
         device: args.device,
-        canary: false,
+        canary: args.prime.iter().any(|p| p == "canary"),
         io_threads,
         ..ParentOptions::default()
     };
@@ -219,6 +258,10 @@ fn table(
                 .with_context(|| format!("starting worker {i}"))?,
         );
     }
+    if let Some(report) = workers.first().and_then(|&w| parent.canary_report(w)) {
+        println!("  the first worker's canary battery: {report}");
+    }
+    prime(args, &parent, driver, &workers)?;
     // IO busy: the IO threads' working share of the time, per thread (their sum over the
     // threads); near 100 % they limit the rate.
     println!(
@@ -226,11 +269,11 @@ fn table(
         "size", "workers", "jobs/s", "× one", "µs/job/wkr", "IO busy", "IO µs/job"
     );
     for bytes in SIZES {
-        let jobs = jobs_for(args, bytes);
+        let span = span_for(args);
         let mut one = f64::NAN;
         for n in counts(max_workers) {
             let legacy = args.caller_stream == "legacy";
-            let r = jobs_per_second(&parent, driver, &workers, n, bytes, jobs, legacy)
+            let r = jobs_per_second(&parent, driver, &workers, n, bytes, span, legacy)
                 .with_context(|| format!("{n} workers, {bytes} bytes"))?;
             let rate = r.jobs_per_s;
             if n == 1 {
@@ -248,9 +291,14 @@ fn table(
                 100.0 * busy,
                 r.io_us_per_job
             );
+            if r.rungs.iter().any(|k| *k != Rung::PoolPointer.to_string()) {
+                let took: Vec<&str> = r.rungs.iter().map(String::as_str).collect();
+                println!("           (the inputs took: {})", took.join(", "));
+            }
             rows.push(serde_json::json!({
                 "bytes": bytes, "workers": n, "jobs_per_s": rate, "vs_one": rate / one,
                 "io_threads": io_threads, "io_busy": busy, "io_us_per_job": r.io_us_per_job,
+                "rungs": r.rungs,
             }));
         }
     }
@@ -283,6 +331,10 @@ fn bench_child(args: &Args, max_workers: usize, io_threads: &[usize]) -> Result<
     if let Some(n) = args.iterations {
         c.arg("--iterations").arg(n.to_string());
     }
+    if !args.prime.is_empty() {
+        c.arg("--prime").arg(args.prime.join(","));
+        c.arg("--prime-bytes").arg(args.prime_bytes.to_string());
+    }
     if args.sim {
         c.arg("--sim");
     }
@@ -308,6 +360,53 @@ fn run_plain_and_mps(args: &Args, max_workers: usize) -> Result<ExitCode> {
     let status = status?;
     anyhow::ensure!(status.success(), "the run under MPS failed: {status}");
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--prime`'s steps other than `canary` (an option of the parent's), each of
+/// `--prime-bytes`: one job on each worker by host staging, a fill in the parent (GPU work
+/// of its own), a device → host → device copy in the parent.
+fn prime(args: &Args, parent: &Parent, d: &Arc<dyn Driver>, workers: &[WorkerId]) -> Result<()> {
+    let has = |step: &str| args.prime.iter().any(|p| p == step);
+    if !has("staging") && !has("host-copy") && !has("fill") {
+        return Ok(());
+    }
+    let bytes = args.prime_bytes;
+    let stream = poolipc::StreamHandle::NULL;
+    let ptr = parent.pool().alloc(bytes, stream)?;
+    d.stream_synchronize(stream)?;
+    if has("staging") {
+        let input = Input {
+            ptr,
+            desc: Layout::contiguous(DType::U8, &[bytes]),
+            read_only: false,
+        };
+        let limit = parent.options().limit;
+        parent.set_arena_copy(false);
+        parent.lower_import_limit(
+            poolipc_pool::ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?,
+        )?;
+        for &w in workers {
+            let out = parent.run_job(w, std::slice::from_ref(&input), stream)?;
+            anyhow::ensure!(
+                out.input_rungs == [poolipc::Rung::HostStaging],
+                "--prime staging: the job took {:?}",
+                out.input_rungs
+            );
+        }
+        parent.lower_import_limit(limit)?;
+        parent.set_arena_copy(true);
+    }
+    if has("fill") {
+        d.memset_d8_async(ptr, 0x5a, bytes, stream)?;
+    }
+    if has("host-copy") {
+        let mut host = vec![0u8; usize::try_from(bytes)?];
+        d.memcpy_dtoh(&mut host, ptr)?;
+        d.memcpy_htod(ptr, &host)?;
+    }
+    parent.pool().free(ptr, stream)?;
+    d.stream_synchronize(stream)?;
+    Ok(())
 }
 
 #[cfg(test)]

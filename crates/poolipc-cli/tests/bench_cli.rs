@@ -303,3 +303,53 @@ fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
         String::from_utf8_lossy(&bad.stderr)
     );
 }
+
+#[test]
+fn bench_workers_primes_the_parent_as_asked_and_says_what_the_battery_found() {
+    // Every step at once, 1 MiB: the battery's verdict printed, the staging job taken by
+    // host staging (the bench fails otherwise), the table's rows as ever.
+    let text = bench_ok(&[
+        "--sim",
+        "--workers",
+        "1",
+        "--iterations",
+        "5",
+        "--worker-mode",
+        "noop",
+        "--prime",
+        "canary,staging,fill,host-copy",
+        "--prime-bytes",
+        "1M",
+    ]);
+    assert!(
+        text.contains("the first worker's canary battery: 7 of 7 canaries passed"),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|l| l.trim_start().starts_with("4 KiB")),
+        "{text}"
+    );
+    // The inputs went by pool pointer: no line naming another rung.
+    assert!(!text.contains("the inputs took"), "{text}");
+    // Without the battery (the bench's default) no verdict line; without --iterations each
+    // measurement runs for its time window and still gives its rows.
+    let text = bench_ok(&["--sim", "--workers", "1", "--worker-mode", "noop"]);
+    assert!(!text.contains("canary battery"), "{text}");
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.trim_start().starts_with("4 KiB") || l.trim_start().starts_with("64 MiB"))
+            .count(),
+        2,
+        "{text}"
+    );
+    let bad = poolipc()
+        .args(["bench", "--sim", "--workers", "1", "--prime", "warm"])
+        .output()
+        .expect("run poolipc bench --prime warm");
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("invalid value 'warm' for '--prime"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}

@@ -97,6 +97,19 @@ pub(crate) struct Args {
     /// parent did not (27 µs, H100, 2026-12-05): this tells whether the stream is why.
     #[arg(long, hide = true, default_value = "own", value_parser = ["own", "legacy"])]
     pub(crate) caller_stream: String,
+    /// (with --workers) What the parent does before it measures, comma-separated: `canary`
+    /// (each worker's canary battery, as `ParentOptions::default()` runs it; the bench skips
+    /// it otherwise), `staging` (one job on each worker by host staging), `fill` (a memset in
+    /// the parent), `host-copy` (a device → host → device copy in the parent), each of
+    /// `--prime-bytes`. Without MPS a Python parent with
+    /// its canary battery paid no turn-taking at 4 KiB (28 µs) where this loop did (292 µs),
+    /// and the `--sizes` table's rows became fast after the first sizes' staging and host
+    /// copies (H100, 2026-12-05): this tells which step makes the difference.
+    #[arg(long, hide = true, value_delimiter = ',', value_parser = ["canary", "staging", "host-copy", "fill"], value_name = "STEP,..")]
+    pub(crate) prime: Vec<String>,
+    /// (with --prime) The size of its staging job, fill and host copy.
+    #[arg(long, hide = true, value_parser = parse_size, default_value = "4K")]
+    pub(crate) prime_bytes: u64,
     /// (with --workers) The parent's IO threads (`ParentOptions::io_threads`), one table
     /// each, in the same run (each from a process of its own): `--io-threads 1,2,4`.
     /// Default: 1. With `--json-out PATH` and several counts, each writes `PATH.io<n>`.
