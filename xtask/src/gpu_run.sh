@@ -340,13 +340,33 @@ if want prime; then
 # 23-25 us); staging or a host copy of 4 KiB first changed nothing, and `bench --sizes` rows
 # turned fast only after a 64 MiB row (H100, 2026-12-05). Which step does it, whether the
 # jobs still take the pool pointer (the rungs line), and what it gives with several workers.
+# The GPU's clocks, power state and PCIe link while a command runs (sampled every 50 ms): is
+# the slow case a GPU at idle clocks or a link in a power-saving state, the fast one a GPU
+# the battery's work woke?
+gpu_during() {
+  if [ -z "$smi" ]; then "$@"; return; fi
+  nvidia-smi --query-gpu=pstate,clocks.sm,clocks.mem,pcie.link.gen.current,utilization.gpu --format=csv,noheader,nounits -lms 50 > "$out/clocks.csv" 2>/dev/null &
+  local sampler=$!
+  "$@"
+  kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+  python3 - "$out/clocks.csv" >> "$summary" <<'PY'
+import statistics, sys
+rows = [[c.strip() for c in l.split(",")] for l in open(sys.argv[1]) if l.count(",") == 4]
+if rows:
+    med = lambda i: statistics.median(float(r[i]) for r in rows if r[i].replace(".", "").isdigit())
+    sm = [float(r[1]) for r in rows if r[1].isdigit()]
+    print(f"  GPU during the run ({len(rows)} samples): pstates {sorted({r[0] for r in rows})}, SM MHz median {med(1):.0f} "
+          f"({min(sm):.0f}-{max(sm):.0f}), memory MHz median {med(2):.0f}, PCIe gen {sorted({r[3] for r in rows})}, utilization median {med(4):.0f} %")
+PY
+  rm -f "$out/clocks.csv"
+}
 echo "--- poolipc bench --workers 1 --worker-mode noop --caller-stream legacy (plain) with --prime STEP [--prime-bytes N]: 4 KiB jobs/s" >> "$summary"
 for r in 1 2; do
-  for p in "" "canary" "staging 64M" "host-copy 64M" "fill 64M" "fill 1G" "staging,host-copy 64M"; do
+  for p in "" "canary" "canary,idle" "staging 64M" "host-copy 64M" "fill 64M" "fill 1G" "staging,host-copy 64M"; do
     set -- $p
     args=""; [ -n "${1:-}" ] && args="--prime $1"; [ -n "${2:-}" ] && args="$args --prime-bytes $2"
     echo "prime: ${p:-none}" >> "$summary"
-    RUST_LOG=warn timeout 60 "$here/poolipc" bench --workers 1 --worker-mode noop --caller-stream legacy --iterations 1000 $args > "$out/prime.log" 2>&1
+    gpu_during env RUST_LOG=warn timeout 60 "$here/poolipc" bench --workers 1 --worker-mode noop --caller-stream legacy $args > "$out/prime.log" 2>&1
     grep -E " KiB |inputs took|canary battery|rror" "$out/prime.log" >> "$summary"
   done
 done

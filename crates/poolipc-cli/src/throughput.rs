@@ -364,10 +364,17 @@ fn run_plain_and_mps(args: &Args, max_workers: usize) -> Result<ExitCode> {
 
 /// `--prime`'s steps other than `canary` (an option of the parent's), each of
 /// `--prime-bytes`: one job on each worker by host staging, a fill in the parent (GPU work
-/// of its own), a device → host → device copy in the parent.
+/// of its own), a device → host → device copy in the parent; then, with `idle`, a second of
+/// nothing.
 fn prime(args: &Args, parent: &Parent, d: &Arc<dyn Driver>, workers: &[WorkerId]) -> Result<()> {
     let has = |step: &str| args.prime.iter().any(|p| p == step);
+    let idle = || {
+        if has("idle") {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    };
     if !has("staging") && !has("host-copy") && !has("fill") {
+        idle();
         return Ok(());
     }
     let bytes = args.prime_bytes;
@@ -406,6 +413,7 @@ fn prime(args: &Args, parent: &Parent, d: &Arc<dyn Driver>, workers: &[WorkerId]
     }
     parent.pool().free(ptr, stream)?;
     d.stream_synchronize(stream)?;
+    idle();
     Ok(())
 }
 

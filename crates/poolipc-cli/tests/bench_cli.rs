@@ -352,4 +352,15 @@ fn bench_workers_primes_the_parent_as_asked_and_says_what_the_battery_found() {
         "{}",
         String::from_utf8_lossy(&bad.stderr)
     );
+    // The table mode has no use for it: said, not ignored.
+    let bad = poolipc()
+        .args(["bench", "--sim", "--prime", "canary"])
+        .output()
+        .expect("run poolipc bench --prime canary");
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("required arguments were not provided") && err.contains("--workers"),
+        "{err}"
+    );
 }
