@@ -101,14 +101,14 @@ pub(crate) struct Args {
     /// (each worker's canary battery, as `ParentOptions::default()` runs it; the bench skips
     /// it otherwise), `staging` (one job on each worker by host staging), `fill` (a memset in
     /// the parent), `host-copy` (a device → host → device copy in the parent), each of
-    /// `--prime-bytes`, then `idle` (a second with no GPU work: does what they changed last?). Without MPS a Python parent with
-    /// its canary battery paid no turn-taking at 4 KiB (28 µs) where this loop did (292 µs),
-    /// and the `--sizes` table's rows became fast after the first sizes' staging and host
-    /// copies (H100, 2026-12-05): this tells which step makes the difference.
-    #[arg(long, hide = true, requires = "workers", value_delimiter = ',', value_parser = ["canary", "staging", "host-copy", "fill", "idle"], value_name = "STEP,..")]
+    /// `--prime-bytes`, then `idle` (a second with no GPU work: does what they changed last?).
+    /// Without MPS a 4 KiB job lent again to a noop worker took 286 µs without the battery
+    /// and 21 µs with it (H100, 2026-12-05; docs/facts.md): the other steps tell which part
+    /// of the battery's work makes the difference.
+    #[arg(long, requires = "workers", value_delimiter = ',', value_parser = ["canary", "staging", "host-copy", "fill", "idle"], value_name = "STEP,..")]
     pub(crate) prime: Vec<String>,
     /// (with --prime) The size of its staging job, fill and host copy.
-    #[arg(long, hide = true, requires = "prime", value_parser = parse_size, default_value = "4K")]
+    #[arg(long, requires = "prime", value_parser = parse_size, default_value = "4K")]
     pub(crate) prime_bytes: u64,
     /// (with --workers) The parent's IO threads (`ParentOptions::io_threads`), one table
     /// each, in the same run (each from a process of its own): `--io-threads 1,2,4`.
