@@ -3,8 +3,9 @@
 //!
 //! Each of `n` threads owns a worker, a stream and one live pool allocation, and runs jobs on
 //! it back to back (the allocation lent again each time: no export after the first), for
-//! 300 ms after a warm-up (`--iterations N`: N jobs each instead). The figure is all threads'
-//! jobs over the wall time from the first submit to the last job's stream done. Beside it, the parent's IO threads' busy share of that time, per thread
+//! 300 ms after a warm-up (`--iterations N`: N jobs each instead). The figure is all
+//! threads' jobs over the wall time from the first submit to the last job's stream done.
+//! Beside it, the parent's IO threads' busy share of that time, per thread
 //! (`ParentStats::io_busy_ns`), and their busy microseconds per job: near 100 % the IO
 //! threads are what limits the rate (`--io-threads 1,2,4` compares counts). With `--mps`
 //! the same table is made plainly and under a private MPS daemon.
@@ -89,40 +90,62 @@ fn jobs_per_second(
         for &w in &workers[..n] {
             let (barrier, desc, stop) = (&barrier, desc.clone(), &stop);
             handles.push(s.spawn(move || -> Result<(usize, BTreeSet<String>)> {
-                d.use_device(parent.options().device)?;
-                let owned_stream = poolipc_driver::OwnedStream::new(&**d)?;
-                let stream = if legacy_stream {
-                    poolipc::StreamHandle::NULL
-                } else {
-                    owned_stream.handle()
-                };
-                let ptr = parent.pool().alloc(bytes, stream)?;
-                d.stream_synchronize(stream)?;
-                let input = Input {
-                    ptr,
-                    desc,
-                    read_only: false,
-                };
+                // Every thread passes both barriers whatever happens to it (one that returned
+                // early would leave the others and the timer waiting for ever); its first
+                // error is returned after them.
+                let state = (|| -> Result<_> {
+                    d.use_device(parent.options().device)?;
+                    let owned_stream = poolipc_driver::OwnedStream::new(&**d)?;
+                    let stream = if legacy_stream {
+                        poolipc::StreamHandle::NULL
+                    } else {
+                        owned_stream.handle()
+                    };
+                    let ptr = parent.pool().alloc(bytes, stream)?;
+                    d.stream_synchronize(stream)?;
+                    let input = Input {
+                        ptr,
+                        desc,
+                        read_only: false,
+                    };
+                    Ok((owned_stream, stream, input))
+                })();
                 // Jobs until `count` or, without one, until `stop`: how many, and the rungs
                 // their inputs took.
-                let run = |count: Option<usize>| -> Result<(usize, BTreeSet<String>)> {
+                let run = |input: &Input,
+                           stream,
+                           count: Option<usize>|
+                 -> Result<(usize, BTreeSet<String>)> {
                     let (mut done, mut rungs) = (0, BTreeSet::new());
                     while count.map_or(!stop.load(Ordering::Relaxed), |c| done < c) {
-                        let out = parent.run_job(w, std::slice::from_ref(&input), stream)?;
+                        let out = parent.run_job(w, std::slice::from_ref(input), stream)?;
                         rungs.extend(out.input_rungs.iter().map(ToString::to_string));
                         done += 1;
                     }
                     d.stream_synchronize(stream)?;
                     Ok((done, rungs))
                 };
-                run(Some(WARM_UP_JOBS))?;
+                let warm = match &state {
+                    Ok((_, stream, input)) => run(input, *stream, Some(WARM_UP_JOBS)).map(|_| ()),
+                    Err(_) => Ok(()),
+                };
                 barrier.wait();
-                let measured = run(match span {
-                    Span::Jobs(n) => Some(n),
-                    Span::Window(_) => None,
-                });
+                let measured = match (&state, warm) {
+                    (Ok((_, stream, input)), Ok(())) => run(
+                        input,
+                        *stream,
+                        match span {
+                            Span::Jobs(n) => Some(n),
+                            Span::Window(_) => None,
+                        },
+                    ),
+                    (_, Err(e)) => Err(e),
+                    // Returned below, after the barrier: the setup's own error.
+                    (Err(_), Ok(())) => Ok((0, BTreeSet::new())),
+                };
                 barrier.wait();
-                parent.pool().free(ptr, stream)?;
+                let (owned_stream, stream, input) = state?;
+                parent.pool().free(input.ptr, stream)?;
                 d.stream_synchronize(stream)?;
                 owned_stream.close()?;
                 measured
