@@ -1,6 +1,6 @@
 """What Python adds to a round trip, and where: the same handoff (4 KiB and 64 MiB, lent
-again) through these pairs in one run, on the GPU when there is one, else on the simulated
-driver:
+again) through these pairs in one run, on the GPU (`POOLIPC_DRIVER=sim`: on the simulated
+driver):
 
   rust -> rust      `poolipc bench --workers 1` (the facade's parent and echo worker), its
                     callers on the legacy stream as this process's parent lends (like for

@@ -371,6 +371,17 @@ for r in 1 2; do
   done
 done
 rm -f "$out/prime.log"
+# A Python parent (its battery on) and one Python worker at a time that does nothing, imports
+# torch, views the input with torch, writes it, writes and synchronizes: which step of a real
+# worker's brings the turn-taking back (torch workers paid ~330 us a job with the battery on).
+if [ -n "$wheel" ]; then
+  [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/prime-pip.log" 2>&1
+  echo "--- bench/pyturns.py (plain), twice" >> "$summary"
+  for r in 1 2; do
+    gpu_during env PYTHONPATH=/tmp/poolipc-site RUST_LOG=warn timeout 120 python3 "$repo/bench/pyturns.py" > "$out/pyturns.log" 2>&1
+    echo "pyturns exit: $?" >> "$summary"; grep -vE "INFO|^$" "$out/pyturns.log" | tail -8 >> "$summary"
+  done
+fi
 echo "--- poolipc bench --workers 8 --mps (touch workers, own streams) without and with --prime canary" >> "$summary"
 for p in "" "--prime canary"; do
   echo "prime: ${p:-none}" >> "$summary"

@@ -48,3 +48,26 @@ def test_pysplit_runs_on_the_simulated_driver_and_prints_every_row():
     bad = subprocess.run([sys.executable, str(script), "--workers", "0"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--workers 0: give 1 to 64" in bad.stderr
+
+
+def test_pyturns_runs_on_the_simulated_driver_and_prints_its_rows():
+    """`bench/pyturns.py` (which of a Python worker's steps brings the GPU's turn-taking back)
+    runs on SimDriver: the worker that does nothing, and the torch rows where torch is here;
+    a bad --jobs is refused."""
+    script = EXAMPLES.parent.parent.parent / "bench" / "pyturns.py"
+    env = dict(os.environ, POOLIPC_DRIVER="sim")
+    out = subprocess.run([sys.executable, str(script), "--jobs", "10"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line[:20].strip(): line[20:].split() for line in out.stdout.splitlines()
+            if line.startswith("  ") and not line.startswith("  the worker")}
+    assert float(rows["nothing"][0]) > 0 and rows["nothing"][1:] == ["pool", "pointer"], out.stdout
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        assert "no torch here" in out.stderr and len(rows) == 1, out.stdout + out.stderr
+    else:
+        assert len(rows) == 5, out.stdout
+    bad = subprocess.run([sys.executable, str(script), "--jobs", "0"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--jobs 0: give 1 or more" in bad.stderr
