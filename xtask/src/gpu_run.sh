@@ -363,7 +363,9 @@ PY
 }
 echo "--- poolipc bench --workers 1 --worker-mode noop --caller-stream legacy (plain) with --prime STEP [--prime-bytes N]: 4 KiB jobs/s" >> "$summary"
 for r in 1 2; do
-  for p in "" "canary" "canary,idle" "staging 64M" "host-copy 64M" "fill 64M" "fill 1G" "staging,host-copy 64M"; do
+  # 64K and 1M: in call 1's `--sizes` run the 64 KiB row's staging took 1725 us (4 KiB's 487)
+  # and the rows after it were fast: a copy large enough for a copy engine, made once?
+  for p in "" "canary" "canary,idle" "staging 64M" "host-copy 64M" "fill 64M" "fill 1G" "staging,host-copy 64M" "staging 64K" "host-copy 64K" "host-copy 1M"; do
     set -- $p
     args=""; [ -n "${1:-}" ] && args="--prime $1"; [ -n "${2:-}" ] && args="$args --prime-bytes $2"
     echo "prime: ${p:-none}" >> "$summary"
