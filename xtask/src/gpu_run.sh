@@ -365,11 +365,16 @@ echo "--- poolipc bench --workers 1 --worker-mode noop --caller-stream legacy (p
 for r in 1 2; do
   # 64K and 1M: in call 1's `--sizes` run the 64 KiB row's staging took 1725 us (4 KiB's 487)
   # and the rows after it were fast: a copy large enough for a copy engine, made once?
-  for p in "" "canary" "canary,idle" "staging 64M" "host-copy 64M" "fill 64M" "fill 1G" "staging,host-copy 64M" "staging 64K" "host-copy 64K" "host-copy 1M"; do
+  # "warm": no step, POOLIPC_WARM_COPIES=1 (the parent and each worker copy 1 MiB to the
+  # device and back once at startup).
+  for p in "" "canary" "canary,idle" "warm" "staging 64M" "host-copy 64M" "fill 64M" "fill 1G" "staging,host-copy 64M" "staging 64K" "host-copy 64K" "host-copy 1M"; do
     set -- $p
-    args=""; [ -n "${1:-}" ] && args="--prime $1"; [ -n "${2:-}" ] && args="$args --prime-bytes $2"
+    args=""; warm=0
+    if [ "${1:-}" = warm ]; then warm=1; else
+      [ -n "${1:-}" ] && args="--prime $1"; [ -n "${2:-}" ] && args="$args --prime-bytes $2"
+    fi
     echo "prime: ${p:-none}" >> "$summary"
-    gpu_during env RUST_LOG=warn timeout 60 "$here/poolipc" bench --workers 1 --worker-mode noop --caller-stream legacy $args > "$out/prime.log" 2>&1
+    gpu_during env RUST_LOG=warn POOLIPC_WARM_COPIES=$warm timeout 60 "$here/poolipc" bench --workers 1 --worker-mode noop --caller-stream legacy $args > "$out/prime.log" 2>&1
     grep -E " KiB |inputs took|canary battery|rror" "$out/prime.log" >> "$summary"
   done
 done

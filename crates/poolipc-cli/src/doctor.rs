@@ -446,6 +446,15 @@ fn tuning_rows(t: &mut Table) {
             poolipc::SPIN_YIELD_ENV,
             "yes by default",
         ),
+        (
+            "startup copy of 1 MiB",
+            yes_no(
+                std::env::var(poolipc::WARM_COPIES_ENV).is_ok_and(|v| v.trim().parse() == Ok(1u8)),
+            )
+            .to_owned(),
+            poolipc::WARM_COPIES_ENV,
+            "no by default, an experiment on the plain turn-taking, docs/facts.md",
+        ),
     ];
     for (what, value, env, rule) in rows {
         let source = match std::env::var_os(env) {

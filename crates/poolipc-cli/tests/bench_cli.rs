@@ -364,3 +364,47 @@ fn bench_workers_primes_the_parent_as_asked_and_says_what_the_battery_found() {
         "{err}"
     );
 }
+
+#[test]
+fn with_poolipc_warm_copies_the_parent_and_each_worker_copy_once_and_say_so() {
+    let out = poolipc()
+        .args([
+            "bench",
+            "--sim",
+            "--workers",
+            "2",
+            "--iterations",
+            "3",
+            "--worker-mode",
+            "noop",
+        ])
+        .env("RUST_LOG", "info")
+        .env(poolipc::WARM_COPIES_ENV, "1")
+        .output()
+        .expect("run poolipc bench");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let said = |who: &str| {
+        err.lines()
+            .filter(|l| {
+                l.contains(&format!(
+                    "the {who} copied 1048576 bytes to the device and back"
+                ))
+            })
+            .count()
+    };
+    assert_eq!(said("parent"), 1, "{err}");
+    assert_eq!(said("worker"), 2, "one line per worker:\n{err}");
+    // Unset (or anything but 1), nothing is copied.
+    let out = poolipc()
+        .args(["bench", "--sim", "--workers", "1", "--iterations", "3"])
+        .env("RUST_LOG", "info")
+        .env(poolipc::WARM_COPIES_ENV, "0")
+        .output()
+        .expect("run poolipc bench");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !err.contains("POOLIPC_WARM_COPIES"),
+        "{err}"
+    );
+}

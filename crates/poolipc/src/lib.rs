@@ -73,6 +73,7 @@ pub mod staging;
 #[allow(unreachable_pub)]
 mod staging;
 mod tensor;
+mod warm;
 mod worker;
 pub mod worker_env;
 
@@ -98,6 +99,7 @@ pub use staging::{
     StagingConfig, StagingError,
 };
 pub use tensor::{Layout, ResultShape, Rung};
+pub use warm::WARM_COPIES_ENV;
 #[cfg(feature = "testing")]
 pub use worker::FAILPOINT_ENV;
 pub use worker::{

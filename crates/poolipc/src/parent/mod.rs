@@ -133,6 +133,7 @@ impl Parent {
         }
         driver.use_device(options.device)?;
         pools.insert(0, SharedPool::install(Arc::clone(&driver), options.device)?);
+        crate::warm::copies_if_asked(&driver, "parent");
         // One socket pair per room: a post writes a byte to wake that room's IO thread.
         let mut rooms = Vec::with_capacity(options.io_threads);
         let mut wake_reads = Vec::with_capacity(options.io_threads);

@@ -344,6 +344,7 @@ impl Worker {
         let done = OwnedEvent::new(Arc::clone(&driver), true)?;
         let done_blob = done.ipc_handle()?;
         let vmm = VmmMappings::new(Arc::clone(&driver), device);
+        crate::warm::copies_if_asked(&driver, "worker");
         Ok(Worker {
             device,
             pools: BTreeMap::from([(0, pool)]),
