@@ -368,10 +368,10 @@ for r in 1 2; do
   # "warm": no step, POOLIPC_WARM_COPIES=1 (the parent and each worker copy 1 MiB to the
   # device and back once at startup).
   for p in "" "canary" "canary,idle" "warm" "staging 64M" "host-copy 64M" "fill 64M" "fill 1G" "staging,host-copy 64M" "staging 64K" "host-copy 64K" "host-copy 1M"; do
-    set -- $p
+    read -r step bytes <<< "$p"
     args=""; warm=0
-    if [ "${1:-}" = warm ]; then warm=1; else
-      [ -n "${1:-}" ] && args="--prime $1"; [ -n "${2:-}" ] && args="$args --prime-bytes $2"
+    if [ "$step" = warm ]; then warm=1; else
+      [ -n "$step" ] && args="--prime $step"; [ -n "$bytes" ] && args="$args --prime-bytes $bytes"
     fi
     echo "prime: ${p:-none}" >> "$summary"
     gpu_during env RUST_LOG=warn POOLIPC_WARM_COPIES=$warm timeout 60 "$here/poolipc" bench --workers 1 --worker-mode noop --caller-stream legacy $args > "$out/prime.log" 2>&1
