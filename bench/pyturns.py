@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
+
+# The median of `parent.run` after a warm-up, as pysplit measures its Python pairs (this
+# directory is first on the path when the script runs).
+from pysplit import python_pair
 
 # One worker program, its behaviour picked by its first argument.
 WORKER = r"""
@@ -58,18 +60,6 @@ def has_torch() -> bool:
     return True
 
 
-def median_us(parent, worker: int, buf, jobs: int) -> float:
-    """Median microseconds of `parent.run(worker, [buf])`, after a warm-up."""
-    for _ in range(max(jobs // 10, 10)):
-        parent.run(worker, [buf])
-    times = []
-    for _ in range(jobs):
-        t0 = time.perf_counter_ns()
-        parent.run(worker, [buf])
-        times.append((time.perf_counter_ns() - t0) / 1000)
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=1000, help="round trips per kind (default 1000)")
@@ -88,7 +78,7 @@ def main() -> int:
     for kind in kinds:
         w = parent.spawn([sys.executable, "-c", WORKER, kind])
         try:
-            rows[kind] = median_us(parent, w, buf, a.jobs)
+            rows[kind] = python_pair(parent, w, buf, a.jobs, False)
             rungs = parent.last_input_rungs
         finally:
             parent.stop(w)

@@ -448,10 +448,7 @@ fn tuning_rows(t: &mut Table) {
         ),
         (
             "startup copy of 1 MiB",
-            yes_no(
-                std::env::var(poolipc::WARM_COPIES_ENV).is_ok_and(|v| v.trim().parse() == Ok(1u8)),
-            )
-            .to_owned(),
+            yes_no(poolipc::warm_copies()).to_owned(),
             poolipc::WARM_COPIES_ENV,
             "no by default, an experiment on the plain turn-taking, docs/facts.md",
         ),

@@ -291,8 +291,8 @@ fn table(
         "  {:>8} {:>8} {:>12} {:>10} {:>12} {:>8} {:>10}",
         "size", "workers", "jobs/s", "× one", "µs/job/wkr", "IO busy", "IO µs/job"
     );
+    let span = span_for(args);
     for bytes in SIZES {
-        let span = span_for(args);
         let mut one = f64::NAN;
         for n in counts(max_workers) {
             let legacy = args.caller_stream == "legacy";
@@ -410,21 +410,17 @@ fn prime(args: &Args, parent: &Parent, d: &Arc<dyn Driver>, workers: &[WorkerId]
             desc: Layout::contiguous(DType::U8, &[bytes]),
             read_only: false,
         };
-        let limit = parent.options().limit;
-        parent.set_arena_copy(false);
-        parent.lower_import_limit(
-            poolipc_pool::ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?,
-        )?;
-        for &w in workers {
-            let out = parent.run_job(w, std::slice::from_ref(&input), stream)?;
-            anyhow::ensure!(
-                out.input_rungs == [poolipc::Rung::HostStaging],
-                "--prime staging: the job took {:?}",
-                out.input_rungs
-            );
-        }
-        parent.lower_import_limit(limit)?;
-        parent.set_arena_copy(true);
+        crate::bench::host_staged(parent, || {
+            for &w in workers {
+                let out = parent.run_job(w, std::slice::from_ref(&input), stream)?;
+                anyhow::ensure!(
+                    out.input_rungs == [poolipc::Rung::HostStaging],
+                    "--prime staging: the job took {:?}",
+                    out.input_rungs
+                );
+            }
+            Ok(())
+        })?;
     }
     if has("fill") {
         d.memset_d8_async(ptr, 0x5a, bytes, stream)?;

@@ -30,6 +30,21 @@ fn bench_ok(args: &[&str]) -> String {
     text
 }
 
+/// `poolipc bench` with `args`, which must be refused (a non-zero exit); its stderr.
+fn bench_refused(args: &[&str]) -> String {
+    let out = poolipc()
+        .arg("bench")
+        .args(args)
+        .output()
+        .expect("run poolipc bench");
+    assert!(
+        !out.status.success(),
+        "poolipc bench {} was not refused",
+        args.join(" ")
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn bench_on_the_simulated_driver_runs_to_the_end_within_its_memory() {
     let text = bench_ok(&["--sim", "--iterations", "3"]);
@@ -86,16 +101,8 @@ fn bench_sizes_sets_the_round_trip_rows_and_a_noop_worker_is_named_in_the_table(
         table.join("\n")
     );
     // A size that is not one is refused before anything runs, naming it.
-    let bad = poolipc()
-        .args(["bench", "--sim", "--sizes", "4K,twelve"])
-        .output()
-        .expect("run poolipc bench --sizes twelve");
-    assert!(!bad.status.success());
-    assert!(
-        String::from_utf8_lossy(&bad.stderr).contains("\"twelve\""),
-        "{}",
-        String::from_utf8_lossy(&bad.stderr)
-    );
+    let err = bench_refused(&["--sim", "--sizes", "4K,twelve"]);
+    assert!(err.contains("\"twelve\""), "{err}");
 }
 
 #[test]
@@ -259,12 +266,8 @@ fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
         .filter(|l| l.trim_start().starts_with("4 KiB"))
         .count();
     assert_eq!(rows, 4, "two rows of 4 KiB per table:\n{text}");
-    let bad = poolipc()
-        .args(["bench", "--sim", "--workers", "0"])
-        .output()
-        .expect("run poolipc bench --workers 0");
-    assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("--workers 0: give 1 to 64"));
+    let err = bench_refused(&["--sim", "--workers", "0"]);
+    assert!(err.contains("--workers 0: give 1 to 64"), "{err}");
     // The callers on the legacy stream: said in the header, rows as before.
     let text = bench_ok(&[
         "--sim",
@@ -285,22 +288,10 @@ fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
         text.lines().any(|l| l.trim_start().starts_with("4 KiB")),
         "{text}"
     );
-    let bad = poolipc()
-        .args([
-            "bench",
-            "--sim",
-            "--workers",
-            "1",
-            "--caller-stream",
-            "mine",
-        ])
-        .output()
-        .expect("run poolipc bench --caller-stream mine");
-    assert!(!bad.status.success());
+    let err = bench_refused(&["--sim", "--workers", "1", "--caller-stream", "mine"]);
     assert!(
-        String::from_utf8_lossy(&bad.stderr).contains("invalid value 'mine' for '--caller-stream"),
-        "{}",
-        String::from_utf8_lossy(&bad.stderr)
+        err.contains("invalid value 'mine' for '--caller-stream"),
+        "{err}"
     );
 }
 
@@ -342,23 +333,10 @@ fn bench_workers_primes_the_parent_as_asked_and_says_what_the_battery_found() {
         2,
         "{text}"
     );
-    let bad = poolipc()
-        .args(["bench", "--sim", "--workers", "1", "--prime", "warm"])
-        .output()
-        .expect("run poolipc bench --prime warm");
-    assert!(!bad.status.success());
-    assert!(
-        String::from_utf8_lossy(&bad.stderr).contains("invalid value 'warm' for '--prime"),
-        "{}",
-        String::from_utf8_lossy(&bad.stderr)
-    );
+    let err = bench_refused(&["--sim", "--workers", "1", "--prime", "warm"]);
+    assert!(err.contains("invalid value 'warm' for '--prime"), "{err}");
     // The table mode has no use for it: said, not ignored.
-    let bad = poolipc()
-        .args(["bench", "--sim", "--prime", "canary"])
-        .output()
-        .expect("run poolipc bench --prime canary");
-    assert!(!bad.status.success());
-    let err = String::from_utf8_lossy(&bad.stderr);
+    let err = bench_refused(&["--sim", "--prime", "canary"]);
     assert!(
         err.contains("required arguments were not provided") && err.contains("--workers"),
         "{err}"

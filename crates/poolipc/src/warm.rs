@@ -20,8 +20,9 @@ pub const WARM_COPIES_ENV: &str = "POOLIPC_WARM_COPIES";
 /// command (no copy engine).
 pub(crate) const WARM_BYTES: usize = 1 << 20;
 
-/// Whether [`WARM_COPIES_ENV`] asks for the copy (read once).
-pub(crate) fn asked() -> bool {
+/// Whether [`WARM_COPIES_ENV`] asks for the copy (read once): what `poolipc doctor` shows.
+#[must_use]
+pub fn asked() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| crate::parent::env_number::<u8>(WARM_COPIES_ENV) == Some(1))
 }

@@ -170,6 +170,22 @@ fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
+/// Runs `f` with `parent`'s tensors sent by host staging (the import limit lowered to nothing,
+/// the arena-copy rung kept out of its way), then puts both back, also when `f` failed.
+pub(crate) fn host_staged<T>(parent: &poolipc::Parent, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let pointer_limit = parent.options().limit;
+    parent.set_arena_copy(false);
+    let out = poolipc_pool::ImportLimit::new(pointer_limit.chunk_bytes(), 0)
+        .context("limit")
+        .and_then(|none| Ok(parent.lower_import_limit(none)?))
+        .and_then(|()| f());
+    let restored = parent.lower_import_limit(pointer_limit);
+    parent.set_arena_copy(true);
+    let out = out?;
+    restored?;
+    Ok(out)
+}
+
 /// `bytes` in KiB, MiB or GiB, rounded down.
 pub(crate) fn human(bytes: u64) -> String {
     if bytes >= 1 << 30 {

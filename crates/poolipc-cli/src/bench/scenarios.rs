@@ -250,24 +250,19 @@ pub(super) fn round_trips(b: &Bench<'_>, skipped: &mut Vec<String>) -> Result<Ve
                 relends.push(us);
             }
         }
-        // The host-staging rung, the same round trip through pinned shared memory (the
-        // arena-copy rung kept out of its way).
-        parent.set_arena_copy(false);
-        let pointer_limit = parent.options().limit;
-        parent.lower_import_limit(
-            ImportLimit::new(pointer_limit.chunk_bytes(), 0).context("limit")?,
-        )?;
-        let mut staged = Vec::new();
-        for _ in 0..iterations.clamp(1, 5) {
-            let (us, out) = round_trip(parent, d, worker, &input, stream)?;
-            staged.push(us);
-            anyhow::ensure!(
-                out.input_rungs == [Rung::HostStaging],
-                "staging was not used"
-            );
-        }
-        parent.lower_import_limit(pointer_limit)?;
-        parent.set_arena_copy(true);
+        // The host-staging rung, the same round trip through pinned shared memory.
+        let mut staged = super::host_staged(parent, || {
+            let mut staged = Vec::new();
+            for _ in 0..iterations.clamp(1, 5) {
+                let (us, out) = round_trip(parent, d, worker, &input, stream)?;
+                staged.push(us);
+                anyhow::ensure!(
+                    out.input_rungs == [Rung::HostStaging],
+                    "staging was not used"
+                );
+            }
+            Ok(staged)
+        })?;
         parent.pool().free(ptr, stream)?;
         d.stream_synchronize(stream)?;
         // What the handoff replaces: device → host → device through pageable host memory.
