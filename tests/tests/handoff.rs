@@ -156,6 +156,73 @@ both_drivers!(
     }
 );
 
+both_drivers!(
+    fn a_ready_recorded_aside_for_an_idle_stream_orders_the_worker_after_the_callers_writes(env) {
+        // When the caller's stream has nothing left to run, READY goes on the IO thread's own
+        // stream (`POOLIPC_READY_ASIDE`, on by default): the job's inputs are complete, so it
+        // orders the worker after them all the same. Every other round the caller's fill may
+        // still be running (READY on its stream); SimDriver checks every access.
+        let p = parent(env, ImportLimit::default())?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let worker = p.spawn_worker(worker_command(env, None)?)?;
+        let c = &cases()[0];
+        let aside_before = p.stats().ready_recorded_aside;
+        for round in 0..20u32 {
+            let pattern = c.pattern ^ (round * 0x0101_0101);
+            let base = filled(&p, c.alloc, pattern, stream)?;
+            if round % 2 == 0 {
+                d.stream_synchronize(stream)?;
+            }
+            let input = Input { ptr: base, desc: c.desc.clone(), read_only: false };
+            let out = p.run_job(worker, std::slice::from_ref(&input), stream)?;
+            d.stream_synchronize(stream)?;
+            let bytes = c.desc.extent_bytes()?;
+            let got = read(&*d, out.results[0].ptr, bytes as usize)?;
+            ensure_echoed(&got, 0, pattern, 0, &format!("round {round}"))?;
+            p.pool().free(out.results[0].ptr, stream)?;
+            p.pool().free(base, stream)?;
+        }
+        d.stream_synchronize(stream)?;
+        let aside = p.stats().ready_recorded_aside - aside_before;
+        println!("{:?}: {aside} of 20 READY recorded aside", env.kind());
+        if poolipc::ready_aside() {
+            ensure!(aside >= 10, "the 10 rounds after a synchronize found the stream idle: {aside} aside");
+        } else {
+            ensure!(aside == 0, "POOLIPC_READY_ASIDE=0, yet {aside} aside");
+        }
+        let status = p.stop_worker(worker)?;
+        ensure!(status.is_some_and(|s| s.success()), "worker exit: {status:?}");
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn a_job_on_the_per_thread_default_stream_is_refused_and_the_next_goes_through(env) {
+        // The IO thread cannot reach the caller's per-thread default stream: READY would go
+        // on its own. Refused at the submit, naming the stream; the worker takes the next job.
+        let p = parent(env, ImportLimit::default())?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let worker = p.spawn_worker(worker_command(env, None)?)?;
+        let base = filled(&p, MIB, 0x0a0b_0c0d, stream)?;
+        let input = Input { ptr: base, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: true };
+        match p.submit(worker, std::slice::from_ref(&input), StreamHandle::PER_THREAD) {
+            Err(Error::InvalidStream(why)) => ensure!(why.contains("CU_STREAM_PER_THREAD"), "{why}"),
+            other => anyhow::bail!("a job on CU_STREAM_PER_THREAD: {:?}", other.map(|_| ())),
+        }
+        let out = p.run_job(worker, std::slice::from_ref(&input), stream)?;
+        for r in out.results {
+            p.pool().free(r.ptr, stream)?;
+        }
+        p.pool().free(base, stream)?;
+        d.stream_synchronize(stream)?;
+        ensure!(p.stats().jobs_failed == 0, "no job failed");
+        p.stop_worker(worker)?;
+        Ok(())
+    }
+);
+
 /// A worker killed (SIGKILL) at `step`, twice: the parent survives, the job errs, the pool's
 /// used bytes return to the baseline, the next job on a fresh worker succeeds. `after-ack`
 /// dies once the job is acknowledged: that job succeeds and the worker's next one fails.

@@ -5,7 +5,7 @@
 # "tests,tools,mps,bench,python"; "regress", this tree's bench against each baseline-*/poolipc
 # in alternated pairs, "scaling", several workers at once with 1, 2 and 4 IO threads,
 # "turns", the plain round trip by allocation size, "prime", which step before the jobs ends
-# the plain turn-taking, and "pyscaling", Python's split and torch workers at once, run only
+# the plain turn-taking, "engines", which engine the turn-taking follows, and "pyscaling", Python's split and torch workers at once, run only
 # when named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one machine call stays within
 # its time limit.
@@ -396,6 +396,29 @@ for p in "" "--prime canary"; do
   RUST_LOG=warn timeout 120 "$here/poolipc" bench --workers 8 --mps --io-threads 4 $p > "$out/prime-workers.log" 2>&1
   grep -E "^==| KiB | MiB |inputs took|canary battery|rror" "$out/prime-workers.log" >> "$summary"
 done
+fi
+stash
+if want engines; then
+# The prime part (H100, 2026-12-05) left one rule standing: the plain turn-taking (~290 us a
+# 4 KiB job) goes where the caller's stream did a copy of 1 MiB or more first (the battery,
+# POOLIPC_WARM_COPIES, a 1 MiB host copy; not 64 KiB, not a memset), and stays with touch
+# workers on streams of their own. The guess: a stream's event records and waits run on the
+# engine of its last work, a copy engine after a copy, the compute engine otherwise, and
+# two processes whose records both need the compute engine pay its context switches. Each
+# row once: the worker noop or touch (a kernel of its own), the caller's stream the legacy
+# one (which the priming uses) or its own (never primed), the priming in the order named.
+echo "--- engines: poolipc bench --workers 1 (plain), 4 KiB and 64 MiB lent again, by worker, caller stream and --prime (in order, 1 MiB)" >> "$summary"
+for mode in noop touch; do
+  for cs in legacy own; do
+    for p in "" "host-copy" "host-copy,fill" "fill,host-copy" "canary"; do
+      args=""; [ -n "$p" ] && args="--prime $p --prime-bytes 1M"
+      echo "engines: worker $mode, caller stream $cs, prime ${p:-none}" >> "$summary"
+      RUST_LOG=warn timeout 60 "$here/poolipc" bench --workers 1 --worker-mode $mode --caller-stream $cs --iterations 2000 $args > "$out/engines.log" 2>&1
+      grep -E " KiB | MiB |inputs took|rror" "$out/engines.log" >> "$summary"
+    done
+  done
+done
+rm -f "$out/engines.log"
 fi
 stash
 if want pyscaling; then

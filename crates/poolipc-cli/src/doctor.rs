@@ -452,6 +452,12 @@ fn tuning_rows(t: &mut Table) {
             poolipc::WARM_COPIES_ENV,
             "no by default, an experiment on the plain turn-taking, docs/facts.md",
         ),
+        (
+            "READY aside when idle",
+            yes_no(poolipc::ready_aside()).to_owned(),
+            poolipc::READY_ASIDE_ENV,
+            "yes by default: without MPS it spares a context switch each way, docs/facts.md",
+        ),
     ];
     for (what, value, env, rule) in rows {
         let source = match std::env::var_os(env) {
@@ -472,7 +478,7 @@ fn mps_meaning(client: Option<bool>) -> &'static str {
             "yes — processes share one GPU context: a handoff skips the GPU's turn-taking (about 40 µs round trip instead of 320 µs on an H200), and a GPU fault in any client ends every client's context, this one's too"
         }
         Some(false) => {
-            "no — each handoff waits while two processes take turns on the GPU (about 260 µs of a 330 µs round trip on an H200); for trusted workers, `poolipc mps --accept-shared-gpu-faults -- CMD` or poolipc.start_mps(accept_shared_gpu_faults=True) removes it (README: MPS)"
+            "no — a handoff whose READY must go on a stream that is still computing waits while two processes take turns on the GPU (about 260 µs of a 330 µs round trip on an H200), and several workers computing at once take turns among themselves; for trusted workers, `poolipc mps --accept-shared-gpu-faults -- CMD` or poolipc.start_mps(accept_shared_gpu_faults=True) removes it (README: MPS)"
         }
         None => "unknown (the driver does not report CU_DEVICE_ATTRIBUTE_MPS_ENABLED)",
     }

@@ -77,6 +77,7 @@ fn doctor_says_what_sets_the_parents_io_threads_and_spins_and_warns_of_a_bad_val
         .env("POOLIPC_SPIN_IN_FLIGHT_US", "lots")
         .env("POOLIPC_SPIN_YIELD", "0")
         .env("POOLIPC_WARM_COPIES", "1")
+        .env("POOLIPC_READY_ASIDE", "0")
         .output()
         .expect("run poolipc doctor");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -96,6 +97,10 @@ fn doctor_says_what_sets_the_parents_io_threads_and_spins_and_warns_of_a_bad_val
     );
     assert!(
         text.contains("startup copy of 1 MiB    yes (set by POOLIPC_WARM_COPIES)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("READY aside when idle    no (set by POOLIPC_READY_ASIDE)"),
         "{text}"
     );
     // Not a number: the default applies, and the warning names the variable and its value.

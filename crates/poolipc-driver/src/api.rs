@@ -186,6 +186,9 @@ pub trait Driver: Send + Sync {
     fn event_synchronize(&self, event: EventHandle) -> Result<()>;
     /// `cuStreamWaitEvent`.
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()>;
+    /// `cuStreamQuery`: `true` when everything queued on `stream` completed (the host is
+    /// then ordered after it, as after a synchronize), `false` on `CUDA_ERROR_NOT_READY`.
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool>;
     /// `cuStreamCreate` with `CU_STREAM_NON_BLOCKING`.
     fn stream_create(&self) -> Result<StreamHandle>;
     /// `cuStreamDestroy`. Safe code destroys a stream by dropping its

@@ -230,7 +230,9 @@ pub(crate) fn to_py_for(py: Python<'_>, e: poolipc::Error, worker: Option<u32>) 
                 ],
             )
         }
-        poolipc::Error::InvalidTensor(_) | poolipc::Error::Config(_) => PyValueError::new_err(text),
+        poolipc::Error::InvalidTensor(_)
+        | poolipc::Error::InvalidStream(_)
+        | poolipc::Error::Config(_) => PyValueError::new_err(text),
         poolipc::Error::UnknownWorker(w) => unknown_worker(py, w.0, text),
         poolipc::Error::ContextLost { .. } => ContextLostError::new_err(text),
         _ => PoolipcError::new_err(text),

@@ -36,6 +36,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A stream handle from Python, checked before it reaches any other driver call: the
 /// simulation's default stream stands for `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD`
 /// (2); any handle the driver does not know is a `ValueError` naming it.
+/// Why a job on stream 2 is refused (checked before [`checked_stream`], which maps 2 to the
+/// simulation's default stream).
+const PER_THREAD: &str = "stream 2 (CU_STREAM_PER_THREAD) names this thread's default stream, which the parent's IO thread cannot reach: pass torch.cuda.current_stream().cuda_stream or a stream's handle, or 0 for the legacy stream";
+
 fn checked_stream(driver: &dyn poolipc::Driver, raw: u64) -> PyResult<StreamHandle> {
     let s = if state::is_sim(driver) && (raw == 1 || raw == 2) {
         StreamHandle::NULL
@@ -299,6 +303,9 @@ impl NativeParent {
         wait_first: bool,
     ) -> PyResult<NativeJobHandle> {
         poolipc::probe::mark("py.submit");
+        if stream == 2 {
+            return Err(to_py(poolipc::Error::InvalidStream(PER_THREAD.into())));
+        }
         let inputs = read_inputs(&inputs, read_only)?;
         let log = Arc::new(Mutex::new(AllocLog::default()));
         let caller_alloc = alloc.is_some();
@@ -524,6 +531,7 @@ impl NativeParent {
         d.set_item("io_busy_ns", s.io_busy_ns)?;
         d.set_item("inputs_copied_back", s.inputs_copied_back)?;
         d.set_item("jobs_held_for_done", s.jobs_held_for_done)?;
+        d.set_item("ready_recorded_aside", s.ready_recorded_aside)?;
         d.set_item("done_events_open", s.done_events_open)?;
         d.set_item("export_reuse", export_reuse_name(s.export_reuse))?;
         Ok(d)

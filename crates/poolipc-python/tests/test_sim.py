@@ -1460,6 +1460,23 @@ def test_a_stream_that_is_none_of_this_process_is_a_value_error(parent):
     assert parent.read(buf.ptr, 8, stream=0) == b"\x07" * 8
 
 
+
+def test_a_job_on_the_per_thread_default_stream_is_a_value_error_naming_it(parent):
+    # CU_STREAM_PER_THREAD (2) names the calling thread's default stream; the parent's IO
+    # thread records READY and allocates results on the job's stream, and cannot reach it.
+    # Refused before anything reaches the worker, which takes the next job.
+    w = spawn(parent)
+    vals = [1.5, 2.5, 3.5, 4.5]
+    buf = f32_buffer(parent, vals)
+    ref = poolipc.TensorRef(buf.ptr, "float32", [4])
+    with pytest.raises(ValueError, match="CU_STREAM_PER_THREAD"):
+        parent.submit(w, [ref], stream=2)
+    (res,) = parent.run(w, [ref], stream=0)
+    got = parent.read(res.ptr, 16)
+    assert struct.unpack("<3f", got[4:]) == tuple(vals[1:])
+    assert parent.stop(w) == 0
+
+
 # --- VRAM goes back: empty_cache trims the pool ---------------------------------------------
 
 

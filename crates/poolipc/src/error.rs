@@ -116,6 +116,11 @@ pub enum Error {
     /// A tensor that no rung available to this worker can carry.
     #[error("no rung can carry this tensor: {0}")]
     NoRung(String),
+    /// A stream the parent cannot use for a job: `CU_STREAM_PER_THREAD` names the calling
+    /// thread's default stream, which the parent's IO thread (where READY is recorded and
+    /// results are allocated) cannot reach.
+    #[error("invalid stream: {0}")]
+    InvalidStream(String),
     /// An option that cannot work (a device listed twice, say).
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -99,7 +99,7 @@ pub use staging::{
     StagingConfig, StagingError,
 };
 pub use tensor::{Layout, ResultShape, Rung};
-pub use warm::{WARM_COPIES_ENV, asked as warm_copies};
+pub use warm::{READY_ASIDE_ENV, WARM_COPIES_ENV, asked as warm_copies, ready_aside};
 #[cfg(feature = "testing")]
 pub use worker::FAILPOINT_ENV;
 pub use worker::{

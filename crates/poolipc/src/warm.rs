@@ -1,16 +1,67 @@
-//! `POOLIPC_WARM_COPIES=1` (off by default): an experiment of issue 24's. Without MPS a parent
-//! whose workers ran the canary battery paid none of the GPU's turn-taking between processes
-//! (a 4 KiB job 21 µs, against 286 µs without the battery: H100, 2026-12-05), and in one
-//! `bench --sizes` process the rows turned fast after a 64 KiB row whose staging took four
-//! times the 4 KiB row's, as if a first copy large enough for a copy engine changed the
-//! process for good. With the variable set, the parent (at `Parent::new`) and each worker (at
-//! its handshake) copy 1 MiB to the device and back through pageable host memory once, so the
-//! bundle's `prime` part can tell whether that alone is the battery's effect. A copy that
-//! fails is logged and changes nothing else.
+//! Copy engines and the GPU's turn-taking without MPS (docs/facts.md, "Costs").
+//!
+//! - READY's record aside ([`aside_stream`], on by default, `POOLIPC_READY_ASIDE=0` turns it
+//!   off): the parent's IO thread records a job's READY on a stream of its own, primed with a
+//!   copy so that its records run on a copy engine, whenever the caller's stream has nothing
+//!   left to run. Measured on the H100 (2026-12-05): a round trip to one worker 20–37 µs with
+//!   it, 287–294 µs without.
+//! - `POOLIPC_WARM_COPIES=1` (off by default), the experiment that led there: the parent (at
+//!   `Parent::new`) and each worker (at its handshake) copy 1 MiB to the device and back
+//!   through pageable host memory once, on the legacy stream. A copy that fails is logged and
+//!   changes nothing else.
 
 use std::sync::Arc;
 
-use poolipc_driver::{DeviceAllocation, Driver};
+use poolipc_driver::{DeviceAllocation, Driver, OwnedStream};
+
+/// The environment variable that turns READY's record aside off (`0`); anything else, or
+/// unset, leaves it on: the parent's IO thread records a job's READY on a stream of its own,
+/// kept on a copy engine, whenever the caller's stream has nothing left to run (without MPS
+/// that spares the GPU a context switch each way; docs/facts.md).
+/// [`ParentStats::ready_recorded_aside`](crate::ParentStats::ready_recorded_aside) counts it.
+pub const READY_ASIDE_ENV: &str = "POOLIPC_READY_ASIDE";
+
+/// Whether [`READY_ASIDE_ENV`] leaves READY's record aside on (read once).
+#[must_use]
+pub fn ready_aside() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| crate::parent::env_number::<u8>(READY_ASIDE_ENV) != Some(0))
+}
+
+/// A stream of the IO thread's own whose last work is a copy of [`WARM_BYTES`] through
+/// pageable memory, or `None` (logged) where making it failed or [`READY_ASIDE_ENV`] is `0`.
+///
+/// Without MPS a stream's event records run on the engine of its last work (measured on
+/// the H100, driver 580, 2026-12-05; docs/facts.md): after a kernel or a memset on the compute
+/// engine, whose switch from one process's context to another's costs the round trip
+/// ~290 µs when the worker's records need it too; after a copy of 1 MiB or more (not
+/// 64 KiB) on a copy engine, where the same round trip took 20 µs, kernels in the worker or
+/// not. The IO thread records a job's READY here instead of on the caller's stream when the
+/// caller's stream has nothing left to run (`cuStreamQuery`): the job's inputs are complete
+/// then, and any event orders nothing more. The engine a record runs on is the driver's
+/// choice, not documented: on a driver that chooses otherwise the record costs what it cost
+/// on the caller's stream.
+pub(crate) fn aside_stream(driver: &Arc<dyn Driver>) -> Option<OwnedStream> {
+    if !ready_aside() {
+        return None;
+    }
+    let made = || -> poolipc_driver::Result<OwnedStream> {
+        let stream = OwnedStream::new(Arc::clone(driver))?;
+        let mem = DeviceAllocation::new(Arc::clone(driver), WARM_BYTES as u64)?;
+        let mut host = vec![0x5au8; WARM_BYTES];
+        driver.memcpy_dtoh_on(&mut host, mem.ptr(), stream.handle())?;
+        driver.memcpy_htod_on(mem.ptr(), &host, stream.handle())?;
+        mem.close()?;
+        Ok(stream)
+    };
+    match made() {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "the IO thread's READY stream could not be made: every READY goes on the caller's stream");
+            None
+        }
+    }
+}
 
 /// The environment variable: `1` makes the parent and each worker copy 1 MiB to the device
 /// and back once at startup; anything else (or unset), not.

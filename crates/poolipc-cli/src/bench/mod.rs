@@ -101,8 +101,8 @@ pub(crate) struct Args {
     /// (each worker's canary battery, as `ParentOptions::default()` runs it; the bench skips
     /// it otherwise), `staging` (one job on each worker by host staging), `fill` (a memset in
     /// the parent), `host-copy` (a device → host → device copy in the parent), each of
-    /// `--prime-bytes`, then `idle` (a second with no GPU work: does what they changed last?).
-    /// Without MPS a 4 KiB job lent again to a noop worker took 286 µs without the battery
+    /// `--prime-bytes`, and `idle` (a second with no GPU work: does what they changed last?),
+    /// in the order given (`host-copy,fill` and `fill,host-copy` differ). Without MPS a 4 KiB job lent again to a noop worker took 286 µs without the battery
     /// and 21 µs with it (H100, 2026-12-05; docs/facts.md): the other steps tell which part
     /// of the battery's work makes the difference.
     #[arg(long, requires = "workers", value_delimiter = ',', value_parser = ["canary", "staging", "host-copy", "fill", "idle"], value_name = "STEP,..")]

@@ -22,6 +22,7 @@
 mod kernels;
 mod load;
 mod result;
+mod stream_check;
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -519,6 +520,11 @@ impl Driver for CudaDriver {
         unsafe { result::stream::wait_event(stream_raw(stream), event_raw(event)) }
     }
 
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        // SAFETY: `stream` is live (the handle contract, module docs).
+        unsafe { result::stream::query(stream_raw(stream)) }
+    }
+
     fn stream_create(&self) -> Result<StreamHandle> {
         let s = result::stream::create(sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)?;
         Ok(StreamHandle(s.expose_provenance() as u64))
@@ -540,38 +546,7 @@ impl Driver for CudaDriver {
     }
 
     fn stream_check(&self, stream: StreamHandle) -> Result<()> {
-        const CALL: &str = "cuStreamQuery";
-        if stream.0 <= 2 {
-            return Ok(());
-        }
-        let bad = |reason: String| DriverError::InvalidArgument { call: CALL, reason };
-        if !stream.0.is_multiple_of(8) {
-            return Err(bad(format!(
-                "{:#x} is not a stream handle (misaligned)",
-                stream.0
-            )));
-        }
-        // A stream handle points at the driver's object in this process: the handle must be
-        // readable memory here before libcuda dereferences it (a made-up number would crash
-        // the process instead of failing the call). process_vm_readv on ourselves reads
-        // without faulting: EFAULT for an unmapped address.
-        let mut word = [0u8; 8];
-        let readable = usize::try_from(stream.0).is_ok_and(|addr| {
-            let local = [std::io::IoSliceMut::new(&mut word)];
-            let remote = [nix::sys::uio::RemoteIoVec { base: addr, len: 8 }];
-            nix::sys::uio::process_vm_readv(nix::unistd::Pid::this(), &mut { local }, &remote)
-                .is_ok_and(|n| n == 8)
-        });
-        if !readable {
-            return Err(bad(format!(
-                "{:#x} is not a stream handle of this process (no memory there)",
-                stream.0
-            )));
-        }
-        // SAFETY: the handle points at readable memory of this process (checked above); the
-        // driver validates that it is one of its streams and answers INVALID_HANDLE or
-        // INVALID_CONTEXT otherwise.
-        unsafe { result::stream::query(stream_raw(stream)) }.map(drop)
+        stream_check::check(stream)
     }
 
     fn memset_d8_async(

@@ -197,6 +197,16 @@ impl Engine {
         self.shared.cv.notify_all();
     }
 
+    /// Whether stream `slot` executed operation `seq` (what [`wait_executed`] waits for),
+    /// without waiting.
+    ///
+    /// [`wait_executed`]: Self::wait_executed
+    pub(super) fn executed(&self, slot: usize, seq: u64) -> bool {
+        let q = self.shared.lock();
+        q.executed.get(&slot).copied().unwrap_or(0) >= seq
+            || (q.streams.get(&slot).is_none_or(VecDeque::is_empty) && q.inflight != Some(slot))
+    }
+
     /// Blocks until stream `slot` executed operation `seq`.
     pub(super) fn wait_executed(&self, slot: usize, seq: u64) {
         let mut q = self.shared.lock();

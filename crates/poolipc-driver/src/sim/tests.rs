@@ -214,6 +214,48 @@ fn a_ready_event_on_another_stream_than_the_write_does_not_cover_it() {
 }
 
 #[test]
+fn a_ready_on_another_stream_covers_the_writes_of_a_stream_the_host_saw_idle() {
+    // What the parent's IO thread does when the caller's stream has nothing left to run:
+    // `cuStreamQuery` says so, and READY goes on a stream of its own. The query that said
+    // idle orders the host, so the record, after the writes.
+    let p = sim();
+    let (_pool, fd) = shared_pool(&p);
+    let ptr = p.mem_alloc_async(MIB, S).unwrap();
+    let s2 = p.stream_create().unwrap();
+    p.memset_d8_async(ptr, 1, MIB, s2).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !p.stream_query(s2).unwrap() {
+        assert!(std::time::Instant::now() < deadline, "the memset never ran");
+        std::thread::yield_now();
+    }
+    let aside = p.stream_create().unwrap();
+    let ready = p.event_create(true).unwrap();
+    p.event_record(ready, aside).unwrap();
+    let blob = p.mem_pool_export_pointer(ptr).unwrap();
+    let (w, wpool) = worker(&p, &fd);
+    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    let r = w
+        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
+        .unwrap();
+    let ws = w.stream_create().unwrap();
+    w.stream_wait_event(ws, r).unwrap();
+    w.memset_d8_async(imported, 2, 16, ws).unwrap();
+    w.stream_synchronize(ws).unwrap();
+    assert_eq!(kinds(&p), vec![]);
+}
+
+#[test]
+fn a_new_stream_is_idle_and_a_handle_never_given_is_an_error() {
+    let p = sim();
+    let s2 = p.stream_create().unwrap();
+    assert!(
+        p.stream_query(s2).unwrap(),
+        "a new stream has nothing to run"
+    );
+    assert!(p.stream_query(StreamHandle(0xdead_0000)).is_err());
+}
+
+#[test]
 fn a_host_copy_after_only_a_stream_wait_is_not_ordered() {
     // cuMemcpyDtoH runs on the legacy stream, which never waited for READY.
     let p = sim();

@@ -217,6 +217,10 @@ class ParentStats(TypedDict):
     jobs_held_for_done: int
     """Jobs acknowledged before their DONE had completed on the GPU, held by the IO thread
     (querying DONE on the host) until it had."""
+    ready_recorded_aside: int
+    """Jobs whose READY went on the IO thread's own copy-engine stream because the caller's
+    stream had nothing left to run (POOLIPC_READY_ASIDE=0 turns it off): without MPS that
+    spares the GPU a context switch each way."""
     done_events_open: int
     """The workers' DONE events the parent holds open now."""
     export_reuse: Literal["unchecked", "checking", "proven", "not_proven"]

@@ -60,9 +60,25 @@ impl Loop {
         match action {
             ParentAction::RecordReady { worker, job } => {
                 let driver = Arc::clone(&self.shared.driver);
-                if let Some(st) = self.jobs.get(&(worker, job))
-                    && let Some((ev, _)) = &st.ready
-                    && let Err(e) = driver.event_record(ev.handle(), st.stream)
+                let Some(st) = self.jobs.get(&(worker, job)) else {
+                    return;
+                };
+                let Some((ev, _)) = &st.ready else {
+                    return;
+                };
+                // The caller's stream with nothing left to run: the inputs are complete, and
+                // the record goes on the IO thread's copy-engine stream (`warm::aside_stream`:
+                // without MPS, a record on a stream whose last work was a kernel costs a
+                // context switch each way). A query that fails changes nothing: the caller's
+                // stream, as always.
+                let on = match &self.aside {
+                    Some(aside) if matches!(driver.stream_query(st.stream), Ok(true)) => {
+                        Stats::bump(&self.shared.stats.ready_recorded_aside);
+                        aside.handle()
+                    }
+                    _ => st.stream,
+                };
+                if let Err(e) = driver.event_record(ev.handle(), on)
                     && !self.escalate("recording READY", &e.into())
                 {
                     self.lose(worker, "recording READY failed");

@@ -429,6 +429,9 @@ struct Loop {
     gates: BTreeMap<(WorkerId, JobId), DoneGate>,
     /// Reaped workers' opened DONE events, kept while a job of theirs waits on one.
     dead_events: HashMap<WorkerId, DoneEvents>,
+    /// Where READY is recorded when the caller's stream has nothing left to run
+    /// ([`crate::warm::aside_stream`]); `None`: always on the caller's stream.
+    aside: Option<poolipc_driver::OwnedStream>,
 }
 
 impl Drop for Loop {
@@ -497,7 +500,9 @@ impl Loop {
             max_result_bytes_per_worker: shared.options.max_result_bytes_per_worker,
             max_job_lifetime: shared.options.max_job_lifetime,
         });
+        let aside = crate::warm::aside_stream(&shared.driver);
         Loop {
+            aside,
             shared,
             room,
             wake,

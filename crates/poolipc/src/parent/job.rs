@@ -420,6 +420,9 @@ impl JobHandle {
     }
 }
 
+/// Why a job on `CU_STREAM_PER_THREAD` is refused ([`Error::InvalidStream`]).
+pub(crate) const PER_THREAD_REFUSED: &str = "CU_STREAM_PER_THREAD (2) names the calling thread's default stream, which the parent's IO thread cannot reach: READY would be recorded on the IO thread's own default stream, not after the work that wrote the inputs. Pass the stream's own handle (torch: torch.cuda.current_stream().cuda_stream) or the legacy stream (0 or 1)";
+
 impl Parent {
     /// Submits a job: lends `inputs` to `worker` (READY recorded on `stream`) and answers its
     /// result requests from the shared pool (allocated on `stream`). Returns at once; the
@@ -431,7 +434,9 @@ impl Parent {
     /// A tensor that cannot be lent (negative strides, past its allocation, a dimension above
     /// `i64::MAX`), or a job too large for one message (more than 32 dimensions, more tensors
     /// than one frame holds: about 5000 of 2 dimensions) fails with [`Error::InvalidTensor`]
-    /// before anything reaches the worker.
+    /// before anything reaches the worker; a job on `CU_STREAM_PER_THREAD`, which the IO
+    /// thread cannot reach, with [`Error::InvalidStream`]. Where `stream` has nothing left to
+    /// run, READY goes on the IO thread's own stream instead ([`crate::READY_ASIDE_ENV`]).
     pub fn submit(
         &self,
         worker: WorkerId,
@@ -466,6 +471,9 @@ impl Parent {
         alloc: Option<ResultAllocator>,
     ) -> Result<JobHandle, Error> {
         crate::probe::mark("c.submit");
+        if stream == StreamHandle::PER_THREAD {
+            return Err(Error::InvalidStream(PER_THREAD_REFUSED.into()));
+        }
         // What needs no driver is checked here, so a bad tensor fails at the caller.
         for (i, input) in inputs.iter().enumerate() {
             input

@@ -345,6 +345,7 @@ impl Parent {
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),
             jobs_held_for_done: get(&s.jobs_held_for_done),
+            ready_recorded_aside: get(&s.ready_recorded_aside),
             done_events_open: self
                 .shared
                 .rooms

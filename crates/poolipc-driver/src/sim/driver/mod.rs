@@ -202,6 +202,10 @@ impl Driver for SimDriver {
         stream::create(self)
     }
 
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        stream::query(self, stream)
+    }
+
     unsafe fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
         self.stream_destroy_checked(stream)
     }

@@ -93,6 +93,31 @@ pub(super) fn check(d: &SimDriver, stream: StreamHandle) -> Result<()> {
     }
 }
 
+/// `cuStreamQuery`: whether everything issued to the stream ran; a stream that did orders
+/// the host after its work, as a synchronize does (without the synchronize's pool release).
+pub(super) fn query(d: &SimDriver, stream: StreamHandle) -> Result<bool> {
+    d.check_context("cuStreamQuery")?;
+    const CALL: &str = "cuStreamQuery";
+    let (s, last) = {
+        let mut l = d.local();
+        let l = &mut *l;
+        d.machine.with(|st| {
+            let s = d.stream_slot(l, st, CALL, stream)?;
+            Ok((s, st.streams[s].clock[s]))
+        })?
+    };
+    if !d.engine.executed(s, last) {
+        return Ok(false);
+    }
+    let mut l = d.local();
+    let l = &mut *l;
+    d.machine.with(|st| {
+        let clock = st.streams[s].clock;
+        host_learns(&mut l.host_clock, &mut st.observed, &clock);
+    });
+    Ok(true)
+}
+
 /// `cuStreamSynchronize`.
 pub(super) fn synchronize(d: &SimDriver, stream: StreamHandle) -> Result<()> {
     d.check_context("cuStreamSynchronize")?;
