@@ -5,8 +5,10 @@
 # "tests,tools,mps,bench,python"; "regress", this tree's bench against each baseline-*/poolipc
 # in alternated pairs, "scaling", several workers at once with 1, 2 and 4 IO threads,
 # "turns", the plain round trip by allocation size, "prime", which step before the jobs ends
-# the plain turn-taking, "engines", which engine the turn-taking follows, and "pyscaling", Python's split and torch workers at once, run only
-# when named);
+# the plain turn-taking, "engines", which engine the turn-taking follows, "aside", READY's
+# record aside on and off (Rust and torch workers; "asidepy" adds the Python binding against
+# torch.multiprocessing by size), and "pyscaling", Python's split and torch workers at once,
+# run only when named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one machine call stays within
 # its time limit.
 set -u
@@ -419,6 +421,35 @@ for mode in noop touch; do
   done
 done
 rm -f "$out/engines.log"
+fi
+if want aside || want asidepy; then
+# READY recorded aside (stop 36): the caller's stream idle, READY goes on the IO thread's
+# copy-engine stream. On and off (POOLIPC_READY_ASIDE=1/0) alternated twice, plainly: one
+# worker and several (Rust, touch workers on their own streams), torch workers from Python,
+# and the Python binding against torch.multiprocessing by size (lent again: the aside's case;
+# a new allocation: its READY follows the allocation on the caller's stream).
+echo "--- aside: poolipc bench --workers 8 (plain), POOLIPC_READY_ASIDE 1 / 0 alternated twice" >> "$summary"
+for r in 1 2; do
+  for a in 1 0; do
+    echo "aside=$a pass $r" >> "$summary"
+    POOLIPC_READY_ASIDE=$a RUST_LOG=warn timeout 80 "$here/poolipc" bench --workers 8 > "$out/aside.log" 2>&1
+    grep -E " KiB | MiB |aside|rror" "$out/aside.log" >> "$summary"
+  done
+done
+if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
+  [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/aside-pip.log" 2>&1
+  for a in 1 0; do
+    if want asidepy; then
+      echo "--- aside=$a: bench/pybench.py (plain), the binding against torch.multiprocessing" >> "$summary"
+      ( cd "$repo" && POOLIPC_READY_ASIDE=$a PYTHONPATH=/tmp/poolipc-site timeout 240 python3 bench/pybench.py ) > "$out/aside-py.log" 2>&1
+      echo "pybench exit: $?" >> "$summary"; grep -vE "INFO|^$" "$out/aside-py.log" | tail -16 >> "$summary"
+    fi
+    echo "--- aside=$a: bench/pybench.py --workers 4 (plain, torch workers)" >> "$summary"
+    ( cd "$repo" && POOLIPC_READY_ASIDE=$a PYTHONPATH=/tmp/poolipc-site timeout 100 python3 bench/pybench.py --workers 4 ) > "$out/aside-py.log" 2>&1
+    grep -vE "INFO|^$" "$out/aside-py.log" | tail -8 >> "$summary"
+  done
+fi
+rm -f "$out/aside.log" "$out/aside-py.log"
 fi
 stash
 if want pyscaling; then

@@ -421,12 +421,13 @@ fn tuning_rows(t: &mut Table) {
     let defaults = poolipc::ParentOptions::default();
     let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let spin_rule = format!("the default with {cpus} CPUs: none below 4");
+    let io_rule = format!("the default with {cpus} CPUs: one per 4, 1 to 4");
     let rows = [
         (
             "parent IO threads",
             defaults.io_threads.to_string(),
             poolipc::IO_THREADS_ENV,
-            "the default",
+            io_rule.as_str(),
         ),
         (
             "parent spin when idle",

@@ -203,7 +203,11 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
     }
     let (driver, child_env, which) = crate::demo::open_driver(args.sim, args.device)?;
     let mut rows = Vec::new();
-    let io_threads = args.io_threads.first().copied().unwrap_or(1);
+    let io_threads = args
+        .io_threads
+        .first()
+        .copied()
+        .unwrap_or_else(|| poolipc::ParentOptions::default().io_threads);
     let mps = table(
         args,
         max_workers,
@@ -349,15 +353,17 @@ fn bench_child(args: &Args, max_workers: usize, io_threads: &[usize]) -> Result<
         .arg("--worker-mode")
         .arg(&args.worker_mode)
         .arg("--caller-stream")
-        .arg(&args.caller_stream)
-        .arg("--io-threads")
-        .arg(
+        .arg(&args.caller_stream);
+    // None given: the child takes the library's default, as this process would.
+    if !io_threads.is_empty() {
+        c.arg("--io-threads").arg(
             io_threads
                 .iter()
                 .map(ToString::to_string)
                 .collect::<Vec<_>>()
                 .join(","),
         );
+    }
     if let Some(n) = args.iterations {
         c.arg("--iterations").arg(n.to_string());
     }

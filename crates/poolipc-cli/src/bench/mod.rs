@@ -112,8 +112,9 @@ pub(crate) struct Args {
     pub(crate) prime_bytes: u64,
     /// (with --workers) The parent's IO threads (`ParentOptions::io_threads`), one table
     /// each, in the same run (each from a process of its own): `--io-threads 1,2,4`.
-    /// Default: 1. With `--json-out PATH` and several counts, each writes `PATH.io<n>`.
-    #[arg(long, value_delimiter = ',', default_value = "1", value_name = "N,..")]
+    /// Default: the library's (`POOLIPC_IO_THREADS`, else one per 4 CPUs, 1 to 4). With
+    /// `--json-out PATH` and several counts, each writes `PATH.io<n>`.
+    #[arg(long, value_delimiter = ',', value_name = "N,..")]
     pub(crate) io_threads: Vec<usize>,
 }
 

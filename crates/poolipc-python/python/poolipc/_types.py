@@ -115,10 +115,10 @@ class ParentConfig(TypedDict, total=False):
     chooses one worker's trust.
 
     ``io_threads``: how many IO threads serve the workers, each its own share of them (1 to
-    64; by default ``POOLIPC_IO_THREADS``, else 1). One IO thread serves every worker by
-    default; ``stats()["io_busy_ns"]`` growing near the wall time says it limits several
-    workers at once, and more threads then lift that limit (each spins its own CPU while jobs
-    run)."""
+    64; by default ``POOLIPC_IO_THREADS``, else one per 4 CPUs, 1 to 4).
+    ``stats()["io_busy_ns"]`` growing near the wall time says they limit several workers at
+    once, and more threads then lift that limit (each spins its own CPU while its workers'
+    jobs run)."""
 
     handoff_timeout: float | None
     stop_timeout: float | None
