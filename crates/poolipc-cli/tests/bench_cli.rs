@@ -268,10 +268,13 @@ fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
     assert_eq!(rows, 4, "two rows of 4 KiB per table:\n{text}");
     let err = bench_refused(&["--sim", "--workers", "0"]);
     assert!(err.contains("--workers 0: give 1 to 64"), "{err}");
-    // The callers on the legacy stream: said in the header, rows as before.
+    // The callers on the legacy stream: said in the header, rows as before. One IO thread
+    // named: the default depends on the machine's CPUs (4 on a 16-core GPU host).
     let text = bench_ok(&[
         "--sim",
         "--workers",
+        "1",
+        "--io-threads",
         "1",
         "--iterations",
         "5",
