@@ -125,6 +125,41 @@ both_drivers!(
     }
 );
 
+/// Twenty rounds of `cases()[0]`, each a fresh allocation filled on `stream` with the case's
+/// pattern XOR `vary(round)`, lent to `worker` on `stream` (synchronized first where
+/// `sync_first(round)`), its echoed result read back and checked byte by byte, both freed.
+fn echo_rounds(
+    p: &Parent,
+    worker: poolipc::WorkerId,
+    stream: StreamHandle,
+    vary: impl Fn(u32) -> u32,
+    sync_first: impl Fn(u32) -> bool,
+) -> Result<()> {
+    let d = p.driver();
+    let c = &cases()[0];
+    for round in 0..20u32 {
+        let pattern = c.pattern ^ vary(round);
+        let base = filled(p, c.alloc, pattern, stream)?;
+        if sync_first(round) {
+            d.stream_synchronize(stream)?;
+        }
+        let input = Input {
+            ptr: base,
+            desc: c.desc.clone(),
+            read_only: false,
+        };
+        let out = p.run_job(worker, std::slice::from_ref(&input), stream)?;
+        d.stream_synchronize(stream)?;
+        let bytes = c.desc.extent_bytes()?;
+        let got = read(&**d, out.results[0].ptr, bytes as usize)?;
+        ensure_echoed(&got, 0, pattern, 0, &format!("round {round}"))?;
+        p.pool().free(out.results[0].ptr, stream)?;
+        p.pool().free(base, stream)?;
+    }
+    d.stream_synchronize(stream)?;
+    Ok(())
+}
+
 both_drivers!(
     fn a_worker_that_looks_at_ready_on_the_host_first_gets_every_byte_right(env) {
         // `POOLIPC_WORKER_READY_QUERY=1`: where READY completed already the worker's stream
@@ -136,20 +171,7 @@ both_drivers!(
         let mut cmd = worker_command(env, None)?;
         cmd.env(poolipc::WORKER_READY_QUERY_ENV, "1");
         let worker = p.spawn_worker(cmd)?;
-        let c = &cases()[0];
-        for round in 0..20u32 {
-            let pattern = c.pattern ^ round;
-            let base = filled(&p, c.alloc, pattern, stream)?;
-            let input = Input { ptr: base, desc: c.desc.clone(), read_only: false };
-            let out = p.run_job(worker, std::slice::from_ref(&input), stream)?;
-            d.stream_synchronize(stream)?;
-            let bytes = c.desc.extent_bytes()?;
-            let got = read(&*d, out.results[0].ptr, bytes as usize)?;
-            ensure_echoed(&got, 0, pattern, 0, &format!("round {round}"))?;
-            p.pool().free(out.results[0].ptr, stream)?;
-            p.pool().free(base, stream)?;
-        }
-        d.stream_synchronize(stream)?;
+        echo_rounds(&p, worker, stream, |round| round, |_| false)?;
         let status = p.stop_worker(worker)?;
         ensure!(status.is_some_and(|s| s.success()), "worker exit: {status:?}");
         Ok(())
@@ -166,24 +188,8 @@ both_drivers!(
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
         let worker = p.spawn_worker(worker_command(env, None)?)?;
-        let c = &cases()[0];
         let aside_before = p.stats().ready_recorded_aside;
-        for round in 0..20u32 {
-            let pattern = c.pattern ^ (round * 0x0101_0101);
-            let base = filled(&p, c.alloc, pattern, stream)?;
-            if round % 2 == 0 {
-                d.stream_synchronize(stream)?;
-            }
-            let input = Input { ptr: base, desc: c.desc.clone(), read_only: false };
-            let out = p.run_job(worker, std::slice::from_ref(&input), stream)?;
-            d.stream_synchronize(stream)?;
-            let bytes = c.desc.extent_bytes()?;
-            let got = read(&*d, out.results[0].ptr, bytes as usize)?;
-            ensure_echoed(&got, 0, pattern, 0, &format!("round {round}"))?;
-            p.pool().free(out.results[0].ptr, stream)?;
-            p.pool().free(base, stream)?;
-        }
-        d.stream_synchronize(stream)?;
+        echo_rounds(&p, worker, stream, |round| round * 0x0101_0101, |round| round % 2 == 0)?;
         let aside = p.stats().ready_recorded_aside - aside_before;
         println!("{:?}: {aside} of 20 READY recorded aside", env.kind());
         if poolipc::ready_aside() {

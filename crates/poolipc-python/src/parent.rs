@@ -36,10 +36,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A stream handle from Python, checked before it reaches any other driver call: the
 /// simulation's default stream stands for `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD`
 /// (2); any handle the driver does not know is a `ValueError` naming it.
-/// Why a job on stream 2 is refused (checked before [`checked_stream`], which maps 2 to the
-/// simulation's default stream).
-const PER_THREAD: &str = "stream 2 (CU_STREAM_PER_THREAD) names this thread's default stream, which the parent's IO thread cannot reach: pass torch.cuda.current_stream().cuda_stream or a stream's handle, or 0 for the legacy stream";
-
 fn checked_stream(driver: &dyn poolipc::Driver, raw: u64) -> PyResult<StreamHandle> {
     let s = if state::is_sim(driver) && (raw == 1 || raw == 2) {
         StreamHandle::NULL
@@ -303,16 +299,19 @@ impl NativeParent {
         wait_first: bool,
     ) -> PyResult<NativeJobHandle> {
         poolipc::probe::mark("py.submit");
-        if stream == 2 {
-            return Err(to_py(poolipc::Error::InvalidStream(PER_THREAD.into())));
-        }
         let inputs = read_inputs(&inputs, read_only)?;
         let log = Arc::new(Mutex::new(AllocLog::default()));
         let caller_alloc = alloc.is_some();
         let alloc = alloc.map(|f| python_allocator(f, Arc::clone(&log)));
         let g = Arc::clone(&self.g);
         let _on = self.g.on_device().map_err(driver_err)?;
-        let stream = checked_stream(&*g.driver, stream)?;
+        // CU_STREAM_PER_THREAD goes to the facade as it is (not mapped as `checked_stream`
+        // maps it on the simulation): the facade refuses a job on it, naming why.
+        let stream = if stream == 2 {
+            StreamHandle::PER_THREAD
+        } else {
+            checked_stream(&*g.driver, stream)?
+        };
         let (id, handle, answer) = py
             .detach(move || {
                 // The device was pushed on this thread above.

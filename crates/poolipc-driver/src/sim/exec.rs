@@ -89,6 +89,17 @@ struct Queues {
     inflight: Option<usize>,
 }
 
+impl Queues {
+    /// Whether stream `slot` executed operation `seq`, or has nothing of it left queued
+    /// here: it ran (or was dropped) already, or it was issued by another simulated process
+    /// sharing the slot number.
+    fn ran(&self, slot: usize, seq: u64) -> bool {
+        self.executed.get(&slot).copied().unwrap_or(0) >= seq
+            || (self.streams.get(&slot).is_none_or(VecDeque::is_empty)
+                && self.inflight != Some(slot))
+    }
+}
+
 struct Shared {
     q: Mutex<Queues>,
     cv: Condvar,
@@ -202,21 +213,14 @@ impl Engine {
     ///
     /// [`wait_executed`]: Self::wait_executed
     pub(super) fn executed(&self, slot: usize, seq: u64) -> bool {
-        let q = self.shared.lock();
-        q.executed.get(&slot).copied().unwrap_or(0) >= seq
-            || (q.streams.get(&slot).is_none_or(VecDeque::is_empty) && q.inflight != Some(slot))
+        self.shared.lock().ran(slot, seq)
     }
 
     /// Blocks until stream `slot` executed operation `seq`.
     pub(super) fn wait_executed(&self, slot: usize, seq: u64) {
         let mut q = self.shared.lock();
         loop {
-            if q.executed.get(&slot).copied().unwrap_or(0) >= seq {
-                return;
-            }
-            // Nothing of that stream left queued here: it ran (or was dropped) already, or
-            // it was issued by another simulated process sharing the slot number.
-            if q.streams.get(&slot).is_none_or(VecDeque::is_empty) && q.inflight != Some(slot) {
+            if q.ran(slot, seq) {
                 return;
             }
             q = self

@@ -40,6 +40,26 @@ fn worker(parent: &SimDriver, fd: &OwnedFd) -> (SimDriver, PoolHandle) {
     (w, pool)
 }
 
+/// A worker that imports `ptr`'s export, waits on its stream for the parent's `ready` and
+/// writes 16 bytes there: returns the worker and its stream.
+fn worker_writes_after(
+    p: &SimDriver,
+    fd: &OwnedFd,
+    ptr: DevicePtr,
+    ready: crate::types::EventHandle,
+) -> (SimDriver, StreamHandle) {
+    let blob = p.mem_pool_export_pointer(ptr).unwrap();
+    let (w, wpool) = worker(p, fd);
+    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
+    let r = w
+        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
+        .unwrap();
+    let ws = w.stream_create().unwrap();
+    w.stream_wait_event(ws, r).unwrap();
+    w.memset_d8_async(imported, 2, 16, ws).unwrap();
+    (w, ws)
+}
+
 fn kinds(d: &SimDriver) -> Vec<ViolationKind> {
     d.violations().iter().map(|v| v.kind).collect()
 }
@@ -180,15 +200,7 @@ fn an_importer_waiting_on_an_event_recorded_before_the_last_write_is_recorded() 
     let ready = p.event_create(true).unwrap();
     p.event_record(ready, S).unwrap();
     p.memset_d8_async(ptr, 1, MIB, S).unwrap(); // after READY: not covered
-    let blob = p.mem_pool_export_pointer(ptr).unwrap();
-    let (w, wpool) = worker(&p, &fd);
-    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
-    let r = w
-        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
-        .unwrap();
-    let ws = w.stream_create().unwrap();
-    w.stream_wait_event(ws, r).unwrap();
-    w.memset_d8_async(imported, 2, 16, ws).unwrap();
+    let _worker = worker_writes_after(&p, &fd, ptr, ready);
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
 }
 
@@ -201,15 +213,7 @@ fn a_ready_event_on_another_stream_than_the_write_does_not_cover_it() {
     p.memset_d8_async(ptr, 1, MIB, s2).unwrap();
     let ready = p.event_create(true).unwrap();
     p.event_record(ready, S).unwrap(); // S never waited for s2
-    let blob = p.mem_pool_export_pointer(ptr).unwrap();
-    let (w, wpool) = worker(&p, &fd);
-    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
-    let r = w
-        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
-        .unwrap();
-    let ws = w.stream_create().unwrap();
-    w.stream_wait_event(ws, r).unwrap();
-    w.memset_d8_async(imported, 2, 16, ws).unwrap();
+    let _worker = worker_writes_after(&p, &fd, ptr, ready);
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
 }
 
@@ -231,15 +235,7 @@ fn a_ready_on_another_stream_covers_the_writes_of_a_stream_the_host_saw_idle() {
     let aside = p.stream_create().unwrap();
     let ready = p.event_create(true).unwrap();
     p.event_record(ready, aside).unwrap();
-    let blob = p.mem_pool_export_pointer(ptr).unwrap();
-    let (w, wpool) = worker(&p, &fd);
-    let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
-    let r = w
-        .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
-        .unwrap();
-    let ws = w.stream_create().unwrap();
-    w.stream_wait_event(ws, r).unwrap();
-    w.memset_d8_async(imported, 2, 16, ws).unwrap();
+    let (w, ws) = worker_writes_after(&p, &fd, ptr, ready);
     w.stream_synchronize(ws).unwrap();
     assert_eq!(kinds(&p), vec![]);
 }

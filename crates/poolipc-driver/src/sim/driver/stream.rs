@@ -97,48 +97,45 @@ pub(super) fn check(d: &SimDriver, stream: StreamHandle) -> Result<()> {
 /// the host after its work, as a synchronize does (without the synchronize's pool release).
 pub(super) fn query(d: &SimDriver, stream: StreamHandle) -> Result<bool> {
     d.check_context("cuStreamQuery")?;
-    const CALL: &str = "cuStreamQuery";
-    let (s, last) = {
-        let mut l = d.local();
-        let l = &mut *l;
-        d.machine.with(|st| {
-            let s = d.stream_slot(l, st, CALL, stream)?;
-            Ok((s, st.streams[s].clock[s]))
-        })?
-    };
+    let (s, last) = last_issued(d, "cuStreamQuery", stream)?;
     if !d.engine.executed(s, last) {
         return Ok(false);
     }
-    let mut l = d.local();
-    let l = &mut *l;
-    d.machine.with(|st| {
-        let clock = st.streams[s].clock;
-        host_learns(&mut l.host_clock, &mut st.observed, &clock);
-    });
+    host_learns_stream(d, s, false);
     Ok(true)
 }
 
 /// `cuStreamSynchronize`.
 pub(super) fn synchronize(d: &SimDriver, stream: StreamHandle) -> Result<()> {
     d.check_context("cuStreamSynchronize")?;
-    const CALL: &str = "cuStreamSynchronize";
-    let (s, last) = {
-        let mut l = d.local();
-        let l = &mut *l;
-        d.machine.with(|st| {
-            let s = d.stream_slot(l, st, CALL, stream)?;
-            Ok((s, st.streams[s].clock[s]))
-        })?
-    };
+    let (s, last) = last_issued(d, "cuStreamSynchronize", stream)?;
     d.engine.wait_executed(s, last);
+    host_learns_stream(d, s, true);
+    Ok(())
+}
+
+/// The machine slot of `stream` and the sequence number of the last operation issued to it.
+fn last_issued(d: &SimDriver, call: &'static str, stream: StreamHandle) -> Result<(usize, u64)> {
+    let mut l = d.local();
+    let l = &mut *l;
+    d.machine.with(|st| {
+        let s = d.stream_slot(l, st, call, stream)?;
+        Ok((s, st.streams[s].clock[s]))
+    })
+}
+
+/// The host, having seen stream slot `s` run everything issued to it, is ordered after it;
+/// with `release`, the pools give back what a synchronize releases.
+fn host_learns_stream(d: &SimDriver, s: usize, release: bool) {
     let mut l = d.local();
     let l = &mut *l;
     d.machine.with(|st| {
         let clock = st.streams[s].clock;
         host_learns(&mut l.host_clock, &mut st.observed, &clock);
-        d.release_at_sync(l, st);
+        if release {
+            d.release_at_sync(l, st);
+        }
     });
-    Ok(())
 }
 
 impl SimDriver {
