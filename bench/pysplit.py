@@ -22,7 +22,7 @@ With ``--workers N``: jobs per second with 1, 2, 4 .. N Python threads at once, 
 own torch-free Python worker and 4 KiB buffer (the legacy stream, as above), beside
 ``poolipc bench --workers N`` with its callers on the legacy stream, in the same run: how the
 binding scales (the GIL) without torch's own cost in the way (``bench/pybench.py --workers``
-has it).
+has it); and the same Python threads with Rust echo workers, the parent's side alone.
 
 On the GPU, run it under MPS too (`poolipc mps -- python3 bench/pysplit.py`): issue 24's
 target is python -> python within 15 us of rust -> rust, plainly and under MPS.
@@ -189,16 +189,27 @@ def scaling(workers: int, jobs: int, as_json: bool) -> int:
     finally:
         for w in ws:
             parent.stop(w)
+    # The same Python threads with Rust echo workers: the parent's side alone (its GIL).
+    ws = [parent.spawn([bin_, "__demo-worker"], {"POOLIPC_WORKER_MODE": "noop"}) for _ in range(workers)]
+    try:
+        py_rust = python_rates(parent, ws, jobs)
+    finally:
+        for w in ws:
+            parent.stop(w)
     if as_json:
-        print(json.dumps({"driver": parent.driver, "python": py, "rust": rust}))
+        print(json.dumps({"driver": parent.driver, "python": py, "python_rust": py_rust, "rust": rust}))
         return 0
+
+    def cell(rates: dict, n: int, width: int) -> str:
+        v = rates.get(n)
+        x = f"{v / rates[1]:6.2f}x" if v and rates.get(1) else ""
+        return f"{'' if v is None else f'{v:{width}.0f}'} {x:>7}"
+
     print(f"4 KiB lent again, N threads at once each with its own worker, {jobs} jobs each, {parent.driver}:")
-    print(f"  {'workers':>8} {'python jobs/s':>14} {'x one':>7} {'rust jobs/s':>12} {'x one':>7}")
+    print(f"  {'workers':>8} {'python jobs/s':>14} {'x one':>7} {'py->rust jobs/s':>16} {'x one':>7} {'rust jobs/s':>12} {'x one':>7}")
     for n in counts(workers):
-        p, r = py.get(n), rust.get(n)
-        px = f"{p / py[1]:6.2f}x" if p and py.get(1) else ""
-        rx = f"{r / rust[1]:6.2f}x" if r and rust.get(1) else ""
-        print(f"  {n:>8} {'' if p is None else f'{p:14.0f}'} {px:>7} {'' if r is None else f'{r:12.0f}'} {rx:>7}")
+        print(f"  {n:>8} {cell(py, n, 14)} {cell(py_rust, n, 16)} {cell(rust or {}, n, 12)}")
+    print("  python: Python threads and Python workers; py->rust: the same threads, Rust echo workers")
     return 0
 
 
