@@ -486,11 +486,26 @@ both_drivers!(
             ensure!(std::time::Instant::now() < until, "only {started} of 2 jobs started");
             std::thread::sleep(Duration::from_millis(5));
         }
+        // Both lent and neither ended: the parent counts two workers busy at once.
+        let st = p.stats();
+        ensure!(
+            (st.workers_busy, st.most_workers_busy) == (2, 2),
+            "busy now / at most: {} / {}",
+            st.workers_busy,
+            st.most_workers_busy
+        );
         std::fs::write(dir.join("go"), b"")?;
         for t in threads {
             let rung = t.join().map_err(|_| anyhow::anyhow!("a job thread panicked"))??;
             ensure!(rung == Rung::PoolPointer);
         }
+        let st = p.stats();
+        ensure!(
+            (st.workers_busy, st.most_workers_busy) == (0, 2),
+            "after the jobs, busy now / at most: {} / {}",
+            st.workers_busy,
+            st.most_workers_busy
+        );
         for w in workers {
             p.stop_worker(w)?;
         }

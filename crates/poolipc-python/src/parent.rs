@@ -25,6 +25,7 @@ use crate::state::{self, Global};
 mod allocator;
 mod inputs;
 mod outcome;
+mod stats;
 
 use allocator::{AllocLog, python_allocator};
 use inputs::{buffer_shape, read_inputs};
@@ -512,28 +513,7 @@ impl NativeParent {
 
     /// The parent's counters (a dict); never waits for a job.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.g.parent.stats();
-        let d = PyDict::new(py);
-        d.set_item("workers_connected", s.workers_connected)?;
-        d.set_item("workers_lost", s.workers_lost)?;
-        d.set_item("jobs_submitted", s.jobs_submitted)?;
-        d.set_item("jobs_completed", s.jobs_completed)?;
-        d.set_item("jobs_failed", s.jobs_failed)?;
-        d.set_item("pool_pointer_tensors", s.pool_pointer_tensors)?;
-        d.set_item("host_staged_tensors", s.host_staged_tensors)?;
-        d.set_item("arena_results", s.arena_results)?;
-        d.set_item("arena_copied_inputs", s.arena_copied_inputs)?;
-        d.set_item("arena_slices_lent", s.arena_slices_lent)?;
-        d.set_item("arena_results_carved", s.arena_results_carved)?;
-        d.set_item("vmm_handle_tensors", s.vmm_handle_tensors)?;
-        d.set_item("vmm_handles_shared", s.vmm_handles_shared)?;
-        d.set_item("io_busy_ns", s.io_busy_ns)?;
-        d.set_item("inputs_copied_back", s.inputs_copied_back)?;
-        d.set_item("jobs_held_for_done", s.jobs_held_for_done)?;
-        d.set_item("ready_recorded_aside", s.ready_recorded_aside)?;
-        d.set_item("done_events_open", s.done_events_open)?;
-        d.set_item("export_reuse", export_reuse_name(s.export_reuse))?;
-        Ok(d)
+        stats::to_dict(py, &self.g.parent.stats())
     }
 
     /// Lends every job placed from now on a slice of the result arena of `nbytes` (0: none),
@@ -782,18 +762,5 @@ impl NativeParent {
         let stream = checked_stream(&*g.driver, stream)?;
         py.detach(move || g.driver.stream_synchronize(stream))
             .map_err(driver_err)
-    }
-}
-
-/// `ParentStats::export_reuse` as `stats()` names it.
-fn export_reuse_name(reuse: poolipc_pool::ExportReuse) -> &'static str {
-    use poolipc_pool::ExportReuse;
-    match reuse {
-        ExportReuse::Unchecked => "unchecked",
-        ExportReuse::Checking => "checking",
-        ExportReuse::Proven => "proven",
-        ExportReuse::NotProven => "not_proven",
-        // A state a later poolipc-pool adds: said as it says it.
-        _ => "unknown",
     }
 }

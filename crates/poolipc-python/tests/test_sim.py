@@ -111,6 +111,8 @@ def test_stats_has_every_counter_its_typed_dict_names_and_says_export_reuse_was_
     counters = {k: v for k, v in stats.items() if k != "export_reuse"}
     assert all(isinstance(v, int) and v >= 0 for v in counters.values()), counters
     assert stats["jobs_completed"] >= 1 and stats["pool_pointer_tensors"] >= 1
+    # The job ended before run returned: no worker busy now, one at most so far.
+    assert stats["workers_busy"] == 0 and stats["most_workers_busy"] >= 1, stats
     # The canary battery of the pool's first worker ran the check; the simulated driver
     # behaves as driver 580 does (an old blob reaches a new allocation of its size).
     assert stats["export_reuse"] == "proven", stats

@@ -221,6 +221,11 @@ class ParentStats(TypedDict):
     """Jobs whose READY went on the IO thread's own copy-engine stream because the caller's
     stream had nothing left to run (POOLIPC_READY_ASIDE=0 turns it off): without MPS that
     spares the GPU a context switch each way."""
+    workers_busy: int
+    """Workers with a job in flight now."""
+    most_workers_busy: int
+    """The most workers that had a job in flight at once. Without MPS workers that compute at
+    once take turns on the GPU; the parent logs it once when two first are (see README: MPS)."""
     done_events_open: int
     """The workers' DONE events the parent holds open now."""
     export_reuse: Literal["unchecked", "checking", "proven", "not_proven"]

@@ -242,6 +242,9 @@ impl Loop {
         if let Some(s) = self.workers.get_mut(&worker) {
             s.in_flight += 1;
             s.staged_in_flight |= staged;
+            if s.in_flight == 1 {
+                self.worker_busy(true);
+            }
         }
         let Submission {
             stream,

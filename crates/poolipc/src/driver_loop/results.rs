@@ -452,9 +452,13 @@ impl Loop {
             self.give_ready(worker, ready);
         }
         if let Some(s) = self.workers.get_mut(&worker) {
+            let was = s.in_flight;
             s.in_flight = s.in_flight.saturating_sub(1);
             if st.staged {
                 s.staged_in_flight = false;
+            }
+            if was == 1 {
+                self.worker_busy(false);
             }
         }
         if st.staged {

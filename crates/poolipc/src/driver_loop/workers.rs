@@ -191,6 +191,34 @@ impl Loop {
         }
     }
 
+    /// One more worker has a job in flight (`busy`), or one fewer: counts the workers busy
+    /// at once across the rooms, and the first time two are, in a process that is not an MPS
+    /// client, says once why they will take turns on the GPU and what removes it.
+    pub(super) fn worker_busy(&self, busy: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = &self.shared.stats;
+        if !busy {
+            // Never below 0 (a miscount would say so in the stats, not wrap).
+            let _ = s
+                .workers_busy
+                .fetch_update(Relaxed, Relaxed, |n| Some(n.saturating_sub(1)));
+            return;
+        }
+        let now = s.workers_busy.fetch_add(1, Relaxed) + 1;
+        s.most_workers_busy.fetch_max(now, Relaxed);
+        if now >= 2 && self.shared.mps_client == Some(false) && !s.turns_said.swap(true, Relaxed) {
+            tracing::info!(
+                workers_busy = now,
+                "poolipc: {now} workers have jobs at once and this process is not an MPS client: \
+                 the GPU runs one process's context at a time, so workers that compute take \
+                 turns (on an H100, workers running a kernel a job: about 36000 jobs/s for one \
+                 alone, about 7200 for two or more together); under MPS they run at once: `poolipc mps --accept-shared-gpu-faults \
+                 -- CMD` or poolipc.start_mps(accept_shared_gpu_faults=True) for trusted \
+                 workers (README: MPS). ParentStats::most_workers_busy counts them"
+            );
+        }
+    }
+
     /// Kills (if asked) and waits for the worker, closes everything the loop held of it
     /// (socket, events, staging buffer), then tells the contract, which releases what the
     /// worker held and fails its jobs. The jobs end after the slot is gone, so a caller that
@@ -200,6 +228,10 @@ impl Loop {
         let Some(mut slot) = self.workers.remove(&worker) else {
             return;
         };
+        if slot.in_flight > 0 {
+            // Its jobs end without it (they fail below): it is busy no more.
+            self.worker_busy(false);
+        }
         let status = match slot.child.as_mut() {
             Some(c) => {
                 if kill {

@@ -346,6 +346,8 @@ impl Parent {
             inputs_copied_back: get(&s.inputs_copied_back),
             jobs_held_for_done: get(&s.jobs_held_for_done),
             ready_recorded_aside: get(&s.ready_recorded_aside),
+            workers_busy: get(&s.workers_busy),
+            most_workers_busy: get(&s.most_workers_busy),
             done_events_open: self
                 .shared
                 .rooms

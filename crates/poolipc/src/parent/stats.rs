@@ -137,6 +137,15 @@ pub struct ParentStats {
     /// context switch each way (a 4 KiB round trip ~290 → ~20 µs on the H100). The others'
     /// READY went on the caller's stream.
     pub ready_recorded_aside: u64,
+    /// Workers with a job in flight now (lent, not yet ended), as the IO threads last
+    /// counted them.
+    pub workers_busy: u64,
+    /// The most workers that had a job in flight at once since the parent started. Without
+    /// MPS the GPU runs one process's context at a time, so workers that compute at once
+    /// take turns (on an H100, workers running a kernel a job: about 36000 jobs/s for one
+    /// alone, about 7200 for two or more together); the first time two are busy in a process that is not an MPS client, the
+    /// parent says so once in its log, with what to do (`poolipc mps`).
+    pub most_workers_busy: u64,
     /// The workers' DONE events the parent holds open now (as the IO thread last counted
     /// them): at most [`ParentOptions::max_open_done_events`](crate::ParentOptions::max_open_done_events) per worker.
     pub done_events_open: u64,
@@ -179,6 +188,10 @@ pub(crate) struct Stats {
     pub(crate) jobs_held_for_done: AtomicU64,
     pub(crate) ready_recorded_aside: AtomicU64,
     pub(crate) io_busy_ns: AtomicU64,
+    pub(crate) workers_busy: AtomicU64,
+    pub(crate) most_workers_busy: AtomicU64,
+    /// Whether the log has said that busy workers take turns without MPS (once a parent).
+    pub(crate) turns_said: std::sync::atomic::AtomicBool,
 }
 
 impl Stats {
