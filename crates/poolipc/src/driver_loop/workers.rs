@@ -209,12 +209,13 @@ impl Loop {
         if now >= 2 && self.shared.mps_client == Some(false) && !s.turns_said.swap(true, Relaxed) {
             tracing::info!(
                 workers_busy = now,
-                "poolipc: {now} workers have jobs at once and this process is not an MPS client: \
-                 the GPU runs one process's context at a time, so workers that compute take \
-                 turns (on an H100, workers running a kernel a job: about 36000 jobs/s for one \
-                 alone, about 7200 for two or more together); under MPS they run at once: `poolipc mps --accept-shared-gpu-faults \
-                 -- CMD` or poolipc.start_mps(accept_shared_gpu_faults=True) for trusted \
-                 workers (README: MPS). ParentStats::most_workers_busy counts them"
+                "poolipc: {now} workers have jobs at once and this process is not an MPS \
+                 client: the GPU runs one process's context at a time, so workers that \
+                 compute take turns (on an H100, workers running a kernel a job: about 36000 \
+                 jobs/s for one alone, about 7200 for two or more together); under MPS they \
+                 run at once: `poolipc mps --accept-shared-gpu-faults -- CMD` or \
+                 poolipc.start_mps(accept_shared_gpu_faults=True) for trusted workers \
+                 (README: MPS). ParentStats::most_workers_busy counts them"
             );
         }
     }

@@ -143,8 +143,9 @@ pub struct ParentStats {
     /// The most workers that had a job in flight at once since the parent started. Without
     /// MPS the GPU runs one process's context at a time, so workers that compute at once
     /// take turns (on an H100, workers running a kernel a job: about 36000 jobs/s for one
-    /// alone, about 7200 for two or more together); the first time two are busy in a process that is not an MPS client, the
-    /// parent says so once in its log, with what to do (`poolipc mps`).
+    /// alone, about 7200 for two or more together); the first time two are busy in a
+    /// process that is not an MPS client, the parent says so once in its log, with what to
+    /// do (`poolipc mps`).
     pub most_workers_busy: u64,
     /// The workers' DONE events the parent holds open now (as the IO thread last counted
     /// them): at most [`ParentOptions::max_open_done_events`](crate::ParentOptions::max_open_done_events) per worker.
