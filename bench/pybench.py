@@ -17,7 +17,9 @@ With ``--workers N``: jobs per second with 1, 2, 4 .. N torch workers served at 
 parent (N threads, each with its own worker, stream and live tensor, lent again), 4 KiB and
 64 MiB, beside one worker, in the same run (issue 24). Each row counts the jobs done in a
 window of ``POOLIPC_BENCH_WINDOW_MS`` (default 500 ms) after a warm-up, so that a row's rate
-does not rest on a few tens of milliseconds.
+does not rest on a few tens of milliseconds. Then the same workers driven by the main thread
+alone (``submit`` to each, ``wait`` the oldest and submit again): no GIL hand-over between
+threads.
 
 With ``--results``: the round trip of a worker that returns a result (``request_results``,
 made by ``torch.empty`` on the parent's allocator thread), lent again, 4 KiB and 64 MiB,
@@ -134,10 +136,53 @@ def throughput(max_workers, as_json):
             print(f"  {label:>6} {n:>8} {rate:>10.0f} {rate / one:>6.2f}x {100 * io_busy:>7.0f}% {io_us:>9.2f}")
             rows.append({"size": label, "workers": n, "jobs_per_s": rate, "vs_one": rate / one,
                          "io_busy": io_busy, "io_us_per_job": io_us})
+    fanout = fanout_rows(parent, workers, window)
     for w in workers:
         parent.stop(w)
     if as_json:
-        print(json.dumps({"event": "python_workers", "rows": rows}))
+        print(json.dumps({"event": "python_workers", "rows": rows, "one_thread": fanout}))
+
+
+def fanout_rows(parent, workers, window):
+    """The same workers driven by the main thread alone: each its own stream and tensor, a
+    job submitted to each, then, as each ends (oldest first), the next to the same worker,
+    for ``window`` seconds. One Python thread, so no wait for the GIL between threads."""
+    from collections import deque
+
+    print("  the same torch workers driven by one thread (submit to each, then wait the oldest and submit again):")
+    print(f"  {'size':>6} {'workers':>8} {'jobs/s':>10} {'x one':>7}")
+    rows = []
+    for label, numel in [("4KiB", 1 << 10), ("64MiB", 1 << 24)]:
+        one = None
+        for n in counts(len(workers)):
+            ws = workers[:n]
+            streams = [torch.cuda.Stream() for _ in ws]
+            tensors = []
+            for s in streams:
+                with torch.cuda.stream(s):
+                    tensors.append(torch.zeros(numel, dtype=torch.float32, device="cuda"))
+            for _ in range(10):
+                for w, t, s in zip(ws, tensors, streams):
+                    parent.run(w, [t], stream=s)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            deadline = t0 + window
+            pending = deque((i, parent.submit(w, [t], stream=s))
+                            for i, (w, t, s) in enumerate(zip(ws, tensors, streams)))
+            done = 0
+            while pending:
+                i, h = pending.popleft()
+                h.wait()
+                done += 1
+                if time.perf_counter() < deadline:
+                    pending.append((i, parent.submit(ws[i], [tensors[i]], stream=streams[i])))
+            torch.cuda.synchronize()
+            rate = done / (time.perf_counter() - t0)
+            one = rate if n == 1 else one
+            assert all(t[0].item() == 42.0 for t in tensors)
+            print(f"  {label:>6} {n:>8} {rate:>10.0f} {rate / one:>6.2f}x")
+            rows.append({"size": label, "workers": n, "jobs_per_s": rate, "vs_one": rate / one})
+    return rows
 
 
 def with_results(as_json):

@@ -22,7 +22,9 @@ With ``--workers N``: jobs per second with 1, 2, 4 .. N Python threads at once, 
 own torch-free Python worker and 4 KiB buffer (the legacy stream, as above), beside
 ``poolipc bench --workers N`` with its callers on the legacy stream, in the same run: how the
 binding scales (the GIL) without torch's own cost in the way (``bench/pybench.py --workers``
-has it); and the same Python threads with Rust echo workers, the parent's side alone.
+has it); the same Python threads with Rust echo workers, the parent's side alone; and one
+Python thread driving every Rust echo worker with ``submit`` and ``wait`` (no GIL hand-over
+between threads).
 
 On the GPU, run it under MPS too (`poolipc mps -- python3 bench/pysplit.py`): issue 24's
 target is python -> python within 15 us of rust -> rust, plainly and under MPS.
@@ -177,6 +179,35 @@ def python_rates(parent, workers: list[int], jobs: int) -> dict[int, float]:
     return rates
 
 
+def fanout_rates(parent, workers: list[int], jobs: int) -> dict[int, float]:
+    """4 KiB jobs/s with 1, 2, 4 .. len(workers) workers driven by this one thread: a job
+    submitted to each, then, as each ends (oldest first), the next to the same worker. No
+    second Python thread, so no wait for the GIL between them."""
+    from collections import deque
+
+    rates = {}
+    for n in counts(len(workers)):
+        ws = workers[:n]
+        bufs = [parent.alloc(4096, dtype="uint8", shape=[4096]) for _ in ws]
+        for _ in range(max(jobs // 10, 1)):
+            for w, b in zip(ws, bufs):
+                parent.run(w, [b])
+        total = n * jobs
+        t0 = time.perf_counter()
+        pending = deque((i, parent.submit(w, [b])) for i, (w, b) in enumerate(zip(ws, bufs)))
+        submitted, done = n, 0
+        while pending:
+            i, h = pending.popleft()
+            h.wait()
+            done += 1
+            if submitted < total:
+                pending.append((i, parent.submit(ws[i], [bufs[i]])))
+                submitted += 1
+        rates[n] = done / (time.perf_counter() - t0)
+        del bufs
+    return rates
+
+
 def scaling(workers: int, jobs: int, as_json: bool) -> int:
     import poolipc
 
@@ -193,11 +224,13 @@ def scaling(workers: int, jobs: int, as_json: bool) -> int:
     ws = [parent.spawn([bin_, "__demo-worker"], {"POOLIPC_WORKER_MODE": "noop"}) for _ in range(workers)]
     try:
         py_rust = python_rates(parent, ws, jobs)
+        one_thread = fanout_rates(parent, ws, jobs)
     finally:
         for w in ws:
             parent.stop(w)
     if as_json:
-        print(json.dumps({"driver": parent.driver, "python": py, "python_rust": py_rust, "rust": rust}))
+        print(json.dumps({"driver": parent.driver, "python": py, "python_rust": py_rust,
+                          "one_thread": one_thread, "rust": rust}))
         return 0
 
     def cell(rates: dict, n: int, width: int) -> str:
@@ -206,10 +239,13 @@ def scaling(workers: int, jobs: int, as_json: bool) -> int:
         return f"{'' if v is None else f'{v:{width}.0f}'} {x:>7}"
 
     print(f"4 KiB lent again, N threads at once each with its own worker, {jobs} jobs each, {parent.driver}:")
-    print(f"  {'workers':>8} {'python jobs/s':>14} {'x one':>7} {'py->rust jobs/s':>16} {'x one':>7} {'rust jobs/s':>12} {'x one':>7}")
+    print(f"  {'workers':>8} {'python jobs/s':>14} {'x one':>7} {'py->rust jobs/s':>16} {'x one':>7} "
+          f"{'1 thread jobs/s':>16} {'x one':>7} {'rust jobs/s':>12} {'x one':>7}")
     for n in counts(workers):
-        print(f"  {n:>8} {cell(py, n, 14)} {cell(py_rust, n, 16)} {cell(rust or {}, n, 12)}")
-    print("  python: Python threads and Python workers; py->rust: the same threads, Rust echo workers")
+        print(f"  {n:>8} {cell(py, n, 14)} {cell(py_rust, n, 16)} {cell(one_thread, n, 16)} "
+              f"{cell(rust or {}, n, 12)}")
+    print("  python: Python threads and Python workers; py->rust: the same threads, Rust echo workers;")
+    print("  1 thread: one Python thread submitting to every Rust echo worker (submit, then wait the oldest)")
     return 0
 
 

@@ -22,7 +22,7 @@ def test_the_handoff_example_runs_on_the_simulated_driver():
 def test_pysplit_runs_on_the_simulated_driver_and_prints_every_row():
     """`bench/pysplit.py` (issue 24's Python split and scaling) runs as its docstring says, on
     SimDriver, with a handful of jobs: every pair at both sizes, then the --workers table (Python
-    workers, the same threads with Rust workers, and Rust's own)."""
+    workers, the same threads with Rust workers, one thread driving them all, and Rust's own)."""
     import pytest
 
     from conftest import poolipc_binary
@@ -45,8 +45,9 @@ def test_pysplit_runs_on_the_simulated_driver_and_prints_every_row():
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]
-    # workers, then jobs/s and "x one" for python -> python, python -> rust and rust -> rust.
-    assert [r[0] for r in rows] == ["1", "2"] and all(len(r) == 7 for r in rows), out.stdout
+    # workers, then jobs/s and "x one" for python -> python, python -> rust, one thread to
+    # every worker, and rust -> rust.
+    assert [r[0] for r in rows] == ["1", "2"] and all(len(r) == 9 for r in rows), out.stdout
     assert all(float(v) > 0 for r in rows for v in r[1::2]), out.stdout
     bad = subprocess.run([sys.executable, str(script), "--workers", "0"],
                          env=env, capture_output=True, text=True, timeout=60)
