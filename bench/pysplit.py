@@ -240,12 +240,12 @@ def scaling(workers: int, jobs: int, as_json: bool) -> int:
 
     print(f"4 KiB lent again, N threads at once each with its own worker, {jobs} jobs each, {parent.driver}:")
     print(f"  {'workers':>8} {'python jobs/s':>14} {'x one':>7} {'py->rust jobs/s':>16} {'x one':>7} "
-          f"{'1 thread jobs/s':>16} {'x one':>7} {'rust jobs/s':>12} {'x one':>7}")
+          f"{'1-thread jobs/s':>16} {'x one':>7} {'rust jobs/s':>12} {'x one':>7}")
     for n in counts(workers):
         print(f"  {n:>8} {cell(py, n, 14)} {cell(py_rust, n, 16)} {cell(one_thread, n, 16)} "
               f"{cell(rust or {}, n, 12)}")
     print("  python: Python threads and Python workers; py->rust: the same threads, Rust echo workers;")
-    print("  1 thread: one Python thread submitting to every Rust echo worker (submit, then wait the oldest)")
+    print("  1-thread: the main thread alone submitting to every Rust echo worker (submit, then wait the oldest)")
     return 0
 
 
