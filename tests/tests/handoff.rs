@@ -269,6 +269,16 @@ fn killed_at(env: &Env, step: &str) -> Result<()> {
             used == baseline + 4 * MIB,
             "{step}: {used} bytes in use after the failed job"
         );
+        // The dead worker is busy no more, once it is reaped (its count never leaks).
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while p.stats().workers_busy != 0 {
+            ensure!(
+                std::time::Instant::now() < until,
+                "{step}: {} workers still busy 10 s after the failed job",
+                p.stats().workers_busy
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
         let fresh = p.spawn_worker(worker_command(env, None)?)?;
         let out = p.run_job(fresh, &inputs, stream)?;
         d.stream_synchronize(stream)?;
