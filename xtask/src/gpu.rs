@@ -387,6 +387,8 @@ mod tests {
         assert!(!line.contains("turns"), "{line}");
         assert!(RUN_SH.contains("if want turns; then"));
         assert!(RUN_SH.contains("if want pyscaling; then"));
+        assert!(!line.contains("onethread"), "{line}");
+        assert!(RUN_SH.contains("if want onethread; then"));
     }
 
     #[test]

@@ -7,8 +7,10 @@
 # "turns", the plain round trip by allocation size, "prime", which step before the jobs ends
 # the plain turn-taking, "engines", which engine the turn-taking follows, "aside", READY's
 # record aside on and off (Rust and torch workers; "asidepy" adds the Python binding against
-# torch.multiprocessing by size), and "pyscaling", Python's split and torch workers at once,
-# run only when named);
+# torch.multiprocessing by size), "pyscaling", Python's split and torch workers at once,
+# and "onethread", what stop 37 left for the GPU (the busy-workers line, one Python thread
+# driving every worker, the binding against torch.multiprocessing under MPS), run only when
+# named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one machine call stays within
 # its time limit.
 set -u
@@ -501,6 +503,38 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   [ "$r" -eq 0 ] || echo "0 1" >> "$out/counts"
 else
   echo "pyscaling: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
+fi
+fi
+stash
+if want onethread; then
+# What stop 37 left for the GPU (only when named, about 5 minutes): the parent's log line for
+# two workers busy at once (once plainly, never under MPS); under MPS one Python thread
+# driving every worker against a thread per worker (pysplit: Rust echo workers; pybench:
+# torch workers), and the binding against torch.multiprocessing by size.
+mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
+echo "--- onethread: poolipc bench --workers 2: the busy-workers line (once plainly, none under MPS)" >> "$summary"
+RUST_LOG=info timeout 60 "$here/poolipc" bench --workers 2 > "$out/onethread-plain.log" 2>&1
+echo "plain: exit $?, $(grep -c 'workers have jobs at once' "$out/onethread-plain.log") line(s)" >> "$summary"
+grep -m1 'workers have jobs at once' "$out/onethread-plain.log" >> "$summary"
+if [ -n "$mps" ]; then
+  RUST_LOG=info timeout 60 "$here/poolipc" mps --accept-shared-gpu-faults -- "$here/poolipc" bench --workers 2 > "$out/onethread-mps.log" 2>&1
+  echo "MPS: exit $?, $(grep -c 'workers have jobs at once' "$out/onethread-mps.log") line(s)" >> "$summary"
+fi
+if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
+  [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/onethread-pip.log" 2>&1
+  run1() { ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" "$@" ); }
+  under=""; [ -n "$mps" ] && under="$here/poolipc mps --accept-shared-gpu-faults --"
+  echo "--- bench/pysplit.py --workers 8 (${mps:-plain}): threads, and one thread driving them all" >> "$summary"
+  run1 timeout 120 $under python3 bench/pysplit.py --workers 8 --jobs 2000 > "$out/onethread-pysplit.log" 2>&1
+  echo "pysplit --workers exit: $?" >> "$summary"; grep -v ' INFO ' "$out/onethread-pysplit.log" | tail -10 >> "$summary"
+  echo "--- bench/pybench.py --workers 4 (${mps:-plain}): torch workers, threads then one thread" >> "$summary"
+  run1 timeout 100 $under python3 bench/pybench.py --workers 4 > "$out/onethread-pybench.log" 2>&1
+  echo "pybench --workers exit: $?" >> "$summary"; grep -vE ' INFO |installed a shareable' "$out/onethread-pybench.log" | tail -18 >> "$summary"
+  echo "--- bench/pybench.py (${mps:-plain}): the binding against torch.multiprocessing" >> "$summary"
+  run1 timeout 150 $under python3 bench/pybench.py > "$out/onethread-torchmp.log" 2>&1
+  echo "pybench exit: $?" >> "$summary"; grep -vE ' INFO |installed a shareable|^$' "$out/onethread-torchmp.log" | tail -10 >> "$summary"
+else
+  echo "onethread: the Python rows NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi
 fi
 stash
