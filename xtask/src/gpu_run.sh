@@ -523,14 +523,14 @@ fi
 if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/onethread-pip.log" 2>&1
   run1() { ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" "$@" ); }
-  under=""; [ -n "$mps" ] && under="$here/poolipc mps --accept-shared-gpu-faults --"
-  echo "--- bench/pysplit.py --workers 8 (${mps:-plain}): threads, and one thread driving them all" >> "$summary"
+  under=""; ot_label=plain; [ -n "$mps" ] && under="$here/poolipc mps --accept-shared-gpu-faults --" && ot_label=MPS
+  echo "--- bench/pysplit.py --workers 8 ($ot_label): threads, and one thread driving them all" >> "$summary"
   run1 timeout 120 $under python3 bench/pysplit.py --workers 8 --jobs 2000 > "$out/onethread-pysplit.log" 2>&1
   echo "pysplit --workers exit: $?" >> "$summary"; grep -v ' INFO ' "$out/onethread-pysplit.log" | tail -10 >> "$summary"
-  echo "--- bench/pybench.py --workers 4 (${mps:-plain}): torch workers, threads then one thread" >> "$summary"
+  echo "--- bench/pybench.py --workers 4 ($ot_label): torch workers, threads then one thread" >> "$summary"
   run1 timeout 100 $under python3 bench/pybench.py --workers 4 > "$out/onethread-pybench.log" 2>&1
-  echo "pybench --workers exit: $?" >> "$summary"; grep -vE ' INFO |installed a shareable' "$out/onethread-pybench.log" | tail -18 >> "$summary"
-  echo "--- bench/pybench.py (${mps:-plain}): the binding against torch.multiprocessing" >> "$summary"
+  echo "pybench --workers exit: $?" >> "$summary"; grep -vE ' INFO |installed a shareable' "$out/onethread-pybench.log" | tail -22 >> "$summary"
+  echo "--- bench/pybench.py ($ot_label): the binding against torch.multiprocessing" >> "$summary"
   run1 timeout 150 $under python3 bench/pybench.py > "$out/onethread-torchmp.log" 2>&1
   echo "pybench exit: $?" >> "$summary"; grep -vE ' INFO |installed a shareable|^$' "$out/onethread-torchmp.log" | tail -10 >> "$summary"
 else
