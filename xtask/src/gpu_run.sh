@@ -507,8 +507,9 @@ fi
 fi
 stash
 if want onethread; then
-# What stop 37 left for the GPU (only when named, about 5 minutes): the parent's log line for
-# two workers busy at once (once plainly, never under MPS); under MPS one Python thread
+# What stop 37 left for the GPU (only when named, about 6 minutes): the parent's log line for
+# two workers busy at once (once plainly, never under MPS); Rust's 1..8 workers in three
+# rounds, plainly and under MPS (each ratio taken within its round); under MPS one Python thread
 # driving every worker against a thread per worker (pysplit: Rust echo workers; pybench:
 # torch workers), and the binding against torch.multiprocessing by size.
 mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
@@ -520,6 +521,9 @@ if [ -n "$mps" ]; then
   RUST_LOG=info timeout 60 "$here/poolipc" mps --accept-shared-gpu-faults -- "$here/poolipc" bench --workers 2 > "$out/onethread-mps.log" 2>&1
   echo "MPS: exit $?, $(grep -c 'workers have jobs at once' "$out/onethread-mps.log") line(s)" >> "$summary"
 fi
+echo "--- poolipc bench --workers 8 $mps --rounds 3: each count's ratio to one worker within each round, its median and range" >> "$summary"
+RUST_LOG=warn timeout 150 "$here/poolipc" bench --workers 8 $mps --rounds 3 > "$out/onethread-rounds.log" 2>&1
+echo "bench --workers --rounds exit: $?" >> "$summary"; grep -vE " (INFO|WARN|DEBUG) " "$out/onethread-rounds.log" >> "$summary"
 if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/onethread-pip.log" 2>&1
   run1() { ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" "$@" ); }

@@ -72,6 +72,50 @@ struct Rate {
     rungs: BTreeSet<String>,
 }
 
+/// One worker count's row over the rounds: medians, and its ratio to one worker taken within
+/// each round (the count's rate over one worker's of the same round).
+struct Summary {
+    rate: f64,
+    vs_one: f64,
+    vs_one_min: f64,
+    vs_one_max: f64,
+    io_busy: f64,
+    io_us_per_job: f64,
+    rungs: BTreeSet<String>,
+}
+
+impl Summary {
+    /// `rates` and `ones` (one worker's), one per round, in round order.
+    fn of(rates: &[Rate], ones: &[Rate]) -> Summary {
+        let mut ratios: Vec<f64> = rates
+            .iter()
+            .zip(ones)
+            .map(|(r, o)| r.jobs_per_s / o.jobs_per_s)
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        Summary {
+            rate: median(rates.iter().map(|r| r.jobs_per_s)),
+            vs_one: median(ratios.iter().copied()),
+            vs_one_min: ratios.first().copied().unwrap_or(f64::NAN),
+            vs_one_max: ratios.last().copied().unwrap_or(f64::NAN),
+            io_busy: median(rates.iter().map(|r| r.io_busy)),
+            io_us_per_job: median(rates.iter().map(|r| r.io_us_per_job)),
+            rungs: rates.iter().flat_map(|r| r.rungs.iter().cloned()).collect(),
+        }
+    }
+}
+
+/// The median of `values` (the mean of the middle two for an even count; NaN for none).
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// One measurement: `n` threads, each on its own worker, jobs of `bytes` for `span`.
 fn jobs_per_second(
     parent: &Parent,
@@ -187,6 +231,11 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
         "--workers {max_workers}: give 1 to 64"
     );
     anyhow::ensure!(
+        (1..=20).contains(&args.rounds),
+        "--rounds {}: give 1 to 20",
+        args.rounds
+    );
+    anyhow::ensure!(
         args.io_threads
             .iter()
             .all(|n| (1..=poolipc::MAX_IO_THREADS).contains(n)),
@@ -291,41 +340,63 @@ fn table(
     prime(args, &parent, driver, &workers)?;
     // IO busy: the IO threads' working share of the time, per thread (their sum over the
     // threads); near 100 % they limit the rate.
+    let rounds = args.rounds;
     println!(
-        "  {:>8} {:>8} {:>12} {:>10} {:>12} {:>8} {:>10}",
-        "size", "workers", "jobs/s", "× one", "µs/job/wkr", "IO busy", "IO µs/job"
+        "  {:>8} {:>8} {:>12} {:>10} {:>12} {:>8} {:>10}{}",
+        "size",
+        "workers",
+        "jobs/s",
+        "× one",
+        "µs/job/wkr",
+        "IO busy",
+        "IO µs/job",
+        if rounds > 1 { "   × one, range" } else { "" }
     );
     let span = span_for(args);
+    let legacy = args.caller_stream == "legacy";
     for bytes in SIZES {
-        let mut one = f64::NAN;
-        for n in counts(max_workers) {
-            let legacy = args.caller_stream == "legacy";
-            let r = jobs_per_second(&parent, driver, &workers, n, bytes, span, legacy)
-                .with_context(|| format!("{n} workers, {bytes} bytes"))?;
-            let rate = r.jobs_per_s;
-            if n == 1 {
-                one = rate;
+        let ns = counts(max_workers);
+        // measured[i][round]: count ns[i] in that round.
+        let mut measured: Vec<Vec<Rate>> = ns.iter().map(|_| Vec::with_capacity(rounds)).collect();
+        for _ in 0..rounds {
+            for (i, &n) in ns.iter().enumerate() {
+                let r = jobs_per_second(&parent, driver, &workers, n, bytes, span, legacy)
+                    .with_context(|| format!("{n} workers, {bytes} bytes"))?;
+                measured[i].push(r);
             }
+        }
+        for (i, &n) in ns.iter().enumerate() {
+            let row = Summary::of(&measured[i], &measured[0]);
             #[allow(clippy::cast_precision_loss)]
-            let (per, busy) = (1e6 * n as f64 / rate, r.io_busy / io_threads as f64);
+            let (per, busy) = (1e6 * n as f64 / row.rate, row.io_busy / io_threads as f64);
+            let range = if rounds > 1 {
+                format!("  {:.2}–{:.2}×", row.vs_one_min, row.vs_one_max)
+            } else {
+                String::new()
+            };
             println!(
-                "  {:>8} {:>8} {:>12.0} {:>9.2}× {:>12.1} {:>7.0}% {:>10.2}",
+                "  {:>8} {:>8} {:>12.0} {:>9.2}× {:>12.1} {:>7.0}% {:>10.2}{range}",
                 human(bytes),
                 n,
-                rate,
-                rate / one,
+                row.rate,
+                row.vs_one,
                 per,
                 100.0 * busy,
-                r.io_us_per_job
+                row.io_us_per_job
             );
-            if r.rungs.iter().any(|k| *k != Rung::PoolPointer.to_string()) {
-                let took: Vec<&str> = r.rungs.iter().map(String::as_str).collect();
+            if row
+                .rungs
+                .iter()
+                .any(|k| *k != Rung::PoolPointer.to_string())
+            {
+                let took: Vec<&str> = row.rungs.iter().map(String::as_str).collect();
                 println!("           (the inputs took: {})", took.join(", "));
             }
             rows.push(serde_json::json!({
-                "bytes": bytes, "workers": n, "jobs_per_s": rate, "vs_one": rate / one,
-                "io_threads": io_threads, "io_busy": busy, "io_us_per_job": r.io_us_per_job,
-                "rungs": r.rungs,
+                "bytes": bytes, "workers": n, "jobs_per_s": row.rate, "vs_one": row.vs_one,
+                "vs_one_min": row.vs_one_min, "vs_one_max": row.vs_one_max, "rounds": rounds,
+                "io_threads": io_threads, "io_busy": busy, "io_us_per_job": row.io_us_per_job,
+                "rungs": row.rungs,
             }));
         }
     }
@@ -367,6 +438,7 @@ fn bench_child(args: &Args, max_workers: usize, io_threads: &[usize]) -> Result<
     if let Some(n) = args.iterations {
         c.arg("--iterations").arg(n.to_string());
     }
+    c.arg("--rounds").arg(args.rounds.to_string());
     if !args.prime.is_empty() {
         c.arg("--prime").arg(args.prime.join(","));
         c.arg("--prime-bytes").arg(args.prime_bytes.to_string());
@@ -453,7 +525,37 @@ fn prime(args: &Args, parent: &Parent, d: &Arc<dyn Driver>, workers: &[WorkerId]
 
 #[cfg(test)]
 mod tests {
-    use super::counts;
+    use super::{Rate, Summary, counts, median};
+
+    fn rate(jobs_per_s: f64) -> Rate {
+        Rate {
+            jobs_per_s,
+            io_busy: 0.5,
+            io_us_per_job: 10.0,
+            rungs: std::collections::BTreeSet::new(),
+        }
+    }
+
+    #[test]
+    fn a_median_is_the_middle_value_or_the_mean_of_the_middle_two() {
+        assert!(median(std::iter::empty()).is_nan());
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), 2.0);
+        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), 2.5);
+    }
+
+    #[test]
+    fn a_counts_ratio_to_one_worker_is_taken_within_each_round() {
+        // One worker's rate moves between rounds; two workers' follows it: within each
+        // round the ratio is 2, though the rates' medians alone would say 1.5.
+        let ones = [rate(100.0), rate(200.0), rate(300.0)];
+        let twos = [rate(200.0), rate(400.0), rate(600.0)];
+        let s = Summary::of(&twos, &ones);
+        assert_eq!((s.vs_one, s.vs_one_min, s.vs_one_max), (2.0, 2.0, 2.0));
+        assert_eq!(s.rate, 400.0);
+        let uneven = [rate(150.0), rate(500.0), rate(300.0)];
+        let s = Summary::of(&uneven, &ones);
+        assert_eq!((s.vs_one, s.vs_one_min, s.vs_one_max), (1.5, 1.0, 2.5));
+    }
 
     #[test]
     fn worker_counts_double_up_to_the_maximum() {

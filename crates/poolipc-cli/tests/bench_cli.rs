@@ -299,6 +299,47 @@ fn bench_workers_measures_jobs_per_second_with_one_two_and_three_workers() {
 }
 
 #[test]
+fn bench_workers_in_rounds_prints_each_counts_ratio_and_its_range() {
+    // Three rounds: a row per size and count, as ever, with the range of the count's ratio to
+    // one worker over the rounds; one worker's is 1.00–1.00× by construction.
+    let text = bench_ok(&[
+        "--sim",
+        "--workers",
+        "2",
+        "--iterations",
+        "5",
+        "--io-threads",
+        "1",
+        "--rounds",
+        "3",
+    ]);
+    assert!(text.contains("× one, range"), "{text}");
+    for size in ["4 KiB", "64 MiB"] {
+        for n in 1..=2 {
+            let row = text.lines().find(|l| {
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                cols.len() == 9
+                    && format!("{} {}", cols[0], cols[1]) == size
+                    && cols[2] == n.to_string()
+            });
+            let row = row.unwrap_or_else(|| panic!("no row for {size} with {n} workers:\n{text}"));
+            let range = row.split_whitespace().last().unwrap_or_default();
+            let (lo, hi) = range
+                .trim_end_matches('×')
+                .split_once('–')
+                .and_then(|(a, b)| Some((a.parse::<f64>().ok()?, b.parse::<f64>().ok()?)))
+                .unwrap_or_else(|| panic!("no range in {row:?}"));
+            assert!(0.0 < lo && lo <= hi, "{row}");
+            if n == 1 {
+                assert_eq!((lo, hi), (1.0, 1.0), "{row}");
+            }
+        }
+    }
+    let err = bench_refused(&["--sim", "--workers", "2", "--rounds", "0"]);
+    assert!(err.contains("--rounds 0: give 1 to 20"), "{err}");
+}
+
+#[test]
 fn bench_workers_primes_the_parent_as_asked_and_says_what_the_battery_found() {
     // Every step at once, 1 MiB: the battery's verdict printed, the staging job taken by
     // host staging (the bench fails otherwise), the table's rows as ever.

@@ -116,6 +116,12 @@ pub(crate) struct Args {
     /// `--json-out PATH` and several counts, each writes `PATH.io<n>`.
     #[arg(long, value_delimiter = ',', value_name = "N,..")]
     pub(crate) io_threads: Vec<usize>,
+    /// (with --workers) Measure every worker count this many times, in rounds (1, 2, 4, ..
+    /// then again), and print each count's median jobs/s and the median and range of its
+    /// ratio to one worker taken within each round: one worker's rate, the ratios' base,
+    /// moves by a third between measurements (H100, 2026-12-05). 1 to 20.
+    #[arg(long, requires = "workers", default_value_t = 1, value_name = "R")]
+    pub(crate) rounds: usize,
 }
 
 impl Args {
