@@ -17,7 +17,9 @@ With ``--workers N``: jobs per second with 1, 2, 4 .. N torch workers served at 
 parent (N threads, each with its own worker, stream and live tensor, lent again), 4 KiB and
 64 MiB, beside one worker, in the same run (issue 24). Each row counts the jobs done in a
 window of ``POOLIPC_BENCH_WINDOW_MS`` (default 500 ms) after a warm-up, so that a row's rate
-does not rest on a few tens of milliseconds. Then the same workers driven by the main thread
+does not rest on a few tens of milliseconds; ``POOLIPC_BENCH_ROUNDS=R`` (default 1) measures
+every count R times in rounds and prints the median of each count's ratio to one worker of
+the same round, with its range. Then the same workers driven by the main thread
 alone (``submit`` to each, ``wait`` the oldest and submit again): no GIL hand-over between
 threads.
 
@@ -74,67 +76,87 @@ def throughput(max_workers, as_json):
 
     parent = poolipc.Parent(0)
     workers = [parent.spawn([sys.executable, "-c", WORKER]) for _ in range(max_workers)]
-    print(f"  jobs/s with N torch workers at once (one parent, each thread its own worker, stream, tensor):")
-    print(f"  {'size':>6} {'workers':>8} {'jobs/s':>10} {'x one':>7} {'IO busy':>8} {'IO us/job':>9}")
-    rows = []
     window = int(os.environ.get("POOLIPC_BENCH_WINDOW_MS", "500")) / 1e3
-    for label, numel, warmup in [("4KiB", 1 << 10, 40), ("64MiB", 1 << 24, 10)]:
-        one = None
-        for n in counts(max_workers):
-            start = threading.Barrier(n + 1)
-            end = threading.Barrier(n + 1)
-            errors = []
-            jobs_done = []
+    rounds = int(os.environ.get("POOLIPC_BENCH_ROUNDS", "1"))
+    if not 1 <= rounds <= 20:
+        raise SystemExit(f"POOLIPC_BENCH_ROUNDS={rounds}: give 1 to 20")
 
-            def serve(w):
-                try:
-                    s = torch.cuda.Stream()
-                    with torch.cuda.stream(s):
-                        t = torch.zeros(numel, dtype=torch.float32, device="cuda")
-                        for _ in range(warmup):
-                            parent.run(w, [t], stream=s)
-                        s.synchronize()
-                        start.wait()
-                        deadline = time.perf_counter() + window
-                        done = 0
-                        while time.perf_counter() < deadline:
-                            parent.run(w, [t], stream=s)
-                            done += 1
-                        s.synchronize()
-                        jobs_done.append(done)
-                        end.wait()
-                        assert t[0].item() == 42.0
-                except BaseException as e:  # noqa: BLE001  (reported after the barrier)
-                    errors.append(e)
-                    start.abort()
-                    end.abort()
+    def measure(n, numel, warmup):
+        """``n`` threads at once, each its own worker, stream and tensor, for ``window``:
+        (jobs/s, the IO threads' busy share per thread, their busy us per job)."""
+        start = threading.Barrier(n + 1)
+        end = threading.Barrier(n + 1)
+        errors = []
+        jobs_done = []
 
-            threads = [threading.Thread(target=serve, args=(w,)) for w in workers[:n]]
-            for th in threads:
-                th.start()
+        def serve(w):
             try:
-                start.wait()
-                t0 = time.perf_counter()
-                busy0 = parent.stats()["io_busy_ns"]
-                end.wait()
-                secs = time.perf_counter() - t0
-                busy = (parent.stats()["io_busy_ns"] - busy0) / 1e9
-            except threading.BrokenBarrierError:
-                secs = float("nan")
-            for th in threads:
-                th.join()
-            if errors:
-                raise errors[0]
-            jobs = sum(jobs_done)
-            rate = jobs / secs
-            one = rate if n == 1 else one
-            # The parent's IO threads' busy share of the time, per thread (as many as the
-            # process parent has: POOLIPC_IO_THREADS or io_threads=; near 100 %: they limit
-            # the rate).
-            io_busy = busy / secs / parent.options["io_threads"]
-            io_us = busy * 1e6 / jobs
-            print(f"  {label:>6} {n:>8} {rate:>10.0f} {rate / one:>6.2f}x {100 * io_busy:>7.0f}% {io_us:>9.2f}")
-            rows.append({"size": label, "workers": n, "jobs_per_s": rate, "vs_one": rate / one,
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    t = torch.zeros(numel, dtype=torch.float32, device="cuda")
+                    for _ in range(warmup):
+                        parent.run(w, [t], stream=s)
+                    s.synchronize()
+                    start.wait()
+                    deadline = time.perf_counter() + window
+                    done = 0
+                    while time.perf_counter() < deadline:
+                        parent.run(w, [t], stream=s)
+                        done += 1
+                    s.synchronize()
+                    jobs_done.append(done)
+                    end.wait()
+                    assert t[0].item() == 42.0
+            except BaseException as e:  # noqa: BLE001  (reported after the barrier)
+                errors.append(e)
+                start.abort()
+                end.abort()
+
+        threads = [threading.Thread(target=serve, args=(w,)) for w in workers[:n]]
+        for th in threads:
+            th.start()
+        try:
+            start.wait()
+            t0 = time.perf_counter()
+            busy0 = parent.stats()["io_busy_ns"]
+            end.wait()
+            secs = time.perf_counter() - t0
+            busy = (parent.stats()["io_busy_ns"] - busy0) / 1e9
+        except threading.BrokenBarrierError:
+            secs = busy = float("nan")
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        jobs = sum(jobs_done)
+        # The parent's IO threads' busy share of the time, per thread (as many as the
+        # process parent has: POOLIPC_IO_THREADS or io_threads=; near 100 %: they limit
+        # the rate).
+        return jobs / secs, busy / secs / parent.options["io_threads"], busy * 1e6 / jobs
+
+    print(f"  jobs/s with N torch workers at once (one parent, each thread its own worker, stream, tensor):")
+    extra = f" {'x one, range':>14}" if rounds > 1 else ""
+    print(f"  {'size':>6} {'workers':>8} {'jobs/s':>10} {'x one':>7} {'IO busy':>8} {'IO us/job':>9}{extra}")
+    rows = []
+    for label, numel, warmup in [("4KiB", 1 << 10, 40), ("64MiB", 1 << 24, 10)]:
+        ns = counts(max_workers)
+        # got[n]: one (jobs/s, IO busy, IO us/job) per round; each count in every round.
+        got = {n: [] for n in ns}
+        for _ in range(rounds):
+            for n in ns:
+                got[n].append(measure(n, numel, warmup))
+        for n in ns:
+            # The count's ratio to one worker within each round (one worker's rate moves
+            # between measurements), then the median over the rounds.
+            ratios = sorted(r[0] / o[0] for r, o in zip(got[n], got[1]))
+            rate = statistics.median(r[0] for r in got[n])
+            vs_one = statistics.median(ratios)
+            io_busy = statistics.median(r[1] for r in got[n])
+            io_us = statistics.median(r[2] for r in got[n])
+            spread = f" {ratios[0]:>6.2f}-{ratios[-1]:.2f}x" if rounds > 1 else ""
+            print(f"  {label:>6} {n:>8} {rate:>10.0f} {vs_one:>6.2f}x {100 * io_busy:>7.0f}% {io_us:>9.2f}{spread}")
+            rows.append({"size": label, "workers": n, "jobs_per_s": rate, "vs_one": vs_one,
+                         "vs_one_min": ratios[0], "vs_one_max": ratios[-1], "rounds": rounds,
                          "io_busy": io_busy, "io_us_per_job": io_us})
     fanout = fanout_rows(parent, workers, window)
     for w in workers:

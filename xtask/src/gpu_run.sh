@@ -531,8 +531,8 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   echo "--- bench/pysplit.py --workers 8 ($ot_label): threads, and one thread driving them all" >> "$summary"
   run1 timeout 120 $under python3 bench/pysplit.py --workers 8 --jobs 2000 > "$out/onethread-pysplit.log" 2>&1
   echo "pysplit --workers exit: $?" >> "$summary"; grep -v ' INFO ' "$out/onethread-pysplit.log" | tail -10 >> "$summary"
-  echo "--- bench/pybench.py --workers 4 ($ot_label): torch workers, threads then one thread" >> "$summary"
-  run1 timeout 100 $under python3 bench/pybench.py --workers 4 > "$out/onethread-pybench.log" 2>&1
+  echo "--- bench/pybench.py --workers 4 ($ot_label, 3 rounds): torch workers, threads then one thread" >> "$summary"
+  POOLIPC_BENCH_ROUNDS=3 run1 timeout 150 $under python3 bench/pybench.py --workers 4 > "$out/onethread-pybench.log" 2>&1
   echo "pybench --workers exit: $?" >> "$summary"; grep -vE ' INFO |installed a shareable' "$out/onethread-pybench.log" | tail -22 >> "$summary"
   echo "--- bench/pybench.py ($ot_label): the binding against torch.multiprocessing" >> "$summary"
   run1 timeout 150 $under python3 bench/pybench.py > "$out/onethread-torchmp.log" 2>&1

@@ -54,6 +54,33 @@ def test_pysplit_runs_on_the_simulated_driver_and_prints_every_row():
     assert bad.returncode != 0 and "--workers 0: give 1 to 64" in bad.stderr
 
 
+def test_pybench_runs_its_tables_over_stand_ins():
+    """`bench/pybench.py` needs torch and a GPU; over stand-ins for torch and poolipc
+    (tests/bench_fakes: each job 0.2 ms) its control flow runs here: the --workers tables in
+    three rounds (a range column, one worker 1.00-1.00x) and the one-thread table, and the
+    main table with its written column (torch.multiprocessing not measured without torch)."""
+    script = EXAMPLES.parent.parent.parent / "bench" / "pybench.py"
+    fakes = pathlib.Path(__file__).parent / "bench_fakes"
+    env = dict(os.environ, PYTHONPATH=str(fakes), POOLIPC_BENCH_WINDOW_MS="20", POOLIPC_BENCH_ROUNDS="3")
+    out = subprocess.run([sys.executable, str(script), "--workers", "2"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    threads = lines.index("  the same torch workers driven by one thread (submit to each, then wait the oldest and submit again):")
+    for size in ("4KiB", "64MiB"):
+        for n in ("1", "2"):
+            row = [ln.split() for ln in lines[:threads] if ln.split()[:2] == [size, n]]
+            assert len(row) == 1 and len(row[0]) == 7, out.stdout
+            lo, hi = (float(x) for x in row[0][6].rstrip("x").split("-"))
+            assert 0 < lo <= hi and (n != "1" or lo == hi == 1.0), row
+            assert any(ln.split()[:2] == [size, n] and len(ln.split()) == 4 for ln in lines[threads:]), out.stdout
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "torch.multiprocessing: NOT MEASURED" in out.stdout, out.stdout
+    rows = [ln.split() for ln in out.stdout.splitlines() if ln.split()[:1] in (["4KiB"], ["4GiB"])]
+    assert len(rows) == 2 and all(len(r) == 7 and r[4].endswith("x") for r in rows), out.stdout
+
+
 def test_pyturns_runs_on_the_simulated_driver_and_prints_its_rows():
     """`bench/pyturns.py` (which of a Python worker's steps brings the GPU's turn-taking back)
     runs on SimDriver: the worker that does nothing, and the torch rows where torch is here;
