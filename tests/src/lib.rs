@@ -205,6 +205,19 @@ pub fn worker_command(env: &Env, die_at: Option<&str>) -> Result<Command> {
     Ok(cmd)
 }
 
+/// A fresh directory under the system's temporary directory, `poolipc-<what>-<pid>-<n>`
+/// (`n` counts this process's calls): emptied if a run before left one there.
+pub fn tempdir(what: &str) -> Result<PathBuf> {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("poolipc-{what}-{}-{n}", std::process::id()));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
 /// A command starting the rogue test worker, which breaks the protocol in `mode` (see
 /// `src/bin/poolipc-test-rogue.rs`).
 pub fn rogue_command(env: &Env, mode: &str) -> Result<Command> {

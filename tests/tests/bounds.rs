@@ -3,7 +3,6 @@
 //! that worker alone with `FailReason::BoundExceeded` naming the bound; the parent, its
 //! memory and the other workers go on.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,7 +12,7 @@ use poolipc::{
     echo,
 };
 use poolipc_driver::{DevicePtr, StreamHandle};
-use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
+use poolipc_tests::{Env, both_drivers, rogue_command, tempdir, worker_command};
 
 const MIB: u64 = 1 << 20;
 
@@ -88,17 +87,6 @@ fn bounded(job: poolipc::JobHandle) -> Result<Result<poolipc::JobOutput, Error>>
         Ok(r) => Ok(r),
         Err(_) => bail!("the job did not end within a minute"),
     }
-}
-
-fn tempdir(what: &str) -> Result<PathBuf> {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("poolipc-{what}-{}-{n}", std::process::id()));
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir)?;
-    }
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
 }
 
 const ARENA_CAP: u64 = 64 * MIB;

@@ -2,7 +2,6 @@
 //! other workers, nothing is an error that a rung can carry, jobs run at the same time, and
 //! nothing is left behind.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,7 +9,7 @@ use anyhow::{Context, Result, bail, ensure};
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
 use poolipc_contract::FailReason;
 use poolipc_driver::{DevicePtr, PoolSharing, StreamHandle};
-use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, worker_command};
+use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, tempdir, worker_command};
 
 const MIB: u64 = 1 << 20;
 
@@ -634,18 +633,6 @@ both_drivers!(
         Ok(())
     }
 );
-
-/// A fresh directory under the system's temporary directory.
-fn tempdir(what: &str) -> Result<std::path::PathBuf> {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("poolipc-{what}-{}-{n}", std::process::id()));
-    if Path::new(&dir).exists() {
-        std::fs::remove_dir_all(&dir)?;
-    }
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
-}
 
 /// A worker whose kernel faults: without MPS the fault stays in the worker (its job fails
 /// with the driver's error, other workers and the parent go on); under MPS it ends every

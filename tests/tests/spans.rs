@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use poolipc::{DType, Input, Layout, Parent, ParentOptions};
-use poolipc_tests::{Env, worker_command};
+use poolipc_tests::{Env, tempdir, worker_command};
 
 const MIB: u64 = 1 << 20;
 
@@ -126,11 +126,7 @@ fn two_at_once(env: &Env) -> Result<u64> {
         read_only: true,
     }];
     for _ in 0..2 {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("poolipc-turns-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
+        let dir = tempdir("turns")?;
         let mut workers = Vec::new();
         for _ in 0..2 {
             let mut cmd = worker_command(env, None)?;
