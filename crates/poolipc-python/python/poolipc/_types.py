@@ -226,6 +226,15 @@ class ParentStats(TypedDict):
     most_workers_busy: int
     """The most workers that had a job in flight at once. Without MPS workers that compute at
     once take turns on the GPU; the parent logs it once when two first are (see README: MPS)."""
+    turn_waits: int
+    """Submits that waited for their worker's turn on the GPU: without MPS a submit waits (at
+    most POOLIPC_GPU_TURN_WAIT_US, 1 ms by default) while another worker has a job in flight,
+    so that the GPU does not switch between the workers' contexts at every job."""
+    turn_wait_ns: int
+    """Nanoseconds those submits waited, all together."""
+    turn_waits_ran_out: int
+    """Turn waits that ran out: the submit went anyway, and every submit after it went at once
+    until the worker holding the turn had no job left."""
     done_events_open: int
     """The workers' DONE events the parent holds open now."""
     export_reuse: Literal["unchecked", "checking", "proven", "not_proven"]

@@ -26,6 +26,9 @@ pub(super) fn to_dict<'py>(py: Python<'py>, s: &ParentStats) -> PyResult<Bound<'
     d.set_item("ready_recorded_aside", s.ready_recorded_aside)?;
     d.set_item("workers_busy", s.workers_busy)?;
     d.set_item("most_workers_busy", s.most_workers_busy)?;
+    d.set_item("turn_waits", s.turn_waits)?;
+    d.set_item("turn_wait_ns", s.turn_wait_ns)?;
+    d.set_item("turn_waits_ran_out", s.turn_waits_ran_out)?;
     d.set_item("done_events_open", s.done_events_open)?;
     d.set_item("export_reuse", export_reuse_name(s.export_reuse))?;
     Ok(d)

@@ -2,6 +2,7 @@
 //! [`ResultTensor`]), the handle a caller waits on ([`JobHandle`]), and the submitting and
 //! cancelling methods of [`Parent`].
 
+use super::turns::{Entry, Turns};
 use super::{Parent, Shared, Stats, lock};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -302,6 +303,9 @@ pub(crate) struct Completion {
     cond: Condvar,
     /// Set with the result: lets a waiter spin without the lock.
     finished: std::sync::atomic::AtomicBool,
+    /// The GPU turn the job holds a share of, given up when it ends
+    /// ([`ParentOptions::gpu_turn_wait`](crate::ParentOptions::gpu_turn_wait)).
+    turn: Option<(Arc<Turns>, WorkerId)>,
 }
 
 impl Completion {
@@ -309,6 +313,10 @@ impl Completion {
         let mut slot = lock(&self.result);
         if slot.is_none() {
             *slot = Some(result);
+            // Once only: the job's share of the turn ends with it.
+            if let Some((turns, worker)) = &self.turn {
+                turns.leave(*worker);
+            }
         }
         self.finished.store(true, Ordering::Release);
         self.cond.notify_all();
@@ -494,7 +502,12 @@ impl Parent {
             return Err(Error::UnknownWorker(worker));
         }
         Stats::bump(&self.shared.stats.jobs_submitted);
-        let done = Arc::new(Completion::default());
+        // The last step before the post: from the turn on, the job's answer gives it up.
+        let turn = self.take_turn(worker);
+        let done = Arc::new(Completion {
+            turn,
+            ..Completion::default()
+        });
         self.shared
             .post(LoopCommand::Submit(Box::new(driver_loop::Submission {
                 worker,
@@ -513,6 +526,32 @@ impl Parent {
             shared: Arc::downgrade(&self.shared),
             spin_until: Instant::now() + self.shared.options.spin_in_flight,
         })
+    }
+
+    /// Waits for `worker`'s turn on the GPU where the parent keeps turns
+    /// ([`ParentOptions::gpu_turn_wait`](crate::ParentOptions::gpu_turn_wait)); the turn
+    /// the job then holds a share of, if any.
+    fn take_turn(&self, worker: WorkerId) -> Option<(Arc<Turns>, WorkerId)> {
+        let turns = self.shared.turns.as_ref()?;
+        let entry = turns.enter(worker);
+        let waited = entry.waited();
+        if !waited.is_zero() {
+            let s = &self.shared.stats;
+            Stats::bump(&s.turn_waits);
+            s.turn_wait_ns.fetch_add(
+                u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
+        }
+        match entry {
+            Entry::Counted { .. } => Some((Arc::clone(turns), worker)),
+            Entry::Uncounted { ran_out, .. } => {
+                if ran_out {
+                    Stats::bump(&self.shared.stats.turn_waits_ran_out);
+                }
+                None
+            }
+        }
     }
 
     /// Lends `inputs` to `worker` and waits: [`submit`](Parent::submit) then

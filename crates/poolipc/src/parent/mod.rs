@@ -27,6 +27,7 @@ mod shared;
 mod spawn;
 mod stats;
 mod trust;
+mod turns;
 
 pub(crate) use arenas::SharedArena;
 pub(crate) use job::{Answer, ArenaLease};
@@ -34,8 +35,8 @@ pub use job::{Input, JobHandle, JobOutput, ResultAllocator, ResultTensor};
 pub(crate) use options::env_number;
 pub use options::{
     DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
-    DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, IO_THREADS_ENV, MAX_IO_THREADS, ParentOptions,
-    ResultMemory, SPIN_ENV, SPIN_IN_FLIGHT_ENV,
+    DEFAULT_GPU_TURN_WAIT, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, GPU_TURN_WAIT_ENV,
+    IO_THREADS_ENV, MAX_IO_THREADS, ParentOptions, ResultMemory, SPIN_ENV, SPIN_IN_FLIGHT_ENV,
 };
 pub(crate) use shared::{Registered, Shared, WorkerPool, lock};
 pub(crate) use stats::Stats;
@@ -160,7 +161,15 @@ impl Parent {
         }
         let arena_copy = options.arena_copy;
         let arena_slice_bytes = options.arena_slice_bytes;
+        // Turns only where the driver says the GPU runs one process at a time.
+        let turns = match options.gpu_turn_wait {
+            Some(wait) if !wait.is_zero() && mps_client == Some(false) => {
+                Some(Arc::new(turns::Turns::new(wait, options.spin_in_flight)))
+            }
+            _ => None,
+        };
         let shared = Arc::new(Shared {
+            turns,
             arenas: Mutex::new(arenas::Arenas::default()),
             mps_client,
             context_lost: Mutex::new(None),
@@ -348,6 +357,9 @@ impl Parent {
             ready_recorded_aside: get(&s.ready_recorded_aside),
             workers_busy: get(&s.workers_busy),
             most_workers_busy: get(&s.most_workers_busy),
+            turn_waits: get(&s.turn_waits),
+            turn_wait_ns: get(&s.turn_wait_ns),
+            turn_waits_ran_out: get(&s.turn_waits_ran_out),
             done_events_open: self
                 .shared
                 .rooms

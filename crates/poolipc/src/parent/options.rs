@@ -56,6 +56,21 @@ pub struct ParentOptions {
     /// `POOLIPC_SPIN_IN_FLIGHT_US` if set, else 1 ms where the machine has four or more
     /// CPUs, else zero.
     pub spin_in_flight: Duration,
+    /// Without MPS, the most a submit waits while another worker has jobs in flight, so that
+    /// workers take turns on the GPU at the parent, job by job, instead of the GPU switching
+    /// between their contexts at every job (`None` or zero: never wait). Applies only where
+    /// the driver says this process is not an MPS client; under MPS workers run at once.
+    ///
+    /// Why: on an H100 without MPS one worker alone ran 32-38k small jobs/s and two or more
+    /// with a job each in flight 7200 jobs/s together, the GPU switching contexts at each
+    /// job; given one job at a time in turn they kept one worker's rate. A submit that waits
+    /// this long goes anyway, and so does every submit after it until the worker that held
+    /// the turn has no job left: a worker that keeps its job for long (a big kernel, host
+    /// work, or on purpose) costs the others one wait, not one a job. Turns go in the order
+    /// they were asked for. [`ParentStats::turn_waits`](crate::ParentStats::turn_waits) and
+    /// [`turn_wait_ns`](crate::ParentStats::turn_wait_ns) count what they cost. By default
+    /// `POOLIPC_GPU_TURN_WAIT_US` if set, else [`DEFAULT_GPU_TURN_WAIT`].
+    pub gpu_turn_wait: Option<Duration>,
     /// How many IO threads (rooms) serve the workers, each its own share of them (worker `id`
     /// goes to room `id % io_threads`) with its own copy of the ownership contract's
     /// machine: one thread's work per job (a frame read and written, the contract, the
@@ -243,6 +258,7 @@ impl Default for ParentOptions {
             send_queue: SendQueueLimits::default(),
             spin: default_spin(SPIN_ENV, Duration::from_micros(400)),
             spin_in_flight: default_spin(SPIN_IN_FLIGHT_ENV, Duration::from_millis(1)),
+            gpu_turn_wait: default_gpu_turn_wait(),
             io_threads: default_io_threads(),
             canary: true,
             staging: StagingConfig::default(),
@@ -282,6 +298,24 @@ pub const SPIN_ENV: &str = "POOLIPC_SPIN_US";
 /// The environment variable that sets [`ParentOptions::spin_in_flight`]'s default, in
 /// microseconds.
 pub const SPIN_IN_FLIGHT_ENV: &str = "POOLIPC_SPIN_IN_FLIGHT_US";
+
+/// The environment variable that sets [`ParentOptions::gpu_turn_wait`]'s default, in
+/// microseconds (0: no turns).
+pub const GPU_TURN_WAIT_ENV: &str = "POOLIPC_GPU_TURN_WAIT_US";
+
+/// [`ParentOptions::gpu_turn_wait`]'s default without [`GPU_TURN_WAIT_ENV`]: 1 ms, long
+/// enough for a small job's round trip (about 30 µs) many times over, short beside a job
+/// that does real work.
+pub const DEFAULT_GPU_TURN_WAIT: Duration = Duration::from_millis(1);
+
+/// [`GPU_TURN_WAIT_ENV`] if set to a number (0 for none), else [`DEFAULT_GPU_TURN_WAIT`].
+fn default_gpu_turn_wait() -> Option<Duration> {
+    match env_number::<u64>(GPU_TURN_WAIT_ENV) {
+        Some(0) => None,
+        Some(us) => Some(Duration::from_micros(us)),
+        None => Some(DEFAULT_GPU_TURN_WAIT),
+    }
+}
 
 /// The environment variable that sets [`ParentOptions::io_threads`]'s default.
 pub const IO_THREADS_ENV: &str = "POOLIPC_IO_THREADS";

@@ -90,6 +90,9 @@ pub(crate) struct Shared {
     pub(crate) stats: Stats,
     /// Whether this process is an MPS client on the parent's device (`None`: not reported).
     pub(crate) mps_client: Option<bool>,
+    /// The workers' turns on the GPU ([`ParentOptions::gpu_turn_wait`]): `None` under MPS,
+    /// where the driver does not say, or when turned off.
+    pub(crate) turns: Option<Arc<super::turns::Turns>>,
     /// Set once the process's CUDA context is lost: why, for every later refusal.
     pub(crate) context_lost: Mutex<Option<String>>,
     /// The arenas, one per worker, each made by the IO thread at its worker's first need

@@ -147,6 +147,16 @@ pub struct ParentStats {
     /// process that is not an MPS client, the parent says so once in its log, with what to
     /// do (`poolipc mps`).
     pub most_workers_busy: u64,
+    /// Submits that waited for their worker's turn on the GPU
+    /// ([`ParentOptions::gpu_turn_wait`](crate::ParentOptions::gpu_turn_wait): without MPS,
+    /// while another worker had jobs in flight).
+    pub turn_waits: u64,
+    /// Nanoseconds those submits waited, all together.
+    pub turn_wait_ns: u64,
+    /// Waits that ran out (the worker holding the turn kept its jobs longer than
+    /// `gpu_turn_wait`): that submit went anyway, and so did every submit after it until
+    /// that worker's jobs ended.
+    pub turn_waits_ran_out: u64,
     /// The workers' DONE events the parent holds open now (as the IO thread last counted
     /// them): at most [`ParentOptions::max_open_done_events`](crate::ParentOptions::max_open_done_events) per worker.
     pub done_events_open: u64,
@@ -191,6 +201,9 @@ pub(crate) struct Stats {
     pub(crate) io_busy_ns: AtomicU64,
     pub(crate) workers_busy: AtomicU64,
     pub(crate) most_workers_busy: AtomicU64,
+    pub(crate) turn_waits: AtomicU64,
+    pub(crate) turn_wait_ns: AtomicU64,
+    pub(crate) turn_waits_ran_out: AtomicU64,
     /// Whether the log has said that busy workers take turns without MPS (once a parent).
     pub(crate) turns_said: std::sync::atomic::AtomicBool,
 }
