@@ -309,8 +309,15 @@ fn table(
     };
     let parent = Parent::new(Arc::clone(driver), options).context("starting the parent")?;
     let mps = parent.mps_client() == Some(true);
+    // Turns are kept where the driver says this is not an MPS client (ParentOptions).
+    let turns = match parent.options().gpu_turn_wait {
+        Some(w) if !w.is_zero() && parent.mps_client() == Some(false) => {
+            format!(", GPU turns (wait {} µs)", w.as_micros())
+        }
+        _ => String::new(),
+    };
     println!(
-        "poolipc bench --workers {max_workers} {which}{}, {io_threads} IO thread{}{}",
+        "poolipc bench --workers {max_workers} {which}{}, {io_threads} IO thread{}{}{turns}",
         if mps { ", an MPS client" } else { "" },
         if io_threads == 1 { "" } else { "s" },
         if args.caller_stream == "legacy" {
@@ -407,6 +414,14 @@ fn table(
         "  READY recorded aside (the caller's stream idle): {} of {} jobs",
         st.ready_recorded_aside, st.jobs_completed
     );
+    if st.turn_waits > 0 {
+        #[allow(clippy::cast_precision_loss)]
+        let mean_us = st.turn_wait_ns as f64 / 1e3 / st.turn_waits as f64;
+        println!(
+            "  GPU turns: {} of {} submits waited, {mean_us:.1} µs each on average; {} waits ran out",
+            st.turn_waits, st.jobs_submitted, st.turn_waits_ran_out
+        );
+    }
     for w in workers {
         parent.stop_worker(w)?;
     }

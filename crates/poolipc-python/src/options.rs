@@ -29,6 +29,30 @@ pub(crate) struct ParentConfig {
     isolated: Option<bool>,
     /// The IO threads that serve the workers ([`ParentOptions::io_threads`]).
     io_threads: Option<usize>,
+    /// Without MPS, the most a submit waits for its worker's turn on the GPU, in seconds; 0
+    /// for no turns ([`ParentOptions::gpu_turn_wait`]).
+    gpu_turn_wait: Option<f64>,
+}
+
+/// `gpu_turn_wait` as the facade takes it: `secs` seconds, None for 0; an error naming the
+/// value for a negative or non-finite one.
+fn turn_wait(secs: f64) -> Result<Option<Duration>, String> {
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!(
+            "poolipc: gpu_turn_wait={secs:?} is not a wait: give seconds, 0 (no turns) or more"
+        ));
+    }
+    if secs == 0.0 {
+        return Ok(None);
+    }
+    Duration::try_from_secs_f64(secs)
+        .map(Some)
+        .map_err(|e| format!("poolipc: gpu_turn_wait={secs:?}: {e}"))
+}
+
+/// A parent's `gpu_turn_wait` in seconds, 0 for none.
+pub(crate) fn turn_wait_secs(o: &ParentOptions) -> f64 {
+    o.gpu_turn_wait.map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// [`ParentConfig::arena_bytes`]' default: the arena's first chunk, and its growth step.
@@ -141,6 +165,9 @@ impl ParentConfig {
             }
             o.io_threads = n;
         }
+        if let Some(secs) = self.gpu_turn_wait {
+            o.gpu_turn_wait = turn_wait(secs)?;
+        }
         if self.arena_bytes == Some(0) {
             return Err(
                 "poolipc: arena_bytes=0: the arena needs a first chunk of more than 0 \
@@ -216,6 +243,16 @@ impl ParentConfig {
             out.push(format!(
                 "io_threads={n} (the process's parent has {})",
                 made.io_threads
+            ));
+        }
+        if let Some(secs) = self.gpu_turn_wait
+            && let Ok(want) = turn_wait(secs)
+            && want.unwrap_or_default().abs_diff(made.gpu_turn_wait.unwrap_or_default())
+                > Duration::from_micros(1)
+        {
+            out.push(format!(
+                "gpu_turn_wait={secs:?} (the process's parent has {:?})",
+                turn_wait_secs(made)
             ));
         }
         let (have, first, max) = match made.results {

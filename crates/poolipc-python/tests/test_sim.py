@@ -15,6 +15,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -964,6 +965,58 @@ def test_io_threads_is_set_once_per_process_and_its_rooms_serve_workers():
     assert "io_threads=3 (the process's parent has 2)" in lines["CLASH"]
     assert lines["BUSY"] == "True"
     assert lines["STOPPED"] == "[0, 0, 0]"
+
+
+def test_gpu_turn_wait_is_set_once_per_process_and_a_submit_waits_its_turn():
+    # A fresh process: the simulated machine is no MPS client, so the parent keeps turns.
+    code = textwrap.dedent("""
+        import os, struct, sys, threading, time
+        import poolipc
+        try:
+            poolipc.install_pool(0, gpu_turn_wait=-1)
+        except ValueError as e:
+            print("NEGATIVE", e)
+        poolipc.install_pool(0, gpu_turn_wait=30.0)
+        p = poolipc.Parent(0)
+        print("OPTIONS", p.options["gpu_turn_wait"])
+        try:
+            poolipc.Parent(0, gpu_turn_wait=0)
+        except ValueError as e:
+            print("CLASH", e)
+        argv = [sys.executable, os.environ["PY_WORKER"]]
+        go = os.path.join(os.environ["GATE"], "go")
+        held = p.spawn(argv, {"POOLIPC_TEST_MODE": "gate", "POOLIPC_TEST_GATE": go})
+        free = p.spawn(argv, {"POOLIPC_TEST_MODE": "echo"})
+        buf = p.alloc(64, dtype="float32", shape=[16])
+        p.write(buf.ptr, struct.pack("<16f", *range(16)))
+        ref = poolipc.TensorRef(buf.ptr, "float32", [16])
+        h = p.submit(held, [ref])
+        while p.stats()["workers_busy"] < 1:
+            time.sleep(0.01)
+        done = []
+        t = threading.Thread(target=lambda: done.append(p.run(free, [ref])))
+        t.start()
+        time.sleep(0.5)
+        print("WAITED", not done, p.stats()["workers_busy"])
+        open(go, "w").close()
+        h.wait()
+        t.join()
+        s = p.stats()
+        print("TURNS", s["turn_waits"], s["turn_wait_ns"] >= 400_000_000, s["turn_waits_ran_out"])
+        print("STOPPED", [p.stop(w) for w in (held, free)])
+    """)
+    with tempfile.TemporaryDirectory() as gate:
+        env = dict(os.environ, POOLIPC_DRIVER="sim", PY_WORKER=py_worker_argv()[1], GATE=gate)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert "gpu_turn_wait=-1.0 is not a wait" in lines["NEGATIVE"]
+    assert lines["OPTIONS"] == "30.0"
+    assert "gpu_turn_wait=0.0 (the process's parent has 30.0)" in lines["CLASH"]
+    # The free worker's job waited while the held one's was in flight; one worker busy.
+    assert lines["WAITED"] == "True 1", out.stdout
+    assert lines["TURNS"] == "1 True 0", out.stdout
+    assert lines["STOPPED"] == "[0, 0]"
 
 
 def test_a_pool_parent_refuses_arena_results_per_job_and_a_clash_names_the_result_memory(parent):

@@ -118,7 +118,15 @@ class ParentConfig(TypedDict, total=False):
     64; by default ``POOLIPC_IO_THREADS``, else one per 4 CPUs, 1 to 4).
     ``stats()["io_busy_ns"]`` growing near the wall time says they limit several workers at
     once, and more threads then lift that limit (each spins its own CPU while its workers'
-    jobs run)."""
+    jobs run).
+
+    ``gpu_turn_wait``: without MPS, the most a submit waits, in seconds, while another worker
+    has a job in flight (0: never; by default ``POOLIPC_GPU_TURN_WAIT_US``, else 0.001). The
+    GPU runs one process at a time: jobs of two workers in flight at once make it switch
+    between them at every job (an H100: 36-38k small jobs/s for one worker, 7200 for two or
+    more), so the workers take turns at the parent instead. A wait that runs out lets the
+    submit go, and every submit after it until that worker's jobs ended; under MPS there are
+    no turns. ``stats()["turn_waits"]`` and ``["turn_wait_ns"]`` count what they cost."""
 
     handoff_timeout: float | None
     stop_timeout: float | None
@@ -129,6 +137,7 @@ class ParentConfig(TypedDict, total=False):
     arena_max_bytes: int | None
     isolated: bool | None
     io_threads: int | None
+    gpu_turn_wait: float | None
 
 
 _CONFIG_HINTS: dict[str, object] = typing.get_type_hints(ParentConfig)
@@ -174,8 +183,8 @@ class ParentOptions(TypedDict):
     """``Parent.options``: the process parent's device, its deadlines in seconds, whether it
     runs the canary battery, its result memory (``results``: ``pool`` or ``arena``; the
     arena's first chunk and cap in bytes, None without an arena or a cap), whether workers
-    are ``isolated``, its ``io_threads``, and who made it
-    (``install_pool`` or ``Parent``)."""
+    are ``isolated``, its ``io_threads``, its ``gpu_turn_wait`` in seconds (0 for none),
+    and who made it (``install_pool`` or ``Parent``)."""
 
     device: int
     handoff_timeout: float
@@ -188,6 +197,7 @@ class ParentOptions(TypedDict):
     arena_max_bytes: int | None
     isolated: bool
     io_threads: int
+    gpu_turn_wait: float
     made_by: str
 
 
