@@ -207,13 +207,22 @@ impl Loop {
         let now = s.workers_busy.fetch_add(1, Relaxed) + 1;
         s.most_workers_busy.fetch_max(now, Relaxed);
         if now >= 2 && self.shared.mps_client == Some(false) && !s.turns_said.swap(true, Relaxed) {
+            let why = match self.shared.options.gpu_turn_wait {
+                Some(w) if self.shared.turns.is_some() => format!(
+                    "a worker kept the GPU turn past gpu_turn_wait ({} µs: a long job), so \
+                     the others' jobs went beside it",
+                    w.as_micros()
+                ),
+                _ => "the parent keeps no turns (gpu_turn_wait is off)".to_owned(),
+            };
             tracing::info!(
                 workers_busy = now,
                 "poolipc: {now} workers have jobs at once and this process is not an MPS \
-                 client: the GPU runs one process's context at a time, so workers that \
-                 compute take turns (on an H100, workers running a kernel a job: about 36000 \
-                 jobs/s for one alone, about 7200 for two or more together); under MPS they \
-                 run at once: `poolipc mps --accept-shared-gpu-faults -- CMD` or \
+                 client: {why}. The GPU runs one process's context at a time, so workers \
+                 that compute at once make it switch at every job (on an H100, workers \
+                 running a kernel a job: about 36000 jobs/s for one alone, about 7200 for two \
+                 or more together); under MPS they run at once: `poolipc mps \
+                 --accept-shared-gpu-faults -- CMD` or \
                  poolipc.start_mps(accept_shared_gpu_faults=True) for trusted workers \
                  (README: MPS). ParentStats::most_workers_busy counts them"
             );
