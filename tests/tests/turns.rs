@@ -49,8 +49,15 @@ fn job_on_thread(p: &Arc<Parent>, worker: WorkerId, device: u32) -> JoinHandle<R
         )?;
         p.driver().stream_synchronize(stream)?;
         ensure!(out.results.len() == 1, "{} results", out.results.len());
-        echo::verify_echo(&**p.driver(), out.results[0].ptr, 4 * KIB, 0, 0x0A0B_0C0D, 0)
-            .map_err(|e| anyhow::anyhow!(e))?;
+        echo::verify_echo(
+            &**p.driver(),
+            out.results[0].ptr,
+            4 * KIB,
+            0,
+            0x0A0B_0C0D,
+            0,
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
         p.pool().free(out.results[0].ptr, stream)?;
         p.pool().free(input, stream)?;
         p.driver().stream_synchronize(stream)?;
@@ -212,4 +219,3 @@ both_drivers!(
         Ok(())
     }
 );
-

@@ -247,7 +247,9 @@ impl ParentConfig {
         }
         if let Some(secs) = self.gpu_turn_wait
             && let Ok(want) = turn_wait(secs)
-            && want.unwrap_or_default().abs_diff(made.gpu_turn_wait.unwrap_or_default())
+            && want
+                .unwrap_or_default()
+                .abs_diff(made.gpu_turn_wait.unwrap_or_default())
                 > Duration::from_micros(1)
         {
             out.push(format!(

@@ -157,7 +157,11 @@ impl Turns {
     /// A counted job of `worker` ended: the turn passes once the holder has none left.
     pub(crate) fn leave(&self, worker: WorkerId) {
         let mut s = lock(&self.state);
-        debug_assert_eq!(s.holder, Some(worker), "a counted job's worker holds the turn");
+        debug_assert_eq!(
+            s.holder,
+            Some(worker),
+            "a counted job's worker holds the turn"
+        );
         if s.holder != Some(worker) || s.held == 0 {
             return;
         }
@@ -205,12 +209,20 @@ mod tests {
     fn one_worker_takes_any_number_of_jobs_without_waiting() {
         let t = Turns::new(LONG, Duration::ZERO);
         for _ in 0..5 {
-            assert_eq!(t.enter(A), Entry::Counted { waited: Duration::ZERO });
+            assert_eq!(
+                t.enter(A),
+                Entry::Counted {
+                    waited: Duration::ZERO
+                }
+            );
         }
         for _ in 0..5 {
             t.leave(A);
         }
-        assert!(counted(t.enter(B)), "the turn passed once A had nothing in flight");
+        assert!(
+            counted(t.enter(B)),
+            "the turn passed once A had nothing in flight"
+        );
     }
 
     #[test]
@@ -219,9 +231,17 @@ mod tests {
         assert!(counted(t.enter(A)));
         assert!(counted(t.enter(A)));
         let b = enter_on_thread(&t, B);
-        assert_eq!(answered(&b, Duration::from_millis(100)), None, "B went while A held the turn");
+        assert_eq!(
+            answered(&b, Duration::from_millis(100)),
+            None,
+            "B went while A held the turn"
+        );
         t.leave(A);
-        assert_eq!(answered(&b, Duration::from_millis(100)), None, "B went with one of A's jobs in flight");
+        assert_eq!(
+            answered(&b, Duration::from_millis(100)),
+            None,
+            "B went with one of A's jobs in flight"
+        );
         t.leave(A);
         let got = answered(&b, Duration::from_secs(10)).expect("B's turn once A's jobs ended");
         assert!(counted(got), "{got:?}");
@@ -238,10 +258,18 @@ mod tests {
         let a2 = enter_on_thread(&t, A);
         std::thread::sleep(Duration::from_millis(50));
         t.leave(A);
-        assert!(counted(answered(&b, Duration::from_secs(10)).expect("B's turn")));
-        assert_eq!(answered(&a2, Duration::from_millis(100)), None, "A went again before B's job ended");
+        assert!(counted(
+            answered(&b, Duration::from_secs(10)).expect("B's turn")
+        ));
+        assert_eq!(
+            answered(&a2, Duration::from_millis(100)),
+            None,
+            "A went again before B's job ended"
+        );
         t.leave(B);
-        assert!(counted(answered(&a2, Duration::from_secs(10)).expect("A's turn again")));
+        assert!(counted(
+            answered(&a2, Duration::from_secs(10)).expect("A's turn again")
+        ));
         t.leave(A);
     }
 
@@ -268,10 +296,18 @@ mod tests {
         let c = enter_on_thread(&t, C);
         std::thread::sleep(Duration::from_millis(50));
         t.leave(A);
-        assert!(counted(answered(&b, Duration::from_secs(10)).expect("B first")));
-        assert_eq!(answered(&c, Duration::from_millis(100)), None, "C went during B's turn");
+        assert!(counted(
+            answered(&b, Duration::from_secs(10)).expect("B first")
+        ));
+        assert_eq!(
+            answered(&c, Duration::from_millis(100)),
+            None,
+            "C went during B's turn"
+        );
         t.leave(B);
-        assert!(counted(answered(&c, Duration::from_secs(10)).expect("C after B")));
+        assert!(counted(
+            answered(&c, Duration::from_secs(10)).expect("C after B")
+        ));
         t.leave(C);
     }
 
@@ -286,21 +322,42 @@ mod tests {
         );
         // Open: every submit goes at once, of any worker, while A's job is in flight.
         let start = Instant::now();
-        assert_eq!(t.enter(C), Entry::Uncounted { waited: Duration::ZERO, ran_out: false });
-        assert_eq!(t.enter(B), Entry::Uncounted { waited: Duration::ZERO, ran_out: false });
+        assert_eq!(
+            t.enter(C),
+            Entry::Uncounted {
+                waited: Duration::ZERO,
+                ran_out: false
+            }
+        );
+        assert_eq!(
+            t.enter(B),
+            Entry::Uncounted {
+                waited: Duration::ZERO,
+                ran_out: false
+            }
+        );
         assert!(start.elapsed() < Duration::from_millis(50));
         // A's job ended: the gate closes and the turns start again.
         t.leave(A);
         assert!(counted(t.enter(C)));
         let b = enter_on_thread(&t, B);
-        assert_eq!(answered(&b, Duration::from_millis(20)), None, "B went during C's turn");
+        assert_eq!(
+            answered(&b, Duration::from_millis(20)),
+            None,
+            "B went during C's turn"
+        );
         t.leave(C);
-        assert!(counted(answered(&b, Duration::from_secs(10)).expect("B's turn")));
+        assert!(counted(
+            answered(&b, Duration::from_secs(10)).expect("B's turn")
+        ));
     }
 
     #[test]
     fn waiters_let_go_when_the_gate_opens_under_them() {
-        let t = Arc::new(Turns::new(Duration::from_millis(300), Duration::from_millis(1)));
+        let t = Arc::new(Turns::new(
+            Duration::from_millis(300),
+            Duration::from_millis(1),
+        ));
         assert!(counted(t.enter(A)));
         let b = enter_on_thread(&t, B);
         std::thread::sleep(Duration::from_millis(50));
@@ -309,21 +366,34 @@ mod tests {
         // before its own wait would have run out.
         let gb = answered(&b, Duration::from_secs(10)).expect("B through");
         let gc = answered(&c, Duration::from_secs(10)).expect("C through");
-        assert!(matches!(gb, Entry::Uncounted { ran_out: true, .. }), "{gb:?}");
-        assert!(matches!(gc, Entry::Uncounted { ran_out: false, .. }), "{gc:?}");
+        assert!(
+            matches!(gb, Entry::Uncounted { ran_out: true, .. }),
+            "{gb:?}"
+        );
+        assert!(
+            matches!(gc, Entry::Uncounted { ran_out: false, .. }),
+            "{gc:?}"
+        );
         assert!(gc.waited() < Duration::from_millis(300), "{gc:?}");
         t.leave(A);
     }
 
     #[test]
     fn a_worker_holding_its_job_costs_each_other_worker_one_wait_not_one_a_job() {
-        let t = Arc::new(Turns::new(Duration::from_millis(30), Duration::from_millis(1)));
+        let t = Arc::new(Turns::new(
+            Duration::from_millis(30),
+            Duration::from_millis(1),
+        ));
         assert!(counted(t.enter(A))); // A never ends its job in this test.
         let start = Instant::now();
         for _ in 0..50 {
             let _ = t.enter(B);
         }
         // One wait of 30 ms, then open: 50 waits would be 1.5 s.
-        assert!(start.elapsed() < Duration::from_millis(750), "{:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_millis(750),
+            "{:?}",
+            start.elapsed()
+        );
     }
 }
