@@ -1,6 +1,7 @@
-//! Turns on the GPU without MPS (`ParentOptions::gpu_turn_wait`): a submit waits while
-//! another worker has a job in flight, goes once that job ended, and goes anyway when its
-//! wait runs out; a worker that keeps its job costs the others one wait, not one a job.
+//! Turns on the GPU without MPS (`ParentOptions::gpu_turn`): a submit waits while
+//! another worker holds the turn with a job in flight, goes once that job ended, and goes
+//! anyway when its wait runs out; a worker that keeps its job costs the others one wait, not
+//! one a job.
 //! Under MPS (or where the driver does not say) there are no turns: the same jobs overlap.
 
 use std::path::Path;
@@ -17,7 +18,7 @@ const KIB: u64 = 1 << 10;
 fn parent(env: &Env, wait: Option<Duration>) -> Result<Arc<Parent>> {
     let options = ParentOptions {
         device: env.device,
-        gpu_turn_wait: wait,
+        gpu_turn: wait,
         ..ParentOptions::default()
     };
     Ok(Arc::new(Parent::new(Arc::clone(&env.driver), options)?))
@@ -152,14 +153,14 @@ both_drivers!(
 
 both_drivers!(
     fn a_worker_keeping_its_job_costs_the_others_one_wait_and_then_they_go_at_once(env) {
-        let wait = Duration::from_millis(150);
-        let p = parent(env, Some(wait))?;
+        let turn = Duration::from_millis(75);
+        let p = parent(env, Some(turn))?;
         let dir = tempdir("turns-ran-out")?;
         let (held, free) = two_workers(env, &p, &dir)?;
         let a = job_on_thread(&p, held, env.device);
         started(&dir, 1)?;
-        // The first waits out its 150 ms, then every job after it goes at once while the held
-        // job is still in flight.
+        // The first waits out two turns (150 ms), then every job after it goes at once while
+        // the held job is still in flight.
         let start = Instant::now();
         for i in 0..5 {
             let b = job_on_thread(&p, free, env.device);
@@ -179,7 +180,7 @@ both_drivers!(
                 st.turn_waits,
                 st.turn_waits_ran_out
             );
-            ensure!(took >= wait, "five jobs took {took:?}, less than one wait");
+            ensure!(took >= 2 * turn, "five jobs took {took:?}, less than one wait");
             ensure!(st.most_workers_busy == 2, "{} workers were busy at once", st.most_workers_busy);
         } else {
             ensure!(st.turn_waits == 0, "{} turn waits without turns", st.turn_waits);

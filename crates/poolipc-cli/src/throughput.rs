@@ -309,15 +309,8 @@ fn table(
     };
     let parent = Parent::new(Arc::clone(driver), options).context("starting the parent")?;
     let mps = parent.mps_client() == Some(true);
-    // Turns are kept where the driver says this is not an MPS client (ParentOptions).
-    let turns = match parent.options().gpu_turn_wait {
-        Some(w) if !w.is_zero() && parent.mps_client() == Some(false) => {
-            format!(", GPU turns (wait {} µs)", w.as_micros())
-        }
-        _ => String::new(),
-    };
     println!(
-        "poolipc bench --workers {max_workers} {which}{}, {io_threads} IO thread{}{}{turns}",
+        "poolipc bench --workers {max_workers} {which}{}, {io_threads} IO thread{}{}",
         if mps { ", an MPS client" } else { "" },
         if io_threads == 1 { "" } else { "s" },
         if args.caller_stream == "legacy" {
@@ -414,12 +407,19 @@ fn table(
         "  READY recorded aside (the caller's stream idle): {} of {} jobs",
         st.ready_recorded_aside, st.jobs_completed
     );
-    if st.turn_waits > 0 {
+    // Turns are kept where the driver says this is not an MPS client (ParentOptions).
+    if let Some(turn) = parent.options().gpu_turn
+        && !turn.is_zero()
+        && parent.mps_client() == Some(false)
+    {
         #[allow(clippy::cast_precision_loss)]
-        let mean_us = st.turn_wait_ns as f64 / 1e3 / st.turn_waits as f64;
+        let mean_us = st.turn_wait_ns as f64 / 1e3 / st.turn_waits.max(1) as f64;
         println!(
-            "  GPU turns: {} of {} submits waited, {mean_us:.1} µs each on average; {} waits ran out",
-            st.turn_waits, st.jobs_submitted, st.turn_waits_ran_out
+            "  GPU turns of {} µs (POOLIPC_GPU_TURN_US; 0: none): {} of {} submits waited, {mean_us:.1} µs each on average; {} waits ran out",
+            turn.as_micros(),
+            st.turn_waits,
+            st.jobs_submitted,
+            st.turn_waits_ran_out
         );
     }
     for w in workers {

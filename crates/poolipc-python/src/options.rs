@@ -29,17 +29,17 @@ pub(crate) struct ParentConfig {
     isolated: Option<bool>,
     /// The IO threads that serve the workers ([`ParentOptions::io_threads`]).
     io_threads: Option<usize>,
-    /// Without MPS, the most a submit waits for its worker's turn on the GPU, in seconds; 0
-    /// for no turns ([`ParentOptions::gpu_turn_wait`]).
-    gpu_turn_wait: Option<f64>,
+    /// Without MPS, the length of a worker's turn on the GPU, in seconds; 0
+    /// for no turns ([`ParentOptions::gpu_turn`]).
+    gpu_turn: Option<f64>,
 }
 
-/// `gpu_turn_wait` as the facade takes it: `secs` seconds, None for 0; an error naming the
+/// `gpu_turn` as the facade takes it: `secs` seconds, None for 0; an error naming the
 /// value for a negative or non-finite one.
-fn turn_wait(secs: f64) -> Result<Option<Duration>, String> {
+fn turn_length(secs: f64) -> Result<Option<Duration>, String> {
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!(
-            "poolipc: gpu_turn_wait={secs:?} is not a wait: give seconds, 0 (no turns) or more"
+            "poolipc: gpu_turn={secs:?} is not a turn: give seconds, 0 (no turns) or more"
         ));
     }
     if secs == 0.0 {
@@ -47,12 +47,12 @@ fn turn_wait(secs: f64) -> Result<Option<Duration>, String> {
     }
     Duration::try_from_secs_f64(secs)
         .map(Some)
-        .map_err(|e| format!("poolipc: gpu_turn_wait={secs:?}: {e}"))
+        .map_err(|e| format!("poolipc: gpu_turn={secs:?}: {e}"))
 }
 
-/// A parent's `gpu_turn_wait` in seconds, 0 for none.
-pub(crate) fn turn_wait_secs(o: &ParentOptions) -> f64 {
-    o.gpu_turn_wait.map_or(0.0, |d| d.as_secs_f64())
+/// A parent's `gpu_turn` in seconds, 0 for none.
+pub(crate) fn turn_secs(o: &ParentOptions) -> f64 {
+    o.gpu_turn.map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// [`ParentConfig::arena_bytes`]' default: the arena's first chunk, and its growth step.
@@ -165,8 +165,8 @@ impl ParentConfig {
             }
             o.io_threads = n;
         }
-        if let Some(secs) = self.gpu_turn_wait {
-            o.gpu_turn_wait = turn_wait(secs)?;
+        if let Some(secs) = self.gpu_turn {
+            o.gpu_turn = turn_length(secs)?;
         }
         if self.arena_bytes == Some(0) {
             return Err(
@@ -245,16 +245,16 @@ impl ParentConfig {
                 made.io_threads
             ));
         }
-        if let Some(secs) = self.gpu_turn_wait
-            && let Ok(want) = turn_wait(secs)
+        if let Some(secs) = self.gpu_turn
+            && let Ok(want) = turn_length(secs)
             && want
                 .unwrap_or_default()
-                .abs_diff(made.gpu_turn_wait.unwrap_or_default())
+                .abs_diff(made.gpu_turn.unwrap_or_default())
                 > Duration::from_micros(1)
         {
             out.push(format!(
-                "gpu_turn_wait={secs:?} (the process's parent has {:?})",
-                turn_wait_secs(made)
+                "gpu_turn={secs:?} (the process's parent has {:?})",
+                turn_secs(made)
             ));
         }
         let (have, first, max) = match made.results {

@@ -384,7 +384,7 @@ impl NativeParent {
 
     /// The process parent's options: `device`, the deadlines in seconds, `canary`, `results`
     /// (`pool` or `arena`), `arena_bytes` and `arena_max_bytes` (None without an arena, or
-    /// without a cap), `isolated`, `io_threads`, `gpu_turn_wait` (seconds, 0 for none), and
+    /// without a cap), `isolated`, `io_threads`, `gpu_turn` (seconds, 0 for none), and
     /// `made_by` (`install_pool` or `Parent`).
     fn options<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let o = self.g.parent.options();
@@ -406,7 +406,7 @@ impl NativeParent {
         d.set_item("arena_max_bytes", max)?;
         d.set_item("isolated", o.isolated)?;
         d.set_item("io_threads", o.io_threads)?;
-        d.set_item("gpu_turn_wait", crate::options::turn_wait_secs(o))?;
+        d.set_item("gpu_turn", crate::options::turn_secs(o))?;
         d.set_item("made_by", self.g.made_by)?;
         Ok(d)
     }

@@ -967,20 +967,20 @@ def test_io_threads_is_set_once_per_process_and_its_rooms_serve_workers():
     assert lines["STOPPED"] == "[0, 0, 0]"
 
 
-def test_gpu_turn_wait_is_set_once_per_process_and_a_submit_waits_its_turn():
+def test_gpu_turn_is_set_once_per_process_and_a_submit_waits_its_turn():
     # A fresh process: the simulated machine is no MPS client, so the parent keeps turns.
     code = textwrap.dedent("""
         import os, struct, sys, threading, time
         import poolipc
         try:
-            poolipc.install_pool(0, gpu_turn_wait=-1)
+            poolipc.install_pool(0, gpu_turn=-1)
         except ValueError as e:
             print("NEGATIVE", e)
-        poolipc.install_pool(0, gpu_turn_wait=30.0)
+        poolipc.install_pool(0, gpu_turn=30.0)
         p = poolipc.Parent(0)
-        print("OPTIONS", p.options["gpu_turn_wait"])
+        print("OPTIONS", p.options["gpu_turn"])
         try:
-            poolipc.Parent(0, gpu_turn_wait=0)
+            poolipc.Parent(0, gpu_turn=0)
         except ValueError as e:
             print("CLASH", e)
         argv = [sys.executable, os.environ["PY_WORKER"]]
@@ -1010,9 +1010,9 @@ def test_gpu_turn_wait_is_set_once_per_process_and_a_submit_waits_its_turn():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
-    assert "gpu_turn_wait=-1.0 is not a wait" in lines["NEGATIVE"]
+    assert "gpu_turn=-1.0 is not a turn" in lines["NEGATIVE"]
     assert lines["OPTIONS"] == "30.0"
-    assert "gpu_turn_wait=0.0 (the process's parent has 30.0)" in lines["CLASH"]
+    assert "gpu_turn=0.0 (the process's parent has 30.0)" in lines["CLASH"]
     # The free worker's job waited while the held one's was in flight; one worker busy.
     assert lines["WAITED"] == "True 1", out.stdout
     assert lines["TURNS"] == "1 True 0", out.stdout

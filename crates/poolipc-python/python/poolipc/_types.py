@@ -120,13 +120,14 @@ class ParentConfig(TypedDict, total=False):
     once, and more threads then lift that limit (each spins its own CPU while its workers'
     jobs run).
 
-    ``gpu_turn_wait``: without MPS, the most a submit waits, in seconds, while another worker
-    has a job in flight (0: never; by default ``POOLIPC_GPU_TURN_WAIT_US``, else 0.001). The
-    GPU runs one process at a time: jobs of two workers in flight at once make it switch
-    between them at every job (an H100: 36-38k small jobs/s for one worker, 7200 for two or
-    more), so the workers take turns at the parent instead. A wait that runs out lets the
-    submit go, and every submit after it until that worker's jobs ended; under MPS there are
-    no turns. ``stats()["turn_waits"]`` and ``["turn_wait_ns"]`` count what they cost."""
+    ``gpu_turn``: without MPS, the length of a worker's turn on the GPU in seconds (0: no
+    turns; by default ``POOLIPC_GPU_TURN_US``, else 0.002). The GPU runs one process at a
+    time and each change between two workers' contexts costs about 330 us on an H100, so
+    jobs of several workers at once made 7200 jobs/s together against 46000 for one alone.
+    While one worker holds the turn, a submit to another waits; the holder goes on for its
+    turn's length. A wait of two turns past the holder's lets the submit go, and every
+    submit after it until that worker's jobs ended; under MPS there are no turns.
+    ``stats()["turn_waits"]`` and ``["turn_wait_ns"]`` count what they cost."""
 
     handoff_timeout: float | None
     stop_timeout: float | None
@@ -137,7 +138,7 @@ class ParentConfig(TypedDict, total=False):
     arena_max_bytes: int | None
     isolated: bool | None
     io_threads: int | None
-    gpu_turn_wait: float | None
+    gpu_turn: float | None
 
 
 _CONFIG_HINTS: dict[str, object] = typing.get_type_hints(ParentConfig)
@@ -183,7 +184,7 @@ class ParentOptions(TypedDict):
     """``Parent.options``: the process parent's device, its deadlines in seconds, whether it
     runs the canary battery, its result memory (``results``: ``pool`` or ``arena``; the
     arena's first chunk and cap in bytes, None without an arena or a cap), whether workers
-    are ``isolated``, its ``io_threads``, its ``gpu_turn_wait`` in seconds (0 for none),
+    are ``isolated``, its ``io_threads``, its ``gpu_turn`` in seconds (0 for none),
     and who made it (``install_pool`` or ``Parent``)."""
 
     device: int
@@ -197,7 +198,7 @@ class ParentOptions(TypedDict):
     arena_max_bytes: int | None
     isolated: bool
     io_threads: int
-    gpu_turn_wait: float
+    gpu_turn: float
     made_by: str
 
 
@@ -237,14 +238,14 @@ class ParentStats(TypedDict):
     """The most workers that had a job in flight at once. Without MPS workers that compute at
     once take turns on the GPU; the parent logs it once when two first are (see README: MPS)."""
     turn_waits: int
-    """Submits that waited for their worker's turn on the GPU: without MPS a submit waits (at
-    most POOLIPC_GPU_TURN_WAIT_US, 1 ms by default) while another worker has a job in flight,
-    so that the GPU does not switch between the workers' contexts at every job."""
+    """Submits that waited for their worker's turn on the GPU: without MPS a submit waits
+    while another worker holds the turn (``gpu_turn``, 2 ms by default), so that the GPU
+    does not change between the workers' contexts at every job."""
     turn_wait_ns: int
     """Nanoseconds those submits waited, all together."""
     turn_waits_ran_out: int
-    """Turn waits that ran out: the submit went anyway, and every submit after it went at once
-    until the worker holding the turn had no job left."""
+    """Turn waits that ran out (two turns past the holder's): the submit went anyway, and
+    every submit after it went at once until the worker holding the turn had no job left."""
     done_events_open: int
     """The workers' DONE events the parent holds open now."""
     export_reuse: Literal["unchecked", "checking", "proven", "not_proven"]

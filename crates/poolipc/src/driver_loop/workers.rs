@@ -207,13 +207,13 @@ impl Loop {
         let now = s.workers_busy.fetch_add(1, Relaxed) + 1;
         s.most_workers_busy.fetch_max(now, Relaxed);
         if now >= 2 && self.shared.mps_client == Some(false) && !s.turns_said.swap(true, Relaxed) {
-            let why = match self.shared.options.gpu_turn_wait {
+            let why = match self.shared.options.gpu_turn {
                 Some(w) if self.shared.turns.is_some() => format!(
-                    "a worker kept the GPU turn past gpu_turn_wait ({} µs: a long job), so \
-                     the others' jobs went beside it",
+                    "a worker kept the GPU turn two turns past its own (gpu_turn {} µs: a long \
+                     job), so the others' jobs went beside it",
                     w.as_micros()
                 ),
-                _ => "the parent keeps no turns (gpu_turn_wait is off)".to_owned(),
+                _ => "the parent keeps no turns (gpu_turn is off)".to_owned(),
             };
             tracing::info!(
                 workers_busy = now,

@@ -304,7 +304,7 @@ pub(crate) struct Completion {
     /// Set with the result: lets a waiter spin without the lock.
     finished: std::sync::atomic::AtomicBool,
     /// The GPU turn the job holds a share of, given up when it ends
-    /// ([`ParentOptions::gpu_turn_wait`](crate::ParentOptions::gpu_turn_wait)).
+    /// ([`ParentOptions::gpu_turn`](crate::ParentOptions::gpu_turn)).
     turn: Option<(Arc<Turns>, WorkerId)>,
 }
 
@@ -529,7 +529,7 @@ impl Parent {
     }
 
     /// Waits for `worker`'s turn on the GPU where the parent keeps turns
-    /// ([`ParentOptions::gpu_turn_wait`](crate::ParentOptions::gpu_turn_wait)); the turn
+    /// ([`ParentOptions::gpu_turn`](crate::ParentOptions::gpu_turn)); the turn
     /// the job then holds a share of, if any.
     fn take_turn(&self, worker: WorkerId) -> Option<(Arc<Turns>, WorkerId)> {
         let turns = self.shared.turns.as_ref()?;

@@ -35,8 +35,8 @@ pub use job::{Input, JobHandle, JobOutput, ResultAllocator, ResultTensor};
 pub(crate) use options::env_number;
 pub use options::{
     DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
-    DEFAULT_GPU_TURN_WAIT, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, GPU_TURN_WAIT_ENV,
-    IO_THREADS_ENV, MAX_IO_THREADS, ParentOptions, ResultMemory, SPIN_ENV, SPIN_IN_FLIGHT_ENV,
+    DEFAULT_GPU_TURN, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, GPU_TURN_ENV, IO_THREADS_ENV,
+    MAX_IO_THREADS, ParentOptions, ResultMemory, SPIN_ENV, SPIN_IN_FLIGHT_ENV,
 };
 pub(crate) use shared::{Registered, Shared, WorkerPool, lock};
 pub(crate) use stats::Stats;
@@ -162,7 +162,7 @@ impl Parent {
         let arena_copy = options.arena_copy;
         let arena_slice_bytes = options.arena_slice_bytes;
         // Turns only where the driver says the GPU runs one process at a time.
-        let turns = match options.gpu_turn_wait {
+        let turns = match options.gpu_turn {
             Some(wait) if !wait.is_zero() && mps_client == Some(false) => {
                 Some(Arc::new(turns::Turns::new(wait, options.spin_in_flight)))
             }

@@ -56,21 +56,29 @@ pub struct ParentOptions {
     /// `POOLIPC_SPIN_IN_FLIGHT_US` if set, else 1 ms where the machine has four or more
     /// CPUs, else zero.
     pub spin_in_flight: Duration,
-    /// Without MPS, the most a submit waits while another worker has jobs in flight, so that
-    /// workers take turns on the GPU at the parent, job by job, instead of the GPU switching
-    /// between their contexts at every job (`None` or zero: never wait). Applies only where
-    /// the driver says this process is not an MPS client; under MPS workers run at once.
+    /// Without MPS, the length of a worker's turn on the GPU (`None` or zero: no turns).
+    /// While one worker holds the turn a submit to another waits; the holder takes jobs,
+    /// any number at once, for the length of its turn, and after it none while another
+    /// waits; the turn passes once its jobs ended (or it had none in flight for 200 µs).
+    /// Turns go in the order they were asked for. Applies only where the driver says this
+    /// process is not an MPS client; under MPS workers run at once.
     ///
-    /// Why: on an H100 without MPS one worker alone ran 32-38k small jobs/s and two or more
-    /// with a job each in flight 7200 jobs/s together, the GPU switching contexts at each
-    /// job; given one job at a time in turn they kept one worker's rate. A submit that waits
-    /// this long goes anyway, and so does every submit after it until the worker that held
-    /// the turn has no job left: a worker that keeps its job for long (a big kernel, host
-    /// work, or on purpose) costs the others one wait, not one a job. Turns go in the order
-    /// they were asked for. [`ParentStats::turn_waits`](crate::ParentStats::turn_waits) and
-    /// [`turn_wait_ns`](crate::ParentStats::turn_wait_ns) count what they cost. By default
-    /// `POOLIPC_GPU_TURN_WAIT_US` if set, else [`DEFAULT_GPU_TURN_WAIT`].
-    pub gpu_turn_wait: Option<Duration>,
+    /// Why: without MPS the GPU runs one process's context at a time, and each change from
+    /// one worker's context to another's cost about 330 µs on an H100: four workers given one
+    /// 4 KiB job each in turn made 2545-2817 jobs/s, and with a job each in flight at once
+    /// 7200 (the GPU changing at nearly every job), against 46000 for one worker alone; runs
+    /// of 64 jobs per worker kept 0.73-0.78× of it (`bench/probes/turns_serial.py`). A turn
+    /// amortizes the change over a run of jobs. The cost: a worker's job may wait for the
+    /// turns of those ahead of it.
+    ///
+    /// The next in line that waited a turn and as long again past the holder's goes anyway,
+    /// and so does every submit after it until the holder's jobs ended: a worker that keeps
+    /// its job for long (a big kernel, host work, or on purpose) costs each other worker one
+    /// such wait, not one a job. [`ParentStats::turn_waits`](crate::ParentStats::turn_waits),
+    /// [`turn_wait_ns`](crate::ParentStats::turn_wait_ns) and
+    /// [`turn_waits_ran_out`](crate::ParentStats::turn_waits_ran_out) count what they cost.
+    /// By default `POOLIPC_GPU_TURN_US` if set, else [`DEFAULT_GPU_TURN`].
+    pub gpu_turn: Option<Duration>,
     /// How many IO threads (rooms) serve the workers, each its own share of them (worker `id`
     /// goes to room `id % io_threads`) with its own copy of the ownership contract's
     /// machine: one thread's work per job (a frame read and written, the contract, the
@@ -258,7 +266,7 @@ impl Default for ParentOptions {
             send_queue: SendQueueLimits::default(),
             spin: default_spin(SPIN_ENV, Duration::from_micros(400)),
             spin_in_flight: default_spin(SPIN_IN_FLIGHT_ENV, Duration::from_millis(1)),
-            gpu_turn_wait: default_gpu_turn_wait(),
+            gpu_turn: default_gpu_turn(),
             io_threads: default_io_threads(),
             canary: true,
             staging: StagingConfig::default(),
@@ -299,21 +307,20 @@ pub const SPIN_ENV: &str = "POOLIPC_SPIN_US";
 /// microseconds.
 pub const SPIN_IN_FLIGHT_ENV: &str = "POOLIPC_SPIN_IN_FLIGHT_US";
 
-/// The environment variable that sets [`ParentOptions::gpu_turn_wait`]'s default, in
+/// The environment variable that sets [`ParentOptions::gpu_turn`]'s default, in
 /// microseconds (0: no turns).
-pub const GPU_TURN_WAIT_ENV: &str = "POOLIPC_GPU_TURN_WAIT_US";
+pub const GPU_TURN_ENV: &str = "POOLIPC_GPU_TURN_US";
 
-/// [`ParentOptions::gpu_turn_wait`]'s default without [`GPU_TURN_WAIT_ENV`]: 1 ms, long
-/// enough for a small job's round trip (about 30 µs) many times over, short beside a job
-/// that does real work.
-pub const DEFAULT_GPU_TURN_WAIT: Duration = Duration::from_millis(1);
+/// [`ParentOptions::gpu_turn`]'s default without [`GPU_TURN_ENV`]: 2 ms, six times a
+/// change of context (about 330 µs on an H100) and some 60 small jobs' round trips.
+pub const DEFAULT_GPU_TURN: Duration = Duration::from_millis(2);
 
-/// [`GPU_TURN_WAIT_ENV`] if set to a number (0 for none), else [`DEFAULT_GPU_TURN_WAIT`].
-fn default_gpu_turn_wait() -> Option<Duration> {
-    match env_number::<u64>(GPU_TURN_WAIT_ENV) {
+/// [`GPU_TURN_ENV`] if set to a number (0 for none), else [`DEFAULT_GPU_TURN`].
+fn default_gpu_turn() -> Option<Duration> {
+    match env_number::<u64>(GPU_TURN_ENV) {
         Some(0) => None,
         Some(us) => Some(Duration::from_micros(us)),
-        None => Some(DEFAULT_GPU_TURN_WAIT),
+        None => Some(DEFAULT_GPU_TURN),
     }
 }
 

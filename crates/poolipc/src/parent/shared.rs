@@ -90,7 +90,7 @@ pub(crate) struct Shared {
     pub(crate) stats: Stats,
     /// Whether this process is an MPS client on the parent's device (`None`: not reported).
     pub(crate) mps_client: Option<bool>,
-    /// The workers' turns on the GPU ([`ParentOptions::gpu_turn_wait`]): `None` under MPS,
+    /// The workers' turns on the GPU ([`ParentOptions::gpu_turn`]): `None` under MPS,
     /// where the driver does not say, or when turned off.
     pub(crate) turns: Option<Arc<super::turns::Turns>>,
     /// Set once the process's CUDA context is lost: why, for every later refusal.

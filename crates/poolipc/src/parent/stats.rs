@@ -148,13 +148,13 @@ pub struct ParentStats {
     /// do (`poolipc mps`).
     pub most_workers_busy: u64,
     /// Submits that waited for their worker's turn on the GPU
-    /// ([`ParentOptions::gpu_turn_wait`](crate::ParentOptions::gpu_turn_wait): without MPS,
+    /// ([`ParentOptions::gpu_turn`](crate::ParentOptions::gpu_turn): without MPS,
     /// while another worker had jobs in flight).
     pub turn_waits: u64,
     /// Nanoseconds those submits waited, all together.
     pub turn_wait_ns: u64,
     /// Waits that ran out (the worker holding the turn kept its jobs longer than
-    /// `gpu_turn_wait`): that submit went anyway, and so did every submit after it until
+    /// `gpu_turn`): that submit went anyway, and so did every submit after it until
     /// that worker's jobs ended.
     pub turn_waits_ran_out: u64,
     /// The workers' DONE events the parent holds open now (as the IO thread last counted

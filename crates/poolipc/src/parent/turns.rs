@@ -1,20 +1,25 @@
-//! Turns on the GPU for workers that are not MPS clients ([`ParentOptions::gpu_turn_wait`]).
+//! Turns on the GPU for workers that are not MPS clients ([`ParentOptions::gpu_turn`]).
 //!
-//! Without MPS the GPU runs one process's context at a time. Jobs of two workers in flight at
-//! once make it switch between their contexts at every job: on an H100, one worker alone ran
-//! 32-38k small jobs/s and two or more together 7200 jobs/s (stop 36/37), while one thread
-//! giving two workers one job at a time in turn kept one worker's rate (`bench/probes/
-//! turns_serial.py`). So a caller's submit to a worker waits, at most
-//! [`gpu_turn_wait`](crate::ParentOptions::gpu_turn_wait), while another worker has jobs in
-//! flight: the workers take turns at the parent, job by job, instead of on the GPU.
+//! Without MPS the GPU runs one process's context at a time, and every change from one
+//! worker's context to another's costs about 330 µs (H100, driver 580: one Python thread
+//! giving four workers one 4 KiB job each in turn made 2545-2817 jobs/s, one worker alone
+//! 46000; `bench/probes/turns_serial.py`). Jobs of several workers in flight at once make it
+//! change at nearly every job (7200 jobs/s together, whatever the count); runs of 64 jobs per
+//! worker kept 0.73-0.78× of one worker's rate. So the parent gives the workers the GPU in
+//! turns of [`gpu_turn`](crate::ParentOptions::gpu_turn): while one worker holds the turn,
+//! a submit to another waits.
 //!
 //! The rules, all under one lock:
-//! - a worker with the turn takes more jobs at once unless others wait for it (then it
-//!   queues behind them: turns go in the order they were asked for);
-//! - the turn passes when the holder's last counted job ended;
-//! - a submit whose wait runs out goes at once, and so does every submit after it until the
-//!   holder's counted jobs ended (the gate is *open*): a worker that holds its job for long
-//!   (a big kernel, host work, or on purpose) costs the others one wait, not one each.
+//! - the worker holding the turn takes jobs for the length of its turn, any number at once;
+//!   after it, it takes no more while another waits, and the turn passes when its jobs in
+//!   flight ended;
+//! - a worker with no job in flight keeps its turn for [`GRACE`] (its caller's next submit
+//!   comes within microseconds of the last job's end), then whoever waits takes it;
+//! - turns go in the order they were asked for;
+//! - the next in line that waited a turn and as long again past it goes anyway, and so does
+//!   every submit after it until the holder's jobs ended (the gate is *open*): a worker that
+//!   keeps its job for long (a big kernel, host work, or on purpose) costs the others one
+//!   such wait each, not one a job.
 //!
 //! No IO: the callers' threads enter, the IO thread's job completion leaves.
 
@@ -27,26 +32,34 @@ use poolipc_types::WorkerId;
 
 use super::lock;
 
+/// How long a worker with no job in flight keeps its turn, for its caller's next submit
+/// (within its turn's length).
+pub(crate) const GRACE: Duration = Duration::from_micros(200);
+
 /// The gate the callers of one parent share.
 #[derive(Debug)]
 pub(crate) struct Turns {
     state: Mutex<State>,
     cond: Condvar,
-    /// The most a submit waits for its turn.
-    wait: Duration,
+    /// A turn's length.
+    turn: Duration,
     /// How long the next in line looks for the turn without sleeping: a sleeper pays a
     /// wake-up (tens of microseconds on a busy host) at every pass of the turn.
     spin: Duration,
-    /// Bumped each time the turn passes (its holder's jobs ended): what the spinner watches.
+    /// Bumped whenever the turn may have become free: what the spinner watches.
     passes: AtomicU64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
-    /// The worker whose jobs run now, while `held > 0`.
+    /// The worker whose turn it is.
     holder: Option<WorkerId>,
-    /// The holder's counted jobs in flight.
+    /// Its counted jobs in flight.
     held: usize,
+    /// When its turn began.
+    since: Instant,
+    /// Since when it has had no job in flight (None while it has).
+    idle_since: Option<Instant>,
     /// The submits waiting for a turn, by ticket, oldest first.
     queue: VecDeque<u64>,
     next_ticket: u64,
@@ -72,20 +85,66 @@ impl Entry {
     }
 }
 
+impl State {
+    /// Whether a worker other than the holder may take the turn at `now`.
+    fn passable(&self, now: Instant, turn: Duration) -> bool {
+        match self.holder {
+            None => true,
+            Some(_) => {
+                self.held == 0
+                    && (now.saturating_duration_since(self.since) >= turn
+                        || self
+                            .idle_since
+                            .is_some_and(|i| now.saturating_duration_since(i) >= GRACE.min(turn)))
+            }
+        }
+    }
+
+    /// `worker` takes the turn, or a share of its own.
+    fn take(&mut self, worker: WorkerId, now: Instant, turn: Duration) {
+        if self.holder != Some(worker) || now.saturating_duration_since(self.since) >= turn {
+            self.since = now;
+        }
+        self.holder = Some(worker);
+        self.held += 1;
+        self.idle_since = None;
+    }
+
+    /// When the turn may next become passable by time alone (None: only by a job's end).
+    fn next_change(&self, turn: Duration) -> Option<Instant> {
+        if self.holder.is_none() || self.held > 0 {
+            return None;
+        }
+        let ends = self.since + turn;
+        Some(match self.idle_since {
+            Some(i) => ends.min(i + GRACE.min(turn)),
+            None => ends,
+        })
+    }
+}
+
 impl Turns {
-    /// A gate where a submit waits at most `wait` for its turn, the next in line spinning
-    /// for at most `spin` of it before it sleeps.
-    pub(crate) fn new(wait: Duration, spin: Duration) -> Turns {
+    /// A gate with turns of `turn`, the next in line spinning for at most `spin` before it
+    /// sleeps.
+    pub(crate) fn new(turn: Duration, spin: Duration) -> Turns {
         Turns {
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                holder: None,
+                held: 0,
+                since: Instant::now(),
+                idle_since: None,
+                queue: VecDeque::new(),
+                next_ticket: 0,
+                open: false,
+            }),
             cond: Condvar::new(),
-            wait,
+            turn,
             spin,
             passes: AtomicU64::new(0),
         }
     }
 
-    /// Waits (at most the gate's wait) until `worker` may have a job in flight.
+    /// Waits until `worker` may have a job in flight: its turn, or the gate open.
     pub(crate) fn enter(&self, worker: WorkerId) -> Entry {
         let mut s = lock(&self.state);
         if s.open {
@@ -94,9 +153,17 @@ impl Turns {
                 ran_out: false,
             };
         }
-        if s.queue.is_empty() && s.holder.is_none_or(|h| h == worker) {
-            s.holder = Some(worker);
-            s.held += 1;
+        let start = Instant::now();
+        if s.holder == Some(worker)
+            && (s.queue.is_empty() || start.saturating_duration_since(s.since) < self.turn)
+        {
+            s.take(worker, start, self.turn);
+            return Entry::Counted {
+                waited: Duration::ZERO,
+            };
+        }
+        if s.queue.is_empty() && s.passable(start, self.turn) {
+            s.take(worker, start, self.turn);
             return Entry::Counted {
                 waited: Duration::ZERO,
             };
@@ -104,9 +171,8 @@ impl Turns {
         let ticket = s.next_ticket;
         s.next_ticket += 1;
         s.queue.push_back(ticket);
-        let start = Instant::now();
-        let deadline = start + self.wait;
-        let spin_until = start + self.spin.min(self.wait);
+        // Since when this submit has been next in line.
+        let mut first_since: Option<Instant> = None;
         loop {
             if s.open {
                 s.queue.retain(|&t| t != ticket);
@@ -116,19 +182,30 @@ impl Turns {
                     ran_out: false,
                 };
             }
-            if s.queue.front() == Some(&ticket) && s.holder.is_none_or(|h| h == worker) {
+            let now = Instant::now();
+            if s.queue.front() != Some(&ticket) {
+                s = self
+                    .cond
+                    .wait_timeout(s, self.turn)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0;
+                continue;
+            }
+            let first = *first_since.get_or_insert(now);
+            if s.holder == Some(worker) || s.passable(now, self.turn) {
                 s.queue.pop_front();
-                s.holder = Some(worker);
-                s.held += 1;
-                // The next in the queue may be a job of the same worker: it joins this turn.
+                s.take(worker, now, self.turn);
+                self.passes.fetch_add(1, Ordering::Release);
+                // The next in line starts its own clock.
                 self.cond.notify_all();
                 return Entry::Counted {
-                    waited: start.elapsed(),
+                    waited: now - start,
                 };
             }
-            let now = Instant::now();
+            // A turn and as long again, next in line: the holder keeps its jobs for long.
+            let deadline = first + 2 * self.turn;
             if now >= deadline {
-                s.queue.retain(|&t| t != ticket);
+                s.queue.pop_front();
                 s.open = true;
                 self.cond.notify_all();
                 return Entry::Uncounted {
@@ -136,9 +213,13 @@ impl Turns {
                     ran_out: true,
                 };
             }
-            if s.queue.front() == Some(&ticket) && now < spin_until {
-                // Next in line: look for the pass without sleeping, then check again.
+            let until = s
+                .next_change(self.turn)
+                .map_or(deadline, |c| c.min(deadline));
+            if now.saturating_duration_since(first) < self.spin {
+                // Look for the change without sleeping, then check again.
                 let seen = self.passes.load(Ordering::Acquire);
+                let spin_until = until.min(first + self.spin);
                 drop(s);
                 while self.passes.load(Ordering::Acquire) == seen && Instant::now() < spin_until {
                     crate::spin::pause();
@@ -148,13 +229,14 @@ impl Turns {
             }
             s = self
                 .cond
-                .wait_timeout(s, deadline - now)
+                .wait_timeout(s, until.saturating_duration_since(now))
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
     }
 
-    /// A counted job of `worker` ended: the turn passes once the holder has none left.
+    /// A counted job of `worker` ended. The holder keeps its turn while it lasts and for
+    /// [`GRACE`] after its last job; the gate closes again once it has no job in flight.
     pub(crate) fn leave(&self, worker: WorkerId) {
         let mut s = lock(&self.state);
         debug_assert_eq!(
@@ -167,7 +249,7 @@ impl Turns {
         }
         s.held -= 1;
         if s.held == 0 {
-            s.holder = None;
+            s.idle_since = Some(Instant::now());
             s.open = false;
             self.passes.fetch_add(1, Ordering::Release);
             self.cond.notify_all();
@@ -219,10 +301,14 @@ mod tests {
         for _ in 0..5 {
             t.leave(A);
         }
-        assert!(
-            counted(t.enter(B)),
-            "the turn passed once A had nothing in flight"
+        // Idle, A keeps its turn for its caller's next submit.
+        assert_eq!(
+            t.enter(A),
+            Entry::Counted {
+                waited: Duration::ZERO
+            }
         );
+        t.leave(A);
     }
 
     #[test]
@@ -243,28 +329,64 @@ mod tests {
             "B went with one of A's jobs in flight"
         );
         t.leave(A);
+        // A has nothing in flight: past the grace, B takes the turn (A's is 30 s long).
         let got = answered(&b, Duration::from_secs(10)).expect("B's turn once A's jobs ended");
         assert!(counted(got), "{got:?}");
         assert!(got.waited() >= Duration::from_millis(150), "{got:?}");
+        let a = enter_on_thread(&t, A);
+        assert_eq!(
+            answered(&a, Duration::from_millis(100)),
+            None,
+            "A went during B's turn"
+        );
+        t.leave(B);
+        assert!(counted(
+            answered(&a, Duration::from_secs(10)).expect("A's turn again")
+        ));
     }
 
     #[test]
-    fn the_holder_queues_behind_a_waiting_worker_so_turns_alternate() {
-        let t = Arc::new(Turns::new(LONG, Duration::ZERO));
+    fn the_holder_takes_more_jobs_during_its_turn_while_another_waits() {
+        let t = Arc::new(Turns::new(Duration::from_secs(5), Duration::ZERO));
         assert!(counted(t.enter(A)));
         let b = enter_on_thread(&t, B);
         std::thread::sleep(Duration::from_millis(50));
-        // A's next job comes while B waits: it goes after B's turn.
+        // Within its turn A goes on, B waiting or not: a run of jobs on one context.
+        for _ in 0..3 {
+            assert_eq!(
+                t.enter(A),
+                Entry::Counted {
+                    waited: Duration::ZERO
+                }
+            );
+        }
+        for _ in 0..4 {
+            t.leave(A);
+        }
+        assert!(counted(
+            answered(&b, Duration::from_secs(10)).expect("B after A's jobs")
+        ));
+        t.leave(B);
+    }
+
+    #[test]
+    fn after_its_turn_the_holder_queues_behind_a_waiting_worker() {
+        let turn = Duration::from_millis(100);
+        let t = Arc::new(Turns::new(turn, Duration::ZERO));
+        assert!(counted(t.enter(A)));
+        let b = enter_on_thread(&t, B);
+        std::thread::sleep(turn + Duration::from_millis(50));
+        // A's turn is over and B waits: A's next job goes after B's turn.
         let a2 = enter_on_thread(&t, A);
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(20));
         t.leave(A);
         assert!(counted(
             answered(&b, Duration::from_secs(10)).expect("B's turn")
         ));
         assert_eq!(
-            answered(&a2, Duration::from_millis(100)),
+            answered(&a2, Duration::from_millis(50)),
             None,
-            "A went again before B's job ended"
+            "A went again during B's turn"
         );
         t.leave(B);
         assert!(counted(
@@ -274,9 +396,9 @@ mod tests {
     }
 
     #[test]
-    fn the_next_in_line_spinning_takes_the_turn_as_it_passes() {
+    fn the_next_in_line_spinning_takes_the_turn_once_it_passes() {
         // It spins for up to 10 s and is not on the condition variable meanwhile: only the
-        // pass it watches lets it see the turn free within the second.
+        // pass it watches, and the grace's end it computes, let it take the turn in time.
         let t = Arc::new(Turns::new(LONG, Duration::from_secs(10)));
         assert!(counted(t.enter(A)));
         let b = enter_on_thread(&t, B);
@@ -313,11 +435,12 @@ mod tests {
 
     #[test]
     fn a_wait_that_runs_out_opens_the_gate_until_the_holder_is_done() {
-        let t = Arc::new(Turns::new(Duration::from_millis(50), Duration::ZERO));
+        let turn = Duration::from_millis(50);
+        let t = Arc::new(Turns::new(turn, Duration::ZERO));
         assert!(counted(t.enter(A)));
         let got = t.enter(B);
         assert!(
-            matches!(got, Entry::Uncounted { ran_out: true, waited } if waited >= Duration::from_millis(50)),
+            matches!(got, Entry::Uncounted { ran_out: true, waited } if waited >= 2 * turn),
             "{got:?}"
         );
         // Open: every submit goes at once, of any worker, while A's job is in flight.
@@ -336,7 +459,7 @@ mod tests {
                 ran_out: false
             }
         );
-        assert!(start.elapsed() < Duration::from_millis(50));
+        assert!(start.elapsed() < turn);
         // A's job ended: the gate closes and the turns start again.
         t.leave(A);
         assert!(counted(t.enter(C)));
@@ -354,16 +477,14 @@ mod tests {
 
     #[test]
     fn waiters_let_go_when_the_gate_opens_under_them() {
-        let t = Arc::new(Turns::new(
-            Duration::from_millis(300),
-            Duration::from_millis(1),
-        ));
+        let turn = Duration::from_millis(150);
+        let t = Arc::new(Turns::new(turn, Duration::from_millis(1)));
         assert!(counted(t.enter(A)));
         let b = enter_on_thread(&t, B);
         std::thread::sleep(Duration::from_millis(50));
         let c = enter_on_thread(&t, C);
-        // B's wait runs out first and opens the gate: C, queued behind it, goes too, long
-        // before its own wait would have run out.
+        // B's wait runs out first and opens the gate: C, behind it, goes too, long before
+        // its own wait (as next in line) would have run out.
         let gb = answered(&b, Duration::from_secs(10)).expect("B through");
         let gc = answered(&c, Duration::from_secs(10)).expect("C through");
         assert!(
@@ -374,22 +495,20 @@ mod tests {
             matches!(gc, Entry::Uncounted { ran_out: false, .. }),
             "{gc:?}"
         );
-        assert!(gc.waited() < Duration::from_millis(300), "{gc:?}");
+        assert!(gc.waited() < 2 * turn, "{gc:?}");
         t.leave(A);
     }
 
     #[test]
     fn a_worker_holding_its_job_costs_each_other_worker_one_wait_not_one_a_job() {
-        let t = Arc::new(Turns::new(
-            Duration::from_millis(30),
-            Duration::from_millis(1),
-        ));
+        let turn = Duration::from_millis(15);
+        let t = Arc::new(Turns::new(turn, Duration::from_millis(1)));
         assert!(counted(t.enter(A))); // A never ends its job in this test.
         let start = Instant::now();
         for _ in 0..50 {
             let _ = t.enter(B);
         }
-        // One wait of 30 ms, then open: 50 waits would be 1.5 s.
+        // One wait of two turns (30 ms), then open: 50 waits would be 1.5 s.
         assert!(
             start.elapsed() < Duration::from_millis(750),
             "{:?}",
