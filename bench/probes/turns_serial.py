@@ -10,9 +10,12 @@ GPU). Here one thread drives every worker, so that how the jobs interleave is ch
   bursts of K    N workers in turn, K jobs each before the next (one job in flight)
   overlapped     one job in flight on every worker at once (submit to each, wait the oldest)
 
-If `alternate` is as fast as `one`, a parent that lets one worker at a time have a job in
-flight gives N workers one worker's rate; if only long bursts are, the parent would have to
-hold a worker's turn for several jobs.
+If `alternate` were as fast as `one`, a parent that lets one worker at a time have a job in
+flight would give N workers one worker's rate; it is not (H100, driver 580: 4 workers
+alternate 2545-2817 jobs/s, bursts of 64 0.73-0.78x of one worker, overlapped 7230, one
+46000; bench/results/2026-12-05-h100-f): every change of context costs about 330 us, so the
+parent holds a worker's turn for a time instead (ParentOptions::gpu_turn). Set
+POOLIPC_GPU_TURN_US=0 to measure these patterns without the parent's turns.
 
     python3 bench/probes/turns_serial.py [--workers 2] [--mode touch|noop] [--window-ms 500]
 

@@ -59,7 +59,7 @@ pub struct ParentOptions {
     /// Without MPS, the length of a worker's turn on the GPU (`None` or zero: no turns).
     /// While one worker holds the turn a submit to another waits; the holder takes jobs,
     /// any number at once, for the length of its turn, and after it none while another
-    /// waits; the turn passes once its jobs ended (or it had none in flight for 200 µs).
+    /// waits; the turn passes once its jobs ended (or it had none in flight for 100 µs).
     /// Turns go in the order they were asked for. Applies only where the driver says this
     /// process is not an MPS client; under MPS workers run at once.
     ///
