@@ -152,6 +152,11 @@ impl Turns {
     /// Waits until `worker` may have a job in flight: its turn, or the gate open.
     pub(crate) fn enter(&self, worker: WorkerId) -> Entry {
         let mut s = lock(&self.state);
+        if s.open && s.held == 0 {
+            // Open until the holder's jobs ended: it has none (only `leave` closes it
+            // otherwise, and a holder with nothing in flight never leaves).
+            s.open = false;
+        }
         if s.open {
             return Entry::Uncounted {
                 waited: Duration::ZERO,
@@ -226,7 +231,7 @@ impl Turns {
             }
             // A turn and as long again, next in line: the holder keeps its jobs for long.
             let deadline = first + 2 * self.turn;
-            if now >= deadline {
+            if now >= deadline && s.held > 0 {
                 s.queue.pop_front();
                 s.open = true;
                 self.cond.notify_all();
@@ -235,9 +240,12 @@ impl Turns {
                     ran_out: true,
                 };
             }
-            let until = s
-                .next_change(self.turn)
-                .map_or(deadline, |c| c.min(deadline));
+            // Past the deadline with the holder idle: it is passable within its grace.
+            let until = match s.next_change(self.turn) {
+                Some(c) if now >= deadline => c,
+                Some(c) => c.min(deadline),
+                None => deadline,
+            };
             if now.saturating_duration_since(first) < self.spin {
                 // Look for the change without sleeping, then check again.
                 let seen = self.passes.load(Ordering::Acquire);
@@ -533,6 +541,24 @@ mod tests {
         assert!(counted(
             answered(&b, Duration::from_secs(10)).expect("B's turn")
         ));
+    }
+
+    #[test]
+    fn an_open_gate_with_nothing_of_the_holder_in_flight_closes_at_the_next_submit() {
+        // Only the holder's last job's end closes the gate; should it be open with none in
+        // flight (a wait that ran out as the holder went idle), it must not stay open.
+        let t = Turns::new(LONG, Duration::ZERO);
+        assert!(counted(t.enter(A)));
+        t.leave(A);
+        {
+            let mut s = lock(&t.state);
+            s.open = true;
+        }
+        assert!(
+            counted(t.enter(A)),
+            "the gate stayed open with nothing in flight"
+        );
+        t.leave(A);
     }
 
     #[test]
