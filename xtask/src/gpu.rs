@@ -389,6 +389,8 @@ mod tests {
         assert!(RUN_SH.contains("if want pyscaling; then"));
         assert!(!line.contains("onethread"), "{line}");
         assert!(RUN_SH.contains("if want onethread; then"));
+        assert!(!line.contains("gputurns"), "{line}");
+        assert!(RUN_SH.contains("if want gputurns; then"));
     }
 
     #[test]

@@ -513,7 +513,7 @@ if want onethread; then
 # driving every worker against a thread per worker (pysplit: Rust echo workers; pybench:
 # torch workers), and the binding against torch.multiprocessing by size.
 mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
-echo "--- onethread: poolipc bench --workers 2: the busy-workers line (once plainly, none under MPS)" >> "$summary"
+echo "--- onethread: poolipc bench --workers 2: the busy-workers line (at most once plainly: with GPU turns only if a wait ran out; none under MPS)" >> "$summary"
 RUST_LOG=info timeout 60 "$here/poolipc" bench --workers 2 > "$out/onethread-plain.log" 2>&1
 echo "plain: exit $?, $(grep -c 'workers have jobs at once' "$out/onethread-plain.log") line(s)" >> "$summary"
 grep -m1 'workers have jobs at once' "$out/onethread-plain.log" >> "$summary"
@@ -540,6 +540,30 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
 else
   echo "onethread: the Python rows NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi
+fi
+stash
+if want gputurns; then
+# What stop 38 left for the GPU (only when named, about 3 minutes): the parent's GPU turns
+# (ParentOptions::gpu_turn) with a thread per worker and with one thread driving them all,
+# plainly, turns off and on in the same run.
+if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
+  [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/gputurns-pip.log" 2>&1
+  for w in 0 2000; do
+    echo "--- bench/probes/turns_serial.py --workers 4 (one thread), POOLIPC_GPU_TURN_US=$w" >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" POOLIPC_GPU_TURN_US=$w RUST_LOG=warn timeout 40 python3 bench/probes/turns_serial.py --workers 4 --rounds 1 ) > "$out/gputurns-probe-$w.log" 2>&1
+    echo "exit: $?" >> "$summary"; grep -vE ' INFO ' "$out/gputurns-probe-$w.log" | tail -8 >> "$summary"
+    echo "--- bench/pybench.py --workers 4 (threads, then one thread), POOLIPC_GPU_TURN_US=$w" >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site POOLIPC_BIN="$here/poolipc" POOLIPC_GPU_TURN_US=$w timeout 70 python3 bench/pybench.py --workers 4 ) > "$out/gputurns-pybench-$w.log" 2>&1
+    echo "exit: $?" >> "$summary"; grep -vE ' INFO |installed a shareable' "$out/gputurns-pybench-$w.log" | tail -18 >> "$summary"
+  done
+else
+  echo "gputurns: the Python rows NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
+fi
+for w in 0 2000 5000; do
+  echo "--- poolipc bench --workers 8 (a thread per worker), POOLIPC_GPU_TURN_US=$w" >> "$summary"
+  POOLIPC_GPU_TURN_US=$w RUST_LOG=warn timeout 50 "$here/poolipc" bench --workers 8 > "$out/gputurns-bench-$w.log" 2>&1
+  echo "exit: $?" >> "$summary"; grep -vE " (INFO|WARN|DEBUG) " "$out/gputurns-bench-$w.log" >> "$summary"
+done
 fi
 stash
 if want hog; then

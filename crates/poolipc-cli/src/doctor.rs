@@ -422,6 +422,10 @@ fn tuning_rows(t: &mut Table) {
     let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let spin_rule = format!("the default with {cpus} CPUs: none below 4");
     let io_rule = format!("the default with {cpus} CPUs: one per 4, 1 to 4");
+    let turn = match defaults.gpu_turn {
+        Some(t) if !t.is_zero() => format!("{} µs", t.as_micros()),
+        _ => "none".to_owned(),
+    };
     let rows = [
         (
             "parent IO threads",
@@ -454,6 +458,12 @@ fn tuning_rows(t: &mut Table) {
             "no by default, an experiment on the plain turn-taking, docs/facts.md",
         ),
         (
+            "GPU turns without MPS",
+            turn,
+            poolipc::GPU_TURN_ENV,
+            "none by default; 2000 µs measured: workers running many small GPU jobs from threads of their own take the GPU in turns, docs/facts.md",
+        ),
+        (
             "READY aside when idle",
             yes_no(poolipc::ready_aside()).to_owned(),
             poolipc::READY_ASIDE_ENV,
@@ -479,7 +489,7 @@ fn mps_meaning(client: Option<bool>) -> &'static str {
             "yes — processes share one GPU context: a handoff skips the GPU's turn-taking (about 40 µs round trip instead of 320 µs on an H200), and a GPU fault in any client ends every client's context, this one's too"
         }
         Some(false) => {
-            "no — a handoff whose READY must go on a stream that is still computing waits while two processes take turns on the GPU (about 260 µs of a 330 µs round trip on an H200), and several workers computing at once take turns among themselves; for trusted workers, `poolipc mps --accept-shared-gpu-faults -- CMD` or poolipc.start_mps(accept_shared_gpu_faults=True) removes it (README: MPS)"
+            "no — a handoff whose READY must go on a stream that is still computing waits while two processes take turns on the GPU (about 260 µs of a 330 µs round trip on an H200), and several workers computing at once make the GPU change between their contexts (the parent gives them turns: GPU turns below); for trusted workers, `poolipc mps --accept-shared-gpu-faults -- CMD` or poolipc.start_mps(accept_shared_gpu_faults=True) removes it (README: MPS)"
         }
         None => "unknown (the driver does not report CU_DEVICE_ATTRIBUTE_MPS_ENABLED)",
     }

@@ -82,10 +82,10 @@ pub use error::{Error, ResultRefusal};
 pub use handshake::{WORKER_STDERR_ENV, identity};
 pub use parent::{
     ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
-    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_GPU_TURN, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT,
-    EmptyCache, GPU_TURN_ENV, IO_THREADS_ENV, Input, JobHandle, JobOutput, MAX_IO_THREADS, Parent,
+    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, EmptyCache,
+    GPU_TURN_ENV, IO_THREADS_ENV, Input, JobHandle, JobOutput, MAX_IO_THREADS, Parent,
     ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
-    SPIN_IN_FLIGHT_ENV, Trust, WorkerInfo,
+    SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN, Trust, WorkerInfo,
 };
 pub use poolipc_contract::{
     Bound, DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,

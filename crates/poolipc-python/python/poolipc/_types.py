@@ -120,13 +120,15 @@ class ParentConfig(TypedDict, total=False):
     once, and more threads then lift that limit (each spins its own CPU while its workers'
     jobs run).
 
-    ``gpu_turn``: without MPS, the length of a worker's turn on the GPU in seconds (0: no
-    turns; by default ``POOLIPC_GPU_TURN_US``, else 0.002). The GPU runs one process at a
+    ``gpu_turn``: without MPS, the length of a worker's turn on the GPU in seconds (0, the
+    default unless ``POOLIPC_GPU_TURN_US`` says otherwise: no turns; 0.002 was measured). The GPU runs one process at a
     time and each change between two workers' contexts costs about 330 us on an H100, so
     jobs of several workers at once made 7200 jobs/s together against 46000 for one alone.
     While one worker holds the turn, a submit to another waits; the holder goes on for its
     turn's length. A wait of two turns past the holder's lets the submit go, and every
-    submit after it until that worker's jobs ended; under MPS there are no turns.
+    submit after it until that worker's jobs ended; under MPS there are no turns. Off by
+    default: a worker's host code is serialized with the others' too, and a slow job delays
+    the others' submits by up to two turns.
     ``stats()["turn_waits"]`` and ``["turn_wait_ns"]`` count what they cost."""
 
     handoff_timeout: float | None
@@ -239,7 +241,7 @@ class ParentStats(TypedDict):
     once take turns on the GPU; the parent logs it once when two first are (see README: MPS)."""
     turn_waits: int
     """Submits that waited for their worker's turn on the GPU: without MPS a submit waits
-    while another worker holds the turn (``gpu_turn``, 2 ms by default), so that the GPU
+    while another worker holds the turn (``gpu_turn``, off by default), so that the GPU
     does not change between the workers' contexts at every job."""
     turn_wait_ns: int
     """Nanoseconds those submits waited, all together."""

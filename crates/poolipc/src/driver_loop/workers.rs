@@ -213,7 +213,10 @@ impl Loop {
                      job), so the others' jobs went beside it",
                     w.as_micros()
                 ),
-                _ => "the parent keeps no turns (gpu_turn is off)".to_owned(),
+                _ => "the parent keeps no GPU turns (off by default; for workers running many \
+                      small GPU jobs, ParentOptions::gpu_turn or POOLIPC_GPU_TURN_US=2000 gave \
+                      8 workers 4.4x the jobs/s on an H100)"
+                    .to_owned(),
             };
             tracing::info!(
                 workers_busy = now,

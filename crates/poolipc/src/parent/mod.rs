@@ -35,8 +35,8 @@ pub use job::{Input, JobHandle, JobOutput, ResultAllocator, ResultTensor};
 pub(crate) use options::env_number;
 pub use options::{
     DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
-    DEFAULT_GPU_TURN, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, GPU_TURN_ENV, IO_THREADS_ENV,
-    MAX_IO_THREADS, ParentOptions, ResultMemory, SPIN_ENV, SPIN_IN_FLIGHT_ENV,
+    DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, GPU_TURN_ENV, IO_THREADS_ENV, MAX_IO_THREADS,
+    ParentOptions, ResultMemory, SPIN_ENV, SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN,
 };
 pub(crate) use shared::{Registered, Shared, WorkerPool, lock};
 pub(crate) use stats::Stats;

@@ -56,7 +56,8 @@ pub struct ParentOptions {
     /// `POOLIPC_SPIN_IN_FLIGHT_US` if set, else 1 ms where the machine has four or more
     /// CPUs, else zero.
     pub spin_in_flight: Duration,
-    /// Without MPS, the length of a worker's turn on the GPU (`None` or zero: no turns).
+    /// Without MPS, the length of a worker's turn on the GPU (`None` or zero, the default:
+    /// no turns; [`SUGGESTED_GPU_TURN`], 2 ms, is what was measured).
     /// While one worker holds the turn a submit to another waits; the holder takes jobs,
     /// any number at once, for the length of its turn, and after it none while another
     /// waits; the turn passes once its jobs ended (or it had none in flight for 100 µs).
@@ -77,7 +78,14 @@ pub struct ParentOptions {
     /// such wait, not one a job. [`ParentStats::turn_waits`](crate::ParentStats::turn_waits),
     /// [`turn_wait_ns`](crate::ParentStats::turn_wait_ns) and
     /// [`turn_waits_ran_out`](crate::ParentStats::turn_waits_ran_out) count what they cost.
-    /// By default `POOLIPC_GPU_TURN_US` if set, else [`DEFAULT_GPU_TURN`].
+    ///
+    /// Off by default, for what turns cost where they do not help: work of a worker's that is
+    /// not on the GPU (host code, a kernel of its own longer than a turn) is serialized with
+    /// the others' for up to two turns a job (on SimDriver, whose workers compute on the host,
+    /// 8 workers fell from 3.6× one worker to 0.9×), and a slow or held job of one worker
+    /// delays each other worker's submit by up to two turns. Turn them on for workers that
+    /// run many small GPU jobs from threads of their own without MPS. By default
+    /// `POOLIPC_GPU_TURN_US` if set (microseconds, 0 for none), else none.
     pub gpu_turn: Option<Duration>,
     /// How many IO threads (rooms) serve the workers, each its own share of them (worker `id`
     /// goes to room `id % io_threads`) with its own copy of the ownership contract's
@@ -311,16 +319,17 @@ pub const SPIN_IN_FLIGHT_ENV: &str = "POOLIPC_SPIN_IN_FLIGHT_US";
 /// microseconds (0: no turns).
 pub const GPU_TURN_ENV: &str = "POOLIPC_GPU_TURN_US";
 
-/// [`ParentOptions::gpu_turn`]'s default without [`GPU_TURN_ENV`]: 2 ms, six times a
-/// change of context (about 330 µs on an H100) and some 60 small jobs' round trips.
-pub const DEFAULT_GPU_TURN: Duration = Duration::from_millis(2);
+/// The turn measured for [`ParentOptions::gpu_turn`]: 2 ms, six times a change of context
+/// (about 330 µs on an H100) and some 60 small jobs' round trips. On the H100 it gave eight
+/// workers 0.64× one worker's jobs/s against 0.14× without turns; 5 ms gave 0.72×, each job
+/// then waiting longer for the turns ahead of it.
+pub const SUGGESTED_GPU_TURN: Duration = Duration::from_millis(2);
 
-/// [`GPU_TURN_ENV`] if set to a number (0 for none), else [`DEFAULT_GPU_TURN`].
+/// [`GPU_TURN_ENV`] if set to a number (0 for none), else none.
 fn default_gpu_turn() -> Option<Duration> {
     match env_number::<u64>(GPU_TURN_ENV) {
-        Some(0) => None,
+        Some(0) | None => None,
         Some(us) => Some(Duration::from_micros(us)),
-        None => Some(DEFAULT_GPU_TURN),
     }
 }
 
