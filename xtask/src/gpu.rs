@@ -391,6 +391,8 @@ mod tests {
         assert!(RUN_SH.contains("if want onethread; then"));
         assert!(!line.contains("gputurns"), "{line}");
         assert!(RUN_SH.contains("if want gputurns; then"));
+        assert!(!line.contains("mpsspin"), "{line}");
+        assert!(RUN_SH.contains("if want mpsspin; then"));
     }
 
     #[test]

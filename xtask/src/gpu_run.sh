@@ -566,6 +566,22 @@ for w in 0 2000 5000; do
 done
 fi
 stash
+if want mpsspin; then
+# Under MPS eight Rust workers stop near 3.7x one (each job 46 us against 21 alone) with 24
+# threads spinning on 16 cores (callers, IO threads, workers): whether fewer spinners give
+# more (only when named, about 2 minutes): bench --workers 8 --mps --rounds 3 with the
+# callers' in-flight spin on, off, and every spin off.
+if command -v nvidia-cuda-mps-control >/dev/null; then
+  for env in "POOLIPC_SPIN_IN_FLIGHT_US=1000" "POOLIPC_SPIN_IN_FLIGHT_US=0" "POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_SPIN_US=0"; do
+    echo "--- poolipc bench --workers 8 --mps --rounds 3 with $env" >> "$summary"
+    env $env RUST_LOG=warn timeout 100 "$here/poolipc" bench --workers 8 --mps --rounds 3 > "$out/mpsspin.log" 2>&1
+    echo "exit: $?" >> "$summary"; sed -n '/under a private MPS daemon/,$p' "$out/mpsspin.log" | grep -vE " (INFO|WARN|DEBUG) " >> "$summary"
+  done
+else
+  echo "mpsspin: NOT RUN (no nvidia-cuda-mps-control here)" >> "$summary"
+fi
+fi
+stash
 if want hog; then
 # Whether a killed process's kernel that never ends keeps the GPU busy for the others (the
 # hang tests SIGKILL workers spinning in one; the demo after the suite was 20x slower). Only
