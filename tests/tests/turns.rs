@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use poolipc::{DType, Input, Layout, Parent, ParentOptions, WorkerId, echo};
+use poolipc::{DType, Input, JobHandle, Layout, Parent, ParentOptions, WorkerId, echo};
 use poolipc_tests::{Env, both_drivers, tempdir, worker_command};
 
 const KIB: u64 = 1 << 10;
@@ -214,6 +214,57 @@ both_drivers!(
         joined(a)?;
         let st = p.stats();
         ensure!(st.turn_waits == 0 && st.most_workers_busy == 2, "{st:?}");
+        for w in [held, free] {
+            p.stop_worker(w)?;
+        }
+        Ok(())
+    }
+);
+
+both_drivers!(
+    fn wait_any_gives_the_job_that_ended_first_and_none_when_none_did(env) {
+        let p = parent(env, None)?;
+        let dir = tempdir("wait-any")?;
+        let (held, free) = two_workers(env, &p, &dir)?;
+        let d = Arc::clone(p.driver());
+        let stream = d.stream_create()?;
+        let mut inputs = Vec::new();
+        for _ in 0..2 {
+            let ptr = p.pool().alloc(4 * KIB, stream)?;
+            echo::fill_pattern(&*d, ptr, 4 * KIB, 0x0102_0304, stream)?;
+            inputs.push(Input {
+                ptr,
+                desc: Layout::contiguous(DType::U8, &[4 * KIB]),
+                read_only: false,
+            });
+        }
+        let a = p.submit(held, &inputs[..1], stream)?;
+        let b = p.submit(free, &inputs[1..], stream)?;
+        // The free worker's job ends; the held one's cannot until its go. A job's end wakes
+        // the waiter (not its timeout: 60 s).
+        let start = Instant::now();
+        let first = JobHandle::wait_any(&[&a, &b], Duration::from_secs(60));
+        ensure!(first == Some(1), "wait_any said {first:?}, not the free worker's job");
+        ensure!(start.elapsed() < Duration::from_secs(20), "woken after {:?}", start.elapsed());
+        let out_b = b.wait()?;
+        let start = Instant::now();
+        let none = JobHandle::wait_any(&[&a], Duration::from_millis(200));
+        ensure!(none.is_none(), "wait_any said {none:?} for a job still held");
+        ensure!(start.elapsed() >= Duration::from_millis(200), "it gave up early");
+        ensure!(JobHandle::wait_any(&[], Duration::from_secs(1)).is_none());
+        std::fs::write(dir.join("go"), b"")?;
+        ensure!(JobHandle::wait_any(&[&a], Duration::from_secs(30)) == Some(0));
+        let out_a = a.wait()?;
+        d.stream_synchronize(stream)?;
+        for out in [out_a, out_b] {
+            for r in out.results {
+                p.pool().free(r.ptr, stream)?;
+            }
+        }
+        for input in inputs {
+            p.pool().free(input.ptr, stream)?;
+        }
+        d.stream_synchronize(stream)?;
         for w in [held, free] {
             p.stop_worker(w)?;
         }

@@ -33,6 +33,7 @@ use pyo3::prelude::*;
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(pool::_install, m)?)?;
+    m.add_function(wrap_pyfunction!(parent::wait_any, m)?)?;
     m.add_function(wrap_pyfunction!(pool::is_installed, m)?)?;
     m.add_function(wrap_pyfunction!(pool::memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(pool::reset_peak_memory_stats, m)?)?;

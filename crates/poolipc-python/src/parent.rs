@@ -25,6 +25,7 @@ use crate::state::{self, Global};
 mod allocator;
 mod inputs;
 mod outcome;
+pub(crate) use outcome::wait_any;
 mod stats;
 
 use allocator::{AllocLog, python_allocator};
@@ -158,6 +159,8 @@ pub(crate) struct NativeJobHandle {
     g: Arc<Global>,
     /// Until some thread took the facade's answer.
     pending: Mutex<Option<JobHandle>>,
+    /// The job's end, for `wait_any` (without `pending`'s lock).
+    watch: poolipc::JobWatch,
     /// The answer as Python objects, once taken.
     outcome: Mutex<Option<Result<Py<PyAny>, PyErr>>>,
     log: Arc<Mutex<AllocLog>>,
@@ -313,7 +316,7 @@ impl NativeParent {
         } else {
             checked_stream(&*g.driver, stream)?
         };
-        let (id, handle, answer) = py
+        let (id, watch, handle, answer) = py
             .detach(move || {
                 // The device was pushed on this thread above.
                 let w = WorkerId(worker);
@@ -322,13 +325,14 @@ impl NativeParent {
                     None => g.parent.submit(w, &inputs, stream),
                 }?;
                 let id = handle.id().0;
+                let watch = handle.watch();
                 if !wait_first {
-                    return Ok((id, Some(handle), None));
+                    return Ok((id, watch, Some(handle), None));
                 }
                 poolipc::probe::mark("py.submitted");
                 Ok(match handle.wait_timeout(outcome::WAIT_SLICE) {
-                    Ok(answer) => (id, None, Some(answer)),
-                    Err(handle) => (id, Some(handle), None),
+                    Ok(answer) => (id, watch, None, Some(answer)),
+                    Err(handle) => (id, watch, Some(handle), None),
                 })
             })
             .map_err(|e| to_py_for(py, e, Some(worker)))?;
@@ -340,6 +344,7 @@ impl NativeParent {
             worker,
             g: Arc::clone(&self.g),
             pending: Mutex::new(handle),
+            watch,
             outcome: Mutex::new(None),
             log,
             caller_alloc,

@@ -657,6 +657,35 @@ def test_submit_gives_a_handle_whose_wait_releases_the_gil(parent, report, tmp_p
     assert parent.stop(w) == 0
 
 
+def test_wait_any_gives_the_job_that_ended_and_times_out_when_none_did(parent, report, tmp_path):
+    gate, env = gate_env(report, tmp_path)
+    held = spawn(parent, "gate", env)
+    free = spawn(parent, "echo")
+    f = f32_buffer(parent, [2.5] * 8)
+    ref = poolipc.TensorRef(f.ptr, "float32", [8])
+    a = parent.submit(held, [ref])
+    assert wait_until(lambda: entered(report) == {parent.pid(held)})
+    b = parent.submit(free, [ref])
+    # The free worker's job ends; the held one cannot until its gate opens.
+    assert poolipc.wait_any([a, b], timeout=30) == 1
+    (res,) = b.wait(timeout=0)
+    assert parent.read(res.ptr + 4, 4) == struct.pack("<f", 2.5)
+    # A job already waited for counts as ended.
+    assert poolipc.wait_any([b, a]) == 0
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="none of the 1 jobs has ended"):
+        poolipc.wait_any([a], timeout=0.2)
+    assert time.monotonic() - start >= 0.2
+    with pytest.raises(ValueError, match="at least one job handle"):
+        poolipc.wait_any([])
+    with pytest.raises(ValueError, match="timeout=-1"):
+        poolipc.wait_any([a], timeout=-1)
+    gate.touch()
+    assert poolipc.wait_any([a], timeout=30) == 0
+    a.wait(timeout=0)
+    assert parent.stop(held) == 0 and parent.stop(free) == 0
+
+
 def test_run_waits_for_its_job_in_the_same_release_of_the_gil_that_submits_it(
         parent, report, tmp_path):
     # `run`'s submit waits once (50 ms at most) before it takes the GIL back: a job that

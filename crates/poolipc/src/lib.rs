@@ -83,7 +83,7 @@ pub use handshake::{WORKER_STDERR_ENV, identity};
 pub use parent::{
     ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
     DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, EmptyCache,
-    GPU_TURN_ENV, IO_THREADS_ENV, Input, JobHandle, JobOutput, MAX_IO_THREADS, Parent,
+    GPU_TURN_ENV, IO_THREADS_ENV, Input, JobHandle, JobOutput, JobWatch, MAX_IO_THREADS, Parent,
     ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
     SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN, Trust, WorkerInfo,
 };

@@ -87,7 +87,7 @@ from ._types import (
     ParentOptions,
     ParentStats,
 )
-from ._parent import Allocator, JobHandle, Parent, TensorRef
+from ._parent import Allocator, JobHandle, Parent, TensorRef, wait_any
 from ._pool import (
     ALLOC_CONF,
     ASYNC_BACKEND,
@@ -111,6 +111,7 @@ __all__ = [
     "empty_cache",
     "Parent",
     "JobHandle",
+    "wait_any",
     "Worker",
     "Job",
     "View",

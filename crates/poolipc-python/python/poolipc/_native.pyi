@@ -122,6 +122,10 @@ def empty_cache() -> int:
 def mem_get_info() -> tuple[int, int]:
     """The device's free and total memory in bytes (``cuMemGetInfo``)."""
 
+def wait_any(handles: list[NativeJobHandle], timeout: float | None = None) -> int:
+    """The index of one of ``handles`` that has ended, waiting (GIL released) until one has;
+    ``TimeoutError`` after ``timeout`` seconds, ``ValueError`` for none or a bad timeout."""
+
 def probe_mark(label: str) -> None:
     """Records ``label`` (``rt.begin``, ``rt.synced``, ``user.begin``, ``user.end``) when
     ``POOLIPC_PROBE`` is set; ``ValueError`` for another label."""

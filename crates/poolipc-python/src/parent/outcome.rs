@@ -36,6 +36,64 @@ fn fresh_error(py: Python<'_>, e: &PyErr) -> PyErr {
     copied.unwrap_or_else(|_| e.clone_ref(py))
 }
 
+/// Seconds to a deadline, as `wait` and `wait_any` take them: None for none; a
+/// `ValueError` naming the value for a negative or non-finite one.
+fn deadline_of(timeout: Option<f64>) -> PyResult<Option<Instant>> {
+    match timeout {
+        None => Ok(None),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(
+            Instant::now() + Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX),
+        )),
+        Some(t) => Err(value_err(format!(
+            "poolipc: timeout={t} is not a timeout: give seconds, 0 or more, or None"
+        ))),
+    }
+}
+
+/// `wait_any(handles, timeout=None)`: waits (the GIL released) until one of `handles`
+/// (`NativeJobHandle`s) has ended and returns its index (the lowest of those ended when it
+/// looks); its `wait` then returns at once. `TimeoutError` if none had after `timeout`
+/// seconds; `ValueError` for no handles or a bad timeout. Ctrl-C interrupts the wait. For
+/// one thread driving several workers: submit to each, take whichever job ends first.
+#[pyfunction]
+#[pyo3(signature = (handles, timeout = None))]
+pub(crate) fn wait_any(
+    py: Python<'_>,
+    handles: Vec<Py<NativeJobHandle>>,
+    timeout: Option<f64>,
+) -> PyResult<usize> {
+    if handles.is_empty() {
+        return Err(value_err(
+            "poolipc: wait_any() needs at least one job handle",
+        ));
+    }
+    let deadline = deadline_of(timeout)?;
+    let watches: Vec<poolipc::JobWatch> = handles.iter().map(|h| h.get().watch.clone()).collect();
+    loop {
+        // A job whose answer was taken already has ended (its watch says so too).
+        if let Some(i) = handles
+            .iter()
+            .position(|h| lock(&h.get().outcome).is_some())
+        {
+            return Ok(i);
+        }
+        let slice = deadline.map_or(WAIT_SLICE, |d| {
+            WAIT_SLICE.min(d.saturating_duration_since(Instant::now()))
+        });
+        let watches = &watches;
+        if let Some(i) = py.detach(move || poolipc::JobWatch::wait_any(watches, slice)) {
+            return Ok(i);
+        }
+        py.check_signals()?;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(PyTimeoutError::new_err(format!(
+                "poolipc: none of the {} jobs has ended",
+                handles.len()
+            )));
+        }
+    }
+}
+
 impl NativeJobHandle {
     fn cached(&self, py: Python<'_>) -> Option<PyResult<Py<PyAny>>> {
         lock(&self.outcome).as_ref().map(|r| match r {
@@ -45,17 +103,7 @@ impl NativeJobHandle {
     }
 
     pub(super) fn wait_inner(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
-        let deadline = match timeout {
-            None => None,
-            Some(t) if t.is_finite() && t >= 0.0 => {
-                Some(Instant::now() + Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX))
-            }
-            Some(t) => {
-                return Err(value_err(format!(
-                    "poolipc: timeout={t} is not a timeout: give seconds, 0 or more, or None"
-                )));
-            }
-        };
+        let deadline = deadline_of(timeout)?;
         poolipc::probe::mark("py.wait");
         loop {
             if let Some(r) = self.cached(py) {

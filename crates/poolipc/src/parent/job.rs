@@ -306,6 +306,22 @@ pub(crate) struct Completion {
     /// The GPU turn the job holds a share of, given up when it ends
     /// ([`ParentOptions::gpu_turn`](crate::ParentOptions::gpu_turn)).
     turn: Option<(Arc<Turns>, WorkerId)>,
+    /// Threads in [`JobHandle::wait_any`] over this job, woken when it ends.
+    watchers: Mutex<Vec<Arc<AnyWake>>>,
+}
+
+/// What a thread in [`JobHandle::wait_any`] sleeps on: set by the first of its jobs to end.
+#[derive(Default)]
+struct AnyWake {
+    fired: Mutex<bool>,
+    cond: Condvar,
+}
+
+impl AnyWake {
+    fn fire(&self) {
+        *lock(&self.fired) = true;
+        self.cond.notify_all();
+    }
 }
 
 impl Completion {
@@ -320,6 +336,9 @@ impl Completion {
         }
         self.finished.store(true, Ordering::Release);
         self.cond.notify_all();
+        for w in std::mem::take(&mut *lock(&self.watchers)) {
+            w.fire();
+        }
     }
 
     /// Spins until the result is set or `until` passes (not at all once it has).
@@ -351,6 +370,81 @@ impl std::fmt::Debug for JobHandle {
             .field("job", &self.job)
             .field("finished", &self.is_finished())
             .finish()
+    }
+}
+
+/// A job's end, watched apart from its [`JobHandle`] ([`JobHandle::watch`]): whether it
+/// has ended, and waiting for the first of several to end ([`JobWatch::wait_any`]).
+#[derive(Clone)]
+pub struct JobWatch {
+    done: Arc<Completion>,
+    spin_until: Instant,
+}
+
+impl std::fmt::Debug for JobWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobWatch")
+            .field("finished", &self.is_finished())
+            .finish()
+    }
+}
+
+impl JobWatch {
+    /// Whether the job has ended (successfully or not).
+    pub fn is_finished(&self) -> bool {
+        self.done.finished.load(Ordering::Acquire)
+    }
+
+    /// Waits until one of `watches` has ended, at most `timeout`: the index of one that has
+    /// (the lowest of those ended when it looks), `None` if none had by then or `watches` is
+    /// empty. Spins first for the jobs' [`spin_in_flight`](crate::ParentOptions::spin_in_flight)
+    /// as [`JobHandle::wait`] does, then sleeps until a job's end wakes it.
+    pub fn wait_any(watches: &[JobWatch], timeout: Duration) -> Option<usize> {
+        let ended = || watches.iter().position(JobWatch::is_finished);
+        let deadline = Instant::now().checked_add(timeout);
+        let before = |t: Instant| deadline.map_or(t, |d| d.min(t));
+        let spin_until = before(watches.iter().map(|w| w.spin_until).max()?);
+        loop {
+            if let Some(i) = ended() {
+                return Some(i);
+            }
+            if Instant::now() >= spin_until {
+                break;
+            }
+            crate::spin::pause();
+        }
+        let wake = Arc::new(AnyWake::default());
+        for w in watches {
+            lock(&w.done.watchers).push(Arc::clone(&wake));
+        }
+        let mut fired = lock(&wake.fired);
+        let found = loop {
+            // Looked at after registering: a job that ended before it is seen here.
+            if let Some(i) = ended() {
+                break Some(i);
+            }
+            let now = Instant::now();
+            let left = match deadline {
+                Some(d) if now >= d => break None,
+                Some(d) => d - now,
+                None => Duration::from_secs(3600),
+            };
+            if *fired {
+                // Fired by a job that is seen ended on the next look.
+                *fired = false;
+                continue;
+            }
+            fired = wake
+                .cond
+                .wait_timeout(fired, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        };
+        drop(fired);
+        for w in watches {
+            lock(&w.done.watchers).retain(|x| !Arc::ptr_eq(x, &wake));
+        }
+        found
     }
 }
 
@@ -399,6 +493,25 @@ impl JobHandle {
                 .cond
                 .wait(slot)
                 .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Waits until one of `handles` has ended, at most `timeout`: the index of one that has
+    /// (the lowest of those ended when it looks), `None` if none had by then or `handles` is
+    /// empty. Its [`wait`](JobHandle::wait) then returns at once. For one thread driving
+    /// several workers: submit to each, take whichever job ends first, submit again.
+    /// [`JobWatch::wait_any`] does the same for watches.
+    pub fn wait_any(handles: &[&JobHandle], timeout: Duration) -> Option<usize> {
+        let watches: Vec<JobWatch> = handles.iter().map(|h| h.watch()).collect();
+        JobWatch::wait_any(&watches, timeout)
+    }
+
+    /// A watch of the job's end, to wait for with others ([`JobWatch::wait_any`]) without
+    /// the handle (which [`wait`](JobHandle::wait) consumes).
+    pub fn watch(&self) -> JobWatch {
+        JobWatch {
+            done: Arc::clone(&self.done),
+            spin_until: self.spin_until,
         }
     }
 

@@ -31,7 +31,7 @@ mod turns;
 
 pub(crate) use arenas::SharedArena;
 pub(crate) use job::{Answer, ArenaLease};
-pub use job::{Input, JobHandle, JobOutput, ResultAllocator, ResultTensor};
+pub use job::{Input, JobHandle, JobOutput, JobWatch, ResultAllocator, ResultTensor};
 pub(crate) use options::env_number;
 pub use options::{
     DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
