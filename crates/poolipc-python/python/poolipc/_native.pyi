@@ -28,6 +28,7 @@ __all__ = [
     "memory_stats",
     "probe_dump",
     "probe_mark",
+    "wait_any",
     "reset_peak_memory_stats",
     "NativeParent",
     "DeviceBuffer",
