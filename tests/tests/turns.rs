@@ -111,6 +111,9 @@ fn two_workers(env: &Env, p: &Parent, dir: &Path) -> Result<(WorkerId, WorkerId)
 both_drivers!(
     fn a_job_waits_while_another_workers_job_is_in_flight_and_goes_when_it_ended(env) {
         let p = parent(env, Some(Duration::from_secs(60)))?;
+        // The turn in force: asked for, and kept only where the driver says no MPS.
+        let kept = keeps_turns(&p).then_some(Duration::from_secs(60));
+        ensure!(p.gpu_turn() == kept, "gpu_turn() {:?}, not {kept:?}", p.gpu_turn());
         let dir = tempdir("turns-wait")?;
         let (held, free) = two_workers(env, &p, &dir)?;
         let a = job_on_thread(&p, held, env.device);
@@ -200,6 +203,7 @@ both_drivers!(
 both_drivers!(
     fn with_turns_off_jobs_of_two_workers_overlap(env) {
         let p = parent(env, None)?;
+        ensure!(p.gpu_turn().is_none(), "turns off, yet gpu_turn() {:?}", p.gpu_turn());
         let dir = tempdir("turns-off")?;
         let (held, free) = two_workers(env, &p, &dir)?;
         let a = job_on_thread(&p, held, env.device);

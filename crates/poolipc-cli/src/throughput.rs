@@ -407,11 +407,7 @@ fn table(
         "  READY recorded aside (the caller's stream idle): {} of {} jobs",
         st.ready_recorded_aside, st.jobs_completed
     );
-    // Turns are kept where the driver says this is not an MPS client (ParentOptions).
-    if let Some(turn) = parent.options().gpu_turn
-        && !turn.is_zero()
-        && parent.mps_client() == Some(false)
-    {
+    if let Some(turn) = parent.gpu_turn() {
         #[allow(clippy::cast_precision_loss)]
         let mean_us = st.turn_wait_ns as f64 / 1e3 / st.turn_waits.max(1) as f64;
         println!(

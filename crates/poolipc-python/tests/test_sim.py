@@ -958,6 +958,16 @@ def test_deadlines_are_set_once_per_process_and_a_clash_is_a_value_error(parent)
         poolipc.Parent(3)
 
 
+def fresh_process_lines(code: str, **env: str) -> tuple[dict[str, str], str]:
+    """Runs ``code`` in a fresh interpreter on the simulated driver (``PY_WORKER`` names the
+    test worker, ``env`` adds to the environment); asserts it exited 0 and returns its
+    output's lines as ``{first word: the rest}``, and the output itself."""
+    full = dict(os.environ, POOLIPC_DRIVER="sim", PY_WORKER=py_worker_argv()[1], **env)
+    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines()), out.stdout
+
+
 def test_io_threads_is_set_once_per_process_and_its_rooms_serve_workers():
     # A fresh process: the module's parent has one IO thread.
     code = textwrap.dedent("""
@@ -985,10 +995,7 @@ def test_io_threads_is_set_once_per_process_and_its_rooms_serve_workers():
         print("BUSY", p.stats()["io_busy_ns"] > 0)
         print("STOPPED", [p.stop(w) for w in ws])
     """)
-    env = dict(os.environ, POOLIPC_DRIVER="sim", PY_WORKER=py_worker_argv()[1])
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    lines, _ = fresh_process_lines(code)
     assert "io_threads=0 is not a count of IO threads" in lines["ZERO"]
     assert lines["OPTIONS"] == "2"
     assert "io_threads=3 (the process's parent has 2)" in lines["CLASH"]
@@ -1035,16 +1042,13 @@ def test_gpu_turn_is_set_once_per_process_and_a_submit_waits_its_turn():
         print("STOPPED", [p.stop(w) for w in (held, free)])
     """)
     with tempfile.TemporaryDirectory() as gate:
-        env = dict(os.environ, POOLIPC_DRIVER="sim", PY_WORKER=py_worker_argv()[1], GATE=gate)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+        lines, stdout = fresh_process_lines(code, GATE=gate)
     assert "gpu_turn=-1.0 is not a turn" in lines["NEGATIVE"]
     assert lines["OPTIONS"] == "30.0"
     assert "gpu_turn=0.0 (the process's parent has 30.0)" in lines["CLASH"]
     # The free worker's job waited while the held one's was in flight; one worker busy.
-    assert lines["WAITED"] == "True 1", out.stdout
-    assert lines["TURNS"] == "1 True 0", out.stdout
+    assert lines["WAITED"] == "True 1", stdout
+    assert lines["TURNS"] == "1 True 0", stdout
     assert lines["STOPPED"] == "[0, 0]"
 
 

@@ -207,13 +207,13 @@ impl Loop {
         let now = s.workers_busy.fetch_add(1, Relaxed) + 1;
         s.most_workers_busy.fetch_max(now, Relaxed);
         if now >= 2 && self.shared.mps_client == Some(false) && !s.turns_said.swap(true, Relaxed) {
-            let why = match self.shared.options.gpu_turn {
-                Some(w) if self.shared.turns.is_some() => format!(
+            let why = match self.shared.turns.as_ref().map(|t| t.turn()) {
+                Some(w) => format!(
                     "a worker kept the GPU turn two turns past its own (gpu_turn {} µs: a long \
                      job), so the others' jobs went beside it",
                     w.as_micros()
                 ),
-                _ => "the parent keeps no GPU turns (off by default; for workers running many \
+                None => "the parent keeps no GPU turns (off by default; for workers running many \
                       small GPU jobs, ParentOptions::gpu_turn or POOLIPC_GPU_TURN_US=2000 gave \
                       8 workers 4.4x the jobs/s on an H100)"
                     .to_owned(),

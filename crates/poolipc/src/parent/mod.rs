@@ -284,6 +284,13 @@ impl Parent {
         self.shared.mps_client
     }
 
+    /// The length of the GPU turns this parent keeps ([`ParentOptions::gpu_turn`]): `None`
+    /// where turns are off, or where the driver does not say this process is not an MPS
+    /// client.
+    pub fn gpu_turn(&self) -> Option<std::time::Duration> {
+        self.shared.turns.as_ref().map(|t| t.turn())
+    }
+
     /// Why this parent refuses all work, once the process's CUDA context is lost (see
     /// [`Error::ContextLost`]); `None` while it is usable.
     pub fn context_lost(&self) -> Option<String> {

@@ -149,6 +149,11 @@ impl Turns {
         }
     }
 
+    /// A turn's length.
+    pub(crate) fn turn(&self) -> Duration {
+        self.turn
+    }
+
     /// Waits until `worker` may have a job in flight: its turn, or the gate open.
     pub(crate) fn enter(&self, worker: WorkerId) -> Entry {
         let mut s = lock(&self.state);
