@@ -6,11 +6,13 @@
 //   child:  recv -> cuStreamWaitEvent(READY) -> cuMemsetD8Async(input, 4 KiB) ->
 //           cuEventRecord(DONE) -> send 8 bytes
 //   parent: recv -> cuStreamWaitEvent(stream, DONE)   (no host synchronisation per job)
+//   or, with `host`, the parent queries DONE on the host until it completed (as poolipc's
+//   parent does for a DONE it gates on) and its stream waits for nothing.
 // The input is allocated from a POSIX-FD pool and imported by the child once. Waits on the
 // socket spin with sched_yield (as poolipc's spin-waits do) or block.
 //
 // Build: nvcc -O2 -o floor_scale floor_scale.c -lcuda
-// Run:   ./floor_scale START_MS [spin|block] [WINDOW_MS]
+// Run:   ./floor_scale START_MS [spin|block] [WINDOW_MS] [stream|host]
 //   START_MS: CLOCK_REALTIME milliseconds at which to start counting (so that copies started
 //   together count over the same window); 0: at once. Prints one JSON line.
 #include <cuda.h>
@@ -27,7 +29,7 @@
 #define CK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *n_; cuGetErrorName(r_, &n_); \
   fprintf(stderr, "%s:%d %s -> %s\n", __FILE__, __LINE__, #x, n_); exit(2); } } while (0)
 
-static int SPIN = 1;
+static int SPIN = 1, HOST_DONE = 0;
 static double now_s(clockid_t c) { struct timespec t; clock_gettime(c, &t); return t.tv_sec + t.tv_nsec / 1e9; }
 static void xsend(int s, const void *b, size_t n) { if (send(s, b, n, 0) != (ssize_t)n) { perror("send"); exit(3); } }
 static void xrecv(int s, void *b, size_t n) {
@@ -85,6 +87,7 @@ int main(int argc, char **argv) {
   double start = argc > 1 ? atof(argv[1]) / 1e3 : 0;
   if (argc > 2) SPIN = strcmp(argv[2], "block") != 0;
   double window = (argc > 3 ? atof(argv[3]) : 2000) / 1e3;
+  if (argc > 4) HOST_DONE = !strcmp(argv[4], "host");
   int sv[2]; if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) { perror("socketpair"); return 1; }
   pid_t pid = fork();
   if (pid == 0) { close(sv[0]); child(sv[1]); }
@@ -105,7 +108,9 @@ int main(int argc, char **argv) {
   unsigned long long q = 0;
   // One job: READY on the parent's stream, the child's turn, DONE back on the parent's stream.
 #define JOB() do { q++; if (!(q & 0xff)) q++; CK(cuEventRecord(ready, st)); xsend(s, &q, sizeof q); \
-  unsigned long long a_; xrecv(s, &a_, sizeof a_); CK(cuStreamWaitEvent(st, done, 0)); } while (0)
+  unsigned long long a_; xrecv(s, &a_, sizeof a_); \
+  if (HOST_DONE) { CUresult q_; while ((q_ = cuEventQuery(done)) == CUDA_ERROR_NOT_READY) sched_yield(); CK(q_); } \
+  else CK(cuStreamWaitEvent(st, done, 0)); } while (0)
   for (int i = 0; i < 500; i++) JOB();
   CK(cuStreamSynchronize(st));
   if (start > 0) while (now_s(CLOCK_REALTIME) < start) usleep(100);
@@ -117,7 +122,7 @@ int main(int argc, char **argv) {
   if (v != (unsigned char)q) { fprintf(stderr, "the child's last write not seen: %u, not %u\n", v, (unsigned char)q); return 4; }
   unsigned long long z = 0; xsend(s, &z, sizeof z);
   int st_; waitpid(pid, &st_, 0);
-  printf("{\"event\": \"floor_scale\", \"mode\": \"%s\", \"jobs\": %ld, \"secs\": %.3f, \"jobs_per_s\": %.0f}\n",
-         SPIN ? "spin" : "block", jobs, secs, jobs / secs);
+  printf("{\"event\": \"floor_scale\", \"done\": \"%s\", \"mode\": \"%s\", \"jobs\": %ld, \"secs\": %.3f, \"jobs_per_s\": %.0f}\n",
+         HOST_DONE ? "host" : "stream", SPIN ? "spin" : "block", jobs, secs, jobs / secs);
   return WIFEXITED(st_) && WEXITSTATUS(st_) == 0 ? 0 : 5;
 }

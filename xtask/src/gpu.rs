@@ -393,6 +393,8 @@ mod tests {
         assert!(RUN_SH.contains("if want gputurns; then"));
         assert!(!line.contains("mpsspin"), "{line}");
         assert!(RUN_SH.contains("if want mpsspin; then"));
+        assert!(!line.contains("floorscale"), "{line}");
+        assert!(RUN_SH.contains("if want floorscale; then"));
     }
 
     #[test]

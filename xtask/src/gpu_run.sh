@@ -9,7 +9,8 @@
 # record aside on and off (Rust and torch workers; "asidepy" adds the Python binding against
 # torch.multiprocessing by size), "pyscaling", Python's split and torch workers at once,
 # and "onethread", what stop 37 left for the GPU (the busy-workers line, one Python thread
-# driving every worker, the binding against torch.multiprocessing under MPS), run only when
+# driving every worker, the binding against torch.multiprocessing under MPS), "gputurns",
+# "mpsspin" and "floorscale" (the bare driver's jobs/s with N copies at once), run only when
 # named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one machine call stays within
 # its time limit.
@@ -579,6 +580,30 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
   done
 else
   echo "mpsspin: NOT RUN (no nvidia-cuda-mps-control here)" >> "$summary"
+fi
+fi
+stash
+if want floorscale; then
+# The bare driver's scaling for the job `bench --workers` runs (bench/probes/floor_scale.c:
+# the same driver calls for a 4 KiB input lent again, no poolipc), 1, 2, 4 and 8 copies at
+# once, under one MPS daemon and plainly, beside `poolipc bench --workers 8` under MPS: what
+# the driver gives several workers at once on this machine (only when named, about 2
+# minutes).
+if nvcc -O2 -o /tmp/poolipc-floor-scale "$repo/bench/probes/floor_scale.c" -lcuda > "$out/floorscale-build.txt" 2>&1; then
+  echo "--- bench/probes/floor_scale.c: the bare driver's lent-again jobs/s, N copies at once (spinning; DONE queried on the host, or waited by the parent's stream)" >> "$summary"
+  if command -v nvidia-cuda-mps-control >/dev/null; then
+    timeout 120 "$here/poolipc" mps --accept-shared-gpu-faults -- bash -c "'$repo/bench/probes/floor_scale.sh' /tmp/poolipc-floor-scale 'MPS, DONE on the host' spin host; '$repo/bench/probes/floor_scale.sh' /tmp/poolipc-floor-scale 'MPS, DONE on the stream' spin stream" > "$out/floorscale-mps.log" 2>&1
+    echo "floor_scale under MPS exit: $?" >> "$summary"; grep -E "at once" "$out/floorscale-mps.log" >> "$summary"
+  fi
+  timeout 60 "$repo/bench/probes/floor_scale.sh" /tmp/poolipc-floor-scale "plain, DONE on the host" spin host > "$out/floorscale-plain.log" 2>&1
+  echo "floor_scale plainly exit: $?" >> "$summary"; cat "$out/floorscale-plain.log" >> "$summary"
+else
+  echo "floor_scale.c did not build: $(tail -1 "$out/floorscale-build.txt")" >> "$summary"
+fi
+if command -v nvidia-cuda-mps-control >/dev/null; then
+  echo "--- poolipc bench --workers 8 --mps (the same machine, the same minutes)" >> "$summary"
+  RUST_LOG=warn timeout 90 "$here/poolipc" bench --workers 8 --mps > "$out/floorscale-bench.log" 2>&1
+  echo "exit: $?" >> "$summary"; sed -n '/under a private MPS daemon/,$p' "$out/floorscale-bench.log" | grep -vE " (INFO|WARN|DEBUG) " >> "$summary"
 fi
 fi
 stash
