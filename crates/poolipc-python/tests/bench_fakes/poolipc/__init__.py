@@ -1,5 +1,6 @@
 """A stand-in for poolipc's Parent as bench/pybench.py uses it (see ../README.md): each job
-takes 0.2 ms, on the caller's thread (run) or in wait (submit)."""
+takes 0.2 ms, on the caller's thread (run) or from its submit (submit: wait and wait_any sleep
+until it ended)."""
 import time
 
 
@@ -8,9 +9,21 @@ def install_pool(device):
 
 
 class _Handle:
+    def __init__(self):
+        self.due = time.perf_counter() + 0.0002
+
     def wait(self):
-        time.sleep(0.0002)
+        time.sleep(max(0.0, self.due - time.perf_counter()))
         return []
+
+
+def wait_any(handles, timeout=None):
+    """The index of the handle whose job ends first, once it ended."""
+    if not handles:
+        raise ValueError("wait_any: no handles")
+    k = min(range(len(handles)), key=lambda i: handles[i].due)
+    time.sleep(max(0.0, handles[k].due - time.perf_counter()))
+    return k
 
 
 class Parent:
