@@ -1,4 +1,5 @@
-"""The README's Python example runs as written (examples/handoff_parent.py and its worker)."""
+"""The README's Python examples run as written (examples/handoff_parent.py and its worker,
+examples/fan_out.py), and the benches' control flow runs here."""
 
 import os
 import pathlib
@@ -17,6 +18,18 @@ def test_the_handoff_example_runs_on_the_simulated_driver():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "got them doubled" in out.stdout
     assert "by pool pointer" in out.stdout
+
+
+def test_the_fan_out_example_runs_on_the_simulated_driver():
+    """examples/fan_out.py: one thread, three workers, each job's answer checked, every job
+    taken through poolipc.wait_any."""
+    env = dict(os.environ, POOLIPC_DRIVER="sim")
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "fan_out.py")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "one thread, 3 workers: 15 jobs, every answer right" in out.stdout, out.stdout
 
 
 def test_pysplit_runs_on_the_simulated_driver_and_prints_every_row():

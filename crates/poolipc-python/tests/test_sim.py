@@ -680,6 +680,8 @@ def test_wait_any_gives_the_job_that_ended_and_times_out_when_none_did(parent, r
         poolipc.wait_any([])
     with pytest.raises(ValueError, match="timeout=-1"):
         poolipc.wait_any([a], timeout=-1)
+    with pytest.raises(TypeError, match=r"handles\[1\] has type int"):
+        poolipc.wait_any([a, 7])
     gate.touch()
     assert poolipc.wait_any([a], timeout=30) == 0
     a.wait(timeout=0)

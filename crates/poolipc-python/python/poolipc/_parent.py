@@ -92,9 +92,18 @@ def wait_any(handles: Sequence[JobHandle], timeout: float | None = None) -> int:
     each, which hand the GIL to each other at every job).
 
     Raises ``TimeoutError`` if none had ended after ``timeout`` seconds, ``ValueError`` for no
-    handles or a timeout that is not 0 or more. Ctrl-C interrupts the wait, not the jobs.
+    handles or a timeout that is not 0 or more, ``TypeError`` for anything that is not a
+    ``JobHandle``. Ctrl-C interrupts the wait, not the jobs.
     """
-    return _native.wait_any([h._native for h in handles], timeout)
+    natives = []
+    for i, h in enumerate(handles):
+        if not isinstance(h, JobHandle):
+            raise TypeError(
+                f"poolipc: wait_any() takes JobHandles (from Parent.submit); handles[{i}] has type "
+                f"{type(h).__name__}"
+            )
+        natives.append(h._native)
+    return _native.wait_any(natives, timeout)
 
 
 class JobHandle:
