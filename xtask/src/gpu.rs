@@ -374,27 +374,28 @@ mod tests {
     }
 
     #[test]
-    fn regress_is_not_a_default_part() {
+    fn parts_run_only_when_named_are_not_default_parts() {
         let line = RUN_SH
             .lines()
             .find(|l| l.starts_with("parts=${POOLIPC_PARTS:-"))
             .expect("run.sh sets its parts");
-        assert!(!line.contains("regress"), "{line}");
-        assert!(RUN_SH.contains("if want regress; then"));
-        // The scaling part (issue 24's tables) is asked for by name too.
-        assert!(!line.contains("scaling"), "{line}");
-        assert!(RUN_SH.contains("if want scaling; then"));
-        assert!(!line.contains("turns"), "{line}");
-        assert!(RUN_SH.contains("if want turns; then"));
-        assert!(RUN_SH.contains("if want pyscaling; then"));
-        assert!(!line.contains("onethread"), "{line}");
-        assert!(RUN_SH.contains("if want onethread; then"));
-        assert!(!line.contains("gputurns"), "{line}");
-        assert!(RUN_SH.contains("if want gputurns; then"));
-        assert!(!line.contains("mpsspin"), "{line}");
-        assert!(RUN_SH.contains("if want mpsspin; then"));
-        assert!(!line.contains("floorscale"), "{line}");
-        assert!(RUN_SH.contains("if want floorscale; then"));
+        // regress, issue 24's tables and the stops' GPU questions are asked for by name.
+        for part in [
+            "regress",
+            "scaling",
+            "turns",
+            "pyscaling",
+            "onethread",
+            "gputurns",
+            "mpsspin",
+            "floorscale",
+        ] {
+            assert!(!line.contains(part), "{part}: {line}");
+            assert!(
+                RUN_SH.contains(&format!("if want {part}; then")),
+                "run.sh has no part {part}"
+            );
+        }
     }
 
     #[test]
