@@ -70,13 +70,7 @@ pub(crate) fn wait_any(
     let deadline = deadline_of(timeout)?;
     let watches: Vec<poolipc::JobWatch> = handles.iter().map(|h| h.get().watch.clone()).collect();
     loop {
-        // A job whose answer was taken already has ended (its watch says so too).
-        if let Some(i) = handles
-            .iter()
-            .position(|h| lock(&h.get().outcome).is_some())
-        {
-            return Ok(i);
-        }
+        // A job whose answer was taken already has ended: its watch says so at once.
         let slice = deadline.map_or(WAIT_SLICE, |d| {
             WAIT_SLICE.min(d.saturating_duration_since(Instant::now()))
         });
