@@ -1,4 +1,4 @@
-"""In-place writes into lent inputs on every rung a torch tensor takes on the GPU (issue 21):
+"""In-place writes into lent inputs on every rung a torch tensor takes on the GPU:
 a torch worker adds 1 in place; the parent must see it (writable), or the job must fail
 (read_only, where the rung can refuse the write). Pool pointer: 64 MiB; arena copy: 4.5 GiB
 (over the 4 GiB import limit). Prints one line per case and exits 1 if a write vanished.

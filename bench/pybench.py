@@ -15,7 +15,7 @@ its medians are printed beside ours.
 
 With ``--workers N``: jobs per second with 1, 2, 4 .. N torch workers served at once by one
 parent (N threads, each with its own worker, stream and live tensor, lent again), 4 KiB and
-64 MiB, beside one worker, in the same run (issue 24). Each row counts the jobs done in a
+64 MiB, beside one worker, in the same run. Each row counts the jobs done in a
 window of ``POOLIPC_BENCH_WINDOW_MS`` (default 500 ms) after a warm-up, so that a row's rate
 does not rest on a few tens of milliseconds; ``POOLIPC_BENCH_ROUNDS=R`` (default 1) measures
 every count R times in rounds and prints the median of each count's ratio to one worker of
@@ -364,7 +364,7 @@ def main():
               f"{(f'{t:.3f}' if t else '-'):>12} {(f'{rec / t:.2f}' if t else '-'):>9}")
         r["torch_mp_ms_median"] = t
     print("  written: the live tensor zeroed by the parent before each job (the recycled loop's kernel);")
-    print("  rec/writ: a new allocation's round trip against the same GPU work lent again (issue 24: <= 1.1x)")
+    print("  rec/writ: a new allocation's round trip against the same GPU work lent again (<= 1.1x)")
     if as_json:
         print(json.dumps({"event": "python_vs_torch_mp", "rows": rows}))
 

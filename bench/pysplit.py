@@ -26,7 +26,7 @@ has it); the same Python threads with Rust echo workers, the parent's side alone
 Python thread driving every Rust echo worker with ``submit`` and ``wait`` (no GIL hand-over
 between threads).
 
-On the GPU, run it under MPS too (`poolipc mps -- python3 bench/pysplit.py`): issue 24's
+On the GPU, run it under MPS too (`poolipc mps -- python3 bench/pysplit.py`): the
 target is python -> python within 15 us of rust -> rust, plainly and under MPS.
 """
 

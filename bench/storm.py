@@ -1,4 +1,4 @@
-"""The storm (issue 21): THREADS threads, each with its own poolipc.Parent object and its own
+"""The storm: THREADS threads, each with its own poolipc.Parent object and its own
 worker, JOBS jobs in all; each job lends a fresh torch.randint uint8 tensor (4 KiB to 256 KiB,
 made on torch's current stream just before the lend) and checks the worker's answer (input XOR
 0xA5) with torch.equal. Prints wrong results, untyped errors and the pool's used bytes before

@@ -1,4 +1,4 @@
-"""VRAM goes back (issue 23): free device memory before and after big tensors are freed and
+"""VRAM goes back: free device memory before and after big tensors are freed and
 ``torch.cuda.empty_cache()`` is called with poolipc's pool installed: never lent, lent by
 pool pointer, lent by arena copy; what the arena gave back; another process then allocating
 what was freed; torch's figures against the pool's; what ``empty_cache`` costs with nothing
@@ -7,7 +7,7 @@ to trim.
     python3 bench/vram.py [--gib 24]
 
 Exits 1 when a figure misses its bound. The pool-pointer case counts too: the driver keeps an
-exported allocation's memory until its pool is destroyed (bench/results/2026-12-04-h200-export-limbo),
+exported allocation's memory until its pool is destroyed (docs/facts.md, "Other driver behaviour designed for"),
 so ``empty_cache`` rotates the pool (a new one becomes current, the worker is given it) and
 destroys the old one in the worker and the parent; the worker must keep serving afterwards.
 """

@@ -1,4 +1,4 @@
-"""Does an importer's pool handle keep a destroyed pool's exported memory? (issue 23: a pool
+"""Does an importer's pool handle keep a destroyed pool's exported memory? (a pool
 retired on empty_cache gives its exported allocations' memory back only if the workers'
 imported handles do not hold it)
 

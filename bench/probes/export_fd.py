@@ -1,4 +1,4 @@
-"""Does the pool's shareable FD keep freed exported allocations alive? (issue 23; export_limbo.py
+"""Does the pool's shareable FD keep freed exported allocations alive? (export_limbo.py
 found an exported-then-freed allocation held, reserved 0, not reused, until the pool was
 destroyed and its FD closed)
 

@@ -1,4 +1,4 @@
-"""Where does an exported pool allocation go when it is freed and the pool trimmed? (issue 23;
+"""Where does an exported pool allocation go when it is freed and the pool trimmed? (what
 import_release2.py found: export only, free, trim -> the memory is not back, reserved reads 0,
 even after cuMemPoolDestroy)
 

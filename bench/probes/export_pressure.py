@@ -1,4 +1,4 @@
-"""Is an exported-then-freed pool allocation reclaimed under memory pressure? (issue 23)
+"""Is an exported-then-freed pool allocation reclaimed under memory pressure?
 16 GiB allocated, exported and freed 12 times (192 GiB, more than the card); then another
 process asks cuMemAlloc for what the parent does not use.
 

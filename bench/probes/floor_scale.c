@@ -1,5 +1,5 @@
-// The bare driver's jobs/s for a tensor lent again, one copy or several at once (issue 24:
-// whether 8 workers under MPS can give 6x one): a parent and a child, no poolipc, the same
+// The bare driver's jobs/s for a tensor lent again, one copy or several at once
+// (whether 8 workers under MPS can give 6x one): a parent and a child, no poolipc, the same
 // driver calls per job as `poolipc bench --workers` makes for a 4 KiB input whose export and
 // import are cached:
 //   parent: cuEventRecord(READY, stream) -> send 8 bytes

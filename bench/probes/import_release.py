@@ -1,4 +1,4 @@
-"""Does an importer's pool keep freed memory from the device? (issue 23)
+"""Does an importer's pool keep freed memory from the device?
 
 A parent makes a POSIX-FD pool, allocates N GiB from it and exports the pointer; a child
 imports the pool and the pointer, reads it, frees its import. The parent frees and trims.

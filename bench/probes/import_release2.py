@@ -1,5 +1,5 @@
 """Which order of frees gives an exported-and-imported pool allocation back to the device?
-(issue 23; follows import_release.py, which found 4 GiB held even after the importer exited)
+(follows import_release.py, which found 4 GiB held even after the importer exited)
 
 Each variant: a fresh POSIX-FD pool, N GiB allocated, exported, and (unless said) imported by
 a fresh child; then the frees and exits in the variant's order; then the parent trims the pool

@@ -1,5 +1,5 @@
-"""Does a killed process's kernel that never ends keep the GPU busy for the others? (stop 33:
-after the test suite, whose hang tests SIGKILL workers spinning in such a kernel, the demo's
+"""Does a killed process's kernel that never ends keep the GPU busy for the others?
+(after the test suite, whose hang tests SIGKILL workers spinning in such a kernel, the demo's
 rows took 13.7 ms where they take 0.6 ms, and the storm tests twice their time)
 
 A child spins in a kernel that never ends; this process times a tiny piece of GPU work

@@ -1,7 +1,7 @@
 """Without MPS, what makes several workers slower than one: jobs on two contexts at once, or
 any change of context between jobs?
 
-Stop 36/37 measured (H100, no MPS) one Rust worker at 32-38k jobs/s and two or more together
+Measured on an H100 (driver 580, 2026-12-05, no MPS): one Rust worker at 32-38k jobs/s and two or more together
 at about 7200 jobs/s, each worker with a caller thread of its own (their jobs overlap on the
 GPU). Here one thread drives every worker, so that how the jobs interleave is chosen:
 
@@ -13,7 +13,7 @@ GPU). Here one thread drives every worker, so that how the jobs interleave is ch
 If `alternate` were as fast as `one`, a parent that lets one worker at a time have a job in
 flight would give N workers one worker's rate; it is not (H100, driver 580: 4 workers
 alternate 2545-2817 jobs/s, bursts of 64 0.73-0.78x of one worker, overlapped 7230, one
-46000; bench/results/2026-12-05-h100-f): every change of context costs about 330 us, so the
+46000; 2026-12-05): every change of context costs about 330 us, so the
 parent holds a worker's turn for a time instead (ParentOptions::gpu_turn). Set
 POOLIPC_GPU_TURN_US=0 to measure these patterns without the parent's turns.
 

@@ -166,7 +166,7 @@ struct Walk<'a> {
     /// Its own DONE events.
     events: DoneRing<'a>,
     sent: u64,
-    /// How often a step lies, per thousand (the seed's temper: from a worker with a rare
+    /// How often a step lies, per thousand (from a worker with a rare
     /// bug to one that lies at every other step).
     lie_rate: u64,
 }
@@ -413,7 +413,7 @@ impl<'a> Walk<'a> {
         self.finish(job)
     }
 
-    /// One thing: honest most of the time, as the seed's temper says.
+    /// One thing: honest most of the time, lying at the walk's rate.
     fn act(&mut self) -> Step {
         if !self.rng.chance(self.lie_rate) {
             return self.honest_move();

@@ -1,4 +1,4 @@
-//! The arena-copy rung (issue 12), as the facade's users meet it: an input of the parent's
+//! The arena-copy rung, as the facade's users meet it: an input of the parent's
 //! shared pool that cannot go by pool pointer (over the import limit) is copied
 //! device-to-device into a block of the parent's arena, on the job's stream before READY,
 //! and the worker reads the copy through the mapping it made once. The block comes back only

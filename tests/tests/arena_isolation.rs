@@ -1,4 +1,4 @@
-//! One worker cannot read or write another worker's arena memory (issue 22, item 3): every
+//! One worker cannot read or write another worker's arena memory: every
 //! arena chunk a worker is sent holds only that worker's blocks (its arena-copied inputs,
 //! its arena results, its arena slices), so the mappings a worker has reach nothing of
 //! another's. A rogue worker (`arena-snoop`) maps every chunk it is sent, read-write, reads

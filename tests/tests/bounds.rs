@@ -1,4 +1,4 @@
-//! Bounds on what one worker may make the parent hold (issue 22): results per job, result
+//! Bounds on what one worker may make the parent hold: results per job, result
 //! bytes per job, the arena's cap, a job's lifetime, cancel. Going past a bound condemns
 //! that worker alone with `FailReason::BoundExceeded` naming the bound; the parent, its
 //! memory and the other workers go on.

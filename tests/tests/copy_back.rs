@@ -1,4 +1,4 @@
-//! No write into a lent input is lost silently (issue 21): a worker writes the first 4 KiB of
+//! No write into a lent input is lost silently: a worker writes the first 4 KiB of
 //! its input in place, on each rung. Lent writable, the parent's tensor shows the write after
 //! the job (pool pointer: in place; arena copy: the block copied back after the wait on DONE;
 //! host staging: the worker's copy sent back after its Done). Lent read-only, nothing comes

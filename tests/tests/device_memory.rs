@@ -1,4 +1,4 @@
-//! Any device memory of the parent's device crosses on the device (issue 23): a tensor that is
+//! Any device memory of the parent's device crosses on the device: a tensor that is
 //! not memory of the parent's shared pool — plain `cuMemAlloc` memory, or a VMM allocation
 //! made with `cuMemCreate` + `cuMemMap` as ComfyUI makes its model weights — is copied
 //! device-to-device into the parent's arena (the arena-copy rung) rather than staged through

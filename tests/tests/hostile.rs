@@ -1,6 +1,6 @@
 //! What a worker that hangs, or a bug of the parent's own, must not do to the parent: block the
 //! caller's stream, leave a waiter hanging, answer a forked child with silence, or stay listed
-//! once it is gone (issue 22: item 7 and the small ones).
+//! once it is gone.
 
 use std::io::{Read as _, Write as _};
 use std::os::unix::net::UnixStream;

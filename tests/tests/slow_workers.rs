@@ -1,4 +1,4 @@
-//! A worker that is slow on its socket, or hostile there, harms only itself (issue 22, "the IO
+//! A worker that is slow on its socket, or hostile there, harms only itself ("the IO
 //! loop never waits on one worker"): the parent's one IO thread reads what has come and
 //! writes what a socket takes, so frames sent a piece at a time, a worker that never reads
 //! and descriptors dripped onto a slow frame stall no other worker, `spawn` or `submit`, hold

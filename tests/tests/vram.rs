@@ -1,4 +1,4 @@
-//! VRAM goes back (issue 23): the result arena gives chunks with nothing in them back to the
+//! VRAM goes back: the result arena gives chunks with nothing in them back to the
 //! device, on `Parent::empty_cache` and after `arena_idle_release`, the workers unmap them
 //! when told, and a chunk with a live block is never given back; the arena's default cap is
 //! a fraction of the device.
@@ -6,7 +6,7 @@
 //! Free device memory is compared around each release (the released bytes must come back
 //! within 64 MiB), not against the process's start: pool allocations that were exported to
 //! a worker keep their memory after their free until the pool is destroyed (a driver fact,
-//! `bench/results/2026-12-04-h200-export-limbo/`), and the echo jobs' inputs are such.
+//! docs/facts.md, "Other driver behaviour designed for"), and the echo jobs' inputs are such.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

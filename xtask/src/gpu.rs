@@ -379,7 +379,7 @@ mod tests {
             .lines()
             .find(|l| l.starts_with("parts=${POOLIPC_PARTS:-"))
             .expect("run.sh sets its parts");
-        // regress, issue 24's tables and the stops' GPU questions are asked for by name.
+        // regress and the measurement parts are asked for by name.
         for part in [
             "regress",
             "scaling",

@@ -8,11 +8,11 @@
 # the plain turn-taking, "engines", which engine the turn-taking follows, "aside", READY's
 # record aside on and off (Rust and torch workers; "asidepy" adds the Python binding against
 # torch.multiprocessing by size), "pyscaling", Python's split and torch workers at once,
-# and "onethread", what stop 37 left for the GPU (the busy-workers line, one Python thread
+# and "onethread" (the busy-workers line, one Python thread
 # driving every worker, the binding against torch.multiprocessing under MPS), "gputurns",
 # "mpsspin" and "floorscale" (the bare driver's jobs/s with N copies at once), run only when
 # named);
-# POOLIPC_TEST_BINS names test binaries (default all), so that one machine call stays within
+# POOLIPC_TEST_BINS names test binaries (default all), so that one run stays within
 # its time limit.
 set -u
 parts=${POOLIPC_PARTS:-tests,tools,mps,bench,python}
@@ -93,8 +93,8 @@ for bin in "$here"/tests/*; do
   if [ -n "${POOLIPC_TEST_BINS:-}" ]; then case ",$POOLIPC_TEST_BINS," in *",$name,"*) ;; *) continue ;; esac; fi
   bins+=("$bin")
 done
-# The demo's rows took 13.6-13.9 ms after the test suite (H200 2026-12-05 call 1, H100 stop
-# 33) and 0.6 ms in calls without it, the storm tests twice their time: whether something the
+# The demo's rows took 13.6-13.9 ms after the test suite (H200 2026-12-05, H100 2026-12-05)
+# and 0.6 ms in runs without it, the storm tests twice their time: whether something the
 # suite leaves on the GPU (a killed worker's kernel that never ends, say) slows what follows.
 gpu_state() {
   echo "GPU $1: $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>&1 | tr '\n' ' ')" >> "$summary"
@@ -115,8 +115,8 @@ cat "$out/doctor.log" >> "$summary"
 echo "--- poolipc demo" >> "$summary"
 "$here/poolipc" demo > "$out/demo.log" 2>&1; echo "demo exit: $?" >> "$summary"
 grep -v ' INFO ' "$out/demo.log" >> "$summary"
-# Its rows took 13.6-13.9 ms on a fresh machine (H200 2026-12-05 call 1, H100 stop 33) and
-# 0.6 ms elsewhere, the bench's round trips 0.3 ms in the same call: where a row's time goes.
+# Its rows took 13.6-13.9 ms on a fresh machine (H200 and H100, 2026-12-05) and
+# 0.6 ms elsewhere, the bench's round trips 0.3 ms in the same run: where a row's time goes.
 rm -rf "$out/demo-probe"
 echo "--- poolipc demo again under POOLIPC_PROBE: where its rows' time goes" >> "$summary"
 POOLIPC_PROBE="$out/demo-probe" "$here/poolipc" demo > "$out/demo-probe.log" 2>&1; echo "demo (probe) exit: $?" >> "$summary"
@@ -160,7 +160,7 @@ grep -vE " (INFO|WARN|DEBUG) " "$out/bench-workers.log" >> "$summary"
 fi
 if want regress; then
 # This tree's bench against each baseline in the bundle (gpu-bundle --baseline REV), in
-# alternated pairs in this one call: the card's run-to-run spread hides a 5% criterion in a
+# alternated pairs in this one run: the card's run-to-run spread hides a 5% criterion in a
 # single pair. POOLIPC_REGRESS_ARGS adds arguments to both (--sim tries it without a GPU).
 npairs=${POOLIPC_REGRESS_PAIRS:-3}
 found=0
@@ -216,7 +216,7 @@ elif [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   echo "pybench --workers exit: $?" >> "$summary"
   grep -v ' INFO ' "$out/pybench-workers.log" | tail -12 >> "$summary"
   if command -v nvidia-cuda-mps-control >/dev/null; then
-    # The Python round trip under MPS, beside the Rust bench's MPS table: issue 24's
+    # The Python round trip under MPS, beside the Rust bench's MPS table: the target
     # "Python within 15 us of Rust" is read under MPS, where the turn-taking is gone.
     echo "--- bench/pybench.py under a private MPS daemon" >> "$summary"
     ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 600 "$here/poolipc" mps --accept-shared-gpu-faults -- python3 bench/pybench.py --json ) > "$out/pybench-mps.log" 2>&1
@@ -236,7 +236,7 @@ else
 fi
 stash
 if want scaling; then
-# Issue 24: what stops several workers at once (the IO threads' busy share, 1, 2 and 4 IO
+# What stops several workers at once (the IO threads' busy share, 1, 2 and 4 IO
 # threads), plainly and under MPS. Only when named.
 mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
 echo "--- poolipc bench --workers 8 --io-threads 1,2,4 $mps (jobs/s, IO busy per thread, IO us per job)" >> "$summary"
@@ -247,7 +247,7 @@ grep -vE " (INFO|WARN|DEBUG) " "$out/scaling-workers.log" >> "$summary"
 # and all together.
 inmps=""; [ -n "$mps" ] && inmps="$here/poolipc mps --accept-shared-gpu-faults --"
 # Then the workers' spin off against the defaults, alternated twice (with it off, 8 workers
-# gave the call's best 138k jobs/s where the defaults fell to 98-127k: H100, 2026-12-05, one
+# gave the run's best 138k jobs/s where the defaults fell to 98-127k: H100, 2026-12-05, one
 # table each), and spins that only hint the CPU instead of yielding (the default).
 for v in "POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_WORKER_SPIN_US=0" "POOLIPC_SPIN_IN_FLIGHT_US=0" "POOLIPC_WORKER_SPIN_US=0" "" "POOLIPC_WORKER_SPIN_US=0" "" "POOLIPC_SPIN_YIELD=0"; do
   echo "--- ${mps:+under MPS: }poolipc bench --workers 8 --io-threads 1,4 with ${v:-the defaults}" >> "$summary"
@@ -368,7 +368,7 @@ PY
 }
 echo "--- poolipc bench --workers 1 --worker-mode noop --caller-stream legacy (plain) with --prime STEP [--prime-bytes N]: 4 KiB jobs/s" >> "$summary"
 for r in 1 2; do
-  # 64K and 1M: in call 1's `--sizes` run the 64 KiB row's staging took 1725 us (4 KiB's 487)
+  # 64K and 1M: in a `--sizes` run (H100, 2026-12-05) the 64 KiB row's staging took 1725 us (4 KiB's 487)
   # and the rows after it were fast: a copy large enough for a copy engine, made once?
   # "warm": no step, POOLIPC_WARM_COPIES=1 (the parent and each worker copy 1 MiB to the
   # device and back once at startup).
@@ -426,7 +426,7 @@ done
 rm -f "$out/engines.log"
 fi
 if want aside || want asidepy; then
-# READY recorded aside (stop 36): the caller's stream idle, READY goes on the IO thread's
+# READY recorded aside: the caller's stream idle, READY goes on the IO thread's
 # copy-engine stream. On and off (POOLIPC_READY_ASIDE=1/0) alternated twice, plainly: one
 # worker and several (Rust, touch workers on their own streams), torch workers from Python,
 # and the Python binding against torch.multiprocessing by size (lent again: the aside's case;
@@ -457,11 +457,11 @@ fi
 stash
 if want pyscaling; then
 # Python's share of a round trip (pysplit) and torch workers at once with 1 and 4 IO threads,
-# plainly and under MPS. Only when named (with scaling, one call may pass its time limit).
+# plainly and under MPS. Only when named (with scaling, one run may pass its time limit).
 mps=""; command -v nvidia-cuda-mps-control >/dev/null && mps="--mps"
 if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/scaling-pip.log" 2>&1
-  # What issue 24's targets read first (a call cut off by its time limit loses the least):
+  # What the scaling targets read first (a run cut off by its time limit loses the least):
   # under MPS then plainly, pysplit and torch workers at once with one IO thread; then four
   # IO threads and the results path; the torch suite (also the python part's) last. Each
   # step's logs stashed at once (the machine gives back eight files).
@@ -508,7 +508,7 @@ fi
 fi
 stash
 if want onethread; then
-# What stop 37 left for the GPU (only when named, about 6 minutes): the parent's log line for
+# One thread and several workers (only when named, about 6 minutes): the parent's log line for
 # two workers busy at once (once plainly, never under MPS); Rust's 1..8 workers in three
 # rounds, plainly and under MPS (each ratio taken within its round); under MPS one Python thread
 # driving every worker against a thread per worker (pysplit: Rust echo workers; pybench:
@@ -544,7 +544,7 @@ fi
 fi
 stash
 if want gputurns; then
-# What stop 38 left for the GPU (only when named, about 3 minutes): the parent's GPU turns
+# GPU turns (only when named, about 3 minutes): the parent's GPU turns
 # (ParentOptions::gpu_turn) with a thread per worker and with one thread driving them all,
 # plainly, turns off and on in the same run.
 if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then

@@ -3,9 +3,12 @@
 //!
 //! - Nothing links outside the repository: no `../shared` or `/work/shared` path, and no
 //!   mention of the design notes that lived there (`DESIGN.md`, `FACTS.md`, `GPU.md`); the
-//!   project's own words are in `docs/`. Recorded run output (`bench/probes/results/`) is
-//!   exempt: it quotes the machines it ran on.
+//!   project's own words are in `docs/`.
 //! - Every relative link of a Markdown file names a file or folder that exists.
+//! - No work-log words: the repository speaks to its users, who never saw the work's steps,
+//!   tickets or numbered runs ("stop 12", "issue 3", "call 2", [`WORK_LOG`]). A figure gives
+//!   its date and hardware instead. The CHANGELOG is held to it too: it says what changed for
+//!   users, in their words.
 //! - The Rust rules of [`crate::rust_rules`]: where `unsafe` may be and what it must say, no
 //!   wildcard arm on the contract's actions or the rungs, no long file without its reason.
 
@@ -23,9 +26,45 @@ const OUTSIDE: &[&str] = &[
     "GPU.md",
 ];
 
-/// Tracked paths the rules leave alone: recorded output of runs elsewhere, and this file
-/// (which names what it forbids).
-const EXEMPT: &[&str] = &["bench/probes/results/", "xtask/src/tidy.rs"];
+/// Tracked paths the rules leave alone: this file (which names what it forbids).
+const EXEMPT: &[&str] = &["xtask/src/tidy.rs"];
+
+/// Work-log words followed by a number (" 12"): a step, a ticket, a numbered run.
+const NUMBERED: &[&str] = &["stop", "stops", "issue", "issues", "call", "calls"];
+
+/// Work-log phrases, matched without regard to case.
+const WORK_LOG: &[&str] = &["device budget", "the seed's way", "seed's temper"];
+
+/// The work-log words of one line, as the offence's text: `stop 12`, `device budget`.
+fn work_log_words(line: &str) -> Vec<String> {
+    let lower = line.to_ascii_lowercase();
+    let mut found: Vec<String> = WORK_LOG
+        .iter()
+        .filter(|p| lower.contains(*p))
+        .map(|p| (*p).to_string())
+        .collect();
+    let bytes = lower.as_bytes();
+    for word in NUMBERED {
+        let mut from = 0;
+        while let Some(at) = lower[from..].find(word) {
+            let start = from + at;
+            let end = start + word.len();
+            from = end;
+            let starts_word = start == 0 || !bytes[start - 1].is_ascii_alphanumeric();
+            let then_number = bytes.get(end) == Some(&b' ')
+                && bytes.get(end + 1).is_some_and(u8::is_ascii_digit);
+            // "stops" is found both as itself and as "stop" + "s": only the whole word counts.
+            if starts_word && then_number {
+                let digits = lower[end + 1..]
+                    .bytes()
+                    .take_while(u8::is_ascii_digit)
+                    .count();
+                found.push(lower[start..end + 1 + digits].to_string());
+            }
+        }
+    }
+    found
+}
 
 /// Checks the tracked files under `root`; the error lists every offence.
 pub(crate) fn check(root: &Path) -> Result<()> {
@@ -65,7 +104,7 @@ pub(crate) fn check(root: &Path) -> Result<()> {
         );
     }
     eprintln!(
-        "tidy: no link leaves the repository; every Markdown link resolves; unsafe only where allowed and each block said safe; no wildcard on actions or rungs; no long file without its reason"
+        "tidy: no link leaves the repository; every Markdown link resolves; no work-log words; unsafe only where allowed and each block said safe; no wildcard on actions or rungs; no long file without its reason"
     );
     Ok(())
 }
@@ -86,6 +125,12 @@ fn offences_in(path: &str, text: &str, exists: impl Fn(&str) -> bool) -> Vec<Str
                     n + 1
                 ));
             }
+        }
+        for words in work_log_words(line) {
+            found.push(format!(
+                "{path}:{}: `{words}` is a work-log word: say what it means to a user (a date and hardware for a figure)",
+                n + 1
+            ));
         }
         if !path.ends_with(".md") {
             continue;
@@ -132,5 +177,24 @@ mod tests {
         assert!(found[2].contains("`docs/nothing.md`"));
         // Outside Markdown only the paths count.
         assert!(offences_in("src/lib.rs", "// [gone](nothing.md)\n", |_| false).is_empty());
+    }
+
+    #[test]
+    fn work_log_words_are_offences_wherever_they_are() {
+        let text = "//! The arena (issue 22, item 3), since Stop 36; calls 4 and call 12.\n\
+                    the device budget ran out, the seed's way\n\
+                    the workers stop at 7200 jobs/s; nonstop 3; stop_timeout 5\n";
+        let found = offences_in("tests/tests/x.rs", text, |_| true);
+        let words: Vec<&str> = found
+            .iter()
+            .map(|f| f.split('`').nth(1).expect("quoted"))
+            .collect();
+        assert_eq!(
+            words,
+            ["stop 36", "issue 22", "call 12", "calls 4", "device budget", "the seed's way"],
+            "{found:?}"
+        );
+        assert!(found[0].starts_with("tests/tests/x.rs:1:"), "{found:?}");
+        assert!(found[4].starts_with("tests/tests/x.rs:2:"), "{found:?}");
     }
 }

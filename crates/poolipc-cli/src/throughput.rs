@@ -1,5 +1,5 @@
 //! `poolipc bench --workers N`: jobs per second with N workers served at once by one parent,
-//! beside one worker, in the same run (issue 24: more workers must give more, not less).
+//! beside one worker, in the same run (more workers must give more, not less).
 //!
 //! Each of `n` threads owns a worker, a stream and one live pool allocation, and runs jobs on
 //! it back to back (the allocation lent again each time: no export after the first), for

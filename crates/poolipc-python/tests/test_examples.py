@@ -33,7 +33,7 @@ def test_the_fan_out_example_runs_on_the_simulated_driver():
 
 
 def test_pysplit_runs_on_the_simulated_driver_and_prints_every_row():
-    """`bench/pysplit.py` (issue 24's Python split and scaling) runs as its docstring says, on
+    """`bench/pysplit.py` (Python split and scaling) runs as its docstring says, on
     SimDriver, with a handful of jobs: every pair at both sizes, then the --workers table (Python
     workers, the same threads with Rust workers, one thread driving them all, and Rust's own)."""
     import pytest

@@ -1081,7 +1081,7 @@ def test_an_input_lent_read_only_is_read_only_on_the_worker_and_a_writable_one_i
         parent, report):
     w = spawn(parent, "probe", report.env)
     pooled = f32_buffer(parent, [1.5] * 4)
-    # outside the shared pool, on the parent's device: copied into the arena (issue 23)
+    # outside the shared pool, on the parent's device: copied into the arena
     staged = parent.alloc(16, dtype="float32", shape=[4], shared=False)
     parent.write(staged.ptr, struct.pack("<4f", 7.0, 8.0, 9.0, 10.0))
     out = parent.run(w, [poolipc.TensorRef(pooled.ptr, "float32", [4]),
@@ -1108,7 +1108,7 @@ def test_a_write_into_an_input_is_seen_by_the_parent_on_every_rung_or_raises(
         parent, report, read_only):
     w = spawn(parent, "write-inputs", report.env)
     pooled = f32_buffer(parent, [1.0] * 4)
-    # outside the shared pool, on the parent's device: copied into the arena (issue 23)
+    # outside the shared pool, on the parent's device: copied into the arena
     staged = parent.alloc(16, dtype="float32", shape=[4], shared=False)
     parent.write(staged.ptr, struct.pack("<4f", 1.0, 2.0, 3.0, 4.0))
     parent.run(w, [poolipc.TensorRef(pooled.ptr, "float32", [4]),

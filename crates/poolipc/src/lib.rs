@@ -50,6 +50,12 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+/// The repository's README: its Rust block (a parent and a worker) compiles and runs as a doc
+/// test, so the first example a reader sees is one that works.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
 mod canary;
 pub mod driver;
 mod driver_loop;

@@ -389,7 +389,7 @@ pub(super) fn device_memory(
         stream,
         ..
     } = b;
-    // Device memory outside the pool (issue 23): a cuMemAlloc tensor (the arena copy) and a
+    // Device memory outside the pool: a cuMemAlloc tensor (the arena copy) and a
     // VMM allocation made with the POSIX FD handle type (lent by handle, the worker's mapping
     // cached after the first job; writable, as the pool pointer's re-lend of the same size
     // from the table above that it is compared with). The cuMemAlloc tensor is lent

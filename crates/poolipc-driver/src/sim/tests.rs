@@ -1212,7 +1212,7 @@ fn a_missing_ready_wait_reads_stale_bytes_on_the_asynchronous_gpu() {
     );
 }
 
-// --- memory outside the pool: cuMemAlloc and VMM allocations lent by handle (issue 23) ---
+// --- memory outside the pool: cuMemAlloc and VMM allocations lent by handle ---
 
 /// A VMM allocation of the parent's, mapped read-write at its own address: (handle, va, len).
 fn parent_vmm(p: &SimDriver, exportable: bool) -> (VmmHandle, DevicePtr, u64) {
@@ -1341,7 +1341,7 @@ fn unordered_writes_to_cu_mem_alloc_memory_on_two_streams_are_recorded() {
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
 }
 
-// --- exported memory in limbo (bench/results/2026-12-04-h200-export-limbo) ------------------
+// --- exported memory in limbo (docs/facts.md, "Other driver behaviour designed for") ---
 
 fn held(d: &SimDriver) -> u64 {
     let (free, total) = d.mem_get_info().unwrap();

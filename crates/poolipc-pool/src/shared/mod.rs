@@ -122,7 +122,7 @@ pub enum PoolError {
 ///
 /// An allocation that was exported keeps its physical memory after its free until its pool
 /// is destroyed (and every worker destroyed its import of the pool): trimming does nothing
-/// for it (bench/results/2026-12-04-h200-export-limbo). So the pool has generations:
+/// for it (docs/facts.md, "Other driver behaviour designed for"). So the pool has generations:
 /// [`rotate`] makes a new pool with the same attributes the device's current one and keeps
 /// the old one *retired* (its live allocations stay valid, are exported and freed as before;
 /// it makes no new ones), and [`destroy_retired`] destroys a retired generation once nothing

@@ -207,7 +207,7 @@ class Parent:
     says what is in force).
 
     Result memory, also set by the first creation in the process (a later different value is
-    a ``ValueError``): ``results="pool"`` (the default, the seed's way: each result is
+    a ``ValueError``): ``results="pool"`` (the default: each result is
     allocated in the shared pool, by ``torch.empty`` when torch tensors are lent, and
     exported to the worker; above the import limit it takes host staging) or
     ``results="arena"``: the result arena, parent-owned memory each worker maps once, so a

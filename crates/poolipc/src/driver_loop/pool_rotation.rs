@@ -1,4 +1,4 @@
-//! The IO loop's side of a pool rotation (`Parent::empty_cache`, issue 23): every live worker
+//! The IO loop's side of a pool rotation (`Parent::empty_cache`): every live worker
 //! gets the new generation at a free index of its pool table before a lend names it, and a
 //! retired generation is destroyed in the workers (`PoolRetire`) before the parent destroys
 //! it. The answers (`ExtraPoolReply`, `PoolRetired`) are awaited as `empty_cache`'s other

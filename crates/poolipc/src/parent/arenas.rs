@@ -1,5 +1,5 @@
 //! The parent's arenas: one per worker, so that the chunks a worker maps hold its own blocks
-//! and nothing of another worker's (issue 22, item 3), all drawing on one cap.
+//! and nothing of another worker's, all drawing on one cap.
 //!
 //! Every chunk of an arena is sent to its worker alone, read-write: one arena for every
 //! worker would let a worker read another's arena-copied input and overwrite its result

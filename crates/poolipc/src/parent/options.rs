@@ -226,7 +226,7 @@ pub const DEFAULT_MAX_OPEN_DONE_EVENTS: usize = 64;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ResultMemory {
-    /// The shared pool (the seed's way): each result is allocated from the pool, its pointer
+    /// The shared pool (the first way poolipc had): each result is allocated from the pool, its pointer
     /// exported (about 0.43 ms/GiB, every time) and imported by the worker; results above
     /// the import limit take host staging. The caller gets an ordinary pool allocation and
     /// frees it through [`Parent::pool`](crate::Parent::pool). The default, so that existing callers keep these

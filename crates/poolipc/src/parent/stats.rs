@@ -53,7 +53,7 @@ pub struct EmptyCache {
     /// Bytes the shared pools held and gave back (`cuMemPoolTrimTo`), summed over pools.
     /// Pool allocations that were exported to a worker are not among them: the driver keeps
     /// an exported allocation's memory after its free until the pool is destroyed (measured,
-    /// `bench/results/2026-12-04-h200-export-limbo/`); that is what the rotation is for.
+    /// docs/facts.md, "Other driver behaviour designed for"); that is what the rotation is for.
     pub pool_bytes: u64,
     /// Pools rotated: a pool whose current generation exported anything got a new
     /// generation, the old one retired ([`SharedPool::rotate`](super::SharedPool::rotate)).

@@ -68,7 +68,7 @@ pub(super) const POOL_DYING: u32 = 2;
 /// Destroyed by its owner with exported memory in limbo ([`PoolRec::limbo`]): the slot stays
 /// taken, and the bytes counted against the device, until no live process holds an import of
 /// the pool ([`PoolRec::importers`]). Measured on the H200 (driver 580,
-/// bench/results/2026-12-04-h200-export-limbo).
+/// docs/facts.md, "Other driver behaviour designed for").
 pub(super) const POOL_LIMBO: u32 = 3;
 /// Processes that may hold an import of one pool at once (more are not counted).
 pub(super) const POOL_IMPORTERS: usize = 16;
