@@ -133,6 +133,11 @@ impl fmt::Debug for CuCode {
     }
 }
 
+/// What the errors that mean "no usable GPU here" add: how to run without one.
+const NO_GPU_HINT: &str = "To run without a GPU, use the simulated driver: set \
+     POOLIPC_DRIVER=sim (or POOLIPC_DRIVER=auto: the GPU where one is usable, else the \
+     simulation), or in Rust open it with poolipc::driver::open_or(Choice::Auto).";
+
 /// Why a driver call, or opening a driver, failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -147,7 +152,10 @@ pub enum DriverError {
     },
     /// libcuda could not be loaded: no NVIDIA driver is installed, or it is not on the
     /// loader's path.
-    #[error("libcuda was not found (searched {searched}); is the NVIDIA driver installed?")]
+    #[error(
+        "libcuda was not found (searched {searched}); is the NVIDIA driver installed? {hint}",
+        hint = NO_GPU_HINT
+    )]
     LibraryNotFound {
         /// The names tried.
         searched: String,
@@ -159,7 +167,10 @@ pub enum DriverError {
         symbol: &'static str,
     },
     /// The driver loaded but reports no CUDA device.
-    #[error("no CUDA device is visible (check CUDA_VISIBLE_DEVICES and nvidia-smi)")]
+    #[error(
+        "no CUDA device is visible (check CUDA_VISIBLE_DEVICES and nvidia-smi). {hint}",
+        hint = NO_GPU_HINT
+    )]
     NoDevice,
     /// The device ordinal does not exist in this process.
     #[error("device {ordinal} does not exist: {count} device(s) visible")]
@@ -299,5 +310,17 @@ mod tests {
                 .to_string()
                 .contains("CUDA_VISIBLE_DEVICES")
         );
+    }
+
+    #[test]
+    fn no_usable_gpu_says_how_to_run_on_the_simulated_driver() {
+        let missing = DriverError::LibraryNotFound {
+            searched: "libcuda.so.1".into(),
+        };
+        for e in [missing, DriverError::NoDevice] {
+            let text = e.to_string();
+            assert!(text.contains("POOLIPC_DRIVER=sim"), "{text}");
+            assert!(text.contains("open_or(Choice::Auto)"), "{text}");
+        }
     }
 }

@@ -106,7 +106,9 @@ impl Opened {
 }
 
 /// Opens the driver [`DRIVER_ENV`] names in a parent, the GPU when it is unset (as the Python
-/// module does: nothing falls back to the simulation unless asked to).
+/// module does: nothing falls back to the simulation unless asked to). Without a usable GPU
+/// this fails, and the error says how to run on the simulated driver; for a program that must
+/// run anywhere (an example, a demo, a test), use [`open_or`]`(`[`Choice::Auto`]`)`.
 pub fn open() -> Result<Opened, Error> {
     open_or(Choice::Cuda)
 }
@@ -127,9 +129,19 @@ pub fn open_choice(choice: Choice) -> Result<Opened, Error> {
         }
         Choice::Auto => Opened::cuda().or_else(|e| {
             let mut o = Opened::sim(SimConfig::default())?;
-            o.which = format!("the SIMULATED driver: no usable GPU here ({e})");
+            o.which = format!("the SIMULATED driver: no usable GPU here ({})", why_no_gpu(&e));
             Ok(o)
         }),
+    }
+}
+
+/// Why the GPU could not be opened, in a few words: the errors that mean "no GPU here" say
+/// how to run on the simulated driver, which `auto` has just chosen.
+fn why_no_gpu(e: &Error) -> String {
+    match e {
+        Error::Driver(DriverError::LibraryNotFound { .. }) => "libcuda was not found".into(),
+        Error::Driver(DriverError::NoDevice) => "no CUDA device is visible".into(),
+        other => other.to_string(),
     }
 }
 
@@ -160,6 +172,18 @@ mod tests {
         assert_eq!("auto".parse::<Choice>().ok(), Some(Choice::Auto));
         let e = "gpu".parse::<Choice>().expect_err("not a driver");
         assert!(e.to_string().contains("\"gpu\""), "{e}");
+    }
+
+    #[test]
+    fn auto_names_the_missing_gpu_in_a_few_words() {
+        let missing = Error::Driver(DriverError::LibraryNotFound {
+            searched: "libcuda.so.1".into(),
+        });
+        assert_eq!(why_no_gpu(&missing), "libcuda was not found");
+        assert_eq!(
+            why_no_gpu(&Error::Driver(DriverError::NoDevice)),
+            "no CUDA device is visible"
+        );
     }
 
     #[test]

@@ -212,6 +212,14 @@ impl Parent {
 
     /// Opens the driver `POOLIPC_DRIVER` names ([`driver::open`](crate::driver::open): `cuda`
     /// when unset, `sim`, `auto`) and makes the parent on it, as [`Parent::on`] does.
+    ///
+    /// Which to use: `Parent::open` where a missing GPU is an error (production: on a machine
+    /// without a usable GPU it fails with [`Error::Driver`], whose text says how to run on the
+    /// simulated driver). Where the program must run on any machine (an example, a demo, a
+    /// test), use
+    /// `Parent::on(`[`driver::open_or`](crate::driver::open_or)`(`[`Choice::Auto`](crate::driver::Choice::Auto)`)?, options)`:
+    /// the GPU where one is usable, else the simulated driver; `POOLIPC_DRIVER`, when set,
+    /// still decides.
     pub fn open(options: ParentOptions) -> Result<Parent, Error> {
         Parent::on(crate::driver::open()?, options)
     }
