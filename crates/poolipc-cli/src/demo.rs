@@ -70,6 +70,18 @@ fn cases() -> Vec<Case> {
     ]
 }
 
+/// What the table's columns mean, printed above it.
+const LEGEND: &str = "\
+rung: how the tensor travelled (pool pointer: no copy; arena copy or host staging: memory
+that cannot go by pointer). first ms: its first round trip (the export, the worker's first
+import); again ms: the same tensor lent once more (its export comes from the cache).";
+
+/// Why the first large row is slow on the simulated driver, printed there only.
+const SIM_FIRST_TOUCH: &str = "\
+On the simulated driver device memory is shared host memory: the first 1 GiB round trip pays
+for the pool growing by 1 GiB and the kernel zeroing those pages as they are first touched
+(seconds); a GPU pays nothing of the kind.";
+
 /// The driver the demo runs on, the environment its worker needs (the simulated machine),
 /// and a line saying which.
 pub(crate) type Opened = (Arc<dyn Driver>, Option<(&'static str, String)>, String);
@@ -127,6 +139,11 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     }
     let d = &*driver;
     let stream = d.stream_create()?;
+    println!();
+    println!("{LEGEND}");
+    if d.kind() == poolipc_driver::DriverKind::Sim {
+        println!("{SIM_FIRST_TOUCH}");
+    }
     println!();
     println!(
         "  {:<22} {:>12} {:<14} {:>10} {:>10}  verified",
