@@ -301,9 +301,19 @@ fn ci() -> Result<()> {
     ]);
     run(c)?;
     let junit = root()?.join("target/nextest/ci/junit.xml");
-    let not_run = not_run_tests(
-        &std::fs::read_to_string(&junit)
-            .with_context(|| format!("reading nextest's report {}", junit.display()))?,
+    let report = std::fs::read_to_string(&junit)
+        .with_context(|| format!("reading nextest's report {}", junit.display()))?;
+    let not_run = not_run_tests(&report);
+    let counts = TestCounts::of(&report, not_run.len());
+    // Right under nextest's own line, which counts a body that did not run as passed.
+    let gpu = not_run
+        .iter()
+        .filter(|(_, why)| why.contains("on hardware"))
+        .count();
+    eprintln!(
+        "of which {} test bodies did not run here ({gpu} GPU bodies without a usable GPU, {} others; listed at the end): {counts}",
+        not_run.len(),
+        not_run.len() - gpu
     );
     let mut c = cargo();
     c.args(["test", "--workspace", "--doc"]);
@@ -380,7 +390,51 @@ fn ci() -> Result<()> {
             warnings.len()
         );
     }
+    // The last line, in the plain form tools and readers expect.
+    eprintln!("{counts}");
     Ok(())
+}
+
+/// nextest's tests, told apart: a body that printed `NOT RUN` passed without running, and
+/// counts as not run here, not as passed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct TestCounts {
+    passed: usize,
+    failed: usize,
+    not_run: usize,
+}
+
+impl TestCounts {
+    /// The counts of nextest's JUnit report, `not_run` of whose passes did not run their body.
+    /// A test skipped by nextest counts as not run too.
+    fn of(junit: &str, not_run: usize) -> TestCounts {
+        let (mut total, mut failed, mut skipped) = (0usize, 0usize, 0usize);
+        for case in junit.split("<testcase").skip(1) {
+            let body = case.split("</testcase>").next().unwrap_or(case);
+            total += 1;
+            if body.contains("<failure") || body.contains("<error") {
+                failed += 1;
+            } else if body.contains("<skipped") {
+                skipped += 1;
+            }
+        }
+        let not_run = not_run + skipped;
+        TestCounts {
+            passed: total.saturating_sub(failed + not_run),
+            failed,
+            not_run,
+        }
+    }
+}
+
+impl std::fmt::Display for TestCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} passed, {} failed, {} not run",
+            self.passed, self.failed, self.not_run
+        )
+    }
 }
 
 /// `cargo publish --dry-run --workspace`: every publishable crate packaged and its package
@@ -547,6 +601,26 @@ mod tests {
                 ("NOT RUN on sim: 15 GiB is host memory", 1)
             ]
         );
+    }
+
+    #[test]
+    fn a_body_that_did_not_run_is_not_counted_as_passed() {
+        let junit = r#"<testsuites tests="4"><testsuite name="t">
+<testcase name="gpu" classname="t"><system-out>NOT RUN on hardware: gpu (no usable GPU: none)</system-out></testcase>
+<testcase name="sim" classname="t"><system-out>ok</system-out></testcase>
+<testcase name="bad" classname="t"><failure message="x"/></testcase>
+<testcase name="off" classname="t"><skipped/></testcase>
+</testsuite></testsuites>"#;
+        let counts = TestCounts::of(junit, not_run_tests(junit).len());
+        assert_eq!(
+            counts,
+            TestCounts {
+                passed: 1,
+                failed: 1,
+                not_run: 2
+            }
+        );
+        assert_eq!(counts.to_string(), "1 passed, 1 failed, 2 not run");
     }
 
     #[test]
