@@ -355,6 +355,7 @@ fn ci() -> Result<()> {
     } else {
         bail!("cargo deny check advisories failed:\n{text}");
     }
+    package_lists(&root()?)?;
     publish_dry_run()?;
     fuzz_build()?;
     python_suite()?;
@@ -505,6 +506,77 @@ fn publish_dry_run() -> Result<()> {
     run(c)
 }
 
+/// What every publishable package must carry: a registry shows its own README (whose links
+/// must not be relative: they would point into a repository the page is not in), and the
+/// licence texts travel with the code.
+const PACKAGE_MUST_CARRY: &[&str] = &["README.md", "LICENSE-MIT", "LICENSE-APACHE", "Cargo.toml"];
+
+/// `cargo package --list` of every publishable crate: each carries [`PACKAGE_MUST_CARRY`],
+/// its licence files are the repository's own (copies, not links, the same bytes), and its
+/// README links only by full address.
+fn package_lists(root: &Path) -> Result<()> {
+    let mut problems = Vec::new();
+    let root_licences = ["LICENSE-MIT", "LICENSE-APACHE"]
+        .map(|l| std::fs::read(root.join(l)).with_context(|| format!("reading {l}")));
+    for krate in std::iter::once("poolipc").chain(WORKSPACE_PACKAGES.iter().copied()) {
+        let out = cargo()
+            .args(["package", "--list", "--allow-dirty", "-p", krate])
+            .current_dir(root)
+            .output()
+            .context("cargo package --list")?;
+        if !out.status.success() {
+            bail!(
+                "cargo package --list -p {krate}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let listed = String::from_utf8_lossy(&out.stdout);
+        for must in PACKAGE_MUST_CARRY {
+            if !listed.lines().any(|l| l == *must) {
+                problems.push(format!("{krate}: its package lacks {must}"));
+            }
+        }
+        let dir = root.join("crates").join(krate);
+        for (name, want) in ["LICENSE-MIT", "LICENSE-APACHE"].iter().zip(&root_licences) {
+            let path = dir.join(name);
+            let link = std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink());
+            match (std::fs::read(&path), want) {
+                _ if link => problems.push(format!("{krate}/{name} is a link: copy the file")),
+                (Ok(got), Ok(want)) if &got == want => {}
+                (Ok(_), Ok(_)) => {
+                    problems.push(format!("{krate}/{name} differs from the repository's"))
+                }
+                (Err(e), _) => problems.push(format!("{krate}/{name}: {e}")),
+                (_, Err(e)) => problems.push(format!("{name} at the root: {e}")),
+            }
+        }
+        let readme = std::fs::read_to_string(dir.join("README.md")).unwrap_or_default();
+        for (n, line) in readme.lines().enumerate() {
+            let mut rest = line;
+            while let Some(at) = rest.find("](") {
+                rest = &rest[at + 2..];
+                let target = rest.split(')').next().unwrap_or("");
+                if !target.contains("://") {
+                    problems.push(format!(
+                        "{krate}/README.md:{}: the link `{target}` is relative; a registry page cannot follow it",
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    if !problems.is_empty() {
+        bail!(
+            "packages not ready for a registry:\n{}",
+            problems.join("\n")
+        );
+    }
+    eprintln!(
+        "cargo package --list: every publishable crate carries its README and the licence files"
+    );
+    Ok(())
+}
+
 /// The workspace's publishable packages (their unpacked dry-run copies are removed first).
 const WORKSPACE_PACKAGES: &[&str] = &[
     "poolipc-types",
@@ -601,6 +673,14 @@ mod tests {
                 ("NOT RUN on sim: 15 GiB is host memory", 1)
             ]
         );
+    }
+
+    #[test]
+    fn every_publishable_package_carries_its_readme_and_licences() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .expect("the workspace root");
+        package_lists(root).expect("ready for a registry");
     }
 
     #[test]

@@ -51,8 +51,8 @@ fn work_log_words(line: &str) -> Vec<String> {
             let end = start + word.len();
             from = end;
             let starts_word = start == 0 || !bytes[start - 1].is_ascii_alphanumeric();
-            let then_number = bytes.get(end) == Some(&b' ')
-                && bytes.get(end + 1).is_some_and(u8::is_ascii_digit);
+            let then_number =
+                bytes.get(end) == Some(&b' ') && bytes.get(end + 1).is_some_and(u8::is_ascii_digit);
             // "stops" is found both as itself and as "stop" + "s": only the whole word counts.
             if starts_word && then_number {
                 let digits = lower[end + 1..]
@@ -191,7 +191,14 @@ mod tests {
             .collect();
         assert_eq!(
             words,
-            ["stop 36", "issue 22", "call 12", "calls 4", "device budget", "the seed's way"],
+            [
+                "stop 36",
+                "issue 22",
+                "call 12",
+                "calls 4",
+                "device budget",
+                "the seed's way"
+            ],
             "{found:?}"
         );
         assert!(found[0].starts_with("tests/tests/x.rs:1:"), "{found:?}");

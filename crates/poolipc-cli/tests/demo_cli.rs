@@ -21,9 +21,18 @@ fn the_demos_log_redirected_is_plain_text_and_says_nothing_of_torch() {
     assert!(out.status.success(), "{}", out.status);
     assert!(stdout.contains("demo passed"));
     // The table explains its columns, and on the simulated driver its slow first 1 GiB row.
-    assert!(stdout.contains("rung: how the tensor travelled"), "{stdout}");
-    assert!(stdout.contains("again ms: the same tensor lent once more"), "{stdout}");
-    assert!(stdout.contains("the first 1 GiB round trip pays"), "{stdout}");
+    assert!(
+        stdout.contains("rung: how the tensor travelled"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("again ms: the same tensor lent once more"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("the first 1 GiB round trip pays"),
+        "{stdout}"
+    );
     assert!(stderr.contains(" INFO "), "the log is there, at info");
     assert!(!stderr.contains('\x1b'), "colour codes in a redirected log");
     assert!(!stdout.contains('\x1b'));

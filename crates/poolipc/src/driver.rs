@@ -129,7 +129,10 @@ pub fn open_choice(choice: Choice) -> Result<Opened, Error> {
         }
         Choice::Auto => Opened::cuda().or_else(|e| {
             let mut o = Opened::sim(SimConfig::default())?;
-            o.which = format!("the SIMULATED driver: no usable GPU here ({})", why_no_gpu(&e));
+            o.which = format!(
+                "the SIMULATED driver: no usable GPU here ({})",
+                why_no_gpu(&e)
+            );
             Ok(o)
         }),
     }
