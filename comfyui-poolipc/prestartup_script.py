@@ -200,7 +200,7 @@ def _poolipc_prestartup():
                 say(
                     f"poolipc: POOLIPC_MPS={mps!r} ignored: MPS is started only with "
                     "POOLIPC_MPS=accept-shared-gpu-faults, because under MPS a GPU fault in any "
-                    "worker ends the CUDA context of ComfyUI itself (README: MPS)"
+                    "worker ends the CUDA context of ComfyUI itself (docs/guide.md: MPS)"
                 )
             else:
                 try:
@@ -208,7 +208,7 @@ def _poolipc_prestartup():
                     state.mps = pipe
                 except poolipc.MpsError as e:
                     say(f"poolipc: MPS not started ({e}); handoffs go on without it")
-        # POOLIPC_ISOLATED=1: workers get no handle on ComfyUI's memory (README: threat model):
+        # POOLIPC_ISOLATED=1: workers get no handle on ComfyUI's memory (docs/threat-model.md):
         # their tensors cross by a device-to-device copy into their own arena chunks.
         isolated = os.environ.get("POOLIPC_ISOLATED", "").strip().lower() in ("1", "true", "yes", "on")
         if isolated:

@@ -24,7 +24,7 @@ the variables its ``env_allowlist`` names, and what every worker keeps (``PATH``
 ``TMPDIR``, ``LANG``, ``LD_LIBRARY_PATH``, ``PYTHONPATH``, ``POOLIPC_*``, ``CUDA_*``, ``LC_*``).
 ``"env_allowlist": "*"`` gives it the whole environment, as before.
 
-``"isolated"`` chooses the worker's trust (README: threat model): ``true`` gives it no handle
+``"isolated"`` chooses the worker's trust (docs/threat-model.md): ``true`` gives it no handle
 on ComfyUI's memory (its tensors cross by a copy into an arena only it maps), ``false``
 trusts it with the pool (no copy); left out, ``POOLIPC_ISOLATED`` decides for it.
 """

@@ -489,7 +489,7 @@ fn mps_meaning(client: Option<bool>) -> &'static str {
             "yes — processes share one GPU context: a handoff skips the GPU's turn-taking (about 40 µs round trip instead of 320 µs on an H200), and a GPU fault in any client ends every client's context, this one's too"
         }
         Some(false) => {
-            "no — a handoff whose READY must go on a stream that is still computing waits while two processes take turns on the GPU (about 260 µs of a 330 µs round trip on an H200), and several workers computing at once make the GPU change between their contexts (the parent gives them turns: GPU turns below); for trusted workers, `poolipc mps --accept-shared-gpu-faults -- CMD` or poolipc.start_mps(accept_shared_gpu_faults=True) removes it (README: MPS)"
+            "no — a handoff whose READY must go on a stream that is still computing waits while two processes take turns on the GPU (about 260 µs of a 330 µs round trip on an H200), and several workers computing at once make the GPU change between their contexts (the parent gives them turns: GPU turns below); for trusted workers, `poolipc mps --accept-shared-gpu-faults -- CMD` or poolipc.start_mps(accept_shared_gpu_faults=True) removes it (docs/guide.md: MPS)"
         }
         None => "unknown (the driver does not report CU_DEVICE_ATTRIBUTE_MPS_ENABLED)",
     }

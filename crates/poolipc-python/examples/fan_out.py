@@ -3,7 +3,7 @@ gets its worker the next one (`poolipc.wait_any`), torch-free.
 
 Under MPS one thread driving four torch workers this way ran 3.5-3.7x one worker's jobs/s
 on an H100, more than a thread per worker (2.6-2.7x: each job's return waits for the GIL
-from another thread); see the README's "Several workers at once".
+from another thread); see "Several workers at once" in docs/performance.md.
 
     POOLIPC_DRIVER=sim python fan_out.py     # no GPU needed; unset: the GPU
 """

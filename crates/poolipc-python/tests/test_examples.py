@@ -1,4 +1,4 @@
-"""The README's Python examples run as written (examples/handoff_parent.py and its worker,
+"""The Python examples run as written (examples/handoff_parent.py and its worker,
 examples/fan_out.py), and the benches' control flow runs here."""
 
 import os

@@ -238,7 +238,7 @@ class ParentStats(TypedDict):
     """Workers with a job in flight now."""
     most_workers_busy: int
     """The most workers that had a job in flight at once. Without MPS workers that compute at
-    once take turns on the GPU; the parent logs it once when two first are (see README: MPS)."""
+    once take turns on the GPU; the parent logs it once when two first are (see docs/guide.md: MPS)."""
     turn_waits: int
     """Submits that waited for their worker's turn on the GPU: without MPS a submit waits
     while another worker holds the turn (``gpu_turn``, off by default), so that the GPU

@@ -227,7 +227,7 @@ impl Loop {
                  or more together); under MPS they run at once: `poolipc mps \
                  --accept-shared-gpu-faults -- CMD` or \
                  poolipc.start_mps(accept_shared_gpu_faults=True) for trusted workers \
-                 (README: MPS). ParentStats::most_workers_busy counts them"
+                 (docs/guide.md: MPS). ParentStats::most_workers_busy counts them"
             );
         }
     }
