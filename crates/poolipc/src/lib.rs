@@ -54,7 +54,8 @@
 /// test, so the first example a reader sees is one that works.
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
-pub struct ReadmeDoctests;
+#[allow(dead_code)]
+struct ReadmeDoctests;
 
 mod canary;
 pub mod driver;
