@@ -23,6 +23,24 @@ pub trait Driver: Send + Sync {
     /// Which implementation this is.
     fn kind(&self) -> DriverKind;
 
+    /// The race checker of the simulated driver behind this one (its violation log,
+    /// machine-wide); `None` on every other driver, which checks nothing.
+    fn sim_checker(&self) -> Option<crate::sim::Checker> {
+        None
+    }
+
+    /// Names `stream` in the simulated driver's violation reports (`the worker's job
+    /// stream`); does nothing on any other driver.
+    fn label_stream(&self, stream: StreamHandle, label: &str) {
+        let _ = (stream, label);
+    }
+
+    /// Names the pool allocation or import holding `ptr` in the simulated driver's violation
+    /// reports (`input 0 of job 3`), until it is freed; does nothing on any other driver.
+    fn label_memory(&self, ptr: DevicePtr, label: &str) {
+        let _ = (ptr, label);
+    }
+
     // --- identity ----------------------------------------------------------------------
 
     /// `cuDriverGetVersion`: e.g. 13000 for a CUDA 13.0 driver.

@@ -166,6 +166,11 @@ impl Engine {
         }
     }
 
+    /// The seed the engine was made with.
+    pub(super) fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Queues `step` as operation `seq` of stream `slot`, starting the engine's thread in this
     /// process if it is not running.
     pub(super) fn push(

@@ -118,7 +118,7 @@ use state::{CHUNK, GRANULE, State};
 pub use violation::{Violation, ViolationKind};
 
 use crate::error::{CuCode, DriverError, Result};
-use crate::types::DeviceUuid;
+use crate::types::{DevicePtr, DeviceUuid, StreamHandle};
 
 /// The environment variable [`SimDriver::child_env`] sets and [`SimDriver::from_env`] reads.
 pub const MACHINE_ENV: &str = "POOLIPC_SIM_MACHINE";
@@ -325,23 +325,16 @@ impl SimDriver {
     /// 1024; [`violation_count`](SimDriver::violation_count) counts all).
     #[must_use]
     pub fn violations(&self) -> Vec<Violation> {
-        self.machine.with(|st| {
-            let n = (st.violation_count as usize).min(st.violations.len());
-            st.violations[..n]
-                .iter()
-                .filter_map(|v| {
-                    Some(Violation {
-                        kind: ViolationKind::from_u32(v.kind)?,
-                        call: violation::call_name(v.call),
-                        pid: v.pid,
-                        other_pid: (v.other_pid != 0).then_some(v.other_pid),
-                        generation: (v.generation != 0).then_some(v.generation),
-                        other_call: (v.other_call != 0).then(|| violation::call_name(v.other_call)),
-                        detail: (v.a, v.b),
-                    })
-                })
-                .collect()
-        })
+        self.violations_since(0)
+    }
+
+    /// The violations recorded after the first `from` (as [`violation_count`] counted them
+    /// then), oldest first; those past the first 1024 are counted but not kept.
+    ///
+    /// [`violation_count`]: SimDriver::violation_count
+    #[must_use]
+    pub fn violations_since(&self, from: u64) -> Vec<Violation> {
+        violations_in(&self.machine, from)
     }
 
     /// Forgets every recorded violation (a test that provoked one on purpose, after checking
@@ -354,6 +347,61 @@ impl SimDriver {
     #[must_use]
     pub fn violation_count(&self) -> u64 {
         self.machine.with(|st| st.violation_count)
+    }
+
+    /// Names `stream` (one of this process's, or the null stream) in violation reports, e.g.
+    /// `the worker's job stream`; at most 48 bytes are kept.
+    pub fn label_stream(&self, stream: StreamHandle, label: &str) -> Result<()> {
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, "SimDriver::label_stream", stream)?;
+            st.streams[s].label = state::label(label);
+            Ok(())
+        })
+    }
+
+    /// Names the pool allocation (or import) holding `ptr` in violation reports, e.g.
+    /// `input 0 of job 3`, until it is freed; at most 48 bytes are kept. Memory that is not
+    /// a live pool allocation or import of this process is left unnamed (`false`).
+    pub fn label_memory(&self, ptr: DevicePtr, label: &str) -> bool {
+        let l = self.local();
+        self.machine.with(|st| {
+            let before = st.violation_count;
+            let found = self.touch(&l, st, "SimDriver::label_memory", ptr, 1, false);
+            // A lookup, not an access: whatever it would have recorded is not a violation.
+            st.violation_count = before;
+            match found {
+                Ok((
+                    _,
+                    hb::Mem {
+                        alloc: Some((b, g)),
+                        ..
+                    },
+                )) if st.blocks[b].generation == g => {
+                    st.blocks[b].label = state::label(label);
+                    true
+                }
+                _ => false,
+            }
+        })
+    }
+
+    /// A handle on this machine's violation log, for a reader that holds the driver as
+    /// `dyn Driver` ([`Driver::sim_checker`](crate::Driver::sim_checker)).
+    #[must_use]
+    pub fn checker(&self) -> Checker {
+        Checker {
+            machine: Arc::clone(&self.machine),
+            seed: self.engine.seed(),
+        }
+    }
+
+    /// The seed of this process's engine ([`SEED_ENV`], else drawn from the clock): with
+    /// `POOLIPC_SIM_SEED` set to it, a run replays the same choices of delays and stream order.
+    #[must_use]
+    pub fn seed(&self) -> u64 {
+        self.engine.seed()
     }
 
     fn on(machine: Arc<Machine>) -> SimDriver {
@@ -424,6 +472,76 @@ impl SimDriver {
             agent: self.agent,
         }
     }
+}
+
+/// The violation log of a simulated machine, as [`SimDriver::checker`] hands it out: cheap to
+/// clone, readable from any thread.
+#[derive(Clone)]
+pub struct Checker {
+    machine: Arc<Machine>,
+    seed: u64,
+}
+
+impl std::fmt::Debug for Checker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checker")
+            .field("machine", &format_args!("{:#x}", self.machine.id))
+            .field("seed", &self.seed)
+            .finish()
+    }
+}
+
+impl Checker {
+    /// How many violations were recorded on the machine so far.
+    #[must_use]
+    pub fn count(&self) -> u64 {
+        self.machine.with(|st| st.violation_count)
+    }
+
+    /// The violations recorded after the first `from`, oldest first (see
+    /// [`SimDriver::violations_since`]).
+    #[must_use]
+    pub fn since(&self, from: u64) -> Vec<Violation> {
+        violations_in(&self.machine, from)
+    }
+
+    /// The seed of the engine of the process that made this checker (see
+    /// [`SimDriver::seed`]).
+    #[must_use]
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+}
+
+fn violations_in(machine: &Machine, from: u64) -> Vec<Violation> {
+    machine.with(|st| {
+        let n = (st.violation_count as usize).min(st.violations.len());
+        let from = (from as usize).min(n);
+        st.violations[from..n]
+            .iter()
+            .filter_map(|v| {
+                Some(Violation {
+                    kind: ViolationKind::from_u32(v.kind)?,
+                    call: violation::call_name(v.call),
+                    pid: v.pid,
+                    other_pid: (v.other_pid != 0).then_some(v.other_pid),
+                    generation: (v.generation != 0).then_some(v.generation),
+                    other_call: (v.other_call != 0).then(|| violation::call_name(v.other_call)),
+                    detail: (v.a, v.b),
+                    stream: (v.flags & 4 != 0).then(|| {
+                        state::label_text(&v.stream)
+                            .unwrap_or_else(|| format!("stream #{}", v.stream_slot))
+                    }),
+                    other_stream: (v.flags & 4 != 0).then(|| {
+                        state::label_text(&v.other_stream)
+                            .unwrap_or_else(|| format!("stream #{}", v.other_stream_slot))
+                    }),
+                    memory: state::label_text(&v.memory),
+                    writes: (v.flags & 4 != 0).then_some((v.flags & 1 != 0, v.flags & 2 != 0)),
+                })
+            })
+            .collect()
+    })
 }
 
 /// Drops what dead processes held (their imports above all) to free table slots.

@@ -75,21 +75,96 @@ pub struct Violation {
     /// Kind-specific numbers: the chunks spanned and the limit (`ImportOverLimit`), the stale
     /// and the current generation (`StaleGeneration`), the address (`UnmappedAccess`).
     pub detail: (u64, u64),
+    /// The stream of the call, as the program named it ([`SimDriver::label_stream`]; the
+    /// legacy stream is `its legacy stream`), else `stream #slot`; where the violation is
+    /// between two accesses.
+    ///
+    /// [`SimDriver::label_stream`]: super::SimDriver::label_stream
+    pub stream: Option<String>,
+    /// The other access's stream, named the same way.
+    pub other_stream: Option<String>,
+    /// The allocation, as the program named it ([`SimDriver::label_memory`]), when it did.
+    ///
+    /// [`SimDriver::label_memory`]: super::SimDriver::label_memory
+    pub memory: Option<String>,
+    /// Whether the call wrote and whether the other access wrote, where the violation is
+    /// between two accesses.
+    pub writes: Option<(bool, bool)>,
+}
+
+impl Violation {
+    /// The violation in words, each process named by `process` (given its pid): which call on
+    /// which stream touched which memory, and what it should have been ordered after.
+    pub fn describe(&self, process: &dyn Fn(u32) -> String) -> String {
+        let who = process(self.pid);
+        let memory = self
+            .memory
+            .clone()
+            .unwrap_or_else(|| match self.generation {
+                Some(g) => format!("allocation #{g}"),
+                None => "memory".to_owned(),
+            });
+        let verb = |w: bool| if w { "wrote" } else { "read" };
+        match self.kind {
+            ViolationKind::UnorderedAccess => {
+                let (w, ow) = self.writes.unwrap_or((true, true));
+                let other = self
+                    .other_pid
+                    .map_or_else(|| "a process".to_owned(), process);
+                let stream = self.stream.as_deref().unwrap_or("a stream");
+                let other_stream = self.other_stream.as_deref().unwrap_or("a stream");
+                let other_call = self.other_call.unwrap_or("an earlier call");
+                format!(
+                    "unordered access: {who} {} {memory} ({} on {stream}) while {other} {} it \
+                     ({other_call} on {other_stream}) with nothing ordering the two: no event \
+                     recorded after the first was waited on by {stream}, and no host \
+                     synchronize saw it complete before the second was issued",
+                    verb(w),
+                    self.call,
+                    verb(ow),
+                )
+            }
+            ViolationKind::UnmappedAccess => format!(
+                "use after free: {who} touched {memory} at {:#x} ({} bytes) in {} after it was \
+                 freed or unmapped, or where nothing was mapped",
+                self.detail.0, self.detail.1, self.call
+            ),
+            ViolationKind::FreedWhileImported => format!(
+                "{who} freed {memory} ({}) while {} still had it imported",
+                self.call,
+                self.other_pid
+                    .map_or_else(|| "another process".to_owned(), process)
+            ),
+            ViolationKind::StaleGeneration => format!(
+                "{who} used an import of {memory} in {} after the exporter freed it and the pool \
+                 handed the memory out again",
+                self.call
+            ),
+            ViolationKind::NoAccess => format!(
+                "{who} wrote or read {memory} at {:#x} in {} without access to it (a read-only \
+                 input written, or memory never given access to)",
+                self.detail.0, self.call
+            ),
+            ViolationKind::ImportOfFreed => format!(
+                "{who} imported {memory} in {} after its exporter had freed it",
+                self.call
+            ),
+            ViolationKind::ImportBeyondAllocation => format!(
+                "{who} imported a range larger than the live allocation {memory} in {}",
+                self.call
+            ),
+            ViolationKind::ImportOverLimit => format!(
+                "{who} imported {} chunks of 32 MiB in {} (the limit is {}): on a GPU this \
+                 process dies",
+                self.detail.0, self.call, self.detail.1
+            ),
+        }
+    }
 }
 
 impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?} in {} by pid {}", self.kind, self.call, self.pid)?;
-        if let Some(o) = self.other_pid {
-            write!(f, " (other pid {o})")?;
-        }
-        if let Some(c) = self.other_call {
-            write!(f, " against {c}")?;
-        }
-        if let Some(g) = self.generation {
-            write!(f, ", allocation generation {g}")?;
-        }
-        write!(f, ", detail {:#x}/{:#x}", self.detail.0, self.detail.1)
+        f.write_str(&self.describe(&|pid| format!("pid {pid}")))
     }
 }
 

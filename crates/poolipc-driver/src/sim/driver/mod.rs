@@ -31,6 +31,20 @@ impl Driver for SimDriver {
         DriverKind::Sim
     }
 
+    fn sim_checker(&self) -> Option<crate::sim::Checker> {
+        Some(self.checker())
+    }
+
+    fn label_stream(&self, stream: StreamHandle, label: &str) {
+        if let Err(e) = SimDriver::label_stream(self, stream, label) {
+            tracing::debug!(error = %e, label, "sim: stream not labelled");
+        }
+    }
+
+    fn label_memory(&self, ptr: DevicePtr, label: &str) {
+        SimDriver::label_memory(self, ptr, label);
+    }
+
     fn driver_version(&self) -> Result<i32> {
         Ok(13000)
     }
