@@ -35,6 +35,27 @@ pub trait Driver: Send + Sync {
         let _ = (stream, label);
     }
 
+    /// Tells the simulated driver's checker that `[ptr, ptr + len)` is lent to a job whose
+    /// stream `stream` just waited for READY, job `job` of this process's (see `SimDriver::lend`); does nothing on any
+    /// other driver.
+    fn sim_lend(
+        &self,
+        job: u64,
+        ptr: DevicePtr,
+        len: u64,
+        stream: StreamHandle,
+        read_only: bool,
+        label: &str,
+    ) {
+        let _ = (job, ptr, len, stream, read_only, label);
+    }
+
+    /// Tells the simulated driver's checker that job `job` records DONE on `stream` there now
+    /// (see `SimDriver::returned`); does nothing on any other driver.
+    fn sim_returned(&self, job: u64, stream: StreamHandle) {
+        let _ = (job, stream);
+    }
+
     /// Names the pool allocation or import holding `ptr` in the simulated driver's violation
     /// reports (`input 0 of job 3`), until it is freed; does nothing on any other driver.
     fn label_memory(&self, ptr: DevicePtr, label: &str) {

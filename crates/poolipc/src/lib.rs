@@ -51,6 +51,7 @@
 #![warn(missing_docs)]
 
 mod canary;
+pub mod check;
 pub mod driver;
 mod driver_loop;
 // The canary battery answers with it; public for the demo and the tests under `echo`.

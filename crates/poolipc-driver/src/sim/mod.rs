@@ -340,7 +340,10 @@ impl SimDriver {
     /// Forgets every recorded violation (a test that provoked one on purpose, after checking
     /// it, so that later checks see only new ones).
     pub fn clear_violations(&self) {
-        self.machine.with(|st| st.violation_count = 0);
+        self.machine.with(|st| {
+            st.violation_count = 0;
+            st.violations_reported = 0;
+        });
     }
 
     /// How many violations were recorded on this machine.
@@ -394,6 +397,159 @@ impl SimDriver {
         Checker {
             machine: Arc::clone(&self.machine),
             seed: self.engine.seed(),
+        }
+    }
+
+    /// Lends `[ptr, ptr + len)` of this process to job `job`, whose stream is `stream`, which
+    /// was just made to wait for the job's READY: from now on, every access to it must come
+    /// on a stream ordered after `stream` at this point
+    /// ([`ViolationKind::NotAfterReady`]), never write it when `read_only`
+    /// ([`ViolationKind::ReadOnlyWritten`]), and every write to it must be ordered before
+    /// [`returned`](SimDriver::returned) ([`ViolationKind::WriteAfterDone`]). `label` names
+    /// it in reports (`input 0 of job 3`). The race detector alone would let an access
+    /// through when some host happened to see the parent's writes complete; this check does
+    /// not depend on timing.
+    pub fn lend(
+        &self,
+        job: u64,
+        ptr: DevicePtr,
+        len: u64,
+        stream: StreamHandle,
+        read_only: bool,
+        label: &str,
+    ) -> Result<()> {
+        // A mark on the stream: an event record, whose sequence number says where it stood.
+        let marker = self.local().lend_marker;
+        let marker = match marker {
+            Some(m) => crate::EventHandle(m),
+            None => {
+                let e = crate::Driver::event_create(self, false)?;
+                self.local().lend_marker = Some(e.0);
+                e
+            }
+        };
+        crate::Driver::event_record(self, marker, stream)?;
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let slot = self.stream_slot(l, st, "SimDriver::lend", stream)?;
+            let seq = st.streams[slot].clock[slot];
+            let before = st.violation_count;
+            let found = self.touch(l, st, "SimDriver::lend", ptr, len.max(1), false);
+            st.violation_count = before;
+            let (_, mem) = found?;
+            l.lent
+                .retain(|g| g.end <= ptr.0 || ptr.0.saturating_add(len) <= g.start);
+            l.lent.push(local::Lent {
+                job,
+                start: ptr.0,
+                end: ptr.0.saturating_add(len),
+                mem,
+                slot,
+                seq,
+                read_only,
+                label: state::label(label),
+                reported: false,
+            });
+            Ok(())
+        })
+    }
+
+    /// Job `job`, whose stream is `stream`, records DONE there now: every write to memory lent
+    /// for it must be ordered before this point ([`ViolationKind::WriteAfterDone`]), and the
+    /// memory is no longer lent.
+    pub fn returned(&self, job: u64, stream: StreamHandle) -> Result<()> {
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, "SimDriver::returned", stream)?;
+            let clock = st.streams[s].clock;
+            let agent = self.agent;
+            let mut found = Vec::new();
+            for g in l.lent.iter().filter(|g| g.job == job) {
+                let late = st.accesses.iter().find(|r| {
+                    r.live == 1
+                        && r.agent == agent
+                        && r.write == 1
+                        && r.dev == g.mem.dev
+                        && r.ino == g.mem.ino
+                        && r.start < g.mem.end
+                        && g.mem.start < r.end
+                        && clock[r.stream as usize] < r.seq
+                });
+                if let Some(r) = late {
+                    found.push((g.label, r.stream as usize, r.call));
+                }
+            }
+            for (label, other, call) in found {
+                let v = st
+                    .violation(ViolationKind::WriteAfterDone, "cuEventRecord", self.pid)
+                    .memory(label)
+                    .other_call(call)
+                    .accesses(s, false, other, true);
+                v.log();
+            }
+            l.lent.retain(|g| g.job != job);
+            Ok(())
+        })
+    }
+
+    /// The checks of memory lent for a job ([`lend`](SimDriver::lend)), for an access by
+    /// `call` on stream slot `s` to `[ptr, ptr + len)`.
+    #[allow(clippy::too_many_arguments)] // the access, as every site has it
+    fn lent_check(
+        &self,
+        l: &mut Local,
+        st: &mut State,
+        call: &'static str,
+        ptr: DevicePtr,
+        len: u64,
+        write: bool,
+        s: usize,
+    ) {
+        let end = ptr.0.saturating_add(len);
+        for g in l
+            .lent
+            .iter_mut()
+            .filter(|g| !g.reported && g.start < end && ptr.0 < g.end)
+        {
+            if write && g.read_only {
+                g.reported = true;
+                st.violation(ViolationKind::ReadOnlyWritten, call, self.pid)
+                    .memory(g.label)
+                    .accesses(s, true, g.slot, false)
+                    .log();
+            } else if st.streams[s].clock[g.slot] < g.seq {
+                g.reported = true;
+                // The other process's last write to it, if still remembered: what the
+                // access may come before.
+                let agent = self.agent;
+                let last = st
+                    .accesses
+                    .iter()
+                    .filter(|r| {
+                        r.live == 1
+                            && r.agent != agent
+                            && r.write == 1
+                            && r.dev == g.mem.dev
+                            && r.ino == g.mem.ino
+                            && r.start < g.mem.end
+                            && g.mem.start < r.end
+                    })
+                    .max_by_key(|r| r.seq)
+                    .map(|r| (r.pid, r.call, r.stream as usize));
+                let mut v = st
+                    .violation(ViolationKind::NotAfterReady, call, self.pid)
+                    .memory(g.label);
+                v = match last {
+                    Some((pid, other_call, other)) => v
+                        .other_pid(pid)
+                        .other_call(other_call)
+                        .accesses(s, write, other, true),
+                    None => v.accesses(s, write, g.slot, false),
+                };
+                v.log();
+            }
         }
     }
 
@@ -503,6 +659,19 @@ impl Checker {
     #[must_use]
     pub fn since(&self, from: u64) -> Vec<Violation> {
         violations_in(&self.machine, from)
+    }
+
+    /// How many violations some process on the machine marked reported
+    /// ([`mark_reported`](Checker::mark_reported)): each is shown to the user once.
+    #[must_use]
+    pub fn reported(&self) -> u64 {
+        self.machine.with(|st| st.violations_reported)
+    }
+
+    /// Marks the first `upto` violations reported, for every process on the machine.
+    pub fn mark_reported(&self, upto: u64) {
+        self.machine
+            .with(|st| st.violations_reported = st.violations_reported.max(upto));
     }
 
     /// The seed of the engine of the process that made this checker (see

@@ -35,6 +35,15 @@ pub enum ViolationKind {
     /// H200), so the importer reaches past the live allocation into whatever the pool keeps
     /// there.
     ImportBeyondAllocation = 8,
+    /// Memory lent for a job ([`SimDriver::lend`](super::SimDriver::lend)) was touched on a
+    /// stream not ordered after the job's stream at the lending: a stream that never waited
+    /// for READY.
+    NotAfterReady = 9,
+    /// Memory lent read-only for a job was written.
+    ReadOnlyWritten = 10,
+    /// A write to memory lent for a job is not ordered before the job's DONE: written on a
+    /// stream the job's stream never waited for, or after DONE was recorded.
+    WriteAfterDone = 11,
 }
 
 impl ViolationKind {
@@ -48,6 +57,9 @@ impl ViolationKind {
             6 => ViolationKind::NoAccess,
             7 => ViolationKind::ImportOfFreed,
             8 => ViolationKind::ImportBeyondAllocation,
+            9 => ViolationKind::NotAfterReady,
+            10 => ViolationKind::ReadOnlyWritten,
+            11 => ViolationKind::WriteAfterDone,
             _ => return None,
         })
     }
@@ -153,6 +165,40 @@ impl Violation {
                 "{who} imported a range larger than the live allocation {memory} in {}",
                 self.call
             ),
+            ViolationKind::NotAfterReady => {
+                let verb = if self.writes.is_some_and(|w| w.0) {
+                    "wrote"
+                } else {
+                    "read"
+                };
+                let stream = self.stream.as_deref().unwrap_or("a stream");
+                let before = match (self.other_pid, self.other_call) {
+                    (Some(pid), Some(call)) => format!(
+                        "{}'s last write to it ({call} on {})",
+                        process(pid),
+                        self.other_stream.as_deref().unwrap_or("a stream")
+                    ),
+                    _ => "the lender's last writes to it".to_owned(),
+                };
+                format!(
+                    "{who} {verb} {memory} ({} on {stream}) without waiting for READY: \
+                     {stream} never waited for the job's READY event, so nothing orders the \
+                     access after {before}",
+                    self.call
+                )
+            }
+            ViolationKind::ReadOnlyWritten => format!(
+                "{who} wrote {memory}, lent read-only ({} on {})",
+                self.call,
+                self.stream.as_deref().unwrap_or("a stream"),
+            ),
+            ViolationKind::WriteAfterDone => format!(
+                "{who} wrote {memory} ({} on {}) without ordering the write before DONE \
+                 (recorded on {}): the parent may read or free it before the write ran",
+                self.other_call.unwrap_or("a call"),
+                self.other_stream.as_deref().unwrap_or("a stream"),
+                self.stream.as_deref().unwrap_or("the job's stream"),
+            ),
             ViolationKind::ImportOverLimit => format!(
                 "{who} imported {} chunks of 32 MiB in {} (the limit is {}): on a GPU this \
                  process dies",
@@ -184,6 +230,7 @@ const CALLS: &[&str] = &[
     "cuMemAllocFromPoolAsync",
     "cuLaunchKernel",
     "(executed)",
+    "cuEventRecord",
 ];
 
 pub(super) fn call_code(call: &'static str) -> u32 {

@@ -191,6 +191,9 @@ impl Loop {
             }
             None => self.shared.pools[0].alloc(bytes, stream)?,
         };
+        if let Some(sim) = &self.shared.sim {
+            sim.label_memory(ptr, &format!("result {} of job {}", request.0, job.0));
+        }
         let alloc = AllocId(self.next_alloc);
         self.next_alloc += 1;
         let handle = self.shared.driver.pointer_get_mempool(ptr).ok();

@@ -304,6 +304,8 @@ pub(super) struct State {
     pub(super) _pad_config: u32,
     pub(super) next_id: u64,
     pub(super) violation_count: u64,
+    /// How many of the violations some process reported to its user (`Checker::reported`).
+    pub(super) violations_reported: u64,
     pub(super) devices: [DeviceRec; MAX_DEVICES],
     pub(super) pools: [PoolRec; MAX_POOLS],
     pub(super) blocks: [BlockRec; MAX_BLOCKS],
@@ -560,6 +562,11 @@ impl ViolationBuilder<'_> {
         self.rec.stream_slot = s as u32;
         self.rec.other_stream_slot = other as u32;
         self.rec.flags = u32::from(write) | u32::from(other_write) << 1 | 4;
+        self
+    }
+    /// The allocation's label, where the caller knows it better than the block does.
+    pub(super) fn memory(mut self, label: Label) -> Self {
+        self.rec.memory = label;
         self
     }
     pub(super) fn other_call(mut self, code: u32) -> Self {
