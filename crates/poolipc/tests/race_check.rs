@@ -329,3 +329,34 @@ fn the_program_written_right_reports_nothing_over_many_seeds() {
     eprintln!("{seeds} seeds, nothing reported, in {:?}", start.elapsed());
     assert!(seeds >= 20, "only {seeds} seeds ran in 20 s");
 }
+
+/// `POOLIPC_SIM_STRICT=1`: the first violation panics with the report, so a program that
+/// never looks at its jobs' errors still fails. This test runs the wrong-stream program as a
+/// child of its own (this binary, strict) and reads how it ended.
+#[test]
+fn strict_mode_panics_at_the_first_violation() {
+    const TEST: &str = "strict_mode_panics_at_the_first_violation";
+    const CHILD: &str = "POOLIPC_RACE_CHECK_TEST_STRICT_CHILD";
+    if std::env::var_os(ROLE).is_some() {
+        serve();
+    }
+    if std::env::var_os(CHILD).is_some() {
+        // The strict program: the job's wait panics with the report.
+        let parent = sim_parent();
+        let _ = run(&parent, TEST, Mistake::WrongStream, None, 1);
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([TEST, "--exact", "--nocapture"])
+        .env(CHILD, "1")
+        .env(poolipc::check::STRICT_ENV, "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("POOLIPC_SIM_STRICT=1: the simulated GPU's race checker found"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("without waiting for READY"), "{stderr}");
+}

@@ -104,10 +104,16 @@ pub(super) struct Local {
     pub(super) buffer_ids: HashMap<(usize, u64), u64>,
     /// Memory lent to this process for a job ([`SimDriver::lend`](super::SimDriver::lend)).
     pub(super) lent: Vec<Lent>,
+    /// Memory lent for jobs that ended, latest last (at most [`RETURNED`]): an access after
+    /// its job names it in reports.
+    pub(super) returned: std::collections::VecDeque<(u64, u64, super::state::Label)>,
     /// The event [`SimDriver::lend`](super::SimDriver::lend) records to mark where a job's
     /// stream stood.
     pub(super) lend_marker: Option<u64>,
 }
+
+/// How many ranges of memory lent for ended jobs [`Local::returned`] remembers.
+pub(super) const RETURNED: usize = 64;
 
 /// Memory lent for a job: reached only by streams ordered after operation `seq` of stream
 /// slot `slot` (the job's stream once it waited for READY), written only if not read-only,
@@ -146,6 +152,7 @@ impl Local {
             plain: HashMap::new(),
             next_va: VMM_BASE,
             lent: Vec::new(),
+            returned: std::collections::VecDeque::new(),
             lend_marker: None,
             host_registered: BTreeMap::new(),
             context_lost: false,

@@ -489,6 +489,18 @@ impl SimDriver {
                     .accesses(s, false, other, true);
                 v.log();
             }
+            for g in l.lent.iter().filter(|g| g.job == job) {
+                let mut ended = g.label;
+                let suffix = b" (ended)";
+                let n = ended.iter().position(|&b| b == 0).unwrap_or(ended.len());
+                if n + suffix.len() <= ended.len() {
+                    ended[n..n + suffix.len()].copy_from_slice(suffix);
+                }
+                if l.returned.len() == local::RETURNED {
+                    l.returned.pop_front();
+                }
+                l.returned.push_back((g.start, g.end, ended));
+            }
             l.lent.retain(|g| g.job != job);
             Ok(())
         })

@@ -128,9 +128,9 @@ impl Violation {
                 let other_call = self.other_call.unwrap_or("an earlier call");
                 format!(
                     "unordered access: {who} {} {memory} ({} on {stream}) while {other} {} it \
-                     ({other_call} on {other_stream}) with nothing ordering the two: no event \
-                     recorded after the first was waited on by {stream}, and no host \
-                     synchronize saw it complete before the second was issued",
+                     ({other_call} on {other_stream}), and nothing orders the two: no event \
+                     recorded after one was waited on before the other, no host synchronize \
+                     in between",
                     verb(w),
                     self.call,
                     verb(ow),
@@ -174,7 +174,7 @@ impl Violation {
                 let stream = self.stream.as_deref().unwrap_or("a stream");
                 let before = match (self.other_pid, self.other_call) {
                     (Some(pid), Some(call)) => format!(
-                        "{}'s last write to it ({call} on {})",
+                        "the last write to it by {} ({call} on {})",
                         process(pid),
                         self.other_stream.as_deref().unwrap_or("a stream")
                     ),
