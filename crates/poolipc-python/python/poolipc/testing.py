@@ -26,21 +26,19 @@ import poolipc
 __all__ = ["assert_no_violations", "sim_checked"]
 
 
-def _violations_since(seen: int) -> tuple[list[str], str]:
-    report = poolipc.sim_report()
-    if report is None:
-        return [], ""
-    return report.violations[seen:], report.text
-
-
 def assert_no_violations(seen: int = 0) -> None:
     """Raises ``AssertionError`` with the race checker's report when violations past the
     first ``seen`` were recorded on the simulated machine. Does nothing on the GPU."""
-    new, text = _violations_since(seen)
+    report = poolipc.sim_report()
+    if report is None:
+        return
+    new = report.violations[seen:]
     if new:
         lines = "\n".join(f"  {i + 1}. {v}" for i, v in enumerate(new))
-        raise AssertionError(f"the simulated GPU's race checker found {len(new)} violation(s):\n"
-                             f"{lines}\n({text.splitlines()[0] if text else ''})")
+        plural = "" if len(new) == 1 else "s"
+        raise AssertionError(
+            f"the simulated GPU's race checker found {len(new)} violation{plural} (replay with "
+            f"POOLIPC_SIM_SEED={report.seed}):\n{lines}")
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ reading fails the job with SimViolationError naming both calls; the same program
 right, and a result read on the legacy stream after its job, report nothing; the pytest
 fixture of poolipc.testing fails a test on a violation.
 
-Run: POOLIPC_DRIVER=sim python -m pytest crates/poolipc-python/tests/test_race_check.py
+Run: POOLIPC_DRIVER=sim python -m pytest crates/poolipc-python/tests/test_sim_race_check.py
 (the module sets it too).
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 os.environ.setdefault("POOLIPC_DRIVER", "sim")
 if os.environ["POOLIPC_DRIVER"] != "sim":
-    pytest.skip("test_race_check.py runs on the simulated driver only", allow_module_level=True)
+    pytest.skip("test_sim_race_check.py runs on the simulated driver only", allow_module_level=True)
 
 import poolipc  # noqa: E402
 import poolipc.testing  # noqa: E402
@@ -108,7 +108,7 @@ def test_assert_no_violations_fails_with_the_report(parent, tmp_path):
     with pytest.raises(poolipc.SimViolationError):
         job.wait()
     parent.stop(w)
-    with pytest.raises(AssertionError, match="(?s)race checker found .* cuMemsetD8Async"):
+    with pytest.raises(AssertionError, match="(?s)race checker found 1 violation .*POOLIPC_SIM_SEED=.*cuMemsetD8Async"):
         poolipc.testing.assert_no_violations(seen)
 
 
