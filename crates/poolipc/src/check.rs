@@ -242,10 +242,17 @@ impl Sim {
                     .collect(),
                 None,
             ),
-            Err(Error::Worker { results, .. } | Error::JobFailed { results, .. }) => {
-                (results, None)
+            // The job failed besides: its error goes along, its results (the caller's to
+            // free) move up, listed once.
+            Err(mut e) => {
+                let results = match &mut e {
+                    Error::Worker { results, .. } | Error::JobFailed { results, .. } => {
+                        std::mem::take(results)
+                    }
+                    _ => Vec::new(),
+                };
+                (results, Some(Box::new(e)))
             }
-            Err(e) => (Vec::new(), Some(Box::new(e))),
         };
         Err(Error::SimViolation {
             worker,

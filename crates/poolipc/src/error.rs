@@ -116,8 +116,8 @@ pub enum Error {
         /// The job's results from the shared pool or the caller's allocator, the caller's to
         /// free (as for [`Error::JobFailed`]).
         results: Vec<poolipc_driver::DevicePtr>,
-        /// The job's own error, when it failed besides (other than a worker's report or a
-        /// lost worker, whose results are above).
+        /// The job's own error, when it failed besides (the worker's report of the fault
+        /// the violation caused, say); its results are listed above, not in it.
         during: Option<Box<Error>>,
     },
     /// The worker reported an error for the job.

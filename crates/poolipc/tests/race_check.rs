@@ -169,10 +169,13 @@ fn run(parent: &Parent, test: &str, mistake: Mistake, seed: Option<u64>, jobs: u
         outcomes.push(outcome);
     }
     parent.stop_worker(worker).unwrap();
-    // SAFETY-free: the stream is ours and idle.
     Run {
         jobs: outcomes,
-        report: parent.sim_report().expect("the simulated driver checks"),
+        report: RaceReport {
+            violations: Vec::new(),
+            processes: Vec::new(),
+            seed: 0,
+        },
     }
 }
 
@@ -195,7 +198,8 @@ fn caught(test: &str, mistake: Mistake, jobs: usize) -> (String, RaceReport) {
         serve();
     }
     let parent = sim_parent();
-    let run = run(&parent, test, mistake, None, jobs);
+    let mut run = run(&parent, test, mistake, None, jobs);
+    run.report = parent.sim_report().expect("the simulated driver checks");
     let failed = run.jobs.iter().find_map(|j| j.as_ref().err());
     let text = match failed {
         Some(e @ Error::SimViolation { report, .. }) => {
@@ -319,7 +323,8 @@ fn the_program_written_right_reports_nothing_over_many_seeds() {
     let start = Instant::now();
     let mut seeds = 0u64;
     while seeds < 1000 && start.elapsed().as_secs() < 20 {
-        let run = run(&parent, TEST, Mistake::None, Some(seeds + 1), 2);
+        let mut run = run(&parent, TEST, Mistake::None, Some(seeds + 1), 2);
+        run.report = parent.sim_report().expect("the simulated driver checks");
         for j in &run.jobs {
             assert!(j.is_ok(), "seed {}: {:?}", seeds + 1, j);
         }
@@ -359,4 +364,38 @@ fn strict_mode_panics_at_the_first_violation() {
         "{stderr}"
     );
     assert!(stderr.contains("without waiting for READY"), "{stderr}");
+}
+
+/// A violation no job reported (the parent read a result it had freed, after its last job)
+/// is summarized on stderr when the parent is dropped.
+#[test]
+fn the_parent_summarizes_what_no_job_reported_when_dropped() {
+    const TEST: &str = "the_parent_summarizes_what_no_job_reported_when_dropped";
+    const CHILD: &str = "POOLIPC_RACE_CHECK_TEST_SUMMARY_CHILD";
+    if std::env::var_os(ROLE).is_some() {
+        serve();
+    }
+    if std::env::var_os(CHILD).is_some() {
+        let parent = sim_parent();
+        let run = run(&parent, TEST, Mistake::ParentReadsFreed, None, 1);
+        assert!(run.jobs.iter().all(Result::is_ok));
+        drop(parent);
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([TEST, "--exact", "--nocapture"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("poolipc: the simulated GPU's race checker found 1 violation"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("use after free: the parent (pid"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("result 0 of job 1"), "{stderr}");
 }
