@@ -332,7 +332,7 @@ fn the_program_written_right_reports_nothing_over_many_seeds() {
         seeds += 1;
     }
     eprintln!("{seeds} seeds, nothing reported, in {:?}", start.elapsed());
-    assert!(seeds >= 20, "only {seeds} seeds ran in 20 s");
+    assert!(seeds >= 10, "only {seeds} seeds ran in 20 s");
 }
 
 /// `POOLIPC_SIM_STRICT=1`: the first violation panics with the report, so a program that
