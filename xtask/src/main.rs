@@ -1,14 +1,16 @@
 //! `cargo xtask`: the project's chores, runnable by a newcomer.
 //!
-//! - `cargo xtask ci`: what CI runs (fmt, clippy, tests, doc tests, rustdoc, cargo-deny, fuzz
-//!   build).
+//! - `cargo xtask ci`: what CI runs (fmt, clippy, tests, doc tests, rustdoc, cargo-deny, the
+//!   fuzz targets built and each run for 60 s).
 //! - `cargo xtask gpu-bundle`: release builds of the hardware tests and the `poolipc` binary,
 //!   with a `run.sh`, into `target/gpu-bundle/` (see `docs/gpu.md`). `--baseline REV`
 //!   (repeatable) adds that revision's `poolipc`, for run.sh's `regress` part.
 //! - `cargo xtask gpu-test`: the bundle, then its `run.sh`, on this machine's GPU.
 //! - `cargo xtask public-api [--bless]`: each library crate's public items against the
 //!   snapshot in `xtask/public-api/` (the counts; `--bless` writes the snapshots again).
-//! - `cargo xtask fuzz [seconds]`: each fuzz target for a bounded time.
+//! - `cargo xtask fuzz [--secs N]`: each fuzz target (the contract's operations, the frame
+//!   codec) for N seconds (60 by default); a crash fails it, its input saved under
+//!   `fuzz/artifacts/<target>/`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -48,15 +50,19 @@ fn main() -> Result<()> {
             Ok(())
         }
         Some("fuzz") => {
-            let secs: u64 = args
-                .get(1)
-                .map_or(Ok(60), |s| s.parse())
-                .context("seconds")?;
+            // `--secs N`, or N alone.
+            let secs = match args.get(1).map(String::as_str) {
+                Some("--secs") => args.get(2).map(String::as_str),
+                other => other,
+            };
+            let secs: u64 = secs
+                .map_or(Ok(FUZZ_SECS), str::parse)
+                .context("fuzz: --secs takes a whole number of seconds")?;
             fuzz_run(secs)
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | gpu-bundle [--baseline REV]... | gpu-test [--baseline REV]... | public-api [--bless | --count DIR] | fuzz [seconds]>"
+                "usage: cargo xtask <ci | gpu-bundle [--baseline REV]... | gpu-test [--baseline REV]... | public-api [--bless | --count DIR] | fuzz [--secs N]>"
             );
             std::process::exit(2);
         }
@@ -357,7 +363,7 @@ fn ci() -> Result<()> {
     }
     package_lists(&root()?)?;
     publish_dry_run()?;
-    fuzz_build()?;
+    fuzz_run(FUZZ_SECS)?;
     python_suite()?;
     eprintln!();
     eprintln!("xtask ci: summary");
@@ -643,12 +649,23 @@ fn fuzz_build() -> Result<()> {
     run(fuzz_command("build"))
 }
 
+/// How long CI (and `cargo xtask fuzz` by default) runs each fuzz target.
+const FUZZ_SECS: u64 = 60;
+
+/// Builds the fuzz targets, then runs each for `secs` seconds. cargo-fuzz saves a crashing
+/// input under `fuzz/artifacts/<target>/` and exits non-zero: that fails this, naming the file
+/// to replay with `cargo fuzz run <target> <file>`.
 fn fuzz_run(secs: u64) -> Result<()> {
     fuzz_build()?;
-    for target in ["frame_decode", "contract_ops"] {
+    for target in ["contract_ops", "frame_decode"] {
         let mut c = fuzz_command("run");
         c.args([target, "--", &format!("-max_total_time={secs}")]);
-        run(c)?;
+        run(c).with_context(|| {
+            format!(
+                "fuzz target {target} found a crash: its input is under fuzz/artifacts/{target}/ \
+                 (replay: cargo fuzz run --sanitizer none {target} <that file>, with RUSTC_BOOTSTRAP=1 on stable)"
+            )
+        })?;
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! The `poolipc` command: `demo` (a parent and a worker handing tensors both ways), `doctor`
-//! (what this machine can do), and the hidden child roles they spawn.
+//! (what this machine can do), `check` (a program on the simulated GPU under many seeds), and
+//! the hidden child roles they spawn.
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
@@ -7,6 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod check;
 mod demo;
 mod doctor;
 mod mps;
@@ -33,6 +35,9 @@ enum Command {
     /// Print what this machine can do (driver, pool swap, export order, events, VMM, WSL2)
     /// and a verdict.
     Doctor(doctor::Args),
+    /// Run a program on the simulated GPU under many seeds (POOLIPC_SIM_SEED=0, 1, …), its
+    /// race checker strict, and stop at the first seed that fails, printing how to replay it.
+    Check(check::Args),
     /// Run a command, and every process it starts, as clients of a private CUDA MPS daemon
     /// (handoffs without the GPU's turn-taking; a GPU fault in any client ends all of them:
     /// for trusted workers only).
@@ -59,6 +64,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Doctor(args) => doctor::run(&args),
         Command::Mps(args) => mps::run(&args),
+        Command::Check(args) => check::run(&args),
         Command::ImportChild => probe::child_main(),
         Command::Demo(args) => demo::run(&args),
         Command::Bench(args) => bench::run(&args),

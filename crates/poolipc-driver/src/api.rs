@@ -23,6 +23,45 @@ pub trait Driver: Send + Sync {
     /// Which implementation this is.
     fn kind(&self) -> DriverKind;
 
+    /// The race checker of the simulated driver behind this one (its violation log,
+    /// machine-wide); `None` on every other driver, which checks nothing.
+    fn sim_checker(&self) -> Option<crate::sim::Checker> {
+        None
+    }
+
+    /// Names `stream` in the simulated driver's violation reports (`the worker's job
+    /// stream`); does nothing on any other driver.
+    fn label_stream(&self, stream: StreamHandle, label: &str) {
+        let _ = (stream, label);
+    }
+
+    /// Tells the simulated driver's checker that `[ptr, ptr + len)` is lent to a job whose
+    /// stream `stream` just waited for READY, job `job` of this process's (see `SimDriver::lend`); does nothing on any
+    /// other driver.
+    fn sim_lend(
+        &self,
+        job: u64,
+        ptr: DevicePtr,
+        len: u64,
+        stream: StreamHandle,
+        read_only: bool,
+        label: &str,
+    ) {
+        let _ = (job, ptr, len, stream, read_only, label);
+    }
+
+    /// Tells the simulated driver's checker that job `job` records DONE on `stream` there now
+    /// (see `SimDriver::returned`); does nothing on any other driver.
+    fn sim_returned(&self, job: u64, stream: StreamHandle) {
+        let _ = (job, stream);
+    }
+
+    /// Names the pool allocation or import holding `ptr` in the simulated driver's violation
+    /// reports (`input 0 of job 3`), until it is freed; does nothing on any other driver.
+    fn label_memory(&self, ptr: DevicePtr, label: &str) {
+        let _ = (ptr, label);
+    }
+
     // --- identity ----------------------------------------------------------------------
 
     /// `cuDriverGetVersion`: e.g. 13000 for a CUDA 13.0 driver.

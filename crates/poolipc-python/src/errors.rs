@@ -48,6 +48,16 @@ create_exception!(
 );
 create_exception!(
     poolipc,
+    SimViolationError,
+    PoolipcError,
+    "On the simulated driver, the job broke the GPU's ordering rules: its worker (or the \
+     parent) touched memory on a stream that never waited for READY, wrote a read-only input, \
+     wrote a result after DONE, or used memory after its job or its free. The message names \
+     both calls, their streams and processes, and the seed that replays the run. Attributes: \
+     `worker`, `job`, `seed`, `violations` (one sentence each)."
+);
+create_exception!(
+    poolipc,
     ExpiredViewError,
     PoolipcError,
     "A view or result buffer was used after its job ended: the memory belongs to the parent again."
@@ -227,6 +237,29 @@ pub(crate) fn to_py_for(py: Python<'_>, e: poolipc::Error, worker: Option<u32>) 
                     ("reason", s(reason).unwrap_or_else(none)),
                     ("message", s(&message).unwrap_or_else(none)),
                     ("detail", s(&message).unwrap_or_else(none)),
+                ],
+            )
+        }
+        poolipc::Error::SimViolation {
+            worker: w,
+            job,
+            report,
+            ..
+        } => {
+            let lines = report
+                .lines()
+                .into_pyobject(py)
+                .map(|o| o.into_any().unbind())
+                .ok();
+            let u64_ = |x: u64| x.into_pyobject(py).map(|o| o.into_any().unbind()).ok();
+            with_attrs(
+                py,
+                SimViolationError::new_err(text),
+                &[
+                    ("worker", int(w.0).unwrap_or_else(none)),
+                    ("job", u64_(job.0).unwrap_or_else(none)),
+                    ("seed", u64_(report.seed).unwrap_or_else(none)),
+                    ("violations", lines.unwrap_or_else(none)),
                 ],
             )
         }

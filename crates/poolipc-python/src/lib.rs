@@ -67,6 +67,11 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         py.get_type::<errors::ContextLostError>(),
     )?;
     m.add("MpsError", py.get_type::<errors::MpsError>())?;
+    m.add(
+        "SimViolationError",
+        py.get_type::<errors::SimViolationError>(),
+    )?;
+    m.add_function(wrap_pyfunction!(pool::sim_report, m)?)?;
     m.add_function(wrap_pyfunction!(mps::start_mps, m)?)?;
     m.add_function(wrap_pyfunction!(mps::mps_status, m)?)?;
     m.add("DRIVER_ENV", state::DRIVER_ENV)?;

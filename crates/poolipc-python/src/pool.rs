@@ -101,6 +101,20 @@ pub(crate) fn reset_peak_memory_stats(py: Python<'_>) -> PyResult<()> {
     .map_err(|e| to_py_for(py, e, None))
 }
 
+/// On the simulated driver, what its race checker found so far on the machine, by this
+/// process or any worker: `(text, seed, violations)`, the report in words, the seed that
+/// replays the run, one sentence per violation (empty when every rule was kept). `None` on
+/// the GPU, where nothing is checked, or before the process's parent was made.
+#[pyfunction]
+pub(crate) fn sim_report(py: Python<'_>) -> Option<(String, u64, Vec<String>)> {
+    let g = crate::state::installed()?;
+    py.detach(move || {
+        g.parent
+            .sim_report()
+            .map(|r| (r.to_string(), r.seed, r.lines()))
+    })
+}
+
 /// Gives memory the process parent does not use back to the device (what
 /// `torch.cuda.empty_cache()` does for torch's own pool, and with the pool installed,
 /// `torch.cuda.empty_cache()` calls this too): the result arena's chunks with nothing in them

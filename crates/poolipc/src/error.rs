@@ -95,6 +95,31 @@ pub enum Error {
         /// which frees it.
         results: Vec<poolipc_driver::DevicePtr>,
     },
+    /// The simulated GPU's race checker found a violation while the job ran, made by its
+    /// worker or by the parent: two accesses to the same memory that nothing ordered (a
+    /// stream that did not wait for READY, DONE recorded before the last write), memory used
+    /// after it was freed, a read-only input written. The report names both calls, their
+    /// streams and processes, and the seed that replays the run (see
+    /// [`check`](crate::check)). Only on the simulated driver.
+    #[error(
+        "job {} on worker {} broke the GPU's ordering rules: {report}",
+        job.0,
+        worker.0
+    )]
+    SimViolation {
+        /// The worker.
+        worker: WorkerId,
+        /// The job.
+        job: poolipc_transport::JobId,
+        /// What the checker found.
+        report: crate::check::RaceReport,
+        /// The job's results from the shared pool or the caller's allocator, the caller's to
+        /// free (as for [`Error::JobFailed`]).
+        results: Vec<poolipc_driver::DevicePtr>,
+        /// The job's own error, when it failed besides (the worker's report of the fault
+        /// the violation caused, say); its results are listed above, not in it.
+        during: Option<Box<Error>>,
+    },
     /// The worker reported an error for the job.
     #[error("the worker reported: {message}")]
     Worker {

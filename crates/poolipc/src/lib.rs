@@ -58,6 +58,7 @@
 struct ReadmeDoctests;
 
 mod canary;
+pub mod check;
 pub mod driver;
 mod driver_loop;
 // The canary battery answers with it; public for the demo and the tests under `echo`.

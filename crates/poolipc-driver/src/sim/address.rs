@@ -47,10 +47,21 @@ impl SimDriver {
         write: bool,
     ) -> Result<(Place, Mem)> {
         let p = ptr.0;
+        // Memory lent for a job that ended: named so in the report.
+        let ended = l
+            .returned
+            .iter()
+            .rev()
+            .find(|(start, end, _)| *start <= p && p < *end)
+            .map(|(_, _, label)| *label);
         let unmapped = |st: &mut State| {
-            st.violation(ViolationKind::UnmappedAccess, call, self.pid)
-                .values(p, len)
-                .log();
+            let mut v = st
+                .violation(ViolationKind::UnmappedAccess, call, self.pid)
+                .values(p, len);
+            if let Some(label) = ended {
+                v = v.memory(label);
+            }
+            v.log();
             fail(call, CuCode::ILLEGAL_ADDRESS)
         };
         let within = |start: u64, size: u64| p >= start && p.saturating_add(len) <= start + size;

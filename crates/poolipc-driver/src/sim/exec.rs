@@ -119,6 +119,8 @@ pub(super) struct Engine {
     thread: Mutex<Option<JoinHandle<()>>>,
     delay_us: u64,
     seed: u64,
+    /// The simulated process's id on the machine.
+    agent: u64,
 }
 
 impl std::fmt::Debug for Engine {
@@ -163,7 +165,13 @@ impl Engine {
             thread: Mutex::new(None),
             delay_us,
             seed,
+            agent,
         }
+    }
+
+    /// The seed the engine was made with.
+    pub(super) fn seed(&self) -> u64 {
+        self.seed
     }
 
     /// Queues `step` as operation `seq` of stream `slot`, starting the engine's thread in this
@@ -186,7 +194,12 @@ impl Engine {
             let shared = Arc::clone(&self.shared);
             let local = Arc::clone(local);
             let machine = Arc::clone(machine);
-            let (delay, seed) = (self.delay_us, self.seed ^ u64::from(pid));
+            // Each simulated process its own sequence, the same in every run with the same
+            // seed (processes get their ids on the machine in the order they attach).
+            let (delay, seed) = (
+                self.delay_us,
+                self.seed ^ self.agent.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            );
             let spawned = std::thread::Builder::new()
                 .name("poolipc-sim-gpu".into())
                 .spawn(move || run(&shared, &local, &machine, delay, seed.max(1)));

@@ -116,7 +116,7 @@ pub(super) fn access(
     mem: &Mem,
     write: bool,
 ) {
-    let mut unordered: Option<(u32, u32, u64, u64)> = None;
+    let mut unordered: Option<(u32, u32, u64, u64, usize, bool)> = None;
     for i in 0..MAX_ACCESSES {
         let r = &st.accesses[i];
         if r.live != 1 {
@@ -139,15 +139,16 @@ pub(super) fn access(
             continue;
         }
         if unordered.is_none() {
-            unordered = Some((r.pid, r.call, rseq, known));
+            unordered = Some((r.pid, r.call, rseq, known, rs, r.write == 1));
         }
     }
-    if let Some((pid, other_call, seq_other, known)) = unordered {
+    if let Some((pid, other_call, seq_other, known, rs, other_write)) = unordered {
         let mut v = st
             .violation(ViolationKind::UnorderedAccess, call, by.pid)
             .other_pid(pid)
             .other_call(other_call)
-            .values(seq_other, known);
+            .values(seq_other, known)
+            .accesses(s, write, rs, other_write);
         if let Some((b, g)) = mem.alloc {
             v = v.block(b, g);
         }

@@ -102,6 +102,34 @@ pub(super) struct Local {
     pub(super) last_buffer_id: u64,
     /// Buffer ids of this process's live pool allocations, by (block, generation).
     pub(super) buffer_ids: HashMap<(usize, u64), u64>,
+    /// Memory lent to this process for a job ([`SimDriver::lend`](super::SimDriver::lend)).
+    pub(super) lent: Vec<Lent>,
+    /// Memory lent for jobs that ended, latest last (at most [`RETURNED`]): an access after
+    /// its job names it in reports.
+    pub(super) returned: std::collections::VecDeque<(u64, u64, super::state::Label)>,
+    /// The event [`SimDriver::lend`](super::SimDriver::lend) records to mark where a job's
+    /// stream stood.
+    pub(super) lend_marker: Option<u64>,
+}
+
+/// How many ranges of memory lent for ended jobs [`Local::returned`] remembers.
+pub(super) const RETURNED: usize = 64;
+
+/// Memory lent for a job: reached only by streams ordered after operation `seq` of stream
+/// slot `slot` (the job's stream once it waited for READY), written only if not read-only,
+/// and every write to it ordered before DONE.
+#[derive(Clone, Debug)]
+pub(super) struct Lent {
+    pub(super) job: u64,
+    pub(super) start: u64,
+    pub(super) end: u64,
+    pub(super) mem: super::hb::Mem,
+    pub(super) slot: usize,
+    pub(super) seq: u64,
+    pub(super) read_only: bool,
+    pub(super) label: super::state::Label,
+    /// Already reported: once per lending is enough.
+    pub(super) reported: bool,
 }
 
 impl Local {
@@ -123,6 +151,9 @@ impl Local {
             maps: BTreeMap::new(),
             plain: HashMap::new(),
             next_va: VMM_BASE,
+            lent: Vec::new(),
+            returned: std::collections::VecDeque::new(),
+            lend_marker: None,
             host_registered: BTreeMap::new(),
             context_lost: false,
             last_buffer_id: 0,

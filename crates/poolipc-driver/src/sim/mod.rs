@@ -118,7 +118,7 @@ use state::{CHUNK, GRANULE, State};
 pub use violation::{Violation, ViolationKind};
 
 use crate::error::{CuCode, DriverError, Result};
-use crate::types::DeviceUuid;
+use crate::types::{DevicePtr, DeviceUuid, StreamHandle};
 
 /// The environment variable [`SimDriver::child_env`] sets and [`SimDriver::from_env`] reads.
 pub const MACHINE_ENV: &str = "POOLIPC_SIM_MACHINE";
@@ -325,35 +325,251 @@ impl SimDriver {
     /// 1024; [`violation_count`](SimDriver::violation_count) counts all).
     #[must_use]
     pub fn violations(&self) -> Vec<Violation> {
-        self.machine.with(|st| {
-            let n = (st.violation_count as usize).min(st.violations.len());
-            st.violations[..n]
-                .iter()
-                .filter_map(|v| {
-                    Some(Violation {
-                        kind: ViolationKind::from_u32(v.kind)?,
-                        call: violation::call_name(v.call),
-                        pid: v.pid,
-                        other_pid: (v.other_pid != 0).then_some(v.other_pid),
-                        generation: (v.generation != 0).then_some(v.generation),
-                        other_call: (v.other_call != 0).then(|| violation::call_name(v.other_call)),
-                        detail: (v.a, v.b),
-                    })
-                })
-                .collect()
-        })
+        self.violations_since(0)
+    }
+
+    /// The violations recorded after the first `from` (as [`violation_count`] counted them
+    /// then), oldest first; those past the first 1024 are counted but not kept.
+    ///
+    /// [`violation_count`]: SimDriver::violation_count
+    #[must_use]
+    pub fn violations_since(&self, from: u64) -> Vec<Violation> {
+        violations_in(&self.machine, from)
     }
 
     /// Forgets every recorded violation (a test that provoked one on purpose, after checking
     /// it, so that later checks see only new ones).
     pub fn clear_violations(&self) {
-        self.machine.with(|st| st.violation_count = 0);
+        self.machine.with(|st| {
+            st.violation_count = 0;
+            st.violations_reported = 0;
+        });
     }
 
     /// How many violations were recorded on this machine.
     #[must_use]
     pub fn violation_count(&self) -> u64 {
         self.machine.with(|st| st.violation_count)
+    }
+
+    /// Names `stream` (one of this process's, or the null stream) in violation reports, e.g.
+    /// `the worker's job stream`; at most 48 bytes are kept.
+    pub fn label_stream(&self, stream: StreamHandle, label: &str) -> Result<()> {
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, "SimDriver::label_stream", stream)?;
+            st.streams[s].label = state::label(label);
+            Ok(())
+        })
+    }
+
+    /// Names the pool allocation (or import) holding `ptr` in violation reports, e.g.
+    /// `input 0 of job 3`, until it is freed; at most 48 bytes are kept. Memory that is not
+    /// a live pool allocation or import of this process is left unnamed (`false`).
+    pub fn label_memory(&self, ptr: DevicePtr, label: &str) -> bool {
+        let l = self.local();
+        self.machine.with(|st| {
+            let before = st.violation_count;
+            let found = self.touch(&l, st, "SimDriver::label_memory", ptr, 1, false);
+            // A lookup, not an access: whatever it would have recorded is not a violation.
+            st.violation_count = before;
+            match found {
+                Ok((
+                    _,
+                    hb::Mem {
+                        alloc: Some((b, g)),
+                        ..
+                    },
+                )) if st.blocks[b].generation == g => {
+                    st.blocks[b].label = state::label(label);
+                    true
+                }
+                _ => false,
+            }
+        })
+    }
+
+    /// A handle on this machine's violation log, for a reader that holds the driver as
+    /// `dyn Driver` ([`Driver::sim_checker`](crate::Driver::sim_checker)).
+    #[must_use]
+    pub fn checker(&self) -> Checker {
+        Checker {
+            machine: Arc::clone(&self.machine),
+            seed: self.engine.seed(),
+        }
+    }
+
+    /// Lends `[ptr, ptr + len)` of this process to job `job`, whose stream is `stream`, which
+    /// was just made to wait for the job's READY: from now on, every access to it must come
+    /// on a stream ordered after `stream` at this point
+    /// ([`ViolationKind::NotAfterReady`]), never write it when `read_only`
+    /// ([`ViolationKind::ReadOnlyWritten`]), and every write to it must be ordered before
+    /// [`returned`](SimDriver::returned) ([`ViolationKind::WriteAfterDone`]). `label` names
+    /// it in reports (`input 0 of job 3`). The race detector alone would let an access
+    /// through when some host happened to see the parent's writes complete; this check does
+    /// not depend on timing.
+    pub fn lend(
+        &self,
+        job: u64,
+        ptr: DevicePtr,
+        len: u64,
+        stream: StreamHandle,
+        read_only: bool,
+        label: &str,
+    ) -> Result<()> {
+        // A mark on the stream: an event record, whose sequence number says where it stood.
+        let marker = self.local().lend_marker;
+        let marker = match marker {
+            Some(m) => crate::EventHandle(m),
+            None => {
+                let e = crate::Driver::event_create(self, false)?;
+                self.local().lend_marker = Some(e.0);
+                e
+            }
+        };
+        crate::Driver::event_record(self, marker, stream)?;
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let slot = self.stream_slot(l, st, "SimDriver::lend", stream)?;
+            let seq = st.streams[slot].clock[slot];
+            let before = st.violation_count;
+            let found = self.touch(l, st, "SimDriver::lend", ptr, len.max(1), false);
+            st.violation_count = before;
+            let (_, mem) = found?;
+            l.lent
+                .retain(|g| g.end <= ptr.0 || ptr.0.saturating_add(len) <= g.start);
+            l.lent.push(local::Lent {
+                job,
+                start: ptr.0,
+                end: ptr.0.saturating_add(len),
+                mem,
+                slot,
+                seq,
+                read_only,
+                label: state::label(label),
+                reported: false,
+            });
+            Ok(())
+        })
+    }
+
+    /// Job `job`, whose stream is `stream`, records DONE there now: every write to memory lent
+    /// for it must be ordered before this point ([`ViolationKind::WriteAfterDone`]), and the
+    /// memory is no longer lent.
+    pub fn returned(&self, job: u64, stream: StreamHandle) -> Result<()> {
+        let mut l = self.local();
+        let l = &mut *l;
+        self.machine.with(|st| {
+            let s = self.stream_slot(l, st, "SimDriver::returned", stream)?;
+            let clock = st.streams[s].clock;
+            let agent = self.agent;
+            let mut found = Vec::new();
+            for g in l.lent.iter().filter(|g| g.job == job) {
+                let late = st.accesses.iter().find(|r| {
+                    r.live == 1
+                        && r.agent == agent
+                        && r.write == 1
+                        && r.dev == g.mem.dev
+                        && r.ino == g.mem.ino
+                        && r.start < g.mem.end
+                        && g.mem.start < r.end
+                        && clock[r.stream as usize] < r.seq
+                });
+                if let Some(r) = late {
+                    found.push((g.label, r.stream as usize, r.call));
+                }
+            }
+            for (label, other, call) in found {
+                let v = st
+                    .violation(ViolationKind::WriteAfterDone, "cuEventRecord", self.pid)
+                    .memory(label)
+                    .other_call(call)
+                    .accesses(s, false, other, true);
+                v.log();
+            }
+            for g in l.lent.iter().filter(|g| g.job == job) {
+                let mut ended = g.label;
+                let suffix = b" (ended)";
+                let n = ended.iter().position(|&b| b == 0).unwrap_or(ended.len());
+                if n + suffix.len() <= ended.len() {
+                    ended[n..n + suffix.len()].copy_from_slice(suffix);
+                }
+                if l.returned.len() == local::RETURNED {
+                    l.returned.pop_front();
+                }
+                l.returned.push_back((g.start, g.end, ended));
+            }
+            l.lent.retain(|g| g.job != job);
+            Ok(())
+        })
+    }
+
+    /// The checks of memory lent for a job ([`lend`](SimDriver::lend)), for an access by
+    /// `call` on stream slot `s` to `[ptr, ptr + len)`.
+    #[allow(clippy::too_many_arguments)] // the access, as every site has it
+    fn lent_check(
+        &self,
+        l: &mut Local,
+        st: &mut State,
+        call: &'static str,
+        ptr: DevicePtr,
+        len: u64,
+        write: bool,
+        s: usize,
+    ) {
+        let end = ptr.0.saturating_add(len);
+        for g in l
+            .lent
+            .iter_mut()
+            .filter(|g| !g.reported && g.start < end && ptr.0 < g.end)
+        {
+            if write && g.read_only {
+                g.reported = true;
+                st.violation(ViolationKind::ReadOnlyWritten, call, self.pid)
+                    .memory(g.label)
+                    .accesses(s, true, g.slot, false)
+                    .log();
+            } else if st.streams[s].clock[g.slot] < g.seq {
+                g.reported = true;
+                // The other process's last write to it, if still remembered: what the
+                // access may come before.
+                let agent = self.agent;
+                let last = st
+                    .accesses
+                    .iter()
+                    .filter(|r| {
+                        r.live == 1
+                            && r.agent != agent
+                            && r.write == 1
+                            && r.dev == g.mem.dev
+                            && r.ino == g.mem.ino
+                            && r.start < g.mem.end
+                            && g.mem.start < r.end
+                    })
+                    .max_by_key(|r| r.seq)
+                    .map(|r| (r.pid, r.call, r.stream as usize));
+                let mut v = st
+                    .violation(ViolationKind::NotAfterReady, call, self.pid)
+                    .memory(g.label);
+                v = match last {
+                    Some((pid, other_call, other)) => v
+                        .other_pid(pid)
+                        .other_call(other_call)
+                        .accesses(s, write, other, true),
+                    None => v.accesses(s, write, g.slot, false),
+                };
+                v.log();
+            }
+        }
+    }
+
+    /// The seed of this process's engine ([`SEED_ENV`], else drawn from the clock): with
+    /// `POOLIPC_SIM_SEED` set to it, a run replays the same choices of delays and stream order.
+    #[must_use]
+    pub fn seed(&self) -> u64 {
+        self.engine.seed()
     }
 
     fn on(machine: Arc<Machine>) -> SimDriver {
@@ -424,6 +640,89 @@ impl SimDriver {
             agent: self.agent,
         }
     }
+}
+
+/// The violation log of a simulated machine, as [`SimDriver::checker`] hands it out: cheap to
+/// clone, readable from any thread.
+#[derive(Clone)]
+pub struct Checker {
+    machine: Arc<Machine>,
+    seed: u64,
+}
+
+impl std::fmt::Debug for Checker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checker")
+            .field("machine", &format_args!("{:#x}", self.machine.id))
+            .field("seed", &self.seed)
+            .finish()
+    }
+}
+
+impl Checker {
+    /// How many violations were recorded on the machine so far.
+    #[must_use]
+    pub fn count(&self) -> u64 {
+        self.machine.with(|st| st.violation_count)
+    }
+
+    /// The violations recorded after the first `from`, oldest first (see
+    /// [`SimDriver::violations_since`]).
+    #[must_use]
+    pub fn since(&self, from: u64) -> Vec<Violation> {
+        violations_in(&self.machine, from)
+    }
+
+    /// How many violations some process on the machine marked reported
+    /// ([`mark_reported`](Checker::mark_reported)): each is shown to the user once.
+    #[must_use]
+    pub fn reported(&self) -> u64 {
+        self.machine.with(|st| st.violations_reported)
+    }
+
+    /// Marks the first `upto` violations reported, for every process on the machine.
+    pub fn mark_reported(&self, upto: u64) {
+        self.machine
+            .with(|st| st.violations_reported = st.violations_reported.max(upto));
+    }
+
+    /// The seed of the engine of the process that made this checker (see
+    /// [`SimDriver::seed`]).
+    #[must_use]
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+}
+
+fn violations_in(machine: &Machine, from: u64) -> Vec<Violation> {
+    machine.with(|st| {
+        let n = (st.violation_count as usize).min(st.violations.len());
+        let from = (from as usize).min(n);
+        st.violations[from..n]
+            .iter()
+            .filter_map(|v| {
+                Some(Violation {
+                    kind: ViolationKind::from_u32(v.kind)?,
+                    call: violation::call_name(v.call),
+                    pid: v.pid,
+                    other_pid: (v.other_pid != 0).then_some(v.other_pid),
+                    generation: (v.generation != 0).then_some(v.generation),
+                    other_call: (v.other_call != 0).then(|| violation::call_name(v.other_call)),
+                    detail: (v.a, v.b),
+                    stream: (v.flags & 4 != 0).then(|| {
+                        state::label_text(&v.stream)
+                            .unwrap_or_else(|| format!("stream #{}", v.stream_slot))
+                    }),
+                    other_stream: (v.flags & 4 != 0).then(|| {
+                        state::label_text(&v.other_stream)
+                            .unwrap_or_else(|| format!("stream #{}", v.other_stream_slot))
+                    }),
+                    memory: state::label_text(&v.memory),
+                    writes: (v.flags & 4 != 0).then_some((v.flags & 1 != 0, v.flags & 2 != 0)),
+                })
+            })
+            .collect()
+    })
 }
 
 /// Drops what dead processes held (their imports above all) to free table slots.

@@ -35,6 +35,15 @@ pub enum ViolationKind {
     /// H200), so the importer reaches past the live allocation into whatever the pool keeps
     /// there.
     ImportBeyondAllocation = 8,
+    /// Memory lent for a job ([`SimDriver::lend`](super::SimDriver::lend)) was touched on a
+    /// stream not ordered after the job's stream at the lending: a stream that never waited
+    /// for READY.
+    NotAfterReady = 9,
+    /// Memory lent read-only for a job was written.
+    ReadOnlyWritten = 10,
+    /// A write to memory lent for a job is not ordered before the job's DONE: written on a
+    /// stream the job's stream never waited for, or after DONE was recorded.
+    WriteAfterDone = 11,
 }
 
 impl ViolationKind {
@@ -48,6 +57,9 @@ impl ViolationKind {
             6 => ViolationKind::NoAccess,
             7 => ViolationKind::ImportOfFreed,
             8 => ViolationKind::ImportBeyondAllocation,
+            9 => ViolationKind::NotAfterReady,
+            10 => ViolationKind::ReadOnlyWritten,
+            11 => ViolationKind::WriteAfterDone,
             _ => return None,
         })
     }
@@ -75,21 +87,130 @@ pub struct Violation {
     /// Kind-specific numbers: the chunks spanned and the limit (`ImportOverLimit`), the stale
     /// and the current generation (`StaleGeneration`), the address (`UnmappedAccess`).
     pub detail: (u64, u64),
+    /// The stream of the call, as the program named it ([`SimDriver::label_stream`]; the
+    /// legacy stream is `its legacy stream`), else `stream #slot`; where the violation is
+    /// between two accesses.
+    ///
+    /// [`SimDriver::label_stream`]: super::SimDriver::label_stream
+    pub stream: Option<String>,
+    /// The other access's stream, named the same way.
+    pub other_stream: Option<String>,
+    /// The allocation, as the program named it ([`SimDriver::label_memory`]), when it did.
+    ///
+    /// [`SimDriver::label_memory`]: super::SimDriver::label_memory
+    pub memory: Option<String>,
+    /// Whether the call wrote and whether the other access wrote, where the violation is
+    /// between two accesses.
+    pub writes: Option<(bool, bool)>,
+}
+
+impl Violation {
+    /// The violation in words, each process named by `process` (given its pid): which call on
+    /// which stream touched which memory, and what it should have been ordered after.
+    pub fn describe(&self, process: &dyn Fn(u32) -> String) -> String {
+        let who = process(self.pid);
+        let memory = self
+            .memory
+            .clone()
+            .unwrap_or_else(|| match self.generation {
+                Some(g) => format!("allocation #{g}"),
+                None => "memory".to_owned(),
+            });
+        let verb = |w: bool| if w { "wrote" } else { "read" };
+        match self.kind {
+            ViolationKind::UnorderedAccess => {
+                let (w, ow) = self.writes.unwrap_or((true, true));
+                let other = self
+                    .other_pid
+                    .map_or_else(|| "a process".to_owned(), process);
+                let stream = self.stream.as_deref().unwrap_or("a stream");
+                let other_stream = self.other_stream.as_deref().unwrap_or("a stream");
+                let other_call = self.other_call.unwrap_or("an earlier call");
+                format!(
+                    "unordered access: {who} {} {memory} ({} on {stream}) while {other} {} it \
+                     ({other_call} on {other_stream}), and nothing orders the two: no event \
+                     recorded after one was waited on before the other, no host synchronize \
+                     in between",
+                    verb(w),
+                    self.call,
+                    verb(ow),
+                )
+            }
+            ViolationKind::UnmappedAccess => format!(
+                "use after free: {who} touched {memory} at {:#x} ({} bytes) in {} after it was \
+                 freed or unmapped, or where nothing was mapped",
+                self.detail.0, self.detail.1, self.call
+            ),
+            ViolationKind::FreedWhileImported => format!(
+                "{who} freed {memory} ({}) while {} still had it imported",
+                self.call,
+                self.other_pid
+                    .map_or_else(|| "another process".to_owned(), process)
+            ),
+            ViolationKind::StaleGeneration => format!(
+                "{who} used an import of {memory} in {} after the exporter freed it and the pool \
+                 handed the memory out again",
+                self.call
+            ),
+            ViolationKind::NoAccess => format!(
+                "{who} wrote or read {memory} at {:#x} in {} without access to it (a read-only \
+                 input written, or memory never given access to)",
+                self.detail.0, self.call
+            ),
+            ViolationKind::ImportOfFreed => format!(
+                "{who} imported {memory} in {} after its exporter had freed it",
+                self.call
+            ),
+            ViolationKind::ImportBeyondAllocation => format!(
+                "{who} imported a range larger than the live allocation {memory} in {}",
+                self.call
+            ),
+            ViolationKind::NotAfterReady => {
+                let verb = if self.writes.is_some_and(|w| w.0) {
+                    "wrote"
+                } else {
+                    "read"
+                };
+                let stream = self.stream.as_deref().unwrap_or("a stream");
+                let before = match (self.other_pid, self.other_call) {
+                    (Some(pid), Some(call)) => format!(
+                        "the last write to it by {} ({call} on {})",
+                        process(pid),
+                        self.other_stream.as_deref().unwrap_or("a stream")
+                    ),
+                    _ => "the lender's last writes to it".to_owned(),
+                };
+                format!(
+                    "{who} {verb} {memory} ({} on {stream}) without waiting for READY: \
+                     {stream} never waited for the job's READY event, so nothing orders the \
+                     access after {before}",
+                    self.call
+                )
+            }
+            ViolationKind::ReadOnlyWritten => format!(
+                "{who} wrote {memory}, lent read-only ({} on {})",
+                self.call,
+                self.stream.as_deref().unwrap_or("a stream"),
+            ),
+            ViolationKind::WriteAfterDone => format!(
+                "{who} wrote {memory} ({} on {}) without ordering the write before DONE \
+                 (recorded on {}): the parent may read or free it before the write ran",
+                self.other_call.unwrap_or("a call"),
+                self.other_stream.as_deref().unwrap_or("a stream"),
+                self.stream.as_deref().unwrap_or("the job's stream"),
+            ),
+            ViolationKind::ImportOverLimit => format!(
+                "{who} imported {} chunks of 32 MiB in {} (the limit is {}): on a GPU this \
+                 process dies",
+                self.detail.0, self.call, self.detail.1
+            ),
+        }
+    }
 }
 
 impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?} in {} by pid {}", self.kind, self.call, self.pid)?;
-        if let Some(o) = self.other_pid {
-            write!(f, " (other pid {o})")?;
-        }
-        if let Some(c) = self.other_call {
-            write!(f, " against {c}")?;
-        }
-        if let Some(g) = self.generation {
-            write!(f, ", allocation generation {g}")?;
-        }
-        write!(f, ", detail {:#x}/{:#x}", self.detail.0, self.detail.1)
+        f.write_str(&self.describe(&|pid| format!("pid {pid}")))
     }
 }
 
@@ -109,6 +230,7 @@ const CALLS: &[&str] = &[
     "cuMemAllocFromPoolAsync",
     "cuLaunchKernel",
     "(executed)",
+    "cuEventRecord",
 ];
 
 pub(super) fn call_code(call: &'static str) -> u32 {

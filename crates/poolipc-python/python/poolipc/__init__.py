@@ -52,7 +52,7 @@ pyisolate's tensor transport on it.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NamedTuple
 
 from . import _native
 from ._native import (
@@ -69,6 +69,7 @@ from ._native import (
     MpsError,
     NativeListener,
     PoolipcError,
+    SimViolationError,
     UnknownWorkerError,
     View,
     WorkerError,
@@ -102,6 +103,32 @@ from ._pool import (
 )
 from ._worker import Worker
 
+
+class SimReport(NamedTuple):
+    """What the simulated GPU's race checker found (``sim_report``)."""
+
+    text: str
+    """The report in words, with the seed that replays the run."""
+    seed: int
+    """Run again with ``POOLIPC_SIM_SEED`` set to it to replay the same interleaving."""
+    violations: list[str]
+    """One sentence per violation, naming both calls, their streams and processes; empty
+    when every rule was kept."""
+
+
+def sim_report() -> SimReport | None:
+    """On the simulated driver (``POOLIPC_DRIVER=sim``), everything its race checker found
+    so far, in this process or any worker: streams that never waited for READY, read-only
+    inputs written, results written after DONE, memory used after its job or its free. None
+    on the GPU, where nothing is checked, or before the process's parent was made. What it
+    returns is not summarized again when the process exits. See ``poolipc.testing`` for a
+    pytest fixture that fails a test on any violation."""
+    got = _native.sim_report()
+    if got is None:
+        return None
+    text, seed, violations = got
+    return SimReport(text, seed, list(violations))
+
 __all__ = [
     "__version__",
     "install_pool",
@@ -128,6 +155,9 @@ __all__ = [
     "ArenaFullError",
     "ExpiredViewError",
     "ContextLostError",
+    "SimViolationError",
+    "SimReport",
+    "sim_report",
     "ConnectError",
     "MpsError",
     "start_mps",

@@ -98,6 +98,14 @@ class ContextLostError(PoolipcError):
     """This process's CUDA context is lost (under MPS, possibly a worker's GPU fault); the
     parent refuses all further work: restart the process."""
 
+class SimViolationError(PoolipcError):
+    worker: int
+    job: int
+    seed: int
+    violations: list[str]
+
+def sim_report() -> tuple[str, int, list[str]] | None: ...
+
 class MpsError(PoolipcError):
     """``start_mps`` refused (not acknowledged, not installed, too late, another daemon) or
     the daemon did not start."""

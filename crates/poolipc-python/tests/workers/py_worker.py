@@ -24,6 +24,7 @@ too-many-results  asks for 5000 results in one request, reports what that raised
                   ({"too_many": ...}), and fails the job with it
 environ           reports the names of its environment variables ({"environ": [...]}), then
                   echoes
+gate-write        like gate, then like write-inputs
 write-inputs      writes 0xAB bytes at the start of every input view and reports, per input,
                   its rung, read_only and what the write raised; then echoes
 drop-unfinished   echoes, then drops the job without finishing it and at once asks for the
@@ -267,7 +268,7 @@ def main():
     for job in worker:
         if MODE == "die-after-import":
             os.kill(os.getpid(), signal.SIGKILL)
-        if MODE == "gate":
+        if MODE in ("gate", "gate-write"):
             say({"entered": os.getpid(), "job": job.id})
             deadline = time.monotonic() + 60
             while not os.path.exists(GATE):
@@ -277,7 +278,7 @@ def main():
                 time.sleep(0.01)
             if not job.open:
                 continue
-        if MODE == "write-inputs":
+        if MODE in ("write-inputs", "gate-write"):
             rep = []
             for v in job.inputs:
                 err = raises(lambda: v.write_bytes(b"\xab" * min(4, v.nbytes)))

@@ -167,6 +167,8 @@ impl Loop {
             Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
         })?;
         let stream = st.stream;
+        // Its place among the job's results (as the worker numbers them), for reports.
+        let index = st.requests_by_alloc.len();
         let ptr = match made {
             Some(ptr) => {
                 // The caller's allocator is trusted with the memory, not with its size: a
@@ -191,6 +193,9 @@ impl Loop {
             }
             None => self.shared.pools[0].alloc(bytes, stream)?,
         };
+        if let Some(sim) = &self.shared.sim {
+            sim.label_memory(ptr, &format!("result {index} of job {}", job.0));
+        }
         let alloc = AllocId(self.next_alloc);
         self.next_alloc += 1;
         let handle = self.shared.driver.pointer_get_mempool(ptr).ok();

@@ -361,6 +361,9 @@ pub struct JobHandle {
     /// Until when a waiter spins before it sleeps: the submit plus
     /// [`ParentOptions::spin_in_flight`](crate::ParentOptions::spin_in_flight), whichever wait (or how many) comes.
     spin_until: Instant,
+    /// On the simulated driver: its race checker, the violations recorded when the job was
+    /// submitted, and the worker's pid.
+    sim: Option<(Arc<crate::check::Sim>, u64, Option<u32>)>,
 }
 
 impl std::fmt::Debug for JobHandle {
@@ -486,7 +489,8 @@ impl JobHandle {
         loop {
             if let Some(r) = slot.take() {
                 crate::probe::mark("c.woke");
-                return r;
+                drop(slot);
+                return self.checked(r);
             }
             slot = self
                 .done
@@ -515,6 +519,14 @@ impl JobHandle {
         }
     }
 
+    /// On the simulated driver, the job's outcome as its race checker sees it.
+    fn checked(&self, r: Result<JobOutput, Error>) -> Result<JobOutput, Error> {
+        match &self.sim {
+            Some((sim, from, pid)) => sim.check_job(*from, self.worker, *pid, self.job, r),
+            None => r,
+        }
+    }
+
     /// Waits at most `timeout`: `Err(self)` if the job is still running.
     pub fn wait_timeout(self, timeout: Duration) -> Result<Result<JobOutput, Error>, JobHandle> {
         let deadline = Instant::now() + timeout;
@@ -523,7 +535,8 @@ impl JobHandle {
             let mut slot = lock(&self.done.result);
             loop {
                 if let Some(r) = slot.take() {
-                    return Ok(r);
+                    drop(slot);
+                    return Ok(self.checked(r));
                 }
                 let now = Instant::now();
                 if now >= deadline {
@@ -615,6 +628,18 @@ impl Parent {
             return Err(Error::UnknownWorker(worker));
         }
         Stats::bump(&self.shared.stats.jobs_submitted);
+        let sim = self.shared.sim.as_ref().map(|sim| {
+            let from = sim.count();
+            sim.label_stream(
+                stream,
+                &format!("the stream job {} was submitted on", job.0),
+            );
+            for (i, input) in inputs.iter().enumerate() {
+                sim.label_memory(input.ptr, &format!("input {i} of job {}", job.0));
+            }
+            let pid = self.shared.registered(worker).and_then(|r| r.info.pid);
+            (Arc::clone(sim), from, pid)
+        });
         // The last step before the post: from the turn on, the job's answer gives it up.
         let turn = self.take_turn(worker);
         let done = Arc::new(Completion {
@@ -638,6 +663,7 @@ impl Parent {
             done,
             shared: Arc::downgrade(&self.shared),
             spin_until: Instant::now() + self.shared.options.spin_in_flight,
+            sim,
         })
     }
 

@@ -173,6 +173,7 @@ impl Parent {
             arenas: Mutex::new(arenas::Arenas::default()),
             mps_client,
             context_lost: Mutex::new(None),
+            sim: crate::check::Sim::of(&driver, "the parent"),
             driver,
             pools,
             limit: Mutex::new(options.limit),
@@ -208,6 +209,14 @@ impl Parent {
             io,
             worker_env: Vec::new(),
         })
+    }
+
+    /// On the simulated driver, everything its race checker found on the machine so far, by
+    /// any process (see [`check`](crate::check)): empty when the program kept every rule.
+    /// `None` on the GPU, where nothing is checked. What it returns is not summarized again
+    /// when the parent is dropped.
+    pub fn sim_report(&self) -> Option<crate::check::RaceReport> {
+        self.shared.sim.as_ref().map(|sim| sim.everything())
     }
 
     /// Opens the driver `POOLIPC_DRIVER` names ([`driver::open`](crate::driver::open): `cuda`
@@ -521,6 +530,9 @@ impl Drop for Parent {
             if io.join().is_err() {
                 tracing::error!("the parent's IO thread panicked");
             }
+        }
+        if let Some(sim) = &self.shared.sim {
+            sim.summary(&[]);
         }
         crate::probe::dump();
     }

@@ -64,6 +64,8 @@ impl Registered {
 /// What the IO thread and the callers share.
 pub(crate) struct Shared {
     pub(crate) driver: Arc<dyn Driver>,
+    /// The simulated driver's race checker; `None` on the GPU.
+    pub(crate) sim: Option<Arc<crate::check::Sim>>,
     /// Index 0: `options.device`; then `options.more_devices` in order.
     pub(crate) pools: Vec<SharedPool<dyn Driver>>,
     pub(crate) options: ParentOptions,

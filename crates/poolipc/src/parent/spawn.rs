@@ -195,6 +195,9 @@ impl Parent {
             identity: peer.identity,
             trust,
         };
+        if let (Some(sim), Some(pid)) = (&self.shared.sim, pid) {
+            sim.name(pid, &format!("worker {}", id.0));
+        }
         lock(&self.shared.registry).insert(
             id,
             Registered {

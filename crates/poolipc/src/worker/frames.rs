@@ -242,6 +242,9 @@ impl Worker {
                     self.driver.launch_hang_kernel(stream)?;
                 }
                 tracing::trace!(job = job.0, "recording DONE");
+                if self.sim.is_some() {
+                    self.driver.sim_returned(job.0, stream);
+                }
                 if let Err(e) = self.driver.event_record(self.done.handle(), stream) {
                     // Without DONE the parent can never be ordered after this job's work:
                     // the context is most likely lost (a GPU fault, a write into read-only
@@ -351,6 +354,9 @@ impl Worker {
         }
         self.cancelled.remove(&job);
         self.granted.remove(&job);
+        if let Some(sim) = &self.sim {
+            sim.strict_own();
+        }
         finished
     }
 

@@ -191,6 +191,7 @@ impl Job<'_> {
                 count = specs.len(),
                 "results carved out of the slice"
             );
+            self.lend_results(first);
             return Ok(&self.results[first..]);
         }
         w.machine.request_results(self.id, specs.clone())?;
@@ -246,7 +247,27 @@ impl Job<'_> {
         if let Some(why) = refused {
             return Err(Error::ResultRefused(why));
         }
+        self.lend_results(first);
         Ok(&self.results[first..])
+    }
+
+    /// On the simulated driver: results from `first` on are lent to this job (see
+    /// [`crate::check`]).
+    fn lend_results(&self, first: usize) {
+        let w = &*self.worker;
+        if w.sim.is_none() {
+            return;
+        }
+        for (i, r) in self.results.iter().enumerate().skip(first) {
+            w.driver.sim_lend(
+                self.id.0,
+                r.ptr,
+                r.bytes,
+                w.stream.handle(),
+                false,
+                &format!("result {i} of job {}", self.id.0),
+            );
+        }
     }
 
     /// Reports a failure of the job to the parent (the job then ends with this message as

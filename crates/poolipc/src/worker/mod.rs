@@ -165,6 +165,8 @@ pub struct Worker {
     /// The parent's VMM allocations lent by handle, mapped once each and kept across jobs
     /// until the parent says to drop them ([`Worker::release_cached_mappings`]).
     vmm: VmmMappings,
+    /// The simulated driver's race checker; `None` on the GPU.
+    pub(crate) sim: Option<Arc<crate::check::Sim>>,
     /// Frames that arrived while a staging transfer waited for its chunks: handled before
     /// the socket is read again.
     backlog: VecDeque<Message>,
@@ -341,6 +343,11 @@ impl Worker {
             None => Err("the parent isolates this worker: it lends no pool".to_owned()),
         };
         let stream = OwnedStream::new(Arc::clone(&driver))?;
+        let sim = crate::check::Sim::of(&driver, "this worker");
+        if let Some(sim) = &sim {
+            sim.name(std::os::unix::process::parent_id(), "the parent");
+            sim.label_stream(stream.handle(), "the worker's job stream");
+        }
         let done = OwnedEvent::new(Arc::clone(&driver), true)?;
         let done_blob = done.ipc_handle()?;
         let vmm = VmmMappings::new(Arc::clone(&driver), device);
@@ -370,6 +377,7 @@ impl Worker {
             spin: default_worker_spin(),
             last_frame: Instant::now(),
             stream,
+            sim,
         })
     }
 
@@ -595,6 +603,19 @@ impl Worker {
                 }
             }
         }
+        if job.worker.sim.is_some() {
+            let stream = job.worker.stream.handle();
+            for (i, v) in job.inputs.iter().enumerate() {
+                job.worker.driver.sim_lend(
+                    id.0,
+                    v.ptr,
+                    v.byte_len,
+                    stream,
+                    v.read_only,
+                    &format!("input {i} of job {}", id.0),
+                );
+            }
+        }
         Ok(job)
     }
 }
@@ -635,6 +656,11 @@ impl Drop for Worker {
                 freed,
                 "imports still live when the worker was dropped: freed"
             );
+        }
+        // On the simulated driver: every violation this process made that no one reported
+        // yet (see `crate::check`), on stderr.
+        if let Some(sim) = &self.sim {
+            sim.summary(&[std::process::id()]);
         }
     }
 }

@@ -154,6 +154,10 @@ pub(super) fn dtod_async(
         let s = d.stream_slot(l, st, CALL, stream)?;
         let from = d.touch(l, st, CALL, src, bytes, false)?;
         let to = d.touch(l, st, CALL, dst, bytes, true)?;
+        if !l.lent.is_empty() {
+            d.lent_check(l, st, CALL, src, bytes, false, s);
+            d.lent_check(l, st, CALL, dst, bytes, true, s);
+        }
         SimDriver::mapping(l, &from.0).ok_or(fail(CALL, CuCode::ILLEGAL_ADDRESS))?;
         SimDriver::mapping(l, &to.0).ok_or(fail(CALL, CuCode::ILLEGAL_ADDRESS))?;
         let seq = st.tick(s);
@@ -298,6 +302,9 @@ impl SimDriver {
         let (s, seq, place, mem) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
             let (place, mem) = self.touch(l, st, call, ptr, bytes, true)?;
+            if !l.lent.is_empty() {
+                self.lent_check(l, st, call, ptr, bytes, true, s);
+            }
             Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
             let seq = st.tick(s);
             hb::access(st, self.process(), call, s, seq, &mem, true);
@@ -355,6 +362,9 @@ impl SimDriver {
         let (s, seq, place, mem) = self.machine.with(|st| {
             let s = self.stream_slot(l, st, call, stream)?;
             let (place, mem) = self.touch(l, st, call, dev, len, !to_host)?;
+            if !l.lent.is_empty() {
+                self.lent_check(l, st, call, dev, len, !to_host, s);
+            }
             Self::mapping(l, &place).ok_or(fail(call, CuCode::ILLEGAL_ADDRESS))?;
             let seq = st.tick(s);
             hb::access(st, self.process(), call, s, seq, &mem, !to_host);

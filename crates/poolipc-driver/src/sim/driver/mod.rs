@@ -31,6 +31,40 @@ impl Driver for SimDriver {
         DriverKind::Sim
     }
 
+    fn sim_checker(&self) -> Option<crate::sim::Checker> {
+        Some(self.checker())
+    }
+
+    fn label_stream(&self, stream: StreamHandle, label: &str) {
+        if let Err(e) = SimDriver::label_stream(self, stream, label) {
+            tracing::debug!(error = %e, label, "sim: stream not labelled");
+        }
+    }
+
+    fn sim_lend(
+        &self,
+        job: u64,
+        ptr: DevicePtr,
+        len: u64,
+        stream: StreamHandle,
+        read_only: bool,
+        label: &str,
+    ) {
+        if let Err(e) = SimDriver::lend(self, job, ptr, len, stream, read_only, label) {
+            tracing::debug!(error = %e, label, "sim: memory not lent");
+        }
+    }
+
+    fn sim_returned(&self, job: u64, stream: StreamHandle) {
+        if let Err(e) = SimDriver::returned(self, job, stream) {
+            tracing::debug!(error = %e, "sim: lent memory not returned");
+        }
+    }
+
+    fn label_memory(&self, ptr: DevicePtr, label: &str) {
+        SimDriver::label_memory(self, ptr, label);
+    }
+
     fn driver_version(&self) -> Result<i32> {
         Ok(13000)
     }

@@ -141,7 +141,7 @@ fn host_learns_stream(d: &SimDriver, s: usize, release: bool) {
 impl SimDriver {
     /// The machine stream slot for a stream handle; the host's knowledge flows into it first
     /// (work issued after a host synchronize is ordered after what it waited for).
-    pub(super) fn stream_slot(
+    pub(in crate::sim) fn stream_slot(
         &self,
         l: &mut Local,
         st: &mut State,
@@ -159,6 +159,7 @@ impl SimDriver {
                             st.stream_create(self.agent, self.pid)
                         })
                         .ok_or(fail(call, CuCode::OUT_OF_MEMORY))?;
+                    st.streams[x].label = crate::sim::state::label("its legacy stream");
                     l.null_stream = Some(x);
                     x
                 }

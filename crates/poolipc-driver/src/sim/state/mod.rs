@@ -15,7 +15,7 @@ use super::violation::ViolationKind;
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
-pub(super) const LAYOUT: u64 = 8;
+pub(super) const LAYOUT: u64 = 9;
 
 pub(super) const MAX_DEVICES: usize = 8;
 /// [`State::mps`]: the machine runs an MPS server that every process is a client of.
@@ -126,6 +126,31 @@ pub(super) struct BlockRec {
     pub(super) bytes: u64,
     /// Machine-unique, new at every allocation: recycled memory has a new one.
     pub(super) generation: u64,
+    /// What the program calls this allocation (`SimDriver::label_memory`), NUL-padded;
+    /// cleared at every allocation.
+    pub(super) label: Label,
+}
+
+/// A short name in shared memory, UTF-8, NUL-padded.
+pub(super) type Label = [u8; LABEL_BYTES];
+/// The longest name a stream or an allocation is given; longer ones are cut.
+pub(super) const LABEL_BYTES: usize = 48;
+
+/// `text` as a [`Label`], cut at a character boundary.
+pub(super) fn label(text: &str) -> Label {
+    let mut out = [0u8; LABEL_BYTES];
+    let mut end = text.len().min(LABEL_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    out[..end].copy_from_slice(&text.as_bytes()[..end]);
+    out
+}
+
+/// A [`Label`] as text; `None` when empty.
+pub(super) fn label_text(l: &Label) -> Option<String> {
+    let n = l.iter().position(|&b| b == 0).unwrap_or(l.len());
+    (n > 0).then(|| String::from_utf8_lossy(&l[..n]).into_owned())
 }
 
 /// Generations whose free the GPU executed, remembered at once (a ring).
@@ -175,6 +200,9 @@ pub(super) struct StreamRec {
     /// The sequence number of the last of this stream's operations the GPU executed (kept
     /// across slot reuse, like `clock[own slot]`).
     pub(super) executed: u64,
+    /// What the program calls this stream (`SimDriver::label_stream`), NUL-padded; the
+    /// legacy stream is named so. Cleared when the slot is handed out.
+    pub(super) label: Label,
 }
 
 #[repr(C)]
@@ -211,7 +239,16 @@ pub(super) struct ViolationRec {
     pub(super) b: u64,
     /// The other access's call ([`super::violation::call_code`]), where there is one.
     pub(super) other_call: u32,
-    pub(super) _pad: u32,
+    /// Bit 0: the access wrote; bit 1: the other access wrote; bit 2: the streams are known.
+    pub(super) flags: u32,
+    /// The accessing stream's label, and the other access's stream's, when recorded.
+    pub(super) stream: Label,
+    pub(super) other_stream: Label,
+    /// The allocation's label when recorded.
+    pub(super) memory: Label,
+    /// Stream slots of the access and of the other access.
+    pub(super) stream_slot: u32,
+    pub(super) other_stream_slot: u32,
 }
 
 /// One access to memory that the GPU has not yet been seen to complete: a kernel, memset or
@@ -267,6 +304,8 @@ pub(super) struct State {
     pub(super) _pad_config: u32,
     pub(super) next_id: u64,
     pub(super) violation_count: u64,
+    /// How many of the violations some process reported to its user (`Checker::reported`).
+    pub(super) violations_reported: u64,
     pub(super) devices: [DeviceRec; MAX_DEVICES],
     pub(super) pools: [PoolRec; MAX_POOLS],
     pub(super) blocks: [BlockRec; MAX_BLOCKS],
@@ -385,7 +424,12 @@ impl State {
                 a: 0,
                 b: 0,
                 other_call: 0,
-                _pad: 0,
+                flags: 0,
+                stream: [0; LABEL_BYTES],
+                other_stream: [0; LABEL_BYTES],
+                memory: [0; LABEL_BYTES],
+                stream_slot: 0,
+                other_stream_slot: 0,
             },
         }
     }
@@ -411,6 +455,7 @@ impl State {
         s.live = 1;
         s.pid = pid;
         s.agent = agent;
+        s.label = [0; LABEL_BYTES];
         Some(slot)
     }
 
@@ -497,6 +542,31 @@ impl ViolationBuilder<'_> {
     pub(super) fn block(mut self, block: usize, generation: u64) -> Self {
         self.rec.block = block as u64;
         self.rec.generation = generation;
+        if let Some(b) = self.state.blocks.get(block)
+            && b.generation == generation
+        {
+            self.rec.memory = b.label;
+        }
+        self
+    }
+    /// The two accesses' streams (slots) and whether each wrote.
+    pub(super) fn accesses(
+        mut self,
+        s: usize,
+        write: bool,
+        other: usize,
+        other_write: bool,
+    ) -> Self {
+        self.rec.stream = self.state.streams[s].label;
+        self.rec.other_stream = self.state.streams[other].label;
+        self.rec.stream_slot = s as u32;
+        self.rec.other_stream_slot = other as u32;
+        self.rec.flags = u32::from(write) | u32::from(other_write) << 1 | 4;
+        self
+    }
+    /// The allocation's label, where the caller knows it better than the block does.
+    pub(super) fn memory(mut self, label: Label) -> Self {
+        self.rec.memory = label;
         self
     }
     pub(super) fn other_call(mut self, code: u32) -> Self {

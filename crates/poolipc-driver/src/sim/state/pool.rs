@@ -156,6 +156,7 @@ impl State {
         b.state = BLOCK_LIVE;
         b.bytes = bytes;
         b.generation = generation;
+        b.label = [0; super::LABEL_BYTES];
         let p = &mut self.pools[pool];
         p.used += size;
         p.used_high = p.used_high.max(p.used);
@@ -350,5 +351,6 @@ fn empty_block() -> BlockRec {
         size: 0,
         bytes: 0,
         generation: 0,
+        label: [0; super::LABEL_BYTES],
     }
 }
