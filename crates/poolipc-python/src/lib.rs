@@ -23,6 +23,7 @@ mod parent;
 mod pool;
 mod probe;
 mod state;
+mod torchshare;
 mod worker;
 
 use pyo3::prelude::*;
@@ -50,6 +51,16 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::View>()?;
     m.add_class::<worker::LeaseHold>()?;
     m.add_class::<listen::NativeListener>()?;
+    m.add_class::<torchshare::SharedMapping>()?;
+    m.add_function(wrap_pyfunction!(torchshare::_share, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_open, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_release, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_forget_kept, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_child_env, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_memcpy_dtoh, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_memcpy_htod, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_pool_device, m)?)?;
     m.add("ConnectError", py.get_type::<errors::ConnectError>())?;
     m.add("CONNECT_ENV", listen::CONNECT_ENV)?;
     m.add("CONNECT_TOKEN_ENV", listen::TOKEN_ENV)?;

@@ -69,6 +69,7 @@ from ._native import (
     MpsError,
     NativeListener,
     PoolipcError,
+    SharedMapping,
     UnknownWorkerError,
     View,
     WorkerError,
@@ -101,6 +102,7 @@ from ._pool import (
     start_mps,
 )
 from ._worker import Worker
+from . import torch_sharing
 
 __all__ = [
     "__version__",
@@ -117,6 +119,8 @@ __all__ = [
     "View",
     "DeviceBuffer",
     "ArenaResult",
+    "SharedMapping",
+    "torch_sharing",
     "Listener",
     "LeaseHold",
     "TensorRef",
