@@ -24,8 +24,8 @@ use std::time::Duration;
 
 use poolipc::{DevicePtr, Driver, StreamHandle};
 use poolipc_driver::{ExportBlob, ImportedPointer};
-use poolipc_pool::ImportLimit;
 use poolipc_pool::AttachedPool;
+use poolipc_pool::ImportLimit;
 use poolipc_transport::rendezvous::{
     AbstractListener, connect_abstract, recv_exact, recv_with_fd, send_all, send_with_fd,
 };
@@ -81,7 +81,10 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn bad(&self) -> String {
-        format!("poolipc: a malformed {} (truncated or not poolipc's)", self.what)
+        format!(
+            "poolipc: a malformed {} (truncated or not poolipc's)",
+            self.what
+        )
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
         if self.b.len() < n {
@@ -274,12 +277,7 @@ fn serve_peer(s: &Server, stream: &UnixStream, pid: i32) {
             OP_POOL => {
                 let fd = pool_fd(arg);
                 let reply: &[u8] = if fd.is_some() { &[1] } else { &[0] };
-                let sent = send_with_fd(
-                    stream,
-                    reply,
-                    fd.as_ref().map(|f| f.as_fd()),
-                    FD_TIMEOUT,
-                );
+                let sent = send_with_fd(stream, reply, fd.as_ref().map(|f| f.as_fd()), FD_TIMEOUT);
                 if let Err(e) = sent {
                     tracing::debug!(pid, error = %e, "share server: sending the pool failed");
                     break;
@@ -358,7 +356,8 @@ fn peer(name: &str) -> PyResult<Arc<Peer>> {
 }
 
 type Attached = AttachedPool<Arc<dyn Driver>>;
-static POOLS: Mutex<Option<HashMap<(String, u64), Arc<Attached>>>> = Mutex::new(None);
+type PoolMap = HashMap<(String, u64), Arc<Attached>>;
+static POOLS: Mutex<Option<PoolMap>> = Mutex::new(None);
 
 fn driver() -> PyResult<Arc<dyn Driver>> {
     static OWN: OnceLock<Result<Arc<dyn Driver>, String>> = OnceLock::new();
@@ -429,9 +428,10 @@ impl Drop for Import {
         }
         if let Some(imp) = self.imp.take() {
             let on = OnDevice::push(&*self.driver, self.device);
-            if let Err(e) = on.map_err(|e| e.to_string()).and_then(|_on| {
-                imp.free(StreamHandle::NULL).map_err(|e| e.to_string())
-            }) {
+            if let Err(e) = on
+                .map_err(|e| e.to_string())
+                .and_then(|_on| imp.free(StreamHandle::NULL).map_err(|e| e.to_string()))
+            {
                 tracing::warn!(ptr = ?self.ptr, error = %e, "freeing a received share failed");
             }
         }
@@ -669,9 +669,11 @@ fn export(
     device: u32,
 ) -> PyResult<Result<(Vec<u8>, u64), String>> {
     let Some(g) = state::installed() else {
-        return Ok(Err("no poolipc pool in this process (poolipc.install_pool() never ran \
+        return Ok(Err(
+            "no poolipc pool in this process (poolipc.install_pool() never ran \
                        before torch was imported)"
-            .into()));
+                .into(),
+        ));
     };
     if g.device != device {
         return Ok(Err(format!(
@@ -685,9 +687,11 @@ fn export(
         let pool = match d.pointer_get_mempool(DevicePtr(ptr)) {
             Ok(p) if g.parent.pool().is_generation(p) => p,
             _ => {
-                return Ok(Err("the memory is not from poolipc's pool (torch's default pool, \
+                return Ok(Err(
+                    "the memory is not from poolipc's pool (torch's default pool, \
                                its native allocator or a cuMemAlloc buffer)"
-                    .to_owned()));
+                        .to_owned(),
+                ));
             }
         };
         let (base, bytes) = d
@@ -793,8 +797,12 @@ pub(crate) fn _release(py: Python<'_>, r#ref: &[u8]) -> PyResult<()> {
     let r = Ref::decode(r#ref).map_err(value_err)?;
     py.detach(move || {
         let p = peer(&r.keeper)?;
-        p.send(OP_RELEASE, r.share)
-            .map_err(|e| err(format!("poolipc: releasing a share with @{}: {e}", r.keeper)))
+        p.send(OP_RELEASE, r.share).map_err(|e| {
+            err(format!(
+                "poolipc: releasing a share with @{}: {e}",
+                r.keeper
+            ))
+        })
     })
 }
 
@@ -812,7 +820,8 @@ pub(crate) fn _stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("kept", s.as_ref().map_or(0, |s| lock(&s.shares).len()))?;
     d.set_item(
         "receivers",
-        s.as_ref().map_or(0, |s| s.receivers.load(Ordering::Relaxed)),
+        s.as_ref()
+            .map_or(0, |s| s.receivers.load(Ordering::Relaxed)),
     )?;
     d.set_item("address", s.as_ref().map(|s| s.name.clone()))?;
     d.set_item(
@@ -856,7 +865,11 @@ pub(crate) fn _child_env() -> Option<(&'static str, String)> {
 /// host: for tests and tools without torch. `PoolipcError` when the driver refuses (an
 /// address that is not device memory is refused, not read).
 #[pyfunction]
-pub(crate) fn _memcpy_dtoh<'py>(py: Python<'py>, ptr: u64, n: usize) -> PyResult<Bound<'py, PyBytes>> {
+pub(crate) fn _memcpy_dtoh<'py>(
+    py: Python<'py>,
+    ptr: u64,
+    n: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
     let g = state::installed().ok_or_else(|| err("poolipc: no pool is installed"))?;
     let mut buf = vec![0u8; n];
     {

@@ -42,6 +42,7 @@ arrives as a ``SharedMapping`` (``ptr``, ``nbytes``, ``read``/``write``,
 from __future__ import annotations
 
 import copyreg
+import importlib
 import os
 import threading
 from typing import Any
@@ -56,6 +57,15 @@ _REF_MAGIC = b"POOLIPC-R1"
 
 _lock = threading.Lock()
 _orig: dict[str, Any] = {}
+
+
+def _torch() -> Any:
+    return importlib.import_module("torch")
+
+
+def _reductions() -> Any:
+    importlib.import_module("torch.multiprocessing")
+    return importlib.import_module("torch.multiprocessing.reductions")
 
 
 def _is_handle(h: object) -> bool:
@@ -141,7 +151,7 @@ copyreg.pickle(DeviceBuffer, _reduce_buffer)
 
 
 def _share_cuda_(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-    import torch
+    torch = _torch()
 
     nbytes = self.nbytes()
     if nbytes == 0 or self.data_ptr() == 0:
@@ -185,7 +195,7 @@ def _new_shared_cuda(
             device, handle, size, offset, ref_handle, ref_offset, event_handle,
             event_sync_required, *rest, **kwargs,
         )
-    import torch
+    torch = _torch()
 
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -209,13 +219,11 @@ def _rebuild_cuda_tensor(*args: Any) -> Any:
     """What a poolipc CUDA tensor unpickles through: enables the patch here, then torch's
     ``rebuild_cuda_tensor``."""
     enable()
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    return rebuild_cuda_tensor(*args)
+    return _reductions().rebuild_cuda_tensor(*args)
 
 
 def _wrap_reducer(reducer: Any) -> Any:
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    rebuild_cuda_tensor = _reductions().rebuild_cuda_tensor
 
     def reduce(obj: Any) -> Any:
         rv = reducer(obj)
@@ -230,9 +238,10 @@ def _wrap_reducer(reducer: Any) -> Any:
 def _wrap_forking_pickler() -> None:
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing.reductions as red
+    red = _reductions()
 
-    for cls, reducer in list(ForkingPickler._extra_reducers.items()):
+    extra: dict[Any, Any] = getattr(ForkingPickler, "_extra_reducers")  # noqa: B009
+    for cls, reducer in list(extra.items()):
         if getattr(reducer, "_poolipc_wraps", None) is not None:
             continue
         if reducer is red.reduce_tensor:
@@ -253,8 +262,8 @@ def enable() -> None:
         if _orig:
             _wrap_forking_pickler()
             return
-        import torch
-        import torch.multiprocessing  # noqa: F401  (registers torch's reducers first)
+        torch = _torch()
+        _reductions()  # torch.multiprocessing registers torch's reducers first
 
         us = torch.UntypedStorage
         _orig["share"] = us._share_cuda_
