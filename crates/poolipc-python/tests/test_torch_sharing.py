@@ -21,6 +21,9 @@ from conftest import WORKERS  # noqa: E402
 @pytest.mark.parametrize("name", ["basic", "dying", "relay", "unpooled"])
 def test_sharing_scenario(name):
     env = dict(os.environ, POOLIPC_DRIVER="sim")
+    # A simulated machine of this pytest process (another suite installed a pool here) is
+    # not the scenario's: its parent makes its own.
+    env.pop("POOLIPC_SIM_MACHINE", None)
     r = subprocess.run([sys.executable, str(WORKERS / "sharing_sim.py"), name], env=env,
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -134,7 +134,7 @@ def install_pool(device: int = 0, **options: Unpack[ParentConfig]) -> InstallInf
     # which receive shared memory by poolipc.torch_sharing) reach the same simulated machine.
     child_env = _native._child_env()
     if child_env is not None:
-        os.environ.setdefault(child_env[0], child_env[1])
+        os.environ[child_env[0]] = child_env[1]
     info = InstallInfo(
         installed=native["installed"],
         driver=native["driver"],

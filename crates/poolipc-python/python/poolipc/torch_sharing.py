@@ -79,7 +79,7 @@ def _is_ref(h: object) -> bool:
 def _publish_child_env() -> None:
     """On the simulated driver, children must reach this process's simulated machine."""
     env = _native._child_env()
-    if env is not None and not os.environ.get(env[0]):
+    if env is not None:
         os.environ[env[0]] = env[1]
 
 

@@ -214,7 +214,9 @@ def s_pool_map(ctx):
     with ctx.Pool(2) as pool:
         ts = [torch.full((256,), float(i), device=DEV) for i in range(8)]
         r = pool.map(pool_fn, ts)
-    assert all(x.is_cuda and bool((x == 2 * i).all().item()) for i, x in enumerate(r)), r
+        # read while the workers (the results' owners) live
+        assert all(x.is_cuda and bool((x == 2 * i).all().item()) for i, x in enumerate(r)), r
+        del r
     return "8 tensors in, 8 CUDA results out"
 
 
