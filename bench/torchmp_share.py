@@ -4,7 +4,8 @@ the same run, on the same GPU.
 
 The parent puts a tensor on an ``mp.Queue``; a spawned worker maps it, writes one element in
 place, synchronizes and replies; the parent checks the write. Sizes: 4 KiB (the same tensor
-again: torch's handle cache, poolipc's re-import) and 1 GiB (a new tensor each time).
+again: torch's handle cache, poolipc's re-import) and 1 GiB (a new tensor each time, then the
+same one again).
 
     python3 bench/torchmp_share.py [--reps N]
 
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import time
 
-SIZES = [("4KiB", 1024, "same"), ("1GiB", 1 << 28, "new")]
+SIZES = [("4KiB", 1024, "same"), ("1GiB", 1 << 28, "new"), ("1GiB", 1 << 28, "same")]
 
 
 def worker(q_in, q_out):
@@ -111,13 +112,13 @@ def main() -> int:
         if r.returncode:
             print(f"FAIL {backend}: exit {r.returncode}", flush=True)
             failed = True
-    by = {(x["backend"], x["size"]): x for x in rows}
-    print(f"\n{'size':6} {'torch native IPC (ms)':>22} {'poolipc async (ms)':>20}  verdict")
-    for label, _, _ in SIZES:
-        a, b = by.get(("torch", label)), by.get(("poolipc", label))
+    by = {(x["backend"], x["size"], x["tensor"]): x for x in rows}
+    print(f"\n{'size':6} {'tensor':6} {'torch native IPC (ms)':>22} {'poolipc async (ms)':>20}  verdict")
+    for label, _, kind in SIZES:
+        a, b = by.get(("torch", label, kind)), by.get(("poolipc", label, kind))
         if a and b:
             verdict = "<= torch" if b["median_ms"] <= a["median_ms"] else "slower than torch"
-            print(f"{label:6} {a['median_ms']:22.3f} {b['median_ms']:20.3f}  {verdict}")
+            print(f"{label:6} {kind:6} {a['median_ms']:22.3f} {b['median_ms']:20.3f}  {verdict}")
     return 1 if failed else 0
 
 

@@ -19,11 +19,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
 use poolipc::{DevicePtr, Driver, StreamHandle};
-use poolipc_driver::{ExportBlob, ImportedPointer};
+use poolipc_driver::{ExportBlob, ImportedPointer, OwnedEvent};
 use poolipc_pool::AttachedPool;
 use poolipc_pool::ImportLimit;
 use poolipc_transport::rendezvous::{
@@ -515,12 +515,11 @@ impl SharedMapping {
             return;
         };
         lock(&LIVE).remove(&h.live);
-        // The import first (CUDA: the importer frees before the exporter), then the word.
+        // The import first (CUDA: the importer frees before the exporter), then the word,
+        // once this process's work queued so far is done (the sender reuses the block).
         drop(h.import);
-        if let Some((p, id)) = h.keeper
-            && let Err(e) = p.send(OP_RELEASE, id)
-        {
-            tracing::debug!(error = %e, "telling the sender of a release failed (it exited?)");
+        if let Some((p, id)) = h.keeper {
+            defer_release(self.device, p, id);
         }
     }
 
@@ -609,6 +608,123 @@ impl SharedMapping {
 impl Drop for SharedMapping {
     fn drop(&mut self) {
         self.release_now();
+    }
+}
+
+// ----- releases after the GPU is done with the memory ------------------------------------
+
+/// A release waiting for this process's work on the memory: the sender frees the block as
+/// soon as it hears, and its next allocation may be written while a kernel queued here
+/// still reads the old bytes.
+struct Pending {
+    ev: OwnedEvent<Arc<dyn Driver>>,
+    driver: Arc<dyn Driver>,
+    device: u32,
+    peer: Arc<Peer>,
+    id: u64,
+}
+
+type PendingList = (u32, Vec<Pending>);
+static PENDING: Mutex<Option<PendingList>> = Mutex::new(None);
+static PENDING_WAKE: Condvar = Condvar::new();
+
+fn send_release(peer: &Peer, id: u64) {
+    if let Err(e) = peer.send(OP_RELEASE, id) {
+        tracing::debug!(error = %e, "telling the sender of a release failed (it exited?)");
+    }
+}
+
+/// Records an event on the legacy default stream (ordered after this process's work on the
+/// blocking streams, torch's default stream among them) and sends the release once it has
+/// completed, from a thread of its own. Where no event can be made, synchronizes instead.
+fn defer_release(device: u32, peer: Arc<Peer>, id: u64) {
+    let Ok(driver) = driver() else {
+        send_release(&peer, id);
+        return;
+    };
+    let recorded = OnDevice::push(&*driver, device).and_then(|_on| {
+        let ev = OwnedEvent::new(Arc::clone(&driver), false)?;
+        driver.event_record(ev.handle(), StreamHandle::NULL)?;
+        Ok(ev)
+    });
+    let ev = match recorded {
+        Ok(ev) => ev,
+        Err(e) => {
+            tracing::debug!(error = %e, "no event for a release: synchronizing instead");
+            if let Ok(_on) = OnDevice::push(&*driver, device) {
+                let _ = driver.stream_synchronize(StreamHandle::NULL);
+            }
+            send_release(&peer, id);
+            return;
+        }
+    };
+    let pid = std::process::id();
+    let mut slot = lock(&PENDING);
+    if slot.as_ref().is_none_or(|(p, _)| *p != pid) {
+        let started = std::thread::Builder::new()
+            .name("poolipc-release".into())
+            .spawn(release_loop);
+        if let Err(e) = started {
+            drop(slot);
+            tracing::warn!(error = %e, "no release thread: synchronizing instead");
+            if let Ok(_on) = OnDevice::push(&*driver, device) {
+                let _ = driver.stream_synchronize(StreamHandle::NULL);
+            }
+            send_release(&peer, id);
+            return;
+        }
+        *slot = Some((pid, Vec::new()));
+    }
+    if let Some((_, list)) = slot.as_mut() {
+        list.push(Pending {
+            ev,
+            driver,
+            device,
+            peer,
+            id,
+        });
+    }
+    PENDING_WAKE.notify_one();
+}
+
+fn release_loop() {
+    loop {
+        let batch = {
+            let mut slot = lock(&PENDING);
+            loop {
+                match slot.as_mut() {
+                    Some((_, list)) if !list.is_empty() => break std::mem::take(list),
+                    _ => {
+                        slot = PENDING_WAKE
+                            .wait(slot)
+                            .unwrap_or_else(PoisonError::into_inner);
+                    }
+                }
+            }
+        };
+        let mut left = Vec::new();
+        for p in batch {
+            let done = OnDevice::push(&*p.driver, p.device)
+                .and_then(|_on| p.driver.event_query(p.ev.handle()));
+            match done {
+                // A failed query (the context is gone) cannot be waited out: release.
+                Ok(true) | Err(_) => {
+                    send_release(&p.peer, p.id);
+                    let driver = Arc::clone(&p.driver);
+                    let on = OnDevice::push(&*driver, p.device);
+                    drop(p);
+                    drop(on);
+                }
+                Ok(false) => left.push(p),
+            }
+        }
+        if !left.is_empty() {
+            if let Some((_, list)) = lock(&PENDING).as_mut() {
+                left.append(list);
+                *list = left;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
     }
 }
 
@@ -831,6 +947,10 @@ pub(crate) fn _stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             .map_or(0, |m| m.values().filter(|w| w.strong_count() > 0).count()),
     )?;
     d.set_item("mappings", lock(&LIVE).len())?;
+    d.set_item(
+        "pending_releases",
+        lock(&PENDING).as_ref().map_or(0, |(_, l)| l.len()),
+    )?;
     d.set_item("pools", lock(&POOLS).as_ref().map_or(0, HashMap::len))?;
     Ok(d)
 }

@@ -50,4 +50,4 @@ def test_a_sender_that_is_gone_is_a_clear_error():
 
 def test_stats_before_any_sharing():
     s = poolipc.torch_sharing.stats()
-    assert set(s) == {"kept", "receivers", "address", "imports", "mappings", "pools"}
+    assert set(s) == {"kept", "receivers", "address", "imports", "mappings", "pools", "pending_releases"}

@@ -56,6 +56,10 @@ def child_relay(q_in, q_out):
     m = q_in.get(timeout=TIMEOUT)
     q_out.put(m)  # on to a third process: the handle stays the owner's, this one keeps it
     q_in.get(timeout=TIMEOUT)
+    # C's release comes once C's GPU work on the memory is done: give it time to arrive.
+    deadline = time.monotonic() + 10
+    while poolipc.torch_sharing.stats()["kept"] and time.monotonic() < deadline:
+        time.sleep(0.02)
     q_out.put(poolipc.torch_sharing.stats()["kept"])
     q_in.get(timeout=TIMEOUT)
 
