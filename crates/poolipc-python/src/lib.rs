@@ -2,7 +2,9 @@
 //! ComfyUI's prestartup hook, the shared pool's statistics, `NativeParent` to spawn
 //! workers and lend them tensors (`submit` gives a `NativeJobHandle` to wait on, from any
 //! thread, with the GIL released), `NativeWorker` to take jobs whose views torch,
-//! CuPy and JAX take by DLPack or `__cuda_array_interface__`. The pure-Python package
+//! CuPy and JAX take by DLPack or `__cuda_array_interface__`, and the sharing of pool memory
+//! with processes this one did not start (`torchshare`: torch.multiprocessing under
+//! cudaMallocAsync). The pure-Python package
 //! (`python/poolipc`) wraps these for torch.
 //!
 //! The driver is the GPU's unless `POOLIPC_DRIVER=sim` picks the simulated one (tests on
