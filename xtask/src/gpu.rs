@@ -389,6 +389,7 @@ mod tests {
             "gputurns",
             "mpsspin",
             "floorscale",
+            "torchmp",
         ] {
             assert!(!line.contains(part), "{part}: {line}");
             assert!(

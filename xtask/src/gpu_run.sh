@@ -10,8 +10,9 @@
 # torch.multiprocessing by size), "pyscaling", Python's split and torch workers at once,
 # and "onethread" (the busy-workers line, one Python thread
 # driving every worker, the binding against torch.multiprocessing under MPS), "gputurns",
-# "mpsspin" and "floorscale" (the bare driver's jobs/s with N copies at once), run only when
-# named);
+# "mpsspin" and "floorscale" (the bare driver's jobs/s with N copies at once), and "torchmp"
+# (torch.multiprocessing under cudaMallocAsync through poolipc.torch_sharing, with its
+# controls and its bench row), run only when named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one run stays within
 # its time limit.
 set -u
@@ -604,6 +605,26 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
   echo "--- poolipc bench --workers 8 --mps (the same machine, the same minutes)" >> "$summary"
   RUST_LOG=warn timeout 90 "$here/poolipc" bench --workers 8 --mps > "$out/floorscale-bench.log" 2>&1
   echo "exit: $?" >> "$summary"; sed -n '/under a private MPS daemon/,$p' "$out/floorscale-bench.log" | grep -vE " (INFO|WARN|DEBUG) " >> "$summary"
+fi
+fi
+stash
+if want torchmp; then
+# torch.multiprocessing under cudaMallocAsync through poolipc.torch_sharing (only when named,
+# about 5 minutes): every scenario with poolipc and, as its control, without it
+# (tests/gpu_torchmp_test.py: each PASS line says what crossed and how fast), then
+# bench/torchmp_share.py: a 4 KiB and a 1 GiB tensor through mp.Queue beside torch's own
+# legacy IPC under its native allocator, in the same run.
+if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
+  [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/torchmp-pip.log" 2>&1
+  echo "--- python: tests/gpu_torchmp_test.py (torch.multiprocessing under cudaMallocAsync, with poolipc and without)" >> "$summary"
+  ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site timeout 480 python3 -m pytest -v -s -rs tests/gpu_torchmp_test.py ) > "$out/torchmp-tests.log" 2>&1
+  echo "torchmp suite exit: $?" >> "$summary"
+  grep -E "^PASS |PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/torchmp-tests.log" | sed 's/^tests\/gpu_torchmp_test.py:://' | tail -60 >> "$summary"
+  echo "--- bench/torchmp_share.py: mp.Queue round trip, poolipc (cudaMallocAsync) beside torch's native IPC" >> "$summary"
+  ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 240 python3 bench/torchmp_share.py ) > "$out/torchmp-bench.log" 2>&1
+  echo "torchmp bench exit: $?" >> "$summary"; tail -8 "$out/torchmp-bench.log" >> "$summary"
+else
+  echo "torchmp: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi
 fi
 stash

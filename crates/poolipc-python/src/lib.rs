@@ -2,7 +2,9 @@
 //! ComfyUI's prestartup hook, the shared pool's statistics, `NativeParent` to spawn
 //! workers and lend them tensors (`submit` gives a `NativeJobHandle` to wait on, from any
 //! thread, with the GIL released), `NativeWorker` to take jobs whose views torch,
-//! CuPy and JAX take by DLPack or `__cuda_array_interface__`. The pure-Python package
+//! CuPy and JAX take by DLPack or `__cuda_array_interface__`, and the sharing of pool memory
+//! with processes this one did not start (`torchshare`: torch.multiprocessing under
+//! cudaMallocAsync). The pure-Python package
 //! (`python/poolipc`) wraps these for torch.
 //!
 //! The driver is the GPU's unless `POOLIPC_DRIVER=sim` picks the simulated one (tests on
@@ -23,6 +25,7 @@ mod parent;
 mod pool;
 mod probe;
 mod state;
+mod torchshare;
 mod worker;
 
 use pyo3::prelude::*;
@@ -50,6 +53,16 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::View>()?;
     m.add_class::<worker::LeaseHold>()?;
     m.add_class::<listen::NativeListener>()?;
+    m.add_class::<torchshare::SharedMapping>()?;
+    m.add_function(wrap_pyfunction!(torchshare::_share, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_open, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_release, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_forget_kept, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_child_env, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_memcpy_dtoh, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_memcpy_htod, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_pool_device, m)?)?;
     m.add("ConnectError", py.get_type::<errors::ConnectError>())?;
     m.add("CONNECT_ENV", listen::CONNECT_ENV)?;
     m.add("CONNECT_TOKEN_ENV", listen::TOKEN_ENV)?;

@@ -46,6 +46,7 @@ mod connection;
 mod error;
 mod handshake;
 mod listener;
+pub mod rendezvous;
 // The vocabulary is the contract's: this crate encodes it and has none of its own.
 use poolipc_contract::message;
 mod scm;

@@ -44,6 +44,11 @@ the result arena's cap; ``ValueError`` for a tensor that cannot be lent (naming 
 for options that cannot work; ``ExpiredViewError`` for a view used after its job; ``ConnectError``, a ``PoolipcError``, when
 ``Worker.connect`` finds no parent listening at the path.
 
+``torch_sharing``: torch.multiprocessing under ``backend:cudaMallocAsync``. After
+``install_pool()`` (before torch) and ``poolipc.torch_sharing.enable()``, CUDA tensors put on
+``mp.Queue``, ``mp.Pipe``, ``mp.Pool`` or passed to ``Process`` cross to the other process
+over the pool without a copy (``SharedMapping`` is the torch-free form of a received share).
+
 Workers someone else starts (pyisolate's children): ``Parent.listen()`` gives a ``Listener``
 whose ``env()`` (``POOLIPC_CONNECT``) goes to the child, which calls ``Worker.connect()``; the
 host learns the worker's id from ``listener.accept(timeout)``. ``poolipc.pyisolate`` builds
@@ -69,6 +74,7 @@ from ._native import (
     MpsError,
     NativeListener,
     PoolipcError,
+    SharedMapping,
     SimViolationError,
     UnknownWorkerError,
     View,
@@ -102,6 +108,7 @@ from ._pool import (
     start_mps,
 )
 from ._worker import Worker
+from . import torch_sharing
 
 
 class SimReport(NamedTuple):
@@ -144,6 +151,8 @@ __all__ = [
     "View",
     "DeviceBuffer",
     "ArenaResult",
+    "SharedMapping",
+    "torch_sharing",
     "Listener",
     "LeaseHold",
     "TensorRef",

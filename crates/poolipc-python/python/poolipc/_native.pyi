@@ -33,6 +33,16 @@ __all__ = [
     "NativeParent",
     "DeviceBuffer",
     "ArenaResult",
+    "SharedMapping",
+    "_share",
+    "_open",
+    "_release",
+    "_stats",
+    "_forget_kept",
+    "_child_env",
+    "_memcpy_dtoh",
+    "_memcpy_htod",
+    "_pool_device",
     "NativeJobHandle",
     "NativeWorker",
     "Job",
@@ -172,6 +182,44 @@ class DeviceBuffer:
         """Same as ``ptr``."""
     def free(self) -> None:
         """Frees the memory now."""
+
+@final
+class SharedMapping:
+    """A received share: ``nbytes`` of another process's pool memory mapped here at ``ptr``;
+    valid while the object lives, released (the import freed, the sender told) when it dies
+    or ``release()`` is called."""
+
+    @property
+    def ptr(self) -> int:
+        """The device address in this process."""
+    @property
+    def nbytes(self) -> int:
+        """Its size in bytes."""
+    @property
+    def device(self) -> int:
+        """The device ordinal it is mapped on."""
+    @property
+    def released(self) -> bool:
+        """Whether it was released."""
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """``nbytes`` unsigned bytes at ``ptr`` (version 3, no stream)."""
+    def read(self, offset: int = 0, n: int | None = None) -> bytes:
+        """Copies ``n`` bytes (all by default) from ``offset`` to the host."""
+    def write(self, data: bytes, offset: int = 0) -> None:
+        """Copies ``data`` from the host to ``offset``."""
+    def release(self) -> None:
+        """Lets go now; idempotent."""
+
+def _share(ptr: int, nbytes: int, device: int | None, keep: object) -> tuple[bytes, int, bytes] | str: ...
+def _open(handle: bytes, offset: int, nbytes: int, ref: bytes | None, device: int) -> SharedMapping: ...
+def _release(ref: bytes) -> None: ...
+def _stats() -> dict[str, Any]: ...
+def _forget_kept() -> int: ...
+def _child_env() -> tuple[str, str] | None: ...
+def _memcpy_dtoh(ptr: int, n: int) -> bytes: ...
+def _memcpy_htod(ptr: int, data: bytes) -> None: ...
+def _pool_device() -> int: ...
 
 @final
 class ArenaResult:

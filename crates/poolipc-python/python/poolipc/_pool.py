@@ -130,6 +130,11 @@ def install_pool(device: int = 0, **options: Unpack[ParentConfig]) -> InstallInf
     if new_conf is not None:
         os.environ[ALLOC_CONF] = new_conf
     native = _native._install(device, config)
+    # On the simulated driver, processes started from here on (multiprocessing's children,
+    # which receive shared memory by poolipc.torch_sharing) reach the same simulated machine.
+    child_env = _native._child_env()
+    if child_env is not None:
+        os.environ[child_env[0]] = child_env[1]
     info = InstallInfo(
         installed=native["installed"],
         driver=native["driver"],

@@ -1,0 +1,126 @@
+"""A CUDA tensor's round trip through torch.multiprocessing: poolipc under
+``backend:cudaMallocAsync`` beside torch's own legacy CUDA IPC under its native allocator, in
+the same run, on the same GPU.
+
+The parent puts a tensor on an ``mp.Queue``; a spawned worker maps it, writes one element in
+place, synchronizes and replies; the parent checks the write. Sizes: 4 KiB (the same tensor
+again: torch's handle cache, poolipc's re-import) and 1 GiB (a new tensor each time, then the
+same one again).
+
+    python3 bench/torchmp_share.py [--reps N]
+
+Prints one JSON line per (backend, size) and a table; exits non-zero if a round trip read
+wrong bytes or a backend failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = [("4KiB", 1024, "same"), ("1GiB", 1 << 28, "new"), ("1GiB", 1 << 28, "same")]
+
+
+def worker(q_in, q_out):
+    import torch
+
+    torch.cuda.init()
+    while True:
+        t = q_in.get()
+        if t is None:
+            return
+        t[0] = 42
+        torch.cuda.synchronize()
+        q_out.put(1)
+        del t
+
+
+def run(backend: str, reps: int) -> None:
+    if backend == "poolipc":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
+        import poolipc
+
+        poolipc.install_pool(0)
+    else:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    import torch
+    import torch.multiprocessing as mp
+
+    if backend == "poolipc":
+        poolipc.torch_sharing.enable()
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=worker, args=(q_in, q_out), daemon=True)
+    p.start()
+    warm = torch.zeros(4, device="cuda")
+    q_in.put(warm)
+    q_out.get(timeout=120)
+    for label, numel, kind in SIZES:
+        n = reps if kind == "same" else max(5, reps // 20)
+        same = torch.zeros(numel, device="cuda")
+        times = []
+        for _ in range(n):
+            t = same if kind == "same" else torch.zeros(numel, device="cuda")
+            t[0] = 0
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            q_in.put(t)
+            q_out.get(timeout=120)
+            times.append(time.perf_counter() - t0)
+            if float(t[0].item()) != 42.0:
+                raise SystemExit(f"{backend} {label}: the worker's write is missing")
+            del t
+        rec = {
+            "event": "torchmp_share",
+            "backend": backend,
+            "allocator": "cudaMallocAsync" if backend == "poolipc" else "native",
+            "size": label,
+            "tensor": kind,
+            "reps": n,
+            "median_ms": statistics.median(times[1:]) * 1e3,
+            "first_ms": times[0] * 1e3,
+            "gpu": torch.cuda.get_device_name(0),
+        }
+        print(json.dumps(rec), flush=True)
+    q_in.put(None)
+    p.join(60)
+
+
+def main() -> int:
+    reps = 200
+    if "--reps" in sys.argv:
+        reps = int(sys.argv[sys.argv.index("--reps") + 1])
+    if len(sys.argv) > 2 and sys.argv[1] == "--backend":
+        run(sys.argv[2], reps)
+        return 0
+    rows = []
+    failed = False
+    for backend in ("torch", "poolipc"):
+        r = subprocess.run(
+            [sys.executable, __file__, "--backend", backend, "--reps", str(reps)],
+            capture_output=True, text=True, timeout=900,
+        )
+        sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
+        for line in r.stdout.splitlines():
+            if line.startswith("{"):
+                print(line, flush=True)
+                rows.append(json.loads(line))
+        if r.returncode:
+            print(f"FAIL {backend}: exit {r.returncode}", flush=True)
+            failed = True
+    by = {(x["backend"], x["size"], x["tensor"]): x for x in rows}
+    print(f"\n{'size':6} {'tensor':6} {'torch native IPC (ms)':>22} {'poolipc async (ms)':>20}  verdict")
+    for label, _, kind in SIZES:
+        a, b = by.get(("torch", label, kind)), by.get(("poolipc", label, kind))
+        if a and b:
+            verdict = "<= torch" if b["median_ms"] <= a["median_ms"] else "slower than torch"
+            print(f"{label:6} {kind:6} {a['median_ms']:22.3f} {b['median_ms']:20.3f}  {verdict}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

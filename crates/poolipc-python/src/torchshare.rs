@@ -1,0 +1,1040 @@
+//! Sharing pool memory with processes this one did not start: the native half of
+//! `poolipc.torch_sharing` (torch.multiprocessing under `backend:cudaMallocAsync`).
+//!
+//! The sender exports the allocation's base (`cuMemPoolExportPointer`) and serves a Unix
+//! socket in the abstract namespace from a thread of its own: a receiver of the same uid
+//! connects, asks for the pool of a generation and gets its FD once (`SCM_RIGHTS`), then
+//! keeps the connection open and claims and releases shares over it. Each share (one pickled
+//! handle) holds a Python object (the sender's storage and event) alive until it is released;
+//! a receiver that dies releases all it claimed at end of stream.
+//!
+//! The receiver imports each sender's pool once, each exported allocation once (the driver
+//! aliases a second import of the same pointer, and the first free unmaps both), and frees
+//! the import before it tells the sender, as CUDA requires.
+//!
+//! The bytes a share travels as are [`Handle`] (which allocation, from whom) and [`Ref`]
+//! (which share to release, with whom).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::time::Duration;
+
+use poolipc::{DevicePtr, Driver, StreamHandle};
+use poolipc_driver::{ExportBlob, ImportedPointer, OwnedEvent};
+use poolipc_pool::AttachedPool;
+use poolipc_pool::ImportLimit;
+use poolipc_transport::rendezvous::{
+    AbstractListener, connect_abstract, recv_exact, recv_with_fd, send_all, send_with_fd,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use crate::errors::{err, value_err};
+use crate::state::{self, OnDevice};
+
+/// First bytes of a handle: what tells poolipc's handles from torch's own.
+pub(crate) const HANDLE_MAGIC: &[u8] = b"POOLIPC-H1";
+/// First bytes of a share reference.
+pub(crate) const REF_MAGIC: &[u8] = b"POOLIPC-R1";
+
+const OP_POOL: u8 = 1;
+const OP_CLAIM: u8 = 2;
+const OP_RELEASE: u8 = 3;
+const FD_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// ----- the wire format -------------------------------------------------------------------
+
+/// Which allocation: the owner's socket name, its pool generation, the export of the
+/// allocation's base and the allocation's size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Handle {
+    pub(crate) owner: String,
+    pub(crate) generation: u64,
+    pub(crate) blob: ExportBlob,
+    pub(crate) alloc_bytes: u64,
+}
+
+/// Which share to release, with whom (the keeper: the process holding the block alive).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Ref {
+    pub(crate) keeper: String,
+    pub(crate) share: u64,
+}
+
+fn put_name(out: &mut Vec<u8>, name: &str) {
+    // Names are ours and short (under 64 bytes): the length fits a byte.
+    out.push(u8::try_from(name.len()).unwrap_or(u8::MAX));
+    out.extend_from_slice(&name.as_bytes()[..name.len().min(255)]);
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn bad(&self) -> String {
+        format!(
+            "poolipc: a malformed {} (truncated or not poolipc's)",
+            self.what
+        )
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.b.len() < n {
+            return Err(self.bad());
+        }
+        let (a, rest) = self.b.split_at(n);
+        self.b = rest;
+        Ok(a)
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        let a = self.take(8)?;
+        let mut x = [0u8; 8];
+        x.copy_from_slice(a);
+        Ok(u64::from_le_bytes(x))
+    }
+    fn name(&mut self) -> Result<String, String> {
+        let n = usize::from(self.take(1)?[0]);
+        let a = self.take(n)?;
+        String::from_utf8(a.to_vec()).map_err(|_| self.bad())
+    }
+    fn end(&self) -> Result<(), String> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(self.bad())
+        }
+    }
+}
+
+impl Handle {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = HANDLE_MAGIC.to_vec();
+        put_name(&mut out, &self.owner);
+        out.extend_from_slice(&self.generation.to_le_bytes());
+        out.extend_from_slice(&self.blob.0);
+        out.extend_from_slice(&self.alloc_bytes.to_le_bytes());
+        out
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Result<Handle, String> {
+        let mut r = Reader {
+            b,
+            what: "share handle",
+        };
+        if r.take(HANDLE_MAGIC.len())? != HANDLE_MAGIC {
+            return Err(r.bad());
+        }
+        let owner = r.name()?;
+        let generation = r.u64()?;
+        let mut blob = [0u8; 64];
+        blob.copy_from_slice(r.take(64)?);
+        let alloc_bytes = r.u64()?;
+        r.end()?;
+        Ok(Handle {
+            owner,
+            generation,
+            blob: ExportBlob(blob),
+            alloc_bytes,
+        })
+    }
+}
+
+impl Ref {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = REF_MAGIC.to_vec();
+        put_name(&mut out, &self.keeper);
+        out.extend_from_slice(&self.share.to_le_bytes());
+        out
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Result<Ref, String> {
+        let mut r = Reader {
+            b,
+            what: "share reference",
+        };
+        if r.take(REF_MAGIC.len())? != REF_MAGIC {
+            return Err(r.bad());
+        }
+        let keeper = r.name()?;
+        let share = r.u64()?;
+        r.end()?;
+        Ok(Ref { keeper, share })
+    }
+}
+
+fn frame(op: u8, arg: u64) -> [u8; 9] {
+    let mut f = [0u8; 9];
+    f[0] = op;
+    f[1..].copy_from_slice(&arg.to_le_bytes());
+    f
+}
+
+// ----- the sender: the server and the shares it keeps alive ------------------------------
+
+struct Server {
+    name: String,
+    pid: u32,
+    next: AtomicU64,
+    shares: Mutex<HashMap<u64, Py<PyAny>>>,
+    receivers: AtomicUsize,
+}
+
+static SERVER: Mutex<Option<Arc<Server>>> = Mutex::new(None);
+
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+/// This process's server, started on first use (again in a forked child, whose copy of the
+/// parent's has no thread behind it).
+fn server() -> PyResult<Arc<Server>> {
+    let mut slot = lock(&SERVER);
+    let pid = std::process::id();
+    if let Some(s) = slot.as_ref().filter(|s| s.pid == pid) {
+        return Ok(Arc::clone(s));
+    }
+    let name = format!("poolipc-torch.{pid}.{:016x}", random_u64());
+    let listener = AbstractListener::bind(&name)
+        .map_err(|e| err(format!("poolipc: serving shares at @{name}: {e}")))?;
+    let s = Arc::new(Server {
+        name,
+        pid,
+        next: AtomicU64::new(1),
+        shares: Mutex::new(HashMap::new()),
+        receivers: AtomicUsize::new(0),
+    });
+    let s2 = Arc::clone(&s);
+    std::thread::Builder::new()
+        .name("poolipc-share".into())
+        .spawn(move || accept_loop(&s2, &listener))
+        .map_err(|e| err(format!("poolipc: starting the share server thread: {e}")))?;
+    *slot = Some(Arc::clone(&s));
+    Ok(s)
+}
+
+fn accept_loop(s: &Arc<Server>, l: &AbstractListener) {
+    loop {
+        match l.accept() {
+            Ok((stream, peer)) => {
+                let s = Arc::clone(s);
+                let spawned = std::thread::Builder::new()
+                    .name("poolipc-share-peer".into())
+                    .spawn(move || serve_peer(&s, &stream, peer.pid));
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "share server: no thread for a receiver");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "share server: accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn pool_fd(generation: u64) -> Option<Arc<std::os::fd::OwnedFd>> {
+    let g = state::installed()?;
+    let pool = g.parent.pool();
+    let h = pool
+        .handles()
+        .into_iter()
+        .find(|h| h.as_raw() == generation)?;
+    pool.fd_of(h)
+}
+
+fn serve_peer(s: &Server, stream: &UnixStream, pid: i32) {
+    s.receivers.fetch_add(1, Ordering::Relaxed);
+    let mut claimed: HashSet<u64> = HashSet::new();
+    let mut f = [0u8; 9];
+    loop {
+        match recv_exact(stream, &mut f) {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(e) => {
+                tracing::debug!(pid, error = %e, "share server: receiver gone");
+                break;
+            }
+        }
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&f[1..]);
+        let arg = u64::from_le_bytes(a);
+        match f[0] {
+            OP_POOL => {
+                let fd = pool_fd(arg);
+                let reply: &[u8] = if fd.is_some() { &[1] } else { &[0] };
+                let sent = send_with_fd(stream, reply, fd.as_ref().map(|f| f.as_fd()), FD_TIMEOUT);
+                if let Err(e) = sent {
+                    tracing::debug!(pid, error = %e, "share server: sending the pool failed");
+                    break;
+                }
+            }
+            OP_CLAIM => {
+                claimed.insert(arg);
+            }
+            OP_RELEASE => {
+                claimed.remove(&arg);
+                s.release([arg]);
+            }
+            other => {
+                tracing::warn!(pid, op = other, "share server: unknown request; closing");
+                break;
+            }
+        }
+    }
+    // A receiver that went away (exit, crash, SIGKILL) releases everything it held.
+    s.release(claimed);
+    s.receivers.fetch_sub(1, Ordering::Relaxed);
+}
+
+impl Server {
+    fn release(&self, ids: impl IntoIterator<Item = u64>) {
+        let gone: Vec<Py<PyAny>> = {
+            let mut m = lock(&self.shares);
+            ids.into_iter().filter_map(|id| m.remove(&id)).collect()
+        };
+        if !gone.is_empty() {
+            // The kept objects (torch storages) are freed with the GIL held; never under
+            // the table's lock.
+            Python::attach(move |_| drop(gone));
+        }
+    }
+}
+
+// ----- the receiver: peers, pools, imports, mappings -------------------------------------
+
+struct Peer {
+    stream: Mutex<UnixStream>,
+}
+
+impl Peer {
+    fn send(&self, op: u8, arg: u64) -> std::io::Result<()> {
+        send_all(&lock(&self.stream), &frame(op, arg))
+    }
+}
+
+type PeerMap = (u32, HashMap<String, Arc<Peer>>);
+static PEERS: Mutex<Option<PeerMap>> = Mutex::new(None);
+
+fn peer(name: &str) -> PyResult<Arc<Peer>> {
+    let mut slot = lock(&PEERS);
+    let pid = std::process::id();
+    if slot.as_ref().is_none_or(|(p, _)| *p != pid) {
+        *slot = Some((pid, HashMap::new()));
+    }
+    let Some((_, map)) = slot.as_mut() else {
+        return Err(err("poolipc: the peer table is missing"));
+    };
+    if let Some(p) = map.get(name) {
+        return Ok(Arc::clone(p));
+    }
+    let stream = connect_abstract(name).map_err(|e| {
+        err(format!(
+            "poolipc: cannot reach the process that shared this tensor (@{name}): {e}. The \
+             sender must stay alive until the receiver has rebuilt the tensor"
+        ))
+    })?;
+    let p = Arc::new(Peer {
+        stream: Mutex::new(stream),
+    });
+    map.insert(name.to_owned(), Arc::clone(&p));
+    Ok(p)
+}
+
+type Attached = AttachedPool<Arc<dyn Driver>>;
+type PoolMap = HashMap<(String, u64), Arc<Attached>>;
+static POOLS: Mutex<Option<PoolMap>> = Mutex::new(None);
+
+fn driver() -> PyResult<Arc<dyn Driver>> {
+    static OWN: OnceLock<Result<Arc<dyn Driver>, String>> = OnceLock::new();
+    if let Some(g) = state::installed() {
+        return Ok(Arc::clone(&g.driver));
+    }
+    OWN.get_or_init(state::open_worker_driver)
+        .clone()
+        .map_err(err)
+}
+
+fn attached(driver: &Arc<dyn Driver>, h: &Handle, device: u32) -> PyResult<Arc<Attached>> {
+    let key = (h.owner.clone(), h.generation);
+    if let Some(p) = lock(&POOLS).get_or_insert_with(HashMap::new).get(&key) {
+        return Ok(Arc::clone(p));
+    }
+    let p = peer(&h.owner)?;
+    let fd = {
+        let s = lock(&p.stream);
+        send_all(&s, &frame(OP_POOL, h.generation))
+            .map_err(|e| err(format!("poolipc: asking @{} for its pool: {e}", h.owner)))?;
+        let mut reply = [0u8; 1];
+        let fd = recv_with_fd(&s, &mut reply, FD_TIMEOUT)
+            .map_err(|e| err(format!("poolipc: receiving @{}'s pool: {e}", h.owner)))?;
+        match (reply[0], fd) {
+            (1, Some(fd)) => fd,
+            _ => {
+                return Err(err(format!(
+                    "poolipc: @{} no longer has the pool this tensor came from (its pool was \
+                     rotated by empty_cache, or it uninstalled it)",
+                    h.owner
+                )));
+            }
+        }
+    };
+    let pool = AttachedPool::attach(Arc::clone(driver), fd.as_fd(), device)
+        .map_err(|e| err(format!("poolipc: importing @{}'s pool: {e}", h.owner)))?;
+    let pool = Arc::new(pool);
+    lock(&POOLS)
+        .get_or_insert_with(HashMap::new)
+        .insert(key, Arc::clone(&pool));
+    Ok(pool)
+}
+
+type ImportKey = (String, u64, ExportBlob);
+
+/// One import of one exported allocation, shared by every mapping of it in this process.
+struct Import {
+    key: ImportKey,
+    ptr: DevicePtr,
+    imp: Option<ImportedPointer<Arc<dyn Driver>>>,
+    device: u32,
+    driver: Arc<dyn Driver>,
+    _pool: Arc<Attached>,
+}
+
+static IMPORTS: Mutex<Option<HashMap<ImportKey, Weak<Import>>>> = Mutex::new(None);
+
+impl Drop for Import {
+    fn drop(&mut self) {
+        // Under the table's lock, so that no new import of the same allocation is made while
+        // this one is being freed (the driver would alias them).
+        let mut t = lock(&IMPORTS);
+        if let Some(map) = t.as_mut()
+            && map.get(&self.key).is_some_and(|w| w.strong_count() == 0)
+        {
+            map.remove(&self.key);
+        }
+        if let Some(imp) = self.imp.take() {
+            let on = OnDevice::push(&*self.driver, self.device);
+            if let Err(e) = on
+                .map_err(|e| e.to_string())
+                .and_then(|_on| imp.free(StreamHandle::NULL).map_err(|e| e.to_string()))
+            {
+                tracing::warn!(ptr = ?self.ptr, error = %e, "freeing a received share failed");
+            }
+        }
+    }
+}
+
+fn import(h: &Handle, device: u32) -> PyResult<Arc<Import>> {
+    // The sender first: a sender that is gone is the error to report, whatever the driver.
+    peer(&h.owner)?;
+    let driver = driver()?;
+    let on_driver = Arc::clone(&driver);
+    let _on = OnDevice::push(&*on_driver, device)
+        .map_err(|e| err(format!("poolipc: making device {device} current: {e}")))?;
+    let pool = attached(&driver, h, device)?;
+    let key = (h.owner.clone(), h.generation, h.blob);
+    let mut t = lock(&IMPORTS);
+    let map = t.get_or_insert_with(HashMap::new);
+    if let Some(i) = map.get(&key).and_then(Weak::upgrade) {
+        return Ok(i);
+    }
+    let imp = ImportedPointer::import(Arc::clone(&driver), pool.pool.handle(), &h.blob)
+        .map_err(|e| err(format!("poolipc: importing a shared allocation: {e}")))?;
+    let i = Arc::new(Import {
+        key: key.clone(),
+        ptr: imp.ptr(),
+        imp: Some(imp),
+        device,
+        driver,
+        _pool: pool,
+    });
+    map.insert(key, Arc::downgrade(&i));
+    Ok(i)
+}
+
+/// What a live mapping says for re-sharing (A → B → C): its start, end, handle and offset in
+/// the allocation.
+struct Live {
+    end: u64,
+    handle: Vec<u8>,
+    offset: u64,
+}
+
+static LIVE: Mutex<BTreeMap<(u64, u64), Live>> = Mutex::new(BTreeMap::new());
+static SERIAL: AtomicU64 = AtomicU64::new(1);
+
+fn live_lookup(ptr: u64) -> Option<(Vec<u8>, u64)> {
+    let t = lock(&LIVE);
+    t.range(..=(ptr, u64::MAX))
+        .rev()
+        .find(|((start, _), l)| *start <= ptr && ptr < l.end)
+        .map(|((start, _), l)| (l.handle.clone(), l.offset + (ptr - start)))
+}
+
+struct Held {
+    import: Arc<Import>,
+    keeper: Option<(Arc<Peer>, u64)>,
+    live: (u64, u64),
+}
+
+/// A received share: `nbytes` of another process's pool memory mapped here at `ptr`. The
+/// memory stays valid while this object lives; freed (or `release()`d), the import goes and
+/// the sender is told. torch takes it by `__cuda_array_interface__`; `read`/`write` work
+/// without torch.
+#[pyclass(module = "poolipc", frozen)]
+pub(crate) struct SharedMapping {
+    held: Mutex<Option<Held>>,
+    /// The device address in this process.
+    #[pyo3(get)]
+    ptr: u64,
+    /// Its size in bytes.
+    #[pyo3(get)]
+    nbytes: u64,
+    /// The device ordinal it is mapped on.
+    #[pyo3(get)]
+    device: u32,
+}
+
+impl SharedMapping {
+    fn release_now(&self) {
+        let Some(h) = lock(&self.held).take() else {
+            return;
+        };
+        lock(&LIVE).remove(&h.live);
+        // The import first (CUDA: the importer frees before the exporter), then the word,
+        // once this process's work queued so far is done (the sender reuses the block).
+        drop(h.import);
+        if let Some((p, id)) = h.keeper {
+            defer_release(self.device, p, id);
+        }
+    }
+
+    fn check(&self, offset: u64, n: u64) -> PyResult<()> {
+        if lock(&self.held).is_none() {
+            return Err(crate::errors::ExpiredViewError::new_err(
+                "poolipc: this shared mapping was released",
+            ));
+        }
+        if offset.checked_add(n).is_none_or(|e| e > self.nbytes) {
+            return Err(value_err(format!(
+                "poolipc: {n} bytes at offset {offset} pass the end of a {}-byte mapping",
+                self.nbytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl SharedMapping {
+    /// `__cuda_array_interface__` (version 3): `nbytes` unsigned bytes at `ptr`, no stream.
+    #[getter]
+    fn __cuda_array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("shape", (self.nbytes,))?;
+        d.set_item("typestr", "|u1")?;
+        d.set_item("data", (self.ptr, false))?;
+        d.set_item("version", 3)?;
+        d.set_item("strides", py.None())?;
+        Ok(d)
+    }
+
+    /// Copies `n` bytes (all by default) from `offset` to the host (synchronous).
+    #[pyo3(signature = (offset = 0, n = None))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: u64,
+        n: Option<u64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let n = n.unwrap_or(self.nbytes.saturating_sub(offset));
+        self.check(offset, n)?;
+        let mut buf = vec![0u8; usize::try_from(n).map_err(|_| value_err("too large"))?];
+        let d = driver()?;
+        {
+            let _on = OnDevice::push(&*d, self.device).map_err(|e| err(e.to_string()))?;
+            d.memcpy_dtoh(&mut buf, DevicePtr(self.ptr + offset))
+                .map_err(|e| err(format!("poolipc: reading a shared mapping: {e}")))?;
+        }
+        Ok(PyBytes::new(py, &buf))
+    }
+
+    /// Copies `data` from the host to `offset` (synchronous).
+    #[pyo3(signature = (data, offset = 0))]
+    fn write(&self, data: &[u8], offset: u64) -> PyResult<()> {
+        self.check(offset, data.len() as u64)?;
+        let d = driver()?;
+        let _on = OnDevice::push(&*d, self.device).map_err(|e| err(e.to_string()))?;
+        d.memcpy_htod(DevicePtr(self.ptr + offset), data)
+            .map_err(|e| err(format!("poolipc: writing a shared mapping: {e}")))
+    }
+
+    /// Lets go now: the import is freed and the sender told. Idempotent.
+    fn release(&self) {
+        self.release_now();
+    }
+
+    /// Whether it was released.
+    #[getter]
+    fn released(&self) -> bool {
+        lock(&self.held).is_none()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SharedMapping(ptr={:#x}, nbytes={}, device={}, released={})",
+            self.ptr,
+            self.nbytes,
+            self.device,
+            self.released()
+        )
+    }
+}
+
+impl Drop for SharedMapping {
+    fn drop(&mut self) {
+        self.release_now();
+    }
+}
+
+// ----- releases after the GPU is done with the memory ------------------------------------
+
+/// A release waiting for this process's work on the memory: the sender frees the block as
+/// soon as it hears, and its next allocation may be written while a kernel queued here
+/// still reads the old bytes.
+struct Pending {
+    ev: OwnedEvent<Arc<dyn Driver>>,
+    driver: Arc<dyn Driver>,
+    device: u32,
+    peer: Arc<Peer>,
+    id: u64,
+}
+
+type PendingList = (u32, Vec<Pending>);
+static PENDING: Mutex<Option<PendingList>> = Mutex::new(None);
+static PENDING_WAKE: Condvar = Condvar::new();
+
+fn send_release(peer: &Peer, id: u64) {
+    if let Err(e) = peer.send(OP_RELEASE, id) {
+        tracing::debug!(error = %e, "telling the sender of a release failed (it exited?)");
+    }
+}
+
+/// Records an event on the legacy default stream (ordered after this process's work on the
+/// blocking streams, torch's default stream among them) and sends the release once it has
+/// completed, from a thread of its own. Where no event can be made, synchronizes instead.
+fn defer_release(device: u32, peer: Arc<Peer>, id: u64) {
+    let Ok(driver) = driver() else {
+        send_release(&peer, id);
+        return;
+    };
+    let recorded = OnDevice::push(&*driver, device).and_then(|_on| {
+        let ev = OwnedEvent::new(Arc::clone(&driver), false)?;
+        driver.event_record(ev.handle(), StreamHandle::NULL)?;
+        Ok(ev)
+    });
+    let ev = match recorded {
+        Ok(ev) => ev,
+        Err(e) => {
+            tracing::debug!(error = %e, "no event for a release: synchronizing instead");
+            if let Ok(_on) = OnDevice::push(&*driver, device) {
+                let _ = driver.stream_synchronize(StreamHandle::NULL);
+            }
+            send_release(&peer, id);
+            return;
+        }
+    };
+    let pid = std::process::id();
+    let mut slot = lock(&PENDING);
+    if slot.as_ref().is_none_or(|(p, _)| *p != pid) {
+        let started = std::thread::Builder::new()
+            .name("poolipc-release".into())
+            .spawn(release_loop);
+        if let Err(e) = started {
+            drop(slot);
+            tracing::warn!(error = %e, "no release thread: synchronizing instead");
+            if let Ok(_on) = OnDevice::push(&*driver, device) {
+                let _ = driver.stream_synchronize(StreamHandle::NULL);
+            }
+            send_release(&peer, id);
+            return;
+        }
+        *slot = Some((pid, Vec::new()));
+    }
+    if let Some((_, list)) = slot.as_mut() {
+        list.push(Pending {
+            ev,
+            driver,
+            device,
+            peer,
+            id,
+        });
+    }
+    PENDING_WAKE.notify_one();
+}
+
+fn release_loop() {
+    loop {
+        let batch = {
+            let mut slot = lock(&PENDING);
+            loop {
+                match slot.as_mut() {
+                    Some((_, list)) if !list.is_empty() => break std::mem::take(list),
+                    _ => {
+                        slot = PENDING_WAKE
+                            .wait(slot)
+                            .unwrap_or_else(PoisonError::into_inner);
+                    }
+                }
+            }
+        };
+        let mut left = Vec::new();
+        for p in batch {
+            let done = OnDevice::push(&*p.driver, p.device)
+                .and_then(|_on| p.driver.event_query(p.ev.handle()));
+            match done {
+                // A failed query (the context is gone) cannot be waited out: release.
+                Ok(true) | Err(_) => {
+                    send_release(&p.peer, p.id);
+                    let driver = Arc::clone(&p.driver);
+                    let on = OnDevice::push(&*driver, p.device);
+                    drop(p);
+                    drop(on);
+                }
+                Ok(false) => left.push(p),
+            }
+        }
+        if !left.is_empty() {
+            if let Some((_, list)) = lock(&PENDING).as_mut() {
+                left.append(list);
+                *list = left;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+// ----- the module functions ------------------------------------------------------------
+
+/// Shares `nbytes` at `ptr` on `device`, keeping `keep` alive until the receiver releases
+/// the share. Returns `(handle, offset, ref)`: the handle names the allocation, `offset` is
+/// `ptr`'s offset in it, `ref` the share to release. Returns a `str` (why) instead when the
+/// memory is not poolipc's to share (no pool installed, another pool, another device): the
+/// caller falls back to torch's own path. `ValueError` for an allocation above the import
+/// limit.
+///
+/// `device` None: the pool's device.
+#[pyfunction]
+#[pyo3(signature = (ptr, nbytes, device, keep))]
+pub(crate) fn _share(
+    py: Python<'_>,
+    ptr: u64,
+    nbytes: u64,
+    device: Option<u32>,
+    keep: Py<PyAny>,
+) -> PyResult<Py<PyAny>> {
+    let device = match (device, state::installed()) {
+        (Some(d), _) => d,
+        (None, Some(g)) => g.device,
+        (None, None) => 0,
+    };
+    let found = match live_lookup(ptr) {
+        Some(found) => found,
+        None => match export(py, ptr, nbytes, device)? {
+            Ok(found) => found,
+            Err(why) => return Ok(why.into_pyobject(py)?.into_any().unbind()),
+        },
+    };
+    let s = server()?;
+    let id = s.next.fetch_add(1, Ordering::Relaxed);
+    lock(&s.shares).insert(id, keep);
+    let r = Ref {
+        keeper: s.name.clone(),
+        share: id,
+    };
+    let t = PyTuple::new(
+        py,
+        [
+            PyBytes::new(py, &found.0).into_any(),
+            found.1.into_pyobject(py)?.into_any(),
+            PyBytes::new(py, &r.encode()).into_any(),
+        ],
+    )?;
+    Ok(t.into_any().unbind())
+}
+
+/// The handle and offset of pool memory at `ptr`, or why it is not poolipc's to share.
+fn export(
+    py: Python<'_>,
+    ptr: u64,
+    nbytes: u64,
+    device: u32,
+) -> PyResult<Result<(Vec<u8>, u64), String>> {
+    let Some(g) = state::installed() else {
+        return Ok(Err(
+            "no poolipc pool in this process (poolipc.install_pool() never ran \
+                       before torch was imported)"
+                .into(),
+        ));
+    };
+    if g.device != device {
+        return Ok(Err(format!(
+            "the tensor is on device {device}, poolipc's pool on device {}",
+            g.device
+        )));
+    }
+    let r = py.detach(|| {
+        let _on = g.on_device().map_err(|e| e.to_string())?;
+        let d = &g.driver;
+        let pool = match d.pointer_get_mempool(DevicePtr(ptr)) {
+            Ok(p) if g.parent.pool().is_generation(p) => p,
+            _ => {
+                return Ok(Err(
+                    "the memory is not from poolipc's pool (torch's default pool, \
+                               its native allocator or a cuMemAlloc buffer)"
+                        .to_owned(),
+                ));
+            }
+        };
+        let (base, bytes) = d
+            .pointer_get_range(DevicePtr(ptr))
+            .map_err(|e| format!("poolipc: the allocation's range: {e}"))?;
+        if ptr + nbytes > base.0 + bytes {
+            return Err(format!(
+                "poolipc: {nbytes} bytes at {ptr:#x} pass the end of their allocation"
+            ));
+        }
+        if let Err(e) = ImportLimit::default().check(base.0, bytes) {
+            return Err(format!(
+                "LIMIT:poolipc: this tensor's allocation ({} MiB) is above what a receiving \
+                 process can import by pool pointer ({e}); split it into tensors of at most \
+                 4 GiB, or lend it with poolipc.Parent (host staging or the result arena)",
+                bytes >> 20
+            ));
+        }
+        let blob = g
+            .parent
+            .pool()
+            .export(base)
+            .map_err(|e| format!("poolipc: exporting the allocation: {e}"))?;
+        let s = server().map_err(|e| e.to_string())?;
+        let h = Handle {
+            owner: s.name.clone(),
+            generation: pool.as_raw(),
+            blob,
+            alloc_bytes: bytes,
+        };
+        Ok(Ok((h.encode(), ptr - base.0)))
+    });
+    match r {
+        Ok(x) => Ok(x),
+        Err(m) => match m.strip_prefix("LIMIT:") {
+            Some(m) => Err(value_err(m.to_owned())),
+            None => Err(err(m)),
+        },
+    }
+}
+
+/// Maps a share: `nbytes` at `offset` in the allocation `handle` names, on `device`; claims
+/// `ref` with its keeper (a `ref` of None claims nothing). Returns a `SharedMapping`.
+#[pyfunction]
+#[pyo3(signature = (handle, offset, nbytes, r#ref, device))]
+pub(crate) fn _open(
+    py: Python<'_>,
+    handle: &[u8],
+    offset: u64,
+    nbytes: u64,
+    r#ref: Option<&[u8]>,
+    device: u32,
+) -> PyResult<SharedMapping> {
+    let h = Handle::decode(handle).map_err(value_err)?;
+    let r = r#ref.map(Ref::decode).transpose().map_err(value_err)?;
+    if offset.checked_add(nbytes).is_none_or(|e| e > h.alloc_bytes) {
+        return Err(value_err(format!(
+            "poolipc: a share of {nbytes} bytes at offset {offset} passes the end of its \
+             {}-byte allocation",
+            h.alloc_bytes
+        )));
+    }
+    let handle = handle.to_vec();
+    py.detach(move || {
+        let import = import(&h, device)?;
+        let keeper = match r {
+            Some(r) => {
+                let p = peer(&r.keeper)?;
+                p.send(OP_CLAIM, r.share).map_err(|e| {
+                    err(format!("poolipc: claiming a share with @{}: {e}", r.keeper))
+                })?;
+                Some((p, r.share))
+            }
+            None => None,
+        };
+        let ptr = import.ptr.0 + offset;
+        let live = (ptr, SERIAL.fetch_add(1, Ordering::Relaxed));
+        lock(&LIVE).insert(
+            live,
+            Live {
+                end: ptr + nbytes,
+                handle,
+                offset,
+            },
+        );
+        Ok(SharedMapping {
+            held: Mutex::new(Some(Held {
+                import,
+                keeper,
+                live,
+            })),
+            ptr,
+            nbytes,
+            device,
+        })
+    })
+}
+
+/// Releases a share without mapping it (torch's `_release_ipc_counter`: the receiver
+/// already holds the same storage under an earlier share).
+#[pyfunction]
+pub(crate) fn _release(py: Python<'_>, r#ref: &[u8]) -> PyResult<()> {
+    let r = Ref::decode(r#ref).map_err(value_err)?;
+    py.detach(move || {
+        let p = peer(&r.keeper)?;
+        p.send(OP_RELEASE, r.share).map_err(|e| {
+            err(format!(
+                "poolipc: releasing a share with @{}: {e}",
+                r.keeper
+            ))
+        })
+    })
+}
+
+/// The sharing's figures in this process: `kept` (shares the sender keeps alive for
+/// receivers), `receivers` (connected receiving processes), `imports` (allocations of other
+/// processes imported here), `mappings` (live received shares), `pools` (other processes'
+/// pools imported here), `address` (this process's socket name, None before it shared).
+#[pyfunction]
+pub(crate) fn _stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    let s = lock(&SERVER)
+        .as_ref()
+        .filter(|s| s.pid == std::process::id())
+        .cloned();
+    d.set_item("kept", s.as_ref().map_or(0, |s| lock(&s.shares).len()))?;
+    d.set_item(
+        "receivers",
+        s.as_ref()
+            .map_or(0, |s| s.receivers.load(Ordering::Relaxed)),
+    )?;
+    d.set_item("address", s.as_ref().map(|s| s.name.clone()))?;
+    d.set_item(
+        "imports",
+        lock(&IMPORTS)
+            .as_ref()
+            .map_or(0, |m| m.values().filter(|w| w.strong_count() > 0).count()),
+    )?;
+    d.set_item("mappings", lock(&LIVE).len())?;
+    d.set_item(
+        "pending_releases",
+        lock(&PENDING).as_ref().map_or(0, |(_, l)| l.len()),
+    )?;
+    d.set_item("pools", lock(&POOLS).as_ref().map_or(0, HashMap::len))?;
+    Ok(d)
+}
+
+/// Drops every share this process keeps alive for receivers, whatever they hold (for a
+/// receiver that will never release: it must no longer touch the memory). Returns how many.
+#[pyfunction]
+pub(crate) fn _forget_kept() -> usize {
+    let Some(s) = lock(&SERVER).clone() else {
+        return 0;
+    };
+    let ids: Vec<u64> = lock(&s.shares).keys().copied().collect();
+    let n = ids.len();
+    s.release(ids);
+    n
+}
+
+/// The installed pool's device (0 before `install_pool`).
+#[pyfunction]
+pub(crate) fn _pool_device() -> u32 {
+    state::installed().map_or(0, |g| g.device)
+}
+
+/// What a receiving child needs in its environment to reach this process's simulated
+/// machine (`(name, value)`), None on the GPU or before a pool is installed.
+#[pyfunction]
+pub(crate) fn _child_env() -> Option<(&'static str, String)> {
+    state::installed().and_then(|g| g.child_env.clone())
+}
+
+/// Copies `n` bytes at `ptr` (device memory of this process, on the pool's device) to the
+/// host: for tests and tools without torch. `PoolipcError` when the driver refuses (an
+/// address that is not device memory is refused, not read).
+#[pyfunction]
+pub(crate) fn _memcpy_dtoh<'py>(
+    py: Python<'py>,
+    ptr: u64,
+    n: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let g = state::installed().ok_or_else(|| err("poolipc: no pool is installed"))?;
+    let mut buf = vec![0u8; n];
+    {
+        let _on = g.on_device().map_err(|e| err(e.to_string()))?;
+        g.driver
+            .memcpy_dtoh(&mut buf, DevicePtr(ptr))
+            .map_err(|e| err(format!("poolipc: reading device memory: {e}")))?;
+    }
+    Ok(PyBytes::new(py, &buf))
+}
+
+/// Copies `data` to `ptr` (device memory of this process, on the pool's device): for tests
+/// and tools without torch.
+#[pyfunction]
+pub(crate) fn _memcpy_htod(ptr: u64, data: &[u8]) -> PyResult<()> {
+    let g = state::installed().ok_or_else(|| err("poolipc: no pool is installed"))?;
+    let _on = g.on_device().map_err(|e| err(e.to_string()))?;
+    g.driver
+        .memcpy_htod(DevicePtr(ptr), data)
+        .map_err(|e| err(format!("poolipc: writing device memory: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_and_refs_round_trip_and_garbage_is_refused() {
+        let h = Handle {
+            owner: "poolipc-torch.1.abc".into(),
+            generation: 0xdead,
+            blob: ExportBlob([7; 64]),
+            alloc_bytes: 4096,
+        };
+        assert_eq!(Handle::decode(&h.encode()), Ok(h.clone()));
+        let r = Ref {
+            keeper: "k".into(),
+            share: 42,
+        };
+        assert_eq!(Ref::decode(&r.encode()), Ok(r));
+        let mut long = h.encode();
+        long.push(0);
+        assert!(Handle::decode(&long).is_err());
+        assert!(Handle::decode(&h.encode()[..20]).is_err());
+        assert!(Handle::decode(b"torch's own handle").is_err());
+        assert!(Ref::decode(&h.encode()).is_err(), "a handle is not a ref");
+    }
+}

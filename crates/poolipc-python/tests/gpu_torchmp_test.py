@@ -1,0 +1,83 @@
+"""torch.multiprocessing under backend:cudaMallocAsync on the GPU, with poolipc's sharing
+(poolipc.torch_sharing) and, as the control, without it. Each scenario runs in a fresh
+interpreter (workers/torchmp_scenarios.py), since the pool must be installed before torch:
+
+    PYTHONPATH=/tmp/site python3 -m pytest -v crates/poolipc-python/tests/gpu_torchmp_test.py
+
+Skips without torch, without CUDA, or on POOLIPC_DRIVER=sim. POOLIPC_TORCHMP_MANY sets the
+count of the A -> B -> C run (100 000 by default).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+if importlib.util.find_spec("torch") is None:
+    pytest.skip("torch is not installed: these tests need torch on a GPU machine", allow_module_level=True)
+if os.environ.get("POOLIPC_DRIVER", "cuda") == "sim":
+    pytest.skip("POOLIPC_DRIVER=sim: these tests need the GPU", allow_module_level=True)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIOS = os.path.join(HERE, "workers", "torchmp_scenarios.py")
+SIM = os.path.join(HERE, "workers", "sharing_sim.py")
+
+
+def _cuda() -> bool:
+    r = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                       capture_output=True, text=True, timeout=120)
+    return r.stdout.strip() == "True"
+
+
+if not _cuda():
+    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+
+
+def scenario(name: str, mode: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, POOLIPC_TORCHMP_MODE=mode, PYTHONUNBUFFERED="1")
+    if mode == "control":
+        env["POOLIPC_TORCHMP_TIMEOUT"] = "60"
+    r = subprocess.run([sys.executable, SCENARIOS, name], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    print(r.stdout[-4000:])
+    print(r.stderr[-4000:], file=sys.stderr)
+    return r
+
+
+WORKS = ["queue", "many", "pool_map", "producer_deletes", "sigkill", "process_arg", "event",
+         "direct", "types", "ipc_event"]
+# ipc_event is torch's own event sharing: it works without poolipc too (no control).
+FAILS_WITHOUT = [n for n in WORKS if n != "ipc_event"]
+
+
+@pytest.mark.parametrize("name", WORKS)
+def test_with_poolipc(name):
+    r = scenario(name, "poolipc")
+    assert r.returncode == 0 and f"PASS {name}" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.parametrize("name", FAILS_WITHOUT)
+def test_control_fails_without_poolipc(name):
+    r = scenario(name, "control")
+    assert r.returncode != 0, f"{name} passed without poolipc: the test proves nothing\n{r.stdout}"
+    assert "cudaMallocAsync does not yet support" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["big4", "big6"])
+def test_large_tensors_cross_or_are_refused_clearly(name):
+    r = scenario(name, "poolipc")
+    assert r.returncode == 0 and f"PASS {name}" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_unpooled_tensor_is_a_clear_error():
+    r = scenario("unpooled", "unpooled")
+    assert r.returncode == 0 and "PASS unpooled" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.parametrize("name", ["basic", "dying", "relay", "unpooled"])
+def test_torch_free_sharing_on_the_gpu(name):
+    r = subprocess.run([sys.executable, SIM, name], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, POOLIPC_DRIVER="cuda"))
+    assert r.returncode == 0 and f"PASS {name}" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
