@@ -76,7 +76,8 @@ pub use message::{
     StagingBuffer, TensorMeta, VmmShare,
 };
 pub use parent::{
-    Bound, DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
+    Bound, DEFAULT_CANCEL_GRACE, DEFAULT_MAX_IDLE_MESSAGES, DEFAULT_MAX_JOB_LIFETIME,
+    DEFAULT_MAX_RESULT_BYTES_PER_JOB,
     DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB, FailReason, InputLoan,
     JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent, SliceLoan,
 };

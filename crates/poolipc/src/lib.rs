@@ -88,7 +88,8 @@ pub use parent::{
     SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN, Trust, WorkerInfo,
 };
 pub use poolipc_contract::{
-    Bound, DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
+    Bound, DEFAULT_CANCEL_GRACE, DEFAULT_MAX_IDLE_MESSAGES, DEFAULT_MAX_JOB_LIFETIME,
+    DEFAULT_MAX_RESULT_BYTES_PER_JOB,
     DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB, FailReason, WorkerId,
 };
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};

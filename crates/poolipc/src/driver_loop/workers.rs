@@ -144,7 +144,7 @@ impl Loop {
         if !self.jobs.contains_key(&(worker, job)) {
             return;
         }
-        if let Err(e) = self.machine.cancel(worker, job) {
+        if let Err(e) = self.machine.cancel(worker, job, self.now()) {
             // Its worker is gone or the job ended meanwhile: it fails or ended on its own.
             tracing::debug!(worker = %worker, job = job.0, error = %e, "cancel after the fact");
         }
