@@ -173,8 +173,8 @@ both_drivers!(
                 initial_bytes: 4 * MIB,
                 max_bytes: None,
             };
-            o.max_result_bytes_per_job = u64::MAX;
-            o.max_result_bytes_per_worker = u64::MAX;
+            o.max_result_bytes_per_job = poolipc::MemoryBound::Bytes(u64::MAX);
+            o.max_result_bytes_per_worker = poolipc::MemoryBound::Bytes(u64::MAX);
         })?;
         let stream = p.driver().stream_create()?;
         let x = filled(&p, MIB, 0x0F0F_0F0F, stream)?;

@@ -82,9 +82,10 @@ pub use error::{Error, ResultRefusal};
 pub use handshake::{WORKER_STDERR_ENV, identity};
 pub use parent::{
     ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
-    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, EmptyCache,
-    GPU_TURN_ENV, IO_THREADS_ENV, Input, JobHandle, JobOutput, JobWatch, MAX_IO_THREADS, Parent,
-    ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
+    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
+    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, GPU_TURN_ENV,
+    IO_THREADS_ENV, Input, JobHandle, JobOutput, JobWatch, Limits, MAX_IO_THREADS,
+    MIN_RESULT_BOUND, MemoryBound, Parent, ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
     SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN, Trust, WorkerInfo,
 };
 pub use poolipc_contract::{

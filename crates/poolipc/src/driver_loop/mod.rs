@@ -496,9 +496,11 @@ impl Loop {
             limit,
             handoff_timeout: shared.options.handoff_timeout,
             max_results_per_job: shared.options.max_results_per_job,
-            max_result_bytes_per_job: shared.options.max_result_bytes_per_job,
-            max_result_bytes_per_worker: shared.options.max_result_bytes_per_worker,
+            max_result_bytes_per_job: shared.limits.max_result_bytes_per_job,
+            max_result_bytes_per_worker: shared.limits.max_result_bytes_per_worker,
             max_job_lifetime: shared.options.max_job_lifetime,
+            max_idle_messages: shared.options.max_idle_messages,
+            cancel_grace: shared.options.cancel_grace,
         });
         let aside = crate::warm::aside_stream(&shared.driver);
         Loop {
