@@ -304,7 +304,24 @@ struct Slot {
     staged_in_flight: bool,
     /// Why it was lost, for the jobs that fail with it.
     lost: Option<String>,
+    /// The pool's reserved bytes before its first result from the pool: what the pool is
+    /// trimmed back to once it was reaped killed ([`PoolTrim`]).
+    pool_reserved_before: Option<u64>,
 }
+
+/// Trimming the pool back after a killed worker's results were freed: the frees are
+/// stream-ordered, so the loop trims (without waiting on the GPU) at every
+/// [`POOL_TRIM_EVERY`] until [`POOL_TRIM_FOR`] after the reaping.
+struct PoolTrim {
+    keep: u64,
+    next: Instant,
+    until: Instant,
+}
+
+/// How often a [`PoolTrim`] trims.
+const POOL_TRIM_EVERY: Duration = Duration::from_millis(100);
+/// How long after a killed worker's reaping the pool is trimmed back.
+const POOL_TRIM_FOR: Duration = Duration::from_secs(1);
 
 /// A job as the loop holds it, from its Lend to its JobFinished.
 struct JobState {
@@ -432,6 +449,8 @@ struct Loop {
     /// Where READY is recorded when the caller's stream has nothing left to run
     /// ([`crate::warm::aside_stream`]); `None`: always on the caller's stream.
     aside: Option<poolipc_driver::OwnedStream>,
+    /// The pool being trimmed back after a killed worker.
+    pool_trim: Option<PoolTrim>,
 }
 
 impl Drop for Loop {
@@ -526,6 +545,46 @@ impl Loop {
             last_idle_check: Instant::now(),
             gates: BTreeMap::new(),
             dead_events: HashMap::new(),
+            pool_trim: None,
+        }
+    }
+
+    /// A killed worker's pool results are freed: trim the pool back to `keep` reserved bytes
+    /// for [`POOL_TRIM_FOR`] from now.
+    fn trim_pool_after(&mut self, keep: u64) {
+        let now = Instant::now();
+        let keep = self.pool_trim.as_ref().map_or(keep, |t| t.keep.min(keep));
+        self.pool_trim = Some(PoolTrim {
+            keep,
+            next: now,
+            until: now + POOL_TRIM_FOR,
+        });
+    }
+
+    /// Trims the pool if a [`PoolTrim`] is due.
+    fn trim_pool(&mut self) {
+        let Some(t) = self.pool_trim.as_mut() else {
+            return;
+        };
+        let now = Instant::now();
+        if now < t.next {
+            return;
+        }
+        t.next = now + POOL_TRIM_EVERY;
+        let keep = t.keep;
+        if now >= t.until {
+            self.pool_trim = None;
+        }
+        match self.shared.pools[0].trim_to(keep) {
+            Ok((before, after)) if before != after => {
+                tracing::info!(
+                    before,
+                    after,
+                    "poolipc: the pool gave a killed worker's results back to the device"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "trimming the pool after a killed worker"),
         }
     }
 
@@ -556,6 +615,7 @@ impl Loop {
             self.machine.handle_timeout(self.now());
             self.drive();
             self.check_gates();
+            self.trim_pool();
             let busy = turn
                 .elapsed()
                 .saturating_sub(std::mem::take(&mut self.waited));

@@ -60,6 +60,15 @@ impl Loop {
                 .contains(Capabilities::VMM_HANDLE)
                 && r.reaches_first
         });
+        if registered.as_ref().is_some_and(|r| {
+            r.info
+                .identity
+                .capabilities
+                .contains(Capabilities::LONG_JOBS)
+        }) && let Err(e) = self.machine.allow_long_jobs(worker)
+        {
+            tracing::debug!(worker = %worker, error = %e, "long jobs of a worker the contract let go");
+        }
         let mut conn = conn;
         conn.set_queue_limits(self.shared.options.send_queue);
         self.workers.insert(
@@ -84,6 +93,7 @@ impl Loop {
                 in_flight: 0,
                 staged_in_flight: false,
                 lost: None,
+                pool_reserved_before: None,
             },
         );
         // The arena's chunks so far, before any grant can name one.
@@ -266,6 +276,13 @@ impl Loop {
             if let super::transfer::Held::Action(action) = held {
                 self.act_now(action);
             }
+        }
+        // Killed with results from the pool: once they are freed, the pool gives them back
+        // to the device, not only to itself.
+        if (kill || slot.lost.is_some())
+            && let Some(keep) = slot.pool_reserved_before
+        {
+            self.trim_pool_after(keep);
         }
         let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
         tracing::info!(worker = %worker, status = %text, "worker reaped");
