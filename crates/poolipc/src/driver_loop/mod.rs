@@ -309,10 +309,11 @@ struct Slot {
     pool_reserved_before: Option<u64>,
 }
 
-/// Trimming the pool back after a killed worker's results were freed: the frees are
-/// stream-ordered, so the loop trims (without waiting on the GPU) at every
-/// [`POOL_TRIM_EVERY`] until [`POOL_TRIM_FOR`] after the reaping.
+/// Trimming the pool back after a killed worker's results were freed, and giving its arena's
+/// chunks back: the frees are stream-ordered, so the loop looks (without waiting on the GPU)
+/// at every [`POOL_TRIM_EVERY`] until [`POOL_TRIM_FOR`] after the reaping.
 struct PoolTrim {
+    /// The pool's reserved bytes to trim back to; `u64::MAX`: the arenas only.
     keep: u64,
     next: Instant,
     until: Instant,
@@ -574,6 +575,10 @@ impl Loop {
         let keep = t.keep;
         if now >= t.until {
             self.pool_trim = None;
+        }
+        self.empty_retired_arenas();
+        if keep == u64::MAX {
+            return;
         }
         match self.shared.pools[0].trim_to(keep) {
             Ok((before, after)) if before != after => {

@@ -279,10 +279,10 @@ impl Loop {
         }
         // Killed with results from the pool: once they are freed, the pool gives them back
         // to the device, not only to itself.
-        if (kill || slot.lost.is_some())
-            && let Some(keep) = slot.pool_reserved_before
-        {
-            self.trim_pool_after(keep);
+        // (And its arena's chunks go back as soon as their blocks' frees ran, not at the next
+        // idle check.)
+        if kill || slot.lost.is_some() {
+            self.trim_pool_after(slot.pool_reserved_before.unwrap_or(u64::MAX));
         }
         let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
         tracing::info!(worker = %worker, status = %text, "worker reaped");
