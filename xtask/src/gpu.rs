@@ -389,6 +389,7 @@ mod tests {
             "gputurns",
             "mpsspin",
             "floorscale",
+            "rogue",
         ] {
             assert!(!line.contains(part), "{part}: {line}");
             assert!(
