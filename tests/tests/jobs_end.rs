@@ -40,10 +40,7 @@ fn parent(env: &Env, handoff_timeout: Duration) -> Result<Parent> {
 }
 
 fn input(ptr: DevicePtr) -> [Input; 1] {
-    [Input::new(
-        ptr,
-        Layout::contiguous(DType::F32, &[KIB]),
-    )]
+    [Input::new(ptr, Layout::contiguous(DType::F32, &[KIB]))]
 }
 
 /// One 4 KiB round trip on the honest worker; its results freed.
@@ -120,12 +117,19 @@ fn run_case(
     // Bound only: twice the bound and more; a job the bound does not end fails here.
     let r = match job.wait_timeout(case.within * 2 + Duration::from_secs(5)) {
         Ok(r) => r,
-        Err(_) => bail!("{}: the job was still open after {:?}", case.mode, from.elapsed()),
+        Err(_) => bail!(
+            "{}: the job was still open after {:?}",
+            case.mode,
+            from.elapsed()
+        ),
     };
     let took = from.elapsed();
     match r {
         Err(Error::JobFailed {
-            worker, reason, detail, ..
+            worker,
+            reason,
+            detail,
+            ..
         }) => {
             ensure!(worker == rogue, "{}: the failure names {worker}", case.mode);
             ensure!(
@@ -149,7 +153,11 @@ fn run_case(
         case.within
     );
     // Reaped before its job was answered.
-    ensure!(p.worker(rogue).is_none(), "{}: the rogue is still listed", case.mode);
+    ensure!(
+        p.worker(rogue).is_none(),
+        "{}: the rogue is still listed",
+        case.mode
+    );
     Ok(took)
 }
 
@@ -398,7 +406,11 @@ both_drivers!(
 #[test]
 fn the_default_result_bounds_scale_with_a_simulated_device() {
     poolipc_tests::init_tracing();
-    for (gib, per_job, per_worker) in [(16u64, 8 * GIB, 9830 * MIB), (24, 12 * GIB, 14746 * MIB), (80, 32 * GIB, 48 * GIB)] {
+    for (gib, per_job, per_worker) in [
+        (16u64, 8 * GIB, 9830 * MIB),
+        (24, 12 * GIB, 14746 * MIB),
+        (80, 32 * GIB, 48 * GIB),
+    ] {
         let env = Env::sim_with(SimConfig {
             memory_per_device: gib * GIB,
             ..SimConfig::default()

@@ -4,7 +4,9 @@
 
 use crate::error::ContractError;
 use crate::message::{ErrorCode, Message};
-use crate::types::{AllocId, JobId, ExportBlob, RequestId, Rung, Span, Timestamp, WorkerId, ZERO_EXPORT};
+use crate::types::{
+    AllocId, ExportBlob, JobId, RequestId, Rung, Span, Timestamp, WorkerId, ZERO_EXPORT,
+};
 
 use super::Parent;
 use super::ledger::Answer;

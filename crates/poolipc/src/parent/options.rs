@@ -306,9 +306,7 @@ impl Default for ParentOptions {
             arena_idle_release: Some(DEFAULT_ARENA_IDLE_RELEASE),
             max_results_per_job: DEFAULT_MAX_RESULTS_PER_JOB,
             max_result_bytes_per_job: MemoryBound::Fraction(DEFAULT_RESULT_FRACTION_PER_JOB),
-            max_result_bytes_per_worker: MemoryBound::Fraction(
-                DEFAULT_RESULT_FRACTION_PER_WORKER,
-            ),
+            max_result_bytes_per_worker: MemoryBound::Fraction(DEFAULT_RESULT_FRACTION_PER_WORKER),
             max_job_lifetime: DEFAULT_MAX_JOB_LIFETIME,
             max_open_done_events: DEFAULT_MAX_OPEN_DONE_EVENTS,
         }
@@ -534,7 +532,9 @@ mod tests {
             ..ParentOptions::default()
         };
         assert_eq!(
-            bytes.limits_for(16 * GIB).map(|l| l.max_result_bytes_per_job),
+            bytes
+                .limits_for(16 * GIB)
+                .map(|l| l.max_result_bytes_per_job),
             Ok(5)
         );
         let bad = ParentOptions {
