@@ -69,7 +69,10 @@ impl Honest {
             let r = round_trip(p, worker, x, stream);
             let took = t.elapsed();
             if let Err(e) = r {
-                self.error.lock().unwrap().get_or_insert(e.to_string());
+                self.error
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .get_or_insert(e.to_string());
                 return;
             }
             self.jobs.fetch_add(1, Ordering::Relaxed);
@@ -80,7 +83,10 @@ impl Honest {
                     std::time::SystemTime::now()
                 );
             }
-            let mut worst = self.worst.lock().unwrap();
+            let mut worst = self
+                .worst
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             *worst = (*worst).max(took);
             drop(worst);
             std::thread::sleep(Duration::from_millis(20));
@@ -253,10 +259,10 @@ both_drivers!(
             for o in outcomes {
                 o?;
             }
-            if let Some(e) = watch.error.lock().unwrap().take() {
+            if let Some(e) = watch.error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take() {
                 bail!("the honest worker's job failed beside the rogues: {e}");
             }
-            let worst = *watch.worst.lock().unwrap();
+            let worst = *watch.worst.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let jobs = watch.jobs.load(Ordering::Relaxed);
             println!(
                 "honest worker beside {}: {jobs} round trips of 4 KiB, the worst {} µs",
