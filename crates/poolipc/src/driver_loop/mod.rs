@@ -304,9 +304,6 @@ struct Slot {
     staged_in_flight: bool,
     /// Why it was lost, for the jobs that fail with it.
     lost: Option<String>,
-    /// The pool's reserved bytes before its first result from the pool: what the pool is
-    /// trimmed back to once it was reaped killed ([`PoolTrim`]).
-    pool_reserved_before: Option<u64>,
 }
 
 /// Trimming the pool back after a killed worker's results were freed, and giving its arena's

@@ -189,18 +189,7 @@ impl Loop {
                 }
                 ptr
             }
-            None => {
-                if let Some(slot) = self.workers.get_mut(&worker)
-                    && slot.pool_reserved_before.is_none()
-                {
-                    slot.pool_reserved_before = Some(
-                        self.shared.pools[0]
-                            .stats()
-                            .map_or(u64::MAX, |s| s.reserved_current),
-                    );
-                }
-                self.shared.pools[0].alloc(bytes, stream)?
-            }
+            None => self.shared.pools[0].alloc(bytes, stream)?,
         };
         let alloc = AllocId(self.next_alloc);
         self.next_alloc += 1;

@@ -93,7 +93,6 @@ impl Loop {
                 in_flight: 0,
                 staged_in_flight: false,
                 lost: None,
-                pool_reserved_before: None,
             },
         );
         // The arena's chunks so far, before any grant can name one.
@@ -277,12 +276,24 @@ impl Loop {
                 self.act_now(action);
             }
         }
-        // Killed with results from the pool: once they are freed, the pool gives them back
-        // to the device, not only to itself.
-        // (And its arena's chunks go back as soon as their blocks' frees ran, not at the next
-        // idle check.)
+        // Killed with results from the pool in its open jobs: once they are freed (below, as
+        // its jobs fail), the pool gives those bytes back to the device, not only to itself;
+        // and its arena's chunks go back as soon as their blocks' frees ran, not at the next
+        // idle check.
         if kill || slot.lost.is_some() {
-            self.trim_pool_after(slot.pool_reserved_before.unwrap_or(u64::MAX));
+            let granted: u64 = self
+                .jobs
+                .iter()
+                .filter(|((w, _), st)| *w == worker && st.alloc.is_none())
+                .flat_map(|(_, st)| st.results.values())
+                .filter(|r| !r.is_arena())
+                .map(|r| r.bytes)
+                .sum();
+            let keep = match self.shared.pools[0].stats() {
+                Ok(s) if granted > 0 => s.reserved_current.saturating_sub(granted),
+                _ => u64::MAX,
+            };
+            self.trim_pool_after(keep);
         }
         let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
         tracing::info!(worker = %worker, status = %text, "worker reaped");
