@@ -173,8 +173,8 @@ both_drivers!(
                 initial_bytes: 4 * MIB,
                 max_bytes: None,
             };
-            o.max_result_bytes_per_job = u64::MAX;
-            o.max_result_bytes_per_worker = u64::MAX;
+            o.max_result_bytes_per_job = poolipc::MemoryBound::Bytes(u64::MAX);
+            o.max_result_bytes_per_worker = poolipc::MemoryBound::Bytes(u64::MAX);
         })?;
         let stream = p.driver().stream_create()?;
         let x = filled(&p, MIB, 0x0F0F_0F0F, stream)?;
@@ -211,7 +211,7 @@ both_drivers!(
 );
 
 both_drivers!(
-    /// A worker that keeps its job open with a valid (empty) result request every 100 ms
+    /// A worker that declared long jobs and keeps its job open with a heartbeat every 200 ms
     /// never meets the handoff deadline; the job lifetime ends it: the job fails naming the
     /// bound, the worker is condemned, a honest worker goes on.
     fn a_job_kept_alive_forever_fails_at_its_lifetime(env) {
@@ -223,7 +223,7 @@ both_drivers!(
         let stream = p.driver().stream_create()?;
         let x = filled(&p, MIB, 0x1111_2222, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
-        let rogue = p.spawn_worker(rogue_command(env, "keep-alive")?)?;
+        let rogue = p.spawn_worker(rogue_command(env, "long-job")?)?;
         let job = p.submit(rogue, &input(x), stream)?;
         honest_job(&p, honest, x, stream)?;
         // Bound only: the lifetime is 2 s; a job that never ends fails here.

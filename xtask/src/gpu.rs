@@ -390,6 +390,7 @@ mod tests {
             "mpsspin",
             "floorscale",
             "torchmp",
+            "rogue",
         ] {
             assert!(!line.contains(part), "{part}: {line}");
             assert!(

@@ -263,6 +263,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     t.row("MPS client", mps_meaning(info.mps_client));
     t.row("memory pools", yes_no(info.memory_pools));
     t.row("pool export by POSIX FD", yes_no(info.pool_posix_fd));
+    t.check("job bounds (defaults)", job_bounds(d), |s| s.clone());
 
     t.check("pool swap possible", swap_check(&driver, dev), |s| {
         s.clone()
@@ -480,6 +481,33 @@ fn tuning_rows(t: &mut Table) {
         };
         t.row(what, format!("{value} ({source})"));
     }
+}
+
+/// The parent's default bounds on one job and one worker on this device: the result bytes
+/// (fractions of the device's memory, clamped), the arenas' cap, the handoff deadline, the
+/// messages without progress and the cancel grace.
+fn job_bounds(d: &dyn Driver) -> Result<String> {
+    let (_, total) = d.mem_get_info()?;
+    let o = poolipc::ParentOptions::default();
+    let l = o.limits_for(total).map_err(|e| anyhow::anyhow!(e))?;
+    let gib = |b: u64| {
+        #[allow(clippy::cast_precision_loss)]
+        let g = b as f64 / f64::from(1u32 << 30);
+        format!("{g:.1} GiB")
+    };
+    Ok(format!(
+        "device {}: result bytes per job {} (0.5 of it, 256 MiB to 32 GiB), per worker {} \
+         (0.6, 256 MiB to 48 GiB), arenas' cap {} (0.5); a job fails after {} s without \
+         progress or {} messages that are not progress; a cancelled job's worker is killed \
+         after {} s (ParentOptions)",
+        gib(total),
+        gib(l.max_result_bytes_per_job),
+        gib(l.max_result_bytes_per_worker),
+        gib(l.arena_cap),
+        o.handoff_timeout.as_secs(),
+        o.max_idle_messages,
+        o.cancel_grace.as_secs()
+    ))
 }
 
 /// What being (or not being) an MPS client means for a handoff, in one row.

@@ -76,9 +76,10 @@ pub use message::{
     StagingBuffer, TensorMeta, VmmShare,
 };
 pub use parent::{
-    Bound, DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
-    DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB, FailReason, InputLoan,
-    JobOutcome, Parent, ParentAction, ParentConfig, ParentEvent, SliceLoan,
+    Bound, DEFAULT_CANCEL_GRACE, DEFAULT_MAX_IDLE_MESSAGES, DEFAULT_MAX_JOB_LIFETIME,
+    DEFAULT_MAX_RESULT_BYTES_PER_JOB, DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
+    DEFAULT_MAX_RESULTS_PER_JOB, FailReason, InputLoan, JobOutcome, Parent, ParentAction,
+    ParentConfig, ParentEvent, SliceLoan,
 };
 pub use poolipc_types::{
     ARENA_ALIGN, AllocId, CHUNK_BYTES, DType, DeviceUuid, EventBlob, ExportBlob, HandoffId,

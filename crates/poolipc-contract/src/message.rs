@@ -54,6 +54,11 @@ impl Capabilities {
     pub const HOST_STAGING: Self = Self(1 << 3);
     /// VMM allocations lent by handle (`VmmShare`, the VMM-handle rung; protocol 8).
     pub const VMM_HANDLE: Self = Self(1 << 4);
+    /// Long jobs (a worker's announcement): its jobs may compute longer than the parent's
+    /// handoff timeout, and it sends a `Heartbeat` more often than that while one runs.
+    /// The parent then takes its heartbeats for progress on its open jobs (not cancelled);
+    /// they still end at the job lifetime.
+    pub const LONG_JOBS: Self = Self(1 << 5);
 
     /// Whether every bit of `other` is set in `self`.
     pub fn contains(self, other: Self) -> bool {

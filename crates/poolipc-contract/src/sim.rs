@@ -847,7 +847,7 @@ impl World {
                     let id = self.workers[i].id;
                     let jobs = self.parent.jobs_of(id);
                     let job = pick(&jobs, p).unwrap_or(JobId(0));
-                    let got = self.parent.cancel(id, job);
+                    let got = self.parent.cancel(id, job, self.now);
                     let expected = self.connected(i) && !jobs.is_empty();
                     if got.is_ok() != expected {
                         self.mismatch(format!(

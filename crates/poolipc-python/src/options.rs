@@ -18,6 +18,9 @@ pub(crate) struct ParentConfig {
     stop_timeout: Option<f64>,
     handshake_timeout: Option<f64>,
     frame_timeout: Option<f64>,
+    /// How long a worker has to finish a cancelled job before it is killed
+    /// ([`ParentOptions::cancel_grace`]).
+    cancel_grace: Option<f64>,
     /// Where results go when a job names no allocator: `"pool"` or `"arena"`.
     results: Option<String>,
     /// The result arena's first chunk (and growth step), in bytes.
@@ -103,7 +106,7 @@ type Field = (
 impl ParentConfig {
     /// Each deadline with its name, the requested value, and its field of [`ParentOptions`]
     /// (to read and to set).
-    fn fields(&self) -> [Field; 4] {
+    fn fields(&self) -> [Field; 5] {
         [
             (
                 "handoff_timeout",
@@ -128,6 +131,12 @@ impl ParentConfig {
                 self.frame_timeout,
                 |o| o.frame_timeout,
                 |o| &mut o.frame_timeout,
+            ),
+            (
+                "cancel_grace",
+                self.cancel_grace,
+                |o| o.cancel_grace,
+                |o| &mut o.cancel_grace,
             ),
         ]
     }

@@ -182,9 +182,11 @@ impl NativeJobHandle {
         self.wait_inner(py, timeout)
     }
 
-    /// Cancels the job: the worker is told and still finishes it; the job then fails with
-    /// `JobFailedError` (`reason == "cancelled"`), and nothing it held is reused before the
-    /// worker's DONE or its death. A job that ended already is left as it is. Holds no GIL
+    /// Cancels the job: the worker is told and has the parent's `cancel_grace` (3 s by
+    /// default) to finish it; the job then fails with `JobFailedError`
+    /// (`reason == "cancelled"`). A worker that does not finish it in time is killed, and
+    /// what was lent to the job comes back once it is reaped. Nothing it held is reused before
+    /// the worker's DONE or its death. A job that ended already is left as it is. Holds no GIL
     /// while it waits for a waiting thread's slice.
     fn cancel(&self, py: Python<'_>) -> PyResult<()> {
         if lock(&self.outcome).is_some() {

@@ -794,6 +794,34 @@ def test_an_unknown_worker_is_an_unknown_worker_error(parent):
     assert parent.pid(99999) is None
 
 
+def test_a_cancel_the_worker_ignores_ends_the_job_within_the_grace_and_a_second(parent, report, tmp_path):
+    # A worker that holds its job behind a shut gate and does not answer `cancel()` is killed
+    # at the parent's `cancel_grace`: the job raises JobFailedError("cancelled") within the
+    # grace and a second, the worker is gone, and the pool's memory is back.
+    grace = parent.options["cancel_grace"]
+    assert grace == 3.0
+    gate, env = gate_env(report, tmp_path)
+    buf = f32_buffer(parent, [1.5] * 64)
+    gc.collect()
+    parent.synchronize()
+    baseline = poolipc.memory_stats()["used_current"]
+    w = spawn(parent, "gate", env)
+    h = parent.submit(w, [poolipc.TensorRef(buf.ptr, "float32", [64])])
+    assert wait_until(lambda: entered(report) == {parent.pid(w)})
+    h.cancel()
+    t = time.monotonic()
+    with pytest.raises(poolipc.JobFailedError) as e:
+        h.wait(timeout=grace + 10)
+    took = time.monotonic() - t
+    assert e.value.reason == "cancelled", e.value
+    assert took <= grace + 1.0, took
+    assert wait_until(lambda: w not in parent.workers(), 5)
+    del h, e
+    gc.collect()
+    parent.synchronize()
+    assert wait_until(lambda: poolipc.memory_stats()["used_current"] == baseline, 5)
+
+
 def test_chaos_workers_raise_only_typed_errors_and_spare_an_honest_one(parent):
     # Rogues walking at random over the worker's side of the protocol (the test crate's
     # `poolipc-test-rogue chaos`), one after another, each given jobs, beside an honest

@@ -90,14 +90,16 @@ pub use error::{Error, ResultRefusal};
 pub use handshake::{WORKER_STDERR_ENV, identity};
 pub use parent::{
     ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
-    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, EmptyCache,
-    GPU_TURN_ENV, IO_THREADS_ENV, Input, JobHandle, JobOutput, JobWatch, MAX_IO_THREADS, Parent,
-    ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
+    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
+    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, GPU_TURN_ENV, IO_THREADS_ENV,
+    Input, JobHandle, JobOutput, JobWatch, Limits, MAX_IO_THREADS, MIN_RESULT_BOUND, MemoryBound,
+    Parent, ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
     SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN, Trust, WorkerInfo,
 };
 pub use poolipc_contract::{
-    Bound, DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
-    DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB, FailReason, WorkerId,
+    Bound, DEFAULT_CANCEL_GRACE, DEFAULT_MAX_IDLE_MESSAGES, DEFAULT_MAX_JOB_LIFETIME,
+    DEFAULT_MAX_RESULT_BYTES_PER_JOB, DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
+    DEFAULT_MAX_RESULTS_PER_JOB, FailReason, WorkerId,
 };
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_pool::ExportReuse;

@@ -28,7 +28,21 @@
 //!   with the refusal's text and finishes it properly, then waits for `Bye`; granted, it
 //!   exits with an error (the parent must refuse, or condemn it first).
 //! - `keep-alive`: answers the job with an empty result request every 100 ms, forever: each
-//!   one is a valid message about the job (the job lifetime must end it).
+//!   one is a valid message about the job, and none is progress (the bound on messages
+//!   without progress must end it).
+//! - `empty-done`: answers the job with a `Done` naming no handoff every 100 ms, forever (the
+//!   first is progress, the rest are not).
+//! - `job-error-drip`: a `JobError` about the job every 500 ms, forever (only the first is
+//!   progress: the handoff deadline must end it).
+//! - `ignore-cancel`: asks for one 4 KiB result every 200 ms, forever, whatever the parent
+//!   answers, and ignores the parent's `Cancel` (the cancel grace must end it).
+//! - `results-hog`: announces the arena; asks for one result of `POOLIPC_TEST_ROGUE_BYTES`
+//!   bytes (1 GiB by default) at a time, again after each grant, and never finishes the job
+//!   (the result bytes bounds must end it).
+//! - `long-job`: announces long jobs (`Capabilities::LONG_JOBS`); at its first `Lend` it
+//!   "computes" for `POOLIPC_TEST_ROGUE_DELAY_MS` (0: for ever), sending a `Heartbeat`
+//!   every 200 ms meanwhile, then finishes the job properly (a DONE event of its own, the
+//!   `Done` naming every handoff, the `Ack`) and waits for `Bye`.
 //! - `done-churn`: serves every job properly but with a DONE event of its own each time
 //!   (created, recorded, its blob sent; destroyed 64 jobs later, since libcuda hands a new
 //!   event the blob of one just destroyed): the parent must not keep every blob it was
@@ -116,8 +130,11 @@ fn run() -> anyhow::Result<()> {
     }
     let mut conn = poolipc_transport::connection_from_env()?;
     let mut caps = Capabilities(Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0);
-    if mode.starts_with("arena-") || mode == "results-flood" {
+    if mode.starts_with("arena-") || mode == "results-flood" || mode == "results-hog" {
         caps = caps | Capabilities::VMM_ARENA;
+    }
+    if mode == "long-job" {
+        caps = caps | Capabilities::LONG_JOBS;
     }
     if mode.starts_with("staging-") {
         caps = Capabilities(Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0);
@@ -355,6 +372,119 @@ fn run() -> anyhow::Result<()> {
                 other => anyhow::bail!("rogue: a result of {bytes} bytes was granted: {other:?}"),
             };
             return finish_failed(&mut conn, &*driver, lend.job, handles, said);
+        }
+        "empty-done" => loop {
+            conn.send(
+                &Message::Done(Done {
+                    job: lend.job,
+                    done_event: EventBlob([7; 64]),
+                    handles: Vec::new(),
+                    carved: Vec::new(),
+                }),
+                &[],
+                deadline(),
+            )?;
+            std::thread::sleep(Duration::from_millis(100));
+        },
+        "job-error-drip" => loop {
+            conn.send(
+                &Message::JobError {
+                    job: lend.job,
+                    message: "still failing".into(),
+                },
+                &[],
+                deadline(),
+            )?;
+            std::thread::sleep(Duration::from_millis(500));
+        },
+        "ignore-cancel" => {
+            let mut granted = 0u32;
+            let mut refused = 0u32;
+            loop {
+                conn.send(
+                    &Message::ResultRequest(ResultRequest {
+                        job: lend.job,
+                        results: vec![ResultSpec {
+                            dtype: DType::U8,
+                            shape: vec![4096],
+                            byte_len: 4096,
+                        }],
+                    }),
+                    &[],
+                    deadline(),
+                )?;
+                let grant = loop {
+                    match conn.recv(deadline())?.0 {
+                        Message::AllocationGrant(g) => break g,
+                        Message::Heartbeat { .. } | Message::ArenaChunk(_) => {}
+                        Message::Cancel { .. } => {
+                            eprintln!("poolipc-test-rogue: cancelled; asking on");
+                        }
+                        other => anyhow::bail!("rogue: expected a grant, got {}", other.kind()),
+                    }
+                };
+                for g in &grant.results {
+                    match g {
+                        poolipc_contract::ResultGrant::Refused { .. } => refused += 1,
+                        _ => granted += 1,
+                    }
+                }
+                eprintln!("poolipc-test-rogue: {granted} granted, {refused} refused");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+        "results-hog" => {
+            let bytes = env_or("POOLIPC_TEST_ROGUE_BYTES", 1 << 30)?;
+            let mut held = 0u64;
+            loop {
+                conn.send(
+                    &Message::ResultRequest(ResultRequest {
+                        job: lend.job,
+                        results: vec![ResultSpec {
+                            dtype: DType::U8,
+                            shape: vec![bytes],
+                            byte_len: bytes,
+                        }],
+                    }),
+                    &[],
+                    deadline(),
+                )?;
+                let grant = recv_grant(&mut conn)?;
+                if !matches!(
+                    grant.results.as_slice(),
+                    [poolipc_contract::ResultGrant::Refused { .. }]
+                ) {
+                    held += bytes;
+                }
+                eprintln!("poolipc-test-rogue: holding {held} result bytes");
+            }
+        }
+        "long-job" => {
+            let compute = env_or("POOLIPC_TEST_ROGUE_DELAY_MS", 0)?;
+            let until = (compute > 0).then(|| Instant::now() + Duration::from_millis(compute));
+            let mut seq = 0;
+            while until.is_none_or(|u| Instant::now() < u) {
+                conn.send(&Message::Heartbeat { seq }, &[], deadline())?;
+                seq += 1;
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            driver.use_device(0)?;
+            let event = driver.event_create(true)?;
+            driver.event_record(event, poolipc::StreamHandle::NULL)?;
+            let done_event = driver.ipc_get_event_handle(event)?;
+            poolipc_tests::chaos::send_done_and_ack(
+                &mut conn,
+                lend.job,
+                done_event,
+                handles,
+                deadline(),
+            )?;
+            loop {
+                match conn.recv(Instant::now() + Duration::from_secs(600))?.0 {
+                    Message::Bye => return Ok(()),
+                    _ => continue,
+                }
+            }
         }
         "keep-alive" => loop {
             conn.send(

@@ -18,9 +18,14 @@ use {
 pub struct ParentConfig {
     /// Which allocations may go by pool pointer.
     pub limit: ImportLimit,
-    /// How long a job may go without a word from its worker (a message about the job). Past
-    /// it, the worker is killed, its jobs fail, and what it held is released once it is
-    /// reaped.
+    /// How long a job may go without progress from its worker. Past it, the worker is
+    /// killed, its jobs fail, and what it held is released once it is reaped. Only progress
+    /// starts the wait again: a result request that is granted (at least one result
+    /// allocated), a `Done` that marks a handoff DONE or is the job's first, the job's first
+    /// `JobError`, a `Heartbeat` from a worker that declared long jobs
+    /// ([`Parent::allow_long_jobs`]). An empty result request, one refused, an empty or
+    /// repeated `Done`, a repeated `JobError` move nothing: they count against
+    /// [`max_idle_messages`](ParentConfig::max_idle_messages).
     pub handoff_timeout: Duration,
     /// The most results one job may ask for, over all its result requests (those a request
     /// over [`MAX_RESULTS_PER_REQUEST`] asks for are refused and not counted). Past it the
@@ -38,6 +43,15 @@ pub struct ParentConfig {
     /// (every message about a job restarts its `handoff_timeout`, not this). Past it the
     /// worker is condemned ([`Bound::JobLifetime`]) and killed.
     pub max_job_lifetime: Duration,
+    /// The most messages about one job that are not progress (see
+    /// [`handoff_timeout`](ParentConfig::handoff_timeout)) a worker may send. Past it the
+    /// worker is condemned ([`Bound::IdleMessages`]).
+    pub max_idle_messages: u32,
+    /// How long a worker has, after [`Parent::cancel`], to finish the cancelled job (its
+    /// `Done` and `Ack`). Past it the worker is condemned and killed; the job fails with
+    /// [`FailReason::Cancelled`] and what was lent to it is released once the worker is
+    /// reaped, as for a lost worker.
+    pub cancel_grace: Duration,
 }
 
 /// [`ParentConfig::max_results_per_job`]'s default: as many as a `Lend` may carry inputs
@@ -49,6 +63,11 @@ pub const DEFAULT_MAX_RESULT_BYTES_PER_JOB: u64 = 32 << 30;
 pub const DEFAULT_MAX_RESULT_BYTES_PER_WORKER: u64 = 48 << 30;
 /// [`ParentConfig::max_job_lifetime`]'s default: 4 hours.
 pub const DEFAULT_MAX_JOB_LIFETIME: Duration = Duration::from_secs(4 * 3600);
+/// [`ParentConfig::max_idle_messages`]'s default: 32 (an honest worker sends a few at most:
+/// a refused request and its `JobError`, say).
+pub const DEFAULT_MAX_IDLE_MESSAGES: u32 = 32;
+/// [`ParentConfig::cancel_grace`]'s default: 3 s.
+pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(3);
 
 impl Default for ParentConfig {
     fn default() -> Self {
@@ -59,6 +78,8 @@ impl Default for ParentConfig {
             max_result_bytes_per_job: DEFAULT_MAX_RESULT_BYTES_PER_JOB,
             max_result_bytes_per_worker: DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
             max_job_lifetime: DEFAULT_MAX_JOB_LIFETIME,
+            max_idle_messages: DEFAULT_MAX_IDLE_MESSAGES,
+            cancel_grace: DEFAULT_CANCEL_GRACE,
         }
     }
 }
@@ -82,6 +103,8 @@ pub enum Bound {
     /// The facade's bound on the frames it keeps aside while host staging waits (enforced
     /// outside the contract: [`Parent::condemn_for`]).
     StagingBacklog,
+    /// [`ParentConfig::max_idle_messages`]: messages about a job that moved nothing.
+    IdleMessages,
 }
 
 impl fmt::Display for Bound {
@@ -93,6 +116,7 @@ impl fmt::Display for Bound {
             Bound::JobLifetime => "job lifetime",
             Bound::OpenDoneEvents => "open DONE events per worker",
             Bound::StagingBacklog => "staging backlog",
+            Bound::IdleMessages => "messages without progress per job",
         })
     }
 }

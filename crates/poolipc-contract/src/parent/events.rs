@@ -4,7 +4,9 @@
 
 use crate::error::ContractError;
 use crate::message::{ErrorCode, Message};
-use crate::types::{AllocId, ExportBlob, RequestId, Rung, Span, Timestamp, WorkerId, ZERO_EXPORT};
+use crate::types::{
+    AllocId, ExportBlob, JobId, RequestId, Rung, Span, Timestamp, WorkerId, ZERO_EXPORT,
+};
 
 use super::Parent;
 use super::ledger::Answer;
@@ -185,14 +187,27 @@ impl Parent {
             Message::Done(d) => self.on_done(worker, d, now),
             Message::Ack(a) => self.on_ack(worker, a),
             Message::JobError { job, message } => match self.ledger.job_mut(worker, job) {
-                Some(j) => {
-                    j.error
-                        .get_or_insert_with(|| crate::text::worker_text(&message));
-                    j.deadline = now.saturating_add(self.config.handoff_timeout);
+                Some(j) if j.error.is_none() => {
+                    j.error = Some(crate::text::worker_text(&message));
+                    self.progress(worker, job, now);
                 }
+                Some(_) => self.idle(worker, job, "a repeated JobError"),
                 None => self.violation(worker, format!("a JobError for {job}, which is not open")),
             },
-            Message::Heartbeat { .. } => {}
+            Message::Heartbeat { .. } => {
+                if self.ledger.peer(worker).is_some_and(|p| p.long_jobs) {
+                    let open: Vec<JobId> = self
+                        .ledger
+                        .peer(worker)
+                        .map(|p| p.jobs.iter().copied().collect())
+                        .unwrap_or_default();
+                    for job in open {
+                        if self.ledger.job(worker, job).is_some_and(|j| !j.cancelled) {
+                            self.progress(worker, job, now);
+                        }
+                    }
+                }
+            }
             Message::Error { code, message } => {
                 let message = crate::text::worker_text(&message);
                 self.violation(worker, format!("the worker reported: {code}: {message}"));

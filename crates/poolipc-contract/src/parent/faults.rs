@@ -25,8 +25,10 @@ pub enum FailReason {
     /// The worker was stopped ([`Parent::stop_worker`], [`Parent::shutdown`]) with the job
     /// still open.
     Stopped,
-    /// The job was cancelled ([`Parent::cancel`]); the worker finished it (Done, Ack), so
-    /// what it held is released as [`Outcome::Cancelled`].
+    /// The job was cancelled ([`Parent::cancel`]): the worker finished it (Done, Ack), so
+    /// what it held is released as [`Outcome::Cancelled`]; or it did not within
+    /// [`ParentConfig::cancel_grace`](super::ParentConfig::cancel_grace), so it was killed and
+    /// what it held is released once it is reaped.
     Cancelled,
     /// The worker went past a bound (the detail says by how much); it was killed.
     BoundExceeded(Bound),
@@ -52,6 +54,9 @@ impl fmt::Display for FailReason {
                 "bound exceeded: open DONE events per worker"
             }
             FailReason::BoundExceeded(Bound::StagingBacklog) => "bound exceeded: staging backlog",
+            FailReason::BoundExceeded(Bound::IdleMessages) => {
+                "bound exceeded: messages without progress per job"
+            }
         })
     }
 }
@@ -75,6 +80,24 @@ impl Parent {
                 true,
             );
         }
+        let unanswered: BTreeMap<WorkerId, JobId> = self
+            .ledger
+            .jobs()
+            .filter(|(w, _, j)| j.cancel_by.is_some_and(|c| c <= now) && self.connected(*w))
+            .map(|(w, job, _)| (w, job))
+            .collect();
+        let grace = self.config.cancel_grace;
+        for (worker, job) in unanswered {
+            self.condemn(
+                worker,
+                FailReason::Cancelled,
+                format!(
+                    "{job} on {worker} was cancelled and the worker did not finish it within \
+                     the cancel grace ({grace:?}): killed"
+                ),
+                true,
+            );
+        }
         let late: BTreeMap<WorkerId, JobId> = self
             .ledger
             .jobs()
@@ -86,7 +109,17 @@ impl Parent {
             self.condemn(
                 worker,
                 FailReason::DeadlineExpired,
-                format!("{worker} sent no word about {job} within {timeout:?}"),
+                format!(
+                    "{worker} made no progress on {job} within {timeout:?}{}",
+                    match self.ledger.job(worker, job).map_or(0, |j| j.idle_messages) {
+                        0 => String::new(),
+                        n => format!(
+                            " ({n} messages about it were not progress: only a granted result \
+                             request, a Done that completes handoffs, the first JobError or a \
+                             declared long job's heartbeat extend a job)"
+                        ),
+                    }
+                ),
                 true,
             );
         }

@@ -60,6 +60,8 @@ pub(super) struct Peer {
     pub(super) failure: Option<(FailReason, String)>,
     /// Its open jobs.
     pub(super) jobs: BTreeSet<JobId>,
+    /// It declared long jobs: its heartbeats are progress for its open jobs.
+    pub(super) long_jobs: bool,
 }
 
 /// An answer to one result request, held until every request of its message is answered.
@@ -124,6 +126,10 @@ pub(super) struct Job {
     /// Result bytes asked for so far.
     pub(super) result_bytes: u64,
     pub(super) cancelled: bool,
+    /// When a cancelled job's grace ends ([`super::ParentConfig::cancel_grace`]).
+    pub(super) cancel_by: Option<Timestamp>,
+    /// Messages about it that were not progress ([`super::ParentConfig::max_idle_messages`]).
+    pub(super) idle_messages: u32,
     pub(super) done_seen: bool,
     pub(super) error: Option<String>,
     /// Inputs in `Lend` order, then results in grant order.
@@ -229,8 +235,16 @@ impl Ledger {
                 stopping: false,
                 failure: None,
                 jobs: BTreeSet::new(),
+                long_jobs: false,
             },
         );
+    }
+
+    /// Marks `worker` as one that declared long jobs (its heartbeats are progress).
+    pub(super) fn allow_long_jobs(&mut self, worker: WorkerId) {
+        if let Some(peer) = self.workers.get_mut(&worker) {
+            peer.long_jobs = true;
+        }
     }
 
     /// Marks `worker` stopping (no new job).
@@ -303,6 +317,8 @@ impl Ledger {
                 results_asked: 0,
                 result_bytes: 0,
                 cancelled: false,
+                cancel_by: None,
+                idle_messages: 0,
                 done_seen: false,
                 error: None,
                 handoffs: Vec::new(),

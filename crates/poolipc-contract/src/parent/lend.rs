@@ -265,9 +265,18 @@ impl Parent {
     /// declined: those not answered yet become `Refused { CANCELLED }` when answered, those
     /// answered and not granted are freed now. Cancelling twice is a no-op.
     ///
+    /// The worker has [`ParentConfig::cancel_grace`](super::ParentConfig::cancel_grace) from
+    /// `now` to finish the job; past it, it is condemned ([`ParentAction::KillWorker`]) and
+    /// the job fails with [`FailReason::Cancelled`] once the worker is reaped.
+    ///
     /// # Errors
     /// The worker is unknown or not connected, or the job is not open on it.
-    pub fn cancel(&mut self, worker: WorkerId, job: JobId) -> Result<(), ContractError> {
+    pub fn cancel(
+        &mut self,
+        worker: WorkerId,
+        job: JobId,
+        now: Timestamp,
+    ) -> Result<(), ContractError> {
         if self.ledger.peer(worker).is_none() {
             return Err(ContractError::UnknownWorker(worker));
         }
@@ -281,6 +290,7 @@ impl Parent {
             return Ok(());
         }
         j.cancelled = true;
+        j.cancel_by = Some(now.saturating_add(self.config.cancel_grace));
         self.actions.push_back(ParentAction::Send {
             worker,
             message: Message::Cancel { job },

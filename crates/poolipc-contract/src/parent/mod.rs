@@ -28,8 +28,9 @@ use crate::types::{JobId, Timestamp, WorkerId};
 
 pub use actions::{JobOutcome, ParentAction};
 pub use config::{
-    Bound, DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
-    DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB, ParentConfig,
+    Bound, DEFAULT_CANCEL_GRACE, DEFAULT_MAX_IDLE_MESSAGES, DEFAULT_MAX_JOB_LIFETIME,
+    DEFAULT_MAX_RESULT_BYTES_PER_JOB, DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
+    DEFAULT_MAX_RESULTS_PER_JOB, ParentConfig,
 };
 pub use events::ParentEvent;
 pub use faults::FailReason;
@@ -115,11 +116,61 @@ impl Parent {
         self.ledger
             .jobs()
             .filter(|(w, _, _)| self.connected(*w))
-            .map(|(_, _, j)| match j.batch() {
-                None => j.deadline.min(j.expires),
-                Some(_) => j.expires,
+            .map(|(_, _, j)| {
+                let due = match j.batch() {
+                    None => j.deadline.min(j.expires),
+                    Some(_) => j.expires,
+                };
+                j.cancel_by.map_or(due, |c| due.min(c))
             })
             .min()
+    }
+
+    /// `worker` declared long jobs (a worker's own choice, told in its handshake): each
+    /// `Heartbeat` it sends is progress for its open jobs that are not cancelled, starting
+    /// their [`ParentConfig::handoff_timeout`] again. Its jobs still end at
+    /// [`ParentConfig::max_job_lifetime`].
+    ///
+    /// # Errors
+    /// The worker is unknown.
+    pub fn allow_long_jobs(&mut self, worker: WorkerId) -> Result<(), ContractError> {
+        if self.ledger.peer(worker).is_none() {
+            return Err(ContractError::UnknownWorker(worker));
+        }
+        self.ledger.allow_long_jobs(worker);
+        Ok(())
+    }
+
+    /// Progress on `job`: its handoff deadline starts again.
+    fn progress(&mut self, worker: WorkerId, job: JobId, now: Timestamp) {
+        let timeout = self.config.handoff_timeout;
+        if let Some(j) = self.ledger.job_mut(worker, job) {
+            j.deadline = now.saturating_add(timeout);
+        }
+    }
+
+    /// A message about `job` that moved nothing (`what` says which): counted; past
+    /// [`ParentConfig::max_idle_messages`] the worker is condemned.
+    fn idle(&mut self, worker: WorkerId, job: JobId, what: &str) {
+        let most = self.config.max_idle_messages;
+        let Some(j) = self.ledger.job_mut(worker, job) else {
+            return;
+        };
+        j.idle_messages = j.idle_messages.saturating_add(1);
+        if j.idle_messages > most {
+            let n = j.idle_messages;
+            self.condemn(
+                worker,
+                FailReason::BoundExceeded(Bound::IdleMessages),
+                format!(
+                    "{worker} sent {n} messages about {job} that were not progress (at most \
+                     {most} allowed; the last: {what}): only a granted result request, a Done \
+                     that completes handoffs, the first JobError or a declared long job's \
+                     heartbeat extend a job"
+                ),
+                true,
+            );
+        }
     }
 
     /// Handoffs lent and not yet released.

@@ -61,9 +61,14 @@ impl Parent {
                 self.ledger.set_carves(handle, carved);
             }
         }
+        let first = self.ledger.job(worker, job).is_some_and(|j| !j.done_seen);
         if let Some(j) = self.ledger.job_mut(worker, job) {
             j.done_seen = true;
-            j.deadline = now.saturating_add(self.config.handoff_timeout);
+        }
+        if first || !handles.is_empty() {
+            self.progress(worker, job, now);
+        } else {
+            self.idle(worker, job, "a Done that named no handoff");
         }
         for h in handles {
             self.ledger.mark_done(h, done_event);

@@ -24,6 +24,7 @@ impl Parent {
         now: Timestamp,
     ) {
         let ResultRequest { job, results } = request;
+        let empty = results.is_empty();
         let Some(j) = self.ledger.job(worker, job) else {
             return self.violation(
                 worker,
@@ -124,8 +125,8 @@ impl Parent {
                 });
             }
         }
-        if let Some(j) = self.ledger.job_mut(worker, job) {
-            j.deadline = now.saturating_add(self.config.handoff_timeout);
+        if empty {
+            self.idle(worker, job, "an empty result request");
         }
         self.grant_if_answered(worker, job, now);
     }
@@ -275,11 +276,18 @@ impl Parent {
         let Some(answers) = self.ledger.take_answered(worker, job) else {
             return;
         };
-        let Some(j) = self.ledger.job_mut(worker, job) else {
+        let Some(j) = self.ledger.job(worker, job) else {
             return;
         };
-        j.deadline = now.saturating_add(self.config.handoff_timeout);
         let ready_event = j.ready_event;
+        if answers
+            .iter()
+            .any(|(_, a)| matches!(a, Answer::Allocated { .. }))
+        {
+            self.progress(worker, job, now);
+        } else if !answers.is_empty() {
+            self.idle(worker, job, "a result request refused whole");
+        }
         let mut results = Vec::with_capacity(answers.len());
         let mut any_pointer = false;
         for (request, answer) in answers {

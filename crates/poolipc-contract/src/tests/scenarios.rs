@@ -1418,7 +1418,7 @@ fn a_cancelled_job_declines_its_pending_request_and_releases_as_cancelled() {
     )
     .expect("request");
     let _ = drain_parent(&mut p);
-    p.cancel(W0, JOB).expect("cancel");
+    p.cancel(W0, JOB, T0).expect("cancel");
     assert_eq!(
         drain_parent(&mut p),
         [ParentAction::Send {
@@ -2342,12 +2342,14 @@ fn the_result_bytes_of_a_workers_open_jobs_together_are_bounded() {
 #[test]
 fn a_job_kept_busy_still_ends_at_its_lifetime() {
     let mut p = bounded_parent(|c| c.max_job_lifetime = Duration::from_millis(25));
+    p.allow_long_jobs(W0).expect("known worker");
     p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
         .expect("start");
     let _ = drain_parent(&mut p);
-    // An empty request every 5 ms: the handoff deadline (10 ms) never passes.
+    // A declared long job's heartbeat every 5 ms: the handoff deadline (10 ms) never passes.
     for ms in (5..25).step_by(5) {
-        let _ = ask_and_decline(&mut p, W0, JOB, Vec::new(), at(ms));
+        p.handle(received(W0, Message::Heartbeat { seq: ms }), at(ms))
+            .expect("heartbeat");
         p.handle_timeout(at(ms));
         assert!(p.is_live(W0), "condemned at {ms} ms");
     }
@@ -2361,6 +2363,180 @@ fn a_job_kept_busy_still_ends_at_its_lifetime() {
         failed_with(&mut p, W0, JOB, at(26)),
         FailReason::BoundExceeded(Bound::JobLifetime)
     );
+}
+
+/// A job kept open by `word` (sent every 2 ms, each at `at(ms)`) still fails at its
+/// handoff deadline (10 ms from its start): `word` is not progress.
+fn chatter_ends_at_the_deadline(word: impl Fn(&mut Parent, u64)) {
+    let mut p = bounded_parent(|c| c.max_idle_messages = 1000);
+    p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    // One JobError first: the first is progress (at 1 ms: the deadline is 11 ms).
+    p.handle(
+        received(
+            W0,
+            Message::JobError {
+                job: JOB,
+                message: "first".into(),
+            },
+        ),
+        at(1),
+    )
+    .expect("word");
+    // And the word itself once (a first Done is progress too: the deadline stays 11 ms).
+    word(&mut p, 1);
+    for ms in (2..11).step_by(2) {
+        word(&mut p, ms);
+        p.handle_timeout(at(ms));
+        assert!(p.is_live(W0), "condemned at {ms} ms");
+    }
+    assert_eq!(p.poll_timeout(), Some(at(11)), "chatter moved the deadline");
+    p.handle_timeout(at(11));
+    assert_eq!(kills(&drain_parent(&mut p)), [W0]);
+    assert_eq!(
+        failed_with(&mut p, W0, JOB, at(12)),
+        FailReason::DeadlineExpired
+    );
+}
+
+#[test]
+fn empty_result_requests_do_not_move_a_jobs_deadline() {
+    chatter_ends_at_the_deadline(|p, ms| {
+        let _ = ask_and_decline(p, W0, JOB, Vec::new(), at(ms));
+    });
+}
+
+#[test]
+fn refused_result_requests_do_not_move_a_jobs_deadline() {
+    chatter_ends_at_the_deadline(|p, ms| {
+        let _ = ask_and_decline(p, W0, JOB, vec![spec(1)], at(ms));
+    });
+}
+
+#[test]
+fn repeated_job_errors_do_not_move_a_jobs_deadline() {
+    chatter_ends_at_the_deadline(|p, ms| {
+        p.handle(
+            received(
+                W0,
+                Message::JobError {
+                    job: JOB,
+                    message: "again".into(),
+                },
+            ),
+            at(ms),
+        )
+        .expect("word");
+    });
+}
+
+#[test]
+fn empty_dones_after_the_first_do_not_move_a_jobs_deadline() {
+    chatter_ends_at_the_deadline(|p, ms| {
+        p.handle(
+            received(
+                W0,
+                Message::Done(Done {
+                    job: JOB,
+                    done_event: done_event(1),
+                    handles: Vec::new(),
+                    carved: Vec::new(),
+                }),
+            ),
+            at(ms),
+        )
+        .expect("word");
+    });
+}
+
+#[test]
+fn heartbeats_move_no_deadline_unless_the_worker_declared_long_jobs() {
+    chatter_ends_at_the_deadline(|p, ms| {
+        p.handle(received(W0, Message::Heartbeat { seq: ms }), at(ms))
+            .expect("word");
+    });
+}
+
+#[test]
+fn messages_without_progress_past_their_bound_condemn_only_that_worker() {
+    let mut p = bounded_parent(|c| c.max_idle_messages = 3);
+    p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
+        .expect("start");
+    p.start_job(W1, JobId(2), ready(2), vec![pointer(2)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    for _ in 0..3 {
+        let actions = ask_and_decline(&mut p, W0, JOB, Vec::new(), T0);
+        assert!(kills(&actions).is_empty(), "condemned within the bound");
+    }
+    let actions = ask_and_decline(&mut p, W0, JOB, Vec::new(), T0);
+    assert_eq!(kills(&actions), [W0]);
+    assert!(p.is_live(W1));
+    assert_eq!(
+        failed_with(&mut p, W0, JOB, at(1)),
+        FailReason::BoundExceeded(Bound::IdleMessages)
+    );
+}
+
+#[test]
+fn a_granted_result_request_is_progress() {
+    let mut p = bounded_parent(|_| {});
+    p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    p.handle(
+        received(
+            W0,
+            Message::ResultRequest(ResultRequest {
+                job: JOB,
+                results: vec![spec(1)],
+            }),
+        ),
+        at(8),
+    )
+    .expect("request");
+    let request = drain_parent(&mut p)
+        .into_iter()
+        .find_map(|a| match a {
+            ParentAction::AllocateResult { request, .. } => Some(request),
+            _ => None,
+        })
+        .expect("an allocation asked for");
+    p.handle(
+        ParentEvent::ResultAllocated {
+            worker: W0,
+            request,
+            alloc: AllocId(50),
+            span: span_of(50, 4),
+            rung: Rung::PoolPointer,
+            pool: 0,
+            export: ExportBlob([5; 64]),
+        },
+        at(9),
+    )
+    .expect("answer");
+    assert_eq!(p.poll_timeout(), Some(at(19)));
+}
+
+#[test]
+fn a_cancelled_job_its_worker_ignores_fails_as_cancelled_at_the_grace() {
+    let mut p = bounded_parent(|c| {
+        c.cancel_grace = Duration::from_millis(5);
+        c.handoff_timeout = Duration::from_millis(100);
+    });
+    p.start_job(W0, JOB, ready(1), vec![pointer(1)], T0)
+        .expect("start");
+    let _ = drain_parent(&mut p);
+    p.cancel(W0, JOB, at(1)).expect("cancel");
+    let _ = drain_parent(&mut p);
+    assert_eq!(p.poll_timeout(), Some(at(6)));
+    let _ = ask_and_decline(&mut p, W0, JOB, vec![spec(1)], at(3));
+    p.handle_timeout(at(5));
+    assert!(p.is_live(W0));
+    p.handle_timeout(at(6));
+    assert_eq!(kills(&drain_parent(&mut p)), [W0]);
+    assert_eq!(failed_with(&mut p, W0, JOB, at(7)), FailReason::Cancelled);
 }
 
 #[test]

@@ -49,4 +49,23 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         tracing::debug!(before, after, "poolipc: pool trimmed");
         Ok((before, after))
     }
+
+    /// Gives the pool's unused memory back to the device down to `keep` bytes reserved (per
+    /// generation), without waiting for any GPU work: memory whose free is still queued on a
+    /// stream stays until a later call. For a thread that must not block (the parent's IO
+    /// thread, after a condemned worker's results were freed). Returns the bytes the pool
+    /// held before and after.
+    pub fn trim_to(&self, keep: u64) -> Result<(u64, u64), PoolError> {
+        let before = self.stats()?.reserved_current;
+        if before <= keep {
+            return Ok((before, before));
+        }
+        self.exports.clear();
+        for pool in self.handles() {
+            self.driver.mem_pool_trim_to(pool, keep)?;
+        }
+        let after = self.stats()?.reserved_current;
+        tracing::debug!(before, after, keep, "poolipc: pool trimmed");
+        Ok((before, after))
+    }
 }

@@ -200,8 +200,8 @@ class Parent:
     cannot then be lent by pool pointer).
 
     Options (``ParentConfig``, which says what each means): the deadlines
-    ``handoff_timeout``, ``stop_timeout``, ``handshake_timeout`` and ``frame_timeout``, in
-    seconds (``None``: the process parent's; the defaults are 30, 5, 60, 5), and the result
+    ``handoff_timeout``, ``stop_timeout``, ``handshake_timeout``, ``frame_timeout`` and ``cancel_grace``, in
+    seconds (``None``: the process parent's; the defaults are 30, 5, 60, 5, 3), and the result
     memory below. They are set by whichever of ``install_pool`` and ``Parent`` comes first in
     the process; a later value that differs is a ``ValueError`` naming the clash (``options``
     says what is in force).

@@ -95,9 +95,11 @@ class ParentConfig(TypedDict, total=False):
     ``install_pool`` and ``Parent`` comes first in the process; a later value that differs is
     a ``ValueError`` naming the clash (``Parent.options`` says what is in force).
 
-    Deadlines, in seconds (more than 0; the defaults are 30, 5, 60, 5): ``handoff_timeout``,
-    how long a worker may stay silent about a job it holds before it is killed (the job
-    raises ``JobFailedError``); ``stop_timeout``, how long ``Parent.stop`` waits for a worker
+    Deadlines, in seconds (more than 0; the defaults are 30, 5, 60, 5, 3): ``handoff_timeout``,
+    how long a worker may go without progress on a job it holds before it is killed (the job
+    raises ``JobFailedError``; only progress restarts it: a granted result request, a DONE
+    that completes handoffs, the job's first error, a declared long job's heartbeat);
+    ``stop_timeout``, how long ``Parent.stop`` waits for a worker
     to exit after saying goodbye before it kills it; ``handshake_timeout``, how long a new
     worker may take to start and shake hands; ``frame_timeout``, how long a message that
     began to arrive may take.
@@ -135,6 +137,7 @@ class ParentConfig(TypedDict, total=False):
     stop_timeout: float | None
     handshake_timeout: float | None
     frame_timeout: float | None
+    cancel_grace: float | None
     results: str | None
     arena_bytes: int | None
     arena_max_bytes: int | None
@@ -194,6 +197,7 @@ class ParentOptions(TypedDict):
     stop_timeout: float
     handshake_timeout: float
     frame_timeout: float
+    cancel_grace: float
     canary: bool
     results: str
     arena_bytes: int | None

@@ -34,6 +34,9 @@ impl Loop {
             timeout = timeout.min(EXIT_POLL);
         }
         let now = Instant::now();
+        if let Some(t) = &self.pool_trim {
+            timeout = timeout.min(t.next.saturating_duration_since(now));
+        }
         let frame_timeout = self.shared.options.frame_timeout;
         for s in self.workers.values().filter(|s| s.lost.is_none()) {
             if let Some(t) = s.conn.as_ref().and_then(|c| c.next_deadline(frame_timeout)) {

@@ -306,6 +306,21 @@ struct Slot {
     lost: Option<String>,
 }
 
+/// Trimming the pool back after a killed worker's results were freed, and giving its arena's
+/// chunks back: the frees are stream-ordered, so the loop looks (without waiting on the GPU)
+/// at every [`POOL_TRIM_EVERY`] until [`POOL_TRIM_FOR`] after the reaping.
+struct PoolTrim {
+    /// The pool's reserved bytes to trim back to; `u64::MAX`: the arenas only.
+    keep: u64,
+    next: Instant,
+    until: Instant,
+}
+
+/// How often a [`PoolTrim`] trims.
+const POOL_TRIM_EVERY: Duration = Duration::from_millis(100);
+/// How long after a killed worker's reaping the pool is trimmed back.
+const POOL_TRIM_FOR: Duration = Duration::from_secs(1);
+
 /// A job as the loop holds it, from its Lend to its JobFinished.
 struct JobState {
     stream: StreamHandle,
@@ -432,6 +447,8 @@ struct Loop {
     /// Where READY is recorded when the caller's stream has nothing left to run
     /// ([`crate::warm::aside_stream`]); `None`: always on the caller's stream.
     aside: Option<poolipc_driver::OwnedStream>,
+    /// The pool being trimmed back after a killed worker.
+    pool_trim: Option<PoolTrim>,
 }
 
 impl Drop for Loop {
@@ -496,9 +513,11 @@ impl Loop {
             limit,
             handoff_timeout: shared.options.handoff_timeout,
             max_results_per_job: shared.options.max_results_per_job,
-            max_result_bytes_per_job: shared.options.max_result_bytes_per_job,
-            max_result_bytes_per_worker: shared.options.max_result_bytes_per_worker,
+            max_result_bytes_per_job: shared.limits.max_result_bytes_per_job,
+            max_result_bytes_per_worker: shared.limits.max_result_bytes_per_worker,
             max_job_lifetime: shared.options.max_job_lifetime,
+            max_idle_messages: shared.options.max_idle_messages,
+            cancel_grace: shared.options.cancel_grace,
         });
         let aside = crate::warm::aside_stream(&shared.driver);
         Loop {
@@ -524,6 +543,50 @@ impl Loop {
             last_idle_check: Instant::now(),
             gates: BTreeMap::new(),
             dead_events: HashMap::new(),
+            pool_trim: None,
+        }
+    }
+
+    /// A killed worker's pool results are freed: trim the pool back to `keep` reserved bytes
+    /// for [`POOL_TRIM_FOR`] from now.
+    fn trim_pool_after(&mut self, keep: u64) {
+        let now = Instant::now();
+        let keep = self.pool_trim.as_ref().map_or(keep, |t| t.keep.min(keep));
+        self.pool_trim = Some(PoolTrim {
+            keep,
+            next: now,
+            until: now + POOL_TRIM_FOR,
+        });
+    }
+
+    /// Trims the pool if a [`PoolTrim`] is due.
+    fn trim_pool(&mut self) {
+        let Some(t) = self.pool_trim.as_mut() else {
+            return;
+        };
+        let now = Instant::now();
+        if now < t.next {
+            return;
+        }
+        t.next = now + POOL_TRIM_EVERY;
+        let keep = t.keep;
+        if now >= t.until {
+            self.pool_trim = None;
+        }
+        self.empty_retired_arenas();
+        if keep == u64::MAX {
+            return;
+        }
+        match self.shared.pools[0].trim_to(keep) {
+            Ok((before, after)) if before != after => {
+                tracing::info!(
+                    before,
+                    after,
+                    "poolipc: the pool gave a killed worker's results back to the device"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "trimming the pool after a killed worker"),
         }
     }
 
@@ -554,6 +617,7 @@ impl Loop {
             self.machine.handle_timeout(self.now());
             self.drive();
             self.check_gates();
+            self.trim_pool();
             let busy = turn
                 .elapsed()
                 .saturating_sub(std::mem::take(&mut self.waited));

@@ -60,6 +60,15 @@ impl Loop {
                 .contains(Capabilities::VMM_HANDLE)
                 && r.reaches_first
         });
+        if registered.as_ref().is_some_and(|r| {
+            r.info
+                .identity
+                .capabilities
+                .contains(Capabilities::LONG_JOBS)
+        }) && let Err(e) = self.machine.allow_long_jobs(worker)
+        {
+            tracing::debug!(worker = %worker, error = %e, "long jobs of a worker the contract let go");
+        }
         let mut conn = conn;
         conn.set_queue_limits(self.shared.options.send_queue);
         self.workers.insert(
@@ -144,7 +153,7 @@ impl Loop {
         if !self.jobs.contains_key(&(worker, job)) {
             return;
         }
-        if let Err(e) = self.machine.cancel(worker, job) {
+        if let Err(e) = self.machine.cancel(worker, job, self.now()) {
             // Its worker is gone or the job ended meanwhile: it fails or ended on its own.
             tracing::debug!(worker = %worker, job = job.0, error = %e, "cancel after the fact");
         }
@@ -266,6 +275,25 @@ impl Loop {
             if let super::transfer::Held::Action(action) = held {
                 self.act_now(action);
             }
+        }
+        // Killed with results from the pool in its open jobs: once they are freed (below, as
+        // its jobs fail), the pool gives those bytes back to the device, not only to itself;
+        // and its arena's chunks go back as soon as their blocks' frees ran, not at the next
+        // idle check.
+        if kill || slot.lost.is_some() {
+            let granted: u64 = self
+                .jobs
+                .iter()
+                .filter(|((w, _), st)| *w == worker && st.alloc.is_none())
+                .flat_map(|(_, st)| st.results.values())
+                .filter(|r| !r.is_arena())
+                .map(|r| r.bytes)
+                .sum();
+            let keep = match self.shared.pools[0].stats() {
+                Ok(s) if granted > 0 => s.reserved_current.saturating_sub(granted),
+                _ => u64::MAX,
+            };
+            self.trim_pool_after(keep);
         }
         let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
         tracing::info!(worker = %worker, status = %text, "worker reaped");

@@ -35,8 +35,10 @@ pub use job::{Input, JobHandle, JobOutput, JobWatch, ResultAllocator, ResultTens
 pub(crate) use options::env_number;
 pub use options::{
     DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
-    DEFAULT_MAX_OPEN_DONE_EVENTS, EMPTY_CACHE_WAIT, GPU_TURN_ENV, IO_THREADS_ENV, MAX_IO_THREADS,
-    ParentOptions, ResultMemory, SPIN_ENV, SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN,
+    DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
+    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, GPU_TURN_ENV, IO_THREADS_ENV, Limits,
+    MAX_IO_THREADS, MIN_RESULT_BOUND, MemoryBound, ParentOptions, ResultMemory, SPIN_ENV,
+    SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN,
 };
 pub(crate) use shared::{Registered, Shared, WorkerPool, lock};
 pub(crate) use stats::Stats;
@@ -152,6 +154,8 @@ impl Parent {
             rooms.push(shared::Room::new(waker));
             wake_reads.push(wake_read);
         }
+        let (_, device_bytes) = driver.mem_get_info()?;
+        let limits = options.limits_for(device_bytes).map_err(Error::Config)?;
         let mps_client = driver.device_info(options.device)?.mps_client;
         if mps_client == Some(true) {
             tracing::info!(
@@ -169,6 +173,7 @@ impl Parent {
             _ => None,
         };
         let shared = Arc::new(Shared {
+            limits,
             turns,
             arenas: Mutex::new(arenas::Arenas::default()),
             mps_client,
@@ -264,6 +269,14 @@ impl Parent {
     /// [`lower_import_limit`](Parent::lower_import_limit)).
     pub fn import_limit(&self) -> ImportLimit {
         self.shared.limit()
+    }
+
+    /// What its memory bounds came to on its device (the defaults are fractions of the
+    /// device's total memory: [`ParentOptions::max_result_bytes_per_job`],
+    /// [`ParentOptions::max_result_bytes_per_worker`], the arenas' cap).
+    #[must_use]
+    pub fn limits(&self) -> Limits {
+        self.shared.limits
     }
 
     /// The options it was made with.

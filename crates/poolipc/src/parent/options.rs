@@ -4,8 +4,9 @@
 use std::time::Duration;
 
 use poolipc_contract::{
-    DEFAULT_MAX_JOB_LIFETIME, DEFAULT_MAX_RESULT_BYTES_PER_JOB,
-    DEFAULT_MAX_RESULT_BYTES_PER_WORKER, DEFAULT_MAX_RESULTS_PER_JOB,
+    DEFAULT_CANCEL_GRACE, DEFAULT_MAX_IDLE_MESSAGES, DEFAULT_MAX_JOB_LIFETIME,
+    DEFAULT_MAX_RESULT_BYTES_PER_JOB, DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
+    DEFAULT_MAX_RESULTS_PER_JOB,
 };
 use poolipc_transport::SendQueueLimits;
 use poolipc_types::ImportLimit;
@@ -23,9 +24,22 @@ pub struct ParentOptions {
     pub more_devices: Vec<u32>,
     /// Which allocations may go by pool pointer (the 128-chunk rule by default).
     pub limit: ImportLimit,
-    /// How long a worker may stay silent about a job it holds before the parent kills it
-    /// (every message about the job starts the wait again).
+    /// How long a worker may go without progress on a job it holds before the parent kills
+    /// it. Only progress starts the wait again (a result request that is granted, a `Done`
+    /// that completes handoffs, the job's first `JobError`, a heartbeat from a worker that
+    /// declared long jobs); other messages about the job count against
+    /// [`max_idle_messages`](ParentOptions::max_idle_messages). See docs/threat-model.md.
     pub handoff_timeout: Duration,
+    /// The most messages about one job that are not progress (an empty or refused result
+    /// request, an empty or repeated `Done`, a repeated `JobError`) a worker may send
+    /// ([`DEFAULT_MAX_IDLE_MESSAGES`]: 32). Past it the worker is condemned
+    /// ([`Bound::IdleMessages`](poolipc_contract::Bound)).
+    pub max_idle_messages: u32,
+    /// How long a worker has after [`JobHandle::cancel`](crate::JobHandle::cancel) to finish
+    /// the cancelled job ([`DEFAULT_CANCEL_GRACE`]: 3 s). Past it the worker is killed, the
+    /// job fails with [`FailReason::Cancelled`](poolipc_contract::FailReason), and what was
+    /// lent to it comes back once it is reaped, as for a lost worker.
+    pub cancel_grace: Duration,
     /// How long a worker may take to start and shake hands.
     pub handshake_timeout: Duration,
     /// How long [`Parent::stop_worker`](crate::Parent::stop_worker) waits for a worker to exit after Bye before it kills it.
@@ -194,16 +208,18 @@ pub struct ParentOptions {
     /// the parent and the other workers go on.
     pub max_results_per_job: u64,
     /// The most result bytes one job may ask for, over all its requests (counted as asked,
-    /// allocated or refused; [`DEFAULT_MAX_RESULT_BYTES_PER_JOB`]: 32 GiB). Past it the
-    /// worker is condemned ([`Bound::ResultBytesPerJob`](poolipc_contract::Bound)). The
-    /// arena's cap and the pool's own out-of-memory refuse earlier on a smaller device;
-    /// this bound ends a worker that keeps asking.
-    pub max_result_bytes_per_job: u64,
+    /// allocated or refused). By default half the device's total memory, at least 256 MiB
+    /// and at most [`DEFAULT_MAX_RESULT_BYTES_PER_JOB`] (32 GiB): 8 GiB on a 16 GiB card.
+    /// Past it the worker is condemned ([`Bound::ResultBytesPerJob`](poolipc_contract::Bound)).
+    /// [`Parent::limits`](crate::Parent::limits) says what it came to.
+    pub max_result_bytes_per_job: MemoryBound,
     /// The most result bytes a worker's open jobs may have asked for together (a job's
-    /// results count until it finished; [`DEFAULT_MAX_RESULT_BYTES_PER_WORKER`]: 48 GiB).
-    /// Past it the worker is condemned
+    /// results count until it finished). By default 0.6 of the device's total memory, at
+    /// least 256 MiB and at most [`DEFAULT_MAX_RESULT_BYTES_PER_WORKER`] (48 GiB): one
+    /// worker never holds the last 40 % of a card, so an honest worker's next small result
+    /// still fits beside it. Past it the worker is condemned
     /// ([`Bound::ResultBytesPerWorker`](poolipc_contract::Bound)).
-    pub max_result_bytes_per_worker: u64,
+    pub max_result_bytes_per_worker: MemoryBound,
     /// The longest a job may stay open from its submit, however often its worker speaks
     /// about it ([`DEFAULT_MAX_JOB_LIFETIME`]: 4 h, above any ComfyUI node run we know of;
     /// [`handoff_timeout`](ParentOptions::handoff_timeout) catches a silent worker much
@@ -268,6 +284,8 @@ impl Default for ParentOptions {
             more_devices: Vec::new(),
             limit: ImportLimit::default(),
             handoff_timeout: Duration::from_secs(30),
+            max_idle_messages: DEFAULT_MAX_IDLE_MESSAGES,
+            cancel_grace: DEFAULT_CANCEL_GRACE,
             handshake_timeout: Duration::from_secs(60),
             stop_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(5),
@@ -287,11 +305,99 @@ impl Default for ParentOptions {
             arena_cap_fraction: DEFAULT_ARENA_CAP_FRACTION,
             arena_idle_release: Some(DEFAULT_ARENA_IDLE_RELEASE),
             max_results_per_job: DEFAULT_MAX_RESULTS_PER_JOB,
-            max_result_bytes_per_job: DEFAULT_MAX_RESULT_BYTES_PER_JOB,
-            max_result_bytes_per_worker: DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
+            max_result_bytes_per_job: MemoryBound::Fraction(DEFAULT_RESULT_FRACTION_PER_JOB),
+            max_result_bytes_per_worker: MemoryBound::Fraction(DEFAULT_RESULT_FRACTION_PER_WORKER),
             max_job_lifetime: DEFAULT_MAX_JOB_LIFETIME,
             max_open_done_events: DEFAULT_MAX_OPEN_DONE_EVENTS,
         }
+    }
+}
+
+/// [`ParentOptions::max_result_bytes_per_job`]'s default fraction of the device.
+pub const DEFAULT_RESULT_FRACTION_PER_JOB: f64 = 0.5;
+/// [`ParentOptions::max_result_bytes_per_worker`]'s default fraction of the device.
+pub const DEFAULT_RESULT_FRACTION_PER_WORKER: f64 = 0.6;
+/// The least a fraction of the device makes of a result bound: 256 MiB.
+pub const MIN_RESULT_BOUND: u64 = 256 << 20;
+
+/// A bound on device memory: bytes, or a fraction of the device's total memory (read when
+/// the parent is made).
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum MemoryBound {
+    /// This many bytes, whatever the device.
+    Bytes(u64),
+    /// This fraction of the device's total memory, in `(0, 1]`; clamped where the option
+    /// says.
+    Fraction(f64),
+}
+
+impl MemoryBound {
+    /// The bytes on a device of `total` bytes: a fraction clamped to `[min, max]`.
+    ///
+    /// # Errors
+    /// A fraction outside `(0, 1]`.
+    pub fn resolve(self, total: u64, min: u64, max: u64) -> Result<u64, String> {
+        match self {
+            MemoryBound::Bytes(b) => Ok(b),
+            MemoryBound::Fraction(f) if f > 0.0 && f <= 1.0 => {
+                #[allow(
+                    clippy::cast_precision_loss,
+                    clippy::cast_possible_truncation,
+                    clippy::cast_sign_loss
+                )]
+                let bytes = (total as f64 * f) as u64;
+                Ok(bytes.clamp(min, max.max(min)))
+            }
+            MemoryBound::Fraction(f) => Err(format!("the fraction {f} must lie in (0, 1]")),
+        }
+    }
+}
+
+/// What a parent's memory bounds came to on its device ([`Parent::limits`](crate::Parent::limits),
+/// shown by `poolipc doctor`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Limits {
+    /// The device's total memory.
+    pub device_bytes: u64,
+    /// [`ParentOptions::max_result_bytes_per_job`], in bytes.
+    pub max_result_bytes_per_job: u64,
+    /// [`ParentOptions::max_result_bytes_per_worker`], in bytes.
+    pub max_result_bytes_per_worker: u64,
+    /// The arenas' cap ([`ResultMemory::Arena`]'s `max_bytes`, else
+    /// [`ParentOptions::arena_cap_fraction`] of the device).
+    pub arena_cap: u64,
+}
+
+impl ParentOptions {
+    /// What these options' memory bounds come to on a device of `total` bytes.
+    ///
+    /// # Errors
+    /// A fraction outside `(0, 1]`, naming the option.
+    pub fn limits_for(&self, total: u64) -> Result<Limits, String> {
+        let per_job = self
+            .max_result_bytes_per_job
+            .resolve(total, MIN_RESULT_BOUND, DEFAULT_MAX_RESULT_BYTES_PER_JOB)
+            .map_err(|e| format!("max_result_bytes_per_job: {e}"))?;
+        let per_worker = self
+            .max_result_bytes_per_worker
+            .resolve(total, MIN_RESULT_BOUND, DEFAULT_MAX_RESULT_BYTES_PER_WORKER)
+            .map_err(|e| format!("max_result_bytes_per_worker: {e}"))?;
+        let arena_cap = match self.results {
+            ResultMemory::Arena {
+                max_bytes: Some(m), ..
+            } => m,
+            _ => MemoryBound::Fraction(self.arena_cap_fraction)
+                .resolve(total, 0, u64::MAX)
+                .map_err(|e| format!("arena_cap_fraction: {e}"))?,
+        };
+        Ok(Limits {
+            device_bytes: total,
+            max_result_bytes_per_job: per_job,
+            max_result_bytes_per_worker: per_worker,
+            arena_cap,
+        })
     }
 }
 
@@ -399,7 +505,47 @@ pub(super) fn default_spin(env: &str, spin: Duration) -> Duration {
 
 #[cfg(test)]
 mod tests {
-    use super::{io_threads_for, parse_env_number};
+    use super::{MemoryBound, ParentOptions, io_threads_for, parse_env_number};
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn the_default_result_bounds_scale_with_the_device_and_are_clamped() {
+        let o = ParentOptions::default();
+        for (device, job, worker) in [
+            (16 * GIB, 8 * GIB, 9830 << 20),
+            (24 * GIB, 12 * GIB, 14746 << 20),
+            (80 * GIB, 32 * GIB, 48 * GIB),
+            (GIB / 4, 256 << 20, 256 << 20),
+        ] {
+            let l = o.limits_for(device).expect("default fractions are valid");
+            assert_eq!(l.max_result_bytes_per_job, job, "per job on {device}");
+            assert!(
+                l.max_result_bytes_per_worker.abs_diff(worker) < (1 << 20),
+                "per worker on {device}: {}",
+                l.max_result_bytes_per_worker
+            );
+            assert_eq!(l.arena_cap, device / 2);
+        }
+        let bytes = ParentOptions {
+            max_result_bytes_per_job: MemoryBound::Bytes(5),
+            ..ParentOptions::default()
+        };
+        assert_eq!(
+            bytes
+                .limits_for(16 * GIB)
+                .map(|l| l.max_result_bytes_per_job),
+            Ok(5)
+        );
+        let bad = ParentOptions {
+            max_result_bytes_per_worker: MemoryBound::Fraction(1.5),
+            ..ParentOptions::default()
+        };
+        assert!(
+            bad.limits_for(16 * GIB)
+                .is_err_and(|e| e.contains("max_result_bytes_per_worker"))
+        );
+    }
 
     #[test]
     fn the_default_io_threads_are_one_per_four_cpus_from_one_to_four() {

@@ -69,6 +69,8 @@ pub(crate) struct Shared {
     /// Index 0: `options.device`; then `options.more_devices` in order.
     pub(crate) pools: Vec<SharedPool<dyn Driver>>,
     pub(crate) options: ParentOptions,
+    /// What the options' memory bounds came to on the device.
+    pub(crate) limits: super::Limits,
     pub(crate) limit: Mutex<ImportLimit>,
     /// The IO loop's rooms, one IO thread each ([`ParentOptions::io_threads`]); a worker is
     /// served by room `id % rooms.len()` for its whole life ([`Shared::room_of`]).
