@@ -131,7 +131,10 @@ fn run(parent: &Parent, test: &str, mistake: Mistake, seed: Option<u64>, jobs: u
     }
     let worker = parent.spawn_worker(cmd).unwrap();
     let d = parent.driver().clone();
-    let stream = d.stream_create().unwrap();
+    // Owned: destroyed when the run ends, so a thousand runs on one parent do not use up the
+    // device's streams.
+    let owned = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(&d)).unwrap();
+    let stream = owned.handle();
     let mut outcomes = Vec::new();
     for _ in 0..jobs {
         let input = parent.pool().alloc(4 * N, stream).unwrap();
