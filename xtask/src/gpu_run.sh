@@ -609,6 +609,20 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
 fi
 fi
 stash
+if want rogue; then
+# Every job ends (only when named, about 40 s): the rogue suite on this driver, each test in
+# its own process: chattering workers (empty result requests, empty DONEs, a JobError every
+# 500 ms), one that ignores a cancel and a result hoarder (pool and arena), each beside an
+# honest worker, with a 5 s handoff deadline; a declared long job; the bounds' own tests.
+# The summary gets each case's time to failure, the honest worker's worst round trip and
+# the device's memory after.
+: > "$out/rogue-before.log"; cp "$log" "$out/rogue-before.log"
+suite "rogue:" "$here/tests/jobs_end" "$here/tests/bounds"
+echo "--- rogue suite: time to failure, the honest worker's round trips, the device's memory" >> "$summary"
+diff "$out/rogue-before.log" "$log" | sed -n 's/^> //p' | grep -E '^(rogue |honest worker beside|device |arena hoarder|NOT RUN)' >> "$summary"
+rm -f "$out/rogue-before.log"
+stash
+fi
 if want torchmp; then
 # torch.multiprocessing under cudaMallocAsync through poolipc.torch_sharing (only when named,
 # about 5 minutes): every scenario with poolipc and, as its control, without it
@@ -629,20 +643,6 @@ else
 fi
 fi
 stash
-if want rogue; then
-# Every job ends (only when named, about 40 s): the rogue suite on this driver, each test in
-# its own process: chattering workers (empty result requests, empty DONEs, a JobError every
-# 500 ms), one that ignores a cancel and a result hoarder (pool and arena), each beside an
-# honest worker, with a 5 s handoff deadline; a declared long job; the bounds' own tests.
-# The summary gets each case's time to failure, the honest worker's worst round trip and
-# the device's memory after.
-: > "$out/rogue-before.log"; cp "$log" "$out/rogue-before.log"
-suite "rogue:" "$here/tests/jobs_end" "$here/tests/bounds"
-echo "--- rogue suite: time to failure, the honest worker's round trips, the device's memory" >> "$summary"
-diff "$out/rogue-before.log" "$log" | sed -n 's/^> //p' | grep -E '^(rogue |honest worker beside|device |arena hoarder|NOT RUN)' >> "$summary"
-rm -f "$out/rogue-before.log"
-stash
-fi
 if want hog; then
 # Whether a killed process's kernel that never ends keeps the GPU busy for the others (the
 # hang tests SIGKILL workers spinning in one; the demo after the suite was 20x slower). Only
