@@ -19,11 +19,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
 use poolipc::{DevicePtr, Driver, StreamHandle};
-use poolipc_driver::{ExportBlob, ImportedPointer, OwnedEvent};
+use poolipc_driver::{ExportBlob, ImportedPointer};
 use poolipc_pool::AttachedPool;
 use poolipc_pool::ImportLimit;
 use poolipc_transport::rendezvous::{
@@ -35,146 +35,15 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use crate::errors::{err, value_err};
 use crate::state::{self, OnDevice};
 
-/// First bytes of a handle: what tells poolipc's handles from torch's own.
-pub(crate) const HANDLE_MAGIC: &[u8] = b"POOLIPC-H1";
-/// First bytes of a share reference.
-pub(crate) const REF_MAGIC: &[u8] = b"POOLIPC-R1";
+mod release;
+mod wire;
+use release::{defer_release, pending_releases};
+use wire::{Handle, OP_CLAIM, OP_POOL, OP_RELEASE, Ref, frame};
 
-const OP_POOL: u8 = 1;
-const OP_CLAIM: u8 = 2;
-const OP_RELEASE: u8 = 3;
 const FD_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-// ----- the wire format -------------------------------------------------------------------
-
-/// Which allocation: the owner's socket name, its pool generation, the export of the
-/// allocation's base and the allocation's size.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Handle {
-    pub(crate) owner: String,
-    pub(crate) generation: u64,
-    pub(crate) blob: ExportBlob,
-    pub(crate) alloc_bytes: u64,
-}
-
-/// Which share to release, with whom (the keeper: the process holding the block alive).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Ref {
-    pub(crate) keeper: String,
-    pub(crate) share: u64,
-}
-
-fn put_name(out: &mut Vec<u8>, name: &str) {
-    // Names are ours and short (under 64 bytes): the length fits a byte.
-    out.push(u8::try_from(name.len()).unwrap_or(u8::MAX));
-    out.extend_from_slice(&name.as_bytes()[..name.len().min(255)]);
-}
-
-struct Reader<'a> {
-    b: &'a [u8],
-    what: &'static str,
-}
-
-impl<'a> Reader<'a> {
-    fn bad(&self) -> String {
-        format!(
-            "poolipc: a malformed {} (truncated or not poolipc's)",
-            self.what
-        )
-    }
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        if self.b.len() < n {
-            return Err(self.bad());
-        }
-        let (a, rest) = self.b.split_at(n);
-        self.b = rest;
-        Ok(a)
-    }
-    fn u64(&mut self) -> Result<u64, String> {
-        let a = self.take(8)?;
-        let mut x = [0u8; 8];
-        x.copy_from_slice(a);
-        Ok(u64::from_le_bytes(x))
-    }
-    fn name(&mut self) -> Result<String, String> {
-        let n = usize::from(self.take(1)?[0]);
-        let a = self.take(n)?;
-        String::from_utf8(a.to_vec()).map_err(|_| self.bad())
-    }
-    fn end(&self) -> Result<(), String> {
-        if self.b.is_empty() {
-            Ok(())
-        } else {
-            Err(self.bad())
-        }
-    }
-}
-
-impl Handle {
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = HANDLE_MAGIC.to_vec();
-        put_name(&mut out, &self.owner);
-        out.extend_from_slice(&self.generation.to_le_bytes());
-        out.extend_from_slice(&self.blob.0);
-        out.extend_from_slice(&self.alloc_bytes.to_le_bytes());
-        out
-    }
-
-    pub(crate) fn decode(b: &[u8]) -> Result<Handle, String> {
-        let mut r = Reader {
-            b,
-            what: "share handle",
-        };
-        if r.take(HANDLE_MAGIC.len())? != HANDLE_MAGIC {
-            return Err(r.bad());
-        }
-        let owner = r.name()?;
-        let generation = r.u64()?;
-        let mut blob = [0u8; 64];
-        blob.copy_from_slice(r.take(64)?);
-        let alloc_bytes = r.u64()?;
-        r.end()?;
-        Ok(Handle {
-            owner,
-            generation,
-            blob: ExportBlob(blob),
-            alloc_bytes,
-        })
-    }
-}
-
-impl Ref {
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = REF_MAGIC.to_vec();
-        put_name(&mut out, &self.keeper);
-        out.extend_from_slice(&self.share.to_le_bytes());
-        out
-    }
-
-    pub(crate) fn decode(b: &[u8]) -> Result<Ref, String> {
-        let mut r = Reader {
-            b,
-            what: "share reference",
-        };
-        if r.take(REF_MAGIC.len())? != REF_MAGIC {
-            return Err(r.bad());
-        }
-        let keeper = r.name()?;
-        let share = r.u64()?;
-        r.end()?;
-        Ok(Ref { keeper, share })
-    }
-}
-
-fn frame(op: u8, arg: u64) -> [u8; 9] {
-    let mut f = [0u8; 9];
-    f[0] = op;
-    f[1..].copy_from_slice(&arg.to_le_bytes());
-    f
 }
 
 // ----- the sender: the server and the shares it keeps alive ------------------------------
@@ -611,123 +480,6 @@ impl Drop for SharedMapping {
     }
 }
 
-// ----- releases after the GPU is done with the memory ------------------------------------
-
-/// A release waiting for this process's work on the memory: the sender frees the block as
-/// soon as it hears, and its next allocation may be written while a kernel queued here
-/// still reads the old bytes.
-struct Pending {
-    ev: OwnedEvent<Arc<dyn Driver>>,
-    driver: Arc<dyn Driver>,
-    device: u32,
-    peer: Arc<Peer>,
-    id: u64,
-}
-
-type PendingList = (u32, Vec<Pending>);
-static PENDING: Mutex<Option<PendingList>> = Mutex::new(None);
-static PENDING_WAKE: Condvar = Condvar::new();
-
-fn send_release(peer: &Peer, id: u64) {
-    if let Err(e) = peer.send(OP_RELEASE, id) {
-        tracing::debug!(error = %e, "telling the sender of a release failed (it exited?)");
-    }
-}
-
-/// Records an event on the legacy default stream (ordered after this process's work on the
-/// blocking streams, torch's default stream among them) and sends the release once it has
-/// completed, from a thread of its own. Where no event can be made, synchronizes instead.
-fn defer_release(device: u32, peer: Arc<Peer>, id: u64) {
-    let Ok(driver) = driver() else {
-        send_release(&peer, id);
-        return;
-    };
-    let recorded = OnDevice::push(&*driver, device).and_then(|_on| {
-        let ev = OwnedEvent::new(Arc::clone(&driver), false)?;
-        driver.event_record(ev.handle(), StreamHandle::NULL)?;
-        Ok(ev)
-    });
-    let ev = match recorded {
-        Ok(ev) => ev,
-        Err(e) => {
-            tracing::debug!(error = %e, "no event for a release: synchronizing instead");
-            if let Ok(_on) = OnDevice::push(&*driver, device) {
-                let _ = driver.stream_synchronize(StreamHandle::NULL);
-            }
-            send_release(&peer, id);
-            return;
-        }
-    };
-    let pid = std::process::id();
-    let mut slot = lock(&PENDING);
-    if slot.as_ref().is_none_or(|(p, _)| *p != pid) {
-        let started = std::thread::Builder::new()
-            .name("poolipc-release".into())
-            .spawn(release_loop);
-        if let Err(e) = started {
-            drop(slot);
-            tracing::warn!(error = %e, "no release thread: synchronizing instead");
-            if let Ok(_on) = OnDevice::push(&*driver, device) {
-                let _ = driver.stream_synchronize(StreamHandle::NULL);
-            }
-            send_release(&peer, id);
-            return;
-        }
-        *slot = Some((pid, Vec::new()));
-    }
-    if let Some((_, list)) = slot.as_mut() {
-        list.push(Pending {
-            ev,
-            driver,
-            device,
-            peer,
-            id,
-        });
-    }
-    PENDING_WAKE.notify_one();
-}
-
-fn release_loop() {
-    loop {
-        let batch = {
-            let mut slot = lock(&PENDING);
-            loop {
-                match slot.as_mut() {
-                    Some((_, list)) if !list.is_empty() => break std::mem::take(list),
-                    _ => {
-                        slot = PENDING_WAKE
-                            .wait(slot)
-                            .unwrap_or_else(PoisonError::into_inner);
-                    }
-                }
-            }
-        };
-        let mut left = Vec::new();
-        for p in batch {
-            let done = OnDevice::push(&*p.driver, p.device)
-                .and_then(|_on| p.driver.event_query(p.ev.handle()));
-            match done {
-                // A failed query (the context is gone) cannot be waited out: release.
-                Ok(true) | Err(_) => {
-                    send_release(&p.peer, p.id);
-                    let driver = Arc::clone(&p.driver);
-                    let on = OnDevice::push(&*driver, p.device);
-                    drop(p);
-                    drop(on);
-                }
-                Ok(false) => left.push(p),
-            }
-        }
-        if !left.is_empty() {
-            if let Some((_, list)) = lock(&PENDING).as_mut() {
-                left.append(list);
-                *list = left;
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        }
-    }
-}
-
 // ----- the module functions ------------------------------------------------------------
 
 /// Shares `nbytes` at `ptr` on `device`, keeping `keep` alive until the receiver releases
@@ -947,10 +699,7 @@ pub(crate) fn _stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
             .map_or(0, |m| m.values().filter(|w| w.strong_count() > 0).count()),
     )?;
     d.set_item("mappings", lock(&LIVE).len())?;
-    d.set_item(
-        "pending_releases",
-        lock(&PENDING).as_ref().map_or(0, |(_, l)| l.len()),
-    )?;
+    d.set_item("pending_releases", pending_releases())?;
     d.set_item("pools", lock(&POOLS).as_ref().map_or(0, HashMap::len))?;
     Ok(d)
 }
@@ -1010,31 +759,4 @@ pub(crate) fn _memcpy_htod(ptr: u64, data: &[u8]) -> PyResult<()> {
     g.driver
         .memcpy_htod(DevicePtr(ptr), data)
         .map_err(|e| err(format!("poolipc: writing device memory: {e}")))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn handles_and_refs_round_trip_and_garbage_is_refused() {
-        let h = Handle {
-            owner: "poolipc-torch.1.abc".into(),
-            generation: 0xdead,
-            blob: ExportBlob([7; 64]),
-            alloc_bytes: 4096,
-        };
-        assert_eq!(Handle::decode(&h.encode()), Ok(h.clone()));
-        let r = Ref {
-            keeper: "k".into(),
-            share: 42,
-        };
-        assert_eq!(Ref::decode(&r.encode()), Ok(r));
-        let mut long = h.encode();
-        long.push(0);
-        assert!(Handle::decode(&long).is_err());
-        assert!(Handle::decode(&h.encode()[..20]).is_err());
-        assert!(Handle::decode(b"torch's own handle").is_err());
-        assert!(Ref::decode(&h.encode()).is_err(), "a handle is not a ref");
-    }
 }

@@ -1,0 +1,168 @@
+//! The bytes a share travels as: [`Handle`] (which allocation, from whom) and [`Ref`] (which
+//! share to release, with whom), inside torch's own tuple; and the frames a receiver sends its
+//! sender over their connection. Decoding never trusts its input: a short, long or foreign
+//! buffer is an error, never a panic.
+
+use poolipc_driver::ExportBlob;
+
+/// First bytes of a handle: what tells poolipc's handles from torch's own.
+const HANDLE_MAGIC: &[u8] = b"POOLIPC-H1";
+/// First bytes of a share reference.
+const REF_MAGIC: &[u8] = b"POOLIPC-R1";
+
+pub(super) const OP_POOL: u8 = 1;
+pub(super) const OP_CLAIM: u8 = 2;
+pub(super) const OP_RELEASE: u8 = 3;
+
+/// Which allocation: the owner's socket name, its pool generation, the export of the
+/// allocation's base and the allocation's size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Handle {
+    pub(crate) owner: String,
+    pub(crate) generation: u64,
+    pub(crate) blob: ExportBlob,
+    pub(crate) alloc_bytes: u64,
+}
+
+/// Which share to release, with whom (the keeper: the process holding the block alive).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Ref {
+    pub(crate) keeper: String,
+    pub(crate) share: u64,
+}
+
+fn put_name(out: &mut Vec<u8>, name: &str) {
+    // Names are ours and short (under 64 bytes): the length fits a byte.
+    out.push(u8::try_from(name.len()).unwrap_or(u8::MAX));
+    out.extend_from_slice(&name.as_bytes()[..name.len().min(255)]);
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn bad(&self) -> String {
+        format!(
+            "poolipc: a malformed {} (truncated or not poolipc's)",
+            self.what
+        )
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.b.len() < n {
+            return Err(self.bad());
+        }
+        let (a, rest) = self.b.split_at(n);
+        self.b = rest;
+        Ok(a)
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        let a = self.take(8)?;
+        let mut x = [0u8; 8];
+        x.copy_from_slice(a);
+        Ok(u64::from_le_bytes(x))
+    }
+    fn name(&mut self) -> Result<String, String> {
+        let n = usize::from(self.take(1)?[0]);
+        let a = self.take(n)?;
+        String::from_utf8(a.to_vec()).map_err(|_| self.bad())
+    }
+    fn end(&self) -> Result<(), String> {
+        if self.b.is_empty() {
+            Ok(())
+        } else {
+            Err(self.bad())
+        }
+    }
+}
+
+impl Handle {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = HANDLE_MAGIC.to_vec();
+        put_name(&mut out, &self.owner);
+        out.extend_from_slice(&self.generation.to_le_bytes());
+        out.extend_from_slice(&self.blob.0);
+        out.extend_from_slice(&self.alloc_bytes.to_le_bytes());
+        out
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Result<Handle, String> {
+        let mut r = Reader {
+            b,
+            what: "share handle",
+        };
+        if r.take(HANDLE_MAGIC.len())? != HANDLE_MAGIC {
+            return Err(r.bad());
+        }
+        let owner = r.name()?;
+        let generation = r.u64()?;
+        let mut blob = [0u8; 64];
+        blob.copy_from_slice(r.take(64)?);
+        let alloc_bytes = r.u64()?;
+        r.end()?;
+        Ok(Handle {
+            owner,
+            generation,
+            blob: ExportBlob(blob),
+            alloc_bytes,
+        })
+    }
+}
+
+impl Ref {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = REF_MAGIC.to_vec();
+        put_name(&mut out, &self.keeper);
+        out.extend_from_slice(&self.share.to_le_bytes());
+        out
+    }
+
+    pub(crate) fn decode(b: &[u8]) -> Result<Ref, String> {
+        let mut r = Reader {
+            b,
+            what: "share reference",
+        };
+        if r.take(REF_MAGIC.len())? != REF_MAGIC {
+            return Err(r.bad());
+        }
+        let keeper = r.name()?;
+        let share = r.u64()?;
+        r.end()?;
+        Ok(Ref { keeper, share })
+    }
+}
+
+pub(super) fn frame(op: u8, arg: u64) -> [u8; 9] {
+    let mut f = [0u8; 9];
+    f[0] = op;
+    f[1..].copy_from_slice(&arg.to_le_bytes());
+    f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_and_refs_round_trip_and_garbage_is_refused() {
+        let h = Handle {
+            owner: "poolipc-torch.1.abc".into(),
+            generation: 0xdead,
+            blob: ExportBlob([7; 64]),
+            alloc_bytes: 4096,
+        };
+        assert_eq!(Handle::decode(&h.encode()), Ok(h.clone()));
+        let r = Ref {
+            keeper: "k".into(),
+            share: 42,
+        };
+        assert_eq!(Ref::decode(&r.encode()), Ok(r));
+        let mut long = h.encode();
+        long.push(0);
+        assert!(Handle::decode(&long).is_err());
+        assert!(Handle::decode(&h.encode()[..20]).is_err());
+        assert!(Handle::decode(b"torch's own handle").is_err());
+        assert!(Ref::decode(&h.encode()).is_err(), "a handle is not a ref");
+    }
+}
