@@ -5,7 +5,7 @@
 //! synchronizes give (see docs/checking.md). What the checker finds reaches you three ways:
 //!
 //! - **the job that made it fails**: [`JobHandle::wait`](crate::JobHandle::wait) returns
-//!   [`Error::SimViolation`](crate::Error::SimViolation) when a violation was recorded while
+//!   [`Error::SimViolation`] when a violation was recorded while
 //!   the job ran, by its worker or by the parent, naming both calls, their streams and their
 //!   processes, and the seed that replays the run;
 //! - **a summary when the [`Parent`](crate::Parent) or [`Worker`](crate::Worker) is dropped**,
@@ -16,7 +16,7 @@
 //! With [`STRICT_ENV`]`=1` the first violation the facade sees panics with the report (a test
 //! fails, a program exits non-zero). With [`CHECK_ENV`]`=report`, jobs are not failed: the
 //! violations are only reported at drop and by `sim_report`. On the CUDA driver nothing of
-//! this runs: [`Driver::sim_checker`](crate::Driver::sim_checker) is `None` and no label is
+//! this runs: [`Driver::sim_checker`] is `None` and no label is
 //! set.
 
 use std::collections::HashMap;
