@@ -63,9 +63,19 @@ def mistake(parent, tmp_path):
 
 
 def test_a_parent_writing_an_input_during_its_job_fails_it_naming_both_calls(parent, tmp_path):
-    job, w, _buf = mistake(parent, tmp_path)
+    used_before = poolipc.memory_stats()["used_current"]
+    job, w, buf = mistake(parent, tmp_path)
     with pytest.raises(poolipc.SimViolationError) as caught:
         job.wait()
+    # The job's echoed result is freed with the error: once the input goes too, the pool's
+    # used bytes are back where they were.
+    buf.free()
+    deadline = time.monotonic() + 5
+    while poolipc.memory_stats()["used_current"] > used_before:
+        assert time.monotonic() < deadline, (
+            f"{poolipc.memory_stats()['used_current'] - used_before} bytes still used "
+            "after the failed job and its input were freed")
+        time.sleep(0.01)
     e = caught.value
     text = str(e)
     print(text)

@@ -34,6 +34,8 @@ __all__ = [
     "DeviceBuffer",
     "ArenaResult",
     "SharedMapping",
+    "SimViolationError",
+    "sim_report",
     "_share",
     "_open",
     "_release",

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use poolipc::JobOutput;
+use poolipc::{JobOutput, StreamHandle};
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 
@@ -172,8 +172,19 @@ impl NativeJobHandle {
             Ok(o) => o,
             Err(e) => {
                 // A failed job's results are nobody's: the allocator's objects are dropped
-                // here (torch frees its tensors); the facade freed the default allocator's.
+                // here (torch frees its tensors); the facade freed the default allocator's,
+                // except where the race checker failed the job: those come up with the
+                // error, the caller's to free, and the caller is this binding.
                 drop(log.made);
+                if let poolipc::Error::SimViolation { results, .. } = &e
+                    && !self.caller_alloc
+                    && self.g.use_device().is_ok()
+                {
+                    for p in results {
+                        let _ = poolipc_driver::PoolAllocation::claim(&*self.g.driver, *p)
+                            .and_then(|a| a.free(StreamHandle::NULL));
+                    }
+                }
                 let pe = to_py_for(py, e, Some(self.worker));
                 return Err(match log.raised {
                     None => pe,
