@@ -310,8 +310,10 @@ struct Slot {
 /// chunks back: the frees are stream-ordered, so the loop looks (without waiting on the GPU)
 /// at every [`POOL_TRIM_EVERY`] until [`POOL_TRIM_FOR`] after the reaping.
 struct PoolTrim {
-    /// The pool's reserved bytes to trim back to; `u64::MAX`: the arenas only.
-    keep: u64,
+    /// The bytes still to give back to the device (the killed workers' pool results less what
+    /// the trims gave back so far); 0: the arenas only. Each look trims the pool to its
+    /// reserved bytes then less these, so memory the parent frees meanwhile stays the pool's.
+    owed: u64,
     next: Instant,
     until: Instant,
 }
@@ -547,13 +549,16 @@ impl Loop {
         }
     }
 
-    /// A killed worker's pool results are freed: trim the pool back to `keep` reserved bytes
-    /// for [`POOL_TRIM_FOR`] from now.
-    fn trim_pool_after(&mut self, keep: u64) {
+    /// A killed worker's pool results (`owed` bytes) are freed: give that much back to the
+    /// device for [`POOL_TRIM_FOR`] from now.
+    fn trim_pool_after(&mut self, owed: u64) {
         let now = Instant::now();
-        let keep = self.pool_trim.as_ref().map_or(keep, |t| t.keep.min(keep));
+        let owed = self
+            .pool_trim
+            .as_ref()
+            .map_or(owed, |t| t.owed.saturating_add(owed));
         self.pool_trim = Some(PoolTrim {
-            keep,
+            owed,
             next: now,
             until: now + POOL_TRIM_FOR,
         });
@@ -569,16 +574,26 @@ impl Loop {
             return;
         }
         t.next = now + POOL_TRIM_EVERY;
-        let keep = t.keep;
+        let owed = t.owed;
         if now >= t.until {
             self.pool_trim = None;
         }
         self.empty_retired_arenas();
-        if keep == u64::MAX {
+        if owed == 0 {
             return;
         }
+        let keep = match self.shared.pools[0].stats() {
+            Ok(s) => s.reserved_current.saturating_sub(owed),
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the pool before trimming it after a killed worker");
+                return;
+            }
+        };
         match self.shared.pools[0].trim_to(keep) {
-            Ok((before, after)) if before != after => {
+            Ok((before, after)) if before > after => {
+                if let Some(t) = self.pool_trim.as_mut() {
+                    t.owed = t.owed.saturating_sub(before - after);
+                }
                 tracing::info!(
                     before,
                     after,

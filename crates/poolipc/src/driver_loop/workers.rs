@@ -289,11 +289,7 @@ impl Loop {
                 .filter(|r| !r.is_arena())
                 .map(|r| r.bytes)
                 .sum();
-            let keep = match self.shared.pools[0].stats() {
-                Ok(s) if granted > 0 => s.reserved_current.saturating_sub(granted),
-                _ => u64::MAX,
-            };
-            self.trim_pool_after(keep);
+            self.trim_pool_after(granted);
         }
         let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
         tracing::info!(worker = %worker, status = %text, "worker reaped");
