@@ -17,7 +17,9 @@
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+
+use crate::state::lock;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -65,10 +67,6 @@ const MAX_REFUSED_KEPT: usize = 32;
 
 /// How often the accept thread looks at its stop flag.
 const ACCEPT_SLICE: Duration = Duration::from_millis(100);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// What the accept thread found, for `accept` to hand out in order.
 enum Accepted {

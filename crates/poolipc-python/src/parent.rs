@@ -9,7 +9,9 @@
 
 use std::collections::HashMap;
 use std::process::Command;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::state::lock;
 
 use poolipc::{DevicePtr, JobHandle, ResultMemory, StreamHandle};
 use poolipc_contract::WorkerId;
@@ -30,10 +32,6 @@ mod stats;
 
 use allocator::{AllocLog, python_allocator};
 use inputs::{buffer_shape, read_inputs};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// A stream handle from Python, checked before it reaches any other driver call: the
 /// simulation's default stream stands for `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD`

@@ -9,13 +9,19 @@
 //! `Arc<Global>`: the mutex here is held only to create it or to clone the `Arc`, never while a
 //! job, a spawn or a stop runs. Jobs on different workers run at the same time.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use poolipc::driver::MACHINE_ENV;
 use poolipc::{Driver, Parent};
 use poolipc_driver::DriverKind;
 
 use crate::options::ParentConfig;
+
+/// A lock that a panic on another thread did not poison for us: what it guards is
+/// consistent between statements, and a Python call must not fail for another's panic.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// The environment variable that picks the driver: `sim` for the simulated driver (tests,
 /// machines without a GPU), `cuda` or unset for the GPU, `auto` for the GPU when usable and

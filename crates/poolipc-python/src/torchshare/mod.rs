@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use poolipc::{DevicePtr, Driver, StreamHandle};
@@ -33,7 +33,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::errors::{err, value_err};
-use crate::state::{self, OnDevice};
+use crate::state::{self, OnDevice, lock};
 
 mod release;
 mod wire;
@@ -41,10 +41,6 @@ use release::{defer_release, pending_releases};
 use wire::{Handle, OP_CLAIM, OP_POOL, OP_RELEASE, Ref, frame};
 
 const FD_TIMEOUT: Duration = Duration::from_secs(30);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 // ----- the sender: the server and the shares it keeps alive ------------------------------
 

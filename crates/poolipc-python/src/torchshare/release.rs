@@ -10,8 +10,8 @@ use poolipc::{Driver, StreamHandle};
 use poolipc_driver::OwnedEvent;
 
 use super::wire::OP_RELEASE;
-use super::{Peer, driver, lock};
-use crate::state::OnDevice;
+use super::{Peer, driver};
+use crate::state::{OnDevice, lock};
 
 /// A release waiting for this process's work on the memory: the sender frees the block as
 /// soon as it hears, and its next allocation may be written while a kernel queued here
