@@ -11,8 +11,9 @@ use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::poll::PollFlags;
 
+use crate::connection::TransportError;
 use crate::listener::{PeerCred, check_peer_uid};
 use crate::scm;
 
@@ -70,22 +71,16 @@ fn errno(e: Errno) -> io::Error {
     io::Error::from_raw_os_error(e as i32)
 }
 
+/// The transport's own wait ([`crate::connection::wait`]), its errors as `io::Error`s.
 fn wait_for(sock: BorrowedFd<'_>, flags: PollFlags, deadline: Instant) -> io::Result<()> {
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "rendezvous: the peer did not answer in time",
-            ));
-        }
-        let ms = u16::try_from(left.as_millis().max(1)).unwrap_or(u16::MAX);
-        let mut fds = [PollFd::new(sock, flags)];
-        match poll(&mut fds, PollTimeout::from(ms)) {
-            Ok(0) | Err(Errno::EINTR) => continue,
-            Ok(_) => return Ok(()),
-            Err(e) => return Err(errno(e)),
-        }
+    match crate::connection::wait(sock, flags, deadline) {
+        Ok(()) => Ok(()),
+        Err(TransportError::Timeout { .. }) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "rendezvous: the peer did not answer in time",
+        )),
+        Err(TransportError::Io { errno: e, .. }) => Err(errno(e)),
+        Err(e) => Err(io::Error::other(e)),
     }
 }
 
