@@ -217,6 +217,14 @@ fn caught(test: &str, mistake: Mistake, jobs: usize) -> (String, RaceReport) {
     panic!("{}: {text}", mistake.name());
 }
 
+/// `report` names a violation of one of `kinds`; `text` (the job's error) is the message.
+fn assert_names(text: &str, report: &RaceReport, kinds: &[ViolationKind]) {
+    assert!(
+        report.violations.iter().any(|v| kinds.contains(&v.kind)),
+        "{text}"
+    );
+}
+
 #[test]
 fn wrong_stream_fails_the_job_naming_both_calls() {
     let (text, report) = caught(
@@ -245,12 +253,13 @@ fn a_view_used_after_its_job_is_named() {
         Mistake::ViewAfterJob,
         3,
     );
-    assert!(
-        report.violations.iter().any(|v| matches!(
-            v.kind,
-            ViolationKind::UnmappedAccess | ViolationKind::StaleGeneration
-        )),
-        "{text}"
+    assert_names(
+        &text,
+        &report,
+        &[
+            ViolationKind::UnmappedAccess,
+            ViolationKind::StaleGeneration,
+        ],
     );
 }
 
@@ -261,12 +270,13 @@ fn result_memory_kept_past_release_is_named() {
         Mistake::ResultKept,
         3,
     );
-    assert!(
-        report.violations.iter().any(|v| matches!(
-            v.kind,
-            ViolationKind::UnmappedAccess | ViolationKind::StaleGeneration
-        )),
-        "{text}"
+    assert_names(
+        &text,
+        &report,
+        &[
+            ViolationKind::UnmappedAccess,
+            ViolationKind::StaleGeneration,
+        ],
     );
 }
 
@@ -277,13 +287,7 @@ fn writing_a_read_only_input_is_named() {
         Mistake::WriteReadOnly,
         1,
     );
-    assert!(
-        report
-            .violations
-            .iter()
-            .any(|v| v.kind == ViolationKind::ReadOnlyWritten),
-        "{text}"
-    );
+    assert_names(&text, &report, &[ViolationKind::ReadOnlyWritten]);
 }
 
 #[test]
@@ -293,13 +297,7 @@ fn done_before_the_last_write_is_named() {
         Mistake::DoneBeforeWrite,
         1,
     );
-    assert!(
-        report
-            .violations
-            .iter()
-            .any(|v| v.kind == ViolationKind::WriteAfterDone),
-        "{text}"
-    );
+    assert_names(&text, &report, &[ViolationKind::WriteAfterDone]);
     assert!(text.contains("wrote result 0 of job 1"), "{text}");
 }
 
