@@ -371,11 +371,13 @@ impl ExportCache {
     }
 
     /// Ends the check: `Some(Ok)` proven, `Some(Err(why))` not proven, `None` inconclusive
-    /// (unchecked again, for a later check). The trial's entry is dropped either way: unless
-    /// proven, it may hold a blob that does not reach its allocation.
+    /// (unchecked again, for a later check). The trial's entry is dropped either way if the
+    /// trial served it: unless proven, it may hold a blob that does not reach its allocation.
     pub(crate) fn end_check(&self, verdict: Option<Result<(), String>>) {
         let mut g = self.lock();
-        if let Some(t) = g.trial.take() {
+        // An entry the trial served may hold a blob that does not reach its allocation; one
+        // it did not serve is an export like any other.
+        if let Some(t) = g.trial.take().filter(|t| t.used) {
             g.entries.remove(&t.base);
         }
         let (reuse, note) = match verdict {

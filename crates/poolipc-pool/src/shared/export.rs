@@ -157,7 +157,7 @@ impl<D: Driver + ?Sized> SharedPool<D> {
         Ok(self.driver.mem_pool_export_pointer(ptr)?)
     }
 
-    fn export_uncached(&self, ptr: DevicePtr) -> Result<ExportBlob, PoolError> {
+    pub(crate) fn export_uncached(&self, ptr: DevicePtr) -> Result<ExportBlob, PoolError> {
         let found = self.driver.pointer_get_mempool(ptr)?;
         if !self.is_generation(found) {
             return Err(PoolError::ForeignPointer {

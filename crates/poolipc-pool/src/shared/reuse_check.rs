@@ -2,7 +2,9 @@
 //! with its cached blob on this driver (see the crate's docs), begun by the facade's canary
 //! battery and held as a [`ReuseCheck`] until its verdict.
 
-use poolipc_driver::{DevicePtr, Driver};
+use poolipc_driver::{DevicePtr, Driver, ExportBlob};
+
+use crate::PoolError;
 
 use super::SharedPool;
 use crate::export_cache::ExportReuse;
@@ -34,6 +36,36 @@ impl<D: Driver + ?Sized> ReuseCheck<'_, D> {
         self.pool.exports.trial_used()
     }
 
+    /// Makes the check without a worker, once [`trial`](ReuseCheck::trial) served `served`
+    /// (the blob cached for an earlier allocation at `base`) to the new allocation there of the
+    /// same size: exports `base` afresh and compares. The same 64 bytes prove reuse for the
+    /// pool (importing the old blob is importing the new one); other bytes refute it for good.
+    /// Returns the fresh export (lend that, not `served`: they differ where the check
+    /// fails); a failed export leaves the check not made (`Err`).
+    pub fn finish_by_identity(
+        self,
+        base: DevicePtr,
+        served: &ExportBlob,
+    ) -> Result<ExportBlob, PoolError> {
+        let fresh = self.pool.export_uncached(base)?;
+        let same = fresh == *served;
+        tracing::debug!(
+            ?base,
+            same,
+            "export reuse: a recycled address exported afresh"
+        );
+        self.finish(if same {
+            Ok(())
+        } else {
+            Err(
+                "a recycled address of the same size exported to other bytes than its first \
+                 export"
+                    .to_owned(),
+            )
+        });
+        Ok(fresh)
+    }
+
     /// Records the verdict: `Ok` proven (a recycled address of the same size reuses its blob
     /// from now on), `Err(why)` not proven (every new allocation is exported, for good).
     pub fn finish(mut self, verdict: Result<(), String>) {
@@ -41,9 +73,9 @@ impl<D: Driver + ?Sized> ReuseCheck<'_, D> {
         match &verdict {
             Ok(()) => tracing::info!(
                 pool = ?self.pool.handle(),
-                "poolipc: export reuse proven on this driver: a worker imported an old \
-                 allocation's blob and reached the new allocation of the same size at its \
-                 address; recycled addresses of the same size are not exported again"
+                "poolipc: export reuse proven on this driver (an old allocation's blob reaches \
+                 the new allocation of the same size at its address); recycled addresses of \
+                 the same size are not exported again"
             ),
             Err(why) => tracing::warn!(
                 pool = ?self.pool.handle(),

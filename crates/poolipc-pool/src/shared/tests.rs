@@ -453,3 +453,90 @@ fn stats_come_from_our_pool() {
         (1, 2, 3, 4)
     );
 }
+
+/// A pool whose driver exports the same 64 bytes for an address every time (`stable`), or
+/// new bytes every time; the allocation at the address is the `alloc` counter's (bump it for a
+/// new allocation of the same size there).
+fn exporting_blobs(
+    stable: bool,
+    exports: usize,
+) -> (SharedPool<MockDriver>, Arc<std::sync::atomic::AtomicU64>) {
+    let mut seq = Sequence::new();
+    let mut d = installing(&mut seq);
+    let alloc = Arc::new(std::sync::atomic::AtomicU64::new(1));
+    let a = Arc::clone(&alloc);
+    d.expect_pointer_get_buffer_id()
+        .returning(move |_| Ok(a.load(std::sync::atomic::Ordering::Relaxed)));
+    d.expect_pointer_get_mempool().returning(|_| Ok(OURS));
+    let mut n = 0u8;
+    d.expect_mem_pool_export_pointer()
+        .times(exports)
+        .returning(move |_| {
+            n += 1;
+            Ok(ExportBlob([if stable { 1 } else { n }; 64]))
+        });
+    d.expect_pointer_get_range()
+        .returning(|p| Ok((DevicePtr(p.0 & !0xfff), 1 << 30)));
+    (SharedPool::install(Arc::new(d), 0).unwrap(), alloc)
+}
+
+/// What torch sharing does without a worker: export under a trial, then prove by identity.
+fn export_by_identity(pool: &SharedPool<MockDriver>, base: DevicePtr) -> ExportBlob {
+    let check = pool.begin_export_reuse_check();
+    if let Some(c) = &check {
+        c.trial(base, 1 << 30);
+    }
+    let blob = pool.export(base).unwrap();
+    match check {
+        Some(c) if c.trial_used() => c.finish_by_identity(base, &blob).unwrap(),
+        _ => blob,
+    }
+}
+
+fn recycle(alloc: &std::sync::atomic::AtomicU64) {
+    alloc.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+#[test]
+fn identical_blobs_of_a_recycled_address_prove_reuse_without_a_worker() {
+    // Exports: the first, the check's fresh one, the one after the check (its entry went
+    // with it); then none: a recycled address reuses its blob.
+    let (pool, alloc) = exporting_blobs(true, 3);
+    let base = DevicePtr(0x1000);
+    let first = export_by_identity(&pool, base);
+    assert_eq!(
+        export_by_identity(&pool, base),
+        first,
+        "the same allocation: a hit"
+    );
+    assert_eq!(
+        pool.export_reuse().0,
+        ExportReuse::Unchecked,
+        "nothing recycled yet"
+    );
+    recycle(&alloc);
+    assert_eq!(export_by_identity(&pool, base), first);
+    assert_eq!(pool.export_reuse(), (ExportReuse::Proven, None));
+    for _ in 0..3 {
+        recycle(&alloc);
+        assert_eq!(export_by_identity(&pool, base), first);
+    }
+    // The trial's, then two of the three (the first after the check is exported).
+    assert_eq!(pool.export_cache_stats().reused, 3);
+}
+
+#[test]
+fn different_blobs_of_a_recycled_address_refute_reuse_and_the_fresh_blob_is_lent() {
+    let (pool, alloc) = exporting_blobs(false, 3);
+    let base = DevicePtr(0x1000);
+    let first = export_by_identity(&pool, base);
+    recycle(&alloc);
+    let second = export_by_identity(&pool, base);
+    assert_ne!(second, first, "the stale blob must never be lent");
+    assert_eq!(pool.export_reuse().0, ExportReuse::NotProven);
+    // From now on every new allocation is exported.
+    recycle(&alloc);
+    let third = export_by_identity(&pool, base);
+    assert_ne!(third, second);
+    assert_eq!(pool.export_cache_stats().reused, 1, "the trial's only");
+}
