@@ -523,6 +523,21 @@ impl NativeParent {
         stats::to_dict(py, &self.g.parent.stats())
     }
 
+    /// Lowers the pool-pointer import limit from here on: an allocation touching more than
+    /// `max_chunks` of the driver's 32 MiB chunks no longer goes by pointer (a `Parent`'s
+    /// tensors take host staging or the arena copy; torch sharing crosses as a copy). For
+    /// a driver whose crash boundary `poolipc doctor --probe-limit` found lower than 128
+    /// chunks. `ValueError` above the limit in force.
+    fn lower_import_limit(&self, max_chunks: u64) -> PyResult<()> {
+        let cur = self.g.parent.import_limit();
+        let limit = poolipc_pool::ImportLimit::new(cur.chunk_bytes(), max_chunks)
+            .ok_or_else(|| value_err(format!("poolipc: an import limit of {max_chunks} chunks")))?;
+        self.g
+            .parent
+            .lower_import_limit(limit)
+            .map_err(|e| value_err(format!("poolipc: {e}")))
+    }
+
     /// Lends every job placed from now on a slice of the result arena of `nbytes` (0: none),
     /// out of which its worker carves the results it asks for without a round trip. Needs
     /// the parent's results in the arena (`results="arena"`): a `ValueError` otherwise.

@@ -18,7 +18,7 @@ import poolipc  # noqa: E402
 from conftest import WORKERS  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["basic", "dying", "relay", "unpooled"])
+@pytest.mark.parametrize("name", ["basic", "dying", "relay", "copy", "unpooled"])
 def test_sharing_scenario(name):
     env = dict(os.environ, POOLIPC_DRIVER="sim")
     # A simulated machine of this pytest process (another suite installed a pool here) is
@@ -41,7 +41,7 @@ def test_a_sender_that_is_gone_is_a_clear_error():
     import struct
 
     name = b"poolipc-torch.0.nobody"
-    handle = b"POOLIPC-H1" + bytes([len(name)]) + name + struct.pack("<Q", 1) + bytes(64) + struct.pack("<Q", 4096)
+    handle = b"POOLIPC-H1" + bytes([len(name)]) + name + bytes([1]) + struct.pack("<Q", 1) + bytes(64) + struct.pack("<Q", 4096)
     with pytest.raises(poolipc.PoolipcError, match="cannot reach the process that shared"):
         poolipc._native._open(handle, 0, 16, None, 0)
     with pytest.raises(ValueError, match="passes the end"):

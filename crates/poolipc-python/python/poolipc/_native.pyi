@@ -213,7 +213,9 @@ class SharedMapping:
     def release(self) -> None:
         """Lets go now; idempotent."""
 
-def _share(ptr: int, nbytes: int, device: int | None, keep: object) -> tuple[bytes, int, bytes] | str: ...
+def _share(
+    ptr: int, nbytes: int, device: int | None, keep: object, stream: int | None = None
+) -> tuple[bytes, int, bytes] | str: ...
 def _open(handle: bytes, offset: int, nbytes: int, ref: bytes | None, device: int) -> SharedMapping: ...
 def _release(ref: bytes) -> None: ...
 def _stats() -> dict[str, Any]: ...
@@ -332,6 +334,8 @@ class NativeParent:
         """The canary battery's report on the worker, in words."""
     def stats(self) -> ParentStats:
         """The parent's counters."""
+    def lower_import_limit(self, max_chunks: int) -> None:
+        """Lowers the pool-pointer import limit to ``max_chunks`` chunks of 32 MiB."""
     def set_arena_slice_bytes(self, nbytes: int) -> None:
         """Lends each job placed from now on an arena slice of ``nbytes`` (0: none)."""
     def arena_stats(self) -> ArenaStats:

@@ -380,6 +380,14 @@ class Parent:
         proven (``ParentStats`` says each). Never waits for a job."""
         return self._native.stats()
 
+    def lower_import_limit(self, max_chunks: int) -> None:
+        """Lowers the pool-pointer import limit from here on: an allocation touching more
+        than ``max_chunks`` of the driver's 32 MiB chunks (128 by default) no longer goes by
+        pointer: a job's tensor takes host staging or the arena copy, a tensor shared through
+        ``torch_sharing`` crosses as a copy. For a driver whose crash boundary ``poolipc doctor
+        --probe-limit`` found lower. ``ValueError`` above the limit in force."""
+        self._native.lower_import_limit(max_chunks)
+
     def set_arena_slice_bytes(self, nbytes: int) -> None:
         """Lends every job submitted from now on a slice of ``nbytes`` of the result arena
         (0, the default: none). A worker that learns its results' shapes late then carves

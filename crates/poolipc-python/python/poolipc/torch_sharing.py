@@ -31,7 +31,9 @@ How: the patch sits below torch's ``reduce_tensor``, at the storage level, so th
 
 Memory torch's own path can share (its native allocator) still goes torch's way; memory that
 neither can share raises a ``RuntimeError`` saying why. A tensor whose allocation passes the
-pool-pointer import limit (more than 128 chunks of 32 MiB: about 4 GiB) raises ``ValueError``.
+pool-pointer import limit (more than 128 chunks of 32 MiB: about 4 GiB) crosses as a copy:
+the sender copies it on its current stream into a VMM allocation of its own, which the
+receiver maps by FD (no import limit there); writes after the share are not seen across.
 
 Without torch: a ``DeviceBuffer`` from the pool (``Parent.alloc``) pickles the same way, and
 ``Shareable(obj)`` wraps anything with ``data_ptr()``/``ptr`` and ``nbytes`` in the pool; each
@@ -159,10 +161,14 @@ def _share_cuda_(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
     device = self.device.index
     if device is None:
         device = torch.cuda.current_device()
+    stream = torch.cuda.current_stream(device)
     event = torch.cuda.Event(interprocess=True)
-    event.record(torch.cuda.current_stream(device))
     _publish_child_env()
-    r = _native._share(self.data_ptr(), nbytes, device, (self, event))
+    # An allocation above the import limit is copied on this stream first; the event,
+    # recorded after, orders the receiver after the sender's writes and the copy.
+    r = _native._share(self.data_ptr(), nbytes, device, (self, event), stream.cuda_stream)
+    if not isinstance(r, str):
+        event.record(stream)
     if isinstance(r, str):
         try:
             return _orig["share"](self, *args, **kwargs)

@@ -23,9 +23,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use poolipc::{DevicePtr, Driver, StreamHandle};
-use poolipc_driver::{ExportBlob, ImportedPointer};
+use poolipc_driver::ImportedPointer;
 use poolipc_pool::AttachedPool;
-use poolipc_pool::ImportLimit;
 use poolipc_transport::rendezvous::{
     AbstractListener, connect_abstract, recv_exact, recv_with_fd, send_all, send_with_fd,
 };
@@ -35,10 +34,12 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 use crate::errors::{err, value_err};
 use crate::state::{self, OnDevice, lock};
 
+mod copy;
 mod release;
 mod wire;
+use copy::{CopyMapping, VmmCopy};
 use release::{defer_release, pending_releases};
-use wire::{Handle, OP_CLAIM, OP_POOL, OP_RELEASE, Ref, frame};
+use wire::{Handle, OP_CLAIM, OP_COPY, OP_POOL, OP_RELEASE, Ref, Source, frame};
 
 const FD_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -51,8 +52,18 @@ struct Server {
     /// process that did not see the pickle cannot name a share to release it.
     next: AtomicU64,
     ids: std::collections::hash_map::RandomState,
-    shares: Mutex<HashMap<u64, Py<PyAny>>>,
+    shares: Mutex<HashMap<u64, Kept>>,
+    /// The copies made for allocations above the import limit, by id, while a share keeps
+    /// them.
+    copies: Mutex<HashMap<u64, Weak<VmmCopy>>>,
     receivers: AtomicUsize,
+}
+
+/// What one share keeps alive: the sharer's object (a torch storage and its event), and the
+/// copy where the allocation crossed as one.
+struct Kept {
+    _obj: Py<PyAny>,
+    _copy: Option<Arc<VmmCopy>>,
 }
 
 static SERVER: Mutex<Option<Arc<Server>>> = Mutex::new(None);
@@ -85,6 +96,7 @@ fn server() -> PyResult<Arc<Server>> {
         next: AtomicU64::new(1),
         ids: std::collections::hash_map::RandomState::new(),
         shares: Mutex::new(HashMap::new()),
+        copies: Mutex::new(HashMap::new()),
         receivers: AtomicUsize::new(0),
     });
     let s2 = Arc::clone(&s);
@@ -152,6 +164,22 @@ fn serve_peer(s: &Server, stream: &UnixStream, pid: i32) {
                     break;
                 }
             }
+            OP_COPY => {
+                let copy = lock(&s.copies).get(&arg).and_then(Weak::upgrade);
+                let fd = copy.as_ref().and_then(|c| match c.fd() {
+                    Ok(fd) => Some(fd),
+                    Err(e) => {
+                        tracing::warn!(pid, error = %e, "share server: a copy's FD");
+                        None
+                    }
+                });
+                let reply: &[u8] = if fd.is_some() { &[1] } else { &[0] };
+                let sent = send_with_fd(stream, reply, fd.as_ref().map(|f| f.as_fd()), FD_TIMEOUT);
+                if let Err(e) = sent {
+                    tracing::debug!(pid, error = %e, "share server: sending a copy failed");
+                    break;
+                }
+            }
             OP_CLAIM => {
                 claimed.insert(arg);
             }
@@ -179,7 +207,7 @@ impl Server {
     }
 
     fn release(&self, ids: impl IntoIterator<Item = u64>) {
-        let gone: Vec<Py<PyAny>> = {
+        let gone: Vec<Kept> = {
             let mut m = lock(&self.shares);
             ids.into_iter().filter_map(|id| m.remove(&id)).collect()
         };
@@ -187,6 +215,7 @@ impl Server {
             // The kept objects (torch storages) are freed with the GIL held; never under
             // the table's lock.
             Python::attach(move |_| drop(gone));
+            lock(&self.copies).retain(|_, w| w.strong_count() > 0);
         }
     }
 }
@@ -245,32 +274,39 @@ fn driver() -> PyResult<Arc<dyn Driver>> {
         .map_err(err)
 }
 
-fn attached(driver: &Arc<dyn Driver>, h: &Handle, device: u32) -> PyResult<Arc<Attached>> {
-    let key = (h.owner.clone(), h.generation);
+/// Asks `owner` for an FD (`op` with `arg`): `None` when it has none to give.
+fn ask_fd(owner: &str, op: u8, arg: u64, what: &str) -> PyResult<Option<std::os::fd::OwnedFd>> {
+    let p = peer(owner)?;
+    let s = lock(&p.stream);
+    send_all(&s, &frame(op, arg))
+        .map_err(|e| err(format!("poolipc: asking @{owner} for {what}: {e}")))?;
+    let mut reply = [0u8; 1];
+    let fd = recv_with_fd(&s, &mut reply, FD_TIMEOUT)
+        .map_err(|e| err(format!("poolipc: receiving {what} from @{owner}: {e}")))?;
+    Ok(match (reply[0], fd) {
+        (1, Some(fd)) => Some(fd),
+        _ => None,
+    })
+}
+
+fn attached(
+    driver: &Arc<dyn Driver>,
+    owner: &str,
+    generation: u64,
+    device: u32,
+) -> PyResult<Arc<Attached>> {
+    let key = (owner.to_owned(), generation);
     if let Some(p) = lock(&POOLS).get_or_insert_with(HashMap::new).get(&key) {
         return Ok(Arc::clone(p));
     }
-    let p = peer(&h.owner)?;
-    let fd = {
-        let s = lock(&p.stream);
-        send_all(&s, &frame(OP_POOL, h.generation))
-            .map_err(|e| err(format!("poolipc: asking @{} for its pool: {e}", h.owner)))?;
-        let mut reply = [0u8; 1];
-        let fd = recv_with_fd(&s, &mut reply, FD_TIMEOUT)
-            .map_err(|e| err(format!("poolipc: receiving @{}'s pool: {e}", h.owner)))?;
-        match (reply[0], fd) {
-            (1, Some(fd)) => fd,
-            _ => {
-                return Err(err(format!(
-                    "poolipc: @{} no longer has the pool this tensor came from (its pool was \
-                     rotated by empty_cache, or it uninstalled it)",
-                    h.owner
-                )));
-            }
-        }
+    let Some(fd) = ask_fd(owner, OP_POOL, generation, "its pool")? else {
+        return Err(err(format!(
+            "poolipc: @{owner} no longer has the pool this tensor came from (its pool was \
+             rotated by empty_cache, or it uninstalled it)"
+        )));
     };
     let pool = AttachedPool::attach(Arc::clone(driver), fd.as_fd(), device)
-        .map_err(|e| err(format!("poolipc: importing @{}'s pool: {e}", h.owner)))?;
+        .map_err(|e| err(format!("poolipc: importing @{owner}'s pool: {e}")))?;
     let pool = Arc::new(pool);
     lock(&POOLS)
         .get_or_insert_with(HashMap::new)
@@ -278,16 +314,23 @@ fn attached(driver: &Arc<dyn Driver>, h: &Handle, device: u32) -> PyResult<Arc<A
     Ok(pool)
 }
 
-type ImportKey = (String, u64, ExportBlob);
+type ImportKey = (String, Source);
+
+/// How an allocation of another process is mapped here.
+enum Mapped {
+    /// Imported from its pool by pointer (the pool kept while the import lives).
+    Pointer(ImportedPointer<Arc<dyn Driver>>, Arc<Attached>),
+    /// The sender's copy of it, mapped by FD (unmapped when dropped).
+    Copy { _mapping: CopyMapping },
+}
 
 /// One import of one exported allocation, shared by every mapping of it in this process.
 struct Import {
     key: ImportKey,
     ptr: DevicePtr,
-    imp: Option<ImportedPointer<Arc<dyn Driver>>>,
+    imp: Option<Mapped>,
     device: u32,
     driver: Arc<dyn Driver>,
-    _pool: Arc<Attached>,
 }
 
 static IMPORTS: Mutex<Option<HashMap<ImportKey, Weak<Import>>>> = Mutex::new(None);
@@ -302,7 +345,7 @@ impl Drop for Import {
         {
             map.remove(&self.key);
         }
-        if let Some(imp) = self.imp.take() {
+        if let Some(Mapped::Pointer(imp, _pool)) = self.imp.take() {
             let on = OnDevice::push(&*self.driver, self.device);
             if let Err(e) = on
                 .map_err(|e| e.to_string())
@@ -321,22 +364,49 @@ fn import(h: &Handle, device: u32) -> PyResult<Arc<Import>> {
     let on_driver = Arc::clone(&driver);
     let _on = OnDevice::push(&*on_driver, device)
         .map_err(|e| err(format!("poolipc: making device {device} current: {e}")))?;
-    let pool = attached(&driver, h, device)?;
-    let key = (h.owner.clone(), h.generation, h.blob);
+    let key = (h.owner.clone(), h.source);
+    if let Some(i) = lock(&IMPORTS)
+        .get_or_insert_with(HashMap::new)
+        .get(&key)
+        .and_then(Weak::upgrade)
+    {
+        return Ok(i);
+    }
+    let pool = match h.source {
+        Source::Pool { generation, .. } => Some(attached(&driver, &h.owner, generation, device)?),
+        Source::Copy { .. } => None,
+    };
     let mut t = lock(&IMPORTS);
     let map = t.get_or_insert_with(HashMap::new);
     if let Some(i) = map.get(&key).and_then(Weak::upgrade) {
         return Ok(i);
     }
-    let imp = ImportedPointer::import(Arc::clone(&driver), pool.pool.handle(), &h.blob)
-        .map_err(|e| err(format!("poolipc: importing a shared allocation: {e}")))?;
+    let (ptr, mapped) = match (h.source, pool) {
+        (Source::Pool { blob, .. }, Some(pool)) => {
+            let imp = ImportedPointer::import(Arc::clone(&driver), pool.pool.handle(), &blob)
+                .map_err(|e| err(format!("poolipc: importing a shared allocation: {e}")))?;
+            (imp.ptr(), Mapped::Pointer(imp, pool))
+        }
+        (Source::Copy { id }, _) => {
+            let Some(fd) = ask_fd(&h.owner, OP_COPY, id, "a copy")? else {
+                return Err(err(format!(
+                    "poolipc: @{} no longer keeps the copy this tensor crossed as (its share \
+                     was released)",
+                    h.owner
+                )));
+            };
+            let m = CopyMapping::map(&driver, device, &fd, h.alloc_bytes)
+                .map_err(|e| err(format!("poolipc: mapping a shared copy: {e}")))?;
+            (m.ptr(), Mapped::Copy { _mapping: m })
+        }
+        (Source::Pool { .. }, None) => return Err(err("poolipc: the sender's pool is missing")),
+    };
     let i = Arc::new(Import {
         key: key.clone(),
-        ptr: imp.ptr(),
-        imp: Some(imp),
+        ptr,
+        imp: Some(mapped),
         device,
         driver,
-        _pool: pool,
     });
     map.insert(key, Arc::downgrade(&i));
     Ok(i)
@@ -498,13 +568,14 @@ impl Drop for SharedMapping {
 ///
 /// `device` None: the pool's device.
 #[pyfunction]
-#[pyo3(signature = (ptr, nbytes, device, keep))]
+#[pyo3(signature = (ptr, nbytes, device, keep, stream = None))]
 pub(crate) fn _share(
     py: Python<'_>,
     ptr: u64,
     nbytes: u64,
     device: Option<u32>,
     keep: Py<PyAny>,
+    stream: Option<u64>,
 ) -> PyResult<Py<PyAny>> {
     let device = match (device, state::installed()) {
         (Some(d), _) => d,
@@ -512,8 +583,8 @@ pub(crate) fn _share(
         (None, None) => 0,
     };
     let found = match live_lookup(ptr) {
-        Some(found) => found,
-        None => match export(py, ptr, nbytes, device)? {
+        Some((handle, offset)) => (handle, offset, None),
+        None => match export(py, ptr, nbytes, device, stream)? {
             Ok(found) => found,
             Err(why) => return Ok(why.into_pyobject(py)?.into_any().unbind()),
         },
@@ -525,7 +596,13 @@ pub(crate) fn _share(
         while shares.contains_key(&id) {
             id = s.new_id();
         }
-        shares.insert(id, keep);
+        shares.insert(
+            id,
+            Kept {
+                _obj: keep,
+                _copy: found.2,
+            },
+        );
         id
     };
     let r = Ref {
@@ -543,13 +620,20 @@ pub(crate) fn _share(
     Ok(t.into_any().unbind())
 }
 
-/// The handle and offset of pool memory at `ptr`, or why it is not poolipc's to share.
+/// What a share names: the handle's bytes, the offset in the allocation, and the copy where
+/// the allocation crossed as one.
+type Found = (Vec<u8>, u64, Option<Arc<VmmCopy>>);
+
+/// The handle and offset of pool memory at `ptr`, or why it is not poolipc's to share. An
+/// allocation above the pool-pointer import limit is copied (`nbytes` at `ptr`, on `stream`,
+/// or on the legacy stream and waited for when None) into a VMM allocation the handle names.
 fn export(
     py: Python<'_>,
     ptr: u64,
     nbytes: u64,
     device: u32,
-) -> PyResult<Result<(Vec<u8>, u64), String>> {
+    stream: Option<u64>,
+) -> PyResult<Result<Found, String>> {
     let Some(g) = state::installed() else {
         return Ok(Err(
             "no poolipc pool in this process (poolipc.install_pool() never ran \
@@ -584,32 +668,74 @@ fn export(
                 "poolipc: {nbytes} bytes at {ptr:#x} pass the end of their allocation"
             ));
         }
-        if let Err(e) = ImportLimit::default().check(base.0, bytes) {
-            return Err(format!(
-                "LIMIT:poolipc: this tensor's allocation ({} MiB) is above what a receiving \
-                 process can import by pool pointer ({e}); split it into tensors of at most \
-                 4 GiB, or lend it with poolipc.Parent (host staging or the result arena)",
-                bytes >> 20
-            ));
+        let s = server().map_err(|e| e.to_string())?;
+        if let Err(e) = g.parent.import_limit().check(base.0, bytes) {
+            return copy_for_sharing(&s, d, device, ptr, nbytes, stream).map_err(|why| {
+                format!(
+                    "poolipc: this tensor's allocation ({} MiB) is above what a receiving \
+                     process can import by pool pointer ({e}), and copying it for sharing \
+                     failed: {why}",
+                    bytes >> 20
+                )
+            });
         }
         let blob = export_pointer(g.parent.pool(), base, bytes)
             .map_err(|e| format!("poolipc: exporting the allocation: {e}"))?;
-        let s = server().map_err(|e| e.to_string())?;
         let h = Handle {
             owner: s.name.clone(),
-            generation: pool.as_raw(),
-            blob,
+            source: Source::Pool {
+                generation: pool.as_raw(),
+                blob,
+            },
             alloc_bytes: bytes,
         };
-        Ok(Ok((h.encode(), ptr - base.0)))
+        Ok(Ok((h.encode(), ptr - base.0, None)))
     });
-    match r {
-        Ok(x) => Ok(x),
-        Err(m) => match m.strip_prefix("LIMIT:") {
-            Some(m) => Err(value_err(m.to_owned())),
-            None => Err(err(m)),
-        },
+    r.map_err(err)
+}
+
+/// `nbytes` at `ptr` copied into a VMM allocation this process serves as a copy (see
+/// [`copy`]): on `stream`, or on the legacy stream and waited for.
+fn copy_for_sharing(
+    s: &Server,
+    driver: &Arc<dyn Driver>,
+    device: u32,
+    ptr: u64,
+    nbytes: u64,
+    stream: Option<u64>,
+) -> Result<Result<Found, String>, String> {
+    let on = stream.map_or(StreamHandle::NULL, crate::dlpack::python_stream);
+    let copy = VmmCopy::make(driver, device, DevicePtr(ptr), nbytes, on)?;
+    if stream.is_none() {
+        driver
+            .stream_synchronize(on)
+            .map_err(|e| format!("waiting for the copy: {e}"))?;
     }
+    let copy = Arc::new(copy);
+    let id = {
+        let mut copies = lock(&s.copies);
+        let mut id = s.new_id();
+        while copies.contains_key(&id) {
+            id = s.new_id();
+        }
+        copies.insert(id, Arc::downgrade(&copy));
+        id
+    };
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        tracing::warn!(
+            mib = nbytes >> 20,
+            "poolipc: a tensor whose allocation is above the pool-pointer import limit crosses \
+             as a copy (one device-to-device copy per share; writes after the share are not \
+             seen across)"
+        );
+    });
+    let h = Handle {
+        owner: s.name.clone(),
+        source: Source::Copy { id },
+        alloc_bytes: copy.bytes,
+    };
+    Ok(Ok((h.encode(), 0, Some(copy))))
 }
 
 /// The export of the allocation of `bytes` at `base`. Until the pool knows whether a

@@ -13,14 +13,29 @@ const REF_MAGIC: &[u8] = b"POOLIPC-R1";
 pub(super) const OP_POOL: u8 = 1;
 pub(super) const OP_CLAIM: u8 = 2;
 pub(super) const OP_RELEASE: u8 = 3;
+/// Asks for the FD of a copy (an allocation above the pool-pointer import limit, copied
+/// into a VMM allocation of its own): the reply is `[1]` with the FD, or `[0]`.
+pub(super) const OP_COPY: u8 = 4;
 
-/// Which allocation: the owner's socket name, its pool generation, the export of the
-/// allocation's base and the allocation's size.
+/// Where a share's bytes live in the owner's process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Source {
+    /// An allocation of the owner's pool of this generation, exported as `blob`.
+    Pool { generation: u64, blob: ExportBlob },
+    /// A copy the owner made into a VMM allocation of its own (the allocation passed the
+    /// pool-pointer import limit), which it serves by FD under `id`.
+    Copy { id: u64 },
+}
+
+const SOURCE_POOL: u8 = 1;
+const SOURCE_COPY: u8 = 2;
+
+/// Which allocation: the owner's socket name, where the bytes live there and the
+/// allocation's size.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Handle {
     pub(crate) owner: String,
-    pub(crate) generation: u64,
-    pub(crate) blob: ExportBlob,
+    pub(crate) source: Source,
     pub(crate) alloc_bytes: u64,
 }
 
@@ -81,8 +96,17 @@ impl Handle {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut out = HANDLE_MAGIC.to_vec();
         put_name(&mut out, &self.owner);
-        out.extend_from_slice(&self.generation.to_le_bytes());
-        out.extend_from_slice(&self.blob.0);
+        match self.source {
+            Source::Pool { generation, blob } => {
+                out.push(SOURCE_POOL);
+                out.extend_from_slice(&generation.to_le_bytes());
+                out.extend_from_slice(&blob.0);
+            }
+            Source::Copy { id } => {
+                out.push(SOURCE_COPY);
+                out.extend_from_slice(&id.to_le_bytes());
+            }
+        }
         out.extend_from_slice(&self.alloc_bytes.to_le_bytes());
         out
     }
@@ -96,15 +120,24 @@ impl Handle {
             return Err(r.bad());
         }
         let owner = r.name()?;
-        let generation = r.u64()?;
-        let mut blob = [0u8; 64];
-        blob.copy_from_slice(r.take(64)?);
+        let source = match r.take(1)?[0] {
+            SOURCE_POOL => {
+                let generation = r.u64()?;
+                let mut blob = [0u8; 64];
+                blob.copy_from_slice(r.take(64)?);
+                Source::Pool {
+                    generation,
+                    blob: ExportBlob(blob),
+                }
+            }
+            SOURCE_COPY => Source::Copy { id: r.u64()? },
+            _ => return Err(r.bad()),
+        };
         let alloc_bytes = r.u64()?;
         r.end()?;
         Ok(Handle {
             owner,
-            generation,
-            blob: ExportBlob(blob),
+            source,
             alloc_bytes,
         })
     }
@@ -148,11 +181,25 @@ mod tests {
     fn handles_and_refs_round_trip_and_garbage_is_refused() {
         let h = Handle {
             owner: "poolipc-torch.1.abc".into(),
-            generation: 0xdead,
-            blob: ExportBlob([7; 64]),
+            source: Source::Pool {
+                generation: 0xdead,
+                blob: ExportBlob([7; 64]),
+            },
             alloc_bytes: 4096,
         };
         assert_eq!(Handle::decode(&h.encode()), Ok(h.clone()));
+        let c = Handle {
+            owner: "poolipc-torch.2.def".into(),
+            source: Source::Copy { id: 0xfeed },
+            alloc_bytes: 6 << 30,
+        };
+        assert_eq!(Handle::decode(&c.encode()), Ok(c.clone()));
+        let mut unknown = c.encode();
+        unknown[HANDLE_MAGIC.len() + 1 + "poolipc-torch.2.def".len()] = 9;
+        assert!(
+            Handle::decode(&unknown).is_err(),
+            "an unknown source is refused"
+        );
         let r = Ref {
             keeper: "k".into(),
             share: 42,

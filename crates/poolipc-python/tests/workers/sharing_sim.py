@@ -1,7 +1,7 @@
 """Torch-free sharing across multiprocessing, one scenario per run (the simulated driver
 in CI, the GPU too):
 
-    python sharing_sim.py basic|dying|relay|unpooled
+    python sharing_sim.py basic|dying|relay|copy|unpooled
 
 The parent installs the pool, fills a ``DeviceBuffer`` and puts it (or a ``Shareable``) on
 a ``multiprocessing`` Queue; spawned children get ``SharedMapping``\\ s. Prints ``PASS
@@ -181,6 +181,37 @@ def s_relay(ctx, parent):
     return "A -> B -> C: C read A's bytes and wrote in place; B and A released"
 
 
+def child_copy(q_in, q_out):
+    m = q_in.get(timeout=TIMEOUT)
+    q_out.put((m.nbytes, m.read(0, 8), m.read(m.nbytes - 8, 8), poolipc.torch_sharing.stats()))
+    m.write(b"child", 0)
+    m.release()
+    q_in.get(timeout=TIMEOUT)
+
+
+def s_copy(ctx, parent):
+    """An allocation above the import limit (lowered to 2 chunks here) crosses as a copy:
+    the receiver maps a VMM allocation the sender made and serves by FD."""
+    parent.lower_import_limit(2)
+    n = 96 << 20
+    buf = parent.alloc(n)
+    fill(buf, b"first..!")
+    _native._memcpy_htod(buf.ptr + n - 8, b"..last!!")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child_copy, args=(q_in, q_out), daemon=True)
+    p.start()
+    q_in.put(buf)
+    nbytes, head, tail, child_stats = q_out.get(timeout=TIMEOUT)
+    assert (nbytes, head, tail) == (n, b"first..!", b"..last!!"), (nbytes, head, tail)
+    assert child_stats["pools"] == 0 and child_stats["imports"] == 1, child_stats
+    wait_for(lambda: poolipc.torch_sharing.stats()["kept"] == 0, "the copy's release")
+    # A copy: the receiver's write is its own.
+    assert read(buf, 8) == b"first..!", read(buf, 8)
+    q_in.put(None)
+    p.join(TIMEOUT)
+    return f"{n >> 20} MiB above a 2-chunk import limit crossed as a copy, read right, released"
+
+
 def s_unpooled(ctx, parent):
     import pickle
 
@@ -197,7 +228,13 @@ def main(name):
     poolipc.install_pool(0)
     parent = poolipc.Parent(0)
     ctx = mp.get_context("spawn")
-    detail = {"basic": s_basic, "dying": s_dying, "relay": s_relay, "unpooled": s_unpooled}[name](ctx, parent)
+    detail = {
+        "basic": s_basic,
+        "dying": s_dying,
+        "relay": s_relay,
+        "copy": s_copy,
+        "unpooled": s_unpooled,
+    }[name](ctx, parent)
     print(f"PASS {name}: {detail}", flush=True)
 
 
