@@ -450,9 +450,6 @@ impl Inner {
 }
 
 #[cfg(test)]
-mod property;
-
-#[cfg(test)]
 mod tests {
     use super::*;
 

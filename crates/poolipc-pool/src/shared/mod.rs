@@ -240,6 +240,8 @@ impl<D: Driver + ?Sized> SharedPool<D> {
 }
 
 #[cfg(test)]
+mod export_property;
+#[cfg(test)]
 mod tests;
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-use crate::shared::Served;
+use super::Served;
 use crate::{ExportReuse, SharedPool};
 
 const MIB: u64 = 1 << 20;
