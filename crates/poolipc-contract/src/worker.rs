@@ -142,6 +142,8 @@ pub struct Worker {
     jobs: BTreeMap<JobId, OpenJob>,
     newest: Option<HandoffId>,
     stopping: bool,
+    /// Heartbeats sent so far (each one's `seq`).
+    heartbeats: u64,
     actions: VecDeque<WorkerAction>,
     #[cfg(test)]
     pub(crate) mutation: Option<Mutation>,
@@ -584,6 +586,24 @@ impl Worker {
         }
         self.actions
             .push_back(WorkerAction::Send(Message::JobError { job, message }));
+        Ok(())
+    }
+
+    /// The worker's code is still computing on the open job `job`: `Send(Heartbeat)`. A
+    /// parent takes it for progress on the worker's open jobs only when the worker declared
+    /// long jobs (`Capabilities::LONG_JOBS`), and never past a job's lifetime; to any other
+    /// parent it is a message without progress, so send one only when the job is long.
+    ///
+    /// # Errors
+    /// The job is not open.
+    pub fn heartbeat(&mut self, job: JobId) -> Result<(), ContractError> {
+        if !self.jobs.contains_key(&job) {
+            return Err(ContractError::UnknownJob(job));
+        }
+        self.heartbeats = self.heartbeats.wrapping_add(1);
+        self.actions.push_back(WorkerAction::Send(Message::Heartbeat {
+            seq: self.heartbeats,
+        }));
         Ok(())
     }
 

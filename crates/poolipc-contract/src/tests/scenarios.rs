@@ -1865,6 +1865,27 @@ fn a_job_error_text_is_cut_to_the_wire_limit() {
     assert!(message.len() <= crate::MAX_TEXT_LEN && !message.is_empty());
 }
 
+#[test]
+fn a_worker_heartbeat_names_an_open_job_and_counts_up() {
+    let mut w = Worker::new();
+    assert!(matches!(
+        w.heartbeat(JobId(1)),
+        Err(ContractError::UnknownJob(JobId(1)))
+    ));
+    assert_eq!(w.poll_action(), None, "nothing sent for a job not open");
+    w.handle(lend(1, Vec::new()), T0).expect("lend");
+    let _ = drain_worker(&mut w);
+    w.heartbeat(JobId(1)).expect("beat");
+    w.heartbeat(JobId(1)).expect("beat");
+    assert_eq!(
+        drain_worker(&mut w),
+        [
+            WorkerAction::Send(Message::Heartbeat { seq: 1 }),
+            WorkerAction::Send(Message::Heartbeat { seq: 2 })
+        ]
+    );
+}
+
 // The result arena.
 
 /// A job with no inputs whose worker asks for one result, answered in the arena.
