@@ -12,7 +12,7 @@
 # driving every worker, the binding against torch.multiprocessing under MPS), "gputurns",
 # "mpsspin" and "floorscale" (the bare driver's jobs/s with N copies at once), "torchmp"
 # (torch.multiprocessing under cudaMallocAsync through poolipc.torch_sharing, with its
-# controls and its bench row) and "rogue" (every job ends: hostile workers beside an
+# controls), "torchmpbench" (its bench row) and "rogue" (every job ends: hostile workers beside an
 # honest one), run only when named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one run stays within
 # its time limit.
@@ -623,21 +623,26 @@ diff "$out/rogue-before.log" "$log" | sed -n 's/^> //p' | grep -E '^(rogue |hone
 rm -f "$out/rogue-before.log"
 stash
 fi
-if want torchmp; then
-# torch.multiprocessing under cudaMallocAsync through poolipc.torch_sharing (only when named,
-# about 5 minutes): every scenario with poolipc and, as its control, without it
-# (tests/gpu_torchmp_test.py: each PASS line says what crossed and how fast), then
-# bench/torchmp_share.py: a 4 KiB and a 1 GiB tensor through mp.Queue beside torch's own
+if want torchmp || want torchmpbench; then
+# torch.multiprocessing under cudaMallocAsync through poolipc.torch_sharing (only when named).
+# "torchmp" (about 5 minutes): every scenario with poolipc and, as its control, without it
+# (tests/gpu_torchmp_test.py: each PASS line says what crossed and how fast; POOLIPC_TORCHMP_K
+# picks scenarios as pytest's -k does). "torchmpbench" (about 2 minutes):
+# bench/torchmp_share.py, a 4 KiB and a 1 GiB tensor through mp.Queue beside torch's own
 # legacy IPC under its native allocator, in the same run.
 if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/torchmp-pip.log" 2>&1
-  echo "--- python: tests/gpu_torchmp_test.py (torch.multiprocessing under cudaMallocAsync, with poolipc and without)" >> "$summary"
-  ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site timeout 480 python3 -m pytest -v -s -rs tests/gpu_torchmp_test.py ) > "$out/torchmp-tests.log" 2>&1
-  echo "torchmp suite exit: $?" >> "$summary"
-  grep -E "^PASS |PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/torchmp-tests.log" | sed 's/^tests\/gpu_torchmp_test.py:://' | tail -60 >> "$summary"
-  echo "--- bench/torchmp_share.py: mp.Queue round trip, poolipc (cudaMallocAsync) beside torch's native IPC" >> "$summary"
-  ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 240 python3 bench/torchmp_share.py ) > "$out/torchmp-bench.log" 2>&1
-  echo "torchmp bench exit: $?" >> "$summary"; tail -8 "$out/torchmp-bench.log" >> "$summary"
+  if want torchmp; then
+    echo "--- python: tests/gpu_torchmp_test.py (torch.multiprocessing under cudaMallocAsync, with poolipc and without)" >> "$summary"
+    ( cd "$repo/crates/poolipc-python" && PYTHONPATH=/tmp/poolipc-site timeout 480 python3 -m pytest -v -s -rs ${POOLIPC_TORCHMP_K:+-k "$POOLIPC_TORCHMP_K"} tests/gpu_torchmp_test.py ) > "$out/torchmp-tests.log" 2>&1
+    echo "torchmp suite exit: $?" >> "$summary"
+    grep -E "^PASS |PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$out/torchmp-tests.log" | sed 's/^tests\/gpu_torchmp_test.py:://' | tail -60 >> "$summary"
+  fi
+  if want torchmpbench; then
+    echo "--- bench/torchmp_share.py: mp.Queue round trip, poolipc (cudaMallocAsync) beside torch's native IPC" >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 240 python3 bench/torchmp_share.py ) > "$out/torchmp-bench.log" 2>&1
+    echo "torchmp bench exit: $?" >> "$summary"; tail -8 "$out/torchmp-bench.log" >> "$summary"
+  fi
 else
   echo "torchmp: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi

@@ -270,6 +270,19 @@ impl Job<'_> {
         }
     }
 
+    /// Tells the parent this job is still being computed: progress that restarts its
+    /// handoff deadline ([`ParentOptions::handoff_timeout`](crate::ParentOptions::handoff_timeout),
+    /// 30 s by default), never past its lifetime
+    /// ([`ParentOptions::max_job_lifetime`](crate::ParentOptions::max_job_lifetime)). Call it
+    /// from a long computation (a sampler's steps, say) more often than the deadline: each
+    /// call is one small frame, so once a second is plenty. Workers of this library declare
+    /// long jobs at the handshake, which is what makes a parent count heartbeats as progress.
+    pub fn heartbeat(&mut self) -> Result<(), Error> {
+        let w = &mut *self.worker;
+        w.machine.heartbeat(self.id)?;
+        w.drain()
+    }
+
     /// Reports a failure of the job to the parent (the job then ends with this message as
     /// its error), then finishes it: what it held is given back as usual.
     pub fn fail(mut self, message: &str) -> Result<(), Error> {
