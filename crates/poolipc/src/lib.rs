@@ -71,6 +71,7 @@ mod error;
 mod handshake;
 pub mod mps;
 mod parent;
+mod settings;
 mod spin;
 pub use spin::{SPIN_YIELD_ENV, yields as spin_yields};
 pub mod probe;
@@ -80,6 +81,7 @@ pub mod staging;
 #[cfg(not(feature = "testing"))]
 #[allow(unreachable_pub)]
 mod staging;
+mod state;
 mod tensor;
 mod warm;
 mod worker;

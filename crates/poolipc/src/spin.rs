@@ -18,7 +18,7 @@ pub const SPIN_YIELD_ENV: &str = "POOLIPC_SPIN_YIELD";
 /// are).
 pub fn yields() -> bool {
     static YIELDS: OnceLock<bool> = OnceLock::new();
-    *YIELDS.get_or_init(|| crate::parent::env_number::<u8>(SPIN_YIELD_ENV).is_none_or(|v| v != 0))
+    *YIELDS.get_or_init(|| crate::settings::env_number::<u8>(SPIN_YIELD_ENV).is_none_or(|v| v != 0))
 }
 
 /// One turn of a spin-wait.

@@ -25,7 +25,7 @@ pub const READY_ASIDE_ENV: &str = "POOLIPC_READY_ASIDE";
 #[must_use]
 pub fn ready_aside() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::parent::env_number::<u8>(READY_ASIDE_ENV) != Some(0))
+    *ON.get_or_init(|| crate::settings::env_number::<u8>(READY_ASIDE_ENV) != Some(0))
 }
 
 /// A stream of the IO thread's own whose last work is a copy of [`WARM_BYTES`] through
@@ -75,7 +75,7 @@ pub(crate) const WARM_BYTES: usize = 1 << 20;
 #[must_use]
 pub fn asked() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::parent::env_number::<u8>(WARM_COPIES_ENV) == Some(1))
+    *ON.get_or_init(|| crate::settings::env_number::<u8>(WARM_COPIES_ENV) == Some(1))
 }
 
 /// The copy, on the current device, where [`asked`]; `who` names the process in the log.

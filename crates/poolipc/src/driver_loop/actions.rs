@@ -7,7 +7,7 @@ use poolipc_types::{JobId, WorkerId};
 
 use super::Loop;
 use super::transfer::{Direction, Held, Transfer};
-use crate::parent::Stats;
+use crate::state::Stats;
 
 impl Loop {
     /// Carries out every action the contract has queued, in order.

@@ -17,9 +17,10 @@ use poolipc_contract::ResultSpec;
 use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_types::{JobId, RequestId, WorkerId};
 
+use super::Shared;
 use super::{Command, Loop};
 use crate::error::Error;
-use crate::parent::{ResultAllocator, Shared};
+use crate::state::ResultAllocator;
 use crate::tensor::ResultShape;
 
 /// A job's allocator, shared between the job (on the IO thread) and the allocator thread.

@@ -16,7 +16,7 @@ use poolipc_types::WorkerId;
 
 use super::{IDLE_RELEASE_CHECK, Loop, MAPPINGS_ACK, ReleaseWaiter};
 use crate::error::Error;
-use crate::parent::{EmptyCache, ResultMemory, SharedArena, lock};
+use crate::state::{EmptyCache, ResultMemory, SharedArena, lock};
 
 impl Loop {
     /// `worker`'s arena, made on this thread (the device is current here) at its first use:
@@ -280,7 +280,7 @@ impl Loop {
             reply,
             report,
             awaited,
-            deadline: Instant::now() + crate::parent::EMPTY_CACHE_WAIT,
+            deadline: Instant::now() + crate::state::EMPTY_CACHE_WAIT,
         });
         self.answer_release_waiters();
     }

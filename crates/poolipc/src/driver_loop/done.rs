@@ -13,7 +13,7 @@ use poolipc_types::{EventBlob, JobId, WorkerId};
 
 use super::{DoneEvents, DoneGate, Loop, Room};
 use crate::error::Error;
-use crate::parent::Stats;
+use crate::state::Stats;
 
 impl Loop {
     /// The worker's DONE of `job`: complete already (the usual case under MPS: it completes

@@ -13,7 +13,7 @@ use poolipc_types::{AllocId, EventBlob, JobId, Rung, Span, WorkerId};
 use super::place::{ArenaInput, Placed, Placement};
 use super::{JobState, Loop, Submission, backlog_full};
 use crate::error::Error;
-use crate::parent::{ArenaLease, ResultMemory, ResultTensor, Stats};
+use crate::state::{ArenaLease, ResultMemory, ResultTensor, Stats};
 use crate::tensor::ResultShape;
 
 impl Loop {

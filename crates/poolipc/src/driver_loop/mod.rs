@@ -27,10 +27,8 @@ use poolipc_transport::Connection;
 use poolipc_types::{AllocId, EventBlob, HandoffId, JobId, RequestId, Rung, WorkerId};
 
 use crate::error::Error;
-use crate::parent::{
-    Answer, ArenaLease, EmptyCache, Input, ResultAllocator, ResultTensor, Shared, lock,
-};
 use crate::staging::StagingChannel;
+use crate::state::{Answer, ArenaLease, EmptyCache, Input, ResultAllocator, ResultTensor, lock};
 
 mod actions;
 mod allocator;
@@ -40,6 +38,7 @@ mod io;
 mod lend;
 mod place;
 mod results;
+mod shared;
 mod transfer;
 mod workers;
 
@@ -56,6 +55,7 @@ mod pool_rotation;
 
 use done_events::{DoneEvents, Room};
 use place::{ArenaInput, Placed, VmmShared};
+pub(crate) use shared::{Registered, Room as Inbox, Shared, WorkerPool};
 
 /// What a caller's thread asks of the IO loop.
 pub(crate) enum Command {
@@ -352,7 +352,7 @@ struct JobState {
     /// Input allocations lent by pointer: their entries in `Loop::lent` are dropped at release.
     lent_bases: Vec<u64>,
     /// The first result request the parent refused, for the job's error.
-    refused: Option<crate::ResultRefusal>,
+    refused: Option<crate::error::ResultRefusal>,
     /// The job's arena slice: given back whole when dropped, or split at its release into
     /// the carved results and the rest.
     slice: Option<ArenaLease>,

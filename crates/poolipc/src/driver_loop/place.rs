@@ -11,9 +11,10 @@ use poolipc_driver::DevicePtr;
 use poolipc_transport::VmmShare;
 use poolipc_types::{AllocId, ExportBlob, Rung, Span, WorkerId};
 
+use super::Shared;
 use super::{Loop, Submission};
 use crate::error::Error;
-use crate::parent::{ArenaLease, Shared, Stats, lock};
+use crate::state::{ArenaLease, Stats, lock};
 
 impl Loop {
     /// Chooses each input's rung and exports what goes by pointer. Fails (sending nothing)

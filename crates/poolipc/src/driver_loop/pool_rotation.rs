@@ -13,8 +13,9 @@ use poolipc_driver::PoolHandle;
 use poolipc_types::WorkerId;
 
 use super::Loop;
+use super::WorkerPool;
 use super::transfer::Held;
-use crate::parent::{EmptyCache, WorkerPool, lock};
+use crate::state::{EmptyCache, lock};
 
 /// The key of an `ExtraPoolReply` for index `i` among the awaited (worker, key) answers is
 /// `POOL_OFFER_ACK + i`, of a `PoolRetired` `POOL_RETIRE_ACK + i`: above any arena chunk's

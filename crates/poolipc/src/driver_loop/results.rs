@@ -15,7 +15,7 @@ use poolipc_types::{AllocId, ExportBlob, HandoffId, JobId, RequestId, Rung, Span
 use super::transfer::Held;
 use super::{JobState, Loop, MPS_FAULT_GRACE, backlog_full, names_gpu_fault};
 use crate::error::Error;
-use crate::parent::{JobOutput, ResultMemory, ResultTensor, Stats};
+use crate::state::{JobOutput, ResultMemory, ResultTensor, Stats};
 use crate::tensor::ResultShape;
 
 impl Loop {
@@ -93,7 +93,7 @@ impl Loop {
                 }
                 if let Some(st) = self.jobs.get_mut(&(worker, job)) {
                     st.refused
-                        .get_or_insert_with(|| crate::ResultRefusal::of(&e));
+                        .get_or_insert_with(|| crate::error::ResultRefusal::of(&e));
                 }
                 ParentEvent::ResultDeclined {
                     worker,

@@ -12,7 +12,7 @@ use poolipc_types::{JobId, WorkerId};
 
 use super::{DoneEvents, DoneGate, Loop, REAP_GRACE, Slot, Submission};
 use crate::error::Error;
-use crate::parent::{ResultMemory, Stats, lock};
+use crate::state::{ResultMemory, Stats, lock};
 
 impl Loop {
     pub(super) fn adopt(
@@ -410,7 +410,7 @@ impl Loop {
                 }
             );
             tracing::error!("{detail}");
-            *crate::parent::lock(&self.shared.context_lost) = Some(detail.clone());
+            *crate::state::lock(&self.shared.context_lost) = Some(detail.clone());
             let workers: Vec<WorkerId> = self.workers.keys().copied().collect();
             for w in workers {
                 self.lose(w, "the parent's GPU context is lost");

@@ -11,6 +11,7 @@ use poolipc_contract::{
 use poolipc_transport::SendQueueLimits;
 use poolipc_types::ImportLimit;
 
+use crate::settings::env_number;
 use crate::staging::StagingConfig;
 
 /// How a [`Parent`](crate::Parent) behaves.
@@ -459,38 +460,6 @@ fn io_threads_for(cpus: usize) -> usize {
     (cpus / 4).clamp(1, 4)
 }
 
-/// The number environment variable `name` holds, if it is set; one that is set to something
-/// else is ignored with a warning naming it (the default applies), not taken for unset
-/// silently.
-pub(crate) fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
-    let value = std::env::var_os(name)?;
-    let parsed = parse_env_number(value.to_str());
-    // Once per variable: defaults are made more than once (every `ParentOptions`).
-    static WARNED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-    let first = || {
-        let mut warned = WARNED
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let new = !warned.iter().any(|w| w == name);
-        if new {
-            warned.push(name.to_owned());
-        }
-        new
-    };
-    if parsed.is_none() && first() {
-        tracing::warn!(
-            "{name}={value:?} is not a whole number: ignored, the default applies",
-            value = value.to_string_lossy()
-        );
-    }
-    parsed
-}
-
-/// [`env_number`]'s reading of a value that is set (None: not valid UTF-8).
-fn parse_env_number<T: std::str::FromStr>(value: Option<&str>) -> Option<T> {
-    value.and_then(|v| v.trim().parse().ok())
-}
-
 /// `env` if set to a number of microseconds; else `spin` where there are CPUs to spare for
 /// spinning (four or more), none otherwise.
 pub(super) fn default_spin(env: &str, spin: Duration) -> Duration {
@@ -505,7 +474,7 @@ pub(super) fn default_spin(env: &str, spin: Duration) -> Duration {
 
 #[cfg(test)]
 mod tests {
-    use super::{MemoryBound, ParentOptions, io_threads_for, parse_env_number};
+    use super::{MemoryBound, ParentOptions, io_threads_for};
 
     const GIB: u64 = 1 << 30;
 
@@ -561,15 +530,5 @@ mod tests {
         ] {
             assert_eq!(io_threads_for(cpus), want, "{cpus} CPUs");
         }
-    }
-
-    #[test]
-    fn an_environment_number_is_read_trimmed_and_anything_else_is_none() {
-        assert_eq!(parse_env_number::<u64>(Some("400")), Some(400));
-        assert_eq!(parse_env_number::<usize>(Some(" 4\n")), Some(4));
-        assert_eq!(parse_env_number::<u64>(Some("four")), None);
-        assert_eq!(parse_env_number::<u64>(Some("-1")), None);
-        assert_eq!(parse_env_number::<u64>(Some("")), None);
-        assert_eq!(parse_env_number::<u64>(None), None, "not valid UTF-8");
     }
 }
