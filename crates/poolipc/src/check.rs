@@ -5,7 +5,7 @@
 //! synchronizes give (see docs/checking.md). What the checker finds reaches you three ways:
 //!
 //! - **the job that made it fails**: [`JobHandle::wait`](crate::JobHandle::wait) returns
-//!   [`Error::SimViolation`] when a violation was recorded while
+//!   [`Error::SimViolation`](crate::Error::SimViolation) when a violation was recorded while
 //!   the job ran, by its worker or by the parent, naming both calls, their streams and their
 //!   processes, and the seed that replays the run;
 //! - **a summary when the [`Parent`](crate::Parent) or [`Worker`](crate::Worker) is dropped**,

@@ -89,8 +89,8 @@ impl Loop {
             let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
             // While jobs are in flight a frame is due soon (≈ 330 µs without MPS, ≈ 50 µs
             // with), and just after one finished the caller's next submit often is: look
-            // again without sleeping for up to `options.spin_in_flight` after the last
-            // activity (`options.spin` when idle), which saves a wake-up per frame and per
+            // again without sleeping for up to `options.tuning.spin_in_flight` after the last
+            // activity (`options.tuning.spin` when idle), which saves a wake-up per frame and per
             // submit.
             let options = &self.shared.options;
             // The loop's waiting (spinning or asleep) between these two marks: the rest of
@@ -99,9 +99,9 @@ impl Loop {
             let started = Instant::now();
             let busy = !self.jobs.is_empty();
             let window = if busy {
-                options.spin_in_flight.max(options.spin)
+                options.tuning.spin_in_flight.max(options.tuning.spin)
             } else {
-                options.spin
+                options.tuning.spin
             };
             let spin_until = self
                 .last_activity

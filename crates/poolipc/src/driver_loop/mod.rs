@@ -432,7 +432,7 @@ struct Loop {
     /// process's context turns out lost (under MPS, a worker's GPU fault ends it).
     suspect: Option<(WorkerId, String)>,
     /// When a job last finished, a command last came or a worker last sent a frame: the
-    /// loop keeps spinning for `options.spin` after it (`options.spin_in_flight` while jobs
+    /// loop keeps spinning for `Tuning::spin` after it (`Tuning::spin_in_flight` while jobs
     /// are in flight), so that the next frame or submit finds it awake.
     last_activity: Instant,
     /// How long this turn of the loop waited in `wait_for_io` (for `ParentStats::io_busy_ns`).
@@ -521,7 +521,7 @@ impl Loop {
             max_idle_messages: shared.options.max_idle_messages,
             cancel_grace: shared.options.cancel_grace,
         });
-        let aside = crate::warm::aside_stream(&shared.driver);
+        let aside = crate::warm::aside_stream(&shared.driver, shared.options.tuning.ready_aside);
         Loop {
             aside,
             shared,

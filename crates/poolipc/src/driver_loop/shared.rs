@@ -72,7 +72,7 @@ pub(crate) struct Shared {
     /// What the options' memory bounds came to on the device.
     pub(crate) limits: Limits,
     pub(crate) limit: Mutex<ImportLimit>,
-    /// The IO loop's rooms, one IO thread each ([`ParentOptions::io_threads`]); a worker is
+    /// The IO loop's rooms, one IO thread each ([`Tuning::io_threads`](crate::Tuning::io_threads)); a worker is
     /// served by room `id % rooms.len()` for its whole life ([`Shared::room_of`]).
     pub(crate) rooms: Vec<Room>,
     /// Whether the arena-copy rung may be chosen now ([`ParentOptions::arena_copy`] at
@@ -94,7 +94,7 @@ pub(crate) struct Shared {
     pub(crate) stats: Stats,
     /// Whether this process is an MPS client on the parent's device (`None`: not reported).
     pub(crate) mps_client: Option<bool>,
-    /// The workers' turns on the GPU ([`ParentOptions::gpu_turn`]): `None` under MPS,
+    /// The workers' turns on the GPU ([`Tuning::gpu_turn`](crate::Tuning::gpu_turn)): `None` under MPS,
     /// where the driver does not say, or when turned off.
     pub(crate) turns: Option<Arc<crate::state::turns::Turns>>,
     /// Set once the process's CUDA context is lost: why, for every later refusal.

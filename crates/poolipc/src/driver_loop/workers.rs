@@ -70,7 +70,7 @@ impl Loop {
             tracing::debug!(worker = %worker, error = %e, "long jobs of a worker the contract let go");
         }
         let mut conn = conn;
-        conn.set_queue_limits(self.shared.options.send_queue);
+        conn.set_queue_limits(self.shared.options.tuning.send_queue);
         self.workers.insert(
             worker,
             Slot {
@@ -223,7 +223,7 @@ impl Loop {
                     w.as_micros()
                 ),
                 None => "the parent keeps no GPU turns (off by default; for workers running many \
-                      small GPU jobs, ParentOptions::gpu_turn or POOLIPC_GPU_TURN_US=2000 gave \
+                      small GPU jobs, Tuning::gpu_turn or POOLIPC_GPU_TURN_US=2000 gave \
                       8 workers 4.4x the jobs/s on an H100)"
                     .to_owned(),
             };

@@ -24,7 +24,7 @@ pub struct JobHandle {
     /// dropped parent alive; its job was failed then).
     shared: std::sync::Weak<Shared>,
     /// Until when a waiter spins before it sleeps: the submit plus
-    /// [`ParentOptions::spin_in_flight`](crate::ParentOptions::spin_in_flight), whichever wait (or how many) comes.
+    /// [`Tuning::spin_in_flight`](crate::Tuning::spin_in_flight), whichever wait (or how many) comes.
     spin_until: Instant,
     /// On the simulated driver: its race checker, the violations recorded when the job was
     /// submitted, and the worker's pid.
@@ -65,7 +65,7 @@ impl JobWatch {
 
     /// Waits until one of `watches` has ended, at most `timeout`: the index of one that has
     /// (the lowest of those ended when it looks), `None` if none had by then or `watches` is
-    /// empty. Spins first for the jobs' [`spin_in_flight`](crate::ParentOptions::spin_in_flight)
+    /// empty. Spins first for the jobs' [`spin_in_flight`](crate::Tuning::spin_in_flight)
     /// as [`JobHandle::wait`] does, then sleeps until a job's end wakes it.
     pub fn wait_any(watches: &[JobWatch], timeout: Duration) -> Option<usize> {
         let ended = || watches.iter().position(JobWatch::is_finished);
@@ -235,7 +235,7 @@ impl Parent {
     /// than one frame holds: about 5000 of 2 dimensions) fails with [`Error::InvalidTensor`]
     /// before anything reaches the worker; a job on `CU_STREAM_PER_THREAD`, which the IO
     /// thread cannot reach, with [`Error::InvalidStream`]. Where `stream` has nothing left to
-    /// run, READY goes on the IO thread's own stream instead ([`crate::READY_ASIDE_ENV`]).
+    /// run, READY goes on the IO thread's own stream instead ([`Tuning::ready_aside`](crate::Tuning::ready_aside)).
     pub fn submit(
         &self,
         worker: WorkerId,
@@ -327,13 +327,13 @@ impl Parent {
             job,
             done,
             shared: Arc::downgrade(&self.shared),
-            spin_until: Instant::now() + self.shared.options.spin_in_flight,
+            spin_until: Instant::now() + self.shared.options.tuning.spin_in_flight,
             sim,
         })
     }
 
     /// Waits for `worker`'s turn on the GPU where the parent keeps turns
-    /// ([`ParentOptions::gpu_turn`](crate::ParentOptions::gpu_turn)); the turn
+    /// ([`Tuning::gpu_turn`](crate::Tuning::gpu_turn)); the turn
     /// the job then holds a share of, if any.
     fn take_turn(&self, worker: WorkerId) -> Option<(Arc<Turns>, WorkerId)> {
         let turns = self.shared.turns.as_ref()?;

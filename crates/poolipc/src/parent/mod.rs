@@ -18,15 +18,15 @@ use poolipc_types::{ImportLimit, WorkerId};
 
 use crate::driver_loop::{self, Command as LoopCommand, Registered, Shared, WorkerPool};
 use crate::error::Error;
+use crate::settings::{IO_THREADS_ENV, MAX_IO_THREADS};
 use crate::state::Stats;
 pub(crate) use crate::state::lock;
 pub use crate::state::{
     ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
     DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
-    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, GPU_TURN_ENV, IO_THREADS_ENV,
-    Input, JobOutput, Limits, MAX_IO_THREADS, MIN_RESULT_BOUND, MemoryBound, ParentOptions,
-    ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV, SPIN_IN_FLIGHT_ENV,
-    SUGGESTED_GPU_TURN, Trust, WorkerInfo,
+    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, Input, JobOutput, Limits,
+    MIN_RESULT_BOUND, MemoryBound, ParentOptions, ParentStats, ResultAllocator, ResultMemory,
+    ResultTensor, Trust, WorkerInfo,
 };
 
 mod canary;
@@ -39,7 +39,7 @@ pub use job::{JobHandle, JobWatch};
 /// `Arc` and submit from any thread.
 pub struct Parent {
     shared: Arc<Shared>,
-    /// The IO threads, one per room ([`ParentOptions::io_threads`]).
+    /// The IO threads, one per room ([`Tuning::io_threads`](crate::Tuning::io_threads)).
     io: Vec<std::thread::JoinHandle<()>>,
     /// Set on every command [`spawn_worker`](Parent::spawn_worker) runs (the simulated
     /// machine's locator, from [`Parent::on`]).
@@ -83,11 +83,11 @@ impl Parent {
                 options.arena_cap_fraction
             )));
         }
-        if !(1..=MAX_IO_THREADS).contains(&options.io_threads) {
+        if !(1..=MAX_IO_THREADS).contains(&options.tuning.io_threads) {
             return Err(Error::Config(format!(
                 "io_threads {} must lie in 1..={MAX_IO_THREADS} (its default comes from \
                  {IO_THREADS_ENV} when that is set)",
-                options.io_threads
+                options.tuning.io_threads
             )));
         }
         if options.handoff_timeout.is_zero() || options.stop_timeout.is_zero() {
@@ -103,11 +103,11 @@ impl Parent {
         }
         driver.use_device(options.device)?;
         pools.insert(0, SharedPool::install(Arc::clone(&driver), options.device)?);
-        crate::warm::copies_if_asked(&driver, "parent");
+        crate::warm::copies_if_asked(&driver, "parent", options.tuning.warm_copies);
         // One socket pair per room: a post writes a byte to wake that room's IO thread.
-        let mut rooms = Vec::with_capacity(options.io_threads);
-        let mut wake_reads = Vec::with_capacity(options.io_threads);
-        for _ in 0..options.io_threads {
+        let mut rooms = Vec::with_capacity(options.tuning.io_threads);
+        let mut wake_reads = Vec::with_capacity(options.tuning.io_threads);
+        for _ in 0..options.tuning.io_threads {
             let (waker, wake_read) = UnixStream::pair().map_err(|source| Error::Os {
                 call: "socketpair",
                 source,
@@ -133,9 +133,9 @@ impl Parent {
         let arena_copy = options.arena_copy;
         let arena_slice_bytes = options.arena_slice_bytes;
         // Turns only where the driver says the GPU runs one process at a time.
-        let turns = match options.gpu_turn {
+        let turns = match options.tuning.gpu_turn {
             Some(wait) if !wait.is_zero() && mps_client == Some(false) => Some(Arc::new(
-                crate::state::turns::Turns::new(wait, options.spin_in_flight),
+                crate::state::turns::Turns::new(wait, options.tuning.spin_in_flight),
             )),
             _ => None,
         };
@@ -281,7 +281,7 @@ impl Parent {
         self.shared.mps_client
     }
 
-    /// The length of the GPU turns this parent keeps ([`ParentOptions::gpu_turn`]): `None`
+    /// The length of the GPU turns this parent keeps ([`Tuning::gpu_turn`](crate::Tuning::gpu_turn)): `None`
     /// where turns are off, or where the driver does not say this process is not an MPS
     /// client.
     pub fn gpu_turn(&self) -> Option<std::time::Duration> {

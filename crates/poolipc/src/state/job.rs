@@ -24,7 +24,7 @@ use crate::tensor::{Layout, ResultShape};
 ///
 /// An arena copy is queued on the job's stream when the job is placed, before its READY: work
 /// the caller queued on that stream before submitting (the kernels that wrote the tensor) is
-/// copied after it, and work the caller queues on it after [`JobHandle::wait`] (a write, a
+/// copied after it, and work the caller queues on it after [`JobHandle::wait`](crate::JobHandle::wait) (a write, a
 /// free) runs after the copy. The worker reads only the copy.
 ///
 /// # Writes by the worker
@@ -34,7 +34,7 @@ use crate::tensor::{Layout, ResultShape};
 /// is copied back into the tensor on the job's stream once the worker's DONE completed
 /// (before the block goes back to the arena); on host staging the worker's copy comes back
 /// through the staging buffer after its `Done`, copied in on the job's stream. Either way,
-/// work queued on the job's stream after [`JobHandle::wait`] sees the worker's writes. The
+/// work queued on the job's stream after [`JobHandle::wait`](crate::JobHandle::wait) sees the worker's writes. The
 /// copy-back covers the tensor's whole extent (element 0 to its last element, gaps of a
 /// strided view included: the bytes the worker was sent). It happens when the worker
 /// finished the job (Done and Ack: completed, cancelled, or its code reported an error, as a
@@ -276,7 +276,7 @@ pub type ResultAllocator =
 
 /// The IO thread's end of a job's [`Completion`]: dropped without an answer (the thread
 /// unwinding from a panic, a command refused), it answers [`Error::IoThreadStopped`], so
-/// that no [`JobHandle`] waits for ever.
+/// that no [`JobHandle`](crate::JobHandle) waits for ever.
 pub(crate) struct Answer(pub(crate) Arc<Completion>);
 
 impl Answer {
@@ -295,7 +295,7 @@ impl Drop for Answer {
     }
 }
 
-/// How a job ends, shared between the IO thread and the [`JobHandle`].
+/// How a job ends, shared between the IO thread and the [`JobHandle`](crate::JobHandle).
 #[derive(Default)]
 pub(crate) struct Completion {
     pub(crate) result: Mutex<Option<Result<JobOutput, Error>>>,
@@ -303,13 +303,13 @@ pub(crate) struct Completion {
     /// Set with the result: lets a waiter spin without the lock.
     pub(crate) finished: std::sync::atomic::AtomicBool,
     /// The GPU turn the job holds a share of, given up when it ends
-    /// ([`ParentOptions::gpu_turn`](crate::ParentOptions::gpu_turn)).
+    /// ([`Tuning::gpu_turn`](crate::Tuning::gpu_turn)).
     pub(crate) turn: Option<(Arc<Turns>, WorkerId)>,
-    /// Threads in [`JobHandle::wait_any`] over this job, woken when it ends.
+    /// Threads in [`JobHandle::wait_any`](crate::JobHandle::wait_any) over this job, woken when it ends.
     pub(crate) watchers: Mutex<Vec<Arc<AnyWake>>>,
 }
 
-/// What a thread in [`JobHandle::wait_any`] sleeps on: set by the first of its jobs to end.
+/// What a thread in [`JobHandle::wait_any`](crate::JobHandle::wait_any) sleeps on: set by the first of its jobs to end.
 #[derive(Default)]
 pub(crate) struct AnyWake {
     pub(crate) fired: Mutex<bool>,

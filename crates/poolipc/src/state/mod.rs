@@ -18,9 +18,8 @@ pub use job::{Input, JobOutput, ResultAllocator, ResultTensor};
 pub use options::{
     DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
     DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
-    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, GPU_TURN_ENV, IO_THREADS_ENV, Limits,
-    MAX_IO_THREADS, MIN_RESULT_BOUND, MemoryBound, ParentOptions, ResultMemory, SPIN_ENV,
-    SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN,
+    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, Limits, MIN_RESULT_BOUND, MemoryBound,
+    ParentOptions, ResultMemory,
 };
 pub(crate) use stats::Stats;
 pub use stats::{ArenaStats, EmptyCache, ParentStats, WorkerInfo};

@@ -61,37 +61,6 @@ const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The environment variable that sets how long a worker looks for its next frame without
-/// sleeping after its last one ([`Worker::set_spin`]), in microseconds.
-pub const WORKER_SPIN_ENV: &str = "POOLIPC_WORKER_SPIN_US";
-
-/// The environment variable that makes a worker look at a job's READY event on the host
-/// first (`1`) and skip its stream's wait on it where the event has completed already (`0`,
-/// the default: the stream always waits). An experiment for the GPU's turn-taking between
-/// processes without MPS (which of a round trip's GPU steps pays it); the bundle's `turns`
-/// part measures both.
-pub const WORKER_READY_QUERY_ENV: &str = "POOLIPC_WORKER_READY_QUERY";
-
-/// Whether [`WORKER_READY_QUERY_ENV`] is set to something other than `0` (read once).
-fn ready_query() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        crate::settings::env_number::<u8>(WORKER_READY_QUERY_ENV).is_some_and(|v| v != 0)
-    })
-}
-
-/// A worker's spin unless [`WORKER_SPIN_ENV`] says otherwise: 400 µs where the machine has
-/// four or more CPUs, none otherwise (the parent's [`crate::ParentOptions::spin`] rule).
-fn default_worker_spin() -> Duration {
-    if let Some(us) = crate::settings::env_number(WORKER_SPIN_ENV) {
-        return Duration::from_micros(us);
-    }
-    match std::thread::available_parallelism() {
-        Ok(n) if n.get() >= 4 => Duration::from_micros(400),
-        _ => Duration::ZERO,
-    }
-}
-
 /// A live import: its address here, and the export blob the cache knows it by.
 #[derive(Debug)]
 struct Import {
@@ -351,7 +320,7 @@ impl Worker {
         let done = OwnedEvent::new(Arc::clone(&driver), true)?;
         let done_blob = done.ipc_handle()?;
         let vmm = VmmMappings::new(Arc::clone(&driver), device);
-        crate::warm::copies_if_asked(&driver, "worker");
+        crate::warm::copies_if_asked(&driver, "worker", crate::settings::worker_warm_copies());
         Ok(Worker {
             device,
             pools: BTreeMap::from([(0, pool)]),
@@ -374,7 +343,7 @@ impl Worker {
             cancelled: HashSet::new(),
             stopping: false,
             epoch: Instant::now(),
-            spin: default_worker_spin(),
+            spin: crate::settings::worker_spin(),
             last_frame: Instant::now(),
             stream,
             sim,
