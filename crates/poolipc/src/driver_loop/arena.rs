@@ -224,9 +224,7 @@ impl Loop {
         let holders: Vec<WorkerId> = self
             .workers
             .iter()
-            .filter(|(id, s)| {
-                s.lost.is_none() && self.vmm_shared.values().any(|e| e.sent_to.contains(id))
-            })
+            .filter(|(id, s)| s.lost.is_none() && self.loans.vmm_held_by(**id))
             .map(|(id, _)| *id)
             .collect();
         for id in holders {

@@ -34,8 +34,8 @@ impl Loop {
             timeout = timeout.min(EXIT_POLL);
         }
         let now = Instant::now();
-        if let Some(t) = &self.pool_trim {
-            timeout = timeout.min(t.next.saturating_duration_since(now));
+        if let Some(t) = self.pool_trim.next() {
+            timeout = timeout.min(t.saturating_duration_since(now));
         }
         let frame_timeout = self.shared.options.frame_timeout;
         for s in self.workers.values().filter(|s| s.lost.is_none()) {

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use poolipc_contract::{self as contract, CarvedResult, FailReason, Outcome, SliceLoan};
 use poolipc_driver::{DevicePtr, OwnedEvent};
 use poolipc_types::ARENA_ALIGN as ALIGN;
-use poolipc_types::{AllocId, EventBlob, JobId, Rung, Span, WorkerId};
+use poolipc_types::{EventBlob, JobId, Rung, Span, WorkerId};
 
 use super::place::{ArenaInput, Placed, Placement};
 use super::{JobState, Loop, Submission, backlog_full};
@@ -231,7 +231,7 @@ impl Loop {
                     Stats::bump(&self.shared.stats.vmm_handle_tensors);
                 }
                 Rung::PoolPointer => {
-                    self.lent.entry(loan.span.ptr).or_insert((loan.alloc, 0)).1 += 1;
+                    self.loans.lend_pointer(loan.span.ptr, loan.alloc);
                     lent_bases.push(loan.span.ptr);
                     Stats::bump(&self.shared.stats.pool_pointer_tensors);
                 }
@@ -324,8 +324,7 @@ impl Loop {
         if !sent {
             return None;
         }
-        let alloc = AllocId(self.next_alloc);
-        self.next_alloc += 1;
+        let alloc = self.loans.new_id();
         let loan = SliceLoan {
             alloc,
             span: Span {

@@ -36,10 +36,12 @@ mod arena;
 mod done;
 mod io;
 mod lend;
+mod loans;
 mod place;
 mod results;
 mod shared;
 mod transfer;
+mod trim;
 mod workers;
 
 /// Whether `e` is the worker overflowing the staging backlog (a bound, not a hang-up).
@@ -54,8 +56,10 @@ mod done_events;
 mod pool_rotation;
 
 use done_events::{DoneEvents, Room};
-use place::{ArenaInput, Placed, VmmShared};
+use loans::Loans;
+use place::{ArenaInput, Placed};
 pub(crate) use shared::{Registered, Room as Inbox, Shared, WorkerPool};
+use trim::PoolTrim;
 
 /// What a caller's thread asks of the IO loop.
 pub(crate) enum Command {
@@ -306,23 +310,6 @@ struct Slot {
     lost: Option<String>,
 }
 
-/// Trimming the pool back after a killed worker's results were freed, and giving its arena's
-/// chunks back: the frees are stream-ordered, so the loop looks (without waiting on the GPU)
-/// at every [`POOL_TRIM_EVERY`] until [`POOL_TRIM_FOR`] after the reaping.
-struct PoolTrim {
-    /// The bytes still to give back to the device (the killed workers' pool results less what
-    /// the trims gave back so far); 0: the arenas only. Each look trims the pool to its
-    /// reserved bytes then less these, so memory the parent frees meanwhile stays the pool's.
-    owed: u64,
-    next: Instant,
-    until: Instant,
-}
-
-/// How often a [`PoolTrim`] trims.
-const POOL_TRIM_EVERY: Duration = Duration::from_millis(100);
-/// How long after a killed worker's reaping the pool is trimmed back.
-const POOL_TRIM_FOR: Duration = Duration::from_secs(1);
-
 /// A job as the loop holds it, from its Lend to its JobFinished.
 struct JobState {
     stream: StreamHandle,
@@ -416,14 +403,10 @@ struct Loop {
     machine: contract::Parent,
     workers: BTreeMap<WorkerId, Slot>,
     jobs: HashMap<(WorkerId, JobId), JobState>,
-    /// Input allocations currently lent by pointer: base address to (id, loans).
-    lent: HashMap<u64, (AllocId, u32)>,
-    /// VMM allocations lent by handle, by base address: their id and the workers that
-    /// mapped them ([`Rung::VmmHandle`]).
-    vmm_shared: HashMap<u64, VmmShared>,
+    /// The ids, pointer loans and VMM shares ([`loans`]).
+    loans: Loans,
     /// Exit statuses of workers being reaped, for the errors of their jobs.
     reaped: HashMap<WorkerId, String>,
-    next_alloc: u64,
     /// The room's allocator thread for callers' allocators, once one was needed.
     allocator: Option<Sender<allocator::AllocCall>>,
     epoch: Instant,
@@ -450,7 +433,7 @@ struct Loop {
     /// ([`crate::warm::aside_stream`]); `None`: always on the caller's stream.
     aside: Option<poolipc_driver::OwnedStream>,
     /// The pool being trimmed back after a killed worker.
-    pool_trim: Option<PoolTrim>,
+    pool_trim: PoolTrim,
 }
 
 impl Drop for Loop {
@@ -530,10 +513,8 @@ impl Loop {
             machine,
             workers: BTreeMap::new(),
             jobs: HashMap::new(),
-            lent: HashMap::new(),
-            vmm_shared: HashMap::new(),
+            loans: Loans::default(),
             reaped: HashMap::new(),
-            next_alloc: 1,
             allocator: None,
             epoch: Instant::now(),
             shutting_down: false,
@@ -545,45 +526,21 @@ impl Loop {
             last_idle_check: Instant::now(),
             gates: BTreeMap::new(),
             dead_events: HashMap::new(),
-            pool_trim: None,
+            pool_trim: PoolTrim::default(),
         }
     }
 
-    /// A killed worker's pool results (`owed` bytes) are freed: give that much back to the
-    /// device for [`POOL_TRIM_FOR`] from now.
-    fn trim_pool_after(&mut self, owed: u64) {
-        let now = Instant::now();
-        let owed = self
-            .pool_trim
-            .as_ref()
-            .map_or(owed, |t| t.owed.saturating_add(owed));
-        self.pool_trim = Some(PoolTrim {
-            owed,
-            next: now,
-            until: now + POOL_TRIM_FOR,
-        });
-    }
-
-    /// Trims the pool if a [`PoolTrim`] is due.
+    /// Trims the pool if a look of [`PoolTrim`]'s is due.
     fn trim_pool(&mut self) {
-        let Some(t) = self.pool_trim.as_mut() else {
+        let Some(owed) = self.pool_trim.due(Instant::now()) else {
             return;
         };
-        let now = Instant::now();
-        if now < t.next {
-            return;
-        }
-        t.next = now + POOL_TRIM_EVERY;
-        let owed = t.owed;
-        if now >= t.until {
-            self.pool_trim = None;
-        }
         self.empty_retired_arenas();
         if owed == 0 {
             return;
         }
         let keep = match self.shared.pools[0].stats() {
-            Ok(s) => s.reserved_current.saturating_sub(owed),
+            Ok(s) => PoolTrim::keep(s.reserved_current, owed),
             Err(e) => {
                 tracing::warn!(error = %e, "reading the pool before trimming it after a killed worker");
                 return;
@@ -591,9 +548,7 @@ impl Loop {
         };
         match self.shared.pools[0].trim_to(keep) {
             Ok((before, after)) if before > after => {
-                if let Some(t) = self.pool_trim.as_mut() {
-                    t.owed = t.owed.saturating_sub(before - after);
-                }
+                self.pool_trim.gave_back(before - after);
                 tracing::info!(
                     before,
                     after,

@@ -10,7 +10,7 @@ use poolipc_contract::{
 };
 use poolipc_driver::DevicePtr;
 use poolipc_transport::ErrorCode;
-use poolipc_types::{AllocId, ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId};
+use poolipc_types::{ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId};
 
 use super::transfer::Held;
 use super::{JobState, Loop, MPS_FAULT_GRACE, backlog_full, names_gpu_fault};
@@ -196,8 +196,7 @@ impl Loop {
         if let Some(sim) = &self.shared.sim {
             sim.label_memory(ptr, &format!("result {index} of job {}", job.0));
         }
-        let alloc = AllocId(self.next_alloc);
-        self.next_alloc += 1;
+        let alloc = self.loans.new_id();
         let handle = self.shared.driver.pointer_get_mempool(ptr).ok();
         let pool = handle.and_then(|h| self.shared.pool_of(h));
         // The worker's index of the result's pool (generation), if it takes pointers of it.
@@ -322,8 +321,7 @@ impl Loop {
         let st = self.jobs.get_mut(&(worker, job)).ok_or_else(|| {
             Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
         })?;
-        let alloc = AllocId(self.next_alloc);
-        self.next_alloc += 1;
+        let alloc = self.loans.new_id();
         st.results.insert(request, result);
         st.requests_by_alloc.insert(alloc, request);
         Stats::bump(&self.shared.stats.arena_results);
@@ -409,12 +407,7 @@ impl Loop {
             return;
         };
         for base in st.lent_bases.drain(..) {
-            if let Some(e) = self.lent.get_mut(&base) {
-                e.1 -= 1;
-                if e.1 == 0 {
-                    self.lent.remove(&base);
-                }
-            }
+            self.loans.return_pointer(base);
         }
         if !matches!(outcome, JobOutcome::Completed) {
             if let JobOutcome::WorkerError(m) = &outcome {

@@ -289,7 +289,7 @@ impl Loop {
                 .filter(|r| !r.is_arena())
                 .map(|r| r.bytes)
                 .sum();
-            self.trim_pool_after(granted);
+            self.pool_trim.after(granted, Instant::now());
         }
         let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
         tracing::info!(worker = %worker, status = %text, "worker reaped");
