@@ -30,7 +30,7 @@ impl Loop {
         if self.workers.values().any(|s| s.exit_deadline.is_some()) {
             timeout = timeout.min(EXIT_POLL);
         }
-        if !self.release_waiters.is_empty() {
+        if self.answers.waiting() {
             timeout = timeout.min(EXIT_POLL);
         }
         let now = Instant::now();
@@ -270,7 +270,7 @@ impl Loop {
             _ => None,
         };
         if let Some(key) = answered {
-            if !self.release_acks.remove(&(worker, key)) {
+            if !self.answers.answered(worker, key) {
                 tracing::debug!(worker = %worker, key, "a release answer not asked for");
             }
             return;

@@ -14,7 +14,7 @@
 //! slowly stalls only itself. A caller's result allocator runs on a thread of the room's too
 //! ([`allocator`]): one that waits (for the GIL, say) stalls only its job.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, ExitStatus};
 use std::sync::Arc;
@@ -32,6 +32,7 @@ use crate::state::{Answer, ArenaLease, EmptyCache, Input, ResultAllocator, Resul
 
 mod actions;
 mod allocator;
+mod answers;
 mod arena;
 mod done;
 mod io;
@@ -55,6 +56,7 @@ fn backlog_full(e: &Error) -> bool {
 mod done_events;
 mod pool_rotation;
 
+use answers::{Answers, MAPPINGS_ACK};
 use done_events::{DoneEvents, Room};
 use loans::Loans;
 use place::{ArenaInput, Placed};
@@ -157,22 +159,6 @@ impl Command {
         }
     }
 }
-
-/// An `empty_cache` waiting for workers to unmap the chunks it released.
-struct ReleaseWaiter {
-    reply: Sender<EmptyCache>,
-    report: EmptyCache,
-    /// (worker, chunk) answers still awaited.
-    awaited: HashSet<(WorkerId, u32)>,
-    deadline: Instant,
-}
-
-/// The key of a `ReleaseMappings` answer among the awaited (worker, chunk) answers: no chunk
-/// has this index (indices count up from 0 and a `u32` runs out long before).
-const MAPPINGS_ACK: u32 = u32::MAX;
-
-/// How often the IO thread looks for arena chunks idle long enough to give back.
-const IDLE_RELEASE_CHECK: Duration = Duration::from_secs(1);
 
 /// A job as submitted.
 pub(crate) struct Submission {
@@ -420,11 +406,8 @@ struct Loop {
     last_activity: Instant,
     /// How long this turn of the loop waited in `wait_for_io` (for `ParentStats::io_busy_ns`).
     waited: Duration,
-    /// `ArenaReleased` answers awaited, by (worker, chunk).
-    release_acks: HashSet<(WorkerId, u32)>,
-    release_waiters: Vec<ReleaseWaiter>,
-    /// When the loop last looked for idle arena chunks.
-    last_idle_check: Instant,
+    /// The answers `empty_cache` awaits ([`answers`]).
+    answers: Answers,
     /// Jobs acknowledged whose DONE has not completed on the GPU yet.
     gates: BTreeMap<(WorkerId, JobId), DoneGate>,
     /// Reaped workers' opened DONE events, kept while a job of theirs waits on one.
@@ -521,9 +504,7 @@ impl Loop {
             suspect: None,
             last_activity: Instant::now(),
             waited: Duration::ZERO,
-            release_acks: HashSet::new(),
-            release_waiters: Vec::new(),
-            last_idle_check: Instant::now(),
+            answers: Answers::new(Instant::now()),
             gates: BTreeMap::new(),
             dead_events: HashMap::new(),
             pool_trim: PoolTrim::default(),

@@ -2,7 +2,7 @@
 //! gets the new generation at a free index of its pool table before a lend names it, and a
 //! retired generation is destroyed in the workers (`PoolRetire`) before the parent destroys
 //! it. The answers (`ExtraPoolReply`, `PoolRetired`) are awaited as `empty_cache`'s other
-//! answers are ([`ReleaseWaiter`](super::ReleaseWaiter)).
+//! answers are ([`Answers`](super::answers::Answers)).
 
 use std::collections::HashSet;
 use std::os::fd::AsFd;

@@ -246,7 +246,7 @@ impl Loop {
     /// worker held and fails its jobs. The jobs end after the slot is gone, so a caller that
     /// sees its job fail finds nothing of the worker left open.
     pub(super) fn reap(&mut self, worker: WorkerId, kill: bool) {
-        self.release_acks.retain(|k| k.0 != worker);
+        self.answers.forget(worker);
         let Some(mut slot) = self.workers.remove(&worker) else {
             return;
         };
