@@ -37,12 +37,9 @@ impl Loop {
 
     /// Carries `action` out now, unless its job waits for its DONE.
     pub(super) fn act_now(&mut self, action: ParentAction) {
-        if let Some(key) = job_of(&action)
-            && let Some(gate) = self.gates.get_mut(&key)
-        {
-            gate.held.push_back(action);
+        let Some(action) = self.gates.hold(job_of(&action), action) else {
             return;
-        }
+        };
         let label = if crate::probe::enabled() {
             action_label(&action)
         } else {

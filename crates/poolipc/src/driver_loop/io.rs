@@ -14,9 +14,7 @@ use poolipc_transport::{Connection, TransportError};
 use poolipc_types::WorkerId;
 
 use super::transfer::Held;
-use super::{
-    Command, EXIT_POLL, FRAMES_PER_TURN, GATE_POLL, GATE_POLL_MIN, IDLE_POLL, Loop, MAPPINGS_ACK,
-};
+use super::{Command, EXIT_POLL, FRAMES_PER_TURN, IDLE_POLL, Loop, MAPPINGS_ACK};
 
 impl Loop {
     /// Sleeps in `poll` until a worker's socket is readable, a command arrives, or the next
@@ -43,17 +41,10 @@ impl Loop {
                 timeout = timeout.min(t.saturating_duration_since(now));
             }
         }
-        for gate in self.gates.values() {
-            // A DONE is queried on the host: look again soon (at once while the loop spins),
-            // the sooner the younger the job's wait: a quarter of it, from 20 µs to 1 ms, so
-            // a short wait costs little latency and a long one few wake-ups.
-            let left = gate.deadline.saturating_duration_since(now);
-            let next =
-                (now.saturating_duration_since(gate.since) / 4).clamp(GATE_POLL_MIN, GATE_POLL);
-            timeout = timeout.min(next).min(left);
+        if let Some(next) = self.gates.next_look(now) {
+            timeout = timeout.min(next);
         }
-        let gate_events: Vec<Vec<EventHandle>> =
-            self.gates.values().map(|g| g.events.clone()).collect();
+        let gate_events: Vec<Vec<EventHandle>> = self.gates.events();
         let ids: Vec<WorkerId> = self
             .workers
             .iter()

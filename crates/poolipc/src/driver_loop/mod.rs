@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use poolipc_contract::{self as contract, FailReason, Message, ParentAction, Timestamp};
-use poolipc_driver::{DevicePtr, EventHandle, OwnedEvent, StreamHandle};
+use poolipc_contract::{self as contract, FailReason, Message, Timestamp};
+use poolipc_driver::{DevicePtr, OwnedEvent, StreamHandle};
 use poolipc_transport::Connection;
 use poolipc_types::{AllocId, EventBlob, HandoffId, JobId, RequestId, Rung, WorkerId};
 
@@ -54,10 +54,12 @@ fn backlog_full(e: &Error) -> bool {
 }
 
 mod done_events;
+mod gates;
 mod pool_rotation;
 
 use answers::{Answers, MAPPINGS_ACK};
 use done_events::{DoneEvents, Room};
+use gates::{DoneGate, Gates};
 use loans::Loans;
 use place::{ArenaInput, Placed};
 pub(crate) use shared::{Registered, Room as Inbox, Shared, WorkerPool};
@@ -353,33 +355,6 @@ impl JobState {
     }
 }
 
-/// A job whose worker acknowledged it while its DONE had not completed on the GPU yet: the
-/// loop never makes a stream of its own wait on a worker's event (a worker that hangs on the
-/// GPU, or means to, would block that stream for good, beyond its death:
-/// docs/facts.md). It queries the DONE on the host until it completed and holds the
-/// contract's later actions for the job (its releases, its JobFinished) until then. At the
-/// deadline the worker is condemned and the job fails; its memory is then released as a lost
-/// worker's, once the process is reaped.
-struct DoneGate {
-    /// The worker's DONE events still to complete (owned by its slot's `done_events`, or,
-    /// once the worker is reaped, by `Loop::dead_events`).
-    events: Vec<EventHandle>,
-    /// The contract's actions for the job after the first incomplete DONE, in order.
-    held: VecDeque<ParentAction>,
-    deadline: Instant,
-    /// Set at the deadline: the job's error.
-    expired: Option<String>,
-    /// When the job was first held.
-    since: Instant,
-    /// Set when the worker was reaped (why) before its DONE completed. A record the worker
-    /// queued before it died may still complete as the driver tears its context down: the
-    /// job waits for it until [`REAP_GRACE`] after the reaping, then fails.
-    lost: Option<String>,
-}
-
-/// How long a job whose worker was reaped with its DONE not complete yet still waits for it.
-const REAP_GRACE: Duration = Duration::from_secs(1);
-
 struct Loop {
     shared: Arc<Shared>,
     /// Which of the parent's rooms this loop is: it serves the workers `Shared::room_of`
@@ -408,10 +383,8 @@ struct Loop {
     waited: Duration,
     /// The answers `empty_cache` awaits ([`answers`]).
     answers: Answers,
-    /// Jobs acknowledged whose DONE has not completed on the GPU yet.
-    gates: BTreeMap<(WorkerId, JobId), DoneGate>,
-    /// Reaped workers' opened DONE events, kept while a job of theirs waits on one.
-    dead_events: HashMap<WorkerId, DoneEvents>,
+    /// Jobs acknowledged whose DONE has not completed on the GPU yet ([`gates`]).
+    gates: Gates,
     /// Where READY is recorded when the caller's stream has nothing left to run
     /// ([`crate::warm::aside_stream`]); `None`: always on the caller's stream.
     aside: Option<poolipc_driver::OwnedStream>,
@@ -469,11 +442,6 @@ const FRAMES_PER_TURN: usize = 64;
 const IDLE_POLL: Duration = Duration::from_millis(500);
 /// While a worker is exiting, how often to look whether it has.
 const EXIT_POLL: Duration = Duration::from_millis(2);
-/// While a job's DONE is queried on the host and the loop does not spin, how often to ask at
-/// least and at most.
-const GATE_POLL: Duration = Duration::from_millis(1);
-const GATE_POLL_MIN: Duration = Duration::from_micros(20);
-
 impl Loop {
     fn new(shared: Arc<Shared>, room: usize, wake: UnixStream) -> Loop {
         let limit = shared.options.limit;
@@ -505,8 +473,7 @@ impl Loop {
             last_activity: Instant::now(),
             waited: Duration::ZERO,
             answers: Answers::new(Instant::now()),
-            gates: BTreeMap::new(),
-            dead_events: HashMap::new(),
+            gates: Gates::default(),
             pool_trim: PoolTrim::default(),
         }
     }

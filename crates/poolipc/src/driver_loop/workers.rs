@@ -6,11 +6,11 @@ use std::process::{Child, ExitStatus};
 use std::sync::mpsc::Sender;
 use std::time::Instant;
 
-use poolipc_contract::{self as contract, FailReason, JobOutcome, ParentAction, ParentEvent};
+use poolipc_contract::{self as contract, FailReason, JobOutcome, ParentEvent};
 use poolipc_transport::{Capabilities, Connection};
 use poolipc_types::{JobId, WorkerId};
 
-use super::{DoneEvents, DoneGate, Loop, REAP_GRACE, Slot, Submission};
+use super::{DoneEvents, Loop, Slot, Submission};
 use crate::error::Error;
 use crate::state::{ResultMemory, Stats, lock};
 
@@ -299,7 +299,9 @@ impl Loop {
             .unwrap_or_else(|| "the worker was stopped".into());
         let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
         let replies: Vec<_> = slot.stop_replies.drain(..).collect();
-        let held = self.outlive_worker(worker, &mut slot, &why);
+        let held = self
+            .gates
+            .outlive(worker, &mut slot.done_events, &why, Instant::now());
         drop(slot);
         self.forget_vmm_shares(worker);
         self.reaped.insert(worker, text);
@@ -344,7 +346,7 @@ impl Loop {
         let orphaned: Vec<JobId> = self
             .jobs
             .keys()
-            .filter(|k| k.0 == worker && !self.gates.contains_key(k))
+            .filter(|k| k.0 == worker && !self.gates.holds(**k))
             .map(|(_, j)| *j)
             .collect();
         for job in orphaned {
@@ -502,60 +504,6 @@ impl Loop {
         }
     }
 
-    /// The worker is being reaped (its slot about to close) with jobs held for their DONE.
-    /// Those past their deadline are returned, to fail now. The others wait on for
-    /// [`REAP_GRACE`]: their held `WaitDone`s become events of the gate, and the worker's
-    /// opened events move to `dead_events` so that they stay open meanwhile.
-    pub(super) fn outlive_worker(
-        &mut self,
-        worker: WorkerId,
-        slot: &mut Slot,
-        why: &str,
-    ) -> Vec<((WorkerId, JobId), DoneGate)> {
-        let keys: Vec<_> = self
-            .gates
-            .keys()
-            .filter(|k| k.0 == worker)
-            .copied()
-            .collect();
-        let mut fail_now = Vec::new();
-        let grace_end = Instant::now() + REAP_GRACE;
-        for key in keys {
-            let Some(mut gate) = self.gates.remove(&key) else {
-                continue;
-            };
-            let mut known = gate.expired.is_none();
-            let mut rest = VecDeque::with_capacity(gate.held.len());
-            for action in gate.held.drain(..) {
-                if let ParentAction::WaitDone { done_event, .. } = &action {
-                    match slot.done_events.get(done_event) {
-                        Some(e) if !gate.events.contains(&e.handle()) => {
-                            gate.events.push(e.handle());
-                        }
-                        Some(_) => {}
-                        // Never opened: nothing can tell whether it completed.
-                        None => known = false,
-                    }
-                    continue;
-                }
-                rest.push_back(action);
-            }
-            gate.held = rest;
-            if known {
-                gate.lost = Some(why.to_owned());
-                gate.deadline = gate.deadline.min(grace_end);
-                self.gates.insert(key, gate);
-            } else {
-                fail_now.push((key, gate));
-            }
-        }
-        if self.gates.keys().any(|k| k.0 == worker) {
-            self.dead_events
-                .insert(worker, std::mem::take(&mut slot.done_events));
-        }
-        fail_now
-    }
-
     /// `worker` went past `bound` while the loop carried out `job`'s actions: the contract
     /// condemns it (kills it; its jobs fail naming the bound), and `job`, whose later
     /// actions may already be queued as a success, fails too.
@@ -579,7 +527,6 @@ impl Loop {
     /// At the end of the thread: whatever job is left fails.
     pub(super) fn fail_leftover_jobs(&mut self) {
         self.gates.clear();
-        self.dead_events.clear();
         for ((worker, _), mut st) in std::mem::take(&mut self.jobs) {
             let results = self.give_back_results(&mut st);
             st.done.complete(Err(Error::JobFailed {
