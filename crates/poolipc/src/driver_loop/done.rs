@@ -111,7 +111,7 @@ impl Loop {
                 continue;
             }
             if gate.events.is_empty() {
-                self.last_activity = Instant::now();
+                self.pace.active(Instant::now());
                 self.open_gate(key);
                 self.forget_dead_events();
                 continue;

@@ -89,15 +89,12 @@ impl Loop {
             crate::probe::mark("io.wait");
             let started = Instant::now();
             let busy = !self.jobs.is_empty();
-            let window = if busy {
-                options.tuning.spin_in_flight.max(options.tuning.spin)
-            } else {
-                options.tuning.spin
-            };
-            let spin_until = self
-                .last_activity
-                .checked_add(window)
-                .filter(|&t| t > started);
+            let spin_until = self.pace.spin_until(
+                busy,
+                options.tuning.spin,
+                options.tuning.spin_in_flight,
+                started,
+            );
             let room = &self.shared.rooms[self.room];
             let pending = &room.pending;
             let spinning_flag = &room.io_spinning;
@@ -141,7 +138,7 @@ impl Loop {
                     }
                 }
             };
-            self.waited = started.elapsed();
+            self.pace.waited(started.elapsed());
             crate::probe::mark("io.woke");
             match polled {
                 Ok(_) => {}
@@ -171,7 +168,7 @@ impl Loop {
         self.flush_sends();
         for (id, ready) in readable {
             if ready {
-                self.last_activity = Instant::now();
+                self.pace.active(Instant::now());
                 self.read_one(id);
             }
         }
@@ -306,7 +303,7 @@ impl Loop {
     }
 
     pub(super) fn command(&mut self, command: Command) {
-        self.last_activity = Instant::now();
+        self.pace.active(Instant::now());
         match command {
             Command::Adopt {
                 worker,

@@ -38,6 +38,7 @@ mod done;
 mod io;
 mod lend;
 mod loans;
+mod pace;
 mod place;
 mod results;
 mod shared;
@@ -61,6 +62,7 @@ use answers::{Answers, MAPPINGS_ACK};
 use done_events::{DoneEvents, Room};
 use gates::{DoneGate, Gates};
 use loans::Loans;
+use pace::Pace;
 use place::{ArenaInput, Placed};
 pub(crate) use shared::{Registered, Room as Inbox, Shared, WorkerPool};
 use trim::PoolTrim;
@@ -370,17 +372,12 @@ struct Loop {
     reaped: HashMap<WorkerId, String>,
     /// The room's allocator thread for callers' allocators, once one was needed.
     allocator: Option<Sender<allocator::AllocCall>>,
-    epoch: Instant,
     shutting_down: bool,
     /// The last worker that failed or reported an error, and what it said: named when the
     /// process's context turns out lost (under MPS, a worker's GPU fault ends it).
     suspect: Option<(WorkerId, String)>,
-    /// When a job last finished, a command last came or a worker last sent a frame: the
-    /// loop keeps spinning for `Tuning::spin` after it (`Tuning::spin_in_flight` while jobs
-    /// are in flight), so that the next frame or submit finds it awake.
-    last_activity: Instant,
-    /// How long this turn of the loop waited in `wait_for_io` (for `ParentStats::io_busy_ns`).
-    waited: Duration,
+    /// The contract's clock and the spin window ([`pace`]).
+    pace: Pace,
     /// The answers `empty_cache` awaits ([`answers`]).
     answers: Answers,
     /// Jobs acknowledged whose DONE has not completed on the GPU yet ([`gates`]).
@@ -467,11 +464,9 @@ impl Loop {
             loans: Loans::default(),
             reaped: HashMap::new(),
             allocator: None,
-            epoch: Instant::now(),
             shutting_down: false,
             suspect: None,
-            last_activity: Instant::now(),
-            waited: Duration::ZERO,
+            pace: Pace::new(Instant::now()),
             answers: Answers::new(Instant::now()),
             gates: Gates::default(),
             pool_trim: PoolTrim::default(),
@@ -509,7 +504,7 @@ impl Loop {
     }
 
     fn now(&self) -> Timestamp {
-        Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+        self.pace.stamp(Instant::now())
     }
 
     fn run(mut self) {
@@ -536,9 +531,7 @@ impl Loop {
             self.drive();
             self.check_gates();
             self.trim_pool();
-            let busy = turn
-                .elapsed()
-                .saturating_sub(std::mem::take(&mut self.waited));
+            let busy = self.pace.busy(turn.elapsed());
             self.shared.stats.io_busy_ns.fetch_add(
                 u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX),
                 std::sync::atomic::Ordering::Relaxed,

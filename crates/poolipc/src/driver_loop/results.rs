@@ -402,7 +402,7 @@ impl Loop {
 
     /// The contract's last word on a job: its handle gets the results or the error.
     pub(super) fn finish(&mut self, worker: WorkerId, job: JobId, outcome: JobOutcome) {
-        self.last_activity = Instant::now();
+        self.pace.active(Instant::now());
         let Some(mut st) = self.jobs.remove(&(worker, job)) else {
             return;
         };
