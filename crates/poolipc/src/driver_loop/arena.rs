@@ -14,7 +14,6 @@ use poolipc_pool::arena::{ArenaBudget, ArenaError};
 use poolipc_transport::{ArenaChunk, ArenaRelease};
 use poolipc_types::WorkerId;
 
-use super::answers::Standing;
 use super::{Loop, MAPPINGS_ACK};
 use crate::error::Error;
 use crate::state::{EmptyCache, ResultMemory, SharedArena, lock};
@@ -306,10 +305,6 @@ impl Loop {
     pub(super) fn answer_release_waiters(&mut self) {
         let workers = &self.workers;
         self.answers
-            .reply_due(Instant::now(), |w| match workers.get(&w) {
-                Some(s) if s.lost.is_none() && s.in_flight > 0 => Standing::Busy,
-                Some(s) if s.lost.is_none() => Standing::Idle,
-                _ => Standing::Gone,
-            });
+            .reply_due(Instant::now(), |w| workers.standing(w));
     }
 }

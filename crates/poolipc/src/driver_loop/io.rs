@@ -25,7 +25,7 @@ impl Loop {
             let now = self.now();
             timeout = timeout.min(Duration::from_nanos(t.0.saturating_sub(now.0)));
         }
-        if self.workers.values().any(|s| s.exit_deadline.is_some()) {
+        if self.workers.exiting() {
             timeout = timeout.min(EXIT_POLL);
         }
         if self.answers.waiting() {

@@ -14,20 +14,19 @@
 //! slowly stalls only itself. A caller's result allocator runs on a thread of the room's too
 //! ([`allocator`]): one that waits (for the GIL, say) stalls only its job.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, ExitStatus};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use poolipc_contract::{self as contract, FailReason, Message, Timestamp};
+use poolipc_contract::{self as contract, FailReason, Timestamp};
 use poolipc_driver::{DevicePtr, OwnedEvent, StreamHandle};
 use poolipc_transport::Connection;
 use poolipc_types::{AllocId, EventBlob, HandoffId, JobId, RequestId, Rung, WorkerId};
 
 use crate::error::Error;
-use crate::staging::StagingChannel;
 use crate::state::{Answer, ArenaLease, EmptyCache, Input, ResultAllocator, ResultTensor, lock};
 
 mod actions;
@@ -41,6 +40,7 @@ mod loans;
 mod pace;
 mod place;
 mod results;
+mod roster;
 mod shared;
 mod transfer;
 mod trim;
@@ -64,6 +64,7 @@ use gates::{DoneGate, Gates};
 use loans::Loans;
 use pace::Pace;
 use place::{ArenaInput, Placed};
+use roster::{Roster, Slot};
 pub(crate) use shared::{Registered, Room as Inbox, Shared, WorkerPool};
 use trim::PoolTrim;
 
@@ -251,55 +252,6 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".into())
 }
 
-/// A worker as the loop holds it.
-struct Slot {
-    /// `None` while a staging transfer's (or setup's) thread has it ([`Slot::away`]).
-    conn: Option<Connection>,
-    /// Set while a staging transfer runs on its own thread with the connection and `staging`,
-    /// or the staging setup with the connection.
-    away: Option<transfer::Away>,
-    /// What came for the worker while its transfer ran, carried out once it ends.
-    held: VecDeque<transfer::Held>,
-    child: Option<Child>,
-    /// READY events not in use by a job (a job takes one and gives it back when it ends: a
-    /// worker's wait captures an event's latest record, so two jobs in flight never share one).
-    ready_free: Vec<(OwnedEvent, EventBlob)>,
-    /// The worker's DONE events, opened once each, at most
-    /// `options.max_open_done_events` (least recently used closed first).
-    done_events: DoneEvents,
-    staging: Option<StagingChannel>,
-    /// Why setting host staging up with the worker failed, once it did: a result that needs
-    /// it is refused instead of setting it up again.
-    staging_failed: Option<String>,
-    /// Frames that arrived while the loop waited for another (host staging's): handled next.
-    backlog: VecDeque<Message>,
-    takes_staging: bool,
-    /// Whether it maps its arena (results in the arena, inputs copied into it): an arena is
-    /// enabled ([`ResultMemory::Arena`](crate::ResultMemory::Arena) or [`ParentOptions::arena_copy`]), it
-    /// announced VMM, reaches the parent's device, and every chunk of its arena announced so
-    /// far went out.
-    ///
-    /// [`ParentOptions::arena_copy`]: crate::ParentOptions::arena_copy
-    maps_arena: bool,
-    /// One past the highest chunk index of its arena sent to it: every chunk of its arena
-    /// below was sent (or released before it could be). It is sent no other arena's chunk.
-    arena_chunks_sent: u32,
-    /// Whether it takes VMM allocations by handle ([`Rung::VmmHandle`]): it announced
-    /// [`Capabilities::VMM_HANDLE`](poolipc_transport::Capabilities::VMM_HANDLE) and reaches the parent's device.
-    takes_vmm: bool,
-    /// Set when the worker is being stopped: when to kill it if it has not exited.
-    exit_deadline: Option<Instant>,
-    stop_replies: Vec<Sender<Result<Option<ExitStatus>, Error>>>,
-    /// Jobs waiting for this worker (staged jobs run alone on their worker).
-    queued: VecDeque<Box<Submission>>,
-    /// Jobs sent to it and not finished.
-    in_flight: usize,
-    /// Whether one of the jobs in flight takes host staging.
-    staged_in_flight: bool,
-    /// Why it was lost, for the jobs that fail with it.
-    lost: Option<String>,
-}
-
 /// A job as the loop holds it, from its Lend to its JobFinished.
 struct JobState {
     stream: StreamHandle,
@@ -364,18 +316,14 @@ struct Loop {
     room: usize,
     wake: UnixStream,
     machine: contract::Parent,
-    workers: BTreeMap<WorkerId, Slot>,
+    /// The room's workers and what outlives their slots ([`roster`]).
+    workers: Roster,
     jobs: HashMap<(WorkerId, JobId), JobState>,
     /// The ids, pointer loans and VMM shares ([`loans`]).
     loans: Loans,
-    /// Exit statuses of workers being reaped, for the errors of their jobs.
-    reaped: HashMap<WorkerId, String>,
     /// The room's allocator thread for callers' allocators, once one was needed.
     allocator: Option<Sender<allocator::AllocCall>>,
     shutting_down: bool,
-    /// The last worker that failed or reported an error, and what it said: named when the
-    /// process's context turns out lost (under MPS, a worker's GPU fault ends it).
-    suspect: Option<(WorkerId, String)>,
     /// The contract's clock and the spin window ([`pace`]).
     pace: Pace,
     /// The answers `empty_cache` awaits ([`answers`]).
@@ -401,7 +349,7 @@ impl Drop for Loop {
             lock(&self.shared.io_stopped)
                 .get_or_insert_with(|| "it panicked (the log has the panic's message)".into());
         }
-        for (id, slot) in &mut self.workers {
+        for (id, slot) in self.workers.iter_mut() {
             if let Some(c) = slot.child.as_mut() {
                 tracing::warn!(worker = %id, "the IO loop is gone: killing the worker");
                 let _ = c.kill();
@@ -459,13 +407,11 @@ impl Loop {
             room,
             wake,
             machine,
-            workers: BTreeMap::new(),
+            workers: Roster::default(),
             jobs: HashMap::new(),
             loans: Loans::default(),
-            reaped: HashMap::new(),
             allocator: None,
             shutting_down: false,
-            suspect: None,
             pace: Pace::new(Instant::now()),
             answers: Answers::new(Instant::now()),
             gates: Gates::default(),
@@ -546,7 +492,7 @@ impl Loop {
         for command in self.shared.take_commands(self.room) {
             command.refuse(self.shared.loop_gone());
         }
-        for (id, slot) in &mut self.workers {
+        for (id, slot) in self.workers.iter_mut() {
             if let Some(c) = slot.child.as_mut() {
                 tracing::warn!(worker = %id, "another IO thread panicked: killing the worker");
                 let _ = c.kill();

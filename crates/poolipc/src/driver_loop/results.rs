@@ -411,7 +411,7 @@ impl Loop {
         }
         if !matches!(outcome, JobOutcome::Completed) {
             if let JobOutcome::WorkerError(m) = &outcome {
-                self.suspect = Some((worker, format!("it reported: {m}")));
+                self.workers.suspect(worker, format!("it reported: {m}"));
             }
             // A worker that failed may have faulted on the GPU: under MPS that ends our
             // context too. Ask now rather than at the next job. The MPS server marks the
@@ -510,7 +510,7 @@ impl Loop {
             }
             JobOutcome::Failed { reason, detail } => {
                 let results = self.give_back_results(&mut st);
-                let status = self.reaped.get(&worker).cloned().unwrap_or_default();
+                let status = self.workers.reaped_status(worker);
                 let detail = if status.is_empty() {
                     detail
                 } else {

@@ -1,7 +1,6 @@
 //! Workers coming and going on the IO thread: adopted after their handshake, stopped,
 //! cancelled jobs, exits noticed and reaped, faults escalated and condemned.
 
-use std::collections::VecDeque;
 use std::process::{Child, ExitStatus};
 use std::sync::mpsc::Sender;
 use std::time::Instant;
@@ -10,7 +9,7 @@ use poolipc_contract::{self as contract, FailReason, JobOutcome, ParentEvent};
 use poolipc_transport::{Capabilities, Connection};
 use poolipc_types::{JobId, WorkerId};
 
-use super::{DoneEvents, Loop, Slot, Submission};
+use super::{Loop, Slot, Submission};
 use crate::error::Error;
 use crate::state::{ResultMemory, Stats, lock};
 
@@ -73,27 +72,7 @@ impl Loop {
         conn.set_queue_limits(self.shared.options.tuning.send_queue);
         self.workers.insert(
             worker,
-            Slot {
-                conn: Some(conn),
-                away: None,
-                held: VecDeque::new(),
-                child,
-                ready_free: Vec::new(),
-                done_events: DoneEvents::default(),
-                staging: None,
-                staging_failed: None,
-                backlog: VecDeque::new(),
-                takes_staging,
-                maps_arena,
-                arena_chunks_sent: 0,
-                takes_vmm,
-                exit_deadline: None,
-                stop_replies: Vec::new(),
-                queued: VecDeque::new(),
-                in_flight: 0,
-                staged_in_flight: false,
-                lost: None,
-            },
+            Slot::new(Some(conn), child, takes_staging, maps_arena, takes_vmm),
         );
         // The arena's chunks so far, before any grant can name one.
         self.announce_chunks(Some(worker));
@@ -304,7 +283,7 @@ impl Loop {
             .outlive(worker, &mut slot.done_events, &why, Instant::now());
         drop(slot);
         self.forget_vmm_shares(worker);
-        self.reaped.insert(worker, text);
+        self.workers.reaped(worker, text);
         // Reaped, it leaves the registry: `Parent::workers` lists the living only, and a
         // parent whose workers come and go keeps no trace of each.
         lock(&self.shared.registry).remove(&worker);
@@ -360,7 +339,7 @@ impl Loop {
                 },
             );
         }
-        self.reaped.remove(&worker);
+        self.workers.forget_reaped(worker);
         // Its arena's blocks came back with its loans (or come back with the jobs held for
         // their DONE, and the results the caller holds): its chunks go back as they empty.
         self.retire_arena(worker);
@@ -379,22 +358,7 @@ impl Loop {
             None => return false,
         };
         if self.shared.check_context().is_ok() {
-            let suspect = match &self.suspect {
-                Some((w, said)) => format!(" The worker most likely at fault: {w} ({said})."),
-                None => {
-                    let busy: Vec<String> = self
-                        .workers
-                        .iter()
-                        .filter(|(_, s)| s.in_flight > 0)
-                        .map(|(w, _)| w.to_string())
-                        .collect();
-                    if busy.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" Workers with jobs on the GPU then: {}.", busy.join(", "))
-                    }
-                }
-            };
+            let suspect = self.workers.suspects();
             let cause = match self.shared.mps_client {
                 Some(true) => format!(
                     "this process is an MPS client, and under MPS a GPU fault in any client (a worker's kernel) ends every client's context.{suspect}"
@@ -490,7 +454,7 @@ impl Loop {
         }
         tracing::warn!(worker = %worker, "{why}");
         if self.shared.check_context().is_ok() {
-            self.suspect = Some((worker, why.to_owned()));
+            self.workers.suspect(worker, why.to_owned());
         }
         let now = self.now();
         if let Err(e) = self.machine.handle(
