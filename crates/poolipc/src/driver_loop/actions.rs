@@ -119,11 +119,7 @@ impl Loop {
                 };
                 // A staged result, or a writable staged input coming back into the caller's
                 // tensor (copy-back): the bytes that went out, at the place they came from.
-                let result = st
-                    .requests_by_handoff
-                    .get(&handoff)
-                    .and_then(|req| st.results.get(req))
-                    .map(|r| (r.ptr, r.bytes));
+                let result = st.result_by_handoff(handoff).map(|r| (r.ptr, r.bytes));
                 let (what, target) = match result {
                     Some(t) => ("a staged result", t),
                     None => match st.staged_inputs.get(&handoff) {

@@ -355,9 +355,8 @@ impl Loop {
             for grant in &g.results {
                 if let ResultGrant::Granted { handle, alloc, .. }
                 | ResultGrant::Arena { handle, alloc, .. } = grant
-                    && let Some(&req) = st.requests_by_alloc.get(alloc)
                 {
-                    st.requests_by_handoff.insert(*handle, req);
+                    st.granted(*alloc, *handle);
                 }
             }
         }

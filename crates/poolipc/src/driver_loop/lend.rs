@@ -1,7 +1,7 @@
 //! Submitting a job: placing its inputs, lending them (the Lend frame), the arena slice,
 //! and the READY events each handoff waits on.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -252,36 +252,24 @@ impl Loop {
             done,
             ..
         } = sub;
-        self.jobs.insert(
-            (worker, job),
-            JobState {
-                stream,
-                alloc: alloc.map(|a| Arc::new(std::sync::Mutex::new(a))),
-                done,
-                ready: Some(ready),
-                input_rungs: rungs,
-                input_reasons: reasons,
-                arena_inputs,
-                copy_back_error: None,
-                staged,
-                staged_inputs,
-                results: BTreeMap::new(),
-                requests_by_alloc: HashMap::new(),
-                requests_by_handoff: HashMap::new(),
-                orphans: Vec::new(),
-                lent_bases,
-                refused: None,
-                slice: slice.map(|(loan, lease)| {
-                    Stats::bump(&self.shared.stats.arena_slices_lent);
-                    tracing::trace!(worker = %worker, job = job.0, bytes = loan.span.bytes, "arena slice lent");
-                    lease
-                }),
-                carved: BTreeMap::new(),
-                slice_error: None,
-                done_failed: None,
-                failed_as: None,
-            },
+        let mut st = JobState::new(
+            stream,
+            alloc.map(|a| Arc::new(std::sync::Mutex::new(a))),
+            done,
         );
+        st.ready = Some(ready);
+        st.input_rungs = rungs;
+        st.input_reasons = reasons;
+        st.arena_inputs = arena_inputs;
+        st.staged = staged;
+        st.staged_inputs = staged_inputs;
+        st.lent_bases = lent_bases;
+        st.slice = slice.map(|(loan, lease)| {
+            Stats::bump(&self.shared.stats.arena_slices_lent);
+            tracing::trace!(worker = %worker, job = job.0, bytes = loan.span.bytes, "arena slice lent");
+            lease
+        });
+        self.jobs.insert((worker, job), st);
         self.drive();
     }
 

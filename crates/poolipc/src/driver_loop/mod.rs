@@ -14,20 +14,19 @@
 //! slowly stalls only itself. A caller's result allocator runs on a thread of the room's too
 //! ([`allocator`]): one that waits (for the GIL, say) stalls only its job.
 
-use std::collections::{BTreeMap, HashMap};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, ExitStatus};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use poolipc_contract::{self as contract, FailReason, Timestamp};
-use poolipc_driver::{DevicePtr, OwnedEvent, StreamHandle};
+use poolipc_contract::{self as contract, Timestamp};
+use poolipc_driver::StreamHandle;
 use poolipc_transport::Connection;
-use poolipc_types::{AllocId, EventBlob, HandoffId, JobId, RequestId, Rung, WorkerId};
+use poolipc_types::{JobId, WorkerId};
 
 use crate::error::Error;
-use crate::state::{Answer, ArenaLease, EmptyCache, Input, ResultAllocator, ResultTensor, lock};
+use crate::state::{Answer, EmptyCache, Input, ResultAllocator, lock};
 
 mod actions;
 mod allocator;
@@ -35,6 +34,7 @@ mod answers;
 mod arena;
 mod done;
 mod io;
+mod jobs;
 mod lend;
 mod loans;
 mod pace;
@@ -61,6 +61,7 @@ mod pool_rotation;
 use answers::{Answers, MAPPINGS_ACK};
 use done_events::{DoneEvents, Room};
 use gates::{DoneGate, Gates};
+use jobs::{JobState, Jobs};
 use loans::Loans;
 use pace::Pace;
 use place::{ArenaInput, Placed};
@@ -252,63 +253,6 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".into())
 }
 
-/// A job as the loop holds it, from its Lend to its JobFinished.
-struct JobState {
-    stream: StreamHandle,
-    /// The caller's allocator, run on the room's allocator thread ([`allocator`]).
-    alloc: Option<allocator::SharedAllocator>,
-    done: Answer,
-    ready: Option<(OwnedEvent, EventBlob)>,
-    input_rungs: Vec<Rung>,
-    input_reasons: Vec<Option<String>>,
-    /// Arena-copy inputs: their blocks, copied back into the caller's tensors (unless lent
-    /// read-only) and given back (stream-ordered, on the job's stream) at the input's
-    /// release, which comes once the host saw the worker's DONE complete or once the worker
-    /// was reaped.
-    arena_inputs: HashMap<HandoffId, ArenaInput>,
-    /// The first copy-back that failed, for the job's error: a write of the worker's that
-    /// could not reach the caller's tensor is never dropped silently.
-    copy_back_error: Option<String>,
-    staged: bool,
-    /// Staged inputs: where their bytes are.
-    staged_inputs: HashMap<HandoffId, (DevicePtr, u64)>,
-    /// Results, by the contract's request id (increasing: the worker's order).
-    results: BTreeMap<RequestId, ResultTensor>,
-    requests_by_alloc: HashMap<AllocId, RequestId>,
-    requests_by_handoff: HashMap<HandoffId, RequestId>,
-    /// Result memory that will not be handed out: freed (default allocator) or returned.
-    orphans: Vec<DevicePtr>,
-    /// Input allocations lent by pointer: their entries in `Loop::lent` are dropped at release.
-    lent_bases: Vec<u64>,
-    /// The first result request the parent refused, for the job's error.
-    refused: Option<crate::error::ResultRefusal>,
-    /// The job's arena slice: given back whole when dropped, or split at its release into
-    /// the carved results and the rest.
-    slice: Option<ArenaLease>,
-    /// Results carved out of the slice, by their place among the job's results.
-    carved: BTreeMap<u32, ResultTensor>,
-    /// Why the slice could not be split into its carves, for the job's error.
-    slice_error: Option<String>,
-    /// The worker's DONE could not be asked about (its event would not open, say):
-    /// nothing orders the caller after the worker's writes, so the job fails whatever the
-    /// contract concludes, and its results are not handed out.
-    done_failed: Option<String>,
-    /// Why the job fails when `done_failed` is set (a protocol violation unless a bound was
-    /// passed).
-    failed_as: Option<FailReason>,
-}
-
-impl JobState {
-    /// A result that will not be handed out: an arena block goes back to the arena now
-    /// (stream-ordered on the job's stream, by dropping it); other memory waits in `orphans`
-    /// to be freed or returned.
-    fn discard(&mut self, r: ResultTensor) {
-        if !r.is_arena() {
-            self.orphans.push(r.ptr);
-        }
-    }
-}
-
 struct Loop {
     shared: Arc<Shared>,
     /// Which of the parent's rooms this loop is: it serves the workers `Shared::room_of`
@@ -318,7 +262,8 @@ struct Loop {
     machine: contract::Parent,
     /// The room's workers and what outlives their slots ([`roster`]).
     workers: Roster,
-    jobs: HashMap<(WorkerId, JobId), JobState>,
+    /// The room's jobs ([`jobs`]).
+    jobs: Jobs,
     /// The ids, pointer loans and VMM shares ([`loans`]).
     loans: Loans,
     /// The room's allocator thread for callers' allocators, once one was needed.
@@ -408,7 +353,7 @@ impl Loop {
             wake,
             machine,
             workers: Roster::default(),
-            jobs: HashMap::new(),
+            jobs: Jobs::default(),
             loans: Loans::default(),
             allocator: None,
             shutting_down: false,

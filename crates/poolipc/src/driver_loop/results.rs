@@ -118,11 +118,8 @@ impl Loop {
     /// Records `ptr`, memory of the job's allocator that will not be handed out, among the
     /// job's orphans (given back with its error), unless it is recorded already.
     fn keep_orphan(&mut self, worker: WorkerId, job: JobId, ptr: DevicePtr) {
-        if let Some(st) = self.jobs.get_mut(&(worker, job))
-            && !st.orphans.contains(&ptr)
-            && !st.results.values().any(|r| r.ptr == ptr)
-        {
-            st.orphans.push(ptr);
+        if let Some(st) = self.jobs.get_mut(&(worker, job)) {
+            st.keep_orphan(ptr);
         }
     }
 
@@ -322,8 +319,7 @@ impl Loop {
             Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
         })?;
         let alloc = self.loans.new_id();
-        st.results.insert(request, result);
-        st.requests_by_alloc.insert(alloc, request);
+        st.record(request, alloc, result);
         Stats::bump(&self.shared.stats.arena_results);
         tracing::trace!(worker = %worker, job = job.0, ?block, "result in the arena");
         Ok(ParentEvent::ResultAllocatedInArena {

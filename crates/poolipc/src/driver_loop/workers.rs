@@ -260,14 +260,7 @@ impl Loop {
         // and its arena's chunks go back as soon as their blocks' frees ran, not at the next
         // idle check.
         if kill || slot.lost.is_some() {
-            let granted: u64 = self
-                .jobs
-                .iter()
-                .filter(|((w, _), st)| *w == worker && st.alloc.is_none())
-                .flat_map(|(_, st)| st.results.values())
-                .filter(|r| !r.is_arena())
-                .map(|r| r.bytes)
-                .sum();
+            let granted = self.jobs.pool_result_bytes(worker);
             self.pool_trim.after(granted, Instant::now());
         }
         let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
@@ -324,9 +317,9 @@ impl Loop {
         // (Jobs held for their DONE are not: they end with it, or at their grace's end.)
         let orphaned: Vec<JobId> = self
             .jobs
-            .keys()
-            .filter(|k| k.0 == worker && !self.gates.holds(**k))
-            .map(|(_, j)| *j)
+            .of(worker)
+            .into_iter()
+            .filter(|&j| !self.gates.holds((worker, j)))
             .collect();
         for job in orphaned {
             tracing::error!(worker = %worker, job = job.0, "a job outlived its worker's reaping");
@@ -491,7 +484,7 @@ impl Loop {
     /// At the end of the thread: whatever job is left fails.
     pub(super) fn fail_leftover_jobs(&mut self) {
         self.gates.clear();
-        for ((worker, _), mut st) in std::mem::take(&mut self.jobs) {
+        for ((worker, _), mut st) in self.jobs.take_all() {
             let results = self.give_back_results(&mut st);
             st.done.complete(Err(Error::JobFailed {
                 worker,
