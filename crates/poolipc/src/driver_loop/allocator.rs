@@ -6,7 +6,7 @@
 //! On the IO thread that wait would stall every worker of the room; here it stalls only the
 //! job whose result it is. Each room has one allocator thread, started at its first call:
 //! the calls of one job are made in the order the worker asked for them, and each answer
-//! comes back to the room as [`Command::ResultMade`](super::Command::ResultMade), where the
+//! comes back to the room as [`Command::ResultMade`], where the
 //! loop goes on as it did when it made the memory itself.
 
 use std::panic::AssertUnwindSafe;

@@ -15,7 +15,7 @@ use crate::state::{Answer, ArenaLease, ResultTensor};
 /// A job as the loop holds it, from its Lend to its JobFinished.
 pub(super) struct JobState {
     pub(super) stream: StreamHandle,
-    /// The caller's allocator, run on the room's allocator thread ([`allocator`]).
+    /// The caller's allocator, run on the room's allocator thread ([`allocator`](super::allocator)).
     pub(super) alloc: Option<SharedAllocator>,
     pub(super) done: Answer,
     pub(super) ready: Option<(OwnedEvent, EventBlob)>,

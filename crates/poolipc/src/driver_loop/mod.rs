@@ -13,6 +13,15 @@
 //! loop holds the worker's later actions until it ends ([`transfer`]). A worker that stages
 //! slowly stalls only itself. A caller's result allocator runs on a thread of the room's too
 //! ([`allocator`]): one that waits (for the GIL, say) stalls only its job.
+//!
+//! The [`Loop`] holds the contract's machine, the parent's shared state and the parts, each
+//! owning its state and tested alone: the workers ([`roster`]: a [`Slot`] each, with its
+//! connection, queued jobs and DONE events), the jobs ([`jobs`]: what each lent, its results
+//! by request and handoff), the wire ids and loans ([`loans`]), the jobs held for their DONE
+//! ([`gates`]), the answers `empty_cache` waits for ([`answers`]), the clock and spin window
+//! ([`pace`]) and the pool's trimming after a reaping ([`trim`]). The files of `impl Loop`
+//! (`io`, `actions`, `lend`, `place`, `results`, `done`, `workers`, `arena`,
+//! `pool_rotation`) join them: they read what the contract emitted and ask the parts.
 
 use std::os::unix::net::UnixStream;
 use std::process::{Child, ExitStatus};

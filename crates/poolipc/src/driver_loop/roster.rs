@@ -50,7 +50,7 @@ pub(super) struct Slot {
     /// One past the highest chunk index of its arena sent to it: every chunk of its arena
     /// below was sent (or released before it could be). It is sent no other arena's chunk.
     pub(super) arena_chunks_sent: u32,
-    /// Whether it takes VMM allocations by handle ([`Rung::VmmHandle`]): it announced
+    /// Whether it takes VMM allocations by handle ([`Rung::VmmHandle`](poolipc_types::Rung::VmmHandle)): it announced
     /// [`Capabilities::VMM_HANDLE`](poolipc_transport::Capabilities::VMM_HANDLE) and reaches the parent's device.
     pub(super) takes_vmm: bool,
     /// Set when the worker is being stopped: when to kill it if it has not exited.

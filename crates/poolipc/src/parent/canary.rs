@@ -12,7 +12,7 @@
 //! (0.35–0.43 ms/GiB). Driver 580 allows it (docs/facts.md, `reuse_blob.py`), undocumented, so
 //! it is proven here with a real worker: allocation A (64 MiB, two 32 MiB chunks) is lent
 //! (exported, cached) and freed; the pool is asked for the same size until it hands A's
-//! address back (at most [`REUSE_CHECK_TRIES`](crate::canary::REUSE_CHECK_TRIES) allocations, else "not proven"); that
+//! address back (at most [`REUSE_CHECK_TRIES`] allocations, else "not proven"); that
 //! allocation B is filled with a new pattern and lent with A's blob on trial
 //! ([`poolipc_pool::ReuseCheck`]); the worker must read B's bytes (its echo) and its write in
 //! place must reach B. Anything else, the import refused included (the worker fails that job,

@@ -1,4 +1,4 @@
-//! How a [`Parent`](super::Parent) is set up: [`ParentOptions`], its defaults and the
+//! How a [`Parent`](crate::Parent) is set up: [`ParentOptions`], its defaults and the
 //! environment variables that change them.
 
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! What a [`Parent`](super::Parent) reports of itself: its workers, its counters, its arena and
+//! What a [`Parent`](crate::Parent) reports of itself: its workers, its counters, its arena and
 //! what `empty_cache` gave back.
 
 use std::sync::atomic::{AtomicU64, Ordering};

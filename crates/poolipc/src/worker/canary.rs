@@ -9,7 +9,7 @@ use crate::tensor::{ResultShape, Rung};
 
 impl Worker {
     /// Answers one job of the parent's canary battery as the echo worker does ([`echo`]); a job whose
-    /// id carries [`CANARY_IN_PLACE_BIT`](CANARY_IN_PLACE_BIT) also writes
+    /// id carries [`CANARY_IN_PLACE_BIT`] also writes
     /// [`marker`]`(i)` into the first word of each writable
     /// pool-pointer input `i`, after the copy, for the parent to read back. A job whose
     /// tensors cannot be viewed (an import the driver refused) was failed with the reason
