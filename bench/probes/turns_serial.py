@@ -14,7 +14,7 @@ If `alternate` were as fast as `one`, a parent that lets one worker at a time ha
 flight would give N workers one worker's rate; it is not (H100, driver 580: 4 workers
 alternate 2545-2817 jobs/s, bursts of 64 0.73-0.78x of one worker, overlapped 7230, one
 46000; 2026-12-05): every change of context costs about 330 us, so the
-parent holds a worker's turn for a time instead (ParentOptions::gpu_turn). Set
+parent holds a worker's turn for a time instead (Tuning::gpu_turn). Set
 POOLIPC_GPU_TURN_US=0 to measure these patterns without the parent's turns.
 
     python3 bench/probes/turns_serial.py [--workers 2] [--mode touch|noop] [--window-ms 500]

@@ -169,7 +169,7 @@ both_drivers!(
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
         let mut cmd = worker_command(env, None)?;
-        cmd.env(poolipc::WORKER_READY_QUERY_ENV, "1");
+        cmd.env("POOLIPC_WORKER_READY_QUERY", "1");
         let worker = p.spawn_worker(cmd)?;
         echo_rounds(&p, worker, stream, |round| round, |_| false)?;
         let status = p.stop_worker(worker)?;
@@ -192,7 +192,7 @@ both_drivers!(
         echo_rounds(&p, worker, stream, |round| round * 0x0101_0101, |round| round % 2 == 0)?;
         let aside = p.stats().ready_recorded_aside - aside_before;
         println!("{:?}: {aside} of 20 READY recorded aside", env.kind());
-        if poolipc::ready_aside() {
+        if p.options().tuning.ready_aside {
             ensure!(aside >= 10, "the 10 rounds after a synchronize found the stream idle: {aside} aside");
         } else {
             ensure!(aside == 0, "POOLIPC_READY_ASIDE=0, yet {aside} aside");
@@ -552,12 +552,12 @@ both_drivers!(
 
 both_drivers!(
     fn two_io_rooms_serve_four_workers_at_once_and_empty_cache_asks_both(env) {
-        // `ParentOptions::io_threads`: each room (IO thread) serves its own workers with its
+        // `Tuning::io_threads`: each room (IO thread) serves its own workers with its
         // own contract; every byte must still be right, the counters add up, and
         // `empty_cache` hears from both rooms.
         let options = ParentOptions {
             device: env.device,
-            io_threads: 2,
+            tuning: poolipc::Tuning::from_env().io_threads(2),
             ..ParentOptions::default()
         };
         let p = Parent::new(Arc::clone(&env.driver), options)?;

@@ -193,9 +193,12 @@ both_drivers!(
     /// never waits on the rogue.
     fn a_worker_that_never_reads_is_condemned_at_its_send_queue_bound_and_blocks_no_one(env) {
         let options = ParentOptions {
-            send_queue: SendQueueLimits {
-                max_frames: 64,
-                ..SendQueueLimits::default()
+            tuning: poolipc::Tuning {
+                send_queue: SendQueueLimits {
+                    max_frames: 64,
+                    ..SendQueueLimits::default()
+                },
+                ..poolipc::Tuning::from_env()
             },
             ..ParentOptions::default()
         };

@@ -1,4 +1,4 @@
-//! Turns on the GPU without MPS (`ParentOptions::gpu_turn`): a submit waits while
+//! Turns on the GPU without MPS (`Tuning::gpu_turn`): a submit waits while
 //! another worker holds the turn with a job in flight, goes once that job ended, and goes
 //! anyway when its wait runs out; a worker that keeps its job costs the others one wait, not
 //! one a job.
@@ -18,7 +18,7 @@ const KIB: u64 = 1 << 10;
 fn parent(env: &Env, wait: Option<Duration>) -> Result<Arc<Parent>> {
     let options = ParentOptions {
         device: env.device,
-        gpu_turn: wait,
+        tuning: poolipc::Tuning::from_env().gpu_turn(wait),
         ..ParentOptions::default()
     };
     Ok(Arc::new(Parent::new(Arc::clone(&env.driver), options)?))

@@ -423,51 +423,51 @@ fn tuning_rows(t: &mut Table) {
     let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
     let spin_rule = format!("the default with {cpus} CPUs: none below 4");
     let io_rule = format!("the default with {cpus} CPUs: one per 4, 1 to 4");
-    let turn = match defaults.gpu_turn {
+    let turn = match defaults.tuning.gpu_turn {
         Some(t) if !t.is_zero() => format!("{} µs", t.as_micros()),
         _ => "none".to_owned(),
     };
     let rows = [
         (
             "parent IO threads",
-            defaults.io_threads.to_string(),
-            poolipc::IO_THREADS_ENV,
+            defaults.tuning.io_threads.to_string(),
+            "POOLIPC_IO_THREADS",
             io_rule.as_str(),
         ),
         (
             "parent spin when idle",
-            format!("{} µs", defaults.spin.as_micros()),
-            poolipc::SPIN_ENV,
+            format!("{} µs", defaults.tuning.spin.as_micros()),
+            "POOLIPC_SPIN_US",
             spin_rule.as_str(),
         ),
         (
             "parent spin in flight",
-            format!("{} µs", defaults.spin_in_flight.as_micros()),
-            poolipc::SPIN_IN_FLIGHT_ENV,
+            format!("{} µs", defaults.tuning.spin_in_flight.as_micros()),
+            "POOLIPC_SPIN_IN_FLIGHT_US",
             spin_rule.as_str(),
         ),
         (
             "spins yield",
-            yes_no(poolipc::spin_yields()).to_owned(),
-            poolipc::SPIN_YIELD_ENV,
+            yes_no(poolipc::Tuning::spin_yields()).to_owned(),
+            "POOLIPC_SPIN_YIELD",
             "yes by default",
         ),
         (
             "startup copy of 1 MiB",
-            yes_no(poolipc::warm_copies()).to_owned(),
-            poolipc::WARM_COPIES_ENV,
+            yes_no(defaults.tuning.warm_copies).to_owned(),
+            "POOLIPC_WARM_COPIES",
             "no by default, an experiment on the plain turn-taking, docs/facts.md",
         ),
         (
             "GPU turns without MPS",
             turn,
-            poolipc::GPU_TURN_ENV,
+            "POOLIPC_GPU_TURN_US",
             "none by default; 2000 µs measured: workers running many small GPU jobs from threads of their own take the GPU in turns, docs/facts.md",
         ),
         (
             "READY aside when idle",
-            yes_no(poolipc::ready_aside()).to_owned(),
-            poolipc::READY_ASIDE_ENV,
+            yes_no(defaults.tuning.ready_aside).to_owned(),
+            "POOLIPC_READY_ASIDE",
             "yes by default: without MPS it spares a context switch each way, docs/facts.md",
         ),
     ];

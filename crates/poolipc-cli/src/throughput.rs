@@ -256,7 +256,7 @@ pub(crate) fn run(args: &Args, max_workers: usize) -> Result<ExitCode> {
         .io_threads
         .first()
         .copied()
-        .unwrap_or_else(|| poolipc::ParentOptions::default().io_threads);
+        .unwrap_or_else(|| poolipc::ParentOptions::default().tuning.io_threads);
     let mps = table(
         args,
         max_workers,
@@ -304,7 +304,7 @@ fn table(
     let options = ParentOptions {
         device: args.device,
         canary: args.prime.iter().any(|p| p == "canary"),
-        io_threads,
+        tuning: poolipc::Tuning::from_env().io_threads(io_threads),
         ..ParentOptions::default()
     };
     let parent = Parent::new(Arc::clone(driver), options).context("starting the parent")?;

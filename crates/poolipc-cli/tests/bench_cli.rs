@@ -401,7 +401,7 @@ fn with_poolipc_warm_copies_the_parent_and_each_worker_copy_once_and_say_so() {
             "noop",
         ])
         .env("RUST_LOG", "info")
-        .env(poolipc::WARM_COPIES_ENV, "1")
+        .env("POOLIPC_WARM_COPIES", "1")
         .output()
         .expect("run poolipc bench");
     let err = String::from_utf8_lossy(&out.stderr);
@@ -421,7 +421,7 @@ fn with_poolipc_warm_copies_the_parent_and_each_worker_copy_once_and_say_so() {
     let out = poolipc()
         .args(["bench", "--sim", "--workers", "1", "--iterations", "3"])
         .env("RUST_LOG", "info")
-        .env(poolipc::WARM_COPIES_ENV, "0")
+        .env("POOLIPC_WARM_COPIES", "0")
         .output()
         .expect("run poolipc bench");
     let err = String::from_utf8_lossy(&out.stderr);

@@ -30,10 +30,10 @@ pub(crate) struct ParentConfig {
     /// Whether workers get no handle on the parent's pool by default ([`ParentOptions::isolated`];
     /// `spawn(..., isolated=)` chooses per worker).
     isolated: Option<bool>,
-    /// The IO threads that serve the workers ([`ParentOptions::io_threads`]).
+    /// The IO threads that serve the workers ([`Tuning::io_threads`](poolipc::Tuning::io_threads)).
     io_threads: Option<usize>,
     /// Without MPS, the length of a worker's turn on the GPU, in seconds; 0
-    /// for no turns ([`ParentOptions::gpu_turn`]).
+    /// for no turns ([`Tuning::gpu_turn`](poolipc::Tuning::gpu_turn)).
     gpu_turn: Option<f64>,
 }
 
@@ -55,7 +55,7 @@ fn turn_length(secs: f64) -> Result<Option<Duration>, String> {
 
 /// A parent's `gpu_turn` in seconds, 0 for none.
 pub(crate) fn turn_secs(o: &ParentOptions) -> f64 {
-    o.gpu_turn.map_or(0.0, |d| d.as_secs_f64())
+    o.tuning.gpu_turn.map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// [`ParentConfig::arena_bytes`]' default: the arena's first chunk, and its growth step.
@@ -172,10 +172,10 @@ impl ParentConfig {
                     poolipc::MAX_IO_THREADS
                 ));
             }
-            o.io_threads = n;
+            o.tuning.io_threads = n;
         }
         if let Some(secs) = self.gpu_turn {
-            o.gpu_turn = turn_length(secs)?;
+            o.tuning.gpu_turn = turn_length(secs)?;
         }
         if self.arena_bytes == Some(0) {
             return Err(
@@ -247,18 +247,18 @@ impl ParentConfig {
             ));
         }
         if let Some(n) = self.io_threads
-            && n != made.io_threads
+            && n != made.tuning.io_threads
         {
             out.push(format!(
                 "io_threads={n} (the process's parent has {})",
-                made.io_threads
+                made.tuning.io_threads
             ));
         }
         if let Some(secs) = self.gpu_turn
             && let Ok(want) = turn_length(secs)
             && want
                 .unwrap_or_default()
-                .abs_diff(made.gpu_turn.unwrap_or_default())
+                .abs_diff(made.tuning.gpu_turn.unwrap_or_default())
                 > Duration::from_micros(1)
         {
             out.push(format!(

@@ -410,7 +410,7 @@ impl NativeParent {
         d.set_item("arena_bytes", first)?;
         d.set_item("arena_max_bytes", max)?;
         d.set_item("isolated", o.isolated)?;
-        d.set_item("io_threads", o.io_threads)?;
+        d.set_item("io_threads", o.tuning.io_threads)?;
         d.set_item("gpu_turn", crate::options::turn_secs(o))?;
         d.set_item("made_by", self.g.made_by)?;
         Ok(d)

@@ -5,7 +5,7 @@
 //! synchronizes give (see docs/checking.md). What the checker finds reaches you three ways:
 //!
 //! - **the job that made it fails**: [`JobHandle::wait`](crate::JobHandle::wait) returns
-//!   [`Error::SimViolation`] when a violation was recorded while
+//!   [`Error::SimViolation`](crate::Error::SimViolation) when a violation was recorded while
 //!   the job ran, by its worker or by the parent, naming both calls, their streams and their
 //!   processes, and the seed that replays the run;
 //! - **a summary when the [`Parent`](crate::Parent) or [`Worker`](crate::Worker) is dropped**,
@@ -23,12 +23,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use poolipc_contract::WorkerId;
 pub use poolipc_driver::sim::{Checker, SEED_ENV, Violation, ViolationKind};
 use poolipc_driver::{DevicePtr, Driver, StreamHandle};
-use poolipc_transport::JobId;
-
-use crate::{Error, JobOutput};
 
 /// `1`: the first violation the facade sees panics with its report.
 pub const STRICT_ENV: &str = "POOLIPC_SIM_STRICT";
@@ -215,52 +211,9 @@ impl Sim {
         self.fail_jobs.then_some(r)
     }
 
-    /// `outcome` of job `job` on `worker` (process `worker_pid`), which started when the
-    /// machine had recorded `from` violations: a [`Error::SimViolation`] instead when it or
-    /// the parent made one meanwhile.
-    pub(crate) fn check_job(
-        &self,
-        from: u64,
-        worker: WorkerId,
-        worker_pid: Option<u32>,
-        job: JobId,
-        outcome: Result<JobOutput, Error>,
-    ) -> Result<JobOutput, Error> {
-        let mut pids = vec![std::process::id()];
-        pids.extend(worker_pid);
-        let from = from.min(self.checker.reported());
-        let Some(report) = self.job(from, &pids) else {
-            return outcome;
-        };
-        let (results, during) = match outcome {
-            Ok(output) => (
-                output
-                    .results
-                    .iter()
-                    .filter(|r| !r.is_arena())
-                    .map(|r| r.ptr)
-                    .collect(),
-                None,
-            ),
-            // The job failed besides: its error goes along, its results (the caller's to
-            // free) move up, listed once.
-            Err(mut e) => {
-                let results = match &mut e {
-                    Error::Worker { results, .. } | Error::JobFailed { results, .. } => {
-                        std::mem::take(results)
-                    }
-                    _ => Vec::new(),
-                };
-                (results, Some(Box::new(e)))
-            }
-        };
-        Err(Error::SimViolation {
-            worker,
-            job,
-            report,
-            results,
-            during,
-        })
+    /// How many violations the machine has reported so far.
+    pub(crate) fn reported(&self) -> u64 {
+        self.checker.reported()
     }
 
     /// Panics with `r` in strict mode when it holds anything.

@@ -4,7 +4,7 @@
 //! - [`Parent`] installs the shareable pool ([`poolipc_pool::SharedPool`]), spawns workers over
 //!   an inherited socketpair, shakes hands (the pool FD travels by SCM_RIGHTS) and runs jobs
 //!   through an IO thread that drives the ownership contract for every worker at once (or
-//!   [`io_threads`](ParentOptions::io_threads) of them, each for its share of the workers)
+//!   [`io_threads`](Tuning::io_threads) of them, each for its share of the workers)
 //!   ([`driver_loop`](crate#the-driver-loop)). `Parent` is `Send + Sync`: any thread
 //!   [`submit`](Parent::submit)s and waits on its [`JobHandle`]. Memory is released only after
 //!   the worker's ACK and once its DONE event completed, as the IO thread sees on the host (no
@@ -71,15 +71,16 @@ mod error;
 mod handshake;
 pub mod mps;
 mod parent;
-mod spin;
-pub use spin::{SPIN_YIELD_ENV, yields as spin_yields};
 pub mod probe;
+mod settings;
+mod spin;
 // Its channel is public to the tests under the `testing` feature, the crate's own otherwise.
 #[cfg(feature = "testing")]
 pub mod staging;
 #[cfg(not(feature = "testing"))]
 #[allow(unreachable_pub)]
 mod staging;
+mod state;
 mod tensor;
 mod warm;
 mod worker;
@@ -91,10 +92,9 @@ pub use handshake::{WORKER_STDERR_ENV, identity};
 pub use parent::{
     ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
     DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
-    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, GPU_TURN_ENV, IO_THREADS_ENV,
-    Input, JobHandle, JobOutput, JobWatch, Limits, MAX_IO_THREADS, MIN_RESULT_BOUND, MemoryBound,
-    Parent, ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, SPIN_ENV,
-    SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN, Trust, WorkerInfo,
+    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, Input, JobHandle, JobOutput,
+    JobWatch, Limits, MIN_RESULT_BOUND, MemoryBound, Parent, ParentOptions, ParentStats,
+    ResultAllocator, ResultMemory, ResultTensor, Trust, WorkerInfo,
 };
 pub use poolipc_contract::{
     Bound, DEFAULT_CANCEL_GRACE, DEFAULT_MAX_IDLE_MESSAGES, DEFAULT_MAX_JOB_LIFETIME,
@@ -104,18 +104,15 @@ pub use poolipc_contract::{
 pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId, SendQueueLimits};
+pub use settings::{MAX_IO_THREADS, SUGGESTED_GPU_TURN, Tuning};
 pub use staging::{
     DEFAULT_CHUNK as DEFAULT_STAGING_CHUNK, DEFAULT_MAX_BACKLOG_BYTES, DEFAULT_MAX_BACKLOG_FRAMES,
     StagingConfig, StagingError,
 };
 pub use tensor::{Layout, ResultShape, Rung};
-pub use warm::{READY_ASIDE_ENV, WARM_COPIES_ENV, asked as warm_copies, ready_aside};
 #[cfg(feature = "testing")]
 pub use worker::FAILPOINT_ENV;
-pub use worker::{
-    HeldJob, InputView, Job, NextJob, ResultView, WORKER_READY_QUERY_ENV, WORKER_SPIN_ENV, Worker,
-    WorkerDevice,
-};
+pub use worker::{HeldJob, InputView, Job, NextJob, ResultView, Worker, WorkerDevice};
 
 /// Results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

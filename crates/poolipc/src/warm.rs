@@ -14,22 +14,9 @@ use std::sync::Arc;
 
 use poolipc_driver::{DeviceAllocation, Driver, OwnedStream};
 
-/// The environment variable that turns READY's record aside off (`0`); anything else, or
-/// unset, leaves it on: the parent's IO thread records a job's READY on a stream of its own,
-/// kept on a copy engine, whenever the caller's stream has nothing left to run (without MPS
-/// that spares the GPU a context switch each way; docs/facts.md).
-/// [`ParentStats::ready_recorded_aside`](crate::ParentStats::ready_recorded_aside) counts it.
-pub const READY_ASIDE_ENV: &str = "POOLIPC_READY_ASIDE";
-
-/// Whether [`READY_ASIDE_ENV`] leaves READY's record aside on (read once).
-#[must_use]
-pub fn ready_aside() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::parent::env_number::<u8>(READY_ASIDE_ENV) != Some(0))
-}
-
 /// A stream of the IO thread's own whose last work is a copy of [`WARM_BYTES`] through
-/// pageable memory, or `None` (logged) where making it failed or [`READY_ASIDE_ENV`] is `0`.
+/// pageable memory, or `None` where `on` is false
+/// ([`Tuning::ready_aside`](crate::Tuning::ready_aside)) or making it failed (logged).
 ///
 /// Without MPS a stream's event records run on the engine of its last work (measured on
 /// the H100, driver 580, 2026-12-05; docs/facts.md): after a kernel or a memset on the compute
@@ -41,8 +28,8 @@ pub fn ready_aside() -> bool {
 /// then, and any event orders nothing more. The engine a record runs on is the driver's
 /// choice, not documented: on a driver that chooses otherwise the record costs what it cost
 /// on the caller's stream.
-pub(crate) fn aside_stream(driver: &Arc<dyn Driver>) -> Option<OwnedStream> {
-    if !ready_aside() {
+pub(crate) fn aside_stream(driver: &Arc<dyn Driver>, on: bool) -> Option<OwnedStream> {
+    if !on {
         return None;
     }
     let made = || -> poolipc_driver::Result<OwnedStream> {
@@ -63,32 +50,22 @@ pub(crate) fn aside_stream(driver: &Arc<dyn Driver>) -> Option<OwnedStream> {
     }
 }
 
-/// The environment variable: `1` makes the parent and each worker copy 1 MiB to the device
-/// and back once at startup; anything else (or unset), not.
-pub const WARM_COPIES_ENV: &str = "POOLIPC_WARM_COPIES";
-
 /// How much the warm-up copies: above the 64 KiB up to which a pageable copy goes with the
 /// command (no copy engine).
 pub(crate) const WARM_BYTES: usize = 1 << 20;
 
-/// Whether [`WARM_COPIES_ENV`] asks for the copy (read once): what `poolipc doctor` shows.
-#[must_use]
-pub fn asked() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| crate::parent::env_number::<u8>(WARM_COPIES_ENV) == Some(1))
-}
-
-/// The copy, on the current device, where [`asked`]; `who` names the process in the log.
-pub(crate) fn copies_if_asked(driver: &Arc<dyn Driver>, who: &str) {
-    if !asked() {
+/// The copy, on the current device, where `asked`
+/// ([`Tuning::warm_copies`](crate::Tuning::warm_copies)); `who` names the process in the log.
+pub(crate) fn copies_if_asked(driver: &Arc<dyn Driver>, who: &str, asked: bool) {
+    if !asked {
         return;
     }
     match copy(driver) {
         Ok(()) => tracing::info!(
-            "{WARM_COPIES_ENV}: the {who} copied {WARM_BYTES} bytes to the device and back"
+            "POOLIPC_WARM_COPIES: the {who} copied {WARM_BYTES} bytes to the device and back"
         ),
         Err(e) => {
-            tracing::warn!(error = %e, "{WARM_COPIES_ENV}: the {who}'s warm-up copy failed; going on without it")
+            tracing::warn!(error = %e, "POOLIPC_WARM_COPIES: the {who}'s warm-up copy failed; going on without it")
         }
     }
 }

@@ -637,7 +637,7 @@ fn a_spinning_worker_serves_lends_inside_and_after_its_window_and_writes_done_wi
     // worker asleep in its read by then).
     let mut s = Script::start_with_env(
         "a_spinning_worker_serves_lends_inside_and_after_its_window_and_writes_done_with_its_ack",
-        &[(poolipc::WORKER_SPIN_ENV, "20000")],
+        &[("POOLIPC_WORKER_SPIN_US", "20000")],
     );
     let (_, input) = s.pooled(4096, 0x5566_7788);
     for (job, pause) in [(1u64, 0u64), (2, 100)] {

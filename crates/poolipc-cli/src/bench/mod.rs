@@ -110,7 +110,7 @@ pub(crate) struct Args {
     /// (with --prime) The size of its staging job, fill and host copy.
     #[arg(long, requires = "prime", value_parser = parse_size, default_value = "4K")]
     pub(crate) prime_bytes: u64,
-    /// (with --workers) The parent's IO threads (`ParentOptions::io_threads`), one table
+    /// (with --workers) The parent's IO threads (`Tuning::io_threads`), one table
     /// each, in the same run (each from a process of its own): `--io-threads 1,2,4`.
     /// Default: the library's (`POOLIPC_IO_THREADS`, else one per 4 CPUs, 1 to 4). With
     /// `--json-out PATH` and several counts, each writes `PATH.io<n>`.

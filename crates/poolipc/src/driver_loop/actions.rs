@@ -7,7 +7,7 @@ use poolipc_types::{JobId, WorkerId};
 
 use super::Loop;
 use super::transfer::{Direction, Held, Transfer};
-use crate::parent::Stats;
+use crate::state::Stats;
 
 impl Loop {
     /// Carries out every action the contract has queued, in order.
@@ -37,12 +37,9 @@ impl Loop {
 
     /// Carries `action` out now, unless its job waits for its DONE.
     pub(super) fn act_now(&mut self, action: ParentAction) {
-        if let Some(key) = job_of(&action)
-            && let Some(gate) = self.gates.get_mut(&key)
-        {
-            gate.held.push_back(action);
+        let Some(action) = self.gates.hold(job_of(&action), action) else {
             return;
-        }
+        };
         let label = if crate::probe::enabled() {
             action_label(&action)
         } else {
@@ -122,11 +119,7 @@ impl Loop {
                 };
                 // A staged result, or a writable staged input coming back into the caller's
                 // tensor (copy-back): the bytes that went out, at the place they came from.
-                let result = st
-                    .requests_by_handoff
-                    .get(&handoff)
-                    .and_then(|req| st.results.get(req))
-                    .map(|r| (r.ptr, r.bytes));
+                let result = st.result_by_handoff(handoff).map(|r| (r.ptr, r.bytes));
                 let (what, target) = match result {
                     Some(t) => ("a staged result", t),
                     None => match st.staged_inputs.get(&handoff) {

@@ -6,7 +6,7 @@
 //! On the IO thread that wait would stall every worker of the room; here it stalls only the
 //! job whose result it is. Each room has one allocator thread, started at its first call:
 //! the calls of one job are made in the order the worker asked for them, and each answer
-//! comes back to the room as [`Command::ResultMade`](super::Command::ResultMade), where the
+//! comes back to the room as [`Command::ResultMade`], where the
 //! loop goes on as it did when it made the memory itself.
 
 use std::panic::AssertUnwindSafe;
@@ -17,9 +17,10 @@ use poolipc_contract::ResultSpec;
 use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_types::{JobId, RequestId, WorkerId};
 
+use super::Shared;
 use super::{Command, Loop};
 use crate::error::Error;
-use crate::parent::{ResultAllocator, Shared};
+use crate::state::ResultAllocator;
 use crate::tensor::ResultShape;
 
 /// A job's allocator, shared between the job (on the IO thread) and the allocator thread.

@@ -14,9 +14,9 @@ use poolipc_pool::arena::{ArenaBudget, ArenaError};
 use poolipc_transport::{ArenaChunk, ArenaRelease};
 use poolipc_types::WorkerId;
 
-use super::{IDLE_RELEASE_CHECK, Loop, MAPPINGS_ACK, ReleaseWaiter};
+use super::{Loop, MAPPINGS_ACK};
 use crate::error::Error;
-use crate::parent::{EmptyCache, ResultMemory, SharedArena, lock};
+use crate::state::{EmptyCache, ResultMemory, SharedArena, lock};
 
 impl Loop {
     /// `worker`'s arena, made on this thread (the device is current here) at its first use:
@@ -153,15 +153,14 @@ impl Loop {
 
     /// Gives back arena chunks idle for [`ParentOptions::arena_idle_release`] (each worker
     /// told of its own), and every empty chunk of a reaped worker's arena, looking at most
-    /// once per [`IDLE_RELEASE_CHECK`].
+    /// once per [`IDLE_RELEASE_CHECK`](super::answers::IDLE_RELEASE_CHECK).
     ///
     /// [`ParentOptions::arena_idle_release`]: crate::ParentOptions::arena_idle_release
     pub(super) fn release_idle_arena(&mut self) {
         let now = Instant::now();
-        if now.saturating_duration_since(self.last_idle_check) < IDLE_RELEASE_CHECK {
+        if !self.answers.idle_check_due(now) {
             return;
         }
-        self.last_idle_check = now;
         self.empty_retired_arenas();
         let Some(idle) = self.shared.options.arena_idle_release else {
             return;
@@ -224,9 +223,7 @@ impl Loop {
         let holders: Vec<WorkerId> = self
             .workers
             .iter()
-            .filter(|(id, s)| {
-                s.lost.is_none() && self.vmm_shared.values().any(|e| e.sent_to.contains(id))
-            })
+            .filter(|(id, s)| s.lost.is_none() && self.loans.vmm_held_by(**id))
             .map(|(id, _)| *id)
             .collect();
         for id in holders {
@@ -264,7 +261,7 @@ impl Loop {
             return false;
         }
         awaited.insert((worker, key));
-        self.release_acks.insert((worker, key));
+        self.answers.expect(worker, key);
         true
     }
 
@@ -276,12 +273,8 @@ impl Loop {
         report: EmptyCache,
         awaited: HashSet<(WorkerId, u32)>,
     ) {
-        self.release_waiters.push(ReleaseWaiter {
-            reply,
-            report,
-            awaited,
-            deadline: Instant::now() + crate::parent::EMPTY_CACHE_WAIT,
-        });
+        let deadline = Instant::now() + crate::state::EMPTY_CACHE_WAIT;
+        self.answers.wait(reply, report, awaited, deadline);
         self.answer_release_waiters();
     }
 
@@ -307,43 +300,11 @@ impl Loop {
         awaited
     }
 
-    /// Replies to each `empty_cache` whose workers all answered, or whose wait is over.
+    /// Replies to each `empty_cache` whose workers all answered, or whose wait is over
+    /// ([`Answers::reply_due`](super::answers::Answers::reply_due)).
     pub(super) fn answer_release_waiters(&mut self) {
-        if self.release_waiters.is_empty() {
-            return;
-        }
-        let now = Instant::now();
-        let acks = &self.release_acks;
         let workers = &self.workers;
-        let mut keep = Vec::with_capacity(self.release_waiters.len());
-        for mut w in std::mem::take(&mut self.release_waiters) {
-            // Answered, or the worker is gone (its mapping went with it).
-            w.awaited.retain(|k| {
-                acks.contains(k) && workers.get(&k.0).is_some_and(|s| s.lost.is_none())
-            });
-            // A worker in the middle of a job (a custom node running for seconds) reads its
-            // socket only after it: it answers then, and what it held comes back then. Not
-            // waited for, so that an empty_cache (torch calls it often) never stalls on it.
-            let all_busy = w
-                .awaited
-                .iter()
-                .all(|k| workers.get(&k.0).is_some_and(|s| s.in_flight > 0));
-            if w.awaited.is_empty() || all_busy || now >= w.deadline {
-                let mut missing: Vec<WorkerId> = w.awaited.iter().map(|k| k.0).collect();
-                missing.sort_unstable();
-                missing.dedup();
-                w.report.workers_not_answered = missing.len();
-                if !missing.is_empty() {
-                    tracing::debug!(
-                        ?missing,
-                        "workers busy or slow did not answer empty_cache yet: what they hold comes back when they do"
-                    );
-                }
-                let _ = w.reply.send(w.report);
-            } else {
-                keep.push(w);
-            }
-        }
-        self.release_waiters = keep;
+        self.answers
+            .reply_due(Instant::now(), |w| workers.standing(w));
     }
 }

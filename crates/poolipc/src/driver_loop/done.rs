@@ -2,7 +2,6 @@
 //! wait on a worker's event) before it releases the job's memory; a DONE that never
 //! completes condemns its worker at the deadline.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -11,9 +10,9 @@ use poolipc_contract::{self as contract, FailReason, JobOutcome, Outcome, Parent
 use poolipc_driver::{EventHandle, OwnedEvent};
 use poolipc_types::{EventBlob, JobId, WorkerId};
 
-use super::{DoneEvents, DoneGate, Loop, Room};
+use super::{DoneGate, Loop, Room};
 use crate::error::Error;
-use crate::parent::Stats;
+use crate::state::Stats;
 
 impl Loop {
     /// The worker's DONE of `job`: complete already (the usual case under MPS: it completes
@@ -39,11 +38,7 @@ impl Loop {
         let event = match slot.done_events.use_open(&blob) {
             Some(e) => e,
             None => {
-                let held = |e: EventHandle| {
-                    gates
-                        .iter()
-                        .any(|(k, g)| k.0 == worker && g.events.contains(&e))
-                };
+                let held = |e: EventHandle| gates.waits_on(worker, e);
                 if slot.done_events.make_room(&blob, max, held) == Room::Full {
                     let why = format!(
                         "{worker} sent a new DONE event for {job} while all {max} of its open DONE events are waited on by its held jobs"
@@ -66,22 +61,12 @@ impl Loop {
         }
         let deadline = Instant::now() + self.shared.options.handoff_timeout;
         tracing::trace!(worker = %worker, job = job.0, "DONE not complete yet: held until it is");
-        let stats = &self.shared.stats;
-        self.gates
-            .entry((worker, job))
-            .or_insert_with(|| {
-                Stats::bump(&stats.jobs_held_for_done);
-                DoneGate {
-                    events: Vec::new(),
-                    held: VecDeque::new(),
-                    deadline,
-                    expired: None,
-                    lost: None,
-                    since: Instant::now(),
-                }
-            })
-            .events
-            .push(event);
+        if self
+            .gates
+            .add((worker, job), event, deadline, Instant::now())
+        {
+            Stats::bump(&self.shared.stats.jobs_held_for_done);
+        }
         Ok(())
     }
 
@@ -94,10 +79,10 @@ impl Loop {
         }
         let driver = Arc::clone(&self.shared.driver);
         let now = Instant::now();
-        let keys: Vec<(WorkerId, JobId)> = self.gates.keys().copied().collect();
+        let keys = self.gates.keys();
         for key in keys {
             let (worker, job) = key;
-            let Some(gate) = self.gates.get_mut(&key) else {
+            let Some(gate) = self.gates.get_mut(key) else {
                 continue;
             };
             if gate.expired.is_some() {
@@ -126,7 +111,7 @@ impl Loop {
                 continue;
             }
             if gate.events.is_empty() {
-                self.last_activity = Instant::now();
+                self.pace.active(Instant::now());
                 self.open_gate(key);
                 self.forget_dead_events();
                 continue;
@@ -134,7 +119,7 @@ impl Loop {
             if now >= gate.deadline
                 && let Some(why) = gate.lost.clone()
             {
-                if let Some(gate) = self.gates.remove(&key) {
+                if let Some(gate) = self.gates.remove(key) {
                     self.fail_gate(key, gate, &why);
                 }
                 self.forget_dead_events();
@@ -224,9 +209,7 @@ impl Loop {
 
     /// Closes the DONE events of reaped workers no held job waits on any more.
     pub(super) fn forget_dead_events(&mut self) {
-        let gates = &self.gates;
-        self.dead_events
-            .retain(|w, _| gates.keys().any(|k| k.0 == *w));
+        self.gates.forget_dead();
         self.count_done_events();
     }
 
@@ -236,8 +219,8 @@ impl Loop {
             .workers
             .values()
             .map(|s| s.done_events.len())
-            .chain(self.dead_events.values().map(DoneEvents::len))
-            .sum();
+            .sum::<usize>()
+            + self.gates.dead_open();
         self.shared.rooms[self.room]
             .done_events_open
             .store(u64::try_from(open).unwrap_or(u64::MAX), Ordering::Relaxed);
@@ -245,7 +228,7 @@ impl Loop {
 
     /// The job's DONE completed (or will never be waited on): its held actions run now.
     pub(super) fn open_gate(&mut self, key: (WorkerId, JobId)) {
-        let Some(gate) = self.gates.remove(&key) else {
+        let Some(gate) = self.gates.remove(key) else {
             return;
         };
         for action in gate.held {

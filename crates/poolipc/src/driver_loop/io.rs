@@ -14,9 +14,7 @@ use poolipc_transport::{Connection, TransportError};
 use poolipc_types::WorkerId;
 
 use super::transfer::Held;
-use super::{
-    Command, EXIT_POLL, FRAMES_PER_TURN, GATE_POLL, GATE_POLL_MIN, IDLE_POLL, Loop, MAPPINGS_ACK,
-};
+use super::{Command, EXIT_POLL, FRAMES_PER_TURN, IDLE_POLL, Loop, MAPPINGS_ACK};
 
 impl Loop {
     /// Sleeps in `poll` until a worker's socket is readable, a command arrives, or the next
@@ -27,15 +25,15 @@ impl Loop {
             let now = self.now();
             timeout = timeout.min(Duration::from_nanos(t.0.saturating_sub(now.0)));
         }
-        if self.workers.values().any(|s| s.exit_deadline.is_some()) {
+        if self.workers.exiting() {
             timeout = timeout.min(EXIT_POLL);
         }
-        if !self.release_waiters.is_empty() {
+        if self.answers.waiting() {
             timeout = timeout.min(EXIT_POLL);
         }
         let now = Instant::now();
-        if let Some(t) = &self.pool_trim {
-            timeout = timeout.min(t.next.saturating_duration_since(now));
+        if let Some(t) = self.pool_trim.next() {
+            timeout = timeout.min(t.saturating_duration_since(now));
         }
         let frame_timeout = self.shared.options.frame_timeout;
         for s in self.workers.values().filter(|s| s.lost.is_none()) {
@@ -43,17 +41,10 @@ impl Loop {
                 timeout = timeout.min(t.saturating_duration_since(now));
             }
         }
-        for gate in self.gates.values() {
-            // A DONE is queried on the host: look again soon (at once while the loop spins),
-            // the sooner the younger the job's wait: a quarter of it, from 20 µs to 1 ms, so
-            // a short wait costs little latency and a long one few wake-ups.
-            let left = gate.deadline.saturating_duration_since(now);
-            let next =
-                (now.saturating_duration_since(gate.since) / 4).clamp(GATE_POLL_MIN, GATE_POLL);
-            timeout = timeout.min(next).min(left);
+        if let Some(next) = self.gates.next_look(now) {
+            timeout = timeout.min(next);
         }
-        let gate_events: Vec<Vec<EventHandle>> =
-            self.gates.values().map(|g| g.events.clone()).collect();
+        let gate_events: Vec<Vec<EventHandle>> = self.gates.events();
         let ids: Vec<WorkerId> = self
             .workers
             .iter()
@@ -89,8 +80,8 @@ impl Loop {
             let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
             // While jobs are in flight a frame is due soon (≈ 330 µs without MPS, ≈ 50 µs
             // with), and just after one finished the caller's next submit often is: look
-            // again without sleeping for up to `options.spin_in_flight` after the last
-            // activity (`options.spin` when idle), which saves a wake-up per frame and per
+            // again without sleeping for up to `options.tuning.spin_in_flight` after the last
+            // activity (`options.tuning.spin` when idle), which saves a wake-up per frame and per
             // submit.
             let options = &self.shared.options;
             // The loop's waiting (spinning or asleep) between these two marks: the rest of
@@ -98,15 +89,12 @@ impl Loop {
             crate::probe::mark("io.wait");
             let started = Instant::now();
             let busy = !self.jobs.is_empty();
-            let window = if busy {
-                options.spin_in_flight.max(options.spin)
-            } else {
-                options.spin
-            };
-            let spin_until = self
-                .last_activity
-                .checked_add(window)
-                .filter(|&t| t > started);
+            let spin_until = self.pace.spin_until(
+                busy,
+                options.tuning.spin,
+                options.tuning.spin_in_flight,
+                started,
+            );
             let room = &self.shared.rooms[self.room];
             let pending = &room.pending;
             let spinning_flag = &room.io_spinning;
@@ -150,7 +138,7 @@ impl Loop {
                     }
                 }
             };
-            self.waited = started.elapsed();
+            self.pace.waited(started.elapsed());
             crate::probe::mark("io.woke");
             match polled {
                 Ok(_) => {}
@@ -180,7 +168,7 @@ impl Loop {
         self.flush_sends();
         for (id, ready) in readable {
             if ready {
-                self.last_activity = Instant::now();
+                self.pace.active(Instant::now());
                 self.read_one(id);
             }
         }
@@ -270,7 +258,7 @@ impl Loop {
             _ => None,
         };
         if let Some(key) = answered {
-            if !self.release_acks.remove(&(worker, key)) {
+            if !self.answers.answered(worker, key) {
                 tracing::debug!(worker = %worker, key, "a release answer not asked for");
             }
             return;
@@ -315,7 +303,7 @@ impl Loop {
     }
 
     pub(super) fn command(&mut self, command: Command) {
-        self.last_activity = Instant::now();
+        self.pace.active(Instant::now());
         match command {
             Command::Adopt {
                 worker,
@@ -367,9 +355,8 @@ impl Loop {
             for grant in &g.results {
                 if let ResultGrant::Granted { handle, alloc, .. }
                 | ResultGrant::Arena { handle, alloc, .. } = grant
-                    && let Some(&req) = st.requests_by_alloc.get(alloc)
                 {
-                    st.requests_by_handoff.insert(*handle, req);
+                    st.granted(*alloc, *handle);
                 }
             }
         }

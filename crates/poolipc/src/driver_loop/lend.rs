@@ -1,19 +1,19 @@
 //! Submitting a job: placing its inputs, lending them (the Lend frame), the arena slice,
 //! and the READY events each handoff waits on.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use poolipc_contract::{self as contract, CarvedResult, FailReason, Outcome, SliceLoan};
 use poolipc_driver::{DevicePtr, OwnedEvent};
 use poolipc_types::ARENA_ALIGN as ALIGN;
-use poolipc_types::{AllocId, EventBlob, JobId, Rung, Span, WorkerId};
+use poolipc_types::{EventBlob, JobId, Rung, Span, WorkerId};
 
 use super::place::{ArenaInput, Placed, Placement};
 use super::{JobState, Loop, Submission, backlog_full};
 use crate::error::Error;
-use crate::parent::{ArenaLease, ResultMemory, ResultTensor, Stats};
+use crate::state::{ArenaLease, ResultMemory, ResultTensor, Stats};
 use crate::tensor::ResultShape;
 
 impl Loop {
@@ -231,7 +231,7 @@ impl Loop {
                     Stats::bump(&self.shared.stats.vmm_handle_tensors);
                 }
                 Rung::PoolPointer => {
-                    self.lent.entry(loan.span.ptr).or_insert((loan.alloc, 0)).1 += 1;
+                    self.loans.lend_pointer(loan.span.ptr, loan.alloc);
                     lent_bases.push(loan.span.ptr);
                     Stats::bump(&self.shared.stats.pool_pointer_tensors);
                 }
@@ -252,36 +252,24 @@ impl Loop {
             done,
             ..
         } = sub;
-        self.jobs.insert(
-            (worker, job),
-            JobState {
-                stream,
-                alloc: alloc.map(|a| Arc::new(std::sync::Mutex::new(a))),
-                done,
-                ready: Some(ready),
-                input_rungs: rungs,
-                input_reasons: reasons,
-                arena_inputs,
-                copy_back_error: None,
-                staged,
-                staged_inputs,
-                results: BTreeMap::new(),
-                requests_by_alloc: HashMap::new(),
-                requests_by_handoff: HashMap::new(),
-                orphans: Vec::new(),
-                lent_bases,
-                refused: None,
-                slice: slice.map(|(loan, lease)| {
-                    Stats::bump(&self.shared.stats.arena_slices_lent);
-                    tracing::trace!(worker = %worker, job = job.0, bytes = loan.span.bytes, "arena slice lent");
-                    lease
-                }),
-                carved: BTreeMap::new(),
-                slice_error: None,
-                done_failed: None,
-                failed_as: None,
-            },
+        let mut st = JobState::new(
+            stream,
+            alloc.map(|a| Arc::new(std::sync::Mutex::new(a))),
+            done,
         );
+        st.ready = Some(ready);
+        st.input_rungs = rungs;
+        st.input_reasons = reasons;
+        st.arena_inputs = arena_inputs;
+        st.staged = staged;
+        st.staged_inputs = staged_inputs;
+        st.lent_bases = lent_bases;
+        st.slice = slice.map(|(loan, lease)| {
+            Stats::bump(&self.shared.stats.arena_slices_lent);
+            tracing::trace!(worker = %worker, job = job.0, bytes = loan.span.bytes, "arena slice lent");
+            lease
+        });
+        self.jobs.insert((worker, job), st);
         self.drive();
     }
 
@@ -324,8 +312,7 @@ impl Loop {
         if !sent {
             return None;
         }
-        let alloc = AllocId(self.next_alloc);
-        self.next_alloc += 1;
+        let alloc = self.loans.new_id();
         let loan = SliceLoan {
             alloc,
             span: Span {

@@ -13,34 +13,46 @@
 //! loop holds the worker's later actions until it ends ([`transfer`]). A worker that stages
 //! slowly stalls only itself. A caller's result allocator runs on a thread of the room's too
 //! ([`allocator`]): one that waits (for the GIL, say) stalls only its job.
+//!
+//! The [`Loop`] holds the contract's machine, the parent's shared state and the parts, each
+//! owning its state and tested alone: the workers ([`roster`]: a [`Slot`] each, with its
+//! connection, queued jobs and DONE events), the jobs ([`jobs`]: what each lent, its results
+//! by request and handoff), the wire ids and loans ([`loans`]), the jobs held for their DONE
+//! ([`gates`]), the answers `empty_cache` waits for ([`answers`]), the clock and spin window
+//! ([`pace`]) and the pool's trimming after a reaping ([`trim`]). The files of `impl Loop`
+//! (`io`, `actions`, `lend`, `place`, `results`, `done`, `workers`, `arena`,
+//! `pool_rotation`) join them: they read what the contract emitted and ask the parts.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, ExitStatus};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
-use poolipc_contract::{self as contract, FailReason, Message, ParentAction, Timestamp};
-use poolipc_driver::{DevicePtr, EventHandle, OwnedEvent, StreamHandle};
+use poolipc_contract::{self as contract, Timestamp};
+use poolipc_driver::StreamHandle;
 use poolipc_transport::Connection;
-use poolipc_types::{AllocId, EventBlob, HandoffId, JobId, RequestId, Rung, WorkerId};
+use poolipc_types::{JobId, WorkerId};
 
 use crate::error::Error;
-use crate::parent::{
-    Answer, ArenaLease, EmptyCache, Input, ResultAllocator, ResultTensor, Shared, lock,
-};
-use crate::staging::StagingChannel;
+use crate::state::{Answer, EmptyCache, Input, ResultAllocator, lock};
 
 mod actions;
 mod allocator;
+mod answers;
 mod arena;
 mod done;
 mod io;
+mod jobs;
 mod lend;
+mod loans;
+mod pace;
 mod place;
 mod results;
+mod roster;
+mod shared;
 mod transfer;
+mod trim;
 mod workers;
 
 /// Whether `e` is the worker overflowing the staging backlog (a bound, not a hang-up).
@@ -52,10 +64,19 @@ fn backlog_full(e: &Error) -> bool {
 }
 
 mod done_events;
+mod gates;
 mod pool_rotation;
 
+use answers::{Answers, MAPPINGS_ACK};
 use done_events::{DoneEvents, Room};
-use place::{ArenaInput, Placed, VmmShared};
+use gates::{DoneGate, Gates};
+use jobs::{JobState, Jobs};
+use loans::Loans;
+use pace::Pace;
+use place::{ArenaInput, Placed};
+use roster::{Roster, Slot};
+pub(crate) use shared::{Registered, Room as Inbox, Shared, WorkerPool};
+use trim::PoolTrim;
 
 /// What a caller's thread asks of the IO loop.
 pub(crate) enum Command {
@@ -154,22 +175,6 @@ impl Command {
     }
 }
 
-/// An `empty_cache` waiting for workers to unmap the chunks it released.
-struct ReleaseWaiter {
-    reply: Sender<EmptyCache>,
-    report: EmptyCache,
-    /// (worker, chunk) answers still awaited.
-    awaited: HashSet<(WorkerId, u32)>,
-    deadline: Instant,
-}
-
-/// The key of a `ReleaseMappings` answer among the awaited (worker, chunk) answers: no chunk
-/// has this index (indices count up from 0 and a `u32` runs out long before).
-const MAPPINGS_ACK: u32 = u32::MAX;
-
-/// How often the IO thread looks for arena chunks idle long enough to give back.
-const IDLE_RELEASE_CHECK: Duration = Duration::from_secs(1);
-
 /// A job as submitted.
 pub(crate) struct Submission {
     pub(crate) worker: WorkerId,
@@ -257,156 +262,6 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".into())
 }
 
-/// A worker as the loop holds it.
-struct Slot {
-    /// `None` while a staging transfer's (or setup's) thread has it ([`Slot::away`]).
-    conn: Option<Connection>,
-    /// Set while a staging transfer runs on its own thread with the connection and `staging`,
-    /// or the staging setup with the connection.
-    away: Option<transfer::Away>,
-    /// What came for the worker while its transfer ran, carried out once it ends.
-    held: VecDeque<transfer::Held>,
-    child: Option<Child>,
-    /// READY events not in use by a job (a job takes one and gives it back when it ends: a
-    /// worker's wait captures an event's latest record, so two jobs in flight never share one).
-    ready_free: Vec<(OwnedEvent, EventBlob)>,
-    /// The worker's DONE events, opened once each, at most
-    /// `options.max_open_done_events` (least recently used closed first).
-    done_events: DoneEvents,
-    staging: Option<StagingChannel>,
-    /// Why setting host staging up with the worker failed, once it did: a result that needs
-    /// it is refused instead of setting it up again.
-    staging_failed: Option<String>,
-    /// Frames that arrived while the loop waited for another (host staging's): handled next.
-    backlog: VecDeque<Message>,
-    takes_staging: bool,
-    /// Whether it maps its arena (results in the arena, inputs copied into it): an arena is
-    /// enabled ([`ResultMemory::Arena`](crate::ResultMemory::Arena) or [`ParentOptions::arena_copy`]), it
-    /// announced VMM, reaches the parent's device, and every chunk of its arena announced so
-    /// far went out.
-    ///
-    /// [`ParentOptions::arena_copy`]: crate::ParentOptions::arena_copy
-    maps_arena: bool,
-    /// One past the highest chunk index of its arena sent to it: every chunk of its arena
-    /// below was sent (or released before it could be). It is sent no other arena's chunk.
-    arena_chunks_sent: u32,
-    /// Whether it takes VMM allocations by handle ([`Rung::VmmHandle`]): it announced
-    /// [`Capabilities::VMM_HANDLE`](poolipc_transport::Capabilities::VMM_HANDLE) and reaches the parent's device.
-    takes_vmm: bool,
-    /// Set when the worker is being stopped: when to kill it if it has not exited.
-    exit_deadline: Option<Instant>,
-    stop_replies: Vec<Sender<Result<Option<ExitStatus>, Error>>>,
-    /// Jobs waiting for this worker (staged jobs run alone on their worker).
-    queued: VecDeque<Box<Submission>>,
-    /// Jobs sent to it and not finished.
-    in_flight: usize,
-    /// Whether one of the jobs in flight takes host staging.
-    staged_in_flight: bool,
-    /// Why it was lost, for the jobs that fail with it.
-    lost: Option<String>,
-}
-
-/// Trimming the pool back after a killed worker's results were freed, and giving its arena's
-/// chunks back: the frees are stream-ordered, so the loop looks (without waiting on the GPU)
-/// at every [`POOL_TRIM_EVERY`] until [`POOL_TRIM_FOR`] after the reaping.
-struct PoolTrim {
-    /// The bytes still to give back to the device (the killed workers' pool results less what
-    /// the trims gave back so far); 0: the arenas only. Each look trims the pool to its
-    /// reserved bytes then less these, so memory the parent frees meanwhile stays the pool's.
-    owed: u64,
-    next: Instant,
-    until: Instant,
-}
-
-/// How often a [`PoolTrim`] trims.
-const POOL_TRIM_EVERY: Duration = Duration::from_millis(100);
-/// How long after a killed worker's reaping the pool is trimmed back.
-const POOL_TRIM_FOR: Duration = Duration::from_secs(1);
-
-/// A job as the loop holds it, from its Lend to its JobFinished.
-struct JobState {
-    stream: StreamHandle,
-    /// The caller's allocator, run on the room's allocator thread ([`allocator`]).
-    alloc: Option<allocator::SharedAllocator>,
-    done: Answer,
-    ready: Option<(OwnedEvent, EventBlob)>,
-    input_rungs: Vec<Rung>,
-    input_reasons: Vec<Option<String>>,
-    /// Arena-copy inputs: their blocks, copied back into the caller's tensors (unless lent
-    /// read-only) and given back (stream-ordered, on the job's stream) at the input's
-    /// release, which comes once the host saw the worker's DONE complete or once the worker
-    /// was reaped.
-    arena_inputs: HashMap<HandoffId, ArenaInput>,
-    /// The first copy-back that failed, for the job's error: a write of the worker's that
-    /// could not reach the caller's tensor is never dropped silently.
-    copy_back_error: Option<String>,
-    staged: bool,
-    /// Staged inputs: where their bytes are.
-    staged_inputs: HashMap<HandoffId, (DevicePtr, u64)>,
-    /// Results, by the contract's request id (increasing: the worker's order).
-    results: BTreeMap<RequestId, ResultTensor>,
-    requests_by_alloc: HashMap<AllocId, RequestId>,
-    requests_by_handoff: HashMap<HandoffId, RequestId>,
-    /// Result memory that will not be handed out: freed (default allocator) or returned.
-    orphans: Vec<DevicePtr>,
-    /// Input allocations lent by pointer: their entries in `Loop::lent` are dropped at release.
-    lent_bases: Vec<u64>,
-    /// The first result request the parent refused, for the job's error.
-    refused: Option<crate::ResultRefusal>,
-    /// The job's arena slice: given back whole when dropped, or split at its release into
-    /// the carved results and the rest.
-    slice: Option<ArenaLease>,
-    /// Results carved out of the slice, by their place among the job's results.
-    carved: BTreeMap<u32, ResultTensor>,
-    /// Why the slice could not be split into its carves, for the job's error.
-    slice_error: Option<String>,
-    /// The worker's DONE could not be asked about (its event would not open, say):
-    /// nothing orders the caller after the worker's writes, so the job fails whatever the
-    /// contract concludes, and its results are not handed out.
-    done_failed: Option<String>,
-    /// Why the job fails when `done_failed` is set (a protocol violation unless a bound was
-    /// passed).
-    failed_as: Option<FailReason>,
-}
-
-impl JobState {
-    /// A result that will not be handed out: an arena block goes back to the arena now
-    /// (stream-ordered on the job's stream, by dropping it); other memory waits in `orphans`
-    /// to be freed or returned.
-    fn discard(&mut self, r: ResultTensor) {
-        if !r.is_arena() {
-            self.orphans.push(r.ptr);
-        }
-    }
-}
-
-/// A job whose worker acknowledged it while its DONE had not completed on the GPU yet: the
-/// loop never makes a stream of its own wait on a worker's event (a worker that hangs on the
-/// GPU, or means to, would block that stream for good, beyond its death:
-/// docs/facts.md). It queries the DONE on the host until it completed and holds the
-/// contract's later actions for the job (its releases, its JobFinished) until then. At the
-/// deadline the worker is condemned and the job fails; its memory is then released as a lost
-/// worker's, once the process is reaped.
-struct DoneGate {
-    /// The worker's DONE events still to complete (owned by its slot's `done_events`, or,
-    /// once the worker is reaped, by `Loop::dead_events`).
-    events: Vec<EventHandle>,
-    /// The contract's actions for the job after the first incomplete DONE, in order.
-    held: VecDeque<ParentAction>,
-    deadline: Instant,
-    /// Set at the deadline: the job's error.
-    expired: Option<String>,
-    /// When the job was first held.
-    since: Instant,
-    /// Set when the worker was reaped (why) before its DONE completed. A record the worker
-    /// queued before it died may still complete as the driver tears its context down: the
-    /// job waits for it until [`REAP_GRACE`] after the reaping, then fails.
-    lost: Option<String>,
-}
-
-/// How long a job whose worker was reaped with its DONE not complete yet still waits for it.
-const REAP_GRACE: Duration = Duration::from_secs(1);
-
 struct Loop {
     shared: Arc<Shared>,
     /// Which of the parent's rooms this loop is: it serves the workers `Shared::room_of`
@@ -414,43 +269,26 @@ struct Loop {
     room: usize,
     wake: UnixStream,
     machine: contract::Parent,
-    workers: BTreeMap<WorkerId, Slot>,
-    jobs: HashMap<(WorkerId, JobId), JobState>,
-    /// Input allocations currently lent by pointer: base address to (id, loans).
-    lent: HashMap<u64, (AllocId, u32)>,
-    /// VMM allocations lent by handle, by base address: their id and the workers that
-    /// mapped them ([`Rung::VmmHandle`]).
-    vmm_shared: HashMap<u64, VmmShared>,
-    /// Exit statuses of workers being reaped, for the errors of their jobs.
-    reaped: HashMap<WorkerId, String>,
-    next_alloc: u64,
+    /// The room's workers and what outlives their slots ([`roster`]).
+    workers: Roster,
+    /// The room's jobs ([`jobs`]).
+    jobs: Jobs,
+    /// The ids, pointer loans and VMM shares ([`loans`]).
+    loans: Loans,
     /// The room's allocator thread for callers' allocators, once one was needed.
     allocator: Option<Sender<allocator::AllocCall>>,
-    epoch: Instant,
     shutting_down: bool,
-    /// The last worker that failed or reported an error, and what it said: named when the
-    /// process's context turns out lost (under MPS, a worker's GPU fault ends it).
-    suspect: Option<(WorkerId, String)>,
-    /// When a job last finished, a command last came or a worker last sent a frame: the
-    /// loop keeps spinning for `options.spin` after it (`options.spin_in_flight` while jobs
-    /// are in flight), so that the next frame or submit finds it awake.
-    last_activity: Instant,
-    /// How long this turn of the loop waited in `wait_for_io` (for `ParentStats::io_busy_ns`).
-    waited: Duration,
-    /// `ArenaReleased` answers awaited, by (worker, chunk).
-    release_acks: HashSet<(WorkerId, u32)>,
-    release_waiters: Vec<ReleaseWaiter>,
-    /// When the loop last looked for idle arena chunks.
-    last_idle_check: Instant,
-    /// Jobs acknowledged whose DONE has not completed on the GPU yet.
-    gates: BTreeMap<(WorkerId, JobId), DoneGate>,
-    /// Reaped workers' opened DONE events, kept while a job of theirs waits on one.
-    dead_events: HashMap<WorkerId, DoneEvents>,
+    /// The contract's clock and the spin window ([`pace`]).
+    pace: Pace,
+    /// The answers `empty_cache` awaits ([`answers`]).
+    answers: Answers,
+    /// Jobs acknowledged whose DONE has not completed on the GPU yet ([`gates`]).
+    gates: Gates,
     /// Where READY is recorded when the caller's stream has nothing left to run
     /// ([`crate::warm::aside_stream`]); `None`: always on the caller's stream.
     aside: Option<poolipc_driver::OwnedStream>,
     /// The pool being trimmed back after a killed worker.
-    pool_trim: Option<PoolTrim>,
+    pool_trim: PoolTrim,
 }
 
 impl Drop for Loop {
@@ -465,7 +303,7 @@ impl Drop for Loop {
             lock(&self.shared.io_stopped)
                 .get_or_insert_with(|| "it panicked (the log has the panic's message)".into());
         }
-        for (id, slot) in &mut self.workers {
+        for (id, slot) in self.workers.iter_mut() {
             if let Some(c) = slot.child.as_mut() {
                 tracing::warn!(worker = %id, "the IO loop is gone: killing the worker");
                 let _ = c.kill();
@@ -503,11 +341,6 @@ const FRAMES_PER_TURN: usize = 64;
 const IDLE_POLL: Duration = Duration::from_millis(500);
 /// While a worker is exiting, how often to look whether it has.
 const EXIT_POLL: Duration = Duration::from_millis(2);
-/// While a job's DONE is queried on the host and the loop does not spin, how often to ask at
-/// least and at most.
-const GATE_POLL: Duration = Duration::from_millis(1);
-const GATE_POLL_MIN: Duration = Duration::from_micros(20);
-
 impl Loop {
     fn new(shared: Arc<Shared>, room: usize, wake: UnixStream) -> Loop {
         let limit = shared.options.limit;
@@ -521,69 +354,36 @@ impl Loop {
             max_idle_messages: shared.options.max_idle_messages,
             cancel_grace: shared.options.cancel_grace,
         });
-        let aside = crate::warm::aside_stream(&shared.driver);
+        let aside = crate::warm::aside_stream(&shared.driver, shared.options.tuning.ready_aside);
         Loop {
             aside,
             shared,
             room,
             wake,
             machine,
-            workers: BTreeMap::new(),
-            jobs: HashMap::new(),
-            lent: HashMap::new(),
-            vmm_shared: HashMap::new(),
-            reaped: HashMap::new(),
-            next_alloc: 1,
+            workers: Roster::default(),
+            jobs: Jobs::default(),
+            loans: Loans::default(),
             allocator: None,
-            epoch: Instant::now(),
             shutting_down: false,
-            suspect: None,
-            last_activity: Instant::now(),
-            waited: Duration::ZERO,
-            release_acks: HashSet::new(),
-            release_waiters: Vec::new(),
-            last_idle_check: Instant::now(),
-            gates: BTreeMap::new(),
-            dead_events: HashMap::new(),
-            pool_trim: None,
+            pace: Pace::new(Instant::now()),
+            answers: Answers::new(Instant::now()),
+            gates: Gates::default(),
+            pool_trim: PoolTrim::default(),
         }
     }
 
-    /// A killed worker's pool results (`owed` bytes) are freed: give that much back to the
-    /// device for [`POOL_TRIM_FOR`] from now.
-    fn trim_pool_after(&mut self, owed: u64) {
-        let now = Instant::now();
-        let owed = self
-            .pool_trim
-            .as_ref()
-            .map_or(owed, |t| t.owed.saturating_add(owed));
-        self.pool_trim = Some(PoolTrim {
-            owed,
-            next: now,
-            until: now + POOL_TRIM_FOR,
-        });
-    }
-
-    /// Trims the pool if a [`PoolTrim`] is due.
+    /// Trims the pool if a look of [`PoolTrim`]'s is due.
     fn trim_pool(&mut self) {
-        let Some(t) = self.pool_trim.as_mut() else {
+        let Some(owed) = self.pool_trim.due(Instant::now()) else {
             return;
         };
-        let now = Instant::now();
-        if now < t.next {
-            return;
-        }
-        t.next = now + POOL_TRIM_EVERY;
-        let owed = t.owed;
-        if now >= t.until {
-            self.pool_trim = None;
-        }
         self.empty_retired_arenas();
         if owed == 0 {
             return;
         }
         let keep = match self.shared.pools[0].stats() {
-            Ok(s) => s.reserved_current.saturating_sub(owed),
+            Ok(s) => PoolTrim::keep(s.reserved_current, owed),
             Err(e) => {
                 tracing::warn!(error = %e, "reading the pool before trimming it after a killed worker");
                 return;
@@ -591,9 +391,7 @@ impl Loop {
         };
         match self.shared.pools[0].trim_to(keep) {
             Ok((before, after)) if before > after => {
-                if let Some(t) = self.pool_trim.as_mut() {
-                    t.owed = t.owed.saturating_sub(before - after);
-                }
+                self.pool_trim.gave_back(before - after);
                 tracing::info!(
                     before,
                     after,
@@ -606,7 +404,7 @@ impl Loop {
     }
 
     fn now(&self) -> Timestamp {
-        Timestamp(u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX))
+        self.pace.stamp(Instant::now())
     }
 
     fn run(mut self) {
@@ -633,9 +431,7 @@ impl Loop {
             self.drive();
             self.check_gates();
             self.trim_pool();
-            let busy = turn
-                .elapsed()
-                .saturating_sub(std::mem::take(&mut self.waited));
+            let busy = self.pace.busy(turn.elapsed());
             self.shared.stats.io_busy_ns.fetch_add(
                 u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX),
                 std::sync::atomic::Ordering::Relaxed,
@@ -650,7 +446,7 @@ impl Loop {
         for command in self.shared.take_commands(self.room) {
             command.refuse(self.shared.loop_gone());
         }
-        for (id, slot) in &mut self.workers {
+        for (id, slot) in self.workers.iter_mut() {
             if let Some(c) = slot.child.as_mut() {
                 tracing::warn!(worker = %id, "another IO thread panicked: killing the worker");
                 let _ = c.kill();

@@ -1,7 +1,6 @@
 //! Where each input goes: by pool pointer, by VMM handle, by a copy into the arena, or by
 //! host staging, and why not the rung above (the reason each tensor reports).
 
-use std::collections::HashSet;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -11,9 +10,10 @@ use poolipc_driver::DevicePtr;
 use poolipc_transport::VmmShare;
 use poolipc_types::{AllocId, ExportBlob, Rung, Span, WorkerId};
 
+use super::Shared;
 use super::{Loop, Submission};
 use crate::error::Error;
-use crate::parent::{ArenaLease, Shared, Stats, lock};
+use crate::state::{ArenaLease, Stats, lock};
 
 impl Loop {
     /// Chooses each input's rung and exports what goes by pointer. Fails (sending nothing)
@@ -63,14 +63,7 @@ impl Loop {
             let by_pointer = wire.is_some() && limit.allows(base.0, size);
             if let (true, Some(p), Some(wire)) = (by_pointer, pool, wire) {
                 let export = self.shared.pools[p].export_known(base, size, info.buffer_id)?;
-                let alloc = match self.lent.get(&base.0) {
-                    Some((a, _)) => *a,
-                    None => {
-                        let a = AllocId(self.next_alloc);
-                        self.next_alloc += 1;
-                        a
-                    }
-                };
+                let alloc = self.loans.pointer_id(base.0);
                 placed.inputs.push(Placement {
                     loan: InputLoan {
                         alloc,
@@ -132,8 +125,7 @@ impl Loop {
                 Ok(copy) => {
                     let reason = format!("input {i}: {why_not}: arena copy ({})", copy.why);
                     tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
-                    let alloc = AllocId(self.next_alloc);
-                    self.next_alloc += 1;
+                    let alloc = self.loans.new_id();
                     placed.inputs.push(Placement {
                         loan: InputLoan {
                             alloc,
@@ -162,8 +154,7 @@ impl Loop {
             }
             let reason = format!("input {i}: {why_not}: host staging: {no_copy}");
             tracing::debug!(worker = %sub.worker, job = sub.job.0, input = i, bytes = extent, "{reason}");
-            let alloc = AllocId(self.next_alloc);
-            self.next_alloc += 1;
+            let alloc = self.loans.new_id();
             placed.inputs.push(Placement {
                 loan: InputLoan {
                     alloc,
@@ -220,33 +211,14 @@ impl Loop {
                     .into(),
             ));
         };
-        let same = |e: &VmmShared| e.size == size && e.buffer_id == buffer_id;
-        if let Some(e) = self.vmm_shared.get(&base.0)
-            && same(e)
-            && e.sent_to.contains(&sub.worker)
+        if let Some(alloc) = self
+            .loans
+            .vmm_mapped_by(base.0, size, buffer_id, sub.worker)
         {
-            return Ok((e.alloc, "mapped by the worker already".into()));
+            return Ok((alloc, "mapped by the worker already".into()));
         }
         let fd = self.export_vmm(base)?;
-        let alloc = match self.vmm_shared.get(&base.0) {
-            Some(e) if same(e) => e.alloc,
-            _ => {
-                // A new allocation at this address (or the first): a new id, so that no
-                // worker's mapping of the old one is taken for it.
-                let alloc = AllocId(self.next_alloc);
-                self.next_alloc += 1;
-                self.vmm_shared.insert(
-                    base.0,
-                    VmmShared {
-                        alloc,
-                        size,
-                        buffer_id,
-                        sent_to: HashSet::new(),
-                    },
-                );
-                alloc
-            }
-        };
+        let alloc = self.loans.vmm_id(base.0, size, buffer_id);
         let Some(slot) = self.workers.get_mut(&sub.worker) else {
             return Err(NoCopy::Failed(Error::UnknownWorker(sub.worker)));
         };
@@ -274,9 +246,7 @@ impl Loop {
             }));
         }
         Stats::bump(&self.shared.stats.vmm_handles_shared);
-        if let Some(e) = self.vmm_shared.get_mut(&base.0) {
-            e.sent_to.insert(sub.worker);
-        }
+        self.loans.vmm_sent(base.0, sub.worker);
         tracing::debug!(worker = %sub.worker, ?alloc, size, "VMM handle sent");
         Ok((alloc, "handle sent".into()))
     }
@@ -319,10 +289,7 @@ impl Loop {
     /// again is sent again first. Whoever sends the worker that order calls this at the
     /// same time.
     pub(crate) fn forget_vmm_shares(&mut self, worker: WorkerId) {
-        self.vmm_shared.retain(|_, e| {
-            e.sent_to.remove(&worker);
-            !e.sent_to.is_empty()
-        });
+        self.loans.forget_vmm(worker);
     }
 
     /// Copies an input (`bytes` from element 0 at `src`) into a block of the arena, queued on
@@ -478,19 +445,6 @@ pub(super) struct ArenaCopy {
     pub(super) span: Span,
     /// What made the copy possible, for the reason (free VRAM, or room in the arena).
     pub(super) why: String,
-}
-
-/// A VMM allocation of the caller's lent by handle ([`Rung::VmmHandle`]), as the parent
-/// knows it: kept while some worker holds a mapping of it.
-pub(super) struct VmmShared {
-    /// The id lent tensors name it by.
-    pub(super) alloc: AllocId,
-    /// Its size and `CU_POINTER_ATTRIBUTE_BUFFER_ID` when it was shared: an allocation at
-    /// the same address with another of either is another allocation.
-    pub(super) size: u64,
-    pub(super) buffer_id: u64,
-    /// The workers it was sent to that have not dropped their mappings.
-    pub(super) sent_to: HashSet<WorkerId>,
 }
 
 /// Why an input is not copied into the arena (or lent by VMM handle).

@@ -2,7 +2,7 @@
 //! gets the new generation at a free index of its pool table before a lend names it, and a
 //! retired generation is destroyed in the workers (`PoolRetire`) before the parent destroys
 //! it. The answers (`ExtraPoolReply`, `PoolRetired`) are awaited as `empty_cache`'s other
-//! answers are ([`ReleaseWaiter`](super::ReleaseWaiter)).
+//! answers are ([`Answers`](super::answers::Answers)).
 
 use std::collections::HashSet;
 use std::os::fd::AsFd;
@@ -13,8 +13,9 @@ use poolipc_driver::PoolHandle;
 use poolipc_types::WorkerId;
 
 use super::Loop;
+use super::WorkerPool;
 use super::transfer::Held;
-use crate::parent::{EmptyCache, WorkerPool, lock};
+use crate::state::{EmptyCache, lock};
 
 /// The key of an `ExtraPoolReply` for index `i` among the awaited (worker, key) answers is
 /// `POOL_OFFER_ACK + i`, of a `PoolRetired` `POOL_RETIRE_ACK + i`: above any arena chunk's

@@ -10,12 +10,12 @@ use poolipc_contract::{
 };
 use poolipc_driver::DevicePtr;
 use poolipc_transport::ErrorCode;
-use poolipc_types::{AllocId, ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId};
+use poolipc_types::{ExportBlob, HandoffId, JobId, RequestId, Rung, Span, WorkerId};
 
 use super::transfer::Held;
 use super::{JobState, Loop, MPS_FAULT_GRACE, backlog_full, names_gpu_fault};
 use crate::error::Error;
-use crate::parent::{JobOutput, ResultMemory, ResultTensor, Stats};
+use crate::state::{JobOutput, ResultMemory, ResultTensor, Stats};
 use crate::tensor::ResultShape;
 
 impl Loop {
@@ -93,7 +93,7 @@ impl Loop {
                 }
                 if let Some(st) = self.jobs.get_mut(&(worker, job)) {
                     st.refused
-                        .get_or_insert_with(|| crate::ResultRefusal::of(&e));
+                        .get_or_insert_with(|| crate::error::ResultRefusal::of(&e));
                 }
                 ParentEvent::ResultDeclined {
                     worker,
@@ -118,11 +118,8 @@ impl Loop {
     /// Records `ptr`, memory of the job's allocator that will not be handed out, among the
     /// job's orphans (given back with its error), unless it is recorded already.
     fn keep_orphan(&mut self, worker: WorkerId, job: JobId, ptr: DevicePtr) {
-        if let Some(st) = self.jobs.get_mut(&(worker, job))
-            && !st.orphans.contains(&ptr)
-            && !st.results.values().any(|r| r.ptr == ptr)
-        {
-            st.orphans.push(ptr);
+        if let Some(st) = self.jobs.get_mut(&(worker, job)) {
+            st.keep_orphan(ptr);
         }
     }
 
@@ -196,8 +193,7 @@ impl Loop {
         if let Some(sim) = &self.shared.sim {
             sim.label_memory(ptr, &format!("result {index} of job {}", job.0));
         }
-        let alloc = AllocId(self.next_alloc);
-        self.next_alloc += 1;
+        let alloc = self.loans.new_id();
         let handle = self.shared.driver.pointer_get_mempool(ptr).ok();
         let pool = handle.and_then(|h| self.shared.pool_of(h));
         // The worker's index of the result's pool (generation), if it takes pointers of it.
@@ -322,10 +318,8 @@ impl Loop {
         let st = self.jobs.get_mut(&(worker, job)).ok_or_else(|| {
             Error::Protocol(format!("a result for job {} the loop does not hold", job.0))
         })?;
-        let alloc = AllocId(self.next_alloc);
-        self.next_alloc += 1;
-        st.results.insert(request, result);
-        st.requests_by_alloc.insert(alloc, request);
+        let alloc = self.loans.new_id();
+        st.record(request, alloc, result);
         Stats::bump(&self.shared.stats.arena_results);
         tracing::trace!(worker = %worker, job = job.0, ?block, "result in the arena");
         Ok(ParentEvent::ResultAllocatedInArena {
@@ -404,21 +398,16 @@ impl Loop {
 
     /// The contract's last word on a job: its handle gets the results or the error.
     pub(super) fn finish(&mut self, worker: WorkerId, job: JobId, outcome: JobOutcome) {
-        self.last_activity = Instant::now();
+        self.pace.active(Instant::now());
         let Some(mut st) = self.jobs.remove(&(worker, job)) else {
             return;
         };
         for base in st.lent_bases.drain(..) {
-            if let Some(e) = self.lent.get_mut(&base) {
-                e.1 -= 1;
-                if e.1 == 0 {
-                    self.lent.remove(&base);
-                }
-            }
+            self.loans.return_pointer(base);
         }
         if !matches!(outcome, JobOutcome::Completed) {
             if let JobOutcome::WorkerError(m) = &outcome {
-                self.suspect = Some((worker, format!("it reported: {m}")));
+                self.workers.suspect(worker, format!("it reported: {m}"));
             }
             // A worker that failed may have faulted on the GPU: under MPS that ends our
             // context too. Ask now rather than at the next job. The MPS server marks the
@@ -517,7 +506,7 @@ impl Loop {
             }
             JobOutcome::Failed { reason, detail } => {
                 let results = self.give_back_results(&mut st);
-                let status = self.reaped.get(&worker).cloned().unwrap_or_default();
+                let status = self.workers.reaped_status(worker);
                 let detail = if status.is_empty() {
                     detail
                 } else {

@@ -35,8 +35,8 @@ use poolipc_types::{HandoffId, JobId, WorkerId};
 
 use super::{Command, Loop, Slot, backlog_full};
 use crate::error::Error;
-use crate::parent::Stats;
 use crate::staging::{StagingChannel, StagingError};
+use crate::state::Stats;
 
 /// A staging setup that ended on its thread ([`Loop::start_setup`]): the worker's
 /// connection, and its channel or why there is none.
@@ -440,7 +440,7 @@ impl Loop {
 
 /// The transfer itself, on its thread.
 fn run(
-    shared: &crate::parent::Shared,
+    shared: &super::Shared,
     t: &Transfer,
     channel: &mut StagingChannel,
     conn: &mut Connection,

@@ -1,18 +1,17 @@
 //! Workers coming and going on the IO thread: adopted after their handshake, stopped,
 //! cancelled jobs, exits noticed and reaped, faults escalated and condemned.
 
-use std::collections::VecDeque;
 use std::process::{Child, ExitStatus};
 use std::sync::mpsc::Sender;
 use std::time::Instant;
 
-use poolipc_contract::{self as contract, FailReason, JobOutcome, ParentAction, ParentEvent};
+use poolipc_contract::{self as contract, FailReason, JobOutcome, ParentEvent};
 use poolipc_transport::{Capabilities, Connection};
 use poolipc_types::{JobId, WorkerId};
 
-use super::{DoneEvents, DoneGate, Loop, REAP_GRACE, Slot, Submission};
+use super::{Loop, Slot, Submission};
 use crate::error::Error;
-use crate::parent::{ResultMemory, Stats, lock};
+use crate::state::{ResultMemory, Stats, lock};
 
 impl Loop {
     pub(super) fn adopt(
@@ -70,30 +69,10 @@ impl Loop {
             tracing::debug!(worker = %worker, error = %e, "long jobs of a worker the contract let go");
         }
         let mut conn = conn;
-        conn.set_queue_limits(self.shared.options.send_queue);
+        conn.set_queue_limits(self.shared.options.tuning.send_queue);
         self.workers.insert(
             worker,
-            Slot {
-                conn: Some(conn),
-                away: None,
-                held: VecDeque::new(),
-                child,
-                ready_free: Vec::new(),
-                done_events: DoneEvents::default(),
-                staging: None,
-                staging_failed: None,
-                backlog: VecDeque::new(),
-                takes_staging,
-                maps_arena,
-                arena_chunks_sent: 0,
-                takes_vmm,
-                exit_deadline: None,
-                stop_replies: Vec::new(),
-                queued: VecDeque::new(),
-                in_flight: 0,
-                staged_in_flight: false,
-                lost: None,
-            },
+            Slot::new(Some(conn), child, takes_staging, maps_arena, takes_vmm),
         );
         // The arena's chunks so far, before any grant can name one.
         self.announce_chunks(Some(worker));
@@ -223,7 +202,7 @@ impl Loop {
                     w.as_micros()
                 ),
                 None => "the parent keeps no GPU turns (off by default; for workers running many \
-                      small GPU jobs, ParentOptions::gpu_turn or POOLIPC_GPU_TURN_US=2000 gave \
+                      small GPU jobs, Tuning::gpu_turn or POOLIPC_GPU_TURN_US=2000 gave \
                       8 workers 4.4x the jobs/s on an H100)"
                     .to_owned(),
             };
@@ -246,7 +225,7 @@ impl Loop {
     /// worker held and fails its jobs. The jobs end after the slot is gone, so a caller that
     /// sees its job fail finds nothing of the worker left open.
     pub(super) fn reap(&mut self, worker: WorkerId, kill: bool) {
-        self.release_acks.retain(|k| k.0 != worker);
+        self.answers.forget(worker);
         let Some(mut slot) = self.workers.remove(&worker) else {
             return;
         };
@@ -281,15 +260,8 @@ impl Loop {
         // and its arena's chunks go back as soon as their blocks' frees ran, not at the next
         // idle check.
         if kill || slot.lost.is_some() {
-            let granted: u64 = self
-                .jobs
-                .iter()
-                .filter(|((w, _), st)| *w == worker && st.alloc.is_none())
-                .flat_map(|(_, st)| st.results.values())
-                .filter(|r| !r.is_arena())
-                .map(|r| r.bytes)
-                .sum();
-            self.trim_pool_after(granted);
+            let granted = self.jobs.pool_result_bytes(worker);
+            self.pool_trim.after(granted, Instant::now());
         }
         let text = status.map_or_else(|| "not ours to reap".into(), |s| s.to_string());
         tracing::info!(worker = %worker, status = %text, "worker reaped");
@@ -299,10 +271,12 @@ impl Loop {
             .unwrap_or_else(|| "the worker was stopped".into());
         let queued: Vec<Box<Submission>> = slot.queued.drain(..).collect();
         let replies: Vec<_> = slot.stop_replies.drain(..).collect();
-        let held = self.outlive_worker(worker, &mut slot, &why);
+        let held = self
+            .gates
+            .outlive(worker, &mut slot.done_events, &why, Instant::now());
         drop(slot);
         self.forget_vmm_shares(worker);
-        self.reaped.insert(worker, text);
+        self.workers.reaped(worker, text);
         // Reaped, it leaves the registry: `Parent::workers` lists the living only, and a
         // parent whose workers come and go keeps no trace of each.
         lock(&self.shared.registry).remove(&worker);
@@ -343,9 +317,9 @@ impl Loop {
         // (Jobs held for their DONE are not: they end with it, or at their grace's end.)
         let orphaned: Vec<JobId> = self
             .jobs
-            .keys()
-            .filter(|k| k.0 == worker && !self.gates.contains_key(k))
-            .map(|(_, j)| *j)
+            .of(worker)
+            .into_iter()
+            .filter(|&j| !self.gates.holds((worker, j)))
             .collect();
         for job in orphaned {
             tracing::error!(worker = %worker, job = job.0, "a job outlived its worker's reaping");
@@ -358,7 +332,7 @@ impl Loop {
                 },
             );
         }
-        self.reaped.remove(&worker);
+        self.workers.forget_reaped(worker);
         // Its arena's blocks came back with its loans (or come back with the jobs held for
         // their DONE, and the results the caller holds): its chunks go back as they empty.
         self.retire_arena(worker);
@@ -377,22 +351,7 @@ impl Loop {
             None => return false,
         };
         if self.shared.check_context().is_ok() {
-            let suspect = match &self.suspect {
-                Some((w, said)) => format!(" The worker most likely at fault: {w} ({said})."),
-                None => {
-                    let busy: Vec<String> = self
-                        .workers
-                        .iter()
-                        .filter(|(_, s)| s.in_flight > 0)
-                        .map(|(w, _)| w.to_string())
-                        .collect();
-                    if busy.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" Workers with jobs on the GPU then: {}.", busy.join(", "))
-                    }
-                }
-            };
+            let suspect = self.workers.suspects();
             let cause = match self.shared.mps_client {
                 Some(true) => format!(
                     "this process is an MPS client, and under MPS a GPU fault in any client (a worker's kernel) ends every client's context.{suspect}"
@@ -410,7 +369,7 @@ impl Loop {
                 }
             );
             tracing::error!("{detail}");
-            *crate::parent::lock(&self.shared.context_lost) = Some(detail.clone());
+            *crate::state::lock(&self.shared.context_lost) = Some(detail.clone());
             let workers: Vec<WorkerId> = self.workers.keys().copied().collect();
             for w in workers {
                 self.lose(w, "the parent's GPU context is lost");
@@ -488,7 +447,7 @@ impl Loop {
         }
         tracing::warn!(worker = %worker, "{why}");
         if self.shared.check_context().is_ok() {
-            self.suspect = Some((worker, why.to_owned()));
+            self.workers.suspect(worker, why.to_owned());
         }
         let now = self.now();
         if let Err(e) = self.machine.handle(
@@ -500,60 +459,6 @@ impl Loop {
         ) {
             tracing::warn!(worker = %worker, error = %e, "the contract refused a hang-up");
         }
-    }
-
-    /// The worker is being reaped (its slot about to close) with jobs held for their DONE.
-    /// Those past their deadline are returned, to fail now. The others wait on for
-    /// [`REAP_GRACE`]: their held `WaitDone`s become events of the gate, and the worker's
-    /// opened events move to `dead_events` so that they stay open meanwhile.
-    pub(super) fn outlive_worker(
-        &mut self,
-        worker: WorkerId,
-        slot: &mut Slot,
-        why: &str,
-    ) -> Vec<((WorkerId, JobId), DoneGate)> {
-        let keys: Vec<_> = self
-            .gates
-            .keys()
-            .filter(|k| k.0 == worker)
-            .copied()
-            .collect();
-        let mut fail_now = Vec::new();
-        let grace_end = Instant::now() + REAP_GRACE;
-        for key in keys {
-            let Some(mut gate) = self.gates.remove(&key) else {
-                continue;
-            };
-            let mut known = gate.expired.is_none();
-            let mut rest = VecDeque::with_capacity(gate.held.len());
-            for action in gate.held.drain(..) {
-                if let ParentAction::WaitDone { done_event, .. } = &action {
-                    match slot.done_events.get(done_event) {
-                        Some(e) if !gate.events.contains(&e.handle()) => {
-                            gate.events.push(e.handle());
-                        }
-                        Some(_) => {}
-                        // Never opened: nothing can tell whether it completed.
-                        None => known = false,
-                    }
-                    continue;
-                }
-                rest.push_back(action);
-            }
-            gate.held = rest;
-            if known {
-                gate.lost = Some(why.to_owned());
-                gate.deadline = gate.deadline.min(grace_end);
-                self.gates.insert(key, gate);
-            } else {
-                fail_now.push((key, gate));
-            }
-        }
-        if self.gates.keys().any(|k| k.0 == worker) {
-            self.dead_events
-                .insert(worker, std::mem::take(&mut slot.done_events));
-        }
-        fail_now
     }
 
     /// `worker` went past `bound` while the loop carried out `job`'s actions: the contract
@@ -579,8 +484,7 @@ impl Loop {
     /// At the end of the thread: whatever job is left fails.
     pub(super) fn fail_leftover_jobs(&mut self) {
         self.gates.clear();
-        self.dead_events.clear();
-        for ((worker, _), mut st) in std::mem::take(&mut self.jobs) {
+        for ((worker, _), mut st) in self.jobs.take_all() {
             let results = self.give_back_results(&mut st);
             st.done.complete(Err(Error::JobFailed {
                 worker,

@@ -14,42 +14,32 @@ use std::sync::{Arc, Mutex};
 use poolipc_contract::Identity;
 use poolipc_driver::Driver;
 use poolipc_pool::{Arena, SharedPool};
-use poolipc_transport::Capabilities;
 use poolipc_types::{ImportLimit, WorkerId};
 
-use crate::driver_loop::{self, Command as LoopCommand};
+use crate::driver_loop::{self, Command as LoopCommand, Registered, Shared, WorkerPool};
 use crate::error::Error;
-
-mod arenas;
-mod job;
-mod options;
-mod shared;
-mod spawn;
-mod stats;
-mod trust;
-mod turns;
-
-pub(crate) use arenas::SharedArena;
-pub(crate) use job::{Answer, ArenaLease};
-pub use job::{Input, JobHandle, JobOutput, JobWatch, ResultAllocator, ResultTensor};
-pub(crate) use options::env_number;
-pub use options::{
-    DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
-    DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
-    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, GPU_TURN_ENV, IO_THREADS_ENV, Limits,
-    MAX_IO_THREADS, MIN_RESULT_BOUND, MemoryBound, ParentOptions, ResultMemory, SPIN_ENV,
-    SPIN_IN_FLIGHT_ENV, SUGGESTED_GPU_TURN,
+use crate::settings::{IO_THREADS_ENV, MAX_IO_THREADS};
+use crate::state::Stats;
+pub(crate) use crate::state::lock;
+pub use crate::state::{
+    ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
+    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
+    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, Input, JobOutput, Limits,
+    MIN_RESULT_BOUND, MemoryBound, ParentOptions, ParentStats, ResultAllocator, ResultMemory,
+    ResultTensor, Trust, WorkerInfo,
 };
-pub(crate) use shared::{Registered, Shared, WorkerPool, lock};
-pub(crate) use stats::Stats;
-pub use stats::{ArenaStats, EmptyCache, ParentStats, WorkerInfo};
-pub use trust::Trust;
+
+mod canary;
+mod job;
+mod spawn;
+
+pub use job::{JobHandle, JobWatch};
 
 /// The parent side: the shared pools, the workers, the jobs. `Send + Sync`: share it in an
 /// `Arc` and submit from any thread.
 pub struct Parent {
     shared: Arc<Shared>,
-    /// The IO threads, one per room ([`ParentOptions::io_threads`]).
+    /// The IO threads, one per room ([`Tuning::io_threads`](crate::Tuning::io_threads)).
     io: Vec<std::thread::JoinHandle<()>>,
     /// Set on every command [`spawn_worker`](Parent::spawn_worker) runs (the simulated
     /// machine's locator, from [`Parent::on`]).
@@ -63,29 +53,6 @@ impl std::fmt::Debug for Parent {
             .field("device", &self.shared.options.device)
             .field("workers", &lock(&self.shared.registry).len())
             .finish_non_exhaustive()
-    }
-}
-
-/// What the facade's sides can do on any device, said in the handshake.
-pub(crate) const CAPABILITIES: Capabilities = Capabilities(
-    Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0 | Capabilities::HOST_STAGING.0,
-);
-
-/// What an isolated worker ([`Trust::Isolated`]) is not offered and does not claim:
-/// pool pointers and VMM handles, each a handle on the parent's memory beyond the tensors
-/// lent.
-pub(crate) const PARENT_MEMORY_HANDLES: Capabilities =
-    Capabilities(Capabilities::POOL_POINTER.0 | Capabilities::VMM_HANDLE.0);
-
-/// What this side can do on `device`: [`CAPABILITIES`], and the result arena
-/// ([`Capabilities::VMM_ARENA`]) and VMM allocations lent by handle
-/// ([`Capabilities::VMM_HANDLE`]) where the device has VMM with POSIX FD handles.
-pub(crate) fn capabilities(driver: &dyn Driver, device: u32) -> Capabilities {
-    match driver.device_info(device) {
-        Ok(info) if info.vmm && info.vmm_posix_fd => {
-            CAPABILITIES | Capabilities::VMM_ARENA | Capabilities::VMM_HANDLE
-        }
-        _ => CAPABILITIES,
     }
 }
 
@@ -116,11 +83,11 @@ impl Parent {
                 options.arena_cap_fraction
             )));
         }
-        if !(1..=MAX_IO_THREADS).contains(&options.io_threads) {
+        if !(1..=MAX_IO_THREADS).contains(&options.tuning.io_threads) {
             return Err(Error::Config(format!(
                 "io_threads {} must lie in 1..={MAX_IO_THREADS} (its default comes from \
                  {IO_THREADS_ENV} when that is set)",
-                options.io_threads
+                options.tuning.io_threads
             )));
         }
         if options.handoff_timeout.is_zero() || options.stop_timeout.is_zero() {
@@ -136,11 +103,11 @@ impl Parent {
         }
         driver.use_device(options.device)?;
         pools.insert(0, SharedPool::install(Arc::clone(&driver), options.device)?);
-        crate::warm::copies_if_asked(&driver, "parent");
+        crate::warm::copies_if_asked(&driver, "parent", options.tuning.warm_copies);
         // One socket pair per room: a post writes a byte to wake that room's IO thread.
-        let mut rooms = Vec::with_capacity(options.io_threads);
-        let mut wake_reads = Vec::with_capacity(options.io_threads);
-        for _ in 0..options.io_threads {
+        let mut rooms = Vec::with_capacity(options.tuning.io_threads);
+        let mut wake_reads = Vec::with_capacity(options.tuning.io_threads);
+        for _ in 0..options.tuning.io_threads {
             let (waker, wake_read) = UnixStream::pair().map_err(|source| Error::Os {
                 call: "socketpair",
                 source,
@@ -151,7 +118,7 @@ impl Parent {
                     source,
                 })?;
             }
-            rooms.push(shared::Room::new(waker));
+            rooms.push(crate::driver_loop::Inbox::new(waker));
             wake_reads.push(wake_read);
         }
         let (_, device_bytes) = driver.mem_get_info()?;
@@ -166,16 +133,16 @@ impl Parent {
         let arena_copy = options.arena_copy;
         let arena_slice_bytes = options.arena_slice_bytes;
         // Turns only where the driver says the GPU runs one process at a time.
-        let turns = match options.gpu_turn {
-            Some(wait) if !wait.is_zero() && mps_client == Some(false) => {
-                Some(Arc::new(turns::Turns::new(wait, options.spin_in_flight)))
-            }
+        let turns = match options.tuning.gpu_turn {
+            Some(wait) if !wait.is_zero() && mps_client == Some(false) => Some(Arc::new(
+                crate::state::turns::Turns::new(wait, options.tuning.spin_in_flight),
+            )),
             _ => None,
         };
         let shared = Arc::new(Shared {
             limits,
             turns,
-            arenas: Mutex::new(arenas::Arenas::default()),
+            arenas: Mutex::new(crate::state::arenas::Arenas::default()),
             mps_client,
             context_lost: Mutex::new(None),
             sim: crate::check::Sim::of(&driver, "the parent"),
@@ -301,10 +268,10 @@ impl Parent {
 
     /// This side's handshake identity.
     pub fn identity(&self) -> Result<Identity, Error> {
-        crate::identity(
+        crate::handshake::identity(
             &*self.shared.driver,
             self.shared.options.device,
-            capabilities(&*self.shared.driver, self.shared.options.device),
+            crate::settings::capabilities(&*self.shared.driver, self.shared.options.device),
         )
     }
 
@@ -314,7 +281,7 @@ impl Parent {
         self.shared.mps_client
     }
 
-    /// The length of the GPU turns this parent keeps ([`ParentOptions::gpu_turn`]): `None`
+    /// The length of the GPU turns this parent keeps ([`Tuning::gpu_turn`](crate::Tuning::gpu_turn)): `None`
     /// where turns are off, or where the driver does not say this process is not an MPS
     /// client.
     pub fn gpu_turn(&self) -> Option<std::time::Duration> {
@@ -418,7 +385,7 @@ impl Parent {
         &self,
         worker: WorkerId,
     ) -> Result<(poolipc_pool::ExportReuse, Option<String>), Error> {
-        crate::canary::check_export_reuse(self, worker)
+        canary::check_export_reuse(self, worker)
     }
 
     /// Gives memory the parent does not use back to the device, as `torch.cuda.empty_cache()`

@@ -112,7 +112,7 @@ impl Parent {
                 // descriptor Hello carries is an empty sealed memfd, not the pool's FD.
                 identity.capabilities = identity
                     .capabilities
-                    .missing_from(super::PARENT_MEMORY_HANDLES);
+                    .missing_from(crate::settings::PARENT_MEMORY_HANDLES);
                 let config = HandshakeConfig {
                     identity,
                     required: Capabilities::NONE,
@@ -234,7 +234,7 @@ impl Parent {
                 "the worker cannot reach the pool from its device: its tensors take host staging"
             );
         } else if self.shared.options.canary {
-            let report = match crate::canary::run(self, id) {
+            let report = match super::canary::run(self, id) {
                 Ok(r) => r,
                 Err(e) => {
                     let _ = self.stop_worker(id);
@@ -270,7 +270,7 @@ impl Parent {
     fn has_another_rung(&self, id: WorkerId) -> bool {
         let arena_on = matches!(
             self.shared.options.results,
-            crate::ResultMemory::Arena { .. }
+            crate::state::ResultMemory::Arena { .. }
         ) || self.shared.options.arena_copy;
         self.shared.registered(id).is_some_and(|r| {
             let caps = r.info.identity.capabilities;

@@ -43,13 +43,13 @@ pub(super) fn place(
     let pool_device = find_device(driver, parent)?;
     let compute = compute.unwrap_or(pool_device);
     let peer = reaches(driver, compute, pool_device).map_err(failed)?;
-    let mut capabilities = crate::parent::capabilities(driver, compute);
+    let mut capabilities = crate::settings::capabilities(driver, compute);
     if !peer {
         capabilities = Capabilities(
             capabilities.0 & !(Capabilities::POOL_POINTER.0 | Capabilities::VMM_ARENA.0),
         );
     }
-    let identity = crate::identity(driver, pool_device, capabilities)
+    let identity = crate::handshake::identity(driver, pool_device, capabilities)
         .map_err(|e| failed(format!("asking device {pool_device} failed: {e}")))?;
     Ok(Placement {
         identity,

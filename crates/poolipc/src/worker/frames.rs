@@ -190,7 +190,7 @@ impl Worker {
                 // Where READY completed already, as seen on the host, the stream is ordered
                 // after it without a wait of its own (a completed query orders this
                 // thread's later work after the record, as a synchronize does).
-                if super::ready_query() && self.driver.event_query(event)? {
+                if crate::settings::worker_ready_query() && self.driver.event_query(event)? {
                     tracing::trace!(job = job.0, "READY complete: no stream wait");
                 } else {
                     tracing::trace!(job = job.0, "waiting on READY");

@@ -18,6 +18,7 @@
 //! Nothing here synchronizes with the host: a synchronize after freeing an import unmaps it
 //! (docs/facts.md), and the contract orders everything on the GPU timeline through READY and DONE.
 
+mod canary;
 mod device;
 mod failpoint;
 mod frames;
@@ -50,7 +51,6 @@ pub use job::{HeldJob, InputView, Job, ResultView};
 
 use crate::error::Error;
 use crate::staging::StagingChannel;
-use crate::tensor::Rung;
 use device::place;
 
 /// How long the worker waits for the parent's next frame: between jobs the parent may be
@@ -60,37 +60,6 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 const SEND_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the handshake may take.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// The environment variable that sets how long a worker looks for its next frame without
-/// sleeping after its last one ([`Worker::set_spin`]), in microseconds.
-pub const WORKER_SPIN_ENV: &str = "POOLIPC_WORKER_SPIN_US";
-
-/// The environment variable that makes a worker look at a job's READY event on the host
-/// first (`1`) and skip its stream's wait on it where the event has completed already (`0`,
-/// the default: the stream always waits). An experiment for the GPU's turn-taking between
-/// processes without MPS (which of a round trip's GPU steps pays it); the bundle's `turns`
-/// part measures both.
-pub const WORKER_READY_QUERY_ENV: &str = "POOLIPC_WORKER_READY_QUERY";
-
-/// Whether [`WORKER_READY_QUERY_ENV`] is set to something other than `0` (read once).
-fn ready_query() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        crate::parent::env_number::<u8>(WORKER_READY_QUERY_ENV).is_some_and(|v| v != 0)
-    })
-}
-
-/// A worker's spin unless [`WORKER_SPIN_ENV`] says otherwise: 400 µs where the machine has
-/// four or more CPUs, none otherwise (the parent's [`crate::ParentOptions::spin`] rule).
-fn default_worker_spin() -> Duration {
-    if let Some(us) = crate::parent::env_number(WORKER_SPIN_ENV) {
-        return Duration::from_micros(us);
-    }
-    match std::thread::available_parallelism() {
-        Ok(n) if n.get() >= 4 => Duration::from_micros(400),
-        _ => Duration::ZERO,
-    }
-}
 
 /// A live import: its address here, and the export blob the cache knows it by.
 #[derive(Debug)]
@@ -227,10 +196,10 @@ impl Worker {
         mut conn: Connection,
     ) -> Result<Worker, Error> {
         driver.use_device(device)?;
-        let identity = crate::identity(
+        let identity = crate::handshake::identity(
             &*driver,
             device,
-            crate::parent::capabilities(&*driver, device),
+            crate::settings::capabilities(&*driver, device),
         )?;
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let (peer, pool_fd, _config) = poolipc_transport::worker_handshake_choosing(
@@ -241,7 +210,7 @@ impl Worker {
                     // An isolated worker: say so, as the parent offers nothing of the kind.
                     identity.capabilities = identity
                         .capabilities
-                        .missing_from(crate::parent::PARENT_MEMORY_HANDLES);
+                        .missing_from(crate::settings::PARENT_MEMORY_HANDLES);
                 }
                 Ok(HandshakeConfig {
                     identity,
@@ -289,7 +258,7 @@ impl Worker {
                     placed.identity.capabilities = placed
                         .identity
                         .capabilities
-                        .missing_from(crate::parent::PARENT_MEMORY_HANDLES);
+                        .missing_from(crate::settings::PARENT_MEMORY_HANDLES);
                 }
                 let identity = placed.identity.clone();
                 chosen = Some(placed);
@@ -351,7 +320,7 @@ impl Worker {
         let done = OwnedEvent::new(Arc::clone(&driver), true)?;
         let done_blob = done.ipc_handle()?;
         let vmm = VmmMappings::new(Arc::clone(&driver), device);
-        crate::warm::copies_if_asked(&driver, "worker");
+        crate::warm::copies_if_asked(&driver, "worker", crate::settings::worker_warm_copies());
         Ok(Worker {
             device,
             pools: BTreeMap::from([(0, pool)]),
@@ -374,7 +343,7 @@ impl Worker {
             cancelled: HashSet::new(),
             stopping: false,
             epoch: Instant::now(),
-            spin: default_worker_spin(),
+            spin: crate::settings::worker_spin(),
             last_frame: Instant::now(),
             stream,
             sim,
@@ -528,41 +497,6 @@ impl Worker {
                     )));
                 }
             }
-        }
-    }
-
-    /// Answers one job of the parent's canary battery as the echo worker does; a job whose
-    /// id carries [`CANARY_IN_PLACE_BIT`](crate::canary::CANARY_IN_PLACE_BIT) also writes
-    /// [`echo::marker`](crate::echo::marker)`(i)` into the first word of each writable
-    /// pool-pointer input `i`, after the copy, for the parent to read back. A job whose
-    /// tensors cannot be viewed (an import the driver refused) was failed with the reason
-    /// already: the worker goes on.
-    fn answer_canary(&mut self, started: Started) -> Result<(), Error> {
-        let _canary = CanaryScope::enter();
-        let in_place = started.job.0 & crate::canary::CANARY_IN_PLACE_BIT != 0;
-        let mut job = match self.job(started) {
-            Ok(job) => job,
-            Err(e) => {
-                tracing::warn!(error = %e, "a canary job failed before it started");
-                return Ok(());
-            }
-        };
-        let answered = crate::echo::answer(&mut job, None).and_then(|()| {
-            if !in_place {
-                return Ok(());
-            }
-            let (driver, stream) = (job.driver().clone(), job.stream());
-            for (i, input) in job.inputs().iter().enumerate() {
-                if input.rung() == Rung::PoolPointer && !input.read_only() && input.byte_len() >= 4
-                {
-                    driver.memset_d32_async(input.ptr(), crate::echo::marker(i), 1, stream)?;
-                }
-            }
-            Ok(())
-        });
-        match answered {
-            Ok(()) => job.finish(),
-            Err(e) => job.fail(&e.to_string()),
         }
     }
 

@@ -1,5 +1,5 @@
 //! How far the parent trusts one worker with its memory, chosen when the worker is spawned or
-//! accepted ([`Parent::spawn_worker_with`](super::Parent::spawn_worker_with)).
+//! accepted ([`Parent::spawn_worker_with`](crate::Parent::spawn_worker_with)).
 
 /// Whether a worker gets handles on the parent's memory beyond the tensors lent to it.
 ///

@@ -1,4 +1,4 @@
-//! How a [`Parent`](super::Parent) is set up: [`ParentOptions`], its defaults and the
+//! How a [`Parent`](crate::Parent) is set up: [`ParentOptions`], its defaults and the
 //! environment variables that change them.
 
 use std::time::Duration;
@@ -8,9 +8,9 @@ use poolipc_contract::{
     DEFAULT_MAX_RESULT_BYTES_PER_JOB, DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
     DEFAULT_MAX_RESULTS_PER_JOB,
 };
-use poolipc_transport::SendQueueLimits;
 use poolipc_types::ImportLimit;
 
+use crate::settings::Tuning;
 use crate::staging::StagingConfig;
 
 /// How a [`Parent`](crate::Parent) behaves.
@@ -49,70 +49,9 @@ pub struct ParentOptions {
     /// what has come and writes what the socket takes, and a worker past this deadline is
     /// condemned alone.
     pub frame_timeout: Duration,
-    /// How many frames (and bytes) the IO loop keeps queued for a worker that does not read
-    /// before it condemns that worker (1024 frames, 16 MiB by default).
-    pub send_queue: SendQueueLimits,
-    /// How long the IO loop looks again, without sleeping, after its last activity (a job
-    /// finished, a command came) when no job is in flight: a caller's next submit then finds
-    /// it awake instead of paying its wake-up (≈ 40 µs on the H200's host, measured: with
-    /// 50 µs a 4 KiB round trip was 1.13× the bare-driver floor, with 400 µs 1.03–1.06×, the
-    /// GPU's part unchanged). At most this much CPU after each job. Zero turns it off. By
-    /// default `POOLIPC_SPIN_US` if set, else 400 µs where the machine has four or more
-    /// CPUs, else zero.
-    pub spin: Duration,
-    /// How long, counted from a job's submit and from each frame a worker sends, the IO loop
-    /// and a thread waiting on the job's [`JobHandle`](crate::JobHandle) look again before they sleep. A
-    /// sleeping thread costs a wake-up when the answer comes (tens of microseconds each on
-    /// a busy host, two per handoff: the loop's and the waiter's); without MPS a handoff
-    /// takes ≈ 330 µs of GPU turn-taking, far past [`spin`](ParentOptions::spin), so this
-    /// is what keeps those wake-ups out of it. At most this much CPU per job on each of the
-    /// two threads; a long job sleeps after it. Zero turns it off. By default
-    /// `POOLIPC_SPIN_IN_FLIGHT_US` if set, else 1 ms where the machine has four or more
-    /// CPUs, else zero.
-    pub spin_in_flight: Duration,
-    /// Without MPS, the length of a worker's turn on the GPU (`None` or zero, the default:
-    /// no turns; [`SUGGESTED_GPU_TURN`], 2 ms, is what was measured).
-    /// While one worker holds the turn a submit to another waits; the holder takes jobs,
-    /// any number at once, for the length of its turn, and after it none while another
-    /// waits; the turn passes once its jobs ended (or it had none in flight for 100 µs).
-    /// Turns go in the order they were asked for. Applies only where the driver says this
-    /// process is not an MPS client; under MPS workers run at once.
-    ///
-    /// Why: without MPS the GPU runs one process's context at a time, and each change from
-    /// one worker's context to another's cost about 330 µs on an H100: four workers given one
-    /// 4 KiB job each in turn made 2545-2817 jobs/s, and with a job each in flight at once
-    /// 7200 (the GPU changing at nearly every job), against 46000 for one worker alone; runs
-    /// of 64 jobs per worker kept 0.73-0.78× of it (`bench/probes/turns_serial.py`). A turn
-    /// amortizes the change over a run of jobs. The cost: a worker's job may wait for the
-    /// turns of those ahead of it.
-    ///
-    /// The next in line that waited a turn and as long again past the holder's goes anyway,
-    /// and so does every submit after it until the holder's jobs ended: a worker that keeps
-    /// its job for long (a big kernel, host work, or on purpose) costs each other worker one
-    /// such wait, not one a job. [`ParentStats::turn_waits`](crate::ParentStats::turn_waits),
-    /// [`turn_wait_ns`](crate::ParentStats::turn_wait_ns) and
-    /// [`turn_waits_ran_out`](crate::ParentStats::turn_waits_ran_out) count what they cost.
-    ///
-    /// Off by default, for what turns cost where they do not help: work of a worker's that is
-    /// not on the GPU (host code, a kernel of its own longer than a turn) is serialized with
-    /// the others' for up to two turns a job (on SimDriver, whose workers compute on the host,
-    /// 8 workers fell from 3.6× one worker to 0.9×), and a slow or held job of one worker
-    /// delays each other worker's submit by up to two turns. Turn them on for workers that
-    /// run many small GPU jobs from threads of their own without MPS. By default
-    /// `POOLIPC_GPU_TURN_US` if set (microseconds, 0 for none), else none.
-    pub gpu_turn: Option<Duration>,
-    /// How many IO threads (rooms) serve the workers, each its own share of them (worker `id`
-    /// goes to room `id % io_threads`) with its own copy of the ownership contract's
-    /// machine: one thread's work per job (a frame read and written, the contract, the
-    /// driver calls of a lend and of its DONE) then limits the rate of only its workers.
-    /// `ParentStats::io_busy_ns` (printed by `poolipc bench --workers N`) says whether one
-    /// is the limit. Each room spins as [`spin`](ParentOptions::spin) says, so more rooms
-    /// spin more CPUs (a room spins only while its own workers are busy). 1 to 64; by
-    /// default `POOLIPC_IO_THREADS` if set, else one per 4 CPUs, at least 1 and at most 4
-    /// (4 on a 16-core GPU host): under MPS on an H100 with 16 cores, 4 workers gave 133005
-    /// jobs/s with 4 IO threads against 65961 with one, 8 workers 132369 against 63554 (one
-    /// IO thread 94–98 % busy), one worker the same (2026-12-05).
-    pub io_threads: usize,
+    /// The performance knobs: spins, IO threads, GPU turns, send queues, READY's record
+    /// aside ([`Tuning`]); [`Tuning::from_env`] by default.
+    pub tuning: Tuning,
     /// Run the canary battery on each new worker before it takes jobs.
     pub canary: bool,
     /// The host-staging rung's buffer and waits.
@@ -289,11 +228,7 @@ impl Default for ParentOptions {
             handshake_timeout: Duration::from_secs(60),
             stop_timeout: Duration::from_secs(5),
             frame_timeout: Duration::from_secs(5),
-            send_queue: SendQueueLimits::default(),
-            spin: default_spin(SPIN_ENV, Duration::from_micros(400)),
-            spin_in_flight: default_spin(SPIN_IN_FLIGHT_ENV, Duration::from_millis(1)),
-            gpu_turn: default_gpu_turn(),
-            io_threads: default_io_threads(),
+            tuning: Tuning::from_env(),
             canary: true,
             staging: StagingConfig::default(),
             results: ResultMemory::Pool,
@@ -414,98 +349,9 @@ pub const EMPTY_CACHE_WAIT: Duration = Duration::from_secs(2);
 /// [`ParentOptions::arena_copy_vram_margin`]'s default: 256 MiB.
 pub const DEFAULT_ARENA_COPY_VRAM_MARGIN: u64 = 256 << 20;
 
-/// The environment variable that sets [`ParentOptions::spin`]'s default, in microseconds.
-pub const SPIN_ENV: &str = "POOLIPC_SPIN_US";
-
-/// The environment variable that sets [`ParentOptions::spin_in_flight`]'s default, in
-/// microseconds.
-pub const SPIN_IN_FLIGHT_ENV: &str = "POOLIPC_SPIN_IN_FLIGHT_US";
-
-/// The environment variable that sets [`ParentOptions::gpu_turn`]'s default, in
-/// microseconds (0: no turns).
-pub const GPU_TURN_ENV: &str = "POOLIPC_GPU_TURN_US";
-
-/// The turn measured for [`ParentOptions::gpu_turn`]: 2 ms, six times a change of context
-/// (about 330 µs on an H100) and some 60 small jobs' round trips. On the H100 it gave eight
-/// workers 0.64× one worker's jobs/s against 0.14× without turns; 5 ms gave 0.72×, each job
-/// then waiting longer for the turns ahead of it.
-pub const SUGGESTED_GPU_TURN: Duration = Duration::from_millis(2);
-
-/// [`GPU_TURN_ENV`] if set to a number (0 for none), else none.
-fn default_gpu_turn() -> Option<Duration> {
-    match env_number::<u64>(GPU_TURN_ENV) {
-        Some(0) | None => None,
-        Some(us) => Some(Duration::from_micros(us)),
-    }
-}
-
-/// The environment variable that sets [`ParentOptions::io_threads`]'s default.
-pub const IO_THREADS_ENV: &str = "POOLIPC_IO_THREADS";
-
-/// The most [`ParentOptions::io_threads`] may be.
-pub const MAX_IO_THREADS: usize = 64;
-
-/// [`IO_THREADS_ENV`] if set to a number (checked by [`Parent::new`](crate::Parent::new)),
-/// else [`io_threads_for`] this machine's CPUs.
-fn default_io_threads() -> usize {
-    env_number(IO_THREADS_ENV).unwrap_or_else(|| {
-        io_threads_for(std::thread::available_parallelism().map_or(1, std::num::NonZero::get))
-    })
-}
-
-/// The default IO threads for `cpus` CPUs: one per 4, at least 1, at most 4. Each room
-/// serves its share of the workers; with one worker only one room is ever busy.
-fn io_threads_for(cpus: usize) -> usize {
-    (cpus / 4).clamp(1, 4)
-}
-
-/// The number environment variable `name` holds, if it is set; one that is set to something
-/// else is ignored with a warning naming it (the default applies), not taken for unset
-/// silently.
-pub(crate) fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
-    let value = std::env::var_os(name)?;
-    let parsed = parse_env_number(value.to_str());
-    // Once per variable: defaults are made more than once (every `ParentOptions`).
-    static WARNED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-    let first = || {
-        let mut warned = WARNED
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let new = !warned.iter().any(|w| w == name);
-        if new {
-            warned.push(name.to_owned());
-        }
-        new
-    };
-    if parsed.is_none() && first() {
-        tracing::warn!(
-            "{name}={value:?} is not a whole number: ignored, the default applies",
-            value = value.to_string_lossy()
-        );
-    }
-    parsed
-}
-
-/// [`env_number`]'s reading of a value that is set (None: not valid UTF-8).
-fn parse_env_number<T: std::str::FromStr>(value: Option<&str>) -> Option<T> {
-    value.and_then(|v| v.trim().parse().ok())
-}
-
-/// `env` if set to a number of microseconds; else `spin` where there are CPUs to spare for
-/// spinning (four or more), none otherwise.
-pub(super) fn default_spin(env: &str, spin: Duration) -> Duration {
-    if let Some(us) = env_number(env) {
-        return Duration::from_micros(us);
-    }
-    match std::thread::available_parallelism() {
-        Ok(n) if n.get() >= 4 => spin,
-        _ => Duration::ZERO,
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{MemoryBound, ParentOptions, io_threads_for, parse_env_number};
+    use super::{MemoryBound, ParentOptions};
 
     const GIB: u64 = 1 << 30;
 
@@ -545,31 +391,5 @@ mod tests {
             bad.limits_for(16 * GIB)
                 .is_err_and(|e| e.contains("max_result_bytes_per_worker"))
         );
-    }
-
-    #[test]
-    fn the_default_io_threads_are_one_per_four_cpus_from_one_to_four() {
-        for (cpus, want) in [
-            (1, 1),
-            (2, 1),
-            (4, 1),
-            (7, 1),
-            (8, 2),
-            (12, 3),
-            (16, 4),
-            (128, 4),
-        ] {
-            assert_eq!(io_threads_for(cpus), want, "{cpus} CPUs");
-        }
-    }
-
-    #[test]
-    fn an_environment_number_is_read_trimmed_and_anything_else_is_none() {
-        assert_eq!(parse_env_number::<u64>(Some("400")), Some(400));
-        assert_eq!(parse_env_number::<usize>(Some(" 4\n")), Some(4));
-        assert_eq!(parse_env_number::<u64>(Some("four")), None);
-        assert_eq!(parse_env_number::<u64>(Some("-1")), None);
-        assert_eq!(parse_env_number::<u64>(Some("")), None);
-        assert_eq!(parse_env_number::<u64>(None), None, "not valid UTF-8");
     }
 }

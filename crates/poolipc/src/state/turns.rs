@@ -1,4 +1,4 @@
-//! Turns on the GPU for workers that are not MPS clients ([`ParentOptions::gpu_turn`]).
+//! Turns on the GPU for workers that are not MPS clients ([`Tuning::gpu_turn`](crate::Tuning::gpu_turn)).
 //!
 //! Without MPS the GPU runs one process's context at a time, and every change from one
 //! worker's context to another's costs about 330 µs (H100, driver 580: one Python thread
@@ -6,7 +6,7 @@
 //! 46000; `bench/probes/turns_serial.py`). Jobs of several workers in flight at once make it
 //! change at nearly every job (7200 jobs/s together, whatever the count); runs of 64 jobs per
 //! worker kept 0.73-0.78× of one worker's rate. So the parent gives the workers the GPU in
-//! turns of [`gpu_turn`](crate::ParentOptions::gpu_turn): while one worker holds the turn,
+//! turns of [`gpu_turn`](crate::Tuning::gpu_turn): while one worker holds the turn,
 //! a submit to another waits.
 //!
 //! The rules, all under one lock:

@@ -1,21 +1,21 @@
 //! The state the callers' threads share with the IO thread: the worker registry, the pools each
 //! worker attached, the counters, and the lock every access goes through.
 
-use super::arenas::Arenas;
-use super::{ParentOptions, Stats, WorkerInfo};
 use std::collections::{BTreeMap, VecDeque};
 use std::io::Write as _;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use poolipc_driver::{Driver, PoolHandle};
 use poolipc_pool::SharedPool;
 use poolipc_types::{ImportLimit, WorkerId};
 
+use super::Command as LoopCommand;
 use crate::canary::CanaryReport;
-use crate::driver_loop::Command as LoopCommand;
 use crate::error::Error;
+use crate::state::arenas::Arenas;
+use crate::state::{Limits, ParentOptions, Stats, WorkerInfo, lock};
 
 /// A worker as every thread sees it: readable without the IO loop.
 #[derive(Clone, Debug)]
@@ -70,9 +70,9 @@ pub(crate) struct Shared {
     pub(crate) pools: Vec<SharedPool<dyn Driver>>,
     pub(crate) options: ParentOptions,
     /// What the options' memory bounds came to on the device.
-    pub(crate) limits: super::Limits,
+    pub(crate) limits: Limits,
     pub(crate) limit: Mutex<ImportLimit>,
-    /// The IO loop's rooms, one IO thread each ([`ParentOptions::io_threads`]); a worker is
+    /// The IO loop's rooms, one IO thread each ([`Tuning::io_threads`](crate::Tuning::io_threads)); a worker is
     /// served by room `id % rooms.len()` for its whole life ([`Shared::room_of`]).
     pub(crate) rooms: Vec<Room>,
     /// Whether the arena-copy rung may be chosen now ([`ParentOptions::arena_copy`] at
@@ -94,9 +94,9 @@ pub(crate) struct Shared {
     pub(crate) stats: Stats,
     /// Whether this process is an MPS client on the parent's device (`None`: not reported).
     pub(crate) mps_client: Option<bool>,
-    /// The workers' turns on the GPU ([`ParentOptions::gpu_turn`]): `None` under MPS,
+    /// The workers' turns on the GPU ([`Tuning::gpu_turn`](crate::Tuning::gpu_turn)): `None` under MPS,
     /// where the driver does not say, or when turned off.
-    pub(crate) turns: Option<Arc<super::turns::Turns>>,
+    pub(crate) turns: Option<Arc<crate::state::turns::Turns>>,
     /// Set once the process's CUDA context is lost: why, for every later refusal.
     pub(crate) context_lost: Mutex<Option<String>>,
     /// The arenas, one per worker, each made by the IO thread at its worker's first need
@@ -130,12 +130,6 @@ impl Room {
             done_events_open: AtomicU64::new(0),
         }
     }
-}
-
-/// Locks a mutex, taking the data back if a thread panicked while holding it (the data of
-/// these mutexes stays consistent at every unlock).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Shared {

@@ -1,4 +1,4 @@
-//! What a [`Parent`](super::Parent) reports of itself: its workers, its counters, its arena and
+//! What a [`Parent`](crate::Parent) reports of itself: its workers, its counters, its arena and
 //! what `empty_cache` gave back.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -56,7 +56,7 @@ pub struct EmptyCache {
     /// docs/facts.md, "Other driver behaviour designed for"); that is what the rotation is for.
     pub pool_bytes: u64,
     /// Pools rotated: a pool whose current generation exported anything got a new
-    /// generation, the old one retired ([`SharedPool::rotate`](super::SharedPool::rotate)).
+    /// generation, the old one retired ([`SharedPool::rotate`](poolipc_pool::SharedPool::rotate)).
     pub pools_rotated: usize,
     /// Retired generations destroyed (nothing of them in use any more), in the parent and
     /// in every worker that had them.
@@ -133,7 +133,7 @@ pub struct ParentStats {
     pub jobs_held_for_done: u64,
     /// Jobs whose READY the IO thread recorded on a stream of its own, kept on a copy
     /// engine, because the caller's stream had nothing left to run
-    /// ([`READY_ASIDE_ENV`](crate::READY_ASIDE_ENV)): without MPS that spares the GPU a
+    /// ([`Tuning::ready_aside`](crate::Tuning::ready_aside)): without MPS that spares the GPU a
     /// context switch each way (a 4 KiB round trip ~290 → ~20 µs on the H100). The others'
     /// READY went on the caller's stream.
     pub ready_recorded_aside: u64,
@@ -148,7 +148,7 @@ pub struct ParentStats {
     /// do (`poolipc mps`).
     pub most_workers_busy: u64,
     /// Submits that waited for their worker's turn on the GPU
-    /// ([`ParentOptions::gpu_turn`](crate::ParentOptions::gpu_turn): without MPS,
+    /// ([`Tuning::gpu_turn`](crate::Tuning::gpu_turn): without MPS,
     /// while another worker had jobs in flight).
     pub turn_waits: u64,
     /// Nanoseconds those submits waited, all together.
@@ -173,7 +173,7 @@ pub struct ParentStats {
     /// Nanoseconds the IO threads have spent working since the parent started, all
     /// together: everything but waiting for sockets, commands and deadlines (their
     /// spinning, and the DONE queries made while they spin, count as waiting). One IO thread
-    /// serves every worker unless [`ParentOptions::io_threads`](crate::ParentOptions::io_threads)
+    /// serves every worker unless [`Tuning::io_threads`](crate::Tuning::io_threads)
     /// says more: the busy share of a stretch of time (this figure's growth over the wall
     /// time, per IO thread) near 1 means they are what limits the jobs per second; `poolipc
     /// bench --workers N` prints it.
