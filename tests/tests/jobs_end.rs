@@ -458,6 +458,51 @@ both_drivers!(
     }
 );
 
+both_drivers!(
+    /// A worker of the library computes for three times the handoff deadline calling
+    /// `Job::heartbeat` every 200 ms: its job succeeds. The same worker silent is killed at
+    /// the deadline (the control: without the heartbeats the deadline holds).
+    fn a_library_worker_s_heartbeats_carry_a_long_job_past_the_deadline(env) {
+        let deadline = Duration::from_secs(1);
+        let p = parent(env, deadline)?;
+        let stream = p.driver().stream_create()?;
+        let x = p.pool().alloc(4 * KIB, stream)?;
+        echo::fill_pattern(&**p.driver(), x, 4 * KIB, 0x0BAD_CAFE, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        for silent in [false, true] {
+            let mut cmd = worker_command(env, None)?;
+            cmd.env("POOLIPC_TEST_COMPUTE_MS", (deadline * 3).as_millis().to_string());
+            if silent {
+                cmd.env("POOLIPC_TEST_COMPUTE_SILENT", "1");
+            }
+            let worker = p.spawn_worker(cmd)?;
+            let t = Instant::now();
+            let job = p.submit(worker, &input(x), stream)?;
+            let out = match job.wait_timeout(Duration::from_secs(60)) {
+                Ok(r) => r,
+                Err(_) => bail!("the long job did not end within a minute"),
+            };
+            if silent {
+                match out {
+                    Err(Error::JobFailed { reason: FailReason::DeadlineExpired, .. }) => {}
+                    other => bail!("a silent long job ended {other:?}, not at its deadline"),
+                }
+                ensure!(t.elapsed() < deadline * 3, "the silent job outlived its deadline: {:?}", t.elapsed());
+            } else {
+                let out = out?;
+                ensure!(out.results.len() == 1, "the echo's result");
+                drop(out);
+                ensure!(t.elapsed() >= deadline * 3, "the long job ended early: {:?}", t.elapsed());
+                ensure!(p.worker(worker).is_some(), "the long job's worker was condemned");
+                p.stop_worker(worker)?;
+            }
+        }
+        p.pool().free(x, stream)?;
+        p.driver().stream_synchronize(stream)?;
+        Ok(())
+    }
+);
+
 /// The default result bounds on simulated 16, 24 and 80 GiB devices: half the device per
 /// job, 0.6 of it per worker, clamped to 32 and 48 GiB; the arenas' cap half the device.
 #[test]

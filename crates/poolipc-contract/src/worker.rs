@@ -601,9 +601,10 @@ impl Worker {
             return Err(ContractError::UnknownJob(job));
         }
         self.heartbeats = self.heartbeats.wrapping_add(1);
-        self.actions.push_back(WorkerAction::Send(Message::Heartbeat {
-            seq: self.heartbeats,
-        }));
+        self.actions
+            .push_back(WorkerAction::Send(Message::Heartbeat {
+                seq: self.heartbeats,
+            }));
         Ok(())
     }
 

@@ -31,6 +31,12 @@ pub(crate) fn capabilities(driver: &dyn Driver, device: u32) -> Capabilities {
     }
 }
 
+/// What a worker of this library announces: [`capabilities`], and long jobs (its
+/// `Job::heartbeat` is then progress to the parent).
+pub(crate) fn worker_capabilities(driver: &dyn Driver, device: u32) -> Capabilities {
+    capabilities(driver, device) | Capabilities::LONG_JOBS
+}
+
 /// The number environment variable `name` holds, if it is set; one that is set to something
 /// else is ignored with a warning naming it (the default applies), not taken for unset
 /// silently.

@@ -17,6 +17,9 @@
 //! finishes the later one first, then takes the earlier up again (`Worker::resume`) and
 //! finishes it; it prints how many times it found no job (`idle <n>`) on stderr.
 //!
+//! With `POOLIPC_TEST_COMPUTE_MS=N` each job computes (sleeps) N ms before its answer,
+//! calling `Job::heartbeat` every 200 ms, or never with `POOLIPC_TEST_COMPUTE_SILENT=1`.
+//!
 //! With `POOLIPC_TEST_GPU_FAULT=1` its first job's kernel faults: a store through an address
 //! nothing maps (`Driver::launch_store_kernel`); the job fails with the driver's error and
 //! the worker, its context gone, goes on answering as a real worker whose code raised would.
@@ -55,6 +58,11 @@ fn run() -> anyhow::Result<usize> {
     let gate = std::env::var_os("POOLIPC_TEST_GATE").map(std::path::PathBuf::from);
     let report = std::env::var_os("POOLIPC_TEST_REPORT").map(std::path::PathBuf::from);
     let mut fault = std::env::var_os("POOLIPC_TEST_GPU_FAULT").is_some();
+    let compute = std::env::var("POOLIPC_TEST_COMPUTE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(std::time::Duration::from_millis);
+    let silent = std::env::var_os("POOLIPC_TEST_COMPUTE_SILENT").is_some();
     if std::env::var_os("POOLIPC_TEST_HOLD").is_some() {
         return serve_holding(&mut worker);
     }
@@ -64,7 +72,7 @@ fn run() -> anyhow::Result<usize> {
     if std::env::var_os("POOLIPC_TEST_WRITE_INPUTS").is_some() {
         return serve_writing_inputs(&mut worker);
     }
-    if gate.is_none() && report.is_none() && !fault {
+    if gate.is_none() && report.is_none() && !fault && compute.is_none() {
         return Ok(poolipc::echo::serve(&mut worker, None)?);
     }
     let mut served = 0;
@@ -104,6 +112,15 @@ fn run() -> anyhow::Result<usize> {
                     go.display()
                 );
                 std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
+        if let Some(compute) = compute {
+            let until = std::time::Instant::now() + compute;
+            while std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                if !silent {
+                    job.heartbeat()?;
+                }
             }
         }
         // A job that fails (a result refused, a cancelled job's) fails alone, as in

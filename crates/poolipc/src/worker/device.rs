@@ -43,7 +43,7 @@ pub(super) fn place(
     let pool_device = find_device(driver, parent)?;
     let compute = compute.unwrap_or(pool_device);
     let peer = reaches(driver, compute, pool_device).map_err(failed)?;
-    let mut capabilities = crate::settings::capabilities(driver, compute);
+    let mut capabilities = crate::settings::worker_capabilities(driver, compute);
     if !peer {
         capabilities = Capabilities(
             capabilities.0 & !(Capabilities::POOL_POINTER.0 | Capabilities::VMM_ARENA.0),

@@ -199,7 +199,7 @@ impl Worker {
         let identity = crate::handshake::identity(
             &*driver,
             device,
-            crate::settings::capabilities(&*driver, device),
+            crate::settings::worker_capabilities(&*driver, device),
         )?;
         let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
         let (peer, pool_fd, _config) = poolipc_transport::worker_handshake_choosing(
