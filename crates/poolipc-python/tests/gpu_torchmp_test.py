@@ -35,21 +35,50 @@ if not _cuda():
     pytest.skip("torch sees no CUDA device", allow_module_level=True)
 
 
-def scenario(name: str, mode: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _run(name: str, mode: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = dict(os.environ, POOLIPC_TORCHMP_MODE=mode, PYTHONUNBUFFERED="1")
     if mode == "control":
         env["POOLIPC_TORCHMP_TIMEOUT"] = "60"
-    r = subprocess.run([sys.executable, SCENARIOS, name], env=env, capture_output=True,
-                       text=True, timeout=timeout)
-    print(r.stdout[-4000:])
-    print(r.stderr[-4000:], file=sys.stderr)
-    return r
+    try:
+        return subprocess.run([sys.executable, SCENARIOS, name], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return subprocess.CompletedProcess(e.cmd, -9, out, err + f"\ntimed out after {timeout} s")
 
 
 WORKS = ["queue", "many", "pool_map", "producer_deletes", "sigkill", "process_arg", "event",
          "direct", "types", "ipc_event"]
 # ipc_event is torch's own event sharing: it works without poolipc too (no control).
 FAILS_WITHOUT = [n for n in WORKS if n != "ipc_event"] + ["big4", "big6"]
+BIG = ["big4", "big6"]
+
+# Every scenario runs in interpreters of its own (torch and a child or two each: seconds to
+# start), so they run POOLIPC_TORCHMP_JOBS at a time (8 by default; the GPU's memory holds
+# them, the 6 GiB one and its copy included) and each test reads its result: the whole file
+# takes minutes, not a quarter of an hour, and the scenarios meet each other on the GPU as a
+# user's processes would.
+_RUNS: dict[tuple[str, str], "concurrent.futures.Future[subprocess.CompletedProcess]"] = {}
+
+
+def _all_runs() -> list[tuple[str, str]]:
+    return ([(n, "poolipc") for n in WORKS + BIG] + [(n, "control") for n in FAILS_WITHOUT]
+            + [("unpooled", "unpooled")])
+
+
+def scenario(name: str, mode: str) -> subprocess.CompletedProcess:
+    import concurrent.futures
+
+    if not _RUNS:
+        pool = concurrent.futures.ThreadPoolExecutor(int(os.environ.get("POOLIPC_TORCHMP_JOBS", "8")))
+        for key in _all_runs():
+            _RUNS[key] = pool.submit(_run, *key)
+    fut = _RUNS.get((name, mode)) or concurrent.futures.ThreadPoolExecutor(1).submit(_run, name, mode)
+    r = fut.result()
+    print(r.stdout[-4000:])
+    print(r.stderr[-4000:], file=sys.stderr)
+    return r
 
 
 @pytest.mark.parametrize("name", WORKS)
@@ -65,7 +94,7 @@ def test_control_fails_without_poolipc(name):
     assert "cudaMallocAsync does not yet support" in r.stderr, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("name", ["big4", "big6"])
+@pytest.mark.parametrize("name", BIG)
 def test_large_tensors_cross_by_pointer_or_as_a_copy(name):
     r = scenario(name, "poolipc")
     assert r.returncode == 0 and f"PASS {name}" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

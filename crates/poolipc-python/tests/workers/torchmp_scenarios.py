@@ -393,8 +393,10 @@ def s_big(ctx, gib):
     assert poolipc.torch_sharing.stats()["kept"] == 0, poolipc.torch_sharing.stats()
     torch.cuda.synchronize()
     free_after = torch.cuda.mem_get_info()[0]
-    # A copy, where one was made, is given back once the receiver let go.
-    assert free_after >= free_before - (64 << 20), (free_before >> 20, free_after >> 20)
+    # A copy, where one was made, is given back once the receiver let go (the device's
+    # figure is checked only when the scenario has the GPU to itself: others move it).
+    if os.environ.get("POOLIPC_TORCHMP_JOBS") == "1":
+        assert free_after >= free_before - (64 << 20), (free_before >> 20, free_after >> 20)
     return f"{gib} GiB crossed and read right in {took:.1f} ms; device free {free_before >> 20} -> {free_after >> 20} MiB"
 
 
