@@ -2,6 +2,7 @@
 //!
 //! - `cargo xtask ci`: what CI runs (fmt, clippy, tests, doc tests, rustdoc, cargo-deny, the
 //!   fuzz targets built and each run for 60 s).
+//! - `cargo xtask tidy`: the tidy rules alone (`xtask/src/tidy/`), the first step of `ci`.
 //! - `cargo xtask gpu-bundle`: release builds of the hardware tests and the `poolipc` binary,
 //!   with a `run.sh`, into `target/gpu-bundle/` (see `docs/gpu.md`). `--baseline REV`
 //!   (repeatable) adds that revision's `poolipc`, for run.sh's `regress` part.
@@ -28,6 +29,7 @@ fn main() -> Result<()> {
     std::env::set_current_dir(&root)?;
     match args.first().map(String::as_str) {
         Some("ci") => ci(),
+        Some("tidy") => tidy::check(&root),
         Some("gpu-bundle") => gpu::gpu_bundle(&root, &gpu::baseline_args(&args[1..])?).map(|_| ()),
         Some("gpu-test") => {
             let bundle = gpu::gpu_bundle(&root, &gpu::baseline_args(&args[1..])?)?;
@@ -62,7 +64,7 @@ fn main() -> Result<()> {
         }
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci | gpu-bundle [--baseline REV]... | gpu-test [--baseline REV]... | public-api [--bless | --count DIR] | fuzz [--secs N]>"
+                "usage: cargo xtask <ci | tidy | gpu-bundle [--baseline REV]... | gpu-test [--baseline REV]... | public-api [--bless | --count DIR] | fuzz [--secs N]>"
             );
             std::process::exit(2);
         }

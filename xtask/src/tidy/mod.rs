@@ -11,11 +11,18 @@
 //!   users, in their words.
 //! - The Rust rules of [`crate::rust_rules`]: where `unsafe` may be and what it must say, no
 //!   wildcard arm on the contract's actions or the rungs, no long file without its reason.
+//! - No import cycle between the modules of a crate ([`cycles`]).
+//! - No tuning knob as a `pub` field of the facade's options structs ([`knobs`]).
+//! - The facade's public items within their ceiling ([`facade_size`]).
 
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
+
+mod cycles;
+mod facade_size;
+mod knobs;
 
 /// What no tracked file may contain.
 const OUTSIDE: &[&str] = &[
@@ -27,7 +34,7 @@ const OUTSIDE: &[&str] = &[
 ];
 
 /// Tracked paths the rules leave alone: this file (which names what it forbids).
-const EXEMPT: &[&str] = &["xtask/src/tidy.rs"];
+const EXEMPT: &[&str] = &["xtask/src/tidy/mod.rs"];
 
 /// Work-log words followed by a number (" 12"): a step, a ticket, a numbered run.
 const NUMBERED: &[&str] = &["stop", "stops", "issue", "issues", "call", "calls"];
@@ -80,6 +87,7 @@ pub(crate) fn check(root: &Path) -> Result<()> {
         );
     }
     let mut offences = Vec::new();
+    let mut rust = Vec::new();
     for path in String::from_utf8_lossy(&out.stdout).split('\0') {
         if path.is_empty() || EXEMPT.iter().any(|e| path.starts_with(e)) {
             continue;
@@ -94,8 +102,15 @@ pub(crate) fn check(root: &Path) -> Result<()> {
         }));
         if path.ends_with(".rs") {
             offences.extend(crate::rust_rules::offences_in(path, &text));
+            if path.starts_with(knobs::FACADE_SRC) {
+                offences.extend(knobs::offences_in(path, &text));
+            }
+            rust.push((path.to_string(), text));
         }
     }
+    offences.extend(cycles::offences(&rust, cycles::CYCLES_ALLOWED));
+    let (over, facade_items) = facade_size::offences(root, facade_size::FACADE_MAX_ITEMS)?;
+    offences.extend(over);
     if !offences.is_empty() {
         bail!(
             "tidy: {} offence(s):\n{}",
@@ -104,7 +119,9 @@ pub(crate) fn check(root: &Path) -> Result<()> {
         );
     }
     eprintln!(
-        "tidy: no link leaves the repository; every Markdown link resolves; no work-log words; unsafe only where allowed and each block said safe; no wildcard on actions or rungs; no long file without its reason"
+        "tidy: no link leaves the repository; every Markdown link resolves; no work-log words; unsafe only where allowed and each block said safe; no wildcard on actions or rungs; no long file without its reason; no import cycle between modules ({} allowed for now); no tuning knob in an options struct; the facade's {facade_items} public items within its ceiling of {}",
+        cycles::CYCLES_ALLOWED.len(),
+        facade_size::FACADE_MAX_ITEMS
     );
     Ok(())
 }
