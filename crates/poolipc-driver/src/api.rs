@@ -25,7 +25,7 @@ pub trait Driver: Send + Sync {
 
     /// The race checker of the simulated driver behind this one (its violation log,
     /// machine-wide); `None` on every other driver, which checks nothing.
-    fn sim_checker(&self) -> Option<crate::sim::Checker> {
+    fn sim_checker(&self) -> Option<crate::violation::Checker> {
         None
     }
 

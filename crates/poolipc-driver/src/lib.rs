@@ -24,6 +24,7 @@ mod owned;
 pub mod platform;
 pub mod sim;
 mod types;
+mod violation;
 
 pub use api::Driver;
 #[cfg(any(test, feature = "mock"))]

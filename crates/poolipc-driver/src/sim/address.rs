@@ -7,23 +7,13 @@
 
 use super::hb::Mem;
 use super::local::Local;
+use super::regions::{IMPORT_BASE, OWN_BASE, POOL_SPAN, VMM_BASE};
 use super::shm::Mapping;
 use super::state::{BLOCK_CACHED, BLOCK_LIVE, GRANULE, State};
-use super::violation::{self, ViolationKind};
 use super::{SimDriver, fail};
 use crate::error::{CuCode, Result};
 use crate::types::{Access, DevicePtr};
-
-/// Where this process's own pools start.
-pub(super) const OWN_BASE: u64 = 1 << 48;
-/// Where the pools this process imported start.
-pub(super) const IMPORT_BASE: u64 = 2 << 48;
-/// Where VMM reservations start.
-pub(super) const VMM_BASE: u64 = 3 << 48;
-/// Address space per pool: the most memory a simulated device may have.
-pub(super) const POOL_SPAN: u64 = 128 << 30;
-/// The pool memfd's first page is its header; memory starts after it.
-pub(super) const POOL_HEADER: u64 = 4096;
+use crate::violation::{self, ViolationKind};
 
 /// Where a device address points in this process.
 #[derive(Clone, Copy, Debug)]

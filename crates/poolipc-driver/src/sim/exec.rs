@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use super::local::Local;
 use super::machine::Machine;
 use super::shm::my_pid;
+use super::shm::process_alive;
 use super::state::State;
 
 /// The environment variable bounding the random delay before each step, in microseconds.
@@ -295,7 +296,7 @@ fn runnable(step: &Step, machine: &Machine) -> bool {
                 || e.generation != generation
                 || e.completed >= n
                 // The recorder died: its queued work is gone, the wait is over.
-                || !Machine::alive(e.rec_pid)
+                || !process_alive(e.rec_pid)
         }),
         Step::AfterStream { slot, seq } => machine.with(|st| st.streams[slot].executed >= seq),
         Step::Hang => false,

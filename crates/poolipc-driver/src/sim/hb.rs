@@ -45,12 +45,9 @@
 //!
 //! Nothing here does IO: these functions read and write the machine's [`State`] under its lock.
 
-use super::machine::Machine;
-use super::state::{AccessRec, MAX_ACCESSES, MAX_STREAMS, POOL_DEV, State};
-use super::violation::{self, ViolationKind};
-
-/// One counter per stream slot of the machine (see the [module docs](self)).
-pub(super) type Clock = [u64; MAX_STREAMS];
+use super::shm::process_alive;
+use super::state::{AccessRec, Clock, MAX_ACCESSES, POOL_DEV, State};
+use crate::violation::{self, ViolationKind};
 
 /// Takes in what `from` knows: every entry becomes the larger of the two.
 pub(super) fn merge(into: &mut Clock, from: &Clock) {
@@ -133,7 +130,7 @@ pub(super) fn access(
         if known >= rseq || st.observed[rs] >= rseq {
             continue;
         }
-        if r.pid != by.pid && !Machine::alive(r.pid) {
+        if r.pid != by.pid && !process_alive(r.pid) {
             // Its process is gone, and its queued work with it.
             st.accesses[i].live = 0;
             continue;

@@ -6,9 +6,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
-use super::address::VMM_BASE;
-use super::hb::Clock;
+use super::regions::VMM_BASE;
 use super::shm::Mapping;
+use super::state::Clock;
 use super::state::MAX_STREAMS;
 use crate::types::{Access, VmmHandle};
 

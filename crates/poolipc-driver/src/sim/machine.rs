@@ -4,7 +4,7 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::AtomicU32;
 
-use super::shm::{MachineLock, Mapping, alive, my_pid, sparse_memfd};
+use super::shm::{MachineLock, Mapping, my_pid, sparse_memfd};
 use super::state::{LAYOUT, MAGIC, MAX_DEVICES, State};
 use crate::error::{DriverError, Result};
 
@@ -151,11 +151,6 @@ impl Machine {
         // only reference to it until `_guard` drops at the end of this function.
         let st = unsafe { &mut *self.map.base().as_ptr().add(STATE_OFFSET).cast::<State>() };
         f(st)
-    }
-
-    /// Liveness of a process, as the driver judges whether its imports still exist.
-    pub(super) fn alive(pid: u32) -> bool {
-        pid == my_pid() || alive(pid)
     }
 }
 

@@ -83,13 +83,16 @@
 //! # Where things are
 //!
 //! - `hb`: the happens-before model (vector clocks) and the race detector.
-//! - `address`: a process's address space, and what an access finds there.
+//! - `address`: a process's address space, and what an access finds there; `regions`: where
+//!   in it each kind of memory starts.
 //! - `driver`: the [`Driver`] trait, one module per kind of resource (device, pool, pointer,
 //!   alloc, event, stream, copy, vmm).
 //! - `local`: one simulated process's own tables; `state`: the machine's shared tables (with
 //!   `state::pool`, the pool allocator); `machine`: the shared mapping and its lock.
-//! - `exec`: the engine that runs queued work; `shm`: memfds and mappings; `blob`: the 64-byte
-//!   blobs between processes; `violation`: what is recorded.
+//! - `exec`: the engine that runs queued work; `shm`: memfds, mappings and process liveness;
+//!   `blob`: the 64-byte blobs between processes.
+//! - What is recorded, [`Violation`], and the [`Checker`] that reads it live in the crate's
+//!   `violation` module, below both the [`Driver`] trait and this simulation.
 //!
 //! [`Driver`]: crate::Driver
 //! [`Driver::mem_pool_export_fd`]: crate::Driver::mem_pool_export_fd
@@ -102,23 +105,25 @@ mod exec;
 mod hb;
 mod local;
 mod machine;
+mod regions;
 mod shm;
 mod state;
-mod violation;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use address::POOL_SPAN;
+pub use crate::violation::{Checker, Violation, ViolationKind};
 pub use exec::{DELAY_ENV, SEED_ENV};
 use exec::{Engine, Step};
 use local::Local;
 use machine::Machine;
+use regions::POOL_SPAN;
 use shm::my_pid;
+use shm::process_alive;
 use state::{CHUNK, GRANULE, State};
-pub use violation::{Violation, ViolationKind};
 
 use crate::error::{CuCode, DriverError, Result};
 use crate::types::{DevicePtr, DeviceUuid, StreamHandle};
+use crate::violation::{self, ViolationLog};
 
 /// The environment variable [`SimDriver::child_env`] sets and [`SimDriver::from_env`] reads.
 pub const MACHINE_ENV: &str = "POOLIPC_SIM_MACHINE";
@@ -394,10 +399,10 @@ impl SimDriver {
     /// `dyn Driver` ([`Driver::sim_checker`](crate::Driver::sim_checker)).
     #[must_use]
     pub fn checker(&self) -> Checker {
-        Checker {
-            machine: Arc::clone(&self.machine),
-            seed: self.engine.seed(),
-        }
+        Checker::new(
+            Arc::clone(&self.machine) as Arc<dyn ViolationLog>,
+            self.engine.seed(),
+        )
     }
 
     /// Lends `[ptr, ptr + len)` of this process to job `job`, whose stream is `stream`, which
@@ -642,55 +647,25 @@ impl SimDriver {
     }
 }
 
-/// The violation log of a simulated machine, as [`SimDriver::checker`] hands it out: cheap to
-/// clone, readable from any thread.
-#[derive(Clone)]
-pub struct Checker {
-    machine: Arc<Machine>,
-    seed: u64,
-}
-
-impl std::fmt::Debug for Checker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Checker")
-            .field("machine", &format_args!("{:#x}", self.machine.id))
-            .field("seed", &self.seed)
-            .finish()
-    }
-}
-
-impl Checker {
-    /// How many violations were recorded on the machine so far.
-    #[must_use]
-    pub fn count(&self) -> u64 {
-        self.machine.with(|st| st.violation_count)
+impl ViolationLog for Machine {
+    fn id(&self) -> u64 {
+        self.id
     }
 
-    /// The violations recorded after the first `from`, oldest first (see
-    /// [`SimDriver::violations_since`]).
-    #[must_use]
-    pub fn since(&self, from: u64) -> Vec<Violation> {
-        violations_in(&self.machine, from)
+    fn count(&self) -> u64 {
+        self.with(|st| st.violation_count)
     }
 
-    /// How many violations some process on the machine marked reported
-    /// ([`mark_reported`](Checker::mark_reported)): each is shown to the user once.
-    #[must_use]
-    pub fn reported(&self) -> u64 {
-        self.machine.with(|st| st.violations_reported)
+    fn since(&self, from: u64) -> Vec<Violation> {
+        violations_in(self, from)
     }
 
-    /// Marks the first `upto` violations reported, for every process on the machine.
-    pub fn mark_reported(&self, upto: u64) {
-        self.machine
-            .with(|st| st.violations_reported = st.violations_reported.max(upto));
+    fn reported(&self) -> u64 {
+        self.with(|st| st.violations_reported)
     }
 
-    /// The seed of the engine of the process that made this checker (see
-    /// [`SimDriver::seed`]).
-    #[must_use]
-    pub fn seed(&self) -> u64 {
-        self.seed
+    fn mark_reported(&self, upto: u64) {
+        self.with(|st| st.violations_reported = st.violations_reported.max(upto));
     }
 }
 
@@ -728,7 +703,7 @@ fn violations_in(machine: &Machine, from: u64) -> Vec<Violation> {
 /// Drops what dead processes held (their imports above all) to free table slots.
 fn reap(st: &mut State) {
     let mut work = Vec::new();
-    st.drop_process(|_, pid| pid != 0 && !Machine::alive(pid), &mut work);
+    st.drop_process(|_, pid| pid != 0 && !process_alive(pid), &mut work);
 }
 
 impl Drop for SimDriver {

@@ -155,6 +155,12 @@ impl Drop for Mapping {
     }
 }
 
+/// Liveness of a process, as the driver judges whether its imports still exist: this one, or
+/// one that [`alive`] finds running.
+pub(super) fn process_alive(pid: u32) -> bool {
+    pid == my_pid() || alive(pid)
+}
+
 /// Whether process (or thread) `id` still runs. A zombie does not: the kernel already closed
 /// its files, which is when the real driver drops what the process held.
 pub(super) fn alive(id: u32) -> bool {

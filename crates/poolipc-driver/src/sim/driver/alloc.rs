@@ -4,15 +4,15 @@
 
 use crate::api::Driver;
 use crate::error::{CuCode, Result};
-use crate::sim::address::{IMPORT_BASE, OWN_BASE, POOL_SPAN};
 use crate::sim::exec::Step;
 use crate::sim::hb::{self, Mem};
 use crate::sim::local::Local;
-use crate::sim::machine::Machine;
+use crate::sim::regions::{IMPORT_BASE, OWN_BASE, POOL_SPAN};
+use crate::sim::shm::process_alive;
 use crate::sim::state::{GRANULE, MemoryWork, State};
-use crate::sim::violation::ViolationKind;
 use crate::sim::{SimDriver, fail};
 use crate::types::{Access, DevicePtr, PoolHandle, StreamHandle};
+use crate::violation::ViolationKind;
 
 /// `cuMemAlloc_v2`.
 pub(super) fn plain(d: &SimDriver, bytes: u64) -> Result<DevicePtr> {
@@ -103,7 +103,7 @@ impl SimDriver {
                 .ok_or(fail(CALL, CuCode::INVALID_VALUE))?;
             let generation_ = st.blocks[b].generation;
             l.buffer_ids.remove(&(b, generation_));
-            for pid in st.live_importers(b, generation_, Machine::alive) {
+            for pid in st.live_importers(b, generation_, process_alive) {
                 st.violation(ViolationKind::FreedWhileImported, CALL, self.pid)
                     .block(b, generation_)
                     .other_pid(pid)

@@ -2,7 +2,7 @@
 
 use crate::error::Result;
 use crate::sim::SimDriver;
-use crate::sim::machine::Machine;
+use crate::sim::shm::process_alive;
 use crate::sim::state;
 use crate::types::DeviceInfo;
 
@@ -42,9 +42,9 @@ pub(super) fn mem_get_info(d: &SimDriver) -> Result<(u64, u64)> {
     let dev = SimDriver::context(&d.local(), "cuMemGetInfo_v2")?;
     Ok(d.machine.with(|st| {
         // VMM memory of processes that ended without releasing it.
-        st.vmm_sweep(Machine::alive);
+        st.vmm_sweep(process_alive);
         // Exported pool memory of destroyed pools nobody imports any more.
-        st.pool_sweep(Machine::alive);
+        st.pool_sweep(process_alive);
         let device = &st.devices[dev as usize];
         (device.total.saturating_sub(device.reserved), device.total)
     }))

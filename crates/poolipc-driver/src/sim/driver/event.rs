@@ -9,7 +9,7 @@ use crate::sim::blob::{BLOB_EVENT, blob_fields, export_blob};
 use crate::sim::exec::Step;
 use crate::sim::hb::host_learns;
 use crate::sim::local::{Local, LocalEvent};
-use crate::sim::machine::Machine;
+use crate::sim::shm::process_alive;
 use crate::sim::state::{self, State};
 use crate::sim::{SimDriver, fail, reap};
 use crate::types::{EventBlob, EventHandle, StreamHandle};
@@ -134,7 +134,7 @@ pub(super) fn query(d: &SimDriver, event: EventHandle) -> Result<bool> {
     d.machine.with(|st| {
         let slot = SimDriver::event(&l, st, "cuEventQuery", event)?.slot;
         let e = &st.events[slot];
-        let done = e.completed >= e.records || !Machine::alive(e.rec_pid);
+        let done = e.completed >= e.records || !process_alive(e.rec_pid);
         if done {
             // A query that says complete orders the host after the event, as a
             // synchronize does.
@@ -166,7 +166,7 @@ pub(super) fn synchronize(d: &SimDriver, event: EventHandle) -> Result<()> {
             e.live == 0
                 || e.generation != generation
                 || e.completed >= n
-                || !Machine::alive(e.rec_pid)
+                || !process_alive(e.rec_pid)
         });
         if done {
             break;

@@ -31,7 +31,7 @@ impl Driver for SimDriver {
         DriverKind::Sim
     }
 
-    fn sim_checker(&self) -> Option<crate::sim::Checker> {
+    fn sim_checker(&self) -> Option<crate::violation::Checker> {
         Some(self.checker())
     }
 

@@ -5,16 +5,16 @@
 
 use super::pool::pool_handle;
 use crate::error::{CuCode, DriverError, Result};
-use crate::sim::address::{IMPORT_BASE, OWN_BASE, POOL_SPAN, VMM_BASE};
 use crate::sim::blob::{BLOB_BY_ADDRESS, BLOB_POINTER, blob_fields, export_blob};
 use crate::sim::local::LocalImport;
+use crate::sim::regions::{IMPORT_BASE, OWN_BASE, POOL_SPAN, VMM_BASE};
 use crate::sim::shm;
 use crate::sim::state::{
     self, BLOCK_CACHED, BLOCK_LIVE, IMPORT_CHUNK_LIMIT, State, chunks_spanned,
 };
-use crate::sim::violation::ViolationKind;
 use crate::sim::{SimDriver, fail, reap};
 use crate::types::{DevicePtr, ExportBlob, PoolHandle};
+use crate::violation::ViolationKind;
 
 /// Above this many chunks libcuda's overflow reaches saved registers and the return address:
 /// the importer dies (docs/facts.md: 5248 MiB imports, 5264 MiB crashes, on driver 580).

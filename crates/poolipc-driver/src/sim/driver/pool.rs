@@ -5,9 +5,9 @@
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::error::{CuCode, DriverError, Result};
-use crate::sim::address::POOL_HEADER;
 use crate::sim::local::{Local, LocalPool};
-use crate::sim::machine::Machine;
+use crate::sim::regions::POOL_HEADER;
+use crate::sim::shm::process_alive;
 use crate::sim::shm::{self, Mapping, punch_hole, sparse_memfd};
 use crate::sim::state::{self, MemoryWork, POOL_DYING, POOL_LIVE, State};
 use crate::sim::{POISON, SimDriver, fail, reap};
@@ -362,7 +362,7 @@ impl SimDriver {
             let pid = self.pid;
             self.machine.with(|st| {
                 st.pool_hold(slot, pid, false);
-                st.pool_sweep(Machine::alive);
+                st.pool_sweep(process_alive);
             });
             return Ok(());
         }
@@ -386,7 +386,7 @@ impl SimDriver {
                 // Freed with its last allocation, as the real driver defers it.
                 st.pools[slot].state = POOL_DYING;
             }
-            st.pool_sweep(Machine::alive);
+            st.pool_sweep(process_alive);
             Self::apply(l, slot, &work);
         });
         Ok(())

@@ -5,7 +5,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::error::{CuCode, DriverError, Result};
 use crate::sim::local::{VmmAlloc, VmmMap};
-use crate::sim::machine::Machine;
+use crate::sim::shm::process_alive;
 use crate::sim::shm::{self, Mapping, sparse_memfd};
 use crate::sim::state::GRANULE;
 use crate::sim::{SimDriver, fail};
@@ -251,7 +251,7 @@ impl SimDriver {
             for file in files {
                 st.vmm_hold(file, pid, false);
             }
-            st.vmm_sweep(Machine::alive);
+            st.vmm_sweep(process_alive);
         });
         Ok(())
     }
@@ -283,7 +283,7 @@ impl SimDriver {
         let pid = self.pid;
         self.machine.with(|st| {
             st.vmm_hold(file, pid, false);
-            st.vmm_sweep(Machine::alive);
+            st.vmm_sweep(process_alive);
         });
         Ok(())
     }

@@ -10,8 +10,10 @@
 
 mod pool;
 
-use super::hb::Clock;
-use super::violation::ViolationKind;
+use crate::violation::ViolationKind;
+
+/// One counter per stream slot of the machine: a vector clock (see [`hb`](super::hb)).
+pub(super) type Clock = [u64; MAX_STREAMS];
 
 pub(super) const MAGIC: u64 = u64::from_le_bytes(*b"PLIPCSIM");
 /// Bumped whenever the layout below changes: a child built from other sources refuses to attach.
@@ -237,7 +239,7 @@ pub(super) struct ViolationRec {
     pub(super) generation: u64,
     pub(super) a: u64,
     pub(super) b: u64,
-    /// The other access's call ([`super::violation::call_code`]), where there is one.
+    /// The other access's call ([`crate::violation::call_code`]), where there is one.
     pub(super) other_call: u32,
     /// Bit 0: the access wrote; bit 1: the other access wrote; bit 2: the streams are known.
     pub(super) flags: u32,
@@ -265,7 +267,7 @@ pub(super) struct AccessRec {
     pub(super) pid: u32,
     /// Stream slot of the access.
     pub(super) stream: u32,
-    /// The call ([`super::violation::call_code`]).
+    /// The call ([`crate::violation::call_code`]).
     pub(super) call: u32,
     pub(super) _pad: u32,
     pub(super) dev: u64,
@@ -416,7 +418,7 @@ impl State {
             state: self,
             rec: ViolationRec {
                 kind: kind as u32,
-                call: super::violation::call_code(call),
+                call: crate::violation::call_code(call),
                 pid,
                 other_pid: 0,
                 block: u64::MAX,
@@ -446,7 +448,7 @@ impl State {
             s.live == 0
                 && (s.agent == agent
                     || s.executed >= s.clock[i]
-                    || !super::machine::Machine::alive(s.pid))
+                    || !super::shm::process_alive(s.pid))
         })?;
         let s = &mut self.streams[slot];
         let own = s.clock[slot];

@@ -1,7 +1,10 @@
 //! Contract violations the simulation records instead of (or besides) failing a call: what a
-//! real GPU would let happen silently, or fault on later.
+//! real GPU would let happen silently, or fault on later; and the [`Checker`] that reads them.
+//! Below both the `Driver` trait (whose `sim_checker` hands out a `Checker`) and the simulation
+//! (which records them and implements the trait): neither imports the other through it.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// What rule a [`Violation`] broke.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -35,7 +38,7 @@ pub enum ViolationKind {
     /// H200), so the importer reaches past the live allocation into whatever the pool keeps
     /// there.
     ImportBeyondAllocation = 8,
-    /// Memory lent for a job ([`SimDriver::lend`](super::SimDriver::lend)) was touched on a
+    /// Memory lent for a job ([`SimDriver::lend`](crate::sim::SimDriver::lend)) was touched on a
     /// stream not ordered after the job's stream at the lending: a stream that never waited
     /// for READY.
     NotAfterReady = 9,
@@ -66,7 +69,7 @@ impl ViolationKind {
 }
 
 /// A recorded violation, machine-wide: any process attached to the simulated machine reads
-/// all of them with [`SimDriver::violations`](super::SimDriver::violations).
+/// all of them with [`SimDriver::violations`](crate::sim::SimDriver::violations).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Violation {
     /// The rule broken.
@@ -91,13 +94,13 @@ pub struct Violation {
     /// legacy stream is `its legacy stream`), else `stream #slot`; where the violation is
     /// between two accesses.
     ///
-    /// [`SimDriver::label_stream`]: super::SimDriver::label_stream
+    /// [`SimDriver::label_stream`]: crate::sim::SimDriver::label_stream
     pub stream: Option<String>,
     /// The other access's stream, named the same way.
     pub other_stream: Option<String>,
     /// The allocation, as the program named it ([`SimDriver::label_memory`]), when it did.
     ///
-    /// [`SimDriver::label_memory`]: super::SimDriver::label_memory
+    /// [`SimDriver::label_memory`]: crate::sim::SimDriver::label_memory
     pub memory: Option<String>,
     /// Whether the call wrote and whether the other access wrote, where the violation is
     /// between two accesses.
@@ -233,7 +236,7 @@ const CALLS: &[&str] = &[
     "cuEventRecord",
 ];
 
-pub(super) fn call_code(call: &'static str) -> u32 {
+pub(crate) fn call_code(call: &'static str) -> u32 {
     CALLS
         .iter()
         .position(|c| *c == call)
@@ -241,6 +244,78 @@ pub(super) fn call_code(call: &'static str) -> u32 {
         .unwrap_or(0)
 }
 
-pub(super) fn call_name(code: u32) -> &'static str {
+pub(crate) fn call_name(code: u32) -> &'static str {
     CALLS.get(code as usize).copied().unwrap_or("?")
+}
+
+/// What a [`Checker`] reads: a simulated machine's violation log (the simulation's machine
+/// implements it).
+pub(crate) trait ViolationLog: Send + Sync {
+    /// The machine's id.
+    fn id(&self) -> u64;
+    /// How many violations were recorded so far.
+    fn count(&self) -> u64;
+    /// The violations recorded after the first `from`, oldest first.
+    fn since(&self, from: u64) -> Vec<Violation>;
+    /// How many violations some process marked reported.
+    fn reported(&self) -> u64;
+    /// Marks the first `upto` violations reported.
+    fn mark_reported(&self, upto: u64);
+}
+
+/// The violation log of a simulated machine, as
+/// [`SimDriver::checker`](crate::sim::SimDriver::checker) hands it out: cheap to clone,
+/// readable from any thread.
+#[derive(Clone)]
+pub struct Checker {
+    log: Arc<dyn ViolationLog>,
+    seed: u64,
+}
+
+impl std::fmt::Debug for Checker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checker")
+            .field("machine", &format_args!("{:#x}", self.log.id()))
+            .field("seed", &self.seed)
+            .finish()
+    }
+}
+
+impl Checker {
+    /// A checker on `log`, made by the process whose engine's seed is `seed`.
+    pub(crate) fn new(log: Arc<dyn ViolationLog>, seed: u64) -> Checker {
+        Checker { log, seed }
+    }
+
+    /// How many violations were recorded on the machine so far.
+    #[must_use]
+    pub fn count(&self) -> u64 {
+        self.log.count()
+    }
+
+    /// The violations recorded after the first `from`, oldest first (see
+    /// [`SimDriver::violations_since`](crate::sim::SimDriver::violations_since)).
+    #[must_use]
+    pub fn since(&self, from: u64) -> Vec<Violation> {
+        self.log.since(from)
+    }
+
+    /// How many violations some process on the machine marked reported
+    /// ([`mark_reported`](Checker::mark_reported)): each is shown to the user once.
+    #[must_use]
+    pub fn reported(&self) -> u64 {
+        self.log.reported()
+    }
+
+    /// Marks the first `upto` violations reported, for every process on the machine.
+    pub fn mark_reported(&self, upto: u64) {
+        self.log.mark_reported(upto);
+    }
+
+    /// The seed of the engine of the process that made this checker (see
+    /// [`SimDriver::seed`](crate::sim::SimDriver::seed)).
+    #[must_use]
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
 }
