@@ -63,6 +63,22 @@ pub(crate) struct ArenaHold {
     live_exports: AtomicUsize,
 }
 
+impl dlpack::Kept for ArenaHold {
+    fn acquire(&self) {
+        self.live_exports.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The last reference gives the block back.
+    fn release(self: Arc<Self>) {
+        self.live_exports.fetch_sub(1, Ordering::AcqRel);
+        drop(self);
+    }
+
+    fn names(&self) -> (&'static str, &'static str) {
+        ("arena results", "the result")
+    }
+}
+
 impl ArenaHold {
     pub(crate) fn new(
         tensor: ResultTensor,
@@ -81,17 +97,6 @@ impl ArenaHold {
             consumer_streams: Mutex::new(Vec::new()),
             live_exports: AtomicUsize::new(0),
         })
-    }
-
-    pub(crate) fn export_made(&self) {
-        self.live_exports.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// A capsule's deleter ran: one export fewer, and this reference goes (the last one
-    /// gives the block back).
-    pub(crate) fn export_deleted(self: Arc<Self>) {
-        self.live_exports.fetch_sub(1, Ordering::AcqRel);
-        drop(self);
     }
 
     /// Runs `f` with the parent's device pushed as this thread's current context, popped
@@ -296,7 +301,7 @@ impl ArenaResult {
             }
             Ok(())
         };
-        let keep = dlpack::Keep::Arena(Arc::clone(&self.hold));
+        let keep: dlpack::Keep = Arc::<ArenaHold>::clone(&self.hold);
         dlpack::export(py, &self.tensor(), request, order, keep)
     }
 

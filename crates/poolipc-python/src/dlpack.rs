@@ -17,16 +17,12 @@
 use std::ffi::{CStr, c_void};
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use poolipc::{DType, StreamHandle};
 use pyo3::exceptions::{PyAttributeError, PyBufferError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyDict, PyTuple};
-
-use crate::arena::ArenaHold;
-use crate::worker::JobLife;
 
 /// A CUDA stream named by a number from Python (DLPack's `stream` argument, torch's
 /// `cuda_stream`, a job's stream this crate handed to Python as an int), as the driver takes
@@ -41,39 +37,23 @@ pub(crate) fn python_stream(raw: u64) -> poolipc_driver::StreamHandle {
     unsafe { poolipc_driver::StreamHandle::from_raw(raw) }
 }
 
-/// What a capsule keeps alive until its deleter runs.
-pub(crate) enum Keep {
-    /// A worker's job: counted in its `live_exports`, so DONE waits for the deleter.
-    Job(Arc<JobLife>),
-    /// A parent's arena result: one strong reference; the last one gives the block back.
-    Arena(Arc<ArenaHold>),
-}
+/// What a capsule keeps alive until its deleter runs, and how it counts its exports: a
+/// worker's job (`JobLife`: counted in its `live_exports`, so DONE waits for the deleter) or a
+/// parent's arena result (`ArenaHold`: one strong reference; the last one gives the block
+/// back). They implement it where they are defined, so this module, below both, names neither.
+pub(crate) trait Kept: Send + Sync {
+    /// A capsule over it was made.
+    fn acquire(&self);
 
-impl Keep {
-    fn acquire(&self) {
-        match self {
-            Keep::Job(life) => {
-                life.live_exports.fetch_add(1, Ordering::AcqRel);
-            }
-            Keep::Arena(hold) => hold.export_made(),
-        }
-    }
-
-    fn release(self) {
-        match self {
-            Keep::Job(life) => life.export_released(),
-            Keep::Arena(hold) => hold.export_deleted(),
-        }
-    }
+    /// A capsule's deleter ran: one export fewer, and this reference goes.
+    fn release(self: Arc<Self>);
 
     /// What the exported thing is called in errors: `(plural, the one)`.
-    fn names(&self) -> (&'static str, &'static str) {
-        match self {
-            Keep::Job(_) => ("views", "the view"),
-            Keep::Arena(_) => ("arena results", "the result"),
-        }
-    }
+    fn names(&self) -> (&'static str, &'static str);
 }
+
+/// What a capsule holds until its deleter runs.
+pub(crate) type Keep = Arc<dyn Kept>;
 
 /// Device memory as the exchange protocols describe it.
 pub(crate) struct Tensor<'a> {

@@ -1,6 +1,5 @@
-//! A job's life for Python: the `Job` a worker holds open, what its views share
-//! ([`JobLife`]: open or ended, live DLPack exports, consumer streams), and the `LeaseHold`
-//! that keeps a leased job open.
+//! A job for Python: the `Job` a worker holds open and the `LeaseHold` that keeps a leased job
+//! open; what its views share is [`JobLife`].
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,56 +8,12 @@ use poolipc::ResultShape;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use super::life::JobLife;
+use super::shown::Shown;
 use super::thread::{Cmd, Link, Reply};
-use super::view::{Shown, View};
+use super::view::View;
 use crate::dtype;
 use crate::errors::{ExpiredViewError, JobFailedError, err};
-
-/// What every view of a job shares: whether the job is still open, how many DLPack tensors
-/// made from its views are alive, and the consumer streams DONE must come after.
-pub(crate) struct JobLife {
-    id: u64,
-    pub(super) open: AtomicBool,
-    pub(crate) live_exports: AtomicUsize,
-    pub(super) consumer_streams: Mutex<Vec<u64>>,
-    /// Set by `Job.lease()`: the job ends when the last export (or lease hold) is dropped.
-    release_on_drop: AtomicBool,
-    link: Arc<Link>,
-    job_stream: u64,
-}
-
-impl JobLife {
-    /// One export (a DLPack tensor, or a lease's hold) is gone. The last one of a leased job
-    /// ends it: DONE after every consumer stream, imports freed, ACK, posted to the worker
-    /// thread without waiting (this runs in a DLPack deleter, on whatever thread frees the
-    /// tensor, with or without the GIL).
-    pub(crate) fn export_released(&self) {
-        let before = self.live_exports.fetch_sub(1, Ordering::AcqRel);
-        if before == 1 && self.release_on_drop.load(Ordering::Acquire) {
-            self.end_posted();
-        }
-    }
-
-    /// Ends the job from any thread, without waiting for the worker thread: once.
-    fn end_posted(&self) {
-        if !self.open.swap(false, Ordering::AcqRel) {
-            return;
-        }
-        let streams = std::mem::take(
-            &mut *self
-                .consumer_streams
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
-        for s in streams {
-            self.link.post(Cmd::StreamWait {
-                waiter: crate::dlpack::python_stream(self.job_stream),
-                on: crate::dlpack::python_stream(s),
-            });
-        }
-        self.link.post(Cmd::Finish(self.id));
-    }
-}
 
 /// One job: input views, result buffers, and the obligation to finish. Finishing records
 /// DONE after every consumer stream that took a view by DLPack, frees the imports, and

@@ -4,6 +4,8 @@
 //! views ([`View`]) torch, CuPy and JAX take without a copy.
 
 mod job;
+mod life;
+mod shown;
 mod thread;
 mod view;
 
@@ -14,9 +16,9 @@ use std::thread::JoinHandle;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-pub(crate) use job::{Job, JobLife, LeaseHold};
+pub(crate) use job::{Job, LeaseHold};
+use shown::Shown;
 use thread::{Arrived, CONNECT_REFUSED, Cmd, Link, Reply, Source};
-use view::Shown;
 pub(crate) use view::View;
 
 use crate::errors::{ConnectError, err};

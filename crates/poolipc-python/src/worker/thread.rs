@@ -22,7 +22,7 @@ use poolipc_driver::EventHandle;
 use poolipc_transport::{Connection, TOKEN_LEN};
 use pyo3::prelude::*;
 
-use super::view::Shown;
+use super::shown::Shown;
 use crate::errors::err;
 use crate::state;
 

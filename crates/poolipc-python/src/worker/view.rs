@@ -10,28 +10,12 @@ use pyo3::exceptions::{PyAttributeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use super::job::JobLife;
+use super::life::JobLife;
+use super::shown::Shown;
 use super::thread::{Cmd, Link, Reply};
 use crate::dlpack;
 use crate::dtype;
 use crate::errors::{ExpiredViewError, err};
-
-/// What a [`View`] shows: the facade's view of a job's input or result, as the worker
-/// thread cloned it out of the job (the same value, not a description of it).
-#[derive(Clone)]
-pub(super) enum Shown {
-    /// An input view.
-    Input(poolipc::InputView),
-    /// A result buffer the parent granted (contiguous, writable).
-    Result(poolipc::ResultView),
-}
-
-impl Shown {
-    /// The input views of a job the thread took.
-    pub(super) fn inputs_of(job: &poolipc::Job<'_>) -> Vec<Shown> {
-        job.inputs().iter().cloned().map(Shown::Input).collect()
-    }
-}
 
 /// An input view or a result buffer of a job: device memory the parent owns, usable by
 /// torch, CuPy and JAX without a copy (`__dlpack__`, `__cuda_array_interface__`) until the
@@ -291,7 +275,7 @@ impl View {
             }
             Ok(())
         };
-        let keep = dlpack::Keep::Job(Arc::clone(&self.life));
+        let keep: dlpack::Keep = Arc::<JobLife>::clone(&self.life);
         dlpack::export(py, &self.tensor(), request, order, keep)
     }
 
