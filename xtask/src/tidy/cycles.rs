@@ -20,9 +20,9 @@
 //!   root's children. So siblings are compared, at the top level and inside every directory.
 //! - Every strongly connected component of more than one sibling is an offence, listed with
 //!   each member's file and, for every edge inside it, the first `file:line` that makes it.
-//! - Test code is left out: files that [`is_test_path`] says are tests, and items under
-//!   `#[cfg(test)]`. A test sees the whole crate to build its fixtures; the rule is about the
-//!   library's layers.
+//! - Test code is left out: files that [`is_test_path`] says are tests, files of modules
+//!   declared `#[cfg(test)] mod x;`, and items under `#[cfg(test)]`. A test sees the whole crate
+//!   to build its fixtures; the rule is about the library's layers.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -161,6 +161,9 @@ fn cycles(krate: &str, src: &str, files: &[(&str, &str)]) -> Vec<Cycle> {
         .collect();
     // parent → (from child, to child) → the first site.
     let mut edges: BTreeMap<Module, BTreeMap<(String, String), Site>> = BTreeMap::new();
+    let mut scanned = Vec::new();
+    // Modules declared `#[cfg(test)] mod x;`: their files are test code, whatever their names.
+    let mut test_modules: Vec<Module> = Vec::new();
     for (path, text) in &sorted {
         let Some(rel) = path.strip_prefix(src) else {
             continue;
@@ -169,7 +172,15 @@ fn cycles(krate: &str, src: &str, files: &[(&str, &str)]) -> Vec<Cycle> {
             continue;
         }
         let from = module_of(rel);
-        for named in named_paths(&code_only(text)) {
+        let (named, tests) = named_paths(&code_only(text));
+        test_modules.extend(tests.into_iter().map(|t| [from.clone(), t].concat()));
+        scanned.push((*path, from, named));
+    }
+    for (path, from, named) in scanned {
+        if test_modules.iter().any(|t| from.starts_with(t)) {
+            continue;
+        }
+        for named in named {
             let Some(target) = resolve(&from, &named.within, &named.segments) else {
                 continue;
             };
@@ -346,10 +357,13 @@ fn is(t: Option<&(Tok, usize)>, want: &Tok) -> bool {
 }
 
 /// The paths starting `crate::`, `super::` or `self::` in `code` (comments and strings blanked),
-/// outside test code: every leaf of a `use` tree, and every other such path in full.
-fn named_paths(code: &str) -> Vec<Named> {
+/// outside test code: every leaf of a `use` tree, and every other such path in full; and the
+/// modules declared `#[cfg(test)] mod x;` (as paths below the file's module: `x`, or
+/// `inner::x` inside an inline `mod inner`).
+fn named_paths(code: &str) -> (Vec<Named>, Vec<Vec<String>>) {
     let toks = tokens(code);
     let mut out = Vec::new();
+    let mut test_mods = Vec::new();
     // One frame per open brace: the inline module it opens, if any, and whether it is test code.
     let mut frames: Vec<(Option<String>, bool)> = Vec::new();
     let mut pending_mod: Option<String> = None;
@@ -380,7 +394,7 @@ fn named_paths(code: &str) -> Vec<Named> {
                     .all(|(k, t)| is(toks.get(j + k), t))
                 {
                     if inner {
-                        return Vec::new();
+                        return (Vec::new(), Vec::new());
                     }
                     pending_test = true;
                     i = j + cfg_test.len();
@@ -390,6 +404,14 @@ fn named_paths(code: &str) -> Vec<Named> {
             }
             Tok::Ident(w) if w == "mod" => {
                 pending_mod = ident(toks.get(i + 1)).map(str::to_string);
+                if let Some(name) = &pending_mod
+                    && in_test
+                    && is(toks.get(i + 2), &Tok::Punct(';'))
+                {
+                    let mut m: Vec<String> = within();
+                    m.push(name.clone());
+                    test_mods.push(m);
+                }
                 i += 2;
             }
             Tok::Ident(w) if w == "use" => {
@@ -448,7 +470,7 @@ fn named_paths(code: &str) -> Vec<Named> {
             _ => i += 1,
         }
     }
-    out
+    (out, test_mods)
 }
 
 /// Reads one `use` tree from `toks[*i]` on (after `use`, or inside a group), pushing each leaf
@@ -539,6 +561,7 @@ mod tests {
         let code =
             "use crate::a::{b::{c, d as e}, self};\nuse super::{\n    f::g,\n    h::*,\n};\n";
         let got: Vec<(String, usize)> = named_paths(code)
+            .0
             .into_iter()
             .map(|n| (n.segments.join("::"), n.line))
             .collect();
@@ -559,8 +582,10 @@ mod tests {
         let code = "fn f() -> crate::a::T { crate::b::make::<u8>() }\n\
                     macro_rules! m { () => { $crate::z::Q } }\n\
                     #[cfg(test)]\nmod tests { use crate::c::X; fn g() { crate::d::y(); } }\n\
+                    #[cfg(test)]\n#[path = \"p_tests.rs\"]\nmod props;\nmod lib_side;\n\
                     mod inner { use super::super::e::F; }\n";
-        let got: Vec<(Vec<String>, String)> = named_paths(code)
+        let (named, test_mods) = named_paths(code);
+        let got: Vec<(Vec<String>, String)> = named
             .into_iter()
             .map(|n| (n.within, n.segments.join("::")))
             .collect();
@@ -572,6 +597,7 @@ mod tests {
                 (vec!["inner".to_string()], "super::super::e::F".to_string()),
             ]
         );
+        assert_eq!(test_mods, [vec!["props".to_string()]]);
         // `super::super` from `x::inner` (in the file of `x`) is the root.
         let s = |v: &[&str]| v.iter().map(|x| (*x).to_string()).collect::<Vec<_>>();
         assert_eq!(
@@ -641,6 +667,24 @@ mod tests {
             ("tests.rs", "use crate::p::Thing;\n"),
         ]);
         assert!(offences(&files, &[]).is_empty());
+    }
+
+    #[test]
+    fn a_file_only_the_tests_declare_makes_no_edge() {
+        let files = crate_files(&[
+            ("lib.rs", "mod a;\nmod b;\n"),
+            ("a.rs", "#[cfg(test)]\nmod props;\npub struct Y;\n"),
+            ("a/props.rs", "use crate::b::X;\n"),
+            ("b.rs", "use crate::a::Y;\npub struct X;\n"),
+        ]);
+        assert!(offences(&files, &[]).is_empty());
+        let files = crate_files(&[
+            ("lib.rs", "mod a;\nmod b;\n"),
+            ("a.rs", "mod props;\npub struct Y;\n"),
+            ("a/props.rs", "use crate::b::X;\n"),
+            ("b.rs", "use crate::a::Y;\npub struct X;\n"),
+        ]);
+        assert_eq!(offences(&files, &[]).len(), 1);
     }
 
     #[test]
