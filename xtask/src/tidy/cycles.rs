@@ -28,10 +28,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::rust_rules::{code_only, is_test_path};
 
-/// Cycles that exist in the facade (`poolipc`) and the CLI (`poolipc-cli`), whose modules are
-/// being restructured now: (crate, the modules of the cycle, as `a::b` paths). Temporary: an
-/// entry goes as its cycle is fixed, and an entry whose cycle no longer exists is itself an
-/// offence, so the list can only shrink. A cycle that grows a member is not this entry.
+/// Cycles that exist in the CLI (`poolipc-cli`), whose modules are being restructured now
+/// (the facade, restructured too, has none): (crate, the modules of the cycle, as `a::b`
+/// paths). Temporary: an entry goes as its cycle is fixed, and an entry whose cycle no longer
+/// exists is itself an offence, so the list can only shrink. An entry matches a cycle of
+/// exactly its modules: a cycle that gains a member is an offence, and so is the entry.
 pub(crate) const CYCLES_ALLOWED: &[(&str, &[&str])] = &[
     // `bench` runs `throughput::run`, which takes `bench::Args`.
     ("poolipc-cli", &["bench", "throughput"]),
@@ -51,8 +52,8 @@ struct Site {
     path: String,
 }
 
-/// A cycle: the crate, the parent module of its members, the members (sorted), each member's
-/// file, and one site for every edge among them.
+/// A cycle: the crate, its members (siblings, sorted), each member's file, and one site for
+/// every edge among them.
 #[derive(Debug)]
 struct Cycle {
     krate: String,
