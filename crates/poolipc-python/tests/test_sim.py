@@ -1035,6 +1035,38 @@ def test_io_threads_is_set_once_per_process_and_its_rooms_serve_workers():
     assert lines["STOPPED"] == "[0, 0, 0]"
 
 
+def test_heartbeats_carry_a_python_worker_s_long_job_past_the_deadline():
+    # A fresh process with a 1 s handoff deadline: a worker that computes for 3 s and says
+    # job.heartbeat() meanwhile finishes its job; the same computation without them is failed
+    # at the deadline, and its worker reaped.
+    code = textwrap.dedent("""
+        import os, struct, sys, time
+        import poolipc
+        poolipc.install_pool(0, handoff_timeout=1.0)
+        p = poolipc.Parent(0)
+        argv = [sys.executable, os.environ["PY_WORKER"]]
+        buf = p.alloc(64, dtype="float32", shape=[16])
+        p.write(buf.ptr, struct.pack("<16f", *range(16)))
+        for mode in ("heartbeat", "silent"):
+            w = p.spawn(argv, {"POOLIPC_TEST_MODE": mode, "POOLIPC_TEST_COMPUTE_S": "3"})
+            t = time.monotonic()
+            try:
+                (r,) = p.run(w, [poolipc.TensorRef(buf.ptr, "float32", [16])])
+                got = struct.unpack("<15f", p.read(r.ptr, 64)[4:])
+                print(mode.upper(), "ok", got == tuple(float(i) for i in range(1, 16)),
+                      round(time.monotonic() - t, 1))
+                p.stop(w)
+            except poolipc.PoolipcError as e:
+                print(mode.upper(), "failed", type(e).__name__, round(time.monotonic() - t, 1),
+                      str(e).replace(chr(10), " "))
+    """)
+    lines, out = fresh_process_lines(code)
+    ok, right, took = lines["HEARTBEAT"].split()[:3]
+    assert (ok, right) == ("ok", "True") and float(took) >= 3.0, out
+    silent = lines["SILENT"].split()
+    assert silent[0] == "failed" and float(silent[2]) < 2.9, out
+
+
 def test_gpu_turn_is_set_once_per_process_and_a_submit_waits_its_turn():
     # A fresh process: the simulated machine is no MPS client, so the parent keeps turns.
     code = textwrap.dedent("""

@@ -465,6 +465,8 @@ class Job:
         """Makes the job a lease: it ends once its last tensor and the hold are gone."""
     def request_results(self, shapes: Sequence[tuple[str, Sequence[int]]]) -> list[View]:
         """Asks the parent for result memory: ``(dtype, shape)`` each."""
+    def heartbeat(self) -> None:
+        """Tells the parent the job is still being worked on: moves its handoff deadline."""
     def finish(self, streams: Sequence[int] | None = None) -> None:
         """Ends the job: DONE, imports freed, ACK."""
     def fail(self, message: str) -> None:

@@ -207,6 +207,26 @@ impl Job {
         }
     }
 
+    /// Tells the parent this job is still being worked on: each call moves the job's handoff
+    /// deadline (`ParentOptions.handoff_timeout`, 30 s by default) forward, never past its
+    /// lifetime. Call it from a long computation (a sampler's steps, say) more often than the
+    /// deadline; once a second is plenty. Without it, a job that sends nothing for longer than
+    /// the deadline is failed and its worker condemned.
+    ///
+    /// Raises `ExpiredViewError` once the job ended, `JobFailedError` when the parent is gone.
+    fn heartbeat(&self, py: Python<'_>) -> PyResult<()> {
+        if !self.life.open.load(Ordering::Acquire) {
+            return Err(ExpiredViewError::new_err(
+                "poolipc: this job has already ended",
+            ));
+        }
+        match self.link.call(py, Cmd::Heartbeat(self.id)) {
+            Ok(Reply::Ok) => Ok(()),
+            Ok(_) => Err(err("poolipc: unexpected answer from the worker thread")),
+            Err(e) => Err(JobFailedError::new_err(e.value(py).to_string())),
+        }
+    }
+
     /// Ends the job: DONE after the job's stream and every stream in `streams` (and every
     /// consumer stream that took a view by DLPack), imports freed, ACK. The views expire.
     #[pyo3(signature = (streams = None))]

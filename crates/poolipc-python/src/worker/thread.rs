@@ -42,6 +42,8 @@ pub(super) enum Cmd {
     Write(DevicePtr, Vec<u8>),
     Finish(u64),
     Fail(u64, String),
+    /// Tell the parent job `id` is still being worked on (`Job::heartbeat`).
+    Heartbeat(u64),
     /// From now on take jobs as they come, between commands (`take` hands them out).
     AutoTake,
 }
@@ -220,6 +222,7 @@ impl WorkerThread {
             Cmd::Request(id, shapes) => self.request(id, &shapes),
             Cmd::Finish(id) => self.finish(id),
             Cmd::Fail(id, msg) => self.fail(id, &msg),
+            Cmd::Heartbeat(id) => self.heartbeat(id),
         }
     }
 
@@ -299,6 +302,17 @@ impl WorkerThread {
             )),
             Err(e) => Err(format!("poolipc: requesting results: {e}")),
         };
+        self.held.insert(id, job.hold());
+        answer
+    }
+
+    /// Tells the parent job `id` is still being worked on; the job stays held.
+    fn heartbeat(&mut self, id: u64) -> Result<Reply, String> {
+        let mut job = take_up(&mut self.worker, &mut self.held, id)?;
+        let answer = job
+            .heartbeat()
+            .map(|()| Reply::Ok)
+            .map_err(|e| format!("poolipc: sending a heartbeat: {e}"));
         self.held.insert(id, job.hold());
         answer
     }

@@ -31,6 +31,9 @@ drop-unfinished   echoes, then drops the job without finishing it and at once as
                   next: the finish the drop posts must be carried out before that call waits
 any-thread        takes, echoes and finishes each job on a new thread (none of them the one
                   that made the worker)
+heartbeat         computes for POOLIPC_TEST_COMPUTE_S seconds (default 3) calling
+                  job.heartbeat() every 0.2 s, then echoes
+silent            like heartbeat, without the heartbeats
 """
 
 import ctypes
@@ -287,6 +290,12 @@ def main():
         if MODE == "probe":
             probe(job)
             continue
+        if MODE in ("heartbeat", "silent"):
+            until = time.monotonic() + float(os.environ.get("POOLIPC_TEST_COMPUTE_S", "3"))
+            while time.monotonic() < until:
+                time.sleep(0.2)
+                if MODE == "heartbeat":
+                    job.heartbeat()
         if MODE == "typed-errors":
             too_large = raises(lambda: job.request_results([("float32", [2**40, 2**40])]))
             outcomes = []
