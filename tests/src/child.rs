@@ -264,7 +264,7 @@ pub fn main() -> Result<()> {
     };
     driver.use_device(device)?;
     let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
-    let identity = poolipc::identity(&*driver, device, caps)?;
+    let identity = poolipc::advanced::identity(&*driver, device, caps)?;
     let mut conn = poolipc_transport::connection_from_env()?;
     let config = HandshakeConfig {
         identity,

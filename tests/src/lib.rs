@@ -94,7 +94,11 @@ impl Env {
     /// The handshake identity of this side.
     pub fn identity(&self) -> Result<Identity> {
         let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
-        Ok(poolipc::identity(&*self.driver, self.device, caps)?)
+        Ok(poolipc::advanced::identity(
+            &*self.driver,
+            self.device,
+            caps,
+        )?)
     }
 }
 

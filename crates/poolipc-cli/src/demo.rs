@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use poolipc::driver::{Choice, MACHINE_ENV};
+use poolipc::advanced::driver::sim::MACHINE_ENV;
+use poolipc::driver::Choice;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, echo};
 use poolipc_driver::Driver;
 

@@ -65,7 +65,7 @@ pub(crate) struct ProbeReport {
 
 fn identity(driver: &dyn Driver, device: u32) -> Result<poolipc_transport::Identity> {
     let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
-    Ok(poolipc::identity(driver, device, caps)?)
+    Ok(poolipc::advanced::identity(driver, device, caps)?)
 }
 
 /// Imports `bytes` from `pool` in a fresh child; the parent survives whatever happens there.

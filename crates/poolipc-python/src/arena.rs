@@ -10,7 +10,8 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use poolipc::{DType, Driver, ResultTensor, StreamHandle};
+use poolipc::advanced::driver::Driver;
+use poolipc::{DType, ResultTensor, StreamHandle};
 use poolipc_driver::{DriverError, OwnedEvent};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};

@@ -36,7 +36,10 @@ use inputs::{buffer_shape, read_inputs};
 /// A stream handle from Python, checked before it reaches any other driver call: the
 /// simulation's default stream stands for `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD`
 /// (2); any handle the driver does not know is a `ValueError` naming it.
-fn checked_stream(driver: &dyn poolipc::Driver, raw: u64) -> PyResult<StreamHandle> {
+fn checked_stream(
+    driver: &dyn poolipc::advanced::driver::Driver,
+    raw: u64,
+) -> PyResult<StreamHandle> {
     let s = if state::is_sim(driver) && (raw == 1 || raw == 2) {
         StreamHandle::NULL
     } else {

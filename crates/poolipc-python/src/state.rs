@@ -11,8 +11,9 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use poolipc::driver::MACHINE_ENV;
-use poolipc::{Driver, Parent};
+use poolipc::Parent;
+use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::sim::MACHINE_ENV;
 use poolipc_driver::DriverKind;
 
 use crate::options::ParentConfig;

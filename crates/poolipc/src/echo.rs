@@ -18,7 +18,7 @@ pub fn marker(i: usize) -> u32 {
 /// `stream`, byte `k` being `pattern.to_le_bytes()[k % 4]`, never touching a byte beyond (the
 /// driver refuses a memset past the allocation's size). `ptr` must be 4-byte aligned.
 pub fn fill_pattern(
-    driver: &dyn crate::Driver,
+    driver: &dyn poolipc_driver::Driver,
     ptr: crate::DevicePtr,
     bytes: u64,
     pattern: u32,
@@ -39,7 +39,7 @@ pub fn fill_pattern(
 /// was filled by [`fill_pattern`] with `pattern` starting `offset` bytes into its allocation:
 /// the marker first, the pattern after, sampled (64 KiB) at both ends.
 pub fn verify_echo(
-    driver: &dyn crate::Driver,
+    driver: &dyn poolipc_driver::Driver,
     ptr: crate::DevicePtr,
     bytes: u64,
     i: usize,

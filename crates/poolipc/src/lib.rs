@@ -57,6 +57,7 @@
 #[allow(dead_code)]
 struct ReadmeDoctests;
 
+pub mod advanced;
 mod canary;
 pub mod check;
 pub mod driver;
@@ -88,27 +89,18 @@ pub mod worker_env;
 
 pub use canary::CanaryReport;
 pub use error::{Error, ResultRefusal};
-pub use handshake::{WORKER_STDERR_ENV, identity};
+pub use handshake::WORKER_STDERR_ENV;
 pub use parent::{
-    ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
-    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
-    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, Input, JobHandle, JobOutput,
-    JobWatch, Limits, MIN_RESULT_BOUND, MemoryBound, Parent, ParentOptions, ParentStats,
-    ResultAllocator, ResultMemory, ResultTensor, Trust, WorkerInfo,
+    ArenaStats, EMPTY_CACHE_WAIT, EmptyCache, Input, JobHandle, JobOutput, JobWatch, Limits,
+    MemoryBound, Parent, ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor,
+    Trust, WorkerInfo,
 };
-pub use poolipc_contract::{
-    Bound, DEFAULT_CANCEL_GRACE, DEFAULT_MAX_IDLE_MESSAGES, DEFAULT_MAX_JOB_LIFETIME,
-    DEFAULT_MAX_RESULT_BYTES_PER_JOB, DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
-    DEFAULT_MAX_RESULTS_PER_JOB, FailReason, WorkerId,
-};
-pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
+pub use poolipc_contract::{Bound, FailReason, WorkerId};
+pub use poolipc_driver::{DevicePtr, StreamHandle};
 pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId, SendQueueLimits};
 pub use settings::{MAX_IO_THREADS, SUGGESTED_GPU_TURN, Tuning};
-pub use staging::{
-    DEFAULT_CHUNK as DEFAULT_STAGING_CHUNK, DEFAULT_MAX_BACKLOG_BYTES, DEFAULT_MAX_BACKLOG_FRAMES,
-    StagingConfig, StagingError,
-};
+pub use staging::{StagingConfig, StagingError};
 pub use tensor::{Layout, ResultShape, Rung};
 #[cfg(feature = "testing")]
 pub use worker::FAILPOINT_ENV;

@@ -7,8 +7,9 @@
 use std::process::Command;
 use std::time::Instant;
 
+use poolipc::advanced::driver::sim::SimConfig;
 use poolipc::check::{RaceReport, ViolationKind};
-use poolipc::driver::{Opened, SimConfig};
+use poolipc::driver::Opened;
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, ResultShape, Worker};
 
 const ROLE: &str = "POOLIPC_RACE_CHECK_TEST_ROLE";

@@ -153,7 +153,7 @@ impl Script {
         let caps =
             Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS | Capabilities::HOST_STAGING;
         let config = HandshakeConfig {
-            identity: poolipc::identity(&*driver, 0, caps).unwrap(),
+            identity: poolipc::advanced::identity(&*driver, 0, caps).unwrap(),
             required: Capabilities::NONE,
         };
         parent_handshake(

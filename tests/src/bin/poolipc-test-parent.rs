@@ -5,7 +5,8 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use poolipc::{DType, Driver, Input, Layout, Parent, ParentOptions};
+use poolipc::advanced::driver::Driver;
+use poolipc::{DType, Input, Layout, Parent, ParentOptions};
 
 fn run() -> anyhow::Result<()> {
     poolipc_tests::init_tracing();

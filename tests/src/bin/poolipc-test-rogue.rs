@@ -113,7 +113,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use poolipc::Driver;
+use poolipc::advanced::driver::Driver;
 use poolipc_contract::{Ack, CarvedResult, Done, Message, ResultRequest, ResultSpec};
 use poolipc_transport::{Capabilities, HandshakeConfig};
 use poolipc_types::{DType, EventBlob, JobId};
@@ -160,7 +160,7 @@ fn run() -> anyhow::Result<()> {
         );
     }
     let config = HandshakeConfig {
-        identity: poolipc::identity(&*driver, 0, caps)?,
+        identity: poolipc::advanced::identity(&*driver, 0, caps)?,
         required: Capabilities::NONE,
     };
     let deadline = || Instant::now() + Duration::from_secs(30);

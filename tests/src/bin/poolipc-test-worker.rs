@@ -27,7 +27,8 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use poolipc::{Driver, WorkerDevice};
+use poolipc::WorkerDevice;
+use poolipc::advanced::driver::Driver;
 
 fn run() -> anyhow::Result<usize> {
     poolipc_tests::init_tracing();

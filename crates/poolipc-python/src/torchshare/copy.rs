@@ -7,7 +7,8 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
-use poolipc::{DevicePtr, Driver, StreamHandle};
+use poolipc::advanced::driver::Driver;
+use poolipc::{DevicePtr, StreamHandle};
 use poolipc_driver::{Access, Granularity, OwnedEvent, VmmAllocation, VmmMapping, VmmReservation};
 
 use crate::state::OnDevice;

@@ -19,7 +19,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use poolipc::{DevicePtr, Driver, StreamHandle};
+use poolipc::advanced::driver::Driver;
+use poolipc::{DevicePtr, StreamHandle};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 

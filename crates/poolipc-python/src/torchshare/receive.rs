@@ -6,7 +6,8 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use poolipc::{DevicePtr, Driver, StreamHandle};
+use poolipc::advanced::driver::Driver;
+use poolipc::{DevicePtr, StreamHandle};
 use poolipc_driver::ImportedPointer;
 use poolipc_pool::AttachedPool;
 use poolipc_transport::rendezvous::{connect_abstract, recv_with_fd, send_all};

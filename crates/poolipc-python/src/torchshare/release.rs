@@ -6,7 +6,8 @@
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
-use poolipc::{Driver, StreamHandle};
+use poolipc::StreamHandle;
+use poolipc::advanced::driver::Driver;
 use poolipc_driver::OwnedEvent;
 
 use super::wire::OP_RELEASE;

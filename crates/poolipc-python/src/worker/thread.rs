@@ -17,7 +17,8 @@ use std::sync::mpsc::channel;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use poolipc::{DevicePtr, Driver, ResultShape, StreamHandle};
+use poolipc::advanced::driver::Driver;
+use poolipc::{DevicePtr, ResultShape, StreamHandle};
 use poolipc_driver::EventHandle;
 use poolipc_transport::{Connection, TOKEN_LEN};
 use pyo3::prelude::*;
