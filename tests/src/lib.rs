@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{CudaDriver, Driver, DriverKind};
-use poolipc_transport::{
+use poolipc::advanced::driver::sim::{SimConfig, SimDriver};
+use poolipc::advanced::driver::{CudaDriver, Driver, DriverKind};
+use poolipc::advanced::transport::{
     Capabilities, Connection, DeviceUuid, ExtraPool, HandshakeConfig, Identity, Message,
 };
 
@@ -292,13 +292,13 @@ pub fn spawn_child(env: &Env, pool_fd: BorrowedFd<'_>) -> Result<Child> {
         cmd.env(k, v);
     }
     cmd.env("POOLIPC_TEST_DEVICE", env.device.to_string());
-    let (process, mut conn) = poolipc_transport::spawn_worker(cmd)?;
+    let (process, mut conn) = poolipc::advanced::transport::spawn_worker(cmd)?;
     let config = HandshakeConfig {
         identity: env.identity()?,
         required: Capabilities::NONE,
     };
     let deadline = Instant::now() + Duration::from_secs(60);
-    poolipc_transport::parent_handshake(&mut conn, &config, pool_fd, deadline)?;
+    poolipc::advanced::transport::parent_handshake(&mut conn, &config, pool_fd, deadline)?;
     let (sock, unread) = conn.into_parts();
     // The child answers only commands: nothing can have come past the handshake.
     ensure!(

@@ -12,12 +12,12 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::contract::FailReason;
+use poolipc::advanced::driver::DriverKind;
+use poolipc::advanced::types::ImportLimit;
 use poolipc::{Error, Parent, ParentOptions, ResultMemory, Rung, echo};
-use poolipc_contract::FailReason;
-use poolipc_driver::DriverKind;
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, free_results, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
-use poolipc_types::ImportLimit;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;

@@ -9,13 +9,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::types::ImportLimit;
 use poolipc::{
     Error, JobOutput, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, StreamHandle,
     WorkerId,
 };
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, settle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
-use poolipc_types::ImportLimit;
 
 const MIB: u64 = 1 << 20;
 

@@ -8,11 +8,11 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::contract::FailReason;
+use poolipc::advanced::driver::DriverKind;
 use poolipc::{
     DevicePtr, Error, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, WorkerId, echo,
 };
-use poolipc_contract::FailReason;
-use poolipc_driver::DriverKind;
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, echo_job, filled, settle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 

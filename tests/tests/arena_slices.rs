@@ -8,10 +8,10 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::contract::FailReason;
 use poolipc::{
     Error, JobOutput, Parent, ParentOptions, ResultMemory, Rung, StreamHandle, WorkerId,
 };
-use poolipc_contract::FailReason;
 use poolipc_tests::echo_jobs::{self, echo_job, settle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
+use poolipc::advanced::driver::{DevicePtr, StreamHandle};
 use poolipc::{
     Bound, DType, Error, FailReason, Input, Layout, Parent, ParentOptions, ResultMemory, WorkerId,
     echo,
 };
-use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_tests::{Env, both_drivers, rogue_command, tempdir, worker_command};
 
 const MIB: u64 = 1 << 20;

@@ -5,8 +5,9 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc_driver::{CuCode, Driver, DriverError, PoolSharing};
-use poolipc_pool::SharedPool;
+use poolipc::advanced::driver::sim::ViolationKind;
+use poolipc::advanced::driver::{CuCode, Driver, DriverError, PoolSharing};
+use poolipc::advanced::pool::SharedPool;
 use poolipc_tests::{Env, both_drivers, hex, spawn_child};
 
 const MIB: u64 = 1 << 20;
@@ -79,7 +80,7 @@ both_drivers!(
         if let Some(sim) = &env.sim {
             let v = sim.violations();
             ensure!(
-                v.len() == 1 && v[0].kind == poolipc_driver::sim::ViolationKind::ImportOfFreed,
+                v.len() == 1 && v[0].kind == ViolationKind::ImportOfFreed,
                 "the simulation should record the stale import: {v:?}"
             );
             sim.clear_violations();
@@ -91,7 +92,7 @@ both_drivers!(
 both_drivers!(
     fn an_event_without_the_interprocess_flag_has_no_ipc_handle(env) {
         let d = &*env.driver;
-        let ev = poolipc_driver::OwnedEvent::new(d, false)?;
+        let ev = poolipc::advanced::driver::OwnedEvent::new(d, false)?;
         expect_code(ev.ipc_handle(), "cuIpcGetEventHandle", CuCode::INVALID_HANDLE)?;
         ev.close()?;
         Ok(())
@@ -101,7 +102,7 @@ both_drivers!(
 both_drivers!(
     fn a_pool_shared_by_nothing_cannot_export_its_fd(env) {
         let d = &*env.driver;
-        let pool = poolipc_driver::OwnedPool::create(d, env.device, PoolSharing::None)?;
+        let pool = poolipc::advanced::driver::OwnedPool::create(d, env.device, PoolSharing::None)?;
         let r = d.mem_pool_export_fd(pool.handle());
         ensure!(r.is_err(), "a pool with handleTypes NONE exported an FD");
         println!("{:?}: {}", env.kind(), r.err().map(|e| e.to_string()).unwrap_or_default());

@@ -10,11 +10,11 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::driver::{OwnedPool, PoolAllocation, PoolSharing};
+use poolipc::advanced::types::{DType, ImportLimit};
 use poolipc::{DevicePtr, Error, Input, Layout, Parent, ParentOptions, Rung, StreamHandle, echo};
-use poolipc_driver::{OwnedPool, PoolAllocation, PoolSharing};
 use poolipc_tests::echo_jobs::{filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
-use poolipc_types::{DType, ImportLimit};
 
 const MIB: u64 = 1 << 20;
 /// Not a multiple of anything: the copy-back must cover every byte.

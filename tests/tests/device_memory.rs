@@ -12,10 +12,10 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{DevicePtr, Error, Parent, ParentOptions, Rung, echo};
-use poolipc_driver::{
+use poolipc::advanced::driver::{
     Access, DeviceAllocation, Driver, Granularity, VmmAllocation, VmmMapping, VmmReservation,
 };
+use poolipc::{DevicePtr, Error, Parent, ParentOptions, Rung, echo};
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 

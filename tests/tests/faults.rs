@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::contract::FailReason;
+use poolipc::advanced::driver::OwnedPool;
+use poolipc::advanced::driver::{DevicePtr, PoolSharing, StreamHandle};
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
-use poolipc_contract::FailReason;
-use poolipc_driver::{DevicePtr, PoolSharing, StreamHandle};
 use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, tempdir, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -370,9 +371,9 @@ both_drivers!(
         cmd.env("POOLIPC_TEST_REPORT", &report);
         let worker = p.spawn_worker(cmd)?;
         // Memory the parent's pool never saw: a private pool's, as cuda.core's own would be.
-        let other = poolipc_driver::OwnedPool::create(&*d, env.device, PoolSharing::None)?;
+        let other = OwnedPool::create(&*d, env.device, PoolSharing::None)?;
         let foreign_alloc =
-            poolipc_driver::PoolAllocation::from_pool(&*d, MIB, other.handle(), stream)?;
+            poolipc::advanced::driver::PoolAllocation::from_pool(&*d, MIB, other.handle(), stream)?;
         let foreign = foreign_alloc.ptr();
         echo::fill_pattern(&*d, foreign, MIB, 0x5A5A_0101, stream)?;
         let ours = filled(&p, MIB, 0x0F0F_0F0F, stream)?;
@@ -713,7 +714,7 @@ both_drivers!(
 #[test]
 fn under_simulated_mps_a_worker_gpu_fault_ends_the_parent_context_and_is_named() {
     poolipc_tests::init_tracing();
-    let env = Env::sim_with(poolipc_driver::sim::SimConfig {
+    let env = Env::sim_with(poolipc::advanced::driver::sim::SimConfig {
         mps: true,
         ..Default::default()
     })

@@ -3,10 +3,13 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc_driver::{
+use poolipc::advanced::driver::EventBlob;
+use poolipc::advanced::driver::Granularity;
+use poolipc::advanced::driver::OwnedPool;
+use poolipc::advanced::driver::{
     CuCode, DevicePtr, Driver, DriverKind, EventHandle, PoolSharing, StreamHandle,
 };
-use poolipc_pool::SharedPool;
+use poolipc::advanced::pool::SharedPool;
 use poolipc_tests::{Env, both_drivers, hex, num, spawn_child};
 
 const MIB: u64 = 1 << 20;
@@ -50,7 +53,7 @@ both_drivers!(
         let stream = d.stream_create()?;
         let current = d.device_get_mem_pool(env.device)?;
         ensure!(current == pool.handle(), "the device's current pool is not ours");
-        let alloc = poolipc_driver::PoolAllocation::new(d, MIB, stream)?;
+        let alloc = poolipc::advanced::driver::PoolAllocation::new(d, MIB, stream)?;
         ensure!(d.pointer_get_mempool(alloc.ptr())? == pool.handle(), "allocation came from another pool");
         alloc.free(stream)?;
         d.stream_synchronize(stream)?;
@@ -62,9 +65,9 @@ both_drivers!(
     fn pointer_export_fails_before_the_pool_fd_export_and_succeeds_after(env) {
         let d = &*env.driver;
         let stream = d.stream_create()?;
-        let owned_pool = poolipc_driver::OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
+        let owned_pool = OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
         let pool = owned_pool.handle();
-        let alloc = poolipc_driver::PoolAllocation::from_pool(d, MIB, pool, stream)?;
+        let alloc = poolipc::advanced::driver::PoolAllocation::from_pool(d, MIB, pool, stream)?;
         let ptr = alloc.ptr();
         d.stream_synchronize(stream)?;
         let err = d.mem_pool_export_pointer(ptr).expect_err("export before the FD export");
@@ -93,13 +96,13 @@ both_drivers!(
             let flags = FdFlag::from_bits_truncate(fcntl(fd, FcntlArg::F_GETFD)?);
             Ok(flags.contains(FdFlag::FD_CLOEXEC))
         };
-        let owned_pool = poolipc_driver::OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
+        let owned_pool = OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
         let fd = d.mem_pool_export_fd(owned_pool.handle())?;
         ensure!(cloexec(&fd)?, "the pool's exported descriptor is inherited by children");
         drop(fd);
         owned_pool.close()?;
-        let granularity = d.vmm_granularity(env.device, poolipc_driver::Granularity::Minimum)?;
-        let vmm = poolipc_driver::VmmAllocation::create(d, env.device, granularity)?;
+        let granularity = d.vmm_granularity(env.device, Granularity::Minimum)?;
+        let vmm = poolipc::advanced::driver::VmmAllocation::create(d, env.device, granularity)?;
         let fd = d.vmm_export_fd(vmm.handle())?;
         ensure!(cloexec(&fd)?, "a VMM allocation's exported descriptor is inherited by children");
         drop(fd);
@@ -140,8 +143,7 @@ fn child_reads_and_writes_in_place(env: &Env, bytes: u64) -> Result<()> {
         child.call(&format!("fill {theirs} {offset} {} 5a5a0002", 4096 / 4))?;
     }
     let done = child.call("record")?;
-    let done =
-        d.ipc_open_event_handle(&poolipc_driver::EventBlob(poolipc_tests::unhex(&done[0])?))?;
+    let done = d.ipc_open_event_handle(&EventBlob(poolipc_tests::unhex(&done[0])?))?;
     child.call(&format!("free {theirs}"))?;
     d.stream_wait_event(stream, done)?;
     d.stream_synchronize(stream)?;
@@ -196,7 +198,7 @@ both_drivers!(
         // Child → parent: the child fills everything and records DONE without synchronizing.
         child.call(&format!("fill {theirs} 0 {} 22222222", bytes / 4))?;
         let done = child.call("record")?;
-        let done = d.ipc_open_event_handle(&poolipc_driver::EventBlob(poolipc_tests::unhex(&done[0])?))?;
+        let done = d.ipc_open_event_handle(&EventBlob(poolipc_tests::unhex(&done[0])?))?;
         d.stream_wait_event(stream, done)?;
         d.stream_synchronize(stream)?;
         ensure!(bad_words(d, ptr, bytes - MIB, MIB as usize, 0x2222_2222)? == 0, "the parent read before DONE");

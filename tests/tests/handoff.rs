@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
+use poolipc::advanced::driver::{DevicePtr, Driver, StreamHandle};
+use poolipc::advanced::pool::ImportLimit;
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
-use poolipc_driver::{DevicePtr, Driver, StreamHandle};
-use poolipc_pool::ImportLimit;
 use poolipc_tests::{Env, both_drivers, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -451,7 +451,7 @@ both_drivers!(
         let d = Arc::clone(p.driver());
         let stream = d.stream_create()?;
         let dir = std::env::temp_dir().join(format!("poolipc-test-{}-{:?}", std::process::id(), env.kind()));
-        let listener = poolipc_transport::PrivateListener::bind(&dir, "parent.sock")?;
+        let listener = poolipc::advanced::transport::PrivateListener::bind(&dir, "parent.sock")?;
         // Not spawned through the parent: a plain process told where the socket is.
         let mut cmd = worker_command(env, None)?;
         cmd.env("POOLIPC_SOCKET", listener.path());

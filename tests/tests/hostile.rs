@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
+use poolipc::advanced::contract::FailReason;
+use poolipc::advanced::driver::{DevicePtr, StreamHandle};
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, echo};
-use poolipc_contract::FailReason;
-use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -138,7 +138,7 @@ both_drivers!(
                 device: env.device,
                 // 2 chunks of 1 MiB stand in for the 128 x 32 MiB rule; no arena copies:
                 // a 5 MiB tensor takes host staging both ways.
-                limit: poolipc_pool::ImportLimit::new(MIB, 2).expect("limit"),
+                limit: poolipc::advanced::pool::ImportLimit::new(MIB, 2).expect("limit"),
                 arena_copy: false,
                 staging: poolipc::staging::StagingConfig {
                     timeout: Duration::from_secs(3),

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
+use poolipc::advanced::transport::Capabilities;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, Trust, echo};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
@@ -84,7 +85,7 @@ both_drivers!(
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let info = p.worker(w).ok_or_else(|| anyhow::anyhow!("the worker is not registered"))?;
         ensure!(
-            !info.identity.capabilities.contains(poolipc_transport::Capabilities::POOL_POINTER),
+            !info.identity.capabilities.contains(Capabilities::POOL_POINTER),
             "an isolated worker said it takes pool pointers: {:?}",
             info.identity.capabilities
         );
@@ -185,7 +186,7 @@ fn parent_with_both(env: &Env) -> Result<(Parent, poolipc::WorkerId, poolipc::Wo
         ensure!(
             info.identity
                 .capabilities
-                .contains(poolipc_transport::Capabilities::POOL_POINTER)
+                .contains(Capabilities::POOL_POINTER)
                 == (trust == Trust::Trusted),
             "{w} ({trust:?}) says {:?}",
             info.identity.capabilities

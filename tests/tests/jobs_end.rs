@@ -12,12 +12,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
+use poolipc::advanced::driver::DevicePtr;
+use poolipc::advanced::driver::sim::SimConfig;
 use poolipc::{
     Bound, DType, Error, FailReason, Input, Layout, Parent, ParentOptions, StreamHandle, WorkerId,
     echo,
 };
-use poolipc_driver::DevicePtr;
-use poolipc_driver::sim::SimConfig;
 use poolipc_tests::{Env, both_drivers, fd_targets, fds_added, rogue_command, worker_command};
 
 const KIB: u64 = 1 << 10;
@@ -258,7 +258,7 @@ both_drivers!(
         // and a free poisons the bytes it frees on the host, so the hoarder's gigabytes coming
         // back stall the simulated machine for up to a second or so (libcuda's frees are
         // stream-ordered and take no time on the host): beside it the bound is 3 s.
-        let sim = matches!(env.kind(), poolipc_driver::DriverKind::Sim);
+        let sim = matches!(env.kind(), poolipc::advanced::driver::DriverKind::Sim);
         for (cases, worst_bound) in [
             (&chatter[..], if sim { Duration::from_secs(1) } else { HONEST_BOUND }),
             (&hog[..], if sim { Duration::from_secs(3) } else { HONEST_BOUND }),

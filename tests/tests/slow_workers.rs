@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
+use poolipc::advanced::driver::{DevicePtr, StreamHandle};
 use poolipc::{
     DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, StagingConfig, echo,
 };
-use poolipc_driver::{DevicePtr, StreamHandle};
 use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, worker_command};
 
 const KIB: u64 = 1 << 10;
@@ -255,9 +255,9 @@ both_drivers!(
 
 both_drivers!(
     /// A rogue drips a valid 1 KiB frame one byte a millisecond, a descriptor on each byte:
-    /// the parent holds at most [`poolipc_transport::PARTIAL_FD_SLACK`] more than the frame
-    /// carries (the process's descriptors stay within 16 of the baseline) and condemns the
-    /// rogue at once, closing them.
+    /// the parent holds at most [`poolipc::advanced::transport::PARTIAL_FD_SLACK`] more than
+    /// the frame carries (the process's descriptors stay within 16 of the baseline) and
+    /// condemns the rogue at once, closing them.
     fn descriptors_dripped_onto_a_slow_frame_stay_bounded_and_condemn_the_worker(env) {
         let p = parent(env, ParentOptions::default())?;
         let d = Arc::clone(p.driver());

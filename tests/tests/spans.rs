@@ -165,7 +165,7 @@ fn two_at_once(env: &Env) -> Result<u64> {
 fn two_busy_workers_without_mps_are_logged_once_and_under_mps_not_at_all() -> Result<()> {
     let captured = captured()?;
     let said = || captured.text().matches(TURNS).count();
-    let mps = Env::sim_with(poolipc_driver::sim::SimConfig {
+    let mps = Env::sim_with(poolipc::advanced::driver::sim::SimConfig {
         mps: true,
         ..Default::default()
     })?;

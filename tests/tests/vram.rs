@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::types::ImportLimit;
 use poolipc::{Parent, ParentOptions, ResultMemory, Rung, StreamHandle};
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, echo_job, filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
-use poolipc_types::ImportLimit;
 
 const MIB: u64 = 1 << 20;
 /// What a release may fall short of the released bytes (the bound).

@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use poolipc::advanced::driver::Driver;
 use poolipc::advanced::driver::sim::MACHINE_ENV;
 use poolipc::driver::Choice;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, echo};
-use poolipc_driver::Driver;
 
 /// Options of `poolipc demo`.
 #[derive(Debug, clap::Args)]
@@ -95,7 +95,7 @@ pub(crate) fn open_driver(sim: bool, device: u32) -> Result<Opened> {
 fn open(args: &Args) -> Result<Opened> {
     let choice = if args.sim { Choice::Sim } else { Choice::Auto };
     let o = poolipc::driver::open_choice(choice)?;
-    let which = if o.driver.kind() == poolipc_driver::DriverKind::Cuda {
+    let which = if o.driver.kind() == poolipc::advanced::driver::DriverKind::Cuda {
         let name = o
             .driver
             .device_info(args.device)
@@ -142,7 +142,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     let stream = d.stream_create()?;
     println!();
     println!("{LEGEND}");
-    if d.kind() == poolipc_driver::DriverKind::Sim {
+    if d.kind() == poolipc::advanced::driver::DriverKind::Sim {
         println!("{SIM_FIRST_TOUCH}");
     }
     println!();
@@ -152,7 +152,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     );
     let mut failures = 0;
     let mut cases = cases();
-    if d.kind() == poolipc_driver::DriverKind::Cuda {
+    if d.kind() == poolipc::advanced::driver::DriverKind::Cuda {
         // Over the 128-chunk import limit: host staging, both ways.
         cases.push(Case {
             name: "u8 5 GiB (staged)",

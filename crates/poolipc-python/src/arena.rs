@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::{DriverError, OwnedEvent};
 use poolipc::{DType, ResultTensor, StreamHandle};
-use poolipc_driver::{DriverError, OwnedEvent};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 

@@ -134,7 +134,7 @@ fn run(parent: &Parent, test: &str, mistake: Mistake, seed: Option<u64>, jobs: u
     let d = parent.driver().clone();
     // Owned: destroyed when the run ends, so a thousand runs on one parent do not use up the
     // device's streams.
-    let owned = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(&d)).unwrap();
+    let owned = poolipc::advanced::driver::OwnedStream::new(std::sync::Arc::clone(&d)).unwrap();
     let stream = owned.handle();
     let mut outcomes = Vec::new();
     for _ in 0..jobs {

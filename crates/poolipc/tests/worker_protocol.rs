@@ -10,16 +10,16 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use poolipc::staging::{StagingChannel, StagingConfig};
-use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{DevicePtr, Driver, EventHandle, StreamHandle};
-use poolipc_pool::SharedPool;
-use poolipc_transport::Layout;
-use poolipc_transport::{
+use poolipc::advanced::driver::sim::{SimConfig, SimDriver};
+use poolipc::advanced::driver::{DevicePtr, Driver, EventHandle, StreamHandle};
+use poolipc::advanced::pool::SharedPool;
+use poolipc::advanced::transport::Layout;
+use poolipc::advanced::transport::{
     AllocId, AllocationGrant, Capabilities, Connection, DType, ErrorCode, EventBlob, ExportBlob,
     HandoffId, HandshakeConfig, JobId, Lend, LentTensor, Message, ResultGrant, Rung, TensorMeta,
     parent_handshake, spawn_worker,
 };
+use poolipc::staging::{StagingChannel, StagingConfig};
 
 const ROLE: &str = "POOLIPC_WORKER_PROTOCOL_TEST_ROLE";
 const REPORT: &str = "POOLIPC_WORKER_PROTOCOL_TEST_REPORT";
@@ -217,9 +217,11 @@ impl Script {
         let Message::Done(done) = message else {
             panic!("expected a Done, got {message:?}");
         };
-        let event =
-            poolipc_driver::OwnedEvent::open_ipc(Arc::clone(&self.driver), &done.done_event)
-                .unwrap();
+        let event = poolipc::advanced::driver::OwnedEvent::open_ipc(
+            Arc::clone(&self.driver),
+            &done.done_event,
+        )
+        .unwrap();
         self.driver
             .stream_wait_event(self.stream, event.handle())
             .unwrap();
@@ -398,12 +400,12 @@ fn an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_jo
     let mut s = Script::start(
         "an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_job",
     );
-    let arena = poolipc_pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
+    let arena = poolipc::advanced::pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
     let chunk = arena.chunks().next().unwrap();
     let fd = arena.export_fd(0).unwrap();
     s.conn
         .send(
-            &Message::ArenaChunk(poolipc_transport::ArenaChunk {
+            &Message::ArenaChunk(poolipc::advanced::transport::ArenaChunk {
                 index: 0,
                 len: chunk.len,
             }),
@@ -486,12 +488,12 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
     let mut s = Script::start(
         "an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_through_the_mapping",
     );
-    let arena = poolipc_pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
+    let arena = poolipc::advanced::pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
     let chunk = arena.chunks().next().unwrap();
     let fd = arena.export_fd(0).unwrap();
     s.conn
         .send(
-            &Message::ArenaChunk(poolipc_transport::ArenaChunk {
+            &Message::ArenaChunk(poolipc::advanced::transport::ArenaChunk {
                 index: 0,
                 len: chunk.len,
             }),
@@ -508,7 +510,7 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
         ready_event: ready,
         meta: bytes_meta(4096),
         read_only: false,
-        arena: Some(poolipc_transport::ArenaLocation { chunk, offset }),
+        arena: Some(poolipc::advanced::transport::ArenaLocation { chunk, offset }),
     };
     // Past the chunk's end, then a chunk never announced: the job's view cannot be built;
     // it is reported failed (JobError naming why), finished (Done, Ack), and the worker
@@ -727,12 +729,12 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
         "a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_only_their_job",
     );
     // Results go to the arena: one chunk, announced.
-    let arena = poolipc_pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
+    let arena = poolipc::advanced::pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
     let chunk = arena.chunks().next().unwrap();
     let fd = arena.export_fd(0).unwrap();
     s.conn
         .send(
-            &Message::ArenaChunk(poolipc_transport::ArenaChunk {
+            &Message::ArenaChunk(poolipc::advanced::transport::ArenaChunk {
                 index: 0,
                 len: chunk.len,
             }),
@@ -744,24 +746,25 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
     // parent does: retained from an interior address, exported, released.
     let d = Arc::clone(&s.driver);
     let g = d
-        .vmm_granularity(0, poolipc_driver::Granularity::Minimum)
+        .vmm_granularity(0, poolipc::advanced::driver::Granularity::Minimum)
         .unwrap();
     // Unmapped (and its range freed) before the handle is released, at the end.
-    let h = poolipc_driver::VmmAllocation::create(Arc::clone(&d), 0, g).unwrap();
-    let range = poolipc_driver::VmmReservation::reserve(Arc::clone(&d), g, 0).unwrap();
-    let mapping = poolipc_driver::VmmMapping::map(range, h.handle()).unwrap();
+    let h = poolipc::advanced::driver::VmmAllocation::create(Arc::clone(&d), 0, g).unwrap();
+    let range = poolipc::advanced::driver::VmmReservation::reserve(Arc::clone(&d), g, 0).unwrap();
+    let mapping = poolipc::advanced::driver::VmmMapping::map(range, h.handle()).unwrap();
     let va = mapping.ptr();
     mapping
-        .set_access(0, poolipc_driver::Access::ReadWrite)
+        .set_access(0, poolipc::advanced::driver::Access::ReadWrite)
         .unwrap();
     poolipc::echo::fill_pattern(&*d, va, g, 0x5A5A_A5A5, s.stream).unwrap();
     d.event_record(s.ready, s.stream).unwrap();
-    let retained = poolipc_driver::VmmAllocation::retain(Arc::clone(&d), va.offset(4096)).unwrap();
+    let retained =
+        poolipc::advanced::driver::VmmAllocation::retain(Arc::clone(&d), va.offset(4096)).unwrap();
     let share_fd = d.vmm_export_fd(retained.handle()).unwrap();
     retained.close().unwrap();
     s.conn
         .send(
-            &Message::VmmShare(poolipc_transport::VmmShare {
+            &Message::VmmShare(poolipc::advanced::transport::VmmShare {
                 alloc: AllocId(50),
                 base: va.0,
                 len: g,
@@ -890,7 +893,7 @@ fn a_worker_takes_a_pool_generation_at_any_free_index_and_destroys_a_retired_one
     let fd = s.pool.fd();
     s.conn
         .send(
-            &Message::ExtraPool(poolipc_transport::ExtraPool { index: 7, device }),
+            &Message::ExtraPool(poolipc::advanced::transport::ExtraPool { index: 7, device }),
             &[fd.as_fd()],
             deadline(),
         )
@@ -901,10 +904,12 @@ fn a_worker_takes_a_pool_generation_at_any_free_index_and_destroys_a_retired_one
     }
     // The Hello pool (index 0) is retired; an index never given is answered too.
     for index in [0, 9] {
-        s.send(Message::PoolRetire(poolipc_transport::PoolRetire { index }));
+        s.send(Message::PoolRetire(
+            poolipc::advanced::transport::PoolRetire { index },
+        ));
         assert_eq!(
             s.recv(),
-            Message::PoolRetired(poolipc_transport::PoolRetire { index })
+            Message::PoolRetired(poolipc::advanced::transport::PoolRetire { index })
         );
     }
     s.pool.destroy_retired(r.retired).unwrap();

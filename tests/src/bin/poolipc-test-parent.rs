@@ -10,9 +10,9 @@ use poolipc::{DType, Input, Layout, Parent, ParentOptions};
 
 fn run() -> anyhow::Result<()> {
     poolipc_tests::init_tracing();
-    let driver: Arc<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
+    let driver: Arc<dyn Driver> = match poolipc::advanced::driver::sim::SimDriver::from_env() {
         Some(sim) => Arc::new(sim?),
-        None => Arc::new(poolipc_driver::CudaDriver::new()?),
+        None => Arc::new(poolipc::advanced::driver::CudaDriver::new()?),
     };
     let parent = Parent::new(Arc::clone(&driver), ParentOptions::default())?;
     let mut cmd = std::process::Command::new(poolipc_tests::sibling_binary(

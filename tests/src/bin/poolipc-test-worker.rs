@@ -32,17 +32,17 @@ use poolipc::advanced::driver::Driver;
 
 fn run() -> anyhow::Result<usize> {
     poolipc_tests::init_tracing();
-    let driver: Arc<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
+    let driver: Arc<dyn Driver> = match poolipc::advanced::driver::sim::SimDriver::from_env() {
         Some(sim) => Arc::new(sim?),
-        None => Arc::new(poolipc_driver::CudaDriver::new()?),
+        None => Arc::new(poolipc::advanced::driver::CudaDriver::new()?),
     };
     // Started by someone else: connect to the parent's private listening socket.
     let conn = match std::env::var_os("POOLIPC_SOCKET") {
         Some(path) => {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-            poolipc_transport::connect_private(std::path::Path::new(&path), deadline)?
+            poolipc::advanced::transport::connect_private(std::path::Path::new(&path), deadline)?
         }
-        None => poolipc_transport::connection_from_env()?,
+        None => poolipc::advanced::transport::connection_from_env()?,
     };
     let choice = match std::env::var("POOLIPC_TEST_DEVICE").as_deref() {
         Ok("parent") => WorkerDevice::Parent,

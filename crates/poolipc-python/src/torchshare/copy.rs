@@ -8,8 +8,10 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::{
+    Access, Granularity, OwnedEvent, VmmAllocation, VmmMapping, VmmReservation,
+};
 use poolipc::{DevicePtr, StreamHandle};
-use poolipc_driver::{Access, Granularity, OwnedEvent, VmmAllocation, VmmMapping, VmmReservation};
 
 use crate::state::OnDevice;
 

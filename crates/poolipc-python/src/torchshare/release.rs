@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use poolipc::StreamHandle;
 use poolipc::advanced::driver::Driver;
-use poolipc_driver::OwnedEvent;
+use poolipc::advanced::driver::OwnedEvent;
 
 use super::wire::OP_RELEASE;
 use super::{Peer, driver};

@@ -18,9 +18,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::EventHandle;
+use poolipc::advanced::transport::{Connection, TOKEN_LEN};
 use poolipc::{DevicePtr, ResultShape, StreamHandle};
-use poolipc_driver::EventHandle;
-use poolipc_transport::{Connection, TOKEN_LEN};
 use pyo3::prelude::*;
 
 use super::view::Shown;
@@ -140,7 +140,7 @@ fn connect(source: &Source) -> Result<Option<Connection>, String> {
         return Ok(None);
     };
     let deadline = Instant::now() + CONNECT_TIMEOUT;
-    let mut conn = poolipc_transport::connect_private(path, deadline).map_err(|e| {
+    let mut conn = poolipc::advanced::transport::connect_private(path, deadline).map_err(|e| {
         format!(
             "{CONNECT_REFUSED}: no poolipc parent listens at {}: {e}",
             path.display()
