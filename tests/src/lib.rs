@@ -28,6 +28,7 @@ use poolipc::advanced::transport::{
 
 pub mod chaos;
 pub mod child;
+pub mod echo;
 pub mod echo_jobs;
 
 /// Which driver a test body runs on.
@@ -200,7 +201,7 @@ pub fn sibling_binary(name: &str, var: &str) -> Result<PathBuf> {
     )
 }
 
-/// A command starting the facade test worker (`poolipc::echo`), attached to `env`'s driver.
+/// A command starting the facade test worker ([`echo`](crate::echo)), attached to `env`'s driver.
 pub fn worker_command(env: &Env, die_at: Option<&str>) -> Result<Command> {
     let mut cmd = attached_command(env, "poolipc-test-worker", "POOLIPC_TEST_WORKER")?;
     if let Some(step) = die_at {

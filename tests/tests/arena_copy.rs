@@ -15,7 +15,8 @@ use anyhow::{Context, Result, bail, ensure};
 use poolipc::advanced::contract::FailReason;
 use poolipc::advanced::driver::DriverKind;
 use poolipc::advanced::types::ImportLimit;
-use poolipc::{Error, Parent, ParentOptions, ResultMemory, Rung, echo};
+use poolipc::{Error, Parent, ParentOptions, ResultMemory, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, free_results, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 

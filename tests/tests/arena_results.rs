@@ -11,8 +11,9 @@ use anyhow::{Context, Result, bail, ensure};
 use poolipc::advanced::contract::FailReason;
 use poolipc::advanced::driver::DriverKind;
 use poolipc::{
-    DevicePtr, Error, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, WorkerId, echo,
+    DevicePtr, Error, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, WorkerId,
 };
+use poolipc_tests::echo;
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, echo_job, filled, settle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 

@@ -10,8 +10,8 @@ use anyhow::{Context as _, Result, bail, ensure};
 use poolipc::advanced::driver::{DevicePtr, StreamHandle};
 use poolipc::{
     Bound, DType, Error, FailReason, Input, Layout, Parent, ParentOptions, ResultMemory, WorkerId,
-    echo,
 };
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, rogue_command, tempdir, worker_command};
 
 const MIB: u64 = 1 << 20;

@@ -12,7 +12,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail, ensure};
 use poolipc::advanced::driver::{OwnedPool, PoolAllocation, PoolSharing};
 use poolipc::advanced::types::{DType, ImportLimit};
-use poolipc::{DevicePtr, Error, Input, Layout, Parent, ParentOptions, Rung, StreamHandle, echo};
+use poolipc::{DevicePtr, Error, Input, Layout, Parent, ParentOptions, Rung, StreamHandle};
+use poolipc_tests::echo;
 use poolipc_tests::echo_jobs::{filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 

@@ -15,7 +15,8 @@ use anyhow::{Context, Result, bail, ensure};
 use poolipc::advanced::driver::{
     Access, DeviceAllocation, Driver, Granularity, VmmAllocation, VmmMapping, VmmReservation,
 };
-use poolipc::{DevicePtr, Error, Parent, ParentOptions, Rung, echo};
+use poolipc::{DevicePtr, Error, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 

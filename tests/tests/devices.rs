@@ -16,7 +16,8 @@ use anyhow::{Result, ensure};
 use poolipc::advanced::driver::sim::{SimConfig, SimDriver, VISIBLE_ENV};
 use poolipc::advanced::driver::{CudaDriver, Driver, StreamHandle};
 use poolipc::advanced::transport::{ErrorCode, HandshakeError};
-use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, worker_command};
 
 const MIB: u64 = 1 << 20;

@@ -10,7 +10,8 @@ use anyhow::{Result, ensure};
 use poolipc::advanced::driver::sim::SimConfig;
 use poolipc::advanced::driver::{DevicePtr, StreamHandle};
 use poolipc::advanced::pool::ExportCacheStats;
-use poolipc::{DType, ExportReuse, Input, Layout, Parent, ParentOptions, Rung, echo};
+use poolipc::{DType, ExportReuse, Input, Layout, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, worker_command};
 
 const MIB: u64 = 1 << 20;

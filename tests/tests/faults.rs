@@ -9,7 +9,8 @@ use anyhow::{Context, Result, bail, ensure};
 use poolipc::advanced::contract::FailReason;
 use poolipc::advanced::driver::OwnedPool;
 use poolipc::advanced::driver::{DevicePtr, PoolSharing, StreamHandle};
-use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, tempdir, worker_command};
 
 const MIB: u64 = 1 << 20;

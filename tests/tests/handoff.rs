@@ -5,7 +5,8 @@ use std::sync::Arc;
 use anyhow::{Result, ensure};
 use poolipc::advanced::driver::{DevicePtr, Driver, StreamHandle};
 use poolipc::advanced::pool::ImportLimit;
-use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, worker_command};
 
 const MIB: u64 = 1 << 20;

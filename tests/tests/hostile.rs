@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail, ensure};
 use poolipc::advanced::contract::FailReason;
 use poolipc::advanced::driver::{DevicePtr, StreamHandle};
-use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, echo};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, worker_command};
 
 const MIB: u64 = 1 << 20;

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
 use poolipc::advanced::transport::Capabilities;
-use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, Trust, echo};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, Trust};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
 const MIB: u64 = 1 << 20;

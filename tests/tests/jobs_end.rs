@@ -16,8 +16,8 @@ use poolipc::advanced::driver::DevicePtr;
 use poolipc::advanced::driver::sim::SimConfig;
 use poolipc::{
     Bound, DType, Error, FailReason, Input, Layout, Parent, ParentOptions, StreamHandle, WorkerId,
-    echo,
 };
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, fd_targets, fds_added, rogue_command, worker_command};
 
 const KIB: u64 = 1 << 10;

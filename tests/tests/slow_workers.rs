@@ -9,9 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
 use poolipc::advanced::driver::{DevicePtr, StreamHandle};
-use poolipc::{
-    DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, StagingConfig, echo,
-};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, StagingConfig};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, worker_command};
 
 const KIB: u64 = 1 << 10;

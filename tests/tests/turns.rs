@@ -10,7 +10,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use poolipc::{DType, Input, JobHandle, Layout, Parent, ParentOptions, WorkerId, echo};
+use poolipc::{DType, Input, JobHandle, Layout, Parent, ParentOptions, WorkerId};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, tempdir, worker_command};
 
 const KIB: u64 = 1 << 10;

@@ -8,7 +8,9 @@ use anyhow::{Context, Result};
 use poolipc::advanced::driver::Driver;
 use poolipc::advanced::driver::sim::MACHINE_ENV;
 use poolipc::driver::Choice;
-use poolipc::{DType, Input, Layout, Parent, ParentOptions, echo};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions};
+
+use crate::echo;
 
 /// Options of `poolipc demo`.
 #[derive(Debug, clap::Args)]
@@ -249,7 +251,7 @@ pub(crate) fn worker_main() -> Result<ExitCode> {
             .with_context(|| format!("POOLIPC_WORKER_MODE={mode}"))?;
         echo::serve_produce(&mut worker, bytes)?;
     } else {
-        echo::serve(&mut worker, None)?;
+        echo::serve(&mut worker)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -62,12 +62,6 @@ mod canary;
 pub mod check;
 pub mod driver;
 mod driver_loop;
-// The canary battery answers with it; public for the demo and the tests under `echo`.
-#[cfg(feature = "echo")]
-pub mod echo;
-#[cfg(not(feature = "echo"))]
-#[allow(unreachable_pub, dead_code)]
-mod echo;
 mod error;
 mod handshake;
 pub mod mps;

@@ -1,5 +1,6 @@
-//! The facade's worker (`poolipc::echo` over [`poolipc::Worker`]) against a scripted parent on
-//! SimDriver: what it sends, in what order, is what the contract's worker machine emitted.
+//! The facade's worker (the tests' echo worker over [`poolipc::Worker`]) against a scripted
+//! parent on SimDriver: what it sends, in what order, is what the contract's worker machine
+//! emitted.
 //! Each test re-executes this binary as the worker (`--exact <its own name>`), which serves
 //! jobs with the echo worker until Bye and appends `<job> <read-only flags>` per job to the
 //! file named by `REPORT`.
@@ -20,6 +21,11 @@ use poolipc::advanced::transport::{
     parent_handshake, spawn_worker,
 };
 use poolipc::staging::{StagingChannel, StagingConfig};
+
+// The echo worker of the multi-process tests (crate `poolipc-tests`), one source for both.
+#[path = "../../../tests/src/echo.rs"]
+#[allow(dead_code, unreachable_pub)] // the tests' module: this binary uses part of it
+mod echo;
 
 const ROLE: &str = "POOLIPC_WORKER_PROTOCOL_TEST_ROLE";
 const REPORT: &str = "POOLIPC_WORKER_PROTOCOL_TEST_REPORT";
@@ -96,7 +102,7 @@ fn serve() -> ! {
         // An input of 8192 bytes: once the job is finished, the parent (this script) wants
         // the cached VMM mappings dropped, as its `Release` will ask.
         let release = job.inputs().first().is_some_and(|i| i.byte_len() == 8192);
-        match poolipc::echo::answer(&mut job, None) {
+        match echo::answer(&mut job) {
             Ok(()) => job.finish().unwrap(),
             Err(e) => job.fail(&e.to_string()).unwrap(),
         }
@@ -179,7 +185,7 @@ impl Script {
     /// A pool allocation of `bytes` filled with `pattern`, READY recorded after.
     fn pooled(&self, bytes: u64, pattern: u32) -> (DevicePtr, ExportBlob) {
         let ptr = self.pool.alloc(bytes, self.stream).unwrap();
-        poolipc::echo::fill_pattern(&*self.driver, ptr, bytes, pattern, self.stream).unwrap();
+        echo::fill_pattern(&*self.driver, ptr, bytes, pattern, self.stream).unwrap();
         self.driver.event_record(self.ready, self.stream).unwrap();
         (ptr, self.pool.export(ptr).unwrap())
     }
@@ -289,7 +295,7 @@ fn a_lend_arriving_while_a_job_waits_for_its_grant_is_served_after_that_job_acks
         "job 1's Ack"
     );
     s.wait_done(&done);
-    poolipc::echo::verify_echo(&*s.driver, result, 4096, 0, 0x1122_3344, 0).unwrap();
+    echo::verify_echo(&*s.driver, result, 4096, 0, 0x1122_3344, 0).unwrap();
     let Message::ResultRequest(request) = s.recv() else {
         panic!("job 2 was not served")
     };
@@ -324,7 +330,7 @@ fn a_read_only_staged_input_stays_and_a_staged_result_follows_the_done_that_name
     assert!(ch.take_backlog().is_empty());
     let bytes = 10_000;
     let src = s.driver.mem_alloc_async(bytes, s.stream).unwrap();
-    poolipc::echo::fill_pattern(&*s.driver, src, bytes, 0x5566_7788, s.stream).unwrap();
+    echo::fill_pattern(&*s.driver, src, bytes, 0x5566_7788, s.stream).unwrap();
     let (_, pointer) = s.pooled(64, 0x0102_0304);
     let lent = vec![
         LentTensor {
@@ -389,7 +395,7 @@ fn a_read_only_staged_input_stays_and_a_staged_result_follows_the_done_that_name
         "the Ack after the staged bytes"
     );
     s.wait_done(&done);
-    poolipc::echo::verify_echo(&*s.driver, dst, bytes, 0, 0x5566_7788, 0).unwrap();
+    echo::verify_echo(&*s.driver, dst, bytes, 0, 0x5566_7788, 0).unwrap();
     drop(ch);
     assert_eq!(s.end(), "7 [true, false]\n");
 }
@@ -476,7 +482,7 @@ fn an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_jo
     assert_eq!(handles(&done), [HandoffId(5), HandoffId(6)]);
     assert_eq!(handles(&s.recv()).len(), 2, "the Ack");
     s.wait_done(&done);
-    poolipc::echo::verify_echo(&*s.driver, block.ptr, 4096, 0, 0x0A0B_0C0D, 0).unwrap();
+    echo::verify_echo(&*s.driver, block.ptr, 4096, 0, 0x0A0B_0C0D, 0).unwrap();
     assert_eq!(s.end(), "1 [false]\n2 [false]\n3 [false]\n");
     drop(arena);
 }
@@ -566,7 +572,7 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
     assert_eq!(handles(&done), [HandoffId(3), HandoffId(4)]);
     assert_eq!(handles(&s.recv()).len(), 2, "the Ack");
     s.wait_done(&done);
-    poolipc::echo::verify_echo(&*s.driver, out.ptr, 4096, 0, 0x0A0B_0C0D, 0).unwrap();
+    echo::verify_echo(&*s.driver, out.ptr, 4096, 0, 0x0A0B_0C0D, 0).unwrap();
     let report = s.end();
     let lines: Vec<&str> = report.lines().collect();
     assert_eq!(lines.len(), 3, "{report}");
@@ -680,7 +686,7 @@ fn a_spinning_worker_serves_lends_inside_and_after_its_window_and_writes_done_wi
         };
         assert_eq!(ack.job, JobId(job));
         s.wait_done(&done);
-        poolipc::echo::verify_echo(&*s.driver, result, 4096, 0, 0x5566_7788, 0).unwrap();
+        echo::verify_echo(&*s.driver, result, 4096, 0, 0x5566_7788, 0).unwrap();
     }
     assert_eq!(s.end(), "1 [false]\n2 [false]\n");
 }
@@ -756,7 +762,7 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
     mapping
         .set_access(0, poolipc::advanced::driver::Access::ReadWrite)
         .unwrap();
-    poolipc::echo::fill_pattern(&*d, va, g, 0x5A5A_A5A5, s.stream).unwrap();
+    echo::fill_pattern(&*d, va, g, 0x5A5A_A5A5, s.stream).unwrap();
     d.event_record(s.ready, s.stream).unwrap();
     let retained =
         poolipc::advanced::driver::VmmAllocation::retain(Arc::clone(&d), va.offset(4096)).unwrap();
@@ -814,7 +820,7 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
         assert_eq!(handles(&done).len(), 2, "job {job}");
         assert_eq!(handles(&s.recv()).len(), 2, "job {job}: the Ack");
         s.wait_done(&done);
-        poolipc::echo::verify_echo(&*s.driver, out.ptr, bytes, 0, 0x5A5A_A5A5, 0).unwrap();
+        echo::verify_echo(&*s.driver, out.ptr, bytes, 0, 0x5A5A_A5A5, 0).unwrap();
     };
     // A refused job: its view cannot be built; reported, finished, and the worker goes on.
     let refuse = |s: &mut Script, job: u64, tensor: LentTensor| {
