@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use poolipc::advanced::driver::{
     DevicePtr, Driver, EventBlob, EventHandle, ExportBlob, ImportedPointer, OwnedEvent,
-    StreamHandle,
+    OwnedStream, StreamHandle,
 };
 use poolipc::advanced::pool::{ArenaMapping, AttachedPool};
 use poolipc::advanced::transport::{Capabilities, Connection, HandshakeConfig, Message};
@@ -204,7 +204,7 @@ impl Worker {
                 let (ev, h) = match self.event {
                     Some(e) => e,
                     None => {
-                        let ev = d.event_create(true)?;
+                        let ev = OwnedEvent::new(d, true)?.into_raw();
                         let h = d.ipc_get_event_handle(ev)?;
                         self.event = Some((ev, h));
                         (ev, h)
@@ -274,7 +274,8 @@ pub fn main() -> Result<()> {
     let (_peer, pool_fd) =
         poolipc::advanced::transport::worker_handshake(&mut conn, &config, deadline)?;
     let pool = AttachedPool::attach(Arc::clone(&driver), pool_fd.as_fd(), device)?;
-    let stream = driver.stream_create()?;
+    let owned_stream = OwnedStream::new(driver.clone())?;
+    let stream = owned_stream.handle();
     // What the handshake read past its last frame (the parent's first command may have
     // come with it) is read before the socket.
     let (sock, unread) = conn.into_parts();

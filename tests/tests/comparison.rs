@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use anyhow::{Result, ensure};
 use poolipc::advanced::driver::sim::ViolationKind;
-use poolipc::advanced::driver::{CuCode, Driver, DriverError, PoolSharing};
+use poolipc::advanced::driver::{CuCode, Driver, DriverError, OwnedStream, PoolSharing};
 use poolipc::advanced::pool::SharedPool;
 use poolipc_tests::{Env, both_drivers, hex, spawn_child};
 
@@ -45,7 +45,8 @@ both_drivers!(
     fn importing_the_same_export_twice_gives_the_same_address(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let ptr = pool.alloc(MIB, stream)?;
         d.stream_synchronize(stream)?;
         let blob = hex(&pool.export(ptr)?.0);
@@ -67,7 +68,8 @@ both_drivers!(
     fn an_export_of_freed_memory_the_pool_still_holds_imports_anyway(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let ptr = pool.alloc(MIB, stream)?;
         d.stream_synchronize(stream)?;
         let blob = hex(&pool.export(ptr)?.0);
@@ -115,7 +117,8 @@ both_drivers!(
     fn the_range_of_an_address_inside_an_allocation_is_the_allocation(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let ptr = pool.alloc(3 * MIB, stream)?;
         d.stream_synchronize(stream)?;
         let (base, len) = d.pointer_get_range(ptr.offset(MIB + 5))?;
@@ -136,7 +139,8 @@ both_drivers!(
     fn an_address_the_pool_hands_out_again_has_a_new_buffer_id(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let a = pool.alloc(MIB, stream)?;
         d.stream_synchronize(stream)?;
         let first = d.pointer_get_buffer_id(a)?;
@@ -158,7 +162,8 @@ both_drivers!(
     fn a_live_allocation_gives_the_same_buffer_id_every_time(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let a = pool.alloc(MIB, stream)?;
         d.stream_synchronize(stream)?;
         let first = d.pointer_get_buffer_id(a)?;
@@ -174,7 +179,8 @@ both_drivers!(
     fn an_interior_pointer_has_its_allocations_buffer_id(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let a = pool.alloc(3 * MIB, stream)?;
         d.stream_synchronize(stream)?;
         let base = d.pointer_get_buffer_id(a)?;

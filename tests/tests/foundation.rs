@@ -3,11 +3,9 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc::advanced::driver::EventBlob;
-use poolipc::advanced::driver::Granularity;
-use poolipc::advanced::driver::OwnedPool;
 use poolipc::advanced::driver::{
-    CuCode, DevicePtr, Driver, DriverKind, EventHandle, PoolSharing, StreamHandle,
+    CuCode, DevicePtr, Driver, DriverKind, EventBlob, EventHandle, Granularity, OwnedEvent,
+    OwnedPool, OwnedStream, PoolSharing, StreamHandle,
 };
 use poolipc::advanced::pool::SharedPool;
 use poolipc_tests::{Env, both_drivers, hex, num, spawn_child};
@@ -50,7 +48,8 @@ both_drivers!(
     fn after_install_allocations_from_the_current_pool_come_from_ours(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let current = d.device_get_mem_pool(env.device)?;
         ensure!(current == pool.handle(), "the device's current pool is not ours");
         let alloc = poolipc::advanced::driver::PoolAllocation::new(d, MIB, stream)?;
@@ -64,7 +63,8 @@ both_drivers!(
 both_drivers!(
     fn pointer_export_fails_before_the_pool_fd_export_and_succeeds_after(env) {
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let owned_pool = OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
         let pool = owned_pool.handle();
         let alloc = poolipc::advanced::driver::PoolAllocation::from_pool(d, MIB, pool, stream)?;
@@ -116,8 +116,10 @@ both_drivers!(
 fn child_reads_and_writes_in_place(env: &Env, bytes: u64) -> Result<()> {
     let pool = install(env)?;
     let d = &*env.driver;
-    let stream = d.stream_create()?;
-    let ready = d.event_create(true)?;
+    let owned_stream = OwnedStream::new(d)?;
+    let stream = owned_stream.handle();
+    let owned_ready = OwnedEvent::new(d, true)?;
+    let ready = owned_ready.handle();
     let ptr = pool.alloc(bytes, stream)?;
     fill_then_record(d, ptr, bytes, 0xA5A5_0001, stream, ready)?;
     let blob = pool.export(ptr)?;
@@ -183,8 +185,10 @@ both_drivers!(
         let bytes = GIB;
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
-        let ready = d.event_create(true)?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
+        let owned_ready = OwnedEvent::new(d, true)?;
+        let ready = owned_ready.handle();
         let ptr = pool.alloc(bytes, stream)?;
         // Parent → child: READY is recorded right after the fill, nothing is synchronized.
         fill_then_record(d, ptr, bytes, 0x1111_1111, stream, ready)?;
@@ -221,7 +225,8 @@ both_drivers!(
         let bytes = 4096 * MIB;
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let mut child = spawn_child(env, std::os::fd::AsFd::as_fd(&*pool.fd()))?;
         let attached = child.call("pool")?;
         println!("{:?}: worker's imported pool: {}", env.kind(), attached.join(" "));
@@ -287,7 +292,8 @@ both_drivers!(
             d.push_device(device)?;
             let (free, total) = d.mem_get_info()?;
             ensure!(total > 0 && free <= total, "mem_get_info: {free} of {total}");
-            let stream = d.stream_create()?;
+            let owned_stream = OwnedStream::new(d.clone())?;
+            let stream = owned_stream.handle();
             d.stream_synchronize(stream)?;
             d.pop_device()?;
             if kind == DriverKind::Cuda {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
 use poolipc::advanced::contract::FailReason;
-use poolipc::advanced::driver::{DevicePtr, StreamHandle};
+use poolipc::advanced::driver::{DevicePtr, OwnedStream, StreamHandle};
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions};
 use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, worker_command};
@@ -65,8 +65,10 @@ both_drivers!(
         let timeout = Duration::from_secs(3);
         let p = parent(env, timeout)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
-        let other = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
+        let owned_other = OwnedStream::new(d.clone())?;
+        let other = owned_other.handle();
         let baseline = p.pool().stats()?.used_current;
         let x = filled(&p, MIB, 0x1234_5678, stream)?;
         let y = filled(&p, MIB, 0x0BAD_F00D, other)?;
@@ -149,8 +151,10 @@ both_drivers!(
             },
         )?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
-        let other = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
+        let owned_other = OwnedStream::new(d.clone())?;
+        let other = owned_other.handle();
         let bytes = 5 * MIB;
         let big = filled(&p, bytes, 0x1357_9BDF, stream)?;
         let y = filled(&p, MIB, 0x0BAD_F00D, other)?;
@@ -197,7 +201,8 @@ both_drivers!(
     fn a_panic_on_the_io_thread_answers_every_waiter_with_an_error(env) {
         let p = Arc::new(parent(env, Duration::from_secs(60))?);
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x1234_5678, stream)?;
         d.stream_synchronize(stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
@@ -252,7 +257,8 @@ both_drivers!(
     fn a_call_from_a_forked_child_fails_at_once_with_forked(env) {
         let p = parent(env, Duration::from_secs(30))?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x1234_5678, stream)?;
         d.stream_synchronize(stream)?;
         let worker = p.spawn_worker(worker_command(env, None)?)?;
@@ -305,7 +311,8 @@ both_drivers!(
     fn a_reaped_worker_leaves_the_registry(env) {
         let p = parent(env, Duration::from_secs(30))?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x1234_5678, stream)?;
         d.stream_synchronize(stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;

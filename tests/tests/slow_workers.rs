@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use poolipc::advanced::driver::{DevicePtr, StreamHandle};
+use poolipc::advanced::driver::{DevicePtr, OwnedStream, StreamHandle};
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, StagingConfig};
 use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, worker_command};
@@ -113,7 +113,8 @@ both_drivers!(
     fn an_honest_workers_round_trips_stay_short_while_a_rogue_sends_slow_frames(env) {
         let p = parent(env, ParentOptions::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         round_trip(&p, honest, x, stream)?;
@@ -154,7 +155,8 @@ both_drivers!(
         let frame_timeout = Duration::from_millis(300);
         let p = parent(env, ParentOptions { frame_timeout, ..ParentOptions::default() })?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         let mut rogue_cmd = rogue_command(env, "slow-frames")?;
@@ -203,7 +205,8 @@ both_drivers!(
         };
         let p = parent(env, options)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         round_trip(&p, honest, x, stream)?;
@@ -260,7 +263,8 @@ both_drivers!(
     fn descriptors_dripped_onto_a_slow_frame_stay_bounded_and_condemn_the_worker(env) {
         let p = parent(env, ParentOptions::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         round_trip(&p, honest, x, stream)?;
@@ -322,7 +326,7 @@ fn staging_rogue_in(
     };
     let options = ParentOptions { staging, ..options };
     let p = parent(env, options)?;
-    let stream = p.driver().stream_create()?;
+    let stream = OwnedStream::new(p.driver().clone())?.into_raw();
     let x = filled(&p, 4 * KIB, stream)?;
     let big = filled(&p, STAGED_BYTES, stream)?;
     let honest = p.spawn_worker(worker_command(env, None)?)?;
@@ -604,7 +608,8 @@ both_drivers!(
         env
     ) {
         let p = parent(env, ParentOptions::default())?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         round_trip(&p, honest, x, stream)?;
@@ -668,7 +673,8 @@ both_drivers!(
             ..ParentOptions::default()
         };
         let p = parent(env, options)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         let mut rogue_cmd = rogue_command(env, "staging-late-result")?;

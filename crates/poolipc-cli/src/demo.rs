@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use poolipc::advanced::driver::Driver;
 use poolipc::advanced::driver::sim::MACHINE_ENV;
+use poolipc::advanced::driver::{Driver, OwnedStream};
 use poolipc::driver::Choice;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions};
 
@@ -141,7 +141,8 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         println!("canary battery: {report}");
     }
     let d = &*driver;
-    let stream = d.stream_create()?;
+    let owned_stream = OwnedStream::new(d)?;
+    let stream = owned_stream.handle();
     println!();
     println!("{LEGEND}");
     if d.kind() == poolipc::advanced::driver::DriverKind::Sim {

@@ -8,6 +8,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use poolipc::advanced::driver::sim::SimConfig;
+use poolipc::advanced::driver::{OwnedEvent, OwnedStream};
 use poolipc::check::{RaceReport, ViolationKind};
 use poolipc::driver::Opened;
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, ResultShape, Worker};
@@ -81,7 +82,8 @@ fn serve() -> ! {
         let (d, stream) = (job.driver().clone(), job.stream());
         match mistake {
             Mistake::WrongStream => {
-                let mine = d.stream_create().unwrap();
+                let owned_mine = OwnedStream::new(d.clone()).unwrap();
+                let mine = owned_mine.handle();
                 d.memcpy_dtod_async(dst, src, bytes, mine).unwrap();
                 d.stream_synchronize(mine).unwrap();
             }
@@ -91,8 +93,8 @@ fn serve() -> ! {
                     .unwrap_or_default();
             }
             Mistake::DoneBeforeWrite => {
-                let side = d.stream_create().unwrap();
-                let ready = d.event_create(false).unwrap();
+                let side = OwnedStream::new(d.clone()).unwrap().into_raw();
+                let ready = OwnedEvent::new(d.clone(), false).unwrap().into_raw();
                 d.event_record(ready, stream).unwrap();
                 d.stream_wait_event(side, ready).unwrap();
                 d.memcpy_dtod_async(dst, src, bytes, side).unwrap();

@@ -12,7 +12,9 @@ use std::process::Command;
 use std::sync::Arc;
 
 use poolipc::advanced::driver::sim::{SimConfig, SimDriver, ViolationKind};
-use poolipc::advanced::driver::{DevicePtr, Driver, PoolSharing, StreamHandle};
+use poolipc::advanced::driver::{
+    DevicePtr, Driver, OwnedPool, OwnedStream, PoolSharing, StreamHandle,
+};
 use poolipc::advanced::transport::{
     Connection, HandoffId, JobId, Message, connection_from_env, spawn_worker,
 };
@@ -51,8 +53,10 @@ impl Side {
         let sim = Arc::new(sim);
         let driver: Arc<dyn Driver> = sim.clone();
         driver.use_device(0).unwrap();
-        let stream = driver.stream_create().unwrap();
-        let pool = driver.mem_pool_create(0, PoolSharing::None).unwrap();
+        let stream = OwnedStream::new(driver.clone()).unwrap().into_raw();
+        let pool = OwnedPool::create(driver.clone(), 0, PoolSharing::None)
+            .unwrap()
+            .into_raw();
         Side {
             driver,
             sim,

@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use poolipc::advanced::driver::sim::{SimConfig, SimDriver};
-use poolipc::advanced::driver::{DevicePtr, Driver, EventHandle, StreamHandle};
+use poolipc::advanced::driver::{
+    DevicePtr, Driver, EventHandle, OwnedEvent, OwnedStream, StreamHandle,
+};
 use poolipc::advanced::pool::SharedPool;
 use poolipc::advanced::transport::Layout;
 use poolipc::advanced::transport::{
@@ -146,8 +148,8 @@ impl Script {
         let driver: Arc<dyn Driver> = sim.clone();
         driver.use_device(0).unwrap();
         let pool = SharedPool::install(Arc::clone(&driver), 0).unwrap();
-        let stream = driver.stream_create().unwrap();
-        let ready = driver.event_create(true).unwrap();
+        let stream = OwnedStream::new(driver.clone()).unwrap().into_raw();
+        let ready = OwnedEvent::new(driver.clone(), true).unwrap().into_raw();
         let ready_blob = driver.ipc_get_event_handle(ready).unwrap();
         let report = std::env::temp_dir().join(format!("{test}-{}.report", std::process::id()));
         let mut cmd = Command::new(std::env::current_exe().unwrap());

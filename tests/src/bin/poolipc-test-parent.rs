@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::{Driver, OwnedStream};
 use poolipc::{DType, Input, Layout, Parent, ParentOptions};
 
 fn run() -> anyhow::Result<()> {
@@ -22,7 +22,8 @@ fn run() -> anyhow::Result<()> {
     // The simulated machine's variable, if any, is inherited from our own environment.
     cmd.env_remove(poolipc::FAILPOINT_ENV);
     let worker = parent.spawn_worker(cmd)?;
-    let stream = driver.stream_create()?;
+    let owned_stream = OwnedStream::new(driver.clone())?;
+    let stream = owned_stream.handle();
     let input = parent.pool().alloc(1 << 20, stream)?;
     let out = parent.run_job(
         worker,

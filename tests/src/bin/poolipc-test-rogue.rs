@@ -114,7 +114,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use poolipc::advanced::contract::{Ack, CarvedResult, Done, Message, ResultRequest, ResultSpec};
-use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::{Driver, OwnedEvent, OwnedStream};
 use poolipc::advanced::transport::{Capabilities, HandshakeConfig};
 use poolipc::advanced::types::{DType, EventBlob, JobId};
 
@@ -473,7 +473,7 @@ fn run() -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_millis(200));
             }
             driver.use_device(0)?;
-            let event = driver.event_create(true)?;
+            let event = OwnedEvent::new(Arc::clone(&driver), true)?.into_raw();
             driver.event_record(event, poolipc::StreamHandle::NULL)?;
             let done_event = driver.ipc_get_event_handle(event)?;
             poolipc_tests::chaos::send_done_and_ack(
@@ -771,7 +771,8 @@ fn arena_snoop(
             (other, _) => anyhow::bail!("rogue: expected a Lend, got {}", other.kind()),
         }
     };
-    let stream = driver.stream_create()?;
+    let owned_stream = OwnedStream::new(driver.clone())?;
+    let stream = owned_stream.handle();
     let mut ready = Vec::new();
     for t in &lend.tensors {
         if t.ready_event != EventBlob([0; 64]) && !ready.contains(&t.ready_event) {
@@ -856,7 +857,7 @@ fn finish_failed_on(
 ) -> anyhow::Result<()> {
     let deadline = || Instant::now() + Duration::from_secs(30);
     conn.send(&Message::JobError { job, message: said }, &[], deadline())?;
-    let event = driver.event_create(true)?;
+    let event = OwnedEvent::new(driver, true)?.into_raw();
     driver.event_record(event, stream)?;
     let done_event = driver.ipc_get_event_handle(event)?;
     conn.send(
@@ -1001,7 +1002,8 @@ fn staging_hang_recorder(driver: &Arc<dyn Driver>) -> anyhow::Result<()> {
     driver.use_device(0)?;
     let event =
         poolipc::advanced::driver::OwnedEvent::open_ipc(Arc::clone(driver), &EventBlob(blob))?;
-    let stream = driver.stream_create()?;
+    let owned_stream = OwnedStream::new(driver.clone())?;
+    let stream = owned_stream.handle();
     driver.launch_hang_kernel(stream)?;
     driver.event_record(event.handle(), stream)?;
     let mut out = std::io::stdout();

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::{Driver, OwnedStream};
 
 use peers::Peers;
 use report::Measured;
@@ -246,7 +246,8 @@ fn run_table(args: &Args) -> Result<ExitCode> {
         }
     }
     let d: Arc<dyn Driver> = Arc::clone(&driver);
-    let stream = d.stream_create()?;
+    let owned_stream = OwnedStream::new(d.clone())?;
+    let stream = owned_stream.handle();
     // Rows the device cannot hold are skipped, and said so, instead of ending the run.
     let mut skipped = Vec::new();
     let b = Bench {

@@ -17,8 +17,7 @@ use std::sync::mpsc::channel;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use poolipc::advanced::driver::Driver;
-use poolipc::advanced::driver::EventHandle;
+use poolipc::advanced::driver::{Driver, OwnedEvent};
 use poolipc::advanced::transport::{Connection, TOKEN_LEN};
 use poolipc::{DevicePtr, ResultShape, StreamHandle};
 use pyo3::prelude::*;
@@ -163,7 +162,7 @@ struct WorkerThread {
     driver: Arc<dyn Driver>,
     sim: bool,
     /// Recorded to order one stream after another (`Cmd::StreamWait`).
-    sync_event: EventHandle,
+    sync_event: OwnedEvent,
     /// Open jobs, set aside between commands: several may be open at once (leases).
     held: HashMap<u64, poolipc::HeldJob>,
     /// Taking jobs as they come (`auto_take`): between commands, the socket is polled.
@@ -193,8 +192,7 @@ impl WorkerThread {
             }),
         }?;
         let driver = Arc::clone(worker.driver());
-        let sync_event = driver
-            .event_create(false)
+        let sync_event = OwnedEvent::new(Arc::clone(&driver), false)
             .map_err(|e| format!("poolipc: cuEventCreate: {e}"))?;
         Ok(WorkerThread {
             worker,
@@ -240,8 +238,11 @@ impl WorkerThread {
             return Ok(Reply::Ok);
         }
         self.driver
-            .event_record(self.sync_event, on)
-            .and_then(|()| self.driver.stream_wait_event(waiter, self.sync_event))
+            .event_record(self.sync_event.handle(), on)
+            .and_then(|()| {
+                self.driver
+                    .stream_wait_event(waiter, self.sync_event.handle())
+            })
             .map(|()| Reply::Ok)
             .map_err(|e| format!("poolipc: ordering streams: {e}"))
     }
