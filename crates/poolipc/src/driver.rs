@@ -50,7 +50,7 @@ impl std::str::FromStr for Choice {
 
 impl Choice {
     /// What [`DRIVER_ENV`] asks for; `default` when it is unset or empty.
-    pub fn from_env_or(default: Choice) -> Result<Choice, Error> {
+    pub(crate) fn from_env_or(default: Choice) -> Result<Choice, Error> {
         match std::env::var(DRIVER_ENV) {
             Ok(s) if !s.is_empty() => s.parse(),
             _ => Ok(default),
