@@ -201,7 +201,7 @@ pub fn sibling_binary(name: &str, var: &str) -> Result<PathBuf> {
     )
 }
 
-/// A command starting the facade test worker ([`echo`](crate::echo)), attached to `env`'s driver.
+/// A command starting the facade test worker ([`echo`]), attached to `env`'s driver.
 pub fn worker_command(env: &Env, die_at: Option<&str>) -> Result<Command> {
     let mut cmd = attached_command(env, "poolipc-test-worker", "POOLIPC_TEST_WORKER")?;
     if let Some(step) = die_at {

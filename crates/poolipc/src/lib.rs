@@ -1,9 +1,10 @@
 //! poolipc: hand CUDA tensors between a parent process and its workers without copying them,
 //! while the parent keeps PyTorch's stream-ordered allocator.
 //!
-//! - [`Parent`] installs the shareable pool ([`poolipc_pool::SharedPool`]), spawns workers over
-//!   an inherited socketpair, shakes hands (the pool FD travels by SCM_RIGHTS) and runs jobs
-//!   through an IO thread that drives the ownership contract for every worker at once (or
+//! - [`Parent`] installs the shareable pool ([`SharedPool`](advanced::pool::SharedPool)),
+//!   spawns workers over an inherited socketpair, shakes hands (the pool FD travels by
+//!   SCM_RIGHTS) and runs jobs through an IO thread that drives the ownership contract for
+//!   every worker at once (or
 //!   [`io_threads`](Tuning::io_threads) of them, each for its share of the workers)
 //!   ([`driver_loop`](crate#the-driver-loop)). `Parent` is `Send + Sync`: any thread
 //!   [`submit`](Parent::submit)s and waits on its [`JobHandle`]. Memory is released only after
@@ -13,7 +14,7 @@
 //! - [`Worker`] takes jobs: read views of the inputs after its stream waited on READY, write
 //!   views of the results the parent allocated, DONE, UNIMPORT and ACK handled for the user.
 //!
-//! The ownership contract itself lives in [`poolipc_contract`]: this crate drives its state
+//! The ownership contract itself lives in [`advanced::contract`]: this crate drives its state
 //! machines and does the IO they ask for, matching every action they emit; what goes on the
 //! wire is what they emitted. Every tensor says which [`Rung`] it travelled on.
 //!

@@ -411,8 +411,9 @@ impl Parent {
     /// with a block lent, granted or still in use on the GPU stays. See
     /// [`EmptyCache::pool_bytes`] for what the driver keeps regardless.
     ///
-    /// Refused with [`poolipc_pool::PoolError::CurrentPoolChanged`] when something else made
-    /// its own pool the device's current pool.
+    /// Refused with
+    /// [`PoolError::CurrentPoolChanged`](crate::advanced::pool::PoolError::CurrentPoolChanged)
+    /// when something else made its own pool the device's current pool.
     pub fn empty_cache(&self) -> Result<EmptyCache, Error> {
         self.shared.check_loop()?;
         let device_free = || {
