@@ -25,14 +25,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
-use poolipc_contract::{
+use poolipc::advanced::contract::{
     Ack, AllocationGrant, ArenaRelease, CarvedResult, Chunk, Done, ErrorCode, ExtraPoolReply, Lend,
     Message, PoolRetire, ResultGrant, ResultRequest, ResultSpec,
 };
-use poolipc_driver::{Driver, OwnedEvent, StreamHandle};
-use poolipc_transport::codec::{self, FrameLimits, HEADER_LEN};
-use poolipc_transport::{Connection, Identity};
-use poolipc_types::{DType, EventBlob, HandoffId, JobId};
+use poolipc::advanced::driver::{Driver, OwnedEvent, StreamHandle};
+use poolipc::advanced::transport::codec::{self, FrameLimits, HEADER_LEN};
+use poolipc::advanced::transport::{Connection, Identity};
+use poolipc::advanced::types::{DType, EventBlob, HandoffId, JobId};
 
 /// xorshift64*, seeded: the walk's every choice.
 #[derive(Debug)]
@@ -121,7 +121,7 @@ pub fn send_done_and_ack(
     done_event: EventBlob,
     handles: Vec<HandoffId>,
     deadline: Instant,
-) -> Result<(), poolipc_transport::TransportError> {
+) -> Result<(), poolipc::advanced::transport::TransportError> {
     let done = Done {
         job,
         done_event,
@@ -342,7 +342,7 @@ impl<'a> Walk<'a> {
                 Ok(None)
             }
             // Too large to encode: the walk's own doing, not the parent's; skip it.
-            Err(poolipc_transport::TransportError::Encode(_)) => Ok(None),
+            Err(poolipc::advanced::transport::TransportError::Encode(_)) => Ok(None),
             Err(_) => Ok(Some(Ending::ParentClosed)),
         }
     }
@@ -791,7 +791,8 @@ pub fn hello(
     let mut ours = identity.clone();
     let reply = match rng.below(10) {
         0 => {
-            ours.device = poolipc_types::DeviceUuid(std::array::from_fn(|_| rng.bits() as u8));
+            ours.device =
+                poolipc::advanced::types::DeviceUuid(std::array::from_fn(|_| rng.bits() as u8));
             Some(Message::HelloAck(ours.clone()))
         }
         1 => {
@@ -799,14 +800,16 @@ pub fn hello(
             Some(Message::HelloAck(ours.clone()))
         }
         2 => {
-            ours.capabilities = poolipc_transport::Capabilities(rng.bits());
+            ours.capabilities = poolipc::advanced::transport::Capabilities(rng.bits());
             Some(Message::HelloAck(ours.clone()))
         }
         3 => {
-            let n = rng.below(poolipc_contract::MAX_DEVICES as u64 + 8);
+            let n = rng.below(poolipc::advanced::contract::MAX_DEVICES as u64 + 8);
             ours.devices = (0..n)
-                .map(|i| poolipc_contract::DeviceEntry {
-                    uuid: poolipc_types::DeviceUuid(std::array::from_fn(|_| rng.bits() as u8)),
+                .map(|i| poolipc::advanced::contract::DeviceEntry {
+                    uuid: poolipc::advanced::types::DeviceUuid(std::array::from_fn(|_| {
+                        rng.bits() as u8
+                    })),
                     ordinal: if rng.chance(500) {
                         i as u32
                     } else {

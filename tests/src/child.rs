@@ -35,12 +35,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail};
-use poolipc_driver::{
+use poolipc::advanced::driver::{
     DevicePtr, Driver, EventBlob, EventHandle, ExportBlob, ImportedPointer, OwnedEvent,
-    StreamHandle,
+    OwnedStream, StreamHandle,
 };
-use poolipc_pool::{ArenaMapping, AttachedPool};
-use poolipc_transport::{Capabilities, Connection, HandshakeConfig, Message};
+use poolipc::advanced::pool::{ArenaMapping, AttachedPool};
+use poolipc::advanced::transport::{Capabilities, Connection, HandshakeConfig, Message};
 
 use crate::{hex, unhex};
 
@@ -204,7 +204,7 @@ impl Worker {
                 let (ev, h) = match self.event {
                     Some(e) => e,
                     None => {
-                        let ev = d.event_create(true)?;
+                        let ev = OwnedEvent::new(d, true)?.into_raw();
                         let h = d.ipc_get_event_handle(ev)?;
                         self.event = Some((ev, h));
                         (ev, h)
@@ -222,7 +222,7 @@ impl Worker {
             "set_threshold" => {
                 d.mem_pool_set_attribute(
                     self.pool.pool.handle(),
-                    poolipc_driver::PoolAttribute::ReleaseThreshold(u64::MAX),
+                    poolipc::advanced::driver::PoolAttribute::ReleaseThreshold(u64::MAX),
                 )?;
                 Ok(String::new())
             }
@@ -258,22 +258,24 @@ pub fn main() -> Result<()> {
         .unwrap_or_else(|_| "0".into())
         .parse()
         .context("POOLIPC_TEST_DEVICE")?;
-    let driver: Arc<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
+    let driver: Arc<dyn Driver> = match poolipc::advanced::driver::sim::SimDriver::from_env() {
         Some(sim) => Arc::new(sim.context("attaching to the parent's simulated machine")?),
-        None => Arc::new(poolipc_driver::CudaDriver::new()?),
+        None => Arc::new(poolipc::advanced::driver::CudaDriver::new()?),
     };
     driver.use_device(device)?;
     let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
-    let identity = poolipc::identity(&*driver, device, caps)?;
-    let mut conn = poolipc_transport::connection_from_env()?;
+    let identity = poolipc::advanced::identity(&*driver, device, caps)?;
+    let mut conn = poolipc::advanced::transport::connection_from_env()?;
     let config = HandshakeConfig {
         identity,
         required: Capabilities::NONE,
     };
     let deadline = Instant::now() + Duration::from_secs(60);
-    let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
+    let (_peer, pool_fd) =
+        poolipc::advanced::transport::worker_handshake(&mut conn, &config, deadline)?;
     let pool = AttachedPool::attach(Arc::clone(&driver), pool_fd.as_fd(), device)?;
-    let stream = driver.stream_create()?;
+    let owned_stream = OwnedStream::new(driver.clone())?;
+    let stream = owned_stream.handle();
     // What the handshake read past its last frame (the parent's first command may have
     // come with it) is read before the socket.
     let (sock, unread) = conn.into_parts();

@@ -1,9 +1,11 @@
 //! Echo jobs through a [`Parent`], as the arena suites run them: inputs of the shared pool
 //! filled with a pattern, one job, and every byte of the results checked against what
-//! [`poolipc::echo`] writes.
+//! [`echo`] writes.
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{DType, DevicePtr, Input, JobOutput, Layout, Parent, StreamHandle, WorkerId, echo};
+use poolipc::{DType, DevicePtr, Input, JobOutput, Layout, Parent, StreamHandle, WorkerId};
+
+use crate::echo;
 
 /// A pool allocation of `bytes` filled with `pattern`.
 pub fn filled(p: &Parent, bytes: u64, pattern: u32, stream: StreamHandle) -> Result<DevicePtr> {

@@ -20,14 +20,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{CudaDriver, Driver, DriverKind};
-use poolipc_transport::{
+use poolipc::advanced::driver::sim::{SimConfig, SimDriver};
+use poolipc::advanced::driver::{CudaDriver, Driver, DriverKind};
+use poolipc::advanced::transport::{
     Capabilities, Connection, DeviceUuid, ExtraPool, HandshakeConfig, Identity, Message,
 };
 
 pub mod chaos;
 pub mod child;
+pub mod echo;
 pub mod echo_jobs;
 
 /// Which driver a test body runs on.
@@ -94,7 +95,11 @@ impl Env {
     /// The handshake identity of this side.
     pub fn identity(&self) -> Result<Identity> {
         let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
-        Ok(poolipc::identity(&*self.driver, self.device, caps)?)
+        Ok(poolipc::advanced::identity(
+            &*self.driver,
+            self.device,
+            caps,
+        )?)
     }
 }
 
@@ -196,7 +201,7 @@ pub fn sibling_binary(name: &str, var: &str) -> Result<PathBuf> {
     )
 }
 
-/// A command starting the facade test worker (`poolipc::echo`), attached to `env`'s driver.
+/// A command starting the facade test worker ([`echo`]), attached to `env`'s driver.
 pub fn worker_command(env: &Env, die_at: Option<&str>) -> Result<Command> {
     let mut cmd = attached_command(env, "poolipc-test-worker", "POOLIPC_TEST_WORKER")?;
     if let Some(step) = die_at {
@@ -288,13 +293,13 @@ pub fn spawn_child(env: &Env, pool_fd: BorrowedFd<'_>) -> Result<Child> {
         cmd.env(k, v);
     }
     cmd.env("POOLIPC_TEST_DEVICE", env.device.to_string());
-    let (process, mut conn) = poolipc_transport::spawn_worker(cmd)?;
+    let (process, mut conn) = poolipc::advanced::transport::spawn_worker(cmd)?;
     let config = HandshakeConfig {
         identity: env.identity()?,
         required: Capabilities::NONE,
     };
     let deadline = Instant::now() + Duration::from_secs(60);
-    poolipc_transport::parent_handshake(&mut conn, &config, pool_fd, deadline)?;
+    poolipc::advanced::transport::parent_handshake(&mut conn, &config, pool_fd, deadline)?;
     let (sock, unread) = conn.into_parts();
     // The child answers only commands: nothing can have come past the handshake.
     ensure!(

@@ -10,8 +10,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, ensure};
-use poolipc_driver::{Driver, OwnedPool, PoolSharing, StreamHandle};
-use poolipc_pool::{Arena, ArenaBlock};
+use poolipc::advanced::driver::{Driver, OwnedPool, PoolSharing, StreamHandle};
+use poolipc::advanced::pool::{Arena, ArenaBlock};
 use poolipc_tests::{Child, Env, both_drivers, num, spawn_child};
 
 const KIB: u64 = 1 << 10;

@@ -12,12 +12,13 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{Error, Parent, ParentOptions, ResultMemory, Rung, echo};
-use poolipc_contract::FailReason;
-use poolipc_driver::DriverKind;
+use poolipc::advanced::contract::FailReason;
+use poolipc::advanced::driver::{DriverKind, OwnedStream};
+use poolipc::advanced::types::ImportLimit;
+use poolipc::{Error, Parent, ParentOptions, ResultMemory, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, free_results, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
-use poolipc_types::ImportLimit;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -41,7 +42,8 @@ both_drivers!(
         // The result arena is off (`ResultMemory::Pool`, the default): an arena is made for
         // the copy all the same.
         let p = parent(env, |_| {})?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let dir = std::env::temp_dir().join(format!("poolipc-arena-copy-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
         let report = dir.join("report");
@@ -86,7 +88,8 @@ both_drivers!(
         let p = parent(env, |o| {
             o.results = ResultMemory::Arena { initial_bytes: 8 * MIB, max_bytes: Some(8 * MIB) };
         })?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         for k in 0..6u32 {
             let src = filled(&p, 2 * MIB, 0x0A0B_0000 + k, stream)?;
@@ -111,7 +114,8 @@ both_drivers!(
     fn without_vram_to_spare_an_input_over_the_limit_takes_host_staging_and_says_why(env) {
         // No device has an exabyte to spare: the VRAM check refuses the copy.
         let p = parent(env, |o| o.arena_copy_vram_margin = 1 << 60)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let src = filled(&p, MIB, 0x2468_ACE0, stream)?;
         let out = p.run_job(w, &[bytes_input(src, MIB)], stream)?;
@@ -137,7 +141,8 @@ both_drivers!(
 both_drivers!(
     fn with_arena_copy_off_an_input_over_the_limit_takes_host_staging_and_says_why(env) {
         let p = parent(env, |o| o.arena_copy = false)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let src = filled(&p, MIB, 0x0F0F_1E1E, stream)?;
         let out = p.run_job(w, &[bytes_input(src, MIB)], stream)?;
@@ -158,7 +163,8 @@ both_drivers!(
 both_drivers!(
     fn a_worker_killed_holding_an_arena_copy_gives_the_block_back_once_it_is_reaped(env) {
         let p = parent(env, |_| {})?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         // Dies (SIGKILL) with its input mapped and read, before it asks for results.
         let doomed = p.spawn_worker(worker_command(env, Some("after-import"))?)?;
         let src = filled(&p, MIB, 0xDEAD_0001, stream)?;
@@ -190,7 +196,8 @@ both_drivers!(
         // The copy is queued on the job's stream before READY: work the caller queues on that
         // stream after `wait()` runs after it, so the source is the caller's again.
         let p = parent(env, |_| {})?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let src = filled(&p, 4 * MIB, 0x5151_A0A0, stream)?;
         let job = p.submit(w, &[bytes_input(src, 4 * MIB)], stream)?;
@@ -237,7 +244,8 @@ both_drivers!(
             ..ParentOptions::default()
         };
         let p = Parent::new(Arc::clone(&env.driver), options)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let bytes = 5 * GIB;
         let src = filled(&p, bytes, 0x7A7A_5B5B, stream)?;

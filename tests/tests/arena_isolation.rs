@@ -9,13 +9,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::driver::OwnedStream;
+use poolipc::advanced::types::ImportLimit;
 use poolipc::{
     Error, JobOutput, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, StreamHandle,
     WorkerId,
 };
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, settle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
-use poolipc_types::ImportLimit;
 
 const MIB: u64 = 1 << 20;
 
@@ -131,7 +132,8 @@ both_drivers!(
             format!("{B_PATTERN:x},{A_PATTERN:x}"),
         );
         let a = p.spawn_worker(cmd)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let out = arena_job(&p, b, MIB, B_PATTERN, stream)?;
         check_exact(&p, &out, 0, MIB, B_PATTERN)?;
 
@@ -174,7 +176,8 @@ both_drivers!(
     /// goes back to the device and the arena is forgotten.
     fn a_reaped_workers_arena_chunks_go_back_to_the_device_once_nothing_in_them_is_live(env) {
         let p = parent(env, None)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let out = arena_job(&p, w, MIB, 0x5EED_0001, stream)?;
         let held = p.arena_stats_of(w).context("no arena")?;
@@ -210,7 +213,8 @@ both_drivers!(
             p.spawn_worker(worker_command(env, None)?)?,
             p.spawn_worker(worker_command(env, None)?)?,
         ];
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         for (k, &w) in ws.iter().enumerate() {
             let out = arena_job(&p, w, MIB, 0xCA90_0000 + k as u32, stream)?;
             check_exact(&p, &out, 0, MIB, 0xCA90_0000 + k as u32)?;

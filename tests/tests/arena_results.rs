@@ -8,11 +8,12 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::contract::FailReason;
+use poolipc::advanced::driver::{DriverKind, OwnedStream};
 use poolipc::{
-    DevicePtr, Error, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, WorkerId, echo,
+    DevicePtr, Error, Parent, ParentOptions, ResultMemory, ResultRefusal, Rung, WorkerId,
 };
-use poolipc_contract::FailReason;
-use poolipc_driver::DriverKind;
+use poolipc_tests::echo;
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, echo_job, filled, settle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
@@ -45,7 +46,8 @@ fn chunk_of(p: &Parent, worker: WorkerId, ptr: DevicePtr) -> Result<u32> {
 both_drivers!(
     fn results_of_one_byte_one_mib_and_64_mib_cross_through_the_arena_byte_for_byte(env) {
         let p = parent(env, 64 * MIB, None)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         ensure!(p.arena_stats().is_none(), "the arena is made at the first result, not before");
         let sizes = [1, MIB, 64 * MIB];
@@ -83,7 +85,8 @@ both_drivers!(
         }
         let bytes = 16 * GIB;
         let p = parent(env, 2 * bytes + GIB, None)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let pattern = 0x1600_C0DE;
         let t = std::time::Instant::now();
@@ -124,7 +127,8 @@ both_drivers!(
 both_drivers!(
     fn a_result_past_the_arena_cap_fails_its_job_with_a_typed_refusal_and_the_worker_goes_on(env) {
         let p = parent(env, 8 * MIB, Some(8 * MIB))?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         match echo_job(&p, w, &[16 * MIB], 0x5150_0001, stream) {
             Err(e) => match e.downcast_ref::<Error>() {
@@ -154,7 +158,8 @@ both_drivers!(
 both_drivers!(
     fn a_worker_that_dies_of_a_refused_result_fails_its_job_naming_the_refusal(env) {
         let p = parent(env, 8 * MIB, Some(8 * MIB))?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, Some("after-refusal"))?)?;
         match echo_job(&p, w, &[16 * MIB], 0x5150_0003, stream) {
             Err(e) => {
@@ -192,7 +197,8 @@ both_drivers!(
 both_drivers!(
     fn many_jobs_reuse_the_same_block_without_growing_the_arena(env) {
         let p = parent(env, 4 * MIB, Some(4 * MIB))?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let mut seen = BTreeSet::new();
         for k in 0..24u32 {
@@ -215,7 +221,8 @@ both_drivers!(
 both_drivers!(
     fn each_worker_attached_has_its_own_arena_which_grows_for_it_alone(env) {
         let p = parent(env, 4 * MIB, None)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let a = p.spawn_worker(worker_command(env, None)?)?;
         let b = p.spawn_worker(worker_command(env, None)?)?;
         let size = 3 * MIB;
@@ -252,7 +259,8 @@ both_drivers!(
 both_drivers!(
     fn a_worker_killed_holding_arena_blocks_gives_them_back_once_reaped(env) {
         let p = parent(env, 8 * MIB, None)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let good = p.spawn_worker(worker_command(env, None)?)?;
         // Dies (SIGKILL) after its two results were granted, before writing them.
         let doomed = p.spawn_worker(worker_command(env, Some("after-grant"))?)?;
@@ -282,7 +290,8 @@ both_drivers!(
 both_drivers!(
     fn a_rogue_acking_an_arena_grant_before_done_is_condemned_alone(env) {
         let p = parent(env, 4 * MIB, None)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let good = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "arena-ack-before-done")?)?;
         match echo_job(&p, rogue, &[MIB], 0x0BAD_0BAD, stream) {
@@ -312,7 +321,8 @@ both_drivers!(
 both_drivers!(
     fn a_result_tensor_gives_its_block_back_exactly_once(env) {
         let p = parent(env, 4 * MIB, None)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let mut out = echo_job(&p, w, &[MIB, MIB], 0x1234_5678, stream)?;
         let arena = p.arena_of(w).context("no arena")?;
@@ -336,7 +346,8 @@ both_drivers!(
 both_drivers!(
     fn results_of_a_callers_allocator_stay_in_the_callers_memory_with_the_arena_on(env) {
         let p = parent(env, 4 * MIB, None)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let input = filled(&p, MIB, 0x7777_0001, stream)?;
         let driver = Arc::clone(p.driver());
@@ -366,7 +377,8 @@ both_drivers!(
             ..ParentOptions::default()
         };
         let p = Parent::new(Arc::clone(&env.driver), options)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let report = p.canary_report(w).context("no canary report")?;
         ensure!(report.ok(), "{report}");

@@ -8,10 +8,11 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::contract::FailReason;
+use poolipc::advanced::driver::OwnedStream;
 use poolipc::{
     Error, JobOutput, Parent, ParentOptions, ResultMemory, Rung, StreamHandle, WorkerId,
 };
-use poolipc_contract::FailReason;
 use poolipc_tests::echo_jobs::{self, echo_job, settle};
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
@@ -89,7 +90,8 @@ fn expect_failed(r: Result<JobOutput>, who: WorkerId, want: FailReason) -> Resul
 both_drivers!(
     fn carved_results_arrive_intact_without_a_round_trip(env) {
         let p = parent(env, 64 * MIB, 8 * MIB)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, w, stream)?;
         let before = p.stats();
@@ -115,7 +117,8 @@ both_drivers!(
 both_drivers!(
     fn a_result_too_large_for_the_slice_is_asked_for_with_a_round_trip(env) {
         let p = parent(env, 64 * MIB, MIB)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, w, stream)?;
         let before = p.stats();
@@ -135,7 +138,8 @@ both_drivers!(
 both_drivers!(
     fn carved_and_requested_results_keep_the_order_the_worker_asked_in(env) {
         let p = parent(env, 64 * MIB, 2 * MIB)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, w, stream)?;
         let before = p.stats();
@@ -159,7 +163,8 @@ both_drivers!(
 both_drivers!(
     fn the_unused_tail_of_a_slice_goes_back_to_the_arena(env) {
         let p = parent(env, 16 * MIB, 8 * MIB)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, w, stream)?;
         let free = p.arena_stats().context("no arena")?.alloc.free;
@@ -181,7 +186,8 @@ both_drivers!(
 both_drivers!(
     fn a_worker_killed_mid_job_with_a_slice_loses_nothing_once_reaped(env) {
         let p = parent(env, 32 * MIB, 2 * MIB)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let good = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, good, stream)?;
         let free = p.arena_stats_of(good).context("no arena")?.alloc.free;
@@ -209,7 +215,8 @@ both_drivers!(
 both_drivers!(
     fn a_worker_lying_about_its_carves_is_condemned_alone(env) {
         let p = parent(env, 16 * MIB, 4 * MIB)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let good = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, good, stream)?;
         let free = p.arena_stats_of(good).context("no arena")?.alloc.free;
@@ -241,7 +248,8 @@ both_drivers!(
 both_drivers!(
     fn with_slices_off_every_result_is_asked_for_as_before(env) {
         let p = parent(env, 64 * MIB, 0)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(late_worker(env, None)?)?;
         let sizes = [1, 4096, MIB];
         let out = echo_job(&p, w, &sizes, 0x7777_1111, stream)?;

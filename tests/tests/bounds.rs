@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
+use poolipc::advanced::driver::{DevicePtr, OwnedStream, StreamHandle};
 use poolipc::{
     Bound, DType, Error, FailReason, Input, Layout, Parent, ParentOptions, ResultMemory, WorkerId,
-    echo,
 };
-use poolipc_driver::{DevicePtr, StreamHandle};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, rogue_command, tempdir, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -105,7 +105,8 @@ both_drivers!(
                 max_bytes: Some(ARENA_CAP),
             };
         })?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x1357_9BDF, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "results-flood")?)?;
@@ -143,7 +144,8 @@ both_drivers!(
     /// held before, and a honest worker goes on.
     fn a_giant_result_request_is_condemned_at_the_result_bytes_per_job_bound(env) {
         let p = parent(env, |_| {})?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x2468_ACE0, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "giant-result")?)?;
@@ -176,7 +178,8 @@ both_drivers!(
             o.max_result_bytes_per_job = poolipc::MemoryBound::Bytes(u64::MAX);
             o.max_result_bytes_per_worker = poolipc::MemoryBound::Bytes(u64::MAX);
         })?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x0F0F_0F0F, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "arena-giant-result")?)?;
@@ -220,7 +223,8 @@ both_drivers!(
             o.handoff_timeout = Duration::from_secs(1);
             o.max_job_lifetime = lifetime;
         })?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x1111_2222, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "long-job")?)?;
@@ -248,7 +252,8 @@ both_drivers!(
     /// pool holds what it held before.
     fn a_job_cancelled_mid_flight_fails_with_cancelled_and_the_worker_takes_the_next(env) {
         let p = parent(env, |_| {})?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x3333_4444, stream)?;
         let dir = tempdir("cancel")?;
         let mut cmd = worker_command(env, None)?;
@@ -291,7 +296,8 @@ both_drivers!(
     fn a_worker_churning_done_events_has_at_most_the_bound_open(env) {
         const MAX: usize = 8;
         let p = parent(env, |o| o.max_open_done_events = MAX)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = p.pool().alloc(4096, stream)?;
         p.driver().stream_synchronize(stream)?;
         let churn = p.spawn_worker(rogue_command(env, "done-churn")?)?;
@@ -326,7 +332,8 @@ both_drivers!(
             // Long enough that a parent without the bound keeps frames past 64 MiB.
             o.staging.timeout = Duration::from_secs(20);
         })?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x5555_6666, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "staging-flood")?)?;

@@ -37,11 +37,11 @@ fn env_u64(var: &str, default: u64) -> u64 {
 }
 
 /// A rogue's words reach an error's text only made safe to print: no control character but
-/// tab and line break, no bidirectional override (`poolipc_contract::text`).
+/// tab and line break, no bidirectional override (`poolipc::advanced::contract::text`).
 fn shown_safely(text: &str) -> Result<()> {
     match text
         .chars()
-        .find(|&c| poolipc_contract::text::is_unsafe_char(c))
+        .find(|&c| poolipc::advanced::contract::text::is_unsafe_char(c))
     {
         Some(c) => bail!("an error shows the character {c:?} a rogue sent: {text:?}"),
         None => Ok(()),
@@ -60,7 +60,7 @@ fn honest(
 ) -> Result<()> {
     let d = p.driver();
     d.use_device(env.device)?;
-    let owned = poolipc_driver::OwnedStream::new(&**d)?;
+    let owned = poolipc::advanced::driver::OwnedStream::new(&**d)?;
     let stream = owned.handle();
     let mut rng = poolipc_tests::chaos::Rng::new(0x004E_5E57);
     let fail = |e: String| -> Result<()> {
@@ -122,7 +122,7 @@ fn rogue(p: &Parent, env: &Env, seed: u64, steps: u64) -> Result<String> {
             ));
         }
     };
-    let owned = poolipc_driver::OwnedStream::new(&**d)?;
+    let owned = poolipc::advanced::driver::OwnedStream::new(&**d)?;
     let stream = owned.handle();
     let mut rng = poolipc_tests::chaos::Rng::new(seed ^ 0x70B5);
     let mut inputs = Vec::new();

@@ -5,8 +5,9 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc_driver::{CuCode, Driver, DriverError, PoolSharing};
-use poolipc_pool::SharedPool;
+use poolipc::advanced::driver::sim::ViolationKind;
+use poolipc::advanced::driver::{CuCode, Driver, DriverError, OwnedStream, PoolSharing};
+use poolipc::advanced::pool::SharedPool;
 use poolipc_tests::{Env, both_drivers, hex, spawn_child};
 
 const MIB: u64 = 1 << 20;
@@ -44,7 +45,8 @@ both_drivers!(
     fn importing_the_same_export_twice_gives_the_same_address(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let ptr = pool.alloc(MIB, stream)?;
         d.stream_synchronize(stream)?;
         let blob = hex(&pool.export(ptr)?.0);
@@ -66,7 +68,8 @@ both_drivers!(
     fn an_export_of_freed_memory_the_pool_still_holds_imports_anyway(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let ptr = pool.alloc(MIB, stream)?;
         d.stream_synchronize(stream)?;
         let blob = hex(&pool.export(ptr)?.0);
@@ -79,7 +82,7 @@ both_drivers!(
         if let Some(sim) = &env.sim {
             let v = sim.violations();
             ensure!(
-                v.len() == 1 && v[0].kind == poolipc_driver::sim::ViolationKind::ImportOfFreed,
+                v.len() == 1 && v[0].kind == ViolationKind::ImportOfFreed,
                 "the simulation should record the stale import: {v:?}"
             );
             sim.clear_violations();
@@ -91,7 +94,7 @@ both_drivers!(
 both_drivers!(
     fn an_event_without_the_interprocess_flag_has_no_ipc_handle(env) {
         let d = &*env.driver;
-        let ev = poolipc_driver::OwnedEvent::new(d, false)?;
+        let ev = poolipc::advanced::driver::OwnedEvent::new(d, false)?;
         expect_code(ev.ipc_handle(), "cuIpcGetEventHandle", CuCode::INVALID_HANDLE)?;
         ev.close()?;
         Ok(())
@@ -101,7 +104,7 @@ both_drivers!(
 both_drivers!(
     fn a_pool_shared_by_nothing_cannot_export_its_fd(env) {
         let d = &*env.driver;
-        let pool = poolipc_driver::OwnedPool::create(d, env.device, PoolSharing::None)?;
+        let pool = poolipc::advanced::driver::OwnedPool::create(d, env.device, PoolSharing::None)?;
         let r = d.mem_pool_export_fd(pool.handle());
         ensure!(r.is_err(), "a pool with handleTypes NONE exported an FD");
         println!("{:?}: {}", env.kind(), r.err().map(|e| e.to_string()).unwrap_or_default());
@@ -114,7 +117,8 @@ both_drivers!(
     fn the_range_of_an_address_inside_an_allocation_is_the_allocation(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let ptr = pool.alloc(3 * MIB, stream)?;
         d.stream_synchronize(stream)?;
         let (base, len) = d.pointer_get_range(ptr.offset(MIB + 5))?;
@@ -135,7 +139,8 @@ both_drivers!(
     fn an_address_the_pool_hands_out_again_has_a_new_buffer_id(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let a = pool.alloc(MIB, stream)?;
         d.stream_synchronize(stream)?;
         let first = d.pointer_get_buffer_id(a)?;
@@ -157,7 +162,8 @@ both_drivers!(
     fn a_live_allocation_gives_the_same_buffer_id_every_time(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let a = pool.alloc(MIB, stream)?;
         d.stream_synchronize(stream)?;
         let first = d.pointer_get_buffer_id(a)?;
@@ -173,7 +179,8 @@ both_drivers!(
     fn an_interior_pointer_has_its_allocations_buffer_id(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let a = pool.alloc(3 * MIB, stream)?;
         d.stream_synchronize(stream)?;
         let base = d.pointer_get_buffer_id(a)?;

@@ -10,11 +10,12 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{DevicePtr, Error, Input, Layout, Parent, ParentOptions, Rung, StreamHandle, echo};
-use poolipc_driver::{OwnedPool, PoolAllocation, PoolSharing};
+use poolipc::advanced::driver::{OwnedPool, OwnedStream, PoolAllocation, PoolSharing};
+use poolipc::advanced::types::{DType, ImportLimit};
+use poolipc::{DevicePtr, Error, Input, Layout, Parent, ParentOptions, Rung, StreamHandle};
+use poolipc_tests::echo;
 use poolipc_tests::echo_jobs::{filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
-use poolipc_types::{DType, ImportLimit};
 
 const MIB: u64 = 1 << 20;
 /// Not a multiple of anything: the copy-back must cover every byte.
@@ -65,7 +66,7 @@ fn setup(env: &Env, via: Via, tag: &str) -> Result<Setup> {
         let limit = p.import_limit();
         p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
     }
-    let stream = p.driver().stream_create()?;
+    let stream = OwnedStream::new(p.driver().clone())?.into_raw();
     let (src, private) = if via == Via::HostStaging {
         let d = p.driver();
         let pool = OwnedPool::create(Arc::clone(d), env.device, PoolSharing::None)?;

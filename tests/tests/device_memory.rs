@@ -12,10 +12,12 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{DevicePtr, Error, Parent, ParentOptions, Rung, echo};
-use poolipc_driver::{
-    Access, DeviceAllocation, Driver, Granularity, VmmAllocation, VmmMapping, VmmReservation,
+use poolipc::advanced::driver::{
+    Access, DeviceAllocation, Driver, Granularity, OwnedStream, VmmAllocation, VmmMapping,
+    VmmReservation,
 };
+use poolipc::{DevicePtr, Error, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
 
@@ -145,7 +147,8 @@ fn check_tensor(p: &Parent, src: DevicePtr, pattern: u32, written: bool) -> Resu
 /// arena copy, says why, and every byte arrives.
 fn crosses_by_arena_copy(env: &Env, kind: Kind) -> Result<()> {
     let p = parent(env)?;
-    let stream = p.driver().stream_create()?;
+    let owned_stream = OwnedStream::new(p.driver().clone())?;
+    let stream = owned_stream.handle();
     let w = p.spawn_worker(worker_command(env, None)?)?;
     let mem = Foreign::new(env, kind, OFFSET + BYTES)?;
     let src = mem.base.offset(OFFSET);
@@ -185,7 +188,8 @@ fn crosses_by_arena_copy(env: &Env, kind: Kind) -> Result<()> {
 /// comes back to the parent's tensor (the block copied back after the wait on DONE).
 fn a_write_comes_back(env: &Env, kind: Kind) -> Result<()> {
     let p = parent(env)?;
-    let stream = p.driver().stream_create()?;
+    let owned_stream = OwnedStream::new(p.driver().clone())?;
+    let stream = owned_stream.handle();
     let mut cmd = worker_command(env, None)?;
     cmd.env("POOLIPC_TEST_WRITE_INPUTS", "1");
     let w = p.spawn_worker(cmd)?;
@@ -244,7 +248,8 @@ both_drivers!(
             ..ParentOptions::default()
         };
         let p = Parent::new(Arc::clone(&env.driver), options)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let mem = Foreign::new(env, Kind::MemAlloc, BYTES)?;
         echo::fill_pattern(&**p.driver(), mem.base, BYTES, 0x7777_1111, stream)?;
@@ -266,7 +271,8 @@ both_drivers!(
 both_drivers!(
     fn a_freed_cu_mem_alloc_pointer_is_refused_clearly_and_the_parent_goes_on(env) {
         let p = parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let mem = Foreign::new(env, Kind::MemAlloc, BYTES)?;
         let gone = mem.base;
@@ -308,7 +314,8 @@ fn parent_with_vmm_handles(env: &Env, on: bool) -> Result<Parent> {
 both_drivers!(
     fn a_vmm_tensor_with_a_posix_fd_handle_is_lent_by_handle_and_lent_again_without_a_share(env) {
         let p = parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let mem = Foreign::new(env, Kind::VmmShared, OFFSET + BYTES)?;
         let src = mem.base.offset(OFFSET);
@@ -342,7 +349,8 @@ both_drivers!(
 both_drivers!(
     fn a_write_into_a_vmm_tensor_lent_by_handle_lands_in_the_parent_memory_itself(env) {
         let p = parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let mut cmd = worker_command(env, None)?;
         cmd.env("POOLIPC_TEST_WRITE_INPUTS", "1");
         let w = p.spawn_worker(cmd)?;
@@ -367,7 +375,8 @@ both_drivers!(
     fn with_vmm_handles_off_a_shareable_vmm_tensor_takes_the_arena_copy_and_says_why(env) {
         // The mutation check of the handle rung: off, the same tensor is copied.
         let p = parent_with_vmm_handles(env, false)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let mem = Foreign::new(env, Kind::VmmShared, BYTES)?;
         echo::fill_pattern(&**p.driver(), mem.base, BYTES, 0x2468_1357, stream)?;
@@ -391,7 +400,8 @@ both_drivers!(
 both_drivers!(
     fn an_unshareable_vmm_tensor_says_why_it_was_not_lent_by_handle(env) {
         let p = parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let mem = Foreign::new(env, Kind::VmmUnshared, BYTES)?;
         echo::fill_pattern(&**p.driver(), mem.base, BYTES, 0x1357_2468, stream)?;
@@ -417,7 +427,8 @@ both_drivers!(
         // a read-only input through a read-only mapping, so its write faults and the job
         // fails instead of changing the caller's tensor (model weights, say).
         let p = parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let mut cmd = worker_command(env, None)?;
         cmd.env("POOLIPC_TEST_WRITE_INPUTS", "1");
         let w = p.spawn_worker(cmd)?;
@@ -459,7 +470,8 @@ both_drivers!(
         // The worker caches its mapping; a mapping keeps the memory behind it alive after the
         // parent freed the allocation, until `empty_cache` has the worker drop it.
         let p = parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let bytes = 256 * MIB;
         let before = {

@@ -13,11 +13,12 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
-use poolipc_driver::sim::{SimConfig, SimDriver, VISIBLE_ENV};
-use poolipc_driver::{CudaDriver, Driver, StreamHandle};
+use poolipc::advanced::driver::sim::{SimConfig, SimDriver, VISIBLE_ENV};
+use poolipc::advanced::driver::{CudaDriver, Driver, StreamHandle};
+use poolipc::advanced::transport::{ErrorCode, HandshakeError};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, worker_command};
-use poolipc_transport::{ErrorCode, HandshakeError};
 
 const MIB: u64 = 1 << 20;
 
@@ -194,9 +195,9 @@ fn cross_job(
 ) -> Result<(Rung, Rung)> {
     let d = Arc::clone(p.driver());
     let first = p.options().device;
-    let on = |device: u32| -> Result<poolipc_driver::OwnedStream> {
+    let on = |device: u32| -> Result<poolipc::advanced::driver::OwnedStream> {
         d.use_device(device)?;
-        Ok(poolipc_driver::OwnedStream::new(Arc::clone(&d))?)
+        Ok(poolipc::advanced::driver::OwnedStream::new(Arc::clone(&d))?)
     };
     let (in_owned, out_owned) = (on(input_on)?, on(result_on)?);
     let (in_stream, out_stream) = (in_owned.handle(), out_owned.handle());
@@ -221,7 +222,7 @@ fn cross_job(
         Ok::<_, Error>(ptr?)
     };
     d.use_device(first)?;
-    let owned = poolipc_driver::OwnedStream::new(Arc::clone(&d))?;
+    let owned = poolipc::advanced::driver::OwnedStream::new(Arc::clone(&d))?;
     let stream = owned.handle();
     let out = p.run_job_with(
         worker,
@@ -242,10 +243,10 @@ fn cross_job(
         "the result lives where the allocator put it"
     );
     d.use_device(result_on)?;
-    poolipc_driver::PoolAllocation::claim(&*d, out.results[0].ptr)?.free(out_stream)?;
+    poolipc::advanced::driver::PoolAllocation::claim(&*d, out.results[0].ptr)?.free(out_stream)?;
     d.stream_synchronize(out_stream)?;
     d.use_device(input_on)?;
-    poolipc_driver::PoolAllocation::claim(&*d, input)?.free(in_stream)?;
+    poolipc::advanced::driver::PoolAllocation::claim(&*d, input)?.free(in_stream)?;
     d.stream_synchronize(in_stream)?;
     d.use_device(first)?;
     for s in [owned, in_owned, out_owned] {

@@ -7,10 +7,11 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc::{DType, ExportReuse, Input, Layout, Parent, ParentOptions, Rung, echo};
-use poolipc_driver::sim::SimConfig;
-use poolipc_driver::{DevicePtr, StreamHandle};
-use poolipc_pool::ExportCacheStats;
+use poolipc::advanced::driver::sim::SimConfig;
+use poolipc::advanced::driver::{DevicePtr, StreamHandle};
+use poolipc::advanced::pool::ExportCacheStats;
+use poolipc::{DType, ExportReuse, Input, Layout, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -39,7 +40,7 @@ fn exports(s: &ExportCacheStats) -> u64 {
 /// until the pool hands `ptr`'s address back (each miss held, then freed).
 fn recycle(p: &Parent, ptr: DevicePtr, stream: StreamHandle) -> Result<DevicePtr> {
     let d = p.driver();
-    poolipc_driver::PoolAllocation::claim(&**d, ptr)?.free(stream)?;
+    poolipc::advanced::driver::PoolAllocation::claim(&**d, ptr)?.free(stream)?;
     let mut misses = Vec::new();
     let mut found = None;
     for _ in 0..8 {
@@ -123,7 +124,7 @@ fn lend_for_write(
 /// recycling and after.
 fn recycled_lends(env: &Env, p: &Parent) -> Result<(ExportCacheStats, ExportCacheStats)> {
     let d = Arc::clone(p.driver());
-    let owned_stream = poolipc_driver::OwnedStream::new(Arc::clone(&d))?;
+    let owned_stream = poolipc::advanced::driver::OwnedStream::new(Arc::clone(&d))?;
     let stream = owned_stream.handle();
     let reader = p.spawn_worker(worker_command(env, None)?)?;
     let mut cmd = worker_command(env, None)?;

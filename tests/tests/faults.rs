@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
-use poolipc_contract::FailReason;
-use poolipc_driver::{DevicePtr, PoolSharing, StreamHandle};
+use poolipc::advanced::contract::FailReason;
+use poolipc::advanced::driver::{DevicePtr, OwnedPool, OwnedStream, PoolSharing, StreamHandle};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, tempdir, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -57,7 +58,8 @@ fn echo_job(p: &Parent, worker: poolipc::WorkerId, stream: StreamHandle) -> Resu
 
 fn violation(env: &Env, mode: &str, want: FailReason) -> Result<()> {
     let p = parent(env, |o| o.canary = false)?;
-    let stream = p.driver().stream_create()?;
+    let owned_stream = OwnedStream::new(p.driver().clone())?;
+    let stream = owned_stream.handle();
     let good = p.spawn_worker(worker_command(env, None)?)?;
     let rogue = p.spawn_worker(rogue_command(env, mode)?)?;
     let input = filled(&p, MIB, 0x0102_0304, stream)?;
@@ -138,7 +140,8 @@ both_drivers!(
             o.canary = false;
             o.handoff_timeout = Duration::from_millis(500);
         })?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let good = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "silent")?)?;
         let input = filled(&p, MIB, 1, stream)?;
@@ -160,7 +163,8 @@ both_drivers!(
         // Before the seals, the rogue's ftruncate made the parent's copy into the buffer a
         // SIGBUS that killed this test process.
         let p = parent(env, |o| o.canary = false)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let good = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "staging-ftruncate")?)?;
         let input = filled(&p, MIB, 0x0102_0304, stream)?;
@@ -186,7 +190,8 @@ both_drivers!(
 both_drivers!(
     fn a_job_too_large_to_lend_is_refused_at_submit_and_the_worker_takes_the_next(env) {
         let p = parent(env, |o| o.canary = false)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let input = filled(&p, MIB, 0x0102_0304, stream)?;
         let one = |shape: &[u64]| Input {
@@ -221,7 +226,8 @@ both_drivers!(
 both_drivers!(
     fn a_result_request_too_large_to_grant_is_refused_and_the_worker_lives(env) {
         let p = parent(env, |o| o.canary = false)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let good = p.spawn_worker(worker_command(env, None)?)?;
         let rogue = p.spawn_worker(rogue_command(env, "results-too-many")?)?;
         let input = filled(&p, MIB, 0x0102_0304, stream)?;
@@ -363,16 +369,17 @@ both_drivers!(
         // into the arena (tests/device_memory.rs); off, it takes host staging.
         let p = parent(env, |o| o.arena_copy = false)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let dir = tempdir("staged-views")?;
         let report = dir.join("report");
         let mut cmd = worker_command(env, None)?;
         cmd.env("POOLIPC_TEST_REPORT", &report);
         let worker = p.spawn_worker(cmd)?;
         // Memory the parent's pool never saw: a private pool's, as cuda.core's own would be.
-        let other = poolipc_driver::OwnedPool::create(&*d, env.device, PoolSharing::None)?;
+        let other = OwnedPool::create(&*d, env.device, PoolSharing::None)?;
         let foreign_alloc =
-            poolipc_driver::PoolAllocation::from_pool(&*d, MIB, other.handle(), stream)?;
+            poolipc::advanced::driver::PoolAllocation::from_pool(&*d, MIB, other.handle(), stream)?;
         let foreign = foreign_alloc.ptr();
         echo::fill_pattern(&*d, foreign, MIB, 0x5A5A_0101, stream)?;
         let ours = filled(&p, MIB, 0x0F0F_0F0F, stream)?;
@@ -414,7 +421,8 @@ both_drivers!(
 both_drivers!(
     fn a_refused_tensor_is_an_invalid_tensor_error_and_the_worker_goes_on(env) {
         let p = parent(env, |o| o.canary = false)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let base = filled(&p, MIB, 3, stream)?;
         let negative = Input {
@@ -461,7 +469,8 @@ both_drivers!(
                 std::thread::spawn(move || -> Result<Rung> {
                     // A new thread has no current CUDA context: the caller's streams need one.
                     p.driver().use_device(device)?;
-                    let stream = p.driver().stream_create()?;
+                    let owned_stream = OwnedStream::new(p.driver().clone())?;
+                    let stream = owned_stream.handle();
                     echo_job(&p, w, stream)
                 })
             })
@@ -516,7 +525,8 @@ both_drivers!(
     fn a_worker_holds_several_jobs_in_flight_and_answers_them_in_order(env) {
         let p = parent(env, |_| {})?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let mut inputs = Vec::new();
         let mut handles = Vec::new();
@@ -548,7 +558,8 @@ both_drivers!(
         ensure!(got.is_err(), "spawn gave {got:?}");
         println!("spawn refused: {}", got.err().map(|e| e.to_string()).unwrap_or_default());
         ensure!(p.workers().is_empty(), "{:?}", p.workers());
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         ensure!(echo_job(&p, w, stream)? == Rung::PoolPointer);
         p.stop_worker(w)?;
@@ -604,7 +615,8 @@ both_drivers!(
 both_drivers!(
     fn killed_workers_leave_no_descriptors_behind(env) {
         let p = parent(env, |o| o.canary = false)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let input = filled(&p, MIB, 9, stream)?;
         let tensor = Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false };
         // One round first, so that whatever is opened once per process is open.
@@ -640,7 +652,8 @@ both_drivers!(
 /// further work instead of handing out results it cannot trust.
 fn gpu_fault(env: &Env) -> Result<()> {
     let p = parent(env, |o| o.canary = false)?;
-    let stream = p.driver().stream_create()?;
+    let owned_stream = OwnedStream::new(p.driver().clone())?;
+    let stream = owned_stream.handle();
     let good = p.spawn_worker(worker_command(env, None)?)?;
     let mut cmd = worker_command(env, None)?;
     cmd.env("POOLIPC_TEST_GPU_FAULT", "1");
@@ -713,7 +726,7 @@ both_drivers!(
 #[test]
 fn under_simulated_mps_a_worker_gpu_fault_ends_the_parent_context_and_is_named() {
     poolipc_tests::init_tracing();
-    let env = Env::sim_with(poolipc_driver::sim::SimConfig {
+    let env = Env::sim_with(poolipc::advanced::driver::sim::SimConfig {
         mps: true,
         ..Default::default()
     })

@@ -3,10 +3,11 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc_driver::{
-    CuCode, DevicePtr, Driver, DriverKind, EventHandle, PoolSharing, StreamHandle,
+use poolipc::advanced::driver::{
+    CuCode, DevicePtr, Driver, DriverKind, EventBlob, EventHandle, Granularity, OwnedEvent,
+    OwnedPool, OwnedStream, PoolSharing, StreamHandle,
 };
-use poolipc_pool::SharedPool;
+use poolipc::advanced::pool::SharedPool;
 use poolipc_tests::{Env, both_drivers, hex, num, spawn_child};
 
 const MIB: u64 = 1 << 20;
@@ -47,10 +48,11 @@ both_drivers!(
     fn after_install_allocations_from_the_current_pool_come_from_ours(env) {
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let current = d.device_get_mem_pool(env.device)?;
         ensure!(current == pool.handle(), "the device's current pool is not ours");
-        let alloc = poolipc_driver::PoolAllocation::new(d, MIB, stream)?;
+        let alloc = poolipc::advanced::driver::PoolAllocation::new(d, MIB, stream)?;
         ensure!(d.pointer_get_mempool(alloc.ptr())? == pool.handle(), "allocation came from another pool");
         alloc.free(stream)?;
         d.stream_synchronize(stream)?;
@@ -61,10 +63,11 @@ both_drivers!(
 both_drivers!(
     fn pointer_export_fails_before_the_pool_fd_export_and_succeeds_after(env) {
         let d = &*env.driver;
-        let stream = d.stream_create()?;
-        let owned_pool = poolipc_driver::OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
+        let owned_pool = OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
         let pool = owned_pool.handle();
-        let alloc = poolipc_driver::PoolAllocation::from_pool(d, MIB, pool, stream)?;
+        let alloc = poolipc::advanced::driver::PoolAllocation::from_pool(d, MIB, pool, stream)?;
         let ptr = alloc.ptr();
         d.stream_synchronize(stream)?;
         let err = d.mem_pool_export_pointer(ptr).expect_err("export before the FD export");
@@ -93,13 +96,13 @@ both_drivers!(
             let flags = FdFlag::from_bits_truncate(fcntl(fd, FcntlArg::F_GETFD)?);
             Ok(flags.contains(FdFlag::FD_CLOEXEC))
         };
-        let owned_pool = poolipc_driver::OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
+        let owned_pool = OwnedPool::create(d, env.device, PoolSharing::PosixFd)?;
         let fd = d.mem_pool_export_fd(owned_pool.handle())?;
         ensure!(cloexec(&fd)?, "the pool's exported descriptor is inherited by children");
         drop(fd);
         owned_pool.close()?;
-        let granularity = d.vmm_granularity(env.device, poolipc_driver::Granularity::Minimum)?;
-        let vmm = poolipc_driver::VmmAllocation::create(d, env.device, granularity)?;
+        let granularity = d.vmm_granularity(env.device, Granularity::Minimum)?;
+        let vmm = poolipc::advanced::driver::VmmAllocation::create(d, env.device, granularity)?;
         let fd = d.vmm_export_fd(vmm.handle())?;
         ensure!(cloexec(&fd)?, "a VMM allocation's exported descriptor is inherited by children");
         drop(fd);
@@ -113,8 +116,10 @@ both_drivers!(
 fn child_reads_and_writes_in_place(env: &Env, bytes: u64) -> Result<()> {
     let pool = install(env)?;
     let d = &*env.driver;
-    let stream = d.stream_create()?;
-    let ready = d.event_create(true)?;
+    let owned_stream = OwnedStream::new(d)?;
+    let stream = owned_stream.handle();
+    let owned_ready = OwnedEvent::new(d, true)?;
+    let ready = owned_ready.handle();
     let ptr = pool.alloc(bytes, stream)?;
     fill_then_record(d, ptr, bytes, 0xA5A5_0001, stream, ready)?;
     let blob = pool.export(ptr)?;
@@ -140,8 +145,7 @@ fn child_reads_and_writes_in_place(env: &Env, bytes: u64) -> Result<()> {
         child.call(&format!("fill {theirs} {offset} {} 5a5a0002", 4096 / 4))?;
     }
     let done = child.call("record")?;
-    let done =
-        d.ipc_open_event_handle(&poolipc_driver::EventBlob(poolipc_tests::unhex(&done[0])?))?;
+    let done = d.ipc_open_event_handle(&EventBlob(poolipc_tests::unhex(&done[0])?))?;
     child.call(&format!("free {theirs}"))?;
     d.stream_wait_event(stream, done)?;
     d.stream_synchronize(stream)?;
@@ -181,8 +185,10 @@ both_drivers!(
         let bytes = GIB;
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
-        let ready = d.event_create(true)?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
+        let owned_ready = OwnedEvent::new(d, true)?;
+        let ready = owned_ready.handle();
         let ptr = pool.alloc(bytes, stream)?;
         // Parent → child: READY is recorded right after the fill, nothing is synchronized.
         fill_then_record(d, ptr, bytes, 0x1111_1111, stream, ready)?;
@@ -196,7 +202,7 @@ both_drivers!(
         // Child → parent: the child fills everything and records DONE without synchronizing.
         child.call(&format!("fill {theirs} 0 {} 22222222", bytes / 4))?;
         let done = child.call("record")?;
-        let done = d.ipc_open_event_handle(&poolipc_driver::EventBlob(poolipc_tests::unhex(&done[0])?))?;
+        let done = d.ipc_open_event_handle(&EventBlob(poolipc_tests::unhex(&done[0])?))?;
         d.stream_wait_event(stream, done)?;
         d.stream_synchronize(stream)?;
         ensure!(bad_words(d, ptr, bytes - MIB, MIB as usize, 0x2222_2222)? == 0, "the parent read before DONE");
@@ -219,7 +225,8 @@ both_drivers!(
         let bytes = 4096 * MIB;
         let pool = install(env)?;
         let d = &*env.driver;
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d)?;
+        let stream = owned_stream.handle();
         let mut child = spawn_child(env, std::os::fd::AsFd::as_fd(&*pool.fd()))?;
         let attached = child.call("pool")?;
         println!("{:?}: worker's imported pool: {}", env.kind(), attached.join(" "));
@@ -285,7 +292,8 @@ both_drivers!(
             d.push_device(device)?;
             let (free, total) = d.mem_get_info()?;
             ensure!(total > 0 && free <= total, "mem_get_info: {free} of {total}");
-            let stream = d.stream_create()?;
+            let owned_stream = OwnedStream::new(d.clone())?;
+            let stream = owned_stream.handle();
             d.stream_synchronize(stream)?;
             d.pop_device()?;
             if kind == DriverKind::Cuda {

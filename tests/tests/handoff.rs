@@ -3,9 +3,10 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
-use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung, echo};
-use poolipc_driver::{DevicePtr, Driver, StreamHandle};
-use poolipc_pool::ImportLimit;
+use poolipc::advanced::driver::{DevicePtr, Driver, OwnedStream, StreamHandle};
+use poolipc::advanced::pool::ImportLimit;
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -90,7 +91,8 @@ both_drivers!(
     fn a_job_lends_inputs_of_several_dtypes_and_gets_results_back(env) {
         let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let baseline = p.pool().stats()?.used_current;
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let cases = cases();
@@ -167,7 +169,8 @@ both_drivers!(
         // checked against happens-before, so a wait skipped wrongly would be recorded.
         let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let mut cmd = worker_command(env, None)?;
         cmd.env("POOLIPC_WORKER_READY_QUERY", "1");
         let worker = p.spawn_worker(cmd)?;
@@ -186,7 +189,8 @@ both_drivers!(
         // still be running (READY on its stream); SimDriver checks every access.
         let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let aside_before = p.stats().ready_recorded_aside;
         echo_rounds(&p, worker, stream, |round| round * 0x0101_0101, |round| round % 2 == 0)?;
@@ -209,7 +213,8 @@ both_drivers!(
         // on its own. Refused at the submit, naming the stream; the worker takes the next job.
         let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let base = filled(&p, MIB, 0x0a0b_0c0d, stream)?;
         let input = Input { ptr: base, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: true };
@@ -235,7 +240,8 @@ both_drivers!(
 fn killed_at(env: &Env, step: &str) -> Result<()> {
     let p = parent(env, ImportLimit::default())?;
     let d = Arc::clone(p.driver());
-    let stream = d.stream_create()?;
+    let owned_stream = OwnedStream::new(d.clone())?;
+    let stream = owned_stream.handle();
     let baseline = p.pool().stats()?.used_current;
     let input = filled(&p, 4 * MIB, 0x1234_5678, stream)?;
     let inputs = [Input {
@@ -358,7 +364,8 @@ both_drivers!(
             },
         )?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let baseline = p.pool().stats()?.used_current;
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let report = p.canary_report(worker).expect("the battery ran").clone();
@@ -394,7 +401,8 @@ both_drivers!(
     fn a_rogue_peer_is_refused_and_the_parent_serves_the_next_worker(env) {
         let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         // Not a worker: writes garbage on the inherited socket and exits.
         let mut rogue = std::process::Command::new("sh");
         rogue.args(["-c", "printf 'GARBAGE-NOT-A-FRAME-AT-ALL' >&$POOLIPC_FD; sleep 0.2"]);
@@ -417,7 +425,8 @@ both_drivers!(
     fn a_worker_holding_two_jobs_finishes_the_later_first_and_both_complete(env) {
         let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let mut cmd = worker_command(env, None)?;
         cmd.env("POOLIPC_TEST_HOLD", "1");
         let worker = p.spawn_worker(cmd)?;
@@ -449,9 +458,10 @@ both_drivers!(
     fn a_worker_started_by_someone_else_connects_to_a_private_socket(env) {
         let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let dir = std::env::temp_dir().join(format!("poolipc-test-{}-{:?}", std::process::id(), env.kind()));
-        let listener = poolipc_transport::PrivateListener::bind(&dir, "parent.sock")?;
+        let listener = poolipc::advanced::transport::PrivateListener::bind(&dir, "parent.sock")?;
         // Not spawned through the parent: a plain process told where the socket is.
         let mut cmd = worker_command(env, None)?;
         cmd.env("POOLIPC_SOCKET", listener.path());
@@ -522,7 +532,8 @@ both_drivers!(
         let started = std::time::Instant::now();
         let p = parent(env, ImportLimit::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let worker = p.spawn_worker(worker_command(env, None)?)?;
         let input = filled(&p, MIB, 3, stream)?;
         let tensor = Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: true };
@@ -575,7 +586,8 @@ both_drivers!(
                     s.spawn(move || -> Result<()> {
                         let d = Arc::clone(p.driver());
                         d.use_device(env.device)?;
-                        let stream = d.stream_create()?;
+                        let owned_stream = OwnedStream::new(d.clone())?;
+                        let stream = owned_stream.handle();
                         let pattern = 0x0101_0101 * (t as u32 + 1);
                         let input = filled(p, 64 * 1024, pattern, stream)?;
                         let tensor = Input { ptr: input, desc: Layout::contiguous(DType::U8, &[64 * 1024]), read_only: false };
@@ -605,7 +617,8 @@ both_drivers!(
         // generation, which only its own room may tell it to (another room must not forget
         // it for it).
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let free_now = || -> Result<u64> {
             d.ctx_synchronize()?;
             Ok(d.mem_get_info()?.0)

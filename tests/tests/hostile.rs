@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, echo};
-use poolipc_contract::FailReason;
-use poolipc_driver::{DevicePtr, StreamHandle};
+use poolipc::advanced::contract::FailReason;
+use poolipc::advanced::driver::{DevicePtr, OwnedStream, StreamHandle};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -64,8 +65,10 @@ both_drivers!(
         let timeout = Duration::from_secs(3);
         let p = parent(env, timeout)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
-        let other = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
+        let owned_other = OwnedStream::new(d.clone())?;
+        let other = owned_other.handle();
         let baseline = p.pool().stats()?.used_current;
         let x = filled(&p, MIB, 0x1234_5678, stream)?;
         let y = filled(&p, MIB, 0x0BAD_F00D, other)?;
@@ -138,7 +141,7 @@ both_drivers!(
                 device: env.device,
                 // 2 chunks of 1 MiB stand in for the 128 x 32 MiB rule; no arena copies:
                 // a 5 MiB tensor takes host staging both ways.
-                limit: poolipc_pool::ImportLimit::new(MIB, 2).expect("limit"),
+                limit: poolipc::advanced::pool::ImportLimit::new(MIB, 2).expect("limit"),
                 arena_copy: false,
                 staging: poolipc::staging::StagingConfig {
                     timeout: Duration::from_secs(3),
@@ -148,8 +151,10 @@ both_drivers!(
             },
         )?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
-        let other = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
+        let owned_other = OwnedStream::new(d.clone())?;
+        let other = owned_other.handle();
         let bytes = 5 * MIB;
         let big = filled(&p, bytes, 0x1357_9BDF, stream)?;
         let y = filled(&p, MIB, 0x0BAD_F00D, other)?;
@@ -196,7 +201,8 @@ both_drivers!(
     fn a_panic_on_the_io_thread_answers_every_waiter_with_an_error(env) {
         let p = Arc::new(parent(env, Duration::from_secs(60))?);
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x1234_5678, stream)?;
         d.stream_synchronize(stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
@@ -251,7 +257,8 @@ both_drivers!(
     fn a_call_from_a_forked_child_fails_at_once_with_forked(env) {
         let p = parent(env, Duration::from_secs(30))?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x1234_5678, stream)?;
         d.stream_synchronize(stream)?;
         let worker = p.spawn_worker(worker_command(env, None)?)?;
@@ -304,7 +311,8 @@ both_drivers!(
     fn a_reaped_worker_leaves_the_registry(env) {
         let p = parent(env, Duration::from_secs(30))?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, MIB, 0x1234_5678, stream)?;
         d.stream_synchronize(stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;

@@ -8,7 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
-use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, Trust, echo};
+use poolipc::advanced::driver::OwnedStream;
+use poolipc::advanced::transport::Capabilities;
+use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, Trust};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, rogue_command, worker_command};
 
 const MIB: u64 = 1 << 20;
@@ -51,7 +54,8 @@ fn thief_report(
         Some(t) => p.spawn_worker_with(cmd, t)?,
         None => p.spawn_worker(cmd)?,
     };
-    let stream = p.driver().stream_create()?;
+    let owned_stream = OwnedStream::new(p.driver().clone())?;
+    let stream = owned_stream.handle();
     // The job fails, or is refused (the rogue answers nothing, and may have exited already):
     // what counts is what it imported.
     let job = p.submit(w, &[Input::new(x, f32_mib()).read_only()], stream);
@@ -77,14 +81,15 @@ both_drivers!(
     fn an_isolated_worker_takes_its_inputs_by_arena_copy_and_its_results_from_the_arena(env) {
         let p = parent(env, true)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = p.pool().alloc(MIB, stream)?;
         echo::fill_pattern(&*d, x, MIB, 0x1357_9BDF, stream)?;
         d.stream_synchronize(stream)?;
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let info = p.worker(w).ok_or_else(|| anyhow::anyhow!("the worker is not registered"))?;
         ensure!(
-            !info.identity.capabilities.contains(poolipc_transport::Capabilities::POOL_POINTER),
+            !info.identity.capabilities.contains(Capabilities::POOL_POINTER),
             "an isolated worker said it takes pool pointers: {:?}",
             info.identity.capabilities
         );
@@ -131,7 +136,8 @@ both_drivers!(
 fn thief_against(env: &Env, isolated: bool) -> Result<String> {
     let p = parent(env, isolated)?;
     let d = Arc::clone(p.driver());
-    let stream = d.stream_create()?;
+    let owned_stream = OwnedStream::new(d.clone())?;
+    let stream = owned_stream.handle();
     let x = p.pool().alloc(MIB, stream)?;
     d.memset_d32_async(x, 7, MIB / 4, stream)?;
     d.stream_synchronize(stream)?;
@@ -185,7 +191,7 @@ fn parent_with_both(env: &Env) -> Result<(Parent, poolipc::WorkerId, poolipc::Wo
         ensure!(
             info.identity
                 .capabilities
-                .contains(poolipc_transport::Capabilities::POOL_POINTER)
+                .contains(Capabilities::POOL_POINTER)
                 == (trust == Trust::Trusted),
             "{w} ({trust:?}) says {:?}",
             info.identity.capabilities
@@ -240,7 +246,8 @@ both_drivers!(
     fn one_parent_refuses_its_pool_to_an_isolated_thief_and_gives_it_to_a_trusted_one(env) {
         let p = parent(env, false)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = p.pool().alloc(MIB, stream)?;
         d.memset_d32_async(x, 7, MIB / 4, stream)?;
         d.stream_synchronize(stream)?;
@@ -267,7 +274,8 @@ both_drivers!(
     fn an_isolated_and_a_trusted_worker_of_one_parent_each_take_their_own_rung(env) {
         let (p, trusted, isolated) = parent_with_both(env)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = p.pool().alloc(MIB, stream)?;
         echo::fill_pattern(&*d, x, MIB, 0x0BAD_CAFE, stream)?;
         d.stream_synchronize(stream)?;
@@ -290,7 +298,8 @@ both_drivers!(
     fn after_a_rotation_only_the_trusted_worker_is_given_the_new_pool_generation(env) {
         let (p, trusted, isolated) = parent_with_both(env)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = p.pool().alloc(MIB, stream)?;
         echo::fill_pattern(&*d, x, MIB, 0x1357_9BDF, stream)?;
         d.stream_synchronize(stream)?;

@@ -12,12 +12,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
+use poolipc::advanced::driver::sim::SimConfig;
+use poolipc::advanced::driver::{DevicePtr, OwnedStream};
 use poolipc::{
     Bound, DType, Error, FailReason, Input, Layout, Parent, ParentOptions, StreamHandle, WorkerId,
-    echo,
 };
-use poolipc_driver::DevicePtr;
-use poolipc_driver::sim::SimConfig;
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, fd_targets, fds_added, rogue_command, worker_command};
 
 const KIB: u64 = 1 << 10;
@@ -221,8 +221,10 @@ both_drivers!(
     fn chattering_cancel_ignoring_and_hoarding_workers_each_end_within_their_bound(env) {
         let p = parent(env, DEADLINE)?;
         let grace = p.options().cancel_grace;
-        let stream = p.driver().stream_create()?;
-        let honest_stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
+        let owned_honest_stream = OwnedStream::new(p.driver().clone())?;
+        let honest_stream = owned_honest_stream.handle();
         let x = p.pool().alloc(4 * KIB, stream)?;
         echo::fill_pattern(&**p.driver(), x, 4 * KIB, 0x0BAD_CAFE, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
@@ -258,7 +260,7 @@ both_drivers!(
         // and a free poisons the bytes it frees on the host, so the hoarder's gigabytes coming
         // back stall the simulated machine for up to a second or so (libcuda's frees are
         // stream-ordered and take no time on the host): beside it the bound is 3 s.
-        let sim = matches!(env.kind(), poolipc_driver::DriverKind::Sim);
+        let sim = matches!(env.kind(), poolipc::advanced::driver::DriverKind::Sim);
         for (cases, worst_bound) in [
             (&chatter[..], if sim { Duration::from_secs(1) } else { HONEST_BOUND }),
             (&hog[..], if sim { Duration::from_secs(3) } else { HONEST_BOUND }),
@@ -390,7 +392,8 @@ both_drivers!(
                 ..ParentOptions::default()
             },
         )?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = p.pool().alloc(4 * KIB, stream)?;
         echo::fill_pattern(&**p.driver(), x, 4 * KIB, 0x0BAD_CAFE, stream)?;
         p.driver().stream_synchronize(stream)?;
@@ -437,7 +440,8 @@ both_drivers!(
     fn a_declared_long_job_with_heartbeats_outlives_the_deadline(env) {
         let deadline = Duration::from_secs(1);
         let p = parent(env, deadline)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = p.pool().alloc(4 * KIB, stream)?;
         let mut cmd = rogue_command(env, "long-job")?;
         cmd.env("POOLIPC_TEST_ROGUE_DELAY_MS", (deadline * 3).as_millis().to_string());
@@ -465,7 +469,8 @@ both_drivers!(
     fn a_library_worker_s_heartbeats_carry_a_long_job_past_the_deadline(env) {
         let deadline = Duration::from_secs(1);
         let p = parent(env, deadline)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = p.pool().alloc(4 * KIB, stream)?;
         echo::fill_pattern(&**p.driver(), x, 4 * KIB, 0x0BAD_CAFE, stream)?;
         p.driver().stream_synchronize(stream)?;

@@ -8,10 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use poolipc::{
-    DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, StagingConfig, echo,
-};
-use poolipc_driver::{DevicePtr, StreamHandle};
+use poolipc::advanced::driver::{DevicePtr, OwnedStream, StreamHandle};
+use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, StagingConfig};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, open_fds, rogue_command, worker_command};
 
 const KIB: u64 = 1 << 10;
@@ -114,7 +113,8 @@ both_drivers!(
     fn an_honest_workers_round_trips_stay_short_while_a_rogue_sends_slow_frames(env) {
         let p = parent(env, ParentOptions::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         round_trip(&p, honest, x, stream)?;
@@ -155,7 +155,8 @@ both_drivers!(
         let frame_timeout = Duration::from_millis(300);
         let p = parent(env, ParentOptions { frame_timeout, ..ParentOptions::default() })?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         let mut rogue_cmd = rogue_command(env, "slow-frames")?;
@@ -204,7 +205,8 @@ both_drivers!(
         };
         let p = parent(env, options)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         round_trip(&p, honest, x, stream)?;
@@ -255,13 +257,14 @@ both_drivers!(
 
 both_drivers!(
     /// A rogue drips a valid 1 KiB frame one byte a millisecond, a descriptor on each byte:
-    /// the parent holds at most [`poolipc_transport::PARTIAL_FD_SLACK`] more than the frame
-    /// carries (the process's descriptors stay within 16 of the baseline) and condemns the
-    /// rogue at once, closing them.
+    /// the parent holds at most [`poolipc::advanced::transport::PARTIAL_FD_SLACK`] more than
+    /// the frame carries (the process's descriptors stay within 16 of the baseline) and
+    /// condemns the rogue at once, closing them.
     fn descriptors_dripped_onto_a_slow_frame_stay_bounded_and_condemn_the_worker(env) {
         let p = parent(env, ParentOptions::default())?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         round_trip(&p, honest, x, stream)?;
@@ -323,7 +326,7 @@ fn staging_rogue_in(
     };
     let options = ParentOptions { staging, ..options };
     let p = parent(env, options)?;
-    let stream = p.driver().stream_create()?;
+    let stream = OwnedStream::new(p.driver().clone())?.into_raw();
     let x = filled(&p, 4 * KIB, stream)?;
     let big = filled(&p, STAGED_BYTES, stream)?;
     let honest = p.spawn_worker(worker_command(env, None)?)?;
@@ -605,7 +608,8 @@ both_drivers!(
         env
     ) {
         let p = parent(env, ParentOptions::default())?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         round_trip(&p, honest, x, stream)?;
@@ -669,7 +673,8 @@ both_drivers!(
             ..ParentOptions::default()
         };
         let p = parent(env, options)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let x = filled(&p, 4 * KIB, stream)?;
         let honest = p.spawn_worker(worker_command(env, None)?)?;
         let mut rogue_cmd = rogue_command(env, "staging-late-result")?;

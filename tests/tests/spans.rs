@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
+use poolipc::advanced::driver::OwnedStream;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions};
 use poolipc_tests::{Env, tempdir, worker_command};
 
@@ -60,7 +61,8 @@ fn one_job(env: &Env) -> Result<(poolipc::WorkerId, poolipc::JobId)> {
     };
     let p = Parent::new(Arc::clone(&env.driver), options)?;
     let d = Arc::clone(p.driver());
-    let stream = d.stream_create()?;
+    let owned_stream = OwnedStream::new(d.clone())?;
+    let stream = owned_stream.handle();
     let x = p.pool().alloc(MIB, stream)?;
     d.memset_d32_async(x, 0x1234_5678, MIB / 4, stream)?;
     let worker = p.spawn_worker(worker_command(env, None)?)?;
@@ -118,7 +120,8 @@ fn two_at_once(env: &Env) -> Result<u64> {
         },
     )?;
     let d = Arc::clone(p.driver());
-    let stream = d.stream_create()?;
+    let owned_stream = OwnedStream::new(d.clone())?;
+    let stream = owned_stream.handle();
     let x = p.pool().alloc(MIB, stream)?;
     let input = [Input {
         ptr: x,
@@ -165,7 +168,7 @@ fn two_at_once(env: &Env) -> Result<u64> {
 fn two_busy_workers_without_mps_are_logged_once_and_under_mps_not_at_all() -> Result<()> {
     let captured = captured()?;
     let said = || captured.text().matches(TURNS).count();
-    let mps = Env::sim_with(poolipc_driver::sim::SimConfig {
+    let mps = Env::sim_with(poolipc::advanced::driver::sim::SimConfig {
         mps: true,
         ..Default::default()
     })?;

@@ -53,7 +53,7 @@ fn thread_jobs(
     let d = p.driver();
     // Each thread makes the device's context current for itself, as any CUDA thread must.
     d.use_device(env.device)?;
-    let owned_stream = poolipc_driver::OwnedStream::new(&**d)?;
+    let owned_stream = poolipc::advanced::driver::OwnedStream::new(&**d)?;
     let stream = owned_stream.handle();
     let mut rng = seed.max(1);
     let mut worker = p.spawn_worker(worker_command(env, None)?)?;

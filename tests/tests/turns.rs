@@ -10,7 +10,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
-use poolipc::{DType, Input, JobHandle, Layout, Parent, ParentOptions, WorkerId, echo};
+use poolipc::advanced::driver::OwnedStream;
+use poolipc::{DType, Input, JobHandle, Layout, Parent, ParentOptions, WorkerId};
+use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, tempdir, worker_command};
 
 const KIB: u64 = 1 << 10;
@@ -36,7 +38,8 @@ fn job_on_thread(p: &Arc<Parent>, worker: WorkerId, device: u32) -> JoinHandle<R
     std::thread::spawn(move || -> Result<()> {
         // A new thread has no current CUDA context: the caller's streams need one.
         p.driver().use_device(device)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let input = p.pool().alloc(4 * KIB, stream)?;
         echo::fill_pattern(&**p.driver(), input, 4 * KIB, 0x0A0B_0C0D, stream)?;
         let out = p.run_job(
@@ -231,7 +234,8 @@ both_drivers!(
         let dir = tempdir("wait-any")?;
         let (held, free) = two_workers(env, &p, &dir)?;
         let d = Arc::clone(p.driver());
-        let stream = d.stream_create()?;
+        let owned_stream = OwnedStream::new(d.clone())?;
+        let stream = owned_stream.handle();
         let mut inputs = Vec::new();
         for _ in 0..2 {
             let ptr = p.pool().alloc(4 * KIB, stream)?;

@@ -12,10 +12,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::driver::OwnedStream;
+use poolipc::advanced::types::ImportLimit;
 use poolipc::{Parent, ParentOptions, ResultMemory, Rung, StreamHandle};
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, echo_job, filled, settle};
 use poolipc_tests::{Env, both_drivers, worker_command};
-use poolipc_types::ImportLimit;
 
 const MIB: u64 = 1 << 20;
 /// What a release may fall short of the released bytes (the bound).
@@ -60,7 +61,8 @@ fn results_job(
 both_drivers!(
     fn empty_cache_gives_idle_arena_chunks_back_and_every_worker_unmaps_them(env) {
         let p = parent(env, |_| {})?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let a = p.spawn_worker(worker_command(env, None)?)?;
         let b = p.spawn_worker(worker_command(env, None)?)?;
         let bytes = 256 * MIB;
@@ -107,7 +109,8 @@ both_drivers!(
 both_drivers!(
     fn a_chunk_with_a_live_result_is_not_given_back_and_its_bytes_stay(env) {
         let p = parent(env, |_| {})?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let out = results_job(&p, w, 64 * MIB, stream)?;
         let report = p.empty_cache()?;
@@ -127,7 +130,8 @@ both_drivers!(
 both_drivers!(
     fn idle_arena_chunks_go_back_after_arena_idle_release(env) {
         let p = parent(env, |o| o.arena_idle_release = Some(Duration::from_millis(100)))?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         drop(results_job(&p, w, 128 * MIB, stream)?);
         ensure!(settle(&p, stream)? == 0, "blocks left");
@@ -168,7 +172,8 @@ both_drivers!(
         let p = parent(env, |o| o.results = ResultMemory::Pool)?;
         let limit = p.import_limit();
         p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let bytes = 128 * MIB;
         let input = filled(&p, bytes, 0x0C0C_0C0C, stream)?;
@@ -199,7 +204,8 @@ both_drivers!(
 both_drivers!(
     fn the_arena_is_capped_at_a_fraction_of_the_device_by_default(env) {
         let p = parent(env, |o| o.arena_cap_fraction = 0.25)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         drop(results_job(&p, w, MIB, stream)?);
         let (_, total) = p.driver().mem_get_info()?;
@@ -252,7 +258,8 @@ fn lend_by_pointer(
 both_drivers!(
     fn a_tensor_lent_by_pool_pointer_and_freed_comes_back_at_empty_cache(env) {
         let p = pool_parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let before = free_vram(&p)?;
         let bytes = 256 * MIB;
@@ -318,7 +325,8 @@ both_drivers!(
 both_drivers!(
     fn a_retired_generation_with_a_live_tensor_stays_until_it_is_freed_and_still_lends(env) {
         let p = pool_parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         // Allocated before the rotation, lent only after it.
         let old = filled(&p, 8 * MIB, 0x5252_0000, stream)?;
@@ -355,7 +363,8 @@ both_drivers!(
 both_drivers!(
     fn a_worker_spawned_after_a_rotation_takes_pool_pointers(env) {
         let p = pool_parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let a = p.spawn_worker(worker_command(env, None)?)?;
         let t = filled(&p, 4 * MIB, 0x5353_0000, stream)?;
         lend_by_pointer(&p, a, t, 4 * MIB, 0x5353_0000, stream)?;
@@ -384,7 +393,8 @@ both_drivers!(
 both_drivers!(
     fn empty_cache_with_nothing_exported_does_not_rotate(env) {
         let p = pool_parent(env)?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let t = filled(&p, 4 * MIB, 0x5454_0000, stream)?;
         p.pool().free(t, stream)?;
@@ -407,7 +417,8 @@ both_drivers!(
         // once, without waiting out EMPTY_CACHE_WAIT for that worker; the worker unmaps the
         // chunk once its job is over.
         let p = parent(env, |_| {})?;
-        let stream = p.driver().stream_create()?;
+        let owned_stream = OwnedStream::new(p.driver().clone())?;
+        let stream = owned_stream.handle();
         let gate = std::env::temp_dir().join(format!("poolipc-vram-gate-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&gate);
         std::fs::create_dir_all(&gate)?;

@@ -5,9 +5,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use poolipc::driver::{Choice, MACHINE_ENV};
-use poolipc::{DType, Input, Layout, Parent, ParentOptions, echo};
-use poolipc_driver::Driver;
+use poolipc::advanced::driver::sim::MACHINE_ENV;
+use poolipc::advanced::driver::{Driver, OwnedStream};
+use poolipc::driver::Choice;
+use poolipc::{DType, Input, Layout, Parent, ParentOptions};
+
+use crate::echo;
 
 /// Options of `poolipc demo`.
 #[derive(Debug, clap::Args)]
@@ -94,7 +97,7 @@ pub(crate) fn open_driver(sim: bool, device: u32) -> Result<Opened> {
 fn open(args: &Args) -> Result<Opened> {
     let choice = if args.sim { Choice::Sim } else { Choice::Auto };
     let o = poolipc::driver::open_choice(choice)?;
-    let which = if o.driver.kind() == poolipc_driver::DriverKind::Cuda {
+    let which = if o.driver.kind() == poolipc::advanced::driver::DriverKind::Cuda {
         let name = o
             .driver
             .device_info(args.device)
@@ -138,10 +141,11 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         println!("canary battery: {report}");
     }
     let d = &*driver;
-    let stream = d.stream_create()?;
+    let owned_stream = OwnedStream::new(d)?;
+    let stream = owned_stream.handle();
     println!();
     println!("{LEGEND}");
-    if d.kind() == poolipc_driver::DriverKind::Sim {
+    if d.kind() == poolipc::advanced::driver::DriverKind::Sim {
         println!("{SIM_FIRST_TOUCH}");
     }
     println!();
@@ -151,7 +155,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
     );
     let mut failures = 0;
     let mut cases = cases();
-    if d.kind() == poolipc_driver::DriverKind::Cuda {
+    if d.kind() == poolipc::advanced::driver::DriverKind::Cuda {
         // Over the 128-chunk import limit: host staging, both ways.
         cases.push(Case {
             name: "u8 5 GiB (staged)",
@@ -248,7 +252,7 @@ pub(crate) fn worker_main() -> Result<ExitCode> {
             .with_context(|| format!("POOLIPC_WORKER_MODE={mode}"))?;
         echo::serve_produce(&mut worker, bytes)?;
     } else {
-        echo::serve(&mut worker, None)?;
+        echo::serve(&mut worker)?;
     }
     Ok(ExitCode::SUCCESS)
 }

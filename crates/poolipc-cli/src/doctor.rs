@@ -4,12 +4,12 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Result;
-use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{
+use poolipc::advanced::driver::sim::{SimConfig, SimDriver};
+use poolipc::advanced::driver::{
     CuCode, CudaDriver, DeviceAllocation, Driver, Granularity, OwnedEvent, OwnedPool, OwnedStream,
     PoolAllocation, PoolSharing, VmmAllocation, VmmMapping, VmmReservation, platform,
 };
-use poolipc_pool::{ImportLimit, SharedPool};
+use poolipc::advanced::pool::{ImportLimit, SharedPool};
 
 use crate::probe;
 
@@ -640,7 +640,7 @@ fn vmm_kind(d: &dyn Driver, dev: u32, exportable: bool) -> Result<Result<(), Str
         // Unmapped (then its range freed) before the handle is released below.
         let mapping = VmmMapping::map(range, h.handle())?;
         let asked = (|| -> Result<Result<(), String>> {
-            mapping.set_access(dev, poolipc_driver::Access::ReadWrite)?;
+            mapping.set_access(dev, poolipc::advanced::driver::Access::ReadWrite)?;
             let info = d.pointer_info(va)?;
             let retained = match VmmAllocation::retain(d, va) {
                 Ok(r) => r,

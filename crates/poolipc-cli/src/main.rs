@@ -11,6 +11,7 @@ mod bench;
 mod check;
 mod demo;
 mod doctor;
+mod echo;
 mod mps;
 mod plot;
 mod probe;

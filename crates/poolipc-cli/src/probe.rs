@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use poolipc_driver::{DevicePtr, Driver, ImportedPointer, StreamHandle};
-use poolipc_pool::{AttachedPool, ImportLimit, SharedPool};
-use poolipc_transport::Layout;
-use poolipc_transport::{
+use poolipc::advanced::driver::{DevicePtr, Driver, ImportedPointer, StreamHandle};
+use poolipc::advanced::pool::{AttachedPool, ImportLimit, SharedPool};
+use poolipc::advanced::transport::Layout;
+use poolipc::advanced::transport::{
     Ack, Capabilities, DType, EventBlob, HandoffId, HandshakeConfig, JobId, Lend, LentTensor,
     Message, Rung, TensorMeta,
 };
@@ -63,9 +63,9 @@ pub(crate) struct ProbeReport {
     pub(crate) first_bad: Option<(u64, Outcome)>,
 }
 
-fn identity(driver: &dyn Driver, device: u32) -> Result<poolipc_transport::Identity> {
+fn identity(driver: &dyn Driver, device: u32) -> Result<poolipc::advanced::transport::Identity> {
     let caps = Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS;
-    Ok(poolipc::identity(driver, device, caps)?)
+    Ok(poolipc::advanced::identity(driver, device, caps)?)
 }
 
 /// Imports `bytes` from `pool` in a fresh child; the parent survives whatever happens there.
@@ -88,42 +88,47 @@ fn probe_once(
         if let Some((k, v)) = child_env {
             cmd.env(k, v);
         }
-        let (mut child, mut conn) = poolipc_transport::spawn_worker(cmd)?;
+        let (mut child, mut conn) = poolipc::advanced::transport::spawn_worker(cmd)?;
         let deadline = Instant::now() + Duration::from_secs(120);
         let config = HandshakeConfig {
             identity: identity(d, pool.device())?,
             required: Capabilities::NONE,
         };
         let fd = pool.fd();
-        let answer = poolipc_transport::parent_handshake(&mut conn, &config, fd.as_fd(), deadline)
-            .map_err(anyhow::Error::from)
-            .and_then(|_| {
-                let lend = Lend {
-                    job: JobId(1),
-                    tensors: vec![LentTensor {
-                        handle: HandoffId(1),
-                        alloc: poolipc_transport::AllocId(1),
-                        rung: Rung::PoolPointer,
-                        pool: 0,
-                        export: blob,
-                        ready_event: EventBlob([0; 64]),
-                        meta: TensorMeta {
-                            layout: Layout {
-                                dtype: DType::U8,
-                                shape: vec![bytes],
-                                strides: vec![1],
-                            },
-                            byte_offset: 0,
-                            byte_len: bytes,
+        let answer = poolipc::advanced::transport::parent_handshake(
+            &mut conn,
+            &config,
+            fd.as_fd(),
+            deadline,
+        )
+        .map_err(anyhow::Error::from)
+        .and_then(|_| {
+            let lend = Lend {
+                job: JobId(1),
+                tensors: vec![LentTensor {
+                    handle: HandoffId(1),
+                    alloc: poolipc::advanced::transport::AllocId(1),
+                    rung: Rung::PoolPointer,
+                    pool: 0,
+                    export: blob,
+                    ready_event: EventBlob([0; 64]),
+                    meta: TensorMeta {
+                        layout: Layout {
+                            dtype: DType::U8,
+                            shape: vec![bytes],
+                            strides: vec![1],
                         },
-                        read_only: false,
-                        arena: None,
-                    }],
-                    slice: None,
-                };
-                conn.send(&Message::Lend(lend), &[], deadline)?;
-                Ok(conn.recv(deadline)?.0)
-            });
+                        byte_offset: 0,
+                        byte_len: bytes,
+                    },
+                    read_only: false,
+                    arena: None,
+                }],
+                slice: None,
+            };
+            conn.send(&Message::Lend(lend), &[], deadline)?;
+            Ok(conn.recv(deadline)?.0)
+        });
         let status = child.wait()?;
         if let Some(sig) = status.signal() {
             return Ok(Outcome::Crashed(sig));
@@ -151,7 +156,7 @@ pub(crate) fn probe_limit(
 ) -> Result<ProbeReport> {
     let pool = SharedPool::install(driver, device).context("installing the shared pool")?;
     let d = Arc::clone(pool.driver());
-    let stream = poolipc_driver::OwnedStream::new(d)?;
+    let stream = poolipc::advanced::driver::OwnedStream::new(d)?;
     let report = search(&pool, stream.handle(), child_env.as_ref(), stdout_is_data);
     // Put the device's own pool back: a parent started after the probes (the export reuse
     // check) installs a pool of its own, and one already installed here refuses it.
@@ -228,13 +233,14 @@ pub(crate) fn child_main() -> Result<ExitCode> {
         .parse()?;
     let driver = crate::doctor::open_driver_for_child()?;
     driver.use_device(device)?;
-    let mut conn = poolipc_transport::connection_from_env()?;
+    let mut conn = poolipc::advanced::transport::connection_from_env()?;
     let deadline = Instant::now() + Duration::from_secs(120);
     let config = HandshakeConfig {
         identity: identity(&*driver, device)?,
         required: Capabilities::NONE,
     };
-    let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline)?;
+    let (_peer, pool_fd) =
+        poolipc::advanced::transport::worker_handshake(&mut conn, &config, deadline)?;
     let pool = AttachedPool::attach(&*driver, pool_fd.as_fd(), device)?;
     let Message::Lend(lend) = conn.recv(deadline)?.0 else {
         bail!("expected a Lend")
@@ -256,7 +262,7 @@ pub(crate) fn child_main() -> Result<ExitCode> {
         })
     } else {
         Message::Error {
-            code: poolipc_transport::ErrorCode::OTHER,
+            code: poolipc::advanced::transport::ErrorCode::OTHER,
             message: format!(
                 "read {:#x}, expected {PATTERN:#x}",
                 u32::from_le_bytes(word)

@@ -17,8 +17,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use poolipc::advanced::driver::Driver;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, WorkerId};
-use poolipc_driver::Driver;
 
 use crate::bench::{Args, human};
 
@@ -139,7 +139,7 @@ fn jobs_per_second(
                 // error is returned after them.
                 let state = (|| -> Result<_> {
                     d.use_device(parent.options().device)?;
-                    let owned_stream = poolipc_driver::OwnedStream::new(&**d)?;
+                    let owned_stream = poolipc::advanced::driver::OwnedStream::new(&**d)?;
                     let stream = if legacy_stream {
                         poolipc::StreamHandle::NULL
                     } else {
@@ -465,7 +465,7 @@ fn run_plain_and_mps(args: &Args, max_workers: usize) -> Result<ExitCode> {
     let child = || bench_child(args, max_workers, &args.io_threads);
     println!("== poolipc bench --workers {max_workers}, plain (no MPS)");
     let status = child()?
-        .env_remove(poolipc_driver::mps_env::PIPE_DIRECTORY_ENV)
+        .env_remove(poolipc::advanced::driver::mps_env::PIPE_DIRECTORY_ENV)
         .status()?;
     anyhow::ensure!(status.success(), "the plain run failed: {status}");
     let mps = poolipc::mps::PrivateMps::start(&poolipc::mps::MpsOptions {

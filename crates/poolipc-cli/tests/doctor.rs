@@ -20,7 +20,7 @@ fn run(args: &[&str]) -> (Output, String) {
 }
 
 fn gpu() -> Result<(), String> {
-    poolipc_driver::CudaDriver::new()
+    poolipc::advanced::driver::CudaDriver::new()
         .map(drop)
         .map_err(|e| e.to_string())
 }

@@ -3,6 +3,7 @@
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::error::Result;
+use crate::owned::OwnerToken;
 use crate::types::{
     Access, DeviceInfo, DevicePtr, DriverKind, EventBlob, EventHandle, ExportBlob, Granularity,
     PointerInfo, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
@@ -87,8 +88,15 @@ pub trait Driver: Send + Sync {
 
     // --- pools -------------------------------------------------------------------------
 
-    /// `cuMemPoolCreate` of a pinned device pool. Needs no current context.
-    fn mem_pool_create(&self, ordinal: u32, sharing: PoolSharing) -> Result<PoolHandle>;
+    /// `cuMemPoolCreate` of a pinned device pool. Needs no current context. Callers create a
+    /// pool with [`OwnedPool::create`](crate::OwnedPool::create), which destroys it on drop:
+    /// only the owning types can make the [`OwnerToken`].
+    fn mem_pool_create(
+        &self,
+        ordinal: u32,
+        sharing: PoolSharing,
+        token: OwnerToken,
+    ) -> Result<PoolHandle>;
     /// `cuMemPoolDestroy`. Safe code destroys a pool by dropping its
     /// [`OwnedPool`](crate::OwnedPool).
     ///
@@ -203,7 +211,9 @@ pub trait Driver: Send + Sync {
     // --- events and streams ------------------------------------------------------------
 
     /// `cuEventCreate`; `interprocess` adds `CU_EVENT_INTERPROCESS` (timing is always off).
-    fn event_create(&self, interprocess: bool) -> Result<EventHandle>;
+    /// Callers create an event with [`OwnedEvent::new`](crate::OwnedEvent::new), which destroys
+    /// it on drop: only the owning types can make the [`OwnerToken`].
+    fn event_create(&self, interprocess: bool, token: OwnerToken) -> Result<EventHandle>;
     /// `cuEventDestroy`. Safe code destroys an event by dropping its
     /// [`OwnedEvent`](crate::OwnedEvent).
     ///
@@ -228,8 +238,10 @@ pub trait Driver: Send + Sync {
     /// `cuStreamQuery`: `true` when everything queued on `stream` completed (the host is
     /// then ordered after it, as after a synchronize), `false` on `CUDA_ERROR_NOT_READY`.
     fn stream_query(&self, stream: StreamHandle) -> Result<bool>;
-    /// `cuStreamCreate` with `CU_STREAM_NON_BLOCKING`.
-    fn stream_create(&self) -> Result<StreamHandle>;
+    /// `cuStreamCreate` with `CU_STREAM_NON_BLOCKING`. Callers create a stream with
+    /// [`OwnedStream::new`](crate::OwnedStream::new), which destroys it on drop: only the owning
+    /// types can make the [`OwnerToken`].
+    fn stream_create(&self, token: OwnerToken) -> Result<StreamHandle>;
     /// `cuStreamDestroy`. Safe code destroys a stream by dropping its
     /// [`OwnedStream`](crate::OwnedStream).
     ///

@@ -9,7 +9,9 @@
 //! - Owning types ([`OwnedPool`], [`PoolAllocation`], [`ImportedPointer`], [`OwnedEvent`],
 //!   [`OwnedStream`], [`DeviceAllocation`], [`VmmAllocation`], [`VmmReservation`],
 //!   [`VmmMapping`], [`HostRegistration`]): the only way safe code destroys what the driver
-//!   made; the trait's destroying calls are `unsafe fn`s.
+//!   made; the trait's destroying calls are `unsafe fn`s. Pools, events and streams are
+//!   created only through them: the trait's creating calls take an [`OwnerToken`] that only
+//!   the owning types can make.
 //! - [`host::SharedHostBuffer`]: pinned host memory two processes share, for host staging.
 //!
 //! Raw FFI lives here and in the transport's FD handling, nowhere else in the workspace.
@@ -33,7 +35,7 @@ pub use cuda::CudaDriver;
 pub use error::{CuCode, DriverError, Result};
 pub use owned::{
     DeviceAllocation, HostRegistration, ImportedPointer, OwnedEvent, OwnedPool, OwnedStream,
-    PoolAllocation, VmmAllocation, VmmMapping, VmmReservation,
+    OwnerToken, PoolAllocation, VmmAllocation, VmmMapping, VmmReservation,
 };
 pub use poolipc_types::{DeviceUuid, EventBlob, ExportBlob};
 pub use types::{

@@ -16,7 +16,9 @@ use std::sync::Arc;
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use poolipc_driver::host::SharedHostBuffer;
 use poolipc_driver::sim::{SimConfig, SimDriver, ViolationKind};
-use poolipc_driver::{Driver, DriverError, EventBlob, PoolSharing, StreamHandle};
+use poolipc_driver::{
+    Driver, DriverError, EventBlob, OwnedEvent, OwnedPool, OwnedStream, PoolSharing, StreamHandle,
+};
 
 const ROLE: &str = "POOLIPC_HOST_BUFFER_TEST_ROLE";
 const LEN: usize = 1 << 20;
@@ -39,8 +41,10 @@ fn share(test: &str, skip_wait: bool) -> Vec<poolipc_driver::sim::Violation> {
         let mut blob = [0u8; 64];
         sock.read_exact(&mut blob).unwrap();
         let filled = d.ipc_open_event_handle(&EventBlob(blob)).unwrap();
-        let s = d.stream_create().unwrap();
-        let pool = d.mem_pool_create(0, PoolSharing::None).unwrap();
+        let owned_s = OwnedStream::new(&*d).unwrap();
+        let s = owned_s.handle();
+        let owned_pool = OwnedPool::create(&*d, 0, PoolSharing::None).unwrap();
+        let pool = owned_pool.handle();
         let dst = d.mem_alloc_from_pool_async(LEN as u64, pool, s).unwrap();
         if !skip_wait {
             d.stream_wait_event(s, filled).unwrap();
@@ -87,14 +91,17 @@ fn share(test: &str, skip_wait: bool) -> Vec<poolipc_driver::sim::Violation> {
     let mut sock = UnixStream::from(mine);
     let buf = SharedHostBuffer::create(LEN).unwrap();
     buf.register(&d).unwrap();
-    let s = d.stream_create().unwrap();
-    let pool = d.mem_pool_create(0, PoolSharing::None).unwrap();
+    let owned_s = OwnedStream::new(&*d).unwrap();
+    let s = owned_s.handle();
+    let owned_pool = OwnedPool::create(&*d, 0, PoolSharing::None).unwrap();
+    let pool = owned_pool.handle();
     let src = d.mem_alloc_from_pool_async(LEN as u64, pool, s).unwrap();
     let bytes: Vec<u8> = (0..LEN).map(pattern).collect();
     d.memcpy_htod(src, &bytes).unwrap();
     d.stream_synchronize(StreamHandle::NULL).unwrap();
     buf.copy_from_device(0, src, LEN, s).unwrap();
-    let filled = d.event_create(true).unwrap();
+    let owned_filled = OwnedEvent::new(&*d, true).unwrap();
+    let filled = owned_filled.handle();
     d.event_record(filled, s).unwrap();
     send_fd(&sock, &buf.fd());
     sock.write_all(&d.ipc_get_event_handle(filled).unwrap().0)
@@ -184,7 +191,8 @@ fn copies_past_the_end_are_refused_before_reaching_the_driver() {
     d.use_device(0).unwrap();
     let buf = SharedHostBuffer::create(4096).unwrap();
     buf.register(&d).unwrap();
-    let pool = d.mem_pool_create(0, PoolSharing::None).unwrap();
+    let owned_pool = OwnedPool::create(&*d, 0, PoolSharing::None).unwrap();
+    let pool = owned_pool.handle();
     let p = d
         .mem_alloc_from_pool_async(8192, pool, StreamHandle::NULL)
         .unwrap();
@@ -210,7 +218,8 @@ fn copies_need_the_buffer_registered() {
     let d: Arc<dyn Driver> = sim;
     d.use_device(0).unwrap();
     let buf = SharedHostBuffer::create(4096).unwrap();
-    let pool = d.mem_pool_create(0, PoolSharing::None).unwrap();
+    let owned_pool = OwnedPool::create(&*d, 0, PoolSharing::None).unwrap();
+    let pool = owned_pool.handle();
     let p = d
         .mem_alloc_from_pool_async(4096, pool, StreamHandle::NULL)
         .unwrap();

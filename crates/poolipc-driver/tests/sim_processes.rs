@@ -17,7 +17,8 @@ use std::process::{Command, Stdio};
 use nix::sys::socket::{AddressFamily, SockFlag, SockType, socketpair};
 use poolipc_driver::sim::{SimConfig, SimDriver, ViolationKind};
 use poolipc_driver::{
-    DevicePtr, Driver, EventBlob, ExportBlob, PoolHandle, PoolSharing, StreamHandle,
+    DevicePtr, Driver, EventBlob, ExportBlob, OwnedEvent, OwnedPool, OwnedStream, PoolHandle,
+    PoolSharing, StreamHandle,
 };
 
 const ROLE: &str = "POOLIPC_SIM_TEST_ROLE";
@@ -71,7 +72,7 @@ fn parent_offer(p: &SimDriver, w: &mut Worker, pool: PoolHandle, bytes: u64) -> 
     let fd = p.mem_pool_export_fd(pool).unwrap();
     let ptr = p.mem_alloc_from_pool_async(bytes, pool, S).unwrap();
     p.memset_d8_async(ptr, 0xAB, 4096, S).unwrap();
-    let ready = p.event_create(true).unwrap();
+    let ready = OwnedEvent::new(p, true).unwrap().into_raw();
     p.event_record(ready, S).unwrap();
     send_fd(&w.sock, &fd);
     send64(&mut w.sock, &p.mem_pool_export_pointer(ptr).unwrap().0);
@@ -113,7 +114,9 @@ fn parent_sim(memory: u64) -> (SimDriver, PoolHandle) {
     })
     .unwrap();
     p.use_device(0).unwrap();
-    let pool = p.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let pool = OwnedPool::create(&p, 0, PoolSharing::PosixFd)
+        .unwrap()
+        .into_raw();
     p.device_set_mem_pool(0, pool).unwrap();
     (p, pool)
 }
@@ -127,14 +130,16 @@ fn a_worker_process_reads_the_parents_bytes_and_writes_in_place() {
         let w = &o.sim;
         let ptr = w.mem_pool_import_pointer(o.pool, &o.blob).unwrap();
         let ready = w.ipc_open_event_handle(&o.ready).unwrap();
-        let s = w.stream_create().unwrap();
+        let owned_s = OwnedStream::new(w).unwrap();
+        let s = owned_s.handle();
         w.stream_wait_event(s, ready).unwrap();
         w.event_synchronize(ready).unwrap();
         let mut buf = [0u8; 64];
         w.memcpy_dtoh(&mut buf, ptr).unwrap();
         assert_eq!(buf, [0xAB; 64]);
         w.memset_d8_async(ptr, 0xCD, 64, s).unwrap();
-        let done = w.event_create(true).unwrap();
+        let owned_done = OwnedEvent::new(w, true).unwrap();
+        let done = owned_done.handle();
         w.event_record(done, s).unwrap();
         // SAFETY: `ptr` is the live import made above, freed once and not used after.
         unsafe { w.mem_pool_free_import(ptr, s) }.unwrap();
@@ -171,7 +176,8 @@ fn a_worker_process_touching_memory_before_ready_is_recorded_for_the_parent() {
         let o = worker_receive();
         let w = &o.sim;
         let ptr = w.mem_pool_import_pointer(o.pool, &o.blob).unwrap();
-        let s = w.stream_create().unwrap();
+        let owned_s = OwnedStream::new(w).unwrap();
+        let s = owned_s.handle();
         w.memset_d8_async(ptr, 0xCD, 64, s).unwrap(); // no wait on READY
         // SAFETY: `ptr` is the live import made above, freed once and not used after.
         unsafe { w.mem_pool_free_import(ptr, s) }.unwrap();

@@ -10,8 +10,9 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use poolipc::{DType, Driver, ResultTensor, StreamHandle};
-use poolipc_driver::{DriverError, OwnedEvent};
+use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::{DriverError, OwnedEvent};
+use poolipc::{DType, ResultTensor, StreamHandle};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 

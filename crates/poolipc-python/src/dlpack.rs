@@ -27,14 +27,14 @@ use pyo3::types::{PyCapsule, PyDict, PyTuple};
 /// A CUDA stream named by a number from Python (DLPack's `stream` argument, torch's
 /// `cuda_stream`, a job's stream this crate handed to Python as an int), as the driver takes
 /// it. The one place in this crate where a number becomes a stream handle.
-pub(crate) fn python_stream(raw: u64) -> poolipc_driver::StreamHandle {
+pub(crate) fn python_stream(raw: u64) -> poolipc::advanced::driver::StreamHandle {
     // SAFETY: the binding's Python API takes streams as the driver's handles of this
     // process (0, 1 and 2 the default streams, any other a live `CUstream`, as torch's
     // `cuda_stream` is): the Python caller vouches for that, as DLPack's protocol asks of its
     // `stream` argument. Handles from Python that reach the driver are checked with
     // `stream_check` first where the binding can (parent side), which catches a number that
     // is no stream before libcuda dereferences it; a destroyed stream it cannot catch.
-    unsafe { poolipc_driver::StreamHandle::from_raw(raw) }
+    unsafe { poolipc::advanced::driver::StreamHandle::from_raw(raw) }
 }
 
 /// What a capsule keeps alive until its deleter runs, and how it counts its exports: a

@@ -23,7 +23,7 @@ use crate::state::lock;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use poolipc_transport::{PrivateListener, SetupError};
+use poolipc::advanced::transport::{PrivateListener, SetupError};
 use pyo3::exceptions::{PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -43,9 +43,9 @@ pub(crate) const TOKEN_ENV: &str = "POOLIPC_CONNECT_TOKEN";
 /// taken one at a time, so this bounds how long a silent one holds up the next.
 const TOKEN_TIMEOUT: Duration = Duration::from_secs(2);
 
-type Token = [u8; poolipc_transport::TOKEN_LEN];
+type Token = [u8; poolipc::advanced::transport::TOKEN_LEN];
 
-/// A token given as text: exactly [`poolipc_transport::TOKEN_LEN`] ASCII characters (a
+/// A token given as text: exactly [`poolipc::advanced::transport::TOKEN_LEN`] ASCII characters (a
 /// `uuid4().hex`, say).
 pub(crate) fn parse_token(text: &str) -> PyResult<Token> {
     if !text.is_ascii() {
@@ -57,7 +57,7 @@ pub(crate) fn parse_token(text: &str) -> PyResult<Token> {
         PyValueError::new_err(format!(
             "poolipc: a connect token has {} characters, not {} (uuid.uuid4().hex has that many)",
             text.len(),
-            poolipc_transport::TOKEN_LEN
+            poolipc::advanced::transport::TOKEN_LEN
         ))
     })
 }
@@ -119,7 +119,7 @@ fn fresh_dir() -> Result<PathBuf, String> {
     let n = N.fetch_add(1, Ordering::Relaxed);
     let dir = base.join(format!("poolipc-{}-{n}", std::process::id()));
     // A leftover of a process that had our pid is replaced only if it is ours and private.
-    poolipc_transport::ensure_private_dir(&dir)
+    poolipc::advanced::transport::ensure_private_dir(&dir)
         .map_err(|e| format!("poolipc: making a private socket directory: {e}"))?;
     Ok(dir)
 }

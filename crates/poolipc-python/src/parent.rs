@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::state::lock;
 
+use poolipc::advanced::contract::WorkerId;
 use poolipc::{DevicePtr, JobHandle, ResultMemory, StreamHandle};
-use poolipc_contract::WorkerId;
 use pyo3::exceptions::PyMemoryError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -36,7 +36,10 @@ use inputs::{buffer_shape, read_inputs};
 /// A stream handle from Python, checked before it reaches any other driver call: the
 /// simulation's default stream stands for `CU_STREAM_LEGACY` (1) and `CU_STREAM_PER_THREAD`
 /// (2); any handle the driver does not know is a `ValueError` naming it.
-fn checked_stream(driver: &dyn poolipc::Driver, raw: u64) -> PyResult<StreamHandle> {
+fn checked_stream(
+    driver: &dyn poolipc::advanced::driver::Driver,
+    raw: u64,
+) -> PyResult<StreamHandle> {
     let s = if state::is_sim(driver) && (raw == 1 || raw == 2) {
         StreamHandle::NULL
     } else {
@@ -50,7 +53,7 @@ fn checked_stream(driver: &dyn poolipc::Driver, raw: u64) -> PyResult<StreamHand
     Ok(s)
 }
 
-fn driver_err(e: poolipc_driver::DriverError) -> PyErr {
+fn driver_err(e: poolipc::advanced::driver::DriverError) -> PyErr {
     to_py(e.into())
 }
 
@@ -74,10 +77,11 @@ pub(crate) struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
-    fn free_now(&self) -> Result<(), poolipc_driver::DriverError> {
+    fn free_now(&self) -> Result<(), poolipc::advanced::driver::DriverError> {
         if let Some(p) = lock(&self.ptr).take() {
             let _on = self.g.on_device()?;
-            poolipc_driver::PoolAllocation::claim(&*self.g.driver, p)?.free(StreamHandle::NULL)?;
+            poolipc::advanced::driver::PoolAllocation::claim(&*self.g.driver, p)?
+                .free(StreamHandle::NULL)?;
         }
         Ok(())
     }
@@ -247,8 +251,9 @@ impl Drop for NativeJobHandle {
                     for r in out.results {
                         // An arena result goes back to the arena when dropped here.
                         if !r.is_arena() {
-                            let _ = poolipc_driver::PoolAllocation::claim(&*g.driver, r.ptr)
-                                .and_then(|a| a.free(StreamHandle::NULL));
+                            let _ =
+                                poolipc::advanced::driver::PoolAllocation::claim(&*g.driver, r.ptr)
+                                    .and_then(|a| a.free(StreamHandle::NULL));
                         }
                     }
                 }
@@ -530,7 +535,7 @@ impl NativeParent {
     /// chunks. `ValueError` above the limit in force.
     fn lower_import_limit(&self, max_chunks: u64) -> PyResult<()> {
         let cur = self.g.parent.import_limit();
-        let limit = poolipc_pool::ImportLimit::new(cur.chunk_bytes(), max_chunks)
+        let limit = poolipc::advanced::pool::ImportLimit::new(cur.chunk_bytes(), max_chunks)
             .ok_or_else(|| value_err(format!("poolipc: an import limit of {max_chunks} chunks")))?;
         self.g
             .parent

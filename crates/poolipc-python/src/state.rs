@@ -11,9 +11,10 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use poolipc::driver::MACHINE_ENV;
-use poolipc::{Driver, Parent};
-use poolipc_driver::DriverKind;
+use poolipc::Parent;
+use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::DriverKind;
+use poolipc::advanced::driver::sim::MACHINE_ENV;
 
 use crate::options::ParentConfig;
 
@@ -51,7 +52,7 @@ impl Global {
     /// Pushes the pool's device as the calling thread's current context until the guard is
     /// dropped: a call on a Python caller's thread leaves that thread's context (torch's,
     /// perhaps on another device) as it found it.
-    pub(crate) fn on_device(&self) -> Result<OnDevice<'_>, poolipc_driver::DriverError> {
+    pub(crate) fn on_device(&self) -> Result<OnDevice<'_>, poolipc::advanced::driver::DriverError> {
         OnDevice::push(&*self.driver, self.device)
     }
 }
@@ -69,7 +70,7 @@ impl<'a> OnDevice<'a> {
     pub(crate) fn push(
         driver: &'a dyn Driver,
         device: u32,
-    ) -> Result<OnDevice<'a>, poolipc_driver::DriverError> {
+    ) -> Result<OnDevice<'a>, poolipc::advanced::driver::DriverError> {
         driver.push_device(device)?;
         Ok(OnDevice {
             driver,

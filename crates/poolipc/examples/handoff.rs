@@ -6,6 +6,7 @@
 //! simulated driver otherwise; `POOLIPC_DRIVER=sim` (or `cuda`) decides.
 use std::process::Command;
 
+use poolipc::advanced::driver::OwnedStream;
 use poolipc::driver::{self, Choice};
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, ResultShape, Worker};
 
@@ -32,7 +33,9 @@ fn parent() -> Result<(), Box<dyn std::error::Error>> {
     let worker = parent.spawn_worker(cmd)?;
 
     let d = parent.driver().clone();
-    let stream = d.stream_create()?;
+    // A stream of the parent's own, destroyed when `owned_stream` drops.
+    let owned_stream = OwnedStream::new(d.clone())?;
+    let stream = owned_stream.handle();
     let n = 1024;
     let input = parent.pool().alloc(4 * n, stream)?;
     d.memset_d32_async(input, 7, n, stream)?;

@@ -23,7 +23,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 
-pub use poolipc_driver::sim::{Checker, SEED_ENV, Violation, ViolationKind};
+use poolipc_driver::sim::Checker;
+pub use poolipc_driver::sim::{SEED_ENV, Violation, ViolationKind};
 use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 
 /// `1`: the first violation the facade sees panics with its report.

@@ -9,16 +9,14 @@
 //! spawns. In a worker, [`open_worker`] attaches to the parent's simulated machine when the
 //! parent passed one, and opens the GPU otherwise.
 //!
-//! Everything a Rust program needs from the driver crate is re-exported here, so the facade
-//! is the only dependency.
+//! The driver's trait and types ([`SimConfig`], [`SimDriver`], the [`Driver`] trait that
+//! [`Opened::driver`] is) live below the facade, in [`crate::advanced::driver`].
 
 use std::ffi::OsString;
 use std::sync::Arc;
 
-pub use poolipc_driver::sim::{MACHINE_ENV, SimConfig, SimDriver};
-pub use poolipc_driver::{
-    CudaDriver, DeviceInfo, DevicePtr, Driver, DriverError, DriverKind, StreamHandle,
-};
+use poolipc_driver::sim::{MACHINE_ENV, SimConfig, SimDriver};
+use poolipc_driver::{CudaDriver, Driver, DriverError};
 
 use crate::error::Error;
 
@@ -52,7 +50,7 @@ impl std::str::FromStr for Choice {
 
 impl Choice {
     /// What [`DRIVER_ENV`] asks for; `default` when it is unset or empty.
-    pub fn from_env_or(default: Choice) -> Result<Choice, Error> {
+    pub(crate) fn from_env_or(default: Choice) -> Result<Choice, Error> {
         match std::env::var(DRIVER_ENV) {
             Ok(s) if !s.is_empty() => s.parse(),
             _ => Ok(default),
@@ -167,6 +165,7 @@ pub fn open_worker() -> Result<Arc<dyn Driver>, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use poolipc_driver::DriverKind;
 
     #[test]
     fn choices_parse_and_anything_else_is_refused_by_name() {

@@ -1,9 +1,10 @@
 //! poolipc: hand CUDA tensors between a parent process and its workers without copying them,
 //! while the parent keeps PyTorch's stream-ordered allocator.
 //!
-//! - [`Parent`] installs the shareable pool ([`poolipc_pool::SharedPool`]), spawns workers over
-//!   an inherited socketpair, shakes hands (the pool FD travels by SCM_RIGHTS) and runs jobs
-//!   through an IO thread that drives the ownership contract for every worker at once (or
+//! - [`Parent`] installs the shareable pool ([`SharedPool`](advanced::pool::SharedPool)),
+//!   spawns workers over an inherited socketpair, shakes hands (the pool FD travels by
+//!   SCM_RIGHTS) and runs jobs through an IO thread that drives the ownership contract for
+//!   every worker at once (or
 //!   [`io_threads`](Tuning::io_threads) of them, each for its share of the workers)
 //!   ([`driver_loop`](crate#the-driver-loop)). `Parent` is `Send + Sync`: any thread
 //!   [`submit`](Parent::submit)s and waits on its [`JobHandle`]. Memory is released only after
@@ -13,7 +14,7 @@
 //! - [`Worker`] takes jobs: read views of the inputs after its stream waited on READY, write
 //!   views of the results the parent allocated, DONE, UNIMPORT and ACK handled for the user.
 //!
-//! The ownership contract itself lives in [`poolipc_contract`]: this crate drives its state
+//! The ownership contract itself lives in [`advanced::contract`]: this crate drives its state
 //! machines and does the IO they ask for, matching every action they emit; what goes on the
 //! wire is what they emitted. Every tensor says which [`Rung`] it travelled on.
 //!
@@ -57,16 +58,11 @@
 #[allow(dead_code)]
 struct ReadmeDoctests;
 
+pub mod advanced;
 mod canary;
 pub mod check;
 pub mod driver;
 mod driver_loop;
-// The canary battery answers with it; public for the demo and the tests under `echo`.
-#[cfg(feature = "echo")]
-pub mod echo;
-#[cfg(not(feature = "echo"))]
-#[allow(unreachable_pub, dead_code)]
-mod echo;
 mod error;
 mod handshake;
 pub mod mps;
@@ -88,27 +84,18 @@ pub mod worker_env;
 
 pub use canary::CanaryReport;
 pub use error::{Error, ResultRefusal};
-pub use handshake::{WORKER_STDERR_ENV, identity};
+pub use handshake::WORKER_STDERR_ENV;
 pub use parent::{
-    ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
-    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
-    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, Input, JobHandle, JobOutput,
-    JobWatch, Limits, MIN_RESULT_BOUND, MemoryBound, Parent, ParentOptions, ParentStats,
-    ResultAllocator, ResultMemory, ResultTensor, Trust, WorkerInfo,
+    ArenaStats, EMPTY_CACHE_WAIT, EmptyCache, Input, JobHandle, JobOutput, JobWatch, Limits,
+    MemoryBound, Parent, ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor,
+    Trust, WorkerInfo,
 };
-pub use poolipc_contract::{
-    Bound, DEFAULT_CANCEL_GRACE, DEFAULT_MAX_IDLE_MESSAGES, DEFAULT_MAX_JOB_LIFETIME,
-    DEFAULT_MAX_RESULT_BYTES_PER_JOB, DEFAULT_MAX_RESULT_BYTES_PER_WORKER,
-    DEFAULT_MAX_RESULTS_PER_JOB, FailReason, WorkerId,
-};
-pub use poolipc_driver::{DevicePtr, Driver, StreamHandle};
+pub use poolipc_contract::{Bound, FailReason, WorkerId};
+pub use poolipc_driver::{DevicePtr, StreamHandle};
 pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId, SendQueueLimits};
 pub use settings::{MAX_IO_THREADS, SUGGESTED_GPU_TURN, Tuning};
-pub use staging::{
-    DEFAULT_CHUNK as DEFAULT_STAGING_CHUNK, DEFAULT_MAX_BACKLOG_BYTES, DEFAULT_MAX_BACKLOG_FRAMES,
-    StagingConfig, StagingError,
-};
+pub use staging::{StagingConfig, StagingError};
 pub use tensor::{Layout, ResultShape, Rung};
 #[cfg(feature = "testing")]
 pub use worker::FAILPOINT_ENV;

@@ -33,9 +33,9 @@ use std::time::{Duration, Instant};
 use poolipc_driver::mps_env::{self, LOG_DIRECTORY_ENV, PIPE_DIRECTORY_ENV};
 
 /// The MPS control program, looked up on `PATH`.
-pub const CONTROL_BINARY: &str = "nvidia-cuda-mps-control";
+pub(crate) const CONTROL_BINARY: &str = "nvidia-cuda-mps-control";
 /// Where a system-wide MPS daemon listens when `CUDA_MPS_PIPE_DIRECTORY` is not set.
-pub const DEFAULT_PIPE_DIRECTORY: &str = "/tmp/nvidia-mps";
+pub(crate) const DEFAULT_PIPE_DIRECTORY: &str = "/tmp/nvidia-mps";
 /// Overrides the control program's path (tests use a stand-in).
 pub const CONTROL_ENV: &str = "POOLIPC_MPS_CONTROL";
 

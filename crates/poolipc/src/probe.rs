@@ -15,7 +15,7 @@
 //! warning instead.
 //!
 //! Off, a mark costs one relaxed atomic load. On, about 50 ns (the clock and an uncontended
-//! lock); at most [`CAPACITY`] marks are kept per process, later ones are dropped and counted.
+//! lock); at most 2^20 marks are kept per process, later ones are dropped and counted.
 
 use std::cell::Cell;
 use std::io::Write;
@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// Marks kept per process.
-pub const CAPACITY: usize = 1 << 20;
+pub(crate) const CAPACITY: usize = 1 << 20;
 
 const UNKNOWN: u8 = 0;
 const OFF: u8 = 1;

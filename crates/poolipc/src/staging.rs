@@ -58,7 +58,7 @@ use poolipc_transport::{
 use tracing::{debug, trace};
 
 /// Bytes of one half of the buffer unless configured: 64 MiB (the buffer is twice that).
-pub const DEFAULT_CHUNK: usize = 64 << 20;
+pub(crate) const DEFAULT_CHUNK: usize = 64 << 20;
 
 /// Which wait to leave out, for the tests that prove the simulation catches a missing one
 /// (the `testing` feature).
@@ -83,11 +83,11 @@ pub struct StagingConfig {
     /// How long each wait for the peer's next message may take.
     pub timeout: Duration,
     /// The parent's side: the most frames of the worker kept aside during one of the
-    /// channel's waits ([`DEFAULT_MAX_BACKLOG_FRAMES`]). One more is
+    /// channel's waits (by default 256). One more is
     /// [`StagingError::BacklogFull`], which condemns the worker.
     pub max_backlog_frames: usize,
     /// The parent's side: the most bytes those frames may take, counted as the size of a
-    /// message plus its frame's length on the wire ([`DEFAULT_MAX_BACKLOG_BYTES`]). One
+    /// message plus its frame's length on the wire (by default 4 MiB). One
     /// more frame past it is [`StagingError::BacklogFull`].
     pub max_backlog_bytes: usize,
     /// Leave out one of the waits: for the tests that prove the simulation catches it (the
@@ -111,10 +111,10 @@ impl Default for StagingConfig {
 
 /// [`StagingConfig::max_backlog_frames`]'s default: far more than a worker has reason to send
 /// while the parent stages (its other jobs' frames).
-pub const DEFAULT_MAX_BACKLOG_FRAMES: usize = 256;
+pub(crate) const DEFAULT_MAX_BACKLOG_FRAMES: usize = 256;
 
 /// [`StagingConfig::max_backlog_bytes`]'s default: 4 MiB.
-pub const DEFAULT_MAX_BACKLOG_BYTES: usize = 4 << 20;
+pub(crate) const DEFAULT_MAX_BACKLOG_BYTES: usize = 4 << 20;
 
 /// Why staging failed.
 #[derive(Debug, thiserror::Error)]

@@ -7,8 +7,10 @@
 use std::process::Command;
 use std::time::Instant;
 
+use poolipc::advanced::driver::sim::SimConfig;
+use poolipc::advanced::driver::{OwnedEvent, OwnedStream};
 use poolipc::check::{RaceReport, ViolationKind};
-use poolipc::driver::{Opened, SimConfig};
+use poolipc::driver::Opened;
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, ResultShape, Worker};
 
 const ROLE: &str = "POOLIPC_RACE_CHECK_TEST_ROLE";
@@ -80,7 +82,8 @@ fn serve() -> ! {
         let (d, stream) = (job.driver().clone(), job.stream());
         match mistake {
             Mistake::WrongStream => {
-                let mine = d.stream_create().unwrap();
+                let owned_mine = OwnedStream::new(d.clone()).unwrap();
+                let mine = owned_mine.handle();
                 d.memcpy_dtod_async(dst, src, bytes, mine).unwrap();
                 d.stream_synchronize(mine).unwrap();
             }
@@ -90,8 +93,8 @@ fn serve() -> ! {
                     .unwrap_or_default();
             }
             Mistake::DoneBeforeWrite => {
-                let side = d.stream_create().unwrap();
-                let ready = d.event_create(false).unwrap();
+                let side = OwnedStream::new(d.clone()).unwrap().into_raw();
+                let ready = OwnedEvent::new(d.clone(), false).unwrap().into_raw();
                 d.event_record(ready, stream).unwrap();
                 d.stream_wait_event(side, ready).unwrap();
                 d.memcpy_dtod_async(dst, src, bytes, side).unwrap();
@@ -133,7 +136,7 @@ fn run(parent: &Parent, test: &str, mistake: Mistake, seed: Option<u64>, jobs: u
     let d = parent.driver().clone();
     // Owned: destroyed when the run ends, so a thousand runs on one parent do not use up the
     // device's streams.
-    let owned = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(&d)).unwrap();
+    let owned = poolipc::advanced::driver::OwnedStream::new(std::sync::Arc::clone(&d)).unwrap();
     let stream = owned.handle();
     let mut outcomes = Vec::new();
     for _ in 0..jobs {

@@ -11,10 +11,14 @@
 use std::process::Command;
 use std::sync::Arc;
 
+use poolipc::advanced::driver::sim::{SimConfig, SimDriver, ViolationKind};
+use poolipc::advanced::driver::{
+    DevicePtr, Driver, OwnedPool, OwnedStream, PoolSharing, StreamHandle,
+};
+use poolipc::advanced::transport::{
+    Connection, HandoffId, JobId, Message, connection_from_env, spawn_worker,
+};
 use poolipc::staging::{SkipWait, StagingChannel, StagingConfig};
-use poolipc_driver::sim::{SimConfig, SimDriver, ViolationKind};
-use poolipc_driver::{DevicePtr, Driver, PoolSharing, StreamHandle};
-use poolipc_transport::{Connection, HandoffId, JobId, Message, connection_from_env, spawn_worker};
 
 const ROLE: &str = "POOLIPC_STAGING_TEST_ROLE";
 const KIB: u64 = 1 << 10;
@@ -41,7 +45,7 @@ struct Side {
     driver: Arc<dyn Driver>,
     sim: Arc<SimDriver>,
     stream: StreamHandle,
-    pool: poolipc_driver::PoolHandle,
+    pool: poolipc::advanced::driver::PoolHandle,
 }
 
 impl Side {
@@ -49,8 +53,10 @@ impl Side {
         let sim = Arc::new(sim);
         let driver: Arc<dyn Driver> = sim.clone();
         driver.use_device(0).unwrap();
-        let stream = driver.stream_create().unwrap();
-        let pool = driver.mem_pool_create(0, PoolSharing::None).unwrap();
+        let stream = OwnedStream::new(driver.clone()).unwrap().into_raw();
+        let pool = OwnedPool::create(driver.clone(), 0, PoolSharing::None)
+            .unwrap()
+            .into_raw();
         Side {
             driver,
             sim,
@@ -59,8 +65,8 @@ impl Side {
         }
     }
 
-    fn alloc(&self, bytes: u64) -> poolipc_driver::PoolAllocation {
-        poolipc_driver::PoolAllocation::from_pool(
+    fn alloc(&self, bytes: u64) -> poolipc::advanced::driver::PoolAllocation {
+        poolipc::advanced::driver::PoolAllocation::from_pool(
             Arc::clone(&self.driver),
             bytes,
             self.pool,
@@ -182,7 +188,7 @@ fn run_case(
     chunk: u64,
     transfers: &[(Direction, u64)],
     skip: SkipWait,
-) -> Vec<poolipc_driver::sim::Violation> {
+) -> Vec<poolipc::advanced::driver::sim::Violation> {
     run_case_with(test, chunk, transfers, skip, false)
 }
 
@@ -194,7 +200,7 @@ fn run_case_with(
     transfers: &[(Direction, u64)],
     skip: SkipWait,
     chatter_too: bool,
-) -> Vec<poolipc_driver::sim::Violation> {
+) -> Vec<poolipc::advanced::driver::sim::Violation> {
     let config = StagingConfig {
         chunk: chunk as usize,
         skip_wait: skip,
@@ -247,7 +253,7 @@ fn run_case_with(
     side.sim.violations()
 }
 
-fn assert_clean(v: &[poolipc_driver::sim::Violation]) {
+fn assert_clean(v: &[poolipc::advanced::driver::sim::Violation]) {
     assert!(v.is_empty(), "violations recorded: {v:#?}");
 }
 

@@ -1,5 +1,6 @@
-//! The facade's worker (`poolipc::echo` over [`poolipc::Worker`]) against a scripted parent on
-//! SimDriver: what it sends, in what order, is what the contract's worker machine emitted.
+//! The facade's worker (the tests' echo worker over [`poolipc::Worker`]) against a scripted
+//! parent on SimDriver: what it sends, in what order, is what the contract's worker machine
+//! emitted.
 //! Each test re-executes this binary as the worker (`--exact <its own name>`), which serves
 //! jobs with the echo worker until Bye and appends `<job> <read-only flags>` per job to the
 //! file named by `REPORT`.
@@ -10,16 +11,23 @@ use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use poolipc::staging::{StagingChannel, StagingConfig};
-use poolipc_driver::sim::{SimConfig, SimDriver};
-use poolipc_driver::{DevicePtr, Driver, EventHandle, StreamHandle};
-use poolipc_pool::SharedPool;
-use poolipc_transport::Layout;
-use poolipc_transport::{
+use poolipc::advanced::driver::sim::{SimConfig, SimDriver};
+use poolipc::advanced::driver::{
+    DevicePtr, Driver, EventHandle, OwnedEvent, OwnedStream, StreamHandle,
+};
+use poolipc::advanced::pool::SharedPool;
+use poolipc::advanced::transport::Layout;
+use poolipc::advanced::transport::{
     AllocId, AllocationGrant, Capabilities, Connection, DType, ErrorCode, EventBlob, ExportBlob,
     HandoffId, HandshakeConfig, JobId, Lend, LentTensor, Message, ResultGrant, Rung, TensorMeta,
     parent_handshake, spawn_worker,
 };
+use poolipc::staging::{StagingChannel, StagingConfig};
+
+// The echo worker of the multi-process tests (crate `poolipc-tests`), one source for both.
+#[path = "../../../tests/src/echo.rs"]
+#[allow(dead_code, unreachable_pub)] // the tests' module: this binary uses part of it
+mod echo;
 
 const ROLE: &str = "POOLIPC_WORKER_PROTOCOL_TEST_ROLE";
 const REPORT: &str = "POOLIPC_WORKER_PROTOCOL_TEST_REPORT";
@@ -96,7 +104,7 @@ fn serve() -> ! {
         // An input of 8192 bytes: once the job is finished, the parent (this script) wants
         // the cached VMM mappings dropped, as its `Release` will ask.
         let release = job.inputs().first().is_some_and(|i| i.byte_len() == 8192);
-        match poolipc::echo::answer(&mut job, None) {
+        match echo::answer(&mut job) {
             Ok(()) => job.finish().unwrap(),
             Err(e) => job.fail(&e.to_string()).unwrap(),
         }
@@ -140,8 +148,8 @@ impl Script {
         let driver: Arc<dyn Driver> = sim.clone();
         driver.use_device(0).unwrap();
         let pool = SharedPool::install(Arc::clone(&driver), 0).unwrap();
-        let stream = driver.stream_create().unwrap();
-        let ready = driver.event_create(true).unwrap();
+        let stream = OwnedStream::new(driver.clone()).unwrap().into_raw();
+        let ready = OwnedEvent::new(driver.clone(), true).unwrap().into_raw();
         let ready_blob = driver.ipc_get_event_handle(ready).unwrap();
         let report = std::env::temp_dir().join(format!("{test}-{}.report", std::process::id()));
         let mut cmd = Command::new(std::env::current_exe().unwrap());
@@ -153,7 +161,7 @@ impl Script {
         let caps =
             Capabilities::POOL_POINTER | Capabilities::IPC_EVENTS | Capabilities::HOST_STAGING;
         let config = HandshakeConfig {
-            identity: poolipc::identity(&*driver, 0, caps).unwrap(),
+            identity: poolipc::advanced::identity(&*driver, 0, caps).unwrap(),
             required: Capabilities::NONE,
         };
         parent_handshake(
@@ -179,7 +187,7 @@ impl Script {
     /// A pool allocation of `bytes` filled with `pattern`, READY recorded after.
     fn pooled(&self, bytes: u64, pattern: u32) -> (DevicePtr, ExportBlob) {
         let ptr = self.pool.alloc(bytes, self.stream).unwrap();
-        poolipc::echo::fill_pattern(&*self.driver, ptr, bytes, pattern, self.stream).unwrap();
+        echo::fill_pattern(&*self.driver, ptr, bytes, pattern, self.stream).unwrap();
         self.driver.event_record(self.ready, self.stream).unwrap();
         (ptr, self.pool.export(ptr).unwrap())
     }
@@ -217,9 +225,11 @@ impl Script {
         let Message::Done(done) = message else {
             panic!("expected a Done, got {message:?}");
         };
-        let event =
-            poolipc_driver::OwnedEvent::open_ipc(Arc::clone(&self.driver), &done.done_event)
-                .unwrap();
+        let event = poolipc::advanced::driver::OwnedEvent::open_ipc(
+            Arc::clone(&self.driver),
+            &done.done_event,
+        )
+        .unwrap();
         self.driver
             .stream_wait_event(self.stream, event.handle())
             .unwrap();
@@ -287,7 +297,7 @@ fn a_lend_arriving_while_a_job_waits_for_its_grant_is_served_after_that_job_acks
         "job 1's Ack"
     );
     s.wait_done(&done);
-    poolipc::echo::verify_echo(&*s.driver, result, 4096, 0, 0x1122_3344, 0).unwrap();
+    echo::verify_echo(&*s.driver, result, 4096, 0, 0x1122_3344, 0).unwrap();
     let Message::ResultRequest(request) = s.recv() else {
         panic!("job 2 was not served")
     };
@@ -322,7 +332,7 @@ fn a_read_only_staged_input_stays_and_a_staged_result_follows_the_done_that_name
     assert!(ch.take_backlog().is_empty());
     let bytes = 10_000;
     let src = s.driver.mem_alloc_async(bytes, s.stream).unwrap();
-    poolipc::echo::fill_pattern(&*s.driver, src, bytes, 0x5566_7788, s.stream).unwrap();
+    echo::fill_pattern(&*s.driver, src, bytes, 0x5566_7788, s.stream).unwrap();
     let (_, pointer) = s.pooled(64, 0x0102_0304);
     let lent = vec![
         LentTensor {
@@ -387,7 +397,7 @@ fn a_read_only_staged_input_stays_and_a_staged_result_follows_the_done_that_name
         "the Ack after the staged bytes"
     );
     s.wait_done(&done);
-    poolipc::echo::verify_echo(&*s.driver, dst, bytes, 0, 0x5566_7788, 0).unwrap();
+    echo::verify_echo(&*s.driver, dst, bytes, 0, 0x5566_7788, 0).unwrap();
     drop(ch);
     assert_eq!(s.end(), "7 [true, false]\n");
 }
@@ -398,12 +408,12 @@ fn an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_jo
     let mut s = Script::start(
         "an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_job",
     );
-    let arena = poolipc_pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
+    let arena = poolipc::advanced::pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
     let chunk = arena.chunks().next().unwrap();
     let fd = arena.export_fd(0).unwrap();
     s.conn
         .send(
-            &Message::ArenaChunk(poolipc_transport::ArenaChunk {
+            &Message::ArenaChunk(poolipc::advanced::transport::ArenaChunk {
                 index: 0,
                 len: chunk.len,
             }),
@@ -474,7 +484,7 @@ fn an_arena_grant_outside_its_chunk_or_naming_an_unmapped_one_fails_only_that_jo
     assert_eq!(handles(&done), [HandoffId(5), HandoffId(6)]);
     assert_eq!(handles(&s.recv()).len(), 2, "the Ack");
     s.wait_done(&done);
-    poolipc::echo::verify_echo(&*s.driver, block.ptr, 4096, 0, 0x0A0B_0C0D, 0).unwrap();
+    echo::verify_echo(&*s.driver, block.ptr, 4096, 0, 0x0A0B_0C0D, 0).unwrap();
     assert_eq!(s.end(), "1 [false]\n2 [false]\n3 [false]\n");
     drop(arena);
 }
@@ -486,12 +496,12 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
     let mut s = Script::start(
         "an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_through_the_mapping",
     );
-    let arena = poolipc_pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
+    let arena = poolipc::advanced::pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
     let chunk = arena.chunks().next().unwrap();
     let fd = arena.export_fd(0).unwrap();
     s.conn
         .send(
-            &Message::ArenaChunk(poolipc_transport::ArenaChunk {
+            &Message::ArenaChunk(poolipc::advanced::transport::ArenaChunk {
                 index: 0,
                 len: chunk.len,
             }),
@@ -508,7 +518,7 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
         ready_event: ready,
         meta: bytes_meta(4096),
         read_only: false,
-        arena: Some(poolipc_transport::ArenaLocation { chunk, offset }),
+        arena: Some(poolipc::advanced::transport::ArenaLocation { chunk, offset }),
     };
     // Past the chunk's end, then a chunk never announced: the job's view cannot be built;
     // it is reported failed (JobError naming why), finished (Done, Ack), and the worker
@@ -564,7 +574,7 @@ fn an_arena_copy_outside_its_chunk_fails_only_that_job_and_a_good_one_is_read_th
     assert_eq!(handles(&done), [HandoffId(3), HandoffId(4)]);
     assert_eq!(handles(&s.recv()).len(), 2, "the Ack");
     s.wait_done(&done);
-    poolipc::echo::verify_echo(&*s.driver, out.ptr, 4096, 0, 0x0A0B_0C0D, 0).unwrap();
+    echo::verify_echo(&*s.driver, out.ptr, 4096, 0, 0x0A0B_0C0D, 0).unwrap();
     let report = s.end();
     let lines: Vec<&str> = report.lines().collect();
     assert_eq!(lines.len(), 3, "{report}");
@@ -678,7 +688,7 @@ fn a_spinning_worker_serves_lends_inside_and_after_its_window_and_writes_done_wi
         };
         assert_eq!(ack.job, JobId(job));
         s.wait_done(&done);
-        poolipc::echo::verify_echo(&*s.driver, result, 4096, 0, 0x5566_7788, 0).unwrap();
+        echo::verify_echo(&*s.driver, result, 4096, 0, 0x5566_7788, 0).unwrap();
     }
     assert_eq!(s.end(), "1 [false]\n2 [false]\n");
 }
@@ -727,12 +737,12 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
         "a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_only_their_job",
     );
     // Results go to the arena: one chunk, announced.
-    let arena = poolipc_pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
+    let arena = poolipc::advanced::pool::Arena::new(Arc::clone(&s.driver), 0, 1).unwrap();
     let chunk = arena.chunks().next().unwrap();
     let fd = arena.export_fd(0).unwrap();
     s.conn
         .send(
-            &Message::ArenaChunk(poolipc_transport::ArenaChunk {
+            &Message::ArenaChunk(poolipc::advanced::transport::ArenaChunk {
                 index: 0,
                 len: chunk.len,
             }),
@@ -744,24 +754,25 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
     // parent does: retained from an interior address, exported, released.
     let d = Arc::clone(&s.driver);
     let g = d
-        .vmm_granularity(0, poolipc_driver::Granularity::Minimum)
+        .vmm_granularity(0, poolipc::advanced::driver::Granularity::Minimum)
         .unwrap();
     // Unmapped (and its range freed) before the handle is released, at the end.
-    let h = poolipc_driver::VmmAllocation::create(Arc::clone(&d), 0, g).unwrap();
-    let range = poolipc_driver::VmmReservation::reserve(Arc::clone(&d), g, 0).unwrap();
-    let mapping = poolipc_driver::VmmMapping::map(range, h.handle()).unwrap();
+    let h = poolipc::advanced::driver::VmmAllocation::create(Arc::clone(&d), 0, g).unwrap();
+    let range = poolipc::advanced::driver::VmmReservation::reserve(Arc::clone(&d), g, 0).unwrap();
+    let mapping = poolipc::advanced::driver::VmmMapping::map(range, h.handle()).unwrap();
     let va = mapping.ptr();
     mapping
-        .set_access(0, poolipc_driver::Access::ReadWrite)
+        .set_access(0, poolipc::advanced::driver::Access::ReadWrite)
         .unwrap();
-    poolipc::echo::fill_pattern(&*d, va, g, 0x5A5A_A5A5, s.stream).unwrap();
+    echo::fill_pattern(&*d, va, g, 0x5A5A_A5A5, s.stream).unwrap();
     d.event_record(s.ready, s.stream).unwrap();
-    let retained = poolipc_driver::VmmAllocation::retain(Arc::clone(&d), va.offset(4096)).unwrap();
+    let retained =
+        poolipc::advanced::driver::VmmAllocation::retain(Arc::clone(&d), va.offset(4096)).unwrap();
     let share_fd = d.vmm_export_fd(retained.handle()).unwrap();
     retained.close().unwrap();
     s.conn
         .send(
-            &Message::VmmShare(poolipc_transport::VmmShare {
+            &Message::VmmShare(poolipc::advanced::transport::VmmShare {
                 alloc: AllocId(50),
                 base: va.0,
                 len: g,
@@ -811,7 +822,7 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
         assert_eq!(handles(&done).len(), 2, "job {job}");
         assert_eq!(handles(&s.recv()).len(), 2, "job {job}: the Ack");
         s.wait_done(&done);
-        poolipc::echo::verify_echo(&*s.driver, out.ptr, bytes, 0, 0x5A5A_A5A5, 0).unwrap();
+        echo::verify_echo(&*s.driver, out.ptr, bytes, 0, 0x5A5A_A5A5, 0).unwrap();
     };
     // A refused job: its view cannot be built; reported, finished, and the worker goes on.
     let refuse = |s: &mut Script, job: u64, tensor: LentTensor| {
@@ -890,7 +901,7 @@ fn a_worker_takes_a_pool_generation_at_any_free_index_and_destroys_a_retired_one
     let fd = s.pool.fd();
     s.conn
         .send(
-            &Message::ExtraPool(poolipc_transport::ExtraPool { index: 7, device }),
+            &Message::ExtraPool(poolipc::advanced::transport::ExtraPool { index: 7, device }),
             &[fd.as_fd()],
             deadline(),
         )
@@ -901,10 +912,12 @@ fn a_worker_takes_a_pool_generation_at_any_free_index_and_destroys_a_retired_one
     }
     // The Hello pool (index 0) is retired; an index never given is answered too.
     for index in [0, 9] {
-        s.send(Message::PoolRetire(poolipc_transport::PoolRetire { index }));
+        s.send(Message::PoolRetire(
+            poolipc::advanced::transport::PoolRetire { index },
+        ));
         assert_eq!(
             s.recv(),
-            Message::PoolRetired(poolipc_transport::PoolRetire { index })
+            Message::PoolRetired(poolipc::advanced::transport::PoolRetire { index })
         );
     }
     s.pool.destroy_retired(r.retired).unwrap();

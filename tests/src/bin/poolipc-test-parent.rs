@@ -5,13 +5,14 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use poolipc::{DType, Driver, Input, Layout, Parent, ParentOptions};
+use poolipc::advanced::driver::{Driver, OwnedStream};
+use poolipc::{DType, Input, Layout, Parent, ParentOptions};
 
 fn run() -> anyhow::Result<()> {
     poolipc_tests::init_tracing();
-    let driver: Arc<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
+    let driver: Arc<dyn Driver> = match poolipc::advanced::driver::sim::SimDriver::from_env() {
         Some(sim) => Arc::new(sim?),
-        None => Arc::new(poolipc_driver::CudaDriver::new()?),
+        None => Arc::new(poolipc::advanced::driver::CudaDriver::new()?),
     };
     let parent = Parent::new(Arc::clone(&driver), ParentOptions::default())?;
     let mut cmd = std::process::Command::new(poolipc_tests::sibling_binary(
@@ -21,7 +22,8 @@ fn run() -> anyhow::Result<()> {
     // The simulated machine's variable, if any, is inherited from our own environment.
     cmd.env_remove(poolipc::FAILPOINT_ENV);
     let worker = parent.spawn_worker(cmd)?;
-    let stream = driver.stream_create()?;
+    let owned_stream = OwnedStream::new(driver.clone())?;
+    let stream = owned_stream.handle();
     let input = parent.pool().alloc(1 << 20, stream)?;
     let out = parent.run_job(
         worker,

@@ -113,22 +113,22 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use poolipc::Driver;
-use poolipc_contract::{Ack, CarvedResult, Done, Message, ResultRequest, ResultSpec};
-use poolipc_transport::{Capabilities, HandshakeConfig};
-use poolipc_types::{DType, EventBlob, JobId};
+use poolipc::advanced::contract::{Ack, CarvedResult, Done, Message, ResultRequest, ResultSpec};
+use poolipc::advanced::driver::{Driver, OwnedEvent, OwnedStream};
+use poolipc::advanced::transport::{Capabilities, HandshakeConfig};
+use poolipc::advanced::types::{DType, EventBlob, JobId};
 
 fn run() -> anyhow::Result<()> {
     poolipc_tests::init_tracing();
     let mode = std::env::var("POOLIPC_TEST_ROGUE")?;
-    let driver: Arc<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
+    let driver: Arc<dyn Driver> = match poolipc::advanced::driver::sim::SimDriver::from_env() {
         Some(sim) => Arc::new(sim?),
-        None => Arc::new(poolipc_driver::CudaDriver::new()?),
+        None => Arc::new(poolipc::advanced::driver::CudaDriver::new()?),
     };
     if mode == "staging-hang-recorder" {
         return staging_hang_recorder(&driver);
     }
-    let mut conn = poolipc_transport::connection_from_env()?;
+    let mut conn = poolipc::advanced::transport::connection_from_env()?;
     let mut caps = Capabilities(Capabilities::POOL_POINTER.0 | Capabilities::IPC_EVENTS.0);
     if mode.starts_with("arena-") || mode == "results-flood" || mode == "results-hog" {
         caps = caps | Capabilities::VMM_ARENA;
@@ -160,7 +160,7 @@ fn run() -> anyhow::Result<()> {
         );
     }
     let config = HandshakeConfig {
-        identity: poolipc::identity(&*driver, 0, caps)?,
+        identity: poolipc::advanced::identity(&*driver, 0, caps)?,
         required: Capabilities::NONE,
     };
     let deadline = || Instant::now() + Duration::from_secs(30);
@@ -175,7 +175,8 @@ fn run() -> anyhow::Result<()> {
         eprintln!("poolipc-test-rogue: chaos-hello seed {seed}: {ending:?} after {sent} frames");
         return Ok(());
     }
-    let (_peer, pool_fd) = poolipc_transport::worker_handshake(&mut conn, &config, deadline())?;
+    let (_peer, pool_fd) =
+        poolipc::advanced::transport::worker_handshake(&mut conn, &config, deadline())?;
     if mode == "pool-thief" {
         return pool_thief(&driver, conn, &pool_fd);
     }
@@ -234,7 +235,7 @@ fn run() -> anyhow::Result<()> {
                     shape: vec![1],
                     byte_len: 1,
                 };
-                poolipc_contract::MAX_RESULTS_PER_REQUEST
+                poolipc::advanced::contract::MAX_RESULTS_PER_REQUEST
             ],
         });
         let mut sent = 0u64;
@@ -339,7 +340,10 @@ fn run() -> anyhow::Result<()> {
                 conn.send(
                     &Message::ResultRequest(ResultRequest {
                         job: lend.job,
-                        results: vec![spec.clone(); poolipc_contract::MAX_RESULTS_PER_REQUEST],
+                        results: vec![
+                            spec.clone();
+                            poolipc::advanced::contract::MAX_RESULTS_PER_REQUEST
+                        ],
                     }),
                     &[],
                     deadline(),
@@ -366,7 +370,7 @@ fn run() -> anyhow::Result<()> {
             )?;
             let grant = recv_grant(&mut conn)?;
             let said = match grant.results.as_slice() {
-                [poolipc_contract::ResultGrant::Refused { code, message }] => {
+                [poolipc::advanced::contract::ResultGrant::Refused { code, message }] => {
                     format!("refused with {code}: {message}")
                 }
                 other => anyhow::bail!("rogue: a result of {bytes} bytes was granted: {other:?}"),
@@ -425,7 +429,7 @@ fn run() -> anyhow::Result<()> {
                 };
                 for g in &grant.results {
                     match g {
-                        poolipc_contract::ResultGrant::Refused { .. } => refused += 1,
+                        poolipc::advanced::contract::ResultGrant::Refused { .. } => refused += 1,
                         _ => granted += 1,
                     }
                 }
@@ -452,7 +456,7 @@ fn run() -> anyhow::Result<()> {
                 let grant = recv_grant(&mut conn)?;
                 if !matches!(
                     grant.results.as_slice(),
-                    [poolipc_contract::ResultGrant::Refused { .. }]
+                    [poolipc::advanced::contract::ResultGrant::Refused { .. }]
                 ) {
                     held += bytes;
                 }
@@ -469,7 +473,7 @@ fn run() -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_millis(200));
             }
             driver.use_device(0)?;
-            let event = driver.event_create(true)?;
+            let event = OwnedEvent::new(Arc::clone(&driver), true)?.into_raw();
             driver.event_record(event, poolipc::StreamHandle::NULL)?;
             let done_event = driver.ipc_get_event_handle(event)?;
             poolipc_tests::chaos::send_done_and_ack(
@@ -522,8 +526,8 @@ fn run() -> anyhow::Result<()> {
             let mut said = None;
             for g in &grant.results {
                 match g {
-                    poolipc_contract::ResultGrant::Refused { code, message }
-                        if *code == poolipc_contract::ErrorCode::LIMIT =>
+                    poolipc::advanced::contract::ResultGrant::Refused { code, message }
+                        if *code == poolipc::advanced::contract::ErrorCode::LIMIT =>
                     {
                         said.get_or_insert_with(|| format!("refused with {code}: {message}"));
                     }
@@ -581,7 +585,9 @@ fn run() -> anyhow::Result<()> {
             let mut handles = handles;
             for g in &grant.results {
                 match g {
-                    poolipc_contract::ResultGrant::Arena { handle, .. } => handles.push(*handle),
+                    poolipc::advanced::contract::ResultGrant::Arena { handle, .. } => {
+                        handles.push(*handle)
+                    }
                     other => anyhow::bail!("rogue: expected an arena grant, got {other:?}"),
                 }
             }
@@ -611,7 +617,10 @@ fn run() -> anyhow::Result<()> {
 
 /// `canary-fail`: every job by the protocol, its results asked for and granted, DONE and ACK
 /// in order, but nothing written: the canary battery finds wrong bytes. Exits at `Bye`.
-fn canary_fail(mut conn: poolipc_transport::Connection, driver: &dyn Driver) -> anyhow::Result<()> {
+fn canary_fail(
+    mut conn: poolipc::advanced::transport::Connection,
+    driver: &dyn Driver,
+) -> anyhow::Result<()> {
     driver.use_device(0)?;
     let extra = std::env::var_os("POOLIPC_TEST_ROGUE_EXTRA").is_some();
     let long = || Instant::now() + Duration::from_secs(600);
@@ -652,9 +661,11 @@ fn canary_fail(mut conn: poolipc_transport::Connection, driver: &dyn Driver) -> 
             )?;
             for g in recv_grant(&mut conn)?.results {
                 match g {
-                    poolipc_contract::ResultGrant::Granted { handle, .. }
-                    | poolipc_contract::ResultGrant::Arena { handle, .. } => handles.push(handle),
-                    poolipc_contract::ResultGrant::Refused { .. } => {}
+                    poolipc::advanced::contract::ResultGrant::Granted { handle, .. }
+                    | poolipc::advanced::contract::ResultGrant::Arena { handle, .. } => {
+                        handles.push(handle)
+                    }
+                    poolipc::advanced::contract::ResultGrant::Refused { .. } => {}
                 }
             }
         }
@@ -675,7 +686,7 @@ fn env_or(var: &str, default: u64) -> anyhow::Result<u64> {
 
 /// `slow-frames`: each frame's header now, its payload a delay later, forever (until the
 /// parent closes the connection).
-fn slow_frames(conn: poolipc_transport::Connection) -> anyhow::Result<()> {
+fn slow_frames(conn: poolipc::advanced::transport::Connection) -> anyhow::Result<()> {
     let delay = std::env::var("POOLIPC_TEST_ROGUE_DELAY_MS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -683,11 +694,11 @@ fn slow_frames(conn: poolipc_transport::Connection) -> anyhow::Result<()> {
     std::thread::sleep(Duration::from_millis(200));
     let mut raw = std::fs::File::from(conn.into_fd());
     for seq in 0.. {
-        let frame = poolipc_transport::codec::encode(
+        let frame = poolipc::advanced::transport::codec::encode(
             &Message::Heartbeat { seq },
-            poolipc_transport::FrameLimits::default(),
+            poolipc::advanced::transport::FrameLimits::default(),
         )?;
-        let (header, rest) = frame.split_at(poolipc_transport::codec::HEADER_LEN);
+        let (header, rest) = frame.split_at(poolipc::advanced::transport::codec::HEADER_LEN);
         if raw.write_all(header).is_err() {
             return Ok(());
         }
@@ -700,18 +711,18 @@ fn slow_frames(conn: poolipc_transport::Connection) -> anyhow::Result<()> {
 }
 
 /// `fd-drip`: a valid frame one byte at a time, a descriptor on every byte.
-fn fd_drip(conn: poolipc_transport::Connection) -> anyhow::Result<()> {
+fn fd_drip(conn: poolipc::advanced::transport::Connection) -> anyhow::Result<()> {
     use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
     use std::os::fd::AsRawFd as _;
     std::thread::sleep(Duration::from_millis(200));
     let sock = conn.into_fd();
     let null = std::fs::File::open("/dev/null")?;
-    let frame = poolipc_transport::codec::encode(
+    let frame = poolipc::advanced::transport::codec::encode(
         &Message::JobError {
             job: JobId(1),
             message: "x".repeat(1000),
         },
-        poolipc_transport::FrameLimits::default(),
+        poolipc::advanced::transport::FrameLimits::default(),
     )?;
     let fds = [null.as_raw_fd()];
     for byte in frame.chunks(1) {
@@ -730,7 +741,7 @@ fn fd_drip(conn: poolipc_transport::Connection) -> anyhow::Result<()> {
 /// `arena-snoop`: everything the arena chunks it was sent hold, read and overwritten through
 /// its own mappings, reported as the job's error.
 fn arena_snoop(
-    mut conn: poolipc_transport::Connection,
+    mut conn: poolipc::advanced::transport::Connection,
     driver: Arc<dyn Driver>,
 ) -> anyhow::Result<()> {
     use anyhow::Context as _;
@@ -743,7 +754,7 @@ fn arena_snoop(
         .map(|p| u32::from_str_radix(p.trim_start_matches("0x"), 16))
         .collect::<Result<Vec<u32>, _>>()?;
     driver.use_device(0)?;
-    let mut mapping = poolipc_pool::ArenaMapping::new(Arc::clone(&driver), 0);
+    let mut mapping = poolipc::advanced::pool::ArenaMapping::new(Arc::clone(&driver), 0);
     let mut chunks = Vec::new();
     let lend = loop {
         match conn.recv(deadline())? {
@@ -760,7 +771,8 @@ fn arena_snoop(
             (other, _) => anyhow::bail!("rogue: expected a Lend, got {}", other.kind()),
         }
     };
-    let stream = driver.stream_create()?;
+    let owned_stream = OwnedStream::new(driver.clone())?;
+    let stream = owned_stream.handle();
     let mut ready = Vec::new();
     for t in &lend.tensors {
         if t.ready_event != EventBlob([0; 64]) && !ready.contains(&t.ready_event) {
@@ -803,8 +815,8 @@ fn arena_snoop(
 
 /// The next `AllocationGrant`, skipping what a worker may be sent meanwhile.
 fn recv_grant(
-    conn: &mut poolipc_transport::Connection,
-) -> anyhow::Result<poolipc_contract::AllocationGrant> {
+    conn: &mut poolipc::advanced::transport::Connection,
+) -> anyhow::Result<poolipc::advanced::contract::AllocationGrant> {
     loop {
         match conn.recv(Instant::now() + Duration::from_secs(30))?.0 {
             Message::AllocationGrant(g) => return Ok(g),
@@ -817,10 +829,10 @@ fn recv_grant(
 /// Fails `job` with `said` and finishes it properly (a DONE event of its own, then the
 /// ACK), then stays until the parent's `Bye`.
 fn finish_failed(
-    conn: &mut poolipc_transport::Connection,
+    conn: &mut poolipc::advanced::transport::Connection,
     driver: &dyn Driver,
     job: JobId,
-    handles: Vec<poolipc_types::HandoffId>,
+    handles: Vec<poolipc::advanced::types::HandoffId>,
     said: String,
 ) -> anyhow::Result<()> {
     driver.use_device(0)?;
@@ -836,16 +848,16 @@ fn finish_failed(
 
 /// [`finish_failed`] with the DONE recorded on `stream` (after the work queued there).
 fn finish_failed_on(
-    conn: &mut poolipc_transport::Connection,
+    conn: &mut poolipc::advanced::transport::Connection,
     driver: &dyn Driver,
     job: JobId,
-    handles: Vec<poolipc_types::HandoffId>,
+    handles: Vec<poolipc::advanced::types::HandoffId>,
     said: String,
     stream: poolipc::StreamHandle,
 ) -> anyhow::Result<()> {
     let deadline = || Instant::now() + Duration::from_secs(30);
     conn.send(&Message::JobError { job, message: said }, &[], deadline())?;
-    let event = driver.event_create(true)?;
+    let event = OwnedEvent::new(driver, true)?.into_raw();
     driver.event_record(event, stream)?;
     let done_event = driver.ipc_get_event_handle(event)?;
     conn.send(
@@ -870,7 +882,7 @@ fn finish_failed_on(
 /// `staging-slow`, with `late_ready` `staging-late-ready`, with `ask_result` too
 /// `staging-late-result`: see the module docs.
 fn staging_slow(
-    mut conn: poolipc_transport::Connection,
+    mut conn: poolipc::advanced::transport::Connection,
     late_ready: bool,
     ask_result: bool,
 ) -> anyhow::Result<()> {
@@ -928,7 +940,7 @@ fn staging_slow(
 }
 
 /// `staging-gpu-hang`: see the module docs.
-fn staging_gpu_hang(mut conn: poolipc_transport::Connection) -> anyhow::Result<()> {
+fn staging_gpu_hang(mut conn: poolipc::advanced::transport::Connection) -> anyhow::Result<()> {
     use anyhow::Context as _;
     use std::io::BufRead as _;
     let long = || Instant::now() + Duration::from_secs(600);
@@ -988,8 +1000,10 @@ fn staging_hang_recorder(driver: &Arc<dyn Driver>) -> anyhow::Result<()> {
         *b = u8::from_str_radix(digits, 16)?;
     }
     driver.use_device(0)?;
-    let event = poolipc_driver::OwnedEvent::open_ipc(Arc::clone(driver), &EventBlob(blob))?;
-    let stream = driver.stream_create()?;
+    let event =
+        poolipc::advanced::driver::OwnedEvent::open_ipc(Arc::clone(driver), &EventBlob(blob))?;
+    let owned_stream = OwnedStream::new(driver.clone())?;
+    let stream = owned_stream.handle();
     driver.launch_hang_kernel(stream)?;
     driver.event_record(event.handle(), stream)?;
     let mut out = std::io::stdout();
@@ -1020,14 +1034,14 @@ fn main() -> ExitCode {
 /// first `Lend`; reports to `POOLIPC_TEST_REPORT`.
 fn pool_thief(
     driver: &Arc<dyn Driver>,
-    mut conn: poolipc_transport::Connection,
+    mut conn: poolipc::advanced::transport::Connection,
     pool_fd: &std::os::fd::OwnedFd,
 ) -> anyhow::Result<()> {
     use std::os::fd::AsFd as _;
     let report_path = std::env::var("POOLIPC_TEST_REPORT")?;
     let mut report = std::fs::File::create(&report_path)?;
     driver.use_device(0)?;
-    let pool = match poolipc_driver::OwnedPool::import_fd(&**driver, pool_fd.as_fd()) {
+    let pool = match poolipc::advanced::driver::OwnedPool::import_fd(&**driver, pool_fd.as_fd()) {
         Ok(p) => {
             writeln!(report, "pool: imported")?;
             p

@@ -1,4 +1,4 @@
-//! A facade worker for the tests: `poolipc::echo`, dying (SIGKILL) at the step named by
+//! A facade worker for the tests: `poolipc_tests::echo`, dying (SIGKILL) at the step named by
 //! `POOLIPC_FAILPOINT` if set (see `poolipc::failpoint`). It connects through the inherited
 //! socket (`POOLIPC_FD`), or to the listening socket named by `POOLIPC_SOCKET`. Its device:
 //! ordinal 0, the ordinal in `POOLIPC_TEST_DEVICE`; when that says `parent`, whichever of its
@@ -9,7 +9,7 @@
 //! `DIR/started-<pid>-<job>` when a job starts and waits for `DIR/go` before answering it;
 //! with `POOLIPC_TEST_REPORT=FILE` it appends one line per input, `<job> <rung> <read-only>`.
 //!
-//! With `POOLIPC_TEST_LATE=1` it answers as `poolipc::echo::answer_late` does: one result
+//! With `POOLIPC_TEST_LATE=1` it answers as `poolipc_tests::echo::answer_late` does: one result
 //! request per input (results carved out of the job's arena slice when they fit).
 //!
 //! With `POOLIPC_TEST_HOLD=1` it holds jobs open, two at a time (`Job::hold`): it looks for
@@ -27,21 +27,22 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use poolipc::{Driver, WorkerDevice};
+use poolipc::WorkerDevice;
+use poolipc::advanced::driver::Driver;
 
 fn run() -> anyhow::Result<usize> {
     poolipc_tests::init_tracing();
-    let driver: Arc<dyn Driver> = match poolipc_driver::sim::SimDriver::from_env() {
+    let driver: Arc<dyn Driver> = match poolipc::advanced::driver::sim::SimDriver::from_env() {
         Some(sim) => Arc::new(sim?),
-        None => Arc::new(poolipc_driver::CudaDriver::new()?),
+        None => Arc::new(poolipc::advanced::driver::CudaDriver::new()?),
     };
     // Started by someone else: connect to the parent's private listening socket.
     let conn = match std::env::var_os("POOLIPC_SOCKET") {
         Some(path) => {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-            poolipc_transport::connect_private(std::path::Path::new(&path), deadline)?
+            poolipc::advanced::transport::connect_private(std::path::Path::new(&path), deadline)?
         }
-        None => poolipc_transport::connection_from_env()?,
+        None => poolipc::advanced::transport::connection_from_env()?,
     };
     let choice = match std::env::var("POOLIPC_TEST_DEVICE").as_deref() {
         Ok("parent") => WorkerDevice::Parent,
@@ -67,13 +68,13 @@ fn run() -> anyhow::Result<usize> {
         return serve_holding(&mut worker);
     }
     if std::env::var_os("POOLIPC_TEST_LATE").is_some() {
-        return Ok(poolipc::echo::serve_late(&mut worker, None)?);
+        return Ok(poolipc_tests::echo::serve_late(&mut worker)?);
     }
     if std::env::var_os("POOLIPC_TEST_WRITE_INPUTS").is_some() {
         return serve_writing_inputs(&mut worker);
     }
     if gate.is_none() && report.is_none() && !fault && compute.is_none() {
-        return Ok(poolipc::echo::serve(&mut worker, None)?);
+        return Ok(poolipc_tests::echo::serve(&mut worker)?);
     }
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
@@ -125,7 +126,7 @@ fn run() -> anyhow::Result<usize> {
         }
         // A job that fails (a result refused, a cancelled job's) fails alone, as in
         // `echo::serve`: the worker goes on to the next.
-        match poolipc::echo::answer(&mut job, None) {
+        match poolipc_tests::echo::answer(&mut job) {
             Ok(()) => job.finish()?,
             Err(e) => job.fail(&e.to_string())?,
         }
@@ -135,7 +136,7 @@ fn run() -> anyhow::Result<usize> {
 }
 
 /// `POOLIPC_TEST_WRITE_INPUTS`: every job writes the first 4 KiB of every input (all of a
-/// smaller one) with the input's marker ([`poolipc::echo::marker`]), **whether or not it was
+/// smaller one) with the input's marker ([`poolipc_tests::echo::marker`]), **whether or not it was
 /// lent read-only** (a worker that ignores the flag), then waits for its stream so that a
 /// write the hardware refused (a read-only mapping) surfaces in this job; a failed write
 /// fails the job with the error. `POOLIPC_TEST_REPORT` gets `<job> <rung> <read_only>` per
@@ -162,7 +163,7 @@ fn serve_writing_inputs(worker: &mut poolipc::Worker) -> anyhow::Result<usize> {
             .try_for_each(|(i, input)| {
                 let words = input.byte_len().min(4096) / 4;
                 driver
-                    .memset_d32_async(input.ptr(), poolipc::echo::marker(i), words, stream)
+                    .memset_d32_async(input.ptr(), poolipc_tests::echo::marker(i), words, stream)
                     .map_err(|e| format!("writing input {i} failed: {e}"))
             })
             .and_then(|()| {
@@ -195,7 +196,7 @@ fn serve_holding(worker: &mut poolipc::Worker) -> anyhow::Result<usize> {
             poolipc::NextJob::Gone => break,
             poolipc::NextJob::Job(job) => job,
         };
-        poolipc::echo::answer(&mut job, None)?;
+        poolipc_tests::echo::answer(&mut job)?;
         if held.is_empty() {
             held.push(job.hold());
             continue;

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use poolipc_driver::Driver;
+use poolipc::advanced::driver::{Driver, OwnedStream};
 
 use peers::Peers;
 use report::Measured;
@@ -182,7 +182,7 @@ fn parse_size(text: &str) -> Result<u64, String> {
 pub(crate) fn host_staged<T>(parent: &poolipc::Parent, f: impl FnOnce() -> Result<T>) -> Result<T> {
     let pointer_limit = parent.options().limit;
     parent.set_arena_copy(false);
-    let out = poolipc_pool::ImportLimit::new(pointer_limit.chunk_bytes(), 0)
+    let out = poolipc::advanced::pool::ImportLimit::new(pointer_limit.chunk_bytes(), 0)
         .context("limit")
         .and_then(|none| Ok(parent.lower_import_limit(none)?))
         .and_then(|()| f());
@@ -246,7 +246,8 @@ fn run_table(args: &Args) -> Result<ExitCode> {
         }
     }
     let d: Arc<dyn Driver> = Arc::clone(&driver);
-    let stream = d.stream_create()?;
+    let owned_stream = OwnedStream::new(d.clone())?;
+    let stream = owned_stream.handle();
     // Rows the device cannot hold are skipped, and said so, instead of ending the run.
     let mut skipped = Vec::new();
     let b = Bench {
@@ -310,7 +311,7 @@ fn run_plain_and_mps(args: &Args) -> Result<ExitCode> {
     let mps_json = dir.join("mps.json");
     println!("== poolipc bench, plain (no MPS)");
     let status = peers::bench_child(args, &plain_json, args.max_mib(false))?
-        .env_remove(poolipc_driver::mps_env::PIPE_DIRECTORY_ENV)
+        .env_remove(poolipc::advanced::driver::mps_env::PIPE_DIRECTORY_ENV)
         .status()?;
     anyhow::ensure!(status.success(), "the plain bench failed: {status}");
     let mps = poolipc::mps::PrivateMps::start(&poolipc::mps::MpsOptions {

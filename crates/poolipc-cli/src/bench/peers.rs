@@ -36,7 +36,7 @@ pub(super) fn touch_worker(
     if args.worker_outside_mps {
         // No daemon there: the worker's CUDA runs outside the server.
         cmd.env(
-            poolipc_driver::mps_env::PIPE_DIRECTORY_ENV,
+            poolipc::advanced::driver::mps_env::PIPE_DIRECTORY_ENV,
             "/nonexistent/poolipc-worker-outside-mps",
         );
     }

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use poolipc::ExportReuse;
-use poolipc_pool::ExportCacheStats;
+use poolipc::advanced::pool::ExportCacheStats;
 
 use super::peers::{Peers, find};
 use super::scenarios::{ArenaRow, Batch, CopyRow, DevMemRow, IsolationRow, Row};

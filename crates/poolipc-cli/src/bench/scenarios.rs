@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use poolipc::advanced::driver::Driver;
+use poolipc::advanced::pool::ImportLimit;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, Trust};
-use poolipc_driver::Driver;
-use poolipc_pool::ImportLimit;
 
 use super::{Args, KIB, MIB, human, peers};
 
@@ -409,7 +409,7 @@ pub(super) fn device_memory(
         }
         let iterations = iterations_for(args, bytes).min(50);
         let desc = Layout::contiguous(DType::U8, &[bytes]);
-        let plain = poolipc_driver::DeviceAllocation::new(d, bytes)
+        let plain = poolipc::advanced::driver::DeviceAllocation::new(d, bytes)
             .with_context(|| format!("cuMemAlloc of {}", human(bytes)))?;
         let mut copied = Vec::new();
         let mut copy_rung = None;
@@ -710,21 +710,21 @@ pub(super) struct DevMemRow {
 /// Dropped, or [`free`](VmmTensor::free)d, it unmaps (and frees the range) before it
 /// releases the handle: the fields' order.
 struct VmmTensor<'d> {
-    mapping: poolipc_driver::VmmMapping<&'d dyn Driver>,
-    handle: poolipc_driver::VmmAllocation<&'d dyn Driver>,
+    mapping: poolipc::advanced::driver::VmmMapping<&'d dyn Driver>,
+    handle: poolipc::advanced::driver::VmmAllocation<&'d dyn Driver>,
     ptr: poolipc::DevicePtr,
 }
 
 impl<'d> VmmTensor<'d> {
     fn new(d: &'d dyn Driver, device: u32, bytes: u64) -> Result<VmmTensor<'d>> {
-        let g = d.vmm_granularity(device, poolipc_driver::Granularity::Minimum)?;
+        let g = d.vmm_granularity(device, poolipc::advanced::driver::Granularity::Minimum)?;
         let len = bytes.next_multiple_of(g.max(1));
         // What fails below undoes what succeeded: the owning values' drops.
-        let handle =
-            poolipc_driver::VmmAllocation::create(d, device, len).context("cuMemCreate")?;
-        let range = poolipc_driver::VmmReservation::reserve(d, len, 0)?;
-        let mapping = poolipc_driver::VmmMapping::map(range, handle.handle())?;
-        mapping.set_access(device, poolipc_driver::Access::ReadWrite)?;
+        let handle = poolipc::advanced::driver::VmmAllocation::create(d, device, len)
+            .context("cuMemCreate")?;
+        let range = poolipc::advanced::driver::VmmReservation::reserve(d, len, 0)?;
+        let mapping = poolipc::advanced::driver::VmmMapping::map(range, handle.handle())?;
+        mapping.set_access(device, poolipc::advanced::driver::Access::ReadWrite)?;
         let ptr = mapping.ptr();
         Ok(VmmTensor {
             mapping,

@@ -33,6 +33,7 @@ use cudarc::driver::sys;
 
 use crate::api::Driver;
 use crate::error::{CuCode, DriverError, Result};
+use crate::owned::OwnerToken;
 use crate::types::{
     Access, DeviceInfo, DevicePtr, DeviceUuid, DriverKind, EventBlob, EventHandle, ExportBlob,
     Granularity, PointerInfo, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle,
@@ -236,7 +237,12 @@ impl Driver for CudaDriver {
         Ok((free as u64, total as u64))
     }
 
-    fn mem_pool_create(&self, ordinal: u32, sharing: PoolSharing) -> Result<PoolHandle> {
+    fn mem_pool_create(
+        &self,
+        ordinal: u32,
+        sharing: PoolSharing,
+        _: OwnerToken,
+    ) -> Result<PoolHandle> {
         self.device(ordinal)?;
         let handle_types = match sharing {
             PoolSharing::None => sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
@@ -471,7 +477,7 @@ impl Driver for CudaDriver {
         unsafe { result::memory::free_async(ptr.0, stream_raw(stream)) }
     }
 
-    fn event_create(&self, interprocess: bool) -> Result<EventHandle> {
+    fn event_create(&self, interprocess: bool, _: OwnerToken) -> Result<EventHandle> {
         let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         if interprocess {
             flags |= sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
@@ -525,7 +531,7 @@ impl Driver for CudaDriver {
         unsafe { result::stream::query(stream_raw(stream)) }
     }
 
-    fn stream_create(&self) -> Result<StreamHandle> {
+    fn stream_create(&self, _: OwnerToken) -> Result<StreamHandle> {
         let s = result::stream::create(sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)?;
         Ok(StreamHandle(s.expose_provenance() as u64))
     }

@@ -15,7 +15,7 @@ where
 {
     driver: R,
     handle: EventHandle,
-    /// Cleared by [`close`](OwnedEvent::close), which destroyed it already.
+    /// Cleared once destroyed (by `close`) or given up (by `into_raw`).
     live: bool,
 }
 
@@ -28,7 +28,7 @@ impl<R: Deref<Target: Driver>> std::fmt::Debug for OwnedEvent<R> {
 impl<R: Deref<Target: Driver>> OwnedEvent<R> {
     /// Creates an event (`interprocess`: shareable, timing disabled).
     pub fn new(driver: R, interprocess: bool) -> Result<OwnedEvent<R>> {
-        let handle = driver.event_create(interprocess)?;
+        let handle = driver.event_create(interprocess, super::OwnerToken(()))?;
         Ok(OwnedEvent {
             driver,
             handle,
@@ -54,6 +54,13 @@ impl<R: Deref<Target: Driver>> OwnedEvent<R> {
     /// The interprocess handle another process opens this event with.
     pub fn ipc_handle(&self) -> Result<EventBlob> {
         self.driver.ipc_get_event_handle(self.handle)
+    }
+
+    /// Gives the event up without destroying it: it lives until the process exits (an event
+    /// a program keeps for its whole life, or one whose handle is stored where no owner fits).
+    pub fn into_raw(mut self) -> EventHandle {
+        self.live = false;
+        self.handle
     }
 
     /// Destroys the event now, returning the driver's error.
@@ -82,7 +89,7 @@ where
 {
     driver: R,
     handle: StreamHandle,
-    /// Cleared by [`close`](OwnedStream::close), which destroyed it already.
+    /// Cleared once destroyed (by `close`) or given up (by `into_raw`).
     live: bool,
 }
 
@@ -95,7 +102,7 @@ impl<R: Deref<Target: Driver>> std::fmt::Debug for OwnedStream<R> {
 impl<R: Deref<Target: Driver>> OwnedStream<R> {
     /// Creates a stream (`cuStreamCreate`, non-blocking).
     pub fn new(driver: R) -> Result<OwnedStream<R>> {
-        let handle = driver.stream_create()?;
+        let handle = driver.stream_create(super::OwnerToken(()))?;
         Ok(OwnedStream {
             driver,
             handle,
@@ -105,6 +112,13 @@ impl<R: Deref<Target: Driver>> OwnedStream<R> {
 
     /// The raw handle, valid while `self` lives.
     pub fn handle(&self) -> StreamHandle {
+        self.handle
+    }
+
+    /// Gives the stream up without destroying it: it lives until the process exits (a stream
+    /// a program keeps for its whole life, or one whose handle is stored where no owner fits).
+    pub fn into_raw(mut self) -> StreamHandle {
+        self.live = false;
         self.handle
     }
 

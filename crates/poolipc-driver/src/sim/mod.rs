@@ -428,7 +428,7 @@ impl SimDriver {
         let marker = match marker {
             Some(m) => crate::EventHandle(m),
             None => {
-                let e = crate::Driver::event_create(self, false)?;
+                let e = self.own_event()?;
                 self.local().lend_marker = Some(e.0);
                 e
             }

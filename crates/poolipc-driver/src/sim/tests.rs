@@ -8,6 +8,7 @@ use crate::types::{
     Access, DevicePtr, Granularity, PoolAttribute, PoolCounter, PoolHandle, PoolSharing,
     StreamHandle, VmmHandle,
 };
+use crate::{OwnedEvent, OwnedPool, OwnedStream};
 use std::os::fd::{AsFd, OwnedFd};
 
 const MIB: u64 = 1 << 20;
@@ -27,7 +28,9 @@ fn sim_with(config: SimConfig) -> SimDriver {
 
 /// A shareable pool made current, exported: the parent's setup.
 fn shared_pool(d: &SimDriver) -> (PoolHandle, OwnedFd) {
-    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let pool = OwnedPool::create(d, 0, PoolSharing::PosixFd)
+        .unwrap()
+        .into_raw();
     d.device_set_mem_pool(0, pool).unwrap();
     let fd = d.mem_pool_export_fd(pool).unwrap();
     (pool, fd)
@@ -54,7 +57,7 @@ fn worker_writes_after(
     let r = w
         .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
         .unwrap();
-    let ws = w.stream_create().unwrap();
+    let ws = OwnedStream::new(&w).unwrap().into_raw();
     w.stream_wait_event(ws, r).unwrap();
     w.memset_d8_async(imported, 2, 16, ws).unwrap();
     (w, ws)
@@ -73,12 +76,12 @@ fn handoff(
 ) -> (SimDriver, DevicePtr, DevicePtr, StreamHandle) {
     let ptr = p.mem_alloc_async(bytes, S).unwrap();
     p.memset_d8_async(ptr, 0xAB, bytes, S).unwrap();
-    let ready = p.event_create(true).unwrap();
+    let ready = OwnedEvent::new(p, true).unwrap().into_raw();
     p.event_record(ready, S).unwrap();
     let blob = p.mem_pool_export_pointer(ptr).unwrap();
     let (w, wpool) = worker(p, fd);
     let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
-    let ws = w.stream_create().unwrap();
+    let ws = OwnedStream::new(&w).unwrap().into_raw();
     let r = w
         .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
         .unwrap();
@@ -91,7 +94,8 @@ fn handoff(
 #[test]
 fn pointer_export_before_the_pool_fd_export_is_invalid_value() {
     let d = sim();
-    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let owned_pool = OwnedPool::create(&d, 0, PoolSharing::PosixFd).unwrap();
+    let pool = owned_pool.handle();
     let ptr = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
     let e = d.mem_pool_export_pointer(ptr).unwrap_err();
     assert!(
@@ -112,7 +116,8 @@ fn pointer_export_after_the_pool_fd_export_gives_a_blob() {
 #[test]
 fn a_pool_without_posix_fd_sharing_cannot_be_exported() {
     let d = sim();
-    let pool = d.mem_pool_create(0, PoolSharing::None).unwrap();
+    let owned_pool = OwnedPool::create(&d, 0, PoolSharing::None).unwrap();
+    let pool = owned_pool.handle();
     let e = d.mem_pool_export_fd(pool).unwrap_err();
     assert!(e.is_call("cuMemPoolExportToShareableHandle", CuCode::INVALID_VALUE));
     let default = d.device_get_default_mem_pool(0).unwrap();
@@ -131,7 +136,8 @@ fn a_worker_sees_the_parents_bytes_and_the_parent_sees_the_workers_write() {
     w.memcpy_dtoh(&mut buf, imported.offset(MIB)).unwrap();
     assert!(buf.iter().all(|b| *b == 0xAB));
     w.memset_d32_async(imported, 0x0102_0304, 16, ws).unwrap();
-    let done = w.event_create(true).unwrap();
+    let owned_done = OwnedEvent::new(&w, true).unwrap();
+    let done = owned_done.handle();
     w.event_record(done, ws).unwrap();
     w.mem_pool_free_import_checked(imported, ws).unwrap();
     let d = p
@@ -185,7 +191,8 @@ fn an_importer_touching_memory_before_waiting_for_ready_is_recorded() {
     let blob = p.mem_pool_export_pointer(ptr).unwrap();
     let (w, wpool) = worker(&p, &fd);
     let imported = w.mem_pool_import_pointer(wpool, &blob).unwrap();
-    let ws = w.stream_create().unwrap();
+    let owned_ws = OwnedStream::new(&w).unwrap();
+    let ws = owned_ws.handle();
     w.memset_d8_async(imported, 2, 16, ws).unwrap();
     let v = p.violations();
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
@@ -197,7 +204,8 @@ fn an_importer_waiting_on_an_event_recorded_before_the_last_write_is_recorded() 
     let p = sim();
     let (_pool, fd) = shared_pool(&p);
     let ptr = p.mem_alloc_async(MIB, S).unwrap();
-    let ready = p.event_create(true).unwrap();
+    let owned_ready = OwnedEvent::new(&p, true).unwrap();
+    let ready = owned_ready.handle();
     p.event_record(ready, S).unwrap();
     p.memset_d8_async(ptr, 1, MIB, S).unwrap(); // after READY: not covered
     let _worker = worker_writes_after(&p, &fd, ptr, ready);
@@ -209,9 +217,11 @@ fn a_ready_event_on_another_stream_than_the_write_does_not_cover_it() {
     let p = sim();
     let (_pool, fd) = shared_pool(&p);
     let ptr = p.mem_alloc_async(MIB, S).unwrap();
-    let s2 = p.stream_create().unwrap();
+    let owned_s2 = OwnedStream::new(&p).unwrap();
+    let s2 = owned_s2.handle();
     p.memset_d8_async(ptr, 1, MIB, s2).unwrap();
-    let ready = p.event_create(true).unwrap();
+    let owned_ready = OwnedEvent::new(&p, true).unwrap();
+    let ready = owned_ready.handle();
     p.event_record(ready, S).unwrap(); // S never waited for s2
     let _worker = worker_writes_after(&p, &fd, ptr, ready);
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
@@ -225,15 +235,18 @@ fn a_ready_on_another_stream_covers_the_writes_of_a_stream_the_host_saw_idle() {
     let p = sim();
     let (_pool, fd) = shared_pool(&p);
     let ptr = p.mem_alloc_async(MIB, S).unwrap();
-    let s2 = p.stream_create().unwrap();
+    let owned_s2 = OwnedStream::new(&p).unwrap();
+    let s2 = owned_s2.handle();
     p.memset_d8_async(ptr, 1, MIB, s2).unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !p.stream_query(s2).unwrap() {
         assert!(std::time::Instant::now() < deadline, "the memset never ran");
         std::thread::yield_now();
     }
-    let aside = p.stream_create().unwrap();
-    let ready = p.event_create(true).unwrap();
+    let owned_aside = OwnedStream::new(&p).unwrap();
+    let aside = owned_aside.handle();
+    let owned_ready = OwnedEvent::new(&p, true).unwrap();
+    let ready = owned_ready.handle();
     p.event_record(ready, aside).unwrap();
     let (w, ws) = worker_writes_after(&p, &fd, ptr, ready);
     w.stream_synchronize(ws).unwrap();
@@ -243,7 +256,8 @@ fn a_ready_on_another_stream_covers_the_writes_of_a_stream_the_host_saw_idle() {
 #[test]
 fn a_new_stream_is_idle_and_a_handle_never_given_is_an_error() {
     let p = sim();
-    let s2 = p.stream_create().unwrap();
+    let owned_s2 = OwnedStream::new(&p).unwrap();
+    let s2 = owned_s2.handle();
     assert!(
         p.stream_query(s2).unwrap(),
         "a new stream has nothing to run"
@@ -473,13 +487,15 @@ fn an_old_blob_reaches_the_new_allocation_at_its_address_both_ways() {
     let b = p.mem_alloc_async(MIB, S).unwrap();
     assert_eq!(b, a);
     p.memset_d8_async(b, 0x22, MIB, S).unwrap();
-    let ready = p.event_create(true).unwrap();
+    let owned_ready = OwnedEvent::new(&p, true).unwrap();
+    let ready = owned_ready.handle();
     p.event_record(ready, S).unwrap();
     // Never exported since B was allocated: the worker imports A's blob.
     let (w, wpool) = worker(&p, &fd);
     let imported = w.mem_pool_import_pointer(wpool, &old).unwrap();
     assert_eq!(w.pointer_get_range(imported).unwrap(), (imported, MIB));
-    let ws = w.stream_create().unwrap();
+    let owned_ws = OwnedStream::new(&w).unwrap();
+    let ws = owned_ws.handle();
     let r = w
         .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
         .unwrap();
@@ -489,7 +505,8 @@ fn an_old_blob_reaches_the_new_allocation_at_its_address_both_ways() {
     w.memcpy_dtoh(&mut seen, imported).unwrap();
     assert_eq!(seen, [0x22; 4], "the worker reads B's bytes");
     w.memset_d8_async(imported, 0x33, 4, ws).unwrap();
-    let done = w.event_create(true).unwrap();
+    let owned_done = OwnedEvent::new(&w, true).unwrap();
+    let done = owned_done.handle();
     w.event_record(done, ws).unwrap();
     w.mem_pool_free_import_checked(imported, ws).unwrap();
     w.stream_synchronize(ws).unwrap();
@@ -520,7 +537,8 @@ fn an_access_through_an_old_blob_is_raced_against_the_new_allocations_writes() {
     p.memset_d8_async(b, 0x22, MIB, S).unwrap();
     let (w, wpool) = worker(&p, &fd);
     let imported = w.mem_pool_import_pointer(wpool, &old).unwrap();
-    let ws = w.stream_create().unwrap();
+    let owned_ws = OwnedStream::new(&w).unwrap();
+    let ws = owned_ws.handle();
     w.memset_d8_async(imported, 0x33, 4, ws).unwrap();
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
     p.clear_violations();
@@ -630,7 +648,8 @@ fn counter(d: &SimDriver, pool: PoolHandle, c: PoolCounter) -> u64 {
 #[test]
 fn used_and_reserved_follow_allocations_and_their_high_marks_stay() {
     let d = sim();
-    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let owned_pool = OwnedPool::create(&d, 0, PoolSharing::PosixFd).unwrap();
+    let pool = owned_pool.handle();
     let a = d.mem_alloc_from_pool_async(3 * MIB, pool, S).unwrap(); // rounds to 4 MiB
     let b = d.mem_alloc_from_pool_async(MIB, pool, S).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::UsedCurrent), 6 * MIB);
@@ -647,7 +666,8 @@ fn used_and_reserved_follow_allocations_and_their_high_marks_stay() {
 #[test]
 fn resetting_the_high_marks_restarts_them_from_the_current_figures() {
     let d = sim();
-    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let owned_pool = OwnedPool::create(&d, 0, PoolSharing::PosixFd).unwrap();
+    let pool = owned_pool.handle();
     d.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
         .unwrap();
     let a = d.mem_alloc_from_pool_async(8 * MIB, pool, S).unwrap();
@@ -675,7 +695,8 @@ fn resetting_the_high_marks_restarts_them_from_the_current_figures() {
 #[test]
 fn with_threshold_zero_freed_memory_is_released_at_a_synchronize() {
     let d = sim();
-    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let owned_pool = OwnedPool::create(&d, 0, PoolSharing::PosixFd).unwrap();
+    let pool = owned_pool.handle();
     let a = d.mem_alloc_from_pool_async(8 * MIB, pool, S).unwrap();
     d.mem_free_async_checked(a, S).unwrap();
     assert_eq!(counter(&d, pool, PoolCounter::ReservedCurrent), 8 * MIB);
@@ -687,7 +708,8 @@ fn with_threshold_zero_freed_memory_is_released_at_a_synchronize() {
 #[test]
 fn with_threshold_max_freed_memory_stays_reserved_until_trimmed() {
     let d = sim();
-    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let owned_pool = OwnedPool::create(&d, 0, PoolSharing::PosixFd).unwrap();
+    let pool = owned_pool.handle();
     d.mem_pool_set_attribute(pool, PoolAttribute::ReleaseThreshold(u64::MAX))
         .unwrap();
     let a = d.mem_alloc_from_pool_async(8 * MIB, pool, S).unwrap();
@@ -701,7 +723,8 @@ fn with_threshold_max_freed_memory_stays_reserved_until_trimmed() {
 #[test]
 fn attributes_read_back_and_reuse_flags_start_enabled() {
     let d = sim();
-    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let owned_pool = OwnedPool::create(&d, 0, PoolSharing::PosixFd).unwrap();
+    let pool = owned_pool.handle();
     assert_eq!(counter(&d, pool, PoolCounter::ReleaseThreshold), 0);
     assert_eq!(
         counter(&d, pool, PoolCounter::ReuseFollowEventDependencies),
@@ -732,7 +755,9 @@ fn the_current_pool_is_the_default_until_set_and_allocations_come_from_it() {
     let d = sim();
     let default = d.device_get_default_mem_pool(0).unwrap();
     assert_eq!(d.device_get_mem_pool(0).unwrap(), default);
-    let pool = d.mem_pool_create(0, PoolSharing::PosixFd).unwrap();
+    let pool = OwnedPool::create(&d, 0, PoolSharing::PosixFd)
+        .unwrap()
+        .into_raw();
     d.device_set_mem_pool(0, pool).unwrap();
     assert_eq!(d.device_get_mem_pool(0).unwrap(), pool);
     let ptr = d.mem_alloc_async(MIB, S).unwrap();
@@ -903,12 +928,15 @@ fn a_pool_is_shared_by_uuid_whatever_ordinal_each_process_gives_its_device() {
         ..SimConfig::default()
     });
     p.use_device(1).unwrap();
-    let pool = p.mem_pool_create(1, PoolSharing::PosixFd).unwrap();
+    let pool = OwnedPool::create(&p, 1, PoolSharing::PosixFd)
+        .unwrap()
+        .into_raw();
     p.device_set_mem_pool(1, pool).unwrap();
     let fd = p.mem_pool_export_fd(pool).unwrap();
     let ptr = p.mem_alloc_async(MIB, S).unwrap();
     p.memset_d8_async(ptr, 0x5A, MIB, S).unwrap();
-    let ready = p.event_create(true).unwrap();
+    let owned_ready = OwnedEvent::new(&p, true).unwrap();
+    let ready = owned_ready.handle();
     p.event_record(ready, S).unwrap();
     let blob = p.mem_pool_export_pointer(ptr).unwrap();
     // The parent's device 1 is this worker's device 0.
@@ -961,7 +989,8 @@ fn devices_without_a_peer_path_refuse_access_to_each_others_pools() {
 #[test]
 fn an_event_handle_opens_in_another_process_and_a_plain_event_has_none() {
     let p = sim();
-    let ev = p.event_create(true).unwrap();
+    let owned_ev = OwnedEvent::new(&p, true).unwrap();
+    let ev = owned_ev.handle();
     let h = p.ipc_get_event_handle(ev).unwrap();
     let w = p.peer();
     w.use_device(0).unwrap();
@@ -970,7 +999,8 @@ fn an_event_handle_opens_in_another_process_and_a_plain_event_has_none() {
     assert!(w.event_query(a).unwrap());
     w.event_destroy_checked(a).unwrap();
     w.event_synchronize(b).unwrap();
-    let plain = p.event_create(false).unwrap();
+    let owned_plain = OwnedEvent::new(&p, false).unwrap();
+    let plain = owned_plain.handle();
     assert!(p.ipc_get_event_handle(plain).is_err());
 }
 
@@ -1077,7 +1107,7 @@ fn a_memset_past_the_size_asked_for_is_invalid_value_as_on_the_h200() {
 
 /// The worker's DONE: an interprocess event recorded on `ws`, opened by the parent.
 fn done_event(p: &SimDriver, w: &SimDriver, ws: StreamHandle) -> crate::EventHandle {
-    let done = w.event_create(true).unwrap();
+    let done = OwnedEvent::new(w, true).unwrap().into_raw();
     w.event_record(done, ws).unwrap();
     p.ipc_open_event_handle(&w.ipc_get_event_handle(done).unwrap())
         .unwrap()
@@ -1090,7 +1120,8 @@ fn the_handoff_done_right_records_nothing_and_the_parent_reads_the_workers_bytes
     let (w, ptr, imported, ws) = handoff(&p, &fd, MIB);
     w.memset_d8_async(imported, 0x5A, MIB, ws).unwrap();
     let done = done_event(&p, &w, ws);
-    let caller = p.stream_create().unwrap();
+    let owned_caller = OwnedStream::new(&p).unwrap();
+    let caller = owned_caller.handle();
     p.stream_wait_event(caller, done).unwrap();
     let mut buf = [0u8; 16];
     p.memcpy_dtoh_on(&mut buf, ptr.offset(MIB - 16), caller)
@@ -1106,7 +1137,8 @@ fn mutation_done_recorded_before_the_last_write_is_caught() {
     let (w, ptr, imported, ws) = handoff(&p, &fd, MIB);
     let done = done_event(&p, &w, ws);
     w.memset_d8_async(imported, 0x5A, MIB, ws).unwrap(); // after DONE
-    let caller = p.stream_create().unwrap();
+    let owned_caller = OwnedStream::new(&p).unwrap();
+    let caller = owned_caller.handle();
     p.stream_wait_event(caller, done).unwrap();
     let mut buf = [0u8; 16];
     p.memcpy_dtoh_on(&mut buf, ptr, caller).unwrap();
@@ -1125,10 +1157,12 @@ fn mutation_the_consumer_streams_done_wait_removed_is_caught() {
     let (w, ptr, imported, ws) = handoff(&p, &fd, MIB);
     w.memset_d8_async(imported, 0x5A, MIB, ws).unwrap();
     let done = done_event(&p, &w, ws);
-    let job = p.stream_create().unwrap();
+    let owned_job = OwnedStream::new(&p).unwrap();
+    let job = owned_job.handle();
     p.stream_wait_event(job, done).unwrap();
     // The caller's own stream never waited on the job's stream.
-    let caller = p.stream_create().unwrap();
+    let owned_caller = OwnedStream::new(&p).unwrap();
+    let caller = owned_caller.handle();
     p.memset_d8_async(ptr, 0, 16, caller).unwrap();
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
 }
@@ -1150,12 +1184,14 @@ fn mutation_an_arena_block_reused_before_done_is_caught() {
     w.vmm_set_access(wva, g, 0, Access::ReadWrite).unwrap();
     // The parent fills the block, READY; the worker reads it after READY, then DONE.
     p.memset_d8_async(va, 1, g, S).unwrap();
-    let ready = p.event_create(true).unwrap();
+    let owned_ready = OwnedEvent::new(&p, true).unwrap();
+    let ready = owned_ready.handle();
     p.event_record(ready, S).unwrap();
     let r = w
         .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
         .unwrap();
-    let ws = w.stream_create().unwrap();
+    let owned_ws = OwnedStream::new(&w).unwrap();
+    let ws = owned_ws.handle();
     w.stream_wait_event(ws, r).unwrap();
     // A kernel's read (a device copy out of the block), asynchronous: nobody waits for it
     // on the host.
@@ -1164,7 +1200,8 @@ fn mutation_an_arena_block_reused_before_done_is_caught() {
     let _done = done_event(&p, &w, ws);
     assert_eq!(kinds(&p), vec![]);
     // The block goes to the next job without waiting on DONE: its fill races the read.
-    let next = p.stream_create().unwrap();
+    let owned_next = OwnedStream::new(&p).unwrap();
+    let next = owned_next.handle();
     p.memset_d8_async(va, 2, 64, next).unwrap();
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
 }
@@ -1181,7 +1218,8 @@ fn a_missing_ready_wait_reads_stale_bytes_on_the_asynchronous_gpu() {
     let mut stale = 0;
     let rounds = 40;
     for round in 0..rounds {
-        let s = p.stream_create().unwrap();
+        let owned_s = OwnedStream::new(&p).unwrap();
+        let s = owned_s.handle();
         let ptr = p.mem_alloc_async(MIB, s).unwrap();
         p.memset_d8_async(ptr, 0, 16, s).unwrap();
         p.stream_synchronize(s).unwrap();
@@ -1294,7 +1332,8 @@ fn a_worker_touching_a_vmm_allocation_lent_by_handle_before_ready_is_recorded() 
     let wva = w.vmm_reserve(g, 0).unwrap();
     w.vmm_map(wva, g, wh).unwrap();
     w.vmm_set_access(wva, g, 0, Access::ReadWrite).unwrap();
-    let ws = w.stream_create().unwrap();
+    let owned_ws = OwnedStream::new(&w).unwrap();
+    let ws = owned_ws.handle();
     w.memset_d8_async(wva, 2, 16, ws).unwrap();
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
 }
@@ -1304,7 +1343,8 @@ fn a_worker_waiting_on_ready_before_touching_a_vmm_allocation_lent_by_handle_is_
     let p = sim();
     let (_h, va, g) = parent_vmm(&p, true);
     p.memset_d8_async(va, 1, g, S).unwrap();
-    let ready = p.event_create(true).unwrap();
+    let owned_ready = OwnedEvent::new(&p, true).unwrap();
+    let ready = owned_ready.handle();
     p.event_record(ready, S).unwrap();
     let fd = lend_by_handle(&p, va);
     let w = p.peer();
@@ -1316,7 +1356,8 @@ fn a_worker_waiting_on_ready_before_touching_a_vmm_allocation_lent_by_handle_is_
     let r = w
         .ipc_open_event_handle(&p.ipc_get_event_handle(ready).unwrap())
         .unwrap();
-    let ws = w.stream_create().unwrap();
+    let owned_ws = OwnedStream::new(&w).unwrap();
+    let ws = owned_ws.handle();
     w.stream_wait_event(ws, r).unwrap();
     w.memset_d8_async(wva, 2, 16, ws).unwrap();
     w.stream_synchronize(ws).unwrap();
@@ -1336,7 +1377,8 @@ fn unordered_writes_to_cu_mem_alloc_memory_on_two_streams_are_recorded() {
     let p = sim();
     let plain = p.mem_alloc(MIB).unwrap();
     p.memset_d8_async(plain, 1, MIB, S).unwrap();
-    let other = p.stream_create().unwrap();
+    let owned_other = OwnedStream::new(&p).unwrap();
+    let other = owned_other.handle();
     p.memset_d8_async(plain, 2, 16, other).unwrap();
     assert_eq!(kinds(&p), vec![ViolationKind::UnorderedAccess]);
 }

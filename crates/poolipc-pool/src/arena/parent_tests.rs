@@ -396,7 +396,7 @@ fn a_block_freed_after_an_event_is_reused_once_the_event_completed_and_not_befor
     d.expect_vmm_map().returning(|_, _, _| Ok(()));
     d.expect_vmm_set_access().returning(|_, _, _, _| Ok(()));
     d.expect_event_create()
-        .returning(|_| Ok(poolipc_driver::EventHandle::mock(42)));
+        .returning(|_, _| Ok(poolipc_driver::EventHandle::mock(42)));
     let flag = Arc::clone(&done);
     d.expect_event_query()
         .returning(move |_| Ok(flag.load(Ordering::SeqCst)));

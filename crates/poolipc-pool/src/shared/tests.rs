@@ -48,10 +48,10 @@ fn installing(seq: &mut Sequence) -> MockDriver {
         .in_sequence(seq)
         .returning(|_| Ok(DEFAULT));
     d.expect_mem_pool_create()
-        .withf(|dev, s| *dev == 0 && *s == PoolSharing::PosixFd)
+        .withf(|dev, s, _| *dev == 0 && *s == PoolSharing::PosixFd)
         .times(1)
         .in_sequence(seq)
-        .returning(|_, _| Ok(OURS));
+        .returning(|_, _, _| Ok(OURS));
     for attr in TORCH_POOL_ATTRIBUTES {
         d.expect_mem_pool_set_attribute()
             .withf(move |p, a| *p == OURS && *a == attr)
@@ -326,7 +326,7 @@ fn a_failed_export_puts_the_default_pool_back() {
     d.expect_device_get_mem_pool().returning(|_| Ok(DEFAULT));
     d.expect_device_get_default_mem_pool()
         .returning(|_| Ok(DEFAULT));
-    d.expect_mem_pool_create().returning(|_, _| Ok(OURS));
+    d.expect_mem_pool_create().returning(|_, _, _| Ok(OURS));
     d.expect_mem_pool_set_attribute().returning(|_, _| Ok(()));
     d.expect_device_set_mem_pool()
         .withf(|_, p| *p == OURS)

@@ -181,8 +181,9 @@ impl NativeJobHandle {
                     && self.g.use_device().is_ok()
                 {
                     for p in results {
-                        let _ = poolipc_driver::PoolAllocation::claim(&*self.g.driver, *p)
-                            .and_then(|a| a.free(StreamHandle::NULL));
+                        let _ =
+                            poolipc::advanced::driver::PoolAllocation::claim(&*self.g.driver, *p)
+                                .and_then(|a| a.free(StreamHandle::NULL));
                     }
                 }
                 let pe = to_py_for(py, e, Some(self.worker));

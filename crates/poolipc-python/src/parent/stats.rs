@@ -35,8 +35,8 @@ pub(super) fn to_dict<'py>(py: Python<'py>, s: &ParentStats) -> PyResult<Bound<'
 }
 
 /// `ParentStats::export_reuse` as `stats()` names it.
-fn export_reuse_name(reuse: poolipc_pool::ExportReuse) -> &'static str {
-    use poolipc_pool::ExportReuse;
+fn export_reuse_name(reuse: poolipc::advanced::pool::ExportReuse) -> &'static str {
+    use poolipc::advanced::pool::ExportReuse;
     match reuse {
         ExportReuse::Unchecked => "unchecked",
         ExportReuse::Checking => "checking",

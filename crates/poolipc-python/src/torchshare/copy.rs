@@ -7,8 +7,11 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
-use poolipc::{DevicePtr, Driver, StreamHandle};
-use poolipc_driver::{Access, Granularity, OwnedEvent, VmmAllocation, VmmMapping, VmmReservation};
+use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::{
+    Access, Granularity, OwnedEvent, VmmAllocation, VmmMapping, VmmReservation,
+};
+use poolipc::{DevicePtr, StreamHandle};
 
 use crate::state::OnDevice;
 

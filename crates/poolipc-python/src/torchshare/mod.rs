@@ -19,7 +19,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use poolipc::{DevicePtr, Driver, StreamHandle};
+use poolipc::advanced::driver::Driver;
+use poolipc::{DevicePtr, StreamHandle};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
@@ -369,10 +370,10 @@ fn copy_for_sharing(
 /// afresh and compared with its old blob: the same bytes prove it, and from then on a new
 /// tensor at a recycled address costs no `cuMemPoolExportPointer` (about 0.4 ms/GiB).
 fn export_pointer(
-    pool: &poolipc_pool::SharedPool<dyn Driver>,
+    pool: &poolipc::advanced::pool::SharedPool<dyn Driver>,
     base: DevicePtr,
     bytes: u64,
-) -> Result<poolipc_driver::ExportBlob, poolipc_pool::PoolError> {
+) -> Result<poolipc::advanced::driver::ExportBlob, poolipc::advanced::pool::PoolError> {
     let check = if pool.export_reuse().0 == poolipc::ExportReuse::Unchecked {
         pool.begin_export_reuse_check()
     } else {

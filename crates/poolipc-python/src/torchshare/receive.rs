@@ -6,10 +6,11 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use poolipc::{DevicePtr, Driver, StreamHandle};
-use poolipc_driver::ImportedPointer;
-use poolipc_pool::AttachedPool;
-use poolipc_transport::rendezvous::{connect_abstract, recv_with_fd, send_all};
+use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::ImportedPointer;
+use poolipc::advanced::pool::AttachedPool;
+use poolipc::advanced::transport::rendezvous::{connect_abstract, recv_with_fd, send_all};
+use poolipc::{DevicePtr, StreamHandle};
 use pyo3::prelude::*;
 
 use super::copy::CopyMapping;

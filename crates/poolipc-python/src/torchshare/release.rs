@@ -6,8 +6,9 @@
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::Duration;
 
-use poolipc::{Driver, StreamHandle};
-use poolipc_driver::OwnedEvent;
+use poolipc::StreamHandle;
+use poolipc::advanced::driver::Driver;
+use poolipc::advanced::driver::OwnedEvent;
 
 use super::wire::OP_RELEASE;
 use super::{Peer, driver};

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use poolipc_transport::rendezvous::{AbstractListener, recv_exact, send_with_fd};
+use poolipc::advanced::transport::rendezvous::{AbstractListener, recv_exact, send_with_fd};
 use pyo3::prelude::*;
 
 use super::copy::VmmCopy;

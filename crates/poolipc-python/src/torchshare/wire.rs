@@ -3,7 +3,7 @@
 //! sender over their connection. Decoding never trusts its input: a short, long or foreign
 //! buffer is an error, never a panic.
 
-use poolipc_driver::ExportBlob;
+use poolipc::advanced::driver::ExportBlob;
 
 /// First bytes of a handle: what tells poolipc's handles from torch's own.
 const HANDLE_MAGIC: &[u8] = b"POOLIPC-H1";

@@ -17,9 +17,9 @@ use std::sync::mpsc::channel;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use poolipc::{DevicePtr, Driver, ResultShape, StreamHandle};
-use poolipc_driver::EventHandle;
-use poolipc_transport::{Connection, TOKEN_LEN};
+use poolipc::advanced::driver::{Driver, OwnedEvent};
+use poolipc::advanced::transport::{Connection, TOKEN_LEN};
+use poolipc::{DevicePtr, ResultShape, StreamHandle};
 use pyo3::prelude::*;
 
 use super::shown::Shown;
@@ -141,7 +141,7 @@ fn connect(source: &Source) -> Result<Option<Connection>, String> {
         return Ok(None);
     };
     let deadline = Instant::now() + CONNECT_TIMEOUT;
-    let mut conn = poolipc_transport::connect_private(path, deadline).map_err(|e| {
+    let mut conn = poolipc::advanced::transport::connect_private(path, deadline).map_err(|e| {
         format!(
             "{CONNECT_REFUSED}: no poolipc parent listens at {}: {e}",
             path.display()
@@ -164,7 +164,7 @@ struct WorkerThread {
     driver: Arc<dyn Driver>,
     sim: bool,
     /// Recorded to order one stream after another (`Cmd::StreamWait`).
-    sync_event: EventHandle,
+    sync_event: OwnedEvent,
     /// Open jobs, set aside between commands: several may be open at once (leases).
     held: HashMap<u64, poolipc::HeldJob>,
     /// Taking jobs as they come (`auto_take`): between commands, the socket is polled.
@@ -194,8 +194,7 @@ impl WorkerThread {
             }),
         }?;
         let driver = Arc::clone(worker.driver());
-        let sync_event = driver
-            .event_create(false)
+        let sync_event = OwnedEvent::new(Arc::clone(&driver), false)
             .map_err(|e| format!("poolipc: cuEventCreate: {e}"))?;
         Ok(WorkerThread {
             worker,
@@ -242,8 +241,11 @@ impl WorkerThread {
             return Ok(Reply::Ok);
         }
         self.driver
-            .event_record(self.sync_event, on)
-            .and_then(|()| self.driver.stream_wait_event(waiter, self.sync_event))
+            .event_record(self.sync_event.handle(), on)
+            .and_then(|()| {
+                self.driver
+                    .stream_wait_event(waiter, self.sync_event.handle())
+            })
             .map(|()| Reply::Ok)
             .map_err(|e| format!("poolipc: ordering streams: {e}"))
     }

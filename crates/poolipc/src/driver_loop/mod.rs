@@ -124,6 +124,8 @@ pub(crate) enum Command {
     ResultMade(Box<allocator::AllocMade>),
     /// Test-only ([`Parent::panic_io_thread`](crate::Parent::panic_io_thread)): the loop
     /// panics, as a bug of its own would.
+    // Only the `testing` feature's hook sends it.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     Panic,
 }
 

@@ -22,11 +22,8 @@ use crate::settings::{IO_THREADS_ENV, MAX_IO_THREADS};
 use crate::state::Stats;
 pub(crate) use crate::state::lock;
 pub use crate::state::{
-    ArenaStats, DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN,
-    DEFAULT_ARENA_IDLE_RELEASE, DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
-    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, EmptyCache, Input, JobOutput, Limits,
-    MIN_RESULT_BOUND, MemoryBound, ParentOptions, ParentStats, ResultAllocator, ResultMemory,
-    ResultTensor, Trust, WorkerInfo,
+    ArenaStats, EMPTY_CACHE_WAIT, EmptyCache, Input, JobOutput, Limits, MemoryBound, ParentOptions,
+    ParentStats, ResultAllocator, ResultMemory, ResultTensor, Trust, WorkerInfo,
 };
 
 mod canary;
@@ -261,7 +258,10 @@ impl Parent {
         self.shared.pools.iter().find(|p| p.device() == device)
     }
 
-    /// The driver.
+    /// The driver, below the facade: the
+    /// [`advanced::driver::Driver`](crate::advanced::driver::Driver) trait, one method per
+    /// CUDA driver call (memsets, copies, events on memory you lend or write). Not part of
+    /// the stable surface ([`advanced`](crate::advanced)).
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.shared.driver
     }
@@ -411,8 +411,9 @@ impl Parent {
     /// with a block lent, granted or still in use on the GPU stays. See
     /// [`EmptyCache::pool_bytes`] for what the driver keeps regardless.
     ///
-    /// Refused with [`poolipc_pool::PoolError::CurrentPoolChanged`] when something else made
-    /// its own pool the device's current pool.
+    /// Refused with
+    /// [`PoolError::CurrentPoolChanged`](crate::advanced::pool::PoolError::CurrentPoolChanged)
+    /// when something else made its own pool the device's current pool.
     pub fn empty_cache(&self) -> Result<EmptyCache, Error> {
         self.shared.check_loop()?;
         let device_free = || {
@@ -465,8 +466,9 @@ impl Parent {
     /// Test-only: makes the parent's IO thread panic, as a bug of its own would, to check
     /// that every waiter then gets [`Error::IoThreadStopped`] rather than hanging. Never call
     /// it otherwise: the parent can do nothing after it. Returns once the panic is recorded
-    /// (at most 10 s), so that every later call is refused whichever room it goes to.
-    #[doc(hidden)]
+    /// (at most 10 s), so that every later call is refused whichever room it goes to. Only
+    /// with the `testing` feature.
+    #[cfg(feature = "testing")]
     pub fn panic_io_thread(&self) {
         self.shared.post(LoopCommand::Panic);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

@@ -39,7 +39,7 @@ impl Parent {
     /// opened close-on-exec.
     ///
     /// The worker gets the parent's default trust, [`ParentOptions::isolated`]
-    /// (see [`Trust::default_of`]); [`spawn_worker_with`](Parent::spawn_worker_with) chooses
+    /// (see [`default_trust`](Parent::default_trust)); [`spawn_worker_with`](Parent::spawn_worker_with) chooses
     /// it for this worker alone.
     ///
     /// [`ParentOptions::isolated`]: crate::ParentOptions::isolated

@@ -15,12 +15,7 @@ pub(crate) mod turns;
 pub(crate) use arenas::SharedArena;
 pub(crate) use job::{Answer, AnyWake, ArenaLease, Completion};
 pub use job::{Input, JobOutput, ResultAllocator, ResultTensor};
-pub use options::{
-    DEFAULT_ARENA_CAP_FRACTION, DEFAULT_ARENA_COPY_VRAM_MARGIN, DEFAULT_ARENA_IDLE_RELEASE,
-    DEFAULT_MAX_OPEN_DONE_EVENTS, DEFAULT_RESULT_FRACTION_PER_JOB,
-    DEFAULT_RESULT_FRACTION_PER_WORKER, EMPTY_CACHE_WAIT, Limits, MIN_RESULT_BOUND, MemoryBound,
-    ParentOptions, ResultMemory,
-};
+pub use options::{EMPTY_CACHE_WAIT, Limits, MemoryBound, ParentOptions, ResultMemory};
 pub(crate) use stats::Stats;
 pub use stats::{ArenaStats, EmptyCache, ParentStats, WorkerInfo};
 pub use trust::Trust;

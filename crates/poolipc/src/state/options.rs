@@ -32,11 +32,11 @@ pub struct ParentOptions {
     pub handoff_timeout: Duration,
     /// The most messages about one job that are not progress (an empty or refused result
     /// request, an empty or repeated `Done`, a repeated `JobError`) a worker may send
-    /// ([`DEFAULT_MAX_IDLE_MESSAGES`]: 32). Past it the worker is condemned
+    /// (by default 32). Past it the worker is condemned
     /// ([`Bound::IdleMessages`](poolipc_contract::Bound)).
     pub max_idle_messages: u32,
     /// How long a worker has after [`JobHandle::cancel`](crate::JobHandle::cancel) to finish
-    /// the cancelled job ([`DEFAULT_CANCEL_GRACE`]: 3 s). Past it the worker is killed, the
+    /// the cancelled job (by default 3 s). Past it the worker is killed, the
     /// job fails with [`FailReason::Cancelled`](poolipc_contract::FailReason), and what was
     /// lent to it comes back once it is reaped, as for a lost worker.
     pub cancel_grace: Duration,
@@ -140,7 +140,7 @@ pub struct ParentOptions {
     /// back as soon as nothing in it is live, whatever this says.
     pub arena_idle_release: Option<Duration>,
     /// The most results one job may ask for, over all its result requests
-    /// ([`DEFAULT_MAX_RESULTS_PER_JOB`]: 8192, as many as a job may have inputs). A worker
+    /// (by default 8192, as many as a job may have inputs). A worker
     /// that asks for
     /// more is condemned: killed, its jobs failed with [`Error::JobFailed`](crate::Error::JobFailed) and
     /// [`FailReason::BoundExceeded`](poolipc_contract::FailReason)`(`[`Bound::ResultsPerJob`](poolipc_contract::Bound)`)`;
@@ -148,25 +148,25 @@ pub struct ParentOptions {
     pub max_results_per_job: u64,
     /// The most result bytes one job may ask for, over all its requests (counted as asked,
     /// allocated or refused). By default half the device's total memory, at least 256 MiB
-    /// and at most [`DEFAULT_MAX_RESULT_BYTES_PER_JOB`] (32 GiB): 8 GiB on a 16 GiB card.
+    /// and at most 32 GiB: 8 GiB on a 16 GiB card.
     /// Past it the worker is condemned ([`Bound::ResultBytesPerJob`](poolipc_contract::Bound)).
     /// [`Parent::limits`](crate::Parent::limits) says what it came to.
     pub max_result_bytes_per_job: MemoryBound,
     /// The most result bytes a worker's open jobs may have asked for together (a job's
     /// results count until it finished). By default 0.6 of the device's total memory, at
-    /// least 256 MiB and at most [`DEFAULT_MAX_RESULT_BYTES_PER_WORKER`] (48 GiB): one
+    /// least 256 MiB and at most 48 GiB: one
     /// worker never holds the last 40 % of a card, so an honest worker's next small result
     /// still fits beside it. Past it the worker is condemned
     /// ([`Bound::ResultBytesPerWorker`](poolipc_contract::Bound)).
     pub max_result_bytes_per_worker: MemoryBound,
     /// The longest a job may stay open from its submit, however often its worker speaks
-    /// about it ([`DEFAULT_MAX_JOB_LIFETIME`]: 4 h, above any ComfyUI node run we know of;
+    /// about it (by default 4 h, above any ComfyUI node run we know of;
     /// [`handoff_timeout`](ParentOptions::handoff_timeout) catches a silent worker much
     /// sooner). Past it the job fails and the worker is condemned
     /// ([`Bound::JobLifetime`](poolipc_contract::Bound)).
     pub max_job_lifetime: Duration,
     /// The most DONE events of one worker the parent keeps open
-    /// ([`DEFAULT_MAX_OPEN_DONE_EVENTS`]: 64). A worker that records every DONE on one
+    /// (by default 64). A worker that records every DONE on one
     /// event (as poolipc's does) holds one; one that sends a new event with each job has the
     /// least recently used closed as it sends more (reopened if it sends one again). Only
     /// when every one of them is waited on by a job held for its DONE is the worker
@@ -175,7 +175,7 @@ pub struct ParentOptions {
 }
 
 /// [`ParentOptions::max_open_done_events`]'s default.
-pub const DEFAULT_MAX_OPEN_DONE_EVENTS: usize = 64;
+pub(crate) const DEFAULT_MAX_OPEN_DONE_EVENTS: usize = 64;
 
 /// Where the parent puts a job's results when the caller gives no allocator.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -249,11 +249,11 @@ impl Default for ParentOptions {
 }
 
 /// [`ParentOptions::max_result_bytes_per_job`]'s default fraction of the device.
-pub const DEFAULT_RESULT_FRACTION_PER_JOB: f64 = 0.5;
+pub(crate) const DEFAULT_RESULT_FRACTION_PER_JOB: f64 = 0.5;
 /// [`ParentOptions::max_result_bytes_per_worker`]'s default fraction of the device.
-pub const DEFAULT_RESULT_FRACTION_PER_WORKER: f64 = 0.6;
+pub(crate) const DEFAULT_RESULT_FRACTION_PER_WORKER: f64 = 0.6;
 /// The least a fraction of the device makes of a result bound: 256 MiB.
-pub const MIN_RESULT_BOUND: u64 = 256 << 20;
+pub(crate) const MIN_RESULT_BOUND: u64 = 256 << 20;
 
 /// A bound on device memory: bytes, or a fraction of the device's total memory (read when
 /// the parent is made).
@@ -337,17 +337,17 @@ impl ParentOptions {
 }
 
 /// [`ParentOptions::arena_cap_fraction`]'s default: half the device.
-pub const DEFAULT_ARENA_CAP_FRACTION: f64 = 0.5;
+pub(crate) const DEFAULT_ARENA_CAP_FRACTION: f64 = 0.5;
 
 /// [`ParentOptions::arena_idle_release`]'s default: 10 s.
-pub const DEFAULT_ARENA_IDLE_RELEASE: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_ARENA_IDLE_RELEASE: Duration = Duration::from_secs(10);
 
 /// How long [`Parent::empty_cache`](crate::Parent::empty_cache) waits for the workers to unmap the arena chunks it gave
 /// back: a worker busy in a long job answers after it; its chunks' memory follows then.
 pub const EMPTY_CACHE_WAIT: Duration = Duration::from_secs(2);
 
 /// [`ParentOptions::arena_copy_vram_margin`]'s default: 256 MiB.
-pub const DEFAULT_ARENA_COPY_VRAM_MARGIN: u64 = 256 << 20;
+pub(crate) const DEFAULT_ARENA_COPY_VRAM_MARGIN: u64 = 256 << 20;
 
 #[cfg(test)]
 mod tests {

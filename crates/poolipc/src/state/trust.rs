@@ -7,7 +7,7 @@
 /// [`Parent::accept_worker_with`](crate::Parent::accept_worker_with)); the plain
 /// [`spawn_worker`](crate::Parent::spawn_worker) and
 /// [`accept_worker`](crate::Parent::accept_worker) take the parent's default,
-/// [`ParentOptions::isolated`](crate::ParentOptions::isolated) (see [`Trust::default_of`]).
+/// [`ParentOptions::isolated`](crate::ParentOptions::isolated) (see [`Parent::default_trust`](crate::Parent::default_trust)).
 /// A trusted and an isolated worker may serve the same parent side by side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -28,7 +28,7 @@ pub enum Trust {
 impl Trust {
     /// The trust [`ParentOptions::isolated`](crate::ParentOptions::isolated) gives a worker
     /// spawned without a choice of its own.
-    pub fn default_of(isolated: bool) -> Trust {
+    pub(crate) fn default_of(isolated: bool) -> Trust {
         if isolated {
             Trust::Isolated
         } else {
@@ -37,7 +37,7 @@ impl Trust {
     }
 
     /// Whether the worker is kept from the parent's memory.
-    pub fn is_isolated(self) -> bool {
+    pub(crate) fn is_isolated(self) -> bool {
         matches!(self, Trust::Isolated)
     }
 }

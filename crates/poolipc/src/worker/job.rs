@@ -136,7 +136,10 @@ impl Job<'_> {
     pub fn stream(&self) -> StreamHandle {
         self.worker.stream.handle()
     }
-    /// The driver.
+    /// The driver, below the facade: the
+    /// [`advanced::driver::Driver`](crate::advanced::driver::Driver) trait, one method per
+    /// CUDA driver call (memsets, copies, events on memory you lend or write). Not part of
+    /// the stable surface ([`advanced`](crate::advanced)).
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.worker.driver
     }

@@ -388,7 +388,10 @@ impl Worker {
         self.spin
     }
 
-    /// The driver.
+    /// The driver, below the facade: the
+    /// [`advanced::driver::Driver`](crate::advanced::driver::Driver) trait, one method per
+    /// CUDA driver call (memsets, copies, events on memory you lend or write). Not part of
+    /// the stable surface ([`advanced`](crate::advanced)).
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.driver
     }

@@ -20,11 +20,19 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::api::Driver;
 use crate::error::Result;
+use crate::owned::OwnerToken;
 use crate::sim::SimDriver;
 use crate::types::{
     Access, DeviceInfo, DevicePtr, DriverKind, EventBlob, EventHandle, ExportBlob, Granularity,
     PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
 };
+
+impl SimDriver {
+    /// An event of the simulation's own (the lend marker), kept for the process's life.
+    pub(super) fn own_event(&self) -> Result<EventHandle> {
+        event::create(self, false)
+    }
+}
 
 impl Driver for SimDriver {
     fn kind(&self) -> DriverKind {
@@ -99,7 +107,12 @@ impl Driver for SimDriver {
         device::mem_get_info(self)
     }
 
-    fn mem_pool_create(&self, ordinal: u32, sharing: PoolSharing) -> Result<PoolHandle> {
+    fn mem_pool_create(
+        &self,
+        ordinal: u32,
+        sharing: PoolSharing,
+        _: OwnerToken,
+    ) -> Result<PoolHandle> {
         pool::create(self, ordinal, sharing)
     }
 
@@ -200,7 +213,7 @@ impl Driver for SimDriver {
         self.mem_pool_free_import_checked(ptr, stream)
     }
 
-    fn event_create(&self, interprocess: bool) -> Result<EventHandle> {
+    fn event_create(&self, interprocess: bool, _: OwnerToken) -> Result<EventHandle> {
         event::create(self, interprocess)
     }
 
@@ -232,7 +245,7 @@ impl Driver for SimDriver {
         stream::wait_event(self, stream, event)
     }
 
-    fn stream_create(&self) -> Result<StreamHandle> {
+    fn stream_create(&self, _: OwnerToken) -> Result<StreamHandle> {
         stream::create(self)
     }
 

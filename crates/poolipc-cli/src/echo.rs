@@ -1,28 +1,26 @@
-//! The echo worker: for each input, a result of the same dtype and shape holding a copy of it,
-//! its first 32-bit word replaced by a marker. `poolipc demo`, the tests and the benchmark use
-//! it as the worker side; it exercises inputs, the shape-first result request, a device copy
-//! and a write in place.
+//! The echo worker `poolipc demo` and `poolipc bench` run: for each input, a result of the
+//! same dtype and shape holding a copy of it, its first 32-bit word replaced by a marker. It
+//! exercises inputs, the shape-first result request, a device copy and a write in place.
+//! `touch` and `produce` are the workers the benchmark measures.
 
-use crate::error::Error;
-use crate::tensor::ResultShape;
-use crate::worker::{Job, Worker};
-use poolipc_types::DType;
+use poolipc::advanced::driver::Driver;
+use poolipc::{DType, DevicePtr, Error, Job, ResultShape, StreamHandle, Worker};
 
 /// The word the echo worker writes at the start of result `i`.
 #[must_use]
-pub fn marker(i: usize) -> u32 {
+pub(crate) fn marker(i: usize) -> u32 {
     0xEC40_0000 | (i as u32 & 0xFFFF)
 }
 
 /// Fills `[ptr, ptr + bytes)` with the repeating little-endian bytes of `pattern` on
 /// `stream`, byte `k` being `pattern.to_le_bytes()[k % 4]`, never touching a byte beyond (the
 /// driver refuses a memset past the allocation's size). `ptr` must be 4-byte aligned.
-pub fn fill_pattern(
-    driver: &dyn crate::Driver,
-    ptr: crate::DevicePtr,
+pub(crate) fn fill_pattern(
+    driver: &dyn Driver,
+    ptr: DevicePtr,
     bytes: u64,
     pattern: u32,
-    stream: crate::StreamHandle,
+    stream: StreamHandle,
 ) -> Result<(), Error> {
     let words = bytes / 4;
     if words > 0 {
@@ -38,9 +36,9 @@ pub fn fill_pattern(
 /// Checks that `[ptr, ptr + bytes)` holds what [`answer`] makes of input `i` when that input
 /// was filled by [`fill_pattern`] with `pattern` starting `offset` bytes into its allocation:
 /// the marker first, the pattern after, sampled (64 KiB) at both ends.
-pub fn verify_echo(
-    driver: &dyn crate::Driver,
-    ptr: crate::DevicePtr,
+pub(crate) fn verify_echo(
+    driver: &dyn Driver,
+    ptr: DevicePtr,
     bytes: u64,
     i: usize,
     pattern: u32,
@@ -70,66 +68,21 @@ pub fn verify_echo(
     Ok(())
 }
 
-/// A point in a job at which [`serve`] can be told to die, to test what the parent does.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[allow(clippy::enum_variant_names)] // each names the moment after which the worker dies
-pub enum DieAt {
-    /// After the inputs were imported, before asking for results.
-    AfterImport,
-    /// After the results were granted and imported, before writing them.
-    AfterGrant,
-    /// After writing, before finishing (no DONE, no ACK).
-    AfterWrite,
-    /// When the parent refused the results (a worker that cannot go on without them).
-    AfterRefusal,
-}
-
-impl std::str::FromStr for DieAt {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "after-import" => DieAt::AfterImport,
-            "after-grant" => DieAt::AfterGrant,
-            "after-write" => DieAt::AfterWrite,
-            "after-refusal" => DieAt::AfterRefusal,
-            other => return Err(format!("unknown step {other:?}")),
-        })
-    }
-}
-
-fn die_here(at: Option<DieAt>, here: DieAt) {
-    if at == Some(here) {
-        tracing::warn!(?here, "echo worker dying on purpose (SIGKILL)");
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
-    }
-    crate::worker::failpoint(match here {
-        DieAt::AfterImport => "after-import",
-        DieAt::AfterGrant => "after-grant",
-        DieAt::AfterWrite => "after-write",
-        DieAt::AfterRefusal => "after-refusal",
-    });
-}
-
 /// Answers one job as the echo worker does: a result per input, a copy with a marker.
-pub fn answer(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
+fn answer(job: &mut Job<'_>) -> Result<(), Error> {
     let shapes: Vec<ResultShape> = job
         .inputs()
         .iter()
         .map(|i| ResultShape::new(i.desc().dtype, &i.desc().shape))
         .collect();
-    die_here(die_at, DieAt::AfterImport);
     let copies: Vec<_> = job
         .inputs()
         .iter()
         .map(|i| (i.ptr(), i.byte_len()))
         .collect();
-    if !shapes.is_empty()
-        && let Err(e) = job.request_results(&shapes)
-    {
-        die_here(die_at, DieAt::AfterRefusal);
-        return Err(e);
+    if !shapes.is_empty() {
+        job.request_results(&shapes)?;
     }
-    die_here(die_at, DieAt::AfterGrant);
     let driver = job.driver().clone();
     let stream = job.stream();
     for (i, ((src, bytes), dst)) in copies.iter().zip(job.results()).enumerate() {
@@ -138,60 +91,13 @@ pub fn answer(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
             driver.memset_d32_async(dst.ptr(), marker(i), 1, stream)?;
         }
     }
-    die_here(die_at, DieAt::AfterWrite);
     Ok(())
-}
-
-/// Answers one job as [`answer`] does, but as a worker that learns its results' shapes one
-/// at a time (a sampler, a variable-length decoder): one result request per input, each
-/// written before the next is asked for. With an arena slice
-/// ([`ParentOptions::arena_slice_bytes`](crate::ParentOptions::arena_slice_bytes)) the
-/// results that fit are carved out of it without a round trip; the others are asked for.
-pub fn answer_late(job: &mut Job<'_>, die_at: Option<DieAt>) -> Result<(), Error> {
-    let inputs: Vec<_> = job
-        .inputs()
-        .iter()
-        .map(|i| {
-            (
-                ResultShape::new(i.desc().dtype, &i.desc().shape),
-                i.ptr(),
-                i.byte_len(),
-            )
-        })
-        .collect();
-    die_here(die_at, DieAt::AfterImport);
-    let driver = job.driver().clone();
-    let stream = job.stream();
-    for (i, (shape, src, bytes)) in inputs.into_iter().enumerate() {
-        let dst = &job.request_results(std::slice::from_ref(&shape))?[0];
-        let (ptr, len) = (dst.ptr(), dst.bytes());
-        driver.memcpy_dtod_async(ptr, src, bytes.min(len), stream)?;
-        if len >= 4 {
-            driver.memset_d32_async(ptr, marker(i), 1, stream)?;
-        }
-    }
-    die_here(die_at, DieAt::AfterGrant);
-    die_here(die_at, DieAt::AfterWrite);
-    Ok(())
-}
-
-/// Serves jobs with [`answer_late`] until the parent says goodbye.
-pub fn serve_late(worker: &mut Worker, die_at: Option<DieAt>) -> Result<usize, Error> {
-    let mut served = 0;
-    while let Some(mut job) = worker.next_job()? {
-        match answer_late(&mut job, die_at) {
-            Ok(()) => job.finish()?,
-            Err(e) => job.fail(&e.to_string())?,
-        }
-        served += 1;
-    }
-    Ok(served)
 }
 
 /// Answers one job by writing in place: the first 4 KiB of every input (or all of a smaller
 /// one) set to the input's marker, no results. What `poolipc bench` measures. Read-only
 /// inputs (host-staged: a write would never reach the parent) are left alone.
-pub fn touch(job: &mut Job<'_>) -> Result<(), Error> {
+fn touch(job: &mut Job<'_>) -> Result<(), Error> {
     let driver = job.driver().clone();
     let stream = job.stream();
     for (i, input) in job.inputs().iter().enumerate() {
@@ -210,7 +116,7 @@ pub fn touch(job: &mut Job<'_>) -> Result<(), Error> {
 /// smaller one) set to a marker on the job's stream; inputs are left alone. What `poolipc
 /// bench` measures for results (the arena's round trip; with an arena slice, the result is
 /// carved out of it when it fits, and the job costs no round trip for it).
-pub fn produce(job: &mut Job<'_>, bytes: u64) -> Result<(), Error> {
+fn produce(job: &mut Job<'_>, bytes: u64) -> Result<(), Error> {
     let results = job.request_results(&[ResultShape::new(DType::U8, &[bytes])])?;
     let (ptr, len) = (results[0].ptr(), results[0].bytes());
     let driver = job.driver().clone();
@@ -222,7 +128,7 @@ pub fn produce(job: &mut Job<'_>, bytes: u64) -> Result<(), Error> {
 }
 
 /// Serves jobs with [`produce`] until the parent says goodbye.
-pub fn serve_produce(worker: &mut Worker, bytes: u64) -> Result<usize, Error> {
+pub(crate) fn serve_produce(worker: &mut Worker, bytes: u64) -> Result<usize, Error> {
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
         match produce(&mut job, bytes) {
@@ -235,7 +141,7 @@ pub fn serve_produce(worker: &mut Worker, bytes: u64) -> Result<usize, Error> {
 }
 
 /// Serves jobs with [`touch`] until the parent says goodbye.
-pub fn serve_touch(worker: &mut Worker) -> Result<usize, Error> {
+pub(crate) fn serve_touch(worker: &mut Worker) -> Result<usize, Error> {
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
         match touch(&mut job) {
@@ -248,12 +154,12 @@ pub fn serve_touch(worker: &mut Worker) -> Result<usize, Error> {
 }
 
 /// Serves jobs until the parent says goodbye; returns how many it served.
-pub fn serve(worker: &mut Worker, die_at: Option<DieAt>) -> Result<usize, Error> {
+pub(crate) fn serve(worker: &mut Worker) -> Result<usize, Error> {
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
         // A job that fails (a result the parent refused, say) fails alone: the parent is
         // told why, and the worker goes on to the next.
-        match answer(&mut job, die_at) {
+        match answer(&mut job) {
             Ok(()) => job.finish()?,
             Err(e) => job.fail(&e.to_string())?,
         }
