@@ -43,15 +43,6 @@ pub(crate) struct Args {
     json: bool,
 }
 
-/// The driver a child of ours uses: the parent's simulated machine when it handed one over,
-/// else the real driver.
-pub(crate) fn open_driver_for_child() -> Result<Box<dyn Driver>> {
-    Ok(match SimDriver::from_env() {
-        Some(sim) => Box::new(sim?),
-        None => Box::new(CudaDriver::new()?),
-    })
-}
-
 struct Table {
     failures: Vec<String>,
     /// `--json`: rows are kept for the object printed at the end, not printed.

@@ -15,7 +15,6 @@ mod echo;
 mod mps;
 mod plot;
 mod probe;
-mod throughput;
 
 /// Zero-copy handoff of GPU tensors between processes under the stream-ordered allocator.
 #[derive(Debug, Parser)]

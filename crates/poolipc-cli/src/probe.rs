@@ -231,7 +231,7 @@ pub(crate) fn child_main() -> Result<ExitCode> {
     let device: u32 = std::env::var(DEVICE_ENV)
         .unwrap_or_else(|_| "0".into())
         .parse()?;
-    let driver = crate::doctor::open_driver_for_child()?;
+    let driver = open_driver_for_child()?;
     driver.use_device(device)?;
     let mut conn = poolipc::advanced::transport::connection_from_env()?;
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -271,4 +271,15 @@ pub(crate) fn child_main() -> Result<ExitCode> {
     };
     conn.send(&answer, &[], deadline)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The driver a child of ours uses: the parent's simulated machine when it handed one over,
+/// else the real driver.
+fn open_driver_for_child() -> Result<Box<dyn Driver>> {
+    Ok(
+        match poolipc::advanced::driver::sim::SimDriver::from_env() {
+            Some(sim) => Box::new(sim?),
+            None => Box::new(poolipc::advanced::driver::CudaDriver::new()?),
+        },
+    )
 }

@@ -3,7 +3,7 @@
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::error::Result;
-use crate::owned::OwnerToken;
+use crate::types::OwnerToken;
 use crate::types::{
     Access, DeviceInfo, DevicePtr, DriverKind, EventBlob, EventHandle, ExportBlob, Granularity,
     PointerInfo, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,

@@ -35,11 +35,11 @@ pub use cuda::CudaDriver;
 pub use error::{CuCode, DriverError, Result};
 pub use owned::{
     DeviceAllocation, HostRegistration, ImportedPointer, OwnedEvent, OwnedPool, OwnedStream,
-    OwnerToken, PoolAllocation, VmmAllocation, VmmMapping, VmmReservation,
+    PoolAllocation, VmmAllocation, VmmMapping, VmmReservation,
 };
 pub use poolipc_types::{DeviceUuid, EventBlob, ExportBlob};
 pub use types::{
-    Access, DeviceInfo, DevicePtr, DriverKind, EventHandle, Granularity, PointerInfo,
+    Access, DeviceInfo, DevicePtr, DriverKind, EventHandle, Granularity, OwnerToken, PointerInfo,
     PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,
 };
 

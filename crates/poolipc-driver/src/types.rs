@@ -244,3 +244,13 @@ impl fmt::Display for DriverKind {
         })
     }
 }
+
+/// What the driver's creating calls ([`Driver::mem_pool_create`](crate::Driver::mem_pool_create),
+/// [`Driver::event_create`](crate::Driver::event_create),
+/// [`Driver::stream_create`](crate::Driver::stream_create)) take, and only the owning types make (its field is private to this
+/// crate):
+/// the owning types ([`OwnedPool::create`](crate::OwnedPool::create), [`OwnedEvent::new`](crate::OwnedEvent::new), [`OwnedStream::new`](crate::OwnedStream::new)) are the
+/// only callers, so what those calls return is owned the moment it exists, and code elsewhere
+/// cannot make a handle that nobody destroys. A driver receives it and ignores it.
+#[derive(Debug, Clone, Copy)]
+pub struct OwnerToken(pub(crate) ());

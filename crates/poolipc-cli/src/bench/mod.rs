@@ -7,6 +7,7 @@
 mod peers;
 mod report;
 mod scenarios;
+mod throughput;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -209,7 +210,7 @@ pub(crate) fn run(args: &Args) -> Result<ExitCode> {
         return report::plot_from_json(from, to);
     }
     if let Some(n) = args.workers {
-        return crate::throughput::run(args, n);
+        return throughput::run(args, n);
     }
     if args.mps {
         return run_plain_and_mps(args);

@@ -33,7 +33,7 @@ use cudarc::driver::sys;
 
 use crate::api::Driver;
 use crate::error::{CuCode, DriverError, Result};
-use crate::owned::OwnerToken;
+use crate::types::OwnerToken;
 use crate::types::{
     Access, DeviceInfo, DevicePtr, DeviceUuid, DriverKind, EventBlob, EventHandle, ExportBlob,
     Granularity, PointerInfo, PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle,

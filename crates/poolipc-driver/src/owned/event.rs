@@ -28,7 +28,7 @@ impl<R: Deref<Target: Driver>> std::fmt::Debug for OwnedEvent<R> {
 impl<R: Deref<Target: Driver>> OwnedEvent<R> {
     /// Creates an event (`interprocess`: shareable, timing disabled).
     pub fn new(driver: R, interprocess: bool) -> Result<OwnedEvent<R>> {
-        let handle = driver.event_create(interprocess, super::OwnerToken(()))?;
+        let handle = driver.event_create(interprocess, crate::types::OwnerToken(()))?;
         Ok(OwnedEvent {
             driver,
             handle,
@@ -102,7 +102,7 @@ impl<R: Deref<Target: Driver>> std::fmt::Debug for OwnedStream<R> {
 impl<R: Deref<Target: Driver>> OwnedStream<R> {
     /// Creates a stream (`cuStreamCreate`, non-blocking).
     pub fn new(driver: R) -> Result<OwnedStream<R>> {
-        let handle = driver.stream_create(super::OwnerToken(()))?;
+        let handle = driver.stream_create(crate::types::OwnerToken(()))?;
         Ok(OwnedStream {
             driver,
             handle,

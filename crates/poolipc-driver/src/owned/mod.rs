@@ -5,8 +5,8 @@
 //! The trait's destroying calls are `unsafe fn`s; these types are how safe code destroys:
 //! each is made by the driver call that creates the resource (so the handle is live and this
 //! value its only owner) and destroys it once, in `Drop` or `close`. Pools, events and streams
-//! are also created only here: the trait's creating calls take an [`OwnerToken`], which this
-//! module alone can make, so no handle of theirs exists without an owner (`into_raw` gives one
+//! are also created only here: the trait's creating calls take an [`OwnerToken`], which only
+//! this module makes, so no handle of theirs exists without an owner (`into_raw` gives one
 //! up on purpose).
 //!
 //! Each holds the driver it was made by as `R`: anything that dereferences to a
@@ -22,15 +22,6 @@ pub use event::{OwnedEvent, OwnedStream};
 pub use memory::{DeviceAllocation, HostRegistration};
 pub use pool::{ImportedPointer, OwnedPool, PoolAllocation};
 pub use vmm::{VmmAllocation, VmmMapping, VmmReservation};
-
-/// What the driver's creating calls ([`Driver::mem_pool_create`](crate::Driver::mem_pool_create),
-/// [`Driver::event_create`](crate::Driver::event_create),
-/// [`Driver::stream_create`](crate::Driver::stream_create)) take, and only this module makes:
-/// the owning types ([`OwnedPool::create`], [`OwnedEvent::new`], [`OwnedStream::new`]) are the
-/// only callers, so what those calls return is owned the moment it exists, and code elsewhere
-/// cannot make a handle that nobody destroys. A driver receives it and ignores it.
-#[derive(Debug, Clone, Copy)]
-pub struct OwnerToken(());
 
 /// Logs a failed destroy in `Drop` (which must not panic) and carries on.
 fn warn_failed<T: std::fmt::Debug>(what: &'static str, handle: T, r: crate::Result<()>) {

@@ -31,7 +31,7 @@ impl<R: Deref<Target: Driver>> std::fmt::Debug for OwnedPool<R> {
 impl<R: Deref<Target: Driver>> OwnedPool<R> {
     /// `cuMemPoolCreate` of a pinned device pool on `ordinal`.
     pub fn create(driver: R, ordinal: u32, sharing: PoolSharing) -> Result<OwnedPool<R>> {
-        let handle = driver.mem_pool_create(ordinal, sharing, super::OwnerToken(()))?;
+        let handle = driver.mem_pool_create(ordinal, sharing, crate::types::OwnerToken(()))?;
         Ok(OwnedPool {
             driver,
             handle,

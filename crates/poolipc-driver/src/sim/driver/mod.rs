@@ -20,8 +20,8 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::api::Driver;
 use crate::error::Result;
-use crate::owned::OwnerToken;
 use crate::sim::SimDriver;
+use crate::types::OwnerToken;
 use crate::types::{
     Access, DeviceInfo, DevicePtr, DriverKind, EventBlob, EventHandle, ExportBlob, Granularity,
     PoolAttribute, PoolCounter, PoolHandle, PoolSharing, StreamHandle, VmmHandle,

@@ -20,7 +20,7 @@ use anyhow::{Context, Result};
 use poolipc::advanced::driver::Driver;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, WorkerId};
 
-use crate::bench::{Args, human};
+use super::{Args, human};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
