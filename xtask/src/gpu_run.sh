@@ -84,7 +84,10 @@ if [ "${1:-}" = "--mps-pass" ]; then
   suite "mps:" "$here/tests/handoff" "$here/tests/faults" $(ls "$here"/tests/arena* 2>/dev/null)
   exit 0
 fi
-: > "$summary"
+# A second run into the same $OUT (two sets of parts in one command) adds to the first's
+# summary and log archive instead of replacing them.
+if [ -s "$summary" ]; then echo "=== run.sh again: POOLIPC_PARTS=$parts" >> "$summary"; else : > "$summary"; fi
+[ -f "$out/logs.tar.gz" ] && ( cd "$out" && gunzip -f logs.tar.gz )
 : > "$log"
 : > "$out/counts"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$summary" 2>&1 || echo "nvidia-smi: not available" >> "$summary"
@@ -614,12 +617,12 @@ if want rogue; then
 # its own process: chattering workers (empty result requests, empty DONEs, a JobError every
 # 500 ms), one that ignores a cancel and a result hoarder (pool and arena), each beside an
 # honest worker, with a 5 s handoff deadline; a declared long job; the bounds' own tests.
-# The summary gets each case's time to failure, the honest worker's worst round trip and
-# the device's memory after.
+# The summary gets each case's time to failure, the honest worker's worst round trip, the
+# device's memory and the parent's descriptors after, and a failed test's error.
 : > "$out/rogue-before.log"; cp "$log" "$out/rogue-before.log"
 suite "rogue:" "$here/tests/jobs_end" "$here/tests/bounds"
 echo "--- rogue suite: time to failure, the honest worker's round trips, the device's memory" >> "$summary"
-diff "$out/rogue-before.log" "$log" | sed -n 's/^> //p' | grep -E '^(rogue |honest worker beside|device |arena hoarder|NOT RUN)' >> "$summary"
+diff "$out/rogue-before.log" "$log" | sed -n 's/^> //p' | grep -E '^(rogue |honest worker beside|device |arena hoarder|descriptors|NOT RUN)| on (Cuda|Sim)Driver: ' >> "$summary"
 rm -f "$out/rogue-before.log"
 stash
 fi
