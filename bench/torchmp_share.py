@@ -10,7 +10,11 @@ same one again).
     python3 bench/torchmp_share.py [--reps N]
 
 Prints one JSON line per (backend, size) and a table; exits non-zero if a round trip read
-wrong bytes or a backend failed.
+wrong bytes or a backend failed. Each row also splits the round trip (medians, from
+CLOCK_MONOTONIC stamps both processes take): ``to_worker_ms`` from the put until the worker
+holds the tensor (pickling, the pipe, the rebuild), ``in_worker_ms`` the write and the
+synchronize, ``back_ms`` from the worker's reply until the parent has it (with the release of
+the worker's previous share in flight).
 """
 
 from __future__ import annotations
@@ -25,17 +29,23 @@ import time
 SIZES = [("4KiB", 1024, "same"), ("1GiB", 1 << 28, "new"), ("1GiB", 1 << 28, "same")]
 
 
+def now() -> int:
+    """Nanoseconds on the clock both processes share."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
 def worker(q_in, q_out):
     import torch
 
     torch.cuda.init()
     while True:
         t = q_in.get()
+        got = now()
         if t is None:
             return
         t[0] = 42
         torch.cuda.synchronize()
-        q_out.put(1)
+        q_out.put((got, now()))
         del t
 
 
@@ -59,18 +69,23 @@ def run(backend: str, reps: int) -> None:
     warm = torch.zeros(4, device="cuda")
     q_in.put(warm)
     q_out.get(timeout=120)
+    del warm
     for label, numel, kind in SIZES:
         n = reps if kind == "same" else max(5, reps // 20)
         same = torch.zeros(numel, device="cuda")
         times = []
+        phases = []
         for _ in range(n):
             t = same if kind == "same" else torch.zeros(numel, device="cuda")
             t[0] = 0
             torch.cuda.synchronize()
             t0 = time.perf_counter()
+            put = now()
             q_in.put(t)
-            q_out.get(timeout=120)
+            got, synced = q_out.get(timeout=120)
+            back = now()
             times.append(time.perf_counter() - t0)
+            phases.append((got - put, synced - got, back - synced))
             if float(t[0].item()) != 42.0:
                 raise SystemExit(f"{backend} {label}: the worker's write is missing")
             del t
@@ -83,6 +98,9 @@ def run(backend: str, reps: int) -> None:
             "reps": n,
             "median_ms": statistics.median(times[1:]) * 1e3,
             "first_ms": times[0] * 1e3,
+            "to_worker_ms": statistics.median(x[0] for x in phases[1:]) / 1e6,
+            "in_worker_ms": statistics.median(x[1] for x in phases[1:]) / 1e6,
+            "back_ms": statistics.median(x[2] for x in phases[1:]) / 1e6,
             "gpu": torch.cuda.get_device_name(0),
         }
         print(json.dumps(rec), flush=True)
@@ -119,6 +137,11 @@ def main() -> int:
         if a and b:
             verdict = "<= torch" if b["median_ms"] <= a["median_ms"] else "slower than torch"
             print(f"{label:6} {kind:6} {a['median_ms']:22.3f} {b['median_ms']:20.3f}  {verdict}")
+    print("\nwhere the round trip goes (medians, ms): to the worker / in the worker / back")
+    for (backend, label, kind), x in sorted(by.items()):
+        if "to_worker_ms" in x:
+            print(f"{backend:8} {label:6} {kind:6} {x['to_worker_ms']:8.3f} {x['in_worker_ms']:8.3f} "
+                  f"{x['back_ms']:8.3f}")
     return 1 if failed else 0
 
 

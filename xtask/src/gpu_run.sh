@@ -644,7 +644,7 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   if want torchmpbench; then
     echo "--- bench/torchmp_share.py: mp.Queue round trip, poolipc (cudaMallocAsync) beside torch's native IPC" >> "$summary"
     ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 240 python3 bench/torchmp_share.py ) > "$out/torchmp-bench.log" 2>&1
-    echo "torchmp bench exit: $?" >> "$summary"; tail -8 "$out/torchmp-bench.log" >> "$summary"
+    echo "torchmp bench exit: $?" >> "$summary"; tail -16 "$out/torchmp-bench.log" >> "$summary"
   fi
 else
   echo "torchmp: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
