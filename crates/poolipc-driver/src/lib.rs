@@ -23,6 +23,7 @@ mod error;
 pub mod host;
 pub mod mps_env;
 mod owned;
+pub mod pattern;
 pub mod platform;
 pub mod sim;
 mod types;
