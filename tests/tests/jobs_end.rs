@@ -316,6 +316,20 @@ both_drivers!(
 
         p.driver().stream_synchronize(honest_stream)?;
         p.driver().stream_synchronize(stream)?;
+        // What the checks below look at, as they start: a failed one then names the others.
+        {
+            let st = p.pool().stats()?;
+            let now = fd_targets()?;
+            println!(
+                "after the rogues: pool used {} B ({used_before} B before), reserved {} MiB ({} MiB before); descriptors: the parent's own {} ({} before), new: {}",
+                st.used_current,
+                st.reserved_current / MIB,
+                reserved_before / MIB,
+                split_fds(&now).0,
+                split_fds(&fds_before).0,
+                fds_added(&fds_before, &now)
+            );
+        }
         soon(Duration::from_secs(2), || {
             let used = p.pool().stats()?.used_current;
             ensure!(used == used_before, "{used} pool bytes used, {used_before} before the rogues");
