@@ -28,7 +28,6 @@ pub(crate) const CRATES: &[(&str, &str)] = &[
 
 /// Test and bench scaffolding: (crate, item) that may be public only behind a feature.
 pub(crate) const SCAFFOLDING: &[(&str, &str)] = &[
-    ("poolipc", "staging (mod)"),
     ("poolipc", "failpoint (fn)"),
     ("poolipc", "FAILPOINT_ENV (use)"),
     ("poolipc", "canary (mod)"),

@@ -70,11 +70,6 @@ mod parent;
 pub mod probe;
 mod settings;
 mod spin;
-// Its channel is public to the tests under the `testing` feature, the crate's own otherwise.
-#[cfg(feature = "testing")]
-pub mod staging;
-#[cfg(not(feature = "testing"))]
-#[allow(unreachable_pub)]
 mod staging;
 mod state;
 mod tensor;

@@ -24,6 +24,8 @@ mod failpoint;
 mod frames;
 mod job;
 mod memory;
+#[cfg(test)]
+mod protocol_tests;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::fd::AsFd;

@@ -1,7 +1,7 @@
 //! The facade's worker (the tests' echo worker over [`poolipc::Worker`]) against a scripted
 //! parent on SimDriver: what it sends, in what order, is what the contract's worker machine
 //! emitted.
-//! Each test re-executes this binary as the worker (`--exact <its own name>`), which serves
+//! Each test re-executes this binary as the worker (`--exact <its own path>`), which serves
 //! jobs with the echo worker until Bye and appends `<job> <read-only flags>` per job to the
 //! file named by `REPORT`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
@@ -22,10 +22,14 @@ use poolipc::advanced::transport::{
     HandoffId, HandshakeConfig, JobId, Lend, LentTensor, Message, ResultGrant, Rung, TensorMeta,
     parent_handshake, spawn_worker,
 };
-use poolipc::staging::{StagingChannel, StagingConfig};
+
+// The parent's side of host staging is this crate's own channel; the rest of the script and
+// the worker use the crate as a dependency would (`poolipc::`, this crate built with its
+// `testing` feature), as does the echo worker.
+use crate::staging::{StagingChannel, StagingConfig};
 
 // The echo worker of the multi-process tests (crate `poolipc-tests`), one source for both.
-#[path = "../../../tests/src/echo.rs"]
+#[path = "../../../../tests/src/echo.rs"]
 #[allow(dead_code, unreachable_pub)] // the tests' module: this binary uses part of it
 mod echo;
 
@@ -152,8 +156,10 @@ impl Script {
         let ready = OwnedEvent::new(driver.clone(), true).unwrap().into_raw();
         let ready_blob = driver.ipc_get_event_handle(ready).unwrap();
         let report = std::env::temp_dir().join(format!("{test}-{}.report", std::process::id()));
+        // The harness names a unit test by its path below the crate.
+        let path = format!("{}::{test}", module_path!().trim_start_matches("poolipc::"));
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args([test, "--exact", "--nocapture"]);
+        cmd.args([path.as_str(), "--exact", "--nocapture"]);
         let (k, v) = sim.child_env();
         cmd.env(k, v).env(ROLE, "worker").env(REPORT, &report);
         cmd.envs(env.iter().copied());
