@@ -65,7 +65,6 @@ pub mod driver;
 mod driver_loop;
 mod error;
 mod handshake;
-pub mod mps;
 mod parent;
 pub mod probe;
 mod settings;
@@ -87,6 +86,8 @@ pub use parent::{
 };
 pub use poolipc_contract::{Bound, FailReason, WorkerId};
 pub use poolipc_driver::{DevicePtr, StreamHandle};
+/// CUDA MPS for trusted workers: a private control daemon for one parent's process tree.
+pub use poolipc_mps as mps;
 pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId, SendQueueLimits};
 pub use settings::{MAX_IO_THREADS, SUGGESTED_GPU_TURN, Tuning};
