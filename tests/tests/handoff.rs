@@ -568,7 +568,10 @@ both_drivers!(
         // `empty_cache` hears from both rooms.
         let options = ParentOptions {
             device: env.device,
-            tuning: poolipc::Tuning::from_env().io_threads(2),
+            tuning: poolipc::Tuning {
+                io_threads: 2,
+                ..poolipc::Tuning::from_env()
+            },
             ..ParentOptions::default()
         };
         let p = Parent::new(Arc::clone(&env.driver), options)?;

@@ -20,7 +20,10 @@ const KIB: u64 = 1 << 10;
 fn parent(env: &Env, wait: Option<Duration>) -> Result<Arc<Parent>> {
     let options = ParentOptions {
         device: env.device,
-        tuning: poolipc::Tuning::from_env().gpu_turn(wait),
+        tuning: poolipc::Tuning {
+            gpu_turn: wait,
+            ..poolipc::Tuning::from_env()
+        },
         ..ParentOptions::default()
     };
     Ok(Arc::new(Parent::new(Arc::clone(&env.driver), options)?))

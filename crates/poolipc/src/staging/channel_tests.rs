@@ -66,13 +66,7 @@ impl Side {
     }
 
     fn alloc(&self, bytes: u64) -> PoolAllocation {
-        PoolAllocation::from_pool(
-            Arc::clone(&self.driver),
-            bytes,
-            self.pool,
-            self.stream,
-        )
-        .unwrap()
+        PoolAllocation::from_pool(Arc::clone(&self.driver), bytes, self.pool, self.stream).unwrap()
     }
 
     fn fill(&self, ptr: DevicePtr, bytes: u64, seed: u64) {
