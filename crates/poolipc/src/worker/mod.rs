@@ -178,13 +178,6 @@ impl Worker {
         Worker::connect(driver, device, conn)
     }
 
-    /// Like [`from_env`](Worker::from_env), on whichever of this process's devices is the
-    /// parent's: see [`connect_on_parent_device`](Worker::connect_on_parent_device).
-    pub fn from_env_on_parent_device(driver: Arc<dyn Driver>) -> Result<Worker, Error> {
-        let conn = poolipc_transport::connection_from_env()?;
-        Worker::connect_on_parent_device(driver, conn)
-    }
-
     /// In a worker the parent spawned, on the device `choice` names.
     pub fn from_env_with(driver: Arc<dyn Driver>, choice: WorkerDevice) -> Result<Worker, Error> {
         let conn = poolipc_transport::connection_from_env()?;
@@ -223,19 +216,6 @@ impl Worker {
         )?;
         let pool_fd = lends_pointers(&peer.identity).then(|| pool_fd.as_fd());
         Worker::attach(driver, device, conn, pool_fd)
-    }
-
-    /// Shakes hands over `conn` on the device the parent's pool lives on, found by its UUID
-    /// among this process's devices: ordinals differ between processes whose
-    /// `CUDA_VISIBLE_DEVICES` differ (`2,0` makes the parent's device 2 this worker's 0), the
-    /// UUID does not. A worker that does not see that device refuses the handshake
-    /// ([`HandshakeError::DeviceNotVisible`](poolipc_transport::HandshakeError), the parent
-    /// gets the refusal) and lists what it does see.
-    pub fn connect_on_parent_device(
-        driver: Arc<dyn Driver>,
-        conn: Connection,
-    ) -> Result<Worker, Error> {
-        Worker::connect_with(driver, WorkerDevice::Parent, conn)
     }
 
     /// Shakes hands over `conn` on the device `choice` names. See [`WorkerDevice`].
