@@ -267,7 +267,7 @@ impl Parent {
     }
 
     /// This side's handshake identity.
-    pub fn identity(&self) -> Result<Identity, Error> {
+    pub(crate) fn identity(&self) -> Result<Identity, Error> {
         crate::handshake::identity(
             &*self.shared.driver,
             self.shared.options.device,

@@ -64,14 +64,10 @@ impl Parent {
         self.adopt(Some(child), conn, tail, trust)
     }
 
-    /// Takes a worker connected by other means (a listening socket), and shakes hands; it
-    /// gets the parent's default trust, as [`spawn_worker`](Parent::spawn_worker)'s do.
-    pub fn accept_worker(&self, conn: Connection) -> Result<WorkerId, Error> {
-        self.accept_worker_with(conn, self.default_trust())
-    }
-
-    /// As [`accept_worker`](Parent::accept_worker), with the worker's [`Trust`] chosen here.
-    pub fn accept_worker_with(&self, conn: Connection, trust: Trust) -> Result<WorkerId, Error> {
+    /// Takes a worker connected by other means (a listening socket), and shakes hands; the
+    /// worker gets `trust` ([`default_trust`](Parent::default_trust) is what
+    /// [`spawn_worker`](Parent::spawn_worker)'s workers get).
+    pub fn accept_worker(&self, conn: Connection, trust: Trust) -> Result<WorkerId, Error> {
         self.shared.check_loop()?;
         self.adopt(None, conn, None, trust)
     }

@@ -365,11 +365,6 @@ impl Worker {
         self.spin = spin;
     }
 
-    /// See [`Worker::set_spin`].
-    pub fn spin(&self) -> Duration {
-        self.spin
-    }
-
     /// The driver, below the facade: the
     /// [`advanced::driver::Driver`](crate::advanced::driver::Driver) trait, one method per
     /// CUDA driver call (memsets, copies, events on memory you lend or write). Not part of
