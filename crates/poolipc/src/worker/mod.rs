@@ -337,12 +337,13 @@ impl Worker {
     /// unmapped, address range freed, import released. Returns how many went.
     ///
     /// A cached mapping keeps the physical memory behind it alive, so VRAM the parent freed
-    /// stays held here until this runs. Call it when the parent asks (its `Release`
-    /// message): the parent keeps track of what each worker holds and sends the allocation
-    /// again before naming it, which it does only after it told the worker to drop its
-    /// mappings. Dropping mappings on the worker's own initiative would leave the parent
-    /// naming allocations the worker no longer has (those jobs would fail).
-    pub fn release_cached_mappings(&mut self) -> Result<usize, Error> {
+    /// stays held here until this runs. It runs when the parent asks (its `ReleaseMappings`
+    /// message, answered by the worker's loop): the parent keeps track of what each worker
+    /// holds and sends the allocation again before naming it, which it does only after it
+    /// told the worker to drop its mappings. Dropping mappings on the worker's own initiative
+    /// would leave the parent naming allocations the worker no longer has (those jobs would
+    /// fail), so this is not the user's to call.
+    pub(crate) fn release_cached_mappings(&mut self) -> Result<usize, Error> {
         self.driver.stream_synchronize(self.stream.handle())?;
         let n = self.vmm.release_unused();
         tracing::debug!(dropped = n, "cached VMM mappings released");
