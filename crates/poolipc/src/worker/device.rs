@@ -24,6 +24,13 @@ pub enum WorkerDevice {
     Any(u32),
 }
 
+/// An ordinal is [`WorkerDevice::Exactly`] that one.
+impl From<u32> for WorkerDevice {
+    fn from(device: u32) -> WorkerDevice {
+        WorkerDevice::Exactly(device)
+    }
+}
+
 /// Where a worker works, worked out from the parent's `Hello`.
 #[derive(Clone, Debug)]
 pub(super) struct Placement {

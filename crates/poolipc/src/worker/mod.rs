@@ -172,20 +172,28 @@ impl std::fmt::Debug for Worker {
 
 impl Worker {
     /// In a worker the parent spawned: takes the inherited socket (`POOLIPC_FD`), shakes
-    /// hands, attaches the pool on `device`.
-    pub fn from_env(driver: Arc<dyn Driver>, device: u32) -> Result<Worker, Error> {
+    /// hands, attaches the pool on the device `device` names: an ordinal (`0`, the parent's
+    /// device as this process numbers it) or any [`WorkerDevice`].
+    pub fn from_env(
+        driver: Arc<dyn Driver>,
+        device: impl Into<WorkerDevice>,
+    ) -> Result<Worker, Error> {
         let conn = poolipc_transport::connection_from_env()?;
         Worker::connect(driver, device, conn)
     }
 
-    /// In a worker the parent spawned, on the device `choice` names.
-    pub fn from_env_with(driver: Arc<dyn Driver>, choice: WorkerDevice) -> Result<Worker, Error> {
-        let conn = poolipc_transport::connection_from_env()?;
-        Worker::connect_with(driver, choice, conn)
+    /// Shakes hands over `conn` on the device `device` names (an ordinal or any
+    /// [`WorkerDevice`]) and attaches the pool the parent sends.
+    pub fn connect(
+        driver: Arc<dyn Driver>,
+        device: impl Into<WorkerDevice>,
+        conn: Connection,
+    ) -> Result<Worker, Error> {
+        Worker::connect_to(driver, device.into(), conn)
     }
 
-    /// Shakes hands over `conn` and attaches the pool the parent sends.
-    pub fn connect(
+    /// [`connect`](Worker::connect) on exactly the ordinal `device`.
+    fn connect_exactly(
         driver: Arc<dyn Driver>,
         device: u32,
         mut conn: Connection,
@@ -218,14 +226,14 @@ impl Worker {
         Worker::attach(driver, device, conn, pool_fd)
     }
 
-    /// Shakes hands over `conn` on the device `choice` names. See [`WorkerDevice`].
-    pub fn connect_with(
+    /// [`connect`](Worker::connect) on the device `choice` names.
+    fn connect_to(
         driver: Arc<dyn Driver>,
         choice: WorkerDevice,
         mut conn: Connection,
     ) -> Result<Worker, Error> {
         let compute = match choice {
-            WorkerDevice::Exactly(device) => return Worker::connect(driver, device, conn),
+            WorkerDevice::Exactly(device) => return Worker::connect_exactly(driver, device, conn),
             WorkerDevice::Parent => None,
             WorkerDevice::Any(device) => Some(device),
         };
