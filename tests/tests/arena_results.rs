@@ -355,7 +355,7 @@ both_drivers!(
         let alloc: poolipc::ResultAllocator = Box::new(move |_, bytes, s| {
             Ok(driver.mem_alloc_from_pool_async(bytes, pool, s)?)
         });
-        let out = p.run_job_with(w, &[bytes_input(input, MIB)], stream, alloc)?;
+        let out = p.submit_with(w, &[bytes_input(input, MIB)], stream, alloc)?.wait()?;
         p.driver().stream_synchronize(stream)?;
         let r = &out.results[0];
         ensure!(r.rung == Rung::PoolPointer && !r.is_arena(), "{:?}", r.rung);

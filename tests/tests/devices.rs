@@ -224,16 +224,18 @@ fn cross_job(
     d.use_device(first)?;
     let owned = poolipc::advanced::driver::OwnedStream::new(Arc::clone(&d))?;
     let stream = owned.handle();
-    let out = p.run_job_with(
-        worker,
-        &[Input {
-            ptr: input,
-            desc: Layout::contiguous(DType::U8, &[MIB]),
-            read_only: false,
-        }],
-        stream,
-        Box::new(alloc),
-    )?;
+    let out = p
+        .submit_with(
+            worker,
+            &[Input {
+                ptr: input,
+                desc: Layout::contiguous(DType::U8, &[MIB]),
+                read_only: false,
+            }],
+            stream,
+            Box::new(alloc),
+        )?
+        .wait()?;
     d.stream_synchronize(stream)?;
     let mut got = [0u8; 8];
     d.memcpy_dtoh(&mut got, out.results[0].ptr)?;

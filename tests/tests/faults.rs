@@ -284,12 +284,14 @@ both_drivers!(
         let (driver, pool) = (Arc::clone(p.driver()), p.pool().handle());
         let alloc: poolipc::ResultAllocator =
             Box::new(move |_, _bytes, s| Ok(driver.mem_alloc_from_pool_async(4096, pool, s)?));
-        let job = p.run_job_with(
-            w,
-            &[Input::new(input, Layout::contiguous(DType::F32, &[MIB / 4]))],
-            stream,
-            alloc,
-        );
+        let job = p
+            .submit_with(
+                w,
+                &[Input::new(input, Layout::contiguous(DType::F32, &[MIB / 4]))],
+                stream,
+                alloc,
+            )
+            .and_then(poolipc::JobHandle::wait);
         let (text, given_back) = match job {
             Err(e @ (Error::Worker { .. } | Error::JobFailed { .. })) => {
                 let results = match &e {

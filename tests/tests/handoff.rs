@@ -469,7 +469,7 @@ both_drivers!(
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         let (conn, cred) = listener.accept(deadline)?;
         ensure!(cred.pid == child.id() as i32, "peer credentials: {cred:?}");
-        let worker = p.accept_worker(conn)?;
+        let worker = p.accept_worker(conn, p.default_trust())?;
         let input = filled(&p, MIB, 0x0BAD_F00D, stream)?;
         let out = p.run_job(worker, &[Input { ptr: input, desc: Layout::contiguous(DType::U8, &[MIB]), read_only: false }], stream)?;
         d.stream_synchronize(stream)?;
@@ -568,7 +568,10 @@ both_drivers!(
         // `empty_cache` hears from both rooms.
         let options = ParentOptions {
             device: env.device,
-            tuning: poolipc::Tuning::from_env().io_threads(2),
+            tuning: poolipc::Tuning {
+                io_threads: 2,
+                ..poolipc::Tuning::from_env()
+            },
             ..ParentOptions::default()
         };
         let p = Parent::new(Arc::clone(&env.driver), options)?;

@@ -143,9 +143,9 @@ both_drivers!(
                 // a 5 MiB tensor takes host staging both ways.
                 limit: poolipc::advanced::pool::ImportLimit::new(MIB, 2).expect("limit"),
                 arena_copy: false,
-                staging: poolipc::staging::StagingConfig {
+                staging: poolipc::StagingConfig {
                     timeout: Duration::from_secs(3),
-                    ..poolipc::staging::StagingConfig::default()
+                    ..poolipc::StagingConfig::default()
                 },
                 ..ParentOptions::default()
             },

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
 use poolipc::advanced::driver::OwnedStream;
-use poolipc::{DType, Input, JobHandle, Layout, Parent, ParentOptions, WorkerId};
+use poolipc::{DType, Input, JobWatch, Layout, Parent, ParentOptions, WorkerId};
 use poolipc_tests::echo;
 use poolipc_tests::{Env, both_drivers, tempdir, worker_command};
 
@@ -20,7 +20,10 @@ const KIB: u64 = 1 << 10;
 fn parent(env: &Env, wait: Option<Duration>) -> Result<Arc<Parent>> {
     let options = ParentOptions {
         device: env.device,
-        tuning: poolipc::Tuning::from_env().gpu_turn(wait),
+        tuning: poolipc::Tuning {
+            gpu_turn: wait,
+            ..poolipc::Tuning::from_env()
+        },
         ..ParentOptions::default()
     };
     Ok(Arc::new(Parent::new(Arc::clone(&env.driver), options)?))
@@ -251,17 +254,17 @@ both_drivers!(
         // The free worker's job ends; the held one's cannot until its go. A job's end wakes
         // the waiter (not its timeout: 60 s).
         let start = Instant::now();
-        let first = JobHandle::wait_any(&[&a, &b], Duration::from_secs(60));
+        let first = JobWatch::wait_any(&[a.watch(), b.watch()], Duration::from_secs(60));
         ensure!(first == Some(1), "wait_any said {first:?}, not the free worker's job");
         ensure!(start.elapsed() < Duration::from_secs(20), "woken after {:?}", start.elapsed());
         let out_b = b.wait()?;
         let start = Instant::now();
-        let none = JobHandle::wait_any(&[&a], Duration::from_millis(200));
+        let none = JobWatch::wait_any(&[a.watch()], Duration::from_millis(200));
         ensure!(none.is_none(), "wait_any said {none:?} for a job still held");
         ensure!(start.elapsed() >= Duration::from_millis(200), "it gave up early");
-        ensure!(JobHandle::wait_any(&[], Duration::from_secs(1)).is_none());
+        ensure!(JobWatch::wait_any(&[], Duration::from_secs(1)).is_none());
         std::fs::write(dir.join("go"), b"")?;
-        ensure!(JobHandle::wait_any(&[&a], Duration::from_secs(30)) == Some(0));
+        ensure!(JobWatch::wait_any(&[a.watch()], Duration::from_secs(30)) == Some(0));
         let out_a = a.wait()?;
         d.stream_synchronize(stream)?;
         for out in [out_a, out_b] {

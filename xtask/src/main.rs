@@ -592,6 +592,7 @@ const WORKSPACE_PACKAGES: &[&str] = &[
     "poolipc-pool",
     "poolipc-contract",
     "poolipc-transport",
+    "poolipc-mps",
     "poolipc-cli",
 ];
 

@@ -24,11 +24,11 @@ pub(crate) const CRATES: &[(&str, &str)] = &[
     ("poolipc-pool", "crates/poolipc-pool/src/lib.rs"),
     ("poolipc-contract", "crates/poolipc-contract/src/lib.rs"),
     ("poolipc-transport", "crates/poolipc-transport/src/lib.rs"),
+    ("poolipc-mps", "crates/poolipc-mps/src/lib.rs"),
 ];
 
 /// Test and bench scaffolding: (crate, item) that may be public only behind a feature.
 pub(crate) const SCAFFOLDING: &[(&str, &str)] = &[
-    ("poolipc", "staging (mod)"),
     ("poolipc", "failpoint (fn)"),
     ("poolipc", "FAILPOINT_ENV (use)"),
     ("poolipc", "canary (mod)"),

@@ -228,7 +228,9 @@ fn accept_loop(
             shared.changed.notify_all();
             continue;
         }
-        let accepted = g.use_device().and_then(|()| g.parent.accept_worker(conn));
+        let accepted = g
+            .use_device()
+            .and_then(|()| g.parent.accept_worker(conn, g.parent.default_trust()));
         let item = match accepted {
             Ok(id) => Accepted::Worker(id.0),
             Err(e) => {

@@ -428,7 +428,7 @@ impl NativeParent {
     ///
     /// With `env_allowlist`, the worker inherits only the variables named there from this
     /// process's environment, plus `env` and what poolipc keeps
-    /// ([`poolipc::worker_env::restrict_env`]); without it, all of them.
+    /// ([`poolipc::restrict_env`]); without it, all of them.
     ///
     /// With `isolated` True the worker gets no handle on the parent's memory
     /// ([`poolipc::Trust::Isolated`]), False it is trusted with the pool; None (the default)
@@ -458,7 +458,7 @@ impl NativeParent {
             cmd.env(k, v);
         }
         if let Some(allow) = env_allowlist {
-            poolipc::worker_env::restrict_env(&mut cmd, allow);
+            poolipc::restrict_env(&mut cmd, allow);
         }
         if let Some((k, v)) = &self.g.child_env {
             cmd.env(k, v);

@@ -14,7 +14,7 @@
 //!   so far as a [`RaceReport`].
 //!
 //! With [`STRICT_ENV`]`=1` the first violation the facade sees panics with the report (a test
-//! fails, a program exits non-zero). With [`CHECK_ENV`]`=report`, jobs are not failed: the
+//! fails, a program exits non-zero). With `POOLIPC_SIM_CHECK=report`, jobs are not failed: the
 //! violations are only reported at drop and by `sim_report`. On the CUDA driver nothing of
 //! this runs: [`Driver::sim_checker`] is `None` and no label is
 //! set.
@@ -31,7 +31,7 @@ use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 pub const STRICT_ENV: &str = "POOLIPC_SIM_STRICT";
 /// `report`: a violation does not fail its job; it is reported at drop and by
 /// [`Parent::sim_report`](crate::Parent::sim_report) only. Unset or `jobs`: jobs fail.
-pub const CHECK_ENV: &str = "POOLIPC_SIM_CHECK";
+pub(crate) const CHECK_ENV: &str = "POOLIPC_SIM_CHECK";
 
 /// What the simulated GPU's race checker found: the violations, each process named, and the
 /// seed that replays the run. Its `Display` is the report a user reads.
@@ -95,7 +95,7 @@ impl fmt::Display for RaceReport {
 
 /// Whether [`STRICT_ENV`] asks to panic at the first violation.
 #[must_use]
-pub fn strict() -> bool {
+pub(crate) fn strict() -> bool {
     std::env::var(STRICT_ENV).is_ok_and(|v| !v.is_empty() && v != "0")
 }
 

@@ -93,7 +93,7 @@ impl Opened {
     }
 
     /// The GPU, through libcuda.
-    pub fn cuda() -> Result<Opened, Error> {
+    pub(crate) fn cuda() -> Result<Opened, Error> {
         let d = CudaDriver::new()?;
         Ok(Opened {
             driver: Arc::new(d),

@@ -46,7 +46,7 @@ fn shown_tail(tail: &str) -> String {
 /// `marked` (the default: line by line, each line `[worker <pid>] ` and the line with its
 /// control characters replaced, as [`poolipc_contract::worker_text`] does) or `raw` (the
 /// bytes as they come, escape sequences and all: for a developer's own trusted worker).
-pub const WORKER_STDERR_ENV: &str = "POOLIPC_WORKER_STDERR";
+pub(crate) const WORKER_STDERR_ENV: &str = "POOLIPC_WORKER_STDERR";
 
 /// The longest line the marked copy holds back waiting for its end; a longer one goes out in
 /// pieces of this size.

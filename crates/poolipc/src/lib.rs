@@ -65,41 +65,36 @@ pub mod driver;
 mod driver_loop;
 mod error;
 mod handshake;
-pub mod mps;
 mod parent;
 pub mod probe;
 mod settings;
 mod spin;
-// Its channel is public to the tests under the `testing` feature, the crate's own otherwise.
-#[cfg(feature = "testing")]
-pub mod staging;
-#[cfg(not(feature = "testing"))]
-#[allow(unreachable_pub)]
 mod staging;
 mod state;
 mod tensor;
 mod warm;
 mod worker;
-pub mod worker_env;
+mod worker_env;
 
 pub use canary::CanaryReport;
 pub use error::{Error, ResultRefusal};
-pub use handshake::WORKER_STDERR_ENV;
 pub use parent::{
-    ArenaStats, EMPTY_CACHE_WAIT, EmptyCache, Input, JobHandle, JobOutput, JobWatch, Limits,
-    MemoryBound, Parent, ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor,
-    Trust, WorkerInfo,
+    ArenaStats, EmptyCache, Input, JobHandle, JobOutput, JobWatch, Limits, MemoryBound, Parent,
+    ParentOptions, ParentStats, ResultAllocator, ResultMemory, ResultTensor, Trust, WorkerInfo,
 };
 pub use poolipc_contract::{Bound, FailReason, WorkerId};
 pub use poolipc_driver::{DevicePtr, StreamHandle};
+/// CUDA MPS for trusted workers: a private control daemon for one parent's process tree.
+pub use poolipc_mps as mps;
 pub use poolipc_pool::ExportReuse;
 pub use poolipc_transport::{DType, JobId, SendQueueLimits};
-pub use settings::{MAX_IO_THREADS, SUGGESTED_GPU_TURN, Tuning};
+pub use settings::{MAX_IO_THREADS, Tuning};
 pub use staging::{StagingConfig, StagingError};
 pub use tensor::{Layout, ResultShape, Rung};
 #[cfg(feature = "testing")]
 pub use worker::FAILPOINT_ENV;
 pub use worker::{HeldJob, InputView, Job, NextJob, ResultView, Worker, WorkerDevice};
+pub use worker_env::restrict_env;
 
 /// Results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

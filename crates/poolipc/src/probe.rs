@@ -46,7 +46,7 @@ fn dir() -> Option<&'static PathBuf> {
 
 /// Whether marks are recorded in this process.
 #[must_use]
-pub fn enabled() -> bool {
+pub(crate) fn enabled() -> bool {
     match STATE.load(Ordering::Relaxed) {
         ON => true,
         OFF => false,

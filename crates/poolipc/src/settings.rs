@@ -113,7 +113,10 @@ pub struct Tuning {
     /// `POOLIPC_SPIN_IN_FLIGHT_US` (microseconds).
     pub spin_in_flight: Duration,
     /// Without MPS, the length of a worker's turn on the GPU (`None` or zero, the default:
-    /// no turns; [`SUGGESTED_GPU_TURN`], 2 ms, is what was measured).
+    /// no turns). 2 ms is the turn measured: six times a change of context (about 330 µs on
+    /// an H100) and some 60 small jobs' round trips. On the H100 it gave eight workers 0.64×
+    /// one worker's jobs/s against 0.14× without turns; 5 ms gave 0.72×, each job then
+    /// waiting longer for the turns ahead of it.
     /// While one worker holds the turn a submit to another waits; the holder takes jobs,
     /// any number at once, for the length of its turn, and after it none while another
     /// waits; the turn passes once its jobs ended (or it had none in flight for 100 µs).
@@ -196,12 +199,6 @@ pub(crate) const WORKER_READY_QUERY_ENV: &str = "POOLIPC_WORKER_READY_QUERY";
 /// The most [`Tuning::io_threads`] may be.
 pub const MAX_IO_THREADS: usize = 64;
 
-/// The turn measured for [`Tuning::gpu_turn`]: 2 ms, six times a change of context
-/// (about 330 µs on an H100) and some 60 small jobs' round trips. On the H100 it gave eight
-/// workers 0.64× one worker's jobs/s against 0.14× without turns; 5 ms gave 0.72×, each job
-/// then waiting longer for the turns ahead of it.
-pub const SUGGESTED_GPU_TURN: Duration = Duration::from_millis(2);
-
 impl Default for Tuning {
     /// The built-in defaults for this machine's CPUs, whatever the environment says.
     fn default() -> Tuning {
@@ -243,34 +240,6 @@ impl Tuning {
             ready_aside: number(READY_ASIDE_ENV).map_or(d.ready_aside, |v| v != 0),
             warm_copies: number(WARM_COPIES_ENV).map_or(d.warm_copies, |v| v == 1),
         }
-    }
-
-    /// Sets [`spin`](Tuning::spin).
-    #[must_use]
-    pub fn spin(mut self, spin: Duration) -> Tuning {
-        self.spin = spin;
-        self
-    }
-
-    /// Sets [`spin_in_flight`](Tuning::spin_in_flight).
-    #[must_use]
-    pub fn spin_in_flight(mut self, spin: Duration) -> Tuning {
-        self.spin_in_flight = spin;
-        self
-    }
-
-    /// Sets [`gpu_turn`](Tuning::gpu_turn).
-    #[must_use]
-    pub fn gpu_turn(mut self, turn: Option<Duration>) -> Tuning {
-        self.gpu_turn = turn;
-        self
-    }
-
-    /// Sets [`io_threads`](Tuning::io_threads).
-    #[must_use]
-    pub fn io_threads(mut self, threads: usize) -> Tuning {
-        self.io_threads = threads;
-        self
     }
 
     /// Whether this process's spin-waits yield to the scheduler at each turn
@@ -391,30 +360,6 @@ mod tests {
             },
             d,
             "one variable changes one field"
-        );
-    }
-
-    #[test]
-    fn the_setters_change_their_field_only() {
-        let d = Tuning::default();
-        let t = d
-            .clone()
-            .spin(Duration::ZERO)
-            .spin_in_flight(Duration::from_micros(5))
-            .io_threads(2)
-            .gpu_turn(Some(Duration::from_millis(3)));
-        assert_eq!(
-            (t.spin, t.spin_in_flight, t.io_threads, t.gpu_turn),
-            (
-                Duration::ZERO,
-                Duration::from_micros(5),
-                2,
-                Some(Duration::from_millis(3))
-            )
-        );
-        assert_eq!(
-            (t.send_queue, t.ready_aside, t.warm_copies),
-            (d.send_queue, d.ready_aside, d.warm_copies)
         );
     }
 }

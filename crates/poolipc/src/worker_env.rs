@@ -16,7 +16,7 @@ use std::process::Command;
 /// Variables a restricted worker inherits whatever the allowlist says: what a program needs
 /// to run at all (`PATH`, `HOME`, `TMPDIR`, `LANG`), to find its libraries (`LD_LIBRARY_PATH`,
 /// `PYTHONPATH`). None of them is expected to hold a secret.
-pub const ALWAYS_KEPT: &[&str] = &[
+pub(crate) const ALWAYS_KEPT: &[&str] = &[
     "PATH",
     "HOME",
     "TMPDIR",
@@ -28,11 +28,18 @@ pub const ALWAYS_KEPT: &[&str] = &[
 /// Prefixes of variables a restricted worker inherits: poolipc's own (`POOLIPC_`: driver
 /// choice, device, connect variables, spin and probe switches), CUDA's (`CUDA_`: visible
 /// devices, MPS pipe directory, module loading) and the locale's (`LC_`).
-pub const ALWAYS_KEPT_PREFIXES: &[&str] = &["POOLIPC_", "CUDA_", "LC_"];
+pub(crate) const ALWAYS_KEPT_PREFIXES: &[&str] = &["POOLIPC_", "CUDA_", "LC_"];
 
-/// Makes `cmd` start with only the parent's variables named in `allow`, plus
-/// [`ALWAYS_KEPT`] and those starting with one of [`ALWAYS_KEPT_PREFIXES`], plus whatever was
-/// set on `cmd` itself. Call it before [`Parent::spawn_worker`](crate::Parent::spawn_worker).
+/// Makes `cmd` start with only the parent's variables named in `allow`, plus those poolipc
+/// and CUDA need, plus whatever was set on `cmd` itself. Call it before
+/// [`Parent::spawn_worker`](crate::Parent::spawn_worker): a parent whose environment holds
+/// secrets (ComfyUI's, with API keys) then hands none of them to a third-party worker.
+///
+/// Always kept: `PATH`, `HOME`, `TMPDIR`, `LANG`, `LD_LIBRARY_PATH`, `PYTHONPATH`, and every
+/// variable starting `POOLIPC_` (driver choice, device, connect variables, spin and probe
+/// switches), `CUDA_` (visible devices, MPS pipe directory, module loading) or `LC_`. The
+/// variables `spawn_worker` and the transport add afterwards (the simulated machine's
+/// locator, `POOLIPC_FD`) are unaffected.
 pub fn restrict_env<I, S>(cmd: &mut Command, allow: I)
 where
     I: IntoIterator<Item = S>,
@@ -43,7 +50,7 @@ where
 
 /// Whether a restricted worker inherits `name` from the parent, given the caller's list.
 #[must_use]
-pub fn kept(name: &OsStr, allow: &HashSet<OsString>) -> bool {
+pub(crate) fn kept(name: &OsStr, allow: &HashSet<OsString>) -> bool {
     let bytes = name.as_bytes();
     allow.contains(name)
         || ALWAYS_KEPT.iter().any(|k| k.as_bytes() == bytes)

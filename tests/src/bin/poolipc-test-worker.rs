@@ -55,7 +55,7 @@ fn run() -> anyhow::Result<usize> {
         }
         Err(_) => WorkerDevice::Exactly(0),
     };
-    let mut worker = poolipc::Worker::connect_with(driver, choice, conn)?;
+    let mut worker = poolipc::Worker::connect(driver, choice, conn)?;
     let gate = std::env::var_os("POOLIPC_TEST_GATE").map(std::path::PathBuf::from);
     let report = std::env::var_os("POOLIPC_TEST_REPORT").map(std::path::PathBuf::from);
     let mut fault = std::env::var_os("POOLIPC_TEST_GPU_FAULT").is_some();

@@ -8,7 +8,7 @@ use anyhow::Result;
 
 /// The most public items the facade (`crates/poolipc`) may list. The target is 150; the
 /// ceiling is the count today, lowered as the surface shrinks, so that it can only shrink.
-pub(crate) const FACADE_MAX_ITEMS: usize = 220;
+pub(crate) const FACADE_MAX_ITEMS: usize = 163;
 
 /// The facade's root source file.
 const FACADE_LIB: &str = "crates/poolipc/src/lib.rs";

@@ -95,7 +95,7 @@ class Parent:
         argv = [str(a) for a in argv]
         self.trusts.append(isolated)
         inherited = dict(os.environ)
-        if env_allowlist is not None:  # what the binding keeps (poolipc.worker_env)
+        if env_allowlist is not None:  # what the binding keeps (poolipc::restrict_env)
             keep = set(env_allowlist) | {"PATH", "HOME", "TMPDIR", "LANG", "LD_LIBRARY_PATH", "PYTHONPATH"}
             inherited = {
                 k: v for k, v in inherited.items()

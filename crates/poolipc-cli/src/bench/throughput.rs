@@ -304,7 +304,10 @@ fn table(
     let options = ParentOptions {
         device: args.device,
         canary: args.prime.iter().any(|p| p == "canary"),
-        tuning: poolipc::Tuning::from_env().io_threads(io_threads),
+        tuning: poolipc::Tuning {
+            io_threads,
+            ..poolipc::Tuning::from_env()
+        },
         ..ParentOptions::default()
     };
     let parent = Parent::new(Arc::clone(driver), options).context("starting the parent")?;

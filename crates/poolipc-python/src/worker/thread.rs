@@ -187,9 +187,9 @@ impl WorkerThread {
         let driver = state::open_worker_driver()?;
         let sim = state::is_sim(&*driver);
         let worker = match conn {
-            None => poolipc::Worker::from_env_with(driver, device)
+            None => poolipc::Worker::from_env(driver, device)
                 .map_err(|e| format!("poolipc: starting the worker: {e}")),
-            Some(conn) => poolipc::Worker::connect_with(driver, device, conn).map_err(|e| {
+            Some(conn) => poolipc::Worker::connect(driver, device, conn).map_err(|e| {
                 format!("poolipc: the parent's listener did not take this worker: {e}")
             }),
         }?;

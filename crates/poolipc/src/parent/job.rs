@@ -165,16 +165,6 @@ impl JobHandle {
         }
     }
 
-    /// Waits until one of `handles` has ended, at most `timeout`: the index of one that has
-    /// (the lowest of those ended when it looks), `None` if none had by then or `handles` is
-    /// empty. Its [`wait`](JobHandle::wait) then returns at once. For one thread driving
-    /// several workers: submit to each, take whichever job ends first, submit again.
-    /// [`JobWatch::wait_any`] does the same for watches.
-    pub fn wait_any(handles: &[&JobHandle], timeout: Duration) -> Option<usize> {
-        let watches: Vec<JobWatch> = handles.iter().map(|h| h.watch()).collect();
-        JobWatch::wait_any(&watches, timeout)
-    }
-
     /// A watch of the job's end, to wait for with others ([`JobWatch::wait_any`]) without
     /// the handle (which [`wait`](JobHandle::wait) consumes).
     pub fn watch(&self) -> JobWatch {
@@ -367,17 +357,6 @@ impl Parent {
         stream: StreamHandle,
     ) -> Result<JobOutput, Error> {
         self.submit(worker, inputs, stream)?.wait()
-    }
-
-    /// [`submit_with`](Parent::submit_with) then [`wait`](JobHandle::wait).
-    pub fn run_job_with(
-        &self,
-        worker: WorkerId,
-        inputs: &[Input],
-        stream: StreamHandle,
-        alloc: ResultAllocator,
-    ) -> Result<JobOutput, Error> {
-        self.submit_with(worker, inputs, stream, alloc)?.wait()
     }
 
     /// Cancels `job`: the worker is sent `Cancel`; its result requests from now on are

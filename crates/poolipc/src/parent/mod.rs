@@ -22,8 +22,8 @@ use crate::settings::{IO_THREADS_ENV, MAX_IO_THREADS};
 use crate::state::Stats;
 pub(crate) use crate::state::lock;
 pub use crate::state::{
-    ArenaStats, EMPTY_CACHE_WAIT, EmptyCache, Input, JobOutput, Limits, MemoryBound, ParentOptions,
-    ParentStats, ResultAllocator, ResultMemory, ResultTensor, Trust, WorkerInfo,
+    ArenaStats, EmptyCache, Input, JobOutput, Limits, MemoryBound, ParentOptions, ParentStats,
+    ResultAllocator, ResultMemory, ResultTensor, Trust, WorkerInfo,
 };
 
 mod canary;
@@ -267,7 +267,7 @@ impl Parent {
     }
 
     /// This side's handshake identity.
-    pub fn identity(&self) -> Result<Identity, Error> {
+    pub(crate) fn identity(&self) -> Result<Identity, Error> {
         crate::handshake::identity(
             &*self.shared.driver,
             self.shared.options.device,
@@ -390,7 +390,7 @@ impl Parent {
 
     /// Gives memory the parent does not use back to the device, as `torch.cuda.empty_cache()`
     /// does for torch's pool: every arena chunk with nothing in it (each worker that mapped
-    /// one is told to unmap it; waits up to [`EMPTY_CACHE_WAIT`] for their answers), then
+    /// one is told to unmap it; waits up to 2 s for their answers), then
     /// each shared pool is trimmed ([`SharedPool::trim`]: waits for this process's GPU work,
     /// then `cuMemPoolTrimTo(pool, 0)`).
     ///
@@ -398,7 +398,7 @@ impl Parent {
     /// exported allocation's memory until its pool is destroyed. So each shared pool whose
     /// current generation exported anything is *rotated* ([`SharedPool::rotate`]): a new pool
     /// becomes the device's current one, every live worker is given it (an `ExtraPool`; waits
-    /// up to [`EMPTY_CACHE_WAIT`] for their answers), and the old one is retired. A retired
+    /// up to 2 s for their answers), and the old one is retired. A retired
     /// generation with nothing in use is destroyed: by the parent first, then by every worker
     /// that imported it (`PoolRetire`, waited for the same way; the worker synchronizes
     /// around its destroy). Its memory goes back once the last of them did. One still in use

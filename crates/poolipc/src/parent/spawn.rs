@@ -28,12 +28,12 @@ impl Parent {
     ///
     /// The worker's stderr is a pipe read by a thread of this process, which copies it to
     /// this process's stderr as it comes, a line at a time, each marked `[worker <pid>] `
-    /// with its control characters replaced ([`WORKER_STDERR_ENV`](crate::WORKER_STDERR_ENV)
-    /// `=raw` copies it as it is), and keeps its last few KiB for that report. The variables
+    /// with its control characters replaced (`POOLIPC_WORKER_STDERR=raw` copies it as it
+    /// is), and keeps its last few KiB for that report. The variables
     /// of [`Parent::on`]'s driver are set on `cmd`.
     ///
     /// The worker inherits this process's whole environment unless `cmd` was restricted
-    /// first with [`worker_env::restrict_env`](crate::worker_env::restrict_env) (an
+    /// first with [`restrict_env`](crate::restrict_env) (an
     /// allowlist; do that for workers you do not trust with your secrets). Of this process's
     /// descriptors it inherits its socket and its stdio only, whether or not the others were
     /// opened close-on-exec.
@@ -64,14 +64,10 @@ impl Parent {
         self.adopt(Some(child), conn, tail, trust)
     }
 
-    /// Takes a worker connected by other means (a listening socket), and shakes hands; it
-    /// gets the parent's default trust, as [`spawn_worker`](Parent::spawn_worker)'s do.
-    pub fn accept_worker(&self, conn: Connection) -> Result<WorkerId, Error> {
-        self.accept_worker_with(conn, self.default_trust())
-    }
-
-    /// As [`accept_worker`](Parent::accept_worker), with the worker's [`Trust`] chosen here.
-    pub fn accept_worker_with(&self, conn: Connection, trust: Trust) -> Result<WorkerId, Error> {
+    /// Takes a worker connected by other means (a listening socket), and shakes hands; the
+    /// worker gets `trust` ([`default_trust`](Parent::default_trust) is what
+    /// [`spawn_worker`](Parent::spawn_worker)'s workers get).
+    pub fn accept_worker(&self, conn: Connection, trust: Trust) -> Result<WorkerId, Error> {
         self.shared.check_loop()?;
         self.adopt(None, conn, None, trust)
     }

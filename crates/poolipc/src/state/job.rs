@@ -305,11 +305,11 @@ pub(crate) struct Completion {
     /// The GPU turn the job holds a share of, given up when it ends
     /// ([`Tuning::gpu_turn`](crate::Tuning::gpu_turn)).
     pub(crate) turn: Option<(Arc<Turns>, WorkerId)>,
-    /// Threads in [`JobHandle::wait_any`](crate::JobHandle::wait_any) over this job, woken when it ends.
+    /// Threads in [`JobWatch::wait_any`](crate::JobWatch::wait_any) over this job, woken when it ends.
     pub(crate) watchers: Mutex<Vec<Arc<AnyWake>>>,
 }
 
-/// What a thread in [`JobHandle::wait_any`](crate::JobHandle::wait_any) sleeps on: set by the first of its jobs to end.
+/// What a thread in [`JobWatch::wait_any`](crate::JobWatch::wait_any) sleeps on: set by the first of its jobs to end.
 #[derive(Default)]
 pub(crate) struct AnyWake {
     pub(crate) fired: Mutex<bool>,

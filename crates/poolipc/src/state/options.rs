@@ -344,7 +344,7 @@ pub(crate) const DEFAULT_ARENA_IDLE_RELEASE: Duration = Duration::from_secs(10);
 
 /// How long [`Parent::empty_cache`](crate::Parent::empty_cache) waits for the workers to unmap the arena chunks it gave
 /// back: a worker busy in a long job answers after it; its chunks' memory follows then.
-pub const EMPTY_CACHE_WAIT: Duration = Duration::from_secs(2);
+pub(crate) const EMPTY_CACHE_WAIT: Duration = Duration::from_secs(2);
 
 /// [`ParentOptions::arena_copy_vram_margin`]'s default: 256 MiB.
 pub(crate) const DEFAULT_ARENA_COPY_VRAM_MARGIN: u64 = 256 << 20;

@@ -44,7 +44,7 @@ pub struct EmptyCache {
     pub arena_bytes: u64,
     /// Workers told to give something back (unmap a chunk, drop mappings, take or drop a
     /// pool generation) that had not answered: busy in a job (not waited for at all: a job
-    /// may run for seconds) or silent for [`EMPTY_CACHE_WAIT`](crate::EMPTY_CACHE_WAIT). What they hold comes back
+    /// may run for seconds) or silent for 2 s. What they hold comes back
     /// when they answer.
     pub workers_not_answered: usize,
     /// Workers told to drop their cached mappings of the parent's VMM allocations (the

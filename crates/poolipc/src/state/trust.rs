@@ -4,9 +4,8 @@
 /// Whether a worker gets handles on the parent's memory beyond the tensors lent to it.
 ///
 /// Chosen per worker at spawn ([`Parent::spawn_worker_with`](crate::Parent::spawn_worker_with),
-/// [`Parent::accept_worker_with`](crate::Parent::accept_worker_with)); the plain
-/// [`spawn_worker`](crate::Parent::spawn_worker) and
-/// [`accept_worker`](crate::Parent::accept_worker) take the parent's default,
+/// [`Parent::accept_worker`](crate::Parent::accept_worker)); the plain
+/// [`spawn_worker`](crate::Parent::spawn_worker) takes the parent's default,
 /// [`ParentOptions::isolated`](crate::ParentOptions::isolated) (see [`Parent::default_trust`](crate::Parent::default_trust)).
 /// A trusted and an isolated worker may serve the same parent side by side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

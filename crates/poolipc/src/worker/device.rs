@@ -9,7 +9,12 @@ pub enum WorkerDevice {
     /// This ordinal, which must be the parent's device (else the handshake fails as a device
     /// mismatch).
     Exactly(u32),
-    /// Whichever of this process's devices has the parent's device UUID.
+    /// Whichever of this process's devices has the parent's device UUID: ordinals differ
+    /// between processes whose `CUDA_VISIBLE_DEVICES` differ (`2,0` makes the parent's device
+    /// 2 this worker's 0), the UUID does not. A worker that does not see that device refuses
+    /// the handshake
+    /// ([`HandshakeError::DeviceNotVisible`](poolipc_transport::HandshakeError), the parent
+    /// gets the refusal) and lists what it does see.
     Parent,
     /// This ordinal, whatever device the parent's pool lives on, as long as this process sees
     /// that device too. Where the two devices can reach each other (`cuDeviceCanAccessPeer`),
@@ -17,6 +22,13 @@ pub enum WorkerDevice {
     /// pointer; otherwise the worker tells the parent it cannot take pool pointers, and every
     /// tensor goes by host staging.
     Any(u32),
+}
+
+/// An ordinal is [`WorkerDevice::Exactly`] that one.
+impl From<u32> for WorkerDevice {
+    fn from(device: u32) -> WorkerDevice {
+        WorkerDevice::Exactly(device)
+    }
 }
 
 /// Where a worker works, worked out from the parent's `Hello`.

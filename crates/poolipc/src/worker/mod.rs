@@ -24,6 +24,8 @@ mod failpoint;
 mod frames;
 mod job;
 mod memory;
+#[cfg(test)]
+mod protocol_tests;
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::fd::AsFd;
@@ -170,27 +172,28 @@ impl std::fmt::Debug for Worker {
 
 impl Worker {
     /// In a worker the parent spawned: takes the inherited socket (`POOLIPC_FD`), shakes
-    /// hands, attaches the pool on `device`.
-    pub fn from_env(driver: Arc<dyn Driver>, device: u32) -> Result<Worker, Error> {
+    /// hands, attaches the pool on the device `device` names: an ordinal (`0`, the parent's
+    /// device as this process numbers it) or any [`WorkerDevice`].
+    pub fn from_env(
+        driver: Arc<dyn Driver>,
+        device: impl Into<WorkerDevice>,
+    ) -> Result<Worker, Error> {
         let conn = poolipc_transport::connection_from_env()?;
         Worker::connect(driver, device, conn)
     }
 
-    /// Like [`from_env`](Worker::from_env), on whichever of this process's devices is the
-    /// parent's: see [`connect_on_parent_device`](Worker::connect_on_parent_device).
-    pub fn from_env_on_parent_device(driver: Arc<dyn Driver>) -> Result<Worker, Error> {
-        let conn = poolipc_transport::connection_from_env()?;
-        Worker::connect_on_parent_device(driver, conn)
-    }
-
-    /// In a worker the parent spawned, on the device `choice` names.
-    pub fn from_env_with(driver: Arc<dyn Driver>, choice: WorkerDevice) -> Result<Worker, Error> {
-        let conn = poolipc_transport::connection_from_env()?;
-        Worker::connect_with(driver, choice, conn)
-    }
-
-    /// Shakes hands over `conn` and attaches the pool the parent sends.
+    /// Shakes hands over `conn` on the device `device` names (an ordinal or any
+    /// [`WorkerDevice`]) and attaches the pool the parent sends.
     pub fn connect(
+        driver: Arc<dyn Driver>,
+        device: impl Into<WorkerDevice>,
+        conn: Connection,
+    ) -> Result<Worker, Error> {
+        Worker::connect_to(driver, device.into(), conn)
+    }
+
+    /// [`connect`](Worker::connect) on exactly the ordinal `device`.
+    fn connect_exactly(
         driver: Arc<dyn Driver>,
         device: u32,
         mut conn: Connection,
@@ -223,27 +226,14 @@ impl Worker {
         Worker::attach(driver, device, conn, pool_fd)
     }
 
-    /// Shakes hands over `conn` on the device the parent's pool lives on, found by its UUID
-    /// among this process's devices: ordinals differ between processes whose
-    /// `CUDA_VISIBLE_DEVICES` differ (`2,0` makes the parent's device 2 this worker's 0), the
-    /// UUID does not. A worker that does not see that device refuses the handshake
-    /// ([`HandshakeError::DeviceNotVisible`](poolipc_transport::HandshakeError), the parent
-    /// gets the refusal) and lists what it does see.
-    pub fn connect_on_parent_device(
-        driver: Arc<dyn Driver>,
-        conn: Connection,
-    ) -> Result<Worker, Error> {
-        Worker::connect_with(driver, WorkerDevice::Parent, conn)
-    }
-
-    /// Shakes hands over `conn` on the device `choice` names. See [`WorkerDevice`].
-    pub fn connect_with(
+    /// [`connect`](Worker::connect) on the device `choice` names.
+    fn connect_to(
         driver: Arc<dyn Driver>,
         choice: WorkerDevice,
         mut conn: Connection,
     ) -> Result<Worker, Error> {
         let compute = match choice {
-            WorkerDevice::Exactly(device) => return Worker::connect(driver, device, conn),
+            WorkerDevice::Exactly(device) => return Worker::connect_exactly(driver, device, conn),
             WorkerDevice::Parent => None,
             WorkerDevice::Any(device) => Some(device),
         };
@@ -355,12 +345,13 @@ impl Worker {
     /// unmapped, address range freed, import released. Returns how many went.
     ///
     /// A cached mapping keeps the physical memory behind it alive, so VRAM the parent freed
-    /// stays held here until this runs. Call it when the parent asks (its `Release`
-    /// message): the parent keeps track of what each worker holds and sends the allocation
-    /// again before naming it, which it does only after it told the worker to drop its
-    /// mappings. Dropping mappings on the worker's own initiative would leave the parent
-    /// naming allocations the worker no longer has (those jobs would fail).
-    pub fn release_cached_mappings(&mut self) -> Result<usize, Error> {
+    /// stays held here until this runs. It runs when the parent asks (its `ReleaseMappings`
+    /// message, answered by the worker's loop): the parent keeps track of what each worker
+    /// holds and sends the allocation again before naming it, which it does only after it
+    /// told the worker to drop its mappings. Dropping mappings on the worker's own initiative
+    /// would leave the parent naming allocations the worker no longer has (those jobs would
+    /// fail), so this is not the user's to call.
+    pub(crate) fn release_cached_mappings(&mut self) -> Result<usize, Error> {
         self.driver.stream_synchronize(self.stream.handle())?;
         let n = self.vmm.release_unused();
         tracing::debug!(dropped = n, "cached VMM mappings released");
@@ -381,11 +372,6 @@ impl Worker {
     /// else zero.
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
-    }
-
-    /// See [`Worker::set_spin`].
-    pub fn spin(&self) -> Duration {
-        self.spin
     }
 
     /// The driver, below the facade: the

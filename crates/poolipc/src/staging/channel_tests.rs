@@ -1,5 +1,5 @@
 //! The host-staging rung across two real processes on SimDriver: each test re-executes this
-//! test binary as the worker (`--exact <its own name>`, role in the environment), attached to
+//! test binary as the worker (`--exact <its own path>`, role in the environment), attached to
 //! the parent's simulated machine, over an inherited socketpair. The worker runs the same test
 //! function with the same arguments, so both sides agree on sizes without passing them.
 //!
@@ -11,14 +11,14 @@
 use std::process::Command;
 use std::sync::Arc;
 
-use poolipc::advanced::driver::sim::{SimConfig, SimDriver, ViolationKind};
-use poolipc::advanced::driver::{
-    DevicePtr, Driver, OwnedPool, OwnedStream, PoolSharing, StreamHandle,
+use poolipc_driver::sim::{SimConfig, SimDriver, Violation, ViolationKind};
+use poolipc_driver::{
+    DevicePtr, Driver, OwnedPool, OwnedStream, PoolAllocation, PoolHandle, PoolSharing,
+    StreamHandle,
 };
-use poolipc::advanced::transport::{
-    Connection, HandoffId, JobId, Message, connection_from_env, spawn_worker,
-};
-use poolipc::staging::{SkipWait, StagingChannel, StagingConfig};
+use poolipc_transport::{Connection, HandoffId, JobId, Message, connection_from_env, spawn_worker};
+
+use super::{SkipWait, StagingChannel, StagingConfig};
 
 const ROLE: &str = "POOLIPC_STAGING_TEST_ROLE";
 const KIB: u64 = 1 << 10;
@@ -45,7 +45,7 @@ struct Side {
     driver: Arc<dyn Driver>,
     sim: Arc<SimDriver>,
     stream: StreamHandle,
-    pool: poolipc::advanced::driver::PoolHandle,
+    pool: PoolHandle,
 }
 
 impl Side {
@@ -65,14 +65,8 @@ impl Side {
         }
     }
 
-    fn alloc(&self, bytes: u64) -> poolipc::advanced::driver::PoolAllocation {
-        poolipc::advanced::driver::PoolAllocation::from_pool(
-            Arc::clone(&self.driver),
-            bytes,
-            self.pool,
-            self.stream,
-        )
-        .unwrap()
+    fn alloc(&self, bytes: u64) -> PoolAllocation {
+        PoolAllocation::from_pool(Arc::clone(&self.driver), bytes, self.pool, self.stream).unwrap()
     }
 
     fn fill(&self, ptr: DevicePtr, bytes: u64, seed: u64) {
@@ -188,7 +182,7 @@ fn run_case(
     chunk: u64,
     transfers: &[(Direction, u64)],
     skip: SkipWait,
-) -> Vec<poolipc::advanced::driver::sim::Violation> {
+) -> Vec<Violation> {
     run_case_with(test, chunk, transfers, skip, false)
 }
 
@@ -200,7 +194,7 @@ fn run_case_with(
     transfers: &[(Direction, u64)],
     skip: SkipWait,
     chatter_too: bool,
-) -> Vec<poolipc::advanced::driver::sim::Violation> {
+) -> Vec<Violation> {
     let config = StagingConfig {
         chunk: chunk as usize,
         skip_wait: skip,
@@ -234,8 +228,10 @@ fn run_case_with(
         })
         .unwrap(),
     );
+    // The harness names a unit test by its path below the crate.
+    let path = format!("{}::{test}", module_path!().trim_start_matches("poolipc::"));
     let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([test, "--exact", "--nocapture"]);
+    cmd.args([path.as_str(), "--exact", "--nocapture"]);
     let (key, value) = side.sim.child_env();
     cmd.env(key, value).env(ROLE, "worker");
     let (mut child, mut conn) = spawn_worker(cmd).unwrap();
@@ -253,7 +249,7 @@ fn run_case_with(
     side.sim.violations()
 }
 
-fn assert_clean(v: &[poolipc::advanced::driver::sim::Violation]) {
+fn assert_clean(v: &[Violation]) {
     assert!(v.is_empty(), "violations recorded: {v:#?}");
 }
 

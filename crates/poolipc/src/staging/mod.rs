@@ -60,11 +60,10 @@ use tracing::{debug, trace};
 /// Bytes of one half of the buffer unless configured: 64 MiB (the buffer is twice that).
 pub(crate) const DEFAULT_CHUNK: usize = 64 << 20;
 
-/// Which wait to leave out, for the tests that prove the simulation catches a missing one
-/// (the `testing` feature).
-#[cfg(feature = "testing")]
+/// Which wait to leave out, for the tests that prove the simulation catches a missing one.
+#[cfg(test)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum SkipWait {
+pub(crate) enum SkipWait {
     /// Skip nothing (always, outside those tests).
     #[default]
     None,
@@ -90,10 +89,9 @@ pub struct StagingConfig {
     /// message plus its frame's length on the wire (by default 4 MiB). One
     /// more frame past it is [`StagingError::BacklogFull`].
     pub max_backlog_bytes: usize,
-    /// Leave out one of the waits: for the tests that prove the simulation catches it (the
-    /// `testing` feature).
-    #[cfg(feature = "testing")]
-    pub skip_wait: SkipWait,
+    /// Leave out one of the waits: for the tests that prove the simulation catches it.
+    #[cfg(test)]
+    pub(crate) skip_wait: SkipWait,
 }
 
 impl Default for StagingConfig {
@@ -103,7 +101,7 @@ impl Default for StagingConfig {
             timeout: Duration::from_secs(30),
             max_backlog_frames: DEFAULT_MAX_BACKLOG_FRAMES,
             max_backlog_bytes: DEFAULT_MAX_BACKLOG_BYTES,
-            #[cfg(feature = "testing")]
+            #[cfg(test)]
             skip_wait: SkipWait::None,
         }
     }
@@ -173,7 +171,7 @@ pub enum StagingError {
 type Result<T, E = StagingError> = std::result::Result<T, E>;
 
 /// One side of the host-staging rung over a connection. See the [module docs](self).
-pub struct StagingChannel {
+pub(crate) struct StagingChannel {
     driver: Arc<dyn Driver>,
     buffer: SharedHostBuffer,
     chunk: usize,
@@ -210,7 +208,7 @@ impl StagingChannel {
     /// Parent side: creates the buffer (two halves of `config.chunk` bytes) and the four
     /// events, sends [`Message::StagingBuffer`] with the memfd, and waits for the worker's
     /// [`Message::StagingReady`]. The device must be current on this thread.
-    pub fn setup_parent(
+    pub(crate) fn setup_parent(
         driver: Arc<dyn Driver>,
         conn: &mut Connection,
         config: StagingConfig,
@@ -267,7 +265,7 @@ impl StagingChannel {
     /// Worker side, given the [`Message::StagingBuffer`] and its FD as
     /// [`Connection::recv`] returned them: maps and registers the buffer, opens the events,
     /// answers [`Message::StagingReady`]. The device must be current on this thread.
-    pub fn setup_worker(
+    pub(crate) fn setup_worker(
         driver: Arc<dyn Driver>,
         conn: &mut Connection,
         setup: &StagingBuffer,
@@ -326,8 +324,8 @@ impl StagingChannel {
     /// Worker side, receiving the [`Message::StagingBuffer`] itself first (for a worker that
     /// knows staging setup comes next). Frames before it wait in the
     /// [backlog](Self::take_backlog).
-    #[cfg(feature = "testing")]
-    pub fn accept_worker(
+    #[cfg(test)]
+    pub(crate) fn accept_worker(
         driver: Arc<dyn Driver>,
         conn: &mut Connection,
         config: StagingConfig,
@@ -350,32 +348,32 @@ impl StagingChannel {
     }
 
     /// Whether this channel was configured to skip one of its waits (a test's mutation).
-    #[cfg(feature = "testing")]
+    #[cfg(test)]
     #[must_use]
-    pub fn skips_a_wait(&self) -> bool {
+    pub(crate) fn skips_a_wait(&self) -> bool {
         self.config.skip_wait != SkipWait::None
     }
 
-    /// Whether the `filled` wait is left out (a test's mutation, under `testing`).
+    /// Whether the `filled` wait is left out (a test's mutation).
     fn skips_filled(&self) -> bool {
-        #[cfg(feature = "testing")]
+        #[cfg(test)]
         return self.config.skip_wait == SkipWait::Filled;
-        #[cfg(not(feature = "testing"))]
+        #[cfg(not(test))]
         false
     }
 
-    /// Whether the `drained` wait is left out (a test's mutation, under `testing`).
+    /// Whether the `drained` wait is left out (a test's mutation).
     fn skips_drained(&self) -> bool {
-        #[cfg(feature = "testing")]
+        #[cfg(test)]
         return self.config.skip_wait == SkipWait::Drained;
-        #[cfg(not(feature = "testing"))]
+        #[cfg(not(test))]
         false
     }
 
     /// The frames of the peer that arrived while this channel waited for its own (setup,
     /// chunks, acks), in order; empty after. Call it after every call that may receive, and
     /// handle them next.
-    pub fn take_backlog(&mut self) -> VecDeque<Message> {
+    pub(crate) fn take_backlog(&mut self) -> VecDeque<Message> {
         self.backlog_bytes = 0;
         std::mem::take(&mut self.backlog)
     }
@@ -390,14 +388,8 @@ impl StagingChannel {
     }
 
     /// Bytes of one chunk (one half of the buffer).
-    pub fn chunk(&self) -> usize {
+    pub(crate) fn chunk(&self) -> usize {
         self.chunk
-    }
-
-    /// The shared buffer.
-    #[cfg(feature = "testing")]
-    pub fn buffer(&self) -> &SharedHostBuffer {
-        &self.buffer
     }
 
     fn deadline(&self) -> Instant {
@@ -478,7 +470,7 @@ impl StagingChannel {
     /// [`recv_tensor`](Self::recv_tensor) of the same `job`, `handle` and `bytes`. `src` must
     /// be ready on `stream` (or ordered before it by the caller). Returns once the peer acked
     /// every chunk; the copies out of `src` are issued on `stream`.
-    pub fn send_tensor(
+    pub(crate) fn send_tensor(
         &mut self,
         conn: &mut Connection,
         job: JobId,
@@ -534,7 +526,7 @@ impl StagingChannel {
     /// Receives the peer's [`send_tensor`](Self::send_tensor) of the same `job`, `handle` and
     /// `bytes` into `[dst, dst + bytes)` of this process's device memory. Returns once every
     /// copy into `dst` is issued on `stream`: later work on `stream` sees the tensor.
-    pub fn recv_tensor(
+    pub(crate) fn recv_tensor(
         &mut self,
         conn: &mut Connection,
         job: JobId,
@@ -680,6 +672,9 @@ impl Drop for StagingChannel {
         self.events.clear();
     }
 }
+
+#[cfg(test)]
+mod channel_tests;
 
 #[cfg(test)]
 mod tests {

@@ -1,7 +1,7 @@
 //! The facade's worker (the tests' echo worker over [`poolipc::Worker`]) against a scripted
 //! parent on SimDriver: what it sends, in what order, is what the contract's worker machine
 //! emitted.
-//! Each test re-executes this binary as the worker (`--exact <its own name>`), which serves
+//! Each test re-executes this binary as the worker (`--exact <its own path>`), which serves
 //! jobs with the echo worker until Bye and appends `<job> <read-only flags>` per job to the
 //! file named by `REPORT`.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
@@ -22,10 +22,14 @@ use poolipc::advanced::transport::{
     HandoffId, HandshakeConfig, JobId, Lend, LentTensor, Message, ResultGrant, Rung, TensorMeta,
     parent_handshake, spawn_worker,
 };
-use poolipc::staging::{StagingChannel, StagingConfig};
+
+// The parent's side of host staging is this crate's own channel; the rest of the script and
+// the worker use the crate as a dependency would (`poolipc::`, this crate built with its
+// `testing` feature), as does the echo worker.
+use crate::staging::{StagingChannel, StagingConfig};
 
 // The echo worker of the multi-process tests (crate `poolipc-tests`), one source for both.
-#[path = "../../../tests/src/echo.rs"]
+#[path = "../../../../tests/src/echo.rs"]
 #[allow(dead_code, unreachable_pub)] // the tests' module: this binary uses part of it
 mod echo;
 
@@ -62,11 +66,11 @@ fn serve() -> ! {
     let mut release_next = false;
     loop {
         if std::mem::take(&mut release_next) {
-            let before = worker.vmm_share_stats();
-            let n = worker.release_cached_mappings().unwrap();
+            // Before the parent's `ReleaseMappings`, which the next wait answers.
+            let held = worker.vmm_share_stats();
             lines.push_str(&format!(
-                "released {n} of {} (mapped {}, resolved {})\n",
-                before.held, before.mapped, before.resolved
+                "held {} (mapped {}, resolved {})\n",
+                held.held, held.mapped, held.resolved
             ));
         }
         let next = if within {
@@ -101,8 +105,8 @@ fn serve() -> ! {
             drop(job);
             continue;
         }
-        // An input of 8192 bytes: once the job is finished, the parent (this script) wants
-        // the cached VMM mappings dropped, as its `Release` will ask.
+        // An input of 8192 bytes: once the job is finished, the parent (this script) asks for
+        // the cached VMM mappings to be dropped; what they were goes in the report first.
         let release = job.inputs().first().is_some_and(|i| i.byte_len() == 8192);
         match echo::answer(&mut job) {
             Ok(()) => job.finish().unwrap(),
@@ -152,8 +156,10 @@ impl Script {
         let ready = OwnedEvent::new(driver.clone(), true).unwrap().into_raw();
         let ready_blob = driver.ipc_get_event_handle(ready).unwrap();
         let report = std::env::temp_dir().join(format!("{test}-{}.report", std::process::id()));
+        // The harness names a unit test by its path below the crate.
+        let path = format!("{}::{test}", module_path!().trim_start_matches("poolipc::"));
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args([test, "--exact", "--nocapture"]);
+        cmd.args([path.as_str(), "--exact", "--nocapture"]);
         let (k, v) = sim.child_env();
         cmd.env(k, v).env(ROLE, "worker").env(REPORT, &report);
         cmd.envs(env.iter().copied());
@@ -846,8 +852,13 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
     serve(&mut s, 2, by_handle(3, 50, 4096, 4096, ready), 4096);
     refuse(&mut s, 3, by_handle(5, 50, g - 512, 4096, ready));
     refuse(&mut s, 4, by_handle(7, 51, 0, 4096, ready));
-    // 8192 bytes: the worker drops its mappings after this job.
+    // 8192 bytes: the parent asks the worker to drop its mappings after this job.
     serve(&mut s, 5, by_handle(9, 50, 0, 8192, ready), 8192);
+    s.send(Message::ReleaseMappings);
+    let Message::MappingsReleased { dropped } = s.recv() else {
+        panic!("no MappingsReleased")
+    };
+    assert_eq!(dropped, 1, "the one mapping");
     // Dropped: named again without a new share, it is unknown.
     refuse(&mut s, 6, by_handle(11, 50, 0, 4096, ready));
     let report = s.end();
@@ -865,7 +876,7 @@ fn a_vmm_allocation_shared_once_serves_jobs_until_released_and_bad_names_fail_on
     );
     assert_eq!(lines[4], "5 [true]", "{report}");
     assert_eq!(
-        lines[5], "released 1 of 1 (mapped 1, resolved 3)",
+        lines[5], "held 1 (mapped 1, resolved 3)",
         "one share, one mapping, three views through it: {report}"
     );
     assert!(

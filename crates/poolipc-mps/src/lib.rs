@@ -22,6 +22,8 @@
 //! [`PrivateMps::connect_this_process`], every child does; or pass [`PrivateMps::env`] to
 //! a `Command`). A worker that is not a client still works with an MPS parent: pool IPC
 //! and interprocess events cross the boundary, but that handoff pays the turn-taking again.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use poolipc::mps::{MpsError, MpsOptions, PrivateMps};
+use poolipc_mps::{MpsError, MpsOptions, PrivateMps};
 
 struct Scratch(PathBuf);
 
