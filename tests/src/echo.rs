@@ -87,23 +87,23 @@ pub fn answer_late(job: &mut Job<'_>) -> Result<(), Error> {
 
 /// Serves jobs with [`answer_late`] until the parent says goodbye.
 pub fn serve_late(worker: &mut Worker) -> Result<usize, Error> {
-    let mut served = 0;
-    while let Some(mut job) = worker.next_job()? {
-        match answer_late(&mut job) {
-            Ok(()) => job.finish()?,
-            Err(e) => job.fail(&e.to_string())?,
-        }
-        served += 1;
-    }
-    Ok(served)
+    serve_with(worker, answer_late)
 }
 
 /// Serves jobs until the parent says goodbye; returns how many it served.
 pub fn serve(worker: &mut Worker) -> Result<usize, Error> {
+    serve_with(worker, answer)
+}
+
+/// Serves jobs with `answer` until the parent says goodbye; returns how many it served. A
+/// job that fails (a result the parent refused, say) fails alone: the parent is told why, and
+/// the worker goes on to the next.
+fn serve_with(
+    worker: &mut Worker,
+    answer: impl Fn(&mut Job<'_>) -> Result<(), Error>,
+) -> Result<usize, Error> {
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
-        // A job that fails (a result the parent refused, say) fails alone: the parent is
-        // told why, and the worker goes on to the next.
         match answer(&mut job) {
             Ok(()) => job.finish()?,
             Err(e) => job.fail(&e.to_string())?,

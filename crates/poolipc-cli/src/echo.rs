@@ -68,36 +68,28 @@ fn produce(job: &mut Job<'_>, bytes: u64) -> Result<(), Error> {
 
 /// Serves jobs with [`produce`] until the parent says goodbye.
 pub(crate) fn serve_produce(worker: &mut Worker, bytes: u64) -> Result<usize, Error> {
-    let mut served = 0;
-    while let Some(mut job) = worker.next_job()? {
-        match produce(&mut job, bytes) {
-            Ok(()) => job.finish()?,
-            Err(e) => job.fail(&e.to_string())?,
-        }
-        served += 1;
-    }
-    Ok(served)
+    serve_with(worker, |job| produce(job, bytes))
 }
 
 /// Serves jobs with [`touch`] until the parent says goodbye.
 pub(crate) fn serve_touch(worker: &mut Worker) -> Result<usize, Error> {
-    let mut served = 0;
-    while let Some(mut job) = worker.next_job()? {
-        match touch(&mut job) {
-            Ok(()) => job.finish()?,
-            Err(e) => job.fail(&e.to_string())?,
-        }
-        served += 1;
-    }
-    Ok(served)
+    serve_with(worker, touch)
 }
 
 /// Serves jobs until the parent says goodbye; returns how many it served.
 pub(crate) fn serve(worker: &mut Worker) -> Result<usize, Error> {
+    serve_with(worker, answer)
+}
+
+/// Serves jobs with `answer` until the parent says goodbye; returns how many it served. A
+/// job that fails (a result the parent refused, say) fails alone: the parent is told why, and
+/// the worker goes on to the next.
+fn serve_with(
+    worker: &mut Worker,
+    mut answer: impl FnMut(&mut Job<'_>) -> Result<(), Error>,
+) -> Result<usize, Error> {
     let mut served = 0;
     while let Some(mut job) = worker.next_job()? {
-        // A job that fails (a result the parent refused, say) fails alone: the parent is
-        // told why, and the worker goes on to the next.
         match answer(&mut job) {
             Ok(()) => job.finish()?,
             Err(e) => job.fail(&e.to_string())?,
