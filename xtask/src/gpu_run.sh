@@ -645,6 +645,9 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
     echo "--- bench/torchmp_share.py: mp.Queue round trip, poolipc (cudaMallocAsync) beside torch's native IPC" >> "$summary"
     ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 240 python3 bench/torchmp_share.py ) > "$out/torchmp-bench.log" 2>&1
     echo "torchmp bench exit: $?" >> "$summary"; tail -16 "$out/torchmp-bench.log" >> "$summary"
+    echo "--- bench/probes/torchmp_steps.py: each step of a 4 KiB tensor's trip, timed in place" >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 120 python3 bench/probes/torchmp_steps.py ) > "$out/torchmp-steps.log" 2>&1
+    echo "torchmp steps exit: $?" >> "$summary"; tail -24 "$out/torchmp-steps.log" >> "$summary"
   fi
 else
   echo "torchmp: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
