@@ -17,7 +17,9 @@ How: the patch sits below torch's ``reduce_tensor``, at the storage level, so th
   poolipc's bytes (the owner's socket name, the pool generation, the export of the
   allocation's base) and whose ``ref_counter_handle`` names one share the sender keeps alive
   (storage and event) until the receiver releases it; an interprocess event recorded on the
-  current stream orders the sender's writes before the receiver's reads.
+  current stream orders the sender's writes before the receiver's reads. Where everything
+  queued on that stream has already run, no event is made (``event_sync_required`` is
+  False): there is nothing to order after, and the receiver waits for nothing.
 - ``UntypedStorage._new_shared_cuda`` (receiver) recognises the bytes, imports the sender's
   pool once (its FD comes over the sender's abstract Unix socket, same uid only), imports the
   allocation once, waits for the event on the current stream and returns a storage over the
@@ -162,13 +164,13 @@ def _share_cuda_(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
     if device is None:
         device = torch.cuda.current_device()
     stream = torch.cuda.current_stream(device)
-    event = torch.cuda.Event(interprocess=True)
     _publish_child_env()
+    # What the share keeps alive until the receiver releases it: the storage, and the event
+    # once there is one.
+    keep = [self, None]
     # An allocation above the import limit is copied on this stream first; the event,
     # recorded after, orders the receiver after the sender's writes and the copy.
-    r = _native._share(self.data_ptr(), nbytes, device, (self, event), stream.cuda_stream)
-    if not isinstance(r, str):
-        event.record(stream)
+    r = _native._share(self.data_ptr(), nbytes, device, keep, stream.cuda_stream)
     if isinstance(r, str):
         try:
             return _orig["share"](self, *args, **kwargs)
@@ -180,6 +182,13 @@ def _share_cuda_(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
                 "it, so that it lives in poolipc's pool"
             ) from e
     handle, offset, ref = r
+    if stream.query():
+        # Everything queued on the stream has run (the writes, the copy): there is nothing to
+        # order the receiver after, and no interprocess event to make, send and wait for.
+        return (device, handle, nbytes, offset, ref, 0, b"", False)
+    event = torch.cuda.Event(interprocess=True)
+    event.record(stream)
+    keep[1] = event
     return (device, handle, nbytes, offset, ref, 0, event.ipc_handle(), True)
 
 
@@ -206,11 +215,11 @@ def _new_shared_cuda(
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     mapping = _native._open(handle, int(offset), int(size), ref_handle if _is_ref(ref_handle) else None, index)
-    with torch.cuda.device(index):
-        if event_sync_required and event_handle:
+    if event_sync_required and event_handle:
+        with torch.cuda.device(index):
             ev = torch.cuda.Event.from_ipc_handle(index, event_handle)
             ev.wait(torch.cuda.current_stream(index))
-        t = torch.as_tensor(mapping, device=torch.device("cuda", index))
+    t = torch.as_tensor(mapping, device=torch.device("cuda", index))
     return t.untyped_storage()
 
 
@@ -224,7 +233,8 @@ def _release_ipc_counter_cuda(cls: Any, ref_handle: Any, *args: Any, **kwargs: A
 def _rebuild_cuda_tensor(*args: Any) -> Any:
     """What a poolipc CUDA tensor unpickles through: enables the patch here, then torch's
     ``rebuild_cuda_tensor``."""
-    enable()
+    if not _orig:
+        enable()
     return _reductions().rebuild_cuda_tensor(*args)
 
 

@@ -307,6 +307,21 @@ def s_event(ctx):
     q_in.put(t)
     assert get(q_out, [p]), "the child read before the sender's writes were done"
     p.join(TIMEOUT)
+    if MODE == "poolipc":
+        # An event only where the stream has work queued: with nothing left to run there is
+        # nothing to order the receiver after.
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        torch.cuda.synchronize()
+        idle = reduce_tensor(t)[1][-1]
+        torch.cuda._sleep(int(2e8))
+        busy = reduce_tensor(t)[1][-1]
+        torch.cuda.synchronize()
+        import poolipc as pi
+
+        pi.torch_sharing.forget_kept()
+        assert idle is False and busy is True, f"event_sync_required: {idle} idle, {busy} busy"
+        return "the receiver waited for the sender's stream; no event where the stream was idle"
     return "the receiver waited for the sender's stream"
 
 

@@ -1,14 +1,18 @@
 //! Trimming the pool back after a killed worker's results were freed, and giving its arena's
-//! chunks back: the frees are stream-ordered, so the loop looks (without waiting on the GPU)
-//! every [`TRIM_EVERY`] until [`TRIM_FOR`] after the reaping. The part keeps the schedule and
-//! what is still owed; the loop does the trims it says are due.
+//! chunks back: the frees are stream-ordered, and the memory a killed worker imported is the
+//! driver's to unmap as its context goes, so the loop looks (without waiting on the GPU) every
+//! [`TRIM_EVERY`] from the reaping: for [`TRIM_FOR`] at least, and on while pool bytes are
+//! still owed, until [`TRIM_GIVE_UP`]. The part keeps the schedule and what is still owed; the
+//! loop does the trims it says are due.
 
 use std::time::{Duration, Instant};
 
 /// How often a trim looks.
 pub(super) const TRIM_EVERY: Duration = Duration::from_millis(100);
-/// How long after a killed worker's reaping the pool is trimmed back.
+/// How long after a killed worker's reaping the pool and the arenas are looked at, at least.
 pub(super) const TRIM_FOR: Duration = Duration::from_secs(1);
+/// How long after a killed worker's reaping the pool is trimmed while bytes are still owed.
+pub(super) const TRIM_GIVE_UP: Duration = Duration::from_secs(10);
 
 /// The trims after killed workers' reapings, if any is running.
 #[derive(Debug, Default)]
@@ -21,7 +25,10 @@ struct Window {
     /// reserved bytes then less these, so memory the parent frees meanwhile stays the pool's.
     owed: u64,
     next: Instant,
+    /// The looks go on at least until then (the arenas' chunks), ...
     until: Instant,
+    /// ... and while bytes are owed, until then.
+    give_up: Instant,
 }
 
 impl PoolTrim {
@@ -36,11 +43,13 @@ impl PoolTrim {
             owed,
             next: now,
             until: now + TRIM_FOR,
+            give_up: now + TRIM_GIVE_UP,
         });
     }
 
     /// Whether a look is due at `now`: the bytes still owed (0: only the arenas), the next
-    /// look set [`TRIM_EVERY`] later; the window ends with the look at or past its end.
+    /// look set [`TRIM_EVERY`] later; the window ends with the look at or past its end, once
+    /// nothing is owed or at [`TRIM_GIVE_UP`].
     pub(super) fn due(&mut self, now: Instant) -> Option<u64> {
         let t = self.0.as_mut()?;
         if now < t.next {
@@ -48,7 +57,7 @@ impl PoolTrim {
         }
         t.next = now + TRIM_EVERY;
         let owed = t.owed;
-        if now >= t.until {
+        if now >= t.until && (owed == 0 || now >= t.give_up) {
             self.0 = None;
         }
         Some(owed)
@@ -74,7 +83,7 @@ impl PoolTrim {
 
 #[cfg(test)]
 mod tests {
-    use super::{PoolTrim, TRIM_EVERY, TRIM_FOR};
+    use super::{PoolTrim, TRIM_EVERY, TRIM_FOR, TRIM_GIVE_UP};
     use std::time::{Duration, Instant};
 
     #[test]
@@ -93,9 +102,25 @@ mod tests {
         assert_eq!(t.due(t0 + TRIM_EVERY / 2), None, "not before the period");
         assert_eq!(t.next(), Some(t0 + TRIM_EVERY));
         assert_eq!(t.due(t0 + TRIM_EVERY), Some(1000));
-        assert_eq!(t.due(t0 + TRIM_FOR), Some(1000), "the last look");
+        t.gave_back(1000);
+        assert_eq!(t.due(t0 + TRIM_FOR), Some(0), "the last look");
         assert_eq!(t.next(), None, "the window ended with it");
         assert_eq!(t.due(t0 + TRIM_FOR + TRIM_EVERY), None);
+    }
+
+    #[test]
+    fn looks_go_on_while_bytes_are_owed_until_they_give_up() {
+        // A killed worker's imports go with its context, which the driver may take a while to
+        // tear down: until then the pool cannot give the memory back.
+        let t0 = Instant::now();
+        let mut t = PoolTrim::default();
+        t.after(1000, t0);
+        assert_eq!(t.due(t0 + TRIM_FOR), Some(1000), "past the arenas' window, still owed");
+        assert!(t.next().is_some(), "the looks go on");
+        assert_eq!(t.due(t0 + TRIM_FOR + TRIM_EVERY), Some(1000));
+        assert_eq!(t.due(t0 + TRIM_GIVE_UP), Some(1000), "the last look");
+        assert_eq!(t.next(), None, "given up");
+        assert_eq!(t.due(t0 + TRIM_GIVE_UP + TRIM_EVERY), None);
     }
 
     #[test]
