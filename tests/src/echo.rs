@@ -25,14 +25,10 @@ pub fn answer(job: &mut Job<'_>) -> Result<(), Error> {
     let shapes: Vec<ResultShape> = job
         .inputs()
         .iter()
-        .map(|i| ResultShape::new(i.desc().dtype, &i.desc().shape))
+        .map(|i| ResultShape::new(i.desc.dtype, &i.desc.shape))
         .collect();
     failpoint("after-import");
-    let copies: Vec<_> = job
-        .inputs()
-        .iter()
-        .map(|i| (i.ptr(), i.byte_len()))
-        .collect();
+    let copies: Vec<_> = job.inputs().iter().map(|i| (i.ptr, i.byte_len)).collect();
     if !shapes.is_empty()
         && let Err(e) = job.request_results(&shapes)
     {
@@ -43,9 +39,9 @@ pub fn answer(job: &mut Job<'_>) -> Result<(), Error> {
     let driver = job.driver().clone();
     let stream = job.stream();
     for (i, ((src, bytes), dst)) in copies.iter().zip(job.results()).enumerate() {
-        driver.memcpy_dtod_async(dst.ptr(), *src, (*bytes).min(dst.bytes()), stream)?;
-        if dst.bytes() >= 4 {
-            driver.memset_d32_async(dst.ptr(), marker(i), 1, stream)?;
+        driver.memcpy_dtod_async(dst.ptr, *src, (*bytes).min(dst.bytes), stream)?;
+        if dst.bytes >= 4 {
+            driver.memset_d32_async(dst.ptr, marker(i), 1, stream)?;
         }
     }
     failpoint("after-write");
@@ -63,9 +59,9 @@ pub fn answer_late(job: &mut Job<'_>) -> Result<(), Error> {
         .iter()
         .map(|i| {
             (
-                ResultShape::new(i.desc().dtype, &i.desc().shape),
-                i.ptr(),
-                i.byte_len(),
+                ResultShape::new(i.desc.dtype, &i.desc.shape),
+                i.ptr,
+                i.byte_len,
             )
         })
         .collect();
@@ -74,7 +70,7 @@ pub fn answer_late(job: &mut Job<'_>) -> Result<(), Error> {
     let stream = job.stream();
     for (i, (shape, src, bytes)) in inputs.into_iter().enumerate() {
         let dst = &job.request_results(std::slice::from_ref(&shape))?[0];
-        let (ptr, len) = (dst.ptr(), dst.bytes());
+        let (ptr, len) = (dst.ptr, dst.bytes);
         driver.memcpy_dtod_async(ptr, src, bytes.min(len), stream)?;
         if len >= 4 {
             driver.memset_d32_async(ptr, marker(i), 1, stream)?;

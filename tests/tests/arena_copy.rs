@@ -32,7 +32,7 @@ fn parent(env: &Env, tweak: impl FnOnce(&mut ParentOptions)) -> Result<Parent> {
     tweak(&mut options);
     let p = Parent::new(Arc::clone(&env.driver), options)?;
     // Every allocation touches at least one chunk: a limit of none puts every input over it.
-    let limit = p.import_limit();
+    let limit = p.limits().import;
     p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
     Ok(p)
 }
@@ -182,7 +182,7 @@ both_drivers!(
         ensure!(out.input_rungs == [Rung::ArenaCopy], "{:?}", out.input_rungs);
         check_exact(&p, &out, 0, MIB, 0xDEAD_0001)?;
         ensure!(settle(&p, stream)? == 0);
-        ensure!(p.arena_stats_of(good).context("no arena")?.alloc.chunks == 1);
+        ensure!(p.arena_of(good).context("no arena")?.stats().chunks == 1);
         free_results(&p, out, stream)?;
         p.pool().free(src, stream)?;
         p.driver().stream_synchronize(stream)?;

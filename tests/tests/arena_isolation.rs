@@ -33,7 +33,7 @@ fn parent(env: &Env, max_bytes: Option<u64>) -> Result<Parent> {
         ..ParentOptions::default()
     };
     let p = Parent::new(Arc::clone(&env.driver), options)?;
-    let limit = p.import_limit();
+    let limit = p.limits().import;
     p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
     Ok(p)
 }
@@ -180,19 +180,19 @@ both_drivers!(
         let stream = owned_stream.handle();
         let w = p.spawn_worker(worker_command(env, None)?)?;
         let out = arena_job(&p, w, MIB, 0x5EED_0001, stream)?;
-        let held = p.arena_stats_of(w).context("no arena")?;
-        ensure!(held.alloc.chunks == 1, "{held:?}");
+        let held = p.arena_of(w).context("no arena")?.stats();
+        ensure!(held.chunks == 1, "{held:?}");
         p.stop_worker(w)?;
         ensure!(settle(&p, stream)? == 1, "only the result is live");
-        let kept = p.arena_stats_of(w).context("the reaped worker's arena went with its result live")?;
-        ensure!(kept.alloc.chunks == 1 && kept.alloc.live_blocks == 1, "{kept:?}");
+        let kept = p.arena_of(w).context("the reaped worker's arena went with its result live")?.stats();
+        ensure!(kept.chunks == 1 && kept.live_blocks == 1, "{kept:?}");
         check_exact(&p, &out, 0, MIB, 0x5EED_0001)?;
         drop(out);
         ensure!(settle(&p, stream)? == 0);
         // The IO thread looks for empty chunks of reaped workers once a second.
         let deadline = Instant::now() + Duration::from_secs(10);
         while p.arena_of(w).is_some() {
-            ensure!(Instant::now() < deadline, "the reaped worker's arena is still there: {:?}", p.arena_stats_of(w));
+            ensure!(Instant::now() < deadline, "the reaped worker's arena is still there: {:?}", p.arena_of(w).map(|a| a.stats()));
             std::thread::sleep(Duration::from_millis(20));
         }
         let stats = p.arena_stats().context("no arena")?;

@@ -243,9 +243,9 @@ both_drivers!(
         check_exact(&p, &first, 0, size, 0xA1A1_A1A1)?;
         let stats = p.arena_stats().context("no arena")?;
         ensure!(stats.alloc.chunks == 3 && stats.arenas == 2, "{stats:?}");
-        let of_a = p.arena_stats_of(a).context("no arena of A")?;
-        let of_b = p.arena_stats_of(b).context("no arena of B")?;
-        ensure!(of_a.alloc.chunks == 2 && of_b.alloc.chunks == 1, "{of_a:?} {of_b:?}");
+        let of_a = p.arena_of(a).context("no arena of A")?.stats();
+        let of_b = p.arena_of(b).context("no arena of B")?.stats();
+        ensure!(of_a.chunks == 2 && of_b.chunks == 1, "{of_a:?} {of_b:?}");
         drop((first, third));
         ensure!(settle(&p, stream)? == 0);
         for w in [a, b] {
@@ -280,8 +280,8 @@ both_drivers!(
         check_exact(&p, &out, 0, MIB, 0x600D_600D)?;
         drop(out);
         ensure!(settle(&p, stream)? == 0);
-        let stats = p.arena_stats_of(good).context("no arena")?;
-        ensure!(stats.alloc.chunks == 1, "{stats:?}");
+        let stats = p.arena_of(good).context("no arena")?.stats();
+        ensure!(stats.chunks == 1, "{stats:?}");
         p.stop_worker(good)?;
         Ok(())
     }

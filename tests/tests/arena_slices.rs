@@ -190,7 +190,7 @@ both_drivers!(
         let stream = owned_stream.handle();
         let good = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, good, stream)?;
-        let free = p.arena_stats_of(good).context("no arena")?.alloc.free;
+        let free = p.arena_of(good).context("no arena")?.stats().free;
         // Dies (SIGKILL) after carving one result and being granted the other.
         let doomed = p.spawn_worker(late_worker(env, Some("after-grant"))?)?;
         let before = p.stats();
@@ -201,8 +201,8 @@ both_drivers!(
         ensure!(after.arena_results == before.arena_results + 1, "the grant: {after:?}");
         ensure!(p.worker(doomed).is_none(), "the doomed worker is still registered");
         ensure!(settle(&p, stream)? == 0, "blocks of the reaped worker are still out");
-        let stats = p.arena_stats_of(good).context("no arena")?;
-        ensure!(stats.alloc.free == free, "arena free {} != {free} at the start", stats.alloc.free);
+        let stats = p.arena_of(good).context("no arena")?.stats();
+        ensure!(stats.free == free, "arena free {} != {free} at the start", stats.free);
         let out = echo_job(&p, good, &[MIB], 0x600D_600D, stream)?;
         check_exact(&p, &out, 0, MIB, 0x600D_600D)?;
         drop(out);
@@ -219,7 +219,7 @@ both_drivers!(
         let stream = owned_stream.handle();
         let good = p.spawn_worker(late_worker(env, None)?)?;
         warm_and_poison(&p, good, stream)?;
-        let free = p.arena_stats_of(good).context("no arena")?.alloc.free;
+        let free = p.arena_of(good).context("no arena")?.stats().free;
         for (k, lie) in ["arena-carve-out-of-bounds", "arena-carve-overlap", "arena-carve-misaligned"]
             .into_iter()
             .enumerate()
@@ -232,7 +232,7 @@ both_drivers!(
             ensure!(p.worker(rogue).is_none(), "{lie}: the rogue is still registered");
             ensure!(p.stats().workers_lost == k as u64 + 1, "{:?}", p.stats());
             ensure!(settle(&p, stream)? == 0, "{lie}: the rogue's slice is still out");
-            ensure!(p.arena_stats_of(good).context("no arena")?.alloc.free == free, "{lie}");
+            ensure!(p.arena_of(good).context("no arena")?.stats().free == free, "{lie}");
             // The good worker never noticed.
             let out = echo_job(&p, good, &[4096], 0x600D_0000 + k as u32, stream)?;
             check_exact(&p, &out, 0, 4096, 0x600D_0000 + k as u32)?;

@@ -63,7 +63,7 @@ fn setup(env: &Env, via: Via, tag: &str) -> Result<Setup> {
     };
     let p = Parent::new(Arc::clone(&env.driver), options)?;
     if via == Via::ArenaCopy {
-        let limit = p.import_limit();
+        let limit = p.limits().import;
         p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
     }
     let stream = OwnedStream::new(p.driver().clone())?.into_raw();

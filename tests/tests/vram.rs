@@ -170,7 +170,7 @@ both_drivers!(
         // Pool results (the default), every input over the import limit: the input crosses
         // by arena copy, into an arena made for copies.
         let p = parent(env, |o| o.results = ResultMemory::Pool)?;
-        let limit = p.import_limit();
+        let limit = p.limits().import;
         p.lower_import_limit(ImportLimit::new(limit.chunk_bytes(), 0).context("limit")?)?;
         let owned_stream = OwnedStream::new(p.driver().clone())?;
         let stream = owned_stream.handle();

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use poolipc::advanced::driver::sim::MACHINE_ENV;
+use poolipc::advanced::driver::sim::{MACHINE_ENV, SimConfig};
 use poolipc::advanced::driver::{Driver, OwnedStream};
 use poolipc::driver::Choice;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions};
@@ -15,7 +15,8 @@ use crate::echo;
 /// Options of `poolipc demo`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct Args {
-    /// Use the simulated driver even when a GPU is present.
+    /// Use the simulated driver even when a GPU is present. Without it, POOLIPC_DRIVER decides
+    /// where it is set, else the GPU where one is usable, else the simulated driver.
     #[arg(long)]
     sim: bool,
     /// The device to use.
@@ -95,8 +96,11 @@ pub(crate) fn open_driver(sim: bool, device: u32) -> Result<Opened> {
 }
 
 fn open(args: &Args) -> Result<Opened> {
-    let choice = if args.sim { Choice::Sim } else { Choice::Auto };
-    let o = poolipc::driver::open_choice(choice)?;
+    let o = if args.sim {
+        poolipc::driver::Opened::sim(SimConfig::default())?
+    } else {
+        poolipc::driver::open_or(Choice::Auto)?
+    };
     let which = if o.driver.kind() == poolipc::advanced::driver::DriverKind::Cuda {
         let name = o
             .driver

@@ -12,22 +12,18 @@ fn answer(job: &mut Job<'_>) -> Result<(), Error> {
     let shapes: Vec<ResultShape> = job
         .inputs()
         .iter()
-        .map(|i| ResultShape::new(i.desc().dtype, &i.desc().shape))
+        .map(|i| ResultShape::new(i.desc.dtype, &i.desc.shape))
         .collect();
-    let copies: Vec<_> = job
-        .inputs()
-        .iter()
-        .map(|i| (i.ptr(), i.byte_len()))
-        .collect();
+    let copies: Vec<_> = job.inputs().iter().map(|i| (i.ptr, i.byte_len)).collect();
     if !shapes.is_empty() {
         job.request_results(&shapes)?;
     }
     let driver = job.driver().clone();
     let stream = job.stream();
     for (i, ((src, bytes), dst)) in copies.iter().zip(job.results()).enumerate() {
-        driver.memcpy_dtod_async(dst.ptr(), *src, (*bytes).min(dst.bytes()), stream)?;
-        if dst.bytes() >= 4 {
-            driver.memset_d32_async(dst.ptr(), marker(i), 1, stream)?;
+        driver.memcpy_dtod_async(dst.ptr, *src, (*bytes).min(dst.bytes), stream)?;
+        if dst.bytes >= 4 {
+            driver.memset_d32_async(dst.ptr, marker(i), 1, stream)?;
         }
     }
     Ok(())
@@ -40,12 +36,12 @@ fn touch(job: &mut Job<'_>) -> Result<(), Error> {
     let driver = job.driver().clone();
     let stream = job.stream();
     for (i, input) in job.inputs().iter().enumerate() {
-        if input.read_only() {
+        if input.read_only {
             continue;
         }
-        let words = input.byte_len().min(4096) / 4;
+        let words = input.byte_len.min(4096) / 4;
         if words > 0 {
-            driver.memset_d32_async(input.ptr(), marker(i), words, stream)?;
+            driver.memset_d32_async(input.ptr, marker(i), words, stream)?;
         }
     }
     Ok(())
@@ -57,7 +53,7 @@ fn touch(job: &mut Job<'_>) -> Result<(), Error> {
 /// carved out of it when it fits, and the job costs no round trip for it).
 fn produce(job: &mut Job<'_>, bytes: u64) -> Result<(), Error> {
     let results = job.request_results(&[ResultShape::new(DType::U8, &[bytes])])?;
-    let (ptr, len) = (results[0].ptr(), results[0].bytes());
+    let (ptr, len) = (results[0].ptr, results[0].bytes);
     let driver = job.driver().clone();
     let words = len.min(4096) / 4;
     if words > 0 {

@@ -534,7 +534,7 @@ impl NativeParent {
     /// a driver whose crash boundary `poolipc doctor --probe-limit` found lower than 128
     /// chunks. `ValueError` above the limit in force.
     fn lower_import_limit(&self, max_chunks: u64) -> PyResult<()> {
-        let cur = self.g.parent.import_limit();
+        let cur = self.g.parent.limits().import;
         let limit = poolipc::advanced::pool::ImportLimit::new(cur.chunk_bytes(), max_chunks)
             .ok_or_else(|| value_err(format!("poolipc: an import limit of {max_chunks} chunks")))?;
         self.g

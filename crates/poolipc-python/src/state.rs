@@ -102,9 +102,10 @@ pub(crate) fn installed() -> Option<Arc<Global>> {
 pub(crate) type Opened = (Arc<dyn Driver>, Option<(&'static str, String)>, String);
 
 /// The driver `POOLIPC_DRIVER` asks for (`cuda` when unset, `sim`, `auto`): the facade's
-/// [`poolipc::driver::open`], whose simulated machine a child reaches through one variable.
+/// [`poolipc::driver::open_or`] with [`Choice::Cuda`](poolipc::driver::Choice::Cuda), whose
+/// simulated machine a child reaches through one variable.
 pub(crate) fn open_driver() -> Result<Opened, String> {
-    let o = poolipc::driver::open().map_err(|e| {
+    let o = poolipc::driver::open_or(poolipc::driver::Choice::Cuda).map_err(|e| {
         format!("poolipc: opening the driver: {e} (set {DRIVER_ENV}=sim for the simulation)")
     })?;
     let child_env = o

@@ -75,9 +75,9 @@ fn worker() -> Result<(), Box<dyn std::error::Error>> {
     while let Some(mut job) = worker.next_job()? {
         let (src, bytes, desc) = {
             let i = &job.inputs()[0];
-            (i.ptr(), i.byte_len(), i.desc().clone())
+            (i.ptr, i.byte_len, i.desc.clone())
         };
-        let dst = job.request_results(&[ResultShape::new(desc.dtype, &desc.shape)])?[0].ptr();
+        let dst = job.request_results(&[ResultShape::new(desc.dtype, &desc.shape)])?[0].ptr;
         let (d, stream) = (job.driver().clone(), job.stream());
         d.memcpy_dtod_async(dst, src, bytes, stream)?;
         d.memset_d32_async(dst, ANSWER, 1, stream)?;

@@ -3,11 +3,12 @@
 //! `POOLIPC_DRIVER` ([`DRIVER_ENV`]) picks it: `cuda` (the GPU, through libcuda loaded at run
 //! time), `sim` (the simulated driver, [`SimDriver`]: real processes and real shared memory,
 //! no GPU needed) or `auto` (the GPU when one is usable, else the simulation, and
-//! [`Opened::which`] says which). In a parent, [`open`] creates the driver, and for the
-//! simulation the machine; [`Parent::open`](crate::Parent::open) (or
-//! [`Parent::on`](crate::Parent::on)) then hands the machine's locator to every worker it
-//! spawns. In a worker, [`open_worker`] attaches to the parent's simulated machine when the
-//! parent passed one, and opens the GPU otherwise.
+//! [`Opened::which`] says which). In a parent, [`open_or`] creates the driver
+//! (`POOLIPC_DRIVER` deciding, the given [`Choice`] where it is unset), and for the simulation
+//! the machine; [`Opened::sim`] makes a simulated machine whatever the environment says.
+//! [`Parent::open`](crate::Parent::open) (or [`Parent::on`](crate::Parent::on)) then hands
+//! the machine's locator to every worker it spawns. In a worker, [`open_worker`] attaches to
+//! the parent's simulated machine when the parent passed one, and opens the GPU otherwise.
 //!
 //! The driver's trait and types ([`SimConfig`], [`SimDriver`], the [`Driver`] trait that
 //! [`Opened::driver`] is) live below the facade, in [`crate::advanced::driver`].
@@ -81,7 +82,8 @@ impl std::fmt::Debug for Opened {
 }
 
 impl Opened {
-    /// A simulated machine with `config`, for a parent.
+    /// A simulated machine with `config`, for a parent, whatever [`DRIVER_ENV`] says
+    /// (`Opened::sim(SimConfig::default())` for the defaults).
     pub fn sim(config: SimConfig) -> Result<Opened, Error> {
         let sim = SimDriver::new(config)?;
         let (k, v) = sim.child_env();
@@ -103,22 +105,16 @@ impl Opened {
     }
 }
 
-/// Opens the driver [`DRIVER_ENV`] names in a parent, the GPU when it is unset (as the Python
-/// module does: nothing falls back to the simulation unless asked to). Without a usable GPU
-/// this fails, and the error says how to run on the simulated driver; for a program that must
-/// run anywhere (an example, a demo, a test), use [`open_or`]`(`[`Choice::Auto`]`)`.
-pub fn open() -> Result<Opened, Error> {
-    open_or(Choice::Cuda)
-}
-
-/// Opens the driver [`DRIVER_ENV`] names in a parent, `default` when it is unset.
+/// Opens the driver [`DRIVER_ENV`] names in a parent, `default` when it is unset or empty.
+///
+/// `open_or(Choice::Cuda)` is what [`Parent::open`](crate::Parent::open) does (as the Python
+/// module does: nothing falls back to the simulation unless asked to); without a usable GPU it
+/// fails, and the error says how to run on the simulated driver. For a program that must run
+/// anywhere (an example, a demo, a test), use `open_or(`[`Choice::Auto`]`)`: the GPU where one
+/// is usable, else the simulation. For a simulated machine whatever the environment says, use
+/// [`Opened::sim`].
 pub fn open_or(default: Choice) -> Result<Opened, Error> {
-    open_choice(Choice::from_env_or(default)?)
-}
-
-/// Opens the driver `choice` names in a parent.
-pub fn open_choice(choice: Choice) -> Result<Opened, Error> {
-    match choice {
+    match Choice::from_env_or(default)? {
         Choice::Cuda => Opened::cuda(),
         Choice::Sim => {
             let mut o = Opened::sim(SimConfig::default())?;
@@ -190,7 +186,7 @@ mod tests {
 
     #[test]
     fn a_simulated_parent_hands_its_machine_to_workers() {
-        let o = open_choice(Choice::Sim).expect("SimDriver");
+        let o = Opened::sim(SimConfig::default()).expect("SimDriver");
         assert_eq!(o.driver.kind(), DriverKind::Sim);
         assert_eq!(o.worker_env.len(), 1);
         assert_eq!(o.worker_env[0].0, MACHINE_ENV);

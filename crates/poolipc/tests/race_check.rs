@@ -73,12 +73,12 @@ fn serve() -> ! {
     while let Some(mut job) = worker.next_job().unwrap() {
         let (src, bytes, desc) = {
             let i = &job.inputs()[0];
-            (i.ptr(), i.byte_len(), i.desc().clone())
+            (i.ptr, i.byte_len, i.desc.clone())
         };
         let dst = job
             .request_results(&[ResultShape::new(desc.dtype, &desc.shape)])
             .unwrap()[0]
-            .ptr();
+            .ptr;
         let (d, stream) = (job.driver().clone(), job.stream());
         match mistake {
             Mistake::WrongStream => {

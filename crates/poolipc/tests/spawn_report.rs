@@ -2,13 +2,14 @@
 
 use std::process::Command;
 
-use poolipc::driver::{self, Choice};
+use poolipc::advanced::driver::sim::SimConfig;
+use poolipc::driver;
 use poolipc::{Error, Parent, ParentOptions};
 
 #[test]
 fn a_worker_that_exits_before_its_handshake_is_reported_with_its_status_and_stderr() {
     let parent = Parent::on(
-        driver::open_choice(Choice::Sim).expect("SimDriver"),
+        driver::Opened::sim(SimConfig::default()).expect("SimDriver"),
         ParentOptions::default(),
     )
     .expect("parent");
@@ -36,7 +37,7 @@ fn a_worker_that_exits_before_its_handshake_is_reported_with_its_status_and_stde
 
 #[test]
 fn spawned_workers_get_the_simulated_machine_from_the_parent() {
-    let opened = driver::open_choice(Choice::Sim).expect("SimDriver");
+    let opened = driver::Opened::sim(SimConfig::default()).expect("SimDriver");
     let (key, value) = opened.worker_env[0].clone();
     let parent = Parent::on(opened, ParentOptions::default()).expect("parent");
     // A worker that exits at once, saying what it was given: the error carries its words.
@@ -55,7 +56,7 @@ fn spawned_workers_get_the_simulated_machine_from_the_parent() {
 #[test]
 fn a_dead_workers_last_words_reach_the_error_without_control_characters() {
     let parent = Parent::on(
-        driver::open_choice(Choice::Sim).expect("SimDriver"),
+        driver::Opened::sim(SimConfig::default()).expect("SimDriver"),
         ParentOptions::default(),
     )
     .expect("parent");

@@ -85,7 +85,7 @@ fn run() -> anyhow::Result<usize> {
                 .append(true)
                 .open(file)?;
             for input in job.inputs() {
-                writeln!(f, "{} {:?} {}", job.id().0, input.rung(), input.read_only())?;
+                writeln!(f, "{} {:?} {}", job.id().0, input.rung, input.read_only)?;
             }
         }
         if std::mem::take(&mut fault) {
@@ -152,7 +152,7 @@ fn serve_writing_inputs(worker: &mut poolipc::Worker) -> anyhow::Result<usize> {
                 .append(true)
                 .open(file)?;
             for input in job.inputs() {
-                writeln!(f, "{} {:?} {}", job.id().0, input.rung(), input.read_only())?;
+                writeln!(f, "{} {:?} {}", job.id().0, input.rung, input.read_only)?;
             }
         }
         let (driver, stream) = (job.driver().clone(), job.stream());
@@ -161,9 +161,9 @@ fn serve_writing_inputs(worker: &mut poolipc::Worker) -> anyhow::Result<usize> {
             .iter()
             .enumerate()
             .try_for_each(|(i, input)| {
-                let words = input.byte_len().min(4096) / 4;
+                let words = input.byte_len.min(4096) / 4;
                 driver
-                    .memset_d32_async(input.ptr(), poolipc_tests::echo::marker(i), words, stream)
+                    .memset_d32_async(input.ptr, poolipc_tests::echo::marker(i), words, stream)
                     .map_err(|e| format!("writing input {i} failed: {e}"))
             })
             .and_then(|()| {

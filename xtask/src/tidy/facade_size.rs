@@ -6,9 +6,9 @@ use std::path::Path;
 
 use anyhow::Result;
 
-/// The most public items the facade (`crates/poolipc`) may list. The target is 150; the
-/// ceiling is the count today, lowered as the surface shrinks, so that it can only shrink.
-pub(crate) const FACADE_MAX_ITEMS: usize = 163;
+/// The most public items the facade (`crates/poolipc`) may list: the count today, lowered as
+/// the surface shrinks, so that it can only shrink (the target of 150 is met).
+pub(crate) const FACADE_MAX_ITEMS: usize = 148;
 
 /// The facade's root source file.
 const FACADE_LIB: &str = "crates/poolipc/src/lib.rs";
@@ -18,7 +18,7 @@ pub(crate) fn offences(root: &Path, max: usize) -> Result<(Vec<String>, usize)> 
     let count = crate::public_api::list(&root.join(FACADE_LIB))?.len();
     let found = if count > max {
         vec![format!(
-            "{FACADE_LIB}: the facade lists {count} public items, over FACADE_MAX_ITEMS = {max} (xtask/src/tidy/facade_size.rs; the target is 150): make an item private or fold it into another"
+            "{FACADE_LIB}: the facade lists {count} public items, over FACADE_MAX_ITEMS = {max} (xtask/src/tidy/facade_size.rs): make an item private or fold it into another"
         )]
     } else {
         Vec::new()

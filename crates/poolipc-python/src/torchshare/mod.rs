@@ -295,7 +295,7 @@ fn export(
             ));
         }
         let s = server().map_err(|e| e.to_string())?;
-        if let Err(e) = g.parent.import_limit().check(base.0, bytes) {
+        if let Err(e) = g.parent.limits().import.check(base.0, bytes) {
             return copy_for_sharing(&s, d, device, ptr, nbytes, stream).map_err(|why| {
                 format!(
                     "poolipc: this tensor's allocation ({} MiB) is above what a receiving \

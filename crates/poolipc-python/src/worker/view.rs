@@ -59,8 +59,8 @@ impl View {
         device: u32,
     ) -> View {
         let (strides, is_result) = match &shown {
-            Shown::Input(v) => (v.desc().strides_or_contiguous(), false),
-            Shown::Result(v) => (Layout::contiguous_strides(&v.shape().shape), true),
+            Shown::Input(v) => (v.desc.strides_or_contiguous(), false),
+            Shown::Result(v) => (Layout::contiguous_strides(&v.shape.shape), true),
         };
         View {
             shown,
@@ -75,43 +75,43 @@ impl View {
 
     fn ptr_(&self) -> DevicePtr {
         match &self.shown {
-            Shown::Input(v) => v.ptr(),
-            Shown::Result(v) => v.ptr(),
+            Shown::Input(v) => v.ptr,
+            Shown::Result(v) => v.ptr,
         }
     }
 
     fn dtype_(&self) -> poolipc::DType {
         match &self.shown {
-            Shown::Input(v) => v.desc().dtype,
-            Shown::Result(v) => v.shape().dtype,
+            Shown::Input(v) => v.desc.dtype,
+            Shown::Result(v) => v.shape.dtype,
         }
     }
 
     fn shape_(&self) -> &[u64] {
         match &self.shown {
-            Shown::Input(v) => &v.desc().shape,
-            Shown::Result(v) => &v.shape().shape,
+            Shown::Input(v) => &v.desc.shape,
+            Shown::Result(v) => &v.shape.shape,
         }
     }
 
     fn nbytes_(&self) -> u64 {
         match &self.shown {
-            Shown::Input(v) => v.byte_len(),
-            Shown::Result(v) => v.bytes(),
+            Shown::Input(v) => v.byte_len,
+            Shown::Result(v) => v.bytes,
         }
     }
 
     fn rung_(&self) -> poolipc::Rung {
         match &self.shown {
-            Shown::Input(v) => v.rung(),
-            Shown::Result(v) => v.rung(),
+            Shown::Input(v) => v.rung,
+            Shown::Result(v) => v.rung,
         }
     }
 
     /// An input the parent lent read-only; never a result.
     fn read_only_(&self) -> bool {
         match &self.shown {
-            Shown::Input(v) => v.read_only(),
+            Shown::Input(v) => v.read_only,
             Shown::Result(_) => false,
         }
     }

@@ -89,7 +89,7 @@ pub(crate) enum Command {
     },
     /// A job to run.
     Submit(Box<Submission>),
-    /// `Parent::cancel` / `JobHandle::cancel`: a job still queued fails at once; one sent
+    /// `JobHandle::cancel`: a job still queued fails at once; one sent
     /// is cancelled in the contract (the worker is told and still finishes it; it then fails
     /// with `FailReason::Cancelled`). A job that ended already is left alone.
     Cancel { worker: WorkerId, job: JobId },

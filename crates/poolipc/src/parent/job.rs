@@ -127,10 +127,14 @@ impl JobHandle {
         self.worker
     }
 
-    /// Cancels the job ([`Parent::cancel`]): it ends with [`Error::JobFailed`] and
-    /// [`FailReason::Cancelled`](poolipc_contract::FailReason) once its worker finished it
-    /// (at once if it was not sent yet). A job that ended already, or whose parent is gone,
-    /// is left as it is.
+    /// Cancels the job: the worker is sent `Cancel`; its result requests from now on are
+    /// refused with `CANCELLED`; it still finishes the job (DONE, ACK), and only then is
+    /// anything the job held reused (or once the worker was reaped, if it dies first). The
+    /// job ends with [`Error::JobFailed`] and
+    /// [`FailReason::Cancelled`](poolipc_contract::FailReason); a job not sent yet ends so at
+    /// once. The worker goes on taking jobs. A job that ended already, or whose parent is
+    /// gone, is left as it is; cancelling twice is cancelling once. A worker that never
+    /// finishes a cancelled job meets the handoff deadline and the job lifetime as any other.
     ///
     /// # Errors
     /// [`Error::Forked`] from a forked child; [`Error::IoThreadStopped`].
@@ -357,21 +361,6 @@ impl Parent {
         stream: StreamHandle,
     ) -> Result<JobOutput, Error> {
         self.submit(worker, inputs, stream)?.wait()
-    }
-
-    /// Cancels `job`: the worker is sent `Cancel`; its result requests from now on are
-    /// refused with `CANCELLED`; it still finishes the job (DONE, ACK), and only then is
-    /// anything the job held reused (or once the worker was reaped, if it dies first). The
-    /// job ends with [`Error::JobFailed`] and
-    /// [`FailReason::Cancelled`](poolipc_contract::FailReason); a job not sent yet ends so at
-    /// once. The worker goes on taking jobs. A job that ended already is left as it is;
-    /// cancelling twice is cancelling once. A worker that never finishes a cancelled job
-    /// meets the handoff deadline and the job lifetime as any other.
-    ///
-    /// # Errors
-    /// [`Error::Forked`] from a forked child; [`Error::IoThreadStopped`].
-    pub fn cancel(&self, job: &JobHandle) -> Result<(), Error> {
-        cancel_on(&self.shared, job.worker, job.job)
     }
 }
 

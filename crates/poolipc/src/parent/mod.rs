@@ -188,8 +188,9 @@ impl Parent {
         self.shared.sim.as_ref().map(|sim| sim.everything())
     }
 
-    /// Opens the driver `POOLIPC_DRIVER` names ([`driver::open`](crate::driver::open): `cuda`
-    /// when unset, `sim`, `auto`) and makes the parent on it, as [`Parent::on`] does.
+    /// Opens the driver `POOLIPC_DRIVER` names (`cuda` when unset, `sim`, `auto`:
+    /// [`driver::open_or`](crate::driver::open_or)`(`[`Choice::Cuda`](crate::driver::Choice::Cuda)`)`)
+    /// and makes the parent on it, as [`Parent::on`] does.
     ///
     /// Which to use: `Parent::open` where a missing GPU is an error (production: on a machine
     /// without a usable GPU it fails with [`Error::Driver`], whose text says how to run on the
@@ -199,7 +200,10 @@ impl Parent {
     /// the GPU where one is usable, else the simulated driver; `POOLIPC_DRIVER`, when set,
     /// still decides.
     pub fn open(options: ParentOptions) -> Result<Parent, Error> {
-        Parent::on(crate::driver::open()?, options)
+        Parent::on(
+            crate::driver::open_or(crate::driver::Choice::Cuda)?,
+            options,
+        )
     }
 
     /// Makes the parent on an opened driver: as [`Parent::new`], and every worker
@@ -230,17 +234,21 @@ impl Parent {
     }
 
     /// The import limit in force (the options' one, or lower: see
-    /// [`lower_import_limit`](Parent::lower_import_limit)).
-    pub fn import_limit(&self) -> ImportLimit {
+    /// [`lower_import_limit`](Parent::lower_import_limit)); [`Parent::limits`] says it too.
+    pub(crate) fn import_limit(&self) -> ImportLimit {
         self.shared.limit()
     }
 
-    /// What its memory bounds came to on its device (the defaults are fractions of the
-    /// device's total memory: [`ParentOptions::max_result_bytes_per_job`],
-    /// [`ParentOptions::max_result_bytes_per_worker`], the arenas' cap).
+    /// The limits in force: what its memory bounds came to on its device (the defaults are
+    /// fractions of the device's total memory: [`ParentOptions::max_result_bytes_per_job`],
+    /// [`ParentOptions::max_result_bytes_per_worker`], the arenas' cap), and the import limit
+    /// (the options' one, or lower: see [`lower_import_limit`](Parent::lower_import_limit)).
     #[must_use]
     pub fn limits(&self) -> Limits {
-        self.shared.limits
+        Limits {
+            import: self.shared.limit(),
+            ..self.shared.limits
+        }
     }
 
     /// The options it was made with.
@@ -300,7 +308,9 @@ impl Parent {
     /// mapped by that worker alone, and holds only blocks lent or granted to it. Blocks a
     /// caller allocates from it directly are the caller's to give back; the parent never
     /// grants them (a reaped worker's arena is still the caller's to allocate from, but the
-    /// parent gives its empty chunks back to the device).
+    /// parent gives its empty chunks back to the device). What one worker's arena holds is
+    /// its [`stats`](crate::advanced::pool::Arena::stats); what all of them hold together,
+    /// [`arena_stats`](Parent::arena_stats).
     pub fn arena_of(&self, worker: WorkerId) -> Option<Arc<Arena<dyn Driver>>> {
         lock(&self.shared.arenas).of(worker)
     }
@@ -310,11 +320,6 @@ impl Parent {
     /// still count as live until reclaimed.
     pub fn arena_stats(&self) -> Option<ArenaStats> {
         lock(&self.shared.arenas).stats()
-    }
-
-    /// What `worker`'s arena holds (`None` while it has none): see [`arena_of`](Parent::arena_of).
-    pub fn arena_stats_of(&self, worker: WorkerId) -> Option<ArenaStats> {
-        self.arena_of(worker).map(|a| ArenaStats::of(&a))
     }
 
     /// Frees the arena blocks given back whose event completed, in every arena (the next

@@ -272,7 +272,7 @@ impl MemoryBound {
     ///
     /// # Errors
     /// A fraction outside `(0, 1]`.
-    pub fn resolve(self, total: u64, min: u64, max: u64) -> Result<u64, String> {
+    pub(crate) fn resolve(self, total: u64, min: u64, max: u64) -> Result<u64, String> {
         match self {
             MemoryBound::Bytes(b) => Ok(b),
             MemoryBound::Fraction(f) if f > 0.0 && f <= 1.0 => {
@@ -289,8 +289,8 @@ impl MemoryBound {
     }
 }
 
-/// What a parent's memory bounds came to on its device ([`Parent::limits`](crate::Parent::limits),
-/// shown by `poolipc doctor`).
+/// What a parent's memory bounds came to on its device, and its import limit
+/// ([`Parent::limits`](crate::Parent::limits), shown by `poolipc doctor`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Limits {
@@ -303,6 +303,10 @@ pub struct Limits {
     /// The arenas' cap ([`ResultMemory::Arena`]'s `max_bytes`, else
     /// [`ParentOptions::arena_cap_fraction`] of the device).
     pub arena_cap: u64,
+    /// The import limit: tensors over it take another rung than the pool pointer
+    /// ([`ParentOptions::limit`], or lower once
+    /// [`Parent::lower_import_limit`](crate::Parent::lower_import_limit) lowered it).
+    pub import: ImportLimit,
 }
 
 impl ParentOptions {
@@ -332,6 +336,7 @@ impl ParentOptions {
             max_result_bytes_per_job: per_job,
             max_result_bytes_per_worker: per_worker,
             arena_cap,
+            import: self.limit,
         })
     }
 }

@@ -10,8 +10,8 @@ use poolipc_types::WorkerId;
 use super::Trust;
 
 /// What the result arena holds: every worker's arena together
-/// ([`Parent::arena_stats`](crate::Parent::arena_stats)), or one worker's
-/// ([`Parent::arena_stats_of`](crate::Parent::arena_stats_of)).
+/// ([`Parent::arena_stats`](crate::Parent::arena_stats)). One worker's arena says what it
+/// holds itself ([`Parent::arena_of`](crate::Parent::arena_of)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ArenaStats {

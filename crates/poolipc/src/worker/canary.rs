@@ -30,9 +30,8 @@ impl Worker {
             }
             let (driver, stream) = (job.driver().clone(), job.stream());
             for (i, input) in job.inputs().iter().enumerate() {
-                if input.rung() == Rung::PoolPointer && !input.read_only() && input.byte_len() >= 4
-                {
-                    driver.memset_d32_async(input.ptr(), marker(i), 1, stream)?;
+                if input.rung == Rung::PoolPointer && !input.read_only && input.byte_len >= 4 {
+                    driver.memset_d32_async(input.ptr, marker(i), 1, stream)?;
                 }
             }
             Ok(())
@@ -50,22 +49,18 @@ fn echo(job: &mut Job<'_>) -> Result<(), Error> {
     let shapes: Vec<ResultShape> = job
         .inputs()
         .iter()
-        .map(|i| ResultShape::new(i.desc().dtype, &i.desc().shape))
+        .map(|i| ResultShape::new(i.desc.dtype, &i.desc.shape))
         .collect();
-    let copies: Vec<_> = job
-        .inputs()
-        .iter()
-        .map(|i| (i.ptr(), i.byte_len()))
-        .collect();
+    let copies: Vec<_> = job.inputs().iter().map(|i| (i.ptr, i.byte_len)).collect();
     if !shapes.is_empty() {
         job.request_results(&shapes)?;
     }
     let driver = job.driver().clone();
     let stream = job.stream();
     for (i, ((src, bytes), dst)) in copies.iter().zip(job.results()).enumerate() {
-        driver.memcpy_dtod_async(dst.ptr(), *src, (*bytes).min(dst.bytes()), stream)?;
-        if dst.bytes() >= 4 {
-            driver.memset_d32_async(dst.ptr(), marker(i), 1, stream)?;
+        driver.memcpy_dtod_async(dst.ptr, *src, (*bytes).min(dst.bytes), stream)?;
+        if dst.bytes >= 4 {
+            driver.memset_d32_async(dst.ptr, marker(i), 1, stream)?;
         }
     }
     Ok(())

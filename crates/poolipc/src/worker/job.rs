@@ -13,7 +13,7 @@ use crate::tensor::{Layout, ResultShape, Rung};
 /// An input of a job: readable on the job's stream, valid until the job finishes.
 ///
 /// A write to it reaches the parent's tensor on every rung unless the parent lent it
-/// read-only ([`read_only`](InputView::read_only)):
+/// read-only (its [`read_only`](InputView::read_only) field):
 /// - [`Rung::PoolPointer`]: the view is the parent's own memory, imported; the parent sees a
 ///   write (ordered by the job's DONE event).
 /// - [`Rung::ArenaCopy`]: the view is a copy the parent made for this job in a block of its
@@ -26,37 +26,21 @@ use crate::tensor::{Layout, ResultShape, Rung};
 ///   refuses `View.write_bytes`; Rust code must check the flag, since a kernel's write to
 ///   the private copy cannot be stopped and is dropped with the copy.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct InputView {
-    pub(super) ptr: DevicePtr,
-    pub(super) desc: Layout,
-    pub(super) byte_len: u64,
-    pub(super) rung: Rung,
-    pub(super) read_only: bool,
-}
-
-impl InputView {
     /// The address of element 0 in this process.
-    pub fn ptr(&self) -> DevicePtr {
-        self.ptr
-    }
+    pub ptr: DevicePtr,
     /// The layout.
-    pub fn desc(&self) -> &Layout {
-        &self.desc
-    }
+    pub desc: Layout,
     /// Bytes from element 0 to the end of the last element.
-    pub fn byte_len(&self) -> u64 {
-        self.byte_len
-    }
+    pub byte_len: u64,
     /// How it crossed.
-    pub fn rung(&self) -> Rung {
-        self.rung
-    }
-    /// Whether the parent lent it read-only (the caller's `Input::read_only`): it must not
-    /// be written, and nothing written would reach the parent. Otherwise a write reaches the
-    /// parent's tensor on every rung (see above).
-    pub fn read_only(&self) -> bool {
-        self.read_only
-    }
+    pub rung: Rung,
+    /// Whether the parent lent it read-only (the caller's
+    /// [`Input::read_only`](crate::Input::read_only)): it must not be written, and nothing
+    /// written would reach the parent. Otherwise a write reaches the parent's tensor on every
+    /// rung (see above).
+    pub read_only: bool,
 }
 
 /// A result buffer of a job, allocated by the parent: write it on the job's stream.
@@ -67,30 +51,16 @@ impl InputView {
 /// parent's allocation when the job finishes. Either way the parent sees what was written,
 /// and the view must not be touched after the job finishes.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ResultView {
-    pub(super) ptr: DevicePtr,
-    pub(super) shape: ResultShape,
-    pub(super) bytes: u64,
-    pub(super) rung: Rung,
-}
-
-impl ResultView {
     /// The address in this process.
-    pub fn ptr(&self) -> DevicePtr {
-        self.ptr
-    }
+    pub ptr: DevicePtr,
     /// The shape asked for.
-    pub fn shape(&self) -> &ResultShape {
-        &self.shape
-    }
+    pub shape: ResultShape,
     /// Its size.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
+    pub bytes: u64,
     /// How it crosses.
-    pub fn rung(&self) -> Rung {
-        self.rung
-    }
+    pub rung: Rung,
 }
 
 /// One job: its inputs, the results asked for, and the obligation to finish it.

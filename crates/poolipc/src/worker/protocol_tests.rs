@@ -94,20 +94,16 @@ fn serve() -> ! {
                 continue;
             }
         };
-        let flags: Vec<bool> = job
-            .inputs()
-            .iter()
-            .map(poolipc::InputView::read_only)
-            .collect();
+        let flags: Vec<bool> = job.inputs().iter().map(|i| i.read_only).collect();
         lines.push_str(&format!("{} {flags:?}\n", job.id().0));
-        if job.inputs().first().is_some_and(|i| i.byte_len() == 13) {
+        if job.inputs().first().is_some_and(|i| i.byte_len == 13) {
             // The worker's code returns early without finishing the job.
             drop(job);
             continue;
         }
         // An input of 8192 bytes: once the job is finished, the parent (this script) asks for
         // the cached VMM mappings to be dropped; what they were goes in the report first.
-        let release = job.inputs().first().is_some_and(|i| i.byte_len() == 8192);
+        let release = job.inputs().first().is_some_and(|i| i.byte_len == 8192);
         match echo::answer(&mut job) {
             Ok(()) => job.finish().unwrap(),
             Err(e) => job.fail(&e.to_string()).unwrap(),
