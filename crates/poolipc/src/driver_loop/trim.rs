@@ -115,7 +115,11 @@ mod tests {
         let t0 = Instant::now();
         let mut t = PoolTrim::default();
         t.after(1000, t0);
-        assert_eq!(t.due(t0 + TRIM_FOR), Some(1000), "past the arenas' window, still owed");
+        assert_eq!(
+            t.due(t0 + TRIM_FOR),
+            Some(1000),
+            "past the arenas' window, still owed"
+        );
         assert!(t.next().is_some(), "the looks go on");
         assert_eq!(t.due(t0 + TRIM_FOR + TRIM_EVERY), Some(1000));
         assert_eq!(t.due(t0 + TRIM_GIVE_UP), Some(1000), "the last look");
