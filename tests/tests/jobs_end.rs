@@ -340,8 +340,8 @@ both_drivers!(
         // allocation freed and trimmed until its pool is destroyed (`Parent::empty_cache`
         // rotates the pool for it): the device's free memory is printed, and checked where
         // the results came from the arena (the next test).
-        // The driver unmaps what a killed worker imported as it tears its context down,
-        // which may take a while after the reaping: the parent trims for up to 10 s.
+        // A job held for its worker's DONE has its results freed at the end of the reap
+        // grace, after the first second: the parent trims while bytes are owed, up to 10 s.
         let looked = Instant::now();
         soon(Duration::from_secs(10), || {
             let reserved = p.pool().stats()?.reserved_current;

@@ -59,6 +59,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torchshare::_release, m)?)?;
     m.add_function(wrap_pyfunction!(torchshare::_stats, m)?)?;
     m.add_function(wrap_pyfunction!(torchshare::_forget_kept, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_interpreter_exiting, m)?)?;
     m.add_function(wrap_pyfunction!(torchshare::_child_env, m)?)?;
     m.add_function(wrap_pyfunction!(torchshare::_memcpy_dtoh, m)?)?;
     m.add_function(wrap_pyfunction!(torchshare::_memcpy_htod, m)?)?;

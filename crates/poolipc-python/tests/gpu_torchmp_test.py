@@ -48,8 +48,8 @@ def _run(name: str, mode: str, timeout: float = 400) -> subprocess.CompletedProc
         return subprocess.CompletedProcess(e.cmd, -9, out, err + f"\ntimed out after {timeout} s")
 
 
-WORKS = ["queue", "many", "pool_map", "producer_deletes", "sigkill", "process_arg", "event",
-         "direct", "types", "ipc_event"]
+WORKS = ["queue", "many", "pool_map", "producer_deletes", "sigkill", "process_arg", "channels",
+         "event", "direct", "types", "ipc_event"]
 # ipc_event is torch's own event sharing: it works without poolipc too (no control).
 FAILS_WITHOUT = [n for n in WORKS if n != "ipc_event"] + ["big4", "big6"]
 BIG = ["big4", "big6"]

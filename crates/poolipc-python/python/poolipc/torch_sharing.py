@@ -45,6 +45,7 @@ arrives as a ``SharedMapping`` (``ptr``, ``nbytes``, ``read``/``write``,
 
 from __future__ import annotations
 
+import atexit
 import copyreg
 import importlib
 import os
@@ -58,6 +59,10 @@ __all__ = ["enable", "enabled", "stats", "Shareable", "SharedMapping", "forget_k
 
 _HANDLE_MAGIC = b"POOLIPC-H1"
 _REF_MAGIC = b"POOLIPC-R1"
+
+# From the interpreter's exit on, the share server takes no GIL: a receiver hanging up then
+# leaves what its shares kept to the exit.
+atexit.register(_native._interpreter_exiting)
 
 _lock = threading.Lock()
 _orig: dict[str, Any] = {}

@@ -35,6 +35,7 @@ mod wire;
 use copy::VmmCopy;
 use receive::{IMPORTS, Import, POOLS, Peer, driver, import, peer};
 use release::{defer_release, pending_releases};
+pub(crate) use server::_interpreter_exiting;
 use server::{Kept, SERVER, Server, server};
 use wire::{Handle, OP_CLAIM, OP_RELEASE, Ref, Source};
 

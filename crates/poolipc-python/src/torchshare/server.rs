@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -18,6 +18,17 @@ use crate::errors::err;
 use crate::state::{self, lock};
 
 pub(super) const FD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Set by an `atexit` hook ([`_interpreter_exiting`]): the interpreter is exiting, and no
+/// thread of the server takes the GIL from then on.
+static EXITING: AtomicBool = AtomicBool::new(false);
+
+/// Registered with `atexit` by `poolipc.torch_sharing`: from now on the share server takes
+/// no GIL (the interpreter ends threads that wait for it while it exits).
+#[pyfunction]
+pub(crate) fn _interpreter_exiting() {
+    EXITING.store(true, Ordering::Release);
+}
 
 pub(super) struct Server {
     pub(super) name: String,
@@ -187,8 +198,16 @@ impl Server {
         };
         if !gone.is_empty() {
             // The kept objects (torch storages) are freed with the GIL held; never under
-            // the table's lock.
-            Python::attach(move |_| drop(gone));
+            // the table's lock. A receiver may hang up while this interpreter exits: a thread
+            // that waits for the GIL then is ended by Python under Rust's frames (a crash),
+            // so none is taken once the exit began, and what it kept is left to the exit.
+            let mut gone = Some(gone);
+            if !EXITING.load(Ordering::Acquire) {
+                Python::try_attach(|_| drop(gone.take()));
+            }
+            if let Some(left) = gone {
+                std::mem::forget(left);
+            }
             lock(&self.copies).retain(|_, w| w.strong_count() > 0);
         }
     }

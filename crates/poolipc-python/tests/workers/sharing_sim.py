@@ -46,6 +46,15 @@ def child_basic(q_in, q_out):
     q_in.get(timeout=TIMEOUT)
 
 
+def child_channels(sq, conn):
+    a = sq.get()
+    b = conn.recv()
+    conn.send((a.read(0, 4), b.read(0, 4)))
+    a.write(b"AA", 0)
+    b.write(b"BB", 0)
+    conn.recv()
+
+
 def child_hold(q_in, q_out, n):
     held = [q_in.get(timeout=TIMEOUT) for _ in range(n)]
     q_out.put(sum(m.nbytes for m in held))
@@ -124,6 +133,30 @@ def s_basic(ctx, parent):
     p.join(TIMEOUT)
     wait_for(lambda: poolipc.torch_sharing.stats()["receivers"] == 0, "the receiver's goodbye")
     return "read, write in place, keep-alive after the sender's del, release, used bytes back to 0"
+
+
+def s_channels(ctx, parent):
+    """A SimpleQueue and a Pipe (pickled in the caller's thread), to a spawned and a
+    forkserver child; both shares released once the child exits."""
+    for method in ("spawn", "forkserver"):
+        c = mp.get_context(method)
+        a, b = parent.alloc(4096), parent.alloc(4096)
+        fill(a, b"aaaa")
+        fill(b, b"bbbb")
+        sq = c.SimpleQueue()
+        mine, theirs = c.Pipe()
+        p = c.Process(target=child_channels, args=(sq, theirs), daemon=True)
+        p.start()
+        sq.put(a)
+        mine.send(b)
+        if not mine.poll(TIMEOUT):
+            raise TimeoutError(f"{method}: no answer (exit code {p.exitcode})")
+        assert mine.recv() == (b"aaaa", b"bbbb"), method
+        wait_for(lambda: read(a, 2) == b"AA" and read(b, 2) == b"BB", f"{method}: the child's writes")
+        mine.send(None)
+        p.join(TIMEOUT)
+        wait_for(lambda: poolipc.torch_sharing.stats()["kept"] == 0, f"{method}: the releases")
+    return "SimpleQueue and Pipe, spawn and forkserver: read, written in place, released"
 
 
 def s_dying(ctx, parent):
@@ -230,6 +263,7 @@ def main(name):
     ctx = mp.get_context("spawn")
     detail = {
         "basic": s_basic,
+        "channels": s_channels,
         "dying": s_dying,
         "relay": s_relay,
         "copy": s_copy,

@@ -115,6 +115,19 @@ def child_hold(q_in, q_out, n):
     time.sleep(600)
 
 
+def child_channels(sq, conn):
+    """A tensor from a SimpleQueue and one from a Pipe: read, written in place, answered."""
+    torch.cuda.init()
+    t = sq.get()
+    u = conn.recv()
+    ok = bool((t == 7).all().item()) and bool((u == 8).all().item())
+    t.fill_(17)
+    u.fill_(18)
+    torch.cuda.synchronize()
+    conn.send(ok)
+    conn.recv()  # the parent checked; now both may go
+
+
 def child_arg(t, q_out):
     ok = bool((t == 5).all().item())
     t.fill_(6)
@@ -297,6 +310,30 @@ def s_process_arg(ctx):
     return "Process(args=(t,)) read and written in place"
 
 
+def s_channels(ctx):
+    """mp.SimpleQueue and mp.Pipe (their pickling runs in the caller's thread, not a feeder),
+    with a child started by spawn and one by forkserver."""
+    for method in ("spawn", "forkserver"):
+        c = mp.get_context(method)
+        sq = c.SimpleQueue()
+        mine, theirs = c.Pipe()
+        p = c.Process(target=child_channels, args=(sq, theirs), daemon=True)
+        p.start()
+        t = torch.full((4096,), 7.0, device=DEV)
+        u = torch.full((4096,), 8.0, device=DEV)
+        sq.put(t)
+        mine.send(u)
+        deadline = time.monotonic() + TIMEOUT
+        while not mine.poll(0.2):
+            if not p.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{method}: the child gave no answer (exit code {p.exitcode})")
+        assert mine.recv(), f"{method}: the child read other bytes"
+        assert bool((t == 17).all().item()) and bool((u == 18).all().item()), f"{method}: the child's writes are missing"
+        mine.send(None)
+        p.join(TIMEOUT)
+    return "SimpleQueue and Pipe, to a spawned and a forkserver child: read and written in place"
+
+
 def s_event(ctx):
     q_in, q_out = queue(ctx), queue(ctx)
     p = start(ctx, child_event, q_in, q_out)
@@ -446,6 +483,7 @@ SCENARIOS = {
     "producer_deletes": s_producer_deletes,
     "sigkill": s_sigkill,
     "process_arg": s_process_arg,
+    "channels": s_channels,
     "event": s_event,
     "direct": s_direct,
     "types": s_types,

@@ -1,9 +1,9 @@
 //! Trimming the pool back after a killed worker's results were freed, and giving its arena's
-//! chunks back: the frees are stream-ordered, and the memory a killed worker imported is the
-//! driver's to unmap as its context goes, so the loop looks (without waiting on the GPU) every
-//! [`TRIM_EVERY`] from the reaping: for [`TRIM_FOR`] at least, and on while pool bytes are
-//! still owed, until [`TRIM_GIVE_UP`]. The part keeps the schedule and what is still owed; the
-//! loop does the trims it says are due.
+//! chunks back: the frees are stream-ordered, and a job held for its worker's DONE waits out
+//! the reap grace before its results are freed, so the loop looks (without waiting on the GPU)
+//! every [`TRIM_EVERY`] from the reaping: for [`TRIM_FOR`] at least, and on while pool bytes
+//! are still owed, until [`TRIM_GIVE_UP`]. The part keeps the schedule and what is still owed;
+//! the loop does the trims it says are due.
 
 use std::time::{Duration, Instant};
 
@@ -110,8 +110,8 @@ mod tests {
 
     #[test]
     fn looks_go_on_while_bytes_are_owed_until_they_give_up() {
-        // A killed worker's imports go with its context, which the driver may take a while to
-        // tear down: until then the pool cannot give the memory back.
+        // The frees can come after the first second (a job held for its DONE is freed at the
+        // end of the reap grace): until then the pool cannot give the memory back.
         let t0 = Instant::now();
         let mut t = PoolTrim::default();
         t.after(1000, t0);
