@@ -105,7 +105,7 @@ def test_unpooled_tensor_is_a_clear_error():
     assert r.returncode == 0 and "PASS unpooled" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
-@pytest.mark.parametrize("name", ["basic", "dying", "relay", "copy", "unpooled"])
+@pytest.mark.parametrize("name", ["basic", "again", "channels", "dying", "relay", "copy", "unpooled"])
 def test_torch_free_sharing_on_the_gpu(name):
     r = subprocess.run([sys.executable, SIM, name], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, POOLIPC_DRIVER="cuda"))

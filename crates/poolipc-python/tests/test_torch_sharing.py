@@ -18,7 +18,7 @@ import poolipc  # noqa: E402
 from conftest import WORKERS  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["basic", "channels", "dying", "relay", "copy", "unpooled"])
+@pytest.mark.parametrize("name", ["basic", "again", "channels", "dying", "relay", "copy", "unpooled"])
 def test_sharing_scenario(name):
     env = dict(os.environ, POOLIPC_DRIVER="sim")
     # A simulated machine of this pytest process (another suite installed a pool here) is

@@ -34,7 +34,7 @@ mod server;
 mod wire;
 use copy::VmmCopy;
 use receive::{IMPORTS, Import, POOLS, Peer, driver, import, peer};
-use release::{defer_release, pending_releases};
+use release::{pending_releases, release_mapping};
 pub(crate) use server::_interpreter_exiting;
 use server::{Kept, SERVER, Server, server};
 use wire::{Handle, OP_CLAIM, OP_RELEASE, Ref, Source};
@@ -90,10 +90,7 @@ impl SharedMapping {
         lock(&LIVE).remove(&h.live);
         // The import first (CUDA: the importer frees before the exporter), then the word,
         // once this process's work queued so far is done (the sender reuses the block).
-        drop(h.import);
-        if let Some((p, id)) = h.keeper {
-            defer_release(self.device, p, id);
-        }
+        release_mapping(self.device, h.import, h.keeper);
     }
 
     fn check(&self, offset: u64, n: u64) -> PyResult<()> {

@@ -125,12 +125,22 @@ pub(super) enum Mapped {
 pub(super) struct Import {
     pub(super) key: ImportKey,
     pub(super) ptr: DevicePtr,
+    /// The allocation's size.
+    pub(super) bytes: u64,
     pub(super) imp: Option<Mapped>,
     pub(super) device: u32,
     pub(super) driver: Arc<dyn Driver>,
 }
 
 pub(super) static IMPORTS: Mutex<Option<HashMap<ImportKey, Weak<Import>>>> = Mutex::new(None);
+
+impl Import {
+    /// Whether it may stay mapped a little after its last mapping went (an import by pool
+    /// pointer; a copy is the sender's to give back as soon as it can).
+    pub(super) fn lingers(&self) -> bool {
+        matches!(self.imp, Some(Mapped::Pointer(..)))
+    }
+}
 
 impl Drop for Import {
     fn drop(&mut self) {
@@ -201,6 +211,7 @@ pub(super) fn import(h: &Handle, device: u32) -> PyResult<Arc<Import>> {
     let i = Arc::new(Import {
         key: key.clone(),
         ptr,
+        bytes: h.alloc_bytes,
         imp: Some(mapped),
         device,
         driver,

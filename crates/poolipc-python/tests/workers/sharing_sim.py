@@ -55,6 +55,20 @@ def child_channels(sq, conn):
     conn.recv()
 
 
+def child_again(q_in, q_out):
+    n = 0
+    while True:
+        m = q_in.get(timeout=TIMEOUT)
+        if m is None:
+            break
+        m.write(bytes([n % 251]), 0)
+        q_out.put(m.read(0, 1))
+        del m
+        n += 1
+    q_out.put(poolipc.torch_sharing.stats())
+    q_in.get(timeout=TIMEOUT)
+
+
 def child_hold(q_in, q_out, n):
     held = [q_in.get(timeout=TIMEOUT) for _ in range(n)]
     q_out.put(sum(m.nbytes for m in held))
@@ -157,6 +171,28 @@ def s_channels(ctx, parent):
         p.join(TIMEOUT)
         wait_for(lambda: poolipc.torch_sharing.stats()["kept"] == 0, f"{method}: the releases")
     return "SimpleQueue and Pipe, spawn and forkserver: read, written in place, released"
+
+
+def s_again(ctx, parent):
+    """The same buffer sent 100 times, each dropped by the receiver before the next comes:
+    its import lingers and is taken over, every share is released, nothing is left."""
+    buf = parent.alloc(4096)
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child_again, args=(q_in, q_out), daemon=True)
+    p.start()
+    for i in range(100):
+        q_in.put(buf)
+        assert q_out.get(timeout=TIMEOUT) == bytes([i % 251]), i
+        assert read(buf, 1) == bytes([i % 251]), i
+    q_in.put(None)
+    child = q_out.get(timeout=TIMEOUT)
+    assert child["mappings"] == 0 and child["imports"] <= 1, child
+    wait_for(lambda: poolipc.torch_sharing.stats()["kept"] == 0, "every share released")
+    del buf
+    wait_for(lambda: poolipc.memory_stats()["used_current"] == 0, "the block back to the pool")
+    q_in.put(None)
+    p.join(TIMEOUT)
+    return f"100 shares of one buffer, each dropped before the next; the receiver held {child['imports']} import(s) at the end, every share released"
 
 
 def s_dying(ctx, parent):
@@ -262,6 +298,7 @@ def main(name):
     parent = poolipc.Parent(0)
     ctx = mp.get_context("spawn")
     detail = {
+        "again": s_again,
         "basic": s_basic,
         "channels": s_channels,
         "dying": s_dying,
