@@ -3,6 +3,7 @@
 //! the shape-first result request, a device copy and a write in place, and dies at the step
 //! `POOLIPC_FAILPOINT` names. [`fill_pattern`] and [`verify_echo`] are the parent's side.
 
+use poolipc::advanced::RawDriver;
 use poolipc::{Error, Job, ResultShape, Worker};
 
 pub use poolipc::advanced::driver::pattern::{fill_pattern, marker, verify_echo};

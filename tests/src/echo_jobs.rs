@@ -3,6 +3,7 @@
 //! [`echo`] writes.
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::{DType, DevicePtr, Input, JobOutput, Layout, Parent, StreamHandle, WorkerId};
 
 use crate::echo;

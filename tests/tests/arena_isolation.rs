@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::OwnedStream;
 use poolipc::advanced::types::ImportLimit;
 use poolipc::{

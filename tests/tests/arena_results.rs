@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::contract::FailReason;
 use poolipc::advanced::driver::{DriverKind, OwnedStream};
 use poolipc::{

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::contract::FailReason;
 use poolipc::advanced::driver::OwnedStream;
 use poolipc::{

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::{DevicePtr, OwnedStream, StreamHandle};
 use poolipc::{
     Bound, DType, Error, FailReason, Input, Layout, Parent, ParentOptions, ResultMemory, WorkerId,

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, Trust, WorkerId};
 use poolipc_tests::echo_jobs::{bytes_input, check_exact, filled, free_results};
 use poolipc_tests::{

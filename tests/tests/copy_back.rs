@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::{OwnedPool, OwnedStream, PoolAllocation, PoolSharing};
 use poolipc::advanced::types::{DType, ImportLimit};
 use poolipc::{DevicePtr, Error, Input, Layout, Parent, ParentOptions, Rung, StreamHandle};

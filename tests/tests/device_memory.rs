@@ -12,6 +12,7 @@
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::{
     Access, DeviceAllocation, Driver, Granularity, OwnedStream, VmmAllocation, VmmMapping,
     VmmReservation,

@@ -13,6 +13,7 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::sim::{SimConfig, SimDriver, VISIBLE_ENV};
 use poolipc::advanced::driver::{CudaDriver, Driver, StreamHandle};
 use poolipc::advanced::transport::{ErrorCode, HandshakeError};

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::sim::SimConfig;
 use poolipc::advanced::driver::{DevicePtr, StreamHandle};
 use poolipc::advanced::pool::ExportCacheStats;

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::contract::FailReason;
 use poolipc::advanced::driver::{DevicePtr, OwnedPool, OwnedStream, PoolSharing, StreamHandle};
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung};

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::{DevicePtr, Driver, OwnedStream, StreamHandle};
 use poolipc::advanced::pool::ImportLimit;
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, Rung};

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::OwnedStream;
 use poolipc::advanced::transport::Capabilities;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, Rung, Trust};

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::sim::SimConfig;
 use poolipc::advanced::driver::{DevicePtr, OwnedStream};
 use poolipc::{

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::{DevicePtr, OwnedStream, StreamHandle};
 use poolipc::{DType, Error, Input, Layout, Parent, ParentOptions, SendQueueLimits, StagingConfig};
 use poolipc_tests::echo;

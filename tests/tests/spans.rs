@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::OwnedStream;
 use poolipc::{DType, Input, Layout, Parent, ParentOptions};
 use poolipc_tests::{Env, tempdir, worker_command};

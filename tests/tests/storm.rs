@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::{Parent, ParentOptions};
 use poolipc_tests::echo_jobs::{bytes_input, echoed, filled};
 use poolipc_tests::{Env, both_drivers, worker_command};

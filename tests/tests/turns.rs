@@ -10,6 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::OwnedStream;
 use poolipc::{DType, Input, JobWatch, Layout, Parent, ParentOptions, WorkerId};
 use poolipc_tests::echo;

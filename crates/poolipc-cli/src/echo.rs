@@ -3,6 +3,7 @@
 //! exercises inputs, the shape-first result request, a device copy and a write in place.
 //! `touch` and `produce` are the workers the benchmark measures.
 
+use poolipc::advanced::RawDriver;
 use poolipc::{DType, Error, Job, ResultShape, Worker};
 
 pub(crate) use poolipc::advanced::driver::pattern::{fill_pattern, marker, verify_echo};

@@ -6,6 +6,7 @@
 //! simulated driver otherwise; `POOLIPC_DRIVER=sim` (or `cuda`) decides.
 use std::process::Command;
 
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::OwnedStream;
 use poolipc::driver::{self, Choice};
 use poolipc::{DType, Input, Layout, Parent, ParentOptions, ResultShape, Worker};

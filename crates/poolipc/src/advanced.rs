@@ -21,8 +21,8 @@
 //!   the [`transport::rendezvous`] helpers (abstract sockets, FDs by `SCM_RIGHTS`).
 //! - [`types`]: the dependency-free types everything above shares.
 //!
-//! [`Parent::driver`](crate::Parent::driver), [`Worker::driver`](crate::Worker::driver) and
-//! [`Job::driver`](crate::Job::driver) hand out the driver as an `Arc<dyn `[`Driver`](driver::Driver)`>`;
+//! [`RawDriver`], implemented by [`Parent`](crate::Parent), [`Worker`](crate::Worker) and
+//! [`Job`](crate::Job), hands out the driver as an `Arc<dyn `[`Driver`](driver::Driver)`>`;
 //! [`identity`] is the handshake identity a side presents (for a hand-written peer).
 
 pub use poolipc_contract as contract;
@@ -32,3 +32,55 @@ pub use poolipc_transport as transport;
 pub use poolipc_types as types;
 
 pub use crate::handshake::identity;
+
+use std::sync::Arc;
+
+mod sealed {
+    /// Keeps [`RawDriver`](super::RawDriver) implemented by the facade's types only.
+    pub trait Sealed {}
+    impl Sealed for crate::Parent {}
+    impl Sealed for crate::Worker {}
+    impl Sealed for crate::Job<'_> {}
+}
+
+/// The way below the facade: the driver a [`Parent`](crate::Parent), a
+/// [`Worker`](crate::Worker) or a [`Job`](crate::Job) works with, as an
+/// `Arc<dyn `[`Driver`](driver::Driver)`>` (one method per CUDA driver call: memsets, copies,
+/// events on memory you lend or write; its methods need no import).
+///
+/// What the driver does is yours to keep right: streams, events and memory you create this
+/// way are not tracked by the parent. Create streams, events and pools through the owning
+/// types ([`OwnedStream`](driver::OwnedStream), [`OwnedEvent`](driver::OwnedEvent),
+/// [`OwnedPool`](driver::OwnedPool)), which destroy what they own on drop. Not part of the
+/// stable surface (see the [module](self)); implemented by the facade's types only.
+///
+/// ```no_run
+/// use poolipc::advanced::RawDriver;
+/// use poolipc::advanced::driver::OwnedStream;
+///
+/// # fn f(parent: &poolipc::Parent) -> Result<(), Box<dyn std::error::Error>> {
+/// let stream = OwnedStream::new(parent.driver().clone())?; // cuStreamDestroy on drop
+/// # Ok(()) }
+/// ```
+pub trait RawDriver: sealed::Sealed {
+    /// The driver, below the facade.
+    fn driver(&self) -> &Arc<dyn driver::Driver>;
+}
+
+impl RawDriver for crate::Parent {
+    fn driver(&self) -> &Arc<dyn driver::Driver> {
+        self.driver_ref()
+    }
+}
+
+impl RawDriver for crate::Worker {
+    fn driver(&self) -> &Arc<dyn driver::Driver> {
+        self.driver_ref()
+    }
+}
+
+impl RawDriver for crate::Job<'_> {
+    fn driver(&self) -> &Arc<dyn driver::Driver> {
+        self.driver_ref()
+    }
+}

@@ -7,6 +7,7 @@
 use std::process::Command;
 use std::time::Instant;
 
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::sim::SimConfig;
 use poolipc::advanced::driver::{OwnedEvent, OwnedStream};
 use poolipc::check::{RaceReport, ViolationKind};

@@ -28,6 +28,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use poolipc::WorkerDevice;
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::Driver;
 
 fn run() -> anyhow::Result<usize> {

@@ -8,7 +8,7 @@ use anyhow::Result;
 
 /// The most public items the facade (`crates/poolipc`) may list: the count today, lowered as
 /// the surface shrinks, so that it can only shrink (the target of 150 is met).
-pub(crate) const FACADE_MAX_ITEMS: usize = 148;
+pub(crate) const FACADE_MAX_ITEMS: usize = 147;
 
 /// The facade's root source file.
 const FACADE_LIB: &str = "crates/poolipc/src/lib.rs";

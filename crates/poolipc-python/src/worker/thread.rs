@@ -17,6 +17,7 @@ use std::sync::mpsc::channel;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use poolipc::advanced::RawDriver;
 use poolipc::advanced::driver::{Driver, OwnedEvent};
 use poolipc::advanced::transport::{Connection, TOKEN_LEN};
 use poolipc::{DevicePtr, ResultShape, StreamHandle};

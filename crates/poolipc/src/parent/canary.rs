@@ -84,7 +84,7 @@ impl Battery<'_> {
     }
 
     fn run(&mut self, pieces: &[Piece]) -> Result<(), String> {
-        let d = std::sync::Arc::clone(self.parent.driver());
+        let d = std::sync::Arc::clone(self.parent.driver_ref());
         let s = self.stream;
         let mut allocs: Vec<DevicePtr> = Vec::new();
         let mut inputs = Vec::new();
@@ -187,7 +187,7 @@ impl Battery<'_> {
             self.lost = true;
         }
         let out = result?;
-        self.parent.driver().stream_synchronize(self.stream)?;
+        self.parent.driver_ref().stream_synchronize(self.stream)?;
         Ok(out)
     }
 
@@ -203,7 +203,7 @@ impl Battery<'_> {
     /// Checks the echo of `out`'s first result against `pattern`, then gives `out` back.
     fn echoed(&self, out: JobOutput, pattern: u32) -> Result<(), String> {
         let check = match out.results.first() {
-            Some(r) => verify_echo(&**self.parent.driver(), r.ptr, r.bytes, 0, pattern, 0),
+            Some(r) => verify_echo(&**self.parent.driver_ref(), r.ptr, r.bytes, 0, pattern, 0),
             None => Err("the job gave no result".into()),
         };
         self.give_back(out);
@@ -237,7 +237,7 @@ impl Battery<'_> {
         for p in held {
             let _ = parent.pool().free(p, self.stream);
         }
-        let _ = parent.driver().stream_synchronize(self.stream);
+        let _ = parent.driver_ref().stream_synchronize(self.stream);
     }
 
     /// The check's steps (see the module docs); what it allocates goes into `held`, for
@@ -248,7 +248,7 @@ impl Battery<'_> {
         held: &mut Vec<DevicePtr>,
     ) -> Trial {
         let (parent, s, bytes) = (self.parent, self.stream, REUSE_CHECK_BYTES);
-        let (d, pool) = (std::sync::Arc::clone(parent.driver()), parent.pool());
+        let (d, pool) = (std::sync::Arc::clone(parent.driver_ref()), parent.pool());
         if !parent.import_limit().allows(0, bytes) {
             return Trial::Inconclusive(format!("{bytes} bytes are over the import limit"));
         }
@@ -375,8 +375,8 @@ pub(crate) fn check_export_reuse(
     parent: &Parent,
     worker: poolipc_contract::WorkerId,
 ) -> Result<(ExportReuse, Option<String>), Error> {
-    parent.driver().use_device(parent.options().device)?;
-    let stream = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(parent.driver()))?;
+    parent.driver_ref().use_device(parent.options().device)?;
+    let stream = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(parent.driver_ref()))?;
     let mut b = Battery {
         parent,
         worker,
@@ -401,8 +401,8 @@ pub(crate) fn run(
     worker: poolipc_contract::WorkerId,
 ) -> Result<CanaryReport, Error> {
     // The battery allocates and checks on this thread: the device must be current here.
-    parent.driver().use_device(parent.options().device)?;
-    let stream = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(parent.driver()))?;
+    parent.driver_ref().use_device(parent.options().device)?;
+    let stream = poolipc_driver::OwnedStream::new(std::sync::Arc::clone(parent.driver_ref()))?;
     let mut b = Battery {
         parent,
         worker,

@@ -28,7 +28,7 @@ impl Worker {
             if !in_place {
                 return Ok(());
             }
-            let (driver, stream) = (job.driver().clone(), job.stream());
+            let (driver, stream) = (job.driver_ref().clone(), job.stream());
             for (i, input) in job.inputs().iter().enumerate() {
                 if input.rung == Rung::PoolPointer && !input.read_only && input.byte_len >= 4 {
                     driver.memset_d32_async(input.ptr, marker(i), 1, stream)?;
@@ -55,7 +55,7 @@ fn echo(job: &mut Job<'_>) -> Result<(), Error> {
     if !shapes.is_empty() {
         job.request_results(&shapes)?;
     }
-    let driver = job.driver().clone();
+    let driver = job.driver_ref().clone();
     let stream = job.stream();
     for (i, ((src, bytes), dst)) in copies.iter().zip(job.results()).enumerate() {
         driver.memcpy_dtod_async(dst.ptr, *src, (*bytes).min(dst.bytes), stream)?;

@@ -106,11 +106,9 @@ impl Job<'_> {
     pub fn stream(&self) -> StreamHandle {
         self.worker.stream.handle()
     }
-    /// The driver, below the facade: the
-    /// [`advanced::driver::Driver`](crate::advanced::driver::Driver) trait, one method per
-    /// CUDA driver call (memsets, copies, events on memory you lend or write). Not part of
-    /// the stable surface ([`advanced`](crate::advanced)).
-    pub fn driver(&self) -> &Arc<dyn Driver> {
+    /// The driver (the facade's own code; callers reach it through
+    /// [`RawDriver`](crate::advanced::RawDriver)).
+    pub(crate) fn driver_ref(&self) -> &Arc<dyn Driver> {
         &self.worker.driver
     }
     /// Whether the parent cancelled this job. Its further result requests are refused;
