@@ -153,7 +153,9 @@ impl SharedMapping {
             .map_err(|e| err(format!("poolipc: writing a shared mapping: {e}")))
     }
 
-    /// Lets go now: the import is freed and the sender told. Idempotent.
+    /// Lets go now: the mapping is unusable from here on, and the sender is told once this
+    /// process's work on the memory is done (a small allocation stays imported up to 20 ms
+    /// longer, for a new share of it). Idempotent.
     fn release(&self) {
         self.release_now();
     }
