@@ -50,7 +50,12 @@ def worker(q_in, q_out):
         del t
 
 
-def run(backend: str, reps: int) -> None:
+def start(backend: str, target, *args):
+    """This process set up as `backend` ("poolipc": its pool under cudaMallocAsync and
+    ``torch_sharing`` enabled; "torch": torch's native allocator and its own IPC) and a
+    spawned child running ``target(*args, q_in, q_out)``. Returns torch, the two queues and
+    the child. The probes beside this file set their backends up through it too, so that
+    every comparison starts from the same setup."""
     if backend == "poolipc":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
         import poolipc
@@ -65,8 +70,13 @@ def run(backend: str, reps: int) -> None:
         poolipc.torch_sharing.enable()
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=worker, args=(q_in, q_out), daemon=True)
+    p = ctx.Process(target=target, args=(*args, q_in, q_out), daemon=True)
     p.start()
+    return torch, q_in, q_out, p
+
+
+def run(backend: str, reps: int) -> None:
+    torch, q_in, q_out, p = start(backend, worker)
     warm = torch.zeros(4, device="cuda")
     q_in.put(warm)
     q_out.get(timeout=120)

@@ -21,6 +21,9 @@ import sys
 import time
 from collections import defaultdict
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchmp_share import start  # noqa: E402
+
 T: dict[str, list[float]] = defaultdict(list)
 
 
@@ -111,23 +114,7 @@ def worker(backend, q_in, q_out):
 
 
 def run(backend: str, reps: int, nbytes: int) -> None:
-    if backend == "poolipc":
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
-        import poolipc
-
-        poolipc.install_pool(0)
-    else:
-        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    import torch
-    import torch.multiprocessing as mp
-    import torch.multiprocessing.reductions as red
-
-    if backend == "poolipc":
-        poolipc.torch_sharing.enable()
-    ctx = mp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=worker, args=(backend, q_in, q_out), daemon=True)
-    p.start()
+    torch, q_in, q_out, p = start(backend, worker, backend)
     patch(backend)
     from multiprocessing.reduction import ForkingPickler
 

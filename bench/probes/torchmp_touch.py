@@ -16,6 +16,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchmp_share import start  # noqa: E402
+
 
 def worker(q_in, q_out):
     import torch
@@ -47,22 +50,7 @@ def worker(q_in, q_out):
 
 
 def run(backend: str) -> None:
-    if backend == "poolipc":
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
-        import poolipc
-
-        poolipc.install_pool(0)
-    else:
-        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    import torch
-    import torch.multiprocessing as mp
-
-    if backend == "poolipc":
-        poolipc.torch_sharing.enable()
-    ctx = mp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=worker, args=(q_in, q_out), daemon=True)
-    p.start()
+    torch, q_in, q_out, p = start(backend, worker)
     t = torch.zeros(1024, device="cuda")
     for _ in range(200):
         if os.environ.get("TOUCH_SENDER_WRITES"):
