@@ -56,10 +56,15 @@ struct Setup {
 }
 
 fn setup(env: &Env, via: Via, tag: &str) -> Result<Setup> {
+    setup_with(env, via, tag, poolipc::Tuning::from_env())
+}
+
+fn setup_with(env: &Env, via: Via, tag: &str, tuning: poolipc::Tuning) -> Result<Setup> {
     let options = ParentOptions {
         device: env.device,
         canary: false,
         arena_copy: via != Via::HostStaging,
+        tuning,
         ..ParentOptions::default()
     };
     let p = Parent::new(Arc::clone(&env.driver), options)?;
@@ -158,7 +163,12 @@ fn writer(env: &Env, s: &Setup) -> Result<(poolipc::WorkerId, std::path::PathBuf
 
 /// Lent writable on `via`: the job succeeds and the parent's tensor shows the write.
 fn a_write_comes_back(env: &Env, via: Via) -> Result<()> {
-    let s = setup(env, via, &format!("{via:?}-rw"))?;
+    a_write_comes_back_with(env, via, poolipc::Tuning::from_env())
+}
+
+fn a_write_comes_back_with(env: &Env, via: Via, tuning: poolipc::Tuning) -> Result<()> {
+    let through_host = tuning.copy_through_host;
+    let s = setup_with(env, via, &format!("{via:?}-rw-{through_host}"), tuning)?;
     let (w, report) = writer(env, &s)?;
     let input = Input::new(s.src, Layout::contiguous(DType::U8, &[BYTES]));
     let out = s.p.run_job(w, &[input], s.stream)?;
@@ -177,6 +187,19 @@ fn a_write_comes_back(env: &Env, via: Via) -> Result<()> {
         copied_back == want,
         "{copied_back} inputs copied back, expected {want}"
     );
+    // The copy in and the copy back go through the host where the arena copy's bound takes
+    // them and this process is no MPS client; device to device otherwise.
+    let host = s.p.stats().copies_through_host;
+    let want = if via == Via::ArenaCopy && BYTES <= through_host && s.p.mps_client() != Some(true) {
+        2
+    } else {
+        0
+    };
+    ensure!(
+        host == want,
+        "{host} copies through the host, expected {want} (bound {through_host}, MPS {:?})",
+        s.p.mps_client()
+    );
     finish(s, w)
 }
 
@@ -189,6 +212,16 @@ both_drivers!(
 both_drivers!(
     fn a_write_into_an_arena_copied_input_is_copied_back_to_the_parent(env) {
         a_write_comes_back(env, Via::ArenaCopy)
+    }
+);
+
+both_drivers!(
+    fn an_arena_copied_input_goes_device_to_device_when_no_copy_goes_through_the_host(env) {
+        let tuning = poolipc::Tuning {
+            copy_through_host: 0,
+            ..poolipc::Tuning::from_env()
+        };
+        a_write_comes_back_with(env, Via::ArenaCopy, tuning)
     }
 );
 

@@ -63,7 +63,8 @@ struct Registration {
 
 /// A memfd of `len` bytes mapped read-write and shared; see the [module docs](self).
 pub struct SharedHostBuffer {
-    fd: OwnedFd,
+    /// The memfd; `None` for a buffer of this process alone ([`private`](Self::private)).
+    fd: Option<OwnedFd>,
     ptr: NonNull<u8>,
     len: usize,
     registration: Mutex<Option<Registration>>,
@@ -104,6 +105,29 @@ impl SharedHostBuffer {
         nix::unistd::ftruncate(&fd, size).map_err(|e| os("ftruncate", e))?;
         fcntl(&fd, FcntlArg::F_ADD_SEALS(SEALS)).map_err(|e| os("fcntl(F_ADD_SEALS)", e))?;
         Self::map(fd, n)
+    }
+
+    /// `len` bytes of anonymous memory of this process alone (no file, no descriptor held),
+    /// for copies through the host within one process: [`fd`](Self::fd) is `None`.
+    pub fn private(len: usize) -> Result<SharedHostBuffer> {
+        let n = Self::nonzero("mmap", len)?;
+        // SAFETY: a fresh anonymous mapping chosen by the kernel (no address hint, no
+        // MAP_FIXED) cannot alias any Rust object.
+        let p = unsafe {
+            nix::sys::mman::mmap_anonymous(
+                None,
+                n,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
+            )
+        }
+        .map_err(|e| os("mmap", e))?;
+        Ok(SharedHostBuffer {
+            fd: None,
+            ptr: p.cast(),
+            len: n.get(),
+            registration: Mutex::new(None),
+        })
     }
 
     /// Maps a buffer another process created, from its FD (received by `SCM_RIGHTS` or
@@ -156,16 +180,17 @@ impl SharedHostBuffer {
         }
         .map_err(|e| os("mmap", e))?;
         Ok(SharedHostBuffer {
-            fd,
+            fd: Some(fd),
             ptr: p.cast(),
             len: n.get(),
             registration: Mutex::new(None),
         })
     }
 
-    /// The memfd, to send to the other process.
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+    /// The memfd, to send to the other process; `None` for a [`private`](Self::private)
+    /// buffer.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.fd.as_ref().map(AsFd::as_fd)
     }
 
     /// Bytes of the buffer.
@@ -286,6 +311,22 @@ impl SharedHostBuffer {
         })
     }
 
+    /// Whether every copy issued through the buffer completed (each stream's event, queried):
+    /// true for a buffer never copied through or not registered. Once it is, the pages may
+    /// be copied through again on any stream without waiting for the earlier copies.
+    pub fn idle(&self) -> Result<bool> {
+        let guard = self.lock();
+        let Some(reg) = guard.as_ref() else {
+            return Ok(true);
+        };
+        for (_, event) in &reg.streams {
+            if !reg.host.driver().event_query(event.handle())? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// Runs `copy` with the registered driver, then records the stream's tracking event.
     fn issue(
         &self,
@@ -304,6 +345,12 @@ impl SharedHostBuffer {
         let event = match reg.streams.iter().find(|(s, _)| *s == stream) {
             Some((_, e)) => e.handle(),
             None => {
+                // A stream met for the first time: the entries of streams whose copies all
+                // completed go first, so that a buffer copied through on many streams in
+                // turn (a caller's stream each job) keeps as many events as it has copies in
+                // flight, not one per stream it ever saw.
+                reg.streams
+                    .retain(|(_, e)| !matches!(driver.event_query(e.handle()), Ok(true)));
                 let e = OwnedEvent::new(Arc::clone(&driver), false)?;
                 let handle = e.handle();
                 reg.streams.push((stream, e));
@@ -393,6 +440,32 @@ mod tests {
         let mut out = [0u8; 7];
         b.read_at(100, &mut out).expect("read");
         assert_eq!(&out, b"staging");
+    }
+
+    #[test]
+    fn idle_once_the_copies_completed_and_finished_streams_are_let_go() {
+        use crate::owned::{DeviceAllocation, OwnedStream};
+        use crate::sim::{SimConfig, SimDriver};
+        let d: Arc<dyn Driver> = Arc::new(SimDriver::new(SimConfig::default()).expect("sim"));
+        d.use_device(0).expect("device");
+        let b = SharedHostBuffer::create(4096).expect("create");
+        assert!(b.idle().expect("idle"), "a buffer never copied through is idle");
+        b.register(&d).expect("register");
+        let mem = DeviceAllocation::new(Arc::clone(&d), 4096).expect("alloc");
+        let mut streams = Vec::new();
+        for _ in 0..20 {
+            let s = OwnedStream::new(Arc::clone(&d)).expect("stream");
+            b.copy_from_device(0, mem.ptr(), 4096, s.handle()).expect("d2h");
+            b.copy_to_device(0, mem.ptr(), 4096, s.handle()).expect("h2d");
+            d.stream_synchronize(s.handle()).expect("sync");
+            assert!(b.idle().expect("idle"), "every copy completed");
+            streams.push(s);
+        }
+        // Twenty streams met in turn, each done before the next: one entry left, not twenty.
+        let kept = b.lock().as_ref().map_or(0, |r| r.streams.len());
+        assert_eq!(kept, 1);
+        drop(b);
+        drop(mem);
     }
 
     #[test]

@@ -103,7 +103,7 @@ fn share(test: &str, skip_wait: bool) -> Vec<poolipc_driver::sim::Violation> {
     let owned_filled = OwnedEvent::new(&*d, true).unwrap();
     let filled = owned_filled.handle();
     d.event_record(filled, s).unwrap();
-    send_fd(&sock, &buf.fd());
+    send_fd(&sock, &buf.fd().unwrap());
     sock.write_all(&d.ipc_get_event_handle(filled).unwrap().0)
         .unwrap();
     let mut ok = [0u8; 1];
@@ -138,7 +138,7 @@ fn a_copy_out_of_the_buffer_not_ordered_after_the_other_process_copy_in_is_a_vio
 fn the_staging_file_is_sealed_so_the_other_side_cannot_resize_it() {
     let buf = SharedHostBuffer::create(8192).unwrap();
     // What a rogue worker holding the received FD would try: the kernel refuses both.
-    let fd = buf.fd().try_clone_to_owned().unwrap();
+    let fd = buf.fd().unwrap().try_clone_to_owned().unwrap();
     assert_eq!(
         nix::unistd::ftruncate(&fd, 0),
         Err(nix::errno::Errno::EPERM)
@@ -177,7 +177,7 @@ fn from_fd_refuses_a_file_not_sealed_against_resizing() {
 #[test]
 fn from_fd_refuses_a_size_the_file_does_not_have() {
     let buf = SharedHostBuffer::create(8192).unwrap();
-    let fd = buf.fd().try_clone_to_owned().unwrap();
+    let fd = buf.fd().unwrap().try_clone_to_owned().unwrap();
     assert!(matches!(
         SharedHostBuffer::from_fd(fd, 4096),
         Err(DriverError::InvalidArgument { .. })
@@ -236,7 +236,7 @@ fn dropping_the_buffer_unregisters_its_memory() {
     d.use_device(0).unwrap();
     let buf = SharedHostBuffer::create(4096).unwrap();
     buf.register(&d).unwrap();
-    let fd = buf.fd().try_clone_to_owned().unwrap();
+    let fd = buf.fd().unwrap().try_clone_to_owned().unwrap();
     drop(buf);
     // The same file mapped again (likely at the same address) registers cleanly.
     let again = SharedHostBuffer::from_fd(fd, 4096).unwrap();

@@ -84,6 +84,7 @@ fn parse_env_number<T: std::str::FromStr>(value: Option<&str>) -> Option<T> {
 /// | `POOLIPC_IO_THREADS` | [`io_threads`](Tuning::io_threads) | one per 4 CPUs, 1 to 4 |
 /// | `POOLIPC_GPU_TURN_US` | [`gpu_turn`](Tuning::gpu_turn) | 0 (no turns) |
 /// | `POOLIPC_READY_ASIDE` | [`ready_aside`](Tuning::ready_aside) | 1 (`0` turns it off) |
+/// | `POOLIPC_COPY_THROUGH_HOST_BYTES` | [`copy_through_host`](Tuning::copy_through_host) | 2 MiB |
 /// | `POOLIPC_WARM_COPIES` | [`warm_copies`](Tuning::warm_copies) | 0 (`1` turns it on) |
 ///
 /// Three more are read once by every process that has them set, a worker's included, and are
@@ -169,6 +170,17 @@ pub struct Tuning {
     /// [`ParentStats::ready_recorded_aside`](crate::ParentStats::ready_recorded_aside)
     /// counts it. `POOLIPC_READY_ASIDE` (`0`: off; on otherwise).
     pub ready_aside: bool,
+    /// The largest arena copy (an input copied in, and back when lent writable) the parent
+    /// makes through pinned host memory, on copy engines, instead of device to device, where
+    /// the driver says this process is not an MPS client (under MPS every copy goes device
+    /// to device). Without MPS a device-to-device copy runs on the compute engine and costs
+    /// the GPU a change of context to the worker's and back: on an H100 (driver 580,
+    /// 2026-12-07, `bench/probes/arena_copy.c`) a 4 KiB job took 288 µs read-only and
+    /// 325 µs copied back that way, 46 and 51 µs through the host; at 1 MiB 288 and 320
+    /// against 54 and 106. Past a few MiB the host copies cost more than the change.
+    /// [`ParentStats::copies_through_host`](crate::ParentStats::copies_through_host) counts
+    /// them. `POOLIPC_COPY_THROUGH_HOST_BYTES` (bytes, `0`: none); 2 MiB by default.
+    pub copy_through_host: u64,
     /// Whether the parent copies 1 MiB to the device and back once at
     /// [`Parent::new`](crate::Parent::new), through pageable host memory on the legacy
     /// stream (the experiment that led to [`ready_aside`](Tuning::ready_aside); a copy that
@@ -187,6 +199,8 @@ pub(crate) const GPU_TURN_ENV: &str = "POOLIPC_GPU_TURN_US";
 pub(crate) const IO_THREADS_ENV: &str = "POOLIPC_IO_THREADS";
 /// The environment variable of [`Tuning::ready_aside`].
 pub(crate) const READY_ASIDE_ENV: &str = "POOLIPC_READY_ASIDE";
+/// The environment variable of [`Tuning::copy_through_host`].
+pub(crate) const COPY_THROUGH_HOST_ENV: &str = "POOLIPC_COPY_THROUGH_HOST_BYTES";
 /// The environment variable of [`Tuning::warm_copies`].
 pub(crate) const WARM_COPIES_ENV: &str = "POOLIPC_WARM_COPIES";
 /// The environment variable of [`Tuning::spin_yields`].
@@ -210,6 +224,7 @@ impl Default for Tuning {
             io_threads: io_threads_for(cpus),
             send_queue: SendQueueLimits::default(),
             ready_aside: true,
+            copy_through_host: 2 << 20,
             warm_copies: false,
         }
     }
@@ -238,6 +253,7 @@ impl Tuning {
                 .map_or(d.io_threads, |n| usize::try_from(n).unwrap_or(usize::MAX)),
             send_queue: d.send_queue,
             ready_aside: number(READY_ASIDE_ENV).map_or(d.ready_aside, |v| v != 0),
+            copy_through_host: number(COPY_THROUGH_HOST_ENV).unwrap_or(d.copy_through_host),
             warm_copies: number(WARM_COPIES_ENV).map_or(d.warm_copies, |v| v == 1),
         }
     }

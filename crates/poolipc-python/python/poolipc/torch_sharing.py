@@ -118,7 +118,7 @@ def _share_reduce(ptr: int, nbytes: int, device: int | None, keep: object) -> tu
     r = _native._share(ptr, nbytes, device, keep)
     if isinstance(r, str):
         raise PoolipcError(f"poolipc: this memory cannot be shared: {r}")
-    handle, offset, ref = r
+    handle, offset, ref, _ = r
     if device is None:
         device = int(_native._pool_device())
     return (_open_mapping, (handle, offset, nbytes, ref, device))
@@ -168,14 +168,15 @@ def _share_cuda_(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
     device = self.device.index
     if device is None:
         device = torch.cuda.current_device()
-    stream = torch.cuda.current_stream(device)
+    # The current stream's raw handle (no Stream object: this runs for every tensor sent).
+    raw = torch._C._cuda_getCurrentRawStream(device)
     _publish_child_env()
     # What the share keeps alive until the receiver releases it: the storage, and the event
     # once there is one.
     keep = [self, None]
     # An allocation above the import limit is copied on this stream first; the event,
     # recorded after, orders the receiver after the sender's writes and the copy.
-    r = _native._share(self.data_ptr(), nbytes, device, keep, stream.cuda_stream)
+    r = _native._share(self.data_ptr(), nbytes, device, keep, raw)
     if isinstance(r, str):
         try:
             return _orig["share"](self, *args, **kwargs)
@@ -186,13 +187,13 @@ def _share_cuda_(self: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
                 "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync), or clone the tensor after "
                 "it, so that it lives in poolipc's pool"
             ) from e
-    handle, offset, ref = r
-    if stream.query():
+    handle, offset, ref, idle = r
+    if idle:
         # Everything queued on the stream has run (the writes, the copy): there is nothing to
         # order the receiver after, and no interprocess event to make, send and wait for.
         return (device, handle, nbytes, offset, ref, 0, b"", False)
     event = torch.cuda.Event(interprocess=True)
-    event.record(stream)
+    event.record(torch.cuda.current_stream(device))
     keep[1] = event
     return (device, handle, nbytes, offset, ref, 0, event.ipc_handle(), True)
 

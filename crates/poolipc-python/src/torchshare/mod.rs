@@ -186,8 +186,10 @@ impl Drop for SharedMapping {
 // ----- the module functions ------------------------------------------------------------
 
 /// Shares `nbytes` at `ptr` on `device`, keeping `keep` alive until the receiver releases
-/// the share. Returns `(handle, offset, ref)`: the handle names the allocation, `offset` is
-/// `ptr`'s offset in it, `ref` the share to release. Returns a `str` (why) instead when the
+/// the share. Returns `(handle, offset, ref, idle)`: the handle names the allocation,
+/// `offset` is `ptr`'s offset in it, `ref` the share to release, and `idle` whether
+/// everything queued on `stream` had run once the share was made (`cuStreamQuery`; None
+/// without a stream, or where the query failed): the caller then needs no event. Returns a `str` (why) instead when the
 /// memory is not poolipc's to share (no pool installed, another pool, another device): the
 /// caller falls back to torch's own path. `ValueError` for an allocation above the import
 /// limit.
@@ -235,12 +237,20 @@ pub(crate) fn _share(
         keeper: s.name.clone(),
         share: id,
     };
+    // After the export, which may have queued a copy on the stream: a stream that ran
+    // everything has run the sender's writes and that copy.
+    let idle = stream.and_then(|raw| {
+        let g = state::installed()?;
+        let _on = g.on_device().ok()?;
+        g.driver.stream_query(crate::dlpack::python_stream(raw)).ok()
+    });
     let t = PyTuple::new(
         py,
         [
             PyBytes::new(py, &found.0).into_any(),
             found.1.into_pyobject(py)?.into_any(),
             PyBytes::new(py, &r.encode()).into_any(),
+            idle.into_pyobject(py)?.to_owned().into_any(),
         ],
     )?;
     Ok(t.into_any().unbind())

@@ -41,6 +41,7 @@ mod actions;
 mod allocator;
 mod answers;
 mod arena;
+mod bounce;
 mod done;
 mod io;
 mod jobs;
@@ -291,6 +292,8 @@ struct Loop {
     aside: Option<poolipc_driver::OwnedStream>,
     /// The pool being trimmed back after a killed worker.
     pool_trim: PoolTrim,
+    /// Pinned buffers for the arena copy's copies through the host ([`bounce`]).
+    bounce: bounce::Bounce,
 }
 
 impl Drop for Loop {
@@ -357,7 +360,14 @@ impl Loop {
             cancel_grace: shared.options.cancel_grace,
         });
         let aside = crate::warm::aside_stream(&shared.driver, shared.options.tuning.ready_aside);
+        // Under MPS one context runs everything: a device-to-device copy costs no change.
+        let through_host = match shared.mps_client {
+            Some(true) => 0,
+            _ => shared.options.tuning.copy_through_host,
+        };
+        let bounce = bounce::Bounce::new(Arc::clone(&shared.driver), through_host);
         Loop {
+            bounce,
             aside,
             shared,
             room,

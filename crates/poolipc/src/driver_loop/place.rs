@@ -385,9 +385,7 @@ impl Loop {
                 block.chunk, sub.worker
             )));
         }
-        self.shared
-            .driver
-            .memcpy_dtod_async(block.ptr, src, bytes, sub.stream)
+        self.copy_on_device(block.ptr, src, bytes, sub.stream)
             .map_err(|e| NoCopy::Failed(e.into()))?;
         tracing::trace!(worker = %sub.worker, job = sub.job.0, ?block, bytes, "input copied into the arena");
         Ok(ArenaCopy {

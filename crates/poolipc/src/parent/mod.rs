@@ -357,6 +357,7 @@ impl Parent {
             host_staged_tensors: get(&s.host_staged_tensors),
             arena_results: get(&s.arena_results),
             arena_copied_inputs: get(&s.arena_copied_inputs),
+            copies_through_host: get(&s.copies_through_host),
             arena_slices_lent: get(&s.arena_slices_lent),
             arena_results_carved: get(&s.arena_results_carved),
             inputs_copied_back: get(&s.inputs_copied_back),

@@ -247,7 +247,13 @@ impl StagingChannel {
             filled_event: [blobs[0], blobs[1]],
             drained_event: [blobs[2], blobs[3]],
         });
-        conn.send(&msg, &[channel.buffer.fd()], channel.deadline())?;
+        let Some(fd) = channel.buffer.fd() else {
+            // `create` made it, with its memfd.
+            return Err(StagingError::Protocol(
+                "the staging buffer has no descriptor to send".into(),
+            ));
+        };
+        conn.send(&msg, &[fd], channel.deadline())?;
         let ready = channel.recv(conn, |m| matches!(m, Message::StagingReady { .. }))?;
         match ready {
             Message::StagingReady { bytes: b } if b == bytes as u64 => {}

@@ -118,6 +118,9 @@ pub struct ParentStats {
     pub arena_results: u64,
     /// Inputs copied into the arena and lent from there ([`Rung::ArenaCopy`](crate::Rung::ArenaCopy)).
     pub arena_copied_inputs: u64,
+    /// Arena copies (in, and back for a writable input) made through pinned host memory on
+    /// copy engines instead of device to device ([`Tuning::copy_through_host`](crate::Tuning::copy_through_host)).
+    pub copies_through_host: u64,
     /// Jobs lent an arena slice ([`ParentOptions::arena_slice_bytes`](crate::ParentOptions::arena_slice_bytes)).
     pub arena_slices_lent: u64,
     /// Results the workers carved out of arena slices (no round trip each); also counted in
@@ -191,6 +194,7 @@ pub(crate) struct Stats {
     pub(crate) host_staged_tensors: AtomicU64,
     pub(crate) arena_results: AtomicU64,
     pub(crate) arena_copied_inputs: AtomicU64,
+    pub(crate) copies_through_host: AtomicU64,
     pub(crate) arena_slices_lent: AtomicU64,
     pub(crate) arena_results_carved: AtomicU64,
     pub(crate) inputs_copied_back: AtomicU64,
