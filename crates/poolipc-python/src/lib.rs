@@ -56,6 +56,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<torchshare::SharedMapping>()?;
     m.add_function(wrap_pyfunction!(torchshare::_share, m)?)?;
     m.add_function(wrap_pyfunction!(torchshare::_open, m)?)?;
+    m.add_function(wrap_pyfunction!(torchshare::_kick, m)?)?;
     m.add_function(wrap_pyfunction!(torchshare::_release, m)?)?;
     m.add_function(wrap_pyfunction!(torchshare::_stats, m)?)?;
     m.add_function(wrap_pyfunction!(torchshare::_forget_kept, m)?)?;

@@ -51,3 +51,21 @@ def test_a_sender_that_is_gone_is_a_clear_error():
 def test_stats_before_any_sharing():
     s = poolipc.torch_sharing.stats()
     assert set(s) == {"kept", "receivers", "address", "imports", "mappings", "pools", "pending_releases"}
+
+
+def test_the_receivers_early_work_is_queued_and_never_raises():
+    # In a process of its own, with a pool (its simulated machine): a memset of the process's
+    # scratch word on the legacy stream is queued, the word made once; on a device that does
+    # not exist nothing is queued and nothing raised (the early work is an optimization).
+    code = (
+        "import poolipc\n"
+        "poolipc.install_pool()\n"
+        "k = poolipc._native._kick\n"
+        "print(k(0, 0), k(0, 0), k(99, 0))\n"
+    )
+    env = dict(os.environ, POOLIPC_DRIVER="sim")
+    env.pop("POOLIPC_SIM_MACHINE", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "True True False", r.stdout + r.stderr

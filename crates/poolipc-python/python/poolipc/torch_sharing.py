@@ -64,6 +64,10 @@ _REF_MAGIC = b"POOLIPC-R1"
 # leaves what its shares kept to the exit.
 atexit.register(_native._interpreter_exiting)
 
+# A receiver queues a 4-byte memset on its current stream as each tensor arrives
+# (``_native._kick``); ``POOLIPC_TORCH_EARLY_WORK=0`` turns it off.
+_EARLY_WORK = os.environ.get("POOLIPC_TORCH_EARLY_WORK", "1") != "0"
+
 _lock = threading.Lock()
 _orig: dict[str, Any] = {}
 
@@ -220,6 +224,10 @@ def _new_shared_cuda(
 
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if _EARLY_WORK:
+        # This process's first GPU work for the tensor, before the rest of its rebuild:
+        # without MPS the GPU's change from the sender's context then overlaps that host work.
+        _native._kick(index, torch._C._cuda_getCurrentRawStream(index))
     mapping = _native._open(handle, int(offset), int(size), ref_handle if _is_ref(ref_handle) else None, index)
     if event_sync_required and event_handle:
         with torch.cuda.device(index):

@@ -456,6 +456,43 @@ pub(crate) fn _open(
     })
 }
 
+/// Queues a 4-byte memset of this process's scratch word on `device` on `stream`: the
+/// receiver's first GPU work, made as a tensor arrives and before its mapping is opened, so
+/// that without MPS the GPU's change from the sender's context to this one runs while the
+/// receiver still rebuilds the tensor on the host instead of after, when the receiver's own
+/// first kernel would wait for it. Whether it was queued; a failure is logged, never raised
+/// (nothing depends on it).
+#[pyfunction]
+pub(crate) fn _kick(py: Python<'_>, device: u32, stream: u64) -> bool {
+    static SCRATCH: Mutex<BTreeMap<u32, poolipc::advanced::driver::DeviceAllocation>> =
+        Mutex::new(BTreeMap::new());
+    let queued = py.detach(move || -> Result<(), String> {
+        let driver = driver().map_err(|e| e.to_string())?;
+        let _on = OnDevice::push(&*driver, device).map_err(|e| e.to_string())?;
+        let mut scratch = lock(&SCRATCH);
+        let word = match scratch.get(&device) {
+            Some(m) => m.ptr(),
+            None => {
+                let m = poolipc::advanced::driver::DeviceAllocation::new(Arc::clone(&driver), 4)
+                    .map_err(|e| e.to_string())?;
+                let p = m.ptr();
+                scratch.insert(device, m);
+                p
+            }
+        };
+        driver
+            .memset_d32_async(word, 0, 1, crate::dlpack::python_stream(stream))
+            .map_err(|e| e.to_string())
+    });
+    match queued {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(error = %e, "poolipc: the receiver's early memset was not queued");
+            false
+        }
+    }
+}
+
 /// Releases a share without mapping it (torch's `_release_ipc_counter`: the receiver
 /// already holds the same storage under an earlier share).
 #[pyfunction]
