@@ -461,6 +461,12 @@ fn tuning_rows(t: &mut Table) {
             "POOLIPC_READY_ASIDE",
             "yes by default: without MPS it spares a context switch each way, docs/facts.md",
         ),
+        (
+            "arena copies through the host up to",
+            format!("{} KiB", defaults.tuning.copy_through_host >> 10),
+            "POOLIPC_COPY_THROUGH_HOST_BYTES",
+            "2 MiB by default, without MPS only: pinned host copies spare the GPU a change of context each way, docs/facts.md",
+        ),
     ];
     for (what, value, env, rule) in rows {
         let source = match std::env::var_os(env) {

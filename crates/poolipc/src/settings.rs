@@ -363,6 +363,15 @@ mod tests {
             set("POOLIPC_READY_ASIDE", 2).ready_aside,
             "only 0 turns it off"
         );
+        assert_eq!(
+            set("POOLIPC_COPY_THROUGH_HOST_BYTES", 4096).copy_through_host,
+            4096
+        );
+        assert_eq!(
+            set("POOLIPC_COPY_THROUGH_HOST_BYTES", 0).copy_through_host,
+            0,
+            "0: every arena copy device to device"
+        );
         assert!(set("POOLIPC_WARM_COPIES", 1).warm_copies);
         assert!(
             !set("POOLIPC_WARM_COPIES", 2).warm_copies,
