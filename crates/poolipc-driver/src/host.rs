@@ -449,14 +449,19 @@ mod tests {
         let d: Arc<dyn Driver> = Arc::new(SimDriver::new(SimConfig::default()).expect("sim"));
         d.use_device(0).expect("device");
         let b = SharedHostBuffer::create(4096).expect("create");
-        assert!(b.idle().expect("idle"), "a buffer never copied through is idle");
+        assert!(
+            b.idle().expect("idle"),
+            "a buffer never copied through is idle"
+        );
         b.register(&d).expect("register");
         let mem = DeviceAllocation::new(Arc::clone(&d), 4096).expect("alloc");
         let mut streams = Vec::new();
         for _ in 0..20 {
             let s = OwnedStream::new(Arc::clone(&d)).expect("stream");
-            b.copy_from_device(0, mem.ptr(), 4096, s.handle()).expect("d2h");
-            b.copy_to_device(0, mem.ptr(), 4096, s.handle()).expect("h2d");
+            b.copy_from_device(0, mem.ptr(), 4096, s.handle())
+                .expect("d2h");
+            b.copy_to_device(0, mem.ptr(), 4096, s.handle())
+                .expect("h2d");
             d.stream_synchronize(s.handle()).expect("sync");
             assert!(b.idle().expect("idle"), "every copy completed");
             streams.push(s);

@@ -242,7 +242,9 @@ pub(crate) fn _share(
     let idle = stream.and_then(|raw| {
         let g = state::installed()?;
         let _on = g.on_device().ok()?;
-        g.driver.stream_query(crate::dlpack::python_stream(raw)).ok()
+        g.driver
+            .stream_query(crate::dlpack::python_stream(raw))
+            .ok()
     });
     let t = PyTuple::new(
         py,

@@ -34,7 +34,9 @@ impl super::Loop {
             crate::state::Stats::bump(&self.shared.stats.copies_through_host);
             return Ok(());
         }
-        self.shared.driver.memcpy_dtod_async(dst, src, bytes, stream)
+        self.shared
+            .driver
+            .memcpy_dtod_async(dst, src, bytes, stream)
     }
 }
 
@@ -100,7 +102,8 @@ impl Bounce {
             return Ok(None);
         }
         let len = usize::try_from(self.max).unwrap_or(usize::MAX);
-        let made = SharedHostBuffer::private(len).and_then(|b| b.register(&self.driver).map(|()| b));
+        let made =
+            SharedHostBuffer::private(len).and_then(|b| b.register(&self.driver).map(|()| b));
         match made {
             Ok(b) => {
                 self.slots.push(b);
@@ -145,10 +148,14 @@ mod tests {
         let mut b = Bounce::new(Arc::clone(&d), 1 << 20);
         let (src, dst) = (filled(&d, 65536, 7), filled(&d, 65536, 0));
         let s = OwnedStream::new(Arc::clone(&d)).expect("stream");
-        assert!(b.copy(dst.ptr(), src.ptr(), 65536, s.handle()).expect("copy"));
+        assert!(
+            b.copy(dst.ptr(), src.ptr(), 65536, s.handle())
+                .expect("copy")
+        );
         // The host reads on the stream, after the copy: the bytes are there.
         let mut got = vec![0u8; 65536];
-        d.memcpy_dtoh_on(&mut got, dst.ptr(), s.handle()).expect("read");
+        d.memcpy_dtoh_on(&mut got, dst.ptr(), s.handle())
+            .expect("read");
         assert!(got.iter().all(|&x| x == 7));
         assert_eq!(d.sim_checker().map_or(0, |c| c.count()), 0, "no race");
     }
@@ -159,10 +166,18 @@ mod tests {
         let (src, dst) = (filled(&d, 8192, 1), filled(&d, 8192, 0));
         let s = OwnedStream::new(Arc::clone(&d)).expect("stream");
         let mut small = Bounce::new(Arc::clone(&d), 4096);
-        assert!(!small.copy(dst.ptr(), src.ptr(), 8192, s.handle()).expect("copy"));
+        assert!(
+            !small
+                .copy(dst.ptr(), src.ptr(), 8192, s.handle())
+                .expect("copy")
+        );
         let mut off = Bounce::new(Arc::clone(&d), 0);
         assert!(!off.copy(dst.ptr(), src.ptr(), 1, s.handle()).expect("copy"));
-        assert_eq!(small.buffers() + off.buffers(), 0, "nothing pinned for them");
+        assert_eq!(
+            small.buffers() + off.buffers(),
+            0,
+            "nothing pinned for them"
+        );
     }
 
     #[test]
@@ -175,11 +190,15 @@ mod tests {
         // flight.
         d.launch_hang_kernel(s.handle()).expect("hang");
         for _ in 0..SLOTS {
-            assert!(b.copy(dst.ptr(), src.ptr(), 4096, s.handle()).expect("copy"));
+            assert!(
+                b.copy(dst.ptr(), src.ptr(), 4096, s.handle())
+                    .expect("copy")
+            );
         }
         assert_eq!(b.buffers(), SLOTS);
         assert!(
-            !b.copy(dst.ptr(), src.ptr(), 4096, s.handle()).expect("copy"),
+            !b.copy(dst.ptr(), src.ptr(), 4096, s.handle())
+                .expect("copy"),
             "every buffer is busy: device to device"
         );
         // Dropped, the buffers would wait for copies that never run (as they must).
@@ -194,7 +213,10 @@ mod tests {
         let (src, dst) = (filled(&d, 4096, 3), filled(&d, 4096, 0));
         for _ in 0..10 {
             let s = OwnedStream::new(Arc::clone(&d)).expect("stream");
-            assert!(b.copy(dst.ptr(), src.ptr(), 4096, s.handle()).expect("copy"));
+            assert!(
+                b.copy(dst.ptr(), src.ptr(), 4096, s.handle())
+                    .expect("copy")
+            );
             d.stream_synchronize(s.handle()).expect("sync");
         }
         assert_eq!(b.buffers(), 1, "one buffer, lent again each time");
