@@ -311,6 +311,38 @@ impl SharedHostBuffer {
         })
     }
 
+    /// Copies `bytes` from `src` to `dst` through the buffer at `off`, on `stream`:
+    /// `cuMemcpyDtoHAsync` into the buffer, then `cuMemcpyHtoDAsync` out of it, ordered by
+    /// the stream like one device-to-device copy, with one tracking record after both. The
+    /// two copies run on copy engines, where a device-to-device copy runs on the compute
+    /// engine (docs/facts.md).
+    ///
+    /// Safe for the same reasons as [`copy_from_device`](Self::copy_from_device). The
+    /// buffer's bytes at `[off, off + bytes)` are the copy's until it completed: another
+    /// copy through them must wait for [`idle`](Self::idle).
+    pub fn copy_through(
+        &self,
+        off: usize,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const CALL: &str = "cuMemcpyDtoHAsync";
+        self.check(CALL, off, bytes)?;
+        self.issue(CALL, stream, |driver| {
+            // SAFETY: `[off, off + bytes)` lies in the mapping (checked above), which stays
+            // mapped until both copies completed: `Drop` synchronizes the event `issue`
+            // records after them. The second copy reads what the first wrote, after it on the
+            // same stream.
+            unsafe {
+                let host = self.ptr.as_ptr().add(off);
+                driver.memcpy_dtoh_async(host, src, bytes as u64, stream)?;
+                driver.memcpy_htod_async(dst, host, bytes as u64, stream)
+            }
+        })
+    }
+
     /// Whether every copy issued through the buffer completed (each stream's event, queried):
     /// true for a buffer never copied through or not registered. Once it is, the pages may
     /// be copied through again on any stream without waiting for the earlier copies.

@@ -38,6 +38,7 @@ __all__ = [
     "sim_report",
     "_share",
     "_open",
+    "_kick",
     "_release",
     "_stats",
     "_forget_kept",

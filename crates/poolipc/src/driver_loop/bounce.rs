@@ -84,9 +84,7 @@ impl Bounce {
         };
         // `bytes <= max`, which fits a buffer (made `max` long), so fits `usize` too.
         let n = usize::try_from(bytes).unwrap_or(usize::MAX);
-        let buf = &self.slots[slot];
-        buf.copy_from_device(0, src, n, stream)?;
-        buf.copy_to_device(0, dst, n, stream)?;
+        self.slots[slot].copy_through(0, dst, src, n, stream)?;
         Ok(true)
     }
 
