@@ -12,8 +12,10 @@
 # driving every worker, the binding against torch.multiprocessing under MPS), "gputurns",
 # "mpsspin" and "floorscale" (the bare driver's jobs/s with N copies at once), "torchmp"
 # (torch.multiprocessing under cudaMallocAsync through poolipc.torch_sharing, with its
-# controls), "torchmpbench" (its bench row) and "rogue" (every job ends: hostile workers beside an
-# honest one), run only when named);
+# controls), "torchmpbench" (its bench row), "torchmpearly" (its receiver's early work off and
+# on, alternated), "copyrungs" (the arena copy device to device and through the host,
+# alternated, with bench/probes/arena_copy.sh) and "rogue" (every job ends: hostile workers
+# beside an honest one), run only when named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one run stays within
 # its time limit.
 set -u
@@ -609,6 +611,42 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
   echo "--- poolipc bench --workers 8 --mps (the same machine, the same minutes)" >> "$summary"
   RUST_LOG=warn timeout 90 "$here/poolipc" bench --workers 8 --mps > "$out/floorscale-bench.log" 2>&1
   echo "exit: $?" >> "$summary"; sed -n '/under a private MPS daemon/,$p' "$out/floorscale-bench.log" | grep -vE " (INFO|WARN|DEBUG) " >> "$summary"
+fi
+fi
+stash
+if want copyrungs; then
+# The arena copy's rungs (an isolated worker's every input) with the copies device to device
+# (POOLIPC_COPY_THROUGH_HOST_BYTES=0) and through pinned host memory (the default), alternated
+# in one run, 4 KiB and 1 MiB; then the bare driver's ways of copying, plainly and under MPS
+# (bench/probes/arena_copy.sh). About 2 minutes.
+echo "--- copyrungs: poolipc bench's copy rows, device to device (0) and through the host (default), alternated" >> "$summary"
+for v in 0 default 0 default; do
+  if [ "$v" = default ]; then unset POOLIPC_COPY_THROUGH_HOST_BYTES; else export POOLIPC_COPY_THROUGH_HOST_BYTES=$v; fi
+  RUST_LOG=warn timeout 150 "$here/poolipc" bench --max-mib 1 --copy-max-mib 1 --result-max-mib 1 --iterations 300 > "$out/copyrungs-$v.log" 2>&1
+  echo "bench, copies through the host up to ${v}: exit $?" >> "$summary"
+  grep -A3 -E "^ +size +(read-only|isolated rw)" "$out/copyrungs-$v.log" >> "$summary"
+done
+unset POOLIPC_COPY_THROUGH_HOST_BYTES
+timeout 300 "$repo/bench/probes/arena_copy.sh" 400 > "$out/copyrungs-probe.log" 2>&1
+echo "bench/probes/arena_copy.sh exit: $? (JSON lines in copyrungs-probe.log)" >> "$summary"
+fi
+if want torchmpearly; then
+# torch.multiprocessing's receiver with its early work off and on (POOLIPC_TORCH_EARLY_WORK),
+# alternated 0, 1, 1, 0: bench/torchmp_share.py's rows and the receiver's first write
+# (bench/probes/torchmp_touch.py --sender-writes). About 6 minutes.
+if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
+  [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/torchmp-pip.log" 2>&1
+  echo "--- torchmpearly: the torch receiver's early work off (0) and on (1), alternated" >> "$summary"
+  for k in 0 1 1 0; do
+    ( cd "$repo" && POOLIPC_TORCH_EARLY_WORK=$k PYTHONPATH=/tmp/poolipc-site timeout 150 python3 bench/torchmp_share.py ) > "$out/torchmpearly-$k.log" 2>&1
+    echo "early work $k: exit $?" >> "$summary"; grep -E "^(4KiB|1GiB) " "$out/torchmpearly-$k.log" >> "$summary"
+  done
+  for k in 0 1; do
+    ( cd "$repo" && POOLIPC_TORCH_EARLY_WORK=$k PYTHONPATH=/tmp/poolipc-site timeout 100 python3 bench/probes/torchmp_touch.py --sender-writes ) > "$out/torchmpearly-touch-$k.log" 2>&1
+    echo "touch, early work $k: exit $?" >> "$summary"; grep -E "write\+sync" "$out/torchmpearly-touch-$k.log" | cut -c1-110 >> "$summary"
+  done
+else
+  echo "torchmpearly: NOT RUN (no wheel in the bundle, or no torch here)" >> "$summary"
 fi
 fi
 stash
