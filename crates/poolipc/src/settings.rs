@@ -178,8 +178,9 @@ pub struct Tuning {
     /// 2026-12-07, `bench/probes/arena_copy.c`) a 4 KiB job took 288 µs read-only and
     /// 325 µs copied back that way, 46 and 51 µs through the host; at 1 MiB 288 and 320
     /// against 54 and 106. Past a few MiB the host copies cost more than the change. Each IO
-    /// thread keeps up to four pinned host buffers of this size, made when first needed and
-    /// lent to one copy at a time; while all four are busy a copy goes device to device.
+    /// thread keeps up to four pinned host buffers of this size (at most 64 MiB: a larger
+    /// value is lowered to it), made when first needed and lent to one copy at a time; while
+    /// all four are busy a copy goes device to device.
     /// [`ParentStats::copies_through_host`](crate::ParentStats::copies_through_host) counts
     /// them. `POOLIPC_COPY_THROUGH_HOST_BYTES` (bytes, `0`: none); 2 MiB by default.
     pub copy_through_host: u64,

@@ -40,6 +40,10 @@ impl super::Loop {
     }
 }
 
+/// The most a copy through the host may be: each buffer is this long at most, and a room
+/// keeps [`SLOTS`] of them pinned. A larger bound is lowered to it (logged).
+pub(super) const MAX_THROUGH_HOST: u64 = 64 << 20;
+
 /// How many buffers a room keeps at most: as many copies in flight at once go through the
 /// host; one more goes device to device.
 const SLOTS: usize = 4;
@@ -55,11 +59,19 @@ pub(super) struct Bounce {
 }
 
 impl Bounce {
-    /// Copies of up to `max` bytes go through the host (none where `max` is 0).
+    /// Copies of up to `max` bytes go through the host (none where `max` is 0), at most
+    /// [`MAX_THROUGH_HOST`].
     pub(super) fn new(driver: Arc<dyn Driver>, max: u64) -> Bounce {
+        if max > MAX_THROUGH_HOST {
+            tracing::warn!(
+                asked = max,
+                bytes = MAX_THROUGH_HOST,
+                "Tuning::copy_through_host is above what a copy through the host may be: lowered"
+            );
+        }
         Bounce {
             driver,
-            max,
+            max: max.min(MAX_THROUGH_HOST),
             slots: Vec::new(),
             broken: false,
         }
@@ -156,6 +168,12 @@ mod tests {
             .expect("read");
         assert!(got.iter().all(|&x| x == 7));
         assert_eq!(d.sim_checker().map_or(0, |c| c.count()), 0, "no race");
+    }
+
+    #[test]
+    fn a_bound_above_the_most_is_lowered_to_it() {
+        let b = Bounce::new(sim(), u64::MAX);
+        assert_eq!(b.max, MAX_THROUGH_HOST);
     }
 
     #[test]
