@@ -20,24 +20,23 @@ use std::sync::Arc;
 use poolipc_driver::host::SharedHostBuffer;
 use poolipc_driver::{DevicePtr, Driver, StreamHandle};
 
-impl super::Loop {
-    /// The arena copy's copy of `bytes` from `src` to `dst` on `stream`: through the host
-    /// where [`Bounce`] takes it, else device to device.
-    pub(super) fn copy_on_device(
-        &mut self,
-        dst: DevicePtr,
-        src: DevicePtr,
-        bytes: u64,
-        stream: StreamHandle,
-    ) -> poolipc_driver::Result<()> {
-        if self.bounce.copy(dst, src, bytes, stream)? {
-            crate::state::Stats::bump(&self.shared.stats.copies_through_host);
-            return Ok(());
-        }
-        self.shared
-            .driver
-            .memcpy_dtod_async(dst, src, bytes, stream)
+/// The arena copy's copy of `bytes` from `src` to `dst` on `stream`: through the host where
+/// `bounce` takes it (counted in `shared`'s stats), else device to device. A function of the
+/// loop's two parts, not a method of the loop, so that a caller may hold a job of the loop's
+/// meanwhile.
+pub(super) fn copy_on_device(
+    bounce: &mut Bounce,
+    shared: &super::Shared,
+    dst: DevicePtr,
+    src: DevicePtr,
+    bytes: u64,
+    stream: StreamHandle,
+) -> poolipc_driver::Result<()> {
+    if bounce.copy(dst, src, bytes, stream)? {
+        crate::state::Stats::bump(&shared.stats.copies_through_host);
+        return Ok(());
     }
+    shared.driver.memcpy_dtod_async(dst, src, bytes, stream)
 }
 
 /// The most a copy through the host may be: each buffer is this long at most, and a room

@@ -385,8 +385,15 @@ impl Loop {
                 block.chunk, sub.worker
             )));
         }
-        self.copy_on_device(block.ptr, src, bytes, sub.stream)
-            .map_err(|e| NoCopy::Failed(e.into()))?;
+        super::bounce::copy_on_device(
+            &mut self.bounce,
+            &self.shared,
+            block.ptr,
+            src,
+            bytes,
+            sub.stream,
+        )
+        .map_err(|e| NoCopy::Failed(e.into()))?;
         tracing::trace!(worker = %sub.worker, job = sub.job.0, ?block, bytes, "input copied into the arena");
         Ok(ArenaCopy {
             lease,

@@ -363,12 +363,14 @@ impl Loop {
             let acked = matches!(outcome, Outcome::Completed | Outcome::Cancelled)
                 && st.done_failed.is_none();
             if acked && !input.read_only {
-                let stream = st.stream;
-                let copied = self.copy_on_device(input.src, input.block, input.bytes, stream);
-                let Some(st) = self.jobs.get_mut(&(worker, job)) else {
-                    drop(input.lease);
-                    return;
-                };
+                let copied = super::bounce::copy_on_device(
+                    &mut self.bounce,
+                    &self.shared,
+                    input.src,
+                    input.block,
+                    input.bytes,
+                    st.stream,
+                );
                 match copied {
                     Ok(()) => {
                         Stats::bump(&self.shared.stats.inputs_copied_back);
