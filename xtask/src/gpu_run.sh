@@ -14,7 +14,8 @@
 # (torch.multiprocessing under cudaMallocAsync through poolipc.torch_sharing, with its
 # controls), "torchmpbench" (its bench row), "torchmpearly" (its receiver's early work off and
 # on, alternated), "copyrungs" (the arena copy device to device and through the host,
-# alternated, with bench/probes/arena_copy.sh) and "rogue" (every job ends: hostile workers
+# alternated, with bench/probes/arena_copy.sh), "floorpair" (one worker under MPS beside the
+# bare driver, alternated, with each baseline and a probe) and "rogue" (every job ends: hostile workers
 # beside an honest one), run only when named);
 # POOLIPC_TEST_BINS names test binaries (default all), so that one run stays within
 # its time limit.
@@ -611,6 +612,40 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
   echo "--- poolipc bench --workers 8 --mps (the same machine, the same minutes)" >> "$summary"
   RUST_LOG=warn timeout 90 "$here/poolipc" bench --workers 8 --mps > "$out/floorscale-bench.log" 2>&1
   echo "exit: $?" >> "$summary"; sed -n '/under a private MPS daemon/,$p' "$out/floorscale-bench.log" | grep -vE " (INFO|WARN|DEBUG) " >> "$summary"
+fi
+fi
+stash
+if want floorpair; then
+# One worker's lent-again 4 KiB job under MPS beside the bare driver's same calls
+# (bench/probes/floor_scale.c, one copy), alternated three times in one daemon's life, with
+# the direct path on and off (POOLIPC_DIRECT) and each baseline-*/poolipc of the bundle in the
+# same rounds (before and after, same run); 1 to 8 workers with the path on and off; then
+# where this tree's job goes (POOLIPC_PROBE, bench/probe_report.py --threads). Only when
+# named, about 3 minutes.
+if command -v nvidia-cuda-mps-control >/dev/null && nvcc -O2 -o /tmp/poolipc-floor-scale "$repo/bench/probes/floor_scale.c" -lcuda > "$out/floorpair-build.txt" 2>&1; then
+  echo "--- floor pair under MPS: floor_scale.c (one copy) and poolipc bench --workers 1, alternated" >> "$summary"
+  bins="$here/poolipc"
+  for b in "$here"/baseline-*/poolipc; do [ -x "$b" ] && bins="$bins $b"; done
+  cat > /tmp/floorpair.sh <<SH
+for r in 1 2 3; do
+  /tmp/poolipc-floor-scale 0 spin 2000 host | sed "s/^/round \$r floor: /"
+  for b in $bins; do
+    for d in 1 0; do
+      echo "round \$r \$b POOLIPC_DIRECT=\$d:"; POOLIPC_DIRECT=\$d RUST_LOG=warn timeout 60 "\$b" bench --workers 1 2>&1 | grep -E "^ +(4 KiB|64 MiB) "
+    done
+  done
+done
+echo "1 to 8 workers, this tree, POOLIPC_DIRECT 1 then 0:"
+for d in 1 0; do POOLIPC_DIRECT=\$d RUST_LOG=warn timeout 60 "$here/poolipc" bench --workers 8 2>&1 | grep -E "^ +(4 KiB|64 MiB) "; done
+rm -rf "$out/floorpair-probe"; mkdir -p "$out/floorpair-probe"
+RUST_LOG=warn POOLIPC_PROBE="$out/floorpair-probe" timeout 60 "$here/poolipc" bench --workers 1 --iterations 3000 > /dev/null 2>&1
+SH
+  timeout 400 "$here/poolipc" mps --accept-shared-gpu-faults -- bash /tmp/floorpair.sh > "$out/floorpair.log" 2>&1
+  echo "floor pair exit: $?" >> "$summary"; grep -vE " (INFO|WARN|DEBUG) " "$out/floorpair.log" >> "$summary"
+  python3 "$repo/bench/probe_report.py" "$out/floorpair-probe" --threads --title "one worker under MPS, 4 KiB and 64 MiB lent again" >> "$summary" 2>&1
+  rm -rf "$out/floorpair-probe"
+else
+  echo "floorpair: NOT RUN (no MPS control or floor_scale.c did not build)" >> "$summary"
 fi
 fi
 stash

@@ -456,6 +456,12 @@ fn tuning_rows(t: &mut Table) {
             "none by default; 2000 µs measured: workers running many small GPU jobs from threads of their own take the GPU in turns, docs/facts.md",
         ),
         (
+            "direct path (caller lends itself)",
+            yes_no(defaults.tuning.direct).to_owned(),
+            "POOLIPC_DIRECT",
+            "yes by default: a submitting or waiting thread does the IO thread's work for its job while that thread waits",
+        ),
+        (
             "READY aside when idle",
             yes_no(defaults.tuning.ready_aside).to_owned(),
             "POOLIPC_READY_ASIDE",

@@ -86,6 +86,7 @@ fn parse_env_number<T: std::str::FromStr>(value: Option<&str>) -> Option<T> {
 /// | `POOLIPC_READY_ASIDE` | [`ready_aside`](Tuning::ready_aside) | 1 (`0` turns it off) |
 /// | `POOLIPC_COPY_THROUGH_HOST_BYTES` | [`copy_through_host`](Tuning::copy_through_host) | 2 MiB |
 /// | `POOLIPC_WARM_COPIES` | [`warm_copies`](Tuning::warm_copies) | 0 (`1` turns it on) |
+/// | `POOLIPC_DIRECT` | [`direct`](Tuning::direct) | 1 (`0` turns it off) |
 ///
 /// Three more are read once by every process that has them set, a worker's included, and are
 /// not fields (no parent decides them for another process):
@@ -166,7 +167,9 @@ pub struct Tuning {
     /// Whether the IO thread records a job's READY on a stream of its own, kept on a copy
     /// engine, whenever the caller's stream has nothing left to run (without MPS that spares
     /// the GPU a context switch each way; docs/facts.md). Measured on the H100 (2026-12-05):
-    /// a round trip to one worker 20–37 µs with it, 287–294 µs without.
+    /// a round trip to one worker 20–37 µs with it, 287–294 µs without. Only where the
+    /// driver says this process is not an MPS client: under MPS there is no change of
+    /// context to spare, and READY goes on the caller's stream without a query.
     /// [`ParentStats::ready_recorded_aside`](crate::ParentStats::ready_recorded_aside)
     /// counts it. `POOLIPC_READY_ASIDE` (`0`: off; on otherwise).
     pub ready_aside: bool,
@@ -190,6 +193,18 @@ pub struct Tuning {
     /// fails is logged and changes nothing else). A worker makes the same copy at its
     /// handshake where its own environment says so. `POOLIPC_WARM_COPIES` (`1`: on).
     pub warm_copies: bool,
+    /// Whether a caller's thread does the IO thread's work for its own job when it finds
+    /// the IO thread waiting: [`Parent::submit`](crate::Parent::submit) then places the job
+    /// and writes its Lend itself, and a thread waiting on a job reads its worker's DONE
+    /// itself while the IO thread sleeps, instead of handing each over and waiting for a
+    /// wake-up. The same code runs, on the caller's thread with the parent's device pushed
+    /// current for the while; the IO thread keeps what is asynchronous (deadlines, exits,
+    /// staging). Where the IO thread is busy, or a command is queued before the job, the job
+    /// goes through it as before, so one thread's jobs keep their order.
+    /// [`ParentStats::direct_lends`](crate::ParentStats::direct_lends) and
+    /// [`direct_reads`](crate::ParentStats::direct_reads) count it. `POOLIPC_DIRECT` (`0`:
+    /// off; on otherwise).
+    pub direct: bool,
 }
 
 /// The environment variable of [`Tuning::spin`].
@@ -206,6 +221,8 @@ pub(crate) const READY_ASIDE_ENV: &str = "POOLIPC_READY_ASIDE";
 pub(crate) const COPY_THROUGH_HOST_ENV: &str = "POOLIPC_COPY_THROUGH_HOST_BYTES";
 /// The environment variable of [`Tuning::warm_copies`].
 pub(crate) const WARM_COPIES_ENV: &str = "POOLIPC_WARM_COPIES";
+/// The environment variable of [`Tuning::direct`].
+pub(crate) const DIRECT_ENV: &str = "POOLIPC_DIRECT";
 /// The environment variable of [`Tuning::spin_yields`].
 pub(crate) const SPIN_YIELD_ENV: &str = "POOLIPC_SPIN_YIELD";
 /// The environment variable of a worker's spin.
@@ -229,6 +246,7 @@ impl Default for Tuning {
             ready_aside: true,
             copy_through_host: 2 << 20,
             warm_copies: false,
+            direct: true,
         }
     }
 }
@@ -258,6 +276,7 @@ impl Tuning {
             ready_aside: number(READY_ASIDE_ENV).map_or(d.ready_aside, |v| v != 0),
             copy_through_host: number(COPY_THROUGH_HOST_ENV).unwrap_or(d.copy_through_host),
             warm_copies: number(WARM_COPIES_ENV).map_or(d.warm_copies, |v| v == 1),
+            direct: number(DIRECT_ENV).map_or(d.direct, |v| v != 0),
         }
     }
 
@@ -380,6 +399,9 @@ mod tests {
             !set("POOLIPC_WARM_COPIES", 2).warm_copies,
             "only 1 turns it on"
         );
+        assert!(d.direct, "on by default");
+        assert!(!set("POOLIPC_DIRECT", 0).direct);
+        assert!(set("POOLIPC_DIRECT", 1).direct);
         let spin = set("POOLIPC_SPIN_US", 7);
         assert_eq!(
             Tuning {

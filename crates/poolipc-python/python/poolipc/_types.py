@@ -237,7 +237,13 @@ class ParentStats(TypedDict):
     ready_recorded_aside: int
     """Jobs whose READY went on the IO thread's own copy-engine stream because the caller's
     stream had nothing left to run (POOLIPC_READY_ASIDE=0 turns it off): without MPS that
-    spares the GPU a context switch each way."""
+    spares the GPU a context switch each way; never for an MPS client."""
+    direct_lends: int
+    """Jobs whose Lend the submitting thread wrote itself, finding its IO thread waiting
+    (POOLIPC_DIRECT=0 turns the direct path off); the others went through the IO thread."""
+    direct_reads: int
+    """Frames (a worker's DONE and ACK, mostly) that a thread waiting on a job read itself
+    while its IO thread slept."""
     workers_busy: int
     """Workers with a job in flight now."""
     most_workers_busy: int

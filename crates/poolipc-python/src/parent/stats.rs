@@ -24,6 +24,8 @@ pub(super) fn to_dict<'py>(py: Python<'py>, s: &ParentStats) -> PyResult<Bound<'
     d.set_item("inputs_copied_back", s.inputs_copied_back)?;
     d.set_item("jobs_held_for_done", s.jobs_held_for_done)?;
     d.set_item("ready_recorded_aside", s.ready_recorded_aside)?;
+    d.set_item("direct_lends", s.direct_lends)?;
+    d.set_item("direct_reads", s.direct_reads)?;
     d.set_item("workers_busy", s.workers_busy)?;
     d.set_item("most_workers_busy", s.most_workers_busy)?;
     d.set_item("turn_waits", s.turn_waits)?;

@@ -2,7 +2,9 @@
 //! the contract; frames sent, queued or through the staging channel.
 
 use std::io::Read as _;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -14,16 +16,130 @@ use poolipc_transport::{Connection, TransportError};
 use poolipc_types::WorkerId;
 
 use super::transfer::Held;
-use super::{Command, EXIT_POLL, FRAMES_PER_TURN, IDLE_POLL, Loop, MAPPINGS_ACK};
+use super::{Command, EXIT_POLL, FRAMES_PER_TURN, IDLE_POLL, Loop, MAPPINGS_ACK, Shared};
+
+/// What the IO thread waits on, planned with the loop held ([`Loop::plan_wait`]) and waited
+/// on without it ([`WaitPlan::wait`]).
+pub(super) struct WaitPlan {
+    /// The room's wake-up socket (read end).
+    wake: Arc<UnixStream>,
+    /// The workers polled, with a descriptor of each one's socket, whether frames wait in
+    /// its send queue, and whether a whole frame is already read.
+    ids: Vec<WorkerId>,
+    fds: Vec<Arc<OwnedFd>>,
+    pollout: Vec<bool>,
+    buffered: Vec<bool>,
+    any_buffered: bool,
+    /// The DONE events of the jobs held for them.
+    gate_events: Vec<Vec<EventHandle>>,
+    /// Until when it may sleep.
+    wake_at: Instant,
+    /// Until when it looks again without sleeping.
+    spin_until: Option<Instant>,
+}
+
+/// What the wait saw.
+pub(super) struct Polled {
+    result: Result<(), nix::errno::Errno>,
+    /// Whether the wake-up socket was readable.
+    woke: bool,
+    /// Whether each planned worker's socket was readable (or hung up), in the plan's order.
+    readable: Vec<bool>,
+    /// How long it waited.
+    waited: Duration,
+}
+
+impl WaitPlan {
+    /// Waits, without the loop, until a planned socket is readable, a command comes (the
+    /// wake-up byte, or `pending` while it spins), a held job's DONE completed, or the plan's
+    /// time is up.
+    pub(super) fn wait(&self, shared: &Shared, room: usize) -> Polled {
+        let mut fds = Vec::with_capacity(self.fds.len() + 1);
+        fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
+        for (fd, &out) in self.fds.iter().zip(&self.pollout) {
+            let events = if out {
+                PollFlags::POLLIN | PollFlags::POLLOUT
+            } else {
+                PollFlags::POLLIN
+            };
+            fds.push(PollFd::new(fd.as_fd(), events));
+        }
+        // The loop's waiting (spinning or asleep) between these two marks: the rest of its
+        // time is work (`probe_report.py --threads`).
+        crate::probe::mark("io.wait");
+        let started = Instant::now();
+        let r = &shared.rooms[room];
+        let (pending, spinning_flag) = (&r.pending, &r.io_spinning);
+        if self.spin_until.is_some() {
+            spinning_flag.store(true, Ordering::SeqCst);
+        }
+        let driver = &shared.driver;
+        let polled = loop {
+            let spinning = self.spin_until.is_some_and(|t| Instant::now() < t);
+            if !spinning {
+                spinning_flag.store(false, Ordering::SeqCst);
+            }
+            if spinning
+                && self.gate_events.iter().any(|evs| {
+                    evs.iter()
+                        .all(|e| !matches!(driver.event_query(*e), Ok(false)))
+                })
+            {
+                // A held job's DONE completed (or its query failed): see to it now.
+                spinning_flag.store(false, Ordering::SeqCst);
+                break Ok(0);
+            }
+            if pending.load(Ordering::SeqCst) {
+                // A command came (while spinning, without a wake-up byte): take it now.
+                spinning_flag.store(false, Ordering::SeqCst);
+                break Ok(0);
+            }
+            let left = self.wake_at.saturating_duration_since(Instant::now());
+            let polled = if spinning || self.any_buffered {
+                poll(&mut fds, PollTimeout::from(0u16))
+            } else if left < Duration::from_millis(1) {
+                // `poll` counts in milliseconds: a held job's next look is sooner.
+                ppoll(&mut fds, Some(TimeSpec::from(left)), None)
+            } else {
+                let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+                poll(&mut fds, PollTimeout::from(ms))
+            };
+            match polled {
+                Ok(0) if spinning && !self.any_buffered => crate::spin::pause(),
+                other => {
+                    spinning_flag.store(false, Ordering::SeqCst);
+                    break other;
+                }
+            }
+        };
+        let waited = started.elapsed();
+        let woke = fds[0].revents().is_some_and(|r| !r.is_empty());
+        let readable = fds[1..]
+            .iter()
+            .map(|fd| {
+                let revents = fd.revents().unwrap_or(PollFlags::empty());
+                // Readable, or hung up / in error (the read says which).
+                !(revents - PollFlags::POLLOUT).is_empty()
+            })
+            .collect();
+        Polled {
+            result: polled.map(|_| ()),
+            woke,
+            readable,
+            waited,
+        }
+    }
+}
 
 impl Loop {
-    /// Sleeps in `poll` until a worker's socket is readable, a command arrives, or the next
-    /// deadline; reads one frame from each readable socket.
-    pub(super) fn wait_for_io(&mut self) {
+    /// How long the loop may wait from `now` before something is due: the contract's next
+    /// deadline, a worker exiting, an answer awaited, the pool's trim, a frame's deadline, a
+    /// held job's next look; [`IDLE_POLL`] at most.
+    pub(super) fn wait_timeout(&self, now: Instant) -> Duration {
         let mut timeout = IDLE_POLL;
         if let Some(t) = self.machine.poll_timeout() {
-            let now = self.now();
-            timeout = timeout.min(Duration::from_nanos(t.0.saturating_sub(now.0)));
+            let stamp = self.pace.stamp(now);
+            timeout = timeout.min(Duration::from_nanos(t.0.saturating_sub(stamp.0)));
         }
         if self.workers.exiting() {
             timeout = timeout.min(EXIT_POLL);
@@ -31,7 +147,6 @@ impl Loop {
         if self.answers.waiting() {
             timeout = timeout.min(EXIT_POLL);
         }
-        let now = Instant::now();
         if let Some(t) = self.pool_trim.next() {
             timeout = timeout.min(t.saturating_duration_since(now));
         }
@@ -44,132 +159,87 @@ impl Loop {
         if let Some(next) = self.gates.next_look(now) {
             timeout = timeout.min(next);
         }
+        timeout
+    }
+
+    /// What the IO thread waits on next, planned with the loop held: it then waits without
+    /// it ([`WaitPlan::wait`]), so that a caller's thread can take the direct path, and hands
+    /// what it saw to [`Loop::after_wait`].
+    pub(super) fn plan_wait(&mut self) -> WaitPlan {
+        let now = Instant::now();
+        let timeout = self.wait_timeout(now);
         let gate_events: Vec<Vec<EventHandle>> = self.gates.events();
-        let ids: Vec<WorkerId> = self
-            .workers
-            .iter()
-            .filter(|(_, s)| s.lost.is_none() && s.conn.is_some())
-            .map(|(id, _)| *id)
-            .collect();
-        // Frames already read from a socket (behind another frame, or while a staged
-        // transfer read the socket) wake no poll: take them first, without sleeping.
-        let buffered: Vec<bool> = ids
-            .iter()
-            .map(|id| {
-                self.workers
-                    .get(id)
-                    .and_then(|s| s.conn.as_ref())
-                    .is_some_and(Connection::frame_buffered)
-            })
-            .collect();
-        let any_buffered = buffered.iter().any(|&b| b);
-        let readable: Vec<(WorkerId, bool)> = {
-            let mut fds = Vec::with_capacity(ids.len() + 1);
-            fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
-            for id in &ids {
-                if let Some(conn) = self.workers.get(id).and_then(|s| s.conn.as_ref()) {
-                    // Writability too while frames wait in its send queue.
-                    let events = if conn.send_queued() {
-                        PollFlags::POLLIN | PollFlags::POLLOUT
-                    } else {
-                        PollFlags::POLLIN
-                    };
-                    fds.push(PollFd::new(conn.as_fd(), events));
-                }
+        let mut ids = Vec::new();
+        let mut fds = Vec::new();
+        let mut pollout = Vec::new();
+        let mut buffered = Vec::new();
+        for (id, s) in self.workers.iter() {
+            if s.lost.is_some() {
+                continue;
             }
-            let ms = u16::try_from(timeout.as_millis().max(1)).unwrap_or(u16::MAX);
-            // While jobs are in flight a frame is due soon (≈ 330 µs without MPS, ≈ 50 µs
-            // with), and just after one finished the caller's next submit often is: look
-            // again without sleeping for up to `options.tuning.spin_in_flight` after the last
-            // activity (`options.tuning.spin` when idle), which saves a wake-up per frame and per
-            // submit.
-            let options = &self.shared.options;
-            // The loop's waiting (spinning or asleep) between these two marks: the rest of
-            // its time is work (`probe_report.py --threads`).
-            crate::probe::mark("io.wait");
-            let started = Instant::now();
-            let busy = !self.jobs.is_empty();
-            let spin_until = self.pace.spin_until(
-                busy,
-                options.tuning.spin,
-                options.tuning.spin_in_flight,
-                started,
-            );
-            let room = &self.shared.rooms[self.room];
-            let pending = &room.pending;
-            let spinning_flag = &room.io_spinning;
-            if spin_until.is_some() {
-                spinning_flag.store(true, Ordering::SeqCst);
-            }
-            let driver = &self.shared.driver;
-            let polled = loop {
-                let spinning = spin_until.is_some_and(|t| Instant::now() < t);
-                if !spinning {
-                    spinning_flag.store(false, Ordering::SeqCst);
-                }
-                if spinning
-                    && gate_events.iter().any(|evs| {
-                        evs.iter()
-                            .all(|e| !matches!(driver.event_query(*e), Ok(false)))
-                    })
-                {
-                    // A held job's DONE completed (or its query failed): see to it now.
-                    spinning_flag.store(false, Ordering::SeqCst);
-                    break Ok(0);
-                }
-                if pending.load(Ordering::SeqCst) {
-                    // A command came (while spinning, without a wake-up byte): take it now.
-                    spinning_flag.store(false, Ordering::SeqCst);
-                    break Ok(0);
-                }
-                let polled = if spinning || any_buffered {
-                    poll(&mut fds, PollTimeout::from(0u16))
-                } else if timeout < Duration::from_millis(1) {
-                    // `poll` counts in milliseconds: a held job's next look is sooner.
-                    ppoll(&mut fds, Some(TimeSpec::from(timeout)), None)
-                } else {
-                    poll(&mut fds, PollTimeout::from(ms))
-                };
-                match polled {
-                    Ok(0) if spinning && !any_buffered => crate::spin::pause(),
-                    other => {
-                        spinning_flag.store(false, Ordering::SeqCst);
-                        break other;
-                    }
-                }
+            let (Some(conn), Some(fd)) = (s.conn.as_ref(), s.poll_fd.as_ref()) else {
+                continue;
             };
-            self.pace.waited(started.elapsed());
-            crate::probe::mark("io.woke");
-            match polled {
-                Ok(_) => {}
-                Err(nix::errno::Errno::EINTR) => return,
-                Err(e) => {
-                    tracing::error!(error = %e, "poll failed");
-                    std::thread::sleep(Duration::from_millis(10));
-                    return;
-                }
+            ids.push(*id);
+            fds.push(Arc::clone(fd));
+            // Writability too while frames wait in its send queue.
+            pollout.push(conn.send_queued());
+            // Frames already read from a socket (behind another frame, or while a staged
+            // transfer read the socket) wake no poll: take them first, without sleeping.
+            buffered.push(conn.frame_buffered());
+        }
+        // While jobs are in flight a frame is due soon (≈ 330 µs without MPS, ≈ 50 µs
+        // with), and just after one finished the caller's next submit often is: look again
+        // without sleeping for up to `options.tuning.spin_in_flight` after the last activity
+        // (`options.tuning.spin` when idle), which saves a wake-up per frame and per submit.
+        let options = &self.shared.options;
+        let spin_until = self.pace.spin_until(
+            !self.jobs.is_empty(),
+            options.tuning.spin,
+            options.tuning.spin_in_flight,
+            now,
+        );
+        let wake_at = now + timeout;
+        // A caller's thread that holds the loop meanwhile wakes the thread where something
+        // comes due before this ([`Loop::after_direct`]).
+        self.asleep_until = Some(wake_at);
+        WaitPlan {
+            wake: Arc::clone(&self.wake),
+            any_buffered: buffered.iter().any(|&b| b),
+            ids,
+            fds,
+            pollout,
+            buffered,
+            gate_events,
+            wake_at,
+            spin_until,
+        }
+    }
+
+    /// What the IO thread saw while it waited (`plan`, `polled`): the wake-up bytes taken,
+    /// queued frames written, one frame read from each readable socket.
+    pub(super) fn after_wait(&mut self, plan: WaitPlan, polled: Polled) {
+        self.asleep_until = None;
+        self.pace.waited(polled.waited);
+        crate::probe::mark("io.woke");
+        match polled.result {
+            Ok(()) => {}
+            Err(nix::errno::Errno::EINTR) => return,
+            Err(e) => {
+                tracing::error!(error = %e, "poll failed");
+                std::thread::sleep(Duration::from_millis(10));
+                return;
             }
-            let woke = fds[0].revents().is_some_and(|r| !r.is_empty());
-            if woke {
-                let mut buf = [0u8; 256];
-                while matches!((&self.wake).read(&mut buf), Ok(n) if n > 0) {}
-            }
-            ids.iter()
-                .zip(&fds[1..])
-                .zip(&buffered)
-                .map(|((id, fd), &b)| {
-                    let revents = fd.revents().unwrap_or(PollFlags::empty());
-                    // Readable, or hung up / in error (the read says which).
-                    let readable = !(revents - PollFlags::POLLOUT).is_empty();
-                    (*id, b || readable)
-                })
-                .collect()
-        };
+        }
+        if polled.woke {
+            let mut buf = [0u8; 256];
+            while matches!((&*self.wake).read(&mut buf), Ok(n) if n > 0) {}
+        }
         self.flush_sends();
-        for (id, ready) in readable {
-            if ready {
+        for (i, id) in plan.ids.iter().enumerate() {
+            if plan.buffered[i] || polled.readable.get(i).copied().unwrap_or(false) {
                 self.pace.active(Instant::now());
-                self.read_one(id);
+                let _ = self.read_one(*id);
             }
         }
         self.check_frame_deadlines();
@@ -180,26 +250,28 @@ impl Loop {
     /// [`FRAMES_PER_TURN`] before the other workers get their turn. A frame not all here
     /// stays in the connection, with its descriptors, until it is (or its deadline passes:
     /// [`Loop::check_frame_deadlines`]).
-    pub(super) fn read_one(&mut self, worker: WorkerId) {
-        for _ in 0..FRAMES_PER_TURN {
+    /// Returns how many frames it handed on.
+    pub(super) fn read_one(&mut self, worker: WorkerId) -> usize {
+        for n in 0..FRAMES_PER_TURN {
             let Some(slot) = self.workers.get_mut(&worker) else {
-                return;
+                return n;
             };
             let Some(conn) = slot.conn.as_mut().filter(|_| slot.lost.is_none()) else {
-                return;
+                return n;
             };
             match conn.poll_recv() {
                 Ok(Some((message, _fds))) => {
                     crate::probe::mark("io.recv");
                     self.received(worker, message);
                 }
-                Ok(None) => return,
+                Ok(None) => return n,
                 Err(e) => {
                     self.hung_up(worker, &e);
-                    return;
+                    return n;
                 }
             }
         }
+        FRAMES_PER_TURN
     }
 
     /// Writes what the socket of each worker with queued frames takes now.

@@ -42,6 +42,7 @@ mod allocator;
 mod answers;
 mod arena;
 mod bounce;
+mod direct;
 mod done;
 mod io;
 mod jobs;
@@ -69,6 +70,7 @@ mod gates;
 mod pool_rotation;
 
 use answers::{Answers, MAPPINGS_ACK};
+pub(crate) use direct::{read_direct, submit};
 use done_events::{DoneEvents, Room};
 use gates::{DoneGate, Gates};
 use jobs::{JobState, Jobs};
@@ -215,26 +217,17 @@ pub(crate) fn start(
             let _ = tx.send(Ok(()));
             let io = Arc::clone(&shared);
             // A panic here is a bug of the loop's; still, nobody may wait for ever on it:
-            // unwinding drops the loop's jobs (each `Answer` answers its handle), its reply
-            // channels (each caller maps the closed channel to the error) and its workers
-            // (killed and reaped), and from now on every command is refused.
+            // the loop is taken and dropped, which answers its jobs (each `Answer` answers
+            // its handle), drops its reply channels (each caller maps the closed channel to
+            // the error) and kills and reaps its workers; from now on every command is
+            // refused.
             let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-                Loop::new(io, room, wake).run();
+                *lock(&io.rooms[room].state) =
+                    Some(Box::new(Loop::new(Arc::clone(&io), room, wake)));
+                direct::run(&io, room);
             }));
             if let Err(payload) = ran {
-                let detail = panic_text(payload.as_ref());
-                tracing::error!(%detail, room, "the parent's IO thread panicked: every waiter gets an error");
-                // Every room's inbox: the parent refuses every command from now on (the
-                // other rooms finish what they hold, then their shutdown comes).
-                *lock(&shared.io_stopped) = Some(format!("it panicked: {detail}"));
-                let mine = std::mem::take(&mut *lock(&shared.rooms[room].inbox));
-                for command in mine {
-                    command.refuse(shared.loop_gone());
-                }
-                // The other rooms see it at their next turn: wake them for it.
-                for r in &shared.rooms {
-                    let _ = std::io::Write::write(&mut &r.waker, &[1]);
-                }
+                direct::fell(&shared, room, &panic_text(payload.as_ref()), "IO thread");
             }
         })
         .map_err(|source| Error::Os {
@@ -270,7 +263,13 @@ struct Loop {
     /// Which of the parent's rooms this loop is: it serves the workers `Shared::room_of`
     /// gives it, and only them.
     room: usize,
-    wake: UnixStream,
+    /// The read end of the room's wake-up socket.
+    wake: Arc<UnixStream>,
+    /// While the IO thread waits without the loop: until when at the latest
+    /// ([`Loop::after_direct`] wakes it where something comes due sooner).
+    asleep_until: Option<Instant>,
+    /// When the IO thread's current turn began (for `ParentStats::io_busy_ns`).
+    turn_started: Instant,
     machine: contract::Parent,
     /// The room's workers and what outlives their slots ([`roster`]).
     workers: Roster,
@@ -359,7 +358,13 @@ impl Loop {
             max_idle_messages: shared.options.max_idle_messages,
             cancel_grace: shared.options.cancel_grace,
         });
-        let aside = crate::warm::aside_stream(&shared.driver, shared.options.tuning.ready_aside);
+        // Under MPS one context runs every process's work: a record on the caller's stream
+        // costs no change of context, and the query that picks the stream would be a driver
+        // call a job for nothing.
+        let aside = match shared.mps_client {
+            Some(true) => None,
+            _ => crate::warm::aside_stream(&shared.driver, shared.options.tuning.ready_aside),
+        };
         // Under MPS one context runs everything: a device-to-device copy costs no change.
         let through_host = match shared.mps_client {
             Some(true) => 0,
@@ -371,7 +376,9 @@ impl Loop {
             aside,
             shared,
             room,
-            wake,
+            wake: Arc::new(wake),
+            asleep_until: None,
+            turn_started: Instant::now(),
             machine,
             workers: Roster::default(),
             jobs: Jobs::default(),
@@ -419,37 +426,44 @@ impl Loop {
         self.pace.stamp(Instant::now())
     }
 
-    fn run(mut self) {
-        loop {
-            if lock(&self.shared.io_stopped).is_some() {
-                // Another room's thread panicked: the parent can do nothing more.
-                self.abandon();
-                return;
-            }
-            let turn = Instant::now();
-            for command in self.shared.take_commands(self.room) {
-                self.command(command);
-            }
-            self.drain_backlogs();
-            self.check_exits();
-            self.drive();
-            self.release_idle_arena();
-            self.answer_release_waiters();
-            if self.shutting_down && self.workers.is_empty() && self.gates.is_empty() {
-                break;
-            }
-            self.wait_for_io();
-            self.machine.handle_timeout(self.now());
-            self.drive();
-            self.check_gates();
-            self.trim_pool();
-            let busy = self.pace.busy(turn.elapsed());
-            self.shared.stats.io_busy_ns.fetch_add(
-                u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX),
-                std::sync::atomic::Ordering::Relaxed,
-            );
+    /// The IO thread's turn up to its wait: the commands, the backlogs, the exits, the
+    /// arena, `empty_cache`'s answers; then what it waits on. `None` once the loop ends
+    /// (shut down, or another room's thread panicked).
+    fn turn(&mut self) -> Option<io::WaitPlan> {
+        if lock(&self.shared.io_stopped).is_some() {
+            // Another room's thread panicked: the parent can do nothing more.
+            self.abandon();
+            return None;
         }
-        self.fail_leftover_jobs();
+        self.turn_started = Instant::now();
+        for command in self.shared.take_commands(self.room) {
+            self.command(command);
+        }
+        self.drain_backlogs();
+        self.check_exits();
+        self.drive();
+        self.release_idle_arena();
+        self.answer_release_waiters();
+        if self.shutting_down && self.workers.is_empty() && self.gates.is_empty() {
+            self.fail_leftover_jobs();
+            return None;
+        }
+        Some(self.plan_wait())
+    }
+
+    /// The IO thread's turn after its wait: what it saw, the deadlines, the held jobs, the
+    /// pool's trim.
+    fn after_turn(&mut self, plan: io::WaitPlan, polled: io::Polled) {
+        self.after_wait(plan, polled);
+        self.machine.handle_timeout(self.now());
+        self.drive();
+        self.check_gates();
+        self.trim_pool();
+        let busy = self.pace.busy(self.turn_started.elapsed());
+        self.shared.stats.io_busy_ns.fetch_add(
+            u64::try_from(busy.as_nanos()).unwrap_or(u64::MAX),
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// Another room panicked: kills and reaps this room's workers and refuses its commands;

@@ -3,7 +3,9 @@
 //! suspected of a GPU fault (named when the context turns out lost).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::fd::OwnedFd;
 use std::process::{Child, ExitStatus};
+use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::time::Instant;
 
@@ -21,6 +23,9 @@ use crate::staging::StagingChannel;
 pub(super) struct Slot {
     /// `None` while a staging transfer's (or setup's) thread has it ([`Slot::away`]).
     pub(super) conn: Option<Connection>,
+    /// A second descriptor of the connection's socket, which the IO thread polls while it
+    /// waits without the loop (a caller's thread may hold the loop then, [`super::direct`]).
+    pub(super) poll_fd: Option<Arc<OwnedFd>>,
     /// Set while a staging transfer runs on its own thread with the connection and `staging`,
     /// or the staging setup with the connection.
     pub(super) away: Option<transfer::Away>,
@@ -70,6 +75,7 @@ impl Slot {
     /// A worker that just shook hands, holding nothing yet.
     pub(super) fn new(
         conn: Option<Connection>,
+        poll_fd: Option<Arc<OwnedFd>>,
         child: Option<Child>,
         takes_staging: bool,
         maps_arena: bool,
@@ -77,6 +83,7 @@ impl Slot {
     ) -> Slot {
         Slot {
             conn,
+            poll_fd,
             away: None,
             held: VecDeque::new(),
             child,
@@ -222,8 +229,8 @@ mod tests {
 
     fn roster() -> Roster {
         let mut r = Roster::default();
-        r.insert(W1, Slot::new(None, None, true, false, false));
-        r.insert(W2, Slot::new(None, None, false, true, true));
+        r.insert(W1, Slot::new(None, None, None, true, false, false));
+        r.insert(W2, Slot::new(None, None, None, false, true, true));
         r
     }
 

@@ -117,6 +117,11 @@ pub(crate) struct Room {
     /// The DONE events this room holds open now (its part of
     /// [`ParentStats::done_events_open`](crate::ParentStats::done_events_open)).
     pub(crate) done_events_open: AtomicU64,
+    /// The room's loop. Its IO thread holds it for each turn and lets go while it waits; a
+    /// caller's thread that finds it free meanwhile runs its own submit, or reads its job's
+    /// answer, on it ([`direct`](super::direct)). `None` before the IO thread made it and
+    /// once the loop ended.
+    pub(super) state: Mutex<Option<Box<super::Loop>>>,
 }
 
 impl Room {
@@ -128,6 +133,7 @@ impl Room {
             pending: std::sync::atomic::AtomicBool::new(false),
             io_spinning: std::sync::atomic::AtomicBool::new(false),
             done_events_open: AtomicU64::new(0),
+            state: Mutex::new(None),
         }
     }
 }
@@ -222,6 +228,11 @@ impl Shared {
             }),
             None => Ok(()),
         }
+    }
+
+    /// Whether the parent knows worker `id` (without copying its entry).
+    pub(crate) fn is_registered(&self, id: WorkerId) -> bool {
+        lock(&self.registry).contains_key(&id)
     }
 
     pub(crate) fn registered(&self, id: WorkerId) -> Option<Registered> {

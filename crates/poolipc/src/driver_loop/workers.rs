@@ -1,7 +1,9 @@
 //! Workers coming and going on the IO thread: adopted after their handshake, stopped,
 //! cancelled jobs, exits noticed and reaped, faults escalated and condemned.
 
+use std::os::fd::AsFd as _;
 use std::process::{Child, ExitStatus};
+use std::sync::Arc;
 use std::sync::mpsc::Sender;
 use std::time::Instant;
 
@@ -27,6 +29,20 @@ impl Loop {
             }
             return Err(Error::Protocol("the parent is shutting down".into()));
         }
+        // The descriptor the IO thread polls while a caller's thread may hold the loop.
+        let poll_fd = match conn.as_fd().try_clone_to_owned() {
+            Ok(fd) => Arc::new(fd),
+            Err(source) => {
+                if let Some(c) = child.as_mut() {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(Error::Os {
+                    call: "dup (the worker's socket, for the IO thread's poll)",
+                    source,
+                });
+            }
+        };
         if let Err(e) = self.machine.add_worker(worker) {
             if let Some(c) = child.as_mut() {
                 let _ = c.kill();
@@ -72,7 +88,14 @@ impl Loop {
         conn.set_queue_limits(self.shared.options.tuning.send_queue);
         self.workers.insert(
             worker,
-            Slot::new(Some(conn), child, takes_staging, maps_arena, takes_vmm),
+            Slot::new(
+                Some(conn),
+                Some(poll_fd),
+                child,
+                takes_staging,
+                maps_arena,
+                takes_vmm,
+            ),
         );
         // The arena's chunks so far, before any grant can name one.
         self.announce_chunks(Some(worker));

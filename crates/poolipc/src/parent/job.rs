@@ -153,7 +153,7 @@ impl JobHandle {
     /// Waits until the job ends. A worker lost mid-job ends it with [`Error::JobFailed`] once
     /// the worker is reaped; the handoff deadline bounds the wait.
     pub fn wait(self) -> Result<JobOutput, Error> {
-        self.done.spin_until(self.spin_until);
+        self.spin(self.spin_until);
         let mut slot = lock(&self.done.result);
         loop {
             if let Some(r) = slot.take() {
@@ -178,6 +178,23 @@ impl JobHandle {
         }
     }
 
+    /// Spins until the job ended or `until` passes, reading the worker's answer itself where
+    /// its IO thread sleeps ([`Tuning::direct`](crate::Tuning::direct)).
+    fn spin(&self, until: Instant) {
+        let shared = self.shared.upgrade().filter(|s| s.options.tuning.direct);
+        let Some(shared) = shared else {
+            self.done.spin_until(until);
+            return;
+        };
+        while !self.done.finished.load(Ordering::Acquire) && Instant::now() < until {
+            driver_loop::read_direct(&shared, self.worker);
+            if self.done.finished.load(Ordering::Acquire) {
+                return;
+            }
+            crate::spin::pause();
+        }
+    }
+
     /// On the simulated driver, the job's outcome as its race checker sees it.
     fn checked(&self, r: Result<JobOutput, Error>) -> Result<JobOutput, Error> {
         match &self.sim {
@@ -189,7 +206,7 @@ impl JobHandle {
     /// Waits at most `timeout`: `Err(self)` if the job is still running.
     pub fn wait_timeout(self, timeout: Duration) -> Result<Result<JobOutput, Error>, JobHandle> {
         let deadline = Instant::now() + timeout;
-        self.done.spin_until(self.spin_until.min(deadline));
+        self.spin(self.spin_until.min(deadline));
         {
             let mut slot = lock(&self.done.result);
             loop {
@@ -283,7 +300,7 @@ impl Parent {
         )
         .map_err(|e| Error::InvalidTensor(format!("the job cannot be lent in one message: {e}")))?;
         self.shared.check_context()?;
-        if self.shared.registered(worker).is_none() {
+        if !self.shared.is_registered(worker) {
             return Err(Error::UnknownWorker(worker));
         }
         Stats::bump(&self.shared.stats.jobs_submitted);
@@ -305,8 +322,10 @@ impl Parent {
             turn,
             ..Completion::default()
         });
-        self.shared
-            .post(LoopCommand::Submit(Box::new(driver_loop::Submission {
+        // Lent on this thread where the worker's IO thread waits, else handed to it.
+        driver_loop::submit(
+            &self.shared,
+            Box::new(driver_loop::Submission {
                 worker,
                 job,
                 inputs: inputs.to_vec(),
@@ -314,7 +333,8 @@ impl Parent {
                 alloc,
                 done: Answer(Arc::clone(&done)),
                 placed: None,
-            })));
+            }),
+        );
         crate::probe::mark("c.posted");
         Ok(JobHandle {
             worker,

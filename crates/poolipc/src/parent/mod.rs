@@ -363,6 +363,8 @@ impl Parent {
             inputs_copied_back: get(&s.inputs_copied_back),
             jobs_held_for_done: get(&s.jobs_held_for_done),
             ready_recorded_aside: get(&s.ready_recorded_aside),
+            direct_lends: get(&s.direct_lends),
+            direct_reads: get(&s.direct_reads),
             workers_busy: get(&s.workers_busy),
             most_workers_busy: get(&s.most_workers_busy),
             turn_waits: get(&s.turn_waits),

@@ -140,6 +140,13 @@ pub struct ParentStats {
     /// context switch each way (a 4 KiB round trip ~290 → ~20 µs on the H100). The others'
     /// READY went on the caller's stream.
     pub ready_recorded_aside: u64,
+    /// Jobs whose Lend the submitting thread wrote itself, finding its IO thread waiting
+    /// (the direct path, [`Tuning::direct`](crate::Tuning::direct)); the others went through
+    /// the IO thread.
+    pub direct_lends: u64,
+    /// Frames (a worker's DONE and ACK, mostly) that a thread waiting on a job read itself
+    /// while its IO thread slept ([`Tuning::direct`](crate::Tuning::direct)).
+    pub direct_reads: u64,
     /// Workers with a job in flight now (lent, not yet ended), as the IO threads last
     /// counted them.
     pub workers_busy: u64,
@@ -202,6 +209,8 @@ pub(crate) struct Stats {
     pub(crate) vmm_handles_shared: AtomicU64,
     pub(crate) jobs_held_for_done: AtomicU64,
     pub(crate) ready_recorded_aside: AtomicU64,
+    pub(crate) direct_lends: AtomicU64,
+    pub(crate) direct_reads: AtomicU64,
     pub(crate) io_busy_ns: AtomicU64,
     pub(crate) workers_busy: AtomicU64,
     pub(crate) most_workers_busy: AtomicU64,
