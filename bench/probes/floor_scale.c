@@ -8,11 +8,16 @@
 //   parent: recv -> cuStreamWaitEvent(stream, DONE)   (no host synchronisation per job)
 //   or, with `host`, the parent queries DONE on the host until it completed (as poolipc's
 //   parent does for a DONE it gates on) and its stream waits for nothing.
+// With `import` it makes the calls poolipc makes per job that the loop above makes once: the
+// parent asks the driver for the input's range, pool and buffer id (cuPointerGetAttributes,
+// as poolipc places every input), and the child imports the pointer before its wait and
+// frees the import (cuMemFreeAsync) after its write, before DONE (no mapping of a worker's
+// outlives its job).
 // The input is allocated from a POSIX-FD pool and imported by the child once. Waits on the
 // socket spin with sched_yield (as poolipc's spin-waits do) or block.
 //
 // Build: nvcc -O2 -o floor_scale floor_scale.c -lcuda
-// Run:   ./floor_scale START_MS [spin|block] [WINDOW_MS] [stream|host]
+// Run:   ./floor_scale START_MS [spin|block] [WINDOW_MS] [stream|host] [once|import]
 //   START_MS: CLOCK_REALTIME milliseconds at which to start counting (so that copies started
 //   together count over the same window); 0: at once. Prints one JSON line.
 #include <cuda.h>
@@ -29,7 +34,7 @@
 #define CK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *n_; cuGetErrorName(r_, &n_); \
   fprintf(stderr, "%s:%d %s -> %s\n", __FILE__, __LINE__, #x, n_); exit(2); } } while (0)
 
-static int SPIN = 1, HOST_DONE = 0;
+static int SPIN = 1, HOST_DONE = 0, IMPORT = 0;
 static double now_s(clockid_t c) { struct timespec t; clock_gettime(c, &t); return t.tv_sec + t.tv_nsec / 1e9; }
 static void xsend(int s, const void *b, size_t n) { if (send(s, b, n, 0) != (ssize_t)n) { perror("send"); exit(3); } }
 static void xrecv(int s, void *b, size_t n) {
@@ -65,7 +70,7 @@ static void child(int s) {
   CUmemAccessDesc d = { { CU_MEM_LOCATION_TYPE_DEVICE, dev }, CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
   CK(cuMemPoolSetAccess(pool, &d, 1));
   CUmemPoolPtrExportData blob; xrecv(s, &blob, sizeof blob);
-  CUdeviceptr p; CK(cuMemPoolImportPointer(&p, pool, &blob));
+  CUdeviceptr p = 0; if (!IMPORT) CK(cuMemPoolImportPointer(&p, pool, &blob));
   CUipcEventHandle rh, dh; CUevent ready, done;
   xrecv(s, &rh, sizeof rh); CK(cuIpcOpenEventHandle(&ready, rh));
   CK(cuEventCreate(&done, CU_EVENT_DISABLE_TIMING | CU_EVENT_INTERPROCESS)); CK(cuIpcGetEventHandle(&dh, done));
@@ -73,13 +78,15 @@ static void child(int s) {
   for (;;) {
     unsigned long long q; xrecv(s, &q, sizeof q);
     if (q == 0) break;
+    if (IMPORT) CK(cuMemPoolImportPointer(&p, pool, &blob));
     CK(cuStreamWaitEvent(st, ready, 0));
     CK(cuMemsetD8Async(p, (unsigned char)q, BYTES, st));
+    if (IMPORT) CK(cuMemFreeAsync(p, st));
     CK(cuEventRecord(done, st));
     xsend(s, &q, sizeof q);
   }
   CK(cuStreamSynchronize(st));
-  CK(cuMemFree(p));
+  if (!IMPORT) CK(cuMemFree(p));
   exit(0);
 }
 
@@ -88,6 +95,7 @@ int main(int argc, char **argv) {
   if (argc > 2) SPIN = strcmp(argv[2], "block") != 0;
   double window = (argc > 3 ? atof(argv[3]) : 2000) / 1e3;
   if (argc > 4) HOST_DONE = !strcmp(argv[4], "host");
+  if (argc > 5) IMPORT = !strcmp(argv[5], "import");
   int sv[2]; if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv)) { perror("socketpair"); return 1; }
   pid_t pid = fork();
   if (pid == 0) { close(sv[0]); child(sv[1]); }
@@ -107,7 +115,14 @@ int main(int argc, char **argv) {
   xsend(s, &rh, sizeof rh); xrecv(s, &dh, sizeof dh); CK(cuIpcOpenEventHandle(&done, dh));
   unsigned long long q = 0;
   // One job: READY on the parent's stream, the child's turn, DONE back on the parent's stream.
-#define JOB() do { q++; if (!(q & 0xff)) q++; CK(cuEventRecord(ready, st)); xsend(s, &q, sizeof q); \
+  // With `import`, the query poolipc makes as it places an input: its range, pool and buffer id.
+  CUpointer_attribute attrs[4] = { CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                   CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, CU_POINTER_ATTRIBUTE_BUFFER_ID };
+  CUdeviceptr base_; size_t size_; CUmemoryPool pool_; unsigned long long id_;
+  void *vals[4] = { &base_, &size_, &pool_, &id_ };
+#define JOB() do { q++; if (!(q & 0xff)) q++; \
+  if (IMPORT) { CK(cuPointerGetAttributes(4, attrs, vals, p)); if (base_ != p || pool_ != pool) { fprintf(stderr, "wrong attributes\n"); exit(6); } } \
+  CK(cuEventRecord(ready, st)); xsend(s, &q, sizeof q); \
   unsigned long long a_; xrecv(s, &a_, sizeof a_); \
   if (HOST_DONE) { CUresult q_; while ((q_ = cuEventQuery(done)) == CUDA_ERROR_NOT_READY) sched_yield(); CK(q_); } \
   else CK(cuStreamWaitEvent(st, done, 0)); } while (0)
@@ -122,7 +137,7 @@ int main(int argc, char **argv) {
   if (v != (unsigned char)q) { fprintf(stderr, "the child's last write not seen: %u, not %u\n", v, (unsigned char)q); return 4; }
   unsigned long long z = 0; xsend(s, &z, sizeof z);
   int st_; waitpid(pid, &st_, 0);
-  printf("{\"event\": \"floor_scale\", \"done\": \"%s\", \"mode\": \"%s\", \"jobs\": %ld, \"secs\": %.3f, \"jobs_per_s\": %.0f}\n",
-         HOST_DONE ? "host" : "stream", SPIN ? "spin" : "block", jobs, secs, jobs / secs);
+  printf("{\"event\": \"floor_scale\", \"done\": \"%s\", \"mode\": \"%s\", \"import\": \"%s\", \"jobs\": %ld, \"secs\": %.3f, \"jobs_per_s\": %.0f}\n",
+         HOST_DONE ? "host" : "stream", SPIN ? "spin" : "block", IMPORT ? "per job" : "once", jobs, secs, jobs / secs);
   return WIFEXITED(st_) && WEXITSTATUS(st_) == 0 ? 0 : 5;
 }

@@ -617,7 +617,8 @@ fi
 stash
 if want floorpair; then
 # One worker's lent-again 4 KiB job under MPS beside the bare driver's same calls
-# (bench/probes/floor_scale.c, one copy), alternated three times in one daemon's life, with
+# (bench/probes/floor_scale.c, one copy, its import once and per job as poolipc's worker
+# makes it), alternated three times in one daemon's life, with
 # the direct path on and off (POOLIPC_DIRECT) and each baseline-*/poolipc of the bundle in the
 # same rounds (before and after, same run); 1 to 8 workers with the path on and off; then
 # where this tree's job goes (POOLIPC_PROBE, bench/probe_report.py --threads). Only when
@@ -628,7 +629,8 @@ if command -v nvidia-cuda-mps-control >/dev/null && nvcc -O2 -o /tmp/poolipc-flo
   for b in "$here"/baseline-*/poolipc; do [ -x "$b" ] && bins="$bins $b"; done
   cat > /tmp/floorpair.sh <<SH
 for r in 1 2 3; do
-  /tmp/poolipc-floor-scale 0 spin 2000 host | sed "s/^/round \$r floor: /"
+  /tmp/poolipc-floor-scale 0 spin 2000 host once | sed "s/^/round \$r floor: /"
+  /tmp/poolipc-floor-scale 0 spin 2000 host import | sed "s/^/round \$r floor, import per job: /"
   for b in $bins; do
     for d in 1 0; do
       echo "round \$r \$b POOLIPC_DIRECT=\$d:"; POOLIPC_DIRECT=\$d RUST_LOG=warn timeout 60 "\$b" bench --workers 1 2>&1 | grep -E "^ +(4 KiB|64 MiB) "
