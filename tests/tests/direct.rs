@@ -119,7 +119,10 @@ both_drivers!(
             for t in 0..THREADS {
                 let p = &p;
                 let w = workers[usize::try_from(t)? % workers.len()];
+                let device = env.device;
                 threads.push(scope.spawn(move || -> Result<()> {
+                    // A thread of its own: the device made current, as a CUDA program does.
+                    p.driver().use_device(device)?;
                     let owned_stream = OwnedStream::new(p.driver().clone())?;
                     let stream = owned_stream.handle();
                     for round in 0..ROUNDS {

@@ -619,8 +619,9 @@ if want floorpair; then
 # One worker's lent-again 4 KiB job under MPS beside the bare driver's same calls
 # (bench/probes/floor_scale.c, one copy, its import once and per job as poolipc's worker
 # makes it), alternated three times in one daemon's life, with
-# the direct path on and off (POOLIPC_DIRECT) and each baseline-*/poolipc of the bundle in the
-# same rounds (before and after, same run); 1 to 8 workers with the path on and off; then
+# the direct path on and off (POOLIPC_DIRECT), with and without spins, and each
+# baseline-*/poolipc of the bundle in the same rounds (before and after, same run); 1 to 8
+# workers with the path on and off; then
 # where this tree's job goes (POOLIPC_PROBE, bench/probe_report.py --threads). Only when
 # named, about 3 minutes.
 if command -v nvidia-cuda-mps-control >/dev/null && nvcc -O2 -o /tmp/poolipc-floor-scale "$repo/bench/probes/floor_scale.c" -lcuda > "$out/floorpair-build.txt" 2>&1; then
@@ -631,10 +632,15 @@ if command -v nvidia-cuda-mps-control >/dev/null && nvcc -O2 -o /tmp/poolipc-flo
 for r in 1 2 3; do
   /tmp/poolipc-floor-scale 0 spin 2000 host once | sed "s/^/round \$r floor: /"
   /tmp/poolipc-floor-scale 0 spin 2000 host import | sed "s/^/round \$r floor, import per job: /"
+  for d in 1 0; do
+    echo "round \$r this tree, POOLIPC_DIRECT=\$d:"; POOLIPC_DIRECT=\$d RUST_LOG=warn timeout 60 "$here/poolipc" bench --workers 1 2>&1 | grep -E "^ +(4 KiB|64 MiB) "
+  done
   for b in $bins; do
-    for d in 1 0; do
-      echo "round \$r \$b POOLIPC_DIRECT=\$d:"; POOLIPC_DIRECT=\$d RUST_LOG=warn timeout 60 "\$b" bench --workers 1 2>&1 | grep -E "^ +(4 KiB|64 MiB) "
-    done
+    [ "\$b" = "$here/poolipc" ] && continue
+    echo "round \$r \$b:"; RUST_LOG=warn timeout 60 "\$b" bench --workers 1 2>&1 | grep -E "^ +(4 KiB|64 MiB) "
+  done
+  for d in 1 0; do
+    echo "round \$r this tree, no spins (POOLIPC_SPIN_US=0 POOLIPC_SPIN_IN_FLIGHT_US=0), POOLIPC_DIRECT=\$d:"; POOLIPC_SPIN_US=0 POOLIPC_SPIN_IN_FLIGHT_US=0 POOLIPC_DIRECT=\$d RUST_LOG=warn timeout 60 "$here/poolipc" bench --workers 1 2>&1 | grep -E "^ +(4 KiB|64 MiB) "
   done
 done
 echo "1 to 8 workers, this tree, POOLIPC_DIRECT 1 then 0:"

@@ -194,10 +194,11 @@ pub struct Tuning {
     /// handshake where its own environment says so. `POOLIPC_WARM_COPIES` (`1`: on).
     pub warm_copies: bool,
     /// Whether a caller's thread does the IO thread's work for its own job when it finds
-    /// the IO thread waiting: [`Parent::submit`](crate::Parent::submit) then places the job
-    /// and writes its Lend itself, and a thread waiting on a job reads its worker's DONE
-    /// itself while the IO thread sleeps, instead of handing each over and waiting for a
-    /// wake-up. The same code runs, on the caller's thread with the parent's device pushed
+    /// the IO thread asleep (not spinning): [`Parent::submit`](crate::Parent::submit) then
+    /// places the job and writes its Lend itself, and a thread spinning on a job reads its
+    /// worker's DONE itself, instead of handing each over and paying the IO thread's wake-up.
+    /// A spinning IO thread is handed the job as before: that hop costs less than the loop's
+    /// work on another core. The same code runs, on the caller's thread with the parent's device pushed
     /// current for the while; the IO thread keeps what is asynchronous (deadlines, exits,
     /// staging). Where the IO thread is busy, or a command is queued before the job, the job
     /// goes through it as before, so one thread's jobs keep their order.
