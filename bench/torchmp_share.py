@@ -7,11 +7,14 @@ place, synchronizes and replies; the parent checks the write. Sizes: 4 KiB (the 
 again: torch's handle cache, poolipc's re-import) and 1 GiB (a new tensor each time, then the
 same one again).
 
-    python3 bench/torchmp_share.py [--reps N]
+    python3 bench/torchmp_share.py [--reps N] [--pairs N]
 
-Runs each backend twice (torch, poolipc, poolipc, torch) and prints one JSON line per run and
-(backend, size), then a table over both runs of each; exits non-zero if a round trip read
-wrong bytes or a backend failed. Each row also splits the round trip (medians, from
+Runs the backends in N pairs (3 by default), each pair's order the other way round from the
+last (torch, poolipc, poolipc, torch, torch, poolipc, ...), and prints one JSON line per run and
+(backend, size), then a table over all runs of each and, per size, poolipc's time as a ratio
+of torch's within each pair (its median and range, and in how many pairs it was at or under
+torch's): the machine's drift over the run (clocks, neighbours) weighs on both sides of a
+pair alike. Exits non-zero if a round trip read wrong bytes or a backend failed. Each row also splits the round trip (medians, from
 CLOCK_MONOTONIC stamps both processes take): ``to_worker_ms`` from the put until the worker
 holds the tensor (pickling, the pipe, the rebuild), ``in_worker_ms`` the write and the
 synchronize, ``back_ms`` from the worker's reply until the parent has it (with the release of
@@ -124,14 +127,20 @@ def main() -> int:
     reps = 200
     if "--reps" in sys.argv:
         reps = int(sys.argv[sys.argv.index("--reps") + 1])
+    pairs = 3
+    if "--pairs" in sys.argv:
+        pairs = max(1, int(sys.argv[sys.argv.index("--pairs") + 1]))
     if len(sys.argv) > 2 and sys.argv[1] == "--backend":
         run(sys.argv[2], reps)
         return 0
     rows = []
     failed = False
-    # Each backend twice, in the order torch, poolipc, poolipc, torch: a drift of the machine
+    # Pairs in alternating order (torch, poolipc, poolipc, torch, ...): a drift of the machine
     # over the run (clocks, neighbours) weighs on both alike.
-    for backend in ("torch", "poolipc", "poolipc", "torch"):
+    order = []
+    for i in range(pairs):
+        order += [(i, "torch"), (i, "poolipc")] if i % 2 == 0 else [(i, "poolipc"), (i, "torch")]
+    for pair, backend in order:
         r = subprocess.run(
             [sys.executable, __file__, "--backend", backend, "--reps", str(reps)],
             capture_output=True, text=True, timeout=900,
@@ -140,6 +149,7 @@ def main() -> int:
         for line in r.stdout.splitlines():
             if line.startswith("{"):
                 rec = json.loads(line)
+                rec["pair"] = pair
                 rows.append(rec)
                 print(json.dumps({k: v for k, v in rec.items() if k != "samples_ms"}), flush=True)
         if r.returncode:
@@ -165,6 +175,18 @@ def main() -> int:
         if a and b:
             verdict = "<= torch" if b["median_ms"] <= a["median_ms"] else "slower than torch"
             print(f"{label:6} {kind:6} {a['median_ms']:22.3f} {b['median_ms']:20.3f}  {verdict}")
+    print(f"\npoolipc / torch within each of {pairs} pair(s) (medians' ratio): median [range], pairs at or under torch")
+    for label, _, kind in SIZES:
+        ratios = []
+        for i in range(pairs):
+            a = [x for x in rows if (x["backend"], x["size"], x["tensor"], x["pair"]) == ("torch", label, kind, i)]
+            b = [x for x in rows if (x["backend"], x["size"], x["tensor"], x["pair"]) == ("poolipc", label, kind, i)]
+            if a and b:
+                ratios.append(b[0]["median_ms"] / a[0]["median_ms"])
+        if ratios:
+            ratios.sort()
+            under = sum(r <= 1.0 for r in ratios)
+            print(f"{label:6} {kind:6} {statistics.median(ratios):6.3f}x [{ratios[0]:.3f}-{ratios[-1]:.3f}]  {under} of {len(ratios)}")
     print("\nwhere the round trip goes (medians, ms): to the worker / in the worker / back")
     for (backend, label, kind), x in sorted(by.items()):
         if "to_worker_ms" in x:

@@ -681,7 +681,7 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   [ -d /tmp/poolipc-site/poolipc ] || python3 -m pip install -q --no-index --no-deps --target /tmp/poolipc-site "$wheel" $(ls "$here"/pywheels/*.whl 2>/dev/null) > "$out/torchmp-pip.log" 2>&1
   echo "--- torchmpearly: the torch receiver's early work off (0) and on (1), alternated" >> "$summary"
   for k in 0 1 1 0; do
-    ( cd "$repo" && POOLIPC_TORCH_EARLY_WORK=$k PYTHONPATH=/tmp/poolipc-site timeout 150 python3 bench/torchmp_share.py ) > "$out/torchmpearly-$k.log" 2>&1
+    ( cd "$repo" && POOLIPC_TORCH_EARLY_WORK=$k PYTHONPATH=/tmp/poolipc-site timeout 150 python3 bench/torchmp_share.py --pairs 2 ) > "$out/torchmpearly-$k.log" 2>&1
     echo "early work $k: exit $?" >> "$summary"; grep -E "^(4KiB|1GiB) " "$out/torchmpearly-$k.log" >> "$summary"
   done
   for k in 0 1; do
@@ -724,8 +724,8 @@ if [ -n "$wheel" ] && python3 -c 'import torch' 2>/dev/null; then
   fi
   if want torchmpbench; then
     echo "--- bench/torchmp_share.py: mp.Queue round trip, poolipc (cudaMallocAsync) beside torch's native IPC" >> "$summary"
-    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 240 python3 bench/torchmp_share.py ) > "$out/torchmp-bench.log" 2>&1
-    echo "torchmp bench exit: $?" >> "$summary"; grep -vE "^\{" "$out/torchmp-bench.log" | tail -16 >> "$summary"
+    ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 480 python3 bench/torchmp_share.py ) > "$out/torchmp-bench.log" 2>&1
+    echo "torchmp bench exit: $?" >> "$summary"; grep -vE "^\{" "$out/torchmp-bench.log" | tail -24 >> "$summary"
     echo "--- bench/probes/torchmp_steps.py: each step of a 4 KiB tensor's trip, timed in place" >> "$summary"
     ( cd "$repo" && PYTHONPATH=/tmp/poolipc-site timeout 120 python3 bench/probes/torchmp_steps.py ) > "$out/torchmp-steps.log" 2>&1
     echo "torchmp steps exit: $?" >> "$summary"; tail -24 "$out/torchmp-steps.log" >> "$summary"
