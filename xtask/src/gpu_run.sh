@@ -84,7 +84,7 @@ suite() {
   echo "$pass $fail" >> "$out/counts"
 }
 if [ "${1:-}" = "--mps-pass" ]; then
-  suite "mps:" "$here/tests/handoff" "$here/tests/faults" $(ls "$here"/tests/arena* 2>/dev/null)
+  suite "mps:" "$here/tests/handoff" "$here/tests/direct" "$here/tests/faults" $(ls "$here"/tests/arena* 2>/dev/null)
   exit 0
 fi
 # A second run into the same $OUT (two sets of parts in one command) adds to the first's
