@@ -161,11 +161,7 @@ impl JobHandle {
                 drop(slot);
                 return self.checked(r);
             }
-            slot = self
-                .done
-                .cond
-                .wait(slot)
-                .unwrap_or_else(PoisonError::into_inner);
+            slot = self.done.sleep(slot, None);
         }
     }
 
@@ -218,12 +214,7 @@ impl JobHandle {
                 if now >= deadline {
                     break;
                 }
-                slot = self
-                    .done
-                    .cond
-                    .wait_timeout(slot, deadline - now)
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .0;
+                slot = self.done.sleep(slot, Some(deadline - now));
             }
         }
         Err(self)

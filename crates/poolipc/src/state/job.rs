@@ -307,6 +307,10 @@ pub(crate) struct Completion {
     pub(crate) turn: Option<(Arc<Turns>, WorkerId)>,
     /// Threads in [`JobWatch::wait_any`](crate::JobWatch::wait_any) over this job, woken when it ends.
     pub(crate) watchers: Mutex<Vec<Arc<AnyWake>>>,
+    /// Threads asleep on `cond`, counted with `result` locked: where none is, the end of
+    /// the job wakes nobody (a spinning waiter sees `finished`), and the IO thread saves the
+    /// system call.
+    pub(crate) sleepers: std::sync::atomic::AtomicUsize,
 }
 
 /// What a thread in [`JobWatch::wait_any`](crate::JobWatch::wait_any) sleeps on: set by the first of its jobs to end.
@@ -334,10 +338,39 @@ impl Completion {
             }
         }
         self.finished.store(true, Ordering::Release);
-        self.cond.notify_all();
+        // With `result` still locked: a waiter counts itself in under the same lock before
+        // it sleeps, so none is missed.
+        if self.sleepers.load(Ordering::Relaxed) > 0 {
+            self.cond.notify_all();
+        }
+        drop(slot);
         for w in std::mem::take(&mut *lock(&self.watchers)) {
             w.fire();
         }
+    }
+
+    /// Sleeps on `cond` with `slot` (this job's `result`, locked) until woken, at most
+    /// `timeout` (`None`: no bound); returns the lock again.
+    pub(crate) fn sleep<'a>(
+        &self,
+        slot: std::sync::MutexGuard<'a, Option<Result<JobOutput, Error>>>,
+        timeout: Option<std::time::Duration>,
+    ) -> std::sync::MutexGuard<'a, Option<Result<JobOutput, Error>>> {
+        self.sleepers.fetch_add(1, Ordering::Relaxed);
+        let slot = match timeout {
+            None => self
+                .cond
+                .wait(slot)
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            Some(t) => {
+                self.cond
+                    .wait_timeout(slot, t)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0
+            }
+        };
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        slot
     }
 
     /// Spins until the result is set or `until` passes (not at all once it has).
@@ -345,5 +378,41 @@ impl Completion {
         while !self.finished.load(Ordering::Acquire) && Instant::now() < until {
             crate::spin::pause();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Completion, JobOutput, lock};
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    #[test]
+    fn a_sleeping_waiter_is_woken_and_an_end_with_no_sleeper_wakes_nobody() {
+        let done = Arc::new(Completion::default());
+        let waiter = {
+            let done = Arc::clone(&done);
+            std::thread::spawn(move || {
+                let mut slot = lock(&done.result);
+                while slot.is_none() {
+                    slot = done.sleep(slot, None);
+                }
+                slot.take().is_some_and(|r| r.is_ok())
+            })
+        };
+        // The waiter counted itself in before sleeping.
+        while done.sleepers.load(Ordering::Relaxed) == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        done.complete(Ok(JobOutput::default()));
+        assert!(waiter.join().is_ok_and(|ok| ok), "woken with the result");
+        assert_eq!(done.sleepers.load(Ordering::Relaxed), 0);
+
+        let alone = Completion::default();
+        alone.complete(Ok(JobOutput::default()));
+        assert!(alone.finished.load(Ordering::Acquire));
+        let slot = alone.sleep(lock(&alone.result), Some(Duration::from_millis(1)));
+        assert!(slot.is_some(), "a bounded sleep returns, the result there");
     }
 }
