@@ -8,11 +8,11 @@
 //! lends the job and writes its Lend; [`read_direct`], called while a waiter spins, reads its
 //! worker's frames (DONE and ACK) and sees to the held jobs. Where the IO thread spins, a
 //! posted command reaches it within a microsecond or two, and the loop's work costs more on
-//! another core than that (its state is in the IO thread's caches; the device pushed and popped
-//! around it): on an H200 under MPS, a caller that lent its own jobs whatever the IO thread
-//! did made one worker's jobs 2–6 µs slower and eight workers' 13 % fewer, so it posts then. Both run the same code as the IO thread (the
-//! contract's machine stays the one authority), with the parent's device current on the
-//! caller's thread for the while. What is asynchronous stays the IO thread's: deadlines,
+//! another core than that (its state is in the IO thread's caches; the device pushed and
+//! popped around it): on an H200 under MPS, a caller that lent its own jobs whatever the IO
+//! thread did made one worker's jobs 2–6 µs slower and eight workers' 13 % fewer, so it posts
+//! then. Both run the same code as the IO thread (the contract's machine stays the one
+//! authority), with the parent's device current on the caller's thread for the while. What is asynchronous stays the IO thread's: deadlines,
 //! exits, staging, commands; a caller that leaves something due sooner than the IO thread
 //! would wake for it writes the wake-up byte ([`Loop::after_direct`]).
 //!

@@ -296,17 +296,12 @@ struct Loop {
 }
 
 impl Drop for Loop {
-    /// Workers are left only when the loop unwinds from a panic: nothing can serve them any
-    /// more, so they are killed and reaped (their jobs' handles are answered as the jobs drop),
-    /// and the parent refuses every later command.
+    /// Workers are left only when the loop is dropped after a panic ([`direct::fell`], which
+    /// first made the parent refuse every later command, so that a caller woken by a job's
+    /// `Answer` dropping here finds it refused): nothing can serve them any more, so they are
+    /// killed and reaped (their jobs' handles are answered as the jobs drop). The loop lives
+    /// in its room's lock, never on an unwinding stack.
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            // Before the jobs' `Answer`s drop (this runs before the fields do): a caller
-            // woken by one finds every later call refused. The thread's catch names the panic.
-            let _inbox = lock(&self.shared.rooms[self.room].inbox);
-            lock(&self.shared.io_stopped)
-                .get_or_insert_with(|| "it panicked (the log has the panic's message)".into());
-        }
         for (id, slot) in self.workers.iter_mut() {
             if let Some(c) = slot.child.as_mut() {
                 tracing::warn!(worker = %id, "the IO loop is gone: killing the worker");

@@ -177,17 +177,11 @@ impl JobHandle {
     /// Spins until the job ended or `until` passes, reading the worker's answer itself where
     /// its IO thread sleeps ([`Tuning::direct`](crate::Tuning::direct)).
     fn spin(&self, until: Instant) {
-        let shared = self.shared.upgrade().filter(|s| s.options.tuning.direct);
-        let Some(shared) = shared else {
-            self.done.spin_until(until);
-            return;
-        };
-        while !self.done.finished.load(Ordering::Acquire) && Instant::now() < until {
-            driver_loop::read_direct(&shared, self.worker);
-            if self.done.finished.load(Ordering::Acquire) {
-                return;
-            }
-            crate::spin::pause();
+        match self.shared.upgrade().filter(|s| s.options.tuning.direct) {
+            Some(shared) => self.done.spin_until(until, || {
+                driver_loop::read_direct(&shared, self.worker);
+            }),
+            None => self.done.spin_until(until, || {}),
         }
     }
 

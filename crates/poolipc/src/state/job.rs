@@ -373,9 +373,14 @@ impl Completion {
         slot
     }
 
-    /// Spins until the result is set or `until` passes (not at all once it has).
-    pub(crate) fn spin_until(&self, until: Instant) {
+    /// Spins until the result is set or `until` passes (not at all once it has), calling
+    /// `look` at each turn (a waiter's read of its worker's answer, say).
+    pub(crate) fn spin_until(&self, until: Instant, mut look: impl FnMut()) {
         while !self.finished.load(Ordering::Acquire) && Instant::now() < until {
+            look();
+            if self.finished.load(Ordering::Acquire) {
+                return;
+            }
             crate::spin::pause();
         }
     }
@@ -389,7 +394,7 @@ mod tests {
     use std::time::Duration;
 
     #[test]
-    fn a_sleeping_waiter_is_woken_and_an_end_with_no_sleeper_wakes_nobody() {
+    fn a_sleeping_waiter_is_woken_and_an_end_with_no_sleeper_still_sets_the_result() {
         let done = Arc::new(Completion::default());
         let waiter = {
             let done = Arc::clone(&done);
