@@ -107,6 +107,7 @@ both_drivers!(
         const ROUNDS: u32 = 15;
         const IN_FLIGHT: u32 = 3;
         let tuning = Tuning {
+            direct: true,
             spin: Duration::ZERO,
             spin_in_flight: Duration::from_millis(1),
             ..Tuning::default()
@@ -166,6 +167,7 @@ both_drivers!(
     fn a_deadline_of_a_job_lent_by_its_caller_fires_on_time(env) {
         const DEADLINE: Duration = Duration::from_millis(100);
         let tuning = Tuning {
+            direct: true,
             spin: Duration::ZERO,
             spin_in_flight: Duration::ZERO,
             ..Tuning::default()

@@ -240,7 +240,8 @@ class ParentStats(TypedDict):
     spares the GPU a context switch each way; never for an MPS client."""
     direct_lends: int
     """Jobs whose Lend the submitting thread wrote itself, finding its IO thread waiting
-    (POOLIPC_DIRECT=0 turns the direct path off); the others went through the IO thread."""
+    (POOLIPC_DIRECT; on by default only where the IO thread does not spin); the others went
+    through the IO thread."""
     direct_reads: int
     """Frames (a worker's DONE and ACK, mostly) that a thread waiting on a job read itself
     while its IO thread slept."""
