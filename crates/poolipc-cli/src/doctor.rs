@@ -459,7 +459,7 @@ fn tuning_rows(t: &mut Table) {
             "direct path (caller lends itself)",
             yes_no(defaults.tuning.direct).to_owned(),
             "POOLIPC_DIRECT",
-            "yes by default: a submitting or waiting thread does the IO thread's work for its job while that thread waits",
+            "yes by default where the parent's idle spin is 0 (below 4 CPUs), else no: a submitting or waiting thread does the IO thread's work for its job while that thread sleeps, docs/performance.md",
         ),
         (
             "READY aside when idle",
