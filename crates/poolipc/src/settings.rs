@@ -245,8 +245,9 @@ impl Default for Tuning {
     /// The built-in defaults for this machine's CPUs, whatever the environment says.
     fn default() -> Tuning {
         let cpus = cpus();
+        let spin = spin_for(cpus, Duration::from_micros(400));
         Tuning {
-            spin: spin_for(cpus, Duration::from_micros(400)),
+            spin,
             spin_in_flight: spin_for(cpus, Duration::from_millis(1)),
             gpu_turn: None,
             io_threads: io_threads_for(cpus),
@@ -254,7 +255,7 @@ impl Default for Tuning {
             ready_aside: true,
             copy_through_host: 2 << 20,
             warm_copies: false,
-            direct: cpus < 4,
+            direct: spin.is_zero(),
         }
     }
 }
