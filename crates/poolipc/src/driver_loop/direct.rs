@@ -170,6 +170,12 @@ fn on_caller<A, R>(
         Err(TryLockError::Poisoned(p)) => p.into_inner(),
         Err(TryLockError::WouldBlock) => return Err(arg),
     };
+    // Again with the loop held: the IO thread raises the flag before it lets the loop go
+    // for a spin (`Loop::plan_wait`), and that spin reads the held jobs' DONE events without
+    // the loop, so the loop's work must not run beside it.
+    if r.io_spinning.load(Ordering::SeqCst) {
+        return Err(arg);
+    }
     let Some(l) = held.as_deref_mut() else {
         return Err(arg);
     };

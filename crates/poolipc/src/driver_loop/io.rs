@@ -69,10 +69,8 @@ impl WaitPlan {
         crate::probe::mark("io.wait");
         let started = Instant::now();
         let r = &shared.rooms[room];
+        // `io_spinning` was raised by `plan_wait`, with the loop held, where it plans a spin.
         let (pending, spinning_flag) = (&r.pending, &r.io_spinning);
-        if self.spin_until.is_some() {
-            spinning_flag.store(true, Ordering::SeqCst);
-        }
         let driver = &shared.driver;
         let polled = loop {
             let spinning = self.spin_until.is_some_and(|t| Instant::now() < t);
@@ -199,6 +197,15 @@ impl Loop {
             options.tuning.spin_in_flight,
             now,
         );
+        if spin_until.is_some() {
+            // Raised before the loop is let go: a caller that takes the loop after that sees
+            // it (`direct::on_caller` looks again once it holds the loop) and leaves the loop
+            // alone while the spin queries `gate_events` without it, since the loop's work
+            // may close those events (a reaped worker's, or one aged out of `DoneEvents`).
+            self.shared.rooms[self.room]
+                .io_spinning
+                .store(true, Ordering::SeqCst);
+        }
         let wake_at = now + timeout;
         // A caller's thread that holds the loop meanwhile wakes the thread where something
         // comes due before this ([`Loop::after_direct`]).
