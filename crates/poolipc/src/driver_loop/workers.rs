@@ -1,7 +1,7 @@
 //! Workers coming and going on the IO thread: adopted after their handshake, stopped,
 //! cancelled jobs, exits noticed and reaped, faults escalated and condemned.
 
-use std::os::fd::AsFd as _;
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::process::{Child, ExitStatus};
 use std::sync::Arc;
 use std::sync::mpsc::Sender;
@@ -16,40 +16,41 @@ use crate::error::Error;
 use crate::state::{ResultMemory, Stats, lock};
 
 impl Loop {
+    /// Whether `worker` may join this loop (the parent is not shutting down, its contract
+    /// machine takes it), with the descriptor of `conn`'s socket that the IO thread polls
+    /// while a caller's thread may hold the loop.
+    fn admit(&mut self, worker: WorkerId, conn: &Connection) -> Result<Arc<OwnedFd>, Error> {
+        if self.shutting_down {
+            return Err(Error::Protocol("the parent is shutting down".into()));
+        }
+        let poll_fd = conn
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|source| Error::Os {
+                call: "dup (the worker's socket, for the IO thread's poll)",
+                source,
+            })?;
+        self.machine.add_worker(worker)?;
+        Ok(Arc::new(poll_fd))
+    }
+
     pub(super) fn adopt(
         &mut self,
         worker: WorkerId,
         conn: Connection,
         mut child: Option<Child>,
     ) -> Result<(), Error> {
-        if self.shutting_down {
-            if let Some(c) = child.as_mut() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            return Err(Error::Protocol("the parent is shutting down".into()));
-        }
-        // The descriptor the IO thread polls while a caller's thread may hold the loop.
-        let poll_fd = match conn.as_fd().try_clone_to_owned() {
-            Ok(fd) => Arc::new(fd),
-            Err(source) => {
+        let poll_fd = match self.admit(worker, &conn) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // Refused: a worker the loop will not serve is killed and reaped here.
                 if let Some(c) = child.as_mut() {
                     let _ = c.kill();
                     let _ = c.wait();
                 }
-                return Err(Error::Os {
-                    call: "dup (the worker's socket, for the IO thread's poll)",
-                    source,
-                });
+                return Err(e);
             }
         };
-        if let Err(e) = self.machine.add_worker(worker) {
-            if let Some(c) = child.as_mut() {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            return Err(e.into());
-        }
         let registered = self.shared.registered(worker);
         let takes_staging = registered.as_ref().is_some_and(|r| {
             r.info
